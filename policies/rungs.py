@@ -1,0 +1,183 @@
+"""Rungs: pure functions ``knobs -> knobs | None`` (None: nothing left to change here).
+
+Each rung has a stable name (job files name rungs in ladder overrides), a reason a person
+can read in the log, and a tag saying what training progress survives the change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from qlora_supervise.trainer_child.protocol import Knobs
+
+#: Shortest sequence length the shorten rung will go to; below this most instruction data is cut.
+MIN_SEQ_LEN = 128
+
+
+class Survives(str, enum.Enum):
+    """What progress a restart after this rung keeps."""
+
+    ALL = "all"  # adapter, optimizer state, step and data position
+    OPTIMIZER_RESET = "optimizer_reset"  # adapter + step kept; optimizer state starts fresh
+    ADAPTER_REINIT = "adapter_reinit"  # adapter shape changed: training restarts from step 0
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    reason: str
+    survives: Survives
+    apply: Callable[[Knobs], Knobs | None]
+
+
+@dataclass(frozen=True)
+class RungContext:
+    """What a rung may need beyond the knobs: the job's fallback models, the effective batch rule."""
+
+    fallbacks: tuple[str, ...] = ()
+
+
+def _expandable_segments(k: Knobs) -> Knobs | None:
+    return None if k.expandable_segments else dataclasses.replace(k, expandable_segments=True)
+
+
+def _gradient_checkpointing(k: Knobs) -> Knobs | None:
+    return None if k.gradient_checkpointing else dataclasses.replace(k, gradient_checkpointing=True)
+
+
+def _halve_micro_batch(k: Knobs) -> Knobs | None:
+    # Doubling accumulation keeps micro * accum, so the effective batch the job asked for holds.
+    if k.micro_batch_size <= 1:
+        return None
+    half = k.micro_batch_size // 2
+    if k.effective_batch % half:
+        return None
+    return dataclasses.replace(k, micro_batch_size=half, grad_accum=k.effective_batch // half)
+
+
+def _shorten_seq_len(k: Knobs) -> Knobs | None:
+    if k.max_seq_len <= MIN_SEQ_LEN:
+        return None
+    return dataclasses.replace(k, max_seq_len=max(MIN_SEQ_LEN, k.max_seq_len // 2))
+
+
+def _paged_8bit_optimizer(k: Knobs) -> Knobs | None:
+    return None if k.optimizer == "paged_adamw_8bit" else dataclasses.replace(k, optimizer="paged_adamw_8bit")
+
+
+def _halve_lora_rank(k: Knobs) -> Knobs | None:
+    if k.lora_r <= 4:
+        return None
+    # alpha scales with r so that alpha / r, the effective learning-rate scale of LoRA, is kept.
+    return dataclasses.replace(k, lora_r=k.lora_r // 2, lora_alpha=max(1, k.lora_alpha // 2))
+
+
+def _quantize_4bit(k: Knobs) -> Knobs | None:
+    wanted = dataclasses.replace(k, load_in_4bit=True, quant_type="nf4", double_quant=True)
+    return None if wanted == k else wanted
+
+
+def _cpu_offload(k: Knobs) -> Knobs | None:
+    return None if k.cpu_offload else dataclasses.replace(k, cpu_offload=True)
+
+
+def _halve_eval_batch(k: Knobs) -> Knobs | None:
+    if k.eval_batch_size <= 1:
+        return None
+    return dataclasses.replace(k, eval_batch_size=k.eval_batch_size // 2)
+
+
+def _disable_eval(k: Knobs) -> Knobs | None:
+    return None if not k.eval_enabled else dataclasses.replace(k, eval_enabled=False)
+
+
+def _merge_on_cpu(k: Knobs) -> Knobs | None:
+    return None if k.merge_on_cpu else dataclasses.replace(k, merge_on_cpu=True)
+
+
+def smaller_model(context: RungContext) -> Rung:
+    """The last rung: the next fallback model of the job (the adapter starts again)."""
+
+    def apply(k: Knobs) -> Knobs | None:
+        chain = (k.model, *context.fallbacks)
+        models = list(dict.fromkeys(chain))
+        position = models.index(k.model)
+        if position + 1 >= len(models):
+            return None
+        return dataclasses.replace(k, model=models[position + 1])
+
+    return Rung("smaller_model", "fall back to a smaller model", Survives.ADAPTER_REINIT, apply)
+
+
+_STATIC_RUNGS: tuple[Rung, ...] = (
+    Rung(
+        "expandable_segments",
+        "reserved-but-unallocated memory could have served the request: let the allocator grow segments",
+        Survives.ALL,
+        _expandable_segments,
+    ),
+    Rung(
+        "gradient_checkpointing",
+        "recompute activations in backward instead of keeping them",
+        Survives.ALL,
+        _gradient_checkpointing,
+    ),
+    Rung(
+        "halve_micro_batch",
+        "halve the micro-batch and double accumulation: same effective batch, half the activations",
+        Survives.ALL,
+        _halve_micro_batch,
+    ),
+    Rung(
+        "shorten_seq_len",
+        "halve max_seq_len: activations grow with sequence length",
+        Survives.ALL,
+        _shorten_seq_len,
+    ),
+    Rung(
+        "paged_8bit_optimizer",
+        "8-bit paged AdamW: a quarter of the optimizer state, paged out under pressure",
+        Survives.OPTIMIZER_RESET,
+        _paged_8bit_optimizer,
+    ),
+    Rung(
+        "halve_lora_rank",
+        "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state",
+        Survives.ADAPTER_REINIT,
+        _halve_lora_rank,
+    ),
+    Rung(
+        "quantize_4bit",
+        "load the base model in 4-bit NF4 with double quantization",
+        Survives.ALL,
+        _quantize_4bit,
+    ),
+    Rung(
+        "cpu_offload",
+        "let accelerate place layers that do not fit on the CPU (max_memory)",
+        Survives.ALL,
+        _cpu_offload,
+    ),
+    Rung("halve_eval_batch", "halve the evaluation batch", Survives.ALL, _halve_eval_batch),
+    Rung("disable_eval", "turn evaluation off", Survives.ALL, _disable_eval),
+    Rung(
+        "merge_on_cpu",
+        "merge the adapter in a separate process on the CPU",
+        Survives.ALL,
+        _merge_on_cpu,
+    ),
+)
+
+STATIC_RUNGS: Mapping[str, Rung] = {rung.name: rung for rung in _STATIC_RUNGS}
+
+#: Every rung name a job file may use in ``supervise.ladders``.
+RUNG_NAMES: frozenset[str] = frozenset({*STATIC_RUNGS, "smaller_model"})
+
+
+def rung_by_name(name: str, context: RungContext) -> Rung:
+    if name == "smaller_model":
+        return smaller_model(context)
+    return STATIC_RUNGS[name]

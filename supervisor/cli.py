@@ -1,0 +1,103 @@
+"""The ``qlora-supervise`` command line.
+
+Each subcommand lives in its own module and is imported only when it runs, so ``--help`` is
+instant and nothing here pulls in torch (the tiny-model maker runs as a child process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from qlora_supervise.supervisor import __version__
+from qlora_supervise.supervisor.exit_codes import EXIT_CODES_HELP, SupervisorExit
+
+DESCRIPTION = """\
+An OOM-resilient supervisor for QLoRA fine-tuning. `run` starts the trainer as a child
+process, classifies each failure (which stage ran out of memory, fragmentation, contention,
+host OOM, hang, ...), and restarts from the last good checkpoint with a cheaper config
+chosen by a policy ladder. Every decision goes to <output_dir>/events.jsonl and
+attempts.jsonl."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qlora-supervise",
+        description=DESCRIPTION,
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="supervise a fine-tune until it finishes or the ladder gives up",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("job", help="the job file (YAML)")
+    run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+
+    validate = sub.add_parser("validate", help="check a job file and report every problem at once")
+    validate.add_argument("job", help="the job file (YAML)")
+
+    classify = sub.add_parser("classify", help="classify a failure from a log or traceback")
+    classify.add_argument("file", help="the log file, or - for standard input")
+    classify.add_argument("--json", action="store_true", help="print one JSON object")
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny Llama-shaped model, dataset and job.yaml")
+    tiny.add_argument("dir", help="directory to write into")
+
+    demo = sub.add_parser(
+        "demo", help="make the tiny model and supervise a job that does not fit its memory cap"
+    )
+    demo.add_argument("--dir", default="demo-run", help="working directory (default: ./demo-run)")
+
+    status = sub.add_parser("status", help="summarise a run directory's attempts")
+    status.add_argument("output_dir", help="the job's output_dir")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except SupervisorExit as stop:
+        if stop.message:
+            print(f"qlora-supervise: {stop.message}", file=sys.stderr)
+        return int(stop.code)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    # Imports are local so that each command loads only what it uses.
+    if args.command == "run":
+        from qlora_supervise.supervisor.run import run_job
+
+        return run_job(args.job, plain=args.plain)
+    if args.command == "validate":
+        from qlora_supervise.supervisor.job import validate_command
+
+        return validate_command(args.job)
+    if args.command == "classify":
+        from qlora_supervise.supervisor.classify_cli import classify_command
+
+        return classify_command(args.file, as_json=args.json)
+    if args.command == "make-tiny":
+        from qlora_supervise.supervisor.demo import make_tiny_command
+
+        return make_tiny_command(args.dir)
+    if args.command == "demo":
+        from qlora_supervise.supervisor.demo import demo_command
+
+        return demo_command(args.dir)
+    if args.command == "status":
+        from qlora_supervise.supervisor.status import status_command
+
+        return status_command(args.output_dir)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
