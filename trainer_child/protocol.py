@@ -169,6 +169,12 @@ class AttemptSpec:
     gpu_memory_limit: int | None = None  # bytes
     cpu_memory_limit: int | None = None  # bytes
     heartbeat_interval: float = 5.0
+    # Chosen by the supervisor (the newest complete checkpoint still valid for these knobs);
+    # None: start from step 0.
+    resume_from: str | None = None
+    # The optimizer changed (or its state is suspect): keep adapter, step and data position,
+    # start the optimizer state afresh.
+    reset_optimizer: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
