@@ -102,12 +102,12 @@ def smaller_model(context: RungContext) -> Rung:
     """The last rung: the next fallback model of the job (the adapter starts again)."""
 
     def apply(k: Knobs) -> Knobs | None:
-        chain = (k.model, *context.fallbacks)
-        models = list(dict.fromkeys(chain))
-        position = models.index(k.model)
-        if position + 1 >= len(models):
+        # The job's model is not in the fallbacks: from it, the first fallback is next.
+        chain = context.fallbacks
+        position = chain.index(k.model) + 1 if k.model in chain else 0
+        if position >= len(chain):
             return None
-        return dataclasses.replace(k, model=models[position + 1])
+        return dataclasses.replace(k, model=chain[position])
 
     return Rung("smaller_model", "fall back to a smaller model", Survives.ADAPTER_REINIT, apply)
 

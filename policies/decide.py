@@ -1,0 +1,191 @@
+"""The decision after a failed attempt: ``Restart | Wait | GiveUp``, a value the loop carries out.
+
+Order of the rules (first match wins):
+
+1. a failure no config can fix (config error, bitsandbytes setup) -> GiveUp (not retryable)
+2. the attempt budget is spent -> GiveUp
+3. ``max_no_progress`` attempts in a row trained no step -> GiveUp (crash loop)
+4. contention, the job does not allow degrading, and no wait timed out yet -> Wait
+5. hang / nccl / other -> Restart unchanged once; the same failure again -> GiveUp
+6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
+   failed the same way, and results a calibrated memory model says cannot fit (their change is
+   kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies.rungs import RungContext, Survives, rung_by_name
+from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+
+NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
+RETRY_UNCHANGED_ONCE = frozenset({FailureKind.HANG, FailureKind.NCCL, FailureKind.OTHER})
+_SURVIVAL_ORDER = (Survives.ALL, Survives.OPTIMIZER_RESET, Survives.ADAPTER_REINIT)
+
+
+class FailureLike(Protocol):
+    """What the policy reads of a classified failure (the supervisor's ``Failure``)."""
+
+    @property
+    def kind(self) -> FailureKind: ...
+
+    @property
+    def stage(self) -> Stage: ...
+
+
+@dataclass(frozen=True)
+class PastAttempt:
+    """One finished attempt as the policy sees it."""
+
+    knobs: Knobs
+    kind: FailureKind | None  # None: the attempt did not fail (stopped by the user)
+    steps_progressed: int
+    peak_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The job's supervise section, plus facts the policy needs about the model and budget."""
+
+    max_attempts: int = 8
+    max_no_progress: int = 5
+    degrade_on_contention: bool = False
+    contention_wait_s: float = 1800.0
+    fallbacks: tuple[str, ...] = ()
+    overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
+    budget_bytes: int | None = None
+    shape: memory_model.ModelShape | None = None
+
+
+@dataclass(frozen=True)
+class Restart:
+    knobs: Knobs
+    rung: str  # "+"-joined when the memory model made the policy apply several at once
+    changes: Mapping[str, tuple[Any, Any]]
+    why: str
+    survives: Survives
+
+
+@dataclass(frozen=True)
+class Wait:
+    seconds: float
+    why: str
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    why: str
+    retryable: bool = True  # False: no config change can help (exit 4 rather than 3)
+
+
+Decision = Restart | Wait | GiveUp
+
+
+def decide(
+    failure: FailureLike,
+    knobs: Knobs,
+    history: Sequence[PastAttempt],
+    settings: Settings,
+    contention_timed_out: bool = False,
+) -> Decision:
+    """What to do after ``failure`` of an attempt that ran with ``knobs``.
+
+    ``history`` holds every finished attempt, the failed one included (last).
+    """
+    kind = failure.kind
+    if kind in NOT_RETRYABLE:
+        return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
+    if len(history) >= settings.max_attempts:
+        return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
+    if _no_progress_streak(history) >= settings.max_no_progress:
+        return GiveUp(
+            f"{settings.max_no_progress} attempts in a row trained no step (crash loop); "
+            "see attempts.jsonl for what each one changed"
+        )
+    if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
+        if contention_timed_out:
+            return GiveUp(
+                f"other processes kept the GPU memory for {settings.contention_wait_s:.0f}s "
+                "and supervise.degrade_on_contention is false"
+            )
+        return Wait(settings.contention_wait_s, "other processes hold the GPU memory this job needs")
+    if kind in RETRY_UNCHANGED_ONCE:
+        return _retry_unchanged(kind, knobs, history)
+    return _climb(failure, knobs, history, settings)
+
+
+def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
+    streak = 0
+    for past in reversed(history):
+        if past.steps_progressed > 0:
+            break
+        streak += 1
+    return streak
+
+
+def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> Decision:
+    same = sum(1 for past in history if past.kind is kind and past.knobs == knobs)
+    if same > 1:
+        return GiveUp(f"{kind.value} happened again with the same config; no rung addresses it")
+    return Restart(knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry once", Survives.ALL)
+
+
+def _climb(
+    failure: FailureLike, knobs: Knobs, history: Sequence[PastAttempt], settings: Settings
+) -> Decision:
+    failed_same_way = {past.knobs for past in history if past.kind is failure.kind}
+    scale = _scale(history, settings)
+    context = RungContext(fallbacks=settings.fallbacks)
+    candidate, applied, skipped = knobs, [], []
+    for name in ladder_for(failure.kind, failure.stage, settings.overrides):
+        rung = rung_by_name(name, context)
+        changed = rung.apply(candidate)
+        if changed is None or changed in failed_same_way:
+            continue
+        candidate = changed
+        applied.append(rung)
+        if not _predicted_too_big(candidate, settings, scale):
+            return _restart(knobs, candidate, applied, skipped)
+        skipped.append(rung.name)
+    if applied:
+        # The model says even the cheapest combination may not fit: try it rather than give up.
+        return _restart(knobs, candidate, applied, skipped)
+    return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
+
+
+def _scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:
+    if settings.shape is None:
+        return None
+    observations = [
+        memory_model.Observation(past.knobs, past.peak_bytes)
+        for past in history
+        # A peak counts once the attempt finished a whole optimizer step with those knobs.
+        if past.steps_progressed > 0 and past.peak_bytes
+    ]
+    return memory_model.calibrate(settings.shape, observations)
+
+
+def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) -> bool:
+    if settings.shape is None or settings.budget_bytes is None:
+        return False
+    return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale)
+
+
+def _restart(old: Knobs, new: Knobs, applied: list[Any], skipped: list[str]) -> Restart:
+    why = "; ".join(rung.reason for rung in applied)
+    if skipped:
+        why += f" (memory model: {', '.join(skipped)} alone would not fit)"
+    survives = max((rung.survives for rung in applied), key=_SURVIVAL_ORDER.index)
+    return Restart(new, "+".join(rung.name for rung in applied), knob_changes(old, new), why, survives)
+
+
+def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
+    """``{knob: (old, new)}`` for every knob that differs."""
+    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
+    return {name: (before[name], after[name]) for name in before if before[name] != after[name]}

@@ -1,0 +1,69 @@
+"""Default ladders: for each failure kind, the rungs to try in order.
+
+In the spirit of the seed recipes (``../shared/seeds``): the cheapest change that keeps all
+progress comes first, the ones that reset the optimizer or the adapter come last, and a
+smaller model is the last resort. A job may override any kind's ladder by rung names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from qlora_supervise.trainer_child.protocol import OOM_KIND_BY_STAGE, FailureKind, Stage
+
+FORWARD: tuple[str, ...] = (
+    "gradient_checkpointing",
+    "halve_micro_batch",
+    "shorten_seq_len",
+    "smaller_model",
+)
+BACKWARD: tuple[str, ...] = (
+    "gradient_checkpointing",
+    "paged_8bit_optimizer",
+    "halve_micro_batch",
+    "halve_lora_rank",
+    "shorten_seq_len",
+    "smaller_model",
+)
+OPTIMIZER: tuple[str, ...] = ("paged_8bit_optimizer", "halve_lora_rank", "smaller_model")
+LOAD: tuple[str, ...] = ("quantize_4bit", "cpu_offload", "smaller_model")
+EVAL: tuple[str, ...] = ("halve_eval_batch", "disable_eval")
+MERGE: tuple[str, ...] = ("merge_on_cpu",)
+
+DEFAULT_LADDERS: Mapping[FailureKind, tuple[str, ...]] = {
+    FailureKind.OOM_FORWARD: FORWARD,
+    FailureKind.OOM_BACKWARD: BACKWARD,
+    FailureKind.OOM_OPTIMIZER: OPTIMIZER,
+    FailureKind.OOM_LOAD: LOAD,
+    FailureKind.OOM_EVAL: EVAL,
+    FailureKind.OOM_MERGE: MERGE,
+}
+
+#: Kinds whose ladder is "their own fix first, then the ladder of the stage they happened in".
+STAGE_DEPENDENT: Mapping[FailureKind, tuple[str, ...]] = {
+    FailureKind.OOM_FRAGMENTATION: ("expandable_segments",),
+    # Host RAM ran out: the stage's ladder shrinks host-side activations just as it does GPU ones.
+    FailureKind.HOST_OOM: (),
+    # Reached only when the job allows degrading on contention (otherwise the policy waits).
+    FailureKind.OOM_CONTENTION: (),
+}
+
+
+def ladder_for(
+    kind: FailureKind,
+    stage: Stage,
+    overrides: Mapping[FailureKind, tuple[str, ...]] | None = None,
+) -> tuple[str, ...]:
+    """The rung names to try for a failure of ``kind`` that happened in ``stage``."""
+    overrides = overrides or {}
+    if kind in overrides:
+        return overrides[kind]
+    if kind in STAGE_DEPENDENT:
+        stage_kind = OOM_KIND_BY_STAGE.get(stage, FailureKind.OOM_FORWARD)
+        stage_ladder = overrides.get(stage_kind, DEFAULT_LADDERS[stage_kind])
+        return _unique(STAGE_DEPENDENT[kind] + stage_ladder)
+    return DEFAULT_LADDERS.get(kind, ())
+
+
+def _unique(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))

@@ -1,0 +1,197 @@
+"""Policy: rungs, ladders and the decision, as pure functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, decide
+from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies.rungs import STATIC_RUNGS, RungContext, Survives, smaller_model
+from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    kind: FailureKind
+    stage: Stage = Stage.FORWARD
+
+
+BASE = Knobs(model="/m/7b", micro_batch_size=8, grad_accum=2, max_seq_len=1024, optimizer="adamw_torch")
+
+
+def _fail(
+    kind: FailureKind, stage: Stage = Stage.FORWARD, knobs: Knobs = BASE, steps: int = 0
+) -> PastAttempt:
+    return PastAttempt(knobs=knobs, kind=kind, steps_progressed=steps)
+
+
+def test_halve_micro_batch_keeps_effective_batch() -> None:
+    """Halving the micro-batch doubles accumulation so micro x accum is unchanged."""
+    out = STATIC_RUNGS["halve_micro_batch"].apply(BASE)
+    assert out is not None
+    assert (out.micro_batch_size, out.grad_accum) == (4, 4)
+    assert out.effective_batch == BASE.effective_batch
+
+
+@pytest.mark.parametrize(
+    ("rung", "knobs"),
+    [
+        ("halve_micro_batch", dataclasses.replace(BASE, micro_batch_size=1, grad_accum=16)),
+        ("gradient_checkpointing", dataclasses.replace(BASE, gradient_checkpointing=True)),
+        ("shorten_seq_len", dataclasses.replace(BASE, max_seq_len=128)),
+        ("paged_8bit_optimizer", dataclasses.replace(BASE, optimizer="paged_adamw_8bit")),
+        ("expandable_segments", dataclasses.replace(BASE, expandable_segments=True)),
+        ("halve_lora_rank", dataclasses.replace(BASE, lora_r=4)),
+    ],
+)
+def test_rung_with_nothing_left_returns_none(rung: str, knobs: Knobs) -> None:
+    """A rung that has nothing left to change returns None instead of a copy."""
+    assert STATIC_RUNGS[rung].apply(knobs) is None
+
+
+def test_smaller_model_walks_the_fallbacks_then_stops() -> None:
+    """The smaller-model rung steps through the job's fallbacks in order and ends with None."""
+    rung = smaller_model(RungContext(fallbacks=("/m/3b", "/m/1b")))
+    step1 = rung.apply(BASE)
+    assert step1 is not None and step1.model == "/m/3b"
+    step2 = rung.apply(step1)
+    assert step2 is not None and step2.model == "/m/1b"
+    assert rung.apply(step2) is None
+    assert rung.survives is Survives.ADAPTER_REINIT
+
+
+def test_fragmentation_ladder_starts_with_expandable_segments_then_the_stage_ladder() -> None:
+    """Fragmentation first sets expandable_segments, then follows the ladder of its stage."""
+    ladder = ladder_for(FailureKind.OOM_FRAGMENTATION, Stage.BACKWARD)
+    assert ladder[0] == "expandable_segments"
+    assert ladder[1:] == ladder_for(FailureKind.OOM_BACKWARD, Stage.BACKWARD)
+
+
+def test_forward_oom_climbs_checkpointing_then_micro_batch() -> None:
+    """A forward OOM first turns on gradient checkpointing, then halves the micro-batch."""
+    first = decide(_Failure(FailureKind.OOM_FORWARD), BASE, [_fail(FailureKind.OOM_FORWARD)], Settings())
+    assert isinstance(first, Restart)
+    assert first.rung == "gradient_checkpointing"
+    assert first.changes == {"gradient_checkpointing": (False, True)}
+    history = [_fail(FailureKind.OOM_FORWARD), _fail(FailureKind.OOM_FORWARD, knobs=first.knobs, steps=3)]
+    second = decide(_Failure(FailureKind.OOM_FORWARD), first.knobs, history, Settings())
+    assert isinstance(second, Restart)
+    assert second.rung == "halve_micro_batch"
+    assert second.knobs.effective_batch == BASE.effective_batch
+
+
+def test_config_error_gives_up_not_retryable() -> None:
+    """A config error is never retried."""
+    out = decide(_Failure(FailureKind.CONFIG_ERROR), BASE, [_fail(FailureKind.CONFIG_ERROR)], Settings())
+    assert isinstance(out, GiveUp) and not out.retryable
+
+
+def test_exhausted_ladder_gives_up() -> None:
+    """When no rung can change the config any further the policy gives up."""
+    spent = Knobs(
+        model="/m/7b", micro_batch_size=1, grad_accum=16, max_seq_len=128, gradient_checkpointing=True
+    )
+    out = decide(
+        _Failure(FailureKind.OOM_FORWARD), spent, [_fail(FailureKind.OOM_FORWARD, knobs=spent)], Settings()
+    )
+    assert isinstance(out, GiveUp) and out.retryable
+    assert "exhausted" in out.why
+
+
+def test_never_repeats_a_config_that_failed_the_same_way() -> None:
+    """A rung whose result already failed with the same kind is skipped."""
+    with_gc = dataclasses.replace(BASE, gradient_checkpointing=True)
+    history = [
+        _fail(FailureKind.OOM_FORWARD, knobs=with_gc, steps=2),
+        _fail(FailureKind.OOM_FORWARD, steps=1),
+    ]
+    out = decide(_Failure(FailureKind.OOM_FORWARD), BASE, history, Settings())
+    assert isinstance(out, Restart)
+    assert out.knobs != with_gc
+    assert out.rung == "halve_micro_batch"
+
+
+def test_crash_loop_gives_up_after_no_progress_streak() -> None:
+    """N attempts in a row with no trained step stop the run even if the ladder has rungs left."""
+    history = [_fail(FailureKind.OOM_FORWARD)] * 3
+    out = decide(_Failure(FailureKind.OOM_FORWARD), BASE, history, Settings(max_no_progress=3))
+    assert isinstance(out, GiveUp)
+    assert "crash loop" in out.why
+
+
+def test_attempt_budget_gives_up() -> None:
+    """max_attempts bounds the number of attempts."""
+    history = [_fail(FailureKind.OOM_FORWARD, steps=1)] * 4
+    out = decide(_Failure(FailureKind.OOM_FORWARD), BASE, history, Settings(max_attempts=4))
+    assert isinstance(out, GiveUp)
+
+
+def test_contention_waits_then_gives_up_unless_degrading_is_allowed() -> None:
+    """Contention waits for memory first; after the wait times out it gives up or degrades per the job."""
+    fail = _Failure(FailureKind.OOM_CONTENTION, Stage.FORWARD)
+    history = [_fail(FailureKind.OOM_CONTENTION)]
+    assert isinstance(decide(fail, BASE, history, Settings()), Wait)
+    assert isinstance(decide(fail, BASE, history, Settings(), contention_timed_out=True), GiveUp)
+    degraded = decide(fail, BASE, history, Settings(degrade_on_contention=True))
+    assert isinstance(degraded, Restart) and degraded.rung == "gradient_checkpointing"
+
+
+def test_hang_retries_unchanged_once() -> None:
+    """A hang is retried once with the same config, and a second hang gives up."""
+    once = decide(_Failure(FailureKind.HANG), BASE, [_fail(FailureKind.HANG, steps=2)], Settings())
+    assert isinstance(once, Restart) and once.knobs == BASE and once.changes == {}
+    twice = [_fail(FailureKind.HANG, steps=2), _fail(FailureKind.HANG, steps=2)]
+    assert isinstance(decide(_Failure(FailureKind.HANG), BASE, twice, Settings()), GiveUp)
+
+
+def test_job_override_replaces_the_default_ladder() -> None:
+    """A ladder named in the job replaces the default one for that kind."""
+    settings = Settings(overrides={FailureKind.OOM_FORWARD: ("shorten_seq_len",)})
+    out = decide(_Failure(FailureKind.OOM_FORWARD), BASE, [_fail(FailureKind.OOM_FORWARD)], settings)
+    assert isinstance(out, Restart) and out.rung == "shorten_seq_len"
+    assert out.knobs.max_seq_len == 512
+
+
+SHAPE_7B = memory_model.ModelShape(
+    hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000
+)
+
+
+def test_memory_model_orders_configs_sensibly() -> None:
+    """Checkpointing, a smaller micro-batch and a shorter sequence each lower the predicted peak."""
+    base = memory_model.estimate_peak(SHAPE_7B, BASE)
+    for rung in ("gradient_checkpointing", "halve_micro_batch", "shorten_seq_len"):
+        cheaper = STATIC_RUNGS[rung].apply(BASE)
+        assert cheaper is not None
+        assert memory_model.estimate_peak(SHAPE_7B, cheaper) < base
+    # The 4-bit 7B weights the seed article quotes (about 3.5 GB) dominate a tiny batch.
+    tiny = dataclasses.replace(
+        BASE, micro_batch_size=1, grad_accum=16, max_seq_len=512, gradient_checkpointing=True
+    )
+    assert 3.3e9 < memory_model.estimate_peak(SHAPE_7B, tiny) < 6e9
+
+
+def test_calibrated_model_applies_several_rungs_at_once() -> None:
+    """With a calibrated model, rungs whose result cannot fit are combined with the next ones."""
+    observed = dataclasses.replace(BASE, micro_batch_size=1, grad_accum=16, gradient_checkpointing=True)
+    peak = memory_model.estimate_peak(SHAPE_7B, observed)
+    history = [
+        PastAttempt(observed, FailureKind.OOM_EVAL, steps_progressed=5, peak_bytes=peak),
+        _fail(FailureKind.OOM_FORWARD),
+    ]
+    settings = Settings(shape=SHAPE_7B, budget_bytes=int(peak * 1.2))
+    out = decide(_Failure(FailureKind.OOM_FORWARD), BASE, history, settings)
+    assert isinstance(out, Restart)
+    assert out.rung.startswith("gradient_checkpointing+halve_micro_batch")
+    assert memory_model.estimate_peak(SHAPE_7B, out.knobs) <= settings.budget_bytes
+    assert "memory model" in out.why
+
+
+def test_uncalibrated_model_never_skips() -> None:
+    """Without an observed peak the memory model does not skip rungs."""
+    settings = Settings(shape=SHAPE_7B, budget_bytes=1)
+    out = decide(_Failure(FailureKind.OOM_FORWARD), BASE, [_fail(FailureKind.OOM_FORWARD)], settings)
+    assert isinstance(out, Restart) and out.rung == "gradient_checkpointing"

@@ -1,0 +1,137 @@
+"""A tiny Llama-shaped model, tokenizer, dataset and job, built locally with no download.
+
+``python -m qlora_supervise.trainer_child.tiny DIR`` writes ``DIR/model`` (save_pretrained, with a
+word-level tokenizer trained on the dataset), ``DIR/data.jsonl`` (``text`` and ``messages``
+fields) and ``DIR/job.yaml``. It exists for tests, demos and the CPU memory-cap scenarios:
+
+* small enough that 30 optimizer steps (effective batch 8, seq 256) take seconds on 2 CPU cores;
+* every row is longer than 512 tokens after truncation, so activation memory grows with
+  ``micro_batch_size * max_seq_len`` and a memory cap can separate micro-batch 16 from 1.
+
+The task is learnable on purpose (counting by a fixed stride), so the loss falls fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+#: Sized so that activations, not weights, dominate memory (see the measurements in the
+#: package README / report): hidden 256, 4 layers, vocabulary ~2.1k words.
+MODEL_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+}
+NUMBERS = 2000
+ROWS = 320
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
+    """Counting exercises: the answer is fully determined by the prompt, so the loss can fall."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        stride = rng.randint(1, 3)
+        start = rng.randint(0, NUMBERS - 600 * stride - 1) if NUMBERS > 600 * stride else 0
+        length = rng.randint(540, 600)
+        prompt = f"row {index} count by {stride} from {start}"
+        answer = " ".join(str(start + stride * k) for k in range(length))
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        rows.append({"text": f"<|user|> {prompt} <|assistant|> {answer}", "messages": messages})
+    return rows
+
+
+def build_tokenizer(rows: list[dict[str, object]]):  # -> PreTrainedTokenizerFast
+    """A word-level tokenizer over the dataset's words: no download, one token per number."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS)
+    words = [str(n) for n in range(NUMBERS)] + [str(row["text"]) for row in rows]
+    core.train_from_iterator(words, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+
+
+def build_model(vocab_size: int):  # -> LlamaForCausalLM
+    """Random Llama weights; fixed seed so every test session gets the same model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        tie_word_embeddings=False,
+        **MODEL_SHAPE,
+    )
+    return LlamaForCausalLM(config)
+
+
+def job_yaml(model_dir: str = "./model", data_path: str = "./data.jsonl") -> str:
+    """The tiny job in the job.yaml schema (paths relative to the job file's directory)."""
+    return f"""\
+model: {{path: {model_dir}, fallbacks: [], trust_remote_code: false}}
+data: {{path: {data_path}, text_field: text, messages_field: null, eval_path: null, eval_fraction: 0.0}}
+quantization: {{load_in_4bit: true, quant_type: nf4, double_quant: true, compute_dtype: auto}}
+lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
+train: {{max_seq_len: 256, micro_batch_size: 1, effective_batch_size: 8, gradient_checkpointing: false,
+        optimizer: paged_adamw_8bit, learning_rate: 2.0e-4, lr_scheduler: cosine, warmup_ratio: 0.03,
+        max_grad_norm: 0.3, max_steps: 30, epochs: null, save_steps: 10, logging_steps: 1,
+        eval_steps: null, packing: false, seed: 42, merge: false}}
+resources: {{gpu: auto, gpu_memory_limit: null, cpu_memory_limit: null}}
+supervise: {{max_attempts: 8, hang_timeout: 20m}}
+output_dir: ./run
+"""
+
+
+def write_tiny(directory: Path) -> Path:
+    """Write model, tokenizer, dataset and job under ``directory``; return the job file's path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = tiny_rows()
+    with (directory / "data.jsonl").open("w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    tokenizer = build_tokenizer(rows)
+    # A round vocabulary size keeps the embedding shapes friendly to the 4-bit blocks.
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    build_model(vocab_size).save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    job = directory / "job.yaml"
+    job.write_text(job_yaml(), encoding="utf-8")
+    return job
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.tiny")
+    parser.add_argument("directory", type=Path)
+    args = parser.parse_args(argv)
+    print(write_tiny(args.directory))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
