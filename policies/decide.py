@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.ladders import ladder_for
-from qlora_supervise.policies.rungs import RungContext, Survives, rung_by_name
+from qlora_supervise.policies.rungs import Rung, RungContext, Survives, rung_by_name
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
@@ -142,7 +142,9 @@ def _climb(
     failed_same_way = {past.knobs for past in history if past.kind is failure.kind}
     scale = _scale(history, settings)
     context = RungContext(fallbacks=settings.fallbacks)
-    candidate, applied, skipped = knobs, [], []
+    candidate = knobs
+    applied: list[Rung] = []
+    skipped: list[str] = []
     for name in ladder_for(failure.kind, failure.stage, settings.overrides):
         rung = rung_by_name(name, context)
         changed = rung.apply(candidate)
@@ -177,7 +179,7 @@ def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) ->
     return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale)
 
 
-def _restart(old: Knobs, new: Knobs, applied: list[Any], skipped: list[str]) -> Restart:
+def _restart(old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str]) -> Restart:
     why = "; ".join(rung.reason for rung in applied)
     if skipped:
         why += f" (memory model: {', '.join(skipped)} alone would not fit)"
