@@ -72,7 +72,8 @@ class FailureKind(str, enum.Enum):
         return self.value.startswith("oom_") or self is FailureKind.HOST_OOM
 
 
-#: The stage-named OOM kind for each stage (save counts as load-like I/O; setup as load).
+#: The stage-named OOM kind for each stage. Setup counts as load; a checkpoint save happens
+#: between steps with the whole training state resident, so it takes the backward ladder.
 OOM_KIND_BY_STAGE: Mapping[Stage, FailureKind] = {
     Stage.SETUP: FailureKind.OOM_LOAD,
     Stage.LOAD: FailureKind.OOM_LOAD,
@@ -198,7 +199,7 @@ class ErrorReport:
     """What the child knew when it failed. Written atomically to ``spec.error_file``.
 
     ``step`` is the last *completed* optimizer step. ``oom_numbers`` uses the keys of
-    :func:`qlora_supervise.supervisor.oom_message.parse` (bytes as integers).
+    :func:`qlora_supervise.trainer_child.oom_message.parse_numbers` (bytes as integers).
     """
 
     exit_code: int

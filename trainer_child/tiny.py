@@ -19,8 +19,7 @@ import random
 import sys
 from pathlib import Path
 
-#: Sized so that activations, not weights, dominate memory (see the measurements in the
-#: package README / report): hidden 256, 4 layers, vocabulary ~2.1k words.
+#: Sized so that activations, not weights, dominate memory: hidden 256, 4 layers.
 MODEL_SHAPE = {
     "hidden_size": 256,
     "intermediate_size": 688,
@@ -29,8 +28,9 @@ MODEL_SHAPE = {
     "num_key_value_heads": 4,
     "max_position_embeddings": 1024,
 }
-NUMBERS = 2000
 ROWS = 320
+#: Model vocabulary: larger than the ~20 words the data uses, like a real model's.
+VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -38,31 +38,39 @@ CHAT_TEMPLATE = (
 )
 
 
+def spell(number: int) -> str:
+    """Digits as separate words: a ~15-word vocabulary the loss can learn within a few steps."""
+    return " ".join(str(number))
+
+
 def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
-    """Counting exercises: the answer is fully determined by the prompt, so the loss can fall."""
+    """Counting exercises: the answer is fully determined by the prompt, so the loss can fall.
+
+    Every row is longer than 600 tokens, so truncation to ``max_seq_len`` (up to 512) makes all
+    batches the same shape and memory depends only on micro-batch and sequence length.
+    """
     rng = random.Random(seed)
     rows = []
     for index in range(count):
         stride = rng.randint(1, 3)
-        start = rng.randint(0, NUMBERS - 600 * stride - 1) if NUMBERS > 600 * stride else 0
-        length = rng.randint(540, 600)
-        prompt = f"row {index} count by {stride} from {start}"
-        answer = " ".join(str(start + stride * k) for k in range(length))
+        start = rng.randint(100, 900)
+        length = rng.randint(140, 160)
+        prompt = f"row {spell(index)} count by {stride} from {spell(start)}"
+        answer = " , ".join(spell(start + stride * k) for k in range(length))
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
         rows.append({"text": f"<|user|> {prompt} <|assistant|> {answer}", "messages": messages})
     return rows
 
 
 def build_tokenizer(rows: list[dict[str, object]]):  # -> PreTrainedTokenizerFast
-    """A word-level tokenizer over the dataset's words: no download, one token per number."""
+    """A word-level tokenizer trained on the dataset: no download."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS)
-    words = [str(n) for n in range(NUMBERS)] + [str(row["text"]) for row in rows]
-    core.train_from_iterator(words, trainer=trainer)
+    core.train_from_iterator([str(row["text"]) for row in rows], trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<pad>",
@@ -116,9 +124,7 @@ def write_tiny(directory: Path) -> Path:
     with (directory / "data.jsonl").open("w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
     tokenizer = build_tokenizer(rows)
-    # A round vocabulary size keeps the embedding shapes friendly to the 4-bit blocks.
-    vocab_size = -(-len(tokenizer) // 64) * 64
-    build_model(vocab_size).save_pretrained(directory / "model")
+    build_model(max(VOCAB_SIZE, len(tokenizer))).save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
     job = directory / "job.yaml"
     job.write_text(job_yaml(), encoding="utf-8")

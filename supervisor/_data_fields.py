@@ -1,0 +1,211 @@
+"""Peek at a training data file's columns without importing ``datasets`` (or torch).
+
+The job validator uses this to catch a wrong ``text_field`` before any attempt starts: the
+trainer would otherwise fail minutes later, after loading the model. Only the first record
+(or the schema) is read; counting rows is a separate, optional pass.
+
+Formats: JSON Lines (``.jsonl``), JSON (``.json``: a list of records, a dict of columns, or
+JSON Lines under a ``.json`` name), CSV, Parquet (schema through pyarrow), a directory saved
+by ``datasets.save_to_disk`` (features from ``dataset_info.json``), or a directory holding files
+of those kinds (the first one, in sorted order, stands for all).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+FORMATS_HELP = ".jsonl, .json, .csv, .parquet, or a directory saved by datasets.save_to_disk"
+
+
+class DataProbeError(Exception):
+    """The data could not be read; the message says why in words for the job's user."""
+
+
+@dataclass(frozen=True)
+class DataProbe:
+    """What the first look at a data source found."""
+
+    path: Path
+    fields: tuple[str, ...]
+    first_record: Mapping[str, Any] | None = None  # None where only the schema was read
+    rows: int | None = None  # None unless counted (and countable cheaply)
+
+
+def probe(path: Path, *, count_rows: bool = False) -> DataProbe:
+    """The columns (and the first record where cheap) of the data at ``path``.
+
+    Raises DataProbeError when the file is unreadable, empty, malformed or of an unknown kind.
+    """
+    if path.is_dir():
+        return _probe_dir(path, count_rows)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            return _probe_jsonl(path, count_rows)
+        if suffix == ".json":
+            return _probe_json(path)
+        if suffix == ".csv":
+            return _probe_csv(path, count_rows)
+        if suffix == ".parquet":
+            return _probe_parquet(path)
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataProbeError(f"cannot read the file: {error}") from error
+    raise DataProbeError(f"unknown data format {suffix or '(no suffix)'!r}; use {FORMATS_HELP}")
+
+
+def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None:
+    """Why ``field`` cannot serve as the text (or chat ``messages``) column, or None if it can."""
+    if field not in found.fields:
+        return f"no field {field!r} in the data"
+    if found.first_record is None:
+        return None
+    value = found.first_record.get(field)
+    if messages:
+        if not isinstance(value, list) or not all(
+            isinstance(turn, dict) and "role" in turn and "content" in turn for turn in value
+        ):
+            return f"field {field!r} of the first record is not a list of {{role, content}} messages"
+        return None
+    if not isinstance(value, str):
+        return f"field {field!r} of the first record is {type(value).__name__}, not text"
+    return None
+
+
+def _probe_jsonl(path: Path, count_rows: bool) -> DataProbe:
+    first: dict[str, Any] | None = None
+    rows = 0
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            if first is None:
+                first = _json_record(line, f"line {number}")
+                if not count_rows:
+                    return DataProbe(path, tuple(first), first)
+            rows += 1
+    if first is None:
+        raise DataProbeError("the file holds no records")
+    return DataProbe(path, tuple(first), first, rows)
+
+
+def _json_record(text: str, where: str) -> dict[str, Any]:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataProbeError(f"{where} is not valid JSON: {error.msg}") from error
+    if not isinstance(record, dict):
+        raise DataProbeError(f"{where} is a JSON {type(record).__name__}, not an object")
+    return record
+
+
+def _probe_json(path: Path) -> DataProbe:
+    # The whole file is parsed: .json datasets are the small ones (large ones are .jsonl/.parquet).
+    text = path.read_text(encoding="utf-8")
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as error:
+        if error.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` also accepts
+            return _probe_jsonl_text(path, text)
+        raise DataProbeError(f"not valid JSON at line {error.lineno}: {error.msg}") from error
+    if isinstance(loaded, list):
+        if not loaded:
+            raise DataProbeError("the file holds an empty list")
+        first = loaded[0]
+        if not isinstance(first, dict):
+            raise DataProbeError(f"the first item is a JSON {type(first).__name__}, not an object")
+        return DataProbe(path, tuple(first), first, len(loaded))
+    if isinstance(loaded, dict):
+        return _columns_or_record(path, loaded)
+    raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
+
+
+def _probe_jsonl_text(path: Path, text: str) -> DataProbe:
+    lines = [line for line in text.splitlines() if line.strip()]
+    first = _json_record(lines[0], "line 1")
+    return DataProbe(path, tuple(first), first, len(lines))
+
+
+def _columns_or_record(path: Path, loaded: dict[str, Any]) -> DataProbe:
+    columns = [value for value in loaded.values() if isinstance(value, list)]
+    if columns and len(columns) == len(loaded):  # {"text": [...], "label": [...]}: columnar
+        first = {key: (value[0] if value else None) for key, value in loaded.items()}
+        return DataProbe(path, tuple(loaded), first, len(columns[0]))
+    return DataProbe(path, tuple(loaded), loaded, 1)
+
+
+def _probe_csv(path: Path, count_rows: bool) -> DataProbe:
+    with path.open(encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        first = next(reader, None)
+        if reader.fieldnames is None:
+            raise DataProbeError("the file is empty (no header row)")
+        if first is None:
+            raise DataProbeError("the file has a header but no records")
+        rows = 1 + sum(1 for _ in reader) if count_rows else None
+    return DataProbe(path, tuple(reader.fieldnames), dict(first), rows)
+
+
+def _probe_parquet(path: Path) -> DataProbe:
+    try:
+        import pyarrow.parquet as pq  # comes with `datasets`; only the schema is read
+    except ImportError as error:  # pragma: no cover - pyarrow is a dependency of datasets
+        raise DataProbeError("pyarrow is not installed; cannot read parquet") from error
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises its own ArrowInvalid / OSError kinds
+        raise DataProbeError(f"not a readable parquet file: {error}") from error
+    return DataProbe(path, tuple(parquet.schema_arrow.names), None, parquet.metadata.num_rows)
+
+
+def _probe_dir(path: Path, count_rows: bool) -> DataProbe:
+    if (path / "dataset_dict.json").is_file():
+        return _probe_dir(_split_dir(path), count_rows)
+    if (path / "dataset_info.json").is_file():
+        return _probe_saved_dataset(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
+    if not files:
+        raise DataProbeError(f"the directory holds no dataset (expected {FORMATS_HELP})")
+    found = probe(files[0], count_rows=False)
+    return DataProbe(path, found.fields, found.first_record, None)
+
+
+def _split_dir(path: Path) -> Path:
+    """The ``train`` split of a saved DatasetDict (else its first split)."""
+    splits = _read_json(path / "dataset_dict.json").get("splits") or []
+    if not isinstance(splits, list) or not splits:
+        raise DataProbeError("dataset_dict.json lists no splits")
+    name = "train" if "train" in splits else str(splits[0])
+    return path / name
+
+
+def _probe_saved_dataset(path: Path) -> DataProbe:
+    info = _read_json(path / "dataset_info.json")
+    features = info.get("features")
+    if not isinstance(features, dict):
+        raise DataProbeError("dataset_info.json has no features")
+    return DataProbe(path, tuple(features), None, _saved_rows(info))
+
+
+def _saved_rows(info: Mapping[str, Any]) -> int | None:
+    splits = info.get("splits")
+    if not isinstance(splits, dict):
+        return None
+    counts = [s.get("num_examples") for s in splits.values() if isinstance(s, dict)]
+    numbers = [c for c in counts if isinstance(c, int)]
+    return sum(numbers) if numbers and len(numbers) == len(counts) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataProbeError(f"cannot read {path.name}: {error}") from error
+    if not isinstance(loaded, dict):
+        raise DataProbeError(f"{path.name} is not a JSON object")
+    return loaded

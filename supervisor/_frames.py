@@ -1,0 +1,229 @@
+"""Where a traceback was: frames out of any traceback layout, and the stage they name.
+
+Layouts read: CPython (``File "p", line N, in f`` + source line, with ``[rankN]:`` or log
+prefixes, lost indentation, hard wrapping), IPython (``p in f(...)`` + ``--> N source``) and
+rich (``│ p:N in f │`` + ``❱ N │ source``). When a text has no frame at all, its bare code
+lines stand in for frames (excerpts often keep only the line that failed).
+
+The stage rule, :func:`stage_from_frames`:
+
+1. **merge** when any frame merges or exports a model (a merge script loading its adapter is
+   still merging); else **eval** when any frame evaluates, predicts or generates: both are
+   contexts that run forwards and loads of their own, so they win wherever they appear;
+2. otherwise the *deepest* frame that names a training stage (optimizer, backward, forward,
+   load, setup) decides, because an outer frame only says who called: a forward inside
+   ``optimizer.step(closure)`` is a forward OOM, a backward inside Lightning's
+   ``optimizer_step`` a backward one. One exception: a forward *inside* backward is
+   gradient-checkpoint recomputation, which belongs to backward;
+3. bare tensor operations (matmul, softmax, linear) say forward only when nothing else
+   names a stage; then log lines: an unfinished ``Loading checkpoint shards`` progress bar
+   says load, process-group initialisation says setup.
+
+Within one frame a merge/export script's file name comes first (it is the context), then the
+source line (the call in progress, the deeper fact), then the function name; stages are tried
+in the order merge, eval, optimizer, backward, forward, load, setup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from qlora_supervise.trainer_child.protocol import Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One traceback frame as printed; any part may be empty."""
+
+    path: str
+    function: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFinding:
+    """The stage and what named it (a frame, a log line, or nothing)."""
+
+    stage: Stage
+    why: str
+
+
+_PY_FRAME = re.compile(r'File\s*"(?P<path>[^"]+)",\s*line\s+\d+,\s*in\s+(?P<func>[^\s│]+)')
+_IPY_FRAME = re.compile(r"^\s*(?P<path>\S+?) in (?P<func>[\w<>.: ]+?)\(.*\)\s*$", re.MULTILINE)
+_IPY_SOURCE = re.compile(r"^\s*-+>\s*\d+\s+(?P<src>.+)$", re.MULTILINE)
+_RICH_FRAME = re.compile(r"│\s*(?P<path>\S+):\d+ in (?P<func>[\w<>.]+)\s*│")
+_RICH_SOURCE = re.compile(r"❱\s*\d+\s*(?:│\s*)*(?P<src>.*?)\s*│?\s*$", re.MULTILINE)
+_LINE_PREFIX = re.compile(r"^\s*(?:\[rank\d+\]:|\d+:|SUBPROCESS:)\s?")
+_ARROW = re.compile(r"^\s*-+>\s*\d+\s+")
+_CODE_LINE = re.compile(r"^\s*(?:return\s+|\w+\s*=\s*)?[\w.]+(?:\[[^\]]*\])?\(.*\)\s*$")
+_SHARDS = re.compile(r"Loading checkpoint shards:.*?(\d+)/(\d+)")
+
+# (stage, pattern on the function name, pattern the path must match or None)
+_FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
+    (Stage.MERGE, r"(?:\w*_)?merged?(?:_\w*)?|save_pretrained_gguf|push_to_hub_gguf", None),
+    (Stage.EVAL, r"_?evaluat\w*|_?predict(?:ion)?(?:_\w+)?|eval_\w+|_?generate", None),
+    (Stage.EVAL, r"nested_concat|pad_across_processes|validation_step|validation_loop|test_step", None),
+    (Stage.EVAL, r"_?sample|greedy_search|_?beam_search|contrastive_search|assisted_decoding", r"generat"),
+    (Stage.OPTIMIZER, r"\w*optimizer_step|_maybe_opt_step|_init_group|initialize_optimizer_states", None),
+    (Stage.OPTIMIZER, r"_configure_(?:zero_)?optimizer|_(?:multi|single)_tensor_\w+|_fused_adamw?", None),
+    (Stage.OPTIMIZER, r"\w+", r"(?:^|[/\\])(?:optim|optimizers?|sharded_optim)[/\\]|grad_scaler\.py"),
+    (Stage.OPTIMIZER, r"step", r"optim|scaler|[/\\]zero[/\\]"),
+    (Stage.BACKWARD, r"backward|_?engine_run_backward|run_backward|_make_grads", None),
+    (Stage.BACKWARD, r"unpack_hook|recompute_fn", r"checkpoint"),
+    (Stage.FORWARD, r"forward|\w+_forward|_?(?:wrapped_)?call_impl|\w*compute_loss\w*", None),
+    (Stage.FORWARD, r"\w*cross_entropy\w*|ForCausalLMLoss|\w*attention\w*|\w*_attn\w*|mlp", None),
+    (Stage.FORWARD, r"scaled_dot_product_attention|matmul_4bit|dequantize_4bit|lm_head", None),
+    (Stage.LOAD, r"from_pretrained|_load_pretrained_model|_?load_state_dict\w*|load_model", None),
+    (Stage.LOAD, r"load_checkpoint_and_dispatch|dispatch_model|caching_allocator_warmup", None),
+    (Stage.LOAD, r"\w*(?:tensor|weigh\w*|param\w*|module|model)_to_device|quantize_4bit", None),
+    (Stage.LOAD, r"prepare_model_for_kbit_training|prepare_model", None),
+    (Stage.LOAD, r"_apply|convert|to|cuda", r"torch[/\\]nn[/\\]modules[/\\]module\.py"),
+    (Stage.SETUP, r"init_process_group|_verify_model_across_ranks", None),
+    (Stage.SETUP, r"<module>", r"site-packages|dist-packages"),
+)
+
+# Merge / export scripts are recognised by file name as well.
+_MERGE_FILE = re.compile(r"(?:^|[/\\_])(?:merge|export)\w*\.py$", re.IGNORECASE)
+
+_SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
+    (Stage.MERGE, r"merge_and_unload\(|save_pretrained_merged\(|push_to_hub_merged\(|_gguf\("),
+    (Stage.EVAL, r"\.(?:evaluate\w*|generate|predict)\(|\bgenerate\("),
+    (Stage.OPTIMIZER, r"\b\w*(?:optimizer|optim|scaler)\w*\.step\(|optimizer_step\("),
+    (Stage.OPTIMIZER, r"_configure_zero_optimizer\(|DeepSpeedZeroOptimizer\w*\("),
+    (Stage.BACKWARD, r"\.backward\(|autograd\.grad\(|run_backward\("),
+    (Stage.FORWARD, r"\blora_[AB]\b|self\.(?:mlp|self_attn|attn|lm_head)\b|attention|_attn\b"),
+    (Stage.FORWARD, r"cross_entropy|loss_function\(|compute_loss\(|dequantize_4bit|matmul_4bit"),
+    (Stage.FORWARD, r"\bforward_call\(|\bself\.model\("),
+    (Stage.LOAD, r"\.from_pretrained\(|prepare_model_for_kbit_training\(|caching_allocator_warmup\("),
+    (Stage.LOAD, r"\b(?:model|module)\.(?:to|cuda)\(|\.weight\.data\.to\("),
+    (Stage.SETUP, r"DistributedDataParallel\(|init_process_group\("),
+)
+
+# Tensor operations: forward only when nothing else names a stage.
+_WEAK_FORWARD = re.compile(r"\b(?:matmul|bmm|einsum|softmax|linear|baddbmm)\b|\b(?:key|query)_states\b")
+
+_COMPILED_FUNCTIONS = tuple(
+    (stage, re.compile(rf"(?:{name})$"), re.compile(path) if path else None)
+    for stage, name, path in _FUNCTION_RULES
+)
+_COMPILED_SOURCES = tuple((stage, re.compile(pattern)) for stage, pattern in _SOURCE_RULES)
+_CONTEXT_STAGES = (Stage.MERGE, Stage.EVAL)
+
+
+def parse_frames(text: str) -> list[Frame]:
+    """The frames of every traceback in ``text``, outermost first as printed."""
+    found = _python_frames(text) + _ipython_frames(text) + _rich_frames(text)
+    frames = [frame for _, frame in sorted(found, key=lambda item: item[0])]
+    return frames or _bare_code_lines(text)
+
+
+def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
+    """The stage the frames name (module docstring), or UNKNOWN."""
+    named = [(frame, frame_stage(frame)) for frame in frames]
+    for context in _CONTEXT_STAGES:
+        for frame, stage in named:
+            if stage is context:
+                return StageFinding(stage, f"frame {_describe(frame)}")
+    finding = _deepest_training_stage(named)
+    if finding is not None:
+        return finding
+    for frame in reversed(frames):
+        if _WEAK_FORWARD.search(frame.source):
+            return StageFinding(Stage.FORWARD, f"tensor operation {frame.source.strip()[:60]!r}")
+    return _log_hint(text)
+
+
+def frame_stage(frame: Frame) -> Stage | None:
+    """The stage one frame names: a merge script's file, its source line, then its function."""
+    if _MERGE_FILE.search(frame.path):
+        return Stage.MERGE
+    for stage, pattern in _COMPILED_SOURCES:
+        if pattern.search(frame.source):
+            return stage
+    for stage, name, path in _COMPILED_FUNCTIONS:
+        if name.match(frame.function) and (path is None or path.search(frame.path)):
+            return stage
+    return None
+
+
+def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
+    result: StageFinding | None = None
+    for frame, stage in named:  # outermost first: a deeper frame replaces an outer one ...
+        if stage is None:
+            continue
+        if stage is Stage.FORWARD and result is not None and result.stage is Stage.BACKWARD:
+            continue  # ... except a forward inside backward: checkpoint recomputation
+        result = StageFinding(stage, f"frame {_describe(frame)}")
+    return result
+
+
+def _log_hint(text: str) -> StageFinding:
+    if "doesn't have NCCL built in" in text or "init_process_group" in text:
+        return StageFinding(Stage.SETUP, "process-group initialisation")
+    shards = _SHARDS.findall(text)
+    if shards and int(shards[-1][0]) < int(shards[-1][1]):
+        return StageFinding(Stage.LOAD, "an unfinished 'Loading checkpoint shards' progress bar")
+    return StageFinding(Stage.UNKNOWN, "no frame names a stage")
+
+
+def _describe(frame: Frame) -> str:
+    where = frame.path.replace("\\", "/").rsplit("/", 1)[-1]
+    name = f"{frame.function} ({where})" if frame.function else "code line"
+    source = frame.source.strip()
+    return f"{name}: {source[:60]}" if source else name
+
+
+def _python_frames(text: str) -> list[tuple[int, Frame]]:
+    frames = []
+    for match in _PY_FRAME.finditer(text):
+        path = "".join(match.group("path").split())  # hard-wrapped paths
+        source = _next_source_line(text, match)
+        frames.append((match.start(), Frame(path, match.group("func"), source)))
+    return frames
+
+
+def _next_source_line(text: str, match: re.Match[str]) -> str:
+    line_start = text.rfind("\n", 0, match.start()) + 1
+    prefix = text[line_start : match.start()]
+    rest = text[match.end() :].split("\n", 2)
+    if len(rest) < 2:
+        return ""
+    line = rest[1]
+    if prefix.strip() and line.startswith(prefix.rstrip()):
+        line = line[len(prefix.rstrip()) :]
+    line = _LINE_PREFIX.sub("", line).strip()
+    if "File " in line or set(line) <= set("^~ "):
+        return ""
+    return line
+
+
+def _ipython_frames(text: str) -> list[tuple[int, Frame]]:
+    frames = []
+    for match in _IPY_FRAME.finditer(text):
+        source = _IPY_SOURCE.search(text, match.end())
+        src = source.group("src") if source else ""
+        if source is not None and _IPY_FRAME.search(text, match.end(), source.start()):
+            src = ""  # that arrow belongs to a later frame
+        frames.append((match.start(), Frame(match.group("path"), match.group("func").strip(), src)))
+    return frames
+
+
+def _rich_frames(text: str) -> list[tuple[int, Frame]]:
+    frames = [
+        (match.start(), Frame(match.group("path"), match.group("func"), ""))
+        for match in _RICH_FRAME.finditer(text)
+    ]
+    for source in _RICH_SOURCE.finditer(text):
+        frames.append((source.start(), Frame("", "", source.group("src"))))
+    return frames
+
+
+def _bare_code_lines(text: str) -> list[Frame]:
+    frames = []
+    for raw in text.splitlines():
+        line = _ARROW.sub("", _LINE_PREFIX.sub("", raw))
+        if _CODE_LINE.match(line) and not re.match(r"^\s*\w+(?:\.\w+)*(?:Error|Exception)\b", line):
+            frames.append(Frame("", "", line.strip()))
+    return frames

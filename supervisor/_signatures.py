@@ -1,0 +1,95 @@
+"""Regex families that name a failure from its text, strongest family first.
+
+Each family is a tuple of patterns; :func:`find` returns the first line that matches, for the
+evidence sentence. Only the allocator messages' *numbers* are parsed elsewhere
+(:mod:`qlora_supervise.trainer_child.oom_message`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+_M = re.MULTILINE
+_I = re.IGNORECASE
+
+#: The kernel (or a launcher on its behalf) killed the process: SIGKILL after an OOM kill.
+HOST_KILLED: tuple[re.Pattern[str], ...] = (
+    re.compile(r"Killed\s*$", _M),  # the shell's line; progress bars glue it to their last line
+    re.compile(r"\bkilled\s+python", _I),
+    re.compile(r"Out of memory: Killed process"),
+    re.compile(r"oom-kill(?:er)?\b.*\b(?:python|pid)", _I),
+    re.compile(r"exit\s*code\s*[:=]?\s*(?:-9|137)\b", _I),
+    re.compile(r"return(?:ed)?\s+(?:code|status)\s*(?:=|:)?\s*(?:-9|137)\b", _I),
+    re.compile(r"killed by signal: (?:Killed|SIGKILL)"),
+    re.compile(r"Signal 9 \(SIGKILL\) received"),
+)
+
+#: NCCL errors and watchdog timeouts.
+NCCL: tuple[re.Pattern[str], ...] = (
+    re.compile(r"ProcessGroupNCCL.*(?:Watchdog|timeout|timed out)", _I),
+    re.compile(r"Watchdog caught collective operation timeout"),
+    re.compile(r"\bnccl(?:InternalError|SystemError|UnhandledCudaError|InvalidUsage|RemoteError)\b"),
+    re.compile(r"\bNCCL (?:Error \d|error in:|communicator was aborted)"),
+    re.compile(r"Distributed package doesn't have NCCL built in"),
+)
+
+#: bitsandbytes cannot load its CUDA library (or only has its CPU build).
+BNB_SETUP: tuple[re.Pattern[str], ...] = (
+    re.compile(r"CUDA Setup failed", _I),
+    re.compile(r"compiled without GPU support"),
+    re.compile(r"cadam32bit_grad_fp32"),  # undefined symbol / not found / NoneType has no attribute
+    re.compile(r"undefined symbol: cudaRuntimeGetVersion"),
+    re.compile(r"libbitsandbytes_cuda\w*\.(?:so|dll).*(?:not found|No such file|cannot open|not exist)", _I),
+    re.compile(r"(?:could not|cannot|failed to) (?:find|load)\b.*libbitsandbytes", _I),
+)
+
+#: An accelerator ran out of memory: the caching allocator, the driver, cuBLAS / cuDNN.
+GPU_OOM: tuple[re.Pattern[str], ...] = (
+    # as PyTorch and the drivers print it; a loose "out of memory" in a warning does not count
+    re.compile(r"\b(?:CUDA|HIP|XPU|MPS backend) out of memory\b|\berror: out of memory\b|\(out of memory\)"),
+    re.compile(r"OutOfMemoryError"),
+    re.compile(r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED"),
+    re.compile(r"cudaErrorMemoryAllocation|hipErrorOutOfMemory"),
+    re.compile(r"can NOT allocate memory block with size larger than"),
+    re.compile(r"would exceed allowed memory"),
+)
+
+#: The host allocator failed inside the process (no kill): PyTorch's CPU allocator, Python.
+CPU_OOM: tuple[re.Pattern[str], ...] = (
+    re.compile(r"DefaultCPUAllocator: can't allocate memory"),
+    re.compile(r"(?<![\w.])MemoryError\b"),  # not the tail of OutOfMemoryError
+    re.compile(r"std::bad_alloc"),
+)
+
+#: A failure that is not an out-of-memory, recognisable without its exception line.
+NOT_OOM: tuple[re.Pattern[str], ...] = (
+    re.compile(r"Assertion `.*` failed"),  # device-side assert, printed by the kernel
+    re.compile(r"device-side assert|illegal memory access|misaligned address", _I),
+    re.compile(r"Segmentation fault|Bus error|Floating point exception|core dumped|Fatal Python error"),
+)
+
+#: Where an exception names its class: ``Type: message`` (with rank or log prefixes), a bare
+#: ``Type`` line, or a notebook's ``Type    Traceback (most recent call last)`` header.
+EXCEPTION_LINE = re.compile(
+    r"^[^\S\n]*(?:\[rank\d+\]:\s*|\d+:\s*|[A-Z]+:\s+)?"
+    r"(?P<line>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)\b"
+    r"(?:\([\w.]+\))?(?::.*|\s+Traceback \(most recent call last\).*|\s*))$",
+    re.MULTILINE,
+)
+
+
+def find(patterns: Sequence[re.Pattern[str]], text: str) -> str | None:
+    """The stripped line holding the first match of any of ``patterns``, else None."""
+    for pattern in patterns:
+        match = pattern.search(text)
+        if match is not None:
+            return _line_at(text, match.start(), match.end())
+    return None
+
+
+def _line_at(text: str, start: int, end: int) -> str:
+    line_start = text.rfind("\n", 0, start) + 1
+    line_end = text.find("\n", end)
+    line = " ".join(text[line_start : line_end if line_end >= 0 else len(text)].split())
+    return line if len(line) <= 160 else line[:157] + "..."

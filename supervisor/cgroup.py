@@ -1,0 +1,137 @@
+"""The kernel's OOM-kill counter of this process's cgroup: evidence for ``host_oom``.
+
+A child that died of SIGKILL while the counter went up was killed by the OOM killer (of the
+cgroup: a systemd ``MemoryMax=``, a container limit, or the whole host). The loop reads the
+counter before and after each attempt; the classifier compares the two.
+
+Where the counter lives:
+
+* cgroup v2: ``<mount>/<our cgroup>/memory.events``, line ``oom_kill N`` (counts descendants too);
+* cgroup v1: ``<memory mount>/<our cgroup>/memory.oom_control``, line ``oom_kill N`` (kernel 4.13+).
+
+Our cgroup comes from ``/proc/self/cgroup``, mount points from ``/proc/self/mountinfo``. The child
+runs in the supervisor's cgroup (systemd puts the whole service there), so this counter covers it.
+
+Test / ops seam: the environment variable ``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file
+to read instead (same ``key value`` lines). Tests point it at a fixture; operators can point it
+at the right file when the process's own cgroup is not the one that enforces the limit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_MEMORY_EVENTS = "QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS"
+
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+PROC_SELF_MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+@dataclass(frozen=True)
+class _Mount:
+    root: str  # the cgroup path that the mount point shows as its top
+    point: Path
+
+
+def oom_kill_count(path_override: Path | None = None) -> int | None:
+    """The cgroup's ``oom_kill`` count, or None when no counter can be found or read.
+
+    ``path_override`` (then ``$QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS``) names the file to read.
+    """
+    path = path_override or _env_path() or memory_events_path()
+    return None if path is None else read_oom_kill(path)
+
+
+def read_oom_kill(path: Path) -> int | None:
+    """The ``oom_kill`` value of a ``memory.events`` / ``memory.oom_control`` file, else None."""
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":  # exact key: v2 also has oom_group_kill
+            return int(value) if value.strip().isdigit() else None
+    return None
+
+
+def memory_events_path(
+    proc_cgroup: Path = PROC_SELF_CGROUP, mountinfo: Path = PROC_SELF_MOUNTINFO
+) -> Path | None:
+    """The counter file of this process's cgroup: v2 ``memory.events`` first, then v1."""
+    try:
+        cgroup_lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
+        mount_lines = mountinfo.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    memberships = _memberships(cgroup_lines)
+    for fstype, controller, filename in (
+        ("cgroup2", "", "memory.events"),
+        ("cgroup", "memory", "memory.oom_control"),
+    ):
+        group = memberships.get(controller)
+        mount = _mount(mount_lines, fstype, controller)
+        if group is not None and mount is not None:
+            found = _find_in(mount, group, filename)
+            if found is not None:
+                return found
+    return None
+
+
+def _env_path() -> Path | None:
+    value = os.environ.get(ENV_MEMORY_EVENTS, "").strip()
+    return Path(value) if value else None
+
+
+def _memberships(lines: list[str]) -> dict[str, str]:
+    """Controller -> cgroup path, from ``/proc/self/cgroup`` (``""`` is the v2 hierarchy)."""
+    found: dict[str, str] = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if parts[0] == "0" and controllers == "":
+            found[""] = path
+        for controller in controllers.split(","):
+            if controller:
+                found[controller] = path
+    return found
+
+
+def _mount(lines: list[str], fstype: str, controller: str) -> _Mount | None:
+    """The first mount of ``fstype`` (v1: carrying ``controller``) in ``/proc/self/mountinfo``."""
+    for line in lines:
+        head, sep, tail = line.partition(" - ")
+        fields, tail_fields = head.split(), tail.split()
+        if not sep or len(fields) < 5 or not tail_fields or tail_fields[0] != fstype:
+            continue
+        options = tail_fields[2].split(",") if len(tail_fields) > 2 else []
+        if controller and controller not in options:
+            continue
+        return _Mount(root=_unescape(fields[3]), point=Path(_unescape(fields[4])))
+    return None
+
+
+def _find_in(mount: _Mount, group: str, filename: str) -> Path | None:
+    """Our cgroup's file under the mount; else the nearest ancestor's that the mount shows.
+
+    An ancestor's counter includes ours (it counts descendants): a wider net, still evidence.
+    """
+    relative = group[len(mount.root) :] if group.startswith(mount.root) else group
+    candidate = mount.point / relative.lstrip("/")
+    while True:
+        if (candidate / filename).is_file():
+            return candidate / filename
+        if candidate == mount.point or mount.point not in candidate.parents:
+            return None
+        candidate = candidate.parent
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal.
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field

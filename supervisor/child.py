@@ -1,0 +1,138 @@
+"""Starting and stopping the child process.
+
+The child runs in its own session (so its process group is its own and a Ctrl-C on the
+terminal reaches only the supervisor, which then stops the child on purpose), with its
+output streamed to ``attempt-NNN/child.log``. On Linux it also gets ``PDEATHSIG=SIGTERM``:
+if the supervisor dies, the child checkpoints and exits instead of training on unwatched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from qlora_supervise.trainer_child.protocol import Knobs
+
+_PR_SET_PDEATHSIG = 1
+
+
+def child_argv(spec_path: Path, phase: str) -> list[str]:
+    """The trainer child's command line for one attempt."""
+    module = "qlora_supervise.trainer_child.merge" if phase == "merge" else "qlora_supervise.trainer_child"
+    return [sys.executable, "-m", module, "--spec", str(spec_path)]
+
+
+def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
+    """The attempt's environment: the caller's, plus allocator settings the knobs ask for.
+
+    PyTorch reads ``PYTORCH_ALLOC_CONF`` (2.8+) and the older ``PYTORCH_CUDA_ALLOC_CONF``;
+    both are set so the child's torch version does not matter. The child verifies the effect.
+    """
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    if knobs.expandable_segments:
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+            env[name] = _with_option(env.get(name, ""), "expandable_segments:True")
+    return env
+
+
+def _with_option(conf: str, option: str) -> str:
+    key = option.split(":", 1)[0]
+    parts = [p for p in conf.split(",") if p and not p.startswith(key + ":")]
+    return ",".join([*parts, option])
+
+
+def _set_pdeathsig() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the supervisor's restart still reclaims the orphan from state.json
+
+
+@dataclass
+class ChildProcess:
+    """A running child. ``stop`` is SIGTERM to the group, a grace period, then SIGKILL."""
+
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    started_monotonic: float
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, grace_s: float, sleep: Callable[[float], None] = time.sleep) -> int:
+        """Stop the child and its group; returns its exit status (negative: signal)."""
+        if self.popen.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.popen.poll() is None and time.monotonic() < deadline:
+                sleep(0.1)
+        if self.popen.poll() is None:
+            self.signal_group(signal.SIGKILL)
+        code = self.popen.wait()
+        # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
+        self.signal_group(signal.SIGKILL)
+        return code
+
+
+def spawn_child(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> ChildProcess:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_set_pdeathsig,  # noqa: PLW1509 - only prctl, no locks taken
+        )
+    return ChildProcess(popen, log_path, time.monotonic())
+
+
+def log_tail(path: Path, limit: int = 64 * 1024) -> str:
+    """The last ``limit`` bytes of the child's log (the traceback is at the end)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - limit))
+            return handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def process_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

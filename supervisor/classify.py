@@ -1,0 +1,249 @@
+"""Classify a failure: pure functions from evidence to a :class:`Failure`.
+
+``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
+
+1. **we killed it**: the supervisor stopped a hung child -> ``hang`` (stopped for another
+   reason, e.g. "stop", and nothing below decides -> ``other``, saying so);
+2. **the error report** (the child knows its stage): ``config_error`` -> ``config_error``; a
+   bitsandbytes setup or NCCL error in its text -> ``bnb_cuda_setup`` / ``nccl``; an OOM (GPU,
+   or the CPU allocator under the cap that emulates a small card) -> contention /
+   fragmentation by :mod:`._oom_rules` on ``report.oom_numbers`` (and the NVML sample), else
+   the stage's OOM kind; anything else -> ``other`` at the report's stage;
+3. **exit status + cgroup**: SIGKILL (or exit -9 / 137) with an ``oom_kill`` increment in the
+   cgroup's ``memory.events``, or with ``Killed`` in stderr -> ``host_oom``; SIGKILL with
+   neither -> ``other`` (the evidence says so); ``ExitCode.CONFIG`` -> ``config_error``;
+4. **stderr text**: :func:`classify_text`;
+5. **nothing**: ``other`` (``ExitCode.OOM`` without report or message: the stage is unknown, so
+   ``oom_forward``, the commonest site, whose ladder is the generic remedy).
+
+``classify_text`` (any command's log) follows the labelling order of the failure corpus:
+host kill (``Killed``, exit -9/137, kernel OOM line) -> NCCL -> bitsandbytes setup -> OOM
+(allocator / driver / cuBLAS message, then the host allocator) -> ``other``. An OOM is
+contention, then fragmentation (:mod:`._oom_rules`), then the stage from the frames
+(:mod:`._frames`); an OOM whose frames name no stage is ``oom_forward`` with stage unknown. A
+host-allocator failure (``DefaultCPUAllocator``, ``MemoryError``) with stage frames is that
+stage's OOM, without frames ``host_oom``.
+
+A text with no exception class at all (an excerpt that stops inside the traceback) and no
+non-OOM sign (kernel assertion, illegal access, segfault) is *presumed* an OOM of the stage its
+frames name, and the evidence says "presumed": for a supervisor a missed OOM (restart
+unchanged, fail again, give up) costs more than a needless cheaper rung, and logs handed to an
+OOM supervisor are mostly OOMs. Without stage frames it stays ``other``.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+from collections.abc import Mapping
+from typing import Any
+
+from qlora_supervise.supervisor import _oom_rules, _signatures
+from qlora_supervise.supervisor._frames import StageFinding, parse_frames, stage_from_frames
+from qlora_supervise.supervisor.failure import ChildExit, Failure
+from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
+from qlora_supervise.trainer_child.protocol import (
+    OOM_KIND_BY_STAGE,
+    ErrorReport,
+    ExitCode,
+    FailureKind,
+    Stage,
+)
+
+_SIGKILL_CODES = frozenset({-signals.SIGKILL, 128 + signals.SIGKILL})
+TEXT_WINDOW = 1 << 20  # characters of a log that classify_text reads, from the end
+
+# A traceback cut before its exception line, in one of these stages, is presumed an OOM.
+_PRESUMED_OOM_STAGES = frozenset(
+    {Stage.LOAD, Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER, Stage.EVAL, Stage.MERGE}
+)
+_SIGNATURE_FAMILIES = (
+    (FailureKind.HOST_OOM, _signatures.HOST_KILLED, "kill line"),
+    (FailureKind.NCCL, _signatures.NCCL, "NCCL error"),
+    (FailureKind.BNB_CUDA_SETUP, _signatures.BNB_SETUP, "bitsandbytes setup error"),
+)
+
+
+def classify_text(text: str) -> Failure:
+    """Classify a log or traceback of any command from its text alone (module docstring).
+
+    Only the last :data:`TEXT_WINDOW` characters are read: a failure is at the end of its log,
+    and what came long before (an earlier, recovered error) would only mislead.
+    """
+    text = _window(text)
+    stage = stage_from_frames(parse_frames(text), text)
+    numbers = _oom_rules.derive(parse_numbers(text))
+    for kind, patterns, what in _SIGNATURE_FAMILIES:
+        line = _signatures.find(patterns, text)
+        if line is not None:
+            return _signature_failure(kind, stage, numbers, f"{what} {line!r}")
+    oom_line = _signatures.find(_signatures.GPU_OOM, text)
+    if oom_line is not None:
+        return oom_failure(stage, numbers, _oom_source(text, oom_line), message=oom_line)
+    cpu_line = _signatures.find(_signatures.CPU_OOM, text)
+    if cpu_line is not None:
+        return _host_allocation_failure(stage, numbers, cpu_line)
+    return _other_from_text(text, stage)
+
+
+def _window(text: str) -> str:
+    if len(text) <= TEXT_WINDOW:
+        return text
+    cut = text.find("\n", len(text) - TEXT_WINDOW)
+    return text[cut + 1 :] if cut >= 0 else text[-TEXT_WINDOW:]
+
+
+def classify_exit(
+    exit: ChildExit,
+    report: ErrorReport | None,
+    stderr_tail: str,
+    cgroup_oom_kills: int = 0,
+    gpu_others_bytes: int | None = None,
+    gpu_total_bytes: int | None = None,
+) -> Failure:
+    """Classify how our child ended; precedence in the module docstring."""
+    if exit.killed_by_supervisor == "hang":
+        return Failure(FailureKind.HANG, Stage.UNKNOWN, {}, "supervisor: no progress before the timeout")
+    if report is not None:
+        return _from_report(report, gpu_others_bytes, gpu_total_bytes)
+    from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills)
+    if from_status is not None:
+        return from_status
+    if exit.killed_by_supervisor is not None:
+        why = f"supervisor stopped the child ({exit.killed_by_supervisor}); no error report"
+        return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
+    return _from_stderr(exit, stderr_tail, gpu_others_bytes, gpu_total_bytes)
+
+
+def oom_failure(
+    stage: StageFinding,
+    numbers: Mapping[str, Any],
+    source: str,
+    message: str = "",
+    nvml: tuple[int | None, int | None] = (None, None),
+) -> Failure:
+    """An accelerator OOM: contention, then fragmentation, then the stage's OOM kind."""
+    where = f"stage {stage.stage.value} from {stage.why}"
+    reason = _oom_rules.contention(numbers, *nvml)
+    if reason is not None:
+        why = f"{source}; contention: {reason}; {where}"
+        return Failure(FailureKind.OOM_CONTENTION, stage.stage, numbers, why, message)
+    reason = _oom_rules.fragmentation(numbers)
+    if reason is not None:
+        why = f"{source}; fragmentation: {reason}; {where}"
+        return Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, numbers, why, message)
+    why = f"{source}; {_stage_why(stage)}"
+    return Failure(_stage_kind(stage.stage), stage.stage, numbers, why, message)
+
+
+def _oom_source(text: str, line: str) -> str:
+    messages = [m for m in parse_messages(text) if m.device != "cpu"]
+    if not messages:
+        return f"text: {line[:80]!r}"
+    first = messages[0]
+    more = f" (+{len(messages) - 1} more)" if len(messages) > 1 else ""
+    return f"text: {first.device.upper()} allocator OOM message, {first.format} wording{more}"
+
+
+def _stage_kind(stage: Stage) -> FailureKind:
+    return OOM_KIND_BY_STAGE.get(stage, FailureKind.OOM_FORWARD)
+
+
+def _stage_why(stage: StageFinding) -> str:
+    if stage.stage is Stage.UNKNOWN:
+        return f"{stage.why}: oom_forward, the commonest site"
+    return f"stage {stage.stage.value} from {stage.why}"
+
+
+def _signature_failure(
+    kind: FailureKind, stage: StageFinding, numbers: Mapping[str, Any], what: str
+) -> Failure:
+    where = stage.stage
+    if kind is FailureKind.BNB_CUDA_SETUP and where is Stage.UNKNOWN:
+        where = Stage.SETUP  # bitsandbytes loads its library at import
+    return Failure(kind, where, numbers, f"text: {what}; stage {where.value} from {stage.why}", what)
+
+
+def _host_allocation_failure(stage: StageFinding, numbers: Mapping[str, Any], line: str) -> Failure:
+    if stage.stage is Stage.UNKNOWN:
+        why = f"text: host allocation failed {line!r}; no frame names a stage"
+        return Failure(FailureKind.HOST_OOM, Stage.UNKNOWN, numbers, why, line)
+    why = f"text: host allocation failed {line!r}; {_stage_why(stage)}"
+    return Failure(_stage_kind(stage.stage), stage.stage, numbers, why, line)
+
+
+def _other_from_text(text: str, stage: StageFinding) -> Failure:
+    lines = [match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(text)]
+    known = _signatures.find(_signatures.NOT_OOM, text)
+    if lines or known:
+        line = (known or lines[-1])[:160]
+        why = f"text: not an out-of-memory error {line!r}; stage {stage.stage.value} from {stage.why}"
+        return Failure(FailureKind.OTHER, stage.stage, {}, why, line)
+    if stage.stage in _PRESUMED_OOM_STAGES:
+        why = f"text: traceback cut before its exception line, presumed OOM; {_stage_why(stage)}"
+        return Failure(_stage_kind(stage.stage), stage.stage, {}, why)
+    why = f"text: no exception line and no frame names a stage ({stage.why})"
+    return Failure(FailureKind.OTHER, stage.stage, {}, why)
+
+
+def _report_stage(report: ErrorReport) -> Stage:
+    try:
+        return Stage(report.stage)
+    except ValueError:
+        return Stage.UNKNOWN
+
+
+def _from_report(report: ErrorReport, nvml_others: int | None, nvml_total: int | None) -> Failure:
+    stage = _report_stage(report)
+    text = f"{report.exception_type}: {report.message}\n{report.traceback}"
+    head = f"error report: {report.exception_type} in {stage.value} at step {report.step}"
+    message = f"{report.exception_type}: {report.message}"[:300]
+    if report.config_error:
+        return Failure(FailureKind.CONFIG_ERROR, stage, {}, f"{head}; marked config_error", message)
+    for kind, patterns, what in _SIGNATURE_FAMILIES[1:]:
+        line = _signatures.find(patterns, text)
+        if line is not None and not report.is_oom:
+            return Failure(kind, stage, {}, f"{head}; {what} {line!r}", message)
+    if report.is_oom or _signatures.find(_signatures.GPU_OOM + _signatures.CPU_OOM, message):
+        numbers = _oom_rules.derive(report.oom_numbers or parse_numbers(report.message))
+        finding = StageFinding(stage, "the error report")
+        return oom_failure(finding, numbers, head, message, (nvml_others, nvml_total))
+    return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
+
+
+def _from_exit_status(exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int) -> Failure | None:
+    sigkill = exit.signal == signals.SIGKILL or exit.returncode in _SIGKILL_CODES
+    status = f"signal {exit.signal}" if exit.signal else f"exit code {exit.returncode}"
+    if cgroup_oom_kills > 0 and (sigkill or exit.returncode != 0):
+        why = f"{status}; cgroup memory.events oom_kill +{cgroup_oom_kills}"
+        return Failure(FailureKind.HOST_OOM, _stderr_stage(stderr_tail), {}, why)
+    if sigkill:
+        killed = _signatures.find(_signatures.HOST_KILLED, stderr_tail)
+        if killed is not None:
+            why = f"{status}; no cgroup evidence but stderr says {killed!r}"
+            return Failure(FailureKind.HOST_OOM, _stderr_stage(stderr_tail), {}, why)
+        why = f"{status} without OOM-kill evidence (no cgroup oom_kill, no 'Killed' line)"
+        return Failure(FailureKind.OTHER, _stderr_stage(stderr_tail), {}, why)
+    if exit.returncode == ExitCode.CONFIG:
+        return Failure(FailureKind.CONFIG_ERROR, Stage.UNKNOWN, {}, "exit code CONFIG (71) without a report")
+    return None
+
+
+def _stderr_stage(stderr_tail: str) -> Stage:
+    return stage_from_frames(parse_frames(stderr_tail), stderr_tail).stage
+
+
+def _from_stderr(
+    exit: ChildExit, stderr_tail: str, nvml_others: int | None, nvml_total: int | None
+) -> Failure:
+    text = classify_text(stderr_tail)
+    if text.kind.is_oom and text.kind is not FailureKind.HOST_OOM and nvml_others is not None:
+        stage = StageFinding(text.stage, "stderr frames")
+        text = oom_failure(stage, text.numbers, "stderr", text.message, (nvml_others, nvml_total))
+    if text.kind is not FailureKind.OTHER or text.message:
+        why = f"no error report; stderr {text.evidence}"
+        return Failure(text.kind, text.stage, text.numbers, why, text.message)
+    if exit.returncode == ExitCode.OOM:
+        why = "exit code OOM (70) without a report or message; stage unknown: oom_forward"
+        return Failure(FailureKind.OOM_FORWARD, text.stage, {}, why)
+    why = f"exit code {exit.returncode}; nothing in stderr decides"
+    return Failure(FailureKind.OTHER, text.stage, {}, why)

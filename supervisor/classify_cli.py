@@ -1,0 +1,86 @@
+"""``qlora-supervise classify FILE [--json]``: classify a failure from a log or traceback."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from qlora_supervise.supervisor.classify import classify_text
+from qlora_supervise.supervisor.failure import Failure
+from qlora_supervise.trainer_child.oom_message import parse_numbers
+
+# (key, label) in the order a person reads an OOM message.
+NUMBER_LABELS: tuple[tuple[str, str], ...] = (
+    ("tried_to_allocate", "requested"),
+    ("total_capacity", "total capacity"),
+    ("free", "free"),
+    ("process_in_use", "this process (incl. non-PyTorch)"),
+    ("allowed", "allowed (capped)"),
+    ("already_allocated", "allocated by PyTorch"),
+    ("reserved_total", "reserved by PyTorch"),
+    ("reserved_unallocated", "reserved but unallocated"),
+    ("private_pools", "in private pools"),
+    ("others_in_use", "other processes"),
+)
+
+
+def classify_command(path: str, as_json: bool) -> int:
+    """Print the classification of ``path`` (``-``: standard input). 0 when read, 2 when not."""
+    text = _read(path)
+    if text is None:
+        return 2
+    failure = classify_text(text)
+    if as_json:
+        print(json.dumps(failure.to_json_dict(), sort_keys=False))
+    else:
+        print("\n".join(human_lines(failure, printed=parse_numbers(text).keys())))
+    return 0
+
+
+def human_lines(failure: Failure, printed: Any = ()) -> list[str]:
+    """The failure for a person; numbers not in ``printed`` are marked as derived."""
+    lines = [f"kind      {failure.kind.value}", f"stage     {failure.stage.value}"]
+    numbers = _number_lines(failure.numbers, set(printed))
+    if numbers:
+        lines += ["numbers", *numbers]
+    if failure.message:
+        lines.append(f"message   {failure.message}")
+    lines.append(f"evidence  {failure.evidence}")
+    return lines
+
+
+def format_size(size: int) -> str:
+    """PyTorch's size format: bytes up to 1 KiB, KiB up to 1 MiB, MiB up to 1 GiB, then GiB."""
+    if size <= 1024:
+        return f"{size} bytes"
+    if size <= 1024**2:
+        return f"{size / 1024:.2f} KiB"
+    if size <= 1024**3:
+        return f"{size / 1024**2:.2f} MiB"
+    return f"{size / 1024**3:.2f} GiB"
+
+
+def _number_lines(numbers: Mapping[str, Any], printed: set[str]) -> list[str]:
+    lines = []
+    for key, label in NUMBER_LABELS:
+        if key in numbers:
+            derived = "" if key in printed else "  (derived)"
+            lines.append(f"  {label:<34}{format_size(int(numbers[key]))}{derived}")
+    for pid, size in dict(numbers.get("processes", {})).items():
+        lines.append(f"  {'process ' + str(pid):<34}{format_size(int(size))}")
+    return lines
+
+
+def _read(path: str) -> str | None:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        print(f"qlora-supervise classify: no such file: {path}", file=sys.stderr)
+    except OSError as error:
+        print(f"qlora-supervise classify: cannot read {path}: {error.strerror}", file=sys.stderr)
+    return None

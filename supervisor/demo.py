@@ -1,0 +1,80 @@
+"""``qlora-supervise make-tiny`` and ``qlora-supervise demo``.
+
+The demo makes the tiny model, then supervises a job whose first config does not fit a
+deliberately small memory cap (``RLIMIT_DATA`` on the CPU), so the child hits *real*
+allocation failures inside torch, and the ladder has to find a config that fits. It ends
+with the retry story read back from the journal.
+
+The tiny model is built by the trainer child's own module in a child process: the supervisor
+never imports torch, not even here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.rundir import RunDir
+from qlora_supervise.supervisor.status import print_story
+
+#: The demo's first config: micro-batch 8 without gradient checkpointing needs well over the
+#: cap on the tiny model (its logits and activations grow with micro_batch * seq_len), while
+#: checkpointing plus a smaller micro-batch fits. Numbers measured on the CPU, see README.
+DEMO_TRAIN = {
+    "micro_batch_size": 8,
+    "effective_batch_size": 8,
+    "gradient_checkpointing": False,
+    "max_seq_len": 512,
+    "max_steps": 12,
+    "save_steps": 4,
+    "logging_steps": 1,
+}
+DEMO_CPU_CAP = "3GiB"
+
+
+def make_tiny_command(directory: str) -> int:
+    """Write the tiny model, dataset and job.yaml into ``directory``."""
+    return _make_tiny(Path(directory))
+
+
+def _make_tiny(directory: Path) -> int:
+    command = [sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(directory)]
+    return subprocess.run(command, check=False).returncode
+
+
+def demo_command(directory: str) -> int:
+    root = Path(directory).resolve()
+    tiny = root / "tiny"
+    if not (tiny / "job.yaml").exists():
+        print(f"making the tiny model in {tiny} ...", file=sys.stderr, flush=True)
+        if _make_tiny(tiny) != 0:
+            raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)")
+    job_path = write_demo_job(tiny / "job.yaml", root)
+    print(f"supervising {job_path} (cpu_memory_limit {DEMO_CPU_CAP}: the first config will not fit)",
+          file=sys.stderr, flush=True)
+    from qlora_supervise.supervisor.run import run_job
+
+    code = run_job(str(job_path))
+    print("\n--- the retry story (qlora-supervise status) ---", flush=True)
+    print_story(RunDir(root / "run"), sys.stdout)
+    return code
+
+
+def write_demo_job(tiny_job: Path, root: Path) -> Path:
+    """The tiny job with a first config too big for the demo's memory cap."""
+    job: dict[str, Any] = yaml.safe_load(tiny_job.read_text(encoding="utf-8"))
+    base = tiny_job.parent
+    job["model"]["path"] = str((base / job["model"]["path"]).resolve())
+    job["data"]["path"] = str((base / job["data"]["path"]).resolve())
+    job["train"].update(DEMO_TRAIN)
+    job["resources"] = {"gpu": "cpu", "cpu_memory_limit": DEMO_CPU_CAP}
+    job.setdefault("supervise", {})["hang_timeout"] = "5m"
+    job["output_dir"] = str(root / "run")
+    path = root / "demo-job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False), encoding="utf-8")
+    return path

@@ -1,0 +1,100 @@
+"""The supervisor's structured log: JSON lines in ``events.jsonl``, readable lines on the console.
+
+Event names are stable (people and tools rely on them): ``run_started``, ``run_resumed``,
+``attempt_started``, ``child_exited``, ``failure_classified``, ``retry``,
+``waiting_for_memory``, ``memory_available``, ``hang_detected``, ``stop_requested``,
+``stopped``, ``gave_up``, ``run_succeeded``, ``journal_line_unreadable``, ``report_unreadable``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+STABLE_EVENTS = frozenset(
+    {
+        "run_started",
+        "run_resumed",
+        "attempt_started",
+        "child_exited",
+        "failure_classified",
+        "retry",
+        "waiting_for_memory",
+        "memory_available",
+        "hang_detected",
+        "stop_requested",
+        "stopped",
+        "gave_up",
+        "run_succeeded",
+    }
+)
+
+
+class _Tee:
+    """Final processor: one JSON line to the events file, a readable line to the console."""
+
+    def __init__(self, events_path: Path, console: TextIO | None) -> None:
+        events_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = events_path.open("a", encoding="utf-8")
+        self._console = console
+        self._render = structlog.dev.ConsoleRenderer(colors=bool(console and console.isatty()))
+
+    def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
+        self._file.write(json.dumps(dict(event_dict), default=str, sort_keys=False) + "\n")
+        self._file.flush()
+        if self._console is None:
+            return ""
+        return str(self._render(logger, method, _console_view(event_dict)))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _console_view(event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    # Nested numbers and knobs are for tools; the console shows the flat fields and the "why".
+    return {k: v for k, v in event_dict.items() if not isinstance(v, dict | list) or k == "changes"}
+
+
+class _Console:
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream
+
+    def msg(self, message: str) -> None:
+        if self._stream is not None and message:
+            print(message, file=self._stream, flush=True)
+
+    info = warning = error = msg
+
+
+def _timestamp(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    event_dict["time"] = round(time.time(), 3)
+    return event_dict
+
+
+def open_event_log(events_path: Path, console: TextIO | None = sys.stderr) -> Any:
+    """A structlog logger bound to this run's events file (and the console when given)."""
+    tee = _Tee(events_path, console)
+    return structlog.wrap_logger(
+        _Console(console),
+        processors=[structlog.processors.add_log_level, _timestamp, tee],
+        wrapper_class=structlog.BoundLogger,
+    )
+
+
+def read_events(events_path: Path) -> list[dict[str, Any]]:
+    """The events of a run (a torn last line is skipped)."""
+    events: list[dict[str, Any]] = []
+    if not events_path.is_file():
+        return events
+    for line in events_path.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events

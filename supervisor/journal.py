@@ -1,0 +1,150 @@
+"""The run directory's durable record: ``state.json`` and ``attempts.jsonl``.
+
+``attempts.jsonl`` is the source of truth: one line per finished attempt, appended and fsynced
+before anything acts on the decision it holds. ``state.json`` (written atomically) says what is
+in flight: the attempt running now, its child's pid and knobs. A supervisor killed at any
+moment finds either a finished attempt in the journal (and carries out its decision) or an
+in-flight attempt in the state (and finishes or reclaims it); it never loses a line.
+
+A torn last line (a kill during the append) is ignored on read and logged by the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qlora_supervise.trainer_child.protocol import Knobs, write_text_atomic
+
+
+class RunState(str, enum.Enum):
+    """The supervisor's state machine, as saved in ``state.json``::
+
+        STARTING -> RUNNING -> (child exits) -> BACKOFF -> RUNNING ...
+                       |                     -> WAITING (contention) -> RUNNING
+                       |                     -> GAVE_UP | FAILED
+                       +-> SUCCEEDED (adapter written; merged when asked)
+        any -> STOPPED (SIGTERM/SIGINT; resumable: the same command continues)
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    WAITING = "waiting"
+    SUCCEEDED = "succeeded"
+    GAVE_UP = "gave_up"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The attempt that is running (or was, when the supervisor died)."""
+
+    number: int
+    phase: str  # "train" or "merge"
+    knobs: Knobs
+    resumed_from: int
+    pid: int | None
+    started_at: float
+
+
+@dataclass(frozen=True)
+class State:
+    run_state: RunState
+    knobs: Knobs  # the knobs the next (or current) attempt runs with
+    phase: str = "train"
+    in_flight: InFlight | None = None
+    reset_optimizer: bool = False  # the next attempt starts the optimizer afresh
+    fresh_start: bool = False  # the next attempt must not resume (adapter shape changed)
+    note: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> State:
+        flight = raw.get("in_flight")
+        return cls(
+            run_state=RunState(raw["run_state"]),
+            knobs=Knobs(**raw["knobs"]),
+            phase=raw.get("phase", "train"),
+            in_flight=InFlight(**{**flight, "knobs": Knobs(**flight["knobs"])}) if flight else None,
+            reset_optimizer=bool(raw.get("reset_optimizer", False)),
+            fresh_start=bool(raw.get("fresh_start", False)),
+            note=str(raw.get("note", "")),
+        )
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One line of ``attempts.jsonl``: a finished attempt, its failure and the decision taken."""
+
+    attempt: int
+    phase: str
+    knobs: Mapping[str, Any]
+    outcome: str  # "succeeded", "failed", "stopped", "interrupted"
+    started_at: float
+    ended_at: float
+    exit_code: int | None
+    signal: int | None
+    resumed_from: int
+    steps_completed: int  # the last optimizer step this attempt finished
+    next_resume_from: int | None  # where the next attempt starts (None: no next attempt)
+    lost_steps: int
+    peak_memory: Mapping[str, int | None] = field(default_factory=dict)
+    failure: Mapping[str, Any] | None = None  # kind, stage, numbers, evidence, message
+    decision: Mapping[str, Any] | None = None  # action, rung, changes, why, survives
+
+    @property
+    def steps_progressed(self) -> int:
+        return max(0, self.steps_completed - self.resumed_from)
+
+    def to_line(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str) + "\n"
+
+
+def write_state(path: Path, state: State) -> None:
+    write_text_atomic(path, state.to_json())
+
+
+def read_state(path: Path) -> State | None:
+    """The saved state, or None when absent or unreadable (the caller logs which)."""
+    try:
+        return State.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def append_attempt(path: Path, record: AttemptRecord) -> None:
+    """Append one line and fsync: the decision is durable before the loop acts on it."""
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(record.to_line())
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
+    """The journal's records and the number of lines that could not be read (torn or corrupt)."""
+    if not path.is_file():
+        return [], 0
+    records: list[AttemptRecord] = []
+    bad = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(AttemptRecord(**json.loads(line)))
+        except (ValueError, TypeError):
+            bad += 1
+    return records, bad
+
+
+def knobs_from_record(record: AttemptRecord) -> Knobs:
+    return Knobs(**record.knobs)

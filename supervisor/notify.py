@@ -1,0 +1,81 @@
+"""systemd's ``sd_notify`` protocol, standard library only: READY, STATUS, WATCHDOG, STOPPING.
+
+With ``Type=notify`` systemd considers the service started when the supervisor sends
+``READY=1``, shows the last ``STATUS=`` line in ``systemctl status``, and (with ``WatchdogSec=``)
+restarts the service when ``WATCHDOG=1`` pings stop. Messages are datagrams to the socket named
+by ``$NOTIFY_SOCKET`` (a leading ``@`` names the abstract namespace). Without the variable every
+call is a no-op that returns False, so the supervisor calls these unconditionally.
+
+The unit uses ``NotifyAccess=main``: only the supervisor's messages count, never the child's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+NOTIFY_SOCKET = "NOTIFY_SOCKET"
+
+
+def notify(**fields: str | int | float | bool) -> bool:
+    """Send ``KEY=value`` lines (keys upper-cased; True -> 1). False when not under systemd or on error."""
+    address = _address()
+    if address is None or not fields:
+        return False
+    message = "".join(f"{key.upper()}={_value(value)}\n" for key, value in fields.items())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode("utf-8"))
+    except OSError:  # systemd went away or the socket is not ours: notifying is best effort
+        return False
+    return True
+
+
+def ready(status_text: str | None = None) -> bool:
+    """The service is up (``Type=notify`` waits for this)."""
+    return notify(ready=1, **({"status": status_text} if status_text else {}))
+
+
+def status(text: str) -> bool:
+    """One line for ``systemctl status`` (attempt, step, last failure...)."""
+    return notify(status=text)
+
+
+def watchdog() -> bool:
+    """Ping the watchdog; call at least every :func:`watchdog_interval_s` / 2 seconds."""
+    return notify(watchdog=1)
+
+
+def stopping(status_text: str | None = None) -> bool:
+    """The service is shutting down (checkpointing the child first, perhaps for minutes)."""
+    return notify(stopping=1, **({"status": status_text} if status_text else {}))
+
+
+def extend_timeout(seconds: float) -> bool:
+    """Ask systemd for ``seconds`` more before its start/stop timeout fires (systemd 236+)."""
+    return notify(extend_timeout_usec=int(seconds * 1_000_000))
+
+
+def watchdog_interval_s() -> float | None:
+    """``WatchdogSec=`` in seconds when the watchdog is on for this process, else None."""
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    pid = os.environ.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 1_000_000
+
+
+def _address() -> str | None:
+    value = os.environ.get(NOTIFY_SOCKET, "")
+    if value.startswith("@"):
+        return "\0" + value[1:]  # abstract namespace
+    if value.startswith("/"):
+        return value
+    return None  # unset, or a kind we do not speak (vsock:)
+
+
+def _value(value: str | int | float | bool) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value).replace("\n", " ")  # a newline would start a new field

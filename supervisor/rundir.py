@@ -1,0 +1,73 @@
+"""The layout of a run directory (the job's ``output_dir``). Paths only; no policy."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def job_copy(self) -> Path:
+        return self.root / "job.yaml"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def attempts(self) -> Path:
+        return self.root / "attempts.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def adapter(self) -> Path:
+        return self.root / "adapter"
+
+    @property
+    def merged(self) -> Path:
+        return self.root / "merged"
+
+    def attempt_dir(self, number: int) -> Path:
+        return self.root / f"attempt-{number:03d}"
+
+    def superseded_checkpoints(self, number: int) -> Path:
+        """Where checkpoints go when attempt ``number`` changes the adapter's shape."""
+        return self.root / f"checkpoints-before-attempt-{number:03d}"
+
+    def lock(self) -> IO[str]:
+        """Hold an exclusive lock on the run directory for the life of the returned file.
+
+        Two supervisors on one run directory would race on the journal and the checkpoints.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        handle = (self.root / ".lock").open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise SupervisorExit(
+                SupervisorExitCode.BAD_JOB,
+                f"another qlora-supervise is running on {self.root} (lock held); "
+                "stop it first or choose another output_dir",
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        return handle

@@ -1,0 +1,124 @@
+"""Helpers for the trainer-child tests: the tiny model (built once per session), attempt
+specs written directly (no job.yaml parsing) and real child processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, ErrorReport, Knobs, TrainSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, tokenizer and dataset, written once per test session (in a subprocess,
+    so the test process itself never imports torch)."""
+    directory = tmp_path_factory.mktemp("tiny")
+    subprocess.run([sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(directory)],
+                   check=True, env=child_env(), capture_output=True)
+    return directory
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def make_spec(tiny: Path, run_dir: Path, attempt: int = 1, *, knobs: dict[str, Any] | None = None,
+              train: dict[str, Any] | None = None, data: dict[str, Any] | None = None,
+              **fields: Any) -> AttemptSpec:
+    """An attempt on the tiny model: 8 steps of effective batch 8 at seq 128 unless told."""
+    attempt_dir = run_dir / f"attempt-{attempt:03d}"
+    knob_values = {"model": str(tiny / "model"), "micro_batch_size": 2, "grad_accum": 4, "max_seq_len": 128,
+                   **(knobs or {})}
+    train_values = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "warmup_ratio": 0.0,
+                    "learning_rate": 2e-3, **(train or {})}
+    return AttemptSpec(
+        attempt=attempt,
+        run_dir=str(run_dir),
+        knobs=Knobs(**knob_values),
+        data=DataSpec(**{"path": str(tiny / "data.jsonl"), **(data or {})}),
+        train=TrainSpec(**train_values),
+        events_file=str(attempt_dir / "child-events.jsonl"),
+        error_file=str(attempt_dir / "error.json"),
+        checkpoints_dir=str(run_dir / "checkpoints"),
+        adapter_dir=str(run_dir / "adapter"),
+        merged_dir=str(run_dir / "merged"),
+        device="cpu",
+        **{"heartbeat_interval": 1.0, **fields},
+    )
+
+
+def next_spec(spec: AttemptSpec, **changes: Any) -> AttemptSpec:
+    """The following attempt with changed knobs (and fields), like a supervisor restart."""
+    attempt = spec.attempt + 1
+    attempt_dir = Path(spec.run_dir) / f"attempt-{attempt:03d}"
+    knobs = dataclasses.replace(spec.knobs, **changes.pop("knobs", {}))
+    return dataclasses.replace(spec, attempt=attempt, knobs=knobs,
+                               events_file=str(attempt_dir / "child-events.jsonl"),
+                               error_file=str(attempt_dir / "error.json"), **changes)
+
+
+def write_spec(spec: AttemptSpec) -> Path:
+    path = Path(spec.events_file).parent / "spec.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(spec.to_json(), encoding="utf-8")
+    return path
+
+
+def start_child(spec: AttemptSpec, module: str = "qlora_supervise.trainer_child",
+                **env: str) -> subprocess.Popen[str]:
+    path = write_spec(spec)
+    log = open(path.parent / "child.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, "-m", module, "--spec", str(path)], cwd=ROOT,
+                            env=child_env(**env), stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def run_child(spec: AttemptSpec, timeout: float = 180, module: str = "qlora_supervise.trainer_child",
+              **env: str) -> int:
+    child = start_child(spec, module, **env)
+    try:
+        return child.wait(timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def events(spec: AttemptSpec) -> list[dict[str, Any]]:
+    path = Path(spec.events_file)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_event(spec: AttemptSpec, predicate: Any, child: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in events(spec):
+            if predicate(event):
+                return event
+        if child.poll() is not None:
+            raise AssertionError(f"child exited {child.returncode} before the event; log: {log_tail(spec)}")
+        time.sleep(0.2)
+    raise AssertionError(f"no such event within {timeout}s; log: {log_tail(spec)}")
+
+
+def report(spec: AttemptSpec) -> ErrorReport:
+    return ErrorReport.from_json(Path(spec.error_file).read_text())
+
+
+def log_tail(spec: AttemptSpec, chars: int = 4000) -> str:
+    path = Path(spec.events_file).parent / "child.log"
+    return path.read_text()[-chars:] if path.exists() else "(no log)"

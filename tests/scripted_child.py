@@ -1,0 +1,158 @@
+"""A scripted stand-in for the trainer child (tests only): injected faults, real processes.
+
+It speaks the real protocol (spec file in, heartbeats, checkpoints with the completion
+marker, error report, reserved exit codes) but trains nothing, so the supervisor's loop can be
+tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a JSON file:
+``{"1": "oom_forward@3", "2": "hang@2", "default": "ok"}``. Behaviours:
+
+* ``ok`` - train to max_steps, save the adapter, exit 0
+* ``oom_forward@N`` / ``oom_backward@N`` - fail with a CUDA-style OOM report at step N,
+  with an emergency checkpoint of step N-1 (``oom_optimizer@N``: none)
+* ``fragmentation@N`` - an OOM whose numbers show reserved-but-unallocated memory
+* ``hang@N`` - stop making progress at step N (heartbeats continue, the step does not)
+* ``sigkill@N`` - kill itself with SIGKILL at step N (a host OOM kill when the test also
+  bumps the cgroup ``oom_kill`` file named by ``$SCRIPTED_CHILD_OOM_EVENTS``)
+* ``config_error`` - exit with the config-error code and report
+* ``slow`` - like ``ok`` but 0.5 s per step (for signal tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from qlora_supervise.trainer_child.protocol import (
+    CHECKPOINT_COMPLETE_MARKER,
+    AttemptSpec,
+    ErrorReport,
+    ExitCode,
+    event_line,
+    write_text_atomic,
+)
+
+OOM_MESSAGE = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+    "of 23.55 GiB of which 1.10 GiB is free. Including non-PyTorch memory, this process has 22.44 GiB "
+    "memory in use. Of the allocated memory {alloc} is allocated by PyTorch, and {unalloc} is reserved "
+    "by PyTorch but unallocated."
+)
+
+
+class Child:
+    def __init__(self, spec: AttemptSpec) -> None:
+        self.spec = spec
+        self.events = open(spec.events_file, "a", encoding="utf-8")  # noqa: SIM115 - lives with the process
+        self.step = _resume_step(spec)
+        self.stop = False
+        signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, _s: int, _f: object) -> None:
+        self.stop = True
+
+    def emit(self, event: str, **fields: object) -> None:
+        self.events.write(event_line(event, **fields))
+        self.events.flush()
+
+    def checkpoint(self, step: int, emergency: bool = False) -> str:
+        root = Path(self.spec.checkpoints_dir)
+        tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "adapter.bin").write_text(json.dumps({"step": step, "r": self.spec.knobs.lora_r}))
+        (tmp / CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps({"step": step, "emergency": emergency}))
+        final = root / f"checkpoint-{step}"
+        if final.exists():
+            return str(final)
+        tmp.rename(final)
+        self.emit("checkpoint_saved", step=step, path=str(final), emergency=emergency)
+        return str(final)
+
+    def fail(self, stage: str, exc: str, message: str, code: ExitCode, emergency: bool) -> int:
+        ckpt = self.checkpoint(self.step, emergency=True) if emergency and self.step > 0 else None
+        report = ErrorReport(
+            exit_code=int(code),
+            exception_type=exc,
+            message=message,
+            traceback=f"Traceback (most recent call last):\n{exc}: {message}",
+            stage=stage,
+            step=self.step,
+            is_oom=code == ExitCode.OOM,
+            config_error=code == ExitCode.CONFIG,
+            device="cuda:0",
+            emergency_checkpoint=ckpt,
+            emergency_step=self.step if ckpt else None,
+        )
+        write_text_atomic(self.spec.error_file, report.to_json())
+        print(f"{exc}: {message}", file=sys.stderr)
+        return int(code)
+
+    def run(self, behaviour: str) -> int:
+        name, _, at = behaviour.partition("@")
+        fail_at = int(at) if at else -1
+        if name == "config_error":
+            return self.fail(
+                "load", "ConfigError", "target_modules ['q'] matched no layer", ExitCode.CONFIG, False
+            )
+        max_steps = self.spec.train.max_steps
+        self.emit("started", pid=os.getpid(), max_steps=max_steps, step=self.step, stage="load")
+        while self.step < max_steps:
+            if self.stop:
+                self.checkpoint(self.step)
+                self.emit("stopping", step=self.step)
+                return int(ExitCode.STOPPED)
+            if self.step + 1 == fail_at:
+                return self._fault(name)
+            time.sleep(0.5 if name == "slow" else 0.02)
+            self.step += 1
+            self.emit("heartbeat", step=self.step, stage="forward", loss=2.0 / self.step, peak=1000 * self.step)
+            if self.step % self.spec.train.save_steps == 0:
+                self.checkpoint(self.step)
+        Path(self.spec.adapter_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.spec.adapter_dir) / "adapter_config.json").write_text("{}")
+        self.emit("finished", step=self.step)
+        return 0
+
+    def _fault(self, name: str) -> int:
+        if name in ("oom_forward", "oom_backward", "oom_optimizer"):
+            stage = name.removeprefix("oom_")
+            message = OOM_MESSAGE.format(alloc="21.90 GiB", unalloc="120.00 MiB")
+            return self.fail(stage, "torch.OutOfMemoryError", message, ExitCode.OOM, stage != "optimizer")
+        if name == "fragmentation":
+            message = OOM_MESSAGE.format(alloc="15.20 GiB", unalloc="6.90 GiB")
+            return self.fail("backward", "torch.OutOfMemoryError", message, ExitCode.OOM, True)
+        if name == "hang":
+            while True:  # heartbeats go on, the step does not move
+                self.emit("heartbeat", step=self.step, stage="forward")
+                time.sleep(0.1)
+        if name == "sigkill":
+            events = os.environ.get("SCRIPTED_CHILD_OOM_EVENTS")
+            if events:
+                Path(events).write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+            print("Killed", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise SystemExit(f"unknown scripted behaviour {name!r}")
+
+
+def _resume_step(spec: AttemptSpec) -> int:
+    if not spec.resume_from:
+        return 0
+    marker = json.loads((Path(spec.resume_from) / CHECKPOINT_COMPLETE_MARKER).read_text())
+    return int(marker["step"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    args = parser.parse_args()
+    spec = AttemptSpec.from_json(Path(args.spec).read_text())
+    plan = json.loads(Path(os.environ["SCRIPTED_CHILD_PLAN"]).read_text())
+    behaviour = plan.get(str(spec.attempt), plan.get("default", "ok"))
+    return Child(spec).run(behaviour)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

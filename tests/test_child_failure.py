@@ -1,0 +1,45 @@
+"""Failure classification inside the child: OOM recognition and the numbers of the message."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlora_supervise.trainer_child.failure import ConfigError, capture, is_oom, oom_numbers
+from qlora_supervise.trainer_child.protocol import ExitCode, Stage
+
+CPU_MESSAGE = (
+    "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 268435456 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def test_cpu_allocator_message_gives_tried_to_allocate() -> None:
+    """The CPU allocator's message yields tried_to_allocate in bytes even without the shared parser."""
+    assert oom_numbers(CPU_MESSAGE)["tried_to_allocate"] == 268435456
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError(CPU_MESSAGE),
+        MemoryError(),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ],
+)
+def test_memory_failures_are_oom(exc: BaseException) -> None:
+    """Each memory failure message or type is recognised as an OOM."""
+    assert is_oom(exc)
+
+
+def test_wrapped_oom_and_config_error_codes() -> None:
+    """An OOM wrapped by a library keeps exit 70; a ConfigError gives 71; anything else 72."""
+    try:
+        try:
+            raise MemoryError()
+        except MemoryError as inner:
+            raise ValueError("library wrapper") from inner
+    except ValueError as exc:
+        assert capture(exc, Stage.FORWARD, 3).exit_code is ExitCode.OOM
+    assert capture(ConfigError("bad field"), Stage.LOAD, 0).exit_code is ExitCode.CONFIG
+    assert capture(KeyError("x"), Stage.FORWARD, 0).exit_code is ExitCode.FAILED

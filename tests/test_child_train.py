@@ -1,0 +1,61 @@
+"""The trainer child trains the tiny model on the CPU through the real 4-bit QLoRA path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _child import events, log_tail, make_spec, next_spec, report, run_child, tiny_dir  # noqa: F401
+
+from qlora_supervise.trainer_child.protocol import ExitCode, Knobs
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_job_trains_to_completion_and_loss_falls(tiny_dir: Path, tmp_path: Path) -> None:
+    """Twelve optimizer steps with 4-bit layers and paged_adamw_8bit finish, write an adapter, and the loss falls."""
+    spec = make_spec(tiny_dir, tmp_path, train={"max_steps": 12, "save_steps": 6})
+    assert spec.knobs.optimizer == Knobs(model="m").optimizer == "paged_adamw_8bit"
+    assert run_child(spec) == ExitCode.OK, log_tail(spec)
+    seen = events(spec)
+    loaded = next(e for e in seen if e["event"] == "loaded")
+    assert loaded["linear4bit"] > 0 and 0 < loaded["trainable_share"] < 0.5
+    by_step = {e["step"]: e["loss"] for e in seen if e["event"] == "heartbeat" and e["step"] > 0}
+    assert sorted(by_step) == list(range(1, 13))
+    assert by_step[12] < by_step[1] - 1.0, by_step  # from ln(vocab) ~ 6.9 towards the digits' entropy
+    steps = [e["step"] for e in seen if e["event"] == "checkpoint_saved"]
+    assert steps == [6, 12]
+    finished = next(e for e in seen if e["event"] == "finished")
+    assert finished["step"] == 12
+    assert (Path(spec.adapter_dir) / "adapter_model.safetensors").is_file()
+    started = next(e for e in seen if e["event"] == "started")
+    assert started["vmdata"] > 0 and started["expandable_segments_active"] is None  # CPU: not applicable
+
+    merge = next_spec(spec, knobs={"merge_on_cpu": True})
+    assert run_child(merge, module="qlora_supervise.trainer_child.merge") == ExitCode.OK, log_tail(merge)
+    assert (Path(spec.merged_dir) / "config.json").is_file()
+    assert not list(Path(spec.merged_dir).glob("adapter_*"))
+
+
+def test_messages_field_is_rendered_with_the_chat_template(tiny_dir: Path, tmp_path: Path) -> None:
+    """A chat dataset trains through the tokenizer's chat template."""
+    spec = make_spec(tiny_dir, tmp_path, data={"text_field": None, "messages_field": "messages"},
+                     train={"max_steps": 2, "save_steps": 100})
+    assert run_child(spec) == ExitCode.OK, log_tail(spec)
+
+
+def test_target_modules_matching_nothing_is_a_config_error(tiny_dir: Path, tmp_path: Path) -> None:
+    """target_modules that match no layer exit 71 with a report listing the model's linear layers."""
+    spec = make_spec(tiny_dir, tmp_path, train={"target_modules": ("query_key_value",)})
+    assert run_child(spec) == ExitCode.CONFIG, log_tail(spec)
+    failure = report(spec)
+    assert failure.config_error and failure.stage == "load" and not failure.is_oom
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert name in failure.message
+
+
+def test_missing_text_field_is_a_config_error(tiny_dir: Path, tmp_path: Path) -> None:
+    """A text field the dataset lacks exits 71 naming the field and the columns it has."""
+    spec = make_spec(tiny_dir, tmp_path, data={"text_field": "prompt"})
+    assert run_child(spec) == ExitCode.CONFIG, log_tail(spec)
+    assert "'prompt'" in report(spec).message and "messages" in report(spec).message

@@ -1,0 +1,201 @@
+"""The supervisor loop with scripted children: real processes, injected faults, seconds per test."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from qlora_supervise.supervisor.eventlog import read_events
+from qlora_supervise.supervisor.journal import read_attempts, read_state
+from qlora_supervise.supervisor.run import run_job
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_scripted import scripted_seams  # noqa: E402
+
+MAX_STEPS = 10
+
+
+def _job(tmp_path: Path, plan: dict[str, str], **supervise: Any) -> Path:
+    """A valid job for a fake model dir, and the scripted child's plan."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(20)))
+    job = {
+        "model": {"path": "model"},
+        "data": {"path": "data.jsonl"},
+        "train": {
+            "micro_batch_size": 4,
+            "effective_batch_size": 8,
+            "gradient_checkpointing": False,
+            "max_steps": MAX_STEPS,
+            "save_steps": 4,
+            "max_seq_len": 256,
+        },
+        "resources": {"gpu": "cpu"},
+        "supervise": {"hang_timeout": "2s", "backoff_initial": "0.05s", "backoff_max": "0.2s", **supervise},
+        "output_dir": "run",
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    os.environ["SCRIPTED_CHILD_PLAN"] = str(plan_path)
+    return path
+
+
+def _run(job: Path) -> int:
+    return run_job(str(job), plain=True, seams=scripted_seams(), console=io.StringIO(), install_signals=False)
+
+
+def _events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == name]
+
+
+def test_forward_oom_is_retried_with_checkpointing_and_loses_no_step(tmp_path: Path) -> None:
+    """A forward OOM at step 3 restarts with gradient checkpointing from the emergency checkpoint."""
+    code = _run(_job(tmp_path, {"1": "oom_forward@3"}))
+    assert code == 0
+    records, bad = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert bad == 0 and [r.outcome for r in records] == ["failed", "succeeded"]
+    first, second = records
+    assert first.failure is not None and first.failure["kind"] == "oom_forward"
+    assert first.failure["stage"] == "forward"
+    assert first.decision is not None and first.decision["rung"] == "gradient_checkpointing"
+    assert first.decision["changes"] == {"gradient_checkpointing": [False, True]}
+    assert first.steps_completed == 2 and first.next_resume_from == 2 and first.lost_steps == 0
+    assert second.resumed_from == 2 and second.steps_completed == MAX_STEPS
+    assert second.knobs["micro_batch_size"] * second.knobs["grad_accum"] == 8
+    retry = _events(tmp_path, "retry")[0]
+    assert retry["failed"] == "oom_forward" and retry["lost_steps"] == 0
+    assert retry["numbers"]["tried_to_allocate"] == 2 * 1024**3
+    assert _events(tmp_path, "run_succeeded")
+    assert read_state(tmp_path / "run" / "state.json").run_state.value == "succeeded"  # type: ignore[union-attr]
+
+
+def test_second_forward_oom_halves_micro_batch_keeping_effective_batch(tmp_path: Path) -> None:
+    """Two forward OOMs climb to the second rung: half the micro-batch, twice the accumulation."""
+    assert _run(_job(tmp_path, {"1": "oom_forward@2", "2": "oom_forward@5"})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    third = records[2]
+    assert (third.knobs["micro_batch_size"], third.knobs["grad_accum"]) == (2, 4)
+    assert third.knobs["gradient_checkpointing"] is True
+    assert sum(r.lost_steps for r in records) == 0
+
+
+def test_fragmentation_sets_expandable_segments_in_the_child_env(tmp_path: Path) -> None:
+    """An OOM with large reserved-but-unallocated memory restarts with expandable_segments."""
+    assert _run(_job(tmp_path, {"1": "fragmentation@3"})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[0].failure is not None and records[0].failure["kind"] == "oom_fragmentation"
+    assert records[0].decision is not None and records[0].decision["rung"] == "expandable_segments"
+    assert records[1].knobs["expandable_segments"] is True
+
+
+def test_hung_child_is_stopped_and_restarted(tmp_path: Path) -> None:
+    """A child whose step stops advancing for hang_timeout is killed, classified hang, and retried."""
+    started = time.monotonic()
+    assert _run(_job(tmp_path, {"1": "hang@3"})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[0].failure is not None and records[0].failure["kind"] == "hang"
+    assert records[0].decision is not None and records[0].decision["rung"] == "retry_unchanged"
+    assert records[1].outcome == "succeeded"
+    assert _events(tmp_path, "hang_detected")
+    assert time.monotonic() - started < 30
+
+
+def test_sigkill_with_cgroup_oom_evidence_is_host_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child SIGKILLed while the cgroup's oom_kill counter rises is classified host_oom."""
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+    monkeypatch.setenv("QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS", str(events))
+    monkeypatch.setenv("SCRIPTED_CHILD_OOM_EVENTS", str(events))
+    assert _run(_job(tmp_path, {"1": "sigkill@3"})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[0].signal == signal.SIGKILL
+    assert records[0].failure is not None and records[0].failure["kind"] == "host_oom"
+
+
+def test_config_error_stops_at_once_with_exit_4(tmp_path: Path) -> None:
+    """A config error in the child is never retried: exit 4 after one attempt, with the reason logged."""
+    assert _run(_job(tmp_path, {"1": "config_error"})) == 4
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert len(records) == 1
+    gave_up = _events(tmp_path, "gave_up")[0]
+    assert gave_up["failed"] == "config_error"
+    assert "target_modules" in gave_up["message"]
+    assert _run(tmp_path / "job.yaml") == 4  # a finished verdict is not re-run
+
+
+def test_ladder_exhausted_gives_up_with_exit_3(tmp_path: Path) -> None:
+    """When every rung has been tried the supervisor gives up with exit 3 and says why."""
+    job = _job(tmp_path, {"default": "oom_forward@1"}, max_no_progress_attempts=20, max_attempts=20)
+    assert _run(job) == 3
+    gave_up = _events(tmp_path, "gave_up")[0]
+    assert "exhausted" in gave_up["why"]
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    configs = [json.dumps(r.knobs, sort_keys=True) for r in records]
+    assert len(configs) == len(set(configs)), "a config that failed the same way was repeated"
+
+
+def test_crash_loop_protection(tmp_path: Path) -> None:
+    """Attempts that make no training progress stop the run before the ladder is spent."""
+    assert _run(_job(tmp_path, {"default": "oom_forward@1"}, max_no_progress_attempts=2)) == 3
+    assert "crash loop" in _events(tmp_path, "gave_up")[0]["why"]
+
+
+def _spawn_supervisor(job: Path) -> subprocess.Popen[bytes]:
+    runner = Path(__file__).with_name("run_scripted.py")
+    return subprocess.Popen([sys.executable, str(runner), str(job)], stderr=subprocess.PIPE)
+
+
+def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_sigterm_stops_gracefully_and_the_same_command_resumes(tmp_path: Path) -> None:
+    """SIGTERM makes the child checkpoint, the supervisor exits 143, and rerunning finishes the run."""
+    job = _job(tmp_path, {"default": "slow"})
+    proc = _spawn_supervisor(job)
+    events = tmp_path / "run" / "attempt-001" / "child-events.jsonl"
+    _wait_for(lambda: events.exists() and events.read_text().count('"heartbeat"') >= 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[-1].outcome == "stopped" and records[-1].next_resume_from and records[-1].lost_steps == 0
+    assert read_state(tmp_path / "run" / "state.json").run_state.value == "stopped"  # type: ignore[union-attr]
+    assert _run(job) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[-1].outcome == "succeeded" and records[-1].resumed_from == records[-2].next_resume_from
+
+
+def test_supervisor_sigkill_mid_attempt_resumes_without_repeating_failed_config(tmp_path: Path) -> None:
+    """A supervisor SIGKILLed mid-attempt and started again finishes without rerunning a failed config."""
+    job = _job(tmp_path, {"1": "oom_forward@2", "default": "slow"})
+    proc = _spawn_supervisor(job)
+    events = tmp_path / "run" / "attempt-002" / "child-events.jsonl"
+    _wait_for(lambda: events.exists() and '"heartbeat"' in events.read_text())
+    proc.kill()
+    proc.wait(timeout=10)
+    assert _run(job) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    outcomes = [r.outcome for r in records]
+    assert outcomes[0] == "failed" and outcomes[-1] == "succeeded"
+    assert "interrupted" in outcomes or "stopped" in outcomes
+    failed_config = records[0].knobs
+    assert all(r.knobs != failed_config for r in records[1:])
+    assert records[-1].steps_completed == MAX_STEPS

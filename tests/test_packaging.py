@@ -1,0 +1,58 @@
+"""Packaging: the namespace layout of the wheel, and the supervisor's independence from torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_wheel_installs_under_the_namespace_only(tmp_path: Path) -> None:
+    """The built wheel holds qlora_supervise/{supervisor,policies,trainer_child} and no top-level supervisor."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )
+    wheel = next(tmp_path.glob("qlora_supervise-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"qlora_supervise"}
+    for package in ("supervisor", "policies", "trainer_child"):
+        assert f"qlora_supervise/{package}/__init__.py" in names
+    assert "qlora_supervise/trainer_child/protocol.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "qlora_supervise.supervisor.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_supervisor_does_not_import_torch() -> None:
+    """Importing every supervisor module and the policies leaves torch (and transformers) unimported."""
+    code = (
+        "import sys, pkgutil, importlib\n"
+        "import qlora_supervise.supervisor as s, qlora_supervise.policies as p\n"
+        "for pkg in (s, p):\n"
+        "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+        "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+        "import qlora_supervise.trainer_child.protocol\n"
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'trl', 'bitsandbytes', 'datasets') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_help_documents_exit_codes() -> None:
+    """`qlora-supervise run --help` lists the exit codes."""
+    out = subprocess.run(
+        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    for code in ("0 ", "2 ", "3 ", "4 ", "130", "143"):
+        assert code in out

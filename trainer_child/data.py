@@ -1,0 +1,69 @@
+"""Training text: a local jsonl/json/parquet/csv file or a saved ``datasets`` directory.
+
+Every problem the job can fix (missing file, missing field, empty split) is a
+:class:`ConfigError`, so the supervisor never retries it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .failure import ConfigError
+from .protocol import DataSpec
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_table(path: str) -> Any:  # -> datasets.Dataset
+    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train')."""
+    import datasets
+
+    source = Path(path)
+    if source.is_dir():
+        loaded = datasets.load_from_disk(str(source))
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise ConfigError(f"data {path}: saved DatasetDict has no 'train' split ({list(loaded)})")
+            loaded = loaded["train"]
+        return loaded
+    if not source.is_file():
+        raise ConfigError(f"data {path}: no such file or directory")
+    builder = _BUILDERS.get(source.suffix.lower())
+    if builder is None:
+        raise ConfigError(f"data {path}: unknown format {source.suffix!r}, expected one of {sorted(_BUILDERS)}")
+    return datasets.load_dataset(builder, data_files=str(source), split="train")
+
+
+def to_text(table: Any, spec: DataSpec, tokenizer: Any) -> Any:
+    """A dataset with one ``text`` column: the text field, or the messages rendered with the
+    tokenizer's chat template (rendered here so SFTTrainer sees plain language modelling)."""
+    field = spec.messages_field or spec.text_field
+    if field is None:
+        raise ConfigError("data: neither text_field nor messages_field is set")
+    if field not in table.column_names:
+        raise ConfigError(f"data {spec.path}: field {field!r} not found; columns are {table.column_names}")
+    if len(table) == 0:
+        raise ConfigError(f"data {spec.path}: no rows")
+    if spec.messages_field:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError(f"messages_field {field!r} set but the tokenizer has no chat template")
+
+        def render(row: dict[str, Any]) -> dict[str, str]:
+            return {"text": tokenizer.apply_chat_template(row[field], tokenize=False)}
+
+        return table.map(render, remove_columns=table.column_names)
+    # Only the text column: trl would treat a leftover ``messages`` column as a chat dataset.
+    text = table.select_columns([field])
+    return text if field == "text" else text.rename_column(field, "text")
+
+
+def train_eval_split(spec: DataSpec, tokenizer: Any, seed: int) -> tuple[Any, Any | None]:
+    """(train, eval or None) from ``eval_path`` or an ``eval_fraction`` of the training file."""
+    train = to_text(load_table(spec.path), spec, tokenizer)
+    if spec.eval_path:
+        return train, to_text(load_table(spec.eval_path), spec, tokenizer)
+    if spec.eval_fraction > 0:
+        split = train.train_test_split(test_size=spec.eval_fraction, seed=seed)
+        return split["train"], split["test"]
+    return train, None

@@ -1,0 +1,95 @@
+"""The child's events file (JSON lines, :func:`protocol.event_line`) and its heartbeat thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .protocol import Stage, event_line
+
+
+class EventLog:
+    """Appends event lines; shared by the main thread and the heartbeat thread.
+
+    Each line is written and flushed whole under a lock, so the supervisor never reads half a
+    line from us (it may still read a line being appended: it must skip a torn last line).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the child
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        line = event_line(event, **fields)
+        with self._lock:
+            self._handle.write(line)
+            self._handle.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._handle.close()
+
+
+class Progress:
+    """Where the child is: stage, completed optimizer steps, last loss, throughput.
+
+    Written by the main thread (trainer hooks), read by the heartbeat thread and by the error
+    report; plain attribute writes are atomic enough for that.
+    """
+
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
+        self.stage = Stage.SETUP
+        self.step = 0
+        self.loss: float | None = None
+        self.tokens_per_s: float | None = None
+        self.stop_requested = False
+        self._stop_announced = False
+
+    def enter(self, stage: Stage) -> None:
+        if stage is not self.stage:
+            self.stage = stage
+            self.events.emit("stage", stage=stage.value, step=self.step)
+
+    def announce_stop(self) -> None:
+        """Emit ``stopping`` once, from whichever thread sees the request first."""
+        if self.stop_requested and not self._stop_announced:
+            self._stop_announced = True
+            self.events.emit("stopping", stage=self.stage.value, step=self.step)
+
+    def heartbeat(self) -> None:
+        from .memory import memory_numbers
+
+        self.events.emit(
+            "heartbeat",
+            stage=self.stage.value,
+            step=self.step,
+            loss=self.loss,
+            tokens_per_s=self.tokens_per_s,
+            **memory_numbers(),
+        )
+
+
+class HeartbeatThread(threading.Thread):
+    """Beats every ``interval`` seconds whatever the main thread does (load, eval, a hang):
+    the supervisor decides hangs from ``step`` not advancing, not from missing beats."""
+
+    def __init__(self, progress: Progress, interval: float) -> None:
+        super().__init__(name="qlora-heartbeat", daemon=True)
+        self.progress = progress
+        self.interval = interval
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                self.progress.announce_stop()
+                self.progress.heartbeat()
+            except (OSError, ValueError, MemoryError):  # file closed at exit, or no memory
+                time.sleep(self.interval)
+
+    def stop(self) -> None:
+        self._done.set()

@@ -1,0 +1,139 @@
+"""What went wrong: exception → exit code, OOM numbers, and the error report.
+
+The report is built from a :class:`CapturedFailure` made of strings only, so that the
+exception (and the activations its traceback frames keep alive) can be dropped before any
+memory is needed again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import traceback
+from typing import Any
+
+from .protocol import ErrorReport, ExitCode, Stage, write_text_atomic
+
+OOM_MARKERS = (
+    "CUDA out of memory",
+    "out of memory",
+    "DefaultCPUAllocator: can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "Cannot allocate memory",
+)
+_CPU_TRIED = re.compile(r"you tried to allocate (\d+) bytes")
+
+
+class ConfigError(Exception):
+    """The job cannot work as written (model, data, fields, target_modules, caps): never retried."""
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception and its causes: libraries wrap OOMs (e.g. in a RuntimeError of their own)."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    for item in _chain(exc):
+        if isinstance(item, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if any(marker in str(item) for marker in OOM_MARKERS):
+            return True
+    return False
+
+
+def is_config_error(exc: BaseException) -> bool:
+    return any(isinstance(item, ConfigError) for item in _chain(exc))
+
+
+def oom_numbers(message: str) -> dict[str, int]:
+    """Numbers of an OOM message; the parser lives in ``oom_message`` (written separately),
+    the CPU allocator's ``you tried to allocate N bytes`` is read here in any case."""
+    numbers: dict[str, int] = {}
+    try:
+        from .oom_message import parse_numbers
+
+        numbers.update(parse_numbers(message))
+    except Exception:  # noqa: BLE001 - module missing or parser bug: the report matters more
+        pass
+    match = _CPU_TRIED.search(message)
+    if match and "tried_to_allocate" not in numbers:
+        numbers["tried_to_allocate"] = int(match.group(1))
+    return numbers
+
+
+@dataclasses.dataclass
+class CapturedFailure:
+    """An exception reduced to strings plus where the child was when it happened."""
+
+    exception_type: str
+    message: str
+    traceback: str
+    stage: Stage
+    step: int
+    oom: bool
+    config: bool
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if self.config:
+            return ExitCode.CONFIG
+        return ExitCode.OOM if self.oom else ExitCode.FAILED
+
+
+def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
+    """Reduce ``exc`` to strings and clear its frames, so the tensors they hold can be freed."""
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except MemoryError:
+        text = "(traceback not formatted: out of memory)"
+    failure = CapturedFailure(
+        exception_type=type(exc).__name__,
+        message=str(exc),
+        traceback=text,
+        stage=stage,
+        step=step,
+        oom=is_oom(exc),
+        config=is_config_error(exc),
+    )
+    for item in _chain(exc):
+        if item.__traceback__ is not None:
+            traceback.clear_frames(item.__traceback__)
+        item.__traceback__ = None
+    return failure
+
+
+def write_report(
+    path: str,
+    failure: CapturedFailure,
+    *,
+    device: str,
+    memory_stats: dict[str, Any] | None = None,
+    emergency: tuple[str, int] | None = None,
+    expandable_segments_active: bool | None = None,
+) -> ErrorReport:
+    report = ErrorReport(
+        exit_code=int(failure.exit_code),
+        exception_type=failure.exception_type,
+        message=failure.message,
+        traceback=failure.traceback,
+        stage=failure.stage.value,
+        step=failure.step,
+        is_oom=failure.oom,
+        config_error=failure.config,
+        oom_numbers=oom_numbers(failure.message) if failure.oom else {},
+        memory_stats=memory_stats,
+        device=device,
+        emergency_checkpoint=emergency[0] if emergency else None,
+        emergency_step=emergency[1] if emergency else None,
+        expandable_segments_active=expandable_segments_active,
+    )
+    write_text_atomic(path, report.to_json())
+    return report

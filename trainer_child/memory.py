@@ -1,0 +1,201 @@
+"""Memory caps, measurements and allocator settings of the trainer child.
+
+Two halves: :func:`prepare_process_env` is standard library only and runs before torch is
+imported (allocator settings and glibc arenas must be fixed before the first allocation);
+the rest imports torch lazily, inside the functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import resource
+from typing import Any
+
+from .failure import ConfigError
+
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE = "expandable_segments:True"
+#: glibc's mallopt parameter numbers (malloc.h).
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+MMAP_THRESHOLD = 1 << 20
+#: Injected fault for tests: apply ``cpu_memory_limit`` only after this optimizer step, as
+#: when memory becomes scarce mid-run (another process grows), so an OOM hits after progress.
+TEST_CAP_AFTER_STEP = "QLORA_SUPERVISE_TEST_CAP_AFTER_STEP"
+
+
+class MemoryCapError(ConfigError):
+    """A cap that cannot work (below what the process already uses)."""
+
+
+def prepare_process_env(expandable_segments: bool) -> None:
+    """Fix allocator settings before torch starts; call before ``import torch``.
+
+    The supervisor sets the same variables in the child's environment; setting them here too
+    covers a child started by hand. A variable the caller already set wins.
+    """
+    if expandable_segments:
+        for name in ALLOC_CONF_VARS:
+            current = os.environ.get(name, "")
+            if "expandable_segments" not in current:
+                os.environ[name] = f"{current},{EXPANDABLE}" if current else EXPANDABLE
+    # Arrow's default jemalloc/mimalloc pool reserves ~1 GiB of address space on the first
+    # dataset load; it counts against RLIMIT_DATA without being used. The system pool does not.
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    tune_malloc()
+
+
+def tune_malloc(arenas: int = 2) -> None:
+    """Keep the data segment (VmData, what RLIMIT_DATA counts) close to live memory.
+
+    * Few arenas: each thread arena reserves 64 MiB of address space that counts against
+      RLIMIT_DATA without being used.
+    * A fixed mmap threshold: glibc otherwise raises it (up to 32 MiB) after the first large
+      free, so later activations come from the heap, which never shrinks; VmData would then
+      stay at the peak after an OOM and the emergency checkpoint could not allocate.
+
+    MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ in the environment only work when set before the
+    process starts (the supervisor may set them too), hence mallopt.
+    """
+    path = ctypes.util.find_library("c")
+    if path is None:
+        return
+    try:
+        libc = ctypes.CDLL(path)
+        libc.mallopt(_M_ARENA_MAX, arenas)
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+def proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of /proc/self/status (VmData, VmRSS, VmHWM) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def peak_vmdata() -> int | None:
+    """Peak of the data segment (what RLIMIT_DATA limits), estimated as VmPeak minus the
+    non-data mappings (code, libraries, stacks), which stay put once the model is loaded."""
+    peak, size, data = (proc_status_bytes(f) for f in ("VmPeak", "VmSize", "VmData"))
+    if peak is None or size is None or data is None:
+        return None
+    return peak - size + data
+
+
+def apply_cpu_cap(limit: int | None) -> None:
+    """Cap the data segment with RLIMIT_DATA (soft limit only, so the report can lift it).
+
+    Applied after the heavy imports and before the model load: the imports' own mappings are a
+    fixed cost the job cannot change, while everything after them is what the knobs control.
+    """
+    if limit is None:
+        return
+    used = proc_status_bytes("VmData") or 0
+    if limit <= used:
+        raise MemoryCapError(
+            f"cpu_memory_limit {limit} bytes is below the child's data segment after imports "
+            f"({used} bytes, VmData): raise the limit above {used} bytes plus the model and activations"
+        )
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY and limit > hard:
+        limit = hard
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def late_cap_step() -> int | None:
+    value = os.environ.get(TEST_CAP_AFTER_STEP, "")
+    return int(value) if value.isdigit() else None
+
+
+def lift_cpu_cap() -> None:
+    """Raise the soft RLIMIT_DATA back to the hard limit, so writing the report cannot fail."""
+    try:
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    except (ValueError, OSError):
+        pass
+
+
+def apply_gpu_cap(limit: int | None) -> None:
+    """Cap this process's CUDA caching allocator to ``limit`` bytes of device 0."""
+    import torch
+
+    if limit is None or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    if limit <= 0 or limit > total:
+        raise MemoryCapError(f"gpu_memory_limit {limit} bytes is outside (0, {total}] of the device")
+    torch.cuda.set_per_process_memory_fraction(limit / total, 0)
+
+
+def expandable_segments_active() -> bool | None:
+    """Whether the CUDA allocator really runs with expandable segments; None on the CPU.
+
+    Read back from the allocator itself, not from the environment: a variable set after CUDA
+    initialised, or misspelled, would otherwise be reported as active.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    probe = torch.empty(1, device="cuda")
+    try:
+        segments = torch.cuda.memory_snapshot()
+        flags = [seg["is_expandable"] for seg in segments if "is_expandable" in seg]
+        if flags:
+            return all(flags)
+    finally:
+        del probe
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return "expandable_segments:true" in getter().replace(" ", "").lower()
+    return None
+
+
+def memory_numbers() -> dict[str, int | None]:
+    """Numbers for a heartbeat: CUDA allocator counters on GPU, RSS and VmData always."""
+    import torch
+
+    numbers: dict[str, int | None] = {
+        "rss": proc_status_bytes("VmRSS"),
+        "peak_rss": proc_status_bytes("VmHWM"),
+        "vmdata": proc_status_bytes("VmData"),
+        "peak_vmdata": peak_vmdata(),
+    }
+    if torch.cuda.is_available():
+        numbers["allocated"] = torch.cuda.memory_allocated()
+        numbers["reserved"] = torch.cuda.memory_reserved()
+        numbers["peak"] = torch.cuda.max_memory_allocated()
+    return numbers
+
+
+def cuda_memory_stats() -> dict[str, Any] | None:
+    """``torch.cuda.memory_stats()`` for the error report; None on the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return dict(torch.cuda.memory_stats())
+    except RuntimeError:
+        return None
+
+
+def free_memory() -> None:
+    """Give back what the allocators hold after a failure (gc first: frames hold tensors)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,181 @@
+"""Parse the memory numbers out of allocator out-of-memory messages.
+
+Standard library only: the trainer child imports this module to fill its error report, and the
+supervisor imports it to classify logs of commands that are not ours.
+
+Wording families read here (bytes come back as integers; ``KiB`` = 1024 bytes, rounded):
+
+* old (PyTorch 1.5 - 2.0): ``CUDA out of memory. Tried to allocate X (GPU 0; X total capacity;
+  X already allocated; X free; X reserved in total by PyTorch)``; ``old_no_free`` when the
+  ``free`` clause is missing (XPU), ``cached`` for the pre-1.5 form that ends ``X cached)``;
+* new (2.1+): ``Tried to allocate X. GPU 0 has a total capacity of X of which X is free.
+  [Process N has X memory in use.] [Including non-PyTorch memory, this process has X memory in
+  use.] [X allowed;] Of the allocated memory X is allocated by PyTorch[, with X allocated in
+  private pools (e.g., CUDA Graphs)], and X is reserved by PyTorch but unallocated.``
+  (also ``capacty``, ``GPU  has`` without an index, and XPU's form without ``of which``);
+* async: the ``cudaMallocAsync`` backend's ``Allocation on device N would exceed allowed
+  memory. (out of memory)`` followed by ``Currently allocated : X`` ... lines;
+* cpu: ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes``.
+
+Only what a message prints is returned, under the keys of :data:`NUMBER_KEYS`; quantities
+derived from them (reserved-but-unallocated in the old wording, memory of other processes)
+are the classifier's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+#: Keys of a message's numbers, in the order they are usually printed.
+NUMBER_KEYS = (
+    "tried_to_allocate",
+    "total_capacity",
+    "free",
+    "already_allocated",
+    "reserved_total",
+    "reserved_unallocated",
+    "process_in_use",
+    "processes",  # {pid: bytes}, in printed order
+    "allowed",
+    "private_pools",
+)
+
+UNIT_BYTES: Mapping[str, int] = {
+    "b": 1,
+    "bytes": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)\b"
+
+# The start of each message. Everything up to the next start belongs to that message.
+_START = re.compile(
+    r"(?P<dev>CUDA|HIP|XPU|MPS)?\s?out of memory\.\s*Tried to allocate"
+    r"|(?P<xpu4g>can NOT allocate memory block with size larger than 4GB!)\s*Tried to allocate"
+    r"|(?P<async>Allocation on device (?P<adev>\d+) would exceed allowed memory)"
+    r"|(?P<cpu>DefaultCPUAllocator: can't allocate memory)",
+    re.IGNORECASE,
+)
+_MAX_BODY = 2000  # a message is a few hundred characters; the rest of a log is not its business
+
+# (key, pattern) for the allocator wordings; group 1-2 of each is a size.
+_FIELDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (key, re.compile(pattern))
+    for key, pattern in (
+        ("tried_to_allocate", rf"Tried to allocate {_SIZE}"),
+        ("total_capacity", rf"{_SIZE} total capacity"),
+        ("total_capacity", rf"a total capac(?:i)?ty of {_SIZE}"),
+        ("free", rf"{_SIZE} free\b"),
+        ("free", rf"of which {_SIZE} is free"),
+        ("already_allocated", rf"{_SIZE} already allocated"),
+        ("already_allocated", rf"Of the allocated memory {_SIZE} is allocated by PyTorch"),
+        ("reserved_total", rf"{_SIZE} reserved in total by PyTorch"),
+        ("reserved_unallocated", rf"{_SIZE} is reserved by PyTorch but unallocated"),
+        # pre-1.5: "cached" was the cached-but-unallocated amount (cached minus allocated)
+        ("reserved_unallocated", rf"{_SIZE} cached\)"),
+        ("process_in_use", rf"this process has {_SIZE} memory in use"),
+        ("allowed", rf"{_SIZE} allowed;"),
+        ("private_pools", rf"with {_SIZE} allocated in private pools"),
+    )
+)
+_PROCESS = re.compile(rf"Process (\d+) has {_SIZE} memory in use")
+_ASYNC_FIELDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (key, re.compile(rf"{label}\s*:\s*{_SIZE}"))
+    for key, label in (
+        ("already_allocated", r"Currently allocated"),
+        ("tried_to_allocate", r"Requested"),
+        ("total_capacity", r"Device limit"),
+        ("free", r"Free \(according to CUDA\)"),
+        ("allowed", r"PyTorch limit \(set by user-supplied memory fraction\)"),
+    )
+)
+_CPU_TRIED = re.compile(r"you tried to allocate (\d+) bytes")
+_OLD_GPU = re.compile(r"\(GPU\s*(\d+)\s*;")
+_NEW_GPU = re.compile(r"\bGPU\s*(\d*)\s*has a total capac")
+
+
+@dataclasses.dataclass(frozen=True)
+class OomMessage:
+    """One allocator message found in a text.
+
+    ``device``: cuda, hip, xpu, mps or cpu. ``gpu``: the printed index (None when the message
+    prints none, e.g. ``GPU  has``). ``format``: old, old_no_free, cached, new, async, cpu, or
+    short (cut off before any wording-specific clause). ``start``: its offset in the text.
+    """
+
+    device: str
+    gpu: int | None
+    format: str
+    numbers: Mapping[str, Any]
+    start: int = 0
+
+
+def size_bytes(number: str, unit: str) -> int:
+    """``("1.65", "GiB")`` -> 1771674010: the printed value times its unit, rounded."""
+    return round(float(number) * UNIT_BYTES[unit.lower()])
+
+
+def parse_messages(text: str) -> list[OomMessage]:
+    """Every allocator OOM message in ``text``, in order of appearance."""
+    starts = list(_START.finditer(text))
+    messages: list[OomMessage] = []
+    for index, match in enumerate(starts):
+        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
+        body = " ".join(text[match.start() : min(end, match.start() + _MAX_BODY)].split())
+        messages.append(_message(match, body))
+    return messages
+
+
+def parse_numbers(text: str) -> dict[str, Any]:
+    """The numbers of the first allocator message in ``text`` (empty when there is none)."""
+    messages = parse_messages(text)
+    return dict(messages[0].numbers) if messages else {}
+
+
+def _message(start: re.Match[str], body: str) -> OomMessage:
+    numbers: dict[str, Any]
+    if start.group("cpu"):
+        tried = _CPU_TRIED.search(body)
+        numbers = {"tried_to_allocate": int(tried.group(1))} if tried else {}
+        return OomMessage("cpu", None, "cpu", numbers, start.start())
+    if start.group("async"):
+        numbers = _sizes(body, _ASYNC_FIELDS)
+        return OomMessage("cuda", int(start.group("adev")), "async", numbers, start.start())
+    device = "xpu" if start.group("xpu4g") else (start.group("dev") or "cuda").lower()
+    numbers = _sizes(body, _FIELDS)
+    processes = {int(pid): size_bytes(n, u) for pid, n, u in _PROCESS.findall(body)}
+    if processes:
+        numbers["processes"] = processes
+    return OomMessage(device, _gpu_index(body), _format(body, numbers), numbers, start.start())
+
+
+def _sizes(body: str, fields: tuple[tuple[str, re.Pattern[str]], ...]) -> dict[str, Any]:
+    numbers: dict[str, Any] = {}
+    for key, pattern in fields:
+        found = pattern.search(body)
+        if found and key not in numbers:
+            numbers[key] = size_bytes(found.group(1), found.group(2))
+    return numbers
+
+
+def _gpu_index(body: str) -> int | None:
+    found = _OLD_GPU.search(body) or _NEW_GPU.search(body)
+    return int(found.group(1)) if found and found.group(1) else None
+
+
+def _format(body: str, numbers: Mapping[str, Any]) -> str:
+    if "cached)" in body:
+        return "cached"
+    if "reserved in total by PyTorch" in body or "total capacity;" in body:
+        return "old" if "free" in numbers else "old_no_free"
+    if "has a total capac" in body or "Of the allocated memory" in body:
+        return "new"
+    if _OLD_GPU.search(body):
+        return "old"
+    return "short"

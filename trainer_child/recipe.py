@@ -1,0 +1,249 @@
+"""The QLoRA recipe, top to bottom in the order the seed recipes teach it.
+
+4-bit quantization config → load (use_cache off) → prepare for k-bit training → LoRA →
+checks (target modules matched, trainable share sane) → data → SFTConfig → trainer.
+Every config object is built here; :mod:`attempt` only runs what this returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from trl import SFTConfig
+
+from . import data
+from .events import Progress
+from .failure import ConfigError
+from .protocol import AttemptSpec, Knobs, Stage
+from .trainer import CheckpointPlan, SupervisedSFTTrainer, SupervisionCallback
+
+#: A LoRA that trains more than this share of the parameters is not what the job meant.
+MAX_TRAINABLE_SHARE = 0.5
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclasses.dataclass
+class Recipe:
+    """What the attempt needs to run and finish: the trainer and where it resumes from."""
+
+    trainer: SupervisedSFTTrainer
+    tokenizer: Any
+    resume_from: str | None
+    compute_dtype: torch.dtype
+
+
+def compute_dtype(name: str, on_cuda: bool) -> torch.dtype:
+    """``auto``: bf16 where the GPU supports it, else fp16; fp32 on the CPU, because Trainer's
+    CPU autocast is bf16-only and slow without AMX, and fp32 keeps the CPU path simple."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ConfigError(f"compute_dtype {name!r}: expected auto or one of {sorted(_DTYPES)}")
+        return _DTYPES[name]
+    if not on_cuda:
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def quantization_config(knobs: Knobs, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    if not knobs.load_in_4bit:
+        return None
+    if knobs.quant_type not in ("nf4", "fp4"):
+        raise ConfigError(f"quant_type {knobs.quant_type!r}: expected nf4 or fp4")
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=knobs.quant_type,
+        bnb_4bit_use_double_quant=knobs.double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        # CPU offload of some layers needs fp32 modules on the CPU side.
+        llm_int8_enable_fp32_cpu_offload=knobs.cpu_offload,
+    )
+
+
+def placement(knobs: Knobs, gpu_limit: int | None, on_cuda: bool) -> dict[str, Any]:
+    """device_map / max_memory. CPU offload only means something on a GPU; on the CPU
+    everything is on the CPU already, so the knob is a no-op there."""
+    if not on_cuda:
+        return {"device_map": {"": "cpu"}}
+    if not knobs.cpu_offload:
+        return {"device_map": {"": 0}}
+    total = torch.cuda.get_device_properties(0).total_memory
+    # Leave room for activations: the weights may take about half of the allowed device memory.
+    budget = int((gpu_limit or total) * 0.5)
+    return {"device_map": "auto", "max_memory": {0: budget, "cpu": "1000GiB"}}
+
+
+def load_tokenizer(spec: AttemptSpec) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(spec.knobs.model, trust_remote_code=spec.train.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # the usual fix for Llama-style tokenizers
+    return tokenizer
+
+
+def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
+    knobs = spec.knobs
+    model_path = Path(knobs.model)
+    if not model_path.exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in knobs.model:
+        raise ConfigError(f"model {knobs.model!r}: no such directory (and the hub is offline)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            knobs.model,
+            quantization_config=quantization_config(knobs, dtype),
+            dtype=dtype,
+            use_cache=False,  # the KV cache is useless in training and conflicts with checkpointing
+            trust_remote_code=spec.train.trust_remote_code,
+            low_cpu_mem_usage=True,
+            **placement(knobs, spec.gpu_memory_limit, on_cuda),
+        )
+    except OSError as exc:  # missing files / not a model directory
+        raise ConfigError(f"model {knobs.model!r}: {exc}") from exc
+    return model
+
+
+def linear_layer_names(model: Any) -> list[str]:
+    """Leaf names of the linear layers (4-bit ones included), the vocabulary of target_modules."""
+    names = set()
+    for full_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not full_name.endswith("lm_head"):
+            names.add(full_name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> None:
+    """Every listed target must match a real layer: a typo would otherwise train nothing
+    (or only the layers that did match) without a word."""
+    if isinstance(target_modules, str):
+        return  # "all-linear" or a regex: peft resolves it, the trainable share check follows
+    available = linear_layer_names(model)
+    missing = [name for name in target_modules if name not in available]
+    if missing:
+        raise ConfigError(
+            f"target_modules {missing} match no layer of {type(model).__name__}; "
+            f"its linear layers are {available}"
+        )
+
+
+def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec) -> Any:
+    model = prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=knobs.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    targets = spec.train.target_modules
+    lora = LoraConfig(
+        r=knobs.lora_r,
+        lora_alpha=knobs.lora_alpha,
+        lora_dropout=spec.train.lora_dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def trainable_share(model: Any) -> tuple[int, int, float]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    share = trainable / total if total else 0.0
+    if trainable == 0 or share > MAX_TRAINABLE_SHARE:
+        raise ConfigError(
+            f"LoRA trains {trainable} of {total} parameters ({share:.1%}); expected more than 0 and at "
+            f"most {MAX_TRAINABLE_SHARE:.0%}: check target_modules and r"
+        )
+    return trainable, total, share
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: bool) -> SFTConfig:
+    knobs, train = spec.knobs, spec.train
+    evaluating = has_eval and knobs.eval_enabled and train.eval_steps is not None
+    kwargs: dict[str, Any] = dict(
+        output_dir=spec.checkpoints_dir,
+        per_device_train_batch_size=knobs.micro_batch_size,
+        gradient_accumulation_steps=knobs.grad_accum,
+        per_device_eval_batch_size=knobs.eval_batch_size,
+        max_length=knobs.max_seq_len,
+        packing=train.packing,
+        dataset_text_field="text",
+        optim=knobs.optimizer,
+        learning_rate=train.learning_rate,
+        lr_scheduler_type=train.lr_scheduler,
+        max_grad_norm=train.max_grad_norm,
+        max_steps=train.max_steps,
+        num_train_epochs=train.epochs if train.epochs is not None else 1.0,
+        save_strategy="steps",
+        save_steps=train.save_steps,
+        save_total_limit=None,  # we rotate ourselves, never deleting the resume source
+        logging_steps=train.logging_steps,
+        eval_strategy="steps" if evaluating else "no",
+        eval_steps=train.eval_steps if evaluating else None,
+        seed=train.seed,
+        gradient_checkpointing=knobs.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=on_cuda and dtype == torch.bfloat16,
+        fp16=on_cuda and dtype == torch.float16,
+        use_cpu=not on_cuda,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        # Never: a restored batch size would undo the micro-batch rung (see attempt docs).
+        auto_find_batch_size=False,
+    )
+    # transformers 5.24 folds warmup_ratio into warmup_steps (a float < 1 is a ratio).
+    if "warmup_ratio" in _field_names(SFTConfig):
+        kwargs["warmup_ratio"] = train.warmup_ratio
+    else:
+        kwargs["warmup_steps"] = train.warmup_ratio
+    return SFTConfig(**kwargs)
+
+
+def build(spec: AttemptSpec, progress: Progress, on_cuda: bool, resume_from: str | None,
+          reset_optimizer_from: str | None) -> Recipe:
+    """Everything up to a trainer ready to ``train(resume_from_checkpoint=resume_from)``."""
+    knobs = spec.knobs
+    dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
+    progress.enter(Stage.LOAD)
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, dtype, on_cuda)
+    check_target_modules(model, spec.train.target_modules)
+    model = add_lora(model, knobs, spec)
+    trainable, total, share = trainable_share(model)
+    train_set, eval_set = data.train_eval_split(spec.data, tokenizer, spec.train.seed)
+    from .memory import memory_numbers
+
+    progress.events.emit(
+        "loaded", trainable_params=trainable, total_params=total, trainable_share=share,
+        linear4bit=count_linear4bit(model), dtype=str(dtype), train_rows=len(train_set),
+        eval_rows=len(eval_set) if eval_set is not None else 0, **memory_numbers(),
+    )
+    print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
+    callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit)
+    protect = Path(spec.resume_from) if spec.resume_from else None
+    trainer = SupervisedSFTTrainer(
+        model=model,
+        args=sft_config(spec, dtype, on_cuda, eval_set is not None),
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+        callbacks=[callback],
+        progress=progress,
+        plan=CheckpointPlan(Path(spec.checkpoints_dir), knobs, protect=protect),
+    )
+    callback.trainer = trainer
+    return Recipe(trainer, tokenizer, resume_from, dtype)
+
+
+def count_linear4bit(model: Any) -> int:
+    """How many bitsandbytes 4-bit layers the model has (0: the 4-bit path is not in use)."""
+    import bitsandbytes as bnb
+
+    return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())

@@ -1,0 +1,224 @@
+"""SFTTrainer with stage tracking, atomic checkpoints, emergency checkpoints and graceful stop.
+
+Stages are set where the work starts: ``compute_loss`` (forward), ``accelerator.backward``
+(backward; gradient clipping counts as backward), ``on_pre_optimizer_step`` (optimizer),
+``evaluate`` (eval), ``_save_checkpoint`` (save). A stage is never reset in a ``finally``: after
+an exception it must still say where the exception came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from trl import SFTTrainer
+
+from . import checkpoints
+from .events import Progress
+from .memory import apply_cpu_cap, free_memory, late_cap_step
+from .protocol import CHECKPOINT_PREFIX, Knobs, Stage
+
+#: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
+#: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
+#: only from step STEP on, so a test can SIGKILL the child mid-write.
+TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
+#: Test probe: a file to which each micro-batch's row fingerprints are appended, so a test can
+#: check that a resumed run sees exactly the samples an uninterrupted run would.
+TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
+KEEP_CHECKPOINTS = 3
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    directory: Path
+    knobs: Knobs
+    keep: int = KEEP_CHECKPOINTS
+    protect: Path | None = None  # the checkpoint this attempt resumed from
+
+
+class SupervisedSFTTrainer(SFTTrainer):
+    """trl's SFTTrainer, reporting its stage and step to :class:`Progress`."""
+
+    def __init__(self, *args: Any, progress: Progress, plan: CheckpointPlan, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+        self.plan = plan
+        self._staging_root: Path | None = None
+        self._emergency = False
+        self._step_loss: torch.Tensor | None = None
+        self._step_tokens = 0
+        self._step_started = time.monotonic()
+        backward = self.accelerator.backward
+
+        def tracked_backward(loss: torch.Tensor, **kw: Any) -> None:
+            progress.enter(Stage.BACKWARD)
+            backward(loss, **kw)
+
+        self.accelerator.backward = tracked_backward
+
+    # ---- stages -------------------------------------------------------------------------
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if model.training:
+            self.progress.enter(Stage.FORWARD)
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        mask = inputs.get("attention_mask")
+        self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        self._trace_batch(inputs)
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        return loss
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        before = self.progress.stage
+        self.progress.enter(Stage.EVAL)
+        metrics = super().evaluate(*args, **kwargs)
+        self.progress.enter(before)
+        return metrics
+
+    def finish_step(self) -> None:
+        """After optimizer step N: publish step, loss and throughput, and beat once."""
+        now = time.monotonic()
+        progress = self.progress
+        progress.step = self.state.global_step
+        if self._step_loss is not None:
+            progress.loss = float(self._step_loss)
+        progress.tokens_per_s = self._step_tokens / max(now - self._step_started, 1e-9)
+        self._step_loss, self._step_tokens, self._step_started = None, 0, now
+        progress.heartbeat()
+
+    def _trace_batch(self, inputs: Any) -> None:
+        trace = os.environ.get(TEST_TRACE_BATCHES)
+        if not trace:
+            return
+        ids = inputs["input_ids"].tolist()
+        rows = [" ".join(map(str, row[:6])) for row in ids]
+        with open(trace, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": self.state.global_step + 1, "rows": rows}) + "\n")
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _get_output_dir(self, trial: Any) -> str:
+        # Trainer writes `<output_dir>/checkpoint-N`; point it into our temp dir while saving.
+        if self._staging_root is not None:
+            return str(self._staging_root)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        before = self.progress.stage
+        self.progress.enter(Stage.SAVE)
+        self.last_checkpoint = self._write_checkpoint(model, trial)
+        self.progress.enter(before)
+
+    def _write_checkpoint(self, model: Any, trial: Any) -> Path:
+        step = self.state.global_step
+        final = self.plan.directory / f"{CHECKPOINT_PREFIX}{step}"
+        if checkpoints.is_complete(final):
+            return final  # e.g. an emergency save right after the regular save of the same step
+        self._staging_root = checkpoints.staging_dir(self.plan.directory, step)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        staging = checkpoints.staging_dir(self.plan.directory, step)
+        written = staging / final.name
+        checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
+        shutil.rmtree(staging, ignore_errors=True)
+        checkpoints.rotate(self.plan.directory, self.plan.keep, self.plan.protect)
+        self.progress.events.emit(
+            "checkpoint_saved", step=step, path=str(final), emergency=self._emergency
+        )
+        return final
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        pause = injected_save_pause(self.state.global_step)
+        if pause > 0:
+            self.progress.events.emit("heartbeat", stage=Stage.SAVE.value, step=self.progress.step,
+                                      test_pause_in_save=pause)
+            time.sleep(pause)
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def save_emergency_checkpoint(self) -> Path | None:
+        """Checkpoint the last completed optimizer step after a failure in forward/backward/eval.
+
+        The weights and optimizer state are exactly those of step N (step N+1's optimizer.step
+        never ran); only the partly accumulated gradients are dropped.
+        """
+        if self.state.global_step <= 0:
+            return None  # nothing learnt yet: a fresh start loses nothing
+        self.model.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._step_loss = None
+        free_memory()
+        self._emergency = True
+        self.progress.stage = Stage.SAVE
+        return self._write_checkpoint(self.model, None)
+
+
+class SupervisionCallback(TrainerCallback):
+    """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
+
+    def __init__(self, resumed_from: str | None, reset_optimizer_from: str | None,
+                 cpu_memory_limit: int | None = None) -> None:
+        self.trainer: SupervisedSFTTrainer | None = None
+        self.resumed_from = resumed_from
+        self.reset_optimizer_from = reset_optimizer_from
+        self.cpu_memory_limit = cpu_memory_limit
+        self.cap_after_step = late_cap_step()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.trainer is not None
+        self.trainer.progress.step = state.global_step
+        if self.reset_optimizer_from is not None:
+            restore_scheduler(self.trainer, Path(self.reset_optimizer_from))
+        if self.resumed_from is not None:
+            self.trainer.progress.events.emit(
+                "resumed",
+                from_step=state.global_step,
+                path=self.resumed_from,
+                reset_optimizer=self.reset_optimizer_from is not None,
+                micro_batch_size=args.per_device_train_batch_size,
+                grad_accum=args.gradient_accumulation_steps,
+            )
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.trainer is not None
+        self.trainer.progress.enter(Stage.OPTIMIZER)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.trainer is not None
+        self.trainer.finish_step()
+        if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
+            apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
+            self.cap_after_step = None
+        progress = self.trainer.progress
+        if progress.stop_requested:
+            progress.announce_stop()
+            control.should_save = True  # SIGTERM: finish this step, checkpoint, leave
+            control.should_training_stop = True
+
+
+def injected_save_pause(step: int) -> float:
+    seconds, _, from_step = os.environ.get(TEST_PAUSE_IN_SAVE, "").partition("@")
+    if not seconds or (from_step and step < int(from_step)):
+        return 0.0
+    return float(seconds)
+
+
+def restore_scheduler(trainer: SupervisedSFTTrainer, checkpoint: Path) -> None:
+    """Put the LR schedule back at the checkpoint's step when the optimizer state is reset
+    (Trainer restores the scheduler only together with the optimizer)."""
+    path = checkpoint / "scheduler.pt"
+    if not path.is_file() or trainer.lr_scheduler is None:
+        return
+    trainer.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+    for group, lr in zip(trainer.optimizer.param_groups, trainer.lr_scheduler.get_last_lr(), strict=False):
+        group["lr"] = lr
