@@ -35,7 +35,8 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     PyTorch reads ``PYTORCH_ALLOC_CONF`` (2.8+) and the older ``PYTORCH_CUDA_ALLOC_CONF``;
     both are set so the child's torch version does not matter. The child verifies the effect.
     """
-    env = dict(base)
+    # systemd's notify socket and watchdog belong to the supervisor, not to the trainer.
+    env = {k: v for k, v in base.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     env["PYTHONUNBUFFERED"] = "1"
     if knobs.expandable_segments:
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):

@@ -120,6 +120,8 @@ class Supervisor:
         self.display = ProgressDisplay(console, plain)
         self.stop_signal: int | None = None
         self.hup_seen = False
+        self._watchdog_every = notify.watchdog_interval_s()
+        self._last_ping = -1e18
         self.gpu: GpuMonitor | None = None
 
     # -- signals ---------------------------------------------------------------------------
@@ -342,6 +344,7 @@ class Supervisor:
         hup_logged = False
         while proc.poll() is None:
             now = self.seams.clock()
+            self._ping(now)
             reader.poll(now)
             self.display.update(number, reader.progress, now)
             if now >= next_sample:
@@ -575,9 +578,16 @@ class Supervisor:
         self.log.info("backoff", seconds=round(seconds, 1), failures_in_a_row=failures_in_a_row)
         self._interruptible_sleep(seconds)
 
+    def _ping(self, now: float) -> None:
+        # systemd's watchdog (WatchdogSec=) wants a sign of life at least every interval.
+        if self._watchdog_every is not None and now - self._last_ping >= self._watchdog_every / 2:
+            notify.watchdog()
+            self._last_ping = now
+
     def _interruptible_sleep(self, seconds: float) -> None:
         deadline = self.seams.clock() + seconds
         while self.stop_signal is None and self.seams.clock() < deadline:
+            self._ping(self.seams.clock())
             self.seams.sleep(min(self.seams.tick_s, max(0.0, deadline - self.seams.clock())))
 
     def _wait_for_memory(self, number: int, decision: policy.Wait, failure: Failure) -> tuple[bool, float]:

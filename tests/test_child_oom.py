@@ -17,8 +17,9 @@ from qlora_supervise.trainer_child.protocol import (
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
-#: Between the peaks of micro-batch 16 and micro-batch 8 at seq 512 (bench/child_memory.py).
-CAP = CAP_PLACEHOLDER * MIB
+#: Between the peak data segments of micro-batch 16 (~1730-1840 MiB) and micro-batch 8
+#: (~1450-1575 MiB) at seq 512, measured with bench/child_memory.py.
+CAP = 1664 * MIB
 HEAVY = {"micro_batch_size": 16, "grad_accum": 1, "max_seq_len": 512}
 
 
@@ -55,6 +56,6 @@ def test_oom_after_progress_leaves_emergency_checkpoint_and_smaller_micro_batch_
     seen = events(cheaper)
     resumed = next(e for e in seen if e["event"] == "resumed")
     assert (resumed["from_step"], resumed["micro_batch_size"], resumed["grad_accum"]) == (2, 8, 2)
-    steps = sorted({e["step"] for e in seen if e["event"] == "heartbeat"})
-    assert steps[0] == 2 and steps[-1] == 4
+    steps = {e["step"] for e in seen if e["event"] == "heartbeat" and e["step"] > 0}
+    assert min(steps) >= 2 and {3, 4} <= steps
     assert next(e for e in seen if e["event"] == "finished")["step"] == 4
