@@ -15,28 +15,48 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _child import events, make_spec, run_child  # noqa: E402
+from _child import events, make_spec, run_child
 
 CONFIGS = [  # (micro_batch, seq_len, gradient_checkpointing)
-    (16, 512, False), (8, 512, False), (4, 512, False), (2, 512, False), (1, 512, False),
-    (16, 512, True), (8, 512, True),
-    (16, 256, False), (8, 256, False), (4, 256, False), (1, 256, False),
+    (16, 512, False),
+    (8, 512, False),
+    (4, 512, False),
+    (2, 512, False),
+    (1, 512, False),
+    (16, 512, True),
+    (8, 512, True),
+    (16, 256, False),
+    (8, 256, False),
+    (4, 256, False),
+    (1, 256, False),
 ]
 
 
 def measure(tiny: Path, micro: int, seq: int, checkpointing: bool, steps: int = 2) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as run:
-        spec = make_spec(tiny, Path(run), knobs={"micro_batch_size": micro, "grad_accum": 16 // micro,
-                                                 "max_seq_len": seq, "gradient_checkpointing": checkpointing},
-                         train={"max_steps": steps, "save_steps": 100})
+        spec = make_spec(
+            tiny,
+            Path(run),
+            knobs={
+                "micro_batch_size": micro,
+                "grad_accum": 16 // micro,
+                "max_seq_len": seq,
+                "gradient_checkpointing": checkpointing,
+            },
+            train={"max_steps": steps, "save_steps": 100},
+        )
         start = time.monotonic()
         code = run_child(spec, timeout=600)
         wall = time.monotonic() - start
         beats = [e for e in events(spec) if e["event"] == "heartbeat"]
         started = next(e for e in events(spec) if e["event"] == "started")
-        return {"rc": code, "wall_s": round(wall, 1), "vmdata_after_imports": started["vmdata"],
-                "peak_vmdata": max(b.get("peak_vmdata") or 0 for b in beats),
-                "peak_rss": max(b.get("peak_rss") or 0 for b in beats)}
+        return {
+            "rc": code,
+            "wall_s": round(wall, 1),
+            "vmdata_after_imports": started["vmdata"],
+            "peak_vmdata": max(b.get("peak_vmdata") or 0 for b in beats),
+            "peak_rss": max(b.get("peak_rss") or 0 for b in beats),
+        }
 
 
 def main() -> None:
@@ -44,9 +64,12 @@ def main() -> None:
     mib = 1 << 20
     for micro, seq, ckpt in CONFIGS:
         row = measure(tiny, micro, seq, ckpt)
-        print(f"micro={micro:2d} seq={seq} ckpt={ckpt!s:5} rc={row['rc']} wall={row['wall_s']:5.1f}s "
-              f"peak_vmdata={row['peak_vmdata'] / mib:6.0f}MiB peak_rss={row['peak_rss'] / mib:6.0f}MiB "
-              f"(imports {row['vmdata_after_imports'] / mib:.0f}MiB)", flush=True)
+        print(
+            f"micro={micro:2d} seq={seq} ckpt={ckpt!s:5} rc={row['rc']} wall={row['wall_s']:5.1f}s "
+            f"peak_vmdata={row['peak_vmdata'] / mib:6.0f}MiB peak_rss={row['peak_rss'] / mib:6.0f}MiB "
+            f"(imports {row['vmdata_after_imports'] / mib:.0f}MiB)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,19 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, ErrorReport, Knobs, TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="session", name="tiny_dir")
+def tiny_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, tokenizer and dataset, written once per test session (in a subprocess,
     so the test process itself never imports torch)."""
     directory = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(directory)],
-                   check=True, env=child_env(), capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(directory)],
+        check=True,
+        env=child_env(),
+        capture_output=True,
+    )
     return directory
 
 
@@ -35,15 +38,33 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def make_spec(tiny: Path, run_dir: Path, attempt: int = 1, *, knobs: dict[str, Any] | None = None,
-              train: dict[str, Any] | None = None, data: dict[str, Any] | None = None,
-              **fields: Any) -> AttemptSpec:
+def make_spec(
+    tiny: Path,
+    run_dir: Path,
+    attempt: int = 1,
+    *,
+    knobs: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    **fields: Any,
+) -> AttemptSpec:
     """An attempt on the tiny model: 8 steps of effective batch 8 at seq 128 unless told."""
     attempt_dir = run_dir / f"attempt-{attempt:03d}"
-    knob_values = {"model": str(tiny / "model"), "micro_batch_size": 2, "grad_accum": 4, "max_seq_len": 128,
-                   **(knobs or {})}
-    train_values = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "warmup_ratio": 0.0,
-                    "learning_rate": 2e-3, **(train or {})}
+    knob_values = {
+        "model": str(tiny / "model"),
+        "micro_batch_size": 2,
+        "grad_accum": 4,
+        "max_seq_len": 128,
+        **(knobs or {}),
+    }
+    train_values = {
+        "max_steps": 8,
+        "save_steps": 4,
+        "logging_steps": 1,
+        "warmup_ratio": 0.0,
+        "learning_rate": 2e-3,
+        **(train or {}),
+    }
     return AttemptSpec(
         attempt=attempt,
         run_dir=str(run_dir),
@@ -65,9 +86,14 @@ def next_spec(spec: AttemptSpec, **changes: Any) -> AttemptSpec:
     attempt = spec.attempt + 1
     attempt_dir = Path(spec.run_dir) / f"attempt-{attempt:03d}"
     knobs = dataclasses.replace(spec.knobs, **changes.pop("knobs", {}))
-    return dataclasses.replace(spec, attempt=attempt, knobs=knobs,
-                               events_file=str(attempt_dir / "child-events.jsonl"),
-                               error_file=str(attempt_dir / "error.json"), **changes)
+    return dataclasses.replace(
+        spec,
+        attempt=attempt,
+        knobs=knobs,
+        events_file=str(attempt_dir / "child-events.jsonl"),
+        error_file=str(attempt_dir / "error.json"),
+        **changes,
+    )
 
 
 def write_spec(spec: AttemptSpec) -> Path:
@@ -77,16 +103,24 @@ def write_spec(spec: AttemptSpec) -> Path:
     return path
 
 
-def start_child(spec: AttemptSpec, module: str = "qlora_supervise.trainer_child",
-                **env: str) -> subprocess.Popen[str]:
+def start_child(
+    spec: AttemptSpec, module: str = "qlora_supervise.trainer_child", **env: str
+) -> subprocess.Popen[str]:
     path = write_spec(spec)
     log = open(path.parent / "child.log", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", module, "--spec", str(path)], cwd=ROOT,
-                            env=child_env(**env), stdout=log, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, "--spec", str(path)],
+        cwd=ROOT,
+        env=child_env(**env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
-def run_child(spec: AttemptSpec, timeout: float = 180, module: str = "qlora_supervise.trainer_child",
-              **env: str) -> int:
+def run_child(
+    spec: AttemptSpec, timeout: float = 180, module: str = "qlora_supervise.trainer_child", **env: str
+) -> int:
     child = start_child(spec, module, **env)
     try:
         return child.wait(timeout)
@@ -103,7 +137,9 @@ def events(spec: AttemptSpec) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait_for_event(spec: AttemptSpec, predicate: Any, child: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
+def wait_for_event(
+    spec: AttemptSpec, predicate: Any, child: subprocess.Popen[str], timeout: float = 120
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for event in events(spec):

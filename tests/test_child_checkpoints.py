@@ -24,7 +24,9 @@ def test_publish_renames_a_sealed_directory(tmp_path: Path) -> None:
     """A written temp checkpoint is invisible until publish seals it with the marker and renames it."""
     written = _written(tmp_path, 5)
     assert complete_checkpoints(tmp_path) == []
-    final = checkpoints.publish(written, tmp_path / "checkpoint-5", step=5, knobs=Knobs(model="m"), emergency=True)
+    final = checkpoints.publish(
+        written, tmp_path / "checkpoint-5", step=5, knobs=Knobs(model="m"), emergency=True
+    )
     assert (final / CHECKPOINT_COMPLETE_MARKER).is_file()
     assert complete_checkpoints(tmp_path) == [(5, final)]
 
@@ -32,8 +34,13 @@ def test_publish_renames_a_sealed_directory(tmp_path: Path) -> None:
 def test_rotate_keeps_newest_and_the_resume_source(tmp_path: Path) -> None:
     """Rotation keeps the newest checkpoints and never deletes the one the attempt resumed from."""
     for step in (2, 4, 6, 8):
-        checkpoints.publish(_written(tmp_path, step), tmp_path / f"checkpoint-{step}", step=step,
-                            knobs=Knobs(model="m"), emergency=False)
+        checkpoints.publish(
+            _written(tmp_path, step),
+            tmp_path / f"checkpoint-{step}",
+            step=step,
+            knobs=Knobs(model="m"),
+            emergency=False,
+        )
     checkpoints.rotate(tmp_path, keep=2, protect=tmp_path / "checkpoint-2")
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [2, 6, 8]
 
@@ -55,5 +62,8 @@ def test_without_optimizer_keeps_everything_else(tmp_path: Path) -> None:
     for name in ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"):
         (source / name).write_text(name)
     copy = checkpoints.without_optimizer(source, tmp_path / ".tmp-reset-1")
-    assert sorted(p.name for p in copy.iterdir()) == ["adapter_model.safetensors", "scheduler.pt",
-                                                      "trainer_state.json"]
+    assert sorted(p.name for p in copy.iterdir()) == [
+        "adapter_model.safetensors",
+        "scheduler.pt",
+        "trainer_state.json",
+    ]

@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _child import events, log_tail, make_spec, next_spec, report, run_child, tiny_dir  # noqa: F401
-
+from _child import events, log_tail, make_spec, next_spec, report, run_child
 from qlora_supervise.trainer_child.protocol import (
     CHECKPOINT_COMPLETE_MARKER,
     ExitCode,
@@ -23,7 +22,9 @@ CAP = 1664 * MIB
 HEAVY = {"micro_batch_size": 16, "grad_accum": 1, "max_seq_len": 512}
 
 
-def test_cap_too_small_for_the_config_is_an_oom_with_stage_and_numbers(tiny_dir: Path, tmp_path: Path) -> None:
+def test_cap_too_small_for_the_config_is_an_oom_with_stage_and_numbers(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     """Micro-batch 16 under the cap exits 70 with a report naming forward/backward and tried_to_allocate."""
     spec = make_spec(tiny_dir, tmp_path, knobs=HEAVY, train={"max_steps": 3}, cpu_memory_limit=CAP)
     assert run_child(spec) == ExitCode.OOM, log_tail(spec)
@@ -38,9 +39,10 @@ def test_cap_too_small_for_the_config_is_an_oom_with_stage_and_numbers(tiny_dir:
 def test_oom_after_progress_leaves_emergency_checkpoint_and_smaller_micro_batch_resumes(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """An OOM at step 3 checkpoints step 2; micro-batch 8 with doubled accumulation resumes at 2 and finishes."""
-    spec = make_spec(tiny_dir, tmp_path, knobs=HEAVY, train={"max_steps": 4, "save_steps": 100},
-                     cpu_memory_limit=CAP)
+    """An OOM in step 3 checkpoints step 2; micro-batch 8 with doubled accumulation resumes at 2, finishes."""
+    spec = make_spec(
+        tiny_dir, tmp_path, knobs=HEAVY, train={"max_steps": 4, "save_steps": 100}, cpu_memory_limit=CAP
+    )
     # Injected fault: the cap arrives after step 2, as when memory becomes scarce mid-run.
     assert run_child(spec, QLORA_SUPERVISE_TEST_CAP_AFTER_STEP="2") == ExitCode.OOM, log_tail(spec)
     failure = report(spec)
@@ -59,3 +61,11 @@ def test_oom_after_progress_leaves_emergency_checkpoint_and_smaller_micro_batch_
     steps = {e["step"] for e in seen if e["event"] == "heartbeat" and e["step"] > 0}
     assert min(steps) >= 2 and {3, 4} <= steps
     assert next(e for e in seen if e["event"] == "finished")["step"] == 4
+
+
+def test_cap_below_usage_after_imports_is_a_config_error(tiny_dir: Path, tmp_path: Path) -> None:
+    """A CPU cap below what the child already uses after its imports exits 71 with the VmData it found."""
+    spec = make_spec(tiny_dir, tmp_path, cpu_memory_limit=64 * MIB)
+    assert run_child(spec) == ExitCode.CONFIG, log_tail(spec)
+    failure = report(spec)
+    assert failure.config_error and "VmData" in failure.message and failure.stage == "setup"

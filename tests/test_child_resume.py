@@ -7,17 +7,15 @@ import signal
 from pathlib import Path
 
 import pytest
-from _child import (  # noqa: F401
+from _child import (
     events,
     log_tail,
     make_spec,
     next_spec,
     run_child,
     start_child,
-    tiny_dir,
     wait_for_event,
 )
-
 from qlora_supervise.trainer_child.protocol import ExitCode, complete_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -36,15 +34,25 @@ def rows_by_step(trace: Path) -> dict[int, list[str]]:
 def test_sigterm_checkpoints_and_resume_with_new_micro_batch_and_seq_len_sees_the_next_samples(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """SIGTERM exits 73 after a checkpoint; micro-batch 2 x 4 at a shorter seq_len resumes there on the unseen rows."""
-    reference = make_spec(tiny_dir, tmp_path / "reference", knobs={"micro_batch_size": 4, "grad_accum": 2},
-                          train={"max_steps": 6, "save_steps": 100})
-    assert run_child(reference, **{TRACE: str(tmp_path / "reference.jsonl")}) == ExitCode.OK, log_tail(reference)
+    """SIGTERM exits 73 after a checkpoint; micro 2 x 4 at a shorter seq_len resumes there on unseen rows."""
+    reference = make_spec(
+        tiny_dir,
+        tmp_path / "reference",
+        knobs={"micro_batch_size": 4, "grad_accum": 2},
+        train={"max_steps": 6, "save_steps": 100},
+    )
+    assert run_child(reference, **{TRACE: str(tmp_path / "reference.jsonl")}) == ExitCode.OK, log_tail(
+        reference
+    )
     expected = rows_by_step(tmp_path / "reference.jsonl")
 
     run = tmp_path / "run"
-    first = make_spec(tiny_dir, run, knobs={"micro_batch_size": 4, "grad_accum": 2},
-                      train={"max_steps": 6, "save_steps": 100})
+    first = make_spec(
+        tiny_dir,
+        run,
+        knobs={"micro_batch_size": 4, "grad_accum": 2},
+        train={"max_steps": 6, "save_steps": 100},
+    )
     child = start_child(first, **{TRACE: str(tmp_path / "first.jsonl")})
     wait_for_event(first, lambda e: e["event"] == "heartbeat" and e["step"] >= 1, child)
     child.send_signal(signal.SIGTERM)
@@ -55,8 +63,11 @@ def test_sigterm_checkpoints_and_resume_with_new_micro_batch_and_seq_len_sees_th
     assert 1 <= stopped_at < 6
     assert [step for step, _ in complete_checkpoints(first.checkpoints_dir)] == [stopped_at]
 
-    second = next_spec(first, knobs={"micro_batch_size": 2, "grad_accum": 4, "max_seq_len": 96},
-                       resume_from=str(Path(first.checkpoints_dir) / f"checkpoint-{stopped_at}"))
+    second = next_spec(
+        first,
+        knobs={"micro_batch_size": 2, "grad_accum": 4, "max_seq_len": 96},
+        resume_from=str(Path(first.checkpoints_dir) / f"checkpoint-{stopped_at}"),
+    )
     assert run_child(second, **{TRACE: str(tmp_path / "second.jsonl")}) == ExitCode.OK, log_tail(second)
     resumed = rows_by_step(tmp_path / "second.jsonl")
     assert sorted(resumed) == list(range(stopped_at + 1, 7))
@@ -65,8 +76,10 @@ def test_sigterm_checkpoints_and_resume_with_new_micro_batch_and_seq_len_sees_th
     assert next(e for e in events(second) if e["event"] == "finished")["step"] == 6
 
 
-def test_sigkill_during_checkpoint_write_leaves_no_usable_partial_checkpoint(tiny_dir: Path, tmp_path: Path) -> None:
-    """A child killed mid-write leaves only a temp dir that resume ignores; the resumed run finishes."""
+def test_sigkill_during_checkpoint_write_leaves_no_usable_partial_checkpoint(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A kill mid-write leaves only a temp dir, ignored by resume; a resume (optimizer reset) finishes."""
     spec = make_spec(tiny_dir, tmp_path, train={"max_steps": 6, "save_steps": 2})
     # Injected fault: sleep inside the write of checkpoint-4 so the kill lands mid-write.
     child = start_child(spec, QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE="120@4")
@@ -78,8 +91,9 @@ def test_sigkill_during_checkpoint_write_leaves_no_usable_partial_checkpoint(tin
     temps = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
     assert temps and (temps[0] / "checkpoint-4" / "adapter_model.safetensors").exists()
 
-    resumed = next_spec(spec, resume_from="auto")
+    resumed = next_spec(spec, resume_from="auto", reset_optimizer=True)
     assert run_child(resumed) == ExitCode.OK, log_tail(resumed)
-    assert next(e for e in events(resumed) if e["event"] == "resumed")["from_step"] == 2
+    event = next(e for e in events(resumed) if e["event"] == "resumed")
+    assert event["from_step"] == 2 and event["reset_optimizer"] is True
     assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
     assert [step for step, _ in complete_checkpoints(root)] == [2, 4, 6]

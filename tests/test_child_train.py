@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _child import events, log_tail, make_spec, next_spec, report, run_child, tiny_dir  # noqa: F401
-
+from _child import events, log_tail, make_spec, next_spec, report, run_child
 from qlora_supervise.trainer_child.protocol import ExitCode, Knobs
 
 pytestmark = pytest.mark.slow
 
 
 def test_tiny_job_trains_to_completion_and_loss_falls(tiny_dir: Path, tmp_path: Path) -> None:
-    """Twelve optimizer steps with 4-bit layers and paged_adamw_8bit finish, write an adapter, and the loss falls."""
+    """Twelve steps through 4-bit layers and paged_adamw_8bit finish, write an adapter; the loss falls."""
     spec = make_spec(tiny_dir, tmp_path, train={"max_steps": 12, "save_steps": 6})
     assert spec.knobs.optimizer == Knobs(model="m").optimizer == "paged_adamw_8bit"
     assert run_child(spec) == ExitCode.OK, log_tail(spec)
@@ -39,8 +38,12 @@ def test_tiny_job_trains_to_completion_and_loss_falls(tiny_dir: Path, tmp_path: 
 
 def test_messages_field_is_rendered_with_the_chat_template(tiny_dir: Path, tmp_path: Path) -> None:
     """A chat dataset trains through the tokenizer's chat template."""
-    spec = make_spec(tiny_dir, tmp_path, data={"text_field": None, "messages_field": "messages"},
-                     train={"max_steps": 2, "save_steps": 100})
+    spec = make_spec(
+        tiny_dir,
+        tmp_path,
+        data={"text_field": None, "messages_field": "messages"},
+        train={"max_steps": 2, "save_steps": 100},
+    )
     assert run_child(spec) == ExitCode.OK, log_tail(spec)
 
 

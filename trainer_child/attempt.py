@@ -70,12 +70,22 @@ def setup(ctx: Context) -> None:
 
     vmdata = memory.proc_status_bytes("VmData")
     ctx.events.emit(
-        "started", pid=os.getpid(), attempt=ctx.spec.attempt, device=ctx.device,
+        "started",
+        pid=os.getpid(),
+        attempt=ctx.spec.attempt,
+        device=ctx.device,
         device_name=torch.cuda.get_device_name(0) if ctx.on_cuda else "cpu",
-        versions={"torch": torch.__version__, "transformers": transformers.__version__,
-                  "peft": peft.__version__, "trl": trl.__version__, "bitsandbytes": bitsandbytes.__version__},
-        vmdata=vmdata, rss=memory.proc_status_bytes("VmRSS"),
-        cpu_memory_limit=ctx.spec.cpu_memory_limit, gpu_memory_limit=ctx.spec.gpu_memory_limit,
+        versions={
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+            "trl": trl.__version__,
+            "bitsandbytes": bitsandbytes.__version__,
+        },
+        vmdata=vmdata,
+        rss=memory.proc_status_bytes("VmRSS"),
+        cpu_memory_limit=ctx.spec.cpu_memory_limit,
+        gpu_memory_limit=ctx.spec.gpu_memory_limit,
         expandable_segments_active=ctx.expandable,
     )
     if memory.late_cap_step() is None:
@@ -129,6 +139,8 @@ def train(ctx: Context) -> ExitCode:
         ctx.progress.announce_stop()
         return ExitCode.STOPPED
     recipe.trainer.train(resume_from_checkpoint=resume_from)
+    if reset_from is not None:  # the optimizer-less copy has served its purpose
+        shutil.rmtree(Path(reset_from).parent, ignore_errors=True)
     if ctx.progress.stop_requested:
         return ExitCode.STOPPED
     ctx.progress.enter(Stage.SAVE)
@@ -146,18 +158,24 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
         try:
             path = ctx.trainer.save_emergency_checkpoint()
             emergency = (str(path), ctx.trainer.state.global_step) if path else None
-        except BaseException as exc:  # noqa: BLE001 - the report must still be written
+        except BaseException as exc:  # the report must still be written
             failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
     ctx.trainer = None
     memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
     write_report(
-        ctx.spec.error_file, failure, device=ctx.device,
+        ctx.spec.error_file,
+        failure,
+        device=ctx.device,
         memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
-        emergency=emergency, expandable_segments_active=ctx.expandable,
+        emergency=emergency,
+        expandable_segments_active=ctx.expandable,
     )
-    print(f"trainer child failed in {failure.stage.value}: {failure.exception_type}: "
-          f"{failure.message[:2000]}", file=sys.stderr, flush=True)
+    print(
+        f"trainer child failed in {failure.stage.value}: {failure.exception_type}: {failure.message[:2000]}",
+        file=sys.stderr,
+        flush=True,
+    )
     return failure.exit_code
 
 
@@ -171,7 +189,7 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode]) -> int:
         ctx.heartbeat = HeartbeatThread(ctx.progress, spec.heartbeat_interval)
         ctx.heartbeat.start()
         code = body(ctx)
-    except BaseException as exc:  # noqa: BLE001 - every failure must leave a report
+    except BaseException as exc:  # every failure must leave a report
         failure = capture(exc, ctx.progress.stage, ctx.progress.step)
         del exc
     if failure is not None:

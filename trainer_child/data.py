@@ -31,7 +31,9 @@ def load_table(path: str) -> Any:  # -> datasets.Dataset
         raise ConfigError(f"data {path}: no such file or directory")
     builder = _BUILDERS.get(source.suffix.lower())
     if builder is None:
-        raise ConfigError(f"data {path}: unknown format {source.suffix!r}, expected one of {sorted(_BUILDERS)}")
+        raise ConfigError(
+            f"data {path}: unknown format {source.suffix!r}, expected one of {sorted(_BUILDERS)}"
+        )
     return datasets.load_dataset(builder, data_files=str(source), split="train")
 
 

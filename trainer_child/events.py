@@ -33,6 +33,9 @@ class EventLog:
             self._handle.close()
 
 
+LOOP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
+
+
 class Progress:
     """Where the child is: stage, completed optimizer steps, last loss, throughput.
 
@@ -50,8 +53,13 @@ class Progress:
         self._stop_announced = False
 
     def enter(self, stage: Stage) -> None:
-        if stage is not self.stage:
-            self.stage = stage
+        """Set the stage; a ``stage`` event marks entering a phase (load, training, eval, save),
+        not every forward/backward/optimizer turn of the loop (heartbeats carry those)."""
+        if stage is self.stage:
+            return
+        looping = self.stage in LOOP_STAGES and stage in LOOP_STAGES
+        self.stage = stage
+        if not looping:
             self.events.emit("stage", stage=stage.value, step=self.step)
 
     def announce_stop(self) -> None:

@@ -61,7 +61,7 @@ def oom_numbers(message: str) -> dict[str, int]:
         from .oom_message import parse_numbers
 
         numbers.update(parse_numbers(message))
-    except Exception:  # noqa: BLE001 - module missing or parser bug: the report matters more
+    except Exception:  # module missing or parser bug: the report matters more
         pass
     match = _CPU_TRIED.search(message)
     if match and "tried_to_allocate" not in numbers:

@@ -47,8 +47,11 @@ def merge(ctx: Context) -> ExitCode:
     on_gpu = ctx.on_cuda and not spec.knobs.merge_on_cpu
     dtype = merge_dtype(spec.train.compute_dtype, on_gpu)
     base = AutoModelForCausalLM.from_pretrained(
-        spec.knobs.model, dtype=dtype, device_map={"": 0 if on_gpu else "cpu"},
-        trust_remote_code=spec.train.trust_remote_code, low_cpu_mem_usage=True,
+        spec.knobs.model,
+        dtype=dtype,
+        device_map={"": 0 if on_gpu else "cpu"},
+        trust_remote_code=spec.train.trust_remote_code,
+        low_cpu_mem_usage=True,
     )
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     target = Path(spec.merged_dir)

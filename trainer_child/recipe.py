@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import HFValidationError
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from trl import SFTConfig
@@ -25,8 +26,14 @@ from .trainer import CheckpointPlan, SupervisedSFTTrainer, SupervisionCallback
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 @dataclasses.dataclass
@@ -80,7 +87,9 @@ def placement(knobs: Knobs, gpu_limit: int | None, on_cuda: bool) -> dict[str, A
 
 
 def load_tokenizer(spec: AttemptSpec) -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(spec.knobs.model, trust_remote_code=spec.train.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.knobs.model, trust_remote_code=spec.train.trust_remote_code
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # the usual fix for Llama-style tokenizers
     return tokenizer
@@ -101,7 +110,7 @@ def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
             low_cpu_mem_usage=True,
             **placement(knobs, spec.gpu_memory_limit, on_cuda),
         )
-    except OSError as exc:  # missing files / not a model directory
+    except (OSError, HFValidationError) as exc:  # missing files, not a model dir, bad repo id
         raise ConfigError(f"model {knobs.model!r}: {exc}") from exc
     return model
 
@@ -206,8 +215,13 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
     return SFTConfig(**kwargs)
 
 
-def build(spec: AttemptSpec, progress: Progress, on_cuda: bool, resume_from: str | None,
-          reset_optimizer_from: str | None) -> Recipe:
+def build(
+    spec: AttemptSpec,
+    progress: Progress,
+    on_cuda: bool,
+    resume_from: str | None,
+    reset_optimizer_from: str | None,
+) -> Recipe:
     """Everything up to a trainer ready to ``train(resume_from_checkpoint=resume_from)``."""
     knobs = spec.knobs
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
@@ -221,9 +235,15 @@ def build(spec: AttemptSpec, progress: Progress, on_cuda: bool, resume_from: str
     from .memory import memory_numbers
 
     progress.events.emit(
-        "loaded", trainable_params=trainable, total_params=total, trainable_share=share,
-        linear4bit=count_linear4bit(model), dtype=str(dtype), train_rows=len(train_set),
-        eval_rows=len(eval_set) if eval_set is not None else 0, **memory_numbers(),
+        "loaded",
+        trainable_params=trainable,
+        total_params=total,
+        trainable_share=share,
+        linear4bit=count_linear4bit(model),
+        dtype=str(dtype),
+        train_rows=len(train_set),
+        eval_rows=len(eval_set) if eval_set is not None else 0,
+        **memory_numbers(),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit)

@@ -107,7 +107,7 @@ data: {{path: {data_path}, text_field: text, messages_field: null, eval_path: nu
 quantization: {{load_in_4bit: true, quant_type: nf4, double_quant: true, compute_dtype: auto}}
 lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
 train: {{max_seq_len: 256, micro_batch_size: 1, effective_batch_size: 8, gradient_checkpointing: false,
-        optimizer: paged_adamw_8bit, learning_rate: 2.0e-4, lr_scheduler: cosine, warmup_ratio: 0.03,
+        optimizer: paged_adamw_8bit, learning_rate: 2.0e-3, lr_scheduler: cosine, warmup_ratio: 0.03,
         max_grad_norm: 0.3, max_steps: 30, epochs: null, save_steps: 10, logging_steps: 1,
         eval_steps: null, packing: false, seed: 42, merge: false}}
 resources: {{gpu: auto, gpu_memory_limit: null, cpu_memory_limit: null}}

@@ -132,16 +132,15 @@ class SupervisedSFTTrainer(SFTTrainer):
         checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
         shutil.rmtree(staging, ignore_errors=True)
         checkpoints.rotate(self.plan.directory, self.plan.keep, self.plan.protect)
-        self.progress.events.emit(
-            "checkpoint_saved", step=step, path=str(final), emergency=self._emergency
-        )
+        self.progress.events.emit("checkpoint_saved", step=step, path=str(final), emergency=self._emergency)
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         pause = injected_save_pause(self.state.global_step)
         if pause > 0:
-            self.progress.events.emit("heartbeat", stage=Stage.SAVE.value, step=self.progress.step,
-                                      test_pause_in_save=pause)
+            self.progress.events.emit(
+                "heartbeat", stage=Stage.SAVE.value, step=self.progress.step, test_pause_in_save=pause
+            )
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
 
@@ -166,8 +165,9 @@ class SupervisedSFTTrainer(SFTTrainer):
 class SupervisionCallback(TrainerCallback):
     """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
 
-    def __init__(self, resumed_from: str | None, reset_optimizer_from: str | None,
-                 cpu_memory_limit: int | None = None) -> None:
+    def __init__(
+        self, resumed_from: str | None, reset_optimizer_from: str | None, cpu_memory_limit: int | None = None
+    ) -> None:
         self.trainer: SupervisedSFTTrainer | None = None
         self.resumed_from = resumed_from
         self.reset_optimizer_from = reset_optimizer_from
