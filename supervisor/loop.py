@@ -337,6 +337,8 @@ class Supervisor:
 
     def _watch(self, number: int, proc: child_mod.ChildProcess, spec: AttemptSpec) -> Watched:
         reader = HeartbeatReader(Path(spec.events_file))
+        if spec.train.max_steps > 0:
+            reader.progress.max_steps = spec.train.max_steps
         watched = Watched(reader.progress)
         started = self.seams.clock()
         next_sample = started

@@ -1,0 +1,143 @@
+"""The supervisor over the real trainer child on the tiny model, under real CPU memory caps.
+
+The cap is ``RLIMIT_DATA``: the child's allocations fail inside torch with
+``DefaultCPUAllocator: can't allocate memory``, a genuine out-of-memory. Micro-batch 16 at
+seq 512 without gradient checkpointing needs about 1.7 GiB of data segment on the tiny model,
+with checkpointing about 1.2 GiB; the 1350 MiB cap sits between them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from qlora_supervise.supervisor.eventlog import read_events
+from qlora_supervise.supervisor.journal import read_attempts
+from qlora_supervise.supervisor.run import run_job
+
+pytestmark = pytest.mark.slow
+CAP = "1350MiB"
+MAX_STEPS = 8
+
+
+def _job(tiny_dir: Path, tmp_path: Path, **train: Any) -> Path:
+    job = yaml.safe_load((tiny_dir / "job.yaml").read_text())
+    job["model"]["path"] = str(tiny_dir / "model")
+    job["data"]["path"] = str(tiny_dir / "data.jsonl")
+    job["train"].update(
+        micro_batch_size=16,
+        effective_batch_size=16,
+        gradient_checkpointing=False,
+        max_seq_len=512,
+        max_steps=MAX_STEPS,
+        save_steps=4,
+        logging_steps=1,
+        **train,
+    )
+    job["resources"] = {"gpu": "cpu", "cpu_memory_limit": CAP}
+    job["supervise"] = {"hang_timeout": "5m", "backoff_initial": "0.1s", "backoff_max": "1s"}
+    job["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _run(job: Path) -> int:
+    return run_job(str(job), plain=True, console=io.StringIO(), install_signals=False)
+
+
+def test_real_oom_mid_run_is_retried_and_loses_no_step(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real forward OOM at step 4 restarts with checkpointing from the emergency checkpoint of step 3."""
+    # Injected timing, real failure: the child applies its cap only after step 3, so the OOM
+    # comes mid-run (where an emergency checkpoint is possible) rather than at the first step.
+    monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "3")
+    assert _run(_job(tiny_dir, tmp_path)) == 0
+    run = tmp_path / "run"
+    records, bad = read_attempts(run / "attempts.jsonl")
+    assert bad == 0
+    first, last = records[0], records[-1]
+    assert first.outcome == "failed" and last.outcome == "succeeded"
+    assert first.failure is not None
+    assert first.failure["kind"] in ("oom_forward", "oom_backward")
+    assert first.failure["stage"] in ("forward", "backward")
+    assert first.failure["numbers"]["tried_to_allocate"] > 0
+    assert first.failure["emergency_checkpoint"]
+    assert first.steps_completed == 3 and first.next_resume_from == 3
+    assert first.decision is not None and first.decision["changes"] == {"gradient_checkpointing": [False, True]}
+    assert all(r.knobs["micro_batch_size"] * r.knobs["grad_accum"] == 16 for r in records)
+    assert last.resumed_from == 3 and last.steps_completed == MAX_STEPS
+    assert sum(r.lost_steps for r in records) == 0
+    assert (run / "adapter" / "adapter_config.json").exists()
+    trainer_state = json.loads((run / "checkpoints" / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
+    assert trainer_state["global_step"] == MAX_STEPS
+    retry = next(e for e in read_events(run / "events.jsonl") if e["event"] == "retry")
+    assert retry["emergency_checkpoint"] is True and retry["lost_steps"] == 0
+
+
+def _wait_for(predicate: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def _heartbeat_step(events_file: Path) -> int:
+    if not events_file.exists():
+        return 0
+    steps = [json.loads(line).get("step") or 0 for line in events_file.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def test_supervisor_sigkill_then_same_command_finishes_without_repeating_failed_config(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of the supervisor mid-attempt, then the same command: the run finishes, no failed config reruns."""
+    job = _job(tiny_dir, tmp_path)
+    command = [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--plain", str(job)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second = tmp_path / "run" / "attempt-002" / "child-events.jsonl"
+    try:
+        _wait_for(lambda: _heartbeat_step(second) >= 2, timeout=240)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert _run(job) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[0].outcome == "failed" and records[0].failure is not None
+    assert records[0].failure["kind"] == "oom_forward"
+    assert records[1].attempt == 2 and records[1].outcome in ("interrupted", "stopped")
+    assert all(r.knobs != records[0].knobs for r in records[1:])
+    assert records[-1].outcome == "succeeded" and records[-1].steps_completed == MAX_STEPS
+    assert records[-1].resumed_from >= 2
+
+
+def test_target_modules_matching_nothing_stops_with_exit_4(tiny_dir: Path, tmp_path: Path) -> None:
+    """A job whose LoRA targets match no layer stops after one attempt with exit 4 and the layer names."""
+    job = _job(tiny_dir, tmp_path)
+    raw = yaml.safe_load(job.read_text())
+    raw["lora"]["target_modules"] = ["query_key_value"]
+    job.write_text(yaml.safe_dump(raw))
+    out = subprocess.run(
+        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--plain", str(job)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert out.returncode == 4, out.stderr[-2000:]
+    assert "gave_up" in out.stderr and "config_error" in out.stderr
+    assert "q_proj" in out.stderr  # the message lists the linear layers the model has
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert len(records) == 1
