@@ -18,6 +18,7 @@ def main() -> None:
 
     prepare_process_env(expandable_segments=sys.argv[1:2] != ["off"])
     import torch
+
     from qlora_supervise.trainer_child import memory
     from qlora_supervise.trainer_child.failure import capture
     from qlora_supervise.trainer_child.protocol import Stage

@@ -8,6 +8,7 @@ if the supervisor dies, the child checkpoints and exits instead of training on u
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -74,10 +75,8 @@ class ChildProcess:
         return self.popen.poll()
 
     def signal_group(self, signum: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def stop(self, grace_s: float, sleep: Callable[[float], None] = time.sleep) -> int:
         """Stop the child and its group; returns its exit status (negative: signal)."""
@@ -105,7 +104,7 @@ def spawn_child(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_set_pdeathsig,  # noqa: PLW1509 - only prctl, no locks taken
+            preexec_fn=_set_pdeathsig,
         )
     return ChildProcess(popen, log_path, time.monotonic())
 

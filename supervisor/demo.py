@@ -55,10 +55,15 @@ def demo_command(directory: str) -> int:
     if not (tiny / "job.yaml").exists():
         print(f"making the tiny model in {tiny} ...", file=sys.stderr, flush=True)
         if _make_tiny(tiny) != 0:
-            raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)")
+            raise SupervisorExit(
+                SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)"
+            )
     job_path = write_demo_job(tiny / "job.yaml", root)
-    print(f"supervising {job_path} (cpu_memory_limit {DEMO_CPU_CAP}: the first config will not fit)",
-          file=sys.stderr, flush=True)
+    print(
+        f"supervising {job_path} (cpu_memory_limit {DEMO_CPU_CAP}: the first config will not fit)",
+        file=sys.stderr,
+        flush=True,
+    )
     from qlora_supervise.supervisor.run import run_job
 
     code = run_job(str(job_path))

@@ -39,6 +39,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
 from qlora_supervise.policies.rungs import RUNG_NAMES
 from qlora_supervise.supervisor import _data_fields
 from qlora_supervise.supervisor.units import (

@@ -26,11 +26,11 @@ from qlora_supervise.trainer_child.protocol import Knobs, write_text_atomic
 class RunState(str, enum.Enum):
     """The supervisor's state machine, as saved in ``state.json``::
 
-        STARTING -> RUNNING -> (child exits) -> BACKOFF -> RUNNING ...
-                       |                     -> WAITING (contention) -> RUNNING
-                       |                     -> GAVE_UP | FAILED
-                       +-> SUCCEEDED (adapter written; merged when asked)
-        any -> STOPPED (SIGTERM/SIGINT; resumable: the same command continues)
+    STARTING -> RUNNING -> (child exits) -> BACKOFF -> RUNNING ...
+                   |                     -> WAITING (contention) -> RUNNING
+                   |                     -> GAVE_UP | FAILED
+                   +-> SUCCEEDED (adapter written; merged when asked)
+    any -> STOPPED (SIGTERM/SIGINT; resumable: the same command continues)
     """
 
     STARTING = "starting"
@@ -83,6 +83,26 @@ class State:
 
 
 @dataclass(frozen=True)
+class AttemptFacts:
+    """What is known of an attempt when it ends, before the policy has had its say."""
+
+    attempt: int
+    phase: str
+    knobs: Mapping[str, Any]
+    started_at: float
+    ended_at: float
+    exit_code: int | None
+    signal: int | None
+    resumed_from: int
+    steps_completed: int
+    peak_memory: Mapping[str, int | None] = field(default_factory=dict)
+
+    @property
+    def steps_progressed(self) -> int:
+        return max(0, self.steps_completed - self.resumed_from)
+
+
+@dataclass(frozen=True)
 class AttemptRecord:
     """One line of ``attempts.jsonl``: a finished attempt, its failure and the decision taken."""
 
@@ -108,6 +128,26 @@ class AttemptRecord:
 
     def to_line(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str) + "\n"
+
+    @classmethod
+    def from_facts(
+        cls,
+        facts: AttemptFacts,
+        outcome: str,
+        next_resume_from: int | None,
+        failure: Mapping[str, Any] | None = None,
+        decision: Mapping[str, Any] | None = None,
+    ) -> AttemptRecord:
+        """The journal line; lost steps are the finished steps the next attempt will not start from."""
+        lost = max(0, facts.steps_completed - next_resume_from) if next_resume_from is not None else 0
+        return cls(
+            **dataclasses.asdict(facts),
+            outcome=outcome,
+            next_resume_from=next_resume_from,
+            lost_steps=lost,
+            failure=failure,
+            decision=decision,
+        )
 
 
 def write_state(path: Path, state: State) -> None:

@@ -12,6 +12,7 @@ last decision, so a config that failed is never run again the same way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import sys
@@ -20,8 +21,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
-
-import tenacity
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
@@ -34,8 +33,11 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.failure import ChildExit, Failure
 from qlora_supervise.supervisor.gpu import GpuMonitor, GpuSample
 from qlora_supervise.supervisor.heartbeats import HeartbeatReader, Progress
+from qlora_supervise.supervisor.history import decision_entry, failure_entry, policy_history, story
 from qlora_supervise.supervisor.host import sample_host
+from qlora_supervise.supervisor.job import Job
 from qlora_supervise.supervisor.journal import (
+    AttemptFacts,
     AttemptRecord,
     InFlight,
     RunState,
@@ -47,11 +49,11 @@ from qlora_supervise.supervisor.journal import (
     write_state,
 )
 from qlora_supervise.supervisor.rundir import RunDir
+from qlora_supervise.supervisor.waiting import backoff_seconds, bytes_needed, wait_for_free_memory
 from qlora_supervise.trainer_child.protocol import (
     AttemptSpec,
     ErrorReport,
     ExitCode,
-    FailureKind,
     Knobs,
     Stage,
     newest_complete_checkpoint,
@@ -104,7 +106,7 @@ class Supervisor:
 
     def __init__(
         self,
-        job: Any,
+        job: Job,
         run_dir: RunDir,
         log: Any,
         seams: Seams | None = None,
@@ -374,7 +376,8 @@ class Supervisor:
 
     def _hung(self, progress: Progress, started: float, now: float) -> bool:
         last = progress.last_progress_at or started
-        return now - last > self.job.hang_timeout_s
+        timeout: float = self.job.hang_timeout_s
+        return now - last > timeout
 
     def _request_stop(self, number: int, proc: child_mod.ChildProcess, watched: Watched) -> None:
         assert self.stop_signal is not None
@@ -417,7 +420,7 @@ class Supervisor:
     ) -> AttemptRecord:
         report = self._read_report(number)
         steps = max(watched.progress.step, report.step if report else 0, resumed_from)
-        base = dict(
+        facts = AttemptFacts(
             attempt=number,
             phase=plan.phase,
             knobs=dataclasses.asdict(plan.knobs),
@@ -434,16 +437,9 @@ class Supervisor:
             },
         )
         if exit_.killed_by_supervisor == "stop" or exit_.returncode == ExitCode.STOPPED:
-            newest = newest_complete_checkpoint(self.rd.checkpoints)
-            resume = newest[0] if newest else 0
-            record = AttemptRecord(
-                **base, outcome="stopped", next_resume_from=resume, lost_steps=max(0, steps - resume)
-            )
-            append_attempt(self.rd.attempts, record)
-            return record
+            return self._journal(AttemptRecord.from_facts(facts, "stopped", self._newest_step()))
         if exit_.returncode == 0 and self._phase_done(plan.phase):
-            record = AttemptRecord(**base, outcome="succeeded", next_resume_from=None, lost_steps=0)
-            append_attempt(self.rd.attempts, record)
+            record = self._journal(AttemptRecord.from_facts(facts, "succeeded", None))
             self.log.info("attempt_succeeded", attempt=number, phase=plan.phase, steps=steps)
             if plan.phase == "merge" or not self.job.train_spec().merge:
                 self.log.info(
@@ -452,7 +448,7 @@ class Supervisor:
                     steps=steps,
                     adapter=str(self.rd.adapter),
                     merged=str(self.rd.merged) if plan.phase == "merge" else None,
-                    story=_story([*records, record]),
+                    story=story([*records, record]),
                 )
             return record
         failure = classify_exit(
@@ -472,7 +468,15 @@ class Supervisor:
             evidence=failure.evidence,
             message=failure.message[:500],
         )
-        return self._decide_and_record(base, plan, records, failure, report, steps)
+        return self._decide_and_record(facts, plan, records, failure, report)
+
+    def _journal(self, record: AttemptRecord) -> AttemptRecord:
+        append_attempt(self.rd.attempts, record)
+        return record
+
+    def _newest_step(self) -> int:
+        newest = newest_complete_checkpoint(self.rd.checkpoints)
+        return newest[0] if newest else 0
 
     def _phase_done(self, phase: str) -> bool:
         return (self.rd.merged if phase == "merge" else self.rd.adapter).exists()
@@ -489,45 +493,44 @@ class Supervisor:
 
     def _decide_and_record(
         self,
-        base: dict[str, Any],
+        facts: AttemptFacts,
         plan: Plan,
         records: Sequence[AttemptRecord],
         failure: Failure,
         report: ErrorReport | None,
-        steps: int,
     ) -> AttemptRecord:
-        history = [*_past(records), policy.PastAttempt(plan.knobs, failure.kind, steps - base["resumed_from"])]
-        decision = policy.decide(failure, plan.knobs, history, self._settings())
+        history = [
+            *policy_history(records),
+            policy.PastAttempt(plan.knobs, failure.kind, facts.steps_progressed),
+        ]
+        decision = policy.decide(failure, plan.knobs, history, self.settings)
         waited = 0.0
         if isinstance(decision, policy.Wait):
-            back, waited = self._wait_for_memory(base["attempt"], decision, failure)
+            back, waited = self._wait_for_memory(facts.attempt, decision, failure)
             if back:
                 decision = policy.Restart(
                     plan.knobs, "wait_for_memory", {}, "the other processes released the memory", Survives.ALL
                 )
             else:
-                decision = policy.decide(failure, plan.knobs, history, self._settings(), contention_timed_out=True)
-        resume = self._next_resume(decision)
-        lost = max(0, steps - resume) if resume is not None else 0
-        record = AttemptRecord(
-            **base,
-            outcome="failed",
-            next_resume_from=resume,
-            lost_steps=lost,
-            failure=_failure_dict(failure, report),
-            decision={**_decision_dict(decision), "waited_s": round(waited, 1)},
+                decision = policy.decide(
+                    failure, plan.knobs, history, self.settings, contention_timed_out=True
+                )
+        record = self._journal(
+            AttemptRecord.from_facts(
+                facts,
+                "failed",
+                self._next_resume(decision),
+                failure=failure_entry(failure, report),
+                decision={**decision_entry(decision), "waited_s": round(waited, 1)},
+            )
         )
-        append_attempt(self.rd.attempts, record)
         self._log_decision(record, decision, failure, report)
         return record
 
     def _next_resume(self, decision: policy.Decision) -> int | None:
         if not isinstance(decision, policy.Restart):
             return None
-        if decision.survives is Survives.ADAPTER_REINIT:
-            return 0
-        newest = newest_complete_checkpoint(self.rd.checkpoints)
-        return newest[0] if newest else 0
+        return 0 if decision.survives is Survives.ADAPTER_REINIT else self._newest_step()
 
     def _log_decision(
         self, record: AttemptRecord, decision: policy.Decision, failure: Failure, report: ErrorReport | None
@@ -561,9 +564,6 @@ class Supervisor:
                 report=str(self.rd.attempts),
             )
 
-    def _settings(self) -> policy.Settings:
-        return self.settings
-
     # -- waiting ---------------------------------------------------------------------------
 
     def _backoff(self, records: Sequence[AttemptRecord]) -> None:
@@ -572,11 +572,10 @@ class Supervisor:
             if record.outcome != "failed":
                 break
             failures_in_a_row += 1
-        wait = tenacity.wait_exponential(
-            multiplier=self.job.backoff_initial_s, min=self.job.backoff_initial_s, max=self.job.backoff_max_s
+        seconds = backoff_seconds(failures_in_a_row, self.job.backoff_initial_s, self.job.backoff_max_s)
+        write_state(
+            self.rd.state, State(RunState.BACKOFF, knobs_from_record(records[-1]), note=f"{seconds:.1f}s")
         )
-        seconds = float(wait(_retry_state(failures_in_a_row)))
-        write_state(self.rd.state, State(RunState.BACKOFF, knobs_from_record(records[-1]), note=f"{seconds:.1f}s"))
         self.log.info("backoff", seconds=round(seconds, 1), failures_in_a_row=failures_in_a_row)
         self._interruptible_sleep(seconds)
 
@@ -594,7 +593,7 @@ class Supervisor:
 
     def _wait_for_memory(self, number: int, decision: policy.Wait, failure: Failure) -> tuple[bool, float]:
         """Poll NVML with backoff until the memory is back or the wait times out."""
-        needed = _bytes_needed(failure.numbers)
+        needed = bytes_needed(failure.numbers)
         self.log.info(
             "waiting_for_memory",
             attempt=number,
@@ -604,23 +603,21 @@ class Supervisor:
             numbers=dict(failure.numbers),
         )
         started = self.seams.clock()
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_delay(decision.seconds) | tenacity.stop_any(self._stop_asked),
-            wait=tenacity.wait_exponential(
-                multiplier=self.job.backoff_initial_s, min=self.job.backoff_initial_s, max=self.job.backoff_max_s
-            ),
-            retry=tenacity.retry_if_result(lambda free: free is None or free < needed),
+        free = wait_for_free_memory(
+            self._gpu_free,
+            needed,
+            decision.seconds,
+            self.job.backoff_initial_s,
+            self.job.backoff_max_s,
             sleep=self._interruptible_sleep,
-            retry_error_callback=lambda state: None,
+            stop_asked=lambda: self.stop_signal is not None,
         )
-        free = retrying(self._gpu_free)
         waited = self.seams.clock() - started
         back = free is not None and free >= needed
-        self.log.info("memory_available" if back else "memory_wait_timed_out", free_bytes=free, waited_s=waited)
+        self.log.info(
+            "memory_available" if back else "memory_wait_timed_out", free_bytes=free, waited_s=waited
+        )
         return back, waited
-
-    def _stop_asked(self, _state: tenacity.RetryCallState) -> bool:
-        return self.stop_signal is not None
 
     def _gpu_free(self) -> int | None:
         if self.gpu is None:
@@ -641,15 +638,16 @@ class Supervisor:
         if any(r.attempt == flight.number for r in records):
             return records  # its record was written; only state.json was stale
         spec_path = self.rd.attempt_dir(flight.number) / "spec.json"
-        if flight.pid and child_mod.process_alive(flight.pid):
-            if str(spec_path) in child_mod.process_cmdline(flight.pid):
-                self.log.warning("orphan_child_stopping", attempt=flight.number, pid=flight.pid)
-                _stop_orphan(flight.pid, self.seams)
+        # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe.
+        ours = bool(flight.pid) and str(spec_path) in child_mod.process_cmdline(flight.pid or 0)
+        if ours and flight.pid and child_mod.process_alive(flight.pid):
+            self.log.warning("orphan_child_stopping", attempt=flight.number, pid=flight.pid)
+            _stop_orphan(flight.pid, self.seams)
         report = self._read_report(flight.number)
         reader = HeartbeatReader(self.rd.attempt_dir(flight.number) / "child-events.jsonl")
         reader.poll(self.seams.clock())
         steps = max(reader.progress.step, report.step if report else 0, flight.resumed_from)
-        base = dict(
+        facts = AttemptFacts(
             attempt=flight.number,
             phase=flight.phase,
             knobs=dataclasses.asdict(flight.knobs),
@@ -666,17 +664,23 @@ class Supervisor:
             # The child failed while nobody watched: classify it as if we had seen it exit.
             exit_ = ChildExit(report.exit_code, None, None, 0.0)
             failure = classify_exit(exit_, report, "", 0, None, None)
-            self.log.info("failure_classified", attempt=flight.number, kind=failure.kind.value,
-                          stage=failure.stage.value, evidence=failure.evidence, reclaimed=True)
-            return [*records, self._decide_and_record(base, plan, records, failure, report, steps)]
-        newest = newest_complete_checkpoint(self.rd.checkpoints)
-        resume = newest[0] if newest else 0
-        record = AttemptRecord(
-            **base, outcome="interrupted", next_resume_from=resume, lost_steps=max(0, steps - resume)
+            self.log.info(
+                "failure_classified",
+                attempt=flight.number,
+                kind=failure.kind.value,
+                stage=failure.stage.value,
+                evidence=failure.evidence,
+                reclaimed=True,
+            )
+            return [*records, self._decide_and_record(facts, plan, records, failure, report)]
+        record = self._journal(AttemptRecord.from_facts(facts, "interrupted", self._newest_step()))
+        self.log.info(
+            "attempt_interrupted",
+            attempt=flight.number,
+            steps=steps,
+            resume_from=record.next_resume_from,
+            why="the supervisor stopped while this attempt ran; its config is not counted as failed",
         )
-        append_attempt(self.rd.attempts, record)
-        self.log.info("attempt_interrupted", attempt=flight.number, steps=steps, resume_from=resume,
-                      why="the supervisor stopped while this attempt ran; its config is not counted as failed")
         return [*records, record]
 
 
@@ -691,10 +695,8 @@ def _stop_orphan(pid: int, seams: Seams) -> None:
     while child_mod.process_alive(pid) and seams.clock() < deadline:
         seams.sleep(0.2)
     if child_mod.process_alive(pid):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _pid_tree(pid: int) -> set[int]:
@@ -711,67 +713,6 @@ def _sample_line(sample: GpuSample) -> str:
     import json
 
     return json.dumps(dataclasses.asdict(sample), default=str) + "\n"
-
-
-def _retry_state(attempt_number: int) -> tenacity.RetryCallState:
-    state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-    state.attempt_number = max(1, attempt_number)
-    return state
-
-
-def _bytes_needed(numbers: Mapping[str, Any]) -> int:
-    # What this process held plus what it asked for: the memory it needs to get past the failure.
-    held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
-    return int(held) + int(numbers.get("tried_to_allocate") or 0)
-
-
-def _past(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]:
-    out = []
-    for r in records:
-        kind = FailureKind(r.failure["kind"]) if r.failure else None
-        peak = r.peak_memory.get("gpu_process") or r.peak_memory.get("child_peak")
-        out.append(policy.PastAttempt(knobs_from_record(r), kind, r.steps_progressed, peak))
-    return out
-
-
-def _failure_dict(failure: Failure, report: ErrorReport | None) -> dict[str, Any]:
-    return {
-        "kind": failure.kind.value,
-        "stage": failure.stage.value,
-        "numbers": dict(failure.numbers),
-        "evidence": failure.evidence,
-        "message": failure.message[:2000],
-        "emergency_checkpoint": report.emergency_checkpoint if report else None,
-        "expandable_segments_active": report.expandable_segments_active if report else None,
-    }
-
-
-def _decision_dict(decision: policy.Decision) -> dict[str, Any]:
-    if isinstance(decision, policy.Restart):
-        return {
-            "action": "restart",
-            "rung": decision.rung,
-            "changes": {k: list(v) for k, v in decision.changes.items()},
-            "why": decision.why,
-            "survives": decision.survives.value,
-            "knobs": dataclasses.asdict(decision.knobs),
-        }
-    if isinstance(decision, policy.GiveUp):
-        return {"action": "give_up", "why": decision.why, "retryable": decision.retryable}
-    return {"action": "wait", "why": decision.why, "seconds": decision.seconds}
-
-
-def _story(records: Sequence[AttemptRecord]) -> list[str]:
-    """One line per attempt, for the final report."""
-    lines = []
-    for r in records:
-        line = f"attempt {r.attempt} ({r.phase}): {r.outcome}, steps {r.resumed_from}->{r.steps_completed}"
-        if r.failure:
-            line += f", {r.failure['kind']} in {r.failure['stage']}"
-        if r.decision and r.decision.get("action") == "restart":
-            line += f" -> {r.decision['rung']} {r.decision['changes']}, lost {r.lost_steps} steps"
-        lines.append(line)
-    return lines
 
 
 __all__ = ["Plan", "Seams", "Stage", "Supervisor"]

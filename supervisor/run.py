@@ -50,7 +50,8 @@ def _load(job_path: str) -> Job:
         lines = "\n".join(problem.render() for problem in error.problems)
         raise SupervisorExit(
             SupervisorExitCode.BAD_JOB,
-            f"{job_path}: {len(error.problems)} problem(s):\n{lines}\n(run `qlora-supervise validate {job_path}`)",
+            f"{job_path}: {len(error.problems)} problem(s):\n{lines}\n"
+            f"(run `qlora-supervise validate {job_path}`)",
         ) from None
 
 

@@ -61,7 +61,9 @@ def describe(r: AttemptRecord) -> list[str]:
             lines.append(f"  numbers: {nums}")
     d = r.decision or {}
     if d.get("action") == "restart":
-        changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d["changes"].items()) or "no change"
+        changes = (
+            ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d["changes"].items()) or "no change"
+        )
         lines.append(f"  retry: {d['rung']}: {changes} ({d['why']})")
         lines.append(
             f"  progress kept: {d['survives']}; next attempt resumes at step {r.next_resume_from}, "

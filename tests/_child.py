@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, ErrorReport, Knobs, TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -108,7 +108,9 @@ class Child:
                 return self._fault(name)
             time.sleep(0.5 if name == "slow" else 0.02)
             self.step += 1
-            self.emit("heartbeat", step=self.step, stage="forward", loss=2.0 / self.step, peak=1000 * self.step)
+            self.emit(
+                "heartbeat", step=self.step, stage="forward", loss=2.0 / self.step, peak=1000 * self.step
+            )
             if self.step % self.spec.train.save_steps == 0:
                 self.checkpoint(self.step)
         Path(self.spec.adapter_dir).mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from qlora_supervise.supervisor.cgroup import (
     ENV_MEMORY_EVENTS,
     memory_events_path,

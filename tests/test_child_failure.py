@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from qlora_supervise.trainer_child.failure import ConfigError, capture, is_oom, oom_numbers
 from qlora_supervise.trainer_child.protocol import ExitCode, Stage
 

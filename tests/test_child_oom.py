@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
+
 from qlora_supervise.trainer_child.protocol import (
     CHECKPOINT_COMPLETE_MARKER,
     ExitCode,

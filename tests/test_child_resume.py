@@ -16,6 +16,7 @@ from _child import (
     start_child,
     wait_for_event,
 )
+
 from qlora_supervise.trainer_child.protocol import ExitCode, complete_checkpoints
 
 pytestmark = pytest.mark.slow

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from qlora_supervise.supervisor._frames import Frame, frame_stage, parse_frames, stage_from_frames
 from qlora_supervise.supervisor._oom_rules import contention, derive, fragmentation
 from qlora_supervise.supervisor.classify import classify_exit, classify_text

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
 from qlora_supervise.supervisor.gpu import GpuMonitor, GpuSample
 
 GIB = 1024**3

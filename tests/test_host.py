@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+
 from qlora_supervise.supervisor.host import HostSample, sample_host, tree_rss
 
 

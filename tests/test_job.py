@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from qlora_supervise.supervisor.job import FILE_PATH, Job, JobError, load_job, validate_command
 from qlora_supervise.trainer_child.protocol import AttemptSpec, FailureKind, Knobs
 

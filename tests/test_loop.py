@@ -20,7 +20,7 @@ from qlora_supervise.supervisor.journal import read_attempts, read_state
 from qlora_supervise.supervisor.run import run_job
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_scripted import scripted_seams  # noqa: E402
+from run_scripted import scripted_seams
 
 MAX_STEPS = 10
 
@@ -115,7 +115,9 @@ def test_hung_child_is_stopped_and_restarted(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30
 
 
-def test_sigkill_with_cgroup_oom_evidence_is_host_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigkill_with_cgroup_oom_evidence_is_host_oom(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A child SIGKILLed while the cgroup's oom_kill counter rises is classified host_oom."""
     events = tmp_path / "memory.events"
     events.write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")

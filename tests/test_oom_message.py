@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from qlora_supervise.trainer_child.oom_message import (
     OomMessage,
     parse_messages,

@@ -14,9 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_wheel_installs_under_the_namespace_only(tmp_path: Path) -> None:
-    """The built wheel holds qlora_supervise/{supervisor,policies,trainer_child} and no top-level supervisor."""
+    """The wheel holds qlora_supervise/{supervisor,policies,trainer_child} and no top-level supervisor."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
         check=True,
     )
     wheel = next(tmp_path.glob("qlora_supervise-*.whl"))
@@ -39,7 +50,8 @@ def test_supervisor_does_not_import_torch() -> None:
         "    for m in pkgutil.iter_modules(pkg.__path__):\n"
         "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
         "import qlora_supervise.trainer_child.protocol\n"
-        "heavy = [m for m in ('torch', 'transformers', 'peft', 'trl', 'bitsandbytes', 'datasets') if m in sys.modules]\n"
+        "names = ('torch', 'transformers', 'peft', 'trl', 'bitsandbytes', 'datasets')\n"
+        "heavy = [m for m in names if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "print('ok')\n"
     )
@@ -52,7 +64,9 @@ def test_help_documents_exit_codes() -> None:
     """`qlora-supervise run --help` lists the exit codes."""
     out = subprocess.run(
         [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--help"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     for code in ("0 ", "2 ", "3 ", "4 ", "130", "143"):
         assert code in out

@@ -75,12 +75,16 @@ def test_real_oom_mid_run_is_retried_and_loses_no_step(
     assert first.failure["numbers"]["tried_to_allocate"] > 0
     assert first.failure["emergency_checkpoint"]
     assert first.steps_completed == 3 and first.next_resume_from == 3
-    assert first.decision is not None and first.decision["changes"] == {"gradient_checkpointing": [False, True]}
+    assert first.decision is not None and first.decision["changes"] == {
+        "gradient_checkpointing": [False, True]
+    }
     assert all(r.knobs["micro_batch_size"] * r.knobs["grad_accum"] == 16 for r in records)
     assert last.resumed_from == 3 and last.steps_completed == MAX_STEPS
     assert sum(r.lost_steps for r in records) == 0
     assert (run / "adapter" / "adapter_config.json").exists()
-    trainer_state = json.loads((run / "checkpoints" / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
+    trainer_state = json.loads(
+        (run / "checkpoints" / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text()
+    )
     assert trainer_state["global_step"] == MAX_STEPS
     retry = next(e for e in read_events(run / "events.jsonl") if e["event"] == "retry")
     assert retry["emergency_checkpoint"] is True and retry["lost_steps"] == 0
@@ -96,14 +100,16 @@ def _wait_for(predicate: Any, timeout: float) -> None:
 def _heartbeat_step(events_file: Path) -> int:
     if not events_file.exists():
         return 0
-    steps = [json.loads(line).get("step") or 0 for line in events_file.read_text().splitlines() if line.strip()]
+    steps = [
+        json.loads(line).get("step") or 0 for line in events_file.read_text().splitlines() if line.strip()
+    ]
     return max(steps, default=0)
 
 
 def test_supervisor_sigkill_then_same_command_finishes_without_repeating_failed_config(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """SIGKILL of the supervisor mid-attempt, then the same command: the run finishes, no failed config reruns."""
+    """SIGKILL of the supervisor mid-attempt, then the same command: it finishes, no failed config reruns."""
     job = _job(tiny_dir, tmp_path)
     command = [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--plain", str(job)]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

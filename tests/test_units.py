@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from qlora_supervise.supervisor.units import (
     UnitError,
     format_bytes,
