@@ -12,6 +12,7 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 * ``hang@N`` - stop making progress at step N (heartbeats continue, the step does not)
 * ``sigkill@N`` - kill itself with SIGKILL at step N (a host OOM kill when the test also
   bumps the cgroup ``oom_kill`` file named by ``$SCRIPTED_CHILD_OOM_EVENTS``)
+* ``contention@N`` - an OOM whose message shows another process holding most of the GPU
 * ``config_error`` - exit with the config-error code and report
 * ``slow`` - like ``ok`` but 0.5 s per step (for signal tests)
 """
@@ -123,6 +124,14 @@ class Child:
             stage = name.removeprefix("oom_")
             message = OOM_MESSAGE.format(alloc="21.90 GiB", unalloc="120.00 MiB")
             return self.fail(stage, "torch.OutOfMemoryError", message, ExitCode.OOM, stage != "optimizer")
+        if name == "contention":
+            message = (
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total "
+                "capacity of 23.55 GiB of which 200.00 MiB is free. Process 4242 has 18.00 GiB memory in use. "
+                "Including non-PyTorch memory, this process has 5.30 GiB memory in use. Of the allocated "
+                "memory 4.90 GiB is allocated by PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated."
+            )
+            return self.fail("forward", "torch.OutOfMemoryError", message, ExitCode.OOM, True)
         if name == "fragmentation":
             message = OOM_MESSAGE.format(alloc="15.20 GiB", unalloc="6.90 GiB")
             return self.fail("backward", "torch.OutOfMemoryError", message, ExitCode.OOM, True)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from qlora_supervise.supervisor.eventlog import read_events
+from qlora_supervise.supervisor.gpu import GpuSample
 from qlora_supervise.supervisor.journal import read_attempts, read_state
 from qlora_supervise.supervisor.run import run_job
 
@@ -201,3 +202,59 @@ def test_supervisor_sigkill_mid_attempt_resumes_without_repeating_failed_config(
     failed_config = records[0].knobs
     assert all(r.knobs != failed_config for r in records[1:])
     assert records[-1].steps_completed == MAX_STEPS
+
+
+class _FakeGpu:
+    """An NVML stand-in (a named seam): another process holds the card until ``frees_after`` polls."""
+
+    def __init__(self, frees_after: int | None) -> None:
+        self.polls = 0
+        self.frees_after = frees_after
+
+    def sample(self, pids: set[int]) -> GpuSample:
+        if not pids:
+            self.polls += 1  # the contention wait polls with no pids
+        freed = self.frees_after is not None and self.polls >= self.frees_after
+        free = 20 * 1024**3 if freed else 200 * 1024**2
+        others = () if freed else ((4242, 18 * 1024**3),)
+        total = 24 * 1024**3
+        return GpuSample(time.time(), 0, total, total - free, free, 0, others)
+
+    def close(self) -> None:
+        pass
+
+
+def _run_with_gpu(job: Path, gpu: _FakeGpu) -> int:
+    seams = scripted_seams()
+    seams.open_gpu = lambda device: gpu  # type: ignore[assignment,return-value]
+    return run_job(str(job), plain=True, seams=seams, console=io.StringIO(), install_signals=False)
+
+
+def test_contention_waits_for_memory_then_restarts_unchanged(tmp_path: Path) -> None:
+    """An OOM caused by another process waits for the memory to come back, then retries the same config."""
+    gpu = _FakeGpu(frees_after=3)
+    assert _run_with_gpu(_job(tmp_path, {"1": "contention@3"}, contention_wait="30s"), gpu) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[0].failure is not None and records[0].failure["kind"] == "oom_contention"
+    assert records[0].decision is not None and records[0].decision["rung"] == "wait_for_memory"
+    assert records[1].knobs == records[0].knobs
+    waiting = _events(tmp_path, "waiting_for_memory")[0]
+    assert waiting["numbers"]["processes"] == {"4242": 18 * 1024**3}  # JSON keys are strings
+    assert _events(tmp_path, "memory_available")
+    assert gpu.polls >= 3
+
+
+def test_contention_that_does_not_clear_gives_up_without_degrading(tmp_path: Path) -> None:
+    """When the other process keeps the memory past contention_wait, the run gives up (exit 3), config intact."""
+    job = _job(tmp_path, {"1": "contention@3"}, contention_wait="1s")
+    assert _run_with_gpu(job, _FakeGpu(frees_after=None)) == 3
+    gave_up = _events(tmp_path, "gave_up")[0]
+    assert "degrade_on_contention" in gave_up["why"]
+
+
+def test_contention_degrades_when_the_job_allows_it(tmp_path: Path) -> None:
+    """With degrade_on_contention the stage's ladder is used instead of waiting."""
+    job = _job(tmp_path, {"1": "contention@3"}, degrade_on_contention=True)
+    assert _run_with_gpu(job, _FakeGpu(frees_after=None)) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[0].decision is not None and records[0].decision["rung"] == "gradient_checkpointing"
