@@ -126,10 +126,12 @@ class Child:
             return self.fail(stage, "torch.OutOfMemoryError", message, ExitCode.OOM, stage != "optimizer")
         if name == "contention":
             message = (
-                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total "
-                "capacity of 23.55 GiB of which 200.00 MiB is free. Process 4242 has 18.00 GiB memory in use. "
-                "Including non-PyTorch memory, this process has 5.30 GiB memory in use. Of the allocated "
-                "memory 4.90 GiB is allocated by PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated."
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. "
+                "GPU 0 has a total capacity of 23.55 GiB of which 200.00 MiB is free. "
+                "Process 4242 has 18.00 GiB memory in use. "
+                "Including non-PyTorch memory, this process has 5.30 GiB memory in use. "
+                "Of the allocated memory 4.90 GiB is allocated by PyTorch, "
+                "and 100.00 MiB is reserved by PyTorch but unallocated."
             )
             return self.fail("forward", "torch.OutOfMemoryError", message, ExitCode.OOM, True)
         if name == "fragmentation":

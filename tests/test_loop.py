@@ -245,7 +245,7 @@ def test_contention_waits_for_memory_then_restarts_unchanged(tmp_path: Path) -> 
 
 
 def test_contention_that_does_not_clear_gives_up_without_degrading(tmp_path: Path) -> None:
-    """When the other process keeps the memory past contention_wait, the run gives up (exit 3), config intact."""
+    """When the other process keeps the memory past contention_wait, the run gives up (exit 3)."""
     job = _job(tmp_path, {"1": "contention@3"}, contention_wait="1s")
     assert _run_with_gpu(job, _FakeGpu(frees_after=None)) == 3
     gave_up = _events(tmp_path, "gave_up")[0]
