@@ -147,3 +147,19 @@ def test_target_modules_matching_nothing_stops_with_exit_4(tiny_dir: Path, tmp_p
     assert "q_proj" in out.stderr  # the message lists the linear layers the model has
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert len(records) == 1
+
+
+def test_merge_runs_in_its_own_process_after_training(tiny_dir: Path, tmp_path: Path) -> None:
+    """With train.merge the adapter is merged in a separate merge attempt after training finishes."""
+    job = _job(tiny_dir, tmp_path, merge=True)
+    raw = yaml.safe_load(job.read_text())
+    raw["train"].update(micro_batch_size=1, max_steps=2, save_steps=2, max_seq_len=128)
+    raw["resources"] = {"gpu": "cpu"}
+    job.write_text(yaml.safe_dump(raw))
+    assert _run(job) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert [(r.phase, r.outcome) for r in records] == [("train", "succeeded"), ("merge", "succeeded")]
+    merged = tmp_path / "run" / "merged"
+    assert (merged / "config.json").exists()
+    assert any(merged.glob("*.safetensors"))
+    assert _run(job) == 0  # a finished run stays finished
