@@ -80,7 +80,9 @@ def long_rows(count: int, min_tokens: int, seed: int = 0) -> list[dict[str, str]
     return rows
 
 
-def build_assets(work: Path, shape: dict[str, int], device: str, rows: int, min_tokens: int) -> dict[str, Any]:
+def build_assets(
+    work: Path, shape: dict[str, int], device: str, rows: int, min_tokens: int
+) -> dict[str, Any]:
     """Model (random weights, bf16), tokenizer and dataset under ``work``; runs in a child process."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -93,9 +95,15 @@ def build_assets(work: Path, shape: dict[str, int], device: str, rows: int, min_
         handle.writelines(json.dumps(row) + "\n" for row in data)
     core = Tokenizer(models.WordLevel(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.train_from_iterator([r["text"] for r in data], trainer=trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
+    core.train_from_iterator(
+        [r["text"] for r in data], trainer=trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS)
+    )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
         model_max_length=shape["max_position_embeddings"],
     )
     assert len(tokenizer) <= shape["vocab_size"], (len(tokenizer), shape["vocab_size"])
@@ -127,8 +135,8 @@ def write_job(path: Path, work: Path, run_dir: Path, args: argparse.Namespace, c
         resources = f"{{gpu: {args.gpu}, gpu_memory_limit: {cap}}}"
     path.write_text(
         f"""\
-model: {{path: {work / 'model'}, fallbacks: [], trust_remote_code: false}}
-data: {{path: {work / 'data.jsonl'}, text_field: text, eval_fraction: 0.0}}
+model: {{path: {work / "model"}, fallbacks: [], trust_remote_code: false}}
+data: {{path: {work / "data.jsonl"}, text_field: text, eval_fraction: 0.0}}
 quantization: {{load_in_4bit: true, quant_type: nf4, double_quant: true, compute_dtype: auto}}
 lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
 train:
@@ -171,8 +179,9 @@ def run_supervised(job: Path, log: Path, timeout: float) -> dict[str, Any]:
     t0 = time.monotonic()
     timed_out = False
     with log.open("w", encoding="utf-8") as out:
-        proc = subprocess.Popen([*cli(), "run", str(job), "--plain"], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [*cli(), "run", str(job), "--plain"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
@@ -190,7 +199,9 @@ def classify_log(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        done = subprocess.run([*cli(), "classify", str(path), "--json"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [*cli(), "classify", str(path), "--json"], capture_output=True, text=True, timeout=120
+        )
         return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-400:]}
     except (subprocess.TimeoutExpired, ValueError) as error:
         return {"error": repr(error)}
@@ -252,36 +263,67 @@ def changes_text(decision: dict[str, Any] | None) -> str:
         return "-"
     rung = decision.get("rung") or decision.get("action") or "-"
     changes = decision.get("changes") or {}
-    parts = [f"{k}:{v[0]}->{v[1]}" if isinstance(v, (list, tuple)) and len(v) == 2 else f"{k}:{v}"
-             for k, v in changes.items()]
+    parts = [
+        f"{k}:{v[0]}->{v[1]}" if isinstance(v, (list, tuple)) and len(v) == 2 else f"{k}:{v}"
+        for k, v in changes.items()
+    ]
     return f"{rung} [{', '.join(parts)}]" if parts else str(rung)
 
 
 def table(name: str, result: dict[str, Any]) -> list[str]:
-    cols = ("att", "outcome", "kind", "stage", "tried", "allowed", "in_use", "rsv_free", "cli_kind",
-            "knobs (micro x accum)", "steps res->done", "lost", "peak_gpu", "wall_s", "decision")
+    cols = (
+        "att",
+        "outcome",
+        "kind",
+        "stage",
+        "tried",
+        "allowed",
+        "in_use",
+        "rsv_free",
+        "cli_kind",
+        "knobs (micro x accum)",
+        "steps res->done",
+        "lost",
+        "peak_gpu",
+        "wall_s",
+        "decision",
+    )
     rows = []
     for rec in result.get("attempts", []):
         failure = rec.get("failure") or {}
         nums = failure.get("numbers") or {}
         peak = rec.get("peak_memory") or {}
         cli_kind = (rec.get("_classify_cli") or {}).get("kind", "-")
-        rows.append((
-            str(rec["attempt"]), str(rec.get("outcome")), str(failure.get("kind", "-")), str(failure.get("stage", "-")),
-            gib(nums.get("tried_to_allocate")), gib(nums.get("allowed")), gib(nums.get("process_in_use")),
-            gib(nums.get("reserved_unallocated")), str(cli_kind), knob_batch(rec.get("knobs") or {}),
-            f"{rec.get('resumed_from')}->{rec.get('steps_completed')}", str(rec.get("lost_steps")),
-            f"{gib(peak.get('child_peak'))}/{gib(peak.get('gpu_process'))}",
-            f"{rec.get('ended_at', 0) - rec.get('started_at', 0):.0f}", changes_text(rec.get("decision")),
-        ))
+        rows.append(
+            (
+                str(rec["attempt"]),
+                str(rec.get("outcome")),
+                str(failure.get("kind", "-")),
+                str(failure.get("stage", "-")),
+                gib(nums.get("tried_to_allocate")),
+                gib(nums.get("allowed")),
+                gib(nums.get("process_in_use")),
+                gib(nums.get("reserved_unallocated")),
+                str(cli_kind),
+                knob_batch(rec.get("knobs") or {}),
+                f"{rec.get('resumed_from')}->{rec.get('steps_completed')}",
+                str(rec.get("lost_steps")),
+                f"{gib(peak.get('child_peak'))}/{gib(peak.get('gpu_process'))}",
+                f"{rec.get('ended_at', 0) - rec.get('started_at', 0):.0f}",
+                changes_text(rec.get("decision")),
+            )
+        )
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [f"== scenario {name} ==", fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     attempts = result.get("attempts", [])
     effs = {(r["knobs"]["micro_batch_size"] * r["knobs"]["grad_accum"]) for r in attempts if r.get("knobs")}
-    agree = [(r.get("failure") or {}).get("kind") == (r.get("_classify_cli") or {}).get("kind")
-             for r in attempts if r.get("outcome") == "failed"]
+    agree = [
+        (r.get("failure") or {}).get("kind") == (r.get("_classify_cli") or {}).get("kind")
+        for r in attempts
+        if r.get("outcome") == "failed"
+    ]
     run = result.get("run", {})
     lines.append(
         f"exit {run.get('exit_code')}{' (TIMED OUT)' if run.get('timed_out') else ''}; total {run.get('wall_s')} s; "
@@ -289,8 +331,10 @@ def table(name: str, result: dict[str, Any]) -> list[str]:
         f"classify CLI agrees on {sum(agree)}/{len(agree)} failed attempts; "
         f"final steps {attempts[-1].get('steps_completed') if attempts else '-'}"
     )
-    lines.append("  (GiB; peak_gpu = child's max_memory_allocated / NVML process peak; "
-                 "rsv_free = reserved but unallocated)")
+    lines.append(
+        "  (GiB; peak_gpu = child's max_memory_allocated / NVML process peak; "
+        "rsv_free = reserved but unallocated)"
+    )
     return lines
 
 
@@ -304,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caps", nargs="+", default=["8GiB"], help="one scenario per cap (gpu_memory_limit)")
     p.add_argument("--deadline-s", type=float, default=540.0, help="wall-clock budget for everything")
     p.add_argument("--min-scenario-s", type=float, default=150.0, help="skip a scenario with less time left")
-    p.add_argument("--tiny", action="store_true", help="CPU check of this script: tiny model, cpu_memory_limit caps")
+    p.add_argument(
+        "--tiny", action="store_true", help="CPU check of this script: tiny model, cpu_memory_limit caps"
+    )
     p.add_argument("--gpu", default="0")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro", type=int, default=4)
@@ -330,9 +376,24 @@ def main(argv: list[str] | None = None) -> int:
 
     if not (args.work / "model" / "config.json").is_file():
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, __file__, "--_build", "--work", str(args.work), "--rows",
-                               str(args.rows), "--seq", str(args.seq), *(["--tiny"] if args.tiny else []), "--out",
-                               str(args.out)], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--_build",
+                "--work",
+                str(args.work),
+                "--rows",
+                str(args.rows),
+                "--seq",
+                str(args.seq),
+                *(["--tiny"] if args.tiny else []),
+                "--out",
+                str(args.out),
+            ],
+            capture_output=True,
+            text=True,
+        )
         line = [x for x in done.stdout.splitlines() if x.startswith("BUILD ")]
         results["build"] = json.loads(line[-1][6:]) if line else {"error": done.stderr[-3000:]}
         results["build"]["wall_s"] = round(time.monotonic() - t0, 1)

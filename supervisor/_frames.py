@@ -58,6 +58,10 @@ _RICH_SOURCE = re.compile(r"❱\s*\d+\s*(?:│\s*)*(?P<src>.*?)\s*│?\s*$", re.
 _LINE_PREFIX = re.compile(r"^\s*(?:\[rank\d+\]:|\d+:|SUBPROCESS:)\s?")
 _ARROW = re.compile(r"^\s*-+>\s*\d+\s+")
 _CODE_LINE = re.compile(r"^\s*(?:return\s+|\w+\s*=\s*)?[\w.]+(?:\[[^\]]*\])?\(.*\)\s*$")
+_MERGE_LOG = re.compile(
+    r"\bmerge_device_map\b|\bmerge_and_unload\b|\bmerging\b[^\n]{0,40}\b(?:lora|adapter|weights|model)\b",
+    re.IGNORECASE,
+)
 _SHARDS = re.compile(r"Loading checkpoint shards:.*?(\d+)/(\d+)")
 
 # (stage, pattern on the function name, pattern the path must match or None)
@@ -162,6 +166,11 @@ def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> Stag
 def _log_hint(text: str) -> StageFinding:
     if "doesn't have NCCL built in" in text or "init_process_group" in text:
         return StageFinding(Stage.SETUP, "process-group initialisation")
+    # A merge/export run says so in its log (its settings or progress lines) before it loads
+    # the base model; with no frames, that is the best witness of the stage it died in.
+    merge = _MERGE_LOG.search(text)
+    if merge:
+        return StageFinding(Stage.MERGE, f"a log line names a merge ({merge.group(0)!r})")
     shards = _SHARDS.findall(text)
     if shards and int(shards[-1][0]) < int(shards[-1][1]):
         return StageFinding(Stage.LOAD, "an unfinished 'Loading checkpoint shards' progress bar")

@@ -549,3 +549,21 @@ def test_importing_the_classifier_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_cut_merge_log_without_frames_is_presumed_merge_oom() -> None:
+    """A merge run's log that stops with no traceback (a kill while loading) is presumed an OOM in merge."""
+    text = (
+        "2026-11-29 09:00:01 INFO export: merging LoRA adapter into the base model\n"
+        "Loading checkpoint shards: 100%|##########| 4/4 [00:12<00:00,  3.01s/it]\n"
+    )
+    failure = classify_text(text)
+    assert failure.kind is FailureKind.OOM_MERGE
+    assert failure.stage is Stage.MERGE
+    assert "presumed" in failure.evidence
+
+
+def test_training_log_without_merge_words_stays_other() -> None:
+    """A cut log that names no stage and no merge stays `other`."""
+    text = "INFO step 10 loss 1.23\nINFO step 20 loss 1.10\n"
+    assert classify_text(text).kind is FailureKind.OTHER
