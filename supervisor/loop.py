@@ -57,6 +57,7 @@ from qlora_supervise.trainer_child.protocol import (
     Knobs,
     Stage,
     newest_complete_checkpoint,
+    pid_alive,
     write_text_atomic,
 )
 
@@ -640,7 +641,7 @@ class Supervisor:
         spec_path = self.rd.attempt_dir(flight.number) / "spec.json"
         # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe.
         ours = bool(flight.pid) and str(spec_path) in child_mod.process_cmdline(flight.pid or 0)
-        if ours and flight.pid and child_mod.process_alive(flight.pid):
+        if ours and flight.pid and pid_alive(flight.pid):
             self.log.warning("orphan_child_stopping", attempt=flight.number, pid=flight.pid)
             _stop_orphan(flight.pid, self.seams)
         report = self._read_report(flight.number)
@@ -692,9 +693,9 @@ def _stop_orphan(pid: int, seams: Seams) -> None:
     except (ProcessLookupError, PermissionError):
         return
     deadline = seams.clock() + seams.stop_grace_s
-    while child_mod.process_alive(pid) and seams.clock() < deadline:
+    while pid_alive(pid) and seams.clock() < deadline:
         seams.sleep(0.2)
-    if child_mod.process_alive(pid):
+    if pid_alive(pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 

@@ -21,6 +21,7 @@ from .protocol import (
     Knobs,
     complete_checkpoints,
     fsync_dir,
+    pid_alive,
     write_text_atomic,
 )
 
@@ -76,16 +77,6 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
     """Delete temp directories left by killed children (those whose pid is gone)."""
     removed = []
@@ -93,7 +84,7 @@ def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
         return removed
     for path in checkpoints_dir.iterdir():
         tail = path.name.rsplit("-", 1)[-1]
-        if path.name.startswith(TEMP_PREFIX) and tail.isdigit() and not _pid_alive(int(tail)):
+        if path.name.startswith(TEMP_PREFIX) and tail.isdigit() and not pid_alive(int(tail)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -312,3 +312,14 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[
 def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
     found = complete_checkpoints(checkpoints_dir)
     return found[-1] if found else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
