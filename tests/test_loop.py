@@ -258,3 +258,31 @@ def test_contention_degrades_when_the_job_allows_it(tmp_path: Path) -> None:
     assert _run_with_gpu(job, _FakeGpu(frees_after=None)) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[0].decision is not None and records[0].decision["rung"] == "gradient_checkpointing"
+
+
+def test_status_tells_the_retry_story(tmp_path: Path) -> None:
+    """`qlora-supervise status` prints each attempt's config, failure, change and lost steps."""
+    assert _run(_job(tmp_path, {"1": "oom_backward@3"})) == 0
+    out = subprocess.run(
+        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "status", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "state: succeeded" in out
+    assert "failed: oom_backward in backward" in out
+    assert "retry: gradient_checkpointing: gradient_checkpointing False -> True" in out
+    assert "next attempt resumes at step 2, lost 0 step(s)" in out
+    assert "attempts: 2, lost steps in total: 0" in out
+
+
+def test_status_of_a_directory_that_is_no_run_fails_clearly(tmp_path: Path) -> None:
+    """`status` on a directory without a journal exits 2 and names the problem."""
+    out = subprocess.run(
+        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "status", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "is not a run directory" in out.stderr
