@@ -25,6 +25,7 @@ Prints the table last. Not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -212,10 +213,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return []
     rows = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
+        with contextlib.suppress(ValueError):
             rows.append(json.loads(line))
-        except ValueError:
-            pass
     return rows
 
 
@@ -325,9 +324,11 @@ def table(name: str, result: dict[str, Any]) -> list[str]:
         if r.get("outcome") == "failed"
     ]
     run = result.get("run", {})
+    timed_out = " (TIMED OUT)" if run.get("timed_out") else ""
+    kept = "yes" if len(effs) == 1 else "NO " + str(sorted(effs))
     lines.append(
-        f"exit {run.get('exit_code')}{' (TIMED OUT)' if run.get('timed_out') else ''}; total {run.get('wall_s')} s; "
-        f"attempts {len(attempts)}; effective batch kept: {'yes' if len(effs) == 1 else 'NO ' + str(sorted(effs))}; "
+        f"exit {run.get('exit_code')}{timed_out}; total {run.get('wall_s')} s; "
+        f"attempts {len(attempts)}; effective batch kept: {kept}; "
         f"classify CLI agrees on {sum(agree)}/{len(agree)} failed attempts; "
         f"final steps {attempts[-1].get('steps_completed') if attempts else '-'}"
     )

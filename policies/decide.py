@@ -4,7 +4,9 @@ Order of the rules (first match wins):
 
 1. a failure no config can fix (config error, bitsandbytes setup) -> GiveUp (not retryable)
 2. the attempt budget is spent -> GiveUp
-3. ``max_no_progress`` attempts in a row trained no step -> GiveUp (crash loop)
+3. ``max_no_progress`` restarts in a row trained no step without any config change between
+   them -> GiveUp (crash loop: the same thing failing again at once, e.g. memory that keeps
+   being taken by another process, or a retried transient error that is not transient)
 4. contention, the job does not allow degrading, and no wait timed out yet -> Wait
 5. hang / nccl / other -> Restart unchanged once; the same failure again -> GiveUp
 6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
@@ -54,7 +56,7 @@ class Settings:
     """The job's supervise section, plus facts the policy needs about the model and budget."""
 
     max_attempts: int = 8
-    max_no_progress: int = 5
+    max_no_progress: int = 3
     degrade_on_contention: bool = False
     contention_wait_s: float = 1800.0
     fallbacks: tuple[str, ...] = ()
@@ -105,8 +107,8 @@ def decide(
         return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
     if _no_progress_streak(history) >= settings.max_no_progress:
         return GiveUp(
-            f"{settings.max_no_progress} attempts in a row trained no step (crash loop); "
-            "see attempts.jsonl for what each one changed"
+            f"{settings.max_no_progress} attempts in a row trained no step with the same config "
+            "(crash loop); see attempts.jsonl"
         )
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
         if contention_timed_out:
@@ -121,10 +123,19 @@ def decide(
 
 
 def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
+    """Attempts at the end of the history that trained no step and ran the config of the one before.
+
+    A ladder climbing at step 0 changes the config every time and ends on its own (finitely
+    many rungs, no config repeated), so only unchanged restarts count toward a crash loop. The
+    first attempt of the streak counts too: it is the failure the unchanged restarts repeat.
+    """
     streak = 0
-    for past in reversed(history):
+    for index in range(len(history) - 1, -1, -1):
+        past = history[index]
         if past.steps_progressed > 0:
             break
+        if index > 0 and history[index - 1].knobs != past.knobs:
+            return streak + 1
         streak += 1
     return streak
 
@@ -156,8 +167,11 @@ def _climb(
             return _restart(knobs, candidate, applied, skipped)
         skipped.append(rung.name)
     if applied:
-        # The model says even the cheapest combination may not fit: try it rather than give up.
-        return _restart(knobs, candidate, applied, skipped)
+        # Nothing fits by the model's estimate: it may be wrong, so take one step, not all.
+        first = applied[0]
+        stepped = first.apply(knobs)
+        assert stepped is not None  # it changed these knobs in the walk above
+        return _restart(knobs, stepped, [first], [])
     return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
 
 

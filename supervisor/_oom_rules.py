@@ -11,14 +11,19 @@ threshold of half the card makes irrelevant. Why: when others own most of the ca
 of ours fits in what is left, and the remedy is to wait, not to degrade. A capped process
 (``N allowed;``) that hit its own cap is not contention: the cap refused it, not the others.
 
-**Fragmentation** — ``reserved_unallocated >= min(1 GiB, 5 % of the capacity)`` **and**
-``reserved_unallocated + free >= tried_to_allocate``. Why: the caching allocator serves a
+**Fragmentation** — ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of the capacity))``
+**and** ``reserved_unallocated + free >= tried_to_allocate`` **and** what PyTorch has allocated
+plus the request stays under 95 % of the capacity. Why: the caching allocator serves a
 request from one contiguous block. Reserved-but-unallocated bytes are already ours; when they
 plus the device's free bytes cover the request, the memory existed and only its layout (cached
 blocks split too small to coalesce) failed, so ``expandable_segments`` or releasing the cache
 fixes it and a smaller batch is the wrong remedy. The size floor ignores the allocator's normal
 slack (block rounding, size classes, per-stream pools: a few hundred MiB), which is no layout
-problem. With a cap, "free" is what is left under the cap. Contention is checked first: when
+problem; the 512 MiB floor keeps a small card's 5 % inside that slack. When allocated + request
+fill the capacity (≥ 95 %), no layout would have left room to train on: that is a plain OOM of
+its stage (seen on the H200 under an 8 GiB cap: 0.49 GiB unallocated, 7.58 + 0.34 of 8 GiB,
+and expandable_segments did not help; bench/results/gpu-h200-2026-11-29). With a cap, "free"
+is what is left under the cap. Contention is checked first: when
 others hold the card, free memory is scarce for a reason outside the process.
 
 In the old wording ``reserved_unallocated = reserved_total - already_allocated``; in the new
@@ -35,6 +40,8 @@ GIB = 1024**3
 CONTENTION_SHARE = 0.5
 FRAGMENTATION_MIN_BYTES = GIB
 FRAGMENTATION_MIN_SHARE = 0.05
+FRAGMENTATION_FLOOR_BYTES = 512 * 1024**2
+FULL_SHARE = 0.95
 
 
 def derive(numbers: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,6 +100,9 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
         return None
     capacity = _capacity(numbers)
     floor = min(FRAGMENTATION_MIN_BYTES, FRAGMENTATION_MIN_SHARE * capacity) if capacity else GIB
+    floor = max(FRAGMENTATION_FLOOR_BYTES, floor)
+    if capacity and int(numbers.get("already_allocated") or 0) + tried >= FULL_SHARE * capacity:
+        return None
     headroom = _headroom(numbers)
     if unallocated >= floor and unallocated + headroom >= tried:
         free = _gib(headroom)

@@ -432,7 +432,7 @@ class Supervisor:
             resumed_from=resumed_from,
             steps_completed=steps,
             peak_memory={
-                "child_peak": watched.progress.peak_bytes,
+                "child_peak": _child_peak(watched.progress.peak_bytes, report),
                 "gpu_process": watched.gpu_peak_process,
                 "rss": watched.rss_peak,
             },
@@ -683,6 +683,14 @@ class Supervisor:
             why="the supervisor stopped while this attempt ran; its config is not counted as failed",
         )
         return [*records, record]
+
+
+def _child_peak(heartbeat_peak: int | None, report: ErrorReport | None) -> int | None:
+    """The child's peak: heartbeats miss the last moments before an OOM; the report's stats do not."""
+    stats = report.memory_stats if report and report.memory_stats else {}
+    reported = stats.get("allocated_bytes.all.peak")
+    peaks = [p for p in (heartbeat_peak, reported) if isinstance(p, int)]
+    return max(peaks) if peaks else None
 
 
 def _stop_orphan(pid: int, seams: Seams) -> None:

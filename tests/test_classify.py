@@ -283,13 +283,23 @@ def new_numbers(**values: float) -> dict[str, int]:
 
 
 def test_fragmentation_needs_a_large_unallocated_pool_that_covers_the_request() -> None:
-    """reserved_unallocated >= min(1 GiB, 5 % of capacity) and unallocated + free >= request."""
+    """unallocated >= max(512 MiB, min(1 GiB, 5 %)), unallocated + free >= request, card not full."""
     base = {"total_capacity": 24.0, "free": 0.5, "already_allocated": 18.0}
     assert fragmentation(derive(new_numbers(**base, reserved_unallocated=3.0, tried_to_allocate=3.2)))
     assert not fragmentation(derive(new_numbers(**base, reserved_unallocated=3.0, tried_to_allocate=4.0)))
     assert not fragmentation(derive(new_numbers(**base, reserved_unallocated=0.6, tried_to_allocate=0.2)))
-    small_card = {"total_capacity": 8.0, "free": 0.0, "already_allocated": 7.0}
-    assert fragmentation(derive(new_numbers(**small_card, reserved_unallocated=0.45, tried_to_allocate=0.3)))
+    small_card = {"total_capacity": 8.0, "free": 0.0, "already_allocated": 6.0}
+    assert fragmentation(derive(new_numbers(**small_card, reserved_unallocated=0.6, tried_to_allocate=0.3)))
+    # 5 % of a small card is still the allocator's ordinary slack: not fragmentation.
+    assert not fragmentation(
+        derive(new_numbers(**small_card, reserved_unallocated=0.45, tried_to_allocate=0.3))
+    )
+
+
+def test_a_full_card_is_no_fragmentation() -> None:
+    """When allocated + request fill >= 95 % of the capacity, unallocated slack is no remedy (H200, 8 GiB cap)."""
+    full = new_numbers(total_capacity=8.0, free=0.0, already_allocated=7.58, tried_to_allocate=0.34)
+    assert not fragmentation(derive({**full, "reserved_unallocated": round(0.6 * GIB)}))
 
 
 def test_fragmentation_under_a_cap_counts_only_headroom_below_the_cap() -> None:

@@ -153,9 +153,19 @@ def test_ladder_exhausted_gives_up_with_exit_3(tmp_path: Path) -> None:
 
 
 def test_crash_loop_protection(tmp_path: Path) -> None:
-    """Attempts that make no training progress stop the run before the ladder is spent."""
-    assert _run(_job(tmp_path, {"default": "oom_forward@1"}, max_no_progress_attempts=2)) == 3
+    """Unchanged restarts that train no step (memory taken again at once) stop the run: a crash loop."""
+    job = _job(tmp_path, {"default": "contention@1"}, max_no_progress_attempts=3, max_attempts=20)
+    assert _run_with_gpu(job, _FakeGpu(frees_after=0)) == 3
     assert "crash loop" in _events(tmp_path, "gave_up")[0]["why"]
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert len(records) == 3
+
+
+def test_ladder_climbing_at_step_zero_is_not_a_crash_loop(tmp_path: Path) -> None:
+    """OOMs at the first step that each change the config climb the whole ladder before giving up."""
+    job = _job(tmp_path, {"default": "oom_forward@1"}, max_no_progress_attempts=2, max_attempts=20)
+    assert _run(job) == 3
+    assert "exhausted" in _events(tmp_path, "gave_up")[0]["why"]
 
 
 def _spawn_supervisor(job: Path) -> subprocess.Popen[bytes]:
