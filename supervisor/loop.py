@@ -202,7 +202,7 @@ class Supervisor:
             "run_already_ended",
             run_state=state.run_state.value,
             note=state.note,
-            fix="use a new output_dir (or remove state.json) to train again",
+            fix="the verdict stands for this output_dir: train again with a new output_dir",
         )
         return int(code)
 
@@ -525,7 +525,7 @@ class Supervisor:
                 decision={**decision_entry(decision), "waited_s": round(waited, 1)},
             )
         )
-        self._log_decision(record, decision, failure, report)
+        self._log_decision(record, decision, failure, report, records)
         return record
 
     def _next_resume(self, decision: policy.Decision) -> int | None:
@@ -534,7 +534,12 @@ class Supervisor:
         return 0 if decision.survives is Survives.ADAPTER_REINIT else self._newest_step()
 
     def _log_decision(
-        self, record: AttemptRecord, decision: policy.Decision, failure: Failure, report: ErrorReport | None
+        self,
+        record: AttemptRecord,
+        decision: policy.Decision,
+        failure: Failure,
+        report: ErrorReport | None,
+        records: Sequence[AttemptRecord],
     ) -> None:
         if isinstance(decision, policy.Restart):
             self.log.info(
@@ -562,7 +567,8 @@ class Supervisor:
                 why=decision.why,
                 retryable=decision.retryable,
                 message=failure.message[:500],
-                report=str(self.rd.attempts),
+                journal=str(self.rd.attempts),
+                story=story([*records, record]),
             )
 
     # -- waiting ---------------------------------------------------------------------------
