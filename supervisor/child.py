@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.protocol import Knobs, pid_alive
 
 _PR_SET_PDEATHSIG = 1
 
@@ -126,3 +126,17 @@ def process_cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def stop_orphan(pid: int, grace_s: float, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+    """Stop a child left by a supervisor that died: SIGTERM to its group, a grace period, SIGKILL."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = clock() + grace_s
+    while pid_alive(pid) and clock() < deadline:
+        sleep(0.2)
+    if pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)

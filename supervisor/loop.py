@@ -12,13 +12,12 @@ last decision, so a config that failed is never run again the same way.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,10 +30,9 @@ from qlora_supervise.supervisor.classify import classify_exit
 from qlora_supervise.supervisor.console import ProgressDisplay
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.failure import ChildExit, Failure
-from qlora_supervise.supervisor.gpu import GpuMonitor, GpuSample
-from qlora_supervise.supervisor.heartbeats import HeartbeatReader, Progress
+from qlora_supervise.supervisor.gpu import GpuMonitor
+from qlora_supervise.supervisor.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.history import decision_entry, failure_entry, policy_history, story
-from qlora_supervise.supervisor.host import sample_host
 from qlora_supervise.supervisor.job import Job
 from qlora_supervise.supervisor.journal import (
     AttemptFacts,
@@ -50,6 +48,7 @@ from qlora_supervise.supervisor.journal import (
 )
 from qlora_supervise.supervisor.rundir import RunDir
 from qlora_supervise.supervisor.waiting import backoff_seconds, bytes_needed, wait_for_free_memory
+from qlora_supervise.supervisor.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.protocol import (
     AttemptSpec,
     ErrorReport,
@@ -86,20 +85,6 @@ class Plan:
     knobs: Knobs
     reset_optimizer: bool = False
     fresh_start: bool = False
-
-
-@dataclass
-class Watched:
-    """What one attempt showed while it ran."""
-
-    progress: Progress
-    hang: bool = False
-    stopped_by_signal: int | None = None
-    gpu_peak_process: int | None = None
-    gpu_others_at_end: int | None = None
-    gpu_total: int | None = None
-    rss_peak: int | None = None
-    samples: list[GpuSample] = field(default_factory=list)
 
 
 class Supervisor:
@@ -353,7 +338,7 @@ class Supervisor:
             reader.poll(now)
             self.display.update(number, reader.progress, now)
             if now >= next_sample:
-                self._sample(proc.pid, watched, gpu_log)
+                sample_memory(proc.pid, watched, self.gpu, gpu_log)
                 next_sample = now + self.seams.sample_every_s
             if self.hup_seen and not hup_logged:
                 self.log.info("sighup_ignored", why="the job is read once at start; restart to change it")
@@ -361,7 +346,7 @@ class Supervisor:
             if self.stop_signal is not None:
                 self._request_stop(number, proc, watched)
                 return watched
-            if self._hung(reader.progress, started, now):
+            if hung(reader.progress, started, now, self.job.hang_timeout_s):
                 self.log.warning(
                     "hang_detected",
                     attempt=number,
@@ -375,11 +360,6 @@ class Supervisor:
         reader.poll(self.seams.clock())
         return watched
 
-    def _hung(self, progress: Progress, started: float, now: float) -> bool:
-        last = progress.last_progress_at or started
-        timeout: float = self.job.hang_timeout_s
-        return now - last > timeout
-
     def _request_stop(self, number: int, proc: child_mod.ChildProcess, watched: Watched) -> None:
         assert self.stop_signal is not None
         watched.stopped_by_signal = self.stop_signal
@@ -391,20 +371,6 @@ class Supervisor:
             grace_s=self.seams.stop_grace_s,
             why="the child checkpoints and exits; run the same command again to resume",
         )
-
-    def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
-        host = sample_host(pid)
-        watched.rss_peak = max(watched.rss_peak or 0, host.child_rss_bytes) or None
-        if self.gpu is None:
-            return
-        sample = self.gpu.sample(_pid_tree(pid))
-        if sample is None:
-            return
-        watched.gpu_peak_process = max(watched.gpu_peak_process or 0, sample.this_process_bytes)
-        watched.gpu_others_at_end = sum(b for _, b in sample.others)
-        watched.gpu_total = sample.total
-        with gpu_log.open("a", encoding="utf-8") as handle:
-            handle.write(_sample_line(sample))
 
     # -- after the exit --------------------------------------------------------------------
 
@@ -649,7 +615,7 @@ class Supervisor:
         ours = bool(flight.pid) and str(spec_path) in child_mod.process_cmdline(flight.pid or 0)
         if ours and flight.pid and pid_alive(flight.pid):
             self.log.warning("orphan_child_stopping", attempt=flight.number, pid=flight.pid)
-            _stop_orphan(flight.pid, self.seams)
+            child_mod.stop_orphan(flight.pid, self.seams.stop_grace_s, self.seams.clock, self.seams.sleep)
         report = self._read_report(flight.number)
         reader = HeartbeatReader(self.rd.attempt_dir(flight.number) / "child-events.jsonl")
         reader.poll(self.seams.clock())
@@ -697,37 +663,6 @@ def _child_peak(heartbeat_peak: int | None, report: ErrorReport | None) -> int |
     reported = stats.get("allocated_bytes.all.peak")
     peaks = [p for p in (heartbeat_peak, reported) if isinstance(p, int)]
     return max(peaks) if peaks else None
-
-
-def _stop_orphan(pid: int, seams: Seams) -> None:
-    import os
-
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = seams.clock() + seams.stop_grace_s
-    while pid_alive(pid) and seams.clock() < deadline:
-        seams.sleep(0.2)
-    if pid_alive(pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-
-
-def _pid_tree(pid: int) -> set[int]:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        return {pid, *(c.pid for c in root.children(recursive=True))}
-    except psutil.Error:
-        return {pid}
-
-
-def _sample_line(sample: GpuSample) -> str:
-    import json
-
-    return json.dumps(dataclasses.asdict(sample), default=str) + "\n"
 
 
 __all__ = ["Plan", "Seams", "Stage", "Supervisor"]

@@ -1,0 +1,67 @@
+"""What the loop watches while an attempt runs: memory samples and the hang rule.
+
+Host RAM and the child's RSS come from psutil; GPU memory (this child's process tree, total,
+and other processes) from NVML at a modest rate, each sample appended to
+``attempt-NNN/gpu.jsonl``. No reading (no NVML, a vanished process) is never an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from qlora_supervise.supervisor.gpu import GpuMonitor, GpuSample
+from qlora_supervise.supervisor.heartbeats import Progress
+from qlora_supervise.supervisor.host import sample_host
+
+
+@dataclass
+class Watched:
+    """What one attempt showed while it ran. Mutable: updated every tick."""
+
+    progress: Progress
+    hang: bool = False
+    stopped_by_signal: int | None = None
+    gpu_peak_process: int | None = None
+    gpu_others_at_end: int | None = None
+    gpu_total: int | None = None
+    rss_peak: int | None = None
+
+
+def hung(progress: Progress, started: float, now: float, timeout_s: float) -> bool:
+    """No step or stage change for ``timeout_s`` (counted from the start until the first one)."""
+    last = progress.last_progress_at or started
+    return now - last > timeout_s
+
+
+def sample_memory(pid: int, watched: Watched, gpu: GpuMonitor | None, gpu_log: Path) -> None:
+    """One host sample and, where NVML answers, one GPU sample of the child's process tree."""
+    host = sample_host(pid)
+    watched.rss_peak = max(watched.rss_peak or 0, host.child_rss_bytes) or None
+    if gpu is None:
+        return
+    sample = gpu.sample(pid_tree(pid))
+    if sample is None:
+        return
+    watched.gpu_peak_process = max(watched.gpu_peak_process or 0, sample.this_process_bytes)
+    watched.gpu_others_at_end = sum(b for _, b in sample.others)
+    watched.gpu_total = sample.total
+    with gpu_log.open("a", encoding="utf-8") as handle:
+        handle.write(_sample_line(sample))
+
+
+def pid_tree(pid: int) -> set[int]:
+    """The child and its descendants (dataloader workers hold GPU memory too)."""
+    try:
+        root = psutil.Process(pid)
+        return {pid, *(c.pid for c in root.children(recursive=True))}
+    except psutil.Error:
+        return {pid}
+
+
+def _sample_line(sample: GpuSample) -> str:
+    return json.dumps(dataclasses.asdict(sample), default=str) + "\n"
