@@ -500,7 +500,7 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
 def _duplicate_keys(text: str) -> Iterator[Problem]:
     """Keys given twice in one mapping: PyYAML silently keeps the last, which hides edits."""
     # compose() builds nodes only (no objects are constructed): as safe as safe_load.
-    stack: list[tuple[str, yaml.Node]] = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
+    stack: list[tuple[str, yaml.Node | None]] = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
     while stack:
         prefix, node = stack.pop()
         if not isinstance(node, yaml.MappingNode):

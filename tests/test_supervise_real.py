@@ -163,3 +163,17 @@ def test_merge_runs_in_its_own_process_after_training(tiny_dir: Path, tmp_path: 
     assert (merged / "config.json").exists()
     assert any(merged.glob("*.safetensors"))
     assert _run(job) == 0  # a finished run stays finished
+
+
+def test_evaluation_runs_through_the_real_4bit_path(tiny_dir: Path, tmp_path: Path) -> None:
+    """An eval split evaluates every eval_steps (stage eval in the heartbeats) and the run finishes."""
+    job = _job(tiny_dir, tmp_path)
+    raw = yaml.safe_load(job.read_text())
+    raw["data"]["eval_fraction"] = 0.1
+    raw["train"].update(micro_batch_size=1, max_steps=4, save_steps=2, eval_steps=2, max_seq_len=128)
+    raw["resources"] = {"gpu": "cpu"}
+    job.write_text(yaml.safe_dump(raw))
+    assert _run(job) == 0
+    events = (tmp_path / "run" / "attempt-001" / "child-events.jsonl").read_text().splitlines()
+    stages = {json.loads(line).get("stage") for line in events}
+    assert "eval" in stages
