@@ -22,7 +22,7 @@ class Progress:
     loss: float | None = None
     tokens_per_s: float | None = None
     max_steps: int | None = None
-    peak_bytes: int | None = None  # the child's own peak (CUDA allocator peak, or RSS on the CPU)
+    peak_bytes: int | None = None  # the child's own peak (CUDA allocator peak, or data segment on the CPU)
     last_event_at: float | None = None  # monotonic time of the newest line of any kind
     last_progress_at: float | None = None  # monotonic time the step or stage last changed
     finished: bool = False
@@ -69,7 +69,8 @@ class HeartbeatReader:
                 setattr(p, name, float(event[name]))
         if isinstance(event.get("max_steps"), int):
             p.max_steps = event["max_steps"]
-        peak = event.get("peak") or event.get("peak_rss")
+        # CUDA allocator peak on a GPU; on the CPU the data segment, which is what RLIMIT_DATA caps.
+        peak = event.get("peak") or event.get("peak_vmdata") or event.get("peak_rss")
         if isinstance(peak, int):
             p.peak_bytes = max(p.peak_bytes or 0, peak)
         if event.get("event") == "finished":
