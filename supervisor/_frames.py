@@ -30,7 +30,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from qlora_supervise.trainer_child.protocol import Stage
+from qlora_supervise.trainer_child.protocol import FAILURE_LINE_PREFIX, Stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,9 @@ _RICH_SOURCE = re.compile(r"❱\s*\d+\s*(?:│\s*)*(?P<src>.*?)\s*│?\s*$", re.
 _LINE_PREFIX = re.compile(r"^\s*(?:\[rank\d+\]:|\d+:|SUBPROCESS:)\s?")
 _ARROW = re.compile(r"^\s*-+>\s*\d+\s+")
 _CODE_LINE = re.compile(r"^\s*(?:return\s+|\w+\s*=\s*)?[\w.]+(?:\[[^\]]*\])?\(.*\)\s*$")
+_OUR_CHILD = re.compile(
+    re.escape(FAILURE_LINE_PREFIX) + r"(" + "|".join(stage.value for stage in Stage) + r"):"
+)
 _MERGE_LOG = re.compile(
     r"\bmerge_device_map\b|\bmerge_and_unload\b|\bmerging\b[^\n]{0,40}\b(?:lora|adapter|weights|model)\b",
     re.IGNORECASE,
@@ -164,6 +167,9 @@ def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> Stag
 
 
 def _log_hint(text: str) -> StageFinding:
+    ours = _OUR_CHILD.findall(text)
+    if ours:  # our trainer child names its stage in its last line (protocol.failure_line)
+        return StageFinding(Stage(ours[-1]), "the trainer child's failure line")
     if "doesn't have NCCL built in" in text or "init_process_group" in text:
         return StageFinding(Stage.SETUP, "process-group initialisation")
     # A merge/export run says so in its log (its settings or progress lines) before it loads

@@ -577,3 +577,16 @@ def test_training_log_without_merge_words_stays_other() -> None:
     """A cut log that names no stage and no merge stays `other`."""
     text = "INFO step 10 loss 1.23\nINFO step 20 loss 1.10\n"
     assert classify_text(text).kind is FailureKind.OTHER
+
+
+def test_our_childs_failure_line_names_the_stage_without_frames() -> None:
+    """A child log whose traceback is gone still has the child's last line naming its stage."""
+    text = (
+        "trainer child failed in backward: OutOfMemoryError: CUDA out of memory. Tried to allocate "
+        "172.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which 131.20 GiB is free. Including "
+        "non-PyTorch memory, this process has 8.59 GiB memory in use. 8.00 GiB allowed; Of the allocated "
+        "memory 7.48 GiB is allocated by PyTorch, and 376.71 MiB is reserved by PyTorch but unallocated.\n"
+    )
+    failure = classify_text(text)
+    assert failure.kind is FailureKind.OOM_BACKWARD
+    assert failure.stage is Stage.BACKWARD

@@ -20,7 +20,7 @@ from typing import Any
 from . import checkpoints
 from .events import EventLog, HeartbeatThread, Progress
 from .failure import CapturedFailure, ConfigError, capture, write_report
-from .protocol import AttemptSpec, ExitCode, Stage, fsync_dir, newest_complete_checkpoint
+from .protocol import AttemptSpec, ExitCode, Stage, failure_line, fsync_dir, newest_complete_checkpoint
 
 #: Stages where the optimizer has not touched the weights of the step in flight, so the state
 #: is exactly that of the last completed step. An optimizer-stage OOM may leave the step
@@ -172,7 +172,7 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
         expandable_segments_active=ctx.expandable,
     )
     print(
-        f"trainer child failed in {failure.stage.value}: {failure.exception_type}: {failure.message[:2000]}",
+        failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),
         file=sys.stderr,
         flush=True,
     )

@@ -228,6 +228,15 @@ class ErrorReport:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
+#: The last line the child prints to stderr on a failure: ``<prefix><stage>: <type>: <message>``.
+#: The stage is the child's own; a log classified without the error report can still read it.
+FAILURE_LINE_PREFIX = "trainer child failed in "
+
+
+def failure_line(stage: str, exception_type: str, message: str) -> str:
+    return f"{FAILURE_LINE_PREFIX}{stage}: {exception_type}: {message}"
+
+
 EVENT_NAMES = frozenset(
     {
         "started",  # pid, device, versions
