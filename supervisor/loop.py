@@ -300,6 +300,12 @@ class Supervisor:
 
     def _write_spec(self, number: int, plan: Plan, resumed_from: int) -> AttemptSpec:
         directory = self.rd.attempt_dir(number)
+        if directory.exists():
+            # Left by an attempt the journal never recorded (the supervisor died between spawn and
+            # state.json): its error report must not be read as this attempt's.
+            aside = directory.with_name(f"{directory.name}.unrecorded-{int(self.seams.wall())}")
+            directory.rename(aside)
+            self.log.warning("unrecorded_attempt_moved", attempt=number, moved_to=str(aside))
         newest = newest_complete_checkpoint(self.rd.checkpoints) if resumed_from else None
         spec = AttemptSpec(
             attempt=number,

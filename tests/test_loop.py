@@ -296,3 +296,16 @@ def test_status_of_a_directory_that_is_no_run_fails_clearly(tmp_path: Path) -> N
     )
     assert out.returncode == 2
     assert "is not a run directory" in out.stderr
+
+
+def test_leftover_attempt_directory_is_moved_aside_not_trusted(tmp_path: Path) -> None:
+    """An attempt directory the journal never recorded (with a stale error report) is moved aside."""
+    job = _job(tmp_path, {"default": "ok"})
+    stale = tmp_path / "run" / "attempt-001"
+    stale.mkdir(parents=True)
+    (stale / "error.json").write_text('{"exit_code": 70, "stage": "forward"}')
+    assert _run(job) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert [r.outcome for r in records] == ["succeeded"]
+    assert not (tmp_path / "run" / "attempt-001" / "error.json").exists()
+    assert list((tmp_path / "run").glob("attempt-001.unrecorded-*/error.json"))
