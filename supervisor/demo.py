@@ -36,7 +36,12 @@ DEMO_TRAIN = {
     "save_steps": 4,
     "logging_steps": 1,
 }
-DEMO_CPU_CAP = "1350MiB"
+#: The CPU cap is this far above the child's data segment after its imports (0.37 GiB with
+#: the CPU build of torch here, making 1350 MiB; about 2.3 GiB with a CUDA build).
+DEMO_CPU_HEADROOM = 970 * 2**20
+#: On a GPU the same two configs peak at 830 MiB and 385 MiB allocated (H200,
+#: bench/demo_gpu_peaks.py): the cap sits between them.
+DEMO_GPU_CAP = "640MiB"
 
 
 def make_tiny_command(directory: str) -> int:
@@ -58,12 +63,12 @@ def demo_command(directory: str) -> int:
             raise SupervisorExit(
                 SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)"
             )
-    job_path = write_demo_job(tiny / "job.yaml", root)
-    print(
-        f"supervising {job_path} (cpu_memory_limit {DEMO_CPU_CAP}: the first config will not fit)",
-        file=sys.stderr,
-        flush=True,
-    )
+    on_gpu = _gpu_present()
+    cpu_cap = None if on_gpu else f"{_import_baseline() + DEMO_CPU_HEADROOM}B"
+    job_path = write_demo_job(tiny / "job.yaml", root, cpu_cap)
+    cap = f"gpu_memory_limit {DEMO_GPU_CAP}" if on_gpu else f"cpu_memory_limit {cpu_cap}"
+    print(f"supervising {job_path} ({cap}: the first config will not fit)", file=sys.stderr, flush=True)
+
     from qlora_supervise.supervisor.run import run_job
 
     code = run_job(str(job_path))
@@ -72,14 +77,41 @@ def demo_command(directory: str) -> int:
     return code
 
 
-def write_demo_job(tiny_job: Path, root: Path) -> Path:
+def _gpu_present() -> bool:
+    """A GPU NVML can see: the demo then caps GPU memory instead of the CPU data segment."""
+    from qlora_supervise.supervisor.gpu import GpuMonitor
+
+    monitor = GpuMonitor.open("auto")
+    if monitor is None:
+        return False
+    monitor.close()
+    return True
+
+
+def _import_baseline() -> int:
+    """The trainer child's data segment after its imports on this machine (a child process)."""
+    command = [sys.executable, "-m", "qlora_supervise.trainer_child.stack"]
+    out = subprocess.run(command, check=False, capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip().isdigit():
+        raise SupervisorExit(
+            SupervisorExitCode.NOT_RETRYABLE,
+            f"could not import the training stack (torch, transformers, peft, trl, bitsandbytes): "
+            f"{out.stderr.strip()[-2000:]}",
+        )
+    return int(out.stdout.strip())
+
+
+def write_demo_job(tiny_job: Path, root: Path, cpu_cap: str | None) -> Path:
     """The tiny job with a first config too big for the demo's memory cap."""
     job: dict[str, Any] = yaml.safe_load(tiny_job.read_text(encoding="utf-8"))
     base = tiny_job.parent
     job["model"]["path"] = str((base / job["model"]["path"]).resolve())
     job["data"]["path"] = str((base / job["data"]["path"]).resolve())
     job["train"].update(DEMO_TRAIN)
-    job["resources"] = {"gpu": "cpu", "cpu_memory_limit": DEMO_CPU_CAP}
+    if cpu_cap is None:
+        job["resources"] = {"gpu": 0, "gpu_memory_limit": DEMO_GPU_CAP}
+    else:
+        job["resources"] = {"gpu": "cpu", "cpu_memory_limit": cpu_cap}
     job.setdefault("supervise", {})["hang_timeout"] = "5m"
     job["output_dir"] = str(root / "run")
     path = root / "demo-job.yaml"

@@ -21,6 +21,7 @@ from . import checkpoints
 from .events import EventLog, HeartbeatThread, Progress
 from .failure import CapturedFailure, ConfigError, capture, write_report
 from .protocol import AttemptSpec, ExitCode, Stage, failure_line, fsync_dir, newest_complete_checkpoint
+from .stack import import_training_stack
 
 #: Stages where the optimizer has not touched the weights of the step in flight, so the state
 #: is exactly that of the last completed step. An optimizer-stage OOM may leave the step
@@ -63,11 +64,7 @@ def setup(ctx: Context) -> None:
     ctx.on_cuda = torch.cuda.is_available()
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.expandable = memory.expandable_segments_active()
-    import bitsandbytes
-    import peft
-    import transformers
-    import trl
-
+    versions = import_training_stack()
     vmdata = memory.proc_status_bytes("VmData")
     ctx.events.emit(
         "started",
@@ -75,13 +72,7 @@ def setup(ctx: Context) -> None:
         attempt=ctx.spec.attempt,
         device=ctx.device,
         device_name=torch.cuda.get_device_name(0) if ctx.on_cuda else "cpu",
-        versions={
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "peft": peft.__version__,
-            "trl": trl.__version__,
-            "bitsandbytes": bitsandbytes.__version__,
-        },
+        versions=versions,
         vmdata=vmdata,
         rss=memory.proc_status_bytes("VmRSS"),
         cpu_memory_limit=ctx.spec.cpu_memory_limit,
