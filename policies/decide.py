@@ -95,17 +95,23 @@ def decide(
     history: Sequence[PastAttempt],
     settings: Settings,
     contention_timed_out: bool = False,
+    phase: str = "train",
 ) -> Decision:
     """What to do after ``failure`` of an attempt that ran with ``knobs``.
 
-    ``history`` holds every finished attempt, the failed one included (last).
+    ``history`` holds every finished attempt, the failed one included (last); attempts that did
+    not fail (stopped by the user, interrupted by a supervisor restart) count toward neither
+    the attempt budget nor the crash-loop streak. In the ``merge`` phase every memory failure
+    takes the merge ladder: training rungs cannot help a merge and a smaller model would merge
+    the adapter onto the wrong base.
     """
     kind = failure.kind
+    failed = [past for past in history if past.kind is not None]
     if kind in NOT_RETRYABLE:
         return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
-    if len(history) >= settings.max_attempts:
+    if len(failed) >= settings.max_attempts:
         return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
-    if _no_progress_streak(history) >= settings.max_no_progress:
+    if _no_progress_streak(failed) >= settings.max_no_progress:
         return GiveUp(
             f"{settings.max_no_progress} attempts in a row trained no step with the same config "
             "(crash loop); see attempts.jsonl"
@@ -119,7 +125,17 @@ def decide(
         return Wait(settings.contention_wait_s, "other processes hold the GPU memory this job needs")
     if kind in RETRY_UNCHANGED_ONCE:
         return _retry_unchanged(kind, knobs, history)
+    if phase == "merge" and kind.is_oom:
+        return _climb(_MergeFailure(), knobs, history, settings)
     return _climb(failure, knobs, history, settings)
+
+
+@dataclass(frozen=True)
+class _MergeFailure:
+    """How the ladder sees any memory failure of the merge process."""
+
+    kind: FailureKind = FailureKind.OOM_MERGE
+    stage: Stage = Stage.MERGE
 
 
 def _no_progress_streak(history: Sequence[PastAttempt]) -> int:

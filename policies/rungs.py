@@ -49,12 +49,11 @@ def _gradient_checkpointing(k: Knobs) -> Knobs | None:
 
 
 def _halve_micro_batch(k: Knobs) -> Knobs | None:
-    # Doubling accumulation keeps micro * accum, so the effective batch the job asked for holds.
+    # The largest micro-batch of at most half that divides the effective batch: accumulation
+    # grows to match, so the effective batch the job asked for holds (micro 1 always divides).
     if k.micro_batch_size <= 1:
         return None
-    half = k.micro_batch_size // 2
-    if k.effective_batch % half:
-        return None
+    half = next(m for m in range(k.micro_batch_size // 2, 0, -1) if k.effective_batch % m == 0)
     return dataclasses.replace(k, micro_batch_size=half, grad_accum=k.effective_batch // half)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.protocol import Knobs, write_text_atomic
+from qlora_supervise.trainer_child.protocol import Knobs, fsync_dir, write_text_atomic
 
 
 class RunState(str, enum.Enum):
@@ -157,17 +157,30 @@ def write_state(path: Path, state: State) -> None:
 def read_state(path: Path) -> State | None:
     """The saved state, or None when absent or unreadable (the caller logs which)."""
     try:
-        return State.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return State.from_dict(raw) if isinstance(raw, dict) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def append_attempt(path: Path, record: AttemptRecord) -> None:
-    """Append one line and fsync: the decision is durable before the loop acts on it."""
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(record.to_line())
+    """Append one line and fsync: the decision is durable before the loop acts on it.
+
+    A line torn by an earlier kill is closed first, so it stays one unreadable line instead of
+    swallowing this record; a new file's directory entry is fsynced too.
+    """
+    created = not path.exists()
+    with path.open("a+b") as handle:
+        handle.seek(0, os.SEEK_END)
+        if handle.tell() > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                handle.write(b"\n")
+        handle.write(record.to_line().encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
+    if created:
+        fsync_dir(path.parent)
 
 
 def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
@@ -176,12 +189,14 @@ def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
         return [], 0
     records: list[AttemptRecord] = []
     bad = 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
-            records.append(AttemptRecord(**json.loads(line)))
-        except (ValueError, TypeError):
+            record = AttemptRecord(**json.loads(line))
+            knobs_from_record(record)  # a line whose knobs this version cannot read is unreadable
+            records.append(record)
+        except (ValueError, TypeError, AttributeError):
             bad += 1
     return records, bad
 

@@ -46,6 +46,7 @@ from qlora_supervise.supervisor.journal import (
     read_state,
     write_state,
 )
+from qlora_supervise.supervisor.resume import ResumePoint, resume_point
 from qlora_supervise.supervisor.rundir import RunDir
 from qlora_supervise.supervisor.waiting import backoff_seconds, bytes_needed, wait_for_free_memory
 from qlora_supervise.supervisor.watch import Watched, hung, sample_memory
@@ -83,7 +84,6 @@ class Plan:
 
     phase: str
     knobs: Knobs
-    reset_optimizer: bool = False
     fresh_start: bool = False
 
 
@@ -210,7 +210,6 @@ class Supervisor:
             return Plan(
                 last.phase,
                 Knobs(**decision["knobs"]),
-                reset_optimizer=survives is Survives.OPTIMIZER_RESET,
                 fresh_start=survives is Survives.ADAPTER_REINIT,
             )
         return self._verdict(decision, knobs)
@@ -230,8 +229,9 @@ class Supervisor:
     # -- one attempt -----------------------------------------------------------------------
 
     def _attempt(self, number: int, plan: Plan, records: Sequence[AttemptRecord]) -> AttemptRecord:
-        resumed_from = self._prepare_checkpoints(number, plan)
-        spec = self._write_spec(number, plan, resumed_from)
+        resume = self._prepare_checkpoints(number, plan)
+        resumed_from = resume.step
+        spec = self._write_spec(number, plan, resume)
         started_at = self.seams.wall()
         argv = self.seams.argv(self.rd.attempt_dir(number) / "spec.json", plan.phase)
         env = child_mod.child_env(self._base_env(), plan.knobs)
@@ -253,7 +253,7 @@ class Supervisor:
             phase=plan.phase,
             pid=proc.pid,
             resumed_from=resumed_from,
-            reset_optimizer=plan.reset_optimizer,
+            reset_optimizer=spec.reset_optimizer,
             knobs=dataclasses.asdict(plan.knobs),
             effective_batch=plan.knobs.effective_batch,
         )
@@ -286,19 +286,23 @@ class Supervisor:
 
         return dict(os.environ)
 
-    def _prepare_checkpoints(self, number: int, plan: Plan) -> int:
-        """Resume point of the next attempt: the newest complete checkpoint, unless the adapter changed."""
+    def _prepare_checkpoints(self, number: int, plan: Plan) -> ResumePoint:
+        """Resume point of the next attempt: the newest complete checkpoint its knobs can load."""
         if plan.phase == "merge":
-            return 0
+            return ResumePoint(0, None, False)
         if plan.fresh_start and self.rd.checkpoints.exists():
             # Old checkpoints hold an adapter of another shape: keep them for the user, out of the way.
             target = self.rd.superseded_checkpoints(number)
+            if target.exists():
+                target = target.with_name(f"{target.name}.{int(self.seams.wall())}")
             self.rd.checkpoints.rename(target)
             self.log.info("checkpoints_superseded", attempt=number, moved_to=str(target))
-        newest = newest_complete_checkpoint(self.rd.checkpoints)
-        return newest[0] if newest else 0
+        point = resume_point(self.rd.checkpoints, plan.knobs)
+        if point.skipped:
+            self.log.info("checkpoints_skipped", attempt=number, skipped=list(point.skipped))
+        return point
 
-    def _write_spec(self, number: int, plan: Plan, resumed_from: int) -> AttemptSpec:
+    def _write_spec(self, number: int, plan: Plan, resume: ResumePoint) -> AttemptSpec:
         directory = self.rd.attempt_dir(number)
         if directory.exists():
             # Left by an attempt the journal never recorded (the supervisor died between spawn and
@@ -306,7 +310,6 @@ class Supervisor:
             aside = directory.with_name(f"{directory.name}.unrecorded-{int(self.seams.wall())}")
             directory.rename(aside)
             self.log.warning("unrecorded_attempt_moved", attempt=number, moved_to=str(aside))
-        newest = newest_complete_checkpoint(self.rd.checkpoints) if resumed_from else None
         spec = AttemptSpec(
             attempt=number,
             run_dir=str(self.rd.root),
@@ -321,8 +324,9 @@ class Supervisor:
             device=self.job.device,
             gpu_memory_limit=self.job.gpu_memory_limit_bytes,
             cpu_memory_limit=self.job.cpu_memory_limit_bytes,
-            resume_from=str(newest[1]) if newest else None,
-            reset_optimizer=plan.reset_optimizer,
+            resume_from=str(resume.path) if resume.path else None,
+            # The checkpoint itself says whether its optimizer state fits these knobs.
+            reset_optimizer=resume.reset_optimizer,
         )
         write_text_atomic(directory / "spec.json", spec.to_json())
         return spec
@@ -409,7 +413,10 @@ class Supervisor:
                 "rss": watched.rss_peak,
             },
         )
-        if exit_.killed_by_supervisor == "stop" or exit_.returncode == ExitCode.STOPPED:
+        # A child stopped for a hang also exits STOPPED (it checkpoints on SIGTERM): that is a hang.
+        stopped_by_us = exit_.killed_by_supervisor == "stop"
+        stopped = exit_.killed_by_supervisor is None and exit_.returncode == ExitCode.STOPPED
+        if (stopped_by_us and not _failed_report(report)) or stopped:
             return self._journal(AttemptRecord.from_facts(facts, "stopped", self._newest_step()))
         if exit_.returncode == 0 and self._phase_done(plan.phase):
             record = self._journal(AttemptRecord.from_facts(facts, "succeeded", None))
@@ -476,17 +483,24 @@ class Supervisor:
             *policy_history(records),
             policy.PastAttempt(plan.knobs, failure.kind, facts.steps_progressed),
         ]
-        decision = policy.decide(failure, plan.knobs, history, self.settings)
+        decision = policy.decide(failure, plan.knobs, history, self.settings, phase=plan.phase)
         waited = 0.0
         if isinstance(decision, policy.Wait):
-            back, waited = self._wait_for_memory(facts.attempt, decision, failure)
-            if back:
-                decision = policy.Restart(
-                    plan.knobs, "wait_for_memory", {}, "the other processes released the memory", Survives.ALL
+            free, waited = self._wait_for_memory(facts.attempt, decision, failure)
+            if self.stop_signal is not None:
+                # Stopped while waiting: the run stays resumable; this is no verdict on the config.
+                entry = failure_entry(failure, report)
+                return self._journal(AttemptRecord.from_facts(facts, "stopped", self._newest_step(), entry))
+            if free is None or free >= bytes_needed(failure.numbers):
+                why = (
+                    "the other processes released the memory"
+                    if free is not None
+                    else "no NVML reading to wait on: retry the same config after the backoff"
                 )
+                decision = policy.Restart(plan.knobs, "wait_for_memory", {}, why, Survives.ALL)
             else:
                 decision = policy.decide(
-                    failure, plan.knobs, history, self.settings, contention_timed_out=True
+                    failure, plan.knobs, history, self.settings, contention_timed_out=True, phase=plan.phase
                 )
         record = self._journal(
             AttemptRecord.from_facts(
@@ -570,8 +584,13 @@ class Supervisor:
             self._ping(self.seams.clock())
             self.seams.sleep(min(self.seams.tick_s, max(0.0, deadline - self.seams.clock())))
 
-    def _wait_for_memory(self, number: int, decision: policy.Wait, failure: Failure) -> tuple[bool, float]:
-        """Poll NVML with backoff until the memory is back or the wait times out."""
+    def _wait_for_memory(
+        self, number: int, decision: policy.Wait, failure: Failure
+    ) -> tuple[int | None, float]:
+        """Poll NVML with backoff until the memory is back, the wait times out, or a stop.
+
+        Returns the last free-memory reading (None: NVML gave none) and the seconds waited.
+        """
         needed = bytes_needed(failure.numbers)
         self.log.info(
             "waiting_for_memory",
@@ -593,10 +612,11 @@ class Supervisor:
         )
         waited = self.seams.clock() - started
         back = free is not None and free >= needed
-        self.log.info(
-            "memory_available" if back else "memory_wait_timed_out", free_bytes=free, waited_s=waited
+        event = (
+            "memory_available" if back else ("no_memory_reading" if free is None else "memory_wait_timed_out")
         )
-        return back, waited
+        self.log.info(event, free_bytes=free, waited_s=round(waited, 1))
+        return free, waited
 
     def _gpu_free(self) -> int | None:
         if self.gpu is None:
@@ -642,7 +662,8 @@ class Supervisor:
         if report is not None and report.exit_code not in (ExitCode.OK, ExitCode.STOPPED):
             # The child failed while nobody watched: classify it as if we had seen it exit.
             exit_ = ChildExit(report.exit_code, None, None, 0.0)
-            failure = classify_exit(exit_, report, "", 0, None, None)
+            tail = child_mod.log_tail(self.rd.attempt_dir(flight.number) / "child.log")
+            failure = classify_exit(exit_, report, tail, 0, None, None)
             self.log.info(
                 "failure_classified",
                 attempt=flight.number,
@@ -652,6 +673,11 @@ class Supervisor:
                 reclaimed=True,
             )
             return [*records, self._decide_and_record(facts, plan, records, failure, report)]
+        if reader.progress.finished and self._phase_done(flight.phase):
+            # It finished while nobody watched: journal the success, do not train again.
+            record = self._journal(AttemptRecord.from_facts(facts, "succeeded", None))
+            self.log.info("attempt_succeeded", attempt=flight.number, phase=flight.phase, reclaimed=True)
+            return [*records, record]
         record = self._journal(AttemptRecord.from_facts(facts, "interrupted", self._newest_step()))
         self.log.info(
             "attempt_interrupted",
@@ -661,6 +687,11 @@ class Supervisor:
             why="the supervisor stopped while this attempt ran; its config is not counted as failed",
         )
         return [*records, record]
+
+
+def _failed_report(report: ErrorReport | None) -> bool:
+    """A report of a real failure (not of the graceful stop we asked for)."""
+    return report is not None and report.exit_code not in (ExitCode.OK, ExitCode.STOPPED)
 
 
 def _child_peak(heartbeat_peak: int | None, report: ErrorReport | None) -> int | None:

@@ -45,12 +45,13 @@ def wait_for_free_memory(
 ) -> int | None:
     """Poll ``read_free`` with backoff until it reports ``needed`` bytes, the timeout, or a stop.
 
-    Returns the last reading (None: no reading at all, e.g. no NVML).
+    Returns the last reading (None: no reading at all, e.g. no NVML: returns at once).
     """
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_delay(timeout_s) | _StopWhen(stop_asked),
         wait=tenacity.wait_exponential(multiplier=initial_s, min=initial_s, max=max_s),
-        retry=tenacity.retry_if_result(lambda free: free is None or free < needed),
+        # No reading at all (no NVML): nothing to wait on; the loop's backoff paces the retry.
+        retry=tenacity.retry_if_result(lambda free: free is not None and free < needed),
         sleep=sleep,
         retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
     )

@@ -6,23 +6,50 @@ scripted stand-in of ``scripted_child.py``.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit
+from qlora_supervise.supervisor.gpu import GpuSample
 from qlora_supervise.supervisor.loop import Seams
 from qlora_supervise.supervisor.run import run_job
 
 CHILD = Path(__file__).with_name("scripted_child.py")
 
 
+class FakeGpu:
+    """An NVML stand-in (a named seam): another process holds the card until ``frees_after`` polls."""
+
+    def __init__(self, frees_after: int | None) -> None:
+        self.polls = 0
+        self.frees_after = frees_after
+
+    def sample(self, pids: set[int]) -> GpuSample:
+        if not pids:
+            self.polls += 1  # the contention wait polls with no pids
+        freed = self.frees_after is not None and self.polls >= self.frees_after
+        free = 20 * 1024**3 if freed else 200 * 1024**2
+        others = () if freed else ((4242, 18 * 1024**3),)
+        total = 24 * 1024**3
+        return GpuSample(time.time(), 0, total, total - free, free, 0, others)
+
+    def close(self) -> None:
+        pass
+
+
 def scripted_seams() -> Seams:
-    return Seams(
+    seams = Seams(
         argv=lambda spec, phase: [sys.executable, str(CHILD), "--spec", str(spec)],
         tick_s=0.05,
         sample_every_s=0.5,
         stop_grace_s=10.0,
     )
+    if os.environ.get("SCRIPTED_GPU_NEVER_FREES"):
+        gpu = FakeGpu(frees_after=None)
+        seams.open_gpu = lambda device: gpu  # type: ignore[assignment,return-value]
+    return seams
 
 
 if __name__ == "__main__":

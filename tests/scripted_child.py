@@ -20,6 +20,7 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -64,7 +65,8 @@ class Child:
         tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "adapter.bin").write_text(json.dumps({"step": step, "r": self.spec.knobs.lora_r}))
-        (tmp / CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps({"step": step, "emergency": emergency}))
+        marker = {"step": step, "emergency": emergency, "knobs": dataclasses.asdict(self.spec.knobs)}
+        (tmp / CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker))
         final = root / f"checkpoint-{step}"
         if final.exists():
             return str(final)
@@ -138,9 +140,11 @@ class Child:
             message = OOM_MESSAGE.format(alloc="15.20 GiB", unalloc="6.90 GiB")
             return self.fail("backward", "torch.OutOfMemoryError", message, ExitCode.OOM, True)
         if name == "hang":
-            while True:  # heartbeats go on, the step does not move
+            while not self.stop:  # heartbeats go on, the step does not move
                 self.emit("heartbeat", step=self.step, stage="forward")
                 time.sleep(0.1)
+            self.checkpoint(self.step)  # SIGTERM: like the real trainer, checkpoint and leave
+            return int(ExitCode.STOPPED)
         if name == "sigkill":
             events = os.environ.get("SCRIPTED_CHILD_OOM_EVENTS")
             if events:

@@ -16,12 +16,11 @@ import pytest
 import yaml
 
 from qlora_supervise.supervisor.eventlog import read_events
-from qlora_supervise.supervisor.gpu import GpuSample
 from qlora_supervise.supervisor.journal import read_attempts, read_state
 from qlora_supervise.supervisor.run import run_job
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_scripted import scripted_seams
+from run_scripted import FakeGpu, scripted_seams
 
 MAX_STEPS = 10
 
@@ -155,7 +154,7 @@ def test_ladder_exhausted_gives_up_with_exit_3(tmp_path: Path) -> None:
 def test_crash_loop_protection(tmp_path: Path) -> None:
     """Unchanged restarts that train no step (memory taken again at once) stop the run: a crash loop."""
     job = _job(tmp_path, {"default": "contention@1"}, max_no_progress_attempts=3, max_attempts=20)
-    assert _run_with_gpu(job, _FakeGpu(frees_after=0)) == 3
+    assert _run_with_gpu(job, FakeGpu(frees_after=0)) == 3
     assert "crash loop" in _events(tmp_path, "gave_up")[0]["why"]
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert len(records) == 3
@@ -214,27 +213,7 @@ def test_supervisor_sigkill_mid_attempt_resumes_without_repeating_failed_config(
     assert records[-1].steps_completed == MAX_STEPS
 
 
-class _FakeGpu:
-    """An NVML stand-in (a named seam): another process holds the card until ``frees_after`` polls."""
-
-    def __init__(self, frees_after: int | None) -> None:
-        self.polls = 0
-        self.frees_after = frees_after
-
-    def sample(self, pids: set[int]) -> GpuSample:
-        if not pids:
-            self.polls += 1  # the contention wait polls with no pids
-        freed = self.frees_after is not None and self.polls >= self.frees_after
-        free = 20 * 1024**3 if freed else 200 * 1024**2
-        others = () if freed else ((4242, 18 * 1024**3),)
-        total = 24 * 1024**3
-        return GpuSample(time.time(), 0, total, total - free, free, 0, others)
-
-    def close(self) -> None:
-        pass
-
-
-def _run_with_gpu(job: Path, gpu: _FakeGpu) -> int:
+def _run_with_gpu(job: Path, gpu: FakeGpu) -> int:
     seams = scripted_seams()
     seams.open_gpu = lambda device: gpu  # type: ignore[assignment,return-value]
     return run_job(str(job), plain=True, seams=seams, console=io.StringIO(), install_signals=False)
@@ -242,7 +221,7 @@ def _run_with_gpu(job: Path, gpu: _FakeGpu) -> int:
 
 def test_contention_waits_for_memory_then_restarts_unchanged(tmp_path: Path) -> None:
     """An OOM caused by another process waits for the memory to come back, then retries the same config."""
-    gpu = _FakeGpu(frees_after=3)
+    gpu = FakeGpu(frees_after=3)
     assert _run_with_gpu(_job(tmp_path, {"1": "contention@3"}, contention_wait="30s"), gpu) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[0].failure is not None and records[0].failure["kind"] == "oom_contention"
@@ -257,7 +236,7 @@ def test_contention_waits_for_memory_then_restarts_unchanged(tmp_path: Path) -> 
 def test_contention_that_does_not_clear_gives_up_without_degrading(tmp_path: Path) -> None:
     """When the other process keeps the memory past contention_wait, the run gives up (exit 3)."""
     job = _job(tmp_path, {"1": "contention@3"}, contention_wait="1s")
-    assert _run_with_gpu(job, _FakeGpu(frees_after=None)) == 3
+    assert _run_with_gpu(job, FakeGpu(frees_after=None)) == 3
     gave_up = _events(tmp_path, "gave_up")[0]
     assert "degrade_on_contention" in gave_up["why"]
 
@@ -265,7 +244,7 @@ def test_contention_that_does_not_clear_gives_up_without_degrading(tmp_path: Pat
 def test_contention_degrades_when_the_job_allows_it(tmp_path: Path) -> None:
     """With degrade_on_contention the stage's ladder is used instead of waiting."""
     job = _job(tmp_path, {"1": "contention@3"}, degrade_on_contention=True)
-    assert _run_with_gpu(job, _FakeGpu(frees_after=None)) == 0
+    assert _run_with_gpu(job, FakeGpu(frees_after=None)) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[0].decision is not None and records[0].decision["rung"] == "gradient_checkpointing"
 
@@ -309,3 +288,61 @@ def test_leftover_attempt_directory_is_moved_aside_not_trusted(tmp_path: Path) -
     assert [r.outcome for r in records] == ["succeeded"]
     assert not (tmp_path / "run" / "attempt-001" / "error.json").exists()
     assert list((tmp_path / "run").glob("attempt-001.unrecorded-*/error.json"))
+
+
+def test_a_hang_twice_gives_up_instead_of_looking_like_a_stop(tmp_path: Path) -> None:
+    """A hung child that checkpoints and exits on our SIGTERM is a hang, not a user stop (exit 3, not 143)."""
+    assert _run(_job(tmp_path, {"default": "hang@2"})) == 3
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert [r.failure["kind"] for r in records if r.failure] == ["hang", "hang"]
+    assert read_state(tmp_path / "run" / "state.json").run_state.value == "gave_up"  # type: ignore[union-attr]
+
+
+def test_sigterm_during_the_contention_wait_stops_resumably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop signal while waiting for another process's memory exits 143 and leaves the run resumable."""
+    job = _job(tmp_path, {"1": "contention@3"}, contention_wait="10m")
+    monkeypatch.setenv("SCRIPTED_GPU_NEVER_FREES", "1")
+    proc = _spawn_supervisor(job)
+    _wait_for(
+        lambda: any(
+            e["event"] == "waiting_for_memory" for e in read_events(tmp_path / "run" / "events.jsonl")
+        )
+    )
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[-1].outcome == "stopped"
+    assert read_state(tmp_path / "run" / "state.json").run_state.value == "stopped"  # type: ignore[union-attr]
+    monkeypatch.delenv("SCRIPTED_GPU_NEVER_FREES")
+    assert _run(job) == 0  # the same command resumes and finishes
+
+
+def test_optimizer_change_resets_the_optimizer_state_from_the_checkpoint_itself(tmp_path: Path) -> None:
+    """After the paged-8-bit rung, every attempt resuming an old-optimizer checkpoint resets its optimizer."""
+    job = _job(tmp_path, {"1": "oom_backward@3", "2": "oom_backward@3", "3": "oom_backward@3"})
+    raw = yaml.safe_load(job.read_text())
+    raw["train"]["optimizer"] = "adamw_torch"
+    job.write_text(yaml.safe_dump(raw))
+    assert _run(job) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    rungs = [r.decision["rung"] for r in records if r.decision]
+    assert rungs[:2] == ["gradient_checkpointing", "paged_8bit_optimizer"]
+    specs = [json.loads((tmp_path / "run" / f"attempt-{n:03d}" / "spec.json").read_text()) for n in (3, 4)]
+    # attempts 3 and 4 both resume checkpoint-2, written by attempt 1 with adamw_torch
+    assert all(s["knobs"]["optimizer"] == "paged_adamw_8bit" for s in specs)
+    assert all(s["resume_from"].endswith("checkpoint-2") and s["reset_optimizer"] for s in specs)
+
+
+def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> None:
+    """A line torn by a kill stays one unreadable line; the records after it are kept."""
+    assert _run(_job(tmp_path, {"1": "oom_forward@3"})) == 0
+    journal = tmp_path / "run" / "attempts.jsonl"
+    first = journal.read_text().splitlines()[0]
+    journal.write_text(first + "\n" + first[: len(first) // 2])  # attempt 2's line torn mid-write
+    from qlora_supervise.supervisor.journal import AttemptRecord, append_attempt
+
+    append_attempt(journal, AttemptRecord(**{**json.loads(first), "attempt": 3}))
+    records, bad = read_attempts(journal)
+    assert [r.attempt for r in records] == [1, 3] and bad == 1

@@ -227,3 +227,37 @@ def test_crash_loop_counts_unchanged_restarts_not_ladder_climbing() -> None:
     ]
     out = decide(_Failure(FailureKind.OOM_FORWARD), climbing[-1].knobs, climbing, Settings(max_no_progress=3))
     assert isinstance(out, Restart)
+
+
+def test_stopped_and_interrupted_attempts_count_toward_no_limit() -> None:
+    """User stops and supervisor restarts are no failures: they feed neither the crash loop nor the budget."""
+    gc = dataclasses.replace(BASE, gradient_checkpointing=True)
+    history = [
+        _fail(FailureKind.OOM_FORWARD),
+        PastAttempt(gc, None, 0),
+        PastAttempt(gc, None, 0),
+        _fail(FailureKind.OOM_FORWARD, knobs=gc),
+    ]
+    out = decide(_Failure(FailureKind.OOM_FORWARD), gc, history, Settings(max_no_progress=3, max_attempts=3))
+    assert isinstance(out, Restart) and out.rung == "halve_micro_batch"
+
+
+def test_merge_phase_memory_failures_take_the_merge_ladder() -> None:
+    """A host OOM of the merge process merges on the CPU; it never shortens seq_len or swaps the model."""
+    settings = Settings(fallbacks=("/m/3b",))
+    host = _Failure(FailureKind.HOST_OOM, Stage.UNKNOWN)
+    out = decide(host, BASE, [_fail(FailureKind.HOST_OOM)], settings, phase="merge")
+    assert isinstance(out, Restart) and out.rung == "merge_on_cpu"
+    done = dataclasses.replace(BASE, merge_on_cpu=True)
+    out = decide(host, done, [_fail(FailureKind.HOST_OOM, knobs=done)], settings, phase="merge")
+    assert isinstance(out, GiveUp)
+
+
+def test_halving_an_odd_micro_batch_keeps_the_effective_batch() -> None:
+    """Micro-batch 7 of an effective 7 goes to 1 x 7 (the largest divisor at most half)."""
+    odd = dataclasses.replace(BASE, micro_batch_size=7, grad_accum=1)
+    out = STATIC_RUNGS["halve_micro_batch"].apply(odd)
+    assert out is not None and (out.micro_batch_size, out.grad_accum) == (1, 7)
+    twelve = dataclasses.replace(BASE, micro_batch_size=6, grad_accum=2)
+    out = STATIC_RUNGS["halve_micro_batch"].apply(twelve)
+    assert out is not None and (out.micro_batch_size, out.grad_accum) == (3, 4)

@@ -223,9 +223,15 @@ class ErrorReport:
 
     @classmethod
     def from_json(cls, text: str) -> ErrorReport:
+        """Raises ValueError for anything that is not a well-typed report."""
         raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("an error report must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        report = cls(**{k: v for k, v in raw.items() if k in known})
+        if not isinstance(report.step, int) or not isinstance(report.exit_code, int):
+            raise ValueError("an error report needs integer step and exit_code")
+        return report
 
 
 #: The last line the child prints to stderr on a failure: ``<prefix><stage>: <type>: <message>``.
