@@ -51,12 +51,21 @@ def _with_option(conf: str, option: str) -> str:
     return ",".join([*parts, option])
 
 
-def _set_pdeathsig() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the supervisor's restart still reclaims the orphan from state.json
+def _pdeathsig(parent: int) -> Callable[[], None]:
+    def set_it() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            return  # not Linux: the supervisor's restart still reclaims the orphan from state.json
+        if os.getppid() != parent:
+            os._exit(ORPHANED_AT_START)  # the parent died before prctl: the signal would never come
+
+    return set_it
+
+
+#: Exit status of a child whose supervisor died between fork and exec.
+ORPHANED_AT_START = 75
 
 
 @dataclass
@@ -104,7 +113,7 @@ def spawn_child(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_set_pdeathsig,
+            preexec_fn=_pdeathsig(os.getpid()),
         )
     return ChildProcess(popen, log_path, time.monotonic())
 
@@ -119,6 +128,15 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
             return handle.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
+
+
+def pids_running(argument: str) -> list[int]:
+    """Pids of processes whose command line contains ``argument`` (e.g. an attempt's spec path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and argument in process_cmdline(int(entry.name)):
+            found.append(int(entry.name))
+    return found
 
 
 def process_cmdline(pid: int) -> str:

@@ -236,17 +236,14 @@ class Supervisor:
         argv = self.seams.argv(self.rd.attempt_dir(number) / "spec.json", plan.phase)
         env = child_mod.child_env(self._base_env(), plan.knobs)
         oom_kills_before = self.seams.oom_kills()
+        # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
+        # between leaves a state that names the attempt, so its child can be found and stopped.
+        flight = InFlight(number, plan.phase, plan.knobs, resumed_from, None, started_at)
+        write_state(self.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
         proc = self.seams.spawn(argv, env, self.rd.attempt_dir(number) / "child.log", self.rd.root)
         notify.status(f"attempt {number} ({plan.phase}) running, pid {proc.pid}")
-        write_state(
-            self.rd.state,
-            State(
-                RunState.RUNNING,
-                plan.knobs,
-                plan.phase,
-                InFlight(number, plan.phase, plan.knobs, resumed_from, proc.pid, started_at),
-            ),
-        )
+        flight = dataclasses.replace(flight, pid=proc.pid)
+        write_state(self.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
         self.log.info(
             "attempt_started",
             attempt=number,
@@ -637,11 +634,13 @@ class Supervisor:
         if any(r.attempt == flight.number for r in records):
             return records  # its record was written; only state.json was stale
         spec_path = self.rd.attempt_dir(flight.number) / "spec.json"
-        # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe.
-        ours = bool(flight.pid) and str(spec_path) in child_mod.process_cmdline(flight.pid or 0)
-        if ours and flight.pid and pid_alive(flight.pid):
-            self.log.warning("orphan_child_stopping", attempt=flight.number, pid=flight.pid)
-            child_mod.stop_orphan(flight.pid, self.seams.stop_grace_s, self.seams.clock, self.seams.sleep)
+        # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe,
+        # and finds the child when the supervisor died before it could record the pid.
+        pids = [flight.pid] if flight.pid else child_mod.pids_running(str(spec_path))
+        for pid in pids:
+            if str(spec_path) in child_mod.process_cmdline(pid) and pid_alive(pid):
+                self.log.warning("orphan_child_stopping", attempt=flight.number, pid=pid)
+                child_mod.stop_orphan(pid, self.seams.stop_grace_s, self.seams.clock, self.seams.sleep)
         report = self._read_report(flight.number)
         reader = HeartbeatReader(self.rd.attempt_dir(flight.number) / "child-events.jsonl")
         reader.poll(self.seams.clock())

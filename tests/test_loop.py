@@ -346,3 +346,17 @@ def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> N
     append_attempt(journal, AttemptRecord(**{**json.loads(first), "attempt": 3}))
     records, bad = read_attempts(journal)
     assert [r.attempt for r in records] == [1, 3] and bad == 1
+
+
+def test_pids_running_finds_a_child_by_its_spec_path(tmp_path: Path) -> None:
+    """An orphan whose pid was never recorded is found by the spec path on its command line."""
+    from qlora_supervise.supervisor.child import pids_running
+
+    marker = str(tmp_path / "attempt-007" / "spec.json")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])
+    try:
+        _wait_for(lambda: proc.pid in pids_running(marker), timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.pid not in pids_running(marker)
