@@ -17,24 +17,6 @@ from typing import Any, TextIO
 
 import structlog
 
-STABLE_EVENTS = frozenset(
-    {
-        "run_started",
-        "run_resumed",
-        "attempt_started",
-        "child_exited",
-        "failure_classified",
-        "retry",
-        "waiting_for_memory",
-        "memory_available",
-        "hang_detected",
-        "stop_requested",
-        "stopped",
-        "gave_up",
-        "run_succeeded",
-    }
-)
-
 
 class _Tee:
     """Final processor: one JSON line to the events file, a readable line to the console."""

@@ -13,6 +13,7 @@ last decision, so a config that failed is never run again the same way.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -56,7 +57,6 @@ from qlora_supervise.trainer_child.protocol import (
     ExitCode,
     Knobs,
     Stage,
-    newest_complete_checkpoint,
     pid_alive,
     write_text_atomic,
 )
@@ -279,8 +279,6 @@ class Supervisor:
         return self._conclude(number, plan, records, exit_, watched, resumed_from, started_at, oom_kill_delta)
 
     def _base_env(self) -> dict[str, str]:
-        import os
-
         return dict(os.environ)
 
     def _prepare_checkpoints(self, number: int, plan: Plan) -> ResumePoint:
@@ -414,7 +412,7 @@ class Supervisor:
         stopped_by_us = exit_.killed_by_supervisor == "stop"
         stopped = exit_.killed_by_supervisor is None and exit_.returncode == ExitCode.STOPPED
         if (stopped_by_us and not _failed_report(report)) or stopped:
-            return self._journal(AttemptRecord.from_facts(facts, "stopped", self._newest_step()))
+            return self._journal(AttemptRecord.from_facts(facts, "stopped", self._resume_step(plan.knobs)))
         if exit_.returncode == 0 and self._phase_done(plan.phase):
             record = self._journal(AttemptRecord.from_facts(facts, "succeeded", None))
             self.log.info("attempt_succeeded", attempt=number, phase=plan.phase, steps=steps)
@@ -451,9 +449,9 @@ class Supervisor:
         append_attempt(self.rd.attempts, record)
         return record
 
-    def _newest_step(self) -> int:
-        newest = newest_complete_checkpoint(self.rd.checkpoints)
-        return newest[0] if newest else 0
+    def _resume_step(self, knobs: Knobs) -> int:
+        """The step an attempt with ``knobs`` would resume from: the same rule the spawn uses."""
+        return resume_point(self.rd.checkpoints, knobs).step
 
     def _phase_done(self, phase: str) -> bool:
         return (self.rd.merged if phase == "merge" else self.rd.adapter).exists()
@@ -487,7 +485,9 @@ class Supervisor:
             if self.stop_signal is not None:
                 # Stopped while waiting: the run stays resumable; this is no verdict on the config.
                 entry = failure_entry(failure, report)
-                return self._journal(AttemptRecord.from_facts(facts, "stopped", self._newest_step(), entry))
+                return self._journal(
+                    AttemptRecord.from_facts(facts, "stopped", self._resume_step(plan.knobs), entry)
+                )
             if free is None or free >= bytes_needed(failure.numbers):
                 why = (
                     "the other processes released the memory"
@@ -514,7 +514,9 @@ class Supervisor:
     def _next_resume(self, decision: policy.Decision) -> int | None:
         if not isinstance(decision, policy.Restart):
             return None
-        return 0 if decision.survives is Survives.ADAPTER_REINIT else self._newest_step()
+        if decision.survives is Survives.ADAPTER_REINIT:
+            return 0
+        return self._resume_step(decision.knobs)
 
     def _log_decision(
         self,
@@ -677,7 +679,9 @@ class Supervisor:
             record = self._journal(AttemptRecord.from_facts(facts, "succeeded", None))
             self.log.info("attempt_succeeded", attempt=flight.number, phase=flight.phase, reclaimed=True)
             return [*records, record]
-        record = self._journal(AttemptRecord.from_facts(facts, "interrupted", self._newest_step()))
+        record = self._journal(
+            AttemptRecord.from_facts(facts, "interrupted", self._resume_step(flight.knobs))
+        )
         self.log.info(
             "attempt_interrupted",
             attempt=flight.number,
