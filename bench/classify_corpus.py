@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.supervisor.classify import classify_text
+from qlora_supervise.supervisor.diagnosis.classify import classify_text
 from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
 from qlora_supervise.trainer_child.protocol import FailureKind
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from qlora_supervise.supervisor.demo import DEMO_TRAIN
+from qlora_supervise.supervisor.commands.demo import DEMO_TRAIN
 
 
 def peak(run_dir: Path) -> int:
@@ -39,7 +39,7 @@ def main() -> int:
         job["output_dir"] = str(work / f"run-ckpt-{checkpointing}")
         path = work / f"job-ckpt-{checkpointing}.yaml"
         path.write_text(yaml.safe_dump(job))
-        cli = [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--plain", str(path)]
+        cli = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "run", "--plain", str(path)]
         code = subprocess.run(cli, check=False, capture_output=True).returncode
         rows.append((checkpointing, code, peak(Path(job["output_dir"]))))
     print(f"{'checkpointing':>13}  {'exit':>4}  {'peak allocated':>14}")

@@ -172,7 +172,7 @@ output_dir: {run_dir}
 
 def cli() -> list[str]:
     exe = shutil.which("qlora-supervise")
-    return [exe] if exe else [sys.executable, "-m", "qlora_supervise.supervisor.cli"]
+    return [exe] if exe else [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli"]
 
 
 def run_supervised(job: Path, log: Path, timeout: float) -> dict[str, Any]:

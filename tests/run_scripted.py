@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.exit_codes import SupervisorExit
-from qlora_supervise.supervisor.gpu import GpuSample
-from qlora_supervise.supervisor.loop import Seams
-from qlora_supervise.supervisor.run import run_job
+from qlora_supervise.supervisor.loop.arbiter import Seams
+from qlora_supervise.supervisor.watching.gpu import GpuSample
 
 CHILD = Path(__file__).with_name("scripted_child.py")
 

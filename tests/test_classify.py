@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from qlora_supervise.supervisor._frames import Frame, frame_stage, parse_frames, stage_from_frames
-from qlora_supervise.supervisor._oom_rules import contention, derive, fragmentation
-from qlora_supervise.supervisor.classify import classify_exit, classify_text
-from qlora_supervise.supervisor.classify_cli import classify_command, format_size
-from qlora_supervise.supervisor.failure import ChildExit, Failure
+from qlora_supervise.supervisor.commands.classify import classify_command, format_size
+from qlora_supervise.supervisor.diagnosis._frames import Frame, frame_stage, parse_frames, stage_from_frames
+from qlora_supervise.supervisor.diagnosis._oom_rules import contention, derive, fragmentation
+from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
 from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode, FailureKind, Stage
 
 GIB, MIB = 1024**3, 1024**2
@@ -503,7 +503,7 @@ def test_nothing_known_is_other() -> None:
 
 
 def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "qlora_supervise.supervisor.cli", "classify", *args]
+    command = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "classify", *args]
     return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -552,7 +552,7 @@ def test_failure_json_dict_has_string_pids() -> None:
 def test_importing_the_classifier_does_not_import_torch() -> None:
     """The supervisor's classifier and CLI load without torch."""
     code = (
-        "import sys, qlora_supervise.supervisor.classify, qlora_supervise.supervisor.classify_cli; "
+        "import sys, qlora_supervise.supervisor.diagnosis.classify, qlora_supervise.supervisor.commands.classify; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qlora_supervise.supervisor.job import load_job
+from qlora_supervise.supervisor.jobfile.job import load_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from qlora_supervise.supervisor.gpu import GpuMonitor, GpuSample
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample
 
 GIB = 1024**3
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from qlora_supervise.supervisor.host import HostSample, sample_host, tree_rss
+from qlora_supervise.supervisor.watching.host import HostSample, sample_host, tree_rss
 
 
 def test_own_process_has_rss() -> None:

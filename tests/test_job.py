@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_supervise.supervisor.job import FILE_PATH, Job, JobError, load_job, validate_command
+from qlora_supervise.supervisor.jobfile.job import FILE_PATH, Job, JobError, load_job, validate_command
 from qlora_supervise.trainer_child.protocol import AttemptSpec, FailureKind, Knobs
 
 MODEL = "model: {path: ./model}\n"
@@ -535,7 +535,7 @@ def test_validate_command_prints_a_summary(job_dir: Path, capsys: pytest.Capture
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "qlora_supervise.supervisor.cli", *args]
+    command = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -560,7 +560,7 @@ def test_validate_cli_ok_and_missing_file(job_dir: Path) -> None:
 def test_job_module_does_not_import_heavy_libraries() -> None:
     """Loading and validating jobs pulls in neither torch nor transformers, datasets or peft."""
     code = (
-        "import sys, qlora_supervise.supervisor.job as j, qlora_supervise.supervisor.units;"
+        "import sys, qlora_supervise.supervisor.jobfile.job as j, qlora_supervise.supervisor.jobfile.units;"
         "bad = [m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules];"
         "print(bad); sys.exit(bool(bad))"
     )

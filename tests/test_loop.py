@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from qlora_supervise.supervisor.eventlog import read_events
-from qlora_supervise.supervisor.journal import read_attempts, read_state
-from qlora_supervise.supervisor.run import run_job
+from qlora_supervise.supervisor.commands.run import run_job
+from qlora_supervise.supervisor.record.eventlog import read_events
+from qlora_supervise.supervisor.record.journal import read_attempts, read_state
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_scripted import FakeGpu, scripted_seams
@@ -253,7 +253,7 @@ def test_status_tells_the_retry_story(tmp_path: Path) -> None:
     """`qlora-supervise status` prints each attempt's config, failure, change and lost steps."""
     assert _run(_job(tmp_path, {"1": "oom_backward@3"})) == 0
     out = subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "status", str(tmp_path / "run")],
+        [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "status", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         check=True,
@@ -268,7 +268,7 @@ def test_status_tells_the_retry_story(tmp_path: Path) -> None:
 def test_status_of_a_directory_that_is_no_run_fails_clearly(tmp_path: Path) -> None:
     """`status` on a directory without a journal exits 2 and names the problem."""
     out = subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "status", str(tmp_path)],
+        [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "status", str(tmp_path)],
         capture_output=True,
         text=True,
         check=False,
@@ -341,7 +341,7 @@ def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> N
     journal = tmp_path / "run" / "attempts.jsonl"
     first = journal.read_text().splitlines()[0]
     journal.write_text(first + "\n" + first[: len(first) // 2])  # attempt 2's line torn mid-write
-    from qlora_supervise.supervisor.journal import AttemptRecord, append_attempt
+    from qlora_supervise.supervisor.record.journal import AttemptRecord, append_attempt
 
     append_attempt(journal, AttemptRecord(**{**json.loads(first), "attempt": 3}))
     records, bad = read_attempts(journal)
@@ -350,7 +350,7 @@ def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> N
 
 def test_pids_running_finds_a_child_by_its_spec_path(tmp_path: Path) -> None:
     """An orphan whose pid was never recorded is found by the spec path on its command line."""
-    from qlora_supervise.supervisor.child import pids_running
+    from qlora_supervise.supervisor.loop.child import pids_running
 
     marker = str(tmp_path / "attempt-007" / "spec.json")
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])

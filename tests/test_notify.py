@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_supervise.supervisor import notify
+from qlora_supervise.supervisor.reporting import notify
 
 
 @pytest.fixture

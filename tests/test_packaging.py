@@ -38,7 +38,9 @@ def test_wheel_installs_under_the_namespace_only(tmp_path: Path) -> None:
         assert f"qlora_supervise/{package}/__init__.py" in names
     assert "qlora_supervise/trainer_child/protocol.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "qlora_supervise.supervisor.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert (
+        "qlora_supervise.supervisor.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    )
 
 
 def test_supervisor_does_not_import_torch() -> None:
@@ -63,7 +65,7 @@ def test_supervisor_does_not_import_torch() -> None:
 def test_help_documents_exit_codes() -> None:
     """`qlora-supervise run --help` lists the exit codes."""
     out = subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--help"],
+        [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "run", "--help"],
         capture_output=True,
         text=True,
         check=True,

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from qlora_supervise.supervisor.eventlog import read_events
-from qlora_supervise.supervisor.journal import read_attempts
-from qlora_supervise.supervisor.run import run_job
+from qlora_supervise.supervisor.commands.run import run_job
+from qlora_supervise.supervisor.record.eventlog import read_events
+from qlora_supervise.supervisor.record.journal import read_attempts
 
 pytestmark = pytest.mark.slow
 CAP = "1350MiB"
@@ -111,7 +111,7 @@ def test_supervisor_sigkill_then_same_command_finishes_without_repeating_failed_
 ) -> None:
     """SIGKILL of the supervisor mid-attempt, then the same command: it finishes, no failed config reruns."""
     job = _job(tiny_dir, tmp_path)
-    command = [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--plain", str(job)]
+    command = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "run", "--plain", str(job)]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     second = tmp_path / "run" / "attempt-002" / "child-events.jsonl"
     try:
@@ -136,7 +136,7 @@ def test_target_modules_matching_nothing_stops_with_exit_4(tiny_dir: Path, tmp_p
     raw["lora"]["target_modules"] = ["query_key_value"]
     job.write_text(yaml.safe_dump(raw))
     out = subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.supervisor.cli", "run", "--plain", str(job)],
+        [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "run", "--plain", str(job)],
         capture_output=True,
         text=True,
         env=dict(os.environ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
-from qlora_supervise.supervisor.loop import Seams
+from qlora_supervise.supervisor.loop.arbiter import Seams
 
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
 

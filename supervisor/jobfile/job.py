@@ -41,8 +41,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from qlora_supervise.policies.rungs import RUNG_NAMES
-from qlora_supervise.supervisor import _data_fields
-from qlora_supervise.supervisor.units import (
+from qlora_supervise.supervisor.jobfile import _data_fields
+from qlora_supervise.supervisor.jobfile.units import (
     BYTES_HELP,
     DURATION_HELP,
     UnitError,

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.supervisor.failure import Failure
-from qlora_supervise.supervisor.journal import AttemptRecord, knobs_from_record
+from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.record.journal import AttemptRecord, knobs_from_record
 from qlora_supervise.trainer_child.protocol import ErrorReport, FailureKind
 
 

@@ -24,18 +24,15 @@ from typing import Any, TextIO
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.supervisor import child as child_mod
-from qlora_supervise.supervisor import notify
-from qlora_supervise.supervisor.cgroup import oom_kill_count
-from qlora_supervise.supervisor.classify import classify_exit
-from qlora_supervise.supervisor.console import ProgressDisplay
+from qlora_supervise.supervisor.diagnosis.classify import classify_exit
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
-from qlora_supervise.supervisor.failure import ChildExit, Failure
-from qlora_supervise.supervisor.gpu import GpuMonitor
-from qlora_supervise.supervisor.heartbeats import HeartbeatReader
-from qlora_supervise.supervisor.history import decision_entry, failure_entry, policy_history, story
-from qlora_supervise.supervisor.job import Job
-from qlora_supervise.supervisor.journal import (
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.resume import ResumePoint, resume_point
+from qlora_supervise.supervisor.loop.waiting import backoff_seconds, bytes_needed, wait_for_free_memory
+from qlora_supervise.supervisor.record.history import decision_entry, failure_entry, policy_history, story
+from qlora_supervise.supervisor.record.journal import (
     AttemptFacts,
     AttemptRecord,
     InFlight,
@@ -47,10 +44,13 @@ from qlora_supervise.supervisor.journal import (
     read_state,
     write_state,
 )
-from qlora_supervise.supervisor.resume import ResumePoint, resume_point
-from qlora_supervise.supervisor.rundir import RunDir
-from qlora_supervise.supervisor.waiting import backoff_seconds, bytes_needed, wait_for_free_memory
-from qlora_supervise.supervisor.watch import Watched, hung, sample_memory
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.reporting import notify
+from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.protocol import (
     AttemptSpec,
     ErrorReport,

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.supervisor.classify import classify_text
-from qlora_supervise.supervisor.failure import Failure
+from qlora_supervise.supervisor.diagnosis.classify import classify_text
+from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.trainer_child.oom_message import parse_numbers
 
 # (key, label) in the order a person reads an OOM message.

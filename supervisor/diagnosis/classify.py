@@ -37,9 +37,9 @@ import signal as signals
 from collections.abc import Mapping
 from typing import Any
 
-from qlora_supervise.supervisor import _oom_rules, _signatures
-from qlora_supervise.supervisor._frames import StageFinding, parse_frames, stage_from_frames
-from qlora_supervise.supervisor.failure import ChildExit, Failure
+from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures
+from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
 from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
 from qlora_supervise.trainer_child.protocol import (
     OOM_KIND_BY_STAGE,

@@ -9,12 +9,12 @@ from typing import Any, TextIO
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.memory_model import ModelShape
-from qlora_supervise.supervisor import notify
-from qlora_supervise.supervisor.eventlog import open_event_log
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.job import Job, JobError, load_job
-from qlora_supervise.supervisor.loop import Seams, Supervisor
-from qlora_supervise.supervisor.rundir import RunDir
+from qlora_supervise.supervisor.jobfile.job import Job, JobError, load_job
+from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
+from qlora_supervise.supervisor.record.eventlog import open_event_log
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.trainer_child.protocol import write_text_atomic
 
 

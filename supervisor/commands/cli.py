@@ -73,27 +73,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     # Imports are local so that each command loads only what it uses.
     if args.command == "run":
-        from qlora_supervise.supervisor.run import run_job
+        from qlora_supervise.supervisor.commands.run import run_job
 
         return run_job(args.job, plain=args.plain)
     if args.command == "validate":
-        from qlora_supervise.supervisor.job import validate_command
+        from qlora_supervise.supervisor.jobfile.job import validate_command
 
         return validate_command(args.job)
     if args.command == "classify":
-        from qlora_supervise.supervisor.classify_cli import classify_command
+        from qlora_supervise.supervisor.commands.classify import classify_command
 
         return classify_command(args.file, as_json=args.json)
     if args.command == "make-tiny":
-        from qlora_supervise.supervisor.demo import make_tiny_command
+        from qlora_supervise.supervisor.commands.demo import make_tiny_command
 
         return make_tiny_command(args.dir)
     if args.command == "demo":
-        from qlora_supervise.supervisor.demo import demo_command
+        from qlora_supervise.supervisor.commands.demo import demo_command
 
         return demo_command(args.dir)
     if args.command == "status":
-        from qlora_supervise.supervisor.status import status_command
+        from qlora_supervise.supervisor.commands.status import status_command
 
         return status_command(args.output_dir)
     raise AssertionError(f"unhandled command {args.command}")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import psutil
 
-from qlora_supervise.supervisor.gpu import GpuMonitor, GpuSample
-from qlora_supervise.supervisor.heartbeats import Progress
-from qlora_supervise.supervisor.host import sample_host
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample
+from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.host import sample_host
 
 
 @dataclass

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
+from qlora_supervise.supervisor.commands.status import print_story
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.rundir import RunDir
-from qlora_supervise.supervisor.status import print_story
+from qlora_supervise.supervisor.record.rundir import RunDir
 
 #: The demo's first config: micro-batch 16 without gradient checkpointing needs about
 #: 1.7 GiB of data segment on the tiny model at seq 512 (logits and trl's chunked log-prob
@@ -69,7 +69,7 @@ def demo_command(directory: str) -> int:
     cap = f"gpu_memory_limit {DEMO_GPU_CAP}" if on_gpu else f"cpu_memory_limit {cpu_cap}"
     print(f"supervising {job_path} ({cap}: the first config will not fit)", file=sys.stderr, flush=True)
 
-    from qlora_supervise.supervisor.run import run_job
+    from qlora_supervise.supervisor.commands.run import run_job
 
     code = run_job(str(job_path))
     print("\n--- the retry story (qlora-supervise status) ---", flush=True)
@@ -79,7 +79,7 @@ def demo_command(directory: str) -> int:
 
 def _gpu_present() -> bool:
     """A GPU NVML can see: the demo then caps GPU memory instead of the CPU data segment."""
-    from qlora_supervise.supervisor.gpu import GpuMonitor
+    from qlora_supervise.supervisor.watching.gpu import GpuMonitor
 
     monitor = GpuMonitor.open("auto")
     if monitor is None:

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.journal import AttemptRecord, read_attempts, read_state
-from qlora_supervise.supervisor.rundir import RunDir
-from qlora_supervise.supervisor.units import format_bytes
+from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts, read_state
+from qlora_supervise.supervisor.record.rundir import RunDir
 
 
 def status_command(output_dir: str, out: TextIO = sys.stdout) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from qlora_supervise.supervisor.heartbeats import Progress
-from qlora_supervise.supervisor.units import format_bytes
+from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.watching.heartbeats import Progress
 
 _BAR_WIDTH = 24
 

@@ -1,0 +1,3 @@
+"""The commands people type: ``run``, ``status``, ``validate``, ``classify``, ``demo`` and the CLI that
+dispatches them.
+"""

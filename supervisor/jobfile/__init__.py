@@ -1,0 +1,3 @@
+"""The job file: its schema (validated once into the specs the child gets), units, world checks and the
+data probe.
+"""

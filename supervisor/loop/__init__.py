@@ -1,0 +1,3 @@
+"""The loop and its parts: the state machine, the attempt runner, reclaim, the planner, waiting and the
+child process.
+"""
