@@ -7,11 +7,13 @@ Order of the rules (first match wins):
 3. ``max_no_progress`` restarts in a row trained no step without any config change between
    them -> GiveUp (crash loop: the same thing failing again at once, e.g. memory that keeps
    being taken by another process, or a retried transient error that is not transient)
-4. contention, the job does not allow degrading, and no wait timed out yet -> Wait
+4. contention, the job does not allow degrading: no wait yet -> Wait(seconds, needed_bytes);
+   after the loop reports the wait (:class:`WaitResult`): the memory came back, or NVML gave
+   no reading to wait on -> Restart unchanged; the wait timed out -> GiveUp
 5. hang / nccl / other -> Restart unchanged once; the same failure again -> GiveUp
 6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
    failed the same way, and results a calibrated memory model says cannot fit (their change is
-   kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted
+   kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class FailureLike(Protocol):
 
     @property
     def stage(self) -> Stage: ...
+
+    @property
+    def numbers(self) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,20 @@ class Restart:
 
 @dataclass(frozen=True)
 class Wait:
+    """Wait up to ``seconds`` for ``needed_bytes`` of GPU memory to be free, then ask again."""
+
     seconds: float
+    needed_bytes: int
     why: str
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    """What the loop saw while carrying out a :class:`Wait`: the last free reading (None: no NVML)."""
+
+    free_bytes: int | None
+    waited_s: float
+    stopped: bool = False  # a stop signal ended the wait: no verdict (the loop stops the run)
 
 
 @dataclass(frozen=True)
@@ -94,7 +111,7 @@ def decide(
     knobs: Knobs,
     history: Sequence[PastAttempt],
     settings: Settings,
-    contention_timed_out: bool = False,
+    waited: WaitResult | None = None,
     phase: str = "train",
 ) -> Decision:
     """What to do after ``failure`` of an attempt that ran with ``knobs``.
@@ -117,17 +134,35 @@ def decide(
             "(crash loop); see attempts.jsonl"
         )
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
-        if contention_timed_out:
-            return GiveUp(
-                f"other processes kept the GPU memory for {settings.contention_wait_s:.0f}s "
-                "and supervise.degrade_on_contention is false"
-            )
-        return Wait(settings.contention_wait_s, "other processes hold the GPU memory this job needs")
+        return _after_contention(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
         return _retry_unchanged(kind, knobs, history)
     if phase == "merge" and kind.is_oom:
         return _climb(_MergeFailure(), knobs, history, settings)
     return _climb(failure, knobs, history, settings)
+
+
+def bytes_needed(numbers: Mapping[str, Any]) -> int:
+    """What the failed process held plus what it asked for: the memory it needs to get past."""
+    held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
+    return int(held) + int(numbers.get("tried_to_allocate") or 0)
+
+
+def _after_contention(
+    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
+) -> Decision:
+    needed = bytes_needed(failure.numbers)
+    if waited is None:
+        return Wait(settings.contention_wait_s, needed, "other processes hold the GPU memory this job needs")
+    if waited.free_bytes is None:
+        why = "no NVML reading to wait on: retry the same config after the backoff"
+        return Restart(knobs, "wait_for_memory", {}, why, Survives.ALL)
+    if waited.free_bytes >= needed:
+        return Restart(knobs, "wait_for_memory", {}, "the other processes released the memory", Survives.ALL)
+    return GiveUp(
+        f"other processes kept the GPU memory for {settings.contention_wait_s:.0f}s "
+        "and supervise.degrade_on_contention is false"
+    )
 
 
 @dataclass(frozen=True)
@@ -136,6 +171,7 @@ class _MergeFailure:
 
     kind: FailureKind = FailureKind.OOM_MERGE
     stage: Stage = Stage.MERGE
+    numbers: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _no_progress_streak(history: Sequence[PastAttempt]) -> int:

@@ -16,7 +16,7 @@ from qlora_supervise.supervisor.commands.classify import classify_command, forma
 from qlora_supervise.supervisor.diagnosis._frames import Frame, frame_stage, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis._oom_rules import contention, derive, fragmentation
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode, FailureKind, Stage
 
 GIB, MIB = 1024**3, 1024**2
@@ -395,7 +395,7 @@ SIGKILLED = ChildExit(
 
 def test_hang_kill_wins_over_everything() -> None:
     """A child the supervisor killed for hanging is a hang, whatever its report says."""
-    hung = ChildExit(returncode=-9, signal=9, killed_by_supervisor="hang", duration_s=900.0)
+    hung = ChildExit(returncode=-9, signal=9, killed_by_supervisor=KilledBy.HANG, duration_s=900.0)
     assert classify_exit(hung, report(), "Killed", cgroup_oom_kills=1).kind is K.HANG
 
 

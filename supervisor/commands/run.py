@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import Any, TextIO
 
-from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job, JobError, load_job
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
+from qlora_supervise.supervisor.loop.settings import policy_settings
 from qlora_supervise.supervisor.record.eventlog import open_event_log
+from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.trainer_child.protocol import write_text_atomic
@@ -61,29 +59,5 @@ def _keep_job_copy(run_dir: RunDir, job: Job, log: Any) -> None:
         # The first submission stays beside the new one so the journal's early attempts stay explained.
         keep = run_dir.root / "job.previous.yaml"
         write_text_atomic(keep, previous)
-        log.warning("job_changed", kept_previous=str(keep))
+        log.warning(Event.JOB_CHANGED, kept_previous=str(keep))
     write_text_atomic(run_dir.job_copy, job.raw_text)
-
-
-def policy_settings(job: Job) -> policy.Settings:
-    """The policy's view of the job: budgets, fallbacks, overrides, and the model's shape."""
-    budget = job.gpu_memory_limit_bytes
-    if budget is None and job.device == "cpu":
-        budget = job.cpu_memory_limit_bytes
-    return policy.Settings(
-        max_attempts=job.supervise.max_attempts,
-        max_no_progress=job.supervise.max_no_progress_attempts,
-        degrade_on_contention=job.supervise.degrade_on_contention,
-        contention_wait_s=job.contention_wait_s,
-        fallbacks=job.fallback_models,
-        overrides=job.ladder_overrides(),
-        budget_bytes=budget,
-        shape=_model_shape(Path(job.first_knobs().model)),
-    )
-
-
-def _model_shape(model_dir: Path) -> ModelShape | None:
-    try:
-        return ModelShape.from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return None

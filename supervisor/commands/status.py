@@ -8,7 +8,8 @@ from typing import TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
-from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts, read_state
+from qlora_supervise.supervisor.record.journal import read_attempts, read_state
+from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 
 
@@ -45,32 +46,30 @@ def describe(r: AttemptRecord) -> list[str]:
     """A few lines per attempt: config, outcome, failure, decision, progress kept."""
     k = r.knobs
     config = (
-        f"micro_batch {k['micro_batch_size']} x accum {k['grad_accum']}, seq_len {k['max_seq_len']}, "
-        f"grad_ckpt {'on' if k['gradient_checkpointing'] else 'off'}, {k['optimizer']}, r {k['lora_r']}"
+        f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}, seq_len {k.max_seq_len}, "
+        f"grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
     )
-    lines = [f"attempt {r.attempt} [{r.phase}] {r.outcome}: steps {r.resumed_from} -> {r.steps_completed}"]
+    steps = f"steps {r.resumed_from} -> {r.steps_completed}"
+    lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
     lines.append(f"  config: {config}")
-    peak = r.peak_memory.get("gpu_process") or r.peak_memory.get("child_peak") or r.peak_memory.get("rss")
-    if peak:
-        lines.append(f"  peak memory: {format_bytes(int(peak))}")
+    if r.peak:
+        lines.append(f"  peak memory: {format_bytes(r.peak.bytes)} ({r.peak.source.value})")
     if r.failure:
         f = r.failure
-        lines.append(f"  failed: {f['kind']} in {f['stage']} - {f['evidence']}")
-        if f.get("numbers"):
-            nums = ", ".join(f"{key} {_fmt(value)}" for key, value in f["numbers"].items())
+        lines.append(f"  failed: {f.kind.value} in {f.stage.value} - {f.evidence}")
+        if f.numbers:
+            nums = ", ".join(f"{key} {_fmt(value)}" for key, value in f.numbers.items())
             lines.append(f"  numbers: {nums}")
-    d = r.decision or {}
-    if d.get("action") == "restart":
-        changes = (
-            ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d["changes"].items()) or "no change"
-        )
-        lines.append(f"  retry: {d['rung']}: {changes} ({d['why']})")
+    d = r.decision
+    if d is not None and r.restarts:
+        changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d.changes.items()) or "no change"
+        lines.append(f"  retry: {d.rung}: {changes} ({d.why})")
         lines.append(
-            f"  progress kept: {d['survives']}; next attempt resumes at step {r.next_resume_from}, "
+            f"  progress kept: {d.survives.value}; next attempt resumes at step {r.next_resume_from}, "
             f"lost {r.lost_steps} step(s)"
         )
-    elif d.get("action") == "give_up":
-        lines.append(f"  gave up: {d['why']}")
+    elif d is not None:
+        lines.append(f"  gave up: {d.why}")
     return lines
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
 from qlora_supervise.trainer_child.protocol import (
     OOM_KIND_BY_STAGE,
@@ -101,7 +101,7 @@ def classify_exit(
     gpu_total_bytes: int | None = None,
 ) -> Failure:
     """Classify how our child ended; precedence in the module docstring."""
-    if exit.killed_by_supervisor == "hang":
+    if exit.killed_by_supervisor is KilledBy.HANG:
         return Failure(FailureKind.HANG, Stage.UNKNOWN, {}, "supervisor: no progress before the timeout")
     if report is not None:
         return _from_report(report, gpu_others_bytes, gpu_total_bytes)
@@ -109,7 +109,7 @@ def classify_exit(
     if from_status is not None:
         return from_status
     if exit.killed_by_supervisor is not None:
-        why = f"supervisor stopped the child ({exit.killed_by_supervisor}); no error report"
+        why = f"supervisor stopped the child ({exit.killed_by_supervisor.value}); no error report"
         return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
     return _from_stderr(exit, stderr_tail, gpu_others_bytes, gpu_total_bytes)
 

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.trainer_child.protocol import FailureKind, Stage
+
+
+class KilledBy(str, enum.Enum):
+    """Why the supervisor ended a child that had not exited on its own."""
+
+    HANG = "hang"
+    STOP = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,13 +22,13 @@ class ChildExit:
     """How a child process ended, as the supervisor saw it.
 
     ``returncode`` is None only while unknown; ``signal`` is set when a signal ended it (the
-    number, e.g. 9 for SIGKILL). ``killed_by_supervisor`` says why the supervisor stopped it
-    ("hang", "stop"), None when the child ended on its own.
+    number, e.g. 9 for SIGKILL). ``killed_by_supervisor`` says why the supervisor stopped it,
+    None when the child ended on its own.
     """
 
     returncode: int | None
     signal: int | None = None
-    killed_by_supervisor: str | None = None
+    killed_by_supervisor: KilledBy | None = None
     duration_s: float = 0.0
 
 

@@ -1,16 +1,16 @@
 """The supervisor's structured log: JSON lines in ``events.jsonl``, readable lines on the console.
 
-Event names are stable (people and tools rely on them): ``run_started``, ``run_resumed``,
-``attempt_started``, ``child_exited``, ``failure_classified``, ``retry``,
-``waiting_for_memory``, ``memory_available``, ``hang_detected``, ``stop_requested``,
-``stopped``, ``gave_up``, ``run_succeeded``, ``journal_line_unreadable``, ``report_unreadable``.
+Each line is one JSON object: ``{"event": <name>, "level": "info", "time": <epoch seconds>,
+...fields}``. Event names come from one vocabulary, :class:`~.events.Event`. structlog does the
+work as its authors mean it: ``bind()`` carries context (``attempt=3``) onto every later line,
+``TimeStamper`` stamps, ``JSONRenderer`` writes the file line and ``ConsoleRenderer`` the
+person's line; the last processor tees the two.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,10 +25,11 @@ class _Tee:
         events_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = events_path.open("a", encoding="utf-8")
         self._console = console
+        self._json = structlog.processors.JSONRenderer(default=str)
         self._render = structlog.dev.ConsoleRenderer(colors=bool(console and console.isatty()))
 
     def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
-        self._file.write(json.dumps(dict(event_dict), default=str, sort_keys=False) + "\n")
+        self._file.write(str(self._json(logger, method, dict(event_dict))) + "\n")
         self._file.flush()
         if self._console is None:
             return ""
@@ -54,17 +55,16 @@ class _Console:
     info = warning = error = msg
 
 
-def _timestamp(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    event_dict["time"] = round(time.time(), 3)
-    return event_dict
-
-
 def open_event_log(events_path: Path, console: TextIO | None = sys.stderr) -> Any:
     """A structlog logger bound to this run's events file (and the console when given)."""
     tee = _Tee(events_path, console)
     return structlog.wrap_logger(
         _Console(console),
-        processors=[structlog.processors.add_log_level, _timestamp, tee],
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt=None, key="time"),
+            tee,
+        ],
         wrapper_class=structlog.BoundLogger,
     )
 

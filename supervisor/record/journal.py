@@ -16,10 +16,11 @@ import enum
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
 from qlora_supervise.trainer_child.protocol import Knobs, fsync_dir, write_text_atomic
 
 
@@ -48,7 +49,7 @@ class InFlight:
     """The attempt that is running (or was, when the supervisor died)."""
 
     number: int
-    phase: str  # "train" or "merge"
+    phase: Phase
     knobs: Knobs
     resumed_from: int
     pid: int | None
@@ -59,7 +60,7 @@ class InFlight:
 class State:
     run_state: RunState
     knobs: Knobs  # the knobs the next (or current) attempt runs with
-    phase: str = "train"
+    phase: Phase = Phase.TRAIN
     in_flight: InFlight | None = None
     reset_optimizer: bool = False  # the next attempt starts the optimizer afresh
     fresh_start: bool = False  # the next attempt must not resume (adapter shape changed)
@@ -74,79 +75,15 @@ class State:
         return cls(
             run_state=RunState(raw["run_state"]),
             knobs=Knobs(**raw["knobs"]),
-            phase=raw.get("phase", "train"),
-            in_flight=InFlight(**{**flight, "knobs": Knobs(**flight["knobs"])}) if flight else None,
+            phase=Phase(raw.get("phase", "train")),
+            in_flight=InFlight(
+                **{**flight, "knobs": Knobs(**flight["knobs"]), "phase": Phase(flight["phase"])}
+            )
+            if flight
+            else None,
             reset_optimizer=bool(raw.get("reset_optimizer", False)),
             fresh_start=bool(raw.get("fresh_start", False)),
             note=str(raw.get("note", "")),
-        )
-
-
-@dataclass(frozen=True)
-class AttemptFacts:
-    """What is known of an attempt when it ends, before the policy has had its say."""
-
-    attempt: int
-    phase: str
-    knobs: Mapping[str, Any]
-    started_at: float
-    ended_at: float
-    exit_code: int | None
-    signal: int | None
-    resumed_from: int
-    steps_completed: int
-    peak_memory: Mapping[str, int | None] = field(default_factory=dict)
-
-    @property
-    def steps_progressed(self) -> int:
-        return max(0, self.steps_completed - self.resumed_from)
-
-
-@dataclass(frozen=True)
-class AttemptRecord:
-    """One line of ``attempts.jsonl``: a finished attempt, its failure and the decision taken."""
-
-    attempt: int
-    phase: str
-    knobs: Mapping[str, Any]
-    outcome: str  # "succeeded", "failed", "stopped", "interrupted"
-    started_at: float
-    ended_at: float
-    exit_code: int | None
-    signal: int | None
-    resumed_from: int
-    steps_completed: int  # the last optimizer step this attempt finished
-    next_resume_from: int | None  # where the next attempt starts (None: no next attempt)
-    lost_steps: int
-    peak_memory: Mapping[str, int | None] = field(default_factory=dict)
-    failure: Mapping[str, Any] | None = None  # kind, stage, numbers, evidence, message
-    decision: Mapping[str, Any] | None = None  # action, rung, changes, why, survives
-
-    @property
-    def steps_progressed(self) -> int:
-        return max(0, self.steps_completed - self.resumed_from)
-
-    def to_line(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str) + "\n"
-
-    @classmethod
-    def from_facts(
-        cls,
-        facts: AttemptFacts,
-        outcome: str,
-        next_resume_from: int | None,
-        failure: Mapping[str, Any] | None = None,
-        decision: Mapping[str, Any] | None = None,
-    ) -> AttemptRecord:
-        """The journal line; lost steps are the finished steps the next attempt will not start from."""
-        lost = max(0, facts.steps_completed - next_resume_from) if next_resume_from is not None else 0
-        return cls(
-            **dataclasses.asdict(facts),
-            outcome=outcome,
-            next_resume_from=next_resume_from,
-            lost_steps=lost,
-            failure=failure,
-            decision=decision,
         )
 
 
@@ -193,13 +130,10 @@ def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
         if not line.strip():
             continue
         try:
-            record = AttemptRecord(**json.loads(line))
-            knobs_from_record(record)  # a line whose knobs this version cannot read is unreadable
-            records.append(record)
-        except (ValueError, TypeError, AttributeError):
+            raw = json.loads(line)
+            if not isinstance(raw, dict) or int(raw.get("version", 1)) > JOURNAL_VERSION:
+                raise ValueError("not a journal line of this version")
+            records.append(AttemptRecord.from_json(raw))
+        except (ValueError, TypeError, KeyError, AttributeError):
             bad += 1
     return records, bad
-
-
-def knobs_from_record(record: AttemptRecord) -> Knobs:
-    return Knobs(**record.knobs)

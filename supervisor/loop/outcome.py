@@ -1,0 +1,147 @@
+"""What an ended attempt showed, and the one path that turns it into a verdict and a record.
+
+Both ways an attempt ends meet here: the runner watched the child exit, or the reclaim found
+an attempt in flight after the supervisor itself died. Each builds an :class:`AttemptOutcome`;
+:func:`judge` classifies it the same way for both, and :func:`record_of` writes the journal
+line, peak included, by one rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qlora_supervise.supervisor.diagnosis.classify import classify_exit
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
+from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.record.records import (
+    AttemptRecord,
+    DecisionRecord,
+    FailureRecord,
+    Outcome,
+    attempt_peak,
+)
+from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode
+
+
+@dataclass(frozen=True)
+class MemorySeen:
+    """What the supervisor sampled while the attempt ran (None: no reading)."""
+
+    nvml_peak: int | None = None
+    gpu_others_at_end: int | None = None
+    gpu_total: int | None = None
+    rss_peak: int | None = None
+
+
+@dataclass(frozen=True)
+class AttemptOutcome:
+    """An ended attempt, before any verdict. ``exit`` is None when nobody saw the child exit."""
+
+    number: int
+    plan: Plan
+    exit: ChildExit | None
+    progress: Progress
+    report: ErrorReport | None
+    memory: MemorySeen
+    resumed_from: int
+    started_at: float
+    ended_at: float
+    log_tail: str
+    oom_kill_delta: int = 0
+
+    @property
+    def steps_completed(self) -> int:
+        return max(self.progress.step, self.report.step if self.report else 0, self.resumed_from)
+
+
+def failed_report(report: ErrorReport | None) -> bool:
+    """A report of a real failure (not of the graceful stop we asked for)."""
+    return report is not None and report.exit_code not in (ExitCode.OK, ExitCode.STOPPED)
+
+
+def judge(o: AttemptOutcome, phase_done: bool) -> Outcome | Failure:
+    """Succeeded, stopped, interrupted (no verdict on the config), or a classified failure."""
+    exit_ = o.exit
+    if exit_ is None:
+        if failed_report(o.report):
+            assert o.report is not None
+            # The child failed while nobody watched: classify it as if we had seen it exit.
+            return classify_exit(ChildExit(o.report.exit_code, None, None, 0.0), o.report, o.log_tail)
+        return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
+    # A child stopped for a hang also exits STOPPED (it checkpoints on SIGTERM): that is a hang.
+    ours = exit_.killed_by_supervisor is KilledBy.STOP and not failed_report(o.report)
+    if ours or (exit_.killed_by_supervisor is None and exit_.returncode == ExitCode.STOPPED):
+        return Outcome.STOPPED
+    if exit_.returncode == 0 and phase_done:
+        return Outcome.SUCCEEDED
+    return classify_exit(
+        exit_,
+        o.report,
+        o.log_tail,
+        cgroup_oom_kills=o.oom_kill_delta,
+        gpu_others_bytes=o.memory.gpu_others_at_end,
+        gpu_total_bytes=o.memory.gpu_total,
+    )
+
+
+def failure_record(failure: Failure, report: ErrorReport | None) -> FailureRecord:
+    return FailureRecord(
+        failure.kind,
+        failure.stage,
+        dict(failure.numbers),
+        failure.evidence,
+        failure.message[:2000],
+        report.emergency_checkpoint if report else None,
+        report.expandable_segments_active if report else None,
+    )
+
+
+def record_of(
+    o: AttemptOutcome,
+    outcome: Outcome,
+    next_resume_from: int | None,
+    failure: FailureRecord | None = None,
+    decision: DecisionRecord | None = None,
+) -> AttemptRecord:
+    """The journal line; lost steps are the finished steps the next attempt will not start from."""
+    steps = o.steps_completed
+    lost = max(0, steps - next_resume_from) if next_resume_from is not None else 0
+    return AttemptRecord(
+        attempt=o.number,
+        phase=o.plan.phase,
+        knobs=o.plan.knobs,
+        outcome=outcome,
+        started_at=o.started_at,
+        ended_at=o.ended_at,
+        exit_code=o.exit.returncode if o.exit else (o.report.exit_code if o.report else None),
+        signal=o.exit.signal if o.exit else None,
+        resumed_from=o.resumed_from,
+        steps_completed=steps,
+        next_resume_from=next_resume_from,
+        lost_steps=lost,
+        peak=attempt_peak(
+            _report_peak(o.report),
+            _oom_need(o.report),
+            o.progress.peak_bytes,
+            o.memory.nvml_peak,
+            o.memory.rss_peak,
+        ),
+        failure=failure,
+        decision=decision,
+    )
+
+
+def _report_peak(report: ErrorReport | None) -> int | None:
+    stats = report.memory_stats if report and report.memory_stats else {}
+    peak = stats.get("allocated_bytes.all.peak")
+    return peak if isinstance(peak, int) else None
+
+
+def _oom_need(report: ErrorReport | None) -> int | None:
+    # "X is allocated by PyTorch" plus the request that failed: what the step needed at least.
+    numbers = report.oom_numbers if report else {}
+    held, asked = numbers.get("already_allocated"), numbers.get("tried_to_allocate")
+    if isinstance(held, int) and isinstance(asked, int):
+        return held + asked
+    return None

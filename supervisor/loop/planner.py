@@ -1,0 +1,68 @@
+"""The planner: what the next attempt runs, from the journal alone. Pure: no writes.
+
+no attempt yet                 -> train with the job's knobs
+last attempt stopped or was
+  interrupted (no verdict)     -> the same phase and knobs again
+last attempt succeeded         -> merge (when asked and not done yet) or the run's verdict
+last decision was a restart    -> its knobs; from step 0 when the adapter shape changed
+last decision was a give-up    -> the run's verdict (retryable or not)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
+from qlora_supervise.supervisor.record.journal import RunState
+from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase
+from qlora_supervise.trainer_child.protocol import Knobs
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the next attempt runs."""
+
+    phase: Phase
+    knobs: Knobs
+    fresh_start: bool = False  # the adapter's shape changed: old checkpoints cannot be loaded
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The run is over: the state to write and the exit code."""
+
+    run_state: RunState
+    exit_code: SupervisorExitCode
+    note: str
+    knobs: Knobs
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What the planner needs beyond the journal."""
+
+    first_knobs: Knobs
+    merge: bool  # the job asks for a merged model after training
+    merged_exists: bool
+
+
+def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verdict:
+    """The next attempt, or the verdict when there is none."""
+    if not records:
+        return Plan(Phase.TRAIN, facts.first_knobs)
+    last = records[-1]
+    if last.outcome in (Outcome.STOPPED, Outcome.INTERRUPTED):
+        return Plan(last.phase, last.knobs)
+    if last.outcome is Outcome.SUCCEEDED:
+        if last.phase is Phase.TRAIN and facts.merge and not facts.merged_exists:
+            return Plan(Phase.MERGE, last.knobs)
+        return Verdict(RunState.SUCCEEDED, SupervisorExitCode.FINISHED, "finished", last.knobs)
+    decision = last.decision
+    if decision is not None and decision.action is Action.RESTART and decision.knobs is not None:
+        return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
+    if decision is not None and not decision.retryable:
+        return Verdict(RunState.FAILED, SupervisorExitCode.NOT_RETRYABLE, decision.why, last.knobs)
+    why = decision.why if decision is not None else "the last attempt failed without a decision"
+    return Verdict(RunState.GAVE_UP, SupervisorExitCode.GAVE_UP, why, last.knobs)

@@ -1,0 +1,53 @@
+"""Reclaim: the attempt that was in flight when the supervisor itself died.
+
+Its child is found (by pid, or by the spec path on its command line when the pid was never
+recorded) and stopped, and what it left (heartbeats, error report, log) becomes an
+:class:`~.outcome.AttemptOutcome` with no exit status, judged by the same path as a watched one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
+from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.runner import read_report
+from qlora_supervise.supervisor.loop.seams import Seams
+from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.journal import InFlight
+from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.trainer_child.protocol import pid_alive
+
+
+def reclaim(
+    flight: InFlight, records: Sequence[AttemptRecord], rd: RunDir, seams: Seams, log: Any
+) -> AttemptOutcome | None:
+    """What the in-flight attempt left; None when the journal already holds its record."""
+    if any(r.attempt == flight.number for r in records):
+        return None  # its record was written; only state.json was stale
+    spec_path = rd.attempt_dir(flight.number) / "spec.json"
+    # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe,
+    # and finds the child when the supervisor died before it could record the pid.
+    pids = [flight.pid] if flight.pid else child_mod.pids_running(str(spec_path))
+    for pid in pids:
+        if str(spec_path) in child_mod.process_cmdline(pid) and pid_alive(pid):
+            log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
+            child_mod.stop_orphan(pid, seams.stop_grace_s, seams.clock, seams.sleep)
+    reader = HeartbeatReader(rd.attempt_dir(flight.number) / "child-events.jsonl")
+    reader.poll(seams.clock())
+    return AttemptOutcome(
+        number=flight.number,
+        plan=Plan(flight.phase, flight.knobs),
+        exit=None,
+        progress=reader.progress,
+        report=read_report(rd, flight.number, log),
+        memory=MemorySeen(),
+        resumed_from=flight.resumed_from,
+        started_at=flight.started_at,
+        ended_at=seams.wall(),
+        log_tail=child_mod.log_tail(rd.attempt_dir(flight.number) / "child.log"),
+    )

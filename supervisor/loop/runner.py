@@ -1,0 +1,233 @@
+"""The attempt runner: checkpoints chosen, spec written, child spawned, watched, ended.
+
+It returns an :class:`~.outcome.AttemptOutcome` and judges nothing: the arbiter does that,
+through the same path the reclaim uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
+from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.resume import ResumePoint, resume_point
+from qlora_supervise.supervisor.loop.seams import ChildHandle, GpuProbe, Seams
+from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, write_state
+from qlora_supervise.supervisor.record.records import Phase
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.reporting import notify
+from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
+from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, write_text_atomic
+
+
+@dataclasses.dataclass
+class RunnerContext:
+    """What the runner shares with the arbiter: its seams, log, GPU probe and stop flag."""
+
+    job: Job
+    rd: RunDir
+    seams: Seams
+    log: Any
+    display: ProgressDisplay
+    gpu: GpuProbe | None
+    stop_signal: Callable[[], int | None]
+    hup_seen: Callable[[], bool]
+    ping: Callable[[float], None]
+
+
+class AttemptRunner:
+    """Runs one attempt to its end and reports what it saw."""
+
+    def __init__(self, ctx: RunnerContext) -> None:
+        self.ctx = ctx
+
+    def run(self, number: int, plan: Plan) -> AttemptOutcome:
+        ctx, seams = self.ctx, self.ctx.seams
+        log = ctx.log.bind(attempt=number)
+        resume = self._prepare_checkpoints(number, plan, log)
+        spec = self._write_spec(number, plan, resume, log)
+        started_at = seams.wall()
+        attempt_dir = ctx.rd.attempt_dir(number)
+        argv = seams.argv(attempt_dir / "spec.json", plan.phase.value)
+        env = child_mod.child_env(dict(os.environ), plan.knobs)
+        kills_before = seams.oom_kills()
+        # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
+        # between leaves a state that names the attempt, so its child can be found and stopped.
+        flight = InFlight(number, plan.phase, plan.knobs, resume.step, None, started_at)
+        write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
+        proc = seams.spawn(argv, env, attempt_dir / "child.log", ctx.rd.root)
+        notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
+        write_state(
+            ctx.rd.state,
+            State(RunState.RUNNING, plan.knobs, plan.phase, dataclasses.replace(flight, pid=proc.pid)),
+        )
+        log.info(
+            Event.ATTEMPT_STARTED,
+            phase=plan.phase.value,
+            pid=proc.pid,
+            resumed_from=resume.step,
+            reset_optimizer=spec.reset_optimizer,
+            knobs=dataclasses.asdict(plan.knobs),
+            effective_batch=plan.knobs.effective_batch,
+        )
+        reader = HeartbeatReader(Path(spec.events_file))
+        watched = self._watch(number, proc, reader, spec, log)
+        exit_ = self._end(proc, watched)
+        # Read what the child wrote while it stopped: the step it finished after our SIGTERM
+        # and before its checkpoint counts (it would otherwise be missed by one).
+        reader.poll(seams.clock())
+        ctx.display.clear()
+        log.info(
+            Event.CHILD_EXITED,
+            exit_code=exit_.returncode,
+            signal=exit_.signal,
+            killed_by_supervisor=exit_.killed_by_supervisor,
+            duration_s=round(exit_.duration_s, 1),
+            step=reader.progress.step,
+        )
+        kills_after = seams.oom_kills()
+        return AttemptOutcome(
+            number=number,
+            plan=plan,
+            exit=exit_,
+            progress=reader.progress,
+            report=read_report(ctx.rd, number, ctx.log),
+            memory=MemorySeen(
+                watched.gpu_peak_process, watched.gpu_others_at_end, watched.gpu_total, watched.rss_peak
+            ),
+            resumed_from=resume.step,
+            started_at=started_at,
+            ended_at=seams.wall(),
+            log_tail=child_mod.log_tail(attempt_dir / "child.log"),
+            oom_kill_delta=(kills_after or 0) - (kills_before or 0),
+        )
+
+    def _end(self, proc: ChildHandle, watched: Watched) -> ChildExit:
+        seams = self.ctx.seams
+        killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
+        code = proc.poll() if killed is None else None
+        if code is None:
+            code = proc.stop(seams.stop_grace_s, seams.sleep)
+        return ChildExit(
+            returncode=code if code >= 0 else None,
+            signal=-code if code < 0 else None,
+            killed_by_supervisor=killed,
+            duration_s=seams.clock() - proc.started_monotonic,
+        )
+
+    def _prepare_checkpoints(self, number: int, plan: Plan, log: Any) -> ResumePoint:
+        """Resume point of the next attempt: the newest complete checkpoint its knobs can load."""
+        rd = self.ctx.rd
+        if plan.phase is Phase.MERGE:
+            return ResumePoint(0, None, False)
+        if plan.fresh_start and rd.checkpoints.exists():
+            # Old checkpoints hold an adapter of another shape: keep them for the user, out of the way.
+            target = rd.superseded_checkpoints(number)
+            if target.exists():
+                target = target.with_name(f"{target.name}.{int(self.ctx.seams.wall())}")
+            rd.checkpoints.rename(target)
+            log.info(Event.CHECKPOINTS_SUPERSEDED, moved_to=str(target))
+        point = resume_point(rd.checkpoints, plan.knobs)
+        if point.skipped:
+            log.info(Event.CHECKPOINTS_SKIPPED, skipped=list(point.skipped))
+        return point
+
+    def _write_spec(self, number: int, plan: Plan, resume: ResumePoint, log: Any) -> AttemptSpec:
+        job, rd = self.ctx.job, self.ctx.rd
+        directory = rd.attempt_dir(number)
+        if directory.exists():
+            # Left by an attempt the journal never recorded (the supervisor died between spawn and
+            # state.json): its error report must not be read as this attempt's.
+            aside = directory.with_name(f"{directory.name}.unrecorded-{int(self.ctx.seams.wall())}")
+            directory.rename(aside)
+            log.warning(Event.UNRECORDED_ATTEMPT_MOVED, moved_to=str(aside))
+        spec = AttemptSpec(
+            attempt=number,
+            run_dir=str(rd.root),
+            knobs=plan.knobs,
+            data=job.data,
+            train=job.train,
+            events_file=str(directory / "child-events.jsonl"),
+            error_file=str(directory / "error.json"),
+            checkpoints_dir=str(rd.checkpoints),
+            adapter_dir=str(rd.adapter),
+            merged_dir=str(rd.merged),
+            device=job.resources.device,
+            gpu_memory_limit=job.resources.gpu_memory_limit,
+            cpu_memory_limit=job.resources.cpu_memory_limit,
+            resume_from=str(resume.path) if resume.path else None,
+            # The checkpoint itself says whether its optimizer state fits these knobs.
+            reset_optimizer=resume.reset_optimizer,
+        )
+        write_text_atomic(directory / "spec.json", spec.to_json())
+        return spec
+
+    def _watch(
+        self, number: int, proc: ChildHandle, reader: HeartbeatReader, spec: AttemptSpec, log: Any
+    ) -> Watched:
+        # One tick: ping systemd, read heartbeats, draw progress, sample memory, then the three
+        # ways a watch ends early (a stop signal, a hang) before the child's own exit.
+        ctx, seams = self.ctx, self.ctx.seams
+        if spec.train.max_steps > 0:
+            reader.progress.max_steps = spec.train.max_steps
+        watched = Watched(reader.progress)
+        started = next_sample = seams.clock()
+        gpu_log = ctx.rd.attempt_dir(number) / "gpu.jsonl"
+        hup_logged = False
+        hang_timeout = ctx.job.supervise.hang_timeout
+        while proc.poll() is None:
+            now = seams.clock()
+            ctx.ping(now)
+            reader.poll(now)
+            ctx.display.update(number, reader.progress, now)
+            if now >= next_sample:
+                sample_memory(proc.pid, watched, ctx.gpu, gpu_log)
+                next_sample = now + seams.sample_every_s
+            if ctx.hup_seen() and not hup_logged:
+                log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
+                hup_logged = True
+            stop = ctx.stop_signal()
+            if stop is not None:
+                watched.stopped_by_signal = stop
+                ctx.display.clear()
+                log.info(
+                    Event.STOP_REQUESTED,
+                    signal=signal.Signals(stop).name,
+                    grace_s=seams.stop_grace_s,
+                    why="the child checkpoints and exits; run the same command again to resume",
+                )
+                return watched
+            if hung(reader.progress, started, now, hang_timeout):
+                log.warning(
+                    Event.HANG_DETECTED,
+                    step=reader.progress.step,
+                    stage=reader.progress.stage,
+                    hang_timeout_s=hang_timeout,
+                )
+                watched.hang = True
+                return watched
+            seams.sleep(seams.tick_s)
+        return watched
+
+
+def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:
+    """The attempt's error report; None when absent, and logged when unreadable."""
+    path = rd.attempt_dir(number) / "error.json"
+    if not path.exists():
+        return None
+    try:
+        return ErrorReport.from_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning(Event.REPORT_UNREADABLE, path=str(path), error=str(exc))
+        return None

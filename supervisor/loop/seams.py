@@ -1,0 +1,74 @@
+"""The loop's side effects behind small seams, so the loop can run on a fake clock in tests.
+
+Each seam is a ``Protocol``: the real one is the default of :class:`Seams`; the fake-clock
+tier of tests replaces clock, sleep, spawn and the GPU probe and runs a whole ladder climb
+without a process. The real-process tests keep the defaults (fakes lie).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample
+
+
+class Clock(Protocol):
+    def __call__(self) -> float: ...
+
+
+class Sleep(Protocol):
+    def __call__(self, seconds: float, /) -> None: ...
+
+
+class ChildHandle(Protocol):
+    """A started child as the loop drives it (:class:`child.ChildProcess` in production)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def started_monotonic(self) -> float: ...
+
+    def poll(self) -> int | None: ...
+
+    def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int: ...
+
+
+class Spawn(Protocol):
+    def __call__(
+        self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path
+    ) -> ChildHandle: ...
+
+
+class GpuProbe(Protocol):
+    """NVML as the loop reads it: the child's tree, the card's total and free, other processes."""
+
+    def sample(self, pids: set[int]) -> GpuSample | None: ...
+
+    def close(self) -> None: ...
+
+
+def _open_gpu(device: str) -> GpuProbe | None:
+    return GpuMonitor.open(device)
+
+
+@dataclass
+class Seams:
+    """The loop's side effects, replaceable in tests."""
+
+    clock: Clock = time.monotonic
+    wall: Clock = time.time
+    sleep: Sleep = time.sleep
+    spawn: Spawn = child_mod.spawn_child
+    argv: Callable[[Path, str], list[str]] = child_mod.child_argv
+    open_gpu: Callable[[str], GpuProbe | None] = _open_gpu
+    oom_kills: Callable[[], int | None] = oom_kill_count
+    tick_s: float = 0.5
+    sample_every_s: float = 2.0
+    stop_grace_s: float = 180.0

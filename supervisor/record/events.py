@@ -1,0 +1,50 @@
+"""The one vocabulary of event names in ``events.jsonl``.
+
+People grep for these and tools select on them (``jq 'select(.event=="retry")'``), so a name
+never changes meaning. The README lists every member; a test holds the two together.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Event(str, enum.Enum):
+    """Every event the supervisor writes, grouped by the part of the run it belongs to."""
+
+    # the run
+    RUN_STARTED = "run_started"
+    RUN_RESUMED = "run_resumed"
+    RUN_SUCCEEDED = "run_succeeded"
+    RUN_ALREADY_ENDED = "run_already_ended"
+    GAVE_UP = "gave_up"
+    STOPPED = "stopped"
+    JOB_CHANGED = "job_changed"
+    # one attempt
+    ATTEMPT_STARTED = "attempt_started"
+    ATTEMPT_SUCCEEDED = "attempt_succeeded"
+    ATTEMPT_INTERRUPTED = "attempt_interrupted"
+    CHILD_EXITED = "child_exited"
+    HANG_DETECTED = "hang_detected"
+    STOP_REQUESTED = "stop_requested"
+    CHECKPOINTS_SKIPPED = "checkpoints_skipped"
+    CHECKPOINTS_SUPERSEDED = "checkpoints_superseded"
+    UNRECORDED_ATTEMPT_MOVED = "unrecorded_attempt_moved"
+    ORPHAN_CHILD_STOPPING = "orphan_child_stopping"
+    # after a failure
+    FAILURE_CLASSIFIED = "failure_classified"
+    RETRY = "retry"
+    BACKOFF = "backoff"
+    WAITING_FOR_MEMORY = "waiting_for_memory"
+    MEMORY_AVAILABLE = "memory_available"
+    MEMORY_WAIT_TIMED_OUT = "memory_wait_timed_out"
+    NO_MEMORY_READING = "no_memory_reading"
+    # the supervisor itself
+    GPU_MONITOR_UNAVAILABLE = "gpu_monitor_unavailable"
+    SIGHUP_IGNORED = "sighup_ignored"
+    STATE_UNREADABLE = "state_unreadable"
+    JOURNAL_LINE_UNREADABLE = "journal_line_unreadable"
+    REPORT_UNREADABLE = "report_unreadable"
+
+    def __str__(self) -> str:
+        return self.value

@@ -1,0 +1,273 @@
+"""The typed records of ``attempts.jsonl``: one :class:`AttemptRecord` per finished attempt.
+
+A line is plain JSON that ``jq`` reads (``jq -c '{attempt, outcome, kind: .failure.kind}'``)::
+
+    {"version": 2, "attempt": 1, "phase": "train", "outcome": "failed",
+     "knobs": {...Knobs...}, "started_at": 1764576000.0, "ended_at": 1764576042.5,
+     "exit_code": 70, "signal": null, "resumed_from": 0, "steps_completed": 2,
+     "next_resume_from": 2, "lost_steps": 0,
+     "peak": {"bytes": 12884901888, "source": "allocator_report"},
+     "failure": {"kind": "oom_forward", "stage": "forward", "numbers": {...}, "evidence": "...",
+                 "message": "...", "emergency_checkpoint": "...", "expandable_segments_active": false},
+     "decision": {"action": "restart", "rung": "gradient_checkpointing", "changes": {...},
+                  "why": "...", "survives": "all", "knobs": {...}, "waited_s": 0.0}}
+
+Lines written before the typed records (no ``version``; a ``peak_memory`` dict) are read and
+converted with the same peak precedence; a line that fits neither form is unreadable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+
+JOURNAL_VERSION = 2
+
+
+class Phase(str, enum.Enum):
+    """What an attempt's child does."""
+
+    TRAIN = "train"
+    MERGE = "merge"
+
+
+class Outcome(str, enum.Enum):
+    """How an attempt ended, as the journal records it."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # a stop signal: no verdict on the config
+    INTERRUPTED = "interrupted"  # the supervisor died while it ran: no verdict either
+
+
+class Action(str, enum.Enum):
+    """What the policy decided after a failure."""
+
+    RESTART = "restart"
+    GIVE_UP = "give_up"
+
+
+class PeakSource(str, enum.Enum):
+    """Where an attempt's peak came from, strongest first (see :func:`attempt_peak`)."""
+
+    ALLOCATOR_REPORT = "allocator_report"  # the error report's allocator statistics at the failure
+    OOM_MESSAGE = "oom_message"  # "N is allocated by PyTorch" + the request that failed
+    HEARTBEAT = "heartbeat"  # the child's own allocator peak (data segment on the CPU)
+    NVML = "nvml"  # what NVML saw the process hold (includes the CUDA context)
+    RSS = "rss"  # host memory of the child, when nothing else was seen
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The one peak of an attempt: what the policy calibrates on and ``status`` prints."""
+
+    bytes: int
+    source: PeakSource
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "source": self.source.value}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Peak:
+        return cls(int(raw["bytes"]), PeakSource(raw["source"]))
+
+
+def attempt_peak(
+    report_peak: int | None,
+    oom_need: int | None,
+    heartbeat_peak: int | None,
+    nvml_peak: int | None,
+    rss_peak: int | None,
+) -> Peak | None:
+    """The attempt's peak by one precedence: the first source that has a reading wins.
+
+    The allocator's own numbers come first because they count what the step needed and are
+    read at the moment of failure; heartbeats are sampled every few seconds and miss the last
+    moments before an OOM; NVML adds the CUDA context and sees only every sampling tick. The
+    report peak and the OOM need are both lower bounds of a failed step, so the larger wins.
+    """
+    failed_step = max((p for p in (report_peak, oom_need) if p), default=None)
+    if failed_step:
+        source = PeakSource.ALLOCATOR_REPORT if failed_step == report_peak else PeakSource.OOM_MESSAGE
+        return Peak(int(max(failed_step, heartbeat_peak or 0)), source)
+    for value, source in (
+        (heartbeat_peak, PeakSource.HEARTBEAT),
+        (nvml_peak, PeakSource.NVML),
+        (rss_peak, PeakSource.RSS),
+    ):
+        if value:
+            return Peak(int(value), source)
+    return None
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """A classified failure as the journal keeps it (the :class:`Failure` plus report facts)."""
+
+    kind: FailureKind
+    stage: Stage
+    numbers: Mapping[str, Any]
+    evidence: str
+    message: str = ""
+    emergency_checkpoint: str | None = None
+    expandable_segments_active: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(kind=self.kind.value, stage=self.stage.value, numbers=_plain(self.numbers))
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> FailureRecord:
+        return cls(
+            kind=FailureKind(raw["kind"]),
+            stage=Stage(raw.get("stage", "unknown")),
+            numbers=dict(raw.get("numbers") or {}),
+            evidence=str(raw.get("evidence", "")),
+            message=str(raw.get("message", "")),
+            emergency_checkpoint=raw.get("emergency_checkpoint"),
+            expandable_segments_active=raw.get("expandable_segments_active"),
+        )
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """The policy's verdict on a failed attempt: a restart with new knobs, or giving up."""
+
+    action: Action
+    why: str
+    rung: str = ""
+    changes: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+    survives: Survives = Survives.ALL
+    knobs: Knobs | None = None  # the next attempt's knobs (restart only)
+    retryable: bool = True  # give up only: False means no config change can help (exit 4)
+    waited_s: float = 0.0  # seconds spent waiting for memory before this decision
+
+    @classmethod
+    def of(cls, decision: policy.Restart | policy.GiveUp, waited_s: float = 0.0) -> DecisionRecord:
+        if isinstance(decision, policy.Restart):
+            return cls(
+                Action.RESTART,
+                decision.why,
+                decision.rung,
+                dict(decision.changes),
+                decision.survives,
+                decision.knobs,
+                waited_s=waited_s,
+            )
+        return cls(Action.GIVE_UP, decision.why, retryable=decision.retryable, waited_s=waited_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "action": self.action.value,
+            "why": self.why,
+            "rung": self.rung,
+            "changes": {name: list(pair) for name, pair in self.changes.items()},
+            "survives": self.survives.value,
+            "knobs": dataclasses.asdict(self.knobs) if self.knobs else None,
+            "retryable": self.retryable,
+            "waited_s": self.waited_s,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> DecisionRecord:
+        knobs = raw.get("knobs")
+        return cls(
+            action=Action(raw["action"]),
+            why=str(raw.get("why", "")),
+            rung=str(raw.get("rung") or ""),
+            changes={name: (pair[0], pair[1]) for name, pair in (raw.get("changes") or {}).items()},
+            survives=Survives(raw.get("survives") or "all"),
+            knobs=Knobs(**knobs) if knobs else None,
+            retryable=bool(raw.get("retryable", True)),
+            waited_s=float(raw.get("waited_s") or 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One line of ``attempts.jsonl``: a finished attempt, its failure and the decision taken."""
+
+    attempt: int
+    phase: Phase
+    knobs: Knobs
+    outcome: Outcome
+    started_at: float
+    ended_at: float
+    exit_code: int | None
+    signal: int | None
+    resumed_from: int
+    steps_completed: int  # the last optimizer step this attempt finished
+    next_resume_from: int | None  # where the next attempt starts (None: no next attempt)
+    lost_steps: int  # finished steps the next attempt will not start from
+    peak: Peak | None = None
+    failure: FailureRecord | None = None
+    decision: DecisionRecord | None = None
+
+    @property
+    def steps_progressed(self) -> int:
+        return max(0, self.steps_completed - self.resumed_from)
+
+    @property
+    def restarts(self) -> bool:
+        return self.decision is not None and self.decision.action is Action.RESTART
+
+    def to_line(self) -> str:
+        raw: dict[str, Any] = {"version": JOURNAL_VERSION, **dataclasses.asdict(self)}
+        raw.update(
+            phase=self.phase.value,
+            outcome=self.outcome.value,
+            knobs=dataclasses.asdict(self.knobs),
+            peak=self.peak.to_json() if self.peak else None,
+            failure=self.failure.to_json() if self.failure else None,
+            decision=self.decision.to_json() if self.decision else None,
+        )
+        return json.dumps(raw, sort_keys=True, default=str) + "\n"
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> AttemptRecord:
+        """Raises KeyError/TypeError/ValueError for a line this version cannot read."""
+        peak = raw.get("peak")
+        failure, decision = raw.get("failure"), raw.get("decision")
+        return cls(
+            attempt=int(raw["attempt"]),
+            phase=Phase(raw["phase"]),
+            knobs=Knobs(**raw["knobs"]),
+            outcome=Outcome(raw["outcome"]),
+            started_at=float(raw["started_at"]),
+            ended_at=float(raw["ended_at"]),
+            exit_code=raw.get("exit_code"),
+            signal=raw.get("signal"),
+            resumed_from=int(raw["resumed_from"]),
+            steps_completed=int(raw["steps_completed"]),
+            next_resume_from=raw.get("next_resume_from"),
+            lost_steps=int(raw.get("lost_steps", 0)),
+            peak=Peak.from_json(peak) if peak else _v1_peak(raw.get("peak_memory")),
+            failure=FailureRecord.from_json(failure) if failure else None,
+            decision=DecisionRecord.from_json(decision) if decision else None,
+        )
+
+
+def _v1_peak(peak_memory: Mapping[str, Any] | None) -> Peak | None:
+    # Version-1 lines kept three peaks; the child's own came first then, as it does now.
+    if not peak_memory:
+        return None
+    return attempt_peak(
+        None, None, peak_memory.get("child_peak"), peak_memory.get("gpu_process"), peak_memory.get("rss")
+    )
+
+
+def _plain(numbers: Mapping[str, Any]) -> dict[str, Any]:
+    # Per-pid maps (other processes on the GPU) get string keys, as JSON would give them anyway.
+    return {
+        key: ({str(k): v for k, v in value.items()} if isinstance(value, Mapping) else value)
+        for key, value in numbers.items()
+    }
