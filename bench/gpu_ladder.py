@@ -291,7 +291,9 @@ def table(name: str, result: dict[str, Any]) -> list[str]:
     for rec in result.get("attempts", []):
         failure = rec.get("failure") or {}
         nums = failure.get("numbers") or {}
-        peak = rec.get("peak_memory") or {}
+        # Journal v2 keeps one peak ({"bytes", "source"}); v1 lines kept a dict of three.
+        peak = rec.get("peak") or {}
+        old = rec.get("peak_memory") or {}
         cli_kind = (rec.get("_classify_cli") or {}).get("kind", "-")
         rows.append(
             (
@@ -307,7 +309,7 @@ def table(name: str, result: dict[str, Any]) -> list[str]:
                 knob_batch(rec.get("knobs") or {}),
                 f"{rec.get('resumed_from')}->{rec.get('steps_completed')}",
                 str(rec.get("lost_steps")),
-                f"{gib(peak.get('child_peak'))}/{gib(peak.get('gpu_process'))}",
+                f"{gib(peak.get('bytes') or old.get('child_peak'))}/{peak.get('source') or 'v1'}",
                 f"{rec.get('ended_at', 0) - rec.get('started_at', 0):.0f}",
                 changes_text(rec.get("decision")),
             )
@@ -333,7 +335,7 @@ def table(name: str, result: dict[str, Any]) -> list[str]:
         f"final steps {attempts[-1].get('steps_completed') if attempts else '-'}"
     )
     lines.append(
-        "  (GiB; peak_gpu = child's max_memory_allocated / NVML process peak; "
+        "  (GiB; peak_gpu = the attempt's one peak / where it came from; "
         "rsv_free = reserved but unallocated)"
     )
     return lines

@@ -70,13 +70,13 @@ def test_forward_oom_is_retried_with_checkpointing_and_loses_no_step(tmp_path: P
     records, bad = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert bad == 0 and [r.outcome for r in records] == ["failed", "succeeded"]
     first, second = records
-    assert first.failure is not None and first.failure["kind"] == "oom_forward"
-    assert first.failure["stage"] == "forward"
-    assert first.decision is not None and first.decision["rung"] == "gradient_checkpointing"
-    assert first.decision["changes"] == {"gradient_checkpointing": [False, True]}
+    assert first.failure is not None and first.failure.kind == "oom_forward"
+    assert first.failure.stage == "forward"
+    assert first.decision is not None and first.decision.rung == "gradient_checkpointing"
+    assert first.decision.changes == {"gradient_checkpointing": (False, True)}
     assert first.steps_completed == 2 and first.next_resume_from == 2 and first.lost_steps == 0
     assert second.resumed_from == 2 and second.steps_completed == MAX_STEPS
-    assert second.knobs["micro_batch_size"] * second.knobs["grad_accum"] == 8
+    assert second.knobs.micro_batch_size * second.knobs.grad_accum == 8
     retry = _events(tmp_path, "retry")[0]
     assert retry["failed"] == "oom_forward" and retry["lost_steps"] == 0
     assert retry["numbers"]["tried_to_allocate"] == 2 * 1024**3
@@ -89,8 +89,8 @@ def test_second_forward_oom_halves_micro_batch_keeping_effective_batch(tmp_path:
     assert _run(_job(tmp_path, {"1": "oom_forward@2", "2": "oom_forward@5"})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     third = records[2]
-    assert (third.knobs["micro_batch_size"], third.knobs["grad_accum"]) == (2, 4)
-    assert third.knobs["gradient_checkpointing"] is True
+    assert (third.knobs.micro_batch_size, third.knobs.grad_accum) == (2, 4)
+    assert third.knobs.gradient_checkpointing is True
     assert sum(r.lost_steps for r in records) == 0
 
 
@@ -98,9 +98,9 @@ def test_fragmentation_sets_expandable_segments_in_the_child_env(tmp_path: Path)
     """An OOM with large reserved-but-unallocated memory restarts with expandable_segments."""
     assert _run(_job(tmp_path, {"1": "fragmentation@3"})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert records[0].failure is not None and records[0].failure["kind"] == "oom_fragmentation"
-    assert records[0].decision is not None and records[0].decision["rung"] == "expandable_segments"
-    assert records[1].knobs["expandable_segments"] is True
+    assert records[0].failure is not None and records[0].failure.kind == "oom_fragmentation"
+    assert records[0].decision is not None and records[0].decision.rung == "expandable_segments"
+    assert records[1].knobs.expandable_segments is True
 
 
 def test_hung_child_is_stopped_and_restarted(tmp_path: Path) -> None:
@@ -108,8 +108,8 @@ def test_hung_child_is_stopped_and_restarted(tmp_path: Path) -> None:
     started = time.monotonic()
     assert _run(_job(tmp_path, {"1": "hang@3"})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert records[0].failure is not None and records[0].failure["kind"] == "hang"
-    assert records[0].decision is not None and records[0].decision["rung"] == "retry_unchanged"
+    assert records[0].failure is not None and records[0].failure.kind == "hang"
+    assert records[0].decision is not None and records[0].decision.rung == "retry_unchanged"
     assert records[1].outcome == "succeeded"
     assert _events(tmp_path, "hang_detected")
     assert time.monotonic() - started < 30
@@ -126,7 +126,7 @@ def test_sigkill_with_cgroup_oom_evidence_is_host_oom(
     assert _run(_job(tmp_path, {"1": "sigkill@3"})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[0].signal == signal.SIGKILL
-    assert records[0].failure is not None and records[0].failure["kind"] == "host_oom"
+    assert records[0].failure is not None and records[0].failure.kind == "host_oom"
 
 
 def test_config_error_stops_at_once_with_exit_4(tmp_path: Path) -> None:
@@ -189,6 +189,8 @@ def test_sigterm_stops_gracefully_and_the_same_command_resumes(tmp_path: Path) -
     assert proc.wait(timeout=30) == 143
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[-1].outcome == "stopped" and records[-1].next_resume_from and records[-1].lost_steps == 0
+    # Bug 6: the step the child finished after our SIGTERM, before its checkpoint, is counted.
+    assert records[-1].steps_completed == records[-1].next_resume_from
     assert read_state(tmp_path / "run" / "state.json").run_state.value == "stopped"  # type: ignore[union-attr]
     assert _run(job) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
@@ -224,8 +226,8 @@ def test_contention_waits_for_memory_then_restarts_unchanged(tmp_path: Path) -> 
     gpu = FakeGpu(frees_after=3)
     assert _run_with_gpu(_job(tmp_path, {"1": "contention@3"}, contention_wait="30s"), gpu) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert records[0].failure is not None and records[0].failure["kind"] == "oom_contention"
-    assert records[0].decision is not None and records[0].decision["rung"] == "wait_for_memory"
+    assert records[0].failure is not None and records[0].failure.kind == "oom_contention"
+    assert records[0].decision is not None and records[0].decision.rung == "wait_for_memory"
     assert records[1].knobs == records[0].knobs
     waiting = _events(tmp_path, "waiting_for_memory")[0]
     assert waiting["numbers"]["processes"] == {"4242": 18 * 1024**3}  # JSON keys are strings
@@ -246,7 +248,7 @@ def test_contention_degrades_when_the_job_allows_it(tmp_path: Path) -> None:
     job = _job(tmp_path, {"1": "contention@3"}, degrade_on_contention=True)
     assert _run_with_gpu(job, FakeGpu(frees_after=None)) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert records[0].decision is not None and records[0].decision["rung"] == "gradient_checkpointing"
+    assert records[0].decision is not None and records[0].decision.rung == "gradient_checkpointing"
 
 
 def test_status_tells_the_retry_story(tmp_path: Path) -> None:
@@ -294,7 +296,7 @@ def test_a_hang_twice_gives_up_instead_of_looking_like_a_stop(tmp_path: Path) ->
     """A hung child that checkpoints and exits on our SIGTERM is a hang, not a user stop (exit 3, not 143)."""
     assert _run(_job(tmp_path, {"default": "hang@2"})) == 3
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert [r.failure["kind"] for r in records if r.failure] == ["hang", "hang"]
+    assert [r.failure.kind for r in records if r.failure] == ["hang", "hang"]
     assert read_state(tmp_path / "run" / "state.json").run_state.value == "gave_up"  # type: ignore[union-attr]
 
 
@@ -327,7 +329,7 @@ def test_optimizer_change_resets_the_optimizer_state_from_the_checkpoint_itself(
     job.write_text(yaml.safe_dump(raw))
     assert _run(job) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    rungs = [r.decision["rung"] for r in records if r.decision]
+    rungs = [r.decision.rung for r in records if r.decision]
     assert rungs[:2] == ["gradient_checkpointing", "paged_8bit_optimizer"]
     specs = [json.loads((tmp_path / "run" / f"attempt-{n:03d}" / "spec.json").read_text()) for n in (3, 4)]
     # attempts 3 and 4 both resume checkpoint-2, written by attempt 1 with adamw_torch

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, decide
+from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, WaitResult, decide
 from qlora_supervise.policies.ladders import ladder_for
 from qlora_supervise.policies.rungs import STATIC_RUNGS, RungContext, Survives, smaller_model
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
@@ -17,6 +19,7 @@ from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 class _Failure:
     kind: FailureKind
     stage: Stage = Stage.FORWARD
+    numbers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 BASE = Knobs(model="/m/7b", micro_batch_size=8, grad_accum=2, max_seq_len=1024, optimizer="adamw_torch")
@@ -131,10 +134,18 @@ def test_attempt_budget_gives_up() -> None:
 
 def test_contention_waits_then_gives_up_unless_degrading_is_allowed() -> None:
     """Contention waits for memory first; after the wait times out it gives up or degrades per the job."""
-    fail = _Failure(FailureKind.OOM_CONTENTION, Stage.FORWARD)
+    numbers = {"process_in_use": 5 * 1024**3, "tried_to_allocate": 1024**3}
+    fail = _Failure(FailureKind.OOM_CONTENTION, Stage.FORWARD, numbers)
     history = [_fail(FailureKind.OOM_CONTENTION)]
-    assert isinstance(decide(fail, BASE, history, Settings()), Wait)
-    assert isinstance(decide(fail, BASE, history, Settings(), contention_timed_out=True), GiveUp)
+    wait = decide(fail, BASE, history, Settings())
+    # The policy owns what the wait is for: the bytes the failed process held plus its request.
+    assert isinstance(wait, Wait) and wait.needed_bytes == 6 * 1024**3
+    short = WaitResult(free_bytes=2 * 1024**3, waited_s=1800.0)
+    assert isinstance(decide(fail, BASE, history, Settings(), waited=short), GiveUp)
+    back = decide(fail, BASE, history, Settings(), waited=WaitResult(free_bytes=7 * 1024**3, waited_s=30.0))
+    assert isinstance(back, Restart) and back.rung == "wait_for_memory" and back.knobs == BASE
+    no_reading = decide(fail, BASE, history, Settings(), waited=WaitResult(free_bytes=None, waited_s=0.0))
+    assert isinstance(no_reading, Restart) and no_reading.knobs == BASE
     degraded = decide(fail, BASE, history, Settings(degrade_on_contention=True))
     assert isinstance(degraded, Restart) and degraded.rung == "gradient_checkpointing"
 

@@ -70,15 +70,15 @@ def test_real_oom_mid_run_is_retried_and_loses_no_step(
     first, last = records[0], records[-1]
     assert first.outcome == "failed" and last.outcome == "succeeded"
     assert first.failure is not None
-    assert first.failure["kind"] in ("oom_forward", "oom_backward")
-    assert first.failure["stage"] in ("forward", "backward")
-    assert first.failure["numbers"]["tried_to_allocate"] > 0
-    assert first.failure["emergency_checkpoint"]
+    assert first.failure.kind in ("oom_forward", "oom_backward")
+    assert first.failure.stage in ("forward", "backward")
+    assert first.failure.numbers["tried_to_allocate"] > 0
+    assert first.failure.emergency_checkpoint
     assert first.steps_completed == 3 and first.next_resume_from == 3
-    assert first.decision is not None and first.decision["changes"] == {
-        "gradient_checkpointing": [False, True]
+    assert first.decision is not None and first.decision.changes == {
+        "gradient_checkpointing": (False, True)
     }
-    assert all(r.knobs["micro_batch_size"] * r.knobs["grad_accum"] == 16 for r in records)
+    assert all(r.knobs.micro_batch_size * r.knobs.grad_accum == 16 for r in records)
     assert last.resumed_from == 3 and last.steps_completed == MAX_STEPS
     assert sum(r.lost_steps for r in records) == 0
     assert (run / "adapter" / "adapter_config.json").exists()
@@ -122,7 +122,7 @@ def test_supervisor_sigkill_then_same_command_finishes_without_repeating_failed_
     assert _run(job) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[0].outcome == "failed" and records[0].failure is not None
-    assert records[0].failure["kind"] == "oom_forward"
+    assert records[0].failure.kind == "oom_forward"
     assert records[1].attempt == 2 and records[1].outcome in ("interrupted", "stopped")
     assert all(r.knobs != records[0].knobs for r in records[1:])
     assert records[-1].outcome == "succeeded" and records[-1].steps_completed == MAX_STEPS

@@ -1,0 +1,137 @@
+"""Typed journal records: one peak rule, JSON round trips, old journals, and the event vocabulary."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.supervisor.commands.status import describe
+from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.journal import append_attempt, read_attempts
+from qlora_supervise.supervisor.record.records import (
+    Action,
+    AttemptRecord,
+    DecisionRecord,
+    FailureRecord,
+    Outcome,
+    Peak,
+    PeakSource,
+    Phase,
+    attempt_peak,
+)
+from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+
+GiB = 1024**3
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _record(**changes: object) -> AttemptRecord:
+    base = AttemptRecord(
+        attempt=1,
+        phase=Phase.TRAIN,
+        knobs=Knobs("m"),
+        outcome=Outcome.FAILED,
+        started_at=1.0,
+        ended_at=2.0,
+        exit_code=70,
+        signal=None,
+        resumed_from=0,
+        steps_completed=3,
+        next_resume_from=3,
+        lost_steps=0,
+        peak=Peak(12 * GiB, PeakSource.ALLOCATOR_REPORT),
+        failure=FailureRecord(FailureKind.OOM_FORWARD, Stage.FORWARD, {"tried_to_allocate": GiB}, "report"),
+        decision=DecisionRecord(
+            Action.RESTART,
+            "recompute",
+            "gradient_checkpointing",
+            {"gradient_checkpointing": (False, True)},
+            Survives.ALL,
+            Knobs("m", gradient_checkpointing=True),
+        ),
+    )
+    return AttemptRecord(**{**base.__dict__, **changes})  # type: ignore[arg-type]
+
+
+def test_the_allocator_peak_wins_over_a_sampled_nvml_peak() -> None:
+    """Bug 5: an OOM whose allocator said 12.6 GiB is not reported at the 2.65 GiB NVML happened to see."""
+    peak = attempt_peak(
+        report_peak=int(12.6 * GiB), oom_need=None, heartbeat_peak=2 * GiB, nvml_peak=int(2.65 * GiB), rss_peak=None
+    )
+    assert peak == Peak(int(12.6 * GiB), PeakSource.ALLOCATOR_REPORT)
+    lines = describe(_record(peak=peak))
+    assert any("12.6" in line and "allocator_report" in line for line in lines)
+
+
+def test_the_peak_falls_back_in_one_order() -> None:
+    """Without allocator numbers: heartbeat, then NVML, then RSS; nothing seen is no peak."""
+    assert attempt_peak(None, None, 5, 7, 9) == Peak(5, PeakSource.HEARTBEAT)
+    assert attempt_peak(None, None, None, 7, 9) == Peak(7, PeakSource.NVML)
+    assert attempt_peak(None, None, None, None, 9) == Peak(9, PeakSource.RSS)
+    assert attempt_peak(None, None, None, None, None) is None
+    assert attempt_peak(None, 11, 5, None, None) == Peak(11, PeakSource.OOM_MESSAGE)
+
+
+def test_a_record_round_trips_through_the_journal(tmp_path: Path) -> None:
+    """What the journal writes is read back into the same typed record."""
+    path = tmp_path / "attempts.jsonl"
+    record = _record()
+    append_attempt(path, record)
+    records, bad = read_attempts(path)
+    assert bad == 0 and records == [record]
+    line = json.loads(path.read_text())
+    assert line["version"] == 2 and line["failure"]["kind"] == "oom_forward" and line["peak"]["bytes"] == 12 * GiB
+
+
+def test_a_version_one_journal_line_is_still_read(tmp_path: Path) -> None:
+    """A line written before the typed records (dict peaks, no version) is converted, not dropped."""
+    old = {
+        "attempt": 1,
+        "phase": "train",
+        "knobs": {"model": "m", "micro_batch_size": 2},
+        "outcome": "failed",
+        "started_at": 1.0,
+        "ended_at": 2.0,
+        "exit_code": 70,
+        "signal": None,
+        "resumed_from": 0,
+        "steps_completed": 2,
+        "next_resume_from": 2,
+        "lost_steps": 0,
+        "peak_memory": {"child_peak": 3 * GiB, "gpu_process": 4 * GiB, "rss": None},
+        "failure": {"kind": "oom_forward", "stage": "forward", "numbers": {}, "evidence": "e", "message": ""},
+        "decision": {
+            "action": "restart",
+            "rung": "gradient_checkpointing",
+            "changes": {"gradient_checkpointing": [False, True]},
+            "why": "w",
+            "survives": "all",
+            "knobs": {"model": "m", "micro_batch_size": 2, "gradient_checkpointing": True},
+            "waited_s": 0.0,
+        },
+    }
+    path = tmp_path / "attempts.jsonl"
+    path.write_text(json.dumps(old) + "\n")
+    records, bad = read_attempts(path)
+    assert bad == 0 and records[0].peak == Peak(3 * GiB, PeakSource.HEARTBEAT)
+    assert records[0].decision is not None and records[0].decision.knobs == Knobs(
+        "m", micro_batch_size=2, gradient_checkpointing=True
+    )
+
+
+def test_a_journal_line_from_a_newer_version_is_refused_not_misread(tmp_path: Path) -> None:
+    """A line this version does not know is counted unreadable (and logged by the loop)."""
+    path = tmp_path / "attempts.jsonl"
+    path.write_text(json.dumps({"version": 99, "attempt": 1}) + "\n")
+    assert read_attempts(path) == ([], 1)
+
+
+def test_the_readme_lists_every_event_name() -> None:
+    """The README's event list and the Event vocabulary are the same set."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("Event names in `events.jsonl`") :]
+    section = section[: section.index("\n\n")]
+    listed = set(re.findall(r"`([a-z_]+)`", section)) - {"events"}
+    assert listed == {event.value for event in Event}
