@@ -10,7 +10,7 @@ from typing import Any, TextIO
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.job import Job, JobError, load_job
+from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.record.eventlog import open_event_log
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -67,18 +67,18 @@ def _keep_job_copy(run_dir: RunDir, job: Job, log: Any) -> None:
 
 def policy_settings(job: Job) -> policy.Settings:
     """The policy's view of the job: budgets, fallbacks, overrides, and the model's shape."""
-    budget = job.gpu_memory_limit_bytes
-    if budget is None and job.device == "cpu":
-        budget = job.cpu_memory_limit_bytes
+    budget = job.resources.gpu_memory_limit
+    if budget is None and job.resources.device == "cpu":
+        budget = job.resources.cpu_memory_limit
     return policy.Settings(
         max_attempts=job.supervise.max_attempts,
         max_no_progress=job.supervise.max_no_progress_attempts,
         degrade_on_contention=job.supervise.degrade_on_contention,
-        contention_wait_s=job.contention_wait_s,
+        contention_wait_s=job.supervise.contention_wait,
         fallbacks=job.fallback_models,
-        overrides=job.ladder_overrides(),
+        overrides=dict(job.supervise.ladders),
         budget_bytes=budget,
-        shape=_model_shape(Path(job.first_knobs().model)),
+        shape=_model_shape(Path(job.knobs.model)),
     )
 
 

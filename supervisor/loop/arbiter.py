@@ -27,7 +27,7 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.resume import ResumePoint, resume_point
 from qlora_supervise.supervisor.loop.waiting import backoff_seconds, bytes_needed, wait_for_free_memory
@@ -142,7 +142,7 @@ class Supervisor:
             output_dir=str(self.rd.root),
             attempts_so_far=len(records),
         )
-        self.gpu = self.seams.open_gpu(self.job.device)
+        self.gpu = self.seams.open_gpu(self.job.resources.device)
         if self.gpu is None:
             self.log.info("gpu_monitor_unavailable", why="NVML not available: no GPU readings")
         try:
@@ -196,7 +196,7 @@ class Supervisor:
     def _plan(self, records: Sequence[AttemptRecord]) -> Plan | int:
         """The next attempt from the journal's last decision (or the job's first config)."""
         if not records:
-            return Plan("train", self.job.first_knobs())
+            return Plan("train", self.job.knobs)
         last = records[-1]
         knobs = knobs_from_record(last)
         if last.outcome in ("stopped", "interrupted"):
@@ -215,7 +215,7 @@ class Supervisor:
         return self._verdict(decision, knobs)
 
     def _after_success(self, last: AttemptRecord) -> Plan | int:
-        if last.phase == "train" and self.job.train_spec().merge and not self.rd.merged.exists():
+        if last.phase == "train" and self.job.train.merge and not self.rd.merged.exists():
             return Plan("merge", knobs_from_record(last))
         write_state(self.rd.state, State(RunState.SUCCEEDED, knobs_from_record(last), note="finished"))
         return int(SupervisorExitCode.FINISHED)
@@ -309,16 +309,16 @@ class Supervisor:
             attempt=number,
             run_dir=str(self.rd.root),
             knobs=plan.knobs,
-            data=self.job.data_spec(),
-            train=self.job.train_spec(),
+            data=self.job.data,
+            train=self.job.train,
             events_file=str(directory / "child-events.jsonl"),
             error_file=str(directory / "error.json"),
             checkpoints_dir=str(self.rd.checkpoints),
             adapter_dir=str(self.rd.adapter),
             merged_dir=str(self.rd.merged),
-            device=self.job.device,
-            gpu_memory_limit=self.job.gpu_memory_limit_bytes,
-            cpu_memory_limit=self.job.cpu_memory_limit_bytes,
+            device=self.job.resources.device,
+            gpu_memory_limit=self.job.resources.gpu_memory_limit,
+            cpu_memory_limit=self.job.resources.cpu_memory_limit,
             resume_from=str(resume.path) if resume.path else None,
             # The checkpoint itself says whether its optimizer state fits these knobs.
             reset_optimizer=resume.reset_optimizer,
@@ -351,13 +351,13 @@ class Supervisor:
             if self.stop_signal is not None:
                 self._request_stop(number, proc, watched)
                 return watched
-            if hung(reader.progress, started, now, self.job.hang_timeout_s):
+            if hung(reader.progress, started, now, self.job.supervise.hang_timeout):
                 self.log.warning(
                     "hang_detected",
                     attempt=number,
                     step=reader.progress.step,
                     stage=reader.progress.stage,
-                    hang_timeout_s=self.job.hang_timeout_s,
+                    hang_timeout_s=self.job.supervise.hang_timeout,
                 )
                 watched.hang = True
                 return watched
@@ -416,7 +416,7 @@ class Supervisor:
         if exit_.returncode == 0 and self._phase_done(plan.phase):
             record = self._journal(AttemptRecord.from_facts(facts, "succeeded", None))
             self.log.info("attempt_succeeded", attempt=number, phase=plan.phase, steps=steps)
-            if plan.phase == "merge" or not self.job.train_spec().merge:
+            if plan.phase == "merge" or not self.job.train.merge:
                 self.log.info(
                     "run_succeeded",
                     attempts=number,
@@ -564,7 +564,9 @@ class Supervisor:
             if record.outcome != "failed":
                 break
             failures_in_a_row += 1
-        seconds = backoff_seconds(failures_in_a_row, self.job.backoff_initial_s, self.job.backoff_max_s)
+        seconds = backoff_seconds(
+            failures_in_a_row, self.job.supervise.backoff_initial, self.job.supervise.backoff_max
+        )
         write_state(
             self.rd.state, State(RunState.BACKOFF, knobs_from_record(records[-1]), note=f"{seconds:.1f}s")
         )
@@ -604,8 +606,8 @@ class Supervisor:
             self._gpu_free,
             needed,
             decision.seconds,
-            self.job.backoff_initial_s,
-            self.job.backoff_max_s,
+            self.job.supervise.backoff_initial,
+            self.job.supervise.backoff_max,
             sleep=self._interruptible_sleep,
             stop_asked=lambda: self.stop_signal is not None,
         )
