@@ -51,6 +51,7 @@ def summary_lines(job: Job) -> list[str]:
 
 
 def _data_summary(data: DataSpec) -> str:
+    """``<path> (<rows> rows, text_field 'text')``; rows only where counting is cheap."""
     field = (
         f"messages_field {data.messages_field!r}"
         if data.messages_field

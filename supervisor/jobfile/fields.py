@@ -37,6 +37,7 @@ def job_error(problem: str, fix: str) -> PydanticCustomError:
 
 
 def _resolve_path(value: object, info: ValidationInfo) -> object:
+    """A non-empty path string (or Path) -> an absolute, normalised Path."""
     # Relative paths are taken from the job file's directory (context "job_dir"), never the cwd.
     if isinstance(value, Path):
         path = value
@@ -54,6 +55,7 @@ def list_to_tuple(value: object) -> object:
 
 
 def _yaml_float(value: object) -> object:
+    """A number YAML left as a string -> float; anything else unchanged for the type check."""
     # PyYAML follows YAML 1.1, where `2e-4` (no dot) is a string; people mean the number.
     if isinstance(value, str):
         try:
@@ -64,6 +66,7 @@ def _yaml_float(value: object) -> object:
 
 
 def _bytes(value: object) -> object:
+    """``24GiB`` / ``64GB`` / a plain number -> bytes (int)."""
     if not isinstance(value, (str, int, float)):
         return value  # the int type check reports it
     try:
@@ -73,6 +76,7 @@ def _bytes(value: object) -> object:
 
 
 def _seconds(value: object) -> object:
+    """``20m`` / ``1h30m`` / a plain number -> seconds (float)."""
     if not isinstance(value, (str, int, float)):
         return value
     try:
@@ -86,6 +90,7 @@ _DEVICE_HELP = "use auto, cpu, a GPU index (0), cuda:N, or a GPU UUID (GPU-...)"
 
 
 def _device(value: object) -> object:
+    """``0`` / ``cuda:0`` -> ``cuda:0``; ``auto``, ``cpu`` and GPU/MIG UUIDs unchanged."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return f"cuda:{value}"
     if isinstance(value, str):
@@ -98,6 +103,7 @@ def _device(value: object) -> object:
 
 
 def _target_modules(value: object) -> object:
+    """``all-linear`` or a non-empty list of module names (as a tuple)."""
     if value == "all-linear":
         return value
     if isinstance(value, (list, tuple)) and value and all(isinstance(m, str) and m for m in value):
@@ -109,6 +115,7 @@ def _target_modules(value: object) -> object:
 
 
 def _ladders(value: object) -> object:
+    """A mapping of failure kind -> rung names, with tuples for lists."""
     # Keys become FailureKind members where they name one; the others fail the dict key check.
     if not isinstance(value, dict):
         return value
@@ -117,6 +124,7 @@ def _ladders(value: object) -> object:
 
 
 def _rung_name(value: str) -> str:
+    """A rung name the policies know, else a did-you-mean."""
     if value not in RUNG_NAMES:
         raise job_error("unknown rung", did_you_mean(value, RUNG_NAMES))
     return value

@@ -47,6 +47,7 @@ _TRAIN = TrainSpec()  # the protocol's defaults
 
 
 def _section(sections: Mapping[str, Section], name: str, kind: type[_S]) -> _S:
+    """The validated section ``name``, checked to be of ``kind``."""
     section = sections[name]
     if not isinstance(section, kind):  # a bug in load, never a problem of the job file
         raise TypeError(f"section {name!r} is a {type(section).__name__}, not a {kind.__name__}")
@@ -57,6 +58,7 @@ def job_from_sections(
     job_file: Path, raw_text: str, output_dir: Path, sections: Mapping[str, Section]
 ) -> Job:
     """The Job of sections that each validated whole (``load_job`` calls this after every check)."""
+    # Long only because it names every field once: this is the one map from sections to specs.
     model = _section(sections, "model", ModelSection)
     data = _section(sections, "data", DataSection)
     quantization = _section(sections, "quantization", QuantizationSection)
@@ -103,6 +105,7 @@ def job_from_sections(
 def _train_spec(
     model: ModelSection, quantization: QuantizationSection, lora: LoraSection, train: TrainSection
 ) -> TrainSpec:
+    """The TrainSpec: the recipe settings of the model, quantization, lora and train sections."""
     # max_steps None (epochs decide) is -1 in the spec; with max_steps set, epochs may be null and
     # the spec then keeps its own default (the trainer ignores epochs when max_steps > 0).
     return TrainSpec(

@@ -63,6 +63,7 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 
 
 def _read_text(job_file: Path) -> str:
+    """The job file as text; a missing or unreadable file is a JobError."""
     try:
         return job_file.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -74,6 +75,7 @@ def _read_text(job_file: Path) -> str:
 
 
 def _parse_yaml(text: str) -> dict[str, Any]:
+    """The top-level mapping; bad YAML, an empty file or a non-mapping is a JobError."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as error:
@@ -89,6 +91,7 @@ def _parse_yaml(text: str) -> dict[str, Any]:
 
 
 def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
+    """A YAML error as a Problem at its line and column; refused tags get their own words."""
     mark = getattr(error, "problem_mark", None)
     where = FILE_PATH if mark is None else f"line {mark.line + 1}, column {mark.column + 1}"
     lines = text.splitlines()
@@ -122,12 +125,14 @@ def _duplicate_keys(text: str) -> Iterator[Problem]:
 
 
 def _yaml_kind(value: object) -> str:
+    """The YAML word for a value's type (list, string, number, boolean)."""
     return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
         type(value), type(value).__name__
     )
 
 
 def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
+    """Unknown top-level keys (with a did-you-mean) and missing required sections."""
     problems = []
     for key in raw:
         if key not in TOP_LEVEL_KEYS:
@@ -169,6 +174,7 @@ def _validate_section(
 
 
 def _validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path | None, list[Problem]]:
+    """output_dir resolved against the job directory, or its problems."""
     try:
         return TypeAdapter(ResolvedPath).validate_python(value, context=context), []
     except ValidationError as error:
@@ -191,6 +197,7 @@ _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "l
 
 
 def _problems_from(error: ValidationError, prefix: str, section_type: type[Section] | None) -> list[Problem]:
+    """Every error of a pydantic ValidationError as a Problem under ``prefix``."""
     problems = []
     for item in error.errors(include_url=False):
         loc = [str(part) for part in item["loc"]]
@@ -199,6 +206,7 @@ def _problems_from(error: ValidationError, prefix: str, section_type: type[Secti
 
 
 def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) -> Problem:
+    """One pydantic error item (``loc`` already prefixed) in the job file's words."""
     kind, ctx, value = item["type"], item.get("ctx") or {}, item.get("input")
     if loc[-1] == "[key]":  # a dict key (ladders: failure kinds)
         path = ".".join(loc[:-1])

@@ -48,6 +48,7 @@ def world_problems(
 
 
 def _model_problems(model: ModelSection, bad: frozenset[str]) -> list[Problem]:
+    """The model directory and each fallback must be a Hugging Face model directory."""
     paths = [] if "model.path" in bad else [("model.path", model.path)]
     if "model.fallbacks" not in bad:
         paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
@@ -55,6 +56,7 @@ def _model_problems(model: ModelSection, bad: frozenset[str]) -> list[Problem]:
 
 
 def _model_dir_problem(name: str, path: Path) -> Problem | None:
+    """Why ``path`` is not a local model directory (config.json inside), or None."""
     if not path.exists():
         return Problem(name, "no such directory", show(path), "give a local model directory")
     if not path.is_dir():
@@ -66,6 +68,7 @@ def _model_dir_problem(name: str, path: Path) -> Problem | None:
 
 
 def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
+    """Exactly one of text_field / messages_field, at most one eval source, and readable sources."""
     problems = []
     fields_ok = not bad & {"data.text_field", "data.messages_field"}
     if fields_ok and data.text_field is not None and data.messages_field is not None:
@@ -104,6 +107,7 @@ def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
 
 
 def _source_problems(path_name: str, path: Path, data: DataSection, check_fields: bool) -> list[Problem]:
+    """The data at ``path`` exists, is a format the probe reads, and has the named fields."""
     if not path.exists():
         return [
             Problem(
@@ -134,6 +138,7 @@ def _source_problems(path_name: str, path: Path, data: DataSection, check_fields
 
 
 def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
+    """The effective batch divides into micro-batches, and max_steps or epochs sets the length."""
     problems = []
     batch_ok = not bad & {"train.effective_batch_size", "train.micro_batch_size"}
     if batch_ok and train.effective_batch_size % train.micro_batch_size:
@@ -155,6 +160,7 @@ def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
 
 
 def _eval_problems(train: TrainSection, data: DataSection, bad: frozenset[str]) -> list[Problem]:
+    """eval_steps needs eval data (eval_path or eval_fraction)."""
     if bad & {"train.eval_steps", "data.eval_path", "data.eval_fraction"}:
         return []
     if train.eval_steps is not None and data.eval_path is None and data.eval_fraction == 0:
@@ -171,6 +177,7 @@ def _eval_problems(train: TrainSection, data: DataSection, bad: frozenset[str]) 
 
 
 def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> list[Problem]:
+    """The backoff may not shrink: backoff_max is at least backoff_initial."""
     if bad & {"supervise.backoff_max", "supervise.backoff_initial"}:
         return []
     if supervise.backoff_max < supervise.backoff_initial:
@@ -181,6 +188,7 @@ def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> lis
 
 
 def _output_dir_problems(output_dir: Path) -> list[Problem]:
+    """The output directory is a directory, or can be made in a writable place."""
     if output_dir.exists() and not output_dir.is_dir():
         return [
             Problem(
