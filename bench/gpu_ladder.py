@@ -335,8 +335,7 @@ def table(name: str, result: dict[str, Any]) -> list[str]:
         f"final steps {attempts[-1].get('steps_completed') if attempts else '-'}"
     )
     lines.append(
-        "  (GiB; peak_gpu = the attempt's one peak / where it came from; "
-        "rsv_free = reserved but unallocated)"
+        "  (GiB; peak_gpu = the attempt's one peak / where it came from; rsv_free = reserved but unallocated)"
     )
     return lines
 

@@ -56,6 +56,7 @@ def make_spec(
         "micro_batch_size": 2,
         "grad_accum": 4,
         "max_seq_len": 128,
+        "gradient_checkpointing": False,  # the memory numbers of the OOM tests assume it off
         **(knobs or {}),
     }
     train_values = {

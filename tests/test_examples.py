@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qlora_supervise.supervisor.jobfile.job import load_job
+from qlora_supervise.supervisor.jobfile import load_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
@@ -30,4 +30,4 @@ def test_example_job_validates_with_local_paths(example: Path, tmp_path: Path) -
     job_path = tmp_path / "job.yaml"
     job_path.write_text(yaml.safe_dump(raw))
     job = load_job(job_path)
-    assert job.first_knobs().effective_batch == raw["train"]["effective_batch_size"]
+    assert job.knobs.effective_batch == raw["train"]["effective_batch_size"]

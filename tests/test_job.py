@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,8 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from qlora_supervise.supervisor.jobfile.job import FILE_PATH, Job, JobError, load_job, validate_command
-from qlora_supervise.trainer_child.protocol import AttemptSpec, FailureKind, Knobs
+from qlora_supervise.policies.decide import Settings
+from qlora_supervise.supervisor.commands.validate import validate_command
+from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
+from qlora_supervise.supervisor.jobfile.problems import FILE_PATH
+from qlora_supervise.trainer_child.protocol import (
+    AttemptSpec,
+    DataSpec,
+    FailureKind,
+    Knobs,
+    Resources,
+    TrainSpec,
+)
 
 MODEL = "model: {path: ./model}\n"
 MINIMAL = MODEL + "data: {path: ./data.jsonl}\n"
@@ -54,22 +65,51 @@ def problems_of(path: Path) -> dict[str, str]:
 def test_minimal_job_defaults_follow_the_seed_recipe(job_dir: Path) -> None:
     """A job naming only model and data gets NF4, double quant, r 8, alpha 16, q/k/v/o, paged 8-bit AdamW."""
     job = load_job(write(job_dir, MINIMAL))
-    q, lora, t = job.quantization, job.lora, job.train
-    assert (q.load_in_4bit, q.quant_type, q.double_quant, q.compute_dtype) == (True, "nf4", True, "auto")
-    assert (lora.r, lora.alpha, lora.dropout) == (8, 16, 0.05)
-    assert lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
-    assert (t.micro_batch_size, t.effective_batch_size, t.gradient_checkpointing) == (1, 16, True)
-    assert (t.optimizer, t.learning_rate, t.lr_scheduler) == ("paged_adamw_8bit", 2e-4, "cosine")
-    assert (t.warmup_ratio, t.max_grad_norm, t.max_steps, t.epochs) == (0.03, 0.3, None, 1.0)
+    k, t, s = job.knobs, job.train, job.supervise
+    assert (k.load_in_4bit, k.quant_type, k.double_quant, t.compute_dtype) == (True, "nf4", True, "auto")
+    assert (k.lora_r, k.lora_alpha, t.lora_dropout) == (8, 16, 0.05)
+    assert t.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert (k.micro_batch_size, k.effective_batch, k.gradient_checkpointing) == (1, 16, True)
+    assert (k.optimizer, t.learning_rate, t.lr_scheduler) == ("paged_adamw_8bit", 2e-4, "cosine")
+    assert (t.warmup_ratio, t.max_grad_norm, t.max_steps, t.epochs) == (0.03, 0.3, -1, 1.0)
     assert (job.data.text_field, job.data.messages_field) == ("text", None)
-    assert (job.device, job.gpu_memory_limit_bytes, job.cpu_memory_limit_bytes) == ("auto", None, None)
-    assert (job.hang_timeout_s, job.backoff_initial_s, job.backoff_max_s, job.contention_wait_s) == (
+    assert job.resources == Resources(device="auto", gpu_memory_limit=None, cpu_memory_limit=None)
+    assert (s.hang_timeout, s.backoff_initial, s.backoff_max, s.contention_wait) == (
         1200.0,
         2.0,
         60.0,
         1800.0,
     )
-    assert job.supervise.max_attempts == 8 and job.ladder_overrides() == {}
+    assert s.max_attempts == 8 and s.ladders == {} and s.keep_effective_batch is True
+
+
+#: Spec fields a job fills from what it names, not from a default (eval_enabled follows the eval data).
+FILLED_BY_THE_JOB = {("Knobs", "model"), ("Knobs", "eval_enabled"), ("DataSpec", "path")}
+#: The policy's Settings field -> the supervise key that sets it.
+SETTINGS_KEYS = {
+    "max_attempts": "max_attempts",
+    "max_no_progress": "max_no_progress_attempts",
+    "degrade_on_contention": "degrade_on_contention",
+    "contention_wait_s": "contention_wait",
+}
+
+
+def test_schema_defaults_are_the_protocol_defaults(job_dir: Path) -> None:
+    """A job that sets nothing gets each protocol dataclass's own default in every field (one set)."""
+    job = load_job(write(job_dir, MINIMAL))
+    disagree = []
+    pairs = [(job.knobs, Knobs(model="")), (job.data, DataSpec(path="")), (job.train, TrainSpec())]
+    for got, default in [*pairs, (job.resources, Resources())]:
+        for field in dataclasses.fields(default):
+            if (type(default).__name__, field.name) in FILLED_BY_THE_JOB:
+                continue
+            if getattr(got, field.name) != getattr(default, field.name):
+                disagree.append(f"{type(default).__name__}.{field.name}")
+    for setting, key in SETTINGS_KEYS.items():
+        if getattr(job.supervise, key) != getattr(Settings(), setting):
+            disagree.append(f"Settings.{setting} vs supervise.{key}")
+    assert disagree == []
+    assert {f.name for f in dataclasses.fields(Settings)} >= set(SETTINGS_KEYS)
 
 
 def test_paths_resolve_against_the_job_directory_not_the_cwd(
@@ -78,10 +118,10 @@ def test_paths_resolve_against_the_job_directory_not_the_cwd(
     """Relative paths are taken from the job file's directory and come back absolute."""
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
     job = load_job(write(job_dir, MINIMAL + "output_dir: out/run1\n"))
-    assert job.model.path == job_dir / "model"
-    assert job.data.path == job_dir / "data.jsonl"
+    assert job.knobs.model == str(job_dir / "model")
+    assert job.data.path == str(job_dir / "data.jsonl")
     assert job.output_dir == job_dir / "out" / "run1"
-    assert job.job_dir == job_dir and job.job_file == job_dir / "job.yaml"
+    assert job.job_file.parent == job_dir and job.job_file == job_dir / "job.yaml"
     assert job.raw_text == MINIMAL + "output_dir: out/run1\n"
 
 
@@ -127,9 +167,9 @@ output_dir: /tmp/qlora-supervise-test-run
 
 
 def test_full_job_round_trips_into_knobs_and_specs(job_dir: Path) -> None:
-    """Every field of a complete job lands in Knobs, DataSpec, TrainSpec and the settings properties."""
+    """Every field of a complete job lands in Knobs, DataSpec, TrainSpec, Resources and supervise."""
     job = load_job(write(job_dir, FULL))
-    assert job.first_knobs() == Knobs(
+    assert job.knobs == Knobs(
         model=str(job_dir / "model"),
         micro_batch_size=4,
         grad_accum=8,
@@ -144,10 +184,10 @@ def test_full_job_round_trips_into_knobs_and_specs(job_dir: Path) -> None:
         eval_batch_size=2,
         eval_enabled=True,
     )
-    data = job.data_spec()
+    data = job.data
     assert (data.path, data.text_field, data.messages_field) == (str(job_dir / "data.jsonl"), "text", None)
     assert (data.eval_path, data.eval_fraction) == (None, 0.1)
-    train = job.train_spec()
+    train = job.train
     assert (train.learning_rate, train.lr_scheduler, train.warmup_ratio, train.max_grad_norm) == (
         1e-4,
         "linear",
@@ -162,18 +202,13 @@ def test_full_job_round_trips_into_knobs_and_specs(job_dir: Path) -> None:
         True,
     )
     assert job.fallback_models == (str(job_dir / "small"),)
-    assert (job.device, job.gpu_memory_limit_bytes, job.cpu_memory_limit_bytes) == (
-        "cuda:1",
-        24 * 2**30,
-        64 * 10**9,
+    assert job.resources == Resources(
+        device="cuda:1", gpu_memory_limit=24 * 2**30, cpu_memory_limit=64 * 10**9
     )
-    assert (job.hang_timeout_s, job.backoff_initial_s, job.backoff_max_s, job.contention_wait_s) == (
-        5400.0,
-        5.0,
-        120.0,
-        0.0,
-    )
-    assert job.ladder_overrides() == {
+    s = job.supervise
+    assert (s.hang_timeout, s.backoff_initial, s.backoff_max, s.contention_wait) == (5400.0, 5.0, 120.0, 0.0)
+    assert (s.max_attempts, s.max_no_progress_attempts, s.degrade_on_contention) == (5, 2, True)
+    assert s.ladders == {
         FailureKind.OOM_FORWARD: ("halve_micro_batch", "shorten_seq_len"),
         FailureKind.OOM_EVAL: (),
     }
@@ -186,16 +221,16 @@ def test_specs_survive_the_attempt_spec_json_contract(job_dir: Path) -> None:
     spec = AttemptSpec(
         attempt=1,
         run_dir=str(job.output_dir),
-        knobs=job.first_knobs(),
-        data=job.data_spec(),
-        train=job.train_spec(),
+        knobs=job.knobs,
+        data=job.data,
+        train=job.train,
         events_file="e",
         error_file="r",
         checkpoints_dir="c",
         adapter_dir="a",
         merged_dir="m",
-        device=job.device,
-        gpu_memory_limit=job.gpu_memory_limit_bytes,
+        device=job.resources.device,
+        gpu_memory_limit=job.resources.gpu_memory_limit,
     )
     assert AttemptSpec.from_json(spec.to_json()) == spec
 
@@ -208,24 +243,27 @@ def test_train_length_max_steps_wins_else_epochs(
     job_dir: Path, train: str, max_steps: int, epochs: float
 ) -> None:
     """max_steps is passed when set; otherwise it is -1 and epochs decide the length."""
-    spec = load_job(write(job_dir, MINIMAL + f"train: {train}\n")).train_spec()
+    spec = load_job(write(job_dir, MINIMAL + f"train: {train}\n")).train
     assert (spec.max_steps, spec.epochs) == (max_steps, epochs)
 
 
 @pytest.mark.parametrize(
     ("extra", "check"),
     [
-        ("lora: {target_modules: all-linear}", lambda j: j.train_spec().target_modules == "all-linear"),
-        ("resources: {gpu: cpu}", lambda j: j.device == "cpu"),
-        ("resources: {gpu: 'cuda:2'}", lambda j: j.device == "cuda:2"),
-        ("resources: {gpu: GPU-5a1b2c3d-0000-1111}", lambda j: j.device == "GPU-5a1b2c3d-0000-1111"),
-        ("resources: {gpu_memory_limit: 500MiB}", lambda j: j.gpu_memory_limit_bytes == 500 * 2**20),
-        ("resources: {cpu_memory_limit: 1000000}", lambda j: j.cpu_memory_limit_bytes == 10**6),
-        ("supervise: {hang_timeout: 90}", lambda j: j.hang_timeout_s == 90.0),
+        ("lora: {target_modules: all-linear}", lambda j: j.train.target_modules == "all-linear"),
+        ("resources: {gpu: cpu}", lambda j: j.resources.device == "cpu"),
+        ("resources: {gpu: 'cuda:2'}", lambda j: j.resources.device == "cuda:2"),
+        (
+            "resources: {gpu: GPU-5a1b2c3d-0000-1111}",
+            lambda j: j.resources.device == "GPU-5a1b2c3d-0000-1111",
+        ),
+        ("resources: {gpu_memory_limit: 500MiB}", lambda j: j.resources.gpu_memory_limit == 500 * 2**20),
+        ("resources: {cpu_memory_limit: 1000000}", lambda j: j.resources.cpu_memory_limit == 10**6),
+        ("supervise: {hang_timeout: 90}", lambda j: j.supervise.hang_timeout == 90.0),
         ("train: {learning_rate: 3e-5}", lambda j: j.train.learning_rate == 3e-5),  # YAML 1.1 reads a string
-        ("data: {path: ./data.jsonl, eval_path: ./data.jsonl}", lambda j: j.first_knobs().eval_enabled),
-        ("data: {path: ./data.jsonl}", lambda j: not j.first_knobs().eval_enabled),
-        ("train:", lambda j: j.train.micro_batch_size == 1),  # an empty section means the defaults
+        ("data: {path: ./data.jsonl, eval_path: ./data.jsonl}", lambda j: j.knobs.eval_enabled),
+        ("data: {path: ./data.jsonl}", lambda j: not j.knobs.eval_enabled),
+        ("train:", lambda j: j.knobs.micro_batch_size == 1),  # an empty section means the defaults
     ],
 )
 def test_valid_variants(job_dir: Path, extra: str, check: Callable[[Job], bool]) -> None:
@@ -239,14 +277,18 @@ def test_messages_field_replaces_the_default_text_field(job_dir: Path) -> None:
     job = load_job(
         write(job_dir, "model: {path: ./model}\ndata: {path: ./data.jsonl, messages_field: messages}\n")
     )
-    assert job.data_spec().text_field is None and job.data_spec().messages_field == "messages"
+    assert job.data.text_field is None and job.data.messages_field == "messages"
 
 
 def test_job_is_frozen(job_dir: Path) -> None:
     """A loaded job cannot be changed: the loop reads it, never edits it."""
     job = load_job(write(job_dir, MINIMAL))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.knobs.micro_batch_size = 8  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.output_dir = Path("/elsewhere")  # type: ignore[misc]
     with pytest.raises(Exception, match="frozen"):
-        job.train.micro_batch_size = 8
+        job.supervise.max_attempts = 1
     assert isinstance(job, Job)
 
 
@@ -560,7 +602,7 @@ def test_validate_cli_ok_and_missing_file(job_dir: Path) -> None:
 def test_job_module_does_not_import_heavy_libraries() -> None:
     """Loading and validating jobs pulls in neither torch nor transformers, datasets or peft."""
     code = (
-        "import sys, qlora_supervise.supervisor.jobfile.job as j, qlora_supervise.supervisor.jobfile.units;"
+        "import sys, qlora_supervise.supervisor.jobfile as j, qlora_supervise.supervisor.commands.validate;"
         "bad = [m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules];"
         "print(bad); sys.exit(bool(bad))"
     )

@@ -147,7 +147,7 @@ def test_ladder_exhausted_gives_up_with_exit_3(tmp_path: Path) -> None:
     gave_up = _events(tmp_path, "gave_up")[0]
     assert "exhausted" in gave_up["why"]
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    configs = [json.dumps(r.knobs, sort_keys=True) for r in records]
+    configs = [r.knobs for r in records]
     assert len(configs) == len(set(configs)), "a config that failed the same way was repeated"
 
 
@@ -343,9 +343,10 @@ def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> N
     journal = tmp_path / "run" / "attempts.jsonl"
     first = journal.read_text().splitlines()[0]
     journal.write_text(first + "\n" + first[: len(first) // 2])  # attempt 2's line torn mid-write
-    from qlora_supervise.supervisor.record.journal import AttemptRecord, append_attempt
+    from qlora_supervise.supervisor.record.journal import append_attempt
+    from qlora_supervise.supervisor.record.records import AttemptRecord
 
-    append_attempt(journal, AttemptRecord(**{**json.loads(first), "attempt": 3}))
+    append_attempt(journal, AttemptRecord.from_json({**json.loads(first), "attempt": 3}))
     records, bad = read_attempts(journal)
     assert [r.attempt for r in records] == [1, 3] and bad == 1
 

@@ -204,7 +204,10 @@ def test_a_whole_ladder_climb_runs_on_the_fake_clock(tmp_path: Path) -> None:
     assert code == 0
     records, bad = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert bad == 0 and [r.outcome.value for r in records] == ["failed", "failed", "succeeded"]
-    assert [r.decision.rung for r in records[:2] if r.decision] == ["gradient_checkpointing", "halve_micro_batch"]
+    assert [r.decision.rung for r in records[:2] if r.decision] == [
+        "gradient_checkpointing",
+        "halve_micro_batch",
+    ]
     assert records[2].knobs.micro_batch_size == 2 and records[2].knobs.effective_batch == 8
     assert [r.resumed_from for r in records] == [0, 2, 5] and sum(r.lost_steps for r in records) == 0
     # A changed config starts at once: no backoff was slept.
@@ -237,7 +240,9 @@ def test_a_crash_loop_ends_in_a_verdict_on_the_fake_clock(tmp_path: Path) -> Non
     assert len(records) == 3 and all(r.steps_progressed == 0 for r in records)
     last = records[-1].decision
     assert last is not None and last.action.value == "give_up" and "crash loop" in last.why
-    backoffs = [e["seconds"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "backoff"]
+    backoffs = [
+        e["seconds"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "backoff"
+    ]
     assert backoffs == [5.0, 10.0]  # unchanged retries back off, doubling
     assert time.monotonic() - started < 1.0
 

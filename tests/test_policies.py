@@ -22,7 +22,14 @@ class _Failure:
     numbers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-BASE = Knobs(model="/m/7b", micro_batch_size=8, grad_accum=2, max_seq_len=1024, optimizer="adamw_torch")
+BASE = Knobs(
+    model="/m/7b",
+    micro_batch_size=8,
+    grad_accum=2,
+    max_seq_len=1024,
+    optimizer="adamw_torch",
+    gradient_checkpointing=False,
+)
 
 
 def _fail(
@@ -210,7 +217,9 @@ def test_model_that_finds_nothing_fitting_takes_one_rung_only() -> None:
 
 def test_uncalibrated_model_combines_rungs_only_far_over_budget() -> None:
     """Uncalibrated, a rung is skipped only when its estimate exceeds the budget by 25 %."""
-    h200 = Knobs(model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048)
+    h200 = Knobs(
+        model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048, gradient_checkpointing=False
+    )
     settings = Settings(shape=SHAPE_7B, budget_bytes=6 * 1024**3)
     out = decide(
         _Failure(FailureKind.OOM_FORWARD), h200, [_fail(FailureKind.OOM_FORWARD, knobs=h200)], settings
@@ -226,7 +235,9 @@ def test_uncalibrated_model_combines_rungs_only_far_over_budget() -> None:
 
 def test_no_checkpointing_estimate_matches_the_h200_measurement() -> None:
     """Micro-batch 4 at seq 2048 without checkpointing: 40.7 GiB measured on the H200 (shared/gpu)."""
-    h200 = Knobs(model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048)
+    h200 = Knobs(
+        model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048, gradient_checkpointing=False
+    )
     estimate = memory_model.estimate_peak(SHAPE_7B, h200) / 1024**3
     assert 35 < estimate < 48
 

@@ -58,7 +58,11 @@ def _record(**changes: object) -> AttemptRecord:
 def test_the_allocator_peak_wins_over_a_sampled_nvml_peak() -> None:
     """Bug 5: an OOM whose allocator said 12.6 GiB is not reported at the 2.65 GiB NVML happened to see."""
     peak = attempt_peak(
-        report_peak=int(12.6 * GiB), oom_need=None, heartbeat_peak=2 * GiB, nvml_peak=int(2.65 * GiB), rss_peak=None
+        report_peak=int(12.6 * GiB),
+        oom_need=None,
+        heartbeat_peak=2 * GiB,
+        nvml_peak=int(2.65 * GiB),
+        rss_peak=None,
     )
     assert peak == Peak(int(12.6 * GiB), PeakSource.ALLOCATOR_REPORT)
     lines = describe(_record(peak=peak))
@@ -82,7 +86,11 @@ def test_a_record_round_trips_through_the_journal(tmp_path: Path) -> None:
     records, bad = read_attempts(path)
     assert bad == 0 and records == [record]
     line = json.loads(path.read_text())
-    assert line["version"] == 2 and line["failure"]["kind"] == "oom_forward" and line["peak"]["bytes"] == 12 * GiB
+    assert (
+        line["version"] == 2
+        and line["failure"]["kind"] == "oom_forward"
+        and line["peak"]["bytes"] == 12 * GiB
+    )
 
 
 def test_a_version_one_journal_line_is_still_read(tmp_path: Path) -> None:

@@ -75,9 +75,7 @@ def test_real_oom_mid_run_is_retried_and_loses_no_step(
     assert first.failure.numbers["tried_to_allocate"] > 0
     assert first.failure.emergency_checkpoint
     assert first.steps_completed == 3 and first.next_resume_from == 3
-    assert first.decision is not None and first.decision.changes == {
-        "gradient_checkpointing": (False, True)
-    }
+    assert first.decision is not None and first.decision.changes == {"gradient_checkpointing": (False, True)}
     assert all(r.knobs.micro_batch_size * r.knobs.grad_accum == 16 for r in records)
     assert last.resumed_from == 3 and last.steps_completed == MAX_STEPS
     assert sum(r.lost_steps for r in records) == 0

@@ -97,7 +97,7 @@ class Knobs:
     micro_batch_size: int = 1
     grad_accum: int = 16
     max_seq_len: int = 512
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = True
     optimizer: str = "paged_adamw_8bit"
     lora_r: int = 8
     lora_alpha: int = 16
@@ -146,6 +146,15 @@ class TrainSpec:
     compute_dtype: str = "auto"
     trust_remote_code: bool = False
     merge: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """Where the child runs and the memory caps it applies to itself (bytes; None: no cap)."""
+
+    device: str = "auto"  # "auto", "cpu", "cuda:N" or a GPU UUID
+    gpu_memory_limit: int | None = None
+    cpu_memory_limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -188,7 +188,7 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
         lr_scheduler_type=train.lr_scheduler,
         max_grad_norm=train.max_grad_norm,
         max_steps=train.max_steps,
-        num_train_epochs=train.epochs if train.epochs is not None else 1.0,
+        num_train_epochs=train.epochs,
         save_strategy="steps",
         save_steps=train.save_steps,
         save_total_limit=None,  # we rotate ourselves, never deleting the resume source

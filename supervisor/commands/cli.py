@@ -77,7 +77,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_job(args.job, plain=args.plain)
     if args.command == "validate":
-        from qlora_supervise.supervisor.jobfile.job import validate_command
+        from qlora_supervise.supervisor.commands.validate import validate_command
 
         return validate_command(args.job)
     if args.command == "classify":

@@ -6,7 +6,7 @@ import sys
 from typing import Any, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.job import Job, JobError, load_job
+from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
 from qlora_supervise.supervisor.record.eventlog import open_event_log

@@ -1,3 +1,31 @@
 """The job file: its schema (validated once into the specs the child gets), units, world checks and the
 data probe.
+
+``load_job(path)`` returns a :class:`Job` or raises a :class:`JobError` listing every :class:`Problem`.
+The modules: ``problems`` (what is wrong, in words), ``fields`` (one value's type and spellings),
+``schema`` (the sections), ``world`` (checks across fields and against the disk), ``load`` (YAML,
+the two passes, pydantic errors as problems), ``job`` (the Job of specs), ``units``, ``data_probe``.
 """
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qlora_supervise.supervisor.jobfile.job import Job
+    from qlora_supervise.supervisor.jobfile.load import load_job
+    from qlora_supervise.supervisor.jobfile.problems import JobError, Problem
+
+__all__ = ["Job", "JobError", "Problem", "load_job"]
+
+# Re-exported lazily: `status` reads only `jobfile.units`, and importing the package must not
+# pull in pydantic and the schema for it (each command loads only what it uses).
+_HOMES = {"Job": "job", "load_job": "load", "JobError": "problems", "Problem": "problems"}
+
+
+def __getattr__(name: str) -> object:
+    """``Job``, ``load_job``, ``JobError`` and ``Problem``, imported from their modules on first use."""
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)

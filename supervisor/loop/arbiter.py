@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
@@ -35,7 +36,7 @@ from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, ne
 from qlora_supervise.supervisor.loop.reclaim import reclaim
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
-from qlora_supervise.supervisor.loop.seams import GpuProbe, Seams
+from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import with_card_budget
 from qlora_supervise.supervisor.loop.waiting import backoff_seconds, wait_for_free_memory
 from qlora_supervise.supervisor.record.events import Event
@@ -57,6 +58,7 @@ from qlora_supervise.supervisor.record.records import (
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.protocol import Knobs
 
 _ENDED = {
@@ -222,17 +224,17 @@ class Supervisor:
         decision = policy.decide(failure, plan.knobs, history, self.settings, phase=plan.phase.value)
         waited = None
         while isinstance(decision, policy.Wait):
-            waited = self._wait_for_memory(decision, plan.knobs, log)  # RUNNING -> WAITING
+            waited = self._wait_for_memory(decision, failure, plan.knobs, log)  # RUNNING -> WAITING
             if waited.stopped:
                 # Stopped while waiting: the run stays resumable; this is no verdict on the config.
-                entry = failure_record(failure, o.report)
-                return self._journal(record_of(o, Outcome.STOPPED, self._resume_step(plan.knobs), entry))
+                stopped = failure_record(failure, o.report)
+                return self._journal(record_of(o, Outcome.STOPPED, self._resume_step(plan.knobs), stopped))
             decision = policy.decide(
                 failure, plan.knobs, history, self.settings, waited=waited, phase=plan.phase.value
             )
         next_from = None
         if isinstance(decision, policy.Restart):
-            reinit = decision.survives is policy.Survives.ADAPTER_REINIT
+            reinit = decision.survives is Survives.ADAPTER_REINIT
             next_from = 0 if reinit else self._resume_step(decision.knobs)
         entry = DecisionRecord.of(decision, waited.waited_s if waited else 0.0)
         record = self._journal(
@@ -335,11 +337,17 @@ class Supervisor:
             self._ping(self.seams.clock())
             self.seams.sleep(min(self.seams.tick_s, max(0.0, deadline - self.seams.clock())))
 
-    def _wait_for_memory(self, wait: policy.Wait, knobs: Knobs, log: Any) -> policy.WaitResult:
+    def _wait_for_memory(
+        self, wait: policy.Wait, failure: Failure, knobs: Knobs, log: Any
+    ) -> policy.WaitResult:
         """Carry out the policy's Wait: poll NVML until the memory is back, the timeout, or a stop."""
         write_state(self.rd.state, State(RunState.WAITING, knobs, note=wait.why))
         log.info(
-            Event.WAITING_FOR_MEMORY, why=wait.why, needed_bytes=wait.needed_bytes, timeout_s=wait.seconds
+            Event.WAITING_FOR_MEMORY,
+            why=wait.why,
+            needed_bytes=wait.needed_bytes,
+            timeout_s=wait.seconds,
+            numbers=dict(failure.numbers),
         )
         started = self.seams.clock()
         supervise = self.job.supervise

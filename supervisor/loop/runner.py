@@ -19,13 +19,14 @@ from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import ResumePoint, resume_point
-from qlora_supervise.supervisor.loop.seams import ChildHandle, GpuProbe, Seams
+from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, write_state
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, write_text_atomic

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
-from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe
 
 
 class Clock(Protocol):
@@ -44,14 +44,6 @@ class Spawn(Protocol):
     def __call__(
         self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path
     ) -> ChildHandle: ...
-
-
-class GpuProbe(Protocol):
-    """NVML as the loop reads it: the child's tree, the card's total and free, other processes."""
-
-    def sample(self, pids: set[int]) -> GpuSample | None: ...
-
-    def close(self) -> None: ...
 
 
 def _open_gpu(device: str) -> GpuProbe | None:

@@ -10,7 +10,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.budget import card_budget
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop.seams import GpuProbe
+from qlora_supervise.supervisor.watching.gpu import GpuProbe
 
 
 def policy_settings(job: Job) -> policy.Settings:

@@ -34,7 +34,7 @@ def wait_for_free_memory(
     """
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_delay(timeout_s) | tenacity.stop_when_event_set(stop_requested),
-        wait=tenacity.wait_exponential_jitter(initial=initial_s, max=max_s, jitter=initial_s),
+        wait=tenacity.wait_exponential_jitter(multiplier=initial_s, max=max_s, jitter=initial_s),
         # No reading at all (no NVML): nothing to wait on; the loop's backoff paces the retry.
         retry=tenacity.retry_if_result(lambda free: free is not None and free < needed),
         sleep=sleep,

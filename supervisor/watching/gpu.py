@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,17 @@ class GpuSample:
     this_process_bytes: int  # summed over the pids passed to sample() (the child's tree)
     others: tuple[tuple[int, int], ...]  # (pid, bytes) of every other process on the GPU
     xid_events: tuple[int, ...] = ()  # Xid codes seen since the previous sample
+
+
+class GpuProbe(Protocol):
+    """NVML as the loop reads it: the child's tree, the card's total and free, other processes.
+
+    :class:`GpuMonitor` is the real one; tests pass a fake through the loop's seams.
+    """
+
+    def sample(self, pids: set[int]) -> GpuSample | None: ...
+
+    def close(self) -> None: ...
 
 
 class GpuMonitor:

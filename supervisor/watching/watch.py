@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample
+from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.host import sample_host
 
@@ -38,7 +38,7 @@ def hung(progress: Progress, started: float, now: float, timeout_s: float) -> bo
     return now - last > timeout_s
 
 
-def sample_memory(pid: int, watched: Watched, gpu: GpuMonitor | None, gpu_log: Path) -> None:
+def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Path) -> None:
     """One host sample and, where NVML answers, one GPU sample of the child's process tree."""
     host = sample_host(pid)
     watched.rss_peak = max(watched.rss_peak or 0, host.child_rss_bytes) or None

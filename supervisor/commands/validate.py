@@ -1,0 +1,65 @@
+"""``qlora-supervise validate job.yaml``: every problem at once, or OK and a short summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qlora_supervise.supervisor.jobfile import data_probe
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.jobfile.load import load_job
+from qlora_supervise.supervisor.jobfile.problems import JobError
+from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.trainer_child.protocol import DataSpec
+
+
+def validate_command(path: str) -> int:
+    """Print ``<file>: OK`` and a summary (returns 0), or ``<file>: N problems`` and each one (2)."""
+    try:
+        job = load_job(path)
+    except JobError as error:
+        count = len(error.problems)
+        print(f"{path}: {count} problem{'s' if count != 1 else ''}")
+        for problem in error.problems:
+            print(problem.render())
+        return 2
+    print(f"{path}: OK")
+    for line in summary_lines(job):
+        print(f"  {line}")
+    return 0
+
+
+def summary_lines(job: Job) -> list[str]:
+    """A few lines a person checks before starting a long run."""
+    knobs, train, resources = job.knobs, job.train, job.resources
+    model = knobs.model
+    if job.fallback_models:
+        model += f" (fallbacks: {', '.join(job.fallback_models)})"
+    length = f"max_steps {train.max_steps}" if train.max_steps > 0 else f"{train.epochs:g} epoch(s)"
+    limits = [
+        f"{name} {format_bytes(n)}"
+        for name, n in (("GPU", resources.gpu_memory_limit), ("CPU", resources.cpu_memory_limit))
+        if n is not None
+    ]
+    return [
+        f"model: {model}",
+        f"data: {_data_summary(job.data)}",
+        f"effective batch: {knobs.effective_batch} = micro-batch {knobs.micro_batch_size} x accumulation "
+        f"{knobs.grad_accum}; seq_len {knobs.max_seq_len}; {length}",
+        f"device: {resources.device}" + (f"; memory limits: {', '.join(limits)}" if limits else ""),
+        f"output_dir: {job.output_dir}",
+    ]
+
+
+def _data_summary(data: DataSpec) -> str:
+    """``<path> (<rows> rows, text_field 'text')``; rows only where counting is cheap."""
+    field = (
+        f"messages_field {data.messages_field!r}"
+        if data.messages_field
+        else f"text_field {data.text_field!r}"
+    )
+    try:
+        rows = data_probe.probe(Path(data.path), count_rows=True).rows
+    except data_probe.DataProbeError:
+        rows = None
+    count = "" if rows is None else f"{rows} rows, "
+    return f"{data.path} ({count}{field})"

@@ -1,0 +1,238 @@
+"""``load_job``: read the job file, parse its YAML, validate it in two passes, and build the Job.
+
+YAML is read with ``yaml.safe_load`` (tags such as ``!!python/object`` are refused, never
+executed). Validation runs in two passes so that one bad section does not hide the others'
+problems:
+
+1. shape: each section is validated on its own by its pydantic model (``schema``); paths are
+   resolved against the job file's directory;
+2. world: checks across fields and against the file system (``world``), run for every section
+   that passed the first pass.
+
+Either every problem is raised at once in a :class:`JobError`, or the :class:`Job` comes back.
+Pydantic's errors are translated here into :class:`Problem` lines with the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from qlora_supervise.supervisor.jobfile.fields import JOB_ERROR_TYPE, ResolvedPath
+from qlora_supervise.supervisor.jobfile.job import Job, job_from_sections
+from qlora_supervise.supervisor.jobfile.problems import FILE_PATH, JobError, Problem, did_you_mean, show
+from qlora_supervise.supervisor.jobfile.schema import (
+    DEFAULT_OUTPUT_DIR,
+    REQUIRED_SECTIONS,
+    SECTIONS,
+    TOP_LEVEL_KEYS,
+    Section,
+)
+from qlora_supervise.supervisor.jobfile.world import world_problems
+from qlora_supervise.trainer_child.protocol import FailureKind
+
+
+def load_job(path: str | os.PathLike[str]) -> Job:
+    """Read, parse and validate the job file at ``path``. Raises JobError with every problem."""
+    job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
+    text = _read_text(job_file)
+    raw = _parse_yaml(text)
+    problems = [*_duplicate_keys(text), *_top_level_problems(raw)]
+    context = {"job_dir": str(job_file.parent)}
+    sections: dict[str, Section] = {}
+    bad: set[str] = set()
+    for name, section_type in SECTIONS.items():
+        section, found, bad_fields = _validate_section(name, section_type, raw, context)
+        problems += found
+        bad |= bad_fields
+        if section is not None:
+            sections[name] = section
+    output_dir, found = _validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
+    problems += found
+    problems += world_problems(sections, output_dir, frozenset(bad))
+    if problems or output_dir is None:
+        raise JobError(problems)
+    # No problems means every section validated whole: the specs are built from complete sections.
+    return job_from_sections(job_file, text, output_dir, sections)
+
+
+def _read_text(job_file: Path) -> str:
+    """The job file as text; a missing or unreadable file is a JobError."""
+    try:
+        return job_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fix = "check the path; a job file is YAML with at least model.path and data.path"
+        raise JobError([Problem(FILE_PATH, "no such file", show(str(job_file)), fix)]) from None
+    except (OSError, UnicodeDecodeError) as error:
+        problem = Problem(FILE_PATH, f"cannot read the job file: {error}", show(str(job_file)), "")
+        raise JobError([problem]) from None
+
+
+def _parse_yaml(text: str) -> dict[str, Any]:
+    """The top-level mapping; bad YAML, an empty file or a non-mapping is a JobError."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise JobError([_yaml_problem(error, text)]) from None
+    if raw is None:
+        raise JobError(
+            [Problem(FILE_PATH, "the job file is empty", None, "write at least model.path and data.path")]
+        )
+    if not isinstance(raw, dict):
+        fix = "the top level must be a mapping of sections (model:, data:, train:, ...)"
+        raise JobError([Problem(FILE_PATH, f"top level is a {_yaml_kind(raw)}", show(raw), fix)])
+    return raw
+
+
+def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
+    """A YAML error as a Problem at its line and column; refused tags get their own words."""
+    mark = getattr(error, "problem_mark", None)
+    where = FILE_PATH if mark is None else f"line {mark.line + 1}, column {mark.column + 1}"
+    lines = text.splitlines()
+    got = show(lines[mark.line].strip()) if mark is not None and mark.line < len(lines) else None
+    detail = str(getattr(error, "problem", None) or error)
+    tag_match = re.search(r"constructor for the tag '([^']+)'", detail)
+    if tag_match:
+        tag = tag_match.group(1).replace("tag:yaml.org,2002:", "!!")
+        fix = "remove the tag and write plain values: job files are read with yaml.safe_load"
+        return Problem(where, f"YAML tag {tag!r} is not allowed", got, fix)
+    return Problem(where, f"YAML syntax error: {detail}", got, "fix the YAML at that line")
+
+
+def _duplicate_keys(text: str) -> Iterator[Problem]:
+    """Keys given twice in one mapping: PyYAML silently keeps the last, which hides edits."""
+    # compose() builds nodes only (no objects are constructed): as safe as safe_load.
+    stack: list[tuple[str, yaml.Node | None]] = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
+    while stack:
+        prefix, node = stack.pop()
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key, line = str(key_node.value), key_node.start_mark.line + 1
+            path = f"{prefix}.{key}" if prefix else key
+            if key in seen:
+                where = f"key given twice (lines {seen[key]} and {line}); YAML keeps only the last"
+                yield Problem(path, where, show(key), "merge them into one")
+            seen.setdefault(key, line)
+            stack.append((path, value_node))
+
+
+def _yaml_kind(value: object) -> str:
+    """The YAML word for a value's type (list, string, number, boolean)."""
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
+    """Unknown top-level keys (with a did-you-mean) and missing required sections."""
+    problems = []
+    for key in raw:
+        if key not in TOP_LEVEL_KEYS:
+            problems.append(
+                Problem(str(key), "unknown key", show(raw[key]), did_you_mean(key, TOP_LEVEL_KEYS))
+            )
+    for name in REQUIRED_SECTIONS:
+        if name not in raw:
+            problems.append(Problem(name, "required section is missing", None, f"add {name}: {{path: ...}}"))
+    return problems
+
+
+def _validate_section(
+    name: str, section_type: type[Section], raw: Mapping[str, Any], context: dict[str, str]
+) -> tuple[Section | None, list[Problem], set[str]]:
+    """The section (partial when some fields are bad), its problems, and the bad field paths.
+
+    A section with bad fields is validated again without them so that the world checks still
+    run for the good ones; checks that involve a bad field are skipped (their defaults would lie).
+    """
+    if name not in raw and name in REQUIRED_SECTIONS:
+        return None, [], {name}  # reported once by _top_level_problems
+    value = raw.get(name)
+    if value is None:
+        value = {}  # `train:` with nothing under it means the defaults
+    if not isinstance(value, dict):
+        return None, [Problem(name, f"must be a mapping, not a {_yaml_kind(value)}", show(value), "")], {name}
+    try:
+        return section_type.model_validate(value, context=context), [], set()
+    except ValidationError as error:
+        problems = _problems_from(error, name, section_type)
+        bad_keys = {str(item["loc"][0]) for item in error.errors() if item["loc"]}
+    try:
+        good = {k: v for k, v in value.items() if k not in bad_keys}
+        partial: Section | None = section_type.model_validate(good, context=context)
+    except ValidationError:
+        partial = None  # a required field is bad: nothing in this section can be checked
+    return partial, problems, {f"{name}.{key}" for key in bad_keys}
+
+
+def _validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path | None, list[Problem]]:
+    """output_dir resolved against the job directory, or its problems."""
+    try:
+        return TypeAdapter(ResolvedPath).validate_python(value, context=context), []
+    except ValidationError as error:
+        return None, _problems_from(error, "output_dir", None)
+
+
+# --------------------------------------------------------------------------- pydantic -> problems
+
+_TYPE_NAMES = {
+    "int_type": "a whole number",
+    "int_from_float": "a whole number",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "tuple_type": "a list",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _problems_from(error: ValidationError, prefix: str, section_type: type[Section] | None) -> list[Problem]:
+    """Every error of a pydantic ValidationError as a Problem under ``prefix``."""
+    problems = []
+    for item in error.errors(include_url=False):
+        loc = [str(part) for part in item["loc"]]
+        problems.append(_one_problem(item, [prefix, *loc], section_type))
+    return problems
+
+
+def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) -> Problem:
+    """One pydantic error item (``loc`` already prefixed) in the job file's words."""
+    kind, ctx, value = item["type"], item.get("ctx") or {}, item.get("input")
+    if loc[-1] == "[key]":  # a dict key (ladders: failure kinds)
+        path = ".".join(loc[:-1])
+        kinds = tuple(k.value for k in FailureKind)
+        return Problem(path, "unknown failure kind", show(value), did_you_mean(value, kinds))
+    path = ".".join(loc)
+    if kind == JOB_ERROR_TYPE:
+        return Problem(path, str(ctx["problem"]), show(value), str(ctx["fix"]))
+    if kind == "extra_forbidden":
+        known = frozenset(section_type.model_fields) if section_type and len(loc) == 2 else frozenset()
+        return Problem(
+            path, "unknown key", show(value), did_you_mean(loc[-1], known) if known else "remove it"
+        )
+    if kind == "missing":
+        return Problem(path, "required key is missing", None, "add it")
+    if kind in ("literal_error", "enum"):
+        choices = tuple(re.findall(r"'([^']*)'", str(ctx.get("expected", ""))))
+        return Problem(path, "not an allowed value", show(value), did_you_mean(value, choices))
+    if kind in _BOUNDS:
+        op = _BOUNDS[kind]
+        bound = next(iter(ctx.values()), "?")
+        return Problem(path, f"must be {op} {bound}", show(value), f"use a value {op} {bound}")
+    if kind in _TYPE_NAMES:
+        return Problem(path, "wrong type", show(value), f"expected {_TYPE_NAMES[kind]}")
+    if kind == "string_too_short":
+        return Problem(path, "must not be empty", show(value), "write a name")
+    if kind == "finite_number":
+        return Problem(path, "must be a finite number", show(value), "")
+    return Problem(path, str(item["msg"]), show(value), "")

@@ -1,0 +1,61 @@
+"""What is wrong with a job file, in words: a :class:`Problem` per mistake, all raised at once.
+
+Every check of the job file (YAML, schema, world) reports through these, so that
+``qlora-supervise validate`` prints one line per mistake with the field path, the bad value
+as the job file spells it, and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable
+from pathlib import Path
+
+FILE_PATH = "<job file>"  # the field path of problems with the file as a whole
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a job file. ``got`` is the bad value as shown to people (None: missing)."""
+
+    path: str
+    problem: str
+    got: str | None
+    fix: str
+
+    def render(self) -> str:
+        """``  train.micro_batch_size: must be > 0 (got 0; use a value > 0)``"""
+        got = "missing" if self.got is None else f"got {self.got}"
+        detail = f"{got}; {self.fix}" if self.fix else got
+        return f"  {self.path}: {self.problem} ({detail})"
+
+
+class JobError(Exception):
+    """The job file cannot be used; ``problems`` lists every reason at once."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("\n".join(p.render() for p in problems))
+        self.problems = problems
+
+
+def show(value: object) -> str:
+    """A value as the job file would spell it, cut to one short line."""
+    if value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, Path):
+        text = repr(str(value))
+    else:
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def did_you_mean(word: object, choices: Iterable[str], label: str = "allowed") -> str:
+    """``did you mean 'micro_batch_size'?`` when one choice is close, else ``allowed: <choices>``."""
+    options = sorted(choices)
+    close = difflib.get_close_matches(str(word), options, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return f"{label}: " + (", ".join(options) or "none")

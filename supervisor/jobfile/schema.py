@@ -1,0 +1,153 @@
+"""The sections of a job file, as frozen pydantic models: the shape pass of validation.
+
+Each section is validated on its own (types, units, ranges, allowed values, unknown keys), so
+one bad section does not hide another's problems.
+
+One set of defaults: a field that lands in a spec crossing to the child (``Knobs``,
+``DataSpec``, ``TrainSpec``, ``Resources``) or in the policy's ``Settings`` takes its default
+from that dataclass, never a number of its own. Only what nothing else knows about (durations
+of the loop, ``keep_effective_batch``, the fallbacks) has its default here.
+``tests/test_job.py`` walks the dataclass fields and fails where a default disagrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from qlora_supervise.policies.decide import Settings
+from qlora_supervise.supervisor.jobfile.fields import (
+    ByteSize,
+    ComputeDtype,
+    Device,
+    Fraction,
+    Ladders,
+    Name,
+    NonNegativeFloat,
+    NonNegativeInt,
+    Optimizer,
+    PathList,
+    PositiveFloat,
+    PositiveInt,
+    QuantType,
+    ResolvedPath,
+    Scheduler,
+    Seconds,
+    SecondsOrZero,
+    TargetModules,
+)
+from qlora_supervise.trainer_child.protocol import DataSpec, Knobs, Resources, TrainSpec
+
+# The protocol's defaults, read off default instances (the required fields get placeholders that
+# no section reads).
+_KNOBS = Knobs(model="")
+_DATA = DataSpec(path="")
+_TRAIN = TrainSpec()
+_RESOURCES = Resources()
+_SETTINGS = Settings()
+
+
+class Section(BaseModel):
+    """A part of the job file; frozen, unknown keys refused."""
+
+    # strict: YAML already gives ints, floats and bools; "8" for an int is a mistake worth naming.
+    # validate_default: a protocol default the schema would refuse (the casts below to the allowed
+    # values are checked here) fails every load and the defaults test, never an attempt.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True)
+
+
+class ModelSection(Section):
+    path: ResolvedPath
+    fallbacks: PathList = ()  # smaller models for the last rung; none unless named
+    trust_remote_code: bool = _TRAIN.trust_remote_code
+
+
+class DataSection(Section):
+    path: ResolvedPath
+    text_field: Name | None = _DATA.text_field
+    messages_field: Name | None = _DATA.messages_field
+    eval_path: ResolvedPath | None = None  # DataSpec.eval_path's None, as a Path
+    eval_fraction: Fraction = _DATA.eval_fraction
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_replace_default_text(cls, data: Any) -> Any:
+        # text_field defaults to "text" only while messages_field is not given.
+        if isinstance(data, dict) and data.get("messages_field") is not None and "text_field" not in data:
+            return {**data, "text_field": None}
+        return data
+
+
+class QuantizationSection(Section):
+    load_in_4bit: bool = _KNOBS.load_in_4bit
+    quant_type: QuantType = cast(QuantType, _KNOBS.quant_type)
+    double_quant: bool = _KNOBS.double_quant
+    compute_dtype: ComputeDtype = cast(ComputeDtype, _TRAIN.compute_dtype)
+
+
+class LoraSection(Section):
+    r: PositiveInt = _KNOBS.lora_r
+    alpha: PositiveInt = _KNOBS.lora_alpha
+    dropout: Fraction = _TRAIN.lora_dropout
+    target_modules: TargetModules = _TRAIN.target_modules
+
+
+class TrainSection(Section):
+    max_seq_len: PositiveInt = _KNOBS.max_seq_len
+    micro_batch_size: PositiveInt = _KNOBS.micro_batch_size
+    effective_batch_size: PositiveInt = _KNOBS.effective_batch
+    gradient_checkpointing: bool = _KNOBS.gradient_checkpointing
+    optimizer: Optimizer = cast(Optimizer, _KNOBS.optimizer)
+    learning_rate: PositiveFloat = _TRAIN.learning_rate
+    lr_scheduler: Scheduler = cast(Scheduler, _TRAIN.lr_scheduler)
+    warmup_ratio: Fraction = _TRAIN.warmup_ratio
+    max_grad_norm: NonNegativeFloat = _TRAIN.max_grad_norm
+    max_steps: PositiveInt | None = None  # None: epochs decide (TrainSpec spells it -1)
+    epochs: PositiveFloat | None = _TRAIN.epochs
+    save_steps: PositiveInt = _TRAIN.save_steps
+    logging_steps: PositiveInt = _TRAIN.logging_steps
+    eval_steps: PositiveInt | None = _TRAIN.eval_steps
+    eval_batch_size: PositiveInt = _KNOBS.eval_batch_size
+    packing: bool = _TRAIN.packing
+    seed: NonNegativeInt = _TRAIN.seed
+    merge: bool = _TRAIN.merge
+
+
+class ResourcesSection(Section):
+    gpu: Device = _RESOURCES.device
+    gpu_memory_limit: ByteSize | None = _RESOURCES.gpu_memory_limit
+    cpu_memory_limit: ByteSize | None = _RESOURCES.cpu_memory_limit
+
+
+class SuperviseSection(Section):
+    """How the loop supervises: budgets, timeouts and ladders. Durations are seconds.
+
+    ``keep_effective_batch`` true: no rung lowers the effective batch; false: as a last resort the
+    ladder may, and that counts as a quality change like a shorter seq_len.
+    """
+
+    max_attempts: PositiveInt = _SETTINGS.max_attempts
+    hang_timeout: Seconds = 1200.0
+    max_no_progress_attempts: PositiveInt = _SETTINGS.max_no_progress
+    backoff_initial: Seconds = 2.0
+    backoff_max: Seconds = 60.0
+    keep_effective_batch: bool = True
+    contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
+    degrade_on_contention: bool = _SETTINGS.degrade_on_contention
+    ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
+
+
+SECTIONS: Mapping[str, type[Section]] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "quantization": QuantizationSection,
+    "lora": LoraSection,
+    "train": TrainSection,
+    "resources": ResourcesSection,
+    "supervise": SuperviseSection,
+}
+REQUIRED_SECTIONS = ("model", "data")
+TOP_LEVEL_KEYS = frozenset({*SECTIONS, "output_dir"})
+DEFAULT_OUTPUT_DIR = "./run"

@@ -1,0 +1,205 @@
+"""The world pass of validation: checks across fields and against the file system.
+
+Run after the shape pass (``schema``), for every section that passed it: model directories,
+data files and their fields, batch divisibility, eval settings, backoff order, and whether the
+output directory can be written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from qlora_supervise.supervisor.jobfile import data_probe
+from qlora_supervise.supervisor.jobfile.problems import Problem, did_you_mean, show
+from qlora_supervise.supervisor.jobfile.schema import (
+    DataSection,
+    ModelSection,
+    Section,
+    SuperviseSection,
+    TrainSection,
+)
+from qlora_supervise.supervisor.jobfile.units import format_duration
+
+
+def world_problems(
+    sections: Mapping[str, Section], output_dir: Path | None, bad: frozenset[str]
+) -> list[Problem]:
+    """Every problem across fields or with the file system, for the sections that validated.
+
+    ``sections`` may be partial (validated without their bad fields); ``bad`` names the field
+    paths that failed the shape pass, and a check that involves one is skipped (its default would lie).
+    """
+    problems: list[Problem] = []
+    if isinstance(model := sections.get("model"), ModelSection):
+        problems += _model_problems(model, bad)
+    if isinstance(data := sections.get("data"), DataSection):
+        problems += _data_problems(data, bad)
+    if isinstance(train := sections.get("train"), TrainSection):
+        problems += _train_problems(train, bad)
+        if isinstance(data, DataSection):
+            problems += _eval_problems(train, data, bad)
+    if isinstance(supervise := sections.get("supervise"), SuperviseSection):
+        problems += _supervise_problems(supervise, bad)
+    if output_dir is not None:
+        problems += _output_dir_problems(output_dir)
+    return problems
+
+
+def _model_problems(model: ModelSection, bad: frozenset[str]) -> list[Problem]:
+    """The model directory and each fallback must be a Hugging Face model directory."""
+    paths = [] if "model.path" in bad else [("model.path", model.path)]
+    if "model.fallbacks" not in bad:
+        paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
+    return [problem for name, path in paths if (problem := _model_dir_problem(name, path))]
+
+
+def _model_dir_problem(name: str, path: Path) -> Problem | None:
+    """Why ``path`` is not a local model directory (config.json inside), or None."""
+    if not path.exists():
+        return Problem(name, "no such directory", show(path), "give a local model directory")
+    if not path.is_dir():
+        return Problem(name, "not a directory", show(path), "give the model's directory")
+    if not (path / "config.json").is_file():
+        fix = "point at a Hugging Face model directory (config.json + weights)"
+        return Problem(name, "no config.json in the directory", show(path), fix)
+    return None
+
+
+def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
+    """Exactly one of text_field / messages_field, at most one eval source, and readable sources."""
+    problems = []
+    fields_ok = not bad & {"data.text_field", "data.messages_field"}
+    if fields_ok and data.text_field is not None and data.messages_field is not None:
+        fix = "set one of them; the other to null"
+        problems.append(
+            Problem(
+                "data.messages_field",
+                "both text_field and messages_field are set",
+                show(data.messages_field),
+                fix,
+            )
+        )
+    if fields_ok and data.text_field is None and data.messages_field is None:
+        problems.append(
+            Problem("data.text_field", "neither text_field nor messages_field is set", None, "set one")
+        )
+    if (
+        not bad & {"data.eval_path", "data.eval_fraction"}
+        and data.eval_path is not None
+        and data.eval_fraction > 0
+    ):
+        fix = "use eval_path or eval_fraction, not both"
+        problems.append(
+            Problem(
+                "data.eval_fraction",
+                "both eval_path and eval_fraction are set",
+                show(data.eval_fraction),
+                fix,
+            )
+        )
+    if "data.path" not in bad:
+        problems += _source_problems("data.path", data.path, data, fields_ok)
+    if "data.eval_path" not in bad and data.eval_path is not None:
+        problems += _source_problems("data.eval_path", data.eval_path, data, fields_ok)
+    return problems
+
+
+def _source_problems(path_name: str, path: Path, data: DataSection, check_fields: bool) -> list[Problem]:
+    """The data at ``path`` exists, is a format the probe reads, and has the named fields."""
+    if not path.exists():
+        return [
+            Problem(
+                path_name,
+                "no such file or directory",
+                show(path),
+                "check the path (relative to the job file)",
+            )
+        ]
+    try:
+        found = data_probe.probe(path)
+    except data_probe.DataProbeError as error:
+        return [Problem(path_name, str(error), show(path), f"use {data_probe.FORMATS_HELP}")]
+    if not check_fields:
+        return []
+    problems = []
+    for field_name, field, messages in (
+        ("data.text_field", data.text_field, False),
+        ("data.messages_field", data.messages_field, True),
+    ):
+        why = None if field is None else data_probe.field_problem(found, field, messages=messages)
+        if why is not None:
+            where = "" if path_name == "data.path" else f" ({path_name})"
+            known = field in found.fields
+            fix = "fix the data or the field" if known else did_you_mean(field, found.fields, "fields")
+            problems.append(Problem(field_name, why + where, show(field), fix))
+    return problems
+
+
+def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
+    """The effective batch divides into micro-batches, and max_steps or epochs sets the length."""
+    problems = []
+    batch_ok = not bad & {"train.effective_batch_size", "train.micro_batch_size"}
+    if batch_ok and train.effective_batch_size % train.micro_batch_size:
+        fix = f"make it a multiple of train.micro_batch_size ({train.micro_batch_size})"
+        problems.append(
+            Problem(
+                "train.effective_batch_size",
+                "not divisible by micro_batch_size",
+                show(train.effective_batch_size),
+                fix,
+            )
+        )
+    length_ok = not bad & {"train.max_steps", "train.epochs"}
+    if length_ok and train.max_steps is None and train.epochs is None:
+        problems.append(
+            Problem("train.max_steps", "neither max_steps nor epochs is set", None, "set one of them")
+        )
+    return problems
+
+
+def _eval_problems(train: TrainSection, data: DataSection, bad: frozenset[str]) -> list[Problem]:
+    """eval_steps needs eval data (eval_path or eval_fraction)."""
+    if bad & {"train.eval_steps", "data.eval_path", "data.eval_fraction"}:
+        return []
+    if train.eval_steps is not None and data.eval_path is None and data.eval_fraction == 0:
+        fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
+        return [
+            Problem(
+                "train.eval_steps",
+                "evaluation asked for but there is no eval data",
+                show(train.eval_steps),
+                fix,
+            )
+        ]
+    return []
+
+
+def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> list[Problem]:
+    """The backoff may not shrink: backoff_max is at least backoff_initial."""
+    if bad & {"supervise.backoff_max", "supervise.backoff_initial"}:
+        return []
+    if supervise.backoff_max < supervise.backoff_initial:
+        fix = f"use at least backoff_initial ({format_duration(supervise.backoff_initial)})"
+        got = show(format_duration(supervise.backoff_max))
+        return [Problem("supervise.backoff_max", "smaller than backoff_initial", got, fix)]
+    return []
+
+
+def _output_dir_problems(output_dir: Path) -> list[Problem]:
+    """The output directory is a directory, or can be made in a writable place."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return [
+            Problem(
+                "output_dir", "exists and is not a directory", show(output_dir), "choose a directory path"
+            )
+        ]
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [
+            Problem("output_dir", f"{existing} is not writable", show(output_dir), "choose a writable place")
+        ]
+    return []
