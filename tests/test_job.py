@@ -610,3 +610,11 @@ def test_job_module_does_not_import_heavy_libraries() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_keep_effective_batch_false_is_refused_with_the_reason(job_dir: Path) -> None:
+    """Bug 3: a setting nothing reads is not silently accepted; false says why it cannot help."""
+    path = write(job_dir, MINIMAL + "supervise:\n  keep_effective_batch: false\n")
+    rendered = problems_of(path)["supervise.keep_effective_batch"]
+    assert "saves no memory" in rendered and "keep_effective_batch: true" in rendered
+    assert load_job(write(job_dir, MINIMAL + "supervise:\n  keep_effective_batch: true\n")).supervise

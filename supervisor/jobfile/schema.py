@@ -13,9 +13,9 @@ of the loop, ``keep_effective_batch``, the fallbacks) has its default here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from qlora_supervise.policies.decide import Settings
 from qlora_supervise.supervisor.jobfile.fields import (
@@ -37,6 +37,7 @@ from qlora_supervise.supervisor.jobfile.fields import (
     Seconds,
     SecondsOrZero,
     TargetModules,
+    job_error,
 )
 from qlora_supervise.trainer_child.protocol import DataSpec, Knobs, Resources, TrainSpec
 
@@ -121,11 +122,23 @@ class ResourcesSection(Section):
     cpu_memory_limit: ByteSize | None = _RESOURCES.cpu_memory_limit
 
 
+def _only_true(value: bool) -> bool:
+    if not value:
+        raise job_error(
+            "a smaller effective batch saves no memory (halving the micro-batch raises accumulation "
+            "instead), so the supervisor always keeps it",
+            "delete the line or set keep_effective_batch: true",
+        )
+    return value
+
+
 class SuperviseSection(Section):
     """How the loop supervises: budgets, timeouts and ladders. Durations are seconds.
 
-    ``keep_effective_batch`` true: no rung lowers the effective batch; false: as a last resort the
-    ladder may, and that counts as a quality change like a shorter seq_len.
+    ``keep_effective_batch`` is a guarantee, not a knob: only ``true`` is accepted. Halving the
+    micro-batch raises accumulation to match and can always reach micro-batch 1, and memory does
+    not depend on the effective batch at a given micro-batch, so lowering it would cost quality
+    and save no memory; ``false`` is refused with that reason rather than accepted and ignored.
     """
 
     max_attempts: PositiveInt = _SETTINGS.max_attempts
@@ -133,7 +146,7 @@ class SuperviseSection(Section):
     max_no_progress_attempts: PositiveInt = _SETTINGS.max_no_progress
     backoff_initial: Seconds = 2.0
     backoff_max: Seconds = 60.0
-    keep_effective_batch: bool = True
+    keep_effective_batch: Annotated[bool, AfterValidator(_only_true)] = True
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
