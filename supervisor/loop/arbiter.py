@@ -31,6 +31,7 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop.announce import announce_decision, announce_success
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.reclaim import reclaim
@@ -40,7 +41,7 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import with_card_budget
 from qlora_supervise.supervisor.loop.waiting import backoff_seconds, wait_for_free_memory
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.history import policy_history, story
+from qlora_supervise.supervisor.record.history import policy_history
 from qlora_supervise.supervisor.record.journal import (
     RunState,
     State,
@@ -205,7 +206,7 @@ class Supervisor:
         next_from = None if verdict is Outcome.SUCCEEDED else self._resume_step(o.plan.knobs)
         record = self._journal(record_of(o, verdict, next_from))
         if verdict is Outcome.SUCCEEDED:
-            self._log_success(record, [*records, record], log, reclaimed)
+            announce_success(log, record, [*records, record], self.job.train.merge, self.rd, reclaimed)
         elif verdict is Outcome.INTERRUPTED:
             log.info(
                 Event.ATTEMPT_INTERRUPTED,
@@ -240,7 +241,7 @@ class Supervisor:
         record = self._journal(
             record_of(o, Outcome.FAILED, next_from, failure_record(failure, o.report), entry)
         )
-        self._log_decision(record, failure, o, [*records, record], log)
+        announce_decision(log, record, failure, o.report, [*records, record], self.rd)
         return record
 
     def _journal(self, record: AttemptRecord) -> AttemptRecord:
@@ -253,63 +254,6 @@ class Supervisor:
 
     def _phase_done(self, phase: Phase) -> bool:
         return (self.rd.merged if phase is Phase.MERGE else self.rd.adapter).exists()
-
-    def _log_success(
-        self, record: AttemptRecord, records: Sequence[AttemptRecord], log: Any, reclaimed: bool
-    ) -> None:
-        log.info(
-            Event.ATTEMPT_SUCCEEDED,
-            phase=record.phase.value,
-            steps=record.steps_completed,
-            reclaimed=reclaimed,
-        )
-        if record.phase is Phase.MERGE or not self.job.train.merge:
-            log.info(
-                Event.RUN_SUCCEEDED,
-                attempts=record.attempt,
-                steps=max(r.steps_completed for r in records if r.phase is Phase.TRAIN),
-                adapter=str(self.rd.adapter),
-                merged=str(self.rd.merged) if record.phase is Phase.MERGE else None,
-                story=story(records),
-            )
-
-    def _log_decision(
-        self,
-        record: AttemptRecord,
-        failure: Failure,
-        o: AttemptOutcome,
-        records: Sequence[AttemptRecord],
-        log: Any,
-    ) -> None:
-        decision = record.decision
-        assert decision is not None
-        if record.restarts and decision.knobs is not None:
-            log.warning(
-                Event.RETRY,
-                failed=failure.kind.value,
-                stage=failure.stage.value,
-                numbers=dict(failure.numbers),
-                rung=decision.rung,
-                changes={k: list(v) for k, v in decision.changes.items()},
-                why=decision.why,
-                progress_survives=decision.survives.value,
-                steps_completed=record.steps_completed,
-                resume_from=record.next_resume_from,
-                lost_steps=record.lost_steps,
-                emergency_checkpoint=bool(o.report and o.report.emergency_checkpoint),
-                effective_batch=decision.knobs.effective_batch,
-            )
-            return
-        log.error(
-            Event.GAVE_UP,
-            failed=failure.kind.value,
-            stage=failure.stage.value,
-            why=decision.why,
-            retryable=decision.retryable,
-            message=failure.message[:500],
-            journal=str(self.rd.attempts),
-            story=story(records),
-        )
 
     # -- waiting ---------------------------------------------------------------------------
 

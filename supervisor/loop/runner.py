@@ -60,19 +60,8 @@ class AttemptRunner:
         spec = self._write_spec(number, plan, resume, log)
         started_at = seams.wall()
         attempt_dir = ctx.rd.attempt_dir(number)
-        argv = seams.argv(attempt_dir / "spec.json", plan.phase.value)
-        env = child_mod.child_env(dict(os.environ), plan.knobs)
         kills_before = seams.oom_kills()
-        # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
-        # between leaves a state that names the attempt, so its child can be found and stopped.
-        flight = InFlight(number, plan.phase, plan.knobs, resume.step, None, started_at)
-        write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
-        proc = seams.spawn(argv, env, attempt_dir / "child.log", ctx.rd.root)
-        notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
-        write_state(
-            ctx.rd.state,
-            State(RunState.RUNNING, plan.knobs, plan.phase, dataclasses.replace(flight, pid=proc.pid)),
-        )
+        proc = self._spawn(number, plan, resume, started_at)
         log.info(
             Event.ATTEMPT_STARTED,
             phase=plan.phase.value,
@@ -113,6 +102,21 @@ class AttemptRunner:
             log_tail=child_mod.log_tail(attempt_dir / "child.log"),
             oom_kill_delta=(kills_after or 0) - (kills_before or 0),
         )
+
+    def _spawn(self, number: int, plan: Plan, resume: ResumePoint, started_at: float) -> ChildHandle:
+        ctx, seams = self.ctx, self.ctx.seams
+        attempt_dir = ctx.rd.attempt_dir(number)
+        argv = seams.argv(attempt_dir / "spec.json", plan.phase.value)
+        env = child_mod.child_env(dict(os.environ), plan.knobs)
+        # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
+        # between leaves a state that names the attempt, so its child can be found and stopped.
+        flight = InFlight(number, plan.phase, plan.knobs, resume.step, None, started_at)
+        write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
+        proc = seams.spawn(argv, env, attempt_dir / "child.log", ctx.rd.root)
+        notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
+        flight = dataclasses.replace(flight, pid=proc.pid)
+        write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
+        return proc
 
     def _end(self, proc: ChildHandle, watched: Watched) -> ChildExit:
         seams = self.ctx.seams
