@@ -12,7 +12,8 @@ import re
 import traceback
 from typing import Any
 
-from .protocol import ErrorReport, ExitCode, Stage, write_text_atomic
+from .durable import write_text_atomic
+from .protocol import ErrorReport, ExitCode, Stage
 
 OOM_MARKERS = (
     "CUDA out of memory",

@@ -36,8 +36,8 @@ def merge(ctx: Context) -> ExitCode:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import checkpoints
+    from .durable import fsync_dir
     from .failure import ConfigError
-    from .protocol import fsync_dir
 
     spec = ctx.spec
     adapter = Path(spec.adapter_dir)

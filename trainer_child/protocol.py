@@ -10,6 +10,9 @@ through files, never through log scraping:
   :data:`EVENT_NAMES`; heartbeats carry stage, step, loss, tokens/s and memory numbers.
 * ``spec.error_file``: an :class:`ErrorReport`, written atomically, on any failure.
 * the exit code, one of the reserved :class:`ExitCode` values.
+
+Durable writes, checkpoint names and process checks that both sides share live beside it in
+:mod:`.durable`, :mod:`.checkpoint_dirs` and :mod:`.processes`, which are standard library only too.
 """
 
 from __future__ import annotations
@@ -17,11 +20,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
-import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 
@@ -260,81 +260,3 @@ EVENT_NAMES = frozenset(
 def event_line(event: str, **fields: Any) -> str:
     """One line of the child's events file."""
     return json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` so that a reader sees the old file or the whole new one, never a torn one.
-
-    tmp file in the same directory + fsync + rename + fsync of the directory: a kill or a
-    power cut at any moment leaves one of the two complete versions.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Make a rename inside ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-#: A complete checkpoint directory holds this file, written last (after the rename it is
-#: redundant, but it lets a reader reject a directory copied by hand or truncated by a full disk).
-CHECKPOINT_COMPLETE_MARKER = "qlora_supervise_complete.json"
-CHECKPOINT_PREFIX = "checkpoint-"
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The optimizer step of a ``checkpoint-<step>`` directory name, else None."""
-    name = path.name
-    if not name.startswith(CHECKPOINT_PREFIX):
-        return None
-    tail = name[len(CHECKPOINT_PREFIX) :]
-    return int(tail) if tail.isdigit() else None
-
-
-def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first. Temp names and unmarked directories are ignored.
-
-    A checkpoint counts only when its directory carries the final name *and* the marker
-    written after every other file: a kill during the write leaves a temp name, which is skipped.
-    """
-    root = Path(checkpoints_dir)
-    if not root.is_dir():
-        return []
-    found: list[tuple[int, Path]] = []
-    for child in root.iterdir():
-        step = checkpoint_step(child)
-        if step is not None and (child / CHECKPOINT_COMPLETE_MARKER).is_file():
-            found.append((step, child))
-    return sorted(found)
-
-
-def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
-    found = complete_checkpoints(checkpoints_dir)
-    return found[-1] if found else None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (it may belong to another user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -21,9 +21,10 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from . import checkpoints
+from .checkpoint_dirs import CHECKPOINT_PREFIX
 from .events import Progress
 from .memory import apply_cpu_cap, free_memory, late_cap_step
-from .protocol import CHECKPOINT_PREFIX, Knobs, Stage
+from .protocol import Knobs, Stage
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or

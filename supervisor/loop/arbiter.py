@@ -51,15 +51,9 @@ from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
-from qlora_supervise.trainer_child.protocol import (
-    AttemptSpec,
-    ErrorReport,
-    ExitCode,
-    Knobs,
-    Stage,
-    pid_alive,
-    write_text_atomic,
-)
+from qlora_supervise.trainer_child.durable import write_text_atomic
+from qlora_supervise.trainer_child.processes import pid_alive
+from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, ExitCode, Knobs, Stage
 
 
 @dataclass
