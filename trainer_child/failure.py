@@ -125,7 +125,7 @@ def write_report(
         exception_type=failure.exception_type,
         message=failure.message,
         traceback=failure.traceback,
-        stage=failure.stage.value,
+        stage=failure.stage,
         step=failure.step,
         is_oom=failure.oom,
         config_error=failure.config,

@@ -243,7 +243,7 @@ def build(
         dtype=str(dtype),
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
-        **memory_numbers(),
+        **memory_numbers().fields(),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit)

@@ -24,7 +24,7 @@ from . import checkpoints
 from .checkpoint_dirs import CHECKPOINT_PREFIX
 from .events import Progress
 from .memory import apply_cpu_cap, free_memory, late_cap_step
-from .protocol import Knobs, Stage
+from .protocol import Heartbeat, Knobs, Stage
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
@@ -139,9 +139,8 @@ class SupervisedSFTTrainer(SFTTrainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         pause = injected_save_pause(self.state.global_step)
         if pause > 0:
-            self.progress.events.emit(
-                "heartbeat", stage=Stage.SAVE.value, step=self.progress.step, test_pause_in_save=pause
-            )
+            beat = Heartbeat(Stage.SAVE, self.progress.step)
+            self.progress.events.emit("heartbeat", **beat.fields(), test_pause_in_save=pause)
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
 
