@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from qlora_supervise.trainer_child.protocol import (
+    DeviceBinding,
+    DeviceError,
     ErrorReport,
     ExitCode,
     Heartbeat,
     MemoryNumbers,
     PeakSource,
     Stage,
+    bind_device,
 )
 
 
@@ -87,3 +93,42 @@ def test_heartbeat_without_an_integer_step_is_not_trusted() -> None:
     assert Heartbeat.from_fields({"event": "heartbeat", "stage": "forward"}) is None
     assert Heartbeat.from_fields({"event": "heartbeat", "step": "3"}) is None
     assert Heartbeat.from_fields({"event": "heartbeat", "step": True}) is None
+
+
+@pytest.mark.parametrize(
+    ("device", "visible", "child", "nvml"),
+    [
+        ("cpu", "2,3", "", None),
+        ("auto", None, "0", 0),
+        ("auto", "2,3", "2", 2),
+        ("auto", "", "", None),  # nothing visible: an auto job trains on the CPU
+        ("cuda:1", "2,3", "3", 3),
+        ("1", "2,3", "3", 3),
+        ("cuda:3", None, "3", 3),
+        ("cuda:0", "GPU-abcd,GPU-ef01", "GPU-abcd", "GPU-abcd"),
+        ("cuda:1", "4, 5", "5", 5),
+        ("cuda:0", "1,-1,2", "1", 1),
+        ("GPU-0001aaaa-bbbb", "2,3", "GPU-0001aaaa-bbbb", "GPU-0001aaaa-bbbb"),
+        ("MIG-1234-5678", None, "MIG-1234-5678", "MIG-1234-5678"),
+    ],
+)
+def test_bind_device_maps_the_job_device_through_cuda_visible_devices(
+    device: str, visible: str | None, child: str, nvml: int | str | None
+) -> None:
+    """cuda:N is the N-th visible GPU for both sides; UUIDs name one GPU; cpu hides them all."""
+    assert bind_device(device, visible) == DeviceBinding(child, nvml)
+
+
+@pytest.mark.parametrize(
+    ("device", "visible", "words"),
+    [
+        ("cuda:2", "2,3", "makes 2 GPU(s) visible"),
+        ("cuda:1", "0,-1,2", "makes 1 GPU(s) visible"),  # CUDA stops reading the list at -1
+        ("cuda:0", "", "makes 0 GPU(s) visible"),
+        ("gpu0", None, "use auto, cpu"),
+    ],
+)
+def test_bind_device_refuses_a_gpu_that_is_not_visible(device: str, visible: str | None, words: str) -> None:
+    """An index past the visible list, or an unknown form, is a DeviceError saying what to use."""
+    with pytest.raises(DeviceError, match=re.escape(words)):
+        bind_device(device, visible)
