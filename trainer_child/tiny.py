@@ -34,8 +34,14 @@ ROWS = 320
 #: Model vocabulary: larger than the ~20 words the data uses, like a real model's.
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+#: Assistant output (with its end-of-turn token) sits inside ``{% generation %}`` markers, so
+#: trl's assistant-only loss can mask the user's turns (``return_assistant_tokens_mask``).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "<|assistant|> {% generation %}{{ m['content'] }} </s>{% endgeneration %} "
+    "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} {% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 

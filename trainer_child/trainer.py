@@ -30,8 +30,9 @@ from .protocol import Heartbeat, Knobs, Stage
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
 #: only from step STEP on, so a test can SIGKILL the child mid-write.
 TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
-#: Test probe: a file to which each micro-batch's row fingerprints are appended, so a test can
-#: check that a resumed run sees exactly the samples an uninterrupted run would.
+#: Test probe: a file to which each micro-batch's row fingerprints (and its input_ids and
+#: labels) are appended, so a test can check that a resumed run sees exactly the samples an
+#: uninterrupted run would, and which tokens the loss covers.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 KEEP_CHECKPOINTS = 3
 
@@ -102,8 +103,11 @@ class SupervisedSFTTrainer(SFTTrainer):
             return
         ids = inputs["input_ids"].tolist()
         rows = [" ".join(map(str, row[:6])) for row in ids]
+        record = {"step": self.state.global_step + 1, "rows": rows, "input_ids": ids}
+        if "labels" in inputs:
+            record["labels"] = inputs["labels"].tolist()
         with open(trace, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": self.state.global_step + 1, "rows": rows}) + "\n")
+            handle.write(json.dumps(record) + "\n")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _get_output_dir(self, trial: Any) -> str:
