@@ -38,7 +38,8 @@ def prepare_env(spec: AttemptSpec) -> None:
 def parse_args(argv: list[str] | None, prog: str) -> Path:
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON, protocol.AttemptSpec)")
-    return parser.parse_args(argv).spec
+    spec: Path = parser.parse_args(argv).spec
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,7 +74,7 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
 
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
     """Delete temp directories left by killed children (those whose pid is gone)."""
-    removed = []
+    removed: list[Path] = []
     if not checkpoints_dir.is_dir():
         return removed
     for path in checkpoints_dir.iterdir():

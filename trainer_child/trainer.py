@@ -75,7 +75,7 @@ class SupervisedSFTTrainer(SFTTrainer):
         mask = inputs.get("attention_mask")
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
-        loss = super().training_step(model, inputs, *args, **kwargs)
+        loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
 
@@ -156,7 +156,8 @@ class SupervisedSFTTrainer(SFTTrainer):
         """
         if self.state.global_step <= 0:
             return None  # nothing learnt yet: a fresh start loses nothing
-        self.model.zero_grad(set_to_none=True)
+        if self.model is not None:  # Trainer always has one by now; the attribute is Optional
+            self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self._step_loss = None
@@ -221,7 +222,7 @@ def restore_scheduler(trainer: SupervisedSFTTrainer, checkpoint: Path) -> None:
     """Put the LR schedule back at the checkpoint's step when the optimizer state is reset
     (Trainer restores the scheduler only together with the optimizer)."""
     path = checkpoint / "scheduler.pt"
-    if not path.is_file() or trainer.lr_scheduler is None:
+    if not path.is_file() or trainer.lr_scheduler is None or trainer.optimizer is None:
         return
     trainer.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
     for group, lr in zip(trainer.optimizer.param_groups, trainer.lr_scheduler.get_last_lr(), strict=False):
