@@ -17,6 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _child import events, make_spec, run_child
 
+from qlora_supervise.trainer_child.protocol import Heartbeat
+
 CONFIGS = [  # (micro_batch, seq_len, gradient_checkpointing)
     (16, 512, False),
     (8, 512, False),
@@ -48,14 +50,15 @@ def measure(tiny: Path, micro: int, seq: int, checkpointing: bool, steps: int = 
         start = time.monotonic()
         code = run_child(spec, timeout=600)
         wall = time.monotonic() - start
-        beats = [e for e in events(spec) if e["event"] == "heartbeat"]
+        beats = [b for e in events(spec) if e["event"] == "heartbeat" and (b := Heartbeat.from_fields(e))]
         started = next(e for e in events(spec) if e["event"] == "started")
         return {
             "rc": code,
             "wall_s": round(wall, 1),
             "vmdata_after_imports": started["vmdata"],
-            "peak_vmdata": max(b.get("peak_vmdata") or 0 for b in beats),
-            "peak_rss": max(b.get("peak_rss") or 0 for b in beats),
+            # On the CPU the child's peak is the data segment's (protocol.MemoryNumbers).
+            "peak_vmdata": max(b.memory.peak_bytes or 0 for b in beats),
+            "peak_rss": max(b.memory.rss_high_water_bytes or 0 for b in beats),
         }
 
 

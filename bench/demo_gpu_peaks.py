@@ -17,11 +17,13 @@ from pathlib import Path
 import yaml
 
 from qlora_supervise.supervisor.commands.demo import DEMO_TRAIN
+from qlora_supervise.trainer_child.protocol import MemoryNumbers
 
 
 def peak(run_dir: Path) -> int:
     events = (run_dir / "attempt-001" / "child-events.jsonl").read_text().splitlines()
-    return max(int(json.loads(line).get("peak") or 0) for line in events if line.strip())
+    # The child's one peak (protocol.MemoryNumbers): the CUDA allocator's on a GPU.
+    return max(MemoryNumbers.from_fields(json.loads(line)).peak_bytes or 0 for line in events if line.strip())
 
 
 def main() -> int:

@@ -28,14 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from qlora_supervise.trainer_child.protocol import (
-    CHECKPOINT_COMPLETE_MARKER,
-    AttemptSpec,
-    ErrorReport,
-    ExitCode,
-    event_line,
-    write_text_atomic,
-)
+from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.durable import write_text_atomic
+from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, ExitCode, event_line
 
 OOM_MESSAGE = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
 
-from qlora_supervise.trainer_child.protocol import (
+from qlora_supervise.trainer_child.checkpoint_dirs import (
     CHECKPOINT_COMPLETE_MARKER,
-    ExitCode,
     newest_complete_checkpoint,
 )
+from qlora_supervise.trainer_child.protocol import ExitCode
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20

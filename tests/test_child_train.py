@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from _child import events, log_tail, make_spec, next_spec, report, run_child
 from qlora_supervise.trainer_child.protocol import ExitCode, Knobs
 
 pytestmark = pytest.mark.slow
+#: trainer.TEST_TRACE_BATCHES (not imported: that module imports torch into the test process).
+TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 
 
 def test_tiny_job_trains_to_completion_and_loss_falls(tiny_dir: Path, tmp_path: Path) -> None:
@@ -46,6 +49,37 @@ def test_messages_field_is_rendered_with_the_chat_template(tiny_dir: Path, tmp_p
         train={"max_steps": 2, "save_steps": 100},
     )
     assert run_child(spec) == ExitCode.OK, log_tail(spec)
+
+
+def _vocabulary(tiny: Path) -> dict[int, str]:
+    """Token id -> token of the tiny word-level tokenizer, read from its JSON (no torch here)."""
+    saved = json.loads((tiny / "model" / "tokenizer.json").read_text())
+    words = {index: token for token, index in saved["model"]["vocab"].items()}
+    words.update({added["id"]: added["content"] for added in saved["added_tokens"]})
+    return words
+
+
+def test_chat_data_puts_the_loss_on_the_assistant_turns_only(tiny_dir: Path, tmp_path: Path) -> None:
+    """With messages_field, every token of the user's turn is labelled -100; the assistant's are trained."""
+    trace = tmp_path / "batches.jsonl"
+    spec = make_spec(
+        tiny_dir,
+        tmp_path,
+        data={"text_field": None, "messages_field": "messages"},
+        train={"max_steps": 1, "save_steps": 100},
+    )
+    assert run_child(spec, **{TEST_TRACE_BATCHES: str(trace)}) == ExitCode.OK, log_tail(spec)
+    words = _vocabulary(tiny_dir)
+    batches = [json.loads(line) for line in trace.read_text().splitlines()]
+    rows = [pair for batch in batches for pair in zip(batch["input_ids"], batch["labels"], strict=True)]
+    assert len(rows) == spec.knobs.effective_batch
+    for ids, labels in rows:
+        tokens = [words[i] for i in ids]
+        turn = tokens.index("<|assistant|>")
+        assert tokens[0] == "<|user|>" and "count" in tokens[:turn], tokens[:turn]
+        assert set(labels[: turn + 1]) == {-100}  # the user's turn and the assistant's role tag
+        assert labels[turn + 1 :] == ids[turn + 1 :]  # the answer (truncated to 128: no padding)
+        assert len(ids) - turn - 1 > 64  # most of the row is trained
 
 
 def test_target_modules_matching_nothing_is_a_config_error(tiny_dir: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,3 +235,39 @@ def test_fake_matches_the_pynvml_names_used() -> None:
 
     used: list[Any] = [name for name in dir(FakeNvml) if name.startswith("nvml")]
     assert [name for name in used if not hasattr(pynvml, name)] == []
+
+
+@pytest.mark.parametrize(
+    ("device", "visible", "physical"),
+    [
+        ("cuda:1", "2,3", 3),  # the case that once sent the child to GPU 1 while GPU 3 was watched
+        ("auto", "2,3", 2),
+        ("cuda:2", None, 2),
+        ("1", "0,3", 3),
+    ],
+)
+def test_supervisor_watches_the_gpu_the_child_trains_on(
+    monkeypatch: pytest.MonkeyPatch, device: str, visible: str | None, physical: int
+) -> None:
+    """Given the same inherited CUDA_VISIBLE_DEVICES, the child's GPU is the one NVML watches."""
+    from qlora_supervise.trainer_child import memory
+    from qlora_supervise.trainer_child.__main__ import prepare_env
+    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, Knobs, TrainSpec
+
+    for name in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "ARROW_DEFAULT_MEMORY_POOL"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    monkeypatch.setattr(memory, "tune_malloc", lambda arenas=2: None)  # leave this process's malloc alone
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    watched = _open(device, FakeNvml()).index  # the supervisor side, before the child changes anything
+
+    spec = AttemptSpec(
+        attempt=1, run_dir="r", knobs=Knobs(model="m"), data=DataSpec(path="d"), train=TrainSpec(),
+        events_file="e", error_file="x", checkpoints_dir="c", adapter_dir="a", merged_dir="m", device=device,
+    )  # fmt: skip
+    prepare_env(spec)  # the child side: it inherits the same CUDA_VISIBLE_DEVICES
+    child_visible = os.environ["CUDA_VISIBLE_DEVICES"]
+    assert child_visible.split(",")[0] == str(physical), child_visible  # the child trains on its cuda:0
+    assert watched == physical

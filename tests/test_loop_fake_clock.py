@@ -22,8 +22,8 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.watching.gpu import GpuSample
+from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.protocol import (
-    CHECKPOINT_COMPLETE_MARKER,
     AttemptSpec,
     ErrorReport,
     ExitCode,

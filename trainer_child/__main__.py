@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .protocol import AttemptSpec, ExitCode
+from .protocol import AttemptSpec, DeviceError, ExitCode, bind_device
 
 
 def read_spec(path: Path) -> AttemptSpec:
@@ -20,24 +20,26 @@ def read_spec(path: Path) -> AttemptSpec:
 
 
 def prepare_env(spec: AttemptSpec) -> None:
-    """Offline hub, one visible device, allocator settings: all before ``import torch``."""
+    """Offline hub, one visible device, allocator settings: all before ``import torch``.
+
+    The device goes through ``protocol.bind_device``, the function the supervisor's GPU monitor
+    calls with the same inherited ``CUDA_VISIBLE_DEVICES``, so the GPU trained on is the GPU
+    watched. Raises DeviceError when the device names no visible GPU.
+    """
     from .memory import prepare_process_env
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # never download: the lab server may have no network
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if spec.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    elif spec.device.startswith("cuda:"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.device.split(":", 1)[1]
-    elif spec.device.startswith(("GPU-", "MIG-")):
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
+    binding = bind_device(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    os.environ["CUDA_VISIBLE_DEVICES"] = binding.child_visible_devices
     prepare_process_env(spec.knobs.expandable_segments)
 
 
 def parse_args(argv: list[str] | None, prog: str) -> Path:
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON, protocol.AttemptSpec)")
-    return parser.parse_args(argv).spec
+    spec: Path = parser.parse_args(argv).spec
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         # No spec, no error_file to write to: stderr and the config exit code are all we have.
         print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
-    prepare_env(spec)
+    try:
+        prepare_env(spec)
+    except DeviceError as exc:  # before the event log exists: stderr and the config exit code
+        print(f"trainer child: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG)
     from .attempt import run
 
     return run(spec)

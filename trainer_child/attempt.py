@@ -18,9 +18,11 @@ from types import FrameType
 from typing import Any
 
 from . import checkpoints
+from .checkpoint_dirs import newest_complete_checkpoint
+from .durable import fsync_dir
 from .events import EventLog, HeartbeatThread, Progress
 from .failure import CapturedFailure, ConfigError, capture, write_report
-from .protocol import AttemptSpec, ExitCode, Stage, failure_line, fsync_dir, newest_complete_checkpoint
+from .protocol import AttemptSpec, ExitCode, Stage, failure_line
 from .stack import import_training_stack
 
 #: Stages where the optimizer has not touched the weights of the step in flight, so the state

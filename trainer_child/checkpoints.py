@@ -1,7 +1,7 @@
 """Checkpoint directories that are either complete or invisible.
 
 A checkpoint is written under ``.tmp-checkpoint-<step>-<pid>/`` (a name that
-:func:`protocol.complete_checkpoints` never matches), every file is fsynced, the marker is
+:func:`checkpoint_dirs.complete_checkpoints` never matches), every file is fsynced, the marker is
 written last, and only then is it renamed to ``checkpoint-<step>``. A kill at any moment
 leaves the old set of checkpoints or the old set plus one complete new one.
 """
@@ -15,15 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
-from .protocol import (
-    CHECKPOINT_COMPLETE_MARKER,
-    CHECKPOINT_PREFIX,
-    Knobs,
-    complete_checkpoints,
-    fsync_dir,
-    pid_alive,
-    write_text_atomic,
-)
+from .checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX, complete_checkpoints
+from .durable import fsync_dir, write_text_atomic
+from .processes import pid_alive
+from .protocol import Knobs
 
 TEMP_PREFIX = ".tmp-"
 #: Checkpoint files that hold optimizer state; left out when the optimizer is reset.
@@ -79,7 +74,7 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
 
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
     """Delete temp directories left by killed children (those whose pid is gone)."""
-    removed = []
+    removed: list[Path] = []
     if not checkpoints_dir.is_dir():
         return removed
     for path in checkpoints_dir.iterdir():

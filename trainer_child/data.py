@@ -1,4 +1,9 @@
-"""Training text: a local jsonl/json/parquet/csv file or a saved ``datasets`` directory.
+"""Training rows: a local jsonl/json/parquet/csv file or a saved ``datasets`` directory.
+
+A text dataset becomes one ``text`` column (plain language modelling, the loss on every
+token). A chat dataset becomes one ``messages`` column, which trl treats as conversational: it
+renders the chat template itself and, with ``assistant_only_loss`` (see :mod:`.recipe`), puts
+the loss on the assistant's tokens only.
 
 Every problem the job can fix (missing file, missing field, empty split) is a
 :class:`ConfigError`, so the supervisor never retries it.
@@ -13,6 +18,9 @@ from .failure import ConfigError
 from .protocol import DataSpec
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+#: The column names trl reads: ``text`` for language modelling, ``messages`` for chat.
+TEXT = "text"
+MESSAGES = "messages"
 
 
 def load_table(path: str) -> Any:  # -> datasets.Dataset
@@ -37,9 +45,9 @@ def load_table(path: str) -> Any:  # -> datasets.Dataset
     return datasets.load_dataset(builder, data_files=str(source), split="train")
 
 
-def to_text(table: Any, spec: DataSpec, tokenizer: Any) -> Any:
-    """A dataset with one ``text`` column: the text field, or the messages rendered with the
-    tokenizer's chat template (rendered here so SFTTrainer sees plain language modelling)."""
+def to_rows(table: Any, spec: DataSpec, tokenizer: Any) -> Any:
+    """A dataset with one column: ``text`` (the text field) or ``messages`` (the messages
+    field, left as a list of turns so that trl can mask the user's turns out of the loss)."""
     field = spec.messages_field or spec.text_field
     if field is None:
         raise ConfigError("data: neither text_field nor messages_field is set")
@@ -47,24 +55,20 @@ def to_text(table: Any, spec: DataSpec, tokenizer: Any) -> Any:
         raise ConfigError(f"data {spec.path}: field {field!r} not found; columns are {table.column_names}")
     if len(table) == 0:
         raise ConfigError(f"data {spec.path}: no rows")
+    # Only the one column: trl would treat a leftover ``messages`` column as a chat dataset.
+    rows = table.select_columns([field])
     if spec.messages_field:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigError(f"messages_field {field!r} set but the tokenizer has no chat template")
-
-        def render(row: dict[str, Any]) -> dict[str, str]:
-            return {"text": tokenizer.apply_chat_template(row[field], tokenize=False)}
-
-        return table.map(render, remove_columns=table.column_names)
-    # Only the text column: trl would treat a leftover ``messages`` column as a chat dataset.
-    text = table.select_columns([field])
-    return text if field == "text" else text.rename_column(field, "text")
+        return rows if field == MESSAGES else rows.rename_column(field, MESSAGES)
+    return rows if field == TEXT else rows.rename_column(field, TEXT)
 
 
 def train_eval_split(spec: DataSpec, tokenizer: Any, seed: int) -> tuple[Any, Any | None]:
     """(train, eval or None) from ``eval_path`` or an ``eval_fraction`` of the training file."""
-    train = to_text(load_table(spec.path), spec, tokenizer)
+    train = to_rows(load_table(spec.path), spec, tokenizer)
     if spec.eval_path:
-        return train, to_text(load_table(spec.eval_path), spec, tokenizer)
+        return train, to_rows(load_table(spec.eval_path), spec, tokenizer)
     if spec.eval_fraction > 0:
         split = train.train_test_split(test_size=spec.eval_fraction, seed=seed)
         return split["train"], split["test"]

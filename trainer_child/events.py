@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .protocol import Stage, event_line
+from .protocol import Heartbeat, MemoryNumbers, Stage, event_line
 
 
 class EventLog:
@@ -68,17 +68,16 @@ class Progress:
             self._stop_announced = True
             self.events.emit("stopping", stage=self.stage.value, step=self.step)
 
-    def heartbeat(self) -> None:
-        from .memory import memory_numbers
+    def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
+        """The heartbeat of this moment (memory measured now unless given)."""
+        if memory is None:
+            from .memory import memory_numbers
 
-        self.events.emit(
-            "heartbeat",
-            stage=self.stage.value,
-            step=self.step,
-            loss=self.loss,
-            tokens_per_s=self.tokens_per_s,
-            **memory_numbers(),
-        )
+            memory = memory_numbers()
+        return Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)
+
+    def heartbeat(self) -> None:
+        self.events.emit("heartbeat", **self.beat().fields())
 
 
 class HeartbeatThread(threading.Thread):

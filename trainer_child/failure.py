@@ -12,7 +12,8 @@ import re
 import traceback
 from typing import Any
 
-from .protocol import ErrorReport, ExitCode, Stage, write_text_atomic
+from .durable import write_text_atomic
+from .protocol import ErrorReport, ExitCode, Stage
 
 OOM_MARKERS = (
     "CUDA out of memory",
@@ -124,7 +125,7 @@ def write_report(
         exception_type=failure.exception_type,
         message=failure.message,
         traceback=failure.traceback,
-        stage=failure.stage.value,
+        stage=failure.stage,
         step=failure.step,
         is_oom=failure.oom,
         config_error=failure.config,

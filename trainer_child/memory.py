@@ -14,6 +14,7 @@ import resource
 from typing import Any
 
 from .failure import ConfigError
+from .protocol import MemoryNumbers
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXPANDABLE = "expandable_segments:True"
@@ -161,21 +162,20 @@ def expandable_segments_active() -> bool | None:
     return None
 
 
-def memory_numbers() -> dict[str, int | None]:
+def memory_numbers() -> MemoryNumbers:
     """Numbers for a heartbeat: CUDA allocator counters on GPU, RSS and VmData always."""
     import torch
 
-    numbers: dict[str, int | None] = {
-        "rss": proc_status_bytes("VmRSS"),
-        "peak_rss": proc_status_bytes("VmHWM"),
-        "vmdata": proc_status_bytes("VmData"),
-        "peak_vmdata": peak_vmdata(),
-    }
-    if torch.cuda.is_available():
-        numbers["allocated"] = torch.cuda.memory_allocated()
-        numbers["reserved"] = torch.cuda.memory_reserved()
-        numbers["peak"] = torch.cuda.max_memory_allocated()
-    return numbers
+    on_cuda = torch.cuda.is_available()
+    return MemoryNumbers.measured(
+        cuda_peak=torch.cuda.max_memory_allocated() if on_cuda else None,
+        data_segment_peak=peak_vmdata(),
+        rss_high_water=proc_status_bytes("VmHWM"),
+        allocated=torch.cuda.memory_allocated() if on_cuda else None,
+        reserved=torch.cuda.memory_reserved() if on_cuda else None,
+        rss=proc_status_bytes("VmRSS"),
+        vmdata=proc_status_bytes("VmData"),
+    )
 
 
 def cuda_memory_stats() -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .attempt import Context, guarded
-from .protocol import AttemptSpec, ExitCode, Stage
+from .protocol import AttemptSpec, DeviceError, ExitCode, Stage
 
 
 def merge_dtype(name: str, on_gpu: bool) -> object:
@@ -36,8 +36,8 @@ def merge(ctx: Context) -> ExitCode:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import checkpoints
+    from .durable import fsync_dir
     from .failure import ConfigError
-    from .protocol import fsync_dir
 
     spec = ctx.spec
     adapter = Path(spec.adapter_dir)
@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.CONFIG)
     if spec.knobs.merge_on_cpu:
         spec = _on_cpu(spec)
-    prepare_env(spec)
+    try:
+        prepare_env(spec)
+    except DeviceError as exc:
+        print(f"trainer child: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG)
     return guarded(spec, merge)
 
 

@@ -7,9 +7,12 @@ The supervisor writes an :class:`AttemptSpec` to ``attempt-NNN/spec.json`` and s
 through files, never through log scraping:
 
 * ``spec.events_file``: one JSON object per line (:func:`event_line`), ``"event"`` is one of
-  :data:`EVENT_NAMES`; heartbeats carry stage, step, loss, tokens/s and memory numbers.
+  :data:`EVENT_NAMES`; a heartbeat line is a :class:`Heartbeat`.
 * ``spec.error_file``: an :class:`ErrorReport`, written atomically, on any failure.
 * the exit code, one of the reserved :class:`ExitCode` values.
+
+Durable writes, checkpoint names and process checks that both sides share live beside it in
+:mod:`.durable`, :mod:`.checkpoint_dirs` and :mod:`.processes`, which are standard library only too.
 """
 
 from __future__ import annotations
@@ -17,11 +20,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
-import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 
@@ -47,6 +47,14 @@ class Stage(str, enum.Enum):
     SAVE = "save"
     MERGE = "merge"
     UNKNOWN = "unknown"
+
+    @classmethod
+    def named(cls, value: object) -> Stage:
+        """The stage a file names; anything unknown (a newer child, a torn value) is UNKNOWN."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.UNKNOWN
 
 
 class FailureKind(str, enum.Enum):
@@ -215,7 +223,7 @@ class ErrorReport:
     exception_type: str
     message: str
     traceback: str
-    stage: str
+    stage: Stage
     step: int
     is_oom: bool
     config_error: bool = False
@@ -226,6 +234,10 @@ class ErrorReport:
     emergency_step: int | None = None
     expandable_segments_active: bool | None = None
     time: float = dataclasses.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        # Reports are read back from JSON, where the stage is a plain string.
+        object.__setattr__(self, "stage", Stage.named(self.stage))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
@@ -256,8 +268,8 @@ EVENT_NAMES = frozenset(
     {
         "started",  # pid, device, versions
         "stage",  # stage changed (load, forward, ...)
-        "loaded",  # model loaded: trainable params, share, memory
-        "heartbeat",  # stage, step, loss, tokens_per_s, allocated, reserved, peak, rss
+        "loaded",  # model loaded: trainable params, share, MemoryNumbers
+        "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers
         "checkpoint_saved",  # step, path, emergency
         "resumed",  # from_step, path
         "finished",  # step, adapter path
@@ -271,79 +283,235 @@ def event_line(event: str, **fields: Any) -> str:
     return json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` so that a reader sees the old file or the whole new one, never a torn one.
+class PeakSource(str, enum.Enum):
+    """What :attr:`MemoryNumbers.peak_bytes` measured: the memory the attempt's cap limits."""
 
-    tmp file in the same directory + fsync + rename + fsync of the directory: a kill or a
-    power cut at any moment leaves one of the two complete versions.
+    CUDA_ALLOCATOR = "cuda_allocator"  # torch.cuda.max_memory_allocated on the training GPU
+    DATA_SEGMENT = "data_segment"  # peak VmData on the CPU: what RLIMIT_DATA (cpu_memory_limit) caps
+    RSS = "rss"  # VmHWM, where the data segment cannot be read
+
+
+#: Keys of the events files written before :class:`MemoryNumbers` existed, in the precedence
+#: order of the peak rule (the same order :meth:`MemoryNumbers.measured` applies).
+_OLD_PEAK_KEYS = (
+    ("peak", PeakSource.CUDA_ALLOCATOR),
+    ("peak_vmdata", PeakSource.DATA_SEGMENT),
+    ("peak_rss", PeakSource.RSS),
+)
+_OLD_GAUGE_KEYS = {
+    "allocated": "allocated_bytes",
+    "reserved": "reserved_bytes",
+    "rss": "rss_bytes",
+    "vmdata": "vmdata_bytes",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNumbers:
+    """The child's memory at one moment, in bytes; None where it could not be read.
+
+    ``peak_bytes`` is the one peak of the attempt so far, chosen once, here, by the child
+    (:meth:`measured`); readers take it as it is and never re-derive it from the gauges.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+
+    peak_bytes: int | None = None
+    peak_source: PeakSource | None = None
+    allocated_bytes: int | None = None  # CUDA allocator, now
+    reserved_bytes: int | None = None  # CUDA caching allocator's reserve, now
+    rss_bytes: int | None = None  # VmRSS, now
+    rss_high_water_bytes: int | None = None  # VmHWM
+    vmdata_bytes: int | None = None  # VmData, now
+
+    @classmethod
+    def measured(
+        cls,
+        *,
+        cuda_peak: int | None,
+        data_segment_peak: int | None,
+        rss_high_water: int | None,
+        allocated: int | None = None,
+        reserved: int | None = None,
+        rss: int | None = None,
+        vmdata: int | None = None,
+    ) -> MemoryNumbers:
+        """The peak rule: the CUDA allocator's peak on a GPU, else the data segment's, else VmHWM."""
+        peak, source = _first_peak(
+            (
+                (cuda_peak, PeakSource.CUDA_ALLOCATOR),
+                (data_segment_peak, PeakSource.DATA_SEGMENT),
+                (rss_high_water, PeakSource.RSS),
+            )
+        )
+        return cls(peak, source, allocated, reserved, rss, rss_high_water, vmdata)
+
+    def fields(self) -> dict[str, Any]:
+        """The JSON fields of an event line (flat, so ``jq .peak_bytes`` reads them)."""
+        values = dataclasses.asdict(self)
+        values["peak_source"] = self.peak_source.value if self.peak_source is not None else None
+        return values
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, Any]) -> MemoryNumbers:
+        """Read an event's memory fields; ill-typed values become None.
+
+        Events files written before this record (keys ``peak``, ``peak_vmdata``, ``peak_rss``,
+        ``allocated``, ``reserved``, ``rss``, ``vmdata``) are read with the same peak rule.
+        """
+        if "peak_bytes" in raw:
+            source = raw.get("peak_source")
+            return cls(
+                peak_bytes=_int_or_none(raw.get("peak_bytes")),
+                peak_source=PeakSource(source) if source in _PEAK_SOURCES else None,
+                **{name: _int_or_none(raw.get(name)) for name in _GAUGE_FIELDS},
+            )
+        peak, source = _first_peak(tuple((_int_or_none(raw.get(key)), src) for key, src in _OLD_PEAK_KEYS))
+        return cls(
+            peak_bytes=peak,
+            peak_source=source,
+            rss_high_water_bytes=_int_or_none(raw.get("peak_rss")),
+            **{new: _int_or_none(raw.get(old)) for old, new in _OLD_GAUGE_KEYS.items()},
+        )
 
 
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Make a rename inside ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_PEAK_SOURCES = frozenset(source.value for source in PeakSource)
+_GAUGE_FIELDS = ("allocated_bytes", "reserved_bytes", "rss_bytes", "rss_high_water_bytes", "vmdata_bytes")
 
 
-#: A complete checkpoint directory holds this file, written last (after the rename it is
-#: redundant, but it lets a reader reject a directory copied by hand or truncated by a full disk).
-CHECKPOINT_COMPLETE_MARKER = "qlora_supervise_complete.json"
-CHECKPOINT_PREFIX = "checkpoint-"
+def _first_peak(
+    candidates: tuple[tuple[int | None, PeakSource], ...],
+) -> tuple[int | None, PeakSource | None]:
+    # `or` semantics of the old reader: a zero peak (nothing allocated yet) falls through too.
+    for value, source in candidates:
+        if value:
+            return value, source
+    return None, None
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """The optimizer step of a ``checkpoint-<step>`` directory name, else None."""
-    name = path.name
-    if not name.startswith(CHECKPOINT_PREFIX):
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float_or_none(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    tail = name[len(CHECKPOINT_PREFIX) :]
-    return int(tail) if tail.isdigit() else None
+    return float(value)
 
 
-def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first. Temp names and unmarked directories are ignored.
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
 
-    A checkpoint counts only when its directory carries the final name *and* the marker
-    written after every other file: a kill during the write leaves a temp name, which is skipped.
+    ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
+    and ``stage`` not changing, so a beat is sent whatever the main thread does.
     """
-    root = Path(checkpoints_dir)
-    if not root.is_dir():
-        return []
-    found: list[tuple[int, Path]] = []
-    for child in root.iterdir():
-        step = checkpoint_step(child)
-        if step is not None and (child / CHECKPOINT_COMPLETE_MARKER).is_file():
-            found.append((step, child))
-    return sorted(found)
+
+    stage: Stage
+    step: int
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    memory: MemoryNumbers = MemoryNumbers()
+
+    def fields(self) -> dict[str, Any]:
+        """The fields of the event line, flat: ``stage``, ``step``, ``loss``, ``tokens_per_s``
+        and those of :meth:`MemoryNumbers.fields`."""
+        return {
+            "stage": self.stage.value,
+            "step": self.step,
+            "loss": self.loss,
+            "tokens_per_s": self.tokens_per_s,
+            **self.memory.fields(),
+        }
+
+    def to_line(self) -> str:
+        return event_line("heartbeat", **self.fields())
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, Any]) -> Heartbeat | None:
+        """The heartbeat in a parsed event line (today's keys or older ones); None when the
+        line has no integer step (not a heartbeat this reader can trust)."""
+        step = _int_or_none(raw.get("step"))
+        if step is None:
+            return None
+        return cls(
+            stage=Stage.named(raw.get("stage")),
+            step=step,
+            loss=_float_or_none(raw.get("loss")),
+            tokens_per_s=_float_or_none(raw.get("tokens_per_s")),
+            memory=MemoryNumbers.from_fields(raw),
+        )
 
 
-def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
-    found = complete_checkpoints(checkpoints_dir)
-    return found[-1] if found else None
+class DeviceError(ValueError):
+    """A job's device that names no GPU this process could hand to the child."""
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (it may belong to another user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+@dataclasses.dataclass(frozen=True)
+class DeviceBinding:
+    """The one GPU an attempt trains on, named as each side needs it.
+
+    ``child_visible_devices`` is what the child sets ``CUDA_VISIBLE_DEVICES`` to before CUDA
+    starts (``""`` hides every GPU), so that it sees exactly that GPU as ``cuda:0``.
+    ``nvml_target`` is what the supervisor's NVML monitor watches: a physical index (NVML ignores
+    ``CUDA_VISIBLE_DEVICES``), a ``GPU-``/``MIG-`` UUID or unique UUID prefix, or None for nothing.
+    """
+
+    child_visible_devices: str
+    nvml_target: int | str | None
+
+
+_UUID_PREFIXES = ("GPU-", "MIG-")
+
+
+def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
+    """Map the job's ``device`` through the ``CUDA_VISIBLE_DEVICES`` both sides inherit.
+
+    ``device`` is ``auto`` (the first visible GPU), ``cpu``, ``N`` or ``cuda:N`` (the N-th GPU
+    *visible to the supervisor*, as CUDA itself would count it), or a GPU/MIG UUID (that GPU,
+    whatever the list says). The supervisor and the child both call this with the same inputs
+    (the child inherits the supervisor's environment), so they cannot disagree on the GPU.
+    Without the variable, index N means CUDA's device N, which NVML numbers the same only when
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or all GPUs are one model. Raises :class:`DeviceError`
+    for an unknown form or an index beyond the visible list.
+    """
+    text = device.strip()
+    if text == "cpu":
+        return DeviceBinding("", None)
+    if text.startswith(_UUID_PREFIXES):
+        return DeviceBinding(text, text)
+    if text == "auto":
+        position = 0
+    elif text.removeprefix("cuda:").isdigit():
+        position = int(text.removeprefix("cuda:"))
+    else:
+        raise DeviceError(
+            f"device {device!r}: use auto, cpu, a GPU index (0), cuda:N, or a GPU UUID (GPU-... or MIG-...)"
+        )
+    visible = visible_entries(inherited_visible)
+    if visible is None:
+        return DeviceBinding(str(position), position)
+    if position >= len(visible):
+        if text == "auto":  # nothing visible: an auto job trains on the CPU
+            return DeviceBinding("", None)
+        raise DeviceError(
+            f"device {device!r}: CUDA_VISIBLE_DEVICES={inherited_visible!r} makes {len(visible)} GPU(s) "
+            f"visible; use an index below {len(visible)}, a GPU UUID, or change CUDA_VISIBLE_DEVICES"
+        )
+    entry = visible[position]
+    return DeviceBinding(entry, int(entry) if entry.isdigit() else entry)
+
+
+def visible_entries(value: str | None) -> list[str] | None:
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value lists, in order; None when it is unset.
+
+    Like CUDA, the list ends at the first entry that is neither an index nor a UUID (``-1``
+    hides every GPU after it).
+    """
+    if value is None:
+        return None
+    entries: list[str] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if not (entry.isdigit() or entry.startswith(_UUID_PREFIXES)):
+            break
+        entries.append(entry)
+    return entries

@@ -168,6 +168,22 @@ def trainable_share(model: Any) -> tuple[int, int, float]:
     return trainable, total, share
 
 
+def check_chat_template(tokenizer: Any) -> None:
+    """Assistant-only loss needs ``{% generation %}`` markers in the chat template, or a training
+    template trl ships for this model family; without either, say so before anything trains."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError as exc:  # trl: no training template for this chat template
+        raise ConfigError(
+            "messages_field: the tokenizer's chat template does not mark assistant output with "
+            "{% generation %} ... {% endgeneration %}, and trl has no training template for it, so the "
+            "user's turns cannot be left out of the loss. Add the markers to the template "
+            "(tokenizer_config.json chat_template), or render the chats to a text_field yourself"
+        ) from exc
+
+
 def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
@@ -182,7 +198,14 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
         per_device_eval_batch_size=knobs.eval_batch_size,
         max_length=knobs.max_seq_len,
         packing=train.packing,
-        dataset_text_field="text",
+        dataset_text_field=data.TEXT,
+        # Chat data: the loss on the assistant's tokens only, never on the user's turns.
+        # assistant_only_loss rather than completion_only_loss, because it trains every assistant
+        # turn of a multi-turn chat straight from the `messages` column; the completion mask needs
+        # prompt/completion rows and trains only the final turn. Its cost: the chat template must
+        # mark assistant output with {% generation %}, or trl must ship a training template for it
+        # (check_chat_template turns the lack of both into a ConfigError).
+        assistant_only_loss=spec.data.messages_field is not None,
         optim=knobs.optimizer,
         learning_rate=train.learning_rate,
         lr_scheduler_type=train.lr_scheduler,
@@ -232,6 +255,8 @@ def build(
     model = add_lora(model, knobs, spec)
     trainable, total, share = trainable_share(model)
     train_set, eval_set = data.train_eval_split(spec.data, tokenizer, spec.train.seed)
+    if spec.data.messages_field is not None:
+        check_chat_template(tokenizer)
     from .memory import memory_numbers
 
     progress.events.emit(
@@ -243,7 +268,7 @@ def build(
         dtype=str(dtype),
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
-        **memory_numbers(),
+        **memory_numbers().fields(),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit)

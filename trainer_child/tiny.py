@@ -18,9 +18,25 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:  # the heavy libraries load only when a model is built
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+
+class ModelShape(TypedDict):
+    """The LlamaConfig sizes of the tiny model (typed, so each one is checked against LlamaConfig)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
 
 #: Sized so that activations, not weights, dominate memory: hidden 256, 4 layers.
-MODEL_SHAPE = {
+MODEL_SHAPE: ModelShape = {
     "hidden_size": 256,
     # A multiple of 32: in eval mode on the CPU, bitsandbytes repacks 4-bit weights in blocks of
     # 32 output rows and asserts on any other size.
@@ -34,8 +50,14 @@ ROWS = 320
 #: Model vocabulary: larger than the ~20 words the data uses, like a real model's.
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+#: Assistant output (with its end-of-turn token) sits inside ``{% generation %}`` markers, so
+#: trl's assistant-only loss can mask the user's turns (``return_assistant_tokens_mask``).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "<|assistant|> {% generation %}{{ m['content'] }} </s>{% endgeneration %} "
+    "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} {% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
@@ -52,7 +74,7 @@ def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
     batches the same shape and memory depends only on micro-batch and sequence length.
     """
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, object]] = []
     for index in range(count):
         stride = rng.randint(1, 3)
         start = rng.randint(100, 900)
@@ -64,7 +86,7 @@ def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
     return rows
 
 
-def build_tokenizer(rows: list[dict[str, object]]):  # -> PreTrainedTokenizerFast
+def build_tokenizer(rows: list[dict[str, object]]) -> PreTrainedTokenizerFast:
     """A word-level tokenizer trained on the dataset: no download."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -84,7 +106,7 @@ def build_tokenizer(rows: list[dict[str, object]]):  # -> PreTrainedTokenizerFas
     )
 
 
-def build_model(vocab_size: int):  # -> LlamaForCausalLM
+def build_model(vocab_size: int) -> LlamaForCausalLM:
     """Random Llama weights; fixed seed so every test session gets the same model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

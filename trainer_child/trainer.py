@@ -21,16 +21,18 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from . import checkpoints
+from .checkpoint_dirs import CHECKPOINT_PREFIX
 from .events import Progress
 from .memory import apply_cpu_cap, free_memory, late_cap_step
-from .protocol import CHECKPOINT_PREFIX, Knobs, Stage
+from .protocol import Heartbeat, Knobs, Stage
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
 #: only from step STEP on, so a test can SIGKILL the child mid-write.
 TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
-#: Test probe: a file to which each micro-batch's row fingerprints are appended, so a test can
-#: check that a resumed run sees exactly the samples an uninterrupted run would.
+#: Test probe: a file to which each micro-batch's row fingerprints (and its input_ids and
+#: labels) are appended, so a test can check that a resumed run sees exactly the samples an
+#: uninterrupted run would, and which tokens the loss covers.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 KEEP_CHECKPOINTS = 3
 
@@ -73,7 +75,7 @@ class SupervisedSFTTrainer(SFTTrainer):
         mask = inputs.get("attention_mask")
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
-        loss = super().training_step(model, inputs, *args, **kwargs)
+        loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
 
@@ -101,8 +103,11 @@ class SupervisedSFTTrainer(SFTTrainer):
             return
         ids = inputs["input_ids"].tolist()
         rows = [" ".join(map(str, row[:6])) for row in ids]
+        record = {"step": self.state.global_step + 1, "rows": rows, "input_ids": ids}
+        if "labels" in inputs:
+            record["labels"] = inputs["labels"].tolist()
         with open(trace, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": self.state.global_step + 1, "rows": rows}) + "\n")
+            handle.write(json.dumps(record) + "\n")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _get_output_dir(self, trial: Any) -> str:
@@ -138,9 +143,8 @@ class SupervisedSFTTrainer(SFTTrainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         pause = injected_save_pause(self.state.global_step)
         if pause > 0:
-            self.progress.events.emit(
-                "heartbeat", stage=Stage.SAVE.value, step=self.progress.step, test_pause_in_save=pause
-            )
+            beat = Heartbeat(Stage.SAVE, self.progress.step)
+            self.progress.events.emit("heartbeat", **beat.fields(), test_pause_in_save=pause)
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
 
@@ -152,7 +156,8 @@ class SupervisedSFTTrainer(SFTTrainer):
         """
         if self.state.global_step <= 0:
             return None  # nothing learnt yet: a fresh start loses nothing
-        self.model.zero_grad(set_to_none=True)
+        if self.model is not None:  # Trainer always has one by now; the attribute is Optional
+            self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self._step_loss = None
@@ -217,7 +222,7 @@ def restore_scheduler(trainer: SupervisedSFTTrainer, checkpoint: Path) -> None:
     """Put the LR schedule back at the checkpoint's step when the optimizer state is reset
     (Trainer restores the scheduler only together with the optimizer)."""
     path = checkpoint / "scheduler.pt"
-    if not path.is_file() or trainer.lr_scheduler is None:
+    if not path.is_file() or trainer.lr_scheduler is None or trainer.optimizer is None:
         return
     trainer.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
     for group, lr in zip(trainer.optimizer.param_groups, trainer.lr_scheduler.get_last_lr(), strict=False):

@@ -13,7 +13,7 @@ from qlora_supervise.supervisor.record.eventlog import open_event_log
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.trainer_child.protocol import write_text_atomic
+from qlora_supervise.trainer_child.durable import write_text_atomic
 
 
 def run_job(

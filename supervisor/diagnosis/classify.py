@@ -185,15 +185,8 @@ def _other_from_text(text: str, stage: StageFinding) -> Failure:
     return Failure(FailureKind.OTHER, stage.stage, {}, why)
 
 
-def _report_stage(report: ErrorReport) -> Stage:
-    try:
-        return Stage(report.stage)
-    except ValueError:
-        return Stage.UNKNOWN
-
-
 def _from_report(report: ErrorReport, nvml_others: int | None, nvml_total: int | None) -> Failure:
-    stage = _report_stage(report)
+    stage = report.stage  # a Stage already: an unknown name reads back as Stage.UNKNOWN
     text = f"{report.exception_type}: {report.message}\n{report.traceback}"
     head = f"error report: {report.exception_type} in {stage.value} at step {report.step}"
     message = f"{report.exception_type}: {report.message}"[:300]

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from qlora_supervise.trainer_child.protocol import Knobs, pid_alive
+from qlora_supervise.trainer_child.processes import pid_alive
+from qlora_supervise.trainer_child.protocol import Knobs
 
 _PR_SET_PDEATHSIG = 1
 

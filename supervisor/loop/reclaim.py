@@ -20,7 +20,7 @@ from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
-from qlora_supervise.trainer_child.protocol import pid_alive
+from qlora_supervise.trainer_child.processes import pid_alive
 
 
 def reclaim(

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.protocol import CHECKPOINT_COMPLETE_MARKER, Knobs, complete_checkpoints
+from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER, complete_checkpoints
+from qlora_supervise.trainer_child.protocol import Knobs
 
 _ADAPTER_SHAPE = ("model", "lora_r", "lora_alpha")
 

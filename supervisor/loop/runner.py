@@ -29,7 +29,8 @@ from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
-from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, write_text_atomic
+from qlora_supervise.trainer_child.durable import write_text_atomic
+from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport
 
 
 @dataclasses.dataclass

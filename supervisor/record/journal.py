@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
-from qlora_supervise.trainer_child.protocol import Knobs, fsync_dir, write_text_atomic
+from qlora_supervise.trainer_child.durable import fsync_dir, write_text_atomic
+from qlora_supervise.trainer_child.protocol import Knobs
 
 
 class RunState(str, enum.Enum):

@@ -5,9 +5,10 @@ driver, no such GPU, or ``device == "cpu"``); it never raises and logs nothing i
 loop decides what to say. The loop replaces ``GpuMonitor.open`` in tests (a seam).
 
 Device names are the job's: ``auto``, ``cuda:N`` or a UUID. NVML numbers GPUs physically and
-ignores ``CUDA_VISIBLE_DEVICES``, so ``auto`` and ``cuda:N`` are mapped through that variable
-(the child sees only the GPUs it lists). CUDA's default order (fastest first) equals NVML's PCI
-order on machines with one GPU model; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines.
+ignores ``CUDA_VISIBLE_DEVICES``, so the device is mapped through that variable by
+``protocol.bind_device``, the same function the child uses to pick its GPU. CUDA's default order
+(fastest first) equals NVML's PCI order on machines with one GPU model; set
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines.
 
 Caveat: NVML reports host PIDs. Inside a container with its own PID namespace the child's PID
 does not match, so its memory shows up under ``others`` and ``this_process_bytes`` stays 0.
@@ -21,6 +22,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from qlora_supervise.trainer_child.protocol import bind_device
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class GpuMonitor:
         try:
             handle = _handle_for(nvml, device)
             index = int(nvml.nvmlDeviceGetIndex(handle))
-        except Exception:  # no such GPU (or not one NVML can see): nothing to watch
+        except Exception:  # no such GPU (or not one NVML can see, or none visible): nothing to watch
             _shutdown(nvml)
             return None
         return cls(nvml, handle, index, _xid_event_set(nvml, handle))
@@ -131,24 +134,17 @@ def _import_pynvml() -> Any | None:
 
 
 def _handle_for(nvml: Any, device: str) -> Any:
-    """The NVML handle of the GPU the child will see as ``device``."""
-    if device.startswith(("GPU-", "MIG-")):
-        return _handle_by_uuid(nvml, device)
-    visible = _visible_devices()
-    position = 0 if device == "auto" else int(device.removeprefix("cuda:"))
-    if visible is None:
-        return nvml.nvmlDeviceGetHandleByIndex(position)
-    entry = visible[position]  # IndexError: the child would not see such a GPU either
-    if entry.isdigit():
-        return nvml.nvmlDeviceGetHandleByIndex(int(entry))
-    return _handle_by_uuid(nvml, entry)
+    """The NVML handle of the GPU the child trains on for ``device``.
 
-
-def _visible_devices() -> list[str] | None:
-    value = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    return [entry.strip() for entry in value.split(",") if entry.strip()]
+    The child inherits this process's environment, so both read the same
+    ``CUDA_VISIBLE_DEVICES``. Raises (DeviceError, LookupError) when there is no such GPU.
+    """
+    target = bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target
+    if target is None:
+        raise LookupError(f"device {device!r}: no GPU visible")
+    if isinstance(target, int):
+        return nvml.nvmlDeviceGetHandleByIndex(target)
+    return _handle_by_uuid(nvml, target)
 
 
 def _handle_by_uuid(nvml: Any, uuid: str) -> Any:

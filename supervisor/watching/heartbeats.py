@@ -3,6 +3,9 @@
 The child writes one JSON line per event (``protocol.event_line``). Progress is a change of
 optimizer step or of stage; a heartbeat that repeats the same step and stage is not progress,
 so a child whose heartbeat thread lives on while training is stuck is still seen as hung.
+
+Heartbeat lines are read as ``protocol.Heartbeat`` records (today's keys and older ones); the
+peak is the child's ``peak_bytes``, never re-derived here.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from qlora_supervise.trainer_child.protocol import Heartbeat, MemoryNumbers
 
 
 @dataclass
@@ -64,14 +69,15 @@ class HeartbeatReader:
             p.step = max(p.step, step)
         if isinstance(stage, str):
             p.stage = stage
-        for name in ("loss", "tokens_per_s"):
-            if isinstance(event.get(name), int | float):
-                setattr(p, name, float(event[name]))
+        beat = Heartbeat.from_fields(event) if event.get("event") == "heartbeat" else None
+        if beat is not None:
+            p.loss = beat.loss if beat.loss is not None else p.loss
+            p.tokens_per_s = beat.tokens_per_s if beat.tokens_per_s is not None else p.tokens_per_s
         if isinstance(event.get("max_steps"), int):
             p.max_steps = event["max_steps"]
-        # CUDA allocator peak on a GPU; on the CPU the data segment, which is what RLIMIT_DATA caps.
-        peak = event.get("peak") or event.get("peak_vmdata") or event.get("peak_rss")
-        if isinstance(peak, int):
+        # Other events (``loaded``) carry memory numbers too; the peak rule is the child's.
+        peak = (beat.memory if beat is not None else MemoryNumbers.from_fields(event)).peak_bytes
+        if peak is not None:
             p.peak_bytes = max(p.peak_bytes or 0, peak)
         if event.get("event") == "finished":
             p.finished = True

@@ -1,0 +1,39 @@
+"""The supervisor's reader of the child's events file: progress, loss and the child's one peak."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.trainer_child.protocol import Heartbeat, MemoryNumbers, Stage, event_line
+
+
+def test_reader_takes_the_peak_from_typed_heartbeats(tmp_path: Path) -> None:
+    """Heartbeats written by the child's record give step, loss, throughput and the peak."""
+    path = tmp_path / "child-events.jsonl"
+    gauges = MemoryNumbers.measured(cuda_peak=None, data_segment_peak=300, rss_high_water=900)
+    beats = [Heartbeat(Stage.FORWARD, 1, 2.5, 100.0, gauges), Heartbeat(Stage.BACKWARD, 2, 2.0, None)]
+    path.write_text("".join(b.to_line() for b in beats))
+    reader = HeartbeatReader(path)
+    assert len(reader.poll(now=1.0)) == 2
+    p = reader.progress
+    assert (p.step, p.stage, p.loss, p.tokens_per_s, p.peak_bytes) == (2, "backward", 2.0, 100.0, 300)
+
+
+def test_reader_still_reads_an_old_events_file(tmp_path: Path) -> None:
+    """An events file with the keys of older children (peak, peak_vmdata, peak_rss) still reads."""
+    path = tmp_path / "child-events.jsonl"
+    lines = [
+        event_line("loaded", rss=5, peak_rss=70, vmdata=6, peak_vmdata=60),
+        event_line("heartbeat", stage="forward", step=1, loss=3.0, tokens_per_s=9.0, peak_vmdata=50, peak=80),
+        event_line("heartbeat", stage="forward", step=2, loss=2.0, tokens_per_s=None, peak_rss=40),
+    ]
+    path.write_text("".join(lines) + '{"event": "heartb')  # a torn last line waits for the next poll
+    reader = HeartbeatReader(path)
+    reader.poll(now=1.0)
+    p = reader.progress
+    assert (p.step, p.loss, p.tokens_per_s) == (2, 2.0, 9.0)
+    assert p.peak_bytes == 80  # max over events of each line's peak: CUDA peak first, then VmData
+    assert [e["event"] for e in p.events] == ["loaded", "heartbeat", "heartbeat"]
+    assert json.loads(lines[0])["peak_vmdata"] == 60

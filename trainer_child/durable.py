@@ -1,0 +1,40 @@
+"""Files that survive a kill or a power cut: atomic replacement and durable renames.
+
+Standard library only: both the supervisor and the trainer child write through these.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` so that a reader sees the old file or the whole new one, never a torn one.
+
+    tmp file in the same directory + fsync + rename + fsync of the directory: a kill or a
+    power cut at any moment leaves one of the two complete versions.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename inside ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
