@@ -189,6 +189,8 @@ def _field_names(cls: type) -> set[str]:
 
 
 def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: bool) -> SFTConfig:
+    # Every SFTConfig argument the recipe sets, in one flat list: long, but one place to read
+    # which spec field becomes which Trainer setting (no third set of defaults anywhere).
     knobs, train = spec.knobs, spec.train
     evaluating = has_eval and knobs.eval_enabled and train.eval_steps is not None
     kwargs: dict[str, Any] = dict(
@@ -246,6 +248,8 @@ def build(
     reset_optimizer_from: str | None,
 ) -> Recipe:
     """Everything up to a trainer ready to ``train(resume_from_checkpoint=resume_from)``."""
+    # The recipe top to bottom in the seeds' order (4-bit load, use_cache off, k-bit prepare,
+    # LoRA, trainer): split into pieces it would no longer read as one script.
     knobs = spec.knobs
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
     progress.enter(Stage.LOAD)

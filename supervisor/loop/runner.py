@@ -55,6 +55,8 @@ class AttemptRunner:
         self.ctx = ctx
 
     def run(self, number: int, plan: Plan) -> AttemptOutcome:
+        # One attempt's whole life in the order it happens (checkpoints, spec, spawn, watch,
+        # end, last read), kept in one place so the order that crash safety needs is visible.
         ctx, seams = self.ctx, self.ctx.seams
         log = ctx.log.bind(attempt=number)
         resume = self._prepare_checkpoints(number, plan, log)
