@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from qlora_supervise.supervisor.jobfile.units import format_bytes
+
 GIB = 1024**3
 CONTENTION_SHARE = 0.5
 FRAGMENTATION_MIN_BYTES = GIB
@@ -87,9 +89,11 @@ def contention(
         return None
     total, others = numbers.get("total_capacity"), numbers.get("others_in_use")
     if total and others is not None and others >= CONTENTION_SHARE * total:
-        return f"other processes hold {_gib(others)} of {_gib(total)} (≥ 50 %)"
+        return f"other processes hold {format_bytes(others)} of {format_bytes(total)} (≥ 50 %)"
     if nvml_total and nvml_others is not None and nvml_others >= CONTENTION_SHARE * nvml_total:
-        return f"NVML: other processes hold {_gib(nvml_others)} of {_gib(nvml_total)} (≥ 50 %)"
+        return (
+            f"NVML: other processes hold {format_bytes(nvml_others)} of {format_bytes(nvml_total)} (≥ 50 %)"
+        )
     return None
 
 
@@ -105,8 +109,8 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
         return None
     headroom = _headroom(numbers)
     if unallocated >= floor and unallocated + headroom >= tried:
-        free = _gib(headroom)
-        return f"{_gib(unallocated)} reserved-unallocated + {free} free ≥ {_gib(tried)} requested"
+        free, split = format_bytes(headroom), format_bytes(unallocated)
+        return f"{split} reserved-unallocated + {free} free ≥ {format_bytes(tried)} requested"
     return None
 
 
@@ -127,7 +131,3 @@ def _cap_reached(numbers: Mapping[str, Any]) -> bool:
     allowed = numbers.get("allowed")
     held = numbers.get("reserved_total") or numbers.get("process_in_use") or 0
     return allowed is not None and held + int(numbers.get("tried_to_allocate") or 0) > allowed
-
-
-def _gib(size: int | float) -> str:
-    return f"{size / GIB:.2f} GiB"

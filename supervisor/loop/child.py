@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from qlora_supervise.trainer_child.processes import pid_alive
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -134,16 +136,17 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
 def pids_running(argument: str) -> list[int]:
     """Pids of processes whose command line contains ``argument`` (e.g. an attempt's spec path)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and argument in process_cmdline(int(entry.name)):
-            found.append(int(entry.name))
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if argument in " ".join(proc.info["cmdline"] or ()):
+            found.append(int(proc.info["pid"]))
     return found
 
 
 def process_cmdline(pid: int) -> str:
+    """The process's command line, space-joined; empty when it is gone or not ours to read."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
