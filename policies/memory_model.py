@@ -41,7 +41,7 @@ __all__ = [
 
 #: The parts that scale with tokens, which calibration corrects.
 VARIABLE_COMPONENTS = frozenset(
-    {"activations", "backward_transient", "loss_hidden_fp32", "loss_tiles", "eval_activations"}
+    {"activations", "backward_block", "loss_hidden_fp32", "loss_tiles", "eval_activations"}
 )
 SCALE_RANGE = (0.25, 4.0)
 
