@@ -1,22 +1,21 @@
-"""The memory budget the policy plans against, when the job sets no cap.
+"""The memory budget the policy plans against when the job sets no cap: the card less a reserve.
 
-A card's total is not all usable: the CUDA context (about 0.5 GiB on recent cards, outside
-PyTorch's allocator), cuBLAS/cuDNN workspaces and the allocator's rounding all sit beside the
-tensors the memory model counts. The reserve is 5 % of the card, and at least 1 GiB, so a
-24 GiB card plans with 23 GiB and an 8 GiB card with 7 GiB.
+The reserve is what sits on the card but outside PyTorch's allocator, which is what the memory
+model's peak counts: the CUDA context (``memory.gpu.CUDA_CONTEXT``, measured on the H200) and,
+with a paged optimizer, its unified-memory state. ``plan`` and the loop use these same two
+functions, so the budget ``plan`` prints is the one the run plans against.
 """
 
 from __future__ import annotations
 
-RESERVE_SHARE = 0.05
-RESERVE_MIN_BYTES = 1 << 30
+from qlora_supervise.policies.memory import gpu as gpu_terms
 
 
-def card_reserve(total_bytes: int) -> int:
-    """Bytes of a card of ``total_bytes`` kept out of the budget."""
-    return max(RESERVE_MIN_BYTES, int(total_bytes * RESERVE_SHARE))
+def card_reserve(paged_bytes: int = 0) -> int:
+    """Bytes of a card kept out of the budget: the CUDA context plus paged optimizer state."""
+    return gpu_terms.CUDA_CONTEXT + paged_bytes
 
 
-def card_budget(total_bytes: int) -> int:
-    """The budget on a whole card: its total less :func:`card_reserve`."""
-    return max(0, total_bytes - card_reserve(total_bytes))
+def card_budget(total_bytes: int, paged_bytes: int = 0) -> int:
+    """The budget on a whole card of ``total_bytes``: its total less :func:`card_reserve`."""
+    return max(0, total_bytes - card_reserve(paged_bytes))

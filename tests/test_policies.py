@@ -220,12 +220,14 @@ def test_uncalibrated_model_combines_rungs_only_far_over_budget() -> None:
     h200 = Knobs(
         model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048, gradient_checkpointing=False
     )
-    settings = Settings(shape=SHAPE_7B, budget_bytes=6 * 1024**3)
+    # 7 GiB: checkpointing alone is estimated at 11.3 GiB (11.1 measured on the H200), over 7 GiB
+    # by more than 25 %; with the micro-batch halved 7.9 GiB (the H200 run at an 8 GiB cap died
+    # at 7.5 GiB allocated in that config's backward), within 25 %.
+    settings = Settings(shape=SHAPE_7B, budget_bytes=7 * 1024**3)
     out = decide(
         _Failure(FailureKind.OOM_FORWARD), h200, [_fail(FailureKind.OOM_FORWARD, knobs=h200)], settings
     )
     assert isinstance(out, Restart)
-    # checkpointing alone is estimated at 9.1 GiB (11.1 GiB measured on the H200): far over 6 GiB
     assert out.rung == "gradient_checkpointing+halve_micro_batch"
     assert (out.knobs.micro_batch_size, out.knobs.grad_accum) == (2, 8)
     roomy = Settings(shape=SHAPE_7B, budget_bytes=16 * 1024**3)
@@ -233,13 +235,14 @@ def test_uncalibrated_model_combines_rungs_only_far_over_budget() -> None:
     assert isinstance(out, Restart) and out.rung == "gradient_checkpointing"
 
 
-def test_no_checkpointing_estimate_matches_the_h200_measurement() -> None:
-    """Micro-batch 4 at seq 2048 without checkpointing: 40.7 GiB measured on the H200 (shared/gpu)."""
+def test_checkpointing_estimate_matches_the_h200_measurement() -> None:
+    """Micro-batch 4 at seq 2048 with checkpointing, our recipe: 11.10 GiB measured on the H200
+    (bench/results/gpu-h200-2026-11-29, cap-16GiB attempt 2)."""
     h200 = Knobs(
-        model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048, gradient_checkpointing=False
+        model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048, gradient_checkpointing=True
     )
     estimate = memory_model.estimate_peak(SHAPE_7B, h200) / 1024**3
-    assert 35 < estimate < 48
+    assert 11.10 * 0.95 < estimate < 11.10 * 1.05
 
 
 def test_crash_loop_counts_unchanged_restarts_not_ladder_climbing() -> None:

@@ -55,6 +55,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dir", default="demo-run", help="working directory (default: ./demo-run)")
 
+    plan = sub.add_parser(
+        "plan", help="predict the peak memory by component and the config the supervisor would start from"
+    )
+    plan.add_argument("job", help="the job file (YAML)")
+    plan.add_argument(
+        "--gpu-memory", help="the card's memory, e.g. 24GiB (default: the job's cap, else NVML)"
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
+
     status = sub.add_parser("status", help="summarise a run directory's attempts")
     status.add_argument("output_dir", help="the job's output_dir")
     return parser
@@ -92,6 +101,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from qlora_supervise.supervisor.commands.demo import demo_command
 
         return demo_command(args.dir)
+    if args.command == "plan":
+        from qlora_supervise.supervisor.commands.plan import plan_command
+
+        return plan_command(args.job, gpu_memory=args.gpu_memory, as_json=args.json)
     if args.command == "status":
         from qlora_supervise.supervisor.commands.status import status_command
 

@@ -80,6 +80,26 @@ def memory_events_path(
     return None
 
 
+def memory_limit_bytes(events_path: Path | None = None) -> int | None:
+    """The memory limit of this process's cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``).
+
+    None when there is no cgroup memory controller, no limit (``max``, or v1's huge sentinel),
+    or nothing can be read. Found beside the ``oom_kill`` counter file.
+    """
+    path = events_path or memory_events_path()
+    if path is None:
+        return None
+    for name in ("memory.max", "memory.limit_in_bytes"):
+        try:
+            text = (path.parent / name).read_text(encoding="ascii").strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 reports "no limit" as ~2**63
+            return int(text)
+        return None
+    return None
+
+
 def _env_path() -> Path | None:
     value = os.environ.get(ENV_MEMORY_EVENTS, "").strip()
     return Path(value) if value else None

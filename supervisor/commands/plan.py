@@ -1,0 +1,341 @@
+"""``qlora-supervise plan JOB [--gpu-memory 24GiB] [--json]``: where the memory will go, before training.
+
+Reads the job, the model's ``config.json`` and its safetensors index / headers (never the
+weights: :mod:`qlora_supervise.supervisor.jobfile.model_files`), and prints the predicted peak by
+component, the card and the budget, whether the job fits as written, the config the supervisor
+would start from (the pre-flight, :func:`qlora_supervise.policies.preflight.preflight`), each
+rung's predicted peak and cost class, and the host RAM needed to load and to merge. No GPU, no
+torch: it runs in a second on a laptop for a 70B config.
+
+The card, first match wins: ``--gpu-memory`` (the card's size), the job's ``gpu_memory_limit``
+(a cap on PyTorch's allocator: the budget is the cap itself), NVML (the card's total). For a
+card size the budget is the total less a reserve: the CUDA context (outside the allocator,
+~600 MiB on an H200 with torch 2.11) and, with a paged optimizer, its unified-memory state,
+which lives on the card but outside the allocator too. The pre-flight then keeps an 8 % margin.
+
+``--json`` prints one object (schema ``qlora-supervise.plan/1``; all sizes in bytes)::
+
+    {
+      "schema": "qlora-supervise.plan/1",
+      "job": str, "model": str,
+      "peak_bytes": int | null,          # predicted peak allocated of the job as written
+      "components": {name: int},         # the terms of peak_bytes (they sum to it)
+      "shape": {"hidden": int, "layers": int, "heads": int, "kv_heads": int,
+                "intermediate": int, "vocab": int, "tie_word_embeddings": bool,
+                "params": int} | null,
+      "unsupported": {"reason": str, "detail": str} | null,   # null when modelled
+      "targets": [str],                  # the block's linear layers LoRA adapts
+      "as_written": {"knobs": {...}, "peak_bytes": int, "reserved_bytes": int,
+                     "card_bytes": int, "phase": str, "components": {name: int},
+                     "outside": {name: int}} | null,
+      "card": {"source": "flag" | "job_cap" | "nvml" | "none", "total_bytes": int | null,
+               "free_bytes": int | null, "reserve_bytes": int, "reserve_why": str,
+               "budget_bytes": int | null},
+      "fits_as_written": bool | null,    # null: no budget known
+      "start": {"knobs": {...}, "changes": {knob: [old, new]}, "reasons": [str],
+                "quality_changed": bool, "fits": bool, "margin": float,
+                "peak_bytes": int, "components": {name: int}} | null,
+      "rungs": [{"name": str, "cost_class": "free" | "throughput" | "quality",
+                 "cost": float, "peak_bytes": int | null, "changes": {knob: [old, new]}}],
+      "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
+               "merge_peak_bytes": int | null, "available_bytes": int,
+               "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null}
+    }
+
+Exit 0 when the plan was made (even when the job does not fit: that is the answer), 2 for a
+bad job file, an unreadable model directory or a bad ``--gpu-memory``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from qlora_supervise.policies import memory_model, preflight
+from qlora_supervise.policies.budget import card_budget, card_reserve
+from qlora_supervise.policies.memory import gpu as gpu_terms
+from qlora_supervise.policies.memory.host import HostNeed, host_need
+from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, resolve_targets
+from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
+from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
+from qlora_supervise.trainer_child.protocol import Knobs
+
+SCHEMA = "qlora-supervise.plan/1"
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the plan reads of a job (the one place that knows the Job API)."""
+
+    knobs: Knobs
+    targets: tuple[str, ...] | str
+    gpu_memory_limit: int | None
+    cpu_memory_limit: int | None
+    device: str
+    merge: bool
+
+
+def job_view(job: Job) -> JobView:
+    """The plan's view of ``job``: its knobs, target modules, caps, device and merge flag."""
+    return JobView(
+        knobs=job.knobs,
+        targets=job.train.target_modules,
+        gpu_memory_limit=job.resources.gpu_memory_limit,
+        cpu_memory_limit=job.resources.cpu_memory_limit,
+        device=job.resources.device,
+        merge=job.train.merge,
+    )
+
+
+@dataclass(frozen=True)
+class Card:
+    source: str  # flag, job_cap, nvml, none
+    total_bytes: int | None
+    free_bytes: int | None
+    reserve_bytes: int
+    reserve_why: str
+    budget_bytes: int | None
+
+
+def plan_command(
+    job_path: str, gpu_memory: str | None = None, as_json: bool = False, out: TextIO = sys.stdout
+) -> int:
+    plan = make_plan(job_path, gpu_memory)
+    if as_json:
+        print(json.dumps(plan, indent=2), file=out)
+    else:
+        for line in render(plan):
+            print(line, file=out)
+    return 0
+
+
+def make_plan(job_path: str, gpu_memory: str | None, nvml: Any | None = None) -> dict[str, Any]:
+    """The plan as the JSON object documented above."""
+    view = job_view(_load(job_path))
+    files = _model_files(view.knobs.model)
+    read = ModelShape.read(files.config)
+    shape = read if isinstance(read, ModelShape) else None
+    as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
+    card = find_card(gpu_memory, view, as_written, nvml)
+    start = None
+    if shape is not None and card.budget_bytes is not None:
+        start = preflight.preflight(shape, view.knobs, card.budget_bytes, targets=view.targets)
+    rungs = [] if shape is None else preflight.rung_effects(shape, view.knobs, view.targets)
+    checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
+    return {
+        "schema": SCHEMA,
+        "job": str(Path(job_path).absolute()),
+        "model": view.knobs.model,
+        "peak_bytes": None if as_written is None else as_written.peak_bytes,
+        "components": {} if as_written is None else dict(as_written.components),
+        "shape": None if shape is None else {**asdict(shape), "params": shape.params},
+        "unsupported": _unsupported(read),
+        "notes": list(files.notes) + _tie_note(files, shape),
+        "targets": list(resolve_targets(view.targets)),
+        "as_written": None if as_written is None else _prediction(view.knobs, as_written),
+        "card": asdict(card),
+        "fits_as_written": None if start is None else start.fits_as_written,
+        "start": None if start is None else _start(start),
+        "rungs": [_rung(r) for r in rungs],
+        "host": _host(checkpoint, files.largest_shard_bytes, view),
+    }  # fmt: skip
+
+
+def find_card(
+    gpu_memory: str | None, view: JobView, predicted: gpu_terms.Prediction | None, nvml: Any
+) -> Card:
+    """The card and the budget; see the module docstring for the order and the reserve."""
+    paged = 0 if predicted is None else predicted.outside.get("paged_optimizer_state", 0)
+    reserve = card_reserve(paged)
+    why = f"CUDA context {format_bytes(gpu_terms.CUDA_CONTEXT)} (outside PyTorch's allocator)"
+    if paged:
+        why += f" + paged optimizer state {format_bytes(paged)} (unified memory, outside the allocator)"
+    if gpu_memory is not None:
+        try:
+            total = parse_bytes(gpu_memory)
+        except UnitError as error:
+            raise SupervisorExit(
+                SupervisorExitCode.BAD_JOB, f"--gpu-memory {gpu_memory!r}: {error}"
+            ) from None
+        return Card("flag", total, None, reserve, why, card_budget(total, paged))
+    if view.gpu_memory_limit is not None:
+        cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
+        return Card("job_cap", view.gpu_memory_limit, None, 0, cap_why, view.gpu_memory_limit)
+    if view.device != "cpu":
+        from qlora_supervise.supervisor.watching.gpu import GpuMonitor
+
+        monitor = GpuMonitor.open(view.device, nvml=nvml)
+        if monitor is not None:
+            try:
+                sample = monitor.sample(set())
+            finally:
+                monitor.close()
+            if sample is not None:
+                return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
+    return Card("none", None, None, reserve, why, None)
+
+
+def _prediction(knobs: Knobs, p: gpu_terms.Prediction) -> dict[str, Any]:
+    return {
+        "knobs": asdict(knobs),
+        "peak_bytes": p.peak_bytes,
+        "reserved_bytes": p.reserved_bytes,
+        "card_bytes": p.card_bytes,
+        "phase": p.phase,
+        "components": dict(p.components),
+        "outside": dict(p.outside),
+    }
+
+
+def _start(r: preflight.PreflightResult) -> dict[str, Any]:
+    return {
+        "knobs": asdict(r.knobs),
+        "changes": {k: list(v) for k, v in r.changes.items()},
+        "reasons": list(r.reasons),
+        "quality_changed": r.quality_changed,
+        "fits": r.fits,
+        "margin": r.margin,
+        "peak_bytes": r.predicted.peak_bytes,
+        "components": dict(r.predicted.components),
+    }
+
+
+def _rung(r: preflight.RungEffect) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "cost_class": r.cost_class.value,
+        "cost": r.cost,
+        "peak_bytes": r.predicted_peak,
+        "changes": {k: list(v) for k, v in r.changes.items()},
+    }
+
+
+def _host(checkpoint: int | None, largest_shard: int, view: JobView) -> dict[str, Any]:
+    import psutil
+
+    from qlora_supervise.supervisor.watching.cgroup import memory_limit_bytes
+
+    available = int(psutil.virtual_memory().available)
+    limit = memory_limit_bytes()
+    need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard)
+    room = min(x for x in (available, limit, view.cpu_memory_limit) if x is not None)
+    return {
+        "checkpoint_bytes": checkpoint,
+        "load_peak_bytes": None if need is None else need.load_peak,
+        "merge_peak_bytes": None if need is None else need.merge_peak,
+        "available_bytes": available,
+        "cgroup_limit_bytes": limit,
+        "basis": "" if need is None else need.basis,
+        "load_fits": None if need is None else need.load_peak <= room,
+    }
+
+
+def _unsupported(read: ModelShape | Unsupported) -> dict[str, str] | None:
+    if isinstance(read, Unsupported):
+        return {"reason": read.reason.value, "detail": read.detail}
+    return None
+
+
+def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[str]:
+    has_head = files.has_lm_head
+    if shape is None or has_head is None or has_head != shape.tie_word_embeddings:
+        return []
+    if has_head:
+        return ["config says tie_word_embeddings but the checkpoint stores lm_head.weight: counted as tied"]
+    return ["the checkpoint has no lm_head.weight but config says untied: transformers will create one"]
+
+
+def _load(job_path: str) -> Job:
+    try:
+        return load_job(job_path)
+    except JobError as error:
+        lines = "\n".join(problem.render() for problem in error.problems)
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"{job_path}: {len(error.problems)} problem(s):\n{lines}"
+        ) from None
+
+
+def _model_files(model: str) -> model_files.ModelFiles:
+    try:
+        return model_files.read_model_files(model)
+    except model_files.ModelFilesError as error:
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, str(error)) from None
+
+
+# --------------------------------------------------------------------------- text
+
+
+def render(plan: dict[str, Any]) -> list[str]:
+    """The plan for a person: components, card, verdict, start config, rungs, host RAM."""
+    lines = [f"plan for {plan['job']}", f"model: {plan['model']}"]
+    if plan["unsupported"]:
+        u = plan["unsupported"]
+        lines.append(f"NOT MODELLED ({u['reason']}): {u['detail']}; no GPU prediction")
+    else:
+        lines += _render_prediction(plan)
+    lines += [f"note: {n}" for n in plan["notes"]]
+    lines += _render_host(plan["host"])
+    return lines
+
+
+def _render_prediction(plan: dict[str, Any]) -> list[str]:
+    s, w = plan["shape"], plan["as_written"]
+    lines = [
+        f"shape: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, "
+        f"MLP {s['intermediate']}, vocab {s['vocab']} ({'tied' if s['tie_word_embeddings'] else 'untied'}), "
+        f"{s['params'] / 1e9:.2f} B params; LoRA on {', '.join(plan['targets'])}",
+        f"predicted peak as written: {format_bytes(w['peak_bytes'])} allocated ({w['phase']}), "
+        f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card",
+    ]
+    lines += [f"  {name:<20} {format_bytes(size):>12}" for name, size in w["components"].items()]
+    lines += [
+        f"  (outside allocator) {name:<20} {format_bytes(size):>12}" for name, size in w["outside"].items()
+    ]
+    card = plan["card"]
+    if card["budget_bytes"] is None:
+        lines.append("card: unknown (no --gpu-memory, no gpu_memory_limit, no NVML): no fit verdict")
+    else:
+        total = "" if card["total_bytes"] is None else f"{format_bytes(card['total_bytes'])}, "
+        lines.append(
+            f"card: {total}from {card['source']}; budget {format_bytes(card['budget_bytes'])} "
+            f"(reserve {format_bytes(card['reserve_bytes'])}: {card['reserve_why']})"
+        )
+        verdict = "yes" if plan["fits_as_written"] else "NO"
+        lines.append(f"fits as written (with the {plan['start']['margin']:.0%} margin): {verdict}")
+        lines += _render_start(plan["start"])
+    lines.append("rungs (each alone on the job as written):")
+    for r in plan["rungs"]:
+        peak = "no change" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])
+        lines.append(f"  {r['name']:<24} {peak:>12}  {r['cost_class']:<10} ~{r['cost']:.0%} tokens/s")
+    return lines
+
+
+def _render_start(start: dict[str, Any]) -> list[str]:
+    if not start["changes"]:
+        return ["start from: the job as written"]
+    changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in start["changes"].items())
+    head = "start from (QUALITY KNOBS CHANGED)" if start["quality_changed"] else "start from"
+    lines = [f"{head}: {changes}; predicted {format_bytes(start['peak_bytes'])}"]
+    lines += [f"  why: {reason}" for reason in start["reasons"]]
+    return lines
+
+
+def _render_host(host: dict[str, Any]) -> list[str]:
+    if host["load_peak_bytes"] is None:
+        return ["host RAM: checkpoint size unknown"]
+    limit = host["cgroup_limit_bytes"]
+    lines = [
+        f"host RAM to load: {format_bytes(host['load_peak_bytes'])}, to merge: "
+        f"{format_bytes(host['merge_peak_bytes'])} "
+        f"(16-bit checkpoint {format_bytes(host['checkpoint_bytes'])}); "
+        f"available now {format_bytes(host['available_bytes'])}, cgroup limit "
+        f"{'none' if limit is None else format_bytes(limit)}",
+        f"  basis: {host['basis']}",
+    ]
+    if host["load_fits"] is False:
+        lines.append("  WARNING: loading is predicted to need more host RAM than is available")
+    return lines

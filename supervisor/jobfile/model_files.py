@@ -1,0 +1,175 @@
+"""A model directory read without its weights: ``config.json`` and the safetensors headers.
+
+A safetensors file starts with an 8-byte little-endian header length and that many bytes of
+JSON: ``{tensor name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...}``
+plus an optional ``__metadata__`` entry. A sharded checkpoint adds
+``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {name:
+file}}``). Reading those is enough to know every tensor's name, dtype and shape and the
+checkpoint's size, so ``qlora-supervise plan`` runs in a second for a 70B model on a laptop:
+no torch, no weights read, and shard files may even be absent (the index alone still gives
+names and the total size).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: Refuse headers larger than this: a real one is a few MB even for thousands of tensors.
+MAX_HEADER_BYTES = 100 << 20
+DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+
+
+class ModelFilesError(ValueError):
+    """A model directory that cannot be read: the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 2)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a model directory says about itself, weights unread.
+
+    ``tensors`` is empty when no safetensors header could be read (index without shards, or a
+    .bin checkpoint); ``checkpoint_bytes`` then comes from the index's ``total_size`` or the
+    file sizes, and is None when nothing tells it.
+    """
+
+    directory: Path
+    config: Mapping[str, Any]
+    tensors: Mapping[str, TensorInfo] = field(default_factory=dict)
+    checkpoint_bytes: int | None = None
+    largest_shard_bytes: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def has_lm_head(self) -> bool | None:
+        """Whether the checkpoint stores a separate LM head; None when no names are known."""
+        if not self.tensors:
+            return None
+        return any(name.endswith("lm_head.weight") for name in self.tensors)
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors a safetensors file declares, from its header alone."""
+    try:
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise ModelFilesError(f"{path}: shorter than a safetensors header; is the download complete?")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES:
+                raise ModelFilesError(f"{path}: header of {length} bytes; not a safetensors file")
+            raw = handle.read(length)
+    except OSError as error:
+        raise ModelFilesError(f"{path}: cannot read ({error.strerror})") from error
+    if len(raw) < length:
+        raise ModelFilesError(f"{path}: header cut short; is the download complete?")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ModelFilesError(f"{path}: header is not JSON ({error}); not a safetensors file") from error
+    if not isinstance(header, dict):
+        raise ModelFilesError(f"{path}: header is not a JSON object; not a safetensors file")
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or "dtype" not in entry or not isinstance(entry.get("shape"), list):
+            raise ModelFilesError(f"{path}: tensor {name!r} has no dtype/shape; not a safetensors file")
+        tensors[name] = TensorInfo(str(entry["dtype"]), tuple(int(s) for s in entry["shape"]))
+    return tensors
+
+
+def read_model_files(directory: str | Path) -> ModelFiles:
+    """``config.json`` plus the safetensors index and headers of ``directory``."""
+    root = Path(directory)
+    config = _read_json(root / "config.json", "config.json")
+    if not isinstance(config, dict):
+        raise ModelFilesError(f"{root / 'config.json'}: not a JSON object")
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        return _from_index(root, config, index_path)
+    single = root / SINGLE_NAME
+    if single.is_file():
+        size = single.stat().st_size
+        return ModelFiles(root, config, read_header(single), size, size)
+    bins = sorted(root.glob("*.bin"))
+    total = sum(p.stat().st_size for p in bins) or None
+    note = "no safetensors files: tensor names unknown" + ("" if total else ", checkpoint size unknown")
+    return ModelFiles(root, config, {}, total, max((p.stat().st_size for p in bins), default=0), (note,))
+
+
+def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFiles:
+    index = _read_json(index_path, INDEX_NAME)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ModelFilesError(f"{index_path}: no weight_map; not a safetensors index")
+    metadata = index.get("metadata") or {}
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    tensors: dict[str, TensorInfo] = {}
+    missing: list[str] = []
+    largest = 0
+    for shard in sorted(set(map(str, weight_map.values()))):
+        path = root / shard
+        if not path.is_file():
+            missing.append(shard)
+            continue
+        largest = max(largest, path.stat().st_size)
+        tensors.update(read_header(path))
+    notes: tuple[str, ...] = ()
+    if missing:
+        notes = (f"{len(missing)} shard(s) not present ({missing[0]}, ...): sizes from the index",)
+        tensors = {}  # a partial tensor list would mislead more than none
+    size = int(total) if isinstance(total, (int, float)) else sum(t.nbytes for t in tensors.values()) or None
+    return ModelFiles(root, config, tensors, size, largest, notes)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFilesError(
+            f"{path}: no {what}; point model.path at a Hugging Face model directory"
+        ) from None
+    except OSError as error:
+        raise ModelFilesError(f"{path}: cannot read ({error.strerror})") from error
+    except ValueError as error:
+        raise ModelFilesError(f"{path}: not valid JSON ({error})") from error
