@@ -183,7 +183,7 @@ class AttemptSpec:
     checkpoints_dir: str
     adapter_dir: str
     merged_dir: str
-    device: str = "auto"  # "auto", "cpu", "cuda:N" or a GPU UUID
+    device: str = "auto"  # "auto", "cpu", "cuda:N" or a GPU UUID; both sides map it with bind_device
     gpu_memory_limit: int | None = None  # bytes
     cpu_memory_limit: int | None = None  # bytes
     heartbeat_interval: float = 5.0
