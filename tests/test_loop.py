@@ -25,7 +25,9 @@ from run_scripted import FakeGpu, scripted_seams
 MAX_STEPS = 10
 
 
-def _job(tmp_path: Path, plan: dict[str, str], **supervise: Any) -> Path:
+def _job(
+    tmp_path: Path, plan: dict[str, str], resources: dict[str, Any] | None = None, **supervise: Any
+) -> Path:
     """A valid job for a fake model dir, and the scripted child's plan."""
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
@@ -43,7 +45,7 @@ def _job(tmp_path: Path, plan: dict[str, str], **supervise: Any) -> Path:
             "save_steps": 4,
             "max_seq_len": 256,
         },
-        "resources": {"gpu": "cpu"},
+        "resources": {"gpu": "cpu", **(resources or {})},
         "supervise": {"hang_timeout": "2s", "backoff_initial": "0.05s", "backoff_max": "0.2s", **supervise},
         "output_dir": "run",
     }
@@ -96,7 +98,8 @@ def test_second_forward_oom_halves_micro_batch_keeping_effective_batch(tmp_path:
 
 def test_fragmentation_sets_expandable_segments_in_the_child_env(tmp_path: Path) -> None:
     """An OOM with large reserved-but-unallocated memory restarts with expandable_segments."""
-    assert _run(_job(tmp_path, {"1": "fragmentation@3"})) == 0
+    # Expandable segments are on by default; this job turns them off to see the rung put them back.
+    assert _run(_job(tmp_path, {"1": "fragmentation@3"}, resources={"expandable_segments": False})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[0].failure is not None and records[0].failure.kind == "oom_fragmentation"
     assert records[0].decision is not None and records[0].decision.rung == "expandable_segments"

@@ -29,6 +29,7 @@ BASE = Knobs(
     max_seq_len=1024,
     optimizer="adamw_torch",
     gradient_checkpointing=False,
+    expandable_segments=False,
 )
 
 

@@ -82,6 +82,7 @@ def job_from_sections(
             double_quant=quantization.double_quant,
             load_in_4bit=quantization.load_in_4bit,
             eval_batch_size=train.eval_batch_size,
+            expandable_segments=resources.expandable_segments,
             eval_enabled=data.eval_path is not None or data.eval_fraction > 0,
         ),
         data=DataSpec(

@@ -120,6 +120,8 @@ class ResourcesSection(Section):
     gpu: Device = _RESOURCES.device
     gpu_memory_limit: ByteSize | None = _RESOURCES.gpu_memory_limit
     cpu_memory_limit: ByteSize | None = _RESOURCES.cpu_memory_limit
+    # The allocator's expandable segments (PYTORCH_ALLOC_CONF); false only where a platform lacks them.
+    expandable_segments: bool = _KNOBS.expandable_segments
 
 
 def _only_true(value: bool) -> bool:
