@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from qlora_supervise.policies import memory_model
+from qlora_supervise.policies import memory_model, preflight
 from qlora_supervise.policies.ladders import ladder_for
-from qlora_supervise.policies.rungs import Rung, RungContext, Survives, rung_by_name
+from qlora_supervise.policies.rungs import STATIC_RUNGS, Rung, RungContext, Survives, rung_by_name
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
@@ -204,6 +204,9 @@ def _climb(
 ) -> Decision:
     failed_same_way = {past.knobs for past in history if past.kind is failure.kind}
     scale = _scale(history, settings)
+    searched = _search(failure, knobs, failed_same_way, settings, scale)
+    if searched is not None:
+        return searched
     context = RungContext(fallbacks=settings.fallbacks)
     candidate = knobs
     applied: list[Rung] = []
@@ -225,6 +228,56 @@ def _climb(
         assert stepped is not None  # it changed these knobs in the walk above
         return _restart(knobs, stepped, [first], [])
     return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
+
+
+#: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
+_STEP_MEMORY = frozenset(
+    {
+        FailureKind.OOM_FORWARD,
+        FailureKind.OOM_BACKWARD,
+        FailureKind.OOM_OPTIMIZER,
+        FailureKind.OOM_FRAGMENTATION,
+    }
+)
+#: Which rung a knob change of the search stands for, in the journal's words.
+_RUNG_OF_KNOB = {
+    "gradient_checkpointing": "gradient_checkpointing",
+    "micro_batch_size": "halve_micro_batch",
+    "optimizer": "paged_8bit_optimizer",
+    "expandable_segments": "expandable_segments",
+}
+
+
+def _search(
+    failure: FailureLike, knobs: Knobs, failed: set[Knobs], settings: Settings, scale: float | None
+) -> Restart | None:
+    """The cheapest throughput-only change predicted to fit, searched over combinations.
+
+    The ladder applies each rung once in its order; the search can combine them (checkpointing
+    with the micro-batch halved twice) and so reaches a config that fits without the quality
+    rung a walk would take next. The failure itself calibrates it: the failed config needed
+    more than the budget, so the model's variable part is scaled up to say so at least. A
+    quality change, or nothing predicted to fit, leaves the choice to the ladder walk.
+    """
+    shape, budget = settings.shape, settings.budget_bytes
+    if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
+        return None
+    floor = _failed_scale(shape, knobs, budget)
+    result = preflight.preflight(shape, knobs, budget, scale=max(scale or floor, floor))
+    if not result.fits or result.quality_changed or result.knobs == knobs or result.knobs in failed:
+        return None
+    changed = {_RUNG_OF_KNOB[name] for name in result.changes if name in _RUNG_OF_KNOB}
+    names = [name for name in STATIC_RUNGS if name in changed]  # the rungs' own order
+    survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
+    why = "; ".join(STATIC_RUNGS[name].reason for name in names)
+    why += f" (memory model: {result.reasons[-1]})"
+    return Restart(result.knobs, "+".join(names), knob_changes(knobs, result.knobs), why, survives)
+
+
+def _failed_scale(shape: memory_model.ModelShape, knobs: Knobs, budget: int) -> float:
+    """The smallest scale of the variable part at which ``knobs`` no longer fits ``budget``."""
+    fixed, variable = memory_model.split(memory_model.predict(shape, knobs))
+    return max(1.0, (budget - fixed) / variable) if variable > 0 else 1.0
 
 
 def _scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:

@@ -268,3 +268,59 @@ def test_without_a_cap_the_budget_is_the_card_less_a_reserve(tmp_path: Path) -> 
     finally:
         run_mod.Supervisor.run = original  # type: ignore[method-assign]
     assert seen == [card_budget(24 * GiB)] and seen[0] is not None and 22 * GiB < seen[0] < 24 * GiB
+
+
+LLAMA2_7B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
+
+
+def _ambitious_job(tmp_path: Path) -> Path:
+    """seq 2048, micro-batch 4, no checkpointing, on an 8 GiB cap: predicted far over."""
+    path = _job(tmp_path)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA2_7B))
+    job = yaml.safe_load(path.read_text())
+    job["train"].update(micro_batch_size=4, effective_batch_size=16, max_seq_len=2048)
+    job["resources"]["gpu_memory_limit"] = "8GiB"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_the_first_attempt_starts_from_the_preflight_config(tmp_path: Path) -> None:
+    """An over-ambitious job starts from throughput changes predicted to fit, journaled as its plan."""
+    assert _run(_ambitious_job(tmp_path), _seams(FakeClock(), {})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    first = records[0]
+    assert len(records) == 1 and first.plan is not None and not first.plan.as_written
+    assert first.knobs.gradient_checkpointing and first.knobs.effective_batch == 16
+    assert first.knobs.max_seq_len == 2048 and first.knobs.lora_r == 8  # no quality knob touched
+    assert first.plan.budget == 8 * GiB and first.plan.predicted_peak is not None
+    assert first.plan.predicted_peak <= 8 * GiB / 1.08 and not first.plan.quality_changed
+    assert "gradient_checkpointing" in first.plan.changes
+    events = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "preflight"]
+    assert len(events) == 1 and events[0]["budget_bytes"] == 8 * GiB
+
+
+def test_as_written_keeps_the_job_config(tmp_path: Path) -> None:
+    """``run --as-written`` starts from the job's own knobs and says so in the plan."""
+    code = run_job(
+        str(_ambitious_job(tmp_path)),
+        plain=True,
+        seams=_seams(FakeClock(), {}),
+        console=io.StringIO(),
+        install_signals=False,
+        as_written=True,
+    )
+    assert code == 0
+    first = read_attempts(tmp_path / "run" / "attempts.jsonl")[0][0]
+    assert first.plan is not None and first.plan.as_written
+    assert (first.knobs.micro_batch_size, first.knobs.gradient_checkpointing) == (4, False)
+    assert first.plan.predicted_peak is not None and first.plan.predicted_peak > 8 * GiB

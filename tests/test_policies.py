@@ -204,7 +204,7 @@ def test_calibrated_model_applies_several_rungs_at_once() -> None:
     settings = Settings(shape=SHAPE_7B, budget_bytes=int(peak * 1.2))
     out = decide(_Failure(FailureKind.OOM_FORWARD), BASE, history, settings)
     assert isinstance(out, Restart)
-    assert out.rung.startswith("gradient_checkpointing+halve_micro_batch")
+    assert "gradient_checkpointing+halve_micro_batch" in out.rung
     assert memory_model.estimate_peak(SHAPE_7B, out.knobs) <= settings.budget_bytes
     assert "memory model" in out.why
 
@@ -216,24 +216,47 @@ def test_model_that_finds_nothing_fitting_takes_one_rung_only() -> None:
     assert isinstance(out, Restart) and out.rung == "gradient_checkpointing"
 
 
-def test_uncalibrated_model_combines_rungs_only_far_over_budget() -> None:
-    """Uncalibrated, a rung is skipped only when its estimate exceeds the budget by 25 %."""
+def test_after_an_oom_the_cheapest_combination_predicted_to_fit_is_taken() -> None:
+    """The search combines throughput rungs (checkpointing, the micro-batch halved as often as needed)."""
     h200 = Knobs(
         model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048, gradient_checkpointing=False
     )
-    # 7 GiB: checkpointing alone is estimated at 11.3 GiB (11.1 measured on the H200), over 7 GiB
-    # by more than 25 %; with the micro-batch halved 7.9 GiB (the H200 run at an 8 GiB cap died
-    # at 7.5 GiB allocated in that config's backward), within 25 %.
+    # 7 GiB: checkpointing alone is predicted at 11.3 GiB (11.1 measured on the H200), micro 2 at
+    # 7.9 (the H200 run at an 8 GiB cap died at 7.5 GiB allocated there): only micro 1 fits.
     settings = Settings(shape=SHAPE_7B, budget_bytes=7 * 1024**3)
     out = decide(
         _Failure(FailureKind.OOM_FORWARD), h200, [_fail(FailureKind.OOM_FORWARD, knobs=h200)], settings
     )
     assert isinstance(out, Restart)
     assert out.rung == "gradient_checkpointing+halve_micro_batch"
-    assert (out.knobs.micro_batch_size, out.knobs.grad_accum) == (2, 8)
+    assert (out.knobs.micro_batch_size, out.knobs.grad_accum) == (1, 16)
+    assert out.knobs.max_seq_len == 2048 and out.knobs.effective_batch == 16
     roomy = Settings(shape=SHAPE_7B, budget_bytes=16 * 1024**3)
     out = decide(_Failure(FailureKind.OOM_FORWARD), h200, [_fail(FailureKind.OOM_FORWARD, knobs=h200)], roomy)
     assert isinstance(out, Restart) and out.rung == "gradient_checkpointing"
+
+
+def test_no_quality_rung_while_a_throughput_change_is_predicted_to_fit() -> None:
+    """The issue's 128k-vocabulary case: a forward OOM at seq 4096 under 12 GiB keeps seq 4096."""
+    shape = memory_model.ModelShape(
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        intermediate=8192,
+        vocab=128256,
+        tie_word_embeddings=True,
+    )
+    job = Knobs(
+        model="/m/1b", micro_batch_size=4, grad_accum=4, max_seq_len=4096, gradient_checkpointing=False
+    )
+    settings = Settings(shape=shape, budget_bytes=12 * 1024**3)
+    out = decide(
+        _Failure(FailureKind.OOM_FORWARD), job, [_fail(FailureKind.OOM_FORWARD, knobs=job)], settings
+    )
+    assert isinstance(out, Restart)
+    assert out.knobs.max_seq_len == 4096 and out.knobs.lora_r == job.lora_r
+    assert out.knobs.effective_batch == 16 and "shorten_seq_len" not in out.rung
 
 
 def test_checkpointing_estimate_matches_the_h200_measurement() -> None:

@@ -39,6 +39,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("job", help="the job file (YAML)")
     run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    run.add_argument(
+        "--as-written",
+        action="store_true",
+        help="start from the job's own config, not the memory model's pre-flight choice",
+    )
 
     validate = sub.add_parser("validate", help="check a job file and report every problem at once")
     validate.add_argument("job", help="the job file (YAML)")
@@ -84,7 +89,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from qlora_supervise.supervisor.commands.run import run_job
 
-        return run_job(args.job, plain=args.plain)
+        return run_job(args.job, plain=args.plain, as_written=args.as_written)
     if args.command == "validate":
         from qlora_supervise.supervisor.commands.validate import validate_command
 

@@ -22,15 +22,22 @@ def run_job(
     seams: Seams | None = None,
     console: TextIO = sys.stderr,
     install_signals: bool = True,
+    as_written: bool = False,
 ) -> int:
-    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``)."""
+    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``).
+
+    ``as_written``: attempt 1 runs the job's config even where the memory model predicts it
+    will not fit (the pre-flight's choice is still journaled, for comparison).
+    """
     job = _load(job_path)
     run_dir = RunDir(job.output_dir)
     lock = run_dir.lock()
     try:
         log = open_event_log(run_dir.events, console)
         _keep_job_copy(run_dir, job, log)
-        supervisor = Supervisor(job, run_dir, log, seams, console, plain, policy_settings(job))
+        supervisor = Supervisor(
+            job, run_dir, log, seams, console, plain, policy_settings(job), as_written=as_written
+        )
         if install_signals:
             supervisor.install_signal_handlers()
         notify.ready()

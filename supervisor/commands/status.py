@@ -52,6 +52,11 @@ def describe(r: AttemptRecord) -> list[str]:
     steps = f"steps {r.resumed_from} -> {r.steps_completed}"
     lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
     lines.append(f"  config: {config}")
+    if r.plan is not None:
+        planned = "as written (--as-written)" if r.plan.as_written else "pre-flight"
+        peak = format_bytes(r.plan.predicted_peak) if r.plan.predicted_peak else "-"
+        budget = format_bytes(r.plan.budget) if r.plan.budget else "-"
+        lines.append(f"  plan: {planned}, predicted peak {peak} of {budget}: {r.plan.why[-1]}")
     if r.peak:
         lines.append(f"  peak memory: {format_bytes(r.peak.bytes)} ({r.peak.source.value})")
     if r.failure:

@@ -32,6 +32,7 @@ from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.announce import announce_decision, announce_success
+from qlora_supervise.supervisor.loop.first_plan import first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.reclaim import reclaim
@@ -81,8 +82,10 @@ class Supervisor:
         console: TextIO = sys.stderr,
         plain: bool = False,
         settings: policy.Settings | None = None,
+        as_written: bool = False,
     ) -> None:
         self.job = job
+        self.as_written = as_written
         self.settings = settings or policy.Settings()
         self.rd = run_dir
         self.log = log
@@ -137,6 +140,9 @@ class Supervisor:
         if self.gpu is None:
             self.log.info(Event.GPU_MONITOR_UNAVAILABLE, why="NVML not available: no GPU readings")
         self.settings = with_card_budget(self.settings, self.gpu)
+        self.first = first_plan(self.job.knobs, self.settings, self.job.train.target_modules, self.as_written)
+        if not records:
+            self._log_plan(self.first)
         try:
             return self._loop(records)
         finally:
@@ -169,7 +175,23 @@ class Supervisor:
         return records
 
     def _plan_facts(self) -> PlanFacts:
-        return PlanFacts(self.job.knobs, self.job.train.merge, self.rd.merged.exists())
+        return PlanFacts(self.first, self.job.train.merge, self.rd.merged.exists())
+
+    def _log_plan(self, plan: Plan) -> None:
+        note = plan.note
+        if note is None:
+            return
+        # A quality change before the first attempt is loud: the user asked for that seq_len/rank.
+        emit = self.log.warning if note.quality_changed else self.log.info
+        emit(
+            Event.PREFLIGHT,
+            predicted_peak_bytes=note.predicted_peak,
+            budget_bytes=note.budget,
+            changes={k: list(v) for k, v in note.changes.items()},
+            quality_changed=note.quality_changed,
+            as_written=note.as_written,
+            why=" | ".join(note.why),
+        )
 
     def _runner_context(self) -> RunnerContext:
         return RunnerContext(

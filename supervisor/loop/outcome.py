@@ -129,6 +129,7 @@ def record_of(
         ),
         failure=failure,
         decision=decision,
+        plan=o.plan.note,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.record.journal import RunState
-from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase
+from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
 from qlora_supervise.trainer_child.protocol import Knobs
 
 
@@ -27,6 +27,7 @@ class Plan:
     phase: Phase
     knobs: Knobs
     fresh_start: bool = False  # the adapter's shape changed: old checkpoints cannot be loaded
+    note: PlanNote | None = None  # why these knobs (the pre-flight's reasons, attempt 1)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Verdict:
 class PlanFacts:
     """What the planner needs beyond the journal."""
 
-    first_knobs: Knobs
+    first: Plan  # attempt 1: the pre-flight's choice
     merge: bool  # the job asks for a merged model after training
     merged_exists: bool
 
@@ -51,7 +52,7 @@ class PlanFacts:
 def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verdict:
     """The next attempt, or the verdict when there is none."""
     if not records:
-        return Plan(Phase.TRAIN, facts.first_knobs)
+        return facts.first
     last = records[-1]
     if last.outcome in (Outcome.STOPPED, Outcome.INTERRUPTED):
         return Plan(last.phase, last.knobs)

@@ -14,11 +14,15 @@ from qlora_supervise.supervisor.watching.gpu import GpuProbe
 
 
 def policy_settings(job: Job) -> policy.Settings:
-    """Settings from the job alone; the budget is the job's cap (the CPU cap on the CPU)."""
+    """Settings from the job alone; the budget is the job's GPU cap.
+
+    On the CPU there is no budget: the memory model predicts GPU allocations, not the child's
+    data segment (which starts at the import baseline of torch and the stack), so comparing it
+    with ``cpu_memory_limit`` would skip or pick rungs for the wrong reason; the ladder's order
+    decides there.
+    """
     resources = job.resources
-    budget = resources.gpu_memory_limit
-    if budget is None and resources.device == "cpu":
-        budget = resources.cpu_memory_limit
+    budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
     return policy.Settings(
         max_attempts=supervise.max_attempts,

@@ -20,6 +20,7 @@ class Event(str, enum.Enum):
     GAVE_UP = "gave_up"
     STOPPED = "stopped"
     JOB_CHANGED = "job_changed"
+    PREFLIGHT = "preflight"
     # one attempt
     ATTEMPT_STARTED = "attempt_started"
     ATTEMPT_SUCCEEDED = "attempt_succeeded"

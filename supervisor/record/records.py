@@ -10,7 +10,9 @@ A line is plain JSON that ``jq`` reads (``jq -c '{attempt, outcome, kind: .failu
      "failure": {"kind": "oom_forward", "stage": "forward", "numbers": {...}, "evidence": "...",
                  "message": "...", "emergency_checkpoint": "...", "expandable_segments_active": false},
      "decision": {"action": "restart", "rung": "gradient_checkpointing", "changes": {...},
-                  "why": "...", "survives": "all", "knobs": {...}, "waited_s": 0.0}}
+                  "why": "...", "survives": "all", "knobs": {...}, "waited_s": 0.0},
+     "plan": {"predicted_peak": 6442450944, "budget": 8589934592, "why": [...], "changes": {...},
+              "quality_changed": false, "as_written": false}}
 
 Lines written before the typed records (no ``version``; a ``peak_memory`` dict) are read and
 converted with the same peak precedence; a line that fits neither form is unreadable.
@@ -193,6 +195,34 @@ class DecisionRecord:
 
 
 @dataclass(frozen=True)
+class PlanNote:
+    """Why an attempt runs the config it runs, as the pre-flight chose it (attempt 1)."""
+
+    predicted_peak: int | None  # bytes, the memory model's peak allocated for these knobs
+    budget: int | None  # bytes the plan was made against (the cap, or the card less a reserve)
+    why: tuple[str, ...]
+    changes: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)  # from the job as written
+    quality_changed: bool = False  # seq_len or rank changed before the first attempt (said loudly)
+    as_written: bool = False  # ``run --as-written``: the job's config, whatever the plan says
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(why=list(self.why), changes={name: list(pair) for name, pair in self.changes.items()})
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> PlanNote:
+        return cls(
+            predicted_peak=raw.get("predicted_peak"),
+            budget=raw.get("budget"),
+            why=tuple(raw.get("why") or ()),
+            changes={name: (pair[0], pair[1]) for name, pair in (raw.get("changes") or {}).items()},
+            quality_changed=bool(raw.get("quality_changed", False)),
+            as_written=bool(raw.get("as_written", False)),
+        )
+
+
+@dataclass(frozen=True)
 class AttemptRecord:
     """One line of ``attempts.jsonl``: a finished attempt, its failure and the decision taken."""
 
@@ -211,6 +241,7 @@ class AttemptRecord:
     peak: Peak | None = None
     failure: FailureRecord | None = None
     decision: DecisionRecord | None = None
+    plan: PlanNote | None = None  # the pre-flight's choice (attempt 1 of a run)
 
     @property
     def steps_progressed(self) -> int:
@@ -229,6 +260,7 @@ class AttemptRecord:
             peak=self.peak.to_json() if self.peak else None,
             failure=self.failure.to_json() if self.failure else None,
             decision=self.decision.to_json() if self.decision else None,
+            plan=self.plan.to_json() if self.plan else None,
         )
         return json.dumps(raw, sort_keys=True, default=str) + "\n"
 
@@ -253,6 +285,7 @@ class AttemptRecord:
             peak=Peak.from_json(peak) if peak else _v1_peak(raw.get("peak_memory")),
             failure=FailureRecord.from_json(failure) if failure else None,
             decision=DecisionRecord.from_json(decision) if decision else None,
+            plan=PlanNote.from_json(raw["plan"]) if raw.get("plan") else None,
         )
 
 
