@@ -68,6 +68,8 @@ class Settings:
     overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
     budget_bytes: int | None = None
     shape: memory_model.ModelShape | None = None
+    #: Peaks observed on this host in earlier runs of the same shape (the per-host store).
+    prior: tuple[memory_model.Observation, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,8 @@ def _scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:
         # A peak counts once the attempt finished a whole optimizer step with those knobs.
         if past.steps_progressed > 0 and past.peak_bytes
     ]
-    return memory_model.calibrate(settings.shape, observations)
+    # This run's own peaks first: with any of them, the host's older ones are not needed.
+    return memory_model.calibrate(settings.shape, observations or list(settings.prior))
 
 
 def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) -> bool:

@@ -324,3 +324,32 @@ def test_as_written_keeps_the_job_config(tmp_path: Path) -> None:
     assert first.plan is not None and first.plan.as_written
     assert (first.knobs.micro_batch_size, first.knobs.gradient_checkpointing) == (4, False)
     assert first.plan.predicted_peak is not None and first.plan.predicted_peak > 8 * GiB
+
+
+def test_the_next_run_on_this_host_starts_calibrated(tmp_path: Path) -> None:
+    """Peaks a run observed are stored per host; the next run's pre-flight uses them (and can be off)."""
+    from qlora_supervise.supervisor.loop.settings import model_shape
+    from qlora_supervise.supervisor.record.peak_store import default_path, read_observations
+
+    first = tmp_path / "first"
+    first.mkdir()
+    assert _run(_ambitious_job(first), _seams(FakeClock(), {})) == 0
+    shape = model_shape(first / "model")
+    assert shape is not None
+    stored = read_observations(default_path(), shape)
+    assert len(stored) == 1 and stored[0].peak_bytes == GiB  # the fake child's heartbeat peak
+    second = tmp_path / "second"
+    second.mkdir()
+    assert _run(_ambitious_job(second), _seams(FakeClock(), {})) == 0
+    plan = read_attempts(second / "run" / "attempts.jsonl")[0][0].plan
+    assert plan is not None and any("seen on this host" in why for why in plan.why)
+    off = tmp_path / "off"
+    off.mkdir()
+    job = _ambitious_job(off)
+    raw = yaml.safe_load(job.read_text())
+    raw["supervise"]["calibration_store"] = False
+    job.write_text(yaml.safe_dump(raw))
+    assert _run(job, _seams(FakeClock(), {})) == 0
+    plan = read_attempts(off / "run" / "attempts.jsonl")[0][0].plan
+    assert plan is not None and not any("seen on this host" in why for why in plan.why)
+    assert len(read_observations(default_path(), shape)) == 2  # the third run stored nothing

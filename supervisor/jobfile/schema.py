@@ -151,6 +151,8 @@ class SuperviseSection(Section):
     keep_effective_batch: Annotated[bool, AfterValidator(_only_true)] = True
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
+    # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
+    calibration_store: bool = True
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
 
 

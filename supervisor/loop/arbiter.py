@@ -39,7 +39,7 @@ from qlora_supervise.supervisor.loop.reclaim import reclaim
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
-from qlora_supervise.supervisor.loop.settings import with_card_budget
+from qlora_supervise.supervisor.loop.settings import peak_store_path, with_card_budget
 from qlora_supervise.supervisor.loop.waiting import backoff_seconds, wait_for_free_memory
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import policy_history
@@ -51,6 +51,7 @@ from qlora_supervise.supervisor.record.journal import (
     read_state,
     write_state,
 )
+from qlora_supervise.supervisor.record.peak_store import record_peak
 from qlora_supervise.supervisor.record.records import (
     AttemptRecord,
     DecisionRecord,
@@ -268,6 +269,9 @@ class Supervisor:
 
     def _journal(self, record: AttemptRecord) -> AttemptRecord:
         append_attempt(self.rd.attempts, record)
+        store, shape = peak_store_path(self.job), self.settings.shape
+        if store and shape and record.peak and record.steps_progressed > 0 and record.phase is Phase.TRAIN:
+            record_peak(store, shape, record.knobs, record.peak.bytes)  # best effort: a cache
         return record
 
     def _resume_step(self, knobs: Knobs) -> int:

@@ -25,12 +25,19 @@ def first_plan(
         missing = "no budget (no cap, no NVML)" if shape else "model shape unknown"
         note = PlanNote(None, budget, (f"no memory prediction: {missing}",), as_written=as_written)
         return Plan(Phase.TRAIN, knobs, note=note)
-    result = preflight.preflight(shape, knobs, budget, targets=targets)
+    # Peaks this host saw for the shape before calibrate the first prediction too.
+    scale = memory_model.calibrate(shape, list(settings.prior), targets) if settings.prior else None
+    result = preflight.preflight(shape, knobs, budget, scale=scale, targets=targets)
     if as_written:
         reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)
         peak = memory_model.predict(shape, knobs, targets).peak_bytes
         return Plan(Phase.TRAIN, knobs, note=PlanNote(peak, budget, reasons, as_written=True))
-    note = PlanNote(
-        result.predicted.peak_bytes, budget, result.reasons, dict(result.changes), result.quality_changed
-    )
+    reasons = result.reasons
+    if scale is not None:
+        reasons = (
+            *reasons,
+            f"calibrated by {len(settings.prior)} peak(s) seen on this host (scale {scale:.2f})",
+        )
+    peak = preflight.scaled_peak(result.predicted, scale)
+    note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
     return Plan(Phase.TRAIN, result.knobs, note=note)

@@ -10,6 +10,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.budget import card_budget
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.record.peak_store import default_path, read_observations
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 
 
@@ -24,6 +25,9 @@ def policy_settings(job: Job) -> policy.Settings:
     resources = job.resources
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
+    shape = model_shape(Path(job.knobs.model))
+    store = peak_store_path(job)
+    prior = tuple(read_observations(store, shape)) if store is not None and shape is not None else ()
     return policy.Settings(
         max_attempts=supervise.max_attempts,
         max_no_progress=supervise.max_no_progress_attempts,
@@ -32,8 +36,16 @@ def policy_settings(job: Job) -> policy.Settings:
         fallbacks=job.fallback_models,
         overrides=dict(supervise.ladders),
         budget_bytes=budget,
-        shape=model_shape(Path(job.knobs.model)),
+        shape=shape,
+        prior=prior,
     )
+
+
+def peak_store_path(job: Job) -> Path | None:
+    """The per-host peak store, or None: turned off, or a CPU run (its peaks are no GPU's)."""
+    if not job.supervise.calibration_store or job.resources.device == "cpu":
+        return None
+    return default_path()
 
 
 def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.Settings:
