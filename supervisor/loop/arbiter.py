@@ -141,7 +141,10 @@ class Supervisor:
         if self.gpu is None:
             self.log.info(Event.GPU_MONITOR_UNAVAILABLE, why="NVML not available: no GPU readings")
         self.settings = with_card_budget(self.settings, self.gpu)
-        self.first = first_plan(self.job.knobs, self.settings, self.job.train.target_modules, self.as_written)
+        job = self.job
+        self.first = first_plan(
+            job.knobs, self.settings, job.train.target_modules, self.as_written, job.resources.device
+        )
         if not records:
             self._log_plan(self.first)
         try:

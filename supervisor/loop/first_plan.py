@@ -17,12 +17,17 @@ from qlora_supervise.trainer_child.protocol import Knobs
 
 
 def first_plan(
-    knobs: Knobs, settings: policy.Settings, targets: tuple[str, ...] | str, as_written: bool
+    knobs: Knobs, settings: policy.Settings, targets: tuple[str, ...] | str, as_written: bool, device: str
 ) -> Plan:
     """The plan of attempt 1 and its note for the journal."""
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None:
-        missing = "no budget (no cap, no NVML)" if shape else "model shape unknown"
+        if shape is None:
+            missing = "the model's shape is unknown (config.json outside the memory model)"
+        elif device == "cpu":
+            missing = "on the CPU the model (GPU allocations) does not apply; the ladder decides"
+        else:
+            missing = "no budget (no gpu_memory_limit and no NVML reading)"
         note = PlanNote(None, budget, (f"no memory prediction: {missing}",), as_written=as_written)
         return Plan(Phase.TRAIN, knobs, note=note)
     # Peaks this host saw for the shape before calibrate the first prediction too.
