@@ -131,28 +131,15 @@ def _knob_text(k: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    head = (
-        "scenario",
-        "exit",
-        "att",
-        "oom",
-        "start",
-        "final",
-        "quality",
-        "lost",
-        "eff",
-        "peak",
-        "tok/s",
-        "wall",
-    )
-    lines = ["  ".join(f"{h:<14}" for h in head)]
+    head = ("scenario", "exit", "att", "oom", "start", "final", "quality", "lost", "eff", "peak", "tok/s")
+    widths = (15, 5, 4, 4, 34, 34, 12, 5, 5, 6, 8)
+    lines = ["  ".join(f"{h:<{w}}" for h, w in zip(head, widths, strict=True))]
     for r in rows:
-        cells = (
-            r["scenario"], r["exit_code"], r["attempts"], r["ooms"], r["start"], r["final"],
-            ",".join(r["quality_changed"]) or "-", r["lost_steps"], "kept" if r["effective_batch_kept"] else "CUT",
-            r["peak_gib"], r["tokens_per_s"], r["wall_s"],
-        )  # fmt: skip
-        lines.append("  ".join(f"{c!s:<14}" for c in cells))
+        kept = "kept" if r["effective_batch_kept"] else "CUT"
+        quality = ",".join(r["quality_changed"]) or "-"
+        cells = (r["scenario"], r["exit_code"], r["attempts"], r["ooms"], r["start"], r["final"], quality)
+        cells += (r["lost_steps"], kept, r["peak_gib"], r["tokens_per_s"])
+        lines.append("  ".join(f"{c!s:<{w}}" for c, w in zip(cells, widths, strict=True)))
     done = [r for r in rows if r["attempts"]]
     if done:
         clean = sum(1 for r in done if r["ooms"] == 0)
