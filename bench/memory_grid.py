@@ -338,7 +338,11 @@ def summarise(config: Config, run: Path, code: int, wall: float) -> dict[str, An
         if e.get("event") == "heartbeat" and e.get("tokens_per_s") and e.get("step"):
             by_step.setdefault(int(e["step"]), float(e["tokens_per_s"]))
     later = [v for s, v in sorted(by_step.items()) if s > 2] or list(by_step.values())
-    rss = [e.get("peak_rss") for e in events if e.get("peak_rss")]
+    # The child's memory fields (trainer_child/protocol.py MemoryNumbers; older keys read too).
+    from qlora_supervise.trainer_child.protocol import MemoryNumbers
+
+    at_load = MemoryNumbers.from_fields(loaded)
+    rss = [m.rss_high_water_bytes for m in map(MemoryNumbers.from_fields, events) if m.rss_high_water_bytes]
     error = json.loads((run / "error.json").read_text()) if (run / "error.json").is_file() else None
     return {
         "config": dataclasses.asdict(config),
@@ -348,9 +352,9 @@ def summarise(config: Config, run: Path, code: int, wall: float) -> dict[str, An
         "max_allocated": stats.get("max_allocated"),
         "max_reserved": stats.get("max_reserved"),
         "alloc_retries": stats.get("alloc_retries"),
-        "loaded_allocated": loaded.get("allocated"),
-        "loaded_peak": loaded.get("peak"),
-        "loaded_reserved": loaded.get("reserved"),
+        "loaded_allocated": at_load.allocated_bytes,
+        "loaded_peak": at_load.peak_bytes,
+        "loaded_reserved": at_load.reserved_bytes,
         "trainable_params": loaded.get("trainable_params"),
         "vmdata_after_imports": started.get("vmdata"),
         "peak_rss": max(rss) if rss else None,

@@ -10,10 +10,14 @@ Rules (issue 8):
 * *quality* knobs (seq_len, then LoRA rank) change only when no throughput combination fits,
   and the result says so (``quality_changed``) so the caller can log it loudly.
 
-Costs are the share of tokens/s a rung costs (:data:`RUNG_COSTS`). Until the H200 rung-cost set
-(``bench/memory_grid.py --set rungs``) replaces them they are priors: recomputation costs about
-one extra forward (~1/3 of a step), a halved micro-batch loses some GPU utilisation, the 8-bit
-optimizer's step is cheap next to a 7B forward, expandable segments cost nothing measurable.
+Costs are the share of tokens/s a rung costs (:data:`RUNG_COSTS`), measured on the H200 with
+``bench/memory_grid.py --set rungs`` (bench/results/memory-grid-h200-2026-12-01/rungs-table.txt:
+the 7B, seq 2048, r16 on q/k/v/o, effective batch 8, alone on the card, each rung alone against
+one baseline). Recomputation costs 26 %, half the micro-batch with twice the accumulation 6 %,
+the paged 8-bit optimizer 0.5 %; expandable_segments measured 0.9 % *faster* (noise: it is free)
+and reserved 0.7 GiB less. Checkpointing with half the micro-batch measured 31.9 %, next to the
+32.3 % the summed costs give, so summing the costs of combined rungs is kept. CPU offload was not
+measured; its cost is a prior (it moves the optimizer step over PCIe).
 
 The margin (8 %) covers the model's error (target: median 5 %, worst 15 % on the grid) and
 the allocator's block rounding that a cap sees as used memory; a calibrated scale shrinks the
@@ -44,13 +48,31 @@ class CostClass(str, enum.Enum):
     QUALITY = "quality"
 
 
-#: Fraction of tokens/s each rung costs (priors; see the module docstring).
+#: Tokens/s of the rung-cost set (bench/results/memory-grid-h200-2026-12-01/rungs-table.txt):
+#: the baseline (micro-batch 4 x 2, no checkpointing, adamw_torch) and each rung alone on it.
+RUNG_TOKENS_PER_S: Mapping[str, float] = {
+    "baseline": 10470.7,
+    "gradient_checkpointing": 7743.2,
+    "halve_micro_batch": 9811.8,
+    "paged_8bit_optimizer": 10416.0,
+    "expandable_segments": 10565.0,
+}
+#: Not in the rung-cost set: a prior (see the module docstring).
+CPU_OFFLOAD_COST = 0.6
+
+
+def measured_cost(rung: str) -> float:
+    """The share of the baseline's tokens/s ``rung`` loses on the H200; never below 0 (faster is free)."""
+    return max(0.0, round(1.0 - RUNG_TOKENS_PER_S[rung] / RUNG_TOKENS_PER_S["baseline"], 4))
+
+
+#: Fraction of tokens/s each rung costs (measured; quality rungs cost quality, not throughput).
 RUNG_COSTS: Mapping[str, float] = {
-    "expandable_segments": 0.0,
-    "paged_8bit_optimizer": 0.02,
-    "halve_micro_batch": 0.08,
-    "gradient_checkpointing": 0.25,
-    "cpu_offload": 0.6,
+    "expandable_segments": measured_cost("expandable_segments"),
+    "paged_8bit_optimizer": measured_cost("paged_8bit_optimizer"),
+    "halve_micro_batch": measured_cost("halve_micro_batch"),
+    "gradient_checkpointing": measured_cost("gradient_checkpointing"),
+    "cpu_offload": CPU_OFFLOAD_COST,
     "shorten_seq_len": 0.0,
     "halve_lora_rank": 0.0,
     "smaller_model": 0.0,

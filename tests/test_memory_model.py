@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.memory import gpu
+from qlora_supervise.policies.memory import gpu, optimizer
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
 from qlora_supervise.trainer_child.protocol import Knobs
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "memory_points_h200.json").read_text())
-SHAPE_7B = ModelShape(**FIXTURE["shape"])
+SHAPES = {name: ModelShape(**fields) for name, fields in FIXTURE["shapes"].items()}
+SHAPE_7B = SHAPES["7b-32k"]
 LLAMA3_8B = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
 LLAMA32_1B = dataclasses.replace(
     LLAMA3_8B, hidden=2048, layers=16, intermediate=8192, tie_word_embeddings=True
 )
+#: Issue 8's targets on peak allocated: every point within 15 %, the median within 5 %.
+WORST_TARGET, MEDIAN_TARGET = 0.15, 0.05
 
 
 def knobs(**fields: Any) -> Knobs:
@@ -27,11 +31,46 @@ def knobs(**fields: Any) -> Knobs:
     return Knobs(model="/m", eval_enabled=False, **{"gradient_checkpointing": False, **fields})
 
 
-@pytest.mark.parametrize("point", FIXTURE["points"], ids=lambda p: p["what"][:40])
+def targets_of(point: dict[str, Any]) -> tuple[str, ...] | str:
+    raw = point["targets"]
+    return raw if isinstance(raw, str) else tuple(raw)
+
+
+def point_error(point: dict[str, Any]) -> float:
+    """(predicted - measured) / measured for one recorded point."""
+    shape = SHAPES[point["shape"]]
+    predicted = memory_model.predict(shape, knobs(**point["knobs"]), targets_of(point)).peak_bytes
+    measured: int = point["peak_allocated"]
+    return (predicted - measured) / measured
+
+
+def test_fixture_covers_what_the_model_distinguishes() -> None:
+    """The recorded points span every shape, checkpointing on and off, accumulation and each optimizer."""
+    points = FIXTURE["points"]
+    assert {p["shape"] for p in points} == set(SHAPES)
+    assert {p["knobs"]["gradient_checkpointing"] for p in points} == {True, False}
+    assert {p["knobs"]["optimizer"] for p in points} >= set(gpu.OPTIMIZERS) - {"adamw_torch_fused"}
+    assert any(p["knobs"]["grad_accum"] > 1 for p in points)
+    assert max(p["knobs"]["lora_r"] for p in points if p["targets"] == "all-linear") >= 256
+
+
+@pytest.mark.parametrize("point", FIXTURE["points"], ids=lambda p: p["what"][:48])
+def test_recorded_h200_points_within_fifteen_percent(point: dict[str, Any]) -> None:
+    """Each recorded peak of our recipe on the H200 is predicted within 15 % (issue 8's worst case)."""
+    assert abs(point_error(point)) <= WORST_TARGET
+
+
+@pytest.mark.parametrize(
+    "point", [p for p in FIXTURE["points"] if p.get("before_grid")], ids=lambda p: p["what"][:40]
+)
 def test_recorded_h200_points_within_five_percent(point: dict[str, Any]) -> None:
-    """Each recorded peak of our recipe on the H200 is predicted within 5 %."""
-    predicted = memory_model.predict(SHAPE_7B, knobs(**point["knobs"])).peak_bytes
-    assert abs(predicted - point["peak_allocated"]) / point["peak_allocated"] < 0.05
+    """Each peak recorded before the grid (the 7B ladder runs) is predicted within 5 %."""
+    assert abs(point_error(point)) < 0.05
+
+
+def test_recorded_h200_points_median_within_five_percent() -> None:
+    """Over all recorded H200 points the median |error| is at most 5 %."""
+    assert statistics.median(abs(point_error(p)) for p in FIXTURE["points"]) <= MEDIAN_TARGET
 
 
 def test_prediction_is_above_an_oom_lower_bound() -> None:
@@ -72,17 +111,62 @@ def test_grouped_query_attention_shrinks_activations() -> None:
 
 
 def test_optimizers_by_kind() -> None:
-    """32-bit AdamW holds 8 bytes per LoRA parameter, 8-bit 2; paged state sits outside the allocator."""
+    """torch AdamW keeps two moments in the adapter's bf16 (plus a foreach temporary), bitsandbytes
+    8-bit two bytes plus absmax, 32-bit paged eight bytes outside the allocator."""
     n = gpu.lora_params(SHAPE_7B, 64, "all-linear")
     state = {
         o: gpu.optimizer_components(SHAPE_7B, knobs(optimizer=o, lora_r=64), "all-linear")
-        for o in gpu.OPTIMIZER_STATE
+        for o in gpu.OPTIMIZERS
     }
-    assert state["adamw_torch"][0]["optimizer_state"] == 8 * n
-    assert state["adamw_8bit"][0]["optimizer_state"] == 2 * n
+    assert state["adamw_torch"][0]["optimizer_state"] == 4 * n and state["adamw_torch"][1] == 2 * n
+    assert state["adamw_torch_fused"][0]["optimizer_state"] == 4 * n and state["adamw_torch_fused"][1] == 0
+    assert 2 * n < state["adamw_8bit"][0]["optimizer_state"] < 2.05 * n
     assert state["paged_adamw_32bit"][0]["optimizer_state"] == 0 and state["paged_adamw_32bit"][2] == 8 * n
-    paged = memory_model.predict(SHAPE_7B, knobs(optimizer="paged_adamw_32bit"))
+    assert state["adamw_torch"][0]["lora_grads"] == 2 * n  # the gradient has the parameter's dtype
+    paged = memory_model.predict(SHAPE_7B, knobs(optimizer="paged_adamw_32bit", lora_r=64))
     assert paged.outside["paged_optimizer_state"] > 0
+
+
+def test_small_tensors_of_a_paged_optimizer_stay_in_the_allocator() -> None:
+    """bitsandbytes pages only tensors of 1e5 elements or more: rank 8 on 4096-wide layers is not paged."""
+    small = optimizer.adapter_bytes(
+        SHAPE_7B, knobs(optimizer="paged_adamw_8bit", lora_r=8), gpu.DEFAULT_TARGETS
+    )
+    large = optimizer.adapter_bytes(
+        SHAPE_7B, knobs(optimizer="paged_adamw_8bit", lora_r=32), gpu.DEFAULT_TARGETS
+    )
+    assert small.paged == 0 and small.state > 2 * gpu.lora_params(SHAPE_7B, 8, gpu.DEFAULT_TARGETS)
+    assert large.state == 0 and large.paged > 0
+
+
+def test_adapter_is_bf16_on_the_four_bit_path_and_fp32_without_it() -> None:
+    """trl casts a quantized model's adapter to bf16; unquantized, peft's fp32 adapter stays."""
+    n = gpu.lora_params(SHAPE_7B, 16, gpu.DEFAULT_TARGETS)
+    assert gpu.static_components(SHAPE_7B, knobs(lora_r=16))["lora_params"] == 2 * n
+    assert gpu.static_components(SHAPE_7B, knobs(lora_r=16, load_in_4bit=False))["lora_params"] == 4 * n
+
+
+def test_gradients_are_in_the_backward_only_when_accumulating() -> None:
+    """The Trainer zeroes gradients to None after each step: a step's first backward starts without them."""
+    big = knobs(lora_r=256, max_seq_len=2048, micro_batch_size=2, grad_accum=1, gradient_checkpointing=True)
+    one = memory_model.predict(SHAPE_7B, big, "all-linear")
+    accumulating = memory_model.predict(SHAPE_7B, dataclasses.replace(big, grad_accum=4), "all-linear")
+    assert one.phase == "backward" and "lora_grads" not in one.components
+    assert accumulating.peak_bytes - one.peak_bytes == 2 * gpu.lora_params(SHAPE_7B, 256, "all-linear")
+
+
+def test_short_jobs_on_a_big_vocabulary_peak_at_load() -> None:
+    """Casting an untied 128k head to fp32 holds its bf16 original too: that is the peak of a short job."""
+    p = memory_model.predict(LLAMA3_8B, knobs(max_seq_len=512, gradient_checkpointing=True))
+    assert p.phase == "load" and p.components["load_cast_16bit"] == 128256 * 4096 * 2
+
+
+def test_lm_head_backward_holds_two_head_slices_when_the_vocabulary_has_several() -> None:
+    """trl's backward binds the next bf16 slice of the head before dropping the previous one."""
+    big = gpu.loss_components(LLAMA3_8B, 1, 512)["loss_tiles"]
+    small = gpu.loss_components(dataclasses.replace(LLAMA3_8B, vocab=32000), 1, 512)["loss_tiles"]
+    slice_bytes = gpu.HEAD_VOCAB_TILE * 4096 * 2
+    assert big >= 2 * slice_bytes and small < slice_bytes + 511 * (32000 + 4096) * 2 + 1
 
 
 def test_checkpointing_micro_batch_and_seq_len_lower_the_peak() -> None:

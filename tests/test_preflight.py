@@ -6,7 +6,13 @@ import dataclasses
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.preflight import CostClass, preflight, rung_effects
+from qlora_supervise.policies.preflight import (
+    RUNG_COSTS,
+    RUNG_TOKENS_PER_S,
+    CostClass,
+    preflight,
+    rung_effects,
+)
 from qlora_supervise.trainer_child.protocol import Knobs
 
 GiB = 1 << 30
@@ -89,3 +95,15 @@ def test_rung_effects_say_cost_class_and_peak() -> None:
     assert effects["paged_8bit_optimizer"].predicted_peak is None  # already paged 8-bit
     gc_peak = effects["gradient_checkpointing"].predicted_peak
     assert gc_peak is not None and gc_peak < memory_model.estimate_peak(SHAPE_7B, AMBITIOUS)
+
+
+def test_rung_costs_are_the_measured_h200_throughputs() -> None:
+    """Each measured rung costs 1 - its tokens/s over the baseline's; faster than baseline is free."""
+    base = RUNG_TOKENS_PER_S["baseline"]
+    assert RUNG_COSTS["gradient_checkpointing"] == round(
+        1 - RUNG_TOKENS_PER_S["gradient_checkpointing"] / base, 4
+    )
+    assert abs(RUNG_COSTS["halve_micro_batch"] - 0.063) < 0.001
+    assert RUNG_COSTS["expandable_segments"] == 0.0 < RUNG_TOKENS_PER_S["expandable_segments"] - base
+    order = ("expandable_segments", "paged_8bit_optimizer", "halve_micro_batch", "gradient_checkpointing")
+    assert [RUNG_COSTS[n] for n in order] == sorted(RUNG_COSTS[n] for n in order)

@@ -8,13 +8,15 @@ What the recipe does to memory (trainer_child/recipe.py, read against the instal
 * **Everything not quantized is fp32.** peft's ``prepare_model_for_kbit_training`` casts every
   16-bit parameter that is not ``Params4bit`` to fp32 (peft/utils/other.py): the embeddings, the
   LM head (bitsandbytes never quantizes it), every RMSNorm weight. A 128k vocabulary at hidden
-  4096 is therefore 2.1 GB per matrix, twice when untied.
-* **LoRA** adapters are created in fp32 (peft keeps them fp32 on 4-bit layers); their gradients
-  are fp32; AdamW keeps two fp32 moments (8 bytes per parameter) and its foreach step makes one
-  fp32 temporary of the same size; bitsandbytes' 8-bit AdamW keeps two 8-bit moments. The
-  *paged* optimizers put their state in CUDA unified memory, outside PyTorch's allocator: it is
-  on the card but not in ``max_memory_allocated``, so it is its own component (``paged_state``)
-  that counts toward the card, not toward the allocated peak.
+  4096 is therefore 2.1 GB per matrix, twice when untied. The cast is one parameter at a time
+  (``param.data = param.data.to(float32)``), so while the largest one is cast its bf16 original
+  and its fp32 copy coexist with everything else: the **load** peak, which is the whole peak of
+  a short-sequence job on an untied 128k vocabulary (8B, seq 512, checkpointing: 8.25 GiB).
+* **The adapter, its gradients and the optimizer state** are in :mod:`.optimizer`: bf16 adapter
+  weights and gradients on the 4-bit path (trl casts them), state by optimizer kind and by tensor
+  size (small tensors of a *paged* optimizer are not paged). Paged state sits in CUDA unified
+  memory, outside PyTorch's allocator: on the card, not in ``max_memory_allocated``, so it is in
+  ``outside`` (``paged_optimizer_state``), not in the allocated peak.
 * **Activations.** Because the norms and embeddings are fp32, the residual stream and every norm
   output are fp32, and bitsandbytes' ``Linear4bit`` returns its output in its input's dtype, so
   q/k/v and the MLP's gate/up/down outputs are fp32 as well. Per token and layer, autograd keeps:
@@ -26,18 +28,22 @@ What the recipe does to memory (trainer_child/recipe.py, read against the instal
   (non-reentrant, per block) each block keeps only its fp32 input and one block's activations
   are recomputed at a time.
 * **The loss.** trl 1.16's SFTTrainer patches a fused LM head (trl/trainer/utils.py,
-  ``add_fused_lm_head``): log-probabilities, entropy and top-1 accuracy are folded tile by tile
-  (4096 tokens x 32768 vocabulary entries, bf16), so the ``tokens x vocab`` logits are never
+  ``add_fused_lm_head``; trl/kernels/chunked_logprob.py): log-probabilities are folded tile by
+  tile (4096 tokens x 32768 vocabulary entries, bf16), so the ``tokens x vocab`` logits are never
   materialised. It keeps the gathered fp32 hidden states for backward and builds an fp32
-  gradient of the same size; the tiles and the bf16 copy of a 32768-row slice of the fp32 head
-  are transients.
+  gradient of the same size. Its backward loop binds ``w_chunk = weight[start:end].to(bf16)``,
+  so the next slice of the head is allocated while the previous one is still bound: two bf16
+  slices of 32768 rows are live at once whenever the vocabulary has more than one slice.
 * **Backward transients.** The backward of one block holds fp32 gradients of its widest
-  intermediates, and bitsandbytes dequantizes a 4-bit weight to 16-bit, then to the gradient's
-  fp32, for ``grad_input``.
+  intermediates (the MLP's product backward returns two i-wide fp32 gradients, gate's and up's,
+  while the residual's and the block output's h-wide fp32 gradients are live), and bitsandbytes
+  dequantizes a 4-bit weight to its 16-bit storage dtype for ``grad_input`` (the incoming
+  gradient is already 16-bit, so the ``.to(grad_output.dtype)`` is a no-op: 2 bytes per weight).
 
-The coefficients that are not exact byte counts (the backward transient of one block, the
-allocator's reserve) were fitted on the H200 grid in bench/results/memory-grid-h200-*/ and are
-named constants below; :mod:`.calibration` corrects the rest per run.
+The coefficients that are not exact byte counts (the backward transients' 8 bytes per i and per
+h, the allocator's reserve) are named constants below, checked against the H200 grid in
+bench/results/memory-grid-h200-2026-12-01/ (``bench/score_memory_grid.py`` re-scores it);
+calibration corrects the rest per run.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from qlora_supervise.policies.memory.optimizer import (
+    AdapterBytes,
+    adapter_bytes,
+    adapter_dtype_bytes,
+    adapter_tensors,
+)
 from qlora_supervise.policies.memory.shape import ATTENTION_MODULES, ModelShape, resolve_targets
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -56,17 +68,10 @@ NF4_DOUBLE_QUANT = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_SINGLE_QUANT = 0.5 + 4 / 64
 #: fp32: what prepare_model_for_kbit_training leaves every non-quantized parameter in.
 FP32 = 4
-#: Optimizer state per trainable parameter held by PyTorch's allocator, and its step temporary.
-OPTIMIZER_STATE = {
-    "adamw_torch": 8,
-    "adamw_torch_fused": 8,
-    "adamw_8bit": 2,
-    "paged_adamw_8bit": 0,
-    "paged_adamw_32bit": 0,
-}
-OPTIMIZER_STEP_TEMP = {"adamw_torch": 4}
-#: Optimizer state in CUDA unified memory (paged): on the card, outside the allocator.
-PAGED_STATE = {"paged_adamw_8bit": 2, "paged_adamw_32bit": 8}
+#: The checkpoint's 16-bit dtype, the one each parameter is cast from at load.
+LOAD_DTYPE = 2
+#: The optimizers the job file accepts (supervisor/jobfile/fields.py ``Optimizer``).
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 #: trl's fused LM head tiles (trl/kernels/chunked_logprob.py).
 HEAD_TOKEN_TILE = 4096
 HEAD_VOCAB_TILE = 32768
@@ -84,14 +89,15 @@ class Prediction:
     ``peak_bytes`` is the peak PyTorch *allocated* (``torch.cuda.max_memory_allocated``, what
     ``gpu_memory_limit`` caps); ``components`` sums to it. ``outside`` holds what is on the card
     but outside the allocator (CUDA context, paged optimizer state), and ``reserved_bytes`` is
-    the allocator's peak reserve; ``card_bytes`` is what the card must hold.
+    the allocator's peak reserve; ``card_bytes`` is what the card must hold. ``phase`` is where
+    the peak happens: load, backward, backward_end, optimizer_step or eval.
     """
 
     components: Mapping[str, int]
     peak_bytes: int
     reserved_bytes: int
     outside: Mapping[str, int] = field(default_factory=dict)
-    phase: str = "backward"  # where the peak happens: backward, optimizer_step or eval
+    phase: str = "backward"
 
     @property
     def card_bytes(self) -> int:
@@ -99,14 +105,12 @@ class Prediction:
 
 
 def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> int:
-    dims = shape.linear_dims()
-    return shape.layers * sum(r * (dims[n][0] + dims[n][1]) for n in resolve_targets(targets))
+    """How many parameters the adapter has."""
+    return sum(adapter_tensors(shape, r, targets))
 
 
-def static_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
-) -> dict[str, int]:
-    """What sits on the card once the model is loaded and the adapter attached."""
+def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
+    """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest."""
     quantized = shape.layers * shape.layer_params
     if knobs.load_in_4bit:
         per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
@@ -118,8 +122,33 @@ def static_components(
         "embeddings_fp32": shape.vocab * shape.hidden * FP32,
         "lm_head_fp32": 0 if shape.tie_word_embeddings else shape.vocab * shape.hidden * FP32,
         "norms_fp32": shape.norm_params * FP32,
-        "lora_params": lora_params(shape, knobs.lora_r, targets) * FP32,
     }
+
+
+def static_components(
+    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+) -> dict[str, int]:
+    """What sits on the card once the model is loaded and the adapter attached (in trl's dtype)."""
+    return {
+        **base_components(shape, knobs),
+        "lora_params": lora_params(shape, knobs.lora_r, targets) * adapter_dtype_bytes(knobs),
+    }
+
+
+def load_components(
+    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+) -> dict[str, int]:
+    """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter, and the
+    adapter in peft's fp32 before trl casts it to bf16 (one tensor at a time, so not both at once)."""
+    base = base_components(shape, knobs)
+    largest = shape.vocab * shape.hidden
+    if not knobs.load_in_4bit:
+        largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
+    cast = largest * LOAD_DTYPE
+    adapter_fp32 = lora_params(shape, knobs.lora_r, targets) * FP32
+    if cast >= adapter_fp32:
+        return {**base, "load_cast_16bit": cast}
+    return {**base, "lora_params": adapter_fp32}
 
 
 def layer_activation_bytes(shape: ModelShape, r: int, targets: tuple[str, ...] | str, half: int = 2) -> int:
@@ -138,36 +167,42 @@ def layer_activation_bytes(shape: ModelShape, r: int, targets: tuple[str, ...] |
     return norms + mlp + attention + adapters
 
 
-#: The backward of one block, per token: fp32 gradients of the MLP's widest intermediates and of
-#: the block's output (fitted on the H200: 7B, seq 2048, micro-batch 4, checkpointing, 11.10 GiB).
+#: The backward of one block, per token: two fp32 i-wide gradients (the MLP product's backward
+#: returns gate's and up's) and two fp32 h-wide ones (the residual's and the block output's).
 BACKWARD_TRANSIENT_I = 8
 BACKWARD_TRANSIENT_H = 8
+
+
+def block_backward_bytes(
+    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
+) -> int:
+    """One block's backward on top of what stays kept: with checkpointing its recomputed
+    activations, then its fp32 gradients and one dequantized 16-bit weight."""
+    tokens = knobs.micro_batch_size * knobs.max_seq_len
+    recomputed = (
+        layer_activation_bytes(shape, knobs.lora_r, targets, half) if knobs.gradient_checkpointing else 0
+    )
+    widest = max(a * b for a, b in shape.linear_dims().values())
+    per_token = recomputed + BACKWARD_TRANSIENT_I * shape.intermediate + BACKWARD_TRANSIENT_H * shape.hidden
+    return tokens * per_token + widest * half  # bitsandbytes: 4-bit -> its 16-bit storage dtype
 
 
 def activation_components(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
 ) -> dict[str, int]:
-    """What the forward keeps plus the larger of the two backward moments that peak.
+    """What the forward keeps plus the larger of the two moments that start the backward.
 
     The backward starts in the LM head (all activations kept, plus the head's saved hidden
     states, their gradient and its tiles), then walks the blocks from the last one (kept
-    activations, plus one block's gradients and a dequantized weight; with checkpointing also
-    that block's recomputed activations). The peak is whichever of the two is larger.
+    activations, plus one block's backward, :func:`block_backward_bytes`). The peak is whichever
+    of the two is larger. (Its end, the first block with every gradient made, is its own phase.)
     """
     tokens = knobs.micro_batch_size * knobs.max_seq_len
     per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, half)
     final_norm = FP32 * shape.hidden * tokens
-    if knobs.gradient_checkpointing:
-        kept = shape.layers * FP32 * shape.hidden * tokens + final_norm  # each block's fp32 input
-        recomputed = per_layer * tokens
-    else:
-        kept = shape.layers * per_layer * tokens + final_norm
-        recomputed = 0
-    widest = max(a * b for a, b in shape.linear_dims().values())
-    block = recomputed + tokens * (
-        BACKWARD_TRANSIENT_I * shape.intermediate + BACKWARD_TRANSIENT_H * shape.hidden
-    )
-    block += widest * (half + FP32)  # bitsandbytes: 4-bit -> 16-bit -> the gradient's fp32
+    per_kept_layer = FP32 * shape.hidden if knobs.gradient_checkpointing else per_layer
+    kept = shape.layers * per_kept_layer * tokens + final_norm  # with checkpointing: each block's fp32 input
+    block = block_backward_bytes(shape, knobs, targets, half)
     head = loss_components(shape, knobs.micro_batch_size, knobs.max_seq_len, half)
     if sum(head.values()) >= block:
         return {"activations": kept, **head}
@@ -175,23 +210,29 @@ def activation_components(
 
 
 def loss_components(shape: ModelShape, batch: int, seq: int, half: int = 2) -> dict[str, int]:
-    """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, the tiles."""
+    """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, the tiles.
+
+    The tiles: the bf16 logits buffer (one token tile by one vocabulary slice), the bf16 copy of
+    the token tile, and one bf16 slice of the head, two while the loop moves to the next slice.
+    """
     scored = batch * max(seq - 1, 1)  # every position with a next-token label
     tile_tokens = min(scored, HEAD_TOKEN_TILE)
     tile_vocab = min(shape.vocab, HEAD_VOCAB_TILE)
+    slices = 2 if shape.vocab > HEAD_VOCAB_TILE else 1
     return {
         "loss_hidden_fp32": scored * shape.hidden * FP32 * 2,
-        "loss_tiles": tile_tokens * tile_vocab * half + tile_vocab * shape.hidden * half,
+        "loss_tiles": tile_tokens * (tile_vocab + shape.hidden) * half
+        + slices * tile_vocab * shape.hidden * half,
     }
 
 
 def optimizer_components(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
 ) -> tuple[dict[str, int], int, int]:
-    """(state and grads held by the allocator, the step's temporary, paged state outside it)."""
-    n = lora_params(shape, knobs.lora_r, targets)
-    held = {"lora_grads": n * FP32, "optimizer_state": n * OPTIMIZER_STATE.get(knobs.optimizer, 8)}
-    return held, n * OPTIMIZER_STEP_TEMP.get(knobs.optimizer, 0), n * PAGED_STATE.get(knobs.optimizer, 0)
+    """(grads and state held by the allocator, the step's temporary, paged state outside it)."""
+    adapter = adapter_bytes(shape, knobs, targets)
+    held = {"lora_grads": adapter.grads, "optimizer_state": adapter.state}
+    return held, adapter.step_temp, adapter.paged
 
 
 def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str, int]:
@@ -202,34 +243,58 @@ def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str,
     return {"eval_activations": tokens * block, "loss_tiles": loss["loss_tiles"]}
 
 
+def training_phases(
+    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str, half: int
+) -> dict[str, dict[str, int]]:
+    """Each moment that can hold the peak, by component.
+
+    * load: the base model while its largest 16-bit parameter is cast to fp32 (or the adapter
+      in fp32 before trl's bf16 cast);
+    * backward: static + optimizer state + kept activations + the head or the last block; the
+      gradients only from the second micro-batch of an accumulation (the Trainer zeroes them to
+      None after each step, so a step's first backward starts without them);
+    * backward_end: the first block's backward with every gradient made;
+    * optimizer_step: static + state + grads + the step's temporary;
+    * eval (when enabled): static + state + one no-grad batch.
+    """
+    static = static_components(shape, knobs, targets)
+    adapter: AdapterBytes = adapter_bytes(shape, knobs, targets)
+    state = {"optimizer_state": adapter.state}
+    grads = {"lora_grads": adapter.grads}
+    tokens = knobs.micro_batch_size * knobs.max_seq_len
+    first_block = block_backward_bytes(shape, knobs, targets, half)
+    if not knobs.gradient_checkpointing:  # the first block's own kept activations are still there
+        first_block += layer_activation_bytes(shape, knobs.lora_r, targets, half) * tokens
+    phases: dict[str, dict[str, int]] = {
+        "load": load_components(shape, knobs, targets),
+        "backward": {
+            **static,
+            **state,
+            **(grads if knobs.grad_accum > 1 else {}),
+            **activation_components(shape, knobs, targets, half),
+        },
+        "backward_end": {**static, **state, **grads, "backward_block": first_block},
+        "optimizer_step": {**static, **state, **grads, "optimizer_step_temp": adapter.step_temp},
+    }
+    if knobs.eval_enabled:
+        phases["eval"] = {**static, **state, **eval_components(shape, knobs, half)}
+    return phases
+
+
 def predict(
     shape: ModelShape,
     knobs: Knobs,
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
     half: int = 2,
 ) -> Prediction:
-    """The peak of training (and evaluating) with ``knobs``: the largest of three phases.
-
-    * backward: static + optimizer state + grads + activations + backward transients + loss;
-    * optimizer step: static + state + grads + the step's temporary;
-    * eval (when enabled): static + state + one no-grad batch.
-    """
-    static = static_components(shape, knobs, targets)
-    held, step_temp, paged = optimizer_components(shape, knobs, targets)
-    phases: dict[str, dict[str, int]] = {
-        "backward": {**static, **held, **activation_components(shape, knobs, targets, half)},
-        "optimizer_step": {**static, **held, "optimizer_step_temp": step_temp},
-    }
-    if knobs.eval_enabled:
-        phases["eval"] = {
-            **static,
-            "optimizer_state": held["optimizer_state"],
-            **eval_components(shape, knobs, half),
-        }
+    """The peak of loading, training (and evaluating) with ``knobs``: the largest phase of
+    :func:`training_phases`, with the allocator's reserve and what sits outside it."""
+    phases = training_phases(shape, knobs, targets, half)
     phase, components = max(phases.items(), key=lambda item: sum(item[1].values()))
     peak = sum(components.values())
     fraction = RESERVE_FRACTION_EXPANDABLE if knobs.expandable_segments else RESERVE_FRACTION
     outside = {"cuda_context": CUDA_CONTEXT}
+    paged = adapter_bytes(shape, knobs, targets).paged
     if paged:
         outside["paged_optimizer_state"] = paged
     return Prediction(
