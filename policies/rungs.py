@@ -21,7 +21,7 @@ class Survives(str, enum.Enum):
     """What progress a restart after this rung keeps."""
 
     ALL = "all"  # adapter, optimizer state, step and data position
-    OPTIMIZER_RESET = "optimizer_reset"  # adapter + step kept; optimizer state starts fresh
+    OPTIMIZER_RESET = "optimizer_reset"  # adapter (or its SVD truncation) + step kept; optimizer fresh
     ADAPTER_REINIT = "adapter_reinit"  # adapter shape changed: training restarts from step 0
 
 
@@ -144,8 +144,9 @@ _STATIC_RUNGS: tuple[Rung, ...] = (
     ),
     Rung(
         "halve_lora_rank",
-        "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state",
-        Survives.ADAPTER_REINIT,
+        "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state; the "
+        "adapter is cut to the new rank by truncated SVD of its trained update, so progress is kept",
+        Survives.OPTIMIZER_RESET,
         _halve_lora_rank,
     ),
     Rung(
