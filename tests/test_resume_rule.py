@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from qlora_supervise.policies.decide import Restart
 from qlora_supervise.policies.rungs import STATIC_RUNGS, Survives
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, next_plan
 from qlora_supervise.supervisor.loop.resume import resume_point
+from qlora_supervise.supervisor.loop.runner import note_child_events
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
+from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -80,3 +83,35 @@ def test_halve_lora_rank_keeps_progress_and_the_planner_keeps_the_checkpoints() 
     )
     plan = next_plan([record], PlanFacts(KNOBS, merge=False, merged_exists=False))
     assert isinstance(plan, Plan) and plan.knobs == halved and plan.fresh_start is False
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append((str(event), fields))
+
+
+def test_the_supervisor_logs_rank_reduced_from_the_childs_resumed_event() -> None:
+    """A resumed event with a rank reduction becomes one rank_reduced line with the energy kept."""
+    reduction = RankReduction(16, 8, 128, 0.93, 0.71, "layers.3.self_attn.v_proj")
+    log = _Log()
+    note_child_events(
+        [
+            {"event": "resumed", "from_step": 40},  # an ordinary resume: nothing to say
+            {"event": "heartbeat", "step": 40, **reduction.fields()},  # only the resumed event counts
+            {"event": "resumed", "from_step": 40, **reduction.fields()},
+        ],
+        log,
+    )
+    assert log.lines == [
+        (
+            "rank_reduced",
+            {
+                **dataclasses.asdict(reduction),
+                "from_step": 40,
+                "why": "the smaller adapter starts from the truncated SVD of the trained update",
+            },
+        )
+    ]
