@@ -25,7 +25,15 @@ from typing import Any, Protocol
 
 from qlora_supervise.policies import memory_model, preflight
 from qlora_supervise.policies.ladders import ladder_for
-from qlora_supervise.policies.rungs import STATIC_RUNGS, Rung, RungContext, Survives, rung_by_name
+from qlora_supervise.policies.rungs import (
+    STATIC_RUNGS,
+    Rung,
+    RungContext,
+    Survives,
+    rung_by_name,
+    shorten_cost_text,
+)
+from qlora_supervise.trainer_child.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
@@ -70,6 +78,8 @@ class Settings:
     shape: memory_model.ModelShape | None = None
     #: Peaks observed on this host in earlier runs of the same shape (the per-host store).
     prior: tuple[memory_model.Observation, ...] = ()
+    # The latest attempt's tokenized sample lengths: shorten_seq_len says what it would cut.
+    sample_lengths: SampleLengths | None = None
 
 
 @dataclass(frozen=True)
@@ -221,14 +231,14 @@ def _climb(
         candidate = changed
         applied.append(rung)
         if not _predicted_too_big(candidate, settings, scale):
-            return _restart(knobs, candidate, applied, skipped)
+            return _restart(knobs, candidate, applied, skipped, settings.sample_lengths)
         skipped.append(rung.name)
     if applied:
         # Nothing fits by the model's estimate: it may be wrong, so take one step, not all.
         first = applied[0]
         stepped = first.apply(knobs)
         assert stepped is not None  # it changed these knobs in the walk above
-        return _restart(knobs, stepped, [first], [])
+        return _restart(knobs, stepped, [first], [], settings.sample_lengths)
     return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
 
 
@@ -301,12 +311,21 @@ def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) ->
     return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale)
 
 
-def _restart(old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str]) -> Restart:
-    why = "; ".join(rung.reason for rung in applied)
+def _restart(
+    old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str], lengths: SampleLengths | None
+) -> Restart:
+    why = "; ".join(_reason(rung, old, new, lengths) for rung in applied)
     if skipped:
         why += f" (memory model: {', '.join(skipped)} alone would not fit)"
     survives = max((rung.survives for rung in applied), key=_SURVIVAL_ORDER.index)
     return Restart(new, "+".join(rung.name for rung in applied), knob_changes(old, new), why, survives)
+
+
+def _reason(rung: Rung, old: Knobs, new: Knobs, lengths: SampleLengths | None) -> str:
+    """The rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts)."""
+    if rung.name == "shorten_seq_len" and lengths is not None:
+        return f"{rung.reason}: {shorten_cost_text(lengths, old, new)}"
+    return rung.reason
 
 
 def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:

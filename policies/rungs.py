@@ -11,6 +11,7 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from qlora_supervise.trainer_child.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.protocol import Knobs
 
 #: Shortest sequence length the shorten rung will go to; below this most instruction data is cut.
@@ -21,7 +22,7 @@ class Survives(str, enum.Enum):
     """What progress a restart after this rung keeps."""
 
     ALL = "all"  # adapter, optimizer state, step and data position
-    OPTIMIZER_RESET = "optimizer_reset"  # adapter + step kept; optimizer state starts fresh
+    OPTIMIZER_RESET = "optimizer_reset"  # adapter (or its SVD truncation) + step kept; optimizer fresh
     ADAPTER_REINIT = "adapter_reinit"  # adapter shape changed: training restarts from step 0
 
 
@@ -61,6 +62,44 @@ def _shorten_seq_len(k: Knobs) -> Knobs | None:
     if k.max_seq_len <= MIN_SEQ_LEN:
         return None
     return dataclasses.replace(k, max_seq_len=max(MIN_SEQ_LEN, k.max_seq_len // 2))
+
+
+@dataclass(frozen=True)
+class TruncationCost:
+    """What ``max_seq_len`` cuts of the training samples (estimates when the lengths are a sample)."""
+
+    max_seq_len: int
+    truncated: int  # samples longer than max_seq_len, scaled to all rows
+    rows: int
+    tokens_lost: float  # share of all tokens beyond max_seq_len
+    exact: bool
+
+    def text(self) -> str:
+        about = "" if self.exact else "about "
+        return (
+            f"{about}{self.truncated} of {self.rows} samples truncated, "
+            f"{_percent(self.tokens_lost)} of tokens lost at max_seq_len {self.max_seq_len}"
+        )
+
+
+def truncation_cost(lengths: SampleLengths, max_seq_len: int) -> TruncationCost:
+    """How many samples ``max_seq_len`` truncates and the share of tokens it drops."""
+    longer = [length for length in lengths.lengths if length > max_seq_len]
+    total = sum(lengths.lengths)
+    lost = sum(length - max_seq_len for length in longer) / total if total else 0.0
+    scaled = round(len(longer) * lengths.rows / len(lengths.lengths))
+    return TruncationCost(max_seq_len, scaled, lengths.rows, lost, lengths.exact)
+
+
+def shorten_cost_text(lengths: SampleLengths, old: Knobs, new: Knobs) -> str:
+    """The cost of going from ``old.max_seq_len`` to ``new.max_seq_len``, for the rung's reason."""
+    before = truncation_cost(lengths, old.max_seq_len)
+    after = truncation_cost(lengths, new.max_seq_len)
+    return f"{after.text()} (at {old.max_seq_len}: {before.truncated}, {_percent(before.tokens_lost)})"
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.1f} %"
 
 
 def _paged_8bit_optimizer(k: Knobs) -> Knobs | None:
@@ -144,8 +183,9 @@ _STATIC_RUNGS: tuple[Rung, ...] = (
     ),
     Rung(
         "halve_lora_rank",
-        "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state",
-        Survives.ADAPTER_REINIT,
+        "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state; the "
+        "adapter is cut to the new rank by truncated SVD of its trained update, so progress is kept",
+        Survives.OPTIMIZER_RESET,
         _halve_lora_rank,
     ),
     Rung(

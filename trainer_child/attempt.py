@@ -18,11 +18,12 @@ from types import FrameType
 from typing import Any
 
 from . import checkpoints
+from .attempt_facts import RankReduction
 from .checkpoint_dirs import newest_complete_checkpoint
 from .durable import fsync_dir
 from .events import EventLog, HeartbeatThread, Progress
 from .failure import CapturedFailure, ConfigError, capture, write_report
-from .protocol import AttemptSpec, ExitCode, Stage, failure_line
+from .protocol import AttemptSpec, ExitCode, Knobs, Stage, failure_line
 from .stack import import_training_stack
 
 #: Stages where the optimizer has not touched the weights of the step in flight, so the state
@@ -89,6 +90,8 @@ def resume_source(spec: AttemptSpec) -> tuple[str | None, str | None]:
     """(checkpoint to resume from, same when the optimizer is reset else None).
 
     ``resume_from="auto"`` (for runs by hand) takes the newest complete checkpoint, if any.
+    A checkpoint whose adapter rank is above ``lora_r`` resets the optimizer whatever the spec
+    says: its state has the old shapes (the adapter itself is cut by :func:`reduce_rank`).
     """
     checkpoints_dir = Path(spec.checkpoints_dir)
     checkpoints.remove_stale_temps(checkpoints_dir)
@@ -100,10 +103,36 @@ def resume_source(spec: AttemptSpec) -> tuple[str | None, str | None]:
         return None, None
     if not checkpoints.is_complete(source):
         raise ConfigError(f"resume_from {source}: not a complete checkpoint (no completion marker)")
-    if not spec.reset_optimizer:
+    if not spec.reset_optimizer and not _rank_above(source, spec.knobs.lora_r):
         return str(source), None
     stripped = checkpoints.without_optimizer(source, checkpoints_dir / f".tmp-reset-{os.getpid()}")
     return str(stripped), str(stripped)
+
+
+def _rank_above(checkpoint: Path, lora_r: int) -> bool:
+    from .rank import adapter_rank
+
+    saved = adapter_rank(checkpoint)
+    return saved is not None and saved > lora_r
+
+
+def reduce_rank(reset_from: str | None, knobs: Knobs) -> RankReduction | None:
+    """Cut the adapter of the optimizer-less copy ``reset_from`` to ``knobs.lora_r`` when it was
+    saved at a larger rank (truncated SVD, see :mod:`.rank`); None when the rank is unchanged.
+    A checkpoint of a smaller rank cannot grow: a ConfigError names it."""
+    if reset_from is None:
+        return None
+    from .rank import adapter_rank, truncate_adapter
+
+    saved = adapter_rank(Path(reset_from))
+    if saved is None or saved == knobs.lora_r:
+        return None
+    if saved < knobs.lora_r:
+        raise ConfigError(
+            f"resume_from {reset_from}: adapter rank {saved} is smaller than lora_r {knobs.lora_r}; "
+            "resume at its rank or start from step 0"
+        )
+    return truncate_adapter(Path(reset_from), knobs.lora_r, knobs.lora_alpha)
 
 
 def save_adapter(trainer: Any, tokenizer: Any, adapter_dir: Path) -> None:
@@ -126,7 +155,8 @@ def train(ctx: Context) -> ExitCode:
 
     spec = ctx.spec
     resume_from, reset_from = resume_source(spec)
-    recipe = build(spec, ctx.progress, ctx.on_cuda, resume_from, reset_from)
+    reduction = reduce_rank(reset_from, spec.knobs)
+    recipe = build(spec, ctx.progress, ctx.on_cuda, resume_from, reset_from, reduction)
     ctx.trainer = recipe.trainer
     if ctx.progress.stop_requested:  # SIGTERM during the load: nothing new to save
         ctx.progress.announce_stop()

@@ -11,9 +11,11 @@ Every problem the job can fix (missing file, missing field, empty split) is a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+from .attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
 from .failure import ConfigError
 from .protocol import DataSpec
 
@@ -73,3 +75,23 @@ def train_eval_split(spec: DataSpec, tokenizer: Any, seed: int) -> tuple[Any, An
         split = train.train_test_split(test_size=spec.eval_fraction, seed=seed)
         return split["train"], split["test"]
     return train, None
+
+
+def sample_lengths(rows: Any, tokenizer: Any, limit: int = MAX_REPORTED_LENGTHS) -> SampleLengths:
+    """Tokenized lengths of the training rows before any truncation, tokenized as trl will (text
+    with EOS appended, chats through the chat template): every row up to ``limit``, else ``limit``
+    evenly spaced ones, so that the supervisor can say what a shorter ``max_seq_len`` would cut."""
+    total = len(rows)
+    picked = rows.select(range(0, total, max(1, math.ceil(total / limit))))
+    if MESSAGES in picked.column_names:
+        lengths = [len(_chat_ids(tokenizer, chat)) for chat in picked[MESSAGES]]
+    else:
+        eos = tokenizer.eos_token or ""
+        texts = [text if text.endswith(eos) else text + eos for text in picked[TEXT]]
+        lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    return SampleLengths(total, tuple(sorted(lengths)))
+
+
+def _chat_ids(tokenizer: Any, chat: Any) -> list[int]:
+    ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    return list(ids)

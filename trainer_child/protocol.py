@@ -270,10 +270,10 @@ EVENT_NAMES = frozenset(
     {
         "started",  # pid, device, versions
         "stage",  # stage changed (load, forward, ...)
-        "loaded",  # model loaded: trainable params, share, MemoryNumbers
+        "loaded",  # model loaded: trainable params, share, MemoryNumbers, attempt_facts.SampleLengths
         "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers
         "checkpoint_saved",  # step, path, emergency
-        "resumed",  # from_step, path
+        "resumed",  # from_step, path; attempt_facts.RankReduction when the adapter rank was cut
         "finished",  # step, adapter path
         "stopping",  # graceful stop requested
     }

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from trl import SFTConfig
 
 from . import data
+from .attempt_facts import RankReduction
 from .events import Progress
 from .failure import ConfigError
 from .protocol import AttemptSpec, Knobs, Stage
@@ -246,6 +247,7 @@ def build(
     on_cuda: bool,
     resume_from: str | None,
     reset_optimizer_from: str | None,
+    rank_reduction: RankReduction | None = None,
 ) -> Recipe:
     """Everything up to a trainer ready to ``train(resume_from_checkpoint=resume_from)``."""
     # The recipe top to bottom in the seeds' order (4-bit load, use_cache off, k-bit prepare,
@@ -273,9 +275,11 @@ def build(
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
         **memory_numbers().fields(),
+        # Packed rows are chunked, not cut, at max_seq_len: their lengths say nothing of a loss.
+        **({} if spec.train.packing else data.sample_lengths(train_set, tokenizer).fields()),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
-    callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit)
+    callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit, rank_reduction)
     protect = Path(spec.resume_from) if spec.resume_from else None
     trainer = SupervisedSFTTrainer(
         model=model,

@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from . import checkpoints
+from .attempt_facts import RankReduction
 from .checkpoint_dirs import CHECKPOINT_PREFIX
 from .events import Progress
 from .memory import apply_cpu_cap, free_memory, late_cap_step
@@ -171,9 +172,14 @@ class SupervisionCallback(TrainerCallback):
     """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
 
     def __init__(
-        self, resumed_from: str | None, reset_optimizer_from: str | None, cpu_memory_limit: int | None = None
+        self,
+        resumed_from: str | None,
+        reset_optimizer_from: str | None,
+        cpu_memory_limit: int | None = None,
+        rank_reduction: RankReduction | None = None,
     ) -> None:
         self.trainer: SupervisedSFTTrainer | None = None
+        self.rank_reduction = rank_reduction
         self.resumed_from = resumed_from
         self.reset_optimizer_from = reset_optimizer_from
         self.cpu_memory_limit = cpu_memory_limit
@@ -192,6 +198,7 @@ class SupervisionCallback(TrainerCallback):
                 reset_optimizer=self.reset_optimizer_from is not None,
                 micro_batch_size=args.per_device_train_batch_size,
                 grad_accum=args.gradient_accumulation_steps,
+                **(self.rank_reduction.fields() if self.rank_reduction is not None else {}),
             )
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

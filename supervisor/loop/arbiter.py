@@ -39,7 +39,7 @@ from qlora_supervise.supervisor.loop.reclaim import reclaim
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
-from qlora_supervise.supervisor.loop.settings import peak_store_path, with_card_budget
+from qlora_supervise.supervisor.loop.settings import peak_store_path, with_card_budget, with_sample_lengths
 from qlora_supervise.supervisor.loop.waiting import backoff_seconds, wait_for_free_memory
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import policy_history
@@ -246,6 +246,7 @@ class Supervisor:
         self, o: AttemptOutcome, failure: Failure, records: Sequence[AttemptRecord], log: Any
     ) -> AttemptRecord:
         plan = o.plan
+        self.settings = with_sample_lengths(self.settings, o.progress.events)
         this = policy.PastAttempt(plan.knobs, failure.kind, max(0, o.steps_completed - o.resumed_from))
         history = [*policy_history(records), this]
         decision = policy.decide(failure, plan.knobs, history, self.settings, phase=plan.phase.value)

@@ -29,6 +29,7 @@ from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
+from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.durable import write_text_atomic
 from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport
 
@@ -71,6 +72,7 @@ class AttemptRunner:
             pid=proc.pid,
             resumed_from=resume.step,
             reset_optimizer=spec.reset_optimizer,
+            rank_from=resume.rank_from,
             knobs=dataclasses.asdict(plan.knobs),
             effective_batch=plan.knobs.effective_batch,
         )
@@ -79,7 +81,7 @@ class AttemptRunner:
         exit_ = self._end(proc, watched)
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
         # and before its checkpoint counts (it would otherwise be missed by one).
-        reader.poll(seams.clock())
+        note_child_events(reader.poll(seams.clock()), log)
         ctx.display.clear()
         log.info(
             Event.CHILD_EXITED,
@@ -197,7 +199,7 @@ class AttemptRunner:
         while proc.poll() is None:
             now = seams.clock()
             ctx.ping(now)
-            reader.poll(now)
+            note_child_events(reader.poll(now), log)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
                 sample_memory(proc.pid, watched, ctx.gpu, gpu_log)
@@ -227,6 +229,19 @@ class AttemptRunner:
                 return watched
             seams.sleep(seams.tick_s)
         return watched
+
+
+def note_child_events(new: list[dict[str, Any]], log: Any) -> None:
+    """Log what the child reports once and a person wants to see at once: the rank cut on resume."""
+    for event in new:
+        reduction = RankReduction.from_fields(event) if event.get("event") == "resumed" else None
+        if reduction is not None:
+            log.info(
+                Event.RANK_REDUCED,
+                **dataclasses.asdict(reduction),
+                from_step=event.get("from_step"),
+                why="the smaller adapter starts from the truncated SVD of the trained update",
+            )
 
 
 def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:

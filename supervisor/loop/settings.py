@@ -1,10 +1,12 @@
-"""The policy's view of a job: its budgets, fallbacks, overrides and the model's shape."""
+"""The policy's view of a job: its budgets, fallbacks, overrides, the model's shape and its data's lengths."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.budget import card_budget
@@ -12,6 +14,7 @@ from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.peak_store import default_path, read_observations
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
+from qlora_supervise.trainer_child.attempt_facts import SampleLengths
 
 
 def policy_settings(job: Job) -> policy.Settings:
@@ -56,6 +59,16 @@ def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.
     if sample is None or not sample.total:
         return settings
     return dataclasses.replace(settings, budget_bytes=card_budget(sample.total))
+
+
+def with_sample_lengths(settings: policy.Settings, events: Sequence[Mapping[str, Any]]) -> policy.Settings:
+    """The sample lengths of the attempt's ``loaded`` event into the settings (unchanged when the
+    attempt reported none, e.g. it failed while loading: the earlier attempt's lengths stay)."""
+    for event in reversed(events):
+        lengths = SampleLengths.from_fields(event) if event.get("event") == "loaded" else None
+        if lengths is not None:
+            return dataclasses.replace(settings, sample_lengths=lengths)
+    return settings
 
 
 def model_shape(model_dir: Path) -> ModelShape | None:

@@ -30,6 +30,7 @@ class Event(str, enum.Enum):
     STOP_REQUESTED = "stop_requested"
     CHECKPOINTS_SKIPPED = "checkpoints_skipped"
     CHECKPOINTS_SUPERSEDED = "checkpoints_superseded"
+    RANK_REDUCED = "rank_reduced"
     UNRECORDED_ATTEMPT_MOVED = "unrecorded_attempt_moved"
     ORPHAN_CHILD_STOPPING = "orphan_child_stopping"
     # after a failure

@@ -1,0 +1,86 @@
+"""Facts the child reports once per attempt, typed on both sides of the events file.
+
+Standard library only (the supervisor reads them): :class:`SampleLengths` travels in the
+``loaded`` event, :class:`RankReduction` in the ``resumed`` event. Each writes its fields with
+``fields()`` and is read back with ``from_fields()``, which returns None for an event written
+before the field existed (or a torn one), so old events files stay readable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+#: Most sample lengths one ``loaded`` event carries; a larger training set is sampled evenly.
+MAX_REPORTED_LENGTHS = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleLengths:
+    """Tokenized lengths of the training samples, before any truncation to ``max_seq_len``.
+
+    ``lengths`` is sorted; it holds every sample when ``rows <= MAX_REPORTED_LENGTHS``, else an
+    evenly spaced sample of them (then counts derived from it are estimates, scaled to ``rows``).
+    """
+
+    rows: int
+    lengths: tuple[int, ...]
+
+    @property
+    def exact(self) -> bool:
+        return len(self.lengths) == self.rows
+
+    def fields(self) -> dict[str, Any]:
+        return {"sample_lengths": {"rows": self.rows, "lengths": list(self.lengths)}}
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, Any]) -> SampleLengths | None:
+        value = raw.get("sample_lengths")
+        if not isinstance(value, Mapping):
+            return None
+        rows, lengths = value.get("rows"), value.get("lengths")
+        if not isinstance(rows, int) or not isinstance(lengths, list) or not all(map(_is_int, lengths)):
+            return None
+        if isinstance(rows, bool) or rows <= 0 or not lengths or len(lengths) > rows:
+            return None
+        return cls(rows, tuple(sorted(lengths)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReduction:
+    """A resumed adapter cut to a smaller rank by truncated SVD of its trained update.
+
+    ``energy_kept`` is the share of the update's energy (sum of squared singular values of
+    ``delta_W = scale * B @ A``) the smaller rank keeps, over all modules together;
+    ``worst_energy_kept`` that of the module that keeps least (``worst_module``).
+    """
+
+    rank_from: int
+    rank_to: int
+    modules: int
+    energy_kept: float
+    worst_energy_kept: float
+    worst_module: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"rank_reduction": dataclasses.asdict(self)}
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, Any]) -> RankReduction | None:
+        value = raw.get("rank_reduction")
+        if not isinstance(value, Mapping):
+            return None
+        try:
+            reduction = cls(**{f.name: value[f.name] for f in dataclasses.fields(cls)})
+        except (KeyError, TypeError):
+            return None
+        ints = (reduction.rank_from, reduction.rank_to, reduction.modules)
+        floats = (reduction.energy_kept, reduction.worst_energy_kept)
+        if not all(map(_is_int, ints)) or not all(isinstance(x, int | float) for x in floats):
+            return None
+        return reduction
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
