@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from trl import SFTConfig
 
 from . import data
+from .checkpoints import ResumeSource
 from .events import Progress
 from .failure import ConfigError
 from .protocol import AttemptSpec, Knobs, Stage
@@ -244,10 +245,9 @@ def build(
     spec: AttemptSpec,
     progress: Progress,
     on_cuda: bool,
-    resume_from: str | None,
-    reset_optimizer_from: str | None,
+    source: ResumeSource,
 ) -> Recipe:
-    """Everything up to a trainer ready to ``train(resume_from_checkpoint=resume_from)``."""
+    """Everything up to a trainer ready to ``train(resume_from_checkpoint=source.load_from)``."""
     # The recipe top to bottom in the seeds' order (4-bit load, use_cache off, k-bit prepare,
     # LoRA, trainer): split into pieces it would no longer read as one script.
     knobs = spec.knobs
@@ -275,7 +275,7 @@ def build(
         **memory_numbers().fields(),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
-    callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit)
+    callback = SupervisionCallback(source, spec.cpu_memory_limit)
     protect = Path(spec.resume_from) if spec.resume_from else None
     trainer = SupervisedSFTTrainer(
         model=model,
@@ -288,7 +288,7 @@ def build(
         plan=CheckpointPlan(Path(spec.checkpoints_dir), knobs, protect=protect),
     )
     callback.trainer = trainer
-    return Recipe(trainer, tokenizer, resume_from, dtype)
+    return Recipe(trainer, tokenizer, source.load_from, dtype)
 
 
 def count_linear4bit(model: Any) -> int:

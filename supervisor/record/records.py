@@ -30,6 +30,8 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 
 JOURNAL_VERSION = 2
+#: The decision's rung name when a checkpoint that did not load was moved aside.
+QUARANTINE_RUNG = "quarantine_checkpoint"
 
 
 class Phase(str, enum.Enum):
@@ -165,6 +167,13 @@ class DecisionRecord:
             )
         return cls(Action.GIVE_UP, decision.why, retryable=decision.retryable, waited_s=waited_s)
 
+    @classmethod
+    def retry_from_older(cls, knobs: Knobs, quarantined: str) -> DecisionRecord:
+        """The restart after a checkpoint that would not load was quarantined: same knobs, the
+        next older checkpoint. No policy is asked: it is no verdict on the config."""
+        why = f"{quarantined} did not load and was quarantined; resume from the next older checkpoint"
+        return cls(Action.RESTART, why, QUARANTINE_RUNG, {}, Survives.ALL, knobs)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "action": self.action.value,
@@ -211,6 +220,9 @@ class AttemptRecord:
     peak: Peak | None = None
     failure: FailureRecord | None = None
     decision: DecisionRecord | None = None
+    # Why the child resumed with fresh optimizer state (the optimizer changed, or the checkpoint
+    # had none); None when it kept it or started fresh.
+    optimizer_reset: str | None = None
 
     @property
     def steps_progressed(self) -> int:
@@ -253,6 +265,7 @@ class AttemptRecord:
             peak=Peak.from_json(peak) if peak else _v1_peak(raw.get("peak_memory")),
             failure=FailureRecord.from_json(failure) if failure else None,
             decision=DecisionRecord.from_json(decision) if decision else None,
+            optimizer_reset=raw.get("optimizer_reset"),
         )
 
 
