@@ -572,7 +572,7 @@ def test_validate_command_prints_a_summary(job_dir: Path, capsys: pytest.Capture
     assert validate_command(str(job)) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{job}: OK\n")
-    assert "2 rows" in out and "effective batch: 32 = micro-batch 4 x accumulation 8" in out
+    assert "2 records" in out and "effective batch: 32 = micro-batch 4 x accumulation 8" in out
     assert f"output_dir: {job_dir / 'run'}" in out
 
 
