@@ -99,14 +99,16 @@ def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None
 
 
 def _probe_jsonl(path: Path, count_rows: bool) -> DataProbe:
+    # Bytes, decoded line by line: a bad byte further down is scan_records' to name, not a
+    # failure of this first look.
     first: dict[str, Any] | None = None
     rows = 0
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
             if first is None:
-                first = _json_record(line, f"line {number}")
+                first = _json_record(raw.decode("utf-8"), f"line {number}")
                 if not count_rows:
                     return DataProbe(path, tuple(first), first)
             rows += 1
