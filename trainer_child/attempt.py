@@ -124,7 +124,7 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
     if not spec.reset_optimizer:
         return checkpoints.ResumeSource(original, original=original)
     stripped = checkpoints.without_optimizer(source, checkpoints_dir / f".tmp-reset-{os.getpid()}")
-    why = "the optimizer changed since the checkpoint was written"
+    why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
     return checkpoints.ResumeSource(str(stripped), str(stripped), why, original)
 
 

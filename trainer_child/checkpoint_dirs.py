@@ -96,19 +96,25 @@ def damage(path: Path) -> str | None:
     is accepted: such a checkpoint is verified by loading it (the child reports a load failure
     as :attr:`~.protocol.ExitCode.CHECKPOINT`).
     """
+    damaged = damaged_files(path)
+    if damaged is None:
+        return "its completion marker is unreadable or its file list malformed"
+    return "; ".join(f"{name}: {why}" for name, why in sorted(damaged.items())) or None
+
+
+def damaged_files(path: Path) -> dict[str, str] | None:
+    """``{file: why}`` for each file that differs from the marker (empty: intact, or an older
+    marker without a file list); None when the marker or its file list cannot be read."""
     marker = read_marker(path)
     if marker is None:
-        return "its completion marker is unreadable"
+        return None
     files = marker.get("files")
     if files is None:
-        return None
+        return {}
     if not isinstance(files, dict):
-        return "its marker's file list is malformed"
-    for name, expected in sorted(files.items()):
-        problem = _file_damage(path / name, expected)
-        if problem is not None:
-            return f"{name}: {problem}"
-    return None
+        return None
+    found = {name: _file_damage(path / name, expected) for name, expected in files.items()}
+    return {name: why for name, why in found.items() if why is not None}
 
 
 def _file_damage(path: Path, expected: object) -> str | None:

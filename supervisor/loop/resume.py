@@ -26,11 +26,11 @@ from typing import Any
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.checkpoint_dirs import (
     complete_checkpoints,
-    damage,
+    damaged_files,
     quarantine,
     read_marker,
 )
-from qlora_supervise.trainer_child.checkpoints import TEMP_PREFIX, remove_stale_temps
+from qlora_supervise.trainer_child.checkpoints import OPTIMIZER_FILES, TEMP_PREFIX, remove_stale_temps
 from qlora_supervise.trainer_child.processes import pid_alive
 from qlora_supervise.trainer_child.protocol import ErrorReport, Knobs
 
@@ -58,6 +58,9 @@ class ResumePoint:
 def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: bool = False) -> ResumePoint:
     """The newest complete, intact checkpoint these knobs can load (step 0 and no path: none).
 
+    One loop over the checkpoints, newest first, each rule in the order of the module docstring
+    (marker, files, adapter shape, optimizer): long only because each rule says why it skips.
+
     With ``quarantine_damaged`` a checkpoint whose files differ from its marker is moved to the
     quarantine folder (``checkpoint_dirs.QUARANTINE_DIR``); without it, it is only skipped (the
     arbiter's prediction of the next resume step reads the same rule and moves nothing).
@@ -67,23 +70,29 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
     for step, path in reversed(complete_checkpoints(checkpoints_dir)):
         marker = read_marker(path)
         saved = marker.get("knobs", {}) if marker is not None else None
-        if not isinstance(saved, dict):
+        damaged = damaged_files(path) if isinstance(saved, dict) else None
+        if saved is None or damaged is None:
             skipped.append(f"{path.name}: unreadable marker")
             continue
-        why = damage(path)
-        if why is not None:
+        why = "; ".join(f"{name}: {problem}" for name, problem in sorted(damaged.items()))
+        # Only the optimizer state damaged: the adapter and the step are good; resume them with a
+        # fresh optimizer (the LR schedule follows the step) rather than lose the steps.
+        optimizer_only = bool(damaged) and set(damaged) <= set(OPTIMIZER_FILES)
+        if damaged and not optimizer_only:
             skipped.append(f"{path.name}: damaged ({why})")
             if quarantine_damaged:
                 reason = f"files differ from the completion marker: {why}"
                 moved.append(Quarantined(path, quarantine(path, reason), reason))
             continue
+        if optimizer_only:
+            skipped.append(f"{path.name}: optimizer state damaged ({why}); resumed with a fresh optimizer")
         if not saved:  # a marker without knobs (written by hand or another tool): trust its shape
-            return ResumePoint(step, path, False, tuple(skipped), tuple(moved))
+            return ResumePoint(step, path, optimizer_only, tuple(skipped), tuple(moved))
         differs = [name for name in _ADAPTER_SHAPE if saved.get(name) != getattr(knobs, name)]
         if differs:
             skipped.append(f"{path.name}: adapter differs in {', '.join(differs)}")
             continue
-        reset = saved.get("optimizer") != knobs.optimizer
+        reset = optimizer_only or saved.get("optimizer") != knobs.optimizer
         return ResumePoint(step, path, reset, tuple(skipped), tuple(moved))
     return ResumePoint(0, None, False, tuple(skipped), tuple(moved))
 
