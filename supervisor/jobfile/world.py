@@ -76,7 +76,8 @@ def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozens
     index (JSON, no torch, no weights): a typo would otherwise fail only after the model loaded.
 
     Skipped for ``all-linear``, for a model whose tensor names cannot be read without torch (a
-    ``.bin`` checkpoint, an index without its shards), and when the model path is bad.
+    ``.bin`` checkpoint, an index without its shards, a header without the transformer blocks),
+    and when the model path is bad.
     """
     targets = lora.target_modules
     if bad & {"model.path", "lora.target_modules"} or isinstance(targets, str):
@@ -88,16 +89,17 @@ def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozens
     except ModelFilesError as error:
         return [Problem("model.path", str(error), show(model.path), "fix or re-download the model files")]
     layers = module_leaves(files.tensors)
-    if not layers:
+    blocks = sorted(
+        name for name in layers if "embed" not in name and "norm" not in name and name != "lm_head"
+    )
+    if not blocks:  # a header without the transformer blocks (a partial file): nothing to match
         return []
     missing = [name for name in targets if name not in layers]
     if not missing:
         return []
-    linear = sorted(name for name in layers if "embed" not in name and name != "lm_head")
     problem = f"{', '.join(map(repr, missing))} match no layer of the model"
-    return [
-        Problem("lora.target_modules", problem, show(list(targets)), f"its layers are {', '.join(linear)}")
-    ]
+    fix = f"its layers are {', '.join(blocks)}"
+    return [Problem("lora.target_modules", problem, show(list(targets)), fix)]
 
 
 def module_leaves(tensors: Mapping[str, object]) -> set[str]:
