@@ -15,12 +15,18 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 * ``contention@N`` - an OOM whose message shows another process holding most of the GPU
 * ``config_error`` - exit with the config-error code and report
 * ``slow`` - like ``ok`` but 0.5 s per step (for signal tests)
+* ``corrupt_newest@N`` - injected fault: at step N truncate the newest checkpoint's adapter
+  file (its marker keeps the old size and sha256), then die by SIGKILL
+* ``sigkill_in_save@N`` - injected fault: die by SIGKILL at step N halfway through a save,
+  leaving its ``.tmp-checkpoint-N-<pid>`` staging directory
+* ``hang_hard@N`` - stop at step N in backward, ignoring SIGTERM (a process stuck in a kernel)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -59,8 +65,13 @@ class Child:
         root = Path(self.spec.checkpoints_dir)
         tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
         tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "adapter.bin").write_text(json.dumps({"step": step, "r": self.spec.knobs.lora_r}))
-        marker = {"step": step, "emergency": emergency, "knobs": dataclasses.asdict(self.spec.knobs)}
+        (tmp / "adapter.bin").write_text(json.dumps({"step": step, "r": self.spec.knobs.lora_r}) + " " * 100)
+        marker = {
+            "step": step,
+            "emergency": emergency,
+            "knobs": dataclasses.asdict(self.spec.knobs),
+            "files": file_digests(tmp),
+        }
         (tmp / CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker))
         final = root / f"checkpoint-{step}"
         if final.exists():
@@ -140,6 +151,21 @@ class Child:
                 time.sleep(0.1)
             self.checkpoint(self.step)  # SIGTERM: like the real trainer, checkpoint and leave
             return int(ExitCode.STOPPED)
+        if name == "corrupt_newest":
+            newest = max(Path(self.spec.checkpoints_dir).glob("checkpoint-*"), key=_step_of)
+            adapter = newest / "adapter.bin"
+            adapter.write_bytes(adapter.read_bytes()[:10])
+            os.kill(os.getpid(), signal.SIGKILL)
+        if name == "sigkill_in_save":
+            staging = Path(self.spec.checkpoints_dir) / f".tmp-checkpoint-{self.step}-{os.getpid()}"
+            (staging / f"checkpoint-{self.step}").mkdir(parents=True)
+            (staging / f"checkpoint-{self.step}" / "adapter.bin").write_text("half")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if name == "hang_hard":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:  # stuck: the stage and step never move, SIGTERM does nothing
+                self.emit("heartbeat", step=self.step, stage="backward")
+                time.sleep(0.1)
         if name == "sigkill":
             events = os.environ.get("SCRIPTED_CHILD_OOM_EVENTS")
             if events:
@@ -147,6 +173,20 @@ class Child:
             print("Killed", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         raise SystemExit(f"unknown scripted behaviour {name!r}")
+
+
+def file_digests(root: Path) -> dict[str, dict[str, object]]:
+    """The marker's ``files`` entry (size and sha256 per file), as checkpoint_dirs.file_digests
+    writes it; spelled out here so the scripted child speaks the file contract on its own."""
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(root.iterdir())
+        if p.is_file()
+    }
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.rsplit("-", 1)[-1])
 
 
 def _resume_step(spec: AttemptSpec) -> int:

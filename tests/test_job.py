@@ -258,7 +258,7 @@ def test_train_length_max_steps_wins_else_epochs(
             lambda j: j.resources.device == "GPU-5a1b2c3d-0000-1111",
         ),
         ("resources: {gpu_memory_limit: 500MiB}", lambda j: j.resources.gpu_memory_limit == 500 * 2**20),
-        ("resources: {cpu_memory_limit: 1000000}", lambda j: j.resources.cpu_memory_limit == 10**6),
+        ("resources: {cpu_memory_limit: 1000000B}", lambda j: j.resources.cpu_memory_limit == 10**6),
         ("supervise: {hang_timeout: 90}", lambda j: j.supervise.hang_timeout == 90.0),
         ("train: {learning_rate: 3e-5}", lambda j: j.train.learning_rate == 3e-5),  # YAML 1.1 reads a string
         ("data: {path: ./data.jsonl, eval_path: ./data.jsonl}", lambda j: j.knobs.eval_enabled),
@@ -572,7 +572,7 @@ def test_validate_command_prints_a_summary(job_dir: Path, capsys: pytest.Capture
     assert validate_command(str(job)) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{job}: OK\n")
-    assert "2 rows" in out and "effective batch: 32 = micro-batch 4 x accumulation 8" in out
+    assert "2 records" in out and "effective batch: 32 = micro-batch 4 x accumulation 8" in out
     assert f"output_dir: {job_dir / 'run'}" in out
 
 

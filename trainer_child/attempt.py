@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from . import checkpoints
+from . import checkpoints, device
 from .attempt_facts import RankReduction
 from .checkpoint_dirs import newest_complete_checkpoint
 from .durable import fsync_dir
@@ -30,6 +30,10 @@ from .stack import import_training_stack
 #: is exactly that of the last completed step. An optimizer-stage OOM may leave the step
 #: half-applied (some parameters updated, others not): no emergency checkpoint then.
 EMERGENCY_STAGES = (Stage.FORWARD, Stage.BACKWARD, Stage.EVAL)
+TRUST_REMOTE_CODE_WARNING = (
+    "trainer child: warning: trust_remote_code is on: Python code from the model directory runs "
+    "in this process"
+)
 
 
 class Context:
@@ -43,6 +47,7 @@ class Context:
         self.expandable: bool | None = None
         self.trainer: Any = None
         self.heartbeat: HeartbeatThread | None = None
+        self.resume_checkpoint: str | None = None  # the source checkpoint, once chosen
 
     @property
     def device(self) -> str:
@@ -65,6 +70,7 @@ def setup(ctx: Context) -> None:
     from . import memory
 
     ctx.on_cuda = torch.cuda.is_available()
+    cpu_fallback = device.check(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.expandable = memory.expandable_segments_active()
     versions = import_training_stack()
@@ -81,32 +87,51 @@ def setup(ctx: Context) -> None:
         cpu_memory_limit=ctx.spec.cpu_memory_limit,
         gpu_memory_limit=ctx.spec.gpu_memory_limit,
         expandable_segments_active=ctx.expandable,
+        cpu_fallback=cpu_fallback,
+        trust_remote_code=ctx.spec.train.trust_remote_code,
     )
+    if ctx.spec.train.trust_remote_code:
+        print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
     if memory.late_cap_step() is None:
         memory.apply_cpu_cap(ctx.spec.cpu_memory_limit)
 
 
-def resume_source(spec: AttemptSpec) -> tuple[str | None, str | None]:
-    """(checkpoint to resume from, same when the optimizer is reset else None).
-
-    ``resume_from="auto"`` (for runs by hand) takes the newest complete checkpoint, if any.
-    A checkpoint whose adapter rank is above ``lora_r`` resets the optimizer whatever the spec
-    says: its state has the old shapes (the adapter itself is cut by :func:`reduce_rank`).
-    """
+def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
+    """The checkpoint the spec names; ``resume_from="auto"`` (for runs by hand) takes the newest
+    complete one, if any. Stale staging directories of dead writers are removed first."""
     checkpoints_dir = Path(spec.checkpoints_dir)
     checkpoints.remove_stale_temps(checkpoints_dir)
-    source: Path | None = Path(spec.resume_from) if spec.resume_from else None
     if spec.resume_from == "auto":
         newest = newest_complete_checkpoint(checkpoints_dir)
-        source = newest[1] if newest else None
+        return newest[1] if newest else None
+    return Path(spec.resume_from) if spec.resume_from else None
+
+
+def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeSource:
+    """How to resume from ``source``, checked to be loadable (CheckpointLoadError if not).
+
+    A checkpoint without optimizer state resumes as a reset, said so, never silently.
+    """
+    checkpoints_dir = Path(spec.checkpoints_dir)
     if source is None:
-        return None, None
+        return checkpoints.ResumeSource()
     if not checkpoints.is_complete(source):
         raise ConfigError(f"resume_from {source}: not a complete checkpoint (no completion marker)")
-    if not spec.reset_optimizer and not _rank_above(source, spec.knobs.lora_r):
-        return str(source), None
+    checkpoints.check_loadable(source)
+    original = str(source)
+    if not any((source / name).is_file() for name in checkpoints.OPTIMIZER_FILES):
+        why = f"{source.name} holds no optimizer state ({' or '.join(checkpoints.OPTIMIZER_FILES)} missing)"
+        return checkpoints.ResumeSource(original, original, why, original)
+    cut = _rank_above(source, spec.knobs.lora_r)
+    if not spec.reset_optimizer and not cut:
+        return checkpoints.ResumeSource(original, original=original)
     stripped = checkpoints.without_optimizer(source, checkpoints_dir / f".tmp-reset-{os.getpid()}")
-    return str(stripped), str(stripped)
+    why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
+    if cut:
+        # The optimizer's state has the old rank's shapes: it starts afresh with the cut adapter.
+        why = "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
+    reduction = reduce_rank(str(stripped), spec.knobs)
+    return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
 
 
 def _rank_above(checkpoint: Path, lora_r: int) -> bool:
@@ -154,16 +179,17 @@ def train(ctx: Context) -> ExitCode:
     from .recipe import build
 
     spec = ctx.spec
-    resume_from, reset_from = resume_source(spec)
-    reduction = reduce_rank(reset_from, spec.knobs)
-    recipe = build(spec, ctx.progress, ctx.on_cuda, resume_from, reset_from, reduction)
+    chosen = chosen_checkpoint(spec)
+    ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
+    source = resume_source(spec, chosen)
+    recipe = build(spec, ctx.progress, ctx.on_cuda, source)
     ctx.trainer = recipe.trainer
     if ctx.progress.stop_requested:  # SIGTERM during the load: nothing new to save
         ctx.progress.announce_stop()
         return ExitCode.STOPPED
-    recipe.trainer.train(resume_from_checkpoint=resume_from)
-    if reset_from is not None:  # the optimizer-less copy has served its purpose
-        shutil.rmtree(Path(reset_from).parent, ignore_errors=True)
+    recipe.trainer.train(resume_from_checkpoint=source.load_from)
+    if source.reset_from is not None and source.reset_from != source.original:
+        shutil.rmtree(Path(source.reset_from).parent, ignore_errors=True)  # the optimizer-less copy
     if ctx.progress.stop_requested:
         return ExitCode.STOPPED
     ctx.progress.enter(Stage.SAVE)
@@ -193,6 +219,7 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
         memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
         emergency=emergency,
         expandable_segments_active=ctx.expandable,
+        resume_checkpoint=ctx.resume_checkpoint,
     )
     print(
         failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),

@@ -6,13 +6,23 @@ picks the one to resume from, and both must agree on these names.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 #: A complete checkpoint directory holds this file, written last (after the rename it is
 #: redundant, but it lets a reader reject a directory copied by hand or truncated by a full disk).
 CHECKPOINT_COMPLETE_MARKER = "qlora_supervise_complete.json"
 CHECKPOINT_PREFIX = "checkpoint-"
+#: Where checkpoints that must not be resumed go (damaged, or unmarked and in the way): a folder
+#: beside ``checkpoints/``, inside the run directory. Nothing there is deleted by us.
+QUARANTINE_DIR = "checkpoints-quarantine"
+#: A file written into each quarantined checkpoint: why it was moved, in words.
+QUARANTINE_REASON = "quarantine_reason.txt"
+_CHUNK = 1 << 20
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -45,3 +55,94 @@ def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple
     """The (step, path) of the newest complete checkpoint, or None when there is none."""
     found = complete_checkpoints(checkpoints_dir)
     return found[-1] if found else None
+
+
+def file_digests(root: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the marker.
+
+    sha256 rather than a CRC: it is in the standard library, a LoRA checkpoint is tens of MB (a
+    fraction of a second to hash), and it tells a changed file from an intact one beyond doubt,
+    not only a truncated one.
+    """
+    digests: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        if name != CHECKPOINT_COMPLETE_MARKER:
+            digests[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return digests
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """The completion marker of checkpoint ``path`` as a JSON object; None when unreadable."""
+    try:
+        marker = json.loads((path / CHECKPOINT_COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def damage(path: Path) -> str | None:
+    """Why checkpoint ``path`` does not match its marker, in words; None when it does.
+
+    A marker without a ``files`` entry (written before markers carried checksums, or by hand)
+    is accepted: such a checkpoint is verified by loading it (the child reports a load failure
+    as :attr:`~.protocol.ExitCode.CHECKPOINT`).
+    """
+    damaged = damaged_files(path)
+    if damaged is None:
+        return "its completion marker is unreadable or its file list malformed"
+    return "; ".join(f"{name}: {why}" for name, why in sorted(damaged.items())) or None
+
+
+def damaged_files(path: Path) -> dict[str, str] | None:
+    """``{file: why}`` for each file that differs from the marker (empty: intact, or an older
+    marker without a file list); None when the marker or its file list cannot be read."""
+    marker = read_marker(path)
+    if marker is None:
+        return None
+    files = marker.get("files")
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        return None
+    found = {name: _file_damage(path / name, expected) for name, expected in files.items()}
+    return {name: why for name, why in found.items() if why is not None}
+
+
+def _file_damage(path: Path, expected: object) -> str | None:
+    if not isinstance(expected, dict):
+        return "malformed marker entry"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "missing"
+    if size != expected.get("size"):
+        return f"{size} bytes, the marker says {expected.get('size')}"
+    if _sha256(path) != expected.get("sha256"):
+        return "contents differ from the marker's sha256"
+    return None
+
+
+def quarantine_dir(checkpoints_dir: Path) -> Path:
+    return checkpoints_dir.parent / QUARANTINE_DIR
+
+
+def quarantine(path: Path, reason: str) -> Path:
+    """Move checkpoint directory ``path`` into the quarantine folder beside its parent; return
+    where it went. The rename takes it out of the checkpoint namespace in one step."""
+    folder = quarantine_dir(path.parent)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / path.name
+    if target.exists():
+        target = folder / f"{path.name}.{time.time_ns()}"
+    os.rename(path, target)
+    (target / QUARANTINE_REASON).write_text(reason + "\n", encoding="utf-8")
+    return target

@@ -15,14 +15,43 @@ import shutil
 import time
 from pathlib import Path
 
-from .checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX, complete_checkpoints
+from .attempt_facts import RankReduction
+from .checkpoint_dirs import (
+    CHECKPOINT_COMPLETE_MARKER,
+    CHECKPOINT_PREFIX,
+    checkpoint_step,
+    complete_checkpoints,
+    file_digests,
+    quarantine,
+)
 from .durable import fsync_dir, write_text_atomic
 from .processes import pid_alive
 from .protocol import Knobs
 
 TEMP_PREFIX = ".tmp-"
+_TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointLoadError(Exception):
+    """The checkpoint to resume from cannot be loaded (a file is corrupt, truncated or missing):
+    the child exits ExitCode.CHECKPOINT and names it, so the supervisor quarantines it."""
+
+
 #: Checkpoint files that hold optimizer state; left out when the optimizer is reset.
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeSource:
+    """Where an attempt resumes: ``load_from`` is what Trainer reads; ``reset_from`` is set when
+    the optimizer state starts afresh (the scheduler is then restored from it, at the step),
+    with ``reset_reason`` in words; ``original`` is the checkpoint itself (named in reports)."""
+
+    load_from: str | None = None
+    reset_from: str | None = None
+    reset_reason: str | None = None
+    original: str | None = None
+    rank_reduction: RankReduction | None = None  # the adapter was cut to a smaller rank (SVD)
 
 
 def staging_dir(checkpoints_dir: Path, step: int) -> Path:
@@ -42,10 +71,24 @@ def fsync_tree(root: Path) -> None:
 
 
 def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: bool) -> Path:
-    """Seal ``written`` (fsync, marker) and rename it to ``final``; return ``final``."""
-    marker = {"step": step, "knobs": dataclasses.asdict(knobs), "emergency": emergency, "time": time.time()}
+    """Seal ``written`` (fsync, marker) and rename it to ``final``; return ``final``.
+
+    The marker records the size and sha256 of every file it covers, so the supervisor can tell
+    a checkpoint damaged after the fact (truncated, overwritten) before resuming from it. An
+    unmarked directory already under the final name (left by hand or another tool; ours are
+    never unmarked) would make the rename fail: it is quarantined first.
+    """
     fsync_tree(written)
+    marker = {
+        "step": step,
+        "knobs": dataclasses.asdict(knobs),
+        "emergency": emergency,
+        "time": time.time(),
+        "files": file_digests(written),
+    }
     write_text_atomic(written / CHECKPOINT_COMPLETE_MARKER, json.dumps(marker, indent=2, sort_keys=True))
+    if final.exists() and not is_complete(final):
+        quarantine(final, f"unmarked directory in the way of the save of step {step}")
     os.rename(written, final)
     fsync_dir(final.parent)
     return final
@@ -57,7 +100,13 @@ def is_complete(path: Path) -> bool:
 
 def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, never ``protect`` (the one this
-    attempt resumed from: if the new ones turn out bad, the supervisor falls back to it)."""
+    attempt resumed from: if the new ones turn out bad, the supervisor falls back to it).
+
+    Unmarked ``checkpoint-N`` leftovers (never usable, and in the way of a later save of step N)
+    are moved to the quarantine folder on the way.
+    """
+    for leftover in unmarked_checkpoints(checkpoints_dir):
+        quarantine(leftover, "unmarked checkpoint directory (no completion marker) found at rotation")
     found = complete_checkpoints(checkpoints_dir)
     removed = []
     for _, path in found[: max(len(found) - keep, 0)]:
@@ -70,6 +119,17 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def unmarked_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """``checkpoint-N`` directories without the completion marker."""
+    if not checkpoints_dir.is_dir():
+        return []
+    return sorted(
+        path
+        for path in checkpoints_dir.iterdir()
+        if path.is_dir() and checkpoint_step(path) is not None and not is_complete(path)
+    )
 
 
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
@@ -97,3 +157,40 @@ def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
         shutil.rmtree(target)
     shutil.copytree(checkpoint, target, ignore=shutil.ignore_patterns(*OPTIMIZER_FILES))
     return target
+
+
+def check_loadable(checkpoint: Path) -> None:
+    """Cheap checks of what Trainer will read, before the model is loaded: ``trainer_state.json``
+    parses with a step, and each safetensors file is as long as its header says. Raises
+    CheckpointLoadError. (The loads themselves are guarded too: see the trainer.)"""
+    state_path = checkpoint / _TRAINER_STATE
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointLoadError(f"{state_path}: unreadable ({exc})") from exc
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise CheckpointLoadError(f"{state_path}: no integer global_step")
+    for tensors in sorted(checkpoint.glob("*.safetensors")):
+        _check_safetensors_length(tensors)
+
+
+def _check_safetensors_length(path: Path) -> None:
+    """A safetensors file is 8 bytes of header length, the JSON header, then the data whose
+    largest end offset the header gives: a shorter file was cut off."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length)) if 0 < length <= size - 8 else None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointLoadError(f"{path}: header unreadable ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointLoadError(f"{path}: {size} bytes, too short for its header")
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+    ]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        raise CheckpointLoadError(f"{path}: {size} bytes, its header needs {needed}: truncated")

@@ -5,8 +5,11 @@ token). A chat dataset becomes one ``messages`` column, which trl treats as conv
 renders the chat template itself and, with ``assistant_only_loss`` (see :mod:`.recipe`), puts
 the loss on the assistant's tokens only.
 
-Every problem the job can fix (missing file, missing field, empty split) is a
-:class:`ConfigError`, so the supervisor never retries it.
+Every problem the job can fix (missing file, missing field, empty split, a record that is
+broken JSON, not UTF-8, null or of the wrong type) is a :class:`ConfigError`, so the supervisor
+never retries it; a bad record is named by file, line and field (:mod:`.data_rows`, the check
+``validate`` runs too). The full scan runs only when loading failed or the loaded column shows
+nulls or another type, so a good dataset is read once, by ``datasets``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
+from .data_rows import DataRowError, scan
 from .failure import ConfigError
 from .protocol import DataSpec
 
@@ -25,8 +29,12 @@ TEXT = "text"
 MESSAGES = "messages"
 
 
-def load_table(path: str) -> Any:  # -> datasets.Dataset
-    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train')."""
+def load_table(path: str, spec: DataSpec | None = None) -> Any:  # -> datasets.Dataset
+    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train').
+
+    A file ``datasets`` cannot read is scanned for the bad record (with ``spec``'s field) and
+    the failure is a ConfigError naming it.
+    """
     import datasets
 
     source = Path(path)
@@ -44,19 +52,52 @@ def load_table(path: str) -> Any:  # -> datasets.Dataset
         raise ConfigError(
             f"data {path}: unknown format {source.suffix!r}, expected one of {sorted(_BUILDERS)}"
         )
-    return datasets.load_dataset(builder, data_files=str(source), split="train")
+    try:
+        return datasets.load_dataset(builder, data_files=str(source), split="train")
+    except Exception as exc:  # datasets/pyarrow wrap a broken record in their own error kinds
+        raise ConfigError(f"data {path}: {_bad_record(source, spec) or f'cannot be read: {exc}'}") from exc
 
 
-def to_rows(table: Any, spec: DataSpec, tokenizer: Any) -> Any:
+def _bad_record(source: Path, spec: DataSpec | None) -> str | None:
+    """The first record of ``source`` that cannot train, in words (file, line, field), or None."""
+    if spec is None or not source.is_file():
+        return None
+    messages = spec.messages_field is not None
+    try:
+        scan(source, spec.messages_field or spec.text_field or TEXT, messages=messages)
+    except DataRowError as error:
+        return str(error)
+    except (OSError, ValueError, ImportError):
+        return None
+    return None
+
+
+def check_column(table: Any, spec: DataSpec, path: str) -> None:
+    """Nulls or a non-text column (read from the arrow table, cheaply) become a ConfigError that
+    names the first bad record's line."""
+    field = spec.messages_field or spec.text_field or TEXT
+    column = table.data.column(field)
+    kind = str(column.type)
+    wanted = "list" if spec.messages_field else "string"
+    if column.null_count == 0 and kind.startswith(("large_" + wanted, wanted)):
+        return
+    where = _bad_record(Path(path), spec)
+    raise ConfigError(
+        f"data {path}: {where or f'field {field!r} is {kind} with {column.null_count} null(s)'}"
+    )
+
+
+def to_rows(table: Any, spec: DataSpec, tokenizer: Any, path: str) -> Any:
     """A dataset with one column: ``text`` (the text field) or ``messages`` (the messages
     field, left as a list of turns so that trl can mask the user's turns out of the loss)."""
     field = spec.messages_field or spec.text_field
     if field is None:
         raise ConfigError("data: neither text_field nor messages_field is set")
     if field not in table.column_names:
-        raise ConfigError(f"data {spec.path}: field {field!r} not found; columns are {table.column_names}")
+        raise ConfigError(f"data {path}: field {field!r} not found; columns are {table.column_names}")
     if len(table) == 0:
-        raise ConfigError(f"data {spec.path}: no rows")
+        raise ConfigError(f"data {path}: no rows")
+    check_column(table, spec, path)
     # Only the one column: trl would treat a leftover ``messages`` column as a chat dataset.
     rows = table.select_columns([field])
     if spec.messages_field:
@@ -68,9 +109,9 @@ def to_rows(table: Any, spec: DataSpec, tokenizer: Any) -> Any:
 
 def train_eval_split(spec: DataSpec, tokenizer: Any, seed: int) -> tuple[Any, Any | None]:
     """(train, eval or None) from ``eval_path`` or an ``eval_fraction`` of the training file."""
-    train = to_rows(load_table(spec.path), spec, tokenizer)
+    train = to_rows(load_table(spec.path, spec), spec, tokenizer, spec.path)
     if spec.eval_path:
-        return train, to_rows(load_table(spec.eval_path), spec, tokenizer)
+        return train, to_rows(load_table(spec.eval_path, spec), spec, tokenizer, spec.eval_path)
     if spec.eval_fraction > 0:
         split = train.train_test_split(test_size=spec.eval_fraction, seed=seed)
         return split["train"], split["test"]

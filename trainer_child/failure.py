@@ -12,6 +12,7 @@ import re
 import traceback
 from typing import Any
 
+from .checkpoints import CheckpointLoadError
 from .durable import write_text_atomic
 from .protocol import ErrorReport, ExitCode, Stage
 
@@ -54,6 +55,10 @@ def is_config_error(exc: BaseException) -> bool:
     return any(isinstance(item, ConfigError) for item in _chain(exc))
 
 
+def is_checkpoint_error(exc: BaseException) -> bool:
+    return any(isinstance(item, CheckpointLoadError) for item in _chain(exc))
+
+
 def oom_numbers(message: str) -> dict[str, int]:
     """Numbers of an OOM message; the parser lives in ``oom_message`` (written separately),
     the CPU allocator's ``you tried to allocate N bytes`` is read here in any case."""
@@ -81,12 +86,15 @@ class CapturedFailure:
     step: int
     oom: bool
     config: bool
+    checkpoint: bool = False  # the resume checkpoint did not load (an OOM while loading is an OOM)
 
     @property
     def exit_code(self) -> ExitCode:
         if self.config:
             return ExitCode.CONFIG
-        return ExitCode.OOM if self.oom else ExitCode.FAILED
+        if self.oom:
+            return ExitCode.OOM
+        return ExitCode.CHECKPOINT if self.checkpoint else ExitCode.FAILED
 
 
 def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
@@ -103,6 +111,7 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         step=step,
         oom=is_oom(exc),
         config=is_config_error(exc),
+        checkpoint=is_checkpoint_error(exc),
     )
     for item in _chain(exc):
         if item.__traceback__ is not None:
@@ -119,7 +128,10 @@ def write_report(
     memory_stats: dict[str, Any] | None = None,
     emergency: tuple[str, int] | None = None,
     expandable_segments_active: bool | None = None,
+    resume_checkpoint: str | None = None,
 ) -> ErrorReport:
+    """Write the report; ``resume_checkpoint`` (the attempt's source, never a scratch copy) is
+    named as damaged when the failure is a checkpoint that did not load."""
     report = ErrorReport(
         exit_code=int(failure.exit_code),
         exception_type=failure.exception_type,
@@ -135,6 +147,7 @@ def write_report(
         emergency_checkpoint=emergency[0] if emergency else None,
         emergency_step=emergency[1] if emergency else None,
         expandable_segments_active=expandable_segments_active,
+        damaged_checkpoint=resume_checkpoint if failure.exit_code is ExitCode.CHECKPOINT else None,
     )
     write_text_atomic(path, report.to_json())
     return report

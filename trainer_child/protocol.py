@@ -33,6 +33,7 @@ class ExitCode(enum.IntEnum):
     CONFIG = 71  # bad job, model, data or target_modules: never retried
     FAILED = 72  # any other exception; the report has the traceback
     STOPPED = 73  # asked to stop (SIGTERM), checkpointed first: resumable
+    CHECKPOINT = 74  # the checkpoint to resume from cannot be loaded; the report names it
 
 
 class Stage(str, enum.Enum):
@@ -73,6 +74,7 @@ class FailureKind(str, enum.Enum):
     BNB_CUDA_SETUP = "bnb_cuda_setup"
     NCCL = "nccl"
     CONFIG_ERROR = "config_error"
+    CHECKPOINT_DAMAGED = "checkpoint_damaged"  # the resume checkpoint would not load: quarantine it
     OTHER = "other"
 
     @property
@@ -235,6 +237,8 @@ class ErrorReport:
     emergency_checkpoint: str | None = None  # path of the checkpoint saved after the failure
     emergency_step: int | None = None
     expandable_segments_active: bool | None = None
+    # The checkpoint that failed to load (ExitCode.CHECKPOINT): the original, never a scratch copy.
+    damaged_checkpoint: str | None = None
     time: float = dataclasses.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -268,12 +272,12 @@ def failure_line(stage: str, exception_type: str, message: str) -> str:
 
 EVENT_NAMES = frozenset(
     {
-        "started",  # pid, device, versions
+        "started",  # pid, device, versions, trust_remote_code
         "stage",  # stage changed (load, forward, ...)
         "loaded",  # model loaded: trainable params, share, MemoryNumbers, attempt_facts.SampleLengths
         "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers
         "checkpoint_saved",  # step, path, emergency
-        "resumed",  # from_step, path; attempt_facts.RankReduction when the adapter rank was cut
+        "resumed",  # from_step, path, reset_optimizer, reset_reason; RankReduction fields when cut
         "finished",  # step, adapter path
         "stopping",  # graceful stop requested
     }

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from trl import SFTConfig
 
 from . import data
-from .attempt_facts import RankReduction
+from .checkpoints import ResumeSource
 from .events import Progress
 from .failure import ConfigError
 from .protocol import AttemptSpec, Knobs, Stage
@@ -245,11 +245,9 @@ def build(
     spec: AttemptSpec,
     progress: Progress,
     on_cuda: bool,
-    resume_from: str | None,
-    reset_optimizer_from: str | None,
-    rank_reduction: RankReduction | None = None,
+    source: ResumeSource,
 ) -> Recipe:
-    """Everything up to a trainer ready to ``train(resume_from_checkpoint=resume_from)``."""
+    """Everything up to a trainer ready to ``train(resume_from_checkpoint=source.load_from)``."""
     # The recipe top to bottom in the seeds' order (4-bit load, use_cache off, k-bit prepare,
     # LoRA, trainer): split into pieces it would no longer read as one script.
     knobs = spec.knobs
@@ -275,11 +273,9 @@ def build(
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
         **memory_numbers().fields(),
-        # Packed rows are chunked, not cut, at max_seq_len: their lengths say nothing of a loss.
-        **({} if spec.train.packing else data.sample_lengths(train_set, tokenizer).fields()),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
-    callback = SupervisionCallback(resume_from, reset_optimizer_from, spec.cpu_memory_limit, rank_reduction)
+    callback = SupervisionCallback(source, spec.cpu_memory_limit)
     protect = Path(spec.resume_from) if spec.resume_from else None
     trainer = SupervisedSFTTrainer(
         model=model,
@@ -292,7 +288,7 @@ def build(
         plan=CheckpointPlan(Path(spec.checkpoints_dir), knobs, protect=protect),
     )
     callback.trainer = trainer
-    return Recipe(trainer, tokenizer, resume_from, dtype)
+    return Recipe(trainer, tokenizer, source.load_from, dtype)
 
 
 def count_linear4bit(model: Any) -> int:

@@ -8,10 +8,13 @@ an exception it must still say where the exception came from.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,6 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from . import checkpoints
-from .attempt_facts import RankReduction
 from .checkpoint_dirs import CHECKPOINT_PREFIX
 from .events import Progress
 from .memory import apply_cpu_cap, free_memory, late_cap_step
@@ -149,6 +151,25 @@ class SupervisedSFTTrainer(SFTTrainer):
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
 
+    # ---- loading the resume checkpoint ----------------------------------------------------
+    # Trainer reads the adapter, optimizer, scheduler, scaler and RNG state of the checkpoint in
+    # these methods; a failure there is the checkpoint's (truncated, corrupt), not the config's.
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        with _checkpoint_load(resume_from_checkpoint, "adapter"):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        with _checkpoint_load(checkpoint, "optimizer/scheduler state"):
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        with _checkpoint_load(checkpoint, "grad scaler state"):
+            super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        with _checkpoint_load(checkpoint, "RNG state"):
+            super()._load_rng_state(checkpoint)
+
     def save_emergency_checkpoint(self) -> Path | None:
         """Checkpoint the last completed optimizer step after a failure in forward/backward/eval.
 
@@ -171,34 +192,29 @@ class SupervisedSFTTrainer(SFTTrainer):
 class SupervisionCallback(TrainerCallback):
     """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
 
-    def __init__(
-        self,
-        resumed_from: str | None,
-        reset_optimizer_from: str | None,
-        cpu_memory_limit: int | None = None,
-        rank_reduction: RankReduction | None = None,
-    ) -> None:
+    def __init__(self, source: checkpoints.ResumeSource, cpu_memory_limit: int | None = None) -> None:
         self.trainer: SupervisedSFTTrainer | None = None
-        self.rank_reduction = rank_reduction
-        self.resumed_from = resumed_from
-        self.reset_optimizer_from = reset_optimizer_from
+        self.source = source
         self.cpu_memory_limit = cpu_memory_limit
         self.cap_after_step = late_cap_step()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.trainer is not None
         self.trainer.progress.step = state.global_step
-        if self.reset_optimizer_from is not None:
-            restore_scheduler(self.trainer, Path(self.reset_optimizer_from))
-        if self.resumed_from is not None:
+        source, scheduler = self.source, self.trainer.lr_scheduler
+        if source.reset_from is not None:
+            restore_scheduler(self.trainer, Path(source.reset_from), state.global_step)
+        if source.original is not None:
             self.trainer.progress.events.emit(
                 "resumed",
                 from_step=state.global_step,
-                path=self.resumed_from,
-                reset_optimizer=self.reset_optimizer_from is not None,
+                path=source.original,
+                reset_optimizer=source.reset_from is not None,
+                reset_reason=source.reset_reason,
+                learning_rate=scheduler.get_last_lr()[0] if scheduler is not None else None,
                 micro_batch_size=args.per_device_train_batch_size,
                 grad_accum=args.gradient_accumulation_steps,
-                **(self.rank_reduction.fields() if self.rank_reduction is not None else {}),
+                **(source.rank_reduction.fields() if source.rank_reduction is not None else {}),
             )
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -218,6 +234,19 @@ class SupervisionCallback(TrainerCallback):
             control.should_training_stop = True
 
 
+@contextlib.contextmanager
+def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
+    """Any exception but an OOM while loading ``what`` becomes a CheckpointLoadError."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as exc:
+        raise checkpoints.CheckpointLoadError(
+            f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def injected_save_pause(step: int) -> float:
     seconds, _, from_step = os.environ.get(TEST_PAUSE_IN_SAVE, "").partition("@")
     if not seconds or (from_step and step < int(from_step)):
@@ -225,12 +254,24 @@ def injected_save_pause(step: int) -> float:
     return float(seconds)
 
 
-def restore_scheduler(trainer: SupervisedSFTTrainer, checkpoint: Path) -> None:
-    """Put the LR schedule back at the checkpoint's step when the optimizer state is reset
-    (Trainer restores the scheduler only together with the optimizer)."""
-    path = checkpoint / "scheduler.pt"
-    if not path.is_file() or trainer.lr_scheduler is None or trainer.optimizer is None:
+def restore_scheduler(trainer: SupervisedSFTTrainer, checkpoint: Path, step: int) -> None:
+    """Put the LR schedule back at ``step`` when the optimizer state is reset (Trainer restores
+    the scheduler only together with the optimizer): from the checkpoint's ``scheduler.pt``, or,
+    where it is missing or names another step, by stepping a fresh schedule to ``step``."""
+    scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
+    if scheduler is None or optimizer is None:
         return
-    trainer.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
-    for group, lr in zip(trainer.optimizer.param_groups, trainer.lr_scheduler.get_last_lr(), strict=False):
+    path = checkpoint / "scheduler.pt"
+    if path.is_file():
+        try:
+            scheduler.load_state_dict(torch.load(path, weights_only=True))
+        except Exception as exc:  # a damaged scheduler file: the checkpoint is not loadable
+            raise checkpoints.CheckpointLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
+    if getattr(scheduler, "last_epoch", step) != step:
+        # LambdaLR (cosine, linear, constant with warmup) is a function of its step count alone.
+        scheduler.last_epoch = step - 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": meant here
+            scheduler.step()
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=False):
         group["lr"] = lr

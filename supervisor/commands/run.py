@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
+from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
 from qlora_supervise.supervisor.record.eventlog import open_event_log
@@ -35,6 +36,8 @@ def run_job(
     try:
         log = open_event_log(run_dir.events, console)
         _keep_job_copy(run_dir, job, log)
+        if job.train.trust_remote_code:
+            log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
         supervisor = Supervisor(
             job, run_dir, log, seams, console, plain, policy_settings(job), as_written=as_written
         )

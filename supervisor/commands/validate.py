@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile import data_probe
-from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Job
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.jobfile.units import format_bytes
@@ -23,9 +23,14 @@ def validate_command(path: str) -> int:
             print(problem.render())
         return 2
     print(f"{path}: OK")
-    for line in summary_lines(job):
+    for line in [*warning_lines(job), *summary_lines(job)]:
         print(f"  {line}")
     return 0
+
+
+def warning_lines(job: Job) -> list[str]:
+    """What a person should know before running the job, though it is not a problem."""
+    return [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
 
 
 def summary_lines(job: Job) -> list[str]:
@@ -51,15 +56,13 @@ def summary_lines(job: Job) -> list[str]:
 
 
 def _data_summary(data: DataSpec) -> str:
-    """``<path> (<rows> rows, text_field 'text')``; rows only where counting is cheap."""
-    field = (
-        f"messages_field {data.messages_field!r}"
-        if data.messages_field
-        else f"text_field {data.text_field!r}"
-    )
+    """``<path> (<n> records, text_field 'text')``: records, not lines (blank lines are none)."""
+    messages = data.messages_field is not None
+    name = data.messages_field if messages else data.text_field
+    field = f"messages_field {name!r}" if messages else f"text_field {name!r}"
     try:
-        rows = data_probe.probe(Path(data.path), count_rows=True).rows
-    except data_probe.DataProbeError:
-        rows = None
-    count = "" if rows is None else f"{rows} rows, "
+        records = data_probe.scan_records(Path(data.path), name or "", messages=messages)
+    except (OSError, ValueError, data_probe.DataProbeError):
+        records = None
+    count = "" if records is None else f"{records} records, "
     return f"{data.path} ({count}{field})"

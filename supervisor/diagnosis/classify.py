@@ -2,9 +2,11 @@
 
 ``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
 
-1. **we killed it**: the supervisor stopped a hung child -> ``hang`` (stopped for another
+1. **we killed it**: the supervisor stopped a hung child -> ``hang`` at the stage the heartbeats
+   last showed (stopped for another
    reason, e.g. "stop", and nothing below decides -> ``other``, saying so);
 2. **the error report** (the child knows its stage): ``config_error`` -> ``config_error``; a
+   checkpoint that did not load (``damaged_checkpoint``) -> ``checkpoint_damaged``; a
    bitsandbytes setup or NCCL error in its text -> ``bnb_cuda_setup`` / ``nccl``; an OOM (GPU,
    or the CPU allocator under the cap that emulates a small card) -> contention /
    fragmentation by :mod:`._oom_rules` on ``report.oom_numbers`` (and the NVML sample), else
@@ -99,10 +101,19 @@ def classify_exit(
     cgroup_oom_kills: int = 0,
     gpu_others_bytes: int | None = None,
     gpu_total_bytes: int | None = None,
+    last_stage: Stage = Stage.UNKNOWN,
+    last_step: int | None = None,
 ) -> Failure:
-    """Classify how our child ended; precedence in the module docstring."""
+    """Classify how our child ended; precedence in the module docstring.
+
+    ``last_stage`` / ``last_step`` are what the heartbeats showed last: a hang is recorded at
+    that stage (the child, stuck, writes no report of its own).
+    """
     if exit.killed_by_supervisor is KilledBy.HANG:
-        return Failure(FailureKind.HANG, Stage.UNKNOWN, {}, "supervisor: no progress before the timeout")
+        seen = f"; last seen in {last_stage.value}" + (
+            f" after step {last_step}" if last_step is not None else ""
+        )
+        return Failure(FailureKind.HANG, last_stage, {}, f"supervisor: no progress before the timeout{seen}")
     if report is not None:
         return _from_report(report, gpu_others_bytes, gpu_total_bytes)
     from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills)
@@ -192,6 +203,9 @@ def _from_report(report: ErrorReport, nvml_others: int | None, nvml_total: int |
     message = f"{report.exception_type}: {report.message}"[:300]
     if report.config_error:
         return Failure(FailureKind.CONFIG_ERROR, stage, {}, f"{head}; marked config_error", message)
+    if report.damaged_checkpoint and not report.is_oom:
+        why = f"{head}; the checkpoint {report.damaged_checkpoint} did not load"
+        return Failure(FailureKind.CHECKPOINT_DAMAGED, stage, {}, why, message)
     for kind, patterns, what in _SIGNATURE_FAMILIES[1:]:
         line = _signatures.find(patterns, text)
         if line is not None and not report.is_oom:
@@ -218,6 +232,9 @@ def _from_exit_status(exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int) 
         return Failure(FailureKind.OTHER, _stderr_stage(stderr_tail), {}, why)
     if exit.returncode == ExitCode.CONFIG:
         return Failure(FailureKind.CONFIG_ERROR, Stage.UNKNOWN, {}, "exit code CONFIG (71) without a report")
+    if exit.returncode == ExitCode.CHECKPOINT:
+        why = "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load"
+        return Failure(FailureKind.CHECKPOINT_DAMAGED, Stage.UNKNOWN, {}, why)
     return None
 
 

@@ -2,7 +2,9 @@
 
 The job validator uses this to catch a wrong ``text_field`` before any attempt starts: the
 trainer would otherwise fail minutes later, after loading the model. Only the first record
-(or the schema) is read; counting rows is a separate, optional pass.
+(or the schema) is read here; :func:`scan_records` then reads the whole dataset, streamed,
+and names the file, line and field of the first record that cannot train (a broken JSON line,
+a byte that is not UTF-8, a null or a wrong-typed value), and counts records, not lines.
 
 Formats: JSON Lines (``.jsonl``), JSON (``.json``: a list of records, a dict of columns, or
 JSON Lines under a ``.json`` name), CSV, Parquet (schema through pyarrow), a directory saved
@@ -18,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from qlora_supervise.trainer_child.data_rows import DataRowError, scan
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 FORMATS_HELP = ".jsonl, .json, .csv, .parquet, or a directory saved by datasets.save_to_disk"
@@ -59,6 +63,23 @@ def probe(path: Path, *, count_rows: bool = False) -> DataProbe:
     raise DataProbeError(f"unknown data format {suffix or '(no suffix)'!r}; use {FORMATS_HELP}")
 
 
+def scan_records(path: Path, field: str, *, messages: bool) -> int | None:
+    """Every record of the data at ``path`` checked; the number of records, or None where it
+    cannot be read record by record (a directory saved by ``datasets``: its own info counts it).
+
+    Raises DataRowError (a ValueError) naming the file, line and field of the first bad record.
+    """
+    if not path.is_dir():
+        return scan(path, field, messages=messages)
+    if (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file():
+        return probe(path, count_rows=True).rows
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
+    return sum(scan(file, field, messages=messages) for file in files)
+
+
+__all__ = ["DataProbe", "DataProbeError", "DataRowError", "field_problem", "probe", "scan_records"]
+
+
 def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None:
     """Why ``field`` cannot serve as the text (or chat ``messages``) column, or None if it can."""
     if field not in found.fields:
@@ -78,14 +99,16 @@ def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None
 
 
 def _probe_jsonl(path: Path, count_rows: bool) -> DataProbe:
+    # Bytes, decoded line by line: a bad byte further down is scan_records' to name, not a
+    # failure of this first look.
     first: dict[str, Any] | None = None
     rows = 0
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
             if first is None:
-                first = _json_record(line, f"line {number}")
+                first = _json_record(raw.decode("utf-8"), f"line {number}")
                 if not count_rows:
                     return DataProbe(path, tuple(first), first)
             rows += 1

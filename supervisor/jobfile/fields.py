@@ -19,8 +19,8 @@ from pydantic_core import PydanticCustomError
 from qlora_supervise.policies.rungs import RUNG_NAMES
 from qlora_supervise.supervisor.jobfile.problems import did_you_mean
 from qlora_supervise.supervisor.jobfile.units import (
-    BYTES_HELP,
     DURATION_HELP,
+    SIZE_HELP,
     UnitError,
     parse_bytes,
     parse_duration,
@@ -66,13 +66,14 @@ def _yaml_float(value: object) -> object:
 
 
 def _bytes(value: object) -> object:
-    """``24GiB`` / ``64GB`` / a plain number -> bytes (int)."""
+    """``24GiB`` / ``64GB`` -> bytes (int); a bare number (``24``) is refused with the fix."""
     if not isinstance(value, (str, int, float)):
         return value  # the int type check reports it
     try:
-        return parse_bytes(value)
+        return parse_bytes(value, unit_required=True)
     except UnitError as error:
-        raise job_error(f"bad byte size: {error.reason}", f"use {BYTES_HELP}") from None
+        fix = error.expected if "no unit" in error.reason else SIZE_HELP
+        raise job_error(f"bad byte size: {error.reason}", f"use {fix}") from None
 
 
 def _seconds(value: object) -> object:

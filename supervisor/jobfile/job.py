@@ -26,6 +26,14 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.trainer_child.protocol import DataSpec, Knobs, Resources, TrainSpec
 
+#: Said by ``validate`` and at run start (console and ``events.jsonl``) when the job trusts the
+#: model's code: the model directory's Python files run with the supervisor's user (root under
+#: the shipped unit).
+TRUST_REMOTE_CODE_WARNING = (
+    "model.trust_remote_code is true: Python code from the model directory will run in the "
+    "trainer, with this user's rights; keep it false unless you have read that code"
+)
+
 
 @dataclass(frozen=True)
 class Job:

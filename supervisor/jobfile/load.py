@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from qlora_supervise.supervisor.jobfile.aliases import AliasBombError, check_expansion
 from qlora_supervise.supervisor.jobfile.fields import JOB_ERROR_TYPE, ResolvedPath
 from qlora_supervise.supervisor.jobfile.job import Job, job_from_sections
 from qlora_supervise.supervisor.jobfile.problems import FILE_PATH, JobError, Problem, did_you_mean, show
@@ -75,11 +76,19 @@ def _read_text(job_file: Path) -> str:
 
 
 def _parse_yaml(text: str) -> dict[str, Any]:
-    """The top-level mapping; bad YAML, an empty file or a non-mapping is a JobError."""
+    """The top-level mapping; bad YAML, an alias bomb, an empty file or a non-mapping is a JobError."""
     try:
+        # The node graph first (linear in the file): aliases that expand past the bound are
+        # refused before anything walks the values (aliases.py says why that matters).
+        check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
         raw = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise JobError([_yaml_problem(error, text)]) from None
+    except AliasBombError as error:
+        fix = "write the values out, or use fewer nested aliases (&name / *name)"
+        aliases = sum(isinstance(token, yaml.AliasToken) for token in yaml.scan(text, Loader=yaml.SafeLoader))
+        got = f"{aliases} aliases"
+        raise JobError([Problem(FILE_PATH, f"YAML aliases refused: {error}", got, fix)]) from None
     if raw is None:
         raise JobError(
             [Problem(FILE_PATH, "the job file is empty", None, "write at least model.path and data.path")]

@@ -145,6 +145,9 @@ class SuperviseSection(Section):
 
     max_attempts: PositiveInt = _SETTINGS.max_attempts
     hang_timeout: Seconds = 1200.0
+    # SIGTERM grace of a hung child, before SIGKILL: a hung process cannot use the stop grace
+    # (minutes, for a checkpoint) anyway, so a hang costs this much, not the full grace.
+    hang_grace: SecondsOrZero = 10.0
     max_no_progress_attempts: PositiveInt = _SETTINGS.max_no_progress
     backoff_initial: Seconds = 2.0
     backoff_max: Seconds = 60.0

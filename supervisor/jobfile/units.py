@@ -28,6 +28,8 @@ BYTE_UNITS: dict[str, int] = {
 DURATION_UNITS: dict[str, float] = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 BYTES_HELP = "a byte count or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GiB)"
+#: The job file's form: a unit is required (see :func:`parse_bytes`).
+SIZE_HELP = "a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GiB)"
 DURATION_HELP = "seconds, or numbers with units s, m, h, d (e.g. 90s, 20m, 1h30m)"
 
 
@@ -46,13 +48,18 @@ _DURATION_PART_RE = re.compile(rf"({_NUMBER})\s*([smhd])", re.IGNORECASE)
 _DURATION_RE = re.compile(rf"^\s*(?:{_NUMBER}\s*[smhd]\s*)+$", re.IGNORECASE)
 
 
-def parse_bytes(value: str | int | float) -> int:
+def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int:
     """``"24GiB"`` -> 25769803776. Plain numbers are bytes. Raises UnitError (a ValueError).
 
     Bools are refused (YAML turns ``yes`` into True). Fractions of a byte are rounded down.
+    With ``unit_required`` a number without a unit (``24``, ``"24"``) is refused, except 0:
+    in a job file ``gpu_memory_limit: 24`` almost always means 24 GiB, not 24 bytes, and a
+    cap read as 24 bytes fails only at run time. The error names the fix (``24GiB``).
     """
     if isinstance(value, bool):
         raise UnitError("a boolean is not a size", BYTES_HELP)
+    if unit_required:
+        _refuse_bare_number(value)
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value < 0:
             raise UnitError("must be a finite number >= 0", BYTES_HELP)
@@ -65,6 +72,17 @@ def parse_bytes(value: str | int | float) -> int:
     if factor is None:
         raise UnitError(f"unknown unit {unit!r}", BYTES_HELP)
     return int(float(number) * factor)
+
+
+def _refuse_bare_number(value: str | int | float) -> None:
+    """UnitError for a number without a unit (0 aside: it is 0 in every unit)."""
+    text = str(value).strip()
+    if not re.fullmatch(_NUMBER, text) or float(text) == 0:
+        return
+    raise UnitError(
+        f"{text} has no unit (it would be read as {text} bytes)",
+        f"a number with a unit, e.g. {text}GiB or {text}MiB (or {text}B for bytes)",
+    )
 
 
 def parse_duration(value: str | int | float) -> float:

@@ -12,9 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile import data_probe
+from qlora_supervise.supervisor.jobfile.model_files import ModelFilesError, read_model_files
 from qlora_supervise.supervisor.jobfile.problems import Problem, did_you_mean, show
 from qlora_supervise.supervisor.jobfile.schema import (
     DataSection,
+    LoraSection,
     ModelSection,
     Section,
     SuperviseSection,
@@ -34,6 +36,8 @@ def world_problems(
     problems: list[Problem] = []
     if isinstance(model := sections.get("model"), ModelSection):
         problems += _model_problems(model, bad)
+        if isinstance(lora := sections.get("lora"), LoraSection):
+            problems += _target_module_problems(model, lora, bad)
     if isinstance(data := sections.get("data"), DataSection):
         problems += _data_problems(data, bad)
     if isinstance(train := sections.get("train"), TrainSection):
@@ -65,6 +69,48 @@ def _model_dir_problem(name: str, path: Path) -> Problem | None:
         fix = "point at a Hugging Face model directory (config.json + weights)"
         return Problem(name, "no config.json in the directory", show(path), fix)
     return None
+
+
+def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozenset[str]) -> list[Problem]:
+    """Each listed target module names layers of the model, read from the safetensors header or
+    index (JSON, no torch, no weights): a typo would otherwise fail only after the model loaded.
+
+    Skipped for ``all-linear``, for a model whose tensor names cannot be read without torch (a
+    ``.bin`` checkpoint, an index without its shards, a header without the transformer blocks),
+    and when the model path is bad.
+    """
+    targets = lora.target_modules
+    if bad & {"model.path", "lora.target_modules"} or isinstance(targets, str):
+        return []
+    if _model_dir_problem("model.path", model.path) is not None:
+        return []
+    try:
+        files = read_model_files(model.path)
+    except ModelFilesError as error:
+        return [Problem("model.path", str(error), show(model.path), "fix or re-download the model files")]
+    layers = module_leaves(files.tensors)
+    blocks = sorted(
+        name for name in layers if "embed" not in name and "norm" not in name and name != "lm_head"
+    )
+    if not blocks:  # a header without the transformer blocks (a partial file): nothing to match
+        return []
+    missing = [name for name in targets if name not in layers]
+    if not missing:
+        return []
+    problem = f"{', '.join(map(repr, missing))} match no layer of the model"
+    fix = f"its layers are {', '.join(blocks)}"
+    return [Problem("lora.target_modules", problem, show(list(targets)), fix)]
+
+
+def module_leaves(tensors: Mapping[str, object]) -> set[str]:
+    """The last name of each module with a ``weight`` (``model.layers.0.self_attn.q_proj.weight``
+    -> ``q_proj``): the names LoRA's target_modules are matched against."""
+    leaves = set()
+    for name in tensors:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-1] == "weight":
+            leaves.add(parts[-2])
+    return leaves
 
 
 def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
@@ -134,7 +180,23 @@ def _source_problems(path_name: str, path: Path, data: DataSection, check_fields
             known = field in found.fields
             fix = "fix the data or the field" if known else did_you_mean(field, found.fields, "fields")
             problems.append(Problem(field_name, why + where, show(field), fix))
-    return problems
+    return problems or _record_problems(path_name, path, data)
+
+
+def _record_problems(path_name: str, path: Path, data: DataSection) -> list[Problem]:
+    """The whole dataset read, streamed: the first record that cannot train, by file, line, field."""
+    messages = data.messages_field is not None
+    field = data.messages_field if messages else data.text_field
+    if field is None:
+        return []
+    try:
+        data_probe.scan_records(path, field, messages=messages)
+    except data_probe.DataRowError as error:
+        fix = "fix or remove that record (training would stop there)"
+        return [Problem(path_name, str(error), show(str(error.path)), fix)]
+    except (OSError, data_probe.DataProbeError) as error:
+        return [Problem(path_name, f"cannot read the data: {error}", show(path), "")]
+    return []
 
 
 def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:

@@ -36,7 +36,12 @@ from qlora_supervise.supervisor.loop.first_plan import first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.reclaim import reclaim
-from qlora_supervise.supervisor.loop.resume import resume_point
+from qlora_supervise.supervisor.loop.resume import (
+    clean_staging,
+    log_quarantined,
+    quarantine_reported,
+    resume_point,
+)
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import peak_store_path, with_card_budget, with_sample_lengths
@@ -62,8 +67,9 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.protocol import FailureKind, Knobs
 
+_DAMAGED = FailureKind.CHECKPOINT_DAMAGED
 _ENDED = {
     RunState.SUCCEEDED: SupervisorExitCode.FINISHED,
     RunState.GAVE_UP: SupervisorExitCode.GAVE_UP,
@@ -152,6 +158,7 @@ class Supervisor:
         finally:
             if self.gpu is not None:
                 self.gpu.close()
+            clean_staging(self.rd.root, self.rd.checkpoints)  # any verdict: no next child will
 
     def _loop(self, records: list[AttemptRecord]) -> int:
         runner = AttemptRunner(self._runner_context())
@@ -247,6 +254,8 @@ class Supervisor:
     ) -> AttemptRecord:
         plan = o.plan
         self.settings = with_sample_lengths(self.settings, o.progress.events)
+        if failure.kind is _DAMAGED and (quarantined := self._quarantine(o, failure, records, log)):
+            return quarantined
         this = policy.PastAttempt(plan.knobs, failure.kind, max(0, o.steps_completed - o.resumed_from))
         history = [*policy_history(records), this]
         decision = policy.decide(failure, plan.knobs, history, self.settings, phase=plan.phase.value)
@@ -265,6 +274,24 @@ class Supervisor:
             reinit = decision.survives is Survives.ADAPTER_REINIT
             next_from = 0 if reinit else self._resume_step(decision.knobs)
         entry = DecisionRecord.of(decision, waited.waited_s if waited else 0.0)
+        record = self._journal(
+            record_of(o, Outcome.FAILED, next_from, failure_record(failure, o.report), entry)
+        )
+        announce_decision(log, record, failure, o.report, [*records, record], self.rd)
+        return record
+
+    def _quarantine(
+        self, o: AttemptOutcome, failure: Failure, records: Sequence[AttemptRecord], log: Any
+    ) -> AttemptRecord | None:
+        """The checkpoint the child could not load is moved aside and the same knobs resume from
+        the next older one (no verdict on the config); None when it cannot be moved (the policy
+        then decides as for any failure)."""
+        moved = quarantine_reported(o.report, self.rd.checkpoints)
+        if moved is None:
+            return None
+        log_quarantined(log, [moved])
+        entry = DecisionRecord.retry_from_older(o.plan.knobs, moved.path.name)
+        next_from = self._resume_step(o.plan.knobs)
         record = self._journal(
             record_of(o, Outcome.FAILED, next_from, failure_record(failure, o.report), entry)
         )

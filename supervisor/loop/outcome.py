@@ -21,7 +21,7 @@ from qlora_supervise.supervisor.record.records import (
     attempt_peak,
 )
 from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode
+from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode, Stage
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ def judge(o: AttemptOutcome, phase_done: bool) -> Outcome | Failure:
         cgroup_oom_kills=o.oom_kill_delta,
         gpu_others_bytes=o.memory.gpu_others_at_end,
         gpu_total_bytes=o.memory.gpu_total,
+        last_stage=Stage.named(o.progress.stage),
+        last_step=o.progress.step,
     )
 
 
@@ -130,7 +132,16 @@ def record_of(
         failure=failure,
         decision=decision,
         plan=o.plan.note,
+        optimizer_reset=optimizer_reset(o.progress),
     )
+
+
+def optimizer_reset(progress: Progress) -> str | None:
+    """Why the child's ``resumed`` event says it reset the optimizer state; None if it did not."""
+    resumed = next((e for e in progress.events if e.get("event") == "resumed"), None)
+    if resumed is None or not resumed.get("reset_optimizer"):
+        return None
+    return str(resumed.get("reset_reason") or "the optimizer changed")
 
 
 def _report_peak(report: ErrorReport | None) -> int | None:

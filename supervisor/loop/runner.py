@@ -16,9 +16,9 @@ from typing import Any
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.resume import ResumePoint, resume_point
+from qlora_supervise.supervisor.loop.resume import ResumePoint, log_quarantined, resume_point
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, write_state
@@ -27,7 +27,7 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.durable import write_text_atomic
@@ -91,6 +91,7 @@ class AttemptRunner:
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
         )
+        log_optimizer_reset(log, reader.progress)
         kills_after = seams.oom_kills()
         return AttemptOutcome(
             number=number,
@@ -128,7 +129,9 @@ class AttemptRunner:
         killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
         code = proc.poll() if killed is None else None
         if code is None:
-            code = proc.stop(seams.stop_grace_s, seams.sleep)
+            # A hung process cannot use a long grace to checkpoint: it gets the short one.
+            grace = self.ctx.job.supervise.hang_grace if watched.hang else seams.stop_grace_s
+            code = proc.stop(grace, seams.sleep)
         return ChildExit(
             returncode=code if code >= 0 else None,
             signal=-code if code < 0 else None,
@@ -148,7 +151,8 @@ class AttemptRunner:
                 target = target.with_name(f"{target.name}.{int(self.ctx.seams.wall())}")
             rd.checkpoints.rename(target)
             log.info(Event.CHECKPOINTS_SUPERSEDED, moved_to=str(target))
-        point = resume_point(rd.checkpoints, plan.knobs)
+        point = resume_point(rd.checkpoints, plan.knobs, quarantine_damaged=True)
+        log_quarantined(log, point.quarantined)
         if point.skipped:
             log.info(Event.CHECKPOINTS_SKIPPED, skipped=list(point.skipped))
         return point
@@ -224,6 +228,7 @@ class AttemptRunner:
                     step=reader.progress.step,
                     stage=reader.progress.stage,
                     hang_timeout_s=hang_timeout,
+                    grace_s=ctx.job.supervise.hang_grace,
                 )
                 watched.hang = True
                 return watched
@@ -242,6 +247,14 @@ def note_child_events(new: list[dict[str, Any]], log: Any) -> None:
                 from_step=event.get("from_step"),
                 why="the smaller adapter starts from the truncated SVD of the trained update",
             )
+
+
+def log_optimizer_reset(log: Any, progress: Progress) -> None:
+    """``optimizer_reset`` when the child resumed with fresh optimizer state (planned, or because
+    the checkpoint had none): the adapter and the LR schedule follow the step, the moments do not."""
+    why = optimizer_reset(progress)
+    if why is not None:
+        log.warning(Event.OPTIMIZER_RESET, why=why, lr_schedule="restored at the resumed step")
 
 
 def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:

@@ -33,6 +33,9 @@ class Event(str, enum.Enum):
     RANK_REDUCED = "rank_reduced"
     UNRECORDED_ATTEMPT_MOVED = "unrecorded_attempt_moved"
     ORPHAN_CHILD_STOPPING = "orphan_child_stopping"
+    CHECKPOINT_QUARANTINED = "checkpoint_quarantined"
+    OPTIMIZER_RESET = "optimizer_reset"
+    TRUST_REMOTE_CODE = "trust_remote_code"
     # after a failure
     FAILURE_CLASSIFIED = "failure_classified"
     RETRY = "retry"

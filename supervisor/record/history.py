@@ -6,14 +6,19 @@ from collections.abc import Sequence
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.trainer_child.protocol import FailureKind
 
 
 def policy_history(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]:
-    """Every journalled attempt as the policy sees it (kind None: it did not fail)."""
+    """Every journalled attempt as the policy sees it (kind None: it did not fail).
+
+    A checkpoint that would not load is no failure of the config (the run resumed from an older
+    one, unchanged): it counts toward no limit of the policy.
+    """
     return [
         policy.PastAttempt(
             r.knobs,
-            r.failure.kind if r.failure else None,
+            r.failure.kind if r.failure and r.failure.kind is not FailureKind.CHECKPOINT_DAMAGED else None,
             r.steps_progressed,
             r.peak.bytes if r.peak else None,
         )

@@ -32,6 +32,8 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 
 JOURNAL_VERSION = 2
+#: The decision's rung name when a checkpoint that did not load was moved aside.
+QUARANTINE_RUNG = "quarantine_checkpoint"
 
 
 class Phase(str, enum.Enum):
@@ -167,6 +169,13 @@ class DecisionRecord:
             )
         return cls(Action.GIVE_UP, decision.why, retryable=decision.retryable, waited_s=waited_s)
 
+    @classmethod
+    def retry_from_older(cls, knobs: Knobs, quarantined: str) -> DecisionRecord:
+        """The restart after a checkpoint that would not load was quarantined: same knobs, the
+        next older checkpoint. No policy is asked: it is no verdict on the config."""
+        why = f"{quarantined} did not load and was quarantined; resume from the next older checkpoint"
+        return cls(Action.RESTART, why, QUARANTINE_RUNG, {}, Survives.ALL, knobs)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "action": self.action.value,
@@ -242,6 +251,9 @@ class AttemptRecord:
     failure: FailureRecord | None = None
     decision: DecisionRecord | None = None
     plan: PlanNote | None = None  # the pre-flight's choice (attempt 1 of a run)
+    # Why the child resumed with fresh optimizer state (the optimizer changed, or the checkpoint
+    # had none); None when it kept it or started fresh.
+    optimizer_reset: str | None = None
 
     @property
     def steps_progressed(self) -> int:
@@ -286,6 +298,7 @@ class AttemptRecord:
             failure=FailureRecord.from_json(failure) if failure else None,
             decision=DecisionRecord.from_json(decision) if decision else None,
             plan=PlanNote.from_json(raw["plan"]) if raw.get("plan") else None,
+            optimizer_reset=raw.get("optimizer_reset"),
         )
 
 

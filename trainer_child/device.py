@@ -1,0 +1,61 @@
+"""Whether the device the job asks for is there: a GPU asked for and missing is a config error.
+
+A job that names a GPU (``gpu: 0``, ``cuda:N``, a UUID) and would silently train on the CPU
+runs for days at a hundredth of the speed, with its ``gpu_memory_limit`` doing nothing; it is
+refused with the reason instead. ``auto`` may fall back to the CPU, and the ``started`` event
+and stderr say so (with the reason).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .failure import ConfigError
+from .protocol import AttemptSpec
+
+_GPU_FREE = ("auto", "cpu")
+
+
+def check(spec: AttemptSpec, on_cuda: bool) -> str | None:
+    """Raise ConfigError when the spec's GPU is not usable; return why an ``auto`` job (or a
+    GPU cap that cannot apply) runs on the CPU, or None when nothing is amiss."""
+    if on_cuda:
+        return None
+    if spec.device not in _GPU_FREE:
+        raise ConfigError(
+            f"resources.gpu {spec.device!r}: no usable GPU: {why_no_cuda()}. "
+            "Fix the GPU setup, or set gpu: cpu (or auto) to train on the CPU"
+        )
+    notes = []
+    if spec.device == "auto":
+        notes.append(f"gpu: auto found no usable GPU ({why_no_cuda()}): training on the CPU")
+    if spec.gpu_memory_limit is not None:
+        notes.append("gpu_memory_limit does nothing on the CPU (cpu_memory_limit caps host memory)")
+    if not notes:
+        return None
+    note = "; ".join(notes)
+    print(f"trainer child: warning: {note}", file=sys.stderr, flush=True)
+    return note
+
+
+def why_no_cuda() -> str:
+    """The reason torch sees no CUDA device, in words: no CUDA build, no driver, or no such GPU."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+        pynvml.nvmlShutdown()
+    except Exception as exc:  # pynvml missing, or NVML_ERROR_LIBRARY_NOT_FOUND / DRIVER_NOT_LOADED
+        return f"no NVIDIA driver could be loaded ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return "the NVIDIA driver sees no GPU"
+    return (
+        f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU CUDA can use (the driver sees {count}): no such index"
+    )
