@@ -10,7 +10,11 @@ Order of the rules (first match wins):
 4. contention, the job does not allow degrading: no wait yet -> Wait(seconds, needed_bytes);
    after the loop reports the wait (:class:`WaitResult`): the memory came back, or NVML gave
    no reading to wait on -> Restart unchanged; the wait timed out -> GiveUp
-5. hang / nccl / other -> Restart unchanged once; the same failure again -> GiveUp
+5. hang / nccl / other -> Restart unchanged once; the same failure again *with no step trained
+   since the last one* -> GiveUp. Failures are counted by progress: an attempt that trained
+   steps before it failed starts a fresh count, so a week-long run survives any number of
+   preemptions or operator kills as long as each retry gets further (the crash-loop guard of
+   rule 3 and ``max_attempts`` still bound it)
 6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
    failed the same way, and results a calibrated memory model says cannot fit (their change is
    kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted.
@@ -193,10 +197,27 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
 
 
 def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> Decision:
-    same = sum(1 for past in history if past.kind is kind and past.knobs == knobs)
-    if same > 1:
-        return GiveUp(f"{kind.value} happened again with the same config; no rung addresses it")
+    if _same_failures_since_progress(kind, knobs, history) > 1:
+        return GiveUp(
+            f"{kind.value} happened again with the same config and no step trained in between; "
+            "no rung addresses it"
+        )
     return Restart(knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry once", Survives.ALL)
+
+
+def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> int:
+    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained steps.
+
+    The count starts afresh at an attempt that made progress: that failure is the first of a
+    new count, and the ones before it were followed by training, so they were transient.
+    """
+    same = 0
+    for past in reversed(history):
+        if past.kind is kind and past.knobs == knobs:
+            same += 1
+        if past.steps_progressed > 0:
+            break
+    return same
 
 
 def _climb(

@@ -12,6 +12,7 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 * ``hang@N`` - stop making progress at step N (heartbeats continue, the step does not)
 * ``sigkill@N`` - kill itself with SIGKILL at step N (a host OOM kill when the test also
   bumps the cgroup ``oom_kill`` file named by ``$SCRIPTED_CHILD_OOM_EVENTS``)
+* ``killed@N`` - SIGKILLed at step N with no OOM sign (an operator's ``kill -9``, a preemption)
 * ``contention@N`` - an OOM whose message shows another process holding most of the GPU
 * ``config_error`` - exit with the config-error code and report
 * ``slow`` - like ``ok`` but 0.5 s per step (for signal tests)
@@ -140,6 +141,8 @@ class Child:
                 time.sleep(0.1)
             self.checkpoint(self.step)  # SIGTERM: like the real trainer, checkpoint and leave
             return int(ExitCode.STOPPED)
+        if name == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
         if name == "sigkill":
             events = os.environ.get("SCRIPTED_CHILD_OOM_EVENTS")
             if events:
