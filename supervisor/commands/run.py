@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, TextIO
 
@@ -15,6 +16,8 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.trainer_child.durable import write_text_atomic
 
+RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
+
 
 def run_job(
     job_path: str,
@@ -25,6 +28,9 @@ def run_job(
 ) -> int:
     """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``)."""
     job = _load(job_path)
+    # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
+    # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
+    os.umask(RUN_UMASK)
     run_dir = RunDir(job.output_dir)
     lock = run_dir.lock()
     try:

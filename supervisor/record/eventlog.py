@@ -17,13 +17,15 @@ from typing import Any, TextIO
 
 import structlog
 
+from qlora_supervise.supervisor.record.runfiles import open_append_text
+
 
 class _Tee:
     """Final processor: one JSON line to the events file, a readable line to the console."""
 
     def __init__(self, events_path: Path, console: TextIO | None) -> None:
         events_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = events_path.open("a", encoding="utf-8")
+        self._file = open_append_text(events_path)
         self._console = console
         self._json = structlog.processors.JSONRenderer(default=str)
         self._render = structlog.dev.ConsoleRenderer(colors=bool(console and console.isatty()))

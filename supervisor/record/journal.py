@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
+from qlora_supervise.supervisor.record.runfiles import open_append_binary
 from qlora_supervise.trainer_child.durable import fsync_dir, write_text_atomic
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -108,7 +109,7 @@ def append_attempt(path: Path, record: AttemptRecord) -> None:
     swallowing this record; a new file's directory entry is fsynced too.
     """
     created = not path.exists()
-    with path.open("a+b") as handle:
+    with open_append_binary(path) as handle:
         handle.seek(0, os.SEEK_END)
         if handle.tell() > 0:
             handle.seek(-1, os.SEEK_END)

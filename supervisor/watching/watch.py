@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from qlora_supervise.supervisor.record.runfiles import open_append_text
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.host import sample_host
@@ -50,7 +51,7 @@ def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Pat
     watched.gpu_peak_process = max(watched.gpu_peak_process or 0, sample.this_process_bytes)
     watched.gpu_others_at_end = sum(b for _, b in sample.others)
     watched.gpu_total = sample.total
-    with gpu_log.open("a", encoding="utf-8") as handle:
+    with open_append_text(gpu_log) as handle:
         handle.write(_sample_line(sample))
 
 
