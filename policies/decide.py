@@ -10,6 +10,9 @@ Order of the rules (first match wins):
 4. contention, the job does not allow degrading: no wait yet -> Wait(seconds, needed_bytes);
    after the loop reports the wait (:class:`WaitResult`): the memory came back, or NVML gave
    no reading to wait on -> Restart unchanged; the wait timed out -> GiveUp
+4b. disk_full: no wait yet -> Wait(seconds, needed_bytes, for the disk); after the wait: room
+   came back (or no reading) -> Restart unchanged; the wait timed out -> GiveUp. No rung
+   changes what a checkpoint needs on disk, and a full disk says nothing about the config.
 5. hang / nccl / other -> Restart unchanged once; the same failure again *with no step trained
    since the last one* -> GiveUp. Failures are counted by progress: an attempt that trained
    steps before it failed starts a fresh count, so a week-long run survives any number of
@@ -23,6 +26,7 @@ Order of the rules (first match wins):
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -68,6 +72,7 @@ class Settings:
     max_no_progress: int = 3
     degrade_on_contention: bool = False
     contention_wait_s: float = 1800.0
+    disk_wait_s: float = 1800.0
     fallbacks: tuple[str, ...] = ()
     overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
     budget_bytes: int | None = None
@@ -83,18 +88,26 @@ class Restart:
     survives: Survives
 
 
+class WaitFor(str, enum.Enum):
+    """What a :class:`Wait` waits for."""
+
+    GPU_MEMORY = "gpu_memory"  # other processes to release the card's memory
+    DISK = "disk"  # room on the disk that holds the run directory
+
+
 @dataclass(frozen=True)
 class Wait:
-    """Wait up to ``seconds`` for ``needed_bytes`` of GPU memory to be free, then ask again."""
+    """Wait up to ``seconds`` for ``needed_bytes`` of GPU memory (or disk) to be free, then ask again."""
 
     seconds: float
     needed_bytes: int
     why: str
+    resource: WaitFor = WaitFor.GPU_MEMORY
 
 
 @dataclass(frozen=True)
 class WaitResult:
-    """What the loop saw while carrying out a :class:`Wait`: the last free reading (None: no NVML)."""
+    """What the loop saw while carrying out a :class:`Wait`: the last free reading (None: no reading)."""
 
     free_bytes: int | None
     waited_s: float
@@ -139,6 +152,8 @@ def decide(
         )
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
         return _after_contention(failure, knobs, settings, waited)
+    if kind is FailureKind.DISK_FULL:
+        return _after_disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
         return _retry_unchanged(kind, knobs, history)
     if phase == "merge" and kind.is_oom:
@@ -166,6 +181,21 @@ def _after_contention(
     return GiveUp(
         f"other processes kept the GPU memory for {settings.contention_wait_s:.0f}s "
         "and supervise.degrade_on_contention is false"
+    )
+
+
+def _after_disk_full(
+    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
+) -> Decision:
+    needed = int(failure.numbers.get("needed_bytes") or 0)
+    if waited is None:
+        why = "the disk holding the run directory has no room for a checkpoint"
+        return Wait(settings.disk_wait_s, needed, why, WaitFor.DISK)
+    if waited.free_bytes is None or waited.free_bytes >= needed:
+        return Restart(knobs, "wait_for_disk", {}, "there is room on the disk again", Survives.ALL)
+    return GiveUp(
+        f"the disk stayed without room for a checkpoint ({needed} bytes) for "
+        f"{settings.disk_wait_s:.0f}s (supervise.disk_wait): free space there and run the same command again"
     )
 
 

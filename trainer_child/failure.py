@@ -12,6 +12,7 @@ import re
 import traceback
 from typing import Any
 
+from .disk_space import is_disk_full
 from .durable import write_text_atomic
 from .protocol import ErrorReport, ExitCode, Stage
 
@@ -81,11 +82,14 @@ class CapturedFailure:
     step: int
     oom: bool
     config: bool
+    disk_full: bool = False  # ENOSPC / EROFS / EDQUOT (see disk_space): wait for room, not a rung
 
     @property
     def exit_code(self) -> ExitCode:
         if self.config:
             return ExitCode.CONFIG
+        if self.disk_full:
+            return ExitCode.DISK_FULL
         return ExitCode.OOM if self.oom else ExitCode.FAILED
 
 
@@ -103,6 +107,7 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         step=step,
         oom=is_oom(exc),
         config=is_config_error(exc),
+        disk_full=is_disk_full(exc),
     )
     for item in _chain(exc):
         if item.__traceback__ is not None:
@@ -119,6 +124,7 @@ def write_report(
     memory_stats: dict[str, Any] | None = None,
     emergency: tuple[str, int] | None = None,
     expandable_segments_active: bool | None = None,
+    disk: dict[str, Any] | None = None,
 ) -> ErrorReport:
     report = ErrorReport(
         exit_code=int(failure.exit_code),
@@ -135,6 +141,8 @@ def write_report(
         emergency_checkpoint=emergency[0] if emergency else None,
         emergency_step=emergency[1] if emergency else None,
         expandable_segments_active=expandable_segments_active,
+        disk_full=failure.disk_full,
+        disk=disk,
     )
     write_text_atomic(path, report.to_json())
     return report

@@ -33,6 +33,7 @@ class ExitCode(enum.IntEnum):
     CONFIG = 71  # bad job, model, data or target_modules: never retried
     FAILED = 72  # any other exception; the report has the traceback
     STOPPED = 73  # asked to stop (SIGTERM), checkpointed first: resumable
+    DISK_FULL = 74  # no room (or a read-only file system) for a checkpoint or the report
 
 
 class Stage(str, enum.Enum):
@@ -73,6 +74,7 @@ class FailureKind(str, enum.Enum):
     BNB_CUDA_SETUP = "bnb_cuda_setup"
     NCCL = "nccl"
     CONFIG_ERROR = "config_error"
+    DISK_FULL = "disk_full"  # ENOSPC / EROFS / EDQUOT writing a checkpoint, a report or the journal
     OTHER = "other"
 
     @property
@@ -233,6 +235,9 @@ class ErrorReport:
     emergency_checkpoint: str | None = None  # path of the checkpoint saved after the failure
     emergency_step: int | None = None
     expandable_segments_active: bool | None = None
+    disk_full: bool = False  # the failure was ENOSPC / EROFS / EDQUOT: see ``disk``
+    # {"path", "needed_bytes" (the size of the last checkpoint), "free_bytes", "errno"}
+    disk: dict[str, Any] | None = None
     time: float = dataclasses.field(default_factory=time.time)
 
     def __post_init__(self) -> None:

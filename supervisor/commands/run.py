@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO, TypeVar
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
@@ -14,6 +16,7 @@ from qlora_supervise.supervisor.record.eventlog import open_event_log
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
+from qlora_supervise.trainer_child.disk_space import is_disk_full
 from qlora_supervise.trainer_child.durable import write_text_atomic
 
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
@@ -32,10 +35,10 @@ def run_job(
     # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
     os.umask(RUN_UMASK)
     run_dir = RunDir(job.output_dir)
-    lock = run_dir.lock()
+    lock = _at_start(run_dir, run_dir.lock)
     try:
-        log = open_event_log(run_dir.events, console)
-        _keep_job_copy(run_dir, job, log)
+        log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console))
+        _at_start(run_dir, lambda: _keep_job_copy(run_dir, job, log))
         supervisor = Supervisor(job, run_dir, log, seams, console, plain, policy_settings(job))
         if install_signals:
             supervisor.install_signal_handlers()
@@ -45,6 +48,24 @@ def run_job(
         return code
     finally:
         lock.close()
+
+
+_T = TypeVar("_T")
+
+
+def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
+    """``action()``; a run directory with no room, or read-only, before anything ran is exit 2 in words."""
+    try:
+        return action()
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        fix = "remount it writable" if exc.errno == errno.EROFS else "free space there"
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            f"{run_dir.root}: cannot write the run directory ({exc.strerror}): {fix}, "
+            "or choose another output_dir",
+        ) from None
 
 
 def _load(job_path: str) -> Job:

@@ -148,6 +148,7 @@ class SuperviseSection(Section):
     backoff_max: Seconds = 60.0
     keep_effective_batch: Annotated[bool, AfterValidator(_only_true)] = True
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
+    disk_wait: SecondsOrZero = _SETTINGS.disk_wait_s  # a full disk: wait this long for room
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
 
