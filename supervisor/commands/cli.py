@@ -39,6 +39,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("job", help="the job file (YAML)")
     run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    run.add_argument(
+        "--restart",
+        action="store_true",
+        help="start a new generation in the same output_dir (the current one moves to generations/N/); "
+        "needed when the job changes what is trained (model, data, LoRA, quantization, lr, seq_len, batch)",
+    )
+    run.add_argument(
+        "--retry",
+        action="store_true",
+        help="lift the run's verdict (gave up, not retryable) and try its last config again",
+    )
 
     validate = sub.add_parser("validate", help="check a job file and report every problem at once")
     validate.add_argument("job", help="the job file (YAML)")
@@ -84,7 +95,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from qlora_supervise.supervisor.commands.run import run_job
 
-        return run_job(args.job, plain=args.plain)
+        return run_job(args.job, plain=args.plain, restart=args.restart, retry=args.retry)
     if args.command == "validate":
         from qlora_supervise.supervisor.commands.validate import validate_command
 

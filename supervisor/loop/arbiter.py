@@ -47,6 +47,7 @@ from qlora_supervise.supervisor.record.journal import (
     RunState,
     State,
     append_attempt,
+    lifted_after,
     read_attempts,
     read_state,
     write_state,
@@ -69,6 +70,11 @@ _ENDED = {
     RunState.GAVE_UP: SupervisorExitCode.GAVE_UP,
     RunState.FAILED: SupervisorExitCode.NOT_RETRYABLE,
 }
+ENDED_FIX = (
+    "the verdict stands until the job changes: fix the job and run it again (a field that changes "
+    "what is trained needs `run --restart`, a new generation in the same output_dir), or "
+    "`run --retry` to try the last config once more"
+)
 
 
 class Supervisor:
@@ -96,6 +102,7 @@ class Supervisor:
         self._watchdog_every = notify.watchdog_interval_s()
         self._last_ping = -1e18
         self.gpu: GpuProbe | None = None
+        self.lifted_after = 0  # attempts up to this one had a verdict that was lifted
 
     # -- signals: handlers only set a flag; the loop acts on it at its next tick ------------
 
@@ -118,12 +125,14 @@ class Supervisor:
         state = read_state(self.rd.state)
         if self.rd.state.exists() and state is None:
             self.log.warning(Event.STATE_UNREADABLE, path=str(self.rd.state))
-        if state is not None and state.run_state in _ENDED:
+        self.lifted_after = lifted_after(self.rd.attempts)
+        lifted = bool(records) and records[-1].attempt <= self.lifted_after
+        if state is not None and state.run_state in _ENDED and not lifted:
             self.log.info(
                 Event.RUN_ALREADY_ENDED,
                 run_state=state.run_state.value,
                 note=state.note,
-                fix="the verdict stands for this output_dir: train again with a new output_dir",
+                fix=ENDED_FIX,
             )
             return int(_ENDED[state.run_state])
         self.disk = self._disk_waiter()
@@ -215,7 +224,7 @@ class Supervisor:
         return records
 
     def _plan_facts(self) -> PlanFacts:
-        return PlanFacts(self.job.knobs, self.job.train.merge, self.rd.merged.exists())
+        return PlanFacts(self.job.knobs, self.job.train.merge, self.rd.merged.exists(), self.lifted_after)
 
     def _runner_context(self) -> RunnerContext:
         return RunnerContext(
@@ -270,7 +279,8 @@ class Supervisor:
         if failure.kind is FailureKind.DISK_FULL:
             failure = self.disk.with_room_needed(failure)
         this = policy.PastAttempt(plan.knobs, failure.kind, max(0, o.steps_completed - o.resumed_from))
-        history = [*policy_history(records), this]
+        # A lifted verdict starts the budgets afresh: the attempts before it were judged already.
+        history = [*policy_history([r for r in records if r.attempt > self.lifted_after]), this]
         decision = policy.decide(failure, plan.knobs, history, self.settings, phase=plan.phase.value)
         waited = None
         while isinstance(decision, policy.Wait):

@@ -20,6 +20,8 @@ class Event(str, enum.Enum):
     GAVE_UP = "gave_up"
     STOPPED = "stopped"
     JOB_CHANGED = "job_changed"
+    GENERATION_STARTED = "generation_started"
+    VERDICT_LIFTED = "verdict_lifted"
     # one attempt
     ATTEMPT_STARTED = "attempt_started"
     ATTEMPT_SUCCEEDED = "attempt_succeeded"
