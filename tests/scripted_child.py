@@ -20,6 +20,11 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 * ``config_error`` - exit with the config-error code and report
 * ``slow`` - like ``ok`` but 0.5 s per step (for signal tests)
 
+Pacing for the fault bench: ``$SCRIPTED_CHILD_STEP_S`` seconds per step (default 0.02; ``slow``:
+0.5) and ``$SCRIPTED_CHILD_SAVE_S`` seconds in the middle of each checkpoint write (default 0),
+so that kills land mid-run and mid-save. A resumed checkpoint's adapter file is read back, as a
+real load would: a damaged one fails the attempt.
+
 Checkpoints hold ``$SCRIPTED_CHILD_CKPT_BYTES`` bytes of padding (default none), are checked for
 room before each save (``disk_space.ensure_room``, as the real trainer does), and a real
 ENOSPC / EROFS while saving or reporting ends the attempt as the real child does: a report
@@ -76,6 +81,7 @@ class Child:
         padding = int(os.environ.get("SCRIPTED_CHILD_CKPT_BYTES", "0"))
         if padding:
             (tmp / "optimizer.pt").write_bytes(os.urandom(padding))
+        time.sleep(float(os.environ.get("SCRIPTED_CHILD_SAVE_S", "0")))
         marker = {"step": step, "emergency": emergency, "knobs": dataclasses.asdict(self.spec.knobs)}
         (tmp / CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker))
         final = root / f"checkpoint-{step}"
@@ -147,7 +153,7 @@ class Child:
                 return int(ExitCode.STOPPED)
             if self.step + 1 == fail_at:
                 return self._fault(name)
-            time.sleep(0.5 if name == "slow" else 0.02)
+            time.sleep(0.5 if name == "slow" else float(os.environ.get("SCRIPTED_CHILD_STEP_S", "0.02")))
             self.step += 1
             self.emit(
                 "heartbeat", step=self.step, stage="forward", loss=2.0 / self.step, peak=1000 * self.step
@@ -216,6 +222,7 @@ def _resume_step(spec: AttemptSpec) -> int:
     if not spec.resume_from:
         return 0
     marker = json.loads((Path(spec.resume_from) / CHECKPOINT_COMPLETE_MARKER).read_text())
+    json.loads((Path(spec.resume_from) / "adapter.bin").read_text())  # a real load reads the weights
     return int(marker["step"])
 
 

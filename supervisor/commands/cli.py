@@ -22,6 +22,7 @@ attempts.jsonl."""
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    # Long because it declares every subcommand and flag in one place, the order --help shows them.
     parser = argparse.ArgumentParser(
         prog="qlora-supervise",
         description=DESCRIPTION,
