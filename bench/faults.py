@@ -153,6 +153,9 @@ SCENARIOS: dict[str, Callable[[Harness, Run], None]] = {
 REAL_SCENARIOS = ("child_kill", "supervisor_kill", "sigterm")
 
 
+KEEP_OUT = shutil.ignore_patterns("checkpoints*", "adapter", "*.bin", "*.pt", "*.safetensors")
+
+
 def one_run(name: str, seed: int, real: bool, tiny: Path | None, keep: Path | None) -> Run:
     rng = random.Random(seed)
     run = Run(name, seed, real)
@@ -171,9 +174,7 @@ def one_run(name: str, seed: int, real: bool, tiny: Path | None, keep: Path | No
         steps = REAL_STEPS if real else STEPS + (4 if name == "job_change" else 0)
         measure(run, h.run_dir, h.stderr, h.damaged, steps, SAVE_STEPS)
         if keep is not None:
-            shutil.copytree(
-                h.run_dir, keep / f"{name}-{seed}", ignore=shutil.ignore_patterns("checkpoints*", "adapter", "*.bin", "*.pt", "*.safetensors")
-            )
+            shutil.copytree(h.run_dir, keep / f"{name}-{seed}", ignore=KEEP_OUT)
     finally:
         h.close()
         shutil.rmtree(work, ignore_errors=True)
