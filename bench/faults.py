@@ -173,12 +173,16 @@ def one_run(name: str, seed: int, real: bool, tiny: Path | None, keep: Path | No
         run.wall_s = time.monotonic() - started
         steps = REAL_STEPS if real else STEPS + (4 if name == "job_change" else 0)
         measure(run, h.run_dir, h.stderr, h.damaged, steps, SAVE_STEPS)
-        if keep is not None:
+        if keep is not None and not met_targets(run):  # the run directory of each miss, to read
             shutil.copytree(h.run_dir, keep / f"{name}-{seed}", ignore=KEEP_OUT)
     finally:
         h.close()
         shutil.rmtree(work, ignore_errors=True)
     return run
+
+
+def met_targets(run: Run) -> bool:
+    return run.finished and not run.corrupt and not run.tracebacks and not run.lost_avoidable
 
 
 def table(runs: list[Run]) -> str:
@@ -207,7 +211,9 @@ def main() -> int:
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", choices=sorted(SCENARIOS), help="run one scenario only")
-    parser.add_argument("--out", type=Path, help="write results.json, table.md and the run directories here")
+    parser.add_argument(
+        "--out", type=Path, help="write results.json, table.md and the misses' run directories here"
+    )
     args = parser.parse_args()
     names = [args.only] if args.only else list(SCENARIOS)
     plan = [(names[i % len(names)], args.seed * 1000 + i, False) for i in range(args.runs)]
@@ -223,11 +229,7 @@ def main() -> int:
     for name, seed, real in plan:
         run = one_run(name, seed, real, tiny, keep)
         runs.append(run)
-        flag = (
-            "ok "
-            if run.finished and not run.corrupt and not run.tracebacks and not run.lost_avoidable
-            else "BAD"
-        )
+        flag = "ok " if met_targets(run) else "BAD"
         print(
             f"{flag} {name:<20} seed {seed} exits {run.exits} lost {run.lost_inherent}+{run.lost_avoidable} "
             f"{'corrupt ' + ','.join(run.corrupt) if run.corrupt else ''} {run.note} ({run.wall_s:.1f}s)",
@@ -239,8 +241,7 @@ def main() -> int:
     if args.out:
         (args.out / "results.json").write_text(json.dumps([asdict(r) for r in runs], indent=2))
         (args.out / "table.md").write_text(text + "\n")
-    ok = all(r.finished and not r.corrupt and not r.tracebacks and not r.lost_avoidable for r in runs)
-    return 0 if ok else 1
+    return 0 if all(met_targets(r) for r in runs) else 1
 
 
 def _make_tiny(directory: Path) -> Path:

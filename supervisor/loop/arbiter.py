@@ -103,6 +103,7 @@ class Supervisor:
         self._last_ping = -1e18
         self.gpu: GpuProbe | None = None
         self.lifted_after = 0  # attempts up to this one had a verdict that was lifted
+        self.disk = self._disk_waiter()
 
     # -- signals: handlers only set a flag; the loop acts on it at its next tick ------------
 
@@ -135,7 +136,6 @@ class Supervisor:
                 fix=ENDED_FIX,
             )
             return int(_ENDED[state.run_state])
-        self.disk = self._disk_waiter()
         self.gpu = self.seams.open_gpu(self.job.resources.device)
         try:
             records = self._reclaim_in_flight(records, state)
