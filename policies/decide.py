@@ -10,7 +10,14 @@ Order of the rules (first match wins):
 4. contention, the job does not allow degrading: no wait yet -> Wait(seconds, needed_bytes);
    after the loop reports the wait (:class:`WaitResult`): the memory came back, or NVML gave
    no reading to wait on -> Restart unchanged; the wait timed out -> GiveUp
-5. hang / nccl / other -> Restart unchanged once; the same failure again -> GiveUp
+4b. disk_full: no wait yet -> Wait(seconds, needed_bytes, for the disk); after the wait: room
+   came back (or no reading) -> Restart unchanged; the wait timed out -> GiveUp. No rung
+   changes what a checkpoint needs on disk, and a full disk says nothing about the config.
+5. hang / nccl / other -> Restart unchanged once; the same failure again *with no step trained
+   since the last one* -> GiveUp. Failures are counted by progress: an attempt that trained
+   steps before it failed starts a fresh count, so a week-long run survives any number of
+   preemptions or operator kills as long as each retry gets further (the crash-loop guard of
+   rule 3 and ``max_attempts`` still bound it)
 6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
    failed the same way, and results a calibrated memory model says cannot fit (their change is
    kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted.
@@ -19,6 +26,7 @@ Order of the rules (first match wins):
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,6 +80,7 @@ class Settings:
     max_no_progress: int = 3
     degrade_on_contention: bool = False
     contention_wait_s: float = 1800.0
+    disk_wait_s: float = 1800.0
     fallbacks: tuple[str, ...] = ()
     overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
     budget_bytes: int | None = None
@@ -91,18 +100,26 @@ class Restart:
     survives: Survives
 
 
+class WaitFor(str, enum.Enum):
+    """What a :class:`Wait` waits for."""
+
+    GPU_MEMORY = "gpu_memory"  # other processes to release the card's memory
+    DISK = "disk"  # room on the disk that holds the run directory
+
+
 @dataclass(frozen=True)
 class Wait:
-    """Wait up to ``seconds`` for ``needed_bytes`` of GPU memory to be free, then ask again."""
+    """Wait up to ``seconds`` for ``needed_bytes`` of GPU memory (or disk) to be free, then ask again."""
 
     seconds: float
     needed_bytes: int
     why: str
+    resource: WaitFor = WaitFor.GPU_MEMORY
 
 
 @dataclass(frozen=True)
 class WaitResult:
-    """What the loop saw while carrying out a :class:`Wait`: the last free reading (None: no NVML)."""
+    """What the loop saw while carrying out a :class:`Wait`: the last free reading (None: no reading)."""
 
     free_bytes: int | None
     waited_s: float
@@ -147,6 +164,8 @@ def decide(
         )
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
         return _after_contention(failure, knobs, settings, waited)
+    if kind is FailureKind.DISK_FULL:
+        return _after_disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
         return _retry_unchanged(kind, knobs, history)
     if phase == "merge" and kind.is_oom:
@@ -174,6 +193,21 @@ def _after_contention(
     return GiveUp(
         f"other processes kept the GPU memory for {settings.contention_wait_s:.0f}s "
         "and supervise.degrade_on_contention is false"
+    )
+
+
+def _after_disk_full(
+    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
+) -> Decision:
+    needed = int(failure.numbers.get("needed_bytes") or 0)
+    if waited is None:
+        why = "the disk holding the run directory has no room for a checkpoint"
+        return Wait(settings.disk_wait_s, needed, why, WaitFor.DISK)
+    if waited.free_bytes is None or waited.free_bytes >= needed:
+        return Restart(knobs, "wait_for_disk", {}, "there is room on the disk again", Survives.ALL)
+    return GiveUp(
+        f"the disk stayed without room for a checkpoint ({needed} bytes) for "
+        f"{settings.disk_wait_s:.0f}s (supervise.disk_wait): free space there and run the same command again"
     )
 
 
@@ -205,10 +239,27 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
 
 
 def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> Decision:
-    same = sum(1 for past in history if past.kind is kind and past.knobs == knobs)
-    if same > 1:
-        return GiveUp(f"{kind.value} happened again with the same config; no rung addresses it")
+    if _same_failures_since_progress(kind, knobs, history) > 1:
+        return GiveUp(
+            f"{kind.value} happened again with the same config and no step trained in between; "
+            "no rung addresses it"
+        )
     return Restart(knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry once", Survives.ALL)
+
+
+def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> int:
+    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained steps.
+
+    The count starts afresh at an attempt that made progress: that failure is the first of a
+    new count, and the ones before it were followed by training, so they were transient.
+    """
+    same = 0
+    for past in reversed(history):
+        if past.kind is kind and past.knobs == knobs:
+            same += 1
+        if past.steps_progressed > 0:
+            break
+    return same
 
 
 def _climb(

@@ -44,7 +44,7 @@ def scripted_seams() -> Seams:
         argv=lambda spec, phase: [sys.executable, str(CHILD), "--spec", str(spec)],
         tick_s=0.05,
         sample_every_s=0.5,
-        stop_grace_s=10.0,
+        stop_grace_s=float(os.environ.get("SCRIPTED_STOP_GRACE_S", "10")),
     )
     if os.environ.get("SCRIPTED_GPU_NEVER_FREES"):
         gpu = FakeGpu(frees_after=None)

@@ -12,6 +12,10 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 * ``hang@N`` - stop making progress at step N (heartbeats continue, the step does not)
 * ``sigkill@N`` - kill itself with SIGKILL at step N (a host OOM kill when the test also
   bumps the cgroup ``oom_kill`` file named by ``$SCRIPTED_CHILD_OOM_EVENTS``)
+* ``erofs@N`` - injected fault: the save at step N raises EROFS (a mount turned read-only)
+* ``fill_disk`` - like ``ok``, then fills the disk to its last block with ``$SCRIPTED_CHILD_FILL``
+  (a file the test deletes later): the supervisor's own next writes find no room
+* ``killed@N`` - SIGKILLed at step N with no OOM sign (an operator's ``kill -9``, a preemption)
 * ``contention@N`` - an OOM whose message shows another process holding most of the GPU
 * ``config_error`` - exit with the config-error code and report
 * ``slow`` - like ``ok`` but 0.5 s per step (for signal tests)
@@ -20,12 +24,24 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 * ``sigkill_in_save@N`` - injected fault: die by SIGKILL at step N halfway through a save,
   leaving its ``.tmp-checkpoint-N-<pid>`` staging directory
 * ``hang_hard@N`` - stop at step N in backward, ignoring SIGTERM (a process stuck in a kernel)
+
+Pacing for the fault bench: ``$SCRIPTED_CHILD_STEP_S`` seconds per step (default 0.02; ``slow``:
+0.5) and ``$SCRIPTED_CHILD_SAVE_S`` seconds in the middle of each checkpoint write (default 0),
+so that kills land mid-run and mid-save. A resumed checkpoint's adapter file is read back, as a
+real load would: a damaged one fails the attempt.
+
+Checkpoints hold ``$SCRIPTED_CHILD_CKPT_BYTES`` bytes of padding (default none), are checked for
+room before each save (``disk_space.ensure_room``, as the real trainer does), and a real
+ENOSPC / EROFS while saving or reporting ends the attempt as the real child does: a report
+with ``disk_full`` and exit ``DISK_FULL``, or that exit code alone when the report cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -35,6 +51,7 @@ import time
 from pathlib import Path
 
 from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.disk_space import disk_facts, ensure_room, is_disk_full
 from qlora_supervise.trainer_child.durable import write_text_atomic
 from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, ExitCode, event_line
 
@@ -64,8 +81,13 @@ class Child:
     def checkpoint(self, step: int, emergency: bool = False) -> str:
         root = Path(self.spec.checkpoints_dir)
         tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
+        ensure_room(root)
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "adapter.bin").write_text(json.dumps({"step": step, "r": self.spec.knobs.lora_r}) + " " * 100)
+        padding = int(os.environ.get("SCRIPTED_CHILD_CKPT_BYTES", "0"))
+        if padding:
+            (tmp / "optimizer.pt").write_bytes(os.urandom(padding))
+        time.sleep(float(os.environ.get("SCRIPTED_CHILD_SAVE_S", "0")))
         marker = {
             "step": step,
             "emergency": emergency,
@@ -100,6 +122,33 @@ class Child:
         return int(code)
 
     def run(self, behaviour: str) -> int:
+        try:
+            return self._run(behaviour)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            return self.disk_full(exc)
+
+    def disk_full(self, exc: OSError) -> int:
+        """Like the real child: a report saying disk_full (when it fits), exit DISK_FULL."""
+        report = ErrorReport(
+            exit_code=int(ExitCode.DISK_FULL),
+            exception_type=type(exc).__name__,
+            message=str(exc),
+            traceback="",
+            stage="save",
+            step=self.step,
+            is_oom=False,
+            disk_full=True,
+            disk=disk_facts(self.spec.checkpoints_dir),
+        )
+        with contextlib.suppress(OSError):  # the report did not fit either: the exit code says it
+            write_text_atomic(self.spec.error_file, report.to_json())
+        with contextlib.suppress(OSError):  # stderr is child.log, on the same full disk
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return int(ExitCode.DISK_FULL)
+
+    def _run(self, behaviour: str) -> int:
         name, _, at = behaviour.partition("@")
         fail_at = int(at) if at else -1
         if name == "config_error":
@@ -115,7 +164,7 @@ class Child:
                 return int(ExitCode.STOPPED)
             if self.step + 1 == fail_at:
                 return self._fault(name)
-            time.sleep(0.5 if name == "slow" else 0.02)
+            time.sleep(0.5 if name == "slow" else float(os.environ.get("SCRIPTED_CHILD_STEP_S", "0.02")))
             self.step += 1
             self.emit(
                 "heartbeat", step=self.step, stage="forward", loss=2.0 / self.step, peak=1000 * self.step
@@ -125,6 +174,8 @@ class Child:
         Path(self.spec.adapter_dir).mkdir(parents=True, exist_ok=True)
         (Path(self.spec.adapter_dir) / "adapter_config.json").write_text("{}")
         self.emit("finished", step=self.step)
+        if name == "fill_disk":
+            _fill(Path(os.environ["SCRIPTED_CHILD_FILL"]))
         return 0
 
     def _fault(self, name: str) -> int:
@@ -166,6 +217,10 @@ class Child:
             while True:  # stuck: the stage and step never move, SIGTERM does nothing
                 self.emit("heartbeat", step=self.step, stage="backward")
                 time.sleep(0.1)
+        if name == "erofs":
+            raise OSError(errno.EROFS, "Read-only file system (injected)", self.spec.checkpoints_dir)
+        if name == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
         if name == "sigkill":
             events = os.environ.get("SCRIPTED_CHILD_OOM_EVENTS")
             if events:
@@ -189,10 +244,25 @@ def _step_of(path: Path) -> int:
     return int(path.name.rsplit("-", 1)[-1])
 
 
+def _fill(path: Path) -> None:
+    """Write ``path`` until not one more byte fits (big chunks first, then ever smaller)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    try:
+        chunk = 1 << 20
+        while chunk:
+            try:
+                os.write(fd, b"\0" * chunk)
+            except OSError:
+                chunk //= 2
+    finally:
+        os.close(fd)
+
+
 def _resume_step(spec: AttemptSpec) -> int:
     if not spec.resume_from:
         return 0
     marker = json.loads((Path(spec.resume_from) / CHECKPOINT_COMPLETE_MARKER).read_text())
+    json.loads((Path(spec.resume_from) / "adapter.bin").read_text())  # a real load reads the weights
     return int(marker["step"])
 
 

@@ -91,6 +91,7 @@ SETTINGS_KEYS = {
     "max_no_progress": "max_no_progress_attempts",
     "degrade_on_contention": "degrade_on_contention",
     "contention_wait_s": "contention_wait",
+    "disk_wait_s": "disk_wait",
 }
 
 

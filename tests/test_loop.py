@@ -366,3 +366,19 @@ def test_pids_running_finds_a_child_by_its_spec_path(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
     assert proc.pid not in pids_running(marker)
+
+
+def test_two_trainer_deaths_with_progress_between_do_not_end_the_run(tmp_path: Path) -> None:
+    """Issue 11 item 1: a child SIGKILLed at steps 3 and 7 (no OOM sign: `other`) is retried and finishes."""
+    assert _run(_job(tmp_path, {"1": "killed@3", "2": "killed@7"})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert [r.signal for r in records[:2]] == [signal.SIGKILL, signal.SIGKILL]
+    assert [r.failure.kind for r in records if r.failure] == ["other", "other"]
+    assert [r.decision.rung for r in records if r.decision] == ["retry_unchanged", "retry_unchanged"]
+    assert records[-1].outcome == "succeeded" and records[-1].steps_completed == MAX_STEPS
+
+
+def test_two_trainer_deaths_without_progress_between_still_give_up(tmp_path: Path) -> None:
+    """Issue 11 item 1: the crash-loop guard stays: a retry that dies again before any new step gives up."""
+    assert _run(_job(tmp_path, {"1": "killed@3", "2": "killed@1"})) == 3
+    assert "no step trained in between" in _events(tmp_path, "gave_up")[0]["why"]

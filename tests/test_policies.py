@@ -159,11 +159,22 @@ def test_contention_waits_then_gives_up_unless_degrading_is_allowed() -> None:
 
 
 def test_hang_retries_unchanged_once() -> None:
-    """A hang is retried once with the same config, and a second hang gives up."""
+    """A hang is retried once with the same config, and a second hang with no step trained gives up."""
     once = decide(_Failure(FailureKind.HANG), BASE, [_fail(FailureKind.HANG, steps=2)], Settings())
     assert isinstance(once, Restart) and once.knobs == BASE and once.changes == {}
-    twice = [_fail(FailureKind.HANG, steps=2), _fail(FailureKind.HANG, steps=2)]
+    # Issue 11 item 1: the second hang must have trained nothing since the first to end the run.
+    twice = [_fail(FailureKind.HANG, steps=2), _fail(FailureKind.HANG, steps=0)]
     assert isinstance(decide(_Failure(FailureKind.HANG), BASE, twice, Settings()), GiveUp)
+
+
+@pytest.mark.parametrize("kind", [FailureKind.OTHER, FailureKind.HANG, FailureKind.NCCL])
+def test_retry_count_starts_afresh_after_progress(kind: FailureKind) -> None:
+    """Issue 11 item 1: a transient failure after a retry that trained steps is retried again."""
+    history = [_fail(kind, steps=3), _fail(kind, steps=4), _fail(kind, steps=1)]
+    out = decide(_Failure(kind), BASE, history, Settings())
+    assert isinstance(out, Restart) and out.rung == "retry_unchanged" and out.knobs == BASE
+    stuck = [*history, _fail(kind, steps=0)]
+    assert isinstance(decide(_Failure(kind), BASE, stuck, Settings()), GiveUp)
 
 
 def test_job_override_replaces_the_default_ladder() -> None:

@@ -8,6 +8,7 @@ hold are gone before the emergency checkpoint needs memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from . import checkpoints, device
+from . import checkpoints, device, disk_space
 from .attempt_facts import RankReduction
 from .checkpoint_dirs import newest_complete_checkpoint
 from .durable import fsync_dir
@@ -212,21 +213,37 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     ctx.trainer = None
     memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
-    write_report(
-        ctx.spec.error_file,
-        failure,
-        device=ctx.device,
-        memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
-        emergency=emergency,
-        expandable_segments_active=ctx.expandable,
-        resume_checkpoint=ctx.resume_checkpoint,
-    )
-    print(
-        failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),
-        file=sys.stderr,
-        flush=True,
-    )
+    report_failure(ctx, failure, memory.cuda_memory_stats() if ctx.on_cuda else None, emergency)
+    with contextlib.suppress(OSError):  # stderr is child.log, on the run's disk, which may be full
+        print(
+            failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),
+            file=sys.stderr,
+            flush=True,
+        )
     return failure.exit_code
+
+
+def report_failure(
+    ctx: Context, failure: CapturedFailure, stats: dict[str, Any] | None, emergency: tuple[str, int] | None
+) -> None:
+    """Write the error report; on a disk with no room for it, the exit code and stderr must do."""
+    disk = disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None
+    try:
+        write_report(
+            ctx.spec.error_file,
+            failure,
+            device=ctx.device,
+            memory_stats=stats,
+            emergency=emergency,
+            expandable_segments_active=ctx.expandable,
+            resume_checkpoint=ctx.resume_checkpoint,
+            disk=disk,
+        )
+    except OSError as exc:
+        if not disk_space.is_disk_full(exc):
+            raise
+        failure.disk_full = True  # the report itself found the disk full: exit DISK_FULL, say why
+        failure.message += f" (and the error report could not be written: {exc})"
 
 
 def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode]) -> int:

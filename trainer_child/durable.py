@@ -9,6 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
+#: Mode of the files written here (set explicitly: run files are 0640, whatever the umask).
+FILE_MODE = 0o640
+
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` so that a reader sees the old file or the whole new one, never a torn one.
@@ -18,8 +21,11 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # mkstemp opens O_CREAT | O_EXCL | O_NOFOLLOW, and the rename replaces a link at ``path``
+    # instead of following it: a planted link is never written through.
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()

@@ -13,6 +13,7 @@ import traceback
 from typing import Any
 
 from .checkpoints import CheckpointLoadError
+from .disk_space import is_disk_full
 from .durable import write_text_atomic
 from .protocol import ErrorReport, ExitCode, Stage
 
@@ -87,11 +88,14 @@ class CapturedFailure:
     oom: bool
     config: bool
     checkpoint: bool = False  # the resume checkpoint did not load (an OOM while loading is an OOM)
+    disk_full: bool = False  # ENOSPC / EROFS / EDQUOT (see disk_space): wait for room, not a rung
 
     @property
     def exit_code(self) -> ExitCode:
         if self.config:
             return ExitCode.CONFIG
+        if self.disk_full:
+            return ExitCode.DISK_FULL
         if self.oom:
             return ExitCode.OOM
         return ExitCode.CHECKPOINT if self.checkpoint else ExitCode.FAILED
@@ -112,6 +116,7 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         oom=is_oom(exc),
         config=is_config_error(exc),
         checkpoint=is_checkpoint_error(exc),
+        disk_full=is_disk_full(exc),
     )
     for item in _chain(exc):
         if item.__traceback__ is not None:
@@ -129,6 +134,7 @@ def write_report(
     emergency: tuple[str, int] | None = None,
     expandable_segments_active: bool | None = None,
     resume_checkpoint: str | None = None,
+    disk: dict[str, Any] | None = None,
 ) -> ErrorReport:
     """Write the report; ``resume_checkpoint`` (the attempt's source, never a scratch copy) is
     named as damaged when the failure is a checkpoint that did not load."""
@@ -148,6 +154,8 @@ def write_report(
         emergency_step=emergency[1] if emergency else None,
         expandable_segments_active=expandable_segments_active,
         damaged_checkpoint=resume_checkpoint if failure.exit_code is ExitCode.CHECKPOINT else None,
+        disk_full=failure.disk_full,
+        disk=disk,
     )
     write_text_atomic(path, report.to_json())
     return report

@@ -34,6 +34,7 @@ class ExitCode(enum.IntEnum):
     FAILED = 72  # any other exception; the report has the traceback
     STOPPED = 73  # asked to stop (SIGTERM), checkpointed first: resumable
     CHECKPOINT = 74  # the checkpoint to resume from cannot be loaded; the report names it
+    DISK_FULL = 76  # no room (or a read-only file system) for a checkpoint or the report
 
 
 class Stage(str, enum.Enum):
@@ -75,6 +76,7 @@ class FailureKind(str, enum.Enum):
     NCCL = "nccl"
     CONFIG_ERROR = "config_error"
     CHECKPOINT_DAMAGED = "checkpoint_damaged"  # the resume checkpoint would not load: quarantine it
+    DISK_FULL = "disk_full"  # ENOSPC / EROFS / EDQUOT writing a checkpoint, a report or the journal
     OTHER = "other"
 
     @property
@@ -239,6 +241,9 @@ class ErrorReport:
     expandable_segments_active: bool | None = None
     # The checkpoint that failed to load (ExitCode.CHECKPOINT): the original, never a scratch copy.
     damaged_checkpoint: str | None = None
+    disk_full: bool = False  # the failure was ENOSPC / EROFS / EDQUOT: see ``disk``
+    # {"path", "needed_bytes" (the size of the last checkpoint), "free_bytes", "errno"}
+    disk: dict[str, Any] | None = None
     time: float = dataclasses.field(default_factory=time.time)
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from trl import SFTTrainer
 
 from . import checkpoints
 from .checkpoint_dirs import CHECKPOINT_PREFIX
+from .disk_space import ensure_room
 from .events import Progress
 from .memory import apply_cpu_cap, free_memory, late_cap_step
 from .protocol import Heartbeat, Knobs, Stage
@@ -130,6 +131,8 @@ class SupervisedSFTTrainer(SFTTrainer):
         final = self.plan.directory / f"{CHECKPOINT_PREFIX}{step}"
         if checkpoints.is_complete(final):
             return final  # e.g. an emergency save right after the regular save of the same step
+        # No room for one more like the last: fail as disk_full now, not half-way through the write.
+        ensure_room(self.plan.directory)
         self._staging_root = checkpoints.staging_dir(self.plan.directory, step)
         try:
             super()._save_checkpoint(model, trial)

@@ -22,6 +22,7 @@ attempts.jsonl."""
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    # Long because it declares every subcommand and flag in one place, the order --help shows them.
     parser = argparse.ArgumentParser(
         prog="qlora-supervise",
         description=DESCRIPTION,
@@ -43,6 +44,17 @@ def _build_parser() -> argparse.ArgumentParser:
         "--as-written",
         action="store_true",
         help="start from the job's own config, not the memory model's pre-flight choice",
+    )
+    run.add_argument(
+        "--restart",
+        action="store_true",
+        help="start a new generation in the same output_dir (the current one moves to generations/N/); "
+        "needed when the job changes what is trained (model, data, LoRA, quantization, lr, seq_len, batch)",
+    )
+    run.add_argument(
+        "--retry",
+        action="store_true",
+        help="lift the run's verdict (gave up, not retryable) and try its last config again",
     )
 
     validate = sub.add_parser("validate", help="check a job file and report every problem at once")
@@ -89,7 +101,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from qlora_supervise.supervisor.commands.run import run_job
 
-        return run_job(args.job, plain=args.plain, as_written=args.as_written)
+        return run_job(
+            args.job, plain=args.plain, as_written=args.as_written, restart=args.restart, retry=args.retry
+        )
     if args.command == "validate":
         from qlora_supervise.supervisor.commands.validate import validate_command
 

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
-from typing import Any, TextIO
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
@@ -12,9 +18,22 @@ from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
 from qlora_supervise.supervisor.record.eventlog import open_event_log
 from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.generations import (
+    FieldChange,
+    JobVersions,
+    diff,
+    finish_interrupted_move,
+    has_attempts,
+    job_view,
+    raw_view,
+    start_generation,
+)
+from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lift, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.trainer_child.durable import write_text_atomic
+from qlora_supervise.trainer_child.disk_space import is_disk_full
+
+RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
 
 
 def run_job(
@@ -24,18 +43,28 @@ def run_job(
     console: TextIO = sys.stderr,
     install_signals: bool = True,
     as_written: bool = False,
+    restart: bool = False,
+    retry: bool = False,
 ) -> int:
     """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``).
 
     ``as_written``: attempt 1 runs the job's config even where the memory model predicts it
     will not fit (the pre-flight's choice is still journaled, for comparison).
+    ``restart``: start a new generation in the same run directory (the current one is kept in
+    ``generations/<n>/``); needed when the job changed a field that changes what is trained.
+    ``retry``: lift the run's verdict (gave up, not retryable) and try the last config again.
     """
     job = _load(job_path)
+    # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
+    # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
+    os.umask(RUN_UMASK)
     run_dir = RunDir(job.output_dir)
-    lock = run_dir.lock()
+    lock = _at_start(run_dir, run_dir.lock)
     try:
-        log = open_event_log(run_dir.events, console)
-        _keep_job_copy(run_dir, job, log)
+        submitted = _at_start(run_dir, lambda: reconcile(run_dir, job, restart))
+        log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console))
+        _announce(submitted, log, console)
+        _at_start(run_dir, lambda: _lift_verdict(run_dir, submitted, retry, log))
         if job.train.trust_remote_code:
             log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
         supervisor = Supervisor(
@@ -51,6 +80,24 @@ def run_job(
         lock.close()
 
 
+_T = TypeVar("_T")
+
+
+def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
+    """``action()``; a run directory with no room, or read-only, before anything ran is exit 2 in words."""
+    try:
+        return action()
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        fix = "remount it writable" if exc.errno == errno.EROFS else "free space there"
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            f"{run_dir.root}: cannot write the run directory ({exc.strerror}): {fix}, "
+            "or choose another output_dir",
+        ) from None
+
+
 def _load(job_path: str) -> Job:
     try:
         return load_job(job_path)
@@ -63,11 +110,70 @@ def _load(job_path: str) -> Job:
         ) from None
 
 
-def _keep_job_copy(run_dir: RunDir, job: Job, log: Any) -> None:
-    previous = run_dir.job_copy.read_text(encoding="utf-8") if run_dir.job_copy.exists() else None
-    if previous is not None and previous != job.raw_text:
-        # The first submission stays beside the new one so the journal's early attempts stay explained.
-        keep = run_dir.root / "job.previous.yaml"
-        write_text_atomic(keep, previous)
-        log.warning(Event.JOB_CHANGED, kept_previous=str(keep))
-    write_text_atomic(run_dir.job_copy, job.raw_text)
+@dataclass(frozen=True)
+class Submission:
+    """What ``run`` found when it compared the job with the run directory's record."""
+
+    changes: list[FieldChange]
+    version: int | None  # the job version recorded now; None: the job is the recorded one
+    previous_generation: Path | None  # where --restart moved the last generation
+
+
+def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
+    """Compare ``job`` with the newest recorded version; record it; move a generation aside if asked.
+
+    Refuses (exit 2, with the diff and the flag) a change of what is trained without ``restart``.
+    """
+    moved = finish_interrupted_move(rd)
+    versions = JobVersions(rd)
+    recorded = versions.newest_view()
+    if recorded is None:
+        return Submission([], versions.record(job), moved)
+    legacy = not versions.numbers()  # job.yaml only: compare the fields as written
+    changes = diff(recorded, raw_view(job.raw_text) if legacy else job_view(job))
+    unsafe = [change for change in changes if not change.safe]
+    if restart and has_attempts(rd):
+        moved = start_generation(rd)
+    elif unsafe and not restart:
+        lines = "\n".join(change.render() for change in changes)
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            f"{job.job_file} differs from the job {rd.root} was trained with:\n{lines}\n"
+            f"{len(unsafe)} change(s) would mix two trainings in one adapter. To train the new job in "
+            f"the same output_dir, run `qlora-supervise run --restart {job.job_file}` (a new generation; "
+            f"the current one is kept in {rd.root / 'generations'}/), or put the old values back",
+        )
+    if not changes and not (restart and moved):
+        if legacy:
+            versions.record(job, legacy_view=True)  # from now on every version is kept
+        return Submission([], None, moved)
+    return Submission(changes, versions.record(job, legacy_view=legacy), moved)
+
+
+def _announce(submitted: Submission, log: Any, console: TextIO) -> None:
+    if submitted.changes:
+        lines = "\n".join(change.render() for change in submitted.changes)
+        print(f"job changed (now job.v{submitted.version}.yaml):\n{lines}", file=console, flush=True)
+        log.warning(
+            Event.JOB_CHANGED,
+            version=submitted.version,
+            changes={change.name: change.to_json() for change in submitted.changes},
+        )
+    if submitted.previous_generation is not None:
+        log.info(Event.GENERATION_STARTED, previous_generation=str(submitted.previous_generation))
+
+
+def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Any) -> None:
+    """A verdict other than success is lifted by ``--retry`` or a changed job; the journal says so."""
+    state = read_state(rd.state)
+    if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED):
+        return
+    if not (retry or submitted.changes):
+        return
+    records, _ = read_attempts(rd.attempts)
+    if not records:
+        return
+    names = ", ".join(change.name for change in submitted.changes)
+    why = "run --retry" if retry else f"the job changed: {names}"
+    append_lift(rd.attempts, Lift(records[-1].attempt, state.run_state.value, why, time.time()))
+    log.info(Event.VERDICT_LIFTED, verdict=state.run_state.value, after_attempt=records[-1].attempt, why=why)

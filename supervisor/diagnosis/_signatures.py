@@ -25,6 +25,14 @@ HOST_KILLED: tuple[re.Pattern[str], ...] = (
     re.compile(r"Signal 9 \(SIGKILL\) received"),
 )
 
+#: No room to write: a full disk, a read-only mount, a quota (errno 28, 30, 122).
+DISK_FULL: tuple[re.Pattern[str], ...] = (
+    re.compile(r"No space left on device"),
+    re.compile(r"Read-only file system"),
+    re.compile(r"Disk quota exceeded"),
+    re.compile(r"\[Errno (?:28|30|122)\]"),
+)
+
 #: NCCL errors and watchdog timeouts.
 NCCL: tuple[re.Pattern[str], ...] = (
     re.compile(r"ProcessGroupNCCL.*(?:Watchdog|timeout|timed out)", _I),

@@ -14,12 +14,14 @@
 3. **exit status + cgroup**: SIGKILL (or exit -9 / 137) with an ``oom_kill`` increment in the
    cgroup's ``memory.events``, or with ``Killed`` in stderr -> ``host_oom``; SIGKILL with
    neither -> ``other`` (the evidence says so); ``ExitCode.CONFIG`` -> ``config_error``;
+   ``ExitCode.DISK_FULL`` -> ``disk_full`` (a report marked ``disk_full`` decides in 2);
 4. **stderr text**: :func:`classify_text`;
 5. **nothing**: ``other`` (``ExitCode.OOM`` without report or message: the stage is unknown, so
    ``oom_forward``, the commonest site, whose ladder is the generic remedy).
 
 ``classify_text`` (any command's log) follows the labelling order of the failure corpus:
-host kill (``Killed``, exit -9/137, kernel OOM line) -> NCCL -> bitsandbytes setup -> OOM
+host kill (``Killed``, exit -9/137, kernel OOM line) -> NCCL -> bitsandbytes setup -> no room
+on the disk (ENOSPC, EROFS, EDQUOT) -> OOM
 (allocator / driver / cuBLAS message, then the host allocator) -> ``other``. An OOM is
 contention, then fragmentation (:mod:`._oom_rules`), then the stage from the frames
 (:mod:`._frames`); an OOM whose frames name no stage is ``oom_forward`` with stage unknown. A
@@ -78,6 +80,10 @@ def classify_text(text: str) -> Failure:
         line = _signatures.find(patterns, text)
         if line is not None:
             return _signature_failure(kind, stage, numbers, f"{what} {line!r}")
+    disk_line = _signatures.find(_signatures.DISK_FULL, text)
+    if disk_line is not None:
+        why = f"text: no room to write {disk_line!r}; stage {stage.stage.value} from {stage.why}"
+        return Failure(FailureKind.DISK_FULL, stage.stage, {}, why, disk_line)
     oom_line = _signatures.find(_signatures.GPU_OOM, text)
     if oom_line is not None:
         return oom_failure(stage, numbers, _oom_source(text, oom_line), message=oom_line)
@@ -206,6 +212,10 @@ def _from_report(report: ErrorReport, nvml_others: int | None, nvml_total: int |
     if report.damaged_checkpoint and not report.is_oom:
         why = f"{head}; the checkpoint {report.damaged_checkpoint} did not load"
         return Failure(FailureKind.CHECKPOINT_DAMAGED, stage, {}, why, message)
+    if report.disk_full:
+        return Failure(
+            FailureKind.DISK_FULL, stage, _disk_numbers(report), f"{head}; no room on the disk", message
+        )
     for kind, patterns, what in _SIGNATURE_FAMILIES[1:]:
         line = _signatures.find(patterns, text)
         if line is not None and not report.is_oom:
@@ -215,6 +225,11 @@ def _from_report(report: ErrorReport, nvml_others: int | None, nvml_total: int |
         finding = StageFinding(stage, "the error report")
         return oom_failure(finding, numbers, head, message, (nvml_others, nvml_total))
     return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
+
+
+def _disk_numbers(report: ErrorReport) -> dict[str, int]:
+    facts = report.disk or {}
+    return {key: facts[key] for key in ("needed_bytes", "free_bytes") if isinstance(facts.get(key), int)}
 
 
 def _from_exit_status(exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int) -> Failure | None:
@@ -235,6 +250,9 @@ def _from_exit_status(exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int) 
     if exit.returncode == ExitCode.CHECKPOINT:
         why = "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load"
         return Failure(FailureKind.CHECKPOINT_DAMAGED, Stage.UNKNOWN, {}, why)
+    if exit.returncode == ExitCode.DISK_FULL:
+        why = "exit code DISK_FULL (76) without a report (no room for it either)"
+        return Failure(FailureKind.DISK_FULL, Stage.SAVE, {}, why)
     return None
 
 

@@ -153,6 +153,7 @@ class SuperviseSection(Section):
     backoff_max: Seconds = 60.0
     keep_effective_batch: Annotated[bool, AfterValidator(_only_true)] = True
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
+    disk_wait: SecondsOrZero = _SETTINGS.disk_wait_s  # a full disk: wait this long for room
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
     # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
     calibration_store: bool = True

@@ -32,6 +32,7 @@ from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.announce import announce_decision, announce_success
+from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.first_plan import first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
@@ -52,6 +53,7 @@ from qlora_supervise.supervisor.record.journal import (
     RunState,
     State,
     append_attempt,
+    lifted_after,
     read_attempts,
     read_state,
     write_state,
@@ -67,6 +69,7 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
+from qlora_supervise.trainer_child.disk_space import is_disk_full
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs
 
 _DAMAGED = FailureKind.CHECKPOINT_DAMAGED
@@ -75,6 +78,11 @@ _ENDED = {
     RunState.GAVE_UP: SupervisorExitCode.GAVE_UP,
     RunState.FAILED: SupervisorExitCode.NOT_RETRYABLE,
 }
+ENDED_FIX = (
+    "the verdict stands until the job changes: fix the job and run it again (a field that changes "
+    "what is trained needs `run --restart`, a new generation in the same output_dir), or "
+    "`run --retry` to try the last config once more"
+)
 
 
 class Supervisor:
@@ -104,6 +112,8 @@ class Supervisor:
         self._watchdog_every = notify.watchdog_interval_s()
         self._last_ping = -1e18
         self.gpu: GpuProbe | None = None
+        self.lifted_after = 0  # attempts up to this one had a verdict that was lifted
+        self.disk = self._disk_waiter()
 
     # -- signals: handlers only set a flag; the loop acts on it at its next tick ------------
 
@@ -126,39 +136,84 @@ class Supervisor:
         state = read_state(self.rd.state)
         if self.rd.state.exists() and state is None:
             self.log.warning(Event.STATE_UNREADABLE, path=str(self.rd.state))
-        if state is not None and state.run_state in _ENDED:
+        self.lifted_after = lifted_after(self.rd.attempts)
+        lifted = bool(records) and records[-1].attempt <= self.lifted_after
+        if state is not None and state.run_state in _ENDED and not lifted:
             self.log.info(
                 Event.RUN_ALREADY_ENDED,
                 run_state=state.run_state.value,
                 note=state.note,
-                fix="the verdict stands for this output_dir: train again with a new output_dir",
+                fix=ENDED_FIX,
             )
             return int(_ENDED[state.run_state])
-        if state is not None and state.in_flight is not None:
-            reclaimed = reclaim(state.in_flight, records, self.rd, self.seams, self.log)
-            if reclaimed is not None:
-                records.append(self._conclude(reclaimed, records, reclaimed=True))
-        self.log.info(
-            Event.RUN_RESUMED if records else Event.RUN_STARTED,
-            output_dir=str(self.rd.root),
-            attempts_so_far=len(records),
-        )
         self.gpu = self.seams.open_gpu(self.job.resources.device)
-        if self.gpu is None:
-            self.log.info(Event.GPU_MONITOR_UNAVAILABLE, why="NVML not available: no GPU readings")
-        self.settings = with_card_budget(self.settings, self.gpu)
-        job = self.job
-        self.first = first_plan(
-            job.knobs, self.settings, job.train.target_modules, self.as_written, job.resources.device
-        )
-        if not records:
-            self._log_plan(self.first)
         try:
-            return self._loop(records)
+            records = self._reclaim_in_flight(records, state)
+            self.log.info(
+                Event.RUN_RESUMED if records else Event.RUN_STARTED,
+                output_dir=str(self.rd.root),
+                attempts_so_far=len(records),
+            )
+            if self.gpu is None:
+                self.log.info(Event.GPU_MONITOR_UNAVAILABLE, why="NVML not available: no GPU readings")
+            self.settings = with_card_budget(self.settings, self.gpu)
+            job = self.job
+            self.first = first_plan(
+                job.knobs, self.settings, job.train.target_modules, self.as_written, job.resources.device
+            )
+            if not records:
+                self._log_plan(self.first)
+            return self._loop_outlasting_full_disks(records)
         finally:
             if self.gpu is not None:
                 self.gpu.close()
             clean_staging(self.rd.root, self.rd.checkpoints)  # any verdict: no next child will
+
+    def _reclaim_in_flight(self, records: list[AttemptRecord], state: State | None) -> list[AttemptRecord]:
+        if state is not None and state.in_flight is not None:
+            reclaimed = reclaim(state.in_flight, records, self.rd, self.seams, self.log)
+            if reclaimed is not None:
+                records.append(self._conclude(reclaimed, records, reclaimed=True))
+        return records
+
+    def _loop_outlasting_full_disks(self, records: list[AttemptRecord]) -> int:
+        """The loop; when one of the supervisor's own writes finds no room, wait for room and go on.
+
+        Going on is what a supervisor restart does: read the journal and the state again and
+        reclaim the attempt in flight. The journal is fsynced before each action, so this loses
+        nothing a kill at the same moment would not.
+        """
+        while True:
+            try:
+                return self._loop(records)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                if not self.disk.outlast(exc):
+                    return self._disk_verdict()
+                records = self._reclaim_in_flight(self._read_journal(), read_state(self.rd.state))
+
+    def _disk_verdict(self) -> int:
+        """No room came back in time (exit 3), or a stop came first (resumable): nothing to journal."""
+        if self.stop_signal is not None:
+            self.log.info(Event.STOPPED, signal=signal.Signals(self.stop_signal).name, resumable=True)
+            return 128 + int(self.stop_signal)
+        why = f"no room on the disk for {self.job.supervise.disk_wait:.0f}s (supervise.disk_wait)"
+        self.log.error(Event.GAVE_UP, why=why, resumable="free space and run the same command again")
+        return int(SupervisorExitCode.GAVE_UP)
+
+    def _disk_waiter(self) -> DiskWaiter:
+        supervise = self.job.supervise
+        return DiskWaiter(
+            self.rd,
+            self.log,
+            self.seams.clock,
+            self._interruptible_sleep,
+            self.stop_event,
+            supervise.disk_wait,
+            supervise.backoff_initial,
+            supervise.backoff_max,
+        )
 
     def _loop(self, records: list[AttemptRecord]) -> int:
         runner = AttemptRunner(self._runner_context())
@@ -186,7 +241,7 @@ class Supervisor:
         return records
 
     def _plan_facts(self) -> PlanFacts:
-        return PlanFacts(self.first, self.job.train.merge, self.rd.merged.exists())
+        return PlanFacts(self.first, self.job.train.merge, self.rd.merged.exists(), self.lifted_after)
 
     def _log_plan(self, plan: Plan) -> None:
         note = plan.note
@@ -226,6 +281,7 @@ class Supervisor:
         log = self.log.bind(attempt=o.number)
         verdict = judge(o, self._phase_done(o.plan.phase))
         if isinstance(verdict, Failure):
+            verdict = self.disk.explain(verdict)
             log.info(
                 Event.FAILURE_CLASSIFIED,
                 kind=verdict.kind.value,
@@ -256,12 +312,18 @@ class Supervisor:
         self.settings = with_sample_lengths(self.settings, o.progress.events)
         if failure.kind is _DAMAGED and (quarantined := self._quarantine(o, failure, records, log)):
             return quarantined
+        if failure.kind is FailureKind.DISK_FULL:
+            failure = self.disk.with_room_needed(failure)
         this = policy.PastAttempt(plan.knobs, failure.kind, max(0, o.steps_completed - o.resumed_from))
-        history = [*policy_history(records), this]
+        # A lifted verdict starts the budgets afresh: the attempts before it were judged already.
+        history = [*policy_history([r for r in records if r.attempt > self.lifted_after]), this]
         decision = policy.decide(failure, plan.knobs, history, self.settings, phase=plan.phase.value)
         waited = None
         while isinstance(decision, policy.Wait):
-            waited = self._wait_for_memory(decision, failure, plan.knobs, log)  # RUNNING -> WAITING
+            if decision.resource is policy.WaitFor.DISK:
+                waited = self.disk.wait(decision)  # RUNNING -> WAITING (for room on the disk)
+            else:
+                waited = self._wait_for_memory(decision, failure, plan.knobs, log)  # RUNNING -> WAITING
             if waited.stopped:
                 # Stopped while waiting: the run stays resumable; this is no verdict on the config.
                 stopped = failure_record(failure, o.report)

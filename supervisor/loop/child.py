@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from qlora_supervise.supervisor.record.runfiles import ensure_dir, open_append_binary
 from qlora_supervise.trainer_child.processes import pid_alive
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -106,8 +107,8 @@ class ChildProcess:
 
 
 def spawn_child(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> ChildProcess:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
+    ensure_dir(log_path.parent)
+    with open_append_binary(log_path) as log:
         popen = subprocess.Popen(
             list(argv),
             env=dict(env),

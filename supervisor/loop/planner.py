@@ -5,7 +5,8 @@ last attempt stopped or was
   interrupted (no verdict)     -> the same phase and knobs again
 last attempt succeeded         -> merge (when asked and not done yet) or the run's verdict
 last decision was a restart    -> its knobs; from step 0 when the adapter shape changed
-last decision was a give-up    -> the run's verdict (retryable or not)
+last decision was a give-up    -> the run's verdict (retryable or not), unless a changed job or
+                                  ``run --retry`` lifted it: then that attempt's phase and knobs again
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class PlanFacts:
     first: Plan  # attempt 1: the pre-flight's choice
     merge: bool  # the job asks for a merged model after training
     merged_exists: bool
+    lifted_after: int = 0  # the newest lift's attempt: a verdict up to it no longer stands
 
 
 def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verdict:
@@ -63,6 +65,8 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
     decision = last.decision
     if decision is not None and decision.action is Action.RESTART and decision.knobs is not None:
         return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
+    if last.attempt <= facts.lifted_after:
+        return Plan(last.phase, last.knobs)  # the verdict was lifted: try its config once more
     if decision is not None and not decision.retryable:
         return Verdict(RunState.FAILED, SupervisorExitCode.NOT_RETRYABLE, decision.why, last.knobs)
     why = decision.why if decision is not None else "the last attempt failed without a decision"

@@ -24,6 +24,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, write_state
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
@@ -184,6 +185,7 @@ class AttemptRunner:
             # The checkpoint itself says whether its optimizer state fits these knobs.
             reset_optimizer=resume.reset_optimizer,
         )
+        ensure_dir(directory)
         write_text_atomic(directory / "spec.json", spec.to_json())
         return spec
 

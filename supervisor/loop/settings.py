@@ -36,6 +36,7 @@ def policy_settings(job: Job) -> policy.Settings:
         max_no_progress=supervise.max_no_progress_attempts,
         degrade_on_contention=supervise.degrade_on_contention,
         contention_wait_s=supervise.contention_wait,
+        disk_wait_s=supervise.disk_wait,
         fallbacks=job.fallback_models,
         overrides=dict(supervise.ladders),
         budget_bytes=budget,

@@ -9,6 +9,7 @@ person's line; the last processor tees the two.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import MutableMapping
@@ -17,26 +18,59 @@ from typing import Any, TextIO
 
 import structlog
 
+from qlora_supervise.supervisor.record.runfiles import open_append_text
+from qlora_supervise.trainer_child.disk_space import DISK_ERRNOS
+
+_HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
+
 
 class _Tee:
     """Final processor: one JSON line to the events file, a readable line to the console."""
 
     def __init__(self, events_path: Path, console: TextIO | None) -> None:
         events_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = events_path.open("a", encoding="utf-8")
+        self._path = events_path
+        self._file = open_append_text(events_path)
+        self._held: list[str] = []  # lines a full disk did not take yet
         self._console = console
         self._json = structlog.processors.JSONRenderer(default=str)
         self._render = structlog.dev.ConsoleRenderer(colors=bool(console and console.isatty()))
 
     def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
-        self._file.write(str(self._json(logger, method, dict(event_dict))) + "\n")
-        self._file.flush()
+        self._write(str(self._json(logger, method, dict(event_dict))) + "\n")
         if self._console is None:
             return ""
         return str(self._render(logger, method, _console_view(event_dict)))
 
+    def _write(self, line: str) -> None:
+        """Append ``line``; on a full disk hold it (and those after it) until there is room again.
+
+        Logging must never raise into the loop: the supervisor's answer to a full disk is to
+        wait for room, and it says so in events it cannot write yet.
+        """
+        self._held.append(line)
+        try:
+            self._file.write("".join(self._held))
+            self._file.flush()
+        except OSError as exc:
+            if exc.errno not in DISK_ERRNOS:
+                raise
+            self._drop_partial()
+            del self._held[:-_HELD_MAX]
+            return
+        self._held.clear()
+
+    def _drop_partial(self) -> None:
+        # A failed flush may leave part of a line in the buffer or the file: start from a clean
+        # buffer (held lines are rewritten whole; a torn line in the file is skipped on read).
+        with contextlib.suppress(OSError):
+            self._file.close()
+        self._file = open_append_text(self._path)
+        self._file.write("\n")  # closes a torn line, if any, so the next one stands alone
+
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 def _console_view(event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

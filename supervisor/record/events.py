@@ -21,6 +21,8 @@ class Event(str, enum.Enum):
     STOPPED = "stopped"
     JOB_CHANGED = "job_changed"
     PREFLIGHT = "preflight"
+    GENERATION_STARTED = "generation_started"
+    VERDICT_LIFTED = "verdict_lifted"
     # one attempt
     ATTEMPT_STARTED = "attempt_started"
     ATTEMPT_SUCCEEDED = "attempt_succeeded"
@@ -44,12 +46,17 @@ class Event(str, enum.Enum):
     MEMORY_AVAILABLE = "memory_available"
     MEMORY_WAIT_TIMED_OUT = "memory_wait_timed_out"
     NO_MEMORY_READING = "no_memory_reading"
+    WAITING_FOR_DISK = "waiting_for_disk"
+    DISK_ROOM_AVAILABLE = "disk_room_available"
+    DISK_WAIT_TIMED_OUT = "disk_wait_timed_out"
+    STAGING_FREED = "staging_freed"
     # the supervisor itself
     GPU_MONITOR_UNAVAILABLE = "gpu_monitor_unavailable"
     SIGHUP_IGNORED = "sighup_ignored"
     STATE_UNREADABLE = "state_unreadable"
     JOURNAL_LINE_UNREADABLE = "journal_line_unreadable"
     REPORT_UNREADABLE = "report_unreadable"
+    SUPERVISOR_DISK_FULL = "supervisor_disk_full"
 
     def __str__(self) -> str:
         return self.value

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
+from qlora_supervise.supervisor.record.runfiles import open_append_binary
 from qlora_supervise.trainer_child.durable import fsync_dir, write_text_atomic
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -107,32 +108,97 @@ def append_attempt(path: Path, record: AttemptRecord) -> None:
     A line torn by an earlier kill is closed first, so it stays one unreadable line instead of
     swallowing this record; a new file's directory entry is fsynced too.
     """
+    _append_line(path, record.to_line())
+
+
+def _append_line(path: Path, line: str) -> None:
     created = not path.exists()
-    with path.open("a+b") as handle:
+    with open_append_binary(path) as handle:
         handle.seek(0, os.SEEK_END)
         if handle.tell() > 0:
             handle.seek(-1, os.SEEK_END)
             if handle.read(1) != b"\n":
                 handle.write(b"\n")
-        handle.write(record.to_line().encode("utf-8"))
+        handle.write(line.encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
     if created:
         fsync_dir(path.parent)
 
 
-def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
-    """The journal's records and the number of lines that could not be read (torn or corrupt)."""
+@dataclass(frozen=True)
+class Lift:
+    """A verdict (gave up, not retryable) lifted by a changed job or ``run --retry``.
+
+    A journal line of its own, ``{"version": 2, "lift": {...}}``: the attempts up to
+    ``after_attempt`` keep their verdict in the record, and the run goes on after them.
+    """
+
+    after_attempt: int
+    verdict: str  # the run state that was lifted: gave_up / failed
+    why: str
+    time: float
+
+    def to_line(self) -> str:
+        raw = {"version": JOURNAL_VERSION, "lift": dataclasses.asdict(self)}
+        return json.dumps(raw, sort_keys=True) + "\n"
+
+
+def append_lift(path: Path, lift: Lift) -> None:
+    """Append a lift line, fsynced like an attempt's."""
+    _append_line(path, lift.to_line())
+
+
+def read_lifts(path: Path) -> list[Lift]:
+    """The journal's lifts, oldest first."""
+    return [lift for lift in (_lift_of(raw) for raw in _raw_lines(path)[0]) if lift is not None]
+
+
+def lifted_after(path: Path) -> int:
+    """The attempt after which the newest lift lets the run go on (0: none)."""
+    lifts = read_lifts(path)
+    return lifts[-1].after_attempt if lifts else 0
+
+
+def _lift_of(raw: Mapping[str, Any]) -> Lift | None:
+    lift = raw.get("lift")
+    if not isinstance(lift, dict):
+        return None
+    try:
+        return Lift(int(lift["after_attempt"]), str(lift["verdict"]), str(lift["why"]), float(lift["time"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _raw_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     if not path.is_file():
         return [], 0
-    records: list[AttemptRecord] = []
+    found: list[dict[str, Any]] = []
     bad = 0
     for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
             raw = json.loads(line)
-            if not isinstance(raw, dict) or int(raw.get("version", 1)) > JOURNAL_VERSION:
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(raw, dict):
+            found.append(raw)
+        else:
+            bad += 1
+    return found, bad
+
+
+def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
+    """The journal's records and the number of lines that could not be read (torn or corrupt)."""
+    raws, bad = _raw_lines(path)
+    records: list[AttemptRecord] = []
+    for raw in raws:
+        if "lift" in raw:
+            continue  # a verdict lifted (read_lifts): no attempt
+        try:
+            if int(raw.get("version", 1)) > JOURNAL_VERSION:
                 raise ValueError("not a journal line of this version")
             records.append(AttemptRecord.from_json(raw))
         except (ValueError, TypeError, KeyError, AttributeError):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import IO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.record.runfiles import open_lock_file, prepare_root, refuse_links
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,17 @@ class RunDir:
     def lock(self) -> IO[str]:
         """Hold an exclusive lock on the run directory for the life of the returned file.
 
-        Two supervisors on one run directory would race on the journal and the checkpoints.
+        Two supervisors on one run directory would race on the journal and the checkpoints. The
+        directory is created 0750, or checked to be ours (see :mod:`.runfiles`); the lock file is
+        never opened through a link.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
-        handle = (self.root / ".lock").open("a+", encoding="utf-8")
+        prepare_root(self.root)
+        handle = open_lock_file(self.root / ".lock")
+        try:
+            refuse_links([self.state, self.attempts, self.events, self.job_copy])
+        except SupervisorExit:
+            handle.close()
+            raise
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

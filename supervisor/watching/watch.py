@@ -14,9 +14,11 @@ from pathlib import Path
 
 import psutil
 
+from qlora_supervise.supervisor.record.runfiles import open_append_text
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.host import sample_host
+from qlora_supervise.trainer_child.disk_space import DISK_ERRNOS
 
 
 @dataclass
@@ -50,8 +52,14 @@ def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Pat
     watched.gpu_peak_process = max(watched.gpu_peak_process or 0, sample.this_process_bytes)
     watched.gpu_others_at_end = sum(b for _, b in sample.others)
     watched.gpu_total = sample.total
-    with gpu_log.open("a", encoding="utf-8") as handle:
-        handle.write(_sample_line(sample))
+    try:
+        with open_append_text(gpu_log) as handle:
+            handle.write(_sample_line(sample))
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        # A diagnostic line lost to a full disk must not stop a child that is training fine;
+        # the child itself finds out at its next save and fails as disk_full.
 
 
 def pid_tree(pid: int) -> set[int]:

@@ -1,0 +1,219 @@
+"""Changed jobs: every submitted version kept, the diff against the recorded one, and generations.
+
+Each job ``run`` is given is recorded once as ``job.vN.yaml`` (the text as submitted, never
+overwritten) beside ``job.vN.json`` (its resolved fields: absolute paths, defaults filled in),
+and ``job.yaml`` is a copy of the newest. A new submission is compared field by field with the
+newest recorded one:
+
+* fields safe on resume apply to the run as it stands: more ``max_steps`` / ``epochs``, the
+  save / logging / eval cadence, ``merge``, everything under ``supervise`` and ``resources``;
+* every other field changes what is trained (model, data, LoRA, quantization, lr and its
+  schedule, seq_len, batch): that needs ``run --restart``, which starts a new *generation* in
+  the same directory. The current one (journal, state, events, attempts, checkpoints, adapter)
+  moves whole into ``generations/<n>/`` and the new one starts from nothing, so the two are
+  never mixed.
+
+A generation is moved into ``generations/.tmp-<n>/`` entry by entry and renamed when complete;
+a kill half-way leaves that name, and the next ``run`` finishes the move before anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.trainer_child.durable import fsync_dir, write_text_atomic
+
+SAFE_SECTIONS = ("supervise.", "resources.")
+SAFE_FIELDS = frozenset({"train.save_steps", "train.logging_steps", "train.eval_steps", "train.merge"})
+SAFE_WHEN_MORE = frozenset({"train.max_steps", "train.epochs"})
+GENERATIONS = "generations"
+#: What belongs to one generation (moved aside whole by ``--restart``); job versions stay.
+_GENERATION_FILES = ("attempts.jsonl", "state.json", "events.jsonl")
+_GENERATION_GLOBS = ("attempt-*", "checkpoints", "checkpoints-*", "adapter", "merged", ".tmp-*", ".old-*")
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """One field of the job that differs from the recorded version."""
+
+    name: str  # the job file's dotted name: ``lora.r``
+    old: Any
+    new: Any
+
+    @property
+    def safe(self) -> bool:
+        """Applies on resume without mixing two trainings into one adapter."""
+        if self.name.startswith(SAFE_SECTIONS) or self.name in SAFE_FIELDS:
+            return True
+        if self.name in SAFE_WHEN_MORE:
+            return _number(self.new) >= _number(self.old)
+        return False
+
+    def render(self) -> str:
+        how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
+        return f"  {self.name}: {self.old!r} -> {self.new!r}  ({how})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"old": self.old, "new": self.new, "safe": self.safe}
+
+
+def _number(value: Any) -> float:
+    # max_steps -1 / None mean "epochs decide": infinitely many steps for this comparison.
+    if value is None or (isinstance(value, int | float) and value < 0):
+        return float("inf")
+    return float(value)
+
+
+def job_view(job: Job) -> dict[str, Any]:
+    """The job's resolved fields under the job file's dotted names (what a diff compares)."""
+    knobs, train = job.knobs, job.train
+    view: dict[str, Any] = {
+        "model.path": knobs.model,
+        "model.fallbacks": list(job.fallback_models),
+        "model.trust_remote_code": train.trust_remote_code,
+        "quantization.load_in_4bit": knobs.load_in_4bit,
+        "quantization.quant_type": knobs.quant_type,
+        "quantization.double_quant": knobs.double_quant,
+        "quantization.compute_dtype": train.compute_dtype,
+        "lora.r": knobs.lora_r,
+        "lora.alpha": knobs.lora_alpha,
+        "lora.dropout": train.lora_dropout,
+        "lora.target_modules": list(train.target_modules)
+        if isinstance(train.target_modules, tuple)
+        else train.target_modules,
+        "train.max_seq_len": knobs.max_seq_len,
+        "train.micro_batch_size": knobs.micro_batch_size,
+        "train.effective_batch_size": knobs.effective_batch,
+        "train.gradient_checkpointing": knobs.gradient_checkpointing,
+        "train.optimizer": knobs.optimizer,
+        "train.eval_batch_size": knobs.eval_batch_size,
+    }
+    skip = {"lora_dropout", "target_modules", "compute_dtype", "trust_remote_code"}
+    view.update({f"train.{k}": v for k, v in dataclasses.asdict(train).items() if k not in skip})
+    view.update({f"data.{k}": v for k, v in dataclasses.asdict(job.data).items()})
+    resources = dataclasses.asdict(job.resources)
+    view["resources.gpu"] = resources.pop("device")
+    view.update({f"resources.{k}": v for k, v in resources.items()})
+    supervise = job.supervise.model_dump(mode="json")
+    view.update({f"supervise.{k}": v for k, v in supervise.items()})
+    shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk
+    return shaped
+
+
+def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
+    """Every field whose value differs, in name order (a field only one side has counts too)."""
+    names = sorted(set(old) | set(new))
+    return [FieldChange(n, old.get(n), new.get(n)) for n in names if old.get(n) != new.get(n)]
+
+
+def raw_view(text: str) -> dict[str, Any]:
+    """A job text's fields as written (for runs recorded before resolved views were kept)."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return {}
+    return dict(_flatten(raw)) if isinstance(raw, dict) else {}
+
+
+def _flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and not name.startswith("supervise.ladders"):
+            items.extend(_flatten(value, f"{name}."))
+        else:
+            items.append((name, value))
+    return items
+
+
+class JobVersions:
+    """``job.vN.yaml`` / ``job.vN.json`` in a run directory: every job it was given."""
+
+    def __init__(self, rd: RunDir) -> None:
+        self.rd = rd
+
+    def numbers(self) -> list[int]:
+        found = []
+        for path in self.rd.root.glob("job.v*.yaml"):
+            tail = path.name[len("job.v") : -len(".yaml")]
+            if tail.isdigit():
+                found.append(int(tail))
+        return sorted(found)
+
+    def newest_view(self) -> dict[str, Any] | None:
+        """The newest recorded version's fields; from ``job.yaml`` as written for older runs."""
+        numbers = self.numbers()
+        if numbers:
+            resolved = self.rd.root / f"job.v{numbers[-1]}.json"
+            try:
+                view = json.loads(resolved.read_text(encoding="utf-8"))
+                return view if isinstance(view, dict) else None
+            except (OSError, ValueError):
+                text = (self.rd.root / f"job.v{numbers[-1]}.yaml").read_text(encoding="utf-8")
+                return raw_view(text)
+        if self.rd.job_copy.is_file():
+            return raw_view(self.rd.job_copy.read_text(encoding="utf-8"))
+        return None
+
+    def record(self, job: Job, legacy_view: bool = False) -> int:
+        """Keep ``job`` as the next version (never overwriting one); ``job.yaml`` becomes it."""
+        numbers = self.numbers()
+        if not numbers and self.rd.job_copy.is_file() and legacy_view:
+            # A run recorded before versions were kept: its job.yaml is version 1, as submitted.
+            write_text_atomic(self.rd.root / "job.v1.yaml", self.rd.job_copy.read_text(encoding="utf-8"))
+            numbers = [1]
+        number = (numbers[-1] if numbers else 0) + 1
+        write_text_atomic(self.rd.root / f"job.v{number}.json", json.dumps(job_view(job), indent=2))
+        write_text_atomic(self.rd.root / f"job.v{number}.yaml", job.raw_text)
+        write_text_atomic(self.rd.job_copy, job.raw_text)
+        return number
+
+
+def has_attempts(rd: RunDir) -> bool:
+    """The current generation has anything to keep (a journal or an attempt directory)."""
+    return rd.attempts.exists() or any(rd.root.glob("attempt-*"))
+
+
+def finish_interrupted_move(rd: RunDir) -> Path | None:
+    """A generation move a kill cut short is completed (it was asked for with ``--restart``)."""
+    root = rd.root / GENERATIONS
+    pending = sorted(root.glob(".tmp-*")) if root.is_dir() else []
+    for staging in pending:
+        number = staging.name.removeprefix(".tmp-")
+        return _move_into(rd, staging, root / number)
+    return None
+
+
+def start_generation(rd: RunDir) -> Path:
+    """Move the current generation into ``generations/<n>/``; the run directory starts afresh."""
+    root = ensure_dir(rd.root / GENERATIONS)
+    taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()]
+    number = max(taken, default=0) + 1
+    staging = ensure_dir(root / f".tmp-{number}")
+    if rd.job_copy.is_file():
+        shutil.copy2(rd.job_copy, staging / "job.yaml")  # the job this generation trained
+    return _move_into(rd, staging, root / str(number))
+
+
+def _move_into(rd: RunDir, staging: Path, final: Path) -> Path:
+    entries = [rd.root / name for name in _GENERATION_FILES if (rd.root / name).exists()]
+    for pattern in _GENERATION_GLOBS:
+        entries.extend(sorted(rd.root.glob(pattern)))
+    for entry in entries:
+        os.rename(entry, staging / entry.name)
+    fsync_dir(rd.root)
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    return final

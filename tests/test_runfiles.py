@@ -1,0 +1,99 @@
+"""The run directory touches nothing outside itself: no writes through links, explicit modes, owner checks.
+
+Issue 11 items 12 and 13, with the real supervisor and the scripted child (real processes).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_loop import _job
+
+RUNNER = Path(__file__).with_name("run_scripted.py")
+
+
+def _supervise(job: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.mark.parametrize("name", [".lock", "events.jsonl", "attempts.jsonl", "state.json"])
+def test_a_planted_link_in_the_run_directory_is_refused_and_its_target_untouched(
+    tmp_path: Path, name: str
+) -> None:
+    """Issue 11 item 12: a run file that is a symlink stops the run (exit 2); its target keeps its bytes."""
+    job = _job(tmp_path, {"default": "ok"})
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "run").mkdir(mode=0o750)
+    (tmp_path / "run" / name).symlink_to(victim)
+    done = _supervise(job)
+    assert done.returncode == 2, done.stderr
+    assert "symbolic link" in done.stderr and name in done.stderr
+    assert "Traceback" not in done.stderr
+    assert victim.read_text() == "precious\n"
+
+
+def test_an_attempt_directory_planted_as_a_link_is_never_written_through(tmp_path: Path) -> None:
+    """Issue 11 item 12: a link named attempt-001 is renamed aside, never followed."""
+    job = _job(tmp_path, {"default": "ok"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir(mode=0o750)
+    (tmp_path / "run" / "attempt-001").symlink_to(elsewhere)
+    done = _supervise(job)
+    assert done.returncode == 0, done.stderr
+    assert list(elsewhere.iterdir()) == []
+    assert (tmp_path / "run" / "attempt-001").is_dir() and not (tmp_path / "run" / "attempt-001").is_symlink()
+
+
+def test_an_output_dir_writable_by_others_is_refused(tmp_path: Path) -> None:
+    """Issue 11 item 12: a world-writable output_dir is refused with the chmod that fixes it."""
+    job = _job(tmp_path, {"default": "ok"})
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o777)
+    done = _supervise(job)
+    assert done.returncode == 2
+    assert "writable by others" in done.stderr and "chmod o-w" in done.stderr
+    assert not (run / "attempts.jsonl").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_an_output_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    """Issue 11 item 12: an output_dir owned by another uid is refused (the unit runs as root)."""
+    job = _job(tmp_path, {"default": "ok"})
+    run = tmp_path / "run"
+    run.mkdir(mode=0o750)
+    os.chown(run, 65534, 65534)
+    done = _supervise(job)
+    assert done.returncode == 2
+    assert "owned by uid 65534" in done.stderr
+
+
+def test_run_directory_modes_are_0750_and_0640_whatever_the_umask(tmp_path: Path) -> None:
+    """Issue 11 item 13: under umask 000, directories are 0750 and files 0640 or stricter."""
+    job = _job(tmp_path, {"1": "oom_forward@3"})
+    old = os.umask(0)
+    try:
+        done = _supervise(job)
+    finally:
+        os.umask(old)
+    assert done.returncode == 0, done.stderr
+    root = tmp_path / "run"
+    loose = []
+    for path in [root, *root.rglob("*")]:
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        allowed = 0o750 if path.is_dir() else 0o640
+        if mode & ~allowed:
+            loose.append(f"{path.relative_to(tmp_path)} {mode:04o}")
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o750
+    assert loose == []
