@@ -12,9 +12,26 @@ from typing import Any
 from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import story
-from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
+from qlora_supervise.supervisor.record.records import AttemptRecord, Phase, PlanNote
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.protocol import ErrorReport
+
+
+def announce_plan(log: Any, note: PlanNote | None) -> None:
+    """``preflight``: attempt 1's config and why; a warning when a quality knob changed."""
+    if note is None:
+        return
+    # A quality change before the first attempt is loud: the user asked for that seq_len/rank.
+    emit = log.warning if note.quality_changed else log.info
+    emit(
+        Event.PREFLIGHT,
+        predicted_peak_bytes=note.predicted_peak,
+        budget_bytes=note.budget,
+        changes={k: list(v) for k, v in note.changes.items()},
+        quality_changed=note.quality_changed,
+        as_written=note.as_written,
+        why=" | ".join(note.why),
+    )
 
 
 def announce_success(

@@ -31,7 +31,7 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop.announce import announce_decision, announce_success
+from qlora_supervise.supervisor.loop.announce import announce_decision, announce_plan, announce_success
 from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.first_plan import first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
@@ -46,7 +46,7 @@ from qlora_supervise.supervisor.loop.resume import (
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import peak_store_path, with_card_budget, with_sample_lengths
-from qlora_supervise.supervisor.loop.waiting import backoff_seconds, wait_for_free_memory
+from qlora_supervise.supervisor.loop.waiting import backoff_seconds, wait_for_memory
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import policy_history
 from qlora_supervise.supervisor.record.journal import (
@@ -113,7 +113,9 @@ class Supervisor:
         self._last_ping = -1e18
         self.gpu: GpuProbe | None = None
         self.lifted_after = 0  # attempts up to this one had a verdict that was lifted
-        self.disk = self._disk_waiter()
+        self.disk = DiskWaiter.for_run(
+            self.rd, self.log, self.seams.clock, self._interruptible_sleep, self.stop_event, job.supervise
+        )
 
     # -- signals: handlers only set a flag; the loop acts on it at its next tick ------------
 
@@ -162,7 +164,7 @@ class Supervisor:
                 job.knobs, self.settings, job.train.target_modules, self.as_written, job.resources.device
             )
             if not records:
-                self._log_plan(self.first)
+                announce_plan(self.log, self.first.note)
             return self._loop_outlasting_full_disks(records)
         finally:
             if self.gpu is not None:
@@ -190,30 +192,8 @@ class Supervisor:
                 if not is_disk_full(exc):
                     raise
                 if not self.disk.outlast(exc):
-                    return self._disk_verdict()
+                    return self.disk.verdict(self.stop_signal)
                 records = self._reclaim_in_flight(self._read_journal(), read_state(self.rd.state))
-
-    def _disk_verdict(self) -> int:
-        """No room came back in time (exit 3), or a stop came first (resumable): nothing to journal."""
-        if self.stop_signal is not None:
-            self.log.info(Event.STOPPED, signal=signal.Signals(self.stop_signal).name, resumable=True)
-            return 128 + int(self.stop_signal)
-        why = f"no room on the disk for {self.job.supervise.disk_wait:.0f}s (supervise.disk_wait)"
-        self.log.error(Event.GAVE_UP, why=why, resumable="free space and run the same command again")
-        return int(SupervisorExitCode.GAVE_UP)
-
-    def _disk_waiter(self) -> DiskWaiter:
-        supervise = self.job.supervise
-        return DiskWaiter(
-            self.rd,
-            self.log,
-            self.seams.clock,
-            self._interruptible_sleep,
-            self.stop_event,
-            supervise.disk_wait,
-            supervise.backoff_initial,
-            supervise.backoff_max,
-        )
 
     def _loop(self, records: list[AttemptRecord]) -> int:
         runner = AttemptRunner(self._runner_context())
@@ -242,22 +222,6 @@ class Supervisor:
 
     def _plan_facts(self) -> PlanFacts:
         return PlanFacts(self.first, self.job.train.merge, self.rd.merged.exists(), self.lifted_after)
-
-    def _log_plan(self, plan: Plan) -> None:
-        note = plan.note
-        if note is None:
-            return
-        # A quality change before the first attempt is loud: the user asked for that seq_len/rank.
-        emit = self.log.warning if note.quality_changed else self.log.info
-        emit(
-            Event.PREFLIGHT,
-            predicted_peak_bytes=note.predicted_peak,
-            budget_bytes=note.budget,
-            changes={k: list(v) for k, v in note.changes.items()},
-            quality_changed=note.quality_changed,
-            as_written=note.as_written,
-            why=" | ".join(note.why),
-        )
 
     def _runner_context(self) -> RunnerContext:
         return RunnerContext(
@@ -323,7 +287,7 @@ class Supervisor:
             if decision.resource is policy.WaitFor.DISK:
                 waited = self.disk.wait(decision)  # RUNNING -> WAITING (for room on the disk)
             else:
-                waited = self._wait_for_memory(decision, failure, plan.knobs, log)  # RUNNING -> WAITING
+                waited = self._memory_wait(decision, failure, plan.knobs, log)  # RUNNING -> WAITING
             if waited.stopped:
                 # Stopped while waiting: the run stays resumable; this is no verdict on the config.
                 stopped = failure_record(failure, o.report)
@@ -388,6 +352,14 @@ class Supervisor:
         self.log.info(Event.BACKOFF, seconds=round(seconds, 1), failures_in_a_row=failures_in_a_row)
         self._interruptible_sleep(seconds)
 
+    def _memory_wait(self, wait: policy.Wait, failure: Failure, knobs: Knobs, log: Any) -> policy.WaitResult:
+        write_state(self.rd.state, State(RunState.WAITING, knobs, note=wait.why))
+        supervise = self.job.supervise
+        pacing = (supervise.backoff_initial, supervise.backoff_max)
+        return wait_for_memory(
+            self.gpu, wait, failure, log, self.seams.clock, self._interruptible_sleep, self.stop_event, pacing
+        )
+
     def _ping(self, now: float) -> None:
         # systemd's watchdog (WatchdogSec=) wants a sign of life at least every interval.
         if self._watchdog_every is not None and now - self._last_ping >= self._watchdog_every / 2:
@@ -399,41 +371,6 @@ class Supervisor:
         while self.stop_signal is None and self.seams.clock() < deadline:
             self._ping(self.seams.clock())
             self.seams.sleep(min(self.seams.tick_s, max(0.0, deadline - self.seams.clock())))
-
-    def _wait_for_memory(
-        self, wait: policy.Wait, failure: Failure, knobs: Knobs, log: Any
-    ) -> policy.WaitResult:
-        """Carry out the policy's Wait: poll NVML until the memory is back, the timeout, or a stop."""
-        write_state(self.rd.state, State(RunState.WAITING, knobs, note=wait.why))
-        log.info(
-            Event.WAITING_FOR_MEMORY,
-            why=wait.why,
-            needed_bytes=wait.needed_bytes,
-            timeout_s=wait.seconds,
-            numbers=dict(failure.numbers),
-        )
-        started = self.seams.clock()
-        supervise = self.job.supervise
-        free = wait_for_free_memory(
-            self._gpu_free,
-            wait.needed_bytes,
-            wait.seconds,
-            supervise.backoff_initial,
-            supervise.backoff_max,
-            sleep=self._interruptible_sleep,
-            stop_requested=self.stop_event,
-        )
-        waited = self.seams.clock() - started
-        if free is None:
-            event = Event.NO_MEMORY_READING
-        else:
-            event = Event.MEMORY_AVAILABLE if free >= wait.needed_bytes else Event.MEMORY_WAIT_TIMED_OUT
-        log.info(event, free_bytes=free, waited_s=round(waited, 1))
-        return policy.WaitResult(free, waited, stopped=self.stop_signal is not None)
-
-    def _gpu_free(self) -> int | None:
-        sample = self.gpu.sample(set()) if self.gpu is not None else None
-        return sample.free if sample else None
 
     # -- stopping --------------------------------------------------------------------------
 

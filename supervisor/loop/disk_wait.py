@@ -10,12 +10,14 @@ disk it could not, and a supervisor killed while waiting resumes from the journa
 from __future__ import annotations
 
 import dataclasses
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.loop.waiting import wait_for_free_memory
 from qlora_supervise.supervisor.record.disk_room import (
@@ -42,6 +44,37 @@ class DiskWaiter:
     wait_s: float
     backoff_initial_s: float
     backoff_max_s: float
+
+    @classmethod
+    def for_run(
+        cls,
+        rd: RunDir,
+        log: Any,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        stop_requested: threading.Event,
+        supervise: Any,
+    ) -> DiskWaiter:
+        """The waiter of one run, paced by the job's ``supervise`` section."""
+        return cls(
+            rd,
+            log,
+            clock,
+            sleep,
+            stop_requested,
+            supervise.disk_wait,
+            supervise.backoff_initial,
+            supervise.backoff_max,
+        )
+
+    def verdict(self, stop_signal: int | None) -> int:
+        """No room came back in time (exit 3), or a stop came first (resumable): nothing to journal."""
+        if stop_signal is not None:
+            self.log.info(Event.STOPPED, signal=signal.Signals(stop_signal).name, resumable=True)
+            return 128 + int(stop_signal)
+        why = f"no room on the disk for {self.wait_s:.0f}s (supervise.disk_wait)"
+        self.log.error(Event.GAVE_UP, why=why, resumable="free space and run the same command again")
+        return int(SupervisorExitCode.GAVE_UP)
 
     def explain(self, failure: Failure) -> Failure:
         """``other`` with no room left on the run's disk is ``disk_full``: a child that found the

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import tenacity
+
+from qlora_supervise.policies.decide import Wait, WaitResult
+from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.watching.gpu import GpuProbe
 
 
 def backoff_seconds(failures_in_a_row: int, initial_s: float, max_s: float) -> float:
@@ -42,3 +48,40 @@ def wait_for_free_memory(
     )
     result: int | None = retrying(read_free)
     return result
+
+
+def wait_for_memory(
+    gpu: GpuProbe | None,
+    wait: Wait,
+    failure: Failure,
+    log: Any,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    stop_requested: threading.Event,
+    pacing: tuple[float, float],
+) -> WaitResult:
+    """Carry out the policy's Wait: poll NVML until the memory is back, the timeout, or a stop.
+
+    ``pacing`` is the job's (initial, max) backoff between polls; the events say what happened.
+    """
+    log.info(
+        Event.WAITING_FOR_MEMORY,
+        why=wait.why,
+        needed_bytes=wait.needed_bytes,
+        timeout_s=wait.seconds,
+        numbers=dict(failure.numbers),
+    )
+
+    def free_now() -> int | None:
+        sample = gpu.sample(set()) if gpu is not None else None
+        return sample.free if sample else None
+
+    started = clock()
+    free = wait_for_free_memory(free_now, wait.needed_bytes, wait.seconds, *pacing, sleep, stop_requested)
+    waited = clock() - started
+    if free is None:
+        event = Event.NO_MEMORY_READING
+    else:
+        event = Event.MEMORY_AVAILABLE if free >= wait.needed_bytes else Event.MEMORY_WAIT_TIMED_OUT
+    log.info(event, free_bytes=free, waited_s=round(waited, 1))
+    return WaitResult(free, waited, stopped=stop_requested.is_set())
