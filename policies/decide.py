@@ -10,7 +10,8 @@ Order of the rules (first match wins):
 4. contention, the job does not allow degrading: no wait yet -> Wait(seconds, needed_bytes);
    after the loop reports the wait (:class:`WaitResult`): the memory came back, or NVML gave
    no reading to wait on -> Restart unchanged; the wait timed out -> GiveUp
-5. hang / nccl / other -> Restart unchanged once; the same failure again -> GiveUp
+5. hang / nccl / other -> Restart unchanged once; the same failure again -> GiveUp;
+   a GPU fault: a fatal Xid -> GiveUp, not retryable (on that GPU); another -> as hang
 6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
    failed the same way, and results a calibrated memory model says cannot fit (their change is
    kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted.
@@ -29,7 +30,9 @@ from qlora_supervise.policies.rungs import Rung, RungContext, Survives, rung_by_
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
-RETRY_UNCHANGED_ONCE = frozenset({FailureKind.HANG, FailureKind.NCCL, FailureKind.OTHER})
+RETRY_UNCHANGED_ONCE = frozenset(
+    {FailureKind.HANG, FailureKind.NCCL, FailureKind.OTHER, FailureKind.GPU_FAULT}
+)
 _SURVIVAL_ORDER = (Survives.ALL, Survives.OPTIMIZER_RESET, Survives.ADAPTER_REINIT)
 
 
@@ -124,6 +127,8 @@ def decide(
     """
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
+    if kind is FailureKind.GPU_FAULT and failure.numbers.get("fatal_xid") is not None:
+        return _gpu_broken(failure)
     if kind in NOT_RETRYABLE:
         return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
     if len(failed) >= settings.max_attempts:
@@ -140,6 +145,16 @@ def decide(
     if phase == "merge" and kind.is_oom:
         return _climb(_MergeFailure(), knobs, history, settings)
     return _climb(failure, knobs, history, settings)
+
+
+def _gpu_broken(failure: FailureLike) -> GiveUp:
+    """A fatal Xid: the GPU must be reset or replaced; no config, and no retry, helps on it."""
+    code = failure.numbers["fatal_xid"]
+    return GiveUp(
+        f"the GPU reported fatal Xid {code}: it needs a reset (nvidia-smi -r) or a hardware check; "
+        "nothing was retried on it (the checkpoints are kept)",
+        retryable=False,
+    )
 
 
 def bytes_needed(numbers: Mapping[str, Any]) -> int:

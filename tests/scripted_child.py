@@ -15,6 +15,10 @@ tested in seconds. What each attempt does comes from ``$SCRIPTED_CHILD_PLAN``, a
 * ``contention@N`` - an OOM whose message shows another process holding most of the GPU
 * ``config_error`` - exit with the config-error code and report
 * ``slow`` - like ``ok`` but 0.5 s per step (for signal tests)
+* ``leak`` - leaks on purpose: its data-segment peak grows by 48 MiB a step from 256 MiB, and
+  it dies of SIGKILL with ``Killed`` (a host OOM kill) at the step that would pass the job's
+  ``cpu_memory_limit``; 0.15 s per step. Like the real trainer it takes the early-checkpoint
+  signal (SIGUSR1) as "checkpoint at the end of this step and every later one"
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ from pathlib import Path
 
 from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.durable import write_text_atomic
-from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, ExitCode, event_line
+from qlora_supervise.trainer_child.protocol import (
+    EARLY_CHECKPOINT_SIGNAL,
+    AttemptSpec,
+    ErrorReport,
+    ExitCode,
+    event_line,
+)
 
 OOM_MESSAGE = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
@@ -46,10 +56,15 @@ class Child:
         self.events = open(spec.events_file, "a", encoding="utf-8")  # noqa: SIM115 - lives with the process
         self.step = _resume_step(spec)
         self.stop = False
+        self.early = False
         signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(EARLY_CHECKPOINT_SIGNAL, self._on_early)
 
     def _on_term(self, _s: int, _f: object) -> None:
         self.stop = True
+
+    def _on_early(self, _s: int, _f: object) -> None:
+        self.early = True
 
     def emit(self, event: str, **fields: object) -> None:
         self.events.write(event_line(event, **fields))
@@ -61,12 +76,13 @@ class Child:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "adapter.bin").write_text(json.dumps({"step": step, "r": self.spec.knobs.lora_r}))
         marker = {"step": step, "emergency": emergency, "knobs": dataclasses.asdict(self.spec.knobs)}
+        early = self.early and not emergency
         (tmp / CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker))
         final = root / f"checkpoint-{step}"
         if final.exists():
             return str(final)
         tmp.rename(final)
-        self.emit("checkpoint_saved", step=step, path=str(final), emergency=emergency)
+        self.emit("checkpoint_saved", step=step, path=str(final), emergency=emergency, early=early)
         return str(final)
 
     def fail(self, stage: str, exc: str, message: str, code: ExitCode, emergency: bool) -> int:
@@ -97,6 +113,8 @@ class Child:
             )
         max_steps = self.spec.train.max_steps
         self.emit("started", pid=os.getpid(), max_steps=max_steps, step=self.step, stage="load")
+        if name == "leak":
+            return self._leak(max_steps)
         while self.step < max_steps:
             if self.stop:
                 self.checkpoint(self.step)
@@ -115,6 +133,9 @@ class Child:
         (Path(self.spec.adapter_dir) / "adapter_config.json").write_text("{}")
         self.emit("finished", step=self.step)
         return 0
+
+    def _leak(self, max_steps: int) -> int:
+        return _leak_run(self, max_steps)
 
     def _fault(self, name: str) -> int:
         if name in ("oom_forward", "oom_backward", "oom_optimizer"):
@@ -147,6 +168,27 @@ class Child:
             print("Killed", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         raise SystemExit(f"unknown scripted behaviour {name!r}")
+
+
+LEAK_BASE, LEAK_PER_STEP = 256 * 1024**2, 48 * 1024**2
+
+
+def _leak_run(child: Child, max_steps: int) -> int:
+    """The ``leak`` behaviour (module docstring)."""
+    cap = child.spec.cpu_memory_limit or 1 << 40
+    while child.step < max_steps:
+        peak = LEAK_BASE + LEAK_PER_STEP * (child.step + 1)
+        time.sleep(0.15)
+        if peak > cap:  # the kernel's OOM killer, as a host whose RAM ran out would do it
+            print("Killed", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        child.step += 1
+        child.emit("heartbeat", step=child.step, stage="forward", peak_bytes=peak, peak_source="data_segment")
+        if child.early:
+            child.checkpoint(child.step)
+    Path(child.spec.adapter_dir).mkdir(parents=True, exist_ok=True)
+    child.emit("finished", step=child.step)
+    return 0
 
 
 def _resume_step(spec: AttemptSpec) -> int:

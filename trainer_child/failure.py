@@ -12,6 +12,7 @@ import re
 import traceback
 from typing import Any
 
+from .allocator_facts import AllocatorFacts
 from .durable import write_text_atomic
 from .protocol import ErrorReport, ExitCode, Stage
 
@@ -81,6 +82,9 @@ class CapturedFailure:
     step: int
     oom: bool
     config: bool
+    # Read at the OOM, before the step's tensors are freed (memory.allocator_facts_at_oom).
+    allocator: AllocatorFacts | None = None
+    memory_snapshot: str | None = None
 
     @property
     def exit_code(self) -> ExitCode:
@@ -135,6 +139,8 @@ def write_report(
         emergency_checkpoint=emergency[0] if emergency else None,
         emergency_step=emergency[1] if emergency else None,
         expandable_segments_active=expandable_segments_active,
+        allocator=failure.allocator,
+        memory_snapshot=failure.memory_snapshot,
     )
     write_text_atomic(path, report.to_json())
     return report

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicted_fit
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.announce import announce_decision, announce_success
@@ -182,6 +183,7 @@ class Supervisor:
             stop_signal=lambda: self.stop_signal,
             hup_seen=lambda: self.hup_seen,
             ping=self._ping,
+            gpu_budget=None if self.job.resources.device == "cpu" else self.settings.budget_bytes,
         )
 
     # -- after an attempt: judge, decide, journal ------------------------------------------
@@ -191,7 +193,7 @@ class Supervisor:
     ) -> AttemptRecord:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
         log = self.log.bind(attempt=o.number)
-        verdict = judge(o, self._phase_done(o.plan.phase))
+        verdict = judge(o, self._phase_done(o.plan.phase), self._step_fit(o.plan))
         if isinstance(verdict, Failure):
             log.info(
                 Event.FAILURE_CLASSIFIED,
@@ -243,6 +245,14 @@ class Supervisor:
         )
         announce_decision(log, record, failure, o.report, [*records, record], self.rd)
         return record
+
+    def _step_fit(self, plan: Plan) -> StepFit | None:
+        """The memory model's training peak for the plan's knobs against the GPU budget. None for
+        a merge (the model predicts training) and on the CPU (the model counts GPU memory; a CPU
+        run's budget, its data segment cap, is not comparable)."""
+        if plan.phase is not Phase.TRAIN or self.job.resources.device == "cpu":
+            return None
+        return predicted_fit(self.settings.shape, plan.knobs, self.settings.budget_bytes)
 
     def _journal(self, record: AttemptRecord) -> AttemptRecord:
         append_attempt(self.rd.attempts, record)

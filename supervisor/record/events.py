@@ -31,6 +31,7 @@ class Event(str, enum.Enum):
     CHECKPOINTS_SUPERSEDED = "checkpoints_superseded"
     UNRECORDED_ATTEMPT_MOVED = "unrecorded_attempt_moved"
     ORPHAN_CHILD_STOPPING = "orphan_child_stopping"
+    MEMORY_CREEP = "memory_creep"
     # after a failure
     FAILURE_CLASSIFIED = "failure_classified"
     RETRY = "retry"
@@ -39,6 +40,7 @@ class Event(str, enum.Enum):
     MEMORY_AVAILABLE = "memory_available"
     MEMORY_WAIT_TIMED_OUT = "memory_wait_timed_out"
     NO_MEMORY_READING = "no_memory_reading"
+    GPU_FAULT = "gpu_fault"
     # the supervisor itself
     GPU_MONITOR_UNAVAILABLE = "gpu_monitor_unavailable"
     SIGHUP_IGNORED = "sighup_ignored"
