@@ -71,7 +71,7 @@ def _facts_from_message(report: ErrorReport) -> AllocatorFacts:
 
 
 def test_forward_oom_at_a_nearly_full_cap_is_capacity_not_fragmentation() -> None:
-    """The H200's 8 GiB forward OOM (0.93 GiB split free vs 344 MiB asked) is oom_forward: the step needs ~11 GiB."""
+    """The H200's 8 GiB forward OOM (0.93 GiB split free, 344 MiB asked) is oom_forward: it needs ~11 GiB."""
     report = _recorded("after-fix/cap-8GiB/attempt-002-error.json")
     fit = predicted_fit(_shape_7b(), _knobs(4, checkpointing=True), CAP)
     assert fit is not None and fit.peak_bytes > 10 * GIB and not fit.fits
@@ -108,7 +108,7 @@ def test_every_recorded_capped_oom_is_capacity_with_the_model() -> None:
 
 
 def test_fragmentation_verdict_comes_with_the_numbers_that_show_the_step_fits() -> None:
-    """Split free memory covering the request with no block of its size, and a step of this shape done: fragmentation."""
+    """Split free memory covers the request, no block of its size, a same-shape step done: fragmentation."""
     report = _recorded("after-fix/cap-8GiB/attempt-002-error.json")
     facts = dataclasses.replace(_facts_from_message(report), same_shape_step=3, same_shape_peak_bytes=7 * GIB)
     failure = classify_exit(EXITED_OOM, dataclasses.replace(report, allocator=facts), "")
@@ -144,7 +144,7 @@ def test_split_memory_that_does_not_cover_the_request_is_capacity() -> None:
 
 
 def test_facts_from_a_segment_list_count_only_the_pool_of_the_request() -> None:
-    """Large-pool free blocks count for a 344 MiB request; small-pool ones do not; the largest block is found."""
+    """Large-pool free blocks count for a 344 MiB request, small-pool ones do not; the largest is found."""
     segments = [
         {"segment_type": "large", "is_expandable": False, "blocks": [
             {"size": 200 * MIB, "state": "inactive"}, {"size": 1500 * MIB, "state": "active_allocated"},

@@ -191,6 +191,7 @@ class AttemptRunner:
             resume_from=str(resume.path) if resume.path else None,
             # The checkpoint itself says whether its optimizer state fits these knobs.
             reset_optimizer=resume.reset_optimizer,
+            diagnose=job.diagnose,
         )
         write_text_atomic(directory / "spec.json", spec.to_json())
         return spec

@@ -7,7 +7,8 @@ step. The rule, on the peak after each completed optimizer step of this attempt 
 ``peak_bytes``, which only grows):
 
 * **a leak**: over the last :data:`WINDOW` steps, the peak rose by more than the noise
-  (:data:`NOISE_FLOOR` or 0.5 % of the peak, whichever is larger) in every interval but at
+  (:data:`NOISE_FLOOR` or 0.1 % of the peak, whichever is larger: the peak only grows, so a
+  healthy step adds nothing) in every interval but at
   most one, and the least-squares slope is positive. The first :data:`WARMUP_STEPS` steps are
   left out: optimizer state and the allocator's first segments land there.
 * **approaching the budget**: the line through the window reaches the budget within
@@ -34,7 +35,7 @@ WINDOW = 6
 WARMUP_STEPS = 2
 HORIZON_STEPS = 8
 NOISE_FLOOR = 8 * 1024**2
-NOISE_SHARE = 0.005
+NOISE_SHARE = 0.001
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class CreepWatch:
             return None
         self._source = beat.memory.peak_source
         self._peaks[beat.step] = max(self._peaks.get(beat.step, 0), peak)
+        for old in sorted(self._peaks)[:-WINDOW]:  # only the window is ever read
+            del self._peaks[old]
         forecast = self._forecast()
         if forecast is None:
             return None
