@@ -34,9 +34,9 @@ TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
 #: labels) are appended, so a test can check that a resumed run sees exactly the samples an
 #: uninterrupted run would, and which tokens the loss covers.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
-#: Test hook: ``BYTES`` to keep (leak) that many bytes more at the end of every optimizer step,
-#: on the training device, so a test can watch memory creep towards the cap (the supervisor's
-#: memory_creep rule) end in an OOM. Never set outside tests.
+#: Test hook: ``BYTES`` to keep (leak) that many bytes more in the forward of every optimizer
+#: step's first micro-batch, on the training device, so a test can watch memory creep towards the
+#: cap (the supervisor's memory_creep rule) end in an OOM. Never set outside tests.
 TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
 KEEP_CHECKPOINTS = 3
 
@@ -75,6 +75,8 @@ class SupervisedSFTTrainer(SFTTrainer):
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
             self.progress.enter(Stage.FORWARD)
+            if self._step_loss is None:  # the step's first micro-batch
+                self._leak_for_test()
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -102,7 +104,6 @@ class SupervisedSFTTrainer(SFTTrainer):
             progress.loss = float(self._step_loss)
         progress.tokens_per_s = self._step_tokens / max(now - self._step_started, 1e-9)
         self._step_loss, self._step_tokens, self._step_started = None, 0, now
-        self._leak_for_test()
         on_cuda = torch.cuda.is_available()
         self.shapes.step_done(progress.step, torch.cuda.max_memory_allocated() if on_cuda else None)
         progress.heartbeat()

@@ -203,6 +203,7 @@ class Supervisor:
                 evidence=verdict.evidence,
                 message=verdict.message[:500],
                 reclaimed=reclaimed,
+                memory_snapshot=o.report.memory_snapshot if o.report else None,
             )
             return self._decide(o, verdict, records, log)
         next_from = None if verdict is Outcome.SUCCEEDED else self._resume_step(o.plan.knobs)
