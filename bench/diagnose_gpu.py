@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--history-entries", type=int, default=100_000)
     p.add_argument("--child-timeout-s", type=float, default=150.0)
-    p.add_argument("--tiny-headroom-mib", type=int, default=300, help="--tiny: cap = imports + this")
+    p.add_argument("--tiny-headroom-mib", type=int, default=200, help="--tiny: cap = imports + this")
     args = p.parse_args(argv)
     if args.tiny:
         args.seq, args.rows = min(args.seq, 256), min(args.rows, 64)

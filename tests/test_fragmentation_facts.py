@@ -172,3 +172,18 @@ def test_allocator_facts_cross_the_report_file_typed() -> None:
     raw = json.loads(report.to_json())
     raw["allocator"] = {"allocated_bytes": "lots"}
     assert ErrorReport.from_json(json.dumps(raw)).allocator is None
+
+
+def test_step_shapes_remember_the_last_completed_step_of_each_shape() -> None:
+    """The child's record: a shape counts once its step completed; the one in flight does not yet."""
+    from qlora_supervise.trainer_child.memory import StepShapes
+
+    shapes = StepShapes()
+    shapes.micro_batch((4, 2048))
+    assert shapes.last_with(shapes.current) == (None, None)  # step 1 still running
+    shapes.step_done(1, 7 * GIB)
+    shapes.micro_batch((4, 1900))
+    shapes.step_done(2, 7 * GIB + MIB)
+    shapes.micro_batch((4, 2048))
+    assert shapes.last_with(shapes.current) == (1, 7 * GIB)
+    assert shapes.last_with((4, 1900)) == (2, 7 * GIB + MIB) and shapes.last_with(None) == (None, None)

@@ -21,7 +21,7 @@ from . import checkpoints
 from .allocator_facts import AllocatorFacts
 from .checkpoint_dirs import newest_complete_checkpoint
 from .durable import fsync_dir
-from .events import EventLog, HeartbeatThread, Progress
+from .events import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from .failure import CapturedFailure, ConfigError, capture, write_report
 from .protocol import (
     EARLY_CHECKPOINT_SIGNAL,
@@ -217,7 +217,9 @@ def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | No
     from . import memory
 
     try:
-        shapes = getattr(ctx.trainer, "shapes", None)
+        # A step of the same shape proves a *training* step fits: not an eval or a save.
+        training = ctx.progress.stage in LOOP_STAGES
+        shapes = getattr(ctx.trainer, "shapes", None) if training else None
         facts = memory.allocator_facts_at_oom(exc, ctx.spec.gpu_memory_limit, shapes)
         snapshot = None
         if facts is not None and ctx.memory_history:
