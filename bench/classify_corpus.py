@@ -4,9 +4,16 @@
 
 Defaults: ``../shared/corpus/dev.jsonl`` and ``formats.jsonl`` next to it (relative to the
 repository root). Prints a confusion table (rows: label, columns: predicted kind), per-kind
-recall, kind accuracy over all cases and over cases with the exception line, stage accuracy,
-the number of non-OOM cases called OOM, and the parser's exact-match score per key. A missing
-corpus is not an error: a note is printed and the exit status is 0.
+recall, kind accuracy over all cases, over cases with the exception line and over the cases
+whose text decides the stage, stage accuracy, the number of non-OOM cases called OOM, and the
+parser's exact-match score per key. A missing corpus is not an error: a note is printed and the
+exit status is 0.
+
+*The text decides the stage* unless the case is labelled with a stage-named OOM kind (load,
+forward, backward, optimizer, eval, merge) and its text holds no traceback frame at all (no
+``File "...", line N, in f``, IPython or rich frame): a bare message, or a lone code line, whose
+stage the labeller took from the report around it (the corpus README's "hard cases"). The
+test is on the text's layout only, not on what the classifier makes of it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.diagnosis._frames import parse_frames
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
 from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
 from qlora_supervise.trainer_child.protocol import FailureKind
@@ -50,6 +58,8 @@ def score_dev(cases: Sequence[dict[str, Any]], show_misses: bool) -> None:
     print()
     print(f"kind accuracy, all cases:               {_ratio(_hits(labels, kinds, range(len(cases))))}")
     print(f"kind accuracy, with the exception line: {_ratio(_hits(labels, kinds, with_line))}")
+    decided = [i for i, case in enumerate(cases) if text_decides_stage(case)]
+    print(f"kind accuracy, text decides the stage:  {_ratio(_hits(labels, kinds, decided))}")
     stage_hits = [
         kinds_stage_ok(case["stage"], f.stage.value) for case, f in zip(cases, predicted, strict=True)
     ]
@@ -62,6 +72,18 @@ def score_dev(cases: Sequence[dict[str, Any]], show_misses: bool) -> None:
     print(f"non-OOM cases called OOM:               {len(false_oom)} {false_oom or ''}")
     if show_misses:
         print_misses(cases, predicted, stage_hits)
+
+
+_STAGE_KINDS = frozenset(
+    {"oom_load", "oom_forward", "oom_backward", "oom_optimizer", "oom_eval", "oom_merge"}
+)
+
+
+def text_decides_stage(case: Mapping[str, Any]) -> bool:
+    """The module docstring's test: a stage-named kind needs at least one real traceback frame."""
+    if case["label"] not in _STAGE_KINDS:
+        return True
+    return any(frame.path or frame.function for frame in parse_frames(case["text"]))
 
 
 def kinds_stage_ok(label_stage: str, predicted: str) -> bool:

@@ -18,6 +18,7 @@ Order of the rules (first match wins):
    steps before it failed starts a fresh count, so a week-long run survives any number of
    preemptions or operator kills as long as each retry gets further (the crash-loop guard of
    rule 3 and ``max_attempts`` still bound it)
+   A GPU fault: a fatal Xid -> GiveUp, not retryable (on that GPU); another -> as hang
 6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
    failed the same way, and results a calibrated memory model says cannot fit (their change is
    kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted.
@@ -45,7 +46,9 @@ from qlora_supervise.trainer_child.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
-RETRY_UNCHANGED_ONCE = frozenset({FailureKind.HANG, FailureKind.NCCL, FailureKind.OTHER})
+RETRY_UNCHANGED_ONCE = frozenset(
+    {FailureKind.HANG, FailureKind.NCCL, FailureKind.OTHER, FailureKind.GPU_FAULT}
+)
 _SURVIVAL_ORDER = (Survives.ALL, Survives.OPTIMIZER_RESET, Survives.ADAPTER_REINIT)
 
 
@@ -153,6 +156,8 @@ def decide(
     """
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
+    if kind is FailureKind.GPU_FAULT and failure.numbers.get("fatal_xid") is not None:
+        return _gpu_broken(failure)
     if kind in NOT_RETRYABLE:
         return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
     if len(failed) >= settings.max_attempts:
@@ -171,6 +176,16 @@ def decide(
     if phase == "merge" and kind.is_oom:
         return _climb(_MergeFailure(), knobs, history, settings)
     return _climb(failure, knobs, history, settings)
+
+
+def _gpu_broken(failure: FailureLike) -> GiveUp:
+    """A fatal Xid: the GPU must be reset or replaced; no config, and no retry, helps on it."""
+    code = failure.numbers["fatal_xid"]
+    return GiveUp(
+        f"the GPU reported fatal Xid {code}: it needs a reset (nvidia-smi -r) or a hardware check; "
+        "nothing was retried on it (the checkpoints are kept)",
+        retryable=False,
+    )
 
 
 def bytes_needed(numbers: Mapping[str, Any]) -> int:

@@ -10,6 +10,7 @@ class SupervisorExitCode(enum.IntEnum):
     BAD_JOB = 2  # bad job file or usage: fix the input and run again
     GAVE_UP = 3  # ladder exhausted, same failure with nothing left, or a crash loop
     NOT_RETRYABLE = 4  # a failure no config change can fix (config error, bad data, ...)
+    GPU_FAULT = 5  # the GPU itself failed (a fatal NVML Xid: off the bus, uncorrectable ECC): not retried
     STOPPED_SIGINT = 130  # stopped by SIGINT: run the same command again to resume
     STOPPED_SIGTERM = 143  # stopped by SIGTERM: run the same command again to resume
 
@@ -20,6 +21,7 @@ exit codes:
   2    bad job file or usage (every problem is listed with its field path)
   3    gave up: ladder exhausted, same failure with nothing left to change, or no progress
   4    non-retryable failure (config error, missing model or data field, ...)
+  5    GPU fault: a fatal Xid (fell off the bus, uncorrectable ECC, ...); not retried on that GPU
   130  stopped by SIGINT, 143 stopped by SIGTERM: resumable, run the same command again"""
 
 

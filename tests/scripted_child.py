@@ -34,6 +34,11 @@ Checkpoints hold ``$SCRIPTED_CHILD_CKPT_BYTES`` bytes of padding (default none),
 room before each save (``disk_space.ensure_room``, as the real trainer does), and a real
 ENOSPC / EROFS while saving or reporting ends the attempt as the real child does: a report
 with ``disk_full`` and exit ``DISK_FULL``, or that exit code alone when the report cannot be written.
+
+* ``leak`` - leaks on purpose: its data-segment peak grows by 48 MiB a step from 256 MiB, and
+  it dies of SIGKILL with ``Killed`` (a host OOM kill) at the step that would pass the job's
+  ``cpu_memory_limit``; 0.15 s per step. Like the real trainer it takes the early-checkpoint
+  signal (SIGUSR1) as "checkpoint at the end of this step and every later one"
 """
 
 from __future__ import annotations
@@ -53,7 +58,13 @@ from pathlib import Path
 from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.disk_space import disk_facts, ensure_room, is_disk_full
 from qlora_supervise.trainer_child.durable import write_text_atomic
-from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, ExitCode, event_line
+from qlora_supervise.trainer_child.protocol import (
+    EARLY_CHECKPOINT_SIGNAL,
+    AttemptSpec,
+    ErrorReport,
+    ExitCode,
+    event_line,
+)
 
 OOM_MESSAGE = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
@@ -69,10 +80,15 @@ class Child:
         self.events = open(spec.events_file, "a", encoding="utf-8")  # noqa: SIM115 - lives with the process
         self.step = _resume_step(spec)
         self.stop = False
+        self.early = False
         signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(EARLY_CHECKPOINT_SIGNAL, self._on_early)
 
     def _on_term(self, _s: int, _f: object) -> None:
         self.stop = True
+
+    def _on_early(self, _s: int, _f: object) -> None:
+        self.early = True
 
     def emit(self, event: str, **fields: object) -> None:
         self.events.write(event_line(event, **fields))
@@ -94,12 +110,13 @@ class Child:
             "knobs": dataclasses.asdict(self.spec.knobs),
             "files": file_digests(tmp),
         }
+        early = self.early and not emergency
         (tmp / CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker))
         final = root / f"checkpoint-{step}"
         if final.exists():
             return str(final)
         tmp.rename(final)
-        self.emit("checkpoint_saved", step=step, path=str(final), emergency=emergency)
+        self.emit("checkpoint_saved", step=step, path=str(final), emergency=emergency, early=early)
         return str(final)
 
     def fail(self, stage: str, exc: str, message: str, code: ExitCode, emergency: bool) -> int:
@@ -157,6 +174,8 @@ class Child:
             )
         max_steps = self.spec.train.max_steps
         self.emit("started", pid=os.getpid(), max_steps=max_steps, step=self.step, stage="load")
+        if name == "leak":
+            return self._leak(max_steps)
         while self.step < max_steps:
             if self.stop:
                 self.checkpoint(self.step)
@@ -177,6 +196,9 @@ class Child:
         if name == "fill_disk":
             _fill(Path(os.environ["SCRIPTED_CHILD_FILL"]))
         return 0
+
+    def _leak(self, max_steps: int) -> int:
+        return _leak_run(self, max_steps)
 
     def _fault(self, name: str) -> int:
         if name in ("oom_forward", "oom_backward", "oom_optimizer"):
@@ -256,6 +278,27 @@ def _fill(path: Path) -> None:
                 chunk //= 2
     finally:
         os.close(fd)
+
+
+LEAK_BASE, LEAK_PER_STEP = 256 * 1024**2, 48 * 1024**2
+
+
+def _leak_run(child: Child, max_steps: int) -> int:
+    """The ``leak`` behaviour (module docstring)."""
+    cap = child.spec.cpu_memory_limit or 1 << 40
+    while child.step < max_steps:
+        peak = LEAK_BASE + LEAK_PER_STEP * (child.step + 1)
+        time.sleep(0.15)
+        if peak > cap:  # the kernel's OOM killer, as a host whose RAM ran out would do it
+            print("Killed", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        child.step += 1
+        child.emit("heartbeat", step=child.step, stage="forward", peak_bytes=peak, peak_source="data_segment")
+        if child.early:
+            child.checkpoint(child.step)
+    Path(child.spec.adapter_dir).mkdir(parents=True, exist_ok=True)
+    child.emit("finished", step=child.step)
+    return 0
 
 
 def _resume_step(spec: AttemptSpec) -> int:

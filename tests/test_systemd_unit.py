@@ -35,10 +35,10 @@ SERVICE = _unit(SYSTEMD / "qlora-supervise@.service")["Service"]
 
 
 def test_restart_prevent_exit_status_matches_exit_codes() -> None:
-    """Finished, bad job, gave up and not retryable are exactly the codes systemd must not restart on."""
+    """Finished, bad job, gave up, not retryable and a GPU fault are the codes systemd must not restart on."""
     prevented = {int(code) for code in _one(SERVICE["RestartPreventExitStatus"]).split()}
     c = SupervisorExitCode
-    assert prevented == {c.FINISHED, c.BAD_JOB, c.GAVE_UP, c.NOT_RETRYABLE}
+    assert prevented == {c.FINISHED, c.BAD_JOB, c.GAVE_UP, c.NOT_RETRYABLE, c.GPU_FAULT}
     assert _one(SERVICE["Restart"]) == "on-failure"
 
 

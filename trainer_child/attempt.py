@@ -19,12 +19,21 @@ from types import FrameType
 from typing import Any
 
 from . import checkpoints, device, disk_space
+from .allocator_facts import AllocatorFacts
 from .attempt_facts import RankReduction
 from .checkpoint_dirs import newest_complete_checkpoint
 from .durable import fsync_dir
-from .events import EventLog, HeartbeatThread, Progress
+from .events import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from .failure import CapturedFailure, ConfigError, capture, write_report
-from .protocol import AttemptSpec, ExitCode, Knobs, Stage, failure_line
+from .protocol import (
+    EARLY_CHECKPOINT_SIGNAL,
+    MEMORY_SNAPSHOT_NAME,
+    AttemptSpec,
+    ExitCode,
+    Knobs,
+    Stage,
+    failure_line,
+)
 from .stack import import_training_stack
 
 #: Stages where the optimizer has not touched the weights of the step in flight, so the state
@@ -49,6 +58,7 @@ class Context:
         self.trainer: Any = None
         self.heartbeat: HeartbeatThread | None = None
         self.resume_checkpoint: str | None = None  # the source checkpoint, once chosen
+        self.memory_history = False  # diagnose.memory_history is recording
 
     @property
     def device(self) -> str:
@@ -56,12 +66,17 @@ class Context:
 
 
 def install_stop_handler(progress: Progress) -> None:
-    """SIGTERM only sets a flag: the step in flight finishes, then we checkpoint and leave."""
+    """SIGTERM only sets a flag: the step in flight finishes, then we checkpoint and leave.
+    The early-checkpoint signal (memory creep) only sets one too: checkpoint after each step."""
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         progress.stop_requested = True
 
+    def on_early_checkpoint(signum: int, frame: FrameType | None) -> None:
+        progress.early_checkpoints = True
+
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(EARLY_CHECKPOINT_SIGNAL, on_early_checkpoint)
 
 
 def setup(ctx: Context) -> None:
@@ -73,6 +88,7 @@ def setup(ctx: Context) -> None:
     ctx.on_cuda = torch.cuda.is_available()
     cpu_fallback = device.check(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
+    ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
     versions = import_training_stack()
     vmdata = memory.proc_status_bytes("VmData")
@@ -257,7 +273,9 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode]) -> int:
         ctx.heartbeat.start()
         code = body(ctx)
     except BaseException as exc:  # every failure must leave a report
+        at_oom = oom_diagnosis(ctx, exc)  # while the frames still hold the step's tensors
         failure = capture(exc, ctx.progress.stage, ctx.progress.step)
+        failure.allocator, failure.memory_snapshot = at_oom
         del exc
     if failure is not None:
         code = fail(ctx, failure)
@@ -265,6 +283,25 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode]) -> int:
         ctx.heartbeat.stop()
     ctx.events.close()
     return int(code)
+
+
+def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | None, str | None]:
+    """The allocator's facts and, when recorded, its snapshot, for an OOM on the GPU."""
+    if not ctx.on_cuda:
+        return None, None
+    from . import memory
+
+    try:
+        # A step of the same shape proves a *training* step fits: not an eval or a save.
+        training = ctx.progress.stage in LOOP_STAGES
+        shapes = getattr(ctx.trainer, "shapes", None) if training else None
+        facts = memory.allocator_facts_at_oom(exc, ctx.spec.gpu_memory_limit, shapes)
+        snapshot = None
+        if facts is not None and ctx.memory_history:
+            snapshot = memory.dump_memory_snapshot(Path(ctx.spec.error_file).parent / MEMORY_SNAPSHOT_NAME)
+    except Exception:  # diagnosis is a bonus: the report must still be written
+        return None, None
+    return facts, snapshot
 
 
 def run(spec: AttemptSpec) -> int:

@@ -51,6 +51,10 @@ class Progress:
         self.tokens_per_s: float | None = None
         self.stop_requested = False
         self._stop_announced = False
+        # The supervisor saw memory creep towards the budget (protocol.EARLY_CHECKPOINT_SIGNAL):
+        # checkpoint at the end of the step in flight and of every later step.
+        self.early_checkpoints = False
+        self._early_announced = False
 
     def enter(self, stage: Stage) -> None:
         """Set the stage; a ``stage`` event marks entering a phase (load, training, eval, save),
@@ -67,6 +71,12 @@ class Progress:
         if self.stop_requested and not self._stop_announced:
             self._stop_announced = True
             self.events.emit("stopping", stage=self.stage.value, step=self.step)
+
+    def announce_early_checkpoints(self) -> None:
+        """Emit ``early_checkpoint_requested`` once, after the signal asked for it."""
+        if self.early_checkpoints and not self._early_announced:
+            self._early_announced = True
+            self.events.emit("early_checkpoint_requested", stage=self.stage.value, step=self.step)
 
     def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
         """The heartbeat of this moment (memory measured now unless given)."""

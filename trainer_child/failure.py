@@ -12,6 +12,7 @@ import re
 import traceback
 from typing import Any
 
+from .allocator_facts import AllocatorFacts
 from .checkpoints import CheckpointLoadError
 from .disk_space import is_disk_full
 from .durable import write_text_atomic
@@ -89,6 +90,9 @@ class CapturedFailure:
     config: bool
     checkpoint: bool = False  # the resume checkpoint did not load (an OOM while loading is an OOM)
     disk_full: bool = False  # ENOSPC / EROFS / EDQUOT (see disk_space): wait for room, not a rung
+    # Read at the OOM, before the step's tensors are freed (memory.allocator_facts_at_oom).
+    allocator: AllocatorFacts | None = None
+    memory_snapshot: str | None = None
 
     @property
     def exit_code(self) -> ExitCode:
@@ -156,6 +160,8 @@ def write_report(
         damaged_checkpoint=resume_checkpoint if failure.exit_code is ExitCode.CHECKPOINT else None,
         disk_full=failure.disk_full,
         disk=disk,
+        allocator=failure.allocator,
+        memory_snapshot=failure.memory_snapshot,
     )
     write_text_atomic(path, report.to_json())
     return report

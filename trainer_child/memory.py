@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import os
 import resource
+from pathlib import Path
 from typing import Any
 
-from .failure import ConfigError
-from .protocol import MemoryNumbers
+from .allocator_facts import AllocatorFacts, facts_from_allocator
+from .failure import ConfigError, is_oom, oom_numbers
+from .protocol import DiagnoseSpec, MemoryNumbers
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXPANDABLE = "expandable_segments:True"
@@ -199,3 +202,90 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# ---- at an OOM: the allocator's facts and its history (diagnosis) ---------------------------
+
+
+def start_memory_history(diagnose: DiagnoseSpec) -> bool:
+    """Record the CUDA allocator's history when the job asks for it (``diagnose.memory_history``).
+
+    Bounded to ``memory_history_entries`` events (a ring: the newest are kept, which are the ones
+    that explain an OOM), Python stacks only (C++ unwinding costs far more per allocation).
+    Returns whether recording runs; False on the CPU or where this torch cannot record.
+    """
+    import torch
+
+    if not diagnose.memory_history or not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.memory._record_memory_history(max_entries=diagnose.memory_history_entries, stacks="python")
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+    return True
+
+
+def dump_memory_snapshot(path: Path) -> str | None:
+    """Write the recorded allocator history and segments to ``path`` (a pickle that
+    https://pytorch.org/memory_viz opens); None when the write fails. Call only after
+    :func:`start_memory_history` returned True."""
+    import torch
+
+    try:
+        torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]  # untyped in torch
+    except (RuntimeError, OSError, AttributeError, MemoryError):
+        return None
+    return str(path)
+
+
+def allocator_facts_at_oom(
+    exc: BaseException, limit: int | None, shapes: StepShapes | None
+) -> AllocatorFacts | None:
+    """The CUDA allocator's facts for an OOM, read *before* the failed step's tensors are freed
+    (call it inside the ``except`` block); None on the CPU, for other failures, or on error."""
+    import torch
+
+    if not torch.cuda.is_available() or not is_oom(exc):
+        return None
+    requested = oom_numbers(str(exc)).get("tried_to_allocate")
+    try:
+        stats = torch.cuda.memory_stats()
+        segments = torch.cuda.memory_snapshot()
+        device_free = int(torch.cuda.mem_get_info()[0])
+        total = int(torch.cuda.get_device_properties(0).total_memory)
+    except (RuntimeError, MemoryError):
+        return None
+    facts = facts_from_allocator(stats, segments, requested, limit=limit or total, device_free=device_free)
+    if shapes is None:
+        return facts
+    step, peak = shapes.last_with(shapes.current)
+    return dataclasses.replace(
+        facts, batch_shape=shapes.current, same_shape_step=step, same_shape_peak_bytes=peak
+    )
+
+
+class StepShapes:
+    """The micro-batch shapes of each completed optimizer step, and the attempt's peak after it.
+
+    ``current`` is the shape of the micro-batch in flight. After an OOM, :meth:`last_with` says
+    whether a step of that very shape already completed in this attempt (then it fits).
+    """
+
+    def __init__(self) -> None:
+        self.current: tuple[int, ...] | None = None
+        self._in_step: set[tuple[int, ...]] = set()
+        self._done: dict[tuple[int, ...], tuple[int, int | None]] = {}
+
+    def micro_batch(self, shape: tuple[int, ...]) -> None:
+        self.current = shape
+        self._in_step.add(shape)
+
+    def step_done(self, step: int, peak: int | None) -> None:
+        for shape in self._in_step:
+            self._done[shape] = (step, peak)
+        self._in_step.clear()
+
+    def last_with(self, shape: tuple[int, ...] | None) -> tuple[int | None, int | None]:
+        if shape is None or shape not in self._done:
+            return None, None
+        return self._done[shape]

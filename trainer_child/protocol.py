@@ -20,9 +20,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import signal
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from .allocator_facts import AllocatorFacts
 
 
 class ExitCode(enum.IntEnum):
@@ -77,6 +80,7 @@ class FailureKind(str, enum.Enum):
     CONFIG_ERROR = "config_error"
     CHECKPOINT_DAMAGED = "checkpoint_damaged"  # the resume checkpoint would not load: quarantine it
     DISK_FULL = "disk_full"  # ENOSPC / EROFS / EDQUOT writing a checkpoint, a report or the journal
+    GPU_FAULT = "gpu_fault"  # an NVML Xid event during the attempt (supervisor/diagnosis/xid.py)
     OTHER = "other"
 
     @property
@@ -172,6 +176,28 @@ class Resources:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiagnoseSpec:
+    """Opt-in diagnostics of the child (the job's ``diagnose`` section).
+
+    ``memory_history``: record the CUDA allocator's history
+    (``torch.cuda.memory._record_memory_history``, at most ``memory_history_entries`` events)
+    and dump it into the attempt's directory at an OOM (:data:`MEMORY_SNAPSHOT_NAME`), for
+    PyTorch's memory viewer (https://pytorch.org/memory_viz). Off by default: recording costs
+    throughput (README, Benchmarks).
+    """
+
+    memory_history: bool = False
+    memory_history_entries: int = 100_000
+
+
+#: The allocator snapshot an OOM leaves in ``attempt-NNN/`` when ``diagnose.memory_history`` is on.
+MEMORY_SNAPSHOT_NAME = "memory-snapshot.pickle"
+#: Sent by the supervisor when memory creeps towards the budget: the child saves a checkpoint at
+#: the end of the step in flight, and after every step from then on (trainer_child/trainer.py).
+EARLY_CHECKPOINT_SIGNAL = signal.SIGUSR1
+
+
+@dataclasses.dataclass(frozen=True)
 class AttemptSpec:
     """One attempt of the child: what to train, with which knobs, where to write.
 
@@ -199,6 +225,7 @@ class AttemptSpec:
     # The optimizer changed (or its state is suspect): keep adapter, step and data position,
     # start the optimizer state afresh.
     reset_optimizer: bool = False
+    diagnose: DiagnoseSpec = DiagnoseSpec()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -209,11 +236,13 @@ class AttemptSpec:
         train = dict(raw["train"])
         if isinstance(train.get("target_modules"), list):
             train["target_modules"] = tuple(train["target_modules"])
+        nested = ("knobs", "data", "train", "diagnose")
         return cls(
-            **{k: v for k, v in raw.items() if k not in ("knobs", "data", "train")},
+            **{k: v for k, v in raw.items() if k not in nested},
             knobs=Knobs(**raw["knobs"]),
             data=DataSpec(**raw["data"]),
             train=TrainSpec(**train),
+            diagnose=DiagnoseSpec(**raw.get("diagnose", {})),
         )
 
 
@@ -223,6 +252,9 @@ class ErrorReport:
 
     ``step`` is the last *completed* optimizer step. ``oom_numbers`` uses the keys of
     :func:`qlora_supervise.trainer_child.oom_message.parse_numbers` (bytes as integers).
+    ``allocator``: the CUDA allocator's facts read at the OOM (None on the CPU, for a failure
+    that is not an OOM, or from a child older than them); ``memory_snapshot``: the path of the
+    allocator snapshot dumped at the OOM (``diagnose.memory_history``), else None.
     """
 
     exit_code: int
@@ -244,11 +276,15 @@ class ErrorReport:
     disk_full: bool = False  # the failure was ENOSPC / EROFS / EDQUOT: see ``disk``
     # {"path", "needed_bytes" (the size of the last checkpoint), "free_bytes", "errno"}
     disk: dict[str, Any] | None = None
+    allocator: AllocatorFacts | None = None
+    memory_snapshot: str | None = None
     time: float = dataclasses.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        # Reports are read back from JSON, where the stage is a plain string.
+        # Reports are read back from JSON, where the stage is a plain string and the facts a dict.
         object.__setattr__(self, "stage", Stage.named(self.stage))
+        if self.allocator is not None and not isinstance(self.allocator, AllocatorFacts):
+            object.__setattr__(self, "allocator", AllocatorFacts.from_json_dict(self.allocator))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
@@ -281,7 +317,8 @@ EVENT_NAMES = frozenset(
         "stage",  # stage changed (load, forward, ...)
         "loaded",  # model loaded: trainable params, share, MemoryNumbers, attempt_facts.SampleLengths
         "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers
-        "checkpoint_saved",  # step, path, emergency
+        "checkpoint_saved",  # step, path, emergency, early (asked for by EARLY_CHECKPOINT_SIGNAL)
+        "early_checkpoint_requested",  # step: the signal arrived; a checkpoint follows this step
         "resumed",  # from_step, path, reset_optimizer, reset_reason; RankReduction fields when cut
         "finished",  # step, adapter path
         "stopping",  # graceful stop requested

@@ -27,7 +27,7 @@ from . import checkpoints
 from .checkpoint_dirs import CHECKPOINT_PREFIX
 from .disk_space import ensure_room
 from .events import Progress
-from .memory import apply_cpu_cap, free_memory, late_cap_step
+from .memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
 from .protocol import Heartbeat, Knobs, Stage
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
@@ -38,6 +38,10 @@ TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
 #: labels) are appended, so a test can check that a resumed run sees exactly the samples an
 #: uninterrupted run would, and which tokens the loss covers.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
+#: Test hook: ``BYTES`` to keep (leak) that many bytes more in the forward of every optimizer
+#: step's first micro-batch, on the training device, so a test can watch memory creep towards the
+#: cap (the supervisor's memory_creep rule) end in an OOM. Never set outside tests.
+TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
 KEEP_CHECKPOINTS = 3
 
 
@@ -61,6 +65,8 @@ class SupervisedSFTTrainer(SFTTrainer):
         self._step_loss: torch.Tensor | None = None
         self._step_tokens = 0
         self._step_started = time.monotonic()
+        self.shapes = StepShapes()  # for the OOM handler: did a step of this shape fit already?
+        self._leaked: list[torch.Tensor] = []  # TEST_LEAK_PER_STEP only
         backward = self.accelerator.backward
 
         def tracked_backward(loss: torch.Tensor, **kw: Any) -> None:
@@ -73,12 +79,15 @@ class SupervisedSFTTrainer(SFTTrainer):
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
             self.progress.enter(Stage.FORWARD)
+            if self._step_loss is None:  # the step's first micro-batch
+                self._leak_for_test()
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         mask = inputs.get("attention_mask")
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
+        self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
         loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
@@ -99,7 +108,14 @@ class SupervisedSFTTrainer(SFTTrainer):
             progress.loss = float(self._step_loss)
         progress.tokens_per_s = self._step_tokens / max(now - self._step_started, 1e-9)
         self._step_loss, self._step_tokens, self._step_started = None, 0, now
+        on_cuda = torch.cuda.is_available()
+        self.shapes.step_done(progress.step, torch.cuda.max_memory_allocated() if on_cuda else None)
         progress.heartbeat()
+
+    def _leak_for_test(self) -> None:
+        leak = os.environ.get(TEST_LEAK_PER_STEP, "")
+        if leak.isdigit():  # see TEST_LEAK_PER_STEP: written to, so the pages are really held
+            self._leaked.append(torch.ones(int(leak), dtype=torch.uint8, device=self.args.device))
 
     def _trace_batch(self, inputs: Any) -> None:
         trace = os.environ.get(TEST_TRACE_BATCHES)
@@ -143,7 +159,13 @@ class SupervisedSFTTrainer(SFTTrainer):
         checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
         shutil.rmtree(staging, ignore_errors=True)
         checkpoints.rotate(self.plan.directory, self.plan.keep, self.plan.protect)
-        self.progress.events.emit("checkpoint_saved", step=step, path=str(final), emergency=self._emergency)
+        self.progress.events.emit(
+            "checkpoint_saved",
+            step=step,
+            path=str(final),
+            emergency=self._emergency,
+            early=self.progress.early_checkpoints,
+        )
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -231,6 +253,9 @@ class SupervisionCallback(TrainerCallback):
             apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
             self.cap_after_step = None
         progress = self.trainer.progress
+        if progress.early_checkpoints:  # memory creeps towards the budget: lose no step to it
+            progress.announce_early_checkpoints()
+            control.should_save = True
         if progress.stop_requested:
             progress.announce_stop()
             control.should_save = True  # SIGTERM: finish this step, checkpoint, leave

@@ -11,6 +11,13 @@ from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.journal import read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.trainer_child.protocol import MEMORY_SNAPSHOT_NAME
+
+#: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).
+SNAPSHOT_HOW_TO = (
+    "open https://pytorch.org/memory_viz and drop the file on the page (it runs in the browser; "
+    "'Active Memory Timeline' shows what filled the card, 'Allocator State History' the segments)"
+)
 
 
 def status_command(output_dir: str, out: TextIO = sys.stdout) -> int:
@@ -34,6 +41,10 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
     for record in records:
         for line in describe(record):
             print(line, file=out)
+        snapshot = run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME
+        if snapshot.is_file():
+            print(f"  memory snapshot: {snapshot}", file=out)
+            print(f"    {SNAPSHOT_HOW_TO}", file=out)
     if bad:
         print(f"({bad} unreadable journal line(s) skipped)", file=out)
     total_lost = sum(r.lost_steps for r in records)

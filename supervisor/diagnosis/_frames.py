@@ -7,15 +7,24 @@ lines stand in for frames (excerpts often keep only the line that failed).
 
 The stage rule, :func:`stage_from_frames`:
 
+0. our own trainer child's failure line (``trainer child failed in <stage>:``) is the child's
+   own word on its stage and wins over any frame (the same fact its error report carries);
 1. **merge** when any frame merges or exports a model (a merge script loading its adapter is
-   still merging); else **eval** when any frame evaluates, predicts or generates: both are
-   contexts that run forwards and loads of their own, so they win wherever they appear;
+   still merging); else **eval** when a frame evaluates, predicts or generates: both are
+   contexts that run forwards and loads of their own, so they win over any frame *inside*
+   them. An eval frame loses only to a training step deeper than it (``training_step``,
+   ``_inner_training_loop``: a script's ``evaluate_and_train()`` that trains), while a
+   generation inside ``training_step`` (GRPO / PPO rollouts) stays eval;
 2. otherwise the *deepest* frame that names a training stage (optimizer, backward, forward,
    load, setup) decides, because an outer frame only says who called: a forward inside
    ``optimizer.step(closure)`` is a forward OOM, a backward inside Lightning's
    ``optimizer_step`` a backward one. One exception: a forward *inside* backward is
    gradient-checkpoint recomputation, which belongs to backward;
-3. bare tensor operations (matmul, softmax, linear) say forward only when nothing else
+3. autograd's own markers say backward where the frames say forward or nothing: anomaly mode
+   prints the *forward* traceback of the op whose backward failed ("Traceback of forward call
+   that caused the error", "Error detected in MmBackward0"), and C++ stacks of a failed
+   backward name ``torch::autograd::Engine``;
+4. bare tensor operations (matmul, softmax, linear) say forward only when nothing else
    names a stage; then log lines: an unfinished ``Loading checkpoint shards`` progress bar
    says load, process-group initialisation says setup.
 
@@ -66,6 +75,12 @@ _MERGE_LOG = re.compile(
     re.IGNORECASE,
 )
 _SHARDS = re.compile(r"Loading checkpoint shards:.*?(\d+)/(\d+)")
+_AUTOGRAD_MARKERS = re.compile(
+    r"Traceback of forward call that caused the error|Error detected in \w+Backward\d*\b"
+    r"|torch::autograd::Engine::|autograd::engine::evaluate_function"
+)
+# A training step: an eval frame outside one of these does not make what runs inside it eval.
+_TRAINING_STEP = re.compile(r"(?:training_step|_inner_training_loop|train_step)$")
 
 # (stage, pattern on the function name, pattern the path must match or None)
 _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
@@ -77,7 +92,7 @@ _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.OPTIMIZER, r"_configure_(?:zero_)?optimizer|_(?:multi|single)_tensor_\w+|_fused_adamw?", None),
     (Stage.OPTIMIZER, r"\w+", r"(?:^|[/\\])(?:optim|optimizers?|sharded_optim)[/\\]|grad_scaler\.py"),
     (Stage.OPTIMIZER, r"step", r"optim|scaler|[/\\]zero[/\\]"),
-    (Stage.BACKWARD, r"backward|_?engine_run_backward|run_backward|_make_grads", None),
+    (Stage.BACKWARD, r"backward|_?engine_run_backward|run_backward|_make_grads|tracked_backward", None),
     (Stage.BACKWARD, r"unpack_hook|recompute_fn", r"checkpoint"),
     (Stage.FORWARD, r"forward|\w+_forward|_?(?:wrapped_)?call_impl|\w*compute_loss\w*", None),
     (Stage.FORWARD, r"\w*cross_entropy\w*|ForCausalLMLoss|\w*attention\w*|\w*_attn\w*|mlp", None),
@@ -128,12 +143,17 @@ def parse_frames(text: str) -> list[Frame]:
 
 def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
     """The stage the frames name (module docstring), or UNKNOWN."""
+    ours = _OUR_CHILD.findall(text)
+    if ours:  # our trainer child names its stage in its last line (protocol.failure_line)
+        return StageFinding(Stage(ours[-1]), "the trainer child's failure line")
     named = [(frame, frame_stage(frame)) for frame in frames]
-    for context in _CONTEXT_STAGES:
-        for frame, stage in named:
-            if stage is context:
-                return StageFinding(stage, f"frame {_describe(frame)}")
+    context = _context_stage(named)
+    if context is not None:
+        return context
     finding = _deepest_training_stage(named)
+    marker = _AUTOGRAD_MARKERS.search(text)
+    if marker and (finding is None or finding.stage is Stage.FORWARD):
+        return StageFinding(Stage.BACKWARD, f"autograd marker {marker.group(0)!r}")
     if finding is not None:
         return finding
     for frame in reversed(frames):
@@ -155,6 +175,19 @@ def frame_stage(frame: Frame) -> Stage | None:
     return None
 
 
+def _context_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
+    """Merge anywhere; else the outermost eval frame with no training step deeper than it."""
+    for context in _CONTEXT_STAGES:
+        for index, (frame, stage) in enumerate(named):
+            if stage is not context:
+                continue
+            inner = named[index + 1 :]
+            if context is Stage.EVAL and any(_TRAINING_STEP.match(f.function) for f, _ in inner):
+                continue
+            return StageFinding(stage, f"frame {_describe(frame)}")
+    return None
+
+
 def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
     result: StageFinding | None = None
     for frame, stage in named:  # outermost first: a deeper frame replaces an outer one ...
@@ -167,9 +200,6 @@ def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> Stag
 
 
 def _log_hint(text: str) -> StageFinding:
-    ours = _OUR_CHILD.findall(text)
-    if ours:  # our trainer child names its stage in its last line (protocol.failure_line)
-        return StageFinding(Stage(ours[-1]), "the trainer child's failure line")
     if "doesn't have NCCL built in" in text or "init_process_group" in text:
         return StageFinding(Stage.SETUP, "process-group initialisation")
     # A merge/export run says so in its log (its settings or progress lines) before it loads

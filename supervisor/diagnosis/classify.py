@@ -2,15 +2,19 @@
 
 ``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
 
+0. **a GPU fault**: an NVML Xid event during the attempt (:mod:`.xid`): a fatal one decides
+   whatever follows; a non-fatal one overrules a verdict below that is not an OOM or a config
+   error;
 1. **we killed it**: the supervisor stopped a hung child -> ``hang`` at the stage the heartbeats
    last showed (stopped for another
    reason, e.g. "stop", and nothing below decides -> ``other``, saying so);
 2. **the error report** (the child knows its stage): ``config_error`` -> ``config_error``; a
    checkpoint that did not load (``damaged_checkpoint``) -> ``checkpoint_damaged``; a
    bitsandbytes setup or NCCL error in its text -> ``bnb_cuda_setup`` / ``nccl``; an OOM (GPU,
-   or the CPU allocator under the cap that emulates a small card) -> contention /
-   fragmentation by :mod:`._oom_rules` on ``report.oom_numbers`` (and the NVML sample), else
-   the stage's OOM kind; anything else -> ``other`` at the report's stage;
+   or the CPU allocator under the cap that emulates a small card) -> contention by
+   :mod:`._oom_rules` (message and NVML sample), then fragmentation judged from the report's
+   allocator facts and the step's fit (:mod:`.fragmentation`; the message-only rule where the
+   report has neither), else the stage's OOM kind; anything else -> ``other`` at its stage;
 3. **exit status + cgroup**: SIGKILL (or exit -9 / 137) with an ``oom_kill`` increment in the
    cgroup's ``memory.events``, or with ``Killed`` in stderr -> ``host_oom``; SIGKILL with
    neither -> ``other`` (the evidence says so); ``ExitCode.CONFIG`` -> ``config_error``;
@@ -37,13 +41,16 @@ OOM supervisor are mostly OOMs. Without stage frames it stays ``other``.
 
 from __future__ import annotations
 
+import dataclasses
 import signal as signals
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures
+from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, xid
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
+from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
+from qlora_supervise.trainer_child.allocator_facts import AllocatorFacts
 from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
 from qlora_supervise.trainer_child.protocol import (
     OOM_KIND_BY_STAGE,
@@ -109,19 +116,41 @@ def classify_exit(
     gpu_total_bytes: int | None = None,
     last_stage: Stage = Stage.UNKNOWN,
     last_step: int | None = None,
+    fit: StepFit | None = None,
+    xid_events: Sequence[int] = (),
 ) -> Failure:
     """Classify how our child ended; precedence in the module docstring.
 
     ``last_stage`` / ``last_step`` are what the heartbeats showed last: a hang is recorded at
-    that stage (the child, stuck, writes no report of its own).
+    that stage (the child, stuck, writes no report of its own). ``fit``: the memory model's
+    peak for the attempt's knobs against the budget, where the supervisor knows both;
+    ``xid_events``: the NVML Xids seen while the attempt ran.
     """
+    seen = (last_stage, last_step)
+    found = _classify_child(
+        exit, report, stderr_tail, cgroup_oom_kills, gpu_others_bytes, gpu_total_bytes, fit, seen
+    )
+    return xid.overrule(found, xid_events)
+
+
+def _classify_child(
+    exit: ChildExit,
+    report: ErrorReport | None,
+    stderr_tail: str,
+    cgroup_oom_kills: int,
+    gpu_others_bytes: int | None,
+    gpu_total_bytes: int | None,
+    fit: StepFit | None,
+    seen: tuple[Stage, int | None],
+) -> Failure:
+    last_stage, last_step = seen
     if exit.killed_by_supervisor is KilledBy.HANG:
-        seen = f"; last seen in {last_stage.value}" + (
+        where = f"; last seen in {last_stage.value}" + (
             f" after step {last_step}" if last_step is not None else ""
         )
-        return Failure(FailureKind.HANG, last_stage, {}, f"supervisor: no progress before the timeout{seen}")
+        return Failure(FailureKind.HANG, last_stage, {}, f"supervisor: no progress before the timeout{where}")
     if report is not None:
-        return _from_report(report, gpu_others_bytes, gpu_total_bytes)
+        return _from_report(report, gpu_others_bytes, gpu_total_bytes, fit)
     from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills)
     if from_status is not None:
         return from_status
@@ -137,6 +166,8 @@ def oom_failure(
     source: str,
     message: str = "",
     nvml: tuple[int | None, int | None] = (None, None),
+    allocator: AllocatorFacts | None = None,
+    fit: StepFit | None = None,
 ) -> Failure:
     """An accelerator OOM: contention, then fragmentation, then the stage's OOM kind."""
     where = f"stage {stage.stage.value} from {stage.why}"
@@ -144,6 +175,14 @@ def oom_failure(
     if reason is not None:
         why = f"{source}; contention: {reason}; {where}"
         return Failure(FailureKind.OOM_CONTENTION, stage.stage, numbers, why, message)
+    verdict = fragmentation.judge(allocator, numbers, fit)
+    if verdict is not None:
+        shown = {**numbers, **verdict.numbers}
+        if verdict.fragmentation:
+            why = f"{source}; fragmentation: {verdict.why}; {where}"
+            return Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, shown, why, message)
+        why = f"{source}; {verdict.why}; {_stage_why(stage)}"
+        return Failure(_stage_kind(stage.stage), stage.stage, shown, why, message)
     reason = _oom_rules.fragmentation(numbers)
     if reason is not None:
         why = f"{source}; fragmentation: {reason}; {where}"
@@ -202,7 +241,9 @@ def _other_from_text(text: str, stage: StageFinding) -> Failure:
     return Failure(FailureKind.OTHER, stage.stage, {}, why)
 
 
-def _from_report(report: ErrorReport, nvml_others: int | None, nvml_total: int | None) -> Failure:
+def _from_report(
+    report: ErrorReport, nvml_others: int | None, nvml_total: int | None, fit: StepFit | None = None
+) -> Failure:
     stage = report.stage  # a Stage already: an unknown name reads back as Stage.UNKNOWN
     text = f"{report.exception_type}: {report.message}\n{report.traceback}"
     head = f"error report: {report.exception_type} in {stage.value} at step {report.step}"
@@ -223,7 +264,15 @@ def _from_report(report: ErrorReport, nvml_others: int | None, nvml_total: int |
     if report.is_oom or _signatures.find(_signatures.GPU_OOM + _signatures.CPU_OOM, message):
         numbers = _oom_rules.derive(report.oom_numbers or parse_numbers(report.message))
         finding = StageFinding(stage, "the error report")
-        return oom_failure(finding, numbers, head, message, (nvml_others, nvml_total))
+        nvml = (nvml_others, nvml_total)
+        found = oom_failure(finding, numbers, head, message, nvml, report.allocator, fit)
+        if found.kind is FailureKind.OOM_FRAGMENTATION and report.expandable_segments_active:
+            # Expandable segments were already on: the fix fragmentation names was in place and
+            # the step still did not fit, so this is the stage's capacity OOM.
+            kind = OOM_KIND_BY_STAGE.get(stage, FailureKind.OOM_FORWARD)
+            why = f"{found.evidence}; but expandable_segments was already active: capacity"
+            return dataclasses.replace(found, kind=kind, evidence=why)
+        return found
     return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
 
 

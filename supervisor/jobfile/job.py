@@ -10,12 +10,13 @@ onto the contract's layout (specs).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from qlora_supervise.supervisor.jobfile.schema import (
     DataSection,
+    DiagnoseSection,
     LoraSection,
     ModelSection,
     QuantizationSection,
@@ -24,7 +25,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
     SuperviseSection,
     TrainSection,
 )
-from qlora_supervise.trainer_child.protocol import DataSpec, Knobs, Resources, TrainSpec
+from qlora_supervise.trainer_child.protocol import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
 #: Said by ``validate`` and at run start (console and ``events.jsonl``) when the job trusts the
 #: model's code: the model directory's Python files run with the supervisor's user (root under
@@ -48,6 +49,9 @@ class Job:
     resources: Resources
     supervise: SuperviseSection  # durations already seconds; ``ladders`` are the overrides
     fallback_models: tuple[str, ...]  # model.fallbacks, absolute
+    diagnose: DiagnoseSpec = field(
+        default_factory=DiagnoseSpec
+    )  # opt-in diagnostics, as the child receives them
 
 
 _S = TypeVar("_S", bound=Section)
@@ -108,7 +112,13 @@ def job_from_sections(
         ),
         supervise=_section(sections, "supervise", SuperviseSection),
         fallback_models=tuple(str(path) for path in model.fallbacks),
+        diagnose=_diagnose_spec(sections),
     )
+
+
+def _diagnose_spec(sections: Mapping[str, Section]) -> DiagnoseSpec:
+    section = _section(sections, "diagnose", DiagnoseSection)
+    return DiagnoseSpec(section.memory_history, section.memory_history_entries)
 
 
 def _train_spec(

@@ -39,7 +39,7 @@ from qlora_supervise.supervisor.jobfile.fields import (
     TargetModules,
     job_error,
 )
-from qlora_supervise.trainer_child.protocol import DataSpec, Knobs, Resources, TrainSpec
+from qlora_supervise.trainer_child.protocol import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
 # The protocol's defaults, read off default instances (the required fields get placeholders that
 # no section reads).
@@ -48,6 +48,7 @@ _DATA = DataSpec(path="")
 _TRAIN = TrainSpec()
 _RESOURCES = Resources()
 _SETTINGS = Settings()
+_DIAGNOSE = DiagnoseSpec()
 
 
 class Section(BaseModel):
@@ -160,6 +161,14 @@ class SuperviseSection(Section):
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
 
 
+class DiagnoseSection(Section):
+    """Opt-in diagnostics (protocol.DiagnoseSpec): ``memory_history`` records the CUDA allocator's
+    history and dumps a snapshot for PyTorch's memory viewer at an OOM."""
+
+    memory_history: bool = _DIAGNOSE.memory_history
+    memory_history_entries: PositiveInt = _DIAGNOSE.memory_history_entries
+
+
 SECTIONS: Mapping[str, type[Section]] = {
     "model": ModelSection,
     "data": DataSection,
@@ -168,6 +177,7 @@ SECTIONS: Mapping[str, type[Section]] = {
     "train": TrainSection,
     "resources": ResourcesSection,
     "supervise": SuperviseSection,
+    "diagnose": DiagnoseSection,
 }
 REQUIRED_SECTIONS = ("model", "data")
 TOP_LEVEL_KEYS = frozenset({*SECTIONS, "output_dir"})

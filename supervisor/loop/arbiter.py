@@ -45,7 +45,12 @@ from qlora_supervise.supervisor.loop.resume import (
 )
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
-from qlora_supervise.supervisor.loop.settings import peak_store_path, with_card_budget, with_sample_lengths
+from qlora_supervise.supervisor.loop.settings import (
+    peak_store_path,
+    step_fit,
+    with_card_budget,
+    with_sample_lengths,
+)
 from qlora_supervise.supervisor.loop.waiting import backoff_seconds, wait_for_memory
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import policy_history
@@ -234,6 +239,7 @@ class Supervisor:
             stop_signal=lambda: self.stop_signal,
             hup_seen=lambda: self.hup_seen,
             ping=self._ping,
+            gpu_budget=None if self.job.resources.device == "cpu" else self.settings.budget_bytes,
         )
 
     # -- after an attempt: judge, decide, journal ------------------------------------------
@@ -243,7 +249,8 @@ class Supervisor:
     ) -> AttemptRecord:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
         log = self.log.bind(attempt=o.number)
-        verdict = judge(o, self._phase_done(o.plan.phase))
+        fit = step_fit(self.settings, self.job.resources.device, o.plan)
+        verdict = judge(o, self._phase_done(o.plan.phase), fit)
         if isinstance(verdict, Failure):
             verdict = self.disk.explain(verdict)
             log.info(
@@ -254,6 +261,7 @@ class Supervisor:
                 evidence=verdict.evidence,
                 message=verdict.message[:500],
                 reclaimed=reclaimed,
+                memory_snapshot=o.report.memory_snapshot if o.report else None,
             )
             return self._decide(o, verdict, records, log)
         next_from = None if verdict is Outcome.SUCCEEDED else self._resume_step(o.plan.knobs)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
+from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
     AttemptRecord,
@@ -32,6 +33,7 @@ class MemorySeen:
     gpu_others_at_end: int | None = None
     gpu_total: int | None = None
     rss_peak: int | None = None
+    xid_events: tuple[int, ...] = ()  # NVML Xids seen while the attempt ran
 
 
 @dataclass(frozen=True)
@@ -60,14 +62,18 @@ def failed_report(report: ErrorReport | None) -> bool:
     return report is not None and report.exit_code not in (ExitCode.OK, ExitCode.STOPPED)
 
 
-def judge(o: AttemptOutcome, phase_done: bool) -> Outcome | Failure:
-    """Succeeded, stopped, interrupted (no verdict on the config), or a classified failure."""
+def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Outcome | Failure:
+    """Succeeded, stopped, interrupted (no verdict on the config), or a classified failure.
+
+    ``fit``: the memory model's peak for the attempt's knobs against the budget (fragmentation
+    is judged on it, :mod:`~qlora_supervise.supervisor.diagnosis.fragmentation`)."""
     exit_ = o.exit
     if exit_ is None:
         if failed_report(o.report):
             assert o.report is not None
             # The child failed while nobody watched: classify it as if we had seen it exit.
-            return classify_exit(ChildExit(o.report.exit_code, None, None, 0.0), o.report, o.log_tail)
+            unseen = ChildExit(o.report.exit_code, None, None, 0.0)
+            return classify_exit(unseen, o.report, o.log_tail, fit=fit)
         return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
     # A child stopped for a hang also exits STOPPED (it checkpoints on SIGTERM): that is a hang.
     ours = exit_.killed_by_supervisor is KilledBy.STOP and not failed_report(o.report)
@@ -84,6 +90,8 @@ def judge(o: AttemptOutcome, phase_done: bool) -> Outcome | Failure:
         gpu_total_bytes=o.memory.gpu_total,
         last_stage=Stage.named(o.progress.stage),
         last_step=o.progress.step,
+        fit=fit,
+        xid_events=o.memory.xid_events,
     )
 
 

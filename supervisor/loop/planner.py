@@ -5,8 +5,9 @@ last attempt stopped or was
   interrupted (no verdict)     -> the same phase and knobs again
 last attempt succeeded         -> merge (when asked and not done yet) or the run's verdict
 last decision was a restart    -> its knobs; from step 0 when the adapter shape changed
-last decision was a give-up    -> the run's verdict (retryable or not), unless a changed job or
-                                  ``run --retry`` lifted it: then that attempt's phase and knobs again
+last decision was a give-up    -> the run's verdict (retryable or not; a GPU fault has its own),
+                                  unless a changed job or ``run --retry`` lifted it: then that
+                                  attempt's phase and knobs again
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.record.journal import RunState
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.protocol import FailureKind, Knobs
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,13 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
         return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
     if last.attempt <= facts.lifted_after:
         return Plan(last.phase, last.knobs)  # the verdict was lifted: try its config once more
+    if decision is not None and not decision.retryable and _gpu_fault(last):
+        return Verdict(RunState.FAILED, SupervisorExitCode.GPU_FAULT, decision.why, last.knobs)
     if decision is not None and not decision.retryable:
         return Verdict(RunState.FAILED, SupervisorExitCode.NOT_RETRYABLE, decision.why, last.knobs)
     why = decision.why if decision is not None else "the last attempt failed without a decision"
     return Verdict(RunState.GAVE_UP, SupervisorExitCode.GAVE_UP, why, last.knobs)
+
+
+def _gpu_fault(record: AttemptRecord) -> bool:
+    return record.failure is not None and record.failure.kind is FailureKind.GPU_FAULT

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
@@ -27,12 +28,18 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.durable import write_text_atomic
-from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport
+from qlora_supervise.trainer_child.protocol import (
+    EARLY_CHECKPOINT_SIGNAL,
+    AttemptSpec,
+    ErrorReport,
+    Heartbeat,
+)
 
 
 @dataclasses.dataclass
@@ -48,6 +55,7 @@ class RunnerContext:
     stop_signal: Callable[[], int | None]
     hup_seen: Callable[[], bool]
     ping: Callable[[float], None]
+    gpu_budget: int | None = None  # the policy's GPU budget: what memory creep is measured against
 
 
 class AttemptRunner:
@@ -78,8 +86,10 @@ class AttemptRunner:
             effective_batch=plan.knobs.effective_batch,
         )
         reader = HeartbeatReader(Path(spec.events_file))
-        watched = self._watch(number, proc, reader, spec, log)
+        creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
+        watched = self._watch(number, proc, reader, spec, log, creep)
         exit_ = self._end(proc, watched)
+        self._last_gpu_look(proc.pid, watched, attempt_dir, log)
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
         # and before its checkpoint counts (it would otherwise be missed by one).
         note_child_events(reader.poll(seams.clock()), log)
@@ -101,7 +111,11 @@ class AttemptRunner:
             progress=reader.progress,
             report=read_report(ctx.rd, number, ctx.log),
             memory=MemorySeen(
-                watched.gpu_peak_process, watched.gpu_others_at_end, watched.gpu_total, watched.rss_peak
+                watched.gpu_peak_process,
+                watched.gpu_others_at_end,
+                watched.gpu_total,
+                watched.rss_peak,
+                tuple(watched.xid_events),
             ),
             resumed_from=resume.step,
             started_at=started_at,
@@ -184,13 +198,20 @@ class AttemptRunner:
             resume_from=str(resume.path) if resume.path else None,
             # The checkpoint itself says whether its optimizer state fits these knobs.
             reset_optimizer=resume.reset_optimizer,
+            diagnose=job.diagnose,
         )
         ensure_dir(directory)
         write_text_atomic(directory / "spec.json", spec.to_json())
         return spec
 
     def _watch(
-        self, number: int, proc: ChildHandle, reader: HeartbeatReader, spec: AttemptSpec, log: Any
+        self,
+        number: int,
+        proc: ChildHandle,
+        reader: HeartbeatReader,
+        spec: AttemptSpec,
+        log: Any,
+        creep: CreepWatch,
     ) -> Watched:
         # One tick: ping systemd, read heartbeats, draw progress, sample memory, then the three
         # ways a watch ends early (a stop signal, a hang) before the child's own exit.
@@ -205,7 +226,9 @@ class AttemptRunner:
         while proc.poll() is None:
             now = seams.clock()
             ctx.ping(now)
-            note_child_events(reader.poll(now), log)
+            new = reader.poll(now)
+            note_child_events(new, log)
+            self._watch_creep(new, creep, proc, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
                 sample_memory(proc.pid, watched, ctx.gpu, gpu_log)
@@ -236,6 +259,44 @@ class AttemptRunner:
                 return watched
             seams.sleep(seams.tick_s)
         return watched
+
+    def _last_gpu_look(self, pid: int, watched: Watched, attempt_dir: Path, log: Any) -> None:
+        """One more NVML sample after the exit (the Xid of a crash may come after the last
+        tick's sample), then the ``gpu_fault`` line when any Xid was seen."""
+        if self.ctx.gpu is not None:
+            sample_memory(pid, watched, self.ctx.gpu, attempt_dir / "gpu.jsonl")
+        if watched.xid_events:
+            fatal = xid.fatal_xid(watched.xid_events)
+            log.error(
+                Event.GPU_FAULT,
+                xids=list(dict.fromkeys(watched.xid_events)),
+                meanings=xid.describe(watched.xid_events),
+                fatal=fatal is not None,
+            )
+
+    def _watch_creep(
+        self, events: list[dict[str, Any]], creep: CreepWatch, proc: ChildHandle, log: Any, watched: Watched
+    ) -> None:
+        """Feed new heartbeats to the creep rule; once it fires, log it and ask for a checkpoint."""
+        for event in events:
+            beat = Heartbeat.from_fields(event) if event.get("event") == "heartbeat" else None
+            forecast = creep.observe(beat) if beat is not None else None
+            if forecast is None:
+                continue
+            if forecast.asks_for_checkpoint:
+                self.ctx.seams.signal_child(proc.pid, EARLY_CHECKPOINT_SIGNAL)
+            watched.creep = forecast
+            self.ctx.display.clear()
+            log.warning(
+                Event.MEMORY_CREEP,
+                step=forecast.step,
+                peak_bytes=forecast.peak_bytes,
+                slope_bytes_per_step=round(forecast.slope_bytes_per_step),
+                budget_bytes=forecast.budget_bytes,
+                predicted_oom_step=forecast.predicted_oom_step,
+                window_steps=forecast.window_steps,
+                early_checkpoint_requested=forecast.asks_for_checkpoint,
+            )
 
 
 def note_child_events(new: list[dict[str, Any]], log: Any) -> None:

@@ -7,6 +7,8 @@ without a process. The real-process tests keep the defaults (fakes lie).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +52,12 @@ def _open_gpu(device: str) -> GpuProbe | None:
     return GpuMonitor.open(device)
 
 
+def _signal_child(pid: int, signum: int) -> None:
+    # The child only, not its process group: a launcher (torchrun) would die of SIGUSR1.
+    with contextlib.suppress(ProcessLookupError):  # it exited in between: nothing to ask
+        os.kill(pid, signum)
+
+
 @dataclass
 class Seams:
     """The loop's side effects, replaceable in tests."""
@@ -61,6 +69,7 @@ class Seams:
     argv: Callable[[Path, str], list[str]] = child_mod.child_argv
     open_gpu: Callable[[str], GpuProbe | None] = _open_gpu
     oom_kills: Callable[[], int | None] = oom_kill_count
+    signal_child: Callable[[int, int], None] = _signal_child
     tick_s: float = 0.5
     sample_every_s: float = 2.0
     stop_grace_s: float = 180.0

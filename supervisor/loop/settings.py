@@ -11,8 +11,11 @@ from typing import Any
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.budget import card_budget
 from qlora_supervise.policies.memory_model import ModelShape
+from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicted_fit
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.peak_store import default_path, read_observations
+from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.attempt_facts import SampleLengths
 
@@ -77,3 +80,12 @@ def model_shape(model_dir: Path) -> ModelShape | None:
         return ModelShape.from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return None
+
+
+def step_fit(settings: policy.Settings, device: str, plan: Plan) -> StepFit | None:
+    """The memory model's training peak for the plan's knobs against the GPU budget. None for a
+    merge (the model predicts training) and on the CPU (the model counts GPU memory; a CPU run's
+    budget, its data segment cap, is not comparable)."""
+    if plan.phase is not Phase.TRAIN or device == "cpu":
+        return None
+    return predicted_fit(settings.shape, plan.knobs, settings.budget_bytes)

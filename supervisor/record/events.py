@@ -38,6 +38,7 @@ class Event(str, enum.Enum):
     CHECKPOINT_QUARANTINED = "checkpoint_quarantined"
     OPTIMIZER_RESET = "optimizer_reset"
     TRUST_REMOTE_CODE = "trust_remote_code"
+    MEMORY_CREEP = "memory_creep"
     # after a failure
     FAILURE_CLASSIFIED = "failure_classified"
     RETRY = "retry"
@@ -50,6 +51,7 @@ class Event(str, enum.Enum):
     DISK_ROOM_AVAILABLE = "disk_room_available"
     DISK_WAIT_TIMED_OUT = "disk_wait_timed_out"
     STAGING_FREED = "staging_freed"
+    GPU_FAULT = "gpu_fault"
     # the supervisor itself
     GPU_MONITOR_UNAVAILABLE = "gpu_monitor_unavailable"
     SIGHUP_IGNORED = "sighup_ignored"

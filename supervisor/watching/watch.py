@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 
 from qlora_supervise.supervisor.record.runfiles import open_append_text
+from qlora_supervise.supervisor.watching.creep import CreepForecast
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.host import sample_host
@@ -32,6 +33,8 @@ class Watched:
     gpu_others_at_end: int | None = None
     gpu_total: int | None = None
     rss_peak: int | None = None
+    creep: CreepForecast | None = None  # memory creep seen (and an early checkpoint asked for)
+    xid_events: list[int] = dataclasses.field(default_factory=list)  # NVML Xids during the attempt
 
 
 def hung(progress: Progress, started: float, now: float, timeout_s: float) -> bool:
@@ -52,6 +55,7 @@ def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Pat
     watched.gpu_peak_process = max(watched.gpu_peak_process or 0, sample.this_process_bytes)
     watched.gpu_others_at_end = sum(b for _, b in sample.others)
     watched.gpu_total = sample.total
+    watched.xid_events.extend(sample.xid_events)
     try:
         with open_append_text(gpu_log) as handle:
             handle.write(_sample_line(sample))

@@ -1,0 +1,90 @@
+"""GPU faults: NVML Xid events seen while an attempt ran, what they mean, and which are fatal.
+
+The driver reports a GPU error as an Xid (a number, in the kernel log and through NVML's event
+set, ``GpuSample.xid_events``). Meanings after NVIDIA's Xid catalogue ("Xid Errors", NVIDIA
+GPU deployment and management documentation). **Fatal** ones mean the GPU itself is broken or
+must be reset: a retry on the same GPU would fail the same way or corrupt the run, so the
+supervisor stops with its own exit code (``SupervisorExitCode.GPU_FAULT``) and says why. The
+others usually follow an application error (an illegal address, a killed context) or are a
+warning: the attempt is retried once unchanged.
+
+Precedence (:func:`overrule`): a fatal Xid during the attempt decides whatever else the
+evidence says (a GPU that fell off the bus also leaves a hung or crashed child). A non-fatal Xid
+decides only a failure that is not an out-of-memory error or a config error: an OOM is
+explained by memory, and Xids are per GPU, so another process's fault can show up in our
+attempt's window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.trainer_child.protocol import FailureKind
+
+
+@dataclass(frozen=True)
+class XidMeaning:
+    code: int
+    meaning: str
+    fatal: bool
+
+
+XIDS: dict[int, XidMeaning] = {
+    xid.code: xid
+    for xid in (
+        XidMeaning(
+            13,
+            "graphics engine exception (mostly an application error: bad address or instruction)",
+            False,
+        ),
+        XidMeaning(31, "GPU memory page fault (usually an application's illegal memory access)", False),
+        XidMeaning(43, "GPU stopped processing (the application's context was reset)", False),
+        XidMeaning(45, "preemptive cleanup after earlier errors (the context was killed)", False),
+        XidMeaning(48, "double-bit (uncorrectable) ECC error", True),
+        XidMeaning(63, "ECC page retirement / row remapping recorded: the GPU needs a reset", True),
+        XidMeaning(64, "ECC page retirement / row remapping failed", True),
+        XidMeaning(74, "NVLink error", True),
+        XidMeaning(79, "GPU has fallen off the bus", True),
+        XidMeaning(92, "high single-bit ECC error rate (a warning)", False),
+        XidMeaning(94, "contained uncorrectable ECC error", True),
+        XidMeaning(95, "uncontained uncorrectable ECC error: every application on the GPU is affected", True),
+    )
+}
+
+_NOT_OVERRULED = frozenset({FailureKind.CONFIG_ERROR, FailureKind.GPU_FAULT})
+
+
+def meaning(code: int) -> XidMeaning:
+    """The catalogue entry for ``code``; an unknown Xid is not fatal ("see NVIDIA's catalogue")."""
+    return XIDS.get(code, XidMeaning(code, "see NVIDIA's Xid catalogue", False))
+
+
+def describe(codes: Sequence[int]) -> str:
+    """``Xid 79 (GPU has fallen off the bus, fatal), Xid 13 (...)``, each code once."""
+    parts = []
+    for code in dict.fromkeys(codes):
+        entry = meaning(code)
+        parts.append(f"Xid {code} ({entry.meaning}{', fatal' if entry.fatal else ''})")
+    return ", ".join(parts)
+
+
+def fatal_xid(codes: Sequence[int]) -> int | None:
+    """The first fatal Xid among ``codes``, else None."""
+    return next((code for code in codes if meaning(code).fatal), None)
+
+
+def overrule(failure: Failure, codes: Sequence[int]) -> Failure:
+    """``failure``, or a ``gpu_fault`` when the Xids seen during the attempt decide (module doc)."""
+    if not codes:
+        return failure
+    fatal = fatal_xid(codes)
+    if fatal is None and (failure.kind.is_oom or failure.kind in _NOT_OVERRULED):
+        return failure
+    numbers = {"xid": list(dict.fromkeys(codes)), **({"fatal_xid": fatal} if fatal is not None else {})}
+    verdict = "not retried on this GPU" if fatal is not None else "retried once"
+    why = (
+        f"NVML: {describe(codes)} during the attempt, {verdict}; the child's own failure: {failure.evidence}"
+    )
+    return Failure(FailureKind.GPU_FAULT, failure.stage, numbers, why, failure.message)

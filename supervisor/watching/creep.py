@@ -1,0 +1,123 @@
+"""Memory creep: a peak that rises step after step (a leak) towards the budget, seen in heartbeats.
+
+A healthy run's peak is flat after its first steps, or jumps now and then when a longer batch
+than any before arrives (a new record, rarer as the run goes on). A leak (tensors kept across
+steps: a loss kept with its graph, a growing list of outputs, a cache) raises the peak at every
+step. The rule, on the peak after each completed optimizer step of this attempt (the child's
+``peak_bytes``, which only grows):
+
+* **a leak**: over the last :data:`WINDOW` steps, the peak rose by more than the noise
+  (:data:`NOISE_FLOOR` or 0.1 % of the peak, whichever is larger: the peak only grows, so a
+  healthy step adds nothing) in every interval but at
+  most one, and the least-squares slope is positive. The first :data:`WARMUP_STEPS` steps are
+  left out: optimizer state and the allocator's first segments land there.
+* **approaching the budget**: the line through the window reaches the budget within
+  :data:`HORIZON_STEPS` steps (``predicted_oom_step``). The budget is the cap the peak is
+  measured against: the GPU budget for the CUDA allocator's peak, ``cpu_memory_limit`` for the
+  data segment's.
+
+When both hold, :meth:`CreepWatch.observe` returns a :class:`CreepForecast` once per attempt;
+the runner logs ``memory_creep`` and asks the child for an early checkpoint
+(``protocol.EARLY_CHECKPOINT_SIGNAL``), so that the OOM that follows costs no finished step.
+A leak with no budget to compare against is reported once too (``predicted_oom_step`` None),
+without the signal: there is nothing to say when it will end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from qlora_supervise.trainer_child.protocol import Heartbeat, PeakSource
+
+WINDOW = 6
+WARMUP_STEPS = 2
+HORIZON_STEPS = 8
+NOISE_FLOOR = 8 * 1024**2
+NOISE_SHARE = 0.001
+
+
+@dataclass(frozen=True)
+class CreepForecast:
+    """A leak seen in the heartbeats, and when it reaches the budget."""
+
+    step: int
+    peak_bytes: int
+    slope_bytes_per_step: float
+    budget_bytes: int | None
+    predicted_oom_step: int | None  # None: no budget to reach
+    window_steps: int
+
+    @property
+    def asks_for_checkpoint(self) -> bool:
+        return self.predicted_oom_step is not None
+
+
+class CreepWatch:
+    """Fed every heartbeat of one attempt; says once when memory creeps towards the budget."""
+
+    def __init__(self, gpu_budget: int | None, cpu_budget: int | None, first_step: int = 0) -> None:
+        self._budgets = {PeakSource.CUDA_ALLOCATOR: gpu_budget, PeakSource.DATA_SEGMENT: cpu_budget}
+        self._first_step = first_step
+        self._peaks: dict[int, int] = {}
+        self._source: PeakSource | None = None
+        self.fired = False
+
+    def observe(self, beat: Heartbeat) -> CreepForecast | None:
+        """The forecast the first time the module's rule holds; None before and after."""
+        peak = beat.memory.peak_bytes
+        if self.fired or peak is None or beat.step <= self._first_step + WARMUP_STEPS:
+            return None
+        self._source = beat.memory.peak_source
+        self._peaks[beat.step] = max(self._peaks.get(beat.step, 0), peak)
+        for old in sorted(self._peaks)[:-WINDOW]:  # only the window is ever read
+            del self._peaks[old]
+        forecast = self._forecast()
+        if forecast is None:
+            return None
+        budget = forecast.budget_bytes
+        if budget is not None and (
+            forecast.predicted_oom_step is None or forecast.predicted_oom_step - forecast.step > HORIZON_STEPS
+        ):
+            return None  # a leak, but the budget is still far: say so when it is near
+        self.fired = True
+        return forecast
+
+    def _forecast(self) -> CreepForecast | None:
+        steps = sorted(self._peaks)[-WINDOW:]
+        if len(steps) < WINDOW:
+            return None
+        peaks = [self._peaks[step] for step in steps]
+        noise = max(NOISE_FLOOR, NOISE_SHARE * peaks[-1])
+        rises = sum(1 for before, after in itertools.pairwise(peaks) if after - before > noise)
+        slope = _slope(steps, peaks)
+        if rises < len(steps) - 2 or slope <= 0:
+            return None
+        budget = self._budgets.get(self._source) if self._source is not None else None
+        return CreepForecast(
+            step=steps[-1],
+            peak_bytes=peaks[-1],
+            slope_bytes_per_step=slope,
+            budget_bytes=budget,
+            predicted_oom_step=_reaches(steps[-1], peaks[-1], slope, budget),
+            window_steps=len(steps),
+        )
+
+
+def _slope(steps: list[int], peaks: list[int]) -> float:
+    mean_x = sum(steps) / len(steps)
+    mean_y = sum(peaks) / len(peaks)
+    spread = sum((x - mean_x) ** 2 for x in steps)
+    if spread == 0:
+        return 0.0
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(steps, peaks, strict=True)) / spread
+
+
+def _reaches(step: int, peak: int, slope: float, budget: int | None) -> int | None:
+    """The first step whose peak the line puts at or above the budget."""
+    if budget is None:
+        return None
+    if peak >= budget:
+        return step + 1
+    return step + max(1, math.ceil((budget - peak) / slope))
