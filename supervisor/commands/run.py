@@ -1,18 +1,28 @@
-"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, run the loop."""
+"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, run the loop.
+
+Reporting is wired here, at the edge: the console progress, sd_notify, the metrics textfile
+and the ``on_event`` hook, as the loop's :class:`Reporter` and the event log's listeners. The
+run ends with the same summary ``demo`` prints.
+"""
 
 from __future__ import annotations
 
 import sys
 from typing import Any, TextIO
 
+from qlora_supervise.supervisor.commands.summary import print_summary
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
-from qlora_supervise.supervisor.record.eventlog import open_event_log
+from qlora_supervise.supervisor.record.eventlog import Listener, open_event_log
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
+from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.hooks import EventHook
+from qlora_supervise.supervisor.reporting.reporter import Reporter
+from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.trainer_child.durable import write_text_atomic
 
 
@@ -22,23 +32,53 @@ def run_job(
     seams: Seams | None = None,
     console: TextIO = sys.stderr,
     install_signals: bool = True,
+    summary: TextIO | None = sys.stdout,
 ) -> int:
-    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``)."""
+    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``).
+
+    ``summary`` receives the retry story and how to load the adapter (None: nothing printed).
+    """
     job = _load(job_path)
     run_dir = RunDir(job.output_dir)
     lock = run_dir.lock()
     try:
-        log = open_event_log(run_dir.events, console)
+        reporter, listeners, hook = _reporting(job, console, plain)
+        log = open_event_log(run_dir.events, console, listeners)
+        if hook is not None:
+            hook.log = log
         _keep_job_copy(run_dir, job, log)
-        supervisor = Supervisor(job, run_dir, log, seams, console, plain, policy_settings(job))
+        seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
+        supervisor = Supervisor(job, run_dir, log, seams, console, plain, policy_settings(job), reporter)
         if install_signals:
             supervisor.install_signal_handlers()
-        notify.ready()
+        notify.ready(f"supervising {job.job_file.name}")
         code = supervisor.run()
-        notify.stopping()
-        return code
+        reporter.clear()
+        notify.stopping(f"exit {code}")
     finally:
         lock.close()
+    if summary is not None:
+        print_summary(run_dir, summary)
+    return code
+
+
+def _reporting(job: Job, console: TextIO, plain: bool) -> tuple[Reporter, list[Listener], EventHook | None]:
+    """The reporter the loop ticks and the listeners the event log feeds, from the job's settings."""
+    budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
+    service = ServiceStatus(job.supervise.max_attempts, budget)
+    listeners: list[Listener] = [service.on_event]
+    metrics = None
+    if job.supervise.metrics_textfile is not None:
+        from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile  # only when asked
+
+        metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
+        listeners.append(metrics.on_event)
+    hook = None
+    if job.supervise.on_event is not None:
+        hook = EventHook(job.supervise.on_event, job.supervise.on_event_timeout)
+        listeners.append(hook.on_event)
+    display = ProgressDisplay(console, plain, job.train.logging_steps)
+    return Reporter(display, service, metrics), listeners, hook
 
 
 def _load(job_path: str) -> Job:

@@ -23,6 +23,7 @@ from qlora_supervise.supervisor.jobfile.fields import (
     ComputeDtype,
     Device,
     Fraction,
+    HookArgv,
     Ladders,
     Name,
     NonNegativeFloat,
@@ -32,6 +33,7 @@ from qlora_supervise.supervisor.jobfile.fields import (
     PositiveFloat,
     PositiveInt,
     QuantType,
+    ReportTo,
     ResolvedPath,
     Scheduler,
     Seconds,
@@ -63,6 +65,9 @@ class ModelSection(Section):
     path: ResolvedPath
     fallbacks: PathList = ()  # smaller models for the last rung; none unless named
     trust_remote_code: bool = _TRAIN.trust_remote_code
+    # A hub id (org/name) not in the local cache is downloaded only when this is true and the
+    # machine is online (HF_HUB_OFFLINE unset).
+    allow_download: bool = False
 
 
 class DataSection(Section):
@@ -114,6 +119,7 @@ class TrainSection(Section):
     packing: bool = _TRAIN.packing
     seed: NonNegativeInt = _TRAIN.seed
     merge: bool = _TRAIN.merge
+    report_to: ReportTo = cast(ReportTo, _TRAIN.report_to)
 
 
 class ResourcesSection(Section):
@@ -150,6 +156,14 @@ class SuperviseSection(Section):
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
+    # How long a stop (SIGTERM, `systemctl stop`) waits for the child's checkpoint before SIGKILL.
+    stop_grace: Seconds = 180.0
+    # A command (argv list, never a shell string) run on retry, gave_up and run_succeeded, with
+    # the event as JSON on stdin; a failing or slow hook is logged and never stops the run.
+    on_event: HookArgv | None = None
+    on_event_timeout: Seconds = 30.0
+    # node_exporter textfile-collector file (written atomically); None: no metrics.
+    metrics_textfile: ResolvedPath | None = None
 
 
 SECTIONS: Mapping[str, type[Section]] = {

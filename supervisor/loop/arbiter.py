@@ -59,6 +59,7 @@ from qlora_supervise.supervisor.record.records import (
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -81,13 +82,14 @@ class Supervisor:
         console: TextIO = sys.stderr,
         plain: bool = False,
         settings: policy.Settings | None = None,
+        reporter: Reporter | None = None,
     ) -> None:
         self.job = job
         self.settings = settings or policy.Settings()
         self.rd = run_dir
         self.log = log
         self.seams = seams or Seams()
-        self.display = ProgressDisplay(console, plain)
+        self.display = reporter or Reporter(ProgressDisplay(console, plain))
         self.stop_signal: int | None = None
         self.stop_event = threading.Event()  # the same request, for tenacity's stop condition
         self.hup_seen = False

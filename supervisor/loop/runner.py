@@ -25,7 +25,7 @@ from qlora_supervise.supervisor.record.journal import InFlight, RunState, State,
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
@@ -41,7 +41,7 @@ class RunnerContext:
     rd: RunDir
     seams: Seams
     log: Any
-    display: ProgressDisplay
+    display: Reporter  # console, sd_notify STATUS/WATCHDOG (fed by the child's events), metrics
     gpu: GpuProbe | None
     stop_signal: Callable[[], int | None]
     hup_seen: Callable[[], bool]
@@ -184,8 +184,9 @@ class AttemptRunner:
     def _watch(
         self, number: int, proc: ChildHandle, reader: HeartbeatReader, spec: AttemptSpec, log: Any
     ) -> Watched:
-        # One tick: ping systemd, read heartbeats, draw progress, sample memory, then the three
-        # ways a watch ends early (a stop signal, a hang) before the child's own exit.
+        # One tick: read heartbeats, report progress (systemd's watchdog is fed there, by the
+        # child's events, not by this timer), sample memory, then the ways a watch ends early
+        # (a stop signal, a hang) before the child's own exit.
         ctx, seams = self.ctx, self.ctx.seams
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
@@ -196,7 +197,6 @@ class AttemptRunner:
         hang_timeout = ctx.job.supervise.hang_timeout
         while proc.poll() is None:
             now = seams.clock()
-            ctx.ping(now)
             reader.poll(now)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:

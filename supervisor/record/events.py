@@ -45,6 +45,7 @@ class Event(str, enum.Enum):
     STATE_UNREADABLE = "state_unreadable"
     JOURNAL_LINE_UNREADABLE = "journal_line_unreadable"
     REPORT_UNREADABLE = "report_unreadable"
+    HOOK_FAILED = "hook_failed"  # supervise.on_event failed or timed out; the run goes on
 
     def __str__(self) -> str:
         return self.value
