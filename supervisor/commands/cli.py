@@ -91,6 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
     scope = install.add_mutually_exclusive_group()
     scope.add_argument("--system", dest="user", action="store_false", help="a system unit (default)")
     scope.add_argument("--user", dest="user", action="store_true", help="a unit of your user's manager")
+    install.set_defaults(user=False)
     install.add_argument("--force", action="store_true", help="overwrite an existing unit or job copy")
     install.add_argument("--root", help="install under this directory instead of / (packaging, tests)")
     install.add_argument("--name", help="the instance name (default: the job file's stem)")
