@@ -31,6 +31,7 @@ import yaml
 from qlora_supervise.supervisor.commands.series import attempt_series
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
+from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
@@ -70,9 +71,9 @@ def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
     records, _ = read_attempts(rd.attempts)
     job = _job_copy(rd)
     budget = _budget(job)
-    config_dir = model_config.parent if model_config else None
+    given = _shape_of(model_config) if model_config else None
     on_gpu = str((job.get("resources") or {}).get("gpu", "auto")) != "cpu"
-    rows = [_row(rd, r, config_dir, on_gpu) for r in records]
+    rows = [_row(rd, r, given, on_gpu) for r in records]
     return {
         "schema": SCHEMA,
         "run_dir": str(rd.root),
@@ -102,9 +103,16 @@ def _budget(job: dict[str, Any]) -> int | None:
     return None
 
 
-def _row(rd: RunDir, r: AttemptRecord, config_dir: Path | None, on_gpu: bool) -> dict[str, Any]:
+def _shape_of(config: Path) -> ModelShape:
+    try:
+        return ModelShape.from_config(json.loads(config.read_text(encoding="utf-8")))
+    except (OSError, ValueError) as error:
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--model-config {config}: {error}") from None
+
+
+def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -> dict[str, Any]:
     f, d = r.failure, r.decision
-    shape = model_shape(config_dir or Path(r.knobs.model))
+    shape = given or model_shape(Path(r.knobs.model))
     predicted = None
     if shape is not None and on_gpu:
         from qlora_supervise.policies.memory_model import estimate_peak
@@ -132,7 +140,13 @@ def _row(rd: RunDir, r: AttemptRecord, config_dir: Path | None, on_gpu: bool) ->
     }
 
 
-_KEY_NUMBERS = ("tried_to_allocate", "allowed", "reserved_unallocated", "others_in_use")
+#: The numbers that tell each kind's story (the JSON keeps them all).
+_KEY_NUMBERS = {
+    "oom_fragmentation": ("tried_to_allocate", "reserved_unallocated"),
+    "oom_contention": ("tried_to_allocate", "others_in_use"),
+}
+_DEFAULT_KEYS = ("tried_to_allocate", "allowed")
+_SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free", "others_in_use": "others"}
 
 
 def print_table(story: dict[str, Any], out: TextIO) -> None:
@@ -141,10 +155,9 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
     rows = [header]
     for a in story["attempts"]:
         outcome = a["kind"] or a["outcome"]
+        keys = _KEY_NUMBERS.get(a["kind"] or "", _DEFAULT_KEYS)
         numbers = ", ".join(
-            f"{k.replace('_', ' ')} {format_bytes(a['numbers'][k])}"
-            for k in _KEY_NUMBERS
-            if k in a["numbers"]
+            f"{_SHORT.get(k, k)} {format_bytes(a['numbers'][k])}" for k in keys if k in a["numbers"]
         )
         change = a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up")
         peak = format_bytes(a["peak_bytes"]) if a["peak_bytes"] else "?"
