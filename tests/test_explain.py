@@ -93,8 +93,8 @@ def test_explain_plot_writes_a_png_of_every_attempt(tmp_path: Path) -> None:
 def test_the_supervisor_never_imports_matplotlib() -> None:
     """run, status and explain without --plot leave matplotlib (and torch) unimported."""
     code = (
-        "import sys; import qlora_supervise.supervisor.commands.run, qlora_supervise.supervisor.commands.explain;"
-        "import qlora_supervise.supervisor.commands.status;"
+        "import sys; import qlora_supervise.supervisor.commands.run;"
+        "import qlora_supervise.supervisor.commands.explain, qlora_supervise.supervisor.commands.status;"
         "print('matplotlib' in sys.modules, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

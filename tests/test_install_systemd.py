@@ -13,7 +13,9 @@ import yaml
 from qlora_supervise.supervisor.commands.cli import main
 
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
-needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+needs_systemd = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed"
+)
 
 
 def _job(tmp_path: Path) -> Path:
@@ -69,7 +71,10 @@ def test_install_writes_unit_job_and_env_under_the_root_and_refuses_to_overwrite
     assert installed["model"]["path"] == str(tmp_path / "model")
     assert installed["output_dir"] == str(tmp_path / "run")
     out = capsys.readouterr().out
-    assert "sudo systemctl enable --now qlora-supervise@myjob" in out and "journalctl -u qlora-supervise@myjob" in out
+    assert (
+        "sudo systemctl enable --now qlora-supervise@myjob" in out
+        and "journalctl -u qlora-supervise@myjob" in out
+    )
 
     copy.write_text("# edited by the admin\n")
     assert main(argv) == 2

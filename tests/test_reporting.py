@@ -44,7 +44,10 @@ def test_metrics_textfile_scrapes_attempts_step_peak_budget_and_state(tmp_path: 
     metrics.on_event({"event": "backoff"})
     scraped = _scrape(path)
     run = (("run", "myjob"),)
-    assert scraped[("qlora_supervise_attempts_total", (("kind", "oom_forward"), ("outcome", "failed"), *run))] == 1
+    assert (
+        scraped[("qlora_supervise_attempts_total", (("kind", "oom_forward"), ("outcome", "failed"), *run))]
+        == 1
+    )
     assert scraped[("qlora_supervise_step", run)] == 42
     assert scraped[("qlora_supervise_max_steps", run)] == 100
     assert scraped[("qlora_supervise_tokens_per_second", run)] == 1900
@@ -70,10 +73,8 @@ def _hook_script(tmp_path: Path, body: str) -> list[str]:
 def test_on_event_hook_gets_the_event_json_on_stdin_for_the_hooked_events(tmp_path: Path) -> None:
     """retry, gave_up and run_succeeded run the argv with the event's JSON on stdin; others do not."""
     seen = tmp_path / "seen.jsonl"
-    argv = _hook_script(
-        tmp_path,
-        f"e = json.load(sys.stdin)\nopen({str(seen)!r}, 'a').write(json.dumps([os.environ['QLORA_SUPERVISE_EVENT'], e]) + '\\n')",
-    )
+    record = f"open({str(seen)!r}, 'a').write(json.dumps([os.environ['QLORA_SUPERVISE_EVENT'], e]) + '\\n')"
+    argv = _hook_script(tmp_path, f"e = json.load(sys.stdin)\n{record}")
     hook = EventHook(argv, timeout_s=20)
     log = open_event_log(tmp_path / "events.jsonl", None, [hook.on_event])
     hook.log = log
@@ -101,7 +102,11 @@ def test_a_failing_hook_is_logged_and_the_log_goes_on(tmp_path: Path, body: str 
     names = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
     assert names == ["run_succeeded", "hook_failed", "stopped"]
     failed = read_events(tmp_path / "events.jsonl")[1]
-    assert problem in failed["problem"] and failed["level"] == "warning" and failed["for_event"] == "run_succeeded"
+    assert (
+        problem in failed["problem"]
+        and failed["level"] == "warning"
+        and failed["for_event"] == "run_succeeded"
+    )
 
 
 def test_console_lines_carry_journald_priorities_under_journald(
@@ -146,7 +151,9 @@ def test_plain_progress_prints_one_line_per_logging_step_with_elapsed_and_eta() 
 
 def test_status_line_reads_like_the_issue_asks() -> None:
     """attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2h10m."""
-    p = Progress(step=420, stage="backward", max_steps=1000, tokens_per_s=1912.0, peak_bytes=int(21.3 * 2**30))
+    p = Progress(
+        step=420, stage="backward", max_steps=1000, tokens_per_s=1912.0, peak_bytes=int(21.3 * 2**30)
+    )
     line = status_line(3, 8, p, Pace(100.0, 0.0744, 7800.0), 24 * 2**30)
     assert line == "attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2h10m"
 

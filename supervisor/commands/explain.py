@@ -28,10 +28,10 @@ from typing import Any, TextIO
 
 import yaml
 
+from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.commands.series import attempt_series
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
-from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
@@ -105,9 +105,15 @@ def _budget(job: dict[str, Any]) -> int | None:
 
 def _shape_of(config: Path) -> ModelShape:
     try:
-        return ModelShape.from_config(json.loads(config.read_text(encoding="utf-8")))
+        shape = ModelShape.from_config(json.loads(config.read_text(encoding="utf-8")))
     except (OSError, ValueError) as error:
         raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--model-config {config}: {error}") from None
+    if shape is None:
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            f"--model-config {config}: not a shape the memory model reads (see `qlora-supervise plan`)",
+        )
+    return shape
 
 
 def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -> dict[str, Any]:

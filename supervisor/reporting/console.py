@@ -17,6 +17,8 @@ from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.reporting.pace import Pace, human_duration
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
+_TRAINING = frozenset({"forward", "backward", "optimizer"})
+
 
 class ProgressDisplay:
     """Draws one attempt's progress; :meth:`clear` ends the bar before a log line."""
@@ -44,7 +46,10 @@ class ProgressDisplay:
 
     def _worth_a_line(self, p: Progress) -> bool:
         last = self._last_key
-        if last is None or last[2] != p.stage:
+        if last is None:
+            return True
+        # forward -> backward -> optimizer every step is not news; load, save, eval and merge are.
+        if last[2] != p.stage and not (p.stage in _TRAINING and last[2] in _TRAINING):
             return True
         return p.step != last[1] and (p.step % self._every == 0 or p.step == p.max_steps)
 
