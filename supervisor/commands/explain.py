@@ -46,8 +46,9 @@ def explain_command(
     as_json: bool = False,
     plot: str | None = None,
     model_config: str | None = None,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> int:
+    out = out or sys.stdout  # at call time, like status
     rd = RunDir(Path(run_dir))
     if not rd.attempts.exists():
         raise SupervisorExit(

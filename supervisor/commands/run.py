@@ -32,11 +32,12 @@ def run_job(
     seams: Seams | None = None,
     console: TextIO = sys.stderr,
     install_signals: bool = True,
-    summary: TextIO | None = sys.stdout,
+    summary: TextIO | None = None,
+    print_summary_at_end: bool = True,
 ) -> int:
     """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``).
 
-    ``summary`` receives the retry story and how to load the adapter (None: nothing printed).
+    The retry story and how to load the adapter go to ``summary`` (default: stdout) at the end.
     """
     job = _load(job_path)
     run_dir = RunDir(job.output_dir)
@@ -57,8 +58,8 @@ def run_job(
         notify.stopping(f"exit {code}")
     finally:
         lock.close()
-    if summary is not None:
-        print_summary(run_dir, summary)
+    if print_summary_at_end:
+        print_summary(run_dir, summary or sys.stdout)
     return code
 
 

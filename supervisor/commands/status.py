@@ -41,9 +41,10 @@ def status_command(
     output_dirs: Sequence[str],
     as_json: bool = False,
     follow: bool = False,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     every_s: float = 2.0,
 ) -> int:
+    out = out or sys.stdout  # at call time: a redirected stdout (tests, pipes) is the one to use
     dirs = [_run_dir(d) for d in (output_dirs or ["."])]
     seen: list[tuple[float, ...]] = []
     while True:

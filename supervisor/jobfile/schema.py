@@ -12,12 +12,23 @@ of the loop, ``keep_effective_batch``, the fallbacks) has its default here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from qlora_supervise.policies.decide import Settings
+from qlora_supervise.supervisor.jobfile import hub
 from qlora_supervise.supervisor.jobfile.fields import (
     ByteSize,
     ComputeDtype,
@@ -62,12 +73,24 @@ class Section(BaseModel):
 
 
 class ModelSection(Section):
+    """``path`` is a local directory or a hub id (``org/name``), resolved to its cached snapshot."""
+
+    # Declared before ``path``: the path's validator reads it (pydantic validates in field order).
+    # A hub id not in the local cache is downloaded only when this is true and the machine is online.
+    allow_download: bool = False
     path: ResolvedPath
     fallbacks: PathList = ()  # smaller models for the last rung; none unless named
     trust_remote_code: bool = _TRAIN.trust_remote_code
-    # A hub id (org/name) not in the local cache is downloaded only when this is true and the
-    # machine is online (HF_HUB_OFFLINE unset).
-    allow_download: bool = False
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _hub_id_to_snapshot(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, str):
+            return value
+        job_dir = Path(str((info.context or {}).get("job_dir", os.getcwd())))
+        if not hub.looks_like_hub_id(value.strip(), job_dir):
+            return value
+        return hub.resolve_hub_id(value.strip(), info.data.get("allow_download") is True)
 
 
 class DataSection(Section):
