@@ -114,7 +114,7 @@ def _prediction(
     predicted = a["predicted_peak_bytes"]
     if not predicted:
         return 0.0
-    value = predicted / scale
+    value = float(predicted) / scale
     if ceiling is not None and value > ceiling:
         ax.annotate(
             f"predicted {value:.1f} ↑ (off the scale)",
