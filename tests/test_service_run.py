@@ -100,3 +100,19 @@ def test_run_tells_systemd_ready_status_watchdog_and_stopping(
     assert any(s.startswith("STATUS=attempt 2/8 · step ") for s in stepping), stepping
     assert any(m == "WATCHDOG=1\n" for m in messages)
     assert messages[-1].startswith("STOPPING=1\n")
+
+
+def test_status_of_a_config_error_names_the_fix_and_the_child_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong target_modules: status prints the child's message as the fix and points to child.log."""
+    from qlora_supervise.supervisor.commands.status import status_command
+
+    job = _job(tmp_path, monkeypatch, {"1": "config_error"})
+    code = run_job(str(job), plain=True, seams=scripted_seams(), console=io.StringIO(), install_signals=False)
+    assert code == 4
+    capsys.readouterr()
+    assert status_command([str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "  fix: " in out and "target_modules ['q'] matched no layer" in out
+    assert f"  log: {tmp_path / 'run' / 'attempt-001' / 'child.log'}" in out
