@@ -1,6 +1,6 @@
 """Peak memory and time of the trainer child on the tiny model, per config (CPU).
 
-    python bench/child_memory.py [TINY_DIR]
+    python bench/child_memory.py [TINY_DIR]      # default /tmp/tiny, built first when missing
 
 Runs each config for a few optimizer steps (effective batch 16) and prints the peak data
 segment (what RLIMIT_DATA caps), the peak RSS and the wall time. Used to choose the
@@ -9,13 +9,14 @@ segment (what RLIMIT_DATA caps), the peak RSS and the wall time. Used to choose 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _child import events, make_spec, run_child
+from _child import events, log_tail, make_spec, run_child
 
 from qlora_supervise.trainer_child.protocol import Heartbeat
 
@@ -51,19 +52,27 @@ def measure(tiny: Path, micro: int, seq: int, checkpointing: bool, steps: int = 
         code = run_child(spec, timeout=600)
         wall = time.monotonic() - start
         beats = [b for e in events(spec) if e["event"] == "heartbeat" and (b := Heartbeat.from_fields(e))]
-        started = next(e for e in events(spec) if e["event"] == "started")
+        started = next((e for e in events(spec) if e["event"] == "started"), {})
+        if code != 0 and not beats:
+            print(
+                f"  the child exited {code} before a heartbeat; its log:\n{log_tail(spec, 1500)}", flush=True
+            )
         return {
             "rc": code,
             "wall_s": round(wall, 1),
-            "vmdata_after_imports": started["vmdata"],
+            "vmdata_after_imports": started.get("vmdata") or 0,
             # On the CPU the child's peak is the data segment's (protocol.MemoryNumbers).
-            "peak_vmdata": max(b.memory.peak_bytes or 0 for b in beats),
-            "peak_rss": max(b.memory.rss_high_water_bytes or 0 for b in beats),
+            "peak_vmdata": max((b.memory.peak_bytes or 0 for b in beats), default=0),
+            "peak_rss": max((b.memory.rss_high_water_bytes or 0 for b in beats), default=0),
         }
 
 
 def main() -> None:
     tiny = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/tiny")
+    if not (tiny / "model" / "config.json").is_file():
+        print(f"building the tiny model in {tiny} ...", flush=True)
+        make = [sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(tiny)]
+        subprocess.run(make, check=True, capture_output=True)
     mib = 1 << 20
     for micro, seq, ckpt in CONFIGS:
         row = measure(tiny, micro, seq, ckpt)

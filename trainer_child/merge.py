@@ -1,51 +1,132 @@
 """``python -m qlora_supervise.trainer_child.merge --spec attempt.json``: merge the adapter.
 
-A separate process from training, so it starts with nothing else in memory: the base model is
-loaded in the training compute dtype (not 4-bit: merging into quantized weights would round
-the adapter away), the adapter from ``spec.adapter_dir`` is merged and the result saved to
-``spec.merged_dir`` through a temp dir and a rename. On the CPU when ``Knobs.merge_on_cpu``.
-Errors use the same report and exit codes as training, with stage ``merge``.
+A separate process from training, so it starts with nothing else in memory. In order:
+
+1. the memory plan (:mod:`.merge_plan`): the base's size from its config on the meta device
+   (nothing loaded), the card's free memory and the host's available RAM pick the device;
+2. a fresh base load in the *training* compute dtype (not 4-bit: merging into quantized
+   weights would round the adapter away), with ``low_cpu_mem_usage`` (shard by shard);
+3. the adapter from ``spec.adapter_dir`` merged (``merge_and_unload``), the dtype checked;
+4. a sharded safetensors save to ``spec.merged_dir`` through a temp dir and a rename, with
+   ``merge.json`` inside: time, device, dtype, the plan and the measured GPU and host peaks.
+
+On the CPU when ``Knobs.merge_on_cpu`` (the merge ladder's rung after an ``oom_merge``) or when
+the plan says so. Errors use the same report and exit codes as training, with stage ``merge``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import shutil
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from .attempt import Context, guarded
+from .merge_plan import MAX_SHARD_BYTES, MergePlan, MergeSizes, plan_merge
 from .protocol import AttemptSpec, DeviceError, ExitCode, Stage
 
+REPORT_NAME = "merge.json"
 
-def merge_dtype(name: str, on_gpu: bool) -> object:
-    """The training compute dtype; ``auto`` off the GPU means bf16 (not the fp32 of CPU
-    training), because a CPU merge is usually of a GPU-trained model and fp32 would double it."""
+
+def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
+    """The dtype training computed in: the job's explicit one, else the one the training child
+    recorded (``trained``, e.g. ``torch.bfloat16``), else bf16 off the GPU (a CPU merge is usually
+    of a GPU-trained model, and fp32 would double it)."""
     import torch
 
     from .recipe import compute_dtype
 
-    if name == "auto" and not on_gpu:
-        return torch.bfloat16
-    return compute_dtype(name, on_gpu)
+    if name != "auto":
+        return compute_dtype(name, on_gpu)
+    if trained is not None and hasattr(torch, trained.removeprefix("torch.")):
+        return getattr(torch, trained.removeprefix("torch."))
+    return torch.bfloat16 if not on_gpu else compute_dtype(name, on_gpu)
+
+
+def trained_dtype(run_dir: Path) -> str | None:
+    """The dtype the newest training attempt loaded in (its ``loaded`` event), if recorded."""
+    for events in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]/child-events.jsonl"), reverse=True):
+        for line in reversed(events.read_text(encoding="utf-8", errors="replace").splitlines()):
+            if '"loaded"' in line:
+                try:
+                    value = json.loads(line).get("dtype")
+                except ValueError:
+                    continue
+                if isinstance(value, str):
+                    return value
+    return None
+
+
+def measure_sizes(model: str, adapter: Path, dtype: Any, trust_remote_code: bool) -> MergeSizes:
+    """Sizes from the config on the meta device (no weights read) and the files on disk."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    with init_empty_weights():
+        # transformers leaves from_config unannotated (untyped_calls_exclude does not reach it).
+        empty = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)  # type: ignore[no-untyped-call]
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in empty.parameters()) * size
+    layer = max((m.weight.numel() for m in empty.modules() if isinstance(m, torch.nn.Linear)), default=0)
+    shards = [p.stat().st_size for p in Path(model).glob("*.safetensors")] if Path(model).is_dir() else []
+    adapter_bytes = sum(p.stat().st_size for p in adapter.glob("*.safetensors"))
+    return MergeSizes(weights, adapter_bytes, layer * size, max(shards, default=weights))
+
+
+def _host_available() -> int:
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    limit = Path("/sys/fs/cgroup/memory.max")
+    try:
+        text = limit.read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return available
+    return min(available, int(text) - used) if text.isdigit() else available
+
+
+def _plan(ctx: Context, sizes: MergeSizes) -> MergePlan:
+    import torch
+
+    spec = ctx.spec
+    gpu_free = torch.cuda.mem_get_info()[0] if ctx.on_cuda else None
+    if gpu_free is not None and spec.gpu_memory_limit is not None:
+        gpu_free = min(gpu_free, spec.gpu_memory_limit)
+    requested = "cpu" if spec.knobs.merge_on_cpu else os.environ.get(DEVICE_ENV, "auto")
+    return plan_merge(sizes, requested, gpu_free, _host_available())
+
+
+#: ``qlora-supervise merge --device`` reaches the child through this variable (the spec's device
+#: names *which* GPU; this says whether to use it).
+DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"
 
 
 def merge(ctx: Context) -> ExitCode:
+    # The four steps of the module docstring in order; kept together so the memory-relevant order
+    # (plan before load, the base freed before the next process) reads in one place.
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import checkpoints
-    from .durable import fsync_dir
     from .failure import ConfigError
 
-    spec = ctx.spec
+    spec, started = ctx.spec, time.monotonic()
     adapter = Path(spec.adapter_dir)
     if not (adapter / "adapter_config.json").is_file():
         raise ConfigError(f"adapter_dir {adapter}: no adapter_config.json (has training finished?)")
     ctx.progress.enter(Stage.MERGE)
-    on_gpu = ctx.on_cuda and not spec.knobs.merge_on_cpu
-    dtype = merge_dtype(spec.train.compute_dtype, on_gpu)
+    trained = trained_dtype(Path(spec.run_dir))
+    dtype = merge_dtype(spec.train.compute_dtype, ctx.on_cuda, trained)
+    plan = _plan(ctx, measure_sizes(spec.knobs.model, adapter, dtype, spec.train.trust_remote_code))
+    on_gpu = plan.device == "cuda"
+    ctx.events.emit("merge_plan", **plan.fields(), dtype=str(dtype))
     base = AutoModelForCausalLM.from_pretrained(
         spec.knobs.model,
         dtype=dtype,
@@ -54,21 +135,48 @@ def merge(ctx: Context) -> ExitCode:
         low_cpu_mem_usage=True,
     )
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    check_dtype(merged, dtype)
     target = Path(spec.merged_dir)
     temp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
-    merged.save_pretrained(temp)
+    merged.save_pretrained(temp, max_shard_size=MAX_SHARD_BYTES)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(temp)
+    report = {
+        "seconds": round(time.monotonic() - started, 1),
+        "device": plan.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "trained_dtype": trained,
+        "gpu_peak_bytes": int(torch.cuda.max_memory_allocated()) if on_gpu else None,
+        "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+        "shards": sorted(p.name for p in temp.glob("*.safetensors")),
+        "plan": plan.fields(),
+    }
+    (temp / REPORT_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    _publish(temp, target)
+    del merged, base
+    ctx.events.emit(
+        "finished", step=None, merged=str(target), **{k: report[k] for k in ("seconds", "device")}
+    )
+    return ExitCode.OK
+
+
+def check_dtype(model: Any, dtype: Any) -> None:
+    """Every floating-point weight of the merged model is in the training dtype: a mixed model
+    (an fp32 delta left in a bf16 base) would double in size on disk and change the numbers."""
+    wrong = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != dtype})
+    if wrong:
+        raise RuntimeError(f"merged weights in {wrong}, expected {dtype} (the training compute dtype)")
+
+
+def _publish(temp: Path, target: Path) -> None:
+    from . import checkpoints
+    from .durable import fsync_dir
+
     checkpoints.fsync_tree(temp)
     if target.exists():
         shutil.rmtree(target)
     os.rename(temp, target)
     fsync_dir(target.parent)
-    del merged, base
-    if on_gpu:
-        torch.cuda.empty_cache()
-    ctx.events.emit("finished", step=None, merged=str(target))
-    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
-    if spec.knobs.merge_on_cpu:
+    if spec.knobs.merge_on_cpu or os.environ.get(DEVICE_ENV) == "cpu":
         spec = _on_cpu(spec)
     try:
         prepare_env(spec)

@@ -164,6 +164,9 @@ class TrainSpec:
     compute_dtype: str = "auto"
     trust_remote_code: bool = False
     merge: bool = False
+    # Passed through to the Trainer: "none" or "tensorboard" (logs in <run_dir>/tensorboard,
+    # one directory across attempts so the curves continue after a restart).
+    report_to: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +325,7 @@ EVENT_NAMES = frozenset(
         "resumed",  # from_step, path, reset_optimizer, reset_reason; RankReduction fields when cut
         "finished",  # step, adapter path
         "stopping",  # graceful stop requested
+        "merge_plan",  # the merge's memory plan: device, GPU and host needs, what was free
     }
 )
 

@@ -227,7 +227,9 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
         bf16=on_cuda and dtype == torch.bfloat16,
         fp16=on_cuda and dtype == torch.float16,
         use_cpu=not on_cuda,
-        report_to="none",
+        # "none" or "tensorboard" (the job's train.report_to); the log directory is set by
+        # report_env, one for every attempt of the run.
+        report_to=train.report_to,
         disable_tqdm=True,
         dataloader_num_workers=0,
         # Never: a restored batch size would undo the micro-batch rung (see attempt docs).
@@ -241,6 +243,26 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
     return SFTConfig(**kwargs)
 
 
+#: TensorBoard's log directory inside the run directory: every attempt writes its event file
+#: there, so the curves of a restarted run continue (steps resume from the checkpoint's step).
+TENSORBOARD_DIR = "tensorboard"
+
+
+def report_env(spec: AttemptSpec) -> dict[str, str]:
+    """Environment the Trainer's reporting integrations read (transformers' TensorBoardCallback
+    takes its directory from ``TENSORBOARD_LOGGING_DIR``, else a new dated one per process)."""
+    if spec.train.report_to != "tensorboard":
+        return {}
+    from importlib.util import find_spec
+
+    if find_spec("tensorboard") is None and find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "train.report_to: tensorboard, but tensorboard is not installed in the trainer's environment: "
+            "pip install tensorboard (or set report_to: none)"
+        )
+    return {"TENSORBOARD_LOGGING_DIR": str(Path(spec.run_dir) / TENSORBOARD_DIR)}
+
+
 def build(
     spec: AttemptSpec,
     progress: Progress,
@@ -252,6 +274,7 @@ def build(
     # LoRA, trainer): split into pieces it would no longer read as one script.
     knobs = spec.knobs
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
+    os.environ.update(report_env(spec))
     progress.enter(Stage.LOAD)
     tokenizer = load_tokenizer(spec)
     model = load_model(spec, dtype, on_cuda)

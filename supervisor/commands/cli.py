@@ -39,7 +39,9 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("job", help="the job file (YAML)")
-    run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    run.add_argument(
+        "--plain", action="store_true", help="one progress line per logging step, even on a terminal"
+    )
     run.add_argument(
         "--as-written",
         action="store_true",
@@ -81,8 +83,36 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
 
-    status = sub.add_parser("status", help="summarise a run directory's attempts")
-    status.add_argument("output_dir", help="the job's output_dir")
+    status = sub.add_parser("status", help="summarise the attempts of one or more run directories")
+    status.add_argument("output_dirs", nargs="*", metavar="RUN_DIR", help="jobs' output_dirs (default: .)")
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON object (schema in --help of status)"
+    )
+    status.add_argument(
+        "--follow", action="store_true", help="print again on every change until the runs end"
+    )
+
+    explain = sub.add_parser("explain", help="the retry story as a table, JSON, or a memory-over-time plot")
+    explain.add_argument("run_dir", help="the job's output_dir")
+    explain.add_argument("--json", action="store_true", help="print one JSON object")
+    explain.add_argument("--plot", metavar="FILE.png", help="draw memory over time for every attempt")
+    explain.add_argument("--model-config", help="the model's config.json, when its directory is gone")
+
+    merge = sub.add_parser("merge", help="merge a finished run's adapter into its base model")
+    merge.add_argument("run_dir", help="the job's output_dir (with adapter/)")
+    merge.add_argument("--out", help="where the merged model goes (default: RUN_DIR/merged)")
+    merge.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
+
+    install = sub.add_parser("install-systemd", help="write the systemd unit and the job; print what to run")
+    install.add_argument("job", help="the job file (YAML)")
+    scope = install.add_mutually_exclusive_group()
+    scope.add_argument("--system", dest="user", action="store_false", help="a system unit (default)")
+    scope.add_argument("--user", dest="user", action="store_true", help="a unit of your user's manager")
+    install.set_defaults(user=False)
+    install.add_argument("--force", action="store_true", help="overwrite an existing unit or job copy")
+    install.add_argument("--root", help="install under this directory instead of / (packaging, tests)")
+    install.add_argument("--name", help="the instance name (default: the job file's stem)")
+    install.add_argument("--service-user", help="User= of a system unit (default: you, or qlora for root)")
     return parser
 
 
@@ -127,7 +157,32 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         from qlora_supervise.supervisor.commands.status import status_command
 
-        return status_command(args.output_dir)
+        return status_command(args.output_dirs, as_json=args.json, follow=args.follow)
+    return _dispatch_more(args)
+
+
+def _dispatch_more(args: argparse.Namespace) -> int:
+    if args.command == "explain":
+        from qlora_supervise.supervisor.commands.explain import explain_command
+
+        return explain_command(
+            args.run_dir, as_json=args.json, plot=args.plot, model_config=args.model_config
+        )
+    if args.command == "merge":
+        from qlora_supervise.supervisor.commands.merge import merge_command
+
+        return merge_command(args.run_dir, out=args.out, device=args.device)
+    if args.command == "install-systemd":
+        from qlora_supervise.supervisor.commands.install_systemd import install_systemd_command
+
+        return install_systemd_command(
+            args.job,
+            user_mode=args.user,
+            force=args.force,
+            root=args.root,
+            name=args.name,
+            service_user=args.service_user,
+        )
     raise AssertionError(f"unhandled command {args.command}")
 
 

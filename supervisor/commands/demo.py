@@ -18,9 +18,7 @@ from typing import Any
 
 import yaml
 
-from qlora_supervise.supervisor.commands.status import print_story
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.record.rundir import RunDir
 
 #: The demo's first config: micro-batch 16 without gradient checkpointing needs about
 #: 1.7 GiB of data segment on the tiny model at seq 512 (logits and trl's chunked log-prob
@@ -71,10 +69,7 @@ def demo_command(directory: str) -> int:
 
     from qlora_supervise.supervisor.commands.run import run_job
 
-    code = run_job(str(job_path))
-    print("\n--- the retry story (qlora-supervise status) ---", flush=True)
-    print_story(RunDir(root / "run"), sys.stdout)
-    return code
+    return run_job(str(job_path))  # ends with the summary: the retry story and how to load the adapter
 
 
 def _gpu_present() -> bool:

@@ -60,7 +60,7 @@ from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory.host import HostNeed, host_need
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, resolve_targets
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
+from qlora_supervise.supervisor.jobfile import Job, JobError, hub, load_job, model_files
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.trainer_child.protocol import Knobs
 
@@ -271,7 +271,7 @@ def _model_files(model: str) -> model_files.ModelFiles:
 
 def render(plan: dict[str, Any]) -> list[str]:
     """The plan for a person: components, card, verdict, start config, rungs, host RAM."""
-    lines = [f"plan for {plan['job']}", f"model: {plan['model']}"]
+    lines = [f"plan for {plan['job']}", f"model: {hub.describe(plan['model'])}"]
     if plan["unsupported"]:
         u = plan["unsupported"]
         lines.append(f"NOT MODELLED ({u['reason']}): {u['detail']}; no GPU prediction")

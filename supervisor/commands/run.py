@@ -1,4 +1,9 @@
-"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, run the loop."""
+"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, run the loop.
+
+Reporting is wired here, at the edge: the console progress, sd_notify, the metrics textfile
+and the ``on_event`` hook, as the loop's :class:`Reporter` and the event log's listeners. The
+run ends with the same summary ``demo`` prints.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+from qlora_supervise.supervisor.commands.summary import print_summary
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
-from qlora_supervise.supervisor.record.eventlog import open_event_log
+from qlora_supervise.supervisor.record.eventlog import Listener, open_event_log
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.generations import (
     FieldChange,
@@ -31,6 +37,10 @@ from qlora_supervise.supervisor.record.generations import (
 from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lift, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
+from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.hooks import EventHook
+from qlora_supervise.supervisor.reporting.reporter import Reporter
+from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.trainer_child.disk_space import is_disk_full
 
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
@@ -45,6 +55,8 @@ def run_job(
     as_written: bool = False,
     restart: bool = False,
     retry: bool = False,
+    summary: TextIO | None = None,
+    print_summary_at_end: bool = True,
 ) -> int:
     """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``).
 
@@ -53,6 +65,7 @@ def run_job(
     ``restart``: start a new generation in the same run directory (the current one is kept in
     ``generations/<n>/``); needed when the job changed a field that changes what is trained.
     ``retry``: lift the run's verdict (gave up, not retryable) and try the last config again.
+    The retry story and how to load the adapter go to ``summary`` (default: stdout) at the end.
     """
     job = _load(job_path)
     # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
@@ -61,23 +74,50 @@ def run_job(
     run_dir = RunDir(job.output_dir)
     lock = _at_start(run_dir, run_dir.lock)
     try:
+        reporter, listeners, hook = _reporting(job, console, plain)
         submitted = _at_start(run_dir, lambda: reconcile(run_dir, job, restart))
-        log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console))
+        log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console, listeners))
+        if hook is not None:
+            hook.log = log
         _announce(submitted, log, console)
         _at_start(run_dir, lambda: _lift_verdict(run_dir, submitted, retry, log))
         if job.train.trust_remote_code:
             log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
+        seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
+        settings = policy_settings(job)
         supervisor = Supervisor(
-            job, run_dir, log, seams, console, plain, policy_settings(job), as_written=as_written
+            job, run_dir, log, seams, console, plain, settings, reporter, as_written=as_written
         )
         if install_signals:
             supervisor.install_signal_handlers()
-        notify.ready()
+        notify.ready(f"supervising {job.job_file.name}")
         code = supervisor.run()
-        notify.stopping()
-        return code
+        reporter.clear()
+        notify.stopping(f"exit {code}")
     finally:
         lock.close()
+    if print_summary_at_end:
+        print_summary(run_dir, summary or sys.stdout)
+    return code
+
+
+def _reporting(job: Job, console: TextIO, plain: bool) -> tuple[Reporter, list[Listener], EventHook | None]:
+    """The reporter the loop ticks and the listeners the event log feeds, from the job's settings."""
+    budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
+    service = ServiceStatus(job.supervise.max_attempts, budget)
+    listeners: list[Listener] = [service.on_event]
+    metrics = None
+    if job.supervise.metrics_textfile is not None:
+        from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile  # only when asked
+
+        metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
+        listeners.append(metrics.on_event)
+    hook = None
+    if job.supervise.on_event is not None:
+        hook = EventHook(job.supervise.on_event, job.supervise.on_event_timeout)
+        listeners.append(hook.on_event)
+    display = ProgressDisplay(console, plain, job.train.logging_steps)
+    return Reporter(display, service, metrics), listeners, hook
 
 
 _T = TypeVar("_T")

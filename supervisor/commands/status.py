@@ -1,14 +1,34 @@
-"""``qlora-supervise status DIR``: the retry story of a run directory, for a person."""
+"""``qlora-supervise status [RUN_DIR ...] [--json] [--follow]``: the retry story of run directories.
+
+It reads only the run directory (state.json, attempts.jsonl, attempt-NNN/, merged/merge.json),
+so it works whether or not a supervisor is running, for several runs at once. For every failure
+it prints the line that names the fix (the child's own message: a wrong ``target_modules``
+lists the layers that exist) and the attempt's ``child.log``.
+
+``--json`` prints one object, schema ``qlora-supervise.status/1``::
+
+    {"schema": "qlora-supervise.status/1",
+     "runs": [{"run_dir": str, "state": str | null, "note": str, "lost_steps": int,
+               "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
+               "unreadable_lines": int,
+               "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null}]}]}
+
+``--follow`` prints again whenever a run's journal or state changes, until every run has ended
+(succeeded, gave up, failed, stopped) or Ctrl-C.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
-from qlora_supervise.supervisor.record.journal import read_attempts, read_state
+from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.protocol import MEMORY_SNAPSHOT_NAME
@@ -19,17 +39,91 @@ SNAPSHOT_HOW_TO = (
     "'Active Memory Timeline' shows what filled the card, 'Allocator State History' the segments)"
 )
 
+SCHEMA = "qlora-supervise.status/1"
+MERGE_REPORT = "merge.json"  # written by the merge child into merged/ before its rename
+_ENDED = {RunState.SUCCEEDED, RunState.GAVE_UP, RunState.FAILED, RunState.STOPPED}
 
-def status_command(output_dir: str, out: TextIO = sys.stdout) -> int:
-    run_dir = RunDir(Path(output_dir))
+
+def status_command(
+    output_dirs: Sequence[str],
+    as_json: bool = False,
+    follow: bool = False,
+    out: TextIO | None = None,
+    every_s: float = 2.0,
+) -> int:
+    out = out or sys.stdout  # at call time: a redirected stdout (tests, pipes) is the one to use
+    dirs = [_run_dir(d) for d in (output_dirs or ["."])]
+    seen: list[tuple[float, ...]] = []
+    while True:
+        marks = [_marks(rd) for rd in dirs]
+        if marks != seen:
+            _print_all(dirs, as_json, out)
+            seen = marks
+        if not follow or all(_ended(rd) for rd in dirs):
+            return 0
+        time.sleep(every_s)
+
+
+def _run_dir(path: str) -> RunDir:
+    run_dir = RunDir(Path(path))
     if not run_dir.attempts.exists() and not run_dir.state.exists():
         raise SupervisorExit(
             SupervisorExitCode.BAD_JOB,
-            f"{output_dir} is not a run directory (no state.json or attempts.jsonl); "
-            "pass the job's output_dir",
+            f"{path} is not a run directory (no state.json or attempts.jsonl); pass the job's output_dir",
         )
-    print_story(run_dir, out)
-    return 0
+    return run_dir
+
+
+def _marks(rd: RunDir) -> tuple[float, ...]:
+    return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in (rd.state, rd.attempts))
+
+
+def _ended(rd: RunDir) -> bool:
+    state = read_state(rd.state)
+    return state is not None and state.run_state in _ENDED
+
+
+def _print_all(dirs: Sequence[RunDir], as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(json.dumps({"schema": SCHEMA, "runs": [status_json(rd) for rd in dirs]}, indent=2), file=out)
+        return
+    for index, rd in enumerate(dirs):
+        if index:
+            print(file=out)
+        print_story(rd, out)
+    out.flush()
+
+
+def status_json(rd: RunDir) -> dict[str, Any]:
+    """One run's status as plain JSON (the schema in the module docstring)."""
+    state = read_state(rd.state)
+    records, bad = read_attempts(rd.attempts)
+    attempts = []
+    for r in records:
+        line = json.loads(r.to_line())
+        line.update(child_log=str(rd.attempt_dir(r.attempt) / "child.log"), fix=fix_line(r))
+        attempts.append(line)
+    return {
+        "run_dir": str(rd.root),
+        "state": state.run_state.value if state else None,
+        "note": state.note if state else "",
+        "lost_steps": sum(r.lost_steps for r in records),
+        "adapter": str(rd.adapter) if rd.adapter.exists() else None,
+        "merged": str(rd.merged) if rd.merged.exists() else None,
+        "merge": merge_report(rd),
+        "unreadable_lines": bad,
+        "attempts": attempts,
+    }
+
+
+def merge_report(rd: RunDir) -> dict[str, Any] | None:
+    """The merge child's own numbers (time, device, dtype, peaks), when a merge finished."""
+    path = rd.merged / MERGE_REPORT
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def print_story(run_dir: RunDir, out: TextIO) -> None:
@@ -39,7 +133,7 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
     if state is not None:
         print(f"state: {state.run_state.value}{f' ({state.note})' if state.note else ''}", file=out)
     for record in records:
-        for line in describe(record):
+        for line in describe(record, run_dir):
             print(line, file=out)
         snapshot = run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME
         if snapshot.is_file():
@@ -51,10 +145,35 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
     print(f"attempts: {len(records)}, lost steps in total: {total_lost}", file=out)
     if run_dir.adapter.exists():
         print(f"adapter: {run_dir.adapter}", file=out)
+    if run_dir.merged.exists():
+        print(f"merged: {run_dir.merged}{_merge_numbers(merge_report(run_dir))}", file=out)
 
 
-def describe(r: AttemptRecord) -> list[str]:
-    """A few lines per attempt: config, outcome, failure, decision, progress kept."""
+def _merge_numbers(report: dict[str, Any] | None) -> str:
+    if not report:
+        return ""
+    parts = [f"{report.get('device')}", f"{report.get('dtype')}", f"{report.get('seconds', 0):.0f} s"]
+    for key, label in (("host_peak_bytes", "host peak"), ("gpu_peak_bytes", "GPU peak")):
+        if isinstance(report.get(key), int):
+            parts.append(f"{label} {format_bytes(report[key])}")
+    return f" ({', '.join(parts)})"
+
+
+def fix_line(r: AttemptRecord) -> str | None:
+    """The line of a failure that names what to change: the child's message for errors no rung can
+    fix (it names the field and the allowed values), else the decision's reason."""
+    if r.failure is None:
+        return None
+    message = r.failure.message.strip().splitlines()
+    if r.failure.kind.value == "config_error" and message:
+        return message[-1][:600]
+    if r.decision is not None:
+        return r.decision.why
+    return message[-1][:600] if message else None
+
+
+def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
+    """A few lines per attempt: config, outcome, failure, the fix, decision, progress kept."""
     k = r.knobs
     config = (
         f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}, seq_len {k.max_seq_len}, "
@@ -76,6 +195,10 @@ def describe(r: AttemptRecord) -> list[str]:
         if f.numbers:
             nums = ", ".join(f"{key} {_fmt(value)}" for key, value in f.numbers.items())
             lines.append(f"  numbers: {nums}")
+        if f.kind.value == "config_error" and (fix := fix_line(r)):
+            lines.append(f"  fix: {fix}")
+        if run_dir is not None:
+            lines.append(f"  log: {run_dir.attempt_dir(r.attempt) / 'child.log'}")
     d = r.decision
     if d is not None and r.restarts:
         changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d.changes.items()) or "no change"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qlora_supervise.supervisor.jobfile import data_probe
+from qlora_supervise.supervisor.jobfile import data_probe, hub
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Job
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
@@ -36,7 +36,7 @@ def warning_lines(job: Job) -> list[str]:
 def summary_lines(job: Job) -> list[str]:
     """A few lines a person checks before starting a long run."""
     knobs, train, resources = job.knobs, job.train, job.resources
-    model = knobs.model
+    model = hub.describe(knobs.model)
     if job.fallback_models:
         model += f" (fallbacks: {', '.join(job.fallback_models)})"
     length = f"max_steps {train.max_steps}" if train.max_steps > 0 else f"{train.epochs:g} epoch(s)"

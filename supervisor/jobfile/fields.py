@@ -115,6 +115,19 @@ def _target_modules(value: object) -> object:
     )
 
 
+def _hook_argv(value: object) -> object:
+    """A non-empty list of strings: the hook's argv. A string is refused (no shell, ever)."""
+    if isinstance(value, str):
+        raise job_error(
+            "a shell string (hooks run without a shell, so quoting and pipes would not work)",
+            f"write an argv list, e.g. [/usr/local/bin/notify-lab, --channel, ml]; "
+            f"for a pipeline use [sh, -c, {value!r}] on purpose",
+        )
+    if isinstance(value, (list, tuple)) and value and all(isinstance(a, str) and a for a in value):
+        return tuple(value)
+    raise job_error("not an argv list", "write a non-empty list of strings, e.g. [mail, -s, qlora, me@lab]")
+
+
 def _ladders(value: object) -> object:
     """A mapping of failure kind -> rung names, with tuples for lists."""
     # Keys become FailureKind members where they name one; the others fail the dict key check.
@@ -145,9 +158,11 @@ Device = Annotated[str, BeforeValidator(_device)]
 TargetModules = Annotated[tuple[str, ...] | str, BeforeValidator(_target_modules)]
 RungName = Annotated[str, AfterValidator(_rung_name)]
 Ladders = Annotated[dict[FailureKind, tuple[RungName, ...]], BeforeValidator(_ladders)]
+HookArgv = Annotated[tuple[str, ...], BeforeValidator(_hook_argv)]
 PathList = Annotated[tuple[ResolvedPath, ...], BeforeValidator(list_to_tuple)]
 
 Optimizer = Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused"]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 QuantType = Literal["nf4", "fp4"]
 ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
+ReportTo = Literal["none", "tensorboard"]

@@ -144,4 +144,5 @@ def _train_spec(
         compute_dtype=quantization.compute_dtype,
         trust_remote_code=model.trust_remote_code,
         merge=train.merge,
+        report_to=train.report_to,
     )

@@ -12,17 +12,29 @@ of the loop, ``keep_effective_batch``, the fallbacks) has its default here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from qlora_supervise.policies.decide import Settings
+from qlora_supervise.supervisor.jobfile import hub
 from qlora_supervise.supervisor.jobfile.fields import (
     ByteSize,
     ComputeDtype,
     Device,
     Fraction,
+    HookArgv,
     Ladders,
     Name,
     NonNegativeFloat,
@@ -32,6 +44,7 @@ from qlora_supervise.supervisor.jobfile.fields import (
     PositiveFloat,
     PositiveInt,
     QuantType,
+    ReportTo,
     ResolvedPath,
     Scheduler,
     Seconds,
@@ -61,9 +74,24 @@ class Section(BaseModel):
 
 
 class ModelSection(Section):
+    """``path`` is a local directory or a hub id (``org/name``), resolved to its cached snapshot."""
+
+    # Declared before ``path``: the path's validator reads it (pydantic validates in field order).
+    # A hub id not in the local cache is downloaded only when this is true and the machine is online.
+    allow_download: bool = False
     path: ResolvedPath
     fallbacks: PathList = ()  # smaller models for the last rung; none unless named
     trust_remote_code: bool = _TRAIN.trust_remote_code
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _hub_id_to_snapshot(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, str):
+            return value
+        job_dir = Path(str((info.context or {}).get("job_dir", os.getcwd())))
+        if not hub.looks_like_hub_id(value.strip(), job_dir):
+            return value
+        return hub.resolve_hub_id(value.strip(), info.data.get("allow_download") is True)
 
 
 class DataSection(Section):
@@ -115,6 +143,7 @@ class TrainSection(Section):
     packing: bool = _TRAIN.packing
     seed: NonNegativeInt = _TRAIN.seed
     merge: bool = _TRAIN.merge
+    report_to: ReportTo = cast(ReportTo, _TRAIN.report_to)
 
 
 class ResourcesSection(Section):
@@ -159,6 +188,14 @@ class SuperviseSection(Section):
     # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
     calibration_store: bool = True
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
+    # How long a stop (SIGTERM, `systemctl stop`) waits for the child's checkpoint before SIGKILL.
+    stop_grace: Seconds = 180.0
+    # A command (argv list, never a shell string) run on retry, gave_up and run_succeeded, with
+    # the event as JSON on stdin; a failing or slow hook is logged and never stops the run.
+    on_event: HookArgv | None = None
+    on_event_timeout: Seconds = 30.0
+    # node_exporter textfile-collector file (written atomically); None: no metrics.
+    metrics_textfile: ResolvedPath | None = None
 
 
 class DiagnoseSection(Section):

@@ -73,6 +73,7 @@ from qlora_supervise.supervisor.record.records import (
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.disk_space import is_disk_full
 from qlora_supervise.trainer_child.protocol import FailureKind, Knobs
@@ -102,6 +103,7 @@ class Supervisor:
         console: TextIO = sys.stderr,
         plain: bool = False,
         settings: policy.Settings | None = None,
+        reporter: Reporter | None = None,
         as_written: bool = False,
     ) -> None:
         self.job = job
@@ -110,7 +112,7 @@ class Supervisor:
         self.rd = run_dir
         self.log = log
         self.seams = seams or Seams()
-        self.display = ProgressDisplay(console, plain)
+        self.display = reporter or Reporter(ProgressDisplay(console, plain))
         self.stop_signal: int | None = None
         self.stop_event = threading.Event()  # the same request, for tenacity's stop condition
         self.hup_seen = False

@@ -27,7 +27,7 @@ from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
@@ -50,7 +50,7 @@ class RunnerContext:
     rd: RunDir
     seams: Seams
     log: Any
-    display: ProgressDisplay
+    display: Reporter  # console, sd_notify STATUS/WATCHDOG (fed by the child's events), metrics
     gpu: GpuProbe | None
     stop_signal: Callable[[], int | None]
     hup_seen: Callable[[], bool]
@@ -213,8 +213,9 @@ class AttemptRunner:
         log: Any,
         creep: CreepWatch,
     ) -> Watched:
-        # One tick: ping systemd, read heartbeats, draw progress, sample memory, then the three
-        # ways a watch ends early (a stop signal, a hang) before the child's own exit.
+        # One tick: read heartbeats, report progress (systemd's watchdog is fed there, by the
+        # child's events, not by this timer), sample memory, then the ways a watch ends early
+        # (a stop signal, a hang) before the child's own exit.
         ctx, seams = self.ctx, self.ctx.seams
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
@@ -225,7 +226,6 @@ class AttemptRunner:
         hang_timeout = ctx.job.supervise.hang_timeout
         while proc.poll() is None:
             now = seams.clock()
-            ctx.ping(now)
             new = reader.poll(now)
             note_child_events(new, log)
             self._watch_creep(new, creep, proc, log, watched)

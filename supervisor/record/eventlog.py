@@ -4,7 +4,10 @@ Each line is one JSON object: ``{"event": <name>, "level": "info", "time": <epoc
 ...fields}``. Event names come from one vocabulary, :class:`~.events.Event`. structlog does the
 work as its authors mean it: ``bind()`` carries context (``attempt=3``) onto every later line,
 ``TimeStamper`` stamps, ``JSONRenderer`` writes the file line and ``ConsoleRenderer`` the
-person's line; the last processor tees the two.
+person's line (:class:`~qlora_supervise.supervisor.reporting.console_log.ConsoleLines`: local
+times, journald priorities); the last processor tees the two and then hands the event to the
+listeners (metrics, the ``on_event`` hook), after the line is written, so a listener that logs
+(a failing hook) adds its line after the one it reacts to.
 """
 
 from __future__ import annotations
@@ -12,35 +15,42 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
 
 from qlora_supervise.supervisor.record.runfiles import open_append_text
+from qlora_supervise.supervisor.reporting.console_log import ConsoleLines
 from qlora_supervise.trainer_child.disk_space import DISK_ERRNOS
 
 _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
+
+#: Receives each event after its line is written (``MetricsTextfile.on_event``, ``EventHook.on_event``).
+Listener = Callable[[Mapping[str, Any]], None]
 
 
 class _Tee:
     """Final processor: one JSON line to the events file, a readable line to the console."""
 
-    def __init__(self, events_path: Path, console: TextIO | None) -> None:
+    def __init__(self, events_path: Path, console: TextIO | None, listeners: Sequence[Listener]) -> None:
         events_path.parent.mkdir(parents=True, exist_ok=True)
         self._path = events_path
         self._file = open_append_text(events_path)
         self._held: list[str] = []  # lines a full disk did not take yet
         self._console = console
         self._json = structlog.processors.JSONRenderer(default=str)
-        self._render = structlog.dev.ConsoleRenderer(colors=bool(console and console.isatty()))
+        self._lines = ConsoleLines(console)
+        self._listeners = tuple(listeners)
 
     def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
         self._write(str(self._json(logger, method, dict(event_dict))) + "\n")
-        if self._console is None:
-            return ""
-        return str(self._render(logger, method, _console_view(event_dict)))
+        if self._console is not None:
+            print(self._lines.render(logger, method, event_dict), file=self._console, flush=True)
+        for listener in self._listeners:
+            listener(event_dict)
+        return ""  # printed above, before the listeners run
 
     def _write(self, line: str) -> None:
         """Append ``line``; on a full disk hold it (and those after it) until there is room again.
@@ -73,11 +83,6 @@ class _Tee:
             self._file.close()
 
 
-def _console_view(event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    # Nested numbers and knobs are for tools; the console shows the flat fields and the "why".
-    return {k: v for k, v in event_dict.items() if not isinstance(v, dict | list) or k == "changes"}
-
-
 class _Console:
     def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
@@ -89,9 +94,11 @@ class _Console:
     info = warning = error = msg
 
 
-def open_event_log(events_path: Path, console: TextIO | None = sys.stderr) -> Any:
+def open_event_log(
+    events_path: Path, console: TextIO | None = sys.stderr, listeners: Sequence[Listener] = ()
+) -> Any:
     """A structlog logger bound to this run's events file (and the console when given)."""
-    tee = _Tee(events_path, console)
+    tee = _Tee(events_path, console, listeners)
     return structlog.wrap_logger(
         _Console(console),
         processors=[

@@ -59,6 +59,7 @@ class Event(str, enum.Enum):
     JOURNAL_LINE_UNREADABLE = "journal_line_unreadable"
     REPORT_UNREADABLE = "report_unreadable"
     SUPERVISOR_DISK_FULL = "supervisor_disk_full"
+    HOOK_FAILED = "hook_failed"  # supervise.on_event failed or timed out; the run goes on
 
     def __str__(self) -> str:
         return self.value

@@ -1,57 +1,92 @@
-"""Progress on the console: a redrawn bar on a terminal, plain lines otherwise (logs, systemd)."""
+"""Progress on the console: a tqdm bar on a terminal, one plain line per logging step otherwise.
+
+On a terminal the bar's total is ``max_steps`` and it starts at the attempt's resume step, so
+tqdm's rate and ETA count only what this attempt trains; loss, stage and peak memory ride in
+its postfix. Under journald, in a pipe or with ``--plain``, a line is printed when the step
+reaches a multiple of ``logging_steps`` (and on a stage change), with elapsed time and ETA in
+words people read (``12m05s``), never epoch seconds.
+"""
 
 from __future__ import annotations
 
 from typing import TextIO
 
+from tqdm import tqdm
+
 from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.reporting.pace import Pace, human_duration
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
-_BAR_WIDTH = 24
+_TRAINING = frozenset({"forward", "backward", "optimizer"})
 
 
 class ProgressDisplay:
-    def __init__(self, stream: TextIO, plain: bool, plain_every_s: float = 30.0) -> None:
+    """Draws one attempt's progress; :meth:`clear` ends the bar before a log line."""
+
+    def __init__(self, stream: TextIO, plain: bool, logging_steps: int = 1) -> None:
         self._stream = stream
         self._tty = stream.isatty() and not plain
-        self._plain_every_s = plain_every_s
-        self._last_plain = -1e18
+        self._every = max(1, logging_steps)
+        self._bar: tqdm[None] | None = None
         self._last_key: tuple[int, int, str] | None = None
-        self._drawn = False
 
-    def update(self, attempt: int, progress: Progress, now: float) -> None:
+    def update(self, attempt: int, progress: Progress, pace: Pace) -> None:
         key = (attempt, progress.step, progress.stage)
         if self._tty:
-            self._stream.write("\r" + self._bar(attempt, progress) + "\x1b[K")
-            self._stream.flush()
-            self._drawn = True
-        elif key != self._last_key and now - self._last_plain >= self._plain_every_s:
-            print(self._line(attempt, progress), file=self._stream, flush=True)
-            self._last_plain = now
+            self._draw(attempt, progress)
+        elif key != self._last_key and self._worth_a_line(progress):
+            print(plain_line(attempt, progress, pace), file=self._stream, flush=True)
         self._last_key = key
 
     def clear(self) -> None:
-        """End the redrawn line before a log line is printed."""
-        if self._drawn:
-            self._stream.write("\r\x1b[K")
-            self._stream.flush()
-            self._drawn = False
+        """End the bar (its last state stays on screen) so the next log line starts clean."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
-    def _bar(self, attempt: int, p: Progress) -> str:
-        total = p.max_steps or 0
-        filled = int(_BAR_WIDTH * p.step / total) if total else 0
-        bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
-        return f"attempt {attempt} [{bar}] {self._line(attempt, p, with_attempt=False)}"
+    def _worth_a_line(self, p: Progress) -> bool:
+        last = self._last_key
+        if last is None:
+            return True
+        # forward -> backward -> optimizer every step is not news; load, save, eval and merge are.
+        if last[2] != p.stage and not (p.stage in _TRAINING and last[2] in _TRAINING):
+            return True
+        return p.step != last[1] and (p.step % self._every == 0 or p.step == p.max_steps)
 
-    @staticmethod
-    def _line(attempt: int, p: Progress, with_attempt: bool = True) -> str:
-        parts = [f"attempt {attempt}"] if with_attempt else []
-        parts.append(f"step {p.step}/{p.max_steps or '?'}")
-        parts.append(p.stage)
-        if p.loss is not None:
-            parts.append(f"loss {p.loss:.4f}")
-        if p.tokens_per_s is not None:
-            parts.append(f"{p.tokens_per_s:.0f} tok/s")
-        if p.peak_bytes:
-            parts.append(f"peak {format_bytes(p.peak_bytes)}")
-        return " | ".join(parts)
+    def _draw(self, attempt: int, p: Progress) -> None:
+        if self._bar is None:
+            self._bar = tqdm(
+                total=p.max_steps,
+                initial=p.step,
+                desc=f"attempt {attempt}",
+                unit="step",
+                file=self._stream,
+                dynamic_ncols=True,
+                leave=True,
+            )
+        self._bar.set_postfix_str(_postfix(p), refresh=False)
+        if p.step > self._bar.n:
+            self._bar.update(p.step - self._bar.n)  # redraws at tqdm's own rate limit
+        else:
+            self._bar.refresh()
+
+
+def _postfix(p: Progress) -> str:
+    parts = [p.stage]
+    if p.loss is not None:
+        parts.append(f"loss {p.loss:.4f}")
+    if p.tokens_per_s is not None:
+        parts.append(f"{p.tokens_per_s:.0f} tok/s")
+    if p.peak_bytes:
+        parts.append(f"peak {format_bytes(p.peak_bytes)}")
+    return " | ".join(parts)
+
+
+def plain_line(attempt: int, p: Progress, pace: Pace) -> str:
+    """``attempt 2 | step 40/100 | forward | loss 1.2345 | 1893 tok/s | peak 1.2 GiB | 3m10s, ETA 4m45s``."""
+    parts = [f"attempt {attempt}", f"step {p.step}/{p.max_steps or '?'}", _postfix(p)]
+    timing = f"{human_duration(pace.elapsed_s)} elapsed"
+    if pace.eta_s is not None:
+        timing += f", ETA {human_duration(pace.eta_s)}"
+    parts.append(timing)
+    return " | ".join(parts)

@@ -25,9 +25,11 @@ def notify(**fields: str | int | float | bool) -> bool:
     message = "".join(f"{key.upper()}={_value(value)}\n" for key, value in fields.items())
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            # Never wait for systemd: a full receive queue drops this message, not the run.
+            sock.setblocking(False)
             sock.connect(address)
             sock.sendall(message.encode("utf-8"))
-    except OSError:  # systemd went away or the socket is not ours: notifying is best effort
+    except OSError:  # systemd went away, its queue is full, or the socket is not ours: best effort
         return False
     return True
 

@@ -1,0 +1,191 @@
+"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``.
+
+The retry story as a table: attempt, outcome and kind, stage, the key numbers, the change the
+ladder made, the progress kept, predicted vs measured peak, wall time. ``--json`` prints
+schema ``qlora-supervise.explain/1``::
+
+    {"schema": "qlora-supervise.explain/1", "run_dir": str, "budget_bytes": int | null,
+     "started_at": float | null,
+     "attempts": [{"attempt": int, "phase": str, "outcome": str, "kind": str | null,
+                   "stage": str | null, "numbers": {str: number}, "rung": str | null,
+                   "changes": {knob: [old, new]}, "progress_kept": str | null,
+                   "steps": [from, to], "lost_steps": int, "peak_bytes": int | null,
+                   "peak_source": str | null, "predicted_peak_bytes": int | null,
+                   "wall_s": float, "started_at": float, "ended_at": float, "samples": int}]}
+
+The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
+attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory
+is gone); it predicts the CUDA allocator's peak, so it is left out for CPU attempts. ``--plot``
+draws :mod:`.memory_plot` (matplotlib, imported only then).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from qlora_supervise.policies.memory_model import ModelShape
+from qlora_supervise.supervisor.commands.series import attempt_series
+from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
+from qlora_supervise.supervisor.loop.settings import model_shape
+from qlora_supervise.supervisor.record.journal import read_attempts
+from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.reporting.pace import human_duration
+
+SCHEMA = "qlora-supervise.explain/1"
+
+
+def explain_command(
+    run_dir: str,
+    as_json: bool = False,
+    plot: str | None = None,
+    model_config: str | None = None,
+    out: TextIO | None = None,
+) -> int:
+    out = out or sys.stdout  # at call time, like status
+    rd = RunDir(Path(run_dir))
+    if not rd.attempts.exists():
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"{run_dir}: no attempts.jsonl; pass a job's output_dir that has run"
+        )
+    story = explanation(rd, Path(model_config) if model_config else None)
+    if plot is not None:
+        from qlora_supervise.supervisor.commands.memory_plot import draw  # matplotlib only here
+
+        draw(rd, story, Path(plot))
+        print(f"wrote {plot}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(story, indent=2), file=out)
+    else:
+        print_table(story, out)
+    return 0
+
+
+def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
+    """The run's attempts as plain values (the JSON schema above)."""
+    records, _ = read_attempts(rd.attempts)
+    job = _job_copy(rd)
+    budget = _budget(job)
+    given = _shape_of(model_config) if model_config else None
+    on_gpu = str((job.get("resources") or {}).get("gpu", "auto")) != "cpu"
+    rows = [_row(rd, r, given, on_gpu) for r in records]
+    return {
+        "schema": SCHEMA,
+        "run_dir": str(rd.root),
+        "budget_bytes": budget,
+        "started_at": records[0].started_at if records else None,
+        "attempts": rows,
+    }
+
+
+def _job_copy(rd: RunDir) -> dict[str, Any]:
+    # The copy, read as plain YAML: its model and data may be gone (a run from another machine).
+    try:
+        raw = yaml.safe_load(rd.job_copy.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _budget(job: dict[str, Any]) -> int | None:
+    resources = job.get("resources") or {}
+    for key in ("gpu_memory_limit", "cpu_memory_limit"):
+        if resources.get(key) is not None:
+            try:
+                return parse_bytes(resources[key])
+            except UnitError:
+                return None
+    return None
+
+
+def _shape_of(config: Path) -> ModelShape:
+    try:
+        shape = ModelShape.from_config(json.loads(config.read_text(encoding="utf-8")))
+    except (OSError, ValueError) as error:
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--model-config {config}: {error}") from None
+    if shape is None:
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            f"--model-config {config}: not a shape the memory model reads (see `qlora-supervise plan`)",
+        )
+    return shape
+
+
+def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -> dict[str, Any]:
+    f, d = r.failure, r.decision
+    shape = given or model_shape(Path(r.knobs.model))
+    predicted = None
+    if shape is not None and on_gpu:
+        from qlora_supervise.policies.memory_model import estimate_peak
+
+        predicted = estimate_peak(shape, r.knobs)
+    return {
+        "attempt": r.attempt,
+        "phase": r.phase.value,
+        "outcome": r.outcome.value,
+        "kind": f.kind.value if f else None,
+        "stage": f.stage.value if f else None,
+        "numbers": dict(f.numbers) if f else {},
+        "rung": d.rung if d is not None and r.restarts else None,
+        "changes": {k: list(v) for k, v in d.changes.items()} if d is not None else {},
+        "progress_kept": d.survives.value if d is not None and r.restarts else None,
+        "steps": [r.resumed_from, r.steps_completed],
+        "lost_steps": r.lost_steps,
+        "peak_bytes": r.peak.bytes if r.peak else None,
+        "peak_source": r.peak.source.value if r.peak else None,
+        "predicted_peak_bytes": predicted,
+        "wall_s": round(r.ended_at - r.started_at, 1),
+        "started_at": r.started_at,
+        "ended_at": r.ended_at,
+        "samples": len(attempt_series(rd, r.attempt).points),
+    }
+
+
+#: The numbers that tell each kind's story (the JSON keeps them all).
+_KEY_NUMBERS = {
+    "oom_fragmentation": ("tried_to_allocate", "reserved_unallocated"),
+    "oom_contention": ("tried_to_allocate", "others_in_use"),
+}
+_DEFAULT_KEYS = ("tried_to_allocate", "allowed")
+_SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free", "others_in_use": "others"}
+
+
+def print_table(story: dict[str, Any], out: TextIO) -> None:
+    """A fixed-width table, one row per attempt, then the budget."""
+    header = ("#", "outcome", "stage", "key numbers", "change", "kept", "steps", "peak (pred)", "wall")
+    rows = [header]
+    for a in story["attempts"]:
+        outcome = a["kind"] or a["outcome"]
+        keys = _KEY_NUMBERS.get(a["kind"] or "", _DEFAULT_KEYS)
+        numbers = ", ".join(
+            f"{_SHORT.get(k, k)} {format_bytes(a['numbers'][k])}" for k in keys if k in a["numbers"]
+        )
+        change = a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up")
+        peak = format_bytes(a["peak_bytes"]) if a["peak_bytes"] else "?"
+        if a["predicted_peak_bytes"]:
+            peak += f" ({format_bytes(a['predicted_peak_bytes'])})"
+        steps = f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else "")
+        rows.append(
+            (
+                str(a["attempt"]),
+                outcome,
+                a["stage"] or "-",
+                numbers or "-",
+                change,
+                a["progress_kept"] or "-",
+                steps,
+                peak,
+                human_duration(a["wall_s"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), file=out)
+    budget = story["budget_bytes"]
+    print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)

@@ -1,0 +1,196 @@
+"""``qlora-supervise install-systemd JOB [--user | --system] [--force] [--root DIR]``.
+
+Writes the template unit (``systemd/qlora-supervise@.service`` of the clone, rendered for this
+machine) and the job as ``<config>/qlora-supervise/<name>.yaml`` with every path made absolute,
+then prints the ``systemctl`` and ``journalctl`` lines to run. ``<config>`` is ``/etc`` for
+``--system`` and ``$XDG_CONFIG_HOME`` (``~/.config``) for ``--user``; ``--root`` puts the whole
+tree under another directory (a package build, a test). Existing files are never overwritten
+without ``--force``: a unit edited by an admin is theirs.
+
+The rendering: ``ExecStart`` names this installation's ``qlora-supervise``; ``User=``/``Group=``
+are the service user (system units only: a user manager cannot switch users, so the user unit
+drops them with the sandboxing that needs a privileged manager); ``TimeoutStopSec`` is the job's
+``supervise.stop_grace`` plus two minutes; ``ReadWritePaths`` gains the job's ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
+
+UNIT_NAME = "qlora-supervise@.service"
+ENV_NAME = "qlora-supervise.env"
+#: Seconds systemd waits beyond the child's checkpoint grace before SIGKILL (the supervisor's
+#: own exit and the journal's fsync come after the child's save).
+STOP_MARGIN_S = 120
+#: Settings a user manager cannot apply (no privileges to switch users, mount or filter devices).
+SYSTEM_ONLY = (
+    "User",
+    "Group",
+    "ProtectSystem",
+    "ProtectHome",
+    "PrivateTmp",
+    "ReadWritePaths",
+    "ProtectKernelTunables",
+    "ProtectKernelModules",
+    "ProtectControlGroups",
+    "DevicePolicy",
+    "DeviceAllow",
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one installation's files go, and what the printed commands say."""
+
+    unit: Path
+    job: Path
+    env: Path
+    systemctl: str  # "systemctl" or "systemctl --user"
+    journalctl: str
+
+
+def install_systemd_command(
+    job_path: str,
+    user_mode: bool = False,
+    force: bool = False,
+    root: str | None = None,
+    name: str | None = None,
+    service_user: str | None = None,
+) -> int:
+    """Write the unit, the job copy and (once) the environment file; print what to run next."""
+    job = _load(job_path)
+    instance = name or Path(job_path).stem
+    layout = _layout(Path(root) if root else Path("/"), user_mode, instance)
+    existing = [p for p in (layout.unit, layout.job) if p.exists()]
+    if existing and not force:
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            "refusing to overwrite " + ", ".join(map(str, existing)) + ": pass --force to replace them",
+        )
+    user = service_user or _default_service_user()
+    unit_text = render_unit(_template(), job, user_mode, user)
+    _write(layout.unit, unit_text)
+    _write(layout.job, job_copy(job))
+    if not layout.env.exists():  # the shared environment file is the admin's after the first write
+        _write(layout.env, (_systemd_dir() / "qlora-supervise.env.example").read_text(encoding="utf-8"))
+    _print_next_steps(layout, instance, job)
+    return 0
+
+
+def _load(job_path: str) -> Job:
+    try:
+        return load_job(job_path)
+    except JobError as error:
+        lines = "\n".join(problem.render() for problem in error.problems)
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{job_path}: not installed:\n{lines}") from None
+
+
+def _layout(root: Path, user_mode: bool, instance: str) -> Layout:
+    def under_root(path: Path) -> Path:
+        return root / path.relative_to(path.anchor)
+
+    if user_mode:
+        config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+        units = config / "systemd" / "user"
+        tools = ("systemctl --user", "journalctl --user")
+    else:
+        config = Path("/etc")
+        units = config / "systemd" / "system"
+        tools = ("sudo systemctl", "journalctl")
+    ours = under_root(config / "qlora-supervise")
+    return Layout(under_root(units / UNIT_NAME), ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
+
+
+def _default_service_user() -> str:
+    """The user who asked (through sudo too); root is never the default service user."""
+    name = os.environ.get("SUDO_USER") or getpass.getuser()
+    return "qlora" if name == "root" else name
+
+
+def _systemd_dir() -> Path:
+    # The unit is a file of the clone (systemd/), one source for the docs, the tests and this.
+    here = Path(__file__).resolve().parents[2] / "systemd"
+    if not (here / UNIT_NAME).is_file():
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            f"the unit template is not at {here / UNIT_NAME}: install from the clone "
+            "(`pip install -e .` in the repository) so that systemd/ is beside the code",
+        )
+    return here
+
+
+def _template() -> str:
+    return (_systemd_dir() / UNIT_NAME).read_text(encoding="utf-8")
+
+
+def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> str:
+    """The template with this machine's executable, user, stop timeout and writable paths."""
+    executable = (
+        shutil.which("qlora-supervise") or f"{sys.executable} -m qlora_supervise.supervisor.commands.cli"
+    )
+    out: list[str] = []
+    for line in template.splitlines():
+        key = line.split("=", 1)[0] if "=" in line and not line.startswith("#") else ""
+        if user_mode and key in SYSTEM_ONLY:
+            continue
+        if user_mode:  # %E: the user manager's config directory ($XDG_CONFIG_HOME)
+            line = line.replace("/etc/qlora-supervise/", "%E/qlora-supervise/")
+        if key in ("User", "Group"):
+            line = f"{key}={service_user}"
+        elif key == "ExecStart":
+            line = line.replace("/usr/bin/env qlora-supervise", executable)
+        elif key == "TimeoutStopSec":
+            line = f"TimeoutStopSec={int(job.supervise.stop_grace) + STOP_MARGIN_S}"
+        elif key == "WantedBy" and user_mode:
+            line = "WantedBy=default.target"
+        out.append(line)
+        if key == "ReadWritePaths" and line.endswith("/srv/qlora"):
+            out.append(f"ReadWritePaths={job.output_dir}")
+    return "\n".join(out) + "\n"
+
+
+def job_copy(job: Job) -> str:
+    """The job as submitted, with its paths absolute (the copy lives in another directory)."""
+    raw: dict[str, Any] = yaml.safe_load(job.raw_text)
+    base = job.job_file.parent
+    model = raw["model"]
+    if isinstance(model.get("path"), str) and (base / model["path"]).exists():
+        model["path"] = str((base / model["path"]).resolve())  # a hub id stays a hub id
+    if model.get("fallbacks"):
+        model["fallbacks"] = list(job.fallback_models)
+    raw["data"]["path"] = job.data.path
+    if job.data.eval_path is not None:
+        raw["data"]["eval_path"] = job.data.eval_path
+    raw["output_dir"] = str(job.output_dir)
+    header = f"# installed by qlora-supervise install-systemd from {job.job_file}\n"
+    return header + yaml.safe_dump(raw, sort_keys=False)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def _print_next_steps(layout: Layout, instance: str, job: Job) -> None:
+    unit = f"qlora-supervise@{instance}"
+    print(
+        f"\nnext:\n"
+        f"  {layout.systemctl} daemon-reload\n"
+        f"  {layout.systemctl} enable --now {unit}\n"
+        f"  {layout.systemctl} status {unit}\n"
+        f"  {layout.journalctl} -u {unit} -f            # -p warning: retries and give-ups only\n"
+        f"  qlora-supervise status {job.output_dir}\n"
+        f"edit {layout.env} for PATH, HF_HOME and CUDA_VISIBLE_DEVICES first."
+    )

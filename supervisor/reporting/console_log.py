@@ -1,0 +1,58 @@
+"""The person's side of the structured log: readable lines, local times, journald priorities.
+
+Each event's ``level`` (structlog's method name) becomes a syslog priority on the console, so
+``journalctl -p warning`` shows exactly the retries (warnings) and give-ups (errors). Under
+journald (``$JOURNAL_STREAM`` names the stream stderr is) every line starts with sd-daemon's
+``<N>`` prefix, which journald reads as the priority and strips (``SyslogLevelPrefix=``, on by
+default); journald stamps the time itself. Elsewhere the line starts with the local time,
+``2026-11-29 08:12:03``, never epoch seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+#: syslog priorities (sd-daemon.h): err 3, warning 4, info 6, debug 7.
+PRIORITY = {"critical": 2, "exception": 3, "error": 3, "warning": 4, "warn": 4, "info": 6, "debug": 7}
+
+
+def under_journald(stream: TextIO | None) -> bool:
+    """True when ``stream`` is the journal stream systemd connected (``JOURNAL_STREAM=dev:inode``)."""
+    value = os.environ.get("JOURNAL_STREAM", "")
+    if stream is None or ":" not in value:
+        return False
+    try:
+        info = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError):  # a StringIO in tests, a closed stream
+        return False
+    return value == f"{info.st_dev}:{info.st_ino}"
+
+
+class ConsoleLines:
+    """Renders one event for a person; ``level`` decides the journald priority prefix."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._journald = under_journald(stream)
+        colors = bool(stream is not None and stream.isatty() and not self._journald)
+        self._render = structlog.dev.ConsoleRenderer(colors=colors, timestamp_key="timestamp")
+
+    def render(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
+        view = _console_view(event_dict)
+        stamp = view.pop("time", None)
+        if not self._journald and isinstance(stamp, int | float):
+            view["timestamp"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+        text = str(self._render(logger, method, view))
+        if not self._journald:
+            return text
+        prefix = f"<{PRIORITY.get(str(event_dict.get('level', method)), 6)}>"
+        return "\n".join(prefix + line for line in text.splitlines())
+
+
+def _console_view(event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
+    # Nested numbers and knobs are for tools; the console shows the flat fields and the "why".
+    return {k: v for k, v in event_dict.items() if not isinstance(v, dict | list) or k == "changes"}

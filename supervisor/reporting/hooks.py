@@ -1,0 +1,67 @@
+"""``supervise.on_event``: a lab's own command, run on ``retry``, ``gave_up`` and ``run_succeeded``.
+
+The command is an argv list, run without a shell, with the event (the same JSON object as its
+``events.jsonl`` line) on stdin and ``QLORA_SUPERVISE_EVENT=<name>`` in its environment, for
+mail, a chat webhook or a pager. It runs to completion or its timeout
+(``supervise.on_event_timeout``) before the loop goes on, so its order with the run's own
+actions is fixed. A hook that fails, times out or cannot be started is logged
+(``hook_failed``, a warning) and never stops or changes the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from qlora_supervise.supervisor.record.events import Event
+
+HOOKED_EVENTS = frozenset({Event.RETRY.value, Event.GAVE_UP.value, Event.RUN_SUCCEEDED.value})
+ENV_EVENT = "QLORA_SUPERVISE_EVENT"
+
+
+class EventHook:
+    """Runs ``argv`` for each hooked event. ``log`` is bound after the event log exists."""
+
+    def __init__(self, argv: Sequence[str], timeout_s: float) -> None:
+        self.argv = list(argv)
+        self.timeout_s = timeout_s
+        self.log: Any = None
+
+    def on_event(self, event: Mapping[str, Any]) -> None:
+        name = str(event.get("event"))
+        if name not in HOOKED_EVENTS:
+            return
+        payload = json.dumps(dict(event), default=str)
+        problem = self._run(name, payload)
+        if problem is not None and self.log is not None:
+            self.log.warning(
+                Event.HOOK_FAILED,
+                hook=self.argv,
+                for_event=name,
+                problem=problem,
+                fix="the run goes on; fix supervise.on_event (try it with a JSON line on stdin)",
+            )
+
+    def _run(self, name: str, payload: str) -> str | None:
+        """None when the hook exited 0, else what went wrong, in one line."""
+        try:
+            done = subprocess.run(
+                self.argv,
+                input=payload,
+                text=True,
+                capture_output=True,
+                timeout=self.timeout_s,
+                env={**os.environ, ENV_EVENT: name},
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return f"timed out after {self.timeout_s:g}s (killed)"
+        except OSError as error:
+            return f"could not start: {error}"
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            return f"exit status {done.returncode}: {tail[0][:300]}"
+        return None
