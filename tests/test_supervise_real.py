@@ -127,8 +127,15 @@ def test_supervisor_sigkill_then_same_command_finishes_without_repeating_failed_
     assert records[-1].resumed_from >= 2
 
 
-def test_target_modules_matching_nothing_stops_with_exit_4(tiny_dir: Path, tmp_path: Path) -> None:
-    """A job whose LoRA targets match no layer stops after one attempt with exit 4 and the layer names."""
+def test_target_modules_matching_nothing_stops_with_exit_2_before_any_attempt(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A job whose LoRA targets match no layer is refused before any attempt (exit 2) with the layer names.
+
+    Issue 11 item 10 moved this check from the child (exit 4 after loading the model) to the job
+    file's validation, which reads the tensor names from the safetensors header; the child's own
+    check stays (tests/test_child_train.py).
+    """
     job = _job(tiny_dir, tmp_path)
     raw = yaml.safe_load(job.read_text())
     raw["lora"]["target_modules"] = ["query_key_value"]
@@ -140,11 +147,11 @@ def test_target_modules_matching_nothing_stops_with_exit_4(tiny_dir: Path, tmp_p
         env=dict(os.environ),
         check=False,
     )
-    assert out.returncode == 4, out.stderr[-2000:]
-    assert "gave_up" in out.stderr and "config_error" in out.stderr
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "lora.target_modules" in out.stderr and "'query_key_value' match no layer" in out.stderr
     assert "q_proj" in out.stderr  # the message lists the linear layers the model has
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert len(records) == 1
+    assert len(records) == 0
 
 
 def test_merge_runs_in_its_own_process_after_training(tiny_dir: Path, tmp_path: Path) -> None:
