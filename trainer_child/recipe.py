@@ -296,6 +296,8 @@ def build(
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
         **memory_numbers().fields(),
+        # Packed rows are chunked, not cut, at max_seq_len: their lengths say nothing of a loss.
+        **({} if spec.train.packing else data.sample_lengths(train_set, tokenizer).fields()),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     callback = SupervisionCallback(source, spec.cpu_memory_limit)
