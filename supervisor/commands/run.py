@@ -67,6 +67,8 @@ def run_job(
     ``retry``: lift the run's verdict (gave up, not retryable) and try the last config again.
     The retry story and how to load the adapter go to ``summary`` (default: stdout) at the end.
     """
+    # Long because the start of a run is a sequence whose order matters (lock, reconcile the job,
+    # open the log, lift a verdict, then the loop); each step is one call below.
     job = _load(job_path)
     # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
     # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
