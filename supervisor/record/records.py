@@ -112,13 +112,17 @@ def attempt_peak(
     return None
 
 
+#: One number of a classified OOM: bytes (or a share), or per-process bytes keyed by pid.
+OomNumber = int | float | str | Mapping[str, int]
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """A classified failure as the journal keeps it (the :class:`Failure` plus report facts)."""
 
     kind: FailureKind
     stage: Stage
-    numbers: Mapping[str, Any]
+    numbers: Mapping[str, OomNumber]
     evidence: str
     message: str = ""
     emergency_checkpoint: str | None = None
