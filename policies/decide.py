@@ -13,8 +13,8 @@ Order of the rules (first match wins):
 4b. disk_full: no wait yet -> Wait(seconds, needed_bytes, for the disk); after the wait: room
    came back (or no reading) -> Restart unchanged; the wait timed out -> GiveUp. No rung
    changes what a checkpoint needs on disk, and a full disk says nothing about the config.
-5. hang / nccl / other -> Restart unchanged once; the same failure again *with no step trained
-   since the last one* -> GiveUp. Failures are counted by progress: an attempt that trained
+5. hang / nccl / other -> Restart unchanged; the same failure repeated ``max_no_progress`` times
+   *with no step trained in between* -> GiveUp. Failures are counted by progress: an attempt that trained
    steps before it failed starts a fresh count, so a week-long run survives any number of
    preemptions or operator kills as long as each retry gets further (the crash-loop guard of
    rule 3 and ``max_attempts`` still bound it)
@@ -172,7 +172,7 @@ def decide(
     if kind is FailureKind.DISK_FULL:
         return _after_disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
-        return _retry_unchanged(kind, knobs, history)
+        return _retry_unchanged(kind, knobs, history, settings.max_no_progress)
     if phase == "merge" and kind.is_oom:
         return _climb(_MergeFailure(), knobs, history, settings)
     return _climb(failure, knobs, history, settings)
@@ -253,13 +253,19 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
     return streak
 
 
-def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> Decision:
-    if _same_failures_since_progress(kind, knobs, history) > 1:
+def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt], limit: int) -> Decision:
+    # A kill can come again before the retry trains a step (a preemption during the next load):
+    # the same failure gives up only once it repeated ``limit`` times (the crash-loop limit,
+    # supervise.max_no_progress_attempts) with no step trained in between.
+    same = _same_failures_since_progress(kind, knobs, history)
+    if same >= max(2, limit):
         return GiveUp(
-            f"{kind.value} happened again with the same config and no step trained in between; "
+            f"{kind.value} happened {same} times with the same config and no step trained in between; "
             "no rung addresses it"
         )
-    return Restart(knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry once", Survives.ALL)
+    return Restart(
+        knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry unchanged", Survives.ALL
+    )
 
 
 def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> int:

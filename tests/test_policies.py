@@ -158,13 +158,17 @@ def test_contention_waits_then_gives_up_unless_degrading_is_allowed() -> None:
     assert isinstance(degraded, Restart) and degraded.rung == "gradient_checkpointing"
 
 
-def test_hang_retries_unchanged_once() -> None:
-    """A hang is retried once with the same config, and a second hang with no step trained gives up."""
+def test_hang_retries_unchanged_until_the_no_progress_limit() -> None:
+    """A hang is retried with the same config; it gives up once it repeated with no step trained
+    in between as often as the crash-loop limit (supervise.max_no_progress_attempts) allows."""
     once = decide(_Failure(FailureKind.HANG), BASE, [_fail(FailureKind.HANG, steps=2)], Settings())
     assert isinstance(once, Restart) and once.knobs == BASE and once.changes == {}
-    # Issue 11 item 1: the second hang must have trained nothing since the first to end the run.
+    # A second one before any new step (a kill during the next load) is still retried.
     twice = [_fail(FailureKind.HANG, steps=2), _fail(FailureKind.HANG, steps=0)]
-    assert isinstance(decide(_Failure(FailureKind.HANG), BASE, twice, Settings()), GiveUp)
+    assert isinstance(decide(_Failure(FailureKind.HANG), BASE, twice, Settings()), Restart)
+    thrice = [*twice, _fail(FailureKind.HANG, steps=0)]
+    assert isinstance(decide(_Failure(FailureKind.HANG), BASE, thrice, Settings()), GiveUp)
+    assert isinstance(decide(_Failure(FailureKind.HANG), BASE, twice, Settings(max_no_progress=2)), GiveUp)
 
 
 @pytest.mark.parametrize("kind", [FailureKind.OTHER, FailureKind.HANG, FailureKind.NCCL])
@@ -173,7 +177,7 @@ def test_retry_count_starts_afresh_after_progress(kind: FailureKind) -> None:
     history = [_fail(kind, steps=3), _fail(kind, steps=4), _fail(kind, steps=1)]
     out = decide(_Failure(kind), BASE, history, Settings())
     assert isinstance(out, Restart) and out.rung == "retry_unchanged" and out.knobs == BASE
-    stuck = [*history, _fail(kind, steps=0)]
+    stuck = [*history, _fail(kind, steps=0), _fail(kind, steps=0)]
     assert isinstance(decide(_Failure(kind), BASE, stuck, Settings()), GiveUp)
 
 
