@@ -172,7 +172,9 @@ def decide(
     if kind is FailureKind.DISK_FULL:
         return _after_disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
-        return _retry_unchanged(kind, knobs, history, settings.max_no_progress)
+        # A GPU that faulted is retried once (issue 9); other transient kinds up to the crash-loop limit.
+        limit = 2 if kind is FailureKind.GPU_FAULT else settings.max_no_progress
+        return _retry_unchanged(kind, knobs, history, limit)
     if phase == "merge" and kind.is_oom:
         return _climb(_MergeFailure(), knobs, history, settings)
     return _climb(failure, knobs, history, settings)

@@ -52,17 +52,18 @@ def test_every_submitted_version_is_kept_and_the_first_survives_two_changes(tmp_
 
 def test_a_safe_change_lifts_the_verdict_and_is_journaled(tmp_path: Path) -> None:
     """Issue 11 item 6: a run that gave up goes on after a supervise.* change, logged and journaled."""
-    job = _job(tmp_path, {"1": "hang@2", "2": "hang@2"}, hang_timeout="1s")
+    # Three hangs with no step trained in between: the crash-loop limit gives up (exit 3).
+    job = _job(tmp_path, {"1": "hang@2", "2": "hang@2", "3": "hang@2"}, hang_timeout="1s")
     assert _run(job) == 3
     _edit(job, "supervise", hang_timeout="5s")
     assert _run(job) == 0
     changed = _events(tmp_path, "job_changed")[0]
     assert changed["changes"] == {"supervise.hang_timeout": {"old": 1.0, "new": 5.0, "safe": True}}
     lifts = read_lifts(tmp_path / "run" / "attempts.jsonl")
-    assert [(lift.after_attempt, lift.verdict) for lift in lifts] == [(2, "gave_up")]
+    assert [(lift.after_attempt, lift.verdict) for lift in lifts] == [(3, "gave_up")]
     assert _events(tmp_path, "verdict_lifted")
     records, bad = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert bad == 0 and records[-1].outcome == "succeeded" and records[-1].attempt == 3
+    assert bad == 0 and records[-1].outcome == "succeeded" and records[-1].attempt == 4
 
 
 def test_retry_lifts_a_config_error_verdict_that_otherwise_stands(tmp_path: Path) -> None:
