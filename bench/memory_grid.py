@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -40,6 +39,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_ladder import long_rows
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,23 +179,7 @@ def tiny_grid() -> list[Config]:
 # --------------------------------------------------------------------------- building
 
 
-def spell(number: int) -> str:
-    return " ".join(str(number))
-
-
-def long_rows(count: int, min_tokens: int, seed: int = 0) -> list[dict[str, str]]:
-    """Counting exercises, each longer than ``min_tokens`` word-level tokens."""
-    rng = random.Random(seed)
-    rows = []
-    for index in range(count):
-        stride, start = rng.randint(1, 3), rng.randint(100, 900)
-        words = f"row {spell(index)} count by {stride} from {spell(start)} :".split()
-        k = 0
-        while len(words) < min_tokens + 64:
-            words += [*spell(start + stride * k).split(), ","]
-            k += 1
-        rows.append({"text": " ".join(words)})
-    return rows
+# The dataset rows are gpu_ladder's: one builder of counting exercises for every GPU bench.
 
 
 def build_assets(
