@@ -136,10 +136,13 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
         raise ConfigError(f"resume_from {source}: not a complete checkpoint (no completion marker)")
     checkpoints.check_loadable(source)
     original = str(source)
-    if not any((source / name).is_file() for name in checkpoints.OPTIMIZER_FILES):
+    # The rank cut first: it needs a scratch copy whatever the optimizer state (the original
+    # checkpoint is never rewritten in place), so it must not be skipped by the early return.
+    cut = _rank_above(source, spec.knobs.lora_r)
+    no_state = not any((source / name).is_file() for name in checkpoints.OPTIMIZER_FILES)
+    if no_state and not cut:
         why = f"{source.name} holds no optimizer state ({' or '.join(checkpoints.OPTIMIZER_FILES)} missing)"
         return checkpoints.ResumeSource(original, original, why, original)
-    cut = _rank_above(source, spec.knobs.lora_r)
     if not spec.reset_optimizer and not cut:
         return checkpoints.ResumeSource(original, original=original)
     stripped = checkpoints.without_optimizer(source, checkpoints_dir / f".tmp-reset-{os.getpid()}")

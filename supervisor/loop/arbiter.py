@@ -240,7 +240,6 @@ class Supervisor:
             gpu=self.gpu,
             stop_signal=lambda: self.stop_signal,
             hup_seen=lambda: self.hup_seen,
-            ping=self._ping,
             gpu_budget=None if self.job.resources.device == "cpu" else self.settings.budget_bytes,
         )
 

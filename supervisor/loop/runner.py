@@ -54,7 +54,6 @@ class RunnerContext:
     gpu: GpuProbe | None
     stop_signal: Callable[[], int | None]
     hup_seen: Callable[[], bool]
-    ping: Callable[[float], None]
     gpu_budget: int | None = None  # the policy's GPU budget: what memory creep is measured against
 
 
