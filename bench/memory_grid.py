@@ -38,10 +38,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_ladder import long_rows
+
+if TYPE_CHECKING:
+    from qlora_supervise.trainer_child.protocol import Knobs
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +112,23 @@ class Config:
         return (
             f"{self.shape} s{self.seq} b{self.micro}x{self.accum} {'gc' if self.gc else 'nogc'} "
             f"r{self.r} {self.targets} {self.optimizer}{' exp' if self.expandable else ''}"
+        )
+
+    def knobs(self, model: str = "m") -> Knobs:
+        """The knobs the child runs this point with (and the memory model predicts it with)."""
+        from qlora_supervise.trainer_child.protocol import Knobs
+
+        return Knobs(
+            model=model,
+            micro_batch_size=self.micro,
+            grad_accum=self.accum,
+            max_seq_len=self.seq,
+            gradient_checkpointing=self.gc,
+            optimizer=self.optimizer,
+            lora_r=self.r,
+            lora_alpha=2 * self.r,
+            expandable_segments=self.expandable,
+            eval_enabled=False,
         )
 
     @property
@@ -242,21 +262,10 @@ def build_all(names: list[str], work: Path, tiny: bool, max_seq: int) -> dict[st
 
 
 def write_spec(config: Config, work: Path, run: Path, tiny: bool) -> Path:
-    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, Knobs, TrainSpec
+    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, TrainSpec
 
     shape_dir = work / config.shape
-    knobs = Knobs(
-        model=str(shape_dir / "model"),
-        micro_batch_size=config.micro,
-        grad_accum=config.accum,
-        max_seq_len=config.seq,
-        gradient_checkpointing=config.gc,
-        optimizer=config.optimizer,
-        lora_r=config.r,
-        lora_alpha=2 * config.r,
-        expandable_segments=config.expandable,
-        eval_enabled=False,
-    )
+    knobs = config.knobs(str(shape_dir / "model"))
     train = TrainSpec(
         max_steps=config.steps,
         save_steps=10_000,
@@ -356,7 +365,6 @@ def summarise(config: Config, run: Path, code: int, wall: float) -> dict[str, An
 def predicted(config: Config, work: Path) -> dict[str, Any] | None:
     """The memory model's numbers for ``config`` (None when the model dir is not there yet)."""
     from qlora_supervise.policies import memory_model
-    from qlora_supervise.trainer_child.protocol import Knobs
 
     path = work / config.shape / "model" / "config.json"
     if not path.is_file():
@@ -364,18 +372,7 @@ def predicted(config: Config, work: Path) -> dict[str, Any] | None:
     shape = memory_model.ModelShape.from_config(json.loads(path.read_text()))
     if shape is None:
         return None
-    knobs = Knobs(
-        model="m",
-        micro_batch_size=config.micro,
-        grad_accum=config.accum,
-        max_seq_len=config.seq,
-        gradient_checkpointing=config.gc,
-        optimizer=config.optimizer,
-        lora_r=config.r,
-        expandable_segments=config.expandable,
-        eval_enabled=False,
-    )
-    prediction = memory_model.predict(shape, knobs, targets=config.target_modules)
+    prediction = memory_model.predict(shape, config.knobs(), targets=config.target_modules)
     return {"peak_allocated": prediction.peak_bytes, "components": dict(prediction.components)}
 
 

@@ -27,7 +27,6 @@ from memory_grid import SHAPES, Config  # the bench folder is not a package
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory import gpu
-from qlora_supervise.trainer_child.protocol import Knobs
 
 GiB = 1 << 30
 MEDIAN_TARGET, WORST_TARGET = 0.05, 0.15
@@ -41,25 +40,10 @@ def shape_of(name: str) -> memory_model.ModelShape:
     return shape
 
 
-def knobs_of(config: Config) -> Knobs:
-    """The knobs exactly as bench/memory_grid.py set them for the child."""
-    return Knobs(
-        model="m",
-        micro_batch_size=config.micro,
-        grad_accum=config.accum,
-        max_seq_len=config.seq,
-        gradient_checkpointing=config.gc,
-        optimizer=config.optimizer,
-        lora_r=config.r,
-        expandable_segments=config.expandable,
-        eval_enabled=False,
-    )
-
-
 def repredict(point: dict[str, Any]) -> memory_model.Prediction:
     """The current model's prediction for one recorded grid point."""
     config = Config(**point["config"])
-    return memory_model.predict(shape_of(config.shape), knobs_of(config), targets=config.target_modules)
+    return memory_model.predict(shape_of(config.shape), config.knobs(), targets=config.target_modules)
 
 
 def load_line(point: dict[str, Any]) -> str | None:
@@ -69,7 +53,7 @@ def load_line(point: dict[str, Any]) -> str | None:
     if not measured:
         return None
     config = Config(**point["config"])
-    load = sum(gpu.load_components(shape_of(config.shape), knobs_of(config), config.target_modules).values())
+    load = sum(gpu.load_components(shape_of(config.shape), config.knobs(), config.target_modules).values())
     error = (load - measured) / measured
     return f"      load: measured {measured / GiB:.2f}, predicted {load / GiB:.2f} ({error:+.1%})"
 
