@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,20 +13,9 @@ from qlora_supervise.supervisor.reporting import notify
 
 
 @pytest.fixture
-def listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
-    """A datagram socket bound to a short path, named by NOTIFY_SOCKET (as systemd does)."""
-    directory = Path(tempfile.mkdtemp(prefix="sdn", dir="/tmp"))  # sun_path is limited to 108 bytes
-    path = directory / "notify"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(path))
-    sock.settimeout(5)
-    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
-    try:
-        yield sock
-    finally:
-        sock.close()
-        path.unlink(missing_ok=True)
-        directory.rmdir()
+def listener(notify_socket: socket.socket) -> socket.socket:
+    """The NOTIFY_SOCKET listener of conftest, under this module's name for it."""
+    return notify_socket
 
 
 def _received(sock: socket.socket) -> str:

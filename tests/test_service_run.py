@@ -6,10 +6,8 @@ import io
 import json
 import socket
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,22 +21,12 @@ from run_scripted import scripted_seams
 
 
 @pytest.fixture
-def systemd_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
-    """A datagram socket named by NOTIFY_SOCKET, with WATCHDOG_USEC set, as systemd would."""
-    directory = Path(tempfile.mkdtemp(prefix="sdn", dir="/tmp"))  # sun_path is limited to 108 bytes
-    path = directory / "notify"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(path))
-    sock.settimeout(0.05)
-    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+def systemd_socket(notify_socket: socket.socket, monkeypatch: pytest.MonkeyPatch) -> socket.socket:
+    """The NOTIFY_SOCKET listener of conftest, with WATCHDOG_USEC set, as systemd would."""
+    notify_socket.settimeout(0.05)
     monkeypatch.setenv("WATCHDOG_USEC", "2000000")
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
-    try:
-        yield sock
-    finally:
-        sock.close()
-        path.unlink(missing_ok=True)
-        directory.rmdir()
+    return notify_socket
 
 
 class Listener(threading.Thread):
