@@ -26,13 +26,18 @@ def prepare_env(spec: AttemptSpec) -> None:
     calls with the same inherited ``CUDA_VISIBLE_DEVICES``, so the GPU trained on is the GPU
     watched. Raises DeviceError when the device names no visible GPU.
     """
+    prepare_env_for(spec.device, spec.knobs.expandable_segments)
+
+
+def prepare_env_for(device_name: str, expandable_segments: bool) -> None:
+    """:func:`prepare_env` from the two facts of the spec it reads (a warm spare has no spec yet)."""
     from .memory import prepare_process_env
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # never download: the lab server may have no network
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    binding = bind_device(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    binding = bind_device(device_name, os.environ.get("CUDA_VISIBLE_DEVICES"))
     os.environ["CUDA_VISIBLE_DEVICES"] = binding.child_visible_devices
-    prepare_process_env(spec.knobs.expandable_segments)
+    prepare_process_env(expandable_segments)
 
 
 def parse_args(argv: list[str] | None, prog: str) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import traceback
 from typing import Any
 
@@ -93,6 +94,7 @@ class CapturedFailure:
     # Read at the OOM, before the step's tensors are freed (memory.allocator_facts_at_oom).
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
+    at: float = dataclasses.field(default_factory=time.time)  # when the exception was caught
 
     @property
     def exit_code(self) -> ExitCode:
@@ -162,6 +164,7 @@ def write_report(
         disk=disk,
         allocator=failure.allocator,
         memory_snapshot=failure.memory_snapshot,
+        failed_at=failure.at,
     )
     write_text_atomic(path, report.to_json())
     return report

@@ -282,6 +282,9 @@ class ErrorReport:
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
     time: float = dataclasses.field(default_factory=time.time)
+    # When the exception was caught (before the emergency checkpoint and this report): where
+    # recovery time is counted from. None in reports from older children.
+    failed_at: float | None = None
 
     def __post_init__(self) -> None:
         # Reports are read back from JSON, where the stage is a plain string and the facts a dict.

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from huggingface_hub.errors import HFValidationError
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
 from trl import SFTConfig
 
 from . import data
@@ -275,6 +275,10 @@ def build(
     knobs = spec.knobs
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
     os.environ.update(report_env(spec))
+    # Seeded before the adapter exists: LoRA's A matrices are drawn at get_peft_model, before
+    # the Trainer would seed (it seeds in its own constructor), so without this each process,
+    # each restart included, starts from another random adapter.
+    set_seed(spec.train.seed)
     progress.enter(Stage.LOAD)
     tokenizer = load_tokenizer(spec)
     model = load_model(spec, dtype, on_cuda)

@@ -29,6 +29,31 @@ def import_training_stack() -> dict[str, str]:
     }
 
 
+def import_training_classes(model_dir: str | None = None) -> None:
+    """Import what the recipe touches lazily: our recipe, trainer and data modules (with them
+    transformers' model and Trainer code, trl's SFTTrainer, peft's LoRA and ``datasets``) and,
+    when ``model_dir`` has a ``config.json``, the modelling module of its architecture.
+
+    A warm spare calls this so that an attempt pays none of it; nothing here touches CUDA.
+    """
+    import importlib
+    import json
+    from pathlib import Path
+
+    from . import data, recipe, trainer  # noqa: F401 - imported for their side effect: the modules load
+
+    if model_dir is None:
+        return
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))["model_type"]
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        module = model_type_to_module_name(str(model_type))
+        importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except (OSError, ValueError, KeyError, TypeError, ImportError):
+        return  # a hub id, or an architecture this transformers names otherwise: the attempt imports it
+
+
 def main() -> int:
     from .memory import prepare_process_env, proc_status_bytes
 

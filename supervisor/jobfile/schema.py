@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -187,6 +187,9 @@ class SuperviseSection(Section):
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
     # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
     calibration_store: bool = True
+    # A warm spare trainer (loop/spare.py): the next attempt skips the stack's imports. auto:
+    # on with 4+ usable CPUs; host RAM short turns it off either way.
+    warm_spare: bool | Literal["auto"] = "auto"
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
     # How long a stop (SIGTERM, `systemctl stop`) waits for the child's checkpoint before SIGKILL.
     stop_grace: Seconds = 180.0

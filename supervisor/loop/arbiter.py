@@ -204,6 +204,12 @@ class Supervisor:
 
     def _loop(self, records: list[AttemptRecord]) -> int:
         runner = AttemptRunner(self._runner_context())
+        try:
+            return self._attempts(runner, records)
+        finally:
+            runner.close()  # its warm spare, on every way out
+
+    def _attempts(self, runner: AttemptRunner, records: list[AttemptRecord]) -> int:
         while True:
             plan = next_plan(records, self._plan_facts())
             if isinstance(plan, Verdict):

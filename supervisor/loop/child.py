@@ -43,6 +43,10 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     # systemd's notify socket and watchdog belong to the supervisor, not to the trainer.
     env = {k: v for k, v in base.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     env["PYTHONUNBUFFERED"] = "1"
+    # One string-hash seed for every attempt: set and dict-of-set orders (peft's target_modules
+    # is a set) then match across processes, so a restart, cold or in a warm spare, trains the
+    # same numbers as an uninterrupted process would. A seed the caller chose is kept.
+    env.setdefault("PYTHONHASHSEED", "0")
     if knobs.expandable_segments:
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
             env[name] = _with_option(env.get(name, ""), "expandable_segments:True")
@@ -87,6 +91,19 @@ class ChildProcess:
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def send_line(self, line: str) -> bool:
+        """Write one line to the child's stdin and close it (a spare's order); False when the
+        child has no stdin pipe or closed it."""
+        stdin = self.popen.stdin
+        if stdin is None:
+            return False
+        try:
+            stdin.write(line.encode("utf-8") + b"\n")
+            stdin.close()
+        except (BrokenPipeError, ValueError, OSError):
+            return False
+        return True
+
     def signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signum)
@@ -106,20 +123,29 @@ class ChildProcess:
         return code
 
 
-def spawn_child(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> ChildProcess:
+def spawn_child(
+    argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path, stdin_pipe: bool = False
+) -> ChildProcess:
+    """Start the child in its own session with PDEATHSIG, output appended to ``log_path``;
+    ``stdin_pipe`` gives it a pipe on stdin (a warm spare waits for its order there)."""
     ensure_dir(log_path.parent)
     with open_append_binary(log_path) as log:
         popen = subprocess.Popen(
             list(argv),
             env=dict(env),
             cwd=cwd,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_pdeathsig(os.getpid()),
         )
     return ChildProcess(popen, log_path, time.monotonic())
+
+
+def spawn_spare(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> ChildProcess:
+    """A warm spare (``trainer_child.spare``): a child that waits on its stdin pipe."""
+    return spawn_child(argv, env, log_path, cwd, stdin_pipe=True)
 
 
 def log_tail(path: Path, limit: int = 64 * 1024) -> str:

@@ -8,6 +8,7 @@ recorded) and stopped, and what it left (heartbeats, error report, log) becomes 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.loop import child as child_mod
@@ -32,9 +33,14 @@ def reclaim(
     spec_path = rd.attempt_dir(flight.number) / "spec.json"
     # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe,
     # and finds the child when the supervisor died before it could record the pid.
-    pids = [flight.pid] if flight.pid else child_mod.pids_running(str(spec_path))
+    spare = f"qlora_supervise.trainer_child.spare --run-dir {rd.root}"
+    pids = (
+        [flight.pid]
+        if flight.pid
+        else [*child_mod.pids_running(str(spec_path)), *child_mod.pids_running(spare)]
+    )
     for pid in pids:
-        if str(spec_path) in child_mod.process_cmdline(pid) and pid_alive(pid):
+        if _is_attempt_child(child_mod.process_cmdline(pid), spec_path, rd) and pid_alive(pid):
             log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
             child_mod.stop_orphan(pid, seams.stop_grace_s, seams.clock, seams.sleep)
     reader = HeartbeatReader(rd.attempt_dir(flight.number) / "child-events.jsonl")
@@ -51,3 +57,11 @@ def reclaim(
         ended_at=seams.wall(),
         log_tail=child_mod.log_tail(rd.attempt_dir(flight.number) / "child.log"),
     )
+
+
+def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
+    """Whether the process is the attempt's child: its spec on the command line, or a warm spare
+    of this run directory (a spare got its spec on stdin, so its command line names the run)."""
+    if str(spec_path) in cmdline:
+        return True
+    return "qlora_supervise.trainer_child.spare" in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.resume import ResumePoint, log_quarantined, resume_point
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
+from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, spare_enabled
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, write_state
 from qlora_supervise.supervisor.record.records import Phase
@@ -62,6 +65,26 @@ class AttemptRunner:
 
     def __init__(self, ctx: RunnerContext) -> None:
         self.ctx = ctx
+        self.spares = self._spare_keeper()
+        # When the last attempt failed (its error report's time, else its end): the next
+        # attempt's ``first_step`` says how long the recovery took from there.
+        self.failed_at: float | None = None
+        self.warm = False  # the attempt in flight runs in a spare
+
+    def _spare_keeper(self) -> SpareKeeper | None:
+        ctx = self.ctx
+        on, why = spare_enabled(ctx.job.supervise.warm_spare)
+        if ctx.seams.spawn_spare is None or not on:
+            ctx.log.info(Event.SPARE_OFF, why=why if not on else "no spare seam (a test's fake spawn)")
+            return None
+        return SpareKeeper(
+            ctx.rd.root, ctx.seams.spawn_spare, ctx.seams.clock, ctx.seams.sleep, ctx.log, sys.executable
+        )
+
+    def close(self) -> None:
+        """The run is over: its spare, if any, goes too."""
+        if self.spares is not None:
+            self.spares.discard("the run is over")
 
     def run(self, number: int, plan: Plan) -> AttemptOutcome:
         # One attempt's whole life in the order it happens (checkpoints, spec, spawn, watch,
@@ -86,7 +109,8 @@ class AttemptRunner:
         )
         reader = HeartbeatReader(Path(spec.events_file))
         creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
-        watched = self._watch(number, proc, reader, spec, log, creep)
+        first = FirstStep(resume.step, started_at, self.failed_at, self.warm)
+        watched = self._watch(number, proc, reader, spec, log, creep, first)
         exit_ = self._end(proc, watched)
         self._last_gpu_look(proc.pid, watched, attempt_dir, log)
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
@@ -103,12 +127,14 @@ class AttemptRunner:
         )
         log_optimizer_reset(log, reader.progress)
         kills_after = seams.oom_kills()
+        report = read_report(ctx.rd, number, ctx.log)
+        self.failed_at = None if exit_.returncode == 0 else failure_time(report, seams.wall())
         return AttemptOutcome(
             number=number,
             plan=plan,
             exit=exit_,
             progress=reader.progress,
-            report=read_report(ctx.rd, number, ctx.log),
+            report=report,
             memory=MemorySeen(
                 watched.gpu_peak_process,
                 watched.gpu_others_at_end,
@@ -132,11 +158,31 @@ class AttemptRunner:
         # between leaves a state that names the attempt, so its child can be found and stopped.
         flight = InFlight(number, plan.phase, plan.knobs, resume.step, None, started_at)
         write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
-        proc = seams.spawn(argv, env, attempt_dir / "child.log", ctx.rd.root)
+        order = self._spare_order(argv, attempt_dir / "spec.json", plan, env)
+        if order is not None and self.spares is not None:
+            spare = self.spares.take(order, attempt_dir / "spec.json", attempt_dir / "child.log")
+        else:
+            spare = None
+        self.warm = spare is not None
+        proc: ChildHandle = spare or seams.spawn(argv, env, attempt_dir / "child.log", ctx.rd.root)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
         flight = dataclasses.replace(flight, pid=proc.pid)
         write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
+        if order is not None and self.spares is not None:
+            self.spares.ensure(order)  # the next one, behind it: importing while this one loads
         return proc
+
+    def _spare_order(
+        self, argv: list[str], spec_path: Path, plan: Plan, env: dict[str, str]
+    ) -> SpareOrder | None:
+        """What a spare for this attempt must have been started with; None when a spare cannot
+        run it: it runs exactly the trainer's own command line, never a merge, a launcher or a
+        test's scripted child."""
+        if argv != child_mod.child_argv(spec_path, plan.phase.value) or plan.phase is not Phase.TRAIN:
+            return None
+        return SpareOrder(
+            env, self.ctx.job.resources.device, plan.knobs.expandable_segments, plan.knobs.model
+        )
 
     def _end(self, proc: ChildHandle, watched: Watched) -> ChildExit:
         seams = self.ctx.seams
@@ -211,6 +257,7 @@ class AttemptRunner:
         spec: AttemptSpec,
         log: Any,
         creep: CreepWatch,
+        first: FirstStep,
     ) -> Watched:
         # One tick: read heartbeats, report progress (systemd's watchdog is fed there, by the
         # child's events, not by this timer), sample memory, then the ways a watch ends early
@@ -227,6 +274,7 @@ class AttemptRunner:
             now = seams.clock()
             new = reader.poll(now)
             note_child_events(new, log)
+            first.note(new, log)
             self._watch_creep(new, creep, proc, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:

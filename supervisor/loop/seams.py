@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.spare import SpawnSpare
 from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe
 
@@ -66,6 +67,8 @@ class Seams:
     wall: Clock = time.time
     sleep: Sleep = time.sleep
     spawn: Spawn = child_mod.spawn_child
+    # The warm spare's start (loop/spare.py); None keeps none (a test's fake spawn has no spare).
+    spawn_spare: SpawnSpare | None = child_mod.spawn_spare
     argv: Callable[[Path, str], list[str]] = child_mod.child_argv
     open_gpu: Callable[[str], GpuProbe | None] = _open_gpu
     oom_kills: Callable[[], int | None] = oom_kill_count

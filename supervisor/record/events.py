@@ -39,6 +39,13 @@ class Event(str, enum.Enum):
     OPTIMIZER_RESET = "optimizer_reset"
     TRUST_REMOTE_CODE = "trust_remote_code"
     MEMORY_CREEP = "memory_creep"
+    FIRST_STEP = "first_step"
+    # the warm spare (loop/spare.py)
+    SPARE_OFF = "spare_off"
+    SPARE_STARTED = "spare_started"
+    SPARE_SKIPPED = "spare_skipped"
+    SPARE_USED = "spare_used"
+    SPARE_DISCARDED = "spare_discarded"
     # after a failure
     FAILURE_CLASSIFIED = "failure_classified"
     RETRY = "retry"

@@ -1,0 +1,50 @@
+"""How long a recovery took: from an attempt's failure to the next attempt's first step.
+
+The supervisor's own measure of what an OOM costs (the warm spare's reason to exist), logged as
+``first_step`` for every attempt, so a person and the benchmark read the same number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.trainer_child.protocol import ErrorReport
+
+
+@dataclasses.dataclass
+class FirstStep:
+    """Logs ``first_step`` once: the attempt's first completed optimizer step, timed from its
+    start and from the previous attempt's failure (what recovery costs, spare or not)."""
+
+    resumed_from: int
+    started_at: float  # wall clock
+    failed_at: float | None
+    warm_spare: bool
+    seen: bool = False
+
+    def note(self, events: list[dict[str, Any]], log: Any) -> None:
+        for event in events:
+            step = event.get("step")
+            if self.seen or event.get("event") != "heartbeat" or not isinstance(step, int):
+                continue
+            at = event.get("time")
+            if step <= self.resumed_from or not isinstance(at, (int, float)):
+                continue
+            self.seen = True
+            log.info(
+                Event.FIRST_STEP,
+                step=step,
+                warm_spare=self.warm_spare,
+                since_spawn_s=round(at - self.started_at, 2),
+                **({} if self.failed_at is None else {"since_failure_s": round(at - self.failed_at, 2)}),
+            )
+
+
+def failure_time(report: ErrorReport | None, ended_at: float) -> float:
+    """When the attempt failed: the child's capture of the exception, else its report's writing,
+    else (no report: a SIGKILL, a hang) the end of the watch."""
+    if report is None:
+        return ended_at
+    return report.failed_at if report.failed_at is not None else report.time

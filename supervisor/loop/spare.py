@@ -1,0 +1,208 @@
+"""The warm spare: one trainer child that has already imported the stack and waits for a spec.
+
+Why: an attempt spends most of its restart importing torch, transformers, peft, trl and
+bitsandbytes (14-20 s of ~20 s on an H200, shared/gpu/README.md), and none of it depends on the
+attempt. A spare started while the current attempt runs has paid it when the next one starts.
+
+A spare never changes the result:
+
+* **Environment.** It is started with exactly the environment the next attempt would get
+  (:func:`child.child_env` of the current knobs) and is given an attempt only when that
+  attempt's environment is equal key by key. torch reads its allocator settings once, when
+  CUDA starts, so a spare started before ``expandable_segments`` changed is discarded (logged)
+  and the attempt starts cold, with a new spare started behind it.
+* **Device.** Its prelude binds the device with the same ``protocol.bind_device`` as an
+  attempt, from the same job field; the spare checks the spec's device once more.
+* **Seeds.** It only imports; the trainer seeds every generator from the spec afterwards.
+
+No spare when the run would not gain from one or could lose by it: ``supervise.warm_spare:
+false``; ``auto`` on a host with fewer than 4 usable CPUs (its imports would take a core from
+the trainer); more than one process (torchrun starts the ranks itself); the merge phase (its own
+low-memory process); and host RAM short (see :func:`room_for_spare`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from qlora_supervise.supervisor.record.events import Event
+
+#: What a spare costs before it has reported its own RSS: a Python process with the stack
+#: imported (measured 0.6 GB with the CPU build of torch; the CUDA build maps more).
+SPARE_RSS_GUESS = 2 << 30
+#: Host RAM that must stay free beside the spare, for the running child's growth.
+RAM_HEADROOM = 2 << 30
+#: Fewer usable CPUs than this and ``auto`` keeps no spare.
+MIN_CPUS_FOR_AUTO = 4
+
+
+class SpareProcess(Protocol):
+    """A started spare as the keeper drives it (:class:`child.ChildProcess` in production); once
+    taken it is the attempt's child, its clock restarted at the hand-over."""
+
+    started_monotonic: float
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_line(self, line: str) -> bool: ...
+
+    def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int: ...
+
+
+SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpareOrder:
+    """What a spare is started for: the environment and the device it was fixed with."""
+
+    env: Mapping[str, str]
+    device: str
+    expandable_segments: bool
+    # Only a hint (the architecture module to import ahead): a spare warmed for another model
+    # still saves the rest, so the model is not part of the match.
+    model: str = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass
+class Spare:
+    order: SpareOrder
+    proc: SpareProcess
+    started_at: float  # monotonic
+
+
+def spare_enabled(setting: bool | str, cpus: int | None = None) -> tuple[bool, str]:
+    """Whether this run keeps a spare, and why (for the log). Whether a given attempt can use
+    it is the runner's question: only one that runs the trainer's own command line."""
+    if setting is False:
+        return False, "supervise.warm_spare is false"
+    usable = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    if setting == "auto" and usable < MIN_CPUS_FOR_AUTO:
+        return False, (
+            f"{usable} usable CPUs: a spare's imports would take a core from the trainer "
+            "(set supervise.warm_spare: true to keep one anyway)"
+        )
+    return True, "on"
+
+
+def room_for_spare(expected_rss: int, available: int | None = None) -> bool:
+    """Host RAM is short when what is free could not hold the spare plus headroom for the child."""
+    free = available if available is not None else int(psutil.virtual_memory().available)
+    return free >= expected_rss + RAM_HEADROOM
+
+
+def spare_argv(run_dir: Path, order: SpareOrder, python: str) -> list[str]:
+    argv = [python, "-m", "qlora_supervise.trainer_child.spare", "--run-dir", str(run_dir)]
+    argv += ["--device", order.device, "--model", order.model]
+    return argv + (["--expandable-segments"] if order.expandable_segments else [])
+
+
+def ready_line(log_path: Path, pid: int) -> dict[str, Any] | None:
+    """The spare's ``spare_ready`` report from its log, once it has written it."""
+    with contextlib.suppress(OSError):
+        for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                fields = json.loads(line)
+                if (
+                    isinstance(fields, dict)
+                    and fields.get("event") == "spare_ready"
+                    and fields.get("pid") == pid
+                ):
+                    return fields
+    return None
+
+
+class SpareKeeper:
+    """Keeps at most one spare; hands it to the next attempt whose environment it was made for."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        spawn: SpawnSpare,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        log: Any,
+        python: str,
+    ) -> None:
+        self.run_dir = run_dir
+        self.log_path = run_dir / "spare.log"
+        self._spawn, self._clock, self._sleep, self._log, self._python = spawn, clock, sleep, log, python
+        self.spare: Spare | None = None
+        self.measured_rss: int | None = None
+
+    def ensure(self, order: SpareOrder) -> None:
+        """Have a spare for ``order`` (one for another order is replaced); no spare if RAM is short."""
+        if self.spare is not None and self.spare.order == order and self.spare.proc.poll() is None:
+            return
+        if self.spare is not None:
+            self.discard("its environment no longer matches the next attempt's")
+        expected = self.measured_rss or SPARE_RSS_GUESS
+        if not room_for_spare(expected):
+            self._log.info(Event.SPARE_SKIPPED, why="host RAM is short", expected_rss=expected)
+            return
+        argv = spare_argv(self.run_dir, order, self._python)
+        proc = self._spawn(argv, dict(order.env), self.log_path, self.run_dir)
+        self.spare = Spare(order, proc, self._clock())
+        self._log.info(Event.SPARE_STARTED, pid=proc.pid, expected_rss=expected)
+
+    def take(self, order: SpareOrder, spec_path: Path, log_path: Path) -> SpareProcess | None:
+        """The spare, now running the attempt of ``spec_path``; None when there is no usable one."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return None
+        if spare.proc.poll() is not None:
+            self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why="it had exited")
+            return None
+        if spare.order != order:
+            self.spare = spare
+            self.discard(_difference(spare.order, order))
+            return None
+        ready = ready_line(self.log_path, spare.proc.pid)
+        self._note_rss(ready)
+        if not spare.proc.send_line(json.dumps({"spec": str(spec_path), "log": str(log_path)})):
+            self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why="its stdin was closed")
+            spare.proc.stop(1.0, self._sleep)
+            return None
+        spare.proc.started_monotonic = self._clock()  # the attempt starts now, not at the spawn
+        self._log.info(
+            Event.SPARE_USED,
+            pid=spare.proc.pid,
+            ready=ready is not None,
+            import_s=ready.get("import_s") if ready else None,
+            rss=ready.get("rss") if ready else None,
+            cuda_initialized=ready.get("cuda_initialized") if ready else None,
+            waited_s=round(self._clock() - spare.started_at, 1),
+        )
+        return spare.proc
+
+    def discard(self, why: str) -> None:
+        """Stop the spare, if any: EOF on its stdin ends it cleanly, SIGTERM if it is still importing."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        self._note_rss(ready_line(self.log_path, spare.proc.pid))
+        spare.proc.stop(5.0, self._sleep)
+        self._log.info(Event.SPARE_DISCARDED, pid=spare.proc.pid, why=why)
+
+    def _note_rss(self, ready: dict[str, Any] | None) -> None:
+        if ready is not None and isinstance(ready.get("rss"), int):
+            self.measured_rss = int(ready["rss"])
+
+
+def _difference(had: SpareOrder, wanted: SpareOrder) -> str:
+    """The first thing that differs between a spare's order and the attempt's, for the log."""
+    if had.device != wanted.device:
+        return f"device changed ({had.device} -> {wanted.device})"
+    changed = sorted(k for k in set(had.env) | set(wanted.env) if had.env.get(k) != wanted.env.get(k))
+    return f"the environment changed: {', '.join(changed)}" if changed else "the allocator setting changed"

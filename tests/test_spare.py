@@ -1,0 +1,210 @@
+"""The warm spare: a trainer child that has imported the stack and waits for the next attempt.
+
+The keeper's rules are checked with a stand-in process; the spare itself, and a supervised run
+whose second attempt runs in it, use real processes on the tiny model.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from qlora_supervise.supervisor.commands.run import run_job
+from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.reclaim import _is_attempt_child
+from qlora_supervise.supervisor.loop.spare import (
+    RAM_HEADROOM,
+    SpareKeeper,
+    SpareOrder,
+    ready_line,
+    room_for_spare,
+    spare_enabled,
+)
+from qlora_supervise.supervisor.record.eventlog import read_events
+from qlora_supervise.supervisor.record.journal import read_attempts
+from qlora_supervise.supervisor.record.rundir import RunDir
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def _add(self, event: object, **fields: Any) -> None:
+        self.lines.append((str(event), fields))
+
+    info = warning = error = _add
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.lines]
+
+
+class _StandIn:
+    """A spare that is no process: records what the keeper sends and whether it was stopped."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.started_monotonic = 0.0
+        self.sent: list[str] = []
+        self.stopped = False
+
+    def poll(self) -> int | None:
+        return 0 if self.stopped else None
+
+    def send_line(self, line: str) -> bool:
+        self.sent.append(line)
+        return True
+
+    def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int:
+        self.stopped = True
+        return 0
+
+
+def _keeper(tmp_path: Path, log: _Log) -> tuple[SpareKeeper, list[_StandIn]]:
+    started: list[_StandIn] = []
+
+    def spawn(argv: list[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> _StandIn:
+        started.append(_StandIn(1000 + len(started)))
+        return started[-1]
+
+    return SpareKeeper(tmp_path, spawn, time.monotonic, lambda s: None, log, sys.executable), started
+
+
+def _order(expandable: bool, model: str = "/m") -> SpareOrder:
+    env = child_mod.child_env({"PATH": "/usr/bin"}, _knobs(expandable))
+    return SpareOrder(env, "cpu", expandable, model)
+
+
+def _knobs(expandable: bool) -> Any:
+    from qlora_supervise.trainer_child.protocol import Knobs
+
+    return Knobs(model="/m", expandable_segments=expandable)
+
+
+def test_a_spare_is_handed_the_attempt_it_was_started_for(tmp_path: Path) -> None:
+    """A spare whose environment matches gets the spec and log paths on its stdin, its clock restarted."""
+    log = _Log()
+    keeper, started = _keeper(tmp_path, log)
+    keeper.ensure(_order(True))
+    proc = keeper.take(_order(True, model="/other"), tmp_path / "spec.json", tmp_path / "child.log")
+    assert proc is started[0] and proc.started_monotonic > 0
+    order = json.loads(started[0].sent[0])
+    assert order == {"spec": str(tmp_path / "spec.json"), "log": str(tmp_path / "child.log")}
+    assert log.names() == ["spare_started", "spare_used"]
+    assert keeper.spare is None
+
+
+def test_a_spare_started_before_the_allocator_changed_is_discarded(tmp_path: Path) -> None:
+    """expandable_segments changed: the spare is stopped, not used, and the log names the variable."""
+    log = _Log()
+    keeper, started = _keeper(tmp_path, log)
+    keeper.ensure(_order(False))
+    assert keeper.take(_order(True), tmp_path / "spec.json", tmp_path / "child.log") is None
+    assert started[0].stopped and started[0].sent == []
+    name, fields = log.lines[-1]
+    assert name == "spare_discarded" and "PYTORCH_ALLOC_CONF" in fields["why"]
+    keeper.ensure(_order(True))  # the next one is started with the new environment
+    assert len(started) == 2 and keeper.spare is not None and keeper.spare.order == _order(True)
+
+
+def test_spare_rules_cpus_setting_and_ram() -> None:
+    """auto needs 4 CPUs, false is off, true keeps one on 2 CPUs; RAM short means none."""
+    assert spare_enabled("auto", cpus=2)[0] is False
+    assert spare_enabled("auto", cpus=8)[0] is True
+    assert spare_enabled(True, cpus=2)[0] is True
+    assert spare_enabled(False, cpus=64) == (False, "supervise.warm_spare is false")
+    assert room_for_spare(1 << 30, available=(1 << 30) + RAM_HEADROOM)
+    assert not room_for_spare(1 << 30, available=(1 << 30) + RAM_HEADROOM - 1)
+
+
+def test_reclaim_knows_a_spare_of_this_run_by_its_command_line(tmp_path: Path) -> None:
+    """A spare names its run directory; one of another run (a prefix of this one's name) is not ours."""
+    rd = RunDir(tmp_path / "run")
+    spec = rd.attempt_dir(2) / "spec.json"
+    ours = f"python -m qlora_supervise.trainer_child.spare --run-dir {rd.root} --device cpu"
+    theirs = f"python -m qlora_supervise.trainer_child.spare --run-dir {rd.root}2 --device cpu"
+    assert _is_attempt_child(ours, spec, rd)
+    assert not _is_attempt_child(theirs, spec, rd)
+    assert _is_attempt_child(f"python -m qlora_supervise.trainer_child --spec {spec}", spec, rd)
+
+
+@pytest.mark.slow
+def test_the_spare_imports_the_stack_without_cuda_and_leaves_on_eof(tmp_path: Path) -> None:
+    """The spare reports ready with torch imported and CUDA untouched, and an empty stdin ends it at once."""
+    order = SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none")
+    argv = [sys.executable, "-m", "qlora_supervise.trainer_child.spare", "--run-dir", str(tmp_path)]
+    proc = child_mod.spawn_spare([*argv, "--device", "cpu"], order.env, tmp_path / "spare.log", tmp_path)
+    deadline = time.monotonic() + 120
+    while (ready := ready_line(tmp_path / "spare.log", proc.pid)) is None and time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / "spare.log").read_text()
+        time.sleep(0.2)
+    assert ready is not None
+    assert ready["cuda_initialized"] is False and ready["import_s"] > 0 and ready["rss"] > 100 << 20
+    modules = subprocess.run(["cat", f"/proc/{proc.pid}/maps"], capture_output=True, text=True).stdout
+    assert "libtorch" in modules  # the stack is loaded in the waiting process
+    assert proc.send_line("")
+    assert proc.popen.wait(timeout=20) == 0
+
+
+def _job(tiny_dir: Path, out: Path, warm_spare: bool) -> Path:
+    job = yaml.safe_load((tiny_dir / "job.yaml").read_text())
+    job["model"]["path"] = str(tiny_dir / "model")
+    job["data"]["path"] = str(tiny_dir / "data.jsonl")
+    job["train"].update(
+        micro_batch_size=16,
+        effective_batch_size=16,
+        gradient_checkpointing=False,
+        max_seq_len=512,
+        max_steps=4,
+        save_steps=2,
+        logging_steps=1,
+    )
+    job["resources"] = {"gpu": "cpu", "cpu_memory_limit": "1350MiB"}
+    job["supervise"] = {"hang_timeout": "5m", "backoff_initial": "0.1s", "warm_spare": warm_spare}
+    job["output_dir"] = str(out / "run")
+    out.mkdir()
+    (out / "job.yaml").write_text(yaml.safe_dump(job))
+    return out / "job.yaml"
+
+
+def _losses(run: Path, attempt: int) -> dict[int, float]:
+    lines = (run / f"attempt-{attempt:03d}" / "child-events.jsonl").read_text().splitlines()
+    beats = [json.loads(line) for line in lines]
+    return {b["step"]: b["loss"] for b in beats if b["event"] == "heartbeat" and b.get("loss") is not None}
+
+
+@pytest.mark.slow
+def test_a_real_oom_recovers_in_the_spare_with_the_same_result(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a real CPU OOM at step 2 the next attempt runs in the spare, with a cold restart.s losses."""
+    # Injected timing, real failure: the cap is applied after step 1, so the OOM comes mid-run.
+    monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "1")
+    runs = {}
+    for warm in (True, False):
+        job = _job(tiny_dir, tmp_path / f"warm-{warm}", warm)
+        assert run_job(str(job), plain=True, console=io.StringIO(), install_signals=False) == 0
+        runs[warm] = tmp_path / f"warm-{warm}" / "run"
+    events = read_events(runs[True] / "events.jsonl")
+    used = [e for e in events if e["event"] == "spare_used"]
+    assert len(used) == 1 and used[0]["ready"] is True and used[0]["cuda_initialized"] is False
+    started = [e for e in events if e["event"] == "attempt_started"]
+    assert started[1]["pid"] == used[0]["pid"]  # attempt 2 is the spare's process
+    first = [e for e in events if e["event"] == "first_step"]
+    assert [e["warm_spare"] for e in first] == [False, True]
+    assert "since_failure_s" not in first[0] and first[1]["since_failure_s"] > 0
+    records, _ = read_attempts(runs[True] / "attempts.jsonl")
+    assert [r.outcome for r in records] == ["failed", "succeeded"] and records[1].steps_completed == 4
+    assert "spare_discarded" in [e["event"] for e in events][-4:]  # the run's end stops the last spare
+    cold = read_events(runs[False] / "events.jsonl")
+    assert not [e for e in cold if e["event"] == "spare_used"]
+    assert _losses(runs[True], 2) == _losses(runs[False], 2) and len(_losses(runs[True], 2)) >= 3

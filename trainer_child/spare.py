@@ -1,0 +1,114 @@
+"""A warm spare trainer:
+``python -m qlora_supervise.trainer_child.spare --run-dir R --device D [--expandable-segments] [--model M]``.
+
+It fixes the process environment the way an attempt does (offline hub, the bound device,
+allocator settings, malloc arenas), imports the whole training stack, and then waits on stdin
+for one line, ``{"spec": PATH, "log": PATH}``. With it, it sends its output to the attempt's log
+and runs the attempt exactly as ``python -m qlora_supervise.trainer_child --spec PATH`` would.
+An empty stdin (the supervisor closed the pipe, or died) ends it with status 0 before any work.
+
+It never touches CUDA while it waits: ``import torch`` and the stack do not create a context
+(bitsandbytes asks torch for the device's capability, which reads properties, not memory), so a
+spare holds no GPU memory until it becomes an attempt. It prints one ``spare_ready`` line (JSON)
+with the import time, its RSS and whether torch initialised CUDA, for the supervisor and tests.
+
+The supervisor gives a spare only an attempt whose environment equals the one the spare was
+started with (see ``supervisor/loop/spare.py``); the spare checks the device and allocator
+setting once more and refuses a spec that differs (ExitCode.CONFIG), since its allocator
+settings were fixed before the imports and cannot change now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .protocol import AttemptSpec, DeviceError, ExitCode
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.spare")
+    parser.add_argument("--run-dir", required=True, help="the run directory it serves (names it for reclaim)")
+    parser.add_argument("--device", required=True, help="the job's resources.device")
+    parser.add_argument("--expandable-segments", action="store_true", help="allocator setting of the attempt")
+    parser.add_argument("--model", help="the model directory, whose architecture's module it imports")
+    return parser.parse_args(argv)
+
+
+def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> dict[str, object]:
+    """The attempt's environment and imports, without CUDA; what it cost, for ``spare_ready``."""
+    from .__main__ import prepare_env_for
+    from .memory import proc_status_bytes
+    from .stack import import_training_classes, import_training_stack
+
+    started = time.monotonic()
+    prepare_env_for(device_name, expandable_segments)
+    import torch
+
+    import_training_stack()
+    import_training_classes(model)
+    return {
+        "event": "spare_ready",
+        "pid": os.getpid(),
+        "import_s": round(time.monotonic() - started, 2),
+        "rss": proc_status_bytes("VmRSS"),
+        "cuda_initialized": bool(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
+    }
+
+
+def redirect_output(log_path: str) -> None:
+    """Point stdout and stderr (the file descriptors, so native code follows) at the attempt's log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As the supervisor opens a child's log: never through a link, the run's file mode.
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def check_spec(spec: AttemptSpec, device_name: str, expandable_segments: bool) -> str | None:
+    """Why this spare cannot run ``spec`` (its environment was fixed for another), or None."""
+    if spec.device != device_name:
+        return f"the spec's device {spec.device!r} is not the spare's {device_name!r}"
+    if spec.knobs.expandable_segments != expandable_segments:
+        return "the spec's expandable_segments differs from the allocator setting the spare started with"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        ready = warm_up(args.device, args.expandable_segments, args.model)
+    except DeviceError as exc:
+        print(f"trainer child spare: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG)
+    print(json.dumps(ready), flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # discarded, or the supervisor is gone: nothing was started
+    order = json.loads(line)
+    redirect_output(order["log"])
+    from .__main__ import read_spec
+
+    path = Path(order["spec"])
+    try:
+        spec = read_spec(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG)
+    why = check_spec(spec, args.device, args.expandable_segments)
+    if why is not None:
+        print(f"trainer child spare: {why}", file=sys.stderr)
+        return int(ExitCode.CONFIG)
+    from .attempt import run
+
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
