@@ -160,6 +160,7 @@ supervise:
   hang_timeout: 5m
   backoff_initial: 1s
   backoff_max: 5s
+  warm_spare: {args.warm_spare}
 output_dir: {run_dir}
 """,
         encoding="utf-8",
@@ -175,13 +176,17 @@ def cli() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli"]
 
 
-def run_supervised(job: Path, log: Path, timeout: float) -> dict[str, Any]:
-    """``qlora-supervise run job --plain`` with a wall-clock limit; SIGTERM (child checkpoints), then kill."""
+def run_supervised(job: Path, log: Path, timeout: float, *extra: str) -> dict[str, Any]:
+    """``qlora-supervise run job --plain [extra]`` with a wall-clock limit; SIGTERM (the child
+    checkpoints), then kill."""
     t0 = time.monotonic()
     timed_out = False
     with log.open("w", encoding="utf-8") as out:
         proc = subprocess.Popen(
-            [*cli(), "run", str(job), "--plain"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [*cli(), "run", str(job), "--plain", *extra],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             code = proc.wait(timeout=max(1.0, timeout))
@@ -354,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny", action="store_true", help="CPU check of this script: tiny model, cpu_memory_limit caps"
     )
     p.add_argument("--gpu", default="0")
+    p.add_argument(
+        "--as-written", action="store_true", help="run the job's config, no pre-flight (the ladder climbs)"
+    )
+    p.add_argument(
+        "--warm-spare", default="auto", choices=["auto", "true", "false"], help="supervise.warm_spare"
+    )
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--effective", type=int, default=16)
@@ -418,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         keep.mkdir(parents=True, exist_ok=True)
         shutil.copy(job, keep / "job.yaml")
         print(f"running {name} (limit {left - 20:.0f} s) ...", flush=True)
-        run = run_supervised(job, keep / "supervisor.log", left - 20)
+        extra = ("--as-written",) if args.as_written else ()
+        run = run_supervised(job, keep / "supervisor.log", left - 20, *extra)
         result = {"run": run, **collect(run_dir, keep)}
         status = subprocess.run([*cli(), "status", str(run_dir)], capture_output=True, text=True)
         (keep / "status.txt").write_text(status.stdout + status.stderr, encoding="utf-8")
