@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from .processes import leave
 from .protocol import AttemptSpec, DeviceError, ExitCode, bind_device
 
 
@@ -66,4 +67,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

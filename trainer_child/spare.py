@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from .processes import leave
 from .protocol import AttemptSpec, DeviceError, ExitCode
 
 
@@ -111,4 +112,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
