@@ -24,7 +24,8 @@ class FirstStep:
     warm_spare: bool
     seen: bool = False
 
-    def note(self, events: list[dict[str, Any]], log: Any) -> None:
+    def note(self, events: list[dict[str, Any]], log: Any) -> bool:
+        """Log ``first_step`` if ``events`` hold it; True when they did."""
         for event in events:
             step = event.get("step")
             if self.seen or event.get("event") != "heartbeat" or not isinstance(step, int):
@@ -40,6 +41,8 @@ class FirstStep:
                 since_spawn_s=round(at - self.started_at, 2),
                 **({} if self.failed_at is None else {"since_failure_s": round(at - self.failed_at, 2)}),
             )
+            return True
+        return False
 
 
 def failure_time(report: ErrorReport | None, ended_at: float) -> float:

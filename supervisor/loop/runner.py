@@ -70,6 +70,7 @@ class AttemptRunner:
         # attempt's ``first_step`` says how long the recovery took from there.
         self.failed_at: float | None = None
         self.warm = False  # the attempt in flight runs in a spare
+        self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
 
     def _spare_keeper(self) -> SpareKeeper | None:
         ctx = self.ctx
@@ -80,6 +81,11 @@ class AttemptRunner:
         return SpareKeeper(
             ctx.rd.root, ctx.seams.spawn_spare, ctx.seams.clock, ctx.seams.sleep, ctx.log, sys.executable
         )
+
+    def _start_due_spare(self) -> None:
+        if self.spare_due is not None and self.spares is not None:
+            self.spares.ensure(self.spare_due)
+        self.spare_due = None
 
     def close(self) -> None:
         """The run is over: its spare, if any, goes too."""
@@ -111,6 +117,7 @@ class AttemptRunner:
         creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
         first = FirstStep(resume.step, started_at, self.failed_at, self.warm)
         watched = self._watch(number, proc, reader, spec, log, creep, first)
+        self._start_due_spare()  # the attempt ended before its first step: the next may need one
         exit_ = self._end(proc, watched)
         self._last_gpu_look(proc.pid, watched, attempt_dir, log)
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
@@ -168,8 +175,12 @@ class AttemptRunner:
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
         flight = dataclasses.replace(flight, pid=proc.pid)
         write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
-        if order is not None and self.spares is not None:
-            self.spares.ensure(order)  # the next one, behind it: importing while this one loads
+        # The next spare: behind a cold start at once (the child imports as long as the spare
+        # does, so nothing is slowed); behind a warm start only after its first step, so the
+        # spare's imports never compete with the recovery they exist to shorten.
+        self.spare_due = order
+        if not self.warm:
+            self._start_due_spare()
         return proc
 
     def _spare_order(
@@ -274,7 +285,8 @@ class AttemptRunner:
             now = seams.clock()
             new = reader.poll(now)
             note_child_events(new, log)
-            first.note(new, log)
+            if first.note(new, log):
+                self._start_due_spare()
             self._watch_creep(new, creep, proc, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
