@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,13 @@ from typing import Any
 def trainer_class() -> type:
     """trl's SFTTrainer, instrumented: one ``try_started``/``try_failed`` per batch size tried, a
     heartbeat per optimizer step with its tokens/s. Nothing here changes what it trains."""
-    from accelerate.utils import should_reduce_batch_size
+    from accelerate.utils.memory import should_reduce_batch_size
     from trl import SFTTrainer
 
     from qlora_supervise.trainer_child.events import Progress
     from qlora_supervise.trainer_child.protocol import Stage
 
-    class AutoBatchSFTTrainer(SFTTrainer):  # type: ignore[misc]  # trl is untyped
+    class AutoBatchSFTTrainer(SFTTrainer):
         def __init__(self, *args: Any, progress: Progress, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.progress = progress
@@ -70,7 +71,8 @@ def trainer_class() -> type:
         def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             mask = inputs.get("attention_mask")
             self.step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
-            return super().training_step(model, inputs, *args, **kwargs)
+            # trl leaves training_step unannotated (pyproject's trainer override says the same).
+            return super().training_step(model, inputs, *args, **kwargs)  # type: ignore[no-untyped-call]
 
         def end_step(self) -> None:
             now = time.monotonic()
@@ -85,7 +87,7 @@ def trainer_class() -> type:
 def step_callback(trainer: Any) -> Any:
     from transformers import TrainerCallback
 
-    class StepBeat(TrainerCallback):  # type: ignore[misc]  # transformers' callback is untyped
+    class StepBeat(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             trainer.end_step()
 
@@ -93,17 +95,29 @@ def step_callback(trainer: Any) -> Any:
 
 
 def train(spec_path: Path) -> int:
-    """Set up as our child does, build the recipe, train with ``auto_find_batch_size``."""
+    """Set up as our child does, then :func:`run`; any failure is logged as ``gave_up``."""
     from qlora_supervise.trainer_child.__main__ import prepare_env, read_spec
 
     spec = read_spec(spec_path)
     prepare_env(spec)  # offline hub, the one visible device, allocator settings: before torch
+    from qlora_supervise.trainer_child import attempt
+
+    ctx = attempt.Context(spec)
+    try:
+        return run(ctx)
+    except Exception as exc:  # the approach gave up (or never started): say why, as the table reports it
+        traceback.print_exc()
+        ctx.events.emit("gave_up", step=ctx.progress.step, error=f"{type(exc).__name__}: {exc}"[:800])
+        return 1
+
+
+def run(ctx: Any) -> int:
+    """The child's setup, the recipe, and training with ``auto_find_batch_size``."""
     from qlora_supervise.trainer_child import attempt, data, recipe
     from qlora_supervise.trainer_child.protocol import Stage
 
-    ctx = attempt.Context(spec)
+    spec, progress = ctx.spec, ctx.progress
     attempt.setup(ctx)  # the GPU cap, the imports, ``started``, then the CPU cap
-    progress = ctx.progress
     dtype = recipe.compute_dtype(spec.train.compute_dtype, ctx.on_cuda)
     progress.enter(Stage.LOAD)
     tokenizer = recipe.load_tokenizer(spec)
@@ -115,11 +129,7 @@ def train(spec_path: Path) -> int:
         model=model, args=config, train_dataset=train_set, processing_class=tokenizer, progress=progress
     )
     trainer.add_callback(step_callback(trainer))
-    try:
-        trainer.train()
-    except Exception as exc:  # the approach gave up: say why, as the table reports it
-        ctx.events.emit("gave_up", step=trainer.state.global_step, error=f"{type(exc).__name__}: {exc}"[:800])
-        return 1
+    trainer.train()
     ctx.events.emit("finished", step=trainer.state.global_step, batch_size=trainer._train_batch_size)
     return 0
 

@@ -24,7 +24,7 @@ def _skipped(relative: Path) -> bool:
 
 def keep_journals(run_dir: Path, keep: Path) -> list[str]:
     """Copy ``run_dir``'s journals into ``keep``; the relative paths copied."""
-    copied = []
+    copied: list[str] = []
     if not run_dir.is_dir():
         return copied
     for path in sorted(p for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink()):

@@ -31,7 +31,7 @@ def supervised(s: Scenario, approach: str, out: dict[str, Any]) -> dict[str, Any
     records, _ = read_attempts(run_dir / "attempts.jsonl")
     events = gpu_ladder.read_jsonl(run_dir / "events.jsonl")
     ended = {r.attempt: r.ended_at for r in records}
-    kinds = {r.attempt: r.failure.kind for r in records if r.failure is not None}
+    kinds = {r.attempt: str(r.failure.kind.value) for r in records if r.failure is not None}
     result["failures"] = [kinds[n] for n in sorted(kinds)]
     result["recoveries"] = recoveries(attempts, ended, kinds, events)
     result["spare_used"] = sum(1 for e in events if e.get("event") == "spare_used")
