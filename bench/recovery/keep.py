@@ -15,7 +15,7 @@ from pathlib import Path
 
 SKIP_DIRS = ("checkpoints", "adapter", "merged", "tensorboard")
 WHOLE_LIMIT = 2 << 20
-TAIL_BYTES = 64 << 10
+TAIL_BYTES = 32 << 10
 
 
 def _skipped(relative: Path) -> bool:

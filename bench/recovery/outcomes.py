@@ -60,6 +60,8 @@ def recoveries(
                 "failure": kinds.get(before.number),
                 "attempt": after.number,
                 "oom_to_step_s": round(first - failed, 2),
+                "oom_to_training_s": round(after.training_at - failed, 2) if after.training_at else None,
+                "first_step_s": after.first_step_s(),
                 "since_failure_s_logged": event.get("since_failure_s"),
                 "warm_spare": event.get("warm_spare"),
                 "step_s": after.step_s(),

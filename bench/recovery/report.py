@@ -121,15 +121,15 @@ def _extra(r: dict[str, Any]) -> str:
 
 
 def recovery_rows(runs: list[dict[str, Any]]) -> list[str]:
-    cols = ["scenario", "run", "after attempt", "failure", "OOM → next step (s)", "logged since_failure_s"]
-    cols += ["warm spare", "one step (s)", "OOM → step less one step (s)"]
+    cols = ["scenario", "run", "after attempt", "failure", "warm spare", "OOM → next step (s)"]
+    cols += ["OOM → training (s)", "first step (s)", "later steps (s)", "logged since_failure_s"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for name, info, _ in scenarios(runs):
         for r in info["rows"]:
             for x in r.get("recoveries") or []:
-                less = round(x["oom_to_step_s"] - x["step_s"], 2) if x.get("step_s") else None
-                values = [name, r["approach"], x["after_attempt"], _v(x["failure"]), x["oom_to_step_s"]]
-                values += [_v(x["since_failure_s_logged"]), _v(x["warm_spare"]), _v(x["step_s"]), _v(less)]
+                values = [name, r["approach"], x["after_attempt"], _v(x["failure"]), _v(x["warm_spare"])]
+                values += [x["oom_to_step_s"], _v(x.get("oom_to_training_s")), _v(x.get("first_step_s"))]
+                values += [_v(x["step_s"]), _v(x["since_failure_s_logged"])]
                 lines.append("| " + " | ".join(map(str, values)) + " |")
     return lines
 

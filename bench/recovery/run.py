@@ -66,6 +66,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--approaches", nargs="+", choices=approaches.APPROACHES, default=list(approaches.APPROACHES)
     )
+    p.add_argument("--scenarios", nargs="+", help="only these scenarios of the card (names)")
     p.add_argument("--restarts", type=int, default=approaches.RESTARTS, help="the restart loop's restarts")
     p.add_argument("--build-only", action="store_true", help="build the models and data, then stop")
     p.add_argument("--overhead", action="store_true", help="supervised vs bare tokens/s of each scenario")
@@ -172,9 +173,22 @@ def long_row_note(s: Scenario, rows: list[dict[str, Any]], keep: Path) -> str | 
     return f"long row placed in step {s.long_row_step}; as-written attempt 1 failed in step {came or '-'}"
 
 
+def chosen(args: argparse.Namespace) -> list[Scenario]:
+    """The card's scenarios, or those of them ``--scenarios`` names."""
+    found = for_card(args.card or "all", args.tiny)
+    if args.scenarios:
+        unknown = set(args.scenarios) - {s.name for s in found}
+        if unknown:
+            raise SystemExit(
+                f"--scenarios {sorted(unknown)}: not on this card; it has {[s.name for s in found]}"
+            )
+        found = [s for s in found if s.name in args.scenarios]
+    return found
+
+
 def card(bench: Bench, neighbours: Neighbours) -> None:
     args = bench.args
-    scenarios = for_card(args.card, args.tiny)
+    scenarios = chosen(args)
     budget = Budget(
         args.deadline_s, args.approach_max_s, MIN_APPROACH_S[args.tiny], len(scenarios) * len(args.approaches)
     )
@@ -213,10 +227,8 @@ def overhead(bench: Bench) -> None:
     args = bench.args
     results: dict[str, Any] = {}
     bench.results["overhead"] = results
-    budget = Budget(
-        args.deadline_s, args.deadline_s, MIN_APPROACH_S[args.tiny], 2 * len(for_card(args.card, args.tiny))
-    )
-    for base in for_card(args.card, args.tiny):
+    budget = Budget(args.deadline_s, args.deadline_s, MIN_APPROACH_S[args.tiny], 2 * len(chosen(args)))
+    for base in chosen(args):
         s = dataclasses.replace(
             base, name=f"{base.name}-overhead", max_steps=args.overhead_steps, long_row_step=None
         )
@@ -258,7 +270,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     start = time.monotonic()
-    scenarios = for_card(args.card or "all", args.tiny)
+    scenarios = chosen(args)
     if args.overhead:
         scenarios = [dataclasses.replace(s, long_row_step=None) for s in scenarios]
     built = assets.ensure_assets(args.cache, scenarios, args.tiny)

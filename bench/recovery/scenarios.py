@@ -24,11 +24,11 @@ class Scenario:
     seq: int = 2048
     micro: int = 4
     accum: int = 4
+    long_row_step: int | None = None  # the optimizer step the one long row lands in
     gradient_checkpointing: bool = False
     optimizer: str = "adamw_torch"
     r: int = 16
     max_steps: int = 3
-    long_row_step: int | None = None  # the optimizer step the one long row lands in
 
     @property
     def effective_batch(self) -> int:

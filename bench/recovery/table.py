@@ -28,18 +28,17 @@ def approach_cells(r: dict[str, Any]) -> tuple[str, ...]:
 
 
 def recovery_line(rows: list[dict[str, Any]]) -> str | None:
-    """OOM → next step of the supervised runs: the median per run, with the spare flag and a step's time."""
+    """OOM -> next step of each supervised run (the median recovery): total = to training + first step."""
     parts = []
     for r in rows:
-        found = r.get("recoveries") or []
+        found = sorted(r.get("recoveries") or [], key=lambda x: x["oom_to_step_s"])
         if not found:
             continue
-        times = sorted(x["oom_to_step_s"] for x in found)
-        mid = times[len(times) // 2]
-        spare = {x.get("warm_spare") for x in found}
-        step = next((x["step_s"] for x in found if x.get("step_s")), None)
+        mid = found[len(found) // 2]
+        spare = "/".join(sorted({_cell(x.get("warm_spare")) for x in found}))
         parts.append(
-            f"{r['approach']} {mid:.1f} s (spare {'/'.join(map(_cell, spare))}, step {_cell(step)} s)"
+            f"{r['approach']} {mid['oom_to_step_s']:.1f} s = {_cell(mid['oom_to_training_s'])} + "
+            f"{_cell(mid['first_step_s'])} step (spare {spare})"
         )
     return "OOM->next step: " + "; ".join(parts) if parts else None
 
