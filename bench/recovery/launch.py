@@ -60,7 +60,7 @@ class _Sampler:
     def sample(self) -> None:
         with contextlib.suppress(psutil.Error):
             times = self.process.cpu_times()
-            self.cpu_s = times.user + times.system
+            self.cpu_s = round(times.user + times.system, 2)
             rss = _high_water(self.process.pid) or self.process.memory_info().rss
             self.peak_rss = max(self.peak_rss or 0, rss)
 

@@ -56,12 +56,25 @@ def cell(r: dict[str, Any] | None) -> str:
     eff = f"batch {r['effective_batch_written']}"
     if r["effective_batch_final"] != r["effective_batch_written"]:
         eff = f"batch {r['effective_batch_written']} → **{_v(r['effective_batch_final'])}**"
-    rate = f", {r['tokens_per_s']} tok/s" if r["finished"] and r.get("tokens_per_s") else ""
-    return f"{done}: {r['attempts']} att., {r['steps_lost']} lost of {r['steps_executed']}, {eff}{rate}"
+    first = f", 1st step at {r['to_first_step_s']:.0f} s" if r.get("to_first_step_s") else ""
+    rate = f", {r['tokens_per_s']:.0f} tok/s" if r["finished"] and r.get("tokens_per_s") else ""
+    lost = f"{r['steps_lost']} of {r['steps_executed']} steps lost"
+    return f"{done}: {r['attempts']} att.{first}, {lost}, {eff}{rate}"
 
 
 def scenarios(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    return [(name, info, run) for run in runs for name, info in run.get("scenarios", {}).items()]
+    """Each scenario once, in the order first seen; a later directory's row of an approach
+    replaces an earlier one (a rerun of part of a card), the others stay."""
+    merged: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for run in runs:
+        for name, info in run.get("scenarios", {}).items():
+            if name not in merged:
+                merged[name] = (dict(info, rows=list(info["rows"])), run)
+                continue
+            rows = {r["approach"]: r for r in merged[name][0]["rows"]}
+            rows |= {r["approach"]: r for r in info["rows"]}
+            merged[name][0]["rows"] = list(rows.values())
+    return [(name, info, run) for name, (info, run) in merged.items()]
 
 
 def summary_table(runs: list[dict[str, Any]]) -> list[str]:
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     runs = load(args.dirs)
     args.results.write_text(results_md(runs), encoding="utf-8")
-    summary = summary_table(runs)
+    summary = [*summary_table(runs), "", *targets.check(runs)]
     if args.readme and not replace_block(args.readme, summary):
         raise SystemExit(f"{args.readme}: no {START} ... {END} block to replace")
     print("\n".join(summary))

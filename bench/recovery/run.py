@@ -95,11 +95,12 @@ def device_name(tiny: bool) -> str:
 
 
 class Budget:
-    """Time limits carved from the deadline: each run gets what is left less the minimum of
-    every run still to come, at most ``cap``; None when even its own minimum is not left."""
+    """Time limits carved from the deadline (counted from the command's start, building included):
+    each run gets what is left less the minimum of every run still to come, at most ``cap``; None
+    when even its own minimum is not left."""
 
-    def __init__(self, deadline_s: float, cap: float, minimum: float, runs: int) -> None:
-        self.end = time.monotonic() + deadline_s - END_MARGIN_S
+    def __init__(self, end: float, cap: float, minimum: float, runs: int) -> None:
+        self.end = end - END_MARGIN_S
         self.cap, self.minimum, self.left_runs = cap, minimum, runs
 
     def next(self) -> float | None:
@@ -189,9 +190,8 @@ def chosen(args: argparse.Namespace) -> list[Scenario]:
 def card(bench: Bench, neighbours: Neighbours) -> None:
     args = bench.args
     scenarios = chosen(args)
-    budget = Budget(
-        args.deadline_s, args.approach_max_s, MIN_APPROACH_S[args.tiny], len(scenarios) * len(args.approaches)
-    )
+    runs = len(scenarios) * len(args.approaches)
+    budget = Budget(args.end, args.approach_max_s, MIN_APPROACH_S[args.tiny], runs)
     for s in scenarios:
         place = bench.place(s)
         info: dict[str, Any] = {
@@ -227,7 +227,7 @@ def overhead(bench: Bench) -> None:
     args = bench.args
     results: dict[str, Any] = {}
     bench.results["overhead"] = results
-    budget = Budget(args.deadline_s, args.deadline_s, MIN_APPROACH_S[args.tiny], 2 * len(chosen(args)))
+    budget = Budget(args.end, args.deadline_s, MIN_APPROACH_S[args.tiny], 2 * len(chosen(args)))
     for base in chosen(args):
         s = dataclasses.replace(
             base, name=f"{base.name}-overhead", max_steps=args.overhead_steps, long_row_step=None
@@ -270,6 +270,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     start = time.monotonic()
+    args.end = start + args.deadline_s
     scenarios = chosen(args)
     if args.overhead:
         scenarios = [dataclasses.replace(s, long_row_step=None) for s in scenarios]
