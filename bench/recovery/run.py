@@ -2,15 +2,18 @@
 
     python bench/recovery/run.py --build-only [--cache DIR]              # models + data, once (GPU)
     python bench/recovery/run.py --card 8GiB --out OUT [--cache DIR] [--deadline-s 540]
-    python bench/recovery/run.py --card 8GiB --overhead --out OUT        # supervised vs bare tokens/s
+    python bench/recovery/run.py --card 24GiB --overhead --out OUT       # supervised vs bare tokens/s
     python bench/recovery/run.py --tiny --card all --out /tmp/r          # the same logic on the CPU
 
-The four cards at once on one GPU (build first; the card commands then share the models)::
+On the H200 (from the project root, after the README's ``.whl`` preamble), two commands of under
+10 minutes each: the build (~2 min) and the overhead run alone on the GPU (~3 min), then the four
+cards at once, sharing the built models (~9 min, ``--deadline-s`` bounds each)::
 
-    python bench/recovery/run.py --build-only
-    for c in 8GiB 16GiB 24GiB 32GiB; do
-      python bench/recovery/run.py --card $c --out OUT/$c > OUT/$c.log 2>&1 &
-    done; wait; cat OUT/*/table.txt
+    python bench/recovery/run.py --build-only \
+      && python bench/recovery/run.py --card 24GiB --overhead --out $OUT/recovery/overhead --deadline-s 330
+    R=$OUT/recovery; mkdir -p $R; for c in 8GiB 16GiB 24GiB 32GiB; do
+      python bench/recovery/run.py --card $c --out $R/$c --deadline-s 540 > $R/$c.log 2>&1 &
+    done; wait; cat $R/*/table.txt
 
 Per card, each scenario of :mod:`recovery.scenarios` (an over-ambitious job on the 7B or 8B shape
 under ``gpu_memory_limit``) runs under every approach of :mod:`recovery.approaches`, one after
