@@ -41,6 +41,7 @@ import platform
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +161,22 @@ def run_approach(
     return out, outcomes.supervised(s, approach, out)
 
 
+def guarded_run(
+    place: Place, approach: str, limit: float, restarts: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`run_approach`, where a fault of the bench itself (a file it cannot read) costs this
+    one row, not the card's other runs: the row says what went wrong, the traceback goes to stdout."""
+    try:
+        return run_approach(place, approach, limit, restarts)
+    except Exception as error:  # a bench records what went wrong and goes on
+        traceback.print_exc()
+        return {}, {"approach": approach, "skipped": f"bench error: {type(error).__name__}: {error}"[:300]}
+
+
 def finish_run(place: Place, approach: str, out: dict[str, Any]) -> None:
     """Keep the journals, drop the run directory (its checkpoints are not needed any more)."""
-    run_dir = Path(out.get("run_dir", ""))
-    if out.get("run_dir") and run_dir.is_dir():
+    run_dir = Path(out.get("run_dir") or place.runs / approach)
+    if run_dir.is_dir():
         keep_journals(run_dir, place.keep / approach)
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -211,7 +224,7 @@ def card(bench: Bench, neighbours: Neighbours) -> None:
                 info["rows"].append({"approach": approach, "skipped": "no time left within --deadline-s"})
                 continue
             print(f"{s.name}: {approach} (limit {limit:.0f} s) ...", flush=True)
-            out, result = run_approach(place, approach, limit, args.restarts)
+            out, result = guarded_run(place, approach, limit, args.restarts)
             info["raw"][approach], result["limit_s"] = out, round(limit)
             info["rows"].append(result)
             info["alongside"] = max(info["alongside"], neighbours.count())
@@ -230,22 +243,26 @@ def overhead(bench: Bench) -> None:
     args = bench.args
     results: dict[str, Any] = {}
     bench.results["overhead"] = results
-    budget = Budget(args.end, args.deadline_s, MIN_APPROACH_S[args.tiny], 2 * len(chosen(args)))
+    runs = 2 * len(chosen(args))  # the deadline in equal shares: a bare run takes as long as its pair
+    budget = Budget(args.end, (args.deadline_s - END_MARGIN_S) / runs, MIN_APPROACH_S[args.tiny], runs)
     for base in chosen(args):
         s = dataclasses.replace(
             base, name=f"{base.name}-overhead", max_steps=args.overhead_steps, long_row_step=None
         )
-        place, limits = bench.place(s), (budget.next(), budget.next())
-        if limits[0] is None or limits[1] is None:
+        place, limit = bench.place(s), budget.next()
+        if limit is None:
             results[s.name] = {"error": "no time left within --deadline-s"}
             continue
         print(f"{s.name}: supervised, then bare ...", flush=True)
-        sup = approaches.supervised(place, "supervised", limits[0])
+        sup = approaches.supervised(place, "supervised", limit)
         last = sorted(Path(sup["run_dir"]).glob("attempt-[0-9][0-9][0-9]/spec.json"))
-        if not last:
-            results[s.name] = {"error": "the supervised run wrote no attempt"}
+        limit = budget.next()
+        if not last or limit is None:
+            results[s.name] = {
+                "error": "the supervised run wrote no attempt" if limit else "no time left for bare"
+            }
             continue
-        bare = approaches.bare(last[-1].read_text(encoding="utf-8"), place.runs / "bare", limits[1])
+        bare = approaches.bare(last[-1].read_text(encoding="utf-8"), place.runs / "bare", limit)
         results[s.name] = outcomes.overhead(sup, bare) | {"raw": {"supervised": sup, "bare": bare}}
         finish_run(place, "supervised", sup)
         finish_run(place, "bare", bare)
