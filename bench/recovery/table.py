@@ -62,7 +62,13 @@ def scenario_block(name: str, info: dict[str, Any]) -> list[str]:
     ]
     for c in cells:
         lines.append("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=False)) + "  " + c[-1])
-    for extra in (recovery_line(rows), supervisor_line(rows), info.get("long_row_note")):
+    shared = info.get("alongside") or 0
+    note = (
+        f"tok/s, step times: shares of a GPU {shared} other card command(s) used too; compare within a block"
+        if shared
+        else None
+    )
+    for extra in (recovery_line(rows), supervisor_line(rows), info.get("long_row_note"), note):
         if extra:
             lines.append(extra)
     return lines
