@@ -6,14 +6,16 @@ its peak RSS (``VmHWM`` from ``/proc``, which the kernel keeps, so a peak betwee
 not missed). At the time limit it sends SIGTERM to the process group (the supervisor then stops
 its child, which checkpoints), and SIGKILL after a grace.
 
-:class:`Neighbours` records which other card commands run at the same time on this host (a pid
-file each under the cache), so the table can say how many shared the GPU with a measurement.
+:class:`Neighbours` records which other card commands run at the same time on this host (a file
+each under the cache with its start and end), so the table can say how many shared the GPU with
+a measurement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -112,21 +114,31 @@ def launch(argv: Sequence[str], log: Path, limit_s: float, env: Mapping[str, str
 
 
 class Neighbours:
-    """A pid file per running card command in ``cache/running``; :meth:`count` the others alive."""
+    """A file per card command in ``cache/running`` with its start and, once it leaves, its end;
+    :meth:`overlapping` counts the other commands that ran at some time in an interval."""
 
     def __init__(self, cache: Path, name: str) -> None:
         self.directory = cache / "running"
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.mine = self.directory / f"{name}.{os.getpid()}"
-        self.mine.write_text(str(os.getpid()), encoding="utf-8")
+        self.mine = self.directory / f"{name}.{os.getpid()}.json"
+        self.start = time.time()
+        self._write(None)
 
-    def count(self) -> int:
-        alive = 0
-        for path in self.directory.iterdir():
-            pid = path.suffix.lstrip(".")
-            if path != self.mine and pid.isdigit() and psutil.pid_exists(int(pid)):
-                alive += 1
-        return alive
+    def _write(self, end: float | None) -> None:
+        record = {"pid": os.getpid(), "start": self.start, "end": end}
+        self.mine.write_text(json.dumps(record), encoding="utf-8")
+
+    def overlapping(self, since: float, until: float) -> int:
+        """Other commands running at some time between the wall-clock times ``since`` and ``until``."""
+        count = 0
+        for path in self.directory.glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                other = json.loads(path.read_text(encoding="utf-8"))
+                if path == self.mine or (other["end"] is None and not psutil.pid_exists(other["pid"])):
+                    continue  # ourselves, or one killed before it could say when it ended
+                if other["start"] < until and (other["end"] is None or other["end"] > since):
+                    count += 1
+        return count
 
     def leave(self) -> None:
-        self.mine.unlink(missing_ok=True)
+        self._write(time.time())

@@ -216,7 +216,8 @@ def card(bench: Bench, neighbours: Neighbours) -> None:
             "written": s.written(),
             "max_steps": s.max_steps,
         }
-        info |= {"scenario": dataclasses.asdict(s), "rows": [], "raw": {}, "alongside": neighbours.count()}
+        info |= {"scenario": dataclasses.asdict(s), "rows": [], "raw": {}, "alongside": 0}
+        began = time.time()
         bench.results["scenarios"][s.name] = info
         for approach in args.approaches:
             limit = budget.next()
@@ -227,7 +228,7 @@ def card(bench: Bench, neighbours: Neighbours) -> None:
             out, result = guarded_run(place, approach, limit, args.restarts)
             info["raw"][approach], result["limit_s"] = out, round(limit)
             info["rows"].append(result)
-            info["alongside"] = max(info["alongside"], neighbours.count())
+            info["alongside"] = neighbours.overlapping(began, time.time())
             finish_run(place, approach, out)
             info["long_row_note"] = long_row_note(s, info["rows"], place.keep)
             bench.lines = [
