@@ -1,0 +1,262 @@
+"""RESULTS.md and the README's summary table from one or more ``run.py`` output directories.
+
+    python bench/recovery/report.py OUT/8GiB OUT/16GiB OUT/24GiB OUT/32GiB OUT/overhead \\
+        [--results bench/recovery/RESULTS.md] [--readme README.md]
+
+Reads each ``OUT/results.json`` (card runs and ``--overhead`` runs alike) and writes RESULTS.md:
+the exact commands, versions, date and device, the definitions, the summary (the three
+approaches side by side), every approach's full row, the recoveries (OOM → next step, spare or
+not), the supervisor's own CPU and RSS, the overhead, and the issue's targets met or not.
+``--readme`` replaces the block between ``<!-- bench-recovery:start -->`` and
+``<!-- bench-recovery:end -->`` in that file with the summary table. Nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: this package
+
+from recovery import targets
+
+START, END = "<!-- bench-recovery:start -->", "<!-- bench-recovery:end -->"
+MiB = 1 << 20
+SIDE_BY_SIDE = (
+    ("supervised", "qlora-supervise"),
+    ("restart-loop", "restart loop"),
+    ("auto-batch", "auto_find_batch_size"),
+)
+
+
+def load(dirs: list[Path]) -> list[dict[str, Any]]:
+    found = []
+    for directory in dirs:
+        path = directory / "results.json"
+        if not path.is_file():
+            raise SystemExit(f"{path}: no results.json (give the --out directories of run.py)")
+        found.append(json.loads(path.read_text(encoding="utf-8")) | {"_dir": str(directory)})
+    return found
+
+
+def _v(value: Any, unit: str = "") -> str:
+    return "—" if value is None else f"{value}{unit}"
+
+
+def cell(r: dict[str, Any] | None) -> str:
+    """One approach in the summary: finished or not, attempts, lost steps, effective batch, tokens/s."""
+    if r is None:
+        return "not run"
+    if "skipped" in r:
+        return f"skipped ({r['skipped']})"
+    done = "**finished**" if r["finished"] else ("timed out" if r.get("timed_out") else "**not finished**")
+    eff = f"batch {r['effective_batch_written']}"
+    if r["effective_batch_final"] != r["effective_batch_written"]:
+        eff = f"batch {r['effective_batch_written']} → **{_v(r['effective_batch_final'])}**"
+    first = f", 1st step at {r['to_first_step_s']:.0f} s" if r.get("to_first_step_s") else ""
+    rate = f", {r['tokens_per_s']:.0f} tok/s" if r["finished"] and r.get("tokens_per_s") else ""
+    lost = f"{r['steps_lost']} of {r['steps_executed']} steps lost"
+    return f"{done}: {r['attempts']} att.{first}, {lost}, {eff}{rate}"
+
+
+def scenarios(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Each scenario once, in the order first seen; a later directory's row of an approach
+    replaces an earlier one (a rerun of part of a card), the others stay."""
+    merged: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for run in runs:
+        for name, info in run.get("scenarios", {}).items():
+            if name not in merged:
+                merged[name] = (dict(info, rows=list(info["rows"])), run)
+                continue
+            rows = {r["approach"]: r for r in merged[name][0]["rows"]}
+            rows |= {r["approach"]: r for r in info["rows"]}
+            merged[name][0]["rows"] = list(rows.values())
+    return [(name, info, run) for name, (info, run) in merged.items()]
+
+
+def summary_table(runs: list[dict[str, Any]]) -> list[str]:
+    head = "| scenario | " + " | ".join(label for _, label in SIDE_BY_SIDE) + " |"
+    lines = [head, "|" + " --- |" * (len(SIDE_BY_SIDE) + 1)]
+    for name, info, _ in scenarios(runs):
+        by = {r["approach"]: r for r in info["rows"]}
+        lines.append(
+            f"| {name} ({info['written']}) | " + " | ".join(cell(by.get(a)) for a, _ in SIDE_BY_SIDE) + " |"
+        )
+    return lines
+
+
+def full_rows(runs: list[dict[str, Any]]) -> list[str]:
+    cols = ["approach", "finished", "attempts", "to 1st step (s)", "executed", "kept", "lost", "eff. batch"]
+    cols += ["tokens/s", "final config", "wall (s)", "limit (s)"]
+    lines = []
+    for name, info, _ in scenarios(runs):
+        lines += [
+            f"### {name}",
+            "",
+            f"Card {info['card']}, shape {info['shape']}, written {info['written']}, "
+            f"{info['max_steps']} steps; {info.get('alongside', '?')} other card command(s) ran beside it.",
+        ]
+        if info.get("long_row_note"):
+            lines.append(f"{info['long_row_note']}.")
+        lines += ["", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+        for r in info["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['approach']} | skipped: {r['skipped']} |" + " |" * (len(cols) - 2))
+                continue
+            eff = f"{r['effective_batch_written']} → {_v(r['effective_batch_final'])}"
+            values = [
+                r["approach"],
+                "yes" if r["finished"] else "no",
+                r["attempts"],
+                _v(r["to_first_step_s"]),
+            ]
+            values += [r["steps_executed"], r["steps_kept"], r["steps_lost"], eff, _v(r["tokens_per_s"])]
+            values += [_v(r["final_config"]), _v(r.get("wall_s")), _v(r.get("limit_s"))]
+            lines.append("| " + " | ".join(map(str, values)) + " |")
+        extras = [_extra(r) for r in info["rows"] if "skipped" not in r and _extra(r)]
+        lines += ["", *extras, ""] if extras else [""]
+    return lines
+
+
+def _extra(r: dict[str, Any]) -> str:
+    if r["approach"] == "auto-batch":
+        return f"- auto-batch tried batch sizes {r.get('batch_sizes')}; gave up with: {_v(r.get('gave_up'))}"
+    if r["approach"] == "restart-loop":
+        return (
+            f"- restart loop exit codes {r.get('exit_codes')} ({r.get('restarts_allowed')} restarts allowed)"
+        )
+    if r.get("failures"):
+        return f"- {r['approach']} failures: {', '.join(r['failures'])}"
+    return ""
+
+
+def recovery_rows(runs: list[dict[str, Any]]) -> list[str]:
+    cols = ["scenario", "run", "after attempt", "failure", "warm spare", "OOM → next step (s)"]
+    cols += ["OOM → training (s)", "first step (s)", "later steps (s)", "logged since_failure_s"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for name, info, _ in scenarios(runs):
+        for r in info["rows"]:
+            for x in r.get("recoveries") or []:
+                values = [name, r["approach"], x["after_attempt"], _v(x["failure"]), _v(x["warm_spare"])]
+                values += [x["oom_to_step_s"], _v(x.get("oom_to_training_s")), _v(x.get("first_step_s"))]
+                values += [_v(x["step_s"]), _v(x["since_failure_s_logged"])]
+                lines.append("| " + " | ".join(map(str, values)) + " |")
+    return lines
+
+
+def supervisor_rows(runs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| scenario | run | supervisor CPU (s) | supervisor peak RSS (MiB) | wall (s) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, info, _ in scenarios(runs):
+        for r in info["rows"]:
+            if r.get("supervisor_peak_rss"):
+                rss = round(r["supervisor_peak_rss"] / MiB)
+                cpu, wall = _v(r["supervisor_cpu_s"]), _v(r.get("wall_s"))
+                lines.append(f"| {name} | {r['approach']} | {cpu} | {rss} | {wall} |")
+    return lines
+
+
+def overhead_rows(runs: list[dict[str, Any]]) -> list[str]:
+    cols = ["scenario", "config", "supervised tok/s", "bare tok/s", "overhead", "step spread sup / bare"]
+    cols += ["supervisor CPU (s)", "supervisor RSS (MiB)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for run in runs:
+        for name, o in (run.get("overhead") or {}).items():
+            if "error" in o:
+                lines.append(f"| {name} | {o['error']} |" + " |" * (len(cols) - 2))
+                continue
+            rss = round((o["supervisor_peak_rss"] or 0) / MiB)
+            values = [name, o["config"], o["tokens_per_s_supervised"], o["tokens_per_s_bare"]]
+            values += [
+                f"{_v(o['overhead_pct'])} %",
+                f"{_v(o['spread_supervised'])} / {_v(o['spread_bare'])} %",
+            ]
+            values += [_v(o["supervisor_cpu_s"]), rss]
+            lines.append("| " + " | ".join(map(str, values)) + " |")
+    return lines
+
+
+def provenance(runs: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for run in runs:
+        stack = (run.get("versions") or {}).get("stack") or {}
+        versions = ", ".join(f"{k} {v}" for k, v in stack.items()) or "not recorded"
+        lines.append(
+            f"- `{run['_dir']}`: started {run['started']}, device {run['device']}, Python {run['python']}, "
+            f"qlora-supervise {run['qlora_supervise']}; {versions}; {run.get('total_s')} s"
+        )
+        lines.append(f"  - command: `{' '.join(run['command'])}` (in `{run['cwd']}`)")
+    return lines
+
+
+def results_md(runs: list[dict[str, Any]]) -> str:
+    parts = [
+        "# bench/recovery: OOM recovery side by side",
+        "",
+        "Written by `bench/recovery/report.py` from the `run.py` results listed below; every number",
+        "is measured (the definitions are in `bench/recovery/measure.py`). Tokens/s of card commands",
+        "that ran at the same time on one GPU are shares of it: compare them within one scenario;",
+        "the overhead table was measured alone on the GPU.",
+        "",
+        "## Runs",
+        "",
+        *provenance(runs),
+        "",
+        "## Summary",
+        "",
+        *summary_table(runs),
+        "",
+        "## Targets",
+        "",
+        *targets.check(runs),
+        "",
+        "## Every approach",
+        "",
+        *full_rows(runs),
+        "## OOM → next step",
+        "",
+        *recovery_rows(runs),
+        "",
+        "## The supervisor's own cost",
+        "",
+        *supervisor_rows(runs),
+        "",
+        *overhead_rows(runs),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def replace_block(readme: Path, block: list[str]) -> bool:
+    text = readme.read_text(encoding="utf-8")
+    if START not in text or END not in text:
+        return False
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + START + "\n" + "\n".join(block) + "\n" + END + tail, encoding="utf-8")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("dirs", nargs="+", type=Path, help="run.py --out directories")
+    p.add_argument("--results", type=Path, default=Path(__file__).resolve().with_name("RESULTS.md"))
+    p.add_argument("--readme", type=Path, help="a README with the bench-recovery markers to fill")
+    args = p.parse_args(argv)
+    runs = load(args.dirs)
+    args.results.write_text(results_md(runs), encoding="utf-8")
+    summary = [*summary_table(runs), "", *targets.check(runs)]
+    if args.readme and not replace_block(args.readme, summary):
+        raise SystemExit(f"{args.readme}: no {START} ... {END} block to replace")
+    print("\n".join(summary))
+    print(f"wrote {args.results}" + (f" and the summary in {args.readme}" if args.readme else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
