@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from .protocol import AttemptSpec, rank_file
 
@@ -101,7 +102,7 @@ def barrier(place: RankPlace) -> None:
         dist.barrier()
 
 
-def agree(place: RankPlace, flags: tuple[bool, ...], device: object) -> tuple[bool, ...]:
+def agree(place: RankPlace, flags: tuple[bool, ...], device: Any) -> tuple[bool, ...]:
     """Each flag true on any rank becomes true on all (a MAX all-reduce; as given when single).
 
     SIGTERM and the early-checkpoint signal reach the ranks at different moments; a rank that

@@ -13,7 +13,6 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from qlora_supervise.supervisor.loop import launch
 from qlora_supervise.supervisor.record.runfiles import ensure_dir, open_append_binary
 from qlora_supervise.trainer_child.processes import pid_alive
 from qlora_supervise.trainer_child.protocol import Knobs
@@ -29,9 +29,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def child_argv(spec_path: Path, phase: str) -> list[str]:
-    """The trainer child's command line for one attempt."""
-    module = "qlora_supervise.trainer_child.merge" if phase == "merge" else "qlora_supervise.trainer_child"
-    return [sys.executable, "-m", module, "--spec", str(spec_path)]
+    """The trainer child's command line for one attempt: one process, or torchrun's ranks when
+    the spec's ``knobs.world_size`` is above 1 (:mod:`.launch`)."""
+    return launch.spec_command(spec_path, phase)
 
 
 def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
@@ -92,7 +92,12 @@ class ChildProcess:
             os.killpg(self.popen.pid, signum)
 
     def stop(self, grace_s: float, sleep: Callable[[float], None] = time.sleep) -> int:
-        """Stop the child and its group; returns its exit status (negative: signal)."""
+        """Stop the child and its group; returns its exit status (negative: signal).
+
+        torchrun forwards the SIGTERM to its ranks (they checkpoint) and waits for them; the
+        ranks run in sessions of their own, so those left at the end are killed by their groups.
+        """
+        ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
         if self.popen.poll() is None:
             self.signal_group(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
@@ -103,7 +108,23 @@ class ChildProcess:
         code = self.popen.wait()
         # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
         self.signal_group(signal.SIGKILL)
+        for pid in ranks:
+            if pid != self.popen.pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
         return code
+
+
+def trainer_pids(pid: int) -> list[int]:
+    """The trainer processes of a started child: the child itself, or, when it is torchrun's
+    launcher, its ranks (its children running the trainer module)."""
+    if launch.TORCHRUN_MODULE not in process_cmdline(pid):
+        return [pid]
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+    return [child.pid for child in children if launch.TRAINER_MODULE in process_cmdline(child.pid)]
 
 
 def spawn_child(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> ChildProcess:

@@ -15,6 +15,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
+from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
@@ -39,6 +40,7 @@ from qlora_supervise.trainer_child.protocol import (
     AttemptSpec,
     ErrorReport,
     Heartbeat,
+    rank_files,
 )
 
 
@@ -109,6 +111,7 @@ class AttemptRunner:
             exit=exit_,
             progress=reader.progress,
             report=read_report(ctx.rd, number, ctx.log),
+            reports=read_reports(ctx.rd, number, ctx.log) if plan.knobs.world_size > 1 else (),
             memory=MemorySeen(
                 watched.gpu_peak_process,
                 watched.gpu_others_at_end,
@@ -198,6 +201,7 @@ class AttemptRunner:
             # The checkpoint itself says whether its optimizer state fits these knobs.
             reset_optimizer=resume.reset_optimizer,
             diagnose=job.diagnose,
+            stop_grace_s=self.ctx.seams.stop_grace_s,
         )
         ensure_dir(directory)
         write_text_atomic(directory / "spec.json", spec.to_json())
@@ -320,12 +324,22 @@ def log_optimizer_reset(log: Any, progress: Progress) -> None:
 
 
 def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:
-    """The attempt's error report; None when absent, and logged when unreadable."""
-    path = rd.attempt_dir(number) / "error.json"
-    if not path.exists():
-        return None
-    try:
-        return ErrorReport.from_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError) as exc:
-        log.warning(Event.REPORT_UNREADABLE, path=str(path), error=str(exc))
-        return None
+    """The attempt's error report (under torchrun: the first real failure of all the ranks'
+    reports, :func:`~qlora_supervise.supervisor.diagnosis.ranks.first_failure`); None when absent."""
+    reports = read_reports(rd, number, log)
+    cause = first_failure(reports)
+    if cause is not None:
+        return cause.report
+    return reports[0] if reports else None
+
+
+def read_reports(rd: RunDir, number: int, log: Any) -> tuple[ErrorReport, ...]:
+    """Every rank's error report of the attempt (``error.json``, ``error.rank1.json``, ...), in
+    rank order; one that cannot be read is logged and left out."""
+    found = []
+    for _, path in rank_files(str(rd.attempt_dir(number) / "error.json")):
+        try:
+            found.append(ErrorReport.from_json(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
+    return tuple(found)
