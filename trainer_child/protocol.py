@@ -131,6 +131,9 @@ class Knobs:
     eval_enabled: bool = True
     merge_on_cpu: bool = False
     world_size: int = 1  # journals and specs written before it had one process
+    # The visible GPUs the ranks train on, by position in CUDA_VISIBLE_DEVICES, comma-separated, in
+    # rank order; "" means the first world_size. drop_rank leaves the failing card out of it.
+    gpus: str = ""
 
     @property
     def effective_batch(self) -> int:
@@ -315,6 +318,13 @@ class ErrorReport:
         if not isinstance(report.step, int) or not isinstance(report.exit_code, int):
             raise ValueError("an error report needs integer step and exit_code")
         return report
+
+
+def rank_gpus(knobs: Knobs) -> list[int]:
+    """The positions (in the visible GPUs) that ranks 0, 1, ... of ``knobs`` train on."""
+    if not knobs.gpus:
+        return list(range(knobs.world_size))
+    return [int(part) for part in knobs.gpus.split(",")]
 
 
 def rank_file(path: str, rank: int) -> str:

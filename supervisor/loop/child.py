@@ -23,7 +23,7 @@ import psutil
 from qlora_supervise.supervisor.loop import launch
 from qlora_supervise.supervisor.record.runfiles import ensure_dir, open_append_binary
 from qlora_supervise.trainer_child.processes import pid_alive
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.protocol import Knobs, rank_gpus, visible_entries
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,7 +46,18 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     if knobs.expandable_segments:
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
             env[name] = _with_option(env.get(name, ""), "expandable_segments:True")
+    if knobs.gpus:  # drop_rank left a card out: the ranks see only the others, in rank order
+        env["CUDA_VISIBLE_DEVICES"] = rank_cards(env.get("CUDA_VISIBLE_DEVICES"), rank_gpus(knobs))
     return env
+
+
+def rank_cards(visible: str | None, positions: list[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` naming the cards at ``positions`` of ``visible`` (all of CUDA's
+    GPUs when unset), so that rank N trains on ``cuda:N`` = the N-th of them."""
+    entries = visible_entries(visible)
+    if entries is None:
+        return ",".join(map(str, positions))
+    return ",".join(entries[p] for p in positions if p < len(entries))
 
 
 def _with_option(conf: str, option: str) -> str:

@@ -32,6 +32,7 @@ from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
+from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.durable import write_text_atomic
@@ -95,6 +96,9 @@ class AttemptRunner:
         # and before its checkpoint counts (it would otherwise be missed by one).
         note_child_events(reader.poll(seams.clock()), log)
         ctx.display.clear()
+        peaks = (
+            note_rank_peaks(Path(spec.events_file), reader.progress, log) if spec.knobs.world_size > 1 else {}
+        )
         log.info(
             Event.CHILD_EXITED,
             exit_code=exit_.returncode,
@@ -102,6 +106,7 @@ class AttemptRunner:
             killed_by_supervisor=exit_.killed_by_supervisor,
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
+            **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
         )
         log_optimizer_reset(log, reader.progress)
         kills_after = seams.oom_kills()
@@ -313,6 +318,28 @@ def note_child_events(new: list[dict[str, Any]], log: Any) -> None:
                 from_step=event.get("from_step"),
                 why="the smaller adapter starts from the truncated SVD of the trained update",
             )
+
+
+def note_rank_peaks(events_file: Path, progress: Progress, log: Any) -> dict[int, int]:
+    """Each rank's peak (torchrun): the attempt's peak becomes the highest of them (the card that
+    limits the config), and one rank well above the others is logged with the numbers."""
+    peaks = read_rank_peaks(events_file)
+    if peaks:
+        progress.peak_bytes = max(progress.peak_bytes or 0, *peaks.values())
+    found = uneven(peaks)
+    if found is not None:
+        log.warning(
+            Event.RANK_PEAKS_UNEVEN,
+            high_rank=found.high_rank,
+            high_peak_bytes=found.high_bytes,
+            low_rank=found.low_rank,
+            low_peak_bytes=found.low_bytes,
+            share_above=round(found.share_above, 3),
+            rank_peaks={str(rank): peak for rank, peak in peaks.items()},
+            why="one rank's peak is well above the others': uneven per-rank batches (long samples on one "
+            "rank) or gradient-sync buffers; check each rank's real batch and the device_map",
+        )
+    return peaks
 
 
 def log_optimizer_reset(log: Any, progress: Progress) -> None:

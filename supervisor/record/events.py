@@ -39,6 +39,7 @@ class Event(str, enum.Enum):
     OPTIMIZER_RESET = "optimizer_reset"
     TRUST_REMOTE_CODE = "trust_remote_code"
     MEMORY_CREEP = "memory_creep"
+    RANK_PEAKS_UNEVEN = "rank_peaks_uneven"  # torchrun: one rank's peak well above the others'
     # after a failure
     FAILURE_CLASSIFIED = "failure_classified"
     RETRY = "retry"
