@@ -31,8 +31,10 @@ def reclaim(
         return None  # its record was written; only state.json was stale
     spec_path = rd.attempt_dir(flight.number) / "spec.json"
     # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe,
-    # and finds the child when the supervisor died before it could record the pid.
-    pids = [flight.pid] if flight.pid else child_mod.pids_running(str(spec_path))
+    # and finds the child when the supervisor died before it could record the pid. torchrun's
+    # ranks (their own sessions, no PDEATHSIG) are found by the spec path too, after torchrun.
+    found = child_mod.pids_running(str(spec_path))
+    pids = [flight.pid, *(pid for pid in found if pid != flight.pid)] if flight.pid else found
     for pid in pids:
         if str(spec_path) in child_mod.process_cmdline(pid) and pid_alive(pid):
             log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
