@@ -11,6 +11,12 @@ through files, never through log scraping:
 * ``spec.error_file``: an :class:`ErrorReport`, written atomically, on any failure.
 * the exit code, one of the reserved :class:`ExitCode` values.
 
+Under torchrun (``knobs.world_size`` > 1) every rank runs the child with the same spec and writes
+its own events and error report, rank N at :func:`rank_file` (``error.rank1.json``,
+``child-events.rank1.jsonl``; rank 0 at the paths the spec names); the report says which rank
+(``rank``, ``local_rank``, ``world_size``) and when its exception was caught (``time``). Rank 0
+alone writes checkpoints and the adapter.
+
 Durable writes, checkpoint names and process checks that both sides share live beside it in
 :mod:`.durable`, :mod:`.checkpoint_dirs` and :mod:`.processes`, which are standard library only too.
 """
@@ -363,7 +369,7 @@ def failure_line(stage: str, exception_type: str, message: str) -> str:
 
 EVENT_NAMES = frozenset(
     {
-        "started",  # pid, device, versions, trust_remote_code
+        "started",  # pid, rank, local_rank, world_size, device, versions, trust_remote_code
         "stage",  # stage changed (load, forward, ...)
         "loaded",  # model loaded: trainable params, share, MemoryNumbers, attempt_facts.SampleLengths
         "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers

@@ -37,7 +37,8 @@ from .torchrun import agree, barrier, staging_owner, this_rank
 TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
 #: Test probe: a file to which each micro-batch's row fingerprints (and its input_ids and
 #: labels) are appended, so a test can check that a resumed run sees exactly the samples an
-#: uninterrupted run would, and which tokens the loss covers.
+#: uninterrupted run would, and which tokens the loss covers. Under torchrun rank N appends to
+#: its own file (``protocol.rank_file``) and each record names its rank and world size.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: Test hook: ``BYTES`` to keep (leak) that many bytes more in the forward of every optimizer
 #: step's first micro-batch, on the training device, so a test can watch memory creep towards the
