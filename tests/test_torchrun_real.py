@@ -24,6 +24,7 @@ import yaml
 from _child import child_env, events, log_tail, make_spec, run_child, write_spec
 
 from qlora_supervise.supervisor.commands.run import run_job
+from qlora_supervise.supervisor.commands.status import describe
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
@@ -150,6 +151,7 @@ def test_the_run_finishes_with_the_effective_batch_kept(supervised: SupervisedRu
         ).read_text()
     )
     assert marker["knobs"]["world_size"] == 2 and "rng_state_1.pth" in marker["files"]
+    assert "micro_batch 8 x accum 1 x ranks 2" in describe(first)[1]  # what status prints
     started = [e for e in read_events(supervised.run / "events.jsonl") if e["event"] == "attempt_started"]
     assert [e["effective_batch"] for e in started] == [EFFECTIVE, EFFECTIVE]
     # Every step trained 16 distinct samples, none twice; the resumed step 3 is the one the failed
