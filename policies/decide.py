@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qlora_supervise.policies import memory_model, preflight
-from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies.ladders import CARD_FAILING, ladder_for
 from qlora_supervise.policies.rungs import (
     STATIC_RUNGS,
     Rung,
     RungContext,
     Survives,
-    drop_rank,
     rung_by_name,
     shorten_cost_text,
 )
@@ -227,11 +226,13 @@ def _without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | Non
     None for a single process or where the effective batch cannot be kept exactly."""
     # A failure of the supervisor's (diagnosis.Failure) names the rank that caused it; one that
     # does not (a single process, a caller's own failure type) leaves the last card out.
-    rung = drop_rank(RungContext(failed_local_rank=getattr(failure, "local_rank", None)))
-    dropped = rung.apply(knobs)
-    if dropped is None:
-        return None
-    return Restart(dropped, rung.name, knob_changes(knobs, dropped), f"{why}: {rung.reason}", rung.survives)
+    context = RungContext(failed_local_rank=getattr(failure, "local_rank", None))
+    for rung in (rung_by_name(name, context) for name in CARD_FAILING):
+        dropped = rung.apply(knobs)
+        if dropped is not None:
+            changes = knob_changes(knobs, dropped)
+            return Restart(dropped, rung.name, changes, f"{why}: {rung.reason}", rung.survives)
+    return None
 
 
 def _after_disk_full(
