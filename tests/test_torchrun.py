@@ -43,7 +43,13 @@ from qlora_supervise.trainer_child.protocol import (
     rank_file,
     rank_files,
 )
-from qlora_supervise.trainer_child.torchrun import TEST_RANK_CPU_CAP, RankPlace, rank_spec, this_rank
+from qlora_supervise.trainer_child.torchrun import (
+    TEST_RANK_CPU_CAP,
+    TEST_RANK_GPU_CAP,
+    RankPlace,
+    rank_spec,
+    this_rank,
+)
 
 MIB = 1024 * 1024
 TWO = Knobs(model="m", micro_batch_size=4, grad_accum=2, world_size=2)
@@ -143,6 +149,8 @@ def test_each_rank_writes_its_own_files_and_the_fault_hook_caps_one_rank(tmp_pat
     zero = rank_spec(spec, RankPlace(0, 0, 2), {TEST_RANK_CPU_CAP: f"1:{900 * MIB}"})
     assert one.error_file.endswith("error.rank1.json") and one.cpu_memory_limit == 900 * MIB
     assert zero.error_file == spec.error_file and zero.cpu_memory_limit is None
+    gpu = rank_spec(spec, place, {TEST_RANK_GPU_CAP: f"1:{8 * 1024 * MIB}"})
+    assert gpu.gpu_memory_limit == 8 * 1024 * MIB and gpu.cpu_memory_limit is None
     for name in ("error.json", "error.rank1.json", "error.rank10.json", "error.rankx.json"):
         (tmp_path / name).write_text("{}")
     assert [rank for rank, _ in rank_files(str(tmp_path / "error.json"))] == [0, 1, 10]

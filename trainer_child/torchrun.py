@@ -24,6 +24,9 @@ from .protocol import AttemptSpec, rank_file
 #: of memory for real, inside torch, while the others have room. With
 #: ``memory.TEST_CAP_AFTER_STEP`` the cap comes after that step. Never set outside tests.
 TEST_RANK_CPU_CAP = "QLORA_SUPERVISE_TEST_RANK_CPU_CAP"
+#: The same for the GPU: ``RANK:BYTES`` gives rank RANK alone ``gpu_memory_limit`` BYTES
+#: (``set_per_process_memory_fraction`` on its card), for the bench of one capped card among two.
+TEST_RANK_GPU_CAP = "QLORA_SUPERVISE_TEST_RANK_GPU_CAP"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,16 +61,17 @@ def this_rank(environ: Mapping[str, str] = os.environ) -> RankPlace:
 
 
 def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = os.environ) -> AttemptSpec:
-    """The spec as this rank runs it: its own events and error files, and the injected cap
-    (:data:`TEST_RANK_CPU_CAP`) when it names this rank."""
+    """The spec as this rank runs it: its own events and error files, and the injected caps
+    (:data:`TEST_RANK_CPU_CAP`, :data:`TEST_RANK_GPU_CAP`) that name this rank."""
     own = dataclasses.replace(
         spec,
         events_file=rank_file(spec.events_file, place.rank),
         error_file=rank_file(spec.error_file, place.rank),
     )
-    target, _, cap = environ.get(TEST_RANK_CPU_CAP, "").partition(":")
-    if target.isdigit() and int(target) == place.rank and cap.isdigit():
-        own = dataclasses.replace(own, cpu_memory_limit=int(cap))
+    for variable, field in ((TEST_RANK_CPU_CAP, "cpu_memory_limit"), (TEST_RANK_GPU_CAP, "gpu_memory_limit")):
+        target, _, cap = environ.get(variable, "").partition(":")
+        if target.isdigit() and int(target) == place.rank and cap.isdigit():
+            own = dataclasses.replace(own, **{field: int(cap)})
     return own
 
 
