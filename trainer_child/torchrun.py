@@ -68,11 +68,19 @@ def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = 
         events_file=rank_file(spec.events_file, place.rank),
         error_file=rank_file(spec.error_file, place.rank),
     )
-    for variable, field in ((TEST_RANK_CPU_CAP, "cpu_memory_limit"), (TEST_RANK_GPU_CAP, "gpu_memory_limit")):
-        target, _, cap = environ.get(variable, "").partition(":")
-        if target.isdigit() and int(target) == place.rank and cap.isdigit():
-            own = dataclasses.replace(own, **{field: int(cap)})
-    return own
+    cpu = _injected_cap(environ.get(TEST_RANK_CPU_CAP, ""), place)
+    gpu = _injected_cap(environ.get(TEST_RANK_GPU_CAP, ""), place)
+    return dataclasses.replace(
+        own,
+        cpu_memory_limit=own.cpu_memory_limit if cpu is None else cpu,
+        gpu_memory_limit=own.gpu_memory_limit if gpu is None else gpu,
+    )
+
+
+def _injected_cap(value: str, place: RankPlace) -> int | None:
+    """BYTES of a ``RANK:BYTES`` hook value that names this rank; None otherwise."""
+    target, _, cap = value.partition(":")
+    return int(cap) if target.isdigit() and int(target) == place.rank and cap.isdigit() else None
 
 
 def world_mismatch(spec: AttemptSpec, place: RankPlace) -> str | None:
