@@ -266,8 +266,9 @@ def test_drop_rank_leaves_the_failing_card_out_and_keeps_the_batch_exactly() -> 
     assert drop_rank(RungContext()).apply(Knobs(model="m")) is None
     assert rung_by_name("drop_rank", RungContext()).name == "drop_rank"
     assert child_mod.rank_cards("3,5,7", [0, 2]) == "3,7" and child_mod.rank_cards(None, [1]) == "1"
-    env = child_mod.child_env({"CUDA_VISIBLE_DEVICES": "4,6"}, first_out)
+    env = child_mod.child_env({"CUDA_VISIBLE_DEVICES": "4,6", "RANK": "3", "WORLD_SIZE": "8"}, first_out)
     assert env["CUDA_VISIBLE_DEVICES"] == "6"
+    assert "RANK" not in env and "WORLD_SIZE" not in env  # torchrun gives the ranks their place
 
 
 def test_a_card_that_keeps_failing_drops_its_rank_instead_of_giving_up() -> None:

@@ -40,8 +40,9 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     PyTorch reads ``PYTORCH_ALLOC_CONF`` (2.8+) and the older ``PYTORCH_CUDA_ALLOC_CONF``;
     both are set so the child's torch version does not matter. The child verifies the effect.
     """
-    # systemd's notify socket and watchdog belong to the supervisor, not to the trainer.
-    env = {k: v for k, v in base.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    # systemd's notify socket and watchdog belong to the supervisor, not to the trainer; a rank's
+    # place is torchrun's to give (a RANK/WORLD_SIZE the supervisor inherited would mislead a child).
+    env = {k: v for k, v in base.items() if k not in _NOT_INHERITED}
     env["PYTHONUNBUFFERED"] = "1"
     if knobs.expandable_segments:
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
@@ -58,6 +59,17 @@ def rank_cards(visible: str | None, positions: list[int]) -> str:
     if entries is None:
         return ",".join(map(str, positions))
     return ",".join(entries[p] for p in positions if p < len(entries))
+
+
+_NOT_INHERITED = frozenset(
+    {
+        "NOTIFY_SOCKET",
+        "WATCHDOG_USEC",
+        "WATCHDOG_PID",
+        *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"),
+        *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"),
+    }
+)
 
 
 def _with_option(conf: str, option: str) -> str:
