@@ -18,7 +18,11 @@ Order of the rules (first match wins):
    steps before it failed starts a fresh count, so a week-long run survives any number of
    preemptions or operator kills as long as each retry gets further (the crash-loop guard of
    rule 3 and ``max_attempts`` still bound it)
-   A GPU fault: a fatal Xid -> GiveUp, not retryable (on that GPU); another -> as hang
+   A GPU fault: a fatal Xid -> GiveUp, not retryable (on that GPU); another -> as hang.
+   Under torchrun (``world_size`` > 1) a card that keeps failing (a fatal Xid, a fault that
+   came back, contention that outlasted the wait) -> Restart with ``drop_rank``: the other
+   cards, accumulation raised so micro x accumulation x ranks holds (GiveUp as above when it
+   cannot hold exactly)
 6. OOM-like kinds -> walk the ladder: skip rungs with nothing to change, results that already
    failed the same way, and results a calibrated memory model says cannot fit (their change is
    kept and the next rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted.
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qlora_supervise.policies import memory_model, preflight
-from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies.ladders import CARD_FAILING, ladder_for
 from qlora_supervise.policies.rungs import (
     STATIC_RUNGS,
     Rung,
@@ -157,7 +161,7 @@ def decide(
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
     if kind is FailureKind.GPU_FAULT and failure.numbers.get("fatal_xid") is not None:
-        return _gpu_broken(failure)
+        return _without_card(failure, knobs, "the card reported a fatal Xid") or _gpu_broken(failure)
     if kind in NOT_RETRYABLE:
         return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
     if len(failed) >= settings.max_attempts:
@@ -174,7 +178,10 @@ def decide(
     if kind in RETRY_UNCHANGED_ONCE:
         # A GPU that faulted is retried once (issue 9); other transient kinds up to the crash-loop limit.
         limit = 2 if kind is FailureKind.GPU_FAULT else settings.max_no_progress
-        return _retry_unchanged(kind, knobs, history, limit)
+        retried = _retry_unchanged(kind, knobs, history, limit)
+        if kind is FailureKind.GPU_FAULT and isinstance(retried, GiveUp):
+            return _without_card(failure, knobs, "the card faulted again") or retried
+        return retried
     if phase == "merge" and kind.is_oom:
         return _climb(_MergeFailure(), knobs, history, settings)
     return _climb(failure, knobs, history, settings)
@@ -207,10 +214,25 @@ def _after_contention(
         return Restart(knobs, "wait_for_memory", {}, why, Survives.ALL)
     if waited.free_bytes >= needed:
         return Restart(knobs, "wait_for_memory", {}, "the other processes released the memory", Survives.ALL)
-    return GiveUp(
+    kept = GiveUp(
         f"other processes kept the GPU memory for {settings.contention_wait_s:.0f}s "
         "and supervise.degrade_on_contention is false"
     )
+    return _without_card(failure, knobs, "other processes kept one card's memory") or kept
+
+
+def _without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None:
+    """Under torchrun, the restart on the other cards (``drop_rank``) when one card keeps failing;
+    None for a single process or where the effective batch cannot be kept exactly."""
+    # A failure of the supervisor's (diagnosis.Failure) names the rank that caused it; one that
+    # does not (a single process, a caller's own failure type) leaves the last card out.
+    context = RungContext(failed_local_rank=getattr(failure, "local_rank", None))
+    for rung in (rung_by_name(name, context) for name in CARD_FAILING):
+        dropped = rung.apply(knobs)
+        if dropped is not None:
+            changes = knob_changes(knobs, dropped)
+            return Restart(dropped, rung.name, changes, f"{why}: {rung.reason}", rung.survives)
+    return None
 
 
 def _after_disk_full(
@@ -293,7 +315,7 @@ def _climb(
     searched = _search(failure, knobs, failed_same_way, settings, scale)
     if searched is not None:
         return searched
-    context = RungContext(fallbacks=settings.fallbacks)
+    context = RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
     candidate = knobs
     applied: list[Rung] = []
     skipped: list[str] = []

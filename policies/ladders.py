@@ -29,6 +29,9 @@ OPTIMIZER: tuple[str, ...] = ("paged_8bit_optimizer", "halve_lora_rank", "smalle
 LOAD: tuple[str, ...] = ("quantize_4bit", "cpu_offload", "smaller_model")
 EVAL: tuple[str, ...] = ("halve_eval_batch", "disable_eval")
 MERGE: tuple[str, ...] = ("merge_on_cpu",)
+#: Under torchrun, for a card that keeps failing (a fatal Xid, a fault that came back, contention
+#: that outlasted the wait): the other cards, with accumulation raised (policies/decide.py).
+CARD_FAILING: tuple[str, ...] = ("drop_rank",)
 
 DEFAULT_LADDERS: Mapping[FailureKind, tuple[str, ...]] = {
     FailureKind.OOM_FORWARD: FORWARD,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from qlora_supervise.trainer_child.attempt_facts import SampleLengths
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.protocol import Knobs, rank_gpus
 
 #: Shortest sequence length the shorten rung will go to; below this most instruction data is cut.
 MIN_SEQ_LEN = 128
@@ -36,9 +36,11 @@ class Rung:
 
 @dataclass(frozen=True)
 class RungContext:
-    """What a rung may need beyond the knobs: the job's fallback models, the effective batch rule."""
+    """What a rung may need beyond the knobs: the job's fallback models, and under torchrun the
+    local rank (its GPU) of the failure (None: unknown, or a single process)."""
 
     fallbacks: tuple[str, ...] = ()
+    failed_local_rank: int | None = None
 
 
 def _expandable_segments(k: Knobs) -> Knobs | None:
@@ -50,12 +52,13 @@ def _gradient_checkpointing(k: Knobs) -> Knobs | None:
 
 
 def _halve_micro_batch(k: Knobs) -> Knobs | None:
-    # The largest micro-batch of at most half that divides the effective batch: accumulation
-    # grows to match, so the effective batch the job asked for holds (micro 1 always divides).
+    # The largest micro-batch of at most half that divides each rank's share of the effective
+    # batch: accumulation grows to match, so micro x accumulation x ranks holds (micro 1 always divides).
     if k.micro_batch_size <= 1:
         return None
-    half = next(m for m in range(k.micro_batch_size // 2, 0, -1) if k.effective_batch % m == 0)
-    return dataclasses.replace(k, micro_batch_size=half, grad_accum=k.effective_batch // half)
+    per_rank = k.micro_batch_size * k.grad_accum
+    half = next(m for m in range(k.micro_batch_size // 2, 0, -1) if per_rank % m == 0)
+    return dataclasses.replace(k, micro_batch_size=half, grad_accum=per_rank // half)
 
 
 def _shorten_seq_len(k: Knobs) -> Knobs | None:
@@ -150,6 +153,31 @@ def smaller_model(context: RungContext) -> Rung:
     return Rung("smaller_model", "fall back to a smaller model", Survives.ADAPTER_REINIT, apply)
 
 
+def drop_rank(context: RungContext) -> Rung:
+    """One rank fewer, without the failing rank's card, accumulation raised to keep the batch.
+
+    micro x accumulation x ranks must come out exactly: 2 -> 1 ranks doubles accumulation, 4 -> 3
+    needs it divisible by 3. Where it cannot be kept (or one rank is left), the rung does not apply.
+    """
+
+    def apply(k: Knobs) -> Knobs | None:
+        ranks = k.world_size
+        if ranks <= 1 or (k.grad_accum * ranks) % (ranks - 1):
+            return None
+        cards = rank_gpus(k)
+        failed = context.failed_local_rank
+        cards.pop(failed if failed is not None and 0 <= failed < len(cards) else len(cards) - 1)
+        gpus = "" if cards == list(range(ranks - 1)) else ",".join(map(str, cards))
+        accum = k.grad_accum * ranks // (ranks - 1)
+        return dataclasses.replace(k, world_size=ranks - 1, grad_accum=accum, gpus=gpus)
+
+    reason = (
+        "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
+        "effective batch (micro-batch x accumulation x ranks)"
+    )
+    return Rung("drop_rank", reason, Survives.ALL, apply)
+
+
 _STATIC_RUNGS: tuple[Rung, ...] = (
     Rung(
         "expandable_segments",
@@ -213,10 +241,12 @@ _STATIC_RUNGS: tuple[Rung, ...] = (
 STATIC_RUNGS: Mapping[str, Rung] = {rung.name: rung for rung in _STATIC_RUNGS}
 
 #: Every rung name a job file may use in ``supervise.ladders``.
-RUNG_NAMES: frozenset[str] = frozenset({*STATIC_RUNGS, "smaller_model"})
+RUNG_NAMES: frozenset[str] = frozenset({*STATIC_RUNGS, "smaller_model", "drop_rank"})
 
 
 def rung_by_name(name: str, context: RungContext) -> Rung:
     if name == "smaller_model":
         return smaller_model(context)
+    if name == "drop_rank":
+        return drop_rank(context)
     return STATIC_RUNGS[name]

@@ -35,6 +35,7 @@ from .protocol import (
     failure_line,
 )
 from .stack import import_training_stack
+from .torchrun import this_rank
 
 #: Stages where the optimizer has not touched the weights of the step in flight, so the state
 #: is exactly that of the last completed step. An optimizer-stage OOM may leave the step
@@ -59,6 +60,7 @@ class Context:
         self.heartbeat: HeartbeatThread | None = None
         self.resume_checkpoint: str | None = None  # the source checkpoint, once chosen
         self.memory_history = False  # diagnose.memory_history is recording
+        self.place = this_rank()  # rank 0 of 1 outside torchrun
 
     @property
     def device(self) -> str:
@@ -87,6 +89,8 @@ def setup(ctx: Context) -> None:
 
     ctx.on_cuda = torch.cuda.is_available()
     cpu_fallback = device.check(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
+    if ctx.on_cuda:
+        device.use_rank_gpu(ctx.place)  # cuda:LOCAL_RANK: every later device-0 default means it
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
@@ -96,8 +100,11 @@ def setup(ctx: Context) -> None:
         "started",
         pid=os.getpid(),
         attempt=ctx.spec.attempt,
+        rank=ctx.place.rank,
+        local_rank=ctx.place.local_rank,
+        world_size=ctx.place.world_size,
         device=ctx.device,
-        device_name=torch.cuda.get_device_name(0) if ctx.on_cuda else "cpu",
+        device_name=torch.cuda.get_device_name() if ctx.on_cuda else "cpu",
         versions=versions,
         vmdata=vmdata,
         rss=memory.proc_status_bytes("VmRSS"),
@@ -213,7 +220,8 @@ def train(ctx: Context) -> ExitCode:
     if ctx.progress.stop_requested:
         return ExitCode.STOPPED
     ctx.progress.enter(Stage.SAVE)
-    save_adapter(recipe.trainer, recipe.tokenizer, Path(spec.adapter_dir))
+    if ctx.place.is_main:  # the ranks hold the same adapter (DDP): one of them saves it
+        save_adapter(recipe.trainer, recipe.tokenizer, Path(spec.adapter_dir))
     ctx.events.emit("finished", step=recipe.trainer.state.global_step, adapter=spec.adapter_dir)
     return ExitCode.OK
 
@@ -223,7 +231,10 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     from . import memory
 
     emergency = None
-    if failure.oom and ctx.trainer is not None and failure.stage in EMERGENCY_STAGES:
+    # Not under torchrun: a save needs every rank (a barrier, torch's own broadcasts), and the
+    # others are dead or stuck in a collective the failure broke; the last regular one serves.
+    alone = not ctx.place.distributed
+    if failure.oom and ctx.trainer is not None and failure.stage in EMERGENCY_STAGES and alone:
         try:
             path = ctx.trainer.save_emergency_checkpoint()
             emergency = (str(path), ctx.trainer.state.global_step) if path else None
@@ -257,6 +268,7 @@ def report_failure(
             expandable_segments_active=ctx.expandable,
             resume_checkpoint=ctx.resume_checkpoint,
             disk=disk,
+            place=ctx.place,
         )
     except OSError as exc:
         if not disk_space.is_disk_full(exc):

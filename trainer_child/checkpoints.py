@@ -54,8 +54,10 @@ class ResumeSource:
     rank_reduction: RankReduction | None = None  # the adapter was cut to a smaller rank (SVD)
 
 
-def staging_dir(checkpoints_dir: Path, step: int) -> Path:
-    return checkpoints_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{os.getpid()}"
+def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> Path:
+    """Where step ``step`` is written before it is sealed; ``owner`` (default: this process) is
+    the pid whose death makes it a leftover (:func:`remove_stale_temps`)."""
+    return checkpoints_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{owner or os.getpid()}"
 
 
 def fsync_tree(root: Path) -> None:

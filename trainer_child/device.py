@@ -13,6 +13,7 @@ import sys
 
 from .failure import ConfigError
 from .protocol import AttemptSpec
+from .torchrun import RankPlace
 
 _GPU_FREE = ("auto", "cpu")
 
@@ -59,3 +60,16 @@ def why_no_cuda() -> str:
     return (
         f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU CUDA can use (the driver sees {count}): no such index"
     )
+
+
+def use_rank_gpu(place: RankPlace) -> None:
+    """Make ``cuda:LOCAL_RANK`` this process's current device (``cuda:0`` for a single process),
+    before anything allocates: the caps, the 4-bit load and the memory numbers then all mean it."""
+    import torch
+
+    if place.local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"rank {place.rank} (local rank {place.local_rank}) has no GPU: {torch.cuda.device_count()} "
+            "visible; lower resources.nproc_per_node or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    torch.cuda.set_device(place.local_rank)

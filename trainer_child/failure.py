@@ -18,6 +18,7 @@ from .checkpoints import CheckpointLoadError
 from .disk_space import is_disk_full
 from .durable import write_text_atomic
 from .protocol import ErrorReport, ExitCode, Stage
+from .torchrun import SINGLE, RankPlace
 
 OOM_MARKERS = (
     "CUDA out of memory",
@@ -94,7 +95,7 @@ class CapturedFailure:
     # Read at the OOM, before the step's tensors are freed (memory.allocator_facts_at_oom).
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
-    at: float = dataclasses.field(default_factory=time.time)  # when the exception was caught
+    time: float = dataclasses.field(default_factory=time.time)  # when the exception was caught
 
     @property
     def exit_code(self) -> ExitCode:
@@ -141,6 +142,7 @@ def write_report(
     expandable_segments_active: bool | None = None,
     resume_checkpoint: str | None = None,
     disk: dict[str, Any] | None = None,
+    place: RankPlace = SINGLE,
 ) -> ErrorReport:
     """Write the report; ``resume_checkpoint`` (the attempt's source, never a scratch copy) is
     named as damaged when the failure is a checkpoint that did not load."""
@@ -164,7 +166,10 @@ def write_report(
         disk=disk,
         allocator=failure.allocator,
         memory_snapshot=failure.memory_snapshot,
-        failed_at=failure.at,
+        time=failure.time,
+        rank=place.rank,
+        local_rank=place.local_rank,
+        world_size=place.world_size,
     )
     write_text_atomic(path, report.to_json())
     return report

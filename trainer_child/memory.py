@@ -130,15 +130,17 @@ def lift_cpu_cap() -> None:
 
 
 def apply_gpu_cap(limit: int | None) -> None:
-    """Cap this process's CUDA caching allocator to ``limit`` bytes of device 0."""
+    """Cap this process's CUDA caching allocator to ``limit`` bytes of its device (``cuda:0``, or
+    ``cuda:LOCAL_RANK`` under torchrun: the current device, set before this is called)."""
     import torch
 
     if limit is None or not torch.cuda.is_available():
         return
-    total = torch.cuda.get_device_properties(0).total_memory
+    index = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     if limit <= 0 or limit > total:
         raise MemoryCapError(f"gpu_memory_limit {limit} bytes is outside (0, {total}] of the device")
-    torch.cuda.set_per_process_memory_fraction(limit / total, 0)
+    torch.cuda.set_per_process_memory_fraction(limit / total, index)
 
 
 def expandable_segments_active() -> bool | None:
@@ -252,7 +254,7 @@ def allocator_facts_at_oom(
         stats = torch.cuda.memory_stats()
         segments = torch.cuda.memory_snapshot()
         device_free = int(torch.cuda.mem_get_info()[0])
-        total = int(torch.cuda.get_device_properties(0).total_memory)
+        total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     except (RuntimeError, MemoryError):
         return None
     facts = facts_from_allocator(stats, segments, requested, limit=limit or total, device_free=device_free)

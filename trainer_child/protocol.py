@@ -11,6 +11,12 @@ through files, never through log scraping:
 * ``spec.error_file``: an :class:`ErrorReport`, written atomically, on any failure.
 * the exit code, one of the reserved :class:`ExitCode` values.
 
+Under torchrun (``knobs.world_size`` > 1) every rank runs the child with the same spec and writes
+its own events and error report, rank N at :func:`rank_file` (``error.rank1.json``,
+``child-events.rank1.jsonl``; rank 0 at the paths the spec names); the report says which rank
+(``rank``, ``local_rank``, ``world_size``) and when its exception was caught (``time``). Rank 0
+alone writes checkpoints and the adapter.
+
 Durable writes, checkpoint names and process checks that both sides share live beside it in
 :mod:`.durable`, :mod:`.checkpoint_dirs` and :mod:`.processes`, which are standard library only too.
 """
@@ -23,6 +29,7 @@ import json
 import signal
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .allocator_facts import AllocatorFacts
@@ -106,7 +113,9 @@ OOM_KIND_BY_STAGE: Mapping[Stage, FailureKind] = {
 class Knobs:
     """Everything the policy ladder may change between attempts.
 
-    ``micro_batch_size * grad_accum`` (times processes) is the effective batch; rungs keep it.
+    ``micro_batch_size * grad_accum * world_size`` is the effective batch; rungs keep it.
+    ``world_size`` is the number of ranks (``resources.nproc_per_node``): above 1 the child is
+    started through torchrun, one rank per GPU, all ranks with these same knobs.
     """
 
     model: str
@@ -127,10 +136,14 @@ class Knobs:
     eval_batch_size: int = 1
     eval_enabled: bool = True
     merge_on_cpu: bool = False
+    world_size: int = 1  # journals and specs written before it had one process
+    # The visible GPUs the ranks train on, by position in CUDA_VISIBLE_DEVICES, comma-separated, in
+    # rank order; "" means the first world_size. drop_rank leaves the failing card out of it.
+    gpus: str = ""
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch_size * self.grad_accum
+        return self.micro_batch_size * self.grad_accum * self.world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +242,9 @@ class AttemptSpec:
     # start the optimizer state afresh.
     reset_optimizer: bool = False
     diagnose: DiagnoseSpec = DiagnoseSpec()
+    # How long the supervisor waits after SIGTERM before SIGKILL (supervise.stop_grace); torchrun
+    # is told the same (--shutdown-timeout), so it does not kill the ranks' checkpoint sooner.
+    stop_grace_s: float = 180.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -281,10 +297,12 @@ class ErrorReport:
     disk: dict[str, Any] | None = None
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
+    # When the exception was caught (not when the report was written): under torchrun the
+    # earliest real failure of all ranks is the cause (supervisor/diagnosis/ranks.py).
     time: float = dataclasses.field(default_factory=time.time)
-    # When the exception was caught (before the emergency checkpoint and this report): where
-    # recovery time is counted from. None in reports from older children.
-    failed_at: float | None = None
+    rank: int = 0  # torchrun's RANK of the process that wrote it (0 for a single process)
+    local_rank: int = 0  # LOCAL_RANK: the GPU index of this rank on its host
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         # Reports are read back from JSON, where the stage is a plain string and the facts a dict.
@@ -308,6 +326,38 @@ class ErrorReport:
         return report
 
 
+def rank_gpus(knobs: Knobs) -> list[int]:
+    """The positions (in the visible GPUs) that ranks 0, 1, ... of ``knobs`` train on."""
+    if not knobs.gpus:
+        return list(range(knobs.world_size))
+    return [int(part) for part in knobs.gpus.split(",")]
+
+
+def rank_file(path: str, rank: int) -> str:
+    """Where rank ``rank`` writes a file the spec names once: rank 0 (and a single process) the
+    path itself, rank N ``<stem>.rankN<suffix>`` beside it (``error.rank1.json``,
+    ``child-events.rank1.jsonl``).
+
+    Every rank writes its own error report and events (heartbeats with its own peak memory); only
+    rank 0 writes checkpoints, the adapter and the ``finished`` event the supervisor waits for.
+    """
+    if rank == 0:
+        return path
+    name = Path(path)
+    return str(name.with_name(f"{name.stem}.rank{rank}{name.suffix}"))
+
+
+def rank_files(path: str) -> list[tuple[int, str]]:
+    """``(rank, path)`` of every rank file of ``path`` that exists, rank 0 first."""
+    found = [(0, path)] if Path(path).is_file() else []
+    name = Path(path)
+    for other in sorted(name.parent.glob(f"{name.stem}.rank*{name.suffix}")):
+        number = other.name[len(name.stem) + len(".rank") : len(other.name) - len(name.suffix)]
+        if number.isdigit() and int(number) > 0:
+            found.append((int(number), str(other)))
+    return sorted(found)
+
+
 #: The last line the child prints to stderr on a failure: ``<prefix><stage>: <type>: <message>``.
 #: The stage is the child's own; a log classified without the error report can still read it.
 FAILURE_LINE_PREFIX = "trainer child failed in "
@@ -319,7 +369,7 @@ def failure_line(stage: str, exception_type: str, message: str) -> str:
 
 EVENT_NAMES = frozenset(
     {
-        "started",  # pid, device, versions, trust_remote_code
+        "started",  # pid, rank, local_rank, world_size, device, versions, trust_remote_code
         "stage",  # stage changed (load, forward, ...)
         "loaded",  # model loaded: trainable params, share, MemoryNumbers, attempt_facts.SampleLengths
         "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers

@@ -23,6 +23,7 @@ from .checkpoints import ResumeSource
 from .events import Progress
 from .failure import ConfigError
 from .protocol import AttemptSpec, Knobs, Stage
+from .torchrun import this_rank
 from .trainer import CheckpointPlan, SupervisedSFTTrainer, SupervisionCallback
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
@@ -76,15 +77,18 @@ def quantization_config(knobs: Knobs, dtype: torch.dtype) -> BitsAndBytesConfig 
 
 def placement(knobs: Knobs, gpu_limit: int | None, on_cuda: bool) -> dict[str, Any]:
     """device_map / max_memory. CPU offload only means something on a GPU; on the CPU
-    everything is on the CPU already, so the knob is a no-op there."""
+    everything is on the CPU already, so the knob is a no-op there. On a GPU the model goes to
+    the current device: ``cuda:0``, or ``cuda:LOCAL_RANK`` for a torchrun rank (DDP keeps one whole
+    replica per rank)."""
     if not on_cuda:
         return {"device_map": {"": "cpu"}}
+    index = torch.cuda.current_device()
     if not knobs.cpu_offload:
-        return {"device_map": {"": 0}}
-    total = torch.cuda.get_device_properties(0).total_memory
+        return {"device_map": {"": index}}
+    total = torch.cuda.get_device_properties(index).total_memory
     # Leave room for activations: the weights may take about half of the allowed device memory.
     budget = int((gpu_limit or total) * 0.5)
-    return {"device_map": "auto", "max_memory": {0: budget, "cpu": "1000GiB"}}
+    return {"device_map": "auto", "max_memory": {index: budget, "cpu": "1000GiB"}}
 
 
 def load_tokenizer(spec: AttemptSpec) -> Any:
@@ -234,6 +238,11 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
         dataloader_num_workers=0,
         # Never: a restored batch size would undo the micro-batch rung (see attempt docs).
         auto_find_batch_size=False,
+        # Under torchrun (DDP): LoRA leaves every frozen base weight out of the gradient, and the
+        # default search for unused parameters would cost a graph walk per step and fail with
+        # gradient checkpointing (parameters marked ready twice).
+        ddp_find_unused_parameters=False,
+        ddp_backend=("nccl" if on_cuda else "gloo") if this_rank().distributed else None,
     )
     # transformers 5.24 folds warmup_ratio into warmup_steps (a float < 1 is a ratio).
     if "warmup_ratio" in _field_names(SFTConfig):

@@ -28,7 +28,8 @@ from .checkpoint_dirs import CHECKPOINT_PREFIX
 from .disk_space import ensure_room
 from .events import Progress
 from .memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
-from .protocol import Heartbeat, Knobs, Stage
+from .protocol import Heartbeat, Knobs, Stage, rank_file
+from .torchrun import agree, barrier, staging_owner, this_rank
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
@@ -36,7 +37,8 @@ from .protocol import Heartbeat, Knobs, Stage
 TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
 #: Test probe: a file to which each micro-batch's row fingerprints (and its input_ids and
 #: labels) are appended, so a test can check that a resumed run sees exactly the samples an
-#: uninterrupted run would, and which tokens the loss covers.
+#: uninterrupted run would, and which tokens the loss covers. Under torchrun rank N appends to
+#: its own file (``protocol.rank_file``) and each record names its rank and world size.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: Test hook: ``BYTES`` to keep (leak) that many bytes more in the forward of every optimizer
 #: step's first micro-batch, on the training device, so a test can watch memory creep towards the
@@ -60,6 +62,7 @@ class SupervisedSFTTrainer(SFTTrainer):
         super().__init__(*args, **kwargs)
         self.progress = progress
         self.plan = plan
+        self.place = this_rank()
         self._staging_root: Path | None = None
         self._emergency = False
         self._step_loss: torch.Tensor | None = None
@@ -123,10 +126,16 @@ class SupervisedSFTTrainer(SFTTrainer):
             return
         ids = inputs["input_ids"].tolist()
         rows = [" ".join(map(str, row[:6])) for row in ids]
-        record = {"step": self.state.global_step + 1, "rows": rows, "input_ids": ids}
+        record = {
+            "step": self.state.global_step + 1,
+            "rows": rows,
+            "input_ids": ids,
+            "rank": self.place.rank,
+            "world_size": self.place.world_size,
+        }
         if "labels" in inputs:
             record["labels"] = inputs["labels"].tolist()
-        with open(trace, "a", encoding="utf-8") as handle:
+        with open(rank_file(trace, self.place.rank), "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -143,29 +152,36 @@ class SupervisedSFTTrainer(SFTTrainer):
         self.progress.enter(before)
 
     def _write_checkpoint(self, model: Any, trial: Any) -> Path:
+        # Under torchrun every rank writes into one staging directory (Trainer: rank 0 the adapter,
+        # optimizer and state, rank N its rng_state_N.pth); rank 0 seals and publishes it once all
+        # have written, and the others wait for that, so no rank runs ahead of a half-made checkpoint.
         step = self.state.global_step
         final = self.plan.directory / f"{CHECKPOINT_PREFIX}{step}"
         if checkpoints.is_complete(final):
             return final  # e.g. an emergency save right after the regular save of the same step
-        # No room for one more like the last: fail as disk_full now, not half-way through the write.
-        ensure_room(self.plan.directory)
-        self._staging_root = checkpoints.staging_dir(self.plan.directory, step)
+        main = self.place.is_main
+        if main:  # no room for one more like the last: disk_full now, not half-way through the write
+            ensure_room(self.plan.directory)
+        staging = checkpoints.staging_dir(self.plan.directory, step, staging_owner(self.place))
+        self._staging_root = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_root = None
-        staging = checkpoints.staging_dir(self.plan.directory, step)
-        written = staging / final.name
-        checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
-        shutil.rmtree(staging, ignore_errors=True)
-        checkpoints.rotate(self.plan.directory, self.plan.keep, self.plan.protect)
-        self.progress.events.emit(
-            "checkpoint_saved",
-            step=step,
-            path=str(final),
-            emergency=self._emergency,
-            early=self.progress.early_checkpoints,
-        )
+        barrier(self.place)
+        if main:
+            written = staging / final.name
+            checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
+            shutil.rmtree(staging, ignore_errors=True)
+            checkpoints.rotate(self.plan.directory, self.plan.keep, self.plan.protect)
+            self.progress.events.emit(
+                "checkpoint_saved",
+                step=step,
+                path=str(final),
+                emergency=self._emergency,
+                early=self.progress.early_checkpoints,
+            )
+        barrier(self.place)
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -253,6 +269,10 @@ class SupervisionCallback(TrainerCallback):
             apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
             self.cap_after_step = None
         progress = self.trainer.progress
+        # The ranks decide together (torchrun.agree): one that saves or stops alone would hang.
+        progress.stop_requested, progress.early_checkpoints = agree(
+            self.trainer.place, (progress.stop_requested, progress.early_checkpoints), args.device
+        )
         if progress.early_checkpoints:  # memory creeps towards the budget: lose no step to it
             progress.announce_early_checkpoints()
             control.should_save = True

@@ -15,7 +15,8 @@ Definitions (also in RESULTS.md):
 * *to first step*: from the approach's start to the first completed step of the config that
   finished (of its last attempt or try);
 * *tokens/s*: median over the final attempt's steps, its first step left out (warm-up);
-* *OOM → next step*: from a failed attempt's failure (``error.json``'s ``failed_at``, else its
+* *OOM → next step*: from a failed attempt's failure (``error.json``'s ``failed_at``, written by
+  the first spare version, else its
   ``time``, else the journal's end of the attempt) to the next attempt's first completed step;
   the supervisor's own ``first_step.since_failure_s`` beside it where it logs one. It splits into
   *OOM → training* (to the next attempt's first forward pass: the restart itself) and that

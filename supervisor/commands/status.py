@@ -175,8 +175,9 @@ def fix_line(r: AttemptRecord) -> str | None:
 def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     """A few lines per attempt: config, outcome, failure, the fix, decision, progress kept."""
     k = r.knobs
+    ranks = f" x ranks {k.world_size}" if k.world_size > 1 else ""
     config = (
-        f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}, seq_len {k.max_seq_len}, "
+        f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}{ranks}, seq_len {k.max_seq_len}, "
         f"grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
     )
     steps = f"steps {r.resumed_from} -> {r.steps_completed}"

@@ -42,6 +42,17 @@ NCCL: tuple[re.Pattern[str], ...] = (
     re.compile(r"Distributed package doesn't have NCCL built in"),
 )
 
+#: A rank's collective broke because another rank died or stopped answering (gloo, NCCL,
+#: torch's store): under torchrun a knock-on effect of the first failure, never its cause.
+KNOCK_ON: tuple[re.Pattern[str], ...] = (
+    *NCCL,
+    re.compile(r"Connection (?:closed|reset) by peer"),
+    re.compile(r"\bBroken pipe\b"),
+    re.compile(r"gloo/transport/tcp/|\bProcessGroupGloo\b"),
+    re.compile(r"\bDistBackendError\b|\bDistNetworkError\b|\bDistStoreError\b"),
+    re.compile(r"Timed out waiting|Socket Timeout|recvBytes|sendBytes", _I),
+)
+
 #: bitsandbytes cannot load its CUDA library (or only has its CPU build).
 BNB_SETUP: tuple[re.Pattern[str], ...] = (
     re.compile(r"CUDA Setup failed", _I),

@@ -41,6 +41,8 @@ class Failure:
     ``reserved_unallocated`` / ``reserved_total`` when the wording prints only the other, and
     ``others_in_use`` (memory of other processes on the GPU). ``evidence``: one sentence saying
     which source decided and why. ``message``: the error line it was read from, if any.
+    ``rank`` / ``local_rank``: under torchrun, the rank whose report was the cause (the local
+    rank is its GPU on the host); None for a single process or when no rank's report decided.
     """
 
     kind: FailureKind
@@ -48,6 +50,8 @@ class Failure:
     numbers: Mapping[str, Any]
     evidence: str
     message: str = ""
+    rank: int | None = None
+    local_rank: int | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         """The failure as plain JSON values (pids become string keys in JSON, bytes stay ints)."""
@@ -57,6 +61,8 @@ class Failure:
             "numbers": {key: _plain(value) for key, value in self.numbers.items()},
             "evidence": self.evidence,
             "message": self.message,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
         }
 
 

@@ -84,7 +84,8 @@ def job_from_sections(
         knobs=Knobs(
             model=str(model.path),
             micro_batch_size=train.micro_batch_size,
-            grad_accum=train.effective_batch_size // train.micro_batch_size,
+            # Per rank: the effective batch is micro-batch x accumulation x ranks.
+            grad_accum=train.effective_batch_size // (train.micro_batch_size * resources.nproc_per_node),
             max_seq_len=train.max_seq_len,
             gradient_checkpointing=train.gradient_checkpointing,
             optimizer=train.optimizer,
@@ -96,6 +97,7 @@ def job_from_sections(
             eval_batch_size=train.eval_batch_size,
             expandable_segments=resources.expandable_segments,
             eval_enabled=data.eval_path is not None or data.eval_fraction > 0,
+            world_size=resources.nproc_per_node,
         ),
         data=DataSpec(
             path=str(data.path),

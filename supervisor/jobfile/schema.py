@@ -152,6 +152,9 @@ class ResourcesSection(Section):
     cpu_memory_limit: ByteSize | None = _RESOURCES.cpu_memory_limit
     # The allocator's expandable segments (PYTORCH_ALLOC_CONF); false only where a platform lacks them.
     expandable_segments: bool = _KNOBS.expandable_segments
+    # torchrun's own name: ranks on this host, one GPU each (gloo ranks on the CPU); above 1 the
+    # child starts through `python -m torch.distributed.run` (supervisor/loop/launch.py).
+    nproc_per_node: PositiveInt = _KNOBS.world_size
 
 
 def _only_true(value: bool) -> bool:

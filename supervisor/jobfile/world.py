@@ -8,7 +8,7 @@ output directory can be written.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile import data_probe
@@ -18,11 +18,13 @@ from qlora_supervise.supervisor.jobfile.schema import (
     DataSection,
     LoraSection,
     ModelSection,
+    ResourcesSection,
     Section,
     SuperviseSection,
     TrainSection,
 )
 from qlora_supervise.supervisor.jobfile.units import format_duration
+from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 
 
 def world_problems(
@@ -44,6 +46,10 @@ def world_problems(
         problems += _train_problems(train, bad)
         if isinstance(data, DataSection):
             problems += _eval_problems(train, data, bad)
+    if isinstance(resources := sections.get("resources"), ResourcesSection):
+        problems += _rank_problems(resources, bad, visible_gpu_count)
+        if isinstance(train, TrainSection):
+            problems += _rank_batch_problems(train, resources, bad)
     if isinstance(supervise := sections.get("supervise"), SuperviseSection):
         problems += _supervise_problems(supervise, bad)
     if output_dir is not None:
@@ -219,6 +225,45 @@ def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
             Problem("train.max_steps", "neither max_steps nor epochs is set", None, "set one of them")
         )
     return problems
+
+
+def _rank_problems(
+    resources: ResourcesSection, bad: frozenset[str], gpu_count: Callable[[], int | None]
+) -> list[Problem]:
+    """Several ranks train on the first ``nproc_per_node`` visible GPUs, one each: a job that
+    names one GPU cannot mean that, and a GPU host needs as many GPUs as ranks. ``gpu_count``:
+    the GPUs visible here (None: no NVIDIA driver, the ranks run on the CPU with gloo)."""
+    ranks = resources.nproc_per_node
+    if ranks == 1 or bad & {"resources.nproc_per_node", "resources.gpu"}:
+        return []
+    if resources.gpu not in ("auto", "cpu"):
+        why = f"names one GPU, but nproc_per_node {ranks} puts rank N on visible GPU N (LOCAL_RANK)"
+        fix = (
+            "set gpu: auto and choose the cards with CUDA_VISIBLE_DEVICES (or gpu: cpu, or nproc_per_node: 1)"
+        )
+        return [Problem("resources.gpu", why, show(resources.gpu), fix)]
+    gpus = gpu_count() if resources.gpu == "auto" else None
+    if gpus is not None and 0 < gpus < ranks:
+        fix = f"lower nproc_per_node to {gpus} or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        why = f"{ranks} ranks need {ranks} GPUs, but {gpus} GPU(s) are visible"
+        return [Problem("resources.nproc_per_node", why, show(ranks), fix)]
+    return []
+
+
+def _rank_batch_problems(
+    train: TrainSection, resources: ResourcesSection, bad: frozenset[str]
+) -> list[Problem]:
+    """The effective batch divides into micro-batches on every rank (micro x accumulation x ranks)."""
+    fields = {"train.effective_batch_size", "train.micro_batch_size", "resources.nproc_per_node"}
+    ranks = resources.nproc_per_node
+    if ranks == 1 or bad & fields or train.effective_batch_size % train.micro_batch_size:
+        return []  # one rank: _train_problems says it already
+    per_step = train.micro_batch_size * ranks
+    if train.effective_batch_size % per_step == 0:
+        return []
+    fix = f"make it a multiple of micro_batch_size x nproc_per_node ({per_step})"
+    why = f"not divisible by micro_batch_size x nproc_per_node ({train.micro_batch_size} x {ranks})"
+    return [Problem("train.effective_batch_size", why, show(train.effective_batch_size), fix)]
 
 
 def _eval_problems(train: TrainSection, data: DataSection, bad: frozenset[str]) -> list[Problem]:

@@ -269,6 +269,8 @@ class Supervisor:
                 message=verdict.message[:500],
                 reclaimed=reclaimed,
                 memory_snapshot=o.report.memory_snapshot if o.report else None,
+                rank=verdict.rank,
+                local_rank=verdict.local_rank,
             )
             return self._decide(o, verdict, records, log)
         next_from = None if verdict is Outcome.SUCCEEDED else self._resume_step(o.plan.knobs)

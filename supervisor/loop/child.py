@@ -13,7 +13,6 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,17 +20,18 @@ from pathlib import Path
 
 import psutil
 
+from qlora_supervise.supervisor.loop import launch
 from qlora_supervise.supervisor.record.runfiles import ensure_dir, open_append_binary
 from qlora_supervise.trainer_child.processes import pid_alive
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.protocol import Knobs, rank_gpus, visible_entries
 
 _PR_SET_PDEATHSIG = 1
 
 
 def child_argv(spec_path: Path, phase: str) -> list[str]:
-    """The trainer child's command line for one attempt."""
-    module = "qlora_supervise.trainer_child.merge" if phase == "merge" else "qlora_supervise.trainer_child"
-    return [sys.executable, "-m", module, "--spec", str(spec_path)]
+    """The trainer child's command line for one attempt: one process, or torchrun's ranks when
+    the spec's ``knobs.world_size`` is above 1 (:mod:`.launch`)."""
+    return launch.spec_command(spec_path, phase)
 
 
 def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
@@ -40,8 +40,9 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     PyTorch reads ``PYTORCH_ALLOC_CONF`` (2.8+) and the older ``PYTORCH_CUDA_ALLOC_CONF``;
     both are set so the child's torch version does not matter. The child verifies the effect.
     """
-    # systemd's notify socket and watchdog belong to the supervisor, not to the trainer.
-    env = {k: v for k, v in base.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    # systemd's notify socket and watchdog belong to the supervisor, not to the trainer; a rank's
+    # place is torchrun's to give (a RANK/WORLD_SIZE the supervisor inherited would mislead a child).
+    env = {k: v for k, v in base.items() if k not in _NOT_INHERITED}
     env["PYTHONUNBUFFERED"] = "1"
     # One string-hash seed for every attempt: set and dict-of-set orders (peft's target_modules
     # is a set) then match across processes, so a restart, cold or in a warm spare, trains the
@@ -50,7 +51,29 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     if knobs.expandable_segments:
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
             env[name] = _with_option(env.get(name, ""), "expandable_segments:True")
+    if knobs.gpus:  # drop_rank left a card out: the ranks see only the others, in rank order
+        env["CUDA_VISIBLE_DEVICES"] = rank_cards(env.get("CUDA_VISIBLE_DEVICES"), rank_gpus(knobs))
     return env
+
+
+def rank_cards(visible: str | None, positions: list[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` naming the cards at ``positions`` of ``visible`` (all of CUDA's
+    GPUs when unset), so that rank N trains on ``cuda:N`` = the N-th of them."""
+    entries = visible_entries(visible)
+    if entries is None:
+        return ",".join(map(str, positions))
+    return ",".join(entries[p] for p in positions if p < len(entries))
+
+
+_NOT_INHERITED = frozenset(
+    {
+        "NOTIFY_SOCKET",
+        "WATCHDOG_USEC",
+        "WATCHDOG_PID",
+        *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"),
+        *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"),
+    }
+)
 
 
 def _with_option(conf: str, option: str) -> str:
@@ -109,7 +132,12 @@ class ChildProcess:
             os.killpg(self.popen.pid, signum)
 
     def stop(self, grace_s: float, sleep: Callable[[float], None] = time.sleep) -> int:
-        """Stop the child and its group; returns its exit status (negative: signal)."""
+        """Stop the child and its group; returns its exit status (negative: signal).
+
+        torchrun forwards the SIGTERM to its ranks (they checkpoint) and waits for them; the
+        ranks run in sessions of their own, so those left at the end are killed by their groups.
+        """
+        ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
         if self.popen.poll() is None:
             self.signal_group(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
@@ -120,7 +148,23 @@ class ChildProcess:
         code = self.popen.wait()
         # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
         self.signal_group(signal.SIGKILL)
+        for pid in ranks:
+            if pid != self.popen.pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
         return code
+
+
+def trainer_pids(pid: int) -> list[int]:
+    """The trainer processes of a started child: the child itself, or, when it is torchrun's
+    launcher, its ranks (its children running the trainer module)."""
+    if launch.TORCHRUN_MODULE not in process_cmdline(pid):
+        return [pid]
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+    return [child.pid for child in children if launch.TRAINER_MODULE in process_cmdline(child.pid)]
 
 
 def spawn_child(

@@ -8,11 +8,13 @@ line, peak included, by one rule.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
+from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
     AttemptRecord,
@@ -51,6 +53,8 @@ class AttemptOutcome:
     ended_at: float
     log_tail: str
     oom_kill_delta: int = 0
+    # Under torchrun, every rank's report (``report`` is the cause among them); empty otherwise.
+    reports: tuple[ErrorReport, ...] = ()
 
     @property
     def steps_completed(self) -> int:
@@ -66,7 +70,17 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     """Succeeded, stopped, interrupted (no verdict on the config), or a classified failure.
 
     ``fit``: the memory model's peak for the attempt's knobs against the budget (fragmentation
-    is judged on it, :mod:`~qlora_supervise.supervisor.diagnosis.fragmentation`)."""
+    is judged on it, :mod:`~qlora_supervise.supervisor.diagnosis.fragmentation`). Under torchrun
+    the failure names the rank (and local rank: its GPU) whose report was the cause."""
+    verdict = _judge(o, phase_done, fit)
+    if isinstance(verdict, Failure) and o.report is not None and o.report.world_size > 1:
+        cause = first_failure(o.reports or (o.report,))
+        why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
+        return dataclasses.replace(verdict, rank=o.report.rank, local_rank=o.report.local_rank, evidence=why)
+    return verdict
+
+
+def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:
     exit_ = o.exit
     if exit_ is None:
         if failed_report(o.report):
@@ -104,6 +118,8 @@ def failure_record(failure: Failure, report: ErrorReport | None) -> FailureRecor
         failure.message[:2000],
         report.emergency_checkpoint if report else None,
         report.expandable_segments_active if report else None,
+        failure.rank,
+        failure.local_rank,
     )
 
 

@@ -32,13 +32,12 @@ def reclaim(
         return None  # its record was written; only state.json was stale
     spec_path = rd.attempt_dir(flight.number) / "spec.json"
     # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe,
-    # and finds the child when the supervisor died before it could record the pid.
+    # and finds the child when the supervisor died before it could record the pid. torchrun's
+    # ranks (their own sessions, no PDEATHSIG) are found by the spec path too, after torchrun,
+    # and a warm spare that got the attempt by the run directory on its command line.
     spare = f"qlora_supervise.trainer_child.spare --run-dir {rd.root}"
-    pids = (
-        [flight.pid]
-        if flight.pid
-        else [*child_mod.pids_running(str(spec_path)), *child_mod.pids_running(spare)]
-    )
+    found = [*child_mod.pids_running(str(spec_path)), *child_mod.pids_running(spare)]
+    pids = [flight.pid, *(pid for pid in found if pid != flight.pid)] if flight.pid else found
     for pid in pids:
         if _is_attempt_child(child_mod.process_cmdline(pid), spec_path, rd) and pid_alive(pid):
             log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)

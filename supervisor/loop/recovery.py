@@ -46,8 +46,6 @@ class FirstStep:
 
 
 def failure_time(report: ErrorReport | None, ended_at: float) -> float:
-    """When the attempt failed: the child's capture of the exception, else its report's writing,
+    """When the attempt failed: the time its report gives (when the child caught the exception),
     else (no report: a SIGKILL, a hang) the end of the watch."""
-    if report is None:
-        return ended_at
-    return report.failed_at if report.failed_at is not None else report.time
+    return ended_at if report is None else report.time

@@ -16,6 +16,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
+from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
@@ -34,6 +35,7 @@ from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
+from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.durable import write_text_atomic
@@ -42,6 +44,7 @@ from qlora_supervise.trainer_child.protocol import (
     AttemptSpec,
     ErrorReport,
     Heartbeat,
+    rank_files,
 )
 
 
@@ -124,6 +127,9 @@ class AttemptRunner:
         # and before its checkpoint counts (it would otherwise be missed by one).
         note_child_events(reader.poll(seams.clock()), log)
         ctx.display.clear()
+        peaks = (
+            note_rank_peaks(Path(spec.events_file), reader.progress, log) if spec.knobs.world_size > 1 else {}
+        )
         log.info(
             Event.CHILD_EXITED,
             exit_code=exit_.returncode,
@@ -131,6 +137,7 @@ class AttemptRunner:
             killed_by_supervisor=exit_.killed_by_supervisor,
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
+            **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
         )
         log_optimizer_reset(log, reader.progress)
         kills_after = seams.oom_kills()
@@ -142,6 +149,7 @@ class AttemptRunner:
             exit=exit_,
             progress=reader.progress,
             report=report,
+            reports=read_reports(ctx.rd, number, ctx.log) if plan.knobs.world_size > 1 else (),
             memory=MemorySeen(
                 watched.gpu_peak_process,
                 watched.gpu_others_at_end,
@@ -255,6 +263,7 @@ class AttemptRunner:
             # The checkpoint itself says whether its optimizer state fits these knobs.
             reset_optimizer=resume.reset_optimizer,
             diagnose=job.diagnose,
+            stop_grace_s=self.ctx.seams.stop_grace_s,
         )
         ensure_dir(directory)
         write_text_atomic(directory / "spec.json", spec.to_json())
@@ -371,6 +380,28 @@ def note_child_events(new: list[dict[str, Any]], log: Any) -> None:
             )
 
 
+def note_rank_peaks(events_file: Path, progress: Progress, log: Any) -> dict[int, int]:
+    """Each rank's peak (torchrun): the attempt's peak becomes the highest of them (the card that
+    limits the config), and one rank well above the others is logged with the numbers."""
+    peaks = read_rank_peaks(events_file)
+    if peaks:
+        progress.peak_bytes = max(progress.peak_bytes or 0, *peaks.values())
+    found = uneven(peaks)
+    if found is not None:
+        log.warning(
+            Event.RANK_PEAKS_UNEVEN,
+            high_rank=found.high_rank,
+            high_peak_bytes=found.high_bytes,
+            low_rank=found.low_rank,
+            low_peak_bytes=found.low_bytes,
+            share_above=round(found.share_above, 3),
+            rank_peaks={str(rank): peak for rank, peak in peaks.items()},
+            why="one rank's peak is well above the others': uneven per-rank batches (long samples on one "
+            "rank) or gradient-sync buffers; check each rank's real batch and the device_map",
+        )
+    return peaks
+
+
 def log_optimizer_reset(log: Any, progress: Progress) -> None:
     """``optimizer_reset`` when the child resumed with fresh optimizer state (planned, or because
     the checkpoint had none): the adapter and the LR schedule follow the step, the moments do not."""
@@ -380,12 +411,22 @@ def log_optimizer_reset(log: Any, progress: Progress) -> None:
 
 
 def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:
-    """The attempt's error report; None when absent, and logged when unreadable."""
-    path = rd.attempt_dir(number) / "error.json"
-    if not path.exists():
-        return None
-    try:
-        return ErrorReport.from_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError) as exc:
-        log.warning(Event.REPORT_UNREADABLE, path=str(path), error=str(exc))
-        return None
+    """The attempt's error report (under torchrun: the first real failure of all the ranks'
+    reports, :func:`~qlora_supervise.supervisor.diagnosis.ranks.first_failure`); None when absent."""
+    reports = read_reports(rd, number, log)
+    cause = first_failure(reports)
+    if cause is not None:
+        return cause.report
+    return reports[0] if reports else None
+
+
+def read_reports(rd: RunDir, number: int, log: Any) -> tuple[ErrorReport, ...]:
+    """Every rank's error report of the attempt (``error.json``, ``error.rank1.json``, ...), in
+    rank order; one that cannot be read is logged and left out."""
+    found = []
+    for _, path in rank_files(str(rd.attempt_dir(number) / "error.json")):
+        try:
+            found.append(ErrorReport.from_json(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
+    return tuple(found)

@@ -54,9 +54,11 @@ def _open_gpu(device: str) -> GpuProbe | None:
 
 
 def _signal_child(pid: int, signum: int) -> None:
-    # The child only, not its process group: a launcher (torchrun) would die of SIGUSR1.
-    with contextlib.suppress(ProcessLookupError):  # it exited in between: nothing to ask
-        os.kill(pid, signum)
+    # The trainer processes only, not the process group: torchrun would die of SIGUSR1, so under
+    # it the signal goes to each rank (the ranks then agree to checkpoint together).
+    for target in child_mod.trainer_pids(pid):
+        with contextlib.suppress(ProcessLookupError):  # it exited in between: nothing to ask
+            os.kill(target, signum)
 
 
 @dataclass

@@ -46,6 +46,7 @@ class Event(str, enum.Enum):
     SPARE_SKIPPED = "spare_skipped"
     SPARE_USED = "spare_used"
     SPARE_DISCARDED = "spare_discarded"
+    RANK_PEAKS_UNEVEN = "rank_peaks_uneven"  # torchrun: one rank's peak well above the others'
     # after a failure
     FAILURE_CLASSIFIED = "failure_classified"
     RETRY = "retry"

@@ -38,6 +38,9 @@ from qlora_supervise.trainer_child.durable import fsync_dir, write_text_atomic
 SAFE_SECTIONS = ("supervise.", "resources.")
 SAFE_FIELDS = frozenset({"train.save_steps", "train.logging_steps", "train.eval_steps", "train.merge"})
 SAFE_WHEN_MORE = frozenset({"train.max_steps", "train.epochs"})
+#: In a safe section but carried in the attempts' knobs, which a resumed run takes from its
+#: journal: the number of ranks changes in a run through drop_rank, by hand through --restart.
+UNSAFE_FIELDS = frozenset({"resources.nproc_per_node"})
 GENERATIONS = "generations"
 #: What belongs to one generation (moved aside whole by ``--restart``); job versions stay.
 _GENERATION_FILES = ("attempts.jsonl", "state.json", "events.jsonl")
@@ -55,6 +58,8 @@ class FieldChange:
     @property
     def safe(self) -> bool:
         """Applies on resume without mixing two trainings into one adapter."""
+        if self.name in UNSAFE_FIELDS:
+            return False
         if self.name.startswith(SAFE_SECTIONS) or self.name in SAFE_FIELDS:
             return True
         if self.name in SAFE_WHEN_MORE:
@@ -106,6 +111,8 @@ def job_view(job: Job) -> dict[str, Any]:
     resources = dataclasses.asdict(job.resources)
     view["resources.gpu"] = resources.pop("device")
     view.update({f"resources.{k}": v for k, v in resources.items()})
+    if knobs.world_size != 1:  # absent for one process, as in the views recorded before it existed
+        view["resources.nproc_per_node"] = knobs.world_size
     supervise = job.supervise.model_dump(mode="json")
     view.update({f"supervise.{k}": v for k, v in supervise.items()})
     shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk

@@ -127,6 +127,8 @@ class FailureRecord:
     message: str = ""
     emergency_checkpoint: str | None = None
     expandable_segments_active: bool | None = None
+    rank: int | None = None  # under torchrun: the rank whose failure was the cause
+    local_rank: int | None = None  # ... and its GPU on the host (LOCAL_RANK)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -143,6 +145,8 @@ class FailureRecord:
             message=str(raw.get("message", "")),
             emergency_checkpoint=raw.get("emergency_checkpoint"),
             expandable_segments_active=raw.get("expandable_segments_active"),
+            rank=raw.get("rank"),
+            local_rank=raw.get("local_rank"),
         )
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from qlora_supervise.trainer_child.protocol import bind_device
+from qlora_supervise.trainer_child.protocol import bind_device, visible_entries
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,27 @@ class GpuMonitor:
                 break
             found.append(int(event.eventData))
         return tuple(found)
+
+
+def visible_gpu_count(*, nvml: Any | None = None) -> int | None:
+    """How many GPUs the child could use: the ``CUDA_VISIBLE_DEVICES`` list when it is set, else
+    NVML's count; None where NVML or the driver is missing (no GPU host: ranks run on the CPU)."""
+    if nvml is None:
+        nvml = _import_pynvml()
+        if nvml is None:
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded: not a GPU host
+        return None
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except Exception:
+        return None
+    finally:
+        _shutdown(nvml)
+    listed = visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return count if listed is None else min(count, len(listed))
 
 
 def _import_pynvml() -> Any | None:

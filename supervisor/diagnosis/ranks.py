@@ -1,0 +1,59 @@
+"""Several ranks failed together: which report is the cause, and which are knock-on effects.
+
+Under torchrun one rank's failure takes the others down with it: their next collective breaks
+(gloo's "Connection closed by peer", an NCCL watchdog timeout or abort, a store timeout), or
+torchrun stops them with SIGTERM. Each rank writes its own report
+(:func:`~qlora_supervise.trainer_child.protocol.rank_file`); the cause is the earliest report,
+by the time its exception was caught, that is not a knock-on effect. Pure functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from qlora_supervise.supervisor.diagnosis import _signatures
+from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCause:
+    """The report that decides an attempt of several ranks, and the ranks that only followed it."""
+
+    report: ErrorReport
+    knock_on: tuple[int, ...]  # ranks whose reports were effects of the cause (sorted)
+    why: str  # in words, for the evidence: "rank 1 (local rank 1) of 2 failed first; ..."
+
+
+def is_knock_on(report: ErrorReport) -> bool:
+    """A report of a rank that failed *because another one did*: a broken collective (not an OOM
+    of its own), or a stop it was asked for (torchrun's SIGTERM of the siblings)."""
+    if report.exit_code == ExitCode.STOPPED:
+        return True
+    if report.is_oom or report.config_error or report.disk_full:
+        return False
+    text = f"{report.exception_type}: {report.message}\n{report.traceback}"
+    return _signatures.find(_signatures.KNOCK_ON, text) is not None
+
+
+def first_failure(reports: Sequence[ErrorReport]) -> RankCause | None:
+    """The cause among the ranks' reports; None when none reports a failure.
+
+    Real failures come before knock-on ones; among them the earliest (ties: the lower rank). When
+    every report is a knock-on effect, the rank that failed first left none (killed outright):
+    the earliest knock-on report stands for the attempt, and ``why`` says so.
+    """
+    failed = [r for r in reports if r.exit_code not in (ExitCode.OK, ExitCode.STOPPED)]
+    if not failed:
+        return None
+    real = [r for r in failed if not is_knock_on(r)]
+    cause = min(real or failed, key=lambda r: (r.time, r.rank))
+    others = tuple(sorted(r.rank for r in reports if r is not cause))
+    where = f"rank {cause.rank} (local rank {cause.local_rank}) of {cause.world_size}"
+    if not real:
+        why = f"{where} failed first, with a broken collective only: the rank that died first left no report"
+    elif others:
+        why = f"{where} failed first; rank(s) {', '.join(map(str, others))} followed (knock-on)"
+    else:
+        why = f"{where} failed"
+    return RankCause(cause, others if real else (), why)
