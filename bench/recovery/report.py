@@ -64,10 +64,12 @@ def cell(r: dict[str, Any] | None) -> str:
 
 def scenarios(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """Each scenario once, in the order first seen; a later directory's row of an approach
-    replaces an earlier one (a rerun of part of a card), the others stay."""
+    replaces an earlier one (a rerun of part of a card), the others stay. A run alone on the GPU
+    is kept apart from the same scenario run beside other card commands: their timings differ."""
     merged: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     for run in runs:
-        for name, info in run.get("scenarios", {}).items():
+        for scenario, info in run.get("scenarios", {}).items():
+            name = f"{scenario} (alone on the GPU)" if info.get("alongside") == 0 else scenario
             if name not in merged:
                 merged[name] = (dict(info, rows=list(info["rows"])), run)
                 continue
@@ -82,6 +84,8 @@ def summary_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [head, "|" + " --- |" * (len(SIDE_BY_SIDE) + 1)]
     for name, info, _ in scenarios(runs):
         by = {r["approach"]: r for r in info["rows"]}
+        if not any(a in by for a, _ in SIDE_BY_SIDE):
+            continue  # a run of the recovery approaches only (e.g. alone on the GPU): its own table
         lines.append(
             f"| {name} ({info['written']}) | " + " | ".join(cell(by.get(a)) for a, _ in SIDE_BY_SIDE) + " |"
         )
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     runs = load(args.dirs)
     args.results.write_text(results_md(runs), encoding="utf-8")
-    summary = [*summary_table(runs), "", *targets.check(runs)]
+    summary = [*summary_table(runs), "", *recovery_rows(runs), "", *targets.check(runs)]
     if args.readme and not replace_block(args.readme, summary):
         raise SystemExit(f"{args.readme}: no {START} ... {END} block to replace")
     print("\n".join(summary))
