@@ -160,3 +160,47 @@ def report(spec: AttemptSpec) -> ErrorReport:
 def log_tail(spec: AttemptSpec, chars: int = 4000) -> str:
     path = Path(spec.events_file).parent / "child.log"
     return path.read_text()[-chars:] if path.exists() else "(no log)"
+
+
+#: The tiny model at micro-batch 16, seq 512: ~1.7 GiB of data segment without gradient
+#: checkpointing, ~1.2 GiB with it; this cap sits between them (a real OOM, then a fix).
+CAPPED = "1350MiB"
+
+
+def capped_job(
+    tiny_dir: Path,
+    out: Path,
+    *,
+    max_steps: int,
+    save_steps: int,
+    supervise: dict[str, Any] | None = None,
+    **train: Any,
+) -> Path:
+    """``out/job.yaml`` for a supervised run of the tiny model under :data:`CAPPED` (run dir
+    ``out/run``): micro-batch 16 without checkpointing, so the first attempt runs out of memory."""
+    import yaml
+
+    job = yaml.safe_load((tiny_dir / "job.yaml").read_text())
+    job["model"]["path"] = str(tiny_dir / "model")
+    job["data"]["path"] = str(tiny_dir / "data.jsonl")
+    job["train"].update(
+        micro_batch_size=16,
+        effective_batch_size=16,
+        gradient_checkpointing=False,
+        max_seq_len=512,
+        max_steps=max_steps,
+        save_steps=save_steps,
+        logging_steps=1,
+        **train,
+    )
+    job["resources"] = {"gpu": "cpu", "cpu_memory_limit": CAPPED}
+    job["supervise"] = {
+        "hang_timeout": "5m",
+        "backoff_initial": "0.1s",
+        "backoff_max": "1s",
+        **(supervise or {}),
+    }
+    job["output_dir"] = str(out / "run")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.yaml").write_text(yaml.safe_dump(job))
+    return out / "job.yaml"

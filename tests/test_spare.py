@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from _child import capped_job
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.loop import child as child_mod
@@ -155,27 +155,6 @@ def test_the_spare_imports_the_stack_without_cuda_and_leaves_on_eof(tmp_path: Pa
     assert proc.popen.wait(timeout=20) == 0
 
 
-def _job(tiny_dir: Path, out: Path, warm_spare: bool) -> Path:
-    job = yaml.safe_load((tiny_dir / "job.yaml").read_text())
-    job["model"]["path"] = str(tiny_dir / "model")
-    job["data"]["path"] = str(tiny_dir / "data.jsonl")
-    job["train"].update(
-        micro_batch_size=16,
-        effective_batch_size=16,
-        gradient_checkpointing=False,
-        max_seq_len=512,
-        max_steps=4,
-        save_steps=2,
-        logging_steps=1,
-    )
-    job["resources"] = {"gpu": "cpu", "cpu_memory_limit": "1350MiB"}
-    job["supervise"] = {"hang_timeout": "5m", "backoff_initial": "0.1s", "warm_spare": warm_spare}
-    job["output_dir"] = str(out / "run")
-    out.mkdir()
-    (out / "job.yaml").write_text(yaml.safe_dump(job))
-    return out / "job.yaml"
-
-
 def _losses(run: Path, attempt: int) -> dict[int, float]:
     lines = (run / f"attempt-{attempt:03d}" / "child-events.jsonl").read_text().splitlines()
     beats = [json.loads(line) for line in lines]
@@ -191,7 +170,9 @@ def test_a_real_oom_recovers_in_the_spare_with_the_same_result(
     monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "1")
     runs = {}
     for warm in (True, False):
-        job = _job(tiny_dir, tmp_path / f"warm-{warm}", warm)
+        job = capped_job(
+            tiny_dir, tmp_path / f"warm-{warm}", max_steps=4, save_steps=2, supervise={"warm_spare": warm}
+        )
         assert run_job(str(job), plain=True, console=io.StringIO(), install_signals=False) == 0
         runs[warm] = tmp_path / f"warm-{warm}" / "run"
     events = read_events(runs[True] / "events.jsonl")

@@ -20,36 +20,18 @@ from typing import Any
 
 import pytest
 import yaml
+from _child import capped_job
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 
 pytestmark = pytest.mark.slow
-CAP = "1350MiB"
 MAX_STEPS = 8
 
 
 def _job(tiny_dir: Path, tmp_path: Path, **train: Any) -> Path:
-    job = yaml.safe_load((tiny_dir / "job.yaml").read_text())
-    job["model"]["path"] = str(tiny_dir / "model")
-    job["data"]["path"] = str(tiny_dir / "data.jsonl")
-    job["train"].update(
-        micro_batch_size=16,
-        effective_batch_size=16,
-        gradient_checkpointing=False,
-        max_seq_len=512,
-        max_steps=MAX_STEPS,
-        save_steps=4,
-        logging_steps=1,
-        **train,
-    )
-    job["resources"] = {"gpu": "cpu", "cpu_memory_limit": CAP}
-    job["supervise"] = {"hang_timeout": "5m", "backoff_initial": "0.1s", "backoff_max": "1s"}
-    job["output_dir"] = str(tmp_path / "run")
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    return capped_job(tiny_dir, tmp_path, max_steps=MAX_STEPS, save_steps=4, **train)
 
 
 def _run(job: Path) -> int:

@@ -68,13 +68,8 @@ class GpuMonitor:
         """
         if device == "cpu":
             return None
+        nvml = _started_nvml(nvml)
         if nvml is None:
-            nvml = _import_pynvml()
-            if nvml is None:
-                return None
-        try:
-            nvml.nvmlInit()
-        except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: nothing to watch
             return None
         try:
             handle = _handle_for(nvml, device)
@@ -125,16 +120,24 @@ class GpuMonitor:
         return tuple(found)
 
 
-def visible_gpu_count(*, nvml: Any | None = None) -> int | None:
-    """How many GPUs the child could use: the ``CUDA_VISIBLE_DEVICES`` list when it is set, else
-    NVML's count; None where NVML or the driver is missing (no GPU host: ranks run on the CPU)."""
+def _started_nvml(nvml: Any | None) -> Any | None:
+    """``nvml`` (default: ``pynvml``) initialised; None where NVML or the driver is missing."""
     if nvml is None:
         nvml = _import_pynvml()
         if nvml is None:
             return None
     try:
         nvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded: not a GPU host
+    except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: not a GPU host
+        return None
+    return nvml
+
+
+def visible_gpu_count(*, nvml: Any | None = None) -> int | None:
+    """How many GPUs the child could use: the ``CUDA_VISIBLE_DEVICES`` list when it is set, else
+    NVML's count; None where NVML or the driver is missing (no GPU host: ranks run on the CPU)."""
+    nvml = _started_nvml(nvml)
+    if nvml is None:
         return None
     try:
         count = int(nvml.nvmlDeviceGetCount())
