@@ -36,7 +36,7 @@ import psutil
 from qlora_supervise.supervisor.record.events import Event
 
 #: What a spare costs before it has reported its own RSS: a Python process with the stack
-#: imported (measured 0.6 GB with the CPU build of torch; the CUDA build maps more).
+#: imported (0.9 GB with the CUDA build of torch on the H200, bench/spare_probe.py), rounded up.
 SPARE_RSS_GUESS = 2 << 30
 #: Host RAM that must stay free beside the spare, for the running child's growth.
 RAM_HEADROOM = 2 << 30
