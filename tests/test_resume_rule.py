@@ -9,9 +9,9 @@ from typing import Any
 
 from qlora_supervise.policies.decide import Restart
 from qlora_supervise.policies.rungs import STATIC_RUNGS, Survives
+from qlora_supervise.supervisor.loop.child_output import note_child_events
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, next_plan
 from qlora_supervise.supervisor.loop.resume import resume_point
-from qlora_supervise.supervisor.loop.runner import note_child_events
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER

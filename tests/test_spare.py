@@ -6,6 +6,7 @@ whose second attempt runs in it, use real processes on the tiny model.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -28,6 +29,7 @@ from qlora_supervise.supervisor.loop.spare import (
     SpareOrder,
     ready_line,
     room_for_spare,
+    runs_in_spare,
     spare_enabled,
 )
 from qlora_supervise.supervisor.record.eventlog import read_events
@@ -124,6 +126,25 @@ def test_spare_rules_cpus_setting_and_ram() -> None:
     assert spare_enabled(False, cpus=64) == (False, "supervise.warm_spare is false")
     assert room_for_spare(1 << 30, available=(1 << 30) + RAM_HEADROOM)
     assert not room_for_spare(1 << 30, available=(1 << 30) + RAM_HEADROOM - 1)
+
+
+def test_only_one_plain_training_process_runs_in_a_spare(tmp_path: Path) -> None:
+    """torchrun's ranks, a merge and a scripted child never run in a spare; the spare refuses a
+    several-process spec even if handed one."""
+    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, TrainSpec
+    from qlora_supervise.trainer_child.spare import check_spec
+
+    trainer = child_mod.child_argv(tmp_path / "spec.json", "train")
+    assert runs_in_spare(trainer, trainer, train=True, world_size=1)
+    assert not runs_in_spare(trainer, trainer, train=True, world_size=2)
+    assert not runs_in_spare(trainer, trainer, train=False, world_size=1)
+    assert not runs_in_spare(["python", "scripted_child.py"], trainer, train=True, world_size=1)
+    knobs = dataclasses.replace(_knobs(True), world_size=2)
+    spec = AttemptSpec(1, str(tmp_path), knobs, DataSpec("d.jsonl"), TrainSpec(), "e", "f", "c", "a", "m")
+    assert "several processes" in (check_spec(spec, "auto", True) or "")
+    single = dataclasses.replace(spec, knobs=_knobs(True))
+    assert check_spec(single, "auto", True) is None
+    assert "expandable_segments" in (check_spec(single, "auto", False) or "")
 
 
 def test_reclaim_knows_a_spare_of_this_run_by_its_command_line(tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ def check_spec(spec: AttemptSpec, device_name: str, expandable_segments: bool) -
     """Why this spare cannot run ``spec`` (its environment was fixed for another), or None."""
     if spec.device != device_name:
         return f"the spec's device {spec.device!r} is not the spare's {device_name!r}"
+    if spec.knobs.world_size > 1:
+        return "the spec is for several processes (torchrun starts its ranks itself)"
     if spec.knobs.expandable_segments != expandable_segments:
         return "the spec's expandable_segments differs from the allocator setting the spare started with"
     return None

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.child_output import read_report
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.runner import read_report
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight

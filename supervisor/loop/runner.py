@@ -16,15 +16,21 @@ from typing import Any
 
 from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
+from qlora_supervise.supervisor.loop.child_output import (
+    log_optimizer_reset,
+    note_child_events,
+    note_rank_peaks,
+    read_report,
+    read_reports,
+)
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.resume import ResumePoint, log_quarantined, resume_point
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
-from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, spare_enabled
+from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, write_state
 from qlora_supervise.supervisor.record.records import Phase
@@ -34,17 +40,13 @@ from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
-from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
-from qlora_supervise.trainer_child.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.durable import write_text_atomic
 from qlora_supervise.trainer_child.protocol import (
     EARLY_CHECKPOINT_SIGNAL,
     AttemptSpec,
-    ErrorReport,
     Heartbeat,
-    rank_files,
 )
 
 
@@ -120,6 +122,8 @@ class AttemptRunner:
         creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
         first = FirstStep(resume.step, started_at, self.failed_at, self.warm)
         watched = self._watch(number, proc, reader, spec, log, creep, first)
+        if watched.stopped_by_signal:
+            self.spare_due = None  # the run stops: no attempt will need it
         self._start_due_spare()  # the attempt ended before its first step: the next may need one
         exit_ = self._end(proc, watched)
         self._last_gpu_look(proc.pid, watched, attempt_dir, log)
@@ -174,10 +178,11 @@ class AttemptRunner:
         flight = InFlight(number, plan.phase, plan.knobs, resume.step, None, started_at)
         write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
         order = self._spare_order(argv, attempt_dir / "spec.json", plan, env)
-        if order is not None and self.spares is not None:
+        spare = None
+        if self.spares is not None and order is not None:
             spare = self.spares.take(order, attempt_dir / "spec.json", attempt_dir / "child.log")
-        else:
-            spare = None
+        elif self.spares is not None:  # a merge or torchrun: the spare's RAM is theirs now
+            self.spares.discard("this attempt cannot run in a spare")
         self.warm = spare is not None
         proc: ChildHandle = spare or seams.spawn(argv, env, attempt_dir / "child.log", ctx.rd.root)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
@@ -195,9 +200,10 @@ class AttemptRunner:
         self, argv: list[str], spec_path: Path, plan: Plan, env: dict[str, str]
     ) -> SpareOrder | None:
         """What a spare for this attempt must have been started with; None when a spare cannot
-        run it: it runs exactly the trainer's own command line, never a merge, a launcher or a
-        test's scripted child."""
-        if argv != child_mod.child_argv(spec_path, plan.phase.value) or plan.phase is not Phase.TRAIN:
+        run it: one training process (never torchrun's ranks, a merge or a test's scripted
+        child), started with exactly the trainer's own command line."""
+        trainer_argv = child_mod.child_argv(spec_path, plan.phase.value)
+        if not runs_in_spare(argv, trainer_argv, plan.phase is Phase.TRAIN, plan.knobs.world_size):
             return None
         return SpareOrder(
             env, self.ctx.job.resources.device, plan.knobs.expandable_segments, plan.knobs.model
@@ -365,68 +371,3 @@ class AttemptRunner:
                 window_steps=forecast.window_steps,
                 early_checkpoint_requested=forecast.asks_for_checkpoint,
             )
-
-
-def note_child_events(new: list[dict[str, Any]], log: Any) -> None:
-    """Log what the child reports once and a person wants to see at once: the rank cut on resume."""
-    for event in new:
-        reduction = RankReduction.from_fields(event) if event.get("event") == "resumed" else None
-        if reduction is not None:
-            log.info(
-                Event.RANK_REDUCED,
-                **dataclasses.asdict(reduction),
-                from_step=event.get("from_step"),
-                why="the smaller adapter starts from the truncated SVD of the trained update",
-            )
-
-
-def note_rank_peaks(events_file: Path, progress: Progress, log: Any) -> dict[int, int]:
-    """Each rank's peak (torchrun): the attempt's peak becomes the highest of them (the card that
-    limits the config), and one rank well above the others is logged with the numbers."""
-    peaks = read_rank_peaks(events_file)
-    if peaks:
-        progress.peak_bytes = max(progress.peak_bytes or 0, *peaks.values())
-    found = uneven(peaks)
-    if found is not None:
-        log.warning(
-            Event.RANK_PEAKS_UNEVEN,
-            high_rank=found.high_rank,
-            high_peak_bytes=found.high_bytes,
-            low_rank=found.low_rank,
-            low_peak_bytes=found.low_bytes,
-            share_above=round(found.share_above, 3),
-            rank_peaks={str(rank): peak for rank, peak in peaks.items()},
-            why="one rank's peak is well above the others': uneven per-rank batches (long samples on one "
-            "rank) or gradient-sync buffers; check each rank's real batch and the device_map",
-        )
-    return peaks
-
-
-def log_optimizer_reset(log: Any, progress: Progress) -> None:
-    """``optimizer_reset`` when the child resumed with fresh optimizer state (planned, or because
-    the checkpoint had none): the adapter and the LR schedule follow the step, the moments do not."""
-    why = optimizer_reset(progress)
-    if why is not None:
-        log.warning(Event.OPTIMIZER_RESET, why=why, lr_schedule="restored at the resumed step")
-
-
-def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:
-    """The attempt's error report (under torchrun: the first real failure of all the ranks'
-    reports, :func:`~qlora_supervise.supervisor.diagnosis.ranks.first_failure`); None when absent."""
-    reports = read_reports(rd, number, log)
-    cause = first_failure(reports)
-    if cause is not None:
-        return cause.report
-    return reports[0] if reports else None
-
-
-def read_reports(rd: RunDir, number: int, log: Any) -> tuple[ErrorReport, ...]:
-    """Every rank's error report of the attempt (``error.json``, ``error.rank1.json``, ...), in
-    rank order; one that cannot be read is logged and left out."""
-    found = []
-    for _, path in rank_files(str(rd.attempt_dir(number) / "error.json")):
-        try:
-            found.append(ErrorReport.from_json(Path(path).read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError) as exc:
-            log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
-    return tuple(found)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import psutil
 
 from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.runfiles import UnsafeRunPath, open_append_binary
 
 #: What a spare costs before it has reported its own RSS: a Python process with the stack
 #: imported (0.9 GB with the CUDA build of torch on the H200, bench/spare_probe.py), rounded up.
@@ -96,6 +97,13 @@ def spare_enabled(setting: bool | str, cpus: int | None = None) -> tuple[bool, s
     return True, "on"
 
 
+def runs_in_spare(argv: list[str], trainer_argv: list[str], train: bool, world_size: int) -> bool:
+    """Whether a spare may run this attempt: one training process (never torchrun's ranks, whose
+    command is the launcher, nor a merge) whose command line is exactly the trainer's own (a
+    test's scripted child has another)."""
+    return train and world_size == 1 and argv == trainer_argv
+
+
 def room_for_spare(expected_rss: int, available: int | None = None) -> bool:
     """Host RAM is short when what is free could not hold the spare plus headroom for the child."""
     free = available if available is not None else int(psutil.virtual_memory().available)
@@ -152,7 +160,11 @@ class SpareKeeper:
             self._log.info(Event.SPARE_SKIPPED, why="host RAM is short", expected_rss=expected)
             return
         argv = spare_argv(self.run_dir, order, self._python)
-        proc = self._spawn(argv, dict(order.env), self.log_path, self.run_dir)
+        try:
+            proc = self._spawn(argv, dict(order.env), self.log_path, self.run_dir)
+        except (OSError, UnsafeRunPath) as exc:  # a speed-up that cannot start must not stop the run
+            self._log.warning(Event.SPARE_SKIPPED, why=f"it could not be started: {exc}")
+            return
         self.spare = Spare(order, proc, self._clock())
         self._log.info(Event.SPARE_STARTED, pid=proc.pid, expected_rss=expected)
 
@@ -170,6 +182,9 @@ class SpareKeeper:
             return None
         ready = ready_line(self.log_path, spare.proc.pid)
         self._note_rss(ready)
+        # The supervisor creates the attempt's log as it would for a cold child (0640, a regular
+        # file, no link) before the spare opens it for appending.
+        open_append_binary(log_path).close()
         if not spare.proc.send_line(json.dumps({"spec": str(spec_path), "log": str(log_path)})):
             self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why="its stdin was closed")
             spare.proc.stop(1.0, self._sleep)
@@ -187,7 +202,8 @@ class SpareKeeper:
         return spare.proc
 
     def discard(self, why: str) -> None:
-        """Stop the spare, if any: EOF on its stdin ends it cleanly, SIGTERM if it is still importing."""
+        """Stop the spare, if any: SIGTERM to its group (it has no handler before it runs an
+        attempt, so it ends at once, importing or waiting), SIGKILL after a short grace."""
         spare, self.spare = self.spare, None
         if spare is None:
             return
