@@ -25,7 +25,7 @@ class NoRoomForCheckpoint(OSError):
 
 def is_disk_full(exc: BaseException) -> bool:
     """``exc`` or one of its causes is an OSError of :data:`DISK_ERRNOS`."""
-    return any(isinstance(item, OSError) and item.errno in DISK_ERRNOS for item in _chain(exc))
+    return any(isinstance(item, OSError) and item.errno in DISK_ERRNOS for item in exception_chain(exc))
 
 
 def tree_bytes(root: Path) -> int:
@@ -79,7 +79,9 @@ def disk_facts(checkpoints_dir: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """The exception and its causes: libraries wrap OOMs and ENOSPC (e.g. in a RuntimeError of
+    their own). It lives here, with the disk check, because the failure module imports this one."""
     seen: list[BaseException] = []
     current: BaseException | None = exc
     while current is not None and current not in seen:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .allocator_facts import AllocatorFacts
 from .checkpoints import CheckpointLoadError
-from .disk_space import is_disk_full
+from .disk_space import exception_chain, is_disk_full
 from .durable import write_text_atomic
 from .protocol import ErrorReport, ExitCode, Stage
 from .torchrun import SINGLE, RankPlace
@@ -34,20 +34,10 @@ class ConfigError(Exception):
     """The job cannot work as written (model, data, fields, target_modules, caps): never retried."""
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    """The exception and its causes: libraries wrap OOMs (e.g. in a RuntimeError of their own)."""
-    seen: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and current not in seen:
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return seen
-
-
 def is_oom(exc: BaseException) -> bool:
     import torch
 
-    for item in _chain(exc):
+    for item in exception_chain(exc):
         if isinstance(item, (torch.OutOfMemoryError, MemoryError)):
             return True
         if any(marker in str(item) for marker in OOM_MARKERS):
@@ -56,11 +46,11 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def is_config_error(exc: BaseException) -> bool:
-    return any(isinstance(item, ConfigError) for item in _chain(exc))
+    return any(isinstance(item, ConfigError) for item in exception_chain(exc))
 
 
 def is_checkpoint_error(exc: BaseException) -> bool:
-    return any(isinstance(item, CheckpointLoadError) for item in _chain(exc))
+    return any(isinstance(item, CheckpointLoadError) for item in exception_chain(exc))
 
 
 def oom_numbers(message: str) -> dict[str, int]:
@@ -125,7 +115,7 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         checkpoint=is_checkpoint_error(exc),
         disk_full=is_disk_full(exc),
     )
-    for item in _chain(exc):
+    for item in exception_chain(exc):
         if item.__traceback__ is not None:
             traceback.clear_frames(item.__traceback__)
         item.__traceback__ = None
