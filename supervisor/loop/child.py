@@ -204,11 +204,13 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
         return ""
 
 
-def pids_running(argument: str) -> list[int]:
-    """Pids of processes whose command line contains ``argument`` (e.g. an attempt's spec path)."""
+def pids_running(*arguments: str) -> list[int]:
+    """Pids of processes whose command line contains any of ``arguments`` (e.g. an attempt's spec
+    path), in one pass over the process table."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
-        if argument in " ".join(proc.info["cmdline"] or ()):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        if any(argument in cmdline for argument in arguments):
             found.append(int(proc.info["pid"]))
     return found
 

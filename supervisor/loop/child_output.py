@@ -64,9 +64,13 @@ def log_optimizer_reset(log: Any, progress: Progress) -> None:
 
 
 def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:
-    """The attempt's error report (under torchrun: the first real failure of all the ranks'
-    reports, :func:`~qlora_supervise.supervisor.diagnosis.ranks.first_failure`); None when absent."""
-    reports = read_reports(rd, number, log)
+    """The attempt's error report: :func:`report_of` its ranks' reports."""
+    return report_of(read_reports(rd, number, log))
+
+
+def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:
+    """The one report that speaks for the attempt (under torchrun: the first real failure of all
+    the ranks', :func:`~qlora_supervise.supervisor.diagnosis.ranks.first_failure`); None if none."""
     cause = first_failure(reports)
     if cause is not None:
         return cause.report

@@ -36,7 +36,7 @@ def reclaim(
     # ranks (their own sessions, no PDEATHSIG) are found by the spec path too, after torchrun,
     # and a warm spare that got the attempt by the run directory on its command line.
     spare = f"qlora_supervise.trainer_child.spare --run-dir {rd.root}"
-    found = [*child_mod.pids_running(str(spec_path)), *child_mod.pids_running(spare)]
+    found = child_mod.pids_running(str(spec_path), spare)
     pids = [flight.pid, *(pid for pid in found if pid != flight.pid)] if flight.pid else found
     for pid in pids:
         if _is_attempt_child(child_mod.process_cmdline(pid), spec_path, rd) and pid_alive(pid):

@@ -26,9 +26,11 @@ class FirstStep:
 
     def note(self, events: list[dict[str, Any]], log: Any) -> bool:
         """Log ``first_step`` if ``events`` hold it; True when they did."""
+        if self.seen:
+            return False
         for event in events:
             step = event.get("step")
-            if self.seen or event.get("event") != "heartbeat" or not isinstance(step, int):
+            if event.get("event") != "heartbeat" or not isinstance(step, int):
                 continue
             at = event.get("time")
             if step <= self.resumed_from or not isinstance(at, (int, float)):

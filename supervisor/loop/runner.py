@@ -22,8 +22,8 @@ from qlora_supervise.supervisor.loop.child_output import (
     log_optimizer_reset,
     note_child_events,
     note_rank_peaks,
-    read_report,
     read_reports,
+    report_of,
 )
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
@@ -145,7 +145,8 @@ class AttemptRunner:
         )
         log_optimizer_reset(log, reader.progress)
         kills_after = seams.oom_kills()
-        report = read_report(ctx.rd, number, ctx.log)
+        reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
+        report = report_of(reports)
         self.failed_at = None if exit_.returncode == 0 else failure_time(report, seams.wall())
         return AttemptOutcome(
             number=number,
@@ -153,7 +154,7 @@ class AttemptRunner:
             exit=exit_,
             progress=reader.progress,
             report=report,
-            reports=read_reports(ctx.rd, number, ctx.log) if plan.knobs.world_size > 1 else (),
+            reports=reports if plan.knobs.world_size > 1 else (),
             memory=MemorySeen(
                 watched.gpu_peak_process,
                 watched.gpu_others_at_end,
