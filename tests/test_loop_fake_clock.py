@@ -77,6 +77,9 @@ class FakeChild:
             self._code = self._finish()
         return self._code
 
+    def wait(self, timeout_s: float, sleep: Any) -> None:
+        sleep(timeout_s)
+
     def stop(self, grace_s: float, sleep: Any) -> int:
         return self.poll() if self._code is not None else int(ExitCode.STOPPED)
 

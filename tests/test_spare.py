@@ -66,6 +66,9 @@ class _StandIn:
         self.sent.append(line)
         return True
 
+    def wait(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
+        sleep(timeout_s)
+
     def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int:
         self.stopped = True
         return 0
@@ -163,6 +166,8 @@ def test_the_spare_imports_the_stack_without_cuda_and_leaves_on_eof(tmp_path: Pa
     """The spare reports ready with torch imported and CUDA untouched, and an empty stdin ends it at once."""
     order = SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none")
     argv = [sys.executable, "-m", "qlora_supervise.trainer_child.spare", "--run-dir", str(tmp_path)]
+    # A spec to prepare from that cannot be read: the spare says so and serves all the same.
+    argv += ["--prepare", str(tmp_path / "missing" / "spec.json")]
     proc = child_mod.spawn_spare([*argv, "--device", "cpu"], order.env, tmp_path / "spare.log", tmp_path)
     deadline = time.monotonic() + 120
     while (ready := ready_line(tmp_path / "spare.log", proc.pid)) is None and time.monotonic() < deadline:
@@ -170,6 +175,7 @@ def test_the_spare_imports_the_stack_without_cuda_and_leaves_on_eof(tmp_path: Pa
         time.sleep(0.2)
     assert ready is not None
     assert ready["cuda_initialized"] is False and ready["import_s"] > 0 and ready["rss"] > 100 << 20
+    assert "FileNotFoundError" in ready["prepare_error"] and "prepare_s" not in ready
     modules = subprocess.run(["cat", f"/proc/{proc.pid}/maps"], capture_output=True, text=True).stdout
     assert "libtorch" in modules  # the stack is loaded in the waiting process
     assert proc.send_line("")
@@ -180,6 +186,11 @@ def _losses(run: Path, attempt: int) -> dict[int, float]:
     lines = (run / f"attempt-{attempt:03d}" / "child-events.jsonl").read_text().splitlines()
     beats = [json.loads(line) for line in lines]
     return {b["step"]: b["loss"] for b in beats if b["event"] == "heartbeat" and b.get("loss") is not None}
+
+
+def _child_event(run: Path, attempt: int, name: str) -> dict[str, Any]:
+    lines = (run / f"attempt-{attempt:03d}" / "child-events.jsonl").read_text().splitlines()
+    return next(e for e in map(json.loads, lines) if e["event"] == name)
 
 
 @pytest.mark.slow
@@ -210,3 +221,11 @@ def test_a_real_oom_recovers_in_the_spare_with_the_same_result(
     cold = read_events(runs[False] / "events.jsonl")
     assert not [e for e in cold if e["event"] == "spare_used"]
     assert _losses(runs[True], 2) == _losses(runs[False], 2) and len(_losses(runs[True], 2)) >= 3
+    # The spare had loaded attempt 2's tokenizer and rows ahead, from attempt 1's spec; the
+    # cold attempt loaded its own, and both saw the same rows.
+    ready = {warm: _child_event(runs[warm], 2, "trainer_ready") for warm in runs}
+    assert ready[True]["prepared"] is True and ready[False]["prepared"] is False
+    assert set(ready[True]["phases_s"]) == {"tokenizer", "weights", "lora", "data", "trainer"}
+    loaded = {warm: _child_event(runs[warm], 2, "loaded") for warm in runs}
+    assert loaded[True]["sample_lengths"] == loaded[False]["sample_lengths"]
+    assert loaded[True]["train_rows"] == loaded[False]["train_rows"] > 0

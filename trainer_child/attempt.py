@@ -25,6 +25,7 @@ from .checkpoint_dirs import newest_complete_checkpoint
 from .durable import fsync_dir
 from .events import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from .failure import CapturedFailure, ConfigError, capture, write_report
+from .prepared import Prepared
 from .protocol import (
     EARLY_CHECKPOINT_SIGNAL,
     MEMORY_SNAPSHOT_NAME,
@@ -61,6 +62,7 @@ class Context:
         self.resume_checkpoint: str | None = None  # the source checkpoint, once chosen
         self.memory_history = False  # diagnose.memory_history is recording
         self.place = this_rank()  # rank 0 of 1 outside torchrun
+        self.prepared: Prepared | None = None  # a warm spare's tokenizer and rows (see .prepared)
 
     @property
     def device(self) -> str:
@@ -209,7 +211,7 @@ def train(ctx: Context) -> ExitCode:
     chosen = chosen_checkpoint(spec)
     ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
     source = resume_source(spec, chosen)
-    recipe = build(spec, ctx.progress, ctx.on_cuda, source)
+    recipe = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
     ctx.trainer = recipe.trainer
     if ctx.progress.stop_requested:  # SIGTERM during the load: nothing new to save
         ctx.progress.announce_stop()
@@ -241,7 +243,9 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
         except BaseException as exc:  # the report must still be written
             failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
     ctx.trainer = None
-    memory.free_memory()
+    # No free_memory() here: the emergency checkpoint frees what it needs itself, and for the
+    # report alone it only delays the exit (a full gc and an empty_cache cost ~0.3 s on a 7B),
+    # which the next attempt, waiting for this process to go, would pay.
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
     report_failure(ctx, failure, memory.cuda_memory_stats() if ctx.on_cuda else None, emergency)
     with contextlib.suppress(OSError):  # stderr is child.log, on the run's disk, which may be full
@@ -277,9 +281,10 @@ def report_failure(
         failure.message += f" (and the error report could not be written: {exc})"
 
 
-def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode]) -> int:
+def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Prepared | None = None) -> int:
     """Run ``body`` with heartbeats; any exception becomes a report and a reserved exit code."""
     ctx = Context(spec)
+    ctx.prepared = prepared
     install_stop_handler(ctx.progress)
     failure: CapturedFailure | None = None
     try:
@@ -319,5 +324,5 @@ def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | No
     return facts, snapshot
 
 
-def run(spec: AttemptSpec) -> int:
-    return guarded(spec, train)
+def run(spec: AttemptSpec, prepared: Prepared | None = None) -> int:
+    return guarded(spec, train, prepared)

@@ -372,6 +372,7 @@ EVENT_NAMES = frozenset(
         "started",  # pid, rank, local_rank, world_size, device, versions, trust_remote_code
         "stage",  # stage changed (load, forward, ...)
         "loaded",  # model loaded: trainable params, share, MemoryNumbers, attempt_facts.SampleLengths
+        "trainer_ready",  # phases_s (tokenizer, weights, lora, data, trainer); prepared by a spare?
         "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers
         "checkpoint_saved",  # step, path, emergency, early (asked for by EARLY_CHECKPOINT_SIGNAL)
         "early_checkpoint_requested",  # step: the signal arrived; a checkpoint follows this step

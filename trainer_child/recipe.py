@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from . import data
 from .checkpoints import ResumeSource
 from .events import Progress
 from .failure import ConfigError
+from .prepared import Prepared, load_rows
 from .protocol import AttemptSpec, Knobs, Stage
 from .torchrun import this_rank
 from .trainer import CheckpointPlan, SupervisedSFTTrainer, SupervisionCallback
@@ -272,31 +274,55 @@ def report_env(spec: AttemptSpec) -> dict[str, str]:
     return {"TENSORBOARD_LOGGING_DIR": str(Path(spec.run_dir) / TENSORBOARD_DIR)}
 
 
+class PhaseClock:
+    """Seconds per phase of the build, for ``trainer_ready``: where an attempt's start goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = round(now - self._last, 3)
+        self._last = now
+
+
 def build(
     spec: AttemptSpec,
     progress: Progress,
     on_cuda: bool,
     source: ResumeSource,
+    prepared: Prepared | None = None,
 ) -> Recipe:
-    """Everything up to a trainer ready to ``train(resume_from_checkpoint=source.load_from)``."""
+    """Everything up to a trainer ready to ``train(resume_from_checkpoint=source.load_from)``;
+    ``prepared`` (a warm spare's, see :mod:`.prepared`) stands in for the tokenizer and data
+    steps when it was made from the same inputs."""
     # The recipe top to bottom in the seeds' order (4-bit load, use_cache off, k-bit prepare,
     # LoRA, trainer): split into pieces it would no longer read as one script.
     knobs = spec.knobs
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
     os.environ.update(report_env(spec))
+    ready = prepared if prepared is not None and prepared.serves(spec) else None
+    clock = PhaseClock()
     # Seeded before the adapter exists: LoRA's A matrices are drawn at get_peft_model, before
     # the Trainer would seed (it seeds in its own constructor), so without this each process,
     # each restart included, starts from another random adapter.
     set_seed(spec.train.seed)
     progress.enter(Stage.LOAD)
-    tokenizer = load_tokenizer(spec)
+    tokenizer = ready.tokenizer if ready else load_tokenizer(spec)
+    clock.lap("tokenizer")
     model = load_model(spec, dtype, on_cuda)
+    clock.lap("weights")
     check_target_modules(model, spec.train.target_modules)
     model = add_lora(model, knobs, spec)
     trainable, total, share = trainable_share(model)
-    train_set, eval_set = data.train_eval_split(spec.data, tokenizer, spec.train.seed)
+    clock.lap("lora")
+    train_set, eval_set, lengths = (
+        (ready.train_set, ready.eval_set, ready.lengths) if ready else load_rows(spec, tokenizer)
+    )
     if spec.data.messages_field is not None:
         check_chat_template(tokenizer)
+    clock.lap("data")
     from .memory import memory_numbers
 
     progress.events.emit(
@@ -309,8 +335,7 @@ def build(
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
         **memory_numbers().fields(),
-        # Packed rows are chunked, not cut, at max_seq_len: their lengths say nothing of a loss.
-        **({} if spec.train.packing else data.sample_lengths(train_set, tokenizer).fields()),
+        **(lengths.fields() if lengths is not None else {}),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     callback = SupervisionCallback(source, spec.cpu_memory_limit)
@@ -326,6 +351,13 @@ def build(
         plan=CheckpointPlan(Path(spec.checkpoints_dir), knobs, protect=protect),
     )
     callback.trainer = trainer
+    clock.lap("trainer")
+    progress.events.emit(
+        "trainer_ready",
+        phases_s=clock.seconds,
+        prepared=ready is not None,
+        prepared_s=ready.seconds if ready else None,
+    )
     return Recipe(trainer, tokenizer, source.load_from, dtype)
 
 

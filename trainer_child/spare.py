@@ -1,9 +1,12 @@
 """A warm spare trainer:
-``python -m qlora_supervise.trainer_child.spare --run-dir R --device D [--expandable-segments] [--model M]``.
+``python -m qlora_supervise.trainer_child.spare --run-dir R --device D [--expandable-segments] [--model M]
+[--prepare SPEC]``.
 
 It fixes the process environment the way an attempt does (offline hub, the bound device,
 allocator settings, malloc arenas), imports the whole training stack, and then waits on stdin
-for one line, ``{"spec": PATH, "log": PATH}``. With it, it sends its output to the attempt's log
+for one line, ``{"spec": PATH, "log": PATH}``. With ``--prepare`` (the spec of the attempt it was
+started behind) it first loads that attempt's tokenizer and rows (:mod:`.prepared`), which the
+next attempt takes when its inputs are the same. With it, it sends its output to the attempt's log
 and runs the attempt exactly as ``python -m qlora_supervise.trainer_child --spec PATH`` would.
 An empty stdin (the supervisor closed the pipe, or died) ends it with status 0 before any work.
 
@@ -26,9 +29,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .processes import leave
 from .protocol import AttemptSpec, DeviceError, ExitCode
+
+if TYPE_CHECKING:  # at run time it comes after the imports the environment must precede
+    from .prepared import Prepared
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", required=True, help="the job's resources.device")
     parser.add_argument("--expandable-segments", action="store_true", help="allocator setting of the attempt")
     parser.add_argument("--model", help="the model directory, whose architecture's module it imports")
+    parser.add_argument("--prepare", help="an attempt's spec whose tokenizer and rows to load ahead")
     return parser.parse_args(argv)
 
 
@@ -59,6 +67,24 @@ def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> d
         "rss": proc_status_bytes("VmRSS"),
         "cuda_initialized": bool(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
     }
+
+
+def prepare_ahead(spec_path: str | None) -> tuple[Prepared | None, dict[str, object]]:
+    """The tokenizer and rows of the spec at ``spec_path``, and what it cost, for ``spare_ready``.
+
+    A spare that cannot prepare still serves: the attempt then loads them itself and reports
+    whatever was wrong with them as its own failure.
+    """
+    if spec_path is None:
+        return None, {}
+    from .__main__ import read_spec
+    from .prepared import prepare
+
+    try:
+        prepared = prepare(read_spec(Path(spec_path)))
+    except Exception as exc:  # the attempt will meet the same problem and report it properly
+        return None, {"prepare_error": f"{type(exc).__name__}: {exc}"[:500]}
+    return prepared, {"prepare_s": prepared.seconds}
 
 
 def redirect_output(log_path: str) -> None:
@@ -90,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as exc:
         print(f"trainer child spare: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
-    print(json.dumps(ready), flush=True)
+    prepared, cost = prepare_ahead(args.prepare)
+    from .memory import proc_status_bytes
+
+    # The RSS once prepared: what the supervisor budgets the next spare's host RAM by.
+    print(json.dumps(ready | cost | {"rss": proc_status_bytes("VmRSS")}), flush=True)
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # discarded, or the supervisor is gone: nothing was started
@@ -110,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.CONFIG)
     from .attempt import run
 
-    return run(spec)
+    return run(spec, prepared)
 
 
 if __name__ == "__main__":

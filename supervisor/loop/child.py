@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import time
@@ -113,6 +114,25 @@ class ChildProcess:
 
     def poll(self) -> int | None:
         return self.popen.poll()
+
+    def wait(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Return when the child exits or ``timeout_s`` has passed, whichever is first.
+
+        A pidfd wakes the watch at the exit itself: a failed attempt's successor (a warm spare
+        above all) then starts at once rather than at the next tick. Without pidfds (not Linux,
+        or before 5.3) it sleeps the tick out.
+        """
+        if self.popen.poll() is not None:
+            return
+        try:
+            pidfd = os.pidfd_open(self.popen.pid)
+        except (AttributeError, OSError):
+            sleep(timeout_s)
+            return
+        try:
+            select.select([pidfd], [], [], timeout_s)
+        finally:
+            os.close(pidfd)
 
     def send_line(self, line: str) -> bool:
         """Write one line to the child's stdin and close it (a spare's order); False when the

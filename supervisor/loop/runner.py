@@ -206,9 +206,8 @@ class AttemptRunner:
         trainer_argv = child_mod.child_argv(spec_path, plan.phase.value)
         if not runs_in_spare(argv, trainer_argv, plan.phase is Phase.TRAIN, plan.knobs.world_size):
             return None
-        return SpareOrder(
-            env, self.ctx.job.resources.device, plan.knobs.expandable_segments, plan.knobs.model
-        )
+        device, expandable = self.ctx.job.resources.device, plan.knobs.expandable_segments
+        return SpareOrder(env, device, expandable, plan.knobs.model, prepare_from=spec_path)
 
     def _end(self, proc: ChildHandle, watched: Watched) -> ChildExit:
         seams = self.ctx.seams
@@ -332,7 +331,7 @@ class AttemptRunner:
                 )
                 watched.hang = True
                 return watched
-            seams.sleep(seams.tick_s)
+            proc.wait(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
 
     def _last_gpu_look(self, pid: int, watched: Watched, attempt_dir: Path, log: Any) -> None:

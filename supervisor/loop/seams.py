@@ -40,6 +40,10 @@ class ChildHandle(Protocol):
 
     def poll(self) -> int | None: ...
 
+    def wait(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
+        """Until it exits or ``timeout_s`` passes (a fake on a fake clock just sleeps)."""
+        ...
+
     def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int: ...
 
 

@@ -58,6 +58,8 @@ class SpareProcess(Protocol):
 
     def send_line(self, line: str) -> bool: ...
 
+    def wait(self, timeout_s: float, sleep: Callable[[float], None]) -> None: ...
+
     def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int: ...
 
 
@@ -74,6 +76,9 @@ class SpareOrder:
     # Only a hint (the architecture module to import ahead): a spare warmed for another model
     # still saves the rest, so the model is not part of the match.
     model: str = dataclasses.field(compare=False)
+    # Also a hint: the spec of the attempt it is started behind, whose tokenizer and rows it
+    # loads ahead (trainer_child/prepared.py); the attempt checks they are its own.
+    prepare_from: Path | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -113,6 +118,8 @@ def room_for_spare(expected_rss: int, available: int | None = None) -> bool:
 def spare_argv(run_dir: Path, order: SpareOrder, python: str) -> list[str]:
     argv = [python, "-m", "qlora_supervise.trainer_child.spare", "--run-dir", str(run_dir)]
     argv += ["--device", order.device, "--model", order.model]
+    if order.prepare_from is not None:
+        argv += ["--prepare", str(order.prepare_from)]
     return argv + (["--expandable-segments"] if order.expandable_segments else [])
 
 
