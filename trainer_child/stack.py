@@ -52,6 +52,38 @@ def import_training_classes(model_dir: str | None = None) -> None:
         importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     except (OSError, ValueError, KeyError, TypeError, ImportError):
         return  # a hub id, or an architecture this transformers names otherwise: the attempt imports it
+    warm_weight_renamings(str(model_type))
+    build_on_meta(model_dir)
+
+
+def warm_weight_renamings(model_type: str) -> None:
+    """Build transformers' table of checkpoint renamings (5.x), which its first ``from_pretrained``
+    in a process builds for every architecture at once (hundreds of regexes: 0.6 s on this
+    project's CI CPU) and keeps in a module-level cache. Building it is pure; a transformers
+    without the table is fine too."""
+    try:
+        from transformers import conversion_mapping
+    except ImportError:
+        return
+    build = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+    if callable(build):
+        build(model_type)
+
+
+def build_on_meta(model_dir: str) -> None:
+    """Construct the model from its config on the meta device (no storage, no CUDA) and drop it:
+    a process's first model construction compiles the loss-name regex, builds the generation
+    config and runs every layer class's constructor once, none of which the real load then
+    repeats. Nothing it creates is kept, and the attempt seeds every generator after it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    except Exception:  # a speed-up only: an architecture it cannot build here is the attempt's to load
+        return
 
 
 def main() -> int:

@@ -11,6 +11,8 @@
   systemd ``Restart=on-failure``, a bash ``until`` loop: nothing changes between attempts);
 * ``auto-batch``: the same recipe in one process with ``auto_find_batch_size`` (:mod:`.auto_batch`).
 
+``supervised-spare`` (for the overhead) is ``supervised`` with ``warm_spare: true``.
+
 ``bare`` (for the overhead) runs one supervised attempt's spec again with no supervisor.
 Every approach gets the same child environment (``supervisor.loop.child.child_env`` of the job's
 knobs: the allocator settings), so none differs from another by an environment variable.
@@ -68,17 +70,18 @@ def _write_spec(spec: Any) -> Path:
     return path
 
 
-def supervised(place: Place, variant: str, limit_s: float) -> dict[str, Any]:
-    """``qlora-supervise run`` on the scenario's job (``variant``: see the module docstring)."""
+def supervised(place: Place, variant: str, limit_s: float, name: str | None = None) -> dict[str, Any]:
+    """``qlora-supervise run`` on the scenario's job (``variant``: see the module docstring), in
+    the run directory ``name`` (default: the variant's)."""
     spare = jobs.SPARE_SETTING[variant]
     has_field = jobs.has_warm_spare_field()
     if spare is False and not has_field:
         return {"skipped": "no supervise.warm_spare in this installation: as-written has no spare"}
-    run_dir = place.run_dir(variant)
+    run_dir = place.run_dir(name or variant)
     job = jobs.write_job(place.scenario, place.assets, run_dir, place.tiny, spare if has_field else None)
     argv = [*gpu_ladder.cli(), "run", str(job), "--plain"]
-    argv += [] if variant == "supervised" else ["--as-written"]
-    result = launch(argv, place.keep / variant / "supervisor.log", limit_s)
+    argv += ["--as-written"] if variant.startswith("as-written") else []
+    result = launch(argv, place.keep / (name or variant) / "supervisor.log", limit_s)
     return {"run_dir": str(run_dir), "job": str(job), "warm_spare_field": has_field, "launch": _plain(result)}
 
 

@@ -17,13 +17,18 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recovery.scenarios import Scenario
+from recovery.scenarios import UNCAPPED, Scenario
 
 if TYPE_CHECKING:
     from qlora_supervise.trainer_child.protocol import AttemptSpec
 
 #: supervise.warm_spare as each supervised variant sets it (None: the job leaves the default).
-SPARE_SETTING = {"supervised": None, "as-written": True, "as-written-no-spare": False}
+SPARE_SETTING = {
+    "supervised": None,
+    "supervised-spare": True,  # the overhead runs: a spare beside them on any host
+    "as-written": True,
+    "as-written-no-spare": False,
+}
 
 
 def has_warm_spare_field() -> bool:
@@ -35,10 +40,8 @@ def has_warm_spare_field() -> bool:
 
 def job_text(s: Scenario, assets: Path, run_dir: Path, tiny: bool, warm_spare: bool | None) -> str:
     """The job file of ``s`` (paths absolute); ``warm_spare`` is written only when not None."""
-    if tiny:
-        resources = f"{{gpu: cpu, cpu_memory_limit: {s.card}}}"
-    else:
-        resources = f"{{gpu: 0, gpu_memory_limit: {s.card}}}"
+    limit = "" if s.card == UNCAPPED else f", {'cpu' if tiny else 'gpu'}_memory_limit: {s.card}"
+    resources = f"{{gpu: {'cpu' if tiny else 0}{limit}}}"
     spare = "" if warm_spare is None else f", warm_spare: {str(warm_spare).lower()}"
     gc = str(s.gradient_checkpointing).lower()
     return f"""\
@@ -52,7 +55,7 @@ train:
   gradient_checkpointing: {gc}
   optimizer: {s.optimizer}
   max_steps: {s.max_steps}
-  save_steps: 1
+  save_steps: {s.save_steps}
   logging_steps: 1
 resources: {resources}
 supervise: {{stop_grace: 20s, calibration_store: false{spare}}}

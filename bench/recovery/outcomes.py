@@ -2,8 +2,7 @@
 
 The supervised rows add the recoveries (OOM → next step, spare or not), the supervisor's own CPU
 time and peak RSS; the restart loop adds the exit codes; auto-batch the batch sizes it tried
-and the error it gave up with. :func:`overhead` compares a supervised run's tokens/s with the
-same final spec run bare.
+and the error it gave up with. The overhead runs have their own module (:mod:`.overhead`).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import gpu_ladder
 
 from recovery import measure
 from recovery.measure import Attempt
+from recovery.overhead import spare_windows, split_by_windows
 from recovery.scenarios import Scenario
 
 
@@ -34,6 +34,7 @@ def supervised(s: Scenario, approach: str, out: dict[str, Any]) -> dict[str, Any
     kinds = {r.attempt: str(r.failure.kind.value) for r in records if r.failure is not None}
     result["failures"] = [kinds[n] for n in sorted(kinds)]
     result["recoveries"] = recoveries(attempts, ended, kinds, events)
+    result["beside_spare_imports"] = beside_spare_imports(attempts, spare_windows(run_dir))
     result["spare_used"] = sum(1 for e in events if e.get("event") == "spare_used")
     result["supervisor_cpu_s"] = launch["cpu_s"]
     result["supervisor_peak_rss"] = launch["peak_rss"]
@@ -68,6 +69,25 @@ def recoveries(
             }
         )
     return found
+
+
+def beside_spare_imports(attempts: list[Attempt], windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """The final attempt's step times while a spare imported beside it, and once none did: a
+    spare behind a warm attempt starts after its first step and imports through the next ones."""
+    final = attempts[-1] if attempts else None
+    if final is None:
+        return {}
+    times = [t for s, t in sorted(final.step_times.items()) if s > final.resumed_from]
+    steps = sorted(s for s in final.step_times if s > final.resumed_from)
+    gaps = {b: tb - ta for (a, ta), (b, tb) in itertools.pairwise(zip(steps, times, strict=True))}
+    inside, outside = split_by_windows(gaps, final.step_times, windows)
+    median = statistics.median
+    return {
+        "steps_beside": len(inside),
+        "step_s_beside": round(median(inside), 2) if inside else None,
+        "steps_after": len(outside),
+        "step_s_after": round(median(outside), 2) if outside else None,
+    }
 
 
 def restart_loop(s: Scenario, out: dict[str, Any]) -> dict[str, Any]:
@@ -120,34 +140,3 @@ def auto_batch(s: Scenario, out: dict[str, Any]) -> dict[str, Any]:
     result["exit_code"], result["timed_out"] = launch["exit_code"], launch["timed_out"]
     result["wall_s"] = launch["wall_s"]
     return result
-
-
-def overhead(supervised_run: dict[str, Any], bare_run: dict[str, Any]) -> dict[str, Any]:
-    """Tokens/s of the supervised run's final attempt against the same spec run bare."""
-    sup = measure.attempts_in(Path(supervised_run["run_dir"]))
-    bare = measure.attempts_in(Path(bare_run["run_dir"]))
-    sup_rate = sup[-1].median_rate() if sup else None
-    bare_rate = bare[-1].median_rate() if bare else None
-    cost = None
-    if sup_rate and bare_rate:
-        cost = round(100.0 * (bare_rate - sup_rate) / bare_rate, 2)
-    steps = [len(a.rates) for a in (sup[-1:] + bare[-1:])]
-    return {
-        "config": measure.config_text(sup[-1].knobs) if sup else None,
-        "tokens_per_s_supervised": sup_rate,
-        "tokens_per_s_bare": bare_rate,
-        "overhead_pct": cost,
-        "steps_measured": steps,
-        "supervisor_cpu_s": supervised_run["launch"]["cpu_s"],
-        "supervisor_peak_rss": supervised_run["launch"]["peak_rss"],
-        "spread_supervised": _spread(sup[-1]) if sup else None,
-        "spread_bare": _spread(bare[-1]) if bare else None,
-    }
-
-
-def _spread(attempt: Attempt) -> float | None:
-    """The steps' tokens/s spread (max − min over the median, in %), to judge the overhead's noise."""
-    values = [v for step, v in sorted(attempt.rates.items())[1:]]
-    if len(values) < 2:
-        return None
-    return round(100.0 * (max(values) - min(values)) / statistics.median(values), 1)

@@ -151,6 +151,20 @@ def recovery_rows(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def beside_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """The final attempt's steps while a new spare imported beside it, and after."""
+    cols = ["scenario", "run", "steps beside", "step (s) beside", "steps after", "step (s) after"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for name, info, _ in scenarios(runs):
+        for r in info["rows"]:
+            b = r.get("beside_spare_imports") or {}
+            if b.get("steps_beside"):
+                values = [name, r["approach"], b["steps_beside"], _v(b["step_s_beside"])]
+                values += [b["steps_after"], _v(b["step_s_after"])]
+                lines.append("| " + " | ".join(map(str, values)) + " |")
+    return lines if len(lines) > 2 else []
+
+
 def supervisor_rows(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| scenario | run | supervisor CPU (s) | supervisor peak RSS (MiB) | wall (s) |",
@@ -166,21 +180,22 @@ def supervisor_rows(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def overhead_rows(runs: list[dict[str, Any]]) -> list[str]:
-    cols = ["scenario", "config", "supervised tok/s", "bare tok/s", "overhead", "step spread sup / bare"]
+    cols = ["scenario", "config", "order", "steps S / B", "supervised tok/s", "bare tok/s", "overhead"]
+    cols += ["run medians S", "run medians B", "bare runs differ by", "beside the spare's imports"]
     cols += ["supervisor CPU (s)", "supervisor RSS (MiB)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for run in runs:
         for name, o in (run.get("overhead") or {}).items():
-            if "error" in o:
-                lines.append(f"| {name} | {o['error']} |" + " |" * (len(cols) - 2))
-                continue
-            rss = round((o["supervisor_peak_rss"] or 0) / MiB)
-            values = [name, o["config"], o["tokens_per_s_supervised"], o["tokens_per_s_bare"]]
-            values += [
-                f"{_v(o['overhead_pct'])} %",
-                f"{_v(o['spread_supervised'])} / {_v(o['spread_bare'])} %",
-            ]
-            values += [_v(o["supervisor_cpu_s"]), rss]
+            beside = o.get("beside_spare_imports") or {}
+            steps = o.get("steps_measured") or {}
+            values = [name, o["config"], " ".join(x[0].upper() for x in o["order"])]
+            values += [f"{steps.get('supervised')} / {steps.get('bare')}"]
+            values += [o["tokens_per_s_supervised"], o["tokens_per_s_bare"], f"{_v(o['overhead_pct'])} %"]
+            values += [", ".join(map(str, o[f"run_medians_{side}"])) for side in ("supervised", "bare")]
+            values += [f"{_v(o['noise_pct'])} %"]
+            values += [f"{_v(beside.get('overhead_pct'))} % ({beside.get('steps', 0)} steps)"]
+            values += [", ".join(map(str, o["supervisor_cpu_s"]))]
+            values += [", ".join(str(round((r or 0) / MiB)) for r in o["supervisor_peak_rss"])]
             lines.append("| " + " | ".join(map(str, values)) + " |")
     return lines
 
@@ -230,7 +245,15 @@ def results_md(runs: list[dict[str, Any]]) -> str:
         "",
         *supervisor_rows(runs),
         "",
+        "The same config supervised (a warm spare beside it) and bare, interleaved, alone on the GPU",
+        "(`bench/recovery/overhead.py`):",
+        "",
         *overhead_rows(runs),
+        "",
+        "A spare importing beside a warm-started attempt (it starts after that attempt's first step):",
+        "the attempt's step times (including each step's checkpoint) while it imported and after.",
+        "",
+        *beside_rows(runs),
         "",
     ]
     return "\n".join(parts)

@@ -51,7 +51,8 @@ from recovery import approaches, assets, outcomes, table
 from recovery.approaches import Place
 from recovery.keep import keep_journals
 from recovery.launch import Neighbours
-from recovery.scenarios import Scenario, for_card
+from recovery.overhead import measure_overhead
+from recovery.scenarios import UNCAPPED, Scenario, for_card
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Below this an approach is not started (an attempt alone takes ~20 s on the H200, 10 s on the CPU).
@@ -71,10 +72,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--approaches", nargs="+", choices=approaches.APPROACHES, default=list(approaches.APPROACHES)
     )
     p.add_argument("--scenarios", nargs="+", help="only these scenarios of the card (names)")
+    p.add_argument("--max-steps", type=int, help="steps of every scenario (default: each its own)")
     p.add_argument("--restarts", type=int, default=approaches.RESTARTS, help="the restart loop's restarts")
     p.add_argument("--build-only", action="store_true", help="build the models and data, then stop")
     p.add_argument("--overhead", action="store_true", help="supervised vs bare tokens/s of each scenario")
-    p.add_argument("--overhead-steps", type=int, default=8)
+    p.add_argument("--overhead-steps", type=int, default=12, help="steps of each overhead run")
+    p.add_argument("--overhead-pairs", type=int, default=3, help="supervised/bare pairs")
     p.add_argument("--tiny", action="store_true", help="the CPU check: tiny shapes, cpu_memory_limit cards")
     args = p.parse_args(argv)
     if not args.build_only and (args.card is None or args.out is None):
@@ -200,6 +203,8 @@ def chosen(args: argparse.Namespace) -> list[Scenario]:
                 f"--scenarios {sorted(unknown)}: not on this card; it has {[s.name for s in found]}"
             )
         found = [s for s in found if s.name in args.scenarios]
+    if args.max_steps:
+        found = [dataclasses.replace(s, max_steps=args.max_steps) for s in found]
     return found
 
 
@@ -240,33 +245,27 @@ def card(bench: Bench, neighbours: Neighbours) -> None:
 
 
 def overhead(bench: Bench) -> None:
-    """Each scenario's job with the pre-flight (one attempt that fits), then its spec bare, alone."""
+    """Each scenario's job uncapped, supervised and bare in turn, alone (:mod:`recovery.overhead`)."""
     args = bench.args
     results: dict[str, Any] = {}
     bench.results["overhead"] = results
-    runs = 2 * len(chosen(args))  # the deadline in equal shares: a bare run takes as long as its pair
+    runs = 2 * args.overhead_pairs * len(chosen(args))
     budget = Budget(args.end, (args.deadline_s - END_MARGIN_S) / runs, MIN_APPROACH_S[args.tiny], runs)
     for base in chosen(args):
         s = dataclasses.replace(
-            base, name=f"{base.name}-overhead", max_steps=args.overhead_steps, long_row_step=None
+            base,
+            name=f"{base.name}-overhead",
+            card=UNCAPPED,
+            max_steps=args.overhead_steps,
+            save_steps=args.overhead_steps,
+            long_row_step=None,
         )
-        place, limit = bench.place(s), budget.next()
-        if limit is None:
-            results[s.name] = {"error": "no time left within --deadline-s"}
-            continue
-        print(f"{s.name}: supervised, then bare ...", flush=True)
-        sup = approaches.supervised(place, "supervised", limit)
-        last = sorted(Path(sup["run_dir"]).glob("attempt-[0-9][0-9][0-9]/spec.json"))
-        limit = budget.next()
-        if not last or limit is None:
-            results[s.name] = {
-                "error": "the supervised run wrote no attempt" if limit else "no time left for bare"
-            }
-            continue
-        bare = approaches.bare(last[-1].read_text(encoding="utf-8"), place.runs / "bare", limit)
-        results[s.name] = outcomes.overhead(sup, bare) | {"raw": {"supervised": sup, "bare": bare}}
-        finish_run(place, "supervised", sup)
-        finish_run(place, "bare", bare)
+        place = bench.place(s)
+        print(f"{s.name}: {args.overhead_pairs} supervised/bare pairs ...", flush=True)
+        found = measure_overhead(place, args.overhead_pairs, budget)
+        for name, out in found.pop("_dirs"):
+            finish_run(place, name, out)
+        results[s.name] = found | {"written": s.written(), "steps": s.max_steps}
         bench.lines = table.overhead_block(results)
         bench.save()
 
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args.end = start + args.deadline_s
     scenarios = chosen(args)
     if args.overhead:
-        scenarios = [dataclasses.replace(s, long_row_step=None) for s in scenarios]
+        scenarios = [dataclasses.replace(s, long_row_step=None, card=UNCAPPED) for s in scenarios]
     built = assets.ensure_assets(args.cache, scenarios, args.tiny)
     if args.build_only:
         print(f"assets in {args.cache} ({time.monotonic() - start:.0f} s): {json.dumps(built)}")

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
+#: ``card`` of a scenario run with the whole device (the overhead runs): no memory limit at all.
+UNCAPPED = "none"
+
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
@@ -29,6 +32,7 @@ class Scenario:
     optimizer: str = "adamw_torch"
     r: int = 16
     max_steps: int = 3
+    save_steps: int = 1  # every step: an OOM loses none (the overhead runs save at the end only)
 
     @property
     def effective_batch(self) -> int:

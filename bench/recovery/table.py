@@ -77,13 +77,15 @@ def scenario_block(name: str, info: dict[str, Any]) -> list[str]:
 def overhead_block(results: dict[str, Any]) -> list[str]:
     lines = []
     for name, o in results.items():
-        if "error" in o:
-            lines.append(f"== overhead {name}: {o['error']} ==")
-            continue
+        beside = o.get("beside_spare_imports") or {}
         lines.append(
             f"== overhead {name}: {o['config']}: supervised {_cell(o['tokens_per_s_supervised'])} "
-            f"tok/s vs bare {_cell(o['tokens_per_s_bare'])} = {_cell(o['overhead_pct'])} % (step spread "
-            f"{_cell(o['spread_supervised'])} / {_cell(o['spread_bare'])} %), supervisor "
-            f"{_cell(o['supervisor_cpu_s'])} s CPU, {(o['supervisor_peak_rss'] or 0) / MiB:.0f} MiB RSS =="
+            f"tok/s vs bare {_cell(o['tokens_per_s_bare'])} = {_cell(o['overhead_pct'])} % over "
+            f"{o['steps_measured']} steps (run medians {o['run_medians_supervised']} / "
+            f"{o['run_medians_bare']}; bare runs differ by {_cell(o['noise_pct'])} %); "
+            f"beside the spare's imports {_cell(beside.get('overhead_pct'))} % over "
+            f"{beside.get('steps', 0)} steps; supervisor CPU {o['supervisor_cpu_s']} s, peak RSS "
+            f"{[round((r or 0) / MiB) for r in o['supervisor_peak_rss']]} MiB =="
         )
+        lines += [f"   {note}" for note in o.get("notes") or []]
     return lines

@@ -2,11 +2,14 @@
 
 * finishes every scenario; 0 lost optimizer steps; the effective batch always kept (every
   supervised run: ``supervised`` and the ``as-written`` variants);
-* overhead < 0.5 % tokens/s with the spare running (the ``--overhead`` runs; not judged when the
-  steps' tokens/s spread more than :data:`NOISE_LIMIT_PCT`);
+* overhead < 0.5 % tokens/s with the spare running (the ``--overhead`` runs, :mod:`.overhead`;
+  judged only where the bare runs of the same spec differ by less than the limit itself);
 * supervisor RSS < 100 MB (every supervised run);
-* OOM → next step ≤ 5 s plus one step's time (the recoveries that used the warm spare): OOM → the
-  next attempt's first forward pass ≤ 5 s (:mod:`.measure`).
+* OOM → next step ≤ 5 s plus one step's time (the recoveries that used the warm spare, alone on
+  the GPU where such runs exist: card commands sharing it slow each other's loads), read twice:
+  OOM → the next attempt's first forward pass ≤ 5 s (its first step is the "one step"), and,
+  stricter, OOM → its first completed step ≤ 5 s plus that attempt's later steps' median (the
+  first step's own warm-up, a fresh CUDA context's, then counts against the 5 s).
 """
 
 from __future__ import annotations
@@ -16,18 +19,27 @@ from typing import Any
 RSS_LIMIT = 100_000_000
 OVERHEAD_LIMIT_PCT = 0.5
 RECOVERY_LIMIT_S = 5.0
-#: Steps whose tokens/s spread more than this (max − min over the median) cannot show 0.5 %.
-NOISE_LIMIT_PCT = 10.0
 
 
-def _supervised(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+def _supervised(runs: list[dict[str, Any]], alone: bool = False) -> list[tuple[str, dict[str, Any]]]:
     return [
         (name, r)
         for run in runs
         for name, info in run.get("scenarios", {}).items()
         for r in info["rows"]
         if r["approach"] in ("supervised", "as-written", "as-written-no-spare") and "skipped" not in r
+        if not alone or info.get("alongside") == 0
     ]
+
+
+def spare_recoveries(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The recoveries in a warm spare the target is judged on, and which runs they come from."""
+    for alone, where in ((True, "alone on the GPU"), (False, "beside other card commands")):
+        rows = _supervised(runs, alone)
+        found = [x for _, r in rows for x in r.get("recoveries") or [] if x.get("warm_spare")]
+        if found:
+            return found, where
+    return [], "none"
 
 
 def _line(met: bool | None, what: str, detail: str) -> str:
@@ -41,14 +53,7 @@ def check(runs: list[dict[str, Any]]) -> list[str]:
     lost = sum(r["steps_lost"] for _, r in rows)
     cut = [f"{n}/{r['approach']}" for n, r in rows if not r["effective_batch_kept"]]
     rss = [r["supervisor_peak_rss"] for _, r in rows if r.get("supervisor_peak_rss")]
-    overheads = [o for run in runs for o in (run.get("overhead") or {}).values() if "overhead_pct" in o]
-    costs = [o["overhead_pct"] for o in overheads if o["overhead_pct"] is not None]
-    spreads = [
-        v for o in overheads for v in (o.get("spread_supervised"), o.get("spread_bare")) if v is not None
-    ]
-    noisy = bool(spreads) and max(spreads) > NOISE_LIMIT_PCT
-    spare = [x for _, r in rows for x in r.get("recoveries") or [] if x.get("warm_spare")]
-    excess = [x["oom_to_training_s"] for x in spare if x.get("oom_to_training_s") is not None]
+    spare, where = spare_recoveries(runs)
     some = bool(rows)
     return [
         _line(
@@ -58,22 +63,47 @@ def check(runs: list[dict[str, Any]]) -> list[str]:
         ),
         _line(some and lost == 0, "0 lost optimizer steps", f"{lost} lost over {len(rows)} supervised runs"),
         _line(some and not cut, "the effective batch always kept", f"cut in: {cut or 'none'}"),
-        _line(
-            all(c < OVERHEAD_LIMIT_PCT for c in costs) if costs and not noisy else None,
-            f"overhead < {OVERHEAD_LIMIT_PCT} % tokens/s",
-            f"measured {costs} %, steps spread up to {max(spreads, default=0)} %"
-            + (f": over {NOISE_LIMIT_PCT} %, too noisy to judge" if noisy else ""),
-        ),
+        overhead_line(runs),
         _line(
             max(rss) < RSS_LIMIT if rss else None,
             "supervisor RSS < 100 MB",
             f"peak {max(rss) / 1e6:.0f} MB" if rss else "no sample",
         ),
+        *recovery_lines(spare, where),
+    ]
+
+
+def overhead_line(runs: list[dict[str, Any]]) -> str:
+    found = [o for run in runs for o in (run.get("overhead") or {}).values() if "overhead_pct" in o]
+    costs = [o["overhead_pct"] for o in found if o["overhead_pct"] is not None]
+    noise = [o["noise_pct"] for o in found if o.get("noise_pct") is not None]
+    beside = [(o.get("beside_spare_imports") or {}).get("overhead_pct") for o in found]
+    resolved = bool(noise) and max(noise) < OVERHEAD_LIMIT_PCT
+    detail = (
+        f"measured {costs} %; bare runs of the same spec differ by {noise} %; the steps beside the "
+        f"spare's imports {beside} %"
+    )
+    if costs and not resolved:
+        detail += f": the bare runs differ by more than {OVERHEAD_LIMIT_PCT} %, too noisy to judge"
+    met = all(c < OVERHEAD_LIMIT_PCT for c in costs) if costs and resolved else None
+    return _line(met, f"overhead < {OVERHEAD_LIMIT_PCT} % tokens/s with the spare running", detail)
+
+
+def recovery_lines(spare: list[dict[str, Any]], where: str) -> list[str]:
+    training = [x["oom_to_training_s"] for x in spare if x.get("oom_to_training_s") is not None]
+    strict = [
+        (x["oom_to_step_s"], round(RECOVERY_LIMIT_S + x["step_s"], 2)) for x in spare if x.get("step_s")
+    ]
+    what = f"OOM → next step ≤ {RECOVERY_LIMIT_S:.0f} s plus one step (warm spare, {where})"
+    return [
         _line(
-            max(excess) <= RECOVERY_LIMIT_S if excess else None,
-            f"OOM → next step ≤ {RECOVERY_LIMIT_S:.0f} s plus one step (warm spare)",
-            f"OOM → training (the next step's own time left out): {excess} s"
-            if excess
-            else "no spare recovery",
+            max(training) <= RECOVERY_LIMIT_S if training else None,
+            what + ": to the first forward pass",
+            f"OOM → training: {training} s" if training else "no spare recovery",
+        ),
+        _line(
+            all(took <= limit for took, limit in strict) if strict else None,
+            what + ": to the first completed step, against 5 s plus a later step",
+            f"(OOM → step, limit) {strict} s" if strict else "no spare recovery with later steps",
         ),
     ]
