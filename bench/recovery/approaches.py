@@ -55,14 +55,14 @@ class Place:
         return path
 
 
-def _env(spec_json: str) -> dict[str, str]:
+def attempt_env(spec_json: str) -> dict[str, str]:
     from qlora_supervise.supervisor.loop.child import child_env
     from qlora_supervise.trainer_child.protocol import AttemptSpec
 
     return child_env(dict(os.environ), AttemptSpec.from_json(spec_json).knobs)
 
 
-def _write_spec(spec: Any) -> Path:
+def write_spec(spec: Any) -> Path:
     attempt_dir = Path(spec.events_file).parent
     attempt_dir.mkdir(parents=True, exist_ok=True)
     path = attempt_dir / "spec.json"
@@ -101,8 +101,10 @@ def restart_loop(place: Place, limit_s: float, restarts: int = RESTARTS) -> dict
         if left <= 1:
             break
         spec = jobs.placed(base, run_dir, number, newest[1] if newest else None)
-        path = _write_spec(spec)
-        result = launch(child_argv(path, "train"), path.with_name("child.log"), left, _env(spec.to_json()))
+        path = write_spec(spec)
+        result = launch(
+            child_argv(path, "train"), path.with_name("child.log"), left, attempt_env(spec.to_json())
+        )
         attempts.append(
             {"attempt": number, "resumed_from": newest[0] if newest else 0, "launch": _plain(result)}
         )
@@ -116,9 +118,9 @@ def auto_batch(place: Place, limit_s: float) -> dict[str, Any]:
     run_dir = place.run_dir("auto-batch")
     job = jobs.write_job(place.scenario, place.assets, run_dir, place.tiny)
     spec = jobs.placed(jobs.job_spec(job), run_dir, 1, None)
-    path = _write_spec(spec)
+    path = write_spec(spec)
     argv = [sys.executable, str(AUTO_BATCH_SCRIPT), "--spec", str(path)]
-    result = launch(argv, path.with_name("child.log"), limit_s, _env(spec.to_json()))
+    result = launch(argv, path.with_name("child.log"), limit_s, attempt_env(spec.to_json()))
     return {"run_dir": str(run_dir), "job": str(job), "launch": _plain(result)}
 
 
@@ -129,8 +131,8 @@ def bare(spec_json: str, run_dir: Path, limit_s: float) -> dict[str, Any]:
 
     shutil.rmtree(run_dir, ignore_errors=True)
     spec = jobs.placed(AttemptSpec.from_json(spec_json), run_dir, 1, None)
-    path = _write_spec(spec)
-    result = launch(child_argv(path, "train"), path.with_name("child.log"), limit_s, _env(spec_json))
+    path = write_spec(spec)
+    result = launch(child_argv(path, "train"), path.with_name("child.log"), limit_s, attempt_env(spec_json))
     return {"run_dir": str(run_dir), "launch": _plain(result)}
 
 

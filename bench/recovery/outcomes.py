@@ -79,8 +79,9 @@ def beside_spare_imports(attempts: list[Attempt], windows: list[tuple[float, flo
         return {}
     times = [t for s, t in sorted(final.step_times.items()) if s > final.resumed_from]
     steps = sorted(s for s in final.step_times if s > final.resumed_from)
-    gaps = {b: tb - ta for (a, ta), (b, tb) in itertools.pairwise(zip(steps, times, strict=True))}
-    inside, outside = split_by_windows(gaps, final.step_times, windows)
+    pairs = list(itertools.pairwise(zip(steps, times, strict=True)))
+    gaps = {b: tb - ta for (_, ta), (b, tb) in pairs}
+    inside, outside = split_by_windows(gaps, final.step_times, windows, {b: ta for (_, ta), (b, _) in pairs})
     median = statistics.median
     return {
         "steps_beside": len(inside),

@@ -12,9 +12,11 @@ How, and why so:
 * **Steps, not runs.** A run's steps are timed from each step's first heartbeat (written when
   the step completes; ``tokens_per_s`` is the step's tokens over its time), the first step left
   out (warm-up). Each side's tokens/s is the median of all its steps; the overhead compares them.
-* **The noise, measured.** Two bare runs of one spec differ by something the supervisor cannot
-  cause: the spread of the bare runs' medians is the resolution, and the overhead is judged only
-  where that spread is below the limit it is judged against.
+* **The noise, measured.** Runs of one spec differ by something the supervisor cannot cause,
+  so the runs, not the steps, are the samples: :func:`interval` gives the overhead's 95 %
+  confidence interval from the runs' medians (Welch's t), and the target is judged on its ends
+  (met when the upper end is below the limit, missed when the lower end is above it). Runs of
+  several ``--overhead`` commands on the same scenario are pooled (:func:`pooled`).
 * **The spare's imports.** The supervised steps that completed while the spare was importing
   (from ``spare_started`` to its ``import_s`` + ``prepare_s`` later) are reported on their own:
   a spare must not slow the attempt it stands behind.
@@ -52,6 +54,7 @@ class Steps:
     name: str
     rates: dict[int, float]
     ended: dict[int, float]
+    began: dict[int, float]  # the previous step's end
 
     def median(self) -> float | None:
         return statistics.median(self.rates.values()) if self.rates else None
@@ -64,7 +67,9 @@ def steps_of(run_dir: Path, side: str, name: str) -> Steps | None:
         return None
     last = attempts[-1]
     steps = sorted(s for s in last.rates if s > last.resumed_from)[1:]
-    return Steps(side, name, {s: last.rates[s] for s in steps}, {s: last.step_times[s] for s in steps})
+    ended = {s: last.step_times[s] for s in steps}
+    began = {s: last.step_times[s - 1] for s in steps if s - 1 in last.step_times}
+    return Steps(side, name, {s: last.rates[s] for s in steps}, ended, began)
 
 
 def spare_windows(run_dir: Path) -> list[tuple[float, float]]:
@@ -86,12 +91,64 @@ def spare_windows(run_dir: Path) -> list[tuple[float, float]]:
 
 
 def split_by_windows(
-    rates: dict[int, float], ended: dict[int, float], windows: list[tuple[float, float]]
+    rates: dict[int, float],
+    ended: dict[int, float],
+    windows: list[tuple[float, float]],
+    began: dict[int, float] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """(values of the steps that completed inside a window, values of the others)."""
-    inside = [v for s, v in rates.items() if any(a <= ended[s] <= b for a, b in windows)]
-    outside = [v for s, v in rates.items() if not any(a <= ended[s] <= b for a, b in windows)]
+    """(values of the steps that overlapped a window, values of the steps that overlapped none).
+    A step runs from ``began`` (the previous step's end) to ``ended``; without ``began`` only its
+    end is placed."""
+
+    def overlaps(step: int) -> bool:
+        start = (began or {}).get(step, ended[step])
+        return any(start <= b and ended[step] >= a for a, b in windows)
+
+    inside = [v for step, v in rates.items() if overlaps(step)]
+    outside = [v for step, v in rates.items() if not overlaps(step)]
     return inside, outside
+
+
+#: Student's t, two-sided 95 %, by degrees of freedom (standard tables); beyond 30, the normal's.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T_975 |= {10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110}
+T_975 |= {18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060}
+T_975 |= {26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
+
+
+def interval(supervised: list[float], bare: list[float]) -> dict[str, Any] | None:
+    """The overhead (how much slower supervised runs are, in % of bare tokens/s) with its 95 %
+    confidence interval, from each side's run medians (Welch's t; the degrees of freedom rounded
+    down, which widens it); None with fewer than two runs a side."""
+    if len(supervised) < 2 or len(bare) < 2:
+        return None
+    mean_s, mean_b = statistics.fmean(supervised), statistics.fmean(bare)
+    var_s, var_b = statistics.variance(supervised) / len(supervised), statistics.variance(bare) / len(bare)
+    se = (var_s + var_b) ** 0.5
+    if se == 0:
+        df = len(supervised) + len(bare) - 2
+    else:
+        df = (var_s + var_b) ** 2 / (var_s**2 / (len(supervised) - 1) + var_b**2 / (len(bare) - 1))
+    t = T_975.get(max(1, int(df)), 1.960)
+    cost = 100.0 * (mean_b - mean_s) / mean_b
+    half = 100.0 * t * se / mean_b
+    return {
+        "overhead_pct": round(cost, 2),
+        "low_pct": round(cost - half, 2),
+        "high_pct": round(cost + half, 2),
+        "runs": [len(supervised), len(bare)],
+        "df": round(df, 1),
+    }
+
+
+def pooled(results: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any] | None]:
+    """:func:`interval` per scenario over the run medians of every overhead result given."""
+    medians: dict[str, tuple[list[float], list[float]]] = {}
+    for name, o in results:
+        sides = medians.setdefault(name, ([], []))
+        sides[0].extend(o.get("run_medians_supervised") or [])
+        sides[1].extend(o.get("run_medians_bare") or [])
+    return {name: interval(*sides) for name, sides in medians.items()}
 
 
 def _pct(a: float | None, b: float | None) -> float | None:
@@ -112,7 +169,7 @@ def summary(runs: list[Steps], windows: list[tuple[float, float]]) -> dict[str, 
     pooled = {side: [v for r in rs for v in r.rates.values()] for side, rs in sides.items()}
     rate = {side: round(statistics.median(v), 1) if v else None for side, v in pooled.items()}
     medians = {side: [round(m, 1) for r in rs if (m := r.median()) is not None] for side, rs in sides.items()}
-    beside = [v for r in sides["supervised"] for v in split_by_windows(r.rates, r.ended, windows)[0]]
+    beside = [v for r in sides["supervised"] for v in split_by_windows(r.rates, r.ended, windows, r.began)[0]]
     beside_rate = round(statistics.median(beside), 1) if beside else None
     return {
         "order": [r.side for r in runs],
@@ -122,6 +179,7 @@ def summary(runs: list[Steps], windows: list[tuple[float, float]]) -> dict[str, 
         "run_medians_supervised": medians["supervised"],
         "run_medians_bare": medians["bare"],
         "noise_pct": _spread(medians["bare"]),
+        "interval": interval(medians["supervised"], medians["bare"]),
         "steps_measured": {side: len(v) for side, v in pooled.items()},
         "beside_spare_imports": {
             "steps": len(beside),

@@ -22,6 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: this package
 
 from recovery import targets
+from recovery.overhead import interval, pooled
 
 START, END = "<!-- bench-recovery:start -->", "<!-- bench-recovery:end -->"
 MiB = 1 << 20
@@ -165,6 +166,24 @@ def beside_rows(runs: list[dict[str, Any]]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def spare_beside_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """``spare_beside.py``: one run's steps with a spare importing beside it, and without."""
+    cols = ["run", "config", "spares", "steps beside / alone", "tok/s beside", "tok/s alone"]
+    cols += ["slowdown beside (95 % CI)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for run in runs:
+        b = run.get("spare_beside")
+        if not b or "error" in b:
+            continue
+        slow = b.get("slowdown")
+        cell = f"{slow['overhead_pct']} % ({_interval(slow)})" if slow else "-"
+        values = [run["_dir"], run["config"], len(run["windows"])]
+        values += [f"{b['steps_beside']} / {b['steps_alone']}"]
+        values += [_v(b["tokens_per_s_beside"]), _v(b["tokens_per_s_alone"]), cell]
+        lines.append("| " + " | ".join(map(str, values)) + " |")
+    return lines if len(lines) > 2 else []
+
+
 def supervisor_rows(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| scenario | run | supervisor CPU (s) | supervisor peak RSS (MiB) | wall (s) |",
@@ -181,23 +200,32 @@ def supervisor_rows(runs: list[dict[str, Any]]) -> list[str]:
 
 def overhead_rows(runs: list[dict[str, Any]]) -> list[str]:
     cols = ["scenario", "config", "order", "steps S / B", "supervised tok/s", "bare tok/s", "overhead"]
-    cols += ["run medians S", "run medians B", "bare runs differ by", "beside the spare's imports"]
+    cols += ["95 % CI", "run medians S", "run medians B", "steps beside a spare's imports"]
     cols += ["supervisor CPU (s)", "supervisor RSS (MiB)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    for run in runs:
-        for name, o in (run.get("overhead") or {}).items():
-            beside = o.get("beside_spare_imports") or {}
-            steps = o.get("steps_measured") or {}
-            values = [name, o["config"], " ".join(x[0].upper() for x in o["order"])]
-            values += [f"{steps.get('supervised')} / {steps.get('bare')}"]
-            values += [o["tokens_per_s_supervised"], o["tokens_per_s_bare"], f"{_v(o['overhead_pct'])} %"]
-            values += [", ".join(map(str, o[f"run_medians_{side}"])) for side in ("supervised", "bare")]
-            values += [f"{_v(o['noise_pct'])} %"]
-            values += [f"{_v(beside.get('overhead_pct'))} % ({beside.get('steps', 0)} steps)"]
-            values += [", ".join(map(str, o["supervisor_cpu_s"]))]
-            values += [", ".join(str(round((r or 0) / MiB)) for r in o["supervisor_peak_rss"])]
-            lines.append("| " + " | ".join(map(str, values)) + " |")
+    found = [(name, o) for run in runs for name, o in (run.get("overhead") or {}).items()]
+    for name, o in found:
+        beside = o.get("beside_spare_imports") or {}
+        steps = o.get("steps_measured") or {}
+        values = [name, o["config"], " ".join(x[0].upper() for x in o["order"])]
+        values += [f"{steps.get('supervised')} / {steps.get('bare')}"]
+        values += [o["tokens_per_s_supervised"], o["tokens_per_s_bare"], f"{_v(o['overhead_pct'])} %"]
+        values += [_interval(interval(o["run_medians_supervised"], o["run_medians_bare"]))]
+        values += [", ".join(map(str, o[f"run_medians_{side}"])) for side in ("supervised", "bare")]
+        values += [beside.get("steps", 0)]
+        values += [", ".join(map(str, o["supervisor_cpu_s"]))]
+        values += [", ".join(str(round((r or 0) / MiB)) for r in o["supervisor_peak_rss"])]
+        lines.append("| " + " | ".join(map(str, values)) + " |")
+    if len(found) > 1:
+        for name, i in pooled(found).items():
+            runs_text = f"{i['runs'][0]} + {i['runs'][1]} runs" if i else "-"
+            pct = f"{i['overhead_pct']} %" if i else "-"
+            lines.append(f"| {name}, pooled | | | {runs_text} | | | {pct} | {_interval(i)} |" + " |" * 5)
     return lines
+
+
+def _interval(i: dict[str, Any] | None) -> str:
+    return f"{i['low_pct']} to {i['high_pct']} %" if i else "-"
 
 
 def provenance(runs: list[dict[str, Any]]) -> list[str]:
@@ -254,6 +282,12 @@ def results_md(runs: list[dict[str, Any]]) -> str:
         "the attempt's step times (including each step's checkpoint) while it imported and after.",
         "",
         *beside_rows(runs),
+        "",
+        "One uncapped run bare, with spares started beside it one after another",
+        "(`bench/recovery/spare_beside.py`): its steps that completed while a spare imported, against",
+        "those that completed while none did.",
+        "",
+        *spare_beside_rows(runs),
         "",
     ]
     return "\n".join(parts)

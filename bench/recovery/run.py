@@ -5,15 +5,19 @@
     python bench/recovery/run.py --card 24GiB --overhead --out OUT       # supervised vs bare tokens/s
     python bench/recovery/run.py --tiny --card all --out /tmp/r          # the same logic on the CPU
 
-On the H200 (from the project root, after the README's ``.whl`` preamble), two commands of under
-10 minutes each: the build (~2 min) and the overhead run alone on the GPU (~3 min), then the four
-cards at once, sharing the built models (~9 min, ``--deadline-s`` bounds each)::
+On the H200 (from the project root, after the README's ``.whl`` preamble), commands of under
+10 minutes each: the four cards at once, sharing the built models (~9 min, ``--deadline-s``
+bounds each); one card alone (the recovery times without neighbours); the overhead, alone
+(3 supervised/bare pairs, ~6.5 min; run it twice and ``report.py`` pools the runs)::
 
-    python bench/recovery/run.py --build-only \
-      && python bench/recovery/run.py --card 24GiB --overhead --out $OUT/recovery/overhead --deadline-s 330
+    python bench/recovery/run.py --build-only
     R=$OUT/recovery; mkdir -p $R; for c in 8GiB 16GiB 24GiB 32GiB; do
       python bench/recovery/run.py --card $c --out $R/$c --deadline-s 540 > $R/$c.log 2>&1 &
     done; wait; cat $R/*/table.txt
+    python bench/recovery/run.py --card 8GiB --approaches as-written as-written-no-spare \
+      --max-steps 6 --deadline-s 260 --out $OUT/solo/8GiB
+    python bench/recovery/run.py --card 24GiB --overhead --overhead-pairs 3 --overhead-steps 12 \
+      --deadline-s 560 --out $OUT/overhead-a
 
 Per card, each scenario of :mod:`recovery.scenarios` (an over-ambitious job on the 7B or 8B shape
 under ``gpu_memory_limit``) runs under every approach of :mod:`recovery.approaches`, one after
