@@ -9,7 +9,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from recovery import measure, outcomes, targets  # noqa: E402 - bench/ is not a package on the path
+from recovery import measure, outcomes, overhead, targets  # noqa: E402 - bench/ is not a package on the path
 from recovery.assets import long_row_position  # noqa: E402
 
 
@@ -82,3 +82,28 @@ def test_targets_name_what_is_missed() -> None:
     assert "**NOT met**: 0 lost optimizer steps" in lines[1]
     assert "**NOT met**: the effective batch always kept" in lines[2]
     assert lines[3].startswith("- **not measured**")
+
+
+def test_the_overhead_interval_comes_from_the_runs_and_decides_the_target() -> None:
+    """Welch's interval from run medians: equal sides give 0 %; a clear 2 % cost is missed; a
+    wide interval around the limit is not resolved."""
+    same = overhead.interval([100.0, 101.0, 99.0], [100.0, 101.0, 99.0])
+    assert same is not None and same["overhead_pct"] == 0.0 and same["low_pct"] < 0 < same["high_pct"]
+    assert overhead.interval([100.0], [100.0, 101.0]) is None  # one run a side: no spread to judge by
+
+    def judged(sup: list[float], bare: list[float]) -> str:
+        o = {"run_medians_supervised": sup, "run_medians_bare": bare}
+        return targets.overhead_line([{"overhead": {"s": o}}])
+
+    assert judged([98.0, 98.1, 97.9], [100.0, 100.1, 99.9]).startswith("- **NOT met**")
+    assert judged([100.0, 100.05, 99.95], [100.0, 100.05, 99.95]).startswith("- **met**")
+    assert judged([99.5, 101.0, 98.0], [100.0, 101.5, 98.5]).startswith("- **not measured**")
+
+
+def test_a_step_beside_a_window_is_one_that_overlapped_it() -> None:
+    """A step counts as beside a spare's imports when any part of it overlapped them."""
+    rates = {2: 10.0, 3: 20.0, 4: 30.0}
+    ended, began = {2: 5.0, 3: 10.0, 4: 15.0}, {2: 0.0, 3: 5.0, 4: 10.0}
+    inside, outside = overhead.split_by_windows(rates, ended, [(9.0, 9.5)], began)
+    assert (inside, outside) == ([20.0], [10.0, 30.0])
+    assert overhead.split_by_windows(rates, ended, [(9.0, 9.5)]) == ([], [10.0, 20.0, 30.0])

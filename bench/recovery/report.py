@@ -66,11 +66,13 @@ def cell(r: dict[str, Any] | None) -> str:
 def scenarios(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """Each scenario once, in the order first seen; a later directory's row of an approach
     replaces an earlier one (a rerun of part of a card), the others stay. A run alone on the GPU
-    is kept apart from the same scenario run beside other card commands: their timings differ."""
+    is kept apart from the same scenario run beside other card commands (their timings differ),
+    and from other runs alone (each is a measurement of its own), named by its directory."""
     merged: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     for run in runs:
         for scenario, info in run.get("scenarios", {}).items():
-            name = f"{scenario} (alone on the GPU)" if info.get("alongside") == 0 else scenario
+            alone = f"{scenario} (alone on the GPU, {Path(run['_dir']).name})"
+            name = alone if info.get("alongside") == 0 else scenario
             if name not in merged:
                 merged[name] = (dict(info, rows=list(info["rows"])), run)
                 continue

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from recovery.overhead import pooled
@@ -77,9 +78,14 @@ def check(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def overhead_line(runs: list[dict[str, Any]]) -> str:
+    """Judged on every interval there is: supervised against bare (pooled per scenario) and, from
+    ``spare_beside.py``, a run's steps beside a spare's imports against its steps without."""
     found = [(name, o) for run in runs for name, o in (run.get("overhead") or {}).items()]
     intervals = {name: i for name, i in pooled(found).items() if i is not None}
-    beside = [(o.get("beside_spare_imports") or {}).get("steps") or 0 for _, o in found]
+    for run in runs:
+        slowdown = (run.get("spare_beside") or {}).get("slowdown")
+        if slowdown:
+            intervals[f"steps beside a spare's imports ({Path(run.get('_dir', '?')).name})"] = slowdown
     what = f"overhead < {OVERHEAD_LIMIT_PCT} % tokens/s with the spare running"
     if not intervals:
         return _line(None, what, "fewer than two runs a side")
@@ -88,12 +94,11 @@ def overhead_line(runs: list[dict[str, Any]]) -> str:
     met = True if max(highs) < OVERHEAD_LIMIT_PCT else (False if max(lows) > OVERHEAD_LIMIT_PCT else None)
     detail = "; ".join(
         f"{name}: {i['overhead_pct']} % (95 % CI {i['low_pct']} to {i['high_pct']} %, {i['runs'][0]} + "
-        f"{i['runs'][1]} runs)"
+        f"{i['runs'][1]} samples)"
         for name, i in intervals.items()
     )
     if met is None:
-        detail += f": the interval holds {OVERHEAD_LIMIT_PCT} %, not resolved"
-    detail += f"; steps beside a spare's imports in these runs: {sum(beside)}"
+        detail += f": an interval holds {OVERHEAD_LIMIT_PCT} %, not resolved"
     return _line(met, what, detail)
 
 

@@ -13,7 +13,8 @@ A spare never changes the result:
   and the attempt starts cold, with a new spare started behind it.
 * **Device.** Its prelude binds the device with the same ``protocol.bind_device`` as an
   attempt, from the same job field; the spare checks the spec's device once more.
-* **Seeds.** It only imports; the trainer seeds every generator from the spec afterwards.
+* **Seeds.** What it does ahead (imports, a model on the meta device, the tokenizer and rows of
+  ``trainer_child/prepared.py``) comes before the trainer seeds every generator from the spec.
 
 No spare when the run would not gain from one or could lose by it: ``supervise.warm_spare:
 false``; ``auto`` on a host with fewer than 4 usable CPUs (its imports would take a core from
