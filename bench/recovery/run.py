@@ -56,7 +56,7 @@ from recovery.approaches import Place
 from recovery.keep import keep_journals
 from recovery.launch import Neighbours
 from recovery.overhead import measure_overhead
-from recovery.scenarios import UNCAPPED, Scenario, for_card
+from recovery.scenarios import UNCAPPED, Scenario, for_card, steady
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Below this an approach is not started (an attempt alone takes ~20 s on the H200, 10 s on the CPU).
@@ -256,14 +256,7 @@ def overhead(bench: Bench) -> None:
     runs = 2 * args.overhead_pairs * len(chosen(args))
     budget = Budget(args.end, (args.deadline_s - END_MARGIN_S) / runs, MIN_APPROACH_S[args.tiny], runs)
     for base in chosen(args):
-        s = dataclasses.replace(
-            base,
-            name=f"{base.name}-overhead",
-            card=UNCAPPED,
-            max_steps=args.overhead_steps,
-            save_steps=args.overhead_steps,
-            long_row_step=None,
-        )
+        s = steady(base, "overhead", args.overhead_steps)
         place = bench.place(s)
         print(f"{s.name}: {args.overhead_pairs} supervised/bare pairs ...", flush=True)
         found = measure_overhead(place, args.overhead_pairs, budget)

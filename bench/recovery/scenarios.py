@@ -68,6 +68,14 @@ TINY_SCENARIOS = (
 )
 
 
+def steady(s: Scenario, suffix: str, steps: int) -> Scenario:
+    """``s``'s job as a steady workload to time steps on: uncapped (no allocator retries near a
+    cap), every row short (no long row), saving only after its last step."""
+    return dataclasses.replace(
+        s, name=f"{s.name}-{suffix}", card=UNCAPPED, max_steps=steps, save_steps=steps, long_row_step=None
+    )
+
+
 def for_card(card: str, tiny: bool) -> list[Scenario]:
     """The scenarios of one card size (``all``: every scenario); a card with none is an error."""
     table = TINY_SCENARIOS if tiny else SCENARIOS

@@ -39,7 +39,7 @@ from recovery import assets, jobs
 from recovery.approaches import attempt_env, write_spec
 from recovery.keep import keep_journals
 from recovery.overhead import interval, split_by_windows, steps_of
-from recovery.scenarios import SCENARIOS, TINY_SCENARIOS, UNCAPPED
+from recovery.scenarios import SCENARIOS, TINY_SCENARIOS, steady
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,14 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     name = "tiny-7b-card" if args.tiny else "7b-24GiB-long-row"  # the overhead runs' scenario
     base = next(x for x in (TINY_SCENARIOS if args.tiny else SCENARIOS) if x.name == name)
-    s = dataclasses.replace(
-        base,
-        name=f"{base.name}-spare-beside",
-        card=UNCAPPED,
-        max_steps=args.steps,
-        save_steps=args.steps,
-        long_row_step=None,
-    )
+    s = steady(base, "spare-beside", args.steps)
     assets.ensure_assets(args.cache, [s], args.tiny)
     run_dir = args.cache / "runs" / "spare-beside"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: events files are appended to
