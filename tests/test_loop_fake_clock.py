@@ -77,7 +77,7 @@ class FakeChild:
             self._code = self._finish()
         return self._code
 
-    def wait(self, timeout_s: float, sleep: Any) -> None:
+    def wait_for_exit(self, timeout_s: float, sleep: Any) -> None:
         sleep(timeout_s)
 
     def stop(self, grace_s: float, sleep: Any) -> int:

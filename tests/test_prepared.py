@@ -53,3 +53,22 @@ def test_the_spare_is_told_which_spec_to_prepare_from(tmp_path: Path) -> None:
     assert argv[argv.index("--prepare") + 1] == str(spec_path)
     assert order == SpareOrder(env, "auto", True, "/models/m", prepare_from=tmp_path / "other.json")
     assert "--prepare" not in spare_argv(tmp_path, SpareOrder(env, "auto", True, "/models/m"), "python")
+
+
+def test_a_data_file_rewritten_since_the_spare_read_it_is_read_again(tmp_path: Path) -> None:
+    """The stamps (size, mtime) of the data and tokenizer files are inputs too; a model's weights
+    are not (the tokenizer never reads them)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "a"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"0")
+    spec = _spec(data=DataSpec(str(data)), knobs=dataclasses.replace(_spec().knobs, model=str(model)))
+    ready = _prepared(spec)
+    assert ready.serves(spec)
+    (model / "model.safetensors").write_bytes(b"00")
+    assert ready.serves(spec)
+    data.write_text('{"text": "a"}\n{"text": "b"}\n')
+    assert not ready.serves(spec)
+    assert not _prepared(spec).serves(dataclasses.replace(spec, data=DataSpec(str(tmp_path / "gone.jsonl"))))

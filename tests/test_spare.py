@@ -66,7 +66,7 @@ class _StandIn:
         self.sent.append(line)
         return True
 
-    def wait(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
+    def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
         sleep(timeout_s)
 
     def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int:
@@ -229,3 +229,33 @@ def test_a_real_oom_recovers_in_the_spare_with_the_same_result(
     loaded = {warm: _child_event(runs[warm], 2, "loaded") for warm in runs}
     assert loaded[True]["sample_lengths"] == loaded[False]["sample_lengths"]
     assert loaded[True]["train_rows"] == loaded[False]["train_rows"] > 0
+
+
+def test_the_watch_wakes_at_the_childs_exit_not_at_the_next_tick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wait_for_exit returns at the exit (well before its timeout), returns at the timeout while
+    the child lives, leaves no descriptor open, and without pidfds sleeps the tick out."""
+    fds = len(os.listdir("/proc/self/fd"))
+    quick = child_mod.spawn_child(
+        [sys.executable, "-c", "import time; time.sleep(0.3)"], dict(os.environ), tmp_path / "q.log", tmp_path
+    )
+    began = time.monotonic()
+    quick.wait_for_exit(30.0)
+    assert time.monotonic() - began < 10.0 and quick.poll() == 0
+    slow = child_mod.spawn_child(
+        [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), tmp_path / "s.log", tmp_path
+    )
+    began = time.monotonic()
+    slow.wait_for_exit(0.3)
+    assert 0.25 <= time.monotonic() - began < 5.0 and slow.poll() is None
+    slept: list[float] = []
+
+    def no_pidfds(pid: int) -> int:
+        raise OSError("no pidfd here")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    slow.wait_for_exit(0.7, slept.append)
+    assert slept == [0.7]
+    slow.stop(1.0)
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -212,6 +212,7 @@ def train(ctx: Context) -> ExitCode:
     ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
     source = resume_source(spec, chosen)
     recipe = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
+    ctx.prepared = None  # the recipe holds what it took; the rest need not live as long as training
     ctx.trainer = recipe.trainer
     if ctx.progress.stop_requested:  # SIGTERM during the load: nothing new to save
         ctx.progress.announce_stop()
@@ -243,10 +244,12 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
         except BaseException as exc:  # the report must still be written
             failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
     ctx.trainer = None
-    # No free_memory() here: the emergency checkpoint frees what it needs itself, and for the
-    # report alone a full gc and an empty_cache only delay the exit, which the next attempt
-    # waits for (on the H200's 7B, the exit came 0.13 s after the OOM without them, with the
-    # supervisor's pidfd wait; 0.48 s before both).
+    # After a CUDA OOM the report needs no host memory back, and a full gc plus empty_cache only
+    # delay the exit the next attempt waits for (the emergency checkpoint frees what it needs
+    # itself). After any other failure, a host OOM under a hard RLIMIT_DATA above all (which
+    # lift_cpu_cap cannot raise), the gc is what makes room for the report.
+    if not (failure.oom and ctx.on_cuda and "CUDA out of memory" in failure.message):
+        memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
     report_failure(ctx, failure, memory.cuda_memory_stats() if ctx.on_cuda else None, emergency)
     with contextlib.suppress(OSError):  # stderr is child.log, on the run's disk, which may be full

@@ -16,30 +16,56 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 from . import data
 from .attempt_facts import SampleLengths
 from .protocol import AttemptSpec, DataSpec
 
+#: Files of a model directory the tokenizer never reads: a change to them spoils nothing prepared.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+Stamp = tuple[tuple[str, int, int], ...]
+
+
+def stamp(path: str | None) -> Stamp:
+    """(name, size, mtime_ns) of the file at ``path``, or of a directory's top-level files (a
+    model's weights left out): what tells a file rewritten since the spare read it."""
+    if path is None:
+        return ()
+    where = Path(path)
+    try:
+        if where.is_file():
+            status = where.stat()
+            return ((where.name, status.st_size, status.st_mtime_ns),)
+        if where.is_dir():
+            files = [f for f in where.iterdir() if f.is_file() and f.suffix not in WEIGHT_SUFFIXES]
+            return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    except OSError:  # gone or unreadable: the attempt's own load will say so
+        return ()
+    return ()  # a hub id, not a local path
+
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    """Everything the prepared objects depend on; equal inputs, equal objects."""
+    """Everything the prepared objects depend on; equal inputs, equal objects. The stamps catch
+    data or tokenizer files rewritten between the spare's preparation and its attempt."""
 
     model: str
     trust_remote_code: bool
     data: DataSpec
     seed: int
     packing: bool
+    files: tuple[Stamp, Stamp, Stamp] = ((), (), ())  # model directory, data, eval data
 
     @classmethod
     def of(cls, spec: AttemptSpec) -> Inputs:
-        train = spec.train
-        return cls(spec.knobs.model, train.trust_remote_code, spec.data, train.seed, train.packing)
+        train, data_spec = spec.train, spec.data
+        files = (stamp(spec.knobs.model), stamp(data_spec.path), stamp(data_spec.eval_path))
+        return cls(spec.knobs.model, train.trust_remote_code, data_spec, train.seed, train.packing, files)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Prepared:
     """The tokenizer, the training and eval rows, and the rows' lengths (None when packing)."""
 
@@ -62,10 +88,19 @@ def load_rows(spec: AttemptSpec, tokenizer: Any) -> tuple[Any, Any | None, Sampl
     return train_set, eval_set, lengths
 
 
+def load_tokenizer(spec: AttemptSpec) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.knobs.model, trust_remote_code=spec.train.trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # the usual fix for Llama-style tokenizers
+    return tokenizer
+
+
 def prepare(spec: AttemptSpec) -> Prepared:
     """Load the CPU-side inputs of ``spec``'s recipe (errors are the attempt's to report)."""
-    from .recipe import load_tokenizer
-
     started = time.monotonic()
     tokenizer = load_tokenizer(spec)
     train_set, eval_set, lengths = load_rows(spec, tokenizer)

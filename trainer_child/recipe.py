@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from huggingface_hub.errors import HFValidationError
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, set_seed
 from trl import SFTConfig
 
 from . import data
 from .checkpoints import ResumeSource
 from .events import Progress
 from .failure import ConfigError
-from .prepared import Prepared, load_rows
+from .prepared import Prepared, load_rows, load_tokenizer
 from .protocol import AttemptSpec, Knobs, Stage
 from .torchrun import this_rank
 from .trainer import CheckpointPlan, SupervisedSFTTrainer, SupervisionCallback
@@ -91,15 +91,6 @@ def placement(knobs: Knobs, gpu_limit: int | None, on_cuda: bool) -> dict[str, A
     # Leave room for activations: the weights may take about half of the allowed device memory.
     budget = int((gpu_limit or total) * 0.5)
     return {"device_map": "auto", "max_memory": {index: budget, "cpu": "1000GiB"}}
-
-
-def load_tokenizer(spec: AttemptSpec) -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(
-        spec.knobs.model, trust_remote_code=spec.train.trust_remote_code
-    )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # the usual fix for Llama-style tokenizers
-    return tokenizer
 
 
 def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:

@@ -113,14 +113,14 @@ def train(spec_path: Path) -> int:
 
 def run(ctx: Any) -> int:
     """The child's setup, the recipe, and training with ``auto_find_batch_size``."""
-    from qlora_supervise.trainer_child import attempt, data, recipe
+    from qlora_supervise.trainer_child import attempt, data, prepared, recipe
     from qlora_supervise.trainer_child.protocol import Stage
 
     spec, progress = ctx.spec, ctx.progress
     attempt.setup(ctx)  # the GPU cap, the imports, ``started``, then the CPU cap
     dtype = recipe.compute_dtype(spec.train.compute_dtype, ctx.on_cuda)
     progress.enter(Stage.LOAD)
-    tokenizer = recipe.load_tokenizer(spec)
+    tokenizer = prepared.load_tokenizer(spec)
     model = recipe.add_lora(recipe.load_model(spec, dtype, ctx.on_cuda), spec.knobs, spec)
     train_set, _ = data.train_eval_split(spec.data, tokenizer, spec.train.seed)
     config = recipe.sft_config(spec, dtype, ctx.on_cuda, has_eval=False)

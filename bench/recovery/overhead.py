@@ -113,30 +113,33 @@ def split_by_windows(
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 T_975 |= {10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110}
 T_975 |= {18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060}
-T_975 |= {26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
+T_975 |= {26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def t_975(df: float) -> float:
+    """The table's t at the largest tabled degrees of freedom not above ``df`` (conservative)."""
+    return T_975[max(d for d in T_975 if d <= max(1.0, df))]
 
 
 def interval(supervised: list[float], bare: list[float]) -> dict[str, Any] | None:
     """The overhead (how much slower supervised runs are, in % of bare tokens/s) with its 95 %
-    confidence interval, from each side's run medians (Welch's t; the degrees of freedom rounded
-    down, which widens it); None with fewer than two runs a side."""
+    confidence interval, from each side's run medians (Welch's t, its degrees of freedom taken
+    down to the table's, which widens it; the bare mean it is a share of is taken as exact).
+    None with fewer than two samples a side, or none that differ (no spread to judge by)."""
     if len(supervised) < 2 or len(bare) < 2:
         return None
     mean_s, mean_b = statistics.fmean(supervised), statistics.fmean(bare)
     var_s, var_b = statistics.variance(supervised) / len(supervised), statistics.variance(bare) / len(bare)
-    se = (var_s + var_b) ** 0.5
-    if se == 0:
-        df = len(supervised) + len(bare) - 2
-    else:
-        df = (var_s + var_b) ** 2 / (var_s**2 / (len(supervised) - 1) + var_b**2 / (len(bare) - 1))
-    t = T_975.get(max(1, int(df)), 1.960)
+    if var_s + var_b == 0 or mean_b == 0:
+        return None
+    df = (var_s + var_b) ** 2 / (var_s**2 / (len(supervised) - 1) + var_b**2 / (len(bare) - 1))
     cost = 100.0 * (mean_b - mean_s) / mean_b
-    half = 100.0 * t * se / mean_b
+    half = 100.0 * t_975(df) * (var_s + var_b) ** 0.5 / mean_b
     return {
         "overhead_pct": round(cost, 2),
         "low_pct": round(cost - half, 2),
         "high_pct": round(cost + half, 2),
-        "runs": [len(supervised), len(bare)],
+        "n": [len(supervised), len(bare)],
         "df": round(df, 1),
     }
 

@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_ladder
 
+from qlora_supervise.supervisor.loop.child import ChildProcess
 from recovery import assets, jobs
 from recovery.approaches import attempt_env, write_spec
 from recovery.keep import keep_journals
-from recovery.overhead import interval, split_by_windows, steps_of
+from recovery.overhead import Steps, interval, split_by_windows, steps_of
 from recovery.scenarios import SCENARIOS, TINY_SCENARIOS, steady
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,9 @@ def heartbeat_step(events: Path) -> int:
     return max((s for s in steps if isinstance(s, int)), default=0)
 
 
-def cycle_spares(child: Any, spec_path: Path, env: dict[str, str], run_dir: Path, device: str) -> list[Any]:
+def cycle_spares(
+    child: ChildProcess, spec_path: Path, env: dict[str, str], run_dir: Path, device: str
+) -> list[Any]:
     """Spares one after another beside ``child`` from its first step until it exits: each imports
     and prepares, then gets an empty order (it leaves), then a pause as long as it took."""
     from qlora_supervise.supervisor.loop import child as child_mod
@@ -89,7 +92,10 @@ def cycle_spares(child: Any, spec_path: Path, env: dict[str, str], run_dir: Path
     return windows
 
 
-def compare(steps: Any, windows: list[dict[str, Any]]) -> dict[str, Any]:
+def compare(steps: Steps, windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The steps beside an import against the steps alone: medians, and the mean's difference
+    with Welch's interval (the steps of one run are neighbours, not independent samples: the
+    interval is narrower than the truth, and the report does not judge the target on it)."""
     spans = [(w["start"], w["end"]) for w in windows]
     inside, outside = split_by_windows(steps.rates, steps.ended, spans, steps.began)
     found = interval(inside, outside)

@@ -115,12 +115,14 @@ class ChildProcess:
     def poll(self) -> int | None:
         return self.popen.poll()
 
-    def wait(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> None:
-        """Return when the child exits or ``timeout_s`` has passed, whichever is first.
+    def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Return when the child exits or ``timeout_s`` has passed, whichever is first; it neither
+        reaps the child nor says how it ended (``poll`` does both).
 
         A pidfd wakes the watch at the exit itself: a failed attempt's successor (a warm spare
-        above all) then starts at once rather than at the next tick. Without pidfds (not Linux,
-        or before 5.3) it sleeps the tick out.
+        above all) then starts at once rather than at the next tick. ``poll(2)``, not
+        ``select(2)``, since a supervisor with many files open may get a pidfd above 1023. Without
+        pidfds (not Linux, or before 5.3) it sleeps the tick out.
         """
         if self.popen.poll() is not None:
             return
@@ -130,7 +132,9 @@ class ChildProcess:
             sleep(timeout_s)
             return
         try:
-            select.select([pidfd], [], [], timeout_s)
+            waiter = select.poll()
+            waiter.register(pidfd, select.POLLIN)
+            waiter.poll(max(0, int(timeout_s * 1000)))
         finally:
             os.close(pidfd)
 

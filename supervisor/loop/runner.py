@@ -331,7 +331,7 @@ class AttemptRunner:
                 )
                 watched.hang = True
                 return watched
-            proc.wait(seams.tick_s, seams.sleep)  # woken early by the child's exit
+            proc.wait_for_exit(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
 
     def _last_gpu_look(self, pid: int, watched: Watched, attempt_dir: Path, log: Any) -> None:

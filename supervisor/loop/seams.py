@@ -40,7 +40,7 @@ class ChildHandle(Protocol):
 
     def poll(self) -> int | None: ...
 
-    def wait(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
+    def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
         """Until it exits or ``timeout_s`` passes (a fake on a fake clock just sleeps)."""
         ...
 
