@@ -90,6 +90,16 @@ def test_the_overhead_interval_comes_from_the_runs_and_decides_the_target() -> N
     same = overhead.interval([100.0, 101.0, 99.0], [100.0, 101.0, 99.0])
     assert same is not None and same["overhead_pct"] == 0.0 and same["low_pct"] < 0 < same["high_pct"]
     assert overhead.interval([100.0], [100.0, 101.0]) is None  # one run a side: no spread to judge by
+    assert overhead.interval([100.0, 100.0], [100.0, 100.0]) is None  # no spread at all either
+    # By hand: means 11 and 12, each variance 2 over 2 runs, so SE sqrt(2) and Welch df 2 (t 4.303);
+    # the cost 1/12 = 8.33 %, the half-width 4.303 * 1.4142 / 12 = 50.71 %.
+    assert overhead.interval([10.0, 12.0], [11.0, 13.0]) == {
+        "overhead_pct": 8.33,
+        "low_pct": -42.38,
+        "high_pct": 59.04,
+        "n": [2, 2],
+        "df": 2.0,
+    }
 
     def judged(sup: list[float], bare: list[float]) -> str:
         o = {"run_medians_supervised": sup, "run_medians_bare": bare}

@@ -60,7 +60,7 @@ def warm_weight_renamings(model_type: str) -> None:
     """Build transformers' table of checkpoint renamings (5.x), which its first ``from_pretrained``
     in a process builds for every architecture at once (hundreds of regexes: 0.6 s on this
     project's CI CPU) and keeps in a module-level cache. Building it is pure; a transformers
-    without the table is fine too."""
+    without the table is fine too. (A private cache, read as of transformers 5.17 and 5.24.)"""
     try:
         from transformers import conversion_mapping
     except ImportError:
