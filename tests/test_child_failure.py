@@ -43,3 +43,19 @@ def test_wrapped_oom_and_config_error_codes() -> None:
         assert capture(exc, Stage.FORWARD, 3).exit_code is ExitCode.OOM
     assert capture(ConfigError("bad field"), Stage.LOAD, 0).exit_code is ExitCode.CONFIG
     assert capture(KeyError("x"), Stage.FORWARD, 0).exit_code is ExitCode.FAILED
+
+
+def test_only_an_accelerators_oom_skips_the_gc_before_the_report() -> None:
+    """torch.OutOfMemoryError is the device's allocator (the report then needs no host memory
+    back); the CPU allocator's RuntimeError and Python's MemoryError are the host's."""
+    import torch
+
+    device = capture(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), Stage.FORWARD, 3
+    )
+    host = capture(RuntimeError("DefaultCPUAllocator: can't allocate memory"), Stage.FORWARD, 3)
+    python = capture(MemoryError(), Stage.FORWARD, 3)
+    assert device.oom and device.device_oom
+    assert host.oom and not host.device_oom
+    assert python.oom and not python.device_oom
+    assert not capture(ValueError("bad"), Stage.FORWARD, 3).device_oom

@@ -248,7 +248,7 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     # delay the exit the next attempt waits for (the emergency checkpoint frees what it needs
     # itself). After any other failure, a host OOM under a hard RLIMIT_DATA above all (which
     # lift_cpu_cap cannot raise), the gc is what makes room for the report.
-    if not (failure.oom and ctx.on_cuda and "CUDA out of memory" in failure.message):
+    if not failure.device_oom:
         memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
     report_failure(ctx, failure, memory.cuda_memory_stats() if ctx.on_cuda else None, emergency)

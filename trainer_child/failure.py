@@ -88,6 +88,12 @@ class CapturedFailure:
     time: float = dataclasses.field(default_factory=time.time)  # when the exception was caught
 
     @property
+    def device_oom(self) -> bool:
+        """An accelerator's allocator ran out (torch.OutOfMemoryError: CUDA, also cudaMallocAsync's
+        wording), not the host: the CPU allocator raises RuntimeError, Python MemoryError."""
+        return self.oom and self.exception_type == "OutOfMemoryError"
+
+    @property
     def exit_code(self) -> ExitCode:
         if self.config:
             return ExitCode.CONFIG

@@ -40,7 +40,8 @@ def stamp(path: str | None) -> Stamp:
             return ((where.name, status.st_size, status.st_mtime_ns),)
         if where.is_dir():
             files = [f for f in where.iterdir() if f.is_file() and f.suffix not in WEIGHT_SUFFIXES]
-            return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+            stats = {f.name: f.stat() for f in files}
+            return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats.items()))
     except OSError:  # gone or unreadable: the attempt's own load will say so
         return ()
     return ()  # a hub id, not a local path
@@ -102,8 +103,7 @@ def load_tokenizer(spec: AttemptSpec) -> Any:
 def prepare(spec: AttemptSpec) -> Prepared:
     """Load the CPU-side inputs of ``spec``'s recipe (errors are the attempt's to report)."""
     started = time.monotonic()
+    inputs = Inputs.of(spec)  # stamped before reading: a file rewritten meanwhile no longer matches
     tokenizer = load_tokenizer(spec)
     train_set, eval_set, lengths = load_rows(spec, tokenizer)
-    return Prepared(
-        Inputs.of(spec), tokenizer, train_set, eval_set, lengths, round(time.monotonic() - started, 3)
-    )
+    return Prepared(inputs, tokenizer, train_set, eval_set, lengths, round(time.monotonic() - started, 3))

@@ -75,18 +75,17 @@ def steps_of(run_dir: Path, side: str, name: str) -> Steps | None:
 def spare_windows(run_dir: Path) -> list[tuple[float, float]]:
     """(start, end) wall times of each spare's imports and preparation in a supervised run: from
     its ``spare_started`` to its ``import_s`` + ``prepare_s`` later (its ``spare_ready`` line)."""
+    from qlora_supervise.supervisor.loop.spare import ready_line
+
     events = gpu_ladder.read_jsonl(run_dir / "events.jsonl")
-    started = {e.get("pid"): float(e["time"]) for e in events if e.get("event") == "spare_started"}
-    log = run_dir / "spare.log"
-    lines = log.read_text(encoding="utf-8", errors="replace").splitlines() if log.is_file() else []
     windows = []
-    for line in lines:
-        if '"spare_ready"' not in line:
+    for event in events:
+        if event.get("event") != "spare_started":
             continue
-        ready = json.loads(line)
-        if ready.get("pid") in started:
-            at = started[ready["pid"]]
-            windows.append((at, at + float(ready.get("import_s") or 0) + float(ready.get("prepare_s") or 0)))
+        ready = ready_line(run_dir / "spare.log", event.get("pid"))
+        if ready is not None:
+            busy = float(ready.get("import_s") or 0) + float(ready.get("prepare_s") or 0)
+            windows.append((float(event["time"]), float(event["time"]) + busy))
     return windows
 
 

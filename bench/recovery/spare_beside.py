@@ -39,6 +39,7 @@ from qlora_supervise.supervisor.loop.child import ChildProcess
 from recovery import assets, jobs
 from recovery.approaches import attempt_env, write_spec
 from recovery.keep import keep_journals
+from recovery.measure import step_log
 from recovery.overhead import Steps, interval, split_by_windows, steps_of
 from recovery.scenarios import SCENARIOS, TINY_SCENARIOS, steady
 
@@ -59,8 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def heartbeat_step(events: Path) -> int:
     """The newest completed step in a child's events file (0 before the first)."""
-    steps = [e.get("step") for e in gpu_ladder.read_jsonl(events) if e.get("event") == "heartbeat"]
-    return max((s for s in steps if isinstance(s, int)), default=0)
+    return max(step_log(gpu_ladder.read_jsonl(events))[0], default=0)
 
 
 def cycle_spares(
