@@ -14,14 +14,14 @@ import sys
 
 
 def main() -> None:
-    from qlora_supervise.trainer_child.memory import prepare_process_env
+    from qlora_supervise.trainer_child.run.memory import prepare_process_env
 
     prepare_process_env(expandable_segments=sys.argv[1:2] != ["off"])
     import torch
 
-    from qlora_supervise.trainer_child import memory
-    from qlora_supervise.trainer_child.failure import capture
-    from qlora_supervise.trainer_child.protocol import Stage
+    from qlora_supervise.trainer_child.contract.codes import Stage
+    from qlora_supervise.trainer_child.run import memory
+    from qlora_supervise.trainer_child.run.failure import capture
 
     memory.apply_gpu_cap(4 << 30)
     print("expandable_segments_active", memory.expandable_segments_active())
@@ -33,7 +33,7 @@ def main() -> None:
         failure = capture(exc, Stage.FORWARD, 7)
         print("exit_code", int(failure.exit_code), "oom", failure.oom)
         print("message", failure.message[:400])
-        from qlora_supervise.trainer_child.failure import oom_numbers
+        from qlora_supervise.trainer_child.run.failure import oom_numbers
 
         print("oom_numbers", oom_numbers(failure.message))
     stats = memory.cuda_memory_stats() or {}

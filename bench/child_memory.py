@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _child import events, log_tail, make_spec, run_child
 
-from qlora_supervise.trainer_child.protocol import Heartbeat
+from qlora_supervise.trainer_child.contract.events import Heartbeat
 
 CONFIGS = [  # (micro_batch, seq_len, gradient_checkpointing)
     (16, 512, False),
@@ -61,7 +61,7 @@ def measure(tiny: Path, micro: int, seq: int, checkpointing: bool, steps: int = 
             "rc": code,
             "wall_s": round(wall, 1),
             "vmdata_after_imports": started.get("vmdata") or 0,
-            # On the CPU the child's peak is the data segment's (protocol.MemoryNumbers).
+            # On the CPU the child's peak is the data segment's (contract.events.MemoryNumbers).
             "peak_vmdata": max((b.memory.peak_bytes or 0 for b in beats), default=0),
             "peak_rss": max((b.memory.rss_high_water_bytes or 0 for b in beats), default=0),
         }
@@ -71,7 +71,7 @@ def main() -> None:
     tiny = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/tiny")
     if not (tiny / "model" / "config.json").is_file():
         print(f"building the tiny model in {tiny} ...", flush=True)
-        make = [sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(tiny)]
+        make = [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.tiny", str(tiny)]
         subprocess.run(make, check=True, capture_output=True)
     mib = 1 << 20
     for micro, seq, ckpt in CONFIGS:

@@ -28,8 +28,8 @@ from typing import Any
 
 from qlora_supervise.supervisor.diagnosis._frames import parse_frames
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
-from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
-from qlora_supervise.trainer_child.protocol import FailureKind
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.oom_message import parse_messages, parse_numbers
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DEV = ROOT.parent / "shared" / "corpus" / "dev.jsonl"

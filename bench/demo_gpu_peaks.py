@@ -17,12 +17,12 @@ from pathlib import Path
 import yaml
 
 from qlora_supervise.supervisor.commands.demo import DEMO_TRAIN
-from qlora_supervise.trainer_child.protocol import MemoryNumbers
+from qlora_supervise.trainer_child.contract.events import MemoryNumbers
 
 
 def peak(run_dir: Path) -> int:
     events = (run_dir / "attempt-001" / "child-events.jsonl").read_text().splitlines()
-    # The child's one peak (protocol.MemoryNumbers): the CUDA allocator's on a GPU.
+    # The child's one peak (contract.events.MemoryNumbers): the CUDA allocator's on a GPU.
     return max(MemoryNumbers.from_fields(json.loads(line)).peak_bytes or 0 for line in events if line.strip())
 
 
@@ -30,7 +30,9 @@ def main() -> int:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/demo-gpu").resolve()
     tiny = work / "tiny"
     if not (tiny / "job.yaml").exists():
-        subprocess.run([sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(tiny)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.tiny", str(tiny)], check=True
+        )
     rows = []
     for checkpointing in (False, True):
         job = yaml.safe_load((tiny / "job.yaml").read_text())

@@ -47,14 +47,8 @@ from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit
 from qlora_supervise.supervisor.diagnosis.fragmentation import predicted_fit
 from qlora_supervise.supervisor.loop.child import child_env
-from qlora_supervise.trainer_child.protocol import (
-    AttemptSpec,
-    DataSpec,
-    DiagnoseSpec,
-    ErrorReport,
-    Knobs,
-    TrainSpec,
-)
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, DiagnoseSpec, Knobs, TrainSpec
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -279,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cap_bytes = parse_bytes(args.cap)
     if args.tiny and args.cap == "8GiB":  # the CPU cap: the data segment after imports + a little
         baseline = subprocess.run(
-            [sys.executable, "-m", "qlora_supervise.trainer_child.stack"],
+            [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.stack"],
             capture_output=True,
             text=True,
             check=True,

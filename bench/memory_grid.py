@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_ladder import long_rows
 
 if TYPE_CHECKING:
-    from qlora_supervise.trainer_child.protocol import Knobs
+    from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ class Config:
 
     def knobs(self, model: str = "m") -> Knobs:
         """The knobs the child runs this point with (and the memory model predicts it with)."""
-        from qlora_supervise.trainer_child.protocol import Knobs
+        from qlora_supervise.trainer_child.contract.spec import Knobs
 
         return Knobs(
             model=model,
@@ -262,7 +262,7 @@ def build_all(names: list[str], work: Path, tiny: bool, max_seq: int) -> dict[st
 
 
 def write_spec(config: Config, work: Path, run: Path, tiny: bool) -> Path:
-    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, TrainSpec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, TrainSpec
 
     shape_dir = work / config.shape
     knobs = config.knobs(str(shape_dir / "model"))
@@ -333,8 +333,8 @@ def summarise(config: Config, run: Path, code: int, wall: float) -> dict[str, An
         if e.get("event") == "heartbeat" and e.get("tokens_per_s") and e.get("step"):
             by_step.setdefault(int(e["step"]), float(e["tokens_per_s"]))
     later = [v for s, v in sorted(by_step.items()) if s > 2] or list(by_step.values())
-    # The child's memory fields (trainer_child/protocol.py MemoryNumbers; older keys read too).
-    from qlora_supervise.trainer_child.protocol import MemoryNumbers
+    # The child's memory fields (trainer_child/contract/ MemoryNumbers; older keys read too).
+    from qlora_supervise.trainer_child.contract.events import MemoryNumbers
 
     at_load = MemoryNumbers.from_fields(loaded)
     rss = [m.rss_high_water_bytes for m in map(MemoryNumbers.from_fields, events) if m.rss_high_water_bytes]

@@ -6,7 +6,7 @@
 1. once: the random-weight Llama-2-7B-shaped model of ``bench/gpu_ladder.py`` (bf16,
    safetensors; built in a subprocess) and a LoRA adapter on q/k/v/o with r 8 and random
    non-zero B matrices (peft starts B at zero, which would make the merge a no-op);
-2. per device: the merge child (``python -m qlora_supervise.trainer_child.merge``, the same one
+2. per device: the merge child (``python -m qlora_supervise.trainer_child.merge.process``, the same one
    ``run`` starts for ``train.merge: true``) with ``QLORA_SUPERVISE_MERGE_DEVICE`` set, its RSS
    sampled from outside every 0.2 s; its own ``merged/merge.json`` gives the plan, the CUDA
    allocator's peak and its VmHWM.
@@ -54,7 +54,7 @@ def make_adapter(model: Path, out: Path) -> dict[str, Any]:
 
 
 def write_spec(work: Path, run: Path, model: Path) -> Path:
-    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, Knobs, TrainSpec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
 
     spec = AttemptSpec(
         attempt=1,
@@ -81,7 +81,7 @@ def merge_once(work: Path, device: str, timeout: float) -> dict[str, Any]:
     shutil.rmtree(run, ignore_errors=True)
     spec = write_spec(work, run, work / "model")
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "qlora_supervise.trainer_child.merge", "--spec", str(spec)]
+    command = [sys.executable, "-m", "qlora_supervise.trainer_child.merge.process", "--spec", str(spec)]
     t0 = time.monotonic()
     with (run / "merge" / "child.log").open("wb") as log:
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

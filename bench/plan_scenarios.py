@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = TINY if args.tiny else SCENARIOS
     shapes = sorted({s.shape for s in scenarios})
     if args.tiny:
-        from qlora_supervise.trainer_child.tiny import write_tiny
+        from qlora_supervise.trainer_child.recipe.tiny import write_tiny
 
         if not (args.work / "tiny" / "model").is_dir():
             write_tiny(args.work / "tiny")

@@ -23,7 +23,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.spare import SpareOrder, ready_line, spare_argv
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def nvml_view(index: int) -> dict[str, Any]:

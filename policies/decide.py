@@ -46,8 +46,9 @@ from qlora_supervise.policies.rungs import (
     rung_by_name,
     shorten_cost_text,
 )
-from qlora_supervise.trainer_child.attempt_facts import SampleLengths
-from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
 RETRY_UNCHANGED_ONCE = frozenset(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from qlora_supervise.trainer_child.protocol import OOM_KIND_BY_STAGE, FailureKind, Stage
+from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, FailureKind, Stage
 
 FORWARD: tuple[str, ...] = (
     "gradient_checkpointing",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 __all__ = [
     "DEFAULT_TARGETS",

@@ -36,7 +36,7 @@ from typing import Any
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.rungs import MIN_SEQ_LEN, STATIC_RUNGS
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 DEFAULT_MARGIN = 0.08
 PAGED_8BIT = "paged_adamw_8bit"

@@ -11,8 +11,8 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from qlora_supervise.trainer_child.attempt_facts import SampleLengths
-from qlora_supervise.trainer_child.protocol import Knobs, rank_gpus
+from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 #: Shortest sequence length the shorten rung will go to; below this most instruction data is cut.
 MIN_SEQ_LEN = 128

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, ErrorReport, Knobs, TrainSpec
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def tiny_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     so the test process itself never imports torch)."""
     directory = tmp_path_factory.mktemp("tiny")
     subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(directory)],
+        [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.tiny", str(directory)],
         check=True,
         env=child_env(),
         capture_output=True,

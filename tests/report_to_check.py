@@ -10,9 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from qlora_supervise.trainer_child import recipe
-from qlora_supervise.trainer_child.failure import ConfigError
-from qlora_supervise.trainer_child.protocol import AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.recipe import qlora as recipe
+from qlora_supervise.trainer_child.run.failure import ConfigError
 
 spec = AttemptSpec.from_json(Path(sys.argv[1]).read_text())
 try:

@@ -55,16 +55,13 @@ import sys
 import time
 from pathlib import Path
 
-from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
-from qlora_supervise.trainer_child.disk_space import disk_facts, ensure_room, is_disk_full
-from qlora_supervise.trainer_child.durable import write_text_atomic
-from qlora_supervise.trainer_child.protocol import (
-    EARLY_CHECKPOINT_SIGNAL,
-    AttemptSpec,
-    ErrorReport,
-    ExitCode,
-    event_line,
-)
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.disk_space import disk_facts, ensure_room, is_disk_full
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.events import event_line
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
 
 OOM_MESSAGE = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qlora_supervise.trainer_child import checkpoints
-from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER, complete_checkpoints
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+    CHECKPOINT_COMPLETE_MARKER,
+    complete_checkpoints,
+)
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def _written(root: Path, step: int) -> Path:

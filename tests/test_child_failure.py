@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from qlora_supervise.trainer_child.failure import ConfigError, capture, is_oom, oom_numbers
-from qlora_supervise.trainer_child.protocol import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.run.failure import ConfigError, capture, is_oom, oom_numbers
 
 CPU_MESSAGE = (
     "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
 
-from qlora_supervise.trainer_child.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     CHECKPOINT_COMPLETE_MARKER,
     newest_complete_checkpoint,
 )
-from qlora_supervise.trainer_child.protocol import ExitCode
+from qlora_supervise.trainer_child.contract.codes import ExitCode
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20

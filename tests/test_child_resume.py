@@ -17,8 +17,8 @@ from _child import (
     wait_for_event,
 )
 
-from qlora_supervise.trainer_child.checkpoint_dirs import complete_checkpoints
-from qlora_supervise.trainer_child.protocol import ExitCode
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import complete_checkpoints
+from qlora_supervise.trainer_child.contract.codes import ExitCode
 
 pytestmark = pytest.mark.slow
 TRACE = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"

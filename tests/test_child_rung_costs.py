@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from _child import events, log_tail, make_spec, next_spec, run_child
 
-from qlora_supervise.trainer_child.attempt_facts import RankReduction, SampleLengths
-from qlora_supervise.trainer_child.protocol import AttemptSpec, ExitCode
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 pytestmark = pytest.mark.slow
 TRACE = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"

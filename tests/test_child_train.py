@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
 
-from qlora_supervise.trainer_child.protocol import ExitCode, Knobs
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 pytestmark = pytest.mark.slow
 #: trainer.TEST_TRACE_BATCHES (not imported: that module imports torch into the test process).
@@ -35,7 +36,9 @@ def test_tiny_job_trains_to_completion_and_loss_falls(tiny_dir: Path, tmp_path: 
     assert started["vmdata"] > 0 and started["expandable_segments_active"] is None  # CPU: not applicable
 
     merge = next_spec(spec, knobs={"merge_on_cpu": True})
-    assert run_child(merge, module="qlora_supervise.trainer_child.merge") == ExitCode.OK, log_tail(merge)
+    assert run_child(merge, module="qlora_supervise.trainer_child.merge.process") == ExitCode.OK, log_tail(
+        merge
+    )
     assert (Path(spec.merged_dir) / "config.json").is_file()
     assert not list(Path(spec.merged_dir).glob("adapter_*"))
 

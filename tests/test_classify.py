@@ -17,7 +17,8 @@ from qlora_supervise.supervisor.diagnosis._frames import Frame, frame_stage, par
 from qlora_supervise.supervisor.diagnosis._oom_rules import contention, derive, fragmentation
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
-from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode, FailureKind, Stage
+from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 GIB, MIB = 1024**3, 1024**2
 SITE = "/venv/lib/python3.11/site-packages"

@@ -18,7 +18,9 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.watching.creep import HORIZON_STEPS, CreepWatch
-from qlora_supervise.trainer_child.protocol import Heartbeat, MemoryNumbers, PeakSource, Stage
+from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, PeakSource
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_scripted import scripted_seams
@@ -130,8 +132,7 @@ def _child_events(attempt_dir: Path) -> list[dict[str, Any]]:
 
 
 def _import_baseline() -> int:
-    out = subprocess.run([sys.executable, "-m", "qlora_supervise.trainer_child.stack"], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", entry.STACK], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
 
 

@@ -22,7 +22,7 @@ import yaml
 
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.trainer_child.disk_space import NoRoomForCheckpoint, ensure_room, is_disk_full
+from qlora_supervise.trainer_child.contract.disk_space import NoRoomForCheckpoint, ensure_room, is_disk_full
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_loop import _job, _wait_for

@@ -10,8 +10,10 @@ from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, judge, predicted_fit
-from qlora_supervise.trainer_child.allocator_facts import AllocatorFacts, facts_from_allocator
-from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode, FailureKind, Knobs, Stage
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, facts_from_allocator
+from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 MIB, GIB = 1024**2, 1024**3
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu-h200-2026-11-29"
@@ -176,7 +178,7 @@ def test_allocator_facts_cross_the_report_file_typed() -> None:
 
 def test_step_shapes_remember_the_last_completed_step_of_each_shape() -> None:
     """The child's record: a shape counts once its step completed; the one in flight does not yet."""
-    from qlora_supervise.trainer_child.memory import StepShapes
+    from qlora_supervise.trainer_child.run.memory import StepShapes
 
     shapes = StepShapes()
     shapes.micro_batch((4, 2048))

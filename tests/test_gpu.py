@@ -250,9 +250,9 @@ def test_supervisor_watches_the_gpu_the_child_trains_on(
     monkeypatch: pytest.MonkeyPatch, device: str, visible: str | None, physical: int
 ) -> None:
     """Given the same inherited CUDA_VISIBLE_DEVICES, the child's GPU is the one NVML watches."""
-    from qlora_supervise.trainer_child import memory
     from qlora_supervise.trainer_child.__main__ import prepare_env
-    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, Knobs, TrainSpec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
+    from qlora_supervise.trainer_child.run import memory
 
     for name in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "ARROW_DEFAULT_MEMORY_POOL"):
         monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test

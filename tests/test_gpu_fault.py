@@ -17,7 +17,8 @@ from qlora_supervise.supervisor.exit_codes import EXIT_CODES_HELP, SupervisorExi
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor
-from qlora_supervise.trainer_child.protocol import ExitCode, FailureKind, Knobs, Stage
+from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 K = FailureKind
 CRASHED = ChildExit(returncode=int(ExitCode.FAILED))

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
-from qlora_supervise.trainer_child.protocol import Heartbeat, MemoryNumbers, Stage, event_line
+from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, event_line
 
 
 def test_reader_takes_the_peak_from_typed_heartbeats(tmp_path: Path) -> None:

@@ -16,14 +16,8 @@ from qlora_supervise.policies.decide import Settings
 from qlora_supervise.supervisor.commands.validate import validate_command
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
 from qlora_supervise.supervisor.jobfile.problems import FILE_PATH
-from qlora_supervise.trainer_child.protocol import (
-    AttemptSpec,
-    DataSpec,
-    FailureKind,
-    Knobs,
-    Resources,
-    TrainSpec,
-)
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, Resources, TrainSpec
 
 MODEL = "model: {path: ./model}\n"
 MINIMAL = MODEL + "data: {path: ./data.jsonl}\n"

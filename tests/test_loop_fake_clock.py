@@ -22,13 +22,11 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.watching.gpu import GpuSample
-from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
-from qlora_supervise.trainer_child.protocol import (
-    AttemptSpec,
-    ErrorReport,
-    ExitCode,
-    event_line,
-)
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.events import event_line
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 GiB = 1024**3
 OOM = (

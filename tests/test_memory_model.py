@@ -13,7 +13,7 @@ import pytest
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory import gpu, optimizer
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "memory_points_h200.json").read_text())
 SHAPES = {name: ModelShape(**fields) for name, fields in FIXTURE["shapes"].items()}

@@ -11,7 +11,7 @@ import pytest
 from _child import child_env, events, make_spec, run_child
 
 from qlora_supervise.supervisor.commands.cli import main
-from qlora_supervise.trainer_child.merge_plan import MergeSizes, plan_merge
+from qlora_supervise.trainer_child.merge.plan import MergeSizes, plan_merge
 
 CHECK = Path(__file__).with_name("merge_check.py")
 GIB = 2**30
@@ -31,7 +31,7 @@ def test_merged_model_loads_and_its_logits_equal_base_plus_adapter(tiny_dir: Pat
     run_dir = tmp_path / "run"
     _check("adapter", str(tiny_dir / "model"), str(run_dir / "adapter"))
     spec = make_spec(tiny_dir, run_dir, train={"compute_dtype": "bf16"})
-    assert run_child(spec, module="qlora_supervise.trainer_child.merge") == 0
+    assert run_child(spec, module="qlora_supervise.trainer_child.merge.process") == 0
     merged = run_dir / "merged"
     report = json.loads((merged / "merge.json").read_text())
     assert report["device"] == "cpu" and report["dtype"] == "bfloat16" and report["host_peak_bytes"] > 0

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from qlora_supervise.trainer_child.oom_message import (
+from qlora_supervise.trainer_child.contract.oom_message import (
     OomMessage,
     parse_messages,
     parse_numbers,
@@ -266,7 +266,7 @@ def test_module_uses_the_standard_library_only() -> None:
     import sys
     from pathlib import Path
 
-    import qlora_supervise.trainer_child.oom_message as module
+    import qlora_supervise.trainer_child.contract.oom_message as module
 
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {

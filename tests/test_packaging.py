@@ -36,7 +36,8 @@ def test_wheel_installs_under_the_namespace_only(tmp_path: Path) -> None:
     assert tops == {"qlora_supervise"}
     for package in ("supervisor", "policies", "trainer_child"):
         assert f"qlora_supervise/{package}/__init__.py" in names
-    assert "qlora_supervise/trainer_child/protocol.py" in names
+    for room in ("contract", "recipe", "run", "merge"):
+        assert f"qlora_supervise/trainer_child/{room}/__init__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert (
         "qlora_supervise.supervisor.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -44,14 +45,14 @@ def test_wheel_installs_under_the_namespace_only(tmp_path: Path) -> None:
 
 
 def test_supervisor_does_not_import_torch() -> None:
-    """Importing every supervisor module and the policies leaves torch (and transformers) unimported."""
+    """Importing every module of the supervisor, the policies and the contract leaves torch (and transformers) unimported."""
     code = (
         "import sys, pkgutil, importlib\n"
         "import qlora_supervise.supervisor as s, qlora_supervise.policies as p\n"
-        "for pkg in (s, p):\n"
-        "    for m in pkgutil.iter_modules(pkg.__path__):\n"
-        "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
-        "import qlora_supervise.trainer_child.protocol\n"
+        "import qlora_supervise.trainer_child.contract as c\n"
+        "for pkg in (s, p, c):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
         "names = ('torch', 'transformers', 'peft', 'trl', 'bitsandbytes', 'datasets')\n"
         "heavy = [m for m in names if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -12,7 +12,8 @@ from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, WaitResult, decide
 from qlora_supervise.policies.ladders import ladder_for
 from qlora_supervise.policies.rungs import STATIC_RUNGS, RungContext, Survives, smaller_model
-from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from qlora_supervise.policies.preflight import (
     preflight,
     rung_effects,
 )
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
 SHAPE_7B = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000)

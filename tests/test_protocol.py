@@ -7,17 +7,10 @@ import re
 
 import pytest
 
-from qlora_supervise.trainer_child.protocol import (
-    DeviceBinding,
-    DeviceError,
-    ErrorReport,
-    ExitCode,
-    Heartbeat,
-    MemoryNumbers,
-    PeakSource,
-    Stage,
-    bind_device,
-)
+from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.devices import DeviceBinding, DeviceError, bind_device
+from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, PeakSource
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
 def _report(stage: object) -> ErrorReport:

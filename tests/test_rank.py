@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 
 from safetensors.torch import load_file, save_file  # noqa: E402 - after the importorskip
 
-from qlora_supervise.trainer_child.attempt_facts import RankReduction  # noqa: E402
-from qlora_supervise.trainer_child.failure import ConfigError  # noqa: E402
-from qlora_supervise.trainer_child.rank import (  # noqa: E402
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction  # noqa: E402
+from qlora_supervise.trainer_child.run.failure import ConfigError  # noqa: E402
+from qlora_supervise.trainer_child.run.rank import (  # noqa: E402
     energy_share,
     lora_scale,
     truncate_adapter,

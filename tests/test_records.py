@@ -21,7 +21,8 @@ from qlora_supervise.supervisor.record.records import (
     Phase,
     attempt_peak,
 )
-from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1024**3
 README = Path(__file__).resolve().parent.parent / "README.md"

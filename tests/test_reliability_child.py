@@ -18,8 +18,11 @@ from _child import events, log_tail, make_spec, report, run_child
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER, complete_checkpoints
-from qlora_supervise.trainer_child.protocol import ExitCode
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+    CHECKPOINT_COMPLETE_MARKER,
+    complete_checkpoints,
+)
+from qlora_supervise.trainer_child.contract.codes import ExitCode
 
 pytestmark = pytest.mark.slow
 SCHEDULE = {"max_steps": 6, "save_steps": 2, "warmup_ratio": 0.5, "learning_rate": 2e-3}

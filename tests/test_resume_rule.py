@@ -13,9 +13,9 @@ from qlora_supervise.supervisor.loop.child_output import note_child_events
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, next_plan
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
-from qlora_supervise.trainer_child.attempt_facts import RankReduction
-from qlora_supervise.trainer_child.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KNOBS = Knobs(model="/m/7b", lora_r=16, lora_alpha=32, optimizer="paged_adamw_8bit")
 

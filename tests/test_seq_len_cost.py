@@ -17,8 +17,10 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import with_sample_lengths
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.trainer_child.attempt_facts import SampleLengths
-from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage, event_line
+from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.events import event_line
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 # 20 samples: 10 of 50 tokens, 6 of 100, 4 of 200 (1900 tokens). At 128 the four longest lose 72 each.
 LENGTHS = SampleLengths(20, tuple([50] * 10 + [100] * 6 + [200] * 4))

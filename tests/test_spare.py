@@ -90,7 +90,7 @@ def _order(expandable: bool, model: str = "/m") -> SpareOrder:
 
 
 def _knobs(expandable: bool) -> Any:
-    from qlora_supervise.trainer_child.protocol import Knobs
+    from qlora_supervise.trainer_child.contract.spec import Knobs
 
     return Knobs(model="/m", expandable_segments=expandable)
 
@@ -134,8 +134,8 @@ def test_spare_rules_cpus_setting_and_ram() -> None:
 def test_only_one_plain_training_process_runs_in_a_spare(tmp_path: Path) -> None:
     """torchrun's ranks, a merge and a scripted child never run in a spare; the spare refuses a
     several-process spec even if handed one."""
-    from qlora_supervise.trainer_child.protocol import AttemptSpec, DataSpec, TrainSpec
-    from qlora_supervise.trainer_child.spare import check_spec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, TrainSpec
+    from qlora_supervise.trainer_child.run.spare import check_spec
 
     trainer = child_mod.child_argv(tmp_path / "spec.json", "train")
     assert runs_in_spare(trainer, trainer, train=True, world_size=1)
@@ -154,8 +154,8 @@ def test_reclaim_knows_a_spare_of_this_run_by_its_command_line(tmp_path: Path) -
     """A spare names its run directory; one of another run (a prefix of this one's name) is not ours."""
     rd = RunDir(tmp_path / "run")
     spec = rd.attempt_dir(2) / "spec.json"
-    ours = f"python -m qlora_supervise.trainer_child.spare --run-dir {rd.root} --device cpu"
-    theirs = f"python -m qlora_supervise.trainer_child.spare --run-dir {rd.root}2 --device cpu"
+    ours = f"python -m qlora_supervise.trainer_child.run.spare --run-dir {rd.root} --device cpu"
+    theirs = f"python -m qlora_supervise.trainer_child.run.spare --run-dir {rd.root}2 --device cpu"
     assert _is_attempt_child(ours, spec, rd)
     assert not _is_attempt_child(theirs, spec, rd)
     assert _is_attempt_child(f"python -m qlora_supervise.trainer_child --spec {spec}", spec, rd)
@@ -165,7 +165,7 @@ def test_reclaim_knows_a_spare_of_this_run_by_its_command_line(tmp_path: Path) -
 def test_the_spare_imports_the_stack_without_cuda_and_leaves_on_eof(tmp_path: Path) -> None:
     """The spare reports ready with torch imported and CUDA untouched, and an empty stdin ends it at once."""
     order = SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none")
-    argv = [sys.executable, "-m", "qlora_supervise.trainer_child.spare", "--run-dir", str(tmp_path)]
+    argv = [sys.executable, "-m", "qlora_supervise.trainer_child.run.spare", "--run-dir", str(tmp_path)]
     # A spec to prepare from that cannot be read: the spare says so and serves all the same.
     argv += ["--prepare", str(tmp_path / "missing" / "spec.json")]
     proc = child_mod.spawn_spare([*argv, "--device", "cpu"], order.env, tmp_path / "spare.log", tmp_path)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from qlora_supervise.supervisor.diagnosis._frames import parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
-from qlora_supervise.trainer_child.protocol import FailureKind, Stage, failure_line
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.report import failure_line
 
 SITE = "/venv/lib/python3.11/site-packages"
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."

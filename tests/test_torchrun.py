@@ -29,21 +29,18 @@ from qlora_supervise.supervisor.record.generations import FieldChange
 from qlora_supervise.supervisor.record.records import AttemptRecord, FailureRecord, Outcome, Phase
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
-from qlora_supervise.trainer_child.protocol import (
+from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
+from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import (
     AttemptSpec,
     DataSpec,
-    ErrorReport,
-    ExitCode,
-    FailureKind,
-    Heartbeat,
     Knobs,
-    MemoryNumbers,
-    Stage,
     TrainSpec,
     rank_file,
     rank_files,
 )
-from qlora_supervise.trainer_child.torchrun import (
+from qlora_supervise.trainer_child.run.torchrun import (
     TEST_RANK_CPU_CAP,
     TEST_RANK_GPU_CAP,
     RankPlace,
@@ -99,7 +96,7 @@ def test_one_process_starts_the_child_and_several_start_torchrun_with_no_restart
     assert "--standalone --nproc-per-node 2 --max-restarts 0 --shutdown-timeout 90" in joined
     assert argv[-4:] == ["-m", "qlora_supervise.trainer_child", "--spec", str(spec)]
     assert (
-        launch.command(spec, "merge", 2)[2] == "qlora_supervise.trainer_child.merge"
+        launch.command(spec, "merge", 2)[2] == "qlora_supervise.trainer_child.merge.process"
     )  # merging is one process
 
 

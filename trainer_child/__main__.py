@@ -12,9 +12,11 @@ import os
 import sys
 from pathlib import Path
 
-from .processes import leave
-from .protocol import AttemptSpec, DeviceError, ExitCode, bind_device
-from .torchrun import SINGLE, RankPlace, rank_spec, this_rank, world_mismatch
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.devices import DeviceError, bind_device
+from qlora_supervise.trainer_child.contract.processes import leave
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace, rank_spec, this_rank, world_mismatch
 
 
 def read_spec(path: Path) -> AttemptSpec:
@@ -24,7 +26,7 @@ def read_spec(path: Path) -> AttemptSpec:
 def prepare_env(spec: AttemptSpec, place: RankPlace = SINGLE) -> None:
     """Offline hub, one visible device, allocator settings: all before ``import torch``.
 
-    The device goes through ``protocol.bind_device``, the function the supervisor's GPU monitor
+    The device goes through ``contract.devices.bind_device``, the function the supervisor's GPU monitor
     calls with the same inherited ``CUDA_VISIBLE_DEVICES``, so the GPU trained on is the GPU
     watched. Raises DeviceError when the device names no visible GPU. Under torchrun every rank
     keeps the GPUs it inherited and trains on ``cuda:LOCAL_RANK`` (``gpu: cpu`` still hides them).
@@ -34,7 +36,7 @@ def prepare_env(spec: AttemptSpec, place: RankPlace = SINGLE) -> None:
 
 def prepare_env_for(device_name: str, expandable_segments: bool, place: RankPlace = SINGLE) -> None:
     """:func:`prepare_env` from the two facts of the spec it reads (a warm spare has no spec yet)."""
-    from .memory import prepare_process_env
+    from qlora_supervise.trainer_child.run.memory import prepare_process_env
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # never download: the lab server may have no network
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,7 +50,7 @@ def prepare_env_for(device_name: str, expandable_segments: bool, place: RankPlac
 
 def parse_args(argv: list[str] | None, prog: str) -> Path:
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON, protocol.AttemptSpec)")
+    parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON, contract.spec.AttemptSpec)")
     spec: Path = parser.parse_args(argv).spec
     return spec
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as exc:  # before the event log exists: stderr and the config exit code
         print(f"trainer child: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
-    from .attempt import run
+    from qlora_supervise.trainer_child.run.attempt import run
 
     return run(spec)
 

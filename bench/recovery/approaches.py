@@ -57,7 +57,7 @@ class Place:
 
 def attempt_env(spec_json: str) -> dict[str, str]:
     from qlora_supervise.supervisor.loop.child import child_env
-    from qlora_supervise.trainer_child.protocol import AttemptSpec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
     return child_env(dict(os.environ), AttemptSpec.from_json(spec_json).knobs)
 
@@ -88,7 +88,7 @@ def supervised(place: Place, variant: str, limit_s: float, name: str | None = No
 def restart_loop(place: Place, limit_s: float, restarts: int = RESTARTS) -> dict[str, Any]:
     """The same spec again after each failure, from the newest complete checkpoint, no change."""
     from qlora_supervise.supervisor.loop.child import child_argv
-    from qlora_supervise.trainer_child.checkpoint_dirs import newest_complete_checkpoint
+    from qlora_supervise.trainer_child.contract.checkpoint_dirs import newest_complete_checkpoint
 
     run_dir = place.run_dir("restart-loop")
     job = jobs.write_job(place.scenario, place.assets, run_dir, place.tiny)
@@ -127,7 +127,7 @@ def auto_batch(place: Place, limit_s: float) -> dict[str, Any]:
 def bare(spec_json: str, run_dir: Path, limit_s: float) -> dict[str, Any]:
     """One supervised attempt's spec, from step 0 in a fresh directory, with no supervisor."""
     from qlora_supervise.supervisor.loop.child import child_argv
-    from qlora_supervise.trainer_child.protocol import AttemptSpec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
     shutil.rmtree(run_dir, ignore_errors=True)
     spec = jobs.placed(AttemptSpec.from_json(spec_json), run_dir, 1, None)

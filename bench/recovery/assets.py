@@ -72,7 +72,7 @@ def long_row_position(rows: int, batch: int, step: int, seed: int) -> int:
 
 def write_long_row_data(path: Path, scenario: Scenario, seed: int = 42) -> int:
     """Short rows with one row longer than ``seq`` that lands in ``long_row_step``; its index."""
-    from qlora_supervise.trainer_child.protocol import TrainSpec
+    from qlora_supervise.trainer_child.contract.spec import TrainSpec
 
     assert scenario.long_row_step is not None
     if seed != TrainSpec().seed:

@@ -41,8 +41,8 @@ def trainer_class() -> type:
     from accelerate.utils.memory import should_reduce_batch_size
     from trl import SFTTrainer
 
-    from qlora_supervise.trainer_child.events import Progress
-    from qlora_supervise.trainer_child.protocol import Stage
+    from qlora_supervise.trainer_child.contract.codes import Stage
+    from qlora_supervise.trainer_child.run.heartbeat import Progress
 
     class AutoBatchSFTTrainer(SFTTrainer):
         def __init__(self, *args: Any, progress: Progress, **kwargs: Any) -> None:
@@ -100,7 +100,7 @@ def train(spec_path: Path) -> int:
 
     spec = read_spec(spec_path)
     prepare_env(spec)  # offline hub, the one visible device, allocator settings: before torch
-    from qlora_supervise.trainer_child import attempt
+    from qlora_supervise.trainer_child.run import attempt
 
     ctx = attempt.Context(spec)
     try:
@@ -113,8 +113,10 @@ def train(spec_path: Path) -> int:
 
 def run(ctx: Any) -> int:
     """The child's setup, the recipe, and training with ``auto_find_batch_size``."""
-    from qlora_supervise.trainer_child import attempt, data, prepared, recipe
-    from qlora_supervise.trainer_child.protocol import Stage
+    from qlora_supervise.trainer_child.contract.codes import Stage
+    from qlora_supervise.trainer_child.recipe import data, prepared
+    from qlora_supervise.trainer_child.recipe import qlora as recipe
+    from qlora_supervise.trainer_child.run import attempt
 
     spec, progress = ctx.spec, ctx.progress
     attempt.setup(ctx)  # the GPU cap, the imports, ``started``, then the CPU cap
@@ -136,7 +138,7 @@ def run(ctx: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", type=Path, required=True, help="an AttemptSpec (trainer_child/protocol.py)")
+    parser.add_argument("--spec", type=Path, required=True, help="an AttemptSpec (trainer_child/contract/)")
     return train(parser.parse_args(argv).spec)
 
 

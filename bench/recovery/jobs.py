@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from recovery.scenarios import UNCAPPED, Scenario
 
 if TYPE_CHECKING:
-    from qlora_supervise.trainer_child.protocol import AttemptSpec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 #: supervise.warm_spare as each supervised variant sets it (None: the job leaves the default).
 SPARE_SETTING = {
@@ -74,7 +74,7 @@ def write_job(s: Scenario, assets: Path, run_dir: Path, tiny: bool, warm_spare: 
 def job_spec(job_file: Path) -> AttemptSpec:
     """Attempt 1's spec of the job as written (no rung, no pre-flight), not yet placed."""
     from qlora_supervise.supervisor.jobfile import load_job
-    from qlora_supervise.trainer_child.protocol import AttemptSpec
+    from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
     job = load_job(job_file)
     resources = job.resources

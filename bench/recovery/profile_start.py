@@ -61,15 +61,16 @@ def profile(spec: Any, top: int, warm: bool) -> str:
     started = time.monotonic()
     import torch
 
-    from qlora_supervise.trainer_child.stack import import_training_classes, import_training_stack
+    from qlora_supervise.trainer_child.recipe.stack import import_training_classes, import_training_stack
 
     import_training_stack()
     if warm:
         import_training_classes(spec.knobs.model)
     imports_s = time.monotonic() - started
-    from qlora_supervise.trainer_child import memory, recipe
-    from qlora_supervise.trainer_child.checkpoints import ResumeSource
-    from qlora_supervise.trainer_child.events import EventLog, Progress
+    from qlora_supervise.trainer_child.contract.checkpoints import ResumeSource
+    from qlora_supervise.trainer_child.recipe import qlora as recipe
+    from qlora_supervise.trainer_child.run import memory
+    from qlora_supervise.trainer_child.run.heartbeat import EventLog, Progress
 
     started = time.monotonic()
     on_cuda = torch.cuda.is_available()

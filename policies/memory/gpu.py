@@ -58,7 +58,7 @@ from qlora_supervise.policies.memory.optimizer import (
     adapter_tensors,
 )
 from qlora_supervise.policies.memory.shape import ATTENTION_MODULES, ModelShape, resolve_targets
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
 DEFAULT_TARGETS: tuple[str, ...] = ATTENTION_MODULES

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qlora_supervise.policies.memory.shape import ModelShape, resolve_targets
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 FP32 = 4
 #: trl casts a quantized model's trainable parameters to bf16.

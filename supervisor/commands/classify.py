@@ -10,7 +10,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
 from qlora_supervise.supervisor.diagnosis.failure import Failure
-from qlora_supervise.trainer_child.oom_message import parse_numbers
+from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
 
 # (key, label) in the order a person reads an OOM message.
 NUMBER_LABELS: tuple[tuple[str, str], ...] = (

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.trainer_child.contract import entry
 
 #: The demo's first config: micro-batch 16 without gradient checkpointing needs about
 #: 1.7 GiB of data segment on the tiny model at seq 512 (logits and trl's chunked log-prob
@@ -48,7 +49,7 @@ def make_tiny_command(directory: str) -> int:
 
 
 def _make_tiny(directory: Path) -> int:
-    command = [sys.executable, "-m", "qlora_supervise.trainer_child.tiny", str(directory)]
+    command = [sys.executable, "-m", entry.TINY, str(directory)]
     return subprocess.run(command, check=False).returncode
 
 
@@ -85,7 +86,7 @@ def _gpu_present() -> bool:
 
 def _import_baseline() -> int:
     """The trainer child's data segment after its imports on this machine (a child process)."""
-    command = [sys.executable, "-m", "qlora_supervise.trainer_child.stack"]
+    command = [sys.executable, "-m", entry.STACK]
     out = subprocess.run(command, check=False, capture_output=True, text=True)
     if out.returncode != 0 or not out.stdout.strip().isdigit():
         raise SupervisorExit(

@@ -20,8 +20,11 @@ from typing import Any
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.durable import write_text_atomic
-from qlora_supervise.trainer_child.protocol import AttemptSpec, ErrorReport, ExitCode
+from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"  # trainer_child.merge.DEVICE_ENV (not imported: torch side)
 
@@ -90,7 +93,13 @@ def _run_child(spec: AttemptSpec, device: str) -> tuple[int, ErrorReport | None]
     work = Path(spec.error_file).parent
     Path(spec.error_file).unlink(missing_ok=True)
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "qlora_supervise.trainer_child.merge", "--spec", str(work / "spec.json")]
+    command = [
+        sys.executable,
+        "-m",
+        entry.MERGE,
+        "--spec",
+        str(work / "spec.json"),
+    ]
     with (work / "child.log").open("ab") as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     report = None

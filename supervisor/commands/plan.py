@@ -62,7 +62,7 @@ from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, resol
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, hub, load_job, model_files
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 SCHEMA = "qlora-supervise.plan/1"
 

@@ -41,7 +41,7 @@ from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.hooks import EventHook
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
-from qlora_supervise.trainer_child.disk_space import is_disk_full
+from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
 

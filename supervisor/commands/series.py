@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.protocol import MemoryNumbers, PeakSource
+from qlora_supervise.trainer_child.contract.events import MemoryNumbers, PeakSource
 
 #: Which current gauge shows the memory each peak source measures.
 _GAUGE_OF_SOURCE = {

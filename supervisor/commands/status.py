@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.protocol import MEMORY_SNAPSHOT_NAME
+from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME
 
 #: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).
 SNAPSHOT_HOW_TO = (

@@ -33,7 +33,7 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
 def _knob_names() -> list[str]:
     import dataclasses
 
-    from qlora_supervise.trainer_child.protocol import Knobs
+    from qlora_supervise.trainer_child.contract.spec import Knobs
 
     return [f.name for f in dataclasses.fields(Knobs)]
 

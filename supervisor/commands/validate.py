@@ -9,7 +9,7 @@ from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Jo
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.jobfile.units import format_bytes
-from qlora_supervise.trainer_child.protocol import DataSpec
+from qlora_supervise.trainer_child.contract.spec import DataSpec
 
 
 def validate_command(path: str) -> int:

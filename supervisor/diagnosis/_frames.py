@@ -39,7 +39,8 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from qlora_supervise.trainer_child.protocol import FAILURE_LINE_PREFIX, Stage
+from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.report import FAILURE_LINE_PREFIX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ def parse_frames(text: str) -> list[Frame]:
 def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
     """The stage the frames name (module docstring), or UNKNOWN."""
     ours = _OUR_CHILD.findall(text)
-    if ours:  # our trainer child names its stage in its last line (protocol.failure_line)
+    if ours:  # our trainer child names its stage in its last line (contract.report.failure_line)
         return StageFinding(Stage(ours[-1]), "the trainer child's failure line")
     named = [(frame, frame_stage(frame)) for frame in frames]
     context = _context_stage(named)

@@ -2,7 +2,7 @@
 
 Each family is a tuple of patterns; :func:`find` returns the first line that matches, for the
 evidence sentence. Only the allocator messages' *numbers* are parsed elsewhere
-(:mod:`qlora_supervise.trainer_child.oom_message`).
+(:mod:`qlora_supervise.trainer_child.contract.oom_message`).
 """
 
 from __future__ import annotations

@@ -50,15 +50,10 @@ from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragme
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.trainer_child.allocator_facts import AllocatorFacts
-from qlora_supervise.trainer_child.oom_message import parse_messages, parse_numbers
-from qlora_supervise.trainer_child.protocol import (
-    OOM_KIND_BY_STAGE,
-    ErrorReport,
-    ExitCode,
-    FailureKind,
-    Stage,
-)
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, ExitCode, FailureKind, Stage
+from qlora_supervise.trainer_child.contract.oom_message import parse_messages, parse_numbers
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 _SIGKILL_CODES = frozenset({-signals.SIGKILL, 128 + signals.SIGKILL})
 TEXT_WINDOW = 1 << 20  # characters of a log that classify_text reads, from the end

@@ -7,7 +7,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from qlora_supervise.trainer_child.protocol import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 
 
 class KilledBy(str, enum.Enum):
@@ -37,7 +37,7 @@ class Failure:
     """A classified failure.
 
     ``numbers``: the allocator message's numbers in bytes (keys of
-    :data:`qlora_supervise.trainer_child.oom_message.NUMBER_KEYS`) plus what follows from them:
+    :data:`qlora_supervise.trainer_child.contract.oom_message.NUMBER_KEYS`) plus what follows from them:
     ``reserved_unallocated`` / ``reserved_total`` when the wording prints only the other, and
     ``others_in_use`` (memory of other processes on the GPU). ``evidence``: one sentence saying
     which source decided and why. ``message``: the error line it was read from, if any.

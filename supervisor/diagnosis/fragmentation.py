@@ -3,7 +3,7 @@
 ``oom_fragmentation`` sends the next attempt to the ``expandable_segments`` rung, which changes
 nothing but the allocator's layout. So the verdict must mean exactly that a better layout
 would have been enough. For our own child, whose error report carries the allocator's facts at
-the OOM (:class:`~qlora_supervise.trainer_child.allocator_facts.AllocatorFacts`), it takes two
+the OOM (:class:`~qlora_supervise.trainer_child.contract.allocator_facts.AllocatorFacts`), it takes two
 things, and both are checked:
 
 1. **The layout failed, not the quantity**: the free memory inside reserved segments plus the
@@ -38,8 +38,8 @@ from typing import Any
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.supervisor.jobfile.units import format_bytes
-from qlora_supervise.trainer_child.allocator_facts import AllocatorFacts
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The share of the budget a perfectly packed step may use and still count as fitting.
 FIT_SHARE = 0.97

@@ -3,7 +3,7 @@
 Under torchrun one rank's failure takes the others down with it: their next collective breaks
 (gloo's "Connection closed by peer", an NCCL watchdog timeout or abort, a store timeout), or
 torchrun stops them with SIGTERM. Each rank writes its own report
-(:func:`~qlora_supervise.trainer_child.protocol.rank_file`); the cause is the earliest report,
+(:func:`~qlora_supervise.trainer_child.contract.spec.rank_file`); the cause is the earliest report,
 by the time its exception was caught, that is not a knock-on effect. Pure functions.
 """
 
@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from qlora_supervise.supervisor.diagnosis import _signatures
-from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
 @dataclasses.dataclass(frozen=True)

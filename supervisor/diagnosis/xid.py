@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.failure import Failure
-from qlora_supervise.trainer_child.protocol import FailureKind
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
 @dataclass(frozen=True)

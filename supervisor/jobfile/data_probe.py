@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.data_rows import DataRowError, scan
+from qlora_supervise.trainer_child.contract.data_rows import DataRowError, scan
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 FORMATS_HELP = ".jsonl, .json, .csv, .parquet, or a directory saved by datasets.save_to_disk"

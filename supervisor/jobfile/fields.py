@@ -25,7 +25,7 @@ from qlora_supervise.supervisor.jobfile.units import (
     parse_bytes,
     parse_duration,
 )
-from qlora_supervise.trainer_child.protocol import FailureKind
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 #: The pydantic error type of :func:`job_error`; its ctx carries ``problem`` and ``fix``.
 JOB_ERROR_TYPE = "job"

@@ -25,7 +25,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
     SuperviseSection,
     TrainSection,
 )
-from qlora_supervise.trainer_child.protocol import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
+from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
 #: Said by ``validate`` and at run start (console and ``events.jsonl``) when the job trusts the
 #: model's code: the model directory's Python files run with the supervisor's user (root under

@@ -36,7 +36,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
     Section,
 )
 from qlora_supervise.supervisor.jobfile.world import world_problems
-from qlora_supervise.trainer_child.protocol import FailureKind
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:

@@ -52,7 +52,7 @@ from qlora_supervise.supervisor.jobfile.fields import (
     TargetModules,
     job_error,
 )
-from qlora_supervise.trainer_child.protocol import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
+from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
 # The protocol's defaults, read off default instances (the required fields get placeholders that
 # no section reads).
@@ -205,7 +205,7 @@ class SuperviseSection(Section):
 
 
 class DiagnoseSection(Section):
-    """Opt-in diagnostics (protocol.DiagnoseSpec): ``memory_history`` records the CUDA allocator's
+    """Opt-in diagnostics (contract.spec.DiagnoseSpec): ``memory_history`` records the CUDA allocator's
     history and dumps a snapshot for PyTorch's memory viewer at an OOM."""
 
     memory_history: bool = _DIAGNOSE.memory_history

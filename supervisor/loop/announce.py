@@ -14,7 +14,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import story
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase, PlanNote
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.protocol import ErrorReport
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
 def announce_plan(log: Any, note: PlanNote | None) -> None:

@@ -75,8 +75,9 @@ from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.trainer_child.disk_space import is_disk_full
-from qlora_supervise.trainer_child.protocol import FailureKind, Knobs
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _DAMAGED = FailureKind.CHECKPOINT_DAMAGED
 _ENDED = {

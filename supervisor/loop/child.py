@@ -23,8 +23,10 @@ import psutil
 
 from qlora_supervise.supervisor.loop import launch
 from qlora_supervise.supervisor.record.runfiles import ensure_dir, open_append_binary
-from qlora_supervise.trainer_child.processes import pid_alive
-from qlora_supervise.trainer_child.protocol import Knobs, rank_gpus, visible_entries
+from qlora_supervise.trainer_child.contract.allocator import allocator_env
+from qlora_supervise.trainer_child.contract.devices import visible_entries
+from qlora_supervise.trainer_child.contract.processes import pid_alive
+from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 _PR_SET_PDEATHSIG = 1
 
@@ -38,8 +40,8 @@ def child_argv(spec_path: Path, phase: str) -> list[str]:
 def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     """The attempt's environment: the caller's, plus allocator settings the knobs ask for.
 
-    PyTorch reads ``PYTORCH_ALLOC_CONF`` (2.8+) and the older ``PYTORCH_CUDA_ALLOC_CONF``;
-    both are set so the child's torch version does not matter. The child verifies the effect.
+    The allocator variables follow :func:`~qlora_supervise.trainer_child.contract.allocator.allocator_env`,
+    the rule the child applies too; the child verifies the effect.
     """
     # systemd's notify socket and watchdog belong to the supervisor, not to the trainer; a rank's
     # place is torchrun's to give (a RANK/WORLD_SIZE the supervisor inherited would mislead a child).
@@ -49,9 +51,7 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
     # is a set) then match across processes, so a restart, cold or in a warm spare, trains the
     # same numbers as an uninterrupted process would. A seed the caller chose is kept.
     env.setdefault("PYTHONHASHSEED", "0")
-    if knobs.expandable_segments:
-        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-            env[name] = _with_option(env.get(name, ""), "expandable_segments:True")
+    env.update(allocator_env(env, knobs.expandable_segments))
     if knobs.gpus:  # drop_rank left a card out: the ranks see only the others, in rank order
         env["CUDA_VISIBLE_DEVICES"] = rank_cards(env.get("CUDA_VISIBLE_DEVICES"), rank_gpus(knobs))
     return env
@@ -75,12 +75,6 @@ _NOT_INHERITED = frozenset(
         *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"),
     }
 )
-
-
-def _with_option(conf: str, option: str) -> str:
-    key = option.split(":", 1)[0]
-    parts = [p for p in conf.split(",") if p and not p.startswith(key + ":")]
-    return ",".join([*parts, option])
 
 
 def _pdeathsig(parent: int) -> Callable[[], None]:

@@ -16,8 +16,9 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
-from qlora_supervise.trainer_child.attempt_facts import RankReduction
-from qlora_supervise.trainer_child.protocol import ErrorReport, rank_files
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import rank_files
 
 
 def note_child_events(new: list[dict[str, Any]], log: Any) -> None:

@@ -29,7 +29,7 @@ from qlora_supervise.supervisor.record.disk_room import (
 )
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.protocol import FailureKind
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies import memory_model, preflight
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import Phase, PlanNote
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def first_plan(

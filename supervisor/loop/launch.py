@@ -22,10 +22,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlora_supervise.trainer_child.protocol import AttemptSpec
+from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
-TRAINER_MODULE = "qlora_supervise.trainer_child"
-MERGE_MODULE = "qlora_supervise.trainer_child.merge"
+TRAINER_MODULE = entry.ATTEMPT
+MERGE_MODULE = entry.MERGE
 #: torchrun's module: ``python -m torch.distributed.run`` is the ``torchrun`` entry point itself,
 #: run with this interpreter, so the ranks import the same packages as a single child would.
 TORCHRUN_MODULE = "torch.distributed.run"

@@ -24,7 +24,8 @@ from qlora_supervise.supervisor.record.records import (
     attempt_peak,
 )
 from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.trainer_child.protocol import ErrorReport, ExitCode, Stage
+from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.record.journal import RunState
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
-from qlora_supervise.trainer_child.protocol import FailureKind, Knobs
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 @dataclass(frozen=True)

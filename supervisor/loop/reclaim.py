@@ -21,7 +21,8 @@ from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
-from qlora_supervise.trainer_child.processes import pid_alive
+from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract.processes import pid_alive
 
 
 def reclaim(
@@ -35,7 +36,7 @@ def reclaim(
     # and finds the child when the supervisor died before it could record the pid. torchrun's
     # ranks (their own sessions, no PDEATHSIG) are found by the spec path too, after torchrun,
     # and a warm spare that got the attempt by the run directory on its command line.
-    spare = f"qlora_supervise.trainer_child.spare --run-dir {rd.root}"
+    spare = f"{entry.SPARE} --run-dir {rd.root}"
     found = child_mod.pids_running(str(spec_path), spare)
     pids = [flight.pid, *(pid for pid in found if pid != flight.pid)] if flight.pid else found
     for pid in pids:
@@ -63,4 +64,4 @@ def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
     of this run directory (a spare got its spec on stdin, so its command line names the run)."""
     if str(spec_path) in cmdline:
         return True
-    return "qlora_supervise.trainer_child.spare" in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "
+    return entry.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "

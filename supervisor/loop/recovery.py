@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.protocol import ErrorReport
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
 @dataclasses.dataclass

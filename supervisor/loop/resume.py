@@ -27,15 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     complete_checkpoints,
     damaged_files,
     quarantine,
     read_marker,
 )
-from qlora_supervise.trainer_child.checkpoints import OPTIMIZER_FILES, TEMP_PREFIX, remove_stale_temps
-from qlora_supervise.trainer_child.processes import pid_alive
-from qlora_supervise.trainer_child.protocol import ErrorReport, Knobs
+from qlora_supervise.trainer_child.contract.checkpoints import (
+    OPTIMIZER_FILES,
+    TEMP_PREFIX,
+    remove_stale_temps,
+)
+from qlora_supervise.trainer_child.contract.processes import pid_alive
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 @dataclass(frozen=True)

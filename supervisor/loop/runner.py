@@ -42,12 +42,9 @@ from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
-from qlora_supervise.trainer_child.durable import write_text_atomic
-from qlora_supervise.trainer_child.protocol import (
-    EARLY_CHECKPOINT_SIGNAL,
-    AttemptSpec,
-    Heartbeat,
-)
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.events import Heartbeat
+from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
 
 
 @dataclasses.dataclass

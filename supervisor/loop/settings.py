@@ -17,7 +17,7 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.peak_store import default_path, read_observations
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.trainer_child.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 
 
 def policy_settings(job: Job) -> policy.Settings:

@@ -11,7 +11,7 @@ A spare never changes the result:
   attempt's environment is equal key by key. torch reads its allocator settings once, when
   CUDA starts, so a spare started before ``expandable_segments`` changed is discarded (logged)
   and the attempt starts cold, with a new spare started behind it.
-* **Device.** Its prelude binds the device with the same ``protocol.bind_device`` as an
+* **Device.** Its prelude binds the device with the same ``contract.devices.bind_device`` as an
   attempt, from the same job field; the spare checks the spec's device once more.
 * **Seeds.** What it does ahead (imports, a model on the meta device, the tokenizer and rows of
   ``trainer_child/prepared.py``) comes before the trainer seeds every generator from the spec.
@@ -36,6 +36,7 @@ import psutil
 
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.runfiles import UnsafeRunPath, open_append_binary
+from qlora_supervise.trainer_child.contract import entry
 
 #: What a spare costs before it has reported its own RSS: a Python process with the stack
 #: imported (0.9 GB with the CUDA build of torch on the H200, bench/spare_probe.py), rounded up.
@@ -117,7 +118,7 @@ def room_for_spare(expected_rss: int, available: int | None = None) -> bool:
 
 
 def spare_argv(run_dir: Path, order: SpareOrder, python: str) -> list[str]:
-    argv = [python, "-m", "qlora_supervise.trainer_child.spare", "--run-dir", str(run_dir)]
+    argv = [python, "-m", entry.SPARE, "--run-dir", str(run_dir)]
     argv += ["--device", order.device, "--model", order.model]
     if order.prepare_from is not None:
         argv += ["--prepare", str(order.prepare_from)]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.checkpoints import TEMP_PREFIX, remove_stale_temps
-from qlora_supervise.trainer_child.disk_space import free_bytes, last_checkpoint_bytes, tree_bytes
-from qlora_supervise.trainer_child.processes import pid_alive
+from qlora_supervise.trainer_child.contract.checkpoints import TEMP_PREFIX, remove_stale_temps
+from qlora_supervise.trainer_child.contract.disk_space import free_bytes, last_checkpoint_bytes, tree_bytes
+from qlora_supervise.trainer_child.contract.processes import pid_alive
 
 MIN_ROOM = 1 << 20  # a journal line, a state file, an error report and some events
 

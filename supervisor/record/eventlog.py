@@ -23,7 +23,7 @@ import structlog
 
 from qlora_supervise.supervisor.record.runfiles import open_append_text
 from qlora_supervise.supervisor.reporting.console_log import ConsoleLines
-from qlora_supervise.trainer_child.disk_space import DISK_ERRNOS
+from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
 
 _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
 

@@ -33,7 +33,7 @@ import yaml
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
-from qlora_supervise.trainer_child.durable import fsync_dir, write_text_atomic
+from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
 
 SAFE_SECTIONS = ("supervise.", "resources.")
 SAFE_FIELDS = frozenset({"train.save_steps", "train.logging_steps", "train.eval_steps", "train.merge"})

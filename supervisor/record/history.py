@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.record.records import AttemptRecord
-from qlora_supervise.trainer_child.protocol import FailureKind
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
 def policy_history(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]:

@@ -22,8 +22,8 @@ from typing import Any
 
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
 from qlora_supervise.supervisor.record.runfiles import open_append_binary
-from qlora_supervise.trainer_child.durable import fsync_dir, write_text_atomic
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 class RunState(str, enum.Enum):

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from qlora_supervise.policies.memory_model import ModelShape, Observation
-from qlora_supervise.trainer_child.protocol import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KEEP_LINES = 2000
 

@@ -29,7 +29,8 @@ from typing import Any
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.trainer_child.protocol import FailureKind, Knobs, Stage
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 JOURNAL_VERSION = 2
 #: The decision's rung name when a checkpoint that did not load was moved aside.

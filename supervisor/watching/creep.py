@@ -18,7 +18,7 @@ step. The rule, on the peak after each completed optimizer step of this attempt 
 
 When both hold, :meth:`CreepWatch.observe` returns a :class:`CreepForecast` once per attempt;
 the runner logs ``memory_creep`` and asks the child for an early checkpoint
-(``protocol.EARLY_CHECKPOINT_SIGNAL``), so that the OOM that follows costs no finished step.
+(``contract.spec.EARLY_CHECKPOINT_SIGNAL``), so that the OOM that follows costs no finished step.
 A leak with no budget to compare against is reported once too (``predicted_oom_step`` None),
 without the signal: there is nothing to say when it will end.
 """
@@ -29,7 +29,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from qlora_supervise.trainer_child.protocol import Heartbeat, PeakSource
+from qlora_supervise.trainer_child.contract.events import Heartbeat, PeakSource
 
 WINDOW = 6
 WARMUP_STEPS = 2

@@ -6,7 +6,7 @@ loop decides what to say. The loop replaces ``GpuMonitor.open`` in tests (a seam
 
 Device names are the job's: ``auto``, ``cuda:N`` or a UUID. NVML numbers GPUs physically and
 ignores ``CUDA_VISIBLE_DEVICES``, so the device is mapped through that variable by
-``protocol.bind_device``, the same function the child uses to pick its GPU. CUDA's default order
+``contract.devices.bind_device``, the same function the child uses to pick its GPU. CUDA's default order
 (fastest first) equals NVML's PCI order on machines with one GPU model; set
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines.
 
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from qlora_supervise.trainer_child.protocol import bind_device, visible_entries
+from qlora_supervise.trainer_child.contract.devices import bind_device, visible_entries
 
 
 @dataclass(frozen=True)

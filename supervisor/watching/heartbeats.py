@@ -1,10 +1,10 @@
 """Reading the child's events file as it grows, into a picture of its progress.
 
-The child writes one JSON line per event (``protocol.event_line``). Progress is a change of
+The child writes one JSON line per event (``contract.events.event_line``). Progress is a change of
 optimizer step or of stage; a heartbeat that repeats the same step and stage is not progress,
 so a child whose heartbeat thread lives on while training is stuck is still seen as hung.
 
-Heartbeat lines are read as ``protocol.Heartbeat`` records (today's keys and older ones); the
+Heartbeat lines are read as ``contract.events.Heartbeat`` records (today's keys and older ones); the
 peak is the child's ``peak_bytes``, never re-derived here.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.protocol import Heartbeat, MemoryNumbers
+from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
-from qlora_supervise.trainer_child.protocol import rank_files
+from qlora_supervise.trainer_child.contract.spec import rank_files
 
 #: "Well above": the highest rank peak exceeds the lowest by this share of it ...
 UNEVEN_SHARE = 0.2

@@ -19,7 +19,7 @@ from qlora_supervise.supervisor.watching.creep import CreepForecast
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.host import sample_host
-from qlora_supervise.trainer_child.disk_space import DISK_ERRNOS
+from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
 
 
 @dataclass

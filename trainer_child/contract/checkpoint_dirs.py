@@ -94,7 +94,7 @@ def damage(path: Path) -> str | None:
 
     A marker without a ``files`` entry (written before markers carried checksums, or by hand)
     is accepted: such a checkpoint is verified by loading it (the child reports a load failure
-    as :attr:`~.protocol.ExitCode.CHECKPOINT`).
+    as :attr:`contract.codes.ExitCode.CHECKPOINT`).
     """
     damaged = damaged_files(path)
     if damaged is None:

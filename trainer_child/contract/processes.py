@@ -10,7 +10,7 @@ import os
 import sys
 from typing import NoReturn
 
-from .protocol import ExitCode
+from qlora_supervise.trainer_child.contract.codes import ExitCode
 
 
 def pid_alive(pid: int) -> bool:

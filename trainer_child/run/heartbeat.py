@@ -1,4 +1,4 @@
-"""The child's events file (JSON lines, :func:`protocol.event_line`) and its heartbeat thread."""
+"""The child's events file (JSON lines, :func:`contract.events.event_line`) and its heartbeat thread."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .protocol import Heartbeat, MemoryNumbers, Stage, event_line
+from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, event_line
 
 
 class EventLog:
@@ -51,7 +52,7 @@ class Progress:
         self.tokens_per_s: float | None = None
         self.stop_requested = False
         self._stop_announced = False
-        # The supervisor saw memory creep towards the budget (protocol.EARLY_CHECKPOINT_SIGNAL):
+        # The supervisor saw memory creep towards the budget (contract.spec.EARLY_CHECKPOINT_SIGNAL):
         # checkpoint at the end of the step in flight and of every later step.
         self.early_checkpoints = False
         self._early_announced = False
@@ -81,7 +82,7 @@ class Progress:
     def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
         """The heartbeat of this moment (memory measured now unless given)."""
         if memory is None:
-            from .memory import memory_numbers
+            from qlora_supervise.trainer_child.run.memory import memory_numbers
 
             memory = memory_numbers()
         return Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)

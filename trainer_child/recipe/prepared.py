@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import data
-from .attempt_facts import SampleLengths
-from .protocol import AttemptSpec, DataSpec
+from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec
+from qlora_supervise.trainer_child.recipe import data
 
 #: Files of a model directory the tokenizer never reads: a change to them spoils nothing prepared.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")

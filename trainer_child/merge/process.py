@@ -1,4 +1,4 @@
-"""``python -m qlora_supervise.trainer_child.merge --spec attempt.json``: merge the adapter.
+"""``python -m qlora_supervise.trainer_child.merge.process --spec attempt.json``: merge the adapter.
 
 A separate process from training, so it starts with nothing else in memory. In order:
 
@@ -25,9 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .attempt import Context, guarded
-from .merge_plan import MAX_SHARD_BYTES, MergePlan, MergeSizes, plan_merge
-from .protocol import AttemptSpec, DeviceError, ExitCode, Stage
+from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.devices import DeviceError
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.merge.plan import MAX_SHARD_BYTES, MergePlan, MergeSizes, plan_merge
+from qlora_supervise.trainer_child.run.attempt import Context, guarded
 
 REPORT_NAME = "merge.json"
 
@@ -38,7 +40,7 @@ def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
     of a GPU-trained model, and fp32 would double it)."""
     import torch
 
-    from .recipe import compute_dtype
+    from qlora_supervise.trainer_child.recipe.qlora import compute_dtype
 
     if name != "auto":
         return compute_dtype(name, on_gpu)
@@ -115,7 +117,7 @@ def merge(ctx: Context) -> ExitCode:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .failure import ConfigError
+    from qlora_supervise.trainer_child.run.failure import ConfigError
 
     spec, started = ctx.spec, time.monotonic()
     adapter = Path(spec.adapter_dir)
@@ -169,8 +171,8 @@ def check_dtype(model: Any, dtype: Any) -> None:
 
 
 def _publish(temp: Path, target: Path) -> None:
-    from . import checkpoints
-    from .durable import fsync_dir
+    from qlora_supervise.trainer_child.contract import checkpoints
+    from qlora_supervise.trainer_child.contract.durable import fsync_dir
 
     checkpoints.fsync_tree(temp)
     if target.exists():
@@ -180,9 +182,9 @@ def _publish(temp: Path, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .__main__ import parse_args, prepare_env, read_spec
+    from qlora_supervise.trainer_child.__main__ import parse_args, prepare_env, read_spec
 
-    path = parse_args(argv, "python -m qlora_supervise.trainer_child.merge")
+    path = parse_args(argv, "python -m qlora_supervise.trainer_child.merge.process")
     try:
         spec: AttemptSpec = read_spec(path)
     except (OSError, ValueError, TypeError, KeyError) as exc:

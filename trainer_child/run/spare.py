@@ -1,5 +1,5 @@
 """A warm spare trainer:
-``python -m qlora_supervise.trainer_child.spare --run-dir R --device D [--expandable-segments] [--model M]
+``python -m qlora_supervise.trainer_child.run.spare --run-dir R --device D [--expandable-segments] [--model M]
 [--prepare SPEC]``.
 
 It fixes the process environment the way an attempt does (offline hub, the bound device,
@@ -31,15 +31,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .processes import leave
-from .protocol import AttemptSpec, DeviceError, ExitCode
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.devices import DeviceError
+from qlora_supervise.trainer_child.contract.processes import leave
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 if TYPE_CHECKING:  # at run time it comes after the imports the environment must precede
-    from .prepared import Prepared
+    from qlora_supervise.trainer_child.recipe.prepared import Prepared
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.spare")
+    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.run.spare")
     parser.add_argument("--run-dir", required=True, help="the run directory it serves (names it for reclaim)")
     parser.add_argument("--device", required=True, help="the job's resources.device")
     parser.add_argument("--expandable-segments", action="store_true", help="allocator setting of the attempt")
@@ -50,9 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> dict[str, object]:
     """The attempt's environment and imports, without CUDA; what it cost, for ``spare_ready``."""
-    from .__main__ import prepare_env_for
-    from .memory import proc_status_bytes
-    from .stack import import_training_classes, import_training_stack
+    from qlora_supervise.trainer_child.__main__ import prepare_env_for
+    from qlora_supervise.trainer_child.recipe.stack import import_training_classes, import_training_stack
+    from qlora_supervise.trainer_child.run.memory import proc_status_bytes
 
     started = time.monotonic()
     prepare_env_for(device_name, expandable_segments)
@@ -77,8 +79,8 @@ def prepare_ahead(spec_path: str | None) -> tuple[Prepared | None, dict[str, obj
     """
     if spec_path is None:
         return None, {}
-    from .__main__ import read_spec
-    from .prepared import prepare
+    from qlora_supervise.trainer_child.__main__ import read_spec
+    from qlora_supervise.trainer_child.recipe.prepared import prepare
 
     try:
         prepared = prepare(read_spec(Path(spec_path)))
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer child spare: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     prepared, cost = prepare_ahead(args.prepare)
-    from .memory import proc_status_bytes
+    from qlora_supervise.trainer_child.run.memory import proc_status_bytes
 
     # The RSS once prepared: what the supervisor budgets the next spare's host RAM by.
     print(json.dumps(ready | cost | {"rss": proc_status_bytes("VmRSS")}), flush=True)
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # discarded, or the supervisor is gone: nothing was started
     order = json.loads(line)
     redirect_output(order["log"])
-    from .__main__ import read_spec
+    from qlora_supervise.trainer_child.__main__ import read_spec
 
     path = Path(order["spec"])
     try:
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"trainer child spare: {why}", file=sys.stderr)
         return int(ExitCode.CONFIG)
-    from .attempt import run
+    from qlora_supervise.trainer_child.run.attempt import run
 
     return run(spec, prepared)
 

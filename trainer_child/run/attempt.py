@@ -1,6 +1,6 @@
 """One training attempt: setup → recipe → train → adapter, and the failure path.
 
-Exit codes (protocol.ExitCode): OK after the adapter is saved; STOPPED after SIGTERM and a
+Exit codes (contract.codes.ExitCode): OK after the adapter is saved; STOPPED after SIGTERM and a
 checkpoint; OOM / CONFIG / FAILED after the error report. The failure path runs *outside*
 the ``except`` block so that the exception, its traceback and the activations its frames
 hold are gone before the emergency checkpoint needs memory.
@@ -18,25 +18,25 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from . import checkpoints, device, disk_space
-from .allocator_facts import AllocatorFacts
-from .attempt_facts import RankReduction
-from .checkpoint_dirs import newest_complete_checkpoint
-from .durable import fsync_dir
-from .events import LOOP_STAGES, EventLog, HeartbeatThread, Progress
-from .failure import CapturedFailure, ConfigError, capture, write_report
-from .prepared import Prepared
-from .protocol import (
+from qlora_supervise.trainer_child.contract import checkpoints, disk_space
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import newest_complete_checkpoint
+from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.durable import fsync_dir
+from qlora_supervise.trainer_child.contract.report import failure_line
+from qlora_supervise.trainer_child.contract.spec import (
     EARLY_CHECKPOINT_SIGNAL,
     MEMORY_SNAPSHOT_NAME,
     AttemptSpec,
-    ExitCode,
     Knobs,
-    Stage,
-    failure_line,
 )
-from .stack import import_training_stack
-from .torchrun import this_rank
+from qlora_supervise.trainer_child.recipe.prepared import Prepared
+from qlora_supervise.trainer_child.recipe.stack import import_training_stack
+from qlora_supervise.trainer_child.run import device
+from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, write_report
+from qlora_supervise.trainer_child.run.heartbeat import LOOP_STAGES, EventLog, HeartbeatThread, Progress
+from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: Stages where the optimizer has not touched the weights of the step in flight, so the state
 #: is exactly that of the last completed step. An optimizer-stage OOM may leave the step
@@ -87,7 +87,7 @@ def setup(ctx: Context) -> None:
     """Heavy imports, caps, ``started``; the CPU cap after the imports (see apply_cpu_cap)."""
     import torch
 
-    from . import memory
+    from qlora_supervise.trainer_child.run import memory
 
     ctx.on_cuda = torch.cuda.is_available()
     cpu_fallback = device.check(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
@@ -164,7 +164,7 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
 
 
 def _rank_above(checkpoint: Path, lora_r: int) -> bool:
-    from .rank import adapter_rank
+    from qlora_supervise.trainer_child.run.rank import adapter_rank
 
     saved = adapter_rank(checkpoint)
     return saved is not None and saved > lora_r
@@ -176,7 +176,7 @@ def reduce_rank(reset_from: str | None, knobs: Knobs) -> RankReduction | None:
     A checkpoint of a smaller rank cannot grow: a ConfigError names it."""
     if reset_from is None:
         return None
-    from .rank import adapter_rank, truncate_adapter
+    from qlora_supervise.trainer_child.run.rank import adapter_rank, truncate_adapter
 
     saved = adapter_rank(Path(reset_from))
     if saved is None or saved == knobs.lora_r:
@@ -205,7 +205,7 @@ def save_adapter(trainer: Any, tokenizer: Any, adapter_dir: Path) -> None:
 
 
 def train(ctx: Context) -> ExitCode:
-    from .recipe import build
+    from qlora_supervise.trainer_child.recipe.qlora import build
 
     spec = ctx.spec
     chosen = chosen_checkpoint(spec)
@@ -231,7 +231,7 @@ def train(ctx: Context) -> ExitCode:
 
 def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     """Emergency checkpoint when the state is consistent, then the report (cheaply)."""
-    from . import memory
+    from qlora_supervise.trainer_child.run import memory
 
     emergency = None
     # Not under torchrun: a save needs every rank (a barrier, torch's own broadcasts), and the
@@ -313,7 +313,7 @@ def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | No
     """The allocator's facts and, when recorded, its snapshot, for an OOM on the GPU."""
     if not ctx.on_cuda:
         return None, None
-    from . import memory
+    from qlora_supervise.trainer_child.run import memory
 
     try:
         # A step of the same shape proves a *training* step fits: not an eval or a save.

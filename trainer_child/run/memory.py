@@ -15,12 +15,12 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from .allocator_facts import AllocatorFacts, facts_from_allocator
-from .failure import ConfigError, is_oom, oom_numbers
-from .protocol import DiagnoseSpec, MemoryNumbers
+from qlora_supervise.trainer_child.contract.allocator import allocator_env
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, facts_from_allocator
+from qlora_supervise.trainer_child.contract.events import MemoryNumbers
+from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
+from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-EXPANDABLE = "expandable_segments:True"
 #: glibc's mallopt parameter numbers (malloc.h).
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -37,14 +37,10 @@ class MemoryCapError(ConfigError):
 def prepare_process_env(expandable_segments: bool) -> None:
     """Fix allocator settings before torch starts; call before ``import torch``.
 
-    The supervisor sets the same variables in the child's environment; setting them here too
-    covers a child started by hand. A variable the caller already set wins.
+    The supervisor sets the same variables in the child's environment, by the same rule
+    (:func:`allocator_env`); setting them here too covers a child started by hand.
     """
-    if expandable_segments:
-        for name in ALLOC_CONF_VARS:
-            current = os.environ.get(name, "")
-            if "expandable_segments" not in current:
-                os.environ[name] = f"{current},{EXPANDABLE}" if current else EXPANDABLE
+    os.environ.update(allocator_env(os.environ, expandable_segments))
     # Arrow's default jemalloc/mimalloc pool reserves ~1 GiB of address space on the first
     # dataset load; it counts against RLIMIT_DATA without being used. The system pool does not.
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")

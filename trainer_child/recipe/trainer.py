@@ -23,13 +23,15 @@ import torch
 from transformers import TrainerCallback
 from trl import SFTTrainer
 
-from . import checkpoints
-from .checkpoint_dirs import CHECKPOINT_PREFIX
-from .disk_space import ensure_room
-from .events import Progress
-from .memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
-from .protocol import Heartbeat, Knobs, Stage, rank_file
-from .torchrun import agree, barrier, staging_owner, this_rank
+from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
+from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.disk_space import ensure_room
+from qlora_supervise.trainer_child.contract.events import Heartbeat
+from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
+from qlora_supervise.trainer_child.run.heartbeat import Progress
+from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
+from qlora_supervise.trainer_child.run.torchrun import agree, barrier, staging_owner, this_rank
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
@@ -38,7 +40,7 @@ TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
 #: Test probe: a file to which each micro-batch's row fingerprints (and its input_ids and
 #: labels) are appended, so a test can check that a resumed run sees exactly the samples an
 #: uninterrupted run would, and which tokens the loss covers. Under torchrun rank N appends to
-#: its own file (``protocol.rank_file``) and each record names its rank and world size.
+#: its own file (``contract.spec.rank_file``) and each record names its rank and world size.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: Test hook: ``BYTES`` to keep (leak) that many bytes more in the forward of every optimizer
 #: step's first micro-batch, on the training device, so a test can watch memory creep towards the

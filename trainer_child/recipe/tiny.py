@@ -1,6 +1,6 @@
 """A tiny Llama-shaped model, tokenizer, dataset and job, built locally with no download.
 
-``python -m qlora_supervise.trainer_child.tiny DIR`` writes ``DIR/model`` (save_pretrained, with a
+``python -m qlora_supervise.trainer_child.recipe.tiny DIR`` writes ``DIR/model`` (save_pretrained, with a
 word-level tokenizer trained on the dataset), ``DIR/data.jsonl`` (``text`` and ``messages``
 fields) and ``DIR/job.yaml``. It exists for tests, demos and the CPU memory-cap scenarios:
 
@@ -156,7 +156,7 @@ def write_tiny(directory: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.tiny")
+    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.recipe.tiny")
     parser.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     print(write_tiny(args.directory))

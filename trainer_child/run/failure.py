@@ -13,12 +13,13 @@ import time
 import traceback
 from typing import Any
 
-from .allocator_facts import AllocatorFacts
-from .checkpoints import CheckpointLoadError
-from .disk_space import exception_chain, is_disk_full
-from .durable import write_text_atomic
-from .protocol import ErrorReport, ExitCode, Stage
-from .torchrun import SINGLE, RankPlace
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadError
+from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.disk_space import exception_chain, is_disk_full
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace
 
 OOM_MARKERS = (
     "CUDA out of memory",
@@ -58,7 +59,7 @@ def oom_numbers(message: str) -> dict[str, int]:
     the CPU allocator's ``you tried to allocate N bytes`` is read here in any case."""
     numbers: dict[str, int] = {}
     try:
-        from .oom_message import parse_numbers
+        from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
 
         numbers.update(parse_numbers(message))
     except Exception:  # module missing or parser bug: the report matters more

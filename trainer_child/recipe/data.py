@@ -18,10 +18,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
-from .data_rows import DataRowError, scan
-from .failure import ConfigError
-from .protocol import DataSpec
+from qlora_supervise.trainer_child.contract.attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
+from qlora_supervise.trainer_child.contract.data_rows import DataRowError, scan
+from qlora_supervise.trainer_child.contract.spec import DataSpec
+from qlora_supervise.trainer_child.run.failure import ConfigError
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 #: The column names trl reads: ``text`` for language modelling, ``messages`` for chat.

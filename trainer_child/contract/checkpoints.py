@@ -15,8 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .attempt_facts import RankReduction
-from .checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     CHECKPOINT_COMPLETE_MARKER,
     CHECKPOINT_PREFIX,
     checkpoint_step,
@@ -24,9 +24,9 @@ from .checkpoint_dirs import (
     file_digests,
     quarantine,
 )
-from .durable import fsync_dir, write_text_atomic
-from .processes import pid_alive
-from .protocol import Knobs
+from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
+from qlora_supervise.trainer_child.contract.processes import pid_alive
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 TEMP_PREFIX = ".tmp-"
 _TRAINER_STATE = "trainer_state.json"

@@ -3,7 +3,7 @@
 The supervisor starts ``resources.nproc_per_node`` ranks through ``python -m torch.distributed.run``
 (``supervisor/loop/launch.py``); each runs this same child with the same spec. torchrun tells each
 rank where it is through ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``. Each rank writes its own
-events and error report (:func:`protocol.rank_file`); rank 0 alone writes checkpoints and the
+events and error report (:func:`contract.spec.rank_file`); rank 0 alone writes checkpoints and the
 adapter. DDP itself is the Trainer's (accelerate): gloo on the CPU, NCCL on GPUs, one GPU per rank
 (``cuda:LOCAL_RANK``).
 
@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .protocol import AttemptSpec, rank_file
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_file
 
 #: Injected fault for tests: ``RANK:BYTES`` gives rank RANK alone the CPU cap BYTES
 #: (``RLIMIT_DATA``, in place of the spec's ``cpu_memory_limit``), so one rank of several runs out

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .attempt_facts import RankReduction
-from .failure import ConfigError
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.run.failure import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,6 +1,6 @@
 """The heavy import stack of an attempt, in one place, and the data segment it costs.
 
-``python -m qlora_supervise.trainer_child.stack`` prints the child's data segment (VmData)
+``python -m qlora_supervise.trainer_child.recipe.stack`` prints the child's data segment (VmData)
 after these imports on this machine, in bytes: the fixed cost under a CPU memory cap, which
 the cap is applied after (a CPU build of torch costs ~0.4 GiB here, a CUDA build ~2.3 GiB).
 The demo uses it to place its cap the same distance above the baseline everywhere.
@@ -40,7 +40,8 @@ def import_training_classes(model_dir: str | None = None) -> None:
     import json
     from pathlib import Path
 
-    from . import data, recipe, trainer  # noqa: F401 - imported for their side effect: the modules load
+    # imported for their side effect: the modules load
+    from qlora_supervise.trainer_child.recipe import data, qlora, trainer  # noqa: F401
 
     if model_dir is None:
         return
@@ -87,7 +88,7 @@ def build_on_meta(model_dir: str) -> None:
 
 
 def main() -> int:
-    from .memory import prepare_process_env, proc_status_bytes
+    from qlora_supervise.trainer_child.run.memory import prepare_process_env, proc_status_bytes
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as a CPU attempt: the cap baseline is a CPU one
     prepare_process_env(expandable_segments=False)

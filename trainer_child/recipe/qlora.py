@@ -19,14 +19,19 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, set_seed
 from trl import SFTConfig
 
-from . import data
-from .checkpoints import ResumeSource
-from .events import Progress
-from .failure import ConfigError
-from .prepared import Prepared, load_rows, load_tokenizer
-from .protocol import AttemptSpec, Knobs, Stage
-from .torchrun import this_rank
-from .trainer import CheckpointPlan, SupervisedSFTTrainer, SupervisionCallback
+from qlora_supervise.trainer_child.contract.checkpoints import ResumeSource
+from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
+from qlora_supervise.trainer_child.recipe import data
+from qlora_supervise.trainer_child.recipe.prepared import Prepared, load_rows, load_tokenizer
+from qlora_supervise.trainer_child.recipe.trainer import (
+    CheckpointPlan,
+    SupervisedSFTTrainer,
+    SupervisionCallback,
+)
+from qlora_supervise.trainer_child.run.failure import ConfigError
+from qlora_supervise.trainer_child.run.heartbeat import Progress
+from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
@@ -314,7 +319,7 @@ def build(
     if spec.data.messages_field is not None:
         check_chat_template(tokenizer)
     clock.lap("data")
-    from .memory import memory_numbers
+    from qlora_supervise.trainer_child.run.memory import memory_numbers
 
     progress.events.emit(
         "loaded",

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .failure import ConfigError
-from .protocol import AttemptSpec
-from .torchrun import RankPlace
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.run.failure import ConfigError
+from qlora_supervise.trainer_child.run.torchrun import RankPlace
 
 _GPU_FREE = ("auto", "cpu")
 

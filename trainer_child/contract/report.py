@@ -1,0 +1,81 @@
+"""The child's error report (``spec.error_file``), written atomically on any failure."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.codes import Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorReport:
+    """What the child knew when it failed. Written atomically to ``spec.error_file``.
+
+    ``step`` is the last *completed* optimizer step. ``oom_numbers`` uses the keys of
+    :func:`qlora_supervise.trainer_child.contract.oom_message.parse_numbers` (bytes as integers).
+    ``allocator``: the CUDA allocator's facts read at the OOM (None on the CPU, for a failure
+    that is not an OOM, or from a child older than them); ``memory_snapshot``: the path of the
+    allocator snapshot dumped at the OOM (``diagnose.memory_history``), else None.
+    """
+
+    exit_code: int
+    exception_type: str
+    message: str
+    traceback: str
+    stage: Stage
+    step: int
+    is_oom: bool
+    config_error: bool = False
+    oom_numbers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    memory_stats: dict[str, Any] | None = None
+    device: str = "cpu"
+    emergency_checkpoint: str | None = None  # path of the checkpoint saved after the failure
+    emergency_step: int | None = None
+    expandable_segments_active: bool | None = None
+    # The checkpoint that failed to load (ExitCode.CHECKPOINT): the original, never a scratch copy.
+    damaged_checkpoint: str | None = None
+    disk_full: bool = False  # the failure was ENOSPC / EROFS / EDQUOT: see ``disk``
+    # {"path", "needed_bytes" (the size of the last checkpoint), "free_bytes", "errno"}
+    disk: dict[str, Any] | None = None
+    allocator: AllocatorFacts | None = None
+    memory_snapshot: str | None = None
+    # When the exception was caught (not when the report was written): under torchrun the
+    # earliest real failure of all ranks is the cause (supervisor/diagnosis/ranks.py).
+    time: float = dataclasses.field(default_factory=time.time)
+    rank: int = 0  # torchrun's RANK of the process that wrote it (0 for a single process)
+    local_rank: int = 0  # LOCAL_RANK: the GPU index of this rank on its host
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        # Reports are read back from JSON, where the stage is a plain string and the facts a dict.
+        object.__setattr__(self, "stage", Stage.named(self.stage))
+        if self.allocator is not None and not isinstance(self.allocator, AllocatorFacts):
+            object.__setattr__(self, "allocator", AllocatorFacts.from_json_dict(self.allocator))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> ErrorReport:
+        """Raises ValueError for anything that is not a well-typed report."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("an error report must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        report = cls(**{k: v for k, v in raw.items() if k in known})
+        if not isinstance(report.step, int) or not isinstance(report.exit_code, int):
+            raise ValueError("an error report needs integer step and exit_code")
+        return report
+
+
+#: The last line the child prints to stderr on a failure: ``<prefix><stage>: <type>: <message>``.
+#: The stage is the child's own; a log classified without the error report can still read it.
+FAILURE_LINE_PREFIX = "trainer child failed in "
+
+
+def failure_line(stage: str, exception_type: str, message: str) -> str:
+    return f"{FAILURE_LINE_PREFIX}{stage}: {exception_type}: {message}"
