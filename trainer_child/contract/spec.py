@@ -7,6 +7,8 @@ import json
 import signal
 from pathlib import Path
 
+from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
@@ -28,7 +30,17 @@ class Knobs:
     quant_type: str = "nf4"
     double_quant: bool = True
     load_in_4bit: bool = True
+    # Kept so that journals and specs that named it still read; it is no training rung on one GPU
+    # (accelerate refuses to train 4-bit weights offloaded to the CPU; bitsandbytes then fails on
+    # meta tensors), and a job that names it is refused at validate.
     cpu_offload: bool = False
+    # The input embeddings and the LM head stay in bf16 after prepare_model_for_kbit_training
+    # (which upcasts every non-4-bit parameter to fp32); norms stay fp32. At a 128k vocabulary
+    # each of the two is 2.1 GB in fp32.
+    bf16_head: bool = False
+    # Activations saved for backward live in host memory (torch.autograd.graph.save_on_cpu):
+    # the throughput rung that replaces cpu_offload.
+    activation_offload: bool = False
     # On by default: on the H200 it cost no tokens/s (+0.9 %, noise) and reserved 0.7 GiB less
     # (bench/results/memory-grid-h200-2026-12-01/rungs-table.txt), so it needs no attempt of its own.
     expandable_segments: bool = True
@@ -146,6 +158,9 @@ class AttemptSpec:
     # How long the supervisor waits after SIGTERM before SIGKILL (supervise.stop_grace); torchrun
     # is told the same (--shutdown-timeout), so it does not kill the ranks' checkpoint sooner.
     stop_grace_s: float = 180.0
+    # The speed trial (supervise.speed_trial): candidates the child times in-process before
+    # step 1, the first being these knobs; empty: no trial (contract/speed_trial.py).
+    speed_trial: tuple[TrialCandidate, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -156,9 +171,10 @@ class AttemptSpec:
         train = dict(raw["train"])
         if isinstance(train.get("target_modules"), list):
             train["target_modules"] = tuple(train["target_modules"])
-        nested = ("knobs", "data", "train", "diagnose")
+        nested = ("knobs", "data", "train", "diagnose", "speed_trial")
         return cls(
             **{k: v for k, v in raw.items() if k not in nested},
+            speed_trial=tuple(TrialCandidate(**c) for c in raw.get("speed_trial", ())),
             knobs=Knobs(**raw["knobs"]),
             data=DataSpec(**raw["data"]),
             train=TrainSpec(**train),

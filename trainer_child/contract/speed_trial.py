@@ -1,0 +1,103 @@
+"""The speed trial's contract: the candidates the supervisor hands the child, and what it found.
+
+Before step 1 of an attempt whose spec lists :class:`TrialCandidate` s, the child times a few
+forward+backward micro-steps of each on its longest real batch, in-process, without reloading
+the model and without an optimizer step, then trains with the fastest (switching only for a clear
+gain). It reports the table as one ``speed_trial`` event (:class:`SpeedTrialEvent`); the
+supervisor journals it and takes the chosen knobs as the attempt's.
+
+Only knobs that change without a reload are candidates: the micro-batch (with the accumulation
+that keeps the effective batch) and gradient checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
+
+#: A candidate replaces the planned config only when it is this much faster (DeepSpeed's
+#: autotuner also keeps the first config within noise); below it the trial's noise decides.
+MIN_GAIN = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialCandidate:
+    """One config the trial times: the knobs that change without a reload, and the planner's guess."""
+
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    predicted_tokens_per_s: float | None = None
+    predicted_peak_bytes: int | None = None
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, object]) -> TrialCandidate | None:
+        micro, accum = _int(raw.get("micro_batch_size")), _int(raw.get("grad_accum"))
+        checkpointing = raw.get("gradient_checkpointing")
+        if micro is None or accum is None or not isinstance(checkpointing, bool):
+            return None
+        return cls(
+            micro,
+            accum,
+            checkpointing,
+            _float(raw.get("predicted_tokens_per_s")),
+            _int(raw.get("predicted_peak_bytes")),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialResult:
+    """A candidate's measurement: tokens/s and peak, or the OOM that dropped it (``error``)."""
+
+    candidate: TrialCandidate
+    tokens_per_s: float | None
+    peak_bytes: int | None
+    seconds: float
+    error: str | None = None
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, object]) -> TrialResult | None:
+        candidate = raw.get("candidate")
+        parsed = TrialCandidate.from_json(candidate) if isinstance(candidate, Mapping) else None
+        seconds = _float(raw.get("seconds"))
+        if parsed is None or seconds is None:
+            return None
+        error = raw.get("error")
+        return cls(parsed, _float(raw.get("tokens_per_s")), _int(raw.get("peak_bytes")), seconds,
+                   error if isinstance(error, str) else None)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedTrialEvent:
+    """The ``speed_trial`` line of the child's events file."""
+
+    event: ClassVar[str] = "speed_trial"
+    results: tuple[TrialResult, ...]
+    chosen: TrialCandidate
+    switched: bool  # the chosen candidate is not the first (the planned config)
+    seconds: float  # the trial's whole cost, before step 1
+
+    def to_json(self) -> dict[str, object]:
+        return {"event": self.event, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, object]) -> SpeedTrialEvent | None:
+        rows = raw.get("results")
+        chosen = raw.get("chosen")
+        seconds = _float(raw.get("seconds"))
+        if not isinstance(rows, list) or not isinstance(chosen, Mapping) or seconds is None:
+            return None
+        results = tuple(r for r in (TrialResult.from_json(x) for x in rows if isinstance(x, Mapping)) if r)
+        picked = TrialCandidate.from_json(chosen)
+        if picked is None or len(results) != len(rows):
+            return None
+        return cls(results, picked, bool(raw.get("switched")), seconds)
+
+
+def _float(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _int(value: object) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
