@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cap_bytes = parse_bytes(args.cap)
     if args.tiny and args.cap == "8GiB":  # the CPU cap: the data segment after imports + a little
         baseline = subprocess.run(
-            [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.stack"],
+            [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.stack", "--bytes"],
             capture_output=True,
             text=True,
             check=True,

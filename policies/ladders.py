@@ -14,6 +14,7 @@ from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, Fail
 FORWARD: tuple[str, ...] = (
     "gradient_checkpointing",
     "halve_micro_batch",
+    "activation_offload",
     "shorten_seq_len",
     "smaller_model",
 )
@@ -21,12 +22,15 @@ BACKWARD: tuple[str, ...] = (
     "gradient_checkpointing",
     "paged_8bit_optimizer",
     "halve_micro_batch",
+    "activation_offload",
     "halve_lora_rank",
     "shorten_seq_len",
     "smaller_model",
 )
 OPTIMIZER: tuple[str, ...] = ("paged_8bit_optimizer", "halve_lora_rank", "smaller_model")
-LOAD: tuple[str, ...] = ("quantize_4bit", "cpu_offload", "smaller_model")
+# No CPU offload of weights: accelerate refuses to train 4-bit weights offloaded to the CPU and
+# bitsandbytes then fails on meta tensors (issue 19's dead end), so the head in bf16 comes next.
+LOAD: tuple[str, ...] = ("quantize_4bit", "bf16_head", "smaller_model")
 EVAL: tuple[str, ...] = ("halve_eval_batch", "disable_eval")
 MERGE: tuple[str, ...] = ("merge_on_cpu",)
 #: Under torchrun, for a card that keeps failing (a fatal Xid, a fault that came back, contention

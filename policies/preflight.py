@@ -1,115 +1,77 @@
-"""Pre-flight: the config attempt 1 starts from, chosen by the memory model before anything runs.
+"""Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models.
 
-Rules (issue 8):
+Rules (issues 8 and 19):
 
 * a job predicted to fit (with the margin) starts as written;
-* otherwise only *throughput* knobs change first: expandable_segments, gradient checkpointing,
-  a smaller micro-batch with more accumulation (the effective batch is kept), the paged 8-bit
-  optimizer. Every combination is tried and the cheapest one predicted to fit wins; rungs are
-  combined when one alone does not fit;
-* *quality* knobs (seq_len, then LoRA rank) change only when no throughput combination fits,
-  and the result says so (``quality_changed``) so the caller can log it loudly.
+* otherwise every combination of the free and *throughput* knobs (:mod:`.candidates`: expandable
+  segments, gradient checkpointing, each micro-batch that divides the per-rank batch with the
+  accumulation that keeps the effective batch, the paged 8-bit optimizer, activation offload,
+  the bf16 head, and per candidate the largest eval batch that fits) is predicted, and **every**
+  candidate that fits is ranked by predicted tokens/s (:mod:`.throughput`, measured numbers of
+  this host or run where there are some); the fastest wins;
+* *quality* knobs (seq_len, then LoRA rank) change only when no throughput candidate fits; the
+  lightest quality cut that fits wins, with its fastest throughput knobs, and the result says so
+  (``quality_changed``) so the caller can log it loudly;
+* when no config of the job's model fits, the job's fallback models are tried in order, as a loud
+  quality change (``fallback``); when none fits either, :class:`NothingFits` names the smallest
+  peak found, the budget and what would help, so the run can stop before any child starts.
 
-Costs are the share of tokens/s a rung costs (:data:`RUNG_COSTS`), measured on the H200 with
-``bench/memory_grid.py --set rungs`` (bench/results/memory-grid-h200-2026-12-01/rungs-table.txt:
-the 7B, seq 2048, r16 on q/k/v/o, effective batch 8, alone on the card, each rung alone against
-one baseline). Recomputation costs 26 %, half the micro-batch with twice the accumulation 6 %,
-the paged 8-bit optimizer 0.5 %; expandable_segments measured 0.9 % *faster* (noise: it is free)
-and reserved 0.7 GiB less. Checkpointing with half the micro-batch measured 31.9 %, next to the
-32.3 % the summed costs give, so summing the costs of combined rungs is kept. CPU offload was not
-measured; its cost is a prior (it moves the optimizer step over PCIe).
-
-The margin (8 %) covers the model's error (target: median 5 %, worst 15 % on the grid) and
-the allocator's block rounding that a cap sees as used memory; a calibrated scale shrinks the
-first, which is why the margin stays fixed rather than growing with uncertainty.
+The margin (8 %) covers the model's error and the allocator's block rounding that a cap sees as
+used memory; a calibrated scale shrinks the first, which is why the margin stays fixed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qlora_supervise.policies import throughput
+from qlora_supervise.policies.budget import card_reserve
+from qlora_supervise.policies.candidates import (
+    RUNG_CLASSES,
+    RUNG_OF_KNOB,
+    CostClass,
+    eval_batches,
+    most_frugal,
+    quality_variants,
+    rungs_between,
+    throughput_variants,
+)
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.rungs import MIN_SEQ_LEN, STATIC_RUNGS
+from qlora_supervise.policies.rungs import STATIC_RUNGS
 from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
 
 DEFAULT_MARGIN = 0.08
-PAGED_8BIT = "paged_adamw_8bit"
-
-
-class CostClass(str, enum.Enum):
-    FREE = "free"
-    THROUGHPUT = "throughput"
-    QUALITY = "quality"
-
-
-#: Tokens/s of the rung-cost set (bench/results/memory-grid-h200-2026-12-01/rungs-table.txt):
-#: the baseline (micro-batch 4 x 2, no checkpointing, adamw_torch) and each rung alone on it.
-RUNG_TOKENS_PER_S: Mapping[str, float] = {
-    "baseline": 10470.7,
-    "gradient_checkpointing": 7743.2,
-    "halve_micro_batch": 9811.8,
-    "paged_8bit_optimizer": 10416.0,
-    "expandable_segments": 10565.0,
-}
-#: Not in the rung-cost set: a prior (see the module docstring).
-CPU_OFFLOAD_COST = 0.6
-
-
-def measured_cost(rung: str) -> float:
-    """The share of the baseline's tokens/s ``rung`` loses on the H200; never below 0 (faster is free)."""
-    return max(0.0, round(1.0 - RUNG_TOKENS_PER_S[rung] / RUNG_TOKENS_PER_S["baseline"], 4))
-
-
-#: Fraction of tokens/s each rung costs (measured; quality rungs cost quality, not throughput).
-RUNG_COSTS: Mapping[str, float] = {
-    "expandable_segments": measured_cost("expandable_segments"),
-    "paged_8bit_optimizer": measured_cost("paged_8bit_optimizer"),
-    "halve_micro_batch": measured_cost("halve_micro_batch"),
-    "gradient_checkpointing": measured_cost("gradient_checkpointing"),
-    "cpu_offload": CPU_OFFLOAD_COST,
-    "shorten_seq_len": 0.0,
-    "halve_lora_rank": 0.0,
-    "smaller_model": 0.0,
-}
-#: How much each quality rung weighs when one must be taken: fewer quality steps first, and a
-#: shorter sequence before a smaller rank (the ladders' order: the adapter keeps its capacity).
-QUALITY_WEIGHTS: Mapping[str, float] = {"shorten_seq_len": 1.0, "halve_lora_rank": 1.2, "smaller_model": 5.0}
-RUNG_CLASSES: Mapping[str, CostClass] = {
-    "expandable_segments": CostClass.FREE,
-    "gradient_checkpointing": CostClass.THROUGHPUT,
-    "halve_micro_batch": CostClass.THROUGHPUT,
-    "paged_8bit_optimizer": CostClass.THROUGHPUT,
-    "cpu_offload": CostClass.THROUGHPUT,
-    "shorten_seq_len": CostClass.QUALITY,
-    "halve_lora_rank": CostClass.QUALITY,
-    "smaller_model": CostClass.QUALITY,
-}
-#: The rungs the plan shows, in ladder order.
-PLAN_RUNGS = (
-    "expandable_segments",
-    "gradient_checkpointing",
-    "halve_micro_batch",
-    "paged_8bit_optimizer",
-    "shorten_seq_len",
-    "halve_lora_rank",
-)
+#: The speed trial times at most this many candidates, the chosen one first.
+TRIAL_SIZE = 3
+_CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
 
 
 @dataclass(frozen=True)
-class RungEffect:
-    """One rung applied alone to the job as written: what it predicts and what it costs."""
+class Ranked:
+    """One fitting candidate: its knobs, the rungs it takes, predicted peak and tokens/s."""
 
-    name: str
-    cost_class: CostClass
-    cost: float
-    predicted_peak: int | None  # None: the rung changes nothing here
-    changes: Mapping[str, tuple[Any, Any]]
+    knobs: Knobs
+    rungs: tuple[str, ...]
+    peak_bytes: int
+    tokens_per_s: float
+    measured: bool  # tokens/s from this host's or run's measurements (else the model's)
+    cost_class: CostClass  # the dearest class among its rungs (free with none)
+
+
+@dataclass(frozen=True)
+class NothingFits:
+    """No config of the job's model, nor of a fallback, is predicted to fit."""
+
+    smallest_peak: int
+    smallest_knobs: Knobs
+    budget_bytes: int
+    margin: float
+    help: str
 
 
 @dataclass(frozen=True)
@@ -119,13 +81,18 @@ class PreflightResult:
     knobs: Knobs
     predicted: Prediction
     fits_as_written: bool
-    changes: Mapping[str, tuple[Any, Any]]
+    changes: dict[str, tuple[Any, Any]]
     reasons: tuple[str, ...]
     quality_changed: bool
-    fits: bool  # False: nothing the pre-flight may change is predicted to fit
+    fits: bool  # False: nothing the pre-flight may change is predicted to fit (see nothing_fits)
     budget_bytes: int
     margin: float
-    cost: float  # the summed throughput cost of the changes (RUNG_COSTS)
+    cost: float  # predicted share of tokens/s lost against the job as written (negative: faster)
+    tokens_per_s: float | None = None  # predicted (or measured) for ``knobs``
+    ranking: tuple[Ranked, ...] = ()  # every fitting candidate of the chosen model, fastest first
+    speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
+    fallback: str | None = None  # the fallback model started instead of the job's
+    nothing_fits: NothingFits | None = None
 
 
 def scaled_peak(prediction: Prediction, scale: float | None) -> int:
@@ -138,6 +105,73 @@ def scaled_peak(prediction: Prediction, scale: float | None) -> int:
     return fixed + int(variable * scale)
 
 
+@dataclass
+class _Search:
+    """The predictions of one pre-flight, cached per knobs; remembers the smallest peak it saw."""
+
+    shape: ModelShape
+    job: Knobs
+    limit: float
+    scale: float | None
+    targets: tuple[str, ...] | str
+    speed: throughput.SpeedCalibration | None
+    exclude: frozenset[Knobs]
+    unusable: frozenset[str]
+    smallest: tuple[int, Knobs] | None = None
+
+    def __post_init__(self) -> None:
+        self._peaks: dict[Knobs, int] = {}
+
+    def peak(self, knobs: Knobs) -> int:
+        if knobs not in self._peaks:
+            self._peaks[knobs] = scaled_peak(predict(self.shape, knobs, self.targets), self.scale)
+            if self.smallest is None or self._peaks[knobs] < self.smallest[0]:
+                self.smallest = (self._peaks[knobs], knobs)
+        return self._peaks[knobs]
+
+    def fits(self, knobs: Knobs) -> bool:
+        return self.peak(knobs) <= self.limit
+
+    def with_eval_that_fits(self, knobs: Knobs) -> Knobs | None:
+        """``knobs`` with the largest eval batch that fits; None when training itself does not."""
+        if not self.fits(dataclasses.replace(knobs, eval_enabled=False)):
+            return None
+        return next((k for k in eval_batches(knobs) if self.fits(k)), None)
+
+    def rank(self, base: Knobs) -> list[Ranked]:
+        """Every fitting throughput variant of ``base``, fastest first."""
+        out = []
+        for variant in throughput_variants(base):
+            fitted = self.with_eval_that_fits(variant)
+            if fitted is None or fitted in self.exclude:
+                continue
+            rungs = rungs_between(self.job, fitted)
+            if set(rungs) & self.unusable:
+                continue
+            speed = throughput.rank_speed(self.shape, fitted, self.speed, self.targets)
+            out.append(
+                Ranked(fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, _dearest(rungs))
+            )
+        # Fastest first; at equal speed fewer changes, the larger eval batch, then the config that
+        # uses the card best.
+        return sorted(
+            out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
+        )
+
+    def best(self, job: Knobs) -> tuple[list[Ranked], bool]:
+        """The ranking of the lightest change that fits: (ranking, quality changed); empty: none."""
+        ranking = self.rank(job)
+        if ranking:
+            return ranking, False
+        for variant in quality_variants(job):
+            if set(variant.rungs) & self.unusable or not self.fits(most_frugal(variant.knobs)):
+                continue
+            ranking = self.rank(variant.knobs)
+            if ranking:
+                return ranking, True
+        return [], True
+
+
 def preflight(
     shape: ModelShape,
     knobs: Knobs,
@@ -145,140 +179,201 @@ def preflight(
     margin: float = DEFAULT_MARGIN,
     scale: float | None = None,
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    speed: throughput.SpeedCalibration | None = None,
+    fallbacks: Sequence[tuple[str, ModelShape | None]] = (),
+    exclude: frozenset[Knobs] = frozenset(),
+    unusable: frozenset[str] = frozenset(),
 ) -> PreflightResult:
-    """The cheapest config predicted to fit ``budget_bytes / (1 + margin)``; see the module docstring."""
-    # One search in the docstring's order (as written, throughput, quality), with the reasons
-    # written as it goes: splitting it would scatter the one story the journal tells.
+    """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; see the module docstring.
+
+    ``fallbacks``: the job's fallback models with their shapes (None: not modelled, skipped).
+    ``exclude``: configs that already failed; ``unusable``: rungs charged with a failure.
+    """
+    # One search in the docstring's order (as written, throughput, quality, fallbacks, nothing),
+    # with the reasons written as it goes: splitting it would scatter the one story the journal tells.
     limit = budget_bytes / (1 + margin)
-
-    def peak(k: Knobs) -> int:
-        return scaled_peak(predict(shape, k, targets), scale)
-
-    as_written = predict(shape, knobs, targets)
-    if peak(knobs) <= limit:
-        why = (f"predicted {_gib(peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin",)
-        return PreflightResult(knobs, as_written, True, {}, why, False, True, budget_bytes, margin, 0.0)
-    best = _cheapest_fitting(_throughput_candidates(knobs), peak, limit)
-    quality = False
-    if best is None:
-        quality = True
-        best = _cheapest_fitting(_quality_candidates(knobs), peak, limit)
-    fits = best is not None
-    if best is None:
-        best = min(_quality_candidates(knobs), key=lambda c: peak(c[0]))  # the smallest there is
-    chosen, applied = best
-    changes = _changes(knobs, chosen)
-    reasons = [
-        f"as written: predicted {_gib(peak(knobs))} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
+    search = _Search(shape, knobs, limit, scale, targets, speed, exclude, unusable)
+    base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
+    if search.fits(knobs) and knobs not in exclude:
+        ranking = search.rank(knobs)
+        why = (
+            f"predicted {_gib(search.peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin",
+        )
+        return PreflightResult(
+            knobs=knobs,
+            predicted=predict(shape, knobs, targets),
+            fits_as_written=True,
+            changes={},
+            reasons=why,
+            quality_changed=False,
+            fits=True,
+            budget_bytes=budget_bytes,
+            margin=margin,
+            cost=0.0,
+            tokens_per_s=base_speed,
+            ranking=tuple(ranking),
+            speed_trial=_trial(knobs, search.peak(knobs), base_speed, ranking),
+        )
+    ranking, quality = search.best(knobs)
+    fallback = None
+    chosen_shape = shape
+    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable)) is not None:
+        fallback, chosen_shape, ranking = found
+    head = [
+        f"as written: predicted {_gib(search.peak(knobs))} > {_gib(limit)} ({_gib(budget_bytes)} "
+        f"less {margin:.0%})"
     ]
-    reasons += [f"{name}: {STATIC_RUNGS[name].reason}" for name in dict.fromkeys(applied)]
-    verdict = "fits" if fits else "still does NOT fit"
-    reasons.append(f"chosen: predicted {_gib(peak(chosen))} {verdict} under {_gib(limit)}")
-    if quality:
+    if not ranking:
+        return _nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
+    chosen = ranking[0]
+    reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
+    reasons.append(
+        f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, "
+        f"{_speed(chosen)} ({len(ranking)} fitting candidate(s) ranked by tokens/s)"
+    )
+    if fallback is not None:
+        reasons.append(f"no config of {knobs.model} fits: QUALITY CHANGE, the fallback model {fallback}")
+    elif quality:
         reasons.append("no throughput-only change fits: QUALITY knobs changed (seq_len / LoRA rank)")
-    cost = sum(RUNG_COSTS[name] for name in applied)
+    cost = 1 - chosen.tokens_per_s / base_speed if base_speed > 0 and fallback is None else 0.0
     return PreflightResult(
-        chosen, predict(shape, chosen, targets), False, changes, tuple(reasons), quality, fits,
-        budget_bytes, margin, cost,
-    )  # fmt: skip
-
-
-Candidate = tuple[Knobs, tuple[str, ...]]
-
-
-def _cheapest_fitting(candidates: Iterator[Candidate], peak: Any, limit: float) -> Candidate | None:
-    """The fitting candidate of least cost; ties go to the larger micro-batch, then the larger peak
-    (the config that uses the card best)."""
-    fitting = [(k, names) for k, names in candidates if peak(k) <= limit]
-    if not fitting:
-        return None
-    return min(
-        fitting,
-        key=lambda c: (
-            sum(QUALITY_WEIGHTS.get(n, 0.0) for n in c[1]),
-            sum(RUNG_COSTS[n] for n in c[1]),
-            -c[0].micro_batch_size,
-            -peak(c[0]),
-        ),
+        knobs=chosen.knobs,
+        predicted=predict(chosen_shape, chosen.knobs, targets),
+        fits_as_written=False,
+        changes=knob_changes(knobs, chosen.knobs),
+        reasons=tuple(reasons),
+        quality_changed=quality or fallback is not None,
+        fits=True,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        cost=round(cost, 4),
+        tokens_per_s=chosen.tokens_per_s,
+        ranking=tuple(ranking),
+        speed_trial=_trial(chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking),
+        fallback=fallback,
     )
 
 
-def _micro_batches(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
-    """The job's micro-batch and each halving (accumulation grows: the effective batch is kept)."""
-    chain: list[tuple[Knobs, tuple[str, ...]]] = [(knobs, ())]
-    while True:
-        k, names = chain[-1]
-        smaller = STATIC_RUNGS["halve_micro_batch"].apply(k)
-        if smaller is None:
-            return chain
-        chain.append((smaller, (*names, "halve_micro_batch")))
-
-
-def _throughput_candidates(knobs: Knobs) -> Iterator[Candidate]:
-    """Every combination of checkpointing x micro-batch halvings x paged 8-bit optimizer, with
-    expandable segments on (free, and it lowers the reserve a card must hold)."""
-    for gc, paged in itertools.product((False, True), (False, True)):
-        k, names = knobs, ["expandable_segments"] if not knobs.expandable_segments else []
-        k = dataclasses.replace(k, expandable_segments=True)
-        if gc and not k.gradient_checkpointing:
-            k, names = dataclasses.replace(k, gradient_checkpointing=True), [*names, "gradient_checkpointing"]
-        if paged and k.optimizer != PAGED_8BIT:
-            k, names = dataclasses.replace(k, optimizer=PAGED_8BIT), [*names, "paged_8bit_optimizer"]
-        for smaller, halvings in _micro_batches(k):
-            yield smaller, (*names, *halvings)
-
-
-def _quality_candidates(knobs: Knobs) -> Iterator[Candidate]:
-    """All throughput rungs taken, then seq_len halvings, then rank halvings on the shortest."""
-    base = dataclasses.replace(
-        knobs, expandable_segments=True, gradient_checkpointing=True, optimizer=PAGED_8BIT
-    )
-    for k, halvings in _micro_batches(base):
-        names = _applied(knobs, base) + halvings
-        seq: Knobs | None = k
-        seq_names: tuple[str, ...] = names
-        while seq is not None and seq.max_seq_len >= MIN_SEQ_LEN:
-            rank: Knobs | None = seq
-            rank_names = seq_names
-            while rank is not None:
-                yield rank, rank_names
-                rank, rank_names = (
-                    STATIC_RUNGS["halve_lora_rank"].apply(rank),
-                    (*rank_names, "halve_lora_rank"),
-                )
-            seq, seq_names = STATIC_RUNGS["shorten_seq_len"].apply(seq), (*seq_names, "shorten_seq_len")
-
-
-def _applied(old: Knobs, new: Knobs) -> tuple[str, ...]:
-    names = []
-    if new.expandable_segments and not old.expandable_segments:
-        names.append("expandable_segments")
-    if new.gradient_checkpointing and not old.gradient_checkpointing:
-        names.append("gradient_checkpointing")
-    if new.optimizer != old.optimizer:
-        names.append("paged_8bit_optimizer")
-    return tuple(names)
-
-
-def rung_effects(
-    shape: ModelShape,
+def _fallback(
     knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    scale: float | None = None,
-) -> list[RungEffect]:
-    """Each plan rung applied alone to ``knobs``: predicted peak after it, and its cost."""
-    effects = []
-    for name in PLAN_RUNGS:
-        changed = STATIC_RUNGS[name].apply(knobs)
-        peak = None if changed is None else scaled_peak(predict(shape, changed, targets), scale)
-        changes = {} if changed is None else _changes(knobs, changed)
-        effects.append(RungEffect(name, RUNG_CLASSES[name], RUNG_COSTS[name], peak, changes))
-    return effects
+    limit: float,
+    targets: tuple[str, ...] | str,
+    fallbacks: Sequence[tuple[str, ModelShape | None]],
+    unusable: frozenset[str],
+) -> tuple[str, ModelShape, list[Ranked]] | None:
+    """The first fallback model with a config that fits, and its ranking (uncalibrated: this host's
+    measurements are of the job's model)."""
+    for model, shape in fallbacks:
+        if shape is None:
+            continue
+        job = dataclasses.replace(knobs, model=model)
+        search = _Search(shape, knobs, limit, None, targets, None, frozenset(), unusable)
+        ranking, _ = search.best(job)
+        if ranking:
+            return model, shape, ranking
+    return None
 
 
-def _changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
+def _nothing_fits(
+    search: _Search,
+    knobs: Knobs,
+    budget_bytes: int,
+    margin: float,
+    head: list[str],
+    fallbacks: Sequence[tuple[str, ModelShape | None]],
+) -> PreflightResult:
+    assert search.smallest is not None  # the job as written was predicted first
+    peak, smallest = search.smallest
+    need = int(peak * (1 + margin))
+    helps = [f"a budget of at least {_gib(need)} (a card of about {_gib(need + card_reserve())})"]
+    if fallbacks:
+        helps.append("a smaller model than every one in model.fallbacks (none of them fits either)")
+    else:
+        helps.append("a smaller model in model.fallbacks")
+    text = " or ".join(helps)
+    nothing = NothingFits(peak, smallest, budget_bytes, margin, text)
+    verdict = (
+        f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
+        f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
+    )
+    return PreflightResult(
+        knobs=smallest,
+        predicted=predict(search.shape, smallest, search.targets),
+        fits_as_written=False,
+        changes=knob_changes(knobs, smallest),
+        reasons=(*head, verdict),
+        quality_changed=True,
+        fits=False,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        cost=0.0,
+        nothing_fits=nothing,
+    )
+
+
+def _trial(
+    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked]
+) -> tuple[TrialCandidate, ...]:
+    """The chosen config and the fastest others that differ from it only in what changes without a
+    reload (micro-batch with its accumulation, checkpointing); empty when there is no other."""
+
+    def reloadless(k: Knobs) -> Knobs:
+        # The allocator setting is no training knob: candidates differ from the job's in it alone.
+        return dataclasses.replace(
+            k, micro_batch_size=1, grad_accum=1, gradient_checkpointing=False, expandable_segments=True
+        )
+
+    def timed(k: Knobs) -> tuple[int, int, bool]:
+        return k.micro_batch_size, k.grad_accum, k.gradient_checkpointing
+
+    seen = {timed(knobs)}
+    others = []
+    for r in ranking:
+        if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
+            seen.add(timed(r.knobs))
+            others.append(r)
+    if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
+        return ()
+    first = _candidate(knobs, tokens_per_s, peak)
+    return (first, *(_candidate(r.knobs, r.tokens_per_s, r.peak_bytes) for r in others[: TRIAL_SIZE - 1]))
+
+
+def _candidate(knobs: Knobs, tokens_per_s: float, peak: int) -> TrialCandidate:
+    return TrialCandidate(
+        knobs.micro_batch_size, knobs.grad_accum, knobs.gradient_checkpointing, round(tokens_per_s, 1), peak
+    )
+
+
+def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
+    reasons = []
+    for name, (before, after) in knob_changes(old, new).items():
+        rung = STATIC_RUNGS.get(RUNG_OF_KNOB.get(name, ""))
+        why = f": {rung.reason}" if rung is not None and _towards_less_memory(name, before, after) else ""
+        reasons.append(f"{name} {before} -> {after}{why}")
+    return reasons
+
+
+def _towards_less_memory(name: str, before: Any, after: Any) -> bool:
+    if isinstance(before, bool):
+        return bool(after) and not before
+    if isinstance(before, int) and isinstance(after, int):
+        return after < before
+    return True
+
+
+def _dearest(rungs: Sequence[str]) -> CostClass:
+    classes = [RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in rungs]
+    return max(classes, key=_CLASS_ORDER.index, default=CostClass.FREE)
+
+
+def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
+    """``{knob: (old, new)}`` for every knob that differs."""
     before, after = dataclasses.asdict(old), dataclasses.asdict(new)
     return {name: (before[name], after[name]) for name in before if before[name] != after[name]}
+
+
+def _speed(r: Ranked) -> str:
+    return f"{r.tokens_per_s:.0f} tokens/s {'measured' if r.measured else 'predicted'}"
 
 
 def _gib(value: float) -> str:

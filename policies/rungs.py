@@ -121,8 +121,12 @@ def _quantize_4bit(k: Knobs) -> Knobs | None:
     return None if wanted == k else wanted
 
 
-def _cpu_offload(k: Knobs) -> Knobs | None:
-    return None if k.cpu_offload else dataclasses.replace(k, cpu_offload=True)
+def _bf16_head(k: Knobs) -> Knobs | None:
+    return None if k.bf16_head else dataclasses.replace(k, bf16_head=True)
+
+
+def _activation_offload(k: Knobs) -> Knobs | None:
+    return None if k.activation_offload else dataclasses.replace(k, activation_offload=True)
 
 
 def _halve_eval_batch(k: Knobs) -> Knobs | None:
@@ -223,10 +227,16 @@ _STATIC_RUNGS: tuple[Rung, ...] = (
         _quantize_4bit,
     ),
     Rung(
-        "cpu_offload",
-        "let accelerate place layers that do not fit on the CPU (max_memory)",
+        "bf16_head",
+        "keep the embeddings and LM head in bf16 instead of fp32 (norms stay fp32): half their bytes",
         Survives.ALL,
-        _cpu_offload,
+        _bf16_head,
+    ),
+    Rung(
+        "activation_offload",
+        "keep the activations saved for backward in host memory (save_on_cpu): slower, far less GPU memory",
+        Survives.ALL,
+        _activation_offload,
     ),
     Rung("halve_eval_batch", "halve the evaluation batch", Survives.ALL, _halve_eval_batch),
     Rung("disable_eval", "turn evaluation off", Survives.ALL, _disable_eval),
@@ -242,6 +252,15 @@ STATIC_RUNGS: Mapping[str, Rung] = {rung.name: rung for rung in _STATIC_RUNGS}
 
 #: Every rung name a job file may use in ``supervise.ladders``.
 RUNG_NAMES: frozenset[str] = frozenset({*STATIC_RUNGS, "smaller_model", "drop_rank"})
+
+#: Rungs that were, and why a job may no longer name them (the job file's validation says it).
+RETIRED_RUNGS: Mapping[str, str] = {
+    "cpu_offload": (
+        "cpu_offload cannot train on one GPU: accelerate refuses to train 4-bit weights offloaded to "
+        "the CPU, and bitsandbytes then fails on meta tensors (Tensor.item() cannot be called on meta "
+        "tensors); use activation_offload (saved activations in host memory) or bf16_head instead"
+    ),
+}
 
 
 def rung_by_name(name: str, context: RungContext) -> Rung:

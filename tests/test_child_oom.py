@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
+from _machine import above_baseline
 
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     CHECKPOINT_COMPLETE_MARKER,
@@ -18,8 +19,9 @@ from qlora_supervise.trainer_child.contract.codes import ExitCode
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
 #: Between the peak data segments of micro-batch 16 (~1730-1840 MiB) and micro-batch 8
-#: (~1450-1575 MiB) at seq 512, measured with bench/child_memory.py.
-CAP = 1664 * MIB
+#: (~1450-1575 MiB) at seq 512 with the CPU build of torch (a 0.37 GiB import baseline), measured
+#: with bench/child_memory.py: 1664 MiB there, placed above the baseline of the torch installed here.
+CAP_HEADROOM = 1284 * MIB
 HEAVY = {"micro_batch_size": 16, "grad_accum": 1, "max_seq_len": 512}
 
 
@@ -27,12 +29,13 @@ def test_cap_too_small_for_the_config_is_an_oom_with_stage_and_numbers(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
     """Micro-batch 16 under the cap exits 70 with a report naming forward/backward and tried_to_allocate."""
-    spec = make_spec(tiny_dir, tmp_path, knobs=HEAVY, train={"max_steps": 3}, cpu_memory_limit=CAP)
+    cap = above_baseline(CAP_HEADROOM)
+    spec = make_spec(tiny_dir, tmp_path, knobs=HEAVY, train={"max_steps": 3}, cpu_memory_limit=cap)
     assert run_child(spec) == ExitCode.OOM, log_tail(spec)
     failure = report(spec)
     assert failure.is_oom and failure.exit_code == ExitCode.OOM
     assert failure.stage in ("forward", "backward"), failure.traceback
-    assert failure.oom_numbers["tried_to_allocate"] > 0, failure.message
+    assert (failure.oom_numbers.tried_to_allocate or 0) > 0, failure.message
     assert failure.step == 0 and failure.emergency_checkpoint is None  # nothing learnt yet
     assert failure.device == "cpu"
 
@@ -42,7 +45,11 @@ def test_oom_after_progress_leaves_emergency_checkpoint_and_smaller_micro_batch_
 ) -> None:
     """An OOM in step 3 checkpoints step 2; micro-batch 8 with doubled accumulation resumes at 2, finishes."""
     spec = make_spec(
-        tiny_dir, tmp_path, knobs=HEAVY, train={"max_steps": 4, "save_steps": 100}, cpu_memory_limit=CAP
+        tiny_dir,
+        tmp_path,
+        knobs=HEAVY,
+        train={"max_steps": 4, "save_steps": 100},
+        cpu_memory_limit=above_baseline(CAP_HEADROOM),
     )
     # Injected fault: the cap arrives after step 2, as when memory becomes scarce mid-run.
     assert run_child(spec, QLORA_SUPERVISE_TEST_CAP_AFTER_STEP="2") == ExitCode.OOM, log_tail(spec)

@@ -16,6 +16,7 @@ from _child import (
     start_child,
     wait_for_event,
 )
+from _machine import scaled
 
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import complete_checkpoints
 from qlora_supervise.trainer_child.contract.codes import ExitCode
@@ -58,7 +59,7 @@ def test_sigterm_checkpoints_and_resume_with_new_micro_batch_and_seq_len_sees_th
     child = start_child(first, **{TRACE: str(tmp_path / "first.jsonl")})
     wait_for_event(first, lambda e: e["event"] == "heartbeat" and e["step"] >= 1, child)
     child.send_signal(signal.SIGTERM)
-    assert child.wait(120) == ExitCode.STOPPED, log_tail(first)
+    assert child.wait(scaled(120)) == ExitCode.STOPPED, log_tail(first)  # generous, scaled
     seen = events(first)
     assert any(e["event"] == "stopping" for e in seen)
     stopped_at = next(e for e in seen if e["event"] == "checkpoint_saved")["step"]

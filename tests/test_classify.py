@@ -544,7 +544,7 @@ def test_format_size_matches_pytorch() -> None:
 def test_failure_json_dict_has_string_pids() -> None:
     """JSON keys are strings: process ids come out as strings, bytes as integers."""
     failure = Failure(K.OOM_CONTENTION, Stage.FORWARD, {"processes": {12: 5}}, "x")
-    assert failure.to_json_dict()["numbers"] == {"processes": {"12": 5}}
+    assert failure.to_json()["numbers"] == {"processes": {"12": 5}}
 
 
 # --- the two dependency worlds ------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,18 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.watching.creep import HORIZON_STEPS, CreepWatch
-from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, PeakSource
+from qlora_supervise.trainer_child.contract.events import Heartbeat
+from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _machine import import_baseline
 from run_scripted import scripted_seams
 
 MIB, GIB = 1024**2, 1024**3
 
 
-def _beat(step: int, peak: int, source: PeakSource = PeakSource.CUDA_ALLOCATOR) -> Heartbeat:
+def _beat(step: int, peak: int, source: ChildPeakSource = ChildPeakSource.CUDA_ALLOCATOR) -> Heartbeat:
     return Heartbeat(Stage.FORWARD, step, memory=MemoryNumbers(peak_bytes=peak, peak_source=source))
 
 
@@ -77,7 +77,7 @@ def test_a_leak_far_from_the_budget_waits_until_it_is_near() -> None:
 def test_the_data_segment_peak_is_held_against_the_cpu_cap() -> None:
     """On the CPU the peak is the data segment's: the forecast uses cpu_memory_limit, not the GPU budget."""
     watch = CreepWatch(gpu_budget=None, cpu_budget=GIB)
-    beats = [_beat(step, 256 * MIB + step * 48 * MIB, PeakSource.DATA_SEGMENT) for step in range(1, 16)]
+    beats = [_beat(step, 256 * MIB + step * 48 * MIB, ChildPeakSource.DATA_SEGMENT) for step in range(1, 16)]
     forecasts = [f for beat in beats if (f := watch.observe(beat))]
     assert len(forecasts) == 1 and forecasts[0].budget_bytes == GIB
 
@@ -132,8 +132,7 @@ def _child_events(attempt_dir: Path) -> list[dict[str, Any]]:
 
 
 def _import_baseline() -> int:
-    out = subprocess.run([sys.executable, "-m", entry.STACK], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+    return import_baseline()  # measured with the torch installed here (tests/_machine.py)
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ from qlora_supervise.supervisor.commands.explain import explain_command, explana
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, PeakSource
+from qlora_supervise.trainer_child.contract.events import Heartbeat
+from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench/results/gpu-h200-2026-11-29"
 BENCH_RUN = RESULTS / "after-fix/cap-8GiB"
@@ -72,7 +73,7 @@ def _with_heartbeats(tmp_path: Path) -> RunDir:
             t = r.started_at + (r.ended_at - r.started_at) * i / 8
             memory = MemoryNumbers(
                 peak_bytes=int((4 + i * 0.4) * 2**30),
-                peak_source=PeakSource.CUDA_ALLOCATOR,
+                peak_source=ChildPeakSource.CUDA_ALLOCATOR,
                 allocated_bytes=int((4 + i * 0.4) * 2**30),
             )
             line = json.loads(Heartbeat(Stage.FORWARD, r.resumed_from, memory=memory).to_line())

@@ -57,18 +57,18 @@ def _facts_from_message(report: ErrorReport) -> AllocatorFacts:
     """The recorded report predates the facts: its message's numbers at the OOM stand in, and the
     largest free block is taken as too small (the case most in favour of fragmentation)."""
     n = report.oom_numbers
-    unallocated = n["reserved_unallocated"]
+    unallocated = n.reserved_unallocated
     return AllocatorFacts(
-        requested_bytes=n["tried_to_allocate"],
-        allocated_bytes=n["already_allocated"],
-        reserved_bytes=n["already_allocated"] + unallocated,
+        requested_bytes=n.tried_to_allocate,
+        allocated_bytes=n.already_allocated,
+        reserved_bytes=n.already_allocated + unallocated,
         free_in_segments_bytes=unallocated,
         inactive_split_bytes=unallocated,
-        largest_free_block_bytes=n["tried_to_allocate"] // 2,
+        largest_free_block_bytes=n.tried_to_allocate // 2,
         block_for_request=False,
         segments=40,
-        limit_bytes=n["allowed"],
-        device_free_bytes=n["free"],
+        limit_bytes=n.allowed,
+        device_free_bytes=n.free,
     )
 
 
@@ -102,7 +102,7 @@ def test_every_recorded_capped_oom_is_capacity_with_the_model() -> None:
     }
     for name, knobs in knobs_of.items():
         report = _recorded(name)
-        fit = predicted_fit(_shape_7b(), knobs, report.oom_numbers["allowed"])
+        fit = predicted_fit(_shape_7b(), knobs, report.oom_numbers.allowed)
         failure = classify_exit(
             EXITED_OOM, dataclasses.replace(report, allocator=_facts_from_message(report)), "", fit=fit
         )

@@ -6,23 +6,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import pynvml
 import pytest
 
-from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample, visible_gpu_count
 
 GIB = 1024**3
-
-
-class NVMLError(Exception):
-    pass
-
-
-class NVMLError_NotSupported(NVMLError):
-    pass
-
-
-class NVMLError_Timeout(NVMLError):
-    pass
+# The fake raises pynvml's own error classes, as the real bindings do (one subclass per return code).
+NVMLError = pynvml.NVMLError
 
 
 @dataclass
@@ -51,6 +42,7 @@ class FakeNvml:
     events_supported: bool = True
     graphics_supported: bool = True
     fail_memory: bool = False
+    memory_error: Exception | None = None  # raised by the memory query instead (a bug, not NVML)
     xids: list[int] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
     nvmlEventTypeXidCriticalError: int = 8
@@ -69,14 +61,14 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
         if not 0 <= index < 4:
-            raise NVMLError("invalid argument")
+            raise pynvml.NVMLError_InvalidArgument()
         return index
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
         for index in range(4):
             if self.nvmlDeviceGetUUID(index).decode() == uuid:
                 return index
-        raise NVMLError("not found")
+        raise pynvml.NVMLError_NotFound()
 
     def nvmlDeviceGetUUID(self, handle: int) -> bytes:
         return f"GPU-000{handle}aaaa-bbbb".encode()
@@ -85,8 +77,10 @@ class FakeNvml:
         return handle
 
     def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> _Memory:
+        if self.memory_error is not None:
+            raise self.memory_error
         if self.fail_memory:
-            raise NVMLError("GPU is lost")
+            raise pynvml.NVMLError_GpuIsLost()
         return _Memory(total=80 * GIB, used=30 * GIB, free=50 * GIB)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[_Proc]:
@@ -94,7 +88,7 @@ class FakeNvml:
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[_Proc]:
         if not self.graphics_supported:
-            raise NVMLError_NotSupported("not supported")
+            raise pynvml.NVMLError_NotSupported()
         return [_Proc(900, 15 * GIB)]
 
     def nvmlEventSetCreate(self) -> str:
@@ -102,11 +96,11 @@ class FakeNvml:
 
     def nvmlDeviceRegisterEvents(self, handle: int, kinds: int, events: str) -> None:
         if not self.events_supported:
-            raise NVMLError_NotSupported("events")
+            raise pynvml.NVMLError_NotSupported()
 
     def nvmlEventSetWait_v2(self, events: str, timeout_ms: int) -> _Event:
         if not self.xids:
-            raise NVMLError_Timeout("timeout")
+            raise pynvml.NVMLError_Timeout()
         return _Event(self.xids.pop(0))
 
     def nvmlEventSetFree(self, events: str) -> None:
@@ -133,10 +127,35 @@ def test_open_without_nvml_returns_none() -> None:
         pynvml.nvmlInit()
 
 
-@pytest.mark.parametrize("error", [NVMLError("Driver Not Loaded"), OSError("libnvidia-ml.so.1")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        pynvml.NVMLError_DriverNotLoaded(),
+        pynvml.NVMLError_LibraryNotFound(),
+        NVMLError(pynvml.NVML_ERROR_UNKNOWN),
+    ],
+)
 def test_open_returns_none_when_init_fails(error: Exception) -> None:
-    """An NVML init failure of any kind means nothing to watch."""
+    """An NVML init failure of any kind (any NVMLError subclass) means nothing to watch."""
     assert GpuMonitor.open("auto", nvml=FakeNvml(init_error=error)) is None
+    assert visible_gpu_count(nvml=FakeNvml(init_error=error)) is None
+
+
+def test_an_error_that_is_not_nvmls_is_not_taken_for_a_missing_gpu() -> None:
+    """Errors are caught by class: a bug (a TypeError) in a query propagates, never read as "no GPU"."""
+    with pytest.raises(TypeError, match="a bug"):
+        GpuMonitor.open("auto", nvml=FakeNvml(init_error=TypeError("a bug")))
+    monitor = _open("auto", FakeNvml(memory_error=TypeError("a bug")))
+    with pytest.raises(TypeError, match="a bug"):
+        monitor.sample({1})
+
+
+def test_nvml_errors_are_one_class_per_return_code() -> None:
+    """What the monitor catches is what pynvml raises: NVMLError(code) builds the code's subclass."""
+    assert type(NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)) is pynvml.NVMLError_NotSupported
+    assert issubclass(pynvml.NVMLError_Timeout, NVMLError) and issubclass(
+        pynvml.NVMLError_GpuIsLost, NVMLError
+    )
 
 
 def test_open_cpu_device_returns_none_without_touching_nvml() -> None:

@@ -11,7 +11,7 @@ from test_loop_fake_clock import FakeClock, _job, _run, _seams
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.diagnosis.xid import describe, fatal_xid, overrule
 from qlora_supervise.supervisor.exit_codes import EXIT_CODES_HELP, SupervisorExitCode
 from qlora_supervise.supervisor.record.eventlog import read_events
@@ -33,7 +33,8 @@ def test_a_fatal_xid_decides_whatever_the_child_said() -> None:
     """Xid 79 (off the bus) during an attempt makes even an OOM or a hang a fatal gpu_fault."""
     for kind in (K.OOM_FORWARD, K.HANG, K.OTHER):
         fault = overrule(_failure(kind), (13, 79))
-        assert fault.kind is K.GPU_FAULT and fault.numbers == {"xid": [13, 79], "fatal_xid": 79}
+        assert fault.kind is K.GPU_FAULT and fault.xid == XidFacts((13, 79), 79) and fault.numbers == {}
+        assert fault.numbers_json() == {"xid": [13, 79], "fatal_xid": 79}  # the journal's shape
         assert "Xid 79 (GPU has fallen off the bus, fatal)" in fault.evidence
 
 
@@ -44,7 +45,8 @@ def test_a_non_fatal_xid_decides_only_a_failure_that_is_not_an_oom() -> None:
     assert overrule(_failure(K.CONFIG_ERROR), (31, 31)).kind is K.CONFIG_ERROR
     assert overrule(_failure(K.OTHER), ()).kind is K.OTHER
     failure = classify_exit(CRASHED, None, ILLEGAL, xid_events=(31,))
-    assert failure.kind is K.GPU_FAULT and "fatal_xid" not in failure.numbers
+    assert failure.kind is K.GPU_FAULT and failure.xid == XidFacts((31,)) and failure.fatal_xid is None
+    assert "fatal_xid" not in failure.numbers_json()
     assert "not an out-of-memory error" in failure.evidence  # the child's own failure is kept
 
 
@@ -59,10 +61,10 @@ def test_the_xid_table_names_the_fatal_ones() -> None:
 def test_policy_gives_up_on_a_fatal_xid_and_retries_another_once() -> None:
     """A fatal gpu_fault is not retryable; a non-fatal one restarts unchanged once, then gives up."""
     knobs = Knobs(model="m")
-    fatal = Failure(K.GPU_FAULT, Stage.FORWARD, {"xid": [48], "fatal_xid": 48}, "")
+    fatal = Failure(K.GPU_FAULT, Stage.FORWARD, {}, "", xid=XidFacts((48,), 48))
     decision = policy.decide(fatal, knobs, [policy.PastAttempt(knobs, K.GPU_FAULT, 0)], policy.Settings())
     assert isinstance(decision, policy.GiveUp) and not decision.retryable and "Xid 48" in decision.why
-    soft = Failure(K.GPU_FAULT, Stage.FORWARD, {"xid": [43]}, "")
+    soft = Failure(K.GPU_FAULT, Stage.FORWARD, {}, "", xid=XidFacts((43,)))
     once = [policy.PastAttempt(knobs, K.GPU_FAULT, 0)]
     assert isinstance(policy.decide(soft, knobs, once, policy.Settings()), policy.Restart)
     twice = once * 2
@@ -90,7 +92,7 @@ def test_a_fatal_xid_read_through_nvml_stops_the_run_with_exit_5(tmp_path: Path)
     assert _run(_job(tmp_path), seams) == SupervisorExitCode.GPU_FAULT
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert len(records) == 1 and records[0].failure is not None
-    assert records[0].failure.kind is K.GPU_FAULT and records[0].failure.numbers["fatal_xid"] == 79
+    assert records[0].failure.kind is K.GPU_FAULT and records[0].failure.fatal_xid == 79
     assert records[0].decision is not None and not records[0].decision.retryable
     events = read_events(tmp_path / "run" / "events.jsonl")
     fault = [e for e in events if e["event"] == "gpu_fault"]

@@ -36,5 +36,5 @@ def test_reader_still_reads_an_old_events_file(tmp_path: Path) -> None:
     p = reader.progress
     assert (p.step, p.loss, p.tokens_per_s) == (2, 2.0, 9.0)
     assert p.peak_bytes == 80  # max over events of each line's peak: CUDA peak first, then VmData
-    assert [e["event"] for e in p.events] == ["loaded", "heartbeat", "heartbeat"]
+    assert [e.event for e in p.events] == ["loaded", "heartbeat", "heartbeat"]
     assert json.loads(lines[0])["peak_vmdata"] == 60

@@ -104,3 +104,71 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     job = _job(tmp_path)
     assert main(["install-systemd", str(job), "--root", str(tmp_path / "s"), "--service-user", "lab"]) == 0
     assert _verify(tmp_path / "s/etc/systemd/system/qlora-supervise@.service", tmp_path) == ""
+
+
+def _wheel_venv(tmp_path: Path) -> Path:
+    """A fresh venv outside the clone with only the built wheel installed (``--no-deps``); its
+    dependencies come from this venv's site-packages through a ``.pth`` line, to stay offline."""
+    import site
+    import sys
+    import sysconfig
+
+    root = Path(__file__).resolve().parents[1]
+    wheels = tmp_path / "wheels"
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(root)], check=True
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    wheel = next(wheels.glob("qlora_supervise-*.whl"))
+    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "-q", str(wheel)], check=True)
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # A plain path line: the editable install's own .pth in this venv is not run from there.
+    ours = site.getsitepackages()[0] if site.getsitepackages() else sysconfig.get_paths()["purelib"]
+    (Path(purelib) / "_deps_from_test_venv.pth").write_text(ours + "\n")
+    return venv
+
+
+@pytest.mark.slow
+def test_install_systemd_works_from_an_installed_wheel(tmp_path: Path) -> None:
+    """Issue 21 item 11: the wheel carries the unit template and env example; its
+    `qlora-supervise install-systemd --root` writes them, run from outside the clone."""
+    venv = _wheel_venv(tmp_path)
+    where = subprocess.run(
+        [str(venv / "bin/python"), "-c", "import qlora_supervise.supervisor as s; print(s.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    ).stdout
+    assert where.startswith(str(venv)), where  # the wheel's code, not the clone's
+    job, root = _job(tmp_path), tmp_path / "root"
+    done = subprocess.run(
+        [
+            str(venv / "bin/qlora-supervise"),
+            "install-systemd",
+            str(job),
+            "--root",
+            str(root),
+            "--service-user",
+            "lab",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    unit = root / "etc/systemd/system/qlora-supervise@.service"
+    assert "User=lab" in unit.read_text() and "install from the clone" not in done.stderr
+    template = (SYSTEMD / "qlora-supervise@.service").read_text()
+    assert unit.read_text().count("ProtectSystem=strict") == template.count("ProtectSystem=strict") == 1
+    env = root / "etc/qlora-supervise/qlora-supervise.env"
+    assert env.read_text() == (SYSTEMD / "qlora-supervise.env.example").read_text()

@@ -1,6 +1,7 @@
 """Changed jobs between runs: every version kept, safe fields applied, training changes need --restart.
 
-Issue 11 item 6, with the real supervisor and the scripted child (real processes).
+Issue 11 item 6, with the real supervisor: the bookkeeping of versions and lifted verdicts on the
+fake clock (a hang costs no wall time there), the rest with the scripted child (real processes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from qlora_supervise.supervisor.record.journal import read_attempts, read_lifts,
 sys.path.insert(0, str(Path(__file__).parent))
 from run_scripted import scripted_seams
 from test_loop import _events, _job
+from test_loop_fake_clock import FakeClock, _seams
+from test_loop_fake_clock import _job as _fake_job
 
 
 def _run(job: Path, **flags: bool) -> int:
@@ -35,15 +38,20 @@ def _edit(job: Path, section: str, **fields: Any) -> None:
     job.write_text(yaml.safe_dump(raw))
 
 
+def _run_fake(job: Path, plan: dict[int, str], default: str = "ok") -> int:
+    seams = _seams(FakeClock(), plan, default=default)
+    return run_job(str(job), plain=True, seams=seams, console=io.StringIO(), install_signals=False)
+
+
 def test_every_submitted_version_is_kept_and_the_first_survives_two_changes(tmp_path: Path) -> None:
     """Issue 11 item 6: job.v1.yaml, job.v2.yaml, job.v3.yaml hold each submission as written."""
-    job = _job(tmp_path, {"default": "hang@2"}, hang_timeout="1s")
+    job = _fake_job(tmp_path, hang_timeout="1s")
     texts = [job.read_text()]
-    assert _run(job) == 3
+    assert _run_fake(job, {}, default="hang@2") == 3
     for timeout in ("2s", "3s"):
         _edit(job, "supervise", hang_timeout=timeout)
         texts.append(job.read_text())
-        _run(job)
+        _run_fake(job, {}, default="hang@2")
     run = tmp_path / "run"
     assert [(run / f"job.v{n}.yaml").read_text() for n in (1, 2, 3)] == texts
     assert (run / "job.yaml").read_text() == texts[-1]
@@ -53,10 +61,10 @@ def test_every_submitted_version_is_kept_and_the_first_survives_two_changes(tmp_
 def test_a_safe_change_lifts_the_verdict_and_is_journaled(tmp_path: Path) -> None:
     """Issue 11 item 6: a run that gave up goes on after a supervise.* change, logged and journaled."""
     # Three hangs with no step trained in between: the crash-loop limit gives up (exit 3).
-    job = _job(tmp_path, {"1": "hang@2", "2": "hang@2", "3": "hang@2"}, hang_timeout="1s")
-    assert _run(job) == 3
+    job, hangs = _fake_job(tmp_path, hang_timeout="1s"), {1: "hang@2", 2: "hang@2", 3: "hang@2"}
+    assert _run_fake(job, hangs) == 3
     _edit(job, "supervise", hang_timeout="5s")
-    assert _run(job) == 0
+    assert _run_fake(job, hangs) == 0
     changed = _events(tmp_path, "job_changed")[0]
     assert changed["changes"] == {"supervise.hang_timeout": {"old": 1.0, "new": 5.0, "safe": True}}
     lifts = read_lifts(tmp_path / "run" / "attempts.jsonl")
@@ -110,6 +118,23 @@ def test_restart_starts_a_new_generation_and_keeps_the_old_one_aside(tmp_path: P
     assert adapters and all(a["r"] == 16 for a in adapters)
     assert read_state(run / "state.json").run_state.value == "succeeded"  # type: ignore[union-attr]
     assert _events(tmp_path, "generation_started")
+
+
+def test_restart_says_the_changes_start_a_new_generation_not_that_they_need_it(tmp_path: Path) -> None:
+    """Issue 21 item 18: `run --restart` says the diff goes into the new generation, not "needs --restart"."""
+    job = _job(tmp_path, {"default": "ok"})
+    assert _run(job) == 0
+    _edit(job, "lora", r=16)
+    _edit(job, "supervise", hang_timeout="3s")
+    console = io.StringIO()
+    code = run_job(
+        str(job), plain=True, seams=scripted_seams(), console=console, install_signals=False, restart=True
+    )
+    assert code == 0
+    said = console.getvalue()
+    assert "needs --restart" not in said and "applies on resume" not in said
+    assert "new generation (--restart)" in said
+    assert "lora.r: 8 -> 16  (the new generation trains with it from step 0)" in said
 
 
 def test_run_accepts_restart_and_retry_flags() -> None:

@@ -1,4 +1,8 @@
-"""The supervisor loop with scripted children: real processes, injected faults, seconds per test."""
+"""The supervisor loop with scripted children: real processes, injected faults, seconds per test.
+
+One real-process test per behaviour; the bookkeeping (ladders, budgets, waits, journal lines) runs
+on the fake clock in ``test_loop_fake_clock.py``.
+"""
 
 from __future__ import annotations
 
@@ -57,6 +61,11 @@ def _job(
     return path
 
 
+def _plan(tmp_path: Path, plan: dict[str, str]) -> None:
+    """Change the scripted child's plan between two runs of the same job."""
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+
+
 def _run(job: Path) -> int:
     return run_job(str(job), plain=True, seams=scripted_seams(), console=io.StringIO(), install_signals=False)
 
@@ -84,16 +93,6 @@ def test_forward_oom_is_retried_with_checkpointing_and_loses_no_step(tmp_path: P
     assert retry["numbers"]["tried_to_allocate"] == 2 * 1024**3
     assert _events(tmp_path, "run_succeeded")
     assert read_state(tmp_path / "run" / "state.json").run_state.value == "succeeded"  # type: ignore[union-attr]
-
-
-def test_second_forward_oom_halves_micro_batch_keeping_effective_batch(tmp_path: Path) -> None:
-    """Two forward OOMs climb to the second rung: half the micro-batch, twice the accumulation."""
-    assert _run(_job(tmp_path, {"1": "oom_forward@2", "2": "oom_forward@5"})) == 0
-    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    third = records[2]
-    assert (third.knobs.micro_batch_size, third.knobs.grad_accum) == (2, 4)
-    assert third.knobs.gradient_checkpointing is True
-    assert sum(r.lost_steps for r in records) == 0
 
 
 def test_fragmentation_sets_expandable_segments_in_the_child_env(tmp_path: Path) -> None:
@@ -143,33 +142,6 @@ def test_config_error_stops_at_once_with_exit_4(tmp_path: Path) -> None:
     assert _run(tmp_path / "job.yaml") == 4  # a finished verdict is not re-run
 
 
-def test_ladder_exhausted_gives_up_with_exit_3(tmp_path: Path) -> None:
-    """When every rung has been tried the supervisor gives up with exit 3 and says why."""
-    job = _job(tmp_path, {"default": "oom_forward@1"}, max_no_progress_attempts=20, max_attempts=20)
-    assert _run(job) == 3
-    gave_up = _events(tmp_path, "gave_up")[0]
-    assert "exhausted" in gave_up["why"]
-    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    configs = [r.knobs for r in records]
-    assert len(configs) == len(set(configs)), "a config that failed the same way was repeated"
-
-
-def test_crash_loop_protection(tmp_path: Path) -> None:
-    """Unchanged restarts that train no step (memory taken again at once) stop the run: a crash loop."""
-    job = _job(tmp_path, {"default": "contention@1"}, max_no_progress_attempts=3, max_attempts=20)
-    assert _run_with_gpu(job, FakeGpu(frees_after=0)) == 3
-    assert "crash loop" in _events(tmp_path, "gave_up")[0]["why"]
-    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert len(records) == 3
-
-
-def test_ladder_climbing_at_step_zero_is_not_a_crash_loop(tmp_path: Path) -> None:
-    """OOMs at the first step that each change the config climb the whole ladder before giving up."""
-    job = _job(tmp_path, {"default": "oom_forward@1"}, max_no_progress_attempts=2, max_attempts=20)
-    assert _run(job) == 3
-    assert "exhausted" in _events(tmp_path, "gave_up")[0]["why"]
-
-
 def _spawn_supervisor(job: Path) -> subprocess.Popen[bytes]:
     runner = Path(__file__).with_name("run_scripted.py")
     return subprocess.Popen([sys.executable, str(runner), str(job)], stderr=subprocess.PIPE)
@@ -195,6 +167,7 @@ def test_sigterm_stops_gracefully_and_the_same_command_resumes(tmp_path: Path) -
     # Bug 6: the step the child finished after our SIGTERM, before its checkpoint, is counted.
     assert records[-1].steps_completed == records[-1].next_resume_from
     assert read_state(tmp_path / "run" / "state.json").run_state.value == "stopped"  # type: ignore[union-attr]
+    _plan(tmp_path, {"default": "ok"})  # the rest of the run need not be slow
     assert _run(job) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[-1].outcome == "succeeded" and records[-1].resumed_from == records[-2].next_resume_from
@@ -208,11 +181,12 @@ def test_supervisor_sigkill_mid_attempt_resumes_without_repeating_failed_config(
     _wait_for(lambda: events.exists() and '"heartbeat"' in events.read_text())
     proc.kill()
     proc.wait(timeout=10)
+    _plan(tmp_path, {"1": "oom_forward@2", "default": "ok"})  # the rest of the run need not be slow
     assert _run(job) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    outcomes = [r.outcome for r in records]
-    assert outcomes[0] == "failed" and outcomes[-1] == "succeeded"
-    assert "interrupted" in outcomes or "stopped" in outcomes
+    # Attempt 2 was reclaimed: its child (stopped by PDEATHSIG, or by the reclaim) left no report,
+    # so it is interrupted, no verdict on its config; attempt 3 finishes.
+    assert [r.outcome for r in records] == ["failed", "interrupted", "succeeded"]
     failed_config = records[0].knobs
     assert all(r.knobs != failed_config for r in records[1:])
     assert records[-1].steps_completed == MAX_STEPS
@@ -236,22 +210,6 @@ def test_contention_waits_for_memory_then_restarts_unchanged(tmp_path: Path) -> 
     assert waiting["numbers"]["processes"] == {"4242": 18 * 1024**3}  # JSON keys are strings
     assert _events(tmp_path, "memory_available")
     assert gpu.polls >= 3
-
-
-def test_contention_that_does_not_clear_gives_up_without_degrading(tmp_path: Path) -> None:
-    """When the other process keeps the memory past contention_wait, the run gives up (exit 3)."""
-    job = _job(tmp_path, {"1": "contention@3"}, contention_wait="1s")
-    assert _run_with_gpu(job, FakeGpu(frees_after=None)) == 3
-    gave_up = _events(tmp_path, "gave_up")[0]
-    assert "degrade_on_contention" in gave_up["why"]
-
-
-def test_contention_degrades_when_the_job_allows_it(tmp_path: Path) -> None:
-    """With degrade_on_contention the stage's ladder is used instead of waiting."""
-    job = _job(tmp_path, {"1": "contention@3"}, degrade_on_contention=True)
-    assert _run_with_gpu(job, FakeGpu(frees_after=None)) == 0
-    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert records[0].decision is not None and records[0].decision.rung == "gradient_checkpointing"
 
 
 def test_status_tells_the_retry_story(tmp_path: Path) -> None:
@@ -280,28 +238,6 @@ def test_status_of_a_directory_that_is_no_run_fails_clearly(tmp_path: Path) -> N
     )
     assert out.returncode == 2
     assert "is not a run directory" in out.stderr
-
-
-def test_leftover_attempt_directory_is_moved_aside_not_trusted(tmp_path: Path) -> None:
-    """An attempt directory the journal never recorded (with a stale error report) is moved aside."""
-    job = _job(tmp_path, {"default": "ok"})
-    stale = tmp_path / "run" / "attempt-001"
-    stale.mkdir(parents=True)
-    (stale / "error.json").write_text('{"exit_code": 70, "stage": "forward"}')
-    assert _run(job) == 0
-    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert [r.outcome for r in records] == ["succeeded"]
-    assert not (tmp_path / "run" / "attempt-001" / "error.json").exists()
-    assert list((tmp_path / "run").glob("attempt-001.unrecorded-*/error.json"))
-
-
-def test_a_hang_that_repeats_gives_up_instead_of_looking_like_a_stop(tmp_path: Path) -> None:
-    """A hung child that checkpoints and exits on our SIGTERM is a hang, not a user stop (exit 3, not 143)."""
-    assert _run(_job(tmp_path, {"default": "hang@2"})) == 3
-    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    # Retried until it repeated with no step trained in between as often as the crash-loop limit.
-    assert [r.failure.kind for r in records if r.failure] == ["hang", "hang", "hang"]
-    assert read_state(tmp_path / "run" / "state.json").run_state.value == "gave_up"  # type: ignore[union-attr]
 
 
 def test_sigterm_during_the_contention_wait_stops_resumably(
@@ -341,20 +277,6 @@ def test_optimizer_change_resets_the_optimizer_state_from_the_checkpoint_itself(
     assert all(s["resume_from"].endswith("checkpoint-2") and s["reset_optimizer"] for s in specs)
 
 
-def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> None:
-    """A line torn by a kill stays one unreadable line; the records after it are kept."""
-    assert _run(_job(tmp_path, {"1": "oom_forward@3"})) == 0
-    journal = tmp_path / "run" / "attempts.jsonl"
-    first = journal.read_text().splitlines()[0]
-    journal.write_text(first + "\n" + first[: len(first) // 2])  # attempt 2's line torn mid-write
-    from qlora_supervise.supervisor.record.journal import append_attempt
-    from qlora_supervise.supervisor.record.records import AttemptRecord
-
-    append_attempt(journal, AttemptRecord.from_json({**json.loads(first), "attempt": 3}))
-    records, bad = read_attempts(journal)
-    assert [r.attempt for r in records] == [1, 3] and bad == 1
-
-
 def test_pids_running_finds_a_child_by_its_spec_path(tmp_path: Path) -> None:
     """An orphan whose pid was never recorded is found by the spec path on its command line."""
     from qlora_supervise.supervisor.loop.child import pids_running
@@ -377,12 +299,3 @@ def test_two_trainer_deaths_with_progress_between_do_not_end_the_run(tmp_path: P
     assert [r.failure.kind for r in records if r.failure] == ["other", "other"]
     assert [r.decision.rung for r in records if r.decision] == ["retry_unchanged", "retry_unchanged"]
     assert records[-1].outcome == "succeeded" and records[-1].steps_completed == MAX_STEPS
-
-
-def test_trainer_deaths_without_progress_between_still_give_up(tmp_path: Path) -> None:
-    """Issue 11 item 1: the crash-loop guard stays: retries that keep dying before any new step give up
-    (one early death, as a preemption during the next load, is still retried)."""
-    assert _run(_job(tmp_path, {"1": "killed@3", "default": "killed@1"})) == 3
-    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    assert len(records) == 3 and [r.steps_progressed for r in records[1:]] == [0, 0]
-    assert "no step trained in between" in _events(tmp_path, "gave_up")[0]["why"]

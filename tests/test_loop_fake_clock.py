@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
@@ -58,7 +59,13 @@ class FakeClock:
 
 @dataclasses.dataclass
 class FakeChild:
-    """One attempt: ``steps`` heartbeats, then an exit (an OOM report at ``fail`` when given)."""
+    """One attempt, as the scripted child's behaviours (``name@N``: at step N), on the fake clock.
+
+    After one fake second it has trained up to step N-1 and then: ``ok`` finishes; ``oom@N`` /
+    ``oom_backward@N`` / ``contention@N`` exit with an OOM report and an emergency checkpoint;
+    ``killed@N`` dies of SIGKILL with no report; ``config_error`` reports a config error at load;
+    ``hang@N`` stops making progress until it is stopped, then checkpoints and exits STOPPED.
+    """
 
     spec: AttemptSpec
     clock: FakeClock
@@ -71,24 +78,40 @@ class FakeChild:
         self.started_monotonic = self.clock()
 
     def poll(self) -> int | None:
-        if self._code is None and self.clock() - self.started_monotonic >= 1.0:
+        if self._code is None and self._hung_at is None and self.clock() - self.started_monotonic >= 1.0:
             self._code = self._finish()
         return self._code
 
     def wait_for_exit(self, timeout_s: float, sleep: Any) -> None:
         sleep(timeout_s)
 
-    def stop(self, grace_s: float, sleep: Any) -> int:
-        return self.poll() if self._code is not None else int(ExitCode.STOPPED)
+    def stop(self, grace_s: float) -> int:
+        if self._code is None and self._hung_at is not None:
+            last = self._hung_at  # SIGTERM: like the real trainer, checkpoint and leave
+            if last > _resume_step(self.spec):
+                _checkpoint(self.spec, last)
+            self._code = int(ExitCode.STOPPED)
+        return self._code if self._code is not None else int(ExitCode.STOPPED)
 
-    def _finish(self) -> int:
+    _hung_at: int | None = None
+
+    def _finish(self) -> int | None:
         spec, events = self.spec, Path(self.spec.events_file)
         start = _resume_step(spec)
         name, _, at = self.behaviour.partition("@")
+        if name == "config_error":
+            return self._report(
+                "load", ExitCode.CONFIG, "ConfigError", "target_modules ['q'] matched no layer", None
+            )
         last = spec.train.max_steps if name == "ok" else int(at or 1) - 1
         with events.open("a", encoding="utf-8") as out:
             for step in range(start + 1, last + 1):
                 out.write(event_line("heartbeat", step=step, stage="forward", peak=GiB))
+        if name == "hang":
+            self._hung_at = max(last, start)
+            return None
+        if name == "killed":
+            return -9
         if name == "ok":
             Path(spec.adapter_dir).mkdir(parents=True, exist_ok=True)
             with events.open("a", encoding="utf-8") as out:
@@ -96,19 +119,28 @@ class FakeChild:
             return 0
         checkpoint = _checkpoint(spec, last) if last > start else None
         message = CONTENTION if name == "contention" else OOM
+        stage = "backward" if name == "oom_backward" else "forward"
+        return self._report(stage, ExitCode.OOM, "torch.OutOfMemoryError", message, checkpoint)
+
+    def _report(self, stage: str, code: ExitCode, exc: str, message: str, checkpoint: str | None) -> int:
         report = ErrorReport(
-            exit_code=int(ExitCode.OOM),
-            exception_type="torch.OutOfMemoryError",
+            exit_code=int(code),
+            exception_type=exc,
             message=message,
             traceback=message,
-            stage="forward",
-            step=max(last, start),
-            is_oom=True,
+            stage=stage,
+            step=max(self._steps_done(), _resume_step(self.spec)),
+            is_oom=code is ExitCode.OOM,
+            config_error=code is ExitCode.CONFIG,
             device="cuda:0",
             emergency_checkpoint=checkpoint,
         )
-        Path(spec.error_file).write_text(report.to_json(), encoding="utf-8")
-        return int(ExitCode.OOM)
+        Path(self.spec.error_file).write_text(report.to_json(), encoding="utf-8")
+        return int(code)
+
+    def _steps_done(self) -> int:
+        _, _, at = self.behaviour.partition("@")
+        return int(at) - 1 if at else 0
 
 
 def _resume_step(spec: AttemptSpec) -> int:
@@ -147,12 +179,14 @@ class FakeGpu:
         pass
 
 
-def _seams(clock: FakeClock, plan: Mapping[int, str], gpu: FakeGpu | None = None) -> Seams:
+def _seams(
+    clock: FakeClock, plan: Mapping[int, str], gpu: FakeGpu | None = None, default: str = "ok"
+) -> Seams:
     def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> FakeChild:
         spec = AttemptSpec.from_json(Path(argv[-1]).read_text(encoding="utf-8"))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
-        return FakeChild(spec, clock, plan.get(spec.attempt, "ok"))
+        return FakeChild(spec, clock, plan.get(spec.attempt, default))
 
     return Seams(
         clock=clock,
@@ -354,3 +388,166 @@ def test_the_next_run_on_this_host_starts_calibrated(tmp_path: Path) -> None:
     plan = read_attempts(off / "run" / "attempts.jsonl")[0][0].plan
     assert plan is not None and not any("seen on this host" in why for why in plan.why)
     assert len(read_observations(default_path(), shape)) == 2  # the third run stored nothing
+
+
+def test_the_policy_sees_the_peak_of_the_attempt_that_just_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed attempt reaches ``policies.decide`` with the peak its journal line records."""
+    from qlora_supervise.policies import decide as policy
+
+    seen: list[policy.PastAttempt] = []
+    original = policy.decide
+
+    def spy(failure: Any, knobs: Any, history: Sequence[policy.PastAttempt], *args: Any, **kw: Any) -> Any:
+        seen.append(history[-1])
+        return original(failure, knobs, history, *args, **kw)
+
+    monkeypatch.setattr(policy, "decide", spy)
+    assert _run(_job(tmp_path), _seams(FakeClock(), {1: "oom@3"})) == 0
+    failed = read_attempts(tmp_path / "run" / "attempts.jsonl")[0][0]
+    assert failed.peak is not None and failed.peak.bytes > 0 and failed.steps_progressed == 2
+    assert [past.peak_bytes for past in seen] == [failed.peak.bytes]
+    assert seen[0].steps_progressed == failed.steps_progressed and seen[0].knobs == failed.knobs
+
+
+def _states_written(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every state the arbiter writes to state.json, in order (the arbiter is its one writer)."""
+    from qlora_supervise.supervisor.loop import arbiter
+
+    written: list[str] = []
+    original = arbiter.write_state
+
+    def spy(path: Path, state: Any) -> None:
+        written.append(state.run_state.value)
+        original(path, state)
+
+    monkeypatch.setattr(arbiter, "write_state", spy)
+    return written
+
+
+def test_the_arbiter_moves_the_state_through_waiting_and_backoff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A contention wait, an unchanged retry's backoff, the verdict: states the arbiter writes, in order."""
+    written = _states_written(monkeypatch)
+    gpu = FakeGpu(frees_after=3, state_path=tmp_path / "run" / "state.json")
+    assert _run(_job(tmp_path), _seams(FakeClock(), {1: "contention@2", 2: "killed@4"}, gpu)) == 0
+    # in flight before and after each spawn; WAITING for memory; BACKOFF before the unchanged retry of 2
+    assert written == [
+        *["running", "running", "waiting"],
+        *["running", "running", "backoff"],
+        *["running", "running", "succeeded"],
+    ]
+    assert read_state(tmp_path / "run" / "state.json").run_state is RunState.SUCCEEDED  # type: ignore[union-attr]
+
+
+def test_second_forward_oom_halves_micro_batch_keeping_effective_batch(tmp_path: Path) -> None:
+    """Two forward OOMs climb to the second rung: half the micro-batch, twice the accumulation."""
+    assert _run(_job(tmp_path), _seams(FakeClock(), {1: "oom@2", 2: "oom@5"})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    third = records[2]
+    assert (third.knobs.micro_batch_size, third.knobs.grad_accum) == (2, 4)
+    assert third.knobs.gradient_checkpointing is True
+    assert sum(r.lost_steps for r in records) == 0
+
+
+def test_ladder_exhausted_gives_up_with_exit_3(tmp_path: Path) -> None:
+    """When every rung has been tried the supervisor gives up with exit 3 and says why."""
+    job = _job(tmp_path, max_no_progress_attempts=20, max_attempts=20)
+    assert _run(job, _seams(FakeClock(), {}, default="oom@1")) == 3
+    gave_up = _events(tmp_path, "gave_up")[0]
+    assert "exhausted" in gave_up["why"]
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    configs = [r.knobs for r in records]
+    assert len(configs) == len(set(configs)), "a config that failed the same way was repeated"
+
+
+def test_crash_loop_protection(tmp_path: Path) -> None:
+    """Unchanged restarts that train no step (memory taken again at once) stop the run: a crash loop."""
+    job = _job(tmp_path, max_no_progress_attempts=3, max_attempts=20)
+    gpu = FakeGpu(frees_after=0, state_path=tmp_path / "run" / "state.json")
+    assert _run(job, _seams(FakeClock(), {}, gpu, default="contention@1")) == 3
+    assert "crash loop" in _events(tmp_path, "gave_up")[0]["why"]
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert len(records) == 3
+
+
+def test_ladder_climbing_at_step_zero_is_not_a_crash_loop(tmp_path: Path) -> None:
+    """OOMs at the first step that each change the config climb the whole ladder before giving up."""
+    job = _job(tmp_path, max_no_progress_attempts=2, max_attempts=20)
+    assert _run(job, _seams(FakeClock(), {}, default="oom@1")) == 3
+    assert "exhausted" in _events(tmp_path, "gave_up")[0]["why"]
+
+
+def test_contention_that_does_not_clear_gives_up_without_degrading(tmp_path: Path) -> None:
+    """When the other process keeps the memory past contention_wait, the run gives up (exit 3)."""
+    started = time.monotonic()
+    job = _job(tmp_path, contention_wait="30m")  # half an hour, on the fake clock
+    gpu = FakeGpu(frees_after=None, state_path=tmp_path / "run" / "state.json")
+    assert _run(job, _seams(FakeClock(), {1: "contention@3"}, gpu)) == 3
+    gave_up = _events(tmp_path, "gave_up")[0]
+    assert "degrade_on_contention" in gave_up["why"]
+    decision = read_attempts(tmp_path / "run" / "attempts.jsonl")[0][0].decision
+    assert decision is not None and decision.waited_s == 1800.0
+    assert _events(tmp_path, "memory_wait_timed_out") and time.monotonic() - started < 5.0
+
+
+def test_contention_degrades_when_the_job_allows_it(tmp_path: Path) -> None:
+    """With degrade_on_contention the stage's ladder is used instead of waiting."""
+    job = _job(tmp_path, degrade_on_contention=True)
+    gpu = FakeGpu(frees_after=None, state_path=tmp_path / "run" / "state.json")
+    assert _run(job, _seams(FakeClock(), {1: "contention@3"}, gpu)) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[0].decision is not None and records[0].decision.rung == "gradient_checkpointing"
+
+
+def test_leftover_attempt_directory_is_moved_aside_not_trusted(tmp_path: Path) -> None:
+    """An attempt directory the journal never recorded (with a stale error report) is moved aside."""
+    job = _job(tmp_path)
+    stale = tmp_path / "run" / "attempt-001"
+    stale.mkdir(parents=True)
+    (stale / "error.json").write_text('{"exit_code": 70, "stage": "forward"}')
+    assert _run(job, _seams(FakeClock(), {})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert [r.outcome for r in records] == ["succeeded"]
+    assert not (tmp_path / "run" / "attempt-001" / "error.json").exists()
+    assert list((tmp_path / "run").glob("attempt-001.unrecorded-*/error.json"))
+
+
+def test_a_hang_that_repeats_gives_up_instead_of_looking_like_a_stop(tmp_path: Path) -> None:
+    """A hung child that checkpoints and exits on our SIGTERM is a hang, not a user stop (exit 3, not 143)."""
+    started = time.monotonic()
+    assert _run(_job(tmp_path, hang_timeout="10m"), _seams(FakeClock(), {}, default="hang@2")) == 3
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    # Retried until it repeated with no step trained in between as often as the crash-loop limit.
+    assert [r.failure.kind for r in records if r.failure] == ["hang", "hang", "hang"]
+    assert read_state(tmp_path / "run" / "state.json").run_state.value == "gave_up"  # type: ignore[union-attr]
+    assert len(_events(tmp_path, "hang_detected")) == 3 and time.monotonic() - started < 5.0
+
+
+def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> None:
+    """A line torn by a kill stays one unreadable line; the records after it are kept."""
+    assert _run(_job(tmp_path), _seams(FakeClock(), {1: "oom@3"})) == 0
+    journal = tmp_path / "run" / "attempts.jsonl"
+    first = journal.read_text().splitlines()[0]
+    journal.write_text(first + "\n" + first[: len(first) // 2])  # attempt 2's line torn mid-write
+    from qlora_supervise.supervisor.record.journal import append_attempt
+    from qlora_supervise.supervisor.record.records import AttemptRecord
+
+    append_attempt(journal, AttemptRecord.from_json({**json.loads(first), "attempt": 3}))
+    records, bad = read_attempts(journal)
+    assert [r.attempt for r in records] == [1, 3] and bad == 1
+
+
+def test_trainer_deaths_without_progress_between_still_give_up(tmp_path: Path) -> None:
+    """Issue 11 item 1: the crash-loop guard stays: retries that keep dying before any new step give up
+    (one early death, as a preemption during the next load, is still retried)."""
+    assert _run(_job(tmp_path), _seams(FakeClock(), {1: "killed@3"}, default="killed@1")) == 3
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert len(records) == 3 and [r.steps_progressed for r in records[1:]] == [0, 0]
+    assert "no step trained in between" in _events(tmp_path, "gave_up")[0]["why"]
+
+
+def _events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == name]

@@ -104,7 +104,12 @@ def test_config_error_gives_up_not_retryable() -> None:
 def test_exhausted_ladder_gives_up() -> None:
     """When no rung can change the config any further the policy gives up."""
     spent = Knobs(
-        model="/m/7b", micro_batch_size=1, grad_accum=16, max_seq_len=128, gradient_checkpointing=True
+        model="/m/7b",
+        micro_batch_size=1,
+        grad_accum=16,
+        max_seq_len=128,
+        gradient_checkpointing=True,
+        activation_offload=True,  # the forward ladder's offload rung, taken too
     )
     out = decide(
         _Failure(FailureKind.OOM_FORWARD), spent, [_fail(FailureKind.OOM_FORWARD, knobs=spent)], Settings()
@@ -235,7 +240,12 @@ def test_model_that_finds_nothing_fitting_takes_one_rung_only() -> None:
 def test_after_an_oom_the_cheapest_combination_predicted_to_fit_is_taken() -> None:
     """The search combines throughput rungs (checkpointing, the micro-batch halved as often as needed)."""
     h200 = Knobs(
-        model="/m/7b", micro_batch_size=4, grad_accum=4, max_seq_len=2048, gradient_checkpointing=False
+        model="/m/7b",
+        micro_batch_size=4,
+        grad_accum=4,
+        max_seq_len=2048,
+        gradient_checkpointing=False,
+        bf16_head=True,  # the head rung taken already: the combination is of the two others
     )
     # 7 GiB: checkpointing alone is predicted at 11.3 GiB (11.1 measured on the H200), micro 2 at
     # 7.9 (the H200 run at an 8 GiB cap died at 7.5 GiB allocated there): only micro 1 fits.

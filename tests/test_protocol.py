@@ -9,7 +9,8 @@ import pytest
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.devices import DeviceBinding, DeviceError, bind_device
-from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, PeakSource
+from qlora_supervise.trainer_child.contract.events import Heartbeat
+from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
@@ -48,9 +49,9 @@ def test_peak_rule_prefers_the_cuda_allocator_then_the_data_segment() -> None:
     gpu = MemoryNumbers.measured(cuda_peak=7, data_segment_peak=5, rss_high_water=3)
     cpu = MemoryNumbers.measured(cuda_peak=None, data_segment_peak=5, rss_high_water=3)
     bare = MemoryNumbers.measured(cuda_peak=None, data_segment_peak=None, rss_high_water=3)
-    assert (gpu.peak_bytes, gpu.peak_source) == (7, PeakSource.CUDA_ALLOCATOR)
-    assert (cpu.peak_bytes, cpu.peak_source) == (5, PeakSource.DATA_SEGMENT)
-    assert (bare.peak_bytes, bare.peak_source) == (3, PeakSource.RSS)
+    assert (gpu.peak_bytes, gpu.peak_source) == (7, ChildPeakSource.CUDA_ALLOCATOR)
+    assert (cpu.peak_bytes, cpu.peak_source) == (5, ChildPeakSource.DATA_SEGMENT)
+    assert (bare.peak_bytes, bare.peak_source) == (3, ChildPeakSource.RSS)
 
 
 def test_heartbeat_round_trips_through_an_event_line() -> None:
@@ -73,11 +74,11 @@ def test_heartbeat_of_an_old_events_file_is_still_read() -> None:
     beat = Heartbeat.from_fields(cpu)
     assert beat is not None
     assert (beat.stage, beat.step, beat.loss, beat.tokens_per_s) == (Stage.BACKWARD, 4, 2.0, None)
-    assert (beat.memory.peak_bytes, beat.memory.peak_source) == (40, PeakSource.DATA_SEGMENT)
+    assert (beat.memory.peak_bytes, beat.memory.peak_source) == (40, ChildPeakSource.DATA_SEGMENT)
     assert (beat.memory.rss_bytes, beat.memory.vmdata_bytes, beat.memory.rss_high_water_bytes) == (10, 20, 30)
     gpu = Heartbeat.from_fields({**cpu, "allocated": 5, "reserved": 6, "peak": 50})
     assert gpu is not None
-    assert (gpu.memory.peak_bytes, gpu.memory.peak_source) == (50, PeakSource.CUDA_ALLOCATOR)
+    assert (gpu.memory.peak_bytes, gpu.memory.peak_source) == (50, ChildPeakSource.CUDA_ALLOCATOR)
     assert (gpu.memory.allocated_bytes, gpu.memory.reserved_bytes) == (5, 6)
 
 

@@ -8,16 +8,16 @@ from pathlib import Path
 
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.commands.status import describe
+from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import append_attempt, read_attempts
 from qlora_supervise.supervisor.record.records import (
     Action,
+    AttemptPeakSource,
     AttemptRecord,
     DecisionRecord,
-    FailureRecord,
     Outcome,
     Peak,
-    PeakSource,
     Phase,
     attempt_peak,
 )
@@ -42,8 +42,8 @@ def _record(**changes: object) -> AttemptRecord:
         steps_completed=3,
         next_resume_from=3,
         lost_steps=0,
-        peak=Peak(12 * GiB, PeakSource.ALLOCATOR_REPORT),
-        failure=FailureRecord(FailureKind.OOM_FORWARD, Stage.FORWARD, {"tried_to_allocate": GiB}, "report"),
+        peak=Peak(12 * GiB, AttemptPeakSource.ALLOCATOR_REPORT),
+        failure=Failure(FailureKind.OOM_FORWARD, Stage.FORWARD, {"tried_to_allocate": GiB}, "report"),
         decision=DecisionRecord(
             Action.RESTART,
             "recompute",
@@ -65,18 +65,18 @@ def test_the_allocator_peak_wins_over_a_sampled_nvml_peak() -> None:
         nvml_peak=int(2.65 * GiB),
         rss_peak=None,
     )
-    assert peak == Peak(int(12.6 * GiB), PeakSource.ALLOCATOR_REPORT)
+    assert peak == Peak(int(12.6 * GiB), AttemptPeakSource.ALLOCATOR_REPORT)
     lines = describe(_record(peak=peak))
     assert any("12.6" in line and "allocator_report" in line for line in lines)
 
 
 def test_the_peak_falls_back_in_one_order() -> None:
     """Without allocator numbers: heartbeat, then NVML, then RSS; nothing seen is no peak."""
-    assert attempt_peak(None, None, 5, 7, 9) == Peak(5, PeakSource.HEARTBEAT)
-    assert attempt_peak(None, None, None, 7, 9) == Peak(7, PeakSource.NVML)
-    assert attempt_peak(None, None, None, None, 9) == Peak(9, PeakSource.RSS)
+    assert attempt_peak(None, None, 5, 7, 9) == Peak(5, AttemptPeakSource.HEARTBEAT)
+    assert attempt_peak(None, None, None, 7, 9) == Peak(7, AttemptPeakSource.NVML)
+    assert attempt_peak(None, None, None, None, 9) == Peak(9, AttemptPeakSource.RSS)
     assert attempt_peak(None, None, None, None, None) is None
-    assert attempt_peak(None, 11, 5, None, None) == Peak(11, PeakSource.OOM_MESSAGE)
+    assert attempt_peak(None, 11, 5, None, None) == Peak(11, AttemptPeakSource.OOM_MESSAGE)
 
 
 def test_a_record_round_trips_through_the_journal(tmp_path: Path) -> None:
@@ -124,7 +124,7 @@ def test_a_version_one_journal_line_is_still_read(tmp_path: Path) -> None:
     path = tmp_path / "attempts.jsonl"
     path.write_text(json.dumps(old) + "\n")
     records, bad = read_attempts(path)
-    assert bad == 0 and records[0].peak == Peak(3 * GiB, PeakSource.HEARTBEAT)
+    assert bad == 0 and records[0].peak == Peak(3 * GiB, AttemptPeakSource.HEARTBEAT)
     assert records[0].decision is not None and records[0].decision.knobs == Knobs(
         "m", micro_batch_size=2, gradient_checkpointing=True
     )

@@ -11,14 +11,15 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
 from qlora_supervise.supervisor.record.eventlog import open_event_log, read_events
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.console import ProgressDisplay, plain_line
 from qlora_supervise.supervisor.reporting.console_log import ConsoleLines
 from qlora_supervise.supervisor.reporting.hooks import EventHook
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
-from qlora_supervise.supervisor.reporting.pace import Pace, PaceMeter, human_duration
+from qlora_supervise.supervisor.reporting.pace import Pace, PaceMeter
 from qlora_supervise.supervisor.reporting.service import status_line
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
@@ -145,22 +146,26 @@ def test_plain_progress_prints_one_line_per_logging_step_with_elapsed_and_eta() 
         display.update(1, p, meter.measure(1, p, float(second * 30)))
     lines = out.getvalue().splitlines()
     assert [line.split(" | ")[1] for line in lines] == [f"step {s}/20" for s in (0, 5, 10, 15, 20)]
-    assert "5m00s elapsed, ETA 5m00s" in lines[2]  # 30 s per step: step 10 at 300 s, 10 steps left
+    assert "05:00 elapsed, ETA 05:00" in lines[2]  # 30 s per step: step 10 at 300 s, 10 steps left
     assert "peak 1.00 GiB" in lines[1]
 
 
 def test_status_line_reads_like_the_issue_asks() -> None:
-    """attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2h10m."""
+    """attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2:10:00 (tqdm's format)."""
     p = Progress(
         step=420, stage="backward", max_steps=1000, tokens_per_s=1912.0, peak_bytes=int(21.3 * 2**30)
     )
     line = status_line(3, 8, p, Pace(100.0, 0.0744, 7800.0), 24 * 2**30)
-    assert line == "attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2h10m"
+    assert line == "attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2:10:00"
 
 
 @pytest.mark.parametrize(
-    ("seconds", "text"), [(42, "42s"), (725, "12m05s"), (7800, "2h10m"), (273600, "3d04h")]
+    ("seconds", "text"),
+    [(0, "00:00"), (42.4, "00:42"), (725, "12:05"), (7800, "2:10:00"), (273600, "76:00:00")],
 )
-def test_human_duration(seconds: float, text: str) -> None:
-    """Durations read at a glance."""
-    assert human_duration(seconds) == text
+def test_durations_print_as_tqdms_bar_prints_them(seconds: float, text: str) -> None:
+    """The plain line and systemd's status print durations as the tqdm bar does (whole seconds, no epoch)."""
+    assert tqdm.format_interval(seconds) == text
+    p = Progress(step=1, stage="forward", max_steps=2)
+    assert plain_line(1, p, Pace(seconds, 1.0, seconds)).endswith(f"{text} elapsed, ETA {text}")
+    assert status_line(1, 8, p, Pace(seconds, 1.0, seconds), None).endswith(f"ETA {text}")

@@ -42,6 +42,27 @@ def test_a_planted_link_in_the_run_directory_is_refused_and_its_target_untouched
     assert victim.read_text() == "precious\n"
 
 
+@pytest.mark.parametrize("planted", ["checkpoints", "checkpoints/checkpoint-4", "checkpoints-quarantine"])
+def test_a_planted_checkpoints_link_is_refused_and_its_target_untouched(tmp_path: Path, planted: str) -> None:
+    """Issue 21 item 3: checkpoints/, a checkpoint-N in it, or the quarantine as a link stops the run (2)."""
+    job = _job(tmp_path, {"default": "ok"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("precious\n")
+    (tmp_path / "run" / "checkpoints").mkdir(mode=0o750, parents=True)
+    os.chmod(tmp_path / "run", 0o750)
+    link = tmp_path / "run" / planted
+    if link.is_dir():
+        link.rmdir()
+    link.symlink_to(elsewhere)
+    done = _supervise(job)
+    assert done.returncode == 2, done.stderr
+    assert "symbolic link" in done.stderr and planted.split("/")[-1] in done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"]
+    assert not (tmp_path / "run" / "attempts.jsonl").exists()
+
+
 def test_an_attempt_directory_planted_as_a_link_is_never_written_through(tmp_path: Path) -> None:
     """Issue 11 item 12: a link named attempt-001 is renamed aside, never followed."""
     job = _job(tmp_path, {"default": "ok"})

@@ -19,7 +19,7 @@ from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
-from qlora_supervise.trainer_child.contract.events import event_line
+from qlora_supervise.trainer_child.contract.events import Loaded, Started, event_line
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 # 20 samples: 10 of 50 tokens, 6 of 100, 4 of 200 (1900 tokens). At 128 the four longest lose 72 each.
@@ -64,11 +64,9 @@ def test_sample_lengths_round_trip_and_old_or_torn_events_read_as_none() -> None
 
 def test_settings_take_the_latest_loaded_lengths_and_keep_earlier_ones_otherwise() -> None:
     """The attempt's loaded event sets the lengths; an attempt without one leaves the previous ones."""
-    settings = with_sample_lengths(
-        Settings(), [{"event": "started"}, {"event": "loaded", **LENGTHS.fields()}]
-    )
+    settings = with_sample_lengths(Settings(), [Started(), Loaded(sample_lengths=LENGTHS)])
     assert settings.sample_lengths == LENGTHS
-    assert with_sample_lengths(settings, [{"event": "started"}]).sample_lengths == LENGTHS
+    assert with_sample_lengths(settings, [Started()]).sample_lengths == LENGTHS
 
 
 def _seams_with_loaded(clock: FakeClock, plan: Mapping[int, str]) -> Seams:

@@ -69,7 +69,7 @@ class _StandIn:
     def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
         sleep(timeout_s)
 
-    def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int:
+    def stop(self, grace_s: float) -> int:
         self.stopped = True
         return 0
 

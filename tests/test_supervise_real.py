@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from _child import capped_job
+from _machine import scaled
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.record.eventlog import read_events
@@ -95,7 +96,7 @@ def test_supervisor_sigkill_then_same_command_finishes_without_repeating_failed_
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     second = tmp_path / "run" / "attempt-002" / "child-events.jsonl"
     try:
-        _wait_for(lambda: _heartbeat_step(second) >= 2, timeout=240)
+        _wait_for(lambda: _heartbeat_step(second) >= 2, timeout=scaled(240))  # generous, scaled
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

@@ -17,7 +17,7 @@ import pytest
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import STATIC_RUNGS, RungContext, drop_rank, rung_by_name
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
+from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
 from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile import world as world_mod
@@ -26,7 +26,7 @@ from qlora_supervise.supervisor.loop import launch, seams
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.generations import FieldChange
-from qlora_supervise.supervisor.record.records import AttemptRecord, FailureRecord, Outcome, Phase
+from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome, Phase
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
@@ -199,7 +199,7 @@ def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record
     )
     assert "rank 1 (local rank 1) of 2 failed first; rank(s) 0 followed" in failure.evidence
     record = failure_record(failure, outcome.report)
-    assert FailureRecord.from_json(record.to_json()) == record and record.rank == 1
+    assert Failure.from_json(record.to_json()) == record and record.rank == 1
 
 
 def test_records_and_knobs_written_before_ranks_still_read() -> None:
@@ -208,7 +208,7 @@ def test_records_and_knobs_written_before_ranks_still_read() -> None:
         **{k: v for k, v in dataclasses.asdict(Knobs(model="m")).items() if k not in ("world_size", "gpus")}
     )
     assert knobs.world_size == 1 and knobs.effective_batch == 16
-    failure = FailureRecord.from_json({"kind": "oom_forward", "stage": "forward", "evidence": "e"})
+    failure = Failure.from_json({"kind": "oom_forward", "stage": "forward", "evidence": "e"})
     assert failure.rank is None and failure.local_rank is None
     line = AttemptRecord(
         1, Phase.TRAIN, TWO, Outcome.FAILED, 0.0, 1.0, 1, None, 0, 0, 0, 0, failure=failure
@@ -270,7 +270,7 @@ def test_drop_rank_leaves_the_failing_card_out_and_keeps_the_batch_exactly() -> 
 
 def test_a_card_that_keeps_failing_drops_its_rank_instead_of_giving_up() -> None:
     """A fatal Xid on one of 2 ranks restarts on the other card; on one process it still gives up."""
-    xid = Failure(FailureKind.GPU_FAULT, Stage.FORWARD, {"fatal_xid": 79}, "nvml", local_rank=1)
+    xid = Failure(FailureKind.GPU_FAULT, Stage.FORWARD, {}, "nvml", local_rank=1, xid=XidFacts((79,), 79))
     this = policy.PastAttempt(TWO, FailureKind.GPU_FAULT, 0)
     restart = policy.decide(xid, TWO, [this], policy.Settings())
     assert isinstance(restart, policy.Restart) and restart.rung == "drop_rank"

@@ -40,6 +40,11 @@ What the recipe does to memory (trainer_child/recipe.py, read against the instal
   dequantizes a 4-bit weight to its 16-bit storage dtype for ``grad_input`` (the incoming
   gradient is already 16-bit, so the ``.to(grad_output.dtype)`` is a no-op: 2 bytes per weight).
 
+* **The bf16 head** (``Knobs.bf16_head``): the embeddings and the untied LM head stay in bf16,
+  half their fp32 bytes, and nothing of theirs is cast at load. **Activation offload**
+  (``Knobs.activation_offload``, ``torch.autograd.graph.save_on_cpu``): what autograd saves sits
+  in host memory; one block's share comes back to the card at a time in backward.
+
 The coefficients that are not exact byte counts (the backward transients' 8 bytes per i and per
 h, the allocator's reserve) are named constants below, checked against the H200 grid in
 bench/results/memory-grid-h200-2026-12-01/ (``bench/score_memory_grid.py`` re-scores it);
@@ -117,10 +122,13 @@ def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
         weights = int(quantized * per_weight)
     else:
         weights = quantized * FP32  # prepare_model_for_kbit_training upcasts 16-bit weights too
+    # bf16_head: the recipe leaves the embeddings and the untied head in the checkpoint's 16-bit
+    # dtype instead of letting prepare_model_for_kbit_training upcast them (the norms stay fp32).
+    size, dtype = (LOAD_DTYPE, "bf16") if knobs.bf16_head else (FP32, "fp32")
     return {
         "weights_4bit" if knobs.load_in_4bit else "weights_fp32": weights,
-        "embeddings_fp32": shape.vocab * shape.hidden * FP32,
-        "lm_head_fp32": 0 if shape.tie_word_embeddings else shape.vocab * shape.hidden * FP32,
+        f"embeddings_{dtype}": shape.vocab * shape.hidden * size,
+        f"lm_head_{dtype}": 0 if shape.tie_word_embeddings else shape.vocab * shape.hidden * size,
         "norms_fp32": shape.norm_params * FP32,
     }
 
@@ -141,7 +149,8 @@ def load_components(
     """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter, and the
     adapter in peft's fp32 before trl casts it to bf16 (one tensor at a time, so not both at once)."""
     base = base_components(shape, knobs)
-    largest = shape.vocab * shape.hidden
+    # With bf16_head the embeddings and head are not cast: the largest cast is a norm's weight.
+    largest = shape.hidden if knobs.bf16_head else shape.vocab * shape.hidden
     if not knobs.load_in_4bit:
         largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
     cast = largest * LOAD_DTYPE
@@ -201,24 +210,30 @@ def activation_components(
     per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, half)
     final_norm = FP32 * shape.hidden * tokens
     per_kept_layer = FP32 * shape.hidden if knobs.gradient_checkpointing else per_layer
-    kept = shape.layers * per_kept_layer * tokens + final_norm  # with checkpointing: each block's fp32 input
+    # activation_offload (torch.autograd.graph.save_on_cpu): what autograd saves goes to host memory
+    # and comes back one block at a time in backward, so one block's share stays on the card.
+    on_card = 1 if knobs.activation_offload else shape.layers
+    kept = on_card * per_kept_layer * tokens + final_norm  # with checkpointing: each block's fp32 input
     block = block_backward_bytes(shape, knobs, targets, half)
-    head = loss_components(shape, knobs.micro_batch_size, knobs.max_seq_len, half)
+    head = loss_components(shape, knobs.micro_batch_size, knobs.max_seq_len, half, knobs.bf16_head)
     if sum(head.values()) >= block:
         return {"activations": kept, **head}
     return {"activations": kept, "backward_block": block}
 
 
-def loss_components(shape: ModelShape, batch: int, seq: int, half: int = 2) -> dict[str, int]:
+def loss_components(
+    shape: ModelShape, batch: int, seq: int, half: int = 2, bf16_head: bool = False
+) -> dict[str, int]:
     """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, the tiles.
 
     The tiles: the bf16 logits buffer (one token tile by one vocabulary slice), the bf16 copy of
     the token tile, and one bf16 slice of the head, two while the loop moves to the next slice.
+    A head already in bf16 (``bf16_head``) is sliced without a copy: ``.to(bf16)`` is a no-op.
     """
     scored = batch * max(seq - 1, 1)  # every position with a next-token label
     tile_tokens = min(scored, HEAD_TOKEN_TILE)
     tile_vocab = min(shape.vocab, HEAD_VOCAB_TILE)
-    slices = 2 if shape.vocab > HEAD_VOCAB_TILE else 1
+    slices = 0 if bf16_head else (2 if shape.vocab > HEAD_VOCAB_TILE else 1)
     return {
         "loss_hidden_fp32": scored * shape.hidden * FP32 * 2,
         "loss_tiles": tile_tokens * (tile_vocab + shape.hidden) * half
@@ -239,7 +254,7 @@ def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str,
     """An evaluation batch under no_grad: one block's intermediates at a time, and the head."""
     tokens = knobs.eval_batch_size * knobs.max_seq_len
     block = 4 * FP32 * shape.intermediate + 3 * FP32 * shape.hidden
-    loss = loss_components(shape, knobs.eval_batch_size, knobs.max_seq_len, half)
+    loss = loss_components(shape, knobs.eval_batch_size, knobs.max_seq_len, half, knobs.bf16_head)
     return {"eval_activations": tokens * block, "loss_tiles": loss["loss_tiles"]}
 
 

@@ -34,7 +34,7 @@ def classify_command(path: str, as_json: bool) -> int:
         return 2
     failure = classify_text(text)
     if as_json:
-        print(json.dumps(failure.to_json_dict(), sort_keys=False))
+        print(json.dumps(failure.to_json(), sort_keys=False))
     else:
         print("\n".join(human_lines(failure, printed=parse_numbers(text).keys())))
     return 0

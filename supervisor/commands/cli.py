@@ -7,6 +7,7 @@ instant and nothing here pulls in torch (the tiny-model maker runs as a child pr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -116,14 +117,26 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status of a command whose reader went away (``classify FILE | head``): what a shell
+#: reports for a program killed by SIGPIPE (128 + 13), which Python ignores in favour of an error.
+BROKEN_PIPE_EXIT = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must end in the except below
+        return code
     except SupervisorExit as stop:
         if stop.message:
             print(f"qlora-supervise: {stop.message}", file=sys.stderr)
         return int(stop.code)
+    except BrokenPipeError:
+        # The reader (head, less) has all it wanted. Point stdout at /dev/null so that the
+        # interpreter's own flush at exit finds nothing to fail on, and leave quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
 
 
 def _dispatch(args: argparse.Namespace) -> int:

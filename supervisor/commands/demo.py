@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.trainer_child.contract import entry
 
 #: The demo's first config: micro-batch 16 without gradient checkpointing needs about
@@ -63,14 +64,30 @@ def demo_command(directory: str) -> int:
                 SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)"
             )
     on_gpu = _gpu_present()
-    cpu_cap = None if on_gpu else f"{_import_baseline() + DEMO_CPU_HEADROOM}B"
+    baseline = None if on_gpu else _import_baseline()
+    cpu_cap = None if baseline is None else f"{(baseline + DEMO_CPU_HEADROOM) // 2**20}MiB"
     job_path = write_demo_job(tiny / "job.yaml", root, cpu_cap)
-    cap = f"gpu_memory_limit {DEMO_GPU_CAP}" if on_gpu else f"cpu_memory_limit {cpu_cap}"
-    print(f"supervising {job_path} ({cap}: the first config will not fit)", file=sys.stderr, flush=True)
+    print(
+        f"supervising {job_path} ({cap_words(baseline)}: the first config will not fit)",
+        file=sys.stderr,
+        flush=True,
+    )
 
     from qlora_supervise.supervisor.commands.run import run_job
 
     return run_job(str(job_path))  # ends with the summary: the retry story and how to load the adapter
+
+
+def cap_words(baseline: int | None) -> str:
+    """The demo's cap for a person: the GPU cap, or the CPU cap in MiB / GiB with where it comes
+    from (``baseline``: the child's data segment after its imports; None on a GPU)."""
+    if baseline is None:
+        return f"gpu_memory_limit {DEMO_GPU_CAP}"
+    cap = (baseline + DEMO_CPU_HEADROOM) // 2**20 * 2**20
+    return (
+        f"cpu_memory_limit {format_bytes(cap)}: the trainer's {format_bytes(baseline)} after its imports "
+        f"+ {format_bytes(DEMO_CPU_HEADROOM)}"
+    )
 
 
 def _gpu_present() -> bool:
@@ -86,7 +103,7 @@ def _gpu_present() -> bool:
 
 def _import_baseline() -> int:
     """The trainer child's data segment after its imports on this machine (a child process)."""
-    command = [sys.executable, "-m", entry.STACK]
+    command = [sys.executable, "-m", entry.STACK, entry.STACK_BYTES]
     out = subprocess.run(command, check=False, capture_output=True, text=True)
     if out.returncode != 0 or not out.stdout.strip().isdigit():
         raise SupervisorExit(

@@ -11,6 +11,8 @@ schema ``qlora-supervise.explain/1``::
                    "changes": {knob: [old, new]}, "progress_kept": str | null,
                    "steps": [from, to], "lost_steps": int, "peak_bytes": int | null,
                    "peak_source": str | null, "predicted_peak_bytes": int | null,
+                   "tokens_per_s": float | null,            # measured: median of its heartbeats
+                   "predicted_tokens_per_s": float | null,  # the throughput model's, same knobs
                    "wall_s": float, "started_at": float, "ended_at": float, "samples": int}]}
 
 The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
@@ -27,16 +29,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import yaml
+from tqdm import tqdm
 
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.commands.series import attempt_series
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.loop.settings import model_shape
+from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.reporting.pace import human_duration
 
 SCHEMA = "qlora-supervise.explain/1"
 
@@ -125,13 +128,14 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
         from qlora_supervise.policies.memory_model import estimate_peak
 
         predicted = estimate_peak(shape, r.knobs)
+    speed = read_attempt_speed(rd.attempt_dir(r.attempt) / "child-events.jsonl", r.knobs)
     return {
         "attempt": r.attempt,
         "phase": r.phase.value,
         "outcome": r.outcome.value,
         "kind": f.kind.value if f else None,
         "stage": f.stage.value if f else None,
-        "numbers": dict(f.numbers) if f else {},
+        "numbers": f.numbers_json() if f else {},
         "rung": d.rung if d is not None and r.restarts else None,
         "changes": {k: list(v) for k, v in d.changes.items()} if d is not None else {},
         "progress_kept": d.survives.value if d is not None and r.restarts else None,
@@ -140,6 +144,7 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
         "peak_bytes": r.peak.bytes if r.peak else None,
         "peak_source": r.peak.source.value if r.peak else None,
         "predicted_peak_bytes": predicted,
+        **speed_columns(shape if on_gpu else None, speed),
         "wall_s": round(r.ended_at - r.started_at, 1),
         "started_at": r.started_at,
         "ended_at": r.ended_at,
@@ -158,8 +163,9 @@ _SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free",
 
 def print_table(story: dict[str, Any], out: TextIO) -> None:
     """A fixed-width table, one row per attempt, then the budget."""
-    header = ("#", "outcome", "stage", "key numbers", "change", "kept", "steps", "peak (pred)", "wall")
-    rows = [header]
+    header: tuple[str, ...] = ("#", "outcome", "stage", "key numbers", "change", "kept", "steps")
+    header += ("peak (pred)", "tok/s (pred)", "wall")
+    rows: list[tuple[str, ...]] = [header]
     for a in story["attempts"]:
         outcome = a["kind"] or a["outcome"]
         keys = _KEY_NUMBERS.get(a["kind"] or "", _DEFAULT_KEYS)
@@ -181,7 +187,8 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
                 a["progress_kept"] or "-",
                 steps,
                 peak,
-                human_duration(a["wall_s"]),
+                speed_cell(a),
+                tqdm.format_interval(a["wall_s"]),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

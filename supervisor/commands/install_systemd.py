@@ -1,11 +1,11 @@
 """``qlora-supervise install-systemd JOB [--user | --system] [--force] [--root DIR]``.
 
-Writes the template unit (``systemd/qlora-supervise@.service`` of the clone, rendered for this
-machine) and the job as ``<config>/qlora-supervise/<name>.yaml`` with every path made absolute,
-then prints the ``systemctl`` and ``journalctl`` lines to run. ``<config>`` is ``/etc`` for
-``--system`` and ``$XDG_CONFIG_HOME`` (``~/.config``) for ``--user``; ``--root`` puts the whole
-tree under another directory (a package build, a test). Existing files are never overwritten
-without ``--force``: a unit edited by an admin is theirs.
+Writes the template unit (``systemd/qlora-supervise@.service``: package data, in a wheel as in
+a clone, rendered for this machine) and the job as ``<config>/qlora-supervise/<name>.yaml``
+with every path made absolute, then prints the ``systemctl`` and ``journalctl`` lines to run.
+``<config>`` is ``/etc`` for ``--system`` and ``$XDG_CONFIG_HOME`` (``~/.config``) for
+``--user``; ``--root`` puts the whole tree under another directory (a package build, a test).
+Existing files are never overwritten without ``--force``: a unit edited by an admin is theirs.
 
 The rendering: ``ExecStart`` names this installation's ``qlora-supervise``; ``User=``/``Group=``
 are the service user (system units only: a user manager cannot switch users, so the user unit
@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
 
 UNIT_NAME = "qlora-supervise@.service"
 ENV_NAME = "qlora-supervise.env"
+ENV_EXAMPLE = "qlora-supervise.env.example"
 #: Seconds systemd waits beyond the child's checkpoint grace before SIGKILL (the supervisor's
 #: own exit and the journal's fsync come after the child's save).
 STOP_MARGIN_S = 120
@@ -46,6 +48,12 @@ SYSTEM_ONLY = (
     "ProtectControlGroups",
     "DevicePolicy",
     "DeviceAllow",
+    "ProtectKernelLogs",
+    "ProtectClock",
+    "ProtectHostname",
+    "PrivateMounts",
+    "CapabilityBoundingSet",
+    "AmbientCapabilities",
 )
 
 
@@ -83,7 +91,7 @@ def install_systemd_command(
     _write(layout.unit, unit_text)
     _write(layout.job, job_copy(job))
     if not layout.env.exists():  # the shared environment file is the admin's after the first write
-        _write(layout.env, (_systemd_dir() / "qlora-supervise.env.example").read_text(encoding="utf-8"))
+        _write(layout.env, _packaged(ENV_EXAMPLE))
     _print_next_steps(layout, instance, job)
     return 0
 
@@ -118,20 +126,30 @@ def _default_service_user() -> str:
     return "qlora" if name == "root" else name
 
 
-def _systemd_dir() -> Path:
-    # The unit is a file of the clone (systemd/), one source for the docs, the tests and this.
-    here = Path(__file__).resolve().parents[2] / "systemd"
-    if not (here / UNIT_NAME).is_file():
+def _packaged(name: str) -> str:
+    """A file of the unit's package data (``systemd/`` of the clone, ``qlora_supervise/systemd``
+    of a wheel), read through :mod:`importlib.resources` so that both install kinds work.
+
+    An editable install made before ``systemd/`` was a package has no mapping for it: its
+    files are then read from the clone beside this code (one source either way).
+    """
+    try:
+        return (resources.files("qlora_supervise.systemd") / name).read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError):
+        pass
+    beside = Path(__file__).resolve().parents[2] / "systemd" / name
+    try:
+        return beside.read_text(encoding="utf-8")
+    except FileNotFoundError:
         raise SupervisorExit(
             SupervisorExitCode.BAD_JOB,
-            f"the unit template is not at {here / UNIT_NAME}: install from the clone "
-            "(`pip install -e .` in the repository) so that systemd/ is beside the code",
-        )
-    return here
+            f"the packaged {name} is missing from this installation (looked in qlora_supervise.systemd "
+            f"and {beside.parent}): reinstall qlora-supervise",
+        ) from None
 
 
 def _template() -> str:
-    return (_systemd_dir() / UNIT_NAME).read_text(encoding="utf-8")
+    return _packaged(UNIT_NAME)
 
 
 def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> str:

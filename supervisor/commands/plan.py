@@ -24,6 +24,9 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
                 "intermediate": int, "vocab": int, "tie_word_embeddings": bool,
                 "params": int} | null,
       "unsupported": {"reason": str, "detail": str} | null,   # null when modelled
+      "architecture": {...the shape's fields: model_type, attn_implementation, softcaps, qkv_bias,
+                       sliding_window, experts..., "summary": str,
+                       "missing_terms": [str]} | null,         # null: a model type not read
       "targets": [str],                  # the block's linear layers LoRA adapts
       "as_written": {"knobs": {...}, "peak_bytes": int, "reserved_bytes": int,
                      "card_bytes": int, "phase": str, "components": {name: int},
@@ -34,16 +37,30 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
       "fits_as_written": bool | null,    # null: no budget known
       "start": {"knobs": {...}, "changes": {knob: [old, new]}, "reasons": [str],
                 "quality_changed": bool, "fits": bool, "margin": float,
-                "peak_bytes": int, "components": {name: int}} | null,
+                "peak_bytes": int, "components": {name: int},
+                "tokens_per_s": float | null,      # predicted (or this host's measurement)
+                "fallback": str | null,            # the fallback model started instead
+                "speed_trial": [{"micro_batch_size": int, "grad_accum": int,
+                                 "gradient_checkpointing": bool, "predicted_tokens_per_s": float,
+                                 "predicted_peak_bytes": int}],
+                "nothing_fits": {"smallest_peak_bytes": int, "budget_bytes": int,
+                                 "help": str, "message": str} | null} | null,
+      "ranking": [{"rank": int, "tokens_per_s": float, "measured": bool, "peak_bytes": int,
+                   "cost_class": str, "rungs": [str], "changes": {knob: [old, new]}}],
+                                         # every fitting candidate of the start's model, fastest first
       "rungs": [{"name": str, "cost_class": "free" | "throughput" | "quality",
-                 "cost": float, "peak_bytes": int | null, "changes": {knob: [old, new]}}],
+                 "cost": float,                     # predicted share of tokens/s lost (< 0: faster)
+                 "tokens_per_s": float | null,
+                 "peak_bytes": int | null, "changes": {knob: [old, new]}}],
       "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
                "merge_peak_bytes": int | null, "available_bytes": int,
                "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null}
     }
 
-Exit 0 when the plan was made (even when the job does not fit: that is the answer), 2 for a
-bad job file, an unreadable model directory or a bad ``--gpu-memory``.
+Exit 0 when the plan was made (even when the job does not fit: that is the answer, and
+``start.nothing_fits`` says what would help), 2 for a bad job file, an unreadable model directory
+or a bad ``--gpu-memory``. The ranking uses this host's measured speeds for the shape (the per-host
+store, ``supervise.calibration_store``) where it has some.
 """
 
 from __future__ import annotations
@@ -52,17 +69,25 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from qlora_supervise.policies import memory_model, preflight
+from qlora_supervise.policies import memory_model, preflight, throughput
 from qlora_supervise.policies.budget import card_budget, card_reserve
 from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory.host import HostNeed, host_need
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, resolve_targets
+from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
+from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError, hub, load_job, model_files
-from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
+from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
+from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_memory_size
+from qlora_supervise.supervisor.loop.first_plan import nothing_fits_text
+from qlora_supervise.supervisor.loop.settings import model_shape
+from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.trainer_child.contract.spec import Knobs
+
+if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must be asked
+    from qlora_supervise.supervisor.watching.gpu import Nvml
 
 SCHEMA = "qlora-supervise.plan/1"
 
@@ -73,6 +98,8 @@ class JobView:
 
     knobs: Knobs
     targets: tuple[str, ...] | str
+    fallbacks: tuple[str, ...]
+    calibration_store: bool
     gpu_memory_limit: int | None
     cpu_memory_limit: int | None
     device: str
@@ -84,6 +111,8 @@ def job_view(job: Job) -> JobView:
     return JobView(
         knobs=job.knobs,
         targets=job.train.target_modules,
+        fallbacks=job.fallback_models,
+        calibration_store=job.supervise.calibration_store,
         gpu_memory_limit=job.resources.gpu_memory_limit,
         cpu_memory_limit=job.resources.cpu_memory_limit,
         device=job.resources.device,
@@ -113,7 +142,7 @@ def plan_command(
     return 0
 
 
-def make_plan(job_path: str, gpu_memory: str | None, nvml: Any | None = None) -> dict[str, Any]:
+def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -> dict[str, Any]:
     """The plan as the JSON object documented above."""
     view = job_view(_load(job_path))
     files = _model_files(view.knobs.model)
@@ -122,9 +151,13 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Any | None = None) ->
     as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
     card = find_card(gpu_memory, view, as_written, nvml)
     start = None
+    speed = None if shape is None else _host_speeds(view, shape)
     if shape is not None and card.budget_bytes is not None:
-        start = preflight.preflight(shape, view.knobs, card.budget_bytes, targets=view.targets)
-    rungs = [] if shape is None else preflight.rung_effects(shape, view.knobs, view.targets)
+        fallbacks = tuple((model, model_shape(Path(model))) for model in view.fallbacks)
+        start = preflight.preflight(
+            shape, view.knobs, card.budget_bytes, targets=view.targets, speed=speed, fallbacks=fallbacks
+        )
+    rungs = [] if shape is None else rung_effects(shape, view.knobs, view.targets, speed=speed)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
     return {
         "schema": SCHEMA,
@@ -134,19 +167,21 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Any | None = None) ->
         "components": {} if as_written is None else dict(as_written.components),
         "shape": None if shape is None else {**asdict(shape), "params": shape.params},
         "unsupported": _unsupported(read),
+        "architecture": _architecture(files),
         "notes": list(files.notes) + _tie_note(files, shape),
         "targets": list(resolve_targets(view.targets)),
         "as_written": None if as_written is None else _prediction(view.knobs, as_written),
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
         "start": None if start is None else _start(start),
+        "ranking": [] if start is None else _ranking(view.knobs, start),
         "rungs": [_rung(r) for r in rungs],
         "host": _host(checkpoint, files.largest_shard_bytes, view),
     }  # fmt: skip
 
 
 def find_card(
-    gpu_memory: str | None, view: JobView, predicted: gpu_terms.Prediction | None, nvml: Any
+    gpu_memory: str | None, view: JobView, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
 ) -> Card:
     """The card and the budget; see the module docstring for the order and the reserve."""
     paged = 0 if predicted is None else predicted.outside.get("paged_optimizer_state", 0)
@@ -156,7 +191,7 @@ def find_card(
         why += f" + paged optimizer state {format_bytes(paged)} (unified memory, outside the allocator)"
     if gpu_memory is not None:
         try:
-            total = parse_bytes(gpu_memory)
+            total = parse_memory_size(gpu_memory)  # a bare 24 is refused: it would be 24 bytes
         except UnitError as error:
             raise SupervisorExit(
                 SupervisorExitCode.BAD_JOB, f"--gpu-memory {gpu_memory!r}: {error}"
@@ -201,14 +236,47 @@ def _start(r: preflight.PreflightResult) -> dict[str, Any]:
         "margin": r.margin,
         "peak_bytes": r.predicted.peak_bytes,
         "components": dict(r.predicted.components),
-    }
+        "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
+        "fallback": r.fallback,
+        "speed_trial": [asdict(c) for c in r.speed_trial],
+        "nothing_fits": None if r.nothing_fits is None else {
+            "smallest_peak_bytes": r.nothing_fits.smallest_peak,
+            "budget_bytes": r.nothing_fits.budget_bytes,
+            "help": r.nothing_fits.help,
+            "message": nothing_fits_text(r),
+        },
+    }  # fmt: skip
 
 
-def _rung(r: preflight.RungEffect) -> dict[str, Any]:
+def _ranking(job: Knobs, r: preflight.PreflightResult) -> list[dict[str, Any]]:
+    return [
+        {
+            "rank": n,
+            "tokens_per_s": round(c.tokens_per_s, 1),
+            "measured": c.measured,
+            "peak_bytes": c.peak_bytes,
+            "cost_class": c.cost_class.value,
+            "rungs": list(c.rungs),
+            "changes": {k: list(v) for k, v in preflight.knob_changes(job, c.knobs).items()},
+        }
+        for n, c in enumerate(r.ranking, start=1)
+    ]
+
+
+def _host_speeds(view: JobView, shape: ModelShape) -> throughput.SpeedCalibration | None:
+    """This host's measured speeds of the shape (the per-host store), or None: none, or turned off."""
+    if not view.calibration_store or view.device == "cpu":
+        return None
+    speeds = read_speeds(default_path(), shape)
+    return throughput.calibrate(shape, speeds, view.targets) if speeds else None
+
+
+def _rung(r: RungEffect) -> dict[str, Any]:
     return {
         "name": r.name,
         "cost_class": r.cost_class.value,
         "cost": r.cost,
+        "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
         "peak_bytes": r.predicted_peak,
         "changes": {k: list(v) for k, v in r.changes.items()},
     }
@@ -240,6 +308,15 @@ def _unsupported(read: ModelShape | Unsupported) -> dict[str, str] | None:
     return None
 
 
+def _architecture(files: model_files.ModelFiles) -> dict[str, Any] | None:
+    """What the shape reader found of the architecture, modelled or not (None: a model type it
+    does not read); ``missing_terms``: what the memory model would need for it."""
+    facts = ModelShape.architecture(files.config)
+    if isinstance(facts, Unsupported):
+        return None
+    return {**asdict(facts), "summary": facts.describe(), "missing_terms": list(facts.missing_terms())}
+
+
 def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[str]:
     has_head = files.has_lm_head
     if shape is None or has_head is None or has_head != shape.tie_word_embeddings:
@@ -264,78 +341,3 @@ def _model_files(model: str) -> model_files.ModelFiles:
         return model_files.read_model_files(model)
     except model_files.ModelFilesError as error:
         raise SupervisorExit(SupervisorExitCode.BAD_JOB, str(error)) from None
-
-
-# --------------------------------------------------------------------------- text
-
-
-def render(plan: dict[str, Any]) -> list[str]:
-    """The plan for a person: components, card, verdict, start config, rungs, host RAM."""
-    lines = [f"plan for {plan['job']}", f"model: {hub.describe(plan['model'])}"]
-    if plan["unsupported"]:
-        u = plan["unsupported"]
-        lines.append(f"NOT MODELLED ({u['reason']}): {u['detail']}; no GPU prediction")
-    else:
-        lines += _render_prediction(plan)
-    lines += [f"note: {n}" for n in plan["notes"]]
-    lines += _render_host(plan["host"])
-    return lines
-
-
-def _render_prediction(plan: dict[str, Any]) -> list[str]:
-    s, w = plan["shape"], plan["as_written"]
-    lines = [
-        f"shape: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, "
-        f"MLP {s['intermediate']}, vocab {s['vocab']} ({'tied' if s['tie_word_embeddings'] else 'untied'}), "
-        f"{s['params'] / 1e9:.2f} B params; LoRA on {', '.join(plan['targets'])}",
-        f"predicted peak as written: {format_bytes(w['peak_bytes'])} allocated ({w['phase']}), "
-        f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card",
-    ]
-    lines += [f"  {name:<20} {format_bytes(size):>12}" for name, size in w["components"].items()]
-    lines += [
-        f"  (outside allocator) {name:<20} {format_bytes(size):>12}" for name, size in w["outside"].items()
-    ]
-    card = plan["card"]
-    if card["budget_bytes"] is None:
-        lines.append("card: unknown (no --gpu-memory, no gpu_memory_limit, no NVML): no fit verdict")
-    else:
-        total = "" if card["total_bytes"] is None else f"{format_bytes(card['total_bytes'])}, "
-        lines.append(
-            f"card: {total}from {card['source']}; budget {format_bytes(card['budget_bytes'])} "
-            f"(reserve {format_bytes(card['reserve_bytes'])}: {card['reserve_why']})"
-        )
-        verdict = "yes" if plan["fits_as_written"] else "NO"
-        lines.append(f"fits as written (with the {plan['start']['margin']:.0%} margin): {verdict}")
-        lines += _render_start(plan["start"])
-    lines.append("rungs (each alone on the job as written):")
-    for r in plan["rungs"]:
-        peak = "no change" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])
-        lines.append(f"  {r['name']:<24} {peak:>12}  {r['cost_class']:<10} ~{r['cost']:.0%} tokens/s")
-    return lines
-
-
-def _render_start(start: dict[str, Any]) -> list[str]:
-    if not start["changes"]:
-        return ["start from: the job as written"]
-    changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in start["changes"].items())
-    head = "start from (QUALITY KNOBS CHANGED)" if start["quality_changed"] else "start from"
-    lines = [f"{head}: {changes}; predicted {format_bytes(start['peak_bytes'])}"]
-    lines += [f"  why: {reason}" for reason in start["reasons"]]
-    return lines
-
-
-def _render_host(host: dict[str, Any]) -> list[str]:
-    if host["load_peak_bytes"] is None:
-        return ["host RAM: checkpoint size unknown"]
-    limit = host["cgroup_limit_bytes"]
-    lines = [
-        f"host RAM to load: {format_bytes(host['load_peak_bytes'])}, to merge: "
-        f"{format_bytes(host['merge_peak_bytes'])} "
-        f"(16-bit checkpoint {format_bytes(host['checkpoint_bytes'])}); "
-        f"available now {format_bytes(host['available_bytes'])}, cgroup limit "
-        f"{'none' if limit is None else format_bytes(limit)}",
-        f"  basis: {host['basis']}",
-    ]
-    if host["load_fits"] is False:
-        lines.append("  WARNING: loading is predicted to need more host RAM than is available")
-    return lines

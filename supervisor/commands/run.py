@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TextIO, TypeVar
+
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.commands.summary import print_summary
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
+from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
@@ -39,6 +42,7 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.hooks import EventHook
+from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, ON_EVENT, SYSTEMD, BestEffort
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
@@ -76,15 +80,16 @@ def run_job(
     run_dir = RunDir(job.output_dir)
     lock = _at_start(run_dir, run_dir.lock)
     try:
-        reporter, listeners, hook = _reporting(job, console, plain)
+        reporter, listeners = _reporting(job, console, plain)
         submitted = _at_start(run_dir, lambda: reconcile(run_dir, job, restart))
         log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console, listeners))
-        if hook is not None:
-            hook.log = log
+        reporter.bind(log)
         _announce(submitted, log, console)
         _at_start(run_dir, lambda: _lift_verdict(run_dir, submitted, retry, log))
         if job.train.trust_remote_code:
             log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
+        for advice in job_advice(job, records=None):  # validate's warnings: nothing of them is silent
+            log.warning(Event.JOB_ADVICE, field=advice.field, what=advice.what, fix=advice.fix)
         seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
         settings = policy_settings(job)
         supervisor = Supervisor(
@@ -103,23 +108,27 @@ def run_job(
     return code
 
 
-def _reporting(job: Job, console: TextIO, plain: bool) -> tuple[Reporter, list[Listener], EventHook | None]:
-    """The reporter the loop ticks and the listeners the event log feeds, from the job's settings."""
+def _reporting(job: Job, console: TextIO, plain: bool) -> tuple[Reporter, list[Listener]]:
+    """The reporter the loop ticks and the listeners the event log feeds, from the job's settings.
+
+    Every listener is an optional output, run through the reporter's ``BestEffort``: none can
+    raise into a log call of the loop.
+    """
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
+    outputs = BestEffort()
     service = ServiceStatus(job.supervise.max_attempts, budget)
-    listeners: list[Listener] = [service.on_event]
+    listeners: list[Listener] = [outputs.listener(SYSTEMD, service.on_event)]
     metrics = None
     if job.supervise.metrics_textfile is not None:
         from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile  # only when asked
 
         metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
-        listeners.append(metrics.on_event)
-    hook = None
+        listeners.append(outputs.listener(METRICS_TEXTFILE, metrics.on_event))
     if job.supervise.on_event is not None:
-        hook = EventHook(job.supervise.on_event, job.supervise.on_event_timeout)
-        listeners.append(hook.on_event)
+        hook = EventHook(job.supervise.on_event, job.supervise.on_event_timeout, outputs)
+        listeners.append(outputs.listener(ON_EVENT, hook.on_event))
     display = ProgressDisplay(console, plain, job.train.logging_steps)
-    return Reporter(display, service, metrics), listeners, hook
+    return Reporter(display, service, metrics, outputs), listeners
 
 
 _T = TypeVar("_T")
@@ -159,6 +168,7 @@ class Submission:
     changes: list[FieldChange]
     version: int | None  # the job version recorded now; None: the job is the recorded one
     previous_generation: Path | None  # where --restart moved the last generation
+    restarting: bool = False  # run --restart: the changes start a new generation, not a resume
 
 
 def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
@@ -189,13 +199,14 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
         if legacy:
             versions.record(job, legacy_view=True)  # from now on every version is kept
         return Submission([], None, moved)
-    return Submission(changes, versions.record(job, legacy_view=legacy), moved)
+    return Submission(changes, versions.record(job, legacy_view=legacy), moved, restart)
 
 
-def _announce(submitted: Submission, log: Any, console: TextIO) -> None:
+def _announce(submitted: Submission, log: FilteringBoundLogger, console: TextIO) -> None:
     if submitted.changes:
-        lines = "\n".join(change.render() for change in submitted.changes)
-        print(f"job changed (now job.v{submitted.version}.yaml):\n{lines}", file=console, flush=True)
+        lines = "\n".join(change.render(submitted.restarting) for change in submitted.changes)
+        how = ", in a new generation (--restart)" if submitted.restarting else ""
+        print(f"job changed (now job.v{submitted.version}.yaml{how}):\n{lines}", file=console, flush=True)
         log.warning(
             Event.JOB_CHANGED,
             version=submitted.version,
@@ -205,7 +216,7 @@ def _announce(submitted: Submission, log: Any, console: TextIO) -> None:
         log.info(Event.GENERATION_STARTED, previous_generation=str(submitted.previous_generation))
 
 
-def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Any) -> None:
+def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: FilteringBoundLogger) -> None:
     """A verdict other than success is lifted by ``--retry`` or a changed job; the journal says so."""
     state = read_state(rd.state)
     if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED):

@@ -14,18 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import MemoryNumbers, PeakSource
+from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, parse_event
+from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
 
 #: Which current gauge shows the memory each peak source measures.
 _GAUGE_OF_SOURCE = {
-    PeakSource.CUDA_ALLOCATOR: "allocated_bytes",
-    PeakSource.DATA_SEGMENT: "vmdata_bytes",
-    PeakSource.RSS: "rss_bytes",
+    ChildPeakSource.CUDA_ALLOCATOR: "allocated_bytes",
+    ChildPeakSource.DATA_SEGMENT: "vmdata_bytes",
+    ChildPeakSource.RSS: "rss_bytes",
 }
 _LABEL_OF_SOURCE = {
-    PeakSource.CUDA_ALLOCATOR: "CUDA allocated",
-    PeakSource.DATA_SEGMENT: "data segment",
-    PeakSource.RSS: "RSS",
+    ChildPeakSource.CUDA_ALLOCATOR: "CUDA allocated",
+    ChildPeakSource.DATA_SEGMENT: "data segment",
+    ChildPeakSource.RSS: "RSS",
 }
 
 
@@ -41,13 +42,17 @@ class Series:
 def attempt_series(rd: RunDir, attempt: int) -> Series:
     directory = rd.attempt_dir(attempt)
     series = Series()
-    for event in _lines(directory / "child-events.jsonl"):
-        numbers = MemoryNumbers.from_fields(event)
-        if numbers.peak_source is None or not isinstance(event.get("time"), int | float):
+    for line in _text(directory / "child-events.jsonl").splitlines():
+        # The child's memory numbers ride on its heartbeats and its ``loaded`` event.
+        event = parse_event(line)
+        if not isinstance(event, Heartbeat | Loaded) or event.time is None:
+            continue
+        numbers = event.memory
+        if numbers.peak_source is None:
             continue
         value = getattr(numbers, _GAUGE_OF_SOURCE[numbers.peak_source])
         if value:
-            series.points.append((float(event["time"]), int(value)))
+            series.points.append((event.time, int(value)))
             series.label = _LABEL_OF_SOURCE[numbers.peak_source]
     for sample in _lines(directory / "gpu.jsonl"):
         if isinstance(sample.get("time"), int | float) and isinstance(sample.get("this_process_bytes"), int):
@@ -55,13 +60,16 @@ def attempt_series(rd: RunDir, attempt: int) -> Series:
     return series
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
+def _text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except OSError:
-        return []
+        return ""
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
     out = []
-    for line in text.splitlines():
+    for line in _text(path).splitlines():
         try:
             value = json.loads(line)
         except ValueError:

@@ -11,7 +11,8 @@ lists the layers that exist) and the attempt's ``child.log``.
      "runs": [{"run_dir": str, "state": str | null, "note": str, "lost_steps": int,
                "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
                "unreadable_lines": int,
-               "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null}]}]}
+               "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null,
+                             "tokens_per_s": float | null}]}]}   # median of the attempt's heartbeats
 
 ``--follow`` prints again whenever a run's journal or state changes, until every run has ended
 (succeeded, gave up, failed, stopped) or Ctrl-C.
@@ -28,6 +29,7 @@ from typing import Any, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -102,6 +104,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
     for r in records:
         line = json.loads(r.to_line())
         line.update(child_log=str(rd.attempt_dir(r.attempt) / "child.log"), fix=fix_line(r))
+        line.update(tokens_per_s=measured_speed(rd, r).tokens_per_s)
         attempts.append(line)
     return {
         "run_dir": str(rd.root),
@@ -183,6 +186,8 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     steps = f"steps {r.resumed_from} -> {r.steps_completed}"
     lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
     lines.append(f"  config: {config}")
+    if run_dir is not None and (speed := speed_line(measured_speed(run_dir, r))):
+        lines.append(speed)
     if r.plan is not None:
         planned = "as written (--as-written)" if r.plan.as_written else "pre-flight"
         peak = format_bytes(r.plan.predicted_peak) if r.plan.predicted_peak else "-"
@@ -193,8 +198,8 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     if r.failure:
         f = r.failure
         lines.append(f"  failed: {f.kind.value} in {f.stage.value} - {f.evidence}")
-        if f.numbers:
-            nums = ", ".join(f"{key} {_fmt(value)}" for key, value in f.numbers.items())
+        if numbers := f.numbers_json():
+            nums = ", ".join(f"{key} {_fmt(value)}" for key, value in numbers.items())
             lines.append(f"  numbers: {nums}")
         if f.kind.value == "config_error" and (fix := fix_line(r)):
             lines.append(f"  fix: {fix}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile import data_probe, hub
+from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Job
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
@@ -23,17 +24,20 @@ def validate_command(path: str) -> int:
             print(problem.render())
         return 2
     print(f"{path}: OK")
-    for line in [*warning_lines(job), *summary_lines(job)]:
+    records = _records(job.data)
+    for line in [*warning_lines(job, records), *summary_lines(job, records)]:
         print(f"  {line}")
     return 0
 
 
-def warning_lines(job: Job) -> list[str]:
-    """What a person should know before running the job, though it is not a problem."""
-    return [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
+def warning_lines(job: Job, records: int | None = None) -> list[str]:
+    """What a person should know before running the job, though it is not a problem (see
+    :mod:`jobfile.advice`); ``records``: the training file's record count, where known."""
+    trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
+    return trust + [advice.render() for advice in job_advice(job, records)]
 
 
-def summary_lines(job: Job) -> list[str]:
+def summary_lines(job: Job, records: int | None = None) -> list[str]:
     """A few lines a person checks before starting a long run."""
     knobs, train, resources = job.knobs, job.train, job.resources
     model = hub.describe(knobs.model)
@@ -47,7 +51,7 @@ def summary_lines(job: Job) -> list[str]:
     ]
     return [
         f"model: {model}",
-        f"data: {_data_summary(job.data)}",
+        f"data: {_data_summary(job.data, records)}",
         f"effective batch: {knobs.effective_batch} = micro-batch {knobs.micro_batch_size} x accumulation "
         f"{knobs.grad_accum}{f' x ranks {knobs.world_size}' if knobs.world_size > 1 else ''}; "
         f"seq_len {knobs.max_seq_len}; {length}",
@@ -56,14 +60,20 @@ def summary_lines(job: Job) -> list[str]:
     ]
 
 
-def _data_summary(data: DataSpec) -> str:
+def _data_summary(data: DataSpec, records: int | None) -> str:
     """``<path> (<n> records, text_field 'text')``: records, not lines (blank lines are none)."""
     messages = data.messages_field is not None
     name = data.messages_field if messages else data.text_field
     field = f"messages_field {name!r}" if messages else f"text_field {name!r}"
-    try:
-        records = data_probe.scan_records(Path(data.path), name or "", messages=messages)
-    except (OSError, ValueError, data_probe.DataProbeError):
-        records = None
     count = "" if records is None else f"{records} records, "
     return f"{data.path} ({count}{field})"
+
+
+def _records(data: DataSpec) -> int | None:
+    """The training data's record count (read once for the warnings and the summary); None where unknown."""
+    messages = data.messages_field is not None
+    name = data.messages_field if messages else data.text_field
+    try:
+        return data_probe.scan_records(Path(data.path), name or "", messages=messages)
+    except (OSError, ValueError, data_probe.DataProbeError):
+        return None

@@ -257,7 +257,8 @@ def _from_report(
         if line is not None and not report.is_oom:
             return Failure(kind, stage, {}, f"{head}; {what} {line!r}", message)
     if report.is_oom or _signatures.find(_signatures.GPU_OOM + _signatures.CPU_OOM, message):
-        numbers = _oom_rules.derive(report.oom_numbers or parse_numbers(report.message))
+        # The report's numbers, typed when it was read; an older child's report may have none.
+        numbers = _oom_rules.derive(report.oom_numbers.to_json() or parse_numbers(report.message))
         finding = StageFinding(stage, "the error report")
         nvml = (nvml_others, nvml_total)
         found = oom_failure(finding, numbers, head, message, nvml, report.allocator, fit)

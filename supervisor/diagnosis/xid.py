@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.diagnosis.failure import Failure, XidFacts
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
@@ -82,9 +82,9 @@ def overrule(failure: Failure, codes: Sequence[int]) -> Failure:
     fatal = fatal_xid(codes)
     if fatal is None and (failure.kind.is_oom or failure.kind in _NOT_OVERRULED):
         return failure
-    numbers = {"xid": list(dict.fromkeys(codes)), **({"fatal_xid": fatal} if fatal is not None else {})}
+    facts = XidFacts(tuple(dict.fromkeys(codes)), fatal)
     verdict = "not retried on this GPU" if fatal is not None else "retried once"
     why = (
         f"NVML: {describe(codes)} during the attempt, {verdict}; the child's own failure: {failure.evidence}"
     )
-    return Failure(FailureKind.GPU_FAULT, failure.stage, numbers, why, failure.message)
+    return Failure(FailureKind.GPU_FAULT, failure.stage, {}, why, failure.message, xid=facts)

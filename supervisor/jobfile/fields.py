@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
 from pydantic_core import PydanticCustomError
 
-from qlora_supervise.policies.rungs import RUNG_NAMES
+from qlora_supervise.policies.rungs import RETIRED_RUNGS, RUNG_NAMES
 from qlora_supervise.supervisor.jobfile.problems import did_you_mean
 from qlora_supervise.supervisor.jobfile.units import (
     DURATION_HELP,
@@ -26,6 +26,7 @@ from qlora_supervise.supervisor.jobfile.units import (
     parse_duration,
 )
 from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.targets import KEYWORDS as TARGET_KEYWORDS
 
 #: The pydantic error type of :func:`job_error`; its ctx carries ``problem`` and ``fix``.
 JOB_ERROR_TYPE = "job"
@@ -72,12 +73,13 @@ def _bytes(value: object) -> object:
     try:
         return parse_bytes(value, unit_required=True)
     except UnitError as error:
-        fix = error.expected if "no unit" in error.reason else SIZE_HELP
+        fix = error.expected if "no unit" in error.reason or "bits" in error.reason else SIZE_HELP
         raise job_error(f"bad byte size: {error.reason}", f"use {fix}") from None
 
 
-def _seconds(value: object) -> object:
-    """``20m`` / ``1h30m`` / a plain number -> seconds (float)."""
+def to_seconds(value: object) -> object:
+    """``20m`` / ``1h30m`` / a plain number -> seconds (float). A plain number stays valid (job
+    files written that way keep loading); ``jobfile.advice`` warns about it, with the fix."""
     if not isinstance(value, (str, int, float)):
         return value
     try:
@@ -104,14 +106,15 @@ def _device(value: object) -> object:
 
 
 def _target_modules(value: object) -> object:
-    """``all-linear`` or a non-empty list of module names (as a tuple)."""
-    if value == "all-linear":
+    """``attention`` / ``mlp`` / ``all-linear`` (resolved per architecture, see
+    ``trainer_child.contract.targets``) or a non-empty list of module names (as a tuple)."""
+    if value in TARGET_KEYWORDS:
         return value
     if isinstance(value, (list, tuple)) and value and all(isinstance(m, str) and m for m in value):
         return tuple(value)
     raise job_error(
         "not a list of module names",
-        "use all-linear or a non-empty list such as [q_proj, k_proj, v_proj, o_proj]",
+        "use attention, mlp, all-linear or a non-empty list such as [q_proj, k_proj, v_proj, o_proj]",
     )
 
 
@@ -139,6 +142,8 @@ def _ladders(value: object) -> object:
 
 def _rung_name(value: str) -> str:
     """A rung name the policies know, else a did-you-mean."""
+    if value in RETIRED_RUNGS:
+        raise job_error(RETIRED_RUNGS[value], "remove it from the ladder, or name activation_offload")
     if value not in RUNG_NAMES:
         raise job_error("unknown rung", did_you_mean(value, RUNG_NAMES))
     return value
@@ -152,8 +157,8 @@ Fraction = Annotated[float, BeforeValidator(_yaml_float), Field(ge=0.0, lt=1.0)]
 PositiveFloat = Annotated[float, BeforeValidator(_yaml_float), Field(gt=0.0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, BeforeValidator(_yaml_float), Field(ge=0.0, allow_inf_nan=False)]
 ByteSize = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]
-Seconds = Annotated[float, BeforeValidator(_seconds), Field(gt=0.0)]
-SecondsOrZero = Annotated[float, BeforeValidator(_seconds), Field(ge=0.0)]
+Seconds = Annotated[float, BeforeValidator(to_seconds), Field(gt=0.0)]
+SecondsOrZero = Annotated[float, BeforeValidator(to_seconds), Field(ge=0.0)]
 Device = Annotated[str, BeforeValidator(_device)]
 TargetModules = Annotated[tuple[str, ...] | str, BeforeValidator(_target_modules)]
 RungName = Annotated[str, AfterValidator(_rung_name)]

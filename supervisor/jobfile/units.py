@@ -3,7 +3,8 @@
 Decimal units (KB, MB, GB, TB) are powers of 1000 and binary units (KiB, MiB, GiB, TiB)
 powers of 1024, as their names say. ``24GB`` is therefore 24 * 10**9 bytes (22.35 GiB): when a
 memory cap is written in GB the cap comes out a little tighter, never looser. Unit letters are
-matched case-insensitively; single letters (``24G``) are refused because they are ambiguous.
+matched case-insensitively; single letters (``24G``) are refused because they are ambiguous, and
+a capital prefix with a small ``b`` (``12Gb``, ``12Gib``) is refused as bits, with the byte form.
 """
 
 from __future__ import annotations
@@ -68,10 +69,34 @@ def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int
     if match is None:
         raise UnitError("not a number with a unit", BYTES_HELP)
     number, unit = match.groups()
+    if unit and unit.endswith("b") and any(c.isupper() for c in unit[:-1]):
+        # A capital prefix with a small b (Gb, Mb, Gib) is the usual spelling of bits.
+        raise UnitError(f"{unit!r} means bits (a small b)", f"{number}{unit[:-1]}B for bytes")
     factor = BYTE_UNITS.get(unit.lower() if unit else "b")
     if factor is None:
         raise UnitError(f"unknown unit {unit!r}", BYTES_HELP)
     return int(float(number) * factor)
+
+
+#: The smallest memory size (of a card, a cap) that is not surely a slip: a bare ``24`` meant as
+#: 24 GiB would be 24 bytes, and a plan or a cap from it is nonsense.
+MIN_MEMORY_SIZE = 1024**2
+
+
+def parse_memory_size(value: str) -> int:
+    """A memory size given on the command line (``plan --gpu-memory``): :func:`parse_bytes`, and
+    anything below :data:`MIN_MEMORY_SIZE` refused, the fix naming the GiB it surely meant."""
+    size = parse_bytes(value)
+    if size >= MIN_MEMORY_SIZE:
+        return size
+    text = str(value).strip()
+    number = re.match(_NUMBER, text)
+    shown = number.group(0) if number else text
+    bare = "" if number is None or number.group(0) != text else " (a number without a unit is bytes)"
+    raise UnitError(
+        f"{text} is {size} bytes{bare}, not a plausible memory size",
+        f"a number with a unit, e.g. {shown}GiB or {shown}MiB",
+    )
 
 
 def _refuse_bare_number(value: str | int | float) -> None:

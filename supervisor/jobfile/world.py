@@ -7,11 +7,13 @@ output directory can be written.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile import data_probe
+from qlora_supervise.supervisor.jobfile.lora_targets import target_problems
 from qlora_supervise.supervisor.jobfile.model_files import ModelFilesError, read_model_files
 from qlora_supervise.supervisor.jobfile.problems import Problem, did_you_mean, show
 from qlora_supervise.supervisor.jobfile.schema import (
@@ -25,6 +27,10 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.supervisor.jobfile.units import format_duration
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
+
+#: The largest share of the data ``eval_fraction`` may hold out: beyond it less is trained on
+#: than is evaluated, which is never what a fine-tune means (0.999 trains on almost nothing).
+MAX_EVAL_FRACTION = 0.5
 
 
 def world_problems(
@@ -52,6 +58,7 @@ def world_problems(
             problems += _rank_batch_problems(train, resources, bad)
     if isinstance(supervise := sections.get("supervise"), SuperviseSection):
         problems += _supervise_problems(supervise, bad)
+        problems += _metrics_textfile_problems(supervise, bad)
     if output_dir is not None:
         problems += _output_dir_problems(output_dir)
     return problems
@@ -81,12 +88,12 @@ def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozens
     """Each listed target module names layers of the model, read from the safetensors header or
     index (JSON, no torch, no weights): a typo would otherwise fail only after the model loaded.
 
-    Skipped for ``all-linear``, for a model whose tensor names cannot be read without torch (a
-    ``.bin`` checkpoint, an index without its shards, a header without the transformer blocks),
-    and when the model path is bad.
+    ``attention`` / ``mlp`` / ``all-linear`` resolve by the config's model_type first
+    (:mod:`.lora_targets`). Names are not checked for a model whose tensor names cannot be read
+    without torch (a ``.bin`` checkpoint, an index without its shards, a header without the
+    transformer blocks); nothing is checked when the model path is bad.
     """
-    targets = lora.target_modules
-    if bad & {"model.path", "lora.target_modules"} or isinstance(targets, str):
+    if bad & {"model.path", "lora.target_modules"}:
         return []
     if _model_dir_problem("model.path", model.path) is not None:
         return []
@@ -94,29 +101,7 @@ def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozens
         files = read_model_files(model.path)
     except ModelFilesError as error:
         return [Problem("model.path", str(error), show(model.path), "fix or re-download the model files")]
-    layers = module_leaves(files.tensors)
-    blocks = sorted(
-        name for name in layers if "embed" not in name and "norm" not in name and name != "lm_head"
-    )
-    if not blocks:  # a header without the transformer blocks (a partial file): nothing to match
-        return []
-    missing = [name for name in targets if name not in layers]
-    if not missing:
-        return []
-    problem = f"{', '.join(map(repr, missing))} match no layer of the model"
-    fix = f"its layers are {', '.join(blocks)}"
-    return [Problem("lora.target_modules", problem, show(list(targets)), fix)]
-
-
-def module_leaves(tensors: Mapping[str, object]) -> set[str]:
-    """The last name of each module with a ``weight`` (``model.layers.0.self_attn.q_proj.weight``
-    -> ``q_proj``): the names LoRA's target_modules are matched against."""
-    leaves = set()
-    for name in tensors:
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-1] == "weight":
-            leaves.add(parts[-2])
-    return leaves
+    return target_problems(lora.target_modules, files)
 
 
 def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
@@ -151,6 +136,12 @@ def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
                 fix,
             )
         )
+    if "data.eval_fraction" not in bad and data.eval_fraction > MAX_EVAL_FRACTION:
+        why = (
+            f"holds out more than {MAX_EVAL_FRACTION:g} of the data for evaluation, leaving less to train on"
+        )
+        fix = f"use {MAX_EVAL_FRACTION:g} or less (0.05 to 0.1 is usual), or a separate data.eval_path"
+        problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
     if "data.path" not in bad:
         problems += _source_problems("data.path", data.path, data, fields_ok)
     if "data.eval_path" not in bad and data.eval_path is not None:
@@ -196,13 +187,32 @@ def _record_problems(path_name: str, path: Path, data: DataSection) -> list[Prob
     if field is None:
         return []
     try:
-        data_probe.scan_records(path, field, messages=messages)
+        records = data_probe.scan_records(path, field, messages=messages)
     except data_probe.DataRowError as error:
         fix = "fix or remove that record (training would stop there)"
         return [Problem(path_name, str(error), show(str(error.path)), fix)]
     except (OSError, data_probe.DataProbeError) as error:
         return [Problem(path_name, f"cannot read the data: {error}", show(path), "")]
-    return []
+    if path_name != "data.path" or records is None or data.eval_path is not None:
+        return []
+    if not 0 < data.eval_fraction <= MAX_EVAL_FRACTION:
+        return []  # no split, or one refused already
+    train_rows, eval_rows = split_sizes(records, data.eval_fraction)
+    if train_rows > 0:
+        return []
+    fraction = data.eval_fraction
+    why = f"eval_fraction {fraction:g} of {records} record(s) leaves none to train on ({eval_rows} held out)"
+    return [
+        Problem(
+            "data.eval_fraction", why, show(data.eval_fraction), "use more data, or a separate data.eval_path"
+        )
+    ]
+
+
+def split_sizes(records: int, eval_fraction: float) -> tuple[int, int]:
+    """(train rows, eval rows) of ``records`` split by ``eval_fraction``, as the child's
+    ``datasets.Dataset.train_test_split(test_size=...)`` counts them: eval rounded up, train down."""
+    return math.floor((1 - eval_fraction) * records), math.ceil(eval_fraction * records)
 
 
 def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
@@ -292,6 +302,20 @@ def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> lis
         got = show(format_duration(supervise.backoff_max))
         return [Problem("supervise.backoff_max", "smaller than backoff_initial", got, fix)]
     return []
+
+
+def _metrics_textfile_problems(supervise: SuperviseSection, bad: frozenset[str]) -> list[Problem]:
+    """The metrics textfile can be created (else ``run`` would find out with a traceback)."""
+    path = supervise.metrics_textfile
+    if path is None or "supervise.metrics_textfile" in bad:
+        return []
+    # Imported here: metrics imports prometheus_client, needed only when a textfile is set.
+    from qlora_supervise.supervisor.reporting.metrics import textfile_problem
+
+    found = textfile_problem(path)
+    if found is None:
+        return []
+    return [Problem("supervise.metrics_textfile", found[0], show(path), found[1])]
 
 
 def _output_dir_problems(output_dir: Path) -> list[Problem]:

@@ -7,7 +7,8 @@ Each holds everything needed to understand that moment from the line alone (``jq
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.record.events import Event
@@ -17,7 +18,7 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
-def announce_plan(log: Any, note: PlanNote | None) -> None:
+def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
     """``preflight``: attempt 1's config and why; a warning when a quality knob changed."""
     if note is None:
         return
@@ -35,7 +36,7 @@ def announce_plan(log: Any, note: PlanNote | None) -> None:
 
 
 def announce_success(
-    log: Any,
+    log: FilteringBoundLogger,
     record: AttemptRecord,
     records: Sequence[AttemptRecord],
     merge: bool,
@@ -57,23 +58,37 @@ def announce_success(
         )
 
 
-def announce_decision(
-    log: Any,
-    record: AttemptRecord,
-    failure: Failure,
-    report: ErrorReport | None,
-    records: Sequence[AttemptRecord],
-    rd: RunDir,
+def announce_failure(
+    log: FilteringBoundLogger, failure: Failure, report: ErrorReport | None, reclaimed: bool
 ) -> None:
-    """``retry`` (a warning: the run goes on) or ``gave_up`` (an error: it does not)."""
-    decision = record.decision
-    assert decision is not None
+    """``failure_classified``: what the classifier found, and from which evidence."""
+    log.info(
+        Event.FAILURE_CLASSIFIED,
+        kind=failure.kind.value,
+        stage=failure.stage.value,
+        numbers=failure.numbers_json(),
+        evidence=failure.evidence,
+        message=failure.message[:500],
+        reclaimed=reclaimed,
+        memory_snapshot=report.memory_snapshot if report else None,
+        rank=failure.rank,
+        local_rank=failure.local_rank,
+    )
+
+
+def announce_decision(
+    log: FilteringBoundLogger, record: AttemptRecord, records: Sequence[AttemptRecord], rd: RunDir
+) -> None:
+    """``retry`` (a warning: the run goes on) or ``gave_up`` (an error: it does not), read from the
+    attempt's journal line alone: what the log says is what the journal keeps."""
+    decision, failure = record.decision, record.failure
+    assert decision is not None and failure is not None, "only a decided failure is announced"
     if record.restarts and decision.knobs is not None:
         log.warning(
             Event.RETRY,
             failed=failure.kind.value,
             stage=failure.stage.value,
-            numbers=dict(failure.numbers),
+            numbers=failure.numbers_json(),
             rung=decision.rung,
             changes={k: list(v) for k, v in decision.changes.items()},
             why=decision.why,
@@ -81,7 +96,7 @@ def announce_decision(
             steps_completed=record.steps_completed,
             resume_from=record.next_resume_from,
             lost_steps=record.lost_steps,
-            emergency_checkpoint=bool(report and report.emergency_checkpoint),
+            emergency_checkpoint=bool(failure.emergency_checkpoint),
             effective_batch=decision.knobs.effective_batch,
         )
         return

@@ -25,7 +25,6 @@ from qlora_supervise.supervisor.loop import launch
 from qlora_supervise.supervisor.record.runfiles import ensure_dir, open_append_binary
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
 from qlora_supervise.trainer_child.contract.devices import visible_entries
-from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 _PR_SET_PDEATHSIG = 1
@@ -149,20 +148,18 @@ class ChildProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signum)
 
-    def stop(self, grace_s: float, sleep: Callable[[float], None] = time.sleep) -> int:
-        """Stop the child and its group; returns its exit status (negative: signal).
+    def stop(self, grace_s: float) -> int:
+        """Stop the child and its group (:func:`stop_group`); returns its exit status (negative: signal).
 
         torchrun forwards the SIGTERM to its ranks (they checkpoint) and waits for them; the
         ranks run in sessions of their own, so those left at the end are killed by their groups.
         """
         ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
         if self.popen.poll() is None:
-            self.signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self.popen.poll() is None and time.monotonic() < deadline:
-                sleep(0.1)
-        if self.popen.poll() is None:
-            self.signal_group(signal.SIGKILL)
+            code = stop_group(self.popen.pid, grace_s)
+            if code is not None:
+                # psutil reaped it: Popen must not wait for it again (it would read ECHILD as 0).
+                self.popen.returncode = code
         code = self.popen.wait()
         # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
         self.signal_group(signal.SIGKILL)
@@ -241,15 +238,32 @@ def process_cmdline(pid: int) -> str:
         return ""
 
 
-def stop_orphan(pid: int, grace_s: float, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+def stop_orphan(pid: int, grace_s: float) -> None:
     """Stop a child left by a supervisor that died: SIGTERM to its group, a grace period, SIGKILL."""
+    stop_group(pid, grace_s)
+
+
+#: After the SIGKILL: how long to wait for the kernel to end the process (it cannot refuse).
+_KILL_WAIT_S = 5.0
+
+
+def stop_group(pid: int, grace_s: float) -> int | None:
+    """SIGTERM to the process group that ``pid`` leads, up to ``grace_s`` for ``pid`` to exit
+    (``psutil.wait_procs``), then SIGKILL to the group.
+
+    Returns ``pid``'s exit status (negative: a signal) when it is our child, which psutil then
+    has reaped; None when it is not ours (an orphan: its new parent reaps it) or already gone.
+    """
     try:
+        leader = psutil.Process(pid)
         os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = clock() + grace_s
-    while pid_alive(pid) and clock() < deadline:
-        sleep(0.2)
-    if pid_alive(pid):
+    except (psutil.Error, ProcessLookupError, PermissionError):
+        return None
+    gone, alive = psutil.wait_procs([leader], timeout=grace_s)
+    if alive:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+        gone, _ = psutil.wait_procs(alive, timeout=_KILL_WAIT_S)
+    # wait_procs sets ``returncode`` on each process it saw end (documented; not in the stubs).
+    code = getattr(gone[0], "returncode", None) if gone else None
+    return int(code) if code is not None else None

@@ -7,8 +7,10 @@ Shared by the runner (a watched attempt) and reclaim (the attempt of a superviso
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.loop.outcome import optimizer_reset
@@ -16,25 +18,24 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
-from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Resumed
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import rank_files
 
 
-def note_child_events(new: list[dict[str, Any]], log: Any) -> None:
+def note_child_events(new: Sequence[ChildEvent], log: FilteringBoundLogger) -> None:
     """Log what the child reports once and a person wants to see at once: the rank cut on resume."""
     for event in new:
-        reduction = RankReduction.from_fields(event) if event.get("event") == "resumed" else None
-        if reduction is not None:
+        if isinstance(event, Resumed) and event.rank_reduction is not None:
             log.info(
                 Event.RANK_REDUCED,
-                **dataclasses.asdict(reduction),
-                from_step=event.get("from_step"),
+                **dataclasses.asdict(event.rank_reduction),
+                from_step=event.from_step,
                 why="the smaller adapter starts from the truncated SVD of the trained update",
             )
 
 
-def note_rank_peaks(events_file: Path, progress: Progress, log: Any) -> dict[int, int]:
+def note_rank_peaks(events_file: Path, progress: Progress, log: FilteringBoundLogger) -> dict[int, int]:
     """Each rank's peak (torchrun): the attempt's peak becomes the highest of them (the card that
     limits the config), and one rank well above the others is logged with the numbers."""
     peaks = read_rank_peaks(events_file)
@@ -56,7 +57,7 @@ def note_rank_peaks(events_file: Path, progress: Progress, log: Any) -> dict[int
     return peaks
 
 
-def log_optimizer_reset(log: Any, progress: Progress) -> None:
+def log_optimizer_reset(log: FilteringBoundLogger, progress: Progress) -> None:
     """``optimizer_reset`` when the child resumed with fresh optimizer state (planned, or because
     the checkpoint had none): the adapter and the LR schedule follow the step, the moments do not."""
     why = optimizer_reset(progress)
@@ -64,7 +65,7 @@ def log_optimizer_reset(log: Any, progress: Progress) -> None:
         log.warning(Event.OPTIMIZER_RESET, why=why, lr_schedule="restored at the resumed step")
 
 
-def read_report(rd: RunDir, number: int, log: Any) -> ErrorReport | None:
+def read_report(rd: RunDir, number: int, log: FilteringBoundLogger) -> ErrorReport | None:
     """The attempt's error report: :func:`report_of` its ranks' reports."""
     return report_of(read_reports(rd, number, log))
 
@@ -78,7 +79,7 @@ def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:
     return reports[0] if reports else None
 
 
-def read_reports(rd: RunDir, number: int, log: Any) -> tuple[ErrorReport, ...]:
+def read_reports(rd: RunDir, number: int, log: FilteringBoundLogger) -> tuple[ErrorReport, ...]:
     """Every rank's error report of the attempt (``error.json``, ``error.rank1.json``, ...), in
     rank order; one that cannot be read is logged and left out."""
     found = []

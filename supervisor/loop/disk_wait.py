@@ -2,7 +2,7 @@
 
 Both paths free what is the run's own to free (:func:`~..record.disk_room.free_ours`), say in
 words where room is needed and how much, and poll the free space with the same backoff as the
-memory wait (:func:`~.waiting.wait_for_free_memory`), until there is room, the job's
+memory wait (:func:`~.waiting.poll_until`, on the loop's clock), until there is room, the job's
 ``disk_wait`` has passed, or a stop was requested. Nothing here writes ``state.json``: on a full
 disk it could not, and a supervisor killed while waiting resumes from the journal as always.
 """
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import threading
-from collections.abc import Callable
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.schema import SuperviseSection
 from qlora_supervise.supervisor.jobfile.units import format_bytes
-from qlora_supervise.supervisor.loop.waiting import wait_for_free_memory
+from qlora_supervise.supervisor.loop.waiting import Pacer, poll_until
 from qlora_supervise.supervisor.record.disk_room import (
     MIN_ROOM,
     free_ours,
@@ -37,35 +37,17 @@ class DiskWaiter:
     """Frees, explains and waits; the arbiter owns one per run."""
 
     rd: RunDir
-    log: Any
-    clock: Callable[[], float]
-    sleep: Callable[[float], None]  # the loop's interruptible sleep
-    stop_requested: threading.Event
+    log: FilteringBoundLogger
+    pacer: Pacer  # the loop's clock and interruptible sleep
     wait_s: float
-    backoff_initial_s: float
-    backoff_max_s: float
+    pacing: tuple[float, float]  # the job's (initial, max) backoff between polls
 
     @classmethod
     def for_run(
-        cls,
-        rd: RunDir,
-        log: Any,
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
-        stop_requested: threading.Event,
-        supervise: Any,
+        cls, rd: RunDir, log: FilteringBoundLogger, pacer: Pacer, supervise: SuperviseSection
     ) -> DiskWaiter:
         """The waiter of one run, paced by the job's ``supervise`` section."""
-        return cls(
-            rd,
-            log,
-            clock,
-            sleep,
-            stop_requested,
-            supervise.disk_wait,
-            supervise.backoff_initial,
-            supervise.backoff_max,
-        )
+        return cls(rd, log, pacer, supervise.disk_wait, (supervise.backoff_initial, supervise.backoff_max))
 
     def verdict(self, stop_signal: int | None) -> int:
         """No room came back in time (exit 3), or a stop came first (resumable): nothing to journal."""
@@ -123,22 +105,14 @@ class DiskWaiter:
         return not result.stopped and result.free_bytes is not None and result.free_bytes >= needed
 
     def _poll(self, needed: int, timeout_s: float) -> policy.WaitResult:
-        started = self.clock()
-        free = wait_for_free_memory(
-            lambda: room_free(self.rd),
-            needed,
-            timeout_s,
-            self.backoff_initial_s,
-            self.backoff_max_s,
-            sleep=self.sleep,
-            stop_requested=self.stop_requested,
-        )
-        waited = self.clock() - started
+        started = self.pacer.clock()
+        free = poll_until(lambda: room_free(self.rd), needed, timeout_s, self.pacing, self.pacer)
+        waited = self.pacer.clock() - started
         event = (
             Event.DISK_ROOM_AVAILABLE if free is not None and free >= needed else Event.DISK_WAIT_TIMED_OUT
         )
         self.log.info(event, free_bytes=free, needed_bytes=needed, waited_s=round(waited, 1))
-        return policy.WaitResult(free, waited, stopped=self.stop_requested.is_set())
+        return policy.WaitResult(free, waited, stopped=self.pacer.stop_requested())
 
     def _free_ours(self) -> None:
         freed = free_ours(self.rd)

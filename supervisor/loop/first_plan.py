@@ -1,19 +1,32 @@
 """Attempt 1's config: the pre-flight's choice, or the job as written.
 
 Before anything runs, the memory model predicts the job against the budget (the cap, or the
-card less a reserve). A job predicted to fit with the margin starts as written; otherwise only
-throughput knobs change (``policies.preflight``), and a quality change (seq_len, rank) happens
-only when nothing else is predicted to fit, logged as a warning with the plan. Without a shape
-or a budget there is nothing to predict with: the job runs as written.
+card less a reserve). A job predicted to fit with the margin starts as written; otherwise the
+fitting throughput candidates are ranked by the throughput model (calibrated by the speeds this
+host measured for the shape) and the fastest starts; a quality change (seq_len, rank, a fallback
+model) happens only when nothing else is predicted to fit, logged as a warning with the plan.
+When nothing fits at all, the plan says so (``nothing_fits``) and the run stops before a child
+starts. Without a shape or a budget there is nothing to predict with: the job runs as written.
 """
 
 from __future__ import annotations
 
+from structlog.typing import FilteringBoundLogger
+
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies import memory_model, preflight
+from qlora_supervise.policies import memory_model, preflight, throughput
+from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Phase, PlanNote
 from qlora_supervise.trainer_child.contract.spec import Knobs
+
+#: What ``run`` does for a model the memory model does not cover: it does not guess a number.
+UNMODELLED_RUN = (
+    "the job starts as written and the reactive ladder alone guards the run "
+    "(each OOM is classified, a rung applied, the child resumed from its last checkpoint)"
+)
 
 
 def first_plan(
@@ -23,7 +36,7 @@ def first_plan(
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None:
         if shape is None:
-            missing = "the model's shape is unknown (config.json outside the memory model)"
+            missing = f"the memory model does not cover this architecture (plan says why): {UNMODELLED_RUN}"
         elif device == "cpu":
             missing = "on the CPU the model (GPU allocations) does not apply; the ladder decides"
         else:
@@ -32,7 +45,10 @@ def first_plan(
         return Plan(Phase.TRAIN, knobs, note=note)
     # Peaks this host saw for the shape before calibrate the first prediction too.
     scale = memory_model.calibrate(shape, list(settings.prior), targets) if settings.prior else None
-    result = preflight.preflight(shape, knobs, budget, scale=scale, targets=targets)
+    speed = throughput.calibrate(shape, settings.speeds, targets) if settings.speeds else None
+    result = preflight.preflight(
+        shape, knobs, budget, scale=scale, targets=targets, speed=speed, fallbacks=settings.fallback_shapes
+    )
     if as_written:
         reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)
         peak = memory_model.predict(shape, knobs, targets).peak_bytes
@@ -43,6 +59,29 @@ def first_plan(
             *reasons,
             f"calibrated by {len(settings.prior)} peak(s) seen on this host (scale {scale:.2f})",
         )
-    peak = preflight.scaled_peak(result.predicted, scale)
+    if speed is not None:
+        reasons = (*reasons, f"ranked with {len(speed.measured)} config(s) this host measured the speed of")
+    peak = preflight.scaled_peak(result.predicted, scale if result.fallback is None else None)
     note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
-    return Plan(Phase.TRAIN, result.knobs, note=note)
+    trial = result.speed_trial if settings.speed_trial else ()
+    return Plan(
+        Phase.TRAIN, result.knobs, note=note, speed_trial=trial, nothing_fits=nothing_fits_text(result)
+    )
+
+
+def stop_nothing_fits(log: FilteringBoundLogger, message: str) -> int:
+    """The stop before any child when nothing fits: one ``nothing_fits`` error event, exit 6."""
+    log.error(Event.NOTHING_FITS, why=f"nothing fits: {message}; no child was started")
+    return int(SupervisorExitCode.NOTHING_FITS)
+
+
+def nothing_fits_text(result: preflight.PreflightResult) -> str | None:
+    """What to say when nothing fits: the smallest peak found, the budget, what would help."""
+    nothing = result.nothing_fits
+    if nothing is None:
+        return None
+    return (
+        f"the smallest config of every rung peaks at {format_bytes(nothing.smallest_peak)} "
+        f"against a budget of {format_bytes(nothing.budget_bytes)} (with the {nothing.margin:.0%} margin); "
+        f"what would help: {nothing.help}"
+    )

@@ -19,12 +19,12 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
     AttemptRecord,
     DecisionRecord,
-    FailureRecord,
     Outcome,
     attempt_peak,
 )
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.events import Resumed
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
@@ -110,17 +110,14 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
     )
 
 
-def failure_record(failure: Failure, report: ErrorReport | None) -> FailureRecord:
-    return FailureRecord(
-        failure.kind,
-        failure.stage,
-        dict(failure.numbers),
-        failure.evidence,
-        failure.message[:2000],
-        report.emergency_checkpoint if report else None,
-        report.expandable_segments_active if report else None,
-        failure.rank,
-        failure.local_rank,
+def failure_record(failure: Failure, report: ErrorReport | None) -> Failure:
+    """The failure as the journal keeps it: the report's emergency checkpoint and allocator
+    setting added, the message cut to what a journal line should hold."""
+    return dataclasses.replace(
+        failure,
+        message=failure.message[:2000],
+        emergency_checkpoint=report.emergency_checkpoint if report else None,
+        expandable_segments_active=report.expandable_segments_active if report else None,
     )
 
 
@@ -128,7 +125,7 @@ def record_of(
     o: AttemptOutcome,
     outcome: Outcome,
     next_resume_from: int | None,
-    failure: FailureRecord | None = None,
+    failure: Failure | None = None,
     decision: DecisionRecord | None = None,
 ) -> AttemptRecord:
     """The journal line; lost steps are the finished steps the next attempt will not start from."""
@@ -148,8 +145,8 @@ def record_of(
         next_resume_from=next_resume_from,
         lost_steps=lost,
         peak=attempt_peak(
-            _report_peak(o.report),
-            _oom_need(o.report),
+            o.report.allocator_peak.allocated_bytes if o.report and o.report.allocator_peak else None,
+            o.report.oom_numbers.step_need_bytes if o.report else None,
             o.progress.peak_bytes,
             o.memory.nvml_peak,
             o.memory.rss_peak,
@@ -163,22 +160,7 @@ def record_of(
 
 def optimizer_reset(progress: Progress) -> str | None:
     """Why the child's ``resumed`` event says it reset the optimizer state; None if it did not."""
-    resumed = next((e for e in progress.events if e.get("event") == "resumed"), None)
-    if resumed is None or not resumed.get("reset_optimizer"):
+    resumed = next((e for e in progress.events if isinstance(e, Resumed)), None)
+    if resumed is None or not resumed.reset_optimizer:
         return None
-    return str(resumed.get("reset_reason") or "the optimizer changed")
-
-
-def _report_peak(report: ErrorReport | None) -> int | None:
-    stats = report.memory_stats if report and report.memory_stats else {}
-    peak = stats.get("allocated_bytes.all.peak")
-    return peak if isinstance(peak, int) else None
-
-
-def _oom_need(report: ErrorReport | None) -> int | None:
-    # "X is allocated by PyTorch" plus the request that failed: what the step needed at least.
-    numbers = report.oom_numbers if report else {}
-    held, asked = numbers.get("already_allocated"), numbers.get("tried_to_allocate")
-    if isinstance(held, int) and isinstance(asked, int):
-        return held + asked
-    return None
+    return resumed.reset_reason or "the optimizer changed"

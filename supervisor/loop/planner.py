@@ -21,6 +21,7 @@ from qlora_supervise.supervisor.record.journal import RunState
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class Plan:
     knobs: Knobs
     fresh_start: bool = False  # the adapter's shape changed: old checkpoints cannot be loaded
     note: PlanNote | None = None  # why these knobs (the pre-flight's reasons, attempt 1)
+    # Attempt 1: the candidates the child's speed trial times before step 1, these knobs first
+    # (empty: no trial). Later attempts run the knobs the ladder chose, untimed.
+    speed_trial: tuple[TrialCandidate, ...] = ()
+    # Attempt 1 only: no config of the model or a fallback is predicted to fit; the run stops
+    # before any child starts, with this message (the smallest peak, the budget, what would help).
+    nothing_fits: str | None = None
 
 
 @dataclass(frozen=True)

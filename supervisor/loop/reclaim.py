@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.child_output import read_report
@@ -26,7 +27,7 @@ from qlora_supervise.trainer_child.contract.processes import pid_alive
 
 
 def reclaim(
-    flight: InFlight, records: Sequence[AttemptRecord], rd: RunDir, seams: Seams, log: Any
+    flight: InFlight, records: Sequence[AttemptRecord], rd: RunDir, seams: Seams, log: FilteringBoundLogger
 ) -> AttemptOutcome | None:
     """What the in-flight attempt left; None when the journal already holds its record."""
     if any(r.attempt == flight.number for r in records):
@@ -42,7 +43,7 @@ def reclaim(
     for pid in pids:
         if _is_attempt_child(child_mod.process_cmdline(pid), spec_path, rd) and pid_alive(pid):
             log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
-            child_mod.stop_orphan(pid, seams.stop_grace_s, seams.clock, seams.sleep)
+            child_mod.stop_orphan(pid, seams.stop_grace_s)
     reader = HeartbeatReader(rd.attempt_dir(flight.number) / "child-events.jsonl")
     reader.poll(seams.clock())
     return AttemptOutcome(

@@ -7,9 +7,12 @@ The supervisor's own measure of what an OOM costs (the warm spare's reason to ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
@@ -24,16 +27,15 @@ class FirstStep:
     warm_spare: bool
     seen: bool = False
 
-    def note(self, events: list[dict[str, Any]], log: Any) -> bool:
+    def note(self, events: Sequence[ChildEvent], log: FilteringBoundLogger) -> bool:
         """Log ``first_step`` if ``events`` hold it; True when they did."""
         if self.seen:
             return False
         for event in events:
-            step = event.get("step")
-            if event.get("event") != "heartbeat" or not isinstance(step, int):
+            if not isinstance(event, Heartbeat):
                 continue
-            at = event.get("time")
-            if step <= self.resumed_from or not isinstance(at, (int, float)):
+            step, at = event.step, event.time
+            if step <= self.resumed_from or at is None:
                 continue
             self.seen = True
             log.info(

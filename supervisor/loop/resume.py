@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from structlog.typing import FilteringBoundLogger
+
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     complete_checkpoints,
@@ -155,7 +157,7 @@ def clean_staging(run_root: Path, checkpoints_dir: Path) -> list[Path]:
     return removed
 
 
-def log_quarantined(log: Any, moved: tuple[Quarantined, ...] | list[Quarantined]) -> None:
+def log_quarantined(log: FilteringBoundLogger, moved: tuple[Quarantined, ...] | list[Quarantined]) -> None:
     """One ``checkpoint_quarantined`` warning per checkpoint moved aside."""
     for item in moved:
         log.warning(

@@ -1,7 +1,11 @@
 """The attempt runner: checkpoints chosen, spec written, child spawned, watched, ended.
 
-It returns an :class:`~.outcome.AttemptOutcome` and judges nothing: the arbiter does that,
-through the same path the reclaim uses.
+Three calls, in the order crash safety needs: :meth:`AttemptRunner.prepare` (checkpoints
+chosen, spec written), :meth:`~AttemptRunner.spawn` and :meth:`~AttemptRunner.run` (watched to
+its end, what it left read). The arbiter writes ``state.json`` between them (the attempt in
+flight, before the spawn and again with its pid): the runner writes no state, and it returns an
+:class:`~.outcome.AttemptOutcome` that it does not judge (the arbiter does, through the same
+path the reclaim uses).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
@@ -27,23 +32,20 @@ from qlora_supervise.supervisor.loop.child_output import (
 )
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
-from qlora_supervise.supervisor.loop.resume import ResumePoint, log_quarantined, resume_point
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, write_state
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
-from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.events import Heartbeat
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
 
 
@@ -54,7 +56,7 @@ class RunnerContext:
     job: Job
     rd: RunDir
     seams: Seams
-    log: Any
+    log: FilteringBoundLogger
     display: Reporter  # console, sd_notify STATUS/WATCHDOG (fed by the child's events), metrics
     gpu: GpuProbe | None
     stop_signal: Callable[[], int | None]
@@ -94,17 +96,24 @@ class AttemptRunner:
         if self.spares is not None:
             self.spares.discard("the run is over")
 
-    def run(self, number: int, plan: Plan) -> AttemptOutcome:
-        # One attempt's whole life in the order it happens (checkpoints, spec, spawn, watch,
-        # end, last read), kept in one place so the order that crash safety needs is visible.
-        ctx, seams = self.ctx, self.ctx.seams
+    def prepare(self, number: int, plan: Plan) -> Prepared:
+        """The attempt made ready to spawn: its resume checkpoint chosen and its spec written."""
+        ctx = self.ctx
         log = ctx.log.bind(attempt=number)
-        resume = self._prepare_checkpoints(number, plan, log)
-        spec = self._write_spec(number, plan, resume, log)
-        started_at = seams.wall()
+        resume = prepare_checkpoints(ctx.rd, number, plan, ctx.seams.wall, log)
+        spec = write_spec(ctx.job, ctx.rd, number, plan, resume, ctx.seams, log)
+        return Prepared(number, plan, resume, spec, ctx.seams.wall(), ctx.seams.oom_kills())
+
+    def run(self, ready: Prepared, proc: ChildHandle) -> AttemptOutcome:
+        """Watch the spawned attempt to its end, stop it if the watch ended first, read what it left."""
+        # The rest of one attempt's life in the order it happens (watch, end, last read).
+        ctx, seams = self.ctx, self.ctx.seams
+        number, plan, resume, spec = ready.number, ready.plan, ready.resume, ready.spec
+        started_at = ready.started_at
+        log = ctx.log.bind(attempt=number)
         attempt_dir = ctx.rd.attempt_dir(number)
-        kills_before = seams.oom_kills()
-        proc = self._spawn(number, plan, resume, started_at)
+        if not self.warm:
+            self._start_due_spare()
         log.info(
             Event.ATTEMPT_STARTED,
             phase=plan.phase.value,
@@ -163,18 +172,16 @@ class AttemptRunner:
             started_at=started_at,
             ended_at=seams.wall(),
             log_tail=child_mod.log_tail(attempt_dir / "child.log"),
-            oom_kill_delta=(kills_after or 0) - (kills_before or 0),
+            oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
         )
 
-    def _spawn(self, number: int, plan: Plan, resume: ResumePoint, started_at: float) -> ChildHandle:
+    def spawn(self, ready: Prepared) -> ChildHandle:
+        """Start the prepared attempt: in a warm spare when one fits it, else a fresh child."""
         ctx, seams = self.ctx, self.ctx.seams
+        number, plan = ready.number, ready.plan
         attempt_dir = ctx.rd.attempt_dir(number)
         argv = seams.argv(attempt_dir / "spec.json", plan.phase.value)
         env = child_mod.child_env(dict(os.environ), plan.knobs)
-        # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
-        # between leaves a state that names the attempt, so its child can be found and stopped.
-        flight = InFlight(number, plan.phase, plan.knobs, resume.step, None, started_at)
-        write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
         order = self._spare_order(argv, attempt_dir / "spec.json", plan, env)
         spare = None
         if self.spares is not None and order is not None:
@@ -184,14 +191,11 @@ class AttemptRunner:
         self.warm = spare is not None
         proc: ChildHandle = spare or seams.spawn(argv, env, attempt_dir / "child.log", ctx.rd.root)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
-        flight = dataclasses.replace(flight, pid=proc.pid)
-        write_state(ctx.rd.state, State(RunState.RUNNING, plan.knobs, plan.phase, flight))
-        # The next spare: behind a cold start at once (the child imports as long as the spare
-        # does, so nothing is slowed); behind a warm start only after its first step, so the
-        # spare's imports never compete with the recovery they exist to shorten.
+        # The next spare: behind a cold start at once (``run`` starts it, after the arbiter has
+        # written the pid: the child imports as long as the spare does, so nothing is slowed);
+        # behind a warm start only after its first step, so the spare's imports never compete
+        # with the recovery they exist to shorten.
         self.spare_due = order
-        if not self.warm:
-            self._start_due_spare()
         return proc
 
     def _spare_order(
@@ -213,7 +217,7 @@ class AttemptRunner:
         if code is None:
             # A hung process cannot use a long grace to checkpoint: it gets the short one.
             grace = self.ctx.job.supervise.hang_grace if watched.hang else seams.stop_grace_s
-            code = proc.stop(grace, seams.sleep)
+            code = proc.stop(grace)
         return ChildExit(
             returncode=code if code >= 0 else None,
             signal=-code if code < 0 else None,
@@ -221,64 +225,13 @@ class AttemptRunner:
             duration_s=seams.clock() - proc.started_monotonic,
         )
 
-    def _prepare_checkpoints(self, number: int, plan: Plan, log: Any) -> ResumePoint:
-        """Resume point of the next attempt: the newest complete checkpoint its knobs can load."""
-        rd = self.ctx.rd
-        if plan.phase is Phase.MERGE:
-            return ResumePoint(0, None, False)
-        if plan.fresh_start and rd.checkpoints.exists():
-            # Old checkpoints hold an adapter of another shape: keep them for the user, out of the way.
-            target = rd.superseded_checkpoints(number)
-            if target.exists():
-                target = target.with_name(f"{target.name}.{int(self.ctx.seams.wall())}")
-            rd.checkpoints.rename(target)
-            log.info(Event.CHECKPOINTS_SUPERSEDED, moved_to=str(target))
-        point = resume_point(rd.checkpoints, plan.knobs, quarantine_damaged=True)
-        log_quarantined(log, point.quarantined)
-        if point.skipped:
-            log.info(Event.CHECKPOINTS_SKIPPED, skipped=list(point.skipped))
-        return point
-
-    def _write_spec(self, number: int, plan: Plan, resume: ResumePoint, log: Any) -> AttemptSpec:
-        job, rd = self.ctx.job, self.ctx.rd
-        directory = rd.attempt_dir(number)
-        if directory.exists():
-            # Left by an attempt the journal never recorded (the supervisor died between spawn and
-            # state.json): its error report must not be read as this attempt's.
-            aside = directory.with_name(f"{directory.name}.unrecorded-{int(self.ctx.seams.wall())}")
-            directory.rename(aside)
-            log.warning(Event.UNRECORDED_ATTEMPT_MOVED, moved_to=str(aside))
-        spec = AttemptSpec(
-            attempt=number,
-            run_dir=str(rd.root),
-            knobs=plan.knobs,
-            data=job.data,
-            train=job.train,
-            events_file=str(directory / "child-events.jsonl"),
-            error_file=str(directory / "error.json"),
-            checkpoints_dir=str(rd.checkpoints),
-            adapter_dir=str(rd.adapter),
-            merged_dir=str(rd.merged),
-            device=job.resources.device,
-            gpu_memory_limit=job.resources.gpu_memory_limit,
-            cpu_memory_limit=job.resources.cpu_memory_limit,
-            resume_from=str(resume.path) if resume.path else None,
-            # The checkpoint itself says whether its optimizer state fits these knobs.
-            reset_optimizer=resume.reset_optimizer,
-            diagnose=job.diagnose,
-            stop_grace_s=self.ctx.seams.stop_grace_s,
-        )
-        ensure_dir(directory)
-        write_text_atomic(directory / "spec.json", spec.to_json())
-        return spec
-
     def _watch(
         self,
         number: int,
         proc: ChildHandle,
         reader: HeartbeatReader,
         spec: AttemptSpec,
-        log: Any,
+        log: FilteringBoundLogger,
         creep: CreepWatch,
         first: FirstStep,
     ) -> Watched:
@@ -331,7 +284,9 @@ class AttemptRunner:
             proc.wait_for_exit(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
 
-    def _last_gpu_look(self, pid: int, watched: Watched, attempt_dir: Path, log: Any) -> None:
+    def _last_gpu_look(
+        self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger
+    ) -> None:
         """One more NVML sample after the exit (the Xid of a crash may come after the last
         tick's sample), then the ``gpu_fault`` line when any Xid was seen."""
         if self.ctx.gpu is not None:
@@ -346,12 +301,16 @@ class AttemptRunner:
             )
 
     def _watch_creep(
-        self, events: list[dict[str, Any]], creep: CreepWatch, proc: ChildHandle, log: Any, watched: Watched
+        self,
+        events: list[ChildEvent],
+        creep: CreepWatch,
+        proc: ChildHandle,
+        log: FilteringBoundLogger,
+        watched: Watched,
     ) -> None:
         """Feed new heartbeats to the creep rule; once it fires, log it and ask for a checkpoint."""
         for event in events:
-            beat = Heartbeat.from_fields(event) if event.get("event") == "heartbeat" else None
-            forecast = creep.observe(beat) if beat is not None else None
+            forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
             if forecast is None:
                 continue
             if forecast.asks_for_checkpoint:

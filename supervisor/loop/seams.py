@@ -44,7 +44,12 @@ class ChildHandle(Protocol):
         """Until it exits or ``timeout_s`` passes (a fake on a fake clock just sleeps)."""
         ...
 
-    def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int: ...
+    def stop(self, grace_s: float) -> int:
+        """SIGTERM, up to ``grace_s`` to exit, then SIGKILL; the exit status (negative: a signal).
+
+        The real child waits its grace in real time (``psutil.wait_procs``): a process needs that
+        time to checkpoint. A fake child answers at once, so a fake-clock test pays no grace."""
+        ...
 
 
 class Spawn(Protocol):

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.budget import card_budget
 from qlora_supervise.policies.memory_model import ModelShape
+from qlora_supervise.policies.throughput import SpeedObservation
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicted_fit
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.peak_store import default_path, read_observations
-from qlora_supervise.supervisor.record.records import Phase
+from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, read_attempt_speed, trial_speeds
+from qlora_supervise.supervisor.record.peak_store import (
+    default_path,
+    read_observations,
+    read_speeds,
+    record_attempt,
+)
+from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
+from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def policy_settings(job: Job) -> policy.Settings:
@@ -34,6 +42,7 @@ def policy_settings(job: Job) -> policy.Settings:
     shape = model_shape(Path(job.knobs.model))
     store = peak_store_path(job)
     prior = tuple(read_observations(store, shape)) if store is not None and shape is not None else ()
+    speeds = tuple(read_speeds(store, shape)) if store is not None and shape is not None else ()
     return policy.Settings(
         max_attempts=supervise.max_attempts,
         max_no_progress=supervise.max_no_progress_attempts,
@@ -45,7 +54,55 @@ def policy_settings(job: Job) -> policy.Settings:
         budget_bytes=budget,
         shape=shape,
         prior=prior,
+        speeds=speeds,
+        fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
+        speed_trial=supervise.speed_trial,
     )
+
+
+def remember_attempt(
+    settings: policy.Settings, job: Job, rd: RunDir, record: AttemptRecord
+) -> policy.Settings:
+    """After a journalled training attempt that finished a step: its peak and tokens/s into the
+    per-host store (best effort: a cache), and its tokens/s into this run's settings."""
+    if record.phase is not Phase.TRAIN or record.steps_progressed <= 0:
+        return settings
+    events = rd.attempt_dir(record.attempt) / "child-events.jsonl"
+    speed = read_attempt_speed(events, record.knobs)
+    store, shape = peak_store_path(job), settings.shape
+    trial = trial_speeds(speed, record.knobs)
+    if store is not None and shape is not None:
+        _store_attempt(store, shape, record, speed, trial)
+    observed = [SpeedObservation(knobs, rate) for knobs, rate in trial]
+    settings = dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
+    return with_measured_speed(settings, speed)
+
+
+def _store_attempt(
+    store: Path,
+    shape: ModelShape,
+    record: AttemptRecord,
+    speed: AttemptSpeed,
+    trial: list[tuple[Knobs, float]],
+) -> None:
+    """Best effort (a cache): the speed trial's candidates first, then the attempt's own line, which
+    wins for its knobs. Under torchrun the peak only: the ranks' tokens/s is no one card's speed."""
+    for knobs, rate in trial:
+        record_attempt(store, shape, knobs, None, rate)
+    peak = record.peak.bytes if record.peak else None
+    if record.knobs.world_size == 1:
+        record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s)
+    elif peak is not None:
+        record_attempt(store, shape, record.knobs, peak, None)
+
+
+def with_measured_speed(settings: policy.Settings, speed: AttemptSpeed) -> policy.Settings:
+    """This run's measured tokens/s of an attempt into the settings: the next search after a
+    failure ranks with it (newest last, so a config measured twice counts its latest)."""
+    if speed.tokens_per_s is None:
+        return settings
+    observation = SpeedObservation(speed.knobs, speed.tokens_per_s)
+    return dataclasses.replace(settings, speeds=(*settings.speeds, observation))
 
 
 def peak_store_path(job: Job) -> Path | None:
@@ -65,13 +122,12 @@ def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.
     return dataclasses.replace(settings, budget_bytes=card_budget(sample.total))
 
 
-def with_sample_lengths(settings: policy.Settings, events: Sequence[Mapping[str, Any]]) -> policy.Settings:
+def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent]) -> policy.Settings:
     """The sample lengths of the attempt's ``loaded`` event into the settings (unchanged when the
     attempt reported none, e.g. it failed while loading: the earlier attempt's lengths stay)."""
     for event in reversed(events):
-        lengths = SampleLengths.from_fields(event) if event.get("event") == "loaded" else None
-        if lengths is not None:
-            return dataclasses.replace(settings, sample_lengths=lengths)
+        if isinstance(event, Loaded) and event.sample_lengths is not None:
+            return dataclasses.replace(settings, sample_lengths=event.sample_lengths)
     return settings
 
 

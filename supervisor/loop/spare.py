@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.runfiles import UnsafeRunPath, open_append_binary
@@ -62,7 +63,7 @@ class SpareProcess(Protocol):
 
     def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None: ...
 
-    def stop(self, grace_s: float, sleep: Callable[[float], None]) -> int: ...
+    def stop(self, grace_s: float) -> int: ...
 
 
 SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
@@ -149,7 +150,7 @@ class SpareKeeper:
         spawn: SpawnSpare,
         clock: Callable[[], float],
         sleep: Callable[[float], None],
-        log: Any,
+        log: FilteringBoundLogger,
         python: str,
     ) -> None:
         self.run_dir = run_dir
@@ -196,7 +197,7 @@ class SpareKeeper:
         open_append_binary(log_path).close()
         if not spare.proc.send_line(json.dumps({"spec": str(spec_path), "log": str(log_path)})):
             self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why="its stdin was closed")
-            spare.proc.stop(1.0, self._sleep)
+            spare.proc.stop(1.0)
             return None
         spare.proc.started_monotonic = self._clock()  # the attempt starts now, not at the spawn
         self._log.info(
@@ -217,7 +218,7 @@ class SpareKeeper:
         if spare is None:
             return
         self._note_rss(ready_line(self.log_path, spare.proc.pid))
-        spare.proc.stop(5.0, self._sleep)
+        spare.proc.stop(5.0)
         self._log.info(Event.SPARE_DISCARDED, pid=spare.proc.pid, why=why)
 
     def _note_rss(self, ready: dict[str, Any] | None) -> None:

@@ -40,7 +40,7 @@ def free_ours(rd: RunDir) -> int:
     supervisor is writing those.
     """
     freed = 0
-    if rd.checkpoints.is_dir():
+    if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
         sizes = {
             path: tree_bytes(path) for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)
         }
@@ -65,7 +65,9 @@ def _stale_entries(rd: RunDir) -> list[Path]:
             name = path.name
             if name.startswith(".") and name.endswith(".tmp") and path.is_file():
                 found.append(path)  # write_text_atomic's temp file, left by a kill mid-write
-            elif name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-")) and _pid_gone(name):
+            elif name.startswith(
+                (".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-")
+            ) and _pid_gone(name):
                 found.append(path)
     return found
 

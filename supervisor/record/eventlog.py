@@ -2,24 +2,30 @@
 
 Each line is one JSON object: ``{"event": <name>, "level": "info", "time": <epoch seconds>,
 ...fields}``. Event names come from one vocabulary, :class:`~.events.Event`. structlog does the
-work as its authors mean it: ``bind()`` carries context (``attempt=3``) onto every later line,
-``TimeStamper`` stamps, ``JSONRenderer`` writes the file line and ``ConsoleRenderer`` the
-person's line (:class:`~qlora_supervise.supervisor.reporting.console_log.ConsoleLines`: local
-times, journald priorities); the last processor tees the two and then hands the event to the
-listeners (metrics, the ``on_event`` hook), after the line is written, so a listener that logs
-(a failing hook) adds its line after the one it reacts to.
+work as its authors mean it: a :class:`~structlog.typing.FilteringBoundLogger` whose ``bind()``
+carries context (``attempt=3``) onto every later line; processors stamp the level and the time,
+write the file line (:class:`_EventsFile`), hand the event to the listeners and render the
+person's line (:class:`_Relay`, through
+:class:`~qlora_supervise.supervisor.reporting.console_log.ConsoleLines`: local times, journald
+priorities); ``structlog.WriteLogger`` writes that line to the console.
+
+A listener runs after the event's file line is written, and a line it logs itself (a failing
+hook, see :mod:`~qlora_supervise.supervisor.reporting.outputs`) comes after the event it reacts
+to, in the file and on the console alike; it is not handed to the listeners again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
 from qlora_supervise.supervisor.record.runfiles import open_append_text
 from qlora_supervise.supervisor.reporting.console_log import ConsoleLines
@@ -31,26 +37,19 @@ _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
 Listener = Callable[[Mapping[str, Any]], None]
 
 
-class _Tee:
-    """Final processor: one JSON line to the events file, a readable line to the console."""
+class _EventsFile:
+    """Processor: appends the event's JSON line to ``events.jsonl`` and passes the event on."""
 
-    def __init__(self, events_path: Path, console: TextIO | None, listeners: Sequence[Listener]) -> None:
+    def __init__(self, events_path: Path) -> None:
         events_path.parent.mkdir(parents=True, exist_ok=True)
         self._path = events_path
         self._file = open_append_text(events_path)
         self._held: list[str] = []  # lines a full disk did not take yet
-        self._console = console
         self._json = structlog.processors.JSONRenderer(default=str)
-        self._lines = ConsoleLines(console)
-        self._listeners = tuple(listeners)
 
-    def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
+    def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
         self._write(str(self._json(logger, method, dict(event_dict))) + "\n")
-        if self._console is not None:
-            print(self._lines.render(logger, method, event_dict), file=self._console, flush=True)
-        for listener in self._listeners:
-            listener(event_dict)
-        return ""  # printed above, before the listeners run
+        return event_dict
 
     def _write(self, line: str) -> None:
         """Append ``line``; on a full disk hold it (and those after it) until there is room again.
@@ -78,36 +77,57 @@ class _Tee:
         self._file = open_append_text(self._path)
         self._file.write("\n")  # closes a torn line, if any, so the next one stands alone
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._file.close()
 
+class _Relay:
+    """Final processor: runs the listeners, then returns the console line for ``WriteLogger``.
 
-class _Console:
-    def __init__(self, stream: TextIO | None) -> None:
-        self._stream = stream
+    A line logged *by* a listener arrives here while the outer event is still being relayed;
+    its console text is held and written after the outer event's own line (one ``WriteLogger``
+    call), so the console keeps the file's order. Without a console the event ends here
+    (``DropEvent``: nothing is left to write).
+    """
 
-    def msg(self, message: str) -> None:
-        if self._stream is not None and message:
-            print(message, file=self._stream, flush=True)
+    def __init__(self, console: TextIO | None, listeners: Sequence[Listener]) -> None:
+        self._lines = ConsoleLines(console) if console is not None else None
+        self._listeners = tuple(listeners)
+        self._depth = 0  # > 0 while listeners run
+        self._held: list[str] = []  # console lines the listeners logged, for after the outer line
 
-    info = warning = error = msg
+    def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
+        nested = self._depth > 0
+        if not nested:
+            self._depth += 1
+            try:
+                for listener in self._listeners:
+                    listener(event_dict)
+            finally:
+                self._depth -= 1
+        text = "" if self._lines is None else self._lines.render(logger, method, event_dict)
+        if nested:
+            self._held.append(text)
+            raise structlog.DropEvent
+        lines = [line for line in (text, *self._held) if line]
+        self._held.clear()
+        if not lines:
+            raise structlog.DropEvent
+        return "\n".join(lines)
 
 
 def open_event_log(
     events_path: Path, console: TextIO | None = sys.stderr, listeners: Sequence[Listener] = ()
-) -> Any:
+) -> FilteringBoundLogger:
     """A structlog logger bound to this run's events file (and the console when given)."""
-    tee = _Tee(events_path, console, listeners)
-    return structlog.wrap_logger(
-        _Console(console),
+    log: FilteringBoundLogger = structlog.wrap_logger(
+        structlog.WriteLogger(console) if console is not None else structlog.ReturnLogger(),
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt=None, key="time"),
-            tee,
+            _EventsFile(events_path),
+            _Relay(console, listeners),
         ],
-        wrapper_class=structlog.BoundLogger,
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
     )
+    return log
 
 
 def read_events(events_path: Path) -> list[dict[str, Any]]:

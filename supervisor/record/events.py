@@ -21,6 +21,7 @@ class Event(str, enum.Enum):
     STOPPED = "stopped"
     JOB_CHANGED = "job_changed"
     PREFLIGHT = "preflight"
+    NOTHING_FITS = "nothing_fits"  # no config is predicted to fit: the run stops before a child starts
     GENERATION_STARTED = "generation_started"
     VERDICT_LIFTED = "verdict_lifted"
     # one attempt
@@ -38,6 +39,7 @@ class Event(str, enum.Enum):
     CHECKPOINT_QUARANTINED = "checkpoint_quarantined"
     OPTIMIZER_RESET = "optimizer_reset"
     TRUST_REMOTE_CODE = "trust_remote_code"
+    JOB_ADVICE = "job_advice"  # a warning of validate's (jobfile/advice.py), said again at run start
     MEMORY_CREEP = "memory_creep"
     FIRST_STEP = "first_step"
     # the warm spare (loop/spare.py)
@@ -68,6 +70,8 @@ class Event(str, enum.Enum):
     REPORT_UNREADABLE = "report_unreadable"
     SUPERVISOR_DISK_FULL = "supervisor_disk_full"
     HOOK_FAILED = "hook_failed"  # supervise.on_event failed or timed out; the run goes on
+    OUTPUT_FAILED = "output_failed"  # an optional output (metrics textfile, sd_notify) failed; logged once
+    OUTPUT_RECOVERED = "output_recovered"  # that output works again
 
     def __str__(self) -> str:
         return self.value

@@ -66,8 +66,13 @@ class FieldChange:
             return _number(self.new) >= _number(self.old)
         return False
 
-    def render(self) -> str:
-        how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
+    def render(self, restarting: bool = False) -> str:
+        """One line of the diff; ``restarting``: said by ``run --restart``, where every change
+        goes into the new generation (nothing is resumed, and nothing more is needed)."""
+        if restarting:
+            how = "the new generation trains with it from step 0"
+        else:
+            how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
         return f"  {self.name}: {self.old!r} -> {self.new!r}  ({how})"
 
     def to_json(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ def policy_history(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]
             r.failure.kind if r.failure and r.failure.kind is not FailureKind.CHECKPOINT_DAMAGED else None,
             r.steps_progressed,
             r.peak.bytes if r.peak else None,
+            r.failure.stage if r.failure else None,
         )
         for r in records
     ]

@@ -27,13 +27,22 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 class RunState(str, enum.Enum):
-    """The supervisor's state machine, as saved in ``state.json``::
+    """The supervisor's state machine (``loop/arbiter.py`` moves it; ``state.json`` saves it)::
 
-    STARTING -> RUNNING -> (child exits) -> BACKOFF -> RUNNING ...
-                   |                     -> WAITING (contention) -> RUNNING
-                   |                     -> GAVE_UP | FAILED
-                   +-> SUCCEEDED (adapter written; merged when asked)
-    any -> STOPPED (SIGTERM/SIGINT; resumable: the same command continues)
+        STARTING --plan--> RUNNING --child ended, judged--> the policy decides:
+          ^  |                |    Restart, a changed config --------------> STARTING
+          |  |                |    Restart, the same config --> BACKOFF ---> STARTING
+          |  |                |    Wait (memory, disk room) --> WAITING ---> the policy decides again
+          |  |                |    GiveUp ---------------------------------> STARTING
+          |  |                +--  succeeded, interrupted -----------------> STARTING
+          |  +--> SUCCEEDED | GAVE_UP | FAILED   (the plan is a verdict: adapter written, merged
+          |                                       when asked; or the last decision gave up)
+          +------ (every arrow into STARTING)
+        any --> STOPPED   (SIGTERM/SIGINT; resumable: the same command continues)
+
+    STARTING is never written (nothing to resume from it: the journal says what comes next), and
+    neither is WAITING for room on a full disk (it could not be). Each transition in the arbiter is
+    commented ``# RUNNING -> BACKOFF``.
     """
 
     STARTING = "starting"

@@ -1,24 +1,37 @@
-"""The per-host store of observed peaks, so the next run on the same server starts calibrated.
+"""The per-host store of observed peaks and speeds, so the next run on the same server starts calibrated.
 
 One JSON line per attempt that finished at least one optimizer step on a GPU:
-``{"shape": {...ModelShape...}, "knobs": {...Knobs...}, "peak_bytes": int, "time": float}``.
+``{"shape": {...ModelShape...}, "knobs": {...Knobs...}, "peak_bytes": int | null,
+"tokens_per_s": float | null, "time": float}``. ``peak_bytes`` calibrates the memory model,
+``tokens_per_s`` (the attempt's median over its heartbeats, for the knobs it trained with) the
+throughput model; a line may carry either or both. Lines written before ``tokens_per_s`` existed
+read as peaks only; a supervisor of that time skips a line whose ``peak_bytes`` is null.
 
 Where: ``$QLORA_SUPERVISE_STATE_DIR/peaks.jsonl``, else ``$XDG_STATE_HOME/qlora-supervise/
 peaks.jsonl``, else ``~/.local/state/qlora-supervise/peaks.jsonl`` (under the systemd unit,
 ``StateDirectory=`` provides ``$STATE_DIRECTORY``, which comes first). It is a cache: deleting it
 loses nothing but the head start, a torn or foreign line is skipped, and it keeps the newest
 :data:`KEEP_LINES` lines. ``supervise.calibration_store: false`` turns it off for a job.
+
+Several supervisors on one host write it: each write holds an exclusive ``fcntl.flock`` on a lock
+file beside the store for its read-modify-write (the store itself is replaced by a rename, so a
+lock on it would be a lock on an inode the next writer no longer opens).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from qlora_supervise.policies.memory_model import ModelShape, Observation
+from qlora_supervise.policies.throughput import SpeedObservation
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KEEP_LINES = 2000
@@ -34,44 +47,87 @@ def default_path() -> Path:
     return Path(base) / "qlora-supervise" / "peaks.jsonl"
 
 
-def read_observations(path: Path, shape: ModelShape) -> list[Observation]:
-    """Every stored peak of this model shape (an unreadable store is an empty one)."""
+def _lines_of(path: Path, shape: ModelShape) -> Iterator[dict[str, Any]]:
+    """The store's parsed lines of this shape (an unreadable store is an empty one)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
-        return []
-    wanted = dataclasses.asdict(shape)
-    found = []
+        return
+    wanted = shape.sizes()  # the sizes alone: lines written before the architecture facts still match
     for line in lines:
         try:
             raw = json.loads(line)
-            if raw.get("shape") == wanted:
+        except ValueError:
+            continue
+        if isinstance(raw, dict) and raw.get("shape") == wanted:
+            yield raw
+
+
+def read_observations(path: Path, shape: ModelShape) -> list[Observation]:
+    """Every stored peak of this model shape."""
+    found = []
+    for raw in _lines_of(path, shape):
+        try:
+            if raw.get("peak_bytes") is not None:
                 found.append(Observation(Knobs(**raw["knobs"]), int(raw["peak_bytes"])))
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError):
+            continue
+    return found
+
+
+def read_speeds(path: Path, shape: ModelShape) -> list[SpeedObservation]:
+    """Every stored tokens/s of this model shape, oldest first."""
+    found = []
+    for raw in _lines_of(path, shape):
+        rate = raw.get("tokens_per_s")
+        try:
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+                found.append(SpeedObservation(Knobs(**raw["knobs"]), float(rate)))
+        except (TypeError, KeyError):
             continue
     return found
 
 
 def record_peak(path: Path, shape: ModelShape, knobs: Knobs, peak_bytes: int) -> bool:
-    """Append one observation; False (and nothing raised) when the store cannot be written.
+    """Append one peak; False (and nothing raised) when the store cannot be written."""
+    return record_attempt(path, shape, knobs, peak_bytes, None)
 
-    The store is an optimisation, so a read-only home or a full disk never stops a run.
-    """
+
+def record_attempt(
+    path: Path, shape: ModelShape, knobs: Knobs, peak_bytes: int | None, tokens_per_s: float | None
+) -> bool:
+    """Append one attempt's peak and speed; False (and nothing raised) when the store cannot be
+    written. The store is an optimisation, so a read-only home or a full disk never stops a run."""
+    if peak_bytes is None and tokens_per_s is None:
+        return True
     line = json.dumps(
         {
-            "shape": dataclasses.asdict(shape),
+            "shape": shape.sizes(),
             "knobs": dataclasses.asdict(knobs),
             "peak_bytes": peak_bytes,
+            "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 1),
             "time": round(time.time(), 1),
         }
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-        lines = [*lines[-(KEEP_LINES - 1) :], line]
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        with _locked(path):
+            lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+            lines = [*lines[-(KEEP_LINES - 1) :], line]
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
     except OSError:
         return False
     return True
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock for one read-modify-write of the store (blocks while another holds it)."""
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock

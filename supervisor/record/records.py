@@ -29,7 +29,7 @@ from typing import Any
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 JOURNAL_VERSION = 2
@@ -60,7 +60,7 @@ class Action(str, enum.Enum):
     GIVE_UP = "give_up"
 
 
-class PeakSource(str, enum.Enum):
+class AttemptPeakSource(str, enum.Enum):
     """Where an attempt's peak came from, strongest first (see :func:`attempt_peak`)."""
 
     ALLOCATOR_REPORT = "allocator_report"  # the error report's allocator statistics at the failure
@@ -75,14 +75,14 @@ class Peak:
     """The one peak of an attempt: what the policy calibrates on and ``status`` prints."""
 
     bytes: int
-    source: PeakSource
+    source: AttemptPeakSource
 
     def to_json(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "source": self.source.value}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Peak:
-        return cls(int(raw["bytes"]), PeakSource(raw["source"]))
+        return cls(int(raw["bytes"]), AttemptPeakSource(raw["source"]))
 
 
 def attempt_peak(
@@ -101,54 +101,20 @@ def attempt_peak(
     """
     failed_step = max((p for p in (report_peak, oom_need) if p), default=None)
     if failed_step:
-        source = PeakSource.ALLOCATOR_REPORT if failed_step == report_peak else PeakSource.OOM_MESSAGE
+        source = (
+            AttemptPeakSource.ALLOCATOR_REPORT
+            if failed_step == report_peak
+            else AttemptPeakSource.OOM_MESSAGE
+        )
         return Peak(int(max(failed_step, heartbeat_peak or 0)), source)
     for value, source in (
-        (heartbeat_peak, PeakSource.HEARTBEAT),
-        (nvml_peak, PeakSource.NVML),
-        (rss_peak, PeakSource.RSS),
+        (heartbeat_peak, AttemptPeakSource.HEARTBEAT),
+        (nvml_peak, AttemptPeakSource.NVML),
+        (rss_peak, AttemptPeakSource.RSS),
     ):
         if value:
             return Peak(int(value), source)
     return None
-
-
-#: One number of a classified OOM: bytes (or a share), or per-process bytes keyed by pid.
-OomNumber = int | float | str | Mapping[str, int]
-
-
-@dataclass(frozen=True)
-class FailureRecord:
-    """A classified failure as the journal keeps it (the :class:`Failure` plus report facts)."""
-
-    kind: FailureKind
-    stage: Stage
-    numbers: Mapping[str, OomNumber]
-    evidence: str
-    message: str = ""
-    emergency_checkpoint: str | None = None
-    expandable_segments_active: bool | None = None
-    rank: int | None = None  # under torchrun: the rank whose failure was the cause
-    local_rank: int | None = None  # ... and its GPU on the host (LOCAL_RANK)
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(kind=self.kind.value, stage=self.stage.value, numbers=_plain(self.numbers))
-        return out
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> FailureRecord:
-        return cls(
-            kind=FailureKind(raw["kind"]),
-            stage=Stage(raw.get("stage", "unknown")),
-            numbers=dict(raw.get("numbers") or {}),
-            evidence=str(raw.get("evidence", "")),
-            message=str(raw.get("message", "")),
-            emergency_checkpoint=raw.get("emergency_checkpoint"),
-            expandable_segments_active=raw.get("expandable_segments_active"),
-            rank=raw.get("rank"),
-            local_rank=raw.get("local_rank"),
-        )
 
 
 @dataclass(frozen=True)
@@ -257,7 +223,7 @@ class AttemptRecord:
     next_resume_from: int | None  # where the next attempt starts (None: no next attempt)
     lost_steps: int  # finished steps the next attempt will not start from
     peak: Peak | None = None
-    failure: FailureRecord | None = None
+    failure: Failure | None = None
     decision: DecisionRecord | None = None
     plan: PlanNote | None = None  # the pre-flight's choice (attempt 1 of a run)
     # Why the child resumed with fresh optimizer state (the optimizer changed, or the checkpoint
@@ -304,7 +270,7 @@ class AttemptRecord:
             next_resume_from=raw.get("next_resume_from"),
             lost_steps=int(raw.get("lost_steps", 0)),
             peak=Peak.from_json(peak) if peak else _v1_peak(raw.get("peak_memory")),
-            failure=FailureRecord.from_json(failure) if failure else None,
+            failure=Failure.from_json(failure) if failure else None,
             decision=DecisionRecord.from_json(decision) if decision else None,
             plan=PlanNote.from_json(raw["plan"]) if raw.get("plan") else None,
             optimizer_reset=raw.get("optimizer_reset"),
@@ -318,11 +284,3 @@ def _v1_peak(peak_memory: Mapping[str, Any] | None) -> Peak | None:
     return attempt_peak(
         None, None, peak_memory.get("child_peak"), peak_memory.get("gpu_process"), peak_memory.get("rss")
     )
-
-
-def _plain(numbers: Mapping[str, Any]) -> dict[str, Any]:
-    # Per-pid maps (other processes on the GPU) get string keys, as JSON would give them anyway.
-    return {
-        key: ({str(k): v for k, v in value.items()} if isinstance(value, Mapping) else value)
-        for key, value in numbers.items()
-    }

@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import IO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.record.runfiles import open_lock_file, prepare_root, refuse_links
+from qlora_supervise.supervisor.record.runfiles import (
+    open_lock_file,
+    prepare_root,
+    refuse_linked_dirs,
+    refuse_links,
+)
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import QUARANTINE_DIR
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,11 @@ class RunDir:
     def merged(self) -> Path:
         return self.root / "merged"
 
+    @property
+    def quarantine(self) -> Path:
+        """Where checkpoints that must not be resumed are moved (``checkpoint_dirs.quarantine``)."""
+        return self.root / QUARANTINE_DIR
+
     def attempt_dir(self, number: int) -> Path:
         return self.root / f"attempt-{number:03d}"
 
@@ -56,12 +67,14 @@ class RunDir:
 
         Two supervisors on one run directory would race on the journal and the checkpoints. The
         directory is created 0750, or checked to be ours (see :mod:`.runfiles`); the lock file is
-        never opened through a link.
+        never opened through a link, and a run file, ``checkpoints/`` or the quarantine that is a
+        link (or holds one) stops the run before anything is written.
         """
         prepare_root(self.root)
         handle = open_lock_file(self.root / ".lock")
         try:
             refuse_links([self.state, self.attempts, self.events, self.job_copy])
+            refuse_linked_dirs([self.checkpoints, self.quarantine])
         except SupervisorExit:
             handle.close()
             raise

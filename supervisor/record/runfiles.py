@@ -22,9 +22,13 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.trainer_child.contract.checkpoints import DIR_MODE as CHILD_DIR_MODE
+from qlora_supervise.trainer_child.contract.durable import FILE_MODE as CHILD_FILE_MODE
 
-DIR_MODE = 0o750
-FILE_MODE = 0o640
+# One value each, shared with the child (which sets the same modes on checkpoints, the adapter
+# and the merged model): 0750 and 0640.
+DIR_MODE = CHILD_DIR_MODE
+FILE_MODE = CHILD_FILE_MODE
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -70,6 +74,26 @@ def refuse_links(paths: list[Path]) -> None:
             raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", _FIX)
         if not stat.S_ISREG(info.st_mode):
             raise UnsafeRunPath(path, "is not a regular file", _FIX)
+
+
+def refuse_linked_dirs(paths: list[Path]) -> None:
+    """Refuse at start when one of the run's own directories is a link or no directory, or holds a
+    link: ``checkpoints/checkpoint-N -> /elsewhere`` would be resumed from, quarantined (a reason
+    file written into it) or deleted by rotation, all outside the run directory."""
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", _FIX)
+        if not stat.S_ISDIR(info.st_mode):
+            raise UnsafeRunPath(path, "is not a directory", _FIX)
+        for entry in sorted(path.iterdir()):
+            if entry.is_symlink():
+                raise UnsafeRunPath(
+                    entry, "is a symbolic link; refusing to follow or delete through it", _FIX
+                )
 
 
 def ensure_dir(path: Path) -> Path:

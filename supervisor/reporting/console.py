@@ -3,18 +3,18 @@
 On a terminal the bar's total is ``max_steps`` and it starts at the attempt's resume step, so
 tqdm's rate and ETA count only what this attempt trains; loss, stage and peak memory ride in
 its postfix. Under journald, in a pipe or with ``--plain``, a line is printed when the step
-reaches a multiple of ``logging_steps`` (and on a stage change), with elapsed time and ETA in
-words people read (``12m05s``), never epoch seconds.
+reaches a multiple of ``logging_steps`` (and on a stage change), with elapsed time and ETA as
+tqdm's bar prints them (``tqdm.format_interval``: ``12:05``, ``2:10:00``), never epoch seconds.
 """
 
 from __future__ import annotations
 
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from tqdm import tqdm
 
 from qlora_supervise.supervisor.jobfile.units import format_bytes
-from qlora_supervise.supervisor.reporting.pace import Pace, human_duration
+from qlora_supervise.supervisor.reporting.pace import Pace
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
 _TRAINING = frozenset({"forward", "backward", "optimizer"})
@@ -27,7 +27,7 @@ class ProgressDisplay:
         self._stream = stream
         self._tty = stream.isatty() and not plain
         self._every = max(1, logging_steps)
-        self._bar: tqdm[None] | None = None
+        self._bar: tqdm[NoReturn] | None = None  # a bar with no iterable: fed by update()
         self._last_key: tuple[int, int, str] | None = None
 
     def update(self, attempt: int, progress: Progress, pace: Pace) -> None:
@@ -54,8 +54,9 @@ class ProgressDisplay:
         return p.step != last[1] and (p.step % self._every == 0 or p.step == p.max_steps)
 
     def _draw(self, attempt: int, p: Progress) -> None:
-        if self._bar is None:
-            self._bar = tqdm(
+        bar = self._bar
+        if bar is None:
+            bar = self._bar = tqdm(
                 total=p.max_steps,
                 initial=p.step,
                 desc=f"attempt {attempt}",
@@ -64,11 +65,11 @@ class ProgressDisplay:
                 dynamic_ncols=True,
                 leave=True,
             )
-        self._bar.set_postfix_str(_postfix(p), refresh=False)
-        if p.step > self._bar.n:
-            self._bar.update(p.step - self._bar.n)  # redraws at tqdm's own rate limit
+        bar.set_postfix_str(_postfix(p), refresh=False)
+        if p.step > bar.n:
+            bar.update(p.step - bar.n)  # redraws at tqdm's own rate limit
         else:
-            self._bar.refresh()
+            bar.refresh()
 
 
 def _postfix(p: Progress) -> str:
@@ -83,10 +84,10 @@ def _postfix(p: Progress) -> str:
 
 
 def plain_line(attempt: int, p: Progress, pace: Pace) -> str:
-    """``attempt 2 | step 40/100 | forward | loss 1.2345 | 1893 tok/s | peak 1.2 GiB | 3m10s, ETA 4m45s``."""
+    """``attempt 2 | step 40/100 | forward | loss 1.2345 | 1893 tok/s | 03:10 elapsed, ETA 04:45``."""
     parts = [f"attempt {attempt}", f"step {p.step}/{p.max_steps or '?'}", _postfix(p)]
-    timing = f"{human_duration(pace.elapsed_s)} elapsed"
+    timing = f"{tqdm.format_interval(pace.elapsed_s)} elapsed"
     if pace.eta_s is not None:
-        timing += f", ETA {human_duration(pace.eta_s)}"
+        timing += f", ETA {tqdm.format_interval(pace.eta_s)}"
     parts.append(timing)
     return " | ".join(parts)

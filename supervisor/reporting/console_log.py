@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import MutableMapping
-from typing import Any, TextIO
+from typing import TextIO
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 #: syslog priorities (sd-daemon.h): err 3, warning 4, info 6, debug 7.
 PRIORITY = {"critical": 2, "exception": 3, "error": 3, "warning": 4, "warn": 4, "info": 6, "debug": 7}
@@ -41,7 +41,7 @@ class ConsoleLines:
         colors = bool(stream is not None and stream.isatty() and not self._journald)
         self._render = structlog.dev.ConsoleRenderer(colors=colors, timestamp_key="timestamp")
 
-    def render(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> str:
+    def render(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
         view = _console_view(event_dict)
         stamp = view.pop("time", None)
         if not self._journald and isinstance(stamp, int | float):
@@ -53,6 +53,6 @@ class ConsoleLines:
         return "\n".join(prefix + line for line in text.splitlines())
 
 
-def _console_view(event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
+def _console_view(event_dict: EventDict) -> EventDict:
     # Nested numbers and knobs are for tools; the console shows the flat fields and the "why".
     return {k: v for k, v in event_dict.items() if not isinstance(v, dict | list) or k == "changes"}

@@ -18,10 +18,15 @@ Metrics (label ``run``: the output_dir's name):
 * ``qlora_supervise_state{qlora_supervise_state=...}`` enum: running, backoff, waiting,
   succeeded, gave_up, stopped
 * ``qlora_supervise_attempt`` gauge: the attempt number now running
+
+The file is an optional output: ``validate`` refuses one that cannot be created
+(:func:`textfile_problem`), and a write that fails mid-run is the caller's to catch (the run goes
+through :class:`~.outputs.BestEffort`, so a full or read-only textfile never stops training).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,12 +49,40 @@ _STATE_OF_EVENT = {
 WRITE_EVERY_S = 10.0
 
 
+#: Why a textfile name is refused: node_exporter's collector skips every other name.
+NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
+
+
+def textfile_problem(path: Path) -> tuple[str, str] | None:
+    """Why ``path`` cannot be the metrics textfile, and the fix; None when it can be written.
+
+    The file is written as a temp file in its directory and renamed (the directory is created
+    first when missing), so what must be writable is the directory, or its nearest existing parent.
+    """
+    if path.is_dir():
+        return "is a directory", f"name a file in it, e.g. {path / 'job.prom'}"
+    if path.suffix != ".prom":
+        return NOT_PROM, f"name it {path.stem}.prom"
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory", "choose a path under a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fix = "make it writable by the supervisor's user, or choose node_exporter's textfile directory"
+        return f"cannot be created: {existing} is not writable", fix
+    return None
+
+
 class MetricsTextfile:
-    """The run's metrics, rewritten atomically to ``path`` (which must end in ``.prom``)."""
+    """The run's metrics, rewritten atomically to ``path`` (which must end in ``.prom``).
+
+    Nothing is written until the first :meth:`write` (the caller's, through its best-effort guard).
+    """
 
     def __init__(self, path: Path, run: str, budget_bytes: int | None) -> None:
         if path.suffix != ".prom":
-            raise ValueError(f"{path}: node_exporter's textfile collector reads only *.prom files")
+            raise ValueError(f"{path}: {NOT_PROM}")
         self.path = path
         self.registry = CollectorRegistry()
         labels = ["run"]
@@ -73,13 +106,15 @@ class MetricsTextfile:
         self._state.labels(run).state("starting")
         if budget_bytes is not None:
             self._budget.labels(run).set(budget_bytes)
-        self.write()
 
     def _gauge(self, name: str, doc: str, labels: list[str]) -> Gauge:
         return Gauge(f"qlora_supervise_{name}", doc, labels, registry=self.registry)
 
-    def progress(self, attempt: int, p: Progress, now: float) -> None:
-        """The attempt's progress (from the runner's tick), written every :data:`WRITE_EVERY_S`."""
+    def progress(self, attempt: int, p: Progress, now: float) -> bool:
+        """The attempt's progress (from the runner's tick), written every :data:`WRITE_EVERY_S`.
+
+        False when no write was due (the gauges changed in memory only).
+        """
         run = self._run
         self._attempt.labels(run).set(attempt)
         self._step.labels(run).set(p.step)
@@ -89,23 +124,30 @@ class MetricsTextfile:
             self._tokens.labels(run).set(p.tokens_per_s)
         if p.peak_bytes:
             self._peak.labels(run).set(p.peak_bytes)
-        if now - self._written_at >= WRITE_EVERY_S:
-            self.write()
-            self._written_at = now
+        if now - self._written_at < WRITE_EVERY_S:
+            return False
+        self._written_at = now  # first: a failing write is tried again in WRITE_EVERY_S, not every tick
+        self.write()
+        return True
 
-    def on_event(self, event: Mapping[str, Any]) -> None:
-        """An event of the run's log: attempt outcomes and state changes, written at once."""
+    def on_event(self, event: Mapping[str, Any]) -> bool:
+        """An event of the run's log: attempt outcomes and state changes, written at once.
+
+        False for an event the metrics do not count (nothing written).
+        """
         name = str(event.get("event"))
         if name == Event.FAILURE_CLASSIFIED.value:
             self._attempts.labels(self._run, "failed", str(event.get("kind"))).inc()
         elif name == Event.ATTEMPT_SUCCEEDED.value:
             self._attempts.labels(self._run, "succeeded", "none").inc()
         elif name not in _STATE_OF_EVENT:
-            return
+            return False
         if name in _STATE_OF_EVENT:
             self._state.labels(self._run).state(_STATE_OF_EVENT[name])
         self.write()
+        return True
 
     def write(self) -> None:
+        """The whole file, atomically (a temp file and a rename). Raises what the file system raises."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_to_textfile(str(self.path), self.registry)

@@ -1,4 +1,4 @@
-"""How fast an attempt goes: elapsed time, step rate and ETA, and durations in words."""
+"""How fast an attempt goes: elapsed time, step rate and ETA (printed with ``tqdm.format_interval``)."""
 
 from __future__ import annotations
 
@@ -37,15 +37,3 @@ class PaceMeter:
         rate = (progress.step - self._first_step) / max(1e-9, now - self._first_step_at)
         left = (progress.max_steps or 0) - progress.step
         return Pace(elapsed, rate, left / rate if progress.max_steps and left >= 0 else None)
-
-
-def human_duration(seconds: float) -> str:
-    """``42s``, ``12m05s``, ``2h10m``, ``3d04h``: what a person reads at a glance."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

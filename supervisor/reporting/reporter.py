@@ -3,13 +3,17 @@
 The runner calls :meth:`Reporter.update` every tick and :meth:`Reporter.clear` before it logs;
 events reach the metrics and the ``on_event`` hook through the event log's listeners
 (:func:`~qlora_supervise.supervisor.record.eventlog.open_event_log`), so the loop itself knows
-nothing of tqdm, sd_notify or Prometheus.
+nothing of tqdm, sd_notify or Prometheus. sd_notify and the metrics file are optional outputs:
+they run through :class:`~.outputs.BestEffort`, so neither can raise into the loop's tick.
 """
 
 from __future__ import annotations
 
+from structlog.typing import FilteringBoundLogger
+
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
+from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, SYSTEMD, BestEffort
 from qlora_supervise.supervisor.reporting.pace import PaceMeter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.supervisor.watching.heartbeats import Progress
@@ -23,19 +27,29 @@ class Reporter:
         display: ProgressDisplay,
         service: ServiceStatus | None = None,
         metrics: MetricsTextfile | None = None,
+        outputs: BestEffort | None = None,
     ) -> None:
         self.display = display
         self.service = service
         self.metrics = metrics
+        self.outputs = outputs or BestEffort()
         self._pace = PaceMeter()
 
     def update(self, attempt: int, progress: Progress, now: float) -> None:
         pace = self._pace.measure(attempt, progress, now)
         self.display.update(attempt, progress, pace)
-        if self.service is not None:
-            self.service.update(attempt, progress, pace, now)
-        if self.metrics is not None:
-            self.metrics.progress(attempt, progress, now)
+        service, metrics = self.service, self.metrics
+        if service is not None:
+            self.outputs.run(SYSTEMD, lambda: service.update(attempt, progress, pace, now))
+        if metrics is not None:
+            self.outputs.run(METRICS_TEXTFILE, lambda: metrics.progress(attempt, progress, now))
+
+    def bind(self, log: FilteringBoundLogger) -> None:
+        """The event log exists: output failures go there; the metrics file gets its first state."""
+        self.outputs.log = log
+        metrics = self.metrics
+        if metrics is not None:
+            self.outputs.run(METRICS_TEXTFILE, metrics.write)
 
     def clear(self) -> None:
         self.display.clear()

@@ -1,6 +1,6 @@
 """What systemd hears while an attempt runs: STATUS, WATCHDOG fed by progress, EXTEND_TIMEOUT_USEC.
 
-* ``STATUS=attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2h10m``, sent when
+* ``STATUS=attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2:10:00``, sent when
   it changes, at most every :data:`STATUS_EVERY_S`.
 * ``WATCHDOG=1`` only when the child showed a sign of life since the last ping (a new line in its
   events file: a step, a stage change, a heartbeat), so ``WatchdogSec=`` catches a supervisor or a
@@ -16,9 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tqdm import tqdm
+
 from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.supervisor.reporting.pace import Pace, human_duration
+from qlora_supervise.supervisor.reporting.pace import Pace
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
 STATUS_EVERY_S = 5.0
@@ -53,12 +56,17 @@ class ServiceStatus:
             notify.extend_timeout(SAVE_EXTENSION_S)
             self._extend_at = now
 
-    def on_event(self, event: Mapping[str, Any]) -> None:
-        """A stop request: tell systemd the service is stopping and how long the checkpoint may take."""
-        if event.get("event") == "stop_requested":
-            grace = float(event.get("grace_s") or 0)
-            notify.stopping(f"stopping: the trainer checkpoints first (up to {human_duration(grace)})")
-            notify.extend_timeout(grace + SAVE_EXTENSION_S)
+    def on_event(self, event: Mapping[str, Any]) -> bool:
+        """A stop request: tell systemd the service is stopping and how long the checkpoint may take.
+
+        False for every other event (nothing sent).
+        """
+        if event.get("event") != Event.STOP_REQUESTED.value:
+            return False
+        grace = float(event.get("grace_s") or 0)
+        notify.stopping(f"stopping: the trainer checkpoints first (up to {tqdm.format_interval(grace)})")
+        notify.extend_timeout(grace + SAVE_EXTENSION_S)
+        return True
 
 
 def status_line(attempt: int, max_attempts: int, p: Progress, pace: Pace, budget: int | None) -> str:
@@ -71,7 +79,7 @@ def status_line(attempt: int, max_attempts: int, p: Progress, pace: Pace, budget
     if p.peak_bytes:
         parts.append(f"peak {_peak(p.peak_bytes, budget)}")
     if pace.eta_s is not None:
-        parts.append(f"ETA {human_duration(pace.eta_s)}")
+        parts.append(f"ETA {tqdm.format_interval(pace.eta_s)}")
     return " · ".join(parts)
 
 

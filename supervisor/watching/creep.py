@@ -29,7 +29,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from qlora_supervise.trainer_child.contract.events import Heartbeat, PeakSource
+from qlora_supervise.trainer_child.contract.events import Heartbeat
+from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
 
 WINDOW = 6
 WARMUP_STEPS = 2
@@ -58,10 +59,10 @@ class CreepWatch:
     """Fed every heartbeat of one attempt; says once when memory creeps towards the budget."""
 
     def __init__(self, gpu_budget: int | None, cpu_budget: int | None, first_step: int = 0) -> None:
-        self._budgets = {PeakSource.CUDA_ALLOCATOR: gpu_budget, PeakSource.DATA_SEGMENT: cpu_budget}
+        self._budgets = {ChildPeakSource.CUDA_ALLOCATOR: gpu_budget, ChildPeakSource.DATA_SEGMENT: cpu_budget}
         self._first_step = first_step
         self._peaks: dict[int, int] = {}
-        self._source: PeakSource | None = None
+        self._source: ChildPeakSource | None = None
         self.fired = False
 
     def observe(self, beat: Heartbeat) -> CreepForecast | None:

@@ -10,6 +10,12 @@ ignores ``CUDA_VISIBLE_DEVICES``, so the device is mapped through that variable 
 (fastest first) equals NVML's PCI order on machines with one GPU model; set
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines.
 
+NVML is reached through :class:`Nvml`, the typed slice of ``pynvml`` the monitor calls; the
+module itself is the real one and tests pass a fake. Errors are caught by class:
+``pynvml.NVMLError`` (every NVML return code has its subclass, ``NVMLError_NotSupported``,
+``NVMLError_Timeout``, ...) where NVML may refuse, and nothing else, so a bug is not mistaken
+for a missing GPU.
+
 Caveat: NVML reports host PIDs. Inside a container with its own PID namespace the child's PID
 does not match, so its memory shows up under ``others`` and ``this_process_bytes`` stays 0.
 """
@@ -19,11 +25,64 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from qlora_supervise.trainer_child.contract.devices import bind_device, visible_entries
+import pynvml
+
+from qlora_supervise.trainer_child.contract.devices import DeviceError, bind_device, visible_entries
+
+#: Every NVML failure (``pynvml`` maps each return code to a subclass of it).
+NVMLError = pynvml.NVMLError
+#: NVML handles and event sets are opaque: passed back to NVML, never looked into.
+Handle = object
+
+
+class NvmlMemory(Protocol):
+    """``nvmlDeviceGetMemoryInfo``'s answer (``c_nvmlMemory_t`` / ``_v2_t``), bytes."""
+
+    total: int
+    used: int
+    free: int
+
+
+class NvmlProcess(Protocol):
+    """One entry of ``nvmlDeviceGet*RunningProcesses``; ``usedGpuMemory`` is None where not shown."""
+
+    pid: int
+    usedGpuMemory: int | None
+
+
+class NvmlEvent(Protocol):
+    """An event from ``nvmlEventSetWait_v2``; for an Xid event, ``eventData`` is the Xid code."""
+
+    eventData: int
+
+
+class Nvml(Protocol):
+    """The part of ``pynvml`` the monitor calls (the module satisfies it; tests pass a fake).
+
+    Each call may raise :data:`NVMLError`. ``nvmlMemory_v2`` is read with ``getattr``: older
+    bindings lack it.
+    """
+
+    nvmlEventTypeXidCriticalError: int
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Handle: ...
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Handle: ...
+    def nvmlDeviceGetUUID(self, handle: Handle) -> str | bytes: ...
+    def nvmlDeviceGetIndex(self, handle: Handle) -> int: ...
+    def nvmlDeviceGetMemoryInfo(self, handle: Handle, version: int = ...) -> NvmlMemory: ...
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> Iterable[NvmlProcess]: ...
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Handle) -> Iterable[NvmlProcess]: ...
+    def nvmlEventSetCreate(self) -> Handle: ...
+    def nvmlDeviceRegisterEvents(self, handle: Handle, event_types: int, event_set: Handle) -> None: ...
+    def nvmlEventSetWait_v2(self, event_set: Handle, timeout_ms: int) -> NvmlEvent: ...
+    def nvmlEventSetFree(self, event_set: Handle) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -54,30 +113,30 @@ class GpuProbe(Protocol):
 class GpuMonitor:
     """An open NVML handle on one GPU. Use :meth:`open`; call :meth:`close` when done."""
 
-    def __init__(self, nvml: Any, handle: Any, index: int, events: Any | None) -> None:
+    def __init__(self, nvml: Nvml, handle: Handle, index: int, events: Handle | None) -> None:
         self._nvml = nvml
         self._handle = handle
         self.index = index
         self._events = events
 
     @classmethod
-    def open(cls, device: str, *, nvml: Any | None = None) -> GpuMonitor | None:
+    def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
         """A monitor for ``device``, or None when NVML, the driver or the GPU is missing.
 
         ``nvml`` replaces the ``pynvml`` module (tests pass a fake).
         """
         if device == "cpu":
             return None
-        nvml = _started_nvml(nvml)
-        if nvml is None:
+        started = _started_nvml(nvml)
+        if started is None:
             return None
         try:
-            handle = _handle_for(nvml, device)
-            index = int(nvml.nvmlDeviceGetIndex(handle))
-        except Exception:  # no such GPU (or not one NVML can see, or none visible): nothing to watch
-            _shutdown(nvml)
+            handle = _handle_for(started, device)
+            index = int(started.nvmlDeviceGetIndex(handle))
+        except (NVMLError, LookupError, DeviceError):  # no such GPU, or none visible: nothing to watch
+            _shutdown(started)
             return None
-        return cls(nvml, handle, index, _xid_event_set(nvml, handle))
+        return cls(started, handle, index, _xid_event_set(started, handle))
 
     def sample(self, pids: set[int]) -> GpuSample | None:
         """Memory now, split into ``pids`` (the child's tree) and everyone else. None on an NVML error."""
@@ -85,7 +144,7 @@ class GpuMonitor:
         try:
             memory = _memory_info(nvml, self._handle)
             processes = _processes(nvml, self._handle)
-        except Exception:  # the GPU fell off the bus, the driver reset, ...: no sample this tick
+        except NVMLError:  # the GPU fell off the bus, the driver reset, ...: no sample this tick
             return None
         mine = sum(used for pid, used in processes if pid in pids)
         others = tuple((pid, used) for pid, used in processes if pid not in pids)
@@ -102,7 +161,7 @@ class GpuMonitor:
 
     def close(self) -> None:
         if self._events is not None:
-            with contextlib.suppress(Exception):  # closing is best effort
+            with contextlib.suppress(NVMLError):  # closing is best effort: the GPU may be gone
                 self._nvml.nvmlEventSetFree(self._events)
             self._events = None
         _shutdown(self._nvml)
@@ -114,54 +173,46 @@ class GpuMonitor:
         for _ in range(64):  # bounded: a storm of events must not stall the loop's tick
             try:
                 event = self._nvml.nvmlEventSetWait_v2(self._events, 0)
-            except Exception:  # NVML_ERROR_TIMEOUT: no more events (or events broke: stop asking)
+            except pynvml.NVMLError_Timeout:  # no more events waiting
+                break
+            except NVMLError:  # the event set broke (the GPU is lost): the memory sample says so next
                 break
             found.append(int(event.eventData))
         return tuple(found)
 
 
-def _started_nvml(nvml: Any | None) -> Any | None:
+def _started_nvml(nvml: Nvml | None) -> Nvml | None:
     """``nvml`` (default: ``pynvml``) initialised; None where NVML or the driver is missing."""
-    if nvml is None:
-        nvml = _import_pynvml()
-        if nvml is None:
-            return None
+    module: Nvml = pynvml
+    started = module if nvml is None else nvml
     try:
-        nvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: not a GPU host
+        started.nvmlInit()
+    except NVMLError:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: not a GPU host
         return None
-    return nvml
+    return started
 
 
-def visible_gpu_count(*, nvml: Any | None = None) -> int | None:
+def visible_gpu_count(*, nvml: Nvml | None = None) -> int | None:
     """How many GPUs the child could use: the ``CUDA_VISIBLE_DEVICES`` list when it is set, else
     NVML's count; None where NVML or the driver is missing (no GPU host: ranks run on the CPU)."""
-    nvml = _started_nvml(nvml)
-    if nvml is None:
+    started = _started_nvml(nvml)
+    if started is None:
         return None
     try:
-        count = int(nvml.nvmlDeviceGetCount())
-    except Exception:
+        count = int(started.nvmlDeviceGetCount())
+    except NVMLError:
         return None
     finally:
-        _shutdown(nvml)
+        _shutdown(started)
     listed = visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
     return count if listed is None else min(count, len(listed))
 
 
-def _import_pynvml() -> Any | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    return pynvml
-
-
-def _handle_for(nvml: Any, device: str) -> Any:
+def _handle_for(nvml: Nvml, device: str) -> Handle:
     """The NVML handle of the GPU the child trains on for ``device``.
 
     The child inherits this process's environment, so both read the same
-    ``CUDA_VISIBLE_DEVICES``. Raises (DeviceError, LookupError) when there is no such GPU.
+    ``CUDA_VISIBLE_DEVICES``. Raises (DeviceError, LookupError, NVMLError) when there is no such GPU.
     """
     target = bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target
     if target is None:
@@ -171,11 +222,9 @@ def _handle_for(nvml: Any, device: str) -> Any:
     return _handle_by_uuid(nvml, target)
 
 
-def _handle_by_uuid(nvml: Any, uuid: str) -> Any:
-    try:
+def _handle_by_uuid(nvml: Nvml, uuid: str) -> Handle:
+    with contextlib.suppress(NVMLError):  # NotFound / InvalidArgument: perhaps a prefix, below
         return nvml.nvmlDeviceGetHandleByUUID(uuid)
-    except Exception:
-        pass
     # CUDA_VISIBLE_DEVICES accepts unique UUID prefixes; NVML wants the whole UUID.
     for index in range(int(nvml.nvmlDeviceGetCount())):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -184,18 +233,17 @@ def _handle_by_uuid(nvml: Any, uuid: str) -> Any:
     raise LookupError(f"no GPU with UUID {uuid}")
 
 
-def _memory_info(nvml: Any, handle: Any) -> Any:
+def _memory_info(nvml: Nvml, handle: Handle) -> NvmlMemory:
     # v2 leaves driver-reserved memory out of `used`, which matches what processes can hold.
     version = getattr(nvml, "nvmlMemory_v2", None)
-    if version is not None:
-        try:
+    if isinstance(version, int):
+        # A driver older than the v2 struct answers FunctionNotFound / ArgumentVersionMismatch.
+        with contextlib.suppress(NVMLError):
             return nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
-        except Exception:
-            pass
     return nvml.nvmlDeviceGetMemoryInfo(handle)
 
 
-def _processes(nvml: Any, handle: Any) -> list[tuple[int, int]]:
+def _processes(nvml: Nvml, handle: Handle) -> list[tuple[int, int]]:
     """(pid, bytes) per process, compute and graphics merged (a process can be in both)."""
     by_pid: dict[int, int] = {}
     for query in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
@@ -205,25 +253,23 @@ def _processes(nvml: Any, handle: Any) -> list[tuple[int, int]]:
     return sorted(by_pid.items())
 
 
-def _listed(query: Any, handle: Any) -> Iterable[Any]:
+def _listed(query: Callable[[Handle], Iterable[NvmlProcess]], handle: Handle) -> list[NvmlProcess]:
     try:
         return list(query(handle))
-    except Exception as error:
-        if type(error).__name__ == "NVMLError_NotSupported":
-            return []  # e.g. graphics processes on a compute-only board
-        raise
+    except pynvml.NVMLError_NotSupported:
+        return []  # e.g. graphics processes on a compute-only board
 
 
-def _xid_event_set(nvml: Any, handle: Any) -> Any | None:
+def _xid_event_set(nvml: Nvml, handle: Handle) -> Handle | None:
     """An event set registered for Xid critical errors, or None where NVML does not offer them."""
     try:
         events = nvml.nvmlEventSetCreate()
-    except Exception:
+    except NVMLError:
         return None
     try:
         nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
-    except Exception:  # not supported on this board / driver, or not permitted
-        with contextlib.suppress(Exception):
+    except NVMLError:  # not supported on this board / driver, or not permitted
+        with contextlib.suppress(NVMLError):
             nvml.nvmlEventSetFree(events)
         return None
     return events
@@ -233,6 +279,6 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _shutdown(nvml: Any) -> None:
-    with contextlib.suppress(Exception):  # shutting down is best effort
+def _shutdown(nvml: Nvml) -> None:
+    with contextlib.suppress(NVMLError):  # Uninitialized, or the driver went away: nothing to release
         nvml.nvmlShutdown()

@@ -1,26 +1,39 @@
 """Reading the child's events file as it grows, into a picture of its progress.
 
-The child writes one JSON line per event (``contract.events.event_line``). Progress is a change of
-optimizer step or of stage; a heartbeat that repeats the same step and stage is not progress,
-so a child whose heartbeat thread lives on while training is stuck is still seen as hung.
-
-Heartbeat lines are read as ``contract.events.Heartbeat`` records (today's keys and older ones); the
-peak is the child's ``peak_bytes``, never re-derived here.
+The child writes one JSON line per event (``contract.events.event_line``); each line is parsed
+once, by ``contract.events.parse_event``, into its typed record, and everything here reads the
+records. Progress is a change of optimizer step or of stage; a heartbeat that repeats the same
+step and stage is not progress, so a child whose heartbeat thread lives on while training is
+stuck is still seen as hung. The peak is the child's ``peak_bytes`` (of its heartbeats and its
+``loaded`` event), never re-derived here.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers
+from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.events import (
+    CheckpointSaved,
+    ChildEvent,
+    EarlyCheckpointRequested,
+    Finished,
+    Heartbeat,
+    Loaded,
+    StageEntered,
+    Started,
+    Stopping,
+    parse_event,
+)
 
 
 @dataclass
 class Progress:
-    """What the heartbeats have shown so far in one attempt. Mutable: updated every tick."""
+    """What the heartbeats have shown so far in one attempt. Mutable: updated every tick.
+
+    ``stage`` is the child's stage name (``starting`` before any event named one).
+    """
 
     step: int = 0
     stage: str = "starting"
@@ -31,7 +44,7 @@ class Progress:
     last_event_at: float | None = None  # monotonic time of the newest line of any kind
     last_progress_at: float | None = None  # monotonic time the step or stage last changed
     finished: bool = False
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[ChildEvent] = field(default_factory=list)
 
 
 class HeartbeatReader:
@@ -43,8 +56,9 @@ class HeartbeatReader:
         self._partial = ""
         self.progress = Progress()
 
-    def poll(self, now: float) -> list[dict[str, Any]]:
-        """New events since the last call; updates :attr:`progress`."""
+    def poll(self, now: float) -> list[ChildEvent]:
+        """New events since the last call, typed; updates :attr:`progress`. A corrupt line or an
+        event this version does not know is skipped."""
         try:
             with self._path.open("r", encoding="utf-8") as handle:
                 handle.seek(self._offset)
@@ -54,41 +68,43 @@ class HeartbeatReader:
             return []
         lines = (self._partial + chunk).split("\n")
         self._partial = lines.pop()  # a line still being written stays for the next poll
-        new = [event for event in map(_parse, lines) if event is not None]
+        new = [event for event in map(parse_event, lines) if event is not None]
         for event in new:
             self._apply(event, now)
         return new
 
-    def _apply(self, event: dict[str, Any], now: float) -> None:
+    def _apply(self, event: ChildEvent, now: float) -> None:
         p = self.progress
         p.last_event_at = now
-        step, stage = event.get("step"), event.get("stage")
-        if (isinstance(step, int) and step != p.step) or (isinstance(stage, str) and stage != p.stage):
+        step, stage = position(event)
+        if (step is not None and step != p.step) or (stage is not None and stage.value != p.stage):
             p.last_progress_at = now
-        if isinstance(step, int):
+        if step is not None:
             p.step = max(p.step, step)
-        if isinstance(stage, str):
-            p.stage = stage
-        beat = Heartbeat.from_fields(event) if event.get("event") == "heartbeat" else None
-        if beat is not None:
-            p.loss = beat.loss if beat.loss is not None else p.loss
-            p.tokens_per_s = beat.tokens_per_s if beat.tokens_per_s is not None else p.tokens_per_s
-        if isinstance(event.get("max_steps"), int):
-            p.max_steps = event["max_steps"]
-        # Other events (``loaded``) carry memory numbers too; the peak rule is the child's.
-        peak = (beat.memory if beat is not None else MemoryNumbers.from_fields(event)).peak_bytes
-        if peak is not None:
-            p.peak_bytes = max(p.peak_bytes or 0, peak)
-        if event.get("event") == "finished":
-            p.finished = True
+        if stage is not None:
+            p.stage = stage.value
+        match event:
+            case Heartbeat(loss=loss, tokens_per_s=rate):
+                p.loss = loss if loss is not None else p.loss
+                p.tokens_per_s = rate if rate is not None else p.tokens_per_s
+            case Started(max_steps=int() as max_steps):
+                p.max_steps = max_steps
+            case Finished():
+                p.finished = True
+        # ``loaded`` carries memory numbers too; the peak rule is the child's.
+        if isinstance(event, Heartbeat | Loaded) and event.memory.peak_bytes is not None:
+            p.peak_bytes = max(p.peak_bytes or 0, event.memory.peak_bytes)
         p.events.append(event)
 
 
-def _parse(line: str) -> dict[str, Any] | None:
-    if not line.strip():
-        return None
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
+    """The optimizer step and the stage an event names, where it names them. A stage this
+    version cannot name (``unknown``: a newer child's) says nothing about progress."""
+    step: int | None = None
+    stage: Stage | None = None
+    match event:
+        case Heartbeat() | StageEntered() | Stopping() | EarlyCheckpointRequested() | Started():
+            step, stage = event.step, event.stage
+        case CheckpointSaved() | Finished():
+            step = event.step
+    return step, (None if stage is Stage.UNKNOWN else stage)

@@ -21,7 +21,8 @@ alone writes checkpoints and the adapter.
 The rooms:
 
 * :mod:`.codes` exit codes, stages, failure kinds; :mod:`.spec` the attempt spec and its knobs;
-  :mod:`.events` the events file; :mod:`.report` the error report, with :mod:`.oom_message`
+  :mod:`.events` the events file, with :mod:`.memory_numbers` (the child's memory and its one
+  peak rule); :mod:`.report` the error report, with :mod:`.oom_message`
   (the OOM message's numbers) and :mod:`.allocator_facts` (the allocator's peaks);
 * :mod:`.allocator` the allocator settings (``PYTORCH_ALLOC_CONF``), one merge rule for both sides;
   :mod:`.devices` the card each rank trains on;

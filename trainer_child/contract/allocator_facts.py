@@ -120,3 +120,31 @@ def facts_from_allocator(
         device_free_bytes=device_free,
         expandable_segments=all(expandable) if expandable else None,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorPeak:
+    """The CUDA allocator's peaks of the attempt, from the report's ``memory_stats`` (bytes).
+
+    ``allocated_bytes``: ``allocated_bytes.all.peak``, what tensors held at most, the failed
+    step included (the attempt's peak when it failed); ``reserved_bytes``:
+    ``reserved_bytes.all.peak``, what the caching allocator held from the driver.
+    """
+
+    allocated_bytes: int | None
+    reserved_bytes: int | None = None
+
+    @classmethod
+    def from_memory_stats(cls, stats: object) -> AllocatorPeak | None:
+        """The peaks of a ``torch.cuda.memory_stats()`` dump; None without one (the CPU, an older
+        child) or without an integer allocated peak."""
+        if not isinstance(stats, Mapping):
+            return None
+        allocated, reserved = stats.get("allocated_bytes.all.peak"), stats.get("reserved_bytes.all.peak")
+        if not _is_bytes(allocated):
+            return None
+        return cls(allocated, reserved if _is_bytes(reserved) else None)
+
+
+def _is_bytes(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

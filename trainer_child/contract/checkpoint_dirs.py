@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,37 @@ QUARANTINE_REASON = "quarantine_reason.txt"
 _CHUNK = 1 << 20
 
 
+class UnsafeCheckpointPath(Exception):
+    """A checkpoint path that is a symbolic link (or no directory): never written through.
+
+    The supervisor often runs as root; a planted ``checkpoints -> /somewhere`` would put whole
+    checkpoints outside the run directory, and rotation would delete directories there.
+    """
+
+
+def own_directory(path: Path) -> bool:
+    """``path`` is a real directory (not a link to one): the only kind we write into or delete."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def refuse_linked_dir(path: Path) -> None:
+    """Raise :class:`UnsafeCheckpointPath` when ``path`` exists and is a link or no directory."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise UnsafeCheckpointPath(
+            f"{path} is a symbolic link; refusing to write checkpoints through it: remove it "
+            "(nothing but the supervisor should create entries in a run directory)"
+        )
+    if not stat.S_ISDIR(mode):
+        raise UnsafeCheckpointPath(f"{path} is not a directory: remove it")
+
+
 def checkpoint_step(path: Path) -> int | None:
     """The optimizer step of a ``checkpoint-<step>`` directory name, else None."""
     name = path.name
@@ -39,14 +71,16 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[
 
     A checkpoint counts only when its directory carries the final name *and* the marker
     written after every other file: a kill during the write leaves a temp name, which is skipped.
+    A symbolic link is never a checkpoint (nor is anything under a linked ``checkpoints_dir``):
+    resuming from it, or rotating it, would read or delete what lies outside the run.
     """
     root = Path(checkpoints_dir)
-    if not root.is_dir():
+    if not own_directory(root):
         return []
     found: list[tuple[int, Path]] = []
     for child in root.iterdir():
         step = checkpoint_step(child)
-        if step is not None and (child / CHECKPOINT_COMPLETE_MARKER).is_file():
+        if step is not None and own_directory(child) and (child / CHECKPOINT_COMPLETE_MARKER).is_file():
             found.append((step, child))
     return sorted(found)
 
@@ -137,8 +171,15 @@ def quarantine_dir(checkpoints_dir: Path) -> Path:
 
 def quarantine(path: Path, reason: str) -> Path:
     """Move checkpoint directory ``path`` into the quarantine folder beside its parent; return
-    where it went. The rename takes it out of the checkpoint namespace in one step."""
+    where it went. The rename takes it out of the checkpoint namespace in one step.
+
+    Neither ``path`` nor the folder may be a link (:class:`UnsafeCheckpointPath`): the reason
+    file would be written, and the checkpoint moved, outside the run directory.
+    """
+    if not own_directory(path):
+        raise UnsafeCheckpointPath(f"{path} is a symbolic link or no directory; refusing to quarantine it")
     folder = quarantine_dir(path.parent)
+    refuse_linked_dir(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / path.name
     if target.exists():

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -22,13 +23,18 @@ from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     checkpoint_step,
     complete_checkpoints,
     file_digests,
+    own_directory,
     quarantine,
+    refuse_linked_dir,
 )
-from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
+from qlora_supervise.trainer_child.contract.durable import FILE_MODE, fsync_dir, write_text_atomic
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 TEMP_PREFIX = ".tmp-"
+#: Mode of the directories of a checkpoint, the adapter and the merged model: the run
+#: directory's (``supervisor/record/runfiles.py``), group-readable, nothing for others.
+DIR_MODE = 0o750
 _TRAINER_STATE = "trainer_state.json"
 
 
@@ -56,8 +62,49 @@ class ResumeSource:
 
 def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> Path:
     """Where step ``step`` is written before it is sealed; ``owner`` (default: this process) is
-    the pid whose death makes it a leftover (:func:`remove_stale_temps`)."""
+    the pid whose death makes it a leftover (:func:`remove_stale_temps`).
+
+    Asked for before every save, so it is where a ``checkpoints_dir`` that became a symbolic link
+    is refused (:class:`checkpoint_dirs.UnsafeCheckpointPath`) before anything is written.
+    """
+    refuse_linked_dir(checkpoints_dir)
     return checkpoints_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{owner or os.getpid()}"
+
+
+def settle_modes(root: Path) -> None:
+    """Give every directory under ``root`` (and itself) :data:`DIR_MODE` and every file
+    :data:`durable.FILE_MODE`: the run's mode rules, whatever wrote them.
+
+    Needed because the umask can only take bits away: safetensors writes its files 0600 (not
+    group-readable), and a merge started by hand runs under the shell's umask (0755 / 0644).
+    Links are left alone (``os.chmod`` would follow them).
+    """
+    for path in [root, *root.rglob("*")]:
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode):
+            os.chmod(path, DIR_MODE)
+        elif stat.S_ISREG(info.st_mode):
+            os.chmod(path, FILE_MODE)
+
+
+def replace_dir(temp: Path, final: Path) -> None:
+    """Put the finished directory ``temp`` at ``final`` (the adapter, the merged model): modes
+    settled, fsynced, the old one moved aside and deleted, renamed, the rename made durable.
+
+    A symbolic link at ``final`` is removed, never followed (its target stays as it was); a kill
+    between the two renames leaves ``.old-<name>-<pid>``, which the supervisor's disk reclaim
+    deletes once this pid is gone.
+    """
+    settle_modes(temp)
+    fsync_tree(temp)
+    if final.is_symlink():
+        os.unlink(final)
+    elif final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(temp, final)
+    fsync_dir(final.parent)
 
 
 def fsync_tree(root: Path) -> None:
@@ -78,8 +125,10 @@ def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: b
     The marker records the size and sha256 of every file it covers, so the supervisor can tell
     a checkpoint damaged after the fact (truncated, overwritten) before resuming from it. An
     unmarked directory already under the final name (left by hand or another tool; ours are
-    never unmarked) would make the rename fail: it is quarantined first.
+    never unmarked) would make the rename fail: it is quarantined first. A link under that name
+    is removed (the link only; what it points to is never touched).
     """
+    settle_modes(written)
     fsync_tree(written)
     marker = {
         "step": step,
@@ -89,7 +138,9 @@ def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: b
         "files": file_digests(written),
     }
     write_text_atomic(written / CHECKPOINT_COMPLETE_MARKER, json.dumps(marker, indent=2, sort_keys=True))
-    if final.exists() and not is_complete(final):
+    if final.is_symlink():
+        os.unlink(final)
+    elif final.exists() and not is_complete(final):
         quarantine(final, f"unmarked directory in the way of the save of step {step}")
     os.rename(written, final)
     fsync_dir(final.parent)
@@ -130,19 +181,22 @@ def unmarked_checkpoints(checkpoints_dir: Path) -> list[Path]:
     return sorted(
         path
         for path in checkpoints_dir.iterdir()
-        if path.is_dir() and checkpoint_step(path) is not None and not is_complete(path)
+        if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path)
     )
 
 
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
     """Delete temp directories left by killed children (those whose pid is gone)."""
     removed: list[Path] = []
-    if not checkpoints_dir.is_dir():
+    if not own_directory(checkpoints_dir):
         return removed
     for path in checkpoints_dir.iterdir():
         tail = path.name.rsplit("-", 1)[-1]
         if path.name.startswith(TEMP_PREFIX) and tail.isdigit() and not pid_alive(int(tail)):
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_symlink():
+                path.unlink()  # the link only: rmtree would refuse it, and must not follow it
+            else:
+                shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 

@@ -12,5 +12,7 @@ SPARE = f"{_PACKAGE}.run.spare"
 MERGE = f"{_PACKAGE}.merge.process"
 #: The tiny Llama-shaped model, tokenizer and dataset for the demo and the tests.
 TINY = f"{_PACKAGE}.recipe.tiny"
-#: Prints the data segment after the training stack's imports (the CPU cap's baseline).
+#: Prints the data segment after the training stack's imports (the CPU cap's baseline), for a
+#: person; with :data:`STACK_BYTES` only the byte count, which is what callers parse.
 STACK = f"{_PACKAGE}.recipe.stack"
+STACK_BYTES = "--bytes"

@@ -1,154 +1,39 @@
-"""The child's events file: one JSON object per line, the heartbeat and its memory numbers."""
+"""The child's events file: one JSON object per line, read back into one typed record each.
+
+The child writes each line with :func:`event_line` (``{"event": name, "time": ..., **fields}``);
+the supervisor reads it with :func:`parse_event`, once, into one of the frozen records of
+:data:`ChildEvent`, and never indexes the line as a dict again. :data:`PARSERS` is the one
+registry of event names: a new event is a record with ``event``, ``fields()`` and a parser, and
+one entry there.
+
+Every record reads the lines of older children too: a field a line lacks, or holds with the wrong
+type, is None (the heartbeat alone needs an integer ``step``); memory fields read the older keys
+of :meth:`MemoryNumbers.from_fields`. Only a line that is not a JSON object, names no known
+event, or is a heartbeat without a step, gives None.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
-import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
+from qlora_supervise.trainer_child.contract._event_fields import (
+    PlainEvent,
+    float_or_none,
+    int_or_none,
+)
+from qlora_supervise.trainer_child.contract._event_fields import (
+    event_line as event_line,  # the writer keeps its name: ``events.event_line``
+)
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
 from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
-EVENT_NAMES = frozenset(
-    {
-        "started",  # pid, rank, local_rank, world_size, device, versions, trust_remote_code
-        "stage",  # stage changed (load, forward, ...)
-        "loaded",  # model loaded: trainable params, share, MemoryNumbers, attempt_facts.SampleLengths
-        "trainer_ready",  # phases_s (tokenizer, weights, lora, data, trainer); prepared by a spare?
-        "heartbeat",  # a Heartbeat: stage, step, loss, tokens_per_s and MemoryNumbers
-        "checkpoint_saved",  # step, path, emergency, early (asked for by EARLY_CHECKPOINT_SIGNAL)
-        "early_checkpoint_requested",  # step: the signal arrived; a checkpoint follows this step
-        "resumed",  # from_step, path, reset_optimizer, reset_reason; RankReduction fields when cut
-        "finished",  # step, adapter path
-        "stopping",  # graceful stop requested
-        "merge_plan",  # the merge's memory plan: device, GPU and host needs, what was free
-    }
-)
-
-
-def event_line(event: str, **fields: Any) -> str:
-    """One line of the child's events file."""
-    return json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
-
-
-class PeakSource(str, enum.Enum):
-    """What :attr:`MemoryNumbers.peak_bytes` measured: the memory the attempt's cap limits."""
-
-    CUDA_ALLOCATOR = "cuda_allocator"  # torch.cuda.max_memory_allocated on the training GPU
-    DATA_SEGMENT = "data_segment"  # peak VmData on the CPU: what RLIMIT_DATA (cpu_memory_limit) caps
-    RSS = "rss"  # VmHWM, where the data segment cannot be read
-
-
-#: Keys of the events files written before :class:`MemoryNumbers` existed, in the precedence
-#: order of the peak rule (the same order :meth:`MemoryNumbers.measured` applies).
-_OLD_PEAK_KEYS = (
-    ("peak", PeakSource.CUDA_ALLOCATOR),
-    ("peak_vmdata", PeakSource.DATA_SEGMENT),
-    ("peak_rss", PeakSource.RSS),
-)
-
-
-_OLD_GAUGE_KEYS = {
-    "allocated": "allocated_bytes",
-    "reserved": "reserved_bytes",
-    "rss": "rss_bytes",
-    "vmdata": "vmdata_bytes",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryNumbers:
-    """The child's memory at one moment, in bytes; None where it could not be read.
-
-    ``peak_bytes`` is the one peak of the attempt so far, chosen once, here, by the child
-    (:meth:`measured`); readers take it as it is and never re-derive it from the gauges.
-    """
-
-    peak_bytes: int | None = None
-    peak_source: PeakSource | None = None
-    allocated_bytes: int | None = None  # CUDA allocator, now
-    reserved_bytes: int | None = None  # CUDA caching allocator's reserve, now
-    rss_bytes: int | None = None  # VmRSS, now
-    rss_high_water_bytes: int | None = None  # VmHWM
-    vmdata_bytes: int | None = None  # VmData, now
-
-    @classmethod
-    def measured(
-        cls,
-        *,
-        cuda_peak: int | None,
-        data_segment_peak: int | None,
-        rss_high_water: int | None,
-        allocated: int | None = None,
-        reserved: int | None = None,
-        rss: int | None = None,
-        vmdata: int | None = None,
-    ) -> MemoryNumbers:
-        """The peak rule: the CUDA allocator's peak on a GPU, else the data segment's, else VmHWM."""
-        peak, source = _first_peak(
-            (
-                (cuda_peak, PeakSource.CUDA_ALLOCATOR),
-                (data_segment_peak, PeakSource.DATA_SEGMENT),
-                (rss_high_water, PeakSource.RSS),
-            )
-        )
-        return cls(peak, source, allocated, reserved, rss, rss_high_water, vmdata)
-
-    def fields(self) -> dict[str, Any]:
-        """The JSON fields of an event line (flat, so ``jq .peak_bytes`` reads them)."""
-        values = dataclasses.asdict(self)
-        values["peak_source"] = self.peak_source.value if self.peak_source is not None else None
-        return values
-
-    @classmethod
-    def from_fields(cls, raw: Mapping[str, Any]) -> MemoryNumbers:
-        """Read an event's memory fields; ill-typed values become None.
-
-        Events files written before this record (keys ``peak``, ``peak_vmdata``, ``peak_rss``,
-        ``allocated``, ``reserved``, ``rss``, ``vmdata``) are read with the same peak rule.
-        """
-        if "peak_bytes" in raw:
-            source = raw.get("peak_source")
-            return cls(
-                peak_bytes=_int_or_none(raw.get("peak_bytes")),
-                peak_source=PeakSource(source) if source in _PEAK_SOURCES else None,
-                **{name: _int_or_none(raw.get(name)) for name in _GAUGE_FIELDS},
-            )
-        peak, source = _first_peak(tuple((_int_or_none(raw.get(key)), src) for key, src in _OLD_PEAK_KEYS))
-        return cls(
-            peak_bytes=peak,
-            peak_source=source,
-            rss_high_water_bytes=_int_or_none(raw.get("peak_rss")),
-            **{new: _int_or_none(raw.get(old)) for old, new in _OLD_GAUGE_KEYS.items()},
-        )
-
-
-_PEAK_SOURCES = frozenset(source.value for source in PeakSource)
-
-
-_GAUGE_FIELDS = ("allocated_bytes", "reserved_bytes", "rss_bytes", "rss_high_water_bytes", "vmdata_bytes")
-
-
-def _first_peak(
-    candidates: tuple[tuple[int | None, PeakSource], ...],
-) -> tuple[int | None, PeakSource | None]:
-    # `or` semantics of the old reader: a zero peak (nothing allocated yet) falls through too.
-    for value, source in candidates:
-        if value:
-            return value, source
-    return None, None
-
-
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float_or_none(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
+#: Every record's ``time``: the line's stamp, not part of what the event says (records compare without it).
+_STAMP: Any = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,14 +41,17 @@ class Heartbeat:
     """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
 
     ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
-    and ``stage`` not changing, so a beat is sent whatever the main thread does.
+    and ``stage`` not changing, so a beat is sent whatever the main thread does. ``time``: the
+    line's stamp (None in a beat built to be written).
     """
 
+    event: ClassVar[str] = "heartbeat"
     stage: Stage
     step: int
     loss: float | None = None
     tokens_per_s: float | None = None
-    memory: MemoryNumbers = MemoryNumbers()
+    memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
+    time: float | None = _STAMP
 
     def fields(self) -> dict[str, Any]:
         """The fields of the event line, flat: ``stage``, ``step``, ``loss``, ``tokens_per_s``
@@ -177,19 +65,255 @@ class Heartbeat:
         }
 
     def to_line(self) -> str:
-        return event_line("heartbeat", **self.fields())
+        return event_line(self.event, **self.fields())
 
     @classmethod
     def from_fields(cls, raw: Mapping[str, Any]) -> Heartbeat | None:
         """The heartbeat in a parsed event line (today's keys or older ones); None when the
         line has no integer step (not a heartbeat this reader can trust)."""
-        step = _int_or_none(raw.get("step"))
+        step = int_or_none(raw.get("step"))
         if step is None:
             return None
         return cls(
             stage=Stage.named(raw.get("stage")),
             step=step,
-            loss=_float_or_none(raw.get("loss")),
-            tokens_per_s=_float_or_none(raw.get("tokens_per_s")),
+            loss=float_or_none(raw.get("loss")),
+            tokens_per_s=float_or_none(raw.get("tokens_per_s")),
             memory=MemoryNumbers.from_fields(raw),
+            time=float_or_none(raw.get("time")),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Started(PlainEvent):
+    """``started``: the process, its place under torchrun, its device and library versions.
+
+    ``vmdata`` / ``rss``: bytes at start. A stand-in child (the tests' scripted one) may also
+    name ``max_steps`` and where it starts (``step``, ``stage``).
+    """
+
+    event: ClassVar[str] = "started"
+    pid: int | None = None
+    attempt: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    device: str | None = None
+    device_name: str | None = None
+    versions: Mapping[str, Any] | None = None
+    vmdata: int | None = None
+    rss: int | None = None
+    cpu_memory_limit: int | None = None
+    gpu_memory_limit: int | None = None
+    expandable_segments_active: bool | None = None
+    cpu_fallback: str | None = None  # why a job that asked for a GPU runs on the CPU
+    trust_remote_code: bool | None = None
+    max_steps: int | None = None
+    step: int | None = None
+    stage: Stage | None = None
+    time: float | None = _STAMP
+
+    def fields(self) -> dict[str, Any]:
+        # The stand-in's keys are written where it gave them; the child's own line has none.
+        stand_in = ("max_steps", "step", "stage")
+        return {k: v for k, v in super().fields().items() if k not in stand_in or v is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEntered(PlainEvent):
+    """``stage``: the child entered a phase (load, training, eval, save) at ``step``."""
+
+    event: ClassVar[str] = "stage"
+    stage: Stage | None = None
+    step: int | None = None
+    time: float | None = _STAMP
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded(PlainEvent):
+    """``loaded``: the model is loaded: its parameters, the data's rows, memory and sample lengths."""
+
+    event: ClassVar[str] = "loaded"
+    trainable_params: int | None = None
+    total_params: int | None = None
+    trainable_share: float | None = None
+    linear4bit: int | None = None
+    dtype: str | None = None
+    attn_implementation: str | None = None  # eager / sdpa / flash_attention_2: transformers' choice
+    train_rows: int | None = None
+    eval_rows: int | None = None
+    memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
+    sample_lengths: SampleLengths | None = None
+    time: float | None = _STAMP
+
+    @classmethod
+    def _nested(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {"memory": MemoryNumbers.from_fields(raw), "sample_lengths": SampleLengths.from_fields(raw)}
+
+    def fields(self) -> dict[str, Any]:
+        lengths = self.sample_lengths.fields() if self.sample_lengths is not None else {}
+        return {**super().fields(), **self.memory.fields(), **lengths}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerReady(PlainEvent):
+    """``trainer_ready``: seconds per start-up phase (``phases_s``); ``prepared``: a spare did them."""
+
+    event: ClassVar[str] = "trainer_ready"
+    phases_s: Mapping[str, Any] | None = None
+    prepared: bool | None = None
+    prepared_s: float | None = None
+    time: float | None = _STAMP
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSaved(PlainEvent):
+    """``checkpoint_saved``: a complete checkpoint at ``path``; ``emergency``: after a failure;
+    ``early``: asked for by ``EARLY_CHECKPOINT_SIGNAL``."""
+
+    event: ClassVar[str] = "checkpoint_saved"
+    step: int | None = None
+    path: str | None = None
+    emergency: bool | None = None
+    early: bool | None = None
+    time: float | None = _STAMP
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyCheckpointRequested(PlainEvent):
+    """``early_checkpoint_requested``: the signal arrived; a checkpoint follows this step."""
+
+    event: ClassVar[str] = "early_checkpoint_requested"
+    stage: Stage | None = None
+    step: int | None = None
+    time: float | None = _STAMP
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed(PlainEvent):
+    """``resumed``: training continues from ``path`` at ``from_step``; ``reset_optimizer`` (and
+    why) when the optimizer state was not restored; ``rank_reduction`` when the adapter was cut."""
+
+    event: ClassVar[str] = "resumed"
+    from_step: int | None = None
+    path: str | None = None
+    reset_optimizer: bool | None = None
+    reset_reason: str | None = None
+    learning_rate: float | None = None
+    micro_batch_size: int | None = None
+    grad_accum: int | None = None
+    rank_reduction: RankReduction | None = None
+    time: float | None = _STAMP
+
+    @classmethod
+    def _nested(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {"rank_reduction": RankReduction.from_fields(raw)}
+
+    def fields(self) -> dict[str, Any]:
+        cut = self.rank_reduction.fields() if self.rank_reduction is not None else {}
+        return {**super().fields(), **cut}
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished(PlainEvent):
+    """``finished``: training ended at ``step`` with the adapter written, or the merge (``step``
+    None) wrote ``merged`` in ``seconds`` on ``device``."""
+
+    event: ClassVar[str] = "finished"
+    step: int | None = None
+    adapter: str | None = None
+    merged: str | None = None
+    seconds: float | None = None
+    device: str | None = None
+    time: float | None = _STAMP
+
+    def fields(self) -> dict[str, Any]:
+        # A training child writes step and adapter; the merge writes step, merged, seconds, device.
+        merge = {"merged": self.merged, "seconds": self.seconds, "device": self.device}
+        train = {"adapter": self.adapter}
+        return {"step": self.step, **(merge if self.merged is not None else train)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopping(PlainEvent):
+    """``stopping``: a graceful stop was asked for; the child checkpoints and exits."""
+
+    event: ClassVar[str] = "stopping"
+    stage: Stage | None = None
+    step: int | None = None
+    time: float | None = _STAMP
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlanned(PlainEvent):
+    """``merge_plan``: the merge's memory plan (bytes): the device, what each would need, what was free."""
+
+    event: ClassVar[str] = "merge_plan"
+    device: str | None = None
+    gpu_need_bytes: int | None = None
+    host_need_gpu_bytes: int | None = None
+    host_need_cpu_bytes: int | None = None
+    gpu_free_bytes: int | None = None
+    host_available_bytes: int | None = None
+    why: str | None = None
+    dtype: str | None = None
+    time: float | None = _STAMP
+
+
+#: Every event of the child's events file.
+ChildEvent = (
+    Started
+    | StageEntered
+    | Loaded
+    | TrainerReady
+    | Heartbeat
+    | CheckpointSaved
+    | EarlyCheckpointRequested
+    | Resumed
+    | Finished
+    | Stopping
+    | MergePlanned
+    | SpeedTrialEvent
+)
+
+#: The one registry: each event name and the parser of its (decoded) line. A new event plugs in here.
+PARSERS: Mapping[str, Callable[[Mapping[str, Any]], ChildEvent | None]] = {
+    Started.event: Started.from_fields,
+    StageEntered.event: StageEntered.from_fields,
+    Loaded.event: Loaded.from_fields,
+    TrainerReady.event: TrainerReady.from_fields,
+    Heartbeat.event: Heartbeat.from_fields,
+    CheckpointSaved.event: CheckpointSaved.from_fields,
+    EarlyCheckpointRequested.event: EarlyCheckpointRequested.from_fields,
+    Resumed.event: Resumed.from_fields,
+    Finished.event: Finished.from_fields,
+    Stopping.event: Stopping.from_fields,
+    MergePlanned.event: MergePlanned.from_fields,
+    SpeedTrialEvent.event: SpeedTrialEvent.from_json,
+}
+
+EVENT_NAMES = frozenset(PARSERS)
+
+
+def parse_event(line: str) -> ChildEvent | None:
+    """The record of one line of the events file; None for a blank, torn or corrupt line, or an
+    event this version does not know. Never raises: a child's bad line must not stop the supervisor."""
+    if not line.strip():
+        return None
+    try:
+        raw = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return event_from_fields(raw) if isinstance(raw, Mapping) else None
+
+
+def event_from_fields(raw: Mapping[str, Any]) -> ChildEvent | None:
+    """The record of an already decoded line (:func:`parse_event` without the JSON)."""
+    name = raw.get("event")
+    parser = PARSERS.get(name) if isinstance(name, str) else None
+    if parser is None:
+        return None
+    try:
+        return parser(raw)
+    except (TypeError, ValueError, OverflowError):  # a value no reader expected (a newer child's)
+        return None

@@ -179,3 +179,59 @@ def _format(body: str, numbers: Mapping[str, Any]) -> str:
     if _OLD_GPU.search(body):
         return "old"
     return "short"
+
+
+@dataclasses.dataclass(frozen=True)
+class OomNumbers:
+    """The numbers of one allocator OOM message, in bytes (None: the wording does not print it).
+
+    The fields are :data:`NUMBER_KEYS`; ``processes`` maps each other process's pid to its bytes.
+    The error report carries one, read from its JSON once (:meth:`from_json`).
+    """
+
+    tried_to_allocate: int | None = None
+    total_capacity: int | None = None
+    free: int | None = None
+    already_allocated: int | None = None
+    reserved_total: int | None = None
+    reserved_unallocated: int | None = None
+    process_in_use: int | None = None
+    processes: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    allowed: int | None = None
+    private_pools: int | None = None
+
+    @property
+    def step_need_bytes(self) -> int | None:
+        """What the failed step needed at least: what PyTorch had allocated plus the request."""
+        if self.already_allocated is None or self.tried_to_allocate is None:
+            return None
+        return self.already_allocated + self.tried_to_allocate
+
+    def to_json(self) -> dict[str, Any]:
+        """The numbers the message printed, under :data:`NUMBER_KEYS` (the report's JSON shape:
+        absent numbers are left out, pids are keys)."""
+        values = {key: getattr(self, key) for key in NUMBER_KEYS}
+        return {key: value for key, value in values.items() if value is not None and value != {}}
+
+    @classmethod
+    def from_json(cls, raw: object) -> OomNumbers:
+        """The numbers of a report read back from JSON (pids as strings there); anything ill-typed
+        (an older or a hand-edited report) is left out. ``parse_numbers``' dict reads the same way."""
+        if not isinstance(raw, Mapping):
+            return cls()
+        sizes: dict[str, Any] = {key: raw.get(key) for key in NUMBER_KEYS if key != "processes"}
+        processes = raw.get("processes")
+        return cls(
+            **{key: value for key, value in sizes.items() if _is_size(value)},
+            processes={int(pid): size for pid, size in processes.items() if _is_pid(pid) and _is_size(size)}
+            if isinstance(processes, Mapping)
+            else {},
+        )
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_pid(value: object) -> bool:
+    return _is_size(value) or (isinstance(value, str) and value.isdigit())

@@ -7,19 +7,26 @@ import json
 import time
 from typing import Any
 
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, AllocatorPeak
 from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 
 
 @dataclasses.dataclass(frozen=True)
 class ErrorReport:
     """What the child knew when it failed. Written atomically to ``spec.error_file``.
 
-    ``step`` is the last *completed* optimizer step. ``oom_numbers`` uses the keys of
-    :func:`qlora_supervise.trainer_child.contract.oom_message.parse_numbers` (bytes as integers).
+    ``step`` is the last *completed* optimizer step. ``oom_numbers``: the OOM message's
+    numbers (:class:`~.oom_message.OomNumbers`, written under the keys of
+    :func:`~.oom_message.parse_numbers`, bytes as integers). ``memory_stats``: the
+    ``torch.cuda.memory_stats()`` dump, kept whole for a person; ``allocator_peak`` is what the
+    supervisor reads of it, derived once when the report is built or read (not written).
     ``allocator``: the CUDA allocator's facts read at the OOM (None on the CPU, for a failure
     that is not an OOM, or from a child older than them); ``memory_snapshot``: the path of the
     allocator snapshot dumped at the OOM (``diagnose.memory_history``), else None.
+
+    Like torchelastic's ``ProcessFailure``, every typed field is read from the JSON values once,
+    in ``__post_init__``; nothing re-reads the report by key afterwards.
     """
 
     exit_code: int
@@ -30,7 +37,7 @@ class ErrorReport:
     step: int
     is_oom: bool
     config_error: bool = False
-    oom_numbers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    oom_numbers: OomNumbers = dataclasses.field(default_factory=OomNumbers)
     memory_stats: dict[str, Any] | None = None
     device: str = "cpu"
     emergency_checkpoint: str | None = None  # path of the checkpoint saved after the failure
@@ -49,15 +56,24 @@ class ErrorReport:
     rank: int = 0  # torchrun's RANK of the process that wrote it (0 for a single process)
     local_rank: int = 0  # LOCAL_RANK: the GPU index of this rank on its host
     world_size: int = 1
+    allocator_peak: AllocatorPeak | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        # Reports are read back from JSON, where the stage is a plain string and the facts a dict.
+        # Reports are read back from JSON, where the stage is a plain string and the records dicts.
         object.__setattr__(self, "stage", Stage.named(self.stage))
         if self.allocator is not None and not isinstance(self.allocator, AllocatorFacts):
             object.__setattr__(self, "allocator", AllocatorFacts.from_json_dict(self.allocator))
+        if not isinstance(self.oom_numbers, OomNumbers):
+            object.__setattr__(self, "oom_numbers", OomNumbers.from_json(self.oom_numbers))
+        object.__setattr__(self, "allocator_peak", AllocatorPeak.from_memory_stats(self.memory_stats))
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
+        """The report's file: every field as written since the first report (``allocator_peak``,
+        derived, is not; ``oom_numbers`` holds only the numbers the message printed)."""
+        raw = dataclasses.asdict(self)
+        del raw["allocator_peak"]
+        raw["oom_numbers"] = self.oom_numbers.to_json()
+        return json.dumps(raw, indent=2, sort_keys=True, default=str)
 
     @classmethod
     def from_json(cls, text: str) -> ErrorReport:
@@ -65,7 +81,7 @@ class ErrorReport:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("an error report must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         report = cls(**{k: v for k, v in raw.items() if k in known})
         if not isinstance(report.step, int) or not isinstance(report.exit_code, int):
             raise ValueError("an error report needs integer step and exit_code")

@@ -13,8 +13,13 @@ that keeps the effective batch) and gradient checkpointing.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import ClassVar
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # spec.py imports this module for TrialCandidate
+    from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: A candidate replaces the planned config only when it is this much faster (DeepSpeed's
 #: autotuner also keeps the first config within noise); below it the trial's noise decides.
@@ -81,6 +86,10 @@ class SpeedTrialEvent:
     def to_json(self) -> dict[str, object]:
         return {"event": self.event, **dataclasses.asdict(self)}
 
+    def to_line(self) -> str:
+        """The line of the child's events file (with its ``time`` stamp, which ``from_json`` ignores)."""
+        return json.dumps({**self.to_json(), "time": time.time()}) + "\n"
+
     @classmethod
     def from_json(cls, raw: Mapping[str, object]) -> SpeedTrialEvent | None:
         rows = raw.get("results")
@@ -93,6 +102,34 @@ class SpeedTrialEvent:
         if picked is None or len(results) != len(rows):
             return None
         return cls(results, picked, bool(raw.get("switched")), seconds)
+
+
+def choose(results: Sequence[TrialResult]) -> TrialCandidate:
+    """The candidate to train with: the first (the planned config) unless another measured more than
+    :data:`MIN_GAIN` faster. A first that failed (an OOM) gives way to the fastest that ran; when none
+    ran, the first stays (training then fails as it would have without a trial, and the ladder acts).
+    """
+    first = results[0]
+    ran = [r for r in results if r.tokens_per_s is not None]
+    if not ran:
+        return first.candidate
+    fastest = max(ran, key=lambda r: r.tokens_per_s or 0.0)
+    if not first.tokens_per_s:  # None: the planned config failed in the trial
+        return fastest.candidate
+    gain = (fastest.tokens_per_s or 0.0) / first.tokens_per_s - 1
+    return fastest.candidate if gain > MIN_GAIN else first.candidate
+
+
+def chosen_knobs(knobs: Knobs, event: SpeedTrialEvent) -> Knobs:
+    """The knobs an attempt planned as ``knobs`` trained with after its speed trial ``event``: the
+    chosen candidate's micro-batch, accumulation and checkpointing; every other knob as planned."""
+    chosen = event.chosen
+    return dataclasses.replace(
+        knobs,
+        micro_batch_size=chosen.micro_batch_size,
+        grad_accum=chosen.grad_accum,
+        gradient_checkpointing=chosen.gradient_checkpointing,
+    )
 
 
 def _float(value: object) -> float | None:

@@ -172,13 +172,8 @@ def check_dtype(model: Any, dtype: Any) -> None:
 
 def _publish(temp: Path, target: Path) -> None:
     from qlora_supervise.trainer_child.contract import checkpoints
-    from qlora_supervise.trainer_child.contract.durable import fsync_dir
 
-    checkpoints.fsync_tree(temp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.rename(temp, target)
-    fsync_dir(target.parent)
+    checkpoints.replace_dir(temp, target)  # 0750 / 0640 whatever the umask; a link is not followed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,10 @@ from trl import SFTConfig
 from qlora_supervise.trainer_child.contract.checkpoints import ResumeSource
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
+from qlora_supervise.trainer_child.contract.targets import TargetsError, check, resolve
 from qlora_supervise.trainer_child.recipe import data
+from qlora_supervise.trainer_child.recipe.activations import checkpointing_kwargs
+from qlora_supervise.trainer_child.recipe.head import head_parameters, kept_out_of_upcast
 from qlora_supervise.trainer_child.recipe.prepared import Prepared, load_rows, load_tokenizer
 from qlora_supervise.trainer_child.recipe.trainer import (
     CheckpointPlan,
@@ -128,26 +131,27 @@ def linear_layer_names(model: Any) -> list[str]:
 
 
 def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> None:
-    """Every listed target must match a real layer: a typo would otherwise train nothing
-    (or only the layers that did match) without a word."""
-    if isinstance(target_modules, str):
-        return  # "all-linear" or a regex: peft resolves it, the trainable share check follows
-    available = linear_layer_names(model)
-    missing = [name for name in target_modules if name not in available]
-    if missing:
-        raise ConfigError(
-            f"target_modules {missing} match no layer of {type(model).__name__}; "
-            f"its linear layers are {available}"
+    """Every target must match a real layer: a typo would otherwise train nothing (or only the
+    layers that did match) without a word. ``attention`` / ``mlp`` / ``all-linear`` resolve by the
+    model's type first (:mod:`...contract.targets`, the table validate uses too); ``all-linear``
+    on a type outside it, or a regex, is peft's to resolve, and the trainable share check follows."""
+    try:
+        check(target_modules, model.config.model_type, set(linear_layer_names(model)))
+    except TargetsError as exc:
+        raise ConfigError(f"target_modules {target_modules!r} on {type(model).__name__}: {exc}") from exc
+
+
+def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec, dtype: torch.dtype | None = None) -> Any:
+    # bf16_head: the embeddings and LM head skip the fp32 upcast and stay in the compute dtype
+    # (recipe/head.py says why that costs the loss no precision); norms are upcast as before.
+    kept = head_parameters(model) if knobs.bf16_head else []
+    with kept_out_of_upcast(kept, dtype):
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=knobs.gradient_checkpointing,
+            gradient_checkpointing_kwargs=checkpointing_kwargs(),
         )
-
-
-def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec) -> Any:
-    model = prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=knobs.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
-    targets = spec.train.target_modules
+    targets = resolve(spec.train.target_modules, model.config.model_type)  # checked at load
     lora = LoraConfig(
         r=knobs.lora_r,
         lora_alpha=knobs.lora_alpha,
@@ -225,7 +229,7 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
         eval_steps=train.eval_steps if evaluating else None,
         seed=train.seed,
         gradient_checkpointing=knobs.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        gradient_checkpointing_kwargs=checkpointing_kwargs(),
         bf16=on_cuda and dtype == torch.bfloat16,
         fp16=on_cuda and dtype == torch.float16,
         use_cpu=not on_cuda,
@@ -310,7 +314,7 @@ def build(
     model = load_model(spec, dtype, on_cuda)
     clock.lap("weights")
     check_target_modules(model, spec.train.target_modules)
-    model = add_lora(model, knobs, spec)
+    model = add_lora(model, knobs, spec, dtype)
     trainable, total, share = trainable_share(model)
     clock.lap("lora")
     train_set, eval_set, lengths = (
@@ -327,6 +331,7 @@ def build(
         total_params=total,
         trainable_share=share,
         linear4bit=count_linear4bit(model),
+        attn_implementation=model.config._attn_implementation,  # what the memory model must assume
         dtype=str(dtype),
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,

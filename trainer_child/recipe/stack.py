@@ -1,7 +1,8 @@
 """The heavy import stack of an attempt, in one place, and the data segment it costs.
 
 ``python -m qlora_supervise.trainer_child.recipe.stack`` prints the child's data segment (VmData)
-after these imports on this machine, in bytes: the fixed cost under a CPU memory cap, which
+after these imports on this machine, in MiB or GiB (``--bytes``: the byte count alone, for
+scripts): the fixed cost under a CPU memory cap, which
 the cap is applied after (a CPU build of torch costs ~0.4 GiB here, a CUDA build ~2.3 GiB).
 The demo uses it to place its cap the same distance above the baseline everywhere.
 """
@@ -87,17 +88,39 @@ def build_on_meta(model_dir: str) -> None:
         return
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Print the import baseline: for a person by default, or only the byte count with ``--bytes``
+    (what the demo, the tests and the benches parse)."""
+    import argparse
+
+    from qlora_supervise.trainer_child.contract.entry import STACK, STACK_BYTES
     from qlora_supervise.trainer_child.run.memory import prepare_process_env, proc_status_bytes
 
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {STACK}", description="the training stack's import baseline"
+    )
+    parser.add_argument(STACK_BYTES, action="store_true", help="print only the byte count (for scripts)")
+    args = parser.parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as a CPU attempt: the cap baseline is a CPU one
     prepare_process_env(expandable_segments=False)
     import torch
 
     torch.cuda.is_available()
     import_training_stack()
-    print(proc_status_bytes("VmData") or 0)
+    baseline = proc_status_bytes("VmData") or 0
+    if args.bytes:
+        print(baseline)
+    else:
+        print(
+            f"import baseline: {_human(baseline)} of data segment (VmData) after the training stack's "
+            f"imports ({baseline} bytes, torch {torch.__version__}); a cpu_memory_limit must sit above it"
+        )
     return 0
+
+
+def _human(size: int) -> str:
+    """MiB below 1 GiB, else GiB, two decimals (the child cannot import the supervisor's units)."""
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 if __name__ == "__main__":

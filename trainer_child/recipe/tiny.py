@@ -9,6 +9,11 @@ fields) and ``DIR/job.yaml``. It exists for tests, demos and the CPU memory-cap 
   ``micro_batch_size * max_seq_len`` and a memory cap can separate micro-batch 16 from 1.
 
 The task is learnable on purpose (counting by a fixed stride), so the loss falls fast.
+
+``--family gemma2`` (or ``gemma3_text``, ``phi3``, ``qwen3``, ``qwen3_moe``, ``mixtral``, ``olmoe``)
+writes a random model of that architecture instead, smaller still (hidden 64, 2 layers), with a
+job whose ``target_modules: attention`` resolves by model type: the CPU tests of issue 20 run the
+real child on each. Without it the model is the Llama one above, the default demo.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:  # the heavy libraries load only when a model is built
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 
 class ModelShape(TypedDict):
@@ -45,6 +50,33 @@ MODEL_SHAPE: ModelShape = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "max_position_embeddings": 1024,
+}
+#: The other families' shared sizes: every Linear's output a multiple of 32 (see above), the
+#: query heads a multiple of the kv heads, so each family's own block is what differs.
+FAMILY_SHAPE: dict[str, object] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
+#: ``model_type`` -> what its config needs beyond :data:`FAMILY_SHAPE` to be that family in small:
+#: Gemma's head_dim (256 by default) and window scaled down, a window shorter than the test's
+#: sequences so sliding layers slide, and a few experts of which two are routed per token.
+FAMILIES: dict[str, dict[str, object]] = {
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64},
+    "gemma3_text": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "phi3": {},  # fused qkv_proj and gate_up_proj are the family's whole difference
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
 }
 ROWS = 320
 #: Model vocabulary: larger than the ~20 words the data uses, like a real model's.
@@ -106,30 +138,41 @@ def build_tokenizer(rows: list[dict[str, object]]) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(vocab_size: int) -> LlamaForCausalLM:
-    """Random Llama weights; fixed seed so every test session gets the same model."""
+def build_model(vocab_size: int, family: str | None = None) -> PreTrainedModel:
+    """Random weights of the Llama demo model, or of ``family`` (a key of :data:`FAMILIES`); a
+    fixed seed, so every test session gets the same model."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-        tie_word_embeddings=False,
-        **MODEL_SHAPE,
-    )
-    return LlamaForCausalLM(config)
+    if family is None:
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=3,
+            tie_word_embeddings=False,
+            **MODEL_SHAPE,
+        )
+        return LlamaForCausalLM(config)
+    # The family's own tie default stays (Gemma ties its embeddings): that is part of its shape.
+    tokens = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
+    family_config = AutoConfig.for_model(family, **tokens, **FAMILY_SHAPE, **FAMILIES[family])
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(family_config)  # type: ignore[no-untyped-call]
+    return model
 
 
-def job_yaml(model_dir: str = "./model", data_path: str = "./data.jsonl") -> str:
+def job_yaml(
+    model_dir: str = "./model",
+    data_path: str = "./data.jsonl",
+    targets: str = "[q_proj, k_proj, v_proj, o_proj]",
+) -> str:
     """The tiny job in the job.yaml schema (paths relative to the job file's directory)."""
     return f"""\
 model: {{path: {model_dir}, fallbacks: [], trust_remote_code: false}}
 data: {{path: {data_path}, text_field: text, messages_field: null, eval_path: null, eval_fraction: 0.0}}
 quantization: {{load_in_4bit: true, quant_type: nf4, double_quant: true, compute_dtype: auto}}
-lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
+lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: {targets}}}
 train: {{max_seq_len: 256, micro_batch_size: 1, effective_batch_size: 8, gradient_checkpointing: false,
         optimizer: paged_adamw_8bit, learning_rate: 2.0e-3, lr_scheduler: cosine, warmup_ratio: 0.03,
         max_grad_norm: 0.3, max_steps: 30, epochs: null, save_steps: 10, logging_steps: 1,
@@ -140,26 +183,30 @@ output_dir: ./run
 """
 
 
-def write_tiny(directory: Path) -> Path:
-    """Write model, tokenizer, dataset and job under ``directory``; return the job file's path."""
+def write_tiny(directory: Path, family: str | None = None) -> Path:
+    """Write model, tokenizer, dataset and job under ``directory``; return the job file's path.
+    ``family``: a key of :data:`FAMILIES` instead of the Llama demo model."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rows = tiny_rows()
     with (directory / "data.jsonl").open("w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
     tokenizer = build_tokenizer(rows)
-    build_model(max(VOCAB_SIZE, len(tokenizer))).save_pretrained(directory / "model")
+    build_model(max(VOCAB_SIZE, len(tokenizer)), family).save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
     job = directory / "job.yaml"
-    job.write_text(job_yaml(), encoding="utf-8")
+    job.write_text(job_yaml() if family is None else job_yaml(targets="attention"), encoding="utf-8")
     return job
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.recipe.tiny")
     parser.add_argument("directory", type=Path)
+    parser.add_argument(
+        "--family", choices=sorted(FAMILIES), help="a tiny model of this architecture (default: Llama)"
+    )
     args = parser.parse_args(argv)
-    print(write_tiny(args.directory))
+    print(write_tiny(args.directory, args.family))
     return 0
 
 

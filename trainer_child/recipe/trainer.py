@@ -29,6 +29,7 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
+from qlora_supervise.trainer_child.recipe.activations import activation_context
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
 from qlora_supervise.trainer_child.run.torchrun import agree, barrier, staging_owner, this_rank
@@ -93,7 +94,8 @@ class SupervisedSFTTrainer(SFTTrainer):
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
         self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
-        loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
+        with activation_context(self.plan.knobs):  # forward and backward: activation offload
+            loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
 

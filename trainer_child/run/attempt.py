@@ -21,9 +21,12 @@ from typing import Any
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import newest_complete_checkpoint
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+    UnsafeCheckpointPath,
+    newest_complete_checkpoint,
+    refuse_linked_dir,
+)
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.durable import fsync_dir
 from qlora_supervise.trainer_child.contract.report import failure_line
 from qlora_supervise.trainer_child.contract.spec import (
     EARLY_CHECKPOINT_SIGNAL,
@@ -124,8 +127,13 @@ def setup(ctx: Context) -> None:
 
 def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
     """The checkpoint the spec names; ``resume_from="auto"`` (for runs by hand) takes the newest
-    complete one, if any. Stale staging directories of dead writers are removed first."""
+    complete one, if any. Stale staging directories of dead writers are removed first. A
+    ``checkpoints_dir`` that is a symbolic link is a ConfigError: nothing is written through it."""
     checkpoints_dir = Path(spec.checkpoints_dir)
+    try:
+        refuse_linked_dir(checkpoints_dir)
+    except UnsafeCheckpointPath as exc:
+        raise ConfigError(str(exc)) from exc
     checkpoints.remove_stale_temps(checkpoints_dir)
     if spec.resume_from == "auto":
         newest = newest_complete_checkpoint(checkpoints_dir)
@@ -190,18 +198,13 @@ def reduce_rank(reset_from: str | None, knobs: Knobs) -> RankReduction | None:
 
 
 def save_adapter(trainer: Any, tokenizer: Any, adapter_dir: Path) -> None:
-    """Final adapter, atomically: temp dir + rename (an old adapter is replaced whole)."""
+    """Final adapter, atomically: temp dir + rename (an old adapter is replaced whole, a link
+    there removed, never followed), group-readable (see :func:`checkpoints.replace_dir`)."""
     temp = adapter_dir.with_name(f".tmp-{adapter_dir.name}-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
     trainer.model.save_pretrained(temp)
     tokenizer.save_pretrained(temp)
-    checkpoints.fsync_tree(temp)
-    if adapter_dir.exists():
-        old = adapter_dir.with_name(f".old-{adapter_dir.name}-{os.getpid()}")
-        os.rename(adapter_dir, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.rename(temp, adapter_dir)
-    fsync_dir(adapter_dir.parent)
+    checkpoints.replace_dir(temp, adapter_dir)
 
 
 def train(ctx: Context) -> ExitCode:
@@ -217,6 +220,10 @@ def train(ctx: Context) -> ExitCode:
     if ctx.progress.stop_requested:  # SIGTERM during the load: nothing new to save
         ctx.progress.announce_stop()
         return ExitCode.STOPPED
+    from qlora_supervise.trainer_child.run import speed_trial
+
+    if speed_trial.wanted(spec, resuming=source.load_from is not None):  # before step 1 only
+        speed_trial.run(recipe.trainer, spec, ctx.progress, ctx.on_cuda)
     recipe.trainer.train(resume_from_checkpoint=source.load_from)
     if source.reset_from is not None and source.reset_from != source.original:
         shutil.rmtree(Path(source.reset_from).parent, ignore_errors=True)  # the optimizer-less copy

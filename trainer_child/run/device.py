@@ -49,11 +49,13 @@ def why_no_cuda() -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         import pynvml
-
+    except ImportError as exc:
+        return f"no NVIDIA driver could be asked (pynvml is not installed: {exc})"
+    try:
         pynvml.nvmlInit()
         count = int(pynvml.nvmlDeviceGetCount())
         pynvml.nvmlShutdown()
-    except Exception as exc:  # pynvml missing, or NVML_ERROR_LIBRARY_NOT_FOUND / DRIVER_NOT_LOADED
+    except pynvml.NVMLError as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
         return f"no NVIDIA driver could be loaded ({type(exc).__name__}: {exc})"
     if count == 0:
         return "the NVIDIA driver sees no GPU"

@@ -18,6 +18,7 @@ from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadErr
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.disk_space import exception_chain, is_disk_full
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace
 
@@ -152,7 +153,7 @@ def write_report(
         step=failure.step,
         is_oom=failure.oom,
         config_error=failure.config,
-        oom_numbers=oom_numbers(failure.message) if failure.oom else {},
+        oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
         memory_stats=memory_stats,
         device=device,
         emergency_checkpoint=emergency[0] if emergency else None,

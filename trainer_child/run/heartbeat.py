@@ -1,4 +1,7 @@
-"""The child's events file (JSON lines, :func:`contract.events.event_line`) and its heartbeat thread."""
+"""The child's events file (JSON lines, :func:`contract.events.event_line`) and its heartbeat thread.
+
+The lines this module writes are the contract's own records (``to_line()``), so the supervisor's
+:func:`contract.events.parse_event` reads back exactly what was written."""
 
 from __future__ import annotations
 
@@ -8,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, event_line
+from qlora_supervise.trainer_child.contract.events import (
+    EarlyCheckpointRequested,
+    Heartbeat,
+    StageEntered,
+    Stopping,
+    event_line,
+)
+from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 
 
 class EventLog:
@@ -24,7 +34,10 @@ class EventLog:
         self._lock = threading.Lock()
 
     def emit(self, event: str, **fields: Any) -> None:
-        line = event_line(event, **fields)
+        self.write(event_line(event, **fields))
+
+    def write(self, line: str) -> None:
+        """Append one line (a record's ``to_line()``), whole."""
         with self._lock:
             self._handle.write(line)
             self._handle.flush()
@@ -65,19 +78,19 @@ class Progress:
         looping = self.stage in LOOP_STAGES and stage in LOOP_STAGES
         self.stage = stage
         if not looping:
-            self.events.emit("stage", stage=stage.value, step=self.step)
+            self.events.write(StageEntered(stage, self.step).to_line())
 
     def announce_stop(self) -> None:
         """Emit ``stopping`` once, from whichever thread sees the request first."""
         if self.stop_requested and not self._stop_announced:
             self._stop_announced = True
-            self.events.emit("stopping", stage=self.stage.value, step=self.step)
+            self.events.write(Stopping(self.stage, self.step).to_line())
 
     def announce_early_checkpoints(self) -> None:
         """Emit ``early_checkpoint_requested`` once, after the signal asked for it."""
         if self.early_checkpoints and not self._early_announced:
             self._early_announced = True
-            self.events.emit("early_checkpoint_requested", stage=self.stage.value, step=self.step)
+            self.events.write(EarlyCheckpointRequested(self.stage, self.step).to_line())
 
     def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
         """The heartbeat of this moment (memory measured now unless given)."""
@@ -88,7 +101,7 @@ class Progress:
         return Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)
 
     def heartbeat(self) -> None:
-        self.events.emit("heartbeat", **self.beat().fields())
+        self.events.write(self.beat().to_line())
 
 
 class HeartbeatThread(threading.Thread):

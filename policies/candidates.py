@@ -1,0 +1,162 @@
+"""The configs pre-flight chooses among, and what class of cost each change has.
+
+A candidate is the job's knobs with some knobs changed, and the names of the rungs that change
+them. Changes are classed by what they cost (ARCHITECTURE.md, "Choosing a config"):
+
+* **free**: ``expandable_segments`` (measured +0.9 % tokens/s on the H200: noise), and the bf16
+  head when :data:`BF16_HEAD_CLASS` says so;
+* **throughput**: gradient checkpointing, a smaller micro-batch with more accumulation (every
+  divisor of the job's per-rank batch up to the job's micro-batch), the paged 8-bit optimizer,
+  activation offload, the bf16 head (by default), a smaller eval batch. The throughput model
+  (:mod:`.throughput`) ranks them, so no fixed cost per rung is needed;
+* **quality**: a shorter seq_len, a smaller LoRA rank, a smaller model (the job's fallbacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from qlora_supervise.policies.rungs import MIN_SEQ_LEN, STATIC_RUNGS
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+PAGED_8BIT = "paged_adamw_8bit"
+
+
+class CostClass(str, enum.Enum):
+    FREE = "free"
+    THROUGHPUT = "throughput"
+    QUALITY = "quality"
+
+
+#: The one setting for the bf16 embeddings and LM head. Issue 19 measured +43 % tokens/s and
+#: -2.8 GiB on the 8B 128k shape with the first four losses equal to three digits; until the loss
+#: parity over a longer run is measured (bench/head_parity.py), it is a throughput change (taken
+#: only when the job does not fit as written). FREE would turn it on for every job.
+BF16_HEAD_CLASS = CostClass.THROUGHPUT
+
+#: The class of each rung pre-flight and ``plan`` know.
+RUNG_CLASSES: Mapping[str, CostClass] = {
+    "expandable_segments": CostClass.FREE,
+    "bf16_head": BF16_HEAD_CLASS,
+    "gradient_checkpointing": CostClass.THROUGHPUT,
+    "halve_micro_batch": CostClass.THROUGHPUT,
+    "paged_8bit_optimizer": CostClass.THROUGHPUT,
+    "activation_offload": CostClass.THROUGHPUT,
+    "halve_eval_batch": CostClass.THROUGHPUT,
+    "shorten_seq_len": CostClass.QUALITY,
+    "halve_lora_rank": CostClass.QUALITY,
+    "smaller_model": CostClass.QUALITY,
+}
+#: How much each quality rung weighs when one must be taken: fewer quality steps first, and a
+#: shorter sequence before a smaller rank (the ladders' order: the adapter keeps its capacity).
+QUALITY_WEIGHTS: Mapping[str, float] = {"shorten_seq_len": 1.0, "halve_lora_rank": 1.2, "smaller_model": 5.0}
+#: Which rung a changed knob stands for, in the journal's words.
+RUNG_OF_KNOB: Mapping[str, str] = {
+    "expandable_segments": "expandable_segments",
+    "bf16_head": "bf16_head",
+    "gradient_checkpointing": "gradient_checkpointing",
+    "micro_batch_size": "halve_micro_batch",
+    "optimizer": "paged_8bit_optimizer",
+    "activation_offload": "activation_offload",
+    "eval_batch_size": "halve_eval_batch",
+    "max_seq_len": "shorten_seq_len",
+    "lora_r": "halve_lora_rank",
+    "model": "smaller_model",
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The job's knobs with the changes ``rungs`` name."""
+
+    knobs: Knobs
+    rungs: tuple[str, ...]
+
+    @property
+    def quality_weight(self) -> float:
+        return sum(QUALITY_WEIGHTS.get(name, 0.0) for name in self.rungs)
+
+
+def rungs_between(old: Knobs, new: Knobs) -> tuple[str, ...]:
+    """The rung names of every knob that differs, in the rungs' own order (one name per rung)."""
+    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
+    changed = {RUNG_OF_KNOB[k] for k in before if before[k] != after[k] and k in RUNG_OF_KNOB}
+    order = [*STATIC_RUNGS, "smaller_model"]
+    return tuple(name for name in order if name in changed)
+
+
+def micro_batches(knobs: Knobs) -> list[Knobs]:
+    """Every micro-batch that divides the job's per-rank batch, up to the job's, largest first;
+    accumulation grows to keep the effective batch. The job's micro-batch is the largest tried:
+    it is what the user allowed the card to hold at once."""
+    per_rank = knobs.micro_batch_size * knobs.grad_accum
+    return [
+        dataclasses.replace(knobs, micro_batch_size=m, grad_accum=per_rank // m)
+        for m in range(knobs.micro_batch_size, 0, -1)
+        if per_rank % m == 0
+    ]
+
+
+def eval_batches(knobs: Knobs) -> list[Knobs]:
+    """The job's eval batch and each halving (a smaller eval batch fixes an eval that does not fit)."""
+    chain = [knobs]
+    while chain[-1].eval_enabled and chain[-1].eval_batch_size > 1:
+        chain.append(dataclasses.replace(chain[-1], eval_batch_size=chain[-1].eval_batch_size // 2))
+    return chain
+
+
+def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
+    """Every combination of the free and throughput knobs on ``knobs`` (the eval batch apart:
+    pre-flight fits it per candidate), expandable segments always on."""
+    free = dataclasses.replace(knobs, expandable_segments=True)
+    if BF16_HEAD_CLASS is CostClass.FREE:
+        free = dataclasses.replace(free, bf16_head=True)
+    options = (
+        (False, True),  # either way: checkpointing off at a smaller micro-batch may be the faster
+        (free.optimizer, PAGED_8BIT) if free.optimizer != PAGED_8BIT else (PAGED_8BIT,),
+        _either(free.activation_offload),
+        _either(free.bf16_head),
+    )
+    for ckpt, optimizer, offload, head in itertools.product(*options):
+        changed = dataclasses.replace(
+            free, gradient_checkpointing=ckpt, optimizer=optimizer, activation_offload=offload, bf16_head=head
+        )
+        yield from micro_batches(changed)
+
+
+def most_frugal(knobs: Knobs) -> Knobs:
+    """Every memory-saving free and throughput knob on, micro-batch 1, eval batch 1."""
+    return dataclasses.replace(
+        micro_batches(knobs)[-1],
+        expandable_segments=True,
+        gradient_checkpointing=True,
+        optimizer=PAGED_8BIT,
+        activation_offload=True,
+        bf16_head=True,
+        eval_batch_size=1,
+    )
+
+
+def quality_variants(knobs: Knobs) -> list[Candidate]:
+    """The job's model at each seq_len halving x each rank halving, lightest quality cut first."""
+    out = []
+    seq: Knobs | None = knobs
+    seq_names: tuple[str, ...] = ()
+    while seq is not None and seq.max_seq_len >= MIN_SEQ_LEN:
+        rank: Knobs | None = seq
+        rank_names = seq_names
+        while rank is not None:
+            if rank_names:
+                out.append(Candidate(rank, rank_names))
+            rank, rank_names = STATIC_RUNGS["halve_lora_rank"].apply(rank), (*rank_names, "halve_lora_rank")
+        seq, seq_names = STATIC_RUNGS["shorten_seq_len"].apply(seq), (*seq_names, "shorten_seq_len")
+    return sorted(out, key=lambda c: c.quality_weight)  # stable: a shorter seq before a smaller rank
+
+
+def _either(value: bool) -> tuple[bool, ...]:
+    # A knob the job already turned on stays on: pre-flight changes knobs towards less memory only.
+    return (True,) if value else (False, True)

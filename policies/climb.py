@@ -1,0 +1,189 @@
+"""Rule 6 of the decision: after a memory failure, climb the ladder (or search its combinations).
+
+Rungs with nothing to change, results that already failed the same way, rungs charged with a
+failure earlier in the run (:mod:`.charge`), and results a calibrated memory model says cannot
+fit are skipped (a skipped rung's change is kept and the next rung applied on top) -> Restart,
+or GiveUp when the ladder is exhausted. For the training step's own memory the pre-flight's
+search runs first: it combines throughput rungs and ranks them by the throughput model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qlora_supervise.policies import memory_model, preflight, throughput
+from qlora_supervise.policies.candidates import rungs_between
+from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies.rungs import (
+    STATIC_RUNGS,
+    Rung,
+    RungContext,
+    Survives,
+    rung_by_name,
+    shorten_cost_text,
+)
+from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
+from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+_SURVIVAL_ORDER = (Survives.ALL, Survives.OPTIMIZER_RESET, Survives.ADAPTER_REINIT)
+
+
+@dataclass(frozen=True)
+class MergeFailure:
+    """How the ladder sees any memory failure of the merge process."""
+
+    kind: FailureKind = FailureKind.OOM_MERGE
+    stage: Stage = Stage.MERGE
+    numbers: Mapping[str, Any] = field(default_factory=dict)
+    fatal_xid: int | None = None
+
+
+def climb(
+    failure: FailureLike,
+    knobs: Knobs,
+    history: Sequence[PastAttempt],
+    settings: Settings,
+    unusable: frozenset[str] = frozenset(),
+) -> Decision:
+    """The next rung(s) for ``failure`` of ``knobs``; ``unusable``: rungs charged with a failure."""
+    settings = for_model(settings, knobs.model)
+    failed_same_way = {past.knobs for past in history if past.kind is failure.kind}
+    scale = _scale(history, settings)
+    searched = _search(failure, knobs, failed_same_way, settings, scale, unusable)
+    if searched is not None:
+        return searched
+    context = RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
+    candidate = knobs
+    applied: list[Rung] = []
+    skipped: list[str] = []
+    for name in ladder_for(failure.kind, failure.stage, settings.overrides):
+        if name in unusable:
+            continue
+        rung = rung_by_name(name, context)
+        changed = rung.apply(candidate)
+        if changed is None or changed in failed_same_way:
+            continue
+        candidate = changed
+        applied.append(rung)
+        if not _predicted_too_big(candidate, settings, scale):
+            return _restart(knobs, candidate, applied, skipped, settings.sample_lengths)
+        skipped.append(rung.name)
+    if applied:
+        # Nothing fits by the model's estimate: it may be wrong, so take one step, not all.
+        first = applied[0]
+        stepped = first.apply(knobs)
+        assert stepped is not None  # it changed these knobs in the walk above
+        return _restart(knobs, stepped, [first], [], settings.sample_lengths)
+    return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
+
+
+#: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
+_STEP_MEMORY = frozenset(
+    {
+        FailureKind.OOM_FORWARD,
+        FailureKind.OOM_BACKWARD,
+        FailureKind.OOM_OPTIMIZER,
+        FailureKind.OOM_FRAGMENTATION,
+    }
+)
+
+
+def _search(
+    failure: FailureLike,
+    knobs: Knobs,
+    failed: set[Knobs],
+    settings: Settings,
+    scale: float | None,
+    unusable: frozenset[str],
+) -> Restart | None:
+    """The fastest throughput-only change predicted to fit, searched over combinations.
+
+    The ladder applies each rung once in its order; the search can combine them (checkpointing
+    with the micro-batch halved twice) and so reaches a config that fits without the quality
+    rung a walk would take next, ranked by the throughput model with this run's measured speeds.
+    The failure itself calibrates it: the failed config needed more than the budget, so the
+    model's variable part is scaled up to say so at least. A quality change, or nothing
+    predicted to fit, leaves the choice to the ladder walk.
+    """
+    shape, budget = settings.shape, settings.budget_bytes
+    if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
+        return None
+    floor = _failed_scale(shape, knobs, budget)
+    speed = throughput.calibrate(shape, settings.speeds) if settings.speeds else None
+    result = preflight.preflight(
+        shape, knobs, budget, scale=max(scale or floor, floor), speed=speed,
+        exclude=frozenset(failed), unusable=unusable,
+    )  # fmt: skip
+    if not result.fits or result.quality_changed or result.knobs == knobs:
+        return None
+    names = rungs_between(knobs, result.knobs)
+    survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
+    why = "; ".join(STATIC_RUNGS[name].reason for name in names if name in STATIC_RUNGS)
+    why += f" (memory model: {result.reasons[-1]})"
+    return Restart(result.knobs, "+".join(names), knob_changes(knobs, result.knobs), why, survives)
+
+
+def for_model(settings: Settings, model: str) -> Settings:
+    """The settings for ``model``: a fallback model's own shape, without the job's model's
+    measurements (they calibrate another shape); the job's model: unchanged."""
+    shapes = dict(settings.fallback_shapes)
+    if model not in shapes:
+        return settings
+    return dataclasses.replace(settings, shape=shapes[model], prior=(), speeds=())
+
+
+def _failed_scale(shape: memory_model.ModelShape, knobs: Knobs, budget: int) -> float:
+    """The smallest scale of the variable part at which ``knobs`` no longer fits ``budget``."""
+    fixed, variable = memory_model.split(memory_model.predict(shape, knobs))
+    return max(1.0, (budget - fixed) / variable) if variable > 0 else 1.0
+
+
+def _scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:
+    if settings.shape is None:
+        return None
+    observations = [
+        memory_model.Observation(past.knobs, past.peak_bytes)
+        for past in history
+        # A peak counts once the attempt finished a whole optimizer step with those knobs (and
+        # calibrates only the model it was measured on: the shape is per model).
+        if past.steps_progressed > 0 and past.peak_bytes and past.knobs.model == history[-1].knobs.model
+    ]
+    # This run's own peaks first: with any of them, the host's older ones are not needed.
+    return memory_model.calibrate(settings.shape, observations or list(settings.prior))
+
+
+def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) -> bool:
+    own = for_model(settings, knobs.model)
+    if own.shape is not settings.shape:  # the walk reached a fallback: its own shape, uncalibrated
+        settings, scale = own, None
+    if settings.shape is None or settings.budget_bytes is None:
+        return False
+    return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale)
+
+
+def _restart(
+    old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str], lengths: SampleLengths | None
+) -> Restart:
+    why = "; ".join(_reason(rung, old, new, lengths) for rung in applied)
+    if skipped:
+        why += f" (memory model: {', '.join(skipped)} alone would not fit)"
+    survives = max((rung.survives for rung in applied), key=_SURVIVAL_ORDER.index)
+    return Restart(new, "+".join(rung.name for rung in applied), knob_changes(old, new), why, survives)
+
+
+def _reason(rung: Rung, old: Knobs, new: Knobs, lengths: SampleLengths | None) -> str:
+    """The rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts)."""
+    if rung.name == "shorten_seq_len" and lengths is not None:
+        return f"{rung.reason}: {shorten_cost_text(lengths, old, new)}"
+    return rung.reason
+
+
+def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
+    """``{knob: (old, new)}`` for every knob that differs."""
+    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
+    return {name: (before[name], after[name]) for name in before if before[name] != after[name]}

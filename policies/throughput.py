@@ -1,0 +1,201 @@
+"""The throughput model: predicted tokens/s of a QLoRA config, next to the memory model.
+
+For a 4-bit model most of a micro-step's cost is fixed: every micro-step dequantizes every
+weight (forward, and again in backward for the input gradient; once more for the recomputed
+forward under checkpointing), whatever the number of tokens it carries. So:
+
+    seconds per micro-step = fixed_s_per_byte[mode] x 4-bit weight bytes
+                           + token_s[mode] x tokens x work per token x head factor
+                           + offload seconds (activation offload: saved activations over PCIe)
+    seconds per optimizer step = accumulation x micro-step + optimizer_s_per_param[kind] x adapter params
+    tokens/s = micro x accumulation x seq_len / seconds per optimizer step
+
+``mode`` is gradient checkpointing off or on; the two are fitted apart, so the recompute share
+(``token_s[on] / token_s[off] - 1``) is a result of the fit, not a prior. *Work per token* is
+the multiply-adds one token costs the base model: the quantized linear layers, the LM head
+(``vocab x hidden``) and attention (``layers x seq_len x q_dim``). The coefficients are in
+:mod:`.throughput_fit`, written by ``bench/fit_throughput.py`` from the H200 sweep.
+
+Measured numbers beat the model (:class:`SpeedCalibration`): a config this host (or this run)
+has measured is ranked with its measured step time, and the others with the model scaled by the
+median measured/predicted ratio of their checkpointing mode, so a host where recomputation is
+dearer than on the H200 ranks accordingly. A mode with no measurement takes the median over all
+of them: one slow measurement of one mode says the host is slower, not that the other mode is
+faster, so it does not flip the modes' order by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qlora_supervise.policies import throughput_fit as fit
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, NF4_DOUBLE_QUANT, NF4_SINGLE_QUANT
+from qlora_supervise.policies.memory.gpu import predict as predict_memory
+from qlora_supervise.policies.memory.optimizer import adapter_tensors
+from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+#: Host <-> card bandwidth an offloaded activation crosses twice (out in forward, back in backward).
+#: A prior, not measured here: PCIe 5.0 x16 moves ~50 GB/s each way; pinned copies reach about half
+#: of that while kernels compete for the bus.
+OFFLOAD_BYTES_PER_S = 25e9
+
+
+def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
+    """Bytes of the quantized linear layers: what each micro-step dequantizes."""
+    per_weight = (NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT) if knobs.load_in_4bit else 2
+    return int(shape.layers * shape.layer_params * per_weight)
+
+
+def work_per_token(shape: ModelShape, seq_len: int) -> int:
+    """Multiply-adds per token of the base model's forward (linear layers, LM head, attention)."""
+    return (
+        shape.layers * shape.layer_params + shape.vocab * shape.hidden + shape.layers * seq_len * shape.q_dim
+    )
+
+
+def adapter_params(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS) -> int:
+    return sum(adapter_tensors(shape, knobs.lora_r, targets))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted (or measured) step: seconds per micro-step and per optimizer step, and tokens/s."""
+
+    micro_step_s: float
+    optimizer_step_s: float
+    tokens_per_s: float
+    measured: bool = False  # True: this host measured these knobs (or a calibration scaled it)
+
+
+def micro_step_seconds(
+    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+) -> float:
+    """Seconds of one forward + backward micro-step (no optimizer step), by the fitted model."""
+    mode = "ckpt" if knobs.gradient_checkpointing else "no_ckpt"
+    tokens = knobs.micro_batch_size * knobs.max_seq_len
+    head = fit.BF16_HEAD_TOKEN_FACTOR if knobs.bf16_head else 1.0
+    seconds = fit.FIXED_S_PER_BYTE[mode] * weight_bytes(shape, knobs)
+    seconds += fit.TOKEN_S[mode] * tokens * work_per_token(shape, knobs.max_seq_len) * head
+    if knobs.activation_offload:
+        on_card = dataclasses.replace(knobs, activation_offload=False)
+        saved = predict_memory(shape, on_card, targets).components.get("activations", 0)
+        seconds += 2 * saved / OFFLOAD_BYTES_PER_S
+    return seconds
+
+
+def optimizer_seconds(
+    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+) -> float:
+    """Seconds of one optimizer step over the adapter (by optimizer kind; unknown kinds as adamw_torch)."""
+    per_param = fit.OPTIMIZER_S_PER_PARAM.get(knobs.optimizer, fit.OPTIMIZER_S_PER_PARAM["adamw_torch"])
+    return per_param * adapter_params(shape, knobs, targets)
+
+
+def predict(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS) -> StepTime:
+    """The model's step time and tokens/s for ``knobs`` (one rank; ranks add throughput, not speed)."""
+    micro = micro_step_seconds(shape, knobs, targets)
+    step = knobs.grad_accum * micro + optimizer_seconds(shape, knobs, targets)
+    tokens = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len
+    return StepTime(micro, step, tokens / step if step > 0 else 0.0)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def speed_key(knobs: Knobs) -> Knobs:
+    """The knobs that decide training speed (eval, the allocator, alpha and the model's path do
+    not), so a measured config is found again however those were set."""
+    return dataclasses.replace(
+        knobs,
+        model="",  # the store is read per shape: the same shape under another path is the same speed
+        lora_alpha=1,
+        eval_batch_size=1,
+        eval_enabled=False,
+        merge_on_cpu=False,
+        expandable_segments=True,
+        gpus="",
+    )
+
+
+@dataclass(frozen=True)
+class SpeedObservation:
+    """Training tokens/s measured for ``knobs`` (a run's heartbeats, or the per-host store)."""
+
+    knobs: Knobs
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class SpeedCalibration:
+    """What measurements say: exact configs measured, and a scale per checkpointing mode."""
+
+    measured: tuple[SpeedObservation, ...] = ()
+    scale: tuple[tuple[bool, float], ...] = ()  # (checkpointing, measured / predicted tokens/s)
+    overall: float | None = None  # the median over every observation, for a mode with none
+
+    def factor(self, checkpointing: bool) -> float | None:
+        return next((s for mode, s in self.scale if mode is checkpointing), self.overall)
+
+
+#: A measured/predicted ratio outside this is a different machine or a broken measurement: clamp.
+SCALE_RANGE = (0.1, 10.0)
+
+
+def calibrate(
+    shape: ModelShape,
+    observations: Sequence[SpeedObservation],
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+) -> SpeedCalibration:
+    """The calibration ``observations`` of this shape give (newest last; the newest of a config wins)."""
+    latest: dict[Knobs, SpeedObservation] = {}
+    for o in observations:
+        if o.tokens_per_s > 0 and o.knobs.world_size == 1:
+            latest[speed_key(o.knobs)] = o
+    ratios: dict[bool, list[float]] = {True: [], False: []}
+    for key, o in latest.items():
+        predicted = predict(shape, key, targets).tokens_per_s
+        if predicted > 0:
+            ratios[key.gradient_checkpointing].append(_clamp(o.tokens_per_s / predicted))
+    every = sorted(r for rs in ratios.values() for r in rs)
+    scale = tuple((mode, _median(rs)) for mode, rs in ratios.items() if rs)
+    return SpeedCalibration(tuple(latest.values()), scale, _median(every) if every else None)
+
+
+def rank_speed(
+    shape: ModelShape,
+    knobs: Knobs,
+    calibration: SpeedCalibration | None = None,
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+) -> StepTime:
+    """The step time the ranking uses: measured where these knobs were measured, else the model
+    scaled by its checkpointing mode's measured ratio, else the model."""
+    model = predict(shape, knobs, targets)
+    if calibration is None:
+        return model
+    key = speed_key(knobs)
+    for o in calibration.measured:
+        if speed_key(o.knobs) == key:
+            return _at(knobs, o.tokens_per_s, model)
+    factor = calibration.factor(knobs.gradient_checkpointing)
+    return model if factor is None else _at(knobs, model.tokens_per_s * factor, model)
+
+
+def _at(knobs: Knobs, tokens_per_s: float, model: StepTime) -> StepTime:
+    tokens = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len
+    step = tokens / tokens_per_s
+    micro = model.micro_step_s * step / model.optimizer_step_s if model.optimizer_step_s else step
+    return StepTime(micro, step, tokens_per_s, measured=True)
+
+
+def _clamp(ratio: float) -> float:
+    low, high = SCALE_RANGE
+    return min(high, max(low, ratio))
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

@@ -1,0 +1,116 @@
+"""The values the decision reads and returns: past attempts, settings, ``Restart | Wait | GiveUp``.
+
+Apart from :mod:`.decide` so that the rules' modules (:mod:`.climb`, :mod:`.waits`,
+:mod:`.charge`) share them without importing each other; :mod:`.decide` re-exports them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.policies.throughput import SpeedObservation
+from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+
+class FailureLike(Protocol):
+    """What the policy reads of a classified failure (the supervisor's ``Failure``)."""
+
+    @property
+    def kind(self) -> FailureKind: ...
+
+    @property
+    def stage(self) -> Stage: ...
+
+    @property
+    def numbers(self) -> Mapping[str, Any]: ...
+
+    @property
+    def fatal_xid(self) -> int | None:
+        """The fatal NVML Xid that decided a ``gpu_fault``; None otherwise."""
+
+
+@dataclass(frozen=True)
+class PastAttempt:
+    """One finished attempt as the policy sees it."""
+
+    knobs: Knobs
+    kind: FailureKind | None  # None: the attempt did not fail (stopped by the user)
+    steps_progressed: int
+    peak_bytes: int | None = None
+    stage: Stage | None = None  # where it failed (None: not recorded)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The job's supervise section, plus facts the policy needs about the model and budget."""
+
+    max_attempts: int = 8
+    max_no_progress: int = 3
+    degrade_on_contention: bool = False
+    contention_wait_s: float = 1800.0
+    disk_wait_s: float = 1800.0
+    fallbacks: tuple[str, ...] = ()
+    overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
+    budget_bytes: int | None = None
+    shape: memory_model.ModelShape | None = None
+    #: Peaks observed on this host in earlier runs of the same shape (the per-host store).
+    prior: tuple[memory_model.Observation, ...] = ()
+    # The latest attempt's tokenized sample lengths: shorten_seq_len says what it would cut.
+    sample_lengths: SampleLengths | None = None
+    #: Tokens/s measured for this shape: this host's earlier runs (the store), then this run's attempts.
+    speeds: tuple[SpeedObservation, ...] = ()
+    #: The fallback models' shapes, in the order of ``fallbacks`` (None: outside the memory model).
+    fallback_shapes: tuple[tuple[str, memory_model.ModelShape | None], ...] = ()
+    #: The speed trial (supervise.speed_trial): attempt 1 times its top candidates before step 1.
+    speed_trial: bool = True
+
+
+@dataclass(frozen=True)
+class Restart:
+    knobs: Knobs
+    rung: str  # "+"-joined when the memory model made the policy apply several at once
+    changes: Mapping[str, tuple[Any, Any]]
+    why: str
+    survives: Survives
+
+
+class WaitFor(str, enum.Enum):
+    """What a :class:`Wait` waits for."""
+
+    GPU_MEMORY = "gpu_memory"  # other processes to release the card's memory
+    DISK = "disk"  # room on the disk that holds the run directory
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait up to ``seconds`` for ``needed_bytes`` of GPU memory (or disk) to be free, then ask again."""
+
+    seconds: float
+    needed_bytes: int
+    why: str
+    resource: WaitFor = WaitFor.GPU_MEMORY
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    """What the loop saw while carrying out a :class:`Wait`: the last free reading (None: no reading)."""
+
+    free_bytes: int | None
+    waited_s: float
+    stopped: bool = False  # a stop signal ended the wait: no verdict (the loop stops the run)
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    why: str
+    retryable: bool = True  # False: no config change can help (exit 4 rather than 3)
+
+
+Decision = Restart | Wait | GiveUp

@@ -1,0 +1,126 @@
+"""Warnings: jobs that validate and would run, but probably do not mean what they say.
+
+A problem (``problems.Problem``) stops the job; advice does not. ``validate`` prints each as a
+``warning:`` line, and ``run`` says them at start (console and ``events.jsonl``), so nothing of
+this is silent:
+
+* a duration written without a unit (``hang_timeout: 20``) is read as seconds, as before (job
+  files and run directories written that way keep loading), and said so with the fix (``20s``,
+  or ``20m`` if minutes were meant);
+* ``max_steps`` and ``epochs`` both set: ``max_steps`` wins (the trainer stops there), ``epochs``
+  is ignored;
+* an ``eval_fraction`` that leaves fewer training records than one effective batch;
+* ``resources.gpu`` naming a GPU this machine does not show (no NVIDIA driver, or fewer GPUs
+  visible): the child would fail only after its imports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import BeforeValidator
+
+from qlora_supervise.supervisor.jobfile import fields
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.jobfile.schema import SuperviseSection
+from qlora_supervise.supervisor.jobfile.world import split_sizes
+from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One warning: the job file's field, what it will do, and what to write instead."""
+
+    field: str
+    what: str
+    fix: str
+
+    def render(self) -> str:
+        return f"warning: {self.field}: {self.what}; {self.fix}"
+
+
+def job_advice(
+    job: Job, records: int | None, gpu_count: Callable[[], int | None] = visible_gpu_count
+) -> list[Advice]:
+    """Every warning for ``job``; ``records``: the training file's record count (None: unknown)."""
+    raw = _raw(job.raw_text)
+    return [
+        *_bare_durations(raw),
+        *_length_advice(job, raw),
+        *_split_advice(job, records),
+        *_gpu_advice(job, gpu_count),
+    ]
+
+
+def _raw(text: str) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def duration_fields() -> tuple[str, ...]:
+    """The supervise fields that are durations (their type reads ``20m``), from the schema."""
+    return tuple(
+        name
+        for name, info in SuperviseSection.model_fields.items()
+        if any(isinstance(m, BeforeValidator) and m.func is fields.to_seconds for m in info.metadata)
+    )
+
+
+def _bare_durations(raw: dict[str, Any]) -> list[Advice]:
+    supervise = raw.get("supervise")
+    if not isinstance(supervise, dict):
+        return []
+    found = []
+    for name in duration_fields():
+        value = supervise.get(name)
+        text = str(value).strip()
+        if isinstance(value, bool) or not re.fullmatch(r"\d+(\.\d*)?|\.\d+", text) or float(text) == 0:
+            continue
+        what = f"{text} has no unit and is read as {text} seconds"
+        found.append(Advice(f"supervise.{name}", what, f"write {text}s (or {text}m if you meant minutes)"))
+    return found
+
+
+def _length_advice(job: Job, raw: dict[str, Any]) -> list[Advice]:
+    train = raw.get("train")
+    if not isinstance(train, dict) or train.get("max_steps") is None or train.get("epochs") is None:
+        return []
+    what = f"both max_steps ({job.train.max_steps}) and epochs ({train['epochs']}) are set: max_steps wins"
+    return [Advice("train.epochs", what, "remove epochs (or max_steps, to train by epochs)")]
+
+
+def _split_advice(job: Job, records: int | None) -> list[Advice]:
+    fraction = job.data.eval_fraction
+    if records is None or fraction == 0 or job.data.eval_path is not None:
+        return []
+    train_rows, eval_rows = split_sizes(records, fraction)
+    batch = job.knobs.effective_batch
+    if train_rows == 0 or train_rows >= batch:
+        return []  # none: a problem already; enough: nothing to say
+    what = (
+        f"{fraction:g} of {records} record(s) trains on {train_rows} and evaluates on {eval_rows}: "
+        f"fewer than one effective batch ({batch}), so every step repeats the same records"
+    )
+    return [Advice("data.eval_fraction", what, "use more data, a smaller eval_fraction or a data.eval_path")]
+
+
+def _gpu_advice(job: Job, gpu_count: Callable[[], int | None]) -> list[Advice]:
+    device = job.resources.device
+    if not device.startswith("cuda:"):
+        return []
+    index, visible = int(device.removeprefix("cuda:")), gpu_count()
+    if visible is not None and index < visible:
+        return []
+    seen = (
+        "no NVIDIA GPU is visible here (NVML finds no driver)" if not visible else f"{visible} GPU(s) visible"
+    )
+    what = f"{device}: {seen}; the trainer would fail after loading its libraries"
+    fix = "run it on the GPU machine, check CUDA_VISIBLE_DEVICES, or set gpu: cpu (or auto)"
+    return [Advice("resources.gpu", what, fix)]

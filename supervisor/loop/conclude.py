@@ -1,0 +1,153 @@
+"""After an attempt: judged, decided, journalled, announced; the arbiter is told where to go next.
+
+Both ways an attempt ends come here (the runner watched it, or the reclaim found it after the
+supervisor itself died). :meth:`Conclusions.conclude` judges the outcome; a failure goes to the
+policy (:mod:`.decision`) and :meth:`~Conclusions.answer` turns the policy's answer into a
+:class:`Turn`: a ``Wait`` leads to WAITING without a journal line yet; a ``Restart`` or
+``GiveUp`` is journalled (fsynced) before the arbiter acts on it, and announced from its line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from structlog.typing import FilteringBoundLogger
+
+from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop import decision as deciding
+from qlora_supervise.supervisor.loop.announce import announce_decision, announce_failure, announce_success
+from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
+from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
+from qlora_supervise.supervisor.loop.settings import remember_attempt, step_fit, with_sample_lengths
+from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.journal import RunState, append_attempt
+from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome, Phase
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """Where the arbiter goes next: a state, and in WAITING the failed attempt whose answer waits."""
+
+    state: RunState
+    pending: deciding.Pending | None = None
+
+
+@dataclasses.dataclass
+class Conclusions:
+    """The journal's writer. ``settings`` are the policy's, updated by what each attempt showed
+    (sample lengths, peaks, speeds); ``lifted_after``: attempts up to this one had a verdict
+    that was lifted, so the policy's budgets count only the attempts after it."""
+
+    job: Job
+    rd: RunDir
+    log: FilteringBoundLogger
+    disk: DiskWaiter
+    settings: policy.Settings
+    lifted_after: int = 0
+
+    def conclude(self, o: AttemptOutcome, records: list[AttemptRecord], reclaimed: bool = False) -> Turn:
+        """The one path from an ended attempt (watched or reclaimed) to its journal line."""
+        log = self.log.bind(attempt=o.number)
+        fit = step_fit(self.settings, self.job.resources.device, o.plan)
+        verdict = judge(o, self._phase_done(o.plan.phase), fit)
+        if isinstance(verdict, Failure):
+            verdict = self.disk.explain(verdict)
+            announce_failure(log, verdict, o.report, reclaimed)
+            return self._decide(o, verdict, records, log)
+        next_from = None if verdict is Outcome.SUCCEEDED else self.resume_step(o.plan.knobs)
+        record = self.journal(record_of(o, verdict, next_from), records)
+        if verdict is Outcome.STOPPED:
+            return Turn(RunState.STOPPED)  # RUNNING -> STOPPED
+        if verdict is Outcome.SUCCEEDED:
+            announce_success(log, record, records, self.job.train.merge, self.rd, reclaimed)
+        else:
+            log.info(
+                Event.ATTEMPT_INTERRUPTED,
+                steps=record.steps_completed,
+                resume_from=record.next_resume_from,
+                why="the supervisor stopped while this attempt ran; its config is not counted as failed",
+            )
+        return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan says what is left (a merge, or done)
+
+    def answer(self, pending: deciding.Pending, records: list[AttemptRecord]) -> Turn:
+        """Act on the policy's answer: a Wait is carried out first; a Restart or GiveUp is journalled."""
+        decision = pending.decision
+        if isinstance(decision, policy.Wait):
+            return Turn(RunState.WAITING, pending)  # RUNNING -> WAITING
+        next_from = None
+        if isinstance(decision, policy.Restart):
+            reinit = decision.survives is Survives.ADAPTER_REINIT
+            next_from = 0 if reinit else self.resume_step(decision.knobs)
+        record = self.journal(deciding.settled(pending, decision, next_from), records)
+        announce_decision(self.log.bind(attempt=record.attempt), record, records, self.rd)
+        return _after(record)
+
+    def after_wait(
+        self, pending: deciding.Pending, waited: policy.WaitResult, records: list[AttemptRecord]
+    ) -> Turn:
+        """The policy asked again with what its Wait saw; a stop that ended the wait is no verdict."""
+        if waited.stopped:
+            # WAITING -> STOPPED: no verdict on the config; the run stays resumable.
+            next_from = self.resume_step(pending.outcome.plan.knobs)
+            self.journal(deciding.stopped_while_waiting(pending, next_from), records)
+            return Turn(RunState.STOPPED)
+        return self.answer(deciding.ask_again(pending, waited, self.settings), records)  # WAITING -> ...
+
+    def journal(self, record: AttemptRecord, records: list[AttemptRecord]) -> AttemptRecord:
+        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``."""
+        append_attempt(self.rd.attempts, record)
+        records.append(record)
+        self.settings = remember_attempt(self.settings, self.job, self.rd, record)  # peak and speed kept
+        return record
+
+    def resume_step(self, knobs: Knobs) -> int:
+        """The step an attempt with ``knobs`` would resume from: the same rule the spawn uses."""
+        return resume_point(self.rd.checkpoints, knobs).step
+
+    def _decide(
+        self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
+    ) -> Turn:
+        self.settings = with_sample_lengths(self.settings, o.progress.events)
+        if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
+            quarantined := self._quarantine(o, failure, records, log)
+        ):
+            return _after(quarantined)
+        if failure.kind is FailureKind.DISK_FULL:
+            failure = self.disk.with_room_needed(failure)
+        # A lifted verdict starts the budgets afresh: the attempts before it were judged already.
+        earlier = [r for r in records if r.attempt > self.lifted_after]
+        return self.answer(deciding.ask(o, failure, earlier, self.settings), records)
+
+    def _quarantine(
+        self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
+    ) -> AttemptRecord | None:
+        """The checkpoint the child could not load is moved aside and the same knobs resume from
+        the next older one (no verdict on the config); None when it cannot be moved (the policy
+        then decides as for any failure)."""
+        moved = quarantine_reported(o.report, self.rd.checkpoints)
+        if moved is None:
+            return None
+        log_quarantined(log, [moved])
+        entry = DecisionRecord.retry_from_older(o.plan.knobs, moved.path.name)
+        line = record_of(
+            o, Outcome.FAILED, self.resume_step(o.plan.knobs), failure_record(failure, o.report), entry
+        )
+        record = self.journal(line, records)
+        announce_decision(log, record, records, self.rd)
+        return record
+
+    def _phase_done(self, phase: Phase) -> bool:
+        return (self.rd.merged if phase is Phase.MERGE else self.rd.adapter).exists()
+
+
+def _after(record: AttemptRecord) -> Turn:
+    if deciding.unchanged_retry(record):
+        return Turn(RunState.BACKOFF)  # RUNNING | WAITING -> BACKOFF: the same config again
+    return Turn(RunState.STARTING)  # RUNNING | WAITING -> STARTING: a new config, or the verdict

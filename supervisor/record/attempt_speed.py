@@ -1,0 +1,129 @@
+"""An attempt's measured speed: the tokens/s its heartbeats carried, for the knobs it trained with.
+
+The child's heartbeats carry the tokens/s of its latest optimizer step; the attempt's speed is
+their median (the first step's kernel tuning and a checkpoint's pause are outliers). When the
+speed trial switched the config before step 1, the knobs are the trial's choice, not the plan's.
+Used by ``status``, ``explain`` and the run summary, by the per-host store, and within a run to
+correct the throughput model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qlora_supervise.policies import throughput
+from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.trainer_child.contract.events import Heartbeat, parse_event
+from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
+
+
+@dataclass(frozen=True)
+class AttemptSpeed:
+    """What one attempt's events say about its speed."""
+
+    knobs: Knobs  # the knobs it trained with (the speed trial's choice applied)
+    tokens_per_s: float | None  # median over its heartbeats; None: no step measured
+    beats: int  # heartbeats with a tokens/s
+    trial: SpeedTrialEvent | None = None
+
+
+def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
+    """The speed in ``events_file`` (an unreadable or missing file is an attempt with no speed)."""
+    try:
+        lines = events_file.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return AttemptSpeed(planned, None, 0)
+    rates: list[float] = []
+    trial = None
+    for line in lines:
+        event = parse_event(line)
+        if isinstance(event, Heartbeat) and event.tokens_per_s is not None and event.tokens_per_s > 0:
+            rates.append(event.tokens_per_s)
+        elif isinstance(event, SpeedTrialEvent):
+            trial = event
+    knobs = planned
+    if trial is not None and trial.switched:
+        chosen = trial.chosen
+        knobs = dataclasses.replace(
+            planned,
+            micro_batch_size=chosen.micro_batch_size,
+            grad_accum=chosen.grad_accum,
+            gradient_checkpointing=chosen.gradient_checkpointing,
+        )
+    return AttemptSpeed(knobs, _median(rates), len(rates), trial)
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float]]:
+    """The speed trial's measured candidates as (knobs, tokens/s). Forward + backward micro-steps
+    without the optimizer step, so a little above a training step's rate: the attempt's own
+    heartbeats, stored after them, correct the chosen one."""
+    if speed.trial is None:
+        return []
+    out = []
+    for result in speed.trial.results:
+        if result.tokens_per_s is None or result.error is not None:
+            continue
+        c = result.candidate
+        knobs = dataclasses.replace(
+            planned,
+            micro_batch_size=c.micro_batch_size,
+            grad_accum=c.grad_accum,
+            gradient_checkpointing=c.gradient_checkpointing,
+        )
+        out.append((knobs, result.tokens_per_s))
+    return out
+
+
+def measured_speed(rd: RunDir, record: AttemptRecord) -> AttemptSpeed:
+    """The speed of a journalled attempt, from its events file in the run directory."""
+    return read_attempt_speed(rd.attempt_dir(record.attempt) / "child-events.jsonl", record.knobs)
+
+
+def speed_line(speed: AttemptSpeed) -> str | None:
+    """``status``'s line for an attempt's speed (None: it measured no step), with the speed trial's
+    table when it ran one."""
+    if speed.tokens_per_s is None and speed.trial is None:
+        return None
+    parts = []
+    if speed.tokens_per_s is not None:
+        parts.append(f"{speed.tokens_per_s:.0f} tokens/s (median of {speed.beats} heartbeat(s))")
+    if speed.trial is not None:
+        rows = ", ".join(_trial_row(t) for t in speed.trial.results)
+        verdict = "switched" if speed.trial.switched else "kept the plan"
+        parts.append(f"speed trial {speed.trial.seconds:.1f} s, {verdict}: {rows}")
+    return "  speed: " + "; ".join(parts)
+
+
+def _trial_row(t: TrialResult) -> str:
+    mode = "ckpt" if t.candidate.gradient_checkpointing else "no-ckpt"
+    value = f"{t.tokens_per_s:.0f}" if t.tokens_per_s is not None else (t.error or "-")
+    return f"micro {t.candidate.micro_batch_size} {mode} {value}"
+
+
+def speed_columns(shape: ModelShape | None, speed: AttemptSpeed) -> dict[str, float | None]:
+    """``explain --json``'s measured and predicted tokens/s (predicted: None without a shape)."""
+    predicted = None if shape is None else round(throughput.predict(shape, speed.knobs).tokens_per_s, 1)
+    measured = None if speed.tokens_per_s is None else round(speed.tokens_per_s, 1)
+    return {"tokens_per_s": measured, "predicted_tokens_per_s": predicted}
+
+
+def speed_cell(row: Mapping[str, Any]) -> str:
+    """``explain``'s table cell: measured tokens/s, the prediction in brackets."""
+    measured, predicted = row.get("tokens_per_s"), row.get("predicted_tokens_per_s")
+    cell = "?" if measured is None else f"{measured:.0f}"
+    return cell + ("" if predicted is None else f" ({predicted:.0f})")

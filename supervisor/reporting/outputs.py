@@ -1,0 +1,112 @@
+"""Optional outputs are best-effort: the metrics textfile, the ``on_event`` hook, sd_notify.
+
+None of them is the run. A textfile on a full or read-only file system, a hook that crashes, a
+notify socket that went away: each must never stop training, never raise into the loop (where
+an ``OSError`` would read as the run disk being full and the loop would stop its own healthy
+trainer to wait for room), and never flood the log. So every call into one goes through
+:meth:`BestEffort.run`, and a failure becomes one log event:
+
+* the first failure of an output: ``output_failed`` (a warning) with the output's job field, the
+  problem and the fix (the hook's own failures keep their name, ``hook_failed``);
+* while it keeps failing: silent, but logged again at most every :data:`RELOG_EVERY_S`, with how
+  many failures went unlogged in between;
+* when it works again: ``output_recovered`` (info), once.
+
+TensorBoard is not here: the trainer writes it into the run directory (``<output_dir>/tensorboard``),
+so its disk is the run's disk, and a full one there is the run's own problem (``disk_full``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from structlog.typing import FilteringBoundLogger
+
+from qlora_supervise.supervisor.record.eventlog import Listener
+from qlora_supervise.supervisor.record.events import Event
+
+METRICS_TEXTFILE = "supervise.metrics_textfile"
+ON_EVENT = "supervise.on_event"
+SYSTEMD = "systemd notify"
+#: What a person does about each output's failure; the run goes on either way.
+FIXES = {
+    METRICS_TEXTFILE: "the run goes on without metrics; free space or make the textfile's directory "
+    "writable (or remove supervise.metrics_textfile)",
+    ON_EVENT: "the run goes on; fix supervise.on_event (try it with a JSON line on stdin)",
+    SYSTEMD: "the run goes on; systemctl status may show an old line until the socket answers again",
+}
+#: A failing output is logged again at most this often (with the count of unlogged failures).
+RELOG_EVERY_S = 600.0
+
+
+@dataclass
+class _Failing:
+    """One output's failure streak. Mutable: counted as failures repeat."""
+
+    logged_at: float
+    failures: int = 1
+    unlogged: int = 0
+
+
+class BestEffort:
+    """Runs optional outputs so that none can stop the run; see the module docstring.
+
+    ``log`` is bound once the event log exists (outputs run before it, at the start of a run);
+    until then a failure is not remembered, so the first one after binding is logged.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.log: FilteringBoundLogger | None = None
+        self._clock = clock
+        self._failing: dict[str, _Failing] = {}
+
+    def run(self, output: str, action: Callable[[], object]) -> bool:
+        """``action()``; False when it raised. Whatever it raises is logged, never raised.
+
+        ``action`` returns False when it had nothing to do (no write was due): that neither fails
+        nor recovers the output. Any other return counts as the output working.
+        """
+        try:
+            done = action()
+        # Blind on purpose: an optional output may fail in any way (OSError from a full or
+        # read-only textfile, a ValueError from prometheus_client, a bug in a listener), and
+        # none of those may reach the loop.
+        except Exception as error:
+            self.failed(output, f"{type(error).__name__}: {error}")
+            return False
+        if done is not False:
+            self.worked(output)
+        return True
+
+    def listener(self, output: str, listener: Callable[[Mapping[str, Any]], object]) -> Listener:
+        """``listener`` for the event log, run through :meth:`run`."""
+
+        def guarded(event: Mapping[str, Any]) -> None:
+            self.run(output, lambda: listener(event))
+
+        return guarded
+
+    def failed(self, output: str, problem: str, event: Event = Event.OUTPUT_FAILED, **fields: object) -> None:
+        """Count one failure of ``output``; log it when it is the first or the window passed."""
+        now = self._clock()
+        streak = self._failing.get(output)
+        if streak is not None:
+            streak.failures += 1
+            if now - streak.logged_at < RELOG_EVERY_S:
+                streak.unlogged += 1
+                return
+        if self.log is None:
+            return
+        unlogged = 0 if streak is None else streak.unlogged
+        self._failing[output] = _Failing(now, 1 if streak is None else streak.failures)
+        more = {"unlogged_failures": unlogged} if streak is not None else {}
+        self.log.warning(event, output=output, problem=problem, fix=FIXES.get(output, ""), **more, **fields)
+
+    def worked(self, output: str) -> None:
+        """``output`` worked: a failure streak ends with one ``output_recovered``."""
+        streak = self._failing.pop(output, None)
+        if streak is not None and self.log is not None:
+            self.log.info(Event.OUTPUT_RECOVERED, output=output, failures=streak.failures)

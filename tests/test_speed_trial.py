@@ -1,0 +1,146 @@
+"""The speed trial's choice and the knobs it hands the supervisor (pure), and the trial in the real
+child on the tiny model: one row per candidate, training untouched by it, an OOM dropped in-process."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _child import events, log_tail, make_spec, run_child
+
+from qlora_supervise.trainer_child.contract.codes import ExitCode
+from qlora_supervise.trainer_child.contract.events import parse_event
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
+from qlora_supervise.trainer_child.contract.speed_trial import (
+    MIN_GAIN,
+    SpeedTrialEvent,
+    TrialCandidate,
+    TrialResult,
+    choose,
+    chosen_knobs,
+)
+
+PLANNED = TrialCandidate(4, 2, False)
+CHECKPOINTED = TrialCandidate(2, 4, True)
+BIGGER = TrialCandidate(8, 1, False)
+TRACE = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
+
+
+def _result(candidate: TrialCandidate, tokens_per_s: float | None) -> TrialResult:
+    error = None if tokens_per_s is not None else "OutOfMemoryError: CUDA out of memory"
+    return TrialResult(candidate, tokens_per_s, 1 << 30, 1.0, error)
+
+
+def test_the_planned_config_stays_unless_another_is_clearly_faster() -> None:
+    """A gain just under MIN_GAIN keeps the first candidate; a larger one switches to the fastest."""
+    within = 1000.0 * (1 + MIN_GAIN * 0.99)
+    assert choose([_result(PLANNED, 1000.0), _result(BIGGER, within)]) == PLANNED
+    faster = [_result(PLANNED, 1000.0), _result(CHECKPOINTED, 1100.0), _result(BIGGER, 1200.0)]
+    assert choose(faster) == BIGGER
+
+
+def test_a_failed_first_candidate_gives_way_and_none_running_keeps_it() -> None:
+    """An OOM'd planned config gives way to the fastest that ran; with none that ran it stays."""
+    assert (
+        choose([_result(PLANNED, None), _result(CHECKPOINTED, 900.0), _result(BIGGER, None)]) == CHECKPOINTED
+    )
+    assert choose([_result(PLANNED, None), _result(BIGGER, None)]) == PLANNED
+
+
+def test_the_chosen_knobs_change_only_what_the_trial_changes() -> None:
+    """chosen_knobs takes micro-batch, accumulation and checkpointing from the event, nothing else."""
+    planned = Knobs(model="m", micro_batch_size=4, grad_accum=2, gradient_checkpointing=False, lora_r=16)
+    event = SpeedTrialEvent((_result(PLANNED, 900.0), _result(CHECKPOINTED, 1000.0)), CHECKPOINTED, True, 3.0)
+    trained = chosen_knobs(planned, event)
+    assert (trained.micro_batch_size, trained.grad_accum, trained.gradient_checkpointing) == (2, 4, True)
+    assert trained.lora_r == 16 and trained.effective_batch == planned.effective_batch
+
+
+def test_the_event_line_reads_back_through_the_contract() -> None:
+    """to_line() is one line that parse_event turns back into the same event."""
+    event = SpeedTrialEvent((_result(PLANNED, 900.0), _result(BIGGER, None)), PLANNED, False, 3.25)
+    line = event.to_line()
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert parse_event(line) == event
+
+
+# ---- the real child --------------------------------------------------------------------------
+
+#: Between the tiny model's data segment at micro-batch 4 (about 720 MB at seq 128 with the model
+#: loaded) and at micro-batch 8 without checkpointing (past 990 MB): the third candidate runs out
+#: of host memory for real (RLIMIT_DATA), the first two fit.
+CAP = 820 * 2**20
+KNOBS = {"micro_batch_size": 4, "grad_accum": 2, "max_seq_len": 128}
+TRAIN = {"max_steps": 3, "save_steps": 10}
+
+
+@dataclass(frozen=True)
+class Attempt:
+    spec: AttemptSpec
+    trace: Path
+
+    def losses(self) -> dict[int, float]:
+        beats = [e for e in events(self.spec) if e["event"] == "heartbeat" and e.get("loss") is not None]
+        return {e["step"]: e["loss"] for e in beats}
+
+    def batches(self) -> list[tuple[int, list[str]]]:
+        records = [json.loads(line) for line in self.trace.read_text().splitlines()]
+        return [(r["step"], r["rows"]) for r in records]
+
+    def trial(self) -> dict[str, Any]:
+        found = [e for e in events(self.spec) if e["event"] == "speed_trial"]
+        assert len(found) == 1, log_tail(self.spec)
+        return found[0]
+
+
+def _attempt(tiny: Path, root: Path, knobs: dict[str, Any], **fields: Any) -> Attempt:
+    spec = make_spec(tiny, root / "run", knobs=knobs, train=TRAIN, **fields)
+    trace = root / "trace.jsonl"
+    assert run_child(spec, timeout=900, **{TRACE: str(trace)}) == ExitCode.OK, log_tail(spec)
+    return Attempt(spec, trace)
+
+
+@pytest.fixture(scope="module", name="with_trial")
+def with_trial_fixture(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Attempt:
+    """An attempt under CAP whose trial times the planned config, a checkpointed one and one too big."""
+    trial = (PLANNED, CHECKPOINTED, BIGGER)
+    return _attempt(
+        tiny_dir, tmp_path_factory.mktemp("trial"), KNOBS, speed_trial=trial, cpu_memory_limit=CAP
+    )
+
+
+@pytest.mark.slow
+def test_the_trial_writes_one_row_per_candidate_and_drops_the_oom_in_process(with_trial: Attempt) -> None:
+    """One speed_trial event: a row per candidate in order, the one over the memory cap dropped with
+    its OOM, and the same process then trains to the end (one start, no restart)."""
+    event = SpeedTrialEvent.from_json(with_trial.trial())
+    assert event is not None
+    assert [r.candidate for r in event.results] == [PLANNED, CHECKPOINTED, BIGGER]
+    ran, dropped = event.results[:2], event.results[2]
+    assert all(r.tokens_per_s and r.tokens_per_s > 0 and r.error is None for r in ran)
+    assert dropped.tokens_per_s is None and dropped.error and "can't allocate memory" in dropped.error
+    assert event.chosen in (PLANNED, CHECKPOINTED) and event.seconds > 0
+    assert [e["event"] for e in events(with_trial.spec)].count("started") == 1
+    assert max(with_trial.losses()) == TRAIN["max_steps"]
+
+
+@pytest.mark.slow
+def test_the_trial_changes_nothing_in_the_training(
+    with_trial: Attempt, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An attempt without a trial, with the knobs the trial chose, trains the same batches in the same
+    order to the same losses, step for step: no optimizer step, no data or RNG consumed."""
+    chosen = SpeedTrialEvent.from_json(with_trial.trial())
+    assert chosen is not None
+    knobs = {
+        **KNOBS,
+        "micro_batch_size": chosen.chosen.micro_batch_size,
+        "grad_accum": chosen.chosen.grad_accum,
+    }
+    knobs["gradient_checkpointing"] = chosen.chosen.gradient_checkpointing
+    plain = _attempt(tiny_dir, tmp_path_factory.mktemp("plain"), knobs)
+    assert plain.batches() == with_trial.batches()
+    assert plain.losses() == with_trial.losses() and len(plain.losses()) == TRAIN["max_steps"]

@@ -1,0 +1,93 @@
+"""The throughput model: step time from a fixed dequantization cost plus a cost per token, and calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from qlora_supervise.policies import throughput
+from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import fit_throughput  # the bench script (its provisional points), importable once bench/ is on the path
+
+SHAPE_7B = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
+#: Issue 19's job: 7B, seq 2048, effective batch 16, r 16, 32-bit AdamW.
+JOB = Knobs(
+    model="/m", micro_batch_size=1, grad_accum=16, max_seq_len=2048, gradient_checkpointing=False,
+    optimizer="adamw_torch", lora_r=16, lora_alpha=32,
+)  # fmt: skip
+
+
+def _at(micro: int, ckpt: bool) -> Knobs:
+    return dataclasses.replace(
+        JOB, micro_batch_size=micro, grad_accum=16 // micro, gradient_checkpointing=ckpt
+    )
+
+
+def test_the_model_reproduces_the_measured_h200_points() -> None:
+    """Every measured config the coefficients were fitted on is predicted within 7 % (the fit's worst)."""
+    for point in fit_throughput.provisional_points():
+        predicted = throughput.predict(point.shape, point.knobs).tokens_per_s
+        assert predicted == pytest.approx(point.tokens_per_s, rel=0.07), point.label
+
+
+def test_micro_batch_8_with_checkpointing_beats_micro_1_without() -> None:
+    """The issue's measurement: micro 8 with checkpointing (7.76k) is faster than micro 1 without (6.9k)."""
+    eight = throughput.predict(SHAPE_7B, _at(8, True)).tokens_per_s
+    one = throughput.predict(SHAPE_7B, _at(1, False)).tokens_per_s
+    assert eight > one * 1.03
+
+
+def test_the_fixed_cost_is_amortised_over_the_micro_batch() -> None:
+    """Tokens/s grows with the micro-batch at a fixed effective batch, in both checkpointing modes."""
+    for ckpt in (False, True):
+        rates = [throughput.predict(SHAPE_7B, _at(m, ckpt)).tokens_per_s for m in (1, 2, 4, 8, 16)]
+        assert rates == sorted(rates)
+
+
+def test_the_bf16_head_is_faster_and_offload_slower() -> None:
+    """The bf16 head lowers the per-token cost; activation offload adds PCIe time."""
+    base = throughput.predict(SHAPE_7B, _at(4, True)).tokens_per_s
+    head = throughput.predict(SHAPE_7B, dataclasses.replace(_at(4, True), bf16_head=True)).tokens_per_s
+    offload = throughput.predict(SHAPE_7B, dataclasses.replace(_at(4, True), activation_offload=True))
+    assert head > base > offload.tokens_per_s
+
+
+def test_a_measured_config_is_ranked_with_its_measurement() -> None:
+    """A config this host measured ranks with the measured tokens/s, however eval or the path were set."""
+    measured = dataclasses.replace(_at(4, True), model="/elsewhere", eval_batch_size=8)
+    calibration = throughput.calibrate(SHAPE_7B, [throughput.SpeedObservation(measured, 5000.0)])
+    speed = throughput.rank_speed(SHAPE_7B, _at(4, True), calibration)
+    assert speed.measured and speed.tokens_per_s == 5000.0
+
+
+def test_a_mode_measured_slower_moves_the_ranking() -> None:
+    """Checkpointing measured at half the model's speed on this host, no checkpointing as predicted:
+    micro 1 without checkpointing ranks above micro 8 with it."""
+    slow = throughput.predict(SHAPE_7B, _at(4, True)).tokens_per_s / 2
+    as_predicted = throughput.predict(SHAPE_7B, _at(2, False)).tokens_per_s
+    calibration = throughput.calibrate(
+        SHAPE_7B,
+        [
+            throughput.SpeedObservation(_at(4, True), slow),
+            throughput.SpeedObservation(_at(2, False), as_predicted),
+        ],
+    )
+    eight = throughput.rank_speed(SHAPE_7B, _at(8, True), calibration)
+    one = throughput.rank_speed(SHAPE_7B, _at(1, False), calibration)
+    assert eight.measured and one.tokens_per_s > eight.tokens_per_s
+    assert one.tokens_per_s == pytest.approx(throughput.predict(SHAPE_7B, _at(1, False)).tokens_per_s)
+
+
+def test_a_mode_without_measurements_takes_the_hosts_overall_scale() -> None:
+    """Only checkpointing measured (half speed): the other mode is scaled alike, so one slow
+    measurement does not flip the modes' order by itself."""
+    slow = throughput.predict(SHAPE_7B, _at(4, True)).tokens_per_s / 2
+    calibration = throughput.calibrate(SHAPE_7B, [throughput.SpeedObservation(_at(4, True), slow)])
+    one = throughput.rank_speed(SHAPE_7B, _at(1, False), calibration)
+    assert one.tokens_per_s == pytest.approx(throughput.predict(SHAPE_7B, _at(1, False)).tokens_per_s / 2)

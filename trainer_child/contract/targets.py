@@ -1,0 +1,210 @@
+"""LoRA target modules by architecture: what ``attention``, ``mlp`` and ``all-linear`` name in
+each model family, and which layer names a checkpoint gives the loaded model.
+
+Both processes use it. The supervisor's ``validate`` checks a job's targets against the names in
+the safetensors headers (no torch); the child resolves the same keyword against the loaded
+model's ``config.model_type`` before it builds the ``LoraConfig``. One table, so the two sides
+cannot disagree about what ``attention`` means on Phi-3.
+
+Facts behind the table (transformers 5.24, read from ``models/*/modeling_*.py``):
+
+* Llama, Mistral, Qwen2, Qwen3, Olmo2, Gemma 1/2/3: separate ``q_proj k_proj v_proj o_proj`` and a
+  gated ``gate_proj up_proj down_proj`` MLP, all ``nn.Linear`` (bitsandbytes makes them Linear4bit).
+* Phi-3 / Phi-4-mini (``model_type: phi3``): fused ``qkv_proj`` and ``gate_up_proj``, so the
+  Llama names match only ``o_proj`` and ``down_proj``.
+* Mixtral, Qwen3-MoE, OLMoE: the checkpoint stores one matrix per expert (``experts.N.w1`` or
+  ``experts.N.gate_proj``), but transformers 5 loads them into two fused 3D ``nn.Parameter``s
+  (``experts.gate_up_proj``, ``experts.down_proj``) that are not ``nn.Linear``: LoRA cannot target
+  them by module name and bitsandbytes leaves them unquantized (peft's k-bit prepare then casts
+  them to fp32, like every 16-bit parameter). The router (``gate``) is a bare parameter too. So
+  LoRA on attention is what these models can take, and ``all-linear`` is it.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ATTENTION = "attention"
+MLP = "mlp"
+ALL_LINEAR = "all-linear"
+#: The words ``lora.target_modules`` accepts instead of a list of names.
+KEYWORDS = (ATTENTION, MLP, ALL_LINEAR)
+
+
+class TargetsError(ValueError):
+    """Targets that cannot work on this model: ``problem`` says what, ``fix`` names what the model
+    has (validate prints them as a problem's two halves; the message is both)."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class Family:
+    """The linear layers of one architecture's decoder block, by their leaf names."""
+
+    name: str  # for people: "Phi-3 / Phi-4-mini"
+    attention: tuple[str, ...]
+    mlp: tuple[str, ...]  # () when the MLP has no Linear layer LoRA can adapt (fused MoE experts)
+    #: Leaf names of the MoE router's weight: in the checkpoint, but no Linear layer once loaded.
+    router: tuple[str, ...] = ()
+
+    @property
+    def moe(self) -> bool:
+        return bool(self.router)
+
+    @property
+    def linear(self) -> tuple[str, ...]:
+        return self.attention + self.mlp
+
+
+_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+_GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _llama_block(name: str) -> Family:
+    return Family(name, _QKVO, _GATED_MLP)
+
+
+def _moe(name: str) -> Family:
+    return Family(name, _QKVO, (), router=("gate",))
+
+
+#: ``config.json``'s ``model_type`` -> its block. A model type outside it is not guessed at.
+FAMILIES: dict[str, Family] = {
+    "llama": _llama_block("Llama"),
+    "mistral": _llama_block("Mistral"),
+    "qwen2": _llama_block("Qwen2"),
+    "qwen3": _llama_block("Qwen3"),
+    "olmo2": _llama_block("OLMo 2"),
+    "gemma": _llama_block("Gemma"),
+    "gemma2": _llama_block("Gemma 2"),
+    "gemma3_text": _llama_block("Gemma 3 (text)"),
+    "gemma3": _llama_block("Gemma 3"),
+    "phi3": Family("Phi-3 / Phi-4-mini", ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")),
+    "mixtral": _moe("Mixtral"),
+    "qwen3_moe": _moe("Qwen3-MoE"),
+    "olmoe": _moe("OLMoE"),
+}
+
+
+def family(model_type: str | None) -> Family | None:
+    """The block of ``model_type``, or None when the table does not know it."""
+    return FAMILIES.get(model_type or "")
+
+
+def resolve(targets: tuple[str, ...] | str, model_type: str | None) -> tuple[str, ...] | str:
+    """The leaf names LoRA adapts for ``targets`` on a ``model_type`` model.
+
+    A list of names is returned as it is (checked by :func:`check`). ``attention`` / ``mlp`` /
+    ``all-linear`` become the family's names; ``all-linear`` on a model type outside the table
+    stays ``all-linear`` (peft's rule: every Linear but the head), while ``attention`` or ``mlp``
+    there raise :class:`TargetsError`, as does ``mlp`` on a mixture of experts. Any other string
+    (a regex written into a spec by hand) is left to peft.
+    """
+    if not isinstance(targets, str) or targets not in KEYWORDS:
+        return targets
+    block = family(model_type)
+    if block is None:
+        if targets == ALL_LINEAR:
+            return targets
+        covered = ", ".join(sorted(FAMILIES))
+        raise TargetsError(
+            f"{targets!r} names layers by architecture, and model_type {model_type!r} is not in "
+            f"the table ({covered})",
+            "list the layer names instead",
+        )
+    if targets == ATTENTION:
+        return block.attention
+    if targets == MLP and not block.mlp:
+        raise TargetsError(f"'mlp' on {block.name}: {_experts_why(block)}", "use attention")
+    return block.mlp if targets == MLP else block.linear
+
+
+def _experts_why(block: Family) -> str:
+    return (
+        f"{block.name}'s experts are fused 3D parameters in transformers 5, not Linear layers "
+        "(bitsandbytes leaves them unquantized), so LoRA cannot adapt them by module name"
+    )
+
+
+def linear_leaves(tensor_names: Iterable[str], model_type: str | None) -> set[str]:
+    """The leaf names of the Linear layers a checkpoint's tensors give the loaded model.
+
+    ``model.layers.0.self_attn.q_proj.weight`` -> ``q_proj``; embeddings, norms and the LM head are
+    left out, and so are MoE expert matrices (``.experts.N.``) and the router, which transformers
+    5 loads as bare parameters.
+    """
+    block = family(model_type)
+    router = set(block.router) if block else set()
+    leaves = set()
+    for name in tensor_names:
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-1] != "weight":
+            continue
+        leaf = parts[-2]
+        if "embed" in leaf or "norm" in leaf or leaf == "lm_head" or leaf in router:
+            continue
+        if "experts" in parts[:-2]:
+            continue
+        leaves.add(leaf)
+    return leaves
+
+
+def expert_leaves(tensor_names: Iterable[str]) -> set[str]:
+    """Leaf names that exist only inside MoE experts (``experts.N.w1`` -> ``w1``)."""
+    inside = set()
+    for name in tensor_names:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-1] == "weight" and "experts" in parts[:-2]:
+            inside.add(parts[-2])
+    return inside
+
+
+def check(
+    targets: tuple[str, ...] | str,
+    model_type: str | None,
+    layers: set[str],
+    experts: Iterable[str] = (),
+) -> tuple[str, ...] | str:
+    """``targets`` resolved (see :func:`resolve`) and checked against ``layers``, the leaf names of
+    the model's Linear layers; raises :class:`TargetsError` naming each name that matches nothing.
+
+    Any missing name is an error, not only all of them: Llama names on Phi-3 would match
+    ``o_proj`` and ``down_proj`` and silently train a third of what was meant. ``experts``: leaf
+    names found only inside MoE experts, so the message can say why they are not layers.
+    """
+    resolved = resolve(targets, model_type)
+    if isinstance(resolved, str):
+        return resolved  # all-linear on an unknown block, or a regex: peft resolves it
+    missing = [name for name in resolved if name not in layers]
+    if missing:
+        raise _missing(targets, missing, family(model_type), layers, set(experts))
+    return resolved
+
+
+def _missing(
+    targets: tuple[str, ...] | str,
+    missing: list[str],
+    block: Family | None,
+    layers: set[str],
+    experts: set[str],
+) -> TargetsError:
+    """The error for names that match nothing, with the hint that fits: the experts' reason, or
+    the family's own names and the keyword that picks them."""
+    resolved_from = f"{targets!r} resolves to names of which " if isinstance(targets, str) else ""
+    problem = f"{resolved_from}{', '.join(map(repr, missing))} match no layer of the model"
+    fix = f"its layers are {', '.join(sorted(layers))}"
+    inside = [name for name in missing if name in experts]
+    if inside and block is not None and block.moe:
+        problem += f" ({', '.join(inside)}: {_experts_why(block)})"
+        fix += "; use attention"
+    elif block is not None and set(block.linear) <= layers and not isinstance(targets, str):
+        names = ", ".join(block.linear)
+        fix += f"; {block.name} names its block {names} (target_modules: attention, mlp or all-linear)"
+    return TargetsError(problem, fix)

@@ -1,0 +1,218 @@
+"""The speed trial: time the planner's candidates in-process before step 1, train with the fastest.
+
+Once the trainer is built, and only for an attempt that starts at step 0 with two or more
+candidates in its spec (:mod:`...contract.speed_trial`; the first is the spec's own knobs), each
+candidate runs a warm-up and a few timed forward+backward micro-steps on the longest real sample of
+the training data (repeated to the candidate's micro-batch, so every row has the longest length),
+with its checkpointing switched on the same model: no reload, no optimizer step.
+
+The training it precedes is the one it would have been without it: the data iterator does not
+exist yet (Trainer builds its dataloader inside ``train()``), the Python, NumPy, torch and CUDA RNG
+states (LoRA dropout draws from torch's) are restored afterwards, the gradients are dropped, and
+trl's logged metrics are put back. A candidate that runs out of memory is dropped where it failed
+(freed, no restart); the trial then goes on with the next.
+
+The choice (:func:`contract.speed_trial.choose`) is applied to the trainer's arguments before
+``train()`` reads them: ``per_device_train_batch_size`` (Trainer copies it into
+``_train_batch_size`` at construction, and its dataloader reads that copy),
+``gradient_accumulation_steps`` (read in ``train()``), and checkpointing on the model and in the
+arguments (:func:`recipe.activations.set_checkpointing`). One ``speed_trial`` event carries the
+table and the trial's cost. Not under torchrun: the ranks would time and choose apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.speed_trial import (
+    SpeedTrialEvent,
+    TrialCandidate,
+    TrialResult,
+    choose,
+    chosen_knobs,
+)
+from qlora_supervise.trainer_child.recipe.activations import activation_context, set_checkpointing
+from qlora_supervise.trainer_child.run.failure import is_oom
+from qlora_supervise.trainer_child.run.heartbeat import Progress
+from qlora_supervise.trainer_child.run.memory import memory_numbers
+from qlora_supervise.trainer_child.run.torchrun import this_rank
+
+#: The whole trial's aim on a GPU, warm-ups included, shared out among the candidates; a
+#: candidate still gets its warm-up and :data:`MIN_TIMED_STEPS` when its share is spent.
+BUDGET_S = 10.0
+MIN_TIMED_STEPS = 1
+MAX_TIMED_STEPS = 4
+
+
+def wanted(spec: AttemptSpec, resuming: bool) -> bool:
+    """Whether this attempt runs a trial: two or more candidates, from step 0, one process."""
+    return len(spec.speed_trial) >= 2 and not resuming and not this_rank().distributed
+
+
+def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> SpeedTrialEvent:
+    """Time ``spec.speed_trial``, apply the choice to ``trainer``, emit and return the event."""
+    started = time.monotonic()
+    before = progress.stage
+    row = longest_row(trainer.train_dataset)
+    share = BUDGET_S / len(spec.speed_trial)
+    with untouched(trainer):
+        results = tuple(time_candidate(trainer, row, c, on_cuda, share) for c in spec.speed_trial)
+    chosen = choose(results)
+    event = SpeedTrialEvent(
+        results, chosen, chosen != spec.speed_trial[0], round(time.monotonic() - started, 3)
+    )
+    apply(trainer, event)
+    free(on_cuda)
+    if on_cuda:  # from here the attempt's peak is its training's (the chosen config's), not the trial's
+        torch.cuda.reset_peak_memory_stats()
+    progress.enter(before)
+    progress.events.write(event.to_line())
+    print(summary(event), flush=True)
+    return event
+
+
+def longest_row(dataset: Any) -> dict[str, Any]:
+    """The training sample with the most tokens (trl has tokenized and truncated it to max_length).
+
+    Read through Arrow, the input_ids column only: no Python list per row of a large dataset.
+    """
+    import pyarrow.compute as pc
+
+    column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
+    lengths = pc.list_value_length(column)
+    index = pc.index(lengths, pc.max(lengths)).as_py()
+    row: dict[str, Any] = dataset[int(index)]
+    return row
+
+
+def time_candidate(
+    trainer: Any, row: dict[str, Any], candidate: TrialCandidate, on_cuda: bool, share: float
+) -> TrialResult:
+    """Warm-up, then timed micro-steps until ``share`` seconds are spent (within the step limits);
+    an OOM ends the candidate with its ``error`` (handled outside ``except``: the traceback's
+    frames hold the activations to free)."""
+    started = time.monotonic()
+    set_checkpointing(trainer, candidate.gradient_checkpointing)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tokens_per_s: float | None = None
+    error: str | None = None
+    try:
+        batch = trainer._prepare_inputs(trainer.data_collator([row] * candidate.micro_batch_size))
+        tokens_per_s = timed_steps(trainer, batch, on_cuda, started + share)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    batch = None  # the activations of a failed step went with the exception; the batch goes here
+    trainer.model.zero_grad(set_to_none=True)
+    if error is not None:
+        free(on_cuda)
+    return TrialResult(candidate, tokens_per_s, peak(on_cuda), round(time.monotonic() - started, 3), error)
+
+
+def timed_steps(trainer: Any, batch: dict[str, Any], on_cuda: bool, deadline: float) -> float:
+    """Tokens per second over the timed micro-steps, after one warm-up (kernel choice, allocator)."""
+    mask = batch.get("attention_mask")
+    tokens = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+    micro_step(trainer, batch)
+    sync(on_cuda)
+    steps, start = 0, time.monotonic()
+    while steps < MIN_TIMED_STEPS or (steps < MAX_TIMED_STEPS and time.monotonic() < deadline):
+        micro_step(trainer, batch)
+        sync(on_cuda)
+        steps += 1
+    return tokens * steps / max(time.monotonic() - start, 1e-9)
+
+
+def micro_step(trainer: Any, batch: dict[str, Any]) -> None:
+    """One forward+backward as ``training_step`` runs it: the trainer's loss, the autocast that
+    accelerate's ``prepare`` would wrap the forward in (not applied yet: ``train()`` does it), the
+    activation context, the accelerator's backward; the gradients accumulate, nothing steps."""
+    model = trainer.model
+    model.train()
+    with activation_context(trainer.plan.knobs):
+        with trainer.accelerator.autocast(), trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, dict(batch))
+        trainer.accelerator.backward(loss)
+
+
+def apply(trainer: Any, event: SpeedTrialEvent) -> None:
+    """Train with ``event.chosen``: micro-batch, accumulation, checkpointing, and the checkpoints'
+    record of the knobs."""
+    chosen, args = event.chosen, trainer.args
+    args.per_device_train_batch_size = chosen.micro_batch_size
+    args.gradient_accumulation_steps = chosen.grad_accum
+    trainer._train_batch_size = args.train_batch_size
+    set_checkpointing(trainer, chosen.gradient_checkpointing)
+    trainer.plan = dataclasses.replace(trainer.plan, knobs=chosen_knobs(trainer.plan.knobs, event))
+
+
+@contextlib.contextmanager
+def untouched(trainer: Any) -> Iterator[None]:
+    """Put back what the trial's micro-steps change besides the gradients: the RNG states, the
+    model's train/eval mode and trl's metrics (its compute_loss appends entropy, accuracy and the
+    token count, which the first logged step would otherwise average in)."""
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    metrics = copy.deepcopy(getattr(trainer, "_metrics", None))
+    train_tokens = getattr(trainer, "_total_train_tokens", None)
+    training = trainer.model.training
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        if metrics is not None:
+            trainer._metrics = metrics
+        if train_tokens is not None:
+            trainer._total_train_tokens = train_tokens
+        trainer.model.train(training)
+
+
+def peak(on_cuda: bool) -> int | None:
+    """The candidate's peak: the CUDA allocator's since its start; on the CPU the data segment's
+    high-water mark of the process so far (it cannot be reset, so it never falls between rows)."""
+    if on_cuda:
+        return int(torch.cuda.max_memory_allocated())
+    return memory_numbers().peak_bytes
+
+
+def sync(on_cuda: bool) -> None:
+    if on_cuda:
+        torch.cuda.synchronize()
+
+
+def free(on_cuda: bool) -> None:
+    gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
+
+
+def summary(event: SpeedTrialEvent) -> str:
+    """One line for child.log: each candidate's tokens/s (or why it was dropped), and the choice."""
+    rows = [
+        f"{_name(r.candidate)}: {f'{r.tokens_per_s:.0f} tokens/s' if r.tokens_per_s else 'dropped (OOM)'}"
+        for r in event.results
+    ]
+    switched = " (switched)" if event.switched else ""
+    return f"speed trial ({event.seconds:.1f} s): {'; '.join(rows)} -> {_name(event.chosen)}{switched}"
+
+
+def _name(candidate: TrialCandidate) -> str:
+    checkpointing = ", checkpointing" if candidate.gradient_checkpointing else ""
+    return f"micro-batch {candidate.micro_batch_size} x {candidate.grad_accum}{checkpointing}"
