@@ -24,11 +24,11 @@ embeddings and the LM head included (2.1 GB each in fp32 at a 128k vocabulary). 
 those two in bf16 (``_qlora_bench.prepare``: they are parked on the host while peft upcasts, so the
 GPU never holds their fp32 copies); the norms stay fp32 in both.
 
-Runs, in one process, on a Llama-3-8B shape (128k vocabulary) built with random weights, each from
-a fresh 4-bit load with the same seed (so the same LoRA init, dropout masks and data order), seq
-2048, micro-batch 1, accumulation 1, checkpointing, LoRA r 8 on q/k/v/o, paged_adamw_8bit, the
-recipe's schedule (2e-4 cosine, warmup 0.03, max_grad_norm 0.3), on learnable rows (a random motif
-repeated, ``_qlora_bench.motif_rows``):
+Runs, each in a fresh process (``--in-process``: all in this one), on a Llama-3-8B shape (128k
+vocabulary) built with random weights, each from a fresh 4-bit load with the same seed (so the
+same LoRA init, dropout masks and data order), seq 2048, micro-batch 1, accumulation 1,
+checkpointing, LoRA r 8 on q/k/v/o, paged_adamw_8bit, the recipe's schedule (2e-4 cosine, warmup
+0.03, max_grad_norm 0.3), on learnable rows (a random motif repeated, ``_qlora_bench.motif_rows``):
 
 1. ``upcast``: ``--steps`` optimizer steps, the usual recipe;
 2. ``bf16``: the same with the embeddings and head in bf16;
@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT + json.dumps(record, default=str), flush=True)
         return 0
     journal = qb.Journal(args.out / "parity.jsonl")
+    journal.path.unlink(missing_ok=True)  # a fresh journal per bench run (the children write none)
     built = qb.build_all([SHAPE], args.work, args.tiny)
     journal.write(qb.environment() | {"build": built, "build_wall_s": round(time.monotonic() - start, 1)})
     plan = [

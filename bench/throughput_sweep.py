@@ -3,18 +3,25 @@
     python bench/throughput_sweep.py --out OUT [--work /tmp/throughput] [--deadline-s 520]
     python bench/throughput_sweep.py --out /tmp/ts --tiny        # the same logic on the CPU, tiny shapes
 
-The device command it ran as (issue 19, 2026-12-01; ``run`` with carry [".whl"]):
+The device command of the 2026-12-01 run (issue 19; ``run`` with carry [".whl"]); that run had
+all shapes in one process, which ``--in-process`` reproduces:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    python3 bench/throughput_sweep.py --out $OUT --deadline-s 500 2>&1 | tail -n 120
+    python3 bench/throughput_sweep.py --in-process --out $OUT --deadline-s 490 > $OUT/console.log 2>&1; \
+    cat $OUT/table.txt
+
+In one process each model left its fp32 LM head allocated after it was deleted, so the later
+shapes' peaks include the earlier shapes' heads (``start_allocated``; the 1B's +1.96 GiB, the
+7B's +3.0 GiB; times are not affected). Each shape now gets a fresh process by default (the same
+command without ``--in-process``; not yet run on the GPU in that form).
 
 What it does:
 
 1. builds the three shapes of ``_qlora_bench.SHAPES`` (Llama-2-7B 32k vocabulary, Llama-3-8B and
    Llama-3.2-1B 128k) as random bf16 weights on the GPU, ``save_pretrained`` to local disk, in
    parallel subprocesses, before anything is timed;
-2. per shape, in this process: one 4-bit load (NF4, double quant, bf16 compute),
+2. per shape, in a process of its own: one 4-bit load (NF4, double quant, bf16 compute),
    ``prepare_model_for_kbit_training``, LoRA r 16 on q/k/v/o, then one trl SFTTrainer per config
    on that model (checkpointing switched on or off on it; the optimizer and trainer are new per
    config); between configs the caches are emptied and the peak statistics reset;
