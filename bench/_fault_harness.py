@@ -42,6 +42,8 @@ class Run:
     lost_avoidable: int = 0
     corrupt: list[str] = field(default_factory=list)
     tracebacks: int = 0
+    outside: int = 0  # files or directories that appeared outside the run directory (see below)
+    misses: list[str] = field(default_factory=list)  # a scenario's own check that failed
     wall_s: float = 0.0
     note: str = ""
 
@@ -58,7 +60,12 @@ class Harness:
         self.proc: subprocess.Popen[str] | None = None
         self.damaged: list[str] = []
         self.mount: Path | None = None
+        #: Paths outside the run directory that the run may write (a configured metrics textfile's
+        #: folder, the peak store); everything else new under ``work`` is a write outside the run.
+        self.allowed_outside: list[Path] = []
+        self.strays: list[int] = []  # processes a scenario stopped that close() must not leave behind
         self._write_job(tiny)
+        self._outside_before = self.outside_entries()
 
     def _write_job(self, tiny: Path | None) -> None:
         plan = self.work / "plan.json"
@@ -110,6 +117,57 @@ class Harness:
         raw["train"].update(train)
         self.job.write_text(yaml.safe_dump(raw))
 
+    def edit_supervise(self, **supervise: Any) -> None:
+        raw = yaml.safe_load(self.job.read_text())
+        raw["supervise"].update(supervise)
+        for key in [k for k, v in supervise.items() if v is None]:
+            del raw["supervise"][key]
+        self.job.write_text(yaml.safe_dump(raw))
+
+    def outside_entries(self) -> set[str]:
+        """Every path under ``work`` outside the run directory (and outside the allowed ones)."""
+        found = set()
+        for path in self.work.rglob("*"):
+            inside = [self.run_dir, *self.allowed_outside, *([self.mount] if self.mount else [])]
+            if any(path == top or top in path.parents for top in inside):
+                continue
+            found.add(str(path.relative_to(self.work)))
+        return found
+
+    def rebase_outside(self) -> None:
+        """What a scenario planted before the start is not the run's writing."""
+        self._outside_before = self.outside_entries()
+
+    def ready_spare(self) -> int | None:
+        """The pid of the newest spare that reported ready and is alive (None: none)."""
+        log = self.run_dir / "spare.log"
+        pids = []
+        with contextlib.suppress(OSError):
+            for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if isinstance(event, dict) and event.get("event") == "spare_ready":
+                        pids.append(int(event["pid"]))
+        return pids[-1] if pids and _alive(pids[-1]) else None
+
+    def newest_attempt(self) -> int:
+        numbers = [int(p.name[8:]) for p in self.run_dir.glob("attempt-*") if p.name[8:].isdigit()]
+        return max(numbers, default=0)
+
+    def written_outside(self) -> list[str]:
+        """What appeared outside the run directory since the harness was made."""
+        return sorted(self.outside_entries() - self._outside_before)
+
+    def newest_step(self) -> int:
+        """The newest heartbeat step of the newest attempt (0: none yet)."""
+        attempts = sorted(p for p in self.run_dir.glob("attempt-*") if p.name[8:].isdigit())
+        if not attempts:
+            return 0
+        with contextlib.suppress(OSError):
+            lines = (attempts[-1] / "child-events.jsonl").read_text().splitlines()
+            return max((json.loads(line).get("step") or 0 for line in lines if '"heartbeat"' in line), default=0)
+        return 0
+
     def on_small_disk(self) -> bool:
         """Put the run directory on a fresh 8 MiB tmpfs (root only)."""
         mount = self.work / "disk"
@@ -127,6 +185,8 @@ class Harness:
         return True
 
     def close(self) -> None:
+        for pid in self.strays:
+            self.kill(pid)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

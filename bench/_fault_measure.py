@@ -34,7 +34,8 @@ def measure(
         and run.exits[-1] == 0
         and last is not None
         and last.outcome == "succeeded"
-        and last.steps_completed >= steps
+        # The furthest any attempt trained: an attempt that trained nothing records 0 (issue 21 item 6).
+        and max(r.steps_completed for r in records) >= steps
         and (run_dir / "adapter").is_dir()
     )
     saved: set[int] = set()

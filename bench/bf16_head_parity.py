@@ -34,15 +34,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _child import child_env, events, log_tail, make_spec, run_child
+from _child import child_env, events, log_tail, make_spec, start_child
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "bf16-head-parity-cpu-2026-12-01"
-#: Small steps, so that 200 of them take minutes on two shared cores: micro-batch 2, seq 64.
-KNOBS = {"micro_batch_size": 2, "grad_accum": 1, "max_seq_len": 64, "gradient_checkpointing": False}
+#: Small steps, so that 200 of them take minutes on two shared cores: micro-batch 1, seq 32.
+KNOBS = {"micro_batch_size": 1, "grad_accum": 1, "max_seq_len": 32, "gradient_checkpointing": False}
 LAST = 50
 
 
@@ -55,9 +55,8 @@ def tiny_model(work: Path) -> Path:
     return tiny
 
 
-def train(tiny: Path, run_dir: Path, steps: int, bf16_head: bool, dtype: str) -> dict[str, Any]:
-    """One child run; its per-step losses, peak and speed from the events file."""
-    spec = make_spec(
+def spec_for(tiny: Path, run_dir: Path, steps: int, bf16_head: bool, dtype: str) -> AttemptSpec:
+    return make_spec(
         tiny,
         run_dir,
         knobs={**KNOBS, "bf16_head": bf16_head},
@@ -70,11 +69,19 @@ def train(tiny: Path, run_dir: Path, steps: int, bf16_head: bool, dtype: str) ->
         },
         heartbeat_interval=30.0,
     )
+
+
+def train_both(specs: dict[str, AttemptSpec]) -> dict[str, dict[str, Any]]:
+    """The runs side by side (one core each), then their per-step losses, peaks and speeds."""
     started = time.monotonic()
-    code = run_child(spec, timeout=7200)
-    if code != ExitCode.OK:
-        raise SystemExit(f"child exited {code}: {log_tail(spec)}")
-    return summarise(spec, time.monotonic() - started)
+    children = {name: start_child(spec) for name, spec in specs.items()}
+    runs = {}
+    for name, child in children.items():
+        code = child.wait(timeout=7200)
+        if code != ExitCode.OK:
+            raise SystemExit(f"{name}: child exited {code}: {log_tail(specs[name])}")
+        runs[name] = summarise(specs[name], time.monotonic() - started)
+    return runs
 
 
 def summarise(spec: AttemptSpec, seconds: float) -> dict[str, Any]:
@@ -114,7 +121,7 @@ def table(runs: dict[str, dict[str, Any]], parity: dict[str, Any], args: argpars
         f"{parity['steps']} optimizer steps, same seed/data/order",
         "",
         f"{'':10} {'first loss':>10} {'final loss':>10} {'peak data segment':>18} "
-        f"{'tokens/s':>9} {'wall s':>7}",
+        f"{'tokens/s':>9} {'wall s':>7}  (side by side, one core each)",
     ]
     for name, run in runs.items():
         out.append(
@@ -138,10 +145,12 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default="bf16", help="train.compute_dtype (see the docstring)")
     args = parser.parse_args()
     tiny = tiny_model(args.work)
-    runs = {
-        name: train(tiny, args.work / f"run-{name}", args.steps, bf16_head, args.compute_dtype)
-        for name, bf16_head in (("upcast", False), ("bf16 head", True))
+    variants = {"upcast": ("run-upcast", False), "bf16 head": ("run-bf16-head", True)}
+    specs = {
+        name: spec_for(tiny, args.work / folder, args.steps, bf16_head, args.compute_dtype)
+        for name, (folder, bf16_head) in variants.items()
     }
+    runs = train_both(specs)
     parity = compare(runs["upcast"], runs["bf16 head"])
     text = table(runs, parity, args)
     print(text)

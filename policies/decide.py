@@ -29,7 +29,8 @@ Order of the rules (first match wins):
 6. OOM-like kinds -> walk the ladder (:mod:`.climb`): skip rungs with nothing to change, rungs
    charged by rule 0, results that already failed the same way, and results a calibrated memory
    model says cannot fit (their change is kept and the next rung is applied on top) -> Restart,
-   or GiveUp when the ladder is exhausted.
+   or GiveUp when the ladder is exhausted. Before it (6a, :mod:`.host_kill`): the first host
+   OOM kill after progress with these knobs -> Restart unchanged (a neighbour's spike).
 
 The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
 :mod:`.waits`; this module holds the order of the rules and the retries.
@@ -41,6 +42,7 @@ from collections.abc import Sequence
 
 from qlora_supervise.policies.charge import Charge, PastFailure, latest_charge, unusable_rungs
 from qlora_supervise.policies.climb import MergeFailure, climb, knob_changes
+from qlora_supervise.policies.host_kill import retry_after_kill
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.policies.verdicts import (
     Decision,
@@ -127,6 +129,9 @@ def decide(
         if kind is FailureKind.GPU_FAULT and isinstance(retried, GiveUp):
             return without_card(failure, knobs, "the card faulted again") or retried
         return retried
+    plain_retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
+    if plain_retry is not None:  # 6a: a host OOM kill after progress, the first with these knobs
+        return plain_retry
     if phase == "merge" and kind.is_oom:
         return climb(MergeFailure(), knobs, history, settings)
     return climb(failure, knobs, history, settings, unusable_rungs(history))

@@ -1,20 +1,23 @@
 """The throughput model: predicted tokens/s of a QLoRA config, next to the memory model.
 
-For a 4-bit model most of a micro-step's cost is fixed: every micro-step dequantizes every
+For a 4-bit model much of a micro-step's cost is fixed: every micro-step dequantizes every
 weight (forward, and again in backward for the input gradient; once more for the recomputed
-forward under checkpointing), whatever the number of tokens it carries. So:
+forward under checkpointing) and launches every block's kernels, whatever the number of tokens
+it carries (the H200 sweep: a 1B micro-step takes as long at micro-batch 4 as at 1). So:
 
-    seconds per micro-step = fixed_s_per_byte[mode] x 4-bit weight bytes
-                           + token_s[mode] x tokens x work per token x head factor
+    seconds per micro-step = launch_s_per_layer[mode] x layers
+                           + fixed_s_per_byte[mode] x 4-bit weight bytes
+                           + (token_s[mode] x block work + head_token_s[mode] x head work)
+                             x tokens x head factor
                            + offload seconds (activation offload: saved activations over PCIe)
     seconds per optimizer step = accumulation x micro-step + optimizer_s_per_param[kind] x adapter params
     tokens/s = micro x accumulation x seq_len / seconds per optimizer step
 
 ``mode`` is gradient checkpointing off or on; the two are fitted apart, so the recompute share
-(``token_s[on] / token_s[off] - 1``) is a result of the fit, not a prior. *Work per token* is
-the multiply-adds one token costs the base model: the quantized linear layers, the LM head
-(``vocab x hidden``) and attention (``layers x seq_len x q_dim``). The coefficients are in
-:mod:`.throughput_fit`, written by ``bench/fit_throughput.py`` from the H200 sweep.
+(``token_s[on] / token_s[off] - 1``) is a result of the fit, not a prior. *Block work* is the
+multiply-adds one token costs the decoder blocks (the quantized linear layers and attention,
+``layers x seq_len x q_dim``), *head work* the LM head's (``vocab x hidden``, its loss in fp32).
+The coefficients are in :mod:`.throughput_fit`, written by ``bench/fit_throughput.py`` from the H200 sweep.
 
 Measured numbers beat the model (:class:`SpeedCalibration`): a config this host (or this run)
 has measured is ranked with its measured step time, and the others with the model scaled by the
@@ -27,7 +30,7 @@ faster, so it does not flip the modes' order by itself.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies import throughput_fit as fit
@@ -38,9 +41,10 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: Host <-> card bandwidth an offloaded activation crosses twice (out in forward, back in backward).
-#: A prior, not measured here: PCIe 5.0 x16 moves ~50 GB/s each way; pinned copies reach about half
-#: of that while kernels compete for the bus.
-OFFLOAD_BYTES_PER_S = 25e9
+#: A prior, not measured here (no sweep has offload yet): PCIe 5.0 x16 moves ~50 GB/s each way, and
+#: ``save_on_cpu`` copies on the compute stream, unoverlapped, into freshly pinned buffers; a quarter
+#: of the link keeps an unmeasured rung from winning the ranking on optimism alone.
+OFFLOAD_BYTES_PER_S = 12.5e9
 
 
 def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
@@ -50,14 +54,40 @@ def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
 
 
 def work_per_token(shape: ModelShape, seq_len: int) -> int:
-    """Multiply-adds per token of the base model's forward (linear layers, LM head, attention)."""
-    return (
-        shape.layers * shape.layer_params + shape.vocab * shape.hidden + shape.layers * seq_len * shape.q_dim
-    )
+    """Multiply-adds per token of the decoder blocks' forward: the linear layers and attention."""
+    return shape.layers * shape.layer_params + shape.layers * seq_len * shape.q_dim
+
+
+def head_work_per_token(shape: ModelShape) -> int:
+    """Multiply-adds per token of the LM head and its loss (trl's chunked fp32 log-softmax)."""
+    return shape.vocab * shape.hidden
 
 
 def adapter_params(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS) -> int:
     return sum(adapter_tensors(shape, knobs.lora_r, targets))
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The fitted numbers (by checkpointing mode ``"ckpt"`` / ``"no_ckpt"``, or optimizer kind)."""
+
+    launch_s_per_layer: Mapping[str, float]
+    fixed_s_per_byte: Mapping[str, float]
+    token_s: Mapping[str, float]
+    head_token_s: Mapping[str, float]
+    optimizer_s_per_param: Mapping[str, float]
+    bf16_head_token_factor: float = 1.0
+
+
+#: The coefficients bench/fit_throughput.py wrote (:mod:`.throughput_fit`, with its provenance).
+FITTED = Coefficients(
+    fit.LAUNCH_S_PER_LAYER,
+    fit.FIXED_S_PER_BYTE,
+    fit.TOKEN_S,
+    fit.HEAD_TOKEN_S,
+    fit.OPTIMIZER_S_PER_PARAM,
+    fit.BF16_HEAD_TOKEN_FACTOR,
+)
 
 
 @dataclass(frozen=True)
@@ -71,14 +101,21 @@ class StepTime:
 
 
 def micro_step_seconds(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+    shape: ModelShape,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    c: Coefficients = FITTED,
 ) -> float:
     """Seconds of one forward + backward micro-step (no optimizer step), by the fitted model."""
     mode = "ckpt" if knobs.gradient_checkpointing else "no_ckpt"
     tokens = knobs.micro_batch_size * knobs.max_seq_len
-    head = fit.BF16_HEAD_TOKEN_FACTOR if knobs.bf16_head else 1.0
-    seconds = fit.FIXED_S_PER_BYTE[mode] * weight_bytes(shape, knobs)
-    seconds += fit.TOKEN_S[mode] * tokens * work_per_token(shape, knobs.max_seq_len) * head
+    head = c.bf16_head_token_factor if knobs.bf16_head else 1.0
+    seconds = c.launch_s_per_layer[mode] * shape.layers + c.fixed_s_per_byte[mode] * weight_bytes(
+        shape, knobs
+    )
+    per_token = c.token_s[mode] * work_per_token(shape, knobs.max_seq_len)
+    per_token += c.head_token_s[mode] * head_work_per_token(shape)
+    seconds += tokens * per_token * head
     if knobs.activation_offload:
         on_card = dataclasses.replace(knobs, activation_offload=False)
         saved = predict_memory(shape, on_card, targets).components.get("activations", 0)
@@ -87,17 +124,25 @@ def micro_step_seconds(
 
 
 def optimizer_seconds(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+    shape: ModelShape,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    c: Coefficients = FITTED,
 ) -> float:
     """Seconds of one optimizer step over the adapter (by optimizer kind; unknown kinds as adamw_torch)."""
-    per_param = fit.OPTIMIZER_S_PER_PARAM.get(knobs.optimizer, fit.OPTIMIZER_S_PER_PARAM["adamw_torch"])
+    per_param = c.optimizer_s_per_param.get(knobs.optimizer, c.optimizer_s_per_param["adamw_torch"])
     return per_param * adapter_params(shape, knobs, targets)
 
 
-def predict(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS) -> StepTime:
+def predict(
+    shape: ModelShape,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    c: Coefficients = FITTED,
+) -> StepTime:
     """The model's step time and tokens/s for ``knobs`` (one rank; ranks add throughput, not speed)."""
-    micro = micro_step_seconds(shape, knobs, targets)
-    step = knobs.grad_accum * micro + optimizer_seconds(shape, knobs, targets)
+    micro = micro_step_seconds(shape, knobs, targets, c)
+    step = knobs.grad_accum * micro + optimizer_seconds(shape, knobs, targets, c)
     tokens = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len
     return StepTime(micro, step, tokens / step if step > 0 else 0.0)
 

@@ -44,14 +44,24 @@ def test_tiny_job_trains_to_completion_and_loss_falls(tiny_dir: Path, tmp_path: 
 
 
 def test_messages_field_is_rendered_with_the_chat_template(tiny_dir: Path, tmp_path: Path) -> None:
-    """A chat dataset trains through the tokenizer's chat template."""
+    """A chat dataset trains two steps, every row rendered by the tokenizer's chat template."""
+    trace = tmp_path / "batches.jsonl"
     spec = make_spec(
         tiny_dir,
         tmp_path,
         data={"text_field": None, "messages_field": "messages"},
         train={"max_steps": 2, "save_steps": 100},
     )
-    assert run_child(spec) == ExitCode.OK, log_tail(spec)
+    assert run_child(spec, **{TEST_TRACE_BATCHES: str(trace)}) == ExitCode.OK, log_tail(spec)
+    seen = events(spec)
+    assert sorted({e["step"] for e in seen if e["event"] == "heartbeat" and e["step"] > 0}) == [1, 2]
+    assert next(e for e in seen if e["event"] == "finished")["step"] == 2
+    words = _vocabulary(tiny_dir)
+    rows = [ids for line in trace.read_text().splitlines() for ids in json.loads(line)["input_ids"]]
+    assert len(rows) == 2 * spec.knobs.effective_batch  # both steps' rows were traced
+    for ids in rows:  # the template's role tags, never the raw JSON of the messages
+        tokens = [words[i] for i in ids]
+        assert tokens[0] == "<|user|>" and "<|assistant|>" in tokens, tokens[:8]
 
 
 def _vocabulary(tiny: Path) -> dict[int, str]:

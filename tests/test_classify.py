@@ -461,6 +461,15 @@ def test_sigkill_with_cgroup_oom_kill_is_host_oom() -> None:
     assert failure.kind is K.HOST_OOM and "oom_kill" in failure.evidence
 
 
+def test_host_oom_kill_takes_its_stage_from_the_last_heartbeat() -> None:
+    """A kernel OOM kill with no frames in stderr is recorded at the stage the heartbeats last showed."""
+    failure = classify_exit(SIGKILLED, None, "", cgroup_oom_kills=1, last_stage=Stage.OPTIMIZER, last_step=7)
+    assert (failure.kind, failure.stage) == (K.HOST_OOM, Stage.OPTIMIZER)
+    assert "last heartbeat" in failure.evidence
+    killed = classify_exit(SIGKILLED, None, "step 3\nKilled\n", last_stage=Stage.BACKWARD)
+    assert (killed.kind, killed.stage) == (K.HOST_OOM, Stage.BACKWARD)
+
+
 def test_sigkill_with_killed_line_is_host_oom() -> None:
     """Without cgroup evidence, a ``Killed`` line in stderr still says host OOM."""
     assert classify_exit(SIGKILLED, None, "step 3\nKilled\n").kind is K.HOST_OOM

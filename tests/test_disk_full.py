@@ -128,21 +128,18 @@ def test_a_disk_filled_to_the_last_byte_mid_run_stops_no_supervisor_write(
 
 
 def test_the_supervisors_own_journal_write_on_a_full_disk_waits_and_goes_on(
-    tmp_path: Path, small_disk: Path
+    tmp_path: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The disk is full when the supervisor journals a finished attempt: it waits for room, then ends 0."""
     filler = small_disk / "filler.bin"
     job = _disk_job(tmp_path, small_disk, {"1": "fill_disk"}, disk_wait="120s")
-    os.environ["SCRIPTED_CHILD_FILL"] = str(filler)
-    try:
-        proc = _spawn(job, ckpt_bytes=0)
-        _wait_for(lambda: filler.exists() and filler.stat().st_size > 4 * MIB, timeout=60)
-        time.sleep(3)
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""  # waiting, not crashed
-        filler.unlink()
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        del os.environ["SCRIPTED_CHILD_FILL"]
+    monkeypatch.setenv("SCRIPTED_CHILD_FILL", str(filler))  # the child inherits it; undone after the test
+    proc = _spawn(job, ckpt_bytes=0)
+    _wait_for(lambda: filler.exists() and filler.stat().st_size > 4 * MIB, timeout=60)
+    time.sleep(3)
+    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""  # waiting, not crashed
+    filler.unlink()
+    _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
     run = small_disk / "run"

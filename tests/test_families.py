@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 #: The families of issue 20 that recipe.tiny builds (the Llama demo is tests/test_child_train.py).
 FAMILY_TYPES = ("gemma2", "gemma3_text", "phi3", "qwen3", "qwen3_moe")
-FAST_LEARNING = {"learning_rate": 2e-2, "lr_scheduler": "constant"}
+FAST_LEARNING = {"learning_rate": 1e-2, "lr_scheduler": "constant"}
 
 
 @pytest.fixture(name="family_dir")
@@ -52,8 +52,8 @@ def test_each_family_trains_checkpoints_and_resumes_with_its_own_attention_names
     assert isinstance(shape, ModelShape), shape
     expected = set(FAMILIES[config["model_type"]].attention)
     run = tmp_path / "run"
-    # Seq 64 and a constant, high rate: the tiny families have hidden 64, and the test pays for
-    # two child processes, so six steps have to show the loss moving.
+    # Seq 64 and a constant, high rate (2e-2 diverged on Qwen3-MoE after the resume): the tiny
+    # families have hidden 64, and the test pays for two child processes, so six steps must do.
     first = make_spec(
         family_dir,
         run,
@@ -75,7 +75,9 @@ def test_each_family_trains_checkpoints_and_resumes_with_its_own_attention_names
     assert run_child(second) == ExitCode.OK, log_tail(second)
     resumed = events(second)
     assert next(e for e in resumed if e["event"] == "finished")["step"] == 6
-    losses = {e["step"]: e["loss"] for e in seen + resumed if e["event"] == "heartbeat" and e["step"] > 0}
-    assert sorted(losses) == list(range(1, 7)), losses
-    assert losses[6] < losses[1] - 0.2, losses  # from ln(1024) ~ 6.93; measured 0.3-0.45 lower
+    beats = [e for e in seen + resumed if e["event"] == "heartbeat" and e["step"] > 0]
+    assert sorted({e["step"] for e in beats}) == list(range(1, 7))
+    losses = {e["step"]: e["loss"] for e in beats if e["loss"] is not None}  # a save's beat has none
+    # From ln(1024) ~ 6.93; six steps at hidden 64 measured 0.25-0.45 lower, the noise ~0.03.
+    assert losses[6] < losses[1] - 0.15, losses
     assert adapted_layers(Path(second.adapter_dir)) == expected

@@ -66,6 +66,8 @@ def test_the_fit_recovers_the_coefficients_of_a_sweep(tmp_path: Path) -> None:
     for mode in FIXED:
         assert result.fixed_s_per_byte[mode] == pytest.approx(FIXED[mode], rel=1e-3)
         assert result.token_s[mode] == pytest.approx(TOKEN[mode], rel=1e-3)
+        assert result.launch_s_per_layer[mode] == pytest.approx(0.0, abs=1e-9)
+        assert result.head_token_s[mode] == pytest.approx(0.0, abs=1e-20)
     for kind, value in OPTIMIZER.items():
         assert result.optimizer_s_per_param[kind] == pytest.approx(value, rel=1e-6)
     assert max(abs(e) for e in fit_throughput.prediction_errors(points, result)) < 1e-3
@@ -75,7 +77,7 @@ def test_the_written_module_is_importable_and_says_where_it_came_from(tmp_path: 
     """The module the fit writes holds the coefficients and the fit's provenance and error."""
     _sweep(tmp_path / "sweep.jsonl")
     points = fit_throughput.sweep_points([tmp_path])
-    text = fit_throughput.render_module(fit_throughput.fit(points), ["the test's sweep"], points, False)
+    text = fit_throughput.render_module(fit_throughput.fit(points), ["the test's sweep"], points, False, "")
     namespace: dict[str, object] = {}
     exec(compile(text, "throughput_fit.py", "exec"), namespace)
     assert namespace["PROVISIONAL"] is False and "the test's sweep" in str(namespace["__doc__"])

@@ -59,10 +59,12 @@ def test_an_eval_fraction_above_one_half_is_refused(job_dir: Path) -> None:
     assert "more than 0.5" in found["data.eval_fraction"] and "eval_path" in found["data.eval_fraction"]
 
 
-def test_an_eval_fraction_leaving_no_training_record_is_refused(job_dir: Path) -> None:
-    """0.5 of 1 record holds it out and trains on none (the child's split would refuse): a problem now."""
-    found = _problems(_write(job_dir, "data: {path: ./rows1.jsonl, eval_fraction: 0.5}\n"))
-    assert "leaves none to train on" in found["data.eval_fraction"]
+def test_an_eval_fraction_leaving_no_training_record_is_warned_about(
+    job_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0.5 of 1 record holds it out and trains on none: validate says the trainer will refuse it."""
+    lines = _warnings(job_dir, "data: {path: ./rows1.jsonl, eval_fraction: 0.5}\n", capsys)
+    assert any("holds out all 1: the trainer will refuse to start" in line for line in lines), lines
 
 
 def test_a_tiny_training_split_is_warned_about(job_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qlora_supervise.supervisor.jobfile import JobError, load_job
+from qlora_supervise.supervisor.jobfile.load import load_job
+from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.record.eventlog import open_event_log, read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay

@@ -336,3 +336,25 @@ def test_halving_an_odd_micro_batch_keeps_the_effective_batch() -> None:
     twelve = dataclasses.replace(BASE, micro_batch_size=6, grad_accum=2)
     out = STATIC_RUNGS["halve_micro_batch"].apply(twelve)
     assert out is not None and (out.micro_batch_size, out.grad_accum) == (3, 4)
+
+
+def test_host_oom_kill_after_progress_is_retried_unchanged_once_then_the_ladder_moves() -> None:
+    """The first host OOM kill after progress restarts unchanged; a second in a row walks the stage's ladder."""
+    host = _Failure(FailureKind.HOST_OOM, Stage.OPTIMIZER)
+    first = decide(host, BASE, [_fail(FailureKind.HOST_OOM, Stage.OPTIMIZER, steps=40)], Settings())
+    assert isinstance(first, Restart) and first.rung == "retry_unchanged" and first.knobs == BASE
+    twice = [_fail(FailureKind.HOST_OOM, Stage.OPTIMIZER, steps=40), _fail(FailureKind.HOST_OOM, steps=3)]
+    second = decide(host, BASE, twice, Settings())
+    assert isinstance(second, Restart) and second.rung == "paged_8bit_optimizer"
+    at_once = decide(host, BASE, [_fail(FailureKind.HOST_OOM, Stage.OPTIMIZER)], Settings())
+    assert isinstance(at_once, Restart) and at_once.rung == "paged_8bit_optimizer"
+
+
+def test_host_oom_kill_after_progress_at_the_ladders_bottom_is_retried_before_giving_up() -> None:
+    """With no rung left, the first kill after progress is still retried unchanged, the second gives up."""
+    bottom = dataclasses.replace(BASE, optimizer="paged_adamw_8bit", lora_r=1)
+    host = _Failure(FailureKind.HOST_OOM, Stage.OPTIMIZER)
+    killed = _fail(FailureKind.HOST_OOM, Stage.OPTIMIZER, knobs=bottom, steps=9)
+    first = decide(host, bottom, [killed], Settings())
+    assert isinstance(first, Restart) and first.rung == "retry_unchanged"
+    assert isinstance(decide(host, bottom, [killed, killed], Settings()), GiveUp)

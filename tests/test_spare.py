@@ -7,9 +7,11 @@ whose second attempt runs in it, use real processes on the tiny model.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,10 +53,12 @@ class _Log:
 
 
 class _StandIn:
-    """A spare that is no process: records what the keeper sends and whether it was stopped."""
+    """A spare that is no process: records what the keeper sends and whether it was stopped; it
+    acknowledges a handed spec on its log as the real spare does (``spare_ack``)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, log_path: Path | None = None) -> None:
         self.pid = pid
+        self.log_path = log_path
         self.started_monotonic = 0.0
         self.sent: list[str] = []
         self.stopped = False
@@ -64,6 +68,9 @@ class _StandIn:
 
     def send_line(self, line: str) -> bool:
         self.sent.append(line)
+        if line.strip() and self.log_path is not None:
+            with self.log_path.open("a") as log:
+                log.write(json.dumps({"event": "spare_ack", "pid": self.pid}) + "\n")
         return True
 
     def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
@@ -78,7 +85,7 @@ def _keeper(tmp_path: Path, log: _Log) -> tuple[SpareKeeper, list[_StandIn]]:
     started: list[_StandIn] = []
 
     def spawn(argv: list[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> _StandIn:
-        started.append(_StandIn(1000 + len(started)))
+        started.append(_StandIn(1000 + len(started), log_path))
         return started[-1]
 
     return SpareKeeper(tmp_path, spawn, time.monotonic, lambda s: None, log, sys.executable), started
@@ -119,6 +126,29 @@ def test_a_spare_started_before_the_allocator_changed_is_discarded(tmp_path: Pat
     assert name == "spare_discarded" and "PYTORCH_ALLOC_CONF" in fields["why"]
     keeper.ensure(_order(True))  # the next one is started with the new environment
     assert len(started) == 2 and keeper.spare is not None and keeper.spare.order == _order(True)
+
+
+def test_a_spare_that_does_not_acknowledge_the_spec_is_discarded(tmp_path: Path) -> None:
+    """A ready spare that writes no spare_ack within seconds is stopped and the attempt starts cold."""
+    log = _Log()
+    started: list[_StandIn] = []
+    now = [0.0]
+
+    def spawn(argv: list[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> _StandIn:
+        started.append(_StandIn(1000 + len(started)))  # no log path: it never acknowledges
+        return started[-1]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    keeper = SpareKeeper(tmp_path, spawn, lambda: now[0], sleep, log, sys.executable)
+    keeper.ensure(_order(True))
+    (tmp_path / "spare.log").write_text(json.dumps({"event": "spare_ready", "pid": 1000}) + "\n")
+    assert keeper.take(_order(True), tmp_path / "spec.json", tmp_path / "child.log") is None
+    assert started[0].stopped and len(started[0].sent) == 1
+    name, fields = log.lines[-1]
+    assert name == "spare_discarded" and "no acknowledgement" in fields["why"]
+    assert 4.9 <= now[0] <= 6.0  # seconds, not the hang timeout
 
 
 def test_spare_rules_cpus_setting_and_ram() -> None:
@@ -251,11 +281,32 @@ def test_the_watch_wakes_at_the_childs_exit_not_at_the_next_tick(
     assert 0.25 <= time.monotonic() - began < 5.0 and slow.poll() is None
     slept: list[float] = []
 
-    def no_pidfds(pid: int) -> int:
-        raise OSError("no pidfd here")
+    def no_pidfds(pid: int, flags: int = 0) -> int:  # ENODEV: psutil's wait_procs falls back too
+        raise OSError(errno.ENODEV, "no pidfd here")
 
     monkeypatch.setattr(os, "pidfd_open", no_pidfds)
     slow.wait_for_exit(0.7, slept.append)
     assert slept == [0.7]
     slow.stop(1.0)
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.slow
+def test_a_sigstopped_real_spare_is_discarded_within_seconds_not_the_hang_timeout(tmp_path: Path) -> None:
+    """A real spare, ready and then SIGSTOPped, is killed at the hand-over within seconds and not used."""
+    log = _Log()
+    keeper = SpareKeeper(tmp_path, child_mod.spawn_spare, time.monotonic, time.sleep, log, sys.executable)
+    keeper.ensure(SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none"))
+    assert keeper.spare is not None
+    proc = keeper.spare.proc
+    deadline = time.monotonic() + 120
+    while ready_line(tmp_path / "spare.log", proc.pid) is None and time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / "spare.log").read_text()
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGSTOP)
+    handed = time.monotonic()
+    assert keeper.take(keeper.spare.order, tmp_path / "spec.json", tmp_path / "child.log") is None
+    assert time.monotonic() - handed < 15
+    assert proc.poll() is not None  # killed (a stopped process ends by the SIGKILL) and reaped
+    name, fields = log.lines[-1]
+    assert name == "spare_discarded" and "no acknowledgement" in fields["why"]

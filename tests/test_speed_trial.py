@@ -3,6 +3,7 @@ child on the tiny model: one row per candidate, training untouched by it, an OOM
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from _child import events, log_tail, make_spec, run_child
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import parse_event
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
 from qlora_supervise.trainer_child.contract.speed_trial import (
     MIN_GAIN,
     SpeedTrialEvent,
@@ -65,6 +66,19 @@ def test_the_event_line_reads_back_through_the_contract() -> None:
     line = event.to_line()
     assert line.endswith("\n") and line.count("\n") == 1
     assert parse_event(line) == event
+
+
+def test_only_a_fresh_attempt_with_a_choice_runs_a_trial() -> None:
+    """Two or more candidates from step 0: a trial; one candidate, or a resume: none."""
+    from qlora_supervise.trainer_child.run.speed_trial import wanted
+
+    knobs = Knobs(model="m", micro_batch_size=4, grad_accum=2, gradient_checkpointing=False)
+    spec = AttemptSpec(1, "/run", knobs, DataSpec("/d.jsonl"), TrainSpec(), "e", "f", "c", "a", "m")
+    two = dataclasses.replace(spec, speed_trial=(PLANNED, BIGGER))
+    assert wanted(two, resuming=False)
+    assert not wanted(two, resuming=True)
+    assert not wanted(dataclasses.replace(spec, speed_trial=(PLANNED,)), resuming=False)
+    assert not wanted(spec, resuming=False)
 
 
 # ---- the real child --------------------------------------------------------------------------

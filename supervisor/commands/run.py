@@ -31,6 +31,7 @@ from qlora_supervise.supervisor.record.generations import (
     FieldChange,
     JobVersions,
     diff,
+    extend_finished,
     finish_interrupted_move,
     has_attempts,
     job_view,
@@ -219,6 +220,12 @@ def _announce(submitted: Submission, log: FilteringBoundLogger, console: TextIO)
 def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: FilteringBoundLogger) -> None:
     """A verdict other than success is lifted by ``--retry`` or a changed job; the journal says so."""
     state = read_state(rd.state)
+    if state is not None and state.run_state is RunState.SUCCEEDED:
+        # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
+        extended = extend_finished(rd, submitted.changes, time.time())
+        if extended is not None:
+            log.info(Event.VERDICT_LIFTED, verdict="succeeded", after_attempt=extended.after_attempt, why=extended.why)
+        return
     if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED):
         return
     if not (retry or submitted.changes):

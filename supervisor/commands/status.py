@@ -12,7 +12,10 @@ lists the layers that exist) and the attempt's ``child.log``.
                "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
                "unreadable_lines": int,
                "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null,
-                             "tokens_per_s": float | null}]}]}   # median of the attempt's heartbeats
+                             "tokens_per_s": float | null}],   # median of the attempt's heartbeats
+               "running": {"attempt": int, "phase": str, "knobs": {...}, "resumed_from": int,
+                           "step": int | null, "stage": str | null, "tokens_per_s": float | null,
+                           "pid": int | null, "alive": bool, "started_at": float} | null}]}   # the attempt in flight
 
 ``--follow`` prints again whenever a run's journal or state changes, until every run has ended
 (succeeded, gave up, failed, stopped) or Ctrl-C.
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from qlora_supervise.supervisor.commands.running import events_file, running_attempt
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
@@ -77,7 +81,10 @@ def _run_dir(path: str) -> RunDir:
 
 
 def _marks(rd: RunDir) -> tuple[float, ...]:
-    return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in (rd.state, rd.attempts))
+    # The attempt in flight's heartbeats too: --follow shows its step and speed as they move.
+    beats = events_file(rd, read_state(rd.state))
+    paths = (rd.state, rd.attempts, *((beats,) if beats is not None else ()))
+    return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in paths)
 
 
 def _ended(rd: RunDir) -> bool:
@@ -106,6 +113,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         line.update(child_log=str(rd.attempt_dir(r.attempt) / "child.log"), fix=fix_line(r))
         line.update(tokens_per_s=measured_speed(rd, r).tokens_per_s)
         attempts.append(line)
+    running = running_attempt(rd, state, records[-1].attempt if records else 0)
     return {
         "run_dir": str(rd.root),
         "state": state.run_state.value if state else None,
@@ -116,6 +124,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         "merge": merge_report(rd),
         "unreadable_lines": bad,
         "attempts": attempts,
+        "running": running.to_json() if running is not None else None,
     }
 
 
@@ -142,10 +151,14 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
         if snapshot.is_file():
             print(f"  memory snapshot: {snapshot}", file=out)
             print(f"    {SNAPSHOT_HOW_TO}", file=out)
+    running = running_attempt(run_dir, state, records[-1].attempt if records else 0)
+    for line in running.lines() if running is not None else []:
+        print(line, file=out)
     if bad:
         print(f"({bad} unreadable journal line(s) skipped)", file=out)
     total_lost = sum(r.lost_steps for r in records)
-    print(f"attempts: {len(records)}, lost steps in total: {total_lost}", file=out)
+    now = f" (+1 running: attempt {running.flight.number})" if running is not None else ""
+    print(f"attempts: {len(records)}{now}, lost steps in total: {total_lost}", file=out)
     if run_dir.adapter.exists():
         print(f"adapter: {run_dir.adapter}", file=out)
     if run_dir.merged.exists():
@@ -184,6 +197,8 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
         f"grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
     )
     steps = f"steps {r.resumed_from} -> {r.steps_completed}"
+    if r.steps_progressed == 0 and r.resumed_from > 0:
+        steps = f"resumed at step {r.resumed_from}, trained no step"  # steps_completed 0 (issue 21 item 6)
     lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
     lines.append(f"  config: {config}")
     if run_dir is not None and (speed := speed_line(measured_speed(run_dir, r))):

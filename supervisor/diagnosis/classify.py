@@ -146,7 +146,7 @@ def _classify_child(
         return Failure(FailureKind.HANG, last_stage, {}, f"supervisor: no progress before the timeout{where}")
     if report is not None:
         return _from_report(report, gpu_others_bytes, gpu_total_bytes, fit)
-    from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills)
+    from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills, last_stage)
     if from_status is not None:
         return from_status
     if exit.killed_by_supervisor is not None:
@@ -277,17 +277,21 @@ def _disk_numbers(report: ErrorReport) -> dict[str, int]:
     return {key: facts[key] for key in ("needed_bytes", "free_bytes") if isinstance(facts.get(key), int)}
 
 
-def _from_exit_status(exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int) -> Failure | None:
+def _from_exit_status(
+    exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int, last_stage: Stage = Stage.UNKNOWN
+) -> Failure | None:
     sigkill = exit.signal == signals.SIGKILL or exit.returncode in _SIGKILL_CODES
     status = f"signal {exit.signal}" if exit.signal else f"exit code {exit.returncode}"
     if cgroup_oom_kills > 0 and (sigkill or exit.returncode != 0):
-        why = f"{status}; cgroup memory.events oom_kill +{cgroup_oom_kills}"
-        return Failure(FailureKind.HOST_OOM, _stderr_stage(stderr_tail), {}, why)
+        stage, where = _killed_stage(stderr_tail, last_stage)
+        why = f"{status}; cgroup memory.events oom_kill +{cgroup_oom_kills}{where}"
+        return Failure(FailureKind.HOST_OOM, stage, {}, why)
     if sigkill:
         killed = _signatures.find(_signatures.HOST_KILLED, stderr_tail)
         if killed is not None:
-            why = f"{status}; no cgroup evidence but stderr says {killed!r}"
-            return Failure(FailureKind.HOST_OOM, _stderr_stage(stderr_tail), {}, why)
+            stage, where = _killed_stage(stderr_tail, last_stage)
+            why = f"{status}; no cgroup evidence but stderr says {killed!r}{where}"
+            return Failure(FailureKind.HOST_OOM, stage, {}, why)
         why = f"{status} without OOM-kill evidence (no cgroup oom_kill, no 'Killed' line)"
         return Failure(FailureKind.OTHER, _stderr_stage(stderr_tail), {}, why)
     if exit.returncode == ExitCode.CONFIG:
@@ -299,6 +303,21 @@ def _from_exit_status(exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int) 
         why = "exit code DISK_FULL (76) without a report (no room for it either)"
         return Failure(FailureKind.DISK_FULL, Stage.SAVE, {}, why)
     return None
+
+
+def _killed_stage(stderr_tail: str, last_stage: Stage) -> tuple[Stage, str]:
+    """The stage of a child the kernel killed, and the words that say where it came from.
+
+    A SIGKILL leaves no report and rarely a traceback, so stderr frames seldom name a stage;
+    the last heartbeat does (issue 21 item 4): without it an optimizer-step kill would walk the
+    forward ladder, whose rungs (a shorter seq_len) cost the run quality for nothing.
+    """
+    from_frames = _stderr_stage(stderr_tail)
+    if from_frames is not Stage.UNKNOWN:
+        return from_frames, f"; stage {from_frames.value} from stderr frames"
+    if last_stage is not Stage.UNKNOWN:
+        return last_stage, f"; stage {last_stage.value} from the last heartbeat"
+    return Stage.UNKNOWN, ""
 
 
 def _stderr_stage(stderr_tail: str) -> Stage:

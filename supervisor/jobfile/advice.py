@@ -9,7 +9,8 @@ this is silent:
   or ``20m`` if minutes were meant);
 * ``max_steps`` and ``epochs`` both set: ``max_steps`` wins (the trainer stops there), ``epochs``
   is ignored;
-* an ``eval_fraction`` that leaves fewer training records than one effective batch;
+* an ``eval_fraction`` that leaves fewer training records than one effective batch, or none (an
+  ``eval_fraction`` above one half is a problem: ``world.MAX_EVAL_FRACTION``);
 * ``resources.gpu`` naming a GPU this machine does not show (no NVIDIA driver, or fewer GPUs
   visible): the child would fail only after its imports.
 """
@@ -102,12 +103,17 @@ def _split_advice(job: Job, records: int | None) -> list[Advice]:
         return []
     train_rows, eval_rows = split_sizes(records, fraction)
     batch = job.knobs.effective_batch
-    if train_rows == 0 or train_rows >= batch:
-        return []  # none: a problem already; enough: nothing to say
-    what = (
-        f"{fraction:g} of {records} record(s) trains on {train_rows} and evaluates on {eval_rows}: "
-        f"fewer than one effective batch ({batch}), so every step repeats the same records"
-    )
+    if train_rows >= batch:
+        return []
+    if train_rows == 0:
+        what = (
+            f"{fraction:g} of {records} record(s) holds out all {eval_rows}: the trainer will refuse to start"
+        )
+    else:
+        what = (
+            f"{fraction:g} of {records} record(s) trains on {train_rows} and evaluates on {eval_rows}: "
+            f"fewer than one effective batch ({batch}), so every step repeats the same records"
+        )
     return [Advice("data.eval_fraction", what, "use more data, a smaller eval_fraction or a data.eval_path")]
 
 

@@ -187,31 +187,20 @@ def _record_problems(path_name: str, path: Path, data: DataSection) -> list[Prob
     if field is None:
         return []
     try:
-        records = data_probe.scan_records(path, field, messages=messages)
+        data_probe.scan_records(path, field, messages=messages)
     except data_probe.DataRowError as error:
         fix = "fix or remove that record (training would stop there)"
         return [Problem(path_name, str(error), show(str(error.path)), fix)]
     except (OSError, data_probe.DataProbeError) as error:
         return [Problem(path_name, f"cannot read the data: {error}", show(path), "")]
-    if path_name != "data.path" or records is None or data.eval_path is not None:
-        return []
-    if not 0 < data.eval_fraction <= MAX_EVAL_FRACTION:
-        return []  # no split, or one refused already
-    train_rows, eval_rows = split_sizes(records, data.eval_fraction)
-    if train_rows > 0:
-        return []
-    fraction = data.eval_fraction
-    why = f"eval_fraction {fraction:g} of {records} record(s) leaves none to train on ({eval_rows} held out)"
-    return [
-        Problem(
-            "data.eval_fraction", why, show(data.eval_fraction), "use more data, or a separate data.eval_path"
-        )
-    ]
+    return []
 
 
 def split_sizes(records: int, eval_fraction: float) -> tuple[int, int]:
     """(train rows, eval rows) of ``records`` split by ``eval_fraction``, as the child's
-    ``datasets.Dataset.train_test_split(test_size=...)`` counts them: eval rounded up, train down."""
+    ``datasets.Dataset.train_test_split(test_size=...)`` counts them: eval rounded up, train down.
+    A split too small to train on is ``validate``'s warning (``jobfile.advice``), not a problem: the
+    job may be checked here against a sample of the data it will train on."""
     return math.floor((1 - eval_fraction) * records), math.ceil(eval_fraction * records)
 
 

@@ -64,6 +64,12 @@ ENDED_FIX = (
     "what is trained needs `run --restart`, a new generation in the same output_dir), or "
     "`run --retry` to try the last config once more"
 )
+#: A finished run has no verdict to retry (issue 21 item 15): what goes on from it.
+FINISHED_FIX = (
+    "the run finished and its adapter is kept: to train further, raise train.max_steps (or epochs) "
+    "in the job and run it again (it continues from the last checkpoint); to train anew in the same "
+    "output_dir, `run --restart` (a new generation)"
+)
 
 
 class Supervisor:
@@ -123,7 +129,7 @@ class Supervisor:
                 Event.RUN_ALREADY_ENDED,
                 run_state=state.run_state.value,
                 note=state.note,
-                fix=ENDED_FIX,
+                fix=FINISHED_FIX if state.run_state is RunState.SUCCEEDED else ENDED_FIX,
             )
             return int(_ENDED[state.run_state])
         self.gpu = self.seams.open_gpu(self.job.resources.device)
@@ -197,7 +203,9 @@ class Supervisor:
                     return int(plan.exit_code)
                 if self.stop_signal is not None:
                     return self._stopped(plan.knobs, plan.phase)  # STARTING -> STOPPED
-                turn = self.book.conclude(self._run_attempt(runner, plan, records), records)
+                turn = Turn(RunState.RUNNING, plan=plan)  # STARTING -> RUNNING
+            elif state is RunState.RUNNING and turn.plan is not None:
+                turn = self.book.conclude(self._run_attempt(runner, turn.plan, records), records)
             elif state is RunState.WAITING and turn.pending is not None:
                 turn = self.book.after_wait(turn.pending, self._wait(turn.pending), records)
             elif state is RunState.BACKOFF:
@@ -205,14 +213,16 @@ class Supervisor:
             elif state is RunState.STOPPED:
                 return self._stopped(records[-1].knobs, records[-1].phase)
             else:
-                raise AssertionError(f"no way out of {state.value} (WAITING needs a pending decision)")
+                raise AssertionError(
+                    f"{state.value} without what it acts on (RUNNING: a plan; WAITING: a decision)"
+                )
 
     def _run_attempt(self, runner: AttemptRunner, plan: Plan, records: list[AttemptRecord]) -> AttemptOutcome:
         """The RUNNING state: one attempt from its spec to its end."""
         ready = runner.prepare(max((r.attempt for r in records), default=0) + 1, plan)
         # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
         # between leaves a state that names the attempt, so its child can be found and stopped.
-        self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight()))  # STARTING -> RUNNING
+        self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight()))
         proc = runner.spawn(ready)
         self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight(proc.pid)))
         return runner.run(ready, proc)
@@ -259,7 +269,9 @@ class Supervisor:
         return records
 
     def _plan_facts(self) -> PlanFacts:
-        return PlanFacts(self.first, self.job.train.merge, self.rd.merged.exists(), self.book.lifted_after)
+        return PlanFacts(
+            self.first, self.job.train.merge, self.rd.merged.exists(), self.book.lifted_after, self.settings
+        )
 
     def _runner_context(self) -> RunnerContext:
         return RunnerContext(

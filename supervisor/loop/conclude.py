@@ -15,12 +15,14 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.supervisor.diagnosis.cap_advice import with_named_cap
 from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import decision as deciding
 from qlora_supervise.supervisor.loop.announce import announce_decision, announce_failure, announce_success
 from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
+from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
 from qlora_supervise.supervisor.loop.settings import remember_attempt, step_fit, with_sample_lengths
 from qlora_supervise.supervisor.record.events import Event
@@ -33,10 +35,12 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-    """Where the arbiter goes next: a state, and in WAITING the failed attempt whose answer waits."""
+    """Where the arbiter goes next: a state, with what that state acts on (RUNNING: the plan to
+    run; WAITING: the failed attempt whose answer waits)."""
 
     state: RunState
     pending: deciding.Pending | None = None
+    plan: Plan | None = None
 
 
 @dataclasses.dataclass
@@ -82,6 +86,10 @@ class Conclusions:
         if isinstance(decision, policy.Wait):
             return Turn(RunState.WAITING, pending)  # RUNNING -> WAITING
         next_from = None
+        if isinstance(decision, policy.GiveUp):  # a memory give-up names the cap (issue 21 item 7)
+            seen = [*records, pending.record]
+            knobs = pending.outcome.plan.knobs
+            decision = with_named_cap(decision, pending.failure.kind, knobs, self.job, self.settings, seen)
         if isinstance(decision, policy.Restart):
             reinit = decision.survives is Survives.ADAPTER_REINIT
             next_from = 0 if reinit else self.resume_step(decision.knobs)

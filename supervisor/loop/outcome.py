@@ -59,7 +59,15 @@ class AttemptOutcome:
 
     @property
     def steps_completed(self) -> int:
-        return max(self.progress.step, self.report.step if self.report else 0, self.resumed_from)
+        """The last optimizer step this attempt itself finished; 0 when it trained none.
+
+        A child that resumed at step S and then failed before S + 1 (a failed hand-over, a
+        hang in the load, a crash loop) reports S in its heartbeats and its report: that step
+        was finished by an earlier attempt, so the journal must not credit this one with it
+        (issue 21 item 6). Lines written before kept S there; both read as 0 steps progressed.
+        """
+        last = max(self.progress.step, self.report.step if self.report else 0)
+        return last if last > self.resumed_from else 0
 
 
 def failed_report(report: ErrorReport | None) -> bool:

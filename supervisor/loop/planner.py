@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
+from qlora_supervise.supervisor.loop.retry_plan import next_rung_after_lift
 from qlora_supervise.supervisor.record.journal import RunState
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
 from qlora_supervise.trainer_child.contract.codes import FailureKind
@@ -58,6 +60,8 @@ class PlanFacts:
     merge: bool  # the job asks for a merged model after training
     merged_exists: bool
     lifted_after: int = 0  # the newest lift's attempt: a verdict up to it no longer stands
+    # The policy's settings: a lifted memory give-up takes the ladder's next rung (retry_plan).
+    settings: policy.Settings | None = None
 
 
 def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verdict:
@@ -68,6 +72,9 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
     if last.outcome in (Outcome.STOPPED, Outcome.INTERRUPTED):
         return Plan(last.phase, last.knobs)
     if last.outcome is Outcome.SUCCEEDED:
+        if last.attempt <= facts.lifted_after:  # a finished run extended: train on from its checkpoint
+            train = [r for r in records if r.phase is Phase.TRAIN]
+            return Plan(Phase.TRAIN, train[-1].knobs if train else last.knobs)
         if last.phase is Phase.TRAIN and facts.merge and not facts.merged_exists:
             return Plan(Phase.MERGE, last.knobs)
         return Verdict(RunState.SUCCEEDED, SupervisorExitCode.FINISHED, "finished", last.knobs)
@@ -75,6 +82,9 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
     if decision is not None and decision.action is Action.RESTART and decision.knobs is not None:
         return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
     if last.attempt <= facts.lifted_after:
+        rung = next_rung_after_lift(records, facts.settings) if facts.settings is not None else None
+        if rung is not None:  # a memory give-up: the ladder's next rung, not the config that failed
+            return Plan(last.phase, rung[0].knobs, fresh_start=rung[1])
         return Plan(last.phase, last.knobs)  # the verdict was lifted: try its config once more
     if decision is not None and not decision.retryable and _gpu_fault(last):
         return Verdict(RunState.FAILED, SupervisorExitCode.GPU_FAULT, decision.why, last.knobs)

@@ -46,6 +46,15 @@ SPARE_RSS_GUESS = 2 << 30
 RAM_HEADROOM = 2 << 30
 #: Fewer usable CPUs than this and ``auto`` keeps no spare.
 MIN_CPUS_FOR_AUTO = 4
+#: How long a spare that reported ready has to acknowledge a handed spec (``spare_ack``): it
+#: does so before any work, so only a stopped or wedged process misses it.
+ACK_S = 5.0
+#: A spare not ready yet when handed a spec is still importing: it may take until this long after
+#: its start (the stack's imports take 14-20 s on an H200) before it acks; one still silent then
+#: is stuck in an import. The supervisor waits in the hand-over; a cold child would need as long.
+IMPORT_BOUND_S = 60.0
+#: How often the hand-over looks for the acknowledgement.
+ACK_POLL_S = 0.05
 
 
 class SpareProcess(Protocol):
@@ -128,15 +137,20 @@ def spare_argv(run_dir: Path, order: SpareOrder, python: str) -> list[str]:
 
 def ready_line(log_path: Path, pid: int) -> dict[str, Any] | None:
     """The spare's ``spare_ready`` report from its log, once it has written it."""
+    return _spare_line(log_path, pid, "spare_ready")
+
+
+def ack_line(log_path: Path, pid: int) -> dict[str, Any] | None:
+    """The spare's ``spare_ack`` of a handed spec from its log, once it has written it."""
+    return _spare_line(log_path, pid, "spare_ack")
+
+
+def _spare_line(log_path: Path, pid: int, event: str) -> dict[str, Any] | None:
     with contextlib.suppress(OSError):
         for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
             with contextlib.suppress(ValueError):
                 fields = json.loads(line)
-                if (
-                    isinstance(fields, dict)
-                    and fields.get("event") == "spare_ready"
-                    and fields.get("pid") == pid
-                ):
+                if isinstance(fields, dict) and fields.get("event") == event and fields.get("pid") == pid:
                     return fields
     return None
 
@@ -199,6 +213,11 @@ class SpareKeeper:
             self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why="its stdin was closed")
             spare.proc.stop(1.0)
             return None
+        silent = self._await_ack(spare, ready is not None)
+        if silent is not None:
+            spare.proc.stop(1.0)  # SIGTERM, then SIGKILL: a SIGSTOPped process ends by the SIGKILL
+            self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why=silent)
+            return None
         spare.proc.started_monotonic = self._clock()  # the attempt starts now, not at the spawn
         self._log.info(
             Event.SPARE_USED,
@@ -210,6 +229,20 @@ class SpareKeeper:
             waited_s=round(self._clock() - spare.started_at, 1),
         )
         return spare.proc
+
+    def _await_ack(self, spare: Spare, ready: bool) -> str | None:
+        """Wait for the spare's ``spare_ack``; None once seen, else why it is discarded."""
+        bound = ACK_S if ready else max(ACK_S, IMPORT_BOUND_S - (self._clock() - spare.started_at))
+        deadline = self._clock() + bound
+        while True:
+            if ack_line(self.log_path, spare.proc.pid) is not None:
+                return None
+            if spare.proc.poll() is not None:
+                return "it exited instead of acknowledging the spec"
+            if self._clock() >= deadline:
+                state = "after it reported ready" if ready else "and never reported ready (stuck in its imports?)"
+                return f"no acknowledgement of the spec within {bound:.0f} s {state}: stopped or stuck"
+            self._sleep(ACK_POLL_S)
 
     def discard(self, why: str) -> None:
         """Stop the spare, if any: SIGTERM to its group (it has no handler before it runs an

@@ -34,7 +34,7 @@ from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
 _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
 
 #: Receives each event after its line is written (``MetricsTextfile.on_event``, ``EventHook.on_event``).
-Listener = Callable[[Mapping[str, Any]], None]
+Listener = Callable[[Mapping[str, object]], None]
 
 
 class _EventsFile:

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.record.journal import Lift, append_lift, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
@@ -191,6 +192,34 @@ class JobVersions:
         write_text_atomic(self.rd.root / f"job.v{number}.yaml", job.raw_text)
         write_text_atomic(self.rd.job_copy, job.raw_text)
         return number
+
+
+def raised_length(changes: list[FieldChange]) -> list[FieldChange]:
+    """The changes that ask for more training: ``max_steps`` or ``epochs`` strictly raised."""
+    return [c for c in changes if c.name in SAFE_WHEN_MORE and _number(c.new) > _number(c.old)]
+
+
+def extend_finished(rd: RunDir, changes: list[FieldChange], now: float) -> Lift | None:
+    """A finished run whose job now asks for more steps goes on from its last checkpoint.
+
+    The journal gets a lift line after the last attempt (the planner then trains again with the
+    last training attempt's knobs, resuming as any attempt does) and an existing ``merged/``,
+    made from the shorter training, is moved to ``merged-before-extend-<attempt>/`` so the merge
+    runs again on the longer adapter; the adapter itself is replaced when the training ends.
+    None, and nothing written, when no change raises the length or the journal is empty.
+    """
+    raised = raised_length(changes)
+    records, _ = read_attempts(rd.attempts)
+    if not raised or not records:
+        return None
+    last = records[-1].attempt
+    if rd.merged.exists():
+        os.rename(rd.merged, rd.root / f"merged-before-extend-{last}")
+        fsync_dir(rd.root)
+    why = "the job asks for more training: " + ", ".join(f"{c.name} {c.old} -> {c.new}" for c in raised)
+    lift = Lift(last, "succeeded", why, now)
+    append_lift(rd.attempts, lift)
+    return lift
 
 
 def has_attempts(rd: RunDir) -> bool:

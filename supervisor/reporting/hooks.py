@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
@@ -45,7 +44,7 @@ class EventHook:
     def log(self, log: FilteringBoundLogger | None) -> None:
         self.outputs.log = log
 
-    def on_event(self, event: Mapping[str, Any]) -> bool:
+    def on_event(self, event: Mapping[str, object]) -> bool:
         """Run the hook for a hooked event; True when it ran and exited 0 (a failure is logged here)."""
         name = str(event.get("event"))
         if name not in HOOKED_EVENTS:

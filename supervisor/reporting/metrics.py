@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, write_to_textfile
 
@@ -130,7 +129,7 @@ class MetricsTextfile:
         self.write()
         return True
 
-    def on_event(self, event: Mapping[str, Any]) -> bool:
+    def on_event(self, event: Mapping[str, object]) -> bool:
         """An event of the run's log: attempt outcomes and state changes, written at once.
 
         False for an event the metrics do not count (nothing written).

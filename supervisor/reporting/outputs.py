@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
@@ -81,10 +80,10 @@ class BestEffort:
             self.worked(output)
         return True
 
-    def listener(self, output: str, listener: Callable[[Mapping[str, Any]], object]) -> Listener:
+    def listener(self, output: str, listener: Callable[[Mapping[str, object]], object]) -> Listener:
         """``listener`` for the event log, run through :meth:`run`."""
 
-        def guarded(event: Mapping[str, Any]) -> None:
+        def guarded(event: Mapping[str, object]) -> None:
             self.run(output, lambda: listener(event))
 
         return guarded

@@ -14,7 +14,6 @@ Without ``$NOTIFY_SOCKET`` every message is a no-op (see :mod:`.notify`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from tqdm import tqdm
 
@@ -56,14 +55,15 @@ class ServiceStatus:
             notify.extend_timeout(SAVE_EXTENSION_S)
             self._extend_at = now
 
-    def on_event(self, event: Mapping[str, Any]) -> bool:
+    def on_event(self, event: Mapping[str, object]) -> bool:
         """A stop request: tell systemd the service is stopping and how long the checkpoint may take.
 
         False for every other event (nothing sent).
         """
         if event.get("event") != Event.STOP_REQUESTED.value:
             return False
-        grace = float(event.get("grace_s") or 0)
+        given = event.get("grace_s")
+        grace = float(given) if isinstance(given, int | float) else 0.0
         notify.stopping(f"stopping: the trainer checkpoints first (up to {tqdm.format_interval(grace)})")
         notify.extend_timeout(grace + SAVE_EXTENSION_S)
         return True

@@ -12,7 +12,9 @@ SFTTrainer never materializes the logits; its fused head (``trl.trainer.utils.ad
 in the autocast dtype (bf16 on a GPU, with an fp32 head too: the tiles are cast down), or in the
 hidden states' dtype without autocast, and accumulates the log-sum-exp in fp32. transformers' own
 loss (``ForCausalLMLoss``) upcasts the logits to fp32 before the cross-entropy. So a bf16 head
-changes the dtype of the head's weight, not the precision of the loss.
+changes the dtype of the head's weight, not the precision of the loss. Where the head module itself
+runs without autocast (a plain forward on the CPU in bf16), :func:`match_head_input` feeds it its
+own dtype: the fp32 norm before it would otherwise meet a bf16 weight.
 
 On the CPU the compute dtype is fp32 (:func:`qlora.compute_dtype`): nothing is upcast and the knob
 changes nothing unless ``train.compute_dtype`` asks for bf16.
@@ -58,3 +60,19 @@ def kept_out_of_upcast(parameters: list[torch.nn.Parameter], dtype: torch.dtype 
     finally:
         for parameter, data in zip(parameters, saved, strict=True):
             parameter.data = data if dtype is None else data.to(dtype)
+
+
+def match_head_input(model: Any) -> None:
+    """Cast what enters the LM head to the head's weight dtype (a forward pre-hook): a no-op under
+    autocast, which casts it anyway, and what lets a plain forward without autocast run at all."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return
+
+    def to_weight_dtype(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden, weight = args[0], module.weight
+        if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            return args
+        return args if hidden.dtype == weight.dtype else (hidden.to(weight.dtype), *args[1:])
+
+    head.register_forward_pre_hook(to_weight_dtype)

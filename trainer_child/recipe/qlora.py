@@ -25,7 +25,7 @@ from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.targets import TargetsError, check, resolve
 from qlora_supervise.trainer_child.recipe import data
 from qlora_supervise.trainer_child.recipe.activations import checkpointing_kwargs
-from qlora_supervise.trainer_child.recipe.head import head_parameters, kept_out_of_upcast
+from qlora_supervise.trainer_child.recipe.head import head_parameters, kept_out_of_upcast, match_head_input
 from qlora_supervise.trainer_child.recipe.prepared import Prepared, load_rows, load_tokenizer
 from qlora_supervise.trainer_child.recipe.trainer import (
     CheckpointPlan,
@@ -151,6 +151,8 @@ def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec, dtype: torch.dtype | N
             use_gradient_checkpointing=knobs.gradient_checkpointing,
             gradient_checkpointing_kwargs=checkpointing_kwargs(),
         )
+    if knobs.bf16_head:
+        match_head_input(model)
     targets = resolve(spec.train.target_modules, model.config.model_type)  # checked at load
     lora = LoraConfig(
         r=knobs.lora_r,

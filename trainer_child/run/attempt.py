@@ -217,13 +217,13 @@ def train(ctx: Context) -> ExitCode:
     recipe = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
     ctx.prepared = None  # the recipe holds what it took; the rest need not live as long as training
     ctx.trainer = recipe.trainer
-    if ctx.progress.stop_requested:  # SIGTERM during the load: nothing new to save
-        ctx.progress.announce_stop()
-        return ExitCode.STOPPED
     from qlora_supervise.trainer_child.run import speed_trial
 
-    if speed_trial.wanted(spec, resuming=source.load_from is not None):  # before step 1 only
-        speed_trial.run(recipe.trainer, spec, ctx.progress, ctx.on_cuda)
+    if speed_trial.wanted(spec, resuming=source.load_from is not None) and not ctx.progress.stop_requested:
+        speed_trial.run(recipe.trainer, spec, ctx.progress, ctx.on_cuda)  # before step 1 only
+    if ctx.progress.stop_requested:  # SIGTERM during the load (or the trial): nothing new to save
+        ctx.progress.announce_stop()
+        return ExitCode.STOPPED
     recipe.trainer.train(resume_from_checkpoint=source.load_from)
     if source.reset_from is not None and source.reset_from != source.original:
         shutil.rmtree(Path(source.reset_from).parent, ignore_errors=True)  # the optimizer-less copy

@@ -4,7 +4,8 @@
 
 It fixes the process environment the way an attempt does (offline hub, the bound device,
 allocator settings, malloc arenas), imports the whole training stack, and then waits on stdin
-for one line, ``{"spec": PATH, "log": PATH}``. With ``--prepare`` (the spec of the attempt it was
+for one line, ``{"spec": PATH, "log": PATH}``, which it acknowledges at once with a
+``spare_ack`` line (JSON, its pid) on its own output. With ``--prepare`` (the spec of the attempt it was
 started behind) it first loads that attempt's tokenizer and rows (:mod:`.prepared`), which the
 next attempt takes when its inputs are the same. With it, it sends its output to the attempt's log
 and runs the attempt exactly as ``python -m qlora_supervise.trainer_child --spec PATH`` would.
@@ -127,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     if not line.strip():
         return 0  # discarded, or the supervisor is gone: nothing was started
     order = json.loads(line)
+    # The hand-over's acknowledgement, on the spare's own log before anything that could block:
+    # a spare the supervisor hears nothing from within seconds (SIGSTOPped, stuck) is discarded
+    # and the attempt starts cold, instead of waiting for the hang timeout (issue 21 item 5).
+    print(json.dumps({"event": "spare_ack", "pid": os.getpid(), "spec": order.get("spec")}), flush=True)
     redirect_output(order["log"])
     from qlora_supervise.trainer_child.__main__ import read_spec
 

@@ -1,0 +1,92 @@
+"""What a memory give-up says about the cap: which one, the smallest peak seen or predicted, what helps.
+
+"ladder exhausted" alone hides the likeliest cause of a memory give-up on a capped job: the cap
+is merely too low (issue 21 item 7). The sentence this module adds names the cap the attempts ran
+under (``resources.gpu_memory_limit``, ``resources.cpu_memory_limit``, or the card itself), the
+smallest peak the run's attempts reached (the journal's peaks, or what an OOM needed) and the
+memory model's prediction for the last config where it has one, and the ways out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies import memory_model
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+
+@dataclass(frozen=True)
+class Cap:
+    """The memory limit the attempts ran under: the job field that set it (or the card), in bytes."""
+
+    name: str  # "resources.gpu_memory_limit", "resources.cpu_memory_limit" or "the card"
+    bytes: int | None  # None: the card, whose size the supervisor could not read
+
+
+def cap_of(gpu_memory_limit: int | None, cpu_memory_limit: int | None, budget_bytes: int | None) -> Cap:
+    """The cap of a job: its GPU limit, else its CPU limit, else the card (``budget_bytes``)."""
+    if gpu_memory_limit is not None:
+        return Cap("resources.gpu_memory_limit", gpu_memory_limit)
+    if cpu_memory_limit is not None:
+        return Cap("resources.cpu_memory_limit", cpu_memory_limit)
+    return Cap("the card", budget_bytes)
+
+
+def smallest_peak_seen(records: Sequence[AttemptRecord]) -> int | None:
+    """The smallest peak a training attempt of the run reached (None: no attempt recorded one).
+
+    A failed attempt's peak is a lower bound of what its step needed, so the smallest one is the
+    least the cap would have had to hold for the cheapest config tried.
+    """
+    peaks = [r.peak.bytes for r in records if r.peak is not None and r.peak.bytes]
+    return min(peaks, default=None)
+
+
+def cap_words(
+    cap: Cap,
+    records: Sequence[AttemptRecord],
+    knobs: Knobs,
+    shape: memory_model.ModelShape | None,
+) -> str:
+    """One sentence for a memory give-up: the cap, the smallest peak seen or predicted, what helps."""
+    limit = format_bytes(cap.bytes) if cap.bytes is not None else "its size unknown"
+    parts = [f"the cap is {cap.name} ({limit})"]
+    seen = smallest_peak_seen(records)
+    if seen is not None:
+        parts.append(f"the smallest peak seen was {format_bytes(seen)}")
+    if shape is not None:
+        predicted = format_bytes(memory_model.estimate_peak(shape, knobs))
+        parts.append(f"the memory model predicts {predicted} for the last config")
+    raise_it = f"raise {cap.name}" if cap.name != "the card" else "a card with more memory"
+    parts.append(
+        f"what would help: {raise_it}, a smaller model in model.fallbacks, "
+        "or a shorter train.max_seq_len"
+    )
+    return "; ".join(parts)
+
+
+def with_named_cap(
+    decision: policy.GiveUp,
+    kind: FailureKind,
+    knobs: Knobs,
+    job: Job,
+    settings: policy.Settings,
+    records: Sequence[AttemptRecord],
+) -> policy.GiveUp:
+    """A memory give-up with the cap named (``cap_words``); any other give-up as it was.
+
+    Contention is left out: another process held the memory, so no cap or config is to blame.
+    """
+    if not kind.is_oom or kind is FailureKind.OOM_CONTENTION:
+        return decision
+    res = job.resources
+    cap = cap_of(res.gpu_memory_limit, res.cpu_memory_limit, settings.budget_bytes)
+    words = cap_words(cap, records, knobs, settings.shape)
+    return dataclasses.replace(decision, why=f"{decision.why}; {words}")
