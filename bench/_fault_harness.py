@@ -165,7 +165,9 @@ class Harness:
             return 0
         with contextlib.suppress(OSError):
             lines = (attempts[-1] / "child-events.jsonl").read_text().splitlines()
-            return max((json.loads(line).get("step") or 0 for line in lines if '"heartbeat"' in line), default=0)
+            return max(
+                (json.loads(line).get("step") or 0 for line in lines if '"heartbeat"' in line), default=0
+            )
         return 0
 
     def on_small_disk(self) -> bool:

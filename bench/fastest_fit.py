@@ -115,11 +115,12 @@ def write_job(
     )
     fallbacks = f", fallbacks: [{work / s.fallback / 'model'}]" if s.fallback else ""
     evaluation = (
-        f"  eval_fraction: 0.1\n  eval_steps: 2\n  eval_batch_size: {s.eval_batch}\n" if s.eval_batch else ""
+        f"  eval_steps: 2\n  eval_batch_size: {s.eval_batch}\n" if s.eval_batch else ""
     )
+    split = ", eval_fraction: 0.1" if s.eval_batch else ""
     text = f"""\
 model: {{path: {work / s.shape / "model"}{fallbacks}}}
-data: {{path: {work / s.shape / "data.jsonl"}, text_field: text}}
+data: {{path: {work / s.shape / "data.jsonl"}, text_field: text{split}}}
 lora: {{r: {s.r}, alpha: {2 * s.r}, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
 train:
   max_seq_len: {s.seq}

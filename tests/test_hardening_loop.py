@@ -8,9 +8,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -79,7 +81,8 @@ def test_host_oom_kill_after_progress_keeps_the_heartbeats_stage_and_retries_unc
     assert _run(_job(tmp_path, {"1": "sigkill@3"})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     first = records[0]
-    assert first.failure is not None and (first.failure.kind, first.failure.stage.value) == ("host_oom", "forward")
+    assert first.failure is not None and first.failure.kind == "host_oom"
+    assert first.failure.stage.value == "forward"
     assert first.decision is not None and first.decision.rung == "retry_unchanged"
     assert records[1].knobs == first.knobs and records[1].outcome == "succeeded"
 
@@ -126,7 +129,7 @@ def test_retry_on_a_finished_run_says_how_to_train_further_not_to_retry(tmp_path
 
 
 def test_retry_after_an_oom_give_up_takes_the_ladders_next_rung(tmp_path: Path) -> None:
-    """`run --retry` after the attempt budget ran out on OOMs runs the next rung, not the config that failed."""
+    """`run --retry` after the OOM attempt budget ran out runs the next rung, not the config that failed."""
     job = _job(tmp_path, {"1": "oom_forward@3", "2": "oom_forward@3", "default": "ok"}, max_attempts=2)
     assert _run(job) == 3
     assert _run(job, retry=True) == 0
@@ -154,7 +157,7 @@ def test_a_memory_give_up_names_the_cap_the_smallest_peak_and_what_would_help(tm
 
 
 def test_status_shows_the_attempt_in_flight_with_its_step_and_speed(tmp_path: Path) -> None:
-    """While attempt 1 trains, status (text and --json) names it, its config, its step and since when."""
+    """While attempt 1 trains, status (text, --json, --follow) names it, its config, step and since when."""
     job = _job(tmp_path, {"default": "slow"})
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("run_scripted.py")), str(job)],
@@ -166,12 +169,18 @@ def test_status_shows_the_attempt_in_flight_with_its_step_and_speed(tmp_path: Pa
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _heartbeat_seen(run / "attempt-001"):
             time.sleep(0.1)
-        text, raw = io.StringIO(), io.StringIO()
+        text, raw, followed = io.StringIO(), io.StringIO(), io.StringIO()
         status_command([str(run)], out=text)
         status_command([str(run)], as_json=True, out=raw)
+        follow = threading.Thread(target=status_command, args=([str(run)], False, True, followed, 0.1))
+        follow.start()
+        time.sleep(1.6)  # the slow child beats every 0.5 s: --follow prints each new step
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    follow.join(timeout=30)
+    steps = re.findall(r"running: resumed at 0, at step (\d+)", followed.getvalue())
+    assert len(set(steps)) >= 2 and not follow.is_alive()  # it moved, and --follow ended with the run
     shown = text.getvalue()
     assert "attempt 1 [train] running: resumed at 0, at step" in shown and "since" in shown
     assert "attempts: 0 (+1 running: attempt 1)" in shown and "micro_batch 4 x accum 2" in shown

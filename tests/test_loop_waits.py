@@ -152,18 +152,22 @@ def test_a_stop_request_ends_the_disk_wait_as_stopped(tmp_path: Path) -> None:
     assert result.stopped and result.waited_s == 0.5
 
 
-def _popen(script: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+def _popen(on_term: str) -> subprocess.Popen[bytes]:
+    """A child in its own session, with ``on_term`` as its SIGTERM handler; it says ``ready`` once set."""
+    script = (
+        f"import signal, sys, time; signal.signal(signal.SIGTERM, {on_term}); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    return subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
 
 
 def _ready(proc: subprocess.Popen[bytes]) -> None:
-    time.sleep(0.3)  # the interpreter is up and its handlers are set
-    assert proc.poll() is None
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace() -> None:
     """TERM, the grace (psutil.wait_procs), then KILL: the status says SIGKILL, and the grace was waited."""
-    proc = _popen("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+    proc = _popen("signal.SIG_IGN")
     _ready(proc)
     child = child_mod.ChildProcess(proc, Path("/dev/null"), time.monotonic())
     started = time.monotonic()
@@ -174,9 +178,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace() -> None:
 
 def test_a_child_that_exits_on_sigterm_is_not_waited_for_the_whole_grace() -> None:
     """A child that checkpoints and exits on SIGTERM returns its own status long before the grace ends."""
-    proc = _popen(
-        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); time.sleep(60)"
-    )
+    proc = _popen("lambda *a: sys.exit(75)")
     _ready(proc)
     started = time.monotonic()
     assert child_mod.ChildProcess(proc, Path("/dev/null"), started).stop(30.0) == 75
@@ -185,7 +187,7 @@ def test_a_child_that_exits_on_sigterm_is_not_waited_for_the_whole_grace() -> No
 
 def test_an_orphan_is_stopped_by_its_group_and_a_gone_one_is_left_alone() -> None:
     """A group that ignores SIGTERM is killed after the grace; a pid that is gone is no error."""
-    proc = _popen("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+    proc = _popen("signal.SIG_IGN")
     _ready(proc)
     assert child_mod.stop_group(proc.pid, 0.3) == -9  # ours here, so psutil reaps it
     assert child_mod.stop_group(proc.pid, 0.3) is None
@@ -193,7 +195,7 @@ def test_an_orphan_is_stopped_by_its_group_and_a_gone_one_is_left_alone() -> Non
 
 def test_a_zero_grace_kills_at_once() -> None:
     """With no grace at all the group is killed at once (a hung child given none)."""
-    proc = _popen("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+    proc = _popen("signal.SIG_IGN")
     _ready(proc)
     started = time.monotonic()
     assert child_mod.ChildProcess(proc, Path("/dev/null"), started).stop(0.0) == -9

@@ -339,7 +339,7 @@ def test_halving_an_odd_micro_batch_keeps_the_effective_batch() -> None:
 
 
 def test_host_oom_kill_after_progress_is_retried_unchanged_once_then_the_ladder_moves() -> None:
-    """The first host OOM kill after progress restarts unchanged; a second in a row walks the stage's ladder."""
+    """The first host OOM kill after progress restarts unchanged; a second in a row walks the ladder."""
     host = _Failure(FailureKind.HOST_OOM, Stage.OPTIMIZER)
     first = decide(host, BASE, [_fail(FailureKind.HOST_OOM, Stage.OPTIMIZER, steps=40)], Settings())
     assert isinstance(first, Restart) and first.rung == "retry_unchanged" and first.knobs == BASE

@@ -45,7 +45,14 @@ def test_a_sample_of_the_lengths_is_scaled_to_all_rows_and_says_about() -> None:
 
 def test_the_policy_puts_the_cost_into_the_shorten_rungs_reason() -> None:
     """With the lengths in Settings, the restart's why names the samples truncated and tokens lost."""
-    knobs = Knobs(model="/m", micro_batch_size=1, grad_accum=8, max_seq_len=256, gradient_checkpointing=True)
+    knobs = Knobs(
+        model="/m",
+        micro_batch_size=1,
+        grad_accum=8,
+        max_seq_len=256,
+        gradient_checkpointing=True,
+        activation_offload=True,  # the forward ladder's rungs before shorten_seq_len are all taken
+    )
     failure = Failure(FailureKind.OOM_FORWARD, Stage.FORWARD, {}, "evidence", "message")
     decision = decide(failure, knobs, [], Settings(sample_lengths=LENGTHS))
     assert isinstance(decision, Restart) and decision.rung == "shorten_seq_len"
@@ -87,15 +94,17 @@ def _seams_with_loaded(clock: FakeClock, plan: Mapping[int, str]) -> Seams:
 
 
 def test_the_journal_and_the_retry_line_say_what_the_shorter_seq_len_cuts(tmp_path: Path) -> None:
-    """A forward OOM at micro 1 with checkpointing shortens seq_len, and the why carries the cost."""
+    """Forward OOMs at micro 1 with checkpointing take activation offload, then shorten seq_len, and
+    that why carries the cost."""
     job = _job(tmp_path)
     raw = yaml.safe_load(job.read_text())
     raw["train"].update(micro_batch_size=1, gradient_checkpointing=True)
     job.write_text(yaml.safe_dump(raw))
-    assert _run(job, _seams_with_loaded(FakeClock(), {1: "oom@3"})) == 0
+    assert _run(job, _seams_with_loaded(FakeClock(), {1: "oom@3", 2: "oom@4"})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
-    decision = records[0].decision
+    assert records[0].decision is not None and records[0].decision.rung == "activation_offload"
+    decision = records[1].decision
     assert decision is not None and decision.rung == "shorten_seq_len"
     assert decision.why.endswith(AT_128), decision.why
-    retry = next(e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "retry")
-    assert retry["why"] == decision.why
+    retries = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "retry"]
+    assert retries[1]["why"] == decision.why  # the second retry: the first took activation offload

@@ -310,3 +310,27 @@ def test_a_sigstopped_real_spare_is_discarded_within_seconds_not_the_hang_timeou
     assert proc.poll() is not None  # killed (a stopped process ends by the SIGKILL) and reaped
     name, fields = log.lines[-1]
     assert name == "spare_discarded" and "no acknowledgement" in fields["why"]
+
+
+@pytest.mark.slow
+def test_a_ready_real_spare_acknowledges_the_spec_at_once_and_is_handed_the_attempt(tmp_path: Path) -> None:
+    """A real, ready spare writes spare_ack within the wait and the keeper hands it the attempt."""
+    log = _Log()
+    keeper = SpareKeeper(tmp_path, child_mod.spawn_spare, time.monotonic, time.sleep, log, sys.executable)
+    keeper.ensure(SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none"))
+    assert keeper.spare is not None
+    proc = keeper.spare.proc
+    deadline = time.monotonic() + 120
+    while ready_line(tmp_path / "spare.log", proc.pid) is None and time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / "spare.log").read_text()
+        time.sleep(0.2)
+    handed = time.monotonic()
+    taken = keeper.take(keeper.spare.order, tmp_path / "missing-spec.json", tmp_path / "child.log")
+    assert taken is proc and time.monotonic() - handed < 5
+    assert log.names()[-1] == "spare_used"
+    # The spec does not exist: the attempt it became ends with the config-error code, in its log.
+    assert _exit_status(proc) == 71 and "cannot read attempt spec" in (tmp_path / "child.log").read_text()
+
+
+def _exit_status(proc: Any) -> int:
+    return int(proc.popen.wait(timeout=60))

@@ -224,7 +224,12 @@ def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Filtering
         # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
         extended = extend_finished(rd, submitted.changes, time.time())
         if extended is not None:
-            log.info(Event.VERDICT_LIFTED, verdict="succeeded", after_attempt=extended.after_attempt, why=extended.why)
+            log.info(
+                Event.VERDICT_LIFTED,
+                verdict="succeeded",
+                after_attempt=extended.after_attempt,
+                why=extended.why,
+            )
         return
     if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED):
         return

@@ -15,7 +15,8 @@ lists the layers that exist) and the attempt's ``child.log``.
                              "tokens_per_s": float | null}],   # median of the attempt's heartbeats
                "running": {"attempt": int, "phase": str, "knobs": {...}, "resumed_from": int,
                            "step": int | null, "stage": str | null, "tokens_per_s": float | null,
-                           "pid": int | null, "alive": bool, "started_at": float} | null}]}   # the attempt in flight
+                           "pid": int | null, "alive": bool, "started_at": float} | null}]}
+                                                                      # the attempt in flight
 
 ``--follow`` prints again whenever a run's journal or state changes, until every run has ended
 (succeeded, gave up, failed, stopped) or Ctrl-C.

@@ -21,22 +21,30 @@ from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
+CARD = "the card"
+HOST_RAM = "the host's RAM"
+
 
 @dataclass(frozen=True)
 class Cap:
     """The memory limit the attempts ran under: the job field that set it (or the card), in bytes."""
 
-    name: str  # "resources.gpu_memory_limit", "resources.cpu_memory_limit" or "the card"
+    name: str  # "resources.gpu_memory_limit", "resources.cpu_memory_limit", CARD or HOST_RAM
     bytes: int | None  # None: the card, whose size the supervisor could not read
 
 
-def cap_of(gpu_memory_limit: int | None, cpu_memory_limit: int | None, budget_bytes: int | None) -> Cap:
-    """The cap of a job: its GPU limit, else its CPU limit, else the card (``budget_bytes``)."""
+def cap_of(
+    gpu_memory_limit: int | None, cpu_memory_limit: int | None, budget_bytes: int | None, device: str = "auto"
+) -> Cap:
+    """The cap of a job: its GPU limit, else its CPU limit, else the card (``budget_bytes``), or
+    the host's RAM for a job on the CPU without a limit."""
     if gpu_memory_limit is not None:
         return Cap("resources.gpu_memory_limit", gpu_memory_limit)
     if cpu_memory_limit is not None:
         return Cap("resources.cpu_memory_limit", cpu_memory_limit)
-    return Cap("the card", budget_bytes)
+    if device == "cpu":
+        return Cap(HOST_RAM, None)
+    return Cap(CARD, budget_bytes)
 
 
 def smallest_peak_seen(records: Sequence[AttemptRecord]) -> int | None:
@@ -64,10 +72,9 @@ def cap_words(
     if shape is not None:
         predicted = format_bytes(memory_model.estimate_peak(shape, knobs))
         parts.append(f"the memory model predicts {predicted} for the last config")
-    raise_it = f"raise {cap.name}" if cap.name != "the card" else "a card with more memory"
+    raise_it = {CARD: "a card with more memory", HOST_RAM: "more host RAM"}.get(cap.name, f"raise {cap.name}")
     parts.append(
-        f"what would help: {raise_it}, a smaller model in model.fallbacks, "
-        "or a shorter train.max_seq_len"
+        f"what would help: {raise_it}, a smaller model in model.fallbacks, or a shorter train.max_seq_len"
     )
     return "; ".join(parts)
 
@@ -87,6 +94,6 @@ def with_named_cap(
     if not kind.is_oom or kind is FailureKind.OOM_CONTENTION:
         return decision
     res = job.resources
-    cap = cap_of(res.gpu_memory_limit, res.cpu_memory_limit, settings.budget_bytes)
+    cap = cap_of(res.gpu_memory_limit, res.cpu_memory_limit, settings.budget_bytes, res.device)
     words = cap_words(cap, records, knobs, settings.shape)
     return dataclasses.replace(decision, why=f"{decision.why}; {words}")

@@ -193,7 +193,13 @@ class SpareKeeper:
         self._log.info(Event.SPARE_STARTED, pid=proc.pid, expected_rss=expected)
 
     def take(self, order: SpareOrder, spec_path: Path, log_path: Path) -> SpareProcess | None:
-        """The spare, now running the attempt of ``spec_path``; None when there is no usable one."""
+        """The spare, now running the attempt of ``spec_path``; None when there is no usable one.
+
+        The hand-over waits (here, in the loop) for the spare's ``spare_ack``: :data:`ACK_S` once
+        it reported ready, up to :data:`IMPORT_BOUND_S` from its start while it still imports. A
+        spare silent past that (SIGSTOPped, wedged in an import) is killed and None returned, so
+        the attempt starts cold at once rather than being found by the hang timeout.
+        """
         spare, self.spare = self.spare, None
         if spare is None:
             return None
@@ -240,7 +246,9 @@ class SpareKeeper:
             if spare.proc.poll() is not None:
                 return "it exited instead of acknowledging the spec"
             if self._clock() >= deadline:
-                state = "after it reported ready" if ready else "and never reported ready (stuck in its imports?)"
+                state = (
+                    "after it reported ready" if ready else "and never reported ready (stuck in its imports?)"
+                )
                 return f"no acknowledgement of the spec within {bound:.0f} s {state}: stopped or stuck"
             self._sleep(ACK_POLL_S)
 

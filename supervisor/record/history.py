@@ -32,6 +32,8 @@ def story(records: Sequence[AttemptRecord]) -> list[str]:
     lines = []
     for r in records:
         steps = f"steps {r.resumed_from}->{r.steps_completed}"
+        if r.steps_progressed == 0 and r.resumed_from > 0:  # steps_completed 0: it trained none
+            steps = f"resumed at {r.resumed_from}, no step trained"
         line = f"attempt {r.attempt} ({r.phase.value}): {r.outcome.value}, {steps}"
         if r.failure:
             line += f", {r.failure.kind.value} in {r.failure.stage.value}"
