@@ -9,8 +9,8 @@ unusable for the rest of the run, and the ladder moves on from the failure that 
 
 When the change was a combination (the search's ``gradient_checkpointing+halve_micro_batch``),
 every rung in it is charged: which one broke the child cannot be told apart, and the ladder has
-others to try. The charges are derived from the history alone (each failed attempt and the one before it), so a
-supervisor that restarts reads the same unusable rungs from the journal.
+others to try. The charges are derived from the history alone (each failed attempt and the one
+before it), so a supervisor that restarts reads the same unusable rungs from the journal.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def test_nothing_fits_exits_before_any_child_in_seconds(tmp_path: Path) -> None:
     assert time.monotonic() - started < 10 and not spawned
     assert not list((tmp_path / "run").glob("attempt-*"))
     [event] = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "nothing_fits"]
-    assert "2.00 GiB" in event["why"] and "model.fallbacks" in event["why"] and "no child was started" in event["why"]
+    why = event["why"]
+    assert "2.00 GiB" in why and "model.fallbacks" in why and "no child was started" in why
 
 
 def test_attempt_1_carries_the_speed_trial_unless_turned_off(tmp_path: Path) -> None:
