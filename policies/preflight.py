@@ -12,8 +12,9 @@ Rules (issues 8 and 19):
 * *quality* knobs (seq_len, then LoRA rank) change only when no throughput candidate fits; the
   lightest quality cut that fits wins, with its fastest throughput knobs, and the result says so
   (``quality_changed``) so the caller can log it loudly;
-* when no config of the job's model fits, the job's fallback models are tried in order, as a loud
-  quality change (``fallback``); when none fits either, :class:`NothingFits` names the smallest
+* when no config of the job's model fits, or only one that cuts seq_len or the rank deeper than one
+  halving (:data:`DEEPEST_CUT_BEFORE_FALLBACK`), the job's fallback models are tried in order, as a
+  loud quality change (``fallback``); when none fits either, :class:`NothingFits` names the smallest
   peak found, the budget and what would help, so the run can stop before any child starts.
 
 The margin (8 %) covers the model's error and the allocator's block rounding that a cap sees as
@@ -217,7 +218,8 @@ def preflight(
     ranking, quality = search.best(knobs)
     fallback = None
     chosen_shape = shape
-    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable)) is not None:
+    deep = bool(ranking) and quality and _deep_cut(knobs, ranking[0].knobs)
+    if (not ranking or deep) and (found := _fallback(knobs, limit, targets, fallbacks, unusable)) is not None:
         fallback, chosen_shape, ranking = found
     head = [
         f"as written: predicted {_gib(search.peak(knobs))} > {_gib(limit)} ({_gib(budget_bytes)} "
@@ -252,6 +254,18 @@ def preflight(
         speed_trial=_trial(chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking),
         fallback=fallback,
     )
+
+
+#: A quality cut of the job's own model deeper than this factor (seq_len or LoRA rank) loses to a
+#: fallback the job names: the job said a smaller model is acceptable, while seq 2048 -> 128 (every
+#: sample cut to a sixteenth) trains on a different task. One halving stays the job's model.
+DEEPEST_CUT_BEFORE_FALLBACK = 2
+
+
+def _deep_cut(job: Knobs, chosen: Knobs) -> bool:
+    """Whether ``chosen`` cuts seq_len or the rank of ``job`` by more than one halving."""
+    factor = DEEPEST_CUT_BEFORE_FALLBACK
+    return chosen.max_seq_len * factor < job.max_seq_len or chosen.lora_r * factor < job.lora_r
 
 
 def _fallback(
