@@ -31,6 +31,11 @@ RUNNER = Path(__file__).with_name("run_scripted.py")
 MIB = 1 << 20
 
 
+# The supervisor's waits on a full disk are tested on the fake clock (test_loop_waits.py); these
+# are their real-ENOSPC twins (a real tmpfs, the real supervisor, seconds each), in the slow tier.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs, mounted for the test (root only) and unmounted after it."""

@@ -25,7 +25,16 @@ def _supervise(job: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("name", [".lock", "events.jsonl", "attempts.jsonl", "state.json"])
+# One planted name of each kind runs in the fast tier; the others (a supervisor process each) are slow.
+_SLOW = pytest.mark.slow
+_RUN_FILES = ("events.jsonl", "attempts.jsonl", "state.json")
+_CHECKPOINT_LINKS = ("checkpoints/checkpoint-4", "checkpoints-quarantine")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [".lock", *(pytest.param(n, marks=_SLOW) for n in _RUN_FILES)],
+)
 def test_a_planted_link_in_the_run_directory_is_refused_and_its_target_untouched(
     tmp_path: Path, name: str
 ) -> None:
@@ -42,7 +51,13 @@ def test_a_planted_link_in_the_run_directory_is_refused_and_its_target_untouched
     assert victim.read_text() == "precious\n"
 
 
-@pytest.mark.parametrize("planted", ["checkpoints", "checkpoints/checkpoint-4", "checkpoints-quarantine"])
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "checkpoints",
+        *(pytest.param(n, marks=_SLOW) for n in _CHECKPOINT_LINKS),
+    ],
+)
 def test_a_planted_checkpoints_link_is_refused_and_its_target_untouched(tmp_path: Path, planted: str) -> None:
     """Issue 21 item 3: checkpoints/, a checkpoint-N in it, or the quarantine as a link stops the run (2)."""
     job = _job(tmp_path, {"default": "ok"})
