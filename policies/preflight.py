@@ -12,9 +12,10 @@ Rules (issues 8 and 19):
 * *quality* knobs (seq_len, then LoRA rank) change only when no throughput candidate fits; the
   lightest quality cut that fits wins, with its fastest throughput knobs, and the result says so
   (``quality_changed``) so the caller can log it loudly;
-* when no config of the job's model fits, or only one that cuts seq_len or the rank deeper than one
-  halving (:data:`DEEPEST_CUT_BEFORE_FALLBACK`), the job's fallback models are tried in order, as a
-  loud quality change (``fallback``); when none fits either, :class:`NothingFits` names the smallest
+* quality cuts go no deeper than two halvings of seq_len and of the rank
+  (:data:`DEEPEST_CUT_BEFORE_FALLBACK`); when no config of the job's model fits within that, the
+  job's fallback models are tried in order, as a loud quality change (``fallback``); when none
+  fits either, :class:`NothingFits` names the smallest
   peak found, the budget and what would help, so the run can stop before any child starts.
 
 The margin (8 %) covers the model's error and the allocator's block rounding that a cap sees as
@@ -118,7 +119,8 @@ class _Search:
     speed: throughput.SpeedCalibration | None
     exclude: frozenset[Knobs]
     unusable: frozenset[str]
-    smallest: tuple[int, Knobs] | None = None
+    smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
+    deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
 
     def __post_init__(self) -> None:
         self._peaks: dict[Knobs, int] = {}
@@ -126,7 +128,8 @@ class _Search:
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
             self._peaks[knobs] = scaled_peak(predict(self.shape, knobs, self.targets), self.scale)
-            if self.smallest is None or self._peaks[knobs] < self.smallest[0]:
+            allowed = not _deep_cut(self.job, knobs)
+            if allowed and (self.smallest is None or self._peaks[knobs] < self.smallest[0]):
                 self.smallest = (self._peaks[knobs], knobs)
         return self._peaks[knobs]
 
@@ -168,7 +171,9 @@ class _Search:
             if set(variant.rungs) & self.unusable or not self.fits(most_frugal(variant.knobs)):
                 continue
             ranking = self.rank(variant.knobs)
-            if ranking:
+            if ranking and _deep_cut(self.job, variant.knobs):
+                self.deep_fit = self.deep_fit or ranking[0].knobs  # said, never started
+            elif ranking:
                 return ranking, True
         return [], True
 
@@ -218,8 +223,7 @@ def preflight(
     ranking, quality = search.best(knobs)
     fallback = None
     chosen_shape = shape
-    deep = bool(ranking) and quality and _deep_cut(knobs, ranking[0].knobs)
-    if (not ranking or deep) and (found := _fallback(knobs, limit, targets, fallbacks, unusable)) is not None:
+    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable)) is not None:
         fallback, chosen_shape, ranking = found
     head = [
         f"as written: predicted {_gib(search.peak(knobs))} > {_gib(limit)} ({_gib(budget_bytes)} "
@@ -256,14 +260,16 @@ def preflight(
     )
 
 
-#: A quality cut of the job's own model deeper than this factor (seq_len or LoRA rank) loses to a
-#: fallback the job names: the job said a smaller model is acceptable, while seq 2048 -> 128 (every
-#: sample cut to a sixteenth) trains on a different task. One halving stays the job's model.
-DEEPEST_CUT_BEFORE_FALLBACK = 2
+#: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings: 16384 -> 4096
+#: still trains long context). Deeper, the run would train another task (seq 2048 -> 128 cuts every
+#: long sample to a sixteenth): the job's fallback model starts instead, or the run stops before any
+#: child and names the deeper cut that would fit, for the user to choose. The reactive ladder may
+#: still cut further after a real OOM.
+DEEPEST_CUT_BEFORE_FALLBACK = 4
 
 
 def _deep_cut(job: Knobs, chosen: Knobs) -> bool:
-    """Whether ``chosen`` cuts seq_len or the rank of ``job`` by more than one halving."""
+    """Whether ``chosen`` cuts seq_len or the rank of ``job`` deeper than pre-flight may."""
     factor = DEEPEST_CUT_BEFORE_FALLBACK
     return chosen.max_seq_len * factor < job.max_seq_len or chosen.lora_r * factor < job.lora_r
 
@@ -304,6 +310,12 @@ def _nothing_fits(
         helps.append("a smaller model than every one in model.fallbacks (none of them fits either)")
     else:
         helps.append("a smaller model in model.fallbacks")
+    if search.deep_fit is not None:
+        deep = search.deep_fit
+        helps.append(
+            f"max_seq_len {deep.max_seq_len} and lora.r {deep.lora_r} written in the job (predicted to fit; "
+            f"pre-flight cuts no deeper than 1/{DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
+        )
     text = " or ".join(helps)
     nothing = NothingFits(peak, smallest, budget_bytes, margin, text)
     verdict = (

@@ -132,12 +132,14 @@ def test_when_the_model_cannot_fit_the_first_fallback_that_does_starts_loudly() 
     assert result.knobs.effective_batch == 16
 
 
-def test_a_fallback_wins_over_a_seq_len_cut_deeper_than_one_halving() -> None:
-    """The 8B fits 6 GiB only with seq_len cut far below half: with a 1B fallback the 1B trains at the
-    job's seq_len; without one the deep cut stays the answer; one halving keeps the job's model."""
+def test_a_cut_deeper_than_two_halvings_is_never_started_the_fallback_or_the_advice_is() -> None:
+    """The 8B fits 6 GiB only with seq_len cut to 1/16: with a 1B fallback the 1B trains at the job's
+    seq_len; without one nothing fits, and the advice names the deep cut; one halving is kept."""
     job = Knobs(model="/m8", micro_batch_size=1, grad_accum=16, max_seq_len=2048)
     alone = preflight(SHAPE_8B, job, 6 * GiB)
-    assert alone.fits and alone.knobs.model == "/m8" and alone.knobs.max_seq_len < 1024  # the deep cut
+    assert not alone.fits and alone.nothing_fits is not None
+    assert "max_seq_len 128" in alone.nothing_fits.help  # the deepest halving the model says fits
+    assert alone.nothing_fits.smallest_peak > 6 * GiB / 1.08  # of the configs it may start
     with_fallback = preflight(SHAPE_8B, job, 6 * GiB, fallbacks=[("/m1", SHAPE_1B)])
     assert with_fallback.fallback == "/m1" and with_fallback.knobs.max_seq_len == 2048
     # one halving is enough on a slightly larger card: the job's own model keeps the run
@@ -146,8 +148,8 @@ def test_a_fallback_wins_over_a_seq_len_cut_deeper_than_one_halving() -> None:
         for cap in (6.5, 7.0, 7.5, 8.0, 9.0)
         if (result := preflight(SHAPE_8B, job, int(cap * GiB))).knobs.max_seq_len == 1024
     )
-    budget = shallow.budget_bytes
-    assert preflight(SHAPE_8B, job, budget, fallbacks=[("/m1", SHAPE_1B)]).knobs.model == "/m8"
+    assert shallow.fits and shallow.quality_changed
+    assert preflight(SHAPE_8B, job, shallow.budget_bytes, fallbacks=[("/m1", SHAPE_1B)]).knobs.model == "/m8"
 
 
 def test_nothing_fits_names_the_smallest_peak_the_budget_and_what_would_help() -> None:
