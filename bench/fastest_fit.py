@@ -114,9 +114,7 @@ def write_job(
         f"{{gpu: cpu, cpu_memory_limit: {s.cap}}}" if tiny else f"{{gpu: cuda:0, gpu_memory_limit: {s.cap}}}"
     )
     fallbacks = f", fallbacks: [{work / s.fallback / 'model'}]" if s.fallback else ""
-    evaluation = (
-        f"  eval_steps: 2\n  eval_batch_size: {s.eval_batch}\n" if s.eval_batch else ""
-    )
+    evaluation = f"  eval_steps: 2\n  eval_batch_size: {s.eval_batch}\n" if s.eval_batch else ""
     split = ", eval_fraction: 0.1" if s.eval_batch else ""
     text = f"""\
 model: {{path: {work / s.shape / "model"}{fallbacks}}}

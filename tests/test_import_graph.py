@@ -47,7 +47,8 @@ def test_supervisor_and_policies_reach_the_child_only_through_its_contract(folde
         f"{path.relative_to(ROOT)}: {module}"
         for path in _sources(folder)
         for module in _imports(path)
-        if module.startswith(CHILD + ".") and not module.startswith(CONTRACT)
+        if module.startswith(CHILD + ".")
+        and not module.startswith(CONTRACT)
         # ``from qlora_supervise.trainer_child.contract import entry`` also yields the package itself
         and module != CHILD
     }

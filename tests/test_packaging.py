@@ -48,7 +48,7 @@ def test_wheel_installs_under_the_namespace_only(tmp_path: Path) -> None:
 
 
 def test_supervisor_does_not_import_torch() -> None:
-    """Importing every module of the supervisor, the policies and the contract leaves torch (and transformers) unimported."""
+    """Importing every module of the supervisor, the policies and the contract loads no torch stack."""
     code = (
         "import sys, pkgutil, importlib\n"
         "import qlora_supervise.supervisor as s, qlora_supervise.policies as p\n"

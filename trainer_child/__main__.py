@@ -50,7 +50,7 @@ def prepare_env_for(device_name: str, expandable_segments: bool, place: RankPlac
 
 def parse_args(argv: list[str] | None, prog: str) -> Path:
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON, contract.spec.AttemptSpec)")
+    parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON: AttemptSpec)")
     spec: Path = parser.parse_args(argv).spec
     return spec
 
