@@ -171,3 +171,17 @@ def quality_variants(knobs: Knobs) -> list[Candidate]:
 def _either(value: bool) -> tuple[bool, ...]:
     # A knob the job already turned on stays on: pre-flight changes knobs towards less memory only.
     return (True,) if value else (False, True)
+
+
+#: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings: 16384 -> 4096
+#: still trains long context). Deeper, the run would train another task (seq 2048 -> 128 cuts every
+#: long sample to a sixteenth): the job's fallback model starts instead, or the run stops before any
+#: child and names the deeper cut that would fit, for the user to choose. The reactive ladder may
+#: still cut further after a real OOM.
+DEEPEST_CUT_BEFORE_FALLBACK = 4
+
+
+def deep_cut(job: Knobs, chosen: Knobs) -> bool:
+    """Whether ``chosen`` cuts seq_len or the rank of ``job`` deeper than pre-flight may."""
+    factor = DEEPEST_CUT_BEFORE_FALLBACK
+    return chosen.max_seq_len * factor < job.max_seq_len or chosen.lora_r * factor < job.lora_r

@@ -32,9 +32,11 @@ from typing import Any
 from qlora_supervise.policies import throughput
 from qlora_supervise.policies.budget import card_reserve
 from qlora_supervise.policies.candidates import (
+    DEEPEST_CUT_BEFORE_FALLBACK,
     RUNG_CLASSES,
     RUNG_OF_KNOB,
     CostClass,
+    deep_cut,
     eval_batches,
     most_frugal,
     quality_variants,
@@ -128,7 +130,7 @@ class _Search:
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
             self._peaks[knobs] = scaled_peak(predict(self.shape, knobs, self.targets), self.scale)
-            allowed = not _deep_cut(self.job, knobs)
+            allowed = not deep_cut(self.job, knobs)
             if allowed and (self.smallest is None or self._peaks[knobs] < self.smallest[0]):
                 self.smallest = (self._peaks[knobs], knobs)
         return self._peaks[knobs]
@@ -171,7 +173,7 @@ class _Search:
             if set(variant.rungs) & self.unusable or not self.fits(most_frugal(variant.knobs)):
                 continue
             ranking = self.rank(variant.knobs)
-            if ranking and _deep_cut(self.job, variant.knobs):
+            if ranking and deep_cut(self.job, variant.knobs):
                 self.deep_fit = self.deep_fit or ranking[0].knobs  # said, never started
             elif ranking:
                 return ranking, True
@@ -258,20 +260,6 @@ def preflight(
         speed_trial=_trial(chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking),
         fallback=fallback,
     )
-
-
-#: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings: 16384 -> 4096
-#: still trains long context). Deeper, the run would train another task (seq 2048 -> 128 cuts every
-#: long sample to a sixteenth): the job's fallback model starts instead, or the run stops before any
-#: child and names the deeper cut that would fit, for the user to choose. The reactive ladder may
-#: still cut further after a real OOM.
-DEEPEST_CUT_BEFORE_FALLBACK = 4
-
-
-def _deep_cut(job: Knobs, chosen: Knobs) -> bool:
-    """Whether ``chosen`` cuts seq_len or the rank of ``job`` deeper than pre-flight may."""
-    factor = DEEPEST_CUT_BEFORE_FALLBACK
-    return chosen.max_seq_len * factor < job.max_seq_len or chosen.lora_r * factor < job.lora_r
 
 
 def _fallback(
