@@ -289,6 +289,19 @@ class PhaseClock:
         self._last = now
 
 
+#: Injected fault for tests: ``knob_name`` makes the load fail with a plain RuntimeError while that
+#: knob is on, as a rung whose config the stack cannot run does (the 4-bit CPU-offload crash:
+#: "Tensor.item() cannot be called on meta tensors"). Never set outside tests.
+TEST_FAIL_WITH_KNOB = "QLORA_SUPERVISE_TEST_FAIL_WITH_KNOB"
+
+
+def injected_knob_fault(knobs: Knobs) -> None:
+    """Raise the injected fault of :data:`TEST_FAIL_WITH_KNOB` when its knob is on (tests only)."""
+    name = os.environ.get(TEST_FAIL_WITH_KNOB, "")
+    if name and getattr(knobs, name, False) is True:
+        raise RuntimeError(f"injected fault ({TEST_FAIL_WITH_KNOB}): this stack cannot run {name}")
+
+
 def build(
     spec: AttemptSpec,
     progress: Progress,
@@ -315,6 +328,7 @@ def build(
     clock.lap("tokenizer")
     model = load_model(spec, dtype, on_cuda)
     clock.lap("weights")
+    injected_knob_fault(knobs)
     check_target_modules(model, spec.train.target_modules)
     model = add_lora(model, knobs, spec, dtype)
     trainable, total, share = trainable_share(model)
