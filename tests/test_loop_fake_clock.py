@@ -28,6 +28,7 @@ from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
 
 GiB = 1024**3
 OOM = (
@@ -103,6 +104,9 @@ class FakeChild:
             return self._report(
                 "load", ExitCode.CONFIG, "ConfigError", "target_modules ['q'] matched no layer", None
             )
+        if name.startswith("trial+"):  # a speed trial that switched to half the micro-batch first
+            name = name.removeprefix("trial+")
+            _switched_trial(spec, events)
         last = spec.train.max_steps if name == "ok" else int(at or 1) - 1
         with events.open("a", encoding="utf-8") as out:
             for step in range(start + 1, last + 1):
@@ -141,6 +145,15 @@ class FakeChild:
     def _steps_done(self) -> int:
         _, _, at = self.behaviour.partition("@")
         return int(at) - 1 if at else 0
+
+
+def _switched_trial(spec: AttemptSpec, events: Path) -> None:
+    k = spec.knobs
+    planned = TrialCandidate(k.micro_batch_size, k.grad_accum, k.gradient_checkpointing)
+    half = TrialCandidate(k.micro_batch_size // 2, k.grad_accum * 2, not k.gradient_checkpointing)
+    rows = (TrialResult(planned, 100.0, GiB, 1.0), TrialResult(half, 150.0, GiB, 1.0))
+    with events.open("a", encoding="utf-8") as out:
+        out.write(json.dumps(SpeedTrialEvent(rows, half, True, 2.0).to_json()) + "\n")
 
 
 def _resume_step(spec: AttemptSpec) -> int:
@@ -409,6 +422,19 @@ def test_the_policy_sees_the_peak_of_the_attempt_that_just_failed(
     assert failed.peak is not None and failed.peak.bytes > 0 and failed.steps_progressed == 2
     assert [past.peak_bytes for past in seen] == [failed.peak.bytes]
     assert seen[0].steps_progressed == failed.steps_progressed and seen[0].knobs == failed.knobs
+
+
+def test_an_attempt_the_speed_trial_switched_is_journaled_with_the_knobs_it_trained(tmp_path: Path) -> None:
+    """The trial halved the micro-batch and flipped checkpointing, then the attempt OOMed: its journal
+    line, and the config the ladder climbs from, are the trained knobs, not the planned ones."""
+    assert _run(_job(tmp_path), _seams(FakeClock(), {1: "trial+oom@3"})) == 0
+    first, second, *_ = read_attempts(tmp_path / "run" / "attempts.jsonl")[0]
+    planned = json.loads((tmp_path / "run" / "attempt-001" / "spec.json").read_text())["knobs"]
+    assert first.knobs.micro_batch_size == planned["micro_batch_size"] // 2
+    assert first.knobs.gradient_checkpointing is not planned["gradient_checkpointing"]
+    assert first.knobs.effective_batch == planned["micro_batch_size"] * planned["grad_accum"]
+    assert first.decision is not None and first.decision.knobs == second.knobs
+    assert second.knobs != first.knobs
 
 
 def _states_written(monkeypatch: pytest.MonkeyPatch) -> list[str]:

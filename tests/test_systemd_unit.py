@@ -38,10 +38,12 @@ SERVICE = _unit(SYSTEMD / "qlora-supervise@.service")["Service"]
 
 
 def test_restart_prevent_exit_status_matches_exit_codes() -> None:
-    """Finished, bad job, gave up, not retryable and a GPU fault are the codes systemd must not restart on."""
+    """Every verdict of `run` (finished, bad job, gave up, not retryable, GPU fault, nothing fits)."""
     prevented = {int(code) for code in _one(SERVICE["RestartPreventExitStatus"]).split()}
     c = SupervisorExitCode
-    assert prevented == {c.FINISHED, c.BAD_JOB, c.GAVE_UP, c.NOT_RETRYABLE, c.GPU_FAULT}
+    assert prevented == {c.FINISHED, c.BAD_JOB, c.GAVE_UP, c.NOT_RETRYABLE, c.GPU_FAULT, c.NOTHING_FITS}
+    # every verdict of `run` is in the set: only a stop (130/143) or a crash may restart
+    assert prevented == {int(code) for code in c if int(code) not in (130, 143)}
     assert _one(SERVICE["Restart"]) == "on-failure"
 
 

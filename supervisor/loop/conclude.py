@@ -25,6 +25,7 @@ from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_reco
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
 from qlora_supervise.supervisor.loop.settings import remember_attempt, step_fit, with_sample_lengths
+from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import RunState, append_attempt
 from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome, Phase
@@ -56,8 +57,19 @@ class Conclusions:
     settings: policy.Settings
     lifted_after: int = 0
 
+    def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
+        """``o`` with the knobs the attempt trained with: a speed trial in the child may have switched
+        the plan's micro-batch and checkpointing. The journal, the policy's history and the
+        never-repeat-a-failed-config rule all key on what ran."""
+        events = self.rd.attempt_dir(o.number) / "child-events.jsonl"
+        trained = read_attempt_speed(events, o.plan.knobs).knobs
+        if trained == o.plan.knobs:
+            return o
+        return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained))
+
     def conclude(self, o: AttemptOutcome, records: list[AttemptRecord], reclaimed: bool = False) -> Turn:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
+        o = self._as_trained(o)
         log = self.log.bind(attempt=o.number)
         fit = step_fit(self.settings, self.job.resources.device, o.plan)
         verdict = judge(o, self._phase_done(o.plan.phase), fit)

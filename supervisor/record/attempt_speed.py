@@ -21,7 +21,7 @@ from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import Heartbeat, parse_event
 from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult, chosen_knobs
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,7 @@ def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
             rates.append(event.tokens_per_s)
         elif isinstance(event, SpeedTrialEvent):
             trial = event
-    knobs = planned
-    if trial is not None and trial.switched:
-        chosen = trial.chosen
-        knobs = dataclasses.replace(
-            planned,
-            micro_batch_size=chosen.micro_batch_size,
-            grad_accum=chosen.grad_accum,
-            gradient_checkpointing=chosen.gradient_checkpointing,
-        )
+    knobs = chosen_knobs(planned, trial) if trial is not None and trial.switched else planned
     return AttemptSpeed(knobs, _median(rates), len(rates), trial)
 
 
