@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -66,14 +67,7 @@ def prepare_root(root: Path) -> None:
 def refuse_links(paths: list[Path]) -> None:
     """Refuse at start, before anything is run, when one of the run's own files is a link or no file."""
     for path in paths:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISLNK(info.st_mode):
-            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", _FIX)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsafeRunPath(path, "is not a regular file", _FIX)
+        _refuse_link_or_other(path, stat.S_ISREG, "is not a regular file")
 
 
 def refuse_linked_dirs(paths: list[Path]) -> None:
@@ -81,19 +75,26 @@ def refuse_linked_dirs(paths: list[Path]) -> None:
     link: ``checkpoints/checkpoint-N -> /elsewhere`` would be resumed from, quarantined (a reason
     file written into it) or deleted by rotation, all outside the run directory."""
     for path in paths:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
+        if not _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory"):
             continue
-        if stat.S_ISLNK(info.st_mode):
-            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", _FIX)
-        if not stat.S_ISDIR(info.st_mode):
-            raise UnsafeRunPath(path, "is not a directory", _FIX)
         for entry in sorted(path.iterdir()):
             if entry.is_symlink():
                 raise UnsafeRunPath(
                     entry, "is a symbolic link; refusing to follow or delete through it", _FIX
                 )
+
+
+def _refuse_link_or_other(path: Path, is_kind: Callable[[int], bool], other: str) -> bool:
+    """Whether ``path`` exists; raise when it is a link or not of the kind ``is_kind`` accepts."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", _FIX)
+    if not is_kind(info.st_mode):
+        raise UnsafeRunPath(path, other, _FIX)
+    return True
 
 
 def ensure_dir(path: Path) -> Path:
