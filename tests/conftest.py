@@ -16,6 +16,13 @@ def _peak_store_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
     monkeypatch.setenv("QLORA_SUPERVISE_STATE_DIR", str(tmp_path_factory.mktemp("state")))
 
 
+@pytest.fixture(autouse=True)
+def _scripted_plan_per_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripted child's plan (``SCRIPTED_CHILD_PLAN``, which the loop tests' ``_job`` points at
+    their own tmp file) is undone after every test, so no test inherits another's plan."""
+    monkeypatch.delenv("SCRIPTED_CHILD_PLAN", raising=False)
+
+
 @pytest.fixture
 def notify_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
     """A datagram socket bound to a short path, named by NOTIFY_SOCKET (as systemd does)."""

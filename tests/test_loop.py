@@ -57,6 +57,7 @@ def _job(
     path.write_text(yaml.safe_dump(job))
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(plan))
+    # Undone after each test by conftest's _scripted_plan_per_test (a monkeypatch of this variable).
     os.environ["SCRIPTED_CHILD_PLAN"] = str(plan_path)
     return path
 
