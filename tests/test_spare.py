@@ -291,9 +291,8 @@ def test_the_watch_wakes_at_the_childs_exit_not_at_the_next_tick(
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
-@pytest.mark.slow
-def test_a_sigstopped_real_spare_is_discarded_within_seconds_not_the_hang_timeout(tmp_path: Path) -> None:
-    """A real spare, ready and then SIGSTOPped, is killed at the hand-over within seconds and not used."""
+def _ready_real_spare(tmp_path: Path) -> tuple[SpareKeeper, _Log]:
+    """A keeper with a real spare started and waited for until it reported ready (or 120 s)."""
     log = _Log()
     keeper = SpareKeeper(tmp_path, child_mod.spawn_spare, time.monotonic, time.sleep, log, sys.executable)
     keeper.ensure(SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none"))
@@ -303,6 +302,15 @@ def test_a_sigstopped_real_spare_is_discarded_within_seconds_not_the_hang_timeou
     while ready_line(tmp_path / "spare.log", proc.pid) is None and time.monotonic() < deadline:
         assert proc.poll() is None, (tmp_path / "spare.log").read_text()
         time.sleep(0.2)
+    return keeper, log
+
+
+@pytest.mark.slow
+def test_a_sigstopped_real_spare_is_discarded_within_seconds_not_the_hang_timeout(tmp_path: Path) -> None:
+    """A real spare, ready and then SIGSTOPped, is killed at the hand-over within seconds and not used."""
+    keeper, log = _ready_real_spare(tmp_path)
+    assert keeper.spare is not None
+    proc = keeper.spare.proc
     os.kill(proc.pid, signal.SIGSTOP)
     handed = time.monotonic()
     assert keeper.take(keeper.spare.order, tmp_path / "spec.json", tmp_path / "child.log") is None
@@ -315,15 +323,9 @@ def test_a_sigstopped_real_spare_is_discarded_within_seconds_not_the_hang_timeou
 @pytest.mark.slow
 def test_a_ready_real_spare_acknowledges_the_spec_at_once_and_is_handed_the_attempt(tmp_path: Path) -> None:
     """A real, ready spare writes spare_ack within the wait and the keeper hands it the attempt."""
-    log = _Log()
-    keeper = SpareKeeper(tmp_path, child_mod.spawn_spare, time.monotonic, time.sleep, log, sys.executable)
-    keeper.ensure(SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none"))
+    keeper, log = _ready_real_spare(tmp_path)
     assert keeper.spare is not None
     proc = keeper.spare.proc
-    deadline = time.monotonic() + 120
-    while ready_line(tmp_path / "spare.log", proc.pid) is None and time.monotonic() < deadline:
-        assert proc.poll() is None, (tmp_path / "spare.log").read_text()
-        time.sleep(0.2)
     handed = time.monotonic()
     taken = keeper.take(keeper.spare.order, tmp_path / "missing-spec.json", tmp_path / "child.log")
     assert taken is proc and time.monotonic() - handed < 5
