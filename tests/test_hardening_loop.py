@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import signal
 import subprocess
@@ -27,37 +26,13 @@ from qlora_supervise.supervisor.record.journal import read_attempts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_scripted import scripted_seams
-
-MAX_STEPS = 10
+from test_loop import MAX_STEPS
+from test_loop import _job as loop_job
 
 
 def _job(tmp_path: Path, plan: dict[str, str], train: dict[str, Any] | None = None, **supervise: Any) -> Path:
-    """A valid job for a fake model dir, and the scripted child's plan."""
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(20)))
-    job = {
-        "model": {"path": "model"},
-        "data": {"path": "data.jsonl"},
-        "train": {
-            "micro_batch_size": 4,
-            "effective_batch_size": 8,
-            "gradient_checkpointing": False,
-            "max_steps": MAX_STEPS,
-            "save_steps": 4,
-            "max_seq_len": 256,
-            **(train or {}),
-        },
-        "resources": {"gpu": "cpu"},
-        "supervise": {"hang_timeout": "2s", "backoff_initial": "0.05s", "backoff_max": "0.2s", **supervise},
-        "output_dir": "run",
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    os.environ["SCRIPTED_CHILD_PLAN"] = str(tmp_path / "plan.json")
-    return path
+    """test_loop's job for a fake model dir and the scripted child's plan, with train overrides."""
+    return loop_job(tmp_path, plan, train=train, **supervise)
 
 
 def _run(job: Path, **flags: Any) -> int:

@@ -30,7 +30,11 @@ MAX_STEPS = 10
 
 
 def _job(
-    tmp_path: Path, plan: dict[str, str], resources: dict[str, Any] | None = None, **supervise: Any
+    tmp_path: Path,
+    plan: dict[str, str],
+    resources: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
+    **supervise: Any,
 ) -> Path:
     """A valid job for a fake model dir, and the scripted child's plan."""
     model = tmp_path / "model"
@@ -48,6 +52,7 @@ def _job(
             "max_steps": MAX_STEPS,
             "save_steps": 4,
             "max_seq_len": 256,
+            **(train or {}),
         },
         "resources": {"gpu": "cpu", **(resources or {})},
         "supervise": {"hang_timeout": "2s", "backoff_initial": "0.05s", "backoff_max": "0.2s", **supervise},
