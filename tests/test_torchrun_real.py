@@ -223,7 +223,9 @@ def test_sigterm_reaches_the_ranks_through_torchrun_and_they_checkpoint_together
     stops = {}
     for rank, name in ((0, "child-events.jsonl"), (1, "child-events.rank1.jsonl")):
         seen = [json.loads(line) for line in (path.parent / name).read_text().splitlines()]
-        assert any(e["event"] == "stopping" for e in seen), rank  # the stop reached this rank
+        # The stop reached this rank (the launcher's log says when each rank got it, if not).
+        launcher_log = (path.parent / "child.log").read_text()[-3000:]
+        assert any(e["event"] == "stopping" for e in seen), (rank, launcher_log)
         # A rank beats after every completed step; its last step is the one it stopped after.
         # (``stopping`` carries the step at which this rank saw the signal, which torchrun
         # delivers to the ranks at slightly different moments: not the agreed step.)

@@ -32,7 +32,7 @@ from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
 from qlora_supervise.trainer_child.recipe.activations import activation_context
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
-from qlora_supervise.trainer_child.run.torchrun import agree, barrier, staging_owner, this_rank
+from qlora_supervise.trainer_child.run.torchrun import barrier, decide_together, staging_owner, this_rank
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
@@ -273,14 +273,12 @@ class SupervisionCallback(TrainerCallback):
             apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
             self.cap_after_step = None
         progress = self.trainer.progress
-        # The ranks decide together (torchrun.agree): one that saves or stops alone would hang.
-        progress.stop_requested, progress.early_checkpoints = agree(
-            self.trainer.place, (progress.stop_requested, progress.early_checkpoints), args.device
-        )
-        if progress.early_checkpoints:  # memory creeps towards the budget: lose no step to it
+        # The ranks decide together: one that saves or stops alone would hang the others.
+        stop, early = decide_together(self.trainer.place, progress, args.device)
+        if early:  # memory creeps towards the budget: lose no step to it
             progress.announce_early_checkpoints()
             control.should_save = True
-        if progress.stop_requested:
+        if stop:
             progress.announce_stop()
             control.should_save = True  # SIGTERM: finish this step, checkpoint, leave
             control.should_training_stop = True

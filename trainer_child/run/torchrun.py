@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_file
+from qlora_supervise.trainer_child.run.heartbeat import Progress
 
 #: Injected fault for tests: ``RANK:BYTES`` gives rank RANK alone the CPU cap BYTES
 #: (``RLIMIT_DATA``, in place of the spec's ``cpu_memory_limit``), so one rank of several runs out
@@ -131,3 +132,18 @@ def agree(place: RankPlace, flags: tuple[bool, ...], device: Any) -> tuple[bool,
     values = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return tuple(bool(value) for value in values.tolist())
+
+
+def decide_together(place: RankPlace, progress: Progress, device: Any) -> tuple[bool, bool]:
+    """Whether every rank stops and checkpoints after this step: (stop, early checkpoint).
+
+    The signal flags are only ever raised here, never cleared. A SIGTERM that lands while this
+    rank waits in the all-reduce runs its handler once the collective returns, after the value
+    was sent: no rank saw it this step. Assigning the agreed value back to the flag would drop
+    it on this rank, and every rank would train on until the launcher's SIGKILL. Kept, it goes
+    into the next step's all-reduce, and the ranks act on the agreed value, together.
+    """
+    stop, early = agree(place, (progress.stop_requested, progress.early_checkpoints), device)
+    progress.stop_requested = progress.stop_requested or stop
+    progress.early_checkpoints = progress.early_checkpoints or early
+    return stop, early
