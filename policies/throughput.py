@@ -54,8 +54,10 @@ def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
 
 
 def work_per_token(shape: ModelShape, seq_len: int) -> int:
-    """Multiply-adds per token of the decoder blocks' forward: the linear layers and attention."""
-    return shape.layers * shape.layer_params + shape.layers * seq_len * shape.q_dim
+    """Multiply-adds per token of the decoder blocks' forward: the linear layers, the experts a
+    token is routed through (their fp32 matmuls counted as the 4-bit ones: unmeasured), attention."""
+    linear = shape.layer_params + shape.active_expert_params
+    return shape.layers * linear + shape.layers * seq_len * shape.q_dim
 
 
 def head_work_per_token(shape: ModelShape) -> int:

@@ -77,36 +77,36 @@ QWEN25_7B = {
 }
 
 
-def test_gemma2_is_read_eager_softcapped_tied_and_refused_with_the_terms_it_needs() -> None:
+def test_gemma2_is_read_eager_softcapped_tied_and_modelled() -> None:
     """Gemma 2 is read: eager for softcapping, head_dim 256, 256k tied, windows on half its layers."""
-    read = ModelShape.read(GEMMA2_2B)
-    assert isinstance(read, Unsupported) and read.reason is UnsupportedReason.NOT_LLAMA_FAMILY
-    facts = read.shape
-    assert facts is not None
+    facts = ModelShape.read(GEMMA2_2B)
+    assert isinstance(facts, ModelShape) and facts.missing_terms() == ()
     assert (facts.model_type, facts.attn_implementation, facts.head_dim) == ("gemma2", "eager", 256)
     assert (facts.attn_softcap, facts.final_softcap) == (50.0, 30.0)
     assert facts.tie_word_embeddings and facts.vocab == 256000
     assert (facts.sliding_window, facts.sliding_layers) == (4096, 13)
-    for term in ("eager attention scores", "softcapped logits", "256000-token logits"):
-        assert term in read.detail
+    assert facts.block is not None and facts.block.norms == 4  # before and after attention and MLP
 
 
 def test_moe_facts_are_the_expert_count_top_k_and_width() -> None:
-    """Qwen3-30B-A3B: 128 experts of width 768, 8 routed per token; its terms name the resident experts."""
-    facts = ModelShape.architecture(QWEN3_30B_A3B)
+    """Qwen3-30B-A3B: 128 experts of width 768, 8 routed per token, all resident and unquantized."""
+    facts = ModelShape.read(QWEN3_30B_A3B)
     assert isinstance(facts, ModelShape)
     assert (facts.experts, facts.experts_per_token, facts.expert_intermediate) == (128, 8, 768)
     assert facts.sliding_window is None and not facts.router_logits
-    assert any("resident experts per layer, unquantized and cast to fp32" in t for t in facts.missing_terms())
-    assert isinstance(ModelShape.read(QWEN3_30B_A3B), Unsupported)
+    # Attention alone is Linear (quantized); each block's experts and router are bare parameters.
+    assert set(facts.linear_dims()) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert facts.expert_params == 128 * (3 * 2048 * 768 + 2048)
 
 
-def test_phi3_windows_every_layer_and_needs_fused_lora_terms() -> None:
-    """Phi-3-mini's window applies to all 32 layers; its LoRA targets are the fused layers."""
-    facts = ModelShape.architecture(PHI3_MINI)
+def test_phi3_windows_every_layer_and_its_linear_layers_are_the_fused_ones() -> None:
+    """Phi-3-mini's window applies to all 32 layers; its Linear layers are qkv_proj and gate_up_proj."""
+    facts = ModelShape.read(PHI3_MINI)
     assert isinstance(facts, ModelShape) and facts.attn_implementation == "sdpa"
     assert (facts.sliding_window, facts.sliding_layers) == (2047, 32)
-    assert any("qkv_proj" in term for term in facts.missing_terms())
+    dims = facts.linear_dims()
+    assert dims["qkv_proj"] == (3072, 3 * 3072) and dims["gate_up_proj"] == (3072, 2 * 8192)
+    assert facts.adapted("attention") == ("qkv_proj", "o_proj")
 
 
 def test_qwen25_is_modelled_with_its_qkv_bias_and_no_window_and_keeps_its_store_key() -> None:
@@ -138,21 +138,25 @@ def _job(tmp_path: Path, config: dict[str, Any]) -> Path:
     return job
 
 
-@pytest.mark.parametrize("config", [GEMMA2_2B, {**GEMMA2_2B, "model_type": "falcon"}])
+#: Gemma 1: a block the targets table knows (so its facts are read) but the memory model does not.
+GEMMA_7B = {**GEMMA2_2B, "architectures": ["GemmaForCausalLM"], "model_type": "gemma"}
+
+
+@pytest.mark.parametrize("config", [GEMMA_7B, {**GEMMA2_2B, "model_type": "falcon"}])
 def test_plan_says_what_it_does_not_model_and_that_the_ladder_alone_guards_the_run(
     tmp_path: Path, config: dict[str, Any]
 ) -> None:
-    """plan on Gemma 2 names its facts and lacking terms; on an unknown type, that nothing is read."""
+    """plan on Gemma 1 names its facts and lacking terms; on an unknown type, that nothing is read."""
     job = _job(tmp_path, config)
     plan = make_plan(str(job), "24GiB")
-    assert plan["peak_bytes"] is None and plan["unsupported"]["reason"] == "not_llama_family"
+    assert plan["peak_bytes"] is None and plan["unsupported"]["reason"] == "not_modelled"
     out = io.StringIO()
     plan_command(str(job), gpu_memory="24GiB", out=out)
     text = out.getvalue()
     assert "NOT MODELLED" in text and "the reactive ladder alone guards the run" in text
-    if config["model_type"] == "gemma2":
-        assert plan["architecture"]["attn_implementation"] == "eager"
-        assert "eager attention scores" in plan["architecture"]["missing_terms"][0]
+    if config["model_type"] == "gemma":
+        assert plan["architecture"]["attn_implementation"] == "sdpa"
+        assert any("256000-token logits" in term for term in plan["architecture"]["missing_terms"])
         assert "head_dim 256" in text
     else:
         assert plan["architecture"] is None and "none of the families read" in text

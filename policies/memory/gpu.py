@@ -62,11 +62,12 @@ from qlora_supervise.policies.memory.optimizer import (
     adapter_dtype_bytes,
     adapter_tensors,
 )
-from qlora_supervise.policies.memory.shape import ATTENTION_MODULES, ModelShape, resolve_targets
+from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
-DEFAULT_TARGETS: tuple[str, ...] = ATTENTION_MODULES
+#: The recipe's LoRA targets: the attention projections, by each family's own names.
+DEFAULT_TARGETS: tuple[str, ...] | str = "attention"
 
 #: Bytes per quantized weight: packed 4-bit codes plus the per-block absmax (blocksize 64).
 NF4_DOUBLE_QUANT = 0.5 + 1 / 64 + 4 / (64 * 256)
@@ -130,6 +131,9 @@ def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
         f"embeddings_{dtype}": shape.vocab * shape.hidden * size,
         f"lm_head_{dtype}": 0 if shape.tie_word_embeddings else shape.vocab * shape.hidden * size,
         "norms_fp32": shape.norm_params * FP32,
+        # Bare parameters bitsandbytes does not quantize, which peft's prepare casts to fp32.
+        "experts_fp32": shape.layers * shape.expert_params * FP32,
+        "biases_fp32": shape.layers * shape.bias_params * FP32,
     }
 
 
@@ -151,6 +155,8 @@ def load_components(
     base = base_components(shape, knobs)
     # With bf16_head the embeddings and head are not cast: the largest cast is a norm's weight.
     largest = shape.hidden if knobs.bf16_head else shape.vocab * shape.hidden
+    if shape.experts:  # one fused 3D parameter: every expert's gate and up of one block
+        largest = max(largest, shape.experts * 2 * shape.expert_intermediate * shape.hidden)
     if not knobs.load_in_4bit:
         largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
     cast = largest * LOAD_DTYPE
@@ -172,7 +178,7 @@ def layer_activation_bytes(shape: ModelShape, r: int, targets: tuple[str, ...] |
     dims = shape.linear_dims()
     # Per adapter: dropout mask (1 byte) and the 16-bit copy lora_A saves, per input feature;
     # lora_A's output (r wide) for lora_B.
-    adapters = sum((1 + half) * dims[n][0] + half * r for n in resolve_targets(targets))
+    adapters = sum((1 + half) * dims[n][0] + half * r for n in shape.adapted(targets))
     return norms + mlp + attention + adapters
 
 

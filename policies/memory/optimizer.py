@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qlora_supervise.policies.memory.shape import ModelShape, resolve_targets
+from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 FP32 = 4
@@ -64,7 +64,7 @@ def adapter_dtype_bytes(knobs: Knobs) -> int:
 def adapter_tensors(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> list[int]:
     """The element count of every LoRA weight tensor (lora_A is r x in, lora_B is out x r)."""
     dims = shape.linear_dims()
-    per_layer = [n for name in resolve_targets(targets) for n in (r * dims[name][0], dims[name][1] * r)]
+    per_layer = [n for name in shape.adapted(targets) for n in (r * dims[name][0], dims[name][1] * r)]
     return per_layer * shape.layers
 
 

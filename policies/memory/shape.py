@@ -1,14 +1,15 @@
 """What the memory model needs to know about a model, read from its ``config.json`` alone.
 
-The model covers Llama-family decoders (``LlamaForCausalLM`` and the architectures with the
-same block: RMSNorm, rotary attention with optional grouped-query heads, a gated SiLU MLP,
-an untied or tied LM head). Anything else is refused with a typed :class:`Unsupported`
-reason, because a number computed for the wrong block would be confidently wrong.
+The model covers the decoder blocks of :data:`.families.BLOCKS`: Llama, Mistral, Qwen2/3, OLMo 2,
+Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, and the fused-expert MoE blocks of Qwen3-MoE and
+Mixtral. Anything else is refused with a typed :class:`Unsupported` reason, because a number
+computed for the wrong block would be confidently wrong.
 
-The architecture facts are read for every family the LoRA targets table knows
-(:data:`...contract.targets.FAMILIES`: Gemma 2/3, Phi-3, the MoE models too), so ``plan`` can say
-what such a model is and which memory terms it would need (:meth:`ModelShape.missing_terms`)
-even while it refuses to predict it; a model type outside that table is not read at all.
+The architecture facts are also read for every family the LoRA targets table knows
+(:data:`...contract.targets.FAMILIES`), so ``plan`` can say what an unmodelled model is and which
+memory terms it would need (:meth:`ModelShape.missing_terms`); a model type outside that table
+is not read at all. A multimodal Gemma 3 (``gemma3``) is read from its ``text_config`` and refused:
+its vision tower is loaded (and quantized) beside the language model, and is not modelled.
 """
 
 from __future__ import annotations
@@ -18,34 +19,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qlora_supervise.policies.memory.families import (
+    ARCHITECTURES,
+    BLOCKS,
+    Block,
+    HeadNorm,
+    facts_of,
+    model_type_of,
+)
 from qlora_supervise.trainer_child.contract.targets import FAMILIES, KEYWORDS, resolve
 
-#: Architectures whose decoder block is the Llama block (same linear layers, same norms, same MLP).
-LLAMA_FAMILY = frozenset(
-    {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Olmo2ForCausalLM",
-    }
-)
-#: config.json keys that mean mixture-of-experts (the MLP term would be off by the expert count).
+#: config.json keys that mean mixture-of-experts.
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-#: ``model_type`` of each modelled architecture, for a config.json that names only the architecture.
-_TYPE_OF = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Olmo2ForCausalLM": "olmo2",
-}
-#: Model types whose attention transformers 5.24 runs eagerly when the child asks for none (it
-#: asks for none): Gemma 2 sets ``_supports_sdpa = False`` because SDPA cannot softcap the scores.
-#: Everything else gets SDPA; flash or flex attention only when asked for.
-EAGER_ATTENTION = frozenset({"gemma2"})
-#: Model types whose q/k/v projections carry a bias without saying so in config.json.
-QKV_BIAS = frozenset({"qwen2"})
 #: A vocabulary this large makes the logits (batch x seq x vocab, fp32 in the loss) the peak.
 LARGE_VOCAB = 200_000
 #: The linear layers of one decoder block, by the names target_modules uses.
@@ -57,7 +42,8 @@ LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 class UnsupportedReason(str, enum.Enum):
     """Why a config is outside what the memory model covers."""
 
-    NOT_LLAMA_FAMILY = "not_llama_family"
+    NOT_MODELLED = "not_modelled"
+    MULTIMODAL = "multimodal"
     MIXTURE_OF_EXPERTS = "mixture_of_experts"
     MISSING_FIELD = "missing_field"
     BAD_VALUE = "bad_value"
@@ -103,33 +89,49 @@ class ModelShape:
     def read(cls, config: Mapping[str, Any]) -> ModelShape | Unsupported:
         """The shape of ``config`` (a parsed ``config.json``), or why it is not modelled.
 
-        A config outside the Llama family is refused; where its block is one the targets table
+        A block outside :data:`.families.BLOCKS` is refused; where it is one the targets table
         knows, the refusal carries its facts (:attr:`Unsupported.shape`) and the terms it lacks.
         """
+        if isinstance(config.get("text_config"), Mapping) and "hidden_size" not in config:
+            facts = cls.architecture(config)
+            return Unsupported(
+                UnsupportedReason.MULTIMODAL,
+                f"model_type {model_type_of(config)!r} is multimodal: its vision tower is loaded and "
+                "quantized beside the language model and is not modelled (its text_config is read "
+                "for the facts); train a text-only checkpoint of it to get a prediction",
+                shape=facts if isinstance(facts, ModelShape) else None,
+            )
         architectures = config.get("architectures") or []
         if isinstance(architectures, list) and architectures:
-            unknown = [a for a in architectures if a not in LLAMA_FAMILY]
+            unknown = [a for a in architectures if a not in ARCHITECTURES]
             if unknown:
-                return _not_llama(str(unknown[0]), config)
+                return _not_modelled(str(unknown[0]), config)
+        model_type = model_type_of(config)
+        if model_type not in BLOCKS:
+            return _not_modelled(model_type, config)
         moe = [key for key in MOE_KEYS if config.get(key)]
-        if moe:
+        if moe and not BLOCKS[model_type].moe:
             return Unsupported(
                 UnsupportedReason.MIXTURE_OF_EXPERTS,
-                f"{moe[0]}={config[moe[0]]}: mixture-of-experts MLPs are not modelled",
+                f"{moe[0]}={config[moe[0]]} on a {model_type} block: its experts are not modelled",
             )
         return cls._sizes(config)
 
     @classmethod
     def architecture(cls, config: Mapping[str, Any]) -> ModelShape | Unsupported:
         """The sizes and architecture facts of any family the targets table knows, modelled or
-        not (see :meth:`missing_terms`); Unsupported for another model type or a broken config."""
-        model_type = _model_type(config)
+        not (see :meth:`missing_terms`); Unsupported for another model type or a broken config.
+        A multimodal config is read from its ``text_config``."""
+        model_type = model_type_of(config)
         if model_type not in FAMILIES:
             known = ", ".join(sorted(FAMILIES))
             return Unsupported(
-                UnsupportedReason.NOT_LLAMA_FAMILY,
+                UnsupportedReason.NOT_MODELLED,
                 f"model_type {model_type!r} is none of the families read ({known})",
             )
+        text = config.get("text_config")
+        if isinstance(text, Mapping) and "hidden_size" not in config:
+            return cls._sizes({"model_type": f"{model_type}_text", **text})
         return cls._sizes(config)
 
     @classmethod
@@ -150,7 +152,7 @@ class ModelShape:
                 vocab=int(config["vocab_size"]),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
-                **_facts(config),
+                **facts_of(config),
             )
         except (TypeError, ValueError) as error:
             return Unsupported(UnsupportedReason.BAD_VALUE, f"config.json: {error}")
@@ -172,8 +174,15 @@ class ModelShape:
         """The eight sizes alone: the per-host peak store's key, as it was before the facts existed."""
         return {name: getattr(self, name) for name in _SIZE_FIELDS}
 
+    @property
+    def block(self) -> Block | None:
+        """The modelled block of this model type (None: not modelled, see :meth:`missing_terms`)."""
+        return BLOCKS.get(self.model_type)
+
     def missing_terms(self) -> tuple[str, ...]:
-        """The memory terms this model needs that the Llama-family model lacks (empty: none)."""
+        """The memory terms an unmodelled model would need (empty for a modelled block)."""
+        if self.block is not None:
+            return ()
         terms = []
         if self.attn_implementation == "eager":
             terms.append(
@@ -226,22 +235,50 @@ class ModelShape:
         return self.kv_heads * self.dim_per_head
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """``{module: (in_features, out_features)}`` of one decoder block."""
+        """``{module: (in_features, out_features)}`` of one decoder block's Linear layers (the ones
+        bitsandbytes quantizes and LoRA can adapt): Phi-3's are fused; a MoE block has attention
+        only (its experts and router are bare parameters, :attr:`expert_params`)."""
         h, i = self.hidden, self.intermediate
-        return {
+        block = self.block or Block()
+        if block.fused:
+            attention = {"qkv_proj": (h, self.q_dim + 2 * self.kv_dim), "o_proj": (self.q_dim, h)}
+            return {**attention, "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+        attention = {
             "q_proj": (h, self.q_dim),
             "k_proj": (h, self.kv_dim),
             "v_proj": (h, self.kv_dim),
             "o_proj": (self.q_dim, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
         }
+        if block.moe:
+            return attention
+        return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def adapted(self, targets: tuple[str, ...] | str) -> tuple[str, ...]:
+        """The block's Linear layers a LoRA ``target_modules`` value adapts on this model."""
+        return resolve_targets(targets, self.model_type)
 
     @property
     def layer_params(self) -> int:
-        """Parameters of the linear layers of one block (the part that is quantized)."""
+        """Parameters of the Linear layers of one block (the part that is quantized)."""
         return sum(a * b for a, b in self.linear_dims().values())
+
+    @property
+    def expert_params(self) -> int:
+        """One block's MoE parameters left unquantized: every expert's gate, up and down, and
+        the router (0 for a dense block)."""
+        if not self.experts:
+            return 0
+        return self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)
+
+    @property
+    def bias_params(self) -> int:
+        """One block's q/k/v biases (Qwen2's): 16-bit in the checkpoint, fp32 once prepared."""
+        return self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+
+    @property
+    def active_expert_params(self) -> int:
+        """The expert parameters one token runs through in a block (top-k of them)."""
+        return self.experts_per_token * 3 * self.hidden * self.expert_intermediate if self.experts else 0
 
     @property
     def embedding_params(self) -> int:
@@ -250,11 +287,25 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        return (2 * self.layers + 1) * self.hidden
+        """Every RMSNorm weight: the block's hidden-wide ones and the final one, and the query and
+        key norms (head_dim wide shared by the heads, or the whole width: OLMo 2)."""
+        block = self.block or Block()
+        head = {
+            HeadNorm.NONE: 0,
+            HeadNorm.PER_HEAD: 2 * self.dim_per_head,
+            HeadNorm.FULL: self.q_dim + self.kv_dim,
+        }[block.head_norm]
+        return (block.norms * self.layers + 1) * self.hidden + self.layers * head
+
+    @property
+    def unquantized_params(self) -> int:
+        """Parameters bitsandbytes leaves in 16-bit and peft's prepare casts to fp32, besides the
+        embeddings and the head: norms, biases, MoE experts and routers."""
+        return self.norm_params + self.layers * (self.bias_params + self.expert_params)
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.norm_params
+        return self.layers * self.layer_params + self.embedding_params + self.unquantized_params
 
 
 _SIZE_FIELDS = (
@@ -269,92 +320,39 @@ _SIZE_FIELDS = (
 )
 
 
-def _model_type(config: Mapping[str, Any]) -> str:
-    """config.json's ``model_type``; for one that names only a Llama-family architecture, its
-    type; for neither, ``llama`` (such a config has always been read as a Llama)."""
-    architectures = config.get("architectures") or []
-    first = architectures[0] if isinstance(architectures, list) and architectures else None
-    if config.get("model_type"):
-        return str(config["model_type"])
-    return _TYPE_OF.get(str(first), "") if first is not None else "llama"
-
-
-def _facts(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The architecture facts of :class:`ModelShape`, from config.json's keys."""
-    model_type = _model_type(config)
-    layers = int(config["num_hidden_layers"])
-    window, sliding = _window(config, layers)
-    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-    return {
-        "model_type": model_type,
-        "attn_implementation": "eager" if model_type in EAGER_ATTENTION else "sdpa",
-        "attn_softcap": _float_or_none(config.get("attn_logit_softcapping")),
-        "final_softcap": _float_or_none(config.get("final_logit_softcapping")),
-        "qkv_bias": bool(config.get("attention_bias")) or model_type in QKV_BIAS,
-        "sliding_window": window,
-        "sliding_layers": sliding,
-        "experts": experts,
-        "experts_per_token": int(config.get("num_experts_per_tok") or 0) if experts else 0,
-        "expert_intermediate": int(
-            config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
-        )
-        if experts
-        else 0,
-        "router_logits": bool(config.get("output_router_logits")) if experts else False,
-    }
-
-
-def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
-    """The sliding window and how many layers use it: ``layer_types`` where the config lists
-    them (Gemma 2/3, and transformers 5's Qwen), Qwen's ``use_sliding_window`` switch (off in the
-    released models), else Mistral/Phi-3's window on every layer."""
-    window = config.get("sliding_window")
-    if not window:
-        return None, 0
-    types = config.get("layer_types")
-    if isinstance(types, list) and types:
-        sliding = sum(1 for kind in types if kind == "sliding_attention")
-    elif "use_sliding_window" in config:
-        sliding = (
-            max(0, layers - int(config.get("max_window_layers") or 0)) if config["use_sliding_window"] else 0
-        )
-    else:
-        sliding = layers
-    return (int(window), sliding) if sliding else (None, 0)
-
-
-def _float_or_none(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value else None
-
-
-def _not_llama(architecture: str, config: Mapping[str, Any]) -> Unsupported:
-    """The refusal of a non-Llama architecture: with its facts and lacking terms where its block is
-    known, else why nothing is read."""
-    modelled = ", ".join(sorted(LLAMA_FAMILY))
+def _not_modelled(what: str, config: Mapping[str, Any]) -> Unsupported:
+    """The refusal of an unmodelled architecture: with its facts and lacking terms where its
+    block is known, else why nothing is read."""
+    modelled = ", ".join(sorted(BLOCKS))
     facts = ModelShape.architecture(config)
     if not isinstance(facts, ModelShape):
         return Unsupported(
-            UnsupportedReason.NOT_LLAMA_FAMILY,
-            f"architecture {architecture} is not a Llama-family decoder (modelled: {modelled}); "
+            UnsupportedReason.NOT_MODELLED,
+            f"{what} is not a block the memory model covers (model types: {modelled}); "
             f"{facts.detail}, so its attention, MLP and head are not read and no term would be right",
         )
-    terms = "; ".join(facts.missing_terms()) or "none known to differ, but the block is unmeasured on a card"
+    terms = "; ".join(facts.missing_terms()) or "none known to differ, but the block is unmeasured"
     return Unsupported(
-        UnsupportedReason.NOT_LLAMA_FAMILY,
-        f"architecture {architecture} ({facts.describe()}) is not a Llama-family decoder; "
-        f"the memory model has no terms yet for: {terms}",
+        UnsupportedReason.NOT_MODELLED,
+        f"{what} ({facts.describe()}) is not a block the memory model covers (model types: "
+        f"{modelled}); it would need terms for: {terms}",
         shape=facts,
     )
 
 
-def resolve_targets(targets: tuple[str, ...] | str) -> tuple[str, ...]:
-    """The block's linear layers a LoRA ``target_modules`` value adapts.
+def resolve_targets(targets: tuple[str, ...] | str, model_type: str = "llama") -> tuple[str, ...]:
+    """The block's Linear layers a LoRA ``target_modules`` value adapts on a ``model_type`` model.
 
-    ``all-linear`` is every linear layer except the LM head (peft's rule); a regex or an unknown
-    name adapts what it matches among the block's layers, so it is read as a list of names.
+    ``attention`` / ``mlp`` / ``all-linear`` resolve by the family's table (``all-linear`` is every
+    Linear of the block, peft's rule without the head); a regex or an unknown name adapts what it
+    matches among the block's layers, so it is read as a list of names.
     """
+    known = FAMILIES.get(model_type) or FAMILIES["llama"]
+    layers = known.linear
     if isinstance(targets, str):
-        if targets in KEYWORDS:  # attention / mlp / all-linear: the modelled block is the Llama one
-            return tuple(resolve(targets, "llama"))
-        return tuple(name for name in LINEAR_MODULES if name in targets)
-    return tuple(name for name in targets if name in LINEAR_MODULES)
+        if targets in KEYWORDS:
+            if targets == "mlp" and not known.mlp:
+                return ()  # refused at validate (contract.targets): nothing to adapt here
+            return tuple(resolve(targets, model_type if model_type in FAMILIES else "llama"))
+        return tuple(name for name in layers if name in targets)
+    return tuple(name for name in targets if name in layers)

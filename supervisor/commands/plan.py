@@ -169,7 +169,7 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
         "unsupported": _unsupported(read),
         "architecture": _architecture(files),
         "notes": list(files.notes) + _tie_note(files, shape),
-        "targets": list(resolve_targets(view.targets)),
+        "targets": list(resolve_targets(view.targets, shape.model_type if shape else "llama")),
         "as_written": None if as_written is None else _prediction(view.knobs, as_written),
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
