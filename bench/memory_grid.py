@@ -3,6 +3,7 @@
     python bench/memory_grid.py --out OUT [--work /tmp/memory_grid] [--parallel 5] [--deadline-s 500]
     python bench/memory_grid.py --out OUT --set rungs        # tokens/s of each rung, one at a time
     python bench/memory_grid.py --out /tmp/g --tiny           # the same pipeline on the CPU, tiny shapes
+    python bench/memory_grid.py --out OUT --set families     # issue 20's families (--tiny: on the CPU)
 
 What it does:
 
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
-QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 SHAPES: dict[str, dict[str, Any]] = {
     "7b-32k": dict(
@@ -80,6 +80,38 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
     ),
 }
+#: The families of issue 20 at their released widths (``model_type`` picks the transformers
+#: class). Qwen3-MoE keeps Qwen3-30B-A3B's block but 16 layers of 32 experts: the released 48 x 128
+#: fp32 experts (116 GB once prepared) fit no card, which ``plan`` says for the real config.
+FAMILY_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma2-2b": dict(
+        model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+        tie_word_embeddings=True, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        sliding_window=4096, query_pre_attn_scalar=256,
+    ),
+    "gemma3-1b": dict(
+        model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        tie_word_embeddings=True, sliding_window=512, query_pre_attn_scalar=256,
+    ),
+    "phi3-mini": dict(
+        model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+        tie_word_embeddings=False, sliding_window=2047,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen3moe-16x32": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=32, num_experts_per_tok=8, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+SHAPES.update(FAMILY_SHAPES)
 #: CPU stand-ins with the same structure (MHA / GQA untied / GQA tied); intermediate sizes are
 #: multiples of 32 (bitsandbytes' CPU 4-bit path, see trainer_child/tiny.py).
 TINY_SHAPES: dict[str, dict[str, Any]] = {
@@ -90,6 +122,19 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     "1b-128k": dict(SHAPES["1b-128k"], hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=2048),
 }  # fmt: skip
+#: The families small: each one's block, few layers and narrow widths (multiples of 32).
+TINY_SHAPES.update(
+    {
+        name: dict(
+            shape, hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=2048,
+            num_attention_heads=4, num_key_value_heads=2 if shape["num_key_value_heads"] > 1 else 1,
+            **({"head_dim": 32} if "head_dim" in shape else {}),
+            **({"moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2}
+               if "num_experts" in shape else {}),
+        )
+        for name, shape in FAMILY_SHAPES.items()
+    }
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +178,8 @@ class Config:
 
     @property
     def target_modules(self) -> tuple[str, ...] | str:
-        return QKVO if self.targets == "qkvo" else "all-linear"
+        # "attention": each family's own names (q/k/v/o, or Phi-3's qkv_proj and o_proj).
+        return "attention" if self.targets == "qkvo" else "all-linear"
 
 
 def grid() -> list[Config]:
@@ -174,6 +220,26 @@ def grid() -> list[Config]:
     ]
 
 
+def family_grid() -> list[Config]:
+    """Issue 20's grid: per family, seq 512..8192, checkpointing on/off, micro-batch, rank, optimizer."""
+    c = Config
+    points = []
+    for name in FAMILY_SHAPES:
+        points += [
+            c(name, 512, 1, False),
+            c(name, 2048, 1, True),
+            c(name, 2048, 2, False, r=16),
+            c(name, 4096, 1, True, optimizer="adamw_torch"),
+            c(name, 8192, 1, True, r=32),
+            c(name, 1024, 4, False, targets="all-linear", optimizer="adamw_8bit"),
+        ]
+    return points
+
+
+def tiny_family_grid() -> list[Config]:
+    return [Config(name, 64, 2, gc, steps=2) for name in FAMILY_SHAPES for gc in (False, True)]
+
+
 def rung_set() -> list[Config]:
     """The rung costs on the 7B: each rung alone against one baseline (effective batch 8)."""
     base = Config("7b-32k", 2048, 4, False, r=16, optimizer="adamw_torch", accum=2, steps=8)
@@ -208,7 +274,7 @@ def build_assets(
     """Model (random bf16 weights), tokenizer and dataset under ``work``; runs in a subprocess."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     t0 = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
@@ -229,11 +295,13 @@ def build_assets(
         model_max_length=16384,
     )
     torch.manual_seed(0)
-    config = LlamaConfig(
-        pad_token_id=0, bos_token_id=2, eos_token_id=3, max_position_embeddings=16384, **shape
-    )
+    sizes = dict(shape)
+    config = AutoConfig.for_model(
+        sizes.pop("model_type", "llama"),
+        pad_token_id=0, bos_token_id=2, eos_token_id=3, max_position_embeddings=16384, **sizes,
+    )  # fmt: skip
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     # Shards of 5 GB: the plan command reads the index, as it would for a downloaded model.
     model.save_pretrained(work / "model", max_shard_size="5GB")
@@ -511,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work", type=Path, default=Path("/tmp/memory_grid"))
-    p.add_argument("--set", choices=("grid", "rungs", "both"), default="grid")
+    p.add_argument("--set", choices=("grid", "rungs", "both", "families"), default="grid")
     p.add_argument("--parallel", type=int, default=5)
     p.add_argument("--deadline-s", type=float, default=500.0)
     p.add_argument("--tiny", action="store_true", help="CPU check of this script with tiny shapes")
@@ -532,7 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
-    configs = tiny_grid() if args.tiny else {"grid": grid(), "rungs": [], "both": grid()}[args.set]
+    sets = {"grid": grid(), "rungs": [], "both": grid(), "families": family_grid()}
+    tiny_sets = {"families": tiny_family_grid()}
+    configs = tiny_sets.get(args.set, tiny_grid()) if args.tiny else sets[args.set]
     rungs = rung_set() if args.set in ("rungs", "both") and not args.tiny else []
     needed = sorted({c.shape for c in configs + rungs})
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "tiny": args.tiny}
