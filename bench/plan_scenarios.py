@@ -2,6 +2,7 @@
 
     python bench/plan_scenarios.py --out OUT [--work /tmp/memory_grid] [--parallel 3] [--deadline-s 480]
     python bench/plan_scenarios.py --out /tmp/s --tiny        # the same pipeline on the CPU (tiny model)
+    python bench/plan_scenarios.py --out OUT --set families   # issue 20: two jobs per model family
 
 Each scenario is a job file as a user would write it (no checkpointing, a large micro-batch,
 32-bit AdamW or long context) on an emulated smaller card (``gpu_memory_limit``), run by the real
@@ -58,6 +59,19 @@ SCENARIOS = (
     Scenario("7b-long-16GiB", "7b-32k", "16GiB", 8192, 2, 8),
     Scenario("8b-128k-16GiB", "8b-128k", "16GiB", 2048, 4, 16, "adamw_torch", 16),
 )
+#: Issue 20: two jobs per family, each as written too big for its cap (memory_grid.FAMILY_SHAPES).
+FAMILY_SCENARIOS = (
+    Scenario("gemma2-8GiB", "gemma2-2b", "8GiB", 2048, 4, 16, "adamw_torch", 16),
+    Scenario("gemma2-long-16GiB", "gemma2-2b", "16GiB", 8192, 2, 8),
+    Scenario("gemma3-6GiB", "gemma3-1b", "6GiB", 4096, 4, 16, "adamw_torch", 16),
+    Scenario("gemma3-long-12GiB", "gemma3-1b", "12GiB", 8192, 4, 16),
+    Scenario("phi3-8GiB", "phi3-mini", "8GiB", 2048, 4, 16, "adamw_torch", 16),
+    Scenario("phi3-long-16GiB", "phi3-mini", "16GiB", 8192, 2, 8),
+    Scenario("qwen3-8GiB", "qwen3-4b", "8GiB", 2048, 4, 16, "adamw_torch", 16),
+    Scenario("qwen3-long-16GiB", "qwen3-4b", "16GiB", 8192, 2, 8),
+    Scenario("qwen3moe-16GiB", "qwen3moe-16x32", "16GiB", 2048, 4, 16, "adamw_torch", 16),
+    Scenario("qwen3moe-long-24GiB", "qwen3moe-16x32", "24GiB", 8192, 2, 8),
+)
 TINY = (Scenario("tiny-cpu", "tiny", "8GiB", 256, 8, 16),)
 
 
@@ -68,7 +82,7 @@ def write_job(s: Scenario, assets: Path, run_dir: Path, tiny: bool, max_steps: i
     text = f"""\
 model: {{path: {assets / "model"}}}
 data: {{path: {assets / "data.jsonl"}, text_field: text}}
-lora: {{r: {s.r}, alpha: {2 * s.r}, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
+lora: {{r: {s.r}, alpha: {2 * s.r}, target_modules: attention}}
 train:
   max_seq_len: {s.seq}
   micro_batch_size: {s.micro}
@@ -160,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=480.0)
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--set", choices=("plan", "families"), default="plan", help="families: issue 20's")
     args = p.parse_args(argv)
     start = time.monotonic()
-    scenarios = TINY if args.tiny else SCENARIOS
+    scenarios = TINY if args.tiny else {"plan": SCENARIOS, "families": FAMILY_SCENARIOS}[args.set]
     shapes = sorted({s.shape for s in scenarios})
     if args.tiny:
         from qlora_supervise.trainer_child.recipe.tiny import write_tiny
