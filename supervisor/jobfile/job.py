@@ -25,6 +25,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
     SuperviseSection,
     TrainSection,
 )
+from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
 #: Said by ``validate`` and at run start (console and ``events.jsonl``) when the job trusts the
@@ -52,6 +53,9 @@ class Job:
     diagnose: DiagnoseSpec = field(
         default_factory=DiagnoseSpec
     )  # opt-in diagnostics, as the child receives them
+    # The job's ``trainer:`` section when the trainer is a foreign tool (supervisor/trainers/);
+    # None: our own child.
+    trainer: ForeignTrainer | None = None
 
 
 _S = TypeVar("_S", bound=Section)

@@ -44,6 +44,13 @@ def load_job(path: str | os.PathLike[str]) -> Job:
     job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
     text = _read_text(job_file)
     raw = _parse_yaml(text)
+    if "trainer" in raw:  # a foreign tool's job (supervisor/trainers/foreign_job.py), or kind own
+        from qlora_supervise.supervisor.trainers.foreign_job import load_foreign
+
+        foreign = load_foreign(job_file, text, raw, list(_duplicate_keys(text)))
+        if foreign is not None:
+            return foreign
+        raw = {key: value for key, value in raw.items() if key != "trainer"}
     problems = [*_duplicate_keys(text), *_top_level_problems(raw)]
     context = {"job_dir": str(job_file.parent)}
     sections: dict[str, Section] = {}

@@ -64,4 +64,6 @@ def spec_command(spec_path: Path, phase: str) -> list[str]:
         spec = AttemptSpec.from_json(spec_path.read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError, KeyError):
         return command(spec_path, phase)
+    if spec.command and phase != "merge":  # a foreign trainer (supervisor/trainers/): its own argv
+        return list(spec.command)
     return command(spec_path, phase, spec.knobs.world_size, spec.stop_grace_s)

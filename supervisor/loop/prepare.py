@@ -20,6 +20,7 @@ from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.trainers.attempt_config import write_attempt_files
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
@@ -77,6 +78,11 @@ def write_spec(
         aside = directory.with_name(f"{directory.name}.unrecorded-{int(seams.wall())}")
         directory.rename(aside)
         log.warning(Event.UNRECORDED_ATTEMPT_MOVED, moved_to=str(aside))
+    ensure_dir(directory)
+    resume_from = str(resume.path) if resume.path else None
+    command: tuple[str, ...] = ()
+    if job.trainer is not None and plan.phase is Phase.TRAIN:  # the tool's own config, per attempt
+        command = write_attempt_files(job.trainer, directory, rd.root, job.knobs, plan.knobs, resume_from)
     spec = AttemptSpec(
         attempt=number,
         run_dir=str(rd.root),
@@ -91,13 +97,13 @@ def write_spec(
         device=job.resources.device,
         gpu_memory_limit=job.resources.gpu_memory_limit,
         cpu_memory_limit=job.resources.cpu_memory_limit,
-        resume_from=str(resume.path) if resume.path else None,
+        resume_from=resume_from,
         # The checkpoint itself says whether its optimizer state fits these knobs.
         reset_optimizer=resume.reset_optimizer,
         diagnose=job.diagnose,
         stop_grace_s=seams.stop_grace_s,
         speed_trial=plan.speed_trial,  # attempt 1 only: the planner's fastest candidates
+        command=command,
     )
-    ensure_dir(directory)
     write_text_atomic(directory / "spec.json", spec.to_json())
     return spec

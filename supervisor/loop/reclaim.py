@@ -7,6 +7,7 @@ recorded) and stopped, and what it left (heartbeats, error report, log) becomes 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def reclaim(
 def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
     """Whether the process is the attempt's child: its spec on the command line, or a warm spare
     of this run directory (a spare got its spec on stdin, so its command line names the run)."""
-    if str(spec_path) in cmdline:
+    # A foreign trainer's command line names its per-attempt config in the same directory instead.
+    if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
         return True
     return entry.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "

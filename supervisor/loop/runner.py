@@ -41,6 +41,7 @@ from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
+from qlora_supervise.supervisor.trainers.launch import trainer_env
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
@@ -181,8 +182,11 @@ class AttemptRunner:
         number, plan = ready.number, ready.plan
         attempt_dir = ctx.rd.attempt_dir(number)
         argv = seams.argv(attempt_dir / "spec.json", plan.phase.value)
-        env = child_mod.child_env(dict(os.environ), plan.knobs)
-        order = self._spare_order(argv, attempt_dir / "spec.json", plan, env)
+        env = trainer_env(
+            child_mod.child_env(dict(os.environ), plan.knobs), ready.spec, attempt_dir / "spec.json"
+        )
+        # A spare holds our trainer's imports: a foreign tool's attempt never runs in one.
+        order = None if ready.spec.command else self._spare_order(argv, attempt_dir / "spec.json", plan, env)
         spare = None
         if self.spares is not None and order is not None:
             spare = self.spares.take(order, attempt_dir / "spec.json", attempt_dir / "child.log")

@@ -23,6 +23,7 @@ from qlora_supervise.supervisor.record.peak_store import (
 )
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.trainers.ladders import foreign_overrides
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -50,13 +51,16 @@ def policy_settings(job: Job) -> policy.Settings:
         contention_wait_s=supervise.contention_wait,
         disk_wait_s=supervise.disk_wait,
         fallbacks=job.fallback_models,
-        overrides=dict(supervise.ladders),
+        # A foreign tool takes only the rungs its config can express (supervisor/trainers/ladders.py).
+        overrides=dict(supervise.ladders)
+        if job.trainer is None
+        else foreign_overrides(job.trainer, supervise.ladders),
         budget_bytes=budget,
         shape=shape,
         prior=prior,
         speeds=speeds,
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
-        speed_trial=supervise.speed_trial,
+        speed_trial=supervise.speed_trial and job.trainer is None,  # the trial runs in our child only
     )
 
 

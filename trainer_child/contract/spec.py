@@ -161,6 +161,10 @@ class AttemptSpec:
     # The speed trial (supervise.speed_trial): candidates the child times in-process before
     # step 1, the first being these knobs; empty: no trial (contract/speed_trial.py).
     speed_trial: tuple[TrialCandidate, ...] = ()
+    # A trainer that is not ours (the job's ``trainer:`` section): its argv, the per-attempt config
+    # in the attempt's directory on it, run with the shim on its PYTHONPATH (trainer_child/shim/);
+    # empty: our own child.
+    command: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -171,9 +175,10 @@ class AttemptSpec:
         train = dict(raw["train"])
         if isinstance(train.get("target_modules"), list):
             train["target_modules"] = tuple(train["target_modules"])
-        nested = ("knobs", "data", "train", "diagnose", "speed_trial")
+        nested = ("knobs", "data", "train", "diagnose", "speed_trial", "command")
         return cls(
             **{k: v for k, v in raw.items() if k not in nested},
+            command=tuple(raw.get("command", ())),
             speed_trial=tuple(TrialCandidate(**c) for c in raw.get("speed_trial", ())),
             knobs=Knobs(**raw["knobs"]),
             data=DataSpec(**raw["data"]),

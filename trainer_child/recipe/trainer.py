@@ -17,10 +17,10 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
 from qlora_supervise.trainer_child.contract import checkpoints
@@ -58,11 +58,20 @@ class CheckpointPlan:
     protect: Path | None = None  # the checkpoint this attempt resumed from
 
 
-class SupervisedSFTTrainer(SFTTrainer):
-    """trl's SFTTrainer, reporting its stage and step to :class:`Progress`."""
+# The mixin's methods override Trainer's and call them through super(): to the type checker it is
+# a Trainer, at run time a plain mixin, so it can go in front of any Trainer subclass (ours below,
+# or the one a foreign tool builds: trainer_child/shim/attach.py puts it there).
+if TYPE_CHECKING:
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
 
-    def __init__(self, *args: Any, progress: Progress, plan: CheckpointPlan, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+
+class SupervisedTrainerMixin(_TrainerBase):
+    """Any transformers Trainer, reporting its stage and step to :class:`Progress`, with our atomic
+    checkpoints and the emergency save; :meth:`supervise` sets it up after the Trainer's own init."""
+
+    def supervise(self, progress: Progress, plan: CheckpointPlan) -> None:
         self.progress = progress
         self.plan = plan
         self.place = this_rank()
@@ -147,7 +156,7 @@ class SupervisedSFTTrainer(SFTTrainer):
         # Trainer writes `<output_dir>/checkpoint-N`; point it into our temp dir while saving.
         if self._staging_root is not None:
             return str(self._staging_root)
-        return super()._get_output_dir(trial)
+        return str(super()._get_output_dir(trial))
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         before = self.progress.stage
@@ -234,11 +243,19 @@ class SupervisedSFTTrainer(SFTTrainer):
         return self._write_checkpoint(self.model, None)
 
 
+class SupervisedSFTTrainer(SupervisedTrainerMixin, SFTTrainer):
+    """trl's SFTTrainer, supervised: the recipe's trainer."""
+
+    def __init__(self, *args: Any, progress: Progress, plan: CheckpointPlan, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.supervise(progress, plan)
+
+
 class SupervisionCallback(TrainerCallback):
     """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
 
     def __init__(self, source: checkpoints.ResumeSource, cpu_memory_limit: int | None = None) -> None:
-        self.trainer: SupervisedSFTTrainer | None = None
+        self.trainer: SupervisedTrainerMixin | None = None
         self.source = source
         self.cpu_memory_limit = cpu_memory_limit
         self.cap_after_step = late_cap_step()
@@ -304,7 +321,7 @@ def injected_save_pause(step: int) -> float:
     return float(seconds)
 
 
-def restore_scheduler(trainer: SupervisedSFTTrainer, checkpoint: Path, step: int) -> None:
+def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path, step: int) -> None:
     """Put the LR schedule back at ``step`` when the optimizer state is reset (Trainer restores
     the scheduler only together with the optimizer): from the checkpoint's ``scheduler.pt``, or,
     where it is missing or names another step, by stepping a fresh schedule to ``step``."""

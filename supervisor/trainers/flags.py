@@ -1,0 +1,80 @@
+"""An HfArgumentParser script's flags as a config, and the config back as flags.
+
+``[python, train.py, --per_device_train_batch_size, 4, --gradient_checkpointing]`` reads as
+``{"per_device_train_batch_size": 4, "gradient_checkpointing": True}``. Values are read as YAML
+scalars (``4`` an int, ``true`` a bool), as HfArgumentParser's types would take them. Arguments
+that are not ``--key`` flags (the interpreter, the script, positionals) are kept as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from qlora_supervise.supervisor.jobfile.problems import Problem, show
+
+
+def _value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _is_flag(arg: str) -> bool:
+    return arg.startswith("--") and len(arg) > 2
+
+
+def parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[Problem]]:
+    """The ``--key value`` / ``--key=value`` / bare ``--key`` (true) flags of ``argv``."""
+    config: dict[str, Any] = {}
+    problems = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not _is_flag(arg):
+            continue
+        key, eq, inline = arg[2:].partition("=")
+        if eq:
+            value: Any = _value(inline)
+        elif i < len(argv) and not _is_flag(argv[i]):
+            value, i = _value(argv[i]), i + 1
+        else:
+            value = True
+        if key in config:
+            problems.append(Problem(f"trainer.command: --{key}", "given twice", show(value), "keep one"))
+        config[key] = value
+    return config, problems
+
+
+def _spelled(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def with_flags(argv: Sequence[str], changes: Mapping[str, Any]) -> list[str]:
+    """``argv`` with each ``--key`` of ``changes`` set to its value (None: the flag removed),
+    in place where the user wrote it, appended where they did not."""
+    out: list[str] = []
+    done: set[str] = set()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        key = arg[2:].partition("=")[0] if _is_flag(arg) else None
+        if key is None or key not in changes:
+            out.append(arg)
+            continue
+        if "=" not in arg and i < len(argv) and not _is_flag(argv[i]):
+            i += 1  # its value goes with it
+        if changes[key] is not None:
+            out += [f"--{key}", _spelled(changes[key])]
+        done.add(key)
+    for key, value in changes.items():
+        if key not in done and value is not None:
+            out += [f"--{key}", _spelled(value)]
+    return out

@@ -1,0 +1,36 @@
+"""The job's foreign trainer, validated: which tool, the user's config as read, how to start it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
+
+#: The tool's own output directory inside the run directory (its final save, its logs); our
+#: checkpoints still go to ``checkpoints/`` and the adapter to ``adapter/``.
+TRAINER_OUTPUT = "trainer-output"
+
+
+@dataclass(frozen=True)
+class ForeignTrainer:
+    """A tool that is not ours. ``config`` is the user's file (or, for ``hf-script``, the flags of
+    ``command``) as read once at load; it is never written back."""
+
+    kind: TrainerKind
+    config: Mapping[str, Any]
+    config_path: Path | None = None  # None: hf-script (its config is on the command line)
+    command: tuple[str, ...] = ()  # hf-script: the user's argv
+    python: str = sys.executable  # the interpreter of the tool's venv
+
+    @property
+    def table(self) -> Table:
+        return TABLES[self.kind]
+
+    @staticmethod
+    def frozen(config: Mapping[str, Any]) -> Mapping[str, Any]:
+        return MappingProxyType(dict(config))

@@ -1,0 +1,235 @@
+"""A job whose trainer is a foreign tool: its ``trainer:`` section, its config, the Job built from both.
+
+Such a job has no ``model``, ``data``, ``quantization``, ``lora`` or ``train`` section: those
+live in the tool's config, and one value written in two places would disagree sooner or later.
+``resources``, ``supervise``, ``diagnose`` and ``output_dir`` mean what they mean for our trainer.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from qlora_supervise.supervisor.jobfile import load as jobload
+from qlora_supervise.supervisor.jobfile.fields import HookArgv, ResolvedPath
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
+from qlora_supervise.supervisor.jobfile.schema import (
+    DEFAULT_OUTPUT_DIR,
+    DiagnoseSection,
+    ResourcesSection,
+    Section,
+    SuperviseSection,
+)
+from qlora_supervise.supervisor.trainers import flags
+from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
+from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
+from qlora_supervise.supervisor.trainers.tables import TABLES, TrainerKind
+from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
+
+KindName = Literal["own", "trl-sft", "axolotl", "llamafactory", "hf-script"]
+#: Sections of our own trainer that a foreign tool's config replaces.
+OWN_ONLY = ("model", "data", "quantization", "lora", "train")
+FOREIGN_KEYS = ("trainer", "resources", "supervise", "diagnose", "output_dir")
+
+
+class TrainerSection(Section):
+    """``trainer:``: ``kind``, the tool's ``config`` file, or ``command`` (hf-script's argv)."""
+
+    kind: KindName = "own"
+    config: ResolvedPath | None = None
+    command: HookArgv | None = None  # argv, never a shell string
+    python: ResolvedPath | None = None  # the tool venv's interpreter; default: this one
+
+
+def trainer_section(
+    raw: Mapping[str, Any], context: dict[str, str]
+) -> tuple[TrainerSection | None, list[Problem]]:
+    section, problems, _ = jobload._validate_section("trainer", TrainerSection, raw, context)
+    if section is not None and not isinstance(section, TrainerSection):
+        raise TypeError("trainer section of another type")  # a bug in load, never the job's
+    return section, problems
+
+
+def load_foreign(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
+    """The Job of a ``trainer:`` job; None when the kind is ``own`` (the usual sections follow)."""
+    context = {"job_dir": str(job_file.parent)}
+    section, found = trainer_section(raw, context)
+    problems = [*problems, *found]
+    if section is not None and section.kind == "own" and not found:
+        return None
+    problems += _section_problems(raw, section)
+    if isinstance(raw.get("resources"), dict) and raw["resources"].get("nproc_per_node", 1) != 1:
+        problems.append(
+            Problem(
+                "resources.nproc_per_node",
+                "a foreign trainer runs as one process here",
+                show(raw["resources"]["nproc_per_node"]),
+                "delete it (or 1)",
+            )
+        )
+    resources, supervise, diagnose = (
+        _validated(name, kind, raw, context, problems)
+        for name, kind in (
+            ("resources", ResourcesSection),
+            ("supervise", SuperviseSection),
+            ("diagnose", DiagnoseSection),
+        )
+    )
+    output_dir, found = jobload._validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
+    problems += found
+    trainer = _foreign(section, problems) if section is not None else None
+    if problems or trainer is None or output_dir is None:
+        raise JobError(problems)
+    assert isinstance(resources, ResourcesSection) and isinstance(supervise, SuperviseSection)
+    assert isinstance(diagnose, DiagnoseSection)
+    return _job(job_file, text, output_dir, trainer, resources, supervise, diagnose)
+
+
+def _validated(
+    name: str, kind: type[Section], raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
+) -> Section | None:
+    section, found, _ = jobload._validate_section(name, kind, raw, context)
+    problems += found
+    return section
+
+
+def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) -> list[Problem]:
+    """Our trainer's sections in a foreign job, unknown top-level keys, the kind's own needs."""
+    kind = section.kind if section is not None else "the tool"
+    problems = []
+    for key in raw:
+        if key in OWN_ONLY:
+            problems.append(
+                Problem(
+                    str(key),
+                    f"not used with trainer.kind {kind}",
+                    "a section",
+                    "delete it: the tool's config holds these values (the supervisor reads them there)",
+                )
+            )
+        elif key not in FOREIGN_KEYS:
+            problems.append(
+                Problem(str(key), "unknown key", show(raw[key]), f"allowed: {', '.join(FOREIGN_KEYS)}")
+            )
+    if section is None:
+        return problems
+    if section.kind == "hf-script" and not section.command:
+        problems.append(
+            Problem(
+                "trainer.command",
+                "required for kind hf-script",
+                None,
+                "write the script's argv as a list: [python, train.py, --output_dir, out, ...]",
+            )
+        )
+    if section.kind != "hf-script" and section.config is None:
+        problems.append(
+            Problem(
+                "trainer.config",
+                f"required for kind {section.kind}",
+                None,
+                "name the tool's own config file (relative to this job file)",
+            )
+        )
+    if section.kind != "hf-script" and section.command:
+        problems.append(
+            Problem(
+                "trainer.command",
+                f"only for kind hf-script, not {section.kind}",
+                show(list(section.command)),
+                "delete it: the supervisor starts the tool itself",
+            )
+        )
+    return problems
+
+
+def _foreign(section: TrainerSection, problems: list[Problem]) -> ForeignTrainer | None:
+    """The trainer with its config read (problems appended); None when it cannot be read."""
+    kind = TrainerKind(section.kind)
+    python = str(section.python) if section.python else sys.executable
+    if kind is TrainerKind.HF_SCRIPT:
+        config, found = flags.parse(section.command or ())
+        problems += found
+        problems += config_problems(TABLES[kind], config, "trainer.command")
+        return ForeignTrainer(kind, ForeignTrainer.frozen(config), None, section.command or (), python)
+    if section.config is None:
+        return None
+    read = read_config(section.config, problems)
+    if read is None:
+        return None
+    problems += config_problems(TABLES[kind], read, f"trainer.config ({section.config.name})")
+    return ForeignTrainer(kind, ForeignTrainer.frozen(read), section.config, (), python)
+
+
+def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
+    """The tool's YAML config as a mapping (safe YAML); a problem when it is missing or not a mapping."""
+    where = f"trainer.config ({path})"
+    try:
+        value = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        problems.append(
+            Problem(
+                "trainer.config", "no such file", show(str(path)), "check the path (relative to the job file)"
+            )
+        )
+        return None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        problems.append(Problem(where, f"cannot read it: {error}", None, "fix the file"))
+        return None
+    if not isinstance(value, dict):
+        problems.append(
+            Problem(where, "not a mapping of keys", show(value), "the tool's config is a YAML mapping")
+        )
+        return None
+    return value
+
+
+def _job(
+    job_file: Path,
+    text: str,
+    output_dir: Path,
+    trainer: ForeignTrainer,
+    resources: ResourcesSection,
+    supervise: SuperviseSection,
+    diagnose: DiagnoseSection,
+) -> Job:
+    table, config = trainer.table, trainer.config
+    knobs = knobs_from(table, config)
+    steps = lookup(config, table.max_steps_key)
+    train = TrainSpec(
+        max_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else -1,
+        save_steps=_int(lookup(config, table.save_steps_key), table.save_steps_default),
+        merge=False,
+        target_modules=_targets(lookup(config, table.targets_key)),
+    )
+    dataset = lookup(config, table.data_key)
+    return Job(
+        job_file=job_file,
+        raw_text=text,
+        output_dir=output_dir,
+        knobs=knobs,
+        data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
+        train=train,
+        resources=Resources(resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit),
+        supervise=supervise,
+        fallback_models=(),
+        diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
+        trainer=trainer,
+    )
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _targets(value: Any) -> tuple[str, ...] | str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return "all-linear"  # the tools' own default when none is named: every linear layer

@@ -1,0 +1,138 @@
+"""The knobs of a tool's config, the config of an attempt's knobs, and what is wrong with a config.
+
+A config is the tool's own mapping (YAML, or the flags of a script). Keys may be dotted for a
+nested value (axolotl's ``bnb_config_kwargs.bnb_4bit_quant_type``). Only the rows of the table
+are read or written; every other key is passed through untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from qlora_supervise.supervisor.jobfile.problems import Problem, show
+from qlora_supervise.supervisor.trainers.tables import Row, Table
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+_MISSING = object()
+_KNOB_TYPES = {f.name: type(f.default) for f in dataclasses.fields(Knobs) if f.name != "model"}
+
+
+def lookup(config: Mapping[str, Any], key: str) -> Any:
+    """The value at dotted ``key``, or ``_MISSING``."""
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def assign(config: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` (making the mappings on the way); a None value removes the key."""
+    *parents, last = key.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    if value is None:
+        node.pop(last, None)
+    else:
+        node[last] = value
+
+
+def knob_value(row: Row, config: Mapping[str, Any]) -> Any:
+    """The knob's value as the tool would run it: the config's, else the tool's default."""
+    value = lookup(config, row.key)
+    if value is _MISSING or value is None:
+        return row.default(config) if callable(row.default) else row.default
+    return row.read(value)
+
+
+def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
+    """The knobs the tool would train with (one process); call after :func:`config_problems` found none."""
+    values = {row.knob: knob_value(row, config) for row in table.rows}
+    values["model"] = str(values.get("model") or "")
+    return Knobs(**values)
+
+
+def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list[Problem]:
+    """Missing required keys, knob values of the wrong type, and keys that contradict the ladder."""
+    problems = [
+        Problem(f"{where}: {key}", "required key is missing", None, fix)
+        for key, fix in table.required.items()
+        if lookup(config, key) is _MISSING
+    ]
+    problems += list(_type_problems(table, config, where))
+    for rule in table.contradictions:
+        value = lookup(config, rule.key)
+        if value is not _MISSING and rule.bad(value):
+            problems.append(Problem(f"{where}: {rule.key}", rule.problem, show(value), rule.fix))
+    return problems
+
+
+def _type_problems(table: Table, config: Mapping[str, Any], where: str) -> Iterator[Problem]:
+    for row in table.rows:
+        raw = lookup(config, row.key)
+        if raw is _MISSING or raw is None or row.knob not in _KNOB_TYPES:
+            continue
+        value, wanted = row.read(raw), _KNOB_TYPES[row.knob]
+        if wanted is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            yield Problem(
+                f"{where}: {row.key}", "must be a whole number > 0", show(raw), "write it as 1, 2, 4, ..."
+            )
+        elif wanted is not int and not isinstance(value, wanted):
+            yield Problem(f"{where}: {row.key}", f"wrong type: expected a {wanted.__name__}", show(raw), "")
+
+
+def attempt_config(
+    table: Table,
+    config: Mapping[str, Any],
+    job: Knobs,
+    knobs: Knobs,
+    output_dir: str,
+    resume_from: str | None,
+) -> dict[str, Any]:
+    """The user's config with what the ladder changed (``job`` -> ``knobs``), the tool's output dir
+    and the checkpoint to resume from; every other key exactly as the user wrote it."""
+    out = copy.deepcopy(dict(config))
+    before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
+    for row in table.rows:
+        if before[row.knob] != after[row.knob]:
+            assign(out, row.key, row.write(after[row.knob]))
+    assign(out, table.output_key, output_dir)
+    assign(out, table.resume_key, resume_from)
+    return out
+
+
+def unmapped_changes(table: Table, job: Knobs, knobs: Knobs) -> list[str]:
+    """Knobs that differ from the job's but have no key in this tool (the ladder must not get here)."""
+    before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
+    mapped = {row.knob for row in table.rows} | {"expandable_segments"}  # the allocator's env var
+    return [name for name in before if before[name] != after[name] and name not in mapped]
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> leaf value."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def config_diff(user: Mapping[str, Any], attempt: Mapping[str, Any]) -> list[str]:
+    """``key: old -> new`` for each key the attempt's config sets differently from the user's."""
+    old, new = flatten(user), flatten(attempt)
+    lines = []
+    for key in dict.fromkeys([*old, *new]):
+        a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        if a != b:
+            shown_a = "(absent)" if a is _MISSING else show(a)
+            shown_b = "(removed)" if b is _MISSING else show(b)
+            lines.append(f"{key}: {shown_a} -> {shown_b}")
+    return lines

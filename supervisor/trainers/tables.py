@@ -1,0 +1,188 @@
+"""The knob -> key table of each tool, the keys that contradict the ladder, and the rungs each can take.
+
+One row per knob the ladder may change: the tool's key (a dotted path for a nested one), the
+tool's own default when the key is absent (``tests/test_trainer_tables.py`` checks them against
+the tool's dataclasses or schema), and how a value reads and writes where the tool spells it
+differently (LLaMA-Factory's ``quantization_bit: 4`` for 4-bit, its inverted
+``disable_gradient_checkpointing``). A knob without a row cannot be changed for that tool, so the
+rungs that change it are left out of its ladders (:data:`RUNGS`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TrainerKind(str, enum.Enum):
+    OWN = "own"
+    TRL_SFT = "trl-sft"
+    AXOLOTL = "axolotl"
+    LLAMAFACTORY = "llamafactory"
+    HF_SCRIPT = "hf-script"
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Row:
+    """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
+    (a callable: computed from the rest of the config)."""
+
+    knob: str
+    key: str
+    default: Any
+    read: Callable[[Any], Any] = _same  # tool's value -> knob value
+    write: Callable[[Any], Any] = _same  # knob value -> tool's value
+
+
+@dataclass(frozen=True)
+class Contradiction:
+    """A key whose value fights the supervisor; ``bad`` says which values do."""
+
+    key: str
+    bad: Callable[[Any], bool]
+    problem: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Table:
+    kind: TrainerKind
+    rows: tuple[Row, ...]
+    output_key: str  # where the tool writes its own outputs: the run's trainer-output/
+    resume_key: str  # the tool's resume_from_checkpoint
+    required: Mapping[str, str] = field(default_factory=dict)  # key -> fix, when absent
+    contradictions: tuple[Contradiction, ...] = ()
+    # Read for the supervisor's own bookkeeping (progress, the memory model), never written.
+    max_steps_key: str = "max_steps"
+    save_steps_key: str = "save_steps"
+    save_steps_default: int = 500
+    targets_key: str = "lora_target_modules"
+    data_key: str = "dataset_name"
+
+    def row(self, knob: str) -> Row | None:
+        return next((r for r in self.rows if r.knob == knob), None)
+
+
+_AUTO_BATCH = (
+    "contradicts the supervisor: on an OOM it lowers the batch size without raising accumulation "
+    "(the effective batch changes) and retries from step 0 in the same process"
+)
+
+
+def _auto_batch(key: str, micro_key: str, accum_key: str) -> Contradiction:
+    return Contradiction(
+        key,
+        bool,
+        _AUTO_BATCH,
+        f"delete {key} (or set false): after an OOM the supervisor lowers {micro_key} and raises "
+        f"{accum_key} to keep the effective batch, and resumes from the last checkpoint",
+    )
+
+
+def _resume(key: str) -> Contradiction:
+    return Contradiction(
+        key,
+        lambda v: v not in (None, False, ""),
+        "set by the supervisor for each attempt (the newest complete checkpoint it checked)",
+        f"delete {key}: a run is resumed by running the same qlora-supervise command again",
+    )
+
+
+def _no_saves(key: str) -> Contradiction:
+    return Contradiction(
+        key,
+        lambda v: v == "no",
+        "no checkpoints: every restart would begin at step 0",
+        f'set {key}: "steps" (with save_steps), or delete it',
+    )
+
+
+def _is_true(value: Any) -> bool:
+    return value is True
+
+
+def _present(value: Any) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+_MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
+
+TRL_SFT = Table(
+    TrainerKind.TRL_SFT,
+    rows=(
+        Row("model", "model_name_or_path", None),
+        Row("micro_batch_size", "per_device_train_batch_size", 8),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row("gradient_checkpointing", "gradient_checkpointing", True),
+        Row("optimizer", "optim", "adamw_torch_fused"),
+        Row("max_seq_len", "max_length", 1024),
+        Row("lora_r", "lora_r", 16),
+        Row("lora_alpha", "lora_alpha", 32),
+        Row("load_in_4bit", "load_in_4bit", False),
+        Row("quant_type", "bnb_4bit_quant_type", "nf4"),
+        Row("double_quant", "use_bnb_nested_quant", False),
+        Row("eval_batch_size", "per_device_eval_batch_size", 8),
+        Row(
+            "eval_enabled",
+            "eval_strategy",
+            "no",
+            read=lambda v: v != "no",
+            write=lambda v: "steps" if v else "no",
+        ),
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+    required={
+        "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
+        "use_peft": "add use_peft: true: the supervisor supervises LoRA / QLoRA fine-tunes",
+    },
+    contradictions=(
+        _auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
+        _resume("resume_from_checkpoint"),
+        _no_saves("save_strategy"),
+        Contradiction("use_peft", lambda v: v is not True, "not a LoRA fine-tune", "set use_peft: true"),
+        Contradiction(
+            "save_only_model",
+            _is_true,
+            "checkpoints without optimizer state: every resume would start the optimizer afresh",
+            "delete save_only_model (or set false)",
+        ),
+        Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
+        Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
+    ),
+)
+
+#: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take (our
+#: child's own features: the bf16 head, activation offload, the merge; a smaller model or one
+#: rank fewer, whose checkpoints the tool could not resume). ``expandable_segments`` is the
+#: allocator's environment variable, the same for any torch process.
+RUNG_KNOBS: Mapping[str, str | None] = {
+    "expandable_segments": "expandable_segments",
+    "gradient_checkpointing": "gradient_checkpointing",
+    "halve_micro_batch": "micro_batch_size",
+    "shorten_seq_len": "max_seq_len",
+    "paged_8bit_optimizer": "optimizer",
+    "halve_lora_rank": "lora_r",
+    "quantize_4bit": "load_in_4bit",
+    "halve_eval_batch": "eval_batch_size",
+    "disable_eval": "eval_enabled",
+    "bf16_head": None,
+    "activation_offload": None,
+    "merge_on_cpu": None,
+    "smaller_model": None,
+    "drop_rank": None,
+}
+
+TABLES: Mapping[TrainerKind, Table] = {TrainerKind.TRL_SFT: TRL_SFT}
+
+
+def rungs_for(table: Table) -> frozenset[str]:
+    """The rungs whose knob this tool's config can express."""
+    knobs = {row.knob for row in table.rows} | {"expandable_segments"}
+    return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in knobs)

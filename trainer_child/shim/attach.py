@@ -1,0 +1,70 @@
+"""When the foreign tool imports ``transformers.trainer``, its ``Trainer.train`` is wrapped.
+
+:func:`install` runs in ``sitecustomize`` (before the tool imports anything): it fixes the same
+environment our child fixes before torch (offline hub, the visible device, allocator settings,
+malloc arenas) and leaves a finder on ``sys.meta_path`` that lets ``transformers.trainer`` load
+as usual and then patches its ``Trainer``. Waiting for that import, rather than importing
+transformers here, keeps every other Python process the tool starts (launchers, data workers)
+free of torch and of our heartbeats: only a process that builds a Trainer is a trainer.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+
+TRAINER_MODULE = "transformers.trainer"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds ``name`` through the other finders, and runs ``then`` on the module once it has loaded."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once: the real finders find it, we only follow the load
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader: Any = spec.loader
+        original = loader.exec_module
+        then = self.then
+
+        def exec_module(module: ModuleType) -> None:
+            original(module)
+            then(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install(spec_path: str) -> None:
+    """Fix the environment for the attempt's spec and wait for ``transformers.trainer``."""
+    spec = AttemptSpec.from_json(Path(spec_path).read_text(encoding="utf-8"))
+    from qlora_supervise.trainer_child.__main__ import prepare_env
+
+    prepare_env(spec)  # before torch: CUDA reads the allocator settings once
+
+    def patch(module: ModuleType) -> None:
+        from qlora_supervise.trainer_child.shim.session import Session
+
+        Session(spec).patch(module.Trainer)
+
+    if TRAINER_MODULE in sys.modules:  # imported before us (a sitecustomize that ran first)
+        patch(sys.modules[TRAINER_MODULE])
+    else:
+        sys.meta_path.insert(0, _AfterImport(TRAINER_MODULE, patch))

@@ -1,0 +1,191 @@
+"""One supervised attempt inside a foreign tool: the same heartbeats, stages, checkpoints,
+emergency save and error report as our own child, from the same code.
+
+What is reused, not copied: :class:`~..run.attempt.Context` (events file, progress, rank),
+the stop handler, the failure path (:func:`~..run.attempt.fail`: emergency checkpoint when the
+stage allows it, the report, the ``trainer child failed in <stage>:`` line), the resume rules
+(:func:`~..run.attempt.chosen_checkpoint` / :func:`~..run.attempt.resume_source`: marker
+checked, optimizer state dropped when the knobs changed the optimizer), and the Trainer side
+(:class:`~..recipe.trainer.SupervisedTrainerMixin` and :class:`~..recipe.trainer.SupervisionCallback`).
+
+How it reaches the tool's Trainer: ``Trainer.train`` is wrapped (:meth:`Session.patch`); at the
+call, the instance's class becomes a subclass of its own class with our mixin in front (the
+tool's overrides stay, ours run first and call theirs through ``super()``), our callback is
+added, and ``resume_from_checkpoint`` is the checkpoint the supervisor chose. A failure before
+``train`` (the model load inside the tool's script) is caught by ``sys.excepthook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.events import Started
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.run import attempt, device
+from qlora_supervise.trainer_child.run.failure import CapturedFailure, capture
+from qlora_supervise.trainer_child.run.heartbeat import HeartbeatThread
+
+#: Libraries whose versions the ``started`` event names (those installed: a foreign venv may lack some).
+VERSIONED = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "axolotl", "llamafactory")
+_CLASSES: dict[type, type] = {}
+
+
+def supervised_class(cls: type) -> type:
+    """``cls`` with :class:`SupervisedTrainerMixin` in front, made once per class."""
+    from qlora_supervise.trainer_child.recipe.trainer import SupervisedTrainerMixin
+
+    if issubclass(cls, SupervisedTrainerMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Supervised{cls.__name__}", (SupervisedTrainerMixin, cls), {})
+    return _CLASSES[cls]
+
+
+class Session:
+    """The attempt, from ``transformers.trainer``'s import to the process's exit."""
+
+    def __init__(self, spec: AttemptSpec) -> None:
+        self.ctx = attempt.Context(spec)
+        attempt.install_stop_handler(self.ctx.progress)
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._uncaught
+        self._setup()
+        self.ctx.progress.enter(Stage.LOAD)  # the tool loads its model and data next
+
+    def _setup(self) -> None:
+        """Device check, caps, ``started``, heartbeats: what :func:`attempt.setup` does for our child,
+        without importing a training stack the tool may not have (bitsandbytes on a CPU venv)."""
+        import torch
+
+        from qlora_supervise.trainer_child.run import memory
+
+        ctx, spec = self.ctx, self.ctx.spec
+        ctx.on_cuda = torch.cuda.is_available()
+        fallback = device.check(spec, ctx.on_cuda)
+        memory.apply_gpu_cap(spec.gpu_memory_limit)
+        ctx.expandable = memory.expandable_segments_active()
+        started = Started(
+            pid=os.getpid(),
+            attempt=spec.attempt,
+            rank=ctx.place.rank,
+            local_rank=ctx.place.local_rank,
+            world_size=ctx.place.world_size,
+            device=ctx.device,
+            device_name=torch.cuda.get_device_name() if ctx.on_cuda else "cpu",
+            versions=installed_versions(),
+            vmdata=memory.proc_status_bytes("VmData"),
+            rss=memory.proc_status_bytes("VmRSS"),
+            cpu_memory_limit=spec.cpu_memory_limit,
+            gpu_memory_limit=spec.gpu_memory_limit,
+            expandable_segments_active=ctx.expandable,
+            cpu_fallback=fallback,
+            trust_remote_code=spec.train.trust_remote_code,
+        )
+        ctx.events.write(started.to_line())
+        ctx.events.emit("shim_attached", trainer_module="transformers.trainer", command=list(spec.command))
+        if memory.late_cap_step() is None:  # else the callback caps after that step (a test's fault)
+            memory.apply_cpu_cap(spec.cpu_memory_limit)
+        ctx.heartbeat = HeartbeatThread(ctx.progress, spec.heartbeat_interval)
+        ctx.heartbeat.start()
+
+    def patch(self, trainer_class: Any) -> None:
+        """Wrap ``trainer_class.train`` (transformers' ``Trainer``) so every subclass goes through us."""
+        original = trainer_class.train
+        session = self
+
+        def train(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+            return session.train(trainer, original, args, kwargs)
+
+        train.__doc__ = original.__doc__
+        trainer_class.train = train
+
+    def train(self, trainer: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The tool's ``trainer.train(...)``, supervised; a failure ends the process with our exit code."""
+        ctx = self.ctx
+        failure: CapturedFailure | None = None
+        result: Any = None
+        try:
+            source = self._attach(trainer)
+            # The supervisor's choice (already on the tool's config); the source may be an
+            # optimizer-less copy of it when the optimizer changed, which the tool cannot know.
+            kwargs["resume_from_checkpoint"] = source.load_from
+            result = original(trainer, *args[1:], **kwargs) if args else original(trainer, **kwargs)
+        except BaseException as exc:  # every failure must leave a report
+            at_oom = attempt.oom_diagnosis(ctx, exc)  # while the frames still hold the step's tensors
+            failure = capture(exc, ctx.progress.stage, ctx.progress.step)
+            failure.allocator, failure.memory_snapshot = at_oom
+        if failure is not None:
+            self.leave(attempt.fail(ctx, failure))
+        if ctx.progress.stop_requested:  # SIGTERM: the callback checkpointed and stopped training
+            ctx.progress.announce_stop()
+            self.leave(ExitCode.STOPPED)
+        self._finish(trainer)
+        return result
+
+    def _attach(self, trainer: Any) -> Any:
+        """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
+        from qlora_supervise.trainer_child.recipe.trainer import CheckpointPlan, SupervisionCallback
+
+        ctx, spec = self.ctx, self.ctx.spec
+        chosen = attempt.chosen_checkpoint(spec)
+        ctx.resume_checkpoint = str(chosen) if chosen is not None else None
+        source = attempt.resume_source(spec, chosen)
+        trainer.__class__ = supervised_class(type(trainer))
+        protect = Path(spec.resume_from) if spec.resume_from else None
+        trainer.supervise(
+            ctx.progress, CheckpointPlan(Path(spec.checkpoints_dir), spec.knobs, protect=protect)
+        )
+        callback = SupervisionCallback(source, spec.cpu_memory_limit)
+        callback.trainer = trainer
+        trainer.add_callback(callback)
+        ctx.trainer = trainer
+        return source
+
+    def _finish(self, trainer: Any) -> None:
+        """Training ended: the adapter where ours goes (``<run>/adapter``), and ``finished``."""
+        ctx, spec = self.ctx, self.ctx.spec
+        ctx.progress.enter(Stage.SAVE)
+        if ctx.place.is_main:
+            attempt.save_adapter(trainer, trainer.processing_class, Path(spec.adapter_dir))
+        ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
+        ctx.trainer = None
+
+    def _uncaught(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        """An exception outside ``train`` (the tool's model or data load): our report and exit code."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            self._previous_hook(kind, exc, tb)
+            return
+        at_oom = attempt.oom_diagnosis(self.ctx, exc)
+        failure = capture(exc, self.ctx.progress.stage, self.ctx.progress.step)
+        failure.allocator, failure.memory_snapshot = at_oom
+        del exc, tb
+        self.leave(attempt.fail(self.ctx, failure))
+
+    def leave(self, code: int) -> NoReturn:
+        """End the process now with ``code``: the tool's own code after ``train`` must not run on
+        (it would save or push a model of a failed or stopped attempt)."""
+        if self.ctx.heartbeat is not None:
+            self.ctx.heartbeat.stop()
+        self.ctx.events.close()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a full disk under child.log
+                stream.flush()
+        os._exit(int(code))  # the report and the checkpoint are on disk, fsynced (processes.leave)
+
+
+def installed_versions() -> dict[str, str]:
+    """The versions of :data:`VERSIONED` that are installed here."""
+    found = {}
+    for name in VERSIONED:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
