@@ -38,6 +38,7 @@ from qlora_supervise.supervisor.record.attempt_speed import measured_speed, spee
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.trainers.attempt_config import read_diff
 from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME
 
 #: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).
@@ -202,6 +203,9 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
         steps = f"resumed at step {r.resumed_from}, trained no step"  # steps_completed 0 (issue 21 item 6)
     lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
     lines.append(f"  config: {config}")
+    if run_dir is not None and (diff := read_diff(run_dir.attempt_dir(r.attempt))) is not None:
+        # A foreign trainer's attempt: its config against the user's file (supervisor/trainers/).
+        lines.append(f"  trainer config (vs your file): {'; '.join(diff) or 'unchanged'}")
     if run_dir is not None and (speed := speed_line(measured_speed(run_dir, r))):
         lines.append(speed)
     if r.plan is not None:

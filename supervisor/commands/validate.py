@@ -10,6 +10,7 @@ from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Jo
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.trainers.summary import foreign_lines
 from qlora_supervise.trainer_child.contract.spec import DataSpec
 
 
@@ -24,8 +25,10 @@ def validate_command(path: str) -> int:
             print(problem.render())
         return 2
     print(f"{path}: OK")
-    records = _records(job.data)
-    for line in [*warning_lines(job, records), *summary_lines(job, records)]:
+    # A foreign tool reads its own data (a hub dataset, a mixture): it is not probed here.
+    records = _records(job.data) if job.trainer is None else None
+    extra = foreign_lines(job.trainer) if job.trainer is not None else []
+    for line in [*warning_lines(job, records), *summary_lines(job, records), *extra]:
         print(f"  {line}")
     return 0
 
@@ -64,6 +67,8 @@ def _data_summary(data: DataSpec, records: int | None) -> str:
     """``<path> (<n> records, text_field 'text')``: records, not lines (blank lines are none)."""
     messages = data.messages_field is not None
     name = data.messages_field if messages else data.text_field
+    if name is None:  # a foreign trainer's dataset: its own config says how to read it
+        return f"{data.path or '(see the trainer config)'} (read by the trainer itself)"
     field = f"messages_field {name!r}" if messages else f"text_field {name!r}"
     count = "" if records is None else f"{records} records, "
     return f"{data.path} ({count}{field})"

@@ -42,6 +42,7 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.launch import trainer_env
+from qlora_supervise.supervisor.trainers.shim_check import note_shim
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
@@ -151,6 +152,8 @@ class AttemptRunner:
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
         )
         log_optimizer_reset(log, reader.progress)
+        if spec.command:  # a foreign trainer: did our shim speak for it?
+            note_shim(Path(spec.events_file), spec.command, log)
         kills_after = seams.oom_kills()
         reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
         report = report_of(reports)

@@ -42,6 +42,8 @@ class Event(str, enum.Enum):
     JOB_ADVICE = "job_advice"  # a warning of validate's (jobfile/advice.py), said again at run start
     MEMORY_CREEP = "memory_creep"
     FIRST_STEP = "first_step"
+    # A foreign trainer's child wrote none of our events: classified from its stderr alone.
+    SHIM_NOT_ATTACHED = "shim_not_attached"
     # the warm spare (loop/spare.py)
     SPARE_OFF = "spare_off"
     SPARE_STARTED = "spare_started"
