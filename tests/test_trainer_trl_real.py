@@ -1,0 +1,85 @@
+"""``trl sft`` itself, supervised on the tiny model under a real CPU memory cap (RLIMIT_DATA).
+
+The child is trl's own script (``python -m trl.scripts.sft --config attempt-NNN/trl-sft.yaml``)
+with the shim on its PYTHONPATH: the OOM is torch's own ``DefaultCPUAllocator: can't allocate
+memory`` in trl's forward, the report and the emergency checkpoint come from the shim, the new
+knobs reach trl through the per-attempt config only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from _trainer_configs import trl_job
+
+from qlora_supervise.supervisor.commands.run import run_job
+from qlora_supervise.supervisor.commands.status import status_command
+from qlora_supervise.supervisor.record.eventlog import read_events
+from qlora_supervise.supervisor.record.journal import read_attempts
+
+pytestmark = pytest.mark.slow
+
+
+def _run(job: Path) -> int:
+    return run_job(str(job), plain=True, console=io.StringIO(), install_signals=False)
+
+
+def _trace(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real forward OOM in trl at step 2 resumes from step 1 at micro-batch 8 x 2, same samples."""
+    # Injected timing, real failure: the cap lands after step 1, so step 2's forward runs out.
+    monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "1")
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("QLORA_SUPERVISE_TEST_TRACE_BATCHES", str(trace))
+    job = trl_job(tiny_dir, tmp_path, supervise={"ladders": {"oom_forward": ["halve_micro_batch"]}})
+    user_file = (tmp_path / "sft.yaml").read_text()
+    assert _run(job) == 0
+    run = tmp_path / "run"
+    records, bad = read_attempts(run / "attempts.jsonl")
+    assert bad == 0 and [r.outcome for r in records] == ["failed", "succeeded"]
+    first, second = records
+    assert first.failure is not None and first.failure.kind == "oom_forward"
+    assert first.failure.stage == "forward" and "error report" in first.failure.evidence
+    assert first.steps_completed == 1 and second.resumed_from == 1 and second.steps_completed == 3
+    assert (second.knobs.micro_batch_size, second.knobs.grad_accum) == (8, 2)
+    assert second.knobs.effective_batch == first.knobs.effective_batch == 16
+    # The new knobs reached trl through attempt 2's own config; the user's file is untouched.
+    config = yaml.safe_load((run / "attempt-002" / "trl-sft.yaml").read_text())
+    assert config["per_device_train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 2
+    assert config["resume_from_checkpoint"] == str(run / "checkpoints" / "checkpoint-1")
+    assert config["a_key_we_do_not_know"] == {"kept": [1, 2]}
+    assert (tmp_path / "sft.yaml").read_text() == user_file
+    # Data order: step 2 after the resume trains exactly the 16 samples step 2 began with before
+    # the OOM, in two micro-batches of 8; no sample of the 3 steps is seen twice.
+    batches = _trace(trace)
+    before = next(b for b in batches if b["step"] == 2 and len(b["rows"]) == 16)
+    after = [b for b in batches[batches.index(before) + 1 :]]
+    assert [(b["step"], len(b["rows"])) for b in after] == [(2, 8), (2, 8), (3, 8), (3, 8)]
+    assert Counter(r for b in after if b["step"] == 2 for r in b["rows"]) == Counter(before["rows"])
+    trained = [r for b in batches if b is not before for r in b["rows"]]
+    assert len(trained) == len(set(trained)) == 48
+    # Loss continuity: trl's own history runs 1, 2, 3 with no step repeated, step 1's loss is the
+    # one attempt 1 logged, and no later step jumps the way a restart from step 0 would.
+    state = json.loads((run / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
+    losses = {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+    assert sorted(losses) == [1, 2, 3]
+    beats = [e for e in _trace(run / "attempt-001" / "child-events.jsonl") if e.get("event") == "heartbeat"]
+    assert any(b.get("step") == 1 and b.get("loss") == pytest.approx(losses[1], rel=1e-4) for b in beats)
+    assert all(abs(losses[s] - losses[1]) < 0.25 * losses[1] for s in (2, 3))
+    events = [e["event"] for e in read_events(run / "events.jsonl")]
+    assert "shim_not_attached" not in events
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    out = io.StringIO()
+    assert status_command([str(run)], out=out) == 0
+    assert "per_device_train_batch_size: 16 -> 8; gradient_accumulation_steps: 1 -> 2" in out.getvalue()
