@@ -17,6 +17,11 @@ from qlora_supervise.supervisor.jobfile.problems import Problem, show
 
 
 def _value(text: str) -> Any:
+    for number in (int, float):  # PyYAML reads 3e-4 as a string (YAML 1.1); argparse's float would not
+        try:
+            return number(text)
+        except ValueError:
+            pass
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:

@@ -24,14 +24,18 @@ def foreign_overrides(
 ) -> dict[FailureKind, tuple[str, ...]]:
     """Every stage ladder (the job's override, else the default) with only the tool's rungs; the
     stage-dependent kinds (fragmentation, host OOM) then climb these through the stage."""
-    allowed = rungs_for(trainer.table)
+    allowed = rungs_for(trainer.table, trainer.config)
     kinds = {**DEFAULT_LADDERS, **overrides}
     return {kind: tuple(name for name in ladder if name in allowed) for kind, ladder in kinds.items()}
 
 
 def foreign_first_plan(trainer: ForeignTrainer, job: Knobs, plan: Plan) -> Plan:
     """``plan`` when its changes are all rungs the tool can take; else the job as written, saying why."""
-    foreign = [name for name in rungs_between(job, plan.knobs) if name not in rungs_for(trainer.table)]
+    foreign = [
+        name
+        for name in rungs_between(job, plan.knobs)
+        if name not in rungs_for(trainer.table, trainer.config)
+    ]
     if not foreign:
         return plan
     why = (

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.tables import Row, Table
+from qlora_supervise.supervisor.trainers.tables import Row, Table, writable
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _MISSING = object()
@@ -45,8 +45,8 @@ def assign(config: dict[str, Any], key: str, value: Any) -> None:
 def knob_value(row: Row, config: Mapping[str, Any]) -> Any:
     """The knob's value as the tool would run it: the config's, else the tool's default."""
     value = lookup(config, row.key)
-    if value is _MISSING or value is None:
-        return row.default(config) if callable(row.default) else row.default
+    if value is _MISSING or value is None:  # the default is in the tool's spelling too
+        value = row.default(config) if callable(row.default) else row.default
     return row.read(value)
 
 
@@ -99,17 +99,18 @@ def attempt_config(
     out = copy.deepcopy(dict(config))
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
     for row in table.rows:
-        if before[row.knob] != after[row.knob]:
+        if before[row.knob] != after[row.knob] and writable(row, config):
             assign(out, row.key, row.write(after[row.knob]))
     assign(out, table.output_key, output_dir)
     assign(out, table.resume_key, resume_from)
     return out
 
 
-def unmapped_changes(table: Table, job: Knobs, knobs: Knobs) -> list[str]:
+def unmapped_changes(table: Table, config: Mapping[str, Any], job: Knobs, knobs: Knobs) -> list[str]:
     """Knobs that differ from the job's but have no key in this tool (the ladder must not get here)."""
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
-    mapped = {row.knob for row in table.rows} | {"expandable_segments"}  # the allocator's env var
+    # expandable_segments is the allocator's environment variable: any torch process takes it.
+    mapped = {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
     return [name for name in before if before[name] != after[name] and name not in mapped]
 
 

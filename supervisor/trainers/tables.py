@@ -38,6 +38,11 @@ class Row:
     default: Any
     read: Callable[[Any], Any] = _same  # tool's value -> knob value
     write: Callable[[Any], Any] = _same  # knob value -> tool's value
+    # Read for the knobs (the memory model, the journal) but never written: changing it alone
+    # would not do what the rung means in this tool (axolotl's 4-bit needs ``adapter: qlora`` too).
+    read_only: bool = False
+    # The key is the script's own, not the tool's: read and written only where the config has it.
+    present_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,10 +184,186 @@ RUNG_KNOBS: Mapping[str, str | None] = {
     "drop_rank": None,
 }
 
-TABLES: Mapping[TrainerKind, Table] = {TrainerKind.TRL_SFT: TRL_SFT}
+
+def _gradient_checkpointing(value: Any) -> Any:
+    # axolotl's "offload" / "offload_disk" are checkpointing with the saved activations elsewhere: on.
+    return value in ("offload", "offload_disk") or value
 
 
-def rungs_for(table: Table) -> frozenset[str]:
+def _4bit(value: Any) -> Any:
+    return value == 4 if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:
+    return Contradiction(
+        key,
+        lambda v: v not in allowed,
+        "not a LoRA fine-tune: the supervisor supervises LoRA / QLoRA",
+        f"set {key}: {allowed[0]}",
+    )
+
+
+AXOLOTL = Table(
+    TrainerKind.AXOLOTL,
+    rows=(
+        Row("model", "base_model", None),
+        Row("micro_batch_size", "micro_batch_size", 1),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row("gradient_checkpointing", "gradient_checkpointing", False, read=_gradient_checkpointing),
+        Row("optimizer", "optimizer", "adamw_torch_fused"),
+        Row("max_seq_len", "sequence_len", 512),
+        Row("lora_r", "lora_r", None),
+        Row("lora_alpha", "lora_alpha", None),
+        Row("load_in_4bit", "load_in_4bit", False, read_only=True),
+        # axolotl's qlora loader: nf4 with double quantization unless bnb_config_kwargs says otherwise.
+        Row("quant_type", "bnb_config_kwargs.bnb_4bit_quant_type", "nf4"),
+        Row("double_quant", "bnb_config_kwargs.bnb_4bit_use_double_quant", True),
+        # None: axolotl uses micro_batch_size (utils/config normalize_config).
+        Row("eval_batch_size", "eval_batch_size", lambda config: config.get("micro_batch_size") or 1),
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+    required={
+        "base_model": "add base_model: a local model directory (the child runs offline)",
+        "adapter": "add adapter: qlora (or lora): the supervisor supervises LoRA / QLoRA fine-tunes",
+        "lora_r": "add lora_r (axolotl has no default rank)",
+        "lora_alpha": "add lora_alpha (axolotl has no default)",
+    },
+    contradictions=(
+        _auto_batch("auto_find_batch_size", "micro_batch_size", "gradient_accumulation_steps"),
+        _resume("resume_from_checkpoint"),
+        Contradiction(
+            "auto_resume_from_checkpoints",
+            _is_true,
+            "axolotl would pick its own checkpoint in output_dir, not the one the supervisor checked",
+            "delete auto_resume_from_checkpoints: the supervisor resumes from its newest complete checkpoint",
+        ),
+        _no_saves("save_strategy"),
+        _lora_only("adapter", ("qlora", "lora")),
+        Contradiction(
+            "save_only_model",
+            _is_true,
+            "checkpoints without optimizer state: every resume would start the optimizer afresh",
+            "delete save_only_model (or set false)",
+        ),
+        Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
+        Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
+        Contradiction("fsdp_config", _present, _MULTI_GPU, "delete fsdp_config"),
+    ),
+    targets_key="lora_target_modules",
+    data_key="datasets",
+)
+
+LLAMAFACTORY = Table(
+    TrainerKind.LLAMAFACTORY,
+    rows=(
+        Row("model", "model_name_or_path", None),
+        Row("micro_batch_size", "per_device_train_batch_size", 8),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        # LLaMA-Factory checkpoints unless told not to: the key is inverted.
+        Row(
+            "gradient_checkpointing",
+            "disable_gradient_checkpointing",
+            False,
+            read=lambda v: not v if isinstance(v, bool) else v,
+            write=lambda v: not v,
+        ),
+        Row("optimizer", "optim", "adamw_torch"),
+        Row("max_seq_len", "cutoff_len", 2048),
+        Row("lora_r", "lora_rank", 8),
+        # None: lora_rank * 2 (finetuning_args.py)
+        Row("lora_alpha", "lora_alpha", lambda config: 2 * int(config.get("lora_rank") or 8)),
+        Row("load_in_4bit", "quantization_bit", None, read=_4bit, write=lambda v: 4 if v else None),
+        Row("quant_type", "quantization_type", "nf4"),
+        Row("double_quant", "double_quantization", True),
+        Row("eval_batch_size", "per_device_eval_batch_size", 8),
+        Row(
+            "eval_enabled",
+            "eval_strategy",
+            "no",
+            read=lambda v: v != "no",
+            write=lambda v: "steps" if v else "no",
+        ),
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+    required={
+        "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
+        "stage": "add stage: sft",
+        "do_train": "add do_train: true",
+    },
+    contradictions=(
+        _auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
+        _resume("resume_from_checkpoint"),
+        _no_saves("save_strategy"),
+        _lora_only("finetuning_type", ("lora",)),
+        Contradiction(
+            "save_only_model",
+            _is_true,
+            "checkpoints without optimizer state: every resume would start the optimizer afresh",
+            "delete save_only_model (or set false)",
+        ),
+        Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
+        Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
+    ),
+    targets_key="lora_target",
+    data_key="dataset",
+)
+
+#: An HfArgumentParser script: transformers' TrainingArguments flags, whose names every such
+#: script shares. The model, sequence length, LoRA and 4-bit flags are the script's own: their
+#: rows apply only where the user's command has the flag (``present_only``), so no flag the
+#: script does not define is ever added (HfArgumentParser refuses unknown flags).
+HF_SCRIPT = Table(
+    TrainerKind.HF_SCRIPT,
+    rows=(
+        Row("model", "model_name_or_path", None),
+        Row("micro_batch_size", "per_device_train_batch_size", 8),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row("gradient_checkpointing", "gradient_checkpointing", False),
+        Row("optimizer", "optim", "adamw_torch_fused"),
+        Row("eval_batch_size", "per_device_eval_batch_size", 8),
+        Row(
+            "eval_enabled",
+            "eval_strategy",
+            "no",
+            read=lambda v: v != "no",
+            write=lambda v: "steps" if v else "no",
+        ),
+        Row("max_seq_len", "max_seq_length", 512, present_only=True),
+        Row("lora_r", "lora_r", 8, present_only=True),
+        Row("lora_alpha", "lora_alpha", 16, present_only=True),
+        Row("load_in_4bit", "load_in_4bit", False, present_only=True),
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+    required={"output_dir": "add --output_dir (TrainingArguments requires it; the supervisor replaces it)"},
+    contradictions=(
+        _auto_batch("auto_find_batch_size", "--per_device_train_batch_size", "--gradient_accumulation_steps"),
+        _resume("resume_from_checkpoint"),
+        _no_saves("save_strategy"),
+        Contradiction("deepspeed", _present, _MULTI_GPU, "delete --deepspeed"),
+        Contradiction("fsdp", _present, _MULTI_GPU, "delete --fsdp"),
+    ),
+    data_key="dataset_name",
+)
+
+TABLES: Mapping[TrainerKind, Table] = {
+    TrainerKind.TRL_SFT: TRL_SFT,
+    TrainerKind.AXOLOTL: AXOLOTL,
+    TrainerKind.LLAMAFACTORY: LLAMAFACTORY,
+    TrainerKind.HF_SCRIPT: HF_SCRIPT,
+}
+
+
+def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
+    """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
+    if row.read_only:
+        return False
+    return not row.present_only or (config is not None and row.key in config)
+
+
+def rungs_for(table: Table, config: Mapping[str, Any] | None = None) -> frozenset[str]:
     """The rungs whose knob this tool's config can express."""
-    knobs = {row.knob for row in table.rows} | {"expandable_segments"}
+    knobs = {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
     return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in knobs)

@@ -1,0 +1,208 @@
+"""The knob -> key tables of the foreign trainers, read and written as each tool spells them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from qlora_supervise.policies.rungs import RUNG_NAMES
+from qlora_supervise.supervisor.trainers import flags
+from qlora_supervise.supervisor.trainers.mapping import (
+    assign,
+    attempt_config,
+    config_diff,
+    config_problems,
+    knobs_from,
+    lookup,
+    unmapped_changes,
+)
+from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, TABLES, TRL_SFT, TrainerKind, rungs_for
+
+USER = {
+    "model_name_or_path": "/models/tiny",
+    "dataset_name": "/data/set",
+    "use_peft": True,
+    "per_device_train_batch_size": 16,
+    "gradient_accumulation_steps": 2,
+    "max_length": 2048,
+    "lora_r": 64,
+    "my_own_key": {"nested": [1, 2]},
+}
+
+
+def test_knobs_read_the_users_keys_and_the_tools_defaults() -> None:
+    """Keys the user wrote become knobs; absent ones take trl's own defaults."""
+    knobs = knobs_from(TRL_SFT, USER)
+    assert (knobs.micro_batch_size, knobs.grad_accum, knobs.effective_batch) == (16, 2, 32)
+    assert (knobs.max_seq_len, knobs.lora_r, knobs.lora_alpha) == (2048, 64, 32)
+    assert knobs.gradient_checkpointing is True and knobs.optimizer == "adamw_torch_fused"
+    assert knobs.model == "/models/tiny" and knobs.eval_enabled is False
+
+
+def test_attempt_config_changes_only_what_the_ladder_changed_and_passes_the_rest() -> None:
+    """Micro-batch 16 -> 8 writes per_device_train_batch_size 8 and accumulation 4; unknown keys stay."""
+    job = knobs_from(TRL_SFT, USER)
+    knobs = dataclasses.replace(job, micro_batch_size=8, grad_accum=4, gradient_checkpointing=False)
+    out = attempt_config(TRL_SFT, USER, job, knobs, "/run/trainer-output", "/run/checkpoints/checkpoint-4")
+    assert out["per_device_train_batch_size"] == 8 and out["gradient_accumulation_steps"] == 4
+    assert out["gradient_checkpointing"] is False
+    assert out["my_own_key"] == {"nested": [1, 2]} and out["lora_r"] == 64
+    assert "optim" not in out  # unchanged and absent: left to trl's default
+    assert out["output_dir"] == "/run/trainer-output"
+    assert out["resume_from_checkpoint"] == "/run/checkpoints/checkpoint-4"
+    assert USER["per_device_train_batch_size"] == 16  # the user's config is not touched
+    assert config_diff(USER, out) == [
+        "per_device_train_batch_size: 16 -> 8",
+        "gradient_accumulation_steps: 2 -> 4",
+        "gradient_checkpointing: (absent) -> false",
+        "output_dir: (absent) -> '/run/trainer-output'",
+        "resume_from_checkpoint: (absent) -> '/run/checkpoints/checkpoint-4'",
+    ]
+
+
+def test_a_fresh_start_removes_the_resume_key() -> None:
+    """No checkpoint to resume from: the key is left out, not written as a path."""
+    job = knobs_from(TRL_SFT, USER)
+    assert "resume_from_checkpoint" not in attempt_config(TRL_SFT, USER, job, job, "/o", None)
+
+
+def test_dotted_keys_reach_nested_values() -> None:
+    """A nested key (axolotl's bnb_config_kwargs.*) is read and written in place."""
+    config: dict[str, Any] = {"bnb_config_kwargs": {"llm_int8_threshold": 6.0}}
+    assign(config, "bnb_config_kwargs.bnb_4bit_quant_type", "fp4")
+    assert config == {"bnb_config_kwargs": {"llm_int8_threshold": 6.0, "bnb_4bit_quant_type": "fp4"}}
+    assert lookup(config, "bnb_config_kwargs.bnb_4bit_quant_type") == "fp4"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("auto_find_batch_size", True, "the effective batch changes"),
+        ("resume_from_checkpoint", "out/checkpoint-9", "set by the supervisor"),
+        ("save_strategy", "no", "every restart would begin at step 0"),
+        ("use_peft", False, "not a LoRA fine-tune"),
+        ("save_only_model", True, "without optimizer state"),
+        ("deepspeed", "ds.json", "not supervised yet"),
+        ("per_device_train_batch_size", 0, "whole number > 0"),
+        ("gradient_checkpointing", "yes", "expected a bool"),
+    ],
+)
+def test_keys_that_fight_the_ladder_are_named_with_the_fix(key: str, value: Any, words: str) -> None:
+    """Each contradicting or malformed key is one problem naming the key, the value and a fix."""
+    problems = config_problems(TRL_SFT, {**USER, key: value}, "trainer.config")
+    assert [p.path for p in problems] == [f"trainer.config: {key}"]
+    assert words in problems[0].problem + problems[0].fix
+
+
+def test_a_config_without_model_or_peft_is_refused() -> None:
+    """model_name_or_path and use_peft are required, each with its fix."""
+    problems = config_problems(TRL_SFT, {"dataset_name": "x"}, "trainer.config")
+    assert {p.path for p in problems} == {"trainer.config: model_name_or_path", "trainer.config: use_peft"}
+
+
+def test_every_rung_is_classed_for_the_foreign_tools() -> None:
+    """A new rung must say which knob it changes before a foreign tool's ladder can use it."""
+    assert set(RUNG_KNOBS) == set(RUNG_NAMES)
+
+
+def test_trl_takes_the_rungs_its_config_can_express_only() -> None:
+    """Our child's own features (bf16 head, activation offload, merge) are not trl's rungs."""
+    rungs = rungs_for(TRL_SFT)
+    assert {"halve_micro_batch", "gradient_checkpointing", "paged_8bit_optimizer", "shorten_seq_len"} <= rungs
+    assert not rungs & {"bf16_head", "activation_offload", "merge_on_cpu", "smaller_model", "drop_rank"}
+    job = knobs_from(TRL_SFT, USER)
+    assert unmapped_changes(TRL_SFT, USER, job, dataclasses.replace(job, bf16_head=True)) == ["bf16_head"]
+
+
+def test_flags_read_and_write_like_hfargumentparser() -> None:
+    """``--key value``, ``--key=value`` and a bare ``--flag`` read as a config and write back in place."""
+    argv = [
+        "python",
+        "train.py",
+        "--per_device_train_batch_size",
+        "4",
+        "--lr=3e-4",
+        "--gradient_checkpointing",
+    ]
+    config, problems = flags.parse(argv)
+    assert problems == [] and config == {
+        "per_device_train_batch_size": 4,
+        "lr": 3e-4,
+        "gradient_checkpointing": True,
+    }
+    out = flags.with_flags(
+        argv, {"per_device_train_batch_size": 2, "gradient_checkpointing": False, "x": None}
+    )
+    assert out == [
+        "python",
+        "train.py",
+        "--per_device_train_batch_size",
+        "2",
+        "--lr=3e-4",
+        "--gradient_checkpointing",
+        "false",
+    ]
+
+
+_TRL_PARSE = """
+import dataclasses, json, sys
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
+parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig))
+parsed = parser.parse_args_and_config(["--config", sys.argv[1]], fail_with_unknown_args=False)
+defaults = {f.name: f.default for cls in (SFTConfig, ModelConfig) for f in dataclasses.fields(cls)}
+plain = (int, float, str, bool, type(None))
+values = {}
+for part in parsed[:3]:
+    values.update({k: v for k, v in vars(part).items() if isinstance(v, plain)})
+print(json.dumps({"values": values, "defaults": {k: v for k, v in defaults.items() if isinstance(v, plain)}}))
+"""
+
+
+def test_trl_reads_the_attempt_config_as_the_table_says(tmp_path: Path) -> None:
+    """trl's own TrlParser reads each mapped key of an attempt config as the knob; defaults agree."""
+    job = knobs_from(TRL_SFT, USER)
+    knobs = dataclasses.replace(
+        job,
+        micro_batch_size=4,
+        grad_accum=8,
+        gradient_checkpointing=False,
+        optimizer="paged_adamw_8bit",
+        max_seq_len=1024,
+        lora_r=32,
+        lora_alpha=64,
+        load_in_4bit=True,
+        quant_type="fp4",
+        double_quant=True,
+        eval_batch_size=2,
+    )
+    config = attempt_config(TRL_SFT, {**USER, "bf16": False}, job, knobs, str(tmp_path / "out"), None)
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-c", _TRL_PARSE, str(tmp_path / "sft.yaml")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    values, defaults = parsed["values"], parsed["defaults"]
+    expected = dataclasses.asdict(knobs)
+    for row in TRL_SFT.rows:
+        assert row.read(values[row.key]) == expected[row.knob], row.key
+        if row.knob != "model":
+            assert defaults[row.key] == row.default, f"trl's default of {row.key} changed"
+    assert values["output_dir"] == str(tmp_path / "out")
+    for key in (TRL_SFT.resume_key, *(c.key for c in TRL_SFT.contradictions)):
+        assert key in values or key in ("deepspeed", "fsdp"), key  # each is a field trl knows
+
+
+def test_every_kind_but_ours_has_a_table() -> None:
+    """Each foreign kind of the trainer section has its table."""
+    assert set(TABLES) == {kind for kind in TrainerKind if kind is not TrainerKind.OWN}
