@@ -268,7 +268,7 @@ LLAMAFACTORY = Table(
             read=lambda v: not v if isinstance(v, bool) else v,
             write=lambda v: not v,
         ),
-        Row("optimizer", "optim", "adamw_torch"),
+        Row("optimizer", "optim", "adamw_torch_fused"),  # transformers 5's TrainingArguments default
         Row("max_seq_len", "cutoff_len", 2048),
         Row("lora_r", "lora_rank", 8),
         # None: lora_rank * 2 (finetuning_args.py)
@@ -289,7 +289,6 @@ LLAMAFACTORY = Table(
     resume_key="resume_from_checkpoint",
     required={
         "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
-        "stage": "add stage: sft",
         "do_train": "add do_train: true",
     },
     contradictions=(
