@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from qlora_supervise.supervisor.trainers import flags
-from qlora_supervise.supervisor.trainers.foreign import TRAINER_OUTPUT, ForeignTrainer
+from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer, foreign_output
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
@@ -57,7 +57,7 @@ def write_attempt_files(
 ) -> tuple[str, ...]:
     """Write the attempt's config (or argv) and its diff; return the argv that runs it."""
     config = attempt_config(
-        trainer.table, trainer.config, job, knobs, str(run_dir / TRAINER_OUTPUT), resume_from
+        trainer.table, trainer.config, job, knobs, str(foreign_output(run_dir)), resume_from
     )
     diff = config_diff(trainer.config, config)
     write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))

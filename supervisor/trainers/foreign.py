@@ -34,3 +34,8 @@ class ForeignTrainer:
     @staticmethod
     def frozen(config: Mapping[str, Any]) -> Mapping[str, Any]:
         return MappingProxyType(dict(config))
+
+
+def foreign_output(run_dir: Path) -> Path:
+    """The tool's own output directory in ``run_dir`` (its final save lands there)."""
+    return run_dir / TRAINER_OUTPUT

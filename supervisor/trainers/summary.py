@@ -8,6 +8,7 @@ from qlora_supervise.supervisor.trainers.tables import rungs_for, writable
 
 def foreign_lines(trainer: ForeignTrainer) -> list[str]:
     source = trainer.config_path if trainer.config_path is not None else "the flags of trainer.command"
+    rungs = rungs_for(trainer.table, trainer.config)
     keys = ", ".join(
         row.key for row in trainer.table.rows if row.knob != "model" and writable(row, trainer.config)
     )
@@ -16,6 +17,6 @@ def foreign_lines(trainer: ForeignTrainer) -> list[str]:
         f"writes its own copy into attempt-NNN/)",
         f"keys the ladder may set: {keys}; {trainer.table.output_key} and {trainer.table.resume_key} "
         "are set for every attempt; every other key is passed through",
-        f"rungs: {', '.join(sorted(rungs_for(trainer.table, trainer.config)))} (the others change what this tool "
-        "cannot be told, so its ladders leave them out)",
+        f"rungs: {', '.join(sorted(rungs))} (the others change what this tool cannot be told, so its "
+        "ladders leave them out)",
     ]

@@ -1,0 +1,115 @@
+"""The shim's wiring: its environment, its start-up file, and the fallback when it cannot attach."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from qlora_supervise.supervisor.commands.run import run_job
+from qlora_supervise.supervisor.loop.launch import spec_command
+from qlora_supervise.supervisor.record.eventlog import read_events
+from qlora_supervise.supervisor.record.journal import read_attempts
+from qlora_supervise.supervisor.trainers import launch
+from qlora_supervise.trainer_child import shim
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
+
+
+def _spec(command: tuple[str, ...] = ()) -> AttemptSpec:
+    return AttemptSpec(
+        1, "/run", Knobs(model="m"), DataSpec(path="d"), TrainSpec(), "e", "r", "c", "a", "g", command=command
+    )
+
+
+def test_the_two_sides_name_the_same_variable_and_folder() -> None:
+    """The supervisor's copy of the variable name is the shim's; its site folder holds sitecustomize.py."""
+    assert launch.SHIM_SPEC_ENV == shim.SHIM_SPEC_ENV
+    assert (launch.SHIM_SITE / "sitecustomize.py").is_file()
+
+
+def test_a_foreign_attempt_gets_the_shim_and_its_own_argv(tmp_path: Path) -> None:
+    """PYTHONPATH gains the shim (before the user's), the spec is named, and the argv is the tool's."""
+    spec = _spec(("python", "-m", "trl.scripts.sft", "--config", "/run/attempt-001/trl-sft.yaml"))
+    env = launch.trainer_env({"PYTHONPATH": "/mine"}, spec, tmp_path / "spec.json")
+    assert env["PYTHONPATH"] == f"{launch.SHIM_SITE}{os.pathsep}/mine"
+    assert env[launch.SHIM_SPEC_ENV] == str(tmp_path / "spec.json")
+    assert launch.trainer_env({"PYTHONPATH": "/mine"}, _spec(), tmp_path / "spec.json") == {
+        "PYTHONPATH": "/mine"
+    }
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    assert spec_command(tmp_path / "spec.json", "train") == list(spec.command)
+    assert AttemptSpec.from_json(spec.to_json()) == spec
+
+
+def test_the_shim_runs_a_users_own_sitecustomize_too(tmp_path: Path) -> None:
+    """Ours shadows the user's sitecustomize on the path; it runs it after itself."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "sitecustomize.py").write_text("print('the user sitecustomize ran')\n")
+    env = {**os.environ, "PYTHONPATH": f"{launch.SHIM_SITE}{os.pathsep}{mine}"}
+    env.pop(launch.SHIM_SPEC_ENV, None)
+    done = subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "the user sitecustomize ran", done.stderr
+
+
+SCRIPT = """
+import os, sys
+args = sys.argv[1:]
+batch = int(args[args.index("--per_device_train_batch_size") + 1])
+if batch > 2:
+    sys.stderr.write(
+        "Traceback (most recent call last):\\n  File \\"train.py\\", line 9, in training_step\\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+        "of 23.55 GiB of which 1.20 GiB is free. Including non-PyTorch memory, this process has 22.30 GiB "
+        "memory in use. Of the allocated memory 21.10 GiB is allocated by PyTorch, and 0.80 GiB is reserved "
+        "by PyTorch but unallocated.\\n")
+    sys.exit(1)
+out = args[args.index("--output_dir") + 1]
+os.makedirs(out, exist_ok=True)
+open(os.path.join(out, "done"), "w").write(" ".join(args))
+"""
+
+
+def test_a_script_the_shim_cannot_attach_to_is_classified_from_stderr_and_said_so(tmp_path: Path) -> None:
+    """An hf-script that builds no Trainer: OOMs read from stderr, the batch halved, a journal line each."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    command = [
+        sys.executable,
+        "train.py",
+        "--output_dir",
+        "out",
+        "--per_device_train_batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "2",
+        "--gradient_checkpointing",
+    ]
+    job = {
+        "trainer": {"kind": "hf-script", "command": command},
+        "resources": {"gpu": "cpu"},
+        "supervise": {"backoff_initial": "0.1s", "backoff_max": "1s"},
+        "output_dir": "./run",
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert run_job(str(tmp_path / "job.yaml"), plain=True, console=io.StringIO(), install_signals=False) == 0
+    run = tmp_path / "run"
+    records, _ = read_attempts(run / "attempts.jsonl")
+    assert [r.outcome for r in records] == ["failed", "failed", "succeeded"]
+    assert all(r.failure is not None and r.failure.kind == "oom_forward" for r in records[:2])
+    assert all(
+        "no error report; stderr text" in (r.failure.evidence if r.failure else "") for r in records[:2]
+    )
+    assert [(r.knobs.micro_batch_size, r.knobs.grad_accum) for r in records] == [(8, 2), (4, 4), (2, 8)]
+    silent = [e for e in read_events(run / "events.jsonl") if e["event"] == "shim_not_attached"]
+    assert [e["attempt"] for e in silent] == [1, 2, 3]
+    last = json.loads((run / "attempt-003" / "command.json").read_text())
+    assert last[last.index("--per_device_train_batch_size") + 1] == "2"
+    assert last[last.index("--output_dir") + 1] == str(run / "trainer-output")
+    # Run beside the job file: the relative script path worked; the user's command is unchanged.
+    assert (run / "trainer-output" / "done").is_file()
+    assert yaml.safe_load((tmp_path / "job.yaml").read_text())["trainer"]["command"] == command
