@@ -42,7 +42,10 @@ def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
     monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "1")
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv("QLORA_SUPERVISE_TEST_TRACE_BATCHES", str(trace))
-    job = trl_job(tiny_dir, tmp_path, supervise={"ladders": {"oom_forward": ["halve_micro_batch"]}})
+    # save_steps 2: the step-1 checkpoint it resumes from is the shim's emergency save.
+    job = trl_job(
+        tiny_dir, tmp_path, save_steps=2, supervise={"ladders": {"oom_forward": ["halve_micro_batch"]}}
+    )
     user_file = (tmp_path / "sft.yaml").read_text()
     assert _run(job) == 0
     run = tmp_path / "run"
@@ -52,6 +55,7 @@ def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
     assert first.failure is not None and first.failure.kind == "oom_forward"
     assert first.failure.stage == "forward" and "error report" in first.failure.evidence
     assert first.steps_completed == 1 and second.resumed_from == 1 and second.steps_completed == 3
+    assert first.failure.emergency_checkpoint == str(run / "checkpoints" / "checkpoint-1")
     assert (second.knobs.micro_batch_size, second.knobs.grad_accum) == (8, 2)
     assert second.knobs.effective_batch == first.knobs.effective_batch == 16
     # The new knobs reached trl through attempt 2's own config; the user's file is untouched.
@@ -69,13 +73,15 @@ def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
     assert Counter(r for b in after if b["step"] == 2 for r in b["rows"]) == Counter(before["rows"])
     trained = [r for b in batches if b is not before for r in b["rows"]]
     assert len(trained) == len(set(trained)) == 48
-    # Loss continuity: trl's own history runs 1, 2, 3 with no step repeated, step 1's loss is the
-    # one attempt 1 logged, and no later step jumps the way a restart from step 0 would.
-    state = json.loads((run / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
+    # Loss continuity: trl's own history after the resume runs 1, 2 with no step repeated, step 1's
+    # loss is the one attempt 1 logged, and no later step jumps the way a restart from step 0 would.
+    state = json.loads((run / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
     losses = {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
-    assert sorted(losses) == [1, 2, 3]
+    assert sorted(losses) == [1, 2]
     beats = [e for e in _trace(run / "attempt-001" / "child-events.jsonl") if e.get("event") == "heartbeat"]
     assert any(b.get("step") == 1 and b.get("loss") == pytest.approx(losses[1], rel=1e-4) for b in beats)
+    later = [e for e in _trace(run / "attempt-002" / "child-events.jsonl") if e.get("event") == "heartbeat"]
+    losses[3] = next(b["loss"] for b in later if b.get("step") == 3 and b.get("loss") is not None)
     assert all(abs(losses[s] - losses[1]) < 0.25 * losses[1] for s in (2, 3))
     events = [e["event"] for e in read_events(run / "events.jsonl")]
     assert "shim_not_attached" not in events
