@@ -56,6 +56,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from qlora_supervise.policies.memory.families import Block, HeadNorm
 from qlora_supervise.policies.memory.optimizer import (
     AdapterBytes,
     adapter_bytes,
@@ -166,22 +167,65 @@ def load_components(
     return {**base, "lora_params": adapter_fp32}
 
 
-def layer_activation_bytes(shape: ModelShape, r: int, targets: tuple[str, ...] | str, half: int = 2) -> int:
-    """Bytes autograd keeps per token for one decoder block (no checkpointing).
+def layer_activation_bytes(
+    shape: ModelShape, r: int, targets: tuple[str, ...] | str, half: int = 2, seq: int = 0
+) -> int:
+    """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens
+    a sequence (only eager attention depends on it).
 
     ``half`` is the autocast dtype's size (2 for bf16/fp16, 4 when training in fp32 on the CPU).
+    The family terms (:mod:`.families`) were counted on the CPU with saved-tensor hooks at each
+    family's released widths (bench/family_memory_cpu.py), as differences from the Llama block:
+    Gemma's two extra norms keep one fp32 input each; a q/k norm keeps its fp32 input.
     """
-    h, i = shape.hidden, shape.intermediate
-    norms = 2 * FP32 * h
-    mlp = 3 * FP32 * i
-    attention = half * (2 * shape.q_dim + 2 * shape.kv_dim)
+    h = shape.hidden
+    block = shape.block or Block()
+    norms = block.norms * FP32 * h
+    head_norms = FP32 * (shape.q_dim + shape.kv_dim) if block.head_norm is not HeadNorm.NONE else 0
     dims = shape.linear_dims()
     # Per adapter: dropout mask (1 byte) and the 16-bit copy lora_A saves, per input feature;
     # lora_A's output (r wide) for lora_B.
     adapters = sum((1 + half) * dims[n][0] + half * r for n in shape.adapted(targets))
-    return norms + mlp + attention + adapters
+    return norms + head_norms + mlp_activation_bytes(shape) + attention_bytes(shape, half, seq) + adapters
 
 
+def mlp_activation_bytes(shape: ModelShape) -> int:
+    """What the MLP keeps per token: gate, act(gate) and up in fp32 (Phi-3's fused gate_up output
+    is the same two i-wide halves); a MoE block keeps that for each of the top-k experts a token
+    is routed to, at the expert's width, and the router's fp32 probabilities."""
+    if shape.experts:
+        routed = shape.experts_per_token * (
+            3 * FP32 * shape.expert_intermediate + ROUTED_TOKEN_H * shape.hidden
+        )
+        return routed + ROUTER_PER_EXPERT * shape.experts
+    return 3 * FP32 * shape.intermediate
+
+
+#: MoE, per routed token: the gathered fp32 hidden state an expert reads and its weighted output.
+ROUTED_TOKEN_H = 2 * FP32
+#: MoE, per token and expert: the router's fp32 logits and softmax probabilities.
+ROUTER_PER_EXPERT = 2 * FP32
+
+
+def attention_bytes(shape: ModelShape, half: int = 2, seq: int = 0) -> int:
+    """What attention keeps per token.
+
+    SDPA: query, key, value and output in the autocast dtype (key and value at the kv width).
+    Eager (Gemma 2): the two matmuls keep query and the key and value *repeated* to every query
+    head (``repeat_kv``), and per head a row of ``seq`` scores three times: the tanh output of
+    the softcap (autocast dtype), the fp32 softmax, and its autocast-dtype copy the second matmul
+    saves; a sliding window is only a mask here, so it saves nothing.
+    """
+    if shape.attn_implementation != "eager":
+        return half * (2 * shape.q_dim + 2 * shape.kv_dim)
+    scores = (half if shape.attn_softcap else 0) + FP32 + half
+    return half * 3 * shape.q_dim + shape.heads * seq * scores
+
+
+#: Eager attention's backward, per token, head and key position: the scores' gradient as the
+#: second matmul returns it (autocast dtype), cast to fp32 for the softmax's backward, and that
+#: backward's fp32 output, live together. Read from the ops, not yet measured on a card.
+EAGER_BACKWARD_SCORES = 2 + FP32 + FP32
 #: The backward of one block, per token: two fp32 i-wide gradients (the MLP product's backward
 #: returns gate's and up's) and two fp32 h-wide ones (the residual's and the block output's).
 BACKWARD_TRANSIENT_I = 8
@@ -195,10 +239,14 @@ def block_backward_bytes(
     activations, then its fp32 gradients and one dequantized 16-bit weight."""
     tokens = knobs.micro_batch_size * knobs.max_seq_len
     recomputed = (
-        layer_activation_bytes(shape, knobs.lora_r, targets, half) if knobs.gradient_checkpointing else 0
+        layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len)
+        if knobs.gradient_checkpointing
+        else 0
     )
     widest = max(a * b for a, b in shape.linear_dims().values())
     per_token = recomputed + BACKWARD_TRANSIENT_I * shape.intermediate + BACKWARD_TRANSIENT_H * shape.hidden
+    if shape.attn_implementation == "eager":
+        per_token += EAGER_BACKWARD_SCORES * shape.heads * knobs.max_seq_len
     return tokens * per_token + widest * half  # bitsandbytes: 4-bit -> its 16-bit storage dtype
 
 
@@ -213,7 +261,7 @@ def activation_components(
     of the two is larger. (Its end, the first block with every gradient made, is its own phase.)
     """
     tokens = knobs.micro_batch_size * knobs.max_seq_len
-    per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, half)
+    per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len)
     final_norm = FP32 * shape.hidden * tokens
     per_kept_layer = FP32 * shape.hidden if knobs.gradient_checkpointing else per_layer
     # activation_offload (torch.autograd.graph.save_on_cpu): what autograd saves goes to host memory
@@ -260,6 +308,8 @@ def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str,
     """An evaluation batch under no_grad: one block's intermediates at a time, and the head."""
     tokens = knobs.eval_batch_size * knobs.max_seq_len
     block = 4 * FP32 * shape.intermediate + 3 * FP32 * shape.hidden
+    if shape.attn_implementation == "eager":  # one layer's scores and their fp32 softmax at a time
+        block += shape.heads * knobs.max_seq_len * (half + FP32)
     loss = loss_components(shape, knobs.eval_batch_size, knobs.max_seq_len, half, knobs.bf16_head)
     return {"eval_activations": tokens * block, "loss_tiles": loss["loss_tiles"]}
 
@@ -285,7 +335,7 @@ def training_phases(
     tokens = knobs.micro_batch_size * knobs.max_seq_len
     first_block = block_backward_bytes(shape, knobs, targets, half)
     if not knobs.gradient_checkpointing:  # the first block's own kept activations are still there
-        first_block += layer_activation_bytes(shape, knobs.lora_r, targets, half) * tokens
+        first_block += layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len) * tokens
     phases: dict[str, dict[str, int]] = {
         "load": load_components(shape, knobs, targets),
         "backward": {
