@@ -7,6 +7,8 @@ live in the tool's config, and one value written in two places would disagree so
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -152,6 +154,24 @@ def _foreign(section: TrainerSection, problems: list[Problem]) -> ForeignTrainer
     """The trainer with its config read (problems appended); None when it cannot be read."""
     kind = TrainerKind(section.kind)
     python = str(section.python) if section.python else sys.executable
+    if section.python is not None and not os.access(section.python, os.X_OK):
+        problems.append(
+            Problem(
+                "trainer.python",
+                "no such interpreter (or not executable)",
+                show(python),
+                "name the python of the tool's venv, e.g. /opt/axolotl-venv/bin/python",
+            )
+        )
+    if section.command and shutil.which(section.command[0]) is None:
+        problems.append(
+            Problem(
+                "trainer.command",
+                "its first word is no program on PATH",
+                show(section.command[0]),
+                "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH",
+            )
+        )
     if kind is TrainerKind.HF_SCRIPT:
         config, found = flags.parse(section.command or ())
         problems += found
