@@ -275,6 +275,8 @@ def auto_result(log: Path, config: dict[str, Any], code: int | None, seconds: fl
 
 def _cell(result: dict[str, Any], key: str) -> str:
     value = result.get(key)
+    if value is None:
+        return "-"
     if isinstance(value, list):
         return (" -> " if key == "effective_batch" else ", ").join(str(v) for v in value)
     return str(value)

@@ -145,3 +145,22 @@ def test_validate_summarises_the_tool_and_its_keys(tmp_path: Path) -> None:
     text = out.getvalue()
     assert "trainer: trl-sft, config" in text and "never modified" in text
     assert "per_device_train_batch_size, gradient_accumulation_steps" in text
+
+
+def test_install_systemd_copies_a_foreign_job_with_absolute_paths(tmp_path: Path) -> None:
+    """The installed copy names the tool's config, its folder and the run dir absolutely."""
+    from qlora_supervise.supervisor.commands.install_systemd import job_copy
+
+    job = load_job(_job(tmp_path, {"trainer": {"kind": "trl-sft", "config": "sft.yaml"}}))
+    copy = yaml.safe_load(job_copy(job))
+    assert copy["trainer"] == {
+        "kind": "trl-sft",
+        "config": str(tmp_path / "sft.yaml"),
+        "workdir": str(tmp_path),
+    }
+    assert copy["output_dir"] == str(tmp_path / "run")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "job.yaml").write_text(yaml.safe_dump(copy))
+    again = load_job(tmp_path / "elsewhere" / "job.yaml")
+    assert again.trainer is not None and again.trainer.workdir == tmp_path
+    assert again.trainer.config == job.trainer.config if job.trainer else False

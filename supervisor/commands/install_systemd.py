@@ -28,6 +28,7 @@ import yaml
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
+from qlora_supervise.supervisor.trainers.summary import foreign_job_copy
 
 UNIT_NAME = "qlora-supervise@.service"
 ENV_NAME = "qlora-supervise.env"
@@ -181,6 +182,8 @@ def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> 
 def job_copy(job: Job) -> str:
     """The job as submitted, with its paths absolute (the copy lives in another directory)."""
     raw: dict[str, Any] = yaml.safe_load(job.raw_text)
+    if job.trainer is not None:  # a foreign tool's job: its own paths (supervisor/trainers/)
+        return foreign_job_copy(job, raw)
     base = job.job_file.parent
     model = raw["model"]
     if isinstance(model.get("path"), str) and (base / model["path"]).exists():

@@ -26,6 +26,7 @@ class ForeignTrainer:
     config_path: Path | None = None  # None: hf-script (its config is on the command line)
     command: tuple[str, ...] = ()  # hf-script: the user's argv
     python: str = sys.executable  # the interpreter of the tool's venv
+    workdir: Path | None = None  # where the tool runs (None: the job file's folder)
 
     @property
     def table(self) -> Table:

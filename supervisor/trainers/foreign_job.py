@@ -46,6 +46,9 @@ class TrainerSection(Section):
     config: ResolvedPath | None = None
     command: HookArgv | None = None  # argv, never a shell string
     python: ResolvedPath | None = None  # the tool venv's interpreter; default: this one
+    # Where the tool runs: default the config's folder (hf-script: the job file's), so relative
+    # paths in the config or command mean what they mean when the user runs the tool there.
+    workdir: ResolvedPath | None = None
 
 
 def trainer_section(
@@ -84,7 +87,7 @@ def load_foreign(job_file: Path, text: str, raw: Mapping[str, Any], problems: li
     )
     output_dir, found = jobload._validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
     problems += found
-    trainer = _foreign(section, problems) if section is not None else None
+    trainer = _foreign(section, job_file.parent, problems) if section is not None else None
     if problems or trainer is None or output_dir is None:
         raise JobError(problems)
     assert isinstance(resources, ResourcesSection) and isinstance(supervise, SuperviseSection)
@@ -150,7 +153,7 @@ def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) ->
     return problems
 
 
-def _foreign(section: TrainerSection, problems: list[Problem]) -> ForeignTrainer | None:
+def _foreign(section: TrainerSection, job_dir: Path, problems: list[Problem]) -> ForeignTrainer | None:
     """The trainer with its config read (problems appended); None when it cannot be read."""
     kind = TrainerKind(section.kind)
     python = str(section.python) if section.python else sys.executable
@@ -176,14 +179,18 @@ def _foreign(section: TrainerSection, problems: list[Problem]) -> ForeignTrainer
         config, found = flags.parse(section.command or ())
         problems += found
         problems += config_problems(TABLES[kind], config, "trainer.command")
-        return ForeignTrainer(kind, ForeignTrainer.frozen(config), None, section.command or (), python)
+        workdir = section.workdir or job_dir
+        return ForeignTrainer(
+            kind, ForeignTrainer.frozen(config), None, section.command or (), python, workdir
+        )
     if section.config is None:
         return None
     read = read_config(section.config, problems)
     if read is None:
         return None
     problems += config_problems(TABLES[kind], read, f"trainer.config ({section.config.name})")
-    return ForeignTrainer(kind, ForeignTrainer.frozen(read), section.config, (), python)
+    workdir = section.workdir or section.config.parent
+    return ForeignTrainer(kind, ForeignTrainer.frozen(read), section.config, (), python, workdir)
 
 
 def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:

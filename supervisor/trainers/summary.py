@@ -1,7 +1,12 @@
-"""What ``validate`` says about a foreign trainer: the tool, its config, the keys the ladder may set."""
+"""What ``validate`` says about a foreign trainer, and the job as ``install-systemd`` copies it."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import yaml
+
+from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.tables import rungs_for, writable
 
@@ -20,3 +25,19 @@ def foreign_lines(trainer: ForeignTrainer) -> list[str]:
         f"rungs: {', '.join(sorted(rungs))} (the others change what this tool cannot be told, so its "
         "ladders leave them out)",
     ]
+
+
+def foreign_job_copy(job: Job, raw: dict[str, Any]) -> str:
+    """The job with its paths absolute (the copy lives in another directory); the tool still runs
+    in the folder it ran in, so the relative paths inside its config keep their meaning."""
+    trainer = job.trainer
+    assert trainer is not None
+    section = raw["trainer"]
+    if trainer.config_path is not None:
+        section["config"] = str(trainer.config_path)
+    if "python" in section:
+        section["python"] = trainer.python
+    section["workdir"] = str(trainer.workdir or job.job_file.parent)
+    raw["output_dir"] = str(job.output_dir)
+    header = f"# installed by qlora-supervise install-systemd from {job.job_file}\n"
+    return header + yaml.safe_dump(raw, sort_keys=False)

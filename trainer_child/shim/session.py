@@ -153,7 +153,9 @@ class Session:
         ctx, spec = self.ctx, self.ctx.spec
         ctx.progress.enter(Stage.SAVE)
         if ctx.place.is_main:
-            attempt.save_adapter(trainer, trainer.processing_class, Path(spec.adapter_dir))
+            # A Trainer built without a tokenizer (processing_class None) saves the adapter alone.
+            tokenizer = trainer.processing_class or _NoTokenizer()
+            attempt.save_adapter(trainer, tokenizer, Path(spec.adapter_dir))
         ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
         ctx.trainer = None
 
@@ -178,6 +180,11 @@ class Session:
             with contextlib.suppress(OSError, ValueError):  # a full disk under child.log
                 stream.flush()
         os._exit(int(code))  # the report and the checkpoint are on disk, fsynced (processes.leave)
+
+
+class _NoTokenizer:
+    def save_pretrained(self, directory: Path) -> None:
+        return None
 
 
 def installed_versions() -> dict[str, str]:
