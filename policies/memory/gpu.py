@@ -56,6 +56,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from qlora_supervise.policies.memory.block_terms import (
+    attention_bytes,
+    checkpoint_masks,
+    mlp_activation_bytes,
+)
 from qlora_supervise.policies.memory.families import Block, HeadNorm
 from qlora_supervise.policies.memory.optimizer import (
     AdapterBytes,
@@ -174,9 +179,10 @@ def layer_activation_bytes(
     a sequence (only eager attention depends on it).
 
     ``half`` is the autocast dtype's size (2 for bf16/fp16, 4 when training in fp32 on the CPU).
-    The family terms (:mod:`.families`) were counted on the CPU with saved-tensor hooks at each
-    family's released widths (bench/family_memory_cpu.py), as differences from the Llama block:
-    Gemma's two extra norms keep one fp32 input each; a q/k norm keeps its fp32 input.
+    The family terms (:mod:`.block_terms`) were counted on the CPU with saved-tensor hooks at each
+    family's released widths (bench/family_memory_cpu.py): Gemma's two extra norms keep one fp32
+    input each; a q/k norm keeps its fp32 input. Layer 0 keeps a little less (its input needs
+    no gradient), which the model leaves in as margin.
     """
     h = shape.hidden
     block = shape.block or Block()
@@ -187,39 +193,6 @@ def layer_activation_bytes(
     # lora_A's output (r wide) for lora_B.
     adapters = sum((1 + half) * dims[n][0] + half * r for n in shape.adapted(targets))
     return norms + head_norms + mlp_activation_bytes(shape) + attention_bytes(shape, half, seq) + adapters
-
-
-def mlp_activation_bytes(shape: ModelShape) -> int:
-    """What the MLP keeps per token: gate, act(gate) and up in fp32 (Phi-3's fused gate_up output
-    is the same two i-wide halves); a MoE block keeps that for each of the top-k experts a token
-    is routed to, at the expert's width, and the router's fp32 probabilities."""
-    if shape.experts:
-        routed = shape.experts_per_token * (
-            3 * FP32 * shape.expert_intermediate + ROUTED_TOKEN_H * shape.hidden
-        )
-        return routed + ROUTER_PER_EXPERT * shape.experts
-    return 3 * FP32 * shape.intermediate
-
-
-#: MoE, per routed token: the gathered fp32 hidden state an expert reads and its weighted output.
-ROUTED_TOKEN_H = 2 * FP32
-#: MoE, per token and expert: the router's fp32 logits and softmax probabilities.
-ROUTER_PER_EXPERT = 2 * FP32
-
-
-def attention_bytes(shape: ModelShape, half: int = 2, seq: int = 0) -> int:
-    """What attention keeps per token.
-
-    SDPA: query, key, value and output in the autocast dtype (key and value at the kv width).
-    Eager (Gemma 2): the two matmuls keep query and the key and value *repeated* to every query
-    head (``repeat_kv``), and per head a row of ``seq`` scores three times: the tanh output of
-    the softcap (autocast dtype), the fp32 softmax, and its autocast-dtype copy the second matmul
-    saves; a sliding window is only a mask here, so it saves nothing.
-    """
-    if shape.attn_implementation != "eager":
-        return half * (2 * shape.q_dim + 2 * shape.kv_dim)
-    scores = (half if shape.attn_softcap else 0) + FP32 + half
-    return half * 3 * shape.q_dim + shape.heads * seq * scores
 
 
 #: Eager attention's backward, per token, head and key position: the scores' gradient as the
@@ -268,6 +241,8 @@ def activation_components(
     # and comes back one block at a time in backward, so one block's share stays on the card.
     on_card = 1 if knobs.activation_offload else shape.layers
     kept = on_card * per_kept_layer * tokens + final_norm  # with checkpointing: each block's fp32 input
+    if knobs.gradient_checkpointing:  # the masks every block's recompute is handed, held once
+        kept += checkpoint_masks(shape, knobs.micro_batch_size, knobs.max_seq_len)
     block = block_backward_bytes(shape, knobs, targets, half)
     head = loss_components(shape, knobs.micro_batch_size, knobs.max_seq_len, half, knobs.bf16_head)
     if sum(head.values()) >= block:
