@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from _machine import scaled
 from _trainer_configs import trl_job
 
 from qlora_supervise.supervisor.commands.run import run_job
@@ -89,3 +94,39 @@ def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
     out = io.StringIO()
     assert status_command([str(run)], out=out) == 0
     assert "per_device_train_batch_size: 16 -> 8; gradient_accumulation_steps: 1 -> 2" in out.getvalue()
+
+
+def _heartbeat_step(events: Path) -> int:
+    if not events.is_file():
+        return 0
+    beats = [e for e in _trace(events) if e.get("event") == "heartbeat"]
+    return max((int(b.get("step") or 0) for b in beats), default=0)
+
+
+def test_sigterm_stops_trl_at_a_checkpoint_and_the_same_command_resumes_it(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to the supervisor: trl finishes its step, the shim checkpoints it, exit 143; rerun finishes."""
+    job = trl_job(tiny_dir, tmp_path, capped=False, per_device_train_batch_size=4, max_length=128,
+                  max_steps=6, save_steps=100)  # fmt: skip
+    cli = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "run", str(job), "--plain"]
+    proc = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        events = tmp_path / "run" / "attempt-001" / "child-events.jsonl"
+        deadline = time.monotonic() + scaled(120)
+        while _heartbeat_step(events) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, "no step within the time"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=scaled(60)) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    stopped = records[-1]
+    assert stopped.outcome == "stopped" and stopped.lost_steps == 0
+    assert 1 <= stopped.next_resume_from < 6  # a checkpoint of the stop: save_steps would not have made one
+    assert _run(job) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[-1].outcome == "succeeded" and records[-1].resumed_from == stopped.next_resume_from
+    assert records[-1].steps_completed == 6
