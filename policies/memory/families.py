@@ -132,14 +132,20 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
     """The sliding window and how many layers use it: ``layer_types`` where the config lists
-    them (Gemma 2/3, and transformers 5's Qwen), Qwen's ``use_sliding_window`` switch (off in the
-    released models), else Mistral/Phi-3's window on every layer."""
+    them (Gemma 2/3, and transformers 5's Qwen), else Gemma's own pattern, Qwen's
+    ``use_sliding_window`` switch (off in the released models), else Mistral/Phi-3's window on
+    every layer."""
     window = config.get("sliding_window")
     if not window:
         return None, 0
     types = config.get("layer_types")
     if isinstance(types, list) and types:
         sliding = sum(1 for kind in types if kind == "sliding_attention")
+    elif model_type_of(config) in ("gemma2", "gemma3_text", "gemma3"):
+        # transformers' own default when config.json lists no layer_types: Gemma 2 alternates
+        # (sliding first), Gemma 3 slides on 5 layers of every 6 (sliding_window_pattern).
+        pattern = 2 if model_type_of(config) == "gemma2" else int(config.get("sliding_window_pattern") or 6)
+        sliding = sum(1 for i in range(layers) if (i + 1) % pattern)
     elif "use_sliding_window" in config:
         sliding = (
             max(0, layers - int(config.get("max_window_layers") or 0)) if config["use_sliding_window"] else 0
