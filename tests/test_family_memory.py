@@ -21,7 +21,7 @@ from test_targets_shape import QWEN3_30B_A3B
 
 from qlora_supervise.policies.memory import gpu
 from qlora_supervise.policies.memory.block_terms import attention_bytes, checkpoint_masks
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
 from qlora_supervise.supervisor.commands.plan import make_plan
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -149,3 +149,16 @@ def test_plan_predicts_every_family(tmp_path: Path, family: str) -> None:
     plan = make_plan(str(make_job(tmp_path, {**CONFIGS[family], "num_hidden_layers": 8})), "24GiB")
     assert plan["unsupported"] is None and plan["peak_bytes"] > 0
     assert plan["architecture"]["model_type"] == family and plan["architecture"]["missing_terms"] == []
+
+
+def test_a_multimodal_gemma3_is_read_from_its_text_config_and_refused_for_its_vision_tower() -> None:
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {key: value for key, value in CONFIGS["gemma3_text"].items() if key != "model_type"},
+        "vision_config": {"hidden_size": 1152, "num_hidden_layers": 27},
+    }
+    read = ModelShape.read(config)
+    assert isinstance(read, Unsupported) and read.reason is UnsupportedReason.MULTIMODAL
+    assert "vision tower" in read.detail and "text-only checkpoint" in read.detail
+    assert read.shape is not None and read.shape.model_type == "gemma3_text" and read.shape.hidden == 1152
