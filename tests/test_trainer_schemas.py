@@ -150,6 +150,7 @@ def _transformers_defaults() -> dict[str, Any]:
     return defaults
 
 
+@pytest.mark.slow  # imports transformers in a subprocess
 def test_llamafactory_has_every_key_with_the_tables_default(tmp_path: Path) -> None:
     """Each key of the LLaMA-Factory table is one of its argument fields, with the default the table gives."""
     hparams = _unpacked(LLAMAFACTORY_WHEEL, tmp_path) / "llamafactory" / "hparams"

@@ -165,6 +165,7 @@ print(json.dumps({"values": values, "defaults": {k: v for k, v in defaults.items
 """
 
 
+@pytest.mark.slow  # imports trl in a subprocess (~5 s)
 def test_trl_reads_the_attempt_config_as_the_table_says(tmp_path: Path) -> None:
     """trl's own TrlParser reads each mapped key of an attempt config as the knob; defaults agree."""
     job = knobs_from(TRL_SFT, USER)
