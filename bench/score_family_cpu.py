@@ -25,7 +25,6 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 DEFAULT = Path(__file__).resolve().parent / "results" / "family-memory-cpu-2026-12-02" / "family-memory.json"
-#: Layer 1 of a two-layer Gemma 3 is its full layer (layer_types: sliding, full).
 STEADY_LAYER = "layer.1"
 
 
@@ -39,11 +38,14 @@ def shape_of(family: dict[str, Any]) -> ModelShape:
     return shape
 
 
-def predicted_layer(shape: ModelShape, targets: str, seq: int, r: int = 8) -> int:
-    """Layer 1's per-token bytes: the model's block, with layer 1's own attention (Gemma 3: full)."""
+def predicted_layer(shape: ModelShape, family: dict[str, Any], targets: str, seq: int, r: int = 8) -> int:
+    """Layer 1's per-token bytes: the model's block (an average over the layer types), with layer
+    1's own attention where the config lists the types (Gemma 3: full, or sliding in the variant)."""
     whole = gpu.layer_activation_bytes(shape, r, targets, 2, seq)
-    if shape.model_type == "gemma3_text":
-        whole += attention_bytes(shape, 2, seq, sliding=False) - attention_bytes(shape, 2, seq)
+    types = family["shape"]["config"].get("layer_types")
+    if isinstance(types, list) and len(types) > 1:
+        own = attention_bytes(shape, 2, seq, sliding=types[1] == "sliding_attention")
+        whole += own - attention_bytes(shape, 2, seq)
     return whole
 
 
@@ -78,7 +80,7 @@ def main(argv: list[str]) -> int:
                     continue
                 measured = point["saved"]["activations"][STEADY_LAYER] / point["tokens"]
                 on_cuda = cuda_footing(shape, build["targets"], measured)
-                pred = predicted_layer(shape, build["targets"], point["seq_len"])
+                pred = predicted_layer(shape, family, build["targets"], point["seq_len"])
                 error = (pred - on_cuda) / on_cuda
                 errors.append((key, abs(error)))
                 rows.append(
@@ -91,7 +93,9 @@ def main(argv: list[str]) -> int:
     print("\n".join(rows))
     for key in dict.fromkeys(k for k, _ in errors):
         mine = [e for k, e in errors if k == key]
-        print(f"{key}: {len(mine)} points, median |error| {statistics.median(mine):.2%}, worst {max(mine):.2%}")
+        print(
+            f"{key}: {len(mine)} points, median |error| {statistics.median(mine):.2%}, worst {max(mine):.2%}"
+        )
     return 0
 
 

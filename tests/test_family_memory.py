@@ -100,6 +100,11 @@ def test_gemma3s_full_layer_keeps_what_was_counted_and_a_sliding_one_more_past_i
     at_window = attention_bytes(shape, 2, 512, sliding=True)
     assert at_window - attention_bytes(shape, 2, 512, sliding=False) == 2 * 2 * (1024 - 256) + 2 * 512
     assert attention_bytes(shape, 2, 256, sliding=True) == attention_bytes(shape, 2, 256, sliding=False)
+    # Both layers sliding (recorded, CUDA footing): below, at and past the window.
+    both = dataclasses.replace(shape, sliding_layers=2)
+    for seq, counted in ((256, 125252), (512, 129308), (1024, 130312)):
+        predicted = gpu.layer_activation_bytes(both, 8, "attention", 2, seq)
+        assert -0.002 < (predicted - counted) / counted <= 0, (seq, predicted, counted)
 
 
 @pytest.mark.parametrize(("family", "targets", "counted"), RESIDENT_POINTS)
