@@ -195,7 +195,7 @@ def test_checkpointing_micro_batch_and_seq_len_lower_the_peak() -> None:
 def test_configs_outside_the_model_are_refused_with_a_reason(
     config: dict[str, Any], reason: UnsupportedReason
 ) -> None:
-    """Experts on a dense block, unmodelled architectures and broken configs get a typed reason, not a number."""
+    """Experts on a dense block, unmodelled blocks and broken configs get a typed reason, not a number."""
     read = ModelShape.read(config)
     assert isinstance(read, Unsupported) and read.reason is reason and read.detail
     assert ModelShape.from_config(config) is None
