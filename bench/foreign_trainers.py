@@ -19,7 +19,16 @@ On the GPU the model is the Llama-2-7B shape with random bf16 weights, built in 
 both runs share the card at once (each is capped per process). ``--tiny`` uses the repository's
 tiny model on the CPU (micro-batch 16 at seq 256 does not fit the cap there, 8 does), one run
 after the other. Writes ``OUT/results.json`` and ``OUT/table.txt`` (printed last): attempts,
-OOMs, lost steps, the effective batch first and last, steps done and wall time. Not a test.
+OOMs, lost steps, the effective batch first and last, steps done and wall time; and each run's
+logs and journals under ``OUT/supervised/`` and ``OUT/auto/`` (the runs themselves, checkpoints
+and all, stay under ``--work``). Not a test.
+
+On the GPU machine, from the project root (``.whl`` carried), in one command of under 9 minutes::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit; \
+    python3 bench/foreign_trainers.py --out $OUT --cap 12GiB --deadline-s 450 > $OUT/console.log 2>&1; \
+    echo rc=$?; cat $OUT/table.txt
 
 The working tree's code is used even where an older qlora_supervise wheel is installed: a
 symlinked ``qlora_supervise`` namespace is put first on the path (as ``.ci/typecheck`` does).
@@ -32,6 +41,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,7 +69,8 @@ def source_path() -> str:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (source_path(), os.environ.get("PYTHONPATH", "")) if p)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = os.pathsep.join([source_path(), *(p for p in paths if p != source_path())])
     return {
         **os.environ,
         "PYTHONPATH": path,
@@ -207,6 +218,19 @@ def auto_child(config: str, cap: int, tiny: bool) -> None:
     runpy.run_module("trl.scripts.sft", run_name="__main__")
 
 
+def keep_logs(runs: Path, out: Path) -> None:
+    """The logs and journals of both runs into OUT (not the checkpoints: they can be large)."""
+    sup = runs / "supervised"
+    names = ["supervisor.log", "job.yaml", "sft.yaml", "run/attempts.jsonl", "run/events.jsonl"]
+    files = [sup / n for n in names] + sorted(sup.glob("run/attempt-*/*"))
+    files += [runs / "auto" / "trl.log", runs / "auto" / "sft-auto.yaml"]
+    for path in files:
+        if path.is_file() and path.stat().st_size < 20 * MiB:
+            target = out / path.relative_to(runs)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+
+
 def wait(procs: list[subprocess.Popen[bytes]], deadline: float) -> list[int | None]:
     for proc in procs:
         try:
@@ -332,27 +356,31 @@ def main() -> int:
     deadline = start + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, source_path())
+    os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]  # the builder's subprocesses too
     from qlora_supervise.supervisor.jobfile.units import parse_bytes
 
     model, data = build(args.work, args.tiny, 1024)
     cap = cpu_cap() if args.tiny else parse_bytes(args.cap)
     config = user_config(model, data, args.tiny, args.steps)
     results: dict[str, dict[str, Any]] = {}
+    runs = args.work / "runs"  # checkpoints and models stay out of OUT: only the logs go there
+    shutil.rmtree(runs, ignore_errors=True)
     started = time.monotonic()
-    sup, _ = start_supervised(args.out / "supervised", config, cap, args.tiny)
+    sup, _ = start_supervised(runs / "supervised", config, cap, args.tiny)
     if args.tiny:  # two cores: one run after the other
         (code_a,) = wait([sup], deadline)
         seconds_a = time.monotonic() - started
         started = time.monotonic()
-        auto, auto_log = start_auto(args.out / "auto", config, cap, args.tiny)
+        auto, auto_log = start_auto(runs / "auto", config, cap, args.tiny)
         (code_b,) = wait([auto], deadline)
         seconds_b = time.monotonic() - started
     else:  # one H200: both at once, each capped per process
-        auto, auto_log = start_auto(args.out / "auto", config, cap, args.tiny)
+        auto, auto_log = start_auto(runs / "auto", config, cap, args.tiny)
         code_a, code_b = wait([sup, auto], deadline)
         seconds_a = seconds_b = time.monotonic() - started
-    results["supervised"] = supervised_result(args.out / "supervised", code_a, seconds_a)
+    results["supervised"] = supervised_result(runs / "supervised", code_a, seconds_a)
     results["auto_find_batch_size"] = auto_result(auto_log, config, code_b, seconds_b)
+    keep_logs(runs, args.out)
     text = table(results, cap, args.tiny)
     report = {"tiny": args.tiny, "cap_bytes": cap, "config": config, "results": results,
               "total_s": round(time.monotonic() - start, 1)}  # fmt: skip
