@@ -113,3 +113,37 @@ def test_a_script_the_shim_cannot_attach_to_is_classified_from_stderr_and_said_s
     # Run beside the job file: the relative script path worked; the user's command is unchanged.
     assert (run / "trainer-output" / "done").is_file()
     assert yaml.safe_load((tmp_path / "job.yaml").read_text())["trainer"]["command"] == command
+
+
+def _script_job(tmp_path: Path, body: str) -> Path:
+    tmp_path.mkdir()
+    (tmp_path / "train.py").write_text(body)
+    command = [sys.executable, "train.py", "--output_dir", "out", "--per_device_train_batch_size", "1"]
+    job = {
+        "trainer": {"kind": "hf-script", "command": command},
+        "resources": {"gpu": "cpu"},
+        "supervise": {"hang_timeout": "1.5s", "hang_grace": "1s", "max_attempts": 1},
+        "output_dir": "./run",
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    return tmp_path / "job.yaml"
+
+
+_TALKS = """
+import os, sys, time
+for i in range(12):
+    print(f"step {i}", flush=True)
+    time.sleep(0.25)
+os.makedirs(sys.argv[sys.argv.index("--output_dir") + 1], exist_ok=True)
+"""
+_SILENT = "import time\ntime.sleep(30)\n"
+
+
+def test_without_the_shim_a_talking_tool_is_no_hang_and_a_silent_one_is(tmp_path: Path) -> None:
+    """No heartbeats: output in child.log within hang_timeout is progress; silence past it is a hang."""
+    talking = _script_job(tmp_path / "talks", _TALKS)
+    assert run_job(str(talking), plain=True, console=io.StringIO(), install_signals=False) == 0
+    silent = _script_job(tmp_path / "silent", _SILENT)
+    assert run_job(str(silent), plain=True, console=io.StringIO(), install_signals=False) == 3
+    records, _ = read_attempts(tmp_path / "silent" / "run" / "attempts.jsonl")
+    assert records[0].failure is not None and records[0].failure.kind == "hang"

@@ -42,7 +42,7 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.launch import trainer_env
-from qlora_supervise.supervisor.trainers.shim_check import note_shim
+from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_moving, shim_attached
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
@@ -286,7 +286,9 @@ class AttemptRunner:
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
                 return watched
-            if hung(reader.progress, started, now, hang_timeout):
+            if hung(reader.progress, started, now, hang_timeout) and not self._foreign_output_moving(
+                spec, number
+            ):
                 log.warning(
                     Event.HANG_DETECTED,
                     step=reader.progress.step,
@@ -298,6 +300,13 @@ class AttemptRunner:
                 return watched
             proc.wait_for_exit(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
+
+    def _foreign_output_moving(self, spec: AttemptSpec, number: int) -> bool:
+        """A foreign trainer whose shim never spoke: its log's growth stands in for heartbeats."""
+        if not spec.command or shim_attached(Path(spec.events_file)):
+            return False
+        log = self.ctx.rd.attempt_dir(number) / "child.log"
+        return output_moving(log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
 
     def _last_gpu_look(
         self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger

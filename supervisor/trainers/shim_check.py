@@ -37,3 +37,13 @@ def note_shim(events_file: Path, command: tuple[str, ...], log: FilteringBoundLo
     python = command[0] if command else "the tool's Python"
     log.warning(Event.SHIM_NOT_ATTACHED, why=SHIM_SILENT.format(events=events_file, python=python))
     return False
+
+
+def output_moving(log_path: Path, wall_now: float, timeout_s: float) -> bool:
+    """Whether a foreign tool without the shim wrote to its log within ``timeout_s``: with no
+    heartbeats, its own output (progress bars, log lines) is the only sign of progress left, so a
+    long run is not taken for a hang; a log silent for the timeout still is one."""
+    try:
+        return wall_now - log_path.stat().st_mtime <= timeout_s
+    except OSError:
+        return False
