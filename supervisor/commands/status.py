@@ -12,7 +12,8 @@ lists the layers that exist) and the attempt's ``child.log``.
                "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
                "unreadable_lines": int,
                "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null,
-                             "tokens_per_s": float | null}],   # median of the attempt's heartbeats
+                             "tokens_per_s": float | null,     # median of the attempt's heartbeats
+                             "trainer_config_diff": [str] | null}],  # foreign trainer vs your file
                "running": {"attempt": int, "phase": str, "knobs": {...}, "resumed_from": int,
                            "step": int | null, "stage": str | null, "tokens_per_s": float | null,
                            "pid": int | null, "alive": bool, "started_at": float} | null}]}
@@ -114,6 +115,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         line = json.loads(r.to_line())
         line.update(child_log=str(rd.attempt_dir(r.attempt) / "child.log"), fix=fix_line(r))
         line.update(tokens_per_s=measured_speed(rd, r).tokens_per_s)
+        line.update(trainer_config_diff=read_diff(rd.attempt_dir(r.attempt)))  # None: our own trainer
         attempts.append(line)
     running = running_attempt(rd, state, records[-1].attempt if records else 0)
     return {
