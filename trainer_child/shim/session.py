@@ -109,6 +109,9 @@ class Session:
     def train(self, trainer: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The tool's ``trainer.train(...)``, supervised; a failure ends the process with our exit code."""
         ctx = self.ctx
+        if ctx.progress.stop_requested:  # SIGTERM during the tool's load: nothing new to save
+            ctx.progress.announce_stop()
+            self.leave(ExitCode.STOPPED)
         failure: CapturedFailure | None = None
         result: Any = None
         try:
@@ -134,6 +137,8 @@ class Session:
         from qlora_supervise.trainer_child.recipe.trainer import CheckpointPlan, SupervisionCallback
 
         ctx, spec = self.ctx, self.ctx.spec
+        if ctx.trainer is trainer:  # train() called again on the same Trainer: attached already
+            return attempt.resume_source(spec, attempt.chosen_checkpoint(spec))
         chosen = attempt.chosen_checkpoint(spec)
         ctx.resume_checkpoint = str(chosen) if chosen is not None else None
         source = attempt.resume_source(spec, chosen)
