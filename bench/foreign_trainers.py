@@ -277,9 +277,6 @@ def auto_result(log: Path, config: dict[str, Any], code: int | None, seconds: fl
     tries = [int(b) for b in re.findall(rf"{TRY} batch_size=(\d+)", text)]
     steps = [int(s) for s in re.findall(rf"{STEP} (\d+)", text)]
     # Each new try starts at step 0 in the same process: every step before the last try's is lost.
-    final = 0
-    for step in steps:
-        final = step if step > final or step == 1 else final
     last_try = text.rfind(TRY)
     done = [int(s) for s in re.findall(rf"{STEP} (\d+)", text[last_try:])] if last_try >= 0 else []
     accum = int(config["gradient_accumulation_steps"])
