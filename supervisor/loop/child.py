@@ -230,6 +230,18 @@ def pids_running(*arguments: str) -> list[int]:
     return found
 
 
+def pids_with_environment(name: str, value: str) -> list[int]:
+    """Pids of the processes we may read whose environment sets ``name`` to ``value``."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(name) == value:
+                found.append(int(proc.info["pid"]))
+        except psutil.Error:  # gone, or another user's: not ours to stop anyway
+            continue
+    return found
+
+
 def process_cmdline(pid: int) -> str:
     """The process's command line, space-joined; empty when it is gone or not ours to read."""
     try:

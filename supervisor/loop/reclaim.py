@@ -22,6 +22,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.processes import pid_alive
@@ -38,13 +39,9 @@ def reclaim(
     # and finds the child when the supervisor died before it could record the pid. torchrun's
     # ranks (their own sessions, no PDEATHSIG) are found by the spec path too, after torchrun,
     # and a warm spare that got the attempt by the run directory on its command line.
-    spare = f"{entry.SPARE} --run-dir {rd.root}"
-    found = child_mod.pids_running(str(spec_path), spare)
-    pids = [flight.pid, *(pid for pid in found if pid != flight.pid)] if flight.pid else found
-    for pid in pids:
-        if _is_attempt_child(child_mod.process_cmdline(pid), spec_path, rd) and pid_alive(pid):
-            log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
-            child_mod.stop_orphan(pid, seams.stop_grace_s)
+    for pid in attempt_children(flight.pid, spec_path, rd):
+        log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
+        child_mod.stop_orphan(pid, seams.stop_grace_s)
     reader = HeartbeatReader(rd.attempt_dir(flight.number) / "child-events.jsonl")
     reader.poll(seams.clock())
     return AttemptOutcome(
@@ -59,6 +56,22 @@ def reclaim(
         ended_at=seams.wall(),
         log_tail=child_mod.log_tail(rd.attempt_dir(flight.number) / "child.log"),
     )
+
+
+def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
+    """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything
+    with the spec (or the attempt directory) on its command line, a warm spare of this run, and
+    a foreign trainer the shim was pointed at this spec (an hf-script's argv names only the run's
+    ``trainer-output/`` and checkpoints, so its environment is what identifies it)."""
+    spare = f"{entry.SPARE} --run-dir {rd.root}"
+    shimmed = child_mod.pids_with_environment(SHIM_SPEC_ENV, str(spec_path))
+    found = [*child_mod.pids_running(str(spec_path), spare), *shimmed]
+    candidates = [pid, *(p for p in found if p != pid)] if pid else found
+    return [
+        p
+        for p in dict.fromkeys(candidates)
+        if (p in shimmed or _is_attempt_child(child_mod.process_cmdline(p), spec_path, rd)) and pid_alive(p)
+    ]
 
 
 def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
