@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
@@ -147,3 +148,39 @@ def test_without_the_shim_a_talking_tool_is_no_hang_and_a_silent_one_is(tmp_path
     assert run_job(str(silent), plain=True, console=io.StringIO(), install_signals=False) == 3
     records, _ = read_attempts(tmp_path / "silent" / "run" / "attempts.jsonl")
     assert records[0].failure is not None and records[0].failure.kind == "hang"
+
+
+def test_a_process_the_attempts_trainer_started_does_not_attach_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data worker that imports transformers.trainer inherits the session's marker: no second
+    session (no spec read, no finder), while a process that re-executed itself is still the attempt."""
+    from qlora_supervise.trainer_child.shim import attach
+
+    monkeypatch.setenv(attach.SESSION_ENV, str(os.getpid() + 1))
+    finders = list(sys.meta_path)
+    attach.install(str(tmp_path / "no-such-spec.json"))  # would raise if it read the spec
+    assert sys.meta_path == finders
+    monkeypatch.setenv(attach.SESSION_ENV, str(os.getpid()))
+    assert not attach._started_by_the_attempt()
+
+
+def test_an_environment_a_launcher_fixed_is_not_fixed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a launcher that ran the shim first, CUDA_VISIBLE_DEVICES is already the one card:
+    binding the device again would fail, so the trainer process skips prepare_env."""
+    from qlora_supervise.trainer_child import __main__ as child_main
+    from qlora_supervise.trainer_child.shim import attach
+
+    def refuse(spec: object) -> None:
+        raise AssertionError("prepare_env ran twice")
+
+    monkeypatch.delenv(attach.SESSION_ENV, raising=False)
+    monkeypatch.setenv(attach.PREPARED_ENV, "1")
+    monkeypatch.setattr(child_main, "prepare_env", refuse)
+    monkeypatch.setattr(attach.AttemptSpec, "from_json", classmethod(lambda cls, text: object()))
+    (tmp_path / "spec.json").write_text("{}")
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the finder it leaves goes with the test
+    attach.install(str(tmp_path / "spec.json"))
+    assert isinstance(sys.meta_path[0], attach._AfterImport)

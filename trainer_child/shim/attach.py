@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,19 +53,42 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+#: Set once the environment is fixed: a process the tool starts inherits the fixed environment
+#: (its CUDA_VISIBLE_DEVICES already narrowed to the one card), so it must not fix it again.
+PREPARED_ENV = "QLORA_SUPERVISE_SHIM_PREPARED"
+#: Set by the process that holds the attempt's session (its pid): a process it starts that also
+#: imports ``transformers.trainer`` (a spawned data worker unpickling the collator) is not the
+#: attempt, and must not write a second ``started`` or beat into the same events file.
+SESSION_ENV = "QLORA_SUPERVISE_SHIM_SESSION"
+
+
 def install(spec_path: str) -> None:
     """Fix the environment for the attempt's spec and wait for ``transformers.trainer``."""
+    if _started_by_the_attempt():
+        return
     spec = AttemptSpec.from_json(Path(spec_path).read_text(encoding="utf-8"))
     from qlora_supervise.trainer_child.__main__ import prepare_env
 
-    prepare_env(spec)  # before torch: CUDA reads the allocator settings once
+    if not os.environ.get(PREPARED_ENV):  # a launcher above us (accelerate, a wrapper) did it
+        prepare_env(spec)  # before torch: CUDA reads the allocator settings once
+        os.environ[PREPARED_ENV] = "1"
 
     def patch(module: ModuleType) -> None:
         from qlora_supervise.trainer_child.shim.session import Session
 
+        if _started_by_the_attempt():
+            return
+        os.environ[SESSION_ENV] = str(os.getpid())
         Session(spec).patch(module.Trainer)
 
     if TRAINER_MODULE in sys.modules:  # imported before us (a sitecustomize that ran first)
         patch(sys.modules[TRAINER_MODULE])
     else:
         sys.meta_path.insert(0, _AfterImport(TRAINER_MODULE, patch))
+
+
+def _started_by_the_attempt() -> bool:
+    """Whether another process holds the session (this one was started by it); a process that
+    re-executed itself keeps its pid and is still the attempt."""
+    owner = os.environ.get(SESSION_ENV)
+    return bool(owner) and owner != str(os.getpid())
