@@ -85,6 +85,7 @@ def _shape(family: str) -> ModelShape:
 def test_a_steady_layer_keeps_what_was_counted(
     family: str, targets: str, micro: int, seq: int, counted: int
 ) -> None:
+    """One steady decoder layer of each family keeps what the saved-tensor hooks counted."""
     predicted = gpu.layer_activation_bytes(_shape(family), 8, targets, 2, seq)
     # What the model leaves out: SDPA's fp32 log-sum-exp (4 bytes a head) and index bytes.
     assert -0.005 < (predicted - counted) / counted <= 0, (predicted, counted)
@@ -138,6 +139,7 @@ def test_a_window_on_every_layer_costs_its_mask_only_past_the_window() -> None:
 def test_qwen3_30b_a3b_holds_its_experts_in_fp32_and_plan_says_nothing_fits_a_24gib_card(
     tmp_path: Path,
 ) -> None:
+    """Unquantized fp32 experts make the MoE too big for any one card, and plan says so."""
     shape = ModelShape.read(QWEN3_30B_A3B)
     assert isinstance(shape, ModelShape)
     knobs = Knobs(model="m", max_seq_len=1024, gradient_checkpointing=True)
@@ -157,6 +159,7 @@ def test_plan_predicts_every_family(tmp_path: Path, family: str) -> None:
 
 
 def test_a_multimodal_gemma3_is_read_from_its_text_config_and_refused_for_its_vision_tower() -> None:
+    """The facts come from text_config; the refusal names the vision tower and the way out."""
     config = {
         "architectures": ["Gemma3ForConditionalGeneration"],
         "model_type": "gemma3",

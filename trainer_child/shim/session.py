@@ -119,6 +119,8 @@ class Session:
             # The supervisor's choice (already on the tool's config); the source may be an
             # optimizer-less copy of it when the optimizer changed, which the tool cannot know.
             kwargs["resume_from_checkpoint"] = source.load_from
+            # Trainer.train's first positional parameter is resume_from_checkpoint: a tool that
+            # passes its own there would clash with (and override) the supervisor's, so it goes.
             result = original(trainer, *args[1:], **kwargs) if args else original(trainer, **kwargs)
         except BaseException as exc:  # every failure must leave a report
             at_oom = attempt.oom_diagnosis(ctx, exc)  # while the frames still hold the step's tensors
