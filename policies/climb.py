@@ -1,9 +1,10 @@
 """Rule 6 of the decision: after a memory failure, climb the ladder (or search its combinations).
 
 Rungs with nothing to change, results that already failed the same way, rungs charged with a
-failure earlier in the run (:mod:`.charge`), and results a calibrated memory model says cannot
-fit are skipped (a skipped rung's change is kept and the next rung applied on top) -> Restart,
-or GiveUp when the ladder is exhausted. For the training step's own memory the pre-flight's
+failure earlier in the run (:mod:`.charge`), rungs the trainer cannot take (a foreign tool's
+config has no key for them: ``Settings.cannot_take``), and results a calibrated memory model
+says cannot fit are skipped (a skipped rung's change is kept and the next rung applied on top)
+-> Restart, or GiveUp when the ladder is exhausted. For the training step's own memory the pre-flight's
 search runs first: it combines throughput rungs and ranks them by the throughput model.
 """
 
@@ -50,8 +51,10 @@ def climb(
     settings: Settings,
     unusable: frozenset[str] = frozenset(),
 ) -> Decision:
-    """The next rung(s) for ``failure`` of ``knobs``; ``unusable``: rungs charged with a failure."""
+    """The next rung(s) for ``failure`` of ``knobs``; ``unusable``: rungs charged with a failure
+    (the ones the trainer cannot take, ``settings.cannot_take``, are added)."""
     settings = for_model(settings, knobs.model)
+    unusable = unusable | settings.cannot_take
     failed_same_way = {past.knobs for past in history if past.kind is failure.kind}
     scale = _scale(history, settings)
     searched = _search(failure, knobs, failed_same_way, settings, scale, unusable)

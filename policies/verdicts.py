@@ -70,6 +70,9 @@ class Settings:
     fallback_shapes: tuple[tuple[str, memory_model.ModelShape | None], ...] = ()
     #: The speed trial (supervise.speed_trial): attempt 1 times its top candidates before step 1.
     speed_trial: bool = True
+    #: Rungs the trainer cannot be told (a foreign tool's config has no key for their knob): the
+    #: pre-flight, the search after a failure and the ladder walk never use them.
+    cannot_take: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -207,26 +207,3 @@ def test_trl_reads_the_attempt_config_as_the_table_says(tmp_path: Path) -> None:
 def test_every_kind_but_ours_has_a_table() -> None:
     """Each foreign kind of the trainer section has its table."""
     assert set(TABLES) == {kind for kind in TrainerKind if kind is not TrainerKind.OWN}
-
-
-def test_a_preflight_choice_the_tool_cannot_take_starts_as_written() -> None:
-    """Pre-flight may pick the bf16 head (our trainer's own): for trl the job starts as written, saying why;
-    a choice of the tool's own rungs (checkpointing, a smaller micro-batch) is kept."""
-    from qlora_supervise.supervisor.loop.planner import Plan
-    from qlora_supervise.supervisor.record.records import Phase, PlanNote
-    from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
-    from qlora_supervise.supervisor.trainers.ladders import foreign_first_plan
-
-    trainer = ForeignTrainer(TrainerKind.TRL_SFT, USER)
-    job = knobs_from(TRL_SFT, USER)
-    note = PlanNote(5 << 30, 8 << 30, ("does not fit as written",))
-    head = Plan(
-        Phase.TRAIN, dataclasses.replace(job, bf16_head=True, micro_batch_size=8, grad_accum=4), note=note
-    )
-    kept = foreign_first_plan(trainer, job, head)
-    assert kept.knobs == job and kept.note is not None and kept.note.as_written
-    assert "bf16_head, which trl-sft cannot be told" in kept.note.why[-1]
-    fits = Plan(
-        Phase.TRAIN, dataclasses.replace(job, gradient_checkpointing=False, micro_batch_size=8, grad_accum=4)
-    )
-    assert foreign_first_plan(trainer, job, fits) is fits

@@ -48,10 +48,12 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
       "ranking": [{"rank": int, "tokens_per_s": float, "measured": bool, "peak_bytes": int,
                    "cost_class": str, "rungs": [str], "changes": {knob: [old, new]}}],
                                          # every fitting candidate of the start's model, fastest first
+                                         # (a foreign trainer's: of the rungs it can take)
       "rungs": [{"name": str, "cost_class": "free" | "throughput" | "quality",
                  "cost": float,                     # predicted share of tokens/s lost (< 0: faster)
                  "tokens_per_s": float | null,
                  "peak_bytes": int | null, "changes": {knob: [old, new]}}],
+                                         # a foreign trainer: only the rungs its config can express
       "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
                "merge_peak_bytes": int | null, "available_bytes": int,
                "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null}
@@ -84,6 +86,7 @@ from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, pa
 from qlora_supervise.supervisor.loop.first_plan import nothing_fits_text
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
+from qlora_supervise.supervisor.trainers.ladders import cannot_take
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must be asked
@@ -104,10 +107,12 @@ class JobView:
     cpu_memory_limit: int | None
     device: str
     merge: bool
+    cannot_take: frozenset[str] = frozenset()  # rungs a foreign tool's config has no key for
 
 
 def job_view(job: Job) -> JobView:
-    """The plan's view of ``job``: its knobs, target modules, caps, device and merge flag."""
+    """The plan's view of ``job``: its knobs, target modules, caps, device and merge flag, and the
+    rungs its trainer cannot take (left out of the search and the rung list, as ``run`` does)."""
     return JobView(
         knobs=job.knobs,
         targets=job.train.target_modules,
@@ -117,6 +122,7 @@ def job_view(job: Job) -> JobView:
         cpu_memory_limit=job.resources.cpu_memory_limit,
         device=job.resources.device,
         merge=job.train.merge,
+        cannot_take=cannot_take(job.trainer),
     )
 
 
@@ -155,9 +161,16 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
     if shape is not None and card.budget_bytes is not None:
         fallbacks = tuple((model, model_shape(Path(model))) for model in view.fallbacks)
         start = preflight.preflight(
-            shape, view.knobs, card.budget_bytes, targets=view.targets, speed=speed, fallbacks=fallbacks
+            shape,
+            view.knobs,
+            card.budget_bytes,
+            targets=view.targets,
+            speed=speed,
+            fallbacks=fallbacks,
+            unusable=view.cannot_take,
         )
-    rungs = [] if shape is None else rung_effects(shape, view.knobs, view.targets, speed=speed)
+    effects = [] if shape is None else rung_effects(shape, view.knobs, view.targets, speed=speed)
+    rungs = [effect for effect in effects if effect.name not in view.cannot_take]
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
     return {
         "schema": SCHEMA,

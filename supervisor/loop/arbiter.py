@@ -50,7 +50,6 @@ from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.reporter import Reporter
-from qlora_supervise.supervisor.trainers.ladders import foreign_first_plan
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -148,8 +147,6 @@ class Supervisor:
             self.first = first_plan(
                 job.knobs, self.settings, job.train.target_modules, self.as_written, job.resources.device
             )
-            if job.trainer is not None:
-                self.first = foreign_first_plan(job.trainer, job.knobs, self.first)
             if not records:
                 announce_plan(self.log, self.first.note)
                 if self.first.nothing_fits:  # in seconds, and no verdict in state.json: a rerun plans again

@@ -47,7 +47,14 @@ def first_plan(
     scale = memory_model.calibrate(shape, list(settings.prior), targets) if settings.prior else None
     speed = throughput.calibrate(shape, settings.speeds, targets) if settings.speeds else None
     result = preflight.preflight(
-        shape, knobs, budget, scale=scale, targets=targets, speed=speed, fallbacks=settings.fallback_shapes
+        shape,
+        knobs,
+        budget,
+        scale=scale,
+        targets=targets,
+        speed=speed,
+        fallbacks=settings.fallback_shapes,
+        unusable=settings.cannot_take,  # a foreign tool's config has no key for these
     )
     if as_written:
         reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)

@@ -23,7 +23,7 @@ from qlora_supervise.supervisor.record.peak_store import (
 )
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers.ladders import foreign_overrides
+from qlora_supervise.supervisor.trainers.ladders import cannot_take, foreign_overrides
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -61,6 +61,7 @@ def policy_settings(job: Job) -> policy.Settings:
         speeds=speeds,
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
         speed_trial=supervise.speed_trial and job.trainer is None,  # the trial runs in our child only
+        cannot_take=cannot_take(job.trainer),
     )
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from qlora_supervise.supervisor.trainers import flags
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer, foreign_output
-from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten
+from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten, unmapped_changes
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -32,6 +32,11 @@ CONFIG_NAMES = {
 }
 COMMAND_NAME = "command.json"
 DIFF_NAME = "trainer-config.diff"
+
+
+class UnmappedKnobsError(RuntimeError):
+    """The policy changed a knob the tool's config has no key for: a bug of the supervisor (the
+    rungs the tool cannot take are never chosen), raised rather than journalled as if it ran."""
 
 
 def tool_argv(trainer: ForeignTrainer, config: Path) -> list[str]:
@@ -55,7 +60,16 @@ def write_attempt_files(
     knobs: Knobs,
     resume_from: str | None,
 ) -> tuple[str, ...]:
-    """Write the attempt's config (or argv) and its diff; return the argv that runs it."""
+    """Write the attempt's config (or argv) and its diff; return the argv that runs it.
+
+    Raises :class:`UnmappedKnobsError` when ``knobs`` change what the tool cannot be told.
+    """
+    unmapped = unmapped_changes(trainer.table, trainer.config, job, knobs)
+    if unmapped:
+        raise UnmappedKnobsError(
+            f"internal error: the attempt changes {', '.join(unmapped)}, which {trainer.kind.value} "
+            "has no config key for; the tool would train as before while the journal said otherwise"
+        )
     config = attempt_config(
         trainer.table, trainer.config, job, knobs, str(foreign_output(run_dir)), resume_from
     )
