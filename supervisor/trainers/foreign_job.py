@@ -30,7 +30,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
 from qlora_supervise.supervisor.trainers import flags
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
-from qlora_supervise.supervisor.trainers.tables import TABLES, TrainerKind
+from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
 
 KindName = Literal["own", "trl-sft", "axolotl", "llamafactory", "hf-script"]
@@ -232,7 +232,7 @@ def _job(
         max_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else -1,
         save_steps=_int(lookup(config, table.save_steps_key), table.save_steps_default),
         merge=False,
-        target_modules=_targets(lookup(config, table.targets_key)),
+        target_modules=lora_targets(table, config),
     )
     dataset = lookup(config, table.data_key)
     return Job(
@@ -254,9 +254,21 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-def _targets(value: Any) -> tuple[str, ...] | str:
+#: A tool's own word for every linear layer of the block (LLaMA-Factory's ``lora_target: all``).
+_ALL_LINEAR = {TrainerKind.LLAMAFACTORY: ("all", "all-linear")}
+
+
+def lora_targets(table: Table, config: Mapping[str, Any]) -> tuple[str, ...] | str:
+    """The LoRA targets in our words (``"all-linear"`` or module names) from the tool's spelling:
+    a list, a comma-separated string (``q_proj,v_proj``), LLaMA-Factory's ``all``, axolotl's
+    ``lora_target_linear: true`` (every linear layer, whatever ``lora_target_modules`` adds)."""
+    if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
+        return "all-linear"
+    value = lookup(config, table.targets_key)
     if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    return "all-linear"  # the tools' own default when none is named: every linear layer
+        value = [name.strip() for name in value.split(",") if name.strip()]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        return "all-linear"  # the tools' own default when none is named: every linear layer
+    if len(value) == 1 and value[0] in _ALL_LINEAR.get(table.kind, ("all-linear",)):
+        return "all-linear"
+    return tuple(value)

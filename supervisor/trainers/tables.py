@@ -191,7 +191,11 @@ def _gradient_checkpointing(value: Any) -> Any:
 
 
 def _4bit(value: Any) -> Any:
-    return value == 4 if isinstance(value, int) and not isinstance(value, bool) else value
+    # None: no quantization_bit, LLaMA-Factory loads unquantized (False, a bool like every knob);
+    # another type is passed on for the type check to name.
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value == 4
+    return value
 
 
 def _lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:

@@ -1,0 +1,46 @@
+"""The tools' own spellings of the LoRA targets and of 4-bit, read into our knobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from qlora_supervise.supervisor.trainers.foreign_job import lora_targets
+from qlora_supervise.supervisor.trainers.mapping import knobs_from
+from qlora_supervise.supervisor.trainers.tables import AXOLOTL, LLAMAFACTORY, TABLES, TRL_SFT, TrainerKind
+
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize(
+    ("kind", "config", "expected"),
+    [
+        (TrainerKind.LLAMAFACTORY, {"lora_target": "all"}, "all-linear"),
+        (TrainerKind.LLAMAFACTORY, {"lora_target": "q_proj,k_proj, v_proj ,o_proj"}, QKVO),
+        (TrainerKind.LLAMAFACTORY, {"lora_target": "q_proj"}, ("q_proj",)),
+        (TrainerKind.LLAMAFACTORY, {}, "all-linear"),
+        (TrainerKind.TRL_SFT, {"lora_target_modules": "q_proj,v_proj"}, ("q_proj", "v_proj")),
+        (TrainerKind.TRL_SFT, {"lora_target_modules": "all-linear"}, "all-linear"),
+        (TrainerKind.TRL_SFT, {"lora_target_modules": list(QKVO)}, QKVO),
+        (TrainerKind.AXOLOTL, {"lora_target_linear": True}, "all-linear"),
+        (TrainerKind.AXOLOTL, {"lora_target_linear": True, "lora_target_modules": ["q_proj"]}, "all-linear"),
+        (TrainerKind.AXOLOTL, {"lora_target_linear": False, "lora_target_modules": list(QKVO)}, QKVO),
+        (TrainerKind.AXOLOTL, {"lora_target_modules": "q_proj,v_proj"}, ("q_proj", "v_proj")),
+    ],
+)
+def test_lora_targets_read_each_tools_spelling(
+    kind: TrainerKind, config: dict[str, Any], expected: tuple[str, ...] | str
+) -> None:
+    """`all`, comma-separated names and axolotl's lora_target_linear become our targets."""
+    assert lora_targets(TABLES[kind], config) == expected
+
+
+def test_llamafactory_without_quantization_bit_is_not_4bit() -> None:
+    """No quantization_bit reads as load_in_4bit False (a bool), 4 as True, 8 as False."""
+    base = {"model_name_or_path": "/m", "do_train": True}
+    assert knobs_from(LLAMAFACTORY, base).load_in_4bit is False
+    assert knobs_from(LLAMAFACTORY, {**base, "quantization_bit": 4}).load_in_4bit is True
+    assert knobs_from(LLAMAFACTORY, {**base, "quantization_bit": 8}).load_in_4bit is False
+    assert knobs_from(AXOLOTL, {"base_model": "/m"}).load_in_4bit is False
+    assert knobs_from(TRL_SFT, {"model_name_or_path": "/m"}).load_in_4bit is False
