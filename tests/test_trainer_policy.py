@@ -131,3 +131,25 @@ def test_plan_agrees_with_run_and_lists_only_the_tools_rungs(tmp_path: Path) -> 
     assert {rung["name"] for rung in plan["rungs"]} <= allowed
     assert {"gradient_checkpointing", "halve_micro_batch"} <= {rung["name"] for rung in plan["rungs"]}
     assert all(set(candidate["rungs"]) <= allowed for candidate in plan["ranking"])
+
+
+def test_a_relative_model_path_is_read_from_the_tools_workdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model_name_or_path: ../models/m`` is the model beside the config's folder for the memory
+    model and plan, whatever the supervisor's cwd; the attempt's config keeps it as written."""
+    (tmp_path / "models").mkdir()
+    _trl_7b_job(tmp_path / "models")  # its model/ is tmp/models/model
+    (tmp_path / "cfg").mkdir()
+    _trl_7b_job(tmp_path / "cfg", model_name_or_path="../models/model")
+    (tmp_path / "elsewhere" / "deeper").mkdir(parents=True)  # ../models/model is nothing from here
+    monkeypatch.chdir(tmp_path / "elsewhere" / "deeper")
+    job = load_job(tmp_path / "cfg" / "job.yaml")
+    assert job.trainer is not None and job.knobs.model == str(tmp_path / "models" / "model")
+    assert policy_settings(job).shape is not None
+    assert make_plan(str(tmp_path / "cfg" / "job.yaml"), None)["shape"] is not None
+    knobs = dataclasses.replace(job.knobs, micro_batch_size=4, grad_accum=4)
+    (tmp_path / "attempt").mkdir()
+    write_attempt_files(job.trainer, tmp_path / "attempt", tmp_path / "run", job.knobs, knobs, None)
+    written = yaml.safe_load((tmp_path / "attempt" / "trl-sft.yaml").read_text())
+    assert written["model_name_or_path"] == "../models/model"

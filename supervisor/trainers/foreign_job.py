@@ -7,6 +7,7 @@ live in the tool's config, and one value written in two places would disagree so
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -18,6 +19,7 @@ import yaml
 
 from qlora_supervise.supervisor.jobfile import load as jobload
 from qlora_supervise.supervisor.jobfile.fields import HookArgv, ResolvedPath
+from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
 from qlora_supervise.supervisor.jobfile.schema import (
@@ -226,7 +228,10 @@ def _job(
     diagnose: DiagnoseSection,
 ) -> Job:
     table, config = trainer.table, trainer.config
+    # The supervisor's own reads (the memory model, plan) see the model where the tool will: from
+    # its workdir. Only the knob is resolved; the tool's config keeps the path as the user wrote it.
     knobs = knobs_from(table, config)
+    knobs = dataclasses.replace(knobs, model=tool_model_path(knobs.model, trainer.workdir))
     steps = lookup(config, table.max_steps_key)
     train = TrainSpec(
         max_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else -1,
@@ -248,6 +253,14 @@ def _job(
         diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
         trainer=trainer,
     )
+
+
+def tool_model_path(model: str, workdir: Path | None) -> str:
+    """``model`` as the tool opens it from ``workdir``: a relative path made absolute there; an
+    absolute path, a hub id (``org/name`` that is no path there) or no workdir: unchanged."""
+    if not model or workdir is None or Path(model).is_absolute() or looks_like_hub_id(model, workdir):
+        return model
+    return os.path.normpath(workdir.absolute() / model)  # symlinks kept, as the tool would open it
 
 
 def _int(value: Any, default: int) -> int:
