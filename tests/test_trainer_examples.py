@@ -22,11 +22,30 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "trainers"
 
 
 @pytest.mark.parametrize("kind", [k for k in TrainerKind if k is not TrainerKind.OWN], ids=lambda k: k.value)
-def test_each_kind_has_an_example_that_loads(kind: TrainerKind) -> None:
-    """examples/trainers/<kind>/job.yaml is a valid job of that kind with an effective batch of 16."""
-    job = load_job(EXAMPLES / kind.value / "job.yaml")
-    assert job.trainer is not None and job.trainer.kind is kind
-    assert job.knobs.effective_batch == 16 and job.knobs.model == "/srv/models/llama-2-7b"
+def test_each_kind_has_an_example_that_loads(kind: TrainerKind, tmp_path: Path) -> None:
+    """examples/trainers/<kind>/job.yaml is a valid job of that kind with an effective batch of 16,
+    once its model path points at a local model directory (as the examples of our own trainer)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    example = EXAMPLES / kind.value
+    job = yaml.safe_load((example / "job.yaml").read_text())
+    job["output_dir"] = str(tmp_path / "run")
+    if kind is TrainerKind.HF_SCRIPT:
+        command = job["trainer"]["command"]
+        command[command.index("--model_name_or_path") + 1] = str(model)
+        job["trainer"]["workdir"] = str(example)
+    else:
+        name = job["trainer"]["config"]
+        config = yaml.safe_load((example / name).read_text())
+        key = "base_model" if kind is TrainerKind.AXOLOTL else "model_name_or_path"
+        assert config[key] == "/srv/models/llama-2-7b"
+        config[key] = str(model)
+        (tmp_path / name).write_text(yaml.safe_dump(config))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    loaded = load_job(tmp_path / "job.yaml")
+    assert loaded.trainer is not None and loaded.trainer.kind is kind
+    assert loaded.knobs.effective_batch == 16 and loaded.knobs.model == str(model)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from qlora_supervise.supervisor.trainers.tables import TrainerKind
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 SFT = {
-    "model_name_or_path": "/models/tiny",
+    "model_name_or_path": "model",  # beside sft.yaml: _job makes it
     "dataset_name": "/data/set",
     "use_peft": True,
     "per_device_train_batch_size": 4,
@@ -29,6 +29,8 @@ SFT = {
 
 
 def _job(tmp_path: Path, job: dict[str, Any], sft: dict[str, Any] | None = None) -> Path:
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(SFT if sft is None else sft))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     return tmp_path / "job.yaml"
@@ -54,7 +56,11 @@ def test_a_trl_job_takes_its_knobs_from_the_tools_config(tmp_path: Path) -> None
     assert job.trainer is not None and job.trainer.kind is TrainerKind.TRL_SFT
     assert job.trainer.config_path == tmp_path / "sft.yaml"
     assert (job.knobs.micro_batch_size, job.knobs.grad_accum, job.knobs.effective_batch) == (4, 4, 16)
-    assert job.knobs.model == "/models/tiny" and job.train.max_steps == 100 and job.train.save_steps == 10
+    assert (
+        job.knobs.model == str(tmp_path / "model")
+        and job.train.max_steps == 100
+        and job.train.save_steps == 10
+    )
     assert job.resources.cpu_memory_limit == 2 << 30 and job.output_dir == tmp_path / "run"
 
 
@@ -164,3 +170,39 @@ def test_install_systemd_copies_a_foreign_job_with_absolute_paths(tmp_path: Path
     again = load_job(tmp_path / "elsewhere" / "job.yaml")
     assert again.trainer is not None and again.trainer.workdir == tmp_path
     assert again.trainer.config == job.trainer.config if job.trainer else False
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        ("meta-llama/Llama-2-7b-hf", "model_name_or_path: a hub id, but the tool runs offline"),
+        ("nowhere", "model_name_or_path: no such directory"),
+        ("sft.yaml", "model_name_or_path: not a directory"),
+        ("empty", "model_name_or_path: no config.json in the directory"),
+    ],
+)
+def test_validate_refuses_a_tool_model_that_is_no_local_model_directory(
+    tmp_path: Path, model: str, words: str
+) -> None:
+    """The tool's model key must name a local directory with config.json (the child runs offline);
+    a hub id is told to be downloaded and the key pointed at the directory."""
+    (tmp_path / "empty").mkdir()
+    path = _job(
+        tmp_path, {"trainer": {"kind": "trl-sft", "config": "sft.yaml"}}, {**SFT, "model_name_or_path": model}
+    )
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert validate_command(str(path)) == 2
+    text = out.getvalue()
+    assert f"trainer.config (sft.yaml): {words}" in text, text
+    if "/" in model:
+        assert f"hf download {model}" in text and "point model_name_or_path at that directory" in text
+
+
+def test_an_hf_script_model_flag_is_checked_where_the_command_has_it(tmp_path: Path) -> None:
+    """--model_name_or_path of a hub id is refused; a command without that flag is not checked."""
+    command = ["python", "train.py", "--output_dir", "out", "--model_name_or_path", "org/name"]
+    lines = _problems(_job(tmp_path, {"trainer": {"kind": "hf-script", "command": command}}))
+    assert any("trainer.command: model_name_or_path: a hub id" in line for line in lines), lines
+    job = load_job(_job(tmp_path, {"trainer": {"kind": "hf-script", "command": command[:4]}}))
+    assert job.trainer is not None and job.knobs.model == ""

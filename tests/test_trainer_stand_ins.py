@@ -35,7 +35,7 @@ CASES: dict[str, dict[str, Any]] = {
         "module": "axolotl/cli/train.py",
         "key": "micro_batch_size",
         "file": "axolotl.yaml",
-        "config": {"base_model": "/m", "adapter": "qlora", "load_in_4bit": True, "lora_r": 8,
+        "config": {"base_model": "m", "adapter": "qlora", "load_in_4bit": True, "lora_r": 8,
                    "lora_alpha": 16,
                    "datasets": [{"path": "/d", "type": "alpaca"}], "micro_batch_size": 8,
                    "gradient_accumulation_steps": 2, "gradient_checkpointing": True, "sequence_len": 1024,
@@ -45,7 +45,7 @@ CASES: dict[str, dict[str, Any]] = {
         "module": "llamafactory/launcher.py",
         "key": "per_device_train_batch_size",
         "file": "llamafactory.yaml",
-        "config": {"model_name_or_path": "/m", "stage": "sft", "do_train": True, "finetuning_type": "lora",
+        "config": {"model_name_or_path": "m", "stage": "sft", "do_train": True, "finetuning_type": "lora",
                    "quantization_bit": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
                    "cutoff_len": 1024, "output_dir": "saves/x", "template": "kept as written"},
     },
@@ -67,6 +67,8 @@ def test_the_tool_gets_its_own_config_with_the_batch_halved_and_the_effective_ba
         (parent / "__init__.py").touch()
     module.write_text(_TOOL.format(key=case["key"]))
     monkeypatch.setenv("PYTHONPATH", str(tools))
+    (tmp_path / "m").mkdir()  # the config's model, beside it: a local model directory
+    (tmp_path / "m" / "config.json").write_text("{}")
     (tmp_path / "tool.yaml").write_text(yaml.safe_dump(case["config"]))
     user_file = (tmp_path / "tool.yaml").read_text()
     job = {"trainer": {"kind": kind, "config": "tool.yaml"}, "resources": {"gpu": "cpu"},

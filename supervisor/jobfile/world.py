@@ -69,10 +69,10 @@ def _model_problems(model: ModelSection, bad: frozenset[str]) -> list[Problem]:
     paths = [] if "model.path" in bad else [("model.path", model.path)]
     if "model.fallbacks" not in bad:
         paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
-    return [problem for name, path in paths if (problem := _model_dir_problem(name, path))]
+    return [problem for name, path in paths if (problem := model_dir_problem(name, path))]
 
 
-def _model_dir_problem(name: str, path: Path) -> Problem | None:
+def model_dir_problem(name: str, path: Path) -> Problem | None:
     """Why ``path`` is not a local model directory (config.json inside), or None."""
     if not path.exists():
         return Problem(name, "no such directory", show(path), "give a local model directory")
@@ -95,7 +95,7 @@ def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozens
     """
     if bad & {"model.path", "lora.target_modules"}:
         return []
-    if _model_dir_problem("model.path", model.path) is not None:
+    if model_dir_problem("model.path", model.path) is not None:
         return []
     try:
         files = read_model_files(model.path)

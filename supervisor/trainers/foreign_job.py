@@ -29,6 +29,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
     Section,
     SuperviseSection,
 )
+from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
@@ -182,6 +183,7 @@ def _foreign(section: TrainerSection, job_dir: Path, problems: list[Problem]) ->
         problems += found
         problems += config_problems(TABLES[kind], config, "trainer.command")
         workdir = section.workdir or job_dir
+        problems += model_problems(TABLES[kind], config, "trainer.command", workdir)
         return ForeignTrainer(
             kind, ForeignTrainer.frozen(config), None, section.command or (), python, workdir
         )
@@ -190,9 +192,29 @@ def _foreign(section: TrainerSection, job_dir: Path, problems: list[Problem]) ->
     read = read_config(section.config, problems)
     if read is None:
         return None
-    problems += config_problems(TABLES[kind], read, f"trainer.config ({section.config.name})")
+    where = f"trainer.config ({section.config.name})"
+    problems += config_problems(TABLES[kind], read, where)
     workdir = section.workdir or section.config.parent
+    problems += model_problems(TABLES[kind], read, where, workdir)
     return ForeignTrainer(kind, ForeignTrainer.frozen(read), section.config, (), python, workdir)
+
+
+def model_problems(table: Table, config: Mapping[str, Any], where: str, workdir: Path) -> list[Problem]:
+    """The tool's model must be a local directory with a config.json, as ``model.path`` must: the
+    tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads the model's shape from there.
+    A key the config leaves out is not checked here (a required one is named by ``config_problems``;
+    an hf-script may spell its model flag otherwise)."""
+    row = table.row("model")
+    value = lookup(config, row.key) if row is not None else None
+    if row is None or not isinstance(value, str) or not value:
+        return []
+    name = f"{where}: {row.key}"
+    if not Path(value).is_absolute() and looks_like_hub_id(value, workdir):
+        why = "a hub id, but the tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads config.json"
+        fix = f"download it (`hf download {value} --local-dir DIR`) and point {row.key} at that directory"
+        return [Problem(name, why, show(value), fix)]
+    problem = model_dir_problem(name, Path(tool_model_path(value, workdir)))
+    return [] if problem is None else [problem]
 
 
 def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
