@@ -176,8 +176,10 @@ def test_an_environment_a_launcher_fixed_is_not_fixed_again(
     def refuse(spec: object) -> None:
         raise AssertionError("prepare_env ran twice")
 
-    monkeypatch.delenv(attach.SESSION_ENV, raising=False)
+    monkeypatch.setenv(attach.SESSION_ENV, "")  # restored after the test, whatever install sets
     monkeypatch.setenv(attach.PREPARED_ENV, "1")
+    # Not yet imported, as in a fresh trainer process (another test may have imported it here).
+    monkeypatch.delitem(sys.modules, attach.TRAINER_MODULE, raising=False)
     monkeypatch.setattr(child_main, "prepare_env", refuse)
     monkeypatch.setattr(attach.AttemptSpec, "from_json", classmethod(lambda cls, text: object()))
     (tmp_path / "spec.json").write_text("{}")
