@@ -33,8 +33,13 @@ def group(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _progress(tmp_path: Path) -> Progress:
-    return Progress(EventLog(tmp_path / "events.jsonl"))
+@pytest.fixture
+def progress(tmp_path: Path) -> Iterator[Progress]:
+    """A rank's progress; its events file is closed after the test (an open one left to the
+    garbage collector closes at a random later moment, under another test's descriptor count)."""
+    events = EventLog(tmp_path / "events.jsonl")
+    yield Progress(events)
+    events.close()
 
 
 def _signal_during_all_reduce(monkeypatch: pytest.MonkeyPatch, progress: Progress, flag: str) -> list[int]:
@@ -54,10 +59,9 @@ def _signal_during_all_reduce(monkeypatch: pytest.MonkeyPatch, progress: Progres
 
 
 def test_a_sigterm_during_the_vote_stops_every_rank_at_the_next_step(
-    group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    group: None, progress: Progress, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A signal that lands inside the all-reduce is kept, and every rank stops one step later."""
-    progress = _progress(tmp_path)
     calls = _signal_during_all_reduce(monkeypatch, progress, "stop_requested")
     # This step's vote did not carry the signal: no rank may stop alone on it.
     assert torchrun.decide_together(TWO_RANKS, progress, "cpu") == (False, False)
@@ -68,26 +72,23 @@ def test_a_sigterm_during_the_vote_stops_every_rank_at_the_next_step(
 
 
 def test_the_early_checkpoint_signal_during_the_vote_is_kept_too(
-    group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    group: None, progress: Progress, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The memory-creep signal has the same race and the same fix."""
-    progress = _progress(tmp_path)
     _signal_during_all_reduce(monkeypatch, progress, "early_checkpoints")
     assert torchrun.decide_together(TWO_RANKS, progress, "cpu") == (False, False)
     assert torchrun.decide_together(TWO_RANKS, progress, "cpu") == (False, True)
     assert not progress.stop_requested
 
 
-def test_a_flag_raised_before_the_vote_acts_in_the_same_step(group: None, tmp_path: Path) -> None:
+def test_a_flag_raised_before_the_vote_acts_in_the_same_step(group: None, progress: Progress) -> None:
     """A signal seen before the vote stops the ranks after this very step."""
-    progress = _progress(tmp_path)
     progress.stop_requested = True
     assert torchrun.decide_together(TWO_RANKS, progress, "cpu") == (True, False)
 
 
-def test_one_process_decides_from_its_own_flags_without_a_group(tmp_path: Path) -> None:
+def test_one_process_decides_from_its_own_flags_without_a_group(progress: Progress) -> None:
     """A single process has no vote: its own flags are the decision."""
-    progress = _progress(tmp_path)
     assert torchrun.decide_together(torchrun.SINGLE, progress, "cpu") == (False, False)
     progress.early_checkpoints = True
     assert torchrun.decide_together(torchrun.SINGLE, progress, "cpu") == (False, True)
