@@ -117,6 +117,26 @@ def _present(value: Any) -> bool:
 
 
 _MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
+#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
+#: supervisor, the same in every tool's config that has them.
+_TRAINER_ARGUMENTS_CONTRADICTIONS = (
+    Contradiction(
+        "save_only_model",
+        _is_true,
+        "checkpoints without optimizer state: every resume would start the optimizer afresh",
+        "delete save_only_model (or set false)",
+    ),
+    Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
+    Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
+)
+#: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
+_EVAL_STRATEGY = Row(
+    "eval_enabled",
+    "eval_strategy",
+    "no",
+    read=lambda v: v != "no",
+    write=lambda v: "steps" if v else "no",
+)
 
 TRL_SFT = Table(
     TrainerKind.TRL_SFT,
@@ -133,13 +153,7 @@ TRL_SFT = Table(
         Row("quant_type", "bnb_4bit_quant_type", "nf4"),
         Row("double_quant", "use_bnb_nested_quant", False),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        Row(
-            "eval_enabled",
-            "eval_strategy",
-            "no",
-            read=lambda v: v != "no",
-            write=lambda v: "steps" if v else "no",
-        ),
+        _EVAL_STRATEGY,
     ),
     output_key="output_dir",
     resume_key="resume_from_checkpoint",
@@ -152,14 +166,7 @@ TRL_SFT = Table(
         _resume("resume_from_checkpoint"),
         _no_saves("save_strategy"),
         Contradiction("use_peft", lambda v: v is not True, "not a LoRA fine-tune", "set use_peft: true"),
-        Contradiction(
-            "save_only_model",
-            _is_true,
-            "checkpoints without optimizer state: every resume would start the optimizer afresh",
-            "delete save_only_model (or set false)",
-        ),
-        Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
-        Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
+        *_TRAINER_ARGUMENTS_CONTRADICTIONS,
     ),
 )
 
@@ -244,14 +251,7 @@ AXOLOTL = Table(
         ),
         _no_saves("save_strategy"),
         _lora_only("adapter", ("qlora", "lora")),
-        Contradiction(
-            "save_only_model",
-            _is_true,
-            "checkpoints without optimizer state: every resume would start the optimizer afresh",
-            "delete save_only_model (or set false)",
-        ),
-        Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
-        Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
+        *_TRAINER_ARGUMENTS_CONTRADICTIONS,
         Contradiction("fsdp_config", _present, _MULTI_GPU, "delete fsdp_config"),
     ),
     targets_key="lora_target_modules",
@@ -281,13 +281,7 @@ LLAMAFACTORY = Table(
         Row("quant_type", "quantization_type", "nf4"),
         Row("double_quant", "double_quantization", True),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        Row(
-            "eval_enabled",
-            "eval_strategy",
-            "no",
-            read=lambda v: v != "no",
-            write=lambda v: "steps" if v else "no",
-        ),
+        _EVAL_STRATEGY,
     ),
     output_key="output_dir",
     resume_key="resume_from_checkpoint",
@@ -300,14 +294,7 @@ LLAMAFACTORY = Table(
         _resume("resume_from_checkpoint"),
         _no_saves("save_strategy"),
         _lora_only("finetuning_type", ("lora",)),
-        Contradiction(
-            "save_only_model",
-            _is_true,
-            "checkpoints without optimizer state: every resume would start the optimizer afresh",
-            "delete save_only_model (or set false)",
-        ),
-        Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
-        Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
+        *_TRAINER_ARGUMENTS_CONTRADICTIONS,
     ),
     targets_key="lora_target",
     data_key="dataset",
@@ -326,13 +313,7 @@ HF_SCRIPT = Table(
         Row("gradient_checkpointing", "gradient_checkpointing", False),
         Row("optimizer", "optim", "adamw_torch_fused"),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        Row(
-            "eval_enabled",
-            "eval_strategy",
-            "no",
-            read=lambda v: v != "no",
-            write=lambda v: "steps" if v else "no",
-        ),
+        _EVAL_STRATEGY,
         Row("max_seq_len", "max_seq_length", 512, present_only=True),
         Row("lora_r", "lora_r", 8, present_only=True),
         Row("lora_alpha", "lora_alpha", 16, present_only=True),
