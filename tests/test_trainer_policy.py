@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_loop_fake_clock import LLAMA2_7B
 
 from qlora_supervise.policies.candidates import rungs_between
 from qlora_supervise.policies.decide import PastAttempt, Restart, decide
@@ -22,18 +23,6 @@ from qlora_supervise.supervisor.trainers.ladders import cannot_take
 from qlora_supervise.supervisor.trainers.mapping import unmapped_changes
 from qlora_supervise.supervisor.trainers.tables import rungs_for
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
-
-LLAMA2_7B = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
-}
 
 
 @dataclasses.dataclass(frozen=True)
