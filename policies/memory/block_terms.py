@@ -26,9 +26,9 @@ grid checked. Per token, in the model's widths (h, i, q = heads x head_dim, kv, 
 
 from __future__ import annotations
 
+from qlora_supervise.policies.memory.optimizer import FP32
 from qlora_supervise.policies.memory.shape import ModelShape
 
-FP32 = 4
 #: MoE, per routed token: the expert's fp32 output (down_proj's), and the int64 indices and the
 #: routing weight that route it (three index tensors, a 16-bit weight, the top-k normalisation).
 ROUTED_TOKEN_H = FP32

@@ -347,12 +347,13 @@ def resolve_targets(targets: tuple[str, ...] | str, model_type: str = "llama") -
     Linear of the block, peft's rule without the head); a regex or an unknown name adapts what it
     matches among the block's layers, so it is read as a list of names.
     """
-    known = FAMILIES.get(model_type) or FAMILIES["llama"]
+    family_type = model_type if model_type in FAMILIES else "llama"
+    known = FAMILIES[family_type]
     layers = known.linear
     if isinstance(targets, str):
         if targets in KEYWORDS:
             if targets == "mlp" and not known.mlp:
                 return ()  # refused at validate (contract.targets): nothing to adapt here
-            return tuple(resolve(targets, model_type if model_type in FAMILIES else "llama"))
+            return tuple(resolve(targets, family_type))
         return tuple(name for name in layers if name in targets)
     return tuple(name for name in targets if name in layers)
