@@ -304,8 +304,14 @@ def build_assets(
         model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     # Shards of 5 GB: the plan command reads the index, as it would for a downloaded model.
-    model.save_pretrained(work / "model", max_shard_size="5GB")
-    tokenizer.save_pretrained(work / "model")
+    # Written beside and renamed: build_all skips a shape whose model/config.json exists, and a
+    # save cut short (a full disk) leaves config.json without its weights.
+    partial = work / "model.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, max_shard_size="5GB")
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(work / "model", ignore_errors=True)
+    partial.rename(work / "model")
     return {"params": params, "vocab_used": len(tokenizer), "build_s": round(time.monotonic() - t0, 1)}
 
 
@@ -419,6 +425,7 @@ def summarise(config: Config, run: Path, code: int, wall: float) -> dict[str, An
         "loaded_peak": at_load.peak_bytes,
         "loaded_reserved": at_load.reserved_bytes,
         "trainable_params": loaded.get("trainable_params"),
+        "attn_implementation": loaded.get("attn_implementation"),
         "vmdata_after_imports": started.get("vmdata"),
         "peak_rss": max(rss) if rss else None,
         "tokens_per_s": round(statistics.median(later), 1) if later else None,

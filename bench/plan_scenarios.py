@@ -113,6 +113,7 @@ def summarise(s: Scenario, run_dir: Path, run: dict[str, Any]) -> dict[str, Any]
     events = gpu_ladder.read_jsonl(run_dir / f"attempt-{len(attempts):03d}" / "child-events.jsonl")
     rates = [e["tokens_per_s"] for e in events if e.get("event") == "heartbeat" and e.get("tokens_per_s")]
     plan = first.get("plan") or {}
+    loaded = next((e for e in events if e.get("event") == "loaded"), {})
     return {
         "scenario": s.name,
         "exit_code": run["exit_code"],
@@ -131,6 +132,7 @@ def summarise(s: Scenario, run_dir: Path, run: dict[str, Any]) -> dict[str, Any]
             == s.effective
             for a in attempts
         ),
+        "attn_implementation": loaded.get("attn_implementation"),
         "peak_gib": round(((last.get("peak") or {}).get("bytes") or 0) / 2**30, 2),
         "tokens_per_s": round(statistics.median(rates[1:] or rates), 1) if rates else None,
     }
@@ -175,9 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--set", choices=("plan", "families"), default="plan", help="families: issue 20's")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run these scenarios of the set alone")
     args = p.parse_args(argv)
     start = time.monotonic()
     scenarios = TINY if args.tiny else {"plan": SCENARIOS, "families": FAMILY_SCENARIOS}[args.set]
+    if args.only:
+        unknown = sorted(set(args.only) - {s.name for s in scenarios})
+        if unknown:
+            p.error(f"no scenario {', '.join(unknown)} in --set {args.set}")
+        scenarios = tuple(s for s in scenarios if s.name in args.only)
     shapes = sorted({s.shape for s in scenarios})
     if args.tiny:
         from qlora_supervise.trainer_child.recipe.tiny import write_tiny

@@ -133,14 +133,15 @@ def test_when_the_model_cannot_fit_the_first_fallback_that_does_starts_loudly() 
 
 
 def test_a_cut_deeper_than_two_halvings_is_never_started_the_fallback_or_the_advice_is() -> None:
-    """The 8B fits 6 GiB only with seq_len cut to 1/16: with a 1B fallback the 1B trains at the job's
+    """The 8B fits 6.1 GiB only with seq_len cut to 1/8: with a 1B fallback the 1B trains at the job's
     seq_len; without one nothing fits, and the advice names the deep cut; one halving is kept."""
     job = Knobs(model="/m8", micro_batch_size=1, grad_accum=16, max_seq_len=2048)
-    alone = preflight(SHAPE_8B, job, 6 * GiB)
+    cap = int(6.1 * GiB)
+    alone = preflight(SHAPE_8B, job, cap)
     assert not alone.fits and alone.nothing_fits is not None
-    assert "max_seq_len 128" in alone.nothing_fits.help  # the deepest halving the model says fits
-    assert alone.nothing_fits.smallest_peak > 6 * GiB / 1.08  # of the configs it may start
-    with_fallback = preflight(SHAPE_8B, job, 6 * GiB, fallbacks=[("/m1", SHAPE_1B)])
+    assert "max_seq_len 256" in alone.nothing_fits.help  # the deepest halving the model says fits
+    assert alone.nothing_fits.smallest_peak > cap / 1.08  # of the configs it may start
+    with_fallback = preflight(SHAPE_8B, job, cap, fallbacks=[("/m1", SHAPE_1B)])
     assert with_fallback.fallback == "/m1" and with_fallback.knobs.max_seq_len == 2048
     # one halving is enough on a slightly larger card: the job's own model keeps the run
     shallow = next(

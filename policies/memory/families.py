@@ -9,9 +9,11 @@ Read from transformers 5.24's ``models/*/modeling_*.py`` (the version the child 
 * **Gemma 2 / Gemma 3 (text)**: four RMSNorms a block (before *and after* attention and the MLP),
   a tanh-GELU gated MLP with the same three intermediates as SiLU's, embeddings scaled by
   sqrt(hidden) and tied to the head at a 256k vocabulary, head_dim 256 (not hidden/heads).
-  Gemma 2 softcaps the attention scores, which SDPA cannot (``_supports_sdpa = False``), so it
-  trains with eager attention, keeping seq^2 tensors per head and layer; Gemma 3 has q/k norms
-  instead and trains with SDPA. Both softcap or scale the logits inside trl's fused head tiles.
+  Gemma 2 softcaps the attention scores, which SDPA cannot: transformers 5.24 sets
+  ``_supports_sdpa = False``, so it trains with eager attention, keeping seq^2 tensors per head
+  and layer, while 5.17 runs SDPA without the softcap (:mod:`.attention` reads which, from the
+  installed source). Gemma 3 has q/k norms instead and trains with SDPA. Both softcap or scale
+  the logits inside trl's fused head tiles.
 * **Phi-3 / Phi-4-mini**: the Llama block with q/k/v fused into ``qkv_proj`` and gate/up into
   ``gate_up_proj`` (same weights, other shapes for LoRA).
 * **Qwen3-MoE, Mixtral**: attention as above; the MLP is ``E`` experts stored as two fused 3D
@@ -28,6 +30,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .attention import default_attention
 
 
 class HeadNorm(str, enum.Enum):
@@ -82,10 +86,6 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
 }
 
-#: Model types whose attention transformers 5.24 runs eagerly when the child asks for none (it
-#: asks for none): Gemma 2 sets ``_supports_sdpa = False`` because SDPA cannot softcap the scores.
-#: Everything else gets SDPA; flash or flex attention only when asked for.
-EAGER_ATTENTION = frozenset({"gemma2"})
 #: Model types whose q/k/v projections carry a bias without saying so in config.json.
 QKV_BIAS = frozenset({"qwen2"})
 
@@ -113,7 +113,7 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
     experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     return {
         "model_type": model_type,
-        "attn_implementation": "eager" if model_type in EAGER_ATTENTION else "sdpa",
+        "attn_implementation": default_attention(model_type),
         "attn_softcap": _float_or_none(config.get("attn_logit_softcapping")),
         "final_softcap": _float_or_none(config.get("final_logit_softcapping")),
         "qkv_bias": bool(config.get("attention_bias")) or model_type in QKV_BIAS,

@@ -89,6 +89,11 @@ HEAD_TOKEN_TILE = 4096
 HEAD_VOCAB_TILE = 32768
 #: Outside the allocator: the CUDA context, cuBLAS handles and kernels (H200, torch 2.11).
 CUDA_CONTEXT = 600 << 20
+#: Inside the allocator once the first matmul runs: a cuBLAS workspace per (handle, stream), and
+#: training has two, the forward's thread and autograd's backward thread. 32 MiB each is torch's
+#: default on Hopper (8 MiB before it; the larger is kept for every card). It is the ~0.06 GiB that
+#: every small point of the H200 grids was short by (Llama 1B/7B, Qwen3, Gemma 3 at seq 512).
+BLAS_WORKSPACES = 2 * (32 << 20)
 #: Reserved over allocated at the peak; the caching allocator rounds and keeps split blocks.
 RESERVE_FRACTION = 0.08
 RESERVE_FRACTION_EXPANDABLE = 0.02
@@ -203,6 +208,11 @@ EAGER_BACKWARD_SCORES = 2 + FP32 + FP32
 #: returns gate's and up's) and two fp32 h-wide ones (the residual's and the block output's).
 BACKWARD_TRANSIENT_I = 8
 BACKWARD_TRANSIENT_H = 8
+#: A MoE block's backward, per routed token: the i-wide pair at the expert's width, and two fp32
+#: h-wide gradients, the expert output's and its gathered input's, for every routed token at once
+#: (H200, Qwen3-MoE block, top-8: 132 KB a token over seq 2048..8192 = 8 x 8 h; the dense terms
+#: alone left it 2.4-6.8 % short).
+MOE_BACKWARD_ROUTED_H = 8
 
 
 def block_backward_bytes(
@@ -217,7 +227,12 @@ def block_backward_bytes(
         else 0
     )
     widest = max(a * b for a, b in shape.linear_dims().values())
-    per_token = recomputed + BACKWARD_TRANSIENT_I * shape.intermediate + BACKWARD_TRANSIENT_H * shape.hidden
+    if shape.experts:
+        routed = BACKWARD_TRANSIENT_I * shape.expert_intermediate + MOE_BACKWARD_ROUTED_H * shape.hidden
+        mlp = shape.experts_per_token * routed
+    else:
+        mlp = BACKWARD_TRANSIENT_I * shape.intermediate
+    per_token = recomputed + mlp + BACKWARD_TRANSIENT_H * shape.hidden
     if shape.attn_implementation == "eager":
         per_token += EAGER_BACKWARD_SCORES * shape.heads * knobs.max_seq_len
     return tokens * per_token + widest * half  # bitsandbytes: 4-bit -> its 16-bit storage dtype
@@ -303,7 +318,7 @@ def training_phases(
     * optimizer_step: static + state + grads + the step's temporary;
     * eval (when enabled): static + state + one no-grad batch.
     """
-    static = static_components(shape, knobs, targets)
+    static = {**static_components(shape, knobs, targets), "blas_workspaces": BLAS_WORKSPACES}
     adapter: AdapterBytes = adapter_bytes(shape, knobs, targets)
     state = {"optimizer_state": adapter.state}
     grads = {"lora_grads": adapter.grads}

@@ -74,7 +74,7 @@ class ModelShape:
     # The architecture facts (issue 20): what the block is beyond its sizes. Defaults are the
     # Llama block's, so a shape built from sizes alone stays the Llama one.
     model_type: str = "llama"
-    attn_implementation: str = "sdpa"  # what the child gets: see EAGER_ATTENTION
+    attn_implementation: str = "sdpa"  # what the child gets: see attention.default_attention
     attn_softcap: float | None = None  # tanh softcapping of the attention scores (Gemma 2)
     final_softcap: float | None = None  # ... and of the logits (Gemma 2)
     qkv_bias: bool = False

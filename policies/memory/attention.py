@@ -1,0 +1,78 @@
+"""Which attention the child's transformers will run a model type with, read without importing it.
+
+The child asks transformers for no attention implementation, so transformers picks SDPA when the
+model class sets ``_supports_sdpa = True`` and eager attention otherwise. That flag moves between
+releases: Gemma 2's is True in transformers 5.17 and False in 5.24 (SDPA cannot softcap the
+scores). Eager attention keeps a seq x seq score tensor per head, so guessing wrong costs a
+Gemma 2 plan a factor of two at seq 8192 (measured on an H200 with 5.17: 7.5 GiB where the eager
+reading predicted 16.8). So the planner reads the flag from the installed transformers' source,
+as text: importing the modeling module would import torch into the supervisor.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+
+#: The transformers folder of a model type whose modeling module is named for another one.
+MODULE_OF = {"gemma3_text": "gemma3"}
+#: The reading where transformers' source cannot be found or read: the release the child is
+#: pinned to (5.24) refuses SDPA for these.
+EAGER_WITHOUT_SOURCE = frozenset({"gemma2"})
+
+
+def default_attention(model_type: str) -> str:
+    """``"sdpa"`` or ``"eager"``: what transformers picks for ``model_type`` when asked for none."""
+    supports = _supports_sdpa(_transformers_root(), MODULE_OF.get(model_type, model_type))
+    if supports is None:
+        return "eager" if model_type in EAGER_WITHOUT_SOURCE else "sdpa"
+    return "sdpa" if supports else "eager"
+
+
+@functools.cache
+def _transformers_root() -> Path | None:
+    """The installed transformers package folder, found without importing it."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def _supports_sdpa(root: Path | None, module: str) -> bool | None:
+    """``_supports_sdpa`` as the model's ``*PreTrainedModel`` class sets it in
+    ``models/<module>/modeling_<module>.py``; None when that file or assignment is not there."""
+    if root is None:
+        return None
+    path = root / "models" / module / f"modeling_{module}.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    return supports_sdpa_in(tree)
+
+
+def supports_sdpa_in(tree: ast.Module) -> bool | None:
+    """The constant a ``*PreTrainedModel`` class in ``tree`` assigns to ``_supports_sdpa``."""
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and node.name.endswith("PreTrainedModel")):
+            continue
+        for statement in node.body:
+            targets = (
+                statement.targets
+                if isinstance(statement, ast.Assign)
+                else [statement.target]
+                if isinstance(statement, ast.AnnAssign)
+                else []
+            )
+            value = getattr(statement, "value", None)
+            if any(isinstance(t, ast.Name) and t.id == "_supports_sdpa" for t in targets) and (
+                isinstance(value, ast.Constant) and isinstance(value.value, bool)
+            ):
+                return value.value
+    return None
