@@ -231,18 +231,28 @@ def keep_logs(runs: Path, out: Path) -> None:
             shutil.copyfile(path, target)
 
 
-def wait(procs: list[subprocess.Popen[bytes]], deadline: float) -> list[int | None]:
-    for proc in procs:
+def wait(
+    procs: list[subprocess.Popen[bytes]], deadline: float, started: float
+) -> list[tuple[int | None, float]]:
+    """Each process's exit status and its seconds from ``started`` to its own exit (runs that
+    share the card end at different times); past ``deadline`` the rest are stopped."""
+    ended: dict[int, float] = {}
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        for i, proc in enumerate(procs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.monotonic() - started
+        time.sleep(0.2)
+    for i, proc in enumerate(procs):
+        if i in ended:
+            continue
+        proc.terminate()
         try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    return [proc.returncode for proc in procs]
+            proc.kill()
+            proc.wait()
+        ended[i] = time.monotonic() - started
+    return [(proc.returncode, ended[i]) for i, proc in enumerate(procs)]
 
 
 # --------------------------------------------------------------------------- results
@@ -365,16 +375,13 @@ def main() -> int:
     started = time.monotonic()
     sup, _ = start_supervised(runs / "supervised", config, cap, args.tiny)
     if args.tiny:  # two cores: one run after the other
-        (code_a,) = wait([sup], deadline)
-        seconds_a = time.monotonic() - started
+        ((code_a, seconds_a),) = wait([sup], deadline, started)
         started = time.monotonic()
         auto, auto_log = start_auto(runs / "auto", config, cap, args.tiny)
-        (code_b,) = wait([auto], deadline)
-        seconds_b = time.monotonic() - started
+        ((code_b, seconds_b),) = wait([auto], deadline, started)
     else:  # one H200: both at once, each capped per process
         auto, auto_log = start_auto(runs / "auto", config, cap, args.tiny)
-        code_a, code_b = wait([sup, auto], deadline)
-        seconds_a = seconds_b = time.monotonic() - started
+        (code_a, seconds_a), (code_b, seconds_b) = wait([sup, auto], deadline, started)
     results["supervised"] = supervised_result(runs / "supervised", code_a, seconds_a)
     results["auto_find_batch_size"] = auto_result(auto_log, config, code_b, seconds_b)
     keep_logs(runs, args.out)

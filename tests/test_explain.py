@@ -32,7 +32,7 @@ def test_explain_table_tells_the_bench_retry_story_with_predictions() -> None:
     assert rows[0].split()[:3] == ["#", "outcome", "stage"]
     assert rows[1].split()[:3] == ["1", "oom_forward", "forward"] and "gradient_checkpointing" in rows[1]
     assert "oom_fragmentation" in rows[2] and "reserved-free 951.75 MiB" in rows[2]
-    assert "1->6" in rows[5] and "(5.95 GiB)" in rows[5]  # predicted for 1 x 16 (5.96 measured)
+    assert "1->6" in rows[5] and "(6.02 GiB)" in rows[5]  # predicted for 1 x 16 (5.96 measured)
     assert rows[-1] == "budget: 8.00 GiB"
 
 
