@@ -1,8 +1,9 @@
 """The axolotl and LLaMA-Factory tables against each tool's own schema, read from its wheel.
 
 The supervisor never imports either tool; these tests do, in a subprocess, from the wheels in
-``.tool-wheels/`` (``pip download --no-deps axolotl==0.19.0 llamafactory==0.9.5 -d .tool-wheels``;
-skipped with that line when they are not there). axolotl's pydantic schema
+``.tool-wheels/`` when they are there, else fetched from the package index into the test's
+temporary folder (``pip download --no-deps``: two wheels, 2 MB, about a second); skipped with the
+command to run when neither works (no index). axolotl's pydantic schema
 (``AxolotlInputConfig``) imports and validates with this venv's pydantic: an attempt config is
 validated by it. LLaMA-Factory's argument dataclasses import omegaconf and pin transformers <= 5.6,
 which this venv does not have, so their field names and defaults are read from the wheel's source
@@ -13,6 +14,7 @@ transformers.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,10 +36,22 @@ LLAMAFACTORY_WHEEL = "llamafactory-0.9.5-py3-none-any.whl"
 DOWNLOAD = f"pip download --no-deps axolotl==0.19.0 llamafactory==0.9.5 -d {WHEELS}"
 
 
+def _wheel(name: str, tmp_path: Path) -> Path:
+    """The tool's wheel: from ``.tool-wheels/``, else downloaded (no dependencies) for this test."""
+    if (WHEELS / name).is_file():
+        return WHEELS / name
+    project, version = name.split("-")[:2]
+    fetched = tmp_path / "fetched"
+    argv = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{project}=={version}"]
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run([*argv, "-d", str(fetched)], capture_output=True, timeout=120, check=False)
+    if not (fetched / name).is_file():
+        pytest.skip(f"{WHEELS / name} is not there and the package index cannot be reached: `{DOWNLOAD}`")
+    return fetched / name
+
+
 def _unpacked(name: str, tmp_path: Path) -> Path:
-    wheel = WHEELS / name
-    if not wheel.is_file():
-        pytest.skip(f"{wheel} is not there: fetch the wheels with `{DOWNLOAD}`")
+    wheel = _wheel(name, tmp_path)
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path / "wheel")
     return tmp_path / "wheel"
