@@ -46,6 +46,15 @@ def test_a_release_whose_gemma2_takes_sdpa_is_planned_with_sdpa(
         assert attention.default_attention("gemma2") == expected
 
 
+def test_a_class_that_sets_no_flag_inherits_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PreTrainedModel's own ``_supports_sdpa`` is False: a modeling file that never sets it is eager."""
+    folder = tmp_path / "models" / "llama"
+    folder.mkdir(parents=True)
+    (folder / "modeling_llama.py").write_text("class LlamaPreTrainedModel:\n    pass\n")
+    monkeypatch.setattr(attention, "_transformers_root", lambda: tmp_path)
+    assert attention.default_attention("llama") == "eager"
+
+
 def test_without_the_source_the_pinned_release_reading_holds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -46,7 +46,8 @@ def _transformers_root() -> Path | None:
 @functools.cache
 def _supports_sdpa(root: Path | None, module: str) -> bool | None:
     """``_supports_sdpa`` as the model's ``*PreTrainedModel`` class sets it in
-    ``models/<module>/modeling_<module>.py``; None when that file or assignment is not there."""
+    ``models/<module>/modeling_<module>.py``; None when that file cannot be read. A file read
+    whose class sets nothing inherits ``PreTrainedModel``'s default, False."""
     if root is None:
         return None
     path = root / "models" / module / f"modeling_{module}.py"
@@ -54,7 +55,7 @@ def _supports_sdpa(root: Path | None, module: str) -> bool | None:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError):
         return None
-    return supports_sdpa_in(tree)
+    return bool(supports_sdpa_in(tree))
 
 
 def supports_sdpa_in(tree: ast.Module) -> bool | None:
