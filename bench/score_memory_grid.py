@@ -49,11 +49,15 @@ def shape_of(name: str, attention: str | None = None) -> memory_model.ModelShape
     return dataclasses.replace(shape, attn_implementation=ran_with) if ran_with else shape
 
 
+def point_shape(point: dict[str, Any]) -> memory_model.ModelShape:
+    """The shape a recorded point ran, with the attention its child reported where it did."""
+    return shape_of(point["config"]["shape"], point.get("attn_implementation"))
+
+
 def repredict(point: dict[str, Any]) -> memory_model.Prediction:
     """The current model's prediction for one recorded grid point."""
     config = Config(**point["config"])
-    shape = shape_of(config.shape, point.get("attn_implementation"))
-    return memory_model.predict(shape, config.knobs(), targets=config.target_modules)
+    return memory_model.predict(point_shape(point), config.knobs(), targets=config.target_modules)
 
 
 def load_line(point: dict[str, Any]) -> str | None:
@@ -63,11 +67,7 @@ def load_line(point: dict[str, Any]) -> str | None:
     if not measured:
         return None
     config = Config(**point["config"])
-    load = sum(
-        gpu.load_components(
-            shape_of(config.shape, point.get("attn_implementation")), config.knobs(), config.target_modules
-        ).values()
-    )
+    load = sum(gpu.load_components(point_shape(point), config.knobs(), config.target_modules).values())
     error = (load - measured) / measured
     return f"      load: measured {measured / GiB:.2f}, predicted {load / GiB:.2f} ({error:+.1%})"
 
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--median", type=float, default=MEDIAN_TARGET, help="median |error| target")
     parser.add_argument("--worst", type=float, default=WORST_TARGET, help="worst |error| target")
     args = parser.parse_args(argv)
+    ATTENTION.clear()  # this call's overrides only
     for item in args.attention:
         model_type, _, impl = item.partition("=")
         if impl not in ("sdpa", "eager"):

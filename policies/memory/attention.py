@@ -64,16 +64,14 @@ def supports_sdpa_in(tree: ast.Module) -> bool | None:
         if not (isinstance(node, ast.ClassDef) and node.name.endswith("PreTrainedModel")):
             continue
         for statement in node.body:
-            targets = (
-                statement.targets
-                if isinstance(statement, ast.Assign)
-                else [statement.target]
-                if isinstance(statement, ast.AnnAssign)
-                else []
-            )
-            value = getattr(statement, "value", None)
-            if any(isinstance(t, ast.Name) and t.id == "_supports_sdpa" for t in targets) and (
-                isinstance(value, ast.Constant) and isinstance(value.value, bool)
-            ):
+            value: ast.expr | None
+            if isinstance(statement, ast.Assign):
+                targets, value = statement.targets, statement.value
+            elif isinstance(statement, ast.AnnAssign):
+                targets, value = [statement.target], statement.value
+            else:
+                continue
+            named = any(isinstance(t, ast.Name) and t.id == "_supports_sdpa" for t in targets)
+            if named and isinstance(value, ast.Constant) and isinstance(value.value, bool):
                 return value.value
     return None
