@@ -73,3 +73,39 @@ def trl_job(
     }
     (out / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     return out / "job.yaml"
+
+
+def axolotl_config(tiny_dir: Path, out: Path, **keys: Any) -> dict[str, Any]:
+    """An axolotl QLoRA config of the tiny model: the same rows, shape and knobs as
+    :func:`trl_config` (micro-batch 16 at seq 256, no checkpointing), in axolotl's keys."""
+    rows = text_dataset(tiny_dir, out) / "train.jsonl"
+    return {
+        "base_model": str(tiny_dir / "model"),
+        "datasets": [{"path": str(rows), "ds_type": "json", "type": "completion"}],
+        "dataset_prepared_path": "./prepared",
+        "adapter": "qlora",
+        "load_in_4bit": True,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        # axolotl turns its Triton LoRA kernels on by itself; they need CUDA
+        "lora_qkv_kernel": False,
+        "lora_o_kernel": False,
+        "lora_mlp_kernel": False,
+        "sequence_len": 256,
+        "excess_length_strategy": "truncate",  # the tiny rows are longer: axolotl drops them by default
+        "micro_batch_size": 16,
+        "gradient_accumulation_steps": 1,
+        "gradient_checkpointing": False,
+        "optimizer": "adamw_torch",
+        "learning_rate": 2.0e-4,
+        "lr_scheduler": "cosine",
+        "max_steps": 3,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "seed": 42,
+        "output_dir": "./axolotl-out",
+        "a_key_we_do_not_know": {"kept": [1, 2]},  # passed through (axolotl warns and ignores it)
+        **keys,
+    }
