@@ -54,8 +54,8 @@ def test_axolotl_oom_restarts_at_half_the_micro_batch_and_resumes_in_order(
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv("QLORA_SUPERVISE_TEST_TRACE_BATCHES", str(trace))
     monkeypatch.setenv("AXOLOTL_DO_NOT_TRACK", "1")  # its telemetry would try the network
-    (tmp_path / "axolotl.yaml").write_text(yaml.safe_dump(axolotl_config(tiny_dir, tmp_path), sort_keys=False))
-    user_file = (tmp_path / "axolotl.yaml").read_text()
+    user_file = yaml.safe_dump(axolotl_config(tiny_dir, tmp_path), sort_keys=False)
+    (tmp_path / "axolotl.yaml").write_text(user_file)
     halve = ["halve_micro_batch"]
     job = {
         "trainer": {"kind": "axolotl", "config": "axolotl.yaml", "python": str(python)},
