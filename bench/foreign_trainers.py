@@ -107,8 +107,10 @@ def build(work: Path, tiny: bool, seq: int) -> tuple[Path, Path]:
     return base / "model", data
 
 
-def user_config(model: Path, data: Path, tiny: bool, steps: int) -> dict[str, Any]:
-    """The config as a user writes it; on the CPU the tiny model's numbers (see --tiny)."""
+def user_config(tool: str, model: Path, data: Path, tiny: bool, steps: int) -> dict[str, Any]:
+    """The config as a user writes it for ``tool``; on the CPU the tiny model's numbers (see --tiny)."""
+    if tool == "axolotl":
+        return axolotl_config(model, data, tiny, steps)
     return {
         "model_name_or_path": str(model),
         "dataset_name": str(data),
@@ -135,24 +137,65 @@ def user_config(model: Path, data: Path, tiny: bool, steps: int) -> dict[str, An
     }
 
 
-def cpu_cap() -> int:
-    """The tests' cap on the tiny model: 970 MiB above the data segment after the stack's imports."""
-    argv = [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.stack", "--bytes"]
+def axolotl_config(model: Path, data: Path, tiny: bool, steps: int) -> dict[str, Any]:
+    """The same job in axolotl's keys: the rows as a ``completion`` dataset (its ``text`` field)."""
+    config: dict[str, Any] = {
+        "base_model": str(model),
+        "datasets": [{"path": str(data / "train.jsonl"), "ds_type": "json", "type": "completion"}],
+        "dataset_prepared_path": "./prepared",
+        "adapter": "qlora",
+        "load_in_4bit": True,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "sequence_len": 256 if tiny else 1024,
+        "excess_length_strategy": "truncate",  # every row is longer: axolotl would drop them all
+        "micro_batch_size": 16 if tiny else 8,
+        "gradient_accumulation_steps": 1 if tiny else 2,
+        "gradient_checkpointing": False,
+        "optimizer": "adamw_torch" if tiny else "paged_adamw_8bit",
+        "learning_rate": 2.0e-4,
+        "lr_scheduler": "cosine",
+        "bf16": not tiny,
+        "sdp_attention": True,
+        "max_steps": steps,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "seed": 42,
+        "output_dir": "./out",
+    }
+    if tiny:  # axolotl turns its Triton LoRA kernels on by itself; on the CPU they cannot run
+        config |= {"lora_qkv_kernel": False, "lora_o_kernel": False, "lora_mlp_kernel": False}
+    return config
+
+
+CONFIG_NAME = {"trl-sft": "sft.yaml", "axolotl": "axolotl.yaml"}
+
+
+#: The tests' headroom on the tiny model above the tool's data segment after the stack's imports
+#: (tests/_child.py, tests/test_trainer_tools_real.py): micro-batch 16 at seq 256 is over it, 8 under.
+CPU_HEADROOM = {"trl-sft": 970 * MiB, "axolotl": 490 * MiB}
+
+
+def cpu_cap(tool: str, python: str) -> int:
+    """The tiny model's cap for ``tool``, from its interpreter's own import baseline."""
+    argv = [python, "-m", "qlora_supervise.trainer_child.recipe.stack", "--bytes"]
     done = subprocess.run(argv, check=True, env=child_env(), capture_output=True, text=True)
-    return int(done.stdout.split()[-1]) + 970 * MiB
+    return int(done.stdout.split()[-1]) + CPU_HEADROOM[tool]
 
 
 # --------------------------------------------------------------------------- the two runs
 
 
 def start_supervised(
-    out: Path, config: dict[str, Any], cap: int, tiny: bool
+    out: Path, tool: str, python: str, config: dict[str, Any], cap: int, tiny: bool
 ) -> tuple[subprocess.Popen[bytes], Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sft.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (out / CONFIG_NAME[tool]).write_text(yaml.safe_dump(config, sort_keys=False))
     limit = {"cpu_memory_limit": f"{cap}B"} if tiny else {"gpu_memory_limit": f"{cap}B"}
     job = {
-        "trainer": {"kind": "trl-sft", "config": "sft.yaml"},
+        "trainer": {"kind": tool, "config": CONFIG_NAME[tool], "python": python},
         "resources": {"gpu": "cpu" if tiny else "0", **limit},
         "supervise": {"hang_timeout": "10m", "backoff_initial": "1s", "backoff_max": "5s"},
         "output_dir": "./run",
@@ -173,22 +216,21 @@ def start_supervised(
 
 
 def start_auto(
-    out: Path, config: dict[str, Any], cap: int, tiny: bool
+    out: Path, tool: str, python: str, config: dict[str, Any], cap: int, tiny: bool
 ) -> tuple[subprocess.Popen[bytes], Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sft-auto.yaml").write_text(
-        yaml.safe_dump({**config, "auto_find_batch_size": True}, sort_keys=False)
-    )
-    argv = [sys.executable, __file__, "--_auto", str(out / "sft-auto.yaml"), "--_cap", str(cap)]
+    name = "auto-" + CONFIG_NAME[tool]
+    (out / name).write_text(yaml.safe_dump({**config, "auto_find_batch_size": True}, sort_keys=False))
+    argv = [python, __file__, "--_auto", str(out / name), "--_cap", str(cap), "--tool", tool]
     argv += ["--tiny"] if tiny else []
-    log = (out / "trl.log").open("wb")
+    log = (out / "tool.log").open("wb")
     # The same allocator setting our child gets (expandable segments on), so only the policy differs.
     env = child_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out), out / "trl.log"
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out), out / "tool.log"
 
 
-def auto_child(config: str, cap: int, tiny: bool) -> None:
-    """trl's own script with ``auto_find_batch_size``, capped as our child caps itself."""
+def auto_child(tool: str, config: str, cap: int, tiny: bool) -> None:
+    """The tool's own entry point with ``auto_find_batch_size``, capped as our child caps itself."""
     import torch  # noqa: F401 - the stack first: the CPU cap counts from after the imports
     import transformers
     import trl  # noqa: F401
@@ -214,16 +256,20 @@ def auto_child(config: str, cap: int, tiny: bool) -> None:
 
     transformers.Trainer._inner_training_loop = traced  # type: ignore[method-assign]
     transformers.Trainer.__init__ = with_steps  # type: ignore[method-assign]
-    sys.argv = ["trl-sft", "--config", config]
-    runpy.run_module("trl.scripts.sft", run_name="__main__")
+    if tool == "axolotl":  # what `axolotl train FILE` runs, as our launch does
+        sys.argv = ["axolotl", config]
+        runpy.run_module("axolotl.cli.train", run_name="__main__")
+    else:
+        sys.argv = ["trl-sft", "--config", config]
+        runpy.run_module("trl.scripts.sft", run_name="__main__")
 
 
 def keep_logs(runs: Path, out: Path) -> None:
     """The logs and journals of both runs into OUT (not the checkpoints: they can be large)."""
     sup = runs / "supervised"
-    names = ["supervisor.log", "job.yaml", "sft.yaml", "run/attempts.jsonl", "run/events.jsonl"]
+    names = ["supervisor.log", "job.yaml", *CONFIG_NAME.values(), "run/attempts.jsonl", "run/events.jsonl"]
     files = [sup / n for n in names] + sorted(sup.glob("run/attempt-*/*"))
-    files += [runs / "auto" / "trl.log", runs / "auto" / "sft-auto.yaml"]
+    files += [runs / "auto" / "tool.log", *sorted((runs / "auto").glob("auto-*.yaml"))]
     for path in files:
         if path.is_file() and path.stat().st_size < 20 * MiB:
             target = out / path.relative_to(runs)
@@ -327,17 +373,17 @@ ROWS = (
 )
 
 
-def table(results: dict[str, dict[str, Any]], cap: int, tiny: bool) -> str:
+def table(results: dict[str, dict[str, Any]], tool: str, cap: int, tiny: bool) -> str:
     where = (
         f"CPU, tiny model, RLIMIT_DATA {cap / MiB:.0f} MiB"
         if tiny
         else f"GPU, 7B shape, cap {cap / GiB:.1f} GiB"
     )
     a, b = results["supervised"], results["auto_find_batch_size"]
-    rows = [("", "qlora-supervise", "trl auto_find_batch_size")]
+    rows = [("", "qlora-supervise", f"{tool.split('-')[0]} auto_find_batch_size")]
     rows += [(label, _cell(a, key), _cell(b, key)) for label, key in ROWS]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"trl sft, one config ({where})"]
+    lines = [f"{tool.replace('-', ' ')}, one config ({where})"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
 
@@ -347,6 +393,8 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "foreign_trainers")
     p.add_argument("--tiny", action="store_true", help="the CPU and the tiny model")
+    p.add_argument("--tool", choices=sorted(CONFIG_NAME), default="trl-sft")
+    p.add_argument("--python", default=sys.executable, help="the tool venv's interpreter (both runs)")
     p.add_argument("--cap", default="12GiB", help="GPU memory cap of each run (ignored with --tiny)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--deadline-s", type=float, default=480.0)
@@ -355,7 +403,7 @@ def main() -> int:
     args = p.parse_args()
     if args._auto:
         sys.path.insert(0, source_path())
-        auto_child(args._auto, int(args._cap), args.tiny)
+        auto_child(args.tool, args._auto, int(args._cap), args.tiny)
         return 0
     if args.out is None:
         p.error("--out is required")
@@ -367,26 +415,27 @@ def main() -> int:
     from qlora_supervise.supervisor.jobfile.units import parse_bytes
 
     model, data = build(args.work, args.tiny, 1024)
-    cap = cpu_cap() if args.tiny else parse_bytes(args.cap)
-    config = user_config(model, data, args.tiny, args.steps)
+    cap = cpu_cap(args.tool, args.python) if args.tiny else parse_bytes(args.cap)
+    config = user_config(args.tool, model, data, args.tiny, args.steps)
     results: dict[str, dict[str, Any]] = {}
     runs = args.work / "runs"  # checkpoints and models stay out of OUT: only the logs go there
     shutil.rmtree(runs, ignore_errors=True)
     started = time.monotonic()
-    sup, _ = start_supervised(runs / "supervised", config, cap, args.tiny)
+    sup, _ = start_supervised(runs / "supervised", args.tool, args.python, config, cap, args.tiny)
     if args.tiny:  # two cores: one run after the other
         ((code_a, seconds_a),) = wait([sup], deadline, started)
         started = time.monotonic()
-        auto, auto_log = start_auto(runs / "auto", config, cap, args.tiny)
+        auto, auto_log = start_auto(runs / "auto", args.tool, args.python, config, cap, args.tiny)
         ((code_b, seconds_b),) = wait([auto], deadline, started)
     else:  # one H200: both at once, each capped per process
-        auto, auto_log = start_auto(runs / "auto", config, cap, args.tiny)
+        auto, auto_log = start_auto(runs / "auto", args.tool, args.python, config, cap, args.tiny)
         (code_a, seconds_a), (code_b, seconds_b) = wait([sup, auto], deadline, started)
     results["supervised"] = supervised_result(runs / "supervised", code_a, seconds_a)
     results["auto_find_batch_size"] = auto_result(auto_log, config, code_b, seconds_b)
     keep_logs(runs, args.out)
-    text = table(results, cap, args.tiny)
-    report = {"tiny": args.tiny, "cap_bytes": cap, "config": config, "results": results,
+    text = table(results, args.tool, cap, args.tiny)
+    report = {"tool": args.tool, "python": args.python, "tiny": args.tiny, "cap_bytes": cap,
+              "config": config, "results": results,
               "total_s": round(time.monotonic() - start, 1)}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     (args.out / "table.txt").write_text(text + "\n")
