@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
+from qlora_supervise.supervisor.commands.status import status_command
 from qlora_supervise.supervisor.loop.launch import spec_command
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
@@ -114,6 +115,14 @@ def test_a_script_the_shim_cannot_attach_to_is_classified_from_stderr_and_said_s
     # Run beside the job file: the relative script path worked; the user's command is unchanged.
     assert (run / "trainer-output" / "done").is_file()
     assert yaml.safe_load((tmp_path / "job.yaml").read_text())["trainer"]["command"] == command
+    # Without the shim nothing was written to run/adapter: the log names the tool's own output.
+    (done,) = [e for e in read_events(run / "events.jsonl") if e["event"] == "run_succeeded"]
+    assert not (run / "adapter").exists()
+    assert done["adapter"] is None and done["trainer_output"] == str(run / "trainer-output")
+    out = io.StringIO()
+    assert status_command([str(run)], out=out) == 0
+    saved = f"adapter: none in the run directory; the tool saved into {run / 'trainer-output'}"
+    assert saved in out.getvalue()
 
 
 def _script_job(tmp_path: Path, body: str) -> Path:
