@@ -4,6 +4,9 @@
 #   /tmp/supenv  the supervisor: the wheels of .whl/ (make-wheels.sh)
 #   /tmp/axenv   axolotl 0.19.0: its pins from .whl/axolotl/ (see bench/foreign_trainers.py),
 #                plus bitsandbytes, structlog and tenacity from .whl/
+#   /tmp/lfenv   LLaMA-Factory 0.9.5: its pins from .whl/llamafactory/ (transformers 5.6.0, peft
+#                0.18.1, accelerate 1.11.0, datasets 4.0.0, trl 0.24.0), the same three from .whl/
+# (each made when its folder is there: the carried tree holds 64 MiB, so one tool's at a time)
 # Each venv's own site-packages comes first; a .pth line then adds the image's site-packages
 # after it (processed as a site dir, so its own .pth files still run). PYTHONPATH is left unset:
 # it would come before both and put one side's versions in the other's process.
@@ -25,6 +28,9 @@ base=(.whl/bitsandbytes-*.whl .whl/structlog-*.whl .whl/tenacity-*.whl .whl/typi
 if compgen -G ".whl/axolotl/*.whl" > /dev/null; then
   make_venv /tmp/axenv .whl/axolotl/*.whl "${base[@]}"
 fi
-for py in /tmp/supenv/bin/python /tmp/axenv/bin/python; do
+if compgen -G ".whl/llamafactory/*.whl" > /dev/null; then
+  make_venv /tmp/lfenv .whl/llamafactory/*.whl "${base[@]}"
+fi
+for py in /tmp/supenv/bin/python /tmp/axenv/bin/python /tmp/lfenv/bin/python; do
   [ -x "$py" ] && "$py" -c "import sys, torch, transformers; print(sys.prefix, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 done

@@ -104,6 +104,18 @@ def build(work: Path, tiny: bool, seq: int) -> tuple[Path, Path]:
     rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()]
     # text only: trl would read a messages column as chat turns
     (data / "train.jsonl").write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in rows))
+    # LLaMA-Factory reads a dataset by name from dataset_dir/dataset_info.json, as instruction and
+    # response: the first 16 words of each row ask, the rest answer.
+    pairs = [r["text"].split(" ") for r in rows]
+    (data / "pairs.jsonl").write_text(
+        "".join(
+            json.dumps({"instruction": " ".join(w[:16]), "output": " ".join(w[16:])}) + "\n" for w in pairs
+        )
+    )
+    columns = {"prompt": "instruction", "response": "output"}
+    (data / "dataset_info.json").write_text(
+        json.dumps({"rows": {"file_name": "pairs.jsonl", "columns": columns}})
+    )
     return base / "model", data
 
 
@@ -111,6 +123,8 @@ def user_config(tool: str, model: Path, data: Path, tiny: bool, steps: int) -> d
     """The config as a user writes it for ``tool``; on the CPU the tiny model's numbers (see --tiny)."""
     if tool == "axolotl":
         return axolotl_config(model, data, tiny, steps)
+    if tool == "llamafactory":
+        return llamafactory_config(model, data, tiny, steps)
     return {
         "model_name_or_path": str(model),
         "dataset_name": str(data),
@@ -170,12 +184,45 @@ def axolotl_config(model: Path, data: Path, tiny: bool, steps: int) -> dict[str,
     return config
 
 
-CONFIG_NAME = {"trl-sft": "sft.yaml", "axolotl": "axolotl.yaml"}
+def llamafactory_config(model: Path, data: Path, tiny: bool, steps: int) -> dict[str, Any]:
+    """The same job in LLaMA-Factory's keys (its checkpointing is on unless disabled: disabled, as
+    in the other two configs)."""
+    return {
+        "model_name_or_path": str(model),
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "lora",
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "lora_target": "q_proj,k_proj,v_proj,o_proj",
+        "quantization_bit": 4,
+        "quantization_method": "bnb",
+        "dataset": "rows",
+        "dataset_dir": str(data),
+        "template": "default",
+        "cutoff_len": 256 if tiny else 1024,
+        "per_device_train_batch_size": 16 if tiny else 8,
+        "gradient_accumulation_steps": 1 if tiny else 2,
+        "disable_gradient_checkpointing": True,
+        "optim": "adamw_torch" if tiny else "paged_adamw_8bit",
+        "learning_rate": 2.0e-4,
+        "lr_scheduler_type": "cosine",
+        "max_steps": steps,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "bf16": not tiny,
+        "report_to": "none",
+        "seed": 42,
+        "output_dir": "./out",
+    }
+
+
+CONFIG_NAME = {"trl-sft": "sft.yaml", "axolotl": "axolotl.yaml", "llamafactory": "llamafactory.yaml"}
 
 
 #: The tests' headroom on the tiny model above the tool's data segment after the stack's imports
 #: (tests/_child.py, tests/test_trainer_tools_real.py): micro-batch 16 at seq 256 is over it, 8 under.
-CPU_HEADROOM = {"trl-sft": 970 * MiB, "axolotl": 490 * MiB}
+CPU_HEADROOM = {"trl-sft": 970 * MiB, "axolotl": 490 * MiB, "llamafactory": 970 * MiB}
 
 
 def cpu_cap(tool: str, python: str) -> int:
@@ -259,6 +306,9 @@ def auto_child(tool: str, config: str, cap: int, tiny: bool) -> None:
     if tool == "axolotl":  # what `axolotl train FILE` runs, as our launch does
         sys.argv = ["axolotl", config]
         runpy.run_module("axolotl.cli.train", run_name="__main__")
+    elif tool == "llamafactory":  # what `llamafactory-cli train FILE` runs on one GPU
+        sys.argv = ["llamafactory", config]
+        runpy.run_module("llamafactory.launcher", run_name="__main__")
     else:
         sys.argv = ["trl-sft", "--config", config]
         runpy.run_module("trl.scripts.sft", run_name="__main__")
