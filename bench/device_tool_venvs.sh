@@ -32,5 +32,7 @@ if compgen -G ".whl/llamafactory/*.whl" > /dev/null; then
   make_venv /tmp/lfenv .whl/llamafactory/*.whl "${base[@]}"
 fi
 for py in /tmp/supenv/bin/python /tmp/axenv/bin/python /tmp/lfenv/bin/python; do
-  [ -x "$py" ] && "$py" -c "import sys, torch, transformers; print(sys.prefix, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  if [ -x "$py" ]; then
+    "$py" -c "import sys, torch, transformers; print(sys.prefix, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  fi
 done
