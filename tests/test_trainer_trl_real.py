@@ -9,18 +9,16 @@ knobs reach trl through the per-attempt config only.
 from __future__ import annotations
 
 import io
-import json
 import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from _machine import scaled
+from _resume_checks import assert_loss_continues, assert_same_samples_per_step, read_lines
 from _trainer_configs import trl_job
 
 from qlora_supervise.supervisor.commands.run import run_job
@@ -33,10 +31,6 @@ pytestmark = pytest.mark.slow
 
 def _run(job: Path) -> int:
     return run_job(str(job), plain=True, console=io.StringIO(), install_signals=False)
-
-
-def _trace(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
@@ -69,25 +63,9 @@ def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
     assert config["resume_from_checkpoint"] == str(run / "checkpoints" / "checkpoint-1")
     assert config["a_key_we_do_not_know"] == {"kept": [1, 2]}
     assert (tmp_path / "sft.yaml").read_text() == user_file
-    # Data order: step 2 after the resume trains exactly the 16 samples step 2 began with before
-    # the OOM, in two micro-batches of 8; no sample of the 3 steps is seen twice.
-    batches = _trace(trace)
-    before = next(b for b in batches if b["step"] == 2 and len(b["rows"]) == 16)
-    after = [b for b in batches[batches.index(before) + 1 :]]
-    assert [(b["step"], len(b["rows"])) for b in after] == [(2, 8), (2, 8), (3, 8), (3, 8)]
-    assert Counter(r for b in after if b["step"] == 2 for r in b["rows"]) == Counter(before["rows"])
-    trained = [r for b in batches if b is not before for r in b["rows"]]
-    assert len(trained) == len(set(trained)) == 48
-    # Loss continuity: trl's own history after the resume runs 1, 2 with no step repeated, step 1's
-    # loss is the one attempt 1 logged, and no later step jumps the way a restart from step 0 would.
-    state = json.loads((run / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
-    losses = {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
-    assert sorted(losses) == [1, 2]
-    beats = [e for e in _trace(run / "attempt-001" / "child-events.jsonl") if e.get("event") == "heartbeat"]
-    assert any(b.get("step") == 1 and b.get("loss") == pytest.approx(losses[1], rel=1e-4) for b in beats)
-    later = [e for e in _trace(run / "attempt-002" / "child-events.jsonl") if e.get("event") == "heartbeat"]
-    losses[3] = next(b["loss"] for b in later if b.get("step") == 3 and b.get("loss") is not None)
-    assert all(abs(losses[s] - losses[1]) < 0.25 * losses[1] for s in (2, 3))
+    # Data order and loss continuity across the resume (tests/_resume_checks.py).
+    assert_same_samples_per_step(trace)
+    assert_loss_continues(run)
     events = [e["event"] for e in read_events(run / "events.jsonl")]
     assert "shim_not_attached" not in events
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
@@ -99,7 +77,7 @@ def test_trl_sft_oom_restarts_with_half_the_micro_batch_and_resumes_in_order(
 def _heartbeat_step(events: Path) -> int:
     if not events.is_file():
         return 0
-    beats = [e for e in _trace(events) if e.get("event") == "heartbeat"]
+    beats = [e for e in read_lines(events) if e.get("event") == "heartbeat"]
     return max((int(b.get("step") or 0) for b in beats), default=0)
 
 
