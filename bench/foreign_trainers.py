@@ -1,18 +1,21 @@
-"""``trl sft`` on a config that does not fit a capped card: our supervisor vs trl's ``auto_find_batch_size``.
+"""A foreign trainer's config that does not fit a capped card: our supervisor vs the tool's own
+``auto_find_batch_size``, for ``trl sft``, axolotl and LLaMA-Factory.
 
-    python bench/foreign_trainers.py --out OUT [--cap 12GiB] [--steps 6] [--deadline-s 480]
+    python bench/foreign_trainers.py --out OUT [--tool trl-sft|axolotl|llamafactory] [--python PY]
+                                     [--cap 12GiB] [--steps 6] [--deadline-s 480]
     python bench/foreign_trainers.py --out /tmp/ft --tiny     # the same on the CPU, tiny model
 
-One user config (a QLoRA ``trl sft`` YAML as a user writes it: micro-batch 8 x accumulation 2,
-no gradient checkpointing, paged AdamW 8-bit, r 8 on q/k/v/o) is run twice on the same model,
-under the same memory cap:
+One user config as a user writes it for the tool (micro-batch 8 x accumulation 2 at seq 1024, no
+gradient checkpointing, paged AdamW 8-bit, r 8 on q/k/v/o, in the tool's own keys) is run twice on
+the same model, under the same memory cap, both with the tool venv's interpreter ``--python``:
 
-* **supervised**: ``qlora-supervise run job.yaml`` with ``trainer: {kind: trl-sft, config: sft.yaml}``
-  (the pre-flight, the ladder, the shim in trl's process, resume from our checkpoints);
-* **auto_find_batch_size**: trl's own script (``python -m trl.scripts.sft``) on the same file plus
-  ``auto_find_batch_size: true``, in a wrapper that applies the cap the way our child does
-  (``torch.cuda.set_per_process_memory_fraction``; on the CPU ``RLIMIT_DATA`` after the imports)
-  and prints a line per try (the batch size transformers tries) and per optimizer step.
+* **supervised**: ``qlora-supervise run job.yaml`` with ``trainer: {kind: TOOL, config: FILE}``
+  (the pre-flight, the ladder, the shim in the tool's process, resume from our checkpoints);
+* **auto_find_batch_size**: the tool's own entry point (``trl.scripts.sft``, ``axolotl.cli.train``,
+  ``llamafactory.launcher``) on the same file plus ``auto_find_batch_size: true``, in a wrapper that
+  applies the cap the way our child does (``torch.cuda.set_per_process_memory_fraction``; on the
+  CPU ``RLIMIT_DATA`` after the imports) and prints a line per try (the batch size transformers
+  tries) and per optimizer step.
 
 On the GPU the model is the Llama-2-7B shape with random bf16 weights, built in this command by
 ``bench/memory_grid.py``'s ``build_all`` (its data rows are all longer than the sequence), and
@@ -23,12 +26,15 @@ OOMs, lost steps, the effective batch first and last, steps done and wall time; 
 logs and journals under ``OUT/supervised/`` and ``OUT/auto/`` (the runs themselves, checkpoints
 and all, stay under ``--work``). Not a test.
 
-On the GPU machine, from the project root (``.whl`` carried), in one command of under 9 minutes::
+On the GPU machine, from the project root (``.whl`` carried, with ``.whl/axolotl/`` or
+``.whl/llamafactory/`` for a tool), in one command of under 9 minutes::
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit; \
-    python3 bench/foreign_trainers.py --out $OUT --cap 12GiB --deadline-s 450 > $OUT/console.log 2>&1; \
+    bash bench/device_tool_venvs.sh > $OUT/setup.log 2>&1; \
+    /tmp/supenv/bin/python bench/foreign_trainers.py --out $OUT --tool axolotl \
+      --python /tmp/axenv/bin/python --cap 12GiB --deadline-s 420 > $OUT/console.log 2>&1; \
     echo rc=$?; cat $OUT/table.txt
+
+(``trl-sft`` runs in ``/tmp/supenv`` itself: ``--python /tmp/supenv/bin/python``.)
 
 The working tree's code is used even where an older qlora_supervise wheel is installed: a
 symlinked ``qlora_supervise`` namespace is put first on the path (as ``.ci/typecheck`` does).
@@ -221,7 +227,8 @@ CONFIG_NAME = {"trl-sft": "sft.yaml", "axolotl": "axolotl.yaml", "llamafactory":
 
 
 #: The tests' headroom on the tiny model above the tool's data segment after the stack's imports
-#: (tests/_child.py, tests/test_trainer_tools_real.py): micro-batch 16 at seq 256 is over it, 8 under.
+#: (tests/_child.py, tests/test_trainer_tools_real.py): micro-batch 16 at seq 256 is over it, 8
+#: under, for trl and axolotl. LLaMA-Factory's is trl's, unmeasured (it cannot run here: README).
 CPU_HEADROOM = {"trl-sft": 970 * MiB, "axolotl": 490 * MiB, "llamafactory": 970 * MiB}
 
 
