@@ -36,7 +36,7 @@ from qlora_supervise.supervisor.commands.running import events_file, running_att
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
-from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
+from qlora_supervise.supervisor.record.journal import RunState, State, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.attempt_config import read_diff
@@ -172,7 +172,7 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
         print(f"merged: {run_dir.merged}{_merge_numbers(merge_report(run_dir))}", file=out)
 
 
-def _finished(state: RunState | None) -> bool:
+def _finished(state: State | None) -> bool:
     return state is not None and state.run_state is RunState.SUCCEEDED
 
 
