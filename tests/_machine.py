@@ -30,9 +30,10 @@ GENEROUS = 3.0
 
 
 @functools.cache
-def import_baseline() -> int:
-    """The trainer child's data segment, in bytes, after its imports with the torch installed here."""
-    command = [sys.executable, "-m", entry.STACK, entry.STACK_BYTES]
+def import_baseline(python: str = sys.executable) -> int:
+    """The trainer child's data segment, in bytes, after its imports with the torch installed here
+    (or with ``python``'s: a foreign tool's venv, its own torch, transformers, peft, trl, ...)."""
+    command = [python, "-m", entry.STACK, entry.STACK_BYTES]
     out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=scaled(120))
     return int(out.stdout.split()[-1])
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -114,20 +115,7 @@ def tool_python(tool: Tool) -> Path:
     return tool.python
 
 
-def _cannot(why: str) -> None:
+def _cannot(why: str) -> NoReturn:
     if os.environ.get(REQUIRE) == "1":
         pytest.fail(why)
     pytest.skip(why)
-
-
-def stack_baseline(python: Path) -> int:
-    """The data segment, in bytes, of ``python`` after the training stack's imports (the tool
-    venv's own torch, transformers, peft, trl, bitsandbytes, datasets)."""
-    done = subprocess.run(
-        [str(python), "-m", "qlora_supervise.trainer_child.recipe.stack", "--bytes"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    return int(done.stdout.split()[-1])

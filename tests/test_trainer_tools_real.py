@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _machine import import_baseline
 from _resume_checks import assert_loss_continues, assert_same_samples_per_step, read_lines
-from _tool_venvs import AXOLOTL, stack_baseline, tool_python
+from _tool_venvs import AXOLOTL, tool_python
 from _trainer_configs import axolotl_config
 
 from qlora_supervise.supervisor.commands.run import run_job
@@ -43,7 +44,7 @@ def test_axolotl_oom_restarts_at_half_the_micro_batch_and_resumes_in_order(
 ) -> None:
     """A real OOM in axolotl's step 2 resumes from step 1 at micro-batch 8 x 2, the same samples."""
     python = tool_python(AXOLOTL)
-    cap = stack_baseline(python) + AXOLOTL_HEADROOM
+    cap = import_baseline(str(python)) + AXOLOTL_HEADROOM
     # Injected timing, real failure: the cap lands after step 1, so step 2 runs out of memory.
     monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "1")
     trace = tmp_path / "trace.jsonl"

@@ -40,7 +40,7 @@ from qlora_supervise.supervisor.record.journal import RunState, State, read_atte
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.attempt_config import read_diff
-from qlora_supervise.supervisor.trainers.foreign import foreign_output
+from qlora_supervise.supervisor.trainers.foreign import saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME
 
 #: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).
@@ -166,7 +166,7 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
     print(f"attempts: {len(records)}{now}, lost steps in total: {total_lost}", file=out)
     if run_dir.adapter.exists():
         print(f"adapter: {run_dir.adapter}", file=out)
-    elif _finished(state) and (tool_output := foreign_output(run_dir.root)).exists():
+    elif _finished(state) and (tool_output := saved_by_the_tool_only(run_dir.root, run_dir.adapter)):
         print(f"adapter: none in the run directory; the tool saved into {tool_output}", file=out)
     if run_dir.merged.exists():
         print(f"merged: {run_dir.merged}{_merge_numbers(merge_report(run_dir))}", file=out)

@@ -15,7 +15,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import story
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase, PlanNote
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers.foreign import foreign_output
+from qlora_supervise.supervisor.trainers.foreign import saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 
@@ -49,15 +49,14 @@ def announce_success(
         Event.ATTEMPT_SUCCEEDED, phase=record.phase.value, steps=record.steps_completed, reclaimed=reclaimed
     )
     if record.phase is Phase.MERGE or not merge:
-        # A foreign tool the shim did not attach to saved into its own output dir only: the
-        # event names what is there, never an adapter folder that was not written.
-        tool_output = foreign_output(rd.root)
+        # The event names what is there, never an adapter folder that was not written.
+        tool_output = saved_by_the_tool_only(rd.root, rd.adapter)
         log.info(
             Event.RUN_SUCCEEDED,
             attempts=record.attempt,
             steps=max(r.steps_completed for r in records if r.phase is Phase.TRAIN),
             adapter=str(rd.adapter) if rd.adapter.exists() else None,
-            trainer_output=str(tool_output) if not rd.adapter.exists() and tool_output.exists() else None,
+            trainer_output=str(tool_output) if tool_output is not None else None,
             merged=str(rd.merged) if record.phase is Phase.MERGE else None,
             story=story(records),
         )

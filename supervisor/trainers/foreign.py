@@ -40,3 +40,10 @@ class ForeignTrainer:
 def foreign_output(run_dir: Path) -> Path:
     """The tool's own output directory in ``run_dir`` (its final save lands there)."""
     return run_dir / TRAINER_OUTPUT
+
+
+def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
+    """The tool's output directory when it holds the result and ``adapter`` was never written (a
+    foreign tool the shim did not attach to saves there alone); None otherwise."""
+    output = foreign_output(run_dir)
+    return output if not adapter.exists() and output.exists() else None
