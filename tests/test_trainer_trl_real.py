@@ -81,12 +81,15 @@ def _heartbeat_step(events: Path) -> int:
     return max((int(b.get("step") or 0) for b in beats), default=0)
 
 
+_STEPS = 60
+
+
 def test_sigterm_stops_trl_at_a_checkpoint_and_the_same_command_resumes_it(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
     """SIGTERM to the supervisor: trl finishes its step, the shim checkpoints it, exit 143; rerun finishes."""
     job = trl_job(tiny_dir, tmp_path, capped=False, per_device_train_batch_size=4, max_length=128,
-                  max_steps=6, save_steps=100)  # fmt: skip
+                  max_steps=_STEPS, save_steps=1000)  # fmt: skip
     cli = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "run", str(job), "--plain"]
     proc = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -103,8 +106,10 @@ def test_sigterm_stops_trl_at_a_checkpoint_and_the_same_command_resumes_it(
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     stopped = records[-1]
     assert stopped.outcome == "stopped" and stopped.lost_steps == 0
-    assert 1 <= stopped.next_resume_from < 6  # a checkpoint of the stop: save_steps would not have made one
+    # A checkpoint of the stop: save_steps would not have made one. The run is long enough that a
+    # fast machine cannot finish it between our SIGTERM and the supervisor's next tick (0.5 s).
+    assert 1 <= stopped.next_resume_from < _STEPS, stopped.next_resume_from
     assert _run(job) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[-1].outcome == "succeeded" and records[-1].resumed_from == stopped.next_resume_from
-    assert records[-1].steps_completed == 6
+    assert records[-1].steps_completed == _STEPS
