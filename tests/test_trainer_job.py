@@ -65,7 +65,8 @@ def test_a_trl_job_takes_its_knobs_from_the_tools_config(tmp_path: Path) -> None
 
 
 def test_a_foreign_ladder_holds_only_the_tools_rungs(tmp_path: Path) -> None:
-    """The forward ladder loses activation offload and a smaller model; the speed trial is off."""
+    """The forward ladder loses activation offload and a smaller model; the speed trial stays on
+    (the shim runs it in the tool's process: tests/test_trainer_trial_real.py)."""
     job = load_job(_job(tmp_path, {"trainer": {"kind": "trl-sft", "config": "sft.yaml"}}))
     settings = policy_settings(job)
     assert settings.overrides[FailureKind.OOM_FORWARD] == (
@@ -74,7 +75,7 @@ def test_a_foreign_ladder_holds_only_the_tools_rungs(tmp_path: Path) -> None:
         "shorten_seq_len",
     )
     assert "bf16_head" not in settings.overrides[FailureKind.OOM_LOAD]
-    assert settings.speed_trial is False
+    assert settings.speed_trial is True
 
 
 def test_our_sections_and_a_bad_config_are_all_named_at_once(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def policy_settings(job: Job) -> policy.Settings:
         prior=prior,
         speeds=speeds,
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
-        speed_trial=supervise.speed_trial and job.trainer is None,  # the trial runs in our child only
+        speed_trial=supervise.speed_trial,  # in our child, or the shim in a foreign tool (shim/trial.py)
         cannot_take=cannot_take(job.trainer),
     )
 

@@ -94,7 +94,9 @@ def speed_line(speed: AttemptSpeed) -> str | None:
     parts = []
     if speed.tokens_per_s is not None:
         parts.append(f"{speed.tokens_per_s:.0f} tokens/s (median of {speed.beats} heartbeat(s))")
-    if speed.trial is not None:
+    if speed.trial is not None and speed.trial.abandoned is not None:
+        parts.append(f"speed trial abandoned, kept the plan: {speed.trial.abandoned}")
+    elif speed.trial is not None:
         rows = ", ".join(_trial_row(t) for t in speed.trial.results)
         verdict = "switched" if speed.trial.switched else "kept the plan"
         parts.append(f"speed trial {speed.trial.seconds:.1f} s, {verdict}: {rows}")

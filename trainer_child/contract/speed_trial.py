@@ -7,7 +7,9 @@ gain). It reports the table as one ``speed_trial`` event (:class:`SpeedTrialEven
 supervisor journals it and takes the chosen knobs as the attempt's.
 
 Only knobs that change without a reload are candidates: the micro-batch (with the accumulation
-that keeps the effective batch) and gradient checkpointing.
+that keeps the effective batch) and gradient checkpointing. In a foreign tool's process the shim
+runs the same trial on the tool's Trainer; where it cannot (no tokenized dataset to take a row
+from, axolotl's sample packing), the event says why (``abandoned``) and the plan stays.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class SpeedTrialEvent:
     chosen: TrialCandidate
     switched: bool  # the chosen candidate is not the first (the planned config)
     seconds: float  # the trial's whole cost, before step 1
+    # Why the trial stopped short and kept the plan, in a foreign tool's process (its data or its
+    # Trainer is not one the trial can time, trainer_child/shim/trial.py); None: it ran.
+    abandoned: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {"event": self.event, **dataclasses.asdict(self)}
@@ -101,7 +106,9 @@ class SpeedTrialEvent:
         picked = TrialCandidate.from_json(chosen)
         if picked is None or len(results) != len(rows):
             return None
-        return cls(results, picked, bool(raw.get("switched")), seconds)
+        abandoned = raw.get("abandoned")
+        why = abandoned if isinstance(abandoned, str) else None
+        return cls(results, picked, bool(raw.get("switched")), seconds, why)
 
 
 def choose(results: Sequence[TrialResult]) -> TrialCandidate:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.contract.speed_trial import (
     SpeedTrialEvent,
@@ -60,19 +61,59 @@ def wanted(spec: AttemptSpec, resuming: bool) -> bool:
     return len(spec.speed_trial) >= 2 and not resuming and not this_rank().distributed
 
 
-def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> SpeedTrialEvent:
-    """Time ``spec.speed_trial``, apply the choice to ``trainer``, emit and return the event."""
-    started = time.monotonic()
-    before = progress.stage
-    row = longest_row(trainer.train_dataset)
+def run(
+    trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool, row: dict[str, Any] | None = None
+) -> SpeedTrialEvent:
+    """Time ``spec.speed_trial``, apply the choice to ``trainer``, emit and return the event.
+
+    ``row``: the sample to time (default: the longest of the training data, as our trainer holds it).
+    """
+    began = Began.now(progress)
+    row = longest_row(trainer.train_dataset) if row is None else row
     share = BUDGET_S / len(spec.speed_trial)
     with untouched(trainer):
         results = tuple(time_candidate(trainer, row, c, on_cuda, share) for c in spec.speed_trial)
     chosen = choose(results)
     event = SpeedTrialEvent(
-        results, chosen, chosen != spec.speed_trial[0], round(time.monotonic() - started, 3)
+        results, chosen, chosen != spec.speed_trial[0], round(time.monotonic() - began.time, 3)
     )
     apply(trainer, event)
+    return _ended(event, progress, began.stage, on_cuda)
+
+
+def abandon(
+    trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool, why: str, began: Began
+) -> SpeedTrialEvent:
+    """End a trial that could not time its candidates: the planned config (the first), no
+    gradients, and an event that says why and keeps the plan. (Checkpointing is set back only where
+    a candidate switched it: ``Trainer.train`` then enables it again with the tool's own kwargs.)"""
+    planned = spec.speed_trial[0]
+    if began.touched(trainer):
+        set_checkpointing(trainer, planned.gradient_checkpointing)
+    trainer.model.zero_grad(set_to_none=True)
+    event = SpeedTrialEvent((), planned, False, round(time.monotonic() - began.time, 3), why)
+    return _ended(event, progress, began.stage, on_cuda)
+
+
+@dataclasses.dataclass(frozen=True)
+class Began:
+    """When a trial began, the stage it hands back, and the trainer's checkpointing then."""
+
+    time: float
+    stage: Stage
+    checkpointing: bool | None = None
+
+    @classmethod
+    def now(cls, progress: Progress, trainer: Any = None) -> Began:
+        on = None if trainer is None else bool(getattr(trainer.args, "gradient_checkpointing", False))
+        return cls(time.monotonic(), progress.stage, on)
+
+    def touched(self, trainer: Any) -> bool:
+        """Whether checkpointing in ``trainer``'s arguments is not what it was when the trial began."""
+        return bool(getattr(trainer.args, "gradient_checkpointing", False)) != self.checkpointing
+
+
+def _ended(event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: bool) -> SpeedTrialEvent:
     free(on_cuda)
     if on_cuda:  # from here the attempt's peak is its training's (the chosen config's), not the trial's
         torch.cuda.reset_peak_memory_stats()
@@ -209,6 +250,8 @@ def summary(event: SpeedTrialEvent) -> str:
         f"{_name(r.candidate)}: {f'{r.tokens_per_s:.0f} tokens/s' if r.tokens_per_s else 'dropped (OOM)'}"
         for r in event.results
     ]
+    if event.abandoned is not None:
+        return f"speed trial abandoned ({event.abandoned}): training with {_name(event.chosen)}, as planned"
     switched = " (switched)" if event.switched else ""
     return f"speed trial ({event.seconds:.1f} s): {'; '.join(rows)} -> {_name(event.chosen)}{switched}"
 

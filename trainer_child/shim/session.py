@@ -6,7 +6,8 @@ the stop handler, the failure path (:func:`~..run.attempt.fail`: emergency check
 stage allows it, the report, the ``trainer child failed in <stage>:`` line), the resume rules
 (:func:`~..run.attempt.chosen_checkpoint` / :func:`~..run.attempt.resume_source`: marker
 checked, optimizer state dropped when the knobs changed the optimizer), and the Trainer side
-(:class:`~..recipe.trainer.SupervisedTrainerMixin` and :class:`~..recipe.trainer.SupervisionCallback`).
+(:class:`~..recipe.trainer.SupervisedTrainerMixin` and :class:`~..recipe.trainer.SupervisionCallback`),
+and the speed trial (:mod:`.trial`, our child's, with what a foreign Trainer needs checked first).
 
 How it reaches the tool's Trainer: ``Trainer.train`` is wrapped (:meth:`Session.patch`); at the
 call, the instance's class becomes a subclass of its own class with our mixin in front (the
@@ -53,6 +54,7 @@ class Session:
 
     def __init__(self, spec: AttemptSpec) -> None:
         self.ctx = attempt.Context(spec)
+        self.trialled = False
         attempt.install_stop_handler(self.ctx.progress)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
@@ -116,6 +118,10 @@ class Session:
         result: Any = None
         try:
             source = self._attach(trainer)
+            self._speed_trial(trainer, resuming=source.load_from is not None)
+            if ctx.progress.stop_requested:  # SIGTERM during the trial: nothing new to save
+                ctx.progress.announce_stop()
+                self.leave(ExitCode.STOPPED)
             # The supervisor's choice (already on the tool's config); the source may be an
             # optimizer-less copy of it when the optimizer changed, which the tool cannot know.
             kwargs["resume_from_checkpoint"] = source.load_from
@@ -154,6 +160,18 @@ class Session:
         trainer.add_callback(callback)
         ctx.trainer = trainer
         return source
+
+    def _speed_trial(self, trainer: Any, resuming: bool) -> None:
+        """Before step 1 of a fresh attempt with candidates: our child's trial on the tool's Trainer
+        (:mod:`.trial`), which may switch its micro-batch and checkpointing in its arguments."""
+        from qlora_supervise.trainer_child.run import speed_trial
+        from qlora_supervise.trainer_child.shim import trial
+
+        ctx = self.ctx
+        if self.trialled or ctx.progress.stop_requested or not speed_trial.wanted(ctx.spec, resuming):
+            return
+        self.trialled = True  # a second train() on the same process trains as the first chose
+        trial.run(trainer, ctx.spec, ctx.progress, ctx.on_cuda)
 
     def _finish(self, trainer: Any) -> None:
         """Training ended: the adapter where ours goes (``<run>/adapter``), and ``finished``."""

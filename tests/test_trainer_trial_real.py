@@ -1,0 +1,146 @@
+"""The speed trial in ``trl sft``'s own process, run by the shim on trl's Trainer (tiny model, CPU).
+
+The attempt is prepared as the supervisor prepares one (``prepare.write_spec``: the attempt's
+``trl-sft.yaml`` and its spec, with three candidates the pre-flight would hand a GPU attempt; on
+the CPU the pre-flight has no budget to rank by, so the test names them), then trl's script is
+started with the shim as the runner starts it (``trainers.launch.trainer_env``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import yaml
+from _machine import scaled
+from _resume_checks import read_lines
+from _trainer_configs import text_dataset, trl_job
+
+from qlora_supervise.supervisor.jobfile.load import load_job
+from qlora_supervise.supervisor.loop.launch import spec_command
+from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.prepare import write_spec
+from qlora_supervise.supervisor.loop.resume import ResumePoint
+from qlora_supervise.supervisor.loop.seams import Seams
+from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
+from qlora_supervise.supervisor.record.records import Phase
+from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.trainers import launch
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate
+
+pytestmark = pytest.mark.slow
+
+TRACE = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "trainers"
+#: Effective batch 16 each: the config as written (2 x 8, checkpointed), and two larger micro-batches
+#: without checkpointing (on this machine kind ~40 % faster: the trial switches).
+CANDIDATES = (TrialCandidate(2, 8, True), TrialCandidate(4, 4, False), TrialCandidate(8, 2, False))
+STEPS = 3
+
+
+def _trl_attempt(tiny_dir: Path, out: Path, trial: tuple[TrialCandidate, ...], **keys: Any) -> Path:
+    """Attempt 1 of a trl-sft job (by default CANDIDATES[0]'s knobs, seq 128) in trl's process; its
+    events file."""
+    config = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8,
+              "gradient_checkpointing": True, "max_length": 128, "max_steps": STEPS, "save_steps": 100,
+              **keys}  # fmt: skip
+    return _attempt(trl_job(tiny_dir, out, capped=False, **config), trial)
+
+
+def _attempt(job_file: Path, trial: tuple[TrialCandidate, ...]) -> Path:
+    """Run attempt 1 of a foreign job with ``trial`` in its spec, as the runner would; its events file."""
+    job = load_job(job_file)
+    out = job_file.parent
+    rd = RunDir(out / "run")
+    rd.root.mkdir()
+    plan = Plan(Phase.TRAIN, job.knobs, speed_trial=trial)
+    spec = write_spec(job, rd, 1, plan, ResumePoint(0, None, False), Seams(), structlog.get_logger())
+    spec_path = rd.attempt_dir(1) / "spec.json"
+    env = launch.trainer_env({**os.environ, TRACE: str(out / "trace.jsonl")}, spec, spec_path)
+    argv = spec_command(spec_path, "train")
+    done = subprocess.run(argv, env=env, cwd=out, capture_output=True, text=True, timeout=scaled(600))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Path(spec.events_file)
+
+
+def _trial(events: Path) -> SpeedTrialEvent:
+    found = [e for e in read_lines(events) if e["event"] == "speed_trial"]
+    assert len(found) == 1
+    event = SpeedTrialEvent.from_json(found[0])
+    assert event is not None
+    return event
+
+
+def _trained(out: Path) -> list[tuple[int, list[str]]]:
+    return [(b["step"], b["rows"]) for b in read_lines(out / "trace.jsonl")]
+
+
+def _losses(events: Path) -> dict[int, float]:
+    beats = [e for e in read_lines(events) if e["event"] == "heartbeat" and e.get("loss") is not None]
+    return {e["step"]: e["loss"] for e in beats}
+
+
+def test_the_shim_times_trls_trainer_and_trl_trains_the_choice_as_if_untimed(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """One speed_trial event in trl's process, a row per candidate; trl then trains the chosen
+    micro-batch and checkpointing, the same batches and losses as a run told those knobs outright."""
+    events = _trl_attempt(tiny_dir, tmp_path / "trial", CANDIDATES)
+    event = _trial(events)
+    assert event.abandoned is None and [r.candidate for r in event.results] == list(CANDIDATES)
+    assert all(r.tokens_per_s and r.tokens_per_s > 0 and r.error is None for r in event.results)
+    chosen = event.chosen
+    assert event.switched and chosen != CANDIDATES[0]
+    trained = _trained(tmp_path / "trial")
+    assert {len(rows) for _, rows in trained} == {chosen.micro_batch_size}
+    assert len(trained) == STEPS * chosen.grad_accum
+    # What the supervisor journals as the attempt's knobs: the trial's choice.
+    planned = load_job(tmp_path / "trial" / "job.yaml").knobs
+    knobs = read_attempt_speed(events, planned).knobs
+    assert (knobs.micro_batch_size, knobs.grad_accum) == (chosen.micro_batch_size, chosen.grad_accum)
+    assert knobs.gradient_checkpointing is chosen.gradient_checkpointing
+
+    plain = _trl_attempt(
+        tiny_dir,
+        tmp_path / "plain",
+        (),
+        per_device_train_batch_size=chosen.micro_batch_size,
+        gradient_accumulation_steps=chosen.grad_accum,
+        gradient_checkpointing=chosen.gradient_checkpointing,
+    )
+    assert not [e for e in read_lines(plain) if e["event"] == "speed_trial"]
+    assert _trained(tmp_path / "plain") == trained
+    assert _losses(plain) == pytest.approx(_losses(events), rel=1e-5) and len(_losses(plain)) == STEPS
+
+
+def test_a_trial_the_tool_cannot_take_keeps_the_plan_and_says_why(tiny_dir: Path, tmp_path: Path) -> None:
+    """A script whose Trainer trains on a plain list of tokenized rows (not a ``datasets`` table):
+    the trial has no column to find the longest row in, so it is abandoned, saying why, and the
+    script trains as planned, in the same process."""
+    script = (EXAMPLES / "hf-script" / "train.py").read_text()
+    mapped = "rows = rows.map(\n"
+    assert mapped in script
+    closed = "        remove_columns=rows.column_names,\n    )\n"
+    listed = script.replace(mapped, "rows = list(rows.map(\n").replace(closed, closed[:-1] + ")\n")
+    assert "rows = list(rows.map(" in listed and "    ))\n" in listed
+    (tmp_path / "train.py").write_text(listed)
+    data = text_dataset(tiny_dir, tmp_path) / "train.jsonl"
+    command = [sys.executable, "train.py", "--model_name_or_path", str(tiny_dir / "model"),
+               "--dataset_path", str(data), "--output_dir", "out", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "8", "--gradient_checkpointing", "true",
+               "--max_seq_length", "128", "--max_steps", str(STEPS), "--save_steps", "100",
+               "--logging_steps", "1", "--report_to", "none", "--use_cpu", "true"]  # fmt: skip
+    trainer = {"kind": "hf-script", "command": command}
+    job = {"trainer": trainer, "resources": {"gpu": "cpu"}, "output_dir": "./run"}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    events = _attempt(tmp_path / "job.yaml", CANDIDATES)
+    event = _trial(events)
+    assert event.abandoned and "no tokenized training row" in event.abandoned
+    assert event.chosen == CANDIDATES[0] and not event.switched and event.results == ()
+    assert {len(rows) for _, rows in _trained(tmp_path)} == {2}
+    assert max(_losses(events)) == STEPS
