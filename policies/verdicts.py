@@ -60,6 +60,9 @@ class Settings:
     overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
     budget_bytes: int | None = None
     shape: memory_model.ModelShape | None = None
+    #: Why ``shape`` is None for a model whose config reads (a foreign tool's 8-bit or 16-bit
+    #: weights, supervisor/trainers/model_facts.py); None: the architecture is the reason, or none.
+    unmodelled: str | None = None
     #: Peaks observed on this host in earlier runs of the same shape (the per-host store).
     prior: tuple[memory_model.Observation, ...] = ()
     # The latest attempt's tokenized sample lengths: shorten_seq_len says what it would cut.

@@ -41,7 +41,9 @@ BNB_PAGED_MIN_NUMEL = 100_000
 #: bitsandbytes 8-bit blockwise state: one fp32 absmax per block of 256, for each of two moments.
 BNB_8BIT_BLOCK = 256
 TORCH_ADAMW = frozenset({"adamw_torch", "adamw_torch_fused"})
-BNB_8BIT = frozenset({"adamw_8bit", "paged_adamw_8bit"})
+#: transformers' names of bitsandbytes' 8-bit AdamW (``adamw_bnb_8bit`` is the one ``adamw_8bit``
+#: aliases: OptimizerNames; axolotl's and LLaMA-Factory's configs write it).
+BNB_8BIT = frozenset({"adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"})
 BNB_32BIT = frozenset({"paged_adamw_32bit"})
 
 
@@ -79,8 +81,9 @@ def _bnb_state(numel: int, eight_bit: bool) -> int:
 def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str) -> AdapterBytes:
     """Weights, gradients and optimizer state of the adapter ``knobs`` and ``targets`` describe.
 
-    An optimizer name outside the five the job file accepts is counted as torch AdamW (two
-    moments and a step temporary in the allocator): the largest of the kinds modelled.
+    An optimizer name outside those modelled (the five the job file accepts, and the bitsandbytes
+    8-bit spelling a foreign tool's config may use) is counted as torch AdamW (two moments and a
+    step temporary in the allocator): the largest of the kinds modelled.
     """
     tensors = adapter_tensors(shape, knobs.lora_r, targets)
     n = sum(tensors)

@@ -77,15 +77,16 @@ from qlora_supervise.policies import memory_model, preflight, throughput
 from qlora_supervise.policies.budget import card_budget, card_reserve
 from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory.host import HostNeed, host_need
-from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, resolve_targets
+from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_memory_size
-from qlora_supervise.supervisor.loop.first_plan import nothing_fits_text
-from qlora_supervise.supervisor.loop.settings import model_shape
-from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
+from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
+from qlora_supervise.supervisor.loop.settings import model_shape, trainer_kind
+from qlora_supervise.supervisor.record.peak_store import OWN, default_path, read_speeds
+from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.trainers.ladders import cannot_take
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -108,6 +109,7 @@ class JobView:
     device: str
     merge: bool
     cannot_take: frozenset[str] = frozenset()  # rungs a foreign tool's config has no key for
+    trainer: str = OWN  # whose speeds on this host rank the candidates (the per-host store)
 
 
 def job_view(job: Job) -> JobView:
@@ -123,6 +125,7 @@ def job_view(job: Job) -> JobView:
         device=job.resources.device,
         merge=job.train.merge,
         cannot_take=cannot_take(job.trainer),
+        trainer=trainer_kind(job),
     )
 
 
@@ -150,9 +153,10 @@ def plan_command(
 
 def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -> dict[str, Any]:
     """The plan as the JSON object documented above."""
-    view = job_view(_load(job_path))
+    job = _load(job_path)
+    view = job_view(job)
     files = _model_files(view.knobs.model)
-    read = ModelShape.read(files.config)
+    read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
     as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
     card = find_card(gpu_memory, view, as_written, nvml)
@@ -191,6 +195,17 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
         "rungs": [_rung(r) for r in rungs],
         "host": _host(checkpoint, files.largest_shard_bytes, view),
     }  # fmt: skip
+
+
+def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsupported:
+    """The shape as ``job``'s trainer runs it (a foreign tool's attention), or why the memory
+    model cannot count it (a foreign tool's 8-bit or unquantized weights: run starts as written)."""
+    why = model_facts.unmodelled(job.trainer)
+    if why is not None:
+        return Unsupported(UnsupportedReason.NOT_MODELLED, f"{why}: {UNMODELLED_RUN}")
+    if isinstance(read, Unsupported):
+        return read
+    return model_facts.with_tool_attention(read, job.trainer) or read
 
 
 def find_card(
@@ -280,7 +295,7 @@ def _host_speeds(view: JobView, shape: ModelShape) -> throughput.SpeedCalibratio
     """This host's measured speeds of the shape (the per-host store), or None: none, or turned off."""
     if not view.calibration_store or view.device == "cpu":
         return None
-    speeds = read_speeds(default_path(), shape)
+    speeds = read_speeds(default_path(), shape, view.trainer)
     return throughput.calibrate(shape, speeds, view.targets) if speeds else None
 
 

@@ -35,7 +35,9 @@ def first_plan(
     """The plan of attempt 1 and its note for the journal."""
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None:
-        if shape is None:
+        if shape is None and settings.unmodelled:
+            missing = f"{settings.unmodelled}: {UNMODELLED_RUN}"
+        elif shape is None:
             missing = f"the memory model does not cover this architecture (plan says why): {UNMODELLED_RUN}"
         elif device == "cpu":
             missing = "on the CPU the model (GPU allocations) does not apply; the ladder decides"

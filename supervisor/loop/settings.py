@@ -23,7 +23,9 @@ from qlora_supervise.supervisor.record.peak_store import (
 )
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.trainers.ladders import cannot_take, foreign_overrides
+from qlora_supervise.supervisor.trainers.tables import TrainerKind
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -40,10 +42,11 @@ def policy_settings(job: Job) -> policy.Settings:
     resources = job.resources
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
-    shape = model_shape(Path(job.knobs.model))
-    store = peak_store_path(job)
-    prior = tuple(read_observations(store, shape)) if store is not None and shape is not None else ()
-    speeds = tuple(read_speeds(store, shape)) if store is not None and shape is not None else ()
+    unmodelled = model_facts.unmodelled(job.trainer)
+    shape = None if unmodelled else job_shape(job)
+    store, kind = peak_store_path(job), trainer_kind(job)
+    prior = tuple(read_observations(store, shape, kind)) if store is not None and shape is not None else ()
+    speeds = tuple(read_speeds(store, shape, kind)) if store is not None and shape is not None else ()
     return policy.Settings(
         max_attempts=supervise.max_attempts,
         max_no_progress=supervise.max_no_progress_attempts,
@@ -57,6 +60,7 @@ def policy_settings(job: Job) -> policy.Settings:
         else foreign_overrides(job.trainer, supervise.ladders),
         budget_bytes=budget,
         shape=shape,
+        unmodelled=unmodelled,
         prior=prior,
         speeds=speeds,
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
@@ -77,7 +81,7 @@ def remember_attempt(
     store, shape = peak_store_path(job), settings.shape
     trial = trial_speeds(speed, record.knobs)
     if store is not None and shape is not None:
-        _store_attempt(store, shape, record, speed, trial)
+        _store_attempt(store, shape, trainer_kind(job), record, speed, trial)
     observed = [SpeedObservation(knobs, rate) for knobs, rate in trial]
     settings = dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
     return with_measured_speed(settings, speed)
@@ -86,6 +90,7 @@ def remember_attempt(
 def _store_attempt(
     store: Path,
     shape: ModelShape,
+    kind: str,
     record: AttemptRecord,
     speed: AttemptSpeed,
     trial: list[tuple[Knobs, float]],
@@ -93,12 +98,12 @@ def _store_attempt(
     """Best effort (a cache): the speed trial's candidates first, then the attempt's own line, which
     wins for its knobs. Under torchrun the peak only: the ranks' tokens/s is no one card's speed."""
     for knobs, rate in trial:
-        record_attempt(store, shape, knobs, None, rate)
+        record_attempt(store, shape, knobs, None, rate, kind)
     peak = record.peak.bytes if record.peak else None
     if record.knobs.world_size == 1:
-        record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s)
+        record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
     elif peak is not None:
-        record_attempt(store, shape, record.knobs, peak, None)
+        record_attempt(store, shape, record.knobs, peak, None, kind)
 
 
 def with_measured_speed(settings: policy.Settings, speed: AttemptSpeed) -> policy.Settings:
@@ -134,6 +139,16 @@ def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent])
         if isinstance(event, Loaded) and event.sample_lengths is not None:
             return dataclasses.replace(settings, sample_lengths=event.sample_lengths)
     return settings
+
+
+def job_shape(job: Job) -> ModelShape | None:
+    """The job's model shape as its trainer will run it (a foreign tool's attention choice)."""
+    return model_facts.with_tool_attention(model_shape(Path(job.knobs.model)), job.trainer)
+
+
+def trainer_kind(job: Job) -> str:
+    """Whose peaks and speeds the per-host store keeps apart: our trainer's, or the tool's."""
+    return TrainerKind.OWN.value if job.trainer is None else job.trainer.kind.value
 
 
 def model_shape(model_dir: Path) -> ModelShape | None:

@@ -2,10 +2,14 @@
 
 One JSON line per attempt that finished at least one optimizer step on a GPU:
 ``{"shape": {...ModelShape...}, "knobs": {...Knobs...}, "peak_bytes": int | null,
-"tokens_per_s": float | null, "time": float}``. ``peak_bytes`` calibrates the memory model,
-``tokens_per_s`` (the attempt's median over its heartbeats, for the knobs it trained with) the
-throughput model; a line may carry either or both. Lines written before ``tokens_per_s`` existed
-read as peaks only; a supervisor of that time skips a line whose ``peak_bytes`` is null.
+"tokens_per_s": float | null, "trainer": str, "time": float}``. ``trainer`` is whose process
+measured it (``own``, or a foreign kind such as ``axolotl``): the same knobs peak lower or higher
+in another tool (its loss, its upcasts, its kernels), so each calibrates only its own; a line
+without it is our trainer's (written before foreign tools were supervised).
+``peak_bytes`` calibrates the memory model, ``tokens_per_s`` (the attempt's median over its
+heartbeats, for the knobs it trained with) the throughput model; a line may carry either or both.
+Lines written before ``tokens_per_s`` existed read as peaks only; a supervisor of that time skips
+a line whose ``peak_bytes`` is null.
 
 Where: ``$QLORA_SUPERVISE_STATE_DIR/peaks.jsonl``, else ``$XDG_STATE_HOME/qlora-supervise/
 peaks.jsonl``, else ``~/.local/state/qlora-supervise/peaks.jsonl`` (under the systemd unit,
@@ -35,6 +39,8 @@ from qlora_supervise.policies.throughput import SpeedObservation
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KEEP_LINES = 2000
+#: The ``trainer`` of a line that names none (supervisor/trainers/tables.TrainerKind.OWN).
+OWN = "own"
 
 
 def default_path() -> Path:
@@ -47,8 +53,8 @@ def default_path() -> Path:
     return Path(base) / "qlora-supervise" / "peaks.jsonl"
 
 
-def _lines_of(path: Path, shape: ModelShape) -> Iterator[dict[str, Any]]:
-    """The store's parsed lines of this shape (an unreadable store is an empty one)."""
+def _lines_of(path: Path, shape: ModelShape, trainer: str) -> Iterator[dict[str, Any]]:
+    """The store's parsed lines of this shape and trainer (an unreadable store is an empty one)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -59,14 +65,14 @@ def _lines_of(path: Path, shape: ModelShape) -> Iterator[dict[str, Any]]:
             raw = json.loads(line)
         except ValueError:
             continue
-        if isinstance(raw, dict) and raw.get("shape") == wanted:
+        if isinstance(raw, dict) and raw.get("shape") == wanted and raw.get("trainer", OWN) == trainer:
             yield raw
 
 
-def read_observations(path: Path, shape: ModelShape) -> list[Observation]:
-    """Every stored peak of this model shape."""
+def read_observations(path: Path, shape: ModelShape, trainer: str = OWN) -> list[Observation]:
+    """Every stored peak of this model shape, measured in ``trainer``'s process."""
     found = []
-    for raw in _lines_of(path, shape):
+    for raw in _lines_of(path, shape, trainer):
         try:
             if raw.get("peak_bytes") is not None:
                 found.append(Observation(Knobs(**raw["knobs"]), int(raw["peak_bytes"])))
@@ -75,10 +81,10 @@ def read_observations(path: Path, shape: ModelShape) -> list[Observation]:
     return found
 
 
-def read_speeds(path: Path, shape: ModelShape) -> list[SpeedObservation]:
-    """Every stored tokens/s of this model shape, oldest first."""
+def read_speeds(path: Path, shape: ModelShape, trainer: str = OWN) -> list[SpeedObservation]:
+    """Every stored tokens/s of this model shape measured in ``trainer``'s process, oldest first."""
     found = []
-    for raw in _lines_of(path, shape):
+    for raw in _lines_of(path, shape, trainer):
         rate = raw.get("tokens_per_s")
         try:
             if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
@@ -94,7 +100,12 @@ def record_peak(path: Path, shape: ModelShape, knobs: Knobs, peak_bytes: int) ->
 
 
 def record_attempt(
-    path: Path, shape: ModelShape, knobs: Knobs, peak_bytes: int | None, tokens_per_s: float | None
+    path: Path,
+    shape: ModelShape,
+    knobs: Knobs,
+    peak_bytes: int | None,
+    tokens_per_s: float | None,
+    trainer: str = OWN,
 ) -> bool:
     """Append one attempt's peak and speed; False (and nothing raised) when the store cannot be
     written. The store is an optimisation, so a read-only home or a full disk never stops a run."""
@@ -106,6 +117,7 @@ def record_attempt(
             "knobs": dataclasses.asdict(knobs),
             "peak_bytes": peak_bytes,
             "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 1),
+            "trainer": trainer,
             "time": round(time.time(), 1),
         }
     )

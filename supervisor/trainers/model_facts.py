@@ -1,0 +1,90 @@
+"""What a foreign tool's config says about the model's memory that the knobs do not: whether its
+weights are ones the memory model counts, and which attention the tool asks transformers for.
+
+The memory model counts our recipe's weights: 4-bit NF4 (QLoRA), or, unquantized, every weight
+upcast to fp32 as our child's k-bit prepare leaves them. A tool that loads the base model in
+8-bit (LLM.int8, ``load_in_8bit`` / ``quantization_bit: 8``) or unquantized in its own dtype (a
+plain LoRA in bf16: no k-bit prepare, no upcast) is neither, and a guess would be off by a factor
+of two or more either way: reading bf16 weights as fp32 calls a 7B LoRA that fits a 24 GiB card
+one that fits nothing, and stops the run before it starts. So for those configs there is no
+prediction: the attempt starts as written and the reactive ladder guards it, as for an
+architecture the model does not cover. (An hf-script is counted only where its command has
+``--load_in_4bit true``: what else a script loads is its own.)
+
+The attention implementation changes the model's activations (eager keeps a seq x seq score
+tensor per head), so a tool's explicit choice replaces transformers' default for the model type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
+from qlora_supervise.supervisor.trainers.mapping import knobs_from, lookup
+from qlora_supervise.supervisor.trainers.tables import TrainerKind
+
+#: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
+_ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
+#: LLaMA-Factory's ``flash_attn`` (extras/constants.py, AttentionFunction): "auto" is transformers'.
+_LLAMAFACTORY_ATTENTION = {"disabled": "eager", "sdpa": "sdpa", "fa2": "sdpa", "fa3": "sdpa"}
+
+
+def unmodelled(trainer: ForeignTrainer | None) -> str | None:
+    """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit)."""
+    if trainer is None:
+        return None
+    config = trainer.config
+    eight = _eight_bit_key(trainer.kind, config)
+    if eight is not None:
+        return (
+            f"the tool loads the base model in 8-bit ({eight}); the memory model counts 4-bit QLoRA weights"
+        )
+    if not _four_bit(trainer):
+        return (
+            "the tool loads the base model unquantized, in its own dtype (a LoRA, not QLoRA); the memory "
+            "model counts 4-bit weights"
+        )
+    return None
+
+
+def _eight_bit_key(kind: TrainerKind, config: Mapping[str, Any]) -> str | None:
+    if kind is TrainerKind.LLAMAFACTORY:
+        bits = lookup(config, "quantization_bit")
+        return f"quantization_bit: {bits}" if bits == 8 else None
+    return "load_in_8bit: true" if lookup(config, "load_in_8bit") is True else None
+
+
+def _four_bit(trainer: ForeignTrainer) -> bool:
+    """4-bit as the config reads (an hf-script without a 4-bit flag: the script's own load, unknown)."""
+    return knobs_from(trainer.table, trainer.config).load_in_4bit is True
+
+
+def attention(trainer: ForeignTrainer | None) -> str | None:
+    """The attention the tool's config asks for, as the memory model reads it; None: the default."""
+    if trainer is None:
+        return None
+    config = trainer.config
+    if trainer.kind is TrainerKind.LLAMAFACTORY:
+        value = lookup(config, "flash_attn")
+        return _LLAMAFACTORY_ATTENTION.get(value) if isinstance(value, str) else None
+    value = lookup(config, "attn_implementation")
+    if (
+        trainer.kind is TrainerKind.AXOLOTL
+        and not isinstance(value, str)
+        and lookup(config, "eager_attention") is True
+    ):
+        value = "eager"
+    if not isinstance(value, str):
+        return None
+    return _ATTENTION.get(value, "sdpa" if value.startswith("flash") else None)
+
+
+def with_tool_attention(shape: ModelShape | None, trainer: ForeignTrainer | None) -> ModelShape | None:
+    """``shape`` with the attention the tool asks for (unchanged where it asks for none)."""
+    chosen = attention(trainer)
+    if shape is None or chosen is None or chosen == shape.attn_implementation:
+        return shape
+    return dataclasses.replace(shape, attn_implementation=chosen)

@@ -1,0 +1,127 @@
+"""What a tool's config says about memory beyond the knobs: its weights, its attention, its peaks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.supervisor.commands.plan import make_plan
+from qlora_supervise.supervisor.jobfile.load import load_job
+from qlora_supervise.supervisor.loop.settings import policy_settings
+from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds, record_attempt
+from qlora_supervise.supervisor.trainers import model_facts
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+#: The Llama-2-7B shape (its config.json's sizes): the plan reads nothing else.
+LLAMA_7B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+            "tie_word_embeddings": False, "torch_dtype": "float16"}  # fmt: skip
+AXOLOTL_QLORA = {"base_model": "model", "adapter": "qlora", "load_in_4bit": True, "lora_r": 8,
+                 "lora_alpha": 16, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                 "sequence_len": 2048,
+                 "micro_batch_size": 2, "gradient_accumulation_steps": 4, "gradient_checkpointing": True,
+                 "optimizer": "paged_adamw_8bit", "datasets": [{"path": "d.jsonl", "type": "alpaca"}],
+                 "output_dir": "./out"}  # fmt: skip
+
+
+def _job(tmp_path: Path, kind: str, config: dict[str, Any]) -> Path:
+    (tmp_path / "model").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA_7B))
+    (tmp_path / "tool.yaml").write_text(yaml.safe_dump(config))
+    job = {"trainer": {"kind": kind, "config": "tool.yaml"}, "resources": {"gpu": 0}, "output_dir": "./run"}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    return tmp_path / "job.yaml"
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "words"),
+    [
+        ("axolotl", {"adapter": "lora", "load_in_4bit": False, "load_in_8bit": True}, "load_in_8bit: true"),
+        ("axolotl", {"adapter": "lora", "load_in_4bit": False, "bf16": True}, "unquantized"),
+        ("llamafactory", {"quantization_bit": 8}, "quantization_bit: 8"),
+        ("trl-sft", {"load_in_4bit": False, "load_in_8bit": True}, "load_in_8bit: true"),
+    ],
+)
+def test_weights_the_model_does_not_count_start_as_written_not_nothing_fits(
+    tmp_path: Path, kind: str, keys: dict[str, Any], words: str
+) -> None:
+    """A 7B LoRA in 8-bit or bf16 on a 24 GiB card: no prediction (not 'nothing fits' from fp32
+    weights it does not have), the reason named, in plan and in run's settings alike."""
+    base = {
+        "axolotl": AXOLOTL_QLORA,
+        "llamafactory": {"model_name_or_path": "model", "do_train": True, "finetuning_type": "lora",
+                         "quantization_bit": 4, "cutoff_len": 2048, "per_device_train_batch_size": 2},
+        "trl-sft": {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True,
+                    "max_length": 2048},
+    }[kind]  # fmt: skip
+    path = _job(tmp_path, kind, {**base, **keys})
+    plan = make_plan(str(path), "24GiB")
+    assert plan["start"] is None and plan["peak_bytes"] is None
+    assert plan["unsupported"]["reason"] == "not_modelled" and words in plan["unsupported"]["detail"]
+    assert "starts as written" in plan["unsupported"]["detail"]
+    settings = policy_settings(load_job(path))
+    assert settings.shape is None and settings.unmodelled is not None and words in settings.unmodelled
+
+
+def test_a_4bit_config_is_planned_and_names_no_reason(tmp_path: Path) -> None:
+    path = _job(tmp_path, "axolotl", AXOLOTL_QLORA)
+    plan = make_plan(str(path), "24GiB")
+    assert plan["unsupported"] is None and plan["start"] is not None and plan["fits_as_written"]
+    assert policy_settings(load_job(path)).unmodelled is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "attention"),
+    [
+        ("axolotl", {"attn_implementation": "eager"}, "eager"),
+        ("axolotl", {"eager_attention": True}, "eager"),
+        ("axolotl", {"attn_implementation": "flash_attention_2"}, "sdpa"),
+        ("llamafactory", {"flash_attn": "disabled"}, "eager"),
+        ("llamafactory", {"flash_attn": "auto"}, None),
+        ("trl-sft", {"attn_implementation": "eager"}, "eager"),
+        ("trl-sft", {}, None),
+    ],
+)
+def test_the_tools_attention_choice_is_read_in_its_own_key(
+    tmp_path: Path, kind: str, keys: dict[str, Any], attention: str | None
+) -> None:
+    base = {
+        "axolotl": AXOLOTL_QLORA,
+        "llamafactory": {"model_name_or_path": "model", "do_train": True, "quantization_bit": 4},
+        "trl-sft": {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True},
+    }[kind]
+    job = load_job(_job(tmp_path, kind, {**base, **keys}))
+    assert model_facts.attention(job.trainer) == attention
+
+
+def test_eager_attention_in_the_tools_config_raises_the_plans_peak(tmp_path: Path) -> None:
+    """The seq x seq scores of eager attention at seq 2048 are in the plan when axolotl asks for it."""
+    sdpa = make_plan(str(_job(tmp_path / "sdpa", "axolotl", AXOLOTL_QLORA)), "24GiB")
+    eager_config = {**AXOLOTL_QLORA, "attn_implementation": "eager"}
+    eager = make_plan(str(_job(tmp_path / "eager", "axolotl", eager_config)), "24GiB")
+    assert eager["shape"]["attn_implementation"] == "eager" and sdpa["shape"]["attn_implementation"] == "sdpa"
+    assert eager["peak_bytes"] > sdpa["peak_bytes"] * 1.2
+
+
+def test_the_peak_store_keeps_each_trainers_peaks_apart(tmp_path: Path) -> None:
+    """axolotl's peaks calibrate axolotl only; a line without a trainer (an older store) is ours."""
+    shape = ModelShape.from_config(LLAMA_7B)
+    assert isinstance(shape, ModelShape)
+    store = tmp_path / "peaks.jsonl"
+    knobs = Knobs(model="m")
+    assert record_attempt(store, shape, knobs, 6 << 30, 2000.0, "axolotl")
+    assert record_attempt(store, shape, knobs, 8 << 30, 1500.0)
+    older = {"shape": shape.sizes(), "knobs": json.loads(store.read_text().splitlines()[1])["knobs"],
+             "peak_bytes": 9 << 30, "tokens_per_s": None, "time": 1.0}  # fmt: skip
+    with store.open("a") as out:
+        out.write(json.dumps(older) + "\n")
+    assert [o.peak_bytes for o in read_observations(store, shape, "axolotl")] == [6 << 30]
+    assert [o.peak_bytes for o in read_observations(store, shape)] == [8 << 30, 9 << 30]
+    assert [s.tokens_per_s for s in read_speeds(store, shape, "axolotl")] == [2000.0]
+    assert read_observations(store, shape, "llamafactory") == []
