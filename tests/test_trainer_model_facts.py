@@ -12,6 +12,7 @@ import yaml
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.commands.plan import make_plan
 from qlora_supervise.supervisor.jobfile.load import load_job
+from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.loop.settings import policy_settings
 from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds, record_attempt
 from qlora_supervise.supervisor.trainers import model_facts
@@ -125,3 +126,17 @@ def test_the_peak_store_keeps_each_trainers_peaks_apart(tmp_path: Path) -> None:
     assert [o.peak_bytes for o in read_observations(store, shape)] == [8 << 30, 9 << 30]
     assert [s.tokens_per_s for s in read_speeds(store, shape, "axolotl")] == [2000.0]
     assert read_observations(store, shape, "llamafactory") == []
+
+
+def test_a_string_of_names_peft_would_match_to_nothing_is_refused_with_the_list(tmp_path: Path) -> None:
+    """trl hands peft the string as a pattern of the full module name: 'q_proj,v_proj' adapts no
+    layer (peft stops with 'Target modules not found'); validate names it and the list to write."""
+    config = {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True,
+              "lora_target_modules": "q_proj,v_proj"}  # fmt: skip
+    with pytest.raises(JobError) as caught:
+        load_job(_job(tmp_path, "trl-sft", config))
+    shown = "\n".join(p.render() for p in caught.value.problems)
+    assert "lora_target_modules" in shown and "regular expression" in shown
+    assert "write a list: [q_proj, v_proj]" in shown
+    pattern = {**config, "lora_target_modules": r".*\.(q_proj|v_proj)"}
+    assert load_job(_job(tmp_path, "trl-sft", pattern)).train.target_modules == ("q_proj", "v_proj")

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from qlora_supervise.supervisor.trainers.foreign_job import lora_targets
+from qlora_supervise.supervisor.trainers.lora_targets import lora_targets
 from qlora_supervise.supervisor.trainers.mapping import knobs_from
 from qlora_supervise.supervisor.trainers.tables import AXOLOTL, LLAMAFACTORY, TABLES, TRL_SFT, TrainerKind
 
@@ -20,20 +20,29 @@ QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
         (TrainerKind.LLAMAFACTORY, {"lora_target": "q_proj,k_proj, v_proj ,o_proj"}, QKVO),
         (TrainerKind.LLAMAFACTORY, {"lora_target": "q_proj"}, ("q_proj",)),
         (TrainerKind.LLAMAFACTORY, {}, "all-linear"),
-        (TrainerKind.TRL_SFT, {"lora_target_modules": "q_proj,v_proj"}, ("q_proj", "v_proj")),
+        # trl and axolotl hand a string to peft, which fullmatches it as a pattern: this one adapts
+        # nothing (validate names it), this one q and v.
+        (TrainerKind.TRL_SFT, {"lora_target_modules": "q_proj,v_proj"}, "q_proj,v_proj"),
+        (TrainerKind.TRL_SFT, {"lora_target_modules": r".*\.(q_proj|v_proj)"}, ("q_proj", "v_proj")),
+        (TrainerKind.TRL_SFT, {}, ("q_proj", "v_proj")),  # peft's default for llama
         (TrainerKind.TRL_SFT, {"lora_target_modules": "all-linear"}, "all-linear"),
         (TrainerKind.TRL_SFT, {"lora_target_modules": list(QKVO)}, QKVO),
         (TrainerKind.AXOLOTL, {"lora_target_linear": True}, "all-linear"),
         (TrainerKind.AXOLOTL, {"lora_target_linear": True, "lora_target_modules": ["q_proj"]}, "all-linear"),
         (TrainerKind.AXOLOTL, {"lora_target_linear": False, "lora_target_modules": list(QKVO)}, QKVO),
-        (TrainerKind.AXOLOTL, {"lora_target_modules": "q_proj,v_proj"}, ("q_proj", "v_proj")),
+        (
+            TrainerKind.AXOLOTL,
+            {"lora_target_modules": r"model\.layers\.\d+\.mlp\..*"},
+            ("gate_proj", "up_proj", "down_proj"),
+        ),
     ],
 )
 def test_lora_targets_read_each_tools_spelling(
     kind: TrainerKind, config: dict[str, Any], expected: tuple[str, ...] | str
 ) -> None:
-    """`all`, comma-separated names and axolotl's lora_target_linear become our targets."""
-    assert lora_targets(TABLES[kind], config) == expected
+    """`all`, LLaMA-Factory's comma-separated names, peft's patterns and defaults (a llama), and
+    axolotl's lora_target_linear become our targets."""
+    assert lora_targets(TABLES[kind], config, "llama") == expected
 
 
 def test_llamafactory_without_quantization_bit_is_not_4bit() -> None:

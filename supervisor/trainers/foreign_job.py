@@ -8,6 +8,7 @@ live in the tool's config, and one value written in two places would disagree so
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -32,6 +33,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
+from qlora_supervise.supervisor.trainers.lora_targets import lora_targets, target_problems
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
 from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
@@ -184,6 +186,8 @@ def _foreign(section: TrainerSection, job_dir: Path, problems: list[Problem]) ->
         problems += config_problems(TABLES[kind], config, "trainer.command")
         workdir = section.workdir or job_dir
         problems += model_problems(TABLES[kind], config, "trainer.command", workdir)
+        model = _tool_model_type(TABLES[kind], config, workdir)
+        problems += target_problems(TABLES[kind], config, "trainer.command", model)
         return ForeignTrainer(
             kind, ForeignTrainer.frozen(config), None, section.command or (), python, workdir
         )
@@ -196,6 +200,7 @@ def _foreign(section: TrainerSection, job_dir: Path, problems: list[Problem]) ->
     problems += config_problems(TABLES[kind], read, where)
     workdir = section.workdir or section.config.parent
     problems += model_problems(TABLES[kind], read, where, workdir)
+    problems += target_problems(TABLES[kind], read, where, _tool_model_type(TABLES[kind], read, workdir))
     return ForeignTrainer(kind, ForeignTrainer.frozen(read), section.config, (), python, workdir)
 
 
@@ -259,7 +264,7 @@ def _job(
         max_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else -1,
         save_steps=_int(lookup(config, table.save_steps_key), table.save_steps_default),
         merge=False,
-        target_modules=lora_targets(table, config),
+        target_modules=lora_targets(table, config, model_type(knobs.model)),
     )
     dataset = lookup(config, table.data_key)
     return Job(
@@ -277,6 +282,22 @@ def _job(
     )
 
 
+def _tool_model_type(table: Table, config: Mapping[str, Any], workdir: Path) -> str | None:
+    row = table.row("model")
+    value = lookup(config, row.key) if row is not None else None
+    return model_type(tool_model_path(value, workdir)) if isinstance(value, str) and value else None
+
+
+def model_type(model: str) -> str | None:
+    """``model_type`` from the model directory's config.json (None: no such file, or unreadable)."""
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = raw.get("model_type") if isinstance(raw, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def tool_model_path(model: str, workdir: Path | None) -> str:
     """``model`` as the tool opens it from ``workdir``: a relative path made absolute there; an
     absolute path, a hub id (``org/name`` that is no path there) or no workdir: unchanged."""
@@ -287,23 +308,3 @@ def tool_model_path(model: str, workdir: Path | None) -> str:
 
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
-
-
-#: A tool's own word for every linear layer of the block (LLaMA-Factory's ``lora_target: all``).
-_ALL_LINEAR = {TrainerKind.LLAMAFACTORY: ("all", "all-linear")}
-
-
-def lora_targets(table: Table, config: Mapping[str, Any]) -> tuple[str, ...] | str:
-    """The LoRA targets in our words (``"all-linear"`` or module names) from the tool's spelling:
-    a list, a comma-separated string (``q_proj,v_proj``), LLaMA-Factory's ``all``, axolotl's
-    ``lora_target_linear: true`` (every linear layer, whatever ``lora_target_modules`` adds)."""
-    if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
-        return "all-linear"
-    value = lookup(config, table.targets_key)
-    if isinstance(value, str):
-        value = [name.strip() for name in value.split(",") if name.strip()]
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        return "all-linear"  # the tools' own default when none is named: every linear layer
-    if len(value) == 1 and value[0] in _ALL_LINEAR.get(table.kind, ("all-linear",)):
-        return "all-linear"
-    return tuple(value)

@@ -1,0 +1,150 @@
+"""A tool's LoRA targets in our words, read the way the tool hands them to peft.
+
+* **A list** of names (every tool): peft adapts each Linear whose name ends in one of them.
+* **A string** in trl's or axolotl's config (and an hf-script's flag) reaches peft unchanged, and
+  peft reads a string as a regular expression that must match a module's *full* name
+  (``re.fullmatch``, peft/tuners/tuners_utils.py), except ``all-linear``. So ``q_proj,v_proj``
+  adapts nothing there: peft stops with "Target modules ... not found". It is read as peft reads
+  it, against the block's module paths (``model.layers.0.self_attn.q_proj``), and a string that
+  matches no Linear layer is a problem ``validate`` names, before a run fails on it.
+* LLaMA-Factory's ``lora_target`` is its own: comma-separated names, or ``all``.
+* **Nothing named**: trl hands peft ``None`` and peft takes its default for the model type
+  (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``: ``q_proj, v_proj`` for Llama, Mistral,
+  Qwen, Gemma), read from the installed peft's source as text (importing peft would import torch
+  into the supervisor); axolotl's ``lora_target_linear: true`` and LLaMA-Factory's default are
+  every Linear layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from qlora_supervise.supervisor.jobfile.problems import Problem, show
+from qlora_supervise.supervisor.trainers.mapping import lookup
+from qlora_supervise.supervisor.trainers.tables import Table, TrainerKind
+from qlora_supervise.trainer_child.contract.targets import ALL_LINEAR, family
+
+#: A tool's own word for every linear layer of the block (LLaMA-Factory's ``lora_target: all``).
+_ALL_LINEAR = {TrainerKind.LLAMAFACTORY: ("all", "all-linear")}
+#: The tools whose string value peft receives as a regular expression.
+_REGEX_KINDS = frozenset({TrainerKind.TRL_SFT, TrainerKind.AXOLOTL, TrainerKind.HF_SCRIPT})
+#: Where peft's default targets come from when trl names none (the model type's entry there).
+_PEFT_DEFAULTS = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
+
+
+def lora_targets(
+    table: Table, config: Mapping[str, Any], model_type: str | None = None
+) -> tuple[str, ...] | str:
+    """The LoRA targets in our words (``"all-linear"`` or module names) from the tool's spelling."""
+    if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
+        return ALL_LINEAR
+    value = lookup(config, table.targets_key)
+    if isinstance(value, str) and table.kind in _REGEX_KINDS and value != ALL_LINEAR:
+        matched = regex_matches(value, model_type)
+        return matched if matched else value  # no match: validate says so; the string as written
+    if isinstance(value, str):
+        value = [name.strip() for name in value.split(",") if name.strip()]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        if len(value) == 1 and value[0] in _ALL_LINEAR.get(table.kind, (ALL_LINEAR,)):
+            return ALL_LINEAR
+        return tuple(value)
+    if table.kind is TrainerKind.TRL_SFT:
+        defaults = peft_default_targets(model_type)
+        if defaults:
+            return defaults
+    return ALL_LINEAR  # every linear layer: the most the adapter can be, so never under-counted
+
+
+def regex_matches(pattern: str, model_type: str | None) -> tuple[str, ...]:
+    """The block's Linear layers whose full module path ``pattern`` matches as peft matches it
+    (``re.fullmatch``); () for an invalid pattern or no match."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error:
+        return ()
+    return tuple(name for name, path in _block_paths(model_type) if compiled.fullmatch(path))
+
+
+def target_problems(
+    table: Table, config: Mapping[str, Any], where: str, model_type: str | None
+) -> list[Problem]:
+    """A string target peft would read as a pattern that adapts nothing (or cannot compile)."""
+    value = lookup(config, table.targets_key)
+    if table.kind not in _REGEX_KINDS or not isinstance(value, str) or value == ALL_LINEAR:
+        return []
+    if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
+        return []
+    names = [name for name in re.split(r"[,\s]+", value) if re.fullmatch(r"\w+", name)]
+    fix = (
+        f"write a list: [{', '.join(names)}]"
+        if names
+        else "write a list of module names, e.g. [q_proj, v_proj]"
+    )
+    try:
+        re.compile(value)
+    except re.error as error:
+        why = f"a string, which peft reads as a regular expression, and this one does not compile ({error})"
+        return [Problem(f"{where}: {table.targets_key}", why, show(value), fix)]
+    if regex_matches(value, model_type):
+        return []
+    why = (
+        "a string, which peft reads as a regular expression of the full module name "
+        "(model.layers.0.self_attn.q_proj), and this one matches no Linear layer: peft would stop "
+        "with 'Target modules not found'"
+    )
+    return [Problem(f"{where}: {table.targets_key}", why, show(value), fix)]
+
+
+def _block_paths(model_type: str | None) -> list[tuple[str, str]]:
+    """(leaf, full path) of one decoder block's Linear layers, as the loaded model names them."""
+    block = family(model_type) or family("llama")
+    assert block is not None  # llama is in the table
+    attention = [(n, f"model.layers.0.self_attn.{n}") for n in block.attention]
+    return attention + [(n, f"model.layers.0.mlp.{n}") for n in block.mlp]
+
+
+def peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:
+    """peft's default ``target_modules`` for ``model_type`` (a list there), or None: unknown type,
+    a pattern default, or no peft source to read."""
+    if not model_type:
+        return None
+    found = _peft_mapping(_peft_root()).get(model_type)
+    return tuple(found) if isinstance(found, list) and all(isinstance(n, str) for n in found) else None
+
+
+@functools.cache
+def _peft_root() -> Path | None:
+    try:
+        spec = importlib.util.find_spec("peft")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def _peft_mapping(root: Path | None) -> dict[str, Any]:
+    """peft's model type -> default LoRA targets, read from ``utils/constants.py`` (empty if unread)."""
+    if root is None:
+        return {}
+    try:
+        tree = ast.parse((root / "utils" / "constants.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == _PEFT_DEFAULTS for t in node.targets
+        ):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return {}
+            return value if isinstance(value, dict) else {}
+    return {}
