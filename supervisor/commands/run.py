@@ -46,6 +46,7 @@ from qlora_supervise.supervisor.reporting.hooks import EventHook
 from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, ON_EVENT, SYSTEMD, BestEffort
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
+from qlora_supervise.supervisor.trainers.tool_check import shim_advice, tool_problems
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
@@ -89,7 +90,7 @@ def run_job(
         _at_start(run_dir, lambda: _lift_verdict(run_dir, submitted, retry, log))
         if job.train.trust_remote_code:
             log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
-        for advice in job_advice(job, records=None):  # validate's warnings: nothing of them is silent
+        for advice in [*job_advice(job, records=None), *shim_advice(job.trainer)]:  # validate's warnings
             log.warning(Event.JOB_ADVICE, field=advice.field, what=advice.what, fix=advice.fix)
         seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
         settings = policy_settings(job)
@@ -152,7 +153,11 @@ def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
 
 def _load(job_path: str) -> Job:
     try:
-        return load_job(job_path)
+        job = load_job(job_path)
+        problems = tool_problems(job.trainer)  # a tool its interpreter lacks fails every start alike
+        if problems:
+            raise JobError(problems)
+        return job
     except JobError as error:
         lines = "\n".join(problem.render() for problem in error.problems)
         raise SupervisorExit(

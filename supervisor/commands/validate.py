@@ -11,6 +11,7 @@ from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.trainers.summary import foreign_lines
+from qlora_supervise.supervisor.trainers.tool_check import shim_advice, tool_problems
 from qlora_supervise.trainer_child.contract.spec import DataSpec
 
 
@@ -18,6 +19,9 @@ def validate_command(path: str) -> int:
     """Print ``<file>: OK`` and a summary (returns 0), or ``<file>: N problems`` and each one (2)."""
     try:
         job = load_job(path)
+        problems = tool_problems(job.trainer)  # the tool itself, for the interpreter that runs it
+        if problems:
+            raise JobError(problems)
     except JobError as error:
         count = len(error.problems)
         print(f"{path}: {count} problem{'s' if count != 1 else ''}")
@@ -37,7 +41,7 @@ def warning_lines(job: Job, records: int | None = None) -> list[str]:
     """What a person should know before running the job, though it is not a problem (see
     :mod:`jobfile.advice`); ``records``: the training file's record count, where known."""
     trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
-    return trust + [advice.render() for advice in job_advice(job, records)]
+    return trust + [advice.render() for advice in [*job_advice(job, records), *shim_advice(job.trainer)]]
 
 
 def summary_lines(job: Job, records: int | None = None) -> list[str]:

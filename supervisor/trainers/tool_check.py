@@ -1,0 +1,102 @@
+"""Whether the tool, and the shim, can be imported by the interpreter that will run them.
+
+Checked by ``validate`` and at ``run``'s start, before any attempt: a tool that is not installed
+for ``trainer.python`` fails in the same way on every start (``No module named 'axolotl'``), so
+retrying it unchanged would only walk the run into a crash loop. A venv without qlora-supervise
+still trains, but the shim cannot attach there (no heartbeats, no checkpoints of ours: every
+restart begins at step 0), which a person should hear before a night's run, not in the morning.
+
+The check asks the interpreter for the packages' import specs (``importlib.util.find_spec`` of the
+top-level names: nothing is imported, about 50 ms), once per interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from qlora_supervise.supervisor.jobfile.advice import Advice
+from qlora_supervise.supervisor.jobfile.problems import Problem, show
+from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
+from qlora_supervise.supervisor.trainers.tables import TrainerKind
+
+#: The package each tool's entry module lives in (supervisor/trainers/attempt_config.tool_argv).
+TOOL_PACKAGES = {
+    TrainerKind.TRL_SFT: "trl",
+    TrainerKind.AXOLOTL: "axolotl",
+    TrainerKind.LLAMAFACTORY: "llamafactory",
+}
+SHIM_PACKAGE = "qlora_supervise"
+_PROBE = (
+    "import importlib.util, sys; "
+    "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
+)
+PROBE_TIMEOUT_S = 60
+
+
+def tool_problems(trainer: ForeignTrainer | None) -> list[Problem]:
+    """The tool's package missing for its interpreter, with the fix; [] when it is there (or the
+    interpreter could not be asked: the attempt will say what is wrong)."""
+    package = TOOL_PACKAGES.get(trainer.kind) if trainer is not None else None
+    if trainer is None or package is None or package not in _missing(trainer.python, (package,)):
+        return []
+    return [
+        Problem(
+            "trainer.python",
+            f"{package} is not installed for this interpreter: the tool would fail on every start",
+            show(trainer.python),
+            f"install it there (`{trainer.python} -m pip install {package}`), or name the python of "
+            "the venv it is in (trainer.python)",
+        )
+    ]
+
+
+def shim_advice(trainer: ForeignTrainer | None) -> list[Advice]:
+    """A warning when qlora-supervise cannot be imported by the tool's interpreter (no shim)."""
+    python = _interpreter(trainer)
+    if trainer is None or python is None or SHIM_PACKAGE not in _missing(python, (SHIM_PACKAGE,)):
+        return []
+    return [
+        Advice(
+            "trainer.python",
+            f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
+            "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0",
+            f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`",
+        )
+    ]
+
+
+def _interpreter(trainer: ForeignTrainer | None) -> str | None:
+    """The python the tool runs in: ``trainer.python``, or an hf-script's first word where it is a
+    python (a script started by another program is that program's business)."""
+    if trainer is None:
+        return None
+    if trainer.kind is not TrainerKind.HF_SCRIPT:
+        return trainer.python
+    first = trainer.command[0] if trainer.command else ""
+    found = shutil.which(first)
+    return found if found is not None and Path(first).name.startswith("python") else None
+
+
+def _missing(python: str, packages: Sequence[str]) -> frozenset[str]:
+    return _missing_cached(python, tuple(packages))
+
+
+@functools.cache
+def _missing_cached(python: str, packages: tuple[str, ...]) -> frozenset[str]:
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE, *packages],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()  # not asked: the attempt itself will say what is wrong
+    if done.returncode != 0:
+        return frozenset()
+    return frozenset(done.stdout.split()) & set(packages)
