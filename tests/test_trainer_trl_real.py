@@ -113,3 +113,18 @@ def test_sigterm_stops_trl_at_a_checkpoint_and_the_same_command_resumes_it(
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert records[-1].outcome == "succeeded" and records[-1].resumed_from == stopped.next_resume_from
     assert records[-1].steps_completed == _STEPS
+
+
+def test_a_config_trl_refuses_at_load_is_a_config_error_tried_once(tiny_dir: Path, tmp_path: Path) -> None:
+    """No dataset_name: trl's script raises ValueError before any Trainer exists. The shim's report
+    marks it the config's (it would fail alike on every start): one attempt, exit 4, the message."""
+    job = trl_job(tiny_dir, tmp_path, capped=False)
+    config = yaml.safe_load((tmp_path / "sft.yaml").read_text())
+    del config["dataset_name"]
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
+    assert _run(job) == 4
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert len(records) == 1 and records[0].failure is not None
+    failure = records[0].failure
+    assert failure.kind == "config_error" and failure.stage == "load" and "error report" in failure.evidence
+    assert failure.message.startswith("ValueError") and "dataset_name" in failure.message
