@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import io
 import json
 import os
@@ -266,6 +267,7 @@ def test_the_watch_wakes_at_the_childs_exit_not_at_the_next_tick(
 ) -> None:
     """wait_for_exit returns at the exit (well before its timeout), returns at the timeout while
     the child lives, leaves no descriptor open, and without pidfds sleeps the tick out."""
+    gc.collect()  # a file an earlier test in this worker left to the collector is closed now, not mid-test
     fds = len(os.listdir("/proc/self/fd"))
     quick = child_mod.spawn_child(
         [sys.executable, "-c", "import time; time.sleep(0.3)"], dict(os.environ), tmp_path / "q.log", tmp_path
@@ -288,7 +290,7 @@ def test_the_watch_wakes_at_the_childs_exit_not_at_the_next_tick(
     slow.wait_for_exit(0.7, slept.append)
     assert slept == [0.7]
     slow.stop(1.0)
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert len(os.listdir("/proc/self/fd")) <= fds  # none left open by the watch
 
 
 def _ready_real_spare(tmp_path: Path) -> tuple[SpareKeeper, _Log]:

@@ -13,6 +13,7 @@ top-level names: nothing is imported, about 50 ms), once per interpreter.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -82,11 +83,12 @@ def _interpreter(trainer: ForeignTrainer | None) -> str | None:
 
 
 def _missing(python: str, packages: Sequence[str]) -> frozenset[str]:
-    return _missing_cached(python, tuple(packages))
+    # The interpreter finds what PYTHONPATH adds as the tool would: part of what is asked.
+    return _missing_cached(python, tuple(packages), os.environ.get("PYTHONPATH", ""))
 
 
 @functools.cache
-def _missing_cached(python: str, packages: tuple[str, ...]) -> frozenset[str]:
+def _missing_cached(python: str, packages: tuple[str, ...], _pythonpath: str) -> frozenset[str]:
     try:
         done = subprocess.run(
             [python, "-c", _PROBE, *packages],
