@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets
-from qlora_supervise.supervisor.trainers.mapping import knobs_from
+from qlora_supervise.supervisor.trainers.mapping import attempt_config, knobs_from
 from qlora_supervise.supervisor.trainers.tables import AXOLOTL, LLAMAFACTORY, TABLES, TRL_SFT, TrainerKind
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -53,3 +54,18 @@ def test_llamafactory_without_quantization_bit_is_not_4bit() -> None:
     assert knobs_from(LLAMAFACTORY, {**base, "quantization_bit": 8}).load_in_4bit is False
     assert knobs_from(AXOLOTL, {"base_model": "/m"}).load_in_4bit is False
     assert knobs_from(TRL_SFT, {"model_name_or_path": "/m"}).load_in_4bit is False
+
+
+def test_transformers_5s_activation_checkpointing_is_read_first_and_written_with_its_alias() -> None:
+    """activation_checkpointing wins over its deprecated alias gradient_checkpointing (as
+    TrainingArguments resolves them); a change is written to both where the config has both."""
+    config = {"model_name_or_path": "m", "use_peft": True, "activation_checkpointing": False,
+              "gradient_checkpointing": True}  # fmt: skip
+    knobs = knobs_from(TRL_SFT, config)
+    assert knobs.gradient_checkpointing is False
+    on = dataclasses.replace(knobs, gradient_checkpointing=True)
+    written = attempt_config(TRL_SFT, config, knobs, on, "/out", None)
+    assert written["activation_checkpointing"] is True and written["gradient_checkpointing"] is True
+    alone = {"model_name_or_path": "m", "use_peft": True, "activation_checkpointing": False}
+    written = attempt_config(TRL_SFT, alone, knobs_from(TRL_SFT, alone), on, "/out", None)
+    assert written["activation_checkpointing"] is True and "gradient_checkpointing" not in written

@@ -44,7 +44,7 @@ def assign(config: dict[str, Any], key: str, value: Any) -> None:
 
 def knob_value(row: Row, config: Mapping[str, Any]) -> Any:
     """The knob's value as the tool would run it: the config's, else the tool's default."""
-    value = lookup(config, row.key)
+    value = lookup(config, row.key_in(config))
     if value is _MISSING or value is None:  # the default is in the tool's spelling too
         value = row.default(config) if callable(row.default) else row.default
     return row.read(value)
@@ -74,16 +74,17 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
 
 def _type_problems(table: Table, config: Mapping[str, Any], where: str) -> Iterator[Problem]:
     for row in table.rows:
-        raw = lookup(config, row.key)
+        key = row.key_in(config)
+        raw = lookup(config, key)
         if raw is _MISSING or raw is None or row.knob not in _KNOB_TYPES:
             continue
         value, wanted = row.read(raw), _KNOB_TYPES[row.knob]
         if wanted is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             yield Problem(
-                f"{where}: {row.key}", "must be a whole number > 0", show(raw), "write it as 1, 2, 4, ..."
+                f"{where}: {key}", "must be a whole number > 0", show(raw), "write it as 1, 2, 4, ..."
             )
         elif wanted is not int and not isinstance(value, wanted):
-            yield Problem(f"{where}: {row.key}", f"wrong type: expected a {wanted.__name__}", show(raw), "")
+            yield Problem(f"{where}: {key}", f"wrong type: expected a {wanted.__name__}", show(raw), "")
 
 
 def attempt_config(
@@ -100,7 +101,10 @@ def attempt_config(
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
     for row in table.rows:
         if before[row.knob] != after[row.knob] and writable(row, config):
-            assign(out, row.key, row.write(after[row.knob]))
+            # The spelling the tool reads, and a deprecated alias the config has beside it (so the
+            # file does not say two things).
+            for key in dict.fromkeys([row.key_in(config), *([row.key] if row.key in config else [])]):
+                assign(out, key, row.write(after[row.knob]))
     assign(out, table.output_key, output_dir)
     assign(out, table.resume_key, resume_from)
     return out

@@ -43,6 +43,13 @@ class Row:
     read_only: bool = False
     # The key is the script's own, not the tool's: read and written only where the config has it.
     present_only: bool = False
+    # Newer names of the key that the tool reads first where the config has them (transformers
+    # 5's ``activation_checkpointing``, of which ``gradient_checkpointing`` is a deprecated alias).
+    preferred: tuple[str, ...] = ()
+
+    def key_in(self, config: Mapping[str, Any]) -> str:
+        """The key the tool reads this knob from in ``config``: a preferred one there, else ``key``."""
+        return next((name for name in self.preferred if name in config), self.key)
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,8 @@ _TRAINER_ARGUMENTS_CONTRADICTIONS = (
     Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
     Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
 )
+#: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
+_ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
 #: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
 _EVAL_STRATEGY = Row(
     "eval_enabled",
@@ -144,7 +153,7 @@ TRL_SFT = Table(
         Row("model", "model_name_or_path", None),
         Row("micro_batch_size", "per_device_train_batch_size", 8),
         Row("grad_accum", "gradient_accumulation_steps", 1),
-        Row("gradient_checkpointing", "gradient_checkpointing", True),
+        Row("gradient_checkpointing", "gradient_checkpointing", True, preferred=_ACTIVATION_CHECKPOINTING),
         Row("optimizer", "optim", "adamw_torch_fused"),
         Row("max_seq_len", "max_length", 1024),
         Row("lora_r", "lora_r", 16),
@@ -310,7 +319,7 @@ HF_SCRIPT = Table(
         Row("model", "model_name_or_path", None),
         Row("micro_batch_size", "per_device_train_batch_size", 8),
         Row("grad_accum", "gradient_accumulation_steps", 1),
-        Row("gradient_checkpointing", "gradient_checkpointing", False),
+        Row("gradient_checkpointing", "gradient_checkpointing", False, preferred=_ACTIVATION_CHECKPOINTING),
         Row("optimizer", "optim", "adamw_torch_fused"),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
         _EVAL_STRATEGY,
