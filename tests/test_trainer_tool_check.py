@@ -56,3 +56,25 @@ def test_a_python_without_qlora_supervise_gets_a_warning_not_a_refusal(tmp_path:
         assert validate_command(str(path)) == 0
     assert f"warning: trainer.python: qlora-supervise is not importable by {python}" in out.getvalue()
     assert "pip install --no-deps qlora-supervise" in out.getvalue()
+
+
+def test_an_old_trl_key_name_trl_would_drop_is_a_warning_with_the_new_name(tmp_path: Path) -> None:
+    """max_seq_length (trl < 0.20) is dropped by trl's parser without a word: validate says so."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    sft = {"model_name_or_path": "model", "use_peft": True, "max_seq_length": 2048, "torch_dtype": "bfloat16",
+           "dtype": "bfloat16"}  # fmt: skip
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
+    job = {
+        "trainer": {"kind": "trl-sft", "config": "sft.yaml"},
+        "resources": {"gpu": "cpu"},
+        "output_dir": "./r",
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert validate_command(str(tmp_path / "job.yaml")) == 0
+    shown = out.getvalue()
+    assert "warning: sft.yaml: max_seq_length: trl-sft no longer reads max_seq_length" in shown
+    assert "rename it to max_length" in shown and "seq_len 1024" in shown
+    assert "rename it to dtype (both are set: delete torch_dtype)" in shown

@@ -46,7 +46,7 @@ from qlora_supervise.supervisor.reporting.hooks import EventHook
 from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, ON_EVENT, SYSTEMD, BestEffort
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
-from qlora_supervise.supervisor.trainers.tool_check import shim_advice, tool_problems
+from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
@@ -90,7 +90,7 @@ def run_job(
         _at_start(run_dir, lambda: _lift_verdict(run_dir, submitted, retry, log))
         if job.train.trust_remote_code:
             log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
-        for advice in [*job_advice(job, records=None), *shim_advice(job.trainer)]:  # validate's warnings
+        for advice in [*job_advice(job, records=None), *foreign_advice(job.trainer)]:  # validate's warnings
             log.warning(Event.JOB_ADVICE, field=advice.field, what=advice.what, fix=advice.fix)
         seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
         settings = policy_settings(job)

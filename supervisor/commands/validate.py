@@ -11,7 +11,7 @@ from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.trainers.summary import foreign_lines
-from qlora_supervise.supervisor.trainers.tool_check import shim_advice, tool_problems
+from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems
 from qlora_supervise.trainer_child.contract.spec import DataSpec
 
 
@@ -41,7 +41,7 @@ def warning_lines(job: Job, records: int | None = None) -> list[str]:
     """What a person should know before running the job, though it is not a problem (see
     :mod:`jobfile.advice`); ``records``: the training file's record count, where known."""
     trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
-    return trust + [advice.render() for advice in [*job_advice(job, records), *shim_advice(job.trainer)]]
+    return trust + [advice.render() for advice in [*job_advice(job, records), *foreign_advice(job.trainer)]]
 
 
 def summary_lines(job: Job, records: int | None = None) -> list[str]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import yaml
 
+from qlora_supervise.supervisor.jobfile.advice import Advice
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.tables import rungs_for, writable
@@ -24,6 +25,23 @@ def foreign_lines(trainer: ForeignTrainer) -> list[str]:
         "are set for every attempt; every other key is passed through",
         f"rungs: {', '.join(sorted(rungs))} (the others change what this tool cannot be told, so its "
         "ladders leave them out)",
+    ]
+
+
+def renamed_advice(trainer: ForeignTrainer | None) -> list[Advice]:
+    """A warning for each old key name the tool would drop without a word (its value then unused)."""
+    if trainer is None:
+        return []
+    where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
+    return [
+        Advice(
+            f"{where}: {old}",
+            f"{trainer.kind.value} no longer reads {old} and drops it silently, so it runs with "
+            f"{new}'s value (or its default) instead",
+            f"rename it to {new}" + (f" (both are set: delete {old})" if new in trainer.config else ""),
+        )
+        for old, new in trainer.table.renamed.items()
+        if old in trainer.config
     ]
 
 

@@ -76,6 +76,8 @@ class Table:
     save_steps_default: int = 500
     targets_key: str = "lora_target_modules"
     data_key: str = "dataset_name"
+    # Old names the tool no longer reads (its parser drops them without a word): old -> new.
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
     def row(self, knob: str) -> Row | None:
         return next((r for r in self.rows if r.knob == knob), None)
@@ -170,6 +172,10 @@ TRL_SFT = Table(
         "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
         "use_peft": "add use_peft: true: the supervisor supervises LoRA / QLoRA fine-tunes",
     },
+    # trl's script parses its YAML without failing on unknown keys, so these older configs' names
+    # are dropped in silence (trl 0.20 renamed max_seq_length; transformers 5 torch_dtype and
+    # evaluation_strategy).
+    renamed={"max_seq_length": "max_length", "torch_dtype": "dtype", "evaluation_strategy": "eval_strategy"},
     contradictions=(
         _auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
         _resume("resume_from_checkpoint"),

@@ -22,6 +22,7 @@ from pathlib import Path
 from qlora_supervise.supervisor.jobfile.advice import Advice
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
+from qlora_supervise.supervisor.trainers.summary import renamed_advice
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
 
 #: The package each tool's entry module lives in (supervisor/trainers/attempt_config.tool_argv).
@@ -68,6 +69,11 @@ def shim_advice(trainer: ForeignTrainer | None) -> list[Advice]:
             f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`",
         )
     ]
+
+
+def foreign_advice(trainer: ForeignTrainer | None) -> list[Advice]:
+    """What validate warns of and run says at start about a foreign tool: the shim, old key names."""
+    return [*shim_advice(trainer), *renamed_advice(trainer)]
 
 
 def _interpreter(trainer: ForeignTrainer | None) -> str | None:
