@@ -140,3 +140,20 @@ def test_a_string_of_names_peft_would_match_to_nothing_is_refused_with_the_list(
     assert "write a list: [q_proj, v_proj]" in shown
     pattern = {**config, "lora_target_modules": r".*\.(q_proj|v_proj)"}
     assert load_job(_job(tmp_path, "trl-sft", pattern)).train.target_modules == ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "epochs"),
+    [("axolotl", {"num_epochs": 4}, 4.0), ("axolotl", {}, 1.0),
+     ("llamafactory", {"num_train_epochs": 2.0}, 2.0), ("trl-sft", {}, 3.0)],
+)  # fmt: skip
+def test_the_epochs_are_read_in_each_tools_key_with_its_default(
+    tmp_path: Path, kind: str, keys: dict[str, Any], epochs: float
+) -> None:
+    """axolotl's num_epochs (its default 1), num_train_epochs elsewhere (TrainingArguments' 3)."""
+    base = {
+        "axolotl": AXOLOTL_QLORA,
+        "llamafactory": {"model_name_or_path": "model", "do_train": True, "quantization_bit": 4},
+        "trl-sft": {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True},
+    }[kind]
+    assert load_job(_job(tmp_path, kind, {**base, **keys})).train.epochs == epochs

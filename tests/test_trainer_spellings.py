@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets
-from qlora_supervise.supervisor.trainers.mapping import attempt_config, knobs_from
+from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, knobs_from
 from qlora_supervise.supervisor.trainers.tables import AXOLOTL, LLAMAFACTORY, TABLES, TRL_SFT, TrainerKind
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -69,3 +69,9 @@ def test_transformers_5s_activation_checkpointing_is_read_first_and_written_with
     alone = {"model_name_or_path": "m", "use_peft": True, "activation_checkpointing": False}
     written = attempt_config(TRL_SFT, alone, knobs_from(TRL_SFT, alone), on, "/out", None)
     assert written["activation_checkpointing"] is True and "gradient_checkpointing" not in written
+
+
+def test_a_key_written_as_null_and_one_removed_are_no_difference() -> None:
+    """resume_from_checkpoint: null in the user's file, removed for a fresh attempt: no diff line."""
+    assert config_diff({"resume_from_checkpoint": None, "a": 1}, {"a": 2}) == ["a: 1 -> 2"]
+    assert config_diff({"x": [1]}, {"x": None}) == ["x: [1] -> null"]

@@ -260,8 +260,10 @@ def _job(
     knobs = knobs_from(table, config)
     knobs = dataclasses.replace(knobs, model=tool_model_path(knobs.model, trainer.workdir))
     steps = lookup(config, table.max_steps_key)
+    epochs = lookup(config, table.epochs_key)
     train = TrainSpec(
         max_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else -1,
+        epochs=float(epochs) if _positive_number(epochs) else table.epochs_default,
         save_steps=_int(lookup(config, table.save_steps_key), table.save_steps_default),
         merge=False,
         target_modules=lora_targets(table, config, model_type(knobs.model)),
@@ -304,6 +306,10 @@ def tool_model_path(model: str, workdir: Path | None) -> str:
     if not model or workdir is None or Path(model).is_absolute() or looks_like_hub_id(model, workdir):
         return model
     return os.path.normpath(workdir.absolute() / model)  # symlinks kept, as the tool would open it
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _int(value: Any, default: int) -> int:

@@ -72,6 +72,8 @@ class Table:
     contradictions: tuple[Contradiction, ...] = ()
     # Read for the supervisor's own bookkeeping (progress, the memory model), never written.
     max_steps_key: str = "max_steps"
+    epochs_key: str = "num_train_epochs"
+    epochs_default: float = 3.0  # TrainingArguments' own
     save_steps_key: str = "save_steps"
     save_steps_default: int = 500
     targets_key: str = "lora_target_modules"
@@ -271,6 +273,8 @@ AXOLOTL = Table(
     ),
     targets_key="lora_target_modules",
     data_key="datasets",
+    epochs_key="num_epochs",
+    epochs_default=1.0,
 )
 
 LLAMAFACTORY = Table(
