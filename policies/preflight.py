@@ -180,6 +180,12 @@ class _Search:
         return [], True
 
 
+def fit_limit(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
+    """The most a config may peak at to fit ``budget_bytes`` with the margin (predicted, or measured
+    by the speed trial: a measurement still meets the allocator's rounding under a cap)."""
+    return int(budget_bytes / (1 + margin))
+
+
 def preflight(
     shape: ModelShape,
     knobs: Knobs,
@@ -199,7 +205,7 @@ def preflight(
     """
     # One search in the docstring's order (as written, throughput, quality, fallbacks, nothing),
     # with the reasons written as it goes: splitting it would scatter the one story the journal tells.
-    limit = budget_bytes / (1 + margin)
+    limit = fit_limit(budget_bytes, margin)
     search = _Search(shape, knobs, limit, scale, targets, speed, exclude, unusable)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:

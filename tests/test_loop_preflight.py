@@ -53,6 +53,8 @@ def test_attempt_1_carries_the_speed_trial_unless_turned_off(tmp_path: Path) -> 
         spec.knobs.grad_accum,
         spec.knobs.gradient_checkpointing,
     )
+    # The trial drops a candidate measured above what the pre-flight planned within: 24 GiB less 8 %.
+    assert spec.speed_trial_limit_bytes == int(24 * 2**30 / 1.08)
     off = tmp_path / "off"
     off.mkdir()
     job = _llama_job(off, "24GiB")
@@ -60,4 +62,5 @@ def test_attempt_1_carries_the_speed_trial_unless_turned_off(tmp_path: Path) -> 
     raw["supervise"]["speed_trial"] = False
     job.write_text(yaml.safe_dump(raw))
     assert _run(job, _seams(FakeClock(), {})) == 0
-    assert AttemptSpec.from_json((off / "run" / "attempt-001" / "spec.json").read_text()).speed_trial == ()
+    spec = AttemptSpec.from_json((off / "run" / "attempt-001" / "spec.json").read_text())
+    assert spec.speed_trial == () and spec.speed_trial_limit_bytes is None

@@ -22,6 +22,7 @@ from qlora_supervise.trainer_child.contract.speed_trial import (
     TrialResult,
     choose,
     chosen_knobs,
+    within,
 )
 
 PLANNED = TrialCandidate(4, 2, False)
@@ -49,6 +50,20 @@ def test_a_failed_first_candidate_gives_way_and_none_running_keeps_it() -> None:
         choose([_result(PLANNED, None), _result(CHECKPOINTED, 900.0), _result(BIGGER, None)]) == CHECKPOINTED
     )
     assert choose([_result(PLANNED, None), _result(BIGGER, None)]) == PLANNED
+
+
+def test_a_candidate_measured_over_the_plans_limit_is_dropped_like_an_oom() -> None:
+    """The H200 case: the calibrated plan's first candidate measured 11.59 GiB under a 12 GiB cap
+    (limit 11.11): it is dropped, and the fastest within the limit trains."""
+    gib = 1 << 30
+    planned = TrialResult(BIGGER, 9980.0, int(11.59 * gib), 4.7)
+    ok = TrialResult(PLANNED, 8486.0, int(7.64 * gib), 4.0)
+    limit = int(12 * gib / 1.08)
+    kept = [within(planned, limit), within(ok, limit)]
+    assert kept[0].error is not None and "over the plan's limit 11.11 GiB" in kept[0].error
+    assert kept[0].tokens_per_s == 9980.0 and kept[1] == ok
+    assert choose(kept) == PLANNED
+    assert within(planned, None) == planned  # no limit (the CPU, or a spec of an older supervisor)
 
 
 def test_the_chosen_knobs_change_only_what_the_trial_changes() -> None:

@@ -74,7 +74,12 @@ def first_plan(
     note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
     trial = result.speed_trial if settings.speed_trial else ()
     return Plan(
-        Phase.TRAIN, result.knobs, note=note, speed_trial=trial, nothing_fits=nothing_fits_text(result)
+        Phase.TRAIN,
+        result.knobs,
+        note=note,
+        speed_trial=trial,
+        speed_trial_limit=preflight.fit_limit(budget) if trial else None,
+        nothing_fits=nothing_fits_text(result),
     )
 
 

@@ -37,6 +37,8 @@ class Plan:
     # Attempt 1: the candidates the child's speed trial times before step 1, these knobs first
     # (empty: no trial). Later attempts run the knobs the ladder chose, untimed.
     speed_trial: tuple[TrialCandidate, ...] = ()
+    # The most a trial candidate may measure (the pre-flight's budget less its margin); None: no check.
+    speed_trial_limit: int | None = None
     # Attempt 1 only: no config of the model or a fallback is predicted to fit; the run stops
     # before any child starts, with this message (the smallest peak, the budget, what would help).
     nothing_fits: str | None = None

@@ -103,6 +103,7 @@ def write_spec(
         diagnose=job.diagnose,
         stop_grace_s=seams.stop_grace_s,
         speed_trial=plan.speed_trial,  # attempt 1 only: the planner's fastest candidates
+        speed_trial_limit_bytes=plan.speed_trial_limit,
         command=command,
     )
     write_text_atomic(directory / "spec.json", spec.to_json())

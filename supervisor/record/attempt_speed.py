@@ -106,6 +106,8 @@ def speed_line(speed: AttemptSpeed) -> str | None:
 def _trial_row(t: TrialResult) -> str:
     mode = "ckpt" if t.candidate.gradient_checkpointing else "no-ckpt"
     value = f"{t.tokens_per_s:.0f}" if t.tokens_per_s is not None else (t.error or "-")
+    if t.tokens_per_s is not None and t.error is not None:  # it ran, but measured over the limit
+        value += f" (dropped: {t.error})"
     return f"micro {t.candidate.micro_batch_size} {mode} {value}"
 
 

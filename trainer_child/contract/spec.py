@@ -161,6 +161,9 @@ class AttemptSpec:
     # The speed trial (supervise.speed_trial): candidates the child times in-process before
     # step 1, the first being these knobs; empty: no trial (contract/speed_trial.py).
     speed_trial: tuple[TrialCandidate, ...] = ()
+    # The most a candidate may measure in the trial: the budget the pre-flight planned with, less
+    # its margin (a candidate above it is dropped as an OOM would drop it); None: no such check.
+    speed_trial_limit_bytes: int | None = None
     # A trainer that is not ours (the job's ``trainer:`` section): its argv, the per-attempt config
     # in the attempt's directory on it, run with the shim on its PYTHONPATH (trainer_child/shim/);
     # empty: our own child.

@@ -113,18 +113,30 @@ class SpeedTrialEvent:
 
 def choose(results: Sequence[TrialResult]) -> TrialCandidate:
     """The candidate to train with: the first (the planned config) unless another measured more than
-    :data:`MIN_GAIN` faster. A first that failed (an OOM) gives way to the fastest that ran; when none
-    ran, the first stays (training then fails as it would have without a trial, and the ladder acts).
+    :data:`MIN_GAIN` faster. A first that failed (an OOM, or a peak over the plan's limit: its
+    ``error``) gives way to the fastest that ran within it; when none did, the first stays (training
+    then fails as it would have without a trial, and the ladder acts).
     """
     first = results[0]
-    ran = [r for r in results if r.tokens_per_s is not None]
+    ran = [r for r in results if r.tokens_per_s is not None and r.error is None]
     if not ran:
         return first.candidate
     fastest = max(ran, key=lambda r: r.tokens_per_s or 0.0)
-    if not first.tokens_per_s:  # None: the planned config failed in the trial
+    if first not in ran or not first.tokens_per_s:  # it failed (an OOM, or over the plan's limit)
         return fastest.candidate
     gain = (fastest.tokens_per_s or 0.0) / first.tokens_per_s - 1
     return fastest.candidate if gain > MIN_GAIN else first.candidate
+
+
+def within(result: TrialResult, limit: int | None) -> TrialResult:
+    """``result``, or the same marked dropped when it measured above ``limit``: the pre-flight would
+    not have planned a config it knew peaked there (on the H200 a calibrated plan once predicted
+    10.0 GiB for a config the trial measured at 11.6 under a 12 GiB cap: 4 % from an OOM)."""
+    if limit is None or result.peak_bytes is None or result.error is not None or result.peak_bytes <= limit:
+        return result
+    gib = 1 << 30
+    why = f"measured peak {result.peak_bytes / gib:.2f} GiB is over the plan's limit {limit / gib:.2f} GiB"
+    return dataclasses.replace(result, error=why)
 
 
 def chosen_knobs(knobs: Knobs, event: SpeedTrialEvent) -> Knobs:

@@ -42,6 +42,7 @@ from qlora_supervise.trainer_child.contract.speed_trial import (
     TrialResult,
     choose,
     chosen_knobs,
+    within,
 )
 from qlora_supervise.trainer_child.recipe.activations import activation_context, set_checkpointing
 from qlora_supervise.trainer_child.run.failure import is_oom
@@ -73,6 +74,7 @@ def run(
     share = BUDGET_S / len(spec.speed_trial)
     with untouched(trainer):
         results = tuple(time_candidate(trainer, row, c, on_cuda, share) for c in spec.speed_trial)
+    results = tuple(within(r, spec.speed_trial_limit_bytes) for r in results)
     chosen = choose(results)
     event = SpeedTrialEvent(
         results, chosen, chosen != spec.speed_trial[0], round(time.monotonic() - began.time, 3)
@@ -246,14 +248,18 @@ def free(on_cuda: bool) -> None:
 
 def summary(event: SpeedTrialEvent) -> str:
     """One line for child.log: each candidate's tokens/s (or why it was dropped), and the choice."""
-    rows = [
-        f"{_name(r.candidate)}: {f'{r.tokens_per_s:.0f} tokens/s' if r.tokens_per_s else 'dropped (OOM)'}"
-        for r in event.results
-    ]
+    rows = [f"{_name(r.candidate)}: {_outcome(r)}" for r in event.results]
     if event.abandoned is not None:
         return f"speed trial abandoned ({event.abandoned}): training with {_name(event.chosen)}, as planned"
     switched = " (switched)" if event.switched else ""
     return f"speed trial ({event.seconds:.1f} s): {'; '.join(rows)} -> {_name(event.chosen)}{switched}"
+
+
+def _outcome(result: TrialResult) -> str:
+    if result.tokens_per_s is None:
+        return "dropped (OOM)"
+    measured = f"{result.tokens_per_s:.0f} tokens/s"
+    return measured if result.error is None else f"{measured}, dropped: {result.error}"
 
 
 def _name(candidate: TrialCandidate) -> str:
