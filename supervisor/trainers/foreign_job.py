@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
     SuperviseSection,
 )
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
-from qlora_supervise.supervisor.trainers import flags
+from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets, target_problems
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
@@ -258,7 +258,11 @@ def _job(
     # The supervisor's own reads (the memory model, plan) see the model where the tool will: from
     # its workdir. Only the knob is resolved; the tool's config keeps the path as the user wrote it.
     knobs = knobs_from(table, config)
-    knobs = dataclasses.replace(knobs, model=tool_model_path(knobs.model, trainer.workdir))
+    knobs = dataclasses.replace(
+        knobs,
+        model=tool_model_path(knobs.model, trainer.workdir),
+        bf16_head=model_facts.keeps_head_dtype(trainer),  # read only: what the tool does, not a rung
+    )
     steps = lookup(config, table.max_steps_key)
     epochs = lookup(config, table.epochs_key)
     train = TrainSpec(
