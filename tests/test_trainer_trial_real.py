@@ -1,4 +1,5 @@
-"""The speed trial in ``trl sft``'s own process, run by the shim on trl's Trainer (tiny model, CPU).
+"""The speed trial in a foreign tool's own process, run by the shim on its Trainer (tiny model,
+CPU): trl sft, axolotl (in its venv, tests/_tool_venvs.py), and a script it cannot time.
 
 The attempt is prepared as the supervisor prepares one (``prepare.write_spec``: the attempt's
 ``trl-sft.yaml`` and its spec, with three candidates the pre-flight would hand a GPU attempt; on
@@ -19,7 +20,8 @@ import structlog
 import yaml
 from _machine import scaled
 from _resume_checks import read_lines
-from _trainer_configs import text_dataset, trl_job
+from _tool_venvs import AXOLOTL, tool_python
+from _trainer_configs import axolotl_config, text_dataset, trl_job
 
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.loop.launch import spec_command
@@ -144,3 +146,36 @@ def test_a_trial_the_tool_cannot_take_keeps_the_plan_and_says_why(tiny_dir: Path
     assert event.chosen == CANDIDATES[0] and not event.switched and event.results == ()
     assert {len(rows) for _, rows in _trained(tmp_path)} == {2}
     assert max(_losses(events)) == STEPS
+
+
+def _axolotl_attempt(tiny_dir: Path, out: Path, **keys: Any) -> Path:
+    """Attempt 1 of an axolotl job (2 x 8, checkpointing, seq 128) in axolotl's own venv."""
+    out.mkdir(parents=True)
+    config = axolotl_config(tiny_dir, out, micro_batch_size=2, gradient_accumulation_steps=8,
+                            gradient_checkpointing=True, sequence_len=128, max_steps=STEPS, save_steps=100,
+                            **keys)  # fmt: skip
+    (out / "axolotl.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    trainer = {"kind": "axolotl", "config": "axolotl.yaml", "python": str(tool_python(AXOLOTL))}
+    job = {"trainer": trainer, "resources": {"gpu": "cpu"}, "output_dir": "./run"}
+    (out / "job.yaml").write_text(yaml.safe_dump(job))
+    return _attempt(out / "job.yaml", CANDIDATES)
+
+
+def test_the_shim_times_axolotls_trainer_and_axolotl_trains_the_choice(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In axolotl's process: a row per candidate (its dataset reduced to the columns its Trainer
+    keeps), then axolotl trains the chosen micro-batch; with sample_packing the trial keeps the plan."""
+    monkeypatch.setenv("AXOLOTL_DO_NOT_TRACK", "1")  # its telemetry would try the network
+    events = _axolotl_attempt(tiny_dir, tmp_path / "plain")
+    event = _trial(events)
+    assert event.abandoned is None and [r.candidate for r in event.results] == list(CANDIDATES)
+    assert all(r.tokens_per_s and r.error is None for r in event.results)
+    trained = _trained(tmp_path / "plain")
+    assert {len(rows) for _, rows in trained} == {event.chosen.micro_batch_size}
+    assert max(_losses(events)) == STEPS
+
+    packed = _axolotl_attempt(tiny_dir, tmp_path / "packed", sample_packing=True, pad_to_sequence_len=True)
+    event = _trial(packed)
+    assert event.abandoned is not None and "sample_packing" in event.abandoned
+    assert event.chosen == CANDIDATES[0] and max(_losses(packed)) == STEPS
