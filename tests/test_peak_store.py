@@ -55,15 +55,13 @@ def test_speeds_are_kept_by_shape_and_knobs(tmp_path: Path) -> None:
     assert [o.peak_bytes for o in read_observations(store, SHAPE)] == [4096]
 
 
-def test_a_store_written_before_speeds_still_reads(tmp_path: Path) -> None:
-    """A line of the old format (no tokens_per_s) is a peak, and no speed."""
+def test_a_line_without_speed_is_a_peak_and_one_without_trainer_is_skipped(tmp_path: Path) -> None:
+    """A line with no tokens_per_s is a peak and no speed; a line of the stores before the trainer
+    field is skipped (they held foreign tools' peaks unlabelled: they must not calibrate ours)."""
     store = tmp_path / "peaks.jsonl"
-    old = {
-        "shape": SHAPE.sizes(),
-        "knobs": dataclasses.asdict(KNOBS),
-        "peak_bytes": 7,
-        "time": 1.0,
-    }
-    store.write_text(json.dumps(old) + "\n" + "torn {\n")
+    line = {"shape": SHAPE.sizes(), "knobs": dataclasses.asdict(KNOBS), "peak_bytes": 7, "time": 1.0}
+    unlabelled = {**line, "peak_bytes": 9, "tokens_per_s": 50.0}
+    rows = [json.dumps({**line, "trainer": "own"}), json.dumps(unlabelled), "torn {"]
+    store.write_text("\n".join(rows) + "\n")
     assert [o.peak_bytes for o in read_observations(store, SHAPE)] == [7]
     assert read_speeds(store, SHAPE) == []

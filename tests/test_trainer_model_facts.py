@@ -112,7 +112,8 @@ def test_eager_attention_in_the_tools_config_raises_the_plans_peak(tmp_path: Pat
 
 
 def test_the_peak_store_keeps_each_trainers_peaks_apart(tmp_path: Path) -> None:
-    """axolotl's peaks calibrate axolotl only; a line without a trainer (an older store) is ours."""
+    """axolotl's peaks calibrate axolotl only; a line without a trainer (the store before this
+    field, which held foreign tools' peaks unlabelled too) calibrates nothing."""
     shape = ModelShape.from_config(LLAMA_7B)
     assert isinstance(shape, ModelShape)
     store = tmp_path / "peaks.jsonl"
@@ -120,12 +121,12 @@ def test_the_peak_store_keeps_each_trainers_peaks_apart(tmp_path: Path) -> None:
     assert record_attempt(store, shape, knobs, 6 << 30, 2000.0, "axolotl")
     assert record_attempt(store, shape, knobs, 8 << 30, 1500.0)
     older = {"shape": shape.sizes(), "knobs": json.loads(store.read_text().splitlines()[1])["knobs"],
-             "peak_bytes": 9 << 30, "tokens_per_s": None, "time": 1.0}  # fmt: skip
+             "peak_bytes": 5 << 30, "tokens_per_s": 3000.0, "time": 1.0}  # fmt: skip
     with store.open("a") as out:
         out.write(json.dumps(older) + "\n")
     assert [o.peak_bytes for o in read_observations(store, shape, "axolotl")] == [6 << 30]
-    assert [o.peak_bytes for o in read_observations(store, shape)] == [8 << 30, 9 << 30]
-    assert [s.tokens_per_s for s in read_speeds(store, shape, "axolotl")] == [2000.0]
+    assert [o.peak_bytes for o in read_observations(store, shape)] == [8 << 30]
+    assert [s.tokens_per_s for s in read_speeds(store, shape)] == [1500.0]
     assert read_observations(store, shape, "llamafactory") == []
 
 
@@ -139,6 +140,10 @@ def test_a_string_of_names_peft_would_match_to_nothing_is_refused_with_the_list(
     shown = "\n".join(p.render() for p in caught.value.problems)
     assert "lora_target_modules" in shown and "regular expression" in shown
     assert "write a list: [q_proj, v_proj]" in shown
+    one = {**config, "lora_target_modules": ["q_proj"]}  # trl hands peft a one-name list as that string
+    with pytest.raises(JobError) as caught:
+        load_job(_job(tmp_path, "trl-sft", one))
+    assert "write the pattern: '.*\\.q_proj'" in caught.value.problems[0].render()
     pattern = {**config, "lora_target_modules": r".*\.(q_proj|v_proj)"}
     assert load_job(_job(tmp_path, "trl-sft", pattern)).train.target_modules == ("q_proj", "v_proj")
 

@@ -195,3 +195,29 @@ def test_an_environment_a_launcher_fixed_is_not_fixed_again(
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the finder it leaves goes with the test
     attach.install(str(tmp_path / "spec.json"))
     assert isinstance(sys.meta_path[0], attach._AfterImport)
+
+
+def test_a_spec_from_a_newer_supervisor_still_reads() -> None:
+    """A shim of an older qlora-supervise in a tool's venv reads a newer supervisor's spec: the
+    fields it does not know are left out (else it could not attach at all)."""
+    spec = _spec(("python", "-m", "trl.scripts.sft"))
+    raw = json.loads(spec.to_json())
+    raw["a_field_of_tomorrow"] = 1
+    raw["knobs"]["a_knob_of_tomorrow"] = True
+    assert AttemptSpec.from_json(json.dumps(raw)) == spec
+
+
+def test_a_load_error_of_the_config_is_told_from_one_of_the_card() -> None:
+    """A ValueError while the tool loads is the config's; one that says the card lacked room for
+    the weights (transformers' quantizer under device_map auto) is not; nor is anything in train."""
+    from qlora_supervise.trainer_child.contract.codes import Stage
+    from qlora_supervise.trainer_child.shim.session import is_the_configs
+
+    assert is_the_configs(ValueError("Either datasets or dataset_name must be provided"), Stage.LOAD)
+    assert is_the_configs(ModuleNotFoundError("No module named 'flash_attn'"), Stage.SETUP)
+    short = ValueError(
+        "Some modules are dispatched on the CPU or the disk. Make sure you have enough GPU RAM"
+    )
+    assert not is_the_configs(short, Stage.LOAD)
+    assert not is_the_configs(RuntimeError("CUDA error: an illegal memory access"), Stage.LOAD)
+    assert not is_the_configs(ValueError("bad"), Stage.FORWARD)

@@ -26,6 +26,12 @@ QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
         (TrainerKind.TRL_SFT, {"lora_target_modules": "q_proj,v_proj"}, "q_proj,v_proj"),
         (TrainerKind.TRL_SFT, {"lora_target_modules": r".*\.(q_proj|v_proj)"}, ("q_proj", "v_proj")),
         (TrainerKind.TRL_SFT, {}, ("q_proj", "v_proj")),  # peft's default for llama
+        (TrainerKind.TRL_SFT, {"lora_target_modules": [r".*\.q_proj"]}, ("q_proj",)),  # trl: a one-name list
+        (
+            TrainerKind.TRL_SFT,
+            {"lora_target_modules": r".*\.layers\.(1[0-5])\.self_attn\.v_proj"},
+            ("v_proj",),
+        ),
         (TrainerKind.TRL_SFT, {"lora_target_modules": "all-linear"}, "all-linear"),
         (TrainerKind.TRL_SFT, {"lora_target_modules": list(QKVO)}, QKVO),
         (TrainerKind.AXOLOTL, {"lora_target_linear": True}, "all-linear"),

@@ -4,11 +4,12 @@ One JSON line per attempt that finished at least one optimizer step on a GPU:
 ``{"shape": {...ModelShape...}, "knobs": {...Knobs...}, "peak_bytes": int | null,
 "tokens_per_s": float | null, "trainer": str, "time": float}``. ``trainer`` is whose process
 measured it (``own``, or a foreign kind such as ``axolotl``): the same knobs peak lower or higher
-in another tool (its loss, its upcasts, its kernels), so each calibrates only its own; a line
-without it is our trainer's (written before foreign tools were supervised).
+in another tool (its loss, its upcasts, its kernels), so each calibrates only its own. A line
+without it is skipped: the supervisor before it stored foreign tools' attempts unlabelled too, and
+a tool's lower peaks calibrating our trainer would plan it too close to the card.
 ``peak_bytes`` calibrates the memory model, ``tokens_per_s`` (the attempt's median over its
 heartbeats, for the knobs it trained with) the throughput model; a line may carry either or both.
-Lines written before ``tokens_per_s`` existed read as peaks only; a supervisor of that time skips
+A line without ``tokens_per_s`` reads as a peak only; a supervisor older than that field skips
 a line whose ``peak_bytes`` is null.
 
 Where: ``$QLORA_SUPERVISE_STATE_DIR/peaks.jsonl``, else ``$XDG_STATE_HOME/qlora-supervise/
@@ -39,7 +40,7 @@ from qlora_supervise.policies.throughput import SpeedObservation
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KEEP_LINES = 2000
-#: The ``trainer`` of a line that names none (supervisor/trainers/tables.TrainerKind.OWN).
+#: Our own trainer's ``trainer`` (supervisor/trainers/tables.TrainerKind.OWN).
 OWN = "own"
 
 
@@ -65,7 +66,7 @@ def _lines_of(path: Path, shape: ModelShape, trainer: str) -> Iterator[dict[str,
             raw = json.loads(line)
         except ValueError:
             continue
-        if isinstance(raw, dict) and raw.get("shape") == wanted and raw.get("trainer", OWN) == trainer:
+        if isinstance(raw, dict) and raw.get("shape") == wanted and raw.get("trainer") == trainer:
             yield raw
 
 

@@ -44,7 +44,7 @@ def lora_targets(
     """The LoRA targets in our words (``"all-linear"`` or module names) from the tool's spelling."""
     if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
         return ALL_LINEAR
-    value = lookup(config, table.targets_key)
+    value = as_peft_gets_it(table, lookup(config, table.targets_key))
     if isinstance(value, str) and table.kind in _REGEX_KINDS and value != ALL_LINEAR:
         matched = regex_matches(value, model_type)
         return matched if matched else value  # no match: validate says so; the string as written
@@ -61,6 +61,14 @@ def lora_targets(
     return ALL_LINEAR  # every linear layer: the most the adapter can be, so never under-counted
 
 
+def as_peft_gets_it(table: Table, value: Any) -> Any:
+    """trl's ModelConfig turns a one-name list into that name (``__post_init__``), which peft then
+    reads as a pattern: ``[q_proj]`` reaches it as ``"q_proj"``."""
+    if table.kind is TrainerKind.TRL_SFT and isinstance(value, list) and len(value) == 1:
+        return value[0]
+    return value
+
+
 def regex_matches(pattern: str, model_type: str | None) -> tuple[str, ...]:
     """The block's Linear layers whose full module path ``pattern`` matches as peft matches it
     (``re.fullmatch``); () for an invalid pattern or no match."""
@@ -68,18 +76,21 @@ def regex_matches(pattern: str, model_type: str | None) -> tuple[str, ...]:
         compiled = re.compile(pattern)
     except re.error:
         return ()
-    return tuple(name for name, path in _block_paths(model_type) if compiled.fullmatch(path))
+    return tuple(dict.fromkeys(name for name, path in _block_paths(model_type) if compiled.fullmatch(path)))
 
 
 def target_problems(
     table: Table, config: Mapping[str, Any], where: str, model_type: str | None
 ) -> list[Problem]:
     """A string target peft would read as a pattern that adapts nothing (or cannot compile)."""
-    value = lookup(config, table.targets_key)
+    written = lookup(config, table.targets_key)
+    value = as_peft_gets_it(table, written)
     if table.kind not in _REGEX_KINDS or not isinstance(value, str) or value == ALL_LINEAR:
         return []
     if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
         return []
+    if family(model_type) is None:
+        return []  # a block the table does not know: its module names cannot be checked here
     names = [name for name in re.split(r"[,\s]+", value) if re.fullmatch(r"\w+", name)]
     fix = (
         f"write a list: [{', '.join(names)}]"
@@ -93,6 +104,13 @@ def target_problems(
         return [Problem(f"{where}: {table.targets_key}", why, show(value), fix)]
     if regex_matches(value, model_type):
         return []
+    if isinstance(written, list):  # trl's one-name list
+        why = (
+            "a one-name list, which trl hands peft as that name alone, and peft reads a string as a "
+            "regular expression of the full module name: it matches no Linear layer"
+        )
+        fix = f"write the pattern: '.*\\.{value}' (or name two modules or more)"
+        return [Problem(f"{where}: {table.targets_key}", why, show(written), fix)]
     why = (
         "a string, which peft reads as a regular expression of the full module name "
         "(model.layers.0.self_attn.q_proj), and this one matches no Linear layer: peft would stop "
@@ -101,12 +119,24 @@ def target_problems(
     return [Problem(f"{where}: {table.targets_key}", why, show(value), fix)]
 
 
+#: Where the loaded model keeps its decoder blocks: a text model, and the language model of a
+#: multimodal one (Gemma 3, Gemma 4).
+_BLOCK_PREFIXES = ("model.layers", "model.language_model.layers")
+#: Block indices a pattern is tried on (a pattern may pick some layers only: ``layers\.(1[0-5])``).
+_LAYERS = 128
+
+
 def _block_paths(model_type: str | None) -> list[tuple[str, str]]:
-    """(leaf, full path) of one decoder block's Linear layers, as the loaded model names them."""
+    """(leaf, full path) of the decoder blocks' Linear layers, as the loaded model names them."""
     block = family(model_type) or family("llama")
     assert block is not None  # llama is in the table
-    attention = [(n, f"model.layers.0.self_attn.{n}") for n in block.attention]
-    return attention + [(n, f"model.layers.0.mlp.{n}") for n in block.mlp]
+    leaves = [(n, "self_attn") for n in block.attention] + [(n, "mlp") for n in block.mlp]
+    return [
+        (name, f"{prefix}.{index}.{parent}.{name}")
+        for prefix in _BLOCK_PREFIXES
+        for index in range(_LAYERS)
+        for name, parent in leaves
+    ]
 
 
 def peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:

@@ -42,6 +42,11 @@ def unmodelled(trainer: ForeignTrainer | None) -> str | None:
         return (
             f"the tool loads the base model in 8-bit ({eight}); the memory model counts 4-bit QLoRA weights"
         )
+    if not _four_bit(trainer) and trainer.kind is TrainerKind.HF_SCRIPT:
+        return (
+            "the script's command has no --load_in_4bit true, so how it loads the base model is its "
+            "own; the memory model counts 4-bit weights"
+        )
     if not _four_bit(trainer):
         return (
             "the tool loads the base model unquantized, in its own dtype (a LoRA, not QLoRA); the memory "

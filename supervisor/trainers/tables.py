@@ -48,8 +48,9 @@ class Row:
     preferred: tuple[str, ...] = ()
 
     def key_in(self, config: Mapping[str, Any]) -> str:
-        """The key the tool reads this knob from in ``config``: a preferred one there, else ``key``."""
-        return next((name for name in self.preferred if name in config), self.key)
+        """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
+        TrainingArguments falls back to the alias when the new name is None), else ``key``."""
+        return next((name for name in self.preferred if config.get(name) is not None), self.key)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import functools
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile.advice import Advice
@@ -43,7 +42,7 @@ def tool_problems(trainer: ForeignTrainer | None) -> list[Problem]:
     """The tool's package missing for its interpreter, with the fix; [] when it is there (or the
     interpreter could not be asked: the attempt will say what is wrong)."""
     package = TOOL_PACKAGES.get(trainer.kind) if trainer is not None else None
-    if trainer is None or package is None or package not in _missing(trainer.python, (package,)):
+    if trainer is None or package is None or package not in _missing(trainer, trainer.python):
         return []
     return [
         Problem(
@@ -59,7 +58,7 @@ def tool_problems(trainer: ForeignTrainer | None) -> list[Problem]:
 def shim_advice(trainer: ForeignTrainer | None) -> list[Advice]:
     """A warning when qlora-supervise cannot be imported by the tool's interpreter (no shim)."""
     python = _interpreter(trainer)
-    if trainer is None or python is None or SHIM_PACKAGE not in _missing(python, (SHIM_PACKAGE,)):
+    if trainer is None or python is None or SHIM_PACKAGE not in _missing(trainer, python):
         return []
     return [
         Advice(
@@ -88,17 +87,25 @@ def _interpreter(trainer: ForeignTrainer | None) -> str | None:
     return found if found is not None and Path(first).name.startswith("python") else None
 
 
-def _missing(python: str, packages: Sequence[str]) -> frozenset[str]:
-    # The interpreter finds what PYTHONPATH adds as the tool would: part of what is asked.
-    return _missing_cached(python, tuple(packages), os.environ.get("PYTHONPATH", ""))
+def _missing(trainer: ForeignTrainer, python: str) -> frozenset[str]:
+    """Which of the tool's package and ours ``python`` cannot find, asked once, from the folder the
+    tool runs in (``-c`` puts it on sys.path, as the tool's start puts its own) and with the
+    PYTHONPATH it inherits: both decide what it finds, so both are in the cache's key."""
+    packages = tuple(p for p in (TOOL_PACKAGES.get(trainer.kind), SHIM_PACKAGE) if p)
+    workdir = str(trainer.workdir) if trainer.workdir is not None else None
+    return _missing_cached(python, packages, workdir, os.environ.get("PYTHONPATH", ""))
 
 
 @functools.cache
-def _missing_cached(python: str, packages: tuple[str, ...], _pythonpath: str) -> frozenset[str]:
+def _missing_cached(
+    python: str, packages: tuple[str, ...], workdir: str | None, _pythonpath: str
+) -> frozenset[str]:
     try:
         done = subprocess.run(
             [python, "-c", _PROBE, *packages],
             capture_output=True,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
             text=True,
             timeout=PROBE_TIMEOUT_S,
             check=False,

@@ -69,12 +69,28 @@ def run(
 
     ``row``: the sample to time (default: the longest of the training data, as our trainer holds it).
     """
-    began = Began.now(progress)
+    began = Began.now(progress, trainer)
     row = longest_row(trainer.train_dataset) if row is None else row
+    return conclude(trainer, spec, progress, on_cuda, time_all(trainer, spec, on_cuda, row), began)
+
+
+def time_all(trainer: Any, spec: AttemptSpec, on_cuda: bool, row: dict[str, Any]) -> tuple[TrialResult, ...]:
+    """Each candidate timed on ``row`` (an OOM drops it), then held to the plan's limit."""
     share = BUDGET_S / len(spec.speed_trial)
     with untouched(trainer):
         results = tuple(time_candidate(trainer, row, c, on_cuda, share) for c in spec.speed_trial)
-    results = tuple(within(r, spec.speed_trial_limit_bytes) for r in results)
+    return tuple(within(r, spec.speed_trial_limit_bytes) for r in results)
+
+
+def conclude(
+    trainer: Any,
+    spec: AttemptSpec,
+    progress: Progress,
+    on_cuda: bool,
+    results: tuple[TrialResult, ...],
+    began: Began,
+) -> SpeedTrialEvent:
+    """Train with the choice among ``results``: apply it, emit the event."""
     chosen = choose(results)
     event = SpeedTrialEvent(
         results, chosen, chosen != spec.speed_trial[0], round(time.monotonic() - began.time, 3)
@@ -86,33 +102,53 @@ def run(
 def abandon(
     trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool, why: str, began: Began
 ) -> SpeedTrialEvent:
-    """End a trial that could not time its candidates: the planned config (the first), no
-    gradients, and an event that says why and keeps the plan. (Checkpointing is set back only where
-    a candidate switched it: ``Trainer.train`` then enables it again with the tool's own kwargs.)"""
-    planned = spec.speed_trial[0]
-    if began.touched(trainer):
-        set_checkpointing(trainer, planned.gradient_checkpointing)
+    """End a trial that could not time its candidates: checkpointing as the trial found it (on the
+    model and in the arguments), no gradients, and an event that says why and keeps the plan."""
+    began.restore(trainer)
     trainer.model.zero_grad(set_to_none=True)
-    event = SpeedTrialEvent((), planned, False, round(time.monotonic() - began.time, 3), why)
+    event = SpeedTrialEvent((), spec.speed_trial[0], False, round(time.monotonic() - began.time, 3), why)
     return _ended(event, progress, began.stage, on_cuda)
+
+
+#: The arguments' names for checkpointing (transformers 5's, and its deprecated alias).
+_CHECKPOINTING_ARGS = ("activation_checkpointing", "gradient_checkpointing")
 
 
 @dataclasses.dataclass(frozen=True)
 class Began:
-    """When a trial began, the stage it hands back, and the trainer's checkpointing then."""
+    """When a trial began, the stage it hands back, and checkpointing as it found it: on the model
+    (a tool may switch it there while its arguments say otherwise, as axolotl's loader does) and in
+    the arguments."""
 
     time: float
     stage: Stage
-    checkpointing: bool | None = None
+    model_checkpointing: bool | None = None
+    args_checkpointing: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def now(cls, progress: Progress, trainer: Any = None) -> Began:
-        on = None if trainer is None else bool(getattr(trainer.args, "gradient_checkpointing", False))
-        return cls(time.monotonic(), progress.stage, on)
+        if trainer is None:
+            return cls(time.monotonic(), progress.stage)
+        args = tuple(
+            (name, getattr(trainer.args, name)) for name in _CHECKPOINTING_ARGS if hasattr(trainer.args, name)
+        )
+        return cls(time.monotonic(), progress.stage, model_checkpointing(trainer), args)
 
-    def touched(self, trainer: Any) -> bool:
-        """Whether checkpointing in ``trainer``'s arguments is not what it was when the trial began."""
-        return bool(getattr(trainer.args, "gradient_checkpointing", False)) != self.checkpointing
+    def restore(self, trainer: Any) -> None:
+        """Checkpointing back to what the trial found, where a candidate changed it."""
+        if self.model_checkpointing is not None and model_checkpointing(trainer) != self.model_checkpointing:
+            set_checkpointing(trainer, self.model_checkpointing)
+        for name, value in self.args_checkpointing:
+            setattr(trainer.args, name, value)
+
+
+def model_checkpointing(trainer: Any) -> bool | None:
+    """Whether checkpointing is on in the model itself (None: the model does not say)."""
+    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return None
 
 
 def _ended(event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: bool) -> SpeedTrialEvent:

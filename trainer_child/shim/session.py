@@ -193,7 +193,9 @@ class Session:
         deterministic = is_the_configs(exc, self.ctx.progress.stage)
         failure = capture(exc, self.ctx.progress.stage, self.ctx.progress.step)
         failure.allocator, failure.memory_snapshot = at_oom
-        failure.config = failure.config or (deterministic and not failure.oom and not failure.disk_full)
+        failure.config = failure.config or (
+            deterministic and not (failure.oom or failure.disk_full or failure.checkpoint)
+        )
         del exc, tb
         self.leave(attempt.fail(self.ctx, failure))
 
@@ -217,11 +219,17 @@ _DETERMINISTIC = (ValueError, TypeError, KeyError, AttributeError, ImportError, 
                   FileNotFoundError, NotADirectoryError, IsADirectoryError, SyntaxError)  # fmt: skip
 #: huggingface_hub's offline refusal is a ConnectionError by class; offline, it is the config's.
 _OFFLINE = frozenset({"OfflineModeIsEnabled"})
+#: ValueErrors and NotImplementedErrors of a load that did not get the device memory it wanted
+#: (transformers' bitsandbytes quantizer under ``device_map: auto`` on a shared card, a weight
+#: left on the meta device): the card's state, not the config's, so the classifier decides.
+_SHORT_OF_MEMORY = ("dispatched on the CPU or the disk", "enough GPU RAM", "meta tensor")
 
 
 def is_the_configs(exc: BaseException, stage: Stage) -> bool:
     """Whether ``exc``, raised outside ``train()`` while the tool set up or loaded, is the config's."""
     if stage not in (Stage.SETUP, Stage.LOAD):
+        return False
+    if any(words in str(exc) for words in _SHORT_OF_MEMORY):
         return False
     return isinstance(exc, _DETERMINISTIC) or type(exc).__name__ in _OFFLINE
 

@@ -13,8 +13,12 @@ event's ``abandoned``), rather than failing an attempt that would have trained:
 * **The batches.** axolotl's sample packing packs rows into each micro-batch by length
   (its multipack sampler), so a row repeated to a micro-batch is not a batch it would train on,
   and the packing plan belongs to the micro-batch it was made for: no trial there.
+* **Offloading in the tool's own training step** (trl's and axolotl's ``activation_offloading``,
+  axolotl's ``layer_offloading``): the trial's micro-step is the Trainer's ``compute_loss`` and
+  backward, without the tool's wrapper, so it would measure a config that does not train.
 * **Anything else the tool's ``compute_loss`` or collator raises** on the trial's batch (an OOM is
-  the trial's own business: that candidate is dropped, as in our child).
+  the trial's own business: that candidate is dropped, as in our child). Checkpointing is then
+  put back as the trial found it, on the model and in the arguments.
 """
 
 from __future__ import annotations
@@ -38,19 +42,29 @@ def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> S
             row = tool_row(trainer)
         except Exception as exc:  # not a dataset the trial can read: the plan stays
             why = f"no tokenized training row to time ({_said(exc)})"
+    results = None
     if row is not None:
-        try:
-            return speed_trial.run(trainer, spec, progress, on_cuda, row)
+        try:  # the timing alone: what follows it (the choice, applied) is the trial's own code
+            results = speed_trial.time_all(trainer, spec, on_cuda, row)
         except Exception as exc:  # the tool's loss or collator on the trial's batch
             why = f"the tool's Trainer did not take the trial's batch ({_said(exc)})"
-        gc.collect()  # the traceback's frames held the failed micro-step's tensors
+        gc.collect()  # a traceback's frames held the failed micro-step's tensors
+    if results is not None:
+        return speed_trial.conclude(trainer, spec, progress, on_cuda, results, began)
     return speed_trial.abandon(trainer, spec, progress, on_cuda, why or "nothing to time", began)
 
 
 def cannot_time(trainer: Any) -> str | None:
     """Why the trial cannot time this Trainer's batches, or None."""
-    if getattr(trainer.args, "sample_packing", False):
+    args = trainer.args
+    if getattr(args, "sample_packing", False):
         return "axolotl's sample_packing: its batches are packed per micro-batch"
+    # The tool's own training_step wraps each micro-step in these; the trial's micro-step (the
+    # Trainer's compute_loss and backward) would time and measure without them.
+    offloads = [name for name in ("activation_offloading", "layer_offloading") if getattr(args, name, False)]
+    if offloads:
+        named = ", ".join(offloads)
+        return f"the tool offloads in its own training step ({named}): the trial would measure without it"
     if getattr(trainer, "train_dataset", None) is None:
         return "the Trainer has no train_dataset"
     return None
