@@ -38,3 +38,26 @@ def test_reader_still_reads_an_old_events_file(tmp_path: Path) -> None:
     assert p.peak_bytes == 80  # max over events of each line's peak: CUDA peak first, then VmData
     assert [e.event for e in p.events] == ["loaded", "heartbeat", "heartbeat"]
     assert json.loads(lines[0])["peak_vmdata"] == 60
+
+
+def test_the_speed_trials_heartbeats_are_not_the_attempts_peak(tmp_path: Path) -> None:
+    """The H200 case: a trial candidate peaked at 10.06 GB and the config trained at 8.22: the
+    attempt's peak is the load's, then the training's (the child resets its peak after the trial)."""
+    from qlora_supervise.trainer_child.contract.speed_trial import (
+        SpeedTrialEvent,
+        TrialCandidate,
+        TrialResult,
+    )
+
+    def beat(stage: Stage, step: int, peak: int) -> Heartbeat:
+        memory = MemoryNumbers.measured(cuda_peak=peak, data_segment_peak=None, rss_high_water=None)
+        return Heartbeat(stage, step, None, None, memory)
+
+    chosen = TrialCandidate(8, 2, True)
+    trial = SpeedTrialEvent((TrialResult(chosen, 9502.0, 8_205_357_568, 3.9),), chosen, False, 11.0)
+    lines = [beat(Stage.LOAD, 0, 4_000_000_000).to_line(), beat(Stage.FORWARD, 0, 10_056_542_208).to_line(),
+             trial.to_line(), beat(Stage.OPTIMIZER, 1, 8_222_597_632).to_line()]  # fmt: skip
+    (tmp_path / "child-events.jsonl").write_text("".join(lines))
+    reader = HeartbeatReader(tmp_path / "child-events.jsonl")
+    reader.poll(now=1.0)
+    assert reader.progress.peak_bytes == 8_222_597_632 and reader.progress.setup_peak == 4_000_000_000

@@ -26,6 +26,10 @@ from qlora_supervise.trainer_child.contract.events import (
     Stopping,
     parse_event,
 )
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
+
+#: The stages before the first micro-step (``starting``: before any event named one).
+_BEFORE_TRAINING = frozenset({"starting", Stage.SETUP.value, Stage.LOAD.value})
 
 
 @dataclass
@@ -41,6 +45,8 @@ class Progress:
     tokens_per_s: float | None = None
     max_steps: int | None = None
     peak_bytes: int | None = None  # the child's own peak (CUDA allocator peak, or data segment on the CPU)
+    # The peak before anything trained or was timed (setup and load): what a speed trial hands back.
+    setup_peak: int | None = None
     last_event_at: float | None = None  # monotonic time of the newest line of any kind
     last_progress_at: float | None = None  # monotonic time the step or stage last changed
     finished: bool = False
@@ -94,6 +100,13 @@ class HeartbeatReader:
         # ``loaded`` carries memory numbers too; the peak rule is the child's.
         if isinstance(event, Heartbeat | Loaded) and event.memory.peak_bytes is not None:
             p.peak_bytes = max(p.peak_bytes or 0, event.memory.peak_bytes)
+            if p.stage in _BEFORE_TRAINING:
+                p.setup_peak = max(p.setup_peak or 0, event.memory.peak_bytes)
+        if isinstance(event, SpeedTrialEvent):
+            # The heartbeats during the trial measured its candidates (the event has their peaks),
+            # and the child reset its allocator's peak after it: the attempt's peak is the load's and
+            # then the training's, not a candidate's it did not train with.
+            p.peak_bytes = p.setup_peak
         p.events.append(event)
 
 
