@@ -31,6 +31,13 @@ AXOLOTL_QLORA = {"base_model": "model", "adapter": "qlora", "load_in_4bit": True
                  "optimizer": "paged_adamw_8bit", "datasets": [{"path": "d.jsonl", "type": "alpaca"}],
                  "output_dir": "./out"}  # fmt: skip
 
+#: A 4-bit config of each kind, the smallest each tool's table takes.
+QLORA_BASE: dict[str, dict[str, Any]] = {
+    "axolotl": AXOLOTL_QLORA,
+    "llamafactory": {"model_name_or_path": "model", "do_train": True, "quantization_bit": 4},
+    "trl-sft": {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True},
+}
+
 
 def _job(tmp_path: Path, kind: str, config: dict[str, Any]) -> Path:
     (tmp_path / "model").mkdir(parents=True, exist_ok=True)
@@ -93,11 +100,7 @@ def test_a_4bit_config_is_planned_and_names_no_reason(tmp_path: Path) -> None:
 def test_the_tools_attention_choice_is_read_in_its_own_key(
     tmp_path: Path, kind: str, keys: dict[str, Any], attention: str | None
 ) -> None:
-    base = {
-        "axolotl": AXOLOTL_QLORA,
-        "llamafactory": {"model_name_or_path": "model", "do_train": True, "quantization_bit": 4},
-        "trl-sft": {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True},
-    }[kind]
+    base = QLORA_BASE[kind]
     job = load_job(_job(tmp_path, kind, {**base, **keys}))
     assert model_facts.attention(job.trainer) == attention
 
@@ -157,11 +160,7 @@ def test_the_epochs_are_read_in_each_tools_key_with_its_default(
     tmp_path: Path, kind: str, keys: dict[str, Any], epochs: float
 ) -> None:
     """axolotl's num_epochs (its default 1), num_train_epochs elsewhere (TrainingArguments' 3)."""
-    base = {
-        "axolotl": AXOLOTL_QLORA,
-        "llamafactory": {"model_name_or_path": "model", "do_train": True, "quantization_bit": 4},
-        "trl-sft": {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True},
-    }[kind]
+    base = QLORA_BASE[kind]
     assert load_job(_job(tmp_path, kind, {**base, **keys})).train.epochs == epochs
 
 
@@ -175,10 +174,7 @@ def test_trl_in_16_bits_keeps_its_head_in_them(
 ) -> None:
     """trl never runs k-bit prepare: with dtype bfloat16 its head stays bf16 (counted as bf16_head);
     with trl's default float32 it is fp32, as our recipe counts it."""
-    base = {
-        "axolotl": AXOLOTL_QLORA,
-        "trl-sft": {"model_name_or_path": "model", "use_peft": True, "load_in_4bit": True},
-    }[kind]
+    base = QLORA_BASE[kind]
     assert load_job(_job(tmp_path, kind, {**base, **keys})).knobs.bf16_head is kept
 
 

@@ -31,11 +31,15 @@ def default_attention(model_type: str) -> str:
     return "sdpa" if supports else "eager"
 
 
-@functools.cache
 def _transformers_root() -> Path | None:
-    """The installed transformers package folder, found without importing it."""
+    return installed_package_root("transformers")
+
+
+@functools.cache
+def installed_package_root(name: str) -> Path | None:
+    """The installed package's folder, found without importing it (its source is read as text)."""
     try:
-        spec = importlib.util.find_spec("transformers")
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.policies.memory.attention import installed_package_root
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.mapping import lookup
 from qlora_supervise.supervisor.trainers.tables import Table, TrainerKind
@@ -144,19 +144,8 @@ def peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:
     a pattern default, or no peft source to read."""
     if not model_type:
         return None
-    found = _peft_mapping(_peft_root()).get(model_type)
+    found = _peft_mapping(installed_package_root("peft")).get(model_type)
     return tuple(found) if isinstance(found, list) and all(isinstance(n, str) for n in found) else None
-
-
-@functools.cache
-def _peft_root() -> Path | None:
-    try:
-        spec = importlib.util.find_spec("peft")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 @functools.cache
