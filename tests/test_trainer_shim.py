@@ -123,6 +123,10 @@ def test_a_script_the_shim_cannot_attach_to_is_classified_from_stderr_and_said_s
     assert status_command([str(run)], out=out) == 0
     saved = f"adapter: none in the run directory; the tool saved into {run / 'trainer-output'}"
     assert saved in out.getvalue()
+    raw = io.StringIO()
+    assert status_command([str(run)], as_json=True, out=raw) == 0
+    shown = json.loads(raw.getvalue())["runs"][0]
+    assert shown["adapter"] is None and shown["trainer_output"] == str(run / "trainer-output")
 
 
 def _script_job(tmp_path: Path, body: str) -> Path:

@@ -10,6 +10,7 @@ lists the layers that exist) and the attempt's ``child.log``.
     {"schema": "qlora-supervise.status/1",
      "runs": [{"run_dir": str, "state": str | null, "note": str, "lost_steps": int,
                "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
+               "trainer_output": str | null,  # a finished foreign tool's own save, no adapter of ours
                "unreadable_lines": int,
                "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null,
                              "tokens_per_s": float | null,     # median of the attempt's heartbeats
@@ -127,6 +128,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         "adapter": str(rd.adapter) if rd.adapter.exists() else None,
         "merged": str(rd.merged) if rd.merged.exists() else None,
         "merge": merge_report(rd),
+        "trainer_output": _tool_saved(rd, state),
         "unreadable_lines": bad,
         "attempts": attempts,
         "running": running.to_json() if running is not None else None,
@@ -166,7 +168,7 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
     print(f"attempts: {len(records)}{now}, lost steps in total: {total_lost}", file=out)
     if run_dir.adapter.exists():
         print(f"adapter: {run_dir.adapter}", file=out)
-    elif _finished(state) and (tool_output := saved_by_the_tool_only(run_dir.root, run_dir.adapter)):
+    elif tool_output := _tool_saved(run_dir, state):
         print(f"adapter: none in the run directory; the tool saved into {tool_output}", file=out)
     if run_dir.merged.exists():
         print(f"merged: {run_dir.merged}{_merge_numbers(merge_report(run_dir))}", file=out)
@@ -174,6 +176,12 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
 
 def _finished(state: State | None) -> bool:
     return state is not None and state.run_state is RunState.SUCCEEDED
+
+
+def _tool_saved(rd: RunDir, state: State | None) -> str | None:
+    """Where a finished run's foreign tool saved its result when no adapter of ours was written."""
+    output = saved_by_the_tool_only(rd.root, rd.adapter) if _finished(state) else None
+    return str(output) if output is not None else None
 
 
 def _merge_numbers(report: dict[str, Any] | None) -> str:
