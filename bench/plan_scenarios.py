@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         unknown = sorted(set(args.only) - {s.name for s in scenarios})
         if unknown:
-            p.error(f"no scenario {', '.join(unknown)} in --set {args.set}")
+            named = "--tiny" if args.tiny else f"--set {args.set}"
+            known = ", ".join(s.name for s in scenarios)
+            p.error(f"no scenario {', '.join(unknown)} in {named} (it has: {known})")
         scenarios = tuple(s for s in scenarios if s.name in args.only)
     shapes = sorted({s.shape for s in scenarios})
     if args.tiny:

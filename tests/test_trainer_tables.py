@@ -207,3 +207,33 @@ def test_trl_reads_the_attempt_config_as_the_table_says(tmp_path: Path) -> None:
 def test_every_kind_but_ours_has_a_table() -> None:
     """Each foreign kind of the trainer section has its table."""
     assert set(TABLES) == {kind for kind in TrainerKind if kind is not TrainerKind.OWN}
+
+
+AXOLOTL_USER = {
+    "base_model": "/models/tiny",
+    "adapter": "qlora",
+    "load_in_4bit": True,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "datasets": [{"path": "/data/set", "type": "alpaca"}],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        ({}, False),
+        ({"load_in_4bit": False}, True),
+        ({"load_in_4bit": None}, True),
+        ({"load_in_4bit": False, "adapter": "lora"}, False),
+        ({"load_in_4bit": False, "merge_lora": True}, False),
+    ],
+)
+def test_axolotl_qlora_without_4bit_is_named_at_validate(change: dict[str, Any], refused: bool) -> None:
+    """axolotl refuses adapter: qlora unless load_in_4bit is true; validate says so before a card is taken."""
+    config = {key: value for key, value in {**AXOLOTL_USER, **change}.items() if value is not None}
+    problems = config_problems(TABLES[TrainerKind.AXOLOTL], config, "trainer.config")
+    named = [p for p in problems if "load_in_4bit" in p.problem]
+    assert bool(named) is refused
+    if refused:
+        assert named[0].path == "trainer.config: adapter" and "set load_in_4bit: true" in named[0].fix

@@ -67,7 +67,7 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
     problems += list(_type_problems(table, config, where))
     for rule in table.contradictions:
         value = lookup(config, rule.key)
-        if value is not _MISSING and rule.bad(value):
+        if value is not _MISSING and rule.bad(value) and rule.given(config):
             problems.append(Problem(f"{where}: {rule.key}", rule.problem, show(value), rule.fix))
     return problems
 

@@ -61,6 +61,8 @@ class Contradiction:
     bad: Callable[[Any], bool]
     problem: str
     fix: str
+    # Only where the rest of the config says so too (a value that is wrong beside another one).
+    given: Callable[[Mapping[str, Any]], bool] = lambda config: True
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,16 @@ AXOLOTL = Table(
         ),
         _no_saves("save_strategy"),
         _lora_only("adapter", ("qlora", "lora")),
+        # axolotl's own schema refuses it at load (its LoraConfig validator); here it is named at
+        # validate, before a card is taken.
+        Contradiction(
+            "adapter",
+            lambda v: v == "qlora",
+            'qlora without load_in_4bit: true: axolotl stops at load ("Require cfg.load_in_4bit to be '
+            'True for qlora")',
+            "set load_in_4bit: true (or adapter: lora for a LoRA on unquantized weights)",
+            given=lambda config: config.get("load_in_4bit") is not True and not config.get("merge_lora"),
+        ),
         *_TRAINER_ARGUMENTS_CONTRADICTIONS,
         Contradiction("fsdp_config", _present, _MULTI_GPU, "delete fsdp_config"),
     ),
