@@ -600,3 +600,26 @@ def test_our_childs_failure_line_names_the_stage_without_frames() -> None:
     failure = classify_text(text)
     assert failure.kind is FailureKind.OOM_BACKWARD
     assert failure.stage is Stage.BACKWARD
+
+
+AXOLOTL_IMPORT = """Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.12/site-packages/axolotl/cli/train.py", line 107, in do_cli
+    from axolotl.cli.config import load_cfg
+  File "/venv/lib/python3.12/site-packages/posthog/consumer.py", line 6, in <module>
+    import backoff
+ModuleNotFoundError: No module named 'backoff'
+"""
+
+
+def test_a_child_that_dies_importing_is_a_config_error_and_the_text_alone_stays_other() -> None:
+    """Without a report, a child ending in an import failure is the config's (the same on every
+    start); classify_text, for logs of any command, keeps its corpus labelling (``other``)."""
+    failed = ChildExit(returncode=1, signal=None, killed_by_supervisor=None, duration_s=9.0)
+    found = classify_exit(failed, None, AXOLOTL_IMPORT)
+    assert found.kind is FailureKind.CONFIG_ERROR and "trainer.python" in found.evidence
+    assert found.message == "ModuleNotFoundError: No module named 'backoff'"
+    assert classify_text(AXOLOTL_IMPORT).kind is FailureKind.OTHER
+    # An OOM text that merely mentions an import earlier is still the OOM.
+    oom = AXOLOTL_IMPORT + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+    assert classify_exit(failed, None, oom).kind.is_oom

@@ -41,6 +41,11 @@ def test_each_kind_has_an_example_that_loads(kind: TrainerKind, tmp_path: Path) 
         key = "base_model" if kind is TrainerKind.AXOLOTL else "model_name_or_path"
         assert config[key] == "/srv/models/llama-2-7b"
         config[key] = str(model)
+        if kind is TrainerKind.LLAMAFACTORY:  # its dataset names are looked up in dataset_dir
+            assert config["dataset_dir"] == "/srv/data"
+            (tmp_path / "data").mkdir()
+            (tmp_path / "data" / "dataset_info.json").write_text(json.dumps({config["dataset"]: {}}))
+            config["dataset_dir"] = str(tmp_path / "data")
         (tmp_path / name).write_text(yaml.safe_dump(config))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     loaded = load_job(tmp_path / "job.yaml")

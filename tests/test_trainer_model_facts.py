@@ -54,6 +54,7 @@ def _job(tmp_path: Path, kind: str, config: dict[str, Any]) -> Path:
         ("axolotl", {"adapter": "lora", "load_in_4bit": False, "load_in_8bit": True}, "load_in_8bit: true"),
         ("axolotl", {"adapter": "lora", "load_in_4bit": False, "bf16": True}, "unquantized"),
         ("llamafactory", {"quantization_bit": 8}, "quantization_bit: 8"),
+        ("llamafactory", {"quantization_method": "hqq"}, "quantization_method: hqq"),
         ("trl-sft", {"load_in_4bit": False, "load_in_8bit": True}, "load_in_8bit: true"),
     ],
 )
@@ -207,3 +208,66 @@ def test_one_scale_explains_trls_peaks_once_its_head_is_counted_in_bf16() -> Non
             assert max(abs(e) for e in errors.values()) < worst, errors
         else:
             assert errors[16] < -0.10, errors
+
+
+def _saved(tmp_path: Path, quant: dict[str, Any]) -> None:
+    (tmp_path / "model").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**LLAMA_7B, "quantization_config": quant}))
+
+
+def test_a_model_saved_in_4bit_is_planned_as_the_4bit_weights_it_loads_as(tmp_path: Path) -> None:
+    """A ``*-bnb-4bit`` model with no 4-bit key in trl's config: transformers loads it in 4-bit as
+    saved, so it is counted as 4-bit with the saved quant type, not called an unquantized LoRA."""
+    config = {"model_name_or_path": "model", "use_peft": True, "max_length": 2048}
+    path = _job(tmp_path, "trl-sft", config)
+    _saved(tmp_path, {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                      "bnb_4bit_use_double_quant": True})  # fmt: skip
+    job = load_job(path)
+    assert (job.knobs.load_in_4bit, job.knobs.quant_type, job.knobs.double_quant) == (True, "nf4", True)
+    plan = make_plan(str(path), "24GiB")
+    assert plan["unsupported"] is None and plan["peak_bytes"] is not None
+    quantized = make_plan(str(_job(tmp_path / "q", "trl-sft", {**config, "load_in_4bit": True})), "24GiB")
+    assert abs(plan["peak_bytes"] - quantized["peak_bytes"]) < 0.1 * quantized["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("quant", "words"),
+    [
+        ({"quant_method": "gptq", "bits": 4}, "gptq, 4-bit"),
+        ({"quant_method": "awq", "bits": 4}, "awq, 4-bit"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes 8-bit"),
+    ],
+)
+def test_a_model_saved_in_another_quantization_is_named_and_not_predicted(
+    tmp_path: Path, quant: dict[str, Any], words: str
+) -> None:
+    path = _job(tmp_path, "llamafactory", QLORA_BASE["llamafactory"])
+    _saved(tmp_path, quant)
+    plan = make_plan(str(path), "24GiB")
+    assert plan["unsupported"]["reason"] == "not_modelled"
+    assert f"saved already quantized ({words})" in plan["unsupported"]["detail"]
+
+
+def test_trl_without_truncation_gets_no_prediction_and_the_reason(tmp_path: Path) -> None:
+    """``max_length: null`` is trl's "do not truncate": no seq_len to count, so none is invented."""
+    path = _job(tmp_path, "trl-sft", {**QLORA_BASE["trl-sft"], "max_length": None})
+    detail = make_plan(str(path), "24GiB")["unsupported"]["detail"]
+    assert "max_length: null" in detail and "set max_length to a number" in detail
+    assert (
+        make_plan(str(_job(tmp_path / "b", "trl-sft", QLORA_BASE["trl-sft"])), "24GiB")["unsupported"] is None
+    )
+
+
+def test_llamafactory_dataset_names_are_looked_up_where_it_will_look(tmp_path: Path) -> None:
+    """LLaMA-Factory stops at load without ``dataset_dir/dataset_info.json`` or with a name not in
+    it; validate names both, relative to the folder the tool runs in. ONLINE names the hub."""
+    config = {**QLORA_BASE["llamafactory"], "dataset": "mine, other"}
+    with pytest.raises(JobError, match=r"dataset_dir: LLaMA-Factory looks up its datasets \(mine, other\)"):
+        load_job(_job(tmp_path, "llamafactory", config))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "m.json"}}))
+    with pytest.raises(JobError, match=r"dataset: not defined in .*dataset_info.json \(got 'other'"):
+        load_job(_job(tmp_path, "llamafactory", config))
+    assert load_job(_job(tmp_path, "llamafactory", {**config, "dataset": "mine"})).trainer is not None
+    online = {**config, "dataset_dir": "ONLINE", "dataset": "org/set"}
+    assert load_job(_job(tmp_path / "o", "llamafactory", online)).trainer is not None

@@ -77,6 +77,29 @@ open(os.path.join(out, "done"), "w").write(" ".join(args))
 """
 
 
+def test_a_tool_missing_a_package_stops_at_once_as_a_config_error(tmp_path: Path) -> None:
+    """A tool whose venv lacks a package dies importing, before our shim attaches (on the H200,
+    axolotl 0.19 without posthog's ``backoff``): tried once, exit 4, the import named; not three
+    unchanged retries classified as ``other``."""
+    (tmp_path / "train.py").write_text("import os, sys\nimport qlora_supervise_missing_backoff\n")
+    command = [sys.executable, "train.py", "--output_dir", "out", "--per_device_train_batch_size", "2"]
+    job = {
+        "trainer": {"kind": "hf-script", "command": command},
+        "resources": {"gpu": "cpu"},
+        "supervise": {"backoff_initial": "0.1s", "backoff_max": "1s"},
+        "output_dir": "./run",
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert run_job(str(tmp_path / "job.yaml"), plain=True, console=io.StringIO(), install_signals=False) == 4
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert [(r.outcome, r.failure.kind if r.failure else None) for r in records] == [
+        ("failed", "config_error")
+    ]
+    assert records[0].failure is not None
+    assert "No module named 'qlora_supervise_missing_backoff'" in records[0].failure.evidence
+    assert "trainer.python" in records[0].failure.evidence
+
+
 def test_a_script_the_shim_cannot_attach_to_is_classified_from_stderr_and_said_so(tmp_path: Path) -> None:
     """An hf-script that builds no Trainer: OOMs read from stderr, the batch halved, a journal line each."""
     (tmp_path / "train.py").write_text(SCRIPT)

@@ -23,7 +23,14 @@ from qlora_supervise.supervisor.trainers.mapping import (
     lookup,
     unmapped_changes,
 )
-from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, TABLES, TRL_SFT, TrainerKind, rungs_for
+from qlora_supervise.supervisor.trainers.tables import (
+    RUNG_KNOBS,
+    TABLES,
+    TRL_LAUNCH_KEYS,
+    TRL_SFT,
+    TrainerKind,
+    rungs_for,
+)
 
 USER = {
     "model_name_or_path": "/models/tiny",
@@ -90,6 +97,8 @@ def test_dotted_keys_reach_nested_values() -> None:
         ("use_peft", False, "not a LoRA fine-tune"),
         ("save_only_model", True, "without optimizer state"),
         ("deepspeed", "ds.json", "not supervised yet"),
+        ("num_processes", 4, "not supervised yet"),
+        ("accelerate_config", "zero2", "not supervised yet"),
         ("per_device_train_batch_size", 0, "whole number > 0"),
         ("gradient_checkpointing", "yes", "expected a bool"),
     ],
@@ -201,7 +210,8 @@ def test_trl_reads_the_attempt_config_as_the_table_says(tmp_path: Path) -> None:
             assert defaults[row.key] == row.default, f"trl's default of {row.key} changed"
     assert values["output_dir"] == str(tmp_path / "out")
     for key in (TRL_SFT.resume_key, *(c.key for c in TRL_SFT.contradictions)):
-        assert key in values or key in ("deepspeed", "fsdp"), key  # each is a field trl knows
+        # each is a field trl knows, or an argument trl's CLI hands to accelerate launch
+        assert key in values or key in ("deepspeed", "fsdp", *TRL_LAUNCH_KEYS), key
 
 
 def test_every_kind_but_ours_has_a_table() -> None:
@@ -237,3 +247,68 @@ def test_axolotl_qlora_without_4bit_is_named_at_validate(change: dict[str, Any],
     assert bool(named) is refused
     if refused:
         assert named[0].path == "trainer.config: adapter" and "set load_in_4bit: true" in named[0].fix
+
+
+def test_axolotl_batch_size_gives_the_accumulation_and_the_ladder_keeps_it() -> None:
+    """axolotl derives accumulation from ``batch_size // micro_batch_size`` where the config has no
+    gradient_accumulation_steps; an attempt writes the total it derives from, never both keys
+    (axolotl refuses the two together)."""
+    table = TABLES[TrainerKind.AXOLOTL]
+    user = {**AXOLOTL_USER, "batch_size": 16, "micro_batch_size": 2}
+    job = knobs_from(table, user)
+    assert (job.micro_batch_size, job.grad_accum, job.effective_batch) == (2, 8, 16)
+    halved = dataclasses.replace(job, micro_batch_size=1, grad_accum=16)
+    out = attempt_config(table, user, job, halved, "/run/out", None)
+    assert out["micro_batch_size"] == 1 and out["batch_size"] == 16
+    assert "gradient_accumulation_steps" not in out
+    assert knobs_from(table, out).effective_batch == 16
+    # Checkpointing alone: the total is left as the user wrote it.
+    ckpt = dataclasses.replace(job, gradient_checkpointing=True)
+    assert attempt_config(table, user, job, ckpt, "/run/out", None)["batch_size"] == 16
+    # A micro-batch that does not divide the total: axolotl's floor is the job's batch, and the
+    # total written is what the attempt trains with.
+    odd = {**user, "micro_batch_size": 3}
+    assert knobs_from(table, odd).effective_batch == 15
+    both = config_problems(table, {**user, "gradient_accumulation_steps": 4}, "trainer.config")
+    assert [p.path for p in both] == ["trainer.config: batch_size"]
+    assert not config_problems(table, user, "trainer.config")
+
+
+@pytest.mark.parametrize("kind", [TrainerKind.TRL_SFT, TrainerKind.AXOLOTL, TrainerKind.LLAMAFACTORY])
+@pytest.mark.parametrize("key", ["save_strategy", "eval_strategy"])
+def test_an_unquoted_no_read_by_yaml_as_false_is_named(kind: TrainerKind, key: str) -> None:
+    """``save_strategy: no`` is ``False`` to YAML; every tool stops at load on it. Quoted it passes."""
+    config = {**USER, **AXOLOTL_USER, "model_name_or_path": "/m", "do_train": True, "stage": "sft"}
+    table = TABLES[kind]
+    named = [p for p in config_problems(table, {**config, key: False}, "c") if p.path == f"c: {key}"]
+    assert len(named) == 1 and '"no" (quoted)' in named[0].fix
+    assert not [p for p in config_problems(table, {**config, key: "no"}, "c") if "a bool" in p.problem]
+
+
+def test_yes_and_no_flags_stay_words_and_bool_flags_read_them_as_argparse_does() -> None:
+    """``--save_strategy no`` is the string a str field gets; ``--gradient_checkpointing no`` is False."""
+    config, problems = flags.parse(
+        ["python", "t.py", "--save_strategy", "no", "--eval_strategy", "no", "--gradient_checkpointing", "no"]
+    )
+    assert problems == [] and config["save_strategy"] == "no"
+    table = TABLES[TrainerKind.HF_SCRIPT]
+    knobs = knobs_from(table, {**config, "output_dir": "o"})
+    assert knobs.gradient_checkpointing is False and knobs.eval_enabled is False
+    named = config_problems(table, {**config, "output_dir": "o"}, "c")
+    assert [p.path for p in named] == ["c: save_strategy"]  # no checkpoints: the ladder's own refusal
+
+
+@pytest.mark.parametrize(
+    ("change", "evaluates"),
+    [
+        ({}, False),
+        ({"val_set_size": 0}, False),
+        ({"val_set_size": 0.05}, True),
+        ({"test_datasets": [{}]}, True),
+    ],
+)
+def test_axolotl_evaluates_only_with_a_validation_split_or_test_datasets(
+    change: dict[str, Any], evaluates: bool
+) -> None:
+    """axolotl's val_set_size defaults to 0 (no eval): the plan then has no eval phase to count."""
+    assert knobs_from(TABLES[TrainerKind.AXOLOTL], {**AXOLOTL_USER, **change}).eval_enabled is evaluates

@@ -200,7 +200,7 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
 def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsupported:
     """The shape as ``job``'s trainer runs it (a foreign tool's attention), or why the memory
     model cannot count it (a foreign tool's 8-bit or unquantized weights: run starts as written)."""
-    why = model_facts.unmodelled(job.trainer)
+    why = model_facts.unmodelled(job.trainer, job.knobs.model)
     if why is not None:
         return Unsupported(UnsupportedReason.NOT_MODELLED, f"{why}: {UNMODELLED_RUN}")
     if isinstance(read, Unsupported):

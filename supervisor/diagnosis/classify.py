@@ -19,7 +19,8 @@
    cgroup's ``memory.events``, or with ``Killed`` in stderr -> ``host_oom``; SIGKILL with
    neither -> ``other`` (the evidence says so); ``ExitCode.CONFIG`` -> ``config_error``;
    ``ExitCode.DISK_FULL`` -> ``disk_full`` (a report marked ``disk_full`` decides in 2);
-4. **stderr text**: :func:`classify_text`;
+4. **stderr text**: :func:`classify_text`; a child that ends in an ``ImportError`` before any
+   training stage (a foreign tool's venv lacking a package) -> ``config_error``;
 5. **nothing**: ``other`` (``ExitCode.OOM`` without report or message: the stage is unknown, so
    ``oom_forward``, the commonest site, whose ladder is the generic remedy).
 
@@ -42,6 +43,7 @@ OOM supervisor are mostly OOMs. Without stage frames it stays ``other``.
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal as signals
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -305,6 +307,29 @@ def _from_exit_status(
     return None
 
 
+#: The last exception of a process that could not import what it needs (``No module named 'x'``,
+#: ``cannot import name 'y' from 'x'``).
+_IMPORT_FAILED = re.compile(r"^(?:ModuleNotFoundError|ImportError)\b")
+
+
+def _missing_package(stderr_tail: str, text: Failure) -> Failure | None:
+    """A child that died importing, before any training stage, with no report of its own: a
+    foreign tool whose venv lacks a package (or our shim had not attached yet). It fails the same
+    way on every start, so it is the config's (tried once), not ``other`` (retried unchanged)."""
+    if text.kind is not FailureKind.OTHER or text.stage not in (Stage.UNKNOWN, Stage.SETUP, Stage.LOAD):
+        return None
+    lines = [
+        match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(_window(stderr_tail))
+    ]
+    if not lines or not _IMPORT_FAILED.match(lines[-1]):
+        return None
+    why = (
+        f"no error report; stderr ends in an import failure {lines[-1][:160]!r}: the same on every "
+        "start (install the package into the trainer's interpreter, trainer.python)"
+    )
+    return Failure(FailureKind.CONFIG_ERROR, text.stage, {}, why, lines[-1][:160])
+
+
 def _killed_stage(stderr_tail: str, last_stage: Stage) -> tuple[Stage, str]:
     """The stage of a child the kernel killed, and the words that say where it came from.
 
@@ -328,6 +353,9 @@ def _from_stderr(
     exit: ChildExit, stderr_tail: str, nvml_others: int | None, nvml_total: int | None
 ) -> Failure:
     text = classify_text(stderr_tail)
+    missing = _missing_package(stderr_tail, text)
+    if missing is not None:
+        return missing
     if text.kind.is_oom and text.kind is not FailureKind.HOST_OOM and nvml_others is not None:
         stage = StageFinding(text.stage, "stderr frames")
         text = oom_failure(stage, text.numbers, "stderr", text.message, (nvml_others, nvml_total))

@@ -42,7 +42,7 @@ def policy_settings(job: Job) -> policy.Settings:
     resources = job.resources
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
-    unmodelled = model_facts.unmodelled(job.trainer)
+    unmodelled = model_facts.unmodelled(job.trainer, job.knobs.model)
     shape = None if unmodelled else job_shape(job)
     store, kind = peak_store_path(job), trainer_kind(job)
     prior = tuple(read_observations(store, shape, kind)) if store is not None and shape is not None else ()

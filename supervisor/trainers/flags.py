@@ -15,8 +15,14 @@ import yaml
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 
+#: Words YAML 1.1 reads as bools that argparse leaves as strings: HfArgumentParser gives a str
+#: field ``--save_strategy no`` the word, and a bool field converts it itself.
+_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
+
 
 def _value(text: str) -> Any:
+    if text.lower() in _WORDS:
+        return text
     for number in (int, float):  # PyYAML reads 3e-4 as a string (YAML 1.1); argparse's float would not
         try:
             return number(text)

@@ -32,6 +32,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags, model_facts
+from qlora_supervise.supervisor.trainers.data_check import data_problems
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets, target_problems
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
@@ -201,6 +202,7 @@ def _foreign(section: TrainerSection, job_dir: Path, problems: list[Problem]) ->
     workdir = section.workdir or section.config.parent
     problems += model_problems(TABLES[kind], read, where, workdir)
     problems += target_problems(TABLES[kind], read, where, _tool_model_type(TABLES[kind], read, workdir))
+    problems += data_problems(kind, read, where, workdir)
     return ForeignTrainer(kind, ForeignTrainer.frozen(read), section.config, (), python, workdir)
 
 
@@ -263,6 +265,7 @@ def _job(
         model=tool_model_path(knobs.model, trainer.workdir),
         bf16_head=model_facts.keeps_head_dtype(trainer),  # read only: what the tool does, not a rung
     )
+    knobs = model_facts.with_saved_4bit(knobs, knobs.model)
     steps = lookup(config, table.max_steps_key)
     epochs = lookup(config, table.epochs_key)
     train = TrainSpec(

@@ -18,13 +18,16 @@ tensor per head), so a tool's explicit choice replaces transformers' default for
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.mapping import knobs_from, lookup
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
 _ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
@@ -32,11 +35,38 @@ _ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
 _LLAMAFACTORY_ATTENTION = {"disabled": "eager", "sdpa": "sdpa", "fa2": "sdpa", "fa3": "sdpa"}
 
 
-def unmodelled(trainer: ForeignTrainer | None) -> str | None:
-    """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit)."""
+def unmodelled(trainer: ForeignTrainer | None, model_dir: str = "") -> str | None:
+    """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit).
+
+    ``model_dir``: the model as the tool opens it; a model saved already quantized (its
+    config.json's ``quantization_config``) is loaded as saved, whatever the tool's 4-bit keys say.
+    """
     if trainer is None:
         return None
     config = trainer.config
+    saved = saved_quantization(model_dir)
+    if saved is not None and saved != _SAVED_NF4:
+        return (
+            f"the model is saved already quantized ({saved}); the memory model counts bitsandbytes 4-bit "
+            "QLoRA weights"
+        )
+    if trainer.kind is TrainerKind.TRL_SFT and "max_length" in config and config["max_length"] is None:
+        return (
+            "max_length: null: trl does not truncate, so a step's memory follows the longest sample; "
+            "set max_length to a number for a prediction"
+        )
+    if saved == _SAVED_NF4:
+        return None
+    method = lookup(config, "quantization_method")
+    if (
+        trainer.kind is TrainerKind.LLAMAFACTORY
+        and isinstance(method, str)
+        and method not in ("bnb", "bitsandbytes")
+    ):
+        return (
+            f"quantization_method: {method}: the tool quantizes on the fly with {method}; the memory "
+            "model counts bitsandbytes 4-bit QLoRA weights"
+        )
     eight = _eight_bit_key(trainer.kind, config)
     if eight is not None:
         return (
@@ -53,6 +83,53 @@ def unmodelled(trainer: ForeignTrainer | None) -> str | None:
             "model counts 4-bit weights"
         )
     return None
+
+
+_SAVED_NF4 = "bitsandbytes 4-bit"
+
+
+def _saved_config(model_dir: str) -> dict[str, Any] | None:
+    """The model directory's ``quantization_config`` (None: none, or no readable config.json)."""
+    if not model_dir:
+        return None
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return quant if isinstance(quant, dict) else None
+
+
+def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
+    """``knobs`` as a model saved in bitsandbytes 4-bit loads: 4-bit with the saved quant type and
+    double quantization, whatever the tool's own 4-bit keys say (they are not applied to it)."""
+    quant = _saved_config(model_dir)
+    if quant is None or saved_quantization(model_dir) != _SAVED_NF4:
+        return knobs
+    kind = quant.get("bnb_4bit_quant_type")
+    double = quant.get("bnb_4bit_use_double_quant")
+    return dataclasses.replace(
+        knobs,
+        load_in_4bit=True,
+        quant_type=kind if isinstance(kind, str) else "fp4",  # BitsAndBytesConfig's own defaults
+        double_quant=double if isinstance(double, bool) else False,
+    )
+
+
+def saved_quantization(model_dir: str) -> str | None:
+    """How the model directory's weights were saved quantized (None: not quantized, or unreadable):
+    ``bitsandbytes 4-bit`` (a ``*-bnb-4bit`` model, which transformers loads as 4-bit without a
+    BitsAndBytesConfig), else the method and its bits as config.json names them (gptq, awq, ...)."""
+    quant = _saved_config(model_dir)
+    if quant is None:
+        return None
+    method = str(quant.get("quant_method") or "unknown method")
+    if method == "bitsandbytes":
+        if quant.get("load_in_4bit") is True:
+            return _SAVED_NF4
+        return "bitsandbytes 8-bit" if quant.get("load_in_8bit") is True else "bitsandbytes"
+    bits = quant.get("bits")
+    return f"{method}, {bits}-bit" if isinstance(bits, int) else method
 
 
 def _eight_bit_key(kind: TrainerKind, config: Mapping[str, Any]) -> str | None:

@@ -10,149 +10,44 @@ rungs that change it are left out of its ladders (:data:`RUNGS`).
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-
-class TrainerKind(str, enum.Enum):
-    OWN = "own"
-    TRL_SFT = "trl-sft"
-    AXOLOTL = "axolotl"
-    LLAMAFACTORY = "llamafactory"
-    HF_SCRIPT = "hf-script"
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-@dataclass(frozen=True)
-class Row:
-    """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
-    (a callable: computed from the rest of the config)."""
-
-    knob: str
-    key: str
-    default: Any
-    read: Callable[[Any], Any] = _same  # tool's value -> knob value
-    write: Callable[[Any], Any] = _same  # knob value -> tool's value
-    # Read for the knobs (the memory model, the journal) but never written: changing it alone
-    # would not do what the rung means in this tool (axolotl's 4-bit needs ``adapter: qlora`` too).
-    read_only: bool = False
-    # The key is the script's own, not the tool's: read and written only where the config has it.
-    present_only: bool = False
-    # Newer names of the key that the tool reads first where the config has them (transformers
-    # 5's ``activation_checkpointing``, of which ``gradient_checkpointing`` is a deprecated alias).
-    preferred: tuple[str, ...] = ()
-
-    def key_in(self, config: Mapping[str, Any]) -> str:
-        """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
-        TrainingArguments falls back to the alias when the new name is None), else ``key``."""
-        return next((name for name in self.preferred if config.get(name) is not None), self.key)
-
-
-@dataclass(frozen=True)
-class Contradiction:
-    """A key whose value fights the supervisor; ``bad`` says which values do."""
-
-    key: str
-    bad: Callable[[Any], bool]
-    problem: str
-    fix: str
-    # Only where the rest of the config says so too (a value that is wrong beside another one).
-    given: Callable[[Mapping[str, Any]], bool] = lambda config: True
-
-
-@dataclass(frozen=True)
-class Table:
-    kind: TrainerKind
-    rows: tuple[Row, ...]
-    output_key: str  # where the tool writes its own outputs: the run's trainer-output/
-    resume_key: str  # the tool's resume_from_checkpoint
-    required: Mapping[str, str] = field(default_factory=dict)  # key -> fix, when absent
-    contradictions: tuple[Contradiction, ...] = ()
-    # Read for the supervisor's own bookkeeping (progress, the memory model), never written.
-    max_steps_key: str = "max_steps"
-    epochs_key: str = "num_train_epochs"
-    epochs_default: float = 3.0  # TrainingArguments' own
-    save_steps_key: str = "save_steps"
-    save_steps_default: int = 500
-    targets_key: str = "lora_target_modules"
-    data_key: str = "dataset_name"
-    # Old names the tool no longer reads (its parser drops them without a word): old -> new.
-    renamed: Mapping[str, str] = field(default_factory=dict)
-
-    def row(self, knob: str) -> Row | None:
-        return next((r for r in self.rows if r.knob == knob), None)
-
-
-_AUTO_BATCH = (
-    "contradicts the supervisor: on an OOM it lowers the batch size without raising accumulation "
-    "(the effective batch changes) and retries from step 0 in the same process"
+from qlora_supervise.supervisor.trainers.table_rows import (
+    ACTIVATION_CHECKPOINTING,
+    EVAL_STRATEGY,
+    MULTI_GPU,
+    STRATEGY_KEYS,
+    TRAINER_ARGUMENTS_CONTRADICTIONS,
+    Contradiction,
+    Row,
+    Table,
+    TrainerKind,
+    auto_batch,
+    is_true,
+    no_saves,
+    present,
+    resume,
+    unquoted_no,
+    writable,
 )
 
-
-def _auto_batch(key: str, micro_key: str, accum_key: str) -> Contradiction:
-    return Contradiction(
-        key,
-        bool,
-        _AUTO_BATCH,
-        f"delete {key} (or set false): after an OOM the supervisor lowers {micro_key} and raises "
-        f"{accum_key} to keep the effective batch, and resumes from the last checkpoint",
-    )
-
-
-def _resume(key: str) -> Contradiction:
-    return Contradiction(
-        key,
-        lambda v: v not in (None, False, ""),
-        "set by the supervisor for each attempt (the newest complete checkpoint it checked)",
-        f"delete {key}: a run is resumed by running the same qlora-supervise command again",
-    )
-
-
-def _no_saves(key: str) -> Contradiction:
-    return Contradiction(
-        key,
-        lambda v: v == "no",
-        "no checkpoints: every restart would begin at step 0",
-        f'set {key}: "steps" (with save_steps), or delete it',
-    )
-
-
-def _is_true(value: Any) -> bool:
-    return value is True
-
-
-def _present(value: Any) -> bool:
-    return value not in (None, False, "", [], {})
-
-
-_MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
-#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
-#: supervisor, the same in every tool's config that has them.
-_TRAINER_ARGUMENTS_CONTRADICTIONS = (
-    Contradiction(
-        "save_only_model",
-        _is_true,
-        "checkpoints without optimizer state: every resume would start the optimizer afresh",
-        "delete save_only_model (or set false)",
-    ),
-    Contradiction("deepspeed", _present, _MULTI_GPU, "delete deepspeed"),
-    Contradiction("fsdp", _present, _MULTI_GPU, "delete fsdp"),
-)
-#: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
-_ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
-#: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
-_EVAL_STRATEGY = Row(
-    "eval_enabled",
-    "eval_strategy",
-    "no",
-    read=lambda v: v != "no",
-    write=lambda v: "steps" if v else "no",
-)
+# The row types are this module's too: the rest of the package imports tables from here.
+__all__ = [
+    "AXOLOTL",
+    "HF_SCRIPT",
+    "LLAMAFACTORY",
+    "RUNG_KNOBS",
+    "TABLES",
+    "TRL_LAUNCH_KEYS",
+    "TRL_SFT",
+    "Contradiction",
+    "Row",
+    "Table",
+    "TrainerKind",
+    "rungs_for",
+    "writable",
+]
 
 TRL_SFT = Table(
     TrainerKind.TRL_SFT,
@@ -160,7 +55,7 @@ TRL_SFT = Table(
         Row("model", "model_name_or_path", None),
         Row("micro_batch_size", "per_device_train_batch_size", 8),
         Row("grad_accum", "gradient_accumulation_steps", 1),
-        Row("gradient_checkpointing", "gradient_checkpointing", True, preferred=_ACTIVATION_CHECKPOINTING),
+        Row("gradient_checkpointing", "gradient_checkpointing", True, preferred=ACTIVATION_CHECKPOINTING),
         Row("optimizer", "optim", "adamw_torch_fused"),
         Row("max_seq_len", "max_length", 1024),
         Row("lora_r", "lora_r", 16),
@@ -169,7 +64,7 @@ TRL_SFT = Table(
         Row("quant_type", "bnb_4bit_quant_type", "nf4"),
         Row("double_quant", "use_bnb_nested_quant", False),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        _EVAL_STRATEGY,
+        EVAL_STRATEGY,
     ),
     output_key="output_dir",
     resume_key="resume_from_checkpoint",
@@ -182,12 +77,27 @@ TRL_SFT = Table(
     # evaluation_strategy).
     renamed={"max_seq_length": "max_length", "torch_dtype": "dtype", "evaluation_strategy": "eval_strategy"},
     contradictions=(
-        _auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
-        _resume("resume_from_checkpoint"),
-        _no_saves("save_strategy"),
+        auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
+        resume("resume_from_checkpoint"),
+        no_saves("save_strategy"),
         Contradiction("use_peft", lambda v: v is not True, "not a LoRA fine-tune", "set use_peft: true"),
-        *_TRAINER_ARGUMENTS_CONTRADICTIONS,
+        *TRAINER_ARGUMENTS_CONTRADICTIONS,
+        # Keys `trl sft` hands to `accelerate launch` (the config's keys no dataclass knows,
+        # cli/commands/training.py); the supervisor starts the script as one process, so they
+        # would be dropped in silence.
+        Contradiction("accelerate_config", present, MULTI_GPU, "delete accelerate_config"),
+        Contradiction("num_processes", lambda v: v not in (None, 1), MULTI_GPU, "delete num_processes"),
+        Contradiction("num_machines", lambda v: v not in (None, 1), MULTI_GPU, "delete num_machines"),
+        *(
+            Contradiction(key, is_true, MULTI_GPU, f"delete {key}")
+            for key in ("multi_gpu", "use_deepspeed", "use_fsdp")
+        ),
     ),
+)
+
+#: accelerate launch's arguments a trl config may carry (not fields of trl's dataclasses).
+TRL_LAUNCH_KEYS = frozenset(
+    {"accelerate_config", "num_processes", "num_machines", "multi_gpu", "use_deepspeed", "use_fsdp"}
 )
 
 #: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take (our
@@ -234,12 +144,21 @@ def _lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:
     )
 
 
+def _axolotl_accumulation(config: Mapping[str, Any]) -> int:
+    """axolotl's accumulation where the config leaves it out: ``batch_size // micro_batch_size``
+    (utils/config normalize_config), 1 without a batch_size."""
+    total, micro = config.get("batch_size"), config.get("micro_batch_size") or 1
+    if isinstance(total, int) and isinstance(micro, int) and total > 0 and micro > 0:
+        return max(1, total // micro)
+    return 1
+
+
 AXOLOTL = Table(
     TrainerKind.AXOLOTL,
     rows=(
         Row("model", "base_model", None),
         Row("micro_batch_size", "micro_batch_size", 1),
-        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row("grad_accum", "gradient_accumulation_steps", _axolotl_accumulation),
         Row("gradient_checkpointing", "gradient_checkpointing", False, read=_gradient_checkpointing),
         Row("optimizer", "optimizer", "adamw_torch_fused"),
         Row("max_seq_len", "sequence_len", 512),
@@ -251,6 +170,15 @@ AXOLOTL = Table(
         Row("double_quant", "bnb_config_kwargs.bnb_4bit_use_double_quant", True),
         # None: axolotl uses micro_batch_size (utils/config normalize_config).
         Row("eval_batch_size", "eval_batch_size", lambda config: config.get("micro_batch_size") or 1),
+        # axolotl evaluates on a split of the training data (val_set_size, default 0: none) or on
+        # test_datasets; read only: the ladder's eval rungs change the eval batch, not whether.
+        Row(
+            "eval_enabled",
+            "val_set_size",
+            lambda config: 1.0 if config.get("test_datasets") else 0.0,
+            read=lambda v: v > 0 if isinstance(v, (int, float)) and not isinstance(v, bool) else v,
+            read_only=True,
+        ),
     ),
     output_key="output_dir",
     resume_key="resume_from_checkpoint",
@@ -261,16 +189,24 @@ AXOLOTL = Table(
         "lora_alpha": "add lora_alpha (axolotl has no default)",
     },
     contradictions=(
-        _auto_batch("auto_find_batch_size", "micro_batch_size", "gradient_accumulation_steps"),
-        _resume("resume_from_checkpoint"),
+        auto_batch("auto_find_batch_size", "micro_batch_size", "gradient_accumulation_steps"),
+        resume("resume_from_checkpoint"),
         Contradiction(
             "auto_resume_from_checkpoints",
-            _is_true,
+            is_true,
             "axolotl would pick its own checkpoint in output_dir, not the one the supervisor checked",
             "delete auto_resume_from_checkpoints: the supervisor resumes from its newest complete checkpoint",
         ),
-        _no_saves("save_strategy"),
+        no_saves("save_strategy"),
         _lora_only("adapter", ("qlora", "lora")),
+        Contradiction(
+            "batch_size",
+            present,
+            'beside gradient_accumulation_steps: axolotl refuses the two together ("please set only '
+            'one of gradient_accumulation_steps or batch_size")',
+            "delete one of them (the supervisor keeps either way the effective batch)",
+            given=lambda config: bool(config.get("gradient_accumulation_steps")),
+        ),
         # axolotl's own schema refuses it at load (its LoraConfig validator); here it is named at
         # validate, before a card is taken.
         Contradiction(
@@ -281,13 +217,14 @@ AXOLOTL = Table(
             "set load_in_4bit: true (or adapter: lora for a LoRA on unquantized weights)",
             given=lambda config: config.get("load_in_4bit") is not True and not config.get("merge_lora"),
         ),
-        *_TRAINER_ARGUMENTS_CONTRADICTIONS,
-        Contradiction("fsdp_config", _present, _MULTI_GPU, "delete fsdp_config"),
+        *TRAINER_ARGUMENTS_CONTRADICTIONS,
+        Contradiction("fsdp_config", present, MULTI_GPU, "delete fsdp_config"),
     ),
     targets_key="lora_target_modules",
     data_key="datasets",
     epochs_key="num_epochs",
     epochs_default=1.0,
+    total_batch_key="batch_size",
 )
 
 LLAMAFACTORY = Table(
@@ -313,7 +250,7 @@ LLAMAFACTORY = Table(
         Row("quant_type", "quantization_type", "nf4"),
         Row("double_quant", "double_quantization", True),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        _EVAL_STRATEGY,
+        EVAL_STRATEGY,
     ),
     output_key="output_dir",
     resume_key="resume_from_checkpoint",
@@ -322,11 +259,11 @@ LLAMAFACTORY = Table(
         "do_train": "add do_train: true",
     },
     contradictions=(
-        _auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
-        _resume("resume_from_checkpoint"),
-        _no_saves("save_strategy"),
+        auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
+        resume("resume_from_checkpoint"),
+        no_saves("save_strategy"),
         _lora_only("finetuning_type", ("lora",)),
-        *_TRAINER_ARGUMENTS_CONTRADICTIONS,
+        *TRAINER_ARGUMENTS_CONTRADICTIONS,
     ),
     targets_key="lora_target",
     data_key="dataset",
@@ -336,30 +273,50 @@ LLAMAFACTORY = Table(
 #: script shares. The model, sequence length, LoRA and 4-bit flags are the script's own: their
 #: rows apply only where the user's command has the flag (``present_only``), so no flag the
 #: script does not define is ever added (HfArgumentParser refuses unknown flags).
+#: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no
+#: as words, since a string field such as --save_strategy no must stay "no").
+_ARGPARSE_BOOLS = {"yes": True, "y": True, "t": True, "no": False, "n": False, "f": False}
+
+
+def _argparse_bool(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in _ARGPARSE_BOOLS:
+        return _ARGPARSE_BOOLS[value.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        return bool(value)
+    return value
+
+
 HF_SCRIPT = Table(
     TrainerKind.HF_SCRIPT,
     rows=(
         Row("model", "model_name_or_path", None),
         Row("micro_batch_size", "per_device_train_batch_size", 8),
         Row("grad_accum", "gradient_accumulation_steps", 1),
-        Row("gradient_checkpointing", "gradient_checkpointing", False, preferred=_ACTIVATION_CHECKPOINTING),
+        Row(
+            "gradient_checkpointing",
+            "gradient_checkpointing",
+            False,
+            read=_argparse_bool,
+            preferred=ACTIVATION_CHECKPOINTING,
+        ),
         Row("optimizer", "optim", "adamw_torch_fused"),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        _EVAL_STRATEGY,
+        EVAL_STRATEGY,
         Row("max_seq_len", "max_seq_length", 512, present_only=True),
         Row("lora_r", "lora_r", 8, present_only=True),
         Row("lora_alpha", "lora_alpha", 16, present_only=True),
-        Row("load_in_4bit", "load_in_4bit", False, present_only=True),
+        Row("load_in_4bit", "load_in_4bit", False, read=_argparse_bool, present_only=True),
     ),
     output_key="output_dir",
     resume_key="resume_from_checkpoint",
     required={"output_dir": "add --output_dir (TrainingArguments requires it; the supervisor replaces it)"},
     contradictions=(
-        _auto_batch("auto_find_batch_size", "--per_device_train_batch_size", "--gradient_accumulation_steps"),
-        _resume("resume_from_checkpoint"),
-        _no_saves("save_strategy"),
-        Contradiction("deepspeed", _present, _MULTI_GPU, "delete --deepspeed"),
-        Contradiction("fsdp", _present, _MULTI_GPU, "delete --fsdp"),
+        auto_batch("auto_find_batch_size", "--per_device_train_batch_size", "--gradient_accumulation_steps"),
+        resume("resume_from_checkpoint"),
+        no_saves("save_strategy"),
+        *(unquoted_no(key) for key in STRATEGY_KEYS),
+        Contradiction("deepspeed", present, MULTI_GPU, "delete --deepspeed"),
+        Contradiction("fsdp", present, MULTI_GPU, "delete --fsdp"),
     ),
     data_key="dataset_name",
 )
@@ -370,13 +327,6 @@ TABLES: Mapping[TrainerKind, Table] = {
     TrainerKind.LLAMAFACTORY: LLAMAFACTORY,
     TrainerKind.HF_SCRIPT: HF_SCRIPT,
 }
-
-
-def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
-    """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
-    if row.read_only:
-        return False
-    return not row.present_only or (config is not None and row.key in config)
 
 
 def rungs_for(table: Table, config: Mapping[str, Any] | None = None) -> frozenset[str]:

@@ -1,0 +1,174 @@
+"""The parts every tool's table is made of: a knob's row (the tool's key, its default, how it reads
+and writes), a key that contradicts the ladder, and the contradictions and rows that every
+tool built on transformers' TrainingArguments shares (:mod:`.tables` holds the tables)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TrainerKind(str, enum.Enum):
+    OWN = "own"
+    TRL_SFT = "trl-sft"
+    AXOLOTL = "axolotl"
+    LLAMAFACTORY = "llamafactory"
+    HF_SCRIPT = "hf-script"
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Row:
+    """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
+    (a callable: computed from the rest of the config)."""
+
+    knob: str
+    key: str
+    default: Any
+    read: Callable[[Any], Any] = _same  # tool's value -> knob value
+    write: Callable[[Any], Any] = _same  # knob value -> tool's value
+    # Read for the knobs (the memory model, the journal) but never written: changing it alone
+    # would not do what the rung means in this tool (axolotl's 4-bit needs ``adapter: qlora`` too).
+    read_only: bool = False
+    # The key is the script's own, not the tool's: read and written only where the config has it.
+    present_only: bool = False
+    # Newer names of the key that the tool reads first where the config has them (transformers
+    # 5's ``activation_checkpointing``, of which ``gradient_checkpointing`` is a deprecated alias).
+    preferred: tuple[str, ...] = ()
+
+    def key_in(self, config: Mapping[str, Any]) -> str:
+        """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
+        TrainingArguments falls back to the alias when the new name is None), else ``key``."""
+        return next((name for name in self.preferred if config.get(name) is not None), self.key)
+
+
+@dataclass(frozen=True)
+class Contradiction:
+    """A key whose value fights the supervisor; ``bad`` says which values do."""
+
+    key: str
+    bad: Callable[[Any], bool]
+    problem: str
+    fix: str
+    # Only where the rest of the config says so too (a value that is wrong beside another one).
+    given: Callable[[Mapping[str, Any]], bool] = lambda config: True
+
+
+@dataclass(frozen=True)
+class Table:
+    kind: TrainerKind
+    rows: tuple[Row, ...]
+    output_key: str  # where the tool writes its own outputs: the run's trainer-output/
+    resume_key: str  # the tool's resume_from_checkpoint
+    required: Mapping[str, str] = field(default_factory=dict)  # key -> fix, when absent
+    contradictions: tuple[Contradiction, ...] = ()
+    # Read for the supervisor's own bookkeeping (progress, the memory model), never written.
+    max_steps_key: str = "max_steps"
+    epochs_key: str = "num_train_epochs"
+    epochs_default: float = 3.0  # TrainingArguments' own
+    save_steps_key: str = "save_steps"
+    save_steps_default: int = 500
+    targets_key: str = "lora_target_modules"
+    data_key: str = "dataset_name"
+    # Old names the tool no longer reads (its parser drops them without a word): old -> new.
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    # A total batch the tool derives accumulation from where the config gives no accumulation
+    # (axolotl's batch_size: accumulation = batch_size // micro_batch_size).
+    total_batch_key: str | None = None
+
+    def row(self, knob: str) -> Row | None:
+        return next((r for r in self.rows if r.knob == knob), None)
+
+
+_AUTO_BATCH = (
+    "contradicts the supervisor: on an OOM it lowers the batch size without raising accumulation "
+    "(the effective batch changes) and retries from step 0 in the same process"
+)
+
+
+def auto_batch(key: str, micro_key: str, accum_key: str) -> Contradiction:
+    return Contradiction(
+        key,
+        bool,
+        _AUTO_BATCH,
+        f"delete {key} (or set false): after an OOM the supervisor lowers {micro_key} and raises "
+        f"{accum_key} to keep the effective batch, and resumes from the last checkpoint",
+    )
+
+
+def resume(key: str) -> Contradiction:
+    return Contradiction(
+        key,
+        lambda v: v not in (None, False, ""),
+        "set by the supervisor for each attempt (the newest complete checkpoint it checked)",
+        f"delete {key}: a run is resumed by running the same qlora-supervise command again",
+    )
+
+
+def no_saves(key: str) -> Contradiction:
+    return Contradiction(
+        key,
+        lambda v: v == "no",
+        "no checkpoints: every restart would begin at step 0",
+        f'set {key}: "steps" (with save_steps), or delete it',
+    )
+
+
+def is_true(value: Any) -> bool:
+    return value is True
+
+
+def present(value: Any) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
+
+
+#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
+#: supervisor, the same in every tool's config that has them.
+def unquoted_no(key: str) -> Contradiction:
+    return Contradiction(
+        key,
+        lambda v: isinstance(v, bool),
+        "a bool, not a strategy: YAML reads an unquoted no (or off, false) as false, and the tool "
+        'stops at load on it ("False is not a valid ...")',
+        f'write {key}: "no" (quoted), or "steps" / "epoch"',
+    )
+
+
+#: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.
+STRATEGY_KEYS = ("eval_strategy", "save_strategy")
+TRAINER_ARGUMENTS_CONTRADICTIONS = (
+    *(unquoted_no(key) for key in STRATEGY_KEYS),
+    Contradiction(
+        "save_only_model",
+        is_true,
+        "checkpoints without optimizer state: every resume would start the optimizer afresh",
+        "delete save_only_model (or set false)",
+    ),
+    Contradiction("deepspeed", present, MULTI_GPU, "delete deepspeed"),
+    Contradiction("fsdp", present, MULTI_GPU, "delete fsdp"),
+)
+#: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
+ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
+#: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
+EVAL_STRATEGY = Row(
+    "eval_enabled",
+    "eval_strategy",
+    "no",
+    read=lambda v: v != "no",
+    write=lambda v: "steps" if v else "no",
+)
+
+
+def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
+    """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
+    if row.read_only:
+        return False
+    return not row.present_only or (config is not None and row.key in config)
