@@ -271,3 +271,11 @@ def test_llamafactory_dataset_names_are_looked_up_where_it_will_look(tmp_path: P
     assert load_job(_job(tmp_path, "llamafactory", {**config, "dataset": "mine"})).trainer is not None
     online = {**config, "dataset_dir": "ONLINE", "dataset": "org/set"}
     assert load_job(_job(tmp_path / "o", "llamafactory", online)).trainer is not None
+
+
+def test_a_model_path_with_a_tilde_is_refused_with_the_full_path(tmp_path: Path) -> None:
+    """``~/models/x`` in a tool's config is opened as written (no shell expands it): say so."""
+    with pytest.raises(
+        JobError, match=r"starts with ~, which the tool does not expand.*write the full path: /"
+    ):
+        load_job(_job(tmp_path, "trl-sft", {**QLORA_BASE["trl-sft"], "model_name_or_path": "~/models/x"}))

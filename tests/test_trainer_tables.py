@@ -312,3 +312,15 @@ def test_axolotl_evaluates_only_with_a_validation_split_or_test_datasets(
 ) -> None:
     """axolotl's val_set_size defaults to 0 (no eval): the plan then has no eval phase to count."""
     assert knobs_from(TABLES[TrainerKind.AXOLOTL], {**AXOLOTL_USER, **change}).eval_enabled is evaluates
+
+
+def test_a_quoted_number_is_read_where_the_tool_reads_it_and_refused_where_it_does_not() -> None:
+    """trl (argparse types its config) and axolotl (pydantic coerces) train ``"4"`` as 4;
+    LLaMA-Factory's dataclasses keep the string, so validate names it there."""
+    assert not config_problems(TRL_SFT, {**USER, "per_device_train_batch_size": "4"}, "c")
+    assert knobs_from(TRL_SFT, {**USER, "per_device_train_batch_size": "4"}).micro_batch_size == 4
+    axolotl = TABLES[TrainerKind.AXOLOTL]
+    assert knobs_from(axolotl, {**AXOLOTL_USER, "micro_batch_size": "2"}).micro_batch_size == 2
+    lf = {"model_name_or_path": "/m", "do_train": True, "per_device_train_batch_size": "4"}
+    named = config_problems(TABLES[TrainerKind.LLAMAFACTORY], lf, "c")
+    assert [p.path for p in named] == ["c: per_device_train_batch_size"]

@@ -220,6 +220,9 @@ def model_problems(table: Table, config: Mapping[str, Any], where: str, workdir:
         why = "a hub id, but the tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads config.json"
         fix = f"download it (`hf download {value} --local-dir DIR`) and point {row.key} at that directory"
         return [Problem(name, why, show(value), fix)]
+    if value.startswith("~"):  # the tool opens the path as written: no shell expands it there
+        why = "starts with ~, which the tool does not expand (it would look for a folder named ~)"
+        return [Problem(name, why, show(value), f"write the full path: {os.path.expanduser(value)}")]
     problem = model_dir_problem(name, Path(tool_model_path(value, workdir)))
     return [] if problem is None else [problem]
 

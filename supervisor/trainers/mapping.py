@@ -42,17 +42,24 @@ def assign(config: dict[str, Any], key: str, value: Any) -> None:
         node[last] = value
 
 
-def knob_value(row: Row, config: Mapping[str, Any]) -> Any:
+def knob_value(row: Row, config: Mapping[str, Any], quoted_numbers: bool = False) -> Any:
     """The knob's value as the tool would run it: the config's, else the tool's default."""
     value = lookup(config, row.key_in(config))
     if value is _MISSING or value is None:  # the default is in the tool's spelling too
         value = row.default(config) if callable(row.default) else row.default
-    return row.read(value)
+    return row.read(_unquoted(row, value) if quoted_numbers else value)
+
+
+def _unquoted(row: Row, value: Any) -> Any:
+    """A whole-number knob written quoted ("4"), as a tool that reads it so takes it: 4."""
+    if _KNOB_TYPES.get(row.knob) is int and isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
 
 
 def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
     """The knobs the tool would train with (one process); call after :func:`config_problems` found none."""
-    values = {row.knob: knob_value(row, config) for row in table.rows}
+    values = {row.knob: knob_value(row, config, table.reads_quoted_numbers) for row in table.rows}
     values["model"] = str(values.get("model") or "")
     return Knobs(**values)
 
@@ -78,7 +85,10 @@ def _type_problems(table: Table, config: Mapping[str, Any], where: str) -> Itera
         raw = lookup(config, key)
         if raw is _MISSING or raw is None or row.knob not in _KNOB_TYPES:
             continue
-        value, wanted = row.read(raw), _KNOB_TYPES[row.knob]
+        value, wanted = (
+            row.read(_unquoted(row, raw) if table.reads_quoted_numbers else raw),
+            _KNOB_TYPES[row.knob],
+        )
         if wanted is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             yield Problem(
                 f"{where}: {key}", "must be a whole number > 0", show(raw), "write it as 1, 2, 4, ..."

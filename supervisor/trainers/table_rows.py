@@ -77,6 +77,9 @@ class Table:
     data_key: str = "dataset_name"
     # Old names the tool no longer reads (its parser drops them without a word): old -> new.
     renamed: Mapping[str, str] = field(default_factory=dict)
+    # The tool reads a quoted whole number ("4") as the number: trl's argparse types its config's
+    # values, axolotl's pydantic coerces them; LLaMA-Factory's dataclasses take them as written.
+    reads_quoted_numbers: bool = False
     # A total batch the tool derives accumulation from where the config gives no accumulation
     # (axolotl's batch_size: accumulation = batch_size // micro_batch_size).
     total_batch_key: str | None = None

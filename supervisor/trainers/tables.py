@@ -76,6 +76,7 @@ TRL_SFT = Table(
     # are dropped in silence (trl 0.20 renamed max_seq_length; transformers 5 torch_dtype and
     # evaluation_strategy).
     renamed={"max_seq_length": "max_length", "torch_dtype": "dtype", "evaluation_strategy": "eval_strategy"},
+    reads_quoted_numbers=True,
     contradictions=(
         auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
         resume("resume_from_checkpoint"),
@@ -225,6 +226,7 @@ AXOLOTL = Table(
     epochs_key="num_epochs",
     epochs_default=1.0,
     total_batch_key="batch_size",
+    reads_quoted_numbers=True,
 )
 
 LLAMAFACTORY = Table(
