@@ -620,6 +620,16 @@ def test_a_child_that_dies_importing_is_a_config_error_and_the_text_alone_stays_
     assert found.kind is FailureKind.CONFIG_ERROR and "trainer.python" in found.evidence
     assert found.message == "ModuleNotFoundError: No module named 'backoff'"
     assert classify_text(AXOLOTL_IMPORT).kind is FailureKind.OTHER
+    # After steps, or where the import error is an interpreter's shutdown after another failure,
+    # the import says nothing of the environment.
+    after = classify_exit(failed, None, AXOLOTL_IMPORT, last_stage=Stage.SAVE, last_step=412)
+    assert after.kind is FailureKind.OTHER
+    shutdown = (
+        "RuntimeError: CUDA error: unspecified launch failure\n"
+        "Exception ignored in: <function _Loader.__del__ at 0x7f>\n"
+        "ImportError: sys.meta_path is None, Python is likely shutting down\n"
+    )
+    assert classify_exit(failed, None, shutdown).kind is not FailureKind.CONFIG_ERROR
     # An OOM text that merely mentions an import earlier is still the OOM.
     oom = AXOLOTL_IMPORT + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
     assert classify_exit(failed, None, oom).kind.is_oom

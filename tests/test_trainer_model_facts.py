@@ -236,6 +236,14 @@ def test_a_model_saved_in_4bit_is_planned_as_the_4bit_weights_it_loads_as(tmp_pa
         ({"quant_method": "gptq", "bits": 4}, "gptq, 4-bit"),
         ({"quant_method": "awq", "bits": 4}, "awq, 4-bit"),
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes 8-bit"),
+        (
+            {
+                "quant_method": "bitsandbytes",
+                "load_in_4bit": True,
+                "llm_int8_skip_modules": ["mlp.down_proj"],
+            },
+            "bitsandbytes 4-bit with modules left unquantized",
+        ),
     ],
 )
 def test_a_model_saved_in_another_quantization_is_named_and_not_predicted(
@@ -245,7 +253,7 @@ def test_a_model_saved_in_another_quantization_is_named_and_not_predicted(
     _saved(tmp_path, quant)
     plan = make_plan(str(path), "24GiB")
     assert plan["unsupported"]["reason"] == "not_modelled"
-    assert f"saved already quantized ({words})" in plan["unsupported"]["detail"]
+    assert f"saved already quantized ({words}" in plan["unsupported"]["detail"]
 
 
 def test_trl_without_truncation_gets_no_prediction_and_the_reason(tmp_path: Path) -> None:
@@ -279,3 +287,10 @@ def test_a_model_path_with_a_tilde_is_refused_with_the_full_path(tmp_path: Path)
         JobError, match=r"starts with ~, which the tool does not expand.*write the full path: /"
     ):
         load_job(_job(tmp_path, "trl-sft", {**QLORA_BASE["trl-sft"], "model_name_or_path": "~/models/x"}))
+
+
+def test_llamafactory_names_its_method_only_where_it_quantizes(tmp_path: Path) -> None:
+    """``quantization_method: hqq`` without ``quantization_bit`` loads the model unquantized."""
+    config = {"model_name_or_path": "model", "do_train": True, "quantization_method": "hqq"}
+    detail = make_plan(str(_job(tmp_path, "llamafactory", config)), "24GiB")["unsupported"]["detail"]
+    assert "unquantized" in detail and "hqq" not in detail

@@ -249,29 +249,18 @@ def test_axolotl_qlora_without_4bit_is_named_at_validate(change: dict[str, Any],
         assert named[0].path == "trainer.config: adapter" and "set load_in_4bit: true" in named[0].fix
 
 
-def test_axolotl_batch_size_gives_the_accumulation_and_the_ladder_keeps_it() -> None:
-    """axolotl derives accumulation from ``batch_size // micro_batch_size`` where the config has no
-    gradient_accumulation_steps; an attempt writes the total it derives from, never both keys
-    (axolotl refuses the two together)."""
+def test_axolotl_batch_size_is_refused_for_the_accumulation_it_means() -> None:
+    """axolotl 0.19 trains ``batch_size: 16, micro_batch_size: 2`` at accumulation 1 (its schema
+    defaults gradient_accumulation_steps to 1 before its CLI would derive 8; older versions derived
+    it): validate asks for the accumulation written out, alone or beside it."""
     table = TABLES[TrainerKind.AXOLOTL]
-    user = {**AXOLOTL_USER, "batch_size": 16, "micro_batch_size": 2}
-    job = knobs_from(table, user)
-    assert (job.micro_batch_size, job.grad_accum, job.effective_batch) == (2, 8, 16)
-    halved = dataclasses.replace(job, micro_batch_size=1, grad_accum=16)
-    out = attempt_config(table, user, job, halved, "/run/out", None)
-    assert out["micro_batch_size"] == 1 and out["batch_size"] == 16
-    assert "gradient_accumulation_steps" not in out
-    assert knobs_from(table, out).effective_batch == 16
-    # Checkpointing alone: the total is left as the user wrote it.
-    ckpt = dataclasses.replace(job, gradient_checkpointing=True)
-    assert attempt_config(table, user, job, ckpt, "/run/out", None)["batch_size"] == 16
-    # A micro-batch that does not divide the total: axolotl's floor is the job's batch, and the
-    # total written is what the attempt trains with.
-    odd = {**user, "micro_batch_size": 3}
-    assert knobs_from(table, odd).effective_batch == 15
-    both = config_problems(table, {**user, "gradient_accumulation_steps": 4}, "trainer.config")
-    assert [p.path for p in both] == ["trainer.config: batch_size"]
-    assert not config_problems(table, user, "trainer.config")
+    for extra in ({}, {"gradient_accumulation_steps": 4}):
+        problems = config_problems(
+            table, {**AXOLOTL_USER, "batch_size": 16, "micro_batch_size": 2, **extra}, "c"
+        )
+        assert [p.path for p in problems] == ["c: batch_size"]
+        assert "write gradient_accumulation_steps" in problems[0].fix
+    assert knobs_from(table, {**AXOLOTL_USER, "micro_batch_size": 2}).grad_accum == 1
 
 
 @pytest.mark.parametrize("kind", [TrainerKind.TRL_SFT, TrainerKind.AXOLOTL, TrainerKind.LLAMAFACTORY])

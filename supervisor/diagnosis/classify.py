@@ -154,6 +154,10 @@ def _classify_child(
     if exit.killed_by_supervisor is not None:
         why = f"supervisor stopped the child ({exit.killed_by_supervisor.value}); no error report"
         return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
+    if last_stage in _BEFORE_TRAINING:  # the heartbeats saw no step, eval or save begin
+        missing = _missing_package(stderr_tail)
+        if missing is not None:
+            return missing
     return _from_stderr(exit, stderr_tail, gpu_others_bytes, gpu_total_bytes)
 
 
@@ -310,22 +314,30 @@ def _from_exit_status(
 #: The last exception of a process that could not import what it needs (``No module named 'x'``,
 #: ``cannot import name 'y' from 'x'``).
 _IMPORT_FAILED = re.compile(r"^(?:ModuleNotFoundError|ImportError)\b")
+#: Import errors of an interpreter already shutting down (``Exception ignored in ...``), which follow
+#: the failure that ended it and say nothing of the environment.
+_AT_EXIT = re.compile(r"Python is likely shutting down|sys\.meta_path is None|^Exception ignored in", re.M)
+#: Stages before the first step: where a missing import is the environment's, not a training's.
+_BEFORE_TRAINING = frozenset({Stage.UNKNOWN, Stage.SETUP, Stage.LOAD})
 
 
-def _missing_package(stderr_tail: str, text: Failure) -> Failure | None:
-    """A child that died importing, before any training stage, with no report of its own: a
-    foreign tool whose venv lacks a package (or our shim had not attached yet). It fails the same
-    way on every start, so it is the config's (tried once), not ``other`` (retried unchanged)."""
-    if text.kind is not FailureKind.OTHER or text.stage not in (Stage.UNKNOWN, Stage.SETUP, Stage.LOAD):
+def _missing_package(stderr_tail: str) -> Failure | None:
+    """A child that died importing before its first step, with no report of its own: a foreign
+    tool whose venv lacks a package (our shim attaches later, at the Trainer). It fails the same
+    way on every start, so it is the config's (tried once), not ``other`` (retried unchanged).
+    Only where the text's verdict is ``other`` and its last exception is that import: an OOM, a
+    CUDA error or any other sign decides as before."""
+    text = classify_text(stderr_tail)
+    if text.kind is not FailureKind.OTHER or text.stage not in _BEFORE_TRAINING:
         return None
-    lines = [
-        match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(_window(stderr_tail))
-    ]
-    if not lines or not _IMPORT_FAILED.match(lines[-1]):
+    window = _window(stderr_tail)
+    found = _signatures.EXCEPTION_LINE.finditer(window)
+    lines = [match.group("line").strip() for match in found if not _AT_EXIT.search(match.group("line"))]
+    if not lines or not _IMPORT_FAILED.match(lines[-1]) or _AT_EXIT.search(window):
         return None
     why = (
-        f"no error report; stderr ends in an import failure {lines[-1][:160]!r}: the same on every "
-        "start (install the package into the trainer's interpreter, trainer.python)"
+        f"no error report; stderr ends in an import failure {lines[-1][:160]!r} before step 1: the "
+        "same on every start (install the package into the trainer's interpreter, trainer.python)"
     )
     return Failure(FailureKind.CONFIG_ERROR, text.stage, {}, why, lines[-1][:160])
 
@@ -353,9 +365,6 @@ def _from_stderr(
     exit: ChildExit, stderr_tail: str, nvml_others: int | None, nvml_total: int | None
 ) -> Failure:
     text = classify_text(stderr_tail)
-    missing = _missing_package(stderr_tail, text)
-    if missing is not None:
-        return missing
     if text.kind.is_oom and text.kind is not FailureKind.HOST_OOM and nvml_others is not None:
         stage = StageFinding(text.stage, "stderr frames")
         text = oom_failure(stage, text.numbers, "stderr", text.message, (nvml_others, nvml_total))

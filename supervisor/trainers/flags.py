@@ -17,7 +17,7 @@ from qlora_supervise.supervisor.jobfile.problems import Problem, show
 
 #: Words YAML 1.1 reads as bools that argparse leaves as strings: HfArgumentParser gives a str
 #: field ``--save_strategy no`` the word, and a bool field converts it itself.
-_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
+_WORDS = frozenset({"yes", "no", "on", "off"})
 
 
 def _value(text: str) -> Any:

@@ -52,7 +52,7 @@ def knob_value(row: Row, config: Mapping[str, Any], quoted_numbers: bool = False
 
 def _unquoted(row: Row, value: Any) -> Any:
     """A whole-number knob written quoted ("4"), as a tool that reads it so takes it: 4."""
-    if _KNOB_TYPES.get(row.knob) is int and isinstance(value, str) and value.strip().isdigit():
+    if _KNOB_TYPES.get(row.knob) is int and isinstance(value, str) and value.strip().isdecimal():
         return int(value)
     return value
 
@@ -109,14 +109,7 @@ def attempt_config(
     and the checkpoint to resume from; every other key exactly as the user wrote it."""
     out = copy.deepcopy(dict(config))
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
-    derived = _derives_accumulation(table, config)
     for row in table.rows:
-        if derived and row.knob == "grad_accum":
-            # The tool derives it from the total, which is written instead (the ladder keeps the
-            # effective batch, so it is the user's total where micro-batch divides it).
-            if job.effective_batch != knobs.effective_batch or job.micro_batch_size != knobs.micro_batch_size:
-                assign(out, str(table.total_batch_key), knobs.effective_batch)
-            continue
         if before[row.knob] != after[row.knob] and writable(row, config):
             # The spelling the tool reads, and a deprecated alias the config has beside it (so the
             # file does not say two things).
@@ -125,15 +118,6 @@ def attempt_config(
     assign(out, table.output_key, output_dir)
     assign(out, table.resume_key, resume_from)
     return out
-
-
-def _derives_accumulation(table: Table, config: Mapping[str, Any]) -> bool:
-    """Whether the tool takes accumulation from the config's total batch (no accumulation key)."""
-    key = table.total_batch_key
-    accumulation = table.row("grad_accum")
-    if key is None or accumulation is None or config.get(key) in (None, 0):
-        return False
-    return lookup(config, accumulation.key_in(config)) in (_MISSING, None, 0)
 
 
 def unmapped_changes(table: Table, config: Mapping[str, Any], job: Knobs, knobs: Knobs) -> list[str]:

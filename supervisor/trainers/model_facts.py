@@ -9,7 +9,10 @@ of two or more either way: reading bf16 weights as fp32 calls a 7B LoRA that fit
 one that fits nothing, and stops the run before it starts. So for those configs there is no
 prediction: the attempt starts as written and the reactive ladder guards it, as for an
 architecture the model does not cover. (An hf-script is counted only where its command has
-``--load_in_4bit true``: what else a script loads is its own.)
+``--load_in_4bit true``: what else a script loads is its own.) The model directory counts too: a
+model saved in bitsandbytes 4-bit loads so whatever the tool's keys say, and is counted as such;
+one saved in another quantization (GPTQ, AWQ, 8-bit, 4-bit with modules left in 16 bits) is not
+counted, nor is trl's ``max_length: null`` (no truncation: no sequence length to count).
 
 The attention implementation changes the model's activations (eager keeps a seq x seq score
 tensor per head), so a tool's explicit choice replaces transformers' default for the model type.
@@ -35,7 +38,7 @@ _ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
 _LLAMAFACTORY_ATTENTION = {"disabled": "eager", "sdpa": "sdpa", "fa2": "sdpa", "fa3": "sdpa"}
 
 
-def unmodelled(trainer: ForeignTrainer | None, model_dir: str = "") -> str | None:
+def unmodelled(trainer: ForeignTrainer | None, model_dir: str) -> str | None:
     """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit).
 
     ``model_dir``: the model as the tool opens it; a model saved already quantized (its
@@ -60,8 +63,9 @@ def unmodelled(trainer: ForeignTrainer | None, model_dir: str = "") -> str | Non
     method = lookup(config, "quantization_method")
     if (
         trainer.kind is TrainerKind.LLAMAFACTORY
+        and isinstance(lookup(config, "quantization_bit"), int)  # without a bit it loads unquantized
         and isinstance(method, str)
-        and method not in ("bnb", "bitsandbytes")
+        and method != "bnb"
     ):
         return (
             f"quantization_method: {method}: the tool quantizes on the fly with {method}; the memory "
@@ -125,6 +129,9 @@ def saved_quantization(model_dir: str) -> str | None:
         return None
     method = str(quant.get("quant_method") or "unknown method")
     if method == "bitsandbytes":
+        if quant.get("llm_int8_skip_modules") not in (None, [], ["lm_head"]):
+            # "dynamic" 4-bit uploads keep chosen layers in 16 bits: not every weight is 4-bit.
+            return "bitsandbytes 4-bit with modules left unquantized (llm_int8_skip_modules)"
         if quant.get("load_in_4bit") is True:
             return _SAVED_NF4
         return "bitsandbytes 8-bit" if quant.get("load_in_8bit") is True else "bitsandbytes"

@@ -80,9 +80,6 @@ class Table:
     # The tool reads a quoted whole number ("4") as the number: trl's argparse types its config's
     # values, axolotl's pydantic coerces them; LLaMA-Factory's dataclasses take them as written.
     reads_quoted_numbers: bool = False
-    # A total batch the tool derives accumulation from where the config gives no accumulation
-    # (axolotl's batch_size: accumulation = batch_size // micro_batch_size).
-    total_batch_key: str | None = None
 
     def row(self, knob: str) -> Row | None:
         return next((r for r in self.rows if r.knob == knob), None)

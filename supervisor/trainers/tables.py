@@ -86,7 +86,12 @@ TRL_SFT = Table(
         # Keys `trl sft` hands to `accelerate launch` (the config's keys no dataclass knows,
         # cli/commands/training.py); the supervisor starts the script as one process, so they
         # would be dropped in silence.
-        Contradiction("accelerate_config", present, MULTI_GPU, "delete accelerate_config"),
+        Contradiction(
+            "accelerate_config",
+            present,
+            "an argument of trl's `accelerate launch`: the supervisor starts one process without it",
+            "delete accelerate_config (one process on the job's GPU; DeepSpeed, FSDP: not supervised yet)",
+        ),
         Contradiction("num_processes", lambda v: v not in (None, 1), MULTI_GPU, "delete num_processes"),
         Contradiction("num_machines", lambda v: v not in (None, 1), MULTI_GPU, "delete num_machines"),
         *(
@@ -145,21 +150,12 @@ def _lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:
     )
 
 
-def _axolotl_accumulation(config: Mapping[str, Any]) -> int:
-    """axolotl's accumulation where the config leaves it out: ``batch_size // micro_batch_size``
-    (utils/config normalize_config), 1 without a batch_size."""
-    total, micro = config.get("batch_size"), config.get("micro_batch_size") or 1
-    if isinstance(total, int) and isinstance(micro, int) and total > 0 and micro > 0:
-        return max(1, total // micro)
-    return 1
-
-
 AXOLOTL = Table(
     TrainerKind.AXOLOTL,
     rows=(
         Row("model", "base_model", None),
         Row("micro_batch_size", "micro_batch_size", 1),
-        Row("grad_accum", "gradient_accumulation_steps", _axolotl_accumulation),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
         Row("gradient_checkpointing", "gradient_checkpointing", False, read=_gradient_checkpointing),
         Row("optimizer", "optimizer", "adamw_torch_fused"),
         Row("max_seq_len", "sequence_len", 512),
@@ -200,13 +196,15 @@ AXOLOTL = Table(
         ),
         no_saves("save_strategy"),
         _lora_only("adapter", ("qlora", "lora")),
+        # axolotl 0.19's schema defaults gradient_accumulation_steps to 1 before its CLI would derive
+        # it from batch_size, so batch_size alone trains at accumulation 1 (older versions derived
+        # batch_size // micro_batch_size): one meaning only, the accumulation written out.
         Contradiction(
             "batch_size",
             present,
-            'beside gradient_accumulation_steps: axolotl refuses the two together ("please set only '
-            'one of gradient_accumulation_steps or batch_size")',
-            "delete one of them (the supervisor keeps either way the effective batch)",
-            given=lambda config: bool(config.get("gradient_accumulation_steps")),
+            "which accumulation it means depends on the axolotl version (0.19 trains at "
+            "gradient_accumulation_steps 1 and counts steps by batch_size; older ones derived it)",
+            "delete batch_size and write gradient_accumulation_steps: batch_size / micro_batch_size",
         ),
         # axolotl's own schema refuses it at load (its LoraConfig validator); here it is named at
         # validate, before a card is taken.
@@ -225,7 +223,6 @@ AXOLOTL = Table(
     data_key="datasets",
     epochs_key="num_epochs",
     epochs_default=1.0,
-    total_batch_key="batch_size",
     reads_quoted_numbers=True,
 )
 
