@@ -77,12 +77,8 @@ open(os.path.join(out, "done"), "w").write(" ".join(args))
 """
 
 
-def test_a_tool_missing_a_package_stops_at_once_as_a_config_error(tmp_path: Path) -> None:
-    """A tool whose venv lacks a package dies importing, before our shim attaches (on the H200,
-    axolotl 0.19 without posthog's ``backoff``): tried once, exit 4, the import named; not three
-    unchanged retries classified as ``other``."""
-    (tmp_path / "train.py").write_text("import os, sys\nimport qlora_supervise_missing_backoff\n")
-    command = [sys.executable, "train.py", "--output_dir", "out", "--per_device_train_batch_size", "2"]
+def _run_script_job(tmp_path: Path, command: list[str]) -> int:
+    """``run`` on an hf-script job of ``command`` in ``tmp_path`` (its run in ``./run``), quick backoff."""
     job = {
         "trainer": {"kind": "hf-script", "command": command},
         "resources": {"gpu": "cpu"},
@@ -90,7 +86,16 @@ def test_a_tool_missing_a_package_stops_at_once_as_a_config_error(tmp_path: Path
         "output_dir": "./run",
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    assert run_job(str(tmp_path / "job.yaml"), plain=True, console=io.StringIO(), install_signals=False) == 4
+    return run_job(str(tmp_path / "job.yaml"), plain=True, console=io.StringIO(), install_signals=False)
+
+
+def test_a_tool_missing_a_package_stops_at_once_as_a_config_error(tmp_path: Path) -> None:
+    """A tool whose venv lacks a package dies importing, before our shim attaches (on the H200,
+    axolotl 0.19 without posthog's ``backoff``): tried once, exit 4, the import named; not three
+    unchanged retries classified as ``other``."""
+    (tmp_path / "train.py").write_text("import os, sys\nimport qlora_supervise_missing_backoff\n")
+    command = [sys.executable, "train.py", "--output_dir", "out", "--per_device_train_batch_size", "2"]
+    assert _run_script_job(tmp_path, command) == 4
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
     assert [(r.outcome, r.failure.kind if r.failure else None) for r in records] == [
         ("failed", "config_error")
@@ -114,14 +119,7 @@ def test_a_script_the_shim_cannot_attach_to_is_classified_from_stderr_and_said_s
         "2",
         "--gradient_checkpointing",
     ]
-    job = {
-        "trainer": {"kind": "hf-script", "command": command},
-        "resources": {"gpu": "cpu"},
-        "supervise": {"backoff_initial": "0.1s", "backoff_max": "1s"},
-        "output_dir": "./run",
-    }
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    assert run_job(str(tmp_path / "job.yaml"), plain=True, console=io.StringIO(), install_signals=False) == 0
+    assert _run_script_job(tmp_path, command) == 0
     run = tmp_path / "run"
     records, _ = read_attempts(run / "attempts.jsonl")
     assert [r.outcome for r in records] == ["failed", "failed", "succeeded"]

@@ -8,7 +8,6 @@ live in the tool's config, and one value written in two places would disagree so
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -302,11 +301,7 @@ def _tool_model_type(table: Table, config: Mapping[str, Any], workdir: Path) -> 
 
 def model_type(model: str) -> str | None:
     """``model_type`` from the model directory's config.json (None: no such file, or unreadable)."""
-    try:
-        raw = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    value = raw.get("model_type") if isinstance(raw, dict) else None
+    value = model_facts.model_config(model).get("model_type")
     return value if isinstance(value, str) else None
 
 

@@ -92,15 +92,20 @@ def unmodelled(trainer: ForeignTrainer | None, model_dir: str) -> str | None:
 _SAVED_NF4 = "bitsandbytes 4-bit"
 
 
-def _saved_config(model_dir: str) -> dict[str, Any] | None:
-    """The model directory's ``quantization_config`` (None: none, or no readable config.json)."""
+def model_config(model_dir: str) -> dict[str, Any]:
+    """The model directory's config.json ({}: no such file, unreadable, or not a mapping)."""
     if not model_dir:
-        return None
+        return {}
     try:
         raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _saved_config(model_dir: str) -> dict[str, Any] | None:
+    """The model directory's ``quantization_config`` (None: none, or no readable config.json)."""
+    quant = model_config(model_dir).get("quantization_config")
     return quant if isinstance(quant, dict) else None
 
 

@@ -130,9 +130,8 @@ def present(value: Any) -> bool:
 MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
 
 
-#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
-#: supervisor, the same in every tool's config that has them.
 def unquoted_no(key: str) -> Contradiction:
+    """``key: no`` written unquoted: YAML hands the tool false, which no strategy field takes."""
     return Contradiction(
         key,
         lambda v: isinstance(v, bool),
@@ -144,6 +143,8 @@ def unquoted_no(key: str) -> Contradiction:
 
 #: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.
 STRATEGY_KEYS = ("eval_strategy", "save_strategy")
+#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
+#: supervisor, the same in every tool's config that has them.
 TRAINER_ARGUMENTS_CONTRADICTIONS = (
     *(unquoted_no(key) for key in STRATEGY_KEYS),
     Contradiction(

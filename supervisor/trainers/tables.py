@@ -268,16 +268,13 @@ LLAMAFACTORY = Table(
     data_key="dataset",
 )
 
-#: An HfArgumentParser script: transformers' TrainingArguments flags, whose names every such
-#: script shares. The model, sequence length, LoRA and 4-bit flags are the script's own: their
-#: rows apply only where the user's command has the flag (``present_only``), so no flag the
-#: script does not define is ever added (HfArgumentParser refuses unknown flags).
 #: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no
 #: as words, since a string field such as --save_strategy no must stay "no").
 _ARGPARSE_BOOLS = {"yes": True, "y": True, "t": True, "no": False, "n": False, "f": False}
 
 
 def _argparse_bool(value: Any) -> Any:
+    """A bool flag's word or 0/1 as HfArgumentParser reads it; anything else for the type check."""
     if isinstance(value, str) and value.lower() in _ARGPARSE_BOOLS:
         return _ARGPARSE_BOOLS[value.lower()]
     if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
@@ -285,6 +282,10 @@ def _argparse_bool(value: Any) -> Any:
     return value
 
 
+#: An HfArgumentParser script: transformers' TrainingArguments flags, whose names every such
+#: script shares. The model, sequence length, LoRA and 4-bit flags are the script's own: their
+#: rows apply only where the user's command has the flag (``present_only``), so no flag the
+#: script does not define is ever added (HfArgumentParser refuses unknown flags).
 HF_SCRIPT = Table(
     TrainerKind.HF_SCRIPT,
     rows=(
