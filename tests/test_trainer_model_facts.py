@@ -277,6 +277,9 @@ def test_llamafactory_dataset_names_are_looked_up_where_it_will_look(tmp_path: P
     with pytest.raises(JobError, match=r"dataset: not defined in .*dataset_info.json \(got 'other'"):
         load_job(_job(tmp_path, "llamafactory", config))
     assert load_job(_job(tmp_path, "llamafactory", {**config, "dataset": "mine"})).trainer is not None
+    tokenized = {**config, "tokenized_path": "tokenized"}  # LLaMA-Factory loads a saved one as is
+    (tmp_path / "t" / "tokenized").mkdir(parents=True)
+    assert load_job(_job(tmp_path / "t", "llamafactory", tokenized)).trainer is not None
     online = {**config, "dataset_dir": "ONLINE", "dataset": "org/set"}
     assert load_job(_job(tmp_path / "o", "llamafactory", online)).trainer is not None
 

@@ -21,6 +21,9 @@ def data_problems(kind: TrainerKind, config: Mapping[str, Any], where: str, work
     """Problems of the tool's data keys that the tool would stop on at load (none for a kind not checked)."""
     if kind is not TrainerKind.LLAMAFACTORY:
         return []
+    tokenized = config.get("tokenized_path")
+    if isinstance(tokenized, str) and (workdir / tokenized).is_dir():  # saved already: loaded from there
+        return []
     names = [*_names(config.get("dataset")), *_names(config.get("eval_dataset"))]
     folder = config.get("dataset_dir", _LF_DIR)
     if not names or not isinstance(folder, str) or folder.startswith(_LF_HUB):
