@@ -331,9 +331,10 @@ def _missing_package(stderr_tail: str) -> Failure | None:
     if text.kind is not FailureKind.OTHER or text.stage not in _BEFORE_TRAINING:
         return None
     window = _window(stderr_tail)
-    found = _signatures.EXCEPTION_LINE.finditer(window)
-    lines = [match.group("line").strip() for match in found if not _AT_EXIT.search(match.group("line"))]
-    if not lines or not _IMPORT_FAILED.match(lines[-1]) or _AT_EXIT.search(window):
+    if _AT_EXIT.search(window):
+        return None
+    lines = [match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(window)]
+    if not lines or not _IMPORT_FAILED.match(lines[-1]):
         return None
     why = (
         f"no error report; stderr ends in an import failure {lines[-1][:160]!r} before step 1: the "

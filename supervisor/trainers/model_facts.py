@@ -113,7 +113,7 @@ def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
     """``knobs`` as a model saved in bitsandbytes 4-bit loads: 4-bit with the saved quant type and
     double quantization, whatever the tool's own 4-bit keys say (they are not applied to it)."""
     quant = _saved_config(model_dir)
-    if quant is None or saved_quantization(model_dir) != _SAVED_NF4:
+    if quant is None or _saved_as(quant) != _SAVED_NF4:
         return knobs
     kind = quant.get("bnb_4bit_quant_type")
     double = quant.get("bnb_4bit_use_double_quant")
@@ -130,8 +130,11 @@ def saved_quantization(model_dir: str) -> str | None:
     ``bitsandbytes 4-bit`` (a ``*-bnb-4bit`` model, which transformers loads as 4-bit without a
     BitsAndBytesConfig), else the method and its bits as config.json names them (gptq, awq, ...)."""
     quant = _saved_config(model_dir)
-    if quant is None:
-        return None
+    return None if quant is None else _saved_as(quant)
+
+
+def _saved_as(quant: Mapping[str, Any]) -> str:
+    """A ``quantization_config`` in words (:func:`saved_quantization`)."""
     method = str(quant.get("quant_method") or "unknown method")
     if method == "bitsandbytes":
         if quant.get("llm_int8_skip_modules") not in (None, [], ["lm_head"]):
