@@ -236,7 +236,7 @@ def test_a_load_error_of_the_config_is_told_from_one_of_the_card() -> None:
     """A ValueError while the tool loads is the config's; one that says the card lacked room for
     the weights (transformers' quantizer under device_map auto) is not; nor is anything in train."""
     from qlora_supervise.trainer_child.contract.codes import Stage
-    from qlora_supervise.trainer_child.shim.session import is_the_configs
+    from qlora_supervise.trainer_child.run.failure import is_the_configs
 
     assert is_the_configs(ValueError("Either datasets or dataset_name must be provided"), Stage.LOAD)
     assert is_the_configs(ModuleNotFoundError("No module named 'flash_attn'"), Stage.SETUP)

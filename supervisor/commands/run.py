@@ -7,6 +7,7 @@ run ends with the same summary ``demo`` prints.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import sys
@@ -189,6 +190,8 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
         return Submission([], versions.record(job), moved)
     legacy = not versions.numbers()  # job.yaml only: compare the fields as written
     changes = diff(recorded, raw_view(job.raw_text) if legacy else job_view(job))
+    if not _trained_a_step(rd):  # a tool's own key has nothing to mix with yet (generations.py)
+        changes = [dataclasses.replace(change, untrained=True) for change in changes]
     unsafe = [change for change in changes if not change.safe]
     if restart and has_attempts(rd):
         moved = start_generation(rd)
@@ -206,6 +209,12 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
             versions.record(job, legacy_view=True)  # from now on every version is kept
         return Submission([], None, moved)
     return Submission(changes, versions.record(job, legacy_view=legacy), moved, restart)
+
+
+def _trained_a_step(rd: RunDir) -> bool:
+    """Whether the run directory's generation finished an optimizer step (its journal says so)."""
+    records, _ = read_attempts(rd.attempts)
+    return any(record.steps_completed > 0 for record in records)
 
 
 def _announce(submitted: Submission, log: FilteringBoundLogger, console: TextIO) -> None:

@@ -19,8 +19,9 @@
    cgroup's ``memory.events``, or with ``Killed`` in stderr -> ``host_oom``; SIGKILL with
    neither -> ``other`` (the evidence says so); ``ExitCode.CONFIG`` -> ``config_error``;
    ``ExitCode.DISK_FULL`` -> ``disk_full`` (a report marked ``disk_full`` decides in 2);
-4. **stderr text**: :func:`classify_text`; a child that ends in an ``ImportError`` before any
-   training stage (a foreign tool's venv lacking a package) -> ``config_error``;
+4. **stderr text**: :func:`classify_text`; a child that refused its config before any training
+   stage (an import failure, its argument parser's refusal, a ``ValueError`` or a model file that
+   does not load in setup or load: :mod:`.refusal`) -> ``config_error``, the tool's line its message;
 5. **nothing**: ``other`` (``ExitCode.OOM`` without report or message: the stage is unknown, so
    ``oom_forward``, the commonest site, whose ladder is the generic remedy).
 
@@ -43,12 +44,11 @@ OOM supervisor are mostly OOMs. Without stage frames it stays ``other``.
 from __future__ import annotations
 
 import dataclasses
-import re
 import signal as signals
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, xid
+from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, refusal, xid
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
@@ -154,10 +154,10 @@ def _classify_child(
     if exit.killed_by_supervisor is not None:
         why = f"supervisor stopped the child ({exit.killed_by_supervisor.value}); no error report"
         return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
-    if last_stage in _BEFORE_TRAINING:  # the heartbeats saw no step, eval or save begin
-        missing = _missing_package(stderr_tail)
-        if missing is not None:
-            return missing
+    if last_stage in refusal.BEFORE_TRAINING:  # the heartbeats saw no step, eval or save begin
+        refused = _refused_at_setup(exit, stderr_tail, last_stage)
+        if refused is not None:
+            return refused
     return _from_stderr(exit, stderr_tail, gpu_others_bytes, gpu_total_bytes)
 
 
@@ -249,8 +249,12 @@ def _from_report(
     text = f"{report.exception_type}: {report.message}\n{report.traceback}"
     head = f"error report: {report.exception_type} in {stage.value} at step {report.step}"
     message = f"{report.exception_type}: {report.message}"[:300]
-    if report.config_error:
-        return Failure(FailureKind.CONFIG_ERROR, stage, {}, f"{head}; marked config_error", message)
+    # A bitsandbytes library that does not load is raised as an import or attribute error while
+    # loading, which the child marks the config's: its own kind (not retryable either) says more.
+    if report.config_error and _signatures.find(_signatures.BNB_SETUP, text) is None:
+        fix = refusal.known_fix(message)
+        why = f"{head}; marked config_error" + (f" ({fix})" if fix else "")
+        return Failure(FailureKind.CONFIG_ERROR, stage, {}, why, message)
     if report.damaged_checkpoint and not report.is_oom:
         why = f"{head}; the checkpoint {report.damaged_checkpoint} did not load"
         return Failure(FailureKind.CHECKPOINT_DAMAGED, stage, {}, why, message)
@@ -311,36 +315,13 @@ def _from_exit_status(
     return None
 
 
-#: The last exception of a process that could not import what it needs (``No module named 'x'``,
-#: ``cannot import name 'y' from 'x'``).
-_IMPORT_FAILED = re.compile(r"^(?:ModuleNotFoundError|ImportError)\b")
-#: Import errors of an interpreter already shutting down (``Exception ignored in ...``), which follow
-#: the failure that ended it and say nothing of the environment.
-_AT_EXIT = re.compile(r"Python is likely shutting down|sys\.meta_path is None|^Exception ignored in", re.M)
-#: Stages before the first step: where a missing import is the environment's, not a training's.
-_BEFORE_TRAINING = frozenset({Stage.UNKNOWN, Stage.SETUP, Stage.LOAD})
-
-
-def _missing_package(stderr_tail: str) -> Failure | None:
-    """A child that died importing before its first step, with no report of its own: a foreign
-    tool whose venv lacks a package (our shim attaches later, at the Trainer). It fails the same
-    way on every start, so it is the config's (tried once), not ``other`` (retried unchanged).
-    Only where the text's verdict is ``other`` and its last exception is that import: an OOM, a
-    CUDA error or any other sign decides as before."""
+def _refused_at_setup(exit: ChildExit, stderr_tail: str, last_stage: Stage) -> Failure | None:
+    """A child with no report that refused its config before step 1 (:mod:`.refusal`): only where
+    the text's verdict is ``other``; an OOM, a CUDA error or any other sign decides as before."""
     text = classify_text(stderr_tail)
-    if text.kind is not FailureKind.OTHER or text.stage not in _BEFORE_TRAINING:
+    if text.kind is not FailureKind.OTHER:
         return None
-    window = _window(stderr_tail)
-    if _AT_EXIT.search(window):
-        return None
-    lines = [match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(window)]
-    if not lines or not _IMPORT_FAILED.match(lines[-1]):
-        return None
-    why = (
-        f"no error report; stderr ends in an import failure {lines[-1][:160]!r} before step 1: the "
-        "same on every start (install the package into the trainer's interpreter, trainer.python)"
-    )
-    return Failure(FailureKind.CONFIG_ERROR, text.stage, {}, why, lines[-1][:160])
+    return refusal.refused_before_training(_window(stderr_tail), text.stage, last_stage, exit.returncode)
 
 
 def _killed_stage(stderr_tail: str, last_stage: Stage) -> tuple[Stage, str]:

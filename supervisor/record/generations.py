@@ -9,7 +9,13 @@ newest recorded one:
   save / logging / eval cadence, ``merge``, everything under ``supervise`` and ``resources``;
 * every other field changes what is trained (model, data, LoRA, quantization, lr and its
   schedule, seq_len, batch): that needs ``run --restart``, which starts a new *generation* in
-  the same directory. The current one (journal, state, events, attempts, checkpoints, adapter)
+  the same directory.
+* a foreign tool's config is part of the job: its keys the supervisor reads (model, batch,
+  LoRA, max_steps ...) are the fields above; every other key is ``trainer.config.<key>`` (issue
+  29 item 10: ``use_cpu: true`` added after trl refused to start is a change of the job, which
+  lifts its verdict). Such a key changes what is trained, unless the generation has trained no
+  step yet: then there is nothing to mix it with, and each attempt copies the tool's config
+  afresh, so it applies. The current one (journal, state, events, attempts, checkpoints, adapter)
   moves whole into ``generations/<n>/`` and the new one starts from nothing, so the two are
   never mixed.
 
@@ -34,6 +40,7 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.journal import Lift, append_lift, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
 
 SAFE_SECTIONS = ("supervise.", "resources.")
@@ -43,6 +50,10 @@ SAFE_WHEN_MORE = frozenset({"train.max_steps", "train.epochs"})
 #: journal: the number of ranks changes in a run through drop_rank, by hand through --restart.
 UNSAFE_FIELDS = frozenset({"resources.nproc_per_node"})
 GENERATIONS = "generations"
+#: A foreign tool's config in the view: ``trainer.config`` is its file, ``trainer.config.<key>``
+#: each key of it the supervisor does not read into a field of its own.
+TOOL_CONFIG = "trainer.config"
+TOOL_CONFIG_PREFIX = TOOL_CONFIG + "."
 #: What belongs to one generation (moved aside whole by ``--restart``); job versions stay.
 _GENERATION_FILES = ("attempts.jsonl", "state.json", "events.jsonl")
 _GENERATION_GLOBS = ("attempt-*", "checkpoints", "checkpoints-*", "adapter", "merged", ".tmp-*", ".old-*")
@@ -55,12 +66,15 @@ class FieldChange:
     name: str  # the job file's dotted name: ``lora.r``
     old: Any
     new: Any
+    untrained: bool = False  # the generation has trained no step (a tool's own key then applies)
 
     @property
     def safe(self) -> bool:
         """Applies on resume without mixing two trainings into one adapter."""
         if self.name in UNSAFE_FIELDS:
             return False
+        if self.name.startswith(TOOL_CONFIG_PREFIX):
+            return self.untrained
         if self.name.startswith(SAFE_SECTIONS) or self.name in SAFE_FIELDS:
             return True
         if self.name in SAFE_WHEN_MORE:
@@ -74,6 +88,8 @@ class FieldChange:
             how = "the new generation trains with it from step 0"
         else:
             how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
+            if self.safe and self.name.startswith(TOOL_CONFIG_PREFIX):
+                how = "applies: no step was trained yet"
         return f"  {self.name}: {self.old!r} -> {self.new!r}  ({how})"
 
     def to_json(self) -> dict[str, Any]:
@@ -121,13 +137,29 @@ def job_view(job: Job) -> dict[str, Any]:
         view["resources.nproc_per_node"] = knobs.world_size
     supervise = job.supervise.model_dump(mode="json")
     view.update({f"supervise.{k}": v for k, v in supervise.items()})
+    if job.trainer is not None:
+        view.update(_tool_config_view(job.trainer))
     shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk
     return shaped
 
 
+def _tool_config_view(trainer: ForeignTrainer) -> dict[str, Any]:
+    """``trainer.config`` (the file, or the hf-script's argv) and ``trainer.config.<key>`` for
+    each key of the tool's config that no other field of the view stands for."""
+    where = str(trainer.config_path) if trainer.config_path is not None else list(trainer.command)
+    view: dict[str, Any] = {TOOL_CONFIG: where}
+    view.update({f"{TOOL_CONFIG_PREFIX}{key}": value for key, value in trainer.unread_keys().items()})
+    return view
+
+
 def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
-    """Every field whose value differs, in name order (a field only one side has counts too)."""
+    """Every field whose value differs, in name order (a field only one side has counts too).
+
+    A view recorded before the tool's config was part of it (no ``trainer.config``) is not
+    compared on the tool's keys: they did not change, they were not recorded."""
     names = sorted(set(old) | set(new))
+    if TOOL_CONFIG not in old:
+        names = [n for n in names if n != TOOL_CONFIG and not n.startswith(TOOL_CONFIG_PREFIX)]
     return [FieldChange(n, old.get(n), new.get(n)) for n in names if old.get(n) != new.get(n)]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from qlora_supervise.supervisor.trainers.mapping import flatten
 from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
 
 #: The tool's own output directory inside the run directory (its final save, its logs); our
@@ -31,6 +32,15 @@ class ForeignTrainer:
     @property
     def table(self) -> Table:
         return TABLES[self.kind]
+
+    def unread_keys(self) -> dict[str, Any]:
+        """The config's keys (dotted where nested) that the supervisor reads into no knob or field
+        of its own (``use_cpu``, ``bf16``, ``learning_rate``): what a job's fields do not show."""
+        table = self.table
+        read = {key for row in table.rows for key in (row.key, *row.preferred)}
+        read |= {table.max_steps_key, table.epochs_key, table.save_steps_key, table.targets_key}
+        read |= {table.data_key, table.output_key, table.resume_key}
+        return {key: value for key, value in flatten(self.config).items() if key not in read}
 
     @staticmethod
     def frozen(config: Mapping[str, Any]) -> Mapping[str, Any]:

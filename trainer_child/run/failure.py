@@ -55,6 +55,40 @@ def is_checkpoint_error(exc: BaseException) -> bool:
     return any(isinstance(item, CheckpointLoadError) for item in exception_chain(exc))
 
 
+#: Exceptions a trainer raises while it reads its config and loads its model and data that say the
+#: same thing on every start (a missing dataset key, a path that is not there, a value its parser
+#: refuses, a package it cannot import, the hub while offline): a config error, not retried
+#: unchanged. A RuntimeError or an OSError of the device or the disk is left to the classifier.
+_DETERMINISTIC = (ValueError, TypeError, KeyError, AttributeError, ImportError, NotImplementedError,
+                  FileNotFoundError, NotADirectoryError, IsADirectoryError, SyntaxError)  # fmt: skip
+#: Deterministic by name, from libraries not imported here: huggingface_hub's offline refusal (a
+#: ConnectionError by class; offline, it is the config's), and safetensors' refusal of a model
+#: file whose header does not load (the file is damaged or cut short: re-download it).
+_DETERMINISTIC_NAMES = frozenset({"OfflineModeIsEnabled", "SafetensorError", "HeaderTooLarge"})
+#: ValueErrors and NotImplementedErrors of a load that did not get the device memory it wanted
+#: (transformers' bitsandbytes quantizer under ``device_map: auto`` on a shared card, a weight
+#: left on the meta device): the card's state, not the config's, so the classifier decides.
+_SHORT_OF_MEMORY = ("dispatched on the CPU or the disk", "enough GPU RAM", "meta tensor")
+#: Before the first step: the trainer is still reading its config and loading (issue 29 item 5).
+_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
+
+
+def is_the_configs(exc: BaseException, stage: Stage) -> bool:
+    """Whether ``exc``, raised while the trainer set up or loaded (``stage``), is the config's: it
+    would fail alike on every start (a value the tool's parser refuses, ``learning_rate: [1, 2]``
+    at its optimizer's construction, a model file that does not load)."""
+    if stage not in _BEFORE_TRAINING:
+        return False
+    chain = exception_chain(exc)
+    if any(words in str(item) for item in chain for words in _SHORT_OF_MEMORY):
+        return False
+    if isinstance(exc, _DETERMINISTIC):
+        return True
+    return any(
+        type(item).__name__ in _DETERMINISTIC_NAMES or "OfflineModeIsEnabled" in str(item) for item in chain
+    )
+
+
 def oom_numbers(message: str) -> dict[str, int]:
     """Numbers of an OOM message; the parser lives in ``oom_message`` (written separately),
     the CPU allocator's ``you tried to allocate N bytes`` is read here in any case."""
@@ -107,7 +141,10 @@ class CapturedFailure:
 
 
 def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
-    """Reduce ``exc`` to strings and clear its frames, so the tensors they hold can be freed."""
+    """Reduce ``exc`` to strings and clear its frames, so the tensors they hold can be freed.
+
+    The config's when it says so (:class:`ConfigError`) or when it is a refusal before the first
+    step (:func:`is_the_configs`): our child and a foreign tool's shim alike."""
     try:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except MemoryError:
@@ -123,6 +160,9 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         checkpoint=is_checkpoint_error(exc),
         disk_full=is_disk_full(exc),
     )
+    # An OOM, a damaged checkpoint or a full disk keep their own verdicts.
+    if not (failure.oom or failure.checkpoint or failure.disk_full):
+        failure.config = failure.config or is_the_configs(exc, stage)
     for item in exception_chain(exc):
         if item.__traceback__ is not None:
             traceback.clear_frames(item.__traceback__)

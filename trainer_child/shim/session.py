@@ -190,12 +190,9 @@ class Session:
             self._previous_hook(kind, exc, tb)
             return
         at_oom = attempt.oom_diagnosis(self.ctx, exc)
-        deterministic = is_the_configs(exc, self.ctx.progress.stage)
+        # A refusal while the tool sets up or loads is the config's (failure.is_the_configs).
         failure = capture(exc, self.ctx.progress.stage, self.ctx.progress.step)
         failure.allocator, failure.memory_snapshot = at_oom
-        failure.config = failure.config or (
-            deterministic and not (failure.oom or failure.disk_full or failure.checkpoint)
-        )
         del exc, tb
         self.leave(attempt.fail(self.ctx, failure))
 
@@ -209,29 +206,6 @@ class Session:
             with contextlib.suppress(OSError, ValueError):  # a full disk under child.log
                 stream.flush()
         os._exit(int(code))  # the report and the checkpoint are on disk, fsynced (processes.leave)
-
-
-#: Exceptions a tool raises while it reads its config and loads its model and data that say the
-#: same thing on every start (a missing dataset key, a path that is not there, a value its parser
-#: refuses, a package it cannot import, the hub while offline): a config error, not retried
-#: unchanged. A RuntimeError or an OSError of the device or the disk is left to the classifier.
-_DETERMINISTIC = (ValueError, TypeError, KeyError, AttributeError, ImportError, NotImplementedError,
-                  FileNotFoundError, NotADirectoryError, IsADirectoryError, SyntaxError)  # fmt: skip
-#: huggingface_hub's offline refusal is a ConnectionError by class; offline, it is the config's.
-_OFFLINE = frozenset({"OfflineModeIsEnabled"})
-#: ValueErrors and NotImplementedErrors of a load that did not get the device memory it wanted
-#: (transformers' bitsandbytes quantizer under ``device_map: auto`` on a shared card, a weight
-#: left on the meta device): the card's state, not the config's, so the classifier decides.
-_SHORT_OF_MEMORY = ("dispatched on the CPU or the disk", "enough GPU RAM", "meta tensor")
-
-
-def is_the_configs(exc: BaseException, stage: Stage) -> bool:
-    """Whether ``exc``, raised outside ``train()`` while the tool set up or loaded, is the config's."""
-    if stage not in (Stage.SETUP, Stage.LOAD):
-        return False
-    if any(words in str(exc) for words in _SHORT_OF_MEMORY):
-        return False
-    return isinstance(exc, _DETERMINISTIC) or type(exc).__name__ in _OFFLINE
 
 
 class _NoTokenizer:

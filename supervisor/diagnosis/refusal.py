@@ -1,0 +1,131 @@
+"""A trainer that refused its config before its first step, told from its stderr alone.
+
+A child with no error report of its own (a foreign tool our shim had not attached to yet: trl
+parses its arguments before it imports transformers' Trainer; a venv that lacks a package) that
+ended before any training stage in one of these fails the same way on every start, so it is the
+config's (``config_error``, tried once), not ``other`` (retried unchanged into a crash loop):
+
+* an **import failure** (``ModuleNotFoundError`` / ``ImportError``): the tool's interpreter lacks
+  a package;
+* its **argument parser's refusal**, argparse's ``prog: error: argument --max_steps: invalid int
+  value: 'ten'`` after a ``usage:`` line, with argparse's exit status 2;
+* a **deterministic exception** (``ValueError``, ``TypeError``, ``KeyError`` ... the classes the
+  child's own rule counts, ``trainer_child/run/failure.is_the_configs``; a model file safetensors
+  cannot load) whose frames, or the last heartbeat, place it in setup or load: an unknown
+  ``optim``, trl's ``You need to assign use_cpu`` on a machine without a GPU.
+
+The failure's message is the tool's own line; a refusal whose fix is known (:data:`FIXES`) says
+it. Only where the text's verdict is ``other``: an OOM, a CUDA error, a NCCL error or any other
+sign decides as before, and so does an import error of an interpreter already shutting down
+(which follows the failure that ended it). :func:`classify_text` keeps its corpus labels: this
+rule needs the child's exit and heartbeats, which a log alone does not have.
+"""
+
+from __future__ import annotations
+
+import re
+
+from qlora_supervise.supervisor.diagnosis import _signatures
+from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+
+#: The last exception of a process that could not import what it needs.
+_IMPORT_FAILED = re.compile(r"^(?:ModuleNotFoundError|ImportError)\b")
+#: Exception classes (by the last part of their printed name) that say the same on every start;
+#: ``ValidationError`` is pydantic's (a ValueError), which axolotl's config schema raises.
+_DETERMINISTIC = frozenset(
+    {
+        "ValueError",
+        "TypeError",
+        "KeyError",
+        "AttributeError",
+        "NotImplementedError",
+        "FileNotFoundError",
+        "NotADirectoryError",
+        "IsADirectoryError",
+        "SyntaxError",
+        "ValidationError",
+        "SafetensorError",
+        "HeaderTooLarge",
+        "OfflineModeIsEnabled",
+    }
+)
+_EXCEPTION_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*(?P<name>[A-Za-z_]\w*)")
+#: argparse's refusal: ``usage: ...`` then ``prog: error: message``; it exits with status 2.
+_USAGE = re.compile(r"^usage: ", re.MULTILINE)
+_PARSER_ERROR = re.compile(r"^(?P<line>[\w.\- ]{1,80}: error: .+)$", re.MULTILINE)
+ARGPARSE_EXIT = 2
+#: Import errors of an interpreter already shutting down (``Exception ignored in ...``), which follow
+#: the failure that ended it and say nothing of the environment.
+_AT_EXIT = re.compile(r"Python is likely shutting down|sys\.meta_path is None|^Exception ignored in", re.M)
+#: Stages before the first step (UNKNOWN: no heartbeat and no frame says otherwise).
+BEFORE_TRAINING = frozenset({Stage.UNKNOWN, Stage.SETUP, Stage.LOAD})
+_PLACED_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
+
+#: Refusals whose fix is known: (the tool's words, the fix). trl's default ``bf16: true`` on a
+#: machine without a GPU stops transformers' TrainingArguments (docs/trainers-cpu.md).
+FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"You need to assign use_cpu|doesn't support bf16/gpu"),
+        "no GPU here: write use_cpu: true and bf16: false in the tool's config (docs/trainers-cpu.md)",
+    ),
+    (
+        re.compile(r"Error while deserializing header|HeaderTooLarge|incomplete metadata"),
+        "the model file does not load (damaged or cut short): download the model again",
+    ),
+)
+
+
+def refused_before_training(
+    text: str, stage: Stage, last_stage: Stage, returncode: int | None
+) -> Failure | None:
+    """The config's failure for ``text`` (a stderr tail whose verdict was ``other`` at ``stage``,
+    from its frames), or None. ``last_stage``: the heartbeats' last stage; ``returncode``: the
+    child's exit status (argparse's refusal is status 2)."""
+    if stage not in BEFORE_TRAINING or last_stage not in BEFORE_TRAINING or _AT_EXIT.search(text):
+        return None
+    lines = [match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(text)]
+    last = lines[-1][:300] if lines else None
+    if last is not None and _IMPORT_FAILED.match(last):
+        fix = "install the package into the trainer's interpreter, trainer.python"
+        return _refusal(stage, "an import failure", last, fix)
+    parser = _parser_refusal(text) if returncode == ARGPARSE_EXIT else None
+    if parser is not None:
+        return _refusal(stage, "its argument parser's refusal", parser, _fix(parser))
+    placed = stage in _PLACED_BEFORE_TRAINING or last_stage in _PLACED_BEFORE_TRAINING
+    if last is not None and placed and _name(last) in _DETERMINISTIC:
+        return _refusal(stage, f"a refusal in {_where(stage, last_stage)}", last, _fix(last))
+    return None
+
+
+def _parser_refusal(text: str) -> str | None:
+    if _USAGE.search(text) is None:
+        return None
+    found = _PARSER_ERROR.findall(text)
+    return found[-1].strip()[:300] if found else None
+
+
+def _name(line: str) -> str:
+    match = _EXCEPTION_NAME.match(line)
+    return match.group("name") if match else ""
+
+
+def _where(stage: Stage, last_stage: Stage) -> str:
+    return (stage if stage is not Stage.UNKNOWN else last_stage).value
+
+
+def known_fix(line: str) -> str | None:
+    """The fix :data:`FIXES` knows for a refusal's ``line``, or None."""
+    for pattern, fix in FIXES:
+        if pattern.search(line):
+            return fix
+    return None
+
+
+def _fix(line: str) -> str:
+    return known_fix(line) or "fix the value it names in the tool's config"
+
+
+def _refusal(stage: Stage, what: str, line: str, fix: str) -> Failure:
+    why = f"no error report; stderr ends in {what} {line!r} before step 1: the same on every start ({fix})"
+    return Failure(FailureKind.CONFIG_ERROR, stage, {}, why, line)
