@@ -266,6 +266,8 @@ class SupervisionCallback(TrainerCallback):
         source, scheduler = self.source, self.trainer.lr_scheduler
         if source.reset_from is not None:
             restore_scheduler(self.trainer, Path(source.reset_from), state.global_step)
+        elif source.original is not None:
+            follow_schedule(self.trainer, state.global_step)
         if source.original is not None:
             self.trainer.progress.events.emit(
                 "resumed",
@@ -334,8 +336,26 @@ def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path, step: i
             scheduler.load_state_dict(torch.load(path, weights_only=True))
         except Exception as exc:  # a damaged scheduler file: the checkpoint is not loadable
             raise checkpoints.CheckpointLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
-    if getattr(scheduler, "last_epoch", step) != step:
-        # LambdaLR (cosine, linear, constant with warmup) is a function of its step count alone.
+    follow_schedule(trainer, step)
+
+
+def follow_schedule(trainer: SupervisedTrainerMixin, step: int) -> None:
+    """The learning rate of ``step`` on *this* attempt's schedule, in the scheduler and the optimizer.
+
+    Trainer builds the schedule for the attempt's length (``max_steps``) and a resume then loads the
+    checkpoint's ``scheduler.pt`` and ``optimizer.pt``, whose learning rate is the *old* schedule's
+    at that step. For an extended run (``max_steps`` raised on a finished run) that is the old
+    schedule's end, 0 for cosine and linear, so its first new step trained at learning rate 0
+    (issue 29 item 8). The rule: the run continues as a run of the new length would, the learning
+    rate at ``step`` of the schedule over the new total (its warmup too). An ordinary resume has
+    the same length, so the value is the one it restored.
+    """
+    scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
+    if scheduler is None or optimizer is None:
+        return
+    # LambdaLR (cosine, linear, constant, with warmup) is a function of its step count alone;
+    # another scheduler (reduce on plateau) keeps the state it restored.
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         scheduler.last_epoch = step - 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": meant here
