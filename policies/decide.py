@@ -29,8 +29,10 @@ Order of the rules (first match wins):
 6. OOM-like kinds -> walk the ladder (:mod:`.climb`): skip rungs with nothing to change, rungs
    charged by rule 0, results that already failed the same way, and results a calibrated memory
    model says cannot fit (their change is kept and the next rung is applied on top) -> Restart,
-   or GiveUp when the ladder is exhausted. Before it (6a, :mod:`.host_kill`): the first host
-   OOM kill after progress with these knobs -> Restart unchanged (a neighbour's spike).
+   or GiveUp when the ladder is exhausted. Before it (6a, :mod:`.host_kill`): a host OOM kill
+   after progress that is not in a row (the retry trained past the last kill) -> Restart
+   unchanged (a neighbour's spike); 6b: a host OOM's ladder takes throughput rungs before
+   quality ones, and the LoRA rank only where the adapter is what grew.
 
 The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
 :mod:`.waits`; this module holds the order of the rules and the retries.
@@ -42,7 +44,7 @@ from collections.abc import Sequence
 
 from qlora_supervise.policies.charge import Charge, PastFailure, latest_charge, unusable_rungs
 from qlora_supervise.policies.climb import MergeFailure, climb, knob_changes
-from qlora_supervise.policies.host_kill import retry_after_kill
+from qlora_supervise.policies.host_kill import host_settings, retry_after_kill
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.policies.verdicts import (
     Decision,
@@ -134,7 +136,8 @@ def decide(
         return plain_retry
     if phase == "merge" and kind.is_oom:
         return climb(MergeFailure(), knobs, history, settings)
-    return climb(failure, knobs, history, settings, unusable_rungs(history))
+    # 6b: a host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
+    return climb(failure, knobs, history, host_settings(failure, settings, failed), unusable_rungs(history))
 
 
 def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], settings: Settings) -> Decision:

@@ -45,6 +45,7 @@ class PastAttempt:
     steps_progressed: int
     peak_bytes: int | None = None
     stage: Stage | None = None  # where it failed (None: not recorded)
+    reached: int = 0  # the last optimizer step it finished (its journal's steps_completed)
 
 
 @dataclass(frozen=True)

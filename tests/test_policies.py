@@ -352,9 +352,53 @@ def test_host_oom_kill_after_progress_is_retried_unchanged_once_then_the_ladder_
 
 def test_host_oom_kill_after_progress_at_the_ladders_bottom_is_retried_before_giving_up() -> None:
     """With no rung left, the first kill after progress is still retried unchanged, the second gives up."""
-    bottom = dataclasses.replace(BASE, optimizer="paged_adamw_8bit", lora_r=1)
+    bottom = dataclasses.replace(
+        BASE,
+        optimizer="paged_adamw_8bit",
+        lora_r=1,
+        gradient_checkpointing=True,
+        micro_batch_size=1,
+        grad_accum=8,
+    )
     host = _Failure(FailureKind.HOST_OOM, Stage.OPTIMIZER)
     killed = _fail(FailureKind.HOST_OOM, Stage.OPTIMIZER, knobs=bottom, steps=9)
     first = decide(host, bottom, [killed], Settings())
     assert isinstance(first, Restart) and first.rung == "retry_unchanged"
     assert isinstance(decide(host, bottom, [killed, killed], Settings()), GiveUp)
+
+
+def _killed(reached: int, steps: int, knobs: Knobs = BASE, stage: Stage = Stage.OPTIMIZER) -> PastAttempt:
+    return PastAttempt(knobs, FailureKind.HOST_OOM, steps, None, stage, reached)
+
+
+def test_two_host_oom_kills_with_good_steps_between_them_are_not_in_a_row() -> None:
+    """Killed at step 3, then again at step 8 after 5 more good steps: retried unchanged again, the
+    rank kept (issue 29 item 7); killed again no further than step 8: the ladder moves."""
+    host = _Failure(FailureKind.HOST_OOM, Stage.OPTIMIZER)
+    paged = dataclasses.replace(BASE, optimizer="paged_adamw_8bit")
+    again = decide(host, paged, [_killed(3, 3, paged), _killed(8, 5, paged)], Settings())
+    assert isinstance(again, Restart) and again.rung == "retry_unchanged" and again.knobs == paged
+    stuck = decide(host, paged, [_killed(8, 5, paged), _killed(8, 3, paged)], Settings())
+    assert isinstance(stuck, Restart) and stuck.rung == "gradient_checkpointing"
+
+
+def test_a_host_oom_ladder_takes_throughput_rungs_first_and_the_rank_only_where_the_adapter_grew() -> None:
+    """After progress the optimizer stage's kill walks checkpointing and micro-batch, never the rank;
+    a kill in the optimizer stage before the first step (the adapter's state allocated) may cut it
+    once those are spent; a job's own host_oom ladder is taken as written."""
+    host = _Failure(FailureKind.HOST_OOM, Stage.OPTIMIZER)
+    lean = dataclasses.replace(
+        BASE, optimizer="paged_adamw_8bit", gradient_checkpointing=True, micro_batch_size=1, grad_accum=8
+    )
+    after_steps = decide(host, lean, [_killed(8, 5, lean), _killed(8, 3, lean)], Settings())
+    assert isinstance(after_steps, GiveUp), after_steps
+    halved = decide(host, BASE, [_killed(8, 5), _killed(8, 3)], Settings())
+    assert isinstance(halved, Restart) and halved.knobs.lora_r == BASE.lora_r
+    at_first_step = decide(host, lean, [_killed(0, 0, lean)], Settings())
+    assert isinstance(at_first_step, Restart) and at_first_step.rung == "halve_lora_rank"
+    forward = _Failure(FailureKind.HOST_OOM, Stage.FORWARD)
+    walked = decide(forward, BASE, [_killed(0, 0, stage=Stage.FORWARD)], Settings())
+    assert isinstance(walked, Restart) and walked.rung == "gradient_checkpointing"
+    own = Settings(overrides={FailureKind.HOST_OOM: ("halve_lora_rank",)})
+    as_written = decide(host, lean, [_killed(8, 5, lean), _killed(8, 3, lean)], own)
+    assert isinstance(as_written, Restart) and as_written.rung == "halve_lora_rank"

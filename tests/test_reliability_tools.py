@@ -24,10 +24,16 @@ from qlora_supervise.supervisor.record.journal import read_attempts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _child import capped_job
+from run_scripted import scripted_seams
+from test_loop import _job as loop_job
 
 
 def _run(job: Path) -> int:
     return run_job(str(job), plain=True, console=io.StringIO(), install_signals=False)
+
+
+def _run_scripted(job: Path) -> int:
+    return run_job(str(job), plain=True, seams=scripted_seams(), console=io.StringIO(), install_signals=False)
 
 
 def _events(run: Path, name: str) -> list[dict[str, Any]]:
@@ -73,3 +79,43 @@ def test_an_extended_run_trains_its_first_new_step_on_the_new_schedule_not_at_lr
     logged = {e["step"]: e["learning_rate"] for e in state["log_history"] if "learning_rate" in e}
     assert logged[3] == pytest.approx(_cosine(2, 4, base), rel=1e-6)
     assert logged[4] == pytest.approx(_cosine(3, 4, base), rel=1e-6)
+
+
+# -- item 7: a host OOM kill after progress is not "in a row" ---------------------------------
+
+
+def test_two_host_oom_kills_with_five_good_steps_between_them_keep_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed by the kernel at step 4, then at step 9 after 5 good steps past the first kill: both
+    retried unchanged (no rung, the rank kept), and the run finishes; a kill at the same step
+    again is the config's own peak and walks the ladder's first throughput rung."""
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+    monkeypatch.setenv("QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS", str(events))
+    monkeypatch.setenv("SCRIPTED_CHILD_OOM_EVENTS", str(events))
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    assert _run_scripted(loop_job(apart, {"1": "sigkill@4", "2": "sigkill@9"}, train={"save_steps": 2})) == 0
+    records, _ = read_attempts(apart / "run" / "attempts.jsonl")
+    assert [(r.outcome, r.steps_completed) for r in records] == [
+        ("failed", 3),
+        ("failed", 8),
+        ("succeeded", 10),
+    ]
+    assert all(r.failure is not None and r.failure.kind == "host_oom" for r in records[:2])
+    assert [r.decision.rung if r.decision else None for r in records[:2]] == ["retry_unchanged"] * 2
+    assert records[0].knobs == records[1].knobs == records[2].knobs
+    same_step = tmp_path / "same"
+    same_step.mkdir()
+    events.write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+    assert (
+        _run_scripted(loop_job(same_step, {"1": "sigkill@4", "2": "sigkill@4"}, train={"save_steps": 2})) == 0
+    )
+    records, _ = read_attempts(same_step / "run" / "attempts.jsonl")
+    assert [r.decision.rung if r.decision else None for r in records] == [
+        "retry_unchanged",
+        "gradient_checkpointing",
+        None,
+    ]
+    assert records[2].knobs.lora_r == records[0].knobs.lora_r

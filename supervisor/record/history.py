@@ -22,6 +22,7 @@ def policy_history(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]
             r.steps_progressed,
             r.peak.bytes if r.peak else None,
             r.failure.stage if r.failure else None,
+            r.steps_completed,
         )
         for r in records
     ]
