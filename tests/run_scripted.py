@@ -52,7 +52,25 @@ def scripted_seams() -> Seams:
     return seams
 
 
+def cli_main(argv: list[str]) -> int:
+    """``qlora-supervise ARGV`` as the installed command runs it (its exit codes, its handling of
+    a closed stdout), with ``run``'s child the scripted one."""
+    from qlora_supervise.supervisor.commands import cli
+    from qlora_supervise.supervisor.commands import run as run_command
+
+    real = run_command.run_job
+
+    def scripted_run_job(*args: object, **kwargs: object) -> int:
+        kwargs.setdefault("seams", scripted_seams())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    run_command.run_job = scripted_run_job  # type: ignore[assignment]
+    return cli.main(argv)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--cli":  # python run_scripted.py --cli run job.yaml --plain
+        sys.exit(cli_main(sys.argv[2:]))
     try:
         sys.exit(run_job(sys.argv[1], plain=True, seams=scripted_seams()))
     except SupervisorExit as stop:

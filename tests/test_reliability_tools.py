@@ -11,7 +11,11 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +123,44 @@ def test_two_host_oom_kills_with_five_good_steps_between_them_keep_the_config(
         None,
     ]
     assert records[2].knobs.lora_r == records[0].knobs.lora_r
+
+
+# -- item 10: the console is a best-effort output ----------------------------------------------
+
+_SCRIPTED = Path(__file__).with_name("run_scripted.py")
+
+
+@pytest.mark.parametrize("piped", ["stdout", "stdout and stderr"])
+def test_ctrl_c_under_tee_exits_130_and_journals_the_stop(tmp_path: Path, piped: str) -> None:
+    """``run job.yaml | tee log`` and Ctrl-C (SIGINT to the whole process group, so tee dies
+    first): exit 130 (not 141), the stop journaled, the state stopped."""
+    job = loop_job(tmp_path, {"default": "slow"}, train={"max_steps": 40})
+    redirect = "2>&1" if piped == "stdout and stderr" else "2>/dev/null"
+    command = (
+        f"{sys.executable} {_SCRIPTED} --cli run {job} --plain {redirect} | tee {tmp_path / 'log'}; "
+        f"echo ${{PIPESTATUS[0]}} > {tmp_path / 'status'}"
+    )
+    shell = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=tmp_path,
+        start_new_session=True,  # its own process group: the terminal's Ctrl-C goes to all of it
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    child_events = tmp_path / "run" / "attempt-001" / "child-events.jsonl"
+    deadline = time.monotonic() + 120
+    while not (child_events.is_file() and '"heartbeat"' in child_events.read_text()):
+        assert time.monotonic() < deadline and shell.poll() is None, "the child never trained a step"
+        time.sleep(0.2)
+    os.killpg(shell.pid, signal.SIGINT)
+    shell.wait(timeout=120)
+    assert (tmp_path / "status").read_text().strip() == "130"
+    run = tmp_path / "run"
+    records, _ = read_attempts(run / "attempts.jsonl")
+    assert [r.outcome for r in records] == ["stopped"] and records[0].next_resume_from is not None
+    assert json.loads((run / "state.json").read_text())["run_state"] == "stopped"
+    # The console's loss is logged once when a log line met it (stderr in the pipe); stdout's
+    # summary comes after the last event, so only its exit status shows it there.
+    lost = [e for e in _events(run, "output_failed") if e["output"] == "console"]
+    assert len(lost) == (1 if piped == "stdout and stderr" else 0), lost
+    assert all("Broken pipe" in e["problem"] for e in lost)

@@ -43,8 +43,15 @@ from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lif
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.console_stream import ConsoleStream, best_effort
 from qlora_supervise.supervisor.reporting.hooks import EventHook
-from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, ON_EVENT, SYSTEMD, BestEffort
+from qlora_supervise.supervisor.reporting.outputs import (
+    CONSOLE,
+    METRICS_TEXTFILE,
+    ON_EVENT,
+    SYSTEMD,
+    BestEffort,
+)
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems
@@ -77,13 +84,14 @@ def run_job(
     # Long because the start of a run is a sequence whose order matters (lock, reconcile the job,
     # open the log, lift a verdict, then the loop); each step is one call below.
     job = _load(job_path)
+    console, console_stream = best_effort(console)  # a closed pipe costs the console, not the run
     # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
     # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
     os.umask(RUN_UMASK)
     run_dir = RunDir(job.output_dir)
     lock = _at_start(run_dir, run_dir.lock)
     try:
-        reporter, listeners = _reporting(job, console, plain)
+        reporter, listeners = _reporting(job, console, plain, console_stream)
         submitted = _at_start(run_dir, lambda: reconcile(run_dir, job, restart))
         log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console, listeners))
         reporter.bind(log)
@@ -107,20 +115,25 @@ def run_job(
     finally:
         lock.close()
     if print_summary_at_end:
-        print_summary(run_dir, summary or sys.stdout)
+        print_summary(run_dir, summary or best_effort(sys.stdout)[0])
     return code
 
 
-def _reporting(job: Job, console: TextIO, plain: bool) -> tuple[Reporter, list[Listener]]:
+def _reporting(
+    job: Job, console: TextIO, plain: bool, console_stream: ConsoleStream
+) -> tuple[Reporter, list[Listener]]:
     """The reporter the loop ticks and the listeners the event log feeds, from the job's settings.
 
     Every listener is an optional output, run through the reporter's ``BestEffort``: none can
-    raise into a log call of the loop.
+    raise into a log call of the loop. The console's listener logs the console's loss once.
     """
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
     outputs = BestEffort()
     service = ServiceStatus(job.supervise.max_attempts, budget)
-    listeners: list[Listener] = [outputs.listener(SYSTEMD, service.on_event)]
+    listeners: list[Listener] = [
+        outputs.listener(SYSTEMD, service.on_event),
+        outputs.listener(CONSOLE, lambda _event: console_stream.check()),
+    ]
     metrics = None
     if job.supervise.metrics_textfile is not None:
         from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile  # only when asked

@@ -1,4 +1,4 @@
-"""Optional outputs are best-effort: the metrics textfile, the ``on_event`` hook, sd_notify.
+"""Optional outputs are best-effort: the metrics textfile, the ``on_event`` hook, sd_notify, the console.
 
 None of them is the run. A textfile on a full or read-only file system, a hook that crashes, a
 notify socket that went away: each must never stop training, never raise into the loop (where
@@ -30,12 +30,15 @@ from qlora_supervise.supervisor.record.events import Event
 METRICS_TEXTFILE = "supervise.metrics_textfile"
 ON_EVENT = "supervise.on_event"
 SYSTEMD = "systemd notify"
+CONSOLE = "console"  # stderr's log lines and progress, stdout's summary (console_stream.py)
 #: What a person does about each output's failure; the run goes on either way.
 FIXES = {
     METRICS_TEXTFILE: "the run goes on without metrics; free space or make the textfile's directory "
     "writable (or remove supervise.metrics_textfile)",
     ON_EVENT: "the run goes on; fix supervise.on_event (try it with a JSON line on stdin)",
     SYSTEMD: "the run goes on; systemctl status may show an old line until the socket answers again",
+    CONSOLE: "the run goes on without console lines (its reader or terminal went away); events.jsonl "
+    "has every event and `qlora-supervise status RUN_DIR` the state",
 }
 #: A failing output is logged again at most this often (with the count of unlogged failures).
 RELOG_EVERY_S = 600.0
