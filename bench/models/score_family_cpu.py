@@ -1,6 +1,6 @@
-"""The memory model's per-family terms against the CPU counts of bench/family_memory_cpu.py.
+"""The memory model's per-family terms against the CPU counts of bench/models/family_memory_cpu.py.
 
-    python bench/score_family_cpu.py [bench/results/family-memory-cpu-2026-12-02/family-memory.json]
+    python -m bench.models.score_family_cpu [bench/results/family-memory-cpu-2026-12-02/family-memory.json]
 
 For every recorded point it compares what the model says one steady-state decoder block keeps
 per token (``gpu.layer_activation_bytes``, layer 1 of the two built: layer 0's input needs no
@@ -13,6 +13,7 @@ bytes of index tensors stay in the CPU count: the model leaves them out. Prints 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -24,7 +25,9 @@ from qlora_supervise.policies.memory.block_terms import attention_bytes
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-DEFAULT = Path(__file__).resolve().parent / "results" / "family-memory-cpu-2026-12-02" / "family-memory.json"
+DEFAULT = (
+    Path(__file__).resolve().parents[1] / "results" / "family-memory-cpu-2026-12-02" / "family-memory.json"
+)
 STEADY_LAYER = "layer.1"
 
 
@@ -66,7 +69,9 @@ def resident(shape: ModelShape, build: dict[str, Any]) -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[0]) if argv else DEFAULT
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("counts", type=Path, nargs="?", default=DEFAULT, help="family-memory.json")
+    path = parser.parse_args(argv).counts
     report = json.loads(path.read_text(encoding="utf-8"))
     rows, errors = [], []
     for key, family in report["families"].items():

@@ -1,9 +1,9 @@
 """Re-score a recorded memory grid with the CURRENT memory model; no GPU needed.
 
-    python bench/score_memory_grid.py bench/results/memory-grid-h200-2026-12-01/memory-grid.json
-    python bench/score_memory_grid.py RESULTS.json --components     # each point's terms too
+    python -m bench.models.score_memory_grid bench/results/memory-grid-h200-2026-12-01/memory-grid.json
+    python -m bench.models.score_memory_grid RESULTS.json --components     # each point's terms too
 
-bench/memory_grid.py stores, for every config it ran, the measured peaks
+bench/models/memory_grid.py stores, for every config it ran, the measured peaks
 (``torch.cuda.max_memory_allocated`` / ``_reserved``) and the prediction of the model as it was
 then. This script reads the shapes from the same bench script (``SHAPES``), predicts every
 recorded point again with the model in this checkout, and prints measured against the new
@@ -22,12 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from memory_grid import SHAPES, Config  # the bench folder is not a package
-
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory import gpu
+
+from .memory_grid import SHAPES, Config
 
 GiB = 1 << 30
 MEDIAN_TARGET, WORST_TARGET = 0.05, 0.15
@@ -99,7 +97,7 @@ def rows(points: list[dict[str, Any]], components: bool) -> tuple[list[str], lis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="memory-grid.json written by bench/memory_grid.py")
+    parser.add_argument("results", type=Path, help="memory-grid.json written by bench/models/memory_grid.py")
     parser.add_argument("--components", action="store_true", help="print each prediction's components")
     parser.add_argument(
         "--attention", action="append", default=[], metavar="MODEL_TYPE=IMPL",

@@ -13,7 +13,7 @@
 # Each venv's own site-packages comes first; a .pth line then adds the image's site-packages
 # after it (processed as a site dir, so its own .pth files still run). PYTHONPATH is left unset:
 # it would come before both and put one side's versions in the other's process.
-# Usage (from the project root, .whl carried):  bash bench/device_tool_venvs.sh
+# Usage (from the project root, .whl carried):  bash bench/trainers/device_tool_venvs.sh
 set -euo pipefail
 shopt -s nullglob
 image_site=$(python3 -c "import site; print(site.getsitepackages()[0])")

@@ -1,14 +1,15 @@
 """Seconds per QLoRA micro-step on one GPU, alone on the card: the sweep a throughput model is fitted on.
 
-    python bench/throughput_sweep.py --out OUT [--work /tmp/throughput] [--deadline-s 520]
-    python bench/throughput_sweep.py --out /tmp/ts --tiny        # the same logic on the CPU, tiny shapes
+    python -m bench.models.throughput_sweep --out OUT [--work /tmp/throughput] [--deadline-s 520]
+    python -m bench.models.throughput_sweep --out /tmp/ts --tiny  # the same logic on the CPU, tiny shapes
 
 The device command of the 2026-12-01 run (issue 19; ``run`` with carry [".whl"]); that run had
 all shapes in one process, which ``--in-process`` reproduces:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    python3 bench/throughput_sweep.py --in-process --out $OUT --deadline-s 490 > $OUT/console.log 2>&1; \
+    python3 -m bench.models.throughput_sweep --in-process --out $OUT --deadline-s 490 \
+      > $OUT/console.log 2>&1; \
     cat $OUT/table.txt
 
 In one process each model left its fp32 LM head allocated after it was deleted, so the later
@@ -47,8 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _qlora_bench as qb
+from .._launch import module_argv
+from . import _qlora_bench as qb
 
 R = 16
 PAGED = "paged_adamw_8bit"
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep_shape(name, pick(name, args.tiny), args.work, args.tiny, journal, deadline)
             continue
         # A process per shape: nothing the last model left allocated is in this one's numbers.
-        argv_child = [sys.executable, __file__, "--out", str(args.out), "--work", str(args.work)]
+        argv_child = [*module_argv(__spec__), "--out", str(args.out), "--work", str(args.work)]
         argv_child += ["--set", args.set, "--_shape", name, "--_deadline", str(deadline)]
         subprocess.run([*argv_child, *(["--tiny"] if args.tiny else [])], check=False)
     results = [r for r in qb.read_jsonl(path) if r.get("kind") == "config"]

@@ -1,9 +1,9 @@
 """Fit the throughput model (policies/throughput.py) to measured steps, and write its coefficients.
 
-    python bench/fit_throughput.py [bench/results/throughput-h200-2026-12-01] [--write]
-    python bench/fit_throughput.py --provisional --write     # the issue's numbers, until the sweep lands
+    python -m bench.models.fit_throughput [bench/results/throughput-h200-2026-12-01] [--write]
+    python -m bench.models.fit_throughput --provisional --write  # the issue's numbers, until the sweep lands
 
-Reads every ``sweep.jsonl`` under the given directories (``bench/throughput_sweep.py`` writes one
+Reads every ``sweep.jsonl`` under the given directories (``bench/models/throughput_sweep.py`` writes one
 record per shape and per config), fits by least squares:
 
 1. per optimizer kind, seconds per adapter parameter of the optimizer step (``optimizer_s``,
@@ -41,7 +41,7 @@ from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIT_MODULE = ROOT / "policies" / "throughput_fit.py"
 DEFAULT_SWEEP = ROOT / "bench" / "results" / "throughput-h200-2026-12-01"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -219,7 +219,7 @@ def fit(points: list[Point], head: float = 1.0) -> throughput.Coefficients:
 
 def head_factors(c: throughput.Coefficients, directories: Iterable[Path]) -> list[tuple[str, float]]:
     """The per-token part's factor with the bf16 head, per measurement: the issue's point
-    (:data:`HEAD_POINT`) and every upcast/bf16 pair of a ``parity.jsonl`` (bench/head_parity.py)."""
+    (:data:`HEAD_POINT`) and every upcast/bf16 pair of a ``parity.jsonl`` (bench/models/head_parity.py)."""
     knobs, upcast, bf16 = HEAD_POINT
     pairs = [("issue 19 (8B 128k, micro 1, ckpt)", knobs, upcast, bf16)]
     for directory in directories:
@@ -275,7 +275,8 @@ def render_module(
     recompute = result.token_s["ckpt"] / result.token_s["no_ckpt"] - 1 if result.token_s["no_ckpt"] else 0.0
     about = [
         ("PROVISIONAL: c" if provisional else "C")
-        + "oefficients of the throughput model (policies/throughput.py), written by bench/fit_throughput.py.",
+        + "oefficients of the throughput model (policies/throughput.py), written by "
+        + "bench/models/fit_throughput.py.",
         f"Fitted {datetime.date.today().isoformat()} on {len(points)} configs from: {'; '.join(sources)}.",
         f"Error of tokens/s on those configs: median {100 * float(np.median(errors)):.1f} %, "
         f"worst {100 * max(errors):.1f} %.",
@@ -286,7 +287,7 @@ def render_module(
     if picked.startswith("share of the fastest"):
         about.append(
             f"Choosing among the configs measured to fit a cap of {', '.join(map(str, CHOICE_CAPS))} GiB, "
-            f"the model's pick has this {picked} (bench/fit_throughput.py prints the table)."
+            f"the model's pick has this {picked} (bench/models/fit_throughput.py prints the table)."
         )
     if not any(result.fixed_s_per_byte.values()):
         about.append(
@@ -295,7 +296,9 @@ def render_module(
         )
     if provisional:
         about.append(PROVISIONAL_NOTE)
-    about.append("Do not edit by hand: run ``python bench/fit_throughput.py --write`` on the sweep instead.")
+    about.append(
+        "Do not edit by hand: run ``python -m bench.models.fit_throughput --write`` on the sweep instead."
+    )
     docstring = "\n\n".join(textwrap.fill(paragraph, 100, break_on_hyphens=False) for paragraph in about)
     return f'''"""{docstring}
 """

@@ -1,6 +1,6 @@
 """Score the failure classifier on a labelled corpus, and the message parser on formats.jsonl.
 
-    python bench/classify_corpus.py [DEV_JSONL] [--formats FORMATS_JSONL] [--show-misses]
+    python -m bench.diagnosis.classify_corpus [DEV_JSONL] [--formats FORMATS_JSONL] [--show-misses]
 
 Defaults: ``../shared/corpus/dev.jsonl`` and ``formats.jsonl`` next to it (relative to the
 repository root). Prints a confusion table (rows: label, columns: predicted kind), per-kind
@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.diagnosis.classify import classify_text
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.oom_message import parse_messages, parse_numbers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DEV = ROOT.parent / "shared" / "corpus" / "dev.jsonl"
 
 # Corpus stage -> the classifier's stages that count as right.

@@ -1,7 +1,7 @@
 """The supervisor's OOM ladder on a real GPU: a Llama-2-7B-shaped QLoRA job on an emulated small card.
 
-    python bench/gpu_ladder.py --out OUT [--caps 8GiB 16GiB] [--deadline-s 540]
-    python bench/gpu_ladder.py --out /tmp/b --tiny          # the same logic on the CPU, tiny model
+    python -m bench.scenarios.gpu_ladder --out OUT [--caps 8GiB 16GiB] [--deadline-s 540]
+    python -m bench.scenarios.gpu_ladder --out /tmp/b --tiny          # the same logic on the CPU, tiny model
 
 What it does, per scenario (one ``gpu_memory_limit`` cap each):
 
@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .._launch import module_argv
 
 LLAMA2_7B = {
     "hidden_size": 4096,
@@ -391,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         done = subprocess.run(
             [
-                sys.executable,
-                __file__,
+                *module_argv(__spec__),
                 "--_build",
                 "--work",
                 str(args.work),

@@ -1,9 +1,9 @@
 """The memory model against real QLoRA steps: peak allocated, predicted vs measured, and rung costs.
 
-    python bench/memory_grid.py --out OUT [--work /tmp/memory_grid] [--parallel 5] [--deadline-s 500]
-    python bench/memory_grid.py --out OUT --set rungs        # tokens/s of each rung, one at a time
-    python bench/memory_grid.py --out /tmp/g --tiny           # the same pipeline on the CPU, tiny shapes
-    python bench/memory_grid.py --out OUT --set families     # issue 20's families (--tiny: on the CPU)
+    python -m bench.models.memory_grid --out OUT [--work /tmp/memory_grid] [--parallel 5] [--deadline-s 500]
+    python -m bench.models.memory_grid --out OUT --set rungs        # tokens/s of each rung, one at a time
+    python -m bench.models.memory_grid --out /tmp/g --tiny  # the same pipeline on the CPU, tiny shapes
+    python -m bench.models.memory_grid --out OUT --set families     # issue 20's families (--tiny: on the CPU)
 
 What it does:
 
@@ -41,14 +41,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_ladder import long_rows
+from .._launch import module_argv
+from ..scenarios.gpu_ladder import long_rows
 
 if TYPE_CHECKING:
     from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -321,7 +321,7 @@ def build_all(names: list[str], work: Path, tiny: bool, max_seq: int) -> dict[st
     for name in names:
         if (work / name / "model" / "config.json").is_file():
             continue
-        argv = [sys.executable, __file__, "--_build", name, "--work", str(work), "--out", str(work)]
+        argv = [*module_argv(__spec__), "--_build", name, "--work", str(work), "--out", str(work)]
         argv += ["--max-seq", str(max_seq), *(["--tiny"] if tiny else [])]
         procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     info: dict[str, Any] = {}
@@ -486,7 +486,7 @@ def launch(config: Config, work: Path, index: int, tiny: bool) -> tuple[Path, su
     run.mkdir(parents=True)
     spec = write_spec(config, work, run, tiny)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="2")
-    argv = [sys.executable, __file__, "--_child", str(spec), "--out", str(run)]
+    argv = [*module_argv(__spec__), "--_child", str(spec), "--out", str(run)]
     with (run / "child.log").open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     return run, proc

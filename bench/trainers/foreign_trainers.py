@@ -1,9 +1,9 @@
 """A foreign trainer's config that does not fit a capped card: our supervisor vs the tool's own
 ``auto_find_batch_size``, for ``trl sft``, axolotl and LLaMA-Factory.
 
-    python bench/foreign_trainers.py --out OUT [--tool trl-sft|axolotl|llamafactory] [--python PY]
+    python -m bench.trainers.foreign_trainers --out OUT [--tool trl-sft|axolotl|llamafactory] [--python PY]
                                      [--cap 12GiB] [--steps 6] [--deadline-s 480]
-    python bench/foreign_trainers.py --out /tmp/ft --tiny     # the same on the CPU, tiny model
+    python -m bench.trainers.foreign_trainers --out /tmp/ft --tiny     # the same on the CPU, tiny model
 
 One user config as a user writes it for the tool (micro-batch 8 x accumulation 2 at seq 1024, no
 gradient checkpointing, paged AdamW 8-bit, r 8 on q/k/v/o, in the tool's own keys) is run twice on
@@ -18,7 +18,7 @@ the same model, under the same memory cap, both with the tool venv's interpreter
   tries) and per optimizer step.
 
 On the GPU the model is the Llama-2-7B shape with random bf16 weights, built in this command by
-``bench/memory_grid.py``'s ``build_all`` (its data rows are all longer than the sequence), and
+``bench/models/memory_grid.py``'s ``build_all`` (its data rows are all longer than the sequence), and
 both runs share the card at once (each is capped per process). ``--tiny`` uses the repository's
 tiny model on the CPU (micro-batch 16 at seq 256 does not fit the cap there, 8 does), one run
 after the other. Writes ``OUT/results.json`` and ``OUT/table.txt`` (printed last): attempts,
@@ -29,15 +29,17 @@ and all, stay under ``--work``). Not a test.
 On the GPU machine, from the project root (``.whl`` carried, with ``.whl/axolotl/`` or
 ``.whl/llamafactory/`` for a tool), in one command of under 9 minutes::
 
-    bash bench/device_tool_venvs.sh > $OUT/setup.log 2>&1; \
-    /tmp/supenv/bin/python bench/foreign_trainers.py --out $OUT --tool axolotl \
+    bash bench/trainers/device_tool_venvs.sh > $OUT/setup.log 2>&1; \
+    /tmp/supenv/bin/python -m bench.trainers.foreign_trainers --out $OUT --tool axolotl \
       --python /tmp/axenv/bin/python --cap 12GiB --deadline-s 420 > $OUT/console.log 2>&1; \
     echo rc=$?; cat $OUT/table.txt
 
 (``trl-sft`` runs in ``/tmp/supenv`` itself: ``--python /tmp/supenv/bin/python``.)
 
-The working tree's code is used even where an older qlora_supervise wheel is installed: a
-symlinked ``qlora_supervise`` namespace is put first on the path (as ``.ci/typecheck`` does).
+Both runs use the working tree's code even where an older qlora_supervise wheel is installed: a
+symlinked ``qlora_supervise`` namespace is put first on their ``PYTHONPATH`` (as ``.ci/typecheck``
+does); this process itself imports the installed one (``pip install -e .``, or the ``.whl`` in
+``/tmp/supenv``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from .._launch import env_with_root, module_argv
+
+ROOT = Path(__file__).resolve().parents[2]
 GiB, MiB = 1 << 30, 1 << 20
 TRY, STEP = "BENCH_TRY", "BENCH_STEP"
 
@@ -98,8 +102,7 @@ def build(work: Path, tiny: bool, seq: int) -> tuple[Path, Path]:
             subprocess.run(argv, check=True, env=child_env(), capture_output=True)
         rows_file = base / "data.jsonl"
     else:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from memory_grid import build_all  # the GPU benches' one builder of random-weight shapes
+        from ..models.memory_grid import build_all  # the GPU benches' one builder of random-weight shapes
 
         info = build_all(["7b-32k"], work, False, seq)
         print("build:", json.dumps(info), flush=True)
@@ -275,11 +278,11 @@ def start_auto(
     out.mkdir(parents=True, exist_ok=True)
     name = "auto-" + CONFIG_NAME[tool]
     (out / name).write_text(yaml.safe_dump({**config, "auto_find_batch_size": True}, sort_keys=False))
-    argv = [python, __file__, "--_auto", str(out / name), "--_cap", str(cap), "--tool", tool]
+    argv = [*module_argv(__spec__, python), "--_auto", str(out / name), "--_cap", str(cap), "--tool", tool]
     argv += ["--tiny"] if tiny else []
     log = (out / "tool.log").open("wb")
     # The same allocator setting our child gets (expandable segments on), so only the policy differs.
-    env = child_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    env = env_with_root(child_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))  # cwd is OUT
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out), out / "tool.log"
 
 
@@ -458,8 +461,7 @@ def main() -> int:
     p.add_argument("--_auto", help=argparse.SUPPRESS)
     p.add_argument("--_cap", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args._auto:
-        sys.path.insert(0, source_path())
+    if args._auto:  # its PYTHONPATH starts with source_path() (child_env)
         auto_child(args.tool, args._auto, int(args._cap), args.tiny)
         return 0
     if args.out is None:
@@ -467,7 +469,6 @@ def main() -> int:
     start = time.monotonic()
     deadline = start + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, source_path())
     os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]  # the builder's subprocesses too
     from qlora_supervise.supervisor.jobfile.units import parse_bytes
 

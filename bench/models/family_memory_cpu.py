@@ -1,6 +1,6 @@
 """What each model family keeps resident and saves for backward in the child's QLoRA forward (CPU).
 
-    python bench/family_memory_cpu.py [--families llama gemma2 ...] [--out DIR] [--threads 2]
+    python -m bench.models.family_memory_cpu [--families llama gemma2 ...] [--out DIR] [--threads 2]
 
 For each family a random-weight model with the real block widths of a released model, two decoder
 layers and (where the real one would make the CPU run slow) a 32768-token vocabulary, is saved in
@@ -43,6 +43,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .._launch import module_argv
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU bench, even on a machine with a GPU
@@ -50,7 +52,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU bench, even on a machine with a
 # torch after the environment above, which the libraries read at import
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "family-memory-cpu-2026-12-02"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "family-memory-cpu-2026-12-02"
 #: Smaller than every real vocabulary of these families but Phi-3's (kept at its real 32064):
 #: the head's saved bytes do not depend on it; its resident bytes scale with it (JSON records both).
 VOCAB = 32768
@@ -660,7 +662,7 @@ def measure_family(key: str, threads: int) -> dict[str, Any]:
     machine's 23 GiB over seven families)."""
     with tempfile.TemporaryDirectory(prefix=f"family-{key}-") as root:
         out = Path(root) / "family.json"
-        command = [sys.executable, __file__, "--one", key, "--to", str(out), "--threads", str(threads)]
+        command = [*module_argv(__spec__), "--one", key, "--to", str(out), "--threads", str(threads)]
         subprocess.run(command, check=True)
         family: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
         return family

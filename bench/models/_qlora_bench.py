@@ -10,7 +10,7 @@ max_grad_norm 0.3, learning rate 2e-4, seed 42 (the TrainSpec defaults of 2026-1
 Run as a script only to build one random-weight model (``throughput_sweep.py`` and
 ``head_parity.py`` start it in a subprocess, so the measuring process never held the bf16 model):
 
-    python bench/_qlora_bench.py --build 8b-128k --dest /tmp/qb/8b-128k [--device cpu --tiny]
+    python -m bench.models._qlora_bench --build 8b-128k --dest /tmp/qb/8b-128k [--device cpu --tiny]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from .._launch import module_argv
 
 GiB = 1 << 30
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -123,7 +125,7 @@ def build_all(names: list[str], work: Path, tiny: bool) -> dict[str, Any]:
     for name in names:
         if (work / name / "config.json").is_file():
             continue
-        argv = [sys.executable, __file__, "--build", name, "--dest", str(work / name)]
+        argv = [*module_argv(__spec__), "--build", name, "--dest", str(work / name)]
         argv += ["--device", "cpu", "--tiny"] if tiny else ["--device", "cuda"]
         procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     info: dict[str, Any] = {}

@@ -1,8 +1,8 @@
 """Does the supervisor pick the fastest config that fits, and does it never dead-end? (issue 19)
 
-    python bench/fastest_fit.py --set share --out OUT [--work /tmp/memory_grid]   # H200, ~8 min
-    python bench/fastest_fit.py --set edges --out OUT [--work /tmp/memory_grid]   # H200, ~4 min
-    python bench/fastest_fit.py --set share --out /tmp/ff --tiny                   # the pipeline on the CPU
+    python -m bench.scenarios.fastest_fit --set share --out OUT [--work /tmp/memory_grid]   # H200, ~8 min
+    python -m bench.scenarios.fastest_fit --set edges --out OUT [--work /tmp/memory_grid]   # H200, ~4 min
+    python -m bench.scenarios.fastest_fit --set share --out /tmp/ff --tiny  # the pipeline on the CPU
 
 ``share``: jobs as a user writes them (micro-batch 4, no checkpointing, 32-bit AdamW, effective
 batch 16, seq 2048) on two shapes under two emulated caps each, run by the real
@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_ladder
-import memory_grid
+from ..models import memory_grid
+from . import gpu_ladder
 
-_SWEEP_DIR = Path(__file__).resolve().parent / "results" / "throughput-h200-2026-12-01"
+_SWEEP_DIR = Path(__file__).resolve().parents[1] / "results" / "throughput-h200-2026-12-01"
 #: The sweep and its repeat of micro 1-2 (noisy there: both readings are candidates, and the
 #: fastest is measured again here in the same harness as the chosen config).
 SWEEPS = (_SWEEP_DIR / "sweep.jsonl", _SWEEP_DIR / "sweep-repeat.jsonl")

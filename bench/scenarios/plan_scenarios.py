@@ -1,13 +1,14 @@
 """Does the pre-flight start from a config that fits? Over-ambitious QLoRA jobs on capped H200 memory.
 
-    python bench/plan_scenarios.py --out OUT [--work /tmp/memory_grid] [--parallel 3] [--deadline-s 480]
-    python bench/plan_scenarios.py --out /tmp/s --tiny        # the same pipeline on the CPU (tiny model)
-    python bench/plan_scenarios.py --out OUT --set families   # issue 20: two jobs per model family
+    python -m bench.scenarios.plan_scenarios --out OUT [--work /tmp/memory_grid] [--parallel 3]
+        [--deadline-s 480]
+    python -m bench.scenarios.plan_scenarios --out /tmp/s --tiny  # the same pipeline on the CPU (tiny model)
+    python -m bench.scenarios.plan_scenarios --out OUT --set families   # issue 20: two jobs per model family
 
 Each scenario is a job file as a user would write it (no checkpointing, a large micro-batch,
 32-bit AdamW or long context) on an emulated smaller card (``gpu_memory_limit``), run by the real
 ``qlora-supervise run`` (pre-flight on) with a wall-clock limit. Models are the random-weight
-shapes of ``bench/memory_grid.py`` (built there once, reused from ``--work``). Per scenario it
+shapes of ``bench/models/memory_grid.py`` (built there once, reused from ``--work``). Per scenario it
 reports the attempts, OOMs, the config attempt 1 started from and why (the journal's plan), the
 rungs taken after a failure, whether any quality knob (seq_len, rank, model) changed, steps
 lost, the effective batch, and the final tokens/s. The summary line gives the issue's targets:
@@ -30,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_ladder
-import memory_grid
+from ..models import memory_grid
+from . import gpu_ladder
 
 QUALITY = ("max_seq_len", "lora_r", "model")
 

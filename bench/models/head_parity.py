@@ -1,7 +1,7 @@
 """bf16 embeddings and LM head against the usual fp32 upcast: loss parity, peak memory, tokens/s, a card cap.
 
-    python bench/head_parity.py --out OUT [--work /tmp/head_parity] [--steps 60] [--deadline-s 330]
-    python bench/head_parity.py --out /tmp/hp --tiny --steps 12     # the same logic on the CPU, tiny shape
+    python -m bench.models.head_parity --out OUT [--work /tmp/head_parity] [--steps 60] [--deadline-s 330]
+    python -m bench.models.head_parity --out /tmp/hp --tiny --steps 12  # the same on the CPU, tiny shape
 
 The device command of the 2026-12-01 run (issue 19; ``run`` with carry [".whl"]). That run had
 every run in one process, which ``--in-process`` reproduces; it was followed, in the same command,
@@ -9,9 +9,9 @@ by ``throughput_sweep.py --set repeat``:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    python3 bench/head_parity.py --in-process --out $OUT --work /tmp/qb --steps 60 --deadline-s 250 \
+    python3 -m bench.models.head_parity --in-process --out $OUT --work /tmp/qb --steps 60 --deadline-s 250 \
       > $OUT/parity-console.log 2>&1; \
-    python3 bench/throughput_sweep.py --out $OUT --work /tmp/qb --set repeat --deadline-s 190 \
+    python3 -m bench.models.throughput_sweep --out $OUT --work /tmp/qb --set repeat --deadline-s 190 \
       > $OUT/repeat-console.log 2>&1; cat $OUT/parity.txt $OUT/table-repeat.txt
 
 In one process, memory leaked from run to run (``start_allocated``; 2-3 GiB of the 8B's,
@@ -55,8 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _qlora_bench as qb
+from .._launch import module_argv
+from . import _qlora_bench as qb
 
 SHAPE = "8b-128k"
 R = 8
@@ -133,7 +133,7 @@ def run_in_child(name: str, head: str, steps: int, args: argparse.Namespace) -> 
     references held by a library) is in its numbers, and a cap applies from the load on, as it
     would to the trainer child."""
     cap = CAP if name.startswith("cap-") else None
-    argv = [sys.executable, __file__, "--out", str(args.out), "--work", str(args.work)]
+    argv = [*module_argv(__spec__), "--out", str(args.out), "--work", str(args.work)]
     argv += ["--_variant", name, head, str(steps), *(["--_cap", str(cap)] if cap else [])]
     argv += ["--tiny"] if args.tiny else []
     done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
