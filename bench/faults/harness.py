@@ -1,6 +1,6 @@
 """The fault bench's harness: a job in a temp dir, the supervisor process, what scenarios watch.
 
-See ``faults.py`` for the scenarios and the measures.
+See ``suite.py`` for the scenarios and the measures.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTED = ROOT / "tests" / "run_scripted.py"
 STEPS = 12
 REAL_STEPS = 6  # the real trainer on two CPU cores: a few seconds a step

@@ -1,6 +1,6 @@
 """The fault benchmark: the real supervisor under random faults, run after run, and what survived.
 
-    python bench/faults.py --runs 35 --seed 1 [--real 2] [--out bench/results/faults-DATE]
+    python -m bench.faults.suite --runs 35 --seed 1 [--real 2] [--out bench/results/faults-DATE]
 
 Each run supervises a fresh job and injects one scenario's faults at random moments:
 
@@ -57,12 +57,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from _fault_harness import REAL_STEPS, SAVE_STEPS, STEPS, Harness, Run, fill_disk, newest_complete  # noqa: E402
-from _fault_measure import measure  # noqa: E402 - the bench folder is not a package
+from qlora_supervise.supervisor.record.journal import read_attempts
 
-from qlora_supervise.supervisor.record.journal import read_attempts  # noqa: E402
+from .harness import REAL_STEPS, SAVE_STEPS, STEPS, Harness, Run, fill_disk, newest_complete
+from .measure import measure
 
 # -- the scenarios: each injects its faults and leaves the supervisor running or ended -------
 
