@@ -25,7 +25,9 @@ Each run supervises a fresh job and injects one scenario's faults at random mome
 * ``extend_finished`` - a finished run, ``max_steps`` raised, the same command (item 13): it trains on
   from its newest checkpoint (half the time with a child kill during the extension);
 * ``spare_sigstop`` (real trainer only) - the ready warm spare SIGSTOPped, then the child killed
-  (item 5): the stopped spare is discarded in seconds and the next attempt trains cold.
+  (item 5): the stopped spare is discarded in seconds and the next attempt trains cold;
+* issue 29's, of the tools (``tools.py``): ``tool_refusal``, ``host_kills_apart``, ``ctrl_c_tee``,
+  ``extend_schedule`` (real trainer only).
 
 After each fault that ended the supervisor, the *same command* is run again, as systemd would.
 The scripted child (``tests/scripted_child.py``, the real protocol without torch) keeps runs to
@@ -59,6 +61,7 @@ from pathlib import Path
 
 from qlora_supervise.supervisor.record.journal import read_attempts
 
+from . import tools
 from .harness import REAL_STEPS, SAVE_STEPS, STEPS, Harness, Run, fill_disk, newest_complete
 from .measure import measure
 
@@ -324,10 +327,10 @@ SCENARIOS: dict[str, Callable[[Harness, Run], None]] = {
         extend_finished,
         spare_sigstop,
     )
-}
+} | tools.SCENARIOS  # issue 29's, of the tools (tools.py)
 REAL_SCENARIOS = ("child_kill", "supervisor_kill", "sigterm", "spare_sigstop")
-#: Only with the real trainer: the scripted child never runs in a spare.
-REAL_ONLY = frozenset({"spare_sigstop"})
+#: Only with the real trainer: the scripted child never runs in a spare, nor has a learning rate.
+REAL_ONLY = frozenset({"spare_sigstop"}) | tools.REAL_ONLY
 #: The steps a finished run of each scenario trains (the job's max_steps at its end).
 EXTRA_STEPS = {"job_change": 4, "extend_finished": 4}
 
@@ -351,7 +354,7 @@ def one_run(name: str, seed: int, real: bool, tiny: Path | None, keep: Path | No
         h.start()
         SCENARIOS[name](h, run)
         run.wall_s = time.monotonic() - started
-        steps = REAL_STEPS if real else STEPS + EXTRA_STEPS.get(name, 0)
+        steps = REAL_STEPS + tools.EXTRA_REAL_STEPS.get(name, 0) if real else STEPS + EXTRA_STEPS.get(name, 0)
         measure(run, h.run_dir, h.stderr, h.damaged, steps, SAVE_STEPS)
         outside = h.written_outside()
         run.outside = len(outside)
@@ -392,6 +395,7 @@ def _set_up(name: str, h: Harness) -> None:
         h.env["QLORA_SUPERVISE_STATE_DIR"] = str(h.work / "state")
     elif name == "spare_sigstop":
         h.edit_supervise(warm_spare=True)
+    tools.set_up(name, h)
     h.rebase_outside()
 
 

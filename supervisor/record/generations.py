@@ -73,7 +73,7 @@ class FieldChange:
         """Applies on resume without mixing two trainings into one adapter."""
         if self.name in UNSAFE_FIELDS:
             return False
-        if self.name.startswith(TOOL_CONFIG_PREFIX):
+        if self.name == TOOL_CONFIG or self.name.startswith(TOOL_CONFIG_PREFIX):
             return self.untrained
         if self.name.startswith(SAFE_SECTIONS) or self.name in SAFE_FIELDS:
             return True
@@ -88,7 +88,7 @@ class FieldChange:
             how = "the new generation trains with it from step 0"
         else:
             how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
-            if self.safe and self.name.startswith(TOOL_CONFIG_PREFIX):
+            if self.safe and (self.name == TOOL_CONFIG or self.name.startswith(TOOL_CONFIG_PREFIX)):
                 how = "applies: no step was trained yet"
         return f"  {self.name}: {self.old!r} -> {self.new!r}  ({how})"
 
