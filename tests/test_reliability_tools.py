@@ -240,6 +240,27 @@ def test_a_model_file_that_does_not_load_is_a_config_error_tried_once(tiny_dir: 
     assert "download the model again" in failure.evidence
 
 
+def test_the_tools_own_keys_are_part_of_the_job_and_apply_while_nothing_was_trained() -> None:
+    """A trl config's keys the supervisor does not read are trainer.config.<key> in the job's view
+    (its mapped keys stay the job's fields); a change of one applies while the run trained no step
+    and needs --restart after; a view recorded before tool keys were kept shows no change for them."""
+    from qlora_supervise.supervisor.record.generations import FieldChange, diff
+    from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
+    from qlora_supervise.supervisor.trainers.tables import TrainerKind
+
+    config = {"model_name_or_path": "/m", "per_device_train_batch_size": 4, "max_steps": 3, "use_cpu": True}
+    config["lora_target_modules"] = ["q_proj"]
+    unread = ForeignTrainer(TrainerKind.TRL_SFT, config, Path("sft.yaml")).unread_keys()
+    assert unread == {"use_cpu": True}
+    assert FieldChange("trainer.config.use_cpu", None, True, untrained=True).safe
+    assert not FieldChange("trainer.config.use_cpu", None, True).safe
+    assert not FieldChange("trainer.config.learning_rate", 1e-4, 2e-4).safe
+    old = {"lora.r": 8}
+    new = {"lora.r": 8, "trainer.config": "sft.yaml", "trainer.config.use_cpu": True}
+    assert diff(old, new) == []
+    assert [c.name for c in diff({**old, "trainer.config": "sft.yaml"}, new)] == ["trainer.config.use_cpu"]
+
+
 # -- item 8: an extended run continues its schedule as a run of the new length would ----------
 
 

@@ -437,13 +437,13 @@ def main() -> int:
         "--real", type=int, default=0, help="extra runs of the real trainer on the tiny model"
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--only", choices=sorted(SCENARIOS), help="run one scenario only")
+    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run these scenarios only")
     parser.add_argument(
         "--out", type=Path, help="write results.json, table.md and the misses' run directories here"
     )
     args = parser.parse_args()
-    names = [args.only] if args.only else [name for name in SCENARIOS if name not in REAL_ONLY]
-    real_names = [args.only] if args.only else list(REAL_SCENARIOS)
+    names = args.only or [name for name in SCENARIOS if name not in REAL_ONLY]
+    real_names = args.only or list(REAL_SCENARIOS)
     plan = [(names[i % len(names)], args.seed * 1000 + i, False) for i in range(args.runs if names else 0)]
     plan += [(real_names[i % len(real_names)], args.seed * 1000 + 500 + i, True) for i in range(args.real)]
     tiny = _make_tiny(Path(tempfile.mkdtemp(prefix="fault-tiny-"))) if args.real else None
