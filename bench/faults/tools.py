@@ -87,6 +87,7 @@ def tool_refusal(h: Harness, run: Run) -> None:
     job = _tool_job(tool, bad)
     env = {**h.env, "PYTHONPATH": str(tool / "site-packages")}
     first = _cli(h, env, "run", "--plain", str(job))
+    run.kills += 1  # the fault: a refusal, once
     records, _ = read_attempts(tool / "run" / "attempts.jsonl")
     failure = records[0].failure if len(records) == 1 else None
     if first.returncode != 4 or failure is None or failure.kind.value != "config_error":
