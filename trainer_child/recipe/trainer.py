@@ -208,13 +208,40 @@ class SupervisedTrainerMixin(_TrainerBase):
     # ---- loading the resume checkpoint ----------------------------------------------------
     # Trainer reads the adapter, optimizer, scheduler, scaler and RNG state of the checkpoint in
     # these methods; a failure there is the checkpoint's (truncated, corrupt), not the config's.
+    # Both run in the stage ``resume``: an OOM there is the resume's (its own ladder), not load's.
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        with _checkpoint_load(resume_from_checkpoint, "adapter"):
+        with self._resuming(), _checkpoint_load(resume_from_checkpoint, "adapter"):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        with _checkpoint_load(checkpoint, "optimizer/scheduler state"):
-            super()._load_optimizer_and_scheduler(checkpoint)
+        with self._resuming(), _checkpoint_load(checkpoint, "optimizer/scheduler state"):
+            if not self._load_state_through_host(checkpoint):
+                super()._load_optimizer_and_scheduler(checkpoint)
+
+    @contextlib.contextmanager
+    def _resuming(self) -> Iterator[None]:
+        before = self.progress.stage
+        self.progress.enter(Stage.RESUME)
+        yield  # an exception leaves the stage at resume, for the error report
+        self.progress.enter(before)
+
+    def _load_state_through_host(self, checkpoint: str | None) -> bool:
+        """The ``optimizer_state_on_host`` rung: read the optimizer state into host memory and let
+        ``load_state_dict`` copy it to the card tensor by tensor, where Trainer under torchrun
+        reads it onto the card whole. False: Trainer's own loader does it (knob off, no file, or
+        DeepSpeed/FSDP, whose loaders are their own)."""
+        if checkpoint is None or not self.plan.knobs.optimizer_state_on_host or self.optimizer is None:
+            return False
+        state_file = Path(checkpoint) / "optimizer.pt"
+        if not state_file.is_file() or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state)
+        del state
+        scheduler_file = Path(checkpoint) / "scheduler.pt"
+        if self.lr_scheduler is not None and scheduler_file.is_file():
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        return True
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         with _checkpoint_load(checkpoint, "grad scaler state"):
