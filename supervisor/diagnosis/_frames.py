@@ -1,25 +1,37 @@
 """Where a traceback was: frames out of any traceback layout, and the stage they name.
 
 Layouts read: CPython (``File "p", line N, in f`` + source line, with ``[rankN]:`` or log
-prefixes, lost indentation, hard wrapping), IPython (``p in f(...)`` + ``--> N source``) and
-rich (``│ p:N in f │`` + ``❱ N │ source``). When a text has no frame at all, its bare code
-lines stand in for frames (excerpts often keep only the line that failed).
+prefixes, lost indentation, hard wrapping), IPython 7 (``p in f(...)`` + ``--> N source``),
+IPython 8 (``File p:N, in Class.f(...)`` + ``--> N source``) and rich (``│ p:N in f │`` +
+``❱ N │ source``, the function wrapped onto the box's next line when the path is long). A
+qualified name (``Trainer._move_model_to_device``, ``Module.to.<locals>.convert``) is matched by
+its own last part, and by its class where the class says more (``SFTTrainer.__init__``).
+When a text has no frame at all, its bare code lines stand in for frames (excerpts often keep
+only the line that failed).
 
 The stage rule, :func:`stage_from_frames`:
 
 0. our own trainer child's failure line (``trainer child failed in <stage>:``) is the child's
    own word on its stage and wins over any frame (the same fact its error report carries);
 1. **merge** when any frame merges or exports a model (a merge script loading its adapter is
-   still merging); else **eval** when a frame evaluates, predicts or generates: both are
-   contexts that run forwards and loads of their own, so they win over any frame *inside*
-   them. An eval frame loses only to a training step deeper than it (``training_step``,
+   still merging); else **eval** when a frame evaluates, predicts or generates; else **resume**
+   when a frame loads a resume checkpoint's state (Trainer's ``_load_from_checkpoint`` and
+   ``_load_optimizer_and_scheduler``, accelerate's ``load_state``, DeepSpeed's checkpoint
+   loaders, an optimizer's or scheduler's ``load_state_dict``): all are contexts that run
+   forwards, loads or tensor copies of their own, so they win over any frame *inside* them.
+   An eval frame loses only to a training step deeper than it (``training_step``,
    ``_inner_training_loop``: a script's ``evaluate_and_train()`` that trains), while a
    generation inside ``training_step`` (GRPO / PPO rollouts) stays eval;
 2. otherwise the *deepest* frame that names a training stage (optimizer, backward, forward,
    load, setup) decides, because an outer frame only says who called: a forward inside
    ``optimizer.step(closure)`` is a forward OOM, a backward inside Lightning's
    ``optimizer_step`` a backward one. One exception: a forward *inside* backward is
-   gradient-checkpoint recomputation, which belongs to backward;
+   gradient-checkpoint recomputation, which belongs to backward. An optimizer step inside
+   backward stays optimizer: transformers' layer-wise optimizers step each parameter in
+   ``optimizer_hook``, which autograd calls during backward. Optimizer frames include the
+   step of packages whose files do not say "optim" (GaLore's ``adamw.py``, lion, sophia...)
+   and a low-rank projection's ``project`` / ``get_orthogonal_matrix`` (the SVD of the
+   gradient); a Trainer's ``__init__`` is load (it places the model on its device);
 3. autograd's own markers say backward where the frames say forward or nothing: anomaly mode
    prints the *forward* traceback of the op whose backward failed ("Traceback of forward call
    that caused the error", "Error detected in MmBackward0"), and C++ stacks of a failed
@@ -30,7 +42,7 @@ The stage rule, :func:`stage_from_frames`:
 
 Within one frame a merge/export script's file name comes first (it is the context), then the
 source line (the call in progress, the deeper fact), then the function name; stages are tried
-in the order merge, eval, optimizer, backward, forward, load, setup.
+in the order merge, eval, resume, optimizer, backward, forward, load, setup.
 """
 
 from __future__ import annotations
@@ -136,6 +148,8 @@ _MERGE_FILE = re.compile(r"(?:^|[/\\_])(?:merge|export)\w*\.py$", re.IGNORECASE)
 _SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
     (Stage.MERGE, r"merge_and_unload\(|save_pretrained_merged\(|push_to_hub_merged\(|_gguf\("),
     (Stage.EVAL, r"\.(?:evaluate\w*|generate|predict)\(|\bgenerate\("),
+    # an optimizer's, scheduler's or scaler's saved state loaded back: only a resume does that
+    (Stage.RESUME, r"\b\w*(?:optimizer|optim|scheduler|scaler)\w*\.load_state_dict\("),
     (Stage.OPTIMIZER, r"\b\w*(?:optimizer|optim|scaler)\w*\.step\(|optimizer_step\("),
     (Stage.OPTIMIZER, r"_configure_zero_optimizer\(|DeepSpeedZeroOptimizer\w*\("),
     (Stage.BACKWARD, r"\.backward\(|autograd\.grad\(|run_backward\("),
