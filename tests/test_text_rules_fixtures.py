@@ -27,7 +27,7 @@ MIB, GIB = 1024**2, 1024**3
 
 @pytest.mark.parametrize("case", CASES, ids=[case["id"] for case in CASES])
 def test_reconstructed_report_is_classified_by_its_stage(case: dict[str, Any]) -> None:
-    """Each reconstructed report gets the kind and stage its shape names, and only a spurious one is marked so."""
+    """Each reconstructed report gets its shape's kind and stage; only a spurious one is marked so."""
     assert case["source"] and case["kept"]  # every fixture cites the report it was rebuilt from
     found = classify_text(case["text"])
     assert (found.kind.value, found.stage.value) == (case["kind"], case["stage"]), found.evidence
@@ -35,7 +35,7 @@ def test_reconstructed_report_is_classified_by_its_stage(case: dict[str, Any]) -
 
 
 def test_ipython8_frames_are_read_with_their_qualified_names() -> None:
-    """IPython 8's ``File path:N, in Class.method(...)`` lines become frames with path, name and arrow line."""
+    """IPython 8's ``File path:N, in Class.method(...)`` lines become frames: path, name, arrow line."""
     text = next(case["text"] for case in CASES if case["id"] == "i33-ipython8-trainer-init")
     frames = parse_frames(text)
     names = [frame.function for frame in frames]
@@ -95,8 +95,10 @@ def test_a_model_load_state_dict_outside_a_resume_stays_load() -> None:
         (f"{SITE}/torch/nn/modules/module.py", "load_state_dict", "load(self, state_dict)"),
     )
     assert stage_from_frames(parse_frames(model), model).stage is Stage.LOAD
-    optimizer = _frames(("/work/train.py", "main", "opt.load_state_dict(torch.load(path))"),
-                        (f"{SITE}/torch/optim/optimizer.py", "load_state_dict", "state_dict = deepcopy(sd)"))  # fmt: skip
+    optimizer = _frames(
+        ("/work/train.py", "main", "opt.load_state_dict(torch.load(path))"),
+        (f"{SITE}/torch/optim/optimizer.py", "load_state_dict", "state_dict = deepcopy(sd)"),
+    )
     assert stage_from_frames(parse_frames(optimizer), optimizer).stage is Stage.RESUME
     assert (
         classify_text(optimizer + "torch.OutOfMemoryError: CUDA out of memory.").kind
