@@ -30,8 +30,16 @@ from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
 from qlora_supervise.trainer_child.recipe.activations import activation_context
+from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
+from qlora_supervise.trainer_child.run.memory import (
+    MMAP_THRESHOLD,
+    StepShapes,
+    apply_cpu_cap,
+    free_memory,
+    late_cap_step,
+    proc_status_bytes,
+)
 from qlora_supervise.trainer_child.run.torchrun import barrier, decide_together, staging_owner, this_rank
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
@@ -47,6 +55,12 @@ TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: step's first micro-batch, on the training device, so a test can watch memory creep towards the
 #: cap (the supervisor's memory_creep rule) end in an OOM. Never set outside tests.
 TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
+#: Injected fault for tests: as the resume checkpoint's optimizer state is read, cap the data
+#: segment at what is in use plus half the state's file and take one more copy of the state (as
+#: Trainer's loader under torchrun reads it onto the card whole before load_state_dict copies it):
+#: the allocation fails for real, in the stage ``resume``. On the CPU a plain load never costs more
+#: than the first step's fresh state, so without the extra copy no cap fails there and not later.
+TEST_CAP_IN_RESUME = "QLORA_SUPERVISE_TEST_CAP_IN_RESUME"
 KEEP_CHECKPOINTS = 3
 
 
@@ -215,6 +229,7 @@ class SupervisedTrainerMixin(_TrainerBase):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         with self._resuming(), _checkpoint_load(checkpoint, "optimizer/scheduler state"):
+            _inject_resume_cap(checkpoint)
             if not self._load_state_through_host(checkpoint):
                 super()._load_optimizer_and_scheduler(checkpoint)
 
@@ -330,15 +345,25 @@ class SupervisionCallback(TrainerCallback):
 
 @contextlib.contextmanager
 def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
-    """Any exception but an OOM while loading ``what`` becomes a CheckpointLoadError."""
+    """Any exception but an OOM while loading ``what`` becomes a CheckpointLoadError (a host
+    allocator's RuntimeError is an OOM too: the checkpoint is not to blame for the memory)."""
     try:
         yield
-    except (torch.OutOfMemoryError, MemoryError):
-        raise
     except Exception as exc:
+        if is_oom(exc):
+            raise
         raise checkpoints.CheckpointLoadError(
             f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _inject_resume_cap(checkpoint: str | None) -> None:
+    state = Path(checkpoint) / "optimizer.pt" if checkpoint and os.environ.get(TEST_CAP_IN_RESUME) else None
+    if state is not None and state.is_file():
+        size = state.stat().st_size
+        apply_cpu_cap((proc_status_bytes("VmData") or 0) + size // 2)
+        # at least glibc's mmap threshold, so that the data segment's cap sees the allocation
+        torch.empty(max(size, 2 * MMAP_THRESHOLD), dtype=torch.uint8)
 
 
 def injected_save_pause(step: int) -> float:
