@@ -1,7 +1,7 @@
-"""RESULTS.md and the README's summary table from one or more ``run.py`` output directories.
+"""RESULTS.md and the summary table of docs/recovery.md from one or more ``run.py`` output directories.
 
-    python bench/recovery/report.py OUT/8GiB OUT/16GiB OUT/24GiB OUT/32GiB OUT/overhead \\
-        [--results bench/recovery/RESULTS.md] [--readme README.md]
+    python -m bench.recovery.report OUT/8GiB OUT/16GiB OUT/24GiB OUT/32GiB OUT/overhead \\
+        [--results bench/recovery/RESULTS.md] [--readme docs/recovery.md]
 
 Reads each ``OUT/results.json`` (card runs and ``--overhead`` runs alike) and writes RESULTS.md:
 the exact commands, versions, date and device, the definitions, the summary (the three
@@ -19,10 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: this package
-
-from recovery import measure, outcomes, targets
-from recovery.overhead import interval, pooled, spare_windows
+from . import measure, outcomes, targets
+from .overhead import interval, pooled, spare_windows
 
 START, END = "<!-- bench-recovery:start -->", "<!-- bench-recovery:end -->"
 MiB = 1 << 20
@@ -299,7 +297,8 @@ def results_md(runs: list[dict[str, Any]]) -> str:
         *beside_rows(runs),
         "",
         "One uncapped run bare, with spares started beside it one after another",
-        "(`bench/recovery/spare_beside.py`): its steps that completed while a spare imported, against",
+        "(a one-off script, `bench/recovery/spare_beside.py`, since removed; git keeps it): its steps that",
+        "completed while a spare imported, against",
         "those that completed while none did.",
         "",
         *spare_beside_rows(runs),
