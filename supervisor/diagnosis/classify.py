@@ -55,6 +55,7 @@ from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragme
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
+from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
 from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.oom_message import parse_messages, parse_numbers
@@ -286,6 +287,8 @@ def _from_report(
         finding = StageFinding(stage, "the error report")
         nvml = (nvml_others, nvml_total)
         found = oom_failure(finding, numbers, head, message, nvml, report.allocator, fit)
+        if report.batch is not None:  # the micro-batch it happened on (a repeat is told by the loop)
+            found = dataclasses.replace(found, numbers={**found.numbers, **batch_numbers(report.batch)})
         if found.kind is FailureKind.OOM_FRAGMENTATION and report.expandable_segments_active:
             # Expandable segments were already on: the fix fragmentation names was in place and
             # the step still did not fit, so this is the stage's capacity OOM.

@@ -24,6 +24,7 @@ from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
 from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCHED, BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
@@ -61,6 +62,8 @@ TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
 #: the allocation fails for real, in the stage ``resume``. On the CPU a plain load never costs more
 #: than the first step's fresh state, so without the extra copy no cap fails there and not later.
 TEST_CAP_IN_RESUME = "QLORA_SUPERVISE_TEST_CAP_IN_RESUME"
+#: Leading tokens kept of each row of the micro-batch in flight, to find it in the training set.
+ROW_KEY_TOKENS = 32
 KEEP_CHECKPOINTS = 3
 
 
@@ -95,6 +98,8 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens = 0
         self._step_started = time.monotonic()
         self.shapes = StepShapes()  # for the OOM handler: did a step of this shape fit already?
+        self._micro_done = 0  # micro-batches of the step in flight before the current one
+        self._batch: tuple[int, tuple[int, ...], list[list[int]]] | None = None
         self._leaked: list[torch.Tensor] = []  # TEST_LEAK_PER_STEP only
         backward = self.accelerator.backward
 
@@ -117,10 +122,31 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
         self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
+        self._remember_batch(inputs)
         with activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
+
+    def _remember_batch(self, inputs: Any) -> None:
+        """The micro-batch about to train: its index in the step, row lengths and leading tokens."""
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+        if self._batch is not None and self._batch[0] == self.state.global_step + 1:
+            self._micro_done += 1
+        rows = [
+            row[m.bool()] if m is not None else row
+            for row, m in zip(ids, mask if mask is not None else [None] * len(ids), strict=True)
+        ]
+        lengths = tuple(int(row.numel()) for row in rows)
+        self._batch = (self.state.global_step + 1, lengths, [row[:ROW_KEY_TOKENS].tolist() for row in rows])
+
+    def batch_in_flight(self) -> BatchInFlight | None:
+        """The micro-batch the step in flight was on, its rows looked up in the training set by
+        their leading tokens and length (not for packed sequences or a set above the limit)."""
+        if self._batch is None:
+            return None
+        step, lengths, keys = self._batch
+        return BatchInFlight(step, self._micro_done, lengths, _find_rows(self.train_dataset, lengths, keys))
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         before = self.progress.stage
@@ -138,6 +164,7 @@ class SupervisedTrainerMixin(_TrainerBase):
             progress.loss = float(self._step_loss)
         progress.tokens_per_s = self._step_tokens / max(now - self._step_started, 1e-9)
         self._step_loss, self._step_tokens, self._step_started = None, 0, now
+        self._micro_done = 0
         on_cuda = torch.cuda.is_available()
         self.shapes.step_done(progress.step, torch.cuda.max_memory_allocated() if on_cuda else None)
         progress.heartbeat()
@@ -355,6 +382,24 @@ def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
         raise checkpoints.CheckpointLoadError(
             f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _find_rows(dataset: Any, lengths: tuple[int, ...], keys: list[list[int]]) -> tuple[int, ...] | None:
+    """The indices of the rows with these lengths and leading tokens (-1: not found); None when the
+    set cannot be searched (no ``input_ids`` column, packed, or above MAX_ROWS_SEARCHED rows)."""
+    names = getattr(dataset, "column_names", None) or []
+    if "input_ids" not in names or len(dataset) > MAX_ROWS_SEARCHED:
+        return None
+    wanted = {
+        (length, tuple(key)): position
+        for position, (length, key) in enumerate(zip(lengths, keys, strict=True))
+    }
+    found = [-1] * len(lengths)
+    for index, row in enumerate(dataset["input_ids"]):
+        position = wanted.get((len(row), tuple(row[:ROW_KEY_TOKENS])))
+        if position is not None and found[position] < 0:
+            found[position] = index
+    return tuple(found)
 
 
 def _inject_resume_cap(checkpoint: str | None) -> None:
