@@ -8,10 +8,12 @@ whether a shorter max_seq_len would cut only those rows or many. Whole runs on t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import test_loop_fake_clock as fake
+from _child import events, log_tail, make_spec, report, run_child
 
 from qlora_supervise.supervisor.commands.status import describe
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
@@ -23,6 +25,7 @@ from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight, 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 LONG = BatchInFlight(step=7, micro=2, lengths=(512, 96, 80, 64), rows=(4812, 77, 12, 301))
 
@@ -115,3 +118,47 @@ def test_a_run_that_fails_at_the_same_row_twice_says_so_in_its_decision(tmp_path
     text = "\n".join(describe(second, RunDir(tmp_path / "run")))
     assert "in flight: step 3, micro-batch 0: row 13 (256 tokens), row 2 (30 tokens)" in text
     assert "batch_rows" not in text  # the rows have their own line, not the bytes line
+
+
+def _long_row_data(tiny: Path, out: Path, long_at: int) -> Path:
+    """Short rows of the tiny set, and one row (at ``long_at``) ten times as long."""
+    rows = [json.loads(line)["text"] for line in (tiny / "data.jsonl").read_text().splitlines()[:40]]
+    texts = [text[:160] for text in rows]
+    texts[long_at] = " ".join(rows[:3])[:1900]
+    out.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts), encoding="utf-8")
+    return out
+
+
+def _peak_jump(spec: AttemptSpec) -> tuple[int, int]:
+    """The attempt's peak (its high-water mark) before and after its largest rise between beats."""
+    peaks = [e["peak_bytes"] for e in events(spec) if e["event"] == "heartbeat" and e.get("peak_bytes")]
+    rise = max(range(1, len(peaks)), key=lambda i: peaks[i] - peaks[i - 1])
+    return peaks[rise - 1], peaks[rise]
+
+
+@pytest.mark.slow
+def test_a_real_child_names_the_long_row_its_oom_repeats_on(tiny_dir: Path, tmp_path: Path) -> None:
+    """One row ten times as long: under a cap between its step's peak and the others', two attempts
+    fail on it, each report names that row and its length, and the failures are one data position."""
+    data = _long_row_data(tiny_dir, tmp_path / "data.jsonl", long_at=13)
+    knobs = {"micro_batch_size": 4, "grad_accum": 1, "max_seq_len": 1024}
+    train = {"max_steps": 10, "save_steps": 100}
+    free = make_spec(tiny_dir, tmp_path / "free", knobs=knobs, train=train, data={"path": str(data)})
+    assert run_child(free) == ExitCode.OK, log_tail(free)
+    below, above = _peak_jump(free)
+    assert above - below > 64 * 1024**2, (below, above)  # the long row's step needs visibly more
+    cap = (below + above) // 2
+
+    reports = []
+    for attempt in (1, 2):
+        spec = make_spec(tiny_dir, tmp_path / "capped", attempt, knobs=knobs, train=train,
+                         data={"path": str(data)}, cpu_memory_limit=cap)  # fmt: skip
+        assert run_child(spec) == ExitCode.OOM, log_tail(spec)
+        reports.append(report(spec))
+    first, second = (r.batch for r in reports)
+    assert first is not None and second is not None and first.same_position(second)
+    assert first.rows is not None and 13 in first.rows
+    assert max(first.lengths) == first.lengths[first.rows.index(13)] > 5 * min(first.lengths)
+    failures = [classify_exit(ChildExit(returncode=int(ExitCode.OOM)), r, "") for r in reports]
+    note = repeat_note(failures[1], failures[0], 1024, None)
+    assert note is not None and f"row 13 ({max(first.lengths)} tokens)" in note
