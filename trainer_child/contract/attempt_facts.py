@@ -112,9 +112,9 @@ class BatchInFlight:
         if not isinstance(raw, Mapping):
             return None
         step, micro, lengths, rows = (raw.get(key) for key in ("step", "micro", "lengths", "rows"))
-        if not (
-            _is_int(step) and _is_int(micro) and isinstance(lengths, list) and all(map(_is_int, lengths))
-        ):
+        if not isinstance(step, int) or not isinstance(micro, int) or isinstance(step, bool):
+            return None
+        if not isinstance(lengths, list) or not all(map(_is_int, lengths)):
             return None
         if rows is not None and not (isinstance(rows, list) and all(map(_is_int, rows))):
             return None

@@ -24,23 +24,18 @@ from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
 from qlora_supervise.trainer_child.contract import checkpoints
-from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCHED, BatchInFlight
+from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
 from qlora_supervise.trainer_child.recipe.activations import activation_context
+from qlora_supervise.trainer_child.recipe.batches import BatchTracker
+from qlora_supervise.trainer_child.recipe.resume_state import inject_resume_cap, load_through_host
 from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import (
-    MMAP_THRESHOLD,
-    StepShapes,
-    apply_cpu_cap,
-    free_memory,
-    late_cap_step,
-    proc_status_bytes,
-)
+from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
 from qlora_supervise.trainer_child.run.torchrun import barrier, decide_together, staging_owner, this_rank
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
@@ -56,14 +51,7 @@ TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: step's first micro-batch, on the training device, so a test can watch memory creep towards the
 #: cap (the supervisor's memory_creep rule) end in an OOM. Never set outside tests.
 TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
-#: Injected fault for tests: as the resume checkpoint's optimizer state is read, cap the data
-#: segment at what is in use plus half the state's file and take one more copy of the state (as
-#: Trainer's loader under torchrun reads it onto the card whole before load_state_dict copies it):
-#: the allocation fails for real, in the stage ``resume``. On the CPU a plain load never costs more
-#: than the first step's fresh state, so without the extra copy no cap fails there and not later.
-TEST_CAP_IN_RESUME = "QLORA_SUPERVISE_TEST_CAP_IN_RESUME"
-#: Leading tokens kept of each row of the micro-batch in flight, to find it in the training set.
-ROW_KEY_TOKENS = 32
+
 KEEP_CHECKPOINTS = 3
 
 
@@ -98,8 +86,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens = 0
         self._step_started = time.monotonic()
         self.shapes = StepShapes()  # for the OOM handler: did a step of this shape fit already?
-        self._micro_done = 0  # micro-batches of the step in flight before the current one
-        self._batch: tuple[int, tuple[int, ...], list[list[int]]] | None = None
+        self.batches = BatchTracker()  # for the OOM report: the micro-batch in flight
         self._leaked: list[torch.Tensor] = []  # TEST_LEAK_PER_STEP only
         backward = self.accelerator.backward
 
@@ -122,31 +109,15 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
         self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
-        self._remember_batch(inputs)
+        self.batches.start(self.state.global_step + 1, inputs)
         with activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
 
-    def _remember_batch(self, inputs: Any) -> None:
-        """The micro-batch about to train: its index in the step, row lengths and leading tokens."""
-        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-        if self._batch is not None and self._batch[0] == self.state.global_step + 1:
-            self._micro_done += 1
-        rows = [
-            row[m.bool()] if m is not None else row
-            for row, m in zip(ids, mask if mask is not None else [None] * len(ids), strict=True)
-        ]
-        lengths = tuple(int(row.numel()) for row in rows)
-        self._batch = (self.state.global_step + 1, lengths, [row[:ROW_KEY_TOKENS].tolist() for row in rows])
-
     def batch_in_flight(self) -> BatchInFlight | None:
-        """The micro-batch the step in flight was on, its rows looked up in the training set by
-        their leading tokens and length (not for packed sequences or a set above the limit)."""
-        if self._batch is None:
-            return None
-        step, lengths, keys = self._batch
-        return BatchInFlight(step, self._micro_done, lengths, _find_rows(self.train_dataset, lengths, keys))
+        """The micro-batch the step in flight was on, its rows found in the training set."""
+        return self.batches.in_flight(self.train_dataset)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         before = self.progress.stage
@@ -164,7 +135,6 @@ class SupervisedTrainerMixin(_TrainerBase):
             progress.loss = float(self._step_loss)
         progress.tokens_per_s = self._step_tokens / max(now - self._step_started, 1e-9)
         self._step_loss, self._step_tokens, self._step_started = None, 0, now
-        self._micro_done = 0
         on_cuda = torch.cuda.is_available()
         self.shapes.step_done(progress.step, torch.cuda.max_memory_allocated() if on_cuda else None)
         progress.heartbeat()
@@ -256,8 +226,8 @@ class SupervisedTrainerMixin(_TrainerBase):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         with self._resuming(), _checkpoint_load(checkpoint, "optimizer/scheduler state"):
-            _inject_resume_cap(checkpoint)
-            if not self._load_state_through_host(checkpoint):
+            inject_resume_cap(checkpoint)
+            if not load_through_host(self, checkpoint, self.plan.knobs.optimizer_state_on_host):
                 super()._load_optimizer_and_scheduler(checkpoint)
 
     @contextlib.contextmanager
@@ -266,24 +236,6 @@ class SupervisedTrainerMixin(_TrainerBase):
         self.progress.enter(Stage.RESUME)
         yield  # an exception leaves the stage at resume, for the error report
         self.progress.enter(before)
-
-    def _load_state_through_host(self, checkpoint: str | None) -> bool:
-        """The ``optimizer_state_on_host`` rung: read the optimizer state into host memory and let
-        ``load_state_dict`` copy it to the card tensor by tensor, where Trainer under torchrun
-        reads it onto the card whole. False: Trainer's own loader does it (knob off, no file, or
-        DeepSpeed/FSDP, whose loaders are their own)."""
-        if checkpoint is None or not self.plan.knobs.optimizer_state_on_host or self.optimizer is None:
-            return False
-        state_file = Path(checkpoint) / "optimizer.pt"
-        if not state_file.is_file() or self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return False
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(state)
-        del state
-        scheduler_file = Path(checkpoint) / "scheduler.pt"
-        if self.lr_scheduler is not None and scheduler_file.is_file():
-            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-        return True
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         with _checkpoint_load(checkpoint, "grad scaler state"):
@@ -382,33 +334,6 @@ def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
         raise checkpoints.CheckpointLoadError(
             f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
         ) from exc
-
-
-def _find_rows(dataset: Any, lengths: tuple[int, ...], keys: list[list[int]]) -> tuple[int, ...] | None:
-    """The indices of the rows with these lengths and leading tokens (-1: not found); None when the
-    set cannot be searched (no ``input_ids`` column, packed, or above MAX_ROWS_SEARCHED rows)."""
-    names = getattr(dataset, "column_names", None) or []
-    if "input_ids" not in names or len(dataset) > MAX_ROWS_SEARCHED:
-        return None
-    wanted = {
-        (length, tuple(key)): position
-        for position, (length, key) in enumerate(zip(lengths, keys, strict=True))
-    }
-    found = [-1] * len(lengths)
-    for index, row in enumerate(dataset["input_ids"]):
-        position = wanted.get((len(row), tuple(row[:ROW_KEY_TOKENS])))
-        if position is not None and found[position] < 0:
-            found[position] = index
-    return tuple(found)
-
-
-def _inject_resume_cap(checkpoint: str | None) -> None:
-    state = Path(checkpoint) / "optimizer.pt" if checkpoint and os.environ.get(TEST_CAP_IN_RESUME) else None
-    if state is not None and state.is_file():
-        size = state.stat().st_size
-        apply_cpu_cap((proc_status_bytes("VmData") or 0) + size // 2)
-        # at least glibc's mmap threshold, so that the data segment's cap sees the allocation
-        torch.empty(max(size, 2 * MMAP_THRESHOLD), dtype=torch.uint8)
 
 
 def injected_save_pause(step: int) -> float:

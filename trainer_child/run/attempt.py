@@ -322,9 +322,10 @@ def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None
     if not failure.oom or failure.stage not in LOOP_STAGES or ctx.trainer is None:
         return None
     try:
-        return ctx.trainer.batch_in_flight()
+        batch = ctx.trainer.batch_in_flight()
     except Exception:  # a bonus, as the allocator's facts: the report must still be written
         return None
+    return batch if isinstance(batch, BatchInFlight) else None
 
 
 def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | None, str | None]:
