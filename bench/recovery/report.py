@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dirs", nargs="+", type=Path, help="run.py --out directories")
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().with_name("RESULTS.md"))
-    p.add_argument("--readme", type=Path, help="a README with the bench-recovery markers to fill")
+    p.add_argument("--readme", type=Path, help="a page with the bench-recovery markers (docs/recovery.md)")
     args = p.parse_args(argv)
     runs = load(args.dirs)
     args.results.write_text(results_md(runs), encoding="utf-8")

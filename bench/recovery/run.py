@@ -5,7 +5,7 @@
     python -m bench.recovery.run --card 24GiB --overhead --out OUT       # supervised vs bare tokens/s
     python -m bench.recovery.run --tiny --card all --out /tmp/r          # the same logic on the CPU
 
-On the H200 (from the project root, after the README's ``.whl`` preamble), commands of under
+On the H200 (from the project root, after bench/README.md's ``.whl`` preamble), commands of under
 10 minutes each: the four cards at once, sharing the built models (~9 min, ``--deadline-s``
 bounds each); one card alone (the recovery times without neighbours); the overhead, alone
 (3 supervised/bare pairs, ~6.5 min; run it twice and ``report.py`` pools the runs)::
@@ -26,7 +26,7 @@ leaves time (and partial results) for the rest. Writes ``OUT/results.json`` (eve
 command, versions, device), ``OUT/table.txt`` (printed last) and ``OUT/<scenario>/<approach>/``
 (the run directory's journals, no checkpoints: ``qlora-supervise explain`` reads them, with
 ``--model-config OUT/<scenario>/model-config.json``). ``bench/recovery/report.py OUT...`` turns
-one or more OUT directories into RESULTS.md and the README's summary table.
+one or more OUT directories into RESULTS.md and the summary table of docs/recovery.md.
 
 Concurrency: card commands running together share the GPU's compute (the memory caps keep their
 memory apart), so their tokens/s and step times are each a share of the card and are comparable

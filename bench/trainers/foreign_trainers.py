@@ -231,7 +231,7 @@ CONFIG_NAME = {"trl-sft": "sft.yaml", "axolotl": "axolotl.yaml", "llamafactory":
 
 #: The tests' headroom on the tiny model above the tool's data segment after the stack's imports
 #: (tests/_child.py, tests/test_trainer_tools_real.py): micro-batch 16 at seq 256 is over it, 8
-#: under, for trl and axolotl. LLaMA-Factory's is trl's, unmeasured (it cannot run here: README).
+#: under, for trl and axolotl. LLaMA-Factory's is trl's, unmeasured (it cannot run here: docs/trainers.md).
 CPU_HEADROOM = {"trl-sft": 970 * MiB, "axolotl": 490 * MiB, "llamafactory": 970 * MiB}
 
 
