@@ -31,8 +31,9 @@ Order of the rules (first match wins):
    model says cannot fit (their change is kept and the next rung is applied on top) -> Restart,
    or GiveUp when the ladder is exhausted. Before it (6a, :mod:`.host_kill`): a host OOM kill
    after progress that is not in a row (the retry trained past the last kill) -> Restart
-   unchanged (a neighbour's spike); 6b: a host OOM's ladder takes throughput rungs before
-   quality ones, and the LoRA rank only where the adapter is what grew.
+   unchanged (a neighbour's spike); (6b, :mod:`.spurious_retry`) an OOM marked spurious ->
+   Restart unchanged once, its repeat climbs; a host OOM's ladder takes throughput rungs before
+   quality ones, and the LoRA rank only where the adapter is what grew (:mod:`.host_kill`).
 
 The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
 :mod:`.waits`; this module holds the order of the rules and the retries.
@@ -46,6 +47,7 @@ from qlora_supervise.policies.charge import Charge, PastFailure, latest_charge, 
 from qlora_supervise.policies.climb import MergeFailure, climb, knob_changes
 from qlora_supervise.policies.host_kill import host_settings, retry_after_kill
 from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.policies.spurious_retry import retry_spurious
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
@@ -134,9 +136,12 @@ def decide(
     plain_retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
     if plain_retry is not None:  # 6a: a host OOM kill after progress, the first with these knobs
         return plain_retry
+    spurious = retry_spurious(failure, knobs, failed) if kind.is_oom else None
+    if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
+        return spurious
     if phase == "merge" and kind.is_oom:
         return climb(MergeFailure(), knobs, history, settings)
-    # 6b: a host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
+    # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
     return climb(failure, knobs, history, host_settings(failure, settings, failed), unusable_rungs(history))
 
 

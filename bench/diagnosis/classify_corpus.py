@@ -1,6 +1,7 @@
 """Score the failure classifier on a labelled corpus, and the message parser on formats.jsonl.
 
     python -m bench.diagnosis.classify_corpus [DEV_JSONL] [--formats FORMATS_JSONL] [--show-misses]
+        [--fixtures tests/fixtures/diagnosis/issue33-cases.json]
 
 Defaults: ``../shared/corpus/dev.jsonl`` and ``formats.jsonl`` next to it (relative to the
 repository root). Prints a confusion table (rows: label, columns: predicted kind), per-kind
@@ -26,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.policies.spurious_retry import SPURIOUS_KEY
 from qlora_supervise.supervisor.diagnosis._frames import parse_frames
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
 from qlora_supervise.trainer_child.contract.codes import FailureKind
@@ -70,6 +72,11 @@ def score_dev(cases: Sequence[dict[str, Any]], show_misses: bool) -> None:
         if not FailureKind(case["label"]).is_oom and failure.kind.is_oom
     ]
     print(f"non-OOM cases called OOM:               {len(false_oom)} {false_oom or ''}")
+    # Issue 33's verdicts, newer than the corpus's labels: counted as misses above, listed here.
+    resumed = [case["id"] for case, f in zip(cases, predicted, strict=True) if f.kind.value == "oom_resume"]
+    marked = [case["id"] for case, f in zip(cases, predicted, strict=True) if SPURIOUS_KEY in f.numbers]
+    print(f"called oom_resume (no corpus label):     {len(resumed)} {resumed or ''}")
+    print(f"marked spurious (retried once):         {len(marked)} {marked or ''}")
     if show_misses:
         print_misses(cases, predicted, stage_hits)
 
@@ -160,11 +167,26 @@ def _ratio(pair: tuple[int, int]) -> str:
     return f"{hits}/{total} = {100 * hits / total:.1f} %" if total else "0/0"
 
 
+def score_fixtures(cases: Sequence[dict[str, Any]]) -> None:
+    """The reconstructed cases of tests/fixtures/diagnosis (a JSON list with ``kind``/``stage``)."""
+    right = 0
+    print(f"\nfixtures: {len(cases)} reconstructed cases (id: expected -> classified)")
+    for case in cases:
+        found = classify_text(case["text"])
+        ok = (found.kind.value, found.stage.value) == (case["kind"], case["stage"])
+        right += ok
+        mark = " spurious" if SPURIOUS_KEY in found.numbers else ""
+        print(f"  {'ok  ' if ok else 'MISS'} {case['id']}: {case['kind']}/{case['stage']} -> "
+              f"{found.kind.value}/{found.stage.value}{mark}")  # fmt: skip
+    print(f"  {_ratio((right, len(cases)))}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dev", nargs="?", type=Path, default=DEFAULT_DEV)
     parser.add_argument("--formats", type=Path, default=None)
     parser.add_argument("--show-misses", action="store_true")
+    parser.add_argument("--fixtures", type=Path, default=None, help="tests/fixtures/diagnosis/*.json")
     args = parser.parse_args(argv)
     formats = args.formats or args.dev.with_name("formats.jsonl")
     if not args.dev.is_file():
@@ -173,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         score_dev(load_jsonl(args.dev), args.show_misses)
     if formats.is_file():
         score_formats(load_jsonl(formats))
+    if args.fixtures is not None:
+        score_fixtures(json.loads(args.fixtures.read_text(encoding="utf-8")))
     return 0
 
 
