@@ -213,6 +213,7 @@ def extend_schedule(h: Harness, run: Run) -> None:
     total, base = REAL_STEPS + EXTEND_BY, float(raw["train"]["learning_rate"])
     h.edit_job(max_steps=total)
     h.start()
+    run.kills += 1  # the fault: the finished run's length raised
     h.to_the_end(run)
     attempts = sorted(h.run_dir.glob("attempt-*/child-events.jsonl"))
     lines = attempts[-1].read_text().splitlines() if attempts else []
