@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import IO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.record.ownership import foreign_output_dir
 from qlora_supervise.supervisor.record.runfiles import (
+    UnsafeRunPath,
     open_lock_file,
     prepare_root,
     refuse_linked_dirs,
@@ -66,18 +68,18 @@ class RunDir:
         """Hold an exclusive lock on the run directory for the life of the returned file.
 
         Two supervisors on one run directory would race on the journal and the checkpoints. The
-        directory is created 0750, or checked to be ours (see :mod:`.runfiles`); the lock file is
+        directory is created 0750, or checked to be ours (see :mod:`.ownership` and :mod:`.runfiles`): a
+        system folder, or one holding files but no run of ours, is refused; the lock file is
         never opened through a link, and a run file, ``checkpoints/`` or the quarantine that is a
         link (or holds one) stops the run before anything is written.
         """
+        refuse_foreign(self.root, contents=False)  # a system folder, before anything is created
         prepare_root(self.root)
+        # Read-only checks first: the lock file is created only in a folder that is safe and ours.
+        refuse_links([self.root / ".lock", self.state, self.attempts, self.events, self.job_copy])
+        refuse_linked_dirs([self.checkpoints, self.quarantine])
+        refuse_foreign(self.root)  # someone else's files
         handle = open_lock_file(self.root / ".lock")
-        try:
-            refuse_links([self.state, self.attempts, self.events, self.job_copy])
-            refuse_linked_dirs([self.checkpoints, self.quarantine])
-        except SupervisorExit:
-            handle.close()
-            raise
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -92,3 +94,10 @@ class RunDir:
         handle.write(f"{os.getpid()}\n")
         handle.flush()
         return handle
+
+
+def refuse_foreign(root: Path, contents: bool = True) -> None:
+    """Exit 2 when ``root`` may not be a run directory (:func:`.ownership.foreign_output_dir`)."""
+    found = foreign_output_dir(root, contents)
+    if found is not None:
+        raise UnsafeRunPath(root, f"output_dir {found[0]}", found[1])

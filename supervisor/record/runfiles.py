@@ -44,8 +44,14 @@ class UnsafeRunPath(SupervisorExit):
 def prepare_root(root: Path) -> None:
     """Create the run directory (0750) or check an existing one is ours and not writable by others."""
     if not root.exists():
-        root.mkdir(parents=True, mode=DIR_MODE)
-        os.chmod(root, DIR_MODE)
+        try:
+            root.mkdir(parents=True, mode=DIR_MODE)
+            os.chmod(root, DIR_MODE)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise  # the caller words a full or read-only disk (run._at_start)
+            why = f"cannot create output_dir: {exc.strerror}"
+            raise UnsafeRunPath(root, why, "choose a folder this user may create") from None
         return
     info = os.stat(root)
     if not stat.S_ISDIR(info.st_mode):

@@ -1,0 +1,107 @@
+"""Whose folder ``output_dir`` is: a run directory of ours, a new or empty one, or someone else's.
+
+The supervisor moves, replaces and deletes entries of its run directory (checkpoints rotated or
+quarantined, ``adapter/`` replaced, a generation moved aside by ``--restart``). Done in a folder
+it did not make, that destroys the user's files, so a folder that exists, is not empty and holds
+no record of ours is refused before anything is written (exit 2), and ``/``, home directories and
+the system's folders are refused outright (a run under ``/proc`` or ``/sys`` could not even be
+created).
+
+*Ours* is read from what every version of the supervisor writes first: a ``state.json`` that
+reads as our state, or an ``events.jsonl`` whose first line is one of our events; or, for a run
+stopped in its first moments, the ``.lock`` beside nothing but the job copies (``job.yaml``,
+``job.vN.yaml``, ``job.vN.json``). Run directories of earlier versions have the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+from pathlib import Path
+
+from qlora_supervise.supervisor.record.journal import read_state
+
+#: Trees no run directory may be in: the kernel's, the devices', the system's own files.
+SYSTEM_TREES = (
+    "/proc",
+    "/sys",
+    "/dev",
+    "/boot",
+    "/etc",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+)
+#: Folders that are never a run directory themselves (a run in a folder under them is fine).
+SYSTEM_FOLDERS = ("/", "/var", "/var/lib", "/var/tmp", "/tmp", "/opt", "/srv", "/home", "/root", "/mnt", "/run")
+_FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")
+_OWN_FOLDER = "choose a folder of your own for output_dir (for example /srv/runs/NAME, or one in your home)"
+_FIX = "choose a new or empty folder for output_dir (for example a subfolder, such as {root}/run)"
+
+
+def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | None:
+    """Why ``root`` may not be a run directory and the fix, or None when it may be one.
+
+    ``contents`` False: only where it is (a system folder, a home), not what it holds.
+    """
+    real = Path(os.path.realpath(root))
+    shown = "" if real == root else f" (it resolves to {real})"
+    for tree in SYSTEM_TREES:
+        if real == Path(tree) or Path(tree) in real.parents:
+            return f"is in the system folder {tree}{shown}", _OWN_FOLDER
+    if str(real) in SYSTEM_FOLDERS:
+        return f"is the system folder {real}{shown}; a run directory is a folder of its own", _OWN_FOLDER
+    if real in _homes():
+        why = f"is a home directory{shown}; a run directory is a folder of its own"
+        return why, _FIX.format(root=real)
+    if not contents or not real.is_dir() or is_run_dir(real):
+        return None
+    return (
+        "exists, is not empty and holds no run of qlora-supervise (no state.json or events.jsonl of "
+        "ours); the supervisor would move, replace or delete the files there",
+        _FIX.format(root=real) + ", or give the path of this run's own output_dir",
+    )
+
+
+def is_run_dir(root: Path) -> bool:
+    """Whether ``root`` is empty or holds a run of ours (see the module's docstring)."""
+    try:
+        names = [entry.name for entry in os.scandir(root)]
+    except OSError:
+        return False
+    if not names:
+        return True
+    state = root / "state.json"
+    if state.is_file() and not state.is_symlink() and read_state(state) is not None:
+        return True
+    if _first_line_is_ours(root / "events.jsonl"):
+        return True
+    return ".lock" in names and all(_FIRST_FILES.fullmatch(name) for name in names)
+
+
+def _first_line_is_ours(path: Path) -> bool:
+    """An event log line of ours: a JSON object with ``event`` and ``level``."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open("rb") as handle:
+            line = handle.readline(64 * 1024)
+        record = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"event", "level"} <= record.keys()
+
+
+def _homes() -> set[Path]:
+    homes = {Path(os.path.realpath(Path.home()))}
+    try:
+        homes |= {Path(os.path.realpath(entry.pw_dir)) for entry in pwd.getpwall() if entry.pw_dir}
+    except OSError:
+        pass
+    return homes
