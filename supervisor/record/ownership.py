@@ -17,32 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 from pathlib import Path
 
+from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.record.journal import read_state
 
-#: Trees no run directory may be in: the kernel's, the devices', the system's own files.
-SYSTEM_TREES = (
-    "/proc",
-    "/sys",
-    "/dev",
-    "/boot",
-    "/etc",
-    "/usr",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-)
-#: Folders that are never a run directory themselves (a run in a folder under them is fine).
-SYSTEM_FOLDERS = ("/", "/var", "/var/lib", "/var/tmp", "/tmp", "/opt", "/srv", "/home", "/root", "/mnt", "/run")
 _FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")
-_OWN_FOLDER = "choose a folder of your own for output_dir (for example /srv/runs/NAME, or one in your home)"
-_FIX = "choose a new or empty folder for output_dir (for example a subfolder, such as {root}/run)"
 
 
 def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | None:
@@ -50,22 +31,17 @@ def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | N
 
     ``contents`` False: only where it is (a system folder, a home), not what it holds.
     """
+    found = system_folder(root)
+    if found is not None or not contents:
+        return found
     real = Path(os.path.realpath(root))
-    shown = "" if real == root else f" (it resolves to {real})"
-    for tree in SYSTEM_TREES:
-        if real == Path(tree) or Path(tree) in real.parents:
-            return f"is in the system folder {tree}{shown}", _OWN_FOLDER
-    if str(real) in SYSTEM_FOLDERS:
-        return f"is the system folder {real}{shown}; a run directory is a folder of its own", _OWN_FOLDER
-    if real in _homes():
-        why = f"is a home directory{shown}; a run directory is a folder of its own"
-        return why, _FIX.format(root=real)
-    if not contents or not real.is_dir() or is_run_dir(real):
+    if not real.is_dir() or is_run_dir(real):
         return None
     return (
         "exists, is not empty and holds no run of qlora-supervise (no state.json or events.jsonl of "
         "ours); the supervisor would move, replace or delete the files there",
-        _FIX.format(root=real) + ", or give the path of this run's own output_dir",
+        f"choose a new or empty folder for output_dir (for example a subfolder, such as {real}/run), "
+        "or give the path of this run's own output_dir",
     )
 
 
@@ -96,12 +72,3 @@ def _first_line_is_ours(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and {"event", "level"} <= record.keys()
-
-
-def _homes() -> set[Path]:
-    homes = {Path(os.path.realpath(Path.home()))}
-    try:
-        homes |= {Path(os.path.realpath(entry.pw_dir)) for entry in pwd.getpwall() if entry.pw_dir}
-    except OSError:
-        pass
-    return homes
