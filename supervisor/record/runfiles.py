@@ -30,6 +30,7 @@ from qlora_supervise.trainer_child.contract.durable import FILE_MODE as CHILD_FI
 # and the merged model): 0750 and 0640.
 DIR_MODE = CHILD_DIR_MODE
 FILE_MODE = CHILD_FILE_MODE
+RUN_UMASK = 0o027  # group may read, others nothing: the modes of DIR_MODE / FILE_MODE
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -74,6 +75,12 @@ def refuse_links(paths: list[Path]) -> None:
     """Refuse at start, before anything is run, when one of the run's own files is a link or no file."""
     for path in paths:
         _refuse_link_or_other(path, stat.S_ISREG, "is not a regular file")
+
+
+def refuse_kind(directories: list[Path]) -> None:
+    """Refuse at start when one of the run's own directories is a link or no directory."""
+    for path in directories:
+        _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory")
 
 
 def refuse_linked_dirs(paths: list[Path]) -> None:
