@@ -170,3 +170,48 @@ def test_merge_records_the_adapter_step_and_status_says_when_it_is_older(
     (run / "merged-before-extend-1").rename(run / "merged")  # as if the old merge were still in place
     status = _cli("status", str(run))
     assert "from the adapter of step 10: older than the run's adapter (step 12)" in status.stdout
+
+
+def test_merge_command_folder_is_0750_and_its_files_0640_whatever_the_umask(tmp_path: Path) -> None:
+    """Under umask 000, a merge (failing on the stand-in model) leaves merge-command/ 0750, files 0640."""
+    run = _finished(tmp_path)
+    done = subprocess.run(
+        ["/bin/sh", "-c", f"umask 000 && exec {CLI} merge {run} --device cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 4, done.stderr[-2000:]  # the stand-in model cannot be merged
+    work = run / "merge-command"
+    assert stat.S_IMODE(work.stat().st_mode) == 0o750
+    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in work.iterdir()}
+    assert {"spec.json", "child.log"} <= files.keys()
+    assert all(mode & ~0o640 == 0 for mode in files.values()), files
+
+
+def test_a_tool_value_that_did_not_parse_is_recorded_as_written_not_as_its_default(tmp_path: Path) -> None:
+    """trl's max_steps: ten is recorded as 'ten'; fixing it to 2 after a failed run mixes no trainings."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    sft = (
+        "model_name_or_path: model\ndataset_name: /data/set\nuse_peft: true\nmax_steps: ten\nsave_steps: 10\n"
+    )
+    (tmp_path / "sft.yaml").write_text(sft)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "trainer: {kind: trl-sft, config: sft.yaml}\nresources: {gpu: cpu}\n"
+        "supervise: {hang_timeout: 5s, backoff_initial: 0.05s, backoff_max: 0.2s}\noutput_dir: run\n"
+    )
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"default": "config_error"}))  # the tool refuses its config: nothing trained
+    env = {**os.environ, "SCRIPTED_CHILD_PLAN": str(plan)}
+    first = subprocess.run([sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, env=env)
+    assert first.returncode == 4, first.stderr[-2000:]
+    view = json.loads((tmp_path / "run" / "job.v1.json").read_text())
+    assert view["train.max_steps"] == "ten" and view["train.save_steps"] == 10
+    (tmp_path / "sft.yaml").write_text(sft.replace("max_steps: ten", "max_steps: 2"))
+    again = subprocess.run([sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, env=env)
+    said = again.stdout + again.stderr
+    assert "train.max_steps: 'ten' -> 2  (applies on resume)" in said
+    assert "-1 -> 2" not in said and "would mix two trainings" not in said and "epochs" not in said

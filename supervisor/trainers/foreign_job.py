@@ -36,7 +36,7 @@ from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.data_check import data_problems
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets, target_problems
-from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
+from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup, present
 from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
 
@@ -308,7 +308,7 @@ def _job(
         fallback_models=(),
         diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
         trainer=trainer,
-        unparsed={k: v for k, v in written.items() if v is not None and v != read[k]},
+        unparsed={k: v for k, v in written.items() if present(v) and v != read[k]},
     )
 
 
