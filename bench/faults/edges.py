@@ -5,9 +5,10 @@ Each scenario leaves the run to finish as the others do (measured the same way: 
 steps, corrupt states, tracebacks, writes outside the run) and adds its own checks as *misses*:
 
 * ``foreign_output_dir`` (item 1) - ``output_dir`` is a user's folder (their ``adapter/``,
-  ``state.json``, ``checkpoints/checkpoint-5``, ``job.yaml``) or a system folder (``/``, ``/etc``,
-  the home, a folder under ``/proc`` or ``/sys``): ``run`` and ``run --restart`` exit 2 in words and
-  the user's files keep their bytes; then the job names a folder of its own and runs;
+  ``state.json``, ``checkpoints/checkpoint-5``, ``job.yaml``): ``run`` and ``run --restart`` exit 2
+  in words and the files keep their bytes; then a system folder (``/``, ``/etc``, ``/usr``, ``/var``,
+  the home, a folder under ``/proc`` or ``/sys``): ``validate`` and ``run`` exit 2; then the job
+  names a folder of its own and runs;
 * ``planted_entry_link`` (item 2) - the run stopped (SIGTERM) mid-run, a link planted at a random
   registered entry of the run directory (``record/rundir.ENTRIES``) to a target outside: the same
   command exits 2 and the target keeps its bytes; with the link removed the run finishes;
@@ -79,33 +80,31 @@ def _set_output_dir(h: Harness, where: str) -> None:
 
 
 def foreign_output_dir(h: Harness, run: Run) -> None:
-    if h.rng.random() < 0.5:
-        mine = h.work / "mine"
-        (mine / "adapter").mkdir(parents=True)
-        (mine / "adapter" / "adapter_model.safetensors").write_bytes(b"user weights" * 1000)
-        (mine / "checkpoints" / "checkpoint-5").mkdir(parents=True)
-        (mine / "checkpoints" / "checkpoint-5" / "trainer_state.json").write_text('{"global_step": 5}\n')
-        (mine / "state.json").write_text('{"mine": true}\n')
-        (mine / "job.yaml").write_text("my: notes\n")
-        h.rebase_outside()
-        before = _tree(mine)
-        _set_output_dir(h, str(mine))
-        for extra in ([], ["--restart"]):
-            done = cli(h, "run", *extra, str(h.job))
-            if done.returncode != 2 or "holds no run of qlora-supervise" not in done.stderr:
-                run.misses.append(f"run {' '.join(extra)} in a user's folder: exit {done.returncode}")
-        if _tree(mine) != before:
-            run.misses.append("the user's folder changed")
-        run.note = "a user's folder refused (run, run --restart)"
-    else:
-        where = h.rng.choice(["/", "/etc", "/usr", "/proc/qlora-run", "/sys/qlora-run", str(Path.home())])
-        _set_output_dir(h, where)
-        for command in ("validate", "run"):
-            done = cli(h, command, str(h.job))
-            if done.returncode != 2 or "output_dir: is " not in done.stdout + done.stderr:
-                run.misses.append(f"{command} with output_dir {where}: exit {done.returncode}")
-        run.note = f"output_dir {where} refused (validate, run)"
-    run.kills += 1
+    """A user's folder (run and run --restart), then a system folder (validate and run): all exit 2."""
+    mine = h.work / "mine"
+    (mine / "adapter").mkdir(parents=True)
+    (mine / "adapter" / "adapter_model.safetensors").write_bytes(b"user weights" * 1000)
+    (mine / "checkpoints" / "checkpoint-5").mkdir(parents=True)
+    (mine / "checkpoints" / "checkpoint-5" / "trainer_state.json").write_text('{"global_step": 5}\n')
+    (mine / "state.json").write_text('{"mine": true}\n')
+    (mine / "job.yaml").write_text("my: notes\n")
+    h.rebase_outside()
+    before = _tree(mine)
+    _set_output_dir(h, str(mine))
+    for extra in ([], ["--restart"]):
+        done = cli(h, "run", *extra, str(h.job))
+        if done.returncode != 2 or "holds no run of qlora-supervise" not in done.stderr:
+            run.misses.append(f"run {' '.join(extra)} in a user's folder: exit {done.returncode}")
+    if _tree(mine) != before:
+        run.misses.append("the user's folder changed")
+    where = h.rng.choice(["/", "/etc", "/usr", "/var", "/proc/qlora-run", "/sys/qlora-run", str(Path.home())])
+    _set_output_dir(h, where)
+    for command in ("validate", "run"):
+        done = cli(h, command, str(h.job))
+        if done.returncode != 2 or "output_dir: is " not in done.stdout + done.stderr:
+            run.misses.append(f"{command} with output_dir {where}: exit {done.returncode}")
+    run.note = f"a user's folder (run, run --restart) and {where} (validate, run) refused"
+    run.kills += 2
     _set_output_dir(h, str(h.run_dir))
     h.start()
     h.to_the_end(run)
