@@ -18,7 +18,6 @@ from pathlib import Path
 
 import yaml
 
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.trainers import flags
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer, foreign_output
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten, unmapped_changes
@@ -72,7 +71,7 @@ def write_attempt_files(
             "has no config key for; the tool would train as before while the journal said otherwise"
         )
     config = attempt_config(
-        trainer.table, trainer.config, job, knobs, str(ensure_dir(foreign_output(run_dir))), resume_from
+        trainer.table, trainer.config, job, knobs, str(foreign_output(run_dir)), resume_from
     )
     diff = config_diff(trainer.config, config)
     write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
