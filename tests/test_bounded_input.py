@@ -102,3 +102,23 @@ def test_a_tool_config_too_deep_or_too_large_is_refused_in_words(tmp_path: Path,
         assert done.returncode == 2, said
         assert "trainer.config" in said and ("nested too deep" in said or "the file is too large" in said)
         assert "Traceback" not in said
+
+
+@pytest.mark.parametrize("where", ["data record", "model config.json"])
+def test_json_nested_thousands_deep_in_the_data_or_the_model_config_is_refused_in_words(
+    tmp_path: Path, where: str
+) -> None:
+    """A data record or a config.json nested 100000 deep: validate and plan exit 2, no RecursionError."""
+    job = _job(tmp_path, {"default": "ok"})
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "data record":
+        with (tmp_path / "data.jsonl").open("a") as handle:
+            handle.write('{"text": ' + deep + "}\n")
+    else:
+        (tmp_path / "model" / "config.json").write_text('{"model_type": "llama", "x": ' + deep + "}")
+    for command in ("validate", "plan"):
+        done = _cli(command, str(job))
+        said = done.stdout + done.stderr
+        assert done.returncode == 2, said[-2000:]
+        assert "nested thousands of levels deep" in said or "nested too deep to read" in said
+        assert "Traceback" not in said and "RecursionError" not in said

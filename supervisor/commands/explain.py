@@ -37,6 +37,7 @@ from tqdm import tqdm
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.commands.series import attempt_series
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
@@ -146,7 +147,7 @@ def _budget(job: dict[str, Any]) -> int | None:
 
 def _shape_of(config: Path) -> ModelShape:
     try:
-        shape = ModelShape.from_config(json.loads(config.read_text(encoding="utf-8")))
+        shape = ModelShape.from_config(json_loads(config.read_text(encoding="utf-8")))
     except (OSError, ValueError) as error:
         raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--model-config {config}: {error}") from None
     if shape is None:

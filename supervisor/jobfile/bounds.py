@@ -12,11 +12,15 @@ recursively). So, in this order, each refusal a :class:`InputBoundError` with it
    :data:`~.aliases.MAX_EXPANDED_NODES` values as written;
 3. the expansion of aliases, on the composed node graph (:mod:`.aliases`);
 
-and only then the values are built with ``yaml.safe_load``.
+and only then the values are built with ``yaml.safe_load``. JSON the supervisor reads from the
+user's files (data records, a model's ``config.json`` and safetensors header, a tool's
+``dataset_info.json``) goes through :func:`json_loads`: Python's decoder recurses too, and a value
+nested past its limit is a ``JSONDecodeError`` with words, like any other bad JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -89,6 +93,15 @@ def safe_load_bounded(text: str) -> Any:
     check_shape(text)
     check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
     return yaml.safe_load(text)
+
+
+def json_loads(text: str | bytes) -> Any:
+    """``json.loads``; a value nested past the interpreter's recursion limit is a JSONDecodeError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        raise json.JSONDecodeError("nested too deep to read (thousands of levels)", doc[:80], 0) from None
 
 
 def _too_large(size: str, limit: int) -> InputBoundError:
