@@ -148,3 +148,13 @@ def test_the_childs_datasets_cache_is_in_the_run_directory(tiny_dir: Path, tmp_p
     cache = tmp_path / "run" / "datasets-cache"
     assert cache.is_dir() and any(cache.rglob("*.arrow")), sorted(map(str, cache.rglob("*")))[:20]
     assert not (home / ".cache" / "huggingface" / "datasets").exists()
+
+
+def test_explain_plot_and_merge_out_into_proc_are_refused_in_words(tmp_path: Path) -> None:
+    """explain --plot /proc/x.png and merge --out /proc/x: exit 2 in words, no traceback, no merge started."""
+    run = _finished(tmp_path)
+    plot = _cli("explain", str(run), "--plot", "/proc/qlora-plot.png")
+    assert plot.returncode == 2 and "cannot write it" in plot.stderr and "Traceback" not in plot.stderr
+    merge = _cli("merge", str(run), "--out", "/proc/qlora-merged", "--device", "cpu")
+    assert merge.returncode == 2 and "is in the system folder /proc" in merge.stderr
+    assert not (run / "merge-command").exists()

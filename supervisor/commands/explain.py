@@ -67,7 +67,13 @@ def explain_command(
         from qlora_supervise.supervisor.commands.memory_plot import draw  # matplotlib only here
 
         _check_plot_path(Path(plot))
-        draw(rd, story, Path(plot))
+        try:
+            draw(rd, story, Path(plot))
+        except OSError as error:  # a folder that takes no files (/proc), a full disk
+            raise SupervisorExit(
+                SupervisorExitCode.BAD_JOB,
+                f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere",
+            ) from None
         print(f"wrote {plot}", file=sys.stderr)
     if as_json:
         print(json.dumps(story, indent=2), file=out)

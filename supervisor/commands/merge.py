@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import Outcome, Phase
@@ -56,9 +57,14 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
             f"(qlora-supervise status {run_dir})",
         )
     os.umask(RUN_UMASK)  # what the child creates (its events, the merged model) is 0640 / 0750 too
+    merged = Path(out).resolve() if out else rd.merged
+    if (system := system_folder(merged)) is not None:
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"merge --out {merged}: {system[0]}; choose a folder of your own"
+        )
     lock = rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first")
     try:
-        return _merge_locked(rd, Path(out).resolve() if out else rd.merged, device)
+        return _merge_locked(rd, merged, device)
     finally:
         lock.close()
 
