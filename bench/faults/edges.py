@@ -15,8 +15,9 @@ steps, corrupt states, tracebacks, writes outside the run) and adds its own chec
 * ``merge_beside_run`` (item 3) - ``qlora-supervise merge`` while the supervisor extends a finished
   run (the adapter exists, and is about to be replaced): exit 2, nothing written (no
   ``merge-command/``, no ``merged/``); the extension finishes;
-* ``bounded_input`` (item 4) - the job file 600 levels deep, 12.8 MB, or 20000 values: ``run``
-  exits 2 naming the bound, within 20 s and 150 MB (measured); the job restored, the run finishes;
+* ``bounded_input`` (item 4) - the job file 600 levels deep, then 12.8 MB, then 20000 values: each
+  ``run`` exits 2 naming the bound, within 20 s and 150 MB (measured); the job restored, the run
+  finishes;
 * ``loud_hook`` (item 6) - an ``on_event`` hook that prints 300 MB on each stream and fails: the
   supervisor's peak RSS (``VmHWM``) stays under 250 MB and ``hook_failed`` keeps its last line;
 * ``unparsed_tool_value`` (item 9) - a trl job with ``max_steps: ten`` that the tool refuses (the
@@ -166,35 +167,43 @@ def merge_beside_run(h: Harness, run: Run) -> None:
 
 
 def bounded_input(h: Harness, run: Run) -> None:
+    """The job file 600 levels deep, 12.8 MB, then 20000 values: each ``run`` is exit 2, bounded."""
     original = h.job.read_text()
-    kind = h.rng.choice(["deep", "large", "many"])
+    notes = []
+    for kind in ("deep", "large", "many"):
+        _oversize(h.job, original, kind)
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", MEASURED, "run", str(h.job)], capture_output=True, text=True, env=h.env
+        )
+        took = time.monotonic() - started
+        h.stderr.append(done.stderr)
+        rss_mb = int(done.stderr.rsplit("maxrss_kb=", 1)[1]) / 1000 if "maxrss_kb=" in done.stderr else -1
+        words = {"deep": "nested too deep", "large": "the file is too large", "many": "too many values"}[kind]
+        if done.returncode != 2 or words not in done.stderr or "alias" in done.stderr:
+            run.misses.append(f"{kind} job file: exit {done.returncode}")
+        if took > 20 or not 0 < rss_mb < 150:
+            run.misses.append(f"{kind} job file refused in {took:.1f} s, {rss_mb:.0f} MB")
+        notes.append(f"{kind} ({h.job.stat().st_size} bytes) {took:.1f} s {rss_mb:.0f} MB")
+        run.kills += 1
+    run.note = "refused: " + ", ".join(notes)
+    h.job.write_text(original)
+    h.start()
+    h.to_the_end(run)
+
+
+def _oversize(job: Path, original: str, kind: str) -> None:
     if kind == "deep":
-        h.job.write_text(original + "notes: " + "[" * 600 + "]" * 600 + "\n")
+        job.write_text(original + "notes: " + "[" * 600 + "]" * 600 + "\n")
     elif kind == "many":
-        h.job.write_text(original + "notes: [" + ", ".join(str(i) for i in range(20_000)) + "]\n")
+        job.write_text(original + "notes: [" + ", ".join(str(i) for i in range(20_000)) + "]\n")
     else:
-        with h.job.open("a") as handle:
+        with job.open("w") as handle:
+            handle.write(original)
             for i in range(165_000):
                 handle.write(
                     f"k{i:06d}: [{i}, {i + 1}, padding padding padding padding padding padding pad]\n"
                 )
-    started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURED, "run", str(h.job)], capture_output=True, text=True, env=h.env
-    )
-    took = time.monotonic() - started
-    h.stderr.append(done.stderr)
-    rss_mb = int(done.stderr.rsplit("maxrss_kb=", 1)[1]) / 1000 if "maxrss_kb=" in done.stderr else -1
-    words = {"deep": "nested too deep", "large": "the file is too large", "many": "too many values"}[kind]
-    if done.returncode != 2 or words not in done.stderr or "alias" in done.stderr:
-        run.misses.append(f"{kind} job file: exit {done.returncode}")
-    if took > 20 or not 0 < rss_mb < 150:
-        run.misses.append(f"{kind} job file refused in {took:.1f} s, {rss_mb:.0f} MB")
-    run.note = f"{kind} job file ({h.job.stat().st_size} bytes) refused in {took:.1f} s, {rss_mb:.0f} MB"
-    run.kills += 1
-    h.job.write_text(original)
-    h.start()
-    h.to_the_end(run)
 
 
 LOUD_HOOK = (
