@@ -25,7 +25,9 @@ MEASURED = (
     "    code = stop.code\n"
     "usage = resource.getrusage(resource.RUSAGE_SELF)\n"
     "print(f'cpu_s={usage.ru_utime + usage.ru_stime:.2f}', file=sys.stderr)\n"
-    "print(f'maxrss_kb={usage.ru_maxrss}', file=sys.stderr)\n"
+    # VmHWM: this process's own peak since its exec (ru_maxrss also counts the parent's at the fork)
+    "hwm = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+    "print(f'maxrss_kb={hwm}', file=sys.stderr)\n"
     "sys.exit(code)\n"
 )
 

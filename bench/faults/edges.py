@@ -47,13 +47,15 @@ EXTRA_STEPS = 30  # merge_beside_run extends the finished run by this many steps
 CLI = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli"]
 #: The CLI in a process of its own that prints its peak RSS (to bound the memory of a refusal).
 MEASURED = (
-    "import resource, sys\n"
+    "import sys\n"
     "from qlora_supervise.supervisor.commands.cli import main\n"
     "try:\n"
     "    code = main(sys.argv[1:])\n"
     "except SystemExit as stop:\n"
     "    code = stop.code\n"
-    "print(f'maxrss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', file=sys.stderr)\n"
+    # VmHWM: this process's own peak since its exec (ru_maxrss also counts the parent's at the fork)
+    "hwm = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+    "print(f'maxrss_kb={hwm}', file=sys.stderr)\n"
     "sys.exit(code)\n"
 )
 
