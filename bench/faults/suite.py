@@ -25,7 +25,9 @@ Each run supervises a fresh job and injects one scenario's faults at random mome
 * ``extend_finished`` - a finished run, ``max_steps`` raised, the same command (item 13): it trains on
   from its newest checkpoint (half the time with a child kill during the extension);
 * ``spare_sigstop`` (real trainer only) - the ready warm spare SIGSTOPped, then the child killed
-  (item 5): the stopped spare is discarded in seconds and the next attempt trains cold.
+  (item 5): the stopped spare is discarded in seconds and the next attempt trains cold;
+* issue 29's, at the edges (``edges.py``): ``foreign_output_dir``, ``planted_entry_link``,
+  ``merge_beside_run``, ``bounded_input``, ``loud_hook``, ``unparsed_tool_value``, ``refused_words``.
 
 After each fault that ended the supervisor, the *same command* is run again, as systemd would.
 The scripted child (``tests/scripted_child.py``, the real protocol without torch) keeps runs to
@@ -59,6 +61,7 @@ from pathlib import Path
 
 from qlora_supervise.supervisor.record.journal import read_attempts
 
+from . import edges
 from .harness import REAL_STEPS, SAVE_STEPS, STEPS, Harness, Run, fill_disk, newest_complete
 from .measure import measure
 
@@ -324,12 +327,12 @@ SCENARIOS: dict[str, Callable[[Harness, Run], None]] = {
         extend_finished,
         spare_sigstop,
     )
-}
+} | edges.SCENARIOS  # issue 29's, at the edges (edges.py)
 REAL_SCENARIOS = ("child_kill", "supervisor_kill", "sigterm", "spare_sigstop")
 #: Only with the real trainer: the scripted child never runs in a spare.
 REAL_ONLY = frozenset({"spare_sigstop"})
 #: The steps a finished run of each scenario trains (the job's max_steps at its end).
-EXTRA_STEPS = {"job_change": 4, "extend_finished": 4}
+EXTRA_STEPS = {"job_change": 4, "extend_finished": 4, "merge_beside_run": edges.EXTRA_STEPS}
 
 
 KEEP_OUT = shutil.ignore_patterns("checkpoints*", "adapter", "*.bin", "*.pt", "*.safetensors")
@@ -348,7 +351,8 @@ def one_run(name: str, seed: int, real: bool, tiny: Path | None, keep: Path | No
         if name == "child_kill_in_save":
             h.env["SCRIPTED_CHILD_SAVE_S"] = "0.15"
         _set_up(name, h)
-        h.start()
+        if name not in edges.SELF_STARTED:
+            h.start()
         SCENARIOS[name](h, run)
         run.wall_s = time.monotonic() - started
         steps = REAL_STEPS if real else STEPS + EXTRA_STEPS.get(name, 0)
@@ -378,6 +382,9 @@ def _set_up(name: str, h: Harness) -> None:
         outside = h.work / "outside"
         (outside / "ckpt").mkdir(parents=True)
         h.run_dir.mkdir()
+        # A run of ours that stopped after its first event: a folder holding only the planted
+        # link is no run of ours and is refused for that (issue 29 item 1), not for the link.
+        (h.run_dir / "events.jsonl").write_text('{"event": "run_started", "level": "info"}\n')
         if h.rng.random() < 0.5:
             (h.run_dir / "checkpoints").symlink_to(outside)
         else:
@@ -392,6 +399,7 @@ def _set_up(name: str, h: Harness) -> None:
         h.env["QLORA_SUPERVISE_STATE_DIR"] = str(h.work / "state")
     elif name == "spare_sigstop":
         h.edit_supervise(warm_spare=True)
+    edges.set_up(name, h)
     h.rebase_outside()
 
 
@@ -433,13 +441,13 @@ def main() -> int:
         "--real", type=int, default=0, help="extra runs of the real trainer on the tiny model"
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--only", choices=sorted(SCENARIOS), help="run one scenario only")
+    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run these scenarios only")
     parser.add_argument(
         "--out", type=Path, help="write results.json, table.md and the misses' run directories here"
     )
     args = parser.parse_args()
-    names = [args.only] if args.only else [name for name in SCENARIOS if name not in REAL_ONLY]
-    real_names = [args.only] if args.only else list(REAL_SCENARIOS)
+    names = args.only or [name for name in SCENARIOS if name not in REAL_ONLY]
+    real_names = args.only or list(REAL_SCENARIOS)
     plan = [(names[i % len(names)], args.seed * 1000 + i, False) for i in range(args.runs if names else 0)]
     plan += [(real_names[i % len(real_names)], args.seed * 1000 + 500 + i, True) for i in range(args.real)]
     tiny = _make_tiny(Path(tempfile.mkdtemp(prefix="fault-tiny-"))) if args.real else None

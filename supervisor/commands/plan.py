@@ -56,6 +56,7 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
                                          # a foreign trainer: only the rungs its config can express
       "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
                "merge_peak_bytes": int | null, "available_bytes": int,
+               "room_bytes": int, "room_of": "available" | "cgroup limit" | "cpu_memory_limit",
                "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null}
     }
 
@@ -148,14 +149,16 @@ def plan_command(
     else:
         for line in render(plan):
             print(line, file=out)
-    return 0
+    start = plan["start"]
+    # As `run` would end before any child: exit 6 (the plan itself is printed either way).
+    return int(SupervisorExitCode.NOTHING_FITS) if start and start["nothing_fits"] is not None else 0
 
 
 def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -> dict[str, Any]:
     """The plan as the JSON object documented above."""
     job = _load(job_path)
     view = job_view(job)
-    files = _model_files(view.knobs.model)
+    files = _model_files(view.knobs.model, job)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
     as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
@@ -314,11 +317,15 @@ def _host(checkpoint: int | None, largest_shard: int, view: JobView) -> dict[str
     import psutil
 
     from qlora_supervise.supervisor.watching.cgroup import memory_limit_bytes
+    from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 
     available = int(psutil.virtual_memory().available)
     limit = memory_limit_bytes()
-    need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard)
-    room = min(x for x in (available, limit, view.cpu_memory_limit) if x is not None)
+    on_gpu = view.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
+    need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard, on_gpu)
+    # What loading is compared with: the smallest of these, named in the warning.
+    rooms = {"available": available, "cgroup limit": limit, "cpu_memory_limit": view.cpu_memory_limit}
+    room_of, room = min(((k, v) for k, v in rooms.items() if v is not None), key=lambda kv: kv[1])
     return {
         "checkpoint_bytes": checkpoint,
         "load_peak_bytes": None if need is None else need.load_peak,
@@ -327,6 +334,8 @@ def _host(checkpoint: int | None, largest_shard: int, view: JobView) -> dict[str
         "cgroup_limit_bytes": limit,
         "basis": "" if need is None else need.basis,
         "load_fits": None if need is None else need.load_peak <= room,
+        "room_bytes": room,
+        "room_of": room_of,  # available, cgroup limit or cpu_memory_limit
     }
 
 
@@ -364,8 +373,24 @@ def _load(job_path: str) -> Job:
         ) from None
 
 
-def _model_files(model: str) -> model_files.ModelFiles:
+def _model_files(model: str, job: Job) -> model_files.ModelFiles:
     try:
         return model_files.read_model_files(model)
     except model_files.ModelFilesError as error:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, str(error)) from None
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, _in_the_jobs_words(str(error), model, job)) from None
+
+
+def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
+    """A foreign tool's job names its model with the tool's own key, not ``model.path``."""
+    if job.trainer is None:
+        return message
+    row = job.trainer.table.row("model")
+    key = row.key if row is not None else "model"
+    where = "trainer.command" if job.trainer.config_path is None else str(job.trainer.config_path)
+    spelled = f"--{key} DIR" if job.trainer.config_path is None else f"{key}: DIR"
+    if not model:
+        return (
+            f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
+            f"to predict its memory; add {spelled} there"
+        )
+    return message.replace("point model.path at", f"point {key} (in {where}) at")

@@ -107,5 +107,6 @@ def _render_host(host: dict[str, Any]) -> list[str]:
         f"  basis: {host['basis']}",
     ]
     if host["load_fits"] is False:
-        lines.append("  WARNING: loading is predicted to need more host RAM than is available")
+        room = f"{host['room_of']} ({format_bytes(host['room_bytes'])})"
+        lines.append(f"  WARNING: loading is predicted to need more host RAM than the {room}")
     return lines
