@@ -18,6 +18,13 @@ Rules (issues 8 and 19):
   fits either, :class:`NothingFits` names the smallest
   peak found, the budget and what would help, so the run can stop before any child starts.
 
+**Two budgets** (issue 28): with a host budget (:class:`.budget.HostBudget`) a candidate must also
+fit the host: its training host peak (:func:`.memory.host.host_train_need`: the load, the resident
+child, offloaded activations, paged optimizer state, the data loader) under the host budget less the
+same margin. A candidate that fits the card but not the host is no candidate; the result counts
+them (``host_rejected``) and says why. When the load alone does not fit the host, or nothing that
+fits the card fits the host, :class:`NothingFits` names host memory (``host``) and what would fit.
+
 The margin (8 %) covers the model's error and the allocator's block rounding that a cap sees as
 used memory; a calibrated scale shrinks the first, which is why the margin stays fixed.
 """
@@ -30,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies import throughput
-from qlora_supervise.policies.budget import card_reserve
+from qlora_supervise.policies.budget import HostBudget, card_reserve, host_reserve
 from qlora_supervise.policies.candidates import (
     DEEPEST_CUT_BEFORE_FALLBACK,
     RUNG_CLASSES,
@@ -44,6 +51,7 @@ from qlora_supervise.policies.candidates import (
     throughput_variants,
 )
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
+from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.rungs import STATIC_RUNGS
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -65,6 +73,7 @@ class Ranked:
     tokens_per_s: float
     measured: bool  # tokens/s from this host's or run's measurements (else the model's)
     cost_class: CostClass  # the dearest class among its rungs (free with none)
+    host_peak_bytes: int | None = None  # its training host peak (None: no host budget to plan with)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class NothingFits:
     budget_bytes: int
     margin: float
     help: str
+    host: bool = False  # True: host memory is what nothing fits (the figures are the host's)
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,10 @@ class PreflightResult:
     speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
     fallback: str | None = None  # the fallback model started instead of the job's
     nothing_fits: NothingFits | None = None
+    host_budget_bytes: int | None = None  # the host budget planned against (None: none)
+    host_peak_bytes: int | None = None  # the chosen config's training host peak
+    # Candidates that fit the card but not the host: how many, and the smallest host need of them.
+    host_rejected: tuple[int, int | None] = (0, None)
 
 
 def scaled_peak(prediction: Prediction, scale: float | None) -> int:
@@ -121,11 +135,15 @@ class _Search:
     speed: throughput.SpeedCalibration | None
     exclude: frozenset[Knobs]
     unusable: frozenset[str]
+    host: HostBudget | None = None
     smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
     deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
 
     def __post_init__(self) -> None:
         self._peaks: dict[Knobs, int] = {}
+        self._host_peaks: dict[Knobs, int] = {}
+        self.host_rejected: dict[Knobs, int] = {}  # fit the card, not the host: their host peaks
+        self.host_limit = None if self.host is None else fit_limit(self.host.budget_bytes)
 
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
@@ -135,8 +153,23 @@ class _Search:
                 self.smallest = (self._peaks[knobs], knobs)
         return self._peaks[knobs]
 
+    def host_peak(self, knobs: Knobs) -> int | None:
+        """The training host peak of ``knobs`` (None: no host budget)."""
+        if self.host is None:
+            return None
+        if knobs not in self._host_peaks:
+            need = host_train_need(self.shape, knobs, self.host.checkpoint_bytes, self.targets)
+            self._host_peaks[knobs] = need.peak_bytes
+        return self._host_peaks[knobs]
+
     def fits(self, knobs: Knobs) -> bool:
-        return self.peak(knobs) <= self.limit
+        if self.peak(knobs) > self.limit:
+            return False
+        host = self.host_peak(knobs)
+        if host is not None and self.host_limit is not None and host > self.host_limit:
+            self.host_rejected[knobs] = host
+            return False
+        return True
 
     def with_eval_that_fits(self, knobs: Knobs) -> Knobs | None:
         """``knobs`` with the largest eval batch that fits; None when training itself does not."""
@@ -156,8 +189,11 @@ class _Search:
                 continue
             speed = throughput.rank_speed(self.shape, fitted, self.speed, self.targets)
             out.append(
-                Ranked(fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, _dearest(rungs))
-            )
+                Ranked(
+                    fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, _dearest(rungs),
+                    self.host_peak(fitted),
+                )
+            )  # fmt: skip
         # Fastest first; at equal speed fewer changes, the larger eval batch, then the config that
         # uses the card best.
         return sorted(
@@ -197,21 +233,24 @@ def preflight(
     fallbacks: Sequence[tuple[str, ModelShape | None]] = (),
     exclude: frozenset[Knobs] = frozenset(),
     unusable: frozenset[str] = frozenset(),
+    host: HostBudget | None = None,
 ) -> PreflightResult:
     """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; see the module docstring.
 
     ``fallbacks``: the job's fallback models with their shapes (None: not modelled, skipped).
-    ``exclude``: configs that already failed; ``unusable``: rungs charged with a failure.
+    ``exclude``: configs that already failed; ``unusable``: rungs charged with a failure;
+    ``host``: the host budget every candidate must fit too (None: the card alone).
     """
     # One search in the docstring's order (as written, throughput, quality, fallbacks, nothing),
     # with the reasons written as it goes: splitting it would scatter the one story the journal tells.
     limit = fit_limit(budget_bytes, margin)
-    search = _Search(shape, knobs, limit, scale, targets, speed, exclude, unusable)
+    search = _Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
         ranking = search.rank(knobs)
         why = (
             f"predicted {_gib(search.peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin",
+            *_host_reasons(search, knobs),
         )
         return PreflightResult(
             knobs=knobs,
@@ -226,17 +265,17 @@ def preflight(
             cost=0.0,
             tokens_per_s=base_speed,
             ranking=tuple(ranking),
-            speed_trial=_trial(knobs, search.peak(knobs), base_speed, ranking),
+            speed_trial=_trial(knobs, search.peak(knobs), base_speed, ranking, search.host_peak(knobs)),
+            host_budget_bytes=None if host is None else host.budget_bytes,
+            host_peak_bytes=search.host_peak(knobs),
+            host_rejected=_rejected(search),
         )
     ranking, quality = search.best(knobs)
     fallback = None
     chosen_shape = shape
-    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable)) is not None:
+    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable, host)) is not None:
         fallback, chosen_shape, ranking = found
-    head = [
-        f"as written: predicted {_gib(search.peak(knobs))} > {_gib(limit)} ({_gib(budget_bytes)} "
-        f"less {margin:.0%})"
-    ]
+    head = [_as_written(search, knobs, budget_bytes, margin)]
     if not ranking:
         return _nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
     chosen = ranking[0]
@@ -245,6 +284,7 @@ def preflight(
         f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, "
         f"{_speed(chosen)} ({len(ranking)} fitting candidate(s) ranked by tokens/s)"
     )
+    reasons += _host_reasons(search, chosen.knobs)
     if fallback is not None:
         reasons.append(f"no config of {knobs.model} fits: QUALITY CHANGE, the fallback model {fallback}")
     elif quality:
@@ -263,8 +303,13 @@ def preflight(
         cost=round(cost, 4),
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
-        speed_trial=_trial(chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking),
+        speed_trial=_trial(
+            chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking, chosen.host_peak_bytes
+        ),
         fallback=fallback,
+        host_budget_bytes=None if host is None else host.budget_bytes,
+        host_peak_bytes=chosen.host_peak_bytes,
+        host_rejected=_rejected(search),
     )
 
 
@@ -274,6 +319,7 @@ def _fallback(
     targets: tuple[str, ...] | str,
     fallbacks: Sequence[tuple[str, ModelShape | None]],
     unusable: frozenset[str],
+    host: HostBudget | None,
 ) -> tuple[str, ModelShape, list[Ranked]] | None:
     """The first fallback model with a config that fits, and its ranking (uncalibrated: this host's
     measurements are of the job's model)."""
@@ -281,7 +327,9 @@ def _fallback(
         if shape is None:
             continue
         job = dataclasses.replace(knobs, model=model)
-        search = _Search(shape, knobs, limit, None, targets, None, frozenset(), unusable)
+        # The fallback's checkpoint is not read here: its size is its parameters in 16 bits.
+        own = None if host is None else dataclasses.replace(host, checkpoint_bytes=shape.params * 2)
+        search = _Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
         ranking, _ = search.best(job)
         if ranking:
             return model, shape, ranking
@@ -296,6 +344,8 @@ def _nothing_fits(
     head: list[str],
     fallbacks: Sequence[tuple[str, ModelShape | None]],
 ) -> PreflightResult:
+    if search.host_rejected:  # configs fitted the card: host memory is what nothing fits
+        return _nothing_fits_host(search, knobs, budget_bytes, margin, head)
     assert search.smallest is not None  # the job as written was predicted first
     peak, smallest = search.smallest
     need = int(peak * (1 + margin))
@@ -331,11 +381,95 @@ def _nothing_fits(
     )
 
 
+def _nothing_fits_host(
+    search: _Search, knobs: Knobs, budget_bytes: int, margin: float, head: list[str]
+) -> PreflightResult:
+    """Nothing that fits the card fits the host: the smallest host need among them, the host
+    budget, and what would fit (a larger host budget, or the card-only configs it would allow)."""
+    assert search.host is not None and search.host_limit is not None
+    host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
+    need = int(host_peak * (1 + margin))
+    phase = host_train_need(search.shape, smallest, search.host.checkpoint_bytes, search.targets).phase
+    what = "loading the model" if phase == "load" else "training the smallest"
+    text = (
+        f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
+        f"for a host of about {_gib(need + host_reserve(need))}), or a smaller model in model.fallbacks"
+    )
+    nothing = NothingFits(host_peak, smallest, search.host.budget_bytes, margin, text, host=True)
+    verdict = (
+        f"NOTHING FITS HOST MEMORY: {len(search.host_rejected)} config(s) fit the card, but {what} "
+        f"needs {_gib(host_peak)} of host RAM, the host budget is "
+        f"{_gib(search.host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
+    )
+    return PreflightResult(
+        knobs=smallest,
+        predicted=predict(search.shape, smallest, search.targets),
+        fits_as_written=False,
+        changes=knob_changes(knobs, smallest),
+        reasons=(*head, verdict),
+        quality_changed=True,
+        fits=False,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        cost=0.0,
+        nothing_fits=nothing,
+        host_budget_bytes=search.host.budget_bytes,
+        host_peak_bytes=host_peak,
+        host_rejected=_rejected(search),
+    )
+
+
+def _as_written(search: _Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
+    """Why the job as written does not start: the card, the host, or an earlier failure."""
+    limit = search.limit
+    if search.peak(knobs) > limit:
+        peak = _gib(search.peak(knobs))
+        return f"as written: predicted {peak} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
+    host = search.host_peak(knobs)
+    if host is not None and search.host_limit is not None and host > search.host_limit:
+        return (
+            f"as written: host peak {_gib(host)} > {_gib(search.host_limit)} (host budget "
+            f"{_gib(search.host.budget_bytes if search.host else 0)} less {margin:.0%})"
+        )
+    return f"as written: predicted {_gib(search.peak(knobs))} fits, but this config already failed"
+
+
+def _host_reasons(search: _Search, knobs: Knobs) -> list[str]:
+    """The host side of a choice: its training host peak against the host budget, and how many
+    candidates the host ruled out."""
+    host = search.host_peak(knobs)
+    if host is None or search.host is None:
+        return []
+    out = [f"host: training host peak {_gib(host)} fits the host budget {_gib(search.host.budget_bytes)}"]
+    if search.host_rejected:
+        smallest = min(search.host_rejected.values())
+        out.append(
+            f"host: {len(search.host_rejected)} config(s) that fit the card are no candidates: their host "
+            f"peak ({_gib(smallest)} or more) is over {_gib(search.host_limit or 0)}"
+        )
+    return out
+
+
+def _rejected(search: _Search) -> tuple[int, int | None]:
+    values = search.host_rejected.values()
+    return len(search.host_rejected), min(values) if values else None
+
+
+#: The speed trial skips a candidate predicted at less than this share of the chosen config's
+#: tokens/s: the model's error is well inside it, so such a candidate cannot win, and it is the
+#: slow one that eats the trial (H200: 599 predicted against 4,076 took 45 s of a 54 s trial).
+TRIAL_SLOWEST_SHARE = 0.5
+
+
 def _trial(
-    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked]
+    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked], host_peak: int | None = None
 ) -> tuple[TrialCandidate, ...]:
     """The chosen config and the fastest others that differ from it only in what changes without a
-    reload (micro-batch with its accumulation, checkpointing); empty when there is no other."""
+    reload (micro-batch with its accumulation, checkpointing); empty when there is no other.
+
+    Every candidate of the ranking fits both budgets (the host's too, where there is one); one
+    predicted at less than :data:`TRIAL_SLOWEST_SHARE` of the chosen config's speed is not timed.
+    """
 
     def reloadless(k: Knobs) -> Knobs:
         # The allocator setting is no training knob: candidates differ from the job's in it alone.
@@ -349,18 +483,28 @@ def _trial(
     seen = {timed(knobs)}
     others = []
     for r in ranking:
+        if r.tokens_per_s < tokens_per_s * TRIAL_SLOWEST_SHARE:
+            continue
         if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
             seen.add(timed(r.knobs))
             others.append(r)
     if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
         return ()
-    first = _candidate(knobs, tokens_per_s, peak)
-    return (first, *(_candidate(r.knobs, r.tokens_per_s, r.peak_bytes) for r in others[: TRIAL_SIZE - 1]))
+    first = _candidate(knobs, tokens_per_s, peak, host_peak)
+    rest = (
+        _candidate(r.knobs, r.tokens_per_s, r.peak_bytes, r.host_peak_bytes) for r in others[: TRIAL_SIZE - 1]
+    )
+    return (first, *rest)
 
 
-def _candidate(knobs: Knobs, tokens_per_s: float, peak: int) -> TrialCandidate:
+def _candidate(knobs: Knobs, tokens_per_s: float, peak: int, host_peak: int | None) -> TrialCandidate:
     return TrialCandidate(
-        knobs.micro_batch_size, knobs.grad_accum, knobs.gradient_checkpointing, round(tokens_per_s, 1), peak
+        knobs.micro_batch_size,
+        knobs.grad_accum,
+        knobs.gradient_checkpointing,
+        round(tokens_per_s, 1),
+        peak,
+        host_peak,
     )
 
 

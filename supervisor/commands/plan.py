@@ -1,4 +1,5 @@
-"""``qlora-supervise plan JOB [--gpu-memory 24GiB] [--json]``: where the memory will go, before training.
+"""``qlora-supervise plan JOB [--gpu-memory 24GiB] [--host-memory 32GiB] [--json]``: where the memory
+will go, on the card and on the host, before training.
 
 Reads the job, the model's ``config.json`` and its safetensors index / headers (never the
 weights: :mod:`qlora_supervise.supervisor.jobfile.model_files`), and prints the predicted peak by
@@ -12,6 +13,12 @@ The card, first match wins: ``--gpu-memory`` (the card's size), the job's ``gpu_
 card size the budget is the total less a reserve: the CUDA context (outside the allocator,
 ~600 MiB on an H200 with torch 2.11) and, with a paged optimizer, its unified-memory state,
 which lives on the card but outside the allocator too. The pre-flight then keeps an 8 % margin.
+
+The host, first match wins: the job's ``resources.host_memory_limit`` (the budget itself),
+``--host-memory`` (the host's size, less a reserve), the RAM available now (capped by the cgroup's
+limit, less a reserve). Every candidate must fit it too: its training host peak
+(:func:`qlora_supervise.policies.memory.host.host_train_need`) is in ``host.train_peak_bytes``
+for the start and in each ranked candidate's ``host_peak_bytes``.
 
 ``--json`` prints one object (schema ``qlora-supervise.plan/1``; all sizes in bytes)::
 
@@ -43,9 +50,12 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
                 "speed_trial": [{"micro_batch_size": int, "grad_accum": int,
                                  "gradient_checkpointing": bool, "predicted_tokens_per_s": float,
                                  "predicted_peak_bytes": int}],
+                "host_peak_bytes": int | null,     # its training host peak
                 "nothing_fits": {"smallest_peak_bytes": int, "budget_bytes": int,
-                                 "help": str, "message": str} | null} | null,
+                                 "help": str, "message": str,
+                                 "host": bool} | null} | null,   # host: host memory is short
       "ranking": [{"rank": int, "tokens_per_s": float, "measured": bool, "peak_bytes": int,
+                   "host_peak_bytes": int | null,
                    "cost_class": str, "rungs": [str], "changes": {knob: [old, new]}}],
                                          # every fitting candidate of the start's model, fastest first
                                          # (a foreign trainer's: of the rungs it can take)
@@ -56,13 +66,23 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
                                          # a foreign trainer: only the rungs its config can express
       "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
                "merge_peak_bytes": int | null, "available_bytes": int,
-               "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null}
+               "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null,
+               "budget_bytes": int | null,        # the host budget the candidates must fit
+               "budget_source": "job" | "flag" | "available" | null,
+               "reserve_bytes": int,
+               "train_peak_bytes": int | null,    # the start's host peak over the attempt (load or training)
+               "train_phase": "load" | "train" | null,  # where that peak is
+               "train_phase_bytes": int | null,   # the training phase alone: the sum of train_components
+               "train_components": {name: int},  # its terms (resident, offloaded_activations, ...)
+               "train_basis": str,
+               "rejected": int,                   # candidates that fit the card but not the host
+               "rejected_smallest_bytes": int | null}
     }
 
 Exit 0 when the plan was made (even when the job does not fit: that is the answer, and
 ``start.nothing_fits`` says what would help), 2 for a bad job file, an unreadable model directory
-or a bad ``--gpu-memory``. The ranking uses this host's measured speeds for the shape (the per-host
-store, ``supervise.calibration_store``) where it has some.
+or a bad ``--gpu-memory`` / ``--host-memory``. The ranking uses this host's measured speeds for
+the shape (the per-host store, ``supervise.calibration_store``) where it has some.
 """
 
 from __future__ import annotations
@@ -74,9 +94,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from qlora_supervise.policies import memory_model, preflight, throughput
-from qlora_supervise.policies.budget import card_budget, card_reserve
+from qlora_supervise.policies.budget import HostBudget, card_budget, card_reserve, host_budget
 from qlora_supervise.policies.memory import gpu as gpu_terms
-from qlora_supervise.policies.memory.host import HostNeed, host_need
+from qlora_supervise.policies.memory.host import HostNeed, host_need, host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
 from qlora_supervise.supervisor.commands.plan_text import render
@@ -107,6 +127,7 @@ class JobView:
     gpu_memory_limit: int | None
     cpu_memory_limit: int | None
     device: str
+    host_memory_limit: int | None
     merge: bool
     cannot_take: frozenset[str] = frozenset()  # rungs a foreign tool's config has no key for
     trainer: str = OWN  # whose speeds on this host rank the candidates (the per-host store)
@@ -123,6 +144,7 @@ def job_view(job: Job) -> JobView:
         gpu_memory_limit=job.resources.gpu_memory_limit,
         cpu_memory_limit=job.resources.cpu_memory_limit,
         device=job.resources.device,
+        host_memory_limit=job.resources.host_memory_limit,
         merge=job.train.merge,
         cannot_take=cannot_take(job.trainer),
         trainer=trainer_kind(job),
@@ -140,9 +162,13 @@ class Card:
 
 
 def plan_command(
-    job_path: str, gpu_memory: str | None = None, as_json: bool = False, out: TextIO = sys.stdout
+    job_path: str,
+    gpu_memory: str | None = None,
+    as_json: bool = False,
+    out: TextIO = sys.stdout,
+    host_memory: str | None = None,
 ) -> int:
-    plan = make_plan(job_path, gpu_memory)
+    plan = make_plan(job_path, gpu_memory, host_memory=host_memory)
     if as_json:
         print(json.dumps(plan, indent=2), file=out)
     else:
@@ -151,15 +177,20 @@ def plan_command(
     return 0
 
 
-def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -> dict[str, Any]:
+def make_plan(
+    job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
+) -> dict[str, Any]:
     """The plan as the JSON object documented above."""
     job = _load(job_path)
     view = job_view(job)
+    host_size = _size_flag("--host-memory", host_memory)
     files = _model_files(view.knobs.model)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
     as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
     card = find_card(gpu_memory, view, as_written, nvml)
+    checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
+    host = None if checkpoint is None else find_host(checkpoint, view, host_size)
     start = None
     speed = None if shape is None else _host_speeds(view, shape)
     if shape is not None and card.budget_bytes is not None:
@@ -172,10 +203,10 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
             speed=speed,
             fallbacks=fallbacks,
             unusable=view.cannot_take,
+            host=host,
         )
     effects = [] if shape is None else rung_effects(shape, view.knobs, view.targets, speed=speed)
     rungs = [effect for effect in effects if effect.name not in view.cannot_take]
-    checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
     return {
         "schema": SCHEMA,
         "job": str(Path(job_path).absolute()),
@@ -193,7 +224,10 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
         "start": None if start is None else _start(start),
         "ranking": [] if start is None else _ranking(view.knobs, start),
         "rungs": [_rung(r) for r in rungs],
-        "host": _host(checkpoint, files.largest_shard_bytes, view),
+        "host": {
+            **_host(checkpoint, files.largest_shard_bytes, view),
+            **_host_training(shape, view, host, start),
+        },
     }  # fmt: skip
 
 
@@ -242,6 +276,50 @@ def find_card(
     return Card("none", None, None, reserve, why, None)
 
 
+def find_host(checkpoint_bytes: int, view: JobView, host_size: int | None) -> HostBudget | None:
+    """The host budget (see the module docstring for the order); None on the CPU, where the
+    child's memory is the card's model's no longer (``cpu_memory_limit`` caps it there)."""
+    if view.device == "cpu":
+        return None
+    from qlora_supervise.supervisor.watching.host import host_room
+
+    available, cgroup = host_room()
+    return host_budget(checkpoint_bytes, available, cgroup, view.host_memory_limit, host_size)
+
+
+def _size_flag(flag: str, value: str | None) -> int | None:
+    """A size flag's bytes; a bad one is a bad command line (exit 2), named."""
+    if value is None:
+        return None
+    try:
+        return parse_memory_size(value)
+    except UnitError as error:
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{flag} {value!r}: {error}") from None
+
+
+def _host_training(
+    shape: ModelShape | None, view: JobView, host: HostBudget | None, start: preflight.PreflightResult | None
+) -> dict[str, Any]:
+    """The host budget and the start's training host peak by component, with its basis."""
+    need = None
+    if shape is not None and host is not None:
+        knobs = view.knobs if start is None else start.knobs
+        need = host_train_need(shape, knobs, host.checkpoint_bytes, view.targets)
+    rejected, smallest = (0, None) if start is None else start.host_rejected
+    return {
+        "budget_bytes": None if host is None else host.budget_bytes,
+        "budget_source": None if host is None else host.source,
+        "reserve_bytes": 0 if host is None else host.reserve_bytes,
+        "train_peak_bytes": None if need is None else need.peak_bytes,
+        "train_phase": None if need is None else need.phase,
+        "train_phase_bytes": None if need is None else need.train_peak,
+        "train_components": {} if need is None else dict(need.train_components),
+        "train_basis": "" if need is None else need.basis,
+        "rejected": rejected,
+        "rejected_smallest_bytes": smallest,
+    }
+
+
 def _prediction(knobs: Knobs, p: gpu_terms.Prediction) -> dict[str, Any]:
     return {
         "knobs": asdict(knobs),
@@ -267,11 +345,13 @@ def _start(r: preflight.PreflightResult) -> dict[str, Any]:
         "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
         "fallback": r.fallback,
         "speed_trial": [asdict(c) for c in r.speed_trial],
+        "host_peak_bytes": r.host_peak_bytes,
         "nothing_fits": None if r.nothing_fits is None else {
             "smallest_peak_bytes": r.nothing_fits.smallest_peak,
             "budget_bytes": r.nothing_fits.budget_bytes,
             "help": r.nothing_fits.help,
             "message": nothing_fits_text(r),
+            "host": r.nothing_fits.host,
         },
     }  # fmt: skip
 
@@ -283,6 +363,7 @@ def _ranking(job: Knobs, r: preflight.PreflightResult) -> list[dict[str, Any]]:
             "tokens_per_s": round(c.tokens_per_s, 1),
             "measured": c.measured,
             "peak_bytes": c.peak_bytes,
+            "host_peak_bytes": c.host_peak_bytes,
             "cost_class": c.cost_class.value,
             "rungs": list(c.rungs),
             "changes": {k: list(v) for k, v in preflight.knob_changes(job, c.knobs).items()},
