@@ -97,8 +97,9 @@ def nothing_fits_text(result: preflight.PreflightResult) -> str | None:
     if nothing.host:
         return (
             "HOST MEMORY: the smallest config that fits the card needs "
-            f"{format_bytes(nothing.smallest_peak)} of host RAM against a host budget of {format_bytes(nothing.budget_bytes)} (with the "
-            f"{nothing.margin:.0%} margin); what would fit: {nothing.help}"
+            f"{format_bytes(nothing.smallest_peak)} of host RAM against a host budget of "
+            f"{format_bytes(nothing.budget_bytes)} (with the {nothing.margin:.0%} margin); "
+            f"what would fit: {nothing.help}"
         )
     return (
         f"the smallest config of every rung peaks at {format_bytes(nothing.smallest_peak)} "
