@@ -57,6 +57,7 @@ def first_plan(
         speed=speed,
         fallbacks=settings.fallback_shapes,
         unusable=settings.cannot_take,  # a foreign tool's config has no key for these
+        host=settings.host,  # and every candidate fits the host (issue 28)
     )
     if as_written:
         reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)
