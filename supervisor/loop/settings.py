@@ -9,6 +9,8 @@ from pathlib import Path
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.budget import HostBudget, card_budget, host_budget
+from qlora_supervise.policies.climb import for_model
+from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.policies.throughput import SpeedObservation
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicted_fit
@@ -70,6 +72,14 @@ def policy_settings(job: Job) -> policy.Settings:
         cannot_take=cannot_take(job.trainer),
         host=job_host_budget(job, shape),
     )
+
+
+def predicted_host(settings: policy.Settings, knobs: Knobs) -> int | None:
+    """The host model's training-phase host peak for ``knobs`` (None: no shape or host budget)."""
+    own = for_model(settings, knobs.model)  # a fallback model's own shape
+    if own.shape is None or own.host is None:
+        return None
+    return host_train_need(own.shape, knobs, own.host.checkpoint_bytes).train_peak
 
 
 def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
