@@ -8,6 +8,7 @@ under :func:`activation_context`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,9 +59,12 @@ def offloads(tensor: torch.Tensor) -> bool:
     Parameters stay (torchtune's OffloadActivations leaves them too): a frozen weight that an op
     saves, such as the LM head's in trl's fused loss, would otherwise be copied to the host and back
     on every micro-step, gigabytes at a 128k vocabulary, for no memory gained (it stays resident).
+    So do views of them (``F.linear`` saves ``weight.t()``, a view whose base is the parameter).
     Tensors already on the host, and tiny ones, stay as well.
     """
-    if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "cpu":
+    if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        return False
+    if tensor.device.type == "cpu":
         return False
     return tensor.numel() * tensor.element_size() >= MIN_OFFLOAD_BYTES
 
@@ -148,10 +152,19 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, pool: HostBuffers) -> None:
+        # The same tensor saved by two ops (an RMSNorm's input: by its square and by its product)
+        # is copied once: while the tensor lives, its first copy is handed out again.
+        seen: dict[int, tuple[weakref.ref[torch.Tensor], _Offloaded]] = {}
+
         def pack(tensor: torch.Tensor) -> Any:
             if not offloads(tensor) or in_backward():
                 return tensor
-            return _Offloaded(pool, tensor)
+            earlier = seen.get(id(tensor))
+            if earlier is not None and earlier[0]() is tensor:
+                return earlier[1]
+            packed = _Offloaded(pool, tensor)
+            seen[id(tensor)] = (weakref.ref(tensor), packed)
+            return packed
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
