@@ -165,9 +165,10 @@ def plan_command(
     job_path: str,
     gpu_memory: str | None = None,
     as_json: bool = False,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     host_memory: str | None = None,
 ) -> int:
+    out = out or sys.stdout  # read at the call: a captured stdout is the one to print to
     plan = make_plan(job_path, gpu_memory, host_memory=host_memory)
     if as_json:
         print(json.dumps(plan, indent=2), file=out)
