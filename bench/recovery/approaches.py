@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import gpu_ladder
-
 from recovery import jobs
 from recovery.launch import Launch, launch
 from recovery.scenarios import Scenario

@@ -25,7 +25,6 @@ from typing import Any
 # bench/ is on sys.path: run.py and report.py put it there before importing this package.
 import gpu_ladder
 import memory_grid
-
 from recovery.scenarios import Scenario
 
 #: Words per short row of the long-row dataset (the counting rows of gpu_ladder add ~64 more).

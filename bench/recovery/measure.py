@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import gpu_ladder
-
 from recovery.scenarios import Scenario
 
 

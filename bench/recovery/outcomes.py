@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import gpu_ladder
-
 from recovery import measure
 from recovery.measure import Attempt
 from recovery.overhead import spare_windows, split_by_windows

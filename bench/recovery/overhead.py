@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import gpu_ladder
-
 from recovery import approaches, measure
 from recovery.approaches import Place
 

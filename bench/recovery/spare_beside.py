@@ -34,14 +34,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_ladder
-
-from qlora_supervise.supervisor.loop.child import ChildProcess
 from recovery import assets, jobs
 from recovery.approaches import attempt_env, write_spec
 from recovery.keep import keep_journals
 from recovery.measure import step_log
 from recovery.overhead import Steps, interval, split_by_windows, steps_of
 from recovery.scenarios import SCENARIOS, TINY_SCENARIOS, steady
+
+from qlora_supervise.supervisor.loop.child import ChildProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

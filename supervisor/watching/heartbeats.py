@@ -114,6 +114,7 @@ class HeartbeatReader:
             # and the child reset its allocator's peak after it: the attempt's peak is the load's and
             # then the training's, not a candidate's it did not train with.
             p.peak_bytes = p.setup_peak
+            p.host_peak = None  # and its host high-water mark restarts (the child resets VmHWM)
         p.events.append(event)
 
 
