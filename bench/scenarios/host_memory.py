@@ -1,6 +1,7 @@
 """Host memory in the plan (issue 28): offload jobs of four families, four at a time on one host.
 
     python -m bench.scenarios.host_memory --out OUT [--work /tmp/memory_grid]   # H200, ~6 min
+    python -m bench.scenarios.host_memory --out OUT --set greedy                # H200, ~3 min
     python -m bench.scenarios.host_memory --out /tmp/hm --tiny --only qwen3     # the pipeline on the CPU
 
 Each job is written as a user writes it (micro-batch 4 or 2, no checkpointing, 32-bit AdamW) on an
@@ -16,6 +17,11 @@ measured RSS high-water mark in training (the child restarts VmHWM after the loa
 speed trial, so it is training's own), and the load's predicted peak against its measured one; each
 speed-trial candidate's measured host peak against its prediction; the machine's used RAM at its
 highest while the four ran. And the plan's answer for the 8 GB-card user (Llama-3-8B, seq 2048).
+
+``--set greedy``: the job that took the host before issue 28 (Llama-3-8B shape, seq 4096,
+micro-batch 4, no checkpointing, 32-bit AdamW, an 8 GiB card) with no host limit in the job: the
+budget is what the machine has available less a reserve, and the run must start, trial and train
+without offloading every activation of a micro-batch.
 
 Writes ``OUT/results.json`` and ``OUT/table.txt`` (each run's journal stays under ``--work``). Not a test.
 """
@@ -54,7 +60,7 @@ class Job:
     family: str
     shape: str
     cap: str
-    host_limit: str
+    host_limit: str | None  # None: the run's default (available now, less a reserve)
     seq: int = 2048
     micro: int = 4
     effective: int = 8
@@ -70,6 +76,8 @@ JOBS = (
     Job("phi3-mini-5GiB", "phi3", "phi3-mini", "5GiB", "10GiB"),
     Job("gemma3-1b-3GiB", "gemma3", "gemma3-1b", "3GiB", "5GiB", seq=4096, micro=2),
 )
+GREEDY = (Job("llama3-8b-s4096-8GiB", "llama", "8b-128k", "8GiB", None, seq=4096, effective=16),)
+SETS = {"families": JOBS, "greedy": GREEDY}
 
 
 def write_job(job: Job, assets: Path, run_dir: Path, tiny: bool, max_steps: int) -> Path:
@@ -77,7 +85,8 @@ def write_job(job: Job, assets: Path, run_dir: Path, tiny: bool, max_steps: int)
     if tiny:
         resources = "{gpu: cpu}"
     else:
-        resources = f"{{gpu: cuda:0, gpu_memory_limit: {job.cap}, host_memory_limit: {job.host_limit}}}"
+        host = "" if job.host_limit is None else f", host_memory_limit: {job.host_limit}"
+        resources = f"{{gpu: cuda:0, gpu_memory_limit: {job.cap}{host}}}"
     text = f"""\
 model: {{path: {assets / "model"}}}
 data: {{path: {assets / "data.jsonl"}, text_field: text}}
@@ -274,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the pipeline only")
     p.add_argument("--only", nargs="+", metavar="FAMILY", help="these families' jobs alone")
+    p.add_argument("--set", choices=tuple(SETS), default="families")
     args = p.parse_args(argv)
     start = time.monotonic()
-    jobs = tuple(j for j in JOBS if not args.only or j.family in args.only)
+    jobs = tuple(j for j in SETS[args.set] if not args.only or j.family in args.only)
     shapes = sorted({j.shape for j in jobs})
     print(
         "build:",
@@ -313,13 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         "total_gib": _gib(before.total),
         "used_before_gib": _gib(before.total - before.available),
         "used_peak_gib": _gib(used.peak),
-        "limits_gib": sum(int(j.host_limit.removesuffix("GiB")) for j in jobs),
+        "limits_gib": sum(int(j.host_limit.removesuffix("GiB")) for j in jobs if j.host_limit),
     }
-    user = _eight_gb_user(args.work, runs)
+    user = _eight_gb_user(args.work, runs) if args.set == "families" else {}
     (args.out / "results.json").write_text(
         json.dumps({"jobs": rows, "machine": machine, "eight_gb_user": user}, indent=2), encoding="utf-8"
     )
-    lines = [*table(rows, machine), f"8 GB-card user (Llama-3-8B, seq 2048): {user.get('summary')}"]
+    lines = table(rows, machine)
+    if user:
+        lines.append(f"8 GB-card user (Llama-3-8B, seq 2048): {user.get('summary')}")
     (args.out / "table.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     print(f"total {time.monotonic() - start:.0f} s")

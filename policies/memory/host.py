@@ -111,19 +111,27 @@ def pinned(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
+def residual_bytes(shape: ModelShape, knobs: Knobs) -> int:
+    """Bytes per value of the residual stream, what a checkpointed block's input is saved in: fp32,
+    except a family whose norms keep their input's dtype (Gemma) with the bf16 embeddings."""
+    keeps = shape.block is not None and shape.block.norm_keeps_dtype
+    return 2 if keeps and knobs.bf16_head else FP32
+
+
 def offloaded_bytes(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, pin: bool = True
 ) -> int:
     """Host bytes activation offload holds at the end of one micro-step's forward (0 when off).
 
-    With checkpointing each block's fp32 input (one ``tokens x hidden`` tensor a block); without it
+    With checkpointing each block's input (one ``tokens x hidden`` tensor a block, in the residual
+    stream's dtype: :func:`residual_bytes`); without it
     every block's saved activations, rounded as its hidden-wide tensors are. Outside the blocks:
     the final norm's fp32 input and the fused head's gathered fp32 hidden states.
     """
     if not knobs.activation_offload:
         return 0
     tokens = knobs.micro_batch_size * knobs.max_seq_len
-    hidden = tokens * shape.hidden * FP32
+    hidden = tokens * shape.hidden * residual_bytes(shape, knobs)
     block_input = pinned(hidden) if pin else hidden
     if knobs.gradient_checkpointing:
         blocks = shape.layers * block_input
