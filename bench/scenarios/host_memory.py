@@ -23,6 +23,11 @@ micro-batch 4, no checkpointing, 32-bit AdamW, an 8 GiB card) with no host limit
 budget is what the machine has available less a reserve, and the run must start, trial and train
 without offloading every activation of a micro-batch.
 
+``--load-split``: what the load's RSS peak is made of, for the 8B (the 8 GB-card user's model):
+the recipe's own 4-bit load in a child process that reads /proc/self/status every 20 ms, peak
+``RssAnon`` (what the process allocated) and ``RssFile`` (the checkpoint's mapped pages, which the
+kernel can drop and read again) apart.
+
 Writes ``OUT/results.json`` and ``OUT/table.txt`` (each run's journal stays under ``--work``). Not a test.
 """
 
@@ -37,6 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -284,7 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the pipeline only")
     p.add_argument("--only", nargs="+", metavar="FAMILY", help="these families' jobs alone")
     p.add_argument("--set", choices=tuple(SETS), default="families")
+    p.add_argument("--load-split", metavar="SHAPE", help="measure the load's RSS by kind for this shape")
     args = p.parse_args(argv)
+    if args.load_split:
+        memory_grid.build_all([args.load_split], args.work, False, 4096)
+        split = load_split(str(args.work / args.load_split / "model"))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"load-split-{args.load_split}.json").write_text(json.dumps(split, indent=2) + "\n")
+        print(json.dumps(split))
+        return 0
     start = time.monotonic()
     jobs = tuple(j for j in SETS[args.set] if not args.only or j.family in args.only)
     shapes = sorted({j.shape for j in jobs})
@@ -336,6 +350,38 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"total {time.monotonic() - start:.0f} s")
     return 0
+
+
+def load_split(model: str) -> dict[str, Any]:
+    """The recipe's 4-bit load of ``model`` on this card, sampling /proc/self/status from a thread:
+    the peaks of RssAnon, RssFile and VmHWM, in GiB (runs in its own process: fresh counters)."""
+    import torch
+
+    from qlora_supervise.trainer_child.contract.spec import TrainSpec
+    from qlora_supervise.trainer_child.recipe.qlora import load_model
+
+    peaks = {"RssAnon": 0, "RssFile": 0, "VmHWM": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            with open("/proc/self/status", encoding="ascii") as handle:
+                for line in handle:
+                    key = line.split(":")[0]
+                    if key in peaks:
+                        peaks[key] = max(peaks[key], int(line.split()[1]) * 1024)
+
+    knobs = Knobs(model=model, bf16_head=True)
+    # What load_model reads of an attempt's spec: the knobs, trust_remote_code, the GPU cap.
+    spec: Any = SimpleNamespace(knobs=knobs, train=TrainSpec(), gpu_memory_limit=None)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    began = time.monotonic()
+    load_model(spec, torch.bfloat16, on_cuda=True)
+    seconds = time.monotonic() - began
+    done.set()
+    thread.join()
+    return {**{k: _gib(v) for k, v in peaks.items()}, "load_s": round(seconds, 1)}
 
 
 def _eight_gb_user(work: Path, runs: Path) -> dict[str, Any]:
