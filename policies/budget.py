@@ -46,6 +46,7 @@ class HostBudget:
     checkpoint_bytes: int
     source: str
     reserve_bytes: int = 0
+    largest_shard_bytes: int | None = None  # the checkpoint's largest file (None: not known)
 
 
 def host_reserve(total_bytes: int) -> int:
@@ -59,14 +60,16 @@ def host_budget(
     cgroup_limit: int | None = None,
     job_limit: int | None = None,
     host_size: int | None = None,
+    largest_shard_bytes: int | None = None,
 ) -> HostBudget:
     """The host budget, first match wins: the job's ``host_memory_limit``; a stated host size
     (``--host-memory``) less the reserve; what is available now, capped by the cgroup, less it."""
+    shard = largest_shard_bytes or None
     if job_limit is not None:
-        return HostBudget(job_limit, checkpoint_bytes, "job")
+        return HostBudget(job_limit, checkpoint_bytes, "job", 0, shard)
     if host_size is not None:
         reserve = host_reserve(host_size)
-        return HostBudget(max(0, host_size - reserve), checkpoint_bytes, "flag", reserve)
+        return HostBudget(max(0, host_size - reserve), checkpoint_bytes, "flag", reserve, shard)
     room = available_bytes if cgroup_limit is None else min(available_bytes, cgroup_limit)
     reserve = host_reserve(room)
-    return HostBudget(max(0, room - reserve), checkpoint_bytes, "available", reserve)
+    return HostBudget(max(0, room - reserve), checkpoint_bytes, "available", reserve, shard)

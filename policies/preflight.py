@@ -158,7 +158,10 @@ class _Search:
         if self.host is None:
             return None
         if knobs not in self._host_peaks:
-            need = host_train_need(self.shape, knobs, self.host.checkpoint_bytes, self.targets)
+            host = self.host
+            need = host_train_need(
+                self.shape, knobs, host.checkpoint_bytes, self.targets, host.largest_shard_bytes
+            )
             self._host_peaks[knobs] = need.peak_bytes
         return self._host_peaks[knobs]
 
@@ -328,7 +331,11 @@ def _fallback(
             continue
         job = dataclasses.replace(knobs, model=model)
         # The fallback's checkpoint is not read here: its size is its parameters in 16 bits.
-        own = None if host is None else dataclasses.replace(host, checkpoint_bytes=shape.params * 2)
+        own = (
+            None
+            if host is None
+            else dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
+        )
         search = _Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
         ranking, _ = search.best(job)
         if ranking:
@@ -389,7 +396,10 @@ def _nothing_fits_host(
     assert search.host is not None and search.host_limit is not None
     host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
     need = int(host_peak * (1 + margin))
-    phase = host_train_need(search.shape, smallest, search.host.checkpoint_bytes, search.targets).phase
+    host = search.host
+    phase = host_train_need(
+        search.shape, smallest, host.checkpoint_bytes, search.targets, host.largest_shard_bytes
+    ).phase
     what = "loading the model" if phase == "load" else "training the smallest"
     text = (
         f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "

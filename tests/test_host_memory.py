@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_plan import LLAMA3_8B, make_job
+from test_plan import LLAMA3_8B, write_safetensors
 
 from qlora_supervise.policies import preflight
 from qlora_supervise.policies.budget import HostBudget, host_budget, host_reserve
@@ -42,8 +42,25 @@ GREEDY = Knobs(
 )
 
 
-def _user_job(tmp_path: Path, extra: str = "") -> Path:
-    job = make_job(tmp_path, LLAMA3_8B)
+def _user_job(tmp_path: Path, extra: str = "", shards: int = 0) -> Path:
+    """The user's job on a config.json-only model directory (no download: the checkpoint's size is
+    its parameters in 16 bits and its shards are unknown), or with ``shards`` header-only
+    safetensors files of about 4.2 GB each, as the released Llama-3-8B is cut (4 files of up to 5 GB)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    weight_map = {}
+    for n in range(shards):
+        name = f"model-{n + 1:05d}-of-{shards:05d}.safetensors"
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj")  # named as the targets are; sized to fill
+        tensors = {f"model.layers.{n}.self_attn.{p}.weight": ("BF16", [128256, 4096]) for p in projections}
+        write_safetensors(model / name, tensors)
+        weight_map.update(dict.fromkeys(tensors, name))
+    if shards:
+        index = {"metadata": {"total_size": shards * 4 * 128256 * 4096 * 2}, "weight_map": weight_map}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    job = tmp_path / "job.yaml"
     job.write_text(
         "model: {path: model}\ndata: {path: data.jsonl}\n"
         "train: {max_seq_len: 2048, micro_batch_size: 1, effective_batch_size: 16,"
@@ -73,10 +90,15 @@ def test_offloaded_activations_with_checkpointing_are_the_block_inputs_in_pinned
     assert pinned(1) == 1 and pinned(1025) == 2048 and pinned(0) == 0
 
 
-def test_the_host_need_is_the_larger_of_the_load_and_training() -> None:
-    """A small offload peaks at the load (the checkpoint's pages); the greedy offload in training."""
+def test_the_host_need_is_the_larger_of_the_loads_and_trainings() -> None:
+    """The load needs the imports and its largest shard in the page cache (the whole checkpoint when
+    the shards are unknown), while its RSS peak (the mapped checkpoint) is reported as measured; a
+    small offload needs most at the load, the greedy offload in training."""
     small = host_train_need(SHAPE, dataclasses.replace(USER, activation_offload=True), CHECKPOINT)
-    assert small.phase == "load" and small.peak_bytes == small.load_peak > 15 * GiB
+    assert small.phase == "load" and small.peak_bytes == small.load_need > 15 * GiB
+    sharded = host_train_need(SHAPE, USER, CHECKPOINT, largest_shard_bytes=5_000_000_000)
+    assert sharded.load_need == 1_600_000_000 + 5_000_000_000 and sharded.peak_bytes < 7 * GiB
+    assert sharded.load_peak == small.load_peak > 15 * GiB  # the RSS, mapped pages included
     assert small.train_components["resident"] == TRAIN_RESIDENT_RSS
     assert small.train_peak == sum(small.train_components.values())
     greedy = host_train_need(SHAPE, dataclasses.replace(GREEDY, activation_offload=True), CHECKPOINT)
@@ -157,6 +179,18 @@ def test_plan_host_memory_24gib_starts_from_a_config_whose_training_host_peak_fi
     assert plan["ranking"] and all(
         r["host_peak_bytes"] <= host["budget_bytes"] / 1.08 for r in plan["ranking"]
     )
+
+
+def test_plan_with_the_released_shards_fits_a_16gib_host(tmp_path: Path) -> None:
+    """With the checkpoint cut in 4 GB files, the 8 GB-card user's 16 GiB PC fits: the load needs
+    one shard in the page cache, training 3 GiB with offload; the plan says which phase peaks."""
+    job = _user_job(tmp_path, shards=4)
+    out = io.StringIO()
+    plan_command(str(job), gpu_memory="8GiB", as_json=True, out=out, host_memory="16GiB")
+    plan = json.loads(out.getvalue())
+    assert plan["start"]["fits"] and plan["start"]["knobs"]["activation_offload"]
+    host = plan["host"]
+    assert host["train_peak_bytes"] < 7 * GiB < 15 * GiB < host["load_peak_bytes"]
 
 
 def test_plan_host_memory_4gib_refuses_naming_host_memory(

@@ -78,19 +78,24 @@ INT64 = 8
 
 @dataclass(frozen=True)
 class HostTrainNeed:
-    """Host RAM one training config needs: the load's peak RSS, the training phase's by component,
-    and the larger of the two (``peak_bytes``, what the host budget must hold).
+    """Host RAM one training config needs (bytes): the load's peak RSS (``load_peak``, as measured),
+    what of the load the host must hold (``load_need``), the training phase's by component, and the
+    larger of the last two (``peak_bytes``, what the host budget must hold).
 
-    Most of the load's peak is the checkpoint's pages mapped from the file (safetensors), which the
-    kernel could reclaim; it is held to the budget all the same, as measured, because a host that
-    cannot keep them streams the checkpoint from disk at every page fault and the child's RSS was
-    measured there (14.6 GB for a 7B). What training holds is anonymous: pinned buffers cannot
-    even be swapped.
+    The load's RSS peak is almost all the checkpoint's pages mapped from its files (safetensors):
+    on the H200 the 8B's 16.01 GiB peak was 15.28 GiB of file-backed pages and 0.62 GiB anonymous,
+    the 4B's 8.55 GiB 7.85 and 0.62 (bench/results/host-memory-h200-2026-12-04/). Clean file pages
+    are what the kernel drops first under pressure, and reads again: they never bring the OOM
+    killer. So the load needs the imports and the shard being read in the page cache
+    (:data:`IMPORTS_RSS` + the largest shard; the whole checkpoint when its shards are not known),
+    not the whole checkpoint. What training holds is anonymous, and pinned buffers cannot even be
+    swapped: that is the budget's.
     """
 
     load_peak: int
     train_components: Mapping[str, int] = field(default_factory=dict)
     basis: str = ""
+    load_need: int = 0
 
     @property
     def train_peak(self) -> int:
@@ -98,12 +103,12 @@ class HostTrainNeed:
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.load_peak, self.train_peak)
+        return max(self.load_need, self.train_peak)
 
     @property
     def phase(self) -> str:
-        """Where the host peak is: ``load`` or ``train``."""
-        return "load" if self.load_peak >= self.train_peak else "train"
+        """Where the host need peaks: ``load`` or ``train``."""
+        return "load" if self.load_need >= self.train_peak else "train"
 
 
 def pinned(nbytes: int) -> int:
@@ -146,8 +151,10 @@ def host_train_need(
     knobs: Knobs,
     checkpoint_bytes: int,
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    largest_shard_bytes: int | None = None,
 ) -> HostTrainNeed:
-    """The host RAM of training ``shape`` with ``knobs`` (see the comment above the constants)."""
+    """The host RAM of training ``shape`` with ``knobs`` (see the comment above the constants);
+    ``largest_shard_bytes``: the checkpoint's largest file (None or 0: not known, the whole of it)."""
     batch = knobs.micro_batch_size * knobs.max_seq_len * INT64
     components = {
         "resident": TRAIN_RESIDENT_RSS,
@@ -158,9 +165,11 @@ def host_train_need(
     basis = (
         f"training: {TRAIN_RESIDENT_RSS / 1e9:.2f} GB resident (H200, 7B/8B children) + offloaded "
         "activations (one micro-step's, in reused pinned buffers, each rounded up to a power of two) "
-        "+ paged optimizer state (may page to the host) + the data loader's pinned batch; the peak is "
-        f"the larger of that and the load (imports + {LOAD_PER_CHECKPOINT_BYTE:.2f} x the 16-bit checkpoint)"
+        "+ paged optimizer state (may page to the host) + the data loader's pinned batch; the need is "
+        "the larger of that and the load's: imports + the largest shard in the page cache (the load's "
+        "RSS peak is the checkpoint's file-backed pages, which the kernel reclaims: H200, 8B, 15.3 of "
+        "16.0 GiB)"
     )
-    return HostTrainNeed(
-        host_need(checkpoint_bytes).load_peak, {k: v for k, v in components.items() if v}, basis
-    )
+    load_need = IMPORTS_RSS + (largest_shard_bytes or checkpoint_bytes)
+    terms = {k: v for k, v in components.items() if v}
+    return HostTrainNeed(host_need(checkpoint_bytes).load_peak, terms, basis, load_need)

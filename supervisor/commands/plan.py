@@ -70,8 +70,9 @@ for the start and in each ranked candidate's ``host_peak_bytes``.
                "budget_bytes": int | null,        # the host budget the candidates must fit
                "budget_source": "job" | "flag" | "available" | null,
                "reserve_bytes": int,
-               "train_peak_bytes": int | null,    # the start's host peak over the attempt (load or training)
-               "train_phase": "load" | "train" | null,  # where that peak is
+               "train_peak_bytes": int | null,    # the start's host need: training's, or the load's
+                                                  # (imports + the largest shard in the page cache)
+               "train_phase": "load" | "train" | null,  # which of the two it is
                "train_phase_bytes": int | null,   # the training phase alone: the sum of train_components
                "train_components": {name: int},  # its terms (resident, offloaded_activations, ...)
                "train_basis": str,
@@ -191,7 +192,7 @@ def make_plan(
     as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
     card = find_card(gpu_memory, view, as_written, nvml)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
-    host = None if checkpoint is None else find_host(checkpoint, view, host_size)
+    host = None if checkpoint is None else find_host(checkpoint, view, host_size, files.largest_shard_bytes)
     start = None
     speed = None if shape is None else _host_speeds(view, shape)
     if shape is not None and card.budget_bytes is not None:
@@ -277,7 +278,9 @@ def find_card(
     return Card("none", None, None, reserve, why, None)
 
 
-def find_host(checkpoint_bytes: int, view: JobView, host_size: int | None) -> HostBudget | None:
+def find_host(
+    checkpoint_bytes: int, view: JobView, host_size: int | None, largest_shard_bytes: int = 0
+) -> HostBudget | None:
     """The host budget (see the module docstring for the order); None on the CPU, where the
     child's memory is the card's model's no longer (``cpu_memory_limit`` caps it there)."""
     if view.device == "cpu":
@@ -285,7 +288,9 @@ def find_host(checkpoint_bytes: int, view: JobView, host_size: int | None) -> Ho
     from qlora_supervise.supervisor.watching.host import host_room
 
     available, cgroup = host_room()
-    return host_budget(checkpoint_bytes, available, cgroup, view.host_memory_limit, host_size)
+    return host_budget(
+        checkpoint_bytes, available, cgroup, view.host_memory_limit, host_size, largest_shard_bytes
+    )
 
 
 def _size_flag(flag: str, value: str | None) -> int | None:
@@ -305,7 +310,7 @@ def _host_training(
     need = None
     if shape is not None and host is not None:
         knobs = view.knobs if start is None else start.knobs
-        need = host_train_need(shape, knobs, host.checkpoint_bytes, view.targets)
+        need = host_train_need(shape, knobs, host.checkpoint_bytes, view.targets, host.largest_shard_bytes)
     rejected, smallest = (0, None) if start is None else start.host_rejected
     return {
         "budget_bytes": None if host is None else host.budget_bytes,

@@ -124,7 +124,7 @@ def _render_host_training(host: dict[str, Any]) -> list[str]:
     if host["train_peak_bytes"] is not None:
         terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in host["train_components"].items())
         lines.append(
-            f"host peak of the start: {format_bytes(host['train_peak_bytes'])} (at {host['train_phase']}); "
+            f"host need of the start: {format_bytes(host['train_peak_bytes'])} (at {host['train_phase']}); "
             f"training itself {format_bytes(host['train_phase_bytes'])} ({terms})"
         )
         lines.append(f"  basis: {host['train_basis']}")

@@ -89,11 +89,13 @@ def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
     if shape is None or job.resources.device == "cpu":
         return None
     try:
-        checkpoint = model_files.read_model_files(job.knobs.model).checkpoint_bytes
+        files = model_files.read_model_files(job.knobs.model)
+        checkpoint, shard = files.checkpoint_bytes, files.largest_shard_bytes
     except model_files.ModelFilesError:
-        checkpoint = None
+        checkpoint, shard = None, 0
     available, cgroup = host_room()
-    return host_budget(checkpoint or shape.params * 2, available, cgroup, job.resources.host_memory_limit)
+    limit = job.resources.host_memory_limit
+    return host_budget(checkpoint or shape.params * 2, available, cgroup, limit, largest_shard_bytes=shard)
 
 
 def remember_attempt(
