@@ -37,9 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies import throughput
-from qlora_supervise.policies.budget import HostBudget, card_reserve, host_reserve
+from qlora_supervise.policies.budget import HostBudget
 from qlora_supervise.policies.candidates import (
-    DEEPEST_CUT_BEFORE_FALLBACK,
     RUNG_CLASSES,
     RUNG_OF_KNOB,
     CostClass,
@@ -53,64 +52,28 @@ from qlora_supervise.policies.candidates import (
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.nothing_fits import nothing_fits, rejected
+from qlora_supervise.policies.preflight_result import NothingFits, PreflightResult, Ranked, knob_changes
+from qlora_supervise.policies.preflight_result import gib as _gib
 from qlora_supervise.policies.rungs import STATIC_RUNGS
+from qlora_supervise.policies.trial_pick import TRIAL_SIZE, TRIAL_SLOWEST_SHARE, trial_candidates
 from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+
+__all__ = [
+    "DEFAULT_MARGIN",
+    "TRIAL_SIZE",
+    "TRIAL_SLOWEST_SHARE",
+    "NothingFits",
+    "PreflightResult",
+    "Ranked",
+    "fit_limit",
+    "knob_changes",
+    "preflight",
+    "scaled_peak",
+]
 
 DEFAULT_MARGIN = 0.08
-#: The speed trial times at most this many candidates, the chosen one first.
-TRIAL_SIZE = 3
 _CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
-
-
-@dataclass(frozen=True)
-class Ranked:
-    """One fitting candidate: its knobs, the rungs it takes, predicted peak and tokens/s."""
-
-    knobs: Knobs
-    rungs: tuple[str, ...]
-    peak_bytes: int
-    tokens_per_s: float
-    measured: bool  # tokens/s from this host's or run's measurements (else the model's)
-    cost_class: CostClass  # the dearest class among its rungs (free with none)
-    host_peak_bytes: int | None = None  # its training host peak (None: no host budget to plan with)
-
-
-@dataclass(frozen=True)
-class NothingFits:
-    """No config of the job's model, nor of a fallback, is predicted to fit."""
-
-    smallest_peak: int
-    smallest_knobs: Knobs
-    budget_bytes: int
-    margin: float
-    help: str
-    host: bool = False  # True: host memory is what nothing fits (the figures are the host's)
-
-
-@dataclass(frozen=True)
-class PreflightResult:
-    """The knobs attempt 1 should run with, and why."""
-
-    knobs: Knobs
-    predicted: Prediction
-    fits_as_written: bool
-    changes: dict[str, tuple[Any, Any]]
-    reasons: tuple[str, ...]
-    quality_changed: bool
-    fits: bool  # False: nothing the pre-flight may change is predicted to fit (see nothing_fits)
-    budget_bytes: int
-    margin: float
-    cost: float  # predicted share of tokens/s lost against the job as written (negative: faster)
-    tokens_per_s: float | None = None  # predicted (or measured) for ``knobs``
-    ranking: tuple[Ranked, ...] = ()  # every fitting candidate of the chosen model, fastest first
-    speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
-    fallback: str | None = None  # the fallback model started instead of the job's
-    nothing_fits: NothingFits | None = None
-    host_budget_bytes: int | None = None  # the host budget planned against (None: none)
-    host_peak_bytes: int | None = None  # the chosen config's training host peak
-    # Candidates that fit the card but not the host: how many, and the smallest host need of them.
-    host_rejected: tuple[int, int | None] = (0, None)
 
 
 def scaled_peak(prediction: Prediction, scale: float | None) -> int:
@@ -268,10 +231,12 @@ def preflight(
             cost=0.0,
             tokens_per_s=base_speed,
             ranking=tuple(ranking),
-            speed_trial=_trial(knobs, search.peak(knobs), base_speed, ranking, search.host_peak(knobs)),
+            speed_trial=trial_candidates(
+                knobs, search.peak(knobs), base_speed, ranking, search.host_peak(knobs)
+            ),
             host_budget_bytes=None if host is None else host.budget_bytes,
             host_peak_bytes=search.host_peak(knobs),
-            host_rejected=_rejected(search),
+            host_rejected=rejected(search),
         )
     ranking, quality = search.best(knobs)
     fallback = None
@@ -280,7 +245,7 @@ def preflight(
         fallback, chosen_shape, ranking = found
     head = [_as_written(search, knobs, budget_bytes, margin)]
     if not ranking:
-        return _nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
+        return nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
@@ -306,13 +271,13 @@ def preflight(
         cost=round(cost, 4),
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
-        speed_trial=_trial(
+        speed_trial=trial_candidates(
             chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking, chosen.host_peak_bytes
         ),
         fallback=fallback,
         host_budget_bytes=None if host is None else host.budget_bytes,
         host_peak_bytes=chosen.host_peak_bytes,
-        host_rejected=_rejected(search),
+        host_rejected=rejected(search),
     )
 
 
@@ -341,92 +306,6 @@ def _fallback(
         if ranking:
             return model, shape, ranking
     return None
-
-
-def _nothing_fits(
-    search: _Search,
-    knobs: Knobs,
-    budget_bytes: int,
-    margin: float,
-    head: list[str],
-    fallbacks: Sequence[tuple[str, ModelShape | None]],
-) -> PreflightResult:
-    if search.host_rejected:  # configs fitted the card: host memory is what nothing fits
-        return _nothing_fits_host(search, knobs, budget_bytes, margin, head)
-    assert search.smallest is not None  # the job as written was predicted first
-    peak, smallest = search.smallest
-    need = int(peak * (1 + margin))
-    helps = [f"a budget of at least {_gib(need)} (a card of about {_gib(need + card_reserve())})"]
-    if fallbacks:
-        helps.append("a smaller model than every one in model.fallbacks (none of them fits either)")
-    else:
-        helps.append("a smaller model in model.fallbacks")
-    if search.deep_fit is not None:
-        deep = search.deep_fit
-        helps.append(
-            f"max_seq_len {deep.max_seq_len} and lora.r {deep.lora_r} written in the job (predicted to fit; "
-            f"pre-flight cuts no deeper than 1/{DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
-        )
-    text = " or ".join(helps)
-    nothing = NothingFits(peak, smallest, budget_bytes, margin, text)
-    verdict = (
-        f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
-        f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
-    )
-    return PreflightResult(
-        knobs=smallest,
-        predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
-        changes=knob_changes(knobs, smallest),
-        reasons=(*head, verdict),
-        quality_changed=True,
-        fits=False,
-        budget_bytes=budget_bytes,
-        margin=margin,
-        cost=0.0,
-        nothing_fits=nothing,
-    )
-
-
-def _nothing_fits_host(
-    search: _Search, knobs: Knobs, budget_bytes: int, margin: float, head: list[str]
-) -> PreflightResult:
-    """Nothing that fits the card fits the host: the smallest host need among them, the host
-    budget, and what would fit (a larger host budget, or the card-only configs it would allow)."""
-    assert search.host is not None and search.host_limit is not None
-    host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
-    need = int(host_peak * (1 + margin))
-    host = search.host
-    phase = host_train_need(
-        search.shape, smallest, host.checkpoint_bytes, search.targets, host.largest_shard_bytes
-    ).phase
-    what = "loading the model" if phase == "load" else "training the smallest"
-    text = (
-        f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
-        f"for a host of about {_gib(need + host_reserve(need))}), or a smaller model in model.fallbacks"
-    )
-    nothing = NothingFits(host_peak, smallest, search.host.budget_bytes, margin, text, host=True)
-    verdict = (
-        f"NOTHING FITS HOST MEMORY: {len(search.host_rejected)} config(s) fit the card, but {what} "
-        f"needs {_gib(host_peak)} of host RAM, the host budget is "
-        f"{_gib(search.host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
-    )
-    return PreflightResult(
-        knobs=smallest,
-        predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
-        changes=knob_changes(knobs, smallest),
-        reasons=(*head, verdict),
-        quality_changed=True,
-        fits=False,
-        budget_bytes=budget_bytes,
-        margin=margin,
-        cost=0.0,
-        nothing_fits=nothing,
-        host_budget_bytes=search.host.budget_bytes,
-        host_peak_bytes=host_peak,
-        host_rejected=_rejected(search),
-    )
 
 
 def _as_written(search: _Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
@@ -460,64 +339,6 @@ def _host_reasons(search: _Search, knobs: Knobs) -> list[str]:
     return out
 
 
-def _rejected(search: _Search) -> tuple[int, int | None]:
-    values = search.host_rejected.values()
-    return len(search.host_rejected), min(values) if values else None
-
-
-#: The speed trial skips a candidate predicted at less than this share of the chosen config's
-#: tokens/s: the model's error is well inside it, so such a candidate cannot win, and it is the
-#: slow one that eats the trial (H200: 599 predicted against 4,076 took 45 s of a 54 s trial).
-TRIAL_SLOWEST_SHARE = 0.5
-
-
-def _trial(
-    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked], host_peak: int | None = None
-) -> tuple[TrialCandidate, ...]:
-    """The chosen config and the fastest others that differ from it only in what changes without a
-    reload (micro-batch with its accumulation, checkpointing); empty when there is no other.
-
-    Every candidate of the ranking fits both budgets (the host's too, where there is one); one
-    predicted at less than :data:`TRIAL_SLOWEST_SHARE` of the chosen config's speed is not timed.
-    """
-
-    def reloadless(k: Knobs) -> Knobs:
-        # The allocator setting is no training knob: candidates differ from the job's in it alone.
-        return dataclasses.replace(
-            k, micro_batch_size=1, grad_accum=1, gradient_checkpointing=False, expandable_segments=True
-        )
-
-    def timed(k: Knobs) -> tuple[int, int, bool]:
-        return k.micro_batch_size, k.grad_accum, k.gradient_checkpointing
-
-    seen = {timed(knobs)}
-    others = []
-    for r in ranking:
-        if r.tokens_per_s < tokens_per_s * TRIAL_SLOWEST_SHARE:
-            continue
-        if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
-            seen.add(timed(r.knobs))
-            others.append(r)
-    if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
-        return ()
-    first = _candidate(knobs, tokens_per_s, peak, host_peak)
-    rest = (
-        _candidate(r.knobs, r.tokens_per_s, r.peak_bytes, r.host_peak_bytes) for r in others[: TRIAL_SIZE - 1]
-    )
-    return (first, *rest)
-
-
-def _candidate(knobs: Knobs, tokens_per_s: float, peak: int, host_peak: int | None) -> TrialCandidate:
-    return TrialCandidate(
-        knobs.micro_batch_size,
-        knobs.grad_accum,
-        knobs.gradient_checkpointing,
-        round(tokens_per_s, 1),
-        peak,
-        host_peak,
-    )
-
-
 def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
     reasons = []
     for name, (before, after) in knob_changes(old, new).items():
@@ -540,15 +361,5 @@ def _dearest(rungs: Sequence[str]) -> CostClass:
     return max(classes, key=_CLASS_ORDER.index, default=CostClass.FREE)
 
 
-def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
-    """``{knob: (old, new)}`` for every knob that differs."""
-    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
-    return {name: (before[name], after[name]) for name in before if before[name] != after[name]}
-
-
 def _speed(r: Ranked) -> str:
     return f"{r.tokens_per_s:.0f} tokens/s {'measured' if r.measured else 'predicted'}"
-
-
-def _gib(value: float) -> str:
-    return f"{value / (1 << 30):.2f} GiB"

@@ -95,11 +95,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from qlora_supervise.policies import memory_model, preflight, throughput
-from qlora_supervise.policies.budget import HostBudget, card_budget, card_reserve, host_budget
+from qlora_supervise.policies.budget import card_budget, card_reserve
 from qlora_supervise.policies.memory import gpu as gpu_terms
-from qlora_supervise.policies.memory.host import HostNeed, host_need, host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
+from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
@@ -185,7 +185,7 @@ def make_plan(
     """The plan as the JSON object documented above."""
     job = _load(job_path)
     view = job_view(job)
-    host_size = _size_flag("--host-memory", host_memory)
+    host_size = size_flag("--host-memory", host_memory)
     files = _model_files(view.knobs.model)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
@@ -227,8 +227,8 @@ def make_plan(
         "ranking": [] if start is None else _ranking(view.knobs, start),
         "rungs": [_rung(r) for r in rungs],
         "host": {
-            **_host(checkpoint, files.largest_shard_bytes, view),
-            **_host_training(shape, view, host, start),
+            **host_ram(checkpoint, files.largest_shard_bytes, view),
+            **host_training(shape, view, host, start),
         },
     }  # fmt: skip
 
@@ -276,54 +276,6 @@ def find_card(
             if sample is not None:
                 return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
     return Card("none", None, None, reserve, why, None)
-
-
-def find_host(
-    checkpoint_bytes: int, view: JobView, host_size: int | None, largest_shard_bytes: int = 0
-) -> HostBudget | None:
-    """The host budget (see the module docstring for the order); None on the CPU, where the
-    child's memory is the card's model's no longer (``cpu_memory_limit`` caps it there)."""
-    if view.device == "cpu":
-        return None
-    from qlora_supervise.supervisor.watching.host import host_room
-
-    available, cgroup = host_room()
-    return host_budget(
-        checkpoint_bytes, available, cgroup, view.host_memory_limit, host_size, largest_shard_bytes
-    )
-
-
-def _size_flag(flag: str, value: str | None) -> int | None:
-    """A size flag's bytes; a bad one is a bad command line (exit 2), named."""
-    if value is None:
-        return None
-    try:
-        return parse_memory_size(value)
-    except UnitError as error:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{flag} {value!r}: {error}") from None
-
-
-def _host_training(
-    shape: ModelShape | None, view: JobView, host: HostBudget | None, start: preflight.PreflightResult | None
-) -> dict[str, Any]:
-    """The host budget and the start's training host peak by component, with its basis."""
-    need = None
-    if shape is not None and host is not None:
-        knobs = view.knobs if start is None else start.knobs
-        need = host_train_need(shape, knobs, host.checkpoint_bytes, view.targets, host.largest_shard_bytes)
-    rejected, smallest = (0, None) if start is None else start.host_rejected
-    return {
-        "budget_bytes": None if host is None else host.budget_bytes,
-        "budget_source": None if host is None else host.source,
-        "reserve_bytes": 0 if host is None else host.reserve_bytes,
-        "train_peak_bytes": None if need is None else need.peak_bytes,
-        "train_phase": None if need is None else need.phase,
-        "train_phase_bytes": None if need is None else need.train_peak,
-        "train_components": {} if need is None else dict(need.train_components),
-        "train_basis": "" if need is None else need.basis,
-        "rejected": rejected,
-        "rejected_smallest_bytes": smallest,
-    }
 
 
 def _prediction(knobs: Knobs, p: gpu_terms.Prediction) -> dict[str, Any]:
@@ -394,26 +346,6 @@ def _rung(r: RungEffect) -> dict[str, Any]:
         "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
         "peak_bytes": r.predicted_peak,
         "changes": {k: list(v) for k, v in r.changes.items()},
-    }
-
-
-def _host(checkpoint: int | None, largest_shard: int, view: JobView) -> dict[str, Any]:
-    import psutil
-
-    from qlora_supervise.supervisor.watching.cgroup import memory_limit_bytes
-
-    available = int(psutil.virtual_memory().available)
-    limit = memory_limit_bytes()
-    need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard)
-    room = min(x for x in (available, limit, view.cpu_memory_limit) if x is not None)
-    return {
-        "checkpoint_bytes": checkpoint,
-        "load_peak_bytes": None if need is None else need.load_peak,
-        "merge_peak_bytes": None if need is None else need.merge_peak,
-        "available_bytes": available,
-        "cgroup_limit_bytes": limit,
-        "basis": "" if need is None else need.basis,
-        "load_fits": None if need is None else need.load_peak <= room,
     }
 
 
