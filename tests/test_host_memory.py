@@ -18,7 +18,13 @@ from test_plan import LLAMA3_8B, write_safetensors
 from qlora_supervise.policies import preflight
 from qlora_supervise.policies.budget import HostBudget, host_budget, host_reserve
 from qlora_supervise.policies.decide import PastAttempt, Restart, Settings, decide
-from qlora_supervise.policies.memory.host import TRAIN_RESIDENT_RSS, host_train_need, offloaded_bytes, pinned
+from qlora_supervise.policies.memory.host import (
+    IMPORTS_RSS,
+    TRAIN_RESIDENT_RSS,
+    host_train_need,
+    offloaded_bytes,
+    pinned,
+)
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.commands import cli
 from qlora_supervise.supervisor.commands.plan import plan_command
@@ -45,7 +51,7 @@ GREEDY = Knobs(
 def _user_job(tmp_path: Path, extra: str = "", shards: int = 0) -> Path:
     """The user's job on a config.json-only model directory (no download: the checkpoint's size is
     its parameters in 16 bits and its shards are unknown), or with ``shards`` header-only
-    safetensors files of about 4.2 GB each, as the released Llama-3-8B is cut (4 files of up to 5 GB)."""
+    safetensors files of 4.2 GB each (sparse), as the released Llama-3-8B is cut (4 files of up to 5 GB)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA3_8B))
@@ -56,6 +62,8 @@ def _user_job(tmp_path: Path, extra: str = "", shards: int = 0) -> Path:
         projections = ("q_proj", "k_proj", "v_proj", "o_proj")  # named as the targets are; sized to fill
         tensors = {f"model.layers.{n}.self_attn.{p}.weight": ("BF16", [128256, 4096]) for p in projections}
         write_safetensors(model / name, tensors)
+        with (model / name).open("r+b") as handle:  # sparse: the file's size, as downloaded, no data
+            handle.truncate(handle.seek(0, 2) + 4 * 128256 * 4096 * 2)
         weight_map.update(dict.fromkeys(tensors, name))
     if shards:
         index = {"metadata": {"total_size": shards * 4 * 128256 * 4096 * 2}, "weight_map": weight_map}
@@ -190,7 +198,11 @@ def test_plan_with_the_released_shards_fits_a_16gib_host(tmp_path: Path) -> None
     plan = json.loads(out.getvalue())
     assert plan["start"]["fits"] and plan["start"]["knobs"]["activation_offload"]
     host = plan["host"]
-    assert host["train_peak_bytes"] < 7 * GiB < 15 * GiB < host["load_peak_bytes"]
+    assert host["train_phase"] == "load"  # imports + one 4.2 GB shard: more than training's 3 GiB
+    largest = max(f.stat().st_size for f in (tmp_path / "model").glob("*.safetensors"))
+    assert host["train_peak_bytes"] == IMPORTS_RSS + largest
+    assert 3 * GiB < host["train_phase_bytes"] < host["train_peak_bytes"] < 6 * GiB < 15 * GiB
+    assert host["load_peak_bytes"] > 15 * GiB  # the load's RSS, the mapped checkpoint included
 
 
 def test_plan_host_memory_4gib_refuses_naming_host_memory(
@@ -299,3 +311,72 @@ def test_the_attempts_host_memory_crosses_the_journal() -> None:
         1, Phase.TRAIN, USER, Outcome.SUCCEEDED, 0.0, 1.0, 0, None, 0, 3, None, 0, host=host
     )
     assert AttemptRecord.from_json(json.loads(record.to_line())).host == host
+
+
+# ---- what the supervisor reads and shows of an attempt's host RAM ----------------------------------
+
+
+def _host_beat(stage: Stage, step: int, rss: int, high_water: int) -> str:
+    from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers
+
+    memory = MemoryNumbers.measured(cuda_peak=1, data_segment_peak=None, rss_high_water=high_water, rss=rss)
+    return Heartbeat(stage, step, None, None, memory).to_line()
+
+
+def test_the_reader_keeps_the_loads_and_trainings_host_peaks_apart(tmp_path: Path) -> None:
+    """The load's high-water mark comes from ``loaded``; training's from the heartbeats after it,
+    restarted at the speed trial (its candidates are not the trained config); the last RSS is kept."""
+    from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+    from qlora_supervise.trainer_child.contract.events import MemoryNumbers, event_line
+    from qlora_supervise.trainer_child.contract.speed_trial import (
+        SpeedTrialEvent,
+        TrialCandidate,
+        TrialResult,
+    )
+
+    chosen = TrialCandidate(1, 8, True)
+    trial = SpeedTrialEvent((TrialResult(chosen, 5.0, 1, 1.0, None, 6 * GiB),), chosen, False, 1.0)
+    lines = [
+        _host_beat(Stage.LOAD, 0, 12 * GiB, 16 * GiB),
+        event_line(
+            "loaded",
+            **MemoryNumbers.measured(cuda_peak=1, data_segment_peak=None, rss_high_water=16 * GiB).fields(),
+        ),
+        _host_beat(Stage.FORWARD, 0, 5 * GiB, 6 * GiB),  # a trial candidate
+        trial.to_line(),
+        _host_beat(Stage.BACKWARD, 1, 3 * GiB, 3 * GiB + 5),
+        _host_beat(Stage.OPTIMIZER, 2, 2 * GiB, 3 * GiB + 9),
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    reader = HeartbeatReader(tmp_path / "events.jsonl")
+    reader.poll(now=1.0)
+    p = reader.progress
+    assert (p.load_host_peak, p.host_peak, p.last_rss) == (16 * GiB, 3 * GiB + 9, 2 * GiB)
+
+
+def test_a_host_oom_kill_carries_the_rss_at_the_kill_and_status_shows_host_against_prediction() -> None:
+    """failure_record adds the last heartbeat's RSS and training's host peak to a host_oom (not to
+    other kinds); status prints an attempt's host RAM beside the host model's prediction."""
+    from qlora_supervise.supervisor.commands.status import host_line
+    from qlora_supervise.supervisor.diagnosis.failure import Failure
+    from qlora_supervise.supervisor.loop.outcome import failure_record
+    from qlora_supervise.supervisor.watching.heartbeats import Progress
+
+    progress = Progress(host_peak=40 * GiB, last_rss=39 * GiB)
+    kill = failure_record(Failure(FailureKind.HOST_OOM, Stage.FORWARD, {}, "oom_kill +1"), None, progress)
+    assert kill.numbers == {"rss_at_kill": 39 * GiB, "host_peak": 40 * GiB}
+    other = failure_record(Failure(FailureKind.OOM_FORWARD, Stage.FORWARD, {}, "cuda"), None, progress)
+    assert other.numbers == {}
+    host = HostMemory(
+        peak_bytes=3 * GiB, load_peak_bytes=16 * GiB, last_rss_bytes=3 * GiB, predicted_bytes=3 * GiB
+    )
+    record = AttemptRecord(
+        1, Phase.TRAIN, USER, Outcome.SUCCEEDED, 0.0, 1.0, 0, None, 0, 3, None, 0, host=host
+    )
+    line = host_line(record)
+    assert (
+        line is not None
+        and "training peak 3.00 GiB (predicted 3.00 GiB)" in line
+        and "load peak 16.00 GiB" in line
+    )
+    assert host_line(dataclasses.replace(record, host=None)) is None
