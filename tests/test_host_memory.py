@@ -380,3 +380,19 @@ def test_a_host_oom_kill_carries_the_rss_at_the_kill_and_status_shows_host_again
         and "load peak 16.00 GiB" in line
     )
     assert host_line(dataclasses.replace(record, host=None)) is None
+
+
+def test_each_journalled_attempt_carries_the_host_models_prediction_for_what_it_trained(
+    tmp_path: Path,
+) -> None:
+    """A run (scripted child, fake clock) journals its attempt's host prediction for the knobs it
+    trained with, which status and explain set beside the measured peak."""
+    from test_loop_fake_clock import LLAMA2_7B, FakeClock, _run, _seams
+    from test_loop_preflight import _llama_job
+
+    assert _run(_llama_job(tmp_path, "24GiB"), _seams(FakeClock(), {})) == 0
+    [line] = (tmp_path / "run" / "attempts.jsonl").read_text().splitlines()
+    record = AttemptRecord.from_json(json.loads(line))
+    shape = ModelShape.from_config({**LLAMA2_7B, "model_type": "llama"})
+    assert record.host is not None
+    assert record.host.predicted_bytes == host_train_need(shape, record.knobs, shape.params * 2).train_peak

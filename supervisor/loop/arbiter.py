@@ -35,7 +35,7 @@ from qlora_supervise.supervisor.loop.reclaim import reclaim
 from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
-from qlora_supervise.supervisor.loop.settings import predicted_host, with_card_budget
+from qlora_supervise.supervisor.loop.settings import with_card_budget
 from qlora_supervise.supervisor.loop.waiting import Pacer, backoff_s, failures_in_a_row, wait_for_memory
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import (
@@ -284,7 +284,6 @@ class Supervisor:
             stop_signal=lambda: self.stop_signal,
             hup_seen=lambda: self.hup_seen,
             gpu_budget=None if self.job.resources.device == "cpu" else self.settings.budget_bytes,
-            host_need=lambda knobs: predicted_host(self.settings, knobs),
         )
 
 

@@ -48,7 +48,7 @@ from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat
-from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec, Knobs
+from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
 
 
 @dataclasses.dataclass
@@ -64,8 +64,6 @@ class RunnerContext:
     stop_signal: Callable[[], int | None]
     hup_seen: Callable[[], bool]
     gpu_budget: int | None = None  # the policy's GPU budget: what memory creep is measured against
-    # The host model's training host peak for a config (None: no shape or host budget to count with).
-    host_need: Callable[[Knobs], int | None] = lambda knobs: None
 
 
 class AttemptRunner:
@@ -179,7 +177,6 @@ class AttemptRunner:
             ended_at=seams.wall(),
             log_tail=child_mod.log_tail(attempt_dir / "child.log"),
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
-            host_predicted=ctx.host_need(plan.knobs),
         )
 
     def spawn(self, ready: Prepared) -> ChildHandle:
