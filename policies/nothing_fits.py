@@ -77,6 +77,8 @@ def nothing_fits_host(
         search.shape, smallest, host.checkpoint_bytes, search.targets, host.largest_shard_bytes
     ).phase
     what = "loading the model" if phase == "load" else "training the smallest"
+    if phase == "load" and not host.largest_shard_bytes:
+        what += " (its shards unknown: the whole checkpoint counts as the file being read)"
     text = (
         f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
         f"for a host of about {_gib(need + host_reserve(need))}), or a smaller model in model.fallbacks"

@@ -329,7 +329,7 @@ def _host_reasons(search: _Search, knobs: Knobs) -> list[str]:
     host = search.host_peak(knobs)
     if host is None or search.host is None:
         return []
-    out = [f"host: training host peak {_gib(host)} fits the host budget {_gib(search.host.budget_bytes)}"]
+    out = [f"host: host need {_gib(host)} fits the host budget {_gib(search.host.budget_bytes)}"]
     if search.host_rejected:
         smallest = min(search.host_rejected.values())
         out.append(

@@ -83,8 +83,7 @@ def _render_ranking(ranking: list[dict[str, Any]]) -> list[str]:
 
 def _render_start(start: dict[str, Any]) -> list[str]:
     if start["nothing_fits"] is not None:
-        what = "NOTHING FITS HOST MEMORY" if start["nothing_fits"].get("host") else "NOTHING FITS"
-        lines = [f"{what}: {start['nothing_fits']['message']}"]
+        lines = [f"NOTHING FITS: {start['nothing_fits']['message']}"]  # a host's message names host memory
         return lines + [f"  why: {reason}" for reason in start["reasons"]]
     speed = "" if start["tokens_per_s"] is None else f", {start['tokens_per_s']:.0f} tokens/s"
     if not start["changes"]:
@@ -130,7 +129,7 @@ def _render_host_training(host: dict[str, Any]) -> list[str]:
         lines.append(f"  basis: {host['train_basis']}")
     if host["rejected"]:
         lines.append(
-            f"  {host['rejected']} config(s) that fit the card are no candidates: host peak "
+            f"  {host['rejected']} config(s) that fit the card are no candidates: host need "
             f"{format_bytes(host['rejected_smallest_bytes'])} or more is over the host budget"
         )
     return lines
