@@ -396,3 +396,23 @@ def test_each_journalled_attempt_carries_the_host_models_prediction_for_what_it_
     shape = ModelShape.from_config({**LLAMA2_7B, "model_type": "llama"})
     assert record.host is not None
     assert record.host.predicted_bytes == host_train_need(shape, record.knobs, shape.params * 2).train_peak
+
+
+def test_without_a_limit_the_run_plans_against_what_the_host_has_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No host_memory_limit: the budget is the RAM available now less the reserve; a host with
+    3 GiB free cannot take the 7B, and the run stops before any child, naming host memory."""
+    from test_loop_fake_clock import FakeClock, _run, _seams
+    from test_loop_preflight import _llama_job
+
+    from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
+    from qlora_supervise.supervisor.record.eventlog import read_events
+    from qlora_supervise.supervisor.watching import host
+
+    monkeypatch.setattr(host, "host_room", lambda: (3 * GiB, None))
+    assert _run(_llama_job(tmp_path, "24GiB"), _seams(FakeClock(), {})) == int(
+        SupervisorExitCode.NOTHING_FITS
+    )
+    [event] = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "nothing_fits"]
+    assert "HOST MEMORY" in event["why"] and "2.00 GiB" in event["why"]  # 3 GiB less the 1 GiB reserve

@@ -29,8 +29,8 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.trainers.ladders import cannot_take, foreign_overrides
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
+from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.supervisor.watching.host import host_room
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -93,7 +93,7 @@ def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
         checkpoint, shard = files.checkpoint_bytes, files.largest_shard_bytes
     except model_files.ModelFilesError:
         checkpoint, shard = None, 0
-    available, cgroup = host_room()
+    available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
     limit = job.resources.host_memory_limit
     return host_budget(checkpoint or shape.params * 2, available, cgroup, limit, largest_shard_bytes=shard)
 
