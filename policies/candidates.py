@@ -71,6 +71,8 @@ RUNG_OF_KNOB: Mapping[str, str] = {
     "max_seq_len": "shorten_seq_len",
     "lora_r": "halve_lora_rank",
     "model": "smaller_model",
+    "optimizer_state_on_host": "optimizer_state_on_host",
+    "fresh_optimizer_state": "fresh_optimizer_state",
 }
 
 

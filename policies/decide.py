@@ -30,7 +30,8 @@ Order of the rules (first match wins):
    charged by rule 0, results that already failed the same way, and results a calibrated memory
    model says cannot fit (their change is kept and the next rung is applied on top) -> Restart,
    or GiveUp when the ladder is exhausted. Before it (6a, :mod:`.host_kill`): the first host
-   OOM kill after progress with these knobs -> Restart unchanged (a neighbour's spike).
+   OOM kill after progress with these knobs -> Restart unchanged (a neighbour's spike); (6b,
+   :mod:`.spurious_retry`) an OOM marked spurious -> Restart unchanged once, its repeat climbs.
 
 The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
 :mod:`.waits`; this module holds the order of the rules and the retries.
@@ -44,6 +45,7 @@ from qlora_supervise.policies.charge import Charge, PastFailure, latest_charge, 
 from qlora_supervise.policies.climb import MergeFailure, climb, knob_changes
 from qlora_supervise.policies.host_kill import retry_after_kill
 from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.policies.spurious_retry import retry_spurious
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
@@ -132,6 +134,9 @@ def decide(
     plain_retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
     if plain_retry is not None:  # 6a: a host OOM kill after progress, the first with these knobs
         return plain_retry
+    spurious = retry_spurious(failure, knobs, failed) if kind.is_oom else None
+    if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
+        return spurious
     if phase == "merge" and kind.is_oom:
         return climb(MergeFailure(), knobs, history, settings)
     return climb(failure, knobs, history, settings, unusable_rungs(history))

@@ -31,6 +31,10 @@ OPTIMIZER: tuple[str, ...] = ("paged_8bit_optimizer", "halve_lora_rank", "smalle
 # No CPU offload of weights: accelerate refuses to train 4-bit weights offloaded to the CPU and
 # bitsandbytes then fails on meta tensors (issue 19's dead end), so the head in bf16 comes next.
 LOAD: tuple[str, ...] = ("quantize_4bit", "bf16_head", "smaller_model")
+# Loading the resume checkpoint's state (issue 33): through the host, then the paged 8-bit
+# optimizer (a quarter of the state, which a checkpoint of another optimizer does not load), then
+# a fresh optimizer state with the schedule kept; the adapter and the step survive each of them.
+RESUME: tuple[str, ...] = ("optimizer_state_on_host", "paged_8bit_optimizer", "fresh_optimizer_state")
 EVAL: tuple[str, ...] = ("halve_eval_batch", "disable_eval")
 MERGE: tuple[str, ...] = ("merge_on_cpu",)
 #: Under torchrun, for a card that keeps failing (a fatal Xid, a fault that came back, contention
@@ -42,6 +46,7 @@ DEFAULT_LADDERS: Mapping[FailureKind, tuple[str, ...]] = {
     FailureKind.OOM_BACKWARD: BACKWARD,
     FailureKind.OOM_OPTIMIZER: OPTIMIZER,
     FailureKind.OOM_LOAD: LOAD,
+    FailureKind.OOM_RESUME: RESUME,
     FailureKind.OOM_EVAL: EVAL,
     FailureKind.OOM_MERGE: MERGE,
 }

@@ -7,7 +7,7 @@ fit the budget?", so that rungs whose result would fail the same way are skipped
 The terms are in :mod:`.memory.gpu` (each one says what in the recipe and the libraries it
 counts; the adapter's weights, gradients and optimizer state in :mod:`.memory.optimizer`), the
 shape reader in :mod:`.memory.shape`, host memory in :mod:`.memory.host`. Against the H200 grid
-(bench/results/memory-grid-h200-2026-12-01, re-scored by ``bench/score_memory_grid.py``): median
+(bench/results/memory-grid-h200-2026-12-01, re-scored by ``bench/models/score_memory_grid.py``): median
 |error| 0.2 %, worst 2.2 % on peak allocated over 28 configs.
 
 Calibration (:func:`calibrate`) splits a prediction into a *fixed* part (weights, embeddings,

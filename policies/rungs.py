@@ -143,6 +143,17 @@ def _merge_on_cpu(k: Knobs) -> Knobs | None:
     return None if k.merge_on_cpu else dataclasses.replace(k, merge_on_cpu=True)
 
 
+def _optimizer_state_on_host(k: Knobs) -> Knobs | None:
+    # On one process transformers already reads the state with map_location="cpu": nothing to change.
+    if k.optimizer_state_on_host or k.world_size <= 1:
+        return None
+    return dataclasses.replace(k, optimizer_state_on_host=True)
+
+
+def _fresh_optimizer_state(k: Knobs) -> Knobs | None:
+    return None if k.fresh_optimizer_state else dataclasses.replace(k, fresh_optimizer_state=True)
+
+
 def smaller_model(context: RungContext) -> Rung:
     """The last rung: the next fallback model of the job (the adapter starts again)."""
 
@@ -240,6 +251,20 @@ _STATIC_RUNGS: tuple[Rung, ...] = (
     ),
     Rung("halve_eval_batch", "halve the evaluation batch", Survives.ALL, _halve_eval_batch),
     Rung("disable_eval", "turn evaluation off", Survives.ALL, _disable_eval),
+    Rung(
+        "optimizer_state_on_host",
+        "read the checkpoint's optimizer state into host memory and copy it to the card tensor by "
+        "tensor, not onto the card whole (transformers does so under torchrun)",
+        Survives.ALL,
+        _optimizer_state_on_host,
+    ),
+    Rung(
+        "fresh_optimizer_state",
+        "resume the adapter and the step with a fresh optimizer state, the LR schedule kept at the "
+        "step: the saved moments are not loaded",
+        Survives.OPTIMIZER_RESET,
+        _fresh_optimizer_state,
+    ),
     Rung(
         "merge_on_cpu",
         "merge the adapter in a separate process on the CPU",

@@ -17,7 +17,8 @@ it carries (the H200 sweep: a 1B micro-step takes as long at micro-batch 4 as at
 (``token_s[on] / token_s[off] - 1``) is a result of the fit, not a prior. *Block work* is the
 multiply-adds one token costs the decoder blocks (the quantized linear layers and attention,
 ``layers x seq_len x q_dim``), *head work* the LM head's (``vocab x hidden``, its loss in fp32).
-The coefficients are in :mod:`.throughput_fit`, written by ``bench/fit_throughput.py`` from the H200 sweep.
+The coefficients are in :mod:`.throughput_fit`, written by ``bench/models/fit_throughput.py`` from the
+H200 sweep.
 
 Measured numbers beat the model (:class:`SpeedCalibration`): a config this host (or this run)
 has measured is ranked with its measured step time, and the others with the model scaled by the
@@ -81,7 +82,7 @@ class Coefficients:
     bf16_head_token_factor: float = 1.0
 
 
-#: The coefficients bench/fit_throughput.py wrote (:mod:`.throughput_fit`, with its provenance).
+#: The coefficients bench/models/fit_throughput.py wrote (:mod:`.throughput_fit`, with its provenance).
 FITTED = Coefficients(
     fit.LAUNCH_S_PER_LAYER,
     fit.FIXED_S_PER_BYTE,

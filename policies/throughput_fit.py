@@ -1,4 +1,4 @@
-"""Coefficients of the throughput model (policies/throughput.py), written by bench/fit_throughput.py.
+"""Coefficients of the throughput model (policies/throughput.py), written by bench/models/fit_throughput.py.
 
 Fitted 2026-12-02 on 75 configs from: bench/results/throughput-h200-2026-12-01.
 
@@ -10,13 +10,13 @@ bf16 head factor 1.0 (no speed claimed): the measurements disagree (issue 19 (8B
 ckpt): 0.45; throughput-h200-2026-12-01/parity.jsonl: 1.52).
 
 Choosing among the configs measured to fit a cap of 8, 12, 16, 24, 40, 80 GiB, the model's pick has
-this share of the fastest: median 100 %, worst 87 %, 37 of 40 at >= 95 % (bench/fit_throughput.py
+this share of the fastest: median 100 %, worst 87 %, 37 of 40 at >= 95 % (bench/models/fit_throughput.py
 prints the table).
 
 The fit keeps no cost per weight byte: with the 1B beside the 7B and 8B, the fixed part of a
 micro-step follows the layer count (kernel launches), not the bytes dequantized.
 
-Do not edit by hand: run ``python bench/fit_throughput.py --write`` on the sweep instead.
+Do not edit by hand: run ``python -m bench.models.fit_throughput --write`` on the sweep instead.
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-
-from recovery import measure, outcomes, overhead, targets  # noqa: E402 - bench/ is not a package on the path
-from recovery.assets import long_row_position  # noqa: E402
+from bench.recovery import measure, outcomes, overhead, targets
+from bench.recovery.assets import long_row_position
 
 
 def beat(step: int, at: float, rate: float | None = 100.0) -> dict[str, object]:

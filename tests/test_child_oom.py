@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 MIB = 1 << 20
 #: Between the peak data segments of micro-batch 16 (~1730-1840 MiB) and micro-batch 8
 #: (~1450-1575 MiB) at seq 512 with the CPU build of torch (a 0.37 GiB import baseline), measured
-#: with bench/child_memory.py: 1664 MiB there, placed above the baseline of the torch installed here.
+#: with bench/child_memory.py (since removed; docs/planning.md): 1664 MiB there, placed above the
+#: baseline of the torch installed here.
 CAP_HEADROOM = 1284 * MIB
 HEAVY = {"micro_batch_size": 16, "grad_accum": 1, "max_seq_len": 512}
 

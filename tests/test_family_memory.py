@@ -1,10 +1,11 @@
 """The memory model's family terms (issue 20) against points counted on the CPU.
 
-The recorded numbers come from bench/family_memory_cpu.py (bench/results/family-memory-cpu-2026-12-02/):
+The recorded numbers come from bench/models/family_memory_cpu.py
+(bench/results/family-memory-cpu-2026-12-02/):
 the child's own QLoRA build of each family at its released widths, two layers, vocabulary 32768
 (Phi-3 its own 32064), saved tensors counted byte for byte. ``layer_1`` is what decoder layer 1
 keeps per token, put on CUDA's footing (a LoRA dropout mask is 1 byte a feature there, 2 on the
-CPU: ``bench/score_family_cpu.py``); ``resident`` is every non-4-bit byte after load, prepare and
+CPU: ``bench/models/score_family_cpu.py``); ``resident`` is every non-4-bit byte after load, prepare and
 LoRA. The model must reproduce them within a fraction of a percent: it is built from the same
 counts, so a drift here means a term changed, not that the card disagrees.
 """

@@ -1,19 +1,18 @@
-"""bench/fit_throughput.py: it reads the sweep's JSON lines and recovers the coefficients that made them."""
+"""bench.models.fit_throughput reads the sweep's JSON lines and recovers the coefficients that made them."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench.models import (
+    _qlora_bench,  # the sweep's shapes, as throughput_sweep writes them
+    fit_throughput,
+)
 from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import _qlora_bench  # the sweep's shapes, as bench/throughput_sweep.py writes them
-import fit_throughput
 
 #: Coefficients to generate a sweep from (the fit must find them again).
 FIXED = {"no_ckpt": 3e-11, "ckpt": 4.5e-11}

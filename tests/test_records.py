@@ -25,7 +25,7 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1024**3
-README = Path(__file__).resolve().parent.parent / "README.md"
+RUN_DIRECTORY_DOC = Path(__file__).resolve().parent.parent / "docs" / "run-directory.md"
 
 
 def _record(**changes: object) -> AttemptRecord:
@@ -137,9 +137,9 @@ def test_a_journal_line_from_a_newer_version_is_refused_not_misread(tmp_path: Pa
     assert read_attempts(path) == ([], 1)
 
 
-def test_the_readme_lists_every_event_name() -> None:
-    """The README's event list and the Event vocabulary are the same set."""
-    text = README.read_text(encoding="utf-8")
+def test_the_docs_list_every_event_name() -> None:
+    """The event list of docs/run-directory.md and the Event vocabulary are the same set."""
+    text = RUN_DIRECTORY_DOC.read_text(encoding="utf-8")
     section = text[text.index("Event names in `events.jsonl`") :]
     section = section[: section.index("\n\n")]
     listed = set(re.findall(r"`([a-z_]+)`", section)) - {"events"}

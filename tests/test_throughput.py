@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench.models import fit_throughput  # the bench script (its provisional points)
 from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import fit_throughput  # the bench script (its provisional points), importable once bench/ is on the path
 
 SHAPE_7B = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
 #: Issue 19's job: 7B, seq 2048, effective batch 16, r 16, 32-bit AdamW.

@@ -1,7 +1,7 @@
 """axolotl and LLaMA-Factory as the supervisor starts them, with stand-ins for the tools.
 
 The tools themselves are not installed in this venv (axolotl runs for real in a venv of its
-own, tests/test_trainer_tools_real.py; LLaMA-Factory cannot here, README "What was checked"): a
+own, tests/test_trainer_tools_real.py; LLaMA-Factory cannot here, docs/trainers.md, "What was checked"): a
 stand-in module of the same name (``axolotl.cli.train``, ``llamafactory.launcher``) reads the
 attempt's YAML the way the tool is started on it and runs out of memory while the micro-batch is
 above 2, in the tool's own spelling of the key. What is real: the per-attempt config the

@@ -10,7 +10,8 @@ shim, and the new knobs reach axolotl through the attempt's config alone.
 LLaMA-Factory 0.9.5 is not built here: it imports ``torchaudio`` at module level
 (``llamafactory/data/mm_plugin.py``), and the newest torchaudio (2.11) is built against torch 2.11,
 so its library does not load beside the torch 2.13 of these machines. It ran, supervised, on one
-H200 with torch 2.11 (``bench/foreign_trainers.py --tool llamafactory``; README, "What was checked").
+H200 with torch 2.11 (``python -m bench.trainers.foreign_trainers --tool llamafactory``;
+docs/trainers.md, "What was checked").
 """
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import gpu_ladder
-from recovery import jobs
-from recovery.launch import Launch, launch
-from recovery.scenarios import Scenario
+from ..scenarios import gpu_ladder
+from . import jobs
+from .launch import Launch, launch
+from .scenarios import Scenario
 
 APPROACHES = ("supervised", "as-written", "as-written-no-spare", "restart-loop", "auto-batch")
 RESTARTS = 3

@@ -1,6 +1,6 @@
 """Models, tokenizers and datasets of the benchmark, built once into a cache directory and shared.
 
-The model shapes are ``bench/memory_grid.py``'s (random bf16 weights, a word-level tokenizer
+The model shapes are ``bench/models/memory_grid.py``'s (random bf16 weights, a word-level tokenizer
 trained locally, rows longer than the sequence): :func:`ensure_assets` calls its ``build_all``
 under a file lock, so card commands started together build each shape once and the others wait
 for it. What this module adds is the long-row dataset of the mid-run scenario.
@@ -22,10 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# bench/ is on sys.path: run.py and report.py put it there before importing this package.
-import gpu_ladder
-import memory_grid
-from recovery.scenarios import Scenario
+from ..models import memory_grid
+from ..scenarios import gpu_ladder
+from .scenarios import Scenario
 
 #: Words per short row of the long-row dataset (the counting rows of gpu_ladder add ~64 more).
 SHORT_ROW_TOKENS = 96

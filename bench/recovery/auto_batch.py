@@ -1,6 +1,6 @@
 """Approach (c): the same QLoRA recipe in one process with transformers' ``auto_find_batch_size``.
 
-    python bench/recovery/auto_batch.py --spec attempt-001/spec.json
+    python -m bench.recovery.auto_batch --spec attempt-001/spec.json
 
 Run by :mod:`recovery.approaches` with the same spec (knobs, data, recipe settings, memory cap,
 device, allocator environment) the restart loop gives our trainer child. The recipe is built by

@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recovery.scenarios import UNCAPPED, Scenario
+from .scenarios import UNCAPPED, Scenario
 
 if TYPE_CHECKING:
     from qlora_supervise.trainer_child.contract.spec import AttemptSpec

@@ -33,8 +33,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import gpu_ladder
-from recovery.scenarios import Scenario
+from ..scenarios import gpu_ladder
+from .scenarios import Scenario
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,11 +12,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import gpu_ladder
-from recovery import measure
-from recovery.measure import Attempt
-from recovery.overhead import spare_windows, split_by_windows
-from recovery.scenarios import Scenario
+from ..scenarios import gpu_ladder
+from . import measure
+from .measure import Attempt
+from .overhead import spare_windows, split_by_windows
+from .scenarios import Scenario
 
 
 def supervised(s: Scenario, approach: str, out: dict[str, Any]) -> dict[str, Any]:

@@ -30,9 +30,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import gpu_ladder
-from recovery import approaches, measure
-from recovery.approaches import Place
+from ..scenarios import gpu_ladder
+from . import approaches, measure
+from .approaches import Place
 
 SUPERVISED = "supervised-spare"
 

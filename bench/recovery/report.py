@@ -1,7 +1,7 @@
-"""RESULTS.md and the README's summary table from one or more ``run.py`` output directories.
+"""RESULTS.md and the summary table of docs/recovery.md from one or more ``run.py`` output directories.
 
-    python bench/recovery/report.py OUT/8GiB OUT/16GiB OUT/24GiB OUT/32GiB OUT/overhead \\
-        [--results bench/recovery/RESULTS.md] [--readme README.md]
+    python -m bench.recovery.report OUT/8GiB OUT/16GiB OUT/24GiB OUT/32GiB OUT/overhead \\
+        [--results bench/recovery/RESULTS.md] [--readme docs/recovery.md]
 
 Reads each ``OUT/results.json`` (card runs and ``--overhead`` runs alike) and writes RESULTS.md:
 the exact commands, versions, date and device, the definitions, the summary (the three
@@ -19,10 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: this package
-
-from recovery import measure, outcomes, targets
-from recovery.overhead import interval, pooled, spare_windows
+from . import measure, outcomes, targets
+from .overhead import interval, pooled, spare_windows
 
 START, END = "<!-- bench-recovery:start -->", "<!-- bench-recovery:end -->"
 MiB = 1 << 20
@@ -299,7 +297,8 @@ def results_md(runs: list[dict[str, Any]]) -> str:
         *beside_rows(runs),
         "",
         "One uncapped run bare, with spares started beside it one after another",
-        "(`bench/recovery/spare_beside.py`): its steps that completed while a spare imported, against",
+        "(a one-off script, `bench/recovery/spare_beside.py`, since removed; git keeps it): its steps that",
+        "completed while a spare imported, against",
         "those that completed while none did.",
         "",
         *spare_beside_rows(runs),
@@ -322,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dirs", nargs="+", type=Path, help="run.py --out directories")
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().with_name("RESULTS.md"))
-    p.add_argument("--readme", type=Path, help="a README with the bench-recovery markers to fill")
+    p.add_argument("--readme", type=Path, help="a page with the bench-recovery markers (docs/recovery.md)")
     args = p.parse_args(argv)
     runs = load(args.dirs)
     args.results.write_text(results_md(runs), encoding="utf-8")

@@ -1,22 +1,22 @@
 """Recovery side by side: qlora-supervise, a restart loop and ``auto_find_batch_size`` on one card size.
 
-    python bench/recovery/run.py --build-only [--cache DIR]              # models + data, once (GPU)
-    python bench/recovery/run.py --card 8GiB --out OUT [--cache DIR] [--deadline-s 540]
-    python bench/recovery/run.py --card 24GiB --overhead --out OUT       # supervised vs bare tokens/s
-    python bench/recovery/run.py --tiny --card all --out /tmp/r          # the same logic on the CPU
+    python -m bench.recovery.run --build-only [--cache DIR]              # models + data, once (GPU)
+    python -m bench.recovery.run --card 8GiB --out OUT [--cache DIR] [--deadline-s 540]
+    python -m bench.recovery.run --card 24GiB --overhead --out OUT       # supervised vs bare tokens/s
+    python -m bench.recovery.run --tiny --card all --out /tmp/r          # the same logic on the CPU
 
-On the H200 (from the project root, after the README's ``.whl`` preamble), commands of under
+On the H200 (from the project root, after bench/README.md's ``.whl`` preamble), commands of under
 10 minutes each: the four cards at once, sharing the built models (~9 min, ``--deadline-s``
 bounds each); one card alone (the recovery times without neighbours); the overhead, alone
 (3 supervised/bare pairs, ~6.5 min; run it twice and ``report.py`` pools the runs)::
 
-    python bench/recovery/run.py --build-only
+    python -m bench.recovery.run --build-only
     R=$OUT/recovery; mkdir -p $R; for c in 8GiB 16GiB 24GiB 32GiB; do
-      python bench/recovery/run.py --card $c --out $R/$c --deadline-s 540 > $R/$c.log 2>&1 &
+      python -m bench.recovery.run --card $c --out $R/$c --deadline-s 540 > $R/$c.log 2>&1 &
     done; wait; cat $R/*/table.txt
-    python bench/recovery/run.py --card 8GiB --approaches as-written as-written-no-spare \
+    python -m bench.recovery.run --card 8GiB --approaches as-written as-written-no-spare \
       --max-steps 6 --deadline-s 260 --out $OUT/solo/8GiB
-    python bench/recovery/run.py --card 24GiB --overhead --overhead-pairs 3 --overhead-steps 12 \
+    python -m bench.recovery.run --card 24GiB --overhead --overhead-pairs 3 --overhead-steps 12 \
       --deadline-s 560 --out $OUT/overhead-a
 
 Per card, each scenario of :mod:`recovery.scenarios` (an over-ambitious job on the 7B or 8B shape
@@ -26,7 +26,7 @@ leaves time (and partial results) for the rest. Writes ``OUT/results.json`` (eve
 command, versions, device), ``OUT/table.txt`` (printed last) and ``OUT/<scenario>/<approach>/``
 (the run directory's journals, no checkpoints: ``qlora-supervise explain`` reads them, with
 ``--model-config OUT/<scenario>/model-config.json``). ``bench/recovery/report.py OUT...`` turns
-one or more OUT directories into RESULTS.md and the README's summary table.
+one or more OUT directories into RESULTS.md and the summary table of docs/recovery.md.
 
 Concurrency: card commands running together share the GPU's compute (the memory caps keep their
 memory apart), so their tokens/s and step times are each a share of the card and are comparable
@@ -49,14 +49,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: this package and its neighbours
-
-from recovery import approaches, assets, outcomes, table
-from recovery.approaches import Place
-from recovery.keep import keep_journals
-from recovery.launch import Neighbours
-from recovery.overhead import measure_overhead
-from recovery.scenarios import UNCAPPED, Scenario, for_card, steady
+from . import approaches, assets, outcomes, table
+from .approaches import Place
+from .keep import keep_journals
+from .launch import Neighbours
+from .overhead import measure_overhead
+from .scenarios import UNCAPPED, Scenario, for_card, steady
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Below this an approach is not started (an attempt alone takes ~20 s on the H200, 10 s on the CPU).

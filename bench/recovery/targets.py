@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from recovery.overhead import pooled
+from .overhead import pooled
 
 RSS_LIMIT = 100_000_000
 OVERHEAD_LIMIT_PCT = 0.5

@@ -9,7 +9,7 @@ emulated small card (``gpu_memory_limit``), where the plan starts it with activa
 with ``resources.host_memory_limit`` set to what its host model predicts plus about 15 %, so that
 the four limits together fit the machine. The four run side by side through the real
 ``qlora-supervise run`` (pre-flight and speed trial on). Random-weight models of the released
-widths are built with ``bench/memory_grid.py`` (reused from ``--work``).
+widths are built with ``bench/models/memory_grid.py`` (reused from ``--work``).
 
 Per job: the config attempt 1 started from; attempts, host OOM kills, quality changes; the host
 model's training host peak for the knobs trained (``policies/memory/host.py``) against the child's
@@ -47,10 +47,12 @@ from typing import Any
 
 import psutil
 
-from bench import gpu_ladder, memory_grid
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
+
+from ..models import memory_grid
+from . import gpu_ladder
 
 GiB = 1 << 30
 QUALITY = ("max_seq_len", "lora_r", "model")

@@ -1,7 +1,7 @@
 """The parts of one decoder block's saved activations that differ by family: attention and the MLP.
 
 Counted on the CPU, byte for byte, with saved-tensor hooks over the child's own QLoRA build at
-each family's released widths (bench/family_memory_cpu.py; bench/results/family-memory-cpu-2026-12-02/
+each family's released widths (bench/models/family_memory_cpu.py; bench/results/family-memory-cpu-2026-12-02/
 has every tensor). Where a CUDA card saves differently the term is the card's: the dropout mask
 of a LoRA adapter is 1 byte on CUDA (aten's ``native_dropout``), 2 on the CPU; the fp32
 log-sum-exp SDPA keeps (4 bytes per head) is left out, as it was in the Llama terms the H200

@@ -47,7 +47,7 @@ What the recipe does to memory (trainer_child/recipe.py, read against the instal
 
 The coefficients that are not exact byte counts (the backward transients' 8 bytes per i and per
 h, the allocator's reserve) are named constants below, checked against the H200 grid in
-bench/results/memory-grid-h200-2026-12-01/ (``bench/score_memory_grid.py`` re-scores it);
+bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py`` re-scores it);
 calibration corrects the rest per run.
 """
 
@@ -185,7 +185,7 @@ def layer_activation_bytes(
 
     ``half`` is the autocast dtype's size (2 for bf16/fp16, 4 when training in fp32 on the CPU).
     The family terms (:mod:`.block_terms`) were counted on the CPU with saved-tensor hooks at each
-    family's released widths (bench/family_memory_cpu.py): Gemma's two extra norms keep one fp32
+    family's released widths (bench/models/family_memory_cpu.py): Gemma's two extra norms keep one fp32
     input each; a q/k norm keeps its fp32 input. Layer 0 keeps a little less (its input needs
     no gradient), which the model leaves in as margin.
     """

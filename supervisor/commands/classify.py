@@ -24,6 +24,7 @@ NUMBER_LABELS: tuple[tuple[str, str], ...] = (
     ("reserved_unallocated", "reserved but unallocated"),
     ("private_pools", "in private pools"),
     ("others_in_use", "other processes"),
+    ("spurious_room", "there for it (spurious)"),
 )
 
 

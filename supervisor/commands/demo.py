@@ -26,7 +26,8 @@ from qlora_supervise.trainer_child.contract import entry
 #: 1.7 GiB of data segment on the tiny model at seq 512 (logits and trl's chunked log-prob
 #: buffer grow with micro_batch * seq_len); with gradient checkpointing it needs about 1.2 GiB.
 #: The cap sits between the two, so the first rung of the forward ladder is the one that fits.
-#: Numbers measured on the CPU with bench/child_memory.py (see README).
+#: Measured on the CPU by a one-off script (bench/child_memory.py, since removed; its table is in
+#: docs/planning.md, "The CPU cap").
 DEMO_TRAIN = {
     "micro_batch_size": 16,
     "effective_batch_size": 16,
@@ -39,8 +40,8 @@ DEMO_TRAIN = {
 #: The CPU cap is this far above the child's data segment after its imports (0.37 GiB with
 #: the CPU build of torch here, making 1350 MiB; about 2.3 GiB with a CUDA build).
 DEMO_CPU_HEADROOM = 970 * 2**20
-#: On a GPU the same two configs peak at 830 MiB and 385 MiB allocated (H200,
-#: bench/demo_gpu_peaks.py): the cap sits between them.
+#: On a GPU the same two configs peak at 830 MiB and 385 MiB allocated (H200, measured by a one-off
+#: script, bench/demo_gpu_peaks.py, since removed): the cap sits between them.
 DEMO_GPU_CAP = "640MiB"
 
 

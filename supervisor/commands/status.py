@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from qlora_supervise.supervisor.commands.running import events_file, running_attempt
+from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
+from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
@@ -237,9 +239,11 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     if r.failure:
         f = r.failure
         lines.append(f"  failed: {f.kind.value} in {f.stage.value} - {f.evidence}")
-        if numbers := f.numbers_json():
+        if numbers := {k: v for k, v in f.numbers_json().items() if k not in BATCH_KEYS}:
             nums = ", ".join(f"{key} {_fmt(value)}" for key, value in numbers.items())
             lines.append(f"  numbers: {nums}")
+        if (batch := batch_of(f.numbers)) is not None:
+            lines.append(f"  in flight: {describe_batch(batch)}")
         if f.kind.value == "config_error" and (fix := fix_line(r)):
             lines.append(f"  fix: {fix}")
         if run_dir is not None:

@@ -1,25 +1,37 @@
 """Where a traceback was: frames out of any traceback layout, and the stage they name.
 
 Layouts read: CPython (``File "p", line N, in f`` + source line, with ``[rankN]:`` or log
-prefixes, lost indentation, hard wrapping), IPython (``p in f(...)`` + ``--> N source``) and
-rich (``│ p:N in f │`` + ``❱ N │ source``). When a text has no frame at all, its bare code
-lines stand in for frames (excerpts often keep only the line that failed).
+prefixes, lost indentation, hard wrapping), IPython 7 (``p in f(...)`` + ``--> N source``),
+IPython 8 (``File p:N, in Class.f(...)`` + ``--> N source``) and rich (``│ p:N in f │`` +
+``❱ N │ source``, the function wrapped onto the box's next line when the path is long). A
+qualified name (``Trainer._move_model_to_device``, ``Module.to.<locals>.convert``) is matched by
+its own last part, and by its class where the class says more (``SFTTrainer.__init__``).
+When a text has no frame at all, its bare code lines stand in for frames (excerpts often keep
+only the line that failed).
 
 The stage rule, :func:`stage_from_frames`:
 
 0. our own trainer child's failure line (``trainer child failed in <stage>:``) is the child's
    own word on its stage and wins over any frame (the same fact its error report carries);
 1. **merge** when any frame merges or exports a model (a merge script loading its adapter is
-   still merging); else **eval** when a frame evaluates, predicts or generates: both are
-   contexts that run forwards and loads of their own, so they win over any frame *inside*
-   them. An eval frame loses only to a training step deeper than it (``training_step``,
+   still merging); else **eval** when a frame evaluates, predicts or generates; else **resume**
+   when a frame loads a resume checkpoint's state (Trainer's ``_load_from_checkpoint`` and
+   ``_load_optimizer_and_scheduler``, accelerate's ``load_state``, DeepSpeed's checkpoint
+   loaders, an optimizer's or scheduler's ``load_state_dict``): all are contexts that run
+   forwards, loads or tensor copies of their own, so they win over any frame *inside* them.
+   An eval frame loses only to a training step deeper than it (``training_step``,
    ``_inner_training_loop``: a script's ``evaluate_and_train()`` that trains), while a
    generation inside ``training_step`` (GRPO / PPO rollouts) stays eval;
 2. otherwise the *deepest* frame that names a training stage (optimizer, backward, forward,
    load, setup) decides, because an outer frame only says who called: a forward inside
    ``optimizer.step(closure)`` is a forward OOM, a backward inside Lightning's
    ``optimizer_step`` a backward one. One exception: a forward *inside* backward is
-   gradient-checkpoint recomputation, which belongs to backward;
+   gradient-checkpoint recomputation, which belongs to backward. An optimizer step inside
+   backward stays optimizer: transformers' layer-wise optimizers step each parameter in
+   ``optimizer_hook``, which autograd calls during backward. Optimizer frames include the
+   step of packages whose files do not say "optim" (GaLore's ``adamw.py``, lion, sophia...)
+   and a low-rank projection's ``project`` / ``get_orthogonal_matrix`` (the SVD of the
+   gradient); a Trainer's ``__init__`` is load (it places the model on its device);
 3. autograd's own markers say backward where the frames say forward or nothing: anomaly mode
    prints the *forward* traceback of the op whose backward failed ("Traceback of forward call
    that caused the error", "Error detected in MmBackward0"), and C++ stacks of a failed
@@ -30,7 +42,7 @@ The stage rule, :func:`stage_from_frames`:
 
 Within one frame a merge/export script's file name comes first (it is the context), then the
 source line (the call in progress, the deeper fact), then the function name; stages are tried
-in the order merge, eval, optimizer, backward, forward, load, setup.
+in the order merge, eval, resume, optimizer, backward, forward, load, setup.
 """
 
 from __future__ import annotations
@@ -61,9 +73,14 @@ class StageFinding:
 
 
 _PY_FRAME = re.compile(r'File\s*"(?P<path>[^"]+)",\s*line\s+\d+,\s*in\s+(?P<func>[^\s│]+)')
-_IPY_FRAME = re.compile(r"^\s*(?P<path>\S+?) in (?P<func>[\w<>.: ]+?)\(.*\)\s*$", re.MULTILINE)
+_IPY_FRAME = re.compile(
+    r"^\s*(?:File\s+(?P<path8>[^\s\"][^\n]*?):\d+, in (?P<func8>[\w<>.]+)\(.*\)"  # IPython 8
+    r"|(?P<path>\S+?) in (?P<func>[\w<>.: ]+?)\(.*\))\s*$",  # IPython 7
+    re.MULTILINE,
+)
 _IPY_SOURCE = re.compile(r"^\s*-+>\s*\d+\s+(?P<src>.+)$", re.MULTILINE)
-_RICH_FRAME = re.compile(r"│\s*(?P<path>\S+):\d+ in (?P<func>[\w<>.]+)\s*│")
+# rich wraps a long path's function name onto the box's next line
+_RICH_FRAME = re.compile(r"│\s*(?P<path>\S+):\d+ in(?: |\s*│\s*\n\s*│\s*)(?P<func>[\w<>.]+)\s*│")
 _RICH_SOURCE = re.compile(r"❱\s*\d+\s*(?:│\s*)*(?P<src>.*?)\s*│?\s*$", re.MULTILINE)
 _LINE_PREFIX = re.compile(r"^\s*(?:\[rank\d+\]:|\d+:|SUBPROCESS:)\s?")
 _ARROW = re.compile(r"^\s*-+>\s*\d+\s+")
@@ -83,13 +100,29 @@ _AUTOGRAD_MARKERS = re.compile(
 # A training step: an eval frame outside one of these does not make what runs inside it eval.
 _TRAINING_STEP = re.compile(r"(?:training_step|_inner_training_loop|train_step)$")
 
+# Optimizer packages whose file names do not say "optim" (their step is the optimizer's).
+_OPTIMIZER_PACKAGES = (
+    r"(?i)\w*(?:galore|apollo|fira|adam|lion|lomo|sophia|adafactor|muon|soap|shampoo)\w*\.py$"
+)
+
 # (stage, pattern on the function name, pattern the path must match or None)
 _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.MERGE, r"(?:\w*_)?merged?(?:_\w*)?|save_pretrained_gguf|push_to_hub_gguf", None),
     (Stage.EVAL, r"_?evaluat\w*|_?predict(?:ion)?(?:_\w+)?|eval_\w+|_?generate", None),
     (Stage.EVAL, r"nested_concat|pad_across_processes|validation_step|validation_loop|test_step", None),
     (Stage.EVAL, r"_?sample|greedy_search|_?beam_search|contrastive_search|assisted_decoding", r"generat"),
+    # Loading the resume checkpoint's state (a context, rule 1): the Trainer's loaders, accelerate's
+    # load_state, DeepSpeed's checkpoint loaders, and an optimizer's own load_state_dict.
+    (Stage.RESUME, r"_load_optimizer_and_scheduler|_load_from_checkpoint|_load_scaler|_load_rng_state", None),
+    (Stage.RESUME, r"load_accelerator_state|load_state", r"accelerate[/\\]"),
+    (Stage.RESUME, r"_?load_checkpoint|_load_zero_checkpoint|_load_optimizer_state", r"deepspeed[/\\]"),
+    (Stage.RESUME, r"load_state_dict|_process_value_according_to_param_policy|_cast", r"optim"),
     (Stage.OPTIMIZER, r"\w*optimizer_step|_maybe_opt_step|_init_group|initialize_optimizer_states", None),
+    # transformers' layer-wise optimizers (GaLore *_layerwise) step each parameter in a hook that
+    # autograd calls inside backward: the step, not the backward, ran out.
+    (Stage.OPTIMIZER, r"optimizer_hook", None),
+    # Low-rank projection optimizers (GaLore, APOLLO, Fira) take an SVD of the gradient in step.
+    (Stage.OPTIMIZER, r"step|project(?:_back)?|get_orthogonal_matrix", _OPTIMIZER_PACKAGES),
     (Stage.OPTIMIZER, r"_configure_(?:zero_)?optimizer|_(?:multi|single)_tensor_\w+|_fused_adamw?", None),
     (Stage.OPTIMIZER, r"\w+", r"(?:^|[/\\])(?:optim|optimizers?|sharded_optim)[/\\]|grad_scaler\.py"),
     (Stage.OPTIMIZER, r"step", r"optim|scaler|[/\\]zero[/\\]"),
@@ -102,6 +135,8 @@ _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.LOAD, r"load_checkpoint_and_dispatch|dispatch_model|caching_allocator_warmup", None),
     (Stage.LOAD, r"\w*(?:tensor|weigh\w*|param\w*|module|model)_to_device|quantize_4bit", None),
     (Stage.LOAD, r"prepare_model_for_kbit_training|prepare_model", None),
+    # A Trainer's construction places the model on its device (Trainer._move_model_to_device).
+    (Stage.LOAD, r"__init__", r"(?i)trainer\w*\.py$|[/\\]trainers?[/\\]"),
     (Stage.LOAD, r"_apply|convert|to|cuda", r"torch[/\\]nn[/\\]modules[/\\]module\.py"),
     (Stage.SETUP, r"init_process_group|_verify_model_across_ranks", None),
     (Stage.SETUP, r"<module>", r"site-packages|dist-packages"),
@@ -113,6 +148,8 @@ _MERGE_FILE = re.compile(r"(?:^|[/\\_])(?:merge|export)\w*\.py$", re.IGNORECASE)
 _SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
     (Stage.MERGE, r"merge_and_unload\(|save_pretrained_merged\(|push_to_hub_merged\(|_gguf\("),
     (Stage.EVAL, r"\.(?:evaluate\w*|generate|predict)\(|\bgenerate\("),
+    # an optimizer's, scheduler's or scaler's saved state loaded back: only a resume does that
+    (Stage.RESUME, r"\b\w*(?:optimizer|optim|scheduler|scaler)\w*\.load_state_dict\("),
     (Stage.OPTIMIZER, r"\b\w*(?:optimizer|optim|scaler)\w*\.step\(|optimizer_step\("),
     (Stage.OPTIMIZER, r"_configure_zero_optimizer\(|DeepSpeedZeroOptimizer\w*\("),
     (Stage.BACKWARD, r"\.backward\(|autograd\.grad\(|run_backward\("),
@@ -132,7 +169,12 @@ _COMPILED_FUNCTIONS = tuple(
     for stage, name, path in _FUNCTION_RULES
 )
 _COMPILED_SOURCES = tuple((stage, re.compile(pattern)) for stage, pattern in _SOURCE_RULES)
-_CONTEXT_STAGES = (Stage.MERGE, Stage.EVAL)
+_CONTEXT_STAGES = (Stage.MERGE, Stage.EVAL, Stage.RESUME)
+# A qualified name as IPython 8 prints it (Trainer._move_model_to_device, Module.to.<locals>.convert).
+_QUALIFIED_RULES: tuple[tuple[Stage, re.Pattern[str]], ...] = (
+    (Stage.LOAD, re.compile(r"\w*Trainer\.__init__$")),
+    (Stage.OPTIMIZER, re.compile(r"\w*(?:Optimizer|Optim|Adam\w*|Lion|SGD|Adafactor)\w*\.step$")),
+)
 
 
 def parse_frames(text: str) -> list[Frame]:
@@ -170,10 +212,19 @@ def frame_stage(frame: Frame) -> Stage | None:
     for stage, pattern in _COMPILED_SOURCES:
         if pattern.search(frame.source):
             return stage
+    for stage, qualified in _QUALIFIED_RULES:
+        if qualified.match(frame.function):
+            return stage
+    function = _own_name(frame.function)
     for stage, name, path in _COMPILED_FUNCTIONS:
-        if name.match(frame.function) and (path is None or path.search(frame.path)):
+        if name.match(function) and (path is None or path.search(frame.path)):
             return stage
     return None
+
+
+def _own_name(function: str) -> str:
+    """A qualified name's own part: ``Module.to.<locals>.convert`` -> ``convert``."""
+    return function.rsplit(".", 1)[-1] if "." in function else function
 
 
 def _context_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
@@ -252,7 +303,8 @@ def _ipython_frames(text: str) -> list[tuple[int, Frame]]:
         src = source.group("src") if source else ""
         if source is not None and _IPY_FRAME.search(text, match.end(), source.start()):
             src = ""  # that arrow belongs to a later frame
-        frames.append((match.start(), Frame(match.group("path"), match.group("func").strip(), src)))
+        path, func = match.group("path8", "func8") if match.group("path8") else match.group("path", "func")
+        frames.append((match.start(), Frame(path, func.strip(), src)))
     return frames
 
 

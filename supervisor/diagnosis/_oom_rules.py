@@ -23,7 +23,12 @@ problem; the 512 MiB floor keeps a small card's 5 % inside that slack. When allo
 fill the capacity (≥ 95 %), no layout would have left room to train on: that is a plain OOM of
 its stage (seen on the H200 under an 8 GiB cap: 0.49 GiB unallocated, 7.58 + 0.34 of 8 GiB,
 and expandable_segments did not help; bench/results/gpu-h200-2026-11-29). With a cap, "free"
-is what is left under the cap. Contention is checked first: when
+is what is left under the cap, and the request must fit **in one piece** of the split memory:
+``reserved_unallocated >= tried_to_allocate``. Why: before a capped allocator raises it has
+already released every wholly free segment and been refused a new one by the cap, so the
+unallocated bytes lie between live blocks, and the cap's unreserved room is another address
+range that no layout joins to them; when the split bytes alone cannot hold the request, the
+cap, not the layout, refused it. Contention is checked first: when
 others hold the card, free memory is scarce for a reason outside the process.
 
 In the old wording ``reserved_unallocated = reserved_total - already_allocated``; in the new
@@ -108,6 +113,8 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
     if capacity and int(numbers.get("already_allocated") or 0) + tried >= FULL_SHARE * capacity:
         return None
     headroom = _headroom(numbers)
+    if numbers.get("allowed") is not None and unallocated < tried:
+        return None  # capped: the split memory alone must hold the request (module docstring)
     if unallocated >= floor and unallocated + headroom >= tried:
         free, split = format_bytes(headroom), format_bytes(unallocated)
         return f"{split} reserved-unallocated + {free} free ≥ {format_bytes(tried)} requested"

@@ -24,6 +24,9 @@
 5. **nothing**: ``other`` (``ExitCode.OOM`` without report or message: the stage is unknown, so
    ``oom_forward``, the commonest site, whose ladder is the generic remedy).
 
+An OOM that is not contention is also *marked spurious* (:mod:`.spurious`) where the allocator's
+numbers say the request fit: its kind stays, and the policy retries the config once unchanged.
+
 ``classify_text`` (any command's log) follows the labelling order of the failure corpus:
 host kill (``Killed``, exit -9/137, kernel OOM line) -> NCCL -> bitsandbytes setup -> no room
 on the disk (ENOSPC, EROFS, EDQUOT) -> OOM
@@ -48,10 +51,11 @@ import signal as signals
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, xid
+from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, spurious, xid
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
+from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
 from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.oom_message import parse_messages, parse_numbers
@@ -62,7 +66,7 @@ TEXT_WINDOW = 1 << 20  # characters of a log that classify_text reads, from the 
 
 # A traceback cut before its exception line, in one of these stages, is presumed an OOM.
 _PRESUMED_OOM_STAGES = frozenset(
-    {Stage.LOAD, Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER, Stage.EVAL, Stage.MERGE}
+    {Stage.LOAD, Stage.RESUME, Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER, Stage.EVAL, Stage.MERGE}
 )
 _SIGNATURE_FAMILIES = (
     (FailureKind.HOST_OOM, _signatures.HOST_KILLED, "kill line"),
@@ -170,12 +174,27 @@ def oom_failure(
     allocator: AllocatorFacts | None = None,
     fit: StepFit | None = None,
 ) -> Failure:
-    """An accelerator OOM: contention, then fragmentation, then the stage's OOM kind."""
+    """An accelerator OOM: contention, then fragmentation, then the stage's OOM kind; any but
+    contention is marked spurious where the allocator's numbers say the request fit
+    (:mod:`.spurious`)."""
     where = f"stage {stage.stage.value} from {stage.why}"
     reason = _oom_rules.contention(numbers, *nvml)
     if reason is not None:
         why = f"{source}; contention: {reason}; {where}"
         return Failure(FailureKind.OOM_CONTENTION, stage.stage, numbers, why, message)
+    found = _layout_or_stage(stage, numbers, source, message, allocator, fit)
+    return spurious.mark(found, allocator)
+
+
+def _layout_or_stage(
+    stage: StageFinding,
+    numbers: Mapping[str, Any],
+    source: str,
+    message: str,
+    allocator: AllocatorFacts | None,
+    fit: StepFit | None,
+) -> Failure:
+    where = f"stage {stage.stage.value} from {stage.why}"
     verdict = fragmentation.judge(allocator, numbers, fit)
     if verdict is not None:
         shown = {**numbers, **verdict.numbers}
@@ -268,6 +287,8 @@ def _from_report(
         finding = StageFinding(stage, "the error report")
         nvml = (nvml_others, nvml_total)
         found = oom_failure(finding, numbers, head, message, nvml, report.allocator, fit)
+        if report.batch is not None:  # the micro-batch it happened on (a repeat is told by the loop)
+            found = dataclasses.replace(found, numbers={**found.numbers, **batch_numbers(report.batch)})
         if found.kind is FailureKind.OOM_FRAGMENTATION and report.expandable_segments_active:
             # Expandable segments were already on: the fix fragmentation names was in place and
             # the step still did not fit, so this is the stage's capacity OOM.

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, record_of
 from qlora_supervise.supervisor.record.history import policy_history
 from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome
@@ -46,7 +47,23 @@ def ask(
     this = dataclasses.replace(policy_history([record])[0], kind=failure.kind)
     history = (*policy_history(earlier), this)
     decision = policy.decide(failure, o.plan.knobs, history, settings, phase=o.plan.phase.value)
-    return Pending(o, failure, record, history, decision)
+    return Pending(o, failure, record, history, _with_repeat(decision, failure, earlier, o, settings))
+
+
+def _with_repeat(
+    decision: policy.Decision,
+    failure: Failure,
+    earlier: Sequence[AttemptRecord],
+    o: AttemptOutcome,
+    settings: policy.Settings,
+) -> policy.Decision:
+    """The decision, saying so when the OOM repeats at the data position of the attempt before
+    (:mod:`..diagnosis.repeat`): which rows, and what a shorter max_seq_len would cut."""
+    before = next((r.failure for r in reversed(earlier) if r.failure is not None), None)
+    note = repeat_note(failure, before, o.plan.knobs.max_seq_len, settings.sample_lengths)
+    if note is None or isinstance(decision, policy.Wait):
+        return decision
+    return dataclasses.replace(decision, why=f"{decision.why}; {note}")
 
 
 def ask_again(pending: Pending, waited: policy.WaitResult, settings: policy.Settings) -> Pending:

@@ -6,8 +6,8 @@ is skipped and, when the caller names a quarantine, moved there; one whose adapt
 model, or a smaller LoRA rank than the knobs (or the same rank with another alpha), cannot be
 loaded and is skipped; one of a larger rank of the same model is loaded and the child cuts its
 adapter to the knobs' rank by truncated SVD (``trainer_child.rank``), without its optimizer
-state, whose shapes no longer fit; one written with another optimizer is loaded without its
-optimizer state. Deciding from the marker, not from the
+state, whose shapes no longer fit; one written with another optimizer, or before the
+``fresh_optimizer_state`` rung, is loaded without its optimizer state. Deciding from the marker, not from the
 decision that led here, stays right however many attempts in between failed, stopped or were
 interrupted before writing a checkpoint of their own.
 
@@ -102,7 +102,13 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             skipped.append(f"{path.name}: {why_not}")
             continue
         rank_from = _larger_rank(saved, knobs)
-        reset = optimizer_only or rank_from is not None or saved.get("optimizer") != knobs.optimizer
+        reset = (
+            optimizer_only
+            or rank_from is not None
+            or saved.get("optimizer") != knobs.optimizer
+            # the fresh_optimizer_state rung, against a checkpoint written before it
+            or bool(saved.get("fresh_optimizer_state", False)) != knobs.fresh_optimizer_state
+        )
         return ResumePoint(step, path, reset, tuple(skipped), tuple(moved), rank_from)
     return ResumePoint(0, None, False, tuple(skipped), tuple(moved))
 

@@ -40,7 +40,8 @@ from qlora_supervise.supervisor.record.runfiles import UnsafeRunPath, open_appen
 from qlora_supervise.trainer_child.contract import entry
 
 #: What a spare costs before it has reported its own RSS: a Python process with the stack
-#: imported (0.9 GB with the CUDA build of torch on the H200, bench/spare_probe.py), rounded up.
+#: imported (0.9 GB with the CUDA build of torch on the H200: bench/results/recovery-h200-2026-12-01/
+#: spare/, docs/recovery.md), rounded up.
 SPARE_RSS_GUESS = 2 << 30
 #: Host RAM that must stay free beside the spare, for the running child's growth.
 RAM_HEADROOM = 2 << 30

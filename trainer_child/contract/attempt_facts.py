@@ -1,7 +1,8 @@
 """Facts the child reports once per attempt, typed on both sides of the events file.
 
 Standard library only (the supervisor reads them): :class:`SampleLengths` travels in the
-``loaded`` event, :class:`RankReduction` in the ``resumed`` event. Each writes its fields with
+``loaded`` event, :class:`RankReduction` in the ``resumed`` event, :class:`BatchInFlight` in the
+error report of an OOM in a training step. Each writes its fields with
 ``fields()`` and is read back with ``from_fields()``, which returns None for an event written
 before the field existed (or a torn one), so old events files stay readable.
 """
@@ -80,6 +81,52 @@ class RankReduction:
         if not all(map(_is_int, ints)) or not all(isinstance(x, int | float) for x in floats):
             return None
         return reduction
+
+
+#: Most training rows the child searches for the rows of a micro-batch that ran out of memory.
+MAX_ROWS_SEARCHED = 50_000
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchInFlight:
+    """The micro-batch a training step was on when it ran out of memory: its data position and rows.
+
+    ``step`` is the optimizer step being trained (the last completed one + 1), ``micro`` the
+    micro-batch's index within it; ``lengths`` the rows' token counts (after the recipe's
+    truncation to ``max_seq_len``); ``rows`` their indices in the training set, in the same
+    order, where the child found them (None: packed sequences, or a set above
+    :data:`MAX_ROWS_SEARCHED` rows; an index is -1 where a row was not found).
+    """
+
+    step: int
+    micro: int
+    lengths: tuple[int, ...]
+    rows: tuple[int, ...] | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, raw: object) -> BatchInFlight | None:
+        """The batch a report names; None for anything ill-typed (a torn or older report)."""
+        if not isinstance(raw, Mapping):
+            return None
+        step, micro, lengths, rows = (raw.get(key) for key in ("step", "micro", "lengths", "rows"))
+        if not isinstance(step, int) or not isinstance(micro, int) or isinstance(step, bool):
+            return None
+        if not isinstance(lengths, list) or not all(map(_is_int, lengths)):
+            return None
+        if rows is not None and not (isinstance(rows, list) and all(map(_is_int, rows))):
+            return None
+        return cls(step, micro, tuple(lengths), tuple(rows) if rows is not None else None)
+
+    def same_position(self, other: BatchInFlight) -> bool:
+        """Whether ``other`` is this data position again (same step, micro-batch and rows)."""
+        return (self.step, self.micro, sorted(self.lengths)) == (
+            other.step,
+            other.micro,
+            sorted(other.lengths),
+        )
 
 
 def _is_int(value: object) -> bool:

@@ -23,6 +23,9 @@ class Stage(str, enum.Enum):
 
     SETUP = "setup"
     LOAD = "load"
+    # The resume checkpoint's adapter, optimizer and scheduler state being loaded before the first
+    # resumed step (Trainer._load_from_checkpoint, _load_optimizer_and_scheduler).
+    RESUME = "resume"
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
@@ -49,6 +52,7 @@ class FailureKind(str, enum.Enum):
     OOM_OPTIMIZER = "oom_optimizer"
     OOM_EVAL = "oom_eval"
     OOM_MERGE = "oom_merge"
+    OOM_RESUME = "oom_resume"  # loading the resume checkpoint's state onto the card (Stage.RESUME)
     OOM_FRAGMENTATION = "oom_fragmentation"
     OOM_CONTENTION = "oom_contention"
     HOST_OOM = "host_oom"
@@ -71,6 +75,7 @@ class FailureKind(str, enum.Enum):
 OOM_KIND_BY_STAGE: Mapping[Stage, FailureKind] = {
     Stage.SETUP: FailureKind.OOM_LOAD,
     Stage.LOAD: FailureKind.OOM_LOAD,
+    Stage.RESUME: FailureKind.OOM_RESUME,
     Stage.FORWARD: FailureKind.OOM_FORWARD,
     Stage.BACKWARD: FailureKind.OOM_BACKWARD,
     Stage.OPTIMIZER: FailureKind.OOM_OPTIMIZER,

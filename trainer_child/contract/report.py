@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, AllocatorPeak
+from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 
@@ -56,6 +57,8 @@ class ErrorReport:
     rank: int = 0  # torchrun's RANK of the process that wrote it (0 for a single process)
     local_rank: int = 0  # LOCAL_RANK: the GPU index of this rank on its host
     world_size: int = 1
+    # The micro-batch a training step's OOM happened on: its data position, row indices, lengths.
+    batch: BatchInFlight | None = None
     allocator_peak: AllocatorPeak | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -63,6 +66,8 @@ class ErrorReport:
         object.__setattr__(self, "stage", Stage.named(self.stage))
         if self.allocator is not None and not isinstance(self.allocator, AllocatorFacts):
             object.__setattr__(self, "allocator", AllocatorFacts.from_json_dict(self.allocator))
+        if self.batch is not None and not isinstance(self.batch, BatchInFlight):
+            object.__setattr__(self, "batch", BatchInFlight.from_json_dict(self.batch))
         if not isinstance(self.oom_numbers, OomNumbers):
             object.__setattr__(self, "oom_numbers", OomNumbers.from_json(self.oom_numbers))
         object.__setattr__(self, "allocator_peak", AllocatorPeak.from_memory_stats(self.memory_stats))

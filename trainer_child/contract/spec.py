@@ -48,6 +48,12 @@ class Knobs:
     eval_batch_size: int = 1
     eval_enabled: bool = True
     merge_on_cpu: bool = False
+    # The resume ladder (issue 33): the checkpoint's optimizer state is read into host memory
+    # (map_location cpu) and copied to the card by load_state_dict, where Trainer under torchrun
+    # reads it onto the card whole; and a fresh optimizer state with the LR schedule kept, taken
+    # when a checkpoint written without it is resumed (supervisor/loop/resume.py).
+    optimizer_state_on_host: bool = False
+    fresh_optimizer_state: bool = False
     world_size: int = 1  # journals and specs written before it had one process
     # The visible GPUs the ranks train on, by position in CUDA_VISIBLE_DEVICES, comma-separated, in
     # rank order; "" means the first world_size. drop_rank leaves the failing card out of it.

@@ -24,12 +24,16 @@ from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
 from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
 from qlora_supervise.trainer_child.recipe.activations import activation_context
+from qlora_supervise.trainer_child.recipe.batches import BatchTracker
+from qlora_supervise.trainer_child.recipe.resume_state import inject_resume_cap, load_through_host
+from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
 from qlora_supervise.trainer_child.run.torchrun import barrier, decide_together, staging_owner, this_rank
@@ -47,6 +51,7 @@ TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: step's first micro-batch, on the training device, so a test can watch memory creep towards the
 #: cap (the supervisor's memory_creep rule) end in an OOM. Never set outside tests.
 TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
+
 KEEP_CHECKPOINTS = 3
 
 
@@ -81,6 +86,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens = 0
         self._step_started = time.monotonic()
         self.shapes = StepShapes()  # for the OOM handler: did a step of this shape fit already?
+        self.batches = BatchTracker()  # for the OOM report: the micro-batch in flight
         self._leaked: list[torch.Tensor] = []  # TEST_LEAK_PER_STEP only
         backward = self.accelerator.backward
 
@@ -103,10 +109,15 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
         self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
+        self.batches.start(self.state.global_step + 1, inputs)
         with activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
+
+    def batch_in_flight(self) -> BatchInFlight | None:
+        """The micro-batch the step in flight was on, its rows found in the training set."""
+        return self.batches.in_flight(self.train_dataset)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         before = self.progress.stage
@@ -208,13 +219,23 @@ class SupervisedTrainerMixin(_TrainerBase):
     # ---- loading the resume checkpoint ----------------------------------------------------
     # Trainer reads the adapter, optimizer, scheduler, scaler and RNG state of the checkpoint in
     # these methods; a failure there is the checkpoint's (truncated, corrupt), not the config's.
+    # Both run in the stage ``resume``: an OOM there is the resume's (its own ladder), not load's.
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        with _checkpoint_load(resume_from_checkpoint, "adapter"):
+        with self._resuming(), _checkpoint_load(resume_from_checkpoint, "adapter"):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        with _checkpoint_load(checkpoint, "optimizer/scheduler state"):
-            super()._load_optimizer_and_scheduler(checkpoint)
+        with self._resuming(), _checkpoint_load(checkpoint, "optimizer/scheduler state"):
+            inject_resume_cap(checkpoint)
+            if not load_through_host(self, checkpoint, self.plan.knobs.optimizer_state_on_host):
+                super()._load_optimizer_and_scheduler(checkpoint)
+
+    @contextlib.contextmanager
+    def _resuming(self) -> Iterator[None]:
+        before = self.progress.stage
+        self.progress.enter(Stage.RESUME)
+        yield  # an exception leaves the stage at resume, for the error report
+        self.progress.enter(before)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         with _checkpoint_load(checkpoint, "grad scaler state"):
@@ -303,12 +324,13 @@ class SupervisionCallback(TrainerCallback):
 
 @contextlib.contextmanager
 def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
-    """Any exception but an OOM while loading ``what`` becomes a CheckpointLoadError."""
+    """Any exception but an OOM while loading ``what`` becomes a CheckpointLoadError (a host
+    allocator's RuntimeError is an OOM too: the checkpoint is not to blame for the memory)."""
     try:
         yield
-    except (torch.OutOfMemoryError, MemoryError):
-        raise
     except Exception as exc:
+        if is_oom(exc):
+            raise
         raise checkpoints.CheckpointLoadError(
             f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
         ) from exc

@@ -20,7 +20,7 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
-from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight, RankReduction
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     UnsafeCheckpointPath,
     newest_complete_checkpoint,
@@ -307,6 +307,7 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
         at_oom = oom_diagnosis(ctx, exc)  # while the frames still hold the step's tensors
         failure = capture(exc, ctx.progress.stage, ctx.progress.step)
         failure.allocator, failure.memory_snapshot = at_oom
+        failure.batch = batch_at_oom(ctx, failure)
         del exc
     if failure is not None:
         code = fail(ctx, failure)
@@ -314,6 +315,17 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
         ctx.heartbeat.stop()
     ctx.events.close()
     return int(code)
+
+
+def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None:
+    """The micro-batch a training step's OOM happened on, its rows looked up in the training set."""
+    if not failure.oom or failure.stage not in LOOP_STAGES or ctx.trainer is None:
+        return None
+    try:
+        batch = ctx.trainer.batch_in_flight()
+    except Exception:  # a bonus, as the allocator's facts: the report must still be written
+        return None
+    return batch if isinstance(batch, BatchInFlight) else None
 
 
 def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | None, str | None]:

@@ -14,6 +14,7 @@ import traceback
 from typing import Any
 
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadError
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.disk_space import exception_chain, is_disk_full
@@ -87,6 +88,7 @@ class CapturedFailure:
     # Read at the OOM, before the step's tensors are freed (memory.allocator_facts_at_oom).
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
+    batch: BatchInFlight | None = None  # the micro-batch a training step's OOM happened on
     time: float = dataclasses.field(default_factory=time.time)  # when the exception was caught
 
     @property
@@ -164,6 +166,7 @@ def write_report(
         disk=disk,
         allocator=failure.allocator,
         memory_snapshot=failure.memory_snapshot,
+        batch=failure.batch,
         time=failure.time,
         rank=place.rank,
         local_rank=place.local_rank,

@@ -1,0 +1,42 @@
+"""A spurious OOM: the same config retried once before any rung (issue 33).
+
+The classifier marks an OOM spurious when the allocator's own numbers say the request fit: a
+free block as large was in its pool while the step's memory was still held, or the memory it
+could still take (the driver's free memory, under a cap what is left under the cap) was well
+above the request (supervisor/diagnosis/spurious.py). Nothing about the config was too big, so
+the remedy costs nothing: run it again, unchanged. A second failure of the same kind with the
+same knobs right after it, before any step was trained, is no accident: the stage's ladder
+takes it, as it takes any OOM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.policies.verdicts import FailureLike, PastAttempt, Restart
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+#: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
+SPURIOUS_KEY = "spurious_room"
+#: The rung name journalled for the retry.
+RETRY_RUNG = "retry_spurious"
+
+
+def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
+    """Restart unchanged when ``failure`` is marked spurious and is not the retry failing again.
+
+    ``failed``: the failed attempts, the one that just failed last. None: the ladder decides.
+    """
+    if SPURIOUS_KEY not in failure.numbers or not failed:
+        return None
+    before = failed[-2] if len(failed) > 1 else None
+    again = before is not None and before.kind is failure.kind and before.knobs == knobs
+    if again and failed[-1].steps_progressed <= 0:
+        return None  # the retry was had and failed the same way at once: the config's own
+    why = (
+        f"{failure.kind.value} looks spurious (the allocator's numbers say the request fit: "
+        f"{int(failure.numbers[SPURIOUS_KEY]) / 1024**2:.0f} MiB were there for it): retry the same "
+        "config once before any rung"
+    )
+    return Restart(knobs, RETRY_RUNG, {}, why, Survives.ALL)
