@@ -5,7 +5,8 @@ biggest process loses, whatever caused the pressure. A kill that came after the 
 steps says the config *did* fit for a while, so the first such kill is retried with the same
 knobs; a second kill in a row with those knobs (or one before any step) is the config's own and
 walks the stage's ladder as any OOM does. This also holds at the ladder's bottom: the run does
-not give up at the first kill after progress.
+not give up at the first kill after progress. Under activation offload the child's own host use is
+the likely cause, so no plain retry: offload is charged at once (:mod:`.climb`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
     ``failed``: the failed attempts, the one that just failed last. None: the ladder decides.
     """
     if failure.kind is not FailureKind.HOST_OOM or not failed or failed[-1].steps_progressed <= 0:
+        return None
+    if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (climb.py)
         return None
     before = failed[-2] if len(failed) > 1 else None
     if before is not None and before.kind is FailureKind.HOST_OOM and before.knobs == knobs:

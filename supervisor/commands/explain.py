@@ -188,6 +188,9 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
         "peak_bytes": r.peak.bytes if r.peak else None,
         "peak_source": r.peak.source.value if r.peak else None,
         "predicted_peak_bytes": predicted,
+        "host_peak_bytes": r.host.peak_bytes if r.host else None,
+        "host_predicted_bytes": r.host.predicted_bytes if r.host else None,
+        "host_load_peak_bytes": r.host.load_peak_bytes if r.host else None,
         **speed_columns(shape if on_gpu else None, speed),
         "wall_s": round(r.ended_at - r.started_at, 1),
         "started_at": r.started_at,
@@ -205,10 +208,18 @@ _DEFAULT_KEYS = ("tried_to_allocate", "allowed")
 _SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free", "others_in_use": "others"}
 
 
+def _host_cell(a: dict[str, Any]) -> str:
+    """Training's host peak (the host model's prediction): ``?`` where the child reported none."""
+    if not a["host_peak_bytes"]:
+        return "?"
+    predicted = a["host_predicted_bytes"]
+    return format_bytes(a["host_peak_bytes"]) + (f" ({format_bytes(predicted)})" if predicted else "")
+
+
 def print_table(story: dict[str, Any], out: TextIO) -> None:
     """A fixed-width table, one row per attempt, then the budget."""
     header: tuple[str, ...] = ("#", "outcome", "stage", "key numbers", "change", "kept", "steps")
-    header += ("peak (pred)", "tok/s (pred)", "wall")
+    header += ("peak (pred)", "host (pred)", "tok/s (pred)", "wall")
     rows: list[tuple[str, ...]] = [header]
     for a in story["attempts"]:
         outcome = a["kind"] or a["outcome"]
@@ -231,6 +242,7 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
                 a["progress_kept"] or "-",
                 steps,
                 peak,
+                _host_cell(a),
                 speed_cell(a),
                 tqdm.format_interval(a["wall_s"]),
             )

@@ -270,6 +270,8 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
         lines.append(f"  plan: {planned}, predicted peak {peak} of {budget}: {r.plan.why[-1]}")
     if r.peak:
         lines.append(f"  peak memory: {format_bytes(r.peak.bytes)} ({r.peak.source.value})")
+    if (host := host_line(r)) is not None:
+        lines.append(host)
     if r.failure:
         f = r.failure
         lines.append(f"  failed: {f.kind.value} in {f.stage.value} - {f.evidence}")
@@ -293,6 +295,22 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     elif d is not None:
         lines.append(f"  gave up: {d.why}")
     return lines
+
+
+def host_line(r: AttemptRecord) -> str | None:
+    """The attempt's host RAM against the host model's prediction; None when nothing was read."""
+    host = r.host
+    if host is None or (host.peak_bytes is None and host.load_peak_bytes is None):
+        return None
+    parts = []
+    if host.peak_bytes is not None:
+        predicted = f" (predicted {format_bytes(host.predicted_bytes)})" if host.predicted_bytes else ""
+        parts.append(f"training peak {format_bytes(host.peak_bytes)}{predicted}")
+    if host.load_peak_bytes is not None:
+        parts.append(f"load peak {format_bytes(host.load_peak_bytes)}")
+    if host.last_rss_bytes is not None:
+        parts.append(f"last RSS {format_bytes(host.last_rss_bytes)}")
+    return f"  host RAM: {', '.join(parts)}"
 
 
 def _fmt(value: object) -> str:

@@ -118,6 +118,7 @@ def job_from_sections(
             device=resources.gpu,
             gpu_memory_limit=resources.gpu_memory_limit,
             cpu_memory_limit=resources.cpu_memory_limit,
+            host_memory_limit=resources.host_memory_limit,
         ),
         supervise=_section(sections, "supervise", SuperviseSection),
         fallback_models=tuple(str(path) for path in model.fallbacks),

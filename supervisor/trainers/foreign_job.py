@@ -303,7 +303,9 @@ def _job(
         knobs=knobs,
         data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
         train=train,
-        resources=Resources(resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit),
+        resources=Resources(
+            resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit, resources.host_memory_limit
+        ),
         supervise=supervise,
         fallback_models=(),
         diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
