@@ -208,11 +208,12 @@ def test_plan_with_the_released_shards_fits_a_16gib_host(tmp_path: Path) -> None
 def test_plan_host_memory_4gib_refuses_naming_host_memory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The same job with --host-memory 4GiB: the plan says nothing fits host memory, and what would."""
+    """The same job with --host-memory 4GiB: the plan says nothing fits host memory, and what would,
+    and exits 6 as `run` would."""
     job = _user_job(tmp_path)
-    assert cli.main(["plan", str(job), "--gpu-memory", "8GiB", "--host-memory", "4GiB"]) == 0
+    assert cli.main(["plan", str(job), "--gpu-memory", "8GiB", "--host-memory", "4GiB"]) == 6
     text = capsys.readouterr().out
-    assert "NOTHING FITS HOST MEMORY" in text and "host budget" in text and "at least" in text
+    assert "NOTHING FITS: HOST MEMORY" in text and "host budget" in text and "at least" in text
 
 
 def test_a_bad_host_memory_is_a_bad_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
