@@ -4,9 +4,15 @@ The reserve is what sits on the card but outside PyTorch's allocator, which is w
 model's peak counts: the CUDA context (``memory.gpu.CUDA_CONTEXT``, measured on the H200) and,
 with a paged optimizer, its unified-memory state. ``plan`` and the loop use these same two
 functions, so the budget ``plan`` prints is the one the run plans against.
+
+The host has a budget of its own (:class:`HostBudget`): the job's ``resources.host_memory_limit``,
+or the RAM available now (capped by the cgroup's limit) less a reserve; the host model
+(:mod:`.memory.host`) counts a candidate's need against it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from qlora_supervise.policies.memory import gpu as gpu_terms
 
@@ -19,3 +25,51 @@ def card_reserve(paged_bytes: int = 0) -> int:
 def card_budget(total_bytes: int, paged_bytes: int = 0) -> int:
     """The budget on a whole card of ``total_bytes``: its total less :func:`card_reserve`."""
     return max(0, total_bytes - card_reserve(paged_bytes))
+
+
+#: Host RAM kept out of the host budget when it is read from the machine: the supervisor, the
+#: shell and the page cache the system needs (1 GiB, or 5 % of a larger host).
+HOST_RESERVE_MIN = 1 << 30
+HOST_RESERVE_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """The host RAM a training child may use, and what the host model needs to count against it.
+
+    ``source``: ``flag`` (``plan --host-memory``, the host's size less the reserve), ``job``
+    (``resources.host_memory_limit``, taken as it is), ``available`` (available now, capped by the
+    cgroup's limit, less the reserve).
+    """
+
+    budget_bytes: int
+    checkpoint_bytes: int
+    source: str
+    reserve_bytes: int = 0
+    largest_shard_bytes: int | None = None  # the checkpoint's largest file (None: not known)
+
+
+def host_reserve(total_bytes: int) -> int:
+    """Bytes of a host of ``total_bytes`` kept out of its budget (:data:`HOST_RESERVE_MIN` at least)."""
+    return max(HOST_RESERVE_MIN, int(total_bytes * HOST_RESERVE_FRACTION))
+
+
+def host_budget(
+    checkpoint_bytes: int,
+    available_bytes: int,
+    cgroup_limit: int | None = None,
+    job_limit: int | None = None,
+    host_size: int | None = None,
+    largest_shard_bytes: int | None = None,
+) -> HostBudget:
+    """The host budget, first match wins: the job's ``host_memory_limit``; a stated host size
+    (``--host-memory``) less the reserve; what is available now, capped by the cgroup, less it."""
+    shard = largest_shard_bytes or None
+    if job_limit is not None:
+        return HostBudget(job_limit, checkpoint_bytes, "job", 0, shard)
+    if host_size is not None:
+        reserve = host_reserve(host_size)
+        return HostBudget(max(0, host_size - reserve), checkpoint_bytes, "flag", reserve, shard)
+    room = available_bytes if cgroup_limit is None else min(available_bytes, cgroup_limit)
+    reserve = host_reserve(room)
+    return HostBudget(max(0, room - reserve), checkpoint_bytes, "available", reserve, shard)

@@ -6,6 +6,12 @@ config has no key for them: ``Settings.cannot_take``), and results a calibrated 
 says cannot fit are skipped (a skipped rung's change is kept and the next rung applied on top)
 -> Restart, or GiveUp when the ladder is exhausted. For the training step's own memory the pre-flight's
 search runs first: it combines throughput rungs and ranks them by the throughput model.
+
+A host OOM kill is charged to what used the host (issue 28): under activation offload, offload
+itself. Offload goes off and the fastest config that fits both budgets (the card's and the
+host's) starts; where nothing without offload fits the card, offload stays with the config whose
+host need is the smallest below the one that was killed. Only when no throughput config fits both
+does the stage's ladder walk (and its quality rungs) decide.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from qlora_supervise.policies import memory_model, preflight, throughput
 from qlora_supervise.policies.candidates import rungs_between
 from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.rungs import (
     STATIC_RUNGS,
     Rung,
@@ -57,6 +64,10 @@ def climb(
     unusable = unusable | settings.cannot_take
     failed_same_way = {past.knobs for past in history if past.kind is failure.kind}
     scale = _scale(history, settings)
+    if failure.kind is FailureKind.HOST_OOM and knobs.activation_offload:
+        charged = _charge_offload(knobs, failed_same_way, settings, scale, unusable)
+        if charged is not None:
+            return charged
     searched = _search(failure, knobs, failed_same_way, settings, scale, unusable)
     if searched is not None:
         return searched
@@ -129,6 +140,43 @@ def _search(
     why = "; ".join(STATIC_RUNGS[name].reason for name in names if name in STATIC_RUNGS)
     why += f" (memory model: {result.reasons[-1]})"
     return Restart(result.knobs, "+".join(names), knob_changes(knobs, result.knobs), why, survives)
+
+
+def _charge_offload(
+    knobs: Knobs, failed: set[Knobs], settings: Settings, scale: float | None, unusable: frozenset[str]
+) -> Restart | None:
+    """After a host OOM kill under activation offload: offload off, and the fastest throughput-only
+    config that fits the card and the host; else offload kept with less host need; None: neither
+    (the ladder walks). Without a shape or card budget to search with, offload off alone."""
+    off = dataclasses.replace(knobs, activation_offload=False)
+    why = "host OOM kill under activation offload: offload held the host's RAM, so it is charged with it"
+    shape, budget = settings.shape, settings.budget_bytes
+    if shape is None or budget is None:
+        return Restart(
+            off, "activation_offload_off", knob_changes(knobs, off), f"{why}; offload off", Survives.ALL
+        )
+    speed = throughput.calibrate(shape, settings.speeds) if settings.speeds else None
+    killed = _train_host(shape, knobs, settings)
+    for base, banned in ((off, frozenset({"activation_offload"})), (knobs, frozenset())):
+        result = preflight.preflight(
+            shape, base, budget, scale=scale, speed=speed, exclude=frozenset(failed),
+            unusable=unusable | banned, host=settings.host,
+        )  # fmt: skip
+        lighter = not result.knobs.activation_offload or _train_host(shape, result.knobs, settings) < killed
+        if result.fits and not result.quality_changed and result.fallback is None and lighter:
+            names = ["activation_offload_off" if not result.knobs.activation_offload else ""]
+            names += [n for n in rungs_between(off, result.knobs) if n != "activation_offload"]
+            rung = "+".join(n for n in names if n)
+            survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
+            chose = result.reasons[-1] if result.reasons else "fits both budgets"
+            return Restart(result.knobs, rung, knob_changes(knobs, result.knobs), f"{why}; {chose}", survives)
+    return None
+
+
+def _train_host(shape: memory_model.ModelShape, knobs: Knobs, settings: Settings) -> int:
+    """The training phase's host need of ``knobs`` (the checkpoint's size does not enter it)."""
+    checkpoint = settings.host.checkpoint_bytes if settings.host is not None else 0
+    return host_train_need(shape, knobs, checkpoint).train_peak
 
 
 def for_model(settings: Settings, model: str) -> Settings:

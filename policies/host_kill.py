@@ -8,7 +8,9 @@ knobs at a step no later than the first one's is the config's own peak (the same
 step, every time) and walks the ladder; a kill after the retry trained past the first kill is a
 new first kill, retried unchanged again (issue 29 item 7: two kills with 5 good steps between
 them halved the LoRA rank). A kill before any step walks the ladder at once. This also holds at
-the ladder's bottom: the run does not give up at the first kill after progress.
+the ladder's bottom: the run does not give up at the first kill after progress. Under activation
+offload the child's own host use is the likely cause, so no plain retry: offload is charged at
+once (:mod:`.climb`).
 
 When the ladder walks for a host OOM, the stage the heartbeats last showed is only where the
 process was when the kernel chose it, not what grew. So the throughput rungs come first (the
@@ -42,6 +44,8 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
     ``failed``: the failed attempts, the one that just failed last. None: the ladder decides.
     """
     if failure.kind is not FailureKind.HOST_OOM or not failed or failed[-1].steps_progressed <= 0:
+        return None
+    if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (climb.py)
         return None
     now = failed[-1]
     before = failed[-2] if len(failed) > 1 else None

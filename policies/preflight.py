@@ -18,6 +18,13 @@ Rules (issues 8 and 19):
   fits either, :class:`NothingFits` names the smallest
   peak found, the budget and what would help, so the run can stop before any child starts.
 
+**Two budgets** (issue 28): with a host budget (:class:`.budget.HostBudget`) a candidate must also
+fit the host: its training host peak (:func:`.memory.host.host_train_need`: the load, the resident
+child, offloaded activations, paged optimizer state, the data loader) under the host budget less the
+same margin. A candidate that fits the card but not the host is no candidate; the result counts
+them (``host_rejected``) and says why. When the load alone does not fit the host, or nothing that
+fits the card fits the host, :class:`NothingFits` names host memory (``host``) and what would fit.
+
 The margin (8 %) covers the model's error and the allocator's block rounding that a cap sees as
 used memory; a calibrated scale shrinks the first, which is why the margin stays fixed.
 """
@@ -30,9 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies import throughput
-from qlora_supervise.policies.budget import card_reserve
+from qlora_supervise.policies.budget import HostBudget
 from qlora_supervise.policies.candidates import (
-    DEEPEST_CUT_BEFORE_FALLBACK,
     RUNG_CLASSES,
     RUNG_OF_KNOB,
     CostClass,
@@ -44,59 +50,30 @@ from qlora_supervise.policies.candidates import (
     throughput_variants,
 )
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
+from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.nothing_fits import nothing_fits, rejected
+from qlora_supervise.policies.preflight_result import NothingFits, PreflightResult, Ranked, knob_changes
+from qlora_supervise.policies.preflight_result import gib as _gib
 from qlora_supervise.policies.rungs import STATIC_RUNGS
+from qlora_supervise.policies.trial_pick import TRIAL_SIZE, TRIAL_SLOWEST_SHARE, trial_candidates
 from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+
+__all__ = [
+    "DEFAULT_MARGIN",
+    "TRIAL_SIZE",
+    "TRIAL_SLOWEST_SHARE",
+    "NothingFits",
+    "PreflightResult",
+    "Ranked",
+    "fit_limit",
+    "knob_changes",
+    "preflight",
+    "scaled_peak",
+]
 
 DEFAULT_MARGIN = 0.08
-#: The speed trial times at most this many candidates, the chosen one first.
-TRIAL_SIZE = 3
 _CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
-
-
-@dataclass(frozen=True)
-class Ranked:
-    """One fitting candidate: its knobs, the rungs it takes, predicted peak and tokens/s."""
-
-    knobs: Knobs
-    rungs: tuple[str, ...]
-    peak_bytes: int
-    tokens_per_s: float
-    measured: bool  # tokens/s from this host's or run's measurements (else the model's)
-    cost_class: CostClass  # the dearest class among its rungs (free with none)
-
-
-@dataclass(frozen=True)
-class NothingFits:
-    """No config of the job's model, nor of a fallback, is predicted to fit."""
-
-    smallest_peak: int
-    smallest_knobs: Knobs
-    budget_bytes: int
-    margin: float
-    help: str
-
-
-@dataclass(frozen=True)
-class PreflightResult:
-    """The knobs attempt 1 should run with, and why."""
-
-    knobs: Knobs
-    predicted: Prediction
-    fits_as_written: bool
-    changes: dict[str, tuple[Any, Any]]
-    reasons: tuple[str, ...]
-    quality_changed: bool
-    fits: bool  # False: nothing the pre-flight may change is predicted to fit (see nothing_fits)
-    budget_bytes: int
-    margin: float
-    cost: float  # predicted share of tokens/s lost against the job as written (negative: faster)
-    tokens_per_s: float | None = None  # predicted (or measured) for ``knobs``
-    ranking: tuple[Ranked, ...] = ()  # every fitting candidate of the chosen model, fastest first
-    speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
-    fallback: str | None = None  # the fallback model started instead of the job's
-    nothing_fits: NothingFits | None = None
 
 
 def scaled_peak(prediction: Prediction, scale: float | None) -> int:
@@ -121,11 +98,15 @@ class _Search:
     speed: throughput.SpeedCalibration | None
     exclude: frozenset[Knobs]
     unusable: frozenset[str]
+    host: HostBudget | None = None
     smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
     deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
 
     def __post_init__(self) -> None:
         self._peaks: dict[Knobs, int] = {}
+        self._host_peaks: dict[Knobs, int] = {}
+        self.host_rejected: dict[Knobs, int] = {}  # fit the card, not the host: their host peaks
+        self.host_limit = None if self.host is None else fit_limit(self.host.budget_bytes)
 
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
@@ -135,8 +116,26 @@ class _Search:
                 self.smallest = (self._peaks[knobs], knobs)
         return self._peaks[knobs]
 
+    def host_peak(self, knobs: Knobs) -> int | None:
+        """The training host peak of ``knobs`` (None: no host budget)."""
+        if self.host is None:
+            return None
+        if knobs not in self._host_peaks:
+            host = self.host
+            need = host_train_need(
+                self.shape, knobs, host.checkpoint_bytes, self.targets, host.largest_shard_bytes
+            )
+            self._host_peaks[knobs] = need.peak_bytes
+        return self._host_peaks[knobs]
+
     def fits(self, knobs: Knobs) -> bool:
-        return self.peak(knobs) <= self.limit
+        if self.peak(knobs) > self.limit:
+            return False
+        host = self.host_peak(knobs)
+        if host is not None and self.host_limit is not None and host > self.host_limit:
+            self.host_rejected[knobs] = host
+            return False
+        return True
 
     def with_eval_that_fits(self, knobs: Knobs) -> Knobs | None:
         """``knobs`` with the largest eval batch that fits; None when training itself does not."""
@@ -156,8 +155,11 @@ class _Search:
                 continue
             speed = throughput.rank_speed(self.shape, fitted, self.speed, self.targets)
             out.append(
-                Ranked(fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, _dearest(rungs))
-            )
+                Ranked(
+                    fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, _dearest(rungs),
+                    self.host_peak(fitted),
+                )
+            )  # fmt: skip
         # Fastest first; at equal speed fewer changes, the larger eval batch, then the config that
         # uses the card best.
         return sorted(
@@ -197,21 +199,24 @@ def preflight(
     fallbacks: Sequence[tuple[str, ModelShape | None]] = (),
     exclude: frozenset[Knobs] = frozenset(),
     unusable: frozenset[str] = frozenset(),
+    host: HostBudget | None = None,
 ) -> PreflightResult:
     """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; see the module docstring.
 
     ``fallbacks``: the job's fallback models with their shapes (None: not modelled, skipped).
-    ``exclude``: configs that already failed; ``unusable``: rungs charged with a failure.
+    ``exclude``: configs that already failed; ``unusable``: rungs charged with a failure;
+    ``host``: the host budget every candidate must fit too (None: the card alone).
     """
     # One search in the docstring's order (as written, throughput, quality, fallbacks, nothing),
     # with the reasons written as it goes: splitting it would scatter the one story the journal tells.
     limit = fit_limit(budget_bytes, margin)
-    search = _Search(shape, knobs, limit, scale, targets, speed, exclude, unusable)
+    search = _Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
         ranking = search.rank(knobs)
         why = (
             f"predicted {_gib(search.peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin",
+            *_host_reasons(search, knobs),
         )
         return PreflightResult(
             knobs=knobs,
@@ -226,25 +231,28 @@ def preflight(
             cost=0.0,
             tokens_per_s=base_speed,
             ranking=tuple(ranking),
-            speed_trial=_trial(knobs, search.peak(knobs), base_speed, ranking),
+            speed_trial=trial_candidates(
+                knobs, search.peak(knobs), base_speed, ranking, search.host_peak(knobs)
+            ),
+            host_budget_bytes=None if host is None else host.budget_bytes,
+            host_peak_bytes=search.host_peak(knobs),
+            host_rejected=rejected(search),
         )
     ranking, quality = search.best(knobs)
     fallback = None
     chosen_shape = shape
-    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable)) is not None:
+    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable, host)) is not None:
         fallback, chosen_shape, ranking = found
-    head = [
-        f"as written: predicted {_gib(search.peak(knobs))} > {_gib(limit)} ({_gib(budget_bytes)} "
-        f"less {margin:.0%})"
-    ]
+    head = [_as_written(search, knobs, budget_bytes, margin)]
     if not ranking:
-        return _nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
+        return nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
         f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, "
         f"{_speed(chosen)} ({len(ranking)} fitting candidate(s) ranked by tokens/s)"
     )
+    reasons += _host_reasons(search, chosen.knobs)
     if fallback is not None:
         reasons.append(f"no config of {knobs.model} fits: QUALITY CHANGE, the fallback model {fallback}")
     elif quality:
@@ -263,8 +271,13 @@ def preflight(
         cost=round(cost, 4),
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
-        speed_trial=_trial(chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking),
+        speed_trial=trial_candidates(
+            chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking, chosen.host_peak_bytes
+        ),
         fallback=fallback,
+        host_budget_bytes=None if host is None else host.budget_bytes,
+        host_peak_bytes=chosen.host_peak_bytes,
+        host_rejected=rejected(search),
     )
 
 
@@ -274,6 +287,7 @@ def _fallback(
     targets: tuple[str, ...] | str,
     fallbacks: Sequence[tuple[str, ModelShape | None]],
     unusable: frozenset[str],
+    host: HostBudget | None,
 ) -> tuple[str, ModelShape, list[Ranked]] | None:
     """The first fallback model with a config that fits, and its ranking (uncalibrated: this host's
     measurements are of the job's model)."""
@@ -281,87 +295,48 @@ def _fallback(
         if shape is None:
             continue
         job = dataclasses.replace(knobs, model=model)
-        search = _Search(shape, knobs, limit, None, targets, None, frozenset(), unusable)
+        # The fallback's checkpoint is not read here: its size is its parameters in 16 bits.
+        own = (
+            None
+            if host is None
+            else dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
+        )
+        search = _Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
         ranking, _ = search.best(job)
         if ranking:
             return model, shape, ranking
     return None
 
 
-def _nothing_fits(
-    search: _Search,
-    knobs: Knobs,
-    budget_bytes: int,
-    margin: float,
-    head: list[str],
-    fallbacks: Sequence[tuple[str, ModelShape | None]],
-) -> PreflightResult:
-    assert search.smallest is not None  # the job as written was predicted first
-    peak, smallest = search.smallest
-    need = int(peak * (1 + margin))
-    helps = [f"a budget of at least {_gib(need)} (a card of about {_gib(need + card_reserve())})"]
-    if fallbacks:
-        helps.append("a smaller model than every one in model.fallbacks (none of them fits either)")
-    else:
-        helps.append("a smaller model in model.fallbacks")
-    if search.deep_fit is not None:
-        deep = search.deep_fit
-        helps.append(
-            f"max_seq_len {deep.max_seq_len} and lora.r {deep.lora_r} written in the job (predicted to fit; "
-            f"pre-flight cuts no deeper than 1/{DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
+def _as_written(search: _Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
+    """Why the job as written does not start: the card, the host, or an earlier failure."""
+    limit = search.limit
+    if search.peak(knobs) > limit:
+        peak = _gib(search.peak(knobs))
+        return f"as written: predicted {peak} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
+    host = search.host_peak(knobs)
+    if host is not None and search.host_limit is not None and host > search.host_limit:
+        return (
+            f"as written: host peak {_gib(host)} > {_gib(search.host_limit)} (host budget "
+            f"{_gib(search.host.budget_bytes if search.host else 0)} less {margin:.0%})"
         )
-    text = " or ".join(helps)
-    nothing = NothingFits(peak, smallest, budget_bytes, margin, text)
-    verdict = (
-        f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
-        f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
-    )
-    return PreflightResult(
-        knobs=smallest,
-        predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
-        changes=knob_changes(knobs, smallest),
-        reasons=(*head, verdict),
-        quality_changed=True,
-        fits=False,
-        budget_bytes=budget_bytes,
-        margin=margin,
-        cost=0.0,
-        nothing_fits=nothing,
-    )
+    return f"as written: predicted {_gib(search.peak(knobs))} fits, but this config already failed"
 
 
-def _trial(
-    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked]
-) -> tuple[TrialCandidate, ...]:
-    """The chosen config and the fastest others that differ from it only in what changes without a
-    reload (micro-batch with its accumulation, checkpointing); empty when there is no other."""
-
-    def reloadless(k: Knobs) -> Knobs:
-        # The allocator setting is no training knob: candidates differ from the job's in it alone.
-        return dataclasses.replace(
-            k, micro_batch_size=1, grad_accum=1, gradient_checkpointing=False, expandable_segments=True
+def _host_reasons(search: _Search, knobs: Knobs) -> list[str]:
+    """The host side of a choice: its training host peak against the host budget, and how many
+    candidates the host ruled out."""
+    host = search.host_peak(knobs)
+    if host is None or search.host is None:
+        return []
+    out = [f"host: host need {_gib(host)} fits the host budget {_gib(search.host.budget_bytes)}"]
+    if search.host_rejected:
+        smallest = min(search.host_rejected.values())
+        out.append(
+            f"host: {len(search.host_rejected)} config(s) that fit the card are no candidates: their host "
+            f"peak ({_gib(smallest)} or more) is over {_gib(search.host_limit or 0)}"
         )
-
-    def timed(k: Knobs) -> tuple[int, int, bool]:
-        return k.micro_batch_size, k.grad_accum, k.gradient_checkpointing
-
-    seen = {timed(knobs)}
-    others = []
-    for r in ranking:
-        if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
-            seen.add(timed(r.knobs))
-            others.append(r)
-    if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
-        return ()
-    first = _candidate(knobs, tokens_per_s, peak)
-    return (first, *(_candidate(r.knobs, r.tokens_per_s, r.peak_bytes) for r in others[: TRIAL_SIZE - 1]))
-
-
-def _candidate(knobs: Knobs, tokens_per_s: float, peak: int) -> TrialCandidate:
-    return TrialCandidate(
-        knobs.micro_batch_size, knobs.grad_accum, knobs.gradient_checkpointing, round(tokens_per_s, 1), peak
-    )
+    return out
 
 
 def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
@@ -386,15 +361,5 @@ def _dearest(rungs: Sequence[str]) -> CostClass:
     return max(classes, key=_CLASS_ORDER.index, default=CostClass.FREE)
 
 
-def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
-    """``{knob: (old, new)}`` for every knob that differs."""
-    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
-    return {name: (before[name], after[name]) for name in before if before[name] != after[name]}
-
-
 def _speed(r: Ranked) -> str:
     return f"{r.tokens_per_s:.0f} tokens/s {'measured' if r.measured else 'predicted'}"
-
-
-def _gib(value: float) -> str:
-    return f"{value / (1 << 30):.2f} GiB"

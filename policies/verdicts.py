@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.budget import HostBudget
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.policies.throughput import SpeedObservation
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
@@ -77,6 +78,9 @@ class Settings:
     #: Rungs the trainer cannot be told (a foreign tool's config has no key for their knob): the
     #: pre-flight, the search after a failure and the ladder walk never use them.
     cannot_take: frozenset[str] = frozenset()
+    #: The host budget every planned config must fit too (None: the card alone: a CPU run, or no
+    #: shape to count with). A host OOM kill under offload is charged to offload with it.
+    host: HostBudget | None = None
 
 
 @dataclass(frozen=True)

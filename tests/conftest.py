@@ -23,6 +23,16 @@ def _scripted_plan_per_test(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SCRIPTED_CHILD_PLAN", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _roomy_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process plans read a fixed, roomy host (256 GiB available, no cgroup limit) instead of the
+    machine's free RAM, so that a busy or small test machine does not change what a plan starts
+    from; tests/test_host_memory.py tests the host budget itself (its sources, reserve and limits)."""
+    from qlora_supervise.supervisor.watching import host
+
+    monkeypatch.setattr(host, "host_room", lambda: (256 << 30, None))
+
+
 @pytest.fixture
 def notify_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
     """A datagram socket bound to a short path, named by NOTIFY_SOCKET (as systemd does)."""

@@ -533,6 +533,8 @@ def test_leftover_attempt_directory_is_moved_aside_not_trusted(tmp_path: Path) -
     job = _job(tmp_path)
     stale = tmp_path / "run" / "attempt-001"
     stale.mkdir(parents=True)
+    # A run of ours (its first event written): a folder of only a leftover is no run of ours.
+    (tmp_path / "run" / "events.jsonl").write_text('{"event": "run_started", "level": "info"}\n')
     (stale / "error.json").write_text('{"exit_code": 70, "stage": "forward"}')
     assert _run(job, _seams(FakeClock(), {})) == 0
     records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")

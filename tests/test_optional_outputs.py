@@ -174,6 +174,18 @@ def test_validate_refuses_a_textfile_that_cannot_be_created(
     assert problem in found.problem and fix in found.fix, found.render()
 
 
+def test_validate_tries_the_textfile_directory_rather_than_asking_os_access(job_dir: Path) -> None:
+    """A directory that takes no file (/proc: os.access says yes there to root) is refused, named,
+    with the error creating a file gave; the probe leaves nothing behind in a directory that does."""
+    with pytest.raises(JobError) as caught:
+        load_job(_job_with_textfile(job_dir, "/proc/qlora-supervise-test.prom"))
+    [found] = [p for p in caught.value.problems if p.path == "supervise.metrics_textfile"]
+    assert "cannot be created: /proc does not take a file" in found.problem, found.render()
+    (job_dir / "metrics").mkdir()
+    load_job(_job_with_textfile(job_dir, "./metrics/job.prom"))
+    assert list((job_dir / "metrics").iterdir()) == []
+
+
 def test_validate_accepts_a_textfile_whose_directory_is_made_at_run_start(job_dir: Path) -> None:
     """A missing directory under a writable one is fine: the run creates it."""
     job = load_job(_job_with_textfile(job_dir, "./new/dir/job.prom"))

@@ -84,6 +84,8 @@ def test_an_attempt_directory_planted_as_a_link_is_never_written_through(tmp_pat
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (tmp_path / "run").mkdir(mode=0o750)
+    # A run of ours that stopped after its first event (a folder of only a link is no run of ours).
+    (tmp_path / "run" / "events.jsonl").write_text('{"event": "run_started", "level": "info"}\n')
     (tmp_path / "run" / "attempt-001").symlink_to(elsewhere)
     done = _supervise(job)
     assert done.returncode == 0, done.stderr

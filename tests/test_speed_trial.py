@@ -152,6 +152,8 @@ def test_the_trial_writes_one_row_per_candidate_and_drops_the_oom_in_process(wit
     assert [r.candidate for r in event.results] == list(REAL_TRIAL)
     ran, dropped = event.results[:2], event.results[2]
     assert all(r.tokens_per_s and r.tokens_per_s > 0 and r.error is None for r in ran)
+    # Each candidate's host high-water mark, restarted before it (Linux: /proc/self/clear_refs).
+    assert all(r.host_peak_bytes and r.host_peak_bytes > 0 for r in ran)
     assert dropped.tokens_per_s is None and dropped.error and "can't allocate memory" in dropped.error
     assert event.chosen in REAL_TRIAL[:2] and event.seconds > 0
     assert [e["event"] for e in events(with_trial.spec)].count("started") == 1

@@ -26,6 +26,8 @@ Each run supervises a fresh job and injects one scenario's faults at random mome
   from its newest checkpoint (half the time with a child kill during the extension);
 * ``spare_sigstop`` (real trainer only) - the ready warm spare SIGSTOPped, then the child killed
   (item 5): the stopped spare is discarded in seconds and the next attempt trains cold;
+* issue 29's, at the edges (``edges.py``): ``foreign_output_dir``, ``planted_entry_link``,
+  ``merge_beside_run``, ``bounded_input``, ``loud_hook``, ``unparsed_tool_value``, ``refused_words``;
 * issue 29's, of the tools (``tools.py``): ``tool_refusal``, ``host_kills_apart``, ``ctrl_c_tee``,
   ``extend_schedule`` (real trainer only).
 
@@ -61,7 +63,7 @@ from pathlib import Path
 
 from qlora_supervise.supervisor.record.journal import read_attempts
 
-from . import tools
+from . import edges, tools
 from .harness import REAL_STEPS, SAVE_STEPS, STEPS, Harness, Run, fill_disk, newest_complete
 from .measure import measure
 
@@ -307,32 +309,36 @@ def extend_finished(h: Harness, run: Run) -> None:
     run.note = f"max_steps {STEPS} -> {STEPS + 4} after the run finished"
 
 
-SCENARIOS: dict[str, Callable[[Harness, Run], None]] = {
-    f.__name__: f
-    for f in (
-        child_kill,
-        child_kill_in_save,
-        supervisor_kill,
-        both_kill,
-        sigterm,
-        sigstop_hang,
-        disk_full,
-        corrupt_newest,
-        job_change,
-        metrics_unwritable,
-        metrics_uncreatable,
-        planted_link,
-        host_oom_kill,
-        peak_store_race,
-        extend_finished,
-        spare_sigstop,
-    )
-} | tools.SCENARIOS  # issue 29's, of the tools (tools.py)
+SCENARIOS: dict[str, Callable[[Harness, Run], None]] = (
+    {
+        f.__name__: f
+        for f in (
+            child_kill,
+            child_kill_in_save,
+            supervisor_kill,
+            both_kill,
+            sigterm,
+            sigstop_hang,
+            disk_full,
+            corrupt_newest,
+            job_change,
+            metrics_unwritable,
+            metrics_uncreatable,
+            planted_link,
+            host_oom_kill,
+            peak_store_race,
+            extend_finished,
+            spare_sigstop,
+        )
+    }
+    | edges.SCENARIOS
+    | tools.SCENARIOS
+)  # issue 29's, at the edges (edges.py), of the tools (tools.py)
 REAL_SCENARIOS = ("child_kill", "supervisor_kill", "sigterm", "spare_sigstop")
 #: Only with the real trainer: the scripted child never runs in a spare, nor has a learning rate.
 REAL_ONLY = frozenset({"spare_sigstop"}) | tools.REAL_ONLY
 #: The steps a finished run of each scenario trains (the job's max_steps at its end).
-EXTRA_STEPS = {"job_change": 4, "extend_finished": 4}
+EXTRA_STEPS = {"job_change": 4, "extend_finished": 4, "merge_beside_run": edges.EXTRA_STEPS}
 
 
 KEEP_OUT = shutil.ignore_patterns("checkpoints*", "adapter", "*.bin", "*.pt", "*.safetensors")
@@ -351,7 +357,8 @@ def one_run(name: str, seed: int, real: bool, tiny: Path | None, keep: Path | No
         if name == "child_kill_in_save":
             h.env["SCRIPTED_CHILD_SAVE_S"] = "0.15"
         _set_up(name, h)
-        h.start()
+        if name not in edges.SELF_STARTED:
+            h.start()
         SCENARIOS[name](h, run)
         run.wall_s = time.monotonic() - started
         steps = REAL_STEPS + tools.EXTRA_REAL_STEPS.get(name, 0) if real else STEPS + EXTRA_STEPS.get(name, 0)
@@ -381,6 +388,9 @@ def _set_up(name: str, h: Harness) -> None:
         outside = h.work / "outside"
         (outside / "ckpt").mkdir(parents=True)
         h.run_dir.mkdir()
+        # A run of ours that stopped after its first event: a folder holding only the planted
+        # link is no run of ours and is refused for that (issue 29 item 1), not for the link.
+        (h.run_dir / "events.jsonl").write_text('{"event": "run_started", "level": "info"}\n')
         if h.rng.random() < 0.5:
             (h.run_dir / "checkpoints").symlink_to(outside)
         else:
@@ -395,6 +405,7 @@ def _set_up(name: str, h: Harness) -> None:
         h.env["QLORA_SUPERVISE_STATE_DIR"] = str(h.work / "state")
     elif name == "spare_sigstop":
         h.edit_supervise(warm_spare=True)
+    edges.set_up(name, h)
     tools.set_up(name, h)
     h.rebase_outside()
 

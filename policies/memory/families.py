@@ -51,12 +51,17 @@ class Block:
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj
     moe: bool = False  # fused 3D experts and a bare router instead of a Linear MLP
     scaled_embeddings: bool = False  # Gemma: the embedding output times sqrt(hidden)
+    # Gemma's RMSNorm casts its output back to its input's dtype (``type_as``), so the residual
+    # stream stays in the embeddings' dtype: bf16 with the bf16 head. Llama's multiplies by its fp32
+    # weight and the stream turns fp32 at the first norm (H200, host bench: a Gemma 3 block input
+    # offloaded at 2 bytes a value, the Llama, Qwen3 and Phi-3 ones at 4).
+    norm_keeps_dtype: bool = False
 
 
 LLAMA = Block()
 QWEN3 = Block(head_norm=HeadNorm.PER_HEAD)
-GEMMA2 = Block(norms=4, scaled_embeddings=True)
-GEMMA3 = Block(norms=4, head_norm=HeadNorm.PER_HEAD, scaled_embeddings=True)
+GEMMA2 = Block(norms=4, scaled_embeddings=True, norm_keeps_dtype=True)
+GEMMA3 = Block(norms=4, head_norm=HeadNorm.PER_HEAD, scaled_embeddings=True, norm_keeps_dtype=True)
 
 #: ``model_type`` -> its block, for every model type the memory model predicts.
 BLOCKS: dict[str, Block] = {

@@ -82,6 +82,11 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gpu-memory", help="the card's memory, e.g. 24GiB (default: the job's cap, else NVML)"
     )
+    plan.add_argument(
+        "--host-memory",
+        help="the host's RAM, e.g. 32GiB (default: the job's host_memory_limit, else what is available "
+        "now, capped by the cgroup, less a reserve)",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
 
     status = sub.add_parser("status", help="summarise the attempts of one or more run directories")
@@ -166,7 +171,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from qlora_supervise.supervisor.commands.plan import plan_command
 
-        return plan_command(args.job, gpu_memory=args.gpu_memory, as_json=args.json)
+        return plan_command(
+            args.job, gpu_memory=args.gpu_memory, as_json=args.json, host_memory=args.host_memory
+        )
     if args.command == "status":
         from qlora_supervise.supervisor.commands.status import status_command
 

@@ -17,13 +17,16 @@ schema ``qlora-supervise.explain/1``::
 
 The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
 attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory
-is gone); it predicts the CUDA allocator's peak, so it is left out for CPU attempts. ``--plot``
+is gone); it predicts the CUDA allocator's peak, so it is left out for attempts that ran on the
+CPU (the child's ``started`` line names its device: ``gpu: auto`` on a machine without a GPU
+is a CPU attempt). ``--plot``
 draws :mod:`.memory_plot` (matplotlib, imported only then).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,12 +37,14 @@ from tqdm import tqdm
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.commands.series import attempt_series
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.trainer_child.contract.events import Started, parse_event
 
 SCHEMA = "qlora-supervise.explain/1"
 
@@ -61,7 +66,14 @@ def explain_command(
     if plot is not None:
         from qlora_supervise.supervisor.commands.memory_plot import draw  # matplotlib only here
 
-        draw(rd, story, Path(plot))
+        _check_plot_path(Path(plot))
+        try:
+            draw(rd, story, Path(plot))
+        except OSError as error:  # a folder that takes no files (/proc), a full disk
+            raise SupervisorExit(
+                SupervisorExitCode.BAD_JOB,
+                f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere",
+            ) from None
         print(f"wrote {plot}", file=sys.stderr)
     if as_json:
         print(json.dumps(story, indent=2), file=out)
@@ -70,14 +82,32 @@ def explain_command(
     return 0
 
 
+def _check_plot_path(path: Path) -> None:
+    """``--plot`` into a folder that does not exist, or cannot be written, is exit 2 in words."""
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        why = "does not exist" if not folder.exists() else "is not a folder"
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"--plot {path}: {folder} {why}; create it first or plot elsewhere"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"--plot {path}: {folder} is not writable; plot elsewhere"
+        )
+    if path.is_dir():
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"--plot {path}: is a folder; give a file name (.png)"
+        )
+
+
 def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
     """The run's attempts as plain values (the JSON schema above)."""
     records, _ = read_attempts(rd.attempts)
     job = _job_copy(rd)
     budget = _budget(job)
     given = _shape_of(model_config) if model_config else None
-    on_gpu = str((job.get("resources") or {}).get("gpu", "auto")) != "cpu"
-    rows = [_row(rd, r, given, on_gpu) for r in records]
+    asked_gpu = str((job.get("resources") or {}).get("gpu", "auto")) != "cpu"
+    rows = [_row(rd, r, given, _ran_on_gpu(rd, r.attempt, asked_gpu)) for r in records]
     return {
         "schema": SCHEMA,
         "run_dir": str(rd.root),
@@ -96,6 +126,20 @@ def _job_copy(rd: RunDir) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
+def _ran_on_gpu(rd: RunDir, attempt: int, asked_gpu: bool) -> bool:
+    """Whether the attempt ran on a GPU: its child's ``started`` line names the device (``gpu: auto``
+    on a machine without one runs on the CPU); the job's ``gpu`` where the child never said."""
+    try:
+        with (rd.attempt_dir(attempt) / "child-events.jsonl").open(encoding="utf-8") as handle:
+            for line, _ in zip(handle, range(50), strict=False):  # ``started`` is among the first lines
+                event = parse_event(line)
+                if isinstance(event, Started) and event.device is not None:
+                    return event.device.startswith("cuda")
+    except (OSError, UnicodeDecodeError):
+        pass
+    return asked_gpu
+
+
 def _budget(job: dict[str, Any]) -> int | None:
     resources = job.get("resources") or {}
     for key in ("gpu_memory_limit", "cpu_memory_limit"):
@@ -109,7 +153,7 @@ def _budget(job: dict[str, Any]) -> int | None:
 
 def _shape_of(config: Path) -> ModelShape:
     try:
-        shape = ModelShape.from_config(json.loads(config.read_text(encoding="utf-8")))
+        shape = ModelShape.from_config(json_loads(config.read_text(encoding="utf-8")))
     except (OSError, ValueError) as error:
         raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--model-config {config}: {error}") from None
     if shape is None:
@@ -144,6 +188,9 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
         "peak_bytes": r.peak.bytes if r.peak else None,
         "peak_source": r.peak.source.value if r.peak else None,
         "predicted_peak_bytes": predicted,
+        "host_peak_bytes": r.host.peak_bytes if r.host else None,
+        "host_predicted_bytes": r.host.predicted_bytes if r.host else None,
+        "host_load_peak_bytes": r.host.load_peak_bytes if r.host else None,
         **speed_columns(shape if on_gpu else None, speed),
         "wall_s": round(r.ended_at - r.started_at, 1),
         "started_at": r.started_at,
@@ -161,10 +208,18 @@ _DEFAULT_KEYS = ("tried_to_allocate", "allowed")
 _SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free", "others_in_use": "others"}
 
 
+def _host_cell(a: dict[str, Any]) -> str:
+    """Training's host peak (the host model's prediction): ``?`` where the child reported none."""
+    if not a["host_peak_bytes"]:
+        return "?"
+    predicted = a["host_predicted_bytes"]
+    return format_bytes(a["host_peak_bytes"]) + (f" ({format_bytes(predicted)})" if predicted else "")
+
+
 def print_table(story: dict[str, Any], out: TextIO) -> None:
     """A fixed-width table, one row per attempt, then the budget."""
     header: tuple[str, ...] = ("#", "outcome", "stage", "key numbers", "change", "kept", "steps")
-    header += ("peak (pred)", "tok/s (pred)", "wall")
+    header += ("peak (pred)", "host (pred)", "tok/s (pred)", "wall")
     rows: list[tuple[str, ...]] = [header]
     for a in story["attempts"]:
         outcome = a["kind"] or a["outcome"]
@@ -187,6 +242,7 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
                 a["progress_kept"] or "-",
                 steps,
                 peak,
+                _host_cell(a),
                 speed_cell(a),
                 tqdm.format_interval(a["wall_s"]),
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import pwd
 import shutil
 import sys
 from dataclasses import dataclass
@@ -94,7 +95,48 @@ def install_systemd_command(
     if not layout.env.exists():  # the shared environment file is the admin's after the first write
         _write(layout.env, _packaged(ENV_EXAMPLE))
     _print_next_steps(layout, instance, job)
+    if not user_mode:
+        for line in service_warnings(job, user, unit_text):
+            print(line)
     return 0
+
+
+def service_warnings(job: Job, user: str, unit_text: str) -> list[str]:
+    """What stops a system unit before its first step: a ``User=`` with no such account, and the
+    job's files under /tmp, which ``PrivateTmp=yes`` replaces with an empty folder of the unit's own."""
+    lines = []
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        lines.append(
+            f"warning: the unit runs as User={user}, and there is no such user here: create it first "
+            f"(`sudo useradd --system --create-home {user}`) and give it read access to the model and "
+            f"data and write access to {job.output_dir}, or install with --service-user NAME"
+        )
+    if "\nPrivateTmp=yes" in "\n" + unit_text:
+        for field, path in _job_paths(job):
+            real = Path(os.path.realpath(path))
+            tmp = next((t for t in ("/tmp", "/var/tmp") if real == Path(t) or Path(t) in real.parents), None)
+            if tmp is not None:
+                lines.append(
+                    f"warning: {field} is under {tmp} ({path}), which the unit's PrivateTmp=yes hides (the "
+                    "service gets an empty /tmp of its own): move it out of /tmp (for example to "
+                    "/srv/qlora), or remove PrivateTmp=yes from the unit"
+                )
+    return lines
+
+
+def _job_paths(job: Job) -> list[tuple[str, str]]:
+    """The job's paths the service must see: its model, data, output_dir and a tool's config."""
+    paths = [("output_dir", str(job.output_dir))]
+    if job.knobs.model.startswith("/"):
+        paths.append(("model", job.knobs.model))
+    for field, value in (("data.path", job.data.path), ("data.eval_path", job.data.eval_path)):
+        if value and value.startswith("/"):
+            paths.append((field, value))
+    if job.trainer is not None and job.trainer.config_path is not None:
+        paths.append(("trainer.config", str(job.trainer.config_path)))
+    return paths
 
 
 def _load(job_path: str) -> Job:

@@ -5,6 +5,12 @@ its spec is the newest training attempt's, pointed at ``--out`` (default ``RUN_D
 written to ``RUN_DIR/merge-command/``. The child plans the memory (GPU and host RAM) and picks
 the device for ``auto``; a memory failure on the GPU (``oom_merge``) is retried once on the
 CPU. The journal is not touched: this is not an attempt of the run.
+
+It holds the run's lock for the whole merge, so it never reads an adapter a supervisor is
+replacing (an extension, the run's own merge phase): while one runs it is refused (exit 2). The
+adapter's step (the journal's last finished training) is added to the merge report
+(``merge.json``) and recorded in ``merge-command/merged.json``, where ``status`` reads it.
+``--device cuda`` with no GPU visible is refused (exit 2), as a job with a GPU index is.
 """
 
 from __future__ import annotations
@@ -14,30 +20,59 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.record.journal import read_attempts
+from qlora_supervise.supervisor.record.records import Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.runfiles import RUN_UMASK, ensure_dir, open_append_binary
+from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
+MERGED_RECORD = "merged.json"  # in merge-command/: what the last merge made, from which step
 DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"  # trainer_child.merge.DEVICE_ENV (not imported: torch side)
 
 
 def merge_command(run_dir: str, out: str | None = None, device: str = "auto") -> int:
     rd = RunDir(Path(run_dir).resolve())
+    if device == "cuda" and not visible_gpu_count():
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB,
+            "merge --device cuda: no GPU is visible here (NVML finds none); "
+            "use --device cpu (or auto, which picks the CPU on this machine)",
+        )
     if not (rd.adapter / "adapter_config.json").is_file():
         raise SupervisorExit(
             SupervisorExitCode.BAD_JOB,
             f"{rd.adapter}: no adapter_config.json; merge a run that finished training "
             f"(qlora-supervise status {run_dir})",
         )
-    spec = _merge_spec(rd, Path(out).resolve() if out else rd.merged)
+    os.umask(RUN_UMASK)  # what the child creates (its events, the merged model) is 0640 / 0750 too
+    merged = Path(out).resolve() if out else rd.merged
+    if (system := system_folder(merged)) is not None:
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"merge --out {merged}: {system[0]}; choose a folder of your own"
+        )
+    lock = rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first")
+    try:
+        return _merge_locked(rd, merged, device)
+    finally:
+        lock.close()
+
+
+def _merge_locked(rd: RunDir, merged: Path, device: str) -> int:
+    """The merge, with the run's lock held: nothing replaces the adapter meanwhile."""
+    step = adapter_step(rd)
+    spec = _merge_spec(rd, merged)
     code, report = _run_child(spec, device)
     if report is not None and report.is_oom and device != "cpu":
         print(f"oom_merge on the GPU ({report.message[:200]}): merging on the CPU instead", file=sys.stderr)
@@ -46,8 +81,8 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
         where = Path(spec.error_file).parent / "child.log"
         why = report.message[:500] if report else f"exit status {code}"
         raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {where})")
-    numbers = _report_at(Path(spec.merged_dir))
-    print(f"merged: {spec.merged_dir}")
+    numbers = _record_step(rd, Path(spec.merged_dir), step)
+    print(f"merged: {spec.merged_dir} (the adapter of step {step if step is not None else '?'})")
     if numbers:
         peaks = [
             f"{label} {format_bytes(numbers[key])}"
@@ -58,9 +93,32 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
     return 0
 
 
-def _report_at(merged: Path) -> dict[str, Any] | None:
+def adapter_step(rd: RunDir) -> int | None:
+    """The step of the run's adapter: the journal's last training attempt that succeeded."""
+    records, _ = read_attempts(rd.attempts)
+    done = [r for r in records if r.phase is Phase.TRAIN and r.outcome is Outcome.SUCCEEDED]
+    return done[-1].steps_completed if done else None
+
+
+def merged_record(rd: RunDir) -> dict[str, Any] | None:
+    """What the last ``qlora-supervise merge`` recorded: ``merged_dir``, ``adapter_step``, ``time``."""
+    return _read_json(rd.merge_command / MERGED_RECORD)
+
+
+def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] | None:
+    """The adapter's step into the merge report and ``merge-command/merged.json``; the report."""
+    numbers = _read_json(merged / "merge.json")
+    if numbers is not None:
+        numbers["adapter_step"] = step
+        write_text_atomic(merged / "merge.json", json.dumps(numbers, indent=2))
+    record = {"merged_dir": str(merged), "adapter_step": step, "time": time.time()}
+    write_text_atomic(rd.merge_command / MERGED_RECORD, json.dumps(record, indent=2))
+    return numbers
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        value = json.loads((merged / "merge.json").read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
@@ -72,8 +130,7 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
     if not specs:
         raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{rd.root}: no attempt-NNN/spec.json to merge from")
     base = AttemptSpec.from_json(specs[-1].read_text(encoding="utf-8"))
-    work = rd.root / "merge-command"
-    work.mkdir(exist_ok=True)
+    work = ensure_dir(rd.merge_command)  # never through a link (runfiles)
     for stale in ("error.json", "child-events.jsonl"):
         (work / stale).unlink(missing_ok=True)
     spec = dataclasses.replace(
@@ -100,7 +157,7 @@ def _run_child(spec: AttemptSpec, device: str) -> tuple[int, ErrorReport | None]
         "--spec",
         str(work / "spec.json"),
     ]
-    with (work / "child.log").open("ab") as log:
+    with open_append_binary(work / "child.log") as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     report = None
     if code != ExitCode.OK and Path(spec.error_file).is_file():

@@ -1,4 +1,5 @@
-"""``qlora-supervise plan JOB [--gpu-memory 24GiB] [--json]``: where the memory will go, before training.
+"""``qlora-supervise plan JOB [--gpu-memory 24GiB] [--host-memory 32GiB] [--json]``: where the memory
+will go, on the card and on the host, before training.
 
 Reads the job, the model's ``config.json`` and its safetensors index / headers (never the
 weights: :mod:`qlora_supervise.supervisor.jobfile.model_files`), and prints the predicted peak by
@@ -12,6 +13,12 @@ The card, first match wins: ``--gpu-memory`` (the card's size), the job's ``gpu_
 card size the budget is the total less a reserve: the CUDA context (outside the allocator,
 ~600 MiB on an H200 with torch 2.11) and, with a paged optimizer, its unified-memory state,
 which lives on the card but outside the allocator too. The pre-flight then keeps an 8 % margin.
+
+The host, first match wins: the job's ``resources.host_memory_limit`` (the budget itself),
+``--host-memory`` (the host's size, less a reserve), the RAM available now (capped by the cgroup's
+limit, less a reserve). Every candidate must fit it too: its training host peak
+(:func:`qlora_supervise.policies.memory.host.host_train_need`) is in ``host.train_peak_bytes``
+for the start and in each ranked candidate's ``host_peak_bytes``.
 
 ``--json`` prints one object (schema ``qlora-supervise.plan/1``; all sizes in bytes)::
 
@@ -43,9 +50,12 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
                 "speed_trial": [{"micro_batch_size": int, "grad_accum": int,
                                  "gradient_checkpointing": bool, "predicted_tokens_per_s": float,
                                  "predicted_peak_bytes": int}],
+                "host_peak_bytes": int | null,     # its training host peak
                 "nothing_fits": {"smallest_peak_bytes": int, "budget_bytes": int,
-                                 "help": str, "message": str} | null} | null,
+                                 "help": str, "message": str,
+                                 "host": bool} | null} | null,   # host: host memory is short
       "ranking": [{"rank": int, "tokens_per_s": float, "measured": bool, "peak_bytes": int,
+                   "host_peak_bytes": int | null,
                    "cost_class": str, "rungs": [str], "changes": {knob: [old, new]}}],
                                          # every fitting candidate of the start's model, fastest first
                                          # (a foreign trainer's: of the rungs it can take)
@@ -56,13 +66,25 @@ which lives on the card but outside the allocator too. The pre-flight then keeps
                                          # a foreign trainer: only the rungs its config can express
       "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
                "merge_peak_bytes": int | null, "available_bytes": int,
-               "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null}
+               "room_bytes": int, "room_of": "available" | "cgroup limit" | "cpu_memory_limit",
+               "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null,
+               "budget_bytes": int | null,        # the host budget the candidates must fit
+               "budget_source": "job" | "flag" | "available" | null,
+               "reserve_bytes": int,
+               "train_peak_bytes": int | null,    # the start's host need: training's, or the load's
+                                                  # (imports + the largest shard in the page cache)
+               "train_phase": "load" | "train" | null,  # which of the two it is
+               "train_phase_bytes": int | null,   # the training phase alone: the sum of train_components
+               "train_components": {name: int},  # its terms (resident, offloaded_activations, ...)
+               "train_basis": str,
+               "rejected": int,                   # candidates that fit the card but not the host
+               "rejected_smallest_bytes": int | null}
     }
 
 Exit 0 when the plan was made (even when the job does not fit: that is the answer, and
 ``start.nothing_fits`` says what would help), 2 for a bad job file, an unreadable model directory
-or a bad ``--gpu-memory``. The ranking uses this host's measured speeds for the shape (the per-host
-store, ``supervise.calibration_store``) where it has some.
+or a bad ``--gpu-memory`` / ``--host-memory``. The ranking uses this host's measured speeds for
+the shape (the per-host store, ``supervise.calibration_store``) where it has some.
 """
 
 from __future__ import annotations
@@ -76,9 +98,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 from qlora_supervise.policies import memory_model, preflight, throughput
 from qlora_supervise.policies.budget import card_budget, card_reserve
 from qlora_supervise.policies.memory import gpu as gpu_terms
-from qlora_supervise.policies.memory.host import HostNeed, host_need
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
+from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
@@ -107,6 +129,7 @@ class JobView:
     gpu_memory_limit: int | None
     cpu_memory_limit: int | None
     device: str
+    host_memory_limit: int | None
     merge: bool
     cannot_take: frozenset[str] = frozenset()  # rungs a foreign tool's config has no key for
     trainer: str = OWN  # whose speeds on this host rank the candidates (the per-host store)
@@ -123,6 +146,7 @@ def job_view(job: Job) -> JobView:
         gpu_memory_limit=job.resources.gpu_memory_limit,
         cpu_memory_limit=job.resources.cpu_memory_limit,
         device=job.resources.device,
+        host_memory_limit=job.resources.host_memory_limit,
         merge=job.train.merge,
         cannot_take=cannot_take(job.trainer),
         trainer=trainer_kind(job),
@@ -140,26 +164,38 @@ class Card:
 
 
 def plan_command(
-    job_path: str, gpu_memory: str | None = None, as_json: bool = False, out: TextIO = sys.stdout
+    job_path: str,
+    gpu_memory: str | None = None,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    host_memory: str | None = None,
 ) -> int:
-    plan = make_plan(job_path, gpu_memory)
+    out = out or sys.stdout  # read at the call: a captured stdout is the one to print to
+    plan = make_plan(job_path, gpu_memory, host_memory=host_memory)
     if as_json:
         print(json.dumps(plan, indent=2), file=out)
     else:
         for line in render(plan):
             print(line, file=out)
-    return 0
+    start = plan["start"]
+    # As `run` would end before any child: exit 6 (the plan itself is printed either way).
+    return int(SupervisorExitCode.NOTHING_FITS) if start and start["nothing_fits"] is not None else 0
 
 
-def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -> dict[str, Any]:
+def make_plan(
+    job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
+) -> dict[str, Any]:
     """The plan as the JSON object documented above."""
     job = _load(job_path)
     view = job_view(job)
-    files = _model_files(view.knobs.model)
+    host_size = size_flag("--host-memory", host_memory)
+    files = _model_files(view.knobs.model, job)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
     as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
     card = find_card(gpu_memory, view, as_written, nvml)
+    checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
+    host = None if checkpoint is None else find_host(checkpoint, view, host_size, files.largest_shard_bytes)
     start = None
     speed = None if shape is None else _host_speeds(view, shape)
     if shape is not None and card.budget_bytes is not None:
@@ -172,10 +208,10 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
             speed=speed,
             fallbacks=fallbacks,
             unusable=view.cannot_take,
+            host=host,
         )
     effects = [] if shape is None else rung_effects(shape, view.knobs, view.targets, speed=speed)
     rungs = [effect for effect in effects if effect.name not in view.cannot_take]
-    checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
     return {
         "schema": SCHEMA,
         "job": str(Path(job_path).absolute()),
@@ -193,7 +229,10 @@ def make_plan(job_path: str, gpu_memory: str | None, nvml: Nvml | None = None) -
         "start": None if start is None else _start(start),
         "ranking": [] if start is None else _ranking(view.knobs, start),
         "rungs": [_rung(r) for r in rungs],
-        "host": _host(checkpoint, files.largest_shard_bytes, view),
+        "host": {
+            **host_ram(checkpoint, files.largest_shard_bytes, view),
+            **host_training(shape, view, host, start),
+        },
     }  # fmt: skip
 
 
@@ -267,11 +306,13 @@ def _start(r: preflight.PreflightResult) -> dict[str, Any]:
         "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
         "fallback": r.fallback,
         "speed_trial": [asdict(c) for c in r.speed_trial],
+        "host_peak_bytes": r.host_peak_bytes,
         "nothing_fits": None if r.nothing_fits is None else {
             "smallest_peak_bytes": r.nothing_fits.smallest_peak,
             "budget_bytes": r.nothing_fits.budget_bytes,
             "help": r.nothing_fits.help,
             "message": nothing_fits_text(r),
+            "host": r.nothing_fits.host,
         },
     }  # fmt: skip
 
@@ -283,6 +324,7 @@ def _ranking(job: Knobs, r: preflight.PreflightResult) -> list[dict[str, Any]]:
             "tokens_per_s": round(c.tokens_per_s, 1),
             "measured": c.measured,
             "peak_bytes": c.peak_bytes,
+            "host_peak_bytes": c.host_peak_bytes,
             "cost_class": c.cost_class.value,
             "rungs": list(c.rungs),
             "changes": {k: list(v) for k, v in preflight.knob_changes(job, c.knobs).items()},
@@ -307,26 +349,6 @@ def _rung(r: RungEffect) -> dict[str, Any]:
         "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
         "peak_bytes": r.predicted_peak,
         "changes": {k: list(v) for k, v in r.changes.items()},
-    }
-
-
-def _host(checkpoint: int | None, largest_shard: int, view: JobView) -> dict[str, Any]:
-    import psutil
-
-    from qlora_supervise.supervisor.watching.cgroup import memory_limit_bytes
-
-    available = int(psutil.virtual_memory().available)
-    limit = memory_limit_bytes()
-    need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard)
-    room = min(x for x in (available, limit, view.cpu_memory_limit) if x is not None)
-    return {
-        "checkpoint_bytes": checkpoint,
-        "load_peak_bytes": None if need is None else need.load_peak,
-        "merge_peak_bytes": None if need is None else need.merge_peak,
-        "available_bytes": available,
-        "cgroup_limit_bytes": limit,
-        "basis": "" if need is None else need.basis,
-        "load_fits": None if need is None else need.load_peak <= room,
     }
 
 
@@ -364,8 +386,24 @@ def _load(job_path: str) -> Job:
         ) from None
 
 
-def _model_files(model: str) -> model_files.ModelFiles:
+def _model_files(model: str, job: Job) -> model_files.ModelFiles:
     try:
         return model_files.read_model_files(model)
     except model_files.ModelFilesError as error:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, str(error)) from None
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, _in_the_jobs_words(str(error), model, job)) from None
+
+
+def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
+    """A foreign tool's job names its model with the tool's own key, not ``model.path``."""
+    if job.trainer is None:
+        return message
+    row = job.trainer.table.row("model")
+    key = row.key if row is not None else "model"
+    where = "trainer.command" if job.trainer.config_path is None else str(job.trainer.config_path)
+    spelled = f"--{key} DIR" if job.trainer.config_path is None else f"{key}: DIR"
+    if not model:
+        return (
+            f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
+            f"to predict its memory; add {spelled} there"
+        )
+    return message.replace("point model.path at", f"point {key} (in {where}) at")

@@ -73,8 +73,9 @@ def _render_ranking(ranking: list[dict[str, Any]]) -> list[str]:
         changes = ", ".join(f"{k} {new}" for k, (_, new) in c["changes"].items()) or "as written"
         source = "measured" if c["measured"] else "predicted"
         peak = format_bytes(c["peak_bytes"])
+        host = "" if c.get("host_peak_bytes") is None else f" host {format_bytes(c['host_peak_bytes']):>9}"
         speed = f"{c['tokens_per_s']:>8.0f} tok/s {source:<9}"
-        lines.append(f"  {c['rank']:>2}. {speed} {peak:>10}  {c['cost_class']:<10} {changes}")
+        lines.append(f"  {c['rank']:>2}. {speed} {peak:>10}{host}  {c['cost_class']:<10} {changes}")
     if len(ranking) > RANKING_SHOWN:
         lines.append(f"  ... and {len(ranking) - RANKING_SHOWN} more (--json lists them all)")
     return lines
@@ -82,7 +83,7 @@ def _render_ranking(ranking: list[dict[str, Any]]) -> list[str]:
 
 def _render_start(start: dict[str, Any]) -> list[str]:
     if start["nothing_fits"] is not None:
-        lines = [f"NOTHING FITS: {start['nothing_fits']['message']}"]
+        lines = [f"NOTHING FITS: {start['nothing_fits']['message']}"]  # a host's message names host memory
         return lines + [f"  why: {reason}" for reason in start["reasons"]]
     speed = "" if start["tokens_per_s"] is None else f", {start['tokens_per_s']:.0f} tokens/s"
     if not start["changes"]:
@@ -107,5 +108,29 @@ def _render_host(host: dict[str, Any]) -> list[str]:
         f"  basis: {host['basis']}",
     ]
     if host["load_fits"] is False:
-        lines.append("  WARNING: loading is predicted to need more host RAM than is available")
+        room = f"{host['room_of']} ({format_bytes(host['room_bytes'])})"
+        lines.append(f"  WARNING: loading is predicted to need more host RAM than the {room}")
+    return lines + _render_host_training(host)
+
+
+def _render_host_training(host: dict[str, Any]) -> list[str]:
+    """The host budget and the start's training host peak, by component."""
+    if host.get("budget_bytes") is None:
+        return []
+    source = {"job": "resources.host_memory_limit", "flag": "--host-memory less a reserve"}.get(
+        host["budget_source"], "available now (capped by the cgroup) less a reserve"
+    )
+    lines = [f"host budget: {format_bytes(host['budget_bytes'])} ({source})"]
+    if host["train_peak_bytes"] is not None:
+        terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in host["train_components"].items())
+        lines.append(
+            f"host need of the start: {format_bytes(host['train_peak_bytes'])} (at {host['train_phase']}); "
+            f"training itself {format_bytes(host['train_phase_bytes'])} ({terms})"
+        )
+        lines.append(f"  basis: {host['train_basis']}")
+    if host["rejected"]:
+        lines.append(
+            f"  {host['rejected']} config(s) that fit the card are no candidates: host need "
+            f"{format_bytes(host['rejected_smallest_bytes'])} or more is over the host budget"
+        )
     return lines

@@ -41,6 +41,7 @@ from qlora_supervise.supervisor.record.generations import (
 )
 from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lift, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.runfiles import RUN_UMASK
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.console_stream import ConsoleStream, best_effort
@@ -56,8 +57,6 @@ from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
-
-RUN_UMASK = 0o027  # group may read, others nothing: the modes of runfiles.DIR_MODE / FILE_MODE
 
 
 def run_job(

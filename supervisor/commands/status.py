@@ -10,6 +10,7 @@ lists the layers that exist) and the attempt's ``child.log``.
     {"schema": "qlora-supervise.status/1",
      "runs": [{"run_dir": str, "state": str | null, "note": str, "lost_steps": int,
                "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
+               "merged_by_command": {"merged_dir": str, "adapter_step": int | null, "time": float} | null,
                "trainer_output": str | null,  # a finished foreign tool's own save, no adapter of ours
                "unreadable_lines": int,
                "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null,
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from qlora_supervise.supervisor.commands.merge import adapter_step, merged_record
 from qlora_supervise.supervisor.commands.running import events_file, running_attempt
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
@@ -129,7 +131,8 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         "lost_steps": sum(r.lost_steps for r in records),
         "adapter": str(rd.adapter) if rd.adapter.exists() else None,
         "merged": str(rd.merged) if rd.merged.exists() else None,
-        "merge": merge_report(rd),
+        "merge": merge_report(rd),  # with "adapter_step" when `qlora-supervise merge` made it
+        "merged_by_command": merged_record(rd),
         "trainer_output": _tool_saved(rd, state),
         "unreadable_lines": bad,
         "attempts": attempts,
@@ -172,8 +175,41 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
         print(f"adapter: {run_dir.adapter}", file=out)
     elif tool_output := _tool_saved(run_dir, state):
         print(f"adapter: none in the run directory; the tool saved into {tool_output}", file=out)
-    if run_dir.merged.exists():
-        print(f"merged: {run_dir.merged}{_merge_numbers(merge_report(run_dir))}", file=out)
+    for line in merge_lines(run_dir):
+        print(line, file=out)
+
+
+def merge_lines(rd: RunDir) -> list[str]:
+    """The merged model(s) and the adapter step each was made from, when it is known (a merge
+    made from an older adapter than the run's says so, with the command that merges again)."""
+    lines = []
+    now = adapter_step(rd)
+    made = merged_record(rd)
+    if rd.merged.exists():
+        report = merge_report(rd)
+        step = report.get("adapter_step") if report else None
+        lines.append(f"merged: {rd.merged}{_merge_numbers(report)}{_from_step(step, now, rd)}")
+    if (
+        made is not None
+        and made.get("merged_dir") != str(rd.merged)
+        and Path(str(made.get("merged_dir"))).exists()
+    ):
+        step = made.get("adapter_step")
+        lines.append(
+            f"merged by `qlora-supervise merge --out`: {made['merged_dir']}{_from_step(step, now, rd)}"
+        )
+    return lines
+
+
+def _from_step(step: object, now: int | None, rd: RunDir) -> str:
+    if not isinstance(step, int):
+        return ""
+    if now is not None and step != now:
+        return (
+            f", from the adapter of step {step}: older than the run's adapter (step {now}); "
+            f"run `qlora-supervise merge {rd.root}` again"
+        )
+    return f", from the adapter of step {step}"
 
 
 def _finished(state: State | None) -> bool:
@@ -234,6 +270,8 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
         lines.append(f"  plan: {planned}, predicted peak {peak} of {budget}: {r.plan.why[-1]}")
     if r.peak:
         lines.append(f"  peak memory: {format_bytes(r.peak.bytes)} ({r.peak.source.value})")
+    if (host := host_line(r)) is not None:
+        lines.append(host)
     if r.failure:
         f = r.failure
         lines.append(f"  failed: {f.kind.value} in {f.stage.value} - {f.evidence}")
@@ -257,6 +295,22 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     elif d is not None:
         lines.append(f"  gave up: {d.why}")
     return lines
+
+
+def host_line(r: AttemptRecord) -> str | None:
+    """The attempt's host RAM against the host model's prediction; None when nothing was read."""
+    host = r.host
+    if host is None or (host.peak_bytes is None and host.load_peak_bytes is None):
+        return None
+    parts = []
+    if host.peak_bytes is not None:
+        predicted = f" (predicted {format_bytes(host.predicted_bytes)})" if host.predicted_bytes else ""
+        parts.append(f"training peak {format_bytes(host.peak_bytes)}{predicted}")
+    if host.load_peak_bytes is not None:
+        parts.append(f"load peak {format_bytes(host.load_peak_bytes)}")
+    if host.last_rss_bytes is not None:
+        parts.append(f"last RSS {format_bytes(host.last_rss_bytes)}")
+    return f"  host RAM: {', '.join(parts)}"
 
 
 def _fmt(value: object) -> str:

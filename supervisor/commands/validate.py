@@ -8,8 +8,9 @@ from qlora_supervise.supervisor.jobfile import data_probe, hub
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Job
 from qlora_supervise.supervisor.jobfile.load import load_job
-from qlora_supervise.supervisor.jobfile.problems import JobError
+from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
 from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.record.ownership import foreign_output_dir
 from qlora_supervise.supervisor.trainers.summary import foreign_lines
 from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems
 from qlora_supervise.trainer_child.contract.spec import DataSpec
@@ -20,6 +21,7 @@ def validate_command(path: str) -> int:
     try:
         job = load_job(path)
         problems = tool_problems(job.trainer)  # the tool itself, for the interpreter that runs it
+        problems += output_dir_problems(job.output_dir)
         if problems:
             raise JobError(problems)
     except JobError as error:
@@ -35,6 +37,12 @@ def validate_command(path: str) -> int:
     for line in [*warning_lines(job, records), *summary_lines(job, records), *extra]:
         print(f"  {line}")
     return 0
+
+
+def output_dir_problems(output_dir: Path) -> list[Problem]:
+    """``output_dir`` as ``run`` would refuse it: a system folder, or someone else's files."""
+    found = foreign_output_dir(output_dir)
+    return [] if found is None else [Problem("output_dir", found[0], show(output_dir), found[1])]
 
 
 def warning_lines(job: Job, records: int | None = None) -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.trainer_child.contract.data_rows import DataRowError, scan
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -119,7 +120,7 @@ def _probe_jsonl(path: Path, count_rows: bool) -> DataProbe:
 
 def _json_record(text: str, where: str) -> dict[str, Any]:
     try:
-        record = json.loads(text)
+        record = json_loads(text)
     except json.JSONDecodeError as error:
         raise DataProbeError(f"{where} is not valid JSON: {error.msg}") from error
     if not isinstance(record, dict):
@@ -131,7 +132,7 @@ def _probe_json(path: Path) -> DataProbe:
     # The whole file is parsed: .json datasets are the small ones (large ones are .jsonl/.parquet).
     text = path.read_text(encoding="utf-8")
     try:
-        loaded = json.loads(text)
+        loaded = json_loads(text)
     except json.JSONDecodeError as error:
         if error.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` also accepts
             return _probe_jsonl_text(path, text)
@@ -226,7 +227,7 @@ def _saved_rows(info: Mapping[str, Any]) -> int | None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
+        loaded = json_loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise DataProbeError(f"cannot read {path.name}: {error}") from error
     if not isinstance(loaded, dict):

@@ -46,6 +46,8 @@ def _resolve_path(value: object, info: ValidationInfo) -> object:
         path = Path(value.strip()).expanduser()
     else:
         raise job_error("not a path", "write a file or directory path (relative to the job file)")
+    if "\0" in str(path):  # no system call takes it (every later check would end in a ValueError)
+        raise job_error("holds a NUL character, which no path can", "write the path without it")
     base = Path(str((info.context or {}).get("job_dir", os.getcwd())))
     return Path(os.path.normpath(base / path))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from qlora_supervise.supervisor.jobfile.schema import (
     DataSection,
@@ -56,6 +56,9 @@ class Job:
     # The job's ``trainer:`` section when the trainer is a foreign tool (supervisor/trainers/);
     # None: our own child.
     trainer: ForeignTrainer | None = None
+    # Fields of a tool's config that did not parse (``max_steps: ten``), under the job view's
+    # names, as written: the spec carries the default, the run's record keeps what the user wrote.
+    unparsed: Mapping[str, Any] = field(default_factory=dict)
 
 
 _S = TypeVar("_S", bound=Section)
@@ -115,6 +118,7 @@ def job_from_sections(
             device=resources.gpu,
             gpu_memory_limit=resources.gpu_memory_limit,
             cpu_memory_limit=resources.cpu_memory_limit,
+            host_memory_limit=resources.host_memory_limit,
         ),
         supervise=_section(sections, "supervise", SuperviseSection),
         fallback_models=tuple(str(path) for path in model.fallbacks),

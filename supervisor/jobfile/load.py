@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from qlora_supervise.supervisor.jobfile.aliases import AliasBombError, check_expansion
+from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
+from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, read_bounded, safe_load_bounded
 from qlora_supervise.supervisor.jobfile.fields import JOB_ERROR_TYPE, ResolvedPath
 from qlora_supervise.supervisor.jobfile.job import Job, job_from_sections
 from qlora_supervise.supervisor.jobfile.problems import FILE_PATH, JobError, Problem, did_you_mean, show
@@ -73,7 +74,9 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 def _read_text(job_file: Path) -> str:
     """The job file as text; a missing or unreadable file is a JobError."""
     try:
-        return job_file.read_text(encoding="utf-8")
+        return read_bounded(job_file)
+    except InputBoundError as error:
+        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
     except FileNotFoundError:
         fix = "check the path; a job file is YAML with at least model.path and data.path"
         raise JobError([Problem(FILE_PATH, "no such file", show(str(job_file)), fix)]) from None
@@ -85,12 +88,13 @@ def _read_text(job_file: Path) -> str:
 def _parse_yaml(text: str) -> dict[str, Any]:
     """The top-level mapping; bad YAML, an alias bomb, an empty file or a non-mapping is a JobError."""
     try:
-        # The node graph first (linear in the file): aliases that expand past the bound are
-        # refused before anything walks the values (aliases.py says why that matters).
-        check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
-        raw = yaml.safe_load(text)
+        # Depth and size on the event stream, then the node graph (linear in the file): input past
+        # a bound is refused before anything recurses or walks the values (bounds.py, aliases.py).
+        raw = safe_load_bounded(text)
     except yaml.YAMLError as error:
         raise JobError([_yaml_problem(error, text)]) from None
+    except InputBoundError as error:
+        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
     except AliasBombError as error:
         fix = "write the values out, or use fewer nested aliases (&name / *name)"
         aliases = sum(isinstance(token, yaml.AliasToken) for token in yaml.scan(text, Loader=yaml.SafeLoader))

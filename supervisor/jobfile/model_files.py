@@ -12,12 +12,13 @@ names and the total size).
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from qlora_supervise.supervisor.jobfile.bounds import json_loads
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -103,7 +104,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     if len(raw) < length:
         raise ModelFilesError(f"{path}: header cut short; is the download complete?")
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json_loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
         raise ModelFilesError(f"{path}: header is not JSON ({error}); not a safetensors file") from error
     if not isinstance(header, dict):
@@ -164,7 +165,7 @@ def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFi
 
 def _read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json_loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelFilesError(
             f"{path}: no {what}; point model.path at a Hugging Face model directory"

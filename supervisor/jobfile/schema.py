@@ -150,6 +150,9 @@ class ResourcesSection(Section):
     gpu: Device = _RESOURCES.device
     gpu_memory_limit: ByteSize | None = _RESOURCES.gpu_memory_limit
     cpu_memory_limit: ByteSize | None = _RESOURCES.cpu_memory_limit
+    # The host RAM this job's plan may use (issue 28): candidates whose training host peak is
+    # over it are not started. Default: what is available when the run starts, less a reserve.
+    host_memory_limit: ByteSize | None = _RESOURCES.host_memory_limit
     # The allocator's expandable segments (PYTORCH_ALLOC_CONF); false only where a platform lacks them.
     expandable_segments: bool = _KNOBS.expandable_segments
     # torchrun's own name: ranks on this host, one GPU each (gloo ranks on the CPU); above 1 the

@@ -25,6 +25,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
     SuperviseSection,
     TrainSection,
 )
+from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.jobfile.units import format_duration
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 
@@ -308,7 +309,10 @@ def _metrics_textfile_problems(supervise: SuperviseSection, bad: frozenset[str])
 
 
 def _output_dir_problems(output_dir: Path) -> list[Problem]:
-    """The output directory is a directory, or can be made in a writable place."""
+    """The output directory is a folder of its own, a directory, or can be made in a writable place."""
+    found = system_folder(output_dir)
+    if found is not None:
+        return [Problem("output_dir", found[0], show(output_dir), found[1])]
     if output_dir.exists() and not output_dir.is_dir():
         return [
             Problem(

@@ -24,7 +24,12 @@ from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
-from qlora_supervise.supervisor.loop.settings import remember_attempt, step_fit, with_sample_lengths
+from qlora_supervise.supervisor.loop.settings import (
+    predicted_host,
+    remember_attempt,
+    step_fit,
+    with_sample_lengths,
+)
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import RunState, append_attempt
@@ -64,6 +69,8 @@ class Conclusions:
         never-repeat-a-failed-config rule all key on what ran."""
         events = self.rd.attempt_dir(o.number) / "child-events.jsonl"
         trained = read_attempt_speed(events, o.plan.knobs).knobs
+        # The host model's training peak for what ran: status and explain set the measured one beside it.
+        o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
         if trained == o.plan.knobs:
             return o
         return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained))

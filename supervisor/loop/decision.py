@@ -41,7 +41,7 @@ def ask(
     o: AttemptOutcome, failure: Failure, earlier: Sequence[AttemptRecord], settings: policy.Settings
 ) -> Pending:
     """The policy's first answer; ``earlier`` are the journalled attempts its budgets count."""
-    record = record_of(o, Outcome.FAILED, None, failure_record(failure, o.report))
+    record = record_of(o, Outcome.FAILED, None, failure_record(failure, o.report, o.progress))
     # The failure's own kind even when it is a damaged checkpoint that could not be moved aside:
     # later decisions leave that kind out of their budgets, but this one decides about it.
     this = dataclasses.replace(policy_history([record])[0], kind=failure.kind)

@@ -57,6 +57,7 @@ def first_plan(
         speed=speed,
         fallbacks=settings.fallback_shapes,
         unusable=settings.cannot_take,  # a foreign tool's config has no key for these
+        host=settings.host,  # and every candidate fits the host (issue 28)
     )
     if as_written:
         reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)
@@ -94,6 +95,13 @@ def nothing_fits_text(result: preflight.PreflightResult) -> str | None:
     nothing = result.nothing_fits
     if nothing is None:
         return None
+    if nothing.host:
+        return (
+            "HOST MEMORY: the smallest config that fits the card needs "
+            f"{format_bytes(nothing.smallest_peak)} of host RAM against a host budget of "
+            f"{format_bytes(nothing.budget_bytes)} (with the {nothing.margin:.0%} margin); "
+            f"what would fit: {nothing.help}"
+        )
     return (
         f"the smallest config of every rung peaks at {format_bytes(nothing.smallest_peak)} "
         f"against a budget of {format_bytes(nothing.budget_bytes)} (with the {nothing.margin:.0%} margin); "

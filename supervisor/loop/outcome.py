@@ -19,11 +19,12 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
     AttemptRecord,
     DecisionRecord,
+    HostMemory,
     Outcome,
     attempt_peak,
 )
 from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Resumed
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
@@ -54,6 +55,7 @@ class AttemptOutcome:
     ended_at: float
     log_tail: str
     oom_kill_delta: int = 0
+    host_predicted: int | None = None  # the host model's training peak for the plan's knobs
     # Under torchrun, every rank's report (``report`` is the cause among them); empty otherwise.
     reports: tuple[ErrorReport, ...] = ()
 
@@ -118,9 +120,14 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
     )
 
 
-def failure_record(failure: Failure, report: ErrorReport | None) -> Failure:
+def failure_record(failure: Failure, report: ErrorReport | None, progress: Progress | None = None) -> Failure:
     """The failure as the journal keeps it: the report's emergency checkpoint and allocator
-    setting added, the message cut to what a journal line should hold."""
+    setting added, the message cut to what a journal line should hold; for a host OOM kill, the
+    newest heartbeat's RSS (``rss_at_kill``) and training's host peak so far (``host_peak``)."""
+    if failure.kind is FailureKind.HOST_OOM and progress is not None:
+        host = {"rss_at_kill": progress.last_rss, "host_peak": progress.host_peak}
+        numbers = {**failure.numbers, **{k: v for k, v in host.items() if v is not None}}
+        failure = dataclasses.replace(failure, numbers=numbers)
     return dataclasses.replace(
         failure,
         message=failure.message[:2000],
@@ -163,6 +170,9 @@ def record_of(
         decision=decision,
         plan=o.plan.note,
         optimizer_reset=optimizer_reset(o.progress),
+        host=HostMemory(
+            o.progress.host_peak, o.progress.load_host_peak, o.progress.last_rss, o.host_predicted
+        ),
     )
 
 

@@ -82,6 +82,7 @@ def write_spec(
     resume_from = str(resume.path) if resume.path else None
     command: tuple[str, ...] = ()
     if job.trainer is not None and plan.phase is Phase.TRAIN:  # the tool's own config, per attempt
+        ensure_dir(rd.trainer_output)  # the tool saves there: never through a link
         command = write_attempt_files(job.trainer, directory, rd.root, job.knobs, plan.knobs, resume_from)
     spec = AttemptSpec(
         attempt=number,

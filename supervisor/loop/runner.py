@@ -39,6 +39,7 @@ from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.launch import trainer_env
@@ -188,6 +189,11 @@ class AttemptRunner:
         env = trainer_env(
             child_mod.child_env(dict(os.environ), plan.knobs), ready.spec, attempt_dir / "spec.json"
         )
+        # The datasets library's cache (the prepared and tokenized data) stays in the run directory,
+        # not in ~/.cache/huggingface/datasets; a place the caller chose (HF_DATASETS_CACHE, or
+        # HF_HOME as the shipped unit sets it) is kept.
+        if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
+            env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
         # A spare holds our trainer's imports: a foreign tool's attempt never runs in one.
         order = None if ready.spec.command else self._spare_order(argv, attempt_dir / "spec.json", plan, env)
         spare = None

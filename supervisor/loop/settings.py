@@ -8,10 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.budget import card_budget
+from qlora_supervise.policies.budget import HostBudget, card_budget, host_budget
+from qlora_supervise.policies.climb import for_model
+from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.policies.throughput import SpeedObservation
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicted_fit
+from qlora_supervise.supervisor.jobfile import model_files
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, read_attempt_speed, trial_speeds
@@ -26,6 +29,7 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.trainers.ladders import cannot_take, foreign_overrides
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
+from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -66,7 +70,32 @@ def policy_settings(job: Job) -> policy.Settings:
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
         speed_trial=supervise.speed_trial,  # in our child, or the shim in a foreign tool (shim/trial.py)
         cannot_take=cannot_take(job.trainer),
+        host=job_host_budget(job, shape),
     )
+
+
+def predicted_host(settings: policy.Settings, knobs: Knobs) -> int | None:
+    """The host model's training-phase host peak for ``knobs`` (None: no shape or host budget)."""
+    own = for_model(settings, knobs.model)  # a fallback model's own shape
+    if own.shape is None or own.host is None:
+        return None
+    return host_train_need(own.shape, knobs, own.host.checkpoint_bytes).train_peak
+
+
+def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
+    """The host budget of a run: ``resources.host_memory_limit``, else the RAM available now (capped
+    by the cgroup) less a reserve; None on the CPU (the child's memory is capped by
+    ``cpu_memory_limit`` there) or without a shape to count with."""
+    if shape is None or job.resources.device == "cpu":
+        return None
+    try:
+        files = model_files.read_model_files(job.knobs.model)
+        checkpoint, shard = files.checkpoint_bytes, files.largest_shard_bytes
+    except model_files.ModelFilesError:
+        checkpoint, shard = None, 0
+    available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
+    limit = job.resources.host_memory_limit
+    return host_budget(checkpoint or shape.params * 2, available, cgroup, limit, largest_shard_bytes=shard)
 
 
 def remember_attempt(

@@ -78,7 +78,8 @@ class FieldChange:
         if self.name.startswith(SAFE_SECTIONS) or self.name in SAFE_FIELDS:
             return True
         if self.name in SAFE_WHEN_MORE:
-            return _number(self.new) >= _number(self.old)
+            # A length that is no number trained nothing (the tool refuses it): any change is safe.
+            return not _is_number(self.old) or _number(self.new) >= _number(self.old)
         return False
 
     def render(self, restarting: bool = False) -> str:
@@ -96,9 +97,16 @@ class FieldChange:
         return {"old": self.old, "new": self.new, "safe": self.safe}
 
 
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
 def _number(value: Any) -> float:
-    # max_steps -1 / None mean "epochs decide": infinitely many steps for this comparison.
-    if value is None or (isinstance(value, int | float) and value < 0):
+    # max_steps -1 / None mean "epochs decide": infinitely many steps for this comparison; a value
+    # that is no number is never more training.
+    if not _is_number(value):
+        return float("nan")
+    if value is None or value < 0:
         return float("inf")
     return float(value)
 
@@ -139,6 +147,7 @@ def job_view(job: Job) -> dict[str, Any]:
     view.update({f"supervise.{k}": v for k, v in supervise.items()})
     if job.trainer is not None:
         view.update(_tool_config_view(job.trainer))
+    view.update(job.unparsed)  # a tool's value that did not parse, as written: never its default
     shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk
     return shaped
 

@@ -85,6 +85,31 @@ class Peak:
         return cls(int(raw["bytes"]), AttemptPeakSource(raw["source"]))
 
 
+@dataclass(frozen=True)
+class HostMemory:
+    """An attempt's host RAM (bytes; None: not read): training's RSS high-water mark, the load's,
+    the newest heartbeat's RSS (at a kill, what the host held), and the host model's prediction
+    of training's for the attempt's knobs (issue 28: ``status`` and ``explain`` set them side by side)."""
+
+    peak_bytes: int | None = None
+    load_peak_bytes: int | None = None
+    last_rss_bytes: int | None = None
+    predicted_bytes: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> HostMemory:
+        def read(key: str) -> int | None:
+            value = raw.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        return cls(
+            read("peak_bytes"), read("load_peak_bytes"), read("last_rss_bytes"), read("predicted_bytes")
+        )
+
+
 def attempt_peak(
     report_peak: int | None,
     oom_need: int | None,
@@ -229,6 +254,7 @@ class AttemptRecord:
     # Why the child resumed with fresh optimizer state (the optimizer changed, or the checkpoint
     # had none); None when it kept it or started fresh.
     optimizer_reset: str | None = None
+    host: HostMemory | None = None  # the attempt's host RAM against the host model's prediction
 
     @property
     def steps_progressed(self) -> int:
@@ -248,6 +274,7 @@ class AttemptRecord:
             failure=self.failure.to_json() if self.failure else None,
             decision=self.decision.to_json() if self.decision else None,
             plan=self.plan.to_json() if self.plan else None,
+            host=self.host.to_json() if self.host else None,
         )
         return json.dumps(raw, sort_keys=True, default=str) + "\n"
 
@@ -274,6 +301,7 @@ class AttemptRecord:
             decision=DecisionRecord.from_json(decision) if decision else None,
             plan=PlanNote.from_json(raw["plan"]) if raw.get("plan") else None,
             optimizer_reset=raw.get("optimizer_reset"),
+            host=HostMemory.from_json(raw["host"]) if isinstance(raw.get("host"), Mapping) else None,
         )
 
 

@@ -30,6 +30,7 @@ from qlora_supervise.trainer_child.contract.durable import FILE_MODE as CHILD_FI
 # and the merged model): 0750 and 0640.
 DIR_MODE = CHILD_DIR_MODE
 FILE_MODE = CHILD_FILE_MODE
+RUN_UMASK = 0o027  # group may read, others nothing: the modes of DIR_MODE / FILE_MODE
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -44,8 +45,14 @@ class UnsafeRunPath(SupervisorExit):
 def prepare_root(root: Path) -> None:
     """Create the run directory (0750) or check an existing one is ours and not writable by others."""
     if not root.exists():
-        root.mkdir(parents=True, mode=DIR_MODE)
-        os.chmod(root, DIR_MODE)
+        try:
+            root.mkdir(parents=True, mode=DIR_MODE)
+            os.chmod(root, DIR_MODE)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise  # the caller words a full or read-only disk (run._at_start)
+            why = f"cannot create output_dir: {exc.strerror}"
+            raise UnsafeRunPath(root, why, "choose a folder this user may create") from None
         return
     info = os.stat(root)
     if not stat.S_ISDIR(info.st_mode):
@@ -68,6 +75,12 @@ def refuse_links(paths: list[Path]) -> None:
     """Refuse at start, before anything is run, when one of the run's own files is a link or no file."""
     for path in paths:
         _refuse_link_or_other(path, stat.S_ISREG, "is not a regular file")
+
+
+def refuse_kind(directories: list[Path]) -> None:
+    """Refuse at start when one of the run's own directories is a link or no directory."""
+    for path in directories:
+        _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory")
 
 
 def refuse_linked_dirs(paths: list[Path]) -> None:

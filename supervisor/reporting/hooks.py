@@ -7,14 +7,21 @@ mail, a chat webhook or a pager. It runs to completion or its timeout
 actions is fixed. A hook that fails, times out or cannot be started is logged
 (``hook_failed``, a warning, through :class:`~.outputs.BestEffort`: once, then rate-limited) and
 never stops or changes the run.
+
+Its output is read as it comes and only the last :data:`KEEP_BYTES` of each stream are kept (the
+rest is drained and dropped): a hook that prints a gigabyte costs the supervisor a few pipe
+buffers, not the gigabyte (it grew to 2.9 GB before).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
+from typing import IO
 
 from structlog.typing import FilteringBoundLogger
 
@@ -23,6 +30,7 @@ from qlora_supervise.supervisor.reporting.outputs import ON_EVENT, BestEffort
 
 HOOKED_EVENTS = frozenset({Event.RETRY.value, Event.GAVE_UP.value, Event.RUN_SUCCEEDED.value})
 ENV_EVENT = "QLORA_SUPERVISE_EVENT"
+KEEP_BYTES = 64 * 1024  # of each of the hook's stdout and stderr: its last lines, for the log
 
 
 class EventHook:
@@ -58,21 +66,81 @@ class EventHook:
 
     def _run(self, name: str, payload: str) -> str | None:
         """None when the hook exited 0, else what went wrong, in one line."""
+        env = {**os.environ, ENV_EVENT: name}
         try:
-            done = subprocess.run(
-                self.argv,
-                input=payload,
-                text=True,
-                capture_output=True,
-                timeout=self.timeout_s,
-                env={**os.environ, ENV_EVENT: name},
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return f"timed out after {self.timeout_s:g}s (killed)"
+            code, out, err = bounded_run(self.argv, payload.encode(), self.timeout_s, env)
         except OSError as error:
             return f"could not start: {error}"
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            return f"exit status {done.returncode}: {tail[0][:300]}"
+        if code is None:
+            return f"timed out after {self.timeout_s:g}s (killed)"
+        if code != 0:
+            text = (err or out).decode("utf-8", "replace")
+            tail = text.strip().splitlines()[-1:] or [""]
+            return f"exit status {code}: {tail[0][:300]}"
         return None
+
+
+def bounded_run(
+    argv: Sequence[str], payload: bytes, timeout_s: float, env: Mapping[str, str]
+) -> tuple[int | None, bytes, bytes]:
+    """Run ``argv`` with ``payload`` on stdin: its exit status (None: killed at the timeout) and the
+    last :data:`KEEP_BYTES` of its stdout and stderr. Raises OSError when it cannot start."""
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None  # all piped
+    out, err, stdin_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
+    tails = {out: bytearray(), err: bytearray()}
+    deadline = time.monotonic() + timeout_s
+    pending = memoryview(payload)
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        os.set_blocking(stdin_fd, False)
+        selector.register(proc.stdin, selectors.EVENT_WRITE)
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                if key.fd == stdin_fd:
+                    pending = _feed(proc.stdin, pending, selector)
+                else:
+                    _drain(key.fd, tails[key.fd], selector)
+    code = _wait(proc, deadline)
+    return code, bytes(tails[out]), bytes(tails[err])
+
+
+def _feed(stdin: IO[bytes], pending: memoryview, selector: selectors.BaseSelector) -> memoryview:
+    """Write what the hook's stdin takes now; close it once all is written (or the hook stopped reading)."""
+    try:
+        pending = pending[os.write(stdin.fileno(), pending) :]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:
+        pending = pending[:0]  # the hook does not read its stdin: the rest is dropped
+    if not pending:
+        selector.unregister(stdin)
+        stdin.close()
+    return pending
+
+
+def _drain(fd: int, tail: bytearray, selector: selectors.BaseSelector) -> None:
+    """Read a chunk of one of the hook's streams; keep only its last KEEP_BYTES."""
+    chunk = os.read(fd, 65536)
+    if not chunk:
+        selector.unregister(fd)
+        return
+    tail += chunk
+    if len(tail) > KEEP_BYTES:
+        del tail[: len(tail) - KEEP_BYTES]
+
+
+def _wait(proc: subprocess.Popen[bytes], deadline: float) -> int | None:
+    """The hook's exit status, or None after a kill at the deadline; its pipes closed either way."""
+    try:
+        code: int | None = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None and not stream.closed:
+            stream.close()
+    return code

@@ -26,7 +26,7 @@ through :class:`~.outputs.BestEffort`, so a full or read-only textfile never sto
 
 from __future__ import annotations
 
-import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,7 +56,9 @@ def textfile_problem(path: Path) -> tuple[str, str] | None:
     """Why ``path`` cannot be the metrics textfile, and the fix; None when it can be written.
 
     The file is written as a temp file in its directory and renamed (the directory is created
-    first when missing), so what must be writable is the directory, or its nearest existing parent.
+    first when missing), so what must take a file is the directory, or its nearest existing parent.
+    That is tried, with a temp file created and removed there at once: ``os.access`` says yes to
+    root for any directory, one that cannot take a file included (/proc, a read-only bind mount).
     """
     if path.is_dir():
         return "is a directory", f"name a file in it, e.g. {path / 'job.prom'}"
@@ -67,9 +69,12 @@ def textfile_problem(path: Path) -> tuple[str, str] | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is not a directory", "choose a path under a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".qlora-supervise-probe-", suffix=".tmp"):
+            pass
+    except OSError as error:
         fix = "make it writable by the supervisor's user, or choose node_exporter's textfile directory"
-        return f"cannot be created: {existing} is not writable", fix
+        return f"cannot be created: {existing} does not take a file ({error.strerror or error})", fix
     return None
 
 

@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
 
@@ -30,7 +30,7 @@ def data_problems(kind: TrainerKind, config: Mapping[str, Any], where: str, work
         return []
     info = workdir / folder / _LF_INFO
     try:
-        known = json.loads(info.read_text(encoding="utf-8"))
+        known = json_loads(info.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         return [
             Problem(

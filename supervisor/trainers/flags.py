@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
+from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, safe_load_bounded
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 
 #: Words YAML 1.1 reads as bools that argparse leaves as strings: HfArgumentParser gives a str
@@ -29,8 +31,8 @@ def _value(text: str) -> Any:
         except ValueError:
             pass
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return safe_load_bounded(text)  # a flag's value nested 600 deep is a string, not a crash
+    except (yaml.YAMLError, InputBoundError, AliasBombError):
         return text
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT
 from qlora_supervise.supervisor.trainers.mapping import flatten
 from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
 
-#: The tool's own output directory inside the run directory (its final save, its logs); our
-#: checkpoints still go to ``checkpoints/`` and the adapter to ``adapter/``.
-TRAINER_OUTPUT = "trainer-output"
+# TRAINER_OUTPUT: the tool's own output directory inside the run directory (its final save, its
+# logs), created before each attempt, never through a link; our checkpoints still go to
+# ``checkpoints/`` and the adapter to ``adapter/``.
 
 
 @dataclass(frozen=True)

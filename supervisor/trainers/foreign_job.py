@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 
 from qlora_supervise.supervisor.jobfile import load as jobload
+from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
+from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, read_bounded, safe_load_bounded
 from qlora_supervise.supervisor.jobfile.fields import HookArgv, ResolvedPath
 from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
@@ -34,7 +36,7 @@ from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.data_check import data_problems
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets, target_problems
-from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup
+from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup, present
 from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
 
@@ -230,7 +232,13 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     """The tool's YAML config as a mapping (safe YAML); a problem when it is missing or not a mapping."""
     where = f"trainer.config ({path})"
     try:
-        value = yaml.safe_load(path.read_text(encoding="utf-8"))
+        value = safe_load_bounded(read_bounded(path))
+    except InputBoundError as error:
+        problems.append(Problem(where, error.why, error.got, error.fix))
+        return None
+    except AliasBombError as error:
+        problems.append(Problem(where, f"YAML aliases refused: {error}", None, "write the values out"))
+        return None
     except FileNotFoundError:
         problems.append(
             Problem(
@@ -278,6 +286,16 @@ def _job(
         target_modules=lora_targets(table, config, model_type(knobs.model)),
     )
     dataset = lookup(config, table.data_key)
+    written = {
+        "train.max_steps": steps,
+        "train.epochs": epochs,
+        "train.save_steps": lookup(config, table.save_steps_key),
+    }
+    read = {
+        "train.max_steps": train.max_steps,
+        "train.epochs": train.epochs,
+        "train.save_steps": train.save_steps,
+    }
     return Job(
         job_file=job_file,
         raw_text=text,
@@ -285,11 +303,14 @@ def _job(
         knobs=knobs,
         data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
         train=train,
-        resources=Resources(resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit),
+        resources=Resources(
+            resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit, resources.host_memory_limit
+        ),
         supervise=supervise,
         fallback_models=(),
         diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
         trainer=trainer,
+        unparsed={k: v for k, v in written.items() if present(v) and v != read[k]},
     )
 
 

@@ -30,6 +30,11 @@ def lookup(config: Mapping[str, Any], key: str) -> Any:
     return value
 
 
+def present(value: Any) -> bool:
+    """Whether ``value`` (from :func:`lookup`) is one the config holds (not missing, not null)."""
+    return value is not _MISSING and value is not None
+
+
 def assign(config: dict[str, Any], key: str, value: Any) -> None:
     """Set dotted ``key`` (making the mappings on the way); a None value removes the key."""
     *parents, last = key.split(".")

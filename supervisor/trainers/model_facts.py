@@ -21,12 +21,12 @@ tensor per head), so a tool's explicit choice replaces transformers' default for
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.mapping import knobs_from, lookup
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
@@ -97,7 +97,7 @@ def model_config(model_dir: str) -> dict[str, Any]:
     if not model_dir:
         return {}
     try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        raw = json_loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return raw if isinstance(raw, dict) else {}

@@ -125,6 +125,9 @@ RUNG_KNOBS: Mapping[str, str | None] = {
     "merge_on_cpu": None,
     "smaller_model": None,
     "drop_rank": None,
+    # The resume stage's rungs: our child loads the optimizer state itself; a tool's resume is its own.
+    "optimizer_state_on_host": None,
+    "fresh_optimizer_state": None,
 }
 
 

@@ -47,6 +47,12 @@ class Progress:
     peak_bytes: int | None = None  # the child's own peak (CUDA allocator peak, or data segment on the CPU)
     # The peak before anything trained or was timed (setup and load): what a speed trial hands back.
     setup_peak: int | None = None
+    # Host RSS (issue 28): the load's high-water mark (the ``loaded`` event), training's (the
+    # heartbeats' after it: the child restarts the mark after the load on a GPU), and the newest
+    # beat's RSS (what the host held when a kill came).
+    load_host_peak: int | None = None
+    host_peak: int | None = None
+    last_rss: int | None = None
     last_event_at: float | None = None  # monotonic time of the newest line of any kind
     last_progress_at: float | None = None  # monotonic time the step or stage last changed
     finished: bool = False
@@ -102,12 +108,25 @@ class HeartbeatReader:
             p.peak_bytes = max(p.peak_bytes or 0, event.memory.peak_bytes)
             if p.stage in _BEFORE_TRAINING:
                 p.setup_peak = max(p.setup_peak or 0, event.memory.peak_bytes)
+        _host(p, event)
         if isinstance(event, SpeedTrialEvent):
             # The heartbeats during the trial measured its candidates (the event has their peaks),
             # and the child reset its allocator's peak after it: the attempt's peak is the load's and
             # then the training's, not a candidate's it did not train with.
             p.peak_bytes = p.setup_peak
+            p.host_peak = None  # and its host high-water mark restarts (the child resets VmHWM)
         p.events.append(event)
+
+
+def _host(p: Progress, event: ChildEvent) -> None:
+    """The host numbers of a ``loaded`` event or a heartbeat into ``p``."""
+    if isinstance(event, Loaded):
+        p.load_host_peak = event.memory.rss_high_water_bytes
+    elif isinstance(event, Heartbeat):
+        memory = event.memory
+        p.last_rss = memory.rss_bytes if memory.rss_bytes is not None else p.last_rss
+        if p.stage not in _BEFORE_TRAINING and memory.rss_high_water_bytes is not None:
+            p.host_peak = max(p.host_peak or 0, memory.rss_high_water_bytes)
 
 
 def position(event: ChildEvent) -> tuple[int | None, Stage | None]:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from qlora_supervise.supervisor.watching.cgroup import memory_limit_bytes
+
 
 @dataclass(frozen=True)
 class HostSample:
@@ -55,3 +57,8 @@ def _rss(process: psutil.Process) -> int:
         return int(process.memory_info().rss)
     except psutil.Error:
         return 0
+
+
+def host_room() -> tuple[int, int | None]:
+    """(RAM available now, the cgroup's memory limit or None): what the host budget starts from."""
+    return int(psutil.virtual_memory().available), memory_limit_bytes()

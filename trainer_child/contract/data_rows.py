@@ -86,6 +86,9 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
                 raise DataRowError(path, f"line {number}", None, problem) from None
 
 
+_TOO_DEEP = "not readable: a value nested thousands of levels deep"
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     for number, text in _lines(path):
         if not text.strip():
@@ -96,6 +99,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
             raise DataRowError(
                 path, f"line {number}", None, f"not valid JSON: {exc.msg} (column {exc.colno})"
             ) from None
+        except RecursionError:  # json's decoder recurses: thousands of levels end it
+            raise DataRowError(path, f"line {number}", None, _TOO_DEEP) from None
 
 
 def _csv_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -123,6 +128,8 @@ def _scan_json(path: Path, field: str, messages: bool) -> int:
         if exc.msg == "Extra data":
             return _count(_jsonl_records(path), path, field, messages)
         raise DataRowError(path, f"line {exc.lineno}", None, f"not valid JSON: {exc.msg}") from None
+    except RecursionError:
+        raise DataRowError(path, "line 1", None, _TOO_DEEP) from None
     if isinstance(loaded, list):
         return _count(((f"record {i + 1}", r) for i, r in enumerate(loaded)), path, field, messages)
     if isinstance(loaded, dict) and loaded and all(isinstance(v, list) for v in loaded.values()):

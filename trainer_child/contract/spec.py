@@ -107,6 +107,9 @@ class Resources:
     device: str = "auto"  # "auto", "cpu", "cuda:N" or a GPU UUID
     gpu_memory_limit: int | None = None
     cpu_memory_limit: int | None = None
+    # The host RAM the plan may give this job (the supervisor's host budget, not a cap the child
+    # applies: cpu_memory_limit is that, through RLIMIT_DATA).
+    host_memory_limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ class TrialCandidate:
     gradient_checkpointing: bool
     predicted_tokens_per_s: float | None = None
     predicted_peak_bytes: int | None = None
+    predicted_host_bytes: int | None = None  # its training host peak (the host model's; None: unplanned)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, object]) -> TrialCandidate | None:
@@ -50,18 +51,21 @@ class TrialCandidate:
             checkpointing,
             _float(raw.get("predicted_tokens_per_s")),
             _int(raw.get("predicted_peak_bytes")),
+            _int(raw.get("predicted_host_bytes")),
         )
 
 
 @dataclasses.dataclass(frozen=True)
 class TrialResult:
-    """A candidate's measurement: tokens/s and peak, or the OOM that dropped it (``error``)."""
+    """A candidate's measurement: tokens/s and peak, or the OOM that dropped it (``error``);
+    ``host_peak_bytes``: the child's RSS high-water mark while it was timed (None: not readable)."""
 
     candidate: TrialCandidate
     tokens_per_s: float | None
     peak_bytes: int | None
     seconds: float
     error: str | None = None
+    host_peak_bytes: int | None = None
 
     @classmethod
     def from_json(cls, raw: Mapping[str, object]) -> TrialResult | None:
@@ -72,7 +76,7 @@ class TrialResult:
             return None
         error = raw.get("error")
         return cls(parsed, _float(raw.get("tokens_per_s")), _int(raw.get("peak_bytes")), seconds,
-                   error if isinstance(error, str) else None)  # fmt: skip
+                   error if isinstance(error, str) else None, _int(raw.get("host_peak_bytes")))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

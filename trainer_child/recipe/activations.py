@@ -8,6 +8,7 @@ under :func:`activation_context`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,38 +59,158 @@ def offloads(tensor: torch.Tensor) -> bool:
     Parameters stay (torchtune's OffloadActivations leaves them too): a frozen weight that an op
     saves, such as the LM head's in trl's fused loss, would otherwise be copied to the host and back
     on every micro-step, gigabytes at a 128k vocabulary, for no memory gained (it stays resident).
+    So do views of them (``F.linear`` saves ``weight.t()``, a view whose base is the parameter).
     Tensors already on the host, and tiny ones, stay as well.
     """
-    if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "cpu":
+    if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        return False
+    if tensor.device.type == "cpu":
         return False
     return tensor.numel() * tensor.element_size() >= MIN_OFFLOAD_BYTES
 
 
-class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """``torch.autograd.graph.save_on_cpu``, less the tensors :func:`offloads` keeps in place.
+class HostBuffers:
+    """The host buffers offloaded activations live in, kept between micro-steps.
 
-    Activations saved for backward are copied to host memory (pinned where a GPU makes that
-    useful) in the forward, and back in the backward: device memory for host memory and copies.
+    ``save_on_cpu`` allocates a new (pinned) host tensor for every saved tensor of every micro-step;
+    pinned allocations go through the host caching allocator, which keeps them (and rounds each
+    up to a power of two), so a run's host memory only ever grows. Here a buffer is taken from the
+    free list of its (dtype, element count) when one is there, and goes back to it when autograd
+    drops what it saved (after the backward that used it): the next micro-step's forward copies
+    into the same buffers. :meth:`release` gives them all back (to the operating system, through
+    the host allocator's cache) when the config changes or the speed trial ends.
+
+    The counters are the bookkeeping the tests and the child's heartbeats read: bytes held (in use
+    and free), the peak in use, how many buffers were allocated and how many reuses were served.
     """
 
     def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.held_bytes = 0  # every buffer this pool allocated and still holds (in use + free)
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+        self.allocated = 0  # buffers allocated (a new host tensor)
+        self.reused = 0  # packs served from the free list
+        self.packed = 0  # tensors offloaded
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host buffer with ``tensor``'s contents (flat; the caller keeps the shape)."""
+        key = (tensor.dtype, tensor.numel())
+        free = self._free.get(key)
+        if free:
+            buffer = free.pop()
+            self.reused += 1
+        else:
+            buffer = torch.empty(key[1], dtype=key[0], pin_memory=self.pin_memory)
+            self.allocated += 1
+            self.held_bytes += _nbytes(buffer)
+        buffer.copy_(tensor.reshape(-1))
+        self.packed += 1
+        self.in_use_bytes += _nbytes(buffer)
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """``buffer`` is free again: the next micro-step's forward may copy into it."""
+        self.in_use_bytes -= _nbytes(buffer)
+        self._free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+
+    def release(self) -> int:
+        """Drop every free buffer and empty the host allocator's cache; the bytes dropped."""
+        dropped = sum(_nbytes(b) for buffers in self._free.values() for b in buffers)
+        self._free.clear()
+        self.held_bytes -= dropped
+        empty_host_cache()
+        return dropped
+
+
+class _Offloaded:
+    """What autograd keeps for one offloaded tensor; its buffer returns to the pool when autograd
+    drops it (after the backward that read it, or with a graph that is never run backward)."""
+
+    __slots__ = ("buffer", "device", "pool", "shape")
+
+    def __init__(self, pool: HostBuffers, tensor: torch.Tensor) -> None:
+        self.pool = pool
+        self.device = tensor.device
+        self.shape = tensor.shape
+        self.buffer = pool.take(tensor)
+
+    def __del__(self) -> None:
+        self.pool.give_back(self.buffer)
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """``torch.autograd.graph.save_on_cpu``, less the tensors :func:`offloads` keeps in place, into
+    the reused buffers of ``pool``.
+
+    Only what the forward saves for backward is offloaded. With (non-reentrant) checkpointing that
+    is each block's input: the checkpoint's own hooks keep the block's inner tensors out of ours,
+    and a tensor saved while the backward runs (a reentrant checkpoint's recomputation) stays where
+    it is: it is read back within the same backward, so copying it out would only cost host memory.
+    """
+
+    def __init__(self, pool: HostBuffers) -> None:
+        # The same tensor saved by two ops (an RMSNorm's input: by its square and by its product)
+        # is copied once: while the tensor lives, its first copy is handed out again.
+        seen: dict[int, tuple[weakref.ref[torch.Tensor], _Offloaded]] = {}
+
         def pack(tensor: torch.Tensor) -> Any:
-            if not offloads(tensor):
+            if not offloads(tensor) or in_backward():
                 return tensor
-            packed = torch.empty(
-                tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin_memory
-            )
-            packed.copy_(tensor)
-            return (tensor.device, packed)
+            earlier = seen.get(id(tensor))
+            if earlier is not None and earlier[0]() is tensor:
+                return earlier[1]
+            packed = _Offloaded(pool, tensor)
+            seen[id(tensor)] = (weakref.ref(tensor), packed)
+            return packed
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            device, tensor = packed
-            result: torch.Tensor = tensor.to(device, non_blocking=pin_memory)
+            host = packed.buffer.view(packed.shape)
+            result: torch.Tensor = host.to(packed.device, non_blocking=pool.pin_memory)
             return result
 
         super().__init__(pack, unpack)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation's saves)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def empty_host_cache() -> None:
+    """Give the host allocator's cached pinned blocks back to the operating system (a no-op where
+    none was ever allocated; torch 2.11 names it ``_host_emptyCache``, later ones
+    ``torch.accelerator.empty_host_cache``)."""
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
+_POOL: HostBuffers | None = None
+
+
+def host_buffers() -> HostBuffers:
+    """The process's pool of offload buffers (pinned where a GPU makes that useful)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = HostBuffers(pin_memory=torch.cuda.is_available())
+    return _POOL
+
+
+def release_host_buffers() -> int:
+    """Give back the offload buffers no micro-step holds: after the speed trial, and whenever the
+    config changes in-process (another micro-batch or checkpointing saves other sizes). The bytes
+    given back."""
+    return 0 if _POOL is None else _POOL.release()
 
 
 @contextlib.contextmanager
@@ -99,5 +220,5 @@ def activation_context(knobs: Knobs) -> Iterator[None]:
     if not knobs.activation_offload:
         yield
         return
-    with OffloadActivations(pin_memory=torch.cuda.is_available()):
+    with OffloadActivations(host_buffers()):
         yield

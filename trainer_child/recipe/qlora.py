@@ -355,6 +355,10 @@ def build(
         **(lengths.fields() if lengths is not None else {}),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
+    if on_cuda:  # the load's host peak is in the event above; from here the mark is training's
+        from qlora_supervise.trainer_child.run.memory import reset_host_peak
+
+        reset_host_peak()
     callback = SupervisionCallback(source, spec.cpu_memory_limit)
     protect = Path(spec.resume_from) if spec.resume_from else None
     trainer = SupervisedSFTTrainer(

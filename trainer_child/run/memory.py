@@ -82,6 +82,20 @@ def proc_status_bytes(field: str) -> int | None:
     return None
 
 
+def reset_host_peak() -> bool:
+    """Start the RSS high-water mark (VmHWM) again from the RSS now: Linux resets it on a ``5``
+    written to /proc/self/clear_refs. After the load on a GPU (the load's peak is in the ``loaded``
+    event), so the heartbeats' ``rss_high_water_bytes`` is training's own host peak; and before each
+    speed-trial candidate, whose host peak the trial reports. False where it cannot (not Linux, or
+    the file is not writable): the mark then keeps the earlier peak in it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def peak_vmdata() -> int | None:
     """Peak of the data segment (what RLIMIT_DATA limits), estimated as VmPeak minus the
     non-data mappings (code, libraries, stacks), which stay put once the model is loaded."""

@@ -44,10 +44,14 @@ from qlora_supervise.trainer_child.contract.speed_trial import (
     chosen_knobs,
     within,
 )
-from qlora_supervise.trainer_child.recipe.activations import activation_context, set_checkpointing
+from qlora_supervise.trainer_child.recipe.activations import (
+    activation_context,
+    release_host_buffers,
+    set_checkpointing,
+)
 from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import memory_numbers
+from qlora_supervise.trainer_child.run.memory import memory_numbers, proc_status_bytes, reset_host_peak
 from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: The whole trial's aim on a GPU, warm-ups included, shared out among the candidates; a
@@ -152,9 +156,11 @@ def model_checkpointing(trainer: Any) -> bool | None:
 
 
 def _ended(event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: bool) -> SpeedTrialEvent:
+    release_host_buffers()  # pinned offload buffers the trial's candidates left: back to the system
     free(on_cuda)
     if on_cuda:  # from here the attempt's peak is its training's (the chosen config's), not the trial's
         torch.cuda.reset_peak_memory_stats()
+        reset_host_peak()  # and its host peak too
     progress.enter(before)
     progress.events.write(event.to_line())
     print(summary(event), flush=True)
@@ -185,6 +191,7 @@ def time_candidate(
     set_checkpointing(trainer, candidate.gradient_checkpointing)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
+    measured_host = reset_host_peak()
     tokens_per_s: float | None = None
     error: str | None = None
     try:
@@ -196,9 +203,13 @@ def time_candidate(
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
     batch = None  # the activations of a failed step went with the exception; the batch goes here
     trainer.model.zero_grad(set_to_none=True)
+    host_peak = proc_status_bytes("VmHWM") if measured_host else None
+    # The next candidate saves other sizes: this one's offload buffers go back to the system.
+    release_host_buffers()
     if error is not None:
         free(on_cuda)
-    return TrialResult(candidate, tokens_per_s, peak(on_cuda), round(time.monotonic() - started, 3), error)
+    seconds = round(time.monotonic() - started, 3)
+    return TrialResult(candidate, tokens_per_s, peak(on_cuda), seconds, error, host_peak)
 
 
 def timed_steps(trainer: Any, batch: dict[str, Any], on_cuda: bool, deadline: float) -> float:
@@ -295,6 +306,8 @@ def _outcome(result: TrialResult) -> str:
     if result.tokens_per_s is None:
         return "dropped (OOM)"
     measured = f"{result.tokens_per_s:.0f} tokens/s"
+    if result.host_peak_bytes is not None:
+        measured += f", host {result.host_peak_bytes / (1 << 30):.2f} GiB"
     return measured if result.error is None else f"{measured}, dropped: {result.error}"
 
 

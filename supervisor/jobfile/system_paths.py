@@ -1,0 +1,56 @@
+"""The folders no ``output_dir`` may be: ``/``, a home directory, the system's own folders.
+
+A run directory's entries are moved, replaced and deleted by the supervisor (which often runs as
+root), so it must be a folder of its own: never ``/`` or a home itself, and nothing in the trees of
+the kernel, the devices or the installed system (a run under ``/proc`` or ``/sys`` could not even
+be created). Paths are compared after links are resolved. Whether a folder's *contents* are a run
+of ours is the run directory's question (``record/ownership.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+from pathlib import Path
+
+#: Trees no run directory may be in: the kernel's, the devices', the system's own files.
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib64")
+#: Folders that are never a run directory themselves (a run in a folder under them is fine).
+SYSTEM_FOLDERS = (
+    "/",
+    "/var",
+    "/var/lib",
+    "/var/tmp",
+    "/tmp",
+    "/opt",
+    "/srv",
+    "/home",
+    "/root",
+    "/mnt",
+    "/run",
+)
+OWN_FOLDER = "choose a folder of your own for output_dir (for example /srv/runs/NAME, or one in your home)"
+
+
+def system_folder(path: Path) -> tuple[str, str] | None:
+    """Why ``path`` is no place for a run directory, and the fix; None when it may be one."""
+    real = Path(os.path.realpath(path))
+    shown = "" if real == path else f" (it resolves to {real})"
+    for tree in map(Path, SYSTEM_TREES):
+        if real == tree or tree in real.parents:
+            return f"is in the system folder {tree}{shown}", OWN_FOLDER
+    if str(real) in SYSTEM_FOLDERS:
+        return f"is the system folder {real}{shown}; a run directory is a folder of its own", OWN_FOLDER
+    if real in _homes():
+        fix = f"choose a folder of your own for output_dir (for example {real}/runs/NAME)"
+        return f"is a home directory{shown}; a run directory is a folder of its own", fix
+    return None
+
+
+def _homes() -> set[Path]:
+    """The home directories: this user's and every account's (a unit may run as another)."""
+    homes = {Path(os.path.realpath(Path.home()))}
+    with contextlib.suppress(OSError):
+        homes |= {Path(os.path.realpath(entry.pw_dir)) for entry in pwd.getpwall() if entry.pw_dir}
+    return homes
