@@ -10,8 +10,8 @@ steps, corrupt states, tracebacks, writes outside the run) and adds its own chec
   CPU refusal (``You need to assign use_cpu``), or safetensors itself on a model file cut short.
   ``run`` must stop after one attempt with exit 4, ``config_error``, the tool's line as the message
   (and, for the CPU, the fix ``use_cpu: true`` / ``bf16: false``); the job fixed, the same command
-  lifts the verdict (a key the supervisor reads itself, ``max_steps`` or ``optim``, asks for
-  ``--restart`` as a job field would, and ``run --restart`` follows) and the tool finishes (exit 0);
+  lifts the verdict (a key the supervisor reads itself, such as ``optim``, asks for ``--restart``
+  as a job field would, and ``run --restart`` follows) and the tool finishes (exit 0);
 * ``host_kills_apart`` (item 7) - two host OOM kills (``oom_kill`` counted, then SIGKILL) of the
   scripted child with the same knobs: half the runs 5-6 good steps apart, which must both be
   retried unchanged (the LoRA rank and every knob kept); half at the same step, which walks the
