@@ -309,31 +309,27 @@ def extend_finished(h: Harness, run: Run) -> None:
     run.note = f"max_steps {STEPS} -> {STEPS + 4} after the run finished"
 
 
-SCENARIOS: dict[str, Callable[[Harness, Run], None]] = (
-    {
-        f.__name__: f
-        for f in (
-            child_kill,
-            child_kill_in_save,
-            supervisor_kill,
-            both_kill,
-            sigterm,
-            sigstop_hang,
-            disk_full,
-            corrupt_newest,
-            job_change,
-            metrics_unwritable,
-            metrics_uncreatable,
-            planted_link,
-            host_oom_kill,
-            peak_store_race,
-            extend_finished,
-            spare_sigstop,
-        )
-    }
-    | edges.SCENARIOS
-    | tools.SCENARIOS
-)  # issue 29's, at the edges (edges.py), of the tools (tools.py)
+SCENARIOS: dict[str, Callable[[Harness, Run], None]] = {
+    f.__name__: f
+    for f in (
+        child_kill,
+        child_kill_in_save,
+        supervisor_kill,
+        both_kill,
+        sigterm,
+        sigstop_hang,
+        disk_full,
+        corrupt_newest,
+        job_change,
+        metrics_unwritable,
+        metrics_uncreatable,
+        planted_link,
+        host_oom_kill,
+        peak_store_race,
+        extend_finished,
+        spare_sigstop,
+    )
+} | {**edges.SCENARIOS, **tools.SCENARIOS}  # issue 29's, at the edges and of the tools
 REAL_SCENARIOS = ("child_kill", "supervisor_kill", "sigterm", "spare_sigstop")
 #: Only with the real trainer: the scripted child never runs in a spare, nor has a learning rate.
 REAL_ONLY = frozenset({"spare_sigstop"}) | tools.REAL_ONLY
