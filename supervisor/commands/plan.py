@@ -101,9 +101,10 @@ from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
 from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
+from qlora_supervise.supervisor.commands.plan_inputs import load_plan_job, plan_model_files
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
+from qlora_supervise.supervisor.jobfile import Job, model_files
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
 from qlora_supervise.supervisor.loop.settings import model_shape, trainer_kind
@@ -186,10 +187,10 @@ def make_plan(
     job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
 ) -> dict[str, Any]:
     """The plan as the JSON object documented above."""
-    job = _load(job_path)
+    job = load_plan_job(job_path)
     view = job_view(job)
     host_size = size_flag("--host-memory", host_memory)
-    files = _model_files(view.knobs.model, job)
+    files = plan_model_files(view.knobs.model, job)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
     as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
@@ -374,36 +375,3 @@ def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[s
     if has_head:
         return ["config says tie_word_embeddings but the checkpoint stores lm_head.weight: counted as tied"]
     return ["the checkpoint has no lm_head.weight but config says untied: transformers will create one"]
-
-
-def _load(job_path: str) -> Job:
-    try:
-        return load_job(job_path)
-    except JobError as error:
-        lines = "\n".join(problem.render() for problem in error.problems)
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"{job_path}: {len(error.problems)} problem(s):\n{lines}"
-        ) from None
-
-
-def _model_files(model: str, job: Job) -> model_files.ModelFiles:
-    try:
-        return model_files.read_model_files(model)
-    except model_files.ModelFilesError as error:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, _in_the_jobs_words(str(error), model, job)) from None
-
-
-def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
-    """A foreign tool's job names its model with the tool's own key, not ``model.path``."""
-    if job.trainer is None:
-        return message
-    row = job.trainer.table.row("model")
-    key = row.key if row is not None else "model"
-    where = "trainer.command" if job.trainer.config_path is None else str(job.trainer.config_path)
-    spelled = f"--{key} DIR" if job.trainer.config_path is None else f"{key}: DIR"
-    if not model:
-        return (
-            f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
-            f"to predict its memory; add {spelled} there"
-        )
-    return message.replace("point model.path at", f"point {key} (in {where}) at")

@@ -1,0 +1,42 @@
+"""The plan's inputs: the job file and the model's files, each refused in the job's own words
+(exit 2), as ``run`` would refuse them."""
+
+from __future__ import annotations
+
+from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
+
+
+def load_plan_job(job_path: str) -> Job:
+    """The job, or exit 2 with every problem listed."""
+    try:
+        return load_job(job_path)
+    except JobError as error:
+        lines = "\n".join(problem.render() for problem in error.problems)
+        raise SupervisorExit(
+            SupervisorExitCode.BAD_JOB, f"{job_path}: {len(error.problems)} problem(s):\n{lines}"
+        ) from None
+
+
+def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
+    """The model's files, or exit 2 naming the model in the job's own words."""
+    try:
+        return model_files.read_model_files(model)
+    except model_files.ModelFilesError as error:
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, _in_the_jobs_words(str(error), model, job)) from None
+
+
+def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
+    """A foreign tool's job names its model with the tool's own key, not ``model.path``."""
+    if job.trainer is None:
+        return message
+    row = job.trainer.table.row("model")
+    key = row.key if row is not None else "model"
+    where = "trainer.command" if job.trainer.config_path is None else str(job.trainer.config_path)
+    spelled = f"--{key} DIR" if job.trainer.config_path is None else f"{key}: DIR"
+    if not model:
+        return (
+            f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
+            f"to predict its memory; add {spelled} there"
+        )
+    return message.replace("point model.path at", f"point {key} (in {where}) at")
