@@ -169,7 +169,9 @@ import os, sys, time
 for i in range(12):
     print(f"step {i}", flush=True)
     time.sleep(0.25)
-os.makedirs(sys.argv[sys.argv.index("--output_dir") + 1], exist_ok=True)
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+os.makedirs(out, exist_ok=True)
+open(os.path.join(out, "adapter_config.json"), "w").write("{}")
 """
 _SILENT = "import time\ntime.sleep(30)\n"
 
@@ -182,6 +184,18 @@ def test_without_the_shim_a_talking_tool_is_no_hang_and_a_silent_one_is(tmp_path
     assert run_job(str(silent), plain=True, console=io.StringIO(), install_signals=False) == 3
     records, _ = read_attempts(tmp_path / "silent" / "run" / "attempts.jsonl")
     assert records[0].failure is not None and records[0].failure.kind == "hang"
+
+
+def test_a_tool_that_exits_0_without_saving_anything_has_not_succeeded(tmp_path: Path) -> None:
+    """The loop creates trainer-output/ before each attempt: a tool that leaves it empty and exits 0
+    has saved nothing, so the attempt is a failure, not a success."""
+    job = _script_job(tmp_path / "nothing", "import sys\nprint('done, saved nothing', flush=True)\n")
+    assert run_job(str(job), plain=True, console=io.StringIO(), install_signals=False) != 0
+    run = tmp_path / "nothing" / "run"
+    assert (run / "trainer-output").is_dir() and not any((run / "trainer-output").iterdir())
+    records, _ = read_attempts(run / "attempts.jsonl")
+    assert [r.outcome for r in records] == ["failed"]
+    assert not [e for e in read_events(run / "events.jsonl") if e["event"] == "run_succeeded"]
 
 
 def test_a_process_the_attempts_trainer_started_does_not_attach_again(

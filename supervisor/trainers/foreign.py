@@ -53,8 +53,17 @@ def foreign_output(run_dir: Path) -> Path:
     return run_dir / TRAINER_OUTPUT
 
 
+def tool_saved(run_dir: Path) -> bool:
+    """Whether the tool saved anything into its output directory. The directory itself proves
+    nothing: the loop creates it before every attempt of the tool."""
+    output = foreign_output(run_dir)
+    try:
+        return output.is_dir() and any(output.iterdir())
+    except OSError:  # gone or unreadable in between: nothing saved that we can read
+        return False
+
+
 def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
     """The tool's output directory when it holds the result and ``adapter`` was never written (a
     foreign tool the shim did not attach to saves there alone); None otherwise."""
-    output = foreign_output(run_dir)
-    return output if not adapter.exists() and output.exists() else None
+    return foreign_output(run_dir) if not adapter.exists() and tool_saved(run_dir) else None
