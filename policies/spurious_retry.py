@@ -4,8 +4,9 @@ The classifier marks an OOM spurious when the allocator's own numbers say the re
 free block as large was in its pool while the step's memory was still held, or the memory it
 could still take (the driver's free memory, under a cap what is left under the cap) was well
 above the request (supervisor/diagnosis/spurious.py). Nothing about the config was too big, so
-the remedy costs nothing: run it again, unchanged. A second failure of the same kind with the
-same knobs right after it, before any step was trained, is no accident: the stage's ladder
+the remedy costs nothing: run it again, unchanged, once per config. A second failure of the same
+kind with the same knobs right after it, before any step was trained, is no accident, and a
+config retried so already is not retried again (even after it trained steps): the stage's ladder
 takes it, as it takes any OOM.
 """
 
@@ -24,12 +25,14 @@ RETRY_RUNG = "retry_spurious"
 
 
 def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
-    """Restart unchanged when ``failure`` is marked spurious and is not the retry failing again.
+    """Restart unchanged when ``failure`` is marked spurious and ``knobs`` had no such retry yet.
 
     ``failed``: the failed attempts, the one that just failed last. None: the ladder decides.
     """
     if SPURIOUS_KEY not in failure.numbers or not failed:
         return None
+    if any(past.rung == RETRY_RUNG and past.knobs == knobs for past in failed[:-1]):
+        return None  # once per config (issue 33): the ladder takes a second spurious OOM
     before = failed[-2] if len(failed) > 1 else None
     again = before is not None and before.kind is failure.kind and before.knobs == knobs
     if again and failed[-1].steps_progressed <= 0:

@@ -47,6 +47,7 @@ class PastAttempt:
     peak_bytes: int | None = None
     stage: Stage | None = None  # where it failed (None: not recorded)
     reached: int = 0  # the last optimizer step it finished (its journal's steps_completed)
+    rung: str | None = None  # the decision taken after it (its journal's decision.rung; None: none)
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,8 @@ class _Failure:
     fatal_xid: int | None = None
 
 
-def _past(steps: int = 0, knobs: Knobs = BASE) -> PastAttempt:
-    return PastAttempt(knobs, FailureKind.OOM_FORWARD, steps, stage=Stage.FORWARD)
+def _past(steps: int = 0, knobs: Knobs = BASE, rung: str | None = None) -> PastAttempt:
+    return PastAttempt(knobs, FailureKind.OOM_FORWARD, steps, stage=Stage.FORWARD, rung=rung)
 
 
 def test_a_spurious_oom_is_retried_once_unchanged() -> None:
@@ -133,9 +133,18 @@ def test_the_same_failure_right_after_the_retry_walks_the_ladder() -> None:
     assert isinstance(decision, Restart) and decision.rung == "gradient_checkpointing"
 
 
-def test_a_retry_that_trained_steps_before_failing_again_is_retried_again() -> None:
-    """Progress in between makes the second spurious OOM a new accident, retried again."""
-    decision = decide(_Failure(FailureKind.OOM_FORWARD), BASE, [_past(), _past(steps=5)], Settings())
+def test_a_retry_that_trained_steps_before_failing_again_walks_the_ladder() -> None:
+    """Once per config: a config already retried as spurious climbs, even after progress in between."""
+    history = [_past(rung=RETRY_RUNG), _past(steps=5)]
+    decision = decide(_Failure(FailureKind.OOM_FORWARD), BASE, history, Settings())
+    assert isinstance(decision, Restart) and decision.rung == "gradient_checkpointing"
+
+
+def test_another_config_gets_its_own_spurious_retry() -> None:
+    """The count is per config: a retry had with other knobs does not use up this config's."""
+    other = dataclasses.replace(BASE, micro_batch_size=BASE.micro_batch_size * 2)
+    history = [_past(knobs=other, rung=RETRY_RUNG), _past(steps=5)]
+    decision = decide(_Failure(FailureKind.OOM_FORWARD), BASE, history, Settings())
     assert isinstance(decision, Restart) and decision.rung == RETRY_RUNG
 
 
@@ -190,3 +199,15 @@ def test_a_run_whose_retry_fails_the_same_way_goes_down_the_ladder(tmp_path: Pat
     rungs = [r.decision.rung for r in records if r.decision is not None]
     assert rungs[:2] == [RETRY_RUNG, "gradient_checkpointing"]
     assert records[2].knobs.gradient_checkpointing and not records[0].knobs.gradient_checkpointing
+
+
+@pytest.mark.usefixtures("spurious_children")
+def test_a_run_whose_retry_fails_again_after_progress_goes_down_the_ladder(tmp_path: Path) -> None:
+    """The retry trains steps and then fails spuriously again: retried once only, the ladder takes it."""
+    plan = {1: "spurious@3", 2: "spurious@6"}
+    code = fake._run(fake._job(tmp_path), fake._seams(fake.FakeClock(), plan))
+    assert code == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    assert records[1].steps_progressed > 0
+    rungs = [r.decision.rung for r in records if r.decision is not None]
+    assert rungs[:2] == [RETRY_RUNG, "gradient_checkpointing"]

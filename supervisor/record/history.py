@@ -23,6 +23,7 @@ def policy_history(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]
             r.peak.bytes if r.peak else None,
             r.failure.stage if r.failure else None,
             r.steps_completed,
+            r.decision.rung if r.decision else None,
         )
         for r in records
     ]
