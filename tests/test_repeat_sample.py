@@ -18,7 +18,7 @@ from _child import events, log_tail, make_spec, report, run_child
 from qlora_supervise.supervisor.commands.status import describe
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
-from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers, repeat_note
+from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers, batch_of, repeat_note
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight, SampleLengths
@@ -61,7 +61,8 @@ def test_a_repeat_whose_rows_alone_are_long_says_only_they_are_cut() -> None:
     note = repeat_note(_failure(LONG), _failure(LONG), 512, lengths)
     assert note is not None and "repeats at the same data position" in note
     assert "row 4812 (512 tokens)" in note
-    assert "would cut only these 1 row(s) (3648 tokens)" in note
+    # The row's 3904 tokens were already cut to 512 by max_seq_len: 256 more go, not 3648.
+    assert "would cut only these 1 row(s) (256 tokens)" in note
 
 
 def test_a_repeat_among_many_long_rows_says_many_would_be_cut() -> None:
@@ -76,6 +77,44 @@ def test_another_data_position_is_no_repeat() -> None:
     other = BatchInFlight(step=8, micro=0, lengths=(512, 96, 80, 64), rows=(5, 6, 7, 8))
     assert repeat_note(_failure(LONG), _failure(other), 512, None) is None
     assert repeat_note(_failure(LONG), None, 512, None) is None
+
+
+def test_the_cut_cost_counts_only_tokens_max_seq_len_kept() -> None:
+    """Rows already longer than max_seq_len lose only what it kept above the shorter length."""
+    lengths = SampleLengths(rows=4, lengths=(64, 300, 600, 5000))
+    note = repeat_note(_failure(LONG), _failure(LONG), 512, lengths)
+    # 300 -> 256 (44), 600 -> 512 -> 256 (256), 5000 -> 512 -> 256 (256): 556 tokens.
+    assert note is not None and "would cut 3 of 4 rows (556 tokens)" in note
+
+
+def test_the_same_row_at_the_same_step_after_the_usual_rungs_is_a_repeat() -> None:
+    """A halved micro-batch (another index, fewer rows) or a shorter max_seq_len (shorter lengths):
+    the same row failing at the same optimizer step is still the same data position."""
+    halved = BatchInFlight(step=7, micro=5, lengths=(512, 96), rows=(4812, 77))
+    shortened = BatchInFlight(step=7, micro=2, lengths=(256, 96, 80, 64), rows=(4812, 77, 12, 301))
+    for after in (halved, shortened):
+        note = repeat_note(_failure(after), _failure(LONG), 512, None)
+        assert note is not None and "repeats at the same data position" in note
+    other_rows = BatchInFlight(step=7, micro=5, lengths=(512, 96), rows=(5, 6))
+    assert repeat_note(_failure(other_rows), _failure(LONG), 512, None) is None
+
+
+def test_without_rows_the_same_longest_row_at_the_same_step_is_a_repeat() -> None:
+    """Rows not looked up (packed sequences): the same step and a longest row of the same length."""
+    packed = BatchInFlight(step=7, micro=0, lengths=(512, 30))
+    assert repeat_note(_failure(packed), _failure(LONG), 512, None) is not None
+    shorter = BatchInFlight(step=7, micro=0, lengths=(300, 30))
+    assert repeat_note(_failure(shorter), _failure(LONG), 512, None) is None
+
+
+def test_a_batch_record_whose_rows_and_lengths_differ_reads_as_none() -> None:
+    """A corrupt record (a row index per length missing) is no batch: nothing raises, no note."""
+    raw = {"step": 7, "micro": 0, "lengths": [512, 96], "rows": [4812]}
+    assert BatchInFlight.from_json_dict(raw) is None
+    numbers = {"batch_step": 7, "batch_micro": 0, "batch_lengths": [512, 96], "batch_rows": [4812]}
+    corrupt = Failure(FailureKind.OOM_FORWARD, Stage.FORWARD, numbers, "test")
+    assert batch_of(numbers) is None
+    assert repeat_note(corrupt, corrupt, 512, None) is None
 
 
 class RepeatingChild(fake.FakeChild):
@@ -114,7 +153,7 @@ def test_a_run_that_fails_at_the_same_row_twice_says_so_in_its_decision(tmp_path
     assert first.decision is not None and "repeats" not in first.decision.why
     assert second.decision is not None and "repeats at the same data position" in second.decision.why
     assert "row 13 (256 tokens)" in second.decision.why
-    assert "max_seq_len 128 would cut only these 1 row(s) (1772 tokens)" in second.decision.why
+    assert "max_seq_len 128 would cut only these 1 row(s) (128 tokens)" in second.decision.why
     text = "\n".join(describe(second, RunDir(tmp_path / "run")))
     assert "in flight: step 3, micro-batch 0: row 13 (256 tokens), row 2 (30 tokens)" in text
     assert "batch_rows" not in text  # the rows have their own line, not the bytes line

@@ -72,7 +72,8 @@ def _seq_len_cost(batch: BatchInFlight, max_seq_len: int, lengths: SampleLengths
     cut = [length for length in lengths.lengths if length > shorter]
     scale = lengths.rows / len(lengths.lengths)
     rows_cut = round(len(cut) * scale)
-    tokens = round(sum(length - shorter for length in cut) * scale)
+    # The reported lengths are before truncation: what max_seq_len already cut is no new loss.
+    tokens = round(sum(min(length, max_seq_len) - shorter for length in cut) * scale)
     mine = sum(1 for length in batch.lengths if length > shorter)
     about = "" if lengths.exact else "about "
     if rows_cut <= mine:

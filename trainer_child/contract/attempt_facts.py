@@ -118,15 +118,29 @@ class BatchInFlight:
             return None
         if rows is not None and not (isinstance(rows, list) and all(map(_is_int, rows))):
             return None
+        if rows is not None and len(rows) != len(lengths):
+            return None  # a row index per length, or the record is corrupt
         return cls(step, micro, tuple(lengths), tuple(rows) if rows is not None else None)
 
     def same_position(self, other: BatchInFlight) -> bool:
-        """Whether ``other`` is this data position again (same step, micro-batch and rows)."""
-        return (self.step, self.micro, sorted(self.lengths)) == (
-            other.step,
-            other.micro,
-            sorted(other.lengths),
-        )
+        """Whether ``other`` is this data position again: the same optimizer step and a row in
+        common (where either side's rows are unknown, a longest row of the same length).
+
+        The micro-batch's index and the other rows' lengths are not compared: the usual next rungs
+        (a smaller micro-batch, a shorter ``max_seq_len``) change them while the same row fails at
+        the same step.
+        """
+        if self.step != other.step:
+            return False
+        mine, theirs = _found(self.rows), _found(other.rows)
+        if mine and theirs:
+            return not mine.isdisjoint(theirs)
+        return bool(self.lengths) and max(self.lengths) == max(other.lengths, default=-1)
+
+
+def _found(rows: tuple[int, ...] | None) -> frozenset[int]:
+    """The row indices the child found (-1: a row it did not find)."""
+    return frozenset(row for row in rows or () if row >= 0)
 
 
 def _is_int(value: object) -> bool:
