@@ -31,10 +31,11 @@ OPTIMIZER: tuple[str, ...] = ("paged_8bit_optimizer", "halve_lora_rank", "smalle
 # No CPU offload of weights: accelerate refuses to train 4-bit weights offloaded to the CPU and
 # bitsandbytes then fails on meta tensors (issue 19's dead end), so the head in bf16 comes next.
 LOAD: tuple[str, ...] = ("quantize_4bit", "bf16_head", "smaller_model")
-# Loading the resume checkpoint's state (issue 33): through the host, then the paged 8-bit
-# optimizer (a quarter of the state, which a checkpoint of another optimizer does not load), then
-# a fresh optimizer state with the schedule kept; the adapter and the step survive each of them.
-RESUME: tuple[str, ...] = ("optimizer_state_on_host", "paged_8bit_optimizer", "fresh_optimizer_state")
+# Loading the resume checkpoint's state (issue 33): through the host, then a fresh optimizer state
+# with the schedule kept, then the paged 8-bit optimizer (a quarter of the state; a checkpoint of
+# another optimizer does not load, so it too starts the moments afresh, and changes the optimizer
+# besides); the adapter and the step survive each of them.
+RESUME: tuple[str, ...] = ("optimizer_state_on_host", "fresh_optimizer_state", "paged_8bit_optimizer")
 EVAL: tuple[str, ...] = ("halve_eval_batch", "disable_eval")
 MERGE: tuple[str, ...] = ("merge_on_cpu",)
 #: Under torchrun, for a card that keeps failing (a fatal Xid, a fault that came back, contention

@@ -61,3 +61,19 @@ def test_the_speed_trials_heartbeats_are_not_the_attempts_peak(tmp_path: Path) -
     reader = HeartbeatReader(tmp_path / "child-events.jsonl")
     reader.poll(now=1.0)
     assert reader.progress.peak_bytes == 8_222_597_632 and reader.progress.setup_peak == 4_000_000_000
+
+
+def test_the_resume_loads_peak_is_setup_and_its_host_peak_is_not_trainings(tmp_path: Path) -> None:
+    """The resume stage comes before the first micro-step: its GPU peak is part of the setup peak,
+    and its host high-water mark is not training's host peak."""
+
+    def beat(stage: Stage, step: int, peak: int, rss_high: int) -> Heartbeat:
+        memory = MemoryNumbers.measured(cuda_peak=peak, data_segment_peak=None, rss_high_water=rss_high)
+        return Heartbeat(stage, step, None, None, memory)
+
+    lines = [beat(Stage.LOAD, 0, 4_000, 100), beat(Stage.RESUME, 5, 6_000, 900), beat(Stage.FORWARD, 6, 7_000, 300)]
+    (tmp_path / "child-events.jsonl").write_text("".join(b.to_line() for b in lines))
+    reader = HeartbeatReader(tmp_path / "child-events.jsonl")
+    reader.poll(now=1.0)
+    p = reader.progress
+    assert (p.setup_peak, p.host_peak, p.peak_bytes) == (6_000, 300, 7_000)

@@ -29,7 +29,7 @@ from qlora_supervise.trainer_child.contract.events import (
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 #: The stages before the first micro-step (``starting``: before any event named one).
-_BEFORE_TRAINING = frozenset({"starting", Stage.SETUP.value, Stage.LOAD.value})
+_BEFORE_TRAINING = frozenset({"starting", Stage.SETUP.value, Stage.LOAD.value, Stage.RESUME.value})
 
 
 @dataclass
