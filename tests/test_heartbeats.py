@@ -71,7 +71,11 @@ def test_the_resume_loads_peak_is_setup_and_its_host_peak_is_not_trainings(tmp_p
         memory = MemoryNumbers.measured(cuda_peak=peak, data_segment_peak=None, rss_high_water=rss_high)
         return Heartbeat(stage, step, None, None, memory)
 
-    lines = [beat(Stage.LOAD, 0, 4_000, 100), beat(Stage.RESUME, 5, 6_000, 900), beat(Stage.FORWARD, 6, 7_000, 300)]
+    lines = [
+        beat(Stage.LOAD, 0, 4_000, 100),
+        beat(Stage.RESUME, 5, 6_000, 900),
+        beat(Stage.FORWARD, 6, 7_000, 300),
+    ]
     (tmp_path / "child-events.jsonl").write_text("".join(b.to_line() for b in lines))
     reader = HeartbeatReader(tmp_path / "child-events.jsonl")
     reader.poll(now=1.0)

@@ -29,6 +29,7 @@ if config["{key}"] > 2:
                      "total capacity of 23.55 GiB of which 1.20 GiB is free.\\n")
     sys.exit(1)
 os.makedirs(config["output_dir"], exist_ok=True)
+open(os.path.join(config["output_dir"], "adapter_config.json"), "w").write("{{}}")
 """
 
 CASES: dict[str, dict[str, Any]] = {
