@@ -82,17 +82,23 @@ def climb(
         changed = rung.apply(candidate)
         if changed is None or changed in failed_same_way:
             continue
+        if failure.kind is FailureKind.HOST_OOM and _adds_host(knobs, changed, settings):
+            continue  # after a host OOM kill, a rung that adds host memory (offload) is no way down
         candidate = changed
         applied.append(rung)
         if not _predicted_too_big(candidate, settings, scale):
             return _restart(knobs, candidate, applied, skipped, settings.sample_lengths)
         skipped.append(rung.name)
+    # Nothing fits by the model's estimate: it may be wrong, so take one step, not all; but not one
+    # over the host budget (the pre-flight refuses those outright: a host OOM kill loses the step).
+    for rung in applied:
+        stepped = rung.apply(knobs)
+        if stepped is not None and not _over_host(stepped, settings):
+            return _restart(knobs, stepped, [rung], [], settings.sample_lengths)
     if applied:
-        # Nothing fits by the model's estimate: it may be wrong, so take one step, not all.
-        first = applied[0]
-        stepped = first.apply(knobs)
-        assert stepped is not None  # it changed these knobs in the walk above
-        return _restart(knobs, stepped, [first], [], settings.sample_lengths)
+        return GiveUp(
+            f"ladder for {failure.kind.value}: every rung left needs more host RAM than the host budget"
+        )
     return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
 
 
@@ -131,7 +137,7 @@ def _search(
     speed = throughput.calibrate(shape, settings.speeds) if settings.speeds else None
     result = preflight.preflight(
         shape, knobs, budget, scale=max(scale or floor, floor), speed=speed,
-        exclude=frozenset(failed), unusable=unusable,
+        exclude=frozenset(failed), unusable=unusable, host=settings.host,
     )  # fmt: skip
     if not result.fits or result.quality_changed or result.knobs == knobs:
         return None
@@ -173,10 +179,21 @@ def _charge_offload(
     return None
 
 
+def _adds_host(killed: Knobs, knobs: Knobs, settings: Settings) -> bool:
+    """Whether ``knobs`` need more host RAM in training than ``killed``, by the host model (False
+    where it cannot count: no shape for either model). Equal is no more: the model counts the
+    child's resident memory as one constant, so checkpointing, the rank and a smaller model come
+    out equal, and a kill may still have been the step's own peak that they cut."""
+    own, theirs = for_model(settings, knobs.model), for_model(settings, killed.model)
+    if own.shape is None or theirs.shape is None:
+        return False
+    return _train_host(own.shape, knobs, own) > _train_host(theirs.shape, killed, theirs)
+
+
 def _train_host(shape: memory_model.ModelShape, knobs: Knobs, settings: Settings) -> int:
     """The training phase's host need of ``knobs`` (the checkpoint's size does not enter it)."""
     checkpoint = settings.host.checkpoint_bytes if settings.host is not None else 0
-    return host_train_need(shape, knobs, checkpoint).train_peak
+    return host_train_need(shape, knobs, checkpoint, settings.targets).train_peak
 
 
 def for_model(settings: Settings, model: str) -> Settings:
@@ -214,7 +231,19 @@ def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) ->
         settings, scale = own, None
     if settings.shape is None or settings.budget_bytes is None:
         return False
-    return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale)
+    return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale) or _over_host(
+        knobs, settings
+    )
+
+
+def _over_host(knobs: Knobs, settings: Settings) -> bool:
+    """Whether training ``knobs`` needs more host RAM than the host budget allows, as the pre-flight
+    counts it (its margin); training's need, not the load's: this run's model has loaded already
+    (a fallback's checkpoint is the smaller one). False without a shape or host budget."""
+    own = for_model(settings, knobs.model)
+    if own.shape is None or own.host is None:
+        return False
+    return _train_host(own.shape, knobs, own) > preflight.fit_limit(own.host.budget_bytes)
 
 
 def _restart(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from qlora_supervise.policies.budget import card_reserve, host_reserve
+from qlora_supervise.policies.budget import card_reserve, host_for_budget
 from qlora_supervise.policies.candidates import DEEPEST_CUT_BEFORE_FALLBACK
 from qlora_supervise.policies.memory.gpu import predict
 from qlora_supervise.policies.memory.host import host_train_need
@@ -81,7 +81,7 @@ def nothing_fits_host(
         what += " (its shards unknown: the whole checkpoint counts as the file being read)"
     text = (
         f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
-        f"for a host of about {_gib(need + host_reserve(need))}), or a smaller model in model.fallbacks"
+        f"for a host of {_gib(_host_size_text(need))}), or a smaller model in model.fallbacks"
     )
     nothing = NothingFits(host_peak, smallest, search.host.budget_bytes, margin, text, host=True)
     verdict = (
@@ -110,3 +110,10 @@ def nothing_fits_host(
 def rejected(search: _Search) -> tuple[int, int | None]:
     values = search.host_rejected.values()
     return len(search.host_rejected), min(values) if values else None
+
+
+def _host_size_text(need: int) -> int:
+    """The smallest host whose budget holds ``need``, rounded up to the 0.01 GiB the text shows, so
+    that the size as printed, given to ``plan --host-memory``, is a budget of ``need`` at least."""
+    step = (1 << 30) // 100
+    return -(-host_for_budget(need) // step) * step

@@ -73,7 +73,9 @@ def _model(checkpointing: bool) -> LlamaForCausalLM:
     return model
 
 
-def _micro_step(model: LlamaForCausalLM, pool: activations.HostBuffers, batch: int = BATCH, seq: int = SEQ) -> int:
+def _micro_step(
+    model: LlamaForCausalLM, pool: activations.HostBuffers, batch: int = BATCH, seq: int = SEQ
+) -> int:
     """One forward+backward under offload; the host bytes held at the end of the forward."""
     ids = torch.randint(0, CONFIG.vocab_size, (batch, seq))
     with activations.activation_context(OFFLOAD):

@@ -132,7 +132,8 @@ class HostBuffers:
 
 
 def as_saved(buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """The tensor :meth:`HostBuffers.take` copied into ``buffer``: its first bytes as ``dtype`` and ``shape``."""
+    """The tensor :meth:`HostBuffers.take` copied into ``buffer``: its first bytes, as ``dtype`` and
+    ``shape``."""
     return buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
 
 
