@@ -3,6 +3,7 @@ host (the smallest host need among the configs that fit the card, the host budge
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -49,19 +50,7 @@ def nothing_fits(
         f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
         f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
     )
-    return PreflightResult(
-        knobs=smallest,
-        predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
-        changes=knob_changes(knobs, smallest),
-        reasons=(*head, verdict),
-        quality_changed=True,
-        fits=False,
-        budget_bytes=budget_bytes,
-        margin=margin,
-        cost=0.0,
-        nothing_fits=nothing,
-    )
+    return _refusal(search, knobs, (*head, verdict), budget_bytes, nothing)
 
 
 def nothing_fits_host(
@@ -89,21 +78,31 @@ def nothing_fits_host(
         f"needs {_gib(host_peak)} of host RAM, the host budget is "
         f"{_gib(search.host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
     )
+    return dataclasses.replace(
+        _refusal(search, knobs, (*head, verdict), budget_bytes, nothing),
+        host_budget_bytes=search.host.budget_bytes,
+        host_peak_bytes=host_peak,
+        host_rejected=rejected(search),
+    )
+
+
+def _refusal(
+    search: _Search, knobs: Knobs, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
+) -> PreflightResult:
+    """The result when nothing fits: the smallest config ``nothing`` names, refused."""
+    smallest = nothing.smallest_knobs
     return PreflightResult(
         knobs=smallest,
         predicted=predict(search.shape, smallest, search.targets),
         fits_as_written=False,
         changes=knob_changes(knobs, smallest),
-        reasons=(*head, verdict),
+        reasons=reasons,
         quality_changed=True,
         fits=False,
         budget_bytes=budget_bytes,
-        margin=margin,
+        margin=nothing.margin,
         cost=0.0,
         nothing_fits=nothing,
-        host_budget_bytes=search.host.budget_bytes,
-        host_peak_bytes=host_peak,
-        host_rejected=rejected(search),
     )
 
 
