@@ -133,11 +133,11 @@ def _search(
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
         return None
-    floor = _failed_scale(shape, knobs, budget)
-    speed = throughput.calibrate(shape, settings.speeds) if settings.speeds else None
+    floor = _failed_scale(shape, knobs, budget, settings.targets)
+    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
     result = preflight.preflight(
         shape, knobs, budget, scale=max(scale or floor, floor), speed=speed,
-        exclude=frozenset(failed), unusable=unusable, host=settings.host,
+        exclude=frozenset(failed), unusable=unusable, host=settings.host, targets=settings.targets,
     )  # fmt: skip
     if not result.fits or result.quality_changed or result.knobs == knobs:
         return None
@@ -161,12 +161,12 @@ def _charge_offload(
         return Restart(
             off, "activation_offload_off", knob_changes(knobs, off), f"{why}; offload off", Survives.ALL
         )
-    speed = throughput.calibrate(shape, settings.speeds) if settings.speeds else None
+    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
     killed = _train_host(shape, knobs, settings)
     for base, banned in ((off, frozenset({"activation_offload"})), (knobs, frozenset())):
         result = preflight.preflight(
             shape, base, budget, scale=scale, speed=speed, exclude=frozenset(failed),
-            unusable=unusable | banned, host=settings.host,
+            unusable=unusable | banned, host=settings.host, targets=settings.targets,
         )  # fmt: skip
         lighter = not result.knobs.activation_offload or _train_host(shape, result.knobs, settings) < killed
         if result.fits and not result.quality_changed and result.fallback is None and lighter:
@@ -205,9 +205,11 @@ def for_model(settings: Settings, model: str) -> Settings:
     return dataclasses.replace(settings, shape=shapes[model], prior=(), speeds=())
 
 
-def _failed_scale(shape: memory_model.ModelShape, knobs: Knobs, budget: int) -> float:
+def _failed_scale(
+    shape: memory_model.ModelShape, knobs: Knobs, budget: int, targets: tuple[str, ...] | str
+) -> float:
     """The smallest scale of the variable part at which ``knobs`` no longer fits ``budget``."""
-    fixed, variable = memory_model.split(memory_model.predict(shape, knobs))
+    fixed, variable = memory_model.split(memory_model.predict(shape, knobs, targets))
     return max(1.0, (budget - fixed) / variable) if variable > 0 else 1.0
 
 
@@ -222,7 +224,7 @@ def _scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:
         if past.steps_progressed > 0 and past.peak_bytes and past.knobs.model == history[-1].knobs.model
     ]
     # This run's own peaks first: with any of them, the host's older ones are not needed.
-    return memory_model.calibrate(settings.shape, observations or list(settings.prior))
+    return memory_model.calibrate(settings.shape, observations or list(settings.prior), settings.targets)
 
 
 def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) -> bool:
@@ -231,9 +233,8 @@ def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) ->
         settings, scale = own, None
     if settings.shape is None or settings.budget_bytes is None:
         return False
-    return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale) or _over_host(
-        knobs, settings
-    )
+    card = memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale, settings.targets)
+    return card or _over_host(knobs, settings)
 
 
 def _over_host(knobs: Knobs, settings: Settings) -> bool:
