@@ -11,7 +11,10 @@ A host OOM kill is charged to what used the host (issue 28): under activation of
 itself. Offload goes off and the fastest config that fits both budgets (the card's and the
 host's) starts; where nothing without offload fits the card, offload stays with the config whose
 host need is the smallest below the one that was killed. Only when no throughput config fits both
-does the stage's ladder walk (and its quality rungs) decide.
+does the stage's ladder walk (and its quality rungs) decide. That walk, after a host OOM kill,
+skips any rung that needs more host RAM than the killed config; after any failure, a result over
+the host budget counts as too big, as the pre-flight counts it, and is never the one step taken
+when nothing is predicted to fit.
 """
 
 from __future__ import annotations

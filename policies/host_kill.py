@@ -14,7 +14,9 @@ once (:mod:`.climb`).
 
 When the ladder walks for a host OOM, the stage the heartbeats last showed is only where the
 process was when the kernel chose it, not what grew. So the throughput rungs come first (the
-stage's own, then checkpointing and a smaller micro-batch, which never add host memory), the
+stage's own, then checkpointing and a smaller micro-batch, which never add host memory; never
+offload or the paged optimizer, which move memory to the host, and :mod:`.climb` refuses any rung
+the host model says needs more host RAM than the killed config), the
 quality rungs last, and the LoRA rank is halved only when the evidence says the adapter is what
 grew: a kill in the optimizer stage before the attempt finished its first step, where the
 adapter's optimizer state is first allocated. After a step that state was already held.
