@@ -12,6 +12,7 @@ or the RAM available now (capped by the cgroup's limit) less a reserve; the host
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from qlora_supervise.policies.memory import gpu as gpu_terms
@@ -54,6 +55,19 @@ def host_reserve(total_bytes: int) -> int:
     return max(HOST_RESERVE_MIN, int(total_bytes * HOST_RESERVE_FRACTION))
 
 
+def host_for_budget(budget_bytes: int) -> int:
+    """The smallest host size whose budget (the host less :func:`host_reserve`) is ``budget_bytes``
+    at least: what ``plan --host-memory`` must be told for that budget."""
+    if budget_bytes <= 0:
+        return 0
+    size = budget_bytes + HOST_RESERVE_MIN
+    if host_reserve(size) > HOST_RESERVE_MIN:  # the reserve is a fraction of the host there
+        size = math.ceil(budget_bytes / (1 - HOST_RESERVE_FRACTION))
+        while size - 1 - host_reserve(size - 1) >= budget_bytes:
+            size -= 1
+    return size
+
+
 def host_budget(
     checkpoint_bytes: int,
     available_bytes: int,
@@ -62,14 +76,15 @@ def host_budget(
     host_size: int | None = None,
     largest_shard_bytes: int | None = None,
 ) -> HostBudget:
-    """The host budget, first match wins: the job's ``host_memory_limit``; a stated host size
-    (``--host-memory``) less the reserve; what is available now, capped by the cgroup, less it."""
+    """The host budget, first match wins: a stated host size (``--host-memory``, the plan's explicit
+    what-if) less the reserve; the job's ``host_memory_limit``; what is available now, capped by the
+    cgroup, less the reserve."""
     shard = largest_shard_bytes or None
-    if job_limit is not None:
-        return HostBudget(job_limit, checkpoint_bytes, "job", 0, shard)
     if host_size is not None:
         reserve = host_reserve(host_size)
         return HostBudget(max(0, host_size - reserve), checkpoint_bytes, "flag", reserve, shard)
+    if job_limit is not None:
+        return HostBudget(job_limit, checkpoint_bytes, "job", 0, shard)
     room = available_bytes if cgroup_limit is None else min(available_bytes, cgroup_limit)
     reserve = host_reserve(room)
     return HostBudget(max(0, room - reserve), checkpoint_bytes, "available", reserve, shard)

@@ -11,7 +11,10 @@ A host OOM kill is charged to what used the host (issue 28): under activation of
 itself. Offload goes off and the fastest config that fits both budgets (the card's and the
 host's) starts; where nothing without offload fits the card, offload stays with the config whose
 host need is the smallest below the one that was killed. Only when no throughput config fits both
-does the stage's ladder walk (and its quality rungs) decide.
+does the stage's ladder walk (and its quality rungs) decide. That walk, after a host OOM kill,
+skips any rung that needs more host RAM than the killed config; after any failure, a result over
+the host budget counts as too big, as the pre-flight counts it, and is never the one step taken
+when nothing is predicted to fit.
 """
 
 from __future__ import annotations
@@ -82,17 +85,23 @@ def climb(
         changed = rung.apply(candidate)
         if changed is None or changed in failed_same_way:
             continue
+        if failure.kind is FailureKind.HOST_OOM and _adds_host(knobs, changed, settings):
+            continue  # after a host OOM kill, a rung that adds host memory (offload) is no way down
         candidate = changed
         applied.append(rung)
         if not _predicted_too_big(candidate, settings, scale):
             return _restart(knobs, candidate, applied, skipped, settings.sample_lengths)
         skipped.append(rung.name)
+    # Nothing fits by the model's estimate: it may be wrong, so take one step, not all; but not one
+    # over the host budget (the pre-flight refuses those outright: a host OOM kill loses the step).
+    for rung in applied:
+        stepped = rung.apply(knobs)
+        if stepped is not None and not _over_host(stepped, settings):
+            return _restart(knobs, stepped, [rung], [], settings.sample_lengths)
     if applied:
-        # Nothing fits by the model's estimate: it may be wrong, so take one step, not all.
-        first = applied[0]
-        stepped = first.apply(knobs)
-        assert stepped is not None  # it changed these knobs in the walk above
-        return _restart(knobs, stepped, [first], [], settings.sample_lengths)
+        return GiveUp(
+            f"ladder for {failure.kind.value}: every rung left needs more host RAM than the host budget"
+        )
     return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
 
 
@@ -127,11 +136,11 @@ def _search(
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
         return None
-    floor = _failed_scale(shape, knobs, budget)
-    speed = throughput.calibrate(shape, settings.speeds) if settings.speeds else None
+    floor = _failed_scale(shape, knobs, budget, settings.targets)
+    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
     result = preflight.preflight(
         shape, knobs, budget, scale=max(scale or floor, floor), speed=speed,
-        exclude=frozenset(failed), unusable=unusable,
+        exclude=frozenset(failed), unusable=unusable, host=settings.host, targets=settings.targets,
     )  # fmt: skip
     if not result.fits or result.quality_changed or result.knobs == knobs:
         return None
@@ -155,12 +164,12 @@ def _charge_offload(
         return Restart(
             off, "activation_offload_off", knob_changes(knobs, off), f"{why}; offload off", Survives.ALL
         )
-    speed = throughput.calibrate(shape, settings.speeds) if settings.speeds else None
+    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
     killed = _train_host(shape, knobs, settings)
     for base, banned in ((off, frozenset({"activation_offload"})), (knobs, frozenset())):
         result = preflight.preflight(
             shape, base, budget, scale=scale, speed=speed, exclude=frozenset(failed),
-            unusable=unusable | banned, host=settings.host,
+            unusable=unusable | banned, host=settings.host, targets=settings.targets,
         )  # fmt: skip
         lighter = not result.knobs.activation_offload or _train_host(shape, result.knobs, settings) < killed
         if result.fits and not result.quality_changed and result.fallback is None and lighter:
@@ -173,10 +182,21 @@ def _charge_offload(
     return None
 
 
+def _adds_host(killed: Knobs, knobs: Knobs, settings: Settings) -> bool:
+    """Whether ``knobs`` need more host RAM in training than ``killed``, by the host model (False
+    where it cannot count: no shape for either model). Equal is no more: the model counts the
+    child's resident memory as one constant, so checkpointing, the rank and a smaller model come
+    out equal, and a kill may still have been the step's own peak that they cut."""
+    own, theirs = for_model(settings, knobs.model), for_model(settings, killed.model)
+    if own.shape is None or theirs.shape is None:
+        return False
+    return _train_host(own.shape, knobs, own) > _train_host(theirs.shape, killed, theirs)
+
+
 def _train_host(shape: memory_model.ModelShape, knobs: Knobs, settings: Settings) -> int:
     """The training phase's host need of ``knobs`` (the checkpoint's size does not enter it)."""
     checkpoint = settings.host.checkpoint_bytes if settings.host is not None else 0
-    return host_train_need(shape, knobs, checkpoint).train_peak
+    return host_train_need(shape, knobs, checkpoint, settings.targets).train_peak
 
 
 def for_model(settings: Settings, model: str) -> Settings:
@@ -188,9 +208,11 @@ def for_model(settings: Settings, model: str) -> Settings:
     return dataclasses.replace(settings, shape=shapes[model], prior=(), speeds=())
 
 
-def _failed_scale(shape: memory_model.ModelShape, knobs: Knobs, budget: int) -> float:
+def _failed_scale(
+    shape: memory_model.ModelShape, knobs: Knobs, budget: int, targets: tuple[str, ...] | str
+) -> float:
     """The smallest scale of the variable part at which ``knobs`` no longer fits ``budget``."""
-    fixed, variable = memory_model.split(memory_model.predict(shape, knobs))
+    fixed, variable = memory_model.split(memory_model.predict(shape, knobs, targets))
     return max(1.0, (budget - fixed) / variable) if variable > 0 else 1.0
 
 
@@ -205,7 +227,7 @@ def _scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:
         if past.steps_progressed > 0 and past.peak_bytes and past.knobs.model == history[-1].knobs.model
     ]
     # This run's own peaks first: with any of them, the host's older ones are not needed.
-    return memory_model.calibrate(settings.shape, observations or list(settings.prior))
+    return memory_model.calibrate(settings.shape, observations or list(settings.prior), settings.targets)
 
 
 def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) -> bool:
@@ -214,7 +236,18 @@ def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) ->
         settings, scale = own, None
     if settings.shape is None or settings.budget_bytes is None:
         return False
-    return memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale)
+    card = memory_model.cannot_fit(settings.shape, knobs, settings.budget_bytes, scale, settings.targets)
+    return card or _over_host(knobs, settings)
+
+
+def _over_host(knobs: Knobs, settings: Settings) -> bool:
+    """Whether training ``knobs`` needs more host RAM than the host budget allows, as the pre-flight
+    counts it (its margin); training's need, not the load's: this run's model has loaded already
+    (a fallback's checkpoint is the smaller one). False without a shape or host budget."""
+    own = for_model(settings, knobs.model)
+    if own.shape is None or own.host is None:
+        return False
+    return _train_host(own.shape, knobs, own) > preflight.fit_limit(own.host.budget_bytes)
 
 
 def _restart(

@@ -14,7 +14,9 @@ once (:mod:`.climb`).
 
 When the ladder walks for a host OOM, the stage the heartbeats last showed is only where the
 process was when the kernel chose it, not what grew. So the throughput rungs come first (the
-stage's own, then checkpointing and a smaller micro-batch, which never add host memory), the
+stage's own, then checkpointing and a smaller micro-batch, which never add host memory; never
+offload or the paged optimizer, which move memory to the host, and :mod:`.climb` refuses any rung
+the host model says needs more host RAM than the killed config), the
 quality rungs last, and the LoRA rank is halved only when the evidence says the adapter is what
 grew: a kill in the optimizer stage before the attempt finished its first step, where the
 adapter's optimizer state is first allocated. After a step that state was already held.
@@ -36,6 +38,8 @@ _STEP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
 #: Throughput rungs that shrink a training step's memory without moving anything to the host.
 _STEP_RUNGS = ("gradient_checkpointing", "halve_micro_batch")
 _RANK = "halve_lora_rank"
+#: Rungs that move memory from the card to the host: no way down after the host killed the child.
+_HOST_RUNGS = frozenset({"activation_offload", "paged_8bit_optimizer"})
 
 
 def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
@@ -62,10 +66,12 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
 
 def host_ladder(stage: Stage, settings: Settings, adapter_grew: bool) -> tuple[str, ...]:
     """The rungs for a host OOM at ``stage``: throughput first, quality last, the rank only when
-    ``adapter_grew`` (module docstring); a job's own ``host_oom`` ladder is taken as written."""
+    ``adapter_grew`` (module docstring), none that moves memory to the host (offload, the paged
+    optimizer); a job's own ``host_oom`` ladder is taken as written."""
     if FailureKind.HOST_OOM in settings.overrides:
         return settings.overrides[FailureKind.HOST_OOM]
-    names = ladder_for(FailureKind.HOST_OOM, stage, settings.overrides)
+    walked = ladder_for(FailureKind.HOST_OOM, stage, settings.overrides)
+    names = tuple(n for n in walked if n not in _HOST_RUNGS)
     if stage in _STEP_STAGES:
         names = tuple(dict.fromkeys((*names, *_STEP_RUNGS)))
     quality = [n for n in names if RUNG_CLASSES.get(n) is CostClass.QUALITY and (n != _RANK or adapter_grew)]

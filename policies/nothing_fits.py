@@ -3,10 +3,11 @@ host (the smallest host need among the configs that fit the card, the host budge
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from qlora_supervise.policies.budget import card_reserve, host_reserve
+from qlora_supervise.policies.budget import card_reserve, host_for_budget
 from qlora_supervise.policies.candidates import DEEPEST_CUT_BEFORE_FALLBACK
 from qlora_supervise.policies.memory.gpu import predict
 from qlora_supervise.policies.memory.host import host_train_need
@@ -49,19 +50,7 @@ def nothing_fits(
         f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
         f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
     )
-    return PreflightResult(
-        knobs=smallest,
-        predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
-        changes=knob_changes(knobs, smallest),
-        reasons=(*head, verdict),
-        quality_changed=True,
-        fits=False,
-        budget_bytes=budget_bytes,
-        margin=margin,
-        cost=0.0,
-        nothing_fits=nothing,
-    )
+    return _refusal(search, knobs, (*head, verdict), budget_bytes, nothing)
 
 
 def nothing_fits_host(
@@ -81,7 +70,7 @@ def nothing_fits_host(
         what += " (its shards unknown: the whole checkpoint counts as the file being read)"
     text = (
         f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
-        f"for a host of about {_gib(need + host_reserve(need))}), or a smaller model in model.fallbacks"
+        f"for a host of {_gib(_host_size_text(need))}), or a smaller model in model.fallbacks"
     )
     nothing = NothingFits(host_peak, smallest, search.host.budget_bytes, margin, text, host=True)
     verdict = (
@@ -89,24 +78,41 @@ def nothing_fits_host(
         f"needs {_gib(host_peak)} of host RAM, the host budget is "
         f"{_gib(search.host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
     )
-    return PreflightResult(
-        knobs=smallest,
-        predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
-        changes=knob_changes(knobs, smallest),
-        reasons=(*head, verdict),
-        quality_changed=True,
-        fits=False,
-        budget_bytes=budget_bytes,
-        margin=margin,
-        cost=0.0,
-        nothing_fits=nothing,
+    return dataclasses.replace(
+        _refusal(search, knobs, (*head, verdict), budget_bytes, nothing),
         host_budget_bytes=search.host.budget_bytes,
         host_peak_bytes=host_peak,
         host_rejected=rejected(search),
     )
 
 
+def _refusal(
+    search: _Search, knobs: Knobs, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
+) -> PreflightResult:
+    """The result when nothing fits: the smallest config ``nothing`` names, refused."""
+    smallest = nothing.smallest_knobs
+    return PreflightResult(
+        knobs=smallest,
+        predicted=predict(search.shape, smallest, search.targets),
+        fits_as_written=False,
+        changes=knob_changes(knobs, smallest),
+        reasons=reasons,
+        quality_changed=True,
+        fits=False,
+        budget_bytes=budget_bytes,
+        margin=nothing.margin,
+        cost=0.0,
+        nothing_fits=nothing,
+    )
+
+
 def rejected(search: _Search) -> tuple[int, int | None]:
     values = search.host_rejected.values()
     return len(search.host_rejected), min(values) if values else None
+
+
+def _host_size_text(need: int) -> int:
+    """The smallest host whose budget holds ``need``, rounded up to the 0.01 GiB the text shows, so
+    that the size as printed, given to ``plan --host-memory``, is a budget of ``need`` at least."""
+    step = (1 << 30) // 100
+    return -(-host_for_budget(need) // step) * step

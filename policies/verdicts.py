@@ -82,6 +82,8 @@ class Settings:
     #: The host budget every planned config must fit too (None: the card alone: a CPU run, or no
     #: shape to count with). A host OOM kill under offload is charged to offload with it.
     host: HostBudget | None = None
+    #: The job's LoRA targets (``train.target_modules``): what the host model counts the adapter by.
+    targets: tuple[str, ...] | str = memory_model.DEFAULT_TARGETS
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,8 @@ import pytest
 import yaml
 from test_plan import LLAMA3_8B, write_safetensors
 
-from qlora_supervise.policies import preflight
-from qlora_supervise.policies.budget import HostBudget, host_budget, host_reserve
+from qlora_supervise.policies import climb, preflight
+from qlora_supervise.policies.budget import HostBudget, host_budget, host_for_budget, host_reserve
 from qlora_supervise.policies.decide import PastAttempt, Restart, Settings, decide
 from qlora_supervise.policies.memory.host import (
     IMPORTS_RSS,
@@ -28,6 +29,9 @@ from qlora_supervise.policies.memory.host import (
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.commands import cli
 from qlora_supervise.supervisor.commands.plan import plan_command
+from qlora_supervise.supervisor.jobfile.load import load_job
+from qlora_supervise.supervisor.jobfile.units import parse_bytes
+from qlora_supervise.supervisor.loop.settings import policy_settings, predicted_host
 from qlora_supervise.supervisor.record.records import AttemptRecord, HostMemory, Outcome, Phase
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -117,10 +121,13 @@ def test_the_host_need_is_the_larger_of_the_loads_and_trainings() -> None:
     assert paged.train_components.get("paged_optimizer_state", 0) > 0
 
 
-def test_the_host_budget_is_the_jobs_limit_else_a_size_or_what_is_available_less_a_reserve() -> None:
-    """First match: the job's host_memory_limit as it is; --host-memory less the reserve; available
-    now capped by the cgroup, less the reserve (1 GiB, or 5 % of a larger host)."""
+def test_the_host_budget_is_a_size_else_the_jobs_limit_else_what_is_available_less_a_reserve() -> None:
+    """First match: --host-memory less the reserve (the plan's what-if, over the job's limit too);
+    the job's host_memory_limit as it is; available now capped by the cgroup, less the reserve (1
+    GiB, or 5 % of a larger host)."""
     assert host_budget(1, 100 * GiB, None, job_limit=7 * GiB).budget_bytes == 7 * GiB
+    both = host_budget(1, 100 * GiB, None, job_limit=7 * GiB, host_size=24 * GiB)
+    assert both.source == "flag" and both.budget_bytes == 24 * GiB - host_reserve(24 * GiB)
     flag = host_budget(1, 100 * GiB, None, host_size=24 * GiB)
     assert flag.source == "flag" and flag.budget_bytes == 24 * GiB - host_reserve(24 * GiB)
     assert host_reserve(8 * GiB) == GiB and host_reserve(128 * GiB) == int(128 * GiB * 0.05)
@@ -167,6 +174,34 @@ def test_nothing_fits_the_host_names_host_memory_and_what_would_fit() -> None:
     assert not result.fits and result.nothing_fits is not None and result.nothing_fits.host
     assert "NOTHING FITS HOST MEMORY" in result.reasons[-1] and "loading the model" in result.reasons[-1]
     assert "a host budget of at least" in result.nothing_fits.help
+
+
+@pytest.mark.parametrize("need_gib", [3, 17.76, 19.5, 24, 60])
+def test_the_smallest_host_for_a_budget_round_trips(need_gib: float) -> None:
+    """host_for_budget(need) is the smallest host whose budget (less its reserve) holds ``need``,
+    also above ~19 GiB where the reserve is 5 % of the host (a 24 GiB need was once advised a
+    25.20 GiB host, whose budget is 23.94 GiB)."""
+    need = int(need_gib * GiB)
+    smallest = host_for_budget(need)
+    assert host_budget(1, 0, host_size=smallest).budget_bytes >= need
+    assert host_budget(1, 0, host_size=smallest - 1).budget_bytes < need
+
+
+def test_the_advised_host_size_as_printed_gives_the_advised_budget() -> None:
+    """A need over 19 GiB (a checkpoint in one 24 GiB file, read at load; a 1 GiB host): the "host of
+    N GiB" in the advice, given back as --host-memory, is a host budget of the advised one at
+    least, and 0.01 GiB less would not be."""
+    host = HostBudget(GiB, CHECKPOINT, "flag", GiB, 24 * GiB)
+    result = preflight.preflight(SHAPE, USER, 400 * GiB, host=host)
+    assert result.nothing_fits is not None and result.nothing_fits.host, result.reasons[-1]
+    text = result.nothing_fits.help
+    budget = parse_bytes(re.search(r"at least ([\d.]+ GiB)", text).group(1))  # type: ignore[union-attr]
+    size = parse_bytes(re.search(r"for a host of ([\d.]+ GiB)", text).group(1))  # type: ignore[union-attr]
+    assert budget > 20 * GiB, text
+    need = int(result.nothing_fits.smallest_peak * (1 + result.nothing_fits.margin))
+    assert abs(budget - need) <= GiB // 200  # as printed, to 0.01 GiB
+    assert host_budget(1, 0, host_size=size).budget_bytes >= need
+    assert host_budget(1, 0, host_size=size - GiB // 100).budget_bytes < need
 
 
 # ---- plan: the acceptance on the 8 GB-card user's job ------------------------------------------------
@@ -220,6 +255,20 @@ def test_a_bad_host_memory_is_a_bad_command_line(tmp_path: Path, capsys: pytest.
     """--host-memory that is not a size: exit 2, the flag named."""
     assert cli.main(["plan", str(_user_job(tmp_path)), "--host-memory", "plenty"]) == 2
     assert "--host-memory" in capsys.readouterr().err
+
+
+def test_plan_host_memory_wins_over_the_jobs_limit_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`plan --host-memory` is the explicit what-if: with resources.host_memory_limit set too, the
+    flag's budget is planned against and the text names the flag as its source."""
+    job = _user_job(tmp_path, "resources: {host_memory_limit: 20GiB}\n")
+    out = io.StringIO()
+    plan_command(str(job), gpu_memory="8GiB", as_json=True, out=out, host_memory="32GiB")
+    host = json.loads(out.getvalue())["host"]
+    assert host["budget_source"] == "flag" and host["budget_bytes"] == 32 * GiB - host_reserve(32 * GiB)
+    cli.main(["plan", str(job), "--gpu-memory", "8GiB", "--host-memory", "32GiB"])
+    assert "(--host-memory less a reserve)" in capsys.readouterr().out
 
 
 def test_the_jobs_host_memory_limit_is_the_budget(tmp_path: Path) -> None:
@@ -301,6 +350,57 @@ def test_a_host_oom_under_offload_keeps_offload_only_with_less_host_when_nothing
     assert out.knobs.max_seq_len == killed.max_seq_len and out.knobs.lora_r == killed.lora_r
     before = host_train_need(SHAPE, killed, CHECKPOINT).train_peak
     assert host_train_need(SHAPE, out.knobs, CHECKPOINT).train_peak < before
+
+
+def test_a_host_oom_kill_never_turns_activation_offload_on() -> None:
+    """The 8B user's config (checkpointing, micro-batch 1) killed twice at the same forward or
+    backward step: the ladder walks past offload and the paged optimizer (they add host RAM) to a
+    change whose host need is no larger; a job's own host_oom ladder naming offload first is refused
+    by the host model the same way."""
+    before = host_train_need(SHAPE, USER, CHECKPOINT).train_peak
+    for stage in (Stage.FORWARD, Stage.BACKWARD):
+        kills = [PastAttempt(USER, FailureKind.HOST_OOM, n, stage=stage, reached=7) for n in (5, 3)]
+        for settings in (_settings(96), Settings()):
+            out = decide(_Failure(FailureKind.HOST_OOM, stage), USER, kills, settings)
+            assert isinstance(out, Restart) and out.rung == "shorten_seq_len", out
+            assert host_train_need(SHAPE, out.knobs, CHECKPOINT).train_peak <= before
+    own = dataclasses.replace(
+        _settings(96), overrides={FailureKind.HOST_OOM: ("activation_offload", "shorten_seq_len")}
+    )
+    kills = [PastAttempt(USER, FailureKind.HOST_OOM, n, stage=Stage.FORWARD, reached=7) for n in (5, 3)]
+    out = decide(_Failure(FailureKind.HOST_OOM), USER, kills, own)
+    assert isinstance(out, Restart) and out.rung == "shorten_seq_len" and not out.knobs.activation_offload
+
+
+@pytest.mark.parametrize(("card_gib", "shard"), [(10, 4_200_000_000), (6, None)])
+def test_after_a_card_oom_the_search_and_the_walk_keep_to_the_host_budget(
+    card_gib: int, shard: int | None
+) -> None:
+    """The 8B at seq 8192 with a 6 GiB host budget, killed by the card in the forward: offload (a
+    6.25 GiB host need, which the pre-flight refuses) is taken neither by the search (10 GiB card)
+    nor by the ladder walk or its one step when nothing is predicted to fit (6 GiB card)."""
+    knobs = dataclasses.replace(USER, max_seq_len=8192)
+    host = HostBudget(6 * GiB, CHECKPOINT, "job", 0, shard)
+    settings = Settings(budget_bytes=card_gib * GiB, shape=SHAPE, host=host)
+    history = [PastAttempt(knobs, FailureKind.OOM_FORWARD, 0, stage=Stage.FORWARD)]
+    out = decide(_Failure(FailureKind.OOM_FORWARD), knobs, history, settings)
+    assert isinstance(out, Restart), out
+    need = host_train_need(SHAPE, out.knobs, CHECKPOINT).train_peak
+    assert need <= preflight.fit_limit(6 * GiB), (out.rung, need / GiB)
+
+
+def test_host_predictions_count_the_jobs_lora_targets(tmp_path: Path) -> None:
+    """A job targeting every linear layer: the settings carry its targets, and the journal's host
+    prediction and the host OOM charge count a paged optimizer's state by them."""
+    job = load_job(_user_job(tmp_path, "lora: {target_modules: all-linear}\n"))
+    settings = policy_settings(job)
+    assert settings.targets == "all-linear"
+    knobs = dataclasses.replace(USER, optimizer="paged_adamw_8bit")
+    checkpoint = settings.host.checkpoint_bytes if settings.host is not None else 0
+    wide = host_train_need(SHAPE, knobs, checkpoint, "all-linear").train_peak
+    assert wide > host_train_need(SHAPE, knobs, checkpoint).train_peak
+    assert predicted_host(settings, knobs) == wide
+    assert climb._train_host(SHAPE, knobs, settings) == wide
 
 
 def test_the_attempts_host_memory_crosses_the_journal() -> None:

@@ -14,11 +14,11 @@ card size the budget is the total less a reserve: the CUDA context (outside the 
 ~600 MiB on an H200 with torch 2.11) and, with a paged optimizer, its unified-memory state,
 which lives on the card but outside the allocator too. The pre-flight then keeps an 8 % margin.
 
-The host, first match wins: the job's ``resources.host_memory_limit`` (the budget itself),
-``--host-memory`` (the host's size, less a reserve), the RAM available now (capped by the cgroup's
-limit, less a reserve). Every candidate must fit it too: its training host peak
-(:func:`qlora_supervise.policies.memory.host.host_train_need`) is in ``host.train_peak_bytes``
-for the start and in each ranked candidate's ``host_peak_bytes``.
+The host, first match wins: ``--host-memory`` (the host's size, less a reserve: the explicit
+what-if wins over the job), the job's ``resources.host_memory_limit`` (the budget itself), the RAM
+available now (capped by the cgroup's limit, less a reserve). Every candidate must fit it too: its
+training host peak (:func:`qlora_supervise.policies.memory.host.host_train_need`) is in
+``host.train_peak_bytes`` for the start and in each ranked candidate's ``host_peak_bytes``.
 
 ``--json`` prints one object (schema ``qlora-supervise.plan/1``; all sizes in bytes)::
 

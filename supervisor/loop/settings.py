@@ -71,6 +71,7 @@ def policy_settings(job: Job) -> policy.Settings:
         speed_trial=supervise.speed_trial,  # in our child, or the shim in a foreign tool (shim/trial.py)
         cannot_take=cannot_take(job.trainer),
         host=job_host_budget(job, shape),
+        targets=job.train.target_modules,
     )
 
 
@@ -79,7 +80,7 @@ def predicted_host(settings: policy.Settings, knobs: Knobs) -> int | None:
     own = for_model(settings, knobs.model)  # a fallback model's own shape
     if own.shape is None or own.host is None:
         return None
-    return host_train_need(own.shape, knobs, own.host.checkpoint_bytes).train_peak
+    return host_train_need(own.shape, knobs, own.host.checkpoint_bytes, own.targets).train_peak
 
 
 def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:

@@ -74,11 +74,15 @@ class HostBuffers:
 
     ``save_on_cpu`` allocates a new (pinned) host tensor for every saved tensor of every micro-step;
     pinned allocations go through the host caching allocator, which keeps them (and rounds each
-    up to a power of two), so a run's host memory only ever grows. Here a buffer is taken from the
-    free list of its (dtype, element count) when one is there, and goes back to it when autograd
-    drops what it saved (after the backward that used it): the next micro-step's forward copies
-    into the same buffers. :meth:`release` gives them all back (to the operating system, through
-    the host allocator's cache) when the config changes or the speed trial ends.
+    up to a power of two), so a run's host memory only ever grows. Here a buffer is a byte buffer
+    of the saved tensor's size rounded up to a power of two (the allocator's rounding, which the
+    host model's ``pinned()`` counts), viewed as the tensor's dtype; it is taken from the free list
+    of its size when one is there, and goes back to it when autograd drops what it saved (after
+    the backward that used it): the next micro-step's forward copies into the same buffers. Sizes
+    are rounded, not exact, because trl's collator pads each batch to its own longest row: exact
+    sizes would allocate new buffers at nearly every micro-step and keep all the old ones.
+    :meth:`release` gives them all back (to the operating system, through the host allocator's
+    cache) when the config changes or the speed trial ends.
 
     The counters are the bookkeeping the tests and the child's heartbeats read: bytes held (in use
     and free), the peak in use, how many buffers were allocated and how many reuses were served.
@@ -86,7 +90,7 @@ class HostBuffers:
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._free: dict[int, list[torch.Tensor]] = {}  # by size in bytes, a power of two
         self.held_bytes = 0  # every buffer this pool allocated and still holds (in use + free)
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
@@ -95,45 +99,59 @@ class HostBuffers:
         self.packed = 0  # tensors offloaded
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host buffer with ``tensor``'s contents (flat; the caller keeps the shape)."""
-        key = (tensor.dtype, tensor.numel())
-        free = self._free.get(key)
+        """A host byte buffer (its size a power of two) whose first bytes hold ``tensor``'s contents:
+        :func:`as_saved` views it as the tensor again."""
+        nbytes = _nbytes(tensor)
+        size = _bucket(nbytes)
+        free = self._free.get(size)
         if free:
             buffer = free.pop()
             self.reused += 1
         else:
-            buffer = torch.empty(key[1], dtype=key[0], pin_memory=self.pin_memory)
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
             self.allocated += 1
-            self.held_bytes += _nbytes(buffer)
-        buffer.copy_(tensor.reshape(-1))
+            self.held_bytes += size
+        buffer[:nbytes].view(tensor.dtype).copy_(tensor.reshape(-1))
         self.packed += 1
-        self.in_use_bytes += _nbytes(buffer)
+        self.in_use_bytes += size
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """``buffer`` is free again: the next micro-step's forward may copy into it."""
-        self.in_use_bytes -= _nbytes(buffer)
-        self._free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+        self.in_use_bytes -= buffer.numel()
+        self._free.setdefault(buffer.numel(), []).append(buffer)
 
     def release(self) -> int:
         """Drop every free buffer and empty the host allocator's cache; the bytes dropped."""
-        dropped = sum(_nbytes(b) for buffers in self._free.values() for b in buffers)
+        dropped = sum(b.numel() for buffers in self._free.values() for b in buffers)
         self._free.clear()
         self.held_bytes -= dropped
         empty_host_cache()
         return dropped
 
 
+def as_saved(buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """The tensor :meth:`HostBuffers.take` copied into ``buffer``: its first bytes, as ``dtype`` and
+    ``shape``."""
+    return buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
+
+
+def _bucket(nbytes: int) -> int:
+    """``nbytes`` rounded up to a power of two (the host caching allocator's rounding)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
 class _Offloaded:
     """What autograd keeps for one offloaded tensor; its buffer returns to the pool when autograd
     drops it (after the backward that read it, or with a graph that is never run backward)."""
 
-    __slots__ = ("buffer", "device", "pool", "shape")
+    __slots__ = ("buffer", "device", "dtype", "pool", "shape")
 
     def __init__(self, pool: HostBuffers, tensor: torch.Tensor) -> None:
         self.pool = pool
         self.device = tensor.device
+        self.dtype = tensor.dtype
         self.shape = tensor.shape
         self.buffer = pool.take(tensor)
 
@@ -169,7 +187,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            host = packed.buffer.view(packed.shape)
+            host = as_saved(packed.buffer, packed.dtype, packed.shape)
             result: torch.Tensor = host.to(packed.device, non_blocking=pool.pin_memory)
             return result
 
