@@ -10,6 +10,14 @@ import pytest
 from _child import tiny_dir_fixture  # noqa: F401 - registers the `tiny_dir` fixture
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first (their order among themselves and the others' kept): under ``-n 2`` the
+    workers start on the long real-process tests and finish on the short ones, so neither waits
+    alone on a long one at the end. The sort is stable: the modules with module-scoped fixtures
+    (all slow) stay together, so each fixture runs once."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def _peak_store_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test keeps the per-host peak store in a temp dir: tests never write to ~/.local/state."""
