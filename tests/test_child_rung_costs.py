@@ -17,8 +17,7 @@ from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
-# One worker under -n 2 (--dist loadgroup): the module fixture's run is shared, not run twice.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("child_rung_costs")]
+pytestmark = pytest.mark.slow
 TRACE = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: Five steps with a checkpoint after the fourth; the schedule is the same in every run.
 TRAIN = {"max_steps": 5, "save_steps": 4, "learning_rate": 5e-3}

@@ -135,10 +135,6 @@ def _attempt(tiny: Path, root: Path, knobs: dict[str, Any], **fields: Any) -> At
     return Attempt(spec, trace)
 
 
-# One worker under -n 2 (--dist loadgroup): the module fixture's run is shared, not run twice.
-_SHARED = pytest.mark.xdist_group("speed_trial")
-
-
 @pytest.fixture(scope="module", name="with_trial")
 def with_trial_fixture(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Attempt:
     """An attempt under CAP whose trial times the planned config, a checkpointed one and one too big."""
@@ -148,7 +144,6 @@ def with_trial_fixture(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.mark.slow
-@_SHARED
 def test_the_trial_writes_one_row_per_candidate_and_drops_the_oom_in_process(with_trial: Attempt) -> None:
     """One speed_trial event: a row per candidate in order, the one over the memory cap dropped with
     its OOM, and the same process then trains to the end (one start, no restart)."""
@@ -164,7 +159,6 @@ def test_the_trial_writes_one_row_per_candidate_and_drops_the_oom_in_process(wit
 
 
 @pytest.mark.slow
-@_SHARED
 def test_the_trial_changes_nothing_in_the_training(
     with_trial: Attempt, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -34,8 +34,7 @@ from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
-# One worker under -n 2 (--dist loadgroup): the module fixture's run is shared, not run twice.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun_real")]
+pytestmark = pytest.mark.slow
 MIB = 1024 * 1024
 #: Rank 1's cap above the import baseline of the torch installed here (``_machine``): 860 MiB with
 #: the CPU build (0.37 GiB of imports), between the two micro-batches' data segments above.
