@@ -143,7 +143,10 @@ def test_merge_runs_in_its_own_process_after_training(tiny_dir: Path, tmp_path: 
     """With train.merge the adapter is merged in a separate merge attempt after training finishes."""
     job = _job(tiny_dir, tmp_path, merge=True)
     raw = yaml.safe_load(job.read_text())
-    raw["train"].update(micro_batch_size=1, max_steps=2, save_steps=2, max_seq_len=128)
+    # Effective batch 2 (not the capped job's 16): the same path at an eighth of the compute.
+    raw["train"].update(
+        micro_batch_size=1, effective_batch_size=2, max_steps=2, save_steps=2, max_seq_len=128
+    )
     raw["resources"] = {"gpu": "cpu"}
     job.write_text(yaml.safe_dump(raw))
     assert _run(job) == 0
@@ -160,7 +163,9 @@ def test_evaluation_runs_through_the_real_4bit_path(tiny_dir: Path, tmp_path: Pa
     job = _job(tiny_dir, tmp_path)
     raw = yaml.safe_load(job.read_text())
     raw["data"]["eval_fraction"] = 0.1
-    raw["train"].update(micro_batch_size=1, max_steps=4, save_steps=2, eval_steps=2, max_seq_len=128)
+    raw["train"].update(
+        micro_batch_size=1, effective_batch_size=2, max_steps=4, save_steps=2, eval_steps=2, max_seq_len=128
+    )  # effective batch 2, not the capped job's 16: the same path at an eighth of the compute
     raw["resources"] = {"gpu": "cpu"}
     job.write_text(yaml.safe_dump(raw))
     assert _run(job) == 0
