@@ -26,11 +26,30 @@ def pytest_configure(config: pytest.Config) -> None:
 SHARED_RUN_MODULES = ("test_torchrun_real.py", "test_speed_trial.py", "test_child_rung_costs.py")
 
 
+#: The slow modules whose tests take longest (a foreign tool's venv, a supervised run of several
+#: attempts, two ranks), measured: collected first of all.
+LONGEST_FIRST = (
+    "test_trainer_tools_real.py",
+    "test_trainer_trial_real.py",
+    "test_supervise_real.py",
+    "test_spare.py",
+    "test_families.py",
+    "test_trainer_trl_real.py",
+)
+
+
+def _order(item: pytest.Item) -> tuple[bool, int]:
+    name = item.path.name
+    return item.get_closest_marker("slow") is None, (
+        LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first (their order among themselves and the others' kept): under ``-n 2`` the
-    workers start on the long real-process tests and finish on the short ones, so neither waits
-    alone on a long one at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow tests first, the longest of them first of all (the order otherwise kept): under
+    ``-n 2`` the workers start on the long real-process tests and finish on the short ones, so
+    neither waits alone on a long one at the end."""
+    items.sort(key=_order)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
