@@ -4,8 +4,10 @@ specs written directly (no job.yaml parsing) and real child processes."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,18 +23,30 @@ from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, K
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str, build: list[str]) -> Path:
+    """``<run's temp folder>/name``, written once per test run by the command ``build`` (``{dir}`` in
+    it: the folder); under pytest-xdist the workers share it, built by whichever needs it first
+    while the other waits on the lock. Tests only read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's own folder, shared by its workers
+    directory = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (directory / ".built").is_file():
+            shutil.rmtree(directory, ignore_errors=True)
+            command = [part.replace("{dir}", str(directory)) for part in build]
+            subprocess.run(command, check=True, env=child_env(), capture_output=True)
+            (directory / ".built").write_text("")
+    return directory
+
+
 @pytest.fixture(scope="session", name="tiny_dir")
 def tiny_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, tokenizer and dataset, written once per test session (in a subprocess,
-    so the test process itself never imports torch)."""
-    directory = tmp_path_factory.mktemp("tiny")
-    subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.tiny", str(directory)],
-        check=True,
-        env=child_env(),
-        capture_output=True,
-    )
-    return directory
+    """The tiny model, tokenizer and dataset, written once per test run (in a subprocess, so the
+    test process itself never imports torch), shared by the xdist workers."""
+    tiny = [sys.executable, "-m", "qlora_supervise.trainer_child.recipe.tiny", "{dir}"]
+    return shared_dir(tmp_path_factory, "tiny-shared", tiny)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -1,13 +1,72 @@
 """Shared fixtures. The trainer-child fixtures live in ``_child.py``; registered here so the
 session-scoped tiny model is built once for all test modules."""
 
+import os
 import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _child import tiny_dir_fixture  # noqa: F401 - registers the `tiny_dir` fixture
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``-n 2`` each worker's trainer processes compute on one thread (torch's default is one
+    per core): two workers' trainers at once on the 2 cores, each with two spinning OpenMP threads,
+    ran up to 3x slower (as torchrun's ranks do, which torchrun sets to one thread each). The memory
+    baseline the caps are placed above (``_machine.import_baseline``) is measured the same way."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+#: Modules whose tests read one module-scoped fixture's real run: under ``-n 2`` all of a module's
+#: tests go to one worker, so that run is made once (every other test goes alone to a free worker).
+SHARED_RUN_MODULES = ("test_torchrun_real.py", "test_speed_trial.py", "test_child_rung_costs.py")
+
+
+#: The slow modules whose tests take longest (a foreign tool's venv, a supervised run of several
+#: attempts, two ranks), measured: collected first of all.
+LONGEST_FIRST = (
+    "test_trainer_tools_real.py",
+    "test_trainer_trial_real.py",
+    "test_supervise_real.py",
+    "test_spare.py",
+    "test_families.py",
+    "test_trainer_trl_real.py",
+)
+
+
+def _order(item: pytest.Item) -> tuple[bool, int]:
+    name = item.path.name
+    return item.get_closest_marker("slow") is None, (
+        LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first, the longest of them first of all (the order otherwise kept): under
+    ``-n 2`` the workers start on the long real-process tests and finish on the short ones, so
+    neither waits alone on a long one at the end."""
+    items.sort(key=_order)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n 2``'s scheduler: each test a unit of its own, given to whichever worker is free, in the
+    order collected, except the tests of a :data:`SHARED_RUN_MODULES` module, one unit together
+    (xdist's own ``--dist loadgroup`` does not group with pytest 9: it renames a private field).
+    Only for the default ``--dist load``; another ``--dist`` named on the command line is kept."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneByOne(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.endswith(SHARED_RUN_MODULES) else nodeid
+
+    return OneByOne(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,9 @@ from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 
 pytestmark = pytest.mark.slow
-MAX_STEPS = 8
+#: Each step is micro-batch 16 at seq 512 on the CPU; six leave the kill (at attempt 2's step 2)
+#: and the successor's reclaim of the orphaned trainer well inside the run.
+MAX_STEPS = 6
 
 
 def _job(tiny_dir: Path, tmp_path: Path, **train: Any) -> Path:
@@ -42,11 +44,13 @@ def _run(job: Path) -> int:
 def test_real_oom_mid_run_is_retried_and_loses_no_step(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real forward OOM at step 4 restarts with checkpointing from the emergency checkpoint of step 3."""
-    # Injected timing, real failure: the child applies its cap only after step 3, so the OOM
+    """A real forward OOM at step 3 restarts with checkpointing from the emergency checkpoint of step 2."""
+    # Injected timing, real failure: the child applies its cap only after step 2, so the OOM
     # comes mid-run (where an emergency checkpoint is possible) rather than at the first step.
-    monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "3")
-    assert _run(_job(tiny_dir, tmp_path)) == 0
+    # Four steps, not eight: each is micro-batch 16 at seq 512 on the CPU, and the resume is the same.
+    monkeypatch.setenv("QLORA_SUPERVISE_TEST_CAP_AFTER_STEP", "2")
+    steps = 4
+    assert _run(capped_job(tiny_dir, tmp_path, max_steps=steps, save_steps=4)) == 0
     run = tmp_path / "run"
     records, bad = read_attempts(run / "attempts.jsonl")
     assert bad == 0
@@ -57,16 +61,16 @@ def test_real_oom_mid_run_is_retried_and_loses_no_step(
     assert first.failure.stage in ("forward", "backward")
     assert first.failure.numbers["tried_to_allocate"] > 0
     assert first.failure.emergency_checkpoint
-    assert first.steps_completed == 3 and first.next_resume_from == 3
+    assert first.steps_completed == 2 and first.next_resume_from == 2
     assert first.decision is not None and first.decision.changes == {"gradient_checkpointing": (False, True)}
     assert all(r.knobs.micro_batch_size * r.knobs.grad_accum == 16 for r in records)
-    assert last.resumed_from == 3 and last.steps_completed == MAX_STEPS
+    assert last.resumed_from == 2 and last.steps_completed == steps
     assert sum(r.lost_steps for r in records) == 0
     assert (run / "adapter" / "adapter_config.json").exists()
     trainer_state = json.loads(
-        (run / "checkpoints" / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text()
+        (run / "checkpoints" / f"checkpoint-{steps}" / "trainer_state.json").read_text()
     )
-    assert trainer_state["global_step"] == MAX_STEPS
+    assert trainer_state["global_step"] == steps
     retry = next(e for e in read_events(run / "events.jsonl") if e["event"] == "retry")
     assert retry["emergency_checkpoint"] is True and retry["lost_steps"] == 0
 
@@ -143,7 +147,10 @@ def test_merge_runs_in_its_own_process_after_training(tiny_dir: Path, tmp_path: 
     """With train.merge the adapter is merged in a separate merge attempt after training finishes."""
     job = _job(tiny_dir, tmp_path, merge=True)
     raw = yaml.safe_load(job.read_text())
-    raw["train"].update(micro_batch_size=1, max_steps=2, save_steps=2, max_seq_len=128)
+    # Effective batch 2 (not the capped job's 16): the same path at an eighth of the compute.
+    raw["train"].update(
+        micro_batch_size=1, effective_batch_size=2, max_steps=2, save_steps=2, max_seq_len=128
+    )
     raw["resources"] = {"gpu": "cpu"}
     job.write_text(yaml.safe_dump(raw))
     assert _run(job) == 0
@@ -160,7 +167,9 @@ def test_evaluation_runs_through_the_real_4bit_path(tiny_dir: Path, tmp_path: Pa
     job = _job(tiny_dir, tmp_path)
     raw = yaml.safe_load(job.read_text())
     raw["data"]["eval_fraction"] = 0.1
-    raw["train"].update(micro_batch_size=1, max_steps=4, save_steps=2, eval_steps=2, max_seq_len=128)
+    raw["train"].update(
+        micro_batch_size=1, effective_batch_size=2, max_steps=4, save_steps=2, eval_steps=2, max_seq_len=128
+    )  # effective batch 2, not the capped job's 16: the same path at an eighth of the compute
     raw["resources"] = {"gpu": "cpu"}
     job.write_text(yaml.safe_dump(raw))
     assert _run(job) == 0
