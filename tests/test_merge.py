@@ -53,6 +53,8 @@ def test_merge_command_merges_a_finished_run_and_status_shows_its_numbers(
     spec = make_spec(tiny_dir, run_dir)
     (run_dir / "attempt-001").mkdir(parents=True)
     (run_dir / "attempt-001" / "spec.json").write_text(spec.to_json())
+    # merge works on a run of ours only: the event log every run starts with marks it so.
+    (run_dir / "events.jsonl").write_text('{"event": "run_started", "level": "info"}\n')
     assert main(["merge", str(run_dir), "--device", "auto"]) == 0
     out = capsys.readouterr().out
     assert f"merged: {run_dir / 'merged'}" in out and "host peak" in out

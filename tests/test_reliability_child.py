@@ -75,6 +75,9 @@ def test_undetected_damage_fails_to_load_is_quarantined_and_the_older_checkpoint
 
     job = _job(tiny_dir, tmp_path)
     checkpoints = tmp_path / "run" / "checkpoints"
+    # A run of ours killed before its first journal entry: its event log, then these checkpoints.
+    checkpoints.mkdir(parents=True)
+    (tmp_path / "run" / "events.jsonl").write_text('{"event": "run_started", "level": "info"}\n')
     for step in (2, 4):
         shutil.copytree(made[step], checkpoints / f"checkpoint-{step}")
         _old_marker(checkpoints / f"checkpoint-{step}")

@@ -15,8 +15,8 @@ import torch
 from qlora_supervise.trainer_child.run.memory import MMAP_THRESHOLD, apply_cpu_cap, proc_status_bytes
 
 #: Injected fault for tests: as the resume checkpoint's optimizer state is read, cap the data
-#: segment at what is in use plus half the state's file and take one more copy of the state (as
-#: Trainer's loader under torchrun reads it onto the card whole before load_state_dict copies it):
+#: segment at what is in use plus half the state's file and ask for one more large copy (as
+#: Trainer's loader under torchrun reads the state onto the card whole before load_state_dict copies it):
 #: the allocation fails for real, in the stage ``resume``. On the CPU a plain load never costs more
 #: than the first step's fresh state, so without the extra copy no cap fails there and not later.
 TEST_CAP_IN_RESUME = "QLORA_SUPERVISE_TEST_CAP_IN_RESUME"
@@ -46,6 +46,10 @@ def inject_resume_cap(checkpoint: str | None) -> None:
     state = Path(checkpoint) / "optimizer.pt" if checkpoint and os.environ.get(TEST_CAP_IN_RESUME) else None
     if state is not None and state.is_file():
         size = state.stat().st_size
-        apply_cpu_cap((proc_status_bytes("VmData") or 0) + size // 2)
-        # at least glibc's mmap threshold, so that the data segment's cap sees the allocation
-        torch.empty(max(size, 2 * MMAP_THRESHOLD), dtype=torch.uint8)
+        in_use = proc_status_bytes("VmData") or 0
+        apply_cpu_cap(in_use + size // 2)
+        # Twice the data segment: no free chunk of the heap can serve it (each lies inside the
+        # segment), so the allocation must grow the segment past the cap whatever glibc's free lists
+        # hold; a request of the state's size alone was served from them under load (-n 2), the load
+        # passed, and the cap failed the next step's forward instead.
+        torch.empty(max(size, 2 * in_use, 2 * MMAP_THRESHOLD), dtype=torch.uint8)
