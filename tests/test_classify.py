@@ -16,7 +16,7 @@ from qlora_supervise.supervisor.commands.classify import classify_command, forma
 from qlora_supervise.supervisor.diagnosis._frames import Frame, frame_stage, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis._oom_rules import contention, derive, fragmentation
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
+from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 

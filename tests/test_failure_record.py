@@ -10,7 +10,7 @@ import pytest
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, XidFacts
+from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, record_of
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.journal import read_attempts

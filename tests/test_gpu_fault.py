@@ -11,9 +11,9 @@ from test_loop_fake_clock import FakeClock, _job, _run, _seams
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.diagnosis.xid import describe, fatal_xid, overrule
 from qlora_supervise.supervisor.exit_codes import EXIT_CODES_HELP, SupervisorExitCode
+from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor

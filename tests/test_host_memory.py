@@ -459,7 +459,7 @@ def test_a_host_oom_kill_carries_the_rss_at_the_kill_and_status_shows_host_again
     """failure_record adds the last heartbeat's RSS and training's host peak to a host_oom (not to
     other kinds); status prints an attempt's host RAM beside the host model's prediction."""
     from qlora_supervise.supervisor.commands.status import host_line
-    from qlora_supervise.supervisor.diagnosis.failure import Failure
+    from qlora_supervise.supervisor.facts.failure import Failure
     from qlora_supervise.supervisor.loop.outcome import failure_record
     from qlora_supervise.supervisor.watching.heartbeats import Progress
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies.decide import Wait, WaitFor
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.waiting import Pacer, backoff_s, poll_until, wait_for_memory

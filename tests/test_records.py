@@ -8,7 +8,7 @@ from pathlib import Path
 
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.commands.status import describe
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import append_attempt, read_attempts
 from qlora_supervise.supervisor.record.records import (

@@ -25,7 +25,7 @@ import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit
+from qlora_supervise.supervisor.facts.failure import ChildExit
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage

@@ -20,7 +20,7 @@ from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settin
 from qlora_supervise.policies.ladders import ladder_for
 from qlora_supervise.policies.rungs import STATIC_RUNGS, Survives
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit
+from qlora_supervise.supervisor.facts.failure import ChildExit
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage

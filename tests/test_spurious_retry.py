@@ -16,7 +16,7 @@ from qlora_supervise.policies.decide import PastAttempt, Restart, Settings, deci
 from qlora_supervise.policies.spurious_retry import RETRY_RUNG, SPURIOUS_KEY
 from qlora_supervise.supervisor.diagnosis import spurious
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure
+from qlora_supervise.supervisor.facts.failure import ChildExit, Failure
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts

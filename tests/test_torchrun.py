@@ -17,8 +17,8 @@ import pytest
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import STATIC_RUNGS, RungContext, drop_rank, rung_by_name
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
+from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile import world as world_mod
 from qlora_supervise.supervisor.loop import child as child_mod

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
 
 # (key, label) in the order a person reads an OOM message.

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.record.runfiles import RUN_UMASK, ensure_dir, open_append_binary
+from qlora_supervise.supervisor.record.runfiles import RUN_UMASK, ensure_dir
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.codes import ExitCode

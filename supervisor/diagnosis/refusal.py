@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from qlora_supervise.supervisor.diagnosis import _signatures
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 
 #: The last exception of a process that could not import what it needs.

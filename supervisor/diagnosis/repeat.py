@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.policies.rungs import MIN_SEQ_LEN
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight, SampleLengths
 
 #: The keys of a failure's numbers that hold the micro-batch in flight.

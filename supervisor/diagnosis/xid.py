@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.supervisor.diagnosis.failure import Failure, XidFacts
+from qlora_supervise.supervisor.facts.failure import Failure, XidFacts
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import story
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase, PlanNote

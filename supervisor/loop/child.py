@@ -21,8 +21,9 @@ from pathlib import Path
 
 import psutil
 
+from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.loop import launch
-from qlora_supervise.supervisor.record.runfiles import ensure_dir, open_append_binary
+from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
 from qlora_supervise.trainer_child.contract.devices import visible_entries
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus

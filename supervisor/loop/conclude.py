@@ -16,7 +16,7 @@ from structlog.typing import FilteringBoundLogger
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.cap_advice import with_named_cap
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import decision as deciding
 from qlora_supervise.supervisor.loop.announce import announce_decision, announce_failure, announce_success

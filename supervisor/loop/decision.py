@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, record_of
 from qlora_supervise.supervisor.record.history import policy_history
 from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome

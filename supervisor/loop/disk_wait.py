@@ -15,8 +15,8 @@ import signal
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.supervisor.diagnosis.failure import Failure
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.jobfile.schema import SuperviseSection
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.loop.waiting import Pacer, poll_until

@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure
+from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
     AttemptRecord,

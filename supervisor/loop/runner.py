@@ -20,7 +20,7 @@ from pathlib import Path
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis import xid
-from qlora_supervise.supervisor.diagnosis.failure import ChildExit, KilledBy
+from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.child_output import (

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 import psutil
 from structlog.typing import FilteringBoundLogger
 
+from qlora_supervise.supervisor.facts.append import UnsafeRunPath, open_append_binary
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.runfiles import UnsafeRunPath, open_append_binary
 from qlora_supervise.trainer_child.contract import entry
 
 #: What a spare costs before it has reported its own RSS: a Python process with the stack

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies.decide import Wait, WaitResult
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.loop.seams import Clock, Sleep
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome

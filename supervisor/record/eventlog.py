@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import structlog
 from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
-from qlora_supervise.supervisor.record.runfiles import open_append_text
+from qlora_supervise.supervisor.facts.append import open_append_text
 from qlora_supervise.supervisor.reporting.console_log import ConsoleLines
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.facts.append import append_line
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
-from qlora_supervise.supervisor.record.runfiles import open_append_binary
-from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
@@ -117,22 +116,7 @@ def append_attempt(path: Path, record: AttemptRecord) -> None:
     A line torn by an earlier kill is closed first, so it stays one unreadable line instead of
     swallowing this record; a new file's directory entry is fsynced too.
     """
-    _append_line(path, record.to_line())
-
-
-def _append_line(path: Path, line: str) -> None:
-    created = not path.exists()
-    with open_append_binary(path) as handle:
-        handle.seek(0, os.SEEK_END)
-        if handle.tell() > 0:
-            handle.seek(-1, os.SEEK_END)
-            if handle.read(1) != b"\n":
-                handle.write(b"\n")
-        handle.write(line.encode("utf-8"))
-        handle.flush()
-        os.fsync(handle.fileno())
-    if created:
-        fsync_dir(path.parent)
+    append_line(path, record.to_line())
 
 
 @dataclass(frozen=True)
@@ -155,7 +139,7 @@ class Lift:
 
 def append_lift(path: Path, lift: Lift) -> None:
     """Append a lift line, fsynced like an attempt's."""
-    _append_line(path, lift.to_line())
+    append_line(path, lift.to_line())
 
 
 def read_lifts(path: Path) -> list[Lift]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.supervisor.diagnosis.failure import Failure
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 JOURNAL_VERSION = 2

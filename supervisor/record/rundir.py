@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import IO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.facts.append import UnsafeRunPath
 from qlora_supervise.supervisor.record.ownership import foreign_output_dir
 from qlora_supervise.supervisor.record.runfiles import (
-    UnsafeRunPath,
     open_lock_file,
     prepare_root,
     refuse_kind,

@@ -20,26 +20,15 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import TextIO
 
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath
 from qlora_supervise.trainer_child.contract.checkpoints import DIR_MODE as CHILD_DIR_MODE
-from qlora_supervise.trainer_child.contract.durable import FILE_MODE as CHILD_FILE_MODE
 
 # One value each, shared with the child (which sets the same modes on checkpoints, the adapter
 # and the merged model): 0750 and 0640.
 DIR_MODE = CHILD_DIR_MODE
-FILE_MODE = CHILD_FILE_MODE
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of DIR_MODE / FILE_MODE
-_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class UnsafeRunPath(SupervisorExit):
-    """A path in the run directory that the supervisor refuses to write through (exit 2)."""
-
-    def __init__(self, path: Path, why: str, fix: str) -> None:
-        super().__init__(SupervisorExitCode.BAD_JOB, f"{path}: {why}; {fix}")
-        self.path = path
 
 
 def prepare_root(root: Path) -> None:
@@ -93,7 +82,7 @@ def refuse_linked_dirs(paths: list[Path]) -> None:
         for entry in sorted(path.iterdir()):
             if entry.is_symlink():
                 raise UnsafeRunPath(
-                    entry, "is a symbolic link; refusing to follow or delete through it", _FIX
+                    entry, "is a symbolic link; refusing to follow or delete through it", LINK_FIX
                 )
 
 
@@ -104,9 +93,9 @@ def _refuse_link_or_other(path: Path, is_kind: Callable[[int], bool], other: str
     except FileNotFoundError:
         return False
     if stat.S_ISLNK(info.st_mode):
-        raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", _FIX)
+        raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX)
     if not is_kind(info.st_mode):
-        raise UnsafeRunPath(path, other, _FIX)
+        raise UnsafeRunPath(path, other, LINK_FIX)
     return True
 
 
@@ -120,36 +109,8 @@ def ensure_dir(path: Path) -> Path:
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
-        raise UnsafeRunPath(path, f"is {kind}; the supervisor writes only into its own directories", _FIX)
+        raise UnsafeRunPath(path, f"is {kind}; the supervisor writes only into its own directories", LINK_FIX)
     return path
-
-
-def open_append_fd(path: Path, *, exclusive: bool = False) -> int:
-    """A read-append descriptor of ``path`` (created 0640), never through a link or onto a non-file."""
-    flags = _APPEND | (os.O_EXCL if exclusive else 0)
-    try:
-        fd = os.open(path, flags, FILE_MODE)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", _FIX) from None
-        raise
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise UnsafeRunPath(path, "is not a regular file", _FIX)
-    if stat.S_IMODE(info.st_mode) & ~FILE_MODE:
-        os.fchmod(fd, FILE_MODE)  # created by an older version, or under a looser umask
-    return fd
-
-
-def open_append_text(path: Path) -> TextIO:
-    """:func:`open_append_fd` as a UTF-8 text file."""
-    return os.fdopen(open_append_fd(path), "a", encoding="utf-8")
-
-
-def open_append_binary(path: Path) -> BinaryIO:
-    """:func:`open_append_fd` as a binary file."""
-    return os.fdopen(open_append_fd(path), "a+b")
 
 
 def open_lock_file(path: Path) -> TextIO:
@@ -159,13 +120,10 @@ def open_lock_file(path: Path) -> TextIO:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             why = "is a symbolic link; refusing to lock or write through it"
-            raise UnsafeRunPath(path, why, _FIX) from None
+            raise UnsafeRunPath(path, why, LINK_FIX) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsafeRunPath(path, "is not a regular file", _FIX)
+        raise UnsafeRunPath(path, "is not a regular file", LINK_FIX)
     os.fchmod(fd, FILE_MODE)
     return os.fdopen(fd, "r+", encoding="utf-8")
-
-
-_FIX = "remove it (nothing but the supervisor should create entries in a run directory)"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from qlora_supervise.supervisor.record.runfiles import open_append_text
+from qlora_supervise.supervisor.facts.append import open_append_text
 from qlora_supervise.supervisor.watching.creep import CreepForecast
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
