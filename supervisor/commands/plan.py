@@ -101,14 +101,14 @@ from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
 from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
-from qlora_supervise.supervisor.commands.plan_inputs import load_plan_job, plan_model_files
+from qlora_supervise.supervisor.commands.plan_inputs import JobView, load_plan_job, plan_model_files
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, model_files
 from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
 from qlora_supervise.supervisor.loop.settings import model_shape, trainer_kind
-from qlora_supervise.supervisor.record.peak_store import OWN, default_path, read_speeds
+from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.trainers.ladders import cannot_take
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -117,23 +117,6 @@ if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must 
     from qlora_supervise.supervisor.watching.gpu import Nvml
 
 SCHEMA = "qlora-supervise.plan/1"
-
-
-@dataclass(frozen=True)
-class JobView:
-    """What the plan reads of a job (the one place that knows the Job API)."""
-
-    knobs: Knobs
-    targets: tuple[str, ...] | str
-    fallbacks: tuple[str, ...]
-    calibration_store: bool
-    gpu_memory_limit: int | None
-    cpu_memory_limit: int | None
-    device: str
-    host_memory_limit: int | None
-    merge: bool
-    cannot_take: frozenset[str] = frozenset()  # rungs a foreign tool's config has no key for
-    trainer: str = OWN  # whose speeds on this host rank the candidates (the per-host store)
 
 
 def job_view(job: Job) -> JobView:

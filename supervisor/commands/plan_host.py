@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qlora_supervise.policies import preflight
 from qlora_supervise.policies.budget import HostBudget, host_budget
@@ -15,13 +15,11 @@ from qlora_supervise.policies.memory.host import (
     host_train_need,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.supervisor.commands.plan_inputs import JobView
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import UnitError, parse_memory_size
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
-
-if TYPE_CHECKING:  # plan.py builds the view and imports this module
-    from qlora_supervise.supervisor.commands.plan import JobView
 
 
 def find_host(

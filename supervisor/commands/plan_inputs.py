@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
+from qlora_supervise.supervisor.record.peak_store import OWN
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def load_plan_job(job_path: str) -> Job:
@@ -40,3 +44,20 @@ def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
             f"to predict its memory; add {spelled} there"
         )
     return message.replace("point model.path at", f"point {key} (in {where}) at")
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the plan reads of a job (the one place that knows the Job API)."""
+
+    knobs: Knobs
+    targets: tuple[str, ...] | str
+    fallbacks: tuple[str, ...]
+    calibration_store: bool
+    gpu_memory_limit: int | None
+    cpu_memory_limit: int | None
+    device: str
+    host_memory_limit: int | None
+    merge: bool
+    cannot_take: frozenset[str] = frozenset()  # rungs a foreign tool's config has no key for
+    trainer: str = OWN  # whose speeds on this host rank the candidates (the per-host store)

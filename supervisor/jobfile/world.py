@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -299,9 +300,6 @@ def _metrics_textfile_problems(supervise: SuperviseSection, bad: frozenset[str])
     path = supervise.metrics_textfile
     if path is None or "supervise.metrics_textfile" in bad:
         return []
-    # Imported here: metrics imports prometheus_client, needed only when a textfile is set.
-    from qlora_supervise.supervisor.reporting.metrics import textfile_problem
-
     found = textfile_problem(path)
     if found is None:
         return []
@@ -327,3 +325,33 @@ def _output_dir_problems(output_dir: Path) -> list[Problem]:
             Problem("output_dir", f"{existing} is not writable", show(output_dir), "choose a writable place")
         ]
     return []
+
+
+#: Why a textfile name is refused: node_exporter's collector skips every other name.
+NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
+
+
+def textfile_problem(path: Path) -> tuple[str, str] | None:
+    """Why ``path`` cannot be the metrics textfile, and the fix; None when it can be written.
+
+    The file is written as a temp file in its directory and renamed (the directory is created
+    first when missing), so what must take a file is the directory, or its nearest existing parent.
+    That is tried, with a temp file created and removed there at once: ``os.access`` says yes to
+    root for any directory, one that cannot take a file included (/proc, a read-only bind mount).
+    """
+    if path.is_dir():
+        return "is a directory", f"name a file in it, e.g. {path / 'job.prom'}"
+    if path.suffix != ".prom":
+        return NOT_PROM, f"name it {path.stem}.prom"
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory", "choose a path under a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".qlora-supervise-probe-", suffix=".tmp"):
+            pass
+    except OSError as error:
+        fix = "make it writable by the supervisor's user, or choose node_exporter's textfile directory"
+        return f"cannot be created: {existing} does not take a file ({error.strerror or error})", fix
+    return None

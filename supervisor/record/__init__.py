@@ -1,1 +1,2 @@
-"""The run record: the run directory, the attempt journal, ``state.json`` and the event log."""
+"""The run record: the run directory, the attempt journal, ``state.json`` and the event log
+(its file lines and console lines)."""

@@ -6,7 +6,7 @@ work as its authors mean it: a :class:`~structlog.typing.FilteringBoundLogger` w
 carries context (``attempt=3``) onto every later line; processors stamp the level and the time,
 write the file line (:class:`_EventsFile`), hand the event to the listeners and render the
 person's line (:class:`_Relay`, through
-:class:`~qlora_supervise.supervisor.reporting.console_log.ConsoleLines`: local times, journald
+:class:`~qlora_supervise.supervisor.record.console_log.ConsoleLines`: local times, journald
 priorities); ``structlog.WriteLogger`` writes that line to the console.
 
 A listener runs after the event's file line is written, and a line it logs itself (a failing
@@ -28,7 +28,7 @@ import structlog
 from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
 from qlora_supervise.supervisor.facts.append import open_append_text
-from qlora_supervise.supervisor.reporting.console_log import ConsoleLines
+from qlora_supervise.supervisor.record.console_log import ConsoleLines
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
 
 _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped

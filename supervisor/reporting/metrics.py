@@ -20,18 +20,18 @@ Metrics (label ``run``: the output_dir's name):
 * ``qlora_supervise_attempt`` gauge: the attempt number now running
 
 The file is an optional output: ``validate`` refuses one that cannot be created
-(:func:`textfile_problem`), and a write that fails mid-run is the caller's to catch (the run goes
+(``jobfile.world.textfile_problem``), and a write that fails mid-run is the caller's to catch (the run goes
 through :class:`~.outputs.BestEffort`, so a full or read-only textfile never stops training).
 """
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, write_to_textfile
 
+from qlora_supervise.supervisor.jobfile.world import NOT_PROM
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
@@ -46,36 +46,6 @@ _STATE_OF_EVENT = {
 }
 #: Progress is written at most this often; events (a retry, the verdict) are written at once.
 WRITE_EVERY_S = 10.0
-
-
-#: Why a textfile name is refused: node_exporter's collector skips every other name.
-NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
-
-
-def textfile_problem(path: Path) -> tuple[str, str] | None:
-    """Why ``path`` cannot be the metrics textfile, and the fix; None when it can be written.
-
-    The file is written as a temp file in its directory and renamed (the directory is created
-    first when missing), so what must take a file is the directory, or its nearest existing parent.
-    That is tried, with a temp file created and removed there at once: ``os.access`` says yes to
-    root for any directory, one that cannot take a file included (/proc, a read-only bind mount).
-    """
-    if path.is_dir():
-        return "is a directory", f"name a file in it, e.g. {path / 'job.prom'}"
-    if path.suffix != ".prom":
-        return NOT_PROM, f"name it {path.stem}.prom"
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a directory", "choose a path under a directory"
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".qlora-supervise-probe-", suffix=".tmp"):
-            pass
-    except OSError as error:
-        fix = "make it writable by the supervisor's user, or choose node_exporter's textfile directory"
-        return f"cannot be created: {existing} does not take a file ({error.strerror or error})", fix
-    return None
 
 
 class MetricsTextfile:
