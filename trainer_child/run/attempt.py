@@ -27,7 +27,9 @@ from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     refuse_linked_dir,
 )
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.report import failure_line
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
+from qlora_supervise.trainer_child.contract.report import ErrorReport, failure_line
 from qlora_supervise.trainer_child.contract.spec import (
     EARLY_CHECKPOINT_SIGNAL,
     MEMORY_SNAPSHOT_NAME,
@@ -37,7 +39,7 @@ from qlora_supervise.trainer_child.contract.spec import (
 from qlora_supervise.trainer_child.recipe.prepared import Prepared
 from qlora_supervise.trainer_child.recipe.stack import import_training_stack
 from qlora_supervise.trainer_child.run import device
-from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, write_report
+from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, oom_numbers
 from qlora_supervise.trainer_child.run.heartbeat import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from qlora_supervise.trainer_child.run.torchrun import this_rank
 
@@ -271,20 +273,37 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
 def report_failure(
     ctx: Context, failure: CapturedFailure, stats: dict[str, Any] | None, emergency: tuple[str, int] | None
 ) -> None:
-    """Write the error report; on a disk with no room for it, the exit code and stderr must do."""
+    """Write the error report (the resume checkpoint named as damaged when it did not load); on a
+    disk with no room for it, the exit code and stderr must do."""
     disk = disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None
+    report = ErrorReport(
+        exit_code=int(failure.exit_code),
+        exception_type=failure.exception_type,
+        message=failure.message,
+        traceback=failure.traceback,
+        stage=failure.stage,
+        step=failure.step,
+        is_oom=failure.oom,
+        config_error=failure.config,
+        oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
+        memory_stats=stats,
+        device=ctx.device,
+        emergency_checkpoint=emergency[0] if emergency else None,
+        emergency_step=emergency[1] if emergency else None,
+        expandable_segments_active=ctx.expandable,
+        damaged_checkpoint=ctx.resume_checkpoint if failure.exit_code is ExitCode.CHECKPOINT else None,
+        disk_full=failure.disk_full,
+        disk=disk,
+        allocator=failure.allocator,
+        memory_snapshot=failure.memory_snapshot,
+        batch=failure.batch,
+        time=failure.time,
+        rank=ctx.place.rank,
+        local_rank=ctx.place.local_rank,
+        world_size=ctx.place.world_size,
+    )
     try:
-        write_report(
-            ctx.spec.error_file,
-            failure,
-            device=ctx.device,
-            memory_stats=stats,
-            emergency=emergency,
-            expandable_segments_active=ctx.expandable,
-            resume_checkpoint=ctx.resume_checkpoint,
-            disk=disk,
-            place=ctx.place,
-        )
+        write_text_atomic(ctx.spec.error_file, report.to_json())
     except OSError as exc:
         if not disk_space.is_disk_full(exc):
             raise

@@ -7,21 +7,18 @@ memory is needed again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
 import traceback
-from typing import Any
 
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadError
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.disk_space import exception_chain, is_disk_full
-from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
-from qlora_supervise.trainer_child.contract.report import ErrorReport
-from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace
+from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
 
 OOM_MARKERS = (
     "CUDA out of memory",
@@ -94,12 +91,8 @@ def oom_numbers(message: str) -> dict[str, int]:
     """Numbers of an OOM message; the parser lives in ``oom_message`` (written separately),
     the CPU allocator's ``you tried to allocate N bytes`` is read here in any case."""
     numbers: dict[str, int] = {}
-    try:
-        from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
-
+    with contextlib.suppress(Exception):  # a parser bug: the report matters more
         numbers.update(parse_numbers(message))
-    except Exception:  # module missing or parser bug: the report matters more
-        pass
     match = _CPU_TRIED.search(message)
     if match and "tried_to_allocate" not in numbers:
         numbers["tried_to_allocate"] = int(match.group(1))
@@ -170,47 +163,3 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
             traceback.clear_frames(item.__traceback__)
         item.__traceback__ = None
     return failure
-
-
-def write_report(
-    path: str,
-    failure: CapturedFailure,
-    *,
-    device: str,
-    memory_stats: dict[str, Any] | None = None,
-    emergency: tuple[str, int] | None = None,
-    expandable_segments_active: bool | None = None,
-    resume_checkpoint: str | None = None,
-    disk: dict[str, Any] | None = None,
-    place: RankPlace = SINGLE,
-) -> ErrorReport:
-    """Write the report; ``resume_checkpoint`` (the attempt's source, never a scratch copy) is
-    named as damaged when the failure is a checkpoint that did not load."""
-    report = ErrorReport(
-        exit_code=int(failure.exit_code),
-        exception_type=failure.exception_type,
-        message=failure.message,
-        traceback=failure.traceback,
-        stage=failure.stage,
-        step=failure.step,
-        is_oom=failure.oom,
-        config_error=failure.config,
-        oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
-        memory_stats=memory_stats,
-        device=device,
-        emergency_checkpoint=emergency[0] if emergency else None,
-        emergency_step=emergency[1] if emergency else None,
-        expandable_segments_active=expandable_segments_active,
-        damaged_checkpoint=resume_checkpoint if failure.exit_code is ExitCode.CHECKPOINT else None,
-        disk_full=failure.disk_full,
-        disk=disk,
-        allocator=failure.allocator,
-        memory_snapshot=failure.memory_snapshot,
-        batch=failure.batch,
-        time=failure.time,
-        rank=place.rank,
-        local_rank=place.local_rank,
-        world_size=place.world_size,
-    )
-    write_text_atomic(path, report.to_json())
-    return report

@@ -19,6 +19,7 @@ from qlora_supervise.trainer_child.contract.events import (
     event_line,
 )
 from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
+from qlora_supervise.trainer_child.run.memory import memory_numbers
 
 
 class EventLog:
@@ -95,8 +96,6 @@ class Progress:
     def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
         """The heartbeat of this moment (memory measured now unless given)."""
         if memory is None:
-            from qlora_supervise.trainer_child.run.memory import memory_numbers
-
             memory = memory_numbers()
         return Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)
 
