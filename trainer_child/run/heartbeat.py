@@ -1,7 +1,7 @@
-"""The child's events file (JSON lines, :func:`contract.events.event_line`) and its heartbeat thread.
+"""The child's events file and its heartbeat thread.
 
-The lines this module writes are the contract's own records (``to_line()``), so the supervisor's
-:func:`contract.events.parse_event` reads back exactly what was written."""
+The lines written are the contract's own records (``to_line()``, :func:`contract.events.event_line`),
+so the supervisor's :func:`contract.events.parse_event` reads back exactly what was written."""
 
 from __future__ import annotations
 
@@ -21,13 +21,12 @@ from qlora_supervise.trainer_child.contract.events import (
 from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.run.memory import memory_numbers
 
+LOOP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
+
 
 class EventLog:
-    """Appends event lines; shared by the main thread and the heartbeat thread.
-
-    Each line is written and flushed whole under a lock, so the supervisor never reads half a
-    line from us (it may still read a line being appended: it must skip a torn last line).
-    """
+    """Appends event lines, each written and flushed whole under a lock (the main thread and the
+    heartbeat thread share it); the supervisor still skips a torn last line it reads mid-append."""
 
     def __init__(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -38,7 +37,6 @@ class EventLog:
         self.write(event_line(event, **fields))
 
     def write(self, line: str) -> None:
-        """Append one line (a record's ``to_line()``), whole."""
         with self._lock:
             self._handle.write(line)
             self._handle.flush()
@@ -48,14 +46,13 @@ class EventLog:
             self._handle.close()
 
 
-LOOP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
-
-
 class Progress:
-    """Where the child is: stage, completed optimizer steps, last loss, throughput.
+    """Where the child is: stage, completed optimizer steps, last loss, throughput, and the
+    requests of the signals (SIGTERM: stop; contract.spec.EARLY_CHECKPOINT_SIGNAL: the supervisor
+    saw memory creep, so checkpoint after every step from now on).
 
-    Written by the main thread (trainer hooks), read by the heartbeat thread and by the error
-    report; plain attribute writes are atomic enough for that.
+    Written by the main thread, read by the heartbeat thread and the error report; plain attribute
+    writes are atomic enough for that.
     """
 
     def __init__(self, events: EventLog) -> None:
@@ -65,11 +62,8 @@ class Progress:
         self.loss: float | None = None
         self.tokens_per_s: float | None = None
         self.stop_requested = False
-        self._stop_announced = False
-        # The supervisor saw memory creep towards the budget (contract.spec.EARLY_CHECKPOINT_SIGNAL):
-        # checkpoint at the end of the step in flight and of every later step.
         self.early_checkpoints = False
-        self._early_announced = False
+        self._announced: set[type] = set()
 
     def enter(self, stage: Stage) -> None:
         """Set the stage; a ``stage`` event marks entering a phase (load, training, eval, save),
@@ -83,20 +77,20 @@ class Progress:
 
     def announce_stop(self) -> None:
         """Emit ``stopping`` once, from whichever thread sees the request first."""
-        if self.stop_requested and not self._stop_announced:
-            self._stop_announced = True
-            self.events.write(Stopping(self.stage, self.step).to_line())
+        self._once(self.stop_requested, Stopping)
 
     def announce_early_checkpoints(self) -> None:
         """Emit ``early_checkpoint_requested`` once, after the signal asked for it."""
-        if self.early_checkpoints and not self._early_announced:
-            self._early_announced = True
-            self.events.write(EarlyCheckpointRequested(self.stage, self.step).to_line())
+        self._once(self.early_checkpoints, EarlyCheckpointRequested)
+
+    def _once(self, requested: bool, record: type[Stopping | EarlyCheckpointRequested]) -> None:
+        if requested and record not in self._announced:
+            self._announced.add(record)
+            self.events.write(record(self.stage, self.step).to_line())
 
     def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
         """The heartbeat of this moment (memory measured now unless given)."""
-        if memory is None:
-            memory = memory_numbers()
+        memory = memory_numbers() if memory is None else memory
         return Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)
 
     def heartbeat(self) -> None:
