@@ -1,9 +1,9 @@
 """One training attempt: setup → recipe → train → adapter, and the failure path.
 
-Exit codes (contract.codes.ExitCode): OK after the adapter is saved; STOPPED after SIGTERM and a
-checkpoint; OOM / CONFIG / FAILED after the error report. The failure path runs *outside*
-the ``except`` block so that the exception, its traceback and the activations its frames
-hold are gone before the emergency checkpoint needs memory.
+The exit code (contract.codes.ExitCode) is OK after the adapter is saved, STOPPED after SIGTERM
+and a checkpoint, else the failure's after the error report. The failure path runs *outside*
+the ``except`` block, so the activations the exception's frames hold are gone before the
+emergency checkpoint needs memory.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
-from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight, RankReduction
+from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     UnsafeCheckpointPath,
     newest_complete_checkpoint,
@@ -28,24 +28,23 @@ from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
 )
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.events import Started
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport, failure_line
 from qlora_supervise.trainer_child.contract.spec import (
     EARLY_CHECKPOINT_SIGNAL,
     MEMORY_SNAPSHOT_NAME,
     AttemptSpec,
-    Knobs,
 )
 from qlora_supervise.trainer_child.recipe.prepared import Prepared
 from qlora_supervise.trainer_child.recipe.stack import import_training_stack
-from qlora_supervise.trainer_child.run import device
+from qlora_supervise.trainer_child.run import device, memory
 from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, oom_numbers
 from qlora_supervise.trainer_child.run.heartbeat import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from qlora_supervise.trainer_child.run.torchrun import this_rank
 
-#: Stages where the optimizer has not touched the weights of the step in flight, so the state
-#: is exactly that of the last completed step. An optimizer-stage OOM may leave the step
-#: half-applied (some parameters updated, others not): no emergency checkpoint then.
+#: Stages where the state is exactly the last completed step's (an optimizer-stage OOM may leave
+#: the step half-applied: no emergency checkpoint then).
 EMERGENCY_STAGES = (Stage.FORWARD, Stage.BACKWARD, Stage.EVAL)
 TRUST_REMOTE_CODE_WARNING = (
     "trainer child: warning: trust_remote_code is on: Python code from the model directory runs "
@@ -75,8 +74,8 @@ class Context:
 
 
 def install_stop_handler(progress: Progress) -> None:
-    """SIGTERM only sets a flag: the step in flight finishes, then we checkpoint and leave.
-    The early-checkpoint signal (memory creep) only sets one too: checkpoint after each step."""
+    """SIGTERM and the early-checkpoint signal only set flags: the step in flight finishes, then
+    the child checkpoints (and, for SIGTERM, leaves)."""
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         progress.stop_requested = True
@@ -89,10 +88,8 @@ def install_stop_handler(progress: Progress) -> None:
 
 
 def setup(ctx: Context) -> None:
-    """Heavy imports, caps, ``started``; the CPU cap after the imports (see apply_cpu_cap)."""
+    """Device, caps, heavy imports, ``started``; the CPU cap after the imports (see apply_cpu_cap)."""
     import torch
-
-    from qlora_supervise.trainer_child.run import memory
 
     ctx.on_cuda = torch.cuda.is_available()
     cpu_fallback = device.check(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
@@ -101,10 +98,18 @@ def setup(ctx: Context) -> None:
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
-    versions = import_training_stack()
-    vmdata = memory.proc_status_bytes("VmData")
-    ctx.events.emit(
-        "started",
+    announce_started(ctx, import_training_stack(), cpu_fallback)
+    if ctx.spec.train.trust_remote_code:
+        print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
+    if memory.late_cap_step() is None:  # else the trainer caps after that step (a test's fault)
+        memory.apply_cpu_cap(ctx.spec.cpu_memory_limit)
+
+
+def announce_started(ctx: Context, versions: dict[str, str], cpu_fallback: str | None) -> None:
+    """The ``started`` event: this process, its place, device, library versions and caps."""
+    import torch
+
+    started = Started(
         pid=os.getpid(),
         attempt=ctx.spec.attempt,
         rank=ctx.place.rank,
@@ -113,7 +118,7 @@ def setup(ctx: Context) -> None:
         device=ctx.device,
         device_name=torch.cuda.get_device_name() if ctx.on_cuda else "cpu",
         versions=versions,
-        vmdata=vmdata,
+        vmdata=memory.proc_status_bytes("VmData"),
         rss=memory.proc_status_bytes("VmRSS"),
         cpu_memory_limit=ctx.spec.cpu_memory_limit,
         gpu_memory_limit=ctx.spec.gpu_memory_limit,
@@ -121,10 +126,7 @@ def setup(ctx: Context) -> None:
         cpu_fallback=cpu_fallback,
         trust_remote_code=ctx.spec.train.trust_remote_code,
     )
-    if ctx.spec.train.trust_remote_code:
-        print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
-    if memory.late_cap_step() is None:
-        memory.apply_cpu_cap(ctx.spec.cpu_memory_limit)
+    ctx.events.write(started.to_line())
 
 
 def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
@@ -144,59 +146,37 @@ def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
 
 
 def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeSource:
-    """How to resume from ``source``, checked to be loadable (CheckpointLoadError if not).
-
-    A checkpoint without optimizer state resumes as a reset, said so, never silently.
-    """
-    checkpoints_dir = Path(spec.checkpoints_dir)
+    """How to resume from ``source``, checked to be loadable (CheckpointLoadError if not). Without
+    optimizer state it resumes as a reset, said so; an adapter saved at a larger rank is cut to
+    ``lora_r`` in an optimizer-less scratch copy (truncated SVD, :mod:`.rank`): the original
+    checkpoint is never rewritten, and the optimizer state's shapes no longer fit."""
     if source is None:
         return checkpoints.ResumeSource()
     if not checkpoints.is_complete(source):
         raise ConfigError(f"resume_from {source}: not a complete checkpoint (no completion marker)")
     checkpoints.check_loadable(source)
     original = str(source)
-    # The rank cut first: it needs a scratch copy whatever the optimizer state (the original
-    # checkpoint is never rewritten in place), so it must not be skipped by the early return.
-    cut = _rank_above(source, spec.knobs.lora_r)
-    no_state = not any((source / name).is_file() for name in checkpoints.OPTIMIZER_FILES)
-    if no_state and not cut:
+    from qlora_supervise.trainer_child.run.rank import adapter_rank, truncate_adapter  # imports torch
+
+    saved = adapter_rank(source)
+    cut = saved is not None and saved > spec.knobs.lora_r
+    if not cut and not any((source / name).is_file() for name in checkpoints.OPTIMIZER_FILES):
         why = f"{source.name} holds no optimizer state ({' or '.join(checkpoints.OPTIMIZER_FILES)} missing)"
         return checkpoints.ResumeSource(original, original, why, original)
     if not spec.reset_optimizer and not cut:
         return checkpoints.ResumeSource(original, original=original)
-    stripped = checkpoints.without_optimizer(source, checkpoints_dir / f".tmp-reset-{os.getpid()}")
-    why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
-    if cut:
-        # The optimizer's state has the old rank's shapes: it starts afresh with the cut adapter.
-        why = "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
-    reduction = reduce_rank(str(stripped), spec.knobs)
-    return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
-
-
-def _rank_above(checkpoint: Path, lora_r: int) -> bool:
-    from qlora_supervise.trainer_child.run.rank import adapter_rank
-
-    saved = adapter_rank(checkpoint)
-    return saved is not None and saved > lora_r
-
-
-def reduce_rank(reset_from: str | None, knobs: Knobs) -> RankReduction | None:
-    """Cut the adapter of the optimizer-less copy ``reset_from`` to ``knobs.lora_r`` when it was
-    saved at a larger rank (truncated SVD, see :mod:`.rank`); None when the rank is unchanged.
-    A checkpoint of a smaller rank cannot grow: a ConfigError names it."""
-    if reset_from is None:
-        return None
-    from qlora_supervise.trainer_child.run.rank import adapter_rank, truncate_adapter
-
-    saved = adapter_rank(Path(reset_from))
-    if saved is None or saved == knobs.lora_r:
-        return None
-    if saved < knobs.lora_r:
+    if saved is not None and saved < spec.knobs.lora_r:  # a rank cannot grow
         raise ConfigError(
-            f"resume_from {reset_from}: adapter rank {saved} is smaller than lora_r {knobs.lora_r}; "
+            f"resume_from {source}: adapter rank {saved} is smaller than lora_r {spec.knobs.lora_r}; "
             "resume at its rank or start from step 0"
         )
-    return truncate_adapter(Path(reset_from), knobs.lora_r, knobs.lora_alpha)
+    stripped = checkpoints.without_optimizer(source, Path(spec.checkpoints_dir) / f".tmp-reset-{os.getpid()}")
+    if not cut:
+        why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
+        return checkpoints.ResumeSource(str(stripped), str(stripped), why, original)
+    why = "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
+    reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha)
+    return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
 
 
 def save_adapter(trainer: Any, tokenizer: Any, adapter_dir: Path) -> None:
@@ -240,8 +220,6 @@ def train(ctx: Context) -> ExitCode:
 
 def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     """Emergency checkpoint when the state is consistent, then the report (cheaply)."""
-    from qlora_supervise.trainer_child.run import memory
-
     emergency = None
     # Not under torchrun: a save needs every rank (a barrier, torch's own broadcasts), and the
     # others are dead or stuck in a collective the failure broke; the last regular one serves.
@@ -351,8 +329,6 @@ def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | No
     """The allocator's facts and, when recorded, its snapshot, for an OOM on the GPU."""
     if not ctx.on_cuda:
         return None, None
-    from qlora_supervise.trainer_child.run import memory
-
     try:
         # A step of the same shape proves a *training* step fits: not an eval or a save.
         training = ctx.progress.stage in LOOP_STAGES

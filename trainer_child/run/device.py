@@ -1,10 +1,6 @@
-"""Whether the device the job asks for is there: a GPU asked for and missing is a config error.
-
-A job that names a GPU (``gpu: 0``, ``cuda:N``, a UUID) and would silently train on the CPU
-runs for days at a hundredth of the speed, with its ``gpu_memory_limit`` doing nothing; it is
-refused with the reason instead. ``auto`` may fall back to the CPU, and the ``started`` event
-and stderr say so (with the reason).
-"""
+"""Whether the device the job asks for is there: a GPU asked for and missing is a config error
+(a job that named a GPU and silently trained on the CPU would run for days at a hundredth of the
+speed); ``auto`` may fall back to the CPU, and ``started`` and stderr say why."""
 
 from __future__ import annotations
 

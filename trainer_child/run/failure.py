@@ -1,9 +1,6 @@
-"""What went wrong: exception → exit code, OOM numbers, and the error report.
-
-The report is built from a :class:`CapturedFailure` made of strings only, so that the
-exception (and the activations its traceback frames keep alive) can be dropped before any
-memory is needed again.
-"""
+"""What went wrong: an exception reduced to a :class:`CapturedFailure` of strings (so that it, and
+the activations its frames keep alive, can be dropped before memory is needed again), its exit
+code and OOM numbers."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ from qlora_supervise.trainer_child.contract.disk_space import exception_chain, i
 from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
 
 OOM_MARKERS = (
-    "CUDA out of memory",
-    "out of memory",
+    "out of memory",  # CUDA's and cudaMallocAsync's wordings among them
     "DefaultCPUAllocator: can't allocate memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "Cannot allocate memory",
@@ -37,20 +33,13 @@ class ConfigError(Exception):
 def is_oom(exc: BaseException) -> bool:
     import torch
 
-    for item in exception_chain(exc):
-        if isinstance(item, (torch.OutOfMemoryError, MemoryError)):
-            return True
-        if any(marker in str(item) for marker in OOM_MARKERS):
-            return True
-    return False
+    return _in_chain(exc, (torch.OutOfMemoryError, MemoryError)) or any(
+        marker in str(item) for item in exception_chain(exc) for marker in OOM_MARKERS
+    )
 
 
-def is_config_error(exc: BaseException) -> bool:
-    return any(isinstance(item, ConfigError) for item in exception_chain(exc))
-
-
-def is_checkpoint_error(exc: BaseException) -> bool:
-    return any(isinstance(item, CheckpointLoadError) for item in exception_chain(exc))
+def _in_chain(exc: BaseException, kinds: type[BaseException] | tuple[type[BaseException], ...]) -> bool:
+    return any(isinstance(item, kinds) for item in exception_chain(exc))
 
 
 #: Exceptions a trainer raises while it reads its config and loads its model and data that say the
@@ -151,8 +140,8 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         stage=stage,
         step=step,
         oom=is_oom(exc),
-        config=is_config_error(exc),
-        checkpoint=is_checkpoint_error(exc),
+        config=_in_chain(exc, ConfigError),
+        checkpoint=_in_chain(exc, CheckpointLoadError),
         disk_full=is_disk_full(exc),
     )
     # An OOM, a damaged checkpoint or a full disk keep their own verdicts.

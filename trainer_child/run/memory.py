@@ -1,8 +1,7 @@
 """Memory caps, measurements and allocator settings of the trainer child.
 
-Two halves: :func:`prepare_process_env` is standard library only and runs before torch is
-imported (allocator settings and glibc arenas must be fixed before the first allocation);
-the rest imports torch lazily, inside the functions.
+:func:`prepare_process_env` runs before torch is imported (allocator settings and glibc arenas
+are fixed at the first allocation); the rest imports torch inside the functions.
 """
 
 from __future__ import annotations
@@ -21,12 +20,10 @@ from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 
-#: glibc's mallopt parameter numbers (malloc.h).
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 1 << 20
-#: Injected fault for tests: apply ``cpu_memory_limit`` only after this optimizer step, as
-#: when memory becomes scarce mid-run (another process grows), so an OOM hits after progress.
+#: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (memory
+#: scarce mid-run), so an OOM hits after progress.
 TEST_CAP_AFTER_STEP = "QLORA_SUPERVISE_TEST_CAP_AFTER_STEP"
 
 
@@ -35,11 +32,8 @@ class MemoryCapError(ConfigError):
 
 
 def prepare_process_env(expandable_segments: bool) -> None:
-    """Fix allocator settings before torch starts; call before ``import torch``.
-
-    The supervisor sets the same variables in the child's environment, by the same rule
-    (:func:`allocator_env`); setting them here too covers a child started by hand.
-    """
+    """Fix allocator settings before ``import torch`` (the supervisor sets the same variables by
+    the same rule, :func:`allocator_env`; this covers a child started by hand)."""
     os.environ.update(allocator_env(os.environ, expandable_segments))
     # Arrow's default jemalloc/mimalloc pool reserves ~1 GiB of address space on the first
     # dataset load; it counts against RLIMIT_DATA without being used. The system pool does not.
@@ -48,17 +42,11 @@ def prepare_process_env(expandable_segments: bool) -> None:
 
 
 def tune_malloc(arenas: int = 2) -> None:
-    """Keep the data segment (VmData, what RLIMIT_DATA counts) close to live memory.
-
-    * Few arenas: each thread arena reserves 64 MiB of address space that counts against
-      RLIMIT_DATA without being used.
-    * A fixed mmap threshold: glibc otherwise raises it (up to 32 MiB) after the first large
-      free, so later activations come from the heap, which never shrinks; VmData would then
-      stay at the peak after an OOM and the emergency checkpoint could not allocate.
-
-    MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ in the environment only work when set before the
-    process starts (the supervisor may set them too), hence mallopt.
-    """
+    """Keep the data segment (VmData, what RLIMIT_DATA counts) close to live memory: few arenas
+    (each reserves 64 MiB of address space that counts without being used), and a fixed mmap
+    threshold (glibc raises it after the first large free, so later activations would come from
+    the heap, which never shrinks: VmData would stay at the peak after an OOM and the emergency
+    checkpoint could not allocate). mallopt, as the environment variables only work at exec."""
     path = ctypes.util.find_library("c")
     if path is None:
         return
@@ -83,11 +71,9 @@ def proc_status_bytes(field: str) -> int | None:
 
 
 def reset_host_peak() -> bool:
-    """Start the RSS high-water mark (VmHWM) again from the RSS now: Linux resets it on a ``5``
-    written to /proc/self/clear_refs. After the load on a GPU (the load's peak is in the ``loaded``
-    event), so the heartbeats' ``rss_high_water_bytes`` is training's own host peak; and before each
-    speed-trial candidate, whose host peak the trial reports. False where it cannot (not Linux, or
-    the file is not writable): the mark then keeps the earlier peak in it."""
+    """Restart the RSS high-water mark (VmHWM) from the RSS now (a ``5`` into clear_refs), so the
+    heartbeats' peak after the load, or a speed-trial candidate's, is its own. False where it
+    cannot (then the mark keeps the earlier peak)."""
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
             handle.write("5")
@@ -97,8 +83,8 @@ def reset_host_peak() -> bool:
 
 
 def peak_vmdata() -> int | None:
-    """Peak of the data segment (what RLIMIT_DATA limits), estimated as VmPeak minus the
-    non-data mappings (code, libraries, stacks), which stay put once the model is loaded."""
+    """Peak of the data segment: VmPeak less the non-data mappings (code, libraries, stacks),
+    which stay put once the model is loaded."""
     peak, size, data = (proc_status_bytes(f) for f in ("VmPeak", "VmSize", "VmData"))
     if peak is None or size is None or data is None:
         return None
@@ -106,11 +92,8 @@ def peak_vmdata() -> int | None:
 
 
 def apply_cpu_cap(limit: int | None) -> None:
-    """Cap the data segment with RLIMIT_DATA (soft limit only, so the report can lift it).
-
-    Applied after the heavy imports and before the model load: the imports' own mappings are a
-    fixed cost the job cannot change, while everything after them is what the knobs control.
-    """
+    """Cap the data segment with RLIMIT_DATA (the soft limit, so the report can lift it); after
+    the imports (a fixed cost the job cannot change), before the load (what the knobs control)."""
     if limit is None:
         return
     used = proc_status_bytes("VmData") or 0
@@ -140,8 +123,7 @@ def lift_cpu_cap() -> None:
 
 
 def apply_gpu_cap(limit: int | None) -> None:
-    """Cap this process's CUDA caching allocator to ``limit`` bytes of its device (``cuda:0``, or
-    ``cuda:LOCAL_RANK`` under torchrun: the current device, set before this is called)."""
+    """Cap the CUDA caching allocator to ``limit`` bytes of the current device (set before)."""
     import torch
 
     if limit is None or not torch.cuda.is_available():
@@ -154,11 +136,8 @@ def apply_gpu_cap(limit: int | None) -> None:
 
 
 def expandable_segments_active() -> bool | None:
-    """Whether the CUDA allocator really runs with expandable segments; None on the CPU.
-
-    Read back from the allocator itself, not from the environment: a variable set after CUDA
-    initialised, or misspelled, would otherwise be reported as active.
-    """
+    """Whether the CUDA allocator really runs with expandable segments (read from the allocator:
+    a variable set too late or misspelled is not); None on the CPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -216,16 +195,10 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ---- at an OOM: the allocator's facts and its history (diagnosis) ---------------------------
-
-
 def start_memory_history(diagnose: DiagnoseSpec) -> bool:
-    """Record the CUDA allocator's history when the job asks for it (``diagnose.memory_history``).
-
-    Bounded to ``memory_history_entries`` events (a ring: the newest are kept, which are the ones
-    that explain an OOM), Python stacks only (C++ unwinding costs far more per allocation).
-    Returns whether recording runs; False on the CPU or where this torch cannot record.
-    """
+    """Record the CUDA allocator's history when ``diagnose.memory_history`` asks, in a ring of
+    ``memory_history_entries`` (the newest explain an OOM), Python stacks only (C++ unwinding costs
+    far more). Whether it records: False on the CPU or where this torch cannot."""
     import torch
 
     if not diagnose.memory_history or not torch.cuda.is_available():
@@ -238,9 +211,8 @@ def start_memory_history(diagnose: DiagnoseSpec) -> bool:
 
 
 def dump_memory_snapshot(path: Path) -> str | None:
-    """Write the recorded allocator history and segments to ``path`` (a pickle that
-    https://pytorch.org/memory_viz opens); None when the write fails. Call only after
-    :func:`start_memory_history` returned True."""
+    """Write the recorded history to ``path`` (a pickle https://pytorch.org/memory_viz opens);
+    None when that fails."""
     import torch
 
     try:
@@ -253,8 +225,8 @@ def dump_memory_snapshot(path: Path) -> str | None:
 def allocator_facts_at_oom(
     exc: BaseException, limit: int | None, shapes: StepShapes | None
 ) -> AllocatorFacts | None:
-    """The CUDA allocator's facts for an OOM, read *before* the failed step's tensors are freed
-    (call it inside the ``except`` block); None on the CPU, for other failures, or on error."""
+    """The CUDA allocator's facts for an OOM, read inside the ``except`` block, before the step's
+    tensors are freed; None on the CPU, for other failures, or on error."""
     import torch
 
     if not torch.cuda.is_available() or not is_oom(exc):
@@ -277,11 +249,8 @@ def allocator_facts_at_oom(
 
 
 class StepShapes:
-    """The micro-batch shapes of each completed optimizer step, and the attempt's peak after it.
-
-    ``current`` is the shape of the micro-batch in flight. After an OOM, :meth:`last_with` says
-    whether a step of that very shape already completed in this attempt (then it fits).
-    """
+    """The micro-batch shapes of each completed optimizer step and the peak after it: after an
+    OOM, whether a step of the shape in flight (``current``) already fitted in this attempt."""
 
     def __init__(self) -> None:
         self.current: tuple[int, ...] | None = None

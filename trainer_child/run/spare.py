@@ -1,25 +1,18 @@
-"""A warm spare trainer:
-``python -m qlora_supervise.trainer_child.run.spare --run-dir R --device D [--expandable-segments] [--model M]
-[--prepare SPEC]``.
+"""A warm spare trainer: ``python -m qlora_supervise.trainer_child.run.spare --run-dir R --device D
+[--expandable-segments] [--model M] [--prepare SPEC]``.
 
-It fixes the process environment the way an attempt does (offline hub, the bound device,
-allocator settings, malloc arenas), imports the whole training stack, and then waits on stdin
-for one line, ``{"spec": PATH, "log": PATH}``, which it acknowledges at once with a
-``spare_ack`` line (JSON, its pid) on its own output. With ``--prepare`` (the spec of the attempt it was
-started behind) it first loads that attempt's tokenizer and rows (:mod:`.prepared`), which the
-next attempt takes when its inputs are the same. With it, it sends its output to the attempt's log
-and runs the attempt exactly as ``python -m qlora_supervise.trainer_child --spec PATH`` would.
-An empty stdin (the supervisor closed the pipe, or died) ends it with status 0 before any work.
+It fixes the environment as an attempt does (offline hub, the device, allocator settings, malloc
+arenas), imports the training stack (and with ``--prepare``, loads the tokenizer and rows of the
+attempt it was started behind, :mod:`.prepared`), prints one ``spare_ready`` line (JSON: import
+time, RSS, whether torch initialised CUDA), then waits on stdin for ``{"spec": PATH, "log": PATH}``.
+It acknowledges that at once (``spare_ack``), sends its output to the attempt's log and runs the
+attempt as ``python -m qlora_supervise.trainer_child --spec PATH`` would. An empty stdin (the
+supervisor closed the pipe, or died) ends it with status 0.
 
-It never touches CUDA while it waits: ``import torch`` and the stack do not create a context
-(bitsandbytes asks torch for the device's capability, which reads properties, not memory), so a
-spare holds no GPU memory until it becomes an attempt. It prints one ``spare_ready`` line (JSON)
-with the import time, its RSS and whether torch initialised CUDA, for the supervisor and tests.
-
-The supervisor gives a spare only an attempt whose environment equals the one the spare was
-started with (see ``supervisor/loop/spare.py``); the spare checks the device and allocator
-setting once more and refuses a spec that differs (ExitCode.CONFIG), since its allocator
-settings were fixed before the imports and cannot change now.
+It never touches CUDA while it waits (``import torch`` and the stack create no context), so it
+holds no GPU memory until it becomes an attempt. Its allocator settings were fixed before the
+imports, so it refuses (ExitCode.CONFIG) a spec whose environment differs from its own (the
+supervisor checks the same, ``supervisor/loop/spare.py``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.events import Started
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run import attempt, device
 from qlora_supervise.trainer_child.run.failure import CapturedFailure, capture
@@ -73,24 +72,7 @@ class Session:
         fallback = device.check(spec, ctx.on_cuda)
         memory.apply_gpu_cap(spec.gpu_memory_limit)
         ctx.expandable = memory.expandable_segments_active()
-        started = Started(
-            pid=os.getpid(),
-            attempt=spec.attempt,
-            rank=ctx.place.rank,
-            local_rank=ctx.place.local_rank,
-            world_size=ctx.place.world_size,
-            device=ctx.device,
-            device_name=torch.cuda.get_device_name() if ctx.on_cuda else "cpu",
-            versions=installed_versions(),
-            vmdata=memory.proc_status_bytes("VmData"),
-            rss=memory.proc_status_bytes("VmRSS"),
-            cpu_memory_limit=spec.cpu_memory_limit,
-            gpu_memory_limit=spec.gpu_memory_limit,
-            expandable_segments_active=ctx.expandable,
-            cpu_fallback=fallback,
-            trust_remote_code=spec.train.trust_remote_code,
-        )
-        ctx.events.write(started.to_line())
+        attempt.announce_started(ctx, installed_versions(), fallback)
         ctx.events.emit("shim_attached", trainer_module="transformers.trainer", command=list(spec.command))
         if memory.late_cap_step() is None:  # else the callback caps after that step (a test's fault)
             memory.apply_cpu_cap(spec.cpu_memory_limit)
