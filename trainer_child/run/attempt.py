@@ -19,7 +19,6 @@ from types import FrameType
 from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
     UnsafeCheckpointPath,
@@ -301,9 +300,7 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
         ctx.heartbeat.start()
         code = body(ctx)
     except BaseException as exc:  # every failure must leave a report
-        at_oom = oom_diagnosis(ctx, exc)  # while the frames still hold the step's tensors
-        failure = capture(exc, ctx.progress.stage, ctx.progress.step)
-        failure.allocator, failure.memory_snapshot = at_oom
+        failure = captured(ctx, exc)
         failure.batch = batch_at_oom(ctx, failure)
         del exc
     if failure is not None:
@@ -325,21 +322,25 @@ def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None
     return batch if isinstance(batch, BatchInFlight) else None
 
 
-def oom_diagnosis(ctx: Context, exc: BaseException) -> tuple[AllocatorFacts | None, str | None]:
-    """The allocator's facts and, when recorded, its snapshot, for an OOM on the GPU."""
-    if not ctx.on_cuda:
-        return None, None
-    try:
-        # A step of the same shape proves a *training* step fits: not an eval or a save.
-        training = ctx.progress.stage in LOOP_STAGES
-        shapes = getattr(ctx.trainer, "shapes", None) if training else None
-        facts = memory.allocator_facts_at_oom(exc, ctx.spec.gpu_memory_limit, shapes)
-        snapshot = None
-        if facts is not None and ctx.memory_history:
-            snapshot = memory.dump_memory_snapshot(Path(ctx.spec.error_file).parent / MEMORY_SNAPSHOT_NAME)
-    except Exception:  # diagnosis is a bonus: the report must still be written
-        return None, None
-    return facts, snapshot
+def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
+    """``exc`` reduced to strings (:func:`.failure.capture`), with the allocator's facts and, when
+    recorded, its snapshot for an OOM on the GPU, read first: the frames still hold the step's tensors."""
+    facts, snapshot = None, None
+    if ctx.on_cuda:
+        try:
+            # A step of the same shape proves a *training* step fits: not an eval or a save.
+            training = ctx.progress.stage in LOOP_STAGES
+            shapes = getattr(ctx.trainer, "shapes", None) if training else None
+            facts = memory.allocator_facts_at_oom(exc, ctx.spec.gpu_memory_limit, shapes)
+            if facts is not None and ctx.memory_history:
+                snapshot = memory.dump_memory_snapshot(
+                    Path(ctx.spec.error_file).parent / MEMORY_SNAPSHOT_NAME
+                )
+        except Exception:  # diagnosis is a bonus: the report must still be written
+            facts, snapshot = None, None
+    failure = capture(exc, ctx.progress.stage, ctx.progress.step)
+    failure.allocator, failure.memory_snapshot = facts, snapshot
+    return failure
 
 
 def run(spec: AttemptSpec, prepared: Prepared | None = None) -> int:

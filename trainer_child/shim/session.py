@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run import attempt, device
-from qlora_supervise.trainer_child.run.failure import CapturedFailure, capture
+from qlora_supervise.trainer_child.run.failure import CapturedFailure
 from qlora_supervise.trainer_child.run.heartbeat import HeartbeatThread
 
 #: Libraries whose versions the ``started`` event names (those installed: a foreign venv may lack some).
@@ -111,9 +111,7 @@ class Session:
             # passes its own there would clash with (and override) the supervisor's, so it goes.
             result = original(trainer, *args[1:], **kwargs) if args else original(trainer, **kwargs)
         except BaseException as exc:  # every failure must leave a report
-            at_oom = attempt.oom_diagnosis(ctx, exc)  # while the frames still hold the step's tensors
-            failure = capture(exc, ctx.progress.stage, ctx.progress.step)
-            failure.allocator, failure.memory_snapshot = at_oom
+            failure = attempt.captured(ctx, exc)
         if failure is not None:
             self.leave(attempt.fail(ctx, failure))
         if ctx.progress.stop_requested:  # SIGTERM: the callback checkpointed and stopped training
@@ -171,10 +169,8 @@ class Session:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             self._previous_hook(kind, exc, tb)
             return
-        at_oom = attempt.oom_diagnosis(self.ctx, exc)
         # A refusal while the tool sets up or loads is the config's (failure.is_the_configs).
-        failure = capture(exc, self.ctx.progress.stage, self.ctx.progress.step)
-        failure.allocator, failure.memory_snapshot = at_oom
+        failure = attempt.captured(self.ctx, exc)
         del exc, tb
         self.leave(attempt.fail(self.ctx, failure))
 
