@@ -29,6 +29,7 @@ from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.devices import DeviceError
 from qlora_supervise.trainer_child.contract.processes import leave
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.run.memory import proc_status_bytes
 
 if TYPE_CHECKING:  # at run time it comes after the imports the environment must precede
     from qlora_supervise.trainer_child.recipe.prepared import Prepared
@@ -48,7 +49,6 @@ def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> d
     """The attempt's environment and imports, without CUDA; what it cost, for ``spare_ready``."""
     from qlora_supervise.trainer_child.__main__ import prepare_env_for
     from qlora_supervise.trainer_child.recipe.stack import import_training_classes, import_training_stack
-    from qlora_supervise.trainer_child.run.memory import proc_status_bytes
 
     started = time.monotonic()
     prepare_env_for(device_name, expandable_segments)
@@ -113,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer child spare: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     prepared, cost = prepare_ahead(args.prepare)
-    from qlora_supervise.trainer_child.run.memory import proc_status_bytes
-
     # The RSS once prepared: what the supervisor budgets the next spare's host RAM by.
     print(json.dumps(ready | cost | {"rss": proc_status_bytes("VmRSS")}), flush=True)
     line = sys.stdin.readline()
