@@ -1,79 +1,29 @@
-"""The configs pre-flight chooses among, and what class of cost each change has.
+"""The configs pre-flight chooses among, enumerated from the rungs by cost class (rungs.py).
 
 A candidate is the job's knobs with some knobs changed, and the names of the rungs that change
-them. Changes are classed by what they cost (ARCHITECTURE.md, "Choosing a config"):
-
-* **free**: ``expandable_segments`` (measured +0.9 % tokens/s on the H200: noise), and the bf16
-  head when :data:`BF16_HEAD_CLASS` says so;
-* **throughput**: gradient checkpointing, another micro-batch with the accumulation that keeps the
-  effective batch (every divisor of the job's per-rank batch, above the job's micro-batch too), the
-  paged 8-bit optimizer,
-  activation offload, the bf16 head (by default), a smaller eval batch. The throughput model
-  (:mod:`.throughput`) ranks them, so no fixed cost per rung is needed;
-* **quality**: a shorter seq_len, a smaller LoRA rank, a smaller model (the job's fallbacks).
+them. Free rungs are always taken (``expandable_segments``: +0.9 % tokens/s on the H200, noise);
+throughput rungs are combined and ranked by the throughput model (:mod:`.throughput`), so no
+fixed cost per rung is needed; quality rungs only when nothing else fits, lightest first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from qlora_supervise.policies.rungs import MIN_SEQ_LEN, STATIC_RUNGS
+from qlora_supervise.policies.rungs import (
+    PAGED_8BIT,
+    QUALITY_WEIGHTS,
+    RUNG_OF_KNOB,
+    RUNGS,
+    Axis,
+    CostClass,
+    Rung,
+)
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-PAGED_8BIT = "paged_adamw_8bit"
-
-
-class CostClass(str, enum.Enum):
-    FREE = "free"
-    THROUGHPUT = "throughput"
-    QUALITY = "quality"
-
-
-#: The one setting for the bf16 embeddings and LM head, decided on the loss parity measured:
-#: H200, 8B 128k, 60 steps: max |loss difference| 0.0037, no larger than two upcast runs differ from
-#: each other (0.0037), 2.0 GiB less memory, tokens/s within the runs' 12 % noise (no gain: trl's
-#: fused head never builds the logits); CPU tiny model in bf16, 200 steps: 25-step means within
-#: 1.3 %, no bias (bench/results/throughput-h200-2026-12-01/parity.txt,
-#: bench/results/bf16-head-parity-cpu-2026-12-01/). It changes the numerics a little and buys no
-#: speed, so a job that fits as written keeps its fp32 head: it is a throughput rung, taken before
-#: any quality cut (FREE would put it on every changed config).
-BF16_HEAD_CLASS = CostClass.THROUGHPUT
-
-#: The class of each rung pre-flight and ``plan`` know.
-RUNG_CLASSES: Mapping[str, CostClass] = {
-    "expandable_segments": CostClass.FREE,
-    "bf16_head": BF16_HEAD_CLASS,
-    "gradient_checkpointing": CostClass.THROUGHPUT,
-    "halve_micro_batch": CostClass.THROUGHPUT,
-    "paged_8bit_optimizer": CostClass.THROUGHPUT,
-    "activation_offload": CostClass.THROUGHPUT,
-    "halve_eval_batch": CostClass.THROUGHPUT,
-    "shorten_seq_len": CostClass.QUALITY,
-    "halve_lora_rank": CostClass.QUALITY,
-    "smaller_model": CostClass.QUALITY,
-}
-#: How much each quality rung weighs when one must be taken: fewer quality steps first, and a
-#: shorter sequence before a smaller rank (the ladders' order: the adapter keeps its capacity).
-QUALITY_WEIGHTS: Mapping[str, float] = {"shorten_seq_len": 1.0, "halve_lora_rank": 1.2, "smaller_model": 5.0}
-#: Which rung a changed knob stands for, in the journal's words.
-RUNG_OF_KNOB: Mapping[str, str] = {
-    "expandable_segments": "expandable_segments",
-    "bf16_head": "bf16_head",
-    "gradient_checkpointing": "gradient_checkpointing",
-    "micro_batch_size": "halve_micro_batch",
-    "optimizer": "paged_8bit_optimizer",
-    "activation_offload": "activation_offload",
-    "eval_batch_size": "halve_eval_batch",
-    "max_seq_len": "shorten_seq_len",
-    "lora_r": "halve_lora_rank",
-    "model": "smaller_model",
-    "optimizer_state_on_host": "optimizer_state_on_host",
-    "fresh_optimizer_state": "fresh_optimizer_state",
-}
+__all__ = ["PAGED_8BIT", "CostClass"]
 
 
 @dataclass(frozen=True)
@@ -92,8 +42,7 @@ def rungs_between(old: Knobs, new: Knobs) -> tuple[str, ...]:
     """The rung names of every knob that differs, in the rungs' own order (one name per rung)."""
     before, after = dataclasses.asdict(old), dataclasses.asdict(new)
     changed = {RUNG_OF_KNOB[k] for k in before if before[k] != after[k] and k in RUNG_OF_KNOB}
-    order = [*STATIC_RUNGS, "smaller_model"]
-    return tuple(name for name in order if name in changed)
+    return tuple(rung.name for rung in RUNGS if rung.name in changed)
 
 
 def micro_batches(knobs: Knobs) -> list[Knobs]:
@@ -122,57 +71,56 @@ def eval_batches(knobs: Knobs) -> list[Knobs]:
     return chain
 
 
+def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
+    """What the search tries for ``rung`` on ``knobs``, each with the rung names it took."""
+    if rung.axis is Axis.EITHER:
+        return [(dataclasses.replace(knobs, **{rung.knob: value}), ()) for value in (False, True)]
+    if rung.axis is Axis.DIVISORS:
+        return [(k, ()) for k in micro_batches(knobs)]
+    out: list[tuple[Knobs, tuple[str, ...]]] = [(knobs, ())]
+    # A knob the job already turned on stays on: the search goes towards less memory only.
+    while (changed := rung.apply(out[-1][0])) is not None and (rung.axis is Axis.HALVINGS or len(out) < 2):
+        out.append((changed, (*out[-1][1], rung.name)))
+    return out
+
+
+def _product(knobs: Knobs, axes: tuple[Rung, ...]) -> Iterator[tuple[Knobs, tuple[str, ...]]]:
+    """Every combination of ``axes``' options on ``knobs``, with the rung names taken."""
+    if not axes:
+        yield knobs, ()
+        return
+    for option, named in _options(axes[0], knobs):
+        for combined, names in _product(option, axes[1:]):
+            yield combined, named + names
+
+
+def _searched(cost: CostClass, *axes: Axis) -> tuple[Rung, ...]:
+    return tuple(r for r in RUNGS if r.cost is cost and r.axis in axes)
+
+
 def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
-    """Every combination of the free and throughput knobs on ``knobs`` (the eval batch apart:
-    pre-flight fits it per candidate), expandable segments always on."""
-    free = dataclasses.replace(knobs, expandable_segments=True)
-    if BF16_HEAD_CLASS is CostClass.FREE:
-        free = dataclasses.replace(free, bf16_head=True)
-    options = (
-        (False, True),  # either way: checkpointing off at a smaller micro-batch may be the faster
-        (free.optimizer, PAGED_8BIT) if free.optimizer != PAGED_8BIT else (PAGED_8BIT,),
-        _either(free.activation_offload),
-        _either(free.bf16_head),
-    )
-    for ckpt, optimizer, offload, head in itertools.product(*options):
-        changed = dataclasses.replace(
-            free, gradient_checkpointing=ckpt, optimizer=optimizer, activation_offload=offload, bf16_head=head
-        )
-        yield from micro_batches(changed)
+    """Every combination of the throughput rungs on ``knobs`` with every free rung taken (the eval
+    batch apart: pre-flight fits it per candidate)."""
+    free = knobs
+    for rung in _searched(CostClass.FREE, *Axis):
+        free = rung.apply(free) or free
+    axes = _searched(CostClass.THROUGHPUT, Axis.TOGGLE, Axis.EITHER, Axis.DIVISORS)
+    return (variant for variant, _ in _product(free, axes))
 
 
 def most_frugal(knobs: Knobs) -> Knobs:
-    """Every memory-saving free and throughput knob on, micro-batch 1, eval batch 1."""
-    return dataclasses.replace(
-        micro_batches(knobs)[-1],
-        expandable_segments=True,
-        gradient_checkpointing=True,
-        optimizer=PAGED_8BIT,
-        activation_offload=True,
-        bf16_head=True,
-        eval_batch_size=1,
-    )
+    """Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1)."""
+    for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
+        while (changed := rung.apply(knobs)) is not None:
+            knobs = changed
+    return knobs
 
 
 def quality_variants(knobs: Knobs) -> list[Candidate]:
-    """The job's model at each seq_len halving x each rank halving, lightest quality cut first."""
-    out = []
-    seq: Knobs | None = knobs
-    seq_names: tuple[str, ...] = ()
-    while seq is not None and seq.max_seq_len >= MIN_SEQ_LEN:
-        rank: Knobs | None = seq
-        rank_names = seq_names
-        while rank is not None:
-            if rank_names:
-                out.append(Candidate(rank, rank_names))
-            rank, rank_names = STATIC_RUNGS["halve_lora_rank"].apply(rank), (*rank_names, "halve_lora_rank")
-        seq, seq_names = STATIC_RUNGS["shorten_seq_len"].apply(seq), (*seq_names, "shorten_seq_len")
+    """The job's model at each combination of the quality halvings (seq_len, rank), lightest first."""
+    axes = _searched(CostClass.QUALITY, Axis.HALVINGS)
+    out = [Candidate(k, names) for k, names in _product(knobs, axes) if names]
     return sorted(out, key=lambda c: c.quality_weight)  # stable: a shorter seq before a smaller rank
-
-
-def _either(value: bool) -> tuple[bool, ...]:
-    # A knob the job already turned on stays on: pre-flight changes knobs towards less memory only.
-    return (True,) if value else (False, True)
 
 
 #: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings: 16384 -> 4096

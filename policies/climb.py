@@ -29,7 +29,7 @@ from qlora_supervise.policies.candidates import rungs_between
 from qlora_supervise.policies.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.rungs import (
-    STATIC_RUNGS,
+    RUNG_BY_NAME,
     Rung,
     RungContext,
     Survives,
@@ -146,7 +146,7 @@ def _search(
         return None
     names = rungs_between(knobs, result.knobs)
     survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
-    why = "; ".join(STATIC_RUNGS[name].reason for name in names if name in STATIC_RUNGS)
+    why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
     why += f" (memory model: {result.reasons[-1]})"
     return Restart(result.knobs, "+".join(names), knob_changes(knobs, result.knobs), why, survives)
 
