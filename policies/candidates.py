@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from qlora_supervise.policies.rungs import (
     PAGED_8BIT,
@@ -74,7 +75,8 @@ def eval_batches(knobs: Knobs) -> list[Knobs]:
 def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
     """What the search tries for ``rung`` on ``knobs``, each with the rung names it took."""
     if rung.axis is Axis.EITHER:
-        return [(dataclasses.replace(knobs, **{rung.knob: value}), ()) for value in (False, True)]
+        values: list[dict[str, Any]] = [{rung.knob: False}, {rung.knob: True}]
+        return [(dataclasses.replace(knobs, **value), ()) for value in values]
     if rung.axis is Axis.DIVISORS:
         return [(k, ()) for k in micro_batches(knobs)]
     out: list[tuple[Knobs, tuple[str, ...]]] = [(knobs, ())]

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
@@ -76,7 +77,7 @@ class Rung:
         return self.step(knobs, self.context)
 
 
-def _set(knob: str, value: object) -> Callable[[Knobs, RungContext], Knobs | None]:
+def _set(knob: str, value: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
     """The step that sets a knob to ``value`` (None: it already is)."""
 
     def step(k: Knobs, _: RungContext) -> Knobs | None:
