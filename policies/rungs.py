@@ -296,8 +296,8 @@ RUNG_BY_NAME: Mapping[str, Rung] = {rung.name: rung for rung in RUNGS}
 RUNG_NAMES: frozenset[str] = frozenset(RUNG_BY_NAME)
 RUNG_CLASSES: Mapping[str, CostClass] = {r.name: r.cost for r in RUNGS if r.cost is not None}
 QUALITY_WEIGHTS: Mapping[str, float] = {r.name: r.quality_weight for r in RUNGS if r.quality_weight}
-#: Which rung a changed knob stands for, in the journal's words.
-RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in RUNGS}
+#: Which rung a changed knob stands for, in the journal's words (the first rung over that knob).
+RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS)}
 #: The rungs ``plan`` shows, cheapest class first.
 PLAN_RUNGS: tuple[Rung, ...] = tuple(r for cost in CostClass for r in RUNGS if r.in_plan and r.cost is cost)
 
