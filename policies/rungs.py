@@ -282,7 +282,7 @@ RUNGS: tuple[Rung, ...] = (
         "smaller_model", "fall back to a smaller model",
         Survives.ADAPTER_REINIT, _smaller_model, "model", _QUALITY, quality_weight=5.0,
     ),
-    # Under torchrun, for a card that keeps failing: the other cards (policies/waits.py).
+    # Under torchrun, for a card that keeps failing: the other cards (policies/ladder/waits.py).
     Rung(
         "drop_rank",
         "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "

@@ -10,7 +10,7 @@ import pytest
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, WaitResult, decide
-from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, Survives, smaller_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs

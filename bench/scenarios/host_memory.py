@@ -76,7 +76,7 @@ class Job:
     r: int = 16
 
 
-#: Caps found with the plan (policies/preflight.py) where each starts with offload and checkpointing;
+#: Caps found with the plan (policies/search/config_search.py) where each starts with offload and checkpointing;
 #: host limits: the load's predicted peak (the larger) plus about 15 %, summing to 45 GiB.
 JOBS = (
     Job("llama3-8b-7GiB", "llama", "8b-128k", "7GiB", "19GiB"),

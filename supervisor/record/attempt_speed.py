@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import Heartbeat, parse_event

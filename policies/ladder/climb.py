@@ -24,9 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qlora_supervise.policies import memory_model, preflight, throughput
-from qlora_supervise.policies.candidates import rungs_between
-from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.rungs import (
     RUNG_BY_NAME,
@@ -36,6 +35,9 @@ from qlora_supervise.policies.rungs import (
     rung_by_name,
     shorten_cost_text,
 )
+from qlora_supervise.policies.search import config_search as preflight
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage

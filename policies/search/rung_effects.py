@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.preflight import knob_changes, scaled_peak
 from qlora_supervise.policies.rungs import PLAN_RUNGS, CostClass
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.config_search import knob_changes, scaled_peak
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
