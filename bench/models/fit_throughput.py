@@ -42,7 +42,7 @@ from qlora_supervise.policies.search import throughput
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 ROOT = Path(__file__).resolve().parents[2]
-FIT_MODULE = ROOT / "policies" / "throughput_fit.py"
+FIT_MODULE = ROOT / "policies" / "search" / "throughput_fit.py"
 DEFAULT_SWEEP = ROOT / "bench" / "results" / "throughput-h200-2026-12-01"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -275,7 +275,7 @@ def render_module(
     recompute = result.token_s["ckpt"] / result.token_s["no_ckpt"] - 1 if result.token_s["no_ckpt"] else 0.0
     about = [
         ("PROVISIONAL: c" if provisional else "C")
-        + "oefficients of the throughput model (policies/search/throughput.py), written by "
+        + "oefficients of the throughput model (search/throughput.py), written by "
         + "bench/models/fit_throughput.py.",
         f"Fitted {datetime.date.today().isoformat()} on {len(points)} configs from: {'; '.join(sources)}.",
         f"Error of tokens/s on those configs: median {100 * float(np.median(errors)):.1f} %, "
