@@ -43,11 +43,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from qlora_supervise.policies.charge import Charge, PastFailure, latest_charge, unusable_rungs
-from qlora_supervise.policies.climb import MergeFailure, climb, knob_changes
-from qlora_supervise.policies.host_kill import host_settings, retry_after_kill
+from qlora_supervise.policies.ladder.charge import Charge, PastFailure, latest_charge, unusable_rungs
+from qlora_supervise.policies.ladder.climb import MergeFailure, climb, knob_changes
+from qlora_supervise.policies.ladder.host_kill import host_settings, retry_after_kill
+from qlora_supervise.policies.ladder.spurious_retry import retry_spurious
+from qlora_supervise.policies.ladder.waits import (
+    after_contention,
+    after_disk_full,
+    bytes_needed,
+    gpu_broken,
+    without_card,
+)
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.policies.spurious_retry import retry_spurious
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
@@ -58,13 +65,6 @@ from qlora_supervise.policies.verdicts import (
     Wait,
     WaitFor,
     WaitResult,
-)
-from qlora_supervise.policies.waits import (
-    after_contention,
-    after_disk_full,
-    bytes_needed,
-    gpu_broken,
-    without_card,
 )
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -1,7 +1,9 @@
-"""Rungs: pure functions ``knobs -> knobs | None`` (None: nothing left to change here).
+"""Rungs: the one record of each change the supervisor may make, and every table derived from it.
 
-Each rung has a stable name (job files name rungs in ladder overrides), a reason a person
-can read in the log, and a tag saying what training progress survives the change.
+A rung is a pure function ``knobs -> knobs | None`` (None: nothing left to change here) with a
+stable name (job files name rungs in ladder overrides), a reason a person can read in the log,
+what training progress survives it, the knob it moves, its cost class (how the pre-flight search
+enumerates it), its quality weight, and whether ``plan`` shows it and a foreign tool can take it.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import dataclasses
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 #: Shortest sequence length the shorten rung will go to; below this most instruction data is cut.
 MIN_SEQ_LEN = 128
+PAGED_8BIT = "paged_adamw_8bit"
 
 
 class Survives(str, enum.Enum):
@@ -26,12 +30,24 @@ class Survives(str, enum.Enum):
     ADAPTER_REINIT = "adapter_reinit"  # adapter shape changed: training restarts from step 0
 
 
-@dataclass(frozen=True)
-class Rung:
-    name: str
-    reason: str
-    survives: Survives
-    apply: Callable[[Knobs], Knobs | None]
+class CostClass(str, enum.Enum):
+    """What a change costs (ARCHITECTURE.md, "Choosing a config"): free changes are always on in the
+    search, throughput ones are ranked by the throughput model, quality ones only when nothing else fits."""
+
+    FREE = "free"
+    THROUGHPUT = "throughput"
+    QUALITY = "quality"
+
+
+class Axis(str, enum.Enum):
+    """How the pre-flight search enumerates a rung's knob."""
+
+    TOGGLE = "toggle"  # the job's value, or the rung applied once (never back: towards less memory only)
+    EITHER = "either"  # off and on, whatever the job says (checkpointing off may be the faster)
+    DIVISORS = "divisors"  # every value that keeps the effective batch (candidates.micro_batches)
+    FITTED = "fitted"  # the largest that fits, per candidate (the eval batch)
+    HALVINGS = "halvings"  # a quality cut: the rung applied 0, 1, 2... times
+    NONE = "none"  # not searched: the ladder (or the fallbacks) only
 
 
 @dataclass(frozen=True)
@@ -43,15 +59,34 @@ class RungContext:
     failed_local_rank: int | None = None
 
 
-def _expandable_segments(k: Knobs) -> Knobs | None:
-    return None if k.expandable_segments else dataclasses.replace(k, expandable_segments=True)
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    reason: str
+    survives: Survives
+    step: Callable[[Knobs, RungContext], Knobs | None]
+    knob: str  # the field of Knobs it moves (the journal names the rung by it)
+    cost: CostClass | None = None  # None: a ladder rung the search never takes
+    axis: Axis = Axis.NONE
+    quality_weight: float = 0.0  # fewer quality steps first, a shorter sequence before a smaller rank
+    in_plan: bool = False  # shown by ``plan``, applied alone to the job as written
+    tool_can_take: bool = False  # a foreign tool's config can express the knob (supervisor/trainers)
+    context: RungContext = RungContext()
+
+    def apply(self, knobs: Knobs) -> Knobs | None:
+        return self.step(knobs, self.context)
 
 
-def _gradient_checkpointing(k: Knobs) -> Knobs | None:
-    return None if k.gradient_checkpointing else dataclasses.replace(k, gradient_checkpointing=True)
+def _set(knob: str, value: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
+    """The step that sets a knob to ``value`` (None: it already is)."""
+
+    def step(k: Knobs, _: RungContext) -> Knobs | None:
+        return None if getattr(k, knob) == value else dataclasses.replace(k, **{knob: value})
+
+    return step
 
 
-def _halve_micro_batch(k: Knobs) -> Knobs | None:
+def _halve_micro_batch(k: Knobs, _: RungContext) -> Knobs | None:
     # The largest micro-batch of at most half that divides each rank's share of the effective
     # batch: accumulation grows to match, so micro x accumulation x ranks holds (micro 1 always divides).
     if k.micro_batch_size <= 1:
@@ -61,7 +96,7 @@ def _halve_micro_batch(k: Knobs) -> Knobs | None:
     return dataclasses.replace(k, micro_batch_size=half, grad_accum=per_rank // half)
 
 
-def _shorten_seq_len(k: Knobs) -> Knobs | None:
+def _shorten_seq_len(k: Knobs, _: RungContext) -> Knobs | None:
     if k.max_seq_len <= MIN_SEQ_LEN:
         return None
     return dataclasses.replace(k, max_seq_len=max(MIN_SEQ_LEN, k.max_seq_len // 2))
@@ -105,178 +140,166 @@ def _percent(share: float) -> str:
     return f"{100 * share:.1f} %"
 
 
-def _paged_8bit_optimizer(k: Knobs) -> Knobs | None:
-    return None if k.optimizer == "paged_adamw_8bit" else dataclasses.replace(k, optimizer="paged_adamw_8bit")
-
-
-def _halve_lora_rank(k: Knobs) -> Knobs | None:
+def _halve_lora_rank(k: Knobs, _: RungContext) -> Knobs | None:
     if k.lora_r <= 4:
         return None
     # alpha scales with r so that alpha / r, the effective learning-rate scale of LoRA, is kept.
     return dataclasses.replace(k, lora_r=k.lora_r // 2, lora_alpha=max(1, k.lora_alpha // 2))
 
 
-def _quantize_4bit(k: Knobs) -> Knobs | None:
+def _quantize_4bit(k: Knobs, _: RungContext) -> Knobs | None:
     wanted = dataclasses.replace(k, load_in_4bit=True, quant_type="nf4", double_quant=True)
     return None if wanted == k else wanted
 
 
-def _bf16_head(k: Knobs) -> Knobs | None:
-    return None if k.bf16_head else dataclasses.replace(k, bf16_head=True)
-
-
-def _activation_offload(k: Knobs) -> Knobs | None:
-    return None if k.activation_offload else dataclasses.replace(k, activation_offload=True)
-
-
-def _halve_eval_batch(k: Knobs) -> Knobs | None:
+def _halve_eval_batch(k: Knobs, _: RungContext) -> Knobs | None:
     if k.eval_batch_size <= 1:
         return None
     return dataclasses.replace(k, eval_batch_size=k.eval_batch_size // 2)
 
 
-def _disable_eval(k: Knobs) -> Knobs | None:
-    return None if not k.eval_enabled else dataclasses.replace(k, eval_enabled=False)
-
-
-def _merge_on_cpu(k: Knobs) -> Knobs | None:
-    return None if k.merge_on_cpu else dataclasses.replace(k, merge_on_cpu=True)
-
-
-def _optimizer_state_on_host(k: Knobs) -> Knobs | None:
+def _optimizer_state_on_host(k: Knobs, _: RungContext) -> Knobs | None:
     # On one process transformers already reads the state with map_location="cpu": nothing to change.
     if k.optimizer_state_on_host or k.world_size <= 1:
         return None
     return dataclasses.replace(k, optimizer_state_on_host=True)
 
 
-def _fresh_optimizer_state(k: Knobs) -> Knobs | None:
-    return None if k.fresh_optimizer_state else dataclasses.replace(k, fresh_optimizer_state=True)
+def _smaller_model(k: Knobs, context: RungContext) -> Knobs | None:
+    # The job's model is not in the fallbacks: from it, the first fallback is next.
+    chain = context.fallbacks
+    position = chain.index(k.model) + 1 if k.model in chain else 0
+    return None if position >= len(chain) else dataclasses.replace(k, model=chain[position])
 
 
-def smaller_model(context: RungContext) -> Rung:
-    """The last rung: the next fallback model of the job (the adapter starts again)."""
-
-    def apply(k: Knobs) -> Knobs | None:
-        # The job's model is not in the fallbacks: from it, the first fallback is next.
-        chain = context.fallbacks
-        position = chain.index(k.model) + 1 if k.model in chain else 0
-        if position >= len(chain):
-            return None
-        return dataclasses.replace(k, model=chain[position])
-
-    return Rung("smaller_model", "fall back to a smaller model", Survives.ADAPTER_REINIT, apply)
-
-
-def drop_rank(context: RungContext) -> Rung:
-    """One rank fewer, without the failing rank's card, accumulation raised to keep the batch.
-
-    micro x accumulation x ranks must come out exactly: 2 -> 1 ranks doubles accumulation, 4 -> 3
-    needs it divisible by 3. Where it cannot be kept (or one rank is left), the rung does not apply.
-    """
-
-    def apply(k: Knobs) -> Knobs | None:
-        ranks = k.world_size
-        if ranks <= 1 or (k.grad_accum * ranks) % (ranks - 1):
-            return None
-        cards = rank_gpus(k)
-        failed = context.failed_local_rank
-        cards.pop(failed if failed is not None and 0 <= failed < len(cards) else len(cards) - 1)
-        gpus = "" if cards == list(range(ranks - 1)) else ",".join(map(str, cards))
-        accum = k.grad_accum * ranks // (ranks - 1)
-        return dataclasses.replace(k, world_size=ranks - 1, grad_accum=accum, gpus=gpus)
-
-    reason = (
-        "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
-        "effective batch (micro-batch x accumulation x ranks)"
+def _drop_rank(k: Knobs, context: RungContext) -> Knobs | None:
+    # micro x accumulation x ranks must come out exactly: 2 -> 1 ranks doubles accumulation, 4 -> 3
+    # needs it divisible by 3. Where it cannot be kept (or one rank is left), the rung does not apply.
+    ranks = k.world_size
+    if ranks <= 1 or (k.grad_accum * ranks) % (ranks - 1):
+        return None
+    cards = rank_gpus(k)
+    failed = context.failed_local_rank
+    cards.pop(failed if failed is not None and 0 <= failed < len(cards) else len(cards) - 1)
+    gpus = "" if cards == list(range(ranks - 1)) else ",".join(map(str, cards))
+    return dataclasses.replace(
+        k, world_size=ranks - 1, grad_accum=k.grad_accum * ranks // (ranks - 1), gpus=gpus
     )
-    return Rung("drop_rank", reason, Survives.ALL, apply)
 
 
-_STATIC_RUNGS: tuple[Rung, ...] = (
+_FREE, _SPEED, _QUALITY = CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY
+
+#: Every rung, in the order the journal lists the rungs of a change.
+RUNGS: tuple[Rung, ...] = (
     Rung(
         "expandable_segments",
         "reserved-but-unallocated memory could have served the request: let the allocator grow segments",
-        Survives.ALL,
-        _expandable_segments,
+        Survives.ALL, _set("expandable_segments", True), "expandable_segments",
+        _FREE, Axis.TOGGLE, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "gradient_checkpointing",
         "recompute activations in backward instead of keeping them",
-        Survives.ALL,
-        _gradient_checkpointing,
+        Survives.ALL, _set("gradient_checkpointing", True), "gradient_checkpointing",
+        _SPEED, Axis.EITHER, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "halve_micro_batch",
         "halve the micro-batch and double accumulation: same effective batch, half the activations",
-        Survives.ALL,
-        _halve_micro_batch,
+        Survives.ALL, _halve_micro_batch, "micro_batch_size",
+        _SPEED, Axis.DIVISORS, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "shorten_seq_len",
         "halve max_seq_len: activations grow with sequence length",
-        Survives.ALL,
-        _shorten_seq_len,
+        Survives.ALL, _shorten_seq_len, "max_seq_len",
+        _QUALITY, Axis.HALVINGS, 1.0, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "paged_8bit_optimizer",
         "8-bit paged AdamW: a quarter of the optimizer state, paged out under pressure",
-        Survives.OPTIMIZER_RESET,
-        _paged_8bit_optimizer,
+        Survives.OPTIMIZER_RESET, _set("optimizer", PAGED_8BIT), "optimizer",
+        _SPEED, Axis.TOGGLE, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "halve_lora_rank",
         "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state; the "
         "adapter is cut to the new rank by truncated SVD of its trained update, so progress is kept",
-        Survives.OPTIMIZER_RESET,
-        _halve_lora_rank,
+        Survives.OPTIMIZER_RESET, _halve_lora_rank, "lora_r",
+        _QUALITY, Axis.HALVINGS, 1.2, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "quantize_4bit",
         "load the base model in 4-bit NF4 with double quantization",
-        Survives.ALL,
-        _quantize_4bit,
+        Survives.ALL, _quantize_4bit, "load_in_4bit", tool_can_take=True,
     ),
+    # The bf16 embeddings and LM head, a throughput rung on the loss parity measured: H200, 8B 128k,
+    # 60 steps: max |loss difference| 0.0037, no larger than two upcast runs differ from each other
+    # (0.0037), 2.0 GiB less memory, tokens/s within the runs' 12 % noise (no gain: trl's fused head
+    # never builds the logits); CPU tiny model in bf16, 200 steps: 25-step means within 1.3 %, no bias
+    # (bench/results/throughput-h200-2026-12-01/parity.txt, bench/results/bf16-head-parity-cpu-2026-12-01/).
+    # It changes the numerics a little and buys no speed, so a job that fits as written keeps its fp32
+    # head: taken before any quality cut (FREE would put it on every changed config). Our child only.
     Rung(
         "bf16_head",
         "keep the embeddings and LM head in bf16 instead of fp32 (norms stay fp32): half their bytes",
-        Survives.ALL,
-        _bf16_head,
+        Survives.ALL, _set("bf16_head", True), "bf16_head",
+        _SPEED, Axis.TOGGLE, in_plan=True,
     ),
     Rung(
         "activation_offload",
         "keep the activations saved for backward in host memory (save_on_cpu): slower, far less GPU memory",
-        Survives.ALL,
-        _activation_offload,
+        Survives.ALL, _set("activation_offload", True), "activation_offload",
+        _SPEED, Axis.TOGGLE, in_plan=True,
     ),
-    Rung("halve_eval_batch", "halve the evaluation batch", Survives.ALL, _halve_eval_batch),
-    Rung("disable_eval", "turn evaluation off", Survives.ALL, _disable_eval),
+    Rung(
+        "halve_eval_batch", "halve the evaluation batch", Survives.ALL, _halve_eval_batch, "eval_batch_size",
+        _SPEED, Axis.FITTED, in_plan=True, tool_can_take=True,
+    ),
+    Rung(
+        "disable_eval", "turn evaluation off", Survives.ALL, _set("eval_enabled", False), "eval_enabled",
+        tool_can_take=True,
+    ),
+    # The resume stage's rungs: our child loads the optimizer state itself; a tool's resume is its own.
     Rung(
         "optimizer_state_on_host",
         "read the checkpoint's optimizer state into host memory and copy it to the card tensor by "
         "tensor, not onto the card whole (transformers does so under torchrun)",
-        Survives.ALL,
-        _optimizer_state_on_host,
+        Survives.ALL, _optimizer_state_on_host, "optimizer_state_on_host",
     ),
     Rung(
         "fresh_optimizer_state",
         "resume the adapter and the step with a fresh optimizer state, the LR schedule kept at the "
         "step: the saved moments are not loaded",
-        Survives.OPTIMIZER_RESET,
-        _fresh_optimizer_state,
+        Survives.OPTIMIZER_RESET, _set("fresh_optimizer_state", True), "fresh_optimizer_state",
     ),
     Rung(
-        "merge_on_cpu",
-        "merge the adapter in a separate process on the CPU",
-        Survives.ALL,
-        _merge_on_cpu,
+        "merge_on_cpu", "merge the adapter in a separate process on the CPU",
+        Survives.ALL, _set("merge_on_cpu", True), "merge_on_cpu",
     ),
-)
+    # The job's fallback models (the adapter starts again); the search tries them itself.
+    Rung(
+        "smaller_model", "fall back to a smaller model",
+        Survives.ADAPTER_REINIT, _smaller_model, "model", _QUALITY, quality_weight=5.0,
+    ),
+    # Under torchrun, for a card that keeps failing: the other cards (policies/ladder/waits.py).
+    Rung(
+        "drop_rank",
+        "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
+        "effective batch (micro-batch x accumulation x ranks)",
+        Survives.ALL, _drop_rank, "world_size",
+    ),
+)  # fmt: skip
 
-STATIC_RUNGS: Mapping[str, Rung] = {rung.name: rung for rung in _STATIC_RUNGS}
-
+RUNG_BY_NAME: Mapping[str, Rung] = {rung.name: rung for rung in RUNGS}
 #: Every rung name a job file may use in ``supervise.ladders``.
-RUNG_NAMES: frozenset[str] = frozenset({*STATIC_RUNGS, "smaller_model", "drop_rank"})
+RUNG_NAMES: frozenset[str] = frozenset(RUNG_BY_NAME)
+RUNG_CLASSES: Mapping[str, CostClass] = {r.name: r.cost for r in RUNGS if r.cost is not None}
+QUALITY_WEIGHTS: Mapping[str, float] = {r.name: r.quality_weight for r in RUNGS if r.quality_weight}
+#: Which rung a changed knob stands for, in the journal's words (the first rung over that knob).
+RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS)}
+#: The rungs ``plan`` shows, cheapest class first.
+PLAN_RUNGS: tuple[Rung, ...] = tuple(r for cost in CostClass for r in RUNGS if r.in_plan and r.cost is cost)
 
 #: Rungs that were, and why a job may no longer name them (the job file's validation says it).
 RETIRED_RUNGS: Mapping[str, str] = {
@@ -288,9 +311,14 @@ RETIRED_RUNGS: Mapping[str, str] = {
 }
 
 
-def rung_by_name(name: str, context: RungContext) -> Rung:
-    if name == "smaller_model":
-        return smaller_model(context)
-    if name == "drop_rank":
-        return drop_rank(context)
-    return STATIC_RUNGS[name]
+def rung_by_name(name: str, context: RungContext = RungContext()) -> Rung:
+    """The rung called ``name``, bound to what it may need beyond the knobs."""
+    return dataclasses.replace(RUNG_BY_NAME[name], context=context)
+
+
+def smaller_model(context: RungContext) -> Rung:
+    return rung_by_name("smaller_model", context)
+
+
+def drop_rank(context: RungContext) -> Rung:
+    return rung_by_name("drop_rank", context)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.budget import HostBudget
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.policies.throughput import SpeedObservation
+from qlora_supervise.policies.search.budget import HostBudget
+from qlora_supervise.policies.search.throughput import SpeedObservation
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -11,8 +11,8 @@ from bench.models import (
     _qlora_bench,  # the sweep's shapes, as throughput_sweep writes them
     fit_throughput,
 )
-from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import throughput
 
 #: Coefficients to generate a sweep from (the fit must find them again).
 FIXED = {"no_ckpt": 3e-11, "ckpt": 4.5e-11}

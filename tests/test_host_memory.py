@@ -16,9 +16,8 @@ import pytest
 import yaml
 from test_plan import LLAMA3_8B, write_safetensors
 
-from qlora_supervise.policies import climb, preflight
-from qlora_supervise.policies.budget import HostBudget, host_budget, host_for_budget, host_reserve
 from qlora_supervise.policies.decide import PastAttempt, Restart, Settings, decide
+from qlora_supervise.policies.ladder import climb
 from qlora_supervise.policies.memory.host import (
     IMPORTS_RSS,
     TRAIN_RESIDENT_RSS,
@@ -27,6 +26,8 @@ from qlora_supervise.policies.memory.host import (
     pinned,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import config_search as preflight
+from qlora_supervise.policies.search.budget import HostBudget, host_budget, host_for_budget, host_reserve
 from qlora_supervise.supervisor.commands import cli
 from qlora_supervise.supervisor.commands.plan import plan_command
 from qlora_supervise.supervisor.jobfile.load import load_job

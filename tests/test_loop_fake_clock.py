@@ -297,7 +297,7 @@ def test_a_crash_loop_ends_in_a_verdict_on_the_fake_clock(tmp_path: Path) -> Non
 
 def test_without_a_cap_the_budget_is_the_card_less_a_reserve(tmp_path: Path) -> None:
     """Bug 2: with no gpu_memory_limit the memory model plans against NVML's total less the reserve."""
-    from qlora_supervise.policies.budget import card_budget
+    from qlora_supervise.policies.search.budget import card_budget
     from qlora_supervise.supervisor.commands import run as run_mod
 
     clock = FakeClock()

@@ -10,8 +10,8 @@ import pytest
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, WaitResult, decide
-from qlora_supervise.policies.ladders import ladder_for
-from qlora_supervise.policies.rungs import STATIC_RUNGS, RungContext, Survives, smaller_model
+from qlora_supervise.policies.ladder.ladders import ladder_for
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, Survives, smaller_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -42,7 +42,7 @@ def _fail(
 
 def test_halve_micro_batch_keeps_effective_batch() -> None:
     """Halving the micro-batch doubles accumulation so micro x accum is unchanged."""
-    out = STATIC_RUNGS["halve_micro_batch"].apply(BASE)
+    out = RUNG_BY_NAME["halve_micro_batch"].apply(BASE)
     assert out is not None
     assert (out.micro_batch_size, out.grad_accum) == (4, 4)
     assert out.effective_batch == BASE.effective_batch
@@ -61,7 +61,7 @@ def test_halve_micro_batch_keeps_effective_batch() -> None:
 )
 def test_rung_with_nothing_left_returns_none(rung: str, knobs: Knobs) -> None:
     """A rung that has nothing left to change returns None instead of a copy."""
-    assert STATIC_RUNGS[rung].apply(knobs) is None
+    assert RUNG_BY_NAME[rung].apply(knobs) is None
 
 
 def test_smaller_model_walks_the_fallbacks_then_stops() -> None:
@@ -204,7 +204,7 @@ def test_memory_model_orders_configs_sensibly() -> None:
     """Checkpointing, a smaller micro-batch and a shorter sequence each lower the predicted peak."""
     base = memory_model.estimate_peak(SHAPE_7B, BASE)
     for rung in ("gradient_checkpointing", "halve_micro_batch", "shorten_seq_len"):
-        cheaper = STATIC_RUNGS[rung].apply(BASE)
+        cheaper = RUNG_BY_NAME[rung].apply(BASE)
         assert cheaper is not None
         assert memory_model.estimate_peak(SHAPE_7B, cheaper) < base
     # The 4-bit 7B weights the seed article quotes (about 3.5 GB) dominate a tiny batch.
@@ -331,10 +331,10 @@ def test_merge_phase_memory_failures_take_the_merge_ladder() -> None:
 def test_halving_an_odd_micro_batch_keeps_the_effective_batch() -> None:
     """Micro-batch 7 of an effective 7 goes to 1 x 7 (the largest divisor at most half)."""
     odd = dataclasses.replace(BASE, micro_batch_size=7, grad_accum=1)
-    out = STATIC_RUNGS["halve_micro_batch"].apply(odd)
+    out = RUNG_BY_NAME["halve_micro_batch"].apply(odd)
     assert out is not None and (out.micro_batch_size, out.grad_accum) == (1, 7)
     twelve = dataclasses.replace(BASE, micro_batch_size=6, grad_accum=2)
-    out = STATIC_RUNGS["halve_micro_batch"].apply(twelve)
+    out = RUNG_BY_NAME["halve_micro_batch"].apply(twelve)
     assert out is not None and (out.micro_batch_size, out.grad_accum) == (3, 4)
 
 

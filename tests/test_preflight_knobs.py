@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from qlora_supervise.policies import memory_model, throughput
-from qlora_supervise.policies.candidates import BF16_HEAD_CLASS, CostClass
-from qlora_supervise.policies.ladders import DEFAULT_LADDERS
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
 from qlora_supervise.policies.memory import gpu
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.preflight import preflight
-from qlora_supervise.policies.rungs import RUNG_NAMES
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_NAMES, CostClass
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.config_search import preflight
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
@@ -92,7 +92,7 @@ def test_the_bf16_head_saves_its_bytes_and_is_a_throughput_rung() -> None:
     head = gpu.base_components(SHAPE_8B, dataclasses.replace(job, bf16_head=True))
     assert sum(upcast.values()) - sum(head.values()) == 2 * 128256 * 4096 * 2
     assert head["embeddings_bf16"] == head["lm_head_bf16"] == 128256 * 4096 * 2
-    assert BF16_HEAD_CLASS is CostClass.THROUGHPUT
+    assert RUNG_BY_NAME["bf16_head"].cost is CostClass.THROUGHPUT
     assert preflight(SHAPE_8B, job, 80 * GiB).knobs == job  # fits as written: not taken
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies.decide import Restart
-from qlora_supervise.policies.rungs import STATIC_RUNGS, Survives
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives
 from qlora_supervise.supervisor.loop.child_output import note_child_events
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, next_plan
 from qlora_supervise.supervisor.loop.resume import resume_point
@@ -32,7 +32,7 @@ def _checkpoint(root: Path, step: int, knobs: Knobs) -> Path:
 def test_a_larger_rank_of_the_same_model_is_loaded_with_the_optimizer_reset(tmp_path: Path) -> None:
     """After halve_lora_rank the r 16 checkpoint is the resume point, optimizer reset, cut from rank 16."""
     path = _checkpoint(tmp_path, 6, KNOBS)
-    halved = STATIC_RUNGS["halve_lora_rank"].apply(KNOBS)
+    halved = RUNG_BY_NAME["halve_lora_rank"].apply(KNOBS)
     assert halved is not None and (halved.lora_r, halved.lora_alpha) == (8, 16)
     point = resume_point(tmp_path, halved)
     assert (point.step, point.path, point.reset_optimizer, point.rank_from) == (6, path, True, 16)
@@ -61,10 +61,10 @@ def test_the_same_rank_with_another_alpha_is_still_skipped(tmp_path: Path) -> No
 
 def test_halve_lora_rank_keeps_progress_and_the_planner_keeps_the_checkpoints() -> None:
     """The rung's tag is optimizer_reset, so its restart is no fresh start (old checkpoints stay)."""
-    assert STATIC_RUNGS["halve_lora_rank"].survives is Survives.OPTIMIZER_RESET
-    halved = STATIC_RUNGS["halve_lora_rank"].apply(KNOBS)
+    assert RUNG_BY_NAME["halve_lora_rank"].survives is Survives.OPTIMIZER_RESET
+    halved = RUNG_BY_NAME["halve_lora_rank"].apply(KNOBS)
     assert halved is not None
-    restart = Restart(halved, "halve_lora_rank", {}, "why", STATIC_RUNGS["halve_lora_rank"].survives)
+    restart = Restart(halved, "halve_lora_rank", {}, "why", RUNG_BY_NAME["halve_lora_rank"].survives)
     decision = DecisionRecord.of(restart, 0.0)
     assert decision.action is Action.RESTART
     record = AttemptRecord(

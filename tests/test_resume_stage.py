@@ -17,8 +17,8 @@ import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
 
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, decide
-from qlora_supervise.policies.ladders import ladder_for
-from qlora_supervise.policies.rungs import STATIC_RUNGS, Survives
+from qlora_supervise.policies.ladder.ladders import ladder_for
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.facts.failure import ChildExit
 from qlora_supervise.supervisor.loop.resume import resume_point
@@ -67,14 +67,14 @@ def test_the_resume_ladder_is_host_then_a_fresh_state_then_paged() -> None:
 
 def test_one_process_skips_the_host_rung_transformers_already_takes() -> None:
     """On one process transformers already reads the state with map_location cpu: nothing to change."""
-    assert STATIC_RUNGS["optimizer_state_on_host"].apply(ADAMW) is None
+    assert RUNG_BY_NAME["optimizer_state_on_host"].apply(ADAMW) is None
     assert _walk(ADAMW) == ["fresh_optimizer_state", "paged_8bit_optimizer"]
     assert _walk(dataclasses.replace(ADAMW, optimizer="paged_adamw_8bit")) == ["fresh_optimizer_state"]
 
 
 def test_the_fresh_state_keeps_adapter_and_step_and_says_so() -> None:
     """The fresh optimizer state is journalled as progress that survives: the adapter and the step."""
-    rung = STATIC_RUNGS["fresh_optimizer_state"]
+    rung = RUNG_BY_NAME["fresh_optimizer_state"]
     assert rung.survives is Survives.OPTIMIZER_RESET
     assert "LR schedule kept" in rung.reason
 

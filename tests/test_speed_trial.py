@@ -14,14 +14,13 @@ from _child import events, log_tail, make_spec, run_child
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import parse_event
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec, trained_knobs
 from qlora_supervise.trainer_child.contract.speed_trial import (
     MIN_GAIN,
     SpeedTrialEvent,
     TrialCandidate,
     TrialResult,
     choose,
-    chosen_knobs,
     within,
 )
 
@@ -67,10 +66,10 @@ def test_a_candidate_measured_over_the_plans_limit_is_dropped_like_an_oom() -> N
 
 
 def test_the_chosen_knobs_change_only_what_the_trial_changes() -> None:
-    """chosen_knobs takes micro-batch, accumulation and checkpointing from the event, nothing else."""
+    """trained_knobs takes micro-batch, accumulation and checkpointing from the event, nothing else."""
     planned = Knobs(model="m", micro_batch_size=4, grad_accum=2, gradient_checkpointing=False, lora_r=16)
     event = SpeedTrialEvent((_result(PLANNED, 900.0), _result(CHECKPOINTED, 1000.0)), CHECKPOINTED, True, 3.0)
-    trained = chosen_knobs(planned, event)
+    trained = trained_knobs(planned, event.chosen)
     assert (trained.micro_batch_size, trained.grad_accum, trained.gradient_checkpointing) == (2, 4, True)
     assert trained.lora_r == 16 and trained.effective_batch == planned.effective_batch
 

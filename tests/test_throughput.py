@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.models import fit_throughput  # the bench script (its provisional points)
-from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import throughput
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 SHAPE_7B = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000)

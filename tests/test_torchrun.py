@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.rungs import STATIC_RUNGS, RungContext, drop_rank, rung_by_name
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, drop_rank, rung_by_name
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.jobfile import JobError, load_job
@@ -242,7 +242,7 @@ def test_one_rank_well_above_the_others_is_uneven(tmp_path: Path) -> None:
 
 def test_halving_the_micro_batch_keeps_micro_accum_and_ranks() -> None:
     """Micro 4 x 2 on 2 ranks becomes micro 2 x 4 on 2 ranks: still 16."""
-    halved = STATIC_RUNGS["halve_micro_batch"].apply(TWO)
+    halved = RUNG_BY_NAME["halve_micro_batch"].apply(TWO)
     assert halved is not None and (halved.micro_batch_size, halved.grad_accum, halved.world_size) == (2, 4, 2)
     assert halved.effective_batch == TWO.effective_batch == 16
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from test_loop_fake_clock import LLAMA2_7B
 
-from qlora_supervise.policies.candidates import rungs_between
 from qlora_supervise.policies.decide import PastAttempt, Restart, decide
+from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.supervisor.commands.plan import make_plan
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.loop.first_plan import first_plan

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from qlora_supervise.policies.candidates import RUNG_CLASSES, CostClass
+from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 

@@ -1,4 +1,4 @@
-"""Fit the throughput model (policies/throughput.py) to measured steps, and write its coefficients.
+"""Fit the throughput model (policies/search/throughput.py) to measured steps, and write its coefficients.
 
     python -m bench.models.fit_throughput [bench/results/throughput-h200-2026-12-01] [--write]
     python -m bench.models.fit_throughput --provisional --write  # the issue's numbers, until the sweep lands
@@ -16,7 +16,7 @@ record per shape and per config), fits by least squares:
    measures it on more shapes;
 
 prints predicted against measured tokens/s for every config with the error, and with ``--write``
-writes ``policies/throughput_fit.py`` (constants, with the fit's provenance in its docstring).
+writes ``policies/search/throughput_fit.py`` (constants, with the fit's provenance in its docstring).
 Constants in a module rather than a JSON data file: the policy needs no file I/O (the package
 stays pure), mypy sees the types, and the wheel needs no package-data entry to carry them.
 """
@@ -37,12 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import throughput
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 ROOT = Path(__file__).resolve().parents[2]
-FIT_MODULE = ROOT / "policies" / "throughput_fit.py"
+FIT_MODULE = ROOT / "policies" / "search" / "throughput_fit.py"
 DEFAULT_SWEEP = ROOT / "bench" / "results" / "throughput-h200-2026-12-01"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -275,7 +275,7 @@ def render_module(
     recompute = result.token_s["ckpt"] / result.token_s["no_ckpt"] - 1 if result.token_s["no_ckpt"] else 0.0
     about = [
         ("PROVISIONAL: c" if provisional else "C")
-        + "oefficients of the throughput model (policies/throughput.py), written by "
+        + "oefficients of the throughput model (search/throughput.py), written by "
         + "bench/models/fit_throughput.py.",
         f"Fitted {datetime.date.today().isoformat()} on {len(points)} configs from: {'; '.join(sources)}.",
         f"Error of tokens/s on those configs: median {100 * float(np.median(errors)):.1f} %, "

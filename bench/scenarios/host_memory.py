@@ -76,8 +76,8 @@ class Job:
     r: int = 16
 
 
-#: Caps found with the plan (policies/preflight.py) where each starts with offload and checkpointing;
-#: host limits: the load's predicted peak (the larger) plus about 15 %, summing to 45 GiB.
+#: Caps found with the plan (policies/search/config_search.py) where each starts with offload and
+#: checkpointing; host limits: the load's predicted peak (the larger) plus about 15 %, summing to 45 GiB.
 JOBS = (
     Job("llama3-8b-7GiB", "llama", "8b-128k", "7GiB", "19GiB"),
     Job("qwen3-4b-5GiB", "qwen3", "qwen3-4b", "5GiB", "11GiB"),

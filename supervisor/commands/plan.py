@@ -4,7 +4,7 @@ will go, on the card and on the host, before training.
 Reads the job, the model's ``config.json`` and its safetensors index / headers (never the
 weights: :mod:`qlora_supervise.supervisor.jobfile.model_files`), and prints the predicted peak by
 component, the card and the budget, whether the job fits as written, the config the supervisor
-would start from (the pre-flight, :func:`qlora_supervise.policies.preflight.preflight`), each
+would start from (the pre-flight, :func:`qlora_supervise.policies.search.config_search.preflight`), each
 rung's predicted peak and cost class, and the host RAM needed to load and to merge. No GPU, no
 torch: it runs in a second on a laptop for a 70B config.
 
@@ -95,11 +95,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from qlora_supervise.policies import memory_model, preflight, throughput
-from qlora_supervise.policies.budget import card_budget, card_reserve
+from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
-from qlora_supervise.policies.rung_effects import RungEffect, rung_effects
+from qlora_supervise.policies.search import config_search as preflight
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.budget import card_budget, card_reserve
+from qlora_supervise.policies.search.rung_effects import RungEffect, rung_effects
 from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
 from qlora_supervise.supervisor.commands.plan_inputs import JobView, load_plan_job, plan_model_files
 from qlora_supervise.supervisor.commands.plan_text import render

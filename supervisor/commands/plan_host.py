@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from qlora_supervise.policies import preflight
-from qlora_supervise.policies.budget import HostBudget, host_budget
 from qlora_supervise.policies.memory.host import (
     CPU_IMPORTS_RSS,
     IMPORTS_RSS,
@@ -15,6 +13,8 @@ from qlora_supervise.policies.memory.host import (
     host_train_need,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import config_search as preflight
+from qlora_supervise.policies.search.budget import HostBudget, host_budget
 from qlora_supervise.supervisor.commands.plan_inputs import JobView
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import UnitError, parse_memory_size

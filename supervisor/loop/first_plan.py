@@ -14,7 +14,9 @@ from __future__ import annotations
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies import memory_model, preflight, throughput
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.search import config_search as preflight
+from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan

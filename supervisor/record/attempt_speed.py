@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.policies import throughput
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import Heartbeat, parse_event
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult, chosen_knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs, trained_knobs
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
             rates.append(event.tokens_per_s)
         elif isinstance(event, SpeedTrialEvent):
             trial = event
-    knobs = chosen_knobs(planned, trial) if trial is not None and trial.switched else planned
+    knobs = trained_knobs(planned, trial.chosen) if trial is not None and trial.switched else planned
     return AttemptSpeed(knobs, _median(rates), len(rates), trial)
 
 

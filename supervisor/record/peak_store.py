@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies.memory_model import ModelShape, Observation
-from qlora_supervise.policies.throughput import SpeedObservation
+from qlora_supervise.policies.search.throughput import SpeedObservation
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KEEP_LINES = 2000

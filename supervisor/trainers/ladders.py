@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from qlora_supervise.policies.ladders import DEFAULT_LADDERS
+from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
 from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, rungs_for
 from qlora_supervise.trainer_child.contract.codes import FailureKind

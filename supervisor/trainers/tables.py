@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from qlora_supervise.policies.rungs import RUNGS
 from qlora_supervise.supervisor.trainers.table_rows import (
     ACTIVATION_CHECKPOINTING,
     EVAL_STRATEGY,
@@ -106,29 +107,8 @@ TRL_LAUNCH_KEYS = frozenset(
     {"accelerate_config", "num_processes", "num_machines", "multi_gpu", "use_deepspeed", "use_fsdp"}
 )
 
-#: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take (our
-#: child's own features: the bf16 head, activation offload, the merge; a smaller model or one
-#: rank fewer, whose checkpoints the tool could not resume). ``expandable_segments`` is the
-#: allocator's environment variable, the same for any torch process.
-RUNG_KNOBS: Mapping[str, str | None] = {
-    "expandable_segments": "expandable_segments",
-    "gradient_checkpointing": "gradient_checkpointing",
-    "halve_micro_batch": "micro_batch_size",
-    "shorten_seq_len": "max_seq_len",
-    "paged_8bit_optimizer": "optimizer",
-    "halve_lora_rank": "lora_r",
-    "quantize_4bit": "load_in_4bit",
-    "halve_eval_batch": "eval_batch_size",
-    "disable_eval": "eval_enabled",
-    "bf16_head": None,
-    "activation_offload": None,
-    "merge_on_cpu": None,
-    "smaller_model": None,
-    "drop_rank": None,
-    # The resume stage's rungs: our child loads the optimizer state itself; a tool's resume is its own.
-    "optimizer_state_on_host": None,
-    "fresh_optimizer_state": None,
-}
+#: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take.
+RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
 
 
 def _gradient_checkpointing(value: Any) -> Any:

@@ -18,10 +18,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
-
-if TYPE_CHECKING:  # spec.py imports this module for TrialCandidate
-    from qlora_supervise.trainer_child.contract.spec import Knobs
+from typing import ClassVar
 
 #: A candidate replaces the planned config only when it is this much faster (DeepSpeed's
 #: autotuner also keeps the first config within noise); below it the trial's noise decides.
@@ -141,18 +138,6 @@ def within(result: TrialResult, limit: int | None) -> TrialResult:
     gib = 1 << 30
     why = f"measured peak {result.peak_bytes / gib:.2f} GiB is over the plan's limit {limit / gib:.2f} GiB"
     return dataclasses.replace(result, error=why)
-
-
-def chosen_knobs(knobs: Knobs, event: SpeedTrialEvent) -> Knobs:
-    """The knobs an attempt planned as ``knobs`` trained with after its speed trial ``event``: the
-    chosen candidate's micro-batch, accumulation and checkpointing; every other knob as planned."""
-    chosen = event.chosen
-    return dataclasses.replace(
-        knobs,
-        micro_batch_size=chosen.micro_batch_size,
-        grad_accum=chosen.grad_accum,
-        gradient_checkpointing=chosen.gradient_checkpointing,
-    )
 
 
 def _float(value: object) -> float | None:

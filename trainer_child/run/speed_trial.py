@@ -35,13 +35,12 @@ import numpy as np
 import torch
 
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, trained_knobs
 from qlora_supervise.trainer_child.contract.speed_trial import (
     SpeedTrialEvent,
     TrialCandidate,
     TrialResult,
     choose,
-    chosen_knobs,
     within,
 )
 from qlora_supervise.trainer_child.recipe.activations import (
@@ -246,7 +245,7 @@ def apply(trainer: Any, event: SpeedTrialEvent) -> None:
     args.gradient_accumulation_steps = chosen.grad_accum
     trainer._train_batch_size = args.train_batch_size
     set_checkpointing(trainer, chosen.gradient_checkpointing)
-    trainer.plan = dataclasses.replace(trainer.plan, knobs=chosen_knobs(trainer.plan.knobs, event))
+    trainer.plan = dataclasses.replace(trainer.plan, knobs=trained_knobs(trainer.plan.knobs, event.chosen))
 
 
 @contextlib.contextmanager

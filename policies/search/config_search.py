@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies import throughput
-from qlora_supervise.policies.budget import HostBudget
-from qlora_supervise.policies.candidates import (
-    RUNG_CLASSES,
-    RUNG_OF_KNOB,
-    CostClass,
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
+from qlora_supervise.policies.memory.host import host_train_need
+from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_CLASSES, RUNG_OF_KNOB, CostClass
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.budget import HostBudget
+from qlora_supervise.policies.search.candidates import (
     deep_cut,
     eval_batches,
     most_frugal,
@@ -49,14 +50,10 @@ from qlora_supervise.policies.candidates import (
     rungs_between,
     throughput_variants,
 )
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
-from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.nothing_fits import nothing_fits, rejected
-from qlora_supervise.policies.preflight_result import NothingFits, PreflightResult, Ranked, knob_changes
-from qlora_supervise.policies.preflight_result import gib as _gib
-from qlora_supervise.policies.rungs import STATIC_RUNGS
-from qlora_supervise.policies.trial_pick import TRIAL_SIZE, TRIAL_SLOWEST_SHARE, trial_candidates
+from qlora_supervise.policies.search.nothing_fits import nothing_fits, rejected
+from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, Ranked, knob_changes
+from qlora_supervise.policies.search.search_result import gib as _gib
+from qlora_supervise.policies.search.trial_pick import TRIAL_SIZE, TRIAL_SLOWEST_SHARE, trial_candidates
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 __all__ = [
@@ -342,7 +339,7 @@ def _host_reasons(search: _Search, knobs: Knobs) -> list[str]:
 def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
     reasons = []
     for name, (before, after) in knob_changes(old, new).items():
-        rung = STATIC_RUNGS.get(RUNG_OF_KNOB.get(name, ""))
+        rung = RUNG_BY_NAME.get(RUNG_OF_KNOB.get(name, ""))
         why = f": {rung.reason}" if rung is not None and _towards_less_memory(name, before, after) else ""
         reasons.append(f"{name} {before} -> {after}{why}")
     return reasons

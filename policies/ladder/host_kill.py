@@ -27,9 +27,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from qlora_supervise.policies.candidates import RUNG_CLASSES, CostClass
-from qlora_supervise.policies.ladders import ladder_for
-from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.policies.ladder.ladders import ladder_for
+from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives
 from qlora_supervise.policies.verdicts import FailureLike, PastAttempt, Restart, Settings
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs

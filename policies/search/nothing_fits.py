@@ -7,17 +7,17 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from qlora_supervise.policies.budget import card_reserve, host_for_budget
-from qlora_supervise.policies.candidates import DEEPEST_CUT_BEFORE_FALLBACK
 from qlora_supervise.policies.memory.gpu import predict
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.preflight_result import NothingFits, PreflightResult, knob_changes
-from qlora_supervise.policies.preflight_result import gib as _gib
+from qlora_supervise.policies.search.budget import card_reserve, host_for_budget
+from qlora_supervise.policies.search.candidates import DEEPEST_CUT_BEFORE_FALLBACK
+from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, knob_changes
+from qlora_supervise.policies.search.search_result import gib as _gib
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 if TYPE_CHECKING:  # the search builds these verdicts; it imports this module
-    from qlora_supervise.policies.preflight import _Search
+    from qlora_supervise.policies.search.config_search import _Search
 
 
 def nothing_fits(

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qlora_supervise.policies.candidates import rungs_between
+from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.policies.verdicts import PastAttempt
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 

@@ -24,18 +24,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qlora_supervise.policies import memory_model, preflight, throughput
-from qlora_supervise.policies.candidates import rungs_between
-from qlora_supervise.policies.ladders import ladder_for
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.rungs import (
-    STATIC_RUNGS,
+    RUNG_BY_NAME,
     Rung,
     RungContext,
     Survives,
     rung_by_name,
     shorten_cost_text,
 )
+from qlora_supervise.policies.search import config_search as preflight
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
@@ -146,7 +148,7 @@ def _search(
         return None
     names = rungs_between(knobs, result.knobs)
     survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
-    why = "; ".join(STATIC_RUNGS[name].reason for name in names if name in STATIC_RUNGS)
+    why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
     why += f" (memory model: {result.reasons[-1]})"
     return Restart(result.knobs, "+".join(names), knob_changes(knobs, result.knobs), why, survives)
 

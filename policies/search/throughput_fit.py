@@ -1,4 +1,4 @@
-"""Coefficients of the throughput model (policies/throughput.py), written by bench/models/fit_throughput.py.
+"""Coefficients of the throughput model (search/throughput.py), written by bench/models/fit_throughput.py.
 
 Fitted 2026-12-02 on 75 configs from: bench/results/throughput-h200-2026-12-01.
 

@@ -6,26 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies import throughput
-from qlora_supervise.policies.candidates import RUNG_CLASSES, CostClass
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.preflight import knob_changes, scaled_peak
-from qlora_supervise.policies.rungs import STATIC_RUNGS
+from qlora_supervise.policies.rungs import PLAN_RUNGS, CostClass
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.config_search import knob_changes, scaled_peak
 from qlora_supervise.trainer_child.contract.spec import Knobs
-
-#: The rungs the plan shows, each applied alone to the job as written, in ladder order.
-PLAN_RUNGS = (
-    "expandable_segments",
-    "bf16_head",
-    "gradient_checkpointing",
-    "halve_micro_batch",
-    "paged_8bit_optimizer",
-    "activation_offload",
-    "halve_eval_batch",
-    "shorten_seq_len",
-    "halve_lora_rank",
-)
 
 
 @dataclass(frozen=True)
@@ -50,13 +36,13 @@ def rung_effects(
     """Each plan rung applied alone to ``knobs``: predicted peak and tokens/s after it."""
     base = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     effects = []
-    for name in PLAN_RUNGS:
-        changed = STATIC_RUNGS[name].apply(knobs)
-        if changed is None:
-            effects.append(RungEffect(name, RUNG_CLASSES[name], 0.0, None, {}))
+    for rung in PLAN_RUNGS:
+        changed = rung.apply(knobs)
+        if changed is None or rung.cost is None:
+            effects.append(RungEffect(rung.name, rung.cost or CostClass.FREE, 0.0, None, {}))
             continue
         rate = throughput.rank_speed(shape, changed, speed, targets).tokens_per_s
         peak = scaled_peak(predict(shape, changed, targets), scale)
         cost = round(1 - rate / base, 4) if base > 0 else 0.0
-        effects.append(RungEffect(name, RUNG_CLASSES[name], cost, peak, knob_changes(knobs, changed), rate))
+        effects.append(RungEffect(rung.name, rung.cost, cost, peak, knob_changes(knobs, changed), rate))
     return effects

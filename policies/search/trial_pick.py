@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from qlora_supervise.policies.preflight_result import Ranked
+from qlora_supervise.policies.search.search_result import Ranked
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
 

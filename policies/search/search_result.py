@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.candidates import CostClass
 from qlora_supervise.policies.memory.gpu import Prediction
+from qlora_supervise.policies.search.candidates import CostClass
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
 

@@ -34,11 +34,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies import throughput_fit as fit
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, NF4_DOUBLE_QUANT, NF4_SINGLE_QUANT
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
 from qlora_supervise.policies.memory.optimizer import adapter_tensors
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.search import throughput_fit as fit
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: Host <-> card bandwidth an offloaded activation crosses twice (out in forward, back in backward).

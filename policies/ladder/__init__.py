@@ -1,0 +1,1 @@
+"""The ladders: what to change, rung by rung, after a failure."""
