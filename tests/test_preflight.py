@@ -6,8 +6,9 @@ import dataclasses
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.rungs import CostClass
 from qlora_supervise.policies.search import throughput
-from qlora_supervise.policies.search.config_search import CostClass, preflight
+from qlora_supervise.policies.search.config_search import preflight
 from qlora_supervise.policies.search.rung_effects import rung_effects
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

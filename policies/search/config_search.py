@@ -33,26 +33,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
-from qlora_supervise.policies.memory.host import host_train_need
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_CLASSES, RUNG_OF_KNOB, CostClass
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget
-from qlora_supervise.policies.search.candidates import (
-    deep_cut,
-    eval_batches,
-    most_frugal,
-    quality_variants,
-    rungs_between,
-    throughput_variants,
-)
 from qlora_supervise.policies.search.nothing_fits import nothing_fits, rejected
 from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, Ranked, knob_changes
 from qlora_supervise.policies.search.search_result import gib as _gib
+from qlora_supervise.policies.search.search_state import (
+    DEFAULT_MARGIN,
+    Search,
+    fit_limit,
+    scaled_peak,
+)
 from qlora_supervise.policies.search.trial_pick import TRIAL_SIZE, TRIAL_SLOWEST_SHARE, trial_candidates
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -68,121 +64,6 @@ __all__ = [
     "preflight",
     "scaled_peak",
 ]
-
-DEFAULT_MARGIN = 0.08
-_CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
-
-
-def scaled_peak(prediction: Prediction, scale: float | None) -> int:
-    """The allocated peak with the variable part scaled by a calibration (None: as predicted)."""
-    if scale is None:
-        return prediction.peak_bytes
-    from qlora_supervise.policies.memory_model import split
-
-    fixed, variable = split(prediction)
-    return fixed + int(variable * scale)
-
-
-@dataclass
-class _Search:
-    """The predictions of one pre-flight, cached per knobs; remembers the smallest peak it saw."""
-
-    shape: ModelShape
-    job: Knobs
-    limit: float
-    scale: float | None
-    targets: tuple[str, ...] | str
-    speed: throughput.SpeedCalibration | None
-    exclude: frozenset[Knobs]
-    unusable: frozenset[str]
-    host: HostBudget | None = None
-    smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
-    deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
-
-    def __post_init__(self) -> None:
-        self._peaks: dict[Knobs, int] = {}
-        self._host_peaks: dict[Knobs, int] = {}
-        self.host_rejected: dict[Knobs, int] = {}  # fit the card, not the host: their host peaks
-        self.host_limit = None if self.host is None else fit_limit(self.host.budget_bytes)
-
-    def peak(self, knobs: Knobs) -> int:
-        if knobs not in self._peaks:
-            self._peaks[knobs] = scaled_peak(predict(self.shape, knobs, self.targets), self.scale)
-            allowed = not deep_cut(self.job, knobs)
-            if allowed and (self.smallest is None or self._peaks[knobs] < self.smallest[0]):
-                self.smallest = (self._peaks[knobs], knobs)
-        return self._peaks[knobs]
-
-    def host_peak(self, knobs: Knobs) -> int | None:
-        """The training host peak of ``knobs`` (None: no host budget)."""
-        if self.host is None:
-            return None
-        if knobs not in self._host_peaks:
-            host = self.host
-            need = host_train_need(
-                self.shape, knobs, host.checkpoint_bytes, self.targets, host.largest_shard_bytes
-            )
-            self._host_peaks[knobs] = need.peak_bytes
-        return self._host_peaks[knobs]
-
-    def fits(self, knobs: Knobs) -> bool:
-        if self.peak(knobs) > self.limit:
-            return False
-        host = self.host_peak(knobs)
-        if host is not None and self.host_limit is not None and host > self.host_limit:
-            self.host_rejected[knobs] = host
-            return False
-        return True
-
-    def with_eval_that_fits(self, knobs: Knobs) -> Knobs | None:
-        """``knobs`` with the largest eval batch that fits; None when training itself does not."""
-        if not self.fits(dataclasses.replace(knobs, eval_enabled=False)):
-            return None
-        return next((k for k in eval_batches(knobs) if self.fits(k)), None)
-
-    def rank(self, base: Knobs) -> list[Ranked]:
-        """Every fitting throughput variant of ``base``, fastest first."""
-        out = []
-        for variant in throughput_variants(base):
-            fitted = self.with_eval_that_fits(variant)
-            if fitted is None or fitted in self.exclude:
-                continue
-            rungs = rungs_between(self.job, fitted)
-            if set(rungs) & self.unusable:
-                continue
-            speed = throughput.rank_speed(self.shape, fitted, self.speed, self.targets)
-            out.append(
-                Ranked(
-                    fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, _dearest(rungs),
-                    self.host_peak(fitted),
-                )
-            )  # fmt: skip
-        # Fastest first; at equal speed fewer changes, the larger eval batch, then the config that
-        # uses the card best.
-        return sorted(
-            out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
-        )
-
-    def best(self, job: Knobs) -> tuple[list[Ranked], bool]:
-        """The ranking of the lightest change that fits: (ranking, quality changed); empty: none."""
-        ranking = self.rank(job)
-        if ranking:
-            return ranking, False
-        for variant in quality_variants(job):
-            if set(variant.rungs) & self.unusable or not self.fits(most_frugal(variant.knobs)):
-                continue
-            ranking = self.rank(variant.knobs)
-            if ranking and deep_cut(self.job, variant.knobs):
-                self.deep_fit = self.deep_fit or ranking[0].knobs  # said, never started
-            elif ranking:
-                return ranking, True
-        return [], True
-
-
-def fit_limit(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
-    """The most a config may peak at to fit ``budget_bytes`` with the margin (predicted, or measured
-    by the speed trial: a measurement still meets the allocator's rounding under a cap)."""
-    return int(budget_bytes / (1 + margin))
 
 
 def preflight(
@@ -207,7 +88,7 @@ def preflight(
     # One search in the docstring's order (as written, throughput, quality, fallbacks, nothing),
     # with the reasons written as it goes: splitting it would scatter the one story the journal tells.
     limit = fit_limit(budget_bytes, margin)
-    search = _Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
+    search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
         ranking = search.rank(knobs)
@@ -298,14 +179,14 @@ def _fallback(
             if host is None
             else dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
         )
-        search = _Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
+        search = Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
         ranking, _ = search.best(job)
         if ranking:
             return model, shape, ranking
     return None
 
 
-def _as_written(search: _Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
+def _as_written(search: Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
     """Why the job as written does not start: the card, the host, or an earlier failure."""
     limit = search.limit
     if search.peak(knobs) > limit:
@@ -320,7 +201,7 @@ def _as_written(search: _Search, knobs: Knobs, budget_bytes: int, margin: float)
     return f"as written: predicted {_gib(search.peak(knobs))} fits, but this config already failed"
 
 
-def _host_reasons(search: _Search, knobs: Knobs) -> list[str]:
+def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
     """The host side of a choice: its training host peak against the host budget, and how many
     candidates the host ruled out."""
     host = search.host_peak(knobs)
@@ -351,11 +232,6 @@ def _towards_less_memory(name: str, before: Any, after: Any) -> bool:
     if isinstance(before, int) and isinstance(after, int):
         return after < before
     return True
-
-
-def _dearest(rungs: Sequence[str]) -> CostClass:
-    classes = [RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in rungs]
-    return max(classes, key=_CLASS_ORDER.index, default=CostClass.FREE)
 
 
 def _speed(r: Ranked) -> str:

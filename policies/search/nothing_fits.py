@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from qlora_supervise.policies.memory.gpu import predict
 from qlora_supervise.policies.memory.host import host_train_need
@@ -14,14 +13,12 @@ from qlora_supervise.policies.search.budget import card_reserve, host_for_budget
 from qlora_supervise.policies.search.candidates import DEEPEST_CUT_BEFORE_FALLBACK
 from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, knob_changes
 from qlora_supervise.policies.search.search_result import gib as _gib
+from qlora_supervise.policies.search.search_state import Search
 from qlora_supervise.trainer_child.contract.spec import Knobs
-
-if TYPE_CHECKING:  # the search builds these verdicts; it imports this module
-    from qlora_supervise.policies.search.config_search import _Search
 
 
 def nothing_fits(
-    search: _Search,
+    search: Search,
     knobs: Knobs,
     budget_bytes: int,
     margin: float,
@@ -54,7 +51,7 @@ def nothing_fits(
 
 
 def nothing_fits_host(
-    search: _Search, knobs: Knobs, budget_bytes: int, margin: float, head: list[str]
+    search: Search, knobs: Knobs, budget_bytes: int, margin: float, head: list[str]
 ) -> PreflightResult:
     """Nothing that fits the card fits the host: the smallest host need among them, the host
     budget, and what would fit (a larger host budget, or the card-only configs it would allow)."""
@@ -87,7 +84,7 @@ def nothing_fits_host(
 
 
 def _refusal(
-    search: _Search, knobs: Knobs, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
+    search: Search, knobs: Knobs, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
 ) -> PreflightResult:
     """The result when nothing fits: the smallest config ``nothing`` names, refused."""
     smallest = nothing.smallest_knobs
@@ -106,7 +103,7 @@ def _refusal(
     )
 
 
-def rejected(search: _Search) -> tuple[int, int | None]:
+def rejected(search: Search) -> tuple[int, int | None]:
     values = search.host_rejected.values()
     return len(search.host_rejected), min(values) if values else None
 
