@@ -77,9 +77,9 @@ def test_the_contract_holds_only_the_standard_library() -> None:
 def test_the_checks_see_a_wrong_import(tmp_path: Path) -> None:
     """The walker resolves relative and absolute imports, so the two tests above can fail."""
     sample = tmp_path / "probe.py"
-    sample.write_text("from ..jobfile import units\nfrom qlora_supervise.trainer_child.run import attempt\n")
+    sample.write_text("from ..facts import units\nfrom qlora_supervise.trainer_child.run import attempt\n")
     found = set(_imports(sample, "qlora_supervise.supervisor.loop"))
-    assert "qlora_supervise.supervisor.jobfile.units" in found
+    assert "qlora_supervise.supervisor.facts.units" in found
     assert "qlora_supervise.trainer_child.run.attempt" in found
 
 

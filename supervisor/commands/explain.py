@@ -37,8 +37,8 @@ from tqdm import tqdm
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.commands.series import attempt_series
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
-from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
 from qlora_supervise.supervisor.record.journal import read_attempts

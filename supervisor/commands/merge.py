@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
-from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir

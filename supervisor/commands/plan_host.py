@@ -16,7 +16,7 @@ from qlora_supervise.policies.memory.host import (
 )
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.units import UnitError, parse_memory_size
+from qlora_supervise.supervisor.facts.units import UnitError, parse_memory_size
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 

@@ -39,7 +39,7 @@ from qlora_supervise.supervisor.commands.running import events_file, running_att
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
 from qlora_supervise.supervisor.record.journal import RunState, State, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord

@@ -16,7 +16,7 @@ from structlog.typing import FilteringBoundLogger
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies import memory_model, preflight, throughput
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Phase, PlanNote

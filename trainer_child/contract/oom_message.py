@@ -29,6 +29,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from qlora_supervise.trainer_child.contract.byte_sizes import BYTE_UNITS
+
 #: Keys of a message's numbers, in the order they are usually printed.
 NUMBER_KEYS = (
     "tried_to_allocate",
@@ -43,14 +45,6 @@ NUMBER_KEYS = (
     "private_pools",
 )
 
-UNIT_BYTES: Mapping[str, int] = {
-    "b": 1,
-    "bytes": 1,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
 
 _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)\b"
 
@@ -118,7 +112,7 @@ class OomMessage:
 
 def size_bytes(number: str, unit: str) -> int:
     """``("1.65", "GiB")`` -> 1771674010: the printed value times its unit, rounded."""
-    return round(float(number) * UNIT_BYTES[unit.lower()])
+    return round(float(number) * BYTE_UNITS[unit.lower()])
 
 
 def parse_messages(text: str) -> list[OomMessage]:
