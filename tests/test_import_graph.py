@@ -56,7 +56,7 @@ def test_supervisor_and_policies_reach_the_child_only_through_its_contract(folde
 
 
 def test_the_contract_holds_only_the_standard_library() -> None:
-    """trainer_child/contract imports the standard library, pydantic (its codecs) and itself; pyarrow only lazily."""
+    """trainer_child/contract imports the standard library, pydantic and itself; pyarrow only lazily."""
     # Parquet rows are checked the same way by `validate` and by the child (data_rows.py), so the
     # reader needs pyarrow there, imported inside the parquet function only: importing the
     # contract never loads it.

@@ -1,34 +1,28 @@
 """The child's events file: one JSON object per line, read back into one typed record each.
 
 The child writes each line with :func:`event_line` (``{"event": name, "time": ..., **fields}``);
-the supervisor reads it with :func:`parse_event`, once, into one of the frozen records of
-:data:`ChildEvent`, and never indexes the line as a dict again. :data:`PARSERS` is the one
-registry of event names: a new event is a record with ``event``, ``fields()`` and a parser, and
-one entry there.
+the supervisor reads it with :func:`parse_event`, once, through one pydantic union keyed on the
+line's ``event`` (:data:`ChildEvent`), into the frozen records below, and never indexes the line
+as a dict again. A new event is a record with an ``event`` name and one entry in :data:`_RECORDS`.
 
-Every record reads the lines of older children too: a field a line lacks, or holds with the wrong
-type, is None (the heartbeat alone needs an integer ``step``); memory fields read the older keys
-of :meth:`MemoryNumbers.from_fields`. Only a line that is not a JSON object, names no known
-event, or is a heartbeat without a step, gives None.
+A line that is not a JSON object, names no event this version knows, or does not fit its record
+(a torn last line after a kill, a wrong type) gives None: skipped, never trusted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+import operator
+import time
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, TypeAlias
 
-from qlora_supervise.trainer_child.contract._event_fields import (
-    PlainEvent,
-    float_or_none,
-    int_or_none,
-)
-from qlora_supervise.trainer_child.contract._event_fields import (
-    event_line as event_line,  # the writer keeps its name: ``events.event_line``
-)
+from pydantic import BeforeValidator, Discriminator, StrictInt, Tag, TypeAdapter, ValidationError
+
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
-from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.codes import StageName
 from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
@@ -36,8 +30,34 @@ from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 _STAMP: Any = dataclasses.field(default=None, compare=False)
 
 
+def event_line(event: str, **fields: Any) -> str:
+    """One line of the child's events file."""
+    return json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
+
+
+@functools.cache
+def _adapter(record: type[Any]) -> TypeAdapter[Any]:
+    return TypeAdapter(record)
+
+
+class PlainEvent:
+    """An event record: a frozen dataclass with a ``ClassVar`` ``event`` name whose fields are the
+    line's keys (``time``, the line's stamp, set by :func:`event_line`, is left out of ``fields()``)."""
+
+    event: ClassVar[str]
+
+    def fields(self) -> dict[str, Any]:
+        raw: dict[str, Any] = _adapter(type(self)).dump_python(self, mode="json")  # type: ignore[arg-type]
+        del raw["time"]
+        memory = raw.pop("memory", None)  # written flat, so ``jq .peak_bytes`` reads it
+        return {**raw, **(memory or {})}
+
+    def to_line(self) -> str:
+        return event_line(self.event, **self.fields())
+
+
 @dataclasses.dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(PlainEvent):
     """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
 
     ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
@@ -46,42 +66,12 @@ class Heartbeat:
     """
 
     event: ClassVar[str] = "heartbeat"
-    stage: Stage
-    step: int
+    stage: StageName
+    step: StrictInt  # a step of ``"3"`` or ``true`` is no step to trust
     loss: float | None = None
     tokens_per_s: float | None = None
     memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
     time: float | None = _STAMP
-
-    def fields(self) -> dict[str, Any]:
-        """The fields of the event line, flat: ``stage``, ``step``, ``loss``, ``tokens_per_s``
-        and those of :meth:`MemoryNumbers.fields`."""
-        return {
-            "stage": self.stage.value,
-            "step": self.step,
-            "loss": self.loss,
-            "tokens_per_s": self.tokens_per_s,
-            **self.memory.fields(),
-        }
-
-    def to_line(self) -> str:
-        return event_line(self.event, **self.fields())
-
-    @classmethod
-    def from_fields(cls, raw: Mapping[str, Any]) -> Heartbeat | None:
-        """The heartbeat in a parsed event line (today's keys or older ones); None when the
-        line has no integer step (not a heartbeat this reader can trust)."""
-        step = int_or_none(raw.get("step"))
-        if step is None:
-            return None
-        return cls(
-            stage=Stage.named(raw.get("stage")),
-            step=step,
-            loss=float_or_none(raw.get("loss")),
-            tokens_per_s=float_or_none(raw.get("tokens_per_s")),
-            memory=MemoryNumbers.from_fields(raw),
-            time=float_or_none(raw.get("time")),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +100,7 @@ class Started(PlainEvent):
     trust_remote_code: bool | None = None
     max_steps: int | None = None
     step: int | None = None
-    stage: Stage | None = None
+    stage: StageName | None = None
     time: float | None = _STAMP
 
     def fields(self) -> dict[str, Any]:
@@ -124,7 +114,7 @@ class StageEntered(PlainEvent):
     """``stage``: the child entered a phase (load, training, eval, save) at ``step``."""
 
     event: ClassVar[str] = "stage"
-    stage: Stage | None = None
+    stage: StageName | None = None
     step: int | None = None
     time: float | None = _STAMP
 
@@ -145,14 +135,6 @@ class Loaded(PlainEvent):
     memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
     sample_lengths: SampleLengths | None = None
     time: float | None = _STAMP
-
-    @classmethod
-    def _nested(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return {"memory": MemoryNumbers.from_fields(raw), "sample_lengths": SampleLengths.from_fields(raw)}
-
-    def fields(self) -> dict[str, Any]:
-        lengths = self.sample_lengths.fields() if self.sample_lengths is not None else {}
-        return {**super().fields(), **self.memory.fields(), **lengths}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +166,7 @@ class EarlyCheckpointRequested(PlainEvent):
     """``early_checkpoint_requested``: the signal arrived; a checkpoint follows this step."""
 
     event: ClassVar[str] = "early_checkpoint_requested"
-    stage: Stage | None = None
+    stage: StageName | None = None
     step: int | None = None
     time: float | None = _STAMP
 
@@ -204,14 +186,6 @@ class Resumed(PlainEvent):
     grad_accum: int | None = None
     rank_reduction: RankReduction | None = None
     time: float | None = _STAMP
-
-    @classmethod
-    def _nested(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return {"rank_reduction": RankReduction.from_fields(raw)}
-
-    def fields(self) -> dict[str, Any]:
-        cut = self.rank_reduction.fields() if self.rank_reduction is not None else {}
-        return {**super().fields(), **cut}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +213,7 @@ class Stopping(PlainEvent):
     """``stopping``: a graceful stop was asked for; the child checkpoints and exits."""
 
     event: ClassVar[str] = "stopping"
-    stage: Stage | None = None
+    stage: StageName | None = None
     step: int | None = None
     time: float | None = _STAMP
 
@@ -260,8 +234,25 @@ class MergePlanned(PlainEvent):
     time: float | None = _STAMP
 
 
+#: The records of the events file, each under its ``event`` name: a new event plugs in here.
+_RECORDS: tuple[type[Any], ...] = (
+    Started,
+    StageEntered,
+    Loaded,
+    TrainerReady,
+    Heartbeat,
+    CheckpointSaved,
+    EarlyCheckpointRequested,
+    Resumed,
+    Finished,
+    Stopping,
+    MergePlanned,
+    SpeedTrialEvent,
+)
+EVENT_NAMES = frozenset(record.event for record in _RECORDS)
+
 #: Every event of the child's events file.
-ChildEvent = (
+ChildEvent: TypeAlias = (
     Started
     | StageEntered
     | Loaded
@@ -276,23 +267,26 @@ ChildEvent = (
     | SpeedTrialEvent
 )
 
-#: The one registry: each event name and the parser of its (decoded) line. A new event plugs in here.
-PARSERS: Mapping[str, Callable[[Mapping[str, Any]], ChildEvent | None]] = {
-    Started.event: Started.from_fields,
-    StageEntered.event: StageEntered.from_fields,
-    Loaded.event: Loaded.from_fields,
-    TrainerReady.event: TrainerReady.from_fields,
-    Heartbeat.event: Heartbeat.from_fields,
-    CheckpointSaved.event: CheckpointSaved.from_fields,
-    EarlyCheckpointRequested.event: EarlyCheckpointRequested.from_fields,
-    Resumed.event: Resumed.from_fields,
-    Finished.event: Finished.from_fields,
-    Stopping.event: Stopping.from_fields,
-    MergePlanned.event: MergePlanned.from_fields,
-    SpeedTrialEvent.event: SpeedTrialEvent.from_json,
-}
 
-EVENT_NAMES = frozenset(PARSERS)
+def _name(raw: object) -> str | None:
+    name = raw.get("event") if isinstance(raw, Mapping) else getattr(raw, "event", None)
+    return name if isinstance(name, str) and name in EVENT_NAMES else None
+
+
+def _memory_in_line(raw: object) -> object:
+    """The line's flat memory keys as the record's ``memory``."""
+    return {**raw, "memory": raw} if isinstance(raw, Mapping) else raw
+
+
+def _tagged(record: type[Any]) -> Any:
+    if record in (Heartbeat, Loaded):
+        return Annotated[record, BeforeValidator(_memory_in_line), Tag(record.event)]
+    return Annotated[record, Tag(record.event)]
+
+
+_LINE: TypeAdapter[ChildEvent] = TypeAdapter(
+    Annotated[functools.reduce(operator.or_, map(_tagged, _RECORDS)), Discriminator(_name)]
+)
 
 
 def parse_event(line: str) -> ChildEvent | None:
@@ -301,19 +295,14 @@ def parse_event(line: str) -> ChildEvent | None:
     if not line.strip():
         return None
     try:
-        raw = json.loads(line)
-    except (ValueError, RecursionError):
+        return _LINE.validate_json(line)
+    except (ValidationError, ValueError, RecursionError):
         return None
-    return event_from_fields(raw) if isinstance(raw, Mapping) else None
 
 
 def event_from_fields(raw: Mapping[str, Any]) -> ChildEvent | None:
     """The record of an already decoded line (:func:`parse_event` without the JSON)."""
-    name = raw.get("event")
-    parser = PARSERS.get(name) if isinstance(name, str) else None
-    if parser is None:
-        return None
     try:
-        return parser(raw)
-    except (TypeError, ValueError, OverflowError):  # a value no reader expected (a newer child's)
+        return _LINE.validate_python(raw)
+    except (ValidationError, ValueError, RecursionError):
         return None

@@ -29,6 +29,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from qlora_supervise.trainer_child.contract.byte_sizes import BYTE_UNITS
 
 #: Keys of a message's numbers, in the order they are usually printed.
@@ -204,28 +206,17 @@ class OomNumbers:
     def to_json(self) -> dict[str, Any]:
         """The numbers the message printed, under :data:`NUMBER_KEYS` (the report's JSON shape:
         absent numbers are left out, pids are keys)."""
-        values = {key: getattr(self, key) for key in NUMBER_KEYS}
-        return {key: value for key, value in values.items() if value is not None and value != {}}
+        raw: dict[str, Any] = _NUMBERS.dump_python(self, exclude_none=True)
+        return {key: value for key, value in raw.items() if value != {}}
 
     @classmethod
     def from_json(cls, raw: object) -> OomNumbers:
-        """The numbers of a report read back from JSON (pids as strings there); anything ill-typed
-        (an older or a hand-edited report) is left out. ``parse_numbers``' dict reads the same way."""
-        if not isinstance(raw, Mapping):
+        """The numbers of a report read back from JSON (pids as strings there), or of
+        ``parse_numbers``' dict; none for anything ill-typed (a hand-edited report)."""
+        try:
+            return _NUMBERS.validate_python(raw)
+        except ValidationError:
             return cls()
-        sizes: dict[str, Any] = {key: raw.get(key) for key in NUMBER_KEYS if key != "processes"}
-        processes = raw.get("processes")
-        return cls(
-            **{key: value for key, value in sizes.items() if _is_size(value)},
-            processes={int(pid): size for pid, size in processes.items() if _is_pid(pid) and _is_size(size)}
-            if isinstance(processes, Mapping)
-            else {},
-        )
 
 
-def _is_size(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_pid(value: object) -> bool:
-    return _is_size(value) or (isinstance(value, str) and value.isdigit())
+_NUMBERS = TypeAdapter(OomNumbers)
