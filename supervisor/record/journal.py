@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
 from qlora_supervise.supervisor.record.runfiles import open_append_binary
 from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
@@ -78,24 +80,10 @@ class State:
     note: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
+        return _STATE.dump_json(self, indent=2).decode()
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> State:
-        flight = raw.get("in_flight")
-        return cls(
-            run_state=RunState(raw["run_state"]),
-            knobs=Knobs(**raw["knobs"]),
-            phase=Phase(raw.get("phase", "train")),
-            in_flight=InFlight(
-                **{**flight, "knobs": Knobs(**flight["knobs"]), "phase": Phase(flight["phase"])}
-            )
-            if flight
-            else None,
-            reset_optimizer=bool(raw.get("reset_optimizer", False)),
-            fresh_start=bool(raw.get("fresh_start", False)),
-            note=str(raw.get("note", "")),
-        )
+
+_STATE = TypeAdapter(State)
 
 
 def write_state(path: Path, state: State) -> None:
@@ -105,9 +93,8 @@ def write_state(path: Path, state: State) -> None:
 def read_state(path: Path) -> State | None:
     """The saved state, or None when absent or unreadable (the caller logs which)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return State.from_dict(raw) if isinstance(raw, dict) else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return _STATE.validate_json(path.read_bytes())
+    except (OSError, ValueError):
         return None
 
 
@@ -149,8 +136,10 @@ class Lift:
     time: float
 
     def to_line(self) -> str:
-        raw = {"version": JOURNAL_VERSION, "lift": dataclasses.asdict(self)}
-        return json.dumps(raw, sort_keys=True) + "\n"
+        return json.dumps({"version": JOURNAL_VERSION, "lift": dataclasses.asdict(self)}) + "\n"
+
+
+_LIFT = TypeAdapter(Lift)
 
 
 def append_lift(path: Path, lift: Lift) -> None:
@@ -170,12 +159,9 @@ def lifted_after(path: Path) -> int:
 
 
 def _lift_of(raw: Mapping[str, Any]) -> Lift | None:
-    lift = raw.get("lift")
-    if not isinstance(lift, dict):
-        return None
     try:
-        return Lift(int(lift["after_attempt"]), str(lift["verdict"]), str(lift["why"]), float(lift["time"]))
-    except (KeyError, TypeError, ValueError):
+        return _LIFT.validate_python(raw["lift"]) if "lift" in raw else None
+    except ValueError:
         return None
 
 
@@ -207,9 +193,9 @@ def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
         if "lift" in raw:
             continue  # a verdict lifted (read_lifts): no attempt
         try:
-            if int(raw.get("version", 1)) > JOURNAL_VERSION:
+            if raw.get("version") != JOURNAL_VERSION:
                 raise ValueError("not a journal line of this version")
             records.append(AttemptRecord.from_json(raw))
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except ValueError:
             bad += 1
     return records, bad

@@ -284,9 +284,8 @@ def _tagged(record: type[Any]) -> Any:
     return Annotated[record, Tag(record.event)]
 
 
-_LINE: TypeAdapter[ChildEvent] = TypeAdapter(
-    Annotated[functools.reduce(operator.or_, map(_tagged, _RECORDS)), Discriminator(_name)]
-)
+_UNION: Any = Annotated[functools.reduce(operator.or_, map(_tagged, _RECORDS)), Discriminator(_name)]
+_LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
 def parse_event(line: str) -> ChildEvent | None:
