@@ -17,6 +17,7 @@ import json
 import operator
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, TypeAlias
 
 from pydantic import BeforeValidator, Discriminator, StrictInt, Tag, TypeAdapter, ValidationError
@@ -297,6 +298,15 @@ def parse_event(line: str) -> ChildEvent | None:
         return _LINE.validate_json(line)
     except (ValidationError, ValueError, RecursionError):
         return None
+
+
+def read_events(path: Path) -> list[ChildEvent]:
+    """Every event of an events file, in order (a missing or unreadable file has none)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    return [event for event in map(parse_event, lines) if event is not None]
 
 
 def event_from_fields(raw: Mapping[str, Any]) -> ChildEvent | None:
