@@ -27,9 +27,6 @@ from qlora_supervise.trainer_child.contract.codes import StageName
 from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
-#: Every record's ``time``: the line's stamp, not part of what the event says (records compare without it).
-_STAMP: Any = dataclasses.field(default=None, compare=False)
-
 
 def event_line(event: str, **fields: Any) -> str:
     """One line of the child's events file."""
@@ -41,11 +38,14 @@ def _adapter(record: type[Any]) -> TypeAdapter[Any]:
     return TypeAdapter(record)
 
 
+@dataclasses.dataclass(frozen=True)
 class PlainEvent:
     """An event record: a frozen dataclass with a ``ClassVar`` ``event`` name whose fields are the
-    line's keys (``time``, the line's stamp, set by :func:`event_line`, is left out of ``fields()``)."""
+    line's keys. ``time`` is the line's stamp, set by :func:`event_line` (None in a record built to
+    be written), left out of ``fields()`` and of comparisons: it is not part of what the event says."""
 
     event: ClassVar[str]
+    time: float | None = dataclasses.field(default=None, compare=False, kw_only=True)
 
     def fields(self) -> dict[str, Any]:
         raw: dict[str, Any] = _adapter(type(self)).dump_python(self, mode="json")  # type: ignore[arg-type]
@@ -62,8 +62,7 @@ class Heartbeat(PlainEvent):
     """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
 
     ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
-    and ``stage`` not changing, so a beat is sent whatever the main thread does. ``time``: the
-    line's stamp (None in a beat built to be written).
+    and ``stage`` not changing, so a beat is sent whatever the main thread does.
     """
 
     event: ClassVar[str] = "heartbeat"
@@ -72,7 +71,6 @@ class Heartbeat(PlainEvent):
     loss: float | None = None
     tokens_per_s: float | None = None
     memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +100,6 @@ class Started(PlainEvent):
     max_steps: int | None = None
     step: int | None = None
     stage: StageName | None = None
-    time: float | None = _STAMP
 
     def fields(self) -> dict[str, Any]:
         # The stand-in's keys are written where it gave them; the child's own line has none.
@@ -117,7 +114,6 @@ class StageEntered(PlainEvent):
     event: ClassVar[str] = "stage"
     stage: StageName | None = None
     step: int | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +131,6 @@ class Loaded(PlainEvent):
     eval_rows: int | None = None
     memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
     sample_lengths: SampleLengths | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +141,6 @@ class TrainerReady(PlainEvent):
     phases_s: Mapping[str, Any] | None = None
     prepared: bool | None = None
     prepared_s: float | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +153,6 @@ class CheckpointSaved(PlainEvent):
     path: str | None = None
     emergency: bool | None = None
     early: bool | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +162,6 @@ class EarlyCheckpointRequested(PlainEvent):
     event: ClassVar[str] = "early_checkpoint_requested"
     stage: StageName | None = None
     step: int | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +178,6 @@ class Resumed(PlainEvent):
     micro_batch_size: int | None = None
     grad_accum: int | None = None
     rank_reduction: RankReduction | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +191,6 @@ class Finished(PlainEvent):
     merged: str | None = None
     seconds: float | None = None
     device: str | None = None
-    time: float | None = _STAMP
 
     def fields(self) -> dict[str, Any]:
         # A training child writes step and adapter; the merge writes step, merged, seconds, device.
@@ -216,7 +206,6 @@ class Stopping(PlainEvent):
     event: ClassVar[str] = "stopping"
     stage: StageName | None = None
     step: int | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +221,6 @@ class MergePlanned(PlainEvent):
     host_available_bytes: int | None = None
     why: str | None = None
     dtype: str | None = None
-    time: float | None = _STAMP
 
 
 #: The records of the events file, each under its ``event`` name: a new event plugs in here.

@@ -1,6 +1,6 @@
 """The child's memory numbers in its events, and the one rule that picks its peak.
 
-Standard library only: the child measures them (``run/memory.py``) and writes them flat into
+The child measures them (``run/memory.py``) and writes them flat into
 its ``heartbeat`` and ``loaded`` events; the supervisor reads them back with the event
 (``contract/events.py``).
 """

@@ -1,6 +1,6 @@
 """Parse the memory numbers out of allocator out-of-memory messages.
 
-Standard library only: the trainer child imports this module to fill its error report, and the
+No torch: the trainer child imports this module to fill its error report, and the
 supervisor imports it to classify logs of commands that are not ours.
 
 Wording families read here (bytes come back as integers; ``KiB`` = 1024 bytes, rounded):
