@@ -15,12 +15,11 @@ import dataclasses
 import enum
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated
 
-from pydantic import TypeAdapter
+from pydantic import Discriminator, Tag, TypeAdapter
 
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
 from qlora_supervise.supervisor.record.runfiles import open_append_binary
@@ -139,7 +138,41 @@ class Lift:
         return json.dumps({"version": JOURNAL_VERSION, "lift": dataclasses.asdict(self)}) + "\n"
 
 
-_LIFT = TypeAdapter(Lift)
+@dataclass(frozen=True)
+class _LiftLine:
+    lift: Lift
+
+
+def _kind(raw: object) -> str | None:
+    """A line of this version is an attempt or a lift; anything else fits neither (unreadable)."""
+    if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
+        return None
+    return "lift" if "lift" in raw else "attempt"
+
+
+_LINE: TypeAdapter[AttemptRecord | _LiftLine] = TypeAdapter(
+    Annotated[
+        Annotated[AttemptRecord, Tag("attempt")] | Annotated[_LiftLine, Tag("lift")], Discriminator(_kind)
+    ]
+)
+
+
+def _lines(path: Path) -> tuple[list[AttemptRecord | Lift], int]:
+    """The journal's attempts and lifts in order, and the number of lines that could not be read."""
+    if not path.is_file():
+        return [], 0
+    found: list[AttemptRecord | Lift] = []
+    bad = 0
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            item = _LINE.validate_json(line)
+        except ValueError:
+            bad += 1
+            continue
+        found.append(item.lift if isinstance(item, _LiftLine) else item)
+    return found, bad
 
 
 def append_lift(path: Path, lift: Lift) -> None:
@@ -149,7 +182,7 @@ def append_lift(path: Path, lift: Lift) -> None:
 
 def read_lifts(path: Path) -> list[Lift]:
     """The journal's lifts, oldest first."""
-    return [lift for lift in (_lift_of(raw) for raw in _raw_lines(path)[0]) if lift is not None]
+    return [item for item in _lines(path)[0] if isinstance(item, Lift)]
 
 
 def lifted_after(path: Path) -> int:
@@ -158,44 +191,7 @@ def lifted_after(path: Path) -> int:
     return lifts[-1].after_attempt if lifts else 0
 
 
-def _lift_of(raw: Mapping[str, Any]) -> Lift | None:
-    try:
-        return _LIFT.validate_python(raw["lift"]) if "lift" in raw else None
-    except ValueError:
-        return None
-
-
-def _raw_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
-    if not path.is_file():
-        return [], 0
-    found: list[dict[str, Any]] = []
-    bad = 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(raw, dict):
-            found.append(raw)
-        else:
-            bad += 1
-    return found, bad
-
-
 def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
     """The journal's records and the number of lines that could not be read (torn or corrupt)."""
-    raws, bad = _raw_lines(path)
-    records: list[AttemptRecord] = []
-    for raw in raws:
-        if "lift" in raw:
-            continue  # a verdict lifted (read_lifts): no attempt
-        try:
-            if raw.get("version") != JOURNAL_VERSION:
-                raise ValueError("not a journal line of this version")
-            records.append(AttemptRecord.from_json(raw))
-        except ValueError:
-            bad += 1
-    return records, bad
+    items, bad = _lines(path)
+    return [item for item in items if isinstance(item, AttemptRecord)], bad
