@@ -35,9 +35,16 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 JOURNAL_VERSION = 2
 #: The failure as the journal keeps it (its own codec: pids as string keys, the Xid facts flat).
-FailureField = Annotated[
-    Failure, PlainValidator(lambda raw: Failure.from_json(raw)), PlainSerializer(lambda f: f.to_json())
-]
+FailureField = Annotated[Failure, PlainValidator(lambda raw: _failure(raw)), PlainSerializer(Failure.to_json)]
+
+
+def _failure(raw: Any) -> Failure:
+    try:
+        return Failure.from_json(raw)
+    except (KeyError, TypeError, AttributeError) as error:  # pydantic turns only ValueError into "unreadable"
+        raise ValueError(f"not a failure: {error!r}") from None
+
+
 #: The decision's rung name when a checkpoint that did not load was moved aside.
 QUARANTINE_RUNG = "quarantine_checkpoint"
 
