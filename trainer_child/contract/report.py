@@ -64,7 +64,11 @@ class ErrorReport:
     allocator_peak: AllocatorPeak | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage", Stage.named(self.stage))  # built by hand from a name too
+        # Built by hand from plain values too (the child's failure path, the tests): a stage's name,
+        # the numbers ``parse_numbers`` found.
+        object.__setattr__(self, "stage", Stage.named(self.stage))
+        if not isinstance(self.oom_numbers, OomNumbers):
+            object.__setattr__(self, "oom_numbers", OomNumbers.from_json(self.oom_numbers))
         object.__setattr__(self, "allocator_peak", AllocatorPeak.from_memory_stats(self.memory_stats))
 
     def to_json(self) -> str:
