@@ -261,7 +261,7 @@ def test_newer_cpu_allocator_wording() -> None:
 
 
 def test_module_uses_the_standard_library_only() -> None:
-    """The trainer child imports the parser before torch is set up: stdlib, pydantic and contract imports only."""
+    """The child imports the parser before torch is set up: stdlib, pydantic and contract imports only."""
     import ast
     import sys
     from pathlib import Path
