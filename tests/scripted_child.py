@@ -183,7 +183,11 @@ class Child:
             time.sleep(0.5 if name == "slow" else float(os.environ.get("SCRIPTED_CHILD_STEP_S", "0.02")))
             self.step += 1
             self.emit(
-                "heartbeat", step=self.step, stage="forward", loss=2.0 / self.step, peak=1000 * self.step
+                "heartbeat",
+                step=self.step,
+                stage="forward",
+                loss=2.0 / self.step,
+                peak_bytes=1000 * self.step,
             )
             if self.step % self.spec.train.save_steps == 0:
                 self.checkpoint(self.step)

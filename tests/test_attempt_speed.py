@@ -12,6 +12,7 @@ from qlora_supervise.supervisor.commands.explain import explanation, print_table
 from qlora_supervise.supervisor.commands.status import print_story, status_json
 from qlora_supervise.supervisor.jobfile import load_job
 from qlora_supervise.supervisor.loop.settings import model_shape, policy_settings, remember_attempt
+from qlora_supervise.supervisor.record.attempt_speed import measured_speed
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -57,7 +58,7 @@ def test_a_measured_attempt_goes_to_the_store_and_the_runs_settings(tmp_path: Pa
     assert shape is not None
     settings = policy_settings(job)
     record = read_attempts(rd.attempts)[0][0]
-    updated = remember_attempt(settings, job, rd, record)
+    updated = remember_attempt(settings, job, record, measured_speed(rd, record))
     assert updated.speeds[-1].tokens_per_s == 1500.0 and updated.speeds[-1].knobs == record.knobs
     assert read_speeds(default_path(), shape)[-1].tokens_per_s == 1500.0
     assert any(s.tokens_per_s == 1500.0 for s in policy_settings(job).speeds)  # the next run reads it
@@ -77,7 +78,7 @@ def test_the_speed_trials_candidates_are_stored_and_a_switch_names_the_trained_k
     )
     with (rd.attempt_dir(1) / "child-events.jsonl").open("a", encoding="utf-8") as out:
         out.write(json.dumps(event.to_json()) + "\n")
-    updated = remember_attempt(policy_settings(job), job, rd, record)
+    updated = remember_attempt(policy_settings(job), job, record, measured_speed(rd, record))
     trained = updated.speeds[-1].knobs
     assert (trained.micro_batch_size, trained.gradient_checkpointing) == (
         faster.micro_batch_size,

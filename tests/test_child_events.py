@@ -15,7 +15,6 @@ from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, 
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import (
     EVENT_NAMES,
-    PARSERS,
     ChildEvent,
     EarlyCheckpointRequested,
     Heartbeat,
@@ -109,7 +108,6 @@ def test_every_event_the_child_writes_reads_back_as_its_record(tmp_path: Path) -
         raw = json.loads(line)
         record = parse_event(line)
         assert record is not None and record.event == raw["event"], line
-        assert isinstance(record, PARSERS[record.event].__self__)  # type: ignore[attr-defined]
         payload = {key: value for key, value in raw.items() if key not in ("event", "time")}
         written = record.to_json() if isinstance(record, SpeedTrialEvent) else record.fields()
         as_json = json.loads(json.dumps({k: v for k, v in written.items() if k != "event"}))
@@ -117,7 +115,7 @@ def test_every_event_the_child_writes_reads_back_as_its_record(tmp_path: Path) -
         if not isinstance(record, SpeedTrialEvent):
             assert record.time == raw["time"] and parse_event(record.to_line()) == record
         seen.add(record.event)
-    assert seen == EVENT_NAMES == set(PARSERS)  # a new event needs its line here too
+    assert seen == EVENT_NAMES  # a new event needs its line here too
 
 
 def test_the_childs_progress_lines_keep_their_keys(tmp_path: Path) -> None:
@@ -173,32 +171,11 @@ def test_a_corrupt_or_unknown_line_gives_none(line: str) -> None:
     assert parse_event(line) is None
 
 
-def test_ill_typed_fields_read_as_none_without_an_exception() -> None:
-    """A known event with values of the wrong type still parses; those fields are None."""
-    odd = '{"event": "heartbeat", "step": 2, "loss": "low", "peak_bytes": [1], "peak_source": {"x": 1}}'
-    beat = parse_event(odd)
-    assert isinstance(beat, Heartbeat) and beat.loss is None and beat.memory == MemoryNumbers()
-    saved = parse_event(
-        '{"event": "checkpoint_saved", "step": true, "path": 5, "early": "yes", "time": "now"}'
-    )
-    assert saved == events.CheckpointSaved() and saved.time is None
-
-
-def test_an_old_format_heartbeat_line_parses() -> None:
-    """A heartbeat with the keys of older children (peak, peak_vmdata, rss, ...) reads with the peak rule."""
-    old = '{"event": "heartbeat", "time": 1764576000.5, "stage": "forward", "step": 4, "loss": 2, '
-    old += '"tokens_per_s": 950.0, "rss": 10, "peak_rss": 30, "vmdata": 20, "peak_vmdata": 40}'
-    beat = parse_event(old)
-    assert isinstance(beat, Heartbeat)
-    assert (beat.stage, beat.step, beat.loss, beat.tokens_per_s, beat.time) == (
-        Stage.FORWARD,
-        4,
-        2.0,
-        950.0,
-        1764576000.5,
-    )
-    assert (beat.memory.peak_bytes, beat.memory.peak_source) == (40, ChildPeakSource.DATA_SEGMENT)
-    assert (beat.memory.rss_bytes, beat.memory.vmdata_bytes, beat.memory.rss_high_water_bytes) == (10, 20, 30)
+def test_a_known_event_with_a_wrong_type_is_not_trusted() -> None:
+    """A known event whose values do not fit its record is None, like a torn line."""
+    assert parse_event('{"event": "heartbeat", "step": 2, "loss": "low"}') is None
+    assert parse_event('{"event": "checkpoint_saved", "step": 3, "path": ["a"]}') is None
+    assert parse_event('{"event": "loaded", "sample_lengths": {"rows": 2, "lengths": [1, "x"]}}') is None
 
 
 def test_every_stored_events_file_of_earlier_runs_parses() -> None:
@@ -228,7 +205,6 @@ def test_the_reader_parses_each_line_once_and_yields_records(
         return parse_event(line)
 
     monkeypatch.setattr(heartbeats, "parse_event", counting)
-    monkeypatch.setattr(Heartbeat, "from_fields", _once(Heartbeat.from_fields))
     path = tmp_path / "child-events.jsonl"
     lines = [Heartbeat(Stage.FORWARD, step, 2.0, 100.0, GPU_MEMORY).to_line() for step in (1, 2, 3)]
     path.write_text("".join(lines) + event_line("finished", step=3, adapter="/a"))
@@ -237,18 +213,6 @@ def test_the_reader_parses_each_line_once_and_yields_records(
     assert [type(e) for e in new] == [Heartbeat, Heartbeat, Heartbeat, events.Finished] and len(calls) == 4
     p = reader.progress
     assert p.events == new and p.finished and (p.step, p.stage, p.peak_bytes) == (3, "forward", 7 << 30)
-
-
-def _once(parse: Any) -> Any:
-    """``Heartbeat.from_fields`` that fails the test when one line is parsed a second time."""
-    seen: set[int] = set()
-
-    def wrapped(raw: Any) -> Any:
-        assert id(raw) not in seen, "a heartbeat line was parsed twice"
-        seen.add(id(raw))
-        return parse(raw)
-
-    return wrapped
 
 
 def test_a_stage_this_version_cannot_name_is_no_progress(tmp_path: Path) -> None:

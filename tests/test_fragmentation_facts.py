@@ -6,6 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, judge, predicted_fit
@@ -165,7 +167,7 @@ def test_facts_from_a_segment_list_count_only_the_pool_of_the_request() -> None:
 
 
 def test_allocator_facts_cross_the_report_file_typed() -> None:
-    """An error report's allocator facts are read back as AllocatorFacts; junk reads back as None."""
+    """An error report's allocator facts are read back as AllocatorFacts; junk makes the report unreadable."""
     facts = AllocatorFacts(1, 2, 3, 1, 1, 1, False, 1, 4, 5, None, (1, 512), 7, 9)
     report = ErrorReport(70, "OutOfMemoryError", "m", "", Stage.FORWARD, 3, True, allocator=facts,
                          memory_snapshot="/run/attempt-001/memory-snapshot.pickle")  # fmt: skip
@@ -173,7 +175,8 @@ def test_allocator_facts_cross_the_report_file_typed() -> None:
     assert again.allocator == facts and again.memory_snapshot == report.memory_snapshot
     raw = json.loads(report.to_json())
     raw["allocator"] = {"allocated_bytes": "lots"}
-    assert ErrorReport.from_json(json.dumps(raw)).allocator is None
+    with pytest.raises(ValueError):
+        ErrorReport.from_json(json.dumps(raw))
 
 
 def test_step_shapes_remember_the_last_completed_step_of_each_shape() -> None:

@@ -30,8 +30,8 @@ from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search.budget import HostBudget, host_budget, host_for_budget, host_reserve
 from qlora_supervise.supervisor.commands import cli
 from qlora_supervise.supervisor.commands.plan import plan_command
+from qlora_supervise.supervisor.facts.units import parse_bytes
 from qlora_supervise.supervisor.jobfile.load import load_job
-from qlora_supervise.supervisor.jobfile.units import parse_bytes
 from qlora_supervise.supervisor.loop.settings import policy_settings, predicted_host
 from qlora_supervise.supervisor.record.records import AttemptRecord, HostMemory, Outcome, Phase
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage

@@ -15,9 +15,9 @@ import pytest
 
 from qlora_supervise.supervisor.commands.validate import validate_command
 from qlora_supervise.supervisor.exit_codes import SupervisorExit
+from qlora_supervise.supervisor.facts.units import UnitError, parse_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile.advice import job_advice
-from qlora_supervise.supervisor.jobfile.units import UnitError, parse_bytes, parse_memory_size
 
 MODEL = "model: {path: ./model}\n"
 

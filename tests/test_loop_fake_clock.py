@@ -110,7 +110,7 @@ class FakeChild:
         last = spec.train.max_steps if name == "ok" else int(at or 1) - 1
         with events.open("a", encoding="utf-8") as out:
             for step in range(start + 1, last + 1):
-                out.write(event_line("heartbeat", step=step, stage="forward", peak=GiB))
+                out.write(event_line("heartbeat", step=step, stage="forward", peak_bytes=GiB))
         if name == "hang":
             self._hung_at = max(last, start)
             return None

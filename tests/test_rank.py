@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402 - after the importorskip
 
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction  # noqa: E402
+from qlora_supervise.trainer_child.contract.events import Resumed, event_from_fields  # noqa: E402
 from qlora_supervise.trainer_child.run.failure import ConfigError  # noqa: E402
 from qlora_supervise.trainer_child.run.rank import (  # noqa: E402
     energy_share,
@@ -106,7 +107,8 @@ def test_truncate_adapter_rewrites_the_files_at_the_new_rank_and_reports_the_ene
     assert reduction.energy_kept == pytest.approx(top / total, rel=1e-3)
     assert reduction.worst_module == worst
     assert reduction.worst_energy_kept == pytest.approx(shares[worst], rel=1e-3)
-    assert RankReduction.from_fields(reduction.fields()) == reduction
+    resumed = event_from_fields({"event": "resumed", **reduction.fields()})
+    assert isinstance(resumed, Resumed) and resumed.rank_reduction == reduction
 
 
 def test_an_adapter_of_a_smaller_rank_cannot_grow(tmp_path: Path) -> None:

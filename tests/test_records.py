@@ -94,42 +94,6 @@ def test_a_record_round_trips_through_the_journal(tmp_path: Path) -> None:
     )
 
 
-def test_a_version_one_journal_line_is_still_read(tmp_path: Path) -> None:
-    """A line written before the typed records (dict peaks, no version) is converted, not dropped."""
-    old = {
-        "attempt": 1,
-        "phase": "train",
-        "knobs": {"model": "m", "micro_batch_size": 2},
-        "outcome": "failed",
-        "started_at": 1.0,
-        "ended_at": 2.0,
-        "exit_code": 70,
-        "signal": None,
-        "resumed_from": 0,
-        "steps_completed": 2,
-        "next_resume_from": 2,
-        "lost_steps": 0,
-        "peak_memory": {"child_peak": 3 * GiB, "gpu_process": 4 * GiB, "rss": None},
-        "failure": {"kind": "oom_forward", "stage": "forward", "numbers": {}, "evidence": "e", "message": ""},
-        "decision": {
-            "action": "restart",
-            "rung": "gradient_checkpointing",
-            "changes": {"gradient_checkpointing": [False, True]},
-            "why": "w",
-            "survives": "all",
-            "knobs": {"model": "m", "micro_batch_size": 2, "gradient_checkpointing": True},
-            "waited_s": 0.0,
-        },
-    }
-    path = tmp_path / "attempts.jsonl"
-    path.write_text(json.dumps(old) + "\n")
-    records, bad = read_attempts(path)
-    assert bad == 0 and records[0].peak == Peak(3 * GiB, AttemptPeakSource.HEARTBEAT)
-    assert records[0].decision is not None and records[0].decision.knobs == Knobs(
-        "m", micro_batch_size=2, gradient_checkpointing=True
-    )
-
-
 def test_a_journal_line_from_a_newer_version_is_refused_not_misread(tmp_path: Path) -> None:
     """A line this version does not know is counted unreadable (and logged by the loop)."""
     path = tmp_path / "attempts.jsonl"

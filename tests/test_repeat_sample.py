@@ -129,7 +129,7 @@ class RepeatingChild(fake.FakeChild):
             lengths = SampleLengths(rows=20, lengths=(30,) * 19 + (1900,))
             out.write(event_line("loaded", train_rows=20, **lengths.fields()))
             for step in range(start + 1, last + 1):
-                out.write(event_line("heartbeat", step=step, stage="forward", peak=fake.GiB))
+                out.write(event_line("heartbeat", step=step, stage="forward", peak_bytes=fake.GiB))
         checkpoint = fake._checkpoint(spec, last) if last > start else None
         batch = BatchInFlight(step=int(at), micro=0, lengths=(256, 30, 30, 30), rows=(13, 2, 5, 9))
         report = _report(batch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qlora_supervise.supervisor.jobfile.units import (
+from qlora_supervise.supervisor.facts.units import (
     UnitError,
     format_bytes,
     format_duration,

@@ -470,7 +470,7 @@ def main() -> int:
     deadline = start + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]  # the builder's subprocesses too
-    from qlora_supervise.supervisor.jobfile.units import parse_bytes
+    from qlora_supervise.supervisor.facts.units import parse_bytes
 
     model, data = build(args.work, args.tiny, 1024)
     cap = cpu_cap(args.tool, args.python) if args.tiny else parse_bytes(args.cap)

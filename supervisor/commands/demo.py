@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.trainer_child.contract import entry
 
 #: The demo's first config: micro-batch 16 without gradient checkpointing needs about

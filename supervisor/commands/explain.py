@@ -37,8 +37,8 @@ from tqdm import tqdm
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.commands.series import attempt_series
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
-from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
 from qlora_supervise.supervisor.record.journal import read_attempts
@@ -130,7 +130,7 @@ def _ran_on_gpu(rd: RunDir, attempt: int, asked_gpu: bool) -> bool:
     """Whether the attempt ran on a GPU: its child's ``started`` line names the device (``gpu: auto``
     on a machine without one runs on the CPU); the job's ``gpu`` where the child never said."""
     try:
-        with (rd.attempt_dir(attempt) / "child-events.jsonl").open(encoding="utf-8") as handle:
+        with rd.attempt(attempt).events.open(encoding="utf-8") as handle:
             for line, _ in zip(handle, range(50), strict=False):  # ``started`` is among the first lines
                 event = parse_event(line)
                 if isinstance(event, Started) and event.device is not None:
@@ -172,7 +172,7 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
         from qlora_supervise.policies.memory_model import estimate_peak
 
         predicted = estimate_peak(shape, r.knobs)
-    speed = read_attempt_speed(rd.attempt_dir(r.attempt) / "child-events.jsonl", r.knobs)
+    speed = read_attempt_speed(rd.attempt(r.attempt).events, r.knobs)
     return {
         "attempt": r.attempt,
         "phase": r.phase.value,

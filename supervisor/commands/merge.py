@@ -26,11 +26,11 @@ from typing import Any
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.append import open_append_binary
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
-from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import Outcome, Phase
-from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
 from qlora_supervise.supervisor.record.runfiles import RUN_UMASK, ensure_dir
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import entry
@@ -79,7 +79,7 @@ def _merge_locked(rd: RunDir, merged: Path, device: str) -> int:
         print(f"oom_merge on the GPU ({report.message[:200]}): merging on the CPU instead", file=sys.stderr)
         code, report = _run_child(spec, "cpu")
     if code != 0:
-        where = Path(spec.error_file).parent / "child.log"
+        where = AttemptDir(Path(spec.error_file).parent).log
         why = report.message[:500] if report else f"exit status {code}"
         raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {where})")
     numbers = _record_step(rd, Path(spec.merged_dir), step)
@@ -131,39 +131,39 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
     if not specs:
         raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{rd.root}: no attempt-NNN/spec.json to merge from")
     base = AttemptSpec.from_json(specs[-1].read_text(encoding="utf-8"))
-    work = ensure_dir(rd.merge_command)  # never through a link (runfiles)
-    for stale in ("error.json", "child-events.jsonl"):
-        (work / stale).unlink(missing_ok=True)
+    work = AttemptDir(ensure_dir(rd.merge_command))  # never through a link (runfiles)
+    for stale in (work.error, work.events):
+        stale.unlink(missing_ok=True)
     spec = dataclasses.replace(
         base,
         knobs=dataclasses.replace(base.knobs, merge_on_cpu=False),
-        events_file=str(work / "child-events.jsonl"),
-        error_file=str(work / "error.json"),
+        events_file=str(work.events),
+        error_file=str(work.error),
         adapter_dir=str(rd.adapter),
         merged_dir=str(merged),
         resume_from=None,
     )
-    write_text_atomic(work / "spec.json", spec.to_json())
+    write_text_atomic(work.spec, spec.to_json())
     return spec
 
 
 def _run_child(spec: AttemptSpec, device: str) -> tuple[int, ErrorReport | None]:
-    work = Path(spec.error_file).parent
-    Path(spec.error_file).unlink(missing_ok=True)
+    work = AttemptDir(Path(spec.error_file).parent)
+    work.error.unlink(missing_ok=True)
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable,
         "-m",
         entry.MERGE,
         "--spec",
-        str(work / "spec.json"),
+        str(work.spec),
     ]
-    with open_append_binary(work / "child.log") as log:
+    with open_append_binary(work.log) as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     report = None
-    if code != ExitCode.OK and Path(spec.error_file).is_file():
+    if code != ExitCode.OK and work.error.is_file():
         try:
-            report = ErrorReport.from_json(Path(spec.error_file).read_text(encoding="utf-8"))
-        except (OSError, ValueError, TypeError):
+            report = ErrorReport.from_json(work.error.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
             report = None
     return code, report

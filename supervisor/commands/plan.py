@@ -106,8 +106,8 @@ from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, h
 from qlora_supervise.supervisor.commands.plan_inputs import JobView, load_plan_job, plan_model_files
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import Job, model_files
-from qlora_supervise.supervisor.jobfile.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
 from qlora_supervise.supervisor.loop.settings import model_shape, trainer_kind
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds

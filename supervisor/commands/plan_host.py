@@ -17,7 +17,7 @@ from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search.budget import HostBudget, host_budget
 from qlora_supervise.supervisor.commands.plan_inputs import JobView
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.units import UnitError, parse_memory_size
+from qlora_supervise.supervisor.facts.units import UnitError, parse_memory_size
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 

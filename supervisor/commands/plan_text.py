@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile import hub
-from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN
 
 

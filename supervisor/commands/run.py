@@ -36,7 +36,6 @@ from qlora_supervise.supervisor.record.generations import (
     finish_interrupted_move,
     has_attempts,
     job_view,
-    raw_view,
     start_generation,
 )
 from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lift, read_attempts, read_state
@@ -200,8 +199,7 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     recorded = versions.newest_view()
     if recorded is None:
         return Submission([], versions.record(job), moved)
-    legacy = not versions.numbers()  # job.yaml only: compare the fields as written
-    changes = diff(recorded, raw_view(job.raw_text) if legacy else job_view(job))
+    changes = diff(recorded, job_view(job))
     if not _trained_a_step(rd):  # a tool's own key has nothing to mix with yet (generations.py)
         changes = [dataclasses.replace(change, untrained=True) for change in changes]
     unsafe = [change for change in changes if not change.safe]
@@ -217,10 +215,8 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
             f"the current one is kept in {rd.root / 'generations'}/), or put the old values back",
         )
     if not changes and not (restart and moved):
-        if legacy:
-            versions.record(job, legacy_view=True)  # from now on every version is kept
         return Submission([], None, moved)
-    return Submission(changes, versions.record(job, legacy_view=legacy), moved, restart)
+    return Submission(changes, versions.record(job), moved, restart)
 
 
 def _trained_a_step(rd: RunDir) -> bool:

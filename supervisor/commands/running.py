@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
+from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.journal import InFlight, State
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import Heartbeat, parse_event
-
-EVENTS_FILE = "child-events.jsonl"
+from qlora_supervise.trainer_child.contract.events import Heartbeat, read_events
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class Running:
 def events_file(rd: RunDir, state: State | None) -> Path | None:
     """The heartbeats file of the attempt in flight (``status --follow`` prints again when it grows)."""
     flight = state.in_flight if state is not None else None
-    return rd.attempt_dir(flight.number) / EVENTS_FILE if flight is not None else None
+    return rd.attempt(flight.number).events if flight is not None else None
 
 
 def running_attempt(rd: RunDir, state: State | None, last_recorded: int) -> Running | None:
@@ -77,22 +75,10 @@ def running_attempt(rd: RunDir, state: State | None, last_recorded: int) -> Runn
     flight = state.in_flight if state is not None else None
     if flight is None or flight.number <= last_recorded:
         return None
-    events = rd.attempt_dir(flight.number) / EVENTS_FILE
-    beat = _last_heartbeat(events)
-    speed = read_attempt_speed(events, flight.knobs).tokens_per_s
+    events = read_events(rd.attempt(flight.number).events)
+    beat = next((event for event in reversed(events) if isinstance(event, Heartbeat)), None)
+    speed = speed_of(events, flight.knobs).tokens_per_s
     return Running(flight, beat.step if beat else None, beat.stage.value if beat else None, speed)
-
-
-def _last_heartbeat(path: Path) -> Heartbeat | None:
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        event = parse_event(line)
-        if isinstance(event, Heartbeat):
-            return event
-    return None
 
 
 def _alive(pid: int | None) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, parse_event
+from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, read_events
 from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
 
 #: Which current gauge shows the memory each peak source measures.
@@ -40,11 +40,10 @@ class Series:
 
 
 def attempt_series(rd: RunDir, attempt: int) -> Series:
-    directory = rd.attempt_dir(attempt)
+    files = rd.attempt(attempt)
     series = Series()
-    for line in _text(directory / "child-events.jsonl").splitlines():
+    for event in read_events(files.events):
         # The child's memory numbers ride on its heartbeats and its ``loaded`` event.
-        event = parse_event(line)
         if not isinstance(event, Heartbeat | Loaded) or event.time is None:
             continue
         numbers = event.memory
@@ -54,7 +53,7 @@ def attempt_series(rd: RunDir, attempt: int) -> Series:
         if value:
             series.points.append((event.time, int(value)))
             series.label = _LABEL_OF_SOURCE[numbers.peak_source]
-    for sample in _lines(directory / "gpu.jsonl"):
+    for sample in _lines(files.gpu):
         if isinstance(sample.get("time"), int | float) and isinstance(sample.get("this_process_bytes"), int):
             series.nvml.append((float(sample["time"]), int(sample["this_process_bytes"])))
     return series

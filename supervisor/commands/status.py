@@ -39,7 +39,7 @@ from qlora_supervise.supervisor.commands.running import events_file, running_att
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
 from qlora_supervise.supervisor.record.journal import RunState, State, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
@@ -119,7 +119,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
     attempts = []
     for r in records:
         line = json.loads(r.to_line())
-        line.update(child_log=str(rd.attempt_dir(r.attempt) / "child.log"), fix=fix_line(r))
+        line.update(child_log=str(rd.attempt(r.attempt).log), fix=fix_line(r))
         line.update(tokens_per_s=measured_speed(rd, r).tokens_per_s)
         line.update(trainer_config_diff=read_diff(rd.attempt_dir(r.attempt)))  # None: our own trainer
         attempts.append(line)
@@ -283,7 +283,7 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
         if f.kind.value == "config_error" and (fix := fix_line(r)):
             lines.append(f"  fix: {fix}")
         if run_dir is not None:
-            lines.append(f"  log: {run_dir.attempt_dir(r.attempt) / 'child.log'}")
+            lines.append(f"  log: {run_dir.attempt(r.attempt).log}")
     d = r.decision
     if d is not None and r.restarts:
         changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d.changes.items()) or "no change"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile import data_probe, hub
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Job
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
-from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.ownership import foreign_output_dir
 from qlora_supervise.supervisor.trainers.summary import foreign_lines
 from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems

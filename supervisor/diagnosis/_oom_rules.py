@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 
 GIB = 1024**3
 CONTENTION_SHARE = 0.5

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies import memory_model
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.jobfile.units import format_bytes
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

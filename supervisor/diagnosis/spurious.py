@@ -41,7 +41,7 @@ from typing import Any
 
 from qlora_supervise.policies.ladder.spurious_retry import SPURIOUS_KEY
 from qlora_supervise.supervisor.facts.failure import Failure
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
 
 MIB = 1024**2

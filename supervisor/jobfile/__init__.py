@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Job", "JobError", "Problem", "load_job"]
 
-# Re-exported lazily: `status` reads only `jobfile.units`, and importing the package must not
+# Re-exported lazily: `status` reads only the units, and importing the package must not
 # pull in pydantic and the schema for it (each command loads only what it uses).
 _HOMES = {"Job": "job", "load_job": "load", "JobError": "problems", "Problem": "problems"}
 

@@ -17,14 +17,14 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
 from pydantic_core import PydanticCustomError
 
 from qlora_supervise.policies.rungs import RETIRED_RUNGS, RUNG_NAMES
-from qlora_supervise.supervisor.jobfile.problems import did_you_mean
-from qlora_supervise.supervisor.jobfile.units import (
+from qlora_supervise.supervisor.facts.units import (
     DURATION_HELP,
     SIZE_HELP,
     UnitError,
     parse_bytes,
     parse_duration,
 )
+from qlora_supervise.supervisor.jobfile.problems import did_you_mean
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.targets import KEYWORDS as TARGET_KEYWORDS
 

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from qlora_supervise.supervisor.facts.units import format_duration
 from qlora_supervise.supervisor.jobfile import data_probe
 from qlora_supervise.supervisor.jobfile.lora_targets import target_problems
 from qlora_supervise.supervisor.jobfile.model_files import ModelFilesError, read_model_files
@@ -27,7 +28,6 @@ from qlora_supervise.supervisor.jobfile.schema import (
     TrainSection,
 )
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
-from qlora_supervise.supervisor.jobfile.units import format_duration
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 
 #: The largest share of the data ``eval_fraction`` may hold out: beyond it less is trained on

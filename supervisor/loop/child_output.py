@@ -83,7 +83,7 @@ def read_reports(rd: RunDir, number: int, log: FilteringBoundLogger) -> tuple[Er
     """Every rank's error report of the attempt (``error.json``, ``error.rank1.json``, ...), in
     rank order; one that cannot be read is logged and left out."""
     found = []
-    for _, path in rank_files(str(rd.attempt_dir(number) / "error.json")):
+    for _, path in rank_files(str(rd.attempt(number).error)):
         try:
             found.append(ErrorReport.from_json(Path(path).read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError) as exc:

@@ -10,6 +10,7 @@ policy (:mod:`.decision`) and :meth:`~Conclusions.answer` turns the policy's ans
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from structlog.typing import FilteringBoundLogger
 
@@ -30,13 +31,14 @@ from qlora_supervise.supervisor.loop.settings import (
     step_fit,
     with_sample_lengths,
 )
-from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
+from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import RunState, append_attempt
 from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.foreign import tool_saved
 from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.events import ChildEvent
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
@@ -67,8 +69,7 @@ class Conclusions:
         """``o`` with the knobs the attempt trained with: a speed trial in the child may have switched
         the plan's micro-batch and checkpointing. The journal, the policy's history and the
         never-repeat-a-failed-config rule all key on what ran."""
-        events = self.rd.attempt_dir(o.number) / "child-events.jsonl"
-        trained = read_attempt_speed(events, o.plan.knobs).knobs
+        trained = speed_of(o.progress.events, o.plan.knobs).knobs
         # The host model's training peak for what ran: status and explain set the measured one beside it.
         o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
         if trained == o.plan.knobs:
@@ -86,7 +87,7 @@ class Conclusions:
             announce_failure(log, verdict, o.report, reclaimed)
             return self._decide(o, verdict, records, log)
         next_from = None if verdict is Outcome.SUCCEEDED else self.resume_step(o.plan.knobs)
-        record = self.journal(record_of(o, verdict, next_from), records)
+        record = self.journal(record_of(o, verdict, next_from), records, o.progress.events)
         if verdict is Outcome.STOPPED:
             return Turn(RunState.STOPPED)  # RUNNING -> STOPPED
         if verdict is Outcome.SUCCEEDED:
@@ -113,7 +114,9 @@ class Conclusions:
         if isinstance(decision, policy.Restart):
             reinit = decision.survives is Survives.ADAPTER_REINIT
             next_from = 0 if reinit else self.resume_step(decision.knobs)
-        record = self.journal(deciding.settled(pending, decision, next_from), records)
+        record = self.journal(
+            deciding.settled(pending, decision, next_from), records, pending.outcome.progress.events
+        )
         announce_decision(self.log.bind(attempt=record.attempt), record, records, self.rd)
         return _after(record)
 
@@ -124,15 +127,21 @@ class Conclusions:
         if waited.stopped:
             # WAITING -> STOPPED: no verdict on the config; the run stays resumable.
             next_from = self.resume_step(pending.outcome.plan.knobs)
-            self.journal(deciding.stopped_while_waiting(pending, next_from), records)
+            self.journal(
+                deciding.stopped_while_waiting(pending, next_from), records, pending.outcome.progress.events
+            )
             return Turn(RunState.STOPPED)
         return self.answer(deciding.ask_again(pending, waited, self.settings), records)  # WAITING -> ...
 
-    def journal(self, record: AttemptRecord, records: list[AttemptRecord]) -> AttemptRecord:
-        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``."""
+    def journal(
+        self, record: AttemptRecord, records: list[AttemptRecord], events: Sequence[ChildEvent]
+    ) -> AttemptRecord:
+        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the
+        attempt's, read once by its heartbeat reader."""
         append_attempt(self.rd.attempts, record)
         records.append(record)
-        self.settings = remember_attempt(self.settings, self.job, self.rd, record)  # peak and speed kept
+        speed = speed_of(events, record.knobs)
+        self.settings = remember_attempt(self.settings, self.job, record, speed)  # peak and speed kept
         return record
 
     def resume_step(self, knobs: Knobs) -> int:
@@ -167,7 +176,7 @@ class Conclusions:
         line = record_of(
             o, Outcome.FAILED, self.resume_step(o.plan.knobs), failure_record(failure, o.report), entry
         )
-        record = self.journal(line, records)
+        record = self.journal(line, records, o.progress.events)
         announce_decision(log, record, records, self.rd)
         return record
 

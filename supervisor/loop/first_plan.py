@@ -18,7 +18,7 @@ from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Phase, PlanNote

@@ -18,7 +18,7 @@ from qlora_supervise.supervisor.loop.seams import Clock, Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import Phase
-from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.trainers.attempt_config import write_attempt_files
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
@@ -90,8 +90,8 @@ def write_spec(
         knobs=plan.knobs,
         data=job.data,
         train=job.train,
-        events_file=str(directory / "child-events.jsonl"),
-        error_file=str(directory / "error.json"),
+        events_file=str(AttemptDir(directory).events),
+        error_file=str(AttemptDir(directory).error),
         checkpoints_dir=str(rd.checkpoints),
         adapter_dir=str(rd.adapter),
         merged_dir=str(rd.merged),
@@ -107,5 +107,5 @@ def write_spec(
         speed_trial_limit_bytes=plan.speed_trial_limit,
         command=command,
     )
-    write_text_atomic(directory / "spec.json", spec.to_json())
+    write_text_atomic(AttemptDir(directory).spec, spec.to_json())
     return spec

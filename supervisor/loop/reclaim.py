@@ -34,7 +34,7 @@ def reclaim(
     """What the in-flight attempt left; None when the journal already holds its record."""
     if any(r.attempt == flight.number for r in records):
         return None  # its record was written; only state.json was stale
-    spec_path = rd.attempt_dir(flight.number) / "spec.json"
+    spec_path = rd.attempt(flight.number).spec
     # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe,
     # and finds the child when the supervisor died before it could record the pid. torchrun's
     # ranks (their own sessions, no PDEATHSIG) are found by the spec path too, after torchrun,
@@ -42,7 +42,7 @@ def reclaim(
     for pid in attempt_children(flight.pid, spec_path, rd):
         log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
         child_mod.stop_orphan(pid, seams.stop_grace_s)
-    reader = HeartbeatReader(rd.attempt_dir(flight.number) / "child-events.jsonl")
+    reader = HeartbeatReader(rd.attempt(flight.number).events)
     reader.poll(seams.clock())
     return AttemptOutcome(
         number=flight.number,
@@ -54,7 +54,7 @@ def reclaim(
         resumed_from=flight.resumed_from,
         started_at=flight.started_at,
         ended_at=seams.wall(),
-        log_tail=child_mod.log_tail(rd.attempt_dir(flight.number) / "child.log"),
+        log_tail=child_mod.log_tail(rd.attempt(flight.number).log),
     )
 
 

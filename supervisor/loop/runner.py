@@ -38,7 +38,7 @@ from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Phase
-from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
@@ -176,7 +176,7 @@ class AttemptRunner:
             resumed_from=resume.step,
             started_at=started_at,
             ended_at=seams.wall(),
-            log_tail=child_mod.log_tail(attempt_dir / "child.log"),
+            log_tail=child_mod.log_tail(AttemptDir(attempt_dir).log),
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
         )
 
@@ -184,21 +184,19 @@ class AttemptRunner:
         """Start the prepared attempt: in a warm spare when one fits it, else a fresh child."""
         ctx, seams = self.ctx, self.ctx.seams
         number, plan = ready.number, ready.plan
-        attempt_dir = ctx.rd.attempt_dir(number)
-        argv = seams.argv(attempt_dir / "spec.json", plan.phase.value)
-        env = trainer_env(
-            child_mod.child_env(dict(os.environ), plan.knobs), ready.spec, attempt_dir / "spec.json"
-        )
+        files = ctx.rd.attempt(number)
+        argv = seams.argv(files.spec, plan.phase.value)
+        env = trainer_env(child_mod.child_env(dict(os.environ), plan.knobs), ready.spec, files.spec)
         # The datasets library's cache (the prepared and tokenized data) stays in the run directory,
         # not in ~/.cache/huggingface/datasets; a place the caller chose (HF_DATASETS_CACHE, or
         # HF_HOME as the shipped unit sets it) is kept.
         if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
             env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
         # A spare holds our trainer's imports: a foreign tool's attempt never runs in one.
-        order = None if ready.spec.command else self._spare_order(argv, attempt_dir / "spec.json", plan, env)
+        order = None if ready.spec.command else self._spare_order(argv, files.spec, plan, env)
         spare = None
         if self.spares is not None and order is not None:
-            spare = self.spares.take(order, attempt_dir / "spec.json", attempt_dir / "child.log")
+            spare = self.spares.take(order, files.spec, files.log)
         elif self.spares is not None:  # a merge or torchrun: the spare's RAM is theirs now
             self.spares.discard("this attempt cannot run in a spare")
         self.warm = spare is not None
@@ -210,7 +208,7 @@ class AttemptRunner:
             if trainer is not None and ready.spec.command
             else ctx.rd.root
         )
-        proc: ChildHandle = spare or seams.spawn(argv, env, attempt_dir / "child.log", cwd)
+        proc: ChildHandle = spare or seams.spawn(argv, env, files.log, cwd)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
         # The next spare: behind a cold start at once (``run`` starts it, after the arbiter has
         # written the pid: the child imports as long as the spare does, so nothing is slowed);
@@ -264,7 +262,7 @@ class AttemptRunner:
             reader.progress.max_steps = spec.train.max_steps
         watched = Watched(reader.progress)
         started = next_sample = seams.clock()
-        gpu_log = ctx.rd.attempt_dir(number) / "gpu.jsonl"
+        gpu_log = ctx.rd.attempt(number).gpu
         hup_logged = False
         hang_timeout = ctx.job.supervise.hang_timeout
         while proc.poll() is None:
@@ -311,7 +309,7 @@ class AttemptRunner:
         """A foreign trainer whose shim never spoke: its log's growth stands in for heartbeats."""
         if not spec.command or shim_attached(Path(spec.events_file)):
             return False
-        log = self.ctx.rd.attempt_dir(number) / "child.log"
+        log = self.ctx.rd.attempt(number).log
         return output_moving(log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
 
     def _last_gpu_look(
@@ -320,7 +318,7 @@ class AttemptRunner:
         """One more NVML sample after the exit (the Xid of a crash may come after the last
         tick's sample), then the ``gpu_fault`` line when any Xid was seen."""
         if self.ctx.gpu is not None:
-            sample_memory(pid, watched, self.ctx.gpu, attempt_dir / "gpu.jsonl")
+            sample_memory(pid, watched, self.ctx.gpu, AttemptDir(attempt_dir).gpu)
         if watched.xid_events:
             fatal = xid.fatal_xid(watched.xid_events)
             log.error(

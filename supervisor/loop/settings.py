@@ -17,7 +17,7 @@ from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicte
 from qlora_supervise.supervisor.jobfile import model_files
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, read_attempt_speed, trial_speeds
+from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, trial_speeds
 from qlora_supervise.supervisor.record.peak_store import (
     default_path,
     read_observations,
@@ -25,7 +25,6 @@ from qlora_supervise.supervisor.record.peak_store import (
     record_attempt,
 )
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
-from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.trainers.ladders import cannot_take, foreign_overrides
 from qlora_supervise.supervisor.trainers.tables import TrainerKind
@@ -100,14 +99,12 @@ def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
 
 
 def remember_attempt(
-    settings: policy.Settings, job: Job, rd: RunDir, record: AttemptRecord
+    settings: policy.Settings, job: Job, record: AttemptRecord, speed: AttemptSpeed
 ) -> policy.Settings:
     """After a journalled training attempt that finished a step: its peak and tokens/s into the
     per-host store (best effort: a cache), and its tokens/s into this run's settings."""
     if record.phase is not Phase.TRAIN or record.steps_progressed <= 0:
         return settings
-    events = rd.attempt_dir(record.attempt) / "child-events.jsonl"
-    speed = read_attempt_speed(events, record.knobs)
     store, shape = peak_store_path(job), settings.shape
     trial = trial_speeds(speed, record.knobs)
     if store is not None and shape is not None:

@@ -10,7 +10,7 @@ correct the throughput model.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import Heartbeat, parse_event
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, read_events
 from qlora_supervise.trainer_child.contract.spec import Knobs, trained_knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
 
@@ -34,22 +34,22 @@ class AttemptSpeed:
     trial: SpeedTrialEvent | None = None
 
 
-def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
-    """The speed in ``events_file`` (an unreadable or missing file is an attempt with no speed)."""
-    try:
-        lines = events_file.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return AttemptSpeed(planned, None, 0)
+def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
+    """The speed the events of an attempt planned with ``planned`` say it trained at."""
     rates: list[float] = []
     trial = None
-    for line in lines:
-        event = parse_event(line)
+    for event in events:
         if isinstance(event, Heartbeat) and event.tokens_per_s is not None and event.tokens_per_s > 0:
             rates.append(event.tokens_per_s)
         elif isinstance(event, SpeedTrialEvent):
             trial = event
     knobs = trained_knobs(planned, trial.chosen) if trial is not None and trial.switched else planned
     return AttemptSpeed(knobs, _median(rates), len(rates), trial)
+
+
+def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
+    """The speed in ``events_file`` (an unreadable or missing file is an attempt with no speed)."""
+    return speed_of(read_events(events_file), planned)
 
 
 def _median(values: list[float]) -> float | None:
@@ -83,7 +83,7 @@ def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float
 
 def measured_speed(rd: RunDir, record: AttemptRecord) -> AttemptSpeed:
     """The speed of a journalled attempt, from its events file in the run directory."""
-    return read_attempt_speed(rd.attempt_dir(record.attempt) / "child-events.jsonl", record.knobs)
+    return read_attempt_speed(rd.attempt(record.attempt).events, record.knobs)
 
 
 def speed_line(speed: AttemptSpeed) -> str | None:

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.checkpoints import TEMP_PREFIX, remove_stale_temps
 from qlora_supervise.trainer_child.contract.disk_space import free_bytes, last_checkpoint_bytes, tree_bytes

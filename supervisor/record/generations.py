@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.journal import Lift, append_lift, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -172,26 +170,6 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
     return [FieldChange(n, old.get(n), new.get(n)) for n in names if old.get(n) != new.get(n)]
 
 
-def raw_view(text: str) -> dict[str, Any]:
-    """A job text's fields as written (for runs recorded before resolved views were kept)."""
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return {}
-    return dict(_flatten(raw)) if isinstance(raw, dict) else {}
-
-
-def _flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    items: list[tuple[str, Any]] = []
-    for key, value in raw.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and not name.startswith("supervise.ladders"):
-            items.extend(_flatten(value, f"{name}."))
-        else:
-            items.append((name, value))
-    return items
-
-
 class JobVersions:
     """``job.vN.yaml`` / ``job.vN.json`` in a run directory: every job it was given."""
 
@@ -207,27 +185,19 @@ class JobVersions:
         return sorted(found)
 
     def newest_view(self) -> dict[str, Any] | None:
-        """The newest recorded version's fields; from ``job.yaml`` as written for older runs."""
+        """The newest recorded version's fields (None: no version recorded, or unreadable)."""
         numbers = self.numbers()
-        if numbers:
-            resolved = self.rd.root / f"job.v{numbers[-1]}.json"
-            try:
-                view = json.loads(resolved.read_text(encoding="utf-8"))
-                return view if isinstance(view, dict) else None
-            except (OSError, ValueError):
-                text = (self.rd.root / f"job.v{numbers[-1]}.yaml").read_text(encoding="utf-8")
-                return raw_view(text)
-        if self.rd.job_copy.is_file():
-            return raw_view(self.rd.job_copy.read_text(encoding="utf-8"))
-        return None
+        if not numbers:
+            return None
+        try:
+            view = json.loads((self.rd.root / f"job.v{numbers[-1]}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return view if isinstance(view, dict) else None
 
-    def record(self, job: Job, legacy_view: bool = False) -> int:
+    def record(self, job: Job) -> int:
         """Keep ``job`` as the next version (never overwriting one); ``job.yaml`` becomes it."""
         numbers = self.numbers()
-        if not numbers and self.rd.job_copy.is_file() and legacy_view:
-            # A run recorded before versions were kept: its job.yaml is version 1, as submitted.
-            write_text_atomic(self.rd.root / "job.v1.yaml", self.rd.job_copy.read_text(encoding="utf-8"))
-            numbers = [1]
         number = (numbers[-1] if numbers else 0) + 1
         write_text_atomic(self.rd.root / f"job.v{number}.json", json.dumps(job_view(job), indent=2))
         write_text_atomic(self.rd.root / f"job.v{number}.yaml", job.raw_text)

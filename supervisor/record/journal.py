@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated
+
+from pydantic import Discriminator, Tag, TypeAdapter
 
 from qlora_supervise.supervisor.facts.append import append_line
 from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
@@ -77,24 +78,10 @@ class State:
     note: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
+        return _STATE.dump_json(self, indent=2).decode()
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> State:
-        flight = raw.get("in_flight")
-        return cls(
-            run_state=RunState(raw["run_state"]),
-            knobs=Knobs(**raw["knobs"]),
-            phase=Phase(raw.get("phase", "train")),
-            in_flight=InFlight(
-                **{**flight, "knobs": Knobs(**flight["knobs"]), "phase": Phase(flight["phase"])}
-            )
-            if flight
-            else None,
-            reset_optimizer=bool(raw.get("reset_optimizer", False)),
-            fresh_start=bool(raw.get("fresh_start", False)),
-            note=str(raw.get("note", "")),
-        )
+
+_STATE = TypeAdapter(State)
 
 
 def write_state(path: Path, state: State) -> None:
@@ -104,9 +91,8 @@ def write_state(path: Path, state: State) -> None:
 def read_state(path: Path) -> State | None:
     """The saved state, or None when absent or unreadable (the caller logs which)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return State.from_dict(raw) if isinstance(raw, dict) else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return _STATE.validate_json(path.read_bytes())
+    except (OSError, ValueError):
         return None
 
 
@@ -133,8 +119,44 @@ class Lift:
     time: float
 
     def to_line(self) -> str:
-        raw = {"version": JOURNAL_VERSION, "lift": dataclasses.asdict(self)}
-        return json.dumps(raw, sort_keys=True) + "\n"
+        return json.dumps({"version": JOURNAL_VERSION, "lift": dataclasses.asdict(self)}) + "\n"
+
+
+@dataclass(frozen=True)
+class _LiftLine:
+    lift: Lift
+
+
+def _kind(raw: object) -> str | None:
+    """A line of this version is an attempt or a lift; anything else fits neither (unreadable)."""
+    if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
+        return None
+    return "lift" if "lift" in raw else "attempt"
+
+
+_LINE: TypeAdapter[AttemptRecord | _LiftLine] = TypeAdapter(
+    Annotated[
+        Annotated[AttemptRecord, Tag("attempt")] | Annotated[_LiftLine, Tag("lift")], Discriminator(_kind)
+    ]
+)
+
+
+def _lines(path: Path) -> tuple[list[AttemptRecord | Lift], int]:
+    """The journal's attempts and lifts in order, and the number of lines that could not be read."""
+    if not path.is_file():
+        return [], 0
+    found: list[AttemptRecord | Lift] = []
+    bad = 0
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            item = _LINE.validate_json(line)
+        except ValueError:
+            bad += 1
+            continue
+        found.append(item.lift if isinstance(item, _LiftLine) else item)
+    return found, bad
 
 
 def append_lift(path: Path, lift: Lift) -> None:
@@ -144,7 +166,7 @@ def append_lift(path: Path, lift: Lift) -> None:
 
 def read_lifts(path: Path) -> list[Lift]:
     """The journal's lifts, oldest first."""
-    return [lift for lift in (_lift_of(raw) for raw in _raw_lines(path)[0]) if lift is not None]
+    return [item for item in _lines(path)[0] if isinstance(item, Lift)]
 
 
 def lifted_after(path: Path) -> int:
@@ -153,47 +175,7 @@ def lifted_after(path: Path) -> int:
     return lifts[-1].after_attempt if lifts else 0
 
 
-def _lift_of(raw: Mapping[str, Any]) -> Lift | None:
-    lift = raw.get("lift")
-    if not isinstance(lift, dict):
-        return None
-    try:
-        return Lift(int(lift["after_attempt"]), str(lift["verdict"]), str(lift["why"]), float(lift["time"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _raw_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
-    if not path.is_file():
-        return [], 0
-    found: list[dict[str, Any]] = []
-    bad = 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(raw, dict):
-            found.append(raw)
-        else:
-            bad += 1
-    return found, bad
-
-
 def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:
     """The journal's records and the number of lines that could not be read (torn or corrupt)."""
-    raws, bad = _raw_lines(path)
-    records: list[AttemptRecord] = []
-    for raw in raws:
-        if "lift" in raw:
-            continue  # a verdict lifted (read_lifts): no attempt
-        try:
-            if int(raw.get("version", 1)) > JOURNAL_VERSION:
-                raise ValueError("not a journal line of this version")
-            records.append(AttemptRecord.from_json(raw))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            bad += 1
-    return records, bad
+    items, bad = _lines(path)
+    return [item for item in items if isinstance(item, AttemptRecord)], bad

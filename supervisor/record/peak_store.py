@@ -9,8 +9,6 @@ without it is skipped: the supervisor before it stored foreign tools' attempts u
 a tool's lower peaks calibrating our trainer would plan it too close to the card.
 ``peak_bytes`` calibrates the memory model, ``tokens_per_s`` (the attempt's median over its
 heartbeats, for the knobs it trained with) the throughput model; a line may carry either or both.
-A line without ``tokens_per_s`` reads as a peak only; a supervisor older than that field skips
-a line whose ``peak_bytes`` is null.
 
 Where: ``$QLORA_SUPERVISE_STATE_DIR/peaks.jsonl``, else ``$XDG_STATE_HOME/qlora-supervise/
 peaks.jsonl``, else ``~/.local/state/qlora-supervise/peaks.jsonl`` (under the systemd unit,
@@ -35,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from qlora_supervise.policies.memory_model import ModelShape, Observation
 from qlora_supervise.policies.search.throughput import SpeedObservation
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -54,8 +54,23 @@ def default_path() -> Path:
     return Path(base) / "qlora-supervise" / "peaks.jsonl"
 
 
-def _lines_of(path: Path, shape: ModelShape, trainer: str) -> Iterator[dict[str, Any]]:
-    """The store's parsed lines of this shape and trainer (an unreadable store is an empty one)."""
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """One line of the store."""
+
+    shape: dict[str, Any]
+    knobs: Knobs
+    trainer: str
+    peak_bytes: int | None = None
+    tokens_per_s: float | None = None
+
+
+_STORED = TypeAdapter(_Stored)
+
+
+def _lines_of(path: Path, shape: ModelShape, trainer: str) -> Iterator[_Stored]:
+    """The store's lines of this shape and trainer (an unreadable store is an empty one; a torn
+    or foreign line is skipped)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -63,36 +78,24 @@ def _lines_of(path: Path, shape: ModelShape, trainer: str) -> Iterator[dict[str,
     wanted = shape.sizes()  # the sizes alone: lines written before the architecture facts still match
     for line in lines:
         try:
-            raw = json.loads(line)
+            stored = _STORED.validate_json(line)
         except ValueError:
             continue
-        if isinstance(raw, dict) and raw.get("shape") == wanted and raw.get("trainer") == trainer:
-            yield raw
+        if stored.shape == wanted and stored.trainer == trainer:
+            yield stored
 
 
 def read_observations(path: Path, shape: ModelShape, trainer: str = OWN) -> list[Observation]:
     """Every stored peak of this model shape, measured in ``trainer``'s process."""
-    found = []
-    for raw in _lines_of(path, shape, trainer):
-        try:
-            if raw.get("peak_bytes") is not None:
-                found.append(Observation(Knobs(**raw["knobs"]), int(raw["peak_bytes"])))
-        except (ValueError, TypeError, KeyError):
-            continue
-    return found
+    lines = _lines_of(path, shape, trainer)
+    return [Observation(line.knobs, line.peak_bytes) for line in lines if line.peak_bytes is not None]
 
 
 def read_speeds(path: Path, shape: ModelShape, trainer: str = OWN) -> list[SpeedObservation]:
     """Every stored tokens/s of this model shape measured in ``trainer``'s process, oldest first."""
-    found = []
-    for raw in _lines_of(path, shape, trainer):
-        rate = raw.get("tokens_per_s")
-        try:
-            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
-                found.append(SpeedObservation(Knobs(**raw["knobs"]), float(rate)))
-        except (TypeError, KeyError):
-            continue
-    return found
+    lines = _lines_of(path, shape, trainer)
+    rates = [(line.knobs, line.tokens_per_s) for line in lines]
+    return [SpeedObservation(knobs, rate) for knobs, rate in rates if rate is not None and rate > 0]
 
 
 def record_peak(path: Path, shape: ModelShape, knobs: Knobs, peak_bytes: int) -> bool:

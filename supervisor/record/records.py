@@ -14,18 +14,19 @@ A line is plain JSON that ``jq`` reads (``jq -c '{attempt, outcome, kind: .failu
      "plan": {"predicted_peak": 6442450944, "budget": 8589934592, "why": [...], "changes": {...},
               "quality_changed": false, "as_written": false}}
 
-Lines written before the typed records (no ``version``; a ``peak_memory`` dict) are read and
-converted with the same peak precedence; a line that fits neither form is unreadable.
+A line is read back whole through one pydantic ``TypeAdapter`` (:data:`_RECORD`); a line that
+does not fit the record is unreadable (the journal counts it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import PlainSerializer, PlainValidator, TypeAdapter
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
@@ -33,6 +34,17 @@ from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 JOURNAL_VERSION = 2
+#: The failure as the journal keeps it (its own codec: pids as string keys, the Xid facts flat).
+FailureField = Annotated[Failure, PlainValidator(lambda raw: _failure(raw)), PlainSerializer(Failure.to_json)]
+
+
+def _failure(raw: Any) -> Failure:
+    try:
+        return Failure.from_json(raw)
+    except (KeyError, TypeError, AttributeError) as error:  # pydantic turns only ValueError into "unreadable"
+        raise ValueError(f"not a failure: {error!r}") from None
+
+
 #: The decision's rung name when a checkpoint that did not load was moved aside.
 QUARANTINE_RUNG = "quarantine_checkpoint"
 
@@ -77,13 +89,6 @@ class Peak:
     bytes: int
     source: AttemptPeakSource
 
-    def to_json(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "source": self.source.value}
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> Peak:
-        return cls(int(raw["bytes"]), AttemptPeakSource(raw["source"]))
-
 
 @dataclass(frozen=True)
 class HostMemory:
@@ -95,19 +100,6 @@ class HostMemory:
     load_peak_bytes: int | None = None
     last_rss_bytes: int | None = None
     predicted_bytes: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> HostMemory:
-        def read(key: str) -> int | None:
-            value = raw.get(key)
-            return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-        return cls(
-            read("peak_bytes"), read("load_peak_bytes"), read("last_rss_bytes"), read("predicted_bytes")
-        )
 
 
 def attempt_peak(
@@ -176,32 +168,6 @@ class DecisionRecord:
         why = f"{quarantined} did not load and was quarantined; resume from the next older checkpoint"
         return cls(Action.RESTART, why, QUARANTINE_RUNG, {}, Survives.ALL, knobs)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "action": self.action.value,
-            "why": self.why,
-            "rung": self.rung,
-            "changes": {name: list(pair) for name, pair in self.changes.items()},
-            "survives": self.survives.value,
-            "knobs": dataclasses.asdict(self.knobs) if self.knobs else None,
-            "retryable": self.retryable,
-            "waited_s": self.waited_s,
-        }
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> DecisionRecord:
-        knobs = raw.get("knobs")
-        return cls(
-            action=Action(raw["action"]),
-            why=str(raw.get("why", "")),
-            rung=str(raw.get("rung") or ""),
-            changes={name: (pair[0], pair[1]) for name, pair in (raw.get("changes") or {}).items()},
-            survives=Survives(raw.get("survives") or "all"),
-            knobs=Knobs(**knobs) if knobs else None,
-            retryable=bool(raw.get("retryable", True)),
-            waited_s=float(raw.get("waited_s") or 0.0),
-        )
-
 
 @dataclass(frozen=True)
 class PlanNote:
@@ -213,22 +179,6 @@ class PlanNote:
     changes: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)  # from the job as written
     quality_changed: bool = False  # seq_len or rank changed before the first attempt (said loudly)
     as_written: bool = False  # ``run --as-written``: the job's config, whatever the plan says
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(why=list(self.why), changes={name: list(pair) for name, pair in self.changes.items()})
-        return out
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> PlanNote:
-        return cls(
-            predicted_peak=raw.get("predicted_peak"),
-            budget=raw.get("budget"),
-            why=tuple(raw.get("why") or ()),
-            changes={name: (pair[0], pair[1]) for name, pair in (raw.get("changes") or {}).items()},
-            quality_changed=bool(raw.get("quality_changed", False)),
-            as_written=bool(raw.get("as_written", False)),
-        )
 
 
 @dataclass(frozen=True)
@@ -248,7 +198,7 @@ class AttemptRecord:
     next_resume_from: int | None  # where the next attempt starts (None: no next attempt)
     lost_steps: int  # finished steps the next attempt will not start from
     peak: Peak | None = None
-    failure: Failure | None = None
+    failure: FailureField | None = None
     decision: DecisionRecord | None = None
     plan: PlanNote | None = None  # the pre-flight's choice (attempt 1 of a run)
     # Why the child resumed with fresh optimizer state (the optimizer changed, or the checkpoint
@@ -265,50 +215,13 @@ class AttemptRecord:
         return self.decision is not None and self.decision.action is Action.RESTART
 
     def to_line(self) -> str:
-        raw: dict[str, Any] = {"version": JOURNAL_VERSION, **dataclasses.asdict(self)}
-        raw.update(
-            phase=self.phase.value,
-            outcome=self.outcome.value,
-            knobs=dataclasses.asdict(self.knobs),
-            peak=self.peak.to_json() if self.peak else None,
-            failure=self.failure.to_json() if self.failure else None,
-            decision=self.decision.to_json() if self.decision else None,
-            plan=self.plan.to_json() if self.plan else None,
-            host=self.host.to_json() if self.host else None,
-        )
-        return json.dumps(raw, sort_keys=True, default=str) + "\n"
+        raw = {"version": JOURNAL_VERSION, **_RECORD.dump_python(self, mode="json")}
+        return json.dumps(raw, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> AttemptRecord:
-        """Raises KeyError/TypeError/ValueError for a line this version cannot read."""
-        peak = raw.get("peak")
-        failure, decision = raw.get("failure"), raw.get("decision")
-        return cls(
-            attempt=int(raw["attempt"]),
-            phase=Phase(raw["phase"]),
-            knobs=Knobs(**raw["knobs"]),
-            outcome=Outcome(raw["outcome"]),
-            started_at=float(raw["started_at"]),
-            ended_at=float(raw["ended_at"]),
-            exit_code=raw.get("exit_code"),
-            signal=raw.get("signal"),
-            resumed_from=int(raw["resumed_from"]),
-            steps_completed=int(raw["steps_completed"]),
-            next_resume_from=raw.get("next_resume_from"),
-            lost_steps=int(raw.get("lost_steps", 0)),
-            peak=Peak.from_json(peak) if peak else _v1_peak(raw.get("peak_memory")),
-            failure=Failure.from_json(failure) if failure else None,
-            decision=DecisionRecord.from_json(decision) if decision else None,
-            plan=PlanNote.from_json(raw["plan"]) if raw.get("plan") else None,
-            optimizer_reset=raw.get("optimizer_reset"),
-            host=HostMemory.from_json(raw["host"]) if isinstance(raw.get("host"), Mapping) else None,
-        )
+        """Raises ValueError (pydantic's ValidationError) for a line this version cannot read."""
+        return _RECORD.validate_python(raw)
 
 
-def _v1_peak(peak_memory: Mapping[str, Any] | None) -> Peak | None:
-    # Version-1 lines kept three peaks; the child's own came first then, as it does now.
-    if not peak_memory:
-        return None
-    return attempt_peak(
-        None, None, peak_memory.get("child_peak"), peak_memory.get("gpu_process"), peak_memory.get("rss")
-    )
+_RECORD = TypeAdapter(AttemptRecord)

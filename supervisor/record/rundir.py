@@ -57,6 +57,34 @@ ENTRIES: tuple[Entry, ...] = (
 
 
 @dataclass(frozen=True)
+class AttemptDir:
+    """One attempt's directory (``attempt-NNN/``, or ``merge-command/``) and the files in it: the
+    spec the supervisor writes, what the child writes back, and what the supervisor samples."""
+
+    path: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.path / "spec.json"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "child-events.jsonl"
+
+    @property
+    def error(self) -> Path:
+        return self.path / "error.json"
+
+    @property
+    def log(self) -> Path:
+        return self.path / "child.log"
+
+    @property
+    def gpu(self) -> Path:
+        return self.path / "gpu.jsonl"
+
+
+@dataclass(frozen=True)
 class RunDir:
     root: Path
 
@@ -107,6 +135,9 @@ class RunDir:
 
     def attempt_dir(self, number: int) -> Path:
         return self.root / f"attempt-{number:03d}"
+
+    def attempt(self, number: int) -> AttemptDir:
+        return AttemptDir(self.attempt_dir(number))
 
     def superseded_checkpoints(self, number: int) -> Path:
         """Where checkpoints go when attempt ``number`` changes the adapter's shape."""

@@ -13,7 +13,7 @@ from typing import NoReturn, TextIO
 
 from tqdm import tqdm
 
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.reporting.pace import Pace
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from tqdm import tqdm
 
-from qlora_supervise.supervisor.jobfile.units import format_bytes
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.pace import Pace

@@ -1,7 +1,7 @@
 """What the CUDA caching allocator held at the moment of an OOM: the facts fragmentation is judged on.
 
-Standard library only (part of the contract: the error report carries an :class:`AllocatorFacts`
-and the supervisor reads it back). The child reads ``torch.cuda.memory_stats()`` and the
+Part of the contract: the error report carries an :class:`AllocatorFacts` and the supervisor
+reads it back. The child reads ``torch.cuda.memory_stats()`` and the
 segment list of ``torch.cuda.memory_snapshot()`` inside its ``except`` block, while the failed
 step's tensors are still alive (its traceback holds them), and :func:`facts_from_allocator`
 reduces them to a few numbers. By then the allocator has already released every wholly free
@@ -62,26 +62,6 @@ class AllocatorFacts:
         free = self.device_free_bytes
         candidates = [value for value in (room, free) if value is not None]
         return min(candidates) if candidates else 0
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json_dict(cls, raw: object) -> AllocatorFacts | None:
-        """The facts in a report read back from JSON; None for anything ill-typed (an older child)."""
-        if not isinstance(raw, Mapping):
-            return None
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {key: value for key, value in raw.items() if key in known}
-        shape = values.get("batch_shape")
-        if isinstance(shape, list):
-            values["batch_shape"] = tuple(shape)
-        try:
-            facts = cls(**values)
-        except TypeError:
-            return None
-        ints = (facts.allocated_bytes, facts.reserved_bytes, facts.free_in_segments_bytes)
-        return facts if all(isinstance(value, int) for value in ints) else None
 
 
 def facts_from_allocator(

@@ -1,17 +1,17 @@
 """Facts the child reports once per attempt, typed on both sides of the events file.
 
-Standard library only (the supervisor reads them): :class:`SampleLengths` travels in the
+:class:`SampleLengths` travels in the
 ``loaded`` event, :class:`RankReduction` in the ``resumed`` event, :class:`BatchInFlight` in the
-error report of an OOM in a training step. Each writes its fields with
-``fields()`` and is read back with ``from_fields()``, which returns None for an event written
-before the field existed (or a torn one), so old events files stay readable.
+error report of an OOM in a training step. Each travels as its own JSON object under its own key,
+read back by the pydantic codecs of the event and the report.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 #: Most sample lengths one ``loaded`` event carries; a larger training set is sampled evenly.
 MAX_REPORTED_LENGTHS = 2000
@@ -32,20 +32,11 @@ class SampleLengths:
     def exact(self) -> bool:
         return len(self.lengths) == self.rows
 
-    def fields(self) -> dict[str, Any]:
-        return {"sample_lengths": {"rows": self.rows, "lengths": list(self.lengths)}}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lengths", tuple(sorted(self.lengths)))
 
-    @classmethod
-    def from_fields(cls, raw: Mapping[str, Any]) -> SampleLengths | None:
-        value = raw.get("sample_lengths")
-        if not isinstance(value, Mapping):
-            return None
-        rows, lengths = value.get("rows"), value.get("lengths")
-        if not isinstance(rows, int) or not isinstance(lengths, list) or not all(map(_is_int, lengths)):
-            return None
-        if isinstance(rows, bool) or rows <= 0 or not lengths or len(lengths) > rows:
-            return None
-        return cls(rows, tuple(sorted(lengths)))
+    def fields(self) -> dict[str, Any]:
+        return {"sample_lengths": dataclasses.asdict(self)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,21 +57,6 @@ class RankReduction:
 
     def fields(self) -> dict[str, Any]:
         return {"rank_reduction": dataclasses.asdict(self)}
-
-    @classmethod
-    def from_fields(cls, raw: Mapping[str, Any]) -> RankReduction | None:
-        value = raw.get("rank_reduction")
-        if not isinstance(value, Mapping):
-            return None
-        try:
-            reduction = cls(**{f.name: value[f.name] for f in dataclasses.fields(cls)})
-        except (KeyError, TypeError):
-            return None
-        ints = (reduction.rank_from, reduction.rank_to, reduction.modules)
-        floats = (reduction.energy_kept, reduction.worst_energy_kept)
-        if not all(map(_is_int, ints)) or not all(isinstance(x, int | float) for x in floats):
-            return None
-        return reduction
 
 
 #: Most training rows the child searches for the rows of a micro-batch that ran out of memory.
@@ -103,24 +79,17 @@ class BatchInFlight:
     lengths: tuple[int, ...]
     rows: tuple[int, ...] | None = None
 
-    def to_json_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def __post_init__(self) -> None:
+        if self.rows is not None and len(self.rows) != len(self.lengths):
+            raise ValueError("a row index per length, or the record is corrupt")
 
     @classmethod
     def from_json_dict(cls, raw: object) -> BatchInFlight | None:
-        """The batch a report names; None for anything ill-typed (a torn or older report)."""
-        if not isinstance(raw, Mapping):
+        """The batch a report's or a failure's numbers name; None for anything ill-typed."""
+        try:
+            return TypeAdapter(cls).validate_python(raw)
+        except ValidationError:
             return None
-        step, micro, lengths, rows = (raw.get(key) for key in ("step", "micro", "lengths", "rows"))
-        if not isinstance(step, int) or not isinstance(micro, int) or isinstance(step, bool):
-            return None
-        if not isinstance(lengths, list) or not all(map(_is_int, lengths)):
-            return None
-        if rows is not None and not (isinstance(rows, list) and all(map(_is_int, rows))):
-            return None
-        if rows is not None and len(rows) != len(lengths):
-            return None  # a row index per length, or the record is corrupt
-        return cls(step, micro, tuple(lengths), tuple(rows) if rows is not None else None)
 
     def same_position(self, other: BatchInFlight) -> bool:
         """Whether ``other`` is this data position again: the same optimizer step and a row in
@@ -141,7 +110,3 @@ class BatchInFlight:
 def _found(rows: tuple[int, ...] | None) -> frozenset[int]:
     """The row indices the child found (-1: a row it did not find)."""
     return frozenset(row for row in rows or () if row >= 0)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

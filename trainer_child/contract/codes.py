@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from typing import Annotated
+
+from pydantic import BeforeValidator
 
 
 class ExitCode(enum.IntEnum):
@@ -41,6 +44,10 @@ class Stage(str, enum.Enum):
             return cls(value)
         except ValueError:
             return cls.UNKNOWN
+
+
+#: A stage as a file names it: a name this version does not know reads as UNKNOWN.
+StageName = Annotated[Stage, BeforeValidator(Stage.named)]
 
 
 class FailureKind(str, enum.Enum):

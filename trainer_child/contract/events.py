@@ -1,87 +1,76 @@
 """The child's events file: one JSON object per line, read back into one typed record each.
 
 The child writes each line with :func:`event_line` (``{"event": name, "time": ..., **fields}``);
-the supervisor reads it with :func:`parse_event`, once, into one of the frozen records of
-:data:`ChildEvent`, and never indexes the line as a dict again. :data:`PARSERS` is the one
-registry of event names: a new event is a record with ``event``, ``fields()`` and a parser, and
-one entry there.
+the supervisor reads it with :func:`parse_event`, once, through one pydantic union keyed on the
+line's ``event`` (:data:`ChildEvent`), into the frozen records below, and never indexes the line
+as a dict again. A new event is a record with an ``event`` name and one entry in :data:`_RECORDS`.
 
-Every record reads the lines of older children too: a field a line lacks, or holds with the wrong
-type, is None (the heartbeat alone needs an integer ``step``); memory fields read the older keys
-of :meth:`MemoryNumbers.from_fields`. Only a line that is not a JSON object, names no known
-event, or is a heartbeat without a step, gives None.
+A line that is not a JSON object, names no event this version knows, or does not fit its record
+(a torn last line after a kill, a wrong type) gives None: skipped, never trusted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+import operator
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, TypeAlias
 
-from qlora_supervise.trainer_child.contract._event_fields import (
-    PlainEvent,
-    float_or_none,
-    int_or_none,
-)
-from qlora_supervise.trainer_child.contract._event_fields import (
-    event_line as event_line,  # the writer keeps its name: ``events.event_line``
-)
+from pydantic import BeforeValidator, Discriminator, StrictInt, Tag, TypeAdapter, ValidationError
+
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
-from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.codes import StageName
 from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
-#: Every record's ``time``: the line's stamp, not part of what the event says (records compare without it).
-_STAMP: Any = dataclasses.field(default=None, compare=False)
+
+def event_line(event: str, **fields: Any) -> str:
+    """One line of the child's events file."""
+    return json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
+
+
+@functools.cache
+def _adapter(record: type[Any]) -> TypeAdapter[Any]:
+    return TypeAdapter(record)
 
 
 @dataclasses.dataclass(frozen=True)
-class Heartbeat:
-    """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
+class PlainEvent:
+    """An event record: a frozen dataclass with a ``ClassVar`` ``event`` name whose fields are the
+    line's keys. ``time`` is the line's stamp, set by :func:`event_line` (None in a record built to
+    be written), left out of ``fields()`` and of comparisons: it is not part of what the event says."""
 
-    ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
-    and ``stage`` not changing, so a beat is sent whatever the main thread does. ``time``: the
-    line's stamp (None in a beat built to be written).
-    """
-
-    event: ClassVar[str] = "heartbeat"
-    stage: Stage
-    step: int
-    loss: float | None = None
-    tokens_per_s: float | None = None
-    memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
-    time: float | None = _STAMP
+    event: ClassVar[str]
+    time: float | None = dataclasses.field(default=None, compare=False, kw_only=True)
 
     def fields(self) -> dict[str, Any]:
-        """The fields of the event line, flat: ``stage``, ``step``, ``loss``, ``tokens_per_s``
-        and those of :meth:`MemoryNumbers.fields`."""
-        return {
-            "stage": self.stage.value,
-            "step": self.step,
-            "loss": self.loss,
-            "tokens_per_s": self.tokens_per_s,
-            **self.memory.fields(),
-        }
+        raw: dict[str, Any] = _adapter(type(self)).dump_python(self, mode="json")  # type: ignore[arg-type]
+        del raw["time"]
+        memory = raw.pop("memory", None)  # written flat, so ``jq .peak_bytes`` reads it
+        return {**raw, **(memory or {})}
 
     def to_line(self) -> str:
         return event_line(self.event, **self.fields())
 
-    @classmethod
-    def from_fields(cls, raw: Mapping[str, Any]) -> Heartbeat | None:
-        """The heartbeat in a parsed event line (today's keys or older ones); None when the
-        line has no integer step (not a heartbeat this reader can trust)."""
-        step = int_or_none(raw.get("step"))
-        if step is None:
-            return None
-        return cls(
-            stage=Stage.named(raw.get("stage")),
-            step=step,
-            loss=float_or_none(raw.get("loss")),
-            tokens_per_s=float_or_none(raw.get("tokens_per_s")),
-            memory=MemoryNumbers.from_fields(raw),
-            time=float_or_none(raw.get("time")),
-        )
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat(PlainEvent):
+    """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
+
+    ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
+    and ``stage`` not changing, so a beat is sent whatever the main thread does.
+    """
+
+    event: ClassVar[str] = "heartbeat"
+    stage: StageName
+    step: StrictInt  # a step of ``"3"`` or ``true`` is no step to trust
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +99,7 @@ class Started(PlainEvent):
     trust_remote_code: bool | None = None
     max_steps: int | None = None
     step: int | None = None
-    stage: Stage | None = None
-    time: float | None = _STAMP
+    stage: StageName | None = None
 
     def fields(self) -> dict[str, Any]:
         # The stand-in's keys are written where it gave them; the child's own line has none.
@@ -124,9 +112,8 @@ class StageEntered(PlainEvent):
     """``stage``: the child entered a phase (load, training, eval, save) at ``step``."""
 
     event: ClassVar[str] = "stage"
-    stage: Stage | None = None
+    stage: StageName | None = None
     step: int | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,15 +131,6 @@ class Loaded(PlainEvent):
     eval_rows: int | None = None
     memory: MemoryNumbers = dataclasses.field(default_factory=MemoryNumbers)
     sample_lengths: SampleLengths | None = None
-    time: float | None = _STAMP
-
-    @classmethod
-    def _nested(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return {"memory": MemoryNumbers.from_fields(raw), "sample_lengths": SampleLengths.from_fields(raw)}
-
-    def fields(self) -> dict[str, Any]:
-        lengths = self.sample_lengths.fields() if self.sample_lengths is not None else {}
-        return {**super().fields(), **self.memory.fields(), **lengths}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +141,6 @@ class TrainerReady(PlainEvent):
     phases_s: Mapping[str, Any] | None = None
     prepared: bool | None = None
     prepared_s: float | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +153,6 @@ class CheckpointSaved(PlainEvent):
     path: str | None = None
     emergency: bool | None = None
     early: bool | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +160,8 @@ class EarlyCheckpointRequested(PlainEvent):
     """``early_checkpoint_requested``: the signal arrived; a checkpoint follows this step."""
 
     event: ClassVar[str] = "early_checkpoint_requested"
-    stage: Stage | None = None
+    stage: StageName | None = None
     step: int | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,15 +178,6 @@ class Resumed(PlainEvent):
     micro_batch_size: int | None = None
     grad_accum: int | None = None
     rank_reduction: RankReduction | None = None
-    time: float | None = _STAMP
-
-    @classmethod
-    def _nested(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return {"rank_reduction": RankReduction.from_fields(raw)}
-
-    def fields(self) -> dict[str, Any]:
-        cut = self.rank_reduction.fields() if self.rank_reduction is not None else {}
-        return {**super().fields(), **cut}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +191,6 @@ class Finished(PlainEvent):
     merged: str | None = None
     seconds: float | None = None
     device: str | None = None
-    time: float | None = _STAMP
 
     def fields(self) -> dict[str, Any]:
         # A training child writes step and adapter; the merge writes step, merged, seconds, device.
@@ -239,9 +204,8 @@ class Stopping(PlainEvent):
     """``stopping``: a graceful stop was asked for; the child checkpoints and exits."""
 
     event: ClassVar[str] = "stopping"
-    stage: Stage | None = None
+    stage: StageName | None = None
     step: int | None = None
-    time: float | None = _STAMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,11 +221,27 @@ class MergePlanned(PlainEvent):
     host_available_bytes: int | None = None
     why: str | None = None
     dtype: str | None = None
-    time: float | None = _STAMP
 
+
+#: The records of the events file, each under its ``event`` name: a new event plugs in here.
+_RECORDS: tuple[type[Any], ...] = (
+    Started,
+    StageEntered,
+    Loaded,
+    TrainerReady,
+    Heartbeat,
+    CheckpointSaved,
+    EarlyCheckpointRequested,
+    Resumed,
+    Finished,
+    Stopping,
+    MergePlanned,
+    SpeedTrialEvent,
+)
+EVENT_NAMES = frozenset(record.event for record in _RECORDS)
 
 #: Every event of the child's events file.
-ChildEvent = (
+ChildEvent: TypeAlias = (
     Started
     | StageEntered
     | Loaded
@@ -276,23 +256,25 @@ ChildEvent = (
     | SpeedTrialEvent
 )
 
-#: The one registry: each event name and the parser of its (decoded) line. A new event plugs in here.
-PARSERS: Mapping[str, Callable[[Mapping[str, Any]], ChildEvent | None]] = {
-    Started.event: Started.from_fields,
-    StageEntered.event: StageEntered.from_fields,
-    Loaded.event: Loaded.from_fields,
-    TrainerReady.event: TrainerReady.from_fields,
-    Heartbeat.event: Heartbeat.from_fields,
-    CheckpointSaved.event: CheckpointSaved.from_fields,
-    EarlyCheckpointRequested.event: EarlyCheckpointRequested.from_fields,
-    Resumed.event: Resumed.from_fields,
-    Finished.event: Finished.from_fields,
-    Stopping.event: Stopping.from_fields,
-    MergePlanned.event: MergePlanned.from_fields,
-    SpeedTrialEvent.event: SpeedTrialEvent.from_json,
-}
 
-EVENT_NAMES = frozenset(PARSERS)
+def _name(raw: object) -> str | None:
+    name = raw.get("event") if isinstance(raw, Mapping) else getattr(raw, "event", None)
+    return name if isinstance(name, str) and name in EVENT_NAMES else None
+
+
+def _memory_in_line(raw: object) -> object:
+    """The line's flat memory keys as the record's ``memory``."""
+    return {**raw, "memory": raw} if isinstance(raw, Mapping) else raw
+
+
+def _tagged(record: type[Any]) -> Any:
+    if record in (Heartbeat, Loaded):
+        return Annotated[record, BeforeValidator(_memory_in_line), Tag(record.event)]
+    return Annotated[record, Tag(record.event)]
+
+
+_UNION: Any = Annotated[functools.reduce(operator.or_, map(_tagged, _RECORDS)), Discriminator(_name)]
+_LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
 def parse_event(line: str) -> ChildEvent | None:
@@ -301,19 +283,23 @@ def parse_event(line: str) -> ChildEvent | None:
     if not line.strip():
         return None
     try:
-        raw = json.loads(line)
-    except (ValueError, RecursionError):
+        return _LINE.validate_json(line)
+    except (ValidationError, ValueError, RecursionError):
         return None
-    return event_from_fields(raw) if isinstance(raw, Mapping) else None
+
+
+def read_events(path: Path) -> list[ChildEvent]:
+    """Every event of an events file, in order (a missing or unreadable file has none)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    return [event for event in map(parse_event, lines) if event is not None]
 
 
 def event_from_fields(raw: Mapping[str, Any]) -> ChildEvent | None:
     """The record of an already decoded line (:func:`parse_event` without the JSON)."""
-    name = raw.get("event")
-    parser = PARSERS.get(name) if isinstance(name, str) else None
-    if parser is None:
-        return None
     try:
-        return parser(raw)
-    except (TypeError, ValueError, OverflowError):  # a value no reader expected (a newer child's)
+        return _LINE.validate_python(raw)
+    except (ValidationError, ValueError, RecursionError):
         return None

@@ -1,6 +1,6 @@
 """Parse the memory numbers out of allocator out-of-memory messages.
 
-Standard library only: the trainer child imports this module to fill its error report, and the
+No torch: the trainer child imports this module to fill its error report, and the
 supervisor imports it to classify logs of commands that are not ours.
 
 Wording families read here (bytes come back as integers; ``KiB`` = 1024 bytes, rounded):
@@ -29,6 +29,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
+from qlora_supervise.trainer_child.contract.byte_sizes import BYTE_UNITS
+
 #: Keys of a message's numbers, in the order they are usually printed.
 NUMBER_KEYS = (
     "tried_to_allocate",
@@ -43,14 +47,6 @@ NUMBER_KEYS = (
     "private_pools",
 )
 
-UNIT_BYTES: Mapping[str, int] = {
-    "b": 1,
-    "bytes": 1,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
 
 _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)\b"
 
@@ -118,7 +114,7 @@ class OomMessage:
 
 def size_bytes(number: str, unit: str) -> int:
     """``("1.65", "GiB")`` -> 1771674010: the printed value times its unit, rounded."""
-    return round(float(number) * UNIT_BYTES[unit.lower()])
+    return round(float(number) * BYTE_UNITS[unit.lower()])
 
 
 def parse_messages(text: str) -> list[OomMessage]:
@@ -210,28 +206,17 @@ class OomNumbers:
     def to_json(self) -> dict[str, Any]:
         """The numbers the message printed, under :data:`NUMBER_KEYS` (the report's JSON shape:
         absent numbers are left out, pids are keys)."""
-        values = {key: getattr(self, key) for key in NUMBER_KEYS}
-        return {key: value for key, value in values.items() if value is not None and value != {}}
+        raw: dict[str, Any] = _NUMBERS.dump_python(self, exclude_none=True)
+        return {key: value for key, value in raw.items() if value != {}}
 
     @classmethod
     def from_json(cls, raw: object) -> OomNumbers:
-        """The numbers of a report read back from JSON (pids as strings there); anything ill-typed
-        (an older or a hand-edited report) is left out. ``parse_numbers``' dict reads the same way."""
-        if not isinstance(raw, Mapping):
+        """The numbers of a report read back from JSON (pids as strings there), or of
+        ``parse_numbers``' dict; none for anything ill-typed (a hand-edited report)."""
+        try:
+            return _NUMBERS.validate_python(raw)
+        except ValidationError:
             return cls()
-        sizes: dict[str, Any] = {key: raw.get(key) for key in NUMBER_KEYS if key != "processes"}
-        processes = raw.get("processes")
-        return cls(
-            **{key: value for key, value in sizes.items() if _is_size(value)},
-            processes={int(pid): size for pid, size in processes.items() if _is_pid(pid) and _is_size(size)}
-            if isinstance(processes, Mapping)
-            else {},
-        )
 
 
-def _is_size(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_pid(value: object) -> bool:
-    return _is_size(value) or (isinstance(value, str) and value.isdigit())
+_NUMBERS = TypeAdapter(OomNumbers)

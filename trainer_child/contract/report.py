@@ -7,9 +7,11 @@ import json
 import time
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, AllocatorPeak
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract.codes import Stage, StageName
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 
 
@@ -26,15 +28,15 @@ class ErrorReport:
     that is not an OOM, or from a child older than them); ``memory_snapshot``: the path of the
     allocator snapshot dumped at the OOM (``diagnose.memory_history``), else None.
 
-    Like torchelastic's ``ProcessFailure``, every typed field is read from the JSON values once,
-    in ``__post_init__``; nothing re-reads the report by key afterwards.
+    Like torchelastic's ``ProcessFailure``, the report is read from its JSON once, into these
+    typed fields (:meth:`from_json`); nothing re-reads it by key afterwards.
     """
 
     exit_code: int
     exception_type: str
     message: str
     traceback: str
-    stage: Stage
+    stage: StageName
     step: int
     is_oom: bool
     config_error: bool = False
@@ -62,12 +64,9 @@ class ErrorReport:
     allocator_peak: AllocatorPeak | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        # Reports are read back from JSON, where the stage is a plain string and the records dicts.
+        # Built by hand from plain values too (the child's failure path, the tests): a stage's name,
+        # the numbers ``parse_numbers`` found.
         object.__setattr__(self, "stage", Stage.named(self.stage))
-        if self.allocator is not None and not isinstance(self.allocator, AllocatorFacts):
-            object.__setattr__(self, "allocator", AllocatorFacts.from_json_dict(self.allocator))
-        if self.batch is not None and not isinstance(self.batch, BatchInFlight):
-            object.__setattr__(self, "batch", BatchInFlight.from_json_dict(self.batch))
         if not isinstance(self.oom_numbers, OomNumbers):
             object.__setattr__(self, "oom_numbers", OomNumbers.from_json(self.oom_numbers))
         object.__setattr__(self, "allocator_peak", AllocatorPeak.from_memory_stats(self.memory_stats))
@@ -82,15 +81,11 @@ class ErrorReport:
 
     @classmethod
     def from_json(cls, text: str) -> ErrorReport:
-        """Raises ValueError for anything that is not a well-typed report."""
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("an error report must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        report = cls(**{k: v for k, v in raw.items() if k in known})
-        if not isinstance(report.step, int) or not isinstance(report.exit_code, int):
-            raise ValueError("an error report needs integer step and exit_code")
-        return report
+        """Raises ValueError (pydantic's ValidationError) for anything that is not a well-typed report."""
+        return _REPORT.validate_json(text)
+
+
+_REPORT = TypeAdapter(ErrorReport)
 
 
 #: The last line the child prints to stderr on a failure: ``<prefix><stage>: <type>: <message>``.

@@ -6,7 +6,8 @@ import dataclasses
 import json
 import signal
 from pathlib import Path
-from typing import Any
+
+from pydantic import TypeAdapter
 
 from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
 
@@ -184,31 +185,12 @@ class AttemptSpec:
 
     @classmethod
     def from_json(cls, text: str) -> AttemptSpec:
-        """The spec; a field this version does not know is left out, so a shim of an older
-        qlora-supervise in a tool's venv still reads a newer supervisor's spec (and only misses
-        what the field adds) instead of failing to attach at all."""
-        raw = json.loads(text)
-        train = dict(raw["train"])
-        if isinstance(train.get("target_modules"), list):
-            train["target_modules"] = tuple(train["target_modules"])
-        nested = ("knobs", "data", "train", "diagnose", "speed_trial", "command")
-        return cls(
-            **_known(cls, {k: v for k, v in raw.items() if k not in nested}),
-            command=tuple(raw.get("command", ())),
-            speed_trial=tuple(
-                TrialCandidate(**_known(TrialCandidate, c)) for c in raw.get("speed_trial", ())
-            ),
-            knobs=Knobs(**_known(Knobs, raw["knobs"])),
-            data=DataSpec(**_known(DataSpec, raw["data"])),
-            train=TrainSpec(**_known(TrainSpec, train)),
-            diagnose=DiagnoseSpec(**_known(DiagnoseSpec, raw.get("diagnose", {}))),
-        )
+        """The spec (pydantic's ValidationError, a ValueError, for one that is not); a field this
+        version does not know is ignored, so a shim in a tool's venv reads a newer supervisor's spec."""
+        return _SPEC.validate_json(text)
 
 
-def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` less the keys that are no field of the dataclass ``cls``."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in raw.items() if k in names}
+_SPEC = TypeAdapter(AttemptSpec)
 
 
 def trained_knobs(knobs: Knobs, chosen: TrialCandidate) -> Knobs:

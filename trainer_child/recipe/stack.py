@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+from qlora_supervise.trainer_child.contract.byte_sizes import format_bytes
+
 
 def import_training_stack() -> dict[str, str]:
     """Import torch, bitsandbytes, peft, transformers and trl; return their versions."""
@@ -112,15 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         print(baseline)
     else:
         print(
-            f"import baseline: {_human(baseline)} of data segment (VmData) after the training stack's "
+            f"import baseline: {format_bytes(baseline)} of data segment (VmData) after the training stack's "
             f"imports ({baseline} bytes, torch {torch.__version__}); a cpu_memory_limit must sit above it"
         )
     return 0
-
-
-def _human(size: int) -> str:
-    """MiB below 1 GiB, else GiB, two decimals (the child cannot import the supervisor's units)."""
-    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 if __name__ == "__main__":
