@@ -80,6 +80,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_order)
 
 
+@pytest.hookimpl(optionalhook=True)  # without xdist (-p no:xdist) the hook is unknown: not an error
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``-n 2``'s scheduler: each test a unit of its own, given to whichever worker is free, in the
     order collected, except the tests of a :data:`SHARED_RUN_MODULES` module, one unit together,
