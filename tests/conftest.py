@@ -30,7 +30,7 @@ SHARED_RUN_MODULES = ("test_torchrun_real.py", "test_speed_trial.py", "test_chil
 
 #: Fast modules that run torch, transformers and peft in the test process: one unit together, so
 #: that one worker alone pays those imports (seconds each).
-IN_PROCESS_TORCH = ("test_activation_offload.py", "test_bf16_head.py")
+IN_PROCESS_TORCH = ("test_activation_offload.py", "test_bf16_head.py", "test_rank.py", "test_rank_stop.py")
 
 
 #: The slow modules whose tests take longest (a foreign tool's venv, a supervised run of several
@@ -52,7 +52,7 @@ def _order(item: pytest.Item) -> tuple[bool, int]:
     )
 
 
-_MODULE_MARKS = re.compile(r"^pytestmark = (pytest\.mark\.\w+|\[[^\]\n]*\])$", re.MULTILINE)
+_MODULE_MARKS = re.compile(r"^pytestmark = (pytest\.mark\.\w+|\[[^\]\n]*\])\s*(?:#.*)?$", re.MULTILINE)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
