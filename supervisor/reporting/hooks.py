@@ -26,10 +26,7 @@ KEEP_BYTES = 64 * 1024  # of each of the hook's stdout and stderr: its last line
 
 
 class EventHook:
-    """Runs ``argv`` for each hooked event; its failures go to ``outputs`` (the run's, or its own).
-
-    ``log`` is bound after the event log exists (it is ``outputs.log``).
-    """
+    """Runs ``argv`` for each hooked event; its failures go to ``outputs`` (``log``: ``outputs.log``)."""
 
     def __init__(self, argv: Sequence[str], timeout_s: float, outputs: BestEffort | None = None) -> None:
         self.argv = list(argv)

@@ -49,10 +49,7 @@ class ServiceStatus:
             self._extend_at = now
 
     def on_event(self, event: Mapping[str, object]) -> bool:
-        """A stop request: tell systemd the service is stopping and how long the checkpoint may take.
-
-        False for every other event (nothing sent).
-        """
+        """A stop request: tell systemd it is stopping and how long the checkpoint may take (else False)."""
         if event.get("event") != Event.STOP_REQUESTED.value:
             return False
         given = event.get("grace_s")

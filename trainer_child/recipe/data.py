@@ -24,11 +24,8 @@ MESSAGES = "messages"
 
 
 def load_table(path: str, spec: DataSpec | None = None) -> Any:  # -> datasets.Dataset
-    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train').
-
-    A file ``datasets`` cannot read is scanned for the bad record (with ``spec``'s field) and
-    the failure is a ConfigError naming it.
-    """
+    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train'); a file
+    ``datasets`` cannot read is scanned for the bad record, named in a ConfigError."""
     import datasets
 
     source = Path(path)

@@ -90,11 +90,8 @@ def spell(number: int) -> str:
 
 
 def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
-    """Counting exercises: the answer is fully determined by the prompt, so the loss can fall.
-
-    Every row is longer than 600 tokens, so truncation to ``max_seq_len`` (up to 512) makes all
-    batches the same shape and memory depends only on micro-batch and sequence length.
-    """
+    """Counting exercises (the prompt determines the answer, so the loss can fall), each longer than 600
+    tokens: truncated to ``max_seq_len`` (up to 512) every batch has the same shape."""
     rng = random.Random(seed)
     rows: list[dict[str, object]] = []
     for index in range(count):

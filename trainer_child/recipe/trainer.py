@@ -246,11 +246,8 @@ class SupervisedTrainerMixin(_TrainerBase):
             super()._load_rng_state(checkpoint)
 
     def save_emergency_checkpoint(self) -> Path | None:
-        """Checkpoint the last completed optimizer step after a failure in forward/backward/eval.
-
-        The weights and optimizer state are exactly those of step N (step N+1's optimizer.step
-        never ran); only the partly accumulated gradients are dropped.
-        """
+        """Checkpoint step N after a failure in forward/backward/eval: its weights and optimizer state are
+        exact (step N+1's optimizer.step never ran); only the partly accumulated gradients are dropped."""
         if self.state.global_step <= 0:
             return None  # nothing learnt yet: a fresh start loses nothing
         if self.model is not None:  # Trainer always has one by now; the attribute is Optional
