@@ -1,7 +1,9 @@
 """Shared fixtures. The trainer-child fixtures live in ``_child.py``; registered here so the
 session-scoped tiny model is built once for all test modules."""
 
+import itertools
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -10,6 +12,7 @@ from typing import Any
 
 import pytest
 from _child import tiny_dir_fixture  # noqa: F401 - registers the `tiny_dir` fixture
+from _pytest.mark.expression import Expression
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -24,6 +27,10 @@ def pytest_configure(config: pytest.Config) -> None:
 #: Modules whose tests read one module-scoped fixture's real run: under ``-n 2`` all of a module's
 #: tests go to one worker, so that run is made once (every other test goes alone to a free worker).
 SHARED_RUN_MODULES = ("test_torchrun_real.py", "test_speed_trial.py", "test_child_rung_costs.py")
+
+#: Fast modules that run torch, transformers and peft in the test process: one unit together, so
+#: that one worker alone pays those imports (seconds each).
+IN_PROCESS_TORCH = ("test_activation_offload.py", "test_bf16_head.py", "test_rank.py", "test_rank_stop.py")
 
 
 #: The slow modules whose tests take longest (a foreign tool's venv, a supervised run of several
@@ -45,6 +52,27 @@ def _order(item: pytest.Item) -> tuple[bool, int]:
     )
 
 
+_MODULE_MARKS = re.compile(r"^pytestmark = (pytest\.mark\.\w+|\[[^\]\n]*\])\s*(?:#.*)?$", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A module whose ``pytestmark`` line marks every test of it so that ``-m`` deselects them all
+    (the slow modules under ``-m "not slow"``) is not imported: it would be deselected anyway, and
+    importing it cost each xdist worker seconds (some import torch, peft and bitsandbytes)."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    found = _MODULE_MARKS.search(collection_path.read_text(encoding="utf-8"))
+    if found is None:
+        return None
+    module = set(re.findall(r"pytest\.mark\.(\w+)", found.group(1)))
+    # Its tests may add any of the other registered marks: deselected only if no combination is kept.
+    others = sorted({line.split(":")[0] for line in config.getini("markers")} - module)
+    expression = Expression.compile(markexpr)
+    combos = (set(c) for n in range(len(others) + 1) for c in itertools.combinations(others, n))
+    return not any(expression.evaluate(lambda name, c=c, **_: name in module | c) for c in combos) or None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The slow tests first, the longest of them first of all (the order otherwise kept): under
     ``-n 2`` the workers start on the long real-process tests and finish on the short ones, so
@@ -52,11 +80,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_order)
 
 
+@pytest.hookimpl(optionalhook=True)  # without xdist (-p no:xdist) the hook is unknown: not an error
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``-n 2``'s scheduler: each test a unit of its own, given to whichever worker is free, in the
-    order collected, except the tests of a :data:`SHARED_RUN_MODULES` module, one unit together
-    (xdist's own ``--dist loadgroup`` does not group with pytest 9: it renames a private field).
-    Only for the default ``--dist load``; another ``--dist`` named on the command line is kept."""
+    order collected, except the tests of a :data:`SHARED_RUN_MODULES` module, one unit together,
+    and those of the :data:`IN_PROCESS_TORCH` modules, one unit (xdist's own ``--dist loadgroup``
+    does not group with pytest 9: it renames a private field). Only for the default
+    ``--dist load``; another ``--dist`` named on the command line is kept."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -64,6 +94,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class OneByOne(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
+            if module.endswith(IN_PROCESS_TORCH):
+                return "in-process torch"
             return module if module.endswith(SHARED_RUN_MODULES) else nodeid
 
     return OneByOne(config, log)

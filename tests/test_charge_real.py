@@ -20,8 +20,9 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.trainer_child.recipe.qlora import TEST_FAIL_WITH_KNOB
 
+pytestmark = pytest.mark.slow  # module-wide: under -m "not slow" conftest then skips importing it (peft)
 
-@pytest.mark.slow
+
 def test_a_rung_followed_by_a_load_error_is_reverted_and_the_ladder_goes_on(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

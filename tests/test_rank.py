@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
+from qlora_supervise.trainer_child.contract.events import Resumed, event_from_fields
+from qlora_supervise.trainer_child.run.failure import ConfigError
 
-from safetensors.torch import load_file, save_file  # noqa: E402 - after the importorskip
-
-from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction  # noqa: E402
-from qlora_supervise.trainer_child.contract.events import Resumed, event_from_fields  # noqa: E402
-from qlora_supervise.trainer_child.run.failure import ConfigError  # noqa: E402
-from qlora_supervise.trainer_child.run.rank import (  # noqa: E402
-    energy_share,
-    lora_scale,
-    truncate_adapter,
-    truncate_pair,
-)
+# torch (and run.rank, which imports it) are imported by the tests that run, not at collection:
+# every xdist worker collects every module.
+if TYPE_CHECKING:
+    import torch
 
 
 def _factors(out: int, inner: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     # Decaying column norms give the update a spread of singular values, like a trained one.
     decay = torch.logspace(0, -1.5, rank)
@@ -33,6 +31,10 @@ def _factors(out: int, inner: int, rank: int, seed: int) -> tuple[torch.Tensor, 
 
 def test_truncated_factors_reproduce_the_rank_k_svd_of_the_update() -> None:
     """scale'·B'A' equals the rank-k SVD reconstruction of ΔW, and keeps its top singular directions."""
+    import torch
+
+    from qlora_supervise.trainer_child.run.rank import lora_scale, truncate_pair
+
     b, a = _factors(96, 80, 8, seed=0)
     scale, new_scale = lora_scale(16, 8), lora_scale(8, 4)
     delta = scale * (b.double() @ a.double())
@@ -56,6 +58,10 @@ def test_truncated_factors_reproduce_the_rank_k_svd_of_the_update() -> None:
 
 def test_energy_share_is_the_top_k_share_of_squared_singular_values() -> None:
     """The energy kept is Σ top-k s² / Σ s², and a zero update keeps everything."""
+    import torch
+
+    from qlora_supervise.trainer_child.run.rank import energy_share, truncate_pair
+
     b, a = _factors(64, 48, 8, seed=1)
     _, _, singular = truncate_pair(b, a, 2.0, 4, 2.0)
     s = torch.linalg.svdvals(2.0 * b.double() @ a.double())
@@ -67,6 +73,9 @@ def test_energy_share_is_the_top_k_share_of_squared_singular_values() -> None:
 
 
 def _adapter(directory: Path, modules: int, rank: int, alpha: int) -> dict[str, torch.Tensor]:
+    import torch
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True)
     weights = {}
     for index in range(modules):
@@ -82,6 +91,11 @@ def _adapter(directory: Path, modules: int, rank: int, alpha: int) -> dict[str, 
 
 def test_truncate_adapter_rewrites_the_files_at_the_new_rank_and_reports_the_energy(tmp_path: Path) -> None:
     """A saved r 8 adapter is rewritten at r 4 (config, shapes, dtype), with overall and worst energy kept."""
+    import torch
+    from safetensors.torch import load_file
+
+    from qlora_supervise.trainer_child.run.rank import truncate_adapter
+
     old = _adapter(tmp_path / "ckpt", modules=3, rank=8, alpha=16)
 
     reduction = truncate_adapter(tmp_path / "ckpt", 4, 8)
@@ -113,6 +127,9 @@ def test_truncate_adapter_rewrites_the_files_at_the_new_rank_and_reports_the_ene
 
 def test_an_adapter_of_a_smaller_rank_cannot_grow(tmp_path: Path) -> None:
     """Asking for a larger rank than the saved one is a config error that names both ranks."""
+
+    from qlora_supervise.trainer_child.run.rank import truncate_adapter
+
     _adapter(tmp_path / "ckpt", modules=1, rank=4, alpha=8)
     with pytest.raises(ConfigError, match="rank 4 is smaller than lora_r 8"):
         truncate_adapter(tmp_path / "ckpt", 8, 16)

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+from qlora_supervise.trainer_child.run import torchrun
+from qlora_supervise.trainer_child.run.heartbeat import EventLog, Progress
 
-from qlora_supervise.trainer_child.run import torchrun  # noqa: E402
-from qlora_supervise.trainer_child.run.heartbeat import EventLog, Progress  # noqa: E402
+# torch.distributed is imported by the tests that run, not at collection: every xdist worker
+# collects every module.
 
 #: Two ranks as the child sees them; the group itself has one member (the vote is the same MAX).
 TWO_RANKS = torchrun.RankPlace(rank=0, local_rank=0, world_size=2)
@@ -26,6 +26,8 @@ TWO_RANKS = torchrun.RankPlace(rank=0, local_rank=0, world_size=2)
 
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[None]:
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         yield
@@ -44,6 +46,8 @@ def progress(tmp_path: Path) -> Iterator[Progress]:
 
 def _signal_during_all_reduce(monkeypatch: pytest.MonkeyPatch, progress: Progress, flag: str) -> list[int]:
     """Wrap the all-reduce so that ``flag`` is raised as it returns, once; counts the calls."""
+    import torch.distributed as dist
+
     real = dist.all_reduce
     calls: list[int] = []
 

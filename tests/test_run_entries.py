@@ -172,6 +172,7 @@ def test_merge_records_the_adapter_step_and_status_says_when_it_is_older(
     assert "from the adapter of step 10: older than the run's adapter (step 12)" in status.stdout
 
 
+@pytest.mark.slow  # the merge child imports torch, transformers and peft: about 11 s of CPU
 def test_merge_command_folder_is_0750_and_its_files_0640_whatever_the_umask(tmp_path: Path) -> None:
     """Under umask 000, a merge (failing on the stand-in model) leaves merge-command/ 0750, files 0640."""
     run = _finished(tmp_path)

@@ -1,3 +1,1 @@
-"""Diagnosis: evidence about an ended attempt (error report, exit, cgroup, stderr, NVML) becomes a
-``Failure``.
-"""
+"""Diagnosis: evidence about an ended attempt (report, exit, cgroup, stderr, NVML) becomes a ``Failure``."""

@@ -1,40 +1,23 @@
 """What an OOM message's numbers say about the cause: contention, fragmentation, or neither.
 
-**Contention** — other processes hold at least half of the GPU
-(``others_in_use >= 50 %`` of the total capacity). ``others_in_use`` is what the device has
-in use beyond this process: with the new wording's "this process has P" clause, every
-``Process N`` line is another process and ``others = max(sum of those lines, total - free -
-max(P, reserved))`` (drivers inside containers print 0 bytes per process); without that
-clause, and in the old wording, ``others = total - free - reserved``. That also counts our own
-non-PyTorch memory (CUDA context, cuBLAS and NCCL workspaces, usually under 1 GiB), which a
-threshold of half the card makes irrelevant. Why: when others own most of the card no config
-of ours fits in what is left, and the remedy is to wait, not to degrade. A capped process
-(``N allowed;``) that hit its own cap is not contention: the cap refused it, not the others.
+**Contention**: other processes hold at least half of the GPU. ``others_in_use`` is the device's use
+beyond this process: with the new wording's "this process has P" clause, ``max(sum of the Process
+lines, total - free - max(P, reserved))`` (containers print 0 per process); otherwise ``total - free
+- reserved``, which also counts our CUDA context and workspaces (under 1 GiB: irrelevant at half the
+card). When others own most of the card nothing of ours fits: wait, do not degrade. A process that
+hit its own cap (``N allowed;``) is not contention.
 
-**Fragmentation** — ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of the capacity))``
-**and** ``reserved_unallocated + free >= tried_to_allocate`` **and** what PyTorch has allocated
-plus the request stays under 95 % of the capacity. Why: the caching allocator serves a
-request from one contiguous block. Reserved-but-unallocated bytes are already ours; when they
-plus the device's free bytes cover the request, the memory existed and only its layout (cached
-blocks split too small to coalesce) failed, so ``expandable_segments`` or releasing the cache
-fixes it and a smaller batch is the wrong remedy. The size floor ignores the allocator's normal
-slack (block rounding, size classes, per-stream pools: a few hundred MiB), which is no layout
-problem; the 512 MiB floor keeps a small card's 5 % inside that slack. When allocated + request
-fill the capacity (≥ 95 %), no layout would have left room to train on: that is a plain OOM of
-its stage (seen on the H200 under an 8 GiB cap: 0.49 GiB unallocated, 7.58 + 0.34 of 8 GiB,
-and expandable_segments did not help; bench/results/gpu-h200-2026-11-29). With a cap, "free"
-is what is left under the cap, and the request must fit **in one piece** of the split memory:
-``reserved_unallocated >= tried_to_allocate``. Why: before a capped allocator raises it has
-already released every wholly free segment and been refused a new one by the cap, so the
-unallocated bytes lie between live blocks, and the cap's unreserved room is another address
-range that no layout joins to them; when the split bytes alone cannot hold the request, the
-cap, not the layout, refused it. Contention is checked first: when
-others hold the card, free memory is scarce for a reason outside the process.
+**Fragmentation**: ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of capacity))`` **and**
+``reserved_unallocated + free >= tried_to_allocate`` **and** allocated + request under 95 % of the
+capacity. The memory existed and only its layout failed, so ``expandable_segments`` fixes it and a
+smaller batch is the wrong remedy; the floor ignores the allocator's normal slack; at 95 % no layout
+leaves room (H200 under an 8 GiB cap: 7.58 + 0.34 of 8 GiB, expandable_segments did not help;
+bench/results/gpu-h200-2026-11-29). Under a cap the request must fit in the split memory alone
+(``reserved_unallocated >= tried_to_allocate``): a capped allocator has already released its free
+segments and been refused by the cap, whose unreserved room no layout joins to the split bytes.
 
-In the old wording ``reserved_unallocated = reserved_total - already_allocated``; in the new
-one ``reserved_total = already_allocated + reserved_unallocated``; the pre-1.5 ``X cached`` is
-already the unallocated part.
-"""
+Old wording: ``reserved_unallocated = reserved_total - already_allocated``; new: ``reserved_total =
+already_allocated + reserved_unallocated``; pre-1.5 ``X cached`` is the unallocated part."""
 
 from __future__ import annotations
 

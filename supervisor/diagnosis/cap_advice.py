@@ -1,11 +1,7 @@
 """What a memory give-up says about the cap: which one, the smallest peak seen or predicted, what helps.
 
-"ladder exhausted" alone hides the likeliest cause of a memory give-up on a capped job: the cap
-is merely too low (issue 21 item 7). The sentence this module adds names the cap the attempts ran
-under (``resources.gpu_memory_limit``, ``resources.cpu_memory_limit``, or the card itself), the
-smallest peak the run's attempts reached (the journal's peaks, or what an OOM needed) and the
-memory model's prediction for the last config where it has one, and the ways out.
-"""
+"ladder exhausted" alone hides the likeliest cause on a capped job: the cap is too low (issue 21
+item 7)."""
 
 from __future__ import annotations
 
@@ -48,11 +44,8 @@ def cap_of(
 
 
 def smallest_peak_seen(records: Sequence[AttemptRecord]) -> int | None:
-    """The smallest peak a training attempt of the run reached (None: no attempt recorded one).
-
-    A failed attempt's peak is a lower bound of what its step needed, so the smallest one is the
-    least the cap would have had to hold for the cheapest config tried.
-    """
+    """The smallest peak an attempt reached (None: none recorded): a failed attempt's is a lower bound
+    of what its step needed, so this is the least the cap had to hold for the cheapest config tried."""
     peaks = [r.peak.bytes for r in records if r.peak is not None and r.peak.bytes]
     return min(peaks, default=None)
 

@@ -83,11 +83,8 @@ _SIGNATURE_FAMILIES = (
 
 
 def classify_text(text: str) -> Failure:
-    """Classify a log or traceback of any command from its text alone (module docstring).
-
-    Only the last :data:`TEXT_WINDOW` characters are read: a failure is at the end of its log,
-    and what came long before (an earlier, recovered error) would only mislead.
-    """
+    """Classify a log or traceback of any command from its text alone (module docstring); only the last
+    :data:`TEXT_WINDOW` characters: the failure is at the end, and an earlier recovered error misleads."""
     text = _window(text)
     stage = stage_from_frames(parse_frames(text), text)
     numbers = _oom_rules.derive(parse_numbers(text))
@@ -127,13 +124,9 @@ def classify_exit(
     fit: StepFit | None = None,
     xid_events: Sequence[int] = (),
 ) -> Failure:
-    """Classify how our child ended; precedence in the module docstring.
-
-    ``last_stage`` / ``last_step`` are what the heartbeats showed last: a hang is recorded at
-    that stage (the child, stuck, writes no report of its own). ``fit``: the memory model's
-    peak for the attempt's knobs against the budget, where the supervisor knows both;
-    ``xid_events``: the NVML Xids seen while the attempt ran.
-    """
+    """Classify how our child ended; precedence in the module docstring. ``last_stage`` / ``last_step``:
+    what the heartbeats showed last (a hung child writes no report); ``fit``: the model's peak against the
+    budget; ``xid_events``: the NVML Xids seen while the attempt ran."""
     seen = (last_stage, last_step)
     found = _classify_child(
         exit, report, stderr_tail, cgroup_oom_kills, gpu_others_bytes, gpu_total_bytes, fit, seen
@@ -353,12 +346,9 @@ def _refused_at_setup(exit: ChildExit, stderr_tail: str, last_stage: Stage) -> F
 
 
 def _killed_stage(stderr_tail: str, last_stage: Stage) -> tuple[Stage, str]:
-    """The stage of a child the kernel killed, and the words that say where it came from.
-
-    A SIGKILL leaves no report and rarely a traceback, so stderr frames seldom name a stage;
-    the last heartbeat does (issue 21 item 4): without it an optimizer-step kill would walk the
-    forward ladder, whose rungs (a shorter seq_len) cost the run quality for nothing.
-    """
+    """The stage of a child the kernel killed, and where that came from: frames are rare after a
+    SIGKILL, the last heartbeat is not (issue 21 item 4: an optimizer kill must not walk the forward
+    ladder, whose shorter seq_len costs quality for nothing)."""
     from_frames = _stderr_stage(stderr_tail)
     if from_frames is not Stage.UNKNOWN:
         return from_frames, f"; stage {from_frames.value} from stderr frames"

@@ -1,34 +1,20 @@
 """Fragmentation judged from facts: would ``expandable_segments`` have let the step fit?
 
-``oom_fragmentation`` sends the next attempt to the ``expandable_segments`` rung, which changes
-nothing but the allocator's layout. So the verdict must mean exactly that a better layout
-would have been enough. For our own child, whose error report carries the allocator's facts at
-the OOM (:class:`~qlora_supervise.trainer_child.contract.allocator_facts.AllocatorFacts`), it takes two
-things, and both are checked:
+``oom_fragmentation`` sends the next attempt to a rung that changes only the allocator's layout,
+so the verdict must mean a better layout would have been enough. With our child's allocator facts
+(:class:`AllocatorFacts`) both must hold:
 
-1. **The layout failed, not the quantity**: the free memory inside reserved segments plus the
-   headroom (what the allocator could still reserve under its limit) covers the request, *and*
-   no single free block of the request's size existed (``block_for_request`` false). Free
-   split blocks that add up to the request but are each too small are what expandable
-   segments cure: they map pages into one growing segment instead of carving fixed ones.
-2. **The step fits the budget when perfectly packed**: a step with the same micro-batch shape
-   already completed in this attempt (it fit once, so it fits), or the memory model's predicted
-   peak for the attempt's knobs (:func:`predicted_fit`) is at most :data:`FIT_SHARE` of the
-   budget. The margin leaves the slack no layout removes: the small pool's 2 MiB segments,
-   page rounding, and the model's own error (+2 % on the H200 recipe).
+1. **the layout failed, not the quantity**: free memory in reserved segments plus headroom covers
+   the request, yet no free block of its size existed (``block_for_request`` false);
+2. **the step fits when perfectly packed**: a step of the same micro-batch shape completed in this
+   attempt, or the memory model's peak (:func:`predicted_fit`) is at most :data:`FIT_SHARE` of the
+   budget (the slack no layout removes: 2 MiB small-pool segments, page rounding, model error).
 
-Otherwise it is the stage's OOM (capacity). Why the second condition: on a capped card the
-message alone cannot tell them apart. Under an 8 GiB cap on the H200 (bench/results/
-gpu-h200-2026-11-29) a forward OOM showed 0.93 GiB reserved-but-free against a 344 MiB request,
-yet allocated + reserved was 98.5 % of the cap and the step (7B, seq 2048, micro-batch 4,
-checkpointing) is predicted at 11.3 GiB: no layout fits 11.3 GiB into 8, and the
-``expandable_segments`` attempt that the message rule chose failed again and cost ~22 s.
-
-A prediction that says the step cannot fit vetoes fragmentation for any report of ours, with
-or without the facts. A report without facts and without a prediction (an older child, the
-CPU, a scripted child) keeps the message-only rule of :mod:`._oom_rules`, as do logs that are
-not ours.
-"""
+Why 2: on a capped card the message alone cannot tell them apart (bench/results/gpu-h200-2026-11-29:
+0.93 GiB reserved-but-free against a 344 MiB request, yet the step was predicted at 11.3 GiB under an
+8 GiB cap; the ``expandable_segments`` attempt failed again and cost ~22 s). A prediction that the
+step cannot fit vetoes fragmentation for any report of ours; without facts and prediction the
+message-only rule of :mod:`._oom_rules` decides, as for logs that are not ours."""
 
 from __future__ import annotations
 
@@ -47,8 +33,6 @@ FIT_SHARE = 0.97
 
 @dataclass(frozen=True)
 class StepFit:
-    """What the step needs at its peak against the budget, and who says so."""
-
     peak_bytes: int
     budget_bytes: int
     source: str  # "memory model" | "a step of this shape completed"
@@ -67,8 +51,6 @@ class StepFit:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The judgement: fragmentation or capacity, the sentence why, and the numbers that show it."""
-
     fragmentation: bool
     why: str
     numbers: Mapping[str, int]
@@ -84,8 +66,7 @@ def predicted_fit(
 
 
 def judge(facts: AllocatorFacts | None, numbers: Mapping[str, Any], fit: StepFit | None) -> Verdict | None:
-    """The verdict of the module docstring; None when neither facts nor a prediction exist
-    (the caller then applies the message-only rule)."""
+    """The verdict of the module docstring; None without facts or a prediction (the message rule decides)."""
     fit = _observed_fit(facts) or fit
     if facts is None:
         if fit is None or fit.fits:
@@ -118,7 +99,6 @@ def _request(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> int | None:
 
 
 def _layout_failed(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> str | None:
-    """The sentence saying split free memory covered the request with no block big enough."""
     asked = _request(facts, numbers)
     if asked is None or facts.block_for_request:
         return None

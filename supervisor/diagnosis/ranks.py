@@ -1,11 +1,8 @@
 """Several ranks failed together: which report is the cause, and which are knock-on effects.
 
-Under torchrun one rank's failure takes the others down with it: their next collective breaks
-(gloo's "Connection closed by peer", an NCCL watchdog timeout or abort, a store timeout), or
-torchrun stops them with SIGTERM. Each rank writes its own report
-(:func:`~qlora_supervise.trainer_child.contract.spec.rank_file`); the cause is the earliest report,
-by the time its exception was caught, that is not a knock-on effect. Pure functions.
-"""
+Under torchrun one rank's failure breaks the others' next collective (gloo's "Connection closed by
+peer", an NCCL watchdog, a store timeout) or torchrun stops them. The cause is the earliest report
+that is not a knock-on effect."""
 
 from __future__ import annotations
 
@@ -38,12 +35,8 @@ def is_knock_on(report: ErrorReport) -> bool:
 
 
 def first_failure(reports: Sequence[ErrorReport]) -> RankCause | None:
-    """The cause among the ranks' reports; None when none reports a failure.
-
-    Real failures come before knock-on ones; among them the earliest (ties: the lower rank). When
-    every report is a knock-on effect, the rank that failed first left none (killed outright):
-    the earliest knock-on report stands for the attempt, and ``why`` says so.
-    """
+    """The cause among the ranks' reports (ties: the lower rank); None when none failed. When all are
+    knock-on effects, the rank that failed first left none: the earliest stands for it, ``why`` says so."""
     failed = [r for r in reports if r.exit_code not in (ExitCode.OK, ExitCode.STOPPED)]
     if not failed:
         return None

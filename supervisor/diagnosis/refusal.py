@@ -1,25 +1,13 @@
 """A trainer that refused its config before its first step, told from its stderr alone.
 
-A child with no error report of its own (a foreign tool our shim had not attached to yet: trl
-parses its arguments before it imports transformers' Trainer; a venv that lacks a package) that
-ended before any training stage in one of these fails the same way on every start, so it is the
-config's (``config_error``, tried once), not ``other`` (retried unchanged into a crash loop):
-
-* an **import failure** (``ModuleNotFoundError`` / ``ImportError``): the tool's interpreter lacks
-  a package;
-* its **argument parser's refusal**, argparse's ``prog: error: argument --max_steps: invalid int
-  value: 'ten'`` after a ``usage:`` line, with argparse's exit status 2;
-* a **deterministic exception** (``ValueError``, ``TypeError``, ``KeyError`` ... the classes the
-  child's own rule counts, ``trainer_child/run/failure.is_the_configs``; a model file safetensors
-  cannot load) whose frames, or the last heartbeat, place it in setup or load: an unknown
-  ``optim``, trl's ``You need to assign use_cpu`` on a machine without a GPU.
-
-The failure's message is the tool's own line; a refusal whose fix is known (:data:`FIXES`) says
-it. Only where the text's verdict is ``other``: an OOM, a CUDA error, a NCCL error or any other
-sign decides as before, and so does an import error of an interpreter already shutting down
-(which follows the failure that ended it). :func:`classify_text` keeps its corpus labels: this
-rule needs the child's exit and heartbeats, which a log alone does not have.
-"""
+A child without a report of its own (a tool the shim had not attached to yet, a venv lacking a
+package) that ended before any training stage with an **import failure**, its **argument parser's
+refusal** (``usage:`` then ``prog: error:``, exit 2) or a **deterministic exception** (the classes of
+``trainer_child/run/failure.is_the_configs``) placed in setup or load fails alike on every start:
+``config_error`` (tried once), not ``other`` (a crash loop). Its message is the tool's line, with the
+fix where known (:data:`FIXES`). Only where the text's verdict is ``other``; an import error of an
+interpreter already shutting down follows another failure. :func:`classify_text` keeps its corpus
+labels: this rule needs the exit and heartbeats."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The sample behind a repeating OOM: the same data position fails again (issue 33).
 
-A run that fails at the same step on every start, whatever fits before and after it, usually
-meets one sample far longer than the rest. Our child names the micro-batch a training step's
-OOM happened on (:class:`BatchInFlight`: the step, the micro-batch's index in it, each row's
-token count and its index in the training set); the failure keeps it in its numbers
-(:data:`BATCH_KEYS`). When the attempt before failed at the same position, :func:`repeat_note`
-says so and what a shorter ``max_seq_len`` would cost: only those rows (and how many of their
-tokens) or many rows of the data (from the tokenized lengths the child reported at load).
-"""
+Our child names the micro-batch a step's OOM happened on (:class:`BatchInFlight`), kept in the
+failure's numbers (:data:`BATCH_KEYS`). When the attempt before failed at the same position,
+:func:`repeat_note` says so and what a shorter ``max_seq_len`` would cost: only those rows, or many."""
 
 from __future__ import annotations
 

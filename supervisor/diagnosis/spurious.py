@@ -1,37 +1,19 @@
 """A spurious OOM: the allocator raised although its own numbers say the request fit.
 
-PyTorch's caching allocator, on a failed request, looks for a free block, asks the driver for a
-new segment, releases its cached blocks and asks again; the wait for frees still pending on a
-stream event (``record_stream``) happens inside that release, and the pool is not searched
-again after it. So a block large enough can be back in the pool by the time the OOM is raised,
-and the same call made again at once succeeds (pytorch/pytorch#189504, open in 2026). A driver
-whose free memory came back between the refusal and the message is the same case seen from
-outside. Either way the config was not too big: the remedy is to run it again, unchanged,
-once; a second identical failure is no accident and takes the ladder of its stage
-(policies/decide.py).
+The caching allocator waits for pending stream frees inside its release and does not search the
+pool again after it, so a large-enough block can be back by the time the OOM is raised
+(pytorch/pytorch#189504); a driver whose memory came back is the same case. The remedy: run the
+config again, unchanged, once (policies/decide.py). Two witnesses, either suffices:
 
-Two witnesses, either suffices:
+1. **the child's allocator facts**: a free block of at least the request was in the pool *and* the
+   step's memory was still held (allocated bytes at least the message's, less
+   :data:`SAME_STATE_SLACK`): the child reads its facts after the failed op's temporaries were freed,
+   and a block freed afterwards did not exist when the allocator looked;
+2. **the message's numbers**: the driver's free memory (under a cap: ``allowed - reserved``) is at
+   least the request plus :func:`margin`, far beyond a segment's rounding and a CUDA library's share.
 
-1. **the child's allocator facts** (our own child, :class:`AllocatorFacts`): a free block of at
-   least the request was in the pool (``block_for_request``) *and* nothing the failed step
-   held was freed between the raise and the facts (the facts' allocated bytes are at least the
-   message's, less :data:`SAME_STATE_SLACK`). Without the second condition a free block says
-   nothing: the child reads its facts in its ``except`` block, after the failed operation's own
-   temporaries were released (on the H200, 0.7 GiB under an 8 GiB cap), and a block that was
-   freed afterwards did not exist when the allocator looked.
-2. **the message's numbers** (any log): the memory the allocator could still have taken is well
-   above the request: the driver's free memory, and with a cap (``N allowed;``) what is left
-   under the cap (``allowed - reserved``); "well above" is at least the request plus
-   :func:`margin` (the request again, and never less than 512 MiB), far beyond the rounding of
-   a segment (2 MiB, 20 MiB for mid-size requests) and the few hundred MiB a CUDA library may
-   take beside PyTorch. An allocator that was refused what the driver still had was not short of
-   memory.
-
-The verdict is a mark, not a kind: the failure keeps the kind its stage or layout gives it (the
-ladder to take if the retry fails the same way), and its numbers gain :data:`SPURIOUS_KEY`, the
-bytes the allocator could still have served the request from, which the policy reads.
-Contention is judged before this (other processes holding the card is a reason, not an accident).
-"""
+A mark, not a kind: the failure keeps its kind (the ladder if the retry fails alike) and its numbers
+gain :data:`SPURIOUS_KEY`, the bytes that were there. Contention is judged before this."""
 
 from __future__ import annotations
 

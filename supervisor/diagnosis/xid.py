@@ -1,19 +1,10 @@
 """GPU faults: NVML Xid events seen while an attempt ran, what they mean, and which are fatal.
 
-The driver reports a GPU error as an Xid (a number, in the kernel log and through NVML's event
-set, ``GpuSample.xid_events``). Meanings after NVIDIA's Xid catalogue ("Xid Errors", NVIDIA
-GPU deployment and management documentation). **Fatal** ones mean the GPU itself is broken or
-must be reset: a retry on the same GPU would fail the same way or corrupt the run, so the
-supervisor stops with its own exit code (``SupervisorExitCode.GPU_FAULT``) and says why. The
-others usually follow an application error (an illegal address, a killed context) or are a
-warning: the attempt is retried once unchanged.
-
-Precedence (:func:`overrule`): a fatal Xid during the attempt decides whatever else the
-evidence says (a GPU that fell off the bus also leaves a hung or crashed child). A non-fatal Xid
-decides only a failure that is not an out-of-memory error or a config error: an OOM is
-explained by memory, and Xids are per GPU, so another process's fault can show up in our
-attempt's window.
-"""
+Meanings after NVIDIA's Xid catalogue. A **fatal** Xid means the GPU is broken or must be reset: the
+supervisor stops with ``SupervisorExitCode.GPU_FAULT`` and decides over any other evidence
+(:func:`overrule`). A non-fatal one usually follows an application error: it decides only a failure
+that is not an OOM or config error (Xids are per GPU: another process's fault can fall in our
+window), and the attempt is retried once unchanged."""
 
 from __future__ import annotations
 

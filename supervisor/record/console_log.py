@@ -1,12 +1,8 @@
 """The person's side of the structured log: readable lines, local times, journald priorities.
 
-Each event's ``level`` (structlog's method name) becomes a syslog priority on the console, so
-``journalctl -p warning`` shows exactly the retries (warnings) and give-ups (errors). Under
-journald (``$JOURNAL_STREAM`` names the stream stderr is) every line starts with sd-daemon's
-``<N>`` prefix, which journald reads as the priority and strips (``SyslogLevelPrefix=``, on by
-default); journald stamps the time itself. Elsewhere the line starts with the local time,
-``2026-11-29 08:12:03``, never epoch seconds.
-"""
+Each event's level becomes a syslog priority (``journalctl -p warning`` shows the retries and
+give-ups): under journald (``$JOURNAL_STREAM``) as sd-daemon's ``<N>`` prefix, which journald strips
+and stamps itself; elsewhere the line starts with the local time."""
 
 from __future__ import annotations
 

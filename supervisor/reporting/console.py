@@ -1,11 +1,8 @@
 """Progress on the console: a tqdm bar on a terminal, one plain line per logging step otherwise.
 
-On a terminal the bar's total is ``max_steps`` and it starts at the attempt's resume step, so
-tqdm's rate and ETA count only what this attempt trains; loss, stage and peak memory ride in
-its postfix. Under journald, in a pipe or with ``--plain``, a line is printed when the step
-reaches a multiple of ``logging_steps`` (and on a stage change), with elapsed time and ETA as
-tqdm's bar prints them (``tqdm.format_interval``: ``12:05``, ``2:10:00``), never epoch seconds.
-"""
+The bar starts at the resume step, so its rate and ETA count only this attempt. Under journald, in a
+pipe or with ``--plain``, a line at each multiple of ``logging_steps`` and at a stage change, with
+times as tqdm prints them (``2:10:00``), never epoch seconds."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """The console is a best-effort output: a closed pipe or terminal costs the console, not the run.
 
-Under ``qlora-supervise run job.yaml | tee log`` a Ctrl-C reaches ``tee`` as well, which exits
-first; the supervisor's next console line then fails with ``EPIPE`` (a closed terminal: ``EIO``)
-in the middle of its graceful stop, and an exception there ended it before the stop was
-journaled (issue 29 item 10: exit 141, not 130, and ``status`` said "running"). So every console
-write (the log lines, the progress, the summary) goes through :class:`ConsoleStream`: the first
-failure turns the console off for the rest of the process, points the file descriptor at
-``/dev/null`` (so the interpreter's own flush at exit, and anything else writing there, finds
-nothing to fail on) and is logged once as ``output_failed`` (output ``console``, see :mod:`.outputs`) in
-``events.jsonl``; the run, its stop and its exit code go on as if the console were there.
-"""
+Under ``run job.yaml | tee log`` a Ctrl-C ends ``tee`` first, and the next console line failed with
+``EPIPE`` mid-stop (issue 29 item 10: exit 141, not 130, the stop never journaled). So every console
+write goes through :class:`ConsoleStream`: the first failure turns the console off, points the fd at
+``/dev/null`` (for the interpreter's flush at exit) and is logged once as ``output_failed``."""
 
 from __future__ import annotations
 

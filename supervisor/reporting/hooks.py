@@ -1,17 +1,9 @@
 """``supervise.on_event``: a lab's own command, run on ``retry``, ``gave_up`` and ``run_succeeded``.
 
-The command is an argv list, run without a shell, with the event (the same JSON object as its
-``events.jsonl`` line) on stdin and ``QLORA_SUPERVISE_EVENT=<name>`` in its environment, for
-mail, a chat webhook or a pager. It runs to completion or its timeout
-(``supervise.on_event_timeout``) before the loop goes on, so its order with the run's own
-actions is fixed. A hook that fails, times out or cannot be started is logged
-(``hook_failed``, a warning, through :class:`~.outputs.BestEffort`: once, then rate-limited) and
-never stops or changes the run.
-
-Its output is read as it comes and only the last :data:`KEEP_BYTES` of each stream are kept (the
-rest is drained and dropped): a hook that prints a gigabyte costs the supervisor a few pipe
-buffers, not the gigabyte (it grew to 2.9 GB before).
-"""
+An argv list, no shell, the event's JSON line on stdin and ``QLORA_SUPERVISE_EVENT`` set. It runs to
+completion or ``supervise.on_event_timeout`` before the loop goes on, so its order with the run's
+actions is fixed; a failure is logged through :class:`~.outputs.BestEffort` and never changes the run.
+Only the last :data:`KEEP_BYTES` of each stream are kept: a hook printing a gigabyte cost 2.9 GB before."""
 
 from __future__ import annotations
 
@@ -34,10 +26,7 @@ KEEP_BYTES = 64 * 1024  # of each of the hook's stdout and stderr: its last line
 
 
 class EventHook:
-    """Runs ``argv`` for each hooked event; its failures go to ``outputs`` (the run's, or its own).
-
-    ``log`` is bound after the event log exists (it is ``outputs.log``).
-    """
+    """Runs ``argv`` for each hooked event; its failures go to ``outputs`` (``log``: ``outputs.log``)."""
 
     def __init__(self, argv: Sequence[str], timeout_s: float, outputs: BestEffort | None = None) -> None:
         self.argv = list(argv)

@@ -1,28 +1,12 @@
 """Prometheus metrics as a node_exporter textfile (``supervise.metrics_textfile``; off by default).
 
-Why a textfile and not an HTTP endpoint: the supervisor is one single-threaded process per
-job, and a lab server runs several jobs. An endpoint would need a port per job (and a thread
-for ``prometheus_client``'s server inside the loop), a firewall rule to keep it on localhost,
-and it vanishes with the process, taking the verdict with it. node_exporter already runs on
-most lab servers and already serves ``--collector.textfile.directory``; a file per job needs no
-port, is written atomically (``prometheus_client.write_to_textfile``: a temp file and a rename,
-so a scrape never sees half a file), and its last state (succeeded, gave up) stays readable.
+A textfile, not an HTTP endpoint: one single-threaded supervisor per job would need a port and a
+server thread per job, and an endpoint vanishes with the process, verdict and all. node_exporter
+already serves ``--collector.textfile.directory``; the file is written atomically
+(``write_to_textfile``) and its last state stays readable. Label ``run``: the output_dir's name.
 
-Metrics (label ``run``: the output_dir's name):
-
-* ``qlora_supervise_attempts_total{outcome, kind}`` counter: attempts that ended (``kind`` is
-  the failure kind, ``none`` for a success)
-* ``qlora_supervise_step``, ``qlora_supervise_max_steps`` gauges
-* ``qlora_supervise_tokens_per_second`` gauge
-* ``qlora_supervise_peak_bytes`` gauge (this attempt), ``qlora_supervise_budget_bytes`` gauge
-* ``qlora_supervise_state{qlora_supervise_state=...}`` enum: running, backoff, waiting,
-  succeeded, gave_up, stopped
-* ``qlora_supervise_attempt`` gauge: the attempt number now running
-
-The file is an optional output: ``validate`` refuses one that cannot be created
-(``jobfile.world.textfile_problem``), and a write that fails mid-run is the caller's to catch (the run goes
-through :class:`~.outputs.BestEffort`, so a full or read-only textfile never stops training).
-"""
+Optional: ``validate`` refuses a file that cannot be created (``jobfile.world.textfile_problem``); a write
+that fails mid-run goes through :class:`~.outputs.BestEffort` and never stops training."""
 
 from __future__ import annotations
 
@@ -49,10 +33,7 @@ WRITE_EVERY_S = 10.0
 
 
 class MetricsTextfile:
-    """The run's metrics, rewritten atomically to ``path`` (which must end in ``.prom``).
-
-    Nothing is written until the first :meth:`write` (the caller's, through its best-effort guard).
-    """
+    """The run's metrics, rewritten atomically to ``path`` (``.prom``) from the first :meth:`write`."""
 
     def __init__(self, path: Path, run: str, budget_bytes: int | None) -> None:
         if path.suffix != ".prom":
@@ -85,10 +66,7 @@ class MetricsTextfile:
         return Gauge(f"qlora_supervise_{name}", doc, labels, registry=self.registry)
 
     def progress(self, attempt: int, p: Progress, now: float) -> bool:
-        """The attempt's progress (from the runner's tick), written every :data:`WRITE_EVERY_S`.
-
-        False when no write was due (the gauges changed in memory only).
-        """
+        """The attempt's progress, written every :data:`WRITE_EVERY_S`; False when no write was due."""
         run = self._run
         self._attempt.labels(run).set(attempt)
         self._step.labels(run).set(p.step)
@@ -105,10 +83,7 @@ class MetricsTextfile:
         return True
 
     def on_event(self, event: Mapping[str, object]) -> bool:
-        """An event of the run's log: attempt outcomes and state changes, written at once.
-
-        False for an event the metrics do not count (nothing written).
-        """
+        """Attempt outcomes and state changes, written at once; False for an event not counted."""
         name = str(event.get("event"))
         if name == Event.FAILURE_CLASSIFIED.value:
             self._attempts.labels(self._run, "failed", str(event.get("kind"))).inc()
@@ -122,6 +97,6 @@ class MetricsTextfile:
         return True
 
     def write(self) -> None:
-        """The whole file, atomically (a temp file and a rename). Raises what the file system raises."""
+        """The whole file, atomically. Raises what the file system raises."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_to_textfile(str(self.path), self.registry)

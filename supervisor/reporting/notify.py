@@ -1,13 +1,8 @@
 """systemd's ``sd_notify`` protocol, standard library only: READY, STATUS, WATCHDOG, STOPPING.
 
-With ``Type=notify`` systemd considers the service started when the supervisor sends
-``READY=1``, shows the last ``STATUS=`` line in ``systemctl status``, and (with ``WatchdogSec=``)
-restarts the service when ``WATCHDOG=1`` pings stop. Messages are datagrams to the socket named
-by ``$NOTIFY_SOCKET`` (a leading ``@`` names the abstract namespace). Without the variable every
-call is a no-op that returns False, so the supervisor calls these unconditionally.
-
-The unit uses ``NotifyAccess=main``: only the supervisor's messages count, never the child's.
-"""
+Datagrams to ``$NOTIFY_SOCKET`` (a leading ``@``: the abstract namespace); without it every call is a
+no-op returning False, so the supervisor calls these unconditionally. The unit's
+``NotifyAccess=main`` counts only the supervisor's messages, never the child's."""
 
 from __future__ import annotations
 

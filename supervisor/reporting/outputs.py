@@ -1,20 +1,10 @@
 """Optional outputs are best-effort: the metrics textfile, the ``on_event`` hook, sd_notify, the console.
 
-None of them is the run. A textfile on a full or read-only file system, a hook that crashes, a
-notify socket that went away: each must never stop training, never raise into the loop (where
-an ``OSError`` would read as the run disk being full and the loop would stop its own healthy
-trainer to wait for room), and never flood the log. So every call into one goes through
-:meth:`BestEffort.run`, and a failure becomes one log event:
-
-* the first failure of an output: ``output_failed`` (a warning) with the output's job field, the
-  problem and the fix (the hook's own failures keep their name, ``hook_failed``);
-* while it keeps failing: silent, but logged again at most every :data:`RELOG_EVERY_S`, with how
-  many failures went unlogged in between;
-* when it works again: ``output_recovered`` (info), once.
-
-TensorBoard is not here: the trainer writes it into the run directory (``<output_dir>/tensorboard``),
-so its disk is the run's disk, and a full one there is the run's own problem (``disk_full``).
-"""
+None of them is the run: each must never stop training, never raise into the loop (where an
+``OSError`` would read as the run disk being full) and never flood the log. A failure becomes
+``output_failed`` once (the hook's keep ``hook_failed``), is logged again at most every
+:data:`RELOG_EVERY_S` with the unlogged count, and ``output_recovered`` once when it works again.
+TensorBoard is not here: the trainer writes it on the run's own disk."""
 
 from __future__ import annotations
 
@@ -46,19 +36,14 @@ RELOG_EVERY_S = 600.0
 
 @dataclass
 class _Failing:
-    """One output's failure streak. Mutable: counted as failures repeat."""
-
     logged_at: float
     failures: int = 1
     unlogged: int = 0
 
 
 class BestEffort:
-    """Runs optional outputs so that none can stop the run; see the module docstring.
-
-    ``log`` is bound once the event log exists (outputs run before it, at the start of a run);
-    until then a failure is not remembered, so the first one after binding is logged.
-    """
+    """Runs optional outputs so that none can stop the run. ``log`` is bound once the event log
+    exists; a failure before that is not remembered, so the first one after binding is logged."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.log: FilteringBoundLogger | None = None
@@ -66,11 +51,8 @@ class BestEffort:
         self._failing: dict[str, _Failing] = {}
 
     def run(self, output: str, action: Callable[[], object]) -> bool:
-        """``action()``; False when it raised. Whatever it raises is logged, never raised.
-
-        ``action`` returns False when it had nothing to do (no write was due): that neither fails
-        nor recovers the output. Any other return counts as the output working.
-        """
+        """``action()``; False when it raised (logged, never raised). ``action`` returning False means
+        nothing was due: that neither fails nor recovers the output."""
         try:
             done = action()
         # Blind on purpose: an optional output may fail in any way (OSError from a full or
@@ -84,7 +66,6 @@ class BestEffort:
         return True
 
     def listener(self, output: str, listener: Callable[[Mapping[str, object]], object]) -> Listener:
-        """``listener`` for the event log, run through :meth:`run`."""
 
         def guarded(event: Mapping[str, object]) -> None:
             self.run(output, lambda: listener(event))
@@ -92,7 +73,6 @@ class BestEffort:
         return guarded
 
     def failed(self, output: str, problem: str, event: Event = Event.OUTPUT_FAILED, **fields: object) -> None:
-        """Count one failure of ``output``; log it when it is the first or the window passed."""
         now = self._clock()
         streak = self._failing.get(output)
         if streak is not None:
@@ -108,7 +88,6 @@ class BestEffort:
         self.log.warning(event, output=output, problem=problem, fix=FIXES.get(output, ""), **more, **fields)
 
     def worked(self, output: str) -> None:
-        """``output`` worked: a failure streak ends with one ``output_recovered``."""
         streak = self._failing.pop(output, None)
         if streak is not None and self.log is not None:
             self.log.info(Event.OUTPUT_RECOVERED, output=output, failures=streak.failures)

@@ -1,11 +1,7 @@
 """The loop's one hook into reporting: each tick's progress goes to the console, systemd and metrics.
 
-The runner calls :meth:`Reporter.update` every tick and :meth:`Reporter.clear` before it logs;
-events reach the metrics and the ``on_event`` hook through the event log's listeners
-(:func:`~qlora_supervise.supervisor.record.eventlog.open_event_log`), so the loop itself knows
-nothing of tqdm, sd_notify or Prometheus. sd_notify and the metrics file are optional outputs:
-they run through :class:`~.outputs.BestEffort`, so neither can raise into the loop's tick.
-"""
+Events reach the metrics and the hook through the event log's listeners, so the loop knows nothing
+of tqdm, sd_notify or Prometheus; the optional outputs run through :class:`~.outputs.BestEffort`."""
 
 from __future__ import annotations
 

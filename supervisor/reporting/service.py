@@ -1,15 +1,8 @@
 """What systemd hears while an attempt runs: STATUS, WATCHDOG fed by progress, EXTEND_TIMEOUT_USEC.
 
-* ``STATUS=attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2:10:00``, sent when
-  it changes, at most every :data:`STATUS_EVERY_S`.
-* ``WATCHDOG=1`` only when the child showed a sign of life since the last ping (a new line in its
-  events file: a step, a stage change, a heartbeat), so ``WatchdogSec=`` catches a supervisor or a
-  child that went silent, not merely a timer that still ticks.
-* ``EXTEND_TIMEOUT_USEC`` while the child is saving (stage ``save``): a checkpoint written during
-  ``systemctl stop`` must not be cut off by ``TimeoutStopSec``.
-
-Without ``$NOTIFY_SOCKET`` every message is a no-op (see :mod:`.notify`).
-"""
+``STATUS=`` when it changes, at most every :data:`STATUS_EVERY_S`; ``WATCHDOG=1`` only after a sign of
+life from the child (a new events line), so ``WatchdogSec=`` catches a silent child, not a ticking
+timer; ``EXTEND_TIMEOUT_USEC`` while it saves, so ``TimeoutStopSec`` does not cut a checkpoint off."""
 
 from __future__ import annotations
 
@@ -56,10 +49,7 @@ class ServiceStatus:
             self._extend_at = now
 
     def on_event(self, event: Mapping[str, object]) -> bool:
-        """A stop request: tell systemd the service is stopping and how long the checkpoint may take.
-
-        False for every other event (nothing sent).
-        """
+        """A stop request: tell systemd it is stopping and how long the checkpoint may take (else False)."""
         if event.get("event") != Event.STOP_REQUESTED.value:
             return False
         given = event.get("grace_s")

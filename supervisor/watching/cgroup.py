@@ -1,21 +1,9 @@
 """The kernel's OOM-kill counter of this process's cgroup: evidence for ``host_oom``.
 
-A child that died of SIGKILL while the counter went up was killed by the OOM killer (of the
-cgroup: a systemd ``MemoryMax=``, a container limit, or the whole host). The loop reads the
-counter before and after each attempt; the classifier compares the two.
-
-Where the counter lives:
-
-* cgroup v2: ``<mount>/<our cgroup>/memory.events``, line ``oom_kill N`` (counts descendants too);
-* cgroup v1: ``<memory mount>/<our cgroup>/memory.oom_control``, line ``oom_kill N`` (kernel 4.13+).
-
-Our cgroup comes from ``/proc/self/cgroup``, mount points from ``/proc/self/mountinfo``. The child
-runs in the supervisor's cgroup (systemd puts the whole service there), so this counter covers it.
-
-Test / ops seam: the environment variable ``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file
-to read instead (same ``key value`` lines). Tests point it at a fixture; operators can point it
-at the right file when the process's own cgroup is not the one that enforces the limit.
-"""
+v2: ``memory.events``; v1: ``memory.oom_control`` (line ``oom_kill N``), found from
+``/proc/self/cgroup`` and ``/proc/self/mountinfo``. The child runs in the supervisor's cgroup, so the
+counter covers it. ``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file to read instead (tests, or an
+operator whose limit is enforced by another cgroup)."""
 
 from __future__ import annotations
 
@@ -36,16 +24,12 @@ class _Mount:
 
 
 def oom_kill_count(path_override: Path | None = None) -> int | None:
-    """The cgroup's ``oom_kill`` count, or None when no counter can be found or read.
-
-    ``path_override`` (then ``$QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS``) names the file to read.
-    """
+    """The cgroup's ``oom_kill`` count (from ``path_override``, the variable, or our cgroup), or None."""
     path = path_override or _env_path() or memory_events_path()
     return None if path is None else read_oom_kill(path)
 
 
 def read_oom_kill(path: Path) -> int | None:
-    """The ``oom_kill`` value of a ``memory.events`` / ``memory.oom_control`` file, else None."""
     try:
         text = path.read_text(encoding="ascii", errors="replace")
     except OSError:
@@ -81,11 +65,8 @@ def memory_events_path(
 
 
 def memory_limit_bytes(events_path: Path | None = None) -> int | None:
-    """The memory limit of this process's cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``).
-
-    None when there is no cgroup memory controller, no limit (``max``, or v1's huge sentinel),
-    or nothing can be read. Found beside the ``oom_kill`` counter file.
-    """
+    """The limit beside the ``oom_kill`` counter (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
+    None without one (``max``, v1's huge sentinel) or when nothing can be read."""
     path = events_path or memory_events_path()
     if path is None:
         return None
@@ -106,7 +87,7 @@ def _env_path() -> Path | None:
 
 
 def _memberships(lines: list[str]) -> dict[str, str]:
-    """Controller -> cgroup path, from ``/proc/self/cgroup`` (``""`` is the v2 hierarchy)."""
+    """Controller -> cgroup path (``""`` is the v2 hierarchy)."""
     found: dict[str, str] = {}
     for line in lines:
         parts = line.split(":", 2)
@@ -122,7 +103,6 @@ def _memberships(lines: list[str]) -> dict[str, str]:
 
 
 def _mount(lines: list[str], fstype: str, controller: str) -> _Mount | None:
-    """The first mount of ``fstype`` (v1: carrying ``controller``) in ``/proc/self/mountinfo``."""
     for line in lines:
         head, sep, tail = line.partition(" - ")
         fields, tail_fields = head.split(), tail.split()
@@ -136,10 +116,7 @@ def _mount(lines: list[str], fstype: str, controller: str) -> _Mount | None:
 
 
 def _find_in(mount: _Mount, group: str, filename: str) -> Path | None:
-    """Our cgroup's file under the mount; else the nearest ancestor's that the mount shows.
-
-    An ancestor's counter includes ours (it counts descendants): a wider net, still evidence.
-    """
+    """Our cgroup's file under the mount; else the nearest ancestor's (it counts descendants)."""
     relative = group[len(mount.root) :] if group.startswith(mount.root) else group
     candidate = mount.point / relative.lstrip("/")
     while True:

@@ -1,27 +1,13 @@
 """Memory creep: a peak that rises step after step (a leak) towards the budget, seen in heartbeats.
 
-A healthy run's peak is flat after its first steps, or jumps now and then when a longer batch
-than any before arrives (a new record, rarer as the run goes on). A leak (tensors kept across
-steps: a loss kept with its graph, a growing list of outputs, a cache) raises the peak at every
-step. The rule, on the peak after each completed optimizer step of this attempt (the child's
-``peak_bytes``, which only grows):
-
-* **a leak**: over the last :data:`WINDOW` steps, the peak rose by more than the noise
-  (:data:`NOISE_FLOOR` or 0.1 % of the peak, whichever is larger: the peak only grows, so a
-  healthy step adds nothing) in every interval but at
-  most one, and the least-squares slope is positive. The first :data:`WARMUP_STEPS` steps are
-  left out: optimizer state and the allocator's first segments land there.
-* **approaching the budget**: the line through the window reaches the budget within
-  :data:`HORIZON_STEPS` steps (``predicted_oom_step``). The budget is the cap the peak is
-  measured against: the GPU budget for the CUDA allocator's peak, ``cpu_memory_limit`` for the
-  data segment's.
-
-When both hold, :meth:`CreepWatch.observe` returns a :class:`CreepForecast` once per attempt;
-the runner logs ``memory_creep`` and asks the child for an early checkpoint
-(``contract.spec.EARLY_CHECKPOINT_SIGNAL``), so that the OOM that follows costs no finished step.
-A leak with no budget to compare against is reported once too (``predicted_oom_step`` None),
-without the signal: there is nothing to say when it will end.
-"""
+A healthy run's peak is flat after warm-up, with rarer jumps at a longer batch; a leak raises it at
+every step. Over the last :data:`WINDOW` steps after :data:`WARMUP_STEPS` (where optimizer state
+lands), a **leak** is a rise above the noise (:data:`NOISE_FLOOR` or :data:`NOISE_SHARE` of the
+peak) in every interval but at most one, with a positive least-squares slope; it **approaches the
+budget** when the line reaches it within :data:`HORIZON_STEPS` (the GPU budget for the CUDA
+allocator's peak, ``cpu_memory_limit`` for the data segment's). Then :meth:`CreepWatch.observe`
+returns a forecast once per attempt and the runner asks the child for an early checkpoint, so the
+OOM costs no finished step; a leak without a budget is reported once, without the signal."""
 
 from __future__ import annotations
 
@@ -41,8 +27,6 @@ NOISE_SHARE = 0.001
 
 @dataclass(frozen=True)
 class CreepForecast:
-    """A leak seen in the heartbeats, and when it reaches the budget."""
-
     step: int
     peak_bytes: int
     slope_bytes_per_step: float
@@ -66,7 +50,6 @@ class CreepWatch:
         self.fired = False
 
     def observe(self, beat: Heartbeat) -> CreepForecast | None:
-        """The forecast the first time the module's rule holds; None before and after."""
         peak = beat.memory.peak_bytes
         if self.fired or peak is None or beat.step <= self._first_step + WARMUP_STEPS:
             return None
@@ -116,7 +99,6 @@ def _slope(steps: list[int], peaks: list[int]) -> float:
 
 
 def _reaches(step: int, peak: int, slope: float, budget: int | None) -> int | None:
-    """The first step whose peak the line puts at or above the budget."""
     if budget is None:
         return None
     if peak >= budget:

@@ -1,24 +1,11 @@
-"""GPU memory samples through NVML (``pynvml``, package ``nvidia-ml-py``), with Xid events.
+"""GPU memory samples through NVML (``pynvml``), with Xid events.
 
-``GpuMonitor.open(device)`` returns None where there is nothing to watch (no NVML library, no
-driver, no such GPU, or ``device == "cpu"``); it never raises and logs nothing itself, so the
-loop decides what to say. The loop replaces ``GpuMonitor.open`` in tests (a seam).
-
-Device names are the job's: ``auto``, ``cuda:N`` or a UUID. NVML numbers GPUs physically and
-ignores ``CUDA_VISIBLE_DEVICES``, so the device is mapped through that variable by
-``contract.devices.bind_device``, the same function the child uses to pick its GPU. CUDA's default order
-(fastest first) equals NVML's PCI order on machines with one GPU model; set
-``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines.
-
-NVML is reached through :class:`Nvml`, the typed slice of ``pynvml`` the monitor calls; the
-module itself is the real one and tests pass a fake. Errors are caught by class:
-``pynvml.NVMLError`` (every NVML return code has its subclass, ``NVMLError_NotSupported``,
-``NVMLError_Timeout``, ...) where NVML may refuse, and nothing else, so a bug is not mistaken
-for a missing GPU.
-
-Caveat: NVML reports host PIDs. Inside a container with its own PID namespace the child's PID
-does not match, so its memory shows up under ``others`` and ``this_process_bytes`` stays 0.
-"""
+``GpuMonitor.open(device)`` returns None where there is nothing to watch (no NVML, no driver, no such
+GPU, ``cpu``); it never raises or logs. NVML numbers GPUs physically and ignores
+``CUDA_VISIBLE_DEVICES``, so the device is mapped by ``contract.devices.bind_device``, as the child
+maps it (set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines). Only ``pynvml.NVMLError`` is caught,
+so a bug is not mistaken for a missing GPU. In a container with its own PID namespace the child's
+memory shows under ``others``."""
 
 from __future__ import annotations
 
@@ -40,32 +27,22 @@ Handle = object
 
 
 class NvmlMemory(Protocol):
-    """``nvmlDeviceGetMemoryInfo``'s answer (``c_nvmlMemory_t`` / ``_v2_t``), bytes."""
-
     total: int
     used: int
     free: int
 
 
 class NvmlProcess(Protocol):
-    """One entry of ``nvmlDeviceGet*RunningProcesses``; ``usedGpuMemory`` is None where not shown."""
-
     pid: int
     usedGpuMemory: int | None
 
 
 class NvmlEvent(Protocol):
-    """An event from ``nvmlEventSetWait_v2``; for an Xid event, ``eventData`` is the Xid code."""
-
     eventData: int
 
 
 class Nvml(Protocol):
-    """The part of ``pynvml`` the monitor calls (the module satisfies it; tests pass a fake).
-
-    Each call may raise :data:`NVMLError`. ``nvmlMemory_v2`` is read with ``getattr``: older
-    bindings lack it.
-    """
+    """The part of ``pynvml`` the monitor calls (tests pass a fake); each call may raise :data:`NVMLError`."""
 
     nvmlEventTypeXidCriticalError: int
 
@@ -100,10 +77,7 @@ class GpuSample:
 
 
 class GpuProbe(Protocol):
-    """NVML as the loop reads it: the child's tree, the card's total and free, other processes.
-
-    :class:`GpuMonitor` is the real one; tests pass a fake through the loop's seams.
-    """
+    """NVML as the loop reads it (:class:`GpuMonitor`; tests pass a fake through the seams)."""
 
     def sample(self, pids: set[int]) -> GpuSample | None: ...
 
@@ -111,8 +85,6 @@ class GpuProbe(Protocol):
 
 
 class GpuMonitor:
-    """An open NVML handle on one GPU. Use :meth:`open`; call :meth:`close` when done."""
-
     def __init__(self, nvml: Nvml, handle: Handle, index: int, events: Handle | None) -> None:
         self._nvml = nvml
         self._handle = handle
@@ -121,10 +93,7 @@ class GpuMonitor:
 
     @classmethod
     def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
-        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing.
-
-        ``nvml`` replaces the ``pynvml`` module (tests pass a fake).
-        """
+        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing."""
         if device == "cpu":
             return None
         started = _started_nvml(nvml)
@@ -139,7 +108,7 @@ class GpuMonitor:
         return cls(started, handle, index, _xid_event_set(started, handle))
 
     def sample(self, pids: set[int]) -> GpuSample | None:
-        """Memory now, split into ``pids`` (the child's tree) and everyone else. None on an NVML error."""
+        """Memory now, split into ``pids`` (the child's tree) and the rest; None on an NVML error."""
         nvml = self._nvml
         try:
             memory = _memory_info(nvml, self._handle)
@@ -182,7 +151,6 @@ class GpuMonitor:
 
 
 def _started_nvml(nvml: Nvml | None) -> Nvml | None:
-    """``nvml`` (default: ``pynvml``) initialised; None where NVML or the driver is missing."""
     module: Nvml = pynvml
     started = module if nvml is None else nvml
     try:
@@ -209,11 +177,7 @@ def visible_gpu_count(*, nvml: Nvml | None = None) -> int | None:
 
 
 def _handle_for(nvml: Nvml, device: str) -> Handle:
-    """The NVML handle of the GPU the child trains on for ``device``.
-
-    The child inherits this process's environment, so both read the same
-    ``CUDA_VISIBLE_DEVICES``. Raises (DeviceError, LookupError, NVMLError) when there is no such GPU.
-    """
+    """The handle of the GPU the child trains on (it inherits our ``CUDA_VISIBLE_DEVICES``)."""
     target = bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target
     if target is None:
         raise LookupError(f"device {device!r}: no GPU visible")
@@ -244,7 +208,7 @@ def _memory_info(nvml: Nvml, handle: Handle) -> NvmlMemory:
 
 
 def _processes(nvml: Nvml, handle: Handle) -> list[tuple[int, int]]:
-    """(pid, bytes) per process, compute and graphics merged (a process can be in both)."""
+    """(pid, bytes) per process, compute and graphics merged."""
     by_pid: dict[int, int] = {}
     for query in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
         for process in _listed(query, handle):
@@ -261,7 +225,6 @@ def _listed(query: Callable[[Handle], Iterable[NvmlProcess]], handle: Handle) ->
 
 
 def _xid_event_set(nvml: Nvml, handle: Handle) -> Handle | None:
-    """An event set registered for Xid critical errors, or None where NVML does not offer them."""
     try:
         events = nvml.nvmlEventSetCreate()
     except NVMLError:

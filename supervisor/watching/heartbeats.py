@@ -1,12 +1,8 @@
 """Reading the child's events file as it grows, into a picture of its progress.
 
-The child writes one JSON line per event (``contract.events.event_line``); each line is parsed
-once, by ``contract.events.parse_event``, into its typed record, and everything here reads the
-records. Progress is a change of optimizer step or of stage; a heartbeat that repeats the same
-step and stage is not progress, so a child whose heartbeat thread lives on while training is
-stuck is still seen as hung. The peak is the child's ``peak_bytes`` (of its heartbeats and its
-``loaded`` event), never re-derived here.
-"""
+Each line is parsed once (``contract.events.parse_event``). Progress is a change of step or stage:
+a heartbeat repeating both is not, so a child whose heartbeat thread outlives a stuck training is
+still seen as hung. The peak is the child's ``peak_bytes``, never re-derived here."""
 
 from __future__ import annotations
 
@@ -34,10 +30,7 @@ _BEFORE_TRAINING = frozenset({"starting", Stage.SETUP.value, Stage.LOAD.value, S
 
 @dataclass
 class Progress:
-    """What the heartbeats have shown so far in one attempt. Mutable: updated every tick.
-
-    ``stage`` is the child's stage name (``starting`` before any event named one).
-    """
+    """What the heartbeats have shown so far in one attempt (``stage``: ``starting`` before any)."""
 
     step: int = 0
     stage: str = "starting"
@@ -69,8 +62,7 @@ class HeartbeatReader:
         self.progress = Progress()
 
     def poll(self, now: float) -> list[ChildEvent]:
-        """New events since the last call, typed; updates :attr:`progress`. A corrupt line or an
-        event this version does not know is skipped."""
+        """New events since the last call, typed; updates :attr:`progress`; bad lines are skipped."""
         try:
             with self._path.open("r", encoding="utf-8") as handle:
                 handle.seek(self._offset)
@@ -119,7 +111,6 @@ class HeartbeatReader:
 
 
 def _host(p: Progress, event: ChildEvent) -> None:
-    """The host numbers of a ``loaded`` event or a heartbeat into ``p``."""
     if isinstance(event, Loaded):
         p.load_host_peak = event.memory.rss_high_water_bytes
     elif isinstance(event, Heartbeat):
@@ -130,8 +121,7 @@ def _host(p: Progress, event: ChildEvent) -> None:
 
 
 def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
-    """The optimizer step and the stage an event names, where it names them. A stage this
-    version cannot name (``unknown``: a newer child's) says nothing about progress."""
+    """The step and stage an event names, where it does (``unknown``, a newer child's, says nothing)."""
     step: int | None = None
     stage: Stage | None = None
     match event:

@@ -1,9 +1,6 @@
-"""Host memory samples through psutil: the machine's RAM and swap, and the child tree's RSS.
-
-The kernel's OOM killer acts on host memory, so the loop records these next to the GPU samples;
-a child whose RSS climbed towards ``available`` before it died of SIGKILL was most likely a
-host OOM kill (the cgroup's ``oom_kill`` counter says so for sure, see ``cgroup.py``).
-"""
+"""Host memory samples through psutil: the machine's RAM and swap, and the child tree's RSS (a child
+whose RSS climbed towards ``available`` before a SIGKILL was likely a host OOM kill; the cgroup's
+counter says so for sure)."""
 
 from __future__ import annotations
 

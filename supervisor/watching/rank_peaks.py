@@ -1,12 +1,8 @@
 """Each rank's peak memory under torchrun, and the seeds' "uneven per-card batches" check.
 
-Every rank writes its own heartbeats (``child-events.jsonl`` for rank 0, ``child-events.rankN.jsonl``
-beside it), each with the peak its cap limits (the CUDA allocator's on its GPU, the data segment
-on the CPU). With DDP every rank holds the same replica and the same micro-batch shape, so one
-rank's peak well above the others' points at what the seeds' triage table names for "one card
-OOMs in multi-GPU fine-tuning": uneven per-card batches (long samples landing on one rank) or
-gradient-sync buffers, and a device_map that put more than the replica on one card.
-"""
+With DDP every rank holds the same replica and micro-batch shape, so one rank's peak well above the
+others' points at uneven per-card batches, gradient-sync buffers, or a device_map that put more than
+the replica on one card (the seeds' triage for "one card OOMs in multi-GPU fine-tuning")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What the loop watches while an attempt runs: memory samples and the hang rule.
-
-Host RAM and the child's RSS come from psutil; GPU memory (this child's process tree, total,
-and other processes) from NVML at a modest rate, each sample appended to
-``attempt-NNN/gpu.jsonl``. No reading (no NVML, a vanished process) is never an error.
-"""
+"""What the loop watches while an attempt runs: host and GPU memory samples (each GPU sample appended
+to ``attempt-NNN/gpu.jsonl``) and the hang rule. A missing reading is never an error."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """The merge's memory plan: what the merge needs on the GPU and in host RAM, and the device it picks.
 
-Pure arithmetic on byte counts (the caller measures the model, the card and the host), so the
-rule is testable without either. The numbers it counts, for a base of ``W`` bytes in the
-merge dtype, the adapter ``A`` bytes, the largest input shard ``S`` and the output shard size
-``O`` (the merge loads with ``low_cpu_mem_usage``, shard by shard):
-
-* on the GPU: ``W + A`` resident, plus the largest linear layer's ``B @ A`` product (one layer is
-  merged at a time), plus a reserve for the CUDA context; host RAM: the imports, one input shard
-  on its way to the card, one output shard being serialised;
-* on the CPU: host RAM holds ``W + A`` and one output shard, plus the imports.
-
-Users' first merge complaint is host RAM, so both plans count it, and ``auto`` takes the GPU
-only when both of its numbers fit, else the CPU when its host number fits.
-"""
+Pure arithmetic on byte counts. For a base of ``W`` bytes, adapter ``A`` (loaded shard by shard):
+on the GPU ``W + A`` plus the largest layer's ``B @ A`` plus a CUDA reserve, and host RAM for the
+imports, one input and one output shard; on the CPU, host RAM for ``W + A``, one output shard and the
+imports. Users' first merge complaint is host RAM, so ``auto`` takes the GPU only when both of its
+numbers fit, else the CPU when its host number fits."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Where activations live: gradient checkpointing switched on a built model, and activation offload.
 
-Both are throughput knobs that change without a reload: the speed trial switches checkpointing
-on and off on the model it times (:mod:`...run.speed_trial`), and the trainer runs each micro-step
-under :func:`activation_context`.
-"""
+Both change without a reload: the speed trial switches checkpointing on the model it times, and the
+trainer runs each micro-step under :func:`activation_context`."""
 
 from __future__ import annotations
 
@@ -24,17 +22,13 @@ MIN_OFFLOAD_BYTES = 1024
 
 
 def checkpointing_kwargs() -> dict[str, Any]:
-    """A fresh copy of :data:`CHECKPOINTING_KWARGS` (the libraries keep and may mutate what they get)."""
+    """A fresh copy (the libraries keep and may mutate what they get)."""
     return dict(CHECKPOINTING_KWARGS)
 
 
 def set_checkpointing(trainer: Any, enabled: bool) -> None:
-    """Turn gradient checkpointing on or off on ``trainer``'s model, and in its arguments.
-
-    The arguments matter as much as the model: ``Trainer.train`` turns checkpointing on again when
-    ``args.activation_checkpointing`` (``gradient_checkpointing``, its deprecated alias in
-    transformers 5) is set, and never turns it off.
-    """
+    """Checkpointing on or off on ``trainer``'s model and in its arguments: ``Trainer.train`` turns it
+    on again when ``args.activation_checkpointing`` (or its deprecated alias) is set, and never off."""
     model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     # transformers 5 names them activation_checkpointing_*; gradient_checkpointing_* are deprecated
     # aliases that warn on every call.
@@ -56,12 +50,9 @@ def set_checkpointing(trainer: Any, enabled: bool) -> None:
 def offloads(tensor: torch.Tensor) -> bool:
     """Whether a tensor saved for backward goes to the host: an activation on an accelerator.
 
-    Parameters stay (torchtune's OffloadActivations leaves them too): a frozen weight that an op
-    saves, such as the LM head's in trl's fused loss, would otherwise be copied to the host and back
-    on every micro-step, gigabytes at a 128k vocabulary, for no memory gained (it stays resident).
-    So do views of them (``F.linear`` saves ``weight.t()``, a view whose base is the parameter).
-    Tensors already on the host, and tiny ones, stay as well.
-    """
+    Parameters and their views stay (as in torchtune's OffloadActivations): a frozen weight an op
+    saves, such as the LM head's in trl's fused loss, would be copied out and back every micro-step
+    (gigabytes at a 128k vocabulary) for nothing. Host tensors and tiny ones stay as well."""
     if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
         return False
     if tensor.device.type == "cpu":
@@ -72,21 +63,12 @@ def offloads(tensor: torch.Tensor) -> bool:
 class HostBuffers:
     """The host buffers offloaded activations live in, kept between micro-steps.
 
-    ``save_on_cpu`` allocates a new (pinned) host tensor for every saved tensor of every micro-step;
-    pinned allocations go through the host caching allocator, which keeps them (and rounds each
-    up to a power of two), so a run's host memory only ever grows. Here a buffer is a byte buffer
-    of the saved tensor's size rounded up to a power of two (the allocator's rounding, which the
-    host model's ``pinned()`` counts), viewed as the tensor's dtype; it is taken from the free list
-    of its size when one is there, and goes back to it when autograd drops what it saved (after
-    the backward that used it): the next micro-step's forward copies into the same buffers. Sizes
-    are rounded, not exact, because trl's collator pads each batch to its own longest row: exact
-    sizes would allocate new buffers at nearly every micro-step and keep all the old ones.
-    :meth:`release` gives them all back (to the operating system, through the host allocator's
-    cache) when the config changes or the speed trial ends.
-
-    The counters are the bookkeeping the tests and the child's heartbeats read: bytes held (in use
-    and free), the peak in use, how many buffers were allocated and how many reuses were served.
-    """
+    ``save_on_cpu`` allocates a new pinned tensor per saved tensor per micro-step, and the host caching
+    allocator keeps them all: host memory only grows. Here a buffer is the tensor's size rounded up to a
+    power of two (the allocator's rounding, which the host model's ``pinned()`` counts; rounded because
+    trl's collator pads each batch to its own length), taken from a free list and returned when autograd
+    drops what it saved. :meth:`release` gives them back when the config changes or the trial ends. The
+    counters are what the tests and the heartbeats read."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
@@ -99,8 +81,7 @@ class HostBuffers:
         self.packed = 0  # tensors offloaded
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host byte buffer (its size a power of two) whose first bytes hold ``tensor``'s contents:
-        :func:`as_saved` views it as the tensor again."""
+        """A host buffer whose first bytes hold ``tensor`` (:func:`as_saved` views it as the tensor)."""
         nbytes = _nbytes(tensor)
         size = _bucket(nbytes)
         free = self._free.get(size)
@@ -118,7 +99,6 @@ class HostBuffers:
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        """``buffer`` is free again: the next micro-step's forward may copy into it."""
         self.in_use_bytes -= buffer.numel()
         self._free.setdefault(buffer.numel(), []).append(buffer)
 
@@ -132,19 +112,15 @@ class HostBuffers:
 
 
 def as_saved(buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """The tensor :meth:`HostBuffers.take` copied into ``buffer``: its first bytes, as ``dtype`` and
-    ``shape``."""
     return buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
 
 
 def _bucket(nbytes: int) -> int:
-    """``nbytes`` rounded up to a power of two (the host caching allocator's rounding)."""
     return 1 << max(nbytes - 1, 0).bit_length()
 
 
 class _Offloaded:
-    """What autograd keeps for one offloaded tensor; its buffer returns to the pool when autograd
-    drops it (after the backward that read it, or with a graph that is never run backward)."""
+    """What autograd keeps for one offloaded tensor; its buffer returns to the pool when autograd drops it."""
 
     __slots__ = ("buffer", "device", "dtype", "pool", "shape")
 
@@ -160,14 +136,11 @@ class _Offloaded:
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """``torch.autograd.graph.save_on_cpu``, less the tensors :func:`offloads` keeps in place, into
-    the reused buffers of ``pool``.
+    """``save_on_cpu``, less what :func:`offloads` keeps in place, into the reused buffers of ``pool``.
 
-    Only what the forward saves for backward is offloaded. With (non-reentrant) checkpointing that
-    is each block's input: the checkpoint's own hooks keep the block's inner tensors out of ours,
-    and a tensor saved while the backward runs (a reentrant checkpoint's recomputation) stays where
-    it is: it is read back within the same backward, so copying it out would only cost host memory.
-    """
+    With non-reentrant checkpointing only each block's input is offloaded (the checkpoint's hooks keep
+    the inner tensors out of ours); a tensor saved during the backward (a reentrant recomputation) is read
+    back in that backward, so it stays."""
 
     def __init__(self, pool: HostBuffers) -> None:
         # The same tensor saved by two ops (an RMSNorm's input: by its square and by its product)
@@ -204,9 +177,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def empty_host_cache() -> None:
-    """Give the host allocator's cached pinned blocks back to the operating system (a no-op where
-    none was ever allocated; torch 2.11 names it ``_host_emptyCache``, later ones
-    ``torch.accelerator.empty_host_cache``)."""
+    """Give the host allocator's cached pinned blocks back (``_host_emptyCache`` in torch 2.11)."""
     accelerator = getattr(torch, "accelerator", None)
     empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
     if empty is not None and torch.cuda.is_available():
@@ -217,7 +188,6 @@ _POOL: HostBuffers | None = None
 
 
 def host_buffers() -> HostBuffers:
-    """The process's pool of offload buffers (pinned where a GPU makes that useful)."""
     global _POOL
     if _POOL is None:
         _POOL = HostBuffers(pin_memory=torch.cuda.is_available())
@@ -225,16 +195,14 @@ def host_buffers() -> HostBuffers:
 
 
 def release_host_buffers() -> int:
-    """Give back the offload buffers no micro-step holds: after the speed trial, and whenever the
-    config changes in-process (another micro-batch or checkpointing saves other sizes). The bytes
-    given back."""
+    """Give back the buffers no micro-step holds (after the speed trial, or a config change in-process);
+    the bytes given back."""
     return 0 if _POOL is None else _POOL.release()
 
 
 @contextlib.contextmanager
 def activation_context(knobs: Knobs) -> Iterator[None]:
-    """What a training micro-step (forward and backward) runs under: activation offload when the
-    knob is on (torchtune wraps its steps the same way), else nothing."""
+    """What a training micro-step runs under: activation offload when the knob is on, else nothing."""
     if not knobs.activation_offload:
         yield
         return

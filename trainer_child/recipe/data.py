@@ -1,16 +1,10 @@
 """Training rows: a local jsonl/json/parquet/csv file or a saved ``datasets`` directory.
 
-A text dataset becomes one ``text`` column (plain language modelling, the loss on every
-token). A chat dataset becomes one ``messages`` column, which trl treats as conversational: it
-renders the chat template itself and, with ``assistant_only_loss`` (see :mod:`.recipe`), puts
-the loss on the assistant's tokens only.
-
-Every problem the job can fix (missing file, missing field, empty split, a record that is
-broken JSON, not UTF-8, null or of the wrong type) is a :class:`ConfigError`, so the supervisor
-never retries it; a bad record is named by file, line and field (:mod:`.data_rows`, the check
-``validate`` runs too). The full scan runs only when loading failed or the loaded column shows
-nulls or another type, so a good dataset is read once, by ``datasets``.
-"""
+Text becomes one ``text`` column (loss on every token); chat one ``messages`` column, which trl renders
+with the chat template (``assistant_only_loss``: loss on the assistant's tokens). Every problem the job
+can fix is a :class:`ConfigError` (never retried), a bad record named by file, line and field
+(:mod:`.data_rows`). The full scan runs only when loading failed or the column looks wrong, so a good
+dataset is read once."""
 
 from __future__ import annotations
 
@@ -30,11 +24,8 @@ MESSAGES = "messages"
 
 
 def load_table(path: str, spec: DataSpec | None = None) -> Any:  # -> datasets.Dataset
-    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train').
-
-    A file ``datasets`` cannot read is scanned for the bad record (with ``spec``'s field) and
-    the failure is a ConfigError naming it.
-    """
+    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train'); a file
+    ``datasets`` cannot read is scanned for the bad record, named in a ConfigError."""
     import datasets
 
     source = Path(path)

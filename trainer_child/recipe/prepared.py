@@ -1,16 +1,9 @@
 """What a warm spare readies before its attempt exists: the tokenizer, the rows and their lengths.
 
-The CPU half of the recipe's load depends on no knob a rung changes, only on the model (the
-tokenizer), the data, the seed (the eval split) and packing (whether lengths are taken). A spare
-started behind attempt N prepares them from N's spec while N trains; attempt N+1 takes them
-when its own inputs are equal to those, and loads its own otherwise. Both ways run the same
-functions on the same inputs, in the same order relative to the seed (none of them draws from
-a generator: the split takes its seed explicitly), so preparing ahead cannot change a result.
-
-What it saves is the time between the OOM and the next forward pass: the tokenizer, the data
-set, and tokenizing up to ``MAX_REPORTED_LENGTHS`` rows for their lengths, all before the GPU
-is free again.
-"""
+They depend on no knob a rung changes, only on the model, the data, the seed and packing. A spare
+prepares them from attempt N's spec while N trains; N+1 takes them when its inputs are equal, else
+loads its own. Both run the same functions on the same inputs (none draws from a generator), so
+preparing ahead cannot change a result; it saves the time between the OOM and the next forward."""
 
 from __future__ import annotations
 

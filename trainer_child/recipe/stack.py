@@ -1,11 +1,7 @@
 """The heavy import stack of an attempt, in one place, and the data segment it costs.
 
-``python -m qlora_supervise.trainer_child.recipe.stack`` prints the child's data segment (VmData)
-after these imports on this machine, in MiB or GiB (``--bytes``: the byte count alone, for
-scripts): the fixed cost under a CPU memory cap, which
-the cap is applied after (a CPU build of torch costs ~0.4 GiB here, a CUDA build ~2.3 GiB).
-The demo uses it to place its cap the same distance above the baseline everywhere.
-"""
+``python -m qlora_supervise.trainer_child.recipe.stack [--bytes]`` prints the data segment (VmData)
+after these imports: the fixed cost a CPU memory cap is placed above (CPU torch ~0.4 GiB, CUDA ~2.3)."""
 
 from __future__ import annotations
 
@@ -33,12 +29,8 @@ def import_training_stack() -> dict[str, str]:
 
 
 def import_training_classes(model_dir: str | None = None) -> None:
-    """Import what the recipe touches lazily: our recipe, trainer and data modules (with them
-    transformers' model and Trainer code, trl's SFTTrainer, peft's LoRA and ``datasets``) and,
-    when ``model_dir`` has a ``config.json``, the modelling module of its architecture.
-
-    A warm spare calls this so that an attempt pays none of it; nothing here touches CUDA.
-    """
+    """Import what the recipe touches lazily (transformers, trl, peft, ``datasets``, and the modelling
+    module of ``model_dir``'s architecture), so that a warm spare's attempt pays none of it; no CUDA."""
     import importlib
     import json
     from pathlib import Path
@@ -61,10 +53,8 @@ def import_training_classes(model_dir: str | None = None) -> None:
 
 
 def warm_weight_renamings(model_type: str) -> None:
-    """Build transformers' table of checkpoint renamings (5.x), which its first ``from_pretrained``
-    in a process builds for every architecture at once (hundreds of regexes: 0.6 s on this
-    project's CI CPU) and keeps in a module-level cache. Building it is pure; a transformers
-    without the table is fine too. (A private cache, read as of transformers 5.17 and 5.24.)"""
+    """Build transformers' checkpoint-renaming table (5.x; a private cache as of 5.17 and 5.24), which
+    the first ``from_pretrained`` builds for every architecture at once (0.6 s of regexes on CI)."""
     try:
         from transformers import conversion_mapping
     except ImportError:
@@ -75,10 +65,8 @@ def warm_weight_renamings(model_type: str) -> None:
 
 
 def build_on_meta(model_dir: str) -> None:
-    """Construct the model from its config on the meta device (no storage, no CUDA) and drop it:
-    a process's first model construction compiles the loss-name regex, builds the generation
-    config and runs every layer class's constructor once, none of which the real load then
-    repeats. Nothing it creates is kept, and the attempt seeds every generator after it."""
+    """Construct the model on the meta device and drop it: a first construction's one-off work (the
+    loss-name regex, the generation config, each layer's constructor) is then done; nothing is kept."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

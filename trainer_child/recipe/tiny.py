@@ -1,21 +1,12 @@
 """A tiny Llama-shaped model, tokenizer, dataset and job, built locally with no download.
 
-``python -m qlora_supervise.trainer_child.recipe.tiny DIR`` writes ``DIR/model`` (save_pretrained, with a
-word-level tokenizer trained on the dataset), ``DIR/data.jsonl`` (``text`` and ``messages``
-fields) and ``DIR/job.yaml``. It exists for tests, demos and the CPU memory-cap scenarios:
-
-* small enough that 30 optimizer steps (effective batch 8, seq 256) take seconds on 2 CPU cores;
-* every row is longer than 512 tokens after truncation, so activation memory grows with
-  ``micro_batch_size * max_seq_len`` and a memory cap can separate micro-batch 16 from 1.
-
-The task is learnable on purpose (counting by a fixed stride), so the loss falls fast.
-
-``--family gemma2`` (or ``gemma3_text``, ``phi3``, ``qwen3``, ``qwen3_moe``) writes a random model
-of that architecture instead, smaller still (hidden 64, 2 layers), with a job whose
-``target_modules: attention`` resolves by model type: tests/test_families.py runs the real child
-on each (Qwen3-MoE is the MoE: its 4-bit attention trains on the CPU; its fused experts stay
-unquantized). Without it the model is the Llama one above, the default demo.
-"""
+``python -m qlora_supervise.trainer_child.recipe.tiny DIR`` writes ``DIR/model`` (with a word-level
+tokenizer), ``DIR/data.jsonl`` (``text`` and ``messages``) and ``DIR/job.yaml``, for tests, demos and
+the CPU memory-cap scenarios: 30 steps take seconds on 2 cores, and every row is longer than 512
+tokens, so activation memory grows with ``micro_batch_size * max_seq_len``. The task (counting by a
+stride) is learnable, so the loss falls fast. ``--family gemma2`` (``gemma3_text``, ``phi3``,
+``qwen3``, ``qwen3_moe``) writes a random model of that architecture (hidden 64, 2 layers) whose job's
+``target_modules: attention`` resolves by model type (tests/test_families.py)."""
 
 from __future__ import annotations
 
@@ -99,11 +90,8 @@ def spell(number: int) -> str:
 
 
 def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
-    """Counting exercises: the answer is fully determined by the prompt, so the loss can fall.
-
-    Every row is longer than 600 tokens, so truncation to ``max_seq_len`` (up to 512) makes all
-    batches the same shape and memory depends only on micro-batch and sequence length.
-    """
+    """Counting exercises (the prompt determines the answer, so the loss can fall), each longer than 600
+    tokens: truncated to ``max_seq_len`` (up to 512) every batch has the same shape."""
     rng = random.Random(seed)
     rows: list[dict[str, object]] = []
     for index in range(count):

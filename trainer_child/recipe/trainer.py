@@ -246,11 +246,8 @@ class SupervisedTrainerMixin(_TrainerBase):
             super()._load_rng_state(checkpoint)
 
     def save_emergency_checkpoint(self) -> Path | None:
-        """Checkpoint the last completed optimizer step after a failure in forward/backward/eval.
-
-        The weights and optimizer state are exactly those of step N (step N+1's optimizer.step
-        never ran); only the partly accumulated gradients are dropped.
-        """
+        """Checkpoint step N after a failure in forward/backward/eval: its weights and optimizer state are
+        exact (step N+1's optimizer.step never ran); only the partly accumulated gradients are dropped."""
         if self.state.global_step <= 0:
             return None  # nothing learnt yet: a fresh start loses nothing
         if self.model is not None:  # Trainer always has one by now; the attribute is Optional
@@ -364,14 +361,9 @@ def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path, step: i
 def follow_schedule(trainer: SupervisedTrainerMixin, step: int) -> None:
     """The learning rate of ``step`` on *this* attempt's schedule, in the scheduler and the optimizer.
 
-    Trainer builds the schedule for the attempt's length (``max_steps``) and a resume then loads the
-    checkpoint's ``scheduler.pt`` and ``optimizer.pt``, whose learning rate is the *old* schedule's
-    at that step. For an extended run (``max_steps`` raised on a finished run) that is the old
-    schedule's end, 0 for cosine and linear, so its first new step trained at learning rate 0
-    (issue 29 item 8). The rule: the run continues as a run of the new length would, the learning
-    rate at ``step`` of the schedule over the new total (its warmup too). An ordinary resume has
-    the same length, so the value is the one it restored.
-    """
+    A resume restores the old schedule's rate; for an extended run (``max_steps`` raised) that is the old
+    end, 0 for cosine and linear, so the first new step trained at rate 0 (issue 29 item 8). The run
+    continues as a run of the new length would; an ordinary resume gets the value it restored."""
     scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
     if scheduler is None or optimizer is None:
         return

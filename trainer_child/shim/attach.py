@@ -1,12 +1,8 @@
 """When the foreign tool imports ``transformers.trainer``, its ``Trainer.train`` is wrapped.
 
-:func:`install` runs in ``sitecustomize`` (before the tool imports anything): it fixes the same
-environment our child fixes before torch (offline hub, the visible device, allocator settings,
-malloc arenas) and leaves a finder on ``sys.meta_path`` that lets ``transformers.trainer`` load
-as usual and then patches its ``Trainer``. Waiting for that import, rather than importing
-transformers here, keeps every other Python process the tool starts (launchers, data workers)
-free of torch and of our heartbeats: only a process that builds a Trainer is a trainer.
-"""
+:func:`install` runs in ``sitecustomize``: it fixes the environment our child fixes before torch and
+leaves a finder that patches ``Trainer`` once ``transformers.trainer`` loads. Waiting for that import
+keeps the tool's other processes (launchers, data workers) free of torch and of our heartbeats."""
 
 from __future__ import annotations
 

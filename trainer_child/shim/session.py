@@ -1,20 +1,11 @@
 """One supervised attempt inside a foreign tool: the same heartbeats, stages, checkpoints,
-emergency save and error report as our own child, from the same code.
+emergency save, error report and speed trial as our own child, from the same code
+(:mod:`..run.attempt`, :mod:`..recipe.trainer`, :mod:`.trial`).
 
-What is reused, not copied: :class:`~..run.attempt.Context` (events file, progress, rank),
-the stop handler, the failure path (:func:`~..run.attempt.fail`: emergency checkpoint when the
-stage allows it, the report, the ``trainer child failed in <stage>:`` line), the resume rules
-(:func:`~..run.attempt.chosen_checkpoint` / :func:`~..run.attempt.resume_source`: marker
-checked, optimizer state dropped when the knobs changed the optimizer), and the Trainer side
-(:class:`~..recipe.trainer.SupervisedTrainerMixin` and :class:`~..recipe.trainer.SupervisionCallback`),
-and the speed trial (:mod:`.trial`, our child's, with what a foreign Trainer needs checked first).
-
-How it reaches the tool's Trainer: ``Trainer.train`` is wrapped (:meth:`Session.patch`); at the
-call, the instance's class becomes a subclass of its own class with our mixin in front (the
-tool's overrides stay, ours run first and call theirs through ``super()``), our callback is
-added, and ``resume_from_checkpoint`` is the checkpoint the supervisor chose. A failure before
-``train`` (the model load inside the tool's script) is caught by ``sys.excepthook``.
-"""
+``Trainer.train`` is wrapped (:meth:`Session.patch`): at the call the instance's class becomes a
+subclass of its own with our mixin in front (the tool's overrides stay, ours call them through
+``super()``), our callback is added, and ``resume_from_checkpoint`` is the supervisor's choice. A
+failure before ``train`` (the tool's model load) is caught by ``sys.excepthook``."""
 
 from __future__ import annotations
 
