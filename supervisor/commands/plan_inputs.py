@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
+from qlora_supervise.supervisor.jobfile import Job, JobError, model_files
+from qlora_supervise.supervisor.trainers.job import load_job
 
 
 def load_plan_job(job_path: str) -> Job:
@@ -27,13 +28,10 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
 
 
 def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
-    """A foreign tool's job names its model with the tool's own key, not ``model.path``."""
-    if job.trainer is None:
+    """A tool's job names its model with the tool's own key, not ``model.path``."""
+    key, where, spelled = job.trainer.model_words()
+    if key == "model.path":
         return message
-    row = job.trainer.table.row("model")
-    key = row.key if row is not None else "model"
-    where = "trainer.command" if job.trainer.config_path is None else str(job.trainer.config_path)
-    spelled = f"--{key} DIR" if job.trainer.config_path is None else f"{key}: DIR"
     if not model:
         return (
             f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "

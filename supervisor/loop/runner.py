@@ -202,14 +202,7 @@ class AttemptRunner:
         elif self.spares is not None:  # a merge or torchrun: the spare's RAM is theirs now
             self.spares.discard("this attempt cannot run in a spare")
         self.warm = spare is not None
-        # A foreign tool runs where its user would run it (its config's folder), so relative paths
-        # in its config or command mean what they mean there (supervisor/trainers/).
-        trainer = ctx.job.trainer
-        cwd = (
-            (trainer.workdir or ctx.job.job_file.parent)
-            if trainer is not None and ready.spec.command
-            else ctx.rd.root
-        )
+        cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root)
         proc: ChildHandle = spare or seams.spawn(argv, env, attempt_dir / "child.log", cwd)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
         # The next spare: behind a cold start at once (``run`` starts it, after the arbiter has
