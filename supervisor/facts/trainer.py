@@ -7,7 +7,6 @@ themselves (their keys, their checks) live in ``supervisor/trainers/``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,11 @@ class Trainer(Protocol):
     @property
     def config_path(self) -> Path | None:
         """The user's own config file of the tool (None: ours, or an hf-script's argv)."""
+        ...
+
+    @property
+    def spare(self) -> bool:
+        """Whether a warm spare (a child that imported our trainer's stack) can run its attempts."""
         ...
 
     def config_view(self) -> dict[str, Any]:
@@ -90,7 +94,7 @@ class OwnTrainer:
 
     kind: str = OWN
     config_path: Path | None = None
-    python: str = sys.executable
+    spare: bool = True
 
     def config_view(self) -> dict[str, Any]:
         return {}

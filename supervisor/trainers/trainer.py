@@ -63,6 +63,8 @@ class ToolTrainer:
     python: str = sys.executable  # the interpreter of the tool's venv
     workdir: Path | None = None  # where the tool runs (None: the job file's folder)
 
+    spare = False  # a spare holds our trainer's imports, not the tool's
+
     @property
     def kind(self) -> str:
         return self.tool.kind
