@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExit
 from qlora_supervise.supervisor.facts.trainer import OWN
 from qlora_supervise.supervisor.jobfile import Job, JobError
 from qlora_supervise.supervisor.trainers.job import load_job
-from qlora_supervise.supervisor.trainers.summary import tool_job_copy
+from qlora_supervise.supervisor.trainers.trainer import tool_job_copy
 
 UNIT_NAME = "qlora-supervise@.service"
 ENV_NAME = "qlora-supervise.env"

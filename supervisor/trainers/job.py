@@ -94,15 +94,6 @@ def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[
     if section is not None and section.kind == OWN and not found:
         return None
     problems += _section_problems(raw, section)
-    if isinstance(raw.get("resources"), dict) and raw["resources"].get("nproc_per_node", 1) != 1:
-        problems.append(
-            Problem(
-                "resources.nproc_per_node",
-                "a foreign trainer runs as one process here",
-                show(raw["resources"]["nproc_per_node"]),
-                "delete it (or 1)",
-            )
-        )
     resources, supervise, diagnose = (
         _validated(name, kind, raw, context, problems)
         for name, kind in (
@@ -130,54 +121,42 @@ def _validated(
 
 
 def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) -> list[Problem]:
-    """Our trainer's sections in a foreign job, unknown top-level keys, the kind's own needs."""
+    """Our trainer's sections in a tool's job, unknown top-level keys, the kind's own needs."""
     kind = section.kind if section is not None else "the tool"
-    problems = []
-    for key in raw:
-        if key in OWN_ONLY:
-            problems.append(
-                Problem(
-                    str(key),
-                    f"not used with trainer.kind {kind}",
-                    "a section",
-                    "delete it: the tool's config holds these values (the supervisor reads them there)",
-                )
-            )
-        elif key not in FOREIGN_KEYS:
-            problems.append(
-                Problem(str(key), "unknown key", show(raw[key]), f"allowed: {', '.join(FOREIGN_KEYS)}")
-            )
+    there = "delete it: the tool's config holds these values (the supervisor reads them there)"
+    problems = [
+        Problem(str(key), f"not used with trainer.kind {kind}", "a section", there)
+        if key in OWN_ONLY
+        else Problem(str(key), "unknown key", show(raw[key]), f"allowed: {', '.join(FOREIGN_KEYS)}")
+        for key in raw
+        if key in OWN_ONLY or key not in FOREIGN_KEYS
+    ]
+    nproc = raw["resources"].get("nproc_per_node", 1) if isinstance(raw.get("resources"), dict) else 1
+    if nproc != 1:
+        why = "a foreign trainer runs as one process here"
+        problems.append(Problem("resources.nproc_per_node", why, show(nproc), "delete it (or 1)"))
     if section is None:
         return problems
     script = section.kind in TOOLS and not TOOLS[section.kind].entry  # its config is its command
-    if script and not section.command:
-        problems.append(
-            Problem(
-                "trainer.command",
-                f"required for kind {section.kind}",
-                None,
-                "write the script's argv as a list: [python, train.py, --output_dir, out, ...]",
-            )
-        )
-    if not script and section.config is None:
-        problems.append(
-            Problem(
-                "trainer.config",
-                f"required for kind {section.kind}",
-                None,
-                "name the tool's own config file (relative to this job file)",
-            )
-        )
-    if not script and section.command:
-        problems.append(
-            Problem(
-                "trainer.command",
-                f"only for kind hf-script, not {section.kind}",
-                show(list(section.command)),
-                "delete it: the supervisor starts the tool itself",
-            )
-        )
-    return problems
+    argv = "write the script's argv as a list: [python, train.py, --output_dir, out, ...]"
+    checks = (
+        (script and not section.command, "trainer.command", f"required for kind {kind}", None, argv),
+        (
+            not script and section.config is None,
+            "trainer.config",
+            f"required for kind {kind}",
+            None,
+            "name the tool's own config file (relative to this job file)",
+        ),
+        (
+            not script and bool(section.command),
+            "trainer.command",
+            f"only for kind hf-script, not {kind}",
+            show(list(section.command or ())),
+            "delete it: the supervisor starts the tool itself",
+        ),
+    )
+    return problems + [Problem(name, why, got, fix) for bad, name, why, got, fix in checks if bad]
 
 
 def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem]) -> ToolTrainer | None:
@@ -185,23 +164,16 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
     tool = TOOLS[section.kind]
     python = str(section.python) if section.python else sys.executable
     if section.python is not None and not os.access(section.python, os.X_OK):
+        fix = "name the python of the tool's venv, e.g. /opt/axolotl-venv/bin/python"
         problems.append(
-            Problem(
-                "trainer.python",
-                "no such interpreter (or not executable)",
-                show(python),
-                "name the python of the tool's venv, e.g. /opt/axolotl-venv/bin/python",
-            )
+            Problem("trainer.python", "no such interpreter (or not executable)", show(python), fix)
         )
     if section.command and shutil.which(section.command[0]) is None:
-        problems.append(
-            Problem(
-                "trainer.command",
-                "its first word is no program on PATH",
-                show(section.command[0]),
-                "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH",
-            )
+        why, fix = (
+            "its first word is no program on PATH",
+            "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH",
         )
+        problems.append(Problem("trainer.command", why, show(section.command[0]), fix))
     if not tool.entry:  # a script: its config is the flags of its command
         config, found = flags.parse(section.command or ())
         problems += found

@@ -27,6 +27,7 @@ import yaml
 
 from qlora_supervise.policies.ladders import DEFAULT_LADDERS
 from qlora_supervise.supervisor.facts.trainer import Ladders
+from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONFIG_PREFIX
 from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
@@ -194,3 +195,20 @@ def read_diff(attempt_dir: Path) -> list[str] | None:
         return (attempt_dir / DIFF_NAME).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def tool_job_copy(job: Job, raw: dict[str, Any]) -> str:
+    """``install-systemd``'s copy of a tool's job, its paths absolute (the copy lives elsewhere); the
+    tool still runs in the folder it ran in, so the relative paths inside its config keep their meaning."""
+    trainer = job.trainer
+    if not isinstance(trainer, ToolTrainer):
+        raise TypeError("not a tool's job")  # install_systemd asks only for a tool's
+    section = raw["trainer"]
+    if trainer.config_path is not None:
+        section["config"] = str(trainer.config_path)
+    if "python" in section:
+        section["python"] = trainer.python
+    section["workdir"] = str(trainer.workdir or job.job_file.parent)
+    raw["output_dir"] = str(job.output_dir)
+    header = f"# installed by qlora-supervise install-systemd from {job.job_file}\n"
+    return header + yaml.safe_dump(raw, sort_keys=False)
