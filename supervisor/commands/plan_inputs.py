@@ -28,10 +28,8 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
 
 
 def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
-    """A tool's job names its model with the tool's own key, not ``model.path``."""
+    """The model as the job names it: ``model.path``, or a tool's own key in its config."""
     key, where, spelled = job.trainer.model_words()
-    if key == "model.path":
-        return message
     if not model:
         return (
             f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
