@@ -243,6 +243,9 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     return value
 
 
+_TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
+
+
 def _job(
     job_file: Path,
     text: str,
@@ -273,16 +276,9 @@ def _job(
         target_modules=lora_targets(tool, config, model_type(knobs.model)),
     )
     dataset = lookup(config, table.data_key)
-    written = {
-        "train.max_steps": steps,
-        "train.epochs": epochs,
-        "train.save_steps": lookup(config, table.save_steps_key),
-    }
-    read = {
-        "train.max_steps": train.max_steps,
-        "train.epochs": train.epochs,
-        "train.save_steps": train.save_steps,
-    }
+    # A value that did not parse (``max_steps: ten``), under the job view's names, as written.
+    written = dict(zip(_TRAIN_VIEW, (steps, epochs, lookup(config, table.save_steps_key)), strict=True))
+    read = dict(zip(_TRAIN_VIEW, (train.max_steps, train.epochs, train.save_steps), strict=True))
     return Job(
         job_file=job_file,
         raw_text=text,
