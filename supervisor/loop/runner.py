@@ -193,10 +193,7 @@ class AttemptRunner:
         # HF_HOME as the shipped unit sets it) is kept.
         if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
             env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
-        # A spare holds our trainer's imports: a tool's attempt never runs in one.
-        order = (
-            self._spare_order(argv, attempt_dir / "spec.json", plan, env) if ctx.job.trainer.spare else None
-        )
+        order = self._spare_order(argv, attempt_dir / "spec.json", plan, env)
         spare = None
         if self.spares is not None and order is not None:
             spare = self.spares.take(order, attempt_dir / "spec.json", attempt_dir / "child.log")
