@@ -245,12 +245,12 @@ def test_the_tools_own_keys_are_part_of_the_job_and_apply_while_nothing_was_trai
     (its mapped keys stay the job's fields); a change of one applies while the run trained no step
     and needs --restart after; a view recorded before tool keys were kept shows no change for them."""
     from qlora_supervise.supervisor.record.generations import FieldChange, diff
-    from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
-    from qlora_supervise.supervisor.trainers.tables import TrainerKind
+    from qlora_supervise.supervisor.trainers.tools import trl_sft
+    from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
 
     config = {"model_name_or_path": "/m", "per_device_train_batch_size": 4, "max_steps": 3, "use_cpu": True}
     config["lora_target_modules"] = ["q_proj"]
-    unread = ForeignTrainer(TrainerKind.TRL_SFT, config, Path("sft.yaml")).unread_keys()
+    unread = ToolTrainer(trl_sft.TOOL, config, Path("sft.yaml")).unread_keys()
     assert unread == {"use_cpu": True}
     assert FieldChange("trainer.config.use_cpu", None, True, untrained=True).safe
     assert not FieldChange("trainer.config.use_cpu", None, True).safe

@@ -13,35 +13,35 @@ from _machine import MIB, above_baseline
 from _trainer_configs import text_dataset
 
 from qlora_supervise.supervisor.commands.run import run_job
-from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.trainers.tables import TrainerKind
+from qlora_supervise.supervisor.trainers.job import load_job
+from qlora_supervise.supervisor.trainers.tools import TOOLS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "trainers"
 
 
-@pytest.mark.parametrize("kind", [k for k in TrainerKind if k is not TrainerKind.OWN], ids=lambda k: k.value)
-def test_each_kind_has_an_example_that_loads(kind: TrainerKind, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", list(TOOLS))
+def test_each_kind_has_an_example_that_loads(kind: str, tmp_path: Path) -> None:
     """examples/trainers/<kind>/job.yaml is a valid job of that kind with an effective batch of 16,
     once its model path points at a local model directory (as the examples of our own trainer)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    example = EXAMPLES / kind.value
+    example = EXAMPLES / kind
     job = yaml.safe_load((example / "job.yaml").read_text())
     job["output_dir"] = str(tmp_path / "run")
-    if kind is TrainerKind.HF_SCRIPT:
+    if kind == "hf-script":
         command = job["trainer"]["command"]
         command[command.index("--model_name_or_path") + 1] = str(model)
         job["trainer"]["workdir"] = str(example)
     else:
         name = job["trainer"]["config"]
         config = yaml.safe_load((example / name).read_text())
-        key = "base_model" if kind is TrainerKind.AXOLOTL else "model_name_or_path"
+        key = "base_model" if kind == "axolotl" else "model_name_or_path"
         assert config[key] == "/srv/models/llama-2-7b"
         config[key] = str(model)
-        if kind is TrainerKind.LLAMAFACTORY:  # its dataset names are looked up in dataset_dir
+        if kind == "llamafactory":  # its dataset names are looked up in dataset_dir
             assert config["dataset_dir"] == "/srv/data"
             (tmp_path / "data").mkdir()
             (tmp_path / "data" / "dataset_info.json").write_text(json.dumps({config["dataset"]: {}}))
@@ -49,7 +49,7 @@ def test_each_kind_has_an_example_that_loads(kind: TrainerKind, tmp_path: Path) 
         (tmp_path / name).write_text(yaml.safe_dump(config))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     loaded = load_job(tmp_path / "job.yaml")
-    assert loaded.trainer is not None and loaded.trainer.kind is kind
+    assert loaded.trainer.kind == kind
     assert loaded.knobs.effective_batch == 16 and loaded.knobs.model == str(model)
 
 

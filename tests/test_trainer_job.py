@@ -11,10 +11,9 @@ import pytest
 import yaml
 
 from qlora_supervise.supervisor.commands.validate import validate_command
-from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.loop.settings import policy_settings
-from qlora_supervise.supervisor.trainers.tables import TrainerKind
+from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 SFT = {
@@ -53,7 +52,7 @@ def test_a_trl_job_takes_its_knobs_from_the_tools_config(tmp_path: Path) -> None
             },
         )
     )
-    assert job.trainer is not None and job.trainer.kind is TrainerKind.TRL_SFT
+    assert job.trainer.kind == "trl-sft"
     assert job.trainer.config_path == tmp_path / "sft.yaml"
     assert (job.knobs.micro_batch_size, job.knobs.grad_accum, job.knobs.effective_batch) == (4, 4, 16)
     assert (
@@ -139,7 +138,7 @@ def test_kind_own_is_our_trainer_as_before(tmp_path: Path) -> None:
             tmp_path, {"trainer": {"kind": "own"}, "model": {"path": "model"}, "data": {"path": "data.jsonl"}}
         )
     )
-    assert job.trainer is None
+    assert job.trainer.kind == "own"
 
 
 def test_validate_summarises_the_tool_and_its_keys(tmp_path: Path) -> None:
@@ -169,7 +168,7 @@ def test_install_systemd_copies_a_foreign_job_with_absolute_paths(tmp_path: Path
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "job.yaml").write_text(yaml.safe_dump(copy))
     again = load_job(tmp_path / "elsewhere" / "job.yaml")
-    assert again.trainer is not None and again.trainer.workdir == tmp_path
+    assert again.trainer.cwd(tmp_path / "elsewhere", tmp_path / "run") == tmp_path
     assert again.trainer.config == job.trainer.config if job.trainer else False
 
 
@@ -206,4 +205,4 @@ def test_an_hf_script_model_flag_is_checked_where_the_command_has_it(tmp_path: P
     lines = _problems(_job(tmp_path, {"trainer": {"kind": "hf-script", "command": command}}))
     assert any("trainer.command: model_name_or_path: a hub id" in line for line in lines), lines
     job = load_job(_job(tmp_path, {"trainer": {"kind": "hf-script", "command": command[:4]}}))
-    assert job.trainer is not None and job.knobs.model == ""
+    assert job.trainer.kind == "hf-script" and job.knobs.model == ""

@@ -12,11 +12,10 @@ import yaml
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.memory_model import Observation, calibrate, estimate_peak
 from qlora_supervise.supervisor.commands.plan import make_plan
-from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.loop.settings import policy_settings
 from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds, record_attempt
-from qlora_supervise.supervisor.trainers import model_facts
+from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The Llama-2-7B shape (its config.json's sizes): the plan reads nothing else.
@@ -103,7 +102,7 @@ def test_the_tools_attention_choice_is_read_in_its_own_key(
 ) -> None:
     base = QLORA_BASE[kind]
     job = load_job(_job(tmp_path, kind, {**base, **keys}))
-    assert model_facts.attention(job.trainer) == attention
+    assert job.trainer.attention() == attention
 
 
 def test_eager_attention_in_the_tools_config_raises_the_plans_peak(tmp_path: Path) -> None:

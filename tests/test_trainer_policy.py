@@ -15,13 +15,11 @@ from test_loop_fake_clock import LLAMA2_7B
 from qlora_supervise.policies.decide import PastAttempt, Restart, decide
 from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.supervisor.commands.plan import make_plan
-from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.loop.first_plan import first_plan
 from qlora_supervise.supervisor.loop.settings import policy_settings
-from qlora_supervise.supervisor.trainers.attempt_config import UnmappedKnobsError, write_attempt_files
-from qlora_supervise.supervisor.trainers.ladders import cannot_take
+from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.supervisor.trainers.mapping import unmapped_changes
-from qlora_supervise.supervisor.trainers.tables import rungs_for
+from qlora_supervise.supervisor.trainers.trainer import ToolTrainer, UnmappedKnobsError
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 
 
@@ -68,10 +66,10 @@ def test_the_retry_search_after_an_oom_uses_only_the_tools_rungs(tmp_path: Path)
     """After a forward OOM of a trl 7B job on 12 GiB, each restart (also at micro-batch 1) changes
     only knobs trl's config has keys for: no bf16 head, no activation offload."""
     job = load_job(_trl_7b_job(tmp_path))
-    assert job.trainer is not None
+    assert isinstance(job.trainer, ToolTrainer)
     settings = policy_settings(job)
     assert {"bf16_head", "activation_offload"} <= settings.cannot_take
-    allowed = rungs_for(job.trainer.table, job.trainer.config)
+    allowed = job.trainer.rungs()
     knobs, history = job.knobs, []
     for _ in range(4):
         history.append(PastAttempt(knobs, FailureKind.OOM_FORWARD, 0, stage=Stage.FORWARD))
@@ -79,7 +77,7 @@ def test_the_retry_search_after_an_oom_uses_only_the_tools_rungs(tmp_path: Path)
         if not isinstance(out, Restart):
             break
         assert set(out.rung.split("+")) <= allowed, out.rung
-        assert unmapped_changes(job.trainer.table, job.trainer.config, job.knobs, out.knobs) == []
+        assert unmapped_changes(job.trainer.tool.table, job.trainer.config, job.knobs, out.knobs) == []
         knobs = out.knobs
     assert knobs != job.knobs
 
@@ -88,22 +86,22 @@ def test_the_first_plan_of_a_foreign_job_searches_without_what_the_tool_cannot_t
     """Pre-flight of a trl 7B job that does not fit 6 GiB (where our trainer would offload
     activations) searches again with trl's own rungs and starts from a config predicted to fit."""
     job = load_job(_trl_7b_job(tmp_path, "6GiB"))
-    assert job.trainer is not None
+    assert isinstance(job.trainer, ToolTrainer)
     settings = policy_settings(job)
     plan = first_plan(job.knobs, settings, job.train.target_modules, False, job.resources.device)
     assert plan.knobs != job.knobs and plan.nothing_fits is None
-    assert set(rungs_between(job.knobs, plan.knobs)) <= rungs_for(job.trainer.table, job.trainer.config)
+    assert set(rungs_between(job.knobs, plan.knobs)) <= job.trainer.rungs()
     assert plan.note is not None and not plan.note.as_written
 
 
 def test_the_attempt_config_writer_refuses_a_knob_the_tool_has_no_key_for(tmp_path: Path) -> None:
     """A bf16 head reaching trl's per-attempt config is an internal error, never a silent drop."""
     job = load_job(_trl_7b_job(tmp_path))
-    assert job.trainer is not None and "bf16_head" in cannot_take(job.trainer)
+    assert isinstance(job.trainer, ToolTrainer) and "bf16_head" in job.trainer.cannot_take()
     knobs = dataclasses.replace(job.knobs, bf16_head=True, micro_batch_size=4, grad_accum=4)
     (tmp_path / "attempt").mkdir()
     with pytest.raises(UnmappedKnobsError, match="bf16_head"):
-        write_attempt_files(job.trainer, tmp_path / "attempt", tmp_path / "run", job.knobs, knobs, None)
+        job.trainer.attempt_argv(tmp_path / "attempt", tmp_path / "run", job.knobs, knobs, None)
     assert not (tmp_path / "attempt" / "trl-sft.yaml").exists()
 
 
@@ -112,8 +110,8 @@ def test_plan_agrees_with_run_and_lists_only_the_tools_rungs(tmp_path: Path) -> 
     from, ranks only trl's rungs and omits the rungs trl cannot take from its rung list."""
     path = _trl_7b_job(tmp_path, "6GiB")
     job = load_job(path)
-    assert job.trainer is not None
-    allowed = rungs_for(job.trainer.table, job.trainer.config)
+    assert isinstance(job.trainer, ToolTrainer)
+    allowed = job.trainer.rungs()
     plan = make_plan(str(path), None)
     start = first_plan(job.knobs, policy_settings(job), job.train.target_modules, False, job.resources.device)
     assert plan["start"] is not None and plan["start"]["knobs"] == dataclasses.asdict(start.knobs)
@@ -134,11 +132,12 @@ def test_a_relative_model_path_is_read_from_the_tools_workdir(
     (tmp_path / "elsewhere" / "deeper").mkdir(parents=True)  # ../models/model is nothing from here
     monkeypatch.chdir(tmp_path / "elsewhere" / "deeper")
     job = load_job(tmp_path / "cfg" / "job.yaml")
-    assert job.trainer is not None and job.knobs.model == str(tmp_path / "models" / "model")
+    assert isinstance(job.trainer, ToolTrainer) and job.knobs.model == str(tmp_path / "models" / "model")
     assert policy_settings(job).shape is not None
     assert make_plan(str(tmp_path / "cfg" / "job.yaml"), None)["shape"] is not None
     knobs = dataclasses.replace(job.knobs, micro_batch_size=4, grad_accum=4)
     (tmp_path / "attempt").mkdir()
-    write_attempt_files(job.trainer, tmp_path / "attempt", tmp_path / "run", job.knobs, knobs, None)
+    (tmp_path / "run").mkdir()
+    job.trainer.attempt_argv(tmp_path / "attempt", tmp_path / "run", job.knobs, knobs, None)
     written = yaml.safe_load((tmp_path / "attempt" / "trl-sft.yaml").read_text())
     assert written["model_name_or_path"] == "../models/model"

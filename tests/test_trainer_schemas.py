@@ -27,7 +27,9 @@ from typing import Any
 import pytest
 
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, knobs_from
-from qlora_supervise.supervisor.trainers.tables import AXOLOTL, LLAMAFACTORY, Table
+from qlora_supervise.supervisor.trainers.table_rows import Table
+from qlora_supervise.supervisor.trainers.tools.axolotl import TABLE as AXOLOTL
+from qlora_supervise.supervisor.trainers.tools.llamafactory import TABLE as LLAMAFACTORY
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = Path(os.environ.get("QLORA_SUPERVISE_TOOL_WHEELS", ROOT / ".tool-wheels"))
@@ -213,9 +215,8 @@ print(json.dumps({k: v for k, v in vars(args).items() if isinstance(v, (int, flo
 @pytest.mark.slow
 def test_hfargumentparser_reads_the_attempt_flags_as_the_table_says(tmp_path: Path) -> None:
     """transformers' own HfArgumentParser reads an hf-script attempt's argv as the knobs."""
-    from qlora_supervise.supervisor.trainers.attempt_config import write_attempt_files
-    from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
-    from qlora_supervise.supervisor.trainers.tables import HF_SCRIPT, TrainerKind
+    from qlora_supervise.supervisor.trainers.tools import hf_script
+    from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
 
     command = (
         "python",
@@ -228,12 +229,11 @@ def test_hfargumentparser_reads_the_attempt_flags_as_the_table_says(tmp_path: Pa
         "false",
     )
     user = {"output_dir": "out", "per_device_train_batch_size": 8, "bf16": False}
-    trainer = ForeignTrainer(TrainerKind.HF_SCRIPT, user, None, command)
-    job = knobs_from(HF_SCRIPT, user)
+    trainer = ToolTrainer(hf_script.TOOL, user, None, command)
+    job = knobs_from(hf_script.TABLE, user)
     knobs = dataclasses.replace(job, micro_batch_size=2, grad_accum=4, gradient_checkpointing=True)
-    argv = write_attempt_files(
-        trainer, tmp_path, tmp_path / "run", job, knobs, str(tmp_path / "checkpoint-3")
-    )
+    (tmp_path / "run").mkdir()
+    argv = trainer.attempt_argv(tmp_path, tmp_path / "run", job, knobs, str(tmp_path / "checkpoint-3"))
     assert argv[:2] == ("python", "train.py")
     assert "--lora_r" not in argv and "--max_seq_length" not in argv  # not the script's flags: never added
     done = subprocess.run(

@@ -9,7 +9,10 @@ import pytest
 
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, knobs_from
-from qlora_supervise.supervisor.trainers.tables import AXOLOTL, LLAMAFACTORY, TABLES, TRL_SFT, TrainerKind
+from qlora_supervise.supervisor.trainers.tools import TOOLS
+from qlora_supervise.supervisor.trainers.tools.axolotl import TABLE as AXOLOTL
+from qlora_supervise.supervisor.trainers.tools.llamafactory import TABLE as LLAMAFACTORY
+from qlora_supervise.supervisor.trainers.tools.trl_sft import TABLE as TRL_SFT
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -17,39 +20,39 @@ QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 @pytest.mark.parametrize(
     ("kind", "config", "expected"),
     [
-        (TrainerKind.LLAMAFACTORY, {"lora_target": "all"}, "all-linear"),
-        (TrainerKind.LLAMAFACTORY, {"lora_target": "q_proj,k_proj, v_proj ,o_proj"}, QKVO),
-        (TrainerKind.LLAMAFACTORY, {"lora_target": "q_proj"}, ("q_proj",)),
-        (TrainerKind.LLAMAFACTORY, {}, "all-linear"),
+        ("llamafactory", {"lora_target": "all"}, "all-linear"),
+        ("llamafactory", {"lora_target": "q_proj,k_proj, v_proj ,o_proj"}, QKVO),
+        ("llamafactory", {"lora_target": "q_proj"}, ("q_proj",)),
+        ("llamafactory", {}, "all-linear"),
         # trl and axolotl hand a string to peft, which fullmatches it as a pattern: this one adapts
         # nothing (validate names it), this one q and v.
-        (TrainerKind.TRL_SFT, {"lora_target_modules": "q_proj,v_proj"}, "q_proj,v_proj"),
-        (TrainerKind.TRL_SFT, {"lora_target_modules": r".*\.(q_proj|v_proj)"}, ("q_proj", "v_proj")),
-        (TrainerKind.TRL_SFT, {}, ("q_proj", "v_proj")),  # peft's default for llama
-        (TrainerKind.TRL_SFT, {"lora_target_modules": [r".*\.q_proj"]}, ("q_proj",)),  # trl: a one-name list
+        ("trl-sft", {"lora_target_modules": "q_proj,v_proj"}, "q_proj,v_proj"),
+        ("trl-sft", {"lora_target_modules": r".*\.(q_proj|v_proj)"}, ("q_proj", "v_proj")),
+        ("trl-sft", {}, ("q_proj", "v_proj")),  # peft's default for llama
+        ("trl-sft", {"lora_target_modules": [r".*\.q_proj"]}, ("q_proj",)),  # trl: a one-name list
         (
-            TrainerKind.TRL_SFT,
+            "trl-sft",
             {"lora_target_modules": r".*\.layers\.(1[0-5])\.self_attn\.v_proj"},
             ("v_proj",),
         ),
-        (TrainerKind.TRL_SFT, {"lora_target_modules": "all-linear"}, "all-linear"),
-        (TrainerKind.TRL_SFT, {"lora_target_modules": list(QKVO)}, QKVO),
-        (TrainerKind.AXOLOTL, {"lora_target_linear": True}, "all-linear"),
-        (TrainerKind.AXOLOTL, {"lora_target_linear": True, "lora_target_modules": ["q_proj"]}, "all-linear"),
-        (TrainerKind.AXOLOTL, {"lora_target_linear": False, "lora_target_modules": list(QKVO)}, QKVO),
+        ("trl-sft", {"lora_target_modules": "all-linear"}, "all-linear"),
+        ("trl-sft", {"lora_target_modules": list(QKVO)}, QKVO),
+        ("axolotl", {"lora_target_linear": True}, "all-linear"),
+        ("axolotl", {"lora_target_linear": True, "lora_target_modules": ["q_proj"]}, "all-linear"),
+        ("axolotl", {"lora_target_linear": False, "lora_target_modules": list(QKVO)}, QKVO),
         (
-            TrainerKind.AXOLOTL,
+            "axolotl",
             {"lora_target_modules": r"model\.layers\.\d+\.mlp\..*"},
             ("gate_proj", "up_proj", "down_proj"),
         ),
     ],
 )
 def test_lora_targets_read_each_tools_spelling(
-    kind: TrainerKind, config: dict[str, Any], expected: tuple[str, ...] | str
+    kind: str, config: dict[str, Any], expected: tuple[str, ...] | str
 ) -> None:
     """`all`, LLaMA-Factory's comma-separated names, peft's patterns and defaults (a llama), and
     axolotl's lora_target_linear become our targets."""
-    assert lora_targets(TABLES[kind], config, "llama") == expected
+    assert lora_targets(TOOLS[kind], config, "llama") == expected
 
 
 def test_llamafactory_without_quantization_bit_is_not_4bit() -> None:

@@ -23,14 +23,12 @@ from qlora_supervise.supervisor.trainers.mapping import (
     lookup,
     unmapped_changes,
 )
-from qlora_supervise.supervisor.trainers.tables import (
-    RUNG_KNOBS,
-    TABLES,
-    TRL_LAUNCH_KEYS,
-    TRL_SFT,
-    TrainerKind,
-    rungs_for,
-)
+from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, rungs_for
+from qlora_supervise.supervisor.trainers.tools import TOOLS
+from qlora_supervise.supervisor.trainers.tools.trl_sft import LAUNCH_KEYS as TRL_LAUNCH_KEYS
+from qlora_supervise.supervisor.trainers.tools.trl_sft import TABLE as TRL_SFT
+
+TABLES = {kind: tool.table for kind, tool in TOOLS.items()}
 
 USER = {
     "model_name_or_path": "/models/tiny",
@@ -215,8 +213,11 @@ def test_trl_reads_the_attempt_config_as_the_table_says(tmp_path: Path) -> None:
 
 
 def test_every_kind_but_ours_has_a_table() -> None:
-    """Each foreign kind of the trainer section has its table."""
-    assert set(TABLES) == {kind for kind in TrainerKind if kind is not TrainerKind.OWN}
+    """Each kind the trainer section accepts but ours is a registered tool whose table is its own."""
+    from qlora_supervise.supervisor.trainers.job import KINDS
+
+    assert ("own", *TOOLS) == KINDS
+    assert all(tool.kind == tool.table.kind == kind for kind, tool in TOOLS.items())
 
 
 AXOLOTL_USER = {
@@ -242,7 +243,7 @@ AXOLOTL_USER = {
 def test_axolotl_qlora_without_4bit_is_named_at_validate(change: dict[str, Any], refused: bool) -> None:
     """axolotl refuses adapter: qlora unless load_in_4bit is true; validate says so before a card is taken."""
     config = {key: value for key, value in {**AXOLOTL_USER, **change}.items() if value is not None}
-    problems = config_problems(TABLES[TrainerKind.AXOLOTL], config, "trainer.config")
+    problems = config_problems(TABLES["axolotl"], config, "trainer.config")
     named = [p for p in problems if "load_in_4bit" in p.problem]
     assert bool(named) is refused
     if refused:
@@ -253,7 +254,7 @@ def test_axolotl_batch_size_is_refused_for_the_accumulation_it_means() -> None:
     """axolotl 0.19 trains ``batch_size: 16, micro_batch_size: 2`` at accumulation 1 (its schema
     defaults gradient_accumulation_steps to 1 before its CLI would derive 8; older versions derived
     it): validate asks for the accumulation written out, alone or beside it."""
-    table = TABLES[TrainerKind.AXOLOTL]
+    table = TABLES["axolotl"]
     for extra in ({}, {"gradient_accumulation_steps": 4}):
         problems = config_problems(
             table, {**AXOLOTL_USER, "batch_size": 16, "micro_batch_size": 2, **extra}, "c"
@@ -263,9 +264,9 @@ def test_axolotl_batch_size_is_refused_for_the_accumulation_it_means() -> None:
     assert knobs_from(table, {**AXOLOTL_USER, "micro_batch_size": 2}).grad_accum == 1
 
 
-@pytest.mark.parametrize("kind", [TrainerKind.TRL_SFT, TrainerKind.AXOLOTL, TrainerKind.LLAMAFACTORY])
+@pytest.mark.parametrize("kind", ["trl-sft", "axolotl", "llamafactory"])
 @pytest.mark.parametrize("key", ["save_strategy", "eval_strategy"])
-def test_an_unquoted_no_read_by_yaml_as_false_is_named(kind: TrainerKind, key: str) -> None:
+def test_an_unquoted_no_read_by_yaml_as_false_is_named(kind: str, key: str) -> None:
     """``save_strategy: no`` is ``False`` to YAML; every tool stops at load on it. Quoted it passes."""
     config = {**USER, **AXOLOTL_USER, "model_name_or_path": "/m", "do_train": True, "stage": "sft"}
     table = TABLES[kind]
@@ -280,7 +281,7 @@ def test_yes_and_no_flags_stay_words_and_bool_flags_read_them_as_argparse_does()
         ["python", "t.py", "--save_strategy", "no", "--eval_strategy", "no", "--gradient_checkpointing", "no"]
     )
     assert problems == [] and config["save_strategy"] == "no"
-    table = TABLES[TrainerKind.HF_SCRIPT]
+    table = TABLES["hf-script"]
     knobs = knobs_from(table, {**config, "output_dir": "o"})
     assert knobs.gradient_checkpointing is False and knobs.eval_enabled is False
     named = config_problems(table, {**config, "output_dir": "o"}, "c")
@@ -300,7 +301,7 @@ def test_axolotl_evaluates_only_with_a_validation_split_or_test_datasets(
     change: dict[str, Any], evaluates: bool
 ) -> None:
     """axolotl's val_set_size defaults to 0 (no eval): the plan then has no eval phase to count."""
-    assert knobs_from(TABLES[TrainerKind.AXOLOTL], {**AXOLOTL_USER, **change}).eval_enabled is evaluates
+    assert knobs_from(TABLES["axolotl"], {**AXOLOTL_USER, **change}).eval_enabled is evaluates
 
 
 def test_a_quoted_number_is_read_where_the_tool_reads_it_and_refused_where_it_does_not() -> None:
@@ -308,8 +309,8 @@ def test_a_quoted_number_is_read_where_the_tool_reads_it_and_refused_where_it_do
     LLaMA-Factory's dataclasses keep the string, so validate names it there."""
     assert not config_problems(TRL_SFT, {**USER, "per_device_train_batch_size": "4"}, "c")
     assert knobs_from(TRL_SFT, {**USER, "per_device_train_batch_size": "4"}).micro_batch_size == 4
-    axolotl = TABLES[TrainerKind.AXOLOTL]
+    axolotl = TABLES["axolotl"]
     assert knobs_from(axolotl, {**AXOLOTL_USER, "micro_batch_size": "2"}).micro_batch_size == 2
     lf = {"model_name_or_path": "/m", "do_train": True, "per_device_train_batch_size": "4"}
-    named = config_problems(TABLES[TrainerKind.LLAMAFACTORY], lf, "c")
+    named = config_problems(TABLES["llamafactory"], lf, "c")
     assert [p.path for p in named] == ["c: per_device_train_batch_size"]

@@ -23,7 +23,6 @@ from _resume_checks import read_lines
 from _tool_venvs import AXOLOTL, tool_python
 from _trainer_configs import axolotl_config, text_dataset, trl_job
 
-from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.loop.launch import spec_command
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import write_spec
@@ -33,6 +32,7 @@ from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import launch
+from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,10 @@ from typing import Any
 import yaml
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
-from qlora_supervise.supervisor.trainers.summary import foreign_job_copy
+from qlora_supervise.supervisor.facts.trainer import OWN
+from qlora_supervise.supervisor.jobfile import Job, JobError
+from qlora_supervise.supervisor.trainers.job import load_job
+from qlora_supervise.supervisor.trainers.trainer import tool_job_copy
 
 UNIT_NAME = "qlora-supervise@.service"
 ENV_NAME = "qlora-supervise.env"
@@ -134,9 +136,7 @@ def _job_paths(job: Job) -> list[tuple[str, str]]:
     for field, value in (("data.path", job.data.path), ("data.eval_path", job.data.eval_path)):
         if value and value.startswith("/"):
             paths.append((field, value))
-    if job.trainer is not None and job.trainer.config_path is not None:
-        paths.append(("trainer.config", str(job.trainer.config_path)))
-    return paths
+    return paths + job.trainer.service_paths()
 
 
 def _load(job_path: str) -> Job:
@@ -224,8 +224,8 @@ def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> 
 def job_copy(job: Job) -> str:
     """The job as submitted, with its paths absolute (the copy lives in another directory)."""
     raw: dict[str, Any] = yaml.safe_load(job.raw_text)
-    if job.trainer is not None:  # a foreign tool's job: its own paths (supervisor/trainers/)
-        return foreign_job_copy(job, raw)
+    if job.trainer.kind != OWN:  # a tool's job: its own paths (supervisor/trainers/)
+        return tool_job_copy(job, raw)
     base = job.job_file.parent
     model = raw["model"]
     if isinstance(model.get("path"), str) and (base / model["path"]).exists():

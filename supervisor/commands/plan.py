@@ -109,10 +109,9 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExit
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import Job, model_files
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
-from qlora_supervise.supervisor.loop.settings import model_shape, trainer_kind
+from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
-from qlora_supervise.supervisor.trainers.ladders import cannot_take
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must be asked
@@ -134,8 +133,8 @@ def job_view(job: Job) -> JobView:
         device=job.resources.device,
         host_memory_limit=job.resources.host_memory_limit,
         merge=job.train.merge,
-        cannot_take=cannot_take(job.trainer),
-        trainer=trainer_kind(job),
+        cannot_take=job.trainer.cannot_take(),
+        trainer=job.trainer.kind,
     )
 
 
@@ -225,7 +224,7 @@ def make_plan(
 def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsupported:
     """The shape as ``job``'s trainer runs it (a foreign tool's attention), or why the memory
     model cannot count it (a foreign tool's 8-bit or unquantized weights: run starts as written)."""
-    why = model_facts.unmodelled(job.trainer, job.knobs.model)
+    why = job.trainer.unmodelled(job.knobs.model)
     if why is not None:
         return Unsupported(UnsupportedReason.NOT_MODELLED, f"{why}: {UNMODELLED_RUN}")
     if isinstance(read, Unsupported):

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError, load_job, model_files
-from qlora_supervise.supervisor.record.peak_store import OWN
+from qlora_supervise.supervisor.facts.trainer import OWN
+from qlora_supervise.supervisor.jobfile import Job, JobError, model_files
+from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
@@ -31,13 +32,8 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
 
 
 def _in_the_jobs_words(message: str, model: str, job: Job) -> str:
-    """A foreign tool's job names its model with the tool's own key, not ``model.path``."""
-    if job.trainer is None:
-        return message
-    row = job.trainer.table.row("model")
-    key = row.key if row is not None else "model"
-    where = "trainer.command" if job.trainer.config_path is None else str(job.trainer.config_path)
-    spelled = f"--{key} DIR" if job.trainer.config_path is None else f"{key}: DIR"
+    """The model as the job names it: ``model.path``, or a tool's own key in its config."""
+    key, where, spelled = job.trainer.model_words()
     if not model:
         return (
             f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "

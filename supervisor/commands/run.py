@@ -21,7 +21,7 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.commands.summary import print_summary
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError, load_job
+from qlora_supervise.supervisor.jobfile import Job, JobError
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
@@ -54,7 +54,8 @@ from qlora_supervise.supervisor.reporting.outputs import (
 )
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
-from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems
+from qlora_supervise.supervisor.trainers.job import load_job
+from qlora_supervise.supervisor.trainers.tool_check import tool_advice, tool_problems
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
 
@@ -97,7 +98,7 @@ def run_job(
         _at_start(run_dir, lambda: _lift_verdict(run_dir, submitted, retry, log))
         if job.train.trust_remote_code:
             log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
-        for advice in [*job_advice(job, records=None), *foreign_advice(job.trainer)]:  # validate's warnings
+        for advice in [*job_advice(job, records=None), *tool_advice(job.trainer)]:  # validate's warnings
             log.warning(Event.JOB_ADVICE, field=advice.field, what=advice.what, fix=advice.fix)
         seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
         settings = policy_settings(job)

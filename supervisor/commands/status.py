@@ -44,8 +44,7 @@ from qlora_supervise.supervisor.record.attempt_speed import measured_speed, spee
 from qlora_supervise.supervisor.record.journal import RunState, State, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers.attempt_config import read_diff
-from qlora_supervise.supervisor.trainers.foreign import saved_by_the_tool_only
+from qlora_supervise.supervisor.trainers.trainer import read_diff, saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME
 
 #: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).

@@ -8,11 +8,10 @@ from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile import data_probe, hub
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Job
-from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
 from qlora_supervise.supervisor.record.ownership import foreign_output_dir
-from qlora_supervise.supervisor.trainers.summary import foreign_lines
-from qlora_supervise.supervisor.trainers.tool_check import foreign_advice, tool_problems
+from qlora_supervise.supervisor.trainers.job import load_job
+from qlora_supervise.supervisor.trainers.tool_check import tool_advice, tool_problems
 from qlora_supervise.trainer_child.contract.spec import DataSpec
 
 
@@ -31,10 +30,9 @@ def validate_command(path: str) -> int:
             print(problem.render())
         return 2
     print(f"{path}: OK")
-    # A foreign tool reads its own data (a hub dataset, a mixture): it is not probed here.
-    records = _records(job.data) if job.trainer is None else None
-    extra = foreign_lines(job.trainer) if job.trainer is not None else []
-    for line in [*warning_lines(job, records), *summary_lines(job, records), *extra]:
+    # A tool reads its own data (a hub dataset, a mixture): it is not probed here.
+    records = _records(job.data) if job.trainer.probes_data() else None
+    for line in [*warning_lines(job, records), *summary_lines(job, records), *job.trainer.summary()]:
         print(f"  {line}")
     return 0
 
@@ -49,7 +47,7 @@ def warning_lines(job: Job, records: int | None = None) -> list[str]:
     """What a person should know before running the job, though it is not a problem (see
     :mod:`jobfile.advice`); ``records``: the training file's record count, where known."""
     trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
-    return trust + [advice.render() for advice in [*job_advice(job, records), *foreign_advice(job.trainer)]]
+    return trust + [advice.render() for advice in [*job_advice(job, records), *tool_advice(job.trainer)]]
 
 
 def summary_lines(job: Job, records: int | None = None) -> list[str]:

@@ -1,7 +1,8 @@
 """The job file: its schema (validated once into the specs the child gets), units, world checks and the
 data probe.
 
-``load_job(path)`` returns a :class:`Job` or raises a :class:`JobError` listing every :class:`Problem`.
+``load_job(path)`` returns our trainer's :class:`Job` or raises a :class:`JobError` listing every
+:class:`Problem` (a job with a tool's ``trainer:`` section: ``trainers.job.load_job``).
 The modules: ``problems`` (what is wrong, in words), ``fields`` (one value's type and spellings),
 ``schema`` (the sections), ``world`` (checks across fields and against the disk), ``load`` (YAML,
 the two passes, pydantic errors as problems), ``job`` (the Job of specs), ``units``, ``data_probe``.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from qlora_supervise.supervisor.facts.trainer import OwnTrainer, Trainer
 from qlora_supervise.supervisor.jobfile.schema import (
     DataSection,
     DiagnoseSection,
@@ -25,7 +26,6 @@ from qlora_supervise.supervisor.jobfile.schema import (
     SuperviseSection,
     TrainSection,
 )
-from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
 #: Said by ``validate`` and at run start (console and ``events.jsonl``) when the job trusts the
@@ -53,9 +53,8 @@ class Job:
     diagnose: DiagnoseSpec = field(
         default_factory=DiagnoseSpec
     )  # opt-in diagnostics, as the child receives them
-    # The job's ``trainer:`` section when the trainer is a foreign tool (supervisor/trainers/);
-    # None: our own child.
-    trainer: ForeignTrainer | None = None
+    # Our own child, or the tool of the job's ``trainer:`` section (supervisor/trainers/).
+    trainer: Trainer = field(default_factory=OwnTrainer)
     # Fields of a tool's config that did not parse (``max_steps: ten``), under the job view's
     # names, as written: the spec carries the default, the run's record keeps what the user wrote.
     unparsed: Mapping[str, Any] = field(default_factory=dict)

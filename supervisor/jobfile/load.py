@@ -41,18 +41,21 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
-    """Read, parse and validate the job file at ``path``. Raises JobError with every problem."""
+    """Read, parse and validate the job file of our own trainer at ``path`` (a tool's job, with
+    its ``trainer:`` section: ``trainers.job.load_job``). Raises JobError with every problem."""
+    return job_of(*read_job_file(path))
+
+
+def read_job_file(path: str | os.PathLike[str]) -> tuple[Path, str, dict[str, Any]]:
+    """The job file's absolute path, its text and its top-level mapping (JobError when unreadable)."""
     job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
     text = _read_text(job_file)
-    raw = _parse_yaml(text)
-    if "trainer" in raw:  # a foreign tool's job (supervisor/trainers/foreign_job.py), or kind own
-        from qlora_supervise.supervisor.trainers.foreign_job import load_foreign
+    return job_file, text, _parse_yaml(text)
 
-        foreign = load_foreign(job_file, text, raw, list(_duplicate_keys(text)))
-        if foreign is not None:
-            return foreign
-        raw = {key: value for key, value in raw.items() if key != "trainer"}
-    problems = [*_duplicate_keys(text), *_top_level_problems(raw)]
+
+def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
+    """The Job of our own trainer's sections, every problem raised at once."""
+    problems = [*duplicate_keys(text), *_top_level_problems(raw)]
     context = {"job_dir": str(job_file.parent)}
     sections: dict[str, Section] = {}
     bad: set[str] = set()
@@ -125,7 +128,7 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
     return Problem(where, f"YAML syntax error: {detail}", got, "fix the YAML at that line")
 
 
-def _duplicate_keys(text: str) -> Iterator[Problem]:
+def duplicate_keys(text: str) -> Iterator[Problem]:
     """Keys given twice in one mapping: PyYAML silently keeps the last, which hides edits."""
     # compose() builds nodes only (no objects are constructed): as safe as safe_load.
     stack: list[tuple[str, yaml.Node | None]] = [("", yaml.compose(text, Loader=yaml.SafeLoader))]

@@ -15,7 +15,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import story
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase, PlanNote
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers.foreign import saved_by_the_tool_only
+from qlora_supervise.supervisor.trainers.trainer import saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 

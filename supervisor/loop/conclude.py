@@ -36,7 +36,6 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import RunState, append_attempt
 from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers.foreign import tool_saved
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.events import ChildEvent
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -181,8 +180,8 @@ class Conclusions:
         return record
 
     def _phase_done(self, phase: Phase) -> bool:
-        if phase is Phase.TRAIN and self.job.trainer is not None and tool_saved(self.rd.root):
-            return True  # a foreign tool without the shim saves into its own output dir only
+        if phase is Phase.TRAIN and self.job.trainer.saved_alone(self.rd.root):
+            return True  # a tool without the shim saves into its own output dir only
         return (self.rd.merged if phase is Phase.MERGE else self.rd.adapter).exists()
 
 

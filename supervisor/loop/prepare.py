@@ -20,7 +20,6 @@ from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
-from qlora_supervise.supervisor.trainers.attempt_config import write_attempt_files
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
@@ -81,9 +80,8 @@ def write_spec(
     ensure_dir(directory)
     resume_from = str(resume.path) if resume.path else None
     command: tuple[str, ...] = ()
-    if job.trainer is not None and plan.phase is Phase.TRAIN:  # the tool's own config, per attempt
-        ensure_dir(rd.trainer_output)  # the tool saves there: never through a link
-        command = write_attempt_files(job.trainer, directory, rd.root, job.knobs, plan.knobs, resume_from)
+    if plan.phase is Phase.TRAIN:  # a tool's own config, per attempt (our child: none)
+        command = job.trainer.attempt_argv(directory, rd.root, job.knobs, plan.knobs, resume_from)
     spec = AttemptSpec(
         attempt=number,
         run_dir=str(rd.root),

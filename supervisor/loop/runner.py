@@ -43,7 +43,7 @@ from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.launch import trainer_env
-from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_moving, shim_attached
+from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_moving
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
@@ -153,8 +153,7 @@ class AttemptRunner:
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
         )
         log_optimizer_reset(log, reader.progress)
-        if spec.command:  # a foreign trainer: did our shim speak for it?
-            note_shim(Path(spec.events_file), spec.command, log)
+        note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
         reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
         report = report_of(reports)
@@ -192,22 +191,14 @@ class AttemptRunner:
         # HF_HOME as the shipped unit sets it) is kept.
         if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
             env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
-        # A spare holds our trainer's imports: a foreign tool's attempt never runs in one.
-        order = None if ready.spec.command else self._spare_order(argv, files.spec, plan, env)
+        order = self._spare_order(argv, files.spec, plan, env)
         spare = None
         if self.spares is not None and order is not None:
             spare = self.spares.take(order, files.spec, files.log)
         elif self.spares is not None:  # a merge or torchrun: the spare's RAM is theirs now
             self.spares.discard("this attempt cannot run in a spare")
         self.warm = spare is not None
-        # A foreign tool runs where its user would run it (its config's folder), so relative paths
-        # in its config or command mean what they mean there (supervisor/trainers/).
-        trainer = ctx.job.trainer
-        cwd = (
-            (trainer.workdir or ctx.job.job_file.parent)
-            if trainer is not None and ready.spec.command
-            else ctx.rd.root
-        )
+        cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root)
         proc: ChildHandle = spare or seams.spawn(argv, env, files.log, cwd)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
         # The next spare: behind a cold start at once (``run`` starts it, after the arbiter has
@@ -224,7 +215,9 @@ class AttemptRunner:
         run it: one training process (never torchrun's ranks, a merge or a test's scripted
         child), started with exactly the trainer's own command line."""
         trainer_argv = child_mod.child_argv(spec_path, plan.phase.value)
-        if not runs_in_spare(argv, trainer_argv, plan.phase is Phase.TRAIN, plan.knobs.world_size):
+        # A spare holds our trainer's imports: a tool's attempt never runs in one.
+        train = plan.phase is Phase.TRAIN and self.ctx.job.trainer.spare
+        if not runs_in_spare(argv, trainer_argv, train, plan.knobs.world_size):
             return None
         device, expandable = self.ctx.job.resources.device, plan.knobs.expandable_segments
         return SpareOrder(env, device, expandable, plan.knobs.model, prepare_from=spec_path)
@@ -290,9 +283,7 @@ class AttemptRunner:
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
                 return watched
-            if hung(reader.progress, started, now, hang_timeout) and not self._foreign_output_moving(
-                spec, number
-            ):
+            if hung(reader.progress, started, now, hang_timeout) and not self._output_moving(spec, number):
                 log.warning(
                     Event.HANG_DETECTED,
                     step=reader.progress.step,
@@ -305,12 +296,10 @@ class AttemptRunner:
             proc.wait_for_exit(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
 
-    def _foreign_output_moving(self, spec: AttemptSpec, number: int) -> bool:
-        """A foreign trainer whose shim never spoke: its log's growth stands in for heartbeats."""
-        if not spec.command or shim_attached(Path(spec.events_file)):
-            return False
+    def _output_moving(self, spec: AttemptSpec, number: int) -> bool:
+        """A tool whose shim never spoke: its log's growth stands in for heartbeats."""
         log = self.ctx.rd.attempt(number).log
-        return output_moving(log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
+        return output_moving(spec, log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
 
     def _last_gpu_look(
         self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger

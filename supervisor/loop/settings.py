@@ -26,8 +26,6 @@ from qlora_supervise.supervisor.record.peak_store import (
 )
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.trainers import model_facts
-from qlora_supervise.supervisor.trainers.ladders import cannot_take, foreign_overrides
-from qlora_supervise.supervisor.trainers.tables import TrainerKind
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
@@ -45,9 +43,9 @@ def policy_settings(job: Job) -> policy.Settings:
     resources = job.resources
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
-    unmodelled = model_facts.unmodelled(job.trainer, job.knobs.model)
+    unmodelled = job.trainer.unmodelled(job.knobs.model)
     shape = None if unmodelled else job_shape(job)
-    store, kind = peak_store_path(job), trainer_kind(job)
+    store, kind = peak_store_path(job), job.trainer.kind
     prior = tuple(read_observations(store, shape, kind)) if store is not None and shape is not None else ()
     speeds = tuple(read_speeds(store, shape, kind)) if store is not None and shape is not None else ()
     return policy.Settings(
@@ -57,10 +55,8 @@ def policy_settings(job: Job) -> policy.Settings:
         contention_wait_s=supervise.contention_wait,
         disk_wait_s=supervise.disk_wait,
         fallbacks=job.fallback_models,
-        # A foreign tool takes only the rungs its config can express (supervisor/trainers/ladders.py).
-        overrides=dict(supervise.ladders)
-        if job.trainer is None
-        else foreign_overrides(job.trainer, supervise.ladders),
+        # A tool takes only the rungs its config can express (supervisor/trainers/trainer.py).
+        overrides=job.trainer.ladders(supervise.ladders),
         budget_bytes=budget,
         shape=shape,
         unmodelled=unmodelled,
@@ -68,7 +64,7 @@ def policy_settings(job: Job) -> policy.Settings:
         speeds=speeds,
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
         speed_trial=supervise.speed_trial,  # in our child, or the shim in a foreign tool (shim/trial.py)
-        cannot_take=cannot_take(job.trainer),
+        cannot_take=job.trainer.cannot_take(),
         host=job_host_budget(job, shape),
         targets=job.train.target_modules,
     )
@@ -108,7 +104,7 @@ def remember_attempt(
     store, shape = peak_store_path(job), settings.shape
     trial = trial_speeds(speed, record.knobs)
     if store is not None and shape is not None:
-        _store_attempt(store, shape, trainer_kind(job), record, speed, trial)
+        _store_attempt(store, shape, job.trainer.kind, record, speed, trial)
     observed = [SpeedObservation(knobs, rate) for knobs, rate in trial]
     settings = dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
     return with_measured_speed(settings, speed)
@@ -171,11 +167,6 @@ def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent])
 def job_shape(job: Job) -> ModelShape | None:
     """The job's model shape as its trainer will run it (a foreign tool's attention choice)."""
     return model_facts.with_tool_attention(model_shape(Path(job.knobs.model)), job.trainer)
-
-
-def trainer_kind(job: Job) -> str:
-    """Whose peaks and speeds the per-host store keeps apart: our trainer's, or the tool's."""
-    return TrainerKind.OWN.value if job.trainer is None else job.trainer.kind.value
 
 
 def model_shape(model_dir: Path) -> ModelShape | None:

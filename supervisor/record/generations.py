@@ -38,7 +38,6 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.journal import Lift, append_lift, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
-from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
 
 SAFE_SECTIONS = ("supervise.", "resources.")
@@ -143,20 +142,10 @@ def job_view(job: Job) -> dict[str, Any]:
         view["resources.nproc_per_node"] = knobs.world_size
     supervise = job.supervise.model_dump(mode="json")
     view.update({f"supervise.{k}": v for k, v in supervise.items()})
-    if job.trainer is not None:
-        view.update(_tool_config_view(job.trainer))
+    view.update(job.trainer.config_view())
     view.update(job.unparsed)  # a tool's value that did not parse, as written: never its default
     shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk
     return shaped
-
-
-def _tool_config_view(trainer: ForeignTrainer) -> dict[str, Any]:
-    """``trainer.config`` (the file, or the hf-script's argv) and ``trainer.config.<key>`` for
-    each key of the tool's config that no other field of the view stands for."""
-    where = str(trainer.config_path) if trainer.config_path is not None else list(trainer.command)
-    view: dict[str, Any] = {TOOL_CONFIG: where}
-    view.update({f"{TOOL_CONFIG_PREFIX}{key}": value for key, value in trainer.unread_keys().items()})
-    return view
 
 
 def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:

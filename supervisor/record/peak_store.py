@@ -37,11 +37,10 @@ from pydantic import TypeAdapter
 
 from qlora_supervise.policies.memory_model import ModelShape, Observation
 from qlora_supervise.policies.search.throughput import SpeedObservation
+from qlora_supervise.supervisor.facts.trainer import OWN
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KEEP_LINES = 2000
-#: Our own trainer's ``trainer`` (supervisor/trainers/tables.TrainerKind.OWN).
-OWN = "own"
 
 
 def default_path() -> Path:

@@ -1,8 +1,6 @@
-"""Trainers other than ours: ``trl sft``, axolotl, LLaMA-Factory and HfArgumentParser scripts.
+"""The trainer seam: our own child or a tool the user already runs (``trl sft``, axolotl, LLaMA-Factory,
+an HfArgumentParser script), each a :class:`~qlora_supervise.supervisor.facts.trainer.Trainer`.
 
-The job's ``trainer:`` section names the tool and the user's own config. The supervisor never
-imports the tool: it reads the config (YAML, or the script's flags), maps the ladder's knobs to
-the tool's keys (:mod:`.tables`), writes each attempt's config into the attempt's directory
-(:mod:`.attempt_config`; the user's file is never touched), and starts the tool with the shim on
-its ``PYTHONPATH`` (:mod:`.launch`, ``trainer_child/shim/``).
+One module per tool in :mod:`.tools` exports its :class:`.tool.Tool` record; :mod:`.trainer` runs
+any of them (each attempt's config, its argv), :mod:`.job` loads a job of either kind.
 """

@@ -27,46 +27,47 @@ from typing import Any
 from qlora_supervise.policies.memory.attention import installed_package_root
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.tables import Table, TrainerKind
+from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.trainer_child.contract.targets import ALL_LINEAR, family
 
-#: A tool's own word for every linear layer of the block (LLaMA-Factory's ``lora_target: all``).
-_ALL_LINEAR = {TrainerKind.LLAMAFACTORY: ("all", "all-linear")}
-#: The tools whose string value peft receives as a regular expression.
-_REGEX_KINDS = frozenset({TrainerKind.TRL_SFT, TrainerKind.AXOLOTL, TrainerKind.HF_SCRIPT})
 #: Where peft's default targets come from when trl names none (the model type's entry there).
 _PEFT_DEFAULTS = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
 
 
 def lora_targets(
-    table: Table, config: Mapping[str, Any], model_type: str | None = None
+    tool: Tool, config: Mapping[str, Any], model_type: str | None = None
 ) -> tuple[str, ...] | str:
     """The LoRA targets in our words (``"all-linear"`` or module names) from the tool's spelling."""
-    if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
+    if _all_linear_key(tool, config):
         return ALL_LINEAR
-    value = as_peft_gets_it(table, lookup(config, table.targets_key))
-    if isinstance(value, str) and table.kind in _REGEX_KINDS and value != ALL_LINEAR:
+    value = as_peft_gets_it(tool, lookup(config, tool.table.targets_key))
+    if isinstance(value, str) and tool.targets_regex and value != ALL_LINEAR:
         matched = regex_matches(value, model_type)
         return matched if matched else value  # no match: validate says so; the string as written
     if isinstance(value, str):
         value = [name.strip() for name in value.split(",") if name.strip()]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        if len(value) == 1 and value[0] in _ALL_LINEAR.get(table.kind, (ALL_LINEAR,)):
+        if len(value) == 1 and value[0] in tool.all_linear_words:
             return ALL_LINEAR
         return tuple(value)
-    if table.kind is TrainerKind.TRL_SFT:
+    if tool.peft_default_targets:
         defaults = peft_default_targets(model_type)
         if defaults:
             return defaults
     return ALL_LINEAR  # every linear layer: the most the adapter can be, so never under-counted
 
 
-def as_peft_gets_it(table: Table, value: Any) -> Any:
+def as_peft_gets_it(tool: Tool, value: Any) -> Any:
     """trl's ModelConfig turns a one-name list into that name (``__post_init__``), which peft then
     reads as a pattern: ``[q_proj]`` reaches it as ``"q_proj"``."""
-    if table.kind is TrainerKind.TRL_SFT and isinstance(value, list) and len(value) == 1:
+    if tool.one_name_list_is_name and isinstance(value, list) and len(value) == 1:
         return value[0]
     return value
+
+
+def _all_linear_key(tool: Tool, config: Mapping[str, Any]) -> bool:
+    """axolotl's ``lora_target_linear: true``: every Linear, whatever the list says."""
+    return tool.all_linear_key is not None and lookup(config, tool.all_linear_key) is True
 
 
 def regex_matches(pattern: str, model_type: str | None) -> tuple[str, ...]:
@@ -80,14 +81,15 @@ def regex_matches(pattern: str, model_type: str | None) -> tuple[str, ...]:
 
 
 def target_problems(
-    table: Table, config: Mapping[str, Any], where: str, model_type: str | None
+    tool: Tool, config: Mapping[str, Any], where: str, model_type: str | None
 ) -> list[Problem]:
     """A string target peft would read as a pattern that adapts nothing (or cannot compile)."""
-    written = lookup(config, table.targets_key)
-    value = as_peft_gets_it(table, written)
-    if table.kind not in _REGEX_KINDS or not isinstance(value, str) or value == ALL_LINEAR:
+    key = tool.table.targets_key
+    written = lookup(config, key)
+    value = as_peft_gets_it(tool, written)
+    if not tool.targets_regex or not isinstance(value, str) or value == ALL_LINEAR:
         return []
-    if table.kind is TrainerKind.AXOLOTL and lookup(config, "lora_target_linear") is True:
+    if _all_linear_key(tool, config):
         return []
     if family(model_type) is None:
         return []  # a block the table does not know: its module names cannot be checked here
@@ -101,7 +103,7 @@ def target_problems(
         re.compile(value)
     except re.error as error:
         why = f"a string, which peft reads as a regular expression, and this one does not compile ({error})"
-        return [Problem(f"{where}: {table.targets_key}", why, show(value), fix)]
+        return [Problem(f"{where}: {key}", why, show(value), fix)]
     if regex_matches(value, model_type):
         return []
     if isinstance(written, list):  # trl's one-name list
@@ -110,13 +112,13 @@ def target_problems(
             "regular expression of the full module name: it matches no Linear layer"
         )
         fix = f"write the pattern: '.*\\.{value}' (or name two modules or more)"
-        return [Problem(f"{where}: {table.targets_key}", why, show(written), fix)]
+        return [Problem(f"{where}: {key}", why, show(written), fix)]
     why = (
         "a string, which peft reads as a regular expression of the full module name "
         "(model.layers.0.self_attn.q_proj), and this one matches no Linear layer: peft would stop "
         "with 'Target modules not found'"
     )
-    return [Problem(f"{where}: {table.targets_key}", why, show(value), fix)]
+    return [Problem(f"{where}: {key}", why, show(value), fix)]
 
 
 #: Where the loaded model keeps its decoder blocks: a text model, and the language model of a

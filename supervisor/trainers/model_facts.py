@@ -26,67 +26,35 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.supervisor.facts.trainer import Trainer
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
-from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.mapping import knobs_from, lookup
-from qlora_supervise.supervisor.trainers.tables import TrainerKind
+from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-#: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
-_ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
-#: LLaMA-Factory's ``flash_attn`` (extras/constants.py, AttentionFunction): "auto" is transformers'.
-_LLAMAFACTORY_ATTENTION = {"disabled": "eager", "sdpa": "sdpa", "fa2": "sdpa", "fa3": "sdpa"}
 
-
-def unmodelled(trainer: ForeignTrainer | None, model_dir: str) -> str | None:
+def unmodelled(tool: Tool, config: Mapping[str, Any], model_dir: str) -> str | None:
     """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit).
 
     ``model_dir``: the model as the tool opens it; a model saved already quantized (its
     config.json's ``quantization_config``) is loaded as saved, whatever the tool's 4-bit keys say.
     """
-    if trainer is None:
-        return None
-    config = trainer.config
     saved = saved_quantization(model_dir)
     if saved is not None and saved != _SAVED_NF4:
         return (
             f"the model is saved already quantized ({saved}); the memory model counts bitsandbytes 4-bit "
             "QLoRA weights"
         )
-    if trainer.kind is TrainerKind.TRL_SFT and "max_length" in config and config["max_length"] is None:
-        return (
-            "max_length: null: trl does not truncate, so a step's memory follows the longest sample; "
-            "set max_length to a number for a prediction"
-        )
-    if saved == _SAVED_NF4:
-        return None
-    method = lookup(config, "quantization_method")
-    if (
-        trainer.kind is TrainerKind.LLAMAFACTORY
-        and isinstance(lookup(config, "quantization_bit"), int)  # without a bit it loads unquantized
-        and isinstance(method, str)
-        and method != "bnb"
-    ):
-        return (
-            f"quantization_method: {method}: the tool quantizes on the fly with {method}; the memory "
-            "model counts bitsandbytes 4-bit QLoRA weights"
-        )
-    eight = _eight_bit_key(trainer.kind, config)
+    why = tool.unmodelled(config, saved == _SAVED_NF4)
+    if why is not None or saved == _SAVED_NF4:
+        return why
+    eight = tool.eight_bit(config)
     if eight is not None:
         return (
             f"the tool loads the base model in 8-bit ({eight}); the memory model counts 4-bit QLoRA weights"
         )
-    if not _four_bit(trainer) and trainer.kind is TrainerKind.HF_SCRIPT:
-        return (
-            "the script's command has no --load_in_4bit true, so how it loads the base model is its "
-            "own; the memory model counts 4-bit weights"
-        )
-    if not _four_bit(trainer):
-        return (
-            "the tool loads the base model unquantized, in its own dtype (a LoRA, not QLoRA); the memory "
-            "model counts 4-bit weights"
-        )
-    return None
+    # 4-bit as the config reads (an hf-script without a 4-bit flag: the script's own load, unknown).
+    return None if knobs_from(tool.table, config).load_in_4bit is True else tool.unquantized
 
 
 _SAVED_NF4 = "bitsandbytes 4-bit"
@@ -147,63 +115,31 @@ def _saved_as(quant: Mapping[str, Any]) -> str:
     return f"{method}, {bits}-bit" if isinstance(bits, int) else method
 
 
-def _eight_bit_key(kind: TrainerKind, config: Mapping[str, Any]) -> str | None:
-    if kind is TrainerKind.LLAMAFACTORY:
-        bits = lookup(config, "quantization_bit")
-        return f"quantization_bit: {bits}" if bits == 8 else None
-    return "load_in_8bit: true" if lookup(config, "load_in_8bit") is True else None
-
-
-def _four_bit(trainer: ForeignTrainer) -> bool:
-    """4-bit as the config reads (an hf-script without a 4-bit flag: the script's own load, unknown)."""
-    return knobs_from(trainer.table, trainer.config).load_in_4bit is True
-
-
 #: trl's ``dtype`` values that load the unquantized parameters in 16 bits ("auto": the checkpoint's
 #: own dtype, 16-bit for the models people fine-tune); its default is "float32" (ModelConfig).
 _HALF_DTYPES = frozenset({"bfloat16", "float16", "auto"})
 
 
-def keeps_head_dtype(trainer: ForeignTrainer | None) -> bool:
+def keeps_head_dtype(tool: Tool, config: Mapping[str, Any]) -> bool:
     """Whether the tool leaves the embeddings and the LM head in a 16-bit load dtype, as our
     ``bf16_head`` knob does, instead of the fp32 our recipe's k-bit prepare casts them to.
 
     trl 1.16's SFTTrainer builds the LoRA model with ``get_peft_model`` and never calls
     ``prepare_model_for_kbit_training`` (trl/trainer/sft_trainer.py), so what is not 4-bit keeps
-    the ``dtype`` its script loaded it in. Measured on the H200 (trl in its own process, Llama-2-7B
-    shape, seq 1024, checkpointing, micro-batch 1 to 16): with the head counted in bf16, one scale
-    of the variable part explains every peak (0.55 to 0.57); counted in fp32, the scales ran from
-    0.06 to 0.53, so one peak calibrated the next run 14 % under. axolotl and LLaMA-Factory are
-    left as our recipe counts them (fp32): their peaks calibrate their own predictions.
+    the ``dtype`` its script loaded it in (``Tool.head_dtype_key``). Measured on the H200 (trl in
+    its own process, Llama-2-7B shape, seq 1024, checkpointing, micro-batch 1 to 16): with the head
+    counted in bf16, one scale of the variable part explains every peak (0.55 to 0.57); counted in
+    fp32, the scales ran from 0.06 to 0.53, so one peak calibrated the next run 14 % under. axolotl
+    and LLaMA-Factory are left as our recipe counts them (fp32): their peaks calibrate their own
+    predictions.
     """
-    if trainer is None or trainer.kind is not TrainerKind.TRL_SFT:
-        return False
-    return lookup(trainer.config, "dtype") in _HALF_DTYPES
+    key = tool.head_dtype_key
+    return key is not None and lookup(config, key) in _HALF_DTYPES
 
 
-def attention(trainer: ForeignTrainer | None) -> str | None:
-    """The attention the tool's config asks for, as the memory model reads it; None: the default."""
-    if trainer is None:
-        return None
-    config = trainer.config
-    if trainer.kind is TrainerKind.LLAMAFACTORY:
-        value = lookup(config, "flash_attn")
-        return _LLAMAFACTORY_ATTENTION.get(value) if isinstance(value, str) else None
-    value = lookup(config, "attn_implementation")
-    if (
-        trainer.kind is TrainerKind.AXOLOTL
-        and not isinstance(value, str)
-        and lookup(config, "eager_attention") is True
-    ):
-        value = "eager"
-    if not isinstance(value, str):
-        return None
-    return _ATTENTION.get(value, "sdpa" if value.startswith("flash") else None)
-
-
-def with_tool_attention(shape: ModelShape | None, trainer: ForeignTrainer | None) -> ModelShape | None:
-    """``shape`` with the attention the tool asks for (unchanged where it asks for none)."""
-    chosen = attention(trainer)
+def with_tool_attention(shape: ModelShape | None, trainer: Trainer) -> ModelShape | None:
+    """``shape`` with the attention the trainer asks for (unchanged where it asks for none)."""
+    chosen = trainer.attention()
     if shape is None or chosen is None or chosen == shape.attn_implementation:
         return shape
     return dataclasses.replace(shape, attn_implementation=chosen)

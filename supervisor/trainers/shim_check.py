@@ -14,6 +14,7 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract.events import Started, parse_event
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 SHIM_SILENT = (
     "the trainer's process wrote none of our events (no `started` line in {events}): the shim did "
@@ -30,19 +31,24 @@ def shim_attached(events_file: Path) -> bool:
     return any(isinstance(parse_event(line), Started) for line in lines)
 
 
-def note_shim(events_file: Path, command: tuple[str, ...], log: FilteringBoundLogger) -> bool:
-    """Log ``shim_not_attached`` when the shim left no ``started``; True when it attached."""
-    if shim_attached(events_file):
+def note_shim(spec: AttemptSpec, log: FilteringBoundLogger) -> bool:
+    """Log ``shim_not_attached`` when a tool's attempt (``spec.command``) left no ``started``;
+    True when the shim attached, or the attempt was our own child's."""
+    events_file = Path(spec.events_file)
+    if not spec.command or shim_attached(events_file):
         return True
-    python = command[0] if command else "the tool's Python"
+    python = spec.command[0]
     log.warning(Event.SHIM_NOT_ATTACHED, why=SHIM_SILENT.format(events=events_file, python=python))
     return False
 
 
-def output_moving(log_path: Path, wall_now: float, timeout_s: float) -> bool:
-    """Whether a foreign tool without the shim wrote to its log within ``timeout_s``: with no
-    heartbeats, its own output (progress bars, log lines) is the only sign of progress left, so a
-    long run is not taken for a hang; a log silent for the timeout still is one."""
+def output_moving(spec: AttemptSpec, log_path: Path, wall_now: float, timeout_s: float) -> bool:
+    """Whether a tool without the shim wrote to its log within ``timeout_s``: with no heartbeats,
+    its own output (progress bars, log lines) is the only sign of progress left, so a long run is
+    not taken for a hang; a log silent for the timeout still is one. False for our own child and
+    for a tool the shim speaks for: their heartbeats say it."""
+    if not spec.command or shim_attached(Path(spec.events_file)):
+        return False
     try:
         return wall_now - log_path.stat().st_mtime <= timeout_s
     except OSError:

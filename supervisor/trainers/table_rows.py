@@ -4,18 +4,9 @@ tool built on transformers' TrainingArguments shares (:mod:`.tables` holds the t
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-
-class TrainerKind(str, enum.Enum):
-    OWN = "own"
-    TRL_SFT = "trl-sft"
-    AXOLOTL = "axolotl"
-    LLAMAFACTORY = "llamafactory"
-    HF_SCRIPT = "hf-script"
 
 
 def _same(value: Any) -> Any:
@@ -61,7 +52,7 @@ class Contradiction:
 
 @dataclass(frozen=True)
 class Table:
-    kind: TrainerKind
+    kind: str
     rows: tuple[Row, ...]
     output_key: str  # where the tool writes its own outputs: the run's trainer-output/
     resume_key: str  # the tool's resume_from_checkpoint
@@ -116,6 +107,15 @@ def no_saves(key: str) -> Contradiction:
         lambda v: v == "no",
         "no checkpoints: every restart would begin at step 0",
         f'set {key}: "steps" (with save_steps), or delete it',
+    )
+
+
+def lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:
+    return Contradiction(
+        key,
+        lambda v: v not in allowed,
+        "not a LoRA fine-tune: the supervisor supervises LoRA / QLoRA",
+        f"set {key}: {allowed[0]}",
     )
 
 

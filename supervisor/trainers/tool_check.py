@@ -18,18 +18,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from qlora_supervise.supervisor.facts.trainer import Trainer
 from qlora_supervise.supervisor.jobfile.advice import Advice
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
-from qlora_supervise.supervisor.trainers.summary import renamed_advice
-from qlora_supervise.supervisor.trainers.tables import TrainerKind
+from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
 
-#: The package each tool's entry module lives in (supervisor/trainers/attempt_config.tool_argv).
-TOOL_PACKAGES = {
-    TrainerKind.TRL_SFT: "trl",
-    TrainerKind.AXOLOTL: "axolotl",
-    TrainerKind.LLAMAFACTORY: "llamafactory",
-}
 SHIM_PACKAGE = "qlora_supervise"
 _PROBE = (
     "import importlib.util, sys; "
@@ -38,11 +31,13 @@ _PROBE = (
 PROBE_TIMEOUT_S = 60
 
 
-def tool_problems(trainer: ForeignTrainer | None) -> list[Problem]:
-    """The tool's package missing for its interpreter, with the fix; [] when it is there (or the
-    interpreter could not be asked: the attempt will say what is wrong)."""
-    package = TOOL_PACKAGES.get(trainer.kind) if trainer is not None else None
-    if trainer is None or package is None or package not in _missing(trainer, trainer.python):
+def tool_problems(trainer: Trainer) -> list[Problem]:
+    """The tool's package missing for its interpreter, with the fix; [] when it is there, for our
+    own trainer, or when the interpreter could not be asked (the attempt will say what is wrong)."""
+    if not isinstance(trainer, ToolTrainer):
+        return []
+    package = trainer.tool.package
+    if package is None or package not in _missing(trainer, trainer.python):
         return []
     return [
         Problem(
@@ -55,10 +50,10 @@ def tool_problems(trainer: ForeignTrainer | None) -> list[Problem]:
     ]
 
 
-def shim_advice(trainer: ForeignTrainer | None) -> list[Advice]:
+def shim_advice(trainer: ToolTrainer) -> list[Advice]:
     """A warning when qlora-supervise cannot be imported by the tool's interpreter (no shim)."""
     python = _interpreter(trainer)
-    if trainer is None or python is None or SHIM_PACKAGE not in _missing(trainer, python):
+    if python is None or SHIM_PACKAGE not in _missing(trainer, python):
         return []
     return [
         Advice(
@@ -70,28 +65,43 @@ def shim_advice(trainer: ForeignTrainer | None) -> list[Advice]:
     ]
 
 
-def foreign_advice(trainer: ForeignTrainer | None) -> list[Advice]:
-    """What validate warns of and run says at start about a foreign tool: the shim, old key names."""
+def tool_advice(trainer: Trainer) -> list[Advice]:
+    """What validate warns of and run says at start about a tool: the shim, old key names."""
+    if not isinstance(trainer, ToolTrainer):
+        return []
     return [*shim_advice(trainer), *renamed_advice(trainer)]
 
 
-def _interpreter(trainer: ForeignTrainer | None) -> str | None:
-    """The python the tool runs in: ``trainer.python``, or an hf-script's first word where it is a
+def renamed_advice(trainer: ToolTrainer) -> list[Advice]:
+    """A warning for each old key name the tool would drop without a word (its value then unused)."""
+    where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
+    return [
+        Advice(
+            f"{where}: {old}",
+            f"{trainer.kind} no longer reads {old} and drops it silently, so it runs with "
+            f"{new}'s value (or its default) instead",
+            f"rename it to {new}" + (f" (both are set: delete {old})" if new in trainer.config else ""),
+        )
+        for old, new in trainer.tool.table.renamed.items()
+        if old in trainer.config
+    ]
+
+
+def _interpreter(trainer: ToolTrainer) -> str | None:
+    """The python the tool runs in: ``trainer.python``, or a script's first word where it is a
     python (a script started by another program is that program's business)."""
-    if trainer is None:
-        return None
-    if trainer.kind is not TrainerKind.HF_SCRIPT:
+    if trainer.tool.entry:
         return trainer.python
     first = trainer.command[0] if trainer.command else ""
     found = shutil.which(first)
     return found if found is not None and Path(first).name.startswith("python") else None
 
 
-def _missing(trainer: ForeignTrainer, python: str) -> frozenset[str]:
+def _missing(trainer: ToolTrainer, python: str) -> frozenset[str]:
     """Which of the tool's package and ours ``python`` cannot find, asked once, from the folder the
     tool runs in (``-c`` puts it on sys.path, as the tool's start puts its own) and with the
     PYTHONPATH it inherits: both decide what it finds, so both are in the cache's key."""
-    packages = tuple(p for p in (TOOL_PACKAGES.get(trainer.kind), SHIM_PACKAGE) if p)
+    packages = tuple(p for p in (trainer.tool.package, SHIM_PACKAGE) if p)
     workdir = str(trainer.workdir) if trainer.workdir is not None else None
     return _missing_cached(python, packages, workdir, os.environ.get("PYTHONPATH", ""))
 

@@ -1,6 +1,6 @@
-"""A job whose trainer is a foreign tool: its ``trainer:`` section, its config, the Job built from both.
+"""``load_job``: any job file, our own trainer's or a tool's (its ``trainer:`` section, its config).
 
-Such a job has no ``model``, ``data``, ``quantization``, ``lora`` or ``train`` section: those
+A tool's job has no ``model``, ``data``, ``quantization``, ``lora`` or ``train`` section: those
 live in the tool's config, and one value written in two places would disagree sooner or later.
 ``resources``, ``supervise``, ``diagnose`` and ``output_dir`` mean what they mean for our trainer.
 """
@@ -13,17 +13,20 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any
 
 import yaml
+from pydantic import field_validator
 
+from qlora_supervise.supervisor.facts.trainer import OWN
 from qlora_supervise.supervisor.jobfile import load as jobload
 from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
 from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, read_bounded, safe_load_bounded
-from qlora_supervise.supervisor.jobfile.fields import HookArgv, ResolvedPath
+from qlora_supervise.supervisor.jobfile.fields import HookArgv, ResolvedPath, job_error
 from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
+from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_you_mean, show
 from qlora_supervise.supervisor.jobfile.schema import (
     DEFAULT_OUTPUT_DIR,
     DiagnoseSection,
@@ -33,14 +36,15 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags, model_facts
-from qlora_supervise.supervisor.trainers.data_check import data_problems
-from qlora_supervise.supervisor.trainers.foreign import ForeignTrainer
 from qlora_supervise.supervisor.trainers.lora_targets import lora_targets, target_problems
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup, present
-from qlora_supervise.supervisor.trainers.tables import TABLES, Table, TrainerKind
+from qlora_supervise.supervisor.trainers.tool import Tool
+from qlora_supervise.supervisor.trainers.tools import TOOLS
+from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
 
-KindName = Literal["own", "trl-sft", "axolotl", "llamafactory", "hf-script"]
+#: trainer.kind: ours, or a registered tool's.
+KINDS = (OWN, *TOOLS)
 #: Sections of our own trainer that a foreign tool's config replaces.
 OWN_ONLY = ("model", "data", "quantization", "lora", "train")
 FOREIGN_KEYS = ("trainer", "resources", "supervise", "diagnose", "output_dir")
@@ -49,13 +53,28 @@ FOREIGN_KEYS = ("trainer", "resources", "supervise", "diagnose", "output_dir")
 class TrainerSection(Section):
     """``trainer:``: ``kind``, the tool's ``config`` file, or ``command`` (hf-script's argv)."""
 
-    kind: KindName = "own"
+    kind: str = OWN
     config: ResolvedPath | None = None
     command: HookArgv | None = None  # argv, never a shell string
     python: ResolvedPath | None = None  # the tool venv's interpreter; default: this one
     # Where the tool runs: default the config's folder (hf-script: the job file's), so relative
     # paths in the config or command mean what they mean when the user runs the tool there.
     workdir: ResolvedPath | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, kind: str) -> str:
+        if kind not in KINDS:
+            raise job_error("not an allowed value", did_you_mean(kind, KINDS))
+        return kind
+
+
+def load_job(path: str | os.PathLike[str]) -> Job:
+    """Read, parse and validate any job file (:func:`.jobfile.load.load_job` for our trainer's)."""
+    job_file, text, raw = jobload.read_job_file(path)
+    tool = load_tool(job_file, text, raw, list(jobload.duplicate_keys(text))) if "trainer" in raw else None
+    own = {key: value for key, value in raw.items() if key != "trainer"}
+    return tool if tool is not None else jobload.job_of(job_file, text, own)
 
 
 def trainer_section(
@@ -67,23 +86,14 @@ def trainer_section(
     return section, problems
 
 
-def load_foreign(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
+def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
     """The Job of a ``trainer:`` job; None when the kind is ``own`` (the usual sections follow)."""
     context = {"job_dir": str(job_file.parent)}
     section, found = trainer_section(raw, context)
     problems = [*problems, *found]
-    if section is not None and section.kind == "own" and not found:
+    if section is not None and section.kind == OWN and not found:
         return None
     problems += _section_problems(raw, section)
-    if isinstance(raw.get("resources"), dict) and raw["resources"].get("nproc_per_node", 1) != 1:
-        problems.append(
-            Problem(
-                "resources.nproc_per_node",
-                "a foreign trainer runs as one process here",
-                show(raw["resources"]["nproc_per_node"]),
-                "delete it (or 1)",
-            )
-        )
     resources, supervise, diagnose = (
         _validated(name, kind, raw, context, problems)
         for name, kind in (
@@ -94,7 +104,7 @@ def load_foreign(job_file: Path, text: str, raw: Mapping[str, Any], problems: li
     )
     output_dir, found = jobload._validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
     problems += found
-    trainer = _foreign(section, job_file.parent, problems) if section is not None else None
+    trainer = _tool_trainer(section, job_file.parent, problems) if section and section.kind in TOOLS else None
     if problems or trainer is None or output_dir is None:
         raise JobError(problems)
     assert isinstance(resources, ResourcesSection) and isinstance(supervise, SuperviseSection)
@@ -111,108 +121,84 @@ def _validated(
 
 
 def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) -> list[Problem]:
-    """Our trainer's sections in a foreign job, unknown top-level keys, the kind's own needs."""
+    """Our trainer's sections in a tool's job, unknown top-level keys, the kind's own needs."""
     kind = section.kind if section is not None else "the tool"
-    problems = []
-    for key in raw:
-        if key in OWN_ONLY:
-            problems.append(
-                Problem(
-                    str(key),
-                    f"not used with trainer.kind {kind}",
-                    "a section",
-                    "delete it: the tool's config holds these values (the supervisor reads them there)",
-                )
-            )
-        elif key not in FOREIGN_KEYS:
-            problems.append(
-                Problem(str(key), "unknown key", show(raw[key]), f"allowed: {', '.join(FOREIGN_KEYS)}")
-            )
+    there = "delete it: the tool's config holds these values (the supervisor reads them there)"
+    problems = [
+        Problem(str(key), f"not used with trainer.kind {kind}", "a section", there)
+        if key in OWN_ONLY
+        else Problem(str(key), "unknown key", show(raw[key]), f"allowed: {', '.join(FOREIGN_KEYS)}")
+        for key in raw
+        if key in OWN_ONLY or key not in FOREIGN_KEYS
+    ]
+    nproc = raw["resources"].get("nproc_per_node", 1) if isinstance(raw.get("resources"), dict) else 1
+    if nproc != 1:
+        why = "a foreign trainer runs as one process here"
+        problems.append(Problem("resources.nproc_per_node", why, show(nproc), "delete it (or 1)"))
     if section is None:
         return problems
-    if section.kind == "hf-script" and not section.command:
-        problems.append(
-            Problem(
-                "trainer.command",
-                "required for kind hf-script",
-                None,
-                "write the script's argv as a list: [python, train.py, --output_dir, out, ...]",
-            )
-        )
-    if section.kind != "hf-script" and section.config is None:
-        problems.append(
-            Problem(
-                "trainer.config",
-                f"required for kind {section.kind}",
-                None,
-                "name the tool's own config file (relative to this job file)",
-            )
-        )
-    if section.kind != "hf-script" and section.command:
-        problems.append(
-            Problem(
-                "trainer.command",
-                f"only for kind hf-script, not {section.kind}",
-                show(list(section.command)),
-                "delete it: the supervisor starts the tool itself",
-            )
-        )
-    return problems
+    script = section.kind in TOOLS and not TOOLS[section.kind].entry  # its config is its command
+    argv = "write the script's argv as a list: [python, train.py, --output_dir, out, ...]"
+    checks = (
+        (script and not section.command, "trainer.command", f"required for kind {kind}", None, argv),
+        (
+            not script and section.config is None,
+            "trainer.config",
+            f"required for kind {kind}",
+            None,
+            "name the tool's own config file (relative to this job file)",
+        ),
+        (
+            not script and bool(section.command),
+            "trainer.command",
+            f"only for kind hf-script, not {kind}",
+            show(list(section.command or ())),
+            "delete it: the supervisor starts the tool itself",
+        ),
+    )
+    return problems + [Problem(name, why, got, fix) for bad, name, why, got, fix in checks if bad]
 
 
-def _foreign(section: TrainerSection, job_dir: Path, problems: list[Problem]) -> ForeignTrainer | None:
+def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem]) -> ToolTrainer | None:
     """The trainer with its config read (problems appended); None when it cannot be read."""
-    kind = TrainerKind(section.kind)
+    tool = TOOLS[section.kind]
     python = str(section.python) if section.python else sys.executable
     if section.python is not None and not os.access(section.python, os.X_OK):
+        fix = "name the python of the tool's venv, e.g. /opt/axolotl-venv/bin/python"
         problems.append(
-            Problem(
-                "trainer.python",
-                "no such interpreter (or not executable)",
-                show(python),
-                "name the python of the tool's venv, e.g. /opt/axolotl-venv/bin/python",
-            )
+            Problem("trainer.python", "no such interpreter (or not executable)", show(python), fix)
         )
     if section.command and shutil.which(section.command[0]) is None:
-        problems.append(
-            Problem(
-                "trainer.command",
-                "its first word is no program on PATH",
-                show(section.command[0]),
-                "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH",
-            )
+        why, fix = (
+            "its first word is no program on PATH",
+            "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH",
         )
-    if kind is TrainerKind.HF_SCRIPT:
+        problems.append(Problem("trainer.command", why, show(section.command[0]), fix))
+    if not tool.entry:  # a script: its config is the flags of its command
         config, found = flags.parse(section.command or ())
         problems += found
-        problems += config_problems(TABLES[kind], config, "trainer.command")
-        workdir = section.workdir or job_dir
-        problems += model_problems(TABLES[kind], config, "trainer.command", workdir)
-        model = _tool_model_type(TABLES[kind], config, workdir)
-        problems += target_problems(TABLES[kind], config, "trainer.command", model)
-        return ForeignTrainer(
-            kind, ForeignTrainer.frozen(config), None, section.command or (), python, workdir
-        )
-    if section.config is None:
+        where, workdir, path = "trainer.command", section.workdir or job_dir, None
+    elif section.config is None:
         return None
-    read = read_config(section.config, problems)
-    if read is None:
-        return None
-    where = f"trainer.config ({section.config.name})"
-    problems += config_problems(TABLES[kind], read, where)
-    workdir = section.workdir or section.config.parent
-    problems += model_problems(TABLES[kind], read, where, workdir)
-    problems += target_problems(TABLES[kind], read, where, _tool_model_type(TABLES[kind], read, workdir))
-    problems += data_problems(kind, read, where, workdir)
-    return ForeignTrainer(kind, ForeignTrainer.frozen(read), section.config, (), python, workdir)
+    else:
+        read = read_config(section.config, problems)
+        if read is None:
+            return None
+        config, path = read, section.config
+        where, workdir = f"trainer.config ({section.config.name})", section.workdir or section.config.parent
+    problems += config_problems(tool.table, config, where)
+    problems += model_problems(tool, config, where, workdir)
+    problems += target_problems(tool, config, where, _tool_model_type(tool, config, workdir))
+    problems += tool.data_problems(config, where, workdir)
+    return ToolTrainer(tool, MappingProxyType(dict(config)), path, section.command or (), python, workdir)
 
 
-def model_problems(table: Table, config: Mapping[str, Any], where: str, workdir: Path) -> list[Problem]:
+def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: Path) -> list[Problem]:
     """The tool's model must be a local directory with a config.json, as ``model.path`` must: the
     tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads the model's shape from there.
     A key the config leaves out is not checked here (a required one is named by ``config_problems``;
     an hf-script may spell its model flag otherwise)."""
-    row = table.row("model")
+    row = tool.table.row("model")
     value = lookup(config, row.key) if row is not None else None
     if row is None or not isinstance(value, str) or not value:
         return []
@@ -257,23 +243,27 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     return value
 
 
+_TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
+
+
 def _job(
     job_file: Path,
     text: str,
     output_dir: Path,
-    trainer: ForeignTrainer,
+    trainer: ToolTrainer,
     resources: ResourcesSection,
     supervise: SuperviseSection,
     diagnose: DiagnoseSection,
 ) -> Job:
-    table, config = trainer.table, trainer.config
+    tool, config = trainer.tool, trainer.config
+    table = tool.table
     # The supervisor's own reads (the memory model, plan) see the model where the tool will: from
     # its workdir. Only the knob is resolved; the tool's config keeps the path as the user wrote it.
     knobs = knobs_from(table, config)
     knobs = dataclasses.replace(
         knobs,
         model=tool_model_path(knobs.model, trainer.workdir),
-        bf16_head=model_facts.keeps_head_dtype(trainer),  # read only: what the tool does, not a rung
+        bf16_head=model_facts.keeps_head_dtype(tool, config),  # read only: what the tool does, not a rung
     )
     knobs = model_facts.with_saved_4bit(knobs, knobs.model)
     steps = lookup(config, table.max_steps_key)
@@ -283,19 +273,12 @@ def _job(
         epochs=float(epochs) if _positive_number(epochs) else table.epochs_default,
         save_steps=_int(lookup(config, table.save_steps_key), table.save_steps_default),
         merge=False,
-        target_modules=lora_targets(table, config, model_type(knobs.model)),
+        target_modules=lora_targets(tool, config, model_type(knobs.model)),
     )
     dataset = lookup(config, table.data_key)
-    written = {
-        "train.max_steps": steps,
-        "train.epochs": epochs,
-        "train.save_steps": lookup(config, table.save_steps_key),
-    }
-    read = {
-        "train.max_steps": train.max_steps,
-        "train.epochs": train.epochs,
-        "train.save_steps": train.save_steps,
-    }
+    # A value that did not parse (``max_steps: ten``), under the job view's names, as written.
+    written = dict(zip(_TRAIN_VIEW, (steps, epochs, lookup(config, table.save_steps_key)), strict=True))
+    read = dict(zip(_TRAIN_VIEW, (train.max_steps, train.epochs, train.save_steps), strict=True))
     return Job(
         job_file=job_file,
         raw_text=text,
@@ -314,8 +297,8 @@ def _job(
     )
 
 
-def _tool_model_type(table: Table, config: Mapping[str, Any], workdir: Path) -> str | None:
-    row = table.row("model")
+def _tool_model_type(tool: Tool, config: Mapping[str, Any], workdir: Path) -> str | None:
+    row = tool.table.row("model")
     value = lookup(config, row.key) if row is not None else None
     return model_type(tool_model_path(value, workdir)) if isinstance(value, str) and value else None
 

@@ -1,0 +1,123 @@
+"""axolotl: ``python -m axolotl.cli.train <config>``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qlora_supervise.supervisor.trainers.mapping import lookup
+from qlora_supervise.supervisor.trainers.table_rows import (
+    MULTI_GPU,
+    TRAINER_ARGUMENTS_CONTRADICTIONS,
+    Contradiction,
+    Row,
+    Table,
+    auto_batch,
+    is_true,
+    lora_only,
+    no_saves,
+    present,
+    resume,
+)
+from qlora_supervise.supervisor.trainers.tool import Config, Tool, attn_implementation
+
+
+def _gradient_checkpointing(value: Any) -> Any:
+    # axolotl's "offload" / "offload_disk" are checkpointing with the saved activations elsewhere: on.
+    return value in ("offload", "offload_disk") or value
+
+
+TABLE = Table(
+    "axolotl",
+    rows=(
+        Row("model", "base_model", None),
+        Row("micro_batch_size", "micro_batch_size", 1),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row("gradient_checkpointing", "gradient_checkpointing", False, read=_gradient_checkpointing),
+        Row("optimizer", "optimizer", "adamw_torch_fused"),
+        Row("max_seq_len", "sequence_len", 512),
+        Row("lora_r", "lora_r", None),
+        Row("lora_alpha", "lora_alpha", None),
+        Row("load_in_4bit", "load_in_4bit", False, read_only=True),
+        # axolotl's qlora loader: nf4 with double quantization unless bnb_config_kwargs says otherwise.
+        Row("quant_type", "bnb_config_kwargs.bnb_4bit_quant_type", "nf4"),
+        Row("double_quant", "bnb_config_kwargs.bnb_4bit_use_double_quant", True),
+        # None: axolotl uses micro_batch_size (utils/config normalize_config).
+        Row("eval_batch_size", "eval_batch_size", lambda config: config.get("micro_batch_size") or 1),
+        # axolotl evaluates on a split of the training data (val_set_size, default 0: none) or on
+        # test_datasets; read only: the ladder's eval rungs change the eval batch, not whether.
+        Row(
+            "eval_enabled",
+            "val_set_size",
+            lambda config: 1.0 if config.get("test_datasets") else 0.0,
+            read=lambda v: v > 0 if isinstance(v, (int, float)) and not isinstance(v, bool) else v,
+            read_only=True,
+        ),
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+    required={
+        "base_model": "add base_model: a local model directory (the child runs offline)",
+        "adapter": "add adapter: qlora (or lora): the supervisor supervises LoRA / QLoRA fine-tunes",
+        "lora_r": "add lora_r (axolotl has no default rank)",
+        "lora_alpha": "add lora_alpha (axolotl has no default)",
+    },
+    contradictions=(
+        auto_batch("auto_find_batch_size", "micro_batch_size", "gradient_accumulation_steps"),
+        resume("resume_from_checkpoint"),
+        Contradiction(
+            "auto_resume_from_checkpoints",
+            is_true,
+            "axolotl would pick its own checkpoint in output_dir, not the one the supervisor checked",
+            "delete auto_resume_from_checkpoints: the supervisor resumes from its newest complete checkpoint",
+        ),
+        no_saves("save_strategy"),
+        lora_only("adapter", ("qlora", "lora")),
+        # axolotl 0.19's schema defaults gradient_accumulation_steps to 1 before its CLI would derive
+        # it from batch_size, so batch_size alone trains at accumulation 1 (older versions derived
+        # batch_size // micro_batch_size): one meaning only, the accumulation written out.
+        Contradiction(
+            "batch_size",
+            present,
+            "which accumulation it means depends on the axolotl version (0.19 trains at "
+            "gradient_accumulation_steps 1 and counts steps by batch_size; older ones derived it)",
+            "delete batch_size and write gradient_accumulation_steps: batch_size / micro_batch_size",
+        ),
+        # axolotl's own schema refuses it at load (its LoraConfig validator); here it is named at
+        # validate, before a card is taken.
+        Contradiction(
+            "adapter",
+            lambda v: v == "qlora",
+            'qlora without load_in_4bit: true: axolotl stops at load ("Require cfg.load_in_4bit to be '
+            'True for qlora")',
+            "set load_in_4bit: true (or adapter: lora for a LoRA on unquantized weights)",
+            given=lambda config: config.get("load_in_4bit") is not True and not config.get("merge_lora"),
+        ),
+        *TRAINER_ARGUMENTS_CONTRADICTIONS,
+        Contradiction("fsdp_config", present, MULTI_GPU, "delete fsdp_config"),
+    ),
+    targets_key="lora_target_modules",
+    data_key="datasets",
+    epochs_key="num_epochs",
+    epochs_default=1.0,
+    reads_quoted_numbers=True,
+)
+
+
+def _attention(config: Config) -> str | None:
+    """``attn_implementation``, else its older ``eager_attention: true``."""
+    if (
+        not isinstance(lookup(config, "attn_implementation"), str)
+        and lookup(config, "eager_attention") is True
+    ):
+        return "eager"
+    return attn_implementation(config)
+
+
+TOOL = Tool(
+    "axolotl",
+    TABLE,
+    package="axolotl",
+    entry=("-m", "axolotl.cli.train"),
+    all_linear_key="lora_target_linear",
+    attention=_attention,
+)

@@ -1,0 +1,86 @@
+"""An HfArgumentParser script: the job's ``trainer.command``, its TrainingArguments flags changed.
+
+transformers' TrainingArguments flags are every such script's. The model, sequence length, LoRA and
+4-bit flags are the script's own: their rows apply only where the user's command has the flag
+(``present_only``), so no flag the script does not define is ever added (HfArgumentParser refuses
+unknown flags).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qlora_supervise.supervisor.trainers.table_rows import (
+    ACTIVATION_CHECKPOINTING,
+    EVAL_STRATEGY,
+    MULTI_GPU,
+    STRATEGY_KEYS,
+    Contradiction,
+    Row,
+    Table,
+    auto_batch,
+    no_saves,
+    present,
+    resume,
+    unquoted_no,
+)
+from qlora_supervise.supervisor.trainers.tool import Tool
+
+#: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no
+#: as words, since a string field such as --save_strategy no must stay "no").
+_ARGPARSE_BOOLS = {"yes": True, "y": True, "t": True, "no": False, "n": False, "f": False}
+
+
+def _argparse_bool(value: Any) -> Any:
+    """A bool flag's word or 0/1 as HfArgumentParser reads it; anything else for the type check."""
+    if isinstance(value, str) and value.lower() in _ARGPARSE_BOOLS:
+        return _ARGPARSE_BOOLS[value.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        return bool(value)
+    return value
+
+
+TABLE = Table(
+    "hf-script",
+    rows=(
+        Row("model", "model_name_or_path", None),
+        Row("micro_batch_size", "per_device_train_batch_size", 8),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row(
+            "gradient_checkpointing",
+            "gradient_checkpointing",
+            False,
+            read=_argparse_bool,
+            preferred=ACTIVATION_CHECKPOINTING,
+        ),
+        Row("optimizer", "optim", "adamw_torch_fused"),
+        Row("eval_batch_size", "per_device_eval_batch_size", 8),
+        EVAL_STRATEGY,
+        Row("max_seq_len", "max_seq_length", 512, present_only=True),
+        Row("lora_r", "lora_r", 8, present_only=True),
+        Row("lora_alpha", "lora_alpha", 16, present_only=True),
+        Row("load_in_4bit", "load_in_4bit", False, read=_argparse_bool, present_only=True),
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+    required={"output_dir": "add --output_dir (TrainingArguments requires it; the supervisor replaces it)"},
+    contradictions=(
+        auto_batch("auto_find_batch_size", "--per_device_train_batch_size", "--gradient_accumulation_steps"),
+        resume("resume_from_checkpoint"),
+        no_saves("save_strategy"),
+        *(unquoted_no(key) for key in STRATEGY_KEYS),
+        Contradiction("deepspeed", present, MULTI_GPU, "delete --deepspeed"),
+        Contradiction("fsdp", present, MULTI_GPU, "delete --fsdp"),
+    ),
+    data_key="dataset_name",
+)
+
+TOOL = Tool(
+    "hf-script",
+    TABLE,
+    package=None,  # the script's own imports
+    unquantized=(
+        "the script's command has no --load_in_4bit true, so how it loads the base model is its "
+        "own; the memory model counts 4-bit weights"
+    ),
+)

@@ -1,0 +1,100 @@
+"""``trl sft``: trl's SFT script on a YAML config, started as ``python -m trl.scripts.sft``."""
+
+from __future__ import annotations
+
+from qlora_supervise.supervisor.trainers.table_rows import (
+    ACTIVATION_CHECKPOINTING,
+    EVAL_STRATEGY,
+    MULTI_GPU,
+    TRAINER_ARGUMENTS_CONTRADICTIONS,
+    Contradiction,
+    Row,
+    Table,
+    auto_batch,
+    is_true,
+    no_saves,
+    present,
+    resume,
+)
+from qlora_supervise.supervisor.trainers.tool import Config, Tool
+
+TABLE = Table(
+    "trl-sft",
+    rows=(
+        Row("model", "model_name_or_path", None),
+        Row("micro_batch_size", "per_device_train_batch_size", 8),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row("gradient_checkpointing", "gradient_checkpointing", True, preferred=ACTIVATION_CHECKPOINTING),
+        Row("optimizer", "optim", "adamw_torch_fused"),
+        Row("max_seq_len", "max_length", 1024),
+        Row("lora_r", "lora_r", 16),
+        Row("lora_alpha", "lora_alpha", 32),
+        Row("load_in_4bit", "load_in_4bit", False),
+        Row("quant_type", "bnb_4bit_quant_type", "nf4"),
+        Row("double_quant", "use_bnb_nested_quant", False),
+        Row("eval_batch_size", "per_device_eval_batch_size", 8),
+        EVAL_STRATEGY,
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+    required={
+        "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
+        "use_peft": "add use_peft: true: the supervisor supervises LoRA / QLoRA fine-tunes",
+    },
+    # trl's script parses its YAML without failing on unknown keys, so these older configs' names
+    # are dropped in silence (trl 0.20 renamed max_seq_length; transformers 5 torch_dtype and
+    # evaluation_strategy).
+    renamed={"max_seq_length": "max_length", "torch_dtype": "dtype", "evaluation_strategy": "eval_strategy"},
+    reads_quoted_numbers=True,
+    contradictions=(
+        auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
+        resume("resume_from_checkpoint"),
+        no_saves("save_strategy"),
+        Contradiction("use_peft", lambda v: v is not True, "not a LoRA fine-tune", "set use_peft: true"),
+        *TRAINER_ARGUMENTS_CONTRADICTIONS,
+        # Keys `trl sft` hands to `accelerate launch` (the config's keys no dataclass knows,
+        # cli/commands/training.py); the supervisor starts the script as one process, so they
+        # would be dropped in silence.
+        Contradiction(
+            "accelerate_config",
+            present,
+            "an argument of trl's `accelerate launch`: the supervisor starts one process without it",
+            "delete accelerate_config (one process on the job's GPU; DeepSpeed, FSDP: not supervised yet)",
+        ),
+        Contradiction("num_processes", lambda v: v not in (None, 1), MULTI_GPU, "delete num_processes"),
+        Contradiction("num_machines", lambda v: v not in (None, 1), MULTI_GPU, "delete num_machines"),
+        *(
+            Contradiction(key, is_true, MULTI_GPU, f"delete {key}")
+            for key in ("multi_gpu", "use_deepspeed", "use_fsdp")
+        ),
+    ),
+)
+
+#: accelerate launch's arguments a trl config may carry (not fields of trl's dataclasses).
+LAUNCH_KEYS = frozenset(
+    {"accelerate_config", "num_processes", "num_machines", "multi_gpu", "use_deepspeed", "use_fsdp"}
+)
+
+
+def _unmodelled(config: Config, saved_4bit: bool) -> str | None:
+    if "max_length" in config and config["max_length"] is None:
+        return (
+            "max_length: null: trl does not truncate, so a step's memory follows the longest sample; "
+            "set max_length to a number for a prediction"
+        )
+    return None
+
+
+TOOL = Tool(
+    "trl-sft",
+    TABLE,
+    package="trl",
+    # Its own entry module in one process (``trl sft`` itself would go through accelerate launch).
+    entry=("-m", "trl.scripts.sft", "--config"),
+    one_name_list_is_name=True,  # ModelConfig.__post_init__ turns [q_proj] into "q_proj"
+    peft_default_targets=True,  # trl hands peft None: peft's default for the model type
+    unmodelled=_unmodelled,
+    # trl 1.16's SFTTrainer builds the LoRA model with get_peft_model and never calls
+    # prepare_model_for_kbit_training (trl/trainer/sft_trainer.py): see model_facts.keeps_head_dtype.
+    head_dtype_key="dtype",
+)

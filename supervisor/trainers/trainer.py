@@ -1,0 +1,214 @@
+"""A tool the user already runs, as the job's :class:`~...facts.trainer.Trainer`.
+
+The supervisor never imports the tool: it reads the user's config once (YAML, or the flags of an
+hf-script's command), maps the ladder's knobs to the tool's keys (``tools/``), writes each
+attempt's config into the attempt's directory (the user's file is never touched), and starts the
+tool with the shim on its ``PYTHONPATH`` (``trainer_child/shim/``).
+
+Each attempt's files, beside ``spec.json``:
+
+* ``<kind>.yaml``: the user's config with the ladder's changes, the tool's output dir
+  (``<run>/trainer-output``) and the checkpoint to resume from; an hf-script's ``command.json``:
+  its argv with its flags changed the same way;
+* ``trainer-config.diff``: one ``key: old -> new`` line per key that differs from the user's
+  file, which ``status`` prints under the attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
+from qlora_supervise.supervisor.facts.trainer import Ladders
+from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONFIG_PREFIX
+from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT
+from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.trainers import flags, model_facts
+from qlora_supervise.supervisor.trainers.mapping import (
+    attempt_config,
+    config_diff,
+    flatten,
+    unmapped_changes,
+)
+from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, rungs_for, writable
+from qlora_supervise.supervisor.trainers.tool import Tool
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+DIFF_NAME = "trainer-config.diff"
+
+
+class UnmappedKnobsError(RuntimeError):
+    """The policy changed a knob the tool's config has no key for: a bug of the supervisor (the
+    rungs the tool cannot take are never chosen), raised rather than journalled as if it ran."""
+
+
+@dataclass(frozen=True)
+class ToolTrainer:
+    """A tool that is not ours. ``config`` is the user's file (or, for an hf-script, the flags of
+    ``command``) as read once at load; it is never written back."""
+
+    tool: Tool
+    config: Mapping[str, Any]
+    config_path: Path | None = None  # None: hf-script (its config is on the command line)
+    command: tuple[str, ...] = ()  # hf-script: the user's argv
+    python: str = sys.executable  # the interpreter of the tool's venv
+    workdir: Path | None = None  # where the tool runs (None: the job file's folder)
+
+    spare = False  # a spare holds our trainer's imports, not the tool's
+
+    @property
+    def kind(self) -> str:
+        return self.tool.kind
+
+    def unread_keys(self) -> dict[str, Any]:
+        """The config's keys (dotted where nested) that the supervisor reads into no knob or field
+        of its own (``use_cpu``, ``bf16``, ``learning_rate``): what a job's fields do not show."""
+        table = self.tool.table
+        read = {key for row in table.rows for key in (row.key, *row.preferred)}
+        read |= {table.max_steps_key, table.epochs_key, table.save_steps_key, table.targets_key}
+        read |= {table.data_key, table.output_key, table.resume_key}
+        return {key: value for key, value in flatten(self.config).items() if key not in read}
+
+    def config_view(self) -> dict[str, Any]:
+        """``trainer.config`` (the file, or the hf-script's argv) and ``trainer.config.<key>`` for
+        each key of the tool's config that no other field of the view stands for."""
+        where = str(self.config_path) if self.config_path is not None else list(self.command)
+        view: dict[str, Any] = {TOOL_CONFIG: where}
+        view.update({f"{TOOL_CONFIG_PREFIX}{key}": value for key, value in self.unread_keys().items()})
+        return view
+
+    def rungs(self) -> frozenset[str]:
+        return rungs_for(self.tool.table, self.config)
+
+    def ladders(self, overrides: Ladders) -> dict[FailureKind, tuple[str, ...]]:
+        """Every stage ladder (the job's override, else the default) with only the tool's rungs; the
+        stage-dependent kinds (fragmentation, host OOM) then climb these through the stage.
+
+        A rung the tool cannot take is left out rather than tried: its knob would change in our
+        journal while the tool trained on as before, and the same failure would come back."""
+        allowed = self.rungs()
+        kinds = {**DEFAULT_LADDERS, **overrides}
+        return {kind: tuple(name for name in ladder if name in allowed) for kind, ladder in kinds.items()}
+
+    def cannot_take(self) -> frozenset[str]:
+        return frozenset(RUNG_KNOBS) - self.rungs()
+
+    def unmodelled(self, model_dir: str) -> str | None:
+        return model_facts.unmodelled(self.tool, self.config, model_dir)
+
+    def attention(self) -> str | None:
+        return self.tool.attention(self.config)
+
+    def cwd(self, job_dir: Path, run_dir: Path) -> Path:
+        # Where its user would run it (its config's folder), so relative paths in its config or
+        # command mean what they mean there.
+        return self.workdir or job_dir
+
+    def attempt_argv(
+        self, attempt_dir: Path, run_dir: Path, job: Knobs, knobs: Knobs, resume_from: str | None
+    ) -> tuple[str, ...]:
+        """Write the attempt's config (or argv) and its diff; return the argv that runs it.
+
+        Raises :class:`UnmappedKnobsError` when ``knobs`` change what the tool cannot be told.
+        """
+        table = self.tool.table
+        unmapped = unmapped_changes(table, self.config, job, knobs)
+        if unmapped:
+            raise UnmappedKnobsError(
+                f"internal error: the attempt changes {', '.join(unmapped)}, which {self.kind} "
+                "has no config key for; the tool would train as before while the journal said otherwise"
+            )
+        output = ensure_dir(run_dir / TRAINER_OUTPUT)  # the tool saves there: never through a link
+        config = attempt_config(table, self.config, job, knobs, str(output), resume_from)
+        diff = config_diff(self.config, config)
+        write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
+        path = attempt_dir / self.tool.config_name
+        if not self.tool.entry:  # the script's own argv, its flags changed
+            old, new = flatten(self.config), flatten(config)
+            changes = {key: new.get(key) for key in {*old, *new} if old.get(key) != new.get(key)}
+            argv = flags.with_flags(self.command, changes)
+            write_text_atomic(path, json.dumps(argv, indent=2) + "\n")
+            return tuple(argv)
+        header = f"# qlora-supervise wrote this for one attempt from {self.config_path}: edit that file\n"
+        write_text_atomic(path, header + yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+        return (self.python, *self.tool.entry, str(path))
+
+    def saved_alone(self, run_dir: Path) -> bool:
+        return tool_saved(run_dir)  # a tool without the shim saves into its own output dir only
+
+    def summary(self) -> list[str]:
+        table = self.tool.table
+        source = self.config_path if self.config_path is not None else "the flags of trainer.command"
+        keys = ", ".join(row.key for row in table.rows if row.knob != "model" and writable(row, self.config))
+        return [
+            f"trainer: {self.kind}, config {source} (read once; never modified: each attempt "
+            f"writes its own copy into attempt-NNN/)",
+            f"keys the ladder may set: {keys}; {table.output_key} and {table.resume_key} "
+            "are set for every attempt; every other key is passed through",
+            f"rungs: {', '.join(sorted(self.rungs()))} (the others change what this tool cannot be told, "
+            "so its ladders leave them out)",
+        ]
+
+    def model_words(self) -> tuple[str, str, str]:
+        row = self.tool.table.row("model")
+        key = row.key if row is not None else "model"
+        if self.config_path is None:
+            return (key, "trainer.command", f"--{key} DIR")
+        return (key, str(self.config_path), f"{key}: DIR")
+
+    def probes_data(self) -> bool:
+        return False  # a tool reads its own data (a hub dataset, a mixture)
+
+    def service_paths(self) -> list[tuple[str, str]]:
+        return [] if self.config_path is None else [("trainer.config", str(self.config_path))]
+
+
+def tool_saved(run_dir: Path) -> bool:
+    """Whether the tool saved anything into its output directory. The directory itself proves
+    nothing: the loop creates it before every attempt of the tool."""
+    output = run_dir / TRAINER_OUTPUT
+    try:
+        return output.is_dir() and any(output.iterdir())
+    except OSError:  # gone or unreadable in between: nothing saved that we can read
+        return False
+
+
+def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
+    """The tool's output directory when it holds the result and ``adapter`` was never written (a
+    foreign tool the shim did not attach to saves there alone); None otherwise."""
+    return run_dir / TRAINER_OUTPUT if not adapter.exists() and tool_saved(run_dir) else None
+
+
+def read_diff(attempt_dir: Path) -> list[str] | None:
+    """The attempt's diff lines (None: not a tool's attempt, or unreadable)."""
+    try:
+        return (attempt_dir / DIFF_NAME).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def tool_job_copy(job: Job, raw: dict[str, Any]) -> str:
+    """``install-systemd``'s copy of a tool's job, its paths absolute (the copy lives elsewhere); the
+    tool still runs in the folder it ran in, so the relative paths inside its config keep their meaning."""
+    trainer = job.trainer
+    if not isinstance(trainer, ToolTrainer):
+        raise TypeError("not a tool's job")  # install_systemd asks only for a tool's
+    section = raw["trainer"]
+    if trainer.config_path is not None:
+        section["config"] = str(trainer.config_path)
+    if "python" in section:
+        section["python"] = trainer.python
+    section["workdir"] = str(trainer.workdir or job.job_file.parent)
+    raw["output_dir"] = str(job.output_dir)
+    header = f"# installed by qlora-supervise install-systemd from {job.job_file}\n"
+    return header + yaml.safe_dump(raw, sort_keys=False)
