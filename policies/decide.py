@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qlora_supervise.policies.ladder.charge import Charge, PastFailure, latest_charge, unusable_rungs
-from qlora_supervise.policies.ladder.climb import MergeFailure, climb, knob_changes
+from qlora_supervise.policies.ladder.climb import MergeFailure, climb
 from qlora_supervise.policies.ladder.host_kill import host_settings, retry_after_kill
 from qlora_supervise.policies.ladder.spurious_retry import retry_spurious
 from qlora_supervise.policies.ladder.waits import (
@@ -55,6 +55,7 @@ from qlora_supervise.policies.ladder.waits import (
     without_card,
 )
 from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,

@@ -71,6 +71,10 @@ class Rung:
     quality_weight: float = 0.0  # fewer quality steps first, a shorter sequence before a smaller rank
     in_plan: bool = False  # shown by ``plan``, applied alone to the job as written
     tool_can_take: bool = False  # a foreign tool's config can express the knob (supervisor/trainers)
+    # A later failure is charged to it (ladder/charge.py) and the search names it as a change; False
+    # for the rungs that answer one phase's failure (the load, eval, the merge, a rank), which a
+    # failure of another kind must not revert.
+    charged: bool = True
     context: RungContext = RungContext()
 
     def apply(self, knobs: Knobs) -> Knobs | None:
@@ -231,7 +235,7 @@ RUNGS: tuple[Rung, ...] = (
     Rung(
         "quantize_4bit",
         "load the base model in 4-bit NF4 with double quantization",
-        Survives.ALL, _quantize_4bit, "load_in_4bit", tool_can_take=True,
+        Survives.ALL, _quantize_4bit, "load_in_4bit", tool_can_take=True, charged=False,
     ),
     # The bf16 embeddings and LM head, a throughput rung on the loss parity measured: H200, 8B 128k,
     # 60 steps: max |loss difference| 0.0037, no larger than two upcast runs differ from each other
@@ -258,7 +262,7 @@ RUNGS: tuple[Rung, ...] = (
     ),
     Rung(
         "disable_eval", "turn evaluation off", Survives.ALL, _set("eval_enabled", False), "eval_enabled",
-        tool_can_take=True,
+        tool_can_take=True, charged=False,
     ),
     # The resume stage's rungs: our child loads the optimizer state itself; a tool's resume is its own.
     Rung(
@@ -275,7 +279,7 @@ RUNGS: tuple[Rung, ...] = (
     ),
     Rung(
         "merge_on_cpu", "merge the adapter in a separate process on the CPU",
-        Survives.ALL, _set("merge_on_cpu", True), "merge_on_cpu",
+        Survives.ALL, _set("merge_on_cpu", True), "merge_on_cpu", charged=False,
     ),
     # The job's fallback models (the adapter starts again); the search tries them itself.
     Rung(
@@ -287,7 +291,7 @@ RUNGS: tuple[Rung, ...] = (
         "drop_rank",
         "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
         "effective batch (micro-batch x accumulation x ranks)",
-        Survives.ALL, _drop_rank, "world_size",
+        Survives.ALL, _drop_rank, "world_size", charged=False,
     ),
 )  # fmt: skip
 
@@ -297,7 +301,7 @@ RUNG_NAMES: frozenset[str] = frozenset(RUNG_BY_NAME)
 RUNG_CLASSES: Mapping[str, CostClass] = {r.name: r.cost for r in RUNGS if r.cost is not None}
 QUALITY_WEIGHTS: Mapping[str, float] = {r.name: r.quality_weight for r in RUNGS if r.quality_weight}
 #: Which rung a changed knob stands for, in the journal's words (the first rung over that knob).
-RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS)}
+RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS) if r.charged}
 #: The rungs ``plan`` shows, cheapest class first.
 PLAN_RUNGS: tuple[Rung, ...] = tuple(r for cost in CostClass for r in RUNGS if r.in_plan and r.cost is cost)
 

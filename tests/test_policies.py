@@ -11,7 +11,8 @@ import pytest
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, WaitResult, decide
 from qlora_supervise.policies.ladder.ladders import ladder_for
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, Survives, smaller_model
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, RungContext, Survives, smaller_model
+from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -403,3 +404,18 @@ def test_a_host_oom_ladder_takes_throughput_rungs_first_and_the_rank_only_where_
     own = Settings(overrides={FailureKind.HOST_OOM: ("halve_lora_rank",)})
     as_written = decide(host, lean, [_killed(8, 5, lean), _killed(8, 3, lean)], own)
     assert isinstance(as_written, Restart) and as_written.rung == "halve_lora_rank"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("merge_on_cpu", True), ("eval_enabled", False), ("load_in_4bit", True), ("world_size", 1)],
+)
+def test_a_phase_rung_is_never_named_as_a_change_a_failure_is_charged_to(field: str, value: Any) -> None:
+    """The load, eval, merge and rank rungs answer one phase's failure: the search and the charge
+    rule name no rung for their knobs, so a failure of another kind never reverts them."""
+    job = Knobs(model="m", world_size=2, load_in_4bit=False)
+    changed = dataclasses.replace(job, **{field: value})
+    assert changed != job
+    assert rungs_between(job, changed) == ()
+    assert field not in RUNG_OF_KNOB
+    assert rungs_between(job, dataclasses.replace(job, micro_batch_size=job.micro_batch_size * 2)) != ()

@@ -168,7 +168,8 @@ def test_install_systemd_copies_a_foreign_job_with_absolute_paths(tmp_path: Path
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "job.yaml").write_text(yaml.safe_dump(copy))
     again = load_job(tmp_path / "elsewhere" / "job.yaml")
-    assert again.trainer.cwd(tmp_path / "elsewhere", tmp_path / "run") == tmp_path
+    assert again.trainer.cwd(tmp_path / "elsewhere", tmp_path / "run", ("python", "train.py")) == tmp_path
+    assert again.trainer.cwd(tmp_path / "elsewhere", tmp_path / "run", ()) == tmp_path / "run"
     assert again.trainer.config == job.trainer.config if job.trainer else False
 
 

@@ -38,6 +38,7 @@ from qlora_supervise.policies.rungs import (
 from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.candidates import rungs_between
+from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
@@ -267,9 +268,3 @@ def _reason(rung: Rung, old: Knobs, new: Knobs, lengths: SampleLengths | None) -
     if rung.name == "shorten_seq_len" and lengths is not None:
         return f"{rung.reason}: {shorten_cost_text(lengths, old, new)}"
     return rung.reason
-
-
-def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
-    """``{knob: (old, new)}`` for every knob that differs."""
-    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
-    return {name: (before[name], after[name]) for name in before if before[name] != after[name]}

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qlora_supervise.policies.ladder.climb import knob_changes
 from qlora_supervise.policies.ladder.ladders import CARD_FAILING
 from qlora_supervise.policies.rungs import RungContext, Survives, rung_by_name
+from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,

@@ -7,7 +7,7 @@ themselves (their keys, their checks) live in ``supervisor/trainers/``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,8 +49,8 @@ class Trainer(Protocol):
     def attention(self) -> str | None:
         """The attention the trainer asks transformers for (None: the model type's default)."""
 
-    def cwd(self, job_dir: Path, run_dir: Path) -> Path:
-        """Where the trainer's process runs."""
+    def cwd(self, job_dir: Path, run_dir: Path, command: Sequence[str]) -> Path:
+        """Where an attempt's process runs: ``command`` is the spec's (empty: our own child)."""
 
     def attempt_argv(
         self, attempt_dir: Path, run_dir: Path, job: Knobs, knobs: Knobs, resume_from: str | None
@@ -96,7 +96,7 @@ class OwnTrainer:
     def attention(self) -> str | None:
         return None
 
-    def cwd(self, job_dir: Path, run_dir: Path) -> Path:
+    def cwd(self, job_dir: Path, run_dir: Path, command: Sequence[str]) -> Path:
         return run_dir
 
     def attempt_argv(

@@ -1,11 +1,11 @@
-"""The job file: its schema (validated once into the specs the child gets), units, world checks and the
+"""The job file: its schema (validated once into the specs the child gets), world checks and the
 data probe.
 
 ``load_job(path)`` returns our trainer's :class:`Job` or raises a :class:`JobError` listing every
 :class:`Problem` (a job with a tool's ``trainer:`` section: ``trainers.job.load_job``).
 The modules: ``problems`` (what is wrong, in words), ``fields`` (one value's type and spellings),
 ``schema`` (the sections), ``world`` (checks across fields and against the disk), ``load`` (YAML,
-the two passes, pydantic errors as problems), ``job`` (the Job of specs), ``units``, ``data_probe``.
+the two passes, pydantic errors as problems), ``job`` (the Job of specs), ``data_probe``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Job", "JobError", "Problem", "load_job"]
 
-# Re-exported lazily: `status` reads only the units, and importing the package must not
-# pull in pydantic and the schema for it (each command loads only what it uses).
+# Re-exported lazily: importing the package (a submodule's import does) must not load the
+# schema and the world checks for a command that uses neither.
 _HOMES = {"Job": "job", "load_job": "load", "JobError": "problems", "Problem": "problems"}
 
 

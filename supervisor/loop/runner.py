@@ -198,7 +198,7 @@ class AttemptRunner:
         elif self.spares is not None:  # a merge or torchrun: the spare's RAM is theirs now
             self.spares.discard("this attempt cannot run in a spare")
         self.warm = spare is not None
-        cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root)
+        cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root, ready.spec.command)
         proc: ChildHandle = spare or seams.spawn(argv, env, files.log, cwd)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
         # The next spare: behind a cold start at once (``run`` starts it, after the arbiter has

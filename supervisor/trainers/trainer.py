@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,10 +109,12 @@ class ToolTrainer:
     def attention(self) -> str | None:
         return self.tool.attention(self.config)
 
-    def cwd(self, job_dir: Path, run_dir: Path) -> Path:
-        # Where its user would run it (its config's folder), so relative paths in its config or
-        # command mean what they mean there.
-        return self.workdir or job_dir
+    def cwd(self, job_dir: Path, run_dir: Path, command: Sequence[str]) -> Path:
+        # The tool runs where its user would run it (its config's folder), so relative paths in its
+        # config or command mean what they mean there. Our own child (a merge: no command) runs in
+        # the run directory: under ``python -m`` the folder comes first on sys.path, and a user's
+        # folder holding a ``peft/`` checkout would shadow the real package.
+        return (self.workdir or job_dir) if command else run_dir
 
     def attempt_argv(
         self, attempt_dir: Path, run_dir: Path, job: Knobs, knobs: Knobs, resume_from: str | None
