@@ -180,6 +180,8 @@ def _answer(
         return Refusal(descent, "a step-up to this config failed before")
     room = _room(settings, card)
     peak = _peak(target, descent, settings)
+    if peak is None and room is not None:
+        return Refusal(descent, "no peak is known for the faster config (not measured, no memory model)")
     if room is not None and peak is not None and peak > fit_limit(room):
         return Refusal(
             descent,

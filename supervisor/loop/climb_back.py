@@ -16,6 +16,7 @@ A refusal is logged once per descent and reason; nothing else happens.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -131,7 +132,9 @@ class ClimbBack:
                 answer.knobs, rule.STEP_UP_RUNG, answer.why, answer.changes, answer.descent.attempt
             )
         if isinstance(answer, rule.Refusal):
-            self._say_once(answer.why, Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
+            # Once per descent and reason (its numbers move with the card's every sample).
+            key = f"{answer.descent.attempt}:{re.sub(r'[0-9.]+', '#', answer.why)}"
+            self._say_once(key, Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
         return self._retime(knobs, now, settings, remaining_s)
 
     def _card(self, step: int, now: float, settle_s: float) -> rule.CardNow:
