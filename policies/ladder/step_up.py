@@ -7,9 +7,9 @@ ladder took is remembered as a :class:`Descent`: the config before and after it,
 =============  ===============================================  ===================================
 cause          the failure                                      cleared when
 =============  ===============================================  ===================================
-contention     ``oom_contention`` (other processes held the     the others' memory has stayed low
-               card)                                            enough for the faster config for
-                                                                ``settle_s`` (NVML)
+contention     ``oom_contention`` (other processes held the     the others have held at most half
+               card)                                            of what they held then for the
+                                                                whole ``settle_s`` (NVML)
 transient      ``oom_fragmentation``, an OOM marked spurious    the slower config has trained past
                (the allocator's numbers say it fit)             the step that failed
 long_sample    an OOM whose micro-batch held a sample longer    the run has passed the step that
@@ -161,9 +161,14 @@ def _changed(descent: Descent) -> list[str]:
 
 
 def _cleared(descent: Descent, settings: Settings, card: CardNow) -> bool:
-    if descent.cause is Cause.CONTENTION:
-        return card.others_bytes is not None and card.others_low_for_s >= settings.step_up_settle_s
-    return card.step > descent.failed_step
+    """Contention: for the whole settle time the others held at most half what they held at the
+    failure (half the card when that is unknown); the others: past the step that failed."""
+    if descent.cause is not Cause.CONTENTION:
+        return card.step > descent.failed_step
+    if card.others_bytes is None or card.others_low_for_s < settings.step_up_settle_s:
+        return False
+    before = descent.others_bytes if descent.others_bytes is not None else card.total_bytes
+    return before is not None and card.others_bytes <= before // 2
 
 
 def _answer(
