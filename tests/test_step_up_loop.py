@@ -10,12 +10,13 @@ journal and planner run.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_loop_fake_clock import CONTENTION, FakeClock, GiB, _checkpoint, _job, _resume_step, _run
+from test_loop_fake_clock import CONTENTION, LLAMA2_7B, FakeClock, GiB, _checkpoint, _job, _resume_step, _run
 
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
@@ -26,6 +27,7 @@ from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
 
 FRAGMENTED = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
@@ -44,7 +46,8 @@ MESSAGES = {"contention": CONTENTION, "fragmentation": FRAGMENTED, "oom": PLAIN_
 
 @dataclasses.dataclass
 class SteppingChild:
-    """One attempt: a step a fake second from its resume step; ``kind@N`` fails in step N."""
+    """One attempt: a step a fake second from its resume step; ``kind@N`` fails in step N; ``pickI``
+    runs the spec's speed trial (when it asks for one) and trains its candidate I."""
 
     spec: AttemptSpec
     clock: FakeClock
@@ -59,6 +62,27 @@ class SteppingChild:
         self.done = _resume_step(self.spec)
         lengths = {"rows": 100, "lengths": [60] * 99 + [4000]}  # one long sample in a hundred
         self._write("loaded", sample_lengths=lengths)
+        spec = self.spec
+        from_here = not spec.resume_from or spec.speed_trial_on_resume
+        if self.script.startswith("pick") and len(spec.speed_trial) >= 2 and from_here:
+            self._trial(int(self.script.removeprefix("pick")))
+
+    def _trial(self, index: int) -> None:
+        candidates = self.spec.speed_trial
+        rows = [TrialResult(c, 1000.0 if i == index else 500.0, GiB, 1.0) for i, c in enumerate(candidates)]
+        chosen = candidates[index]
+        event = SpeedTrialEvent(tuple(rows), chosen, index != 0, 2.0)
+        with Path(self.spec.events_file).open("a", encoding="utf-8") as out:
+            out.write(json.dumps(event.to_json()) + "\n")
+        self.spec = dataclasses.replace(
+            self.spec,
+            knobs=dataclasses.replace(
+                self.spec.knobs,
+                micro_batch_size=chosen.micro_batch_size,
+                grad_accum=chosen.grad_accum,
+                gradient_checkpointing=chosen.gradient_checkpointing,
+            ),
+        )
 
     def poll(self) -> int | None:
         if self.code is None:
@@ -86,7 +110,7 @@ class SteppingChild:
             if fail_at is not None and step == fail_at:
                 self.code = self._fail(kind, step)
                 return
-            self._write("heartbeat", step=step, stage="forward", tokens_per_s=1000.0, peak_bytes=peak)
+            self._write("heartbeat", step=step, stage="forward", tokens_per_s=100.0, peak_bytes=peak)
             self.done = step
             if step % self.spec.train.save_steps == 0:
                 self._save(step)
@@ -162,7 +186,8 @@ def _seams(clock: FakeClock, scripts: Mapping[int, str], card: SharedCard) -> Se
 
 
 def _job_at(tmp_path: Path, **supervise: Any) -> Path:
-    job = _job(tmp_path, degrade_on_contention=True, step_up_settle="10s", speed_trial=False, **supervise)
+    settings = {"degrade_on_contention": True, "step_up_settle": "10s", "speed_trial": False, **supervise}
+    job = _job(tmp_path, **settings)
     raw = job.read_text().replace("max_steps: 10", "max_steps: 40")
     job.write_text(raw)
     return job
@@ -266,3 +291,53 @@ def test_step_up_off_keeps_the_rung(tmp_path: Path) -> None:
     card = SharedCard(clock, _gone_after(25))
     assert _run(_job_at(tmp_path, step_up=False), _seams(clock, {1: "contention@3"}, card)) == 0
     assert [r.outcome.value for r in _records(tmp_path)] == ["failed", "succeeded"]
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_quality_rung_is_stepped_up_only_when_the_job_allows_it(tmp_path: Path, allowed: bool) -> None:
+    """A contention rung that shortened max_seq_len is not undone unless supervise.step_up_quality
+    says so: refused (and said) without it, stepped up with it."""
+    clock = FakeClock()
+    card = SharedCard(clock, _gone_after(25))
+    ladders = {"oom_contention": ["shorten_seq_len"]}
+    job = _job_at(tmp_path, ladders=ladders, step_up_quality=allowed)
+    assert _run(job, _seams(clock, {1: "contention@3"}, card)) == 0
+    records = _records(tmp_path)
+    assert records[1].knobs.max_seq_len == records[0].knobs.max_seq_len // 2
+    if allowed:
+        assert records[1].decision is not None and records[1].decision.rung == "step_up"
+        assert records[2].knobs.max_seq_len == records[0].knobs.max_seq_len
+    else:
+        assert [r.outcome.value for r in records] == ["failed", "succeeded"]
+        assert "quality" in _events(tmp_path, "step_up_refused")[0]["why"]
+
+
+def test_a_trial_timed_beside_neighbours_is_timed_again_once_they_leave(tmp_path: Path) -> None:
+    """The speed trial chose a candidate slower than the pre-flight's while another process shared
+    the card; once the card's sharing has changed for the settle time, the next checkpoint restarts
+    with the pre-flight's config and the trial runs again on the resume."""
+    clock = FakeClock()
+    card = SharedCard(clock, _gone_after(8, held=8 * GiB))
+    job = _job_at(tmp_path, speed_trial=True, calibration_store=False)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA2_7B))
+    # The trial beside the neighbour chose the candidate the throughput model ranks slowest.
+    assert _run(job, _seams(clock, {1: "pick2", 2: "pick0"}, card)) == 0
+    records = _records(tmp_path)
+    assert [r.outcome.value for r in records] == ["stepped_up", "succeeded"]
+    first, retimed = records
+    assert first.decision is not None and first.decision.rung == "retime"
+    assert "sharing changed" in first.decision.why and first.plan is not None
+    assert retimed.knobs != first.knobs and retimed.resumed_from == first.steps_completed > 0
+    spec = AttemptSpec.from_json((tmp_path / "run" / "attempt-002" / "spec.json").read_text())
+    assert spec.speed_trial_on_resume and len(spec.speed_trial) >= 2
+    assert retimed.knobs.micro_batch_size == spec.speed_trial[0].micro_batch_size
+
+
+def test_a_trial_is_not_timed_again_while_the_sharing_stays(tmp_path: Path) -> None:
+    """The same neighbour all run long: the trial's choice stands."""
+    clock = FakeClock()
+    card = SharedCard(clock, lambda t: 8 * GiB)
+    job = _job_at(tmp_path, speed_trial=True, calibration_store=False)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA2_7B))
+    assert _run(job, _seams(clock, {1: "pick2"}, card)) == 0
+    assert [r.outcome.value for r in _records(tmp_path)] == ["succeeded"]

@@ -49,6 +49,9 @@ STEP_UP_RUNG = "step_up"
 LONG_SAMPLE_SHARE = 0.99
 #: The knobs a step-up leaves as they are unless ``Settings.step_up_quality`` allows it.
 QUALITY_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.QUALITY)
+#: Never undone: a larger rank or another model is a new adapter (training from step 0), and a card
+#: that was dropped kept failing.
+KEPT_ALWAYS = frozenset({"lora_r", "lora_alpha", "model", "world_size", "gpus"})
 
 
 class Cause(str, enum.Enum):
@@ -176,7 +179,7 @@ def _answer(
 ) -> StepUp | Refusal:
     target = _target(knobs, descent, settings.step_up_quality)
     if target is None or target == knobs:
-        return Refusal(descent, "the rung changed only quality knobs; supervise.step_up_quality is off")
+        return Refusal(descent, _NOTHING_TO_UNDO)
     if any(p.descent == descent.attempt for p in past):
         return Refusal(
             descent, f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
@@ -200,9 +203,15 @@ def _answer(
     return StepUp(target, descent, changes, why)
 
 
+_NOTHING_TO_UNDO = (
+    "the rung changed only what a step-up leaves: quality knobs (unless supervise.step_up_quality), "
+    "the rank, the model, the ranks"
+)
+
+
 def _target(knobs: Knobs, descent: Descent, allow_quality: bool) -> Knobs | None:
     """``knobs`` with the descent's changes undone; quality knobs only when allowed."""
-    undo = {name: getattr(descent.before, name) for name in _changed(descent)}
+    undo = {name: getattr(descent.before, name) for name in _changed(descent) if name not in KEPT_ALWAYS}
     if not allow_quality:
         undo = {name: value for name, value in undo.items() if name not in QUALITY_KNOBS}
     if not undo:

@@ -3,12 +3,12 @@
 The trial ranks its candidates on the card as it is: beside three other jobs on an H200 it chose
 micro-batch 2 over the planner's 4, right while the card was shared and wrong once the others had
 gone. When the other processes' memory (NVML) has differed from what it was at the trial by
-:data:`SHARING_CHANGE_BYTES` or more for the whole settle time, and the attempt trains a candidate
-other than the pre-flight's own, the next checkpoint restarts it with the pre-flight's config and
-candidates, and the restarted child times them again before it goes on (the trial runs on a
-resume too when its spec says so). Only when the gain is worth the restart: the pre-flight's
-predicted tokens/s over the trained candidate's, on the time left, must win back more than
-:data:`RESTART_COST_S`.
+:data:`SHARING_CHANGE_BYTES` or more for the whole settle time, and a candidate is predicted (the
+throughput model, for the card alone) at least ``MIN_GAIN`` faster than the one the attempt trains,
+the next checkpoint restarts it with that candidate and the trial's candidates (that one first),
+and the restarted child times them again before it goes on (the trial runs on a resume too when
+its spec says so). Only when the gain is worth the restart: the predicted gain on the time left
+must win back more than :data:`RESTART_COST_S`.
 """
 
 from __future__ import annotations
@@ -44,15 +44,17 @@ def retime(
     held_for_s: float,
     settle_s: float,
     remaining_s: float = math.inf,
-) -> str | None:
-    """Why to time the trial again now, or None (see the module docstring)."""
-    if others_then is None or not window or held_for_s < settle_s or knobs == first.knobs:
+) -> tuple[Knobs, str] | None:
+    """The knobs to restart with and why, to time the trial again now; None: not now (the module
+    docstring)."""
+    if others_then is None or not window or held_for_s < settle_s:
         return None
     if any(abs(others - others_then) < SHARING_CHANGE_BYTES for others in window):
         return None
-    trained, planned = _candidate(first, knobs), _candidate(first, first.knobs)
-    if trained is None or planned is None:
+    trained = _candidate(first, knobs)
+    if trained is None:
         return None  # the run has changed more than the trial's knobs since: its candidates are stale
+    planned = max(first.candidates, key=lambda c: c.predicted_tokens_per_s or 0.0)
     fast, slow = planned.predicted_tokens_per_s, trained.predicted_tokens_per_s
     if not fast or not slow or fast < slow * (1 + MIN_GAIN):
         return None
@@ -60,25 +62,33 @@ def retime(
     if saved_s <= RESTART_COST_S:
         return None
     gib = 1 << 30
-    return (
+    why = (
         f"the card's sharing changed: others held {others_then / gib:.1f} GiB at the trial, "
-        f"{min(window) / gib:.1f}-{max(window) / gib:.1f} GiB for {held_for_s:.0f}s; the plan's "
-        f"micro-batch {planned.micro_batch_size} is predicted {fast / slow - 1:.0%} faster than the "
-        f"trained {trained.micro_batch_size}: time the trial again"
+        f"{min(window) / gib:.1f}-{max(window) / gib:.1f} GiB for {held_for_s:.0f}s; {_name(planned)} is "
+        f"predicted {fast / slow - 1:.0%} faster than the trained {_name(trained)}: time the trial again"
     )
+    return as_knobs(knobs, planned), why
+
+
+def as_knobs(knobs: Knobs, candidate: TrialCandidate) -> Knobs:
+    return dataclasses.replace(
+        knobs,
+        micro_batch_size=candidate.micro_batch_size,
+        grad_accum=candidate.grad_accum,
+        gradient_checkpointing=candidate.gradient_checkpointing,
+    )
+
+
+def first_for(knobs: Knobs, candidates: tuple[TrialCandidate, ...]) -> tuple[TrialCandidate, ...]:
+    """The trial's candidates with the one ``knobs`` trains first (the trial's rule: the spec's own first)."""
+    own = [c for c in candidates if as_knobs(knobs, c) == knobs]
+    return (*own, *(c for c in candidates if c not in own))
+
+
+def _name(c: TrialCandidate) -> str:
+    return f"micro-batch {c.micro_batch_size}" + (" with checkpointing" if c.gradient_checkpointing else "")
 
 
 def _candidate(first: Trial, knobs: Knobs) -> TrialCandidate | None:
     """The candidate ``knobs`` trains, when they differ from the pre-flight's only in the trial's knobs."""
-    for c in first.candidates:
-        as_c = (c.micro_batch_size, c.grad_accum, c.gradient_checkpointing)
-        if (knobs.micro_batch_size, knobs.grad_accum, knobs.gradient_checkpointing) != as_c:
-            continue
-        same_rest = dataclasses.replace(
-            knobs,
-            micro_batch_size=first.knobs.micro_batch_size,
-            grad_accum=first.knobs.grad_accum,
-            gradient_checkpointing=first.knobs.gradient_checkpointing,
-        )
-        return c if same_rest == first.knobs else None
-    return None
+    return next((c for c in first.candidates if as_knobs(first.knobs, c) == knobs), None)

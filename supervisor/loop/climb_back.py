@@ -32,6 +32,8 @@ from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
+_TRIAL_KNOBS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
+
 
 @dataclass(frozen=True)
 class PlannedRestart:
@@ -158,7 +160,13 @@ class ClimbBack:
         if answer is None:
             return None
         self.trial_at = None  # once per trial
-        return PlannedRestart(self.first_trial.knobs, retime.RETIME_RUNG, answer)
+        to, why = answer
+        changes = {
+            n: (getattr(knobs, n), getattr(to, n))
+            for n in _TRIAL_KNOBS
+            if getattr(knobs, n) != getattr(to, n)
+        }
+        return PlannedRestart(to, retime.RETIME_RUNG, why, changes)
 
     def _say_once(self, key: str, event: Event, **fields: object) -> None:
         if key not in self.said:

@@ -105,8 +105,10 @@ class Conclusions:
 
     def _planned(self, o: AttemptOutcome, planned: PlannedRestart, records: list[AttemptRecord]) -> Turn:
         """A planned restart (a step-up or a re-time) journalled as the restart decision it is."""
+        # Back to the 32-bit optimizer: its state starts afresh (the resume reads that off the checkpoint).
+        survives = Survives.OPTIMIZER_RESET if "optimizer" in planned.changes else Survives.ALL
         entry = DecisionRecord(
-            Action.RESTART, planned.why, planned.rung, planned.changes, Survives.ALL, planned.knobs,
+            Action.RESTART, planned.why, planned.rung, planned.changes, survives, planned.knobs,
             undoes=planned.undoes,
         )  # fmt: skip
         self.journal(

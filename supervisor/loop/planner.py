@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.policies.search.retime import RETIME_RUNG
+from qlora_supervise.policies.search.retime import RETIME_RUNG, first_for
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.loop.retry_plan import next_rung_after_lift
 from qlora_supervise.supervisor.record.journal import RunState
@@ -88,13 +88,9 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
     decision = last.decision
     if decision is not None and decision.rung == RETIME_RUNG and decision.knobs is not None:
         first = facts.first  # the pre-flight's candidates, timed again on the card as it is now
-        return Plan(
-            last.phase,
-            decision.knobs,
-            speed_trial=first.speed_trial,
-            speed_trial_limit=first.speed_trial_limit,
-            retime=True,
-        )
+        trial = first_for(decision.knobs, first.speed_trial)
+        limit = first.speed_trial_limit
+        return Plan(last.phase, decision.knobs, speed_trial=trial, speed_trial_limit=limit, retime=True)
     if decision is not None and decision.action is Action.RESTART and decision.knobs is not None:
         return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
     if last.attempt <= facts.lifted_after:
