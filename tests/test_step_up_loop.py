@@ -10,6 +10,7 @@ journal and planner run.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -18,10 +19,13 @@ from typing import Any
 import pytest
 from test_loop_fake_clock import CONTENTION, LLAMA2_7B, FakeClock, GiB, _checkpoint, _job, _resume_step, _run
 
+from qlora_supervise.supervisor.commands.explain import explanation, print_table
+from qlora_supervise.supervisor.commands.status import print_story, status_json
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import event_line
@@ -341,3 +345,28 @@ def test_a_trial_is_not_timed_again_while_the_sharing_stays(tmp_path: Path) -> N
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA2_7B))
     assert _run(job, _seams(clock, {1: "pick2"}, card)) == 0
     assert [r.outcome.value for r in _records(tmp_path)] == ["succeeded"]
+
+
+def test_status_explain_and_the_metrics_show_the_step_up(tmp_path: Path) -> None:
+    """status and explain list the step-ups and the time spent in each config; the metrics textfile
+    counts the planned restart by kind."""
+    clock = FakeClock()
+    card = SharedCard(clock, _gone_after(25))
+    prom = tmp_path / "metrics" / "run.prom"
+    assert _run(_job_at(tmp_path, metrics_textfile=str(prom)), _seams(clock, {1: "contention@3"}, card)) == 0
+    rd = RunDir(tmp_path / "run")
+    status = status_json(rd)
+    assert status["planned_restarts"] == {"step_up": 1, "retime": 0}
+    configs = status["time_in_configs"]
+    assert (
+        len(configs) == 2
+        and sum(c["steps"] for c in configs) == 40
+        and "grad_ckpt on" in configs[1]["config"]
+    )
+    text = io.StringIO()
+    print_story(rd, text)
+    assert "step-ups: 1, speed trials timed again: 0\ntime in each config:" in text.getvalue()
+    table = io.StringIO()
+    print_table(explanation(rd), table)
+    assert "step-ups: 1" in table.getvalue() and explanation(rd)["time_in_configs"] == configs
+    assert 'qlora_supervise_planned_restarts_total{kind="step_up",run="run"} 1.0' in prom.read_text()

@@ -41,6 +41,7 @@ from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, pars
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
+from qlora_supervise.supervisor.record.history import climb_back_lines, planned_restarts, time_in_configs
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -114,6 +115,8 @@ def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
         "budget_bytes": budget,
         "started_at": records[0].started_at if records else None,
         "attempts": rows,
+        "planned_restarts": planned_restarts(records),  # {"step_up": n, "retime": n}
+        "time_in_configs": [c.to_json() for c in time_in_configs(records)],
     }
 
 
@@ -252,3 +255,5 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), file=out)
     budget = story["budget_bytes"]
     print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)
+    for line in climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or []):
+        print(line, file=out)
