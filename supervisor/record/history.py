@@ -96,8 +96,9 @@ def planned_restarts(records: Sequence[AttemptRecord]) -> dict[str, int]:
 
 def climb_back_lines(planned: dict[str, int], configs: Sequence[dict[str, Any]]) -> list[str]:
     """status and explain: the planned restarts and the time in each config, from their JSON forms
-    (:func:`planned_restarts`, :meth:`ConfigTime.to_json`); none with one config and no restart."""
-    if len(configs) < 2 and not any(planned.values()):
+    (:func:`planned_restarts`, :meth:`ConfigTime.to_json`); none without a planned restart (each
+    attempt's lines say its config then)."""
+    if not any(planned.values()):
         return []
     head = (
         f"step-ups: {planned.get(STEP_UP_RUNG, 0)}, speed trials timed again: {planned.get(RETIME_RUNG, 0)}"
