@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -206,6 +207,7 @@ def contention_room(work: Path, run_dir: Path, fast_peak: int | None) -> int:
 
 def run_contention(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     run_dir = work / "contention"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of its own, never a resume of an earlier bench's
     job = write_job(work, run_dir, args, micro=8, trial=False)
     env = env_with_root()
     env["QLORA_SUPERVISE_TEST_YIELD_GPU_AT_STEP"] = f"{args.yield_step}:{args.yield_pause_s}"
@@ -229,16 +231,18 @@ def run_contention(work: Path, out: Path, args: argparse.Namespace) -> dict[str,
         notes["attempt_1_failed"] = wait_for(failed, 60)
         time.sleep(args.hold_s)
     stop_file.touch()
+    left_at = time.time()
     notes["neighbour_left_at_s"] = round(time.monotonic() - t0, 1)
     neighbour.wait(timeout=60)
     time.sleep(max(0.0, args.run_s - (time.monotonic() - t0)))
+    notes["wall_s"] = round(time.monotonic() - t0, 1)  # to the SIGTERM, not its checkpoint
     notes["exit_code"] = stop_run(proc)
-    notes["wall_s"] = round(time.monotonic() - t0, 1)
-    return {**notes, **collect(run_dir, out / "contention", args)}
+    return {**notes, **collect(run_dir, out / "contention", args, left_at)}
 
 
 def run_shared_trial(work: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     run_dir = work / "shared-trial"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of its own, never a resume of an earlier bench's
     job = write_job(work, run_dir, args, micro=2, trial=True)
     stop_file = work / "shared.hog-stop"
     stop_file.unlink(missing_ok=True)
@@ -249,17 +253,19 @@ def run_shared_trial(work: Path, out: Path, args: argparse.Namespace) -> dict[st
     proc = start_run(job, out / "shared-trial-supervisor.log", env_with_root())
     time.sleep(args.share_s)
     stop_file.touch()
+    left_at = time.time()
     notes: dict[str, Any] = {"neighbours_left_at_s": round(time.monotonic() - t0, 1)}
     for n in neighbours:
         n.wait(timeout=60)
     time.sleep(max(0.0, args.run_s - (time.monotonic() - t0)))
+    notes["wall_s"] = round(time.monotonic() - t0, 1)  # to the SIGTERM, not its checkpoint
     notes["exit_code"] = stop_run(proc)
-    notes["wall_s"] = round(time.monotonic() - t0, 1)
-    return {**notes, **collect(run_dir, out / "shared-trial", args)}
+    return {**notes, **collect(run_dir, out / "shared-trial", args, left_at)}
 
 
-def collect(run_dir: Path, keep: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The journal, the planned restarts, each attempt's config, steps, steady rate and trial."""
+def collect(run_dir: Path, keep: Path, args: argparse.Namespace, left_at: float) -> dict[str, Any]:
+    """The journal, the planned restarts, each attempt's config, steps, steady rate (over the whole
+    attempt, and alone: after the neighbours left at ``left_at``) and trial."""
     kept = gpu_ladder.collect(run_dir, keep)
     status = subprocess.run([*gpu_ladder.cli(), "status", str(run_dir)], capture_output=True, text=True)
     (keep / "status.txt").write_text(status.stdout + status.stderr, encoding="utf-8")
@@ -280,6 +286,9 @@ def collect(run_dir: Path, keep: Path, args: argparse.Namespace) -> dict[str, An
                 "steps": [record["resumed_from"], record["steps_completed"]],
                 "seconds": round(record["ended_at"] - record["started_at"], 1),
                 "rate": step_rate(heartbeats(run_dir, number), per_step),
+                "rate_alone": step_rate(
+                    [b for b in heartbeats(run_dir, number) if b["time"] >= left_at], per_step
+                ),
                 "rung": (record.get("decision") or {}).get("rung"),
                 "why": (record.get("decision") or {}).get("why"),
                 "trial": trial[-1] if trial else None,
@@ -302,15 +311,17 @@ def summary(name: str, result: dict[str, Any]) -> list[str]:
     )
     fast = (attempts[0] if name == "contention" else attempts[-1] if up else None) if attempts else None
     stayed = None
-    if up is not None and slow is not None and slow["rate"] and wall:
+    slow_rate = slow and (slow["rate_alone"] or slow["rate"])  # the slower config on the card alone
+    if up is not None and slow_rate and wall:
         # The steps made before the planned restart, then the slow config's rate for the rest of the run.
         t_up = sum(a["seconds"] for a in attempts[: attempts.index(up) + 1])
-        stayed = (up["steps"][1] * result["tokens_per_step"] + slow["rate"] * max(0.0, wall - t_up)) / wall
+        stayed = (up["steps"][1] * result["tokens_per_step"] + slow_rate * max(0.0, wall - t_up)) / wall
     lines = [f"== {name} ==  wall {wall:.0f} s, {result.get('steps', 0)} steps"]
     for a in attempts:
         trial = a["trial"]
         chose = f", trial chose micro {trial['chosen']['micro_batch_size']}" if trial else ""
         rate = f"{a['rate']:.0f}" if a["rate"] else "-"
+        rate += f" ({a['rate_alone']:.0f} alone)" if a["rate_alone"] else ""
         lines.append(
             f"  attempt {a['attempt']} {a['outcome']:<10} {a['config']:<28}"
             f" steps {a['steps'][0]}->{a['steps'][1]} in {a['seconds']:.0f} s,"
@@ -320,7 +331,7 @@ def summary(name: str, result: dict[str, Any]) -> list[str]:
     fmt = lambda v: "-" if not v else f"{v:.0f}"  # noqa: E731
     lines.append(
         f"  tokens/s over the run {fmt(over_run)} | staying in the slower config (estimate) {fmt(stayed)}"
-        f" ({fmt(slow and slow['rate'])} steady)"
+        f" ({fmt(slow_rate)} steady, alone)"
         f" | the config it picks alone {fmt(fast and fast['rate'])} steady"
     )
     return lines
