@@ -34,12 +34,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -177,13 +175,17 @@ def heartbeats(run_dir: Path, attempt: int) -> list[dict[str, Any]]:
 
 
 def step_rate(beats: list[dict[str, Any]], tokens_per_step: int) -> float | None:
-    """Steady tokens/s of an attempt: its steps over the time between its heartbeats, the first
-    three (kernel tuning, the first step after a resume) left out; None with too few."""
-    beats = beats[3:]
-    if len(beats) < 3:
+    """Steady tokens/s of an attempt: the steps between the heartbeat of its second trained step and
+    its last, over the time between them (the first steps' kernel tuning, the load and the trial
+    left out; heartbeats also come between steps, so steps are counted, not beats); None with too few."""
+    trained = [b for b in beats if b["step"] > 0 and b.get("stage") != "load"]
+    if not trained:
         return None
-    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(beats) if b["step"] > a["step"]]
-    return tokens_per_step / statistics.median(gaps) if gaps and statistics.median(gaps) > 0 else None
+    start = next((b for b in trained if b["step"] >= trained[0]["step"] + 2), None)
+    end = next(b for b in trained if b["step"] == trained[-1]["step"])  # when the last step was reached
+    if start is None or end["step"] - start["step"] < 2 or end["time"] <= start["time"]:
+        return None
+    return (end["step"] - start["step"]) * tokens_per_step / (end["time"] - start["time"])
 
 
 def wait_for(condition: Any, limit_s: float, tick_s: float = 0.5) -> bool:
@@ -220,7 +222,7 @@ def run_contention(work: Path, out: Path, args: argparse.Namespace) -> dict[str,
     notes: dict[str, Any] = {}
     near = lambda: any(b["step"] >= args.yield_step - 3 for b in heartbeats(run_dir, 1))  # noqa: E731
     if wait_for(near, args.run_s / 2):
-        peaks = [b.get("memory", {}).get("reserved_bytes") for b in heartbeats(run_dir, 1)]
+        peaks = [b.get("reserved_bytes") for b in heartbeats(run_dir, 1)]
         fast_peak = max((p for p in peaks if p), default=None)
         leave = contention_room(work, run_dir, fast_peak)
         notes.update(
