@@ -139,8 +139,8 @@ def step_up(
         return None
     refusal = None
     for descent in reversed(descents):
-        if descent.after != knobs and not _undone_by_later(descent, knobs):
-            continue
+        if not _still_in(descent, knobs):
+            continue  # undone already (a step-up), or the run has another config since
         if not _cleared(descent, settings, card):
             continue
         answer = _answer(knobs, descent, past, settings, card)
@@ -150,17 +150,13 @@ def step_up(
     return refusal
 
 
-def _undone_by_later(descent: Descent, knobs: Knobs) -> bool:
-    """The run went on down from this descent's config: its change is still in ``knobs``."""
+def _still_in(descent: Descent, knobs: Knobs) -> bool:
+    """The descent's change is still in ``knobs`` (later rungs may have changed other knobs)."""
     return all(getattr(knobs, name) == getattr(descent.after, name) for name in _changed(descent))
 
 
 def _changed(descent: Descent) -> list[str]:
-    return [
-        f.name
-        for f in dataclasses.fields(Knobs)
-        if getattr(descent.before, f.name) != getattr(descent.after, f.name)
-    ]
+    return _diff(descent.before, descent.after)
 
 
 def _cleared(descent: Descent, settings: Settings, card: CardNow) -> bool:
@@ -188,16 +184,16 @@ def _answer(
         return Refusal(descent, "a step-up to this config failed before")
     room = _room(settings, card)
     peak = _peak(target, descent, settings)
-    if peak is None and room is not None:
-        return Refusal(descent, "no peak is known for the faster config (not measured, no memory model)")
-    if room is not None and peak is not None and peak > fit_limit(room):
+    if peak is None or room is None:
+        return Refusal(descent, "no margin to check: no peak known for the faster config, or no budget")
+    if peak > fit_limit(room):
         return Refusal(
             descent,
             f"predicted peak {_gib(peak)} does not fit {_gib(room)} free with the margin",
         )
     changes = {name: (getattr(knobs, name), getattr(target, name)) for name in _diff(knobs, target)}
     names = "+".join(rungs_between(target, knobs)) or "the rung"
-    fits = f"; predicted peak {_gib(peak)} fits {_gib(room)} with the margin" if peak and room else ""
+    fits = f"; predicted peak {_gib(peak)} fits {_gib(room)} with the margin"
     cleared = f"{descent.cause.value} cleared ({_evidence(descent, card)})"
     why = f"{cleared}: undo {names} of attempt {descent.attempt}{fits}"
     return StepUp(target, descent, changes, why)
