@@ -153,16 +153,28 @@ class SteppingChild:
         return _checkpoint(self.spec, self.done) if self.done > _resume_step(self.spec) else None
 
 
-class SharedCard:
-    """A 24 GiB card whose other process holds ``others(t)`` bytes at fake time ``t``."""
+Utilisation = Callable[[float], int | None] | None
 
-    def __init__(self, clock: FakeClock, others: Callable[[float], int]) -> None:
-        self.clock, self.others = clock, others
+
+class SharedCard:
+    """A 24 GiB card whose other process holds ``others(t)`` bytes at fake time ``t`` and uses
+    ``util(t)`` % of the SMs (None: the board does not say)."""
+
+    def __init__(
+        self,
+        clock: FakeClock,
+        others: Callable[[float], int],
+        util: Callable[[float], int | None] = lambda t: None,
+    ) -> None:
+        self.clock, self.others, self.util = clock, others, util
 
     def sample(self, pids: set[int]) -> GpuSample:
         held = self.others(self.clock())
         free = 24 * GiB - held - (3 * GiB if pids else 0)
-        return GpuSample(self.clock(), 0, 24 * GiB, 24 * GiB - free, free, 0, ((4242, held),) if held else ())
+        listed = ((4242, held),) if held else ()
+        return GpuSample(
+            self.clock(), 0, 24 * GiB, 24 * GiB - free, free, 0, listed, (), self.util(self.clock())
+        )
 
     def close(self) -> None:
         pass
@@ -370,3 +382,16 @@ def test_status_explain_and_the_metrics_show_the_step_up(tmp_path: Path) -> None
     print_table(explanation(rd), table)
     assert "step-ups: 1" in table.getvalue() and explanation(rd)["time_in_configs"] == configs
     assert 'qlora_supervise_planned_restarts_total{kind="step_up",run="run"} 1.0' in prom.read_text()
+
+
+def test_a_neighbour_that_only_computes_is_seen_by_its_utilisation(tmp_path: Path) -> None:
+    """A neighbour that holds no memory but kept 90 % of the SMs busy through the trial: once it
+    stops for the settle time, the trial is timed again."""
+    clock = FakeClock()
+    card = SharedCard(clock, lambda t: 0, lambda t: 90 if t - 1000.0 < 8 else 0)
+    job = _job_at(tmp_path, speed_trial=True, calibration_store=False)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA2_7B))
+    assert _run(job, _seams(clock, {1: "pick2", 2: "pick0"}, card)) == 0
+    first = _records(tmp_path)[0]
+    assert first.decision is not None and first.decision.rung == "retime"
+    assert "90 % of the SMs at the trial" in first.decision.why

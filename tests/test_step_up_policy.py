@@ -16,7 +16,7 @@ from qlora_supervise.policies.ladder.step_up import (
     cause_of,
     step_up,
 )
-from qlora_supervise.policies.search.retime import Trial, first_for, retime
+from qlora_supervise.policies.search.retime import Sharing, Trial, first_for, retime
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
@@ -71,11 +71,19 @@ def test_a_retime_waits_for_the_whole_settle_time_and_is_worth_its_restart() -> 
     """Sharing changed for less than the settle time, or too little training left to win back the
     restart, or a config changed beyond the trial's knobs: no re-time."""
     trial, trained = Trial(FAST, CANDIDATES), dataclasses.replace(FAST, micro_batch_size=2, grad_accum=4)
-    assert retime(trial, trained, 8 * GiB, [0, 0], 30.0, 60.0) is None  # not for the settle time yet
-    assert retime(trial, trained, 8 * GiB, [7 * GiB, 0], 90.0, 60.0) is None  # not changed all along
-    assert retime(trial, trained, 8 * GiB, [0, 0], 90.0, 60.0, remaining_s=150.0) is None  # saves 45 s
-    to = retime(trial, trained, 8 * GiB, [0, 0], 90.0, 60.0, remaining_s=3600.0)
+    then, gone, some = Sharing(8 * GiB), Sharing(0), Sharing(7 * GiB)
+    assert retime(trial, trained, then, [gone, gone], 30.0, 60.0) is None  # not for the settle time yet
+    assert retime(trial, trained, then, [some, gone], 90.0, 60.0) is None  # not changed all along
+    assert retime(trial, trained, then, [gone, gone], 90.0, 60.0, remaining_s=150.0) is None  # saves 45 s
+    to = retime(trial, trained, then, [gone, gone], 90.0, 60.0, remaining_s=3600.0)
     assert to is not None and to[0] == FAST and "43% faster" in to[1]
-    assert retime(trial, dataclasses.replace(trained, max_seq_len=256), 8 * GiB, [0], 90.0, 60.0) is None
-    assert retime(trial, FAST, 8 * GiB, [0], 90.0, 60.0) is None  # already the fastest predicted
+    assert retime(trial, dataclasses.replace(trained, max_seq_len=256), then, [gone], 90.0, 60.0) is None
+    assert retime(trial, FAST, then, [gone], 90.0, 60.0) is None  # already the fastest predicted
     assert first_for(trained, CANDIDATES) == (CANDIDATES[1], CANDIDATES[0])
+
+
+def test_the_sharing_changes_by_memory_or_by_the_others_utilisation() -> None:
+    """2 GiB of the others' memory, or 30 points of their SM utilisation where both readings have it."""
+    assert Sharing(8 * GiB).differs(Sharing(5 * GiB)) and not Sharing(8 * GiB).differs(Sharing(7 * GiB))
+    assert Sharing(0, 90).differs(Sharing(0, 10)) and not Sharing(0, 90).differs(Sharing(0, 70))
+    assert not Sharing(0, 90).differs(Sharing(0, None))  # one reading without it: memory decides

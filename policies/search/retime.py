@@ -2,8 +2,9 @@
 
 The trial ranks its candidates on the card as it is: beside three other jobs on an H200 it chose
 micro-batch 2 over the planner's 4, right while the card was shared and wrong once the others had
-gone. When the other processes' memory (NVML) has differed from what it was at the trial by
-:data:`SHARING_CHANGE_BYTES` or more for the whole settle time, and a candidate is predicted (the
+gone. When the card's sharing (NVML: the other processes' memory, and their SM utilisation where
+the board reports it) has differed from what it was at the trial (:meth:`Sharing.differs`) for the
+whole settle time, and a candidate is predicted (the
 throughput model, for the card alone) at least ``MIN_GAIN`` faster than the one the attempt trains,
 the next checkpoint restarts it with that candidate and the trial's candidates (that one first),
 and the restarted child times them again before it goes on (the trial runs on a resume too when
@@ -22,9 +23,29 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import MIN_GAIN, TrialCandidate
 
 RETIME_RUNG = "retime"
+#: How far the others' memory, or their SM utilisation (percentage points), must move to count.
 SHARING_CHANGE_BYTES = 2 << 30
+SHARING_CHANGE_UTIL = 30
 #: What a planned restart costs in training time: the warm spare's start, the resume, the trial.
 RESTART_COST_S = 60.0
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """What the other processes on the card held (bytes) and used (SM percent; None: not reported)."""
+
+    others_bytes: int
+    others_sm_util: int | None = None
+
+    def differs(self, other: Sharing) -> bool:
+        if abs(self.others_bytes - other.others_bytes) >= SHARING_CHANGE_BYTES:
+            return True
+        util = (self.others_sm_util, other.others_sm_util)
+        return None not in util and abs((util[0] or 0) - (util[1] or 0)) >= SHARING_CHANGE_UTIL
+
+    def text(self) -> str:
+        util = f", {self.others_sm_util} % of the SMs" if self.others_sm_util is not None else ""
+        return f"{self.others_bytes / (1 << 30):.1f} GiB{util}"
 
 
 @dataclass(frozen=True)
@@ -39,17 +60,17 @@ class Trial:
 def retime(
     first: Trial,
     knobs: Knobs,
-    others_then: int | None,
-    window: Sequence[int],
+    then: Sharing | None,
+    window: Sequence[Sharing],
     held_for_s: float,
     settle_s: float,
     remaining_s: float = math.inf,
 ) -> tuple[Knobs, str] | None:
     """The knobs to restart with and why, to time the trial again now; None: not now (the module
     docstring)."""
-    if others_then is None or not window or held_for_s < settle_s:
+    if then is None or not window or held_for_s < settle_s:
         return None
-    if any(abs(others - others_then) < SHARING_CHANGE_BYTES for others in window):
+    if not all(now.differs(then) for now in window):
         return None
     trained = _candidate(first, knobs)
     if trained is None:
@@ -61,10 +82,9 @@ def retime(
     saved_s = remaining_s * (1 - slow / fast)
     if saved_s <= RESTART_COST_S:
         return None
-    gib = 1 << 30
     why = (
-        f"the card's sharing changed: others held {others_then / gib:.1f} GiB at the trial, "
-        f"{min(window) / gib:.1f}-{max(window) / gib:.1f} GiB for {held_for_s:.0f}s; {_name(planned)} is "
+        f"the card's sharing changed: others held {then.text()} at the trial, {window[-1].text()} now "
+        f"and different all of the last {held_for_s:.0f}s; {_name(planned)} is "
         f"predicted {fast / slow - 1:.0%} faster than the trained {_name(trained)}: time the trial again"
     )
     return as_knobs(knobs, planned), why

@@ -29,6 +29,7 @@ from qlora_supervise.policies.search import retime
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome
 from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
@@ -102,18 +103,20 @@ class ClimbBack:
         log: FilteringBoundLogger,
     ) -> None:
         self.records, self.settings, self.first_trial, self.log = records, settings, first_trial, log
-        self.samples: list[tuple[float, int, int | None]] = []  # (time, others' bytes, card total)
+        self.samples: list[tuple[float, retime.Sharing, int | None]] = []  # (time, the others, card total)
         self.said: set[str] = set()
-        self.trial_at: tuple[float, int | None] | None = None  # this attempt's trial: when, others then
+        self.trial_at: tuple[float, retime.Sharing | None] | None = None  # this attempt's trial: when, others
 
     def start(self) -> None:
         """A new attempt: the card's story starts again (what it saw before is another attempt's)."""
         self.samples.clear()
         self.trial_at = None
 
-    def sample(self, now: float, others: int | None, total: int | None) -> None:
-        if others is not None:
-            self.samples.append((now, others, total))
+    def sample(self, now: float, watched: Watched) -> None:
+        """The newest NVML sample of the attempt (its others' memory and SM utilisation)."""
+        if watched.gpu_others_at_end is not None:
+            sharing = retime.Sharing(watched.gpu_others_at_end, watched.gpu_others_sm_util)
+            self.samples.append((now, sharing, watched.gpu_total))
 
     def trial_seen(self, event: SpeedTrialEvent, now: float) -> None:
         """The attempt's speed trial ended now: the others' memory it was timed beside."""
@@ -144,7 +147,7 @@ class ClimbBack:
         if not self.samples:
             return rule.CardNow(step, None, None, 0.0)
         recent = [s for s in self.samples if s[0] >= now - settle_s]
-        held = max(s[1] for s in recent) if recent else self.samples[-1][1]
+        held = max(s[1].others_bytes for s in (recent or self.samples[-1:]))
         return rule.CardNow(step, self.samples[-1][2], held, min(settle_s, now - self.samples[0][0]))
 
     def _retime(
@@ -152,11 +155,11 @@ class ClimbBack:
     ) -> PlannedRestart | None:
         if self.trial_at is None or self.first_trial is None or not settings.step_up:
             return None
-        when, others_then = self.trial_at
+        when, then = self.trial_at
         window = [s[1] for s in self.samples if s[0] >= now - settings.step_up_settle_s]
         held_for = now - max(when, self.samples[0][0]) if self.samples else 0.0
         settle = settings.step_up_settle_s
-        answer = retime.retime(self.first_trial, knobs, others_then, window, held_for, settle, remaining_s)
+        answer = retime.retime(self.first_trial, knobs, then, window, held_for, settle, remaining_s)
         if answer is None:
             return None
         self.trial_at = None  # once per trial

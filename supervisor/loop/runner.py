@@ -281,7 +281,7 @@ class AttemptRunner:
             if now >= next_sample:
                 sample_memory(proc.pid, watched, ctx.gpu, gpu_log)
                 if ctx.climb is not None:
-                    ctx.climb.sample(now, watched.gpu_others_at_end, watched.gpu_total)
+                    ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
             if self._planned_restart(new, spec, reader, watched, now, log):
                 return watched
