@@ -80,6 +80,7 @@ def test_a_retime_waits_for_the_whole_settle_time_and_is_worth_its_restart() -> 
     assert retime(trial, dataclasses.replace(trained, max_seq_len=256), then, [gone], 90.0, 60.0) is None
     assert retime(trial, FAST, then, [gone], 90.0, 60.0) is None  # already the fastest predicted
     assert first_for(trained, CANDIDATES) == (CANDIDATES[1], CANDIDATES[0])
+    assert first_for(dataclasses.replace(trained, micro_batch_size=1, grad_accum=8), CANDIDATES) == ()
 
 
 def test_the_sharing_changes_by_memory_or_by_the_others_utilisation() -> None:

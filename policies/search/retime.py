@@ -100,9 +100,10 @@ def as_knobs(knobs: Knobs, candidate: TrialCandidate) -> Knobs:
 
 
 def first_for(knobs: Knobs, candidates: tuple[TrialCandidate, ...]) -> tuple[TrialCandidate, ...]:
-    """The trial's candidates with the one ``knobs`` trains first (the trial's rule: the spec's own first)."""
+    """The trial's candidates with the one ``knobs`` trains first (the trial's rule: the spec's own
+    first); none when ``knobs`` is no candidate (a supervisor restarted since, planning anew)."""
     own = [c for c in candidates if as_knobs(knobs, c) == knobs]
-    return (*own, *(c for c in candidates if c not in own))
+    return (*own, *(c for c in candidates if c not in own)) if own else ()
 
 
 def _name(c: TrialCandidate) -> str:
