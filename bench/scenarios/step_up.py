@@ -220,7 +220,7 @@ def run_contention(work: Path, out: Path, args: argparse.Namespace) -> dict[str,
     t0 = time.monotonic()
     proc = start_run(job, out / "contention-supervisor.log", env)
     notes: dict[str, Any] = {}
-    near = lambda: any(b["step"] >= args.yield_step - 3 for b in heartbeats(run_dir, 1))  # noqa: E731
+    near = lambda: any(b["step"] >= args.yield_step - 6 for b in heartbeats(run_dir, 1))  # noqa: E731
     if wait_for(near, args.run_s / 2):
         peaks = [b.get("reserved_bytes") for b in heartbeats(run_dir, 1)]
         fast_peak = max((p for p in peaks if p), default=None)
