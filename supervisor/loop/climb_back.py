@@ -31,7 +31,6 @@ from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Out
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 _TRIAL_KNOBS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
 
@@ -118,8 +117,8 @@ class ClimbBack:
             sharing = retime.Sharing(watched.gpu_others_at_end, watched.gpu_others_sm_util)
             self.samples.append((now, sharing, watched.gpu_total))
 
-    def trial_seen(self, event: SpeedTrialEvent, now: float) -> None:
-        """The attempt's speed trial ended now: the others' memory it was timed beside."""
+    def trial_seen(self, now: float) -> None:
+        """The attempt's speed trial ended now: the sharing it was timed beside."""
         self.trial_at = (now, self.samples[-1][1] if self.samples else None)
 
     def at_checkpoint(

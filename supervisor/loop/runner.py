@@ -325,9 +325,8 @@ class AttemptRunner:
         climb = self.ctx.climb
         if climb is None or spec.knobs.world_size > 1:
             return False
-        for event in events:
-            if isinstance(event, SpeedTrialEvent):
-                climb.trial_seen(event, now)
+        if any(isinstance(event, SpeedTrialEvent) for event in events):
+            climb.trial_seen(now)
         saved = [e for e in events if isinstance(e, CheckpointSaved) and not e.emergency and e.step]
         if not saved:
             return False
