@@ -401,7 +401,7 @@ def test_host_predictions_count_the_jobs_lora_targets(tmp_path: Path) -> None:
     wide = host_train_need(SHAPE, knobs, checkpoint, "all-linear").train_peak
     assert wide > host_train_need(SHAPE, knobs, checkpoint).train_peak
     assert predicted_host(settings, knobs) == wide
-    assert climb._train_host(SHAPE, knobs, settings) == wide
+    assert climb.train_host(SHAPE, knobs, settings) == wide
 
 
 def test_the_attempts_host_memory_crosses_the_journal() -> None:
