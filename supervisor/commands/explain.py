@@ -264,8 +264,8 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), file=out)
-    budget = story["budget_bytes"]
-    print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)
     for a in story["attempts"]:
         if a["why"]:
             print(f"why #{a['attempt']} ran its config: {'; '.join(a['why'])}", file=out)
+    budget = story["budget_bytes"]
+    print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)
