@@ -33,6 +33,7 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import TrialResult
 
+#: Attempt 1's config: the search itself (``run``'s first plan and the ``plan`` command ask it here).
 first = config_search.preflight
 
 #: A candidate replaces the planned config only when it is this much faster (DeepSpeed's

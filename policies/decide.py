@@ -26,15 +26,13 @@ Order of the rules (first match wins):
    came back, contention that outlasted the wait) -> Restart with ``drop_rank``: the other
    cards, accumulation raised so micro x accumulation x ranks holds (GiveUp as above when it
    cannot hold exactly)
-6. OOM-like kinds -> the next config (:mod:`.choice`: the search, then the ladder walk): skip
-   rungs with nothing to change, rungs charged by rule 0, results that already failed the same
-   way, and results a calibrated memory model says cannot fit (their change is kept and the next
-   rung is applied on top) -> Restart, or GiveUp when the ladder is exhausted. Before it (6a,
-   :mod:`.host_kill`): a host OOM kill after progress that is not in a row (the retry trained
-   past the last kill) -> Restart unchanged (a neighbour's spike); (6b, :mod:`.spurious_retry`)
-   an OOM marked spurious -> Restart unchanged once, its repeat climbs; a host OOM's ladder takes
-   throughput rungs before quality ones, and the LoRA rank only where the adapter is what grew
-   (:mod:`.host_kill`).
+6. OOM-like kinds -> the next config, as :mod:`.choice` decides it (the search, then the ladder
+   walk, without the rungs charged by rule 0) -> Restart, or GiveUp when the ladder is exhausted.
+   Before it (6a, :mod:`.host_kill`): a host OOM kill after progress that is not in a row (the
+   retry trained past the last kill) -> Restart unchanged (a neighbour's spike); (6b,
+   :mod:`.spurious_retry`) an OOM marked spurious -> Restart unchanged once, its repeat climbs; a
+   host OOM's ladder takes throughput rungs before quality ones, and the LoRA rank only where the
+   adapter is what grew (:mod:`.host_kill`).
 
 The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
 :mod:`.waits`; this module holds the order of the rules and the retries.
