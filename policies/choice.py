@@ -42,12 +42,7 @@ MIN_GAIN = 0.05
 
 #: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
 _STEP_MEMORY = frozenset(
-    {
-        FailureKind.OOM_FORWARD,
-        FailureKind.OOM_BACKWARD,
-        FailureKind.OOM_OPTIMIZER,
-        FailureKind.OOM_FRAGMENTATION,
-    }
+    map(FailureKind, ("oom_forward", "oom_backward", "oom_optimizer", "oom_fragmentation"))
 )
 
 

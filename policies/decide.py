@@ -143,9 +143,8 @@ def decide(
     if phase == "merge" and kind.is_oom:
         return after_failure(MergeFailure(), knobs, history, settings)
     # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
-    return after_failure(
-        failure, knobs, history, host_settings(failure, settings, failed), unusable_rungs(history)
-    )
+    settings = host_settings(failure, settings, failed)
+    return after_failure(failure, knobs, history, settings, unusable_rungs(history))
 
 
 def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], settings: Settings) -> Decision:
@@ -157,9 +156,8 @@ def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], setti
         f"{names} reverted and unusable for this run"
     )
     before = charged.before
-    following = after_failure(
-        PastFailure.of(before), before.knobs, history, settings, unusable_rungs(history)
-    )
+    unusable = unusable_rungs(history)
+    following = after_failure(PastFailure.of(before), before.knobs, history, settings, unusable)
     if isinstance(following, GiveUp):
         return GiveUp(f"{head}; {following.why}", retryable=following.retryable)
     if not isinstance(following, Restart):
