@@ -198,8 +198,9 @@ def test_a_retimed_resume_runs_the_trial_and_trains_on_from_the_checkpoint(
     )  # fmt: skip
     assert run_child(second, timeout=900) == ExitCode.OK, log_tail(second)
     seen = events(second)
-    found = [SpeedTrialEvent.from_json(e) for e in seen if e["event"] == "speed_trial"]
-    assert len(found) == 1 and found[0] is not None and [r.candidate for r in found[0].results] == list(trial)
+    found = [parse_event(json.dumps(e)) for e in seen if e["event"] == "speed_trial"]
+    assert len(found) == 1 and isinstance(found[0], SpeedTrialEvent)
+    assert [r.candidate for r in found[0].results] == list(trial)
     resumed = [e for e in seen if e["event"] == "resumed"]
     assert resumed and resumed[0]["from_step"] == 2
     steps = [e["step"] for e in seen if e["event"] == "heartbeat" and e.get("loss") is not None]

@@ -74,8 +74,8 @@ class SteppingChild:
     def _trial(self, index: int) -> None:
         candidates = self.spec.speed_trial
         rows = [TrialResult(c, 1000.0 if i == index else 500.0, GiB, 1.0) for i, c in enumerate(candidates)]
-        chosen = candidates[index]
-        event = SpeedTrialEvent(tuple(rows), chosen, index != 0, 2.0)
+        chosen = candidates[index]  # the policy's choice among these timings (the fastest by far)
+        event = SpeedTrialEvent(tuple(rows), 2.0)
         with Path(self.spec.events_file).open("a", encoding="utf-8") as out:
             out.write(json.dumps(event.to_json()) + "\n")
         self.spec = dataclasses.replace(

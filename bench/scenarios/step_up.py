@@ -304,6 +304,16 @@ def collect(run_dir: Path, keep: Path, args: argparse.Namespace, left_at: float)
 # --------------------------------------------------------------------------- the table
 
 
+def trial_text(trial: dict[str, Any]) -> str:
+    """``micro 8 6120, micro 4+ckpt 4010, micro 16 OOM``: each candidate's measured rate."""
+    rows = []
+    for r in trial.get("results", []):
+        c = r["candidate"]
+        rate = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") and not r.get("error") else "failed"
+        rows.append(f"micro {c['micro_batch_size']}{'+ckpt' if c['gradient_checkpointing'] else ''} {rate}")
+    return ", ".join(rows)
+
+
 def summary(name: str, result: dict[str, Any]) -> list[str]:
     attempts, wall = result.get("attempts", []), result.get("wall_s") or 0
     over_run = result.get("steps", 0) * result.get("tokens_per_step", 0) / wall if wall else None
@@ -321,7 +331,7 @@ def summary(name: str, result: dict[str, Any]) -> list[str]:
     lines = [f"== {name} ==  wall {wall:.0f} s, {result.get('steps', 0)} steps"]
     for a in attempts:
         trial = a["trial"]
-        chose = f", trial chose micro {trial['chosen']['micro_batch_size']}" if trial else ""
+        chose = f", trial (tokens/s): {trial_text(trial)}" if trial else ""
         rate = f"{a['rate']:.0f}" if a["rate"] else "-"
         rate += f" ({a['rate_alone']:.0f} alone)" if a["rate_alone"] else ""
         lines.append(

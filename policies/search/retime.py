@@ -19,8 +19,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qlora_supervise.policies.choice import MIN_GAIN
 from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import MIN_GAIN, TrialCandidate
+from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
 
 RETIME_RUNG = "retime"
 #: How far the others' memory, or their SM utilisation (percentage points), must move to count.
