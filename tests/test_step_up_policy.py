@@ -16,7 +16,7 @@ from qlora_supervise.policies.ladder.step_up import (
     cause_of,
     step_up,
 )
-from qlora_supervise.policies.search.retime import Sharing, Trial, first_for, retime
+from qlora_supervise.policies.retime import Sharing, Trial, first_for, retime
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate

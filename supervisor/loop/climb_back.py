@@ -7,7 +7,7 @@ waits):
 
 * a step-up (:mod:`policies.ladder.step_up`): a rung's cause has cleared; the descents and the
   step-ups tried are read from the journal, so a restarted supervisor knows them too;
-* a re-time (:mod:`policies.search.retime`): the card's sharing has changed since this attempt's
+* a re-time (:mod:`policies.retime`): the card's sharing has changed since this attempt's
   speed trial; the next attempt times the pre-flight's candidates again on the card as it is now.
 
 A refusal is logged once per descent and reason; nothing else happens.
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies import retime
 from qlora_supervise.policies.ladder import step_up as rule
 from qlora_supervise.policies.ladder.spurious_retry import SPURIOUS_KEY
-from qlora_supervise.policies.search import retime
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome
 from qlora_supervise.supervisor.watching.heartbeats import Progress

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.retime import RETIME_RUNG, first_for
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.policies.search.retime import RETIME_RUNG, first_for
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.loop.retry_plan import next_rung_after_lift
 from qlora_supervise.supervisor.record.journal import RunState
@@ -45,7 +45,7 @@ class Plan:
     # Attempt 1 only: no config of the model or a fallback is predicted to fit; the run stops
     # before any child starts, with this message (the smallest peak, the budget, what would help).
     nothing_fits: str | None = None
-    # A re-time (policies/search/retime.py): the trial runs on the resume too.
+    # A re-time (policies/retime.py): the trial runs on the resume too.
     retime: bool = False
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.ladder.step_up import STEP_UP_RUNG
-from qlora_supervise.policies.search.retime import RETIME_RUNG
+from qlora_supervise.policies.retime import RETIME_RUNG
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -176,7 +176,7 @@ class AttemptSpec:
     # its margin (a candidate above it is dropped as an OOM would drop it); None: no such check.
     speed_trial_limit_bytes: int | None = None
     # The trial runs on a resume too: the card's sharing changed since the last one
-    # (policies/search/retime.py).
+    # (policies/retime.py).
     speed_trial_on_resume: bool = False
     # A trainer that is not ours (the job's ``trainer:`` section): its argv, the per-attempt config
     # in the attempt's directory on it, run with the shim on its PYTHONPATH (trainer_child/shim/);
