@@ -60,6 +60,7 @@ class SteppingChild:
     started_monotonic: float = 0.0
     done: int = 0
     code: int | None = None
+    finished_at: float | None = None
 
     def __post_init__(self) -> None:
         self.started_monotonic = self.clock()
@@ -118,10 +119,12 @@ class SteppingChild:
             self.done = step
             if step % self.spec.train.save_steps == 0:
                 self._save(step)
-        if self.done >= self.spec.train.max_steps:
+        if self.done >= self.spec.train.max_steps and self.finished_at is None:
             Path(self.spec.adapter_dir).mkdir(parents=True, exist_ok=True)
             self._write("finished", step=self.done)
-            self.code = 0
+            self.finished_at = self.clock()
+        if self.finished_at is not None and self.clock() - self.finished_at >= 1.0:
+            self.code = 0  # a second after its last save, as the real child saves the adapter and exits
 
     def _save(self, step: int) -> None:
         self._write("checkpoint_saved", step=step, path=_checkpoint(self.spec, step))
@@ -395,3 +398,12 @@ def test_a_neighbour_that_only_computes_is_seen_by_its_utilisation(tmp_path: Pat
     first = _records(tmp_path)[0]
     assert first.decision is not None and first.decision.rung == "retime"
     assert "90 % of the SMs at the trial" in first.decision.why
+
+
+def test_no_step_up_at_the_final_checkpoint(tmp_path: Path) -> None:
+    """A cause that clears only by the last checkpoint changes nothing: the run just finishes."""
+    clock = FakeClock()
+    card = SharedCard(clock, _gone_after(29))
+    assert _run(_job_at(tmp_path), _seams(clock, {1: "contention@3"}, card)) == 0
+    assert [r.outcome.value for r in _records(tmp_path)] == ["failed", "succeeded"]
+    assert not _events(tmp_path, "step_up")

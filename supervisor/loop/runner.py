@@ -328,9 +328,10 @@ class AttemptRunner:
         if any(isinstance(event, SpeedTrialEvent) for event in events):
             climb.trial_seen(now)
         saved = [e for e in events if isinstance(e, CheckpointSaved) and not e.emergency and e.step]
-        if not saved:
-            return False
         progress = reader.progress
+        last_step = progress.finished or (progress.max_steps and progress.step >= progress.max_steps)
+        if not saved or last_step:  # the final save: nothing is left to train faster
+            return False
         knobs = speed_of(progress.events, spec.knobs).knobs
         planned = climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))
         if planned is None:
