@@ -16,7 +16,9 @@ schema ``qlora-supervise.explain/1``::
                    "tokens_per_s": float | null,            # measured: median of its heartbeats
                    "predicted_tokens_per_s": float | null,  # the throughput model's, same knobs
                    "wall_s": float, "started_at": float, "ended_at": float, "samples": int,
-                   "why": [str]}]}                          # why it ran this config
+                   "why": [str]}],                          # why it ran this config
+     "planned_restarts": {"step_up": int, "retime": int},   # to a faster config (docs/ladder.md)
+     "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}  # training, first-run order
 
 The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
 attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory

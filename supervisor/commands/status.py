@@ -18,8 +18,10 @@ lists the layers that exist) and the attempt's ``child.log``.
                              "trainer_config_diff": [str] | null}],  # foreign trainer vs your file
                "running": {"attempt": int, "phase": str, "knobs": {...}, "resumed_from": int,
                            "step": int | null, "stage": str | null, "tokens_per_s": float | null,
-                           "pid": int | null, "alive": bool, "started_at": float} | null}]}
+                           "pid": int | null, "alive": bool, "started_at": float} | null,
                                                                       # the attempt in flight
+               "planned_restarts": {"step_up": int, "retime": int},  # to a faster config
+               "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}]}
 
 ``--follow`` prints again whenever a run's journal or state changes, until every run has ended
 (succeeded, gave up, failed, stopped) or Ctrl-C.
