@@ -4,12 +4,12 @@ The trial ranks its candidates on the card as it is: beside three other jobs on 
 micro-batch 2 over the planner's 4, right while the card was shared and wrong once the others had
 gone. When the card's sharing (NVML: the other processes' memory, and their SM utilisation where
 the board reports it) has differed from what it was at the trial (:meth:`Sharing.differs`) for the
-whole settle time, and a candidate is predicted (the
-throughput model, for the card alone) at least ``MIN_GAIN`` faster than the one the attempt trains,
-the next checkpoint restarts it with that candidate and the trial's candidates (that one first),
-and the restarted child times them again before it goes on (the trial runs on a resume too when
-its spec says so). Only when the gain is worth the restart: the predicted gain on the time left
-must win back more than :data:`RESTART_COST_S`.
+whole settle time, and a candidate is predicted (the throughput model, for the card alone) at least
+``MIN_GAIN`` faster than the one the attempt trains, the next checkpoint restarts it with that
+candidate and the trial's candidates (that one first), and the restarted child times them again
+before it goes on (the trial runs on a resume too when its spec says so). Only when the gain is
+worth the restart: the predicted gain on the time left must win back more than
+:data:`RESTART_COST_S`.
 """
 
 from __future__ import annotations

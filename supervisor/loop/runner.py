@@ -283,7 +283,7 @@ class AttemptRunner:
                 if ctx.climb is not None:
                     ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
-            if self._planned_restart(new, spec, reader, watched, now, log):
+            if self._planned_restart(new, spec, reader, now, log):
                 return watched
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
@@ -317,7 +317,6 @@ class AttemptRunner:
         events: list[ChildEvent],
         spec: AttemptSpec,
         reader: HeartbeatReader,
-        watched: Watched,
         now: float,
         log: FilteringBoundLogger,
     ) -> bool:
