@@ -95,6 +95,13 @@ class Settings:
     host: HostBudget | None = None
     #: The job's LoRA targets (``train.target_modules``): what the host model counts the adapter by.
     targets: tuple[str, ...] | str = memory_model.DEFAULT_TARGETS
+    #: Step back up at a checkpoint when a rung's cause has cleared (ladder/step_up.py).
+    step_up: bool = True
+    #: How long the others' memory must stay low before a contention rung is undone; also how long
+    #: the card's sharing must differ from the speed trial's before the trial is timed again.
+    step_up_settle_s: float = 120.0
+    #: A step-up may undo a quality rung too (a longer seq_len, a larger rank): off unless the job says.
+    step_up_quality: bool = False
 
 
 def for_model(settings: Settings, model: str) -> Settings:

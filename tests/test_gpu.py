@@ -35,6 +35,13 @@ class _Event:
 
 
 @dataclass
+class _Util:
+    pid: int
+    timeStamp: int
+    smUtil: int
+
+
+@dataclass
 class FakeNvml:
     """Four GPUs; GPU 2 holds our child (pids 100, 101) and another user's process (pid 900)."""
 
@@ -44,6 +51,8 @@ class FakeNvml:
     fail_memory: bool = False
     memory_error: Exception | None = None  # raised by the memory query instead (a bug, not NVML)
     xids: list[int] = field(default_factory=list)
+    # Per-process utilisation samples NVML holds (None: the board does not support the query).
+    utilisation: list[_Util] | None = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
     nvmlEventTypeXidCriticalError: int = 8
     nvmlMemory_v2: int = 0x2000028
@@ -90,6 +99,14 @@ class FakeNvml:
         if not self.graphics_supported:
             raise pynvml.NVMLError_NotSupported()
         return [_Proc(900, 15 * GIB)]
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, since: int) -> list[_Util]:
+        if self.utilisation is None:
+            raise pynvml.NVMLError_NotSupported()
+        newer = [u for u in self.utilisation if u.timeStamp > since]
+        if not newer:
+            raise pynvml.NVMLError_NotFound()  # what NVML answers when no sample is newer
+        return newer
 
     def nvmlEventSetCreate(self) -> str:
         return "events"
@@ -211,6 +228,22 @@ def test_sample_splits_the_childs_tree_from_other_processes(monkeypatch: pytest.
     assert sample.this_process_bytes == 12 * GIB
     assert sample.others == ((900, 15 * GIB), (901, 0))
     assert sample.xid_events == ()
+
+
+def test_the_others_utilisation_is_each_others_newest_sample_since_the_last_look() -> None:
+    """The other processes' SM utilisation sums each one's newest sample (ours left out), at most
+    100; a look with no newer sample, or a board that will not say, gives None."""
+    held = [_Util(900, 10, 30), _Util(900, 20, 50), _Util(901, 15, 70), _Util(100, 20, 99)]
+    nvml = FakeNvml(utilisation=held)
+    monitor = _open("auto", nvml)
+    first, second = monitor.sample({100}), monitor.sample({100})
+    assert first is not None and first.others_sm_util == 100  # 50 + 70, capped
+    assert second is not None and second.others_sm_util is None  # nothing newer than 20
+    held.append(_Util(900, 30, 20))
+    third = monitor.sample({100})
+    assert third is not None and third.others_sm_util == 20
+    unsupported = _open("auto", FakeNvml(utilisation=None)).sample(set())
+    assert unsupported is not None and unsupported.others_sm_util is None
 
 
 def test_graphics_query_not_supported_is_not_an_error() -> None:

@@ -88,7 +88,8 @@ def test_the_event_line_reads_back_through_the_contract() -> None:
 
 
 def test_only_a_fresh_attempt_with_a_choice_runs_a_trial() -> None:
-    """Two or more candidates from step 0: a trial; one candidate, or a resume: none."""
+    """Two or more candidates from step 0: a trial; one candidate, or a resume unless the spec asks
+    for a re-time: none."""
     from qlora_supervise.trainer_child.run.speed_trial import wanted
 
     knobs = Knobs(model="m", micro_batch_size=4, grad_accum=2, gradient_checkpointing=False)
@@ -96,6 +97,7 @@ def test_only_a_fresh_attempt_with_a_choice_runs_a_trial() -> None:
     two = dataclasses.replace(spec, speed_trial=(PLANNED, BIGGER))
     assert wanted(two, resuming=False)
     assert not wanted(two, resuming=True)
+    assert wanted(dataclasses.replace(two, speed_trial_on_resume=True), resuming=True)  # a re-time
     assert not wanted(dataclasses.replace(spec, speed_trial=(PLANNED,)), resuming=False)
     assert not wanted(spec, resuming=False)
 
@@ -177,3 +179,29 @@ def test_the_trial_changes_nothing_in_the_training(
     plain = _attempt(tiny_dir, tmp_path_factory.mktemp("plain"), knobs)
     assert plain.batches() == with_trial.batches()
     assert plain.losses() == with_trial.losses() and len(plain.losses()) == TRAIN["max_steps"]
+
+
+@pytest.mark.slow
+def test_a_retimed_resume_runs_the_trial_and_trains_on_from_the_checkpoint(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A resumed attempt whose spec asks for a re-time (issue 34) times its candidates before it goes
+    on, and then trains on from the checkpoint's step to the end, in one process."""
+    root = tmp_path_factory.mktemp("retime")
+    first = make_spec(tiny_dir, root / "run", knobs=KNOBS, train={"max_steps": 2, "save_steps": 2})
+    assert run_child(first, timeout=900) == ExitCode.OK, log_tail(first)
+    checkpoint = Path(first.checkpoints_dir) / "checkpoint-2"
+    trial = REAL_TRIAL[:2]
+    second = make_spec(
+        tiny_dir, root / "run", 2, knobs=KNOBS, train={"max_steps": 4, "save_steps": 2},
+        resume_from=str(checkpoint), speed_trial=trial, speed_trial_on_resume=True,
+    )  # fmt: skip
+    assert run_child(second, timeout=900) == ExitCode.OK, log_tail(second)
+    seen = events(second)
+    found = [parse_event(json.dumps(e)) for e in seen if e["event"] == "speed_trial"]
+    assert len(found) == 1 and isinstance(found[0], SpeedTrialEvent)
+    assert [r.candidate for r in found[0].results] == list(trial)
+    resumed = [e for e in seen if e["event"] == "resumed"]
+    assert resumed and resumed[0]["from_step"] == 2
+    steps = [e["step"] for e in seen if e["event"] == "heartbeat" and e.get("loss") is not None]
+    assert steps and min(steps) == 3 and max(steps) == 4

@@ -16,7 +16,9 @@ schema ``qlora-supervise.explain/1``::
                    "tokens_per_s": float | null,            # measured: median of its heartbeats
                    "predicted_tokens_per_s": float | null,  # the throughput model's, same knobs
                    "wall_s": float, "started_at": float, "ended_at": float, "samples": int,
-                   "why": [str]}]}                          # why it ran this config
+                   "why": [str]}],                          # why it ran this config
+     "planned_restarts": {"step_up": int, "retime": int},   # to a faster config (docs/ladder.md)
+     "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}  # training, first-run order
 
 The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
 attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory
@@ -44,6 +46,7 @@ from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, pars
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
+from qlora_supervise.supervisor.record.history import climb_back_lines, planned_restarts, time_in_configs
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -120,6 +123,8 @@ def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
         "budget_bytes": budget,
         "started_at": records[0].started_at if records else None,
         "attempts": rows,
+        "planned_restarts": planned_restarts(records),  # {"step_up": n, "retime": n}
+        "time_in_configs": [c.to_json() for c in time_in_configs(records)],
     }
 
 
@@ -269,3 +274,5 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
             print(f"why #{a['attempt']} ran its config: {'; '.join(a['why'])}", file=out)
     budget = story["budget_bytes"]
     print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)
+    for line in climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or []):
+        print(line, file=out)

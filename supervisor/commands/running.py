@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
+from qlora_supervise.supervisor.record.history import config_text
 from qlora_supervise.supervisor.record.journal import InFlight, State
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import Heartbeat, read_events
@@ -51,14 +52,10 @@ class Running:
         since = _ago((now if now is not None else time.time()) - f.started_at)
         step = f"at step {self.step}" if self.step is not None else "no heartbeat yet"
         where = f" in {self.stage}" if self.stage else ""
-        k = f.knobs
         head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
         child = f"pid {f.pid}" if _alive(f.pid) else f"its child, pid {f.pid}, is gone: the supervisor died?"
         lines = [f"{head}; since {since} ago ({child})"]
-        lines.append(
-            f"  config: micro_batch {k.micro_batch_size} x accum {k.grad_accum}, seq_len {k.max_seq_len}, "
-            f"grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
-        )
+        lines.append(f"  config: {config_text(f.knobs)}")
         if self.tokens_per_s is not None:
             lines.append(f"  speed: {self.tokens_per_s:,.0f} tokens/s (median of its heartbeats)")
         return lines

@@ -18,8 +18,10 @@ lists the layers that exist) and the attempt's ``child.log``.
                              "trainer_config_diff": [str] | null}],  # foreign trainer vs your file
                "running": {"attempt": int, "phase": str, "knobs": {...}, "resumed_from": int,
                            "step": int | null, "stage": str | null, "tokens_per_s": float | null,
-                           "pid": int | null, "alive": bool, "started_at": float} | null}]}
+                           "pid": int | null, "alive": bool, "started_at": float} | null,
                                                                       # the attempt in flight
+               "planned_restarts": {"step_up": int, "retime": int},  # to a faster config
+               "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}]}
 
 ``--follow`` prints again whenever a run's journal or state changes, until every run has ended
 (succeeded, gave up, failed, stopped) or Ctrl-C.
@@ -41,6 +43,12 @@ from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_bat
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
+from qlora_supervise.supervisor.record.history import (
+    climb_back_lines,
+    config_text,
+    planned_restarts,
+    time_in_configs,
+)
 from qlora_supervise.supervisor.record.journal import RunState, State, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -136,6 +144,8 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         "unreadable_lines": bad,
         "attempts": attempts,
         "running": running.to_json() if running is not None else None,
+        "planned_restarts": planned_restarts(records),  # {"step_up": n, "retime": n}
+        "time_in_configs": [c.to_json() for c in time_in_configs(records)],
     }
 
 
@@ -170,6 +180,9 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
     total_lost = sum(r.lost_steps for r in records)
     now = f" (+1 running: attempt {running.flight.number})" if running is not None else ""
     print(f"attempts: {len(records)}{now}, lost steps in total: {total_lost}", file=out)
+    configs = [c.to_json() for c in time_in_configs(records)]
+    for line in climb_back_lines(planned_restarts(records), configs):
+        print(line, file=out)
     if run_dir.adapter.exists():
         print(f"adapter: {run_dir.adapter}", file=out)
     elif tool_output := _tool_saved(run_dir, state):
@@ -246,12 +259,7 @@ def fix_line(r: AttemptRecord) -> str | None:
 
 def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     """A few lines per attempt: config, outcome, failure, the fix, decision, progress kept."""
-    k = r.knobs
-    ranks = f" x ranks {k.world_size}" if k.world_size > 1 else ""
-    config = (
-        f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}{ranks}, seq_len {k.max_seq_len}, "
-        f"grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
-    )
+    config = config_text(r.knobs)
     steps = f"steps {r.resumed_from} -> {r.steps_completed}"
     if r.steps_progressed == 0 and r.resumed_from > 0:
         steps = f"resumed at step {r.resumed_from}, trained no step"  # steps_completed 0 (issue 21 item 6)

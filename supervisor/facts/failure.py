@@ -21,6 +21,7 @@ class KilledBy(str, enum.Enum):
 
     HANG = "hang"
     STOP = "stop"
+    STEP_UP = "step_up"  # a planned restart to a faster config, at a checkpoint
 
 
 @dataclasses.dataclass(frozen=True)

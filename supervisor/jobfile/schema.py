@@ -191,6 +191,11 @@ class SuperviseSection(Section):
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
     disk_wait: SecondsOrZero = _SETTINGS.disk_wait_s  # a full disk: wait this long for room
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
+    # Step back up at a checkpoint when the cause of a rung has cleared (docs/ladder.md, "Stepping
+    # back up"); step_up_settle: how long a change on the card must hold first.
+    step_up: bool = _SETTINGS.step_up
+    step_up_settle: Seconds = _SETTINGS.step_up_settle_s
+    step_up_quality: bool = _SETTINGS.step_up_quality
     # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
     calibration_store: bool = True
     # Attempt 1 times the planner's top candidates (micro-batch, checkpointing) before step 1 and

@@ -22,10 +22,12 @@ from typing import TextIO
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.retime import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import decision as deciding
 from qlora_supervise.supervisor.loop.announce import announce_plan
+from qlora_supervise.supervisor.loop.climb_back import ClimbBack
 from qlora_supervise.supervisor.loop.conclude import Conclusions, Turn
 from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.first_plan import first_plan, stop_nothing_fits
@@ -185,7 +187,7 @@ class Supervisor:
                 turn = self._reclaim_in_flight(records, read_state(self.rd.state))
 
     def _loop(self, records: list[AttemptRecord], turn: Turn) -> int:
-        runner = AttemptRunner(self._runner_context())
+        runner = AttemptRunner(self._runner_context(records))
         try:
             return self._machine(runner, records, turn)
         finally:
@@ -273,7 +275,10 @@ class Supervisor:
             self.first, self.job.train.merge, self.rd.merged.exists(), self.book.lifted_after, self.settings
         )
 
-    def _runner_context(self) -> RunnerContext:
+    def _runner_context(self, records: list[AttemptRecord]) -> RunnerContext:
+        first = self.first
+        trial = Trial(first.knobs, first.speed_trial, first.speed_trial_limit) if first.speed_trial else None
+        climb = ClimbBack(records, lambda: self.settings, trial, self.log)
         return RunnerContext(
             job=self.job,
             rd=self.rd,
@@ -284,6 +289,7 @@ class Supervisor:
             stop_signal=lambda: self.stop_signal,
             hup_seen=lambda: self.hup_seen,
             gpu_budget=None if self.job.resources.device == "cpu" else self.settings.budget_bytes,
+            climb=climb,
         )
 
 

@@ -21,6 +21,7 @@ from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import decision as deciding
 from qlora_supervise.supervisor.loop.announce import announce_decision, announce_failure, announce_success
+from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan
@@ -34,7 +35,7 @@ from qlora_supervise.supervisor.loop.settings import (
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import RunState, append_attempt
-from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome, Phase
+from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.events import ChildEvent
@@ -88,6 +89,8 @@ class Conclusions:
             verdict = self.disk.explain(verdict)
             announce_failure(log, verdict, o.report, reclaimed)
             return self._decide(o, verdict, records, log)
+        if verdict is Outcome.STEPPED_UP and o.planned is not None:
+            return self._planned(o, o.planned, records)
         next_from = None if verdict is Outcome.SUCCEEDED else self.resume_step(o.plan.knobs)
         record = self.journal(record_of(o, verdict, next_from), records, o.progress.events)
         if verdict is Outcome.STOPPED:
@@ -102,6 +105,21 @@ class Conclusions:
                 why="the supervisor stopped while this attempt ran; its config is not counted as failed",
             )
         return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan says what is left (a merge, or done)
+
+    def _planned(self, o: AttemptOutcome, planned: PlannedRestart, records: list[AttemptRecord]) -> Turn:
+        """A planned restart (a step-up or a re-time) journalled as the restart decision it is."""
+        # Back to the 32-bit optimizer: its state starts afresh (the resume reads that off the checkpoint).
+        survives = Survives.OPTIMIZER_RESET if "optimizer" in planned.changes else Survives.ALL
+        entry = DecisionRecord(
+            Action.RESTART, planned.why, planned.rung, planned.changes, survives, planned.knobs,
+            undoes=planned.undoes,
+        )  # fmt: skip
+        self.journal(
+            record_of(o, Outcome.STEPPED_UP, self.resume_step(planned.knobs), None, entry),
+            records,
+            o.progress.events,
+        )
+        return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan follows the decision
 
     def answer(self, pending: deciding.Pending, records: list[AttemptRecord]) -> Turn:
         """Act on the policy's answer: a Wait is carried out first; a Restart or GiveUp is journalled."""

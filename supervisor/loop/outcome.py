@@ -15,6 +15,7 @@ from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
+from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
     AttemptRecord,
@@ -58,6 +59,7 @@ class AttemptOutcome:
     host_predicted: int | None = None  # the host model's training peak for the plan's knobs
     # Under torchrun, every rank's report (``report`` is the cause among them); empty otherwise.
     reports: tuple[ErrorReport, ...] = ()
+    planned: PlannedRestart | None = None  # stopped at a checkpoint for a faster config (climb_back.py)
 
     @property
     def steps_completed(self) -> int:
@@ -100,6 +102,12 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
             unseen = ChildExit(o.report.exit_code, None, None, 0.0)
             return classify_exit(unseen, o.report, o.log_tail, fit=fit)
         return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
+    if (
+        exit_.killed_by_supervisor is KilledBy.STEP_UP
+        and o.planned is not None
+        and not failed_report(o.report)
+    ):
+        return Outcome.STEPPED_UP
     # A child stopped for a hang also exits STOPPED (it checkpoints on SIGTERM): that is a hang.
     ours = exit_.killed_by_supervisor is KilledBy.STOP and not failed_report(o.report)
     if ours or (exit_.killed_by_supervisor is None and exit_.returncode == ExitCode.STOPPED):

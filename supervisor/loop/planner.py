@@ -4,7 +4,9 @@ no attempt yet                 -> train with the job's knobs
 last attempt stopped or was
   interrupted (no verdict)     -> the same phase and knobs again
 last attempt succeeded         -> merge (when asked and not done yet) or the run's verdict
-last decision was a restart    -> its knobs; from step 0 when the adapter shape changed
+last decision was a restart    -> its knobs; from step 0 when the adapter shape changed (a planned
+                                  restart, a step-up or a re-time, is one; a re-time times the
+                                  pre-flight's candidates again)
 last decision was a give-up    -> the run's verdict (retryable or not; a GPU fault has its own),
                                   unless a changed job or ``run --retry`` lifted it: then that
                                   attempt's phase and knobs again
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.retime import RETIME_RUNG, first_for
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.loop.retry_plan import next_rung_after_lift
@@ -42,6 +45,8 @@ class Plan:
     # Attempt 1 only: no config of the model or a fallback is predicted to fit; the run stops
     # before any child starts, with this message (the smallest peak, the budget, what would help).
     nothing_fits: str | None = None
+    # A re-time (policies/retime.py): the trial runs on the resume too.
+    retime: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,11 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
             return Plan(Phase.MERGE, last.knobs)
         return Verdict(RunState.SUCCEEDED, SupervisorExitCode.FINISHED, "finished", last.knobs)
     decision = last.decision
+    if decision is not None and decision.rung == RETIME_RUNG and decision.knobs is not None:
+        first = facts.first  # the pre-flight's candidates, timed again on the card as it is now
+        trial = first_for(decision.knobs, first.speed_trial)
+        limit = first.speed_trial_limit
+        return Plan(last.phase, decision.knobs, speed_trial=trial, speed_trial_limit=limit, retime=True)
     if decision is not None and decision.action is Action.RESTART and decision.knobs is not None:
         return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
     if last.attempt <= facts.lifted_after:

@@ -103,6 +103,7 @@ def write_spec(
         stop_grace_s=seams.stop_grace_s,
         speed_trial=plan.speed_trial,  # attempt 1 only: the planner's fastest candidates
         speed_trial_limit_bytes=plan.speed_trial_limit,
+        speed_trial_on_resume=plan.retime,
         command=command,
     )
     write_text_atomic(AttemptDir(directory).spec, spec.to_json())

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from structlog.typing import FilteringBoundLogger
 
+from qlora_supervise.policies.retime import RETIME_RUNG
 from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
@@ -30,12 +31,14 @@ from qlora_supervise.supervisor.loop.child_output import (
     read_reports,
     report_of,
 )
+from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
+from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
@@ -48,8 +51,9 @@ from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
-from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat
+from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent, Heartbeat
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 
 @dataclasses.dataclass
@@ -65,6 +69,7 @@ class RunnerContext:
     stop_signal: Callable[[], int | None]
     hup_seen: Callable[[], bool]
     gpu_budget: int | None = None  # the policy's GPU budget: what memory creep is measured against
+    climb: ClimbBack | None = None  # asked at each checkpoint: a planned restart to a faster config
 
 
 class AttemptRunner:
@@ -78,6 +83,7 @@ class AttemptRunner:
         self.failed_at: float | None = None
         self.warm = False  # the attempt in flight runs in a spare
         self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
+        self.planned: PlannedRestart | None = None  # the attempt in flight is stopped for a faster config
 
     def _spare_keeper(self) -> SpareKeeper | None:
         ctx = self.ctx
@@ -130,6 +136,9 @@ class AttemptRunner:
         reader = HeartbeatReader(Path(spec.events_file))
         creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
         first = FirstStep(resume.step, started_at, self.failed_at, self.warm)
+        self.planned = None
+        if ctx.climb is not None:
+            ctx.climb.start()
         watched = self._watch(number, proc, reader, spec, log, creep, first)
         if watched.stopped_by_signal:
             self.spare_due = None  # the run stops: no attempt will need it
@@ -165,6 +174,7 @@ class AttemptRunner:
             progress=reader.progress,
             report=report,
             reports=reports if plan.knobs.world_size > 1 else (),
+            planned=self.planned,
             memory=MemorySeen(
                 watched.gpu_peak_process,
                 watched.gpu_others_at_end,
@@ -225,6 +235,8 @@ class AttemptRunner:
     def _end(self, proc: ChildHandle, watched: Watched) -> ChildExit:
         seams = self.ctx.seams
         killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
+        if self.planned is not None and killed is None:
+            killed = KilledBy.STEP_UP
         code = proc.poll() if killed is None else None
         if code is None:
             # A hung process cannot use a long grace to checkpoint: it gets the short one.
@@ -268,7 +280,11 @@ class AttemptRunner:
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
                 sample_memory(proc.pid, watched, ctx.gpu, gpu_log)
+                if ctx.climb is not None:
+                    ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
+            if self._planned_restart(new, spec, reader, now, log):
+                return watched
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
                 hup_logged = True
@@ -295,6 +311,40 @@ class AttemptRunner:
                 return watched
             proc.wait_for_exit(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
+
+    def _planned_restart(
+        self,
+        events: list[ChildEvent],
+        spec: AttemptSpec,
+        reader: HeartbeatReader,
+        now: float,
+        log: FilteringBoundLogger,
+    ) -> bool:
+        """At a checkpoint the child saved: whether to stop it for a faster config (climb_back.py)."""
+        climb = self.ctx.climb
+        if climb is None or spec.knobs.world_size > 1:
+            return False
+        if any(isinstance(event, SpeedTrialEvent) for event in events):
+            climb.trial_seen(now)
+        saved = [e for e in events if isinstance(e, CheckpointSaved) and not e.emergency and e.step]
+        progress = reader.progress
+        last_step = progress.finished or (progress.max_steps and progress.step >= progress.max_steps)
+        if not saved or last_step:  # the final save: nothing is left to train faster
+            return False
+        knobs = speed_of(progress.events, spec.knobs).knobs
+        planned = climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))
+        if planned is None:
+            return False
+        self.planned = planned
+        self.ctx.display.clear()
+        log.info(
+            Event.RETIME if planned.rung == RETIME_RUNG else Event.STEP_UP,
+            step=progress.step,
+            why=planned.why,
+            changes={name: list(pair) for name, pair in planned.changes.items()},
+            **({"undoes_attempt": planned.undoes} if planned.undoes is not None else {}),
+        )
+        return True
 
     def _output_moving(self, spec: AttemptSpec, number: int) -> bool:
         """A tool whose shim never spoke: its log's growth stands in for heartbeats."""

@@ -42,6 +42,11 @@ class Event(str, enum.Enum):
     JOB_ADVICE = "job_advice"  # a warning of validate's (jobfile/advice.py), said again at run start
     MEMORY_CREEP = "memory_creep"
     FIRST_STEP = "first_step"
+    # a rung's cause cleared (policies/ladder/step_up.py): the planned restart to a faster config,
+    # or why not; the card's sharing changed since the speed trial: the trial is timed again
+    STEP_UP = "step_up"
+    STEP_UP_REFUSED = "step_up_refused"
+    RETIME = "retime"
     # A foreign trainer's child wrote none of our events: classified from its stderr alone.
     SHIM_NOT_ATTACHED = "shim_not_attached"
     # the warm spare (loop/spare.py)

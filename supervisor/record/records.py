@@ -63,6 +63,7 @@ class Outcome(str, enum.Enum):
     FAILED = "failed"
     STOPPED = "stopped"  # a stop signal: no verdict on the config
     INTERRUPTED = "interrupted"  # the supervisor died while it ran: no verdict either
+    STEPPED_UP = "stepped_up"  # stopped at a checkpoint for a faster config (policies/ladder/step_up.py)
 
 
 class Action(str, enum.Enum):
@@ -146,6 +147,7 @@ class DecisionRecord:
     knobs: Knobs | None = None  # the next attempt's knobs (restart only)
     retryable: bool = True  # give up only: False means no config change can help (exit 4)
     waited_s: float = 0.0  # seconds spent waiting for memory before this decision
+    undoes: int | None = None  # a step-up: the attempt whose rung it undoes
 
     @classmethod
     def of(cls, decision: policy.Restart | policy.GiveUp, waited_s: float = 0.0) -> DecisionRecord:

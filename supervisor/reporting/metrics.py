@@ -47,6 +47,12 @@ class MetricsTextfile:
             [*labels, "outcome", "kind"],
             registry=self.registry,
         )
+        self._planned = Counter(
+            "qlora_supervise_planned_restarts",
+            "Planned restarts to a faster config: step_up (a rung's cause cleared), retime (the trial again)",
+            [*labels, "kind"],
+            registry=self.registry,
+        )
         self._step = self._gauge("step", "Last completed optimizer step", labels)
         self._max_steps = self._gauge("max_steps", "Steps the run trains to", labels)
         self._tokens = self._gauge("tokens_per_second", "Training throughput of this attempt", labels)
@@ -89,6 +95,8 @@ class MetricsTextfile:
             self._attempts.labels(self._run, "failed", str(event.get("kind"))).inc()
         elif name == Event.ATTEMPT_SUCCEEDED.value:
             self._attempts.labels(self._run, "succeeded", "none").inc()
+        elif name in (Event.STEP_UP.value, Event.RETIME.value):
+            self._planned.labels(self._run, name).inc()
         elif name not in _STATE_OF_EVENT:
             return False
         if name in _STATE_OF_EVENT:

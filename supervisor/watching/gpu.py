@@ -41,6 +41,12 @@ class NvmlEvent(Protocol):
     eventData: int
 
 
+class NvmlUtilisation(Protocol):
+    pid: int
+    timeStamp: int  # microseconds
+    smUtil: int  # percent of the SMs over the sample's period
+
+
 class Nvml(Protocol):
     """The part of ``pynvml`` the monitor calls (tests pass a fake); each call may raise :data:`NVMLError`."""
 
@@ -56,6 +62,7 @@ class Nvml(Protocol):
     def nvmlDeviceGetMemoryInfo(self, handle: Handle, version: int = ...) -> NvmlMemory: ...
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> Iterable[NvmlProcess]: ...
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Handle) -> Iterable[NvmlProcess]: ...
+    def nvmlDeviceGetProcessUtilization(self, handle: Handle, since: int) -> Iterable[NvmlUtilisation]: ...
     def nvmlEventSetCreate(self) -> Handle: ...
     def nvmlDeviceRegisterEvents(self, handle: Handle, event_types: int, event_set: Handle) -> None: ...
     def nvmlEventSetWait_v2(self, event_set: Handle, timeout_ms: int) -> NvmlEvent: ...
@@ -74,6 +81,9 @@ class GpuSample:
     this_process_bytes: int  # summed over the pids passed to sample() (the child's tree)
     others: tuple[tuple[int, int], ...]  # (pid, bytes) of every other process on the GPU
     xid_events: tuple[int, ...] = ()  # Xid codes seen since the previous sample
+    # The other processes' SM utilisation (percent, summed, at most 100) since the previous sample;
+    # None where NVML has no new sample or will not say (MIG, some containers).
+    others_sm_util: int | None = None
 
 
 class GpuProbe(Protocol):
@@ -90,6 +100,7 @@ class GpuMonitor:
         self._handle = handle
         self.index = index
         self._events = events
+        self._util_seen = 0  # NVML's timestamp (microseconds) of the newest utilisation sample read
 
     @classmethod
     def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
@@ -126,7 +137,21 @@ class GpuMonitor:
             this_process_bytes=mine,
             others=others,
             xid_events=self._drain_xids(),
+            others_sm_util=self._others_sm_util(pids),
         )
+
+    def _others_sm_util(self, pids: set[int]) -> int | None:
+        """The other processes' SM utilisation since the previous call (each process's newest sample)."""
+        try:
+            samples = list(self._nvml.nvmlDeviceGetProcessUtilization(self._handle, self._util_seen))
+        except NVMLError:  # NotFound: no sample since the last call; NotSupported: the board will not say
+            return None
+        newest: dict[int, tuple[int, int]] = {}
+        for s in samples:
+            self._util_seen = max(self._util_seen, int(s.timeStamp))
+            if int(s.pid) not in pids and int(s.timeStamp) >= newest.get(int(s.pid), (-1, 0))[0]:
+                newest[int(s.pid)] = (int(s.timeStamp), int(s.smUtil))
+        return min(100, sum(util for _, util in newest.values()))
 
     def close(self) -> None:
         if self._events is not None:

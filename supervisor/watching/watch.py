@@ -28,6 +28,7 @@ class Watched:
     gpu_peak_process: int | None = None
     gpu_others_at_end: int | None = None
     gpu_total: int | None = None
+    gpu_others_sm_util: int | None = None  # the newest sample's (None: NVML did not say)
     rss_peak: int | None = None
     creep: CreepForecast | None = None  # memory creep seen (and an early checkpoint asked for)
     xid_events: list[int] = dataclasses.field(default_factory=list)  # NVML Xids during the attempt
@@ -51,6 +52,7 @@ def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Pat
     watched.gpu_peak_process = max(watched.gpu_peak_process or 0, sample.this_process_bytes)
     watched.gpu_others_at_end = sum(b for _, b in sample.others)
     watched.gpu_total = sample.total
+    watched.gpu_others_sm_util = sample.others_sm_util
     watched.xid_events.extend(sample.xid_events)
     try:
         with open_append_text(gpu_log) as handle:

@@ -175,6 +175,9 @@ class AttemptSpec:
     # The most a candidate may measure in the trial: the budget the pre-flight planned with, less
     # its margin (a candidate above it is dropped as an OOM would drop it); None: no such check.
     speed_trial_limit_bytes: int | None = None
+    # The trial runs on a resume too: the card's sharing changed since the last one
+    # (policies/retime.py).
+    speed_trial_on_resume: bool = False
     # A trainer that is not ours (the job's ``trainer:`` section): its argv, the per-attempt config
     # in the attempt's directory on it, run with the shim on its PYTHONPATH (trainer_child/shim/);
     # empty: our own child.

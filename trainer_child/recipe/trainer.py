@@ -35,7 +35,13 @@ from qlora_supervise.trainer_child.recipe.batches import BatchTracker
 from qlora_supervise.trainer_child.recipe.resume_state import inject_resume_cap, load_through_host
 from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
+from qlora_supervise.trainer_child.run.memory import (
+    StepShapes,
+    apply_cpu_cap,
+    free_memory,
+    gpu_yield,
+    late_cap_step,
+)
 from qlora_supervise.trainer_child.run.torchrun import barrier, decide_together, staging_owner, this_rank
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
@@ -277,6 +283,7 @@ class SupervisionCallback(TrainerCallback):
         self.source = source
         self.cpu_memory_limit = cpu_memory_limit
         self.cap_after_step = late_cap_step()
+        self.yield_gpu = gpu_yield()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.trainer is not None
@@ -309,6 +316,9 @@ class SupervisionCallback(TrainerCallback):
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
             apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
             self.cap_after_step = None
+        if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
+            free_memory()  # injected fault, see memory.TEST_YIELD_GPU_AT_STEP
+            time.sleep(self.yield_gpu[1])
         progress = self.trainer.progress
         # The ranks decide together: one that saves or stops alone would hang the others.
         stop, early = decide_together(self.trainer.place, progress, args.device)

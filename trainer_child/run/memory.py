@@ -25,6 +25,11 @@ MMAP_THRESHOLD = 1 << 20
 #: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (memory
 #: scarce mid-run), so an OOM hits after progress.
 TEST_CAP_AFTER_STEP = "QLORA_SUPERVISE_TEST_CAP_AFTER_STEP"
+#: Injected fault for the step-up bench (``N:S``): after optimizer step N the child hands its cached
+#: GPU memory back and pauses S seconds, as a process between allocations does (an eval, a save), so
+#: a neighbour can take the card and step N + 1 meets contention. Only at step N: a resume past it
+#: does not yield again.
+TEST_YIELD_GPU_AT_STEP = "QLORA_SUPERVISE_TEST_YIELD_GPU_AT_STEP"
 
 
 class MemoryCapError(ConfigError):
@@ -111,6 +116,11 @@ def apply_cpu_cap(limit: int | None) -> None:
 def late_cap_step() -> int | None:
     value = os.environ.get(TEST_CAP_AFTER_STEP, "")
     return int(value) if value.isdigit() else None
+
+
+def gpu_yield() -> tuple[int, float] | None:
+    step, _, seconds = os.environ.get(TEST_YIELD_GPU_AT_STEP, "").partition(":")
+    return (int(step), float(seconds or 0)) if step.isdigit() else None
 
 
 def lift_cpu_cap() -> None:

@@ -59,8 +59,9 @@ MAX_TIMED_STEPS = 4
 
 
 def wanted(spec: AttemptSpec, resuming: bool) -> bool:
-    """Whether this attempt runs a trial: two or more candidates, from step 0, one process."""
-    return len(spec.speed_trial) >= 2 and not resuming and not this_rank().distributed
+    """Whether this attempt runs a trial: two or more candidates, from step 0 (or a re-time), one process."""
+    from_here = not resuming or spec.speed_trial_on_resume
+    return len(spec.speed_trial) >= 2 and from_here and not this_rank().distributed
 
 
 def run(

@@ -1,0 +1,250 @@
+"""Stepping back up: a rung taken for a cause that has cleared is undone at a checkpoint (issue 34).
+
+Every OOM handler steps down only; on a shared card that leaves a run slow all night. Each rung the
+ladder took is remembered as a :class:`Descent`: the config before and after it, and its
+:class:`Cause`, read from the failure that called for it:
+
+=============  ===============================================  ===================================
+cause          the failure                                      cleared when
+=============  ===============================================  ===================================
+contention     ``oom_contention`` (other processes held the     the others have held at most half
+               card)                                            of what they held then for the
+                                                                whole ``settle_s`` (NVML)
+transient      ``oom_fragmentation``, an OOM marked spurious    the slower config has trained past
+               (the allocator's numbers say it fit)             the step that failed
+long_sample    an OOM whose micro-batch held a sample longer    the run has passed the step that
+               than :data:`LONG_SAMPLE_SHARE` of the data's      failed (that sample is behind it)
+=============  ===============================================  ===================================
+
+Any other OOM says the config does not fit: no cause to clear, no step up. :func:`step_up` answers
+at a checkpoint: the newest descent whose cause cleared becomes a :class:`StepUp` to its config
+before (the quality knobs kept as they are now, unless the job allows stepping across a quality
+change), or a :class:`Refusal` that says why not:
+
+* at most once per cause (a descent is stepped up once);
+* never to a config a step-up reached before and that then failed;
+* never without the margin: the faster config's peak (the larger of the memory model's, calibrated
+  by this host's peaks, and the peak it was measured at) must fit the room left by the others with
+  the pre-flight's margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qlora_supervise.policies import memory_model
+from qlora_supervise.policies.rungs import RUNGS, CostClass
+from qlora_supervise.policies.search.candidates import rungs_between
+from qlora_supervise.policies.search.search_state import fit_limit
+from qlora_supervise.policies.verdicts import Settings
+from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+#: The journal's rung name of a planned restart to a faster config.
+STEP_UP_RUNG = "step_up"
+#: A sample is "long" when it is longer than this share of the data's samples.
+LONG_SAMPLE_SHARE = 0.99
+#: The knobs a step-up leaves as they are unless ``Settings.step_up_quality`` allows it.
+QUALITY_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.QUALITY)
+#: Never undone: a larger rank or another model is a new adapter (training from step 0), and a card
+#: that was dropped kept failing.
+KEPT_ALWAYS = frozenset({"lora_r", "lora_alpha", "model", "world_size", "gpus"})
+
+
+class Cause(str, enum.Enum):
+    """Why a rung was taken, as far as what would undo it."""
+
+    CONTENTION = "contention"
+    TRANSIENT = "transient"
+    LONG_SAMPLE = "long_sample"
+
+
+@dataclass(frozen=True)
+class Descent:
+    """A rung the ladder took: attempt ``attempt`` failed with ``before``; the next ran ``after``."""
+
+    attempt: int
+    cause: Cause
+    kind: FailureKind
+    evidence: str
+    before: Knobs
+    after: Knobs
+    failed_step: int  # the step the failure happened in (its micro-batch's, else the last finished + 1)
+    before_peak: int | None = None  # the peak measured with ``before`` (None: not measured)
+    others_bytes: int | None = None  # NVML: the other processes' memory when it failed
+
+
+@dataclass(frozen=True)
+class PastStepUp:
+    """A step-up the journal holds: to ``knobs``, undoing the descent of attempt ``descent``."""
+
+    descent: int
+    knobs: Knobs
+    failed: bool  # the attempt that ran ``knobs`` failed
+
+
+@dataclass(frozen=True)
+class CardNow:
+    """The card at a checkpoint: the others' memory now, how long it has been at most that, the step."""
+
+    step: int
+    total_bytes: int | None
+    others_bytes: int | None
+    others_low_for_s: float  # seconds the others' memory has stayed at or below ``others_bytes``
+
+
+@dataclass(frozen=True)
+class StepUp:
+    knobs: Knobs
+    descent: Descent
+    changes: dict[str, tuple[object, object]]
+    why: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    descent: Descent
+    why: str
+
+
+def cause_of(
+    kind: FailureKind, spurious: bool, batch_lengths: Sequence[int], data_lengths: Sequence[int]
+) -> Cause | None:
+    """The cause a failure names, or None when it says the config does not fit."""
+    if kind is FailureKind.OOM_CONTENTION:
+        return Cause.CONTENTION
+    if kind is FailureKind.OOM_FRAGMENTATION or (kind.is_oom and spurious):
+        return Cause.TRANSIENT
+    if kind.is_oom and batch_lengths and data_lengths:
+        ordered = sorted(data_lengths)
+        long_from = ordered[min(len(ordered) - 1, int(LONG_SAMPLE_SHARE * len(ordered)))]
+        if max(batch_lengths) >= long_from and max(batch_lengths) > ordered[len(ordered) // 2]:
+            return Cause.LONG_SAMPLE
+    return None
+
+
+def step_up(
+    knobs: Knobs,
+    descents: Sequence[Descent],
+    past: Sequence[PastStepUp],
+    settings: Settings,
+    card: CardNow,
+) -> StepUp | Refusal | None:
+    """At a checkpoint of an attempt running ``knobs``: the step-up to take, the refusal of the newest
+    cleared descent, or None when no cause has cleared (see the module docstring)."""
+    if not settings.step_up:
+        return None
+    refusal = None
+    for descent in reversed(descents):
+        if not _still_in(descent, knobs):
+            continue  # undone already (a step-up), or the run has another config since
+        if not _cleared(descent, settings, card):
+            continue
+        answer = _answer(knobs, descent, past, settings, card)
+        if isinstance(answer, StepUp):
+            return answer
+        refusal = refusal or answer
+    return refusal
+
+
+def _still_in(descent: Descent, knobs: Knobs) -> bool:
+    """The descent's change is still in ``knobs`` (later rungs may have changed other knobs)."""
+    return all(getattr(knobs, name) == getattr(descent.after, name) for name in _changed(descent))
+
+
+def _changed(descent: Descent) -> list[str]:
+    return _diff(descent.before, descent.after)
+
+
+def _cleared(descent: Descent, settings: Settings, card: CardNow) -> bool:
+    """Contention: for the whole settle time the others held at most half what they held at the
+    failure (half the card when that is unknown); the others: past the step that failed."""
+    if descent.cause is not Cause.CONTENTION:
+        return card.step > descent.failed_step
+    if card.others_bytes is None or card.others_low_for_s < settings.step_up_settle_s:
+        return False
+    before = descent.others_bytes if descent.others_bytes is not None else card.total_bytes
+    return before is not None and card.others_bytes <= before // 2
+
+
+def _answer(
+    knobs: Knobs, descent: Descent, past: Sequence[PastStepUp], settings: Settings, card: CardNow
+) -> StepUp | Refusal:
+    target = _target(knobs, descent, settings.step_up_quality)
+    if target is None or target == knobs:
+        return Refusal(descent, _NOTHING_TO_UNDO)
+    if any(p.descent == descent.attempt for p in past):
+        return Refusal(
+            descent, f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
+        )
+    if any(p.knobs == target and p.failed for p in past):
+        return Refusal(descent, "a step-up to this config failed before")
+    room = _room(settings, card)
+    peak = _peak(target, descent, settings)
+    if peak is None or room is None:
+        return Refusal(descent, "no margin to check: no peak known for the faster config, or no budget")
+    if peak > fit_limit(room):
+        return Refusal(
+            descent,
+            f"predicted peak {_gib(peak)} does not fit {_gib(room)} free with the margin",
+        )
+    changes = {name: (getattr(knobs, name), getattr(target, name)) for name in _diff(knobs, target)}
+    names = "+".join(rungs_between(target, knobs)) or "the rung"
+    fits = f"; predicted peak {_gib(peak)} fits {_gib(room)} with the margin"
+    cleared = f"{descent.cause.value} cleared ({_evidence(descent, card)})"
+    why = f"{cleared}: undo {names} of attempt {descent.attempt}{fits}"
+    return StepUp(target, descent, changes, why)
+
+
+_NOTHING_TO_UNDO = (
+    "the rung changed only what a step-up leaves: quality knobs (unless supervise.step_up_quality), "
+    "the rank, the model, the ranks"
+)
+
+
+def _target(knobs: Knobs, descent: Descent, allow_quality: bool) -> Knobs | None:
+    """``knobs`` with the descent's changes undone; quality knobs only when allowed."""
+    undo = {name: getattr(descent.before, name) for name in _changed(descent) if name not in KEPT_ALWAYS}
+    if not allow_quality:
+        undo = {name: value for name, value in undo.items() if name not in QUALITY_KNOBS}
+    if not undo:
+        return None
+    return dataclasses.replace(knobs, **undo)
+
+
+def _room(settings: Settings, card: CardNow) -> int | None:
+    """The budget left by the others: the job's budget, or the card less what the others hold now."""
+    budget = settings.budget_bytes
+    if card.total_bytes is None or card.others_bytes is None:
+        return budget
+    free = card.total_bytes - card.others_bytes
+    return free if budget is None else min(budget, free)
+
+
+def _peak(target: Knobs, descent: Descent, settings: Settings) -> int | None:
+    """The larger of the memory model's calibrated peak and the peak ``target`` was measured at."""
+    measured = descent.before_peak if target == descent.before else None
+    predicted = None
+    if settings.shape is not None:
+        scale = memory_model.calibrate(settings.shape, settings.prior, settings.targets)
+        predicted = memory_model.estimate_peak(settings.shape, target, scale, settings.targets)
+    known = [p for p in (measured, predicted) if p is not None]
+    return max(known) if known else None
+
+
+def _diff(a: Knobs, b: Knobs) -> list[str]:
+    return [f.name for f in dataclasses.fields(Knobs) if getattr(a, f.name) != getattr(b, f.name)]
+
+
+def _evidence(descent: Descent, card: CardNow) -> str:
+    if descent.cause is Cause.CONTENTION:
+        held = f"{_gib(descent.others_bytes)} then" if descent.others_bytes is not None else "then"
+        return f"others held {held}, {_gib(card.others_bytes)} for {card.others_low_for_s:.0f}s now"
+    return f"{descent.kind.value} at step {descent.failed_step}, now at step {card.step}"
+
+
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / (1 << 30):.1f} GiB"

@@ -1,0 +1,176 @@
+"""Climbing back: at each checkpoint of a training attempt, whether to restart it in a faster config.
+
+The runner feeds every NVML sample (:meth:`ClimbBack.sample`) and asks at every checkpoint the
+child saves (:meth:`ClimbBack.at_checkpoint`). Two answers stop the child for a planned restart
+(its graceful stop: it checkpoints and exits; the next attempt starts in the warm spare when one
+waits):
+
+* a step-up (:mod:`policies.ladder.step_up`): a rung's cause has cleared; the descents and the
+  step-ups tried are read from the journal, so a restarted supervisor knows them too;
+* a re-time (:mod:`policies.retime`): the card's sharing has changed since this attempt's
+  speed trial; the next attempt times the pre-flight's candidates again on the card as it is now.
+
+A refusal is logged once per descent and reason; nothing else happens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from structlog.typing import FilteringBoundLogger
+
+from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies import retime
+from qlora_supervise.policies.ladder import step_up as rule
+from qlora_supervise.policies.ladder.spurious_retry import SPURIOUS_KEY
+from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome
+from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+_TRIAL_KNOBS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
+
+
+@dataclass(frozen=True)
+class PlannedRestart:
+    """The runner's order to stop the attempt at this checkpoint: to ``knobs``, for ``why``."""
+
+    knobs: Knobs
+    rung: str  # rule.STEP_UP_RUNG or retime.RETIME_RUNG
+    why: str
+    changes: dict[str, tuple[object, object]] = field(default_factory=dict)
+    undoes: int | None = None  # a step-up: the attempt whose rung it undoes
+
+
+def descents(records: Sequence[AttemptRecord], data_lengths: Sequence[int]) -> list[rule.Descent]:
+    """Every rung the journal's restarts took for a cause a step-up can undo, oldest first."""
+    found = []
+    for r in records:
+        d, f = r.decision, r.failure
+        if d is None or f is None or d.action is not Action.RESTART or d.knobs is None or d.knobs == r.knobs:
+            continue
+        lengths = [int(n) for n in f.numbers.get("batch_lengths") or ()]
+        cause = rule.cause_of(f.kind, SPURIOUS_KEY in f.numbers, lengths, data_lengths)
+        if cause is None:
+            continue
+        batch_step = f.numbers.get("batch_step")
+        failed_step = int(batch_step) if isinstance(batch_step, int) else r.steps_completed + 1
+        others = f.numbers.get("others_in_use")
+        found.append(
+            rule.Descent(
+                r.attempt, cause, f.kind, f.evidence, r.knobs, d.knobs, failed_step,
+                r.peak.bytes if r.peak else None, int(others) if isinstance(others, int) else None,
+            )
+        )  # fmt: skip
+    return found
+
+
+def past_step_ups(records: Sequence[AttemptRecord]) -> list[rule.PastStepUp]:
+    """The journal's step-ups, each with whether the attempt that ran its config failed."""
+    found = []
+    for index, r in enumerate(records):
+        d = r.decision
+        if d is None or d.rung != rule.STEP_UP_RUNG or d.knobs is None or d.undoes is None:
+            continue
+        after = records[index + 1] if index + 1 < len(records) else None
+        failed = after is not None and after.outcome is Outcome.FAILED and after.failure is not None
+        found.append(rule.PastStepUp(d.undoes, d.knobs, failed))
+    return found
+
+
+def remaining_s(progress: Progress, knobs: Knobs) -> float:
+    """The training time left at the attempt's newest speed (at most full-length rows); inf: unknown."""
+    if not progress.max_steps or not progress.tokens_per_s:
+        return math.inf
+    tokens_per_step = knobs.micro_batch_size * knobs.grad_accum * knobs.world_size * knobs.max_seq_len
+    return max(0, progress.max_steps - progress.step) * tokens_per_step / progress.tokens_per_s
+
+
+class ClimbBack:
+    """One run's watch for a faster config; ``records`` is the arbiter's journal list (appended to
+    as attempts end), ``settings`` the policy's settings as the run has updated them."""
+
+    def __init__(
+        self,
+        records: list[AttemptRecord],
+        settings: Callable[[], policy.Settings],
+        first_trial: retime.Trial | None,
+        log: FilteringBoundLogger,
+    ) -> None:
+        self.records, self.settings, self.first_trial, self.log = records, settings, first_trial, log
+        self.samples: list[tuple[float, retime.Sharing, int | None]] = []  # (time, the others, card total)
+        self.said: set[str] = set()
+        self.trial_at: tuple[float, retime.Sharing | None] | None = None  # this attempt's trial: when, others
+
+    def start(self) -> None:
+        """A new attempt: the card's story starts again (what it saw before is another attempt's)."""
+        self.samples.clear()
+        self.trial_at = None
+
+    def sample(self, now: float, watched: Watched) -> None:
+        """The newest NVML sample of the attempt (its others' memory and SM utilisation)."""
+        if watched.gpu_others_at_end is not None:
+            sharing = retime.Sharing(watched.gpu_others_at_end, watched.gpu_others_sm_util)
+            self.samples.append((now, sharing, watched.gpu_total))
+
+    def trial_seen(self, now: float) -> None:
+        """The attempt's speed trial ended now: the sharing it was timed beside."""
+        self.trial_at = (now, self.samples[-1][1] if self.samples else None)
+
+    def at_checkpoint(
+        self, knobs: Knobs, step: int, now: float, remaining_s: float = math.inf
+    ) -> PlannedRestart | None:
+        """The planned restart to take at this checkpoint of an attempt running ``knobs``, or None."""
+        settings = self.settings()
+        lengths = settings.sample_lengths.lengths if settings.sample_lengths else ()
+        card = self._card(step, now, settings.step_up_settle_s)
+        answer = rule.step_up(
+            knobs, descents(self.records, lengths), past_step_ups(self.records), settings, card
+        )
+        if isinstance(answer, rule.StepUp):
+            return PlannedRestart(
+                answer.knobs, rule.STEP_UP_RUNG, answer.why, answer.changes, answer.descent.attempt
+            )
+        if isinstance(answer, rule.Refusal):
+            # Once per descent and reason (its numbers move with the card's every sample).
+            key = f"{answer.descent.attempt}:{re.sub(r'[0-9.]+', '#', answer.why)}"
+            self._say_once(key, Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
+        return self._retime(knobs, now, settings, remaining_s)
+
+    def _card(self, step: int, now: float, settle_s: float) -> rule.CardNow:
+        """The others' most over the last ``settle_s`` (the level they have stayed at or below)."""
+        if not self.samples:
+            return rule.CardNow(step, None, None, 0.0)
+        recent = [s for s in self.samples if s[0] >= now - settle_s]
+        held = max(s[1].others_bytes for s in (recent or self.samples[-1:]))
+        return rule.CardNow(step, self.samples[-1][2], held, min(settle_s, now - self.samples[0][0]))
+
+    def _retime(
+        self, knobs: Knobs, now: float, settings: policy.Settings, remaining_s: float
+    ) -> PlannedRestart | None:
+        if self.trial_at is None or self.first_trial is None or not settings.step_up:
+            return None
+        when, then = self.trial_at
+        window = [s[1] for s in self.samples if s[0] >= now - settings.step_up_settle_s]
+        held_for = now - max(when, self.samples[0][0]) if self.samples else 0.0
+        settle = settings.step_up_settle_s
+        answer = retime.retime(self.first_trial, knobs, then, window, held_for, settle, remaining_s)
+        if answer is None:
+            return None
+        self.trial_at = None  # once per trial
+        to, why = answer
+        changes = {
+            n: (getattr(knobs, n), getattr(to, n))
+            for n in _TRIAL_KNOBS
+            if getattr(knobs, n) != getattr(to, n)
+        }
+        return PlannedRestart(to, retime.RETIME_RUNG, why, changes)
+
+    def _say_once(self, key: str, event: Event, **fields: object) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            self.log.info(event, **fields)
