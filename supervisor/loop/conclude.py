@@ -37,7 +37,8 @@ from qlora_supervise.supervisor.record.journal import RunState, append_attempt
 from qlora_supervise.supervisor.record.records import AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.events import ChildEvent
+from qlora_supervise.trainer_child.contract.events import ChildEvent, script_settings
+from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
@@ -66,9 +67,11 @@ class Conclusions:
 
     def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
         """``o`` with the knobs the attempt trained with: a speed trial in the child may have switched
-        the plan's micro-batch and checkpointing. The journal, the policy's history and the
-        never-repeat-a-failed-config rule all key on what ran."""
+        the plan's micro-batch and checkpointing, and a script reports what it built. The journal, the
+        policy's history and the never-repeat-a-failed-config rule all key on what ran."""
         trained = speed_of(o.progress.events, o.plan.knobs).knobs
+        # A script with its settings in its code: what it built (attempt 1 learns what it asks for).
+        trained = as_built(trained, script_settings(o.progress.events))
         # The host model's training peak for what ran: status and explain set the measured one beside it.
         o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
         if trained == o.plan.knobs:

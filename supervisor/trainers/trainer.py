@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONFIG_PREFIX
 from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
-from qlora_supervise.supervisor.trainers import flags, model_facts
+from qlora_supervise.supervisor.trainers import flags, model_facts, script_attempt
 from qlora_supervise.supervisor.trainers.mapping import (
     attempt_config,
     config_diff,
@@ -42,6 +42,7 @@ from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, rungs_for, wr
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.script_knobs import CHANGES_FILE
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 DIFF_NAME = "trainer-config.diff"
@@ -124,6 +125,13 @@ class ToolTrainer:
         Raises :class:`UnmappedKnobsError` when ``knobs`` change what the tool cannot be told.
         """
         table = self.tool.table
+        if self.tool.settings_in_code:  # the script runs as written; the shim changes its knobs
+            output = ensure_dir(run_dir / TRAINER_OUTPUT)
+            changed = script_attempt.write_changes(attempt_dir, run_dir, knobs, output)
+            keys = {row.knob: row.key for row in table.rows}
+            diff = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
+            write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
+            return self.command
         unmapped = unmapped_changes(table, self.config, job, knobs)
         if unmapped:
             raise UnmappedKnobsError(
@@ -192,7 +200,11 @@ def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
 
 
 def read_diff(attempt_dir: Path) -> list[str] | None:
-    """The attempt's diff lines (None: not a tool's attempt, or unreadable)."""
+    """The attempt's diff lines (None: not a tool's attempt, or unreadable); a script's attempt
+    that ran: what it asked for and got where it builds each value."""
+    lines = script_attempt.status_lines(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
+    if lines is not None:
+        return lines
     try:
         return (attempt_dir / DIFF_NAME).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):

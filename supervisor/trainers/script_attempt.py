@@ -1,0 +1,50 @@
+"""A ``script`` attempt's files: the knobs the shim changes, learnt against what the script asks for.
+
+What the script asks for is what its newest attempt reported (the ``script_knobs`` event: attempt 1
+changes nothing, so it reports the script as written). A knob of the attempt that differs from it
+is named in ``script-knobs.json``; its diff line says ``key: asked -> planned``, and once the
+attempt has run ``status`` shows what the shim found and did there instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qlora_supervise.trainer_child.contract import script_knobs
+from qlora_supervise.trainer_child.contract.events import read_events, script_settings
+from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting, ScriptChanges
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+EVENTS = "child-events.jsonl"  # record.rundir.AttemptDir.events: the child's file in its folder
+
+
+def reported(attempt_dir: Path) -> tuple[KnobSetting, ...] | None:
+    """What the attempt's script built, as its shim reported it (None: no report)."""
+    return script_settings(read_events(attempt_dir / EVENTS)) or None
+
+
+def asked_by_script(run_dir: Path) -> dict[str, script_knobs.Value]:
+    """What the script asks for, from the newest attempt that reported it ({}: none has yet)."""
+    for attempt_dir in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]"), reverse=True):
+        settings = reported(attempt_dir)
+        if settings is not None:
+            return script_knobs.asked(settings)
+    return {}
+
+
+def write_changes(attempt_dir: Path, run_dir: Path, knobs: Knobs, output_dir: Path) -> dict[str, Any]:
+    """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked."""
+    asked = asked_by_script(run_dir)
+    changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
+    ScriptChanges(tuple(changed), str(output_dir)).write(attempt_dir)
+    return changed
+
+
+def status_lines(attempt_dir: Path) -> list[str] | None:
+    """What the attempt's script asked for and got, where it differs or could not be changed."""
+    settings = reported(attempt_dir)
+    if settings is None:
+        return None
+    # The output folder moves on every attempt (as a tool's does): not a change worth a line.
+    return [s.line() for s in settings if (s.asked != s.got or s.why_not) and s.knob != "output_dir"]
