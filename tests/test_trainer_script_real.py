@@ -184,7 +184,8 @@ def test_sigterm_then_the_same_command_resumes_the_script_from_its_newest_checkp
     command again resumes it there and trains every step once, with the same samples per step."""
     steps = 40
     changes = {"max_steps=500": f"max_steps={steps}", "save_steps=50": "save_steps=1000",
-               "per_device_train_batch_size=16": "per_device_train_batch_size=4", "max_length=256": "max_length=128"}  # fmt: skip
+               "per_device_train_batch_size=16": "per_device_train_batch_size=4",
+               "max_length=256": "max_length=128"}  # fmt: skip
     script = _folder(tiny_dir, tmp_path, TUTORIAL, changes)
     job = _job(tmp_path, capped=False)
     trace = tmp_path / "trace.jsonl"
