@@ -138,7 +138,8 @@ def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) ->
     if section is None:
         return problems
     script = section.kind in TOOLS and not TOOLS[section.kind].entry  # its config is its command
-    argv = "write the script's argv as a list: [python, train.py, --output_dir, out, ...]"
+    flags = "" if section.kind in TOOLS and TOOLS[section.kind].settings_in_code else " --output_dir, out,"
+    argv = f"write the script's argv as a list: [python, train.py,{flags} ...]"
     checks = (
         (script and not section.command, "trainer.command", f"required for kind {kind}", None, argv),
         (

@@ -38,7 +38,7 @@ from qlora_supervise.supervisor.trainers.mapping import (
     flatten,
     unmapped_changes,
 )
-from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, rungs_for, writable
+from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, Table, rungs_for, writable
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
@@ -158,8 +158,16 @@ class ToolTrainer:
 
     def summary(self) -> list[str]:
         table = self.tool.table
+        if self.tool.settings_in_code:
+            return [
+                f"trainer: script {' '.join(self.command)} (run as written in {self.workdir}; never written)",
+                "its settings are in its code: attempt 1 runs it unchanged and reports what it builds "
+                "(the model, batch, seq_len above are TrainingArguments' defaults until then); later "
+                f"attempts change only the ladder's knobs where it builds them: {_keys(table, self.config)}",
+                f"rungs: {', '.join(sorted(self.rungs()))}",
+            ]
         source = self.config_path if self.config_path is not None else "the flags of trainer.command"
-        keys = ", ".join(row.key for row in table.rows if row.knob != "model" and writable(row, self.config))
+        keys = _keys(table, self.config)
         return [
             f"trainer: {self.kind}, config {source} (read once; never modified: each attempt "
             f"writes its own copy into attempt-NNN/)",
@@ -181,6 +189,10 @@ class ToolTrainer:
 
     def service_paths(self) -> list[tuple[str, str]]:
         return [] if self.config_path is None else [("trainer.config", str(self.config_path))]
+
+
+def _keys(table: Table, config: Mapping[str, Any]) -> str:
+    return ", ".join(row.key for row in table.rows if row.knob != "model" and writable(row, config))
 
 
 def tool_saved(run_dir: Path) -> bool:
