@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from qlora_supervise.policies.ladder.charge import unusable_rungs
-from qlora_supervise.policies.verdicts import PastAttempt
+from qlora_supervise.policies.verdicts import PastAttempt, Settings
 from qlora_supervise.supervisor.jobfile.problems import JobError
+from qlora_supervise.supervisor.loop.settings import with_script_model
 from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.supervisor.trainers.trainer import read_diff
 from qlora_supervise.trainer_child.contract.events import ScriptKnobs
@@ -103,3 +104,12 @@ def test_what_the_script_built_becomes_the_attempts_knobs_and_an_unapplied_knob_
     micro = dataclasses.replace(BUILT[1], why_not="put back as the script asked")
     past = PastAttempt(knobs, None, 0, unapplied=unapplied((micro,)))
     assert "halve_micro_batch" in unusable_rungs([past]) and "halve_micro_batch" not in unusable_rungs([])
+
+
+def test_the_model_config_a_script_reports_gives_the_later_attempts_a_shape() -> None:
+    """The job named no model; the config the script's attempt loaded is the memory model's from then on."""
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 1000}  # fmt: skip
+    settings = with_script_model(Settings(), [ScriptKnobs(settings=BUILT, model_config=config)])
+    assert settings.shape is not None and (settings.shape.hidden, settings.shape.layers) == (64, 2)
+    assert with_script_model(Settings(), [ScriptKnobs(settings=BUILT)]).shape is None

@@ -30,6 +30,7 @@ from qlora_supervise.supervisor.loop.settings import (
     remember_attempt,
     step_fit,
     with_sample_lengths,
+    with_script_model,
 )
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
@@ -154,6 +155,7 @@ class Conclusions:
         self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
     ) -> Turn:
         self.settings = with_sample_lengths(self.settings, o.progress.events)
+        self.settings = with_script_model(self.settings, o.progress.events)
         if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
             quarantined := self._quarantine(o, failure, records, log)
         ):
