@@ -97,7 +97,7 @@ def test_what_the_script_built_becomes_the_attempts_knobs_and_an_unapplied_knob_
     assert (knobs.micro_batch_size, knobs.grad_accum, knobs.gradient_checkpointing) == (16, 1, True)
     overridden = (
         *BUILT[:2],
-        dataclasses.replace(BUILT[2], got=1, why_not="set to 1 after the Trainer was built"),
+        dataclasses.replace(BUILT[2], got=1, why_not="the script sets it to 1 after building its Trainer"),
     )
     assert unapplied(overridden) == ("grad_accum",)
     assert unapplied(BUILT) == ()

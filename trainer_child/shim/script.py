@@ -122,7 +122,7 @@ class Ledger:
             if now == s.got:
                 continue
             if s.knob in self.changes:
-                why = f"set to {now} after the Trainer was built (the script's own line after {where})"
+                why = f"the script sets it to {now} after building its Trainer, past where the shim changes it"
                 self.settings[i] = dataclasses.replace(s, got=now, why_not=why)
                 overridden.add(s.knob)
             else:  # the script's own second thought: what it asks for is what it set last
