@@ -122,7 +122,7 @@ class Ledger:
             if now == s.got:
                 continue
             if s.knob in self.changes:
-                why = f"the script sets it to {now} after building its Trainer, past where the shim changes it"
+                why = f"the script sets it to {now} after building its Trainer, past the shim's reach"
                 self.settings[i] = dataclasses.replace(s, got=now, why_not=why)
                 overridden.add(s.knob)
             else:  # the script's own second thought: what it asks for is what it set last
