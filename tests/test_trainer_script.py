@@ -72,21 +72,20 @@ def test_attempt_one_changes_nothing_and_a_later_attempt_names_the_ladders_knobs
     job = load_job(_job(tmp_path, [sys.executable, "train.py"]))
     run, first = tmp_path / "run", tmp_path / "run" / "attempt-001"
     first.mkdir(parents=True)
-    halved = dataclasses.replace(job.knobs, micro_batch_size=8, grad_accum=2)
-    assert job.trainer.attempt_argv(first, run, job.knobs, halved, None) == (sys.executable, "train.py")
+    assert job.trainer.attempt_argv(first, run, job.knobs, job.knobs, None) == (sys.executable, "train.py")
     assert ScriptChanges.read(first) == ScriptChanges((), str(run / "trainer-output"))
     (first / "child-events.jsonl").write_text(ScriptKnobs(settings=BUILT).to_line())
     second = run / "attempt-002"
     second.mkdir()
-    job.trainer.attempt_argv(
-        second, run, job.knobs, dataclasses.replace(halved, gradient_checkpointing=True), None
-    )
+    # Checkpointing as the script built it (on): no change; r as the job holds it, never reported
+    # by this script: a change all the same (the shim will report that nothing of the script takes it).
+    plan = as_built(job.knobs, BUILT)
+    halved = dataclasses.replace(plan, micro_batch_size=8, grad_accum=2, lora_r=plan.lora_r // 2)
+    job.trainer.attempt_argv(second, run, job.knobs, halved, None)
     changes = ScriptChanges.read(second)
-    assert changes is not None and changes.knobs == ("micro_batch_size", "grad_accum")
-    assert read_diff(second) == [
-        "per_device_train_batch_size: 16 -> 8",
-        "gradient_accumulation_steps: 1 -> 2",
-    ]
+    assert changes is not None and changes.knobs == ("micro_batch_size", "grad_accum", "lora_r")
+    diff = ["per_device_train_batch_size: 16 -> 8", "gradient_accumulation_steps: 1 -> 2", "r: 8 -> 4"]
+    assert read_diff(second) == diff
     assert json.loads((first / "child-events.jsonl").read_text())["event"] == "script_knobs"
 
 

@@ -1,6 +1,6 @@
 """A ``script`` attempt's files: the knobs the shim changes, learnt against what the script asks for.
 
-What the script asks for is what its newest attempt reported (the ``script_knobs`` event: attempt 1
+What the script asks for is what its attempts reported (the ``script_knobs`` event: attempt 1
 changes nothing, so it reports the script as written). A knob of the attempt that differs from it
 is named in ``script-knobs.json``; its diff line says ``key: asked -> planned``, and once the
 attempt has run ``status`` shows what the shim found and did there instead.
@@ -8,6 +8,7 @@ attempt has run ``status`` shows what the shim found and did there instead.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,21 @@ def reported(attempt_dir: Path) -> tuple[KnobSetting, ...] | None:
 
 
 def asked_by_script(run_dir: Path) -> dict[str, script_knobs.Value]:
-    """What the script asks for, from the newest attempt that reported it ({}: none has yet)."""
-    for attempt_dir in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]"), reverse=True):
-        settings = reported(attempt_dir)
-        if settings is not None:
-            return script_knobs.asked(settings)
-    return {}
+    """What the script asks for, each knob from the newest attempt that reported it ({}: none has
+    yet); an attempt that failed while loading reported only what it had built by then."""
+    asked: dict[str, script_knobs.Value] = {}
+    for attempt_dir in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]")):
+        asked.update(script_knobs.asked(reported(attempt_dir) or ()))
+    return asked
 
 
-def write_changes(attempt_dir: Path, run_dir: Path, knobs: Knobs, output_dir: Path) -> dict[str, Any]:
-    """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked."""
-    asked = asked_by_script(run_dir)
+def write_changes(
+    attempt_dir: Path, run_dir: Path, before: Mapping[str, Any], knobs: Knobs, output_dir: Path
+) -> dict[str, Any]:
+    """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked.
+    ``before``: the ladder's knobs as the job holds them, for a knob the script never reported (the
+    shim then reports that nothing of the script takes it, and the ladder moves on)."""
+    asked = {**before, **asked_by_script(run_dir)}
     changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
     ScriptChanges(tuple(changed), str(output_dir)).write(attempt_dir)
     return changed

@@ -127,8 +127,9 @@ class ToolTrainer:
         table = self.tool.table
         if self.tool.settings_in_code:  # the script runs as written; the shim changes its knobs
             output = ensure_dir(run_dir / TRAINER_OUTPUT)
-            changed = script_attempt.write_changes(attempt_dir, run_dir, knobs, output)
             keys = {row.knob: row.key for row in table.rows}
+            before = {knob: getattr(job, knob) for knob in keys}
+            changed = script_attempt.write_changes(attempt_dir, run_dir, before, knobs, output)
             diff = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
             write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
             return self.command

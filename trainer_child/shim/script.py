@@ -45,6 +45,12 @@ ARGUMENTS = {
 }
 QUANTIZATION = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant"}
 LORA = {"lora_r": "r", "lora_alpha": "lora_alpha"}
+#: Where each knob is built, for the report of a knob the script builds nothing for.
+PLACES = {
+    **dict.fromkeys(ARGUMENTS, "TrainingArguments"),
+    **dict.fromkeys(QUANTIZATION, "BitsAndBytesConfig"),
+    **dict.fromkeys(LORA, "LoraConfig"),
+}
 PREPARE = "prepare_model_for_kbit_training"
 
 
@@ -129,6 +135,11 @@ class Ledger:
                 self.settings[i] = dataclasses.replace(s, asked=now, got=now)
         if overridden & TOGETHER:
             self._put_back(trainer, TOGETHER - overridden, ", ".join(sorted(overridden)))
+        seen = {s.knob for s in self.settings}
+        for knob in self.changes.keys() - seen:  # by train() the script has built all it will
+            place = PLACES.get(knob, "place the shim reaches")
+            why = f"the script builds no {place}, so nothing of it takes this knob"
+            self.settings.append(KnobSetting(knob, knob, None, None, "-", why))
 
     def _put_back(self, trainer: Any, knobs: frozenset[str], overridden: str) -> None:
         args, where = trainer.args, type(trainer.args).__name__
