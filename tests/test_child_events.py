@@ -72,7 +72,7 @@ EMITTED: dict[str, dict[str, Any]] = {
                       "where": "SFTConfig", "why_not": None},
                      {"knob": "gradient_checkpointing", "key": "use_gradient_checkpointing", "asked": True,
                       "got": True, "where": "prepare_model_for_kbit_training", "why_not": None}],
-        "model_config": {"model_type": "llama", "hidden_size": 64},
+        "model_config": {"model_type": "llama", "hidden_size": 64}, "complete": True,
     },
 }  # fmt: skip
 MERGE_FINISHED = {"step": None, "merged": "/run/merged", "seconds": 81.5, "device": "cpu"}

@@ -74,13 +74,19 @@ def test_attempt_one_changes_nothing_and_a_later_attempt_names_the_ladders_knobs
     first.mkdir(parents=True)
     assert job.trainer.attempt_argv(first, run, job.knobs, job.knobs, None) == (sys.executable, "train.py")
     assert ScriptChanges.read(first) == ScriptChanges((), str(run / "trainer-output"))
+    # Attempt 1 died loading, having built its arguments only: r, never reported, does not change.
     (first / "child-events.jsonl").write_text(ScriptKnobs(settings=BUILT).to_line())
     second = run / "attempt-002"
     second.mkdir()
-    # Checkpointing as the script built it (on): no change; r as the job holds it, never reported
-    # by this script: a change all the same (the shim will report that nothing of the script takes it).
     plan = as_built(job.knobs, BUILT)
     halved = dataclasses.replace(plan, micro_batch_size=8, grad_accum=2, lora_r=plan.lora_r // 2)
+    job.trainer.attempt_argv(second, run, job.knobs, halved, None)
+    assert ScriptChanges.read(second) == ScriptChanges(
+        ("micro_batch_size", "grad_accum"), str(run / "trainer-output")
+    )
+    # Once an attempt reached train(), a knob it never built is changed all the same.
+    (first / "child-events.jsonl").write_text(ScriptKnobs(settings=BUILT, complete=True).to_line())
+    # Checkpointing as the script built it (on): no change; the shim will say nothing takes r.
     job.trainer.attempt_argv(second, run, job.knobs, halved, None)
     changes = ScriptChanges.read(second)
     assert changes is not None and changes.knobs == ("micro_batch_size", "grad_accum", "lora_r")

@@ -13,34 +13,49 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.trainer_child.contract import script_knobs
-from qlora_supervise.trainer_child.contract.events import read_events, script_settings
+from qlora_supervise.trainer_child.contract.events import ScriptKnobs, read_events
 from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting, ScriptChanges
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 EVENTS = "child-events.jsonl"  # record.rundir.AttemptDir.events: the child's file in its folder
 
 
+def report(attempt_dir: Path) -> ScriptKnobs | None:
+    """The attempt's ``script_knobs`` event: what its script built (None: no report)."""
+    found = [e for e in read_events(attempt_dir / EVENTS) if isinstance(e, ScriptKnobs)]
+    return found[-1] if found else None
+
+
 def reported(attempt_dir: Path) -> tuple[KnobSetting, ...] | None:
     """What the attempt's script built, as its shim reported it (None: no report)."""
-    return script_settings(read_events(attempt_dir / EVENTS)) or None
+    event = report(attempt_dir)
+    return event.settings if event is not None else None
 
 
-def asked_by_script(run_dir: Path) -> dict[str, script_knobs.Value]:
+def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]:
     """What the script asks for, each knob from the newest attempt that reported it ({}: none has
-    yet); an attempt that failed while loading reported only what it had built by then."""
+    yet; an attempt that failed while loading reported only what it had built by then), and
+    whether any attempt reached ``train()`` (then a knob never reported is one it never builds)."""
     asked: dict[str, script_knobs.Value] = {}
+    complete = False
     for attempt_dir in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]")):
-        asked.update(script_knobs.asked(reported(attempt_dir) or ()))
-    return asked
+        event = report(attempt_dir)
+        if event is not None:
+            asked.update(script_knobs.asked(event.settings))
+            complete = complete or event.complete
+    return asked, complete
 
 
 def write_changes(
     attempt_dir: Path, run_dir: Path, before: Mapping[str, Any], knobs: Knobs, output_dir: Path
 ) -> dict[str, Any]:
     """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked.
-    ``before``: the ladder's knobs as the job holds them, for a knob the script never reported (the
-    shim then reports that nothing of the script takes it, and the ladder moves on)."""
-    asked = {**before, **asked_by_script(run_dir)}
+    ``before``: the ladder's knobs as the job holds them, for a knob a script that reached
+    ``train()`` never reported (the shim then says nothing of the script takes it, and the ladder
+    moves on). Before any attempt reached it, only knobs the script reported change: a default
+    halved is not the script's value halved (the effective batch would change)."""
+    asked, complete = asked_by_script(run_dir)
+    asked = {**before, **asked} if complete else asked
     changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
     ScriptChanges(tuple(changed), str(output_dir)).write(attempt_dir)
     return changed

@@ -232,6 +232,7 @@ class ScriptKnobs(PlainEvent):
     event: ClassVar[str] = "script_knobs"
     settings: tuple[KnobSetting, ...] = ()
     model_config: Mapping[str, Any] | None = None
+    complete: bool = False  # written at train(): the script has built all it builds
 
 
 #: The records of the events file, each under its ``event`` name: a new event plugs in here.

@@ -154,7 +154,10 @@ class Ledger:
         """The ``script_knobs`` event into ``events`` (the attempt's ``EventLog``); with a Trainer,
         ``loaded`` too: its rows and their lengths."""
         model_config = _model_config(trainer) if trainer is not None else None
-        events.write(ScriptKnobs(settings=tuple(self.settings), model_config=model_config).to_line())
+        event = ScriptKnobs(
+            settings=tuple(self.settings), model_config=model_config, complete=trainer is not None
+        )
+        events.write(event.to_line())
         lengths = _lengths(trainer) if trainer is not None else None
         if lengths is not None:
             events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
