@@ -121,6 +121,9 @@ def test_a_tutorial_script_that_does_not_fit_finishes_unchanged_under_run(
     assert _run(_job(tmp_path)) == 0
     _assert_halved_and_resumed(tmp_path / "run", trace, "SFTConfig")
     assert (tmp_path / "train.py").read_bytes() == script
+    # The model the script loads, as the journal's (the job named none).
+    first = read_attempts(tmp_path / "run" / "attempts.jsonl")[0][0]
+    assert first.knobs.model == str(tmp_path / "models" / "llama-2-7b")
     # The script's own output_dir and save_model() landed in the run directory, not beside it.
     assert not (tmp_path / "llama-2-7b-qlora").exists()
     assert (tmp_path / "run" / "trainer-output" / "adapter_model.safetensors").is_file()

@@ -7,6 +7,8 @@ constructors, so the shim changes them there, once each module loads (:mod:`.att
   and accumulation, checkpointing, optimizer, eval batch and eval off, ``max_length``; the output
   folder always goes to the run's ``trainer-output``;
 * ``BitsAndBytesConfig.__init__``: the 4-bit quant type and double quant;
+* ``AutoModelFor*.from_pretrained``: the model it loads (reported; the ladder's model where it
+  changes it);
 * ``LoraConfig.__post_init__``: the rank and alpha (a smaller rank resumes from the SVD-truncated
   adapter, as for any tool: ``run.attempt.resume_source``);
 * ``prepare_model_for_kbit_training``: its ``use_gradient_checkpointing``, which turns checkpointing
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -107,6 +110,16 @@ class Ledger:
     def on_lora(self, config: Any) -> None:
         for knob, key in LORA.items():
             setattr(config, key, self._take(knob, key, getattr(config, key), "LoraConfig"))
+
+    def on_model(self, name: Any, where: str) -> Any:
+        """``from_pretrained``'s model: a local folder as an absolute path (the supervisor reads it
+        from elsewhere); the attempt's model where the ladder changed it."""
+        if not isinstance(name, (str, os.PathLike)):
+            return name
+        path = os.fspath(name)
+        asked = os.path.abspath(path) if os.path.isdir(path) else path
+        got = self._take("model", "pretrained_model_name_or_path", asked, where)
+        return name if got == asked else got
 
     def on_prepare(self, kwargs: dict[str, Any]) -> None:
         asked = bool(kwargs.get("use_gradient_checkpointing", True))  # peft's default: on
@@ -217,6 +230,18 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
         cls = module.LoraConfig
         cls.__post_init__ = _before(cls.__post_init__, ledger.on_lora)
 
+    def model(module: ModuleType) -> None:
+        # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
+        cls = module._BaseAutoModelClass
+        original = cls.__dict__["from_pretrained"].__func__
+
+        @functools.wraps(original)
+        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+            name = ledger.on_model(name, f"{klass.__name__}.from_pretrained")
+            return original(klass, name, *args, **kwargs)
+
+        cls.from_pretrained = classmethod(from_pretrained)
+
     def prepare(module: ModuleType) -> None:
         # `from peft import prepare_model_for_kbit_training` reads the name where peft binds it.
         for owner in (module, module.utils, module.utils.other):
@@ -234,6 +259,7 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
     return {
         "transformers.training_args": arguments,
         "transformers.utils.quantization_config": quantization,
+        "transformers.models.auto.auto_factory": model,
         "peft.tuners.lora.config": lora,
         "peft": prepare,
     }
