@@ -93,6 +93,9 @@ def test_attempt_one_changes_nothing_and_a_later_attempt_names_the_ladders_knobs
     diff = ["per_device_train_batch_size: 16 -> 8", "gradient_accumulation_steps: 1 -> 2", "r: 8 -> 4"]
     assert read_diff(second) == diff
     assert json.loads((first / "child-events.jsonl").read_text())["event"] == "script_knobs"
+    # What `plan` reads of the job from then on: the script's own values.
+    built = job.trainer.built_knobs(job.knobs, run)
+    assert (built.micro_batch_size, built.grad_accum, built.gradient_checkpointing) == (16, 1, True)
 
 
 def test_what_the_script_built_becomes_the_attempts_knobs_and_an_unapplied_knob_its_rungs_unusable() -> None:

@@ -46,6 +46,11 @@ def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]
     return asked, complete
 
 
+def built_knobs(knobs: Knobs, run_dir: Path) -> Knobs:
+    """``knobs`` with what the script asks for, as its attempts in ``run_dir`` reported it."""
+    return script_knobs.with_values(knobs, asked_by_script(run_dir)[0])
+
+
 def write_changes(
     attempt_dir: Path, run_dir: Path, before: Mapping[str, Any], knobs: Knobs, output_dir: Path
 ) -> dict[str, Any]:

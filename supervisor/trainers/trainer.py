@@ -185,6 +185,11 @@ class ToolTrainer:
             return (key, "trainer.command", f"--{key} DIR")
         return (key, str(self.config_path), f"{key}: DIR")
 
+    def built_knobs(self, knobs: Knobs, run_dir: Path) -> Knobs:
+        if not self.tool.settings_in_code:
+            return knobs  # its config, read at load, is what it builds
+        return script_attempt.built_knobs(knobs, run_dir)
+
     def probes_data(self) -> bool:
         return False  # a tool reads its own data (a hub dataset, a mixture)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from pydantic import TypeAdapter
@@ -75,8 +75,12 @@ class KnobSetting:
 def as_built(planned: Knobs, settings: Iterable[KnobSetting]) -> Knobs:
     """``planned`` with what the script built: gradient checkpointing is on when any of its places
     (``prepare_model_for_kbit_training``, the arguments) turned it on; the rest is the last value."""
-    values = _knobs((s.knob, s.got) for s in settings)
-    return dataclasses.replace(planned, **values) if values else planned  # type: ignore[arg-type]
+    return with_values(planned, _knobs((s.knob, s.got) for s in settings))
+
+
+def with_values(knobs: Knobs, values: Mapping[str, Value]) -> Knobs:
+    """``knobs`` with ``values`` (knob -> value, as :func:`asked` returns them)."""
+    return dataclasses.replace(knobs, **values) if values else knobs  # type: ignore[arg-type]
 
 
 def asked(settings: Iterable[KnobSetting]) -> dict[str, Value]:
