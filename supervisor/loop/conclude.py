@@ -67,17 +67,21 @@ class Conclusions:
     lifted_after: int = 0
 
     def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
-        """``o`` with the knobs the attempt trained with: a speed trial in the child may have switched
-        the plan's micro-batch and checkpointing, and a script reports what it built. The journal, the
-        policy's history and the never-repeat-a-failed-config rule all key on what ran."""
-        trained = speed_of(o.progress.events, o.plan.knobs).knobs
+        """``o`` with the knobs the attempt trained with: the policy's choice among the timings of its
+        speed trial (from its events, read once), which may have switched the plan's micro-batch and
+        checkpointing (its reason joins the plan's), and what a script reports it built. The journal,
+        the policy's history and the never-repeat-a-failed-config rule all key on what ran."""
+        trial = speed_of(o.progress.events, o.plan.knobs).choice
         # A script with its settings in its code: what it built (attempt 1 learns what it asks for).
-        trained = as_built(trained, script_settings(o.progress.events))
+        trained = as_built(trial.knobs if trial else o.plan.knobs, script_settings(o.progress.events))
         # The host model's training peak for what ran: status and explain set the measured one beside it.
         o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
-        if trained == o.plan.knobs:
+        note = o.plan.note
+        if trial is not None:
+            note = note and dataclasses.replace(note, why=(*note.why, trial.why))
+        elif trained == o.plan.knobs:
             return o
-        return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained))
+        return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained, note=note))
 
     def conclude(self, o: AttemptOutcome, records: list[AttemptRecord], reclaimed: bool = False) -> Turn:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
