@@ -59,6 +59,7 @@ class PastAttempt:
     stage: Stage | None = None  # where it failed (None: not recorded)
     reached: int = 0  # the last optimizer step it finished (its journal's steps_completed)
     rung: str | None = None  # the decision taken after it (its journal's decision.rung; None: none)
+    unapplied: tuple[str, ...] = ()  # knobs it changed that the trainer did not take
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,13 @@ EMITTED: dict[str, dict[str, Any]] = {
         "host_need_cpu_bytes": 18 << 30, "gpu_free_bytes": None, "host_available_bytes": 64 << 30,
         "why": "no GPU visible", "dtype": "torch.bfloat16",
     },
+    "script_knobs": {
+        "settings": [{"knob": "micro_batch_size", "key": "per_device_train_batch_size", "asked": 16, "got": 8,
+                      "where": "SFTConfig", "why_not": None},
+                     {"knob": "gradient_checkpointing", "key": "use_gradient_checkpointing", "asked": True,
+                      "got": True, "where": "prepare_model_for_kbit_training", "why_not": None}],
+        "model_config": {"model_type": "llama", "hidden_size": 64}, "complete": True,
+    },
 }  # fmt: skip
 MERGE_FINISHED = {"step": None, "merged": "/run/merged", "seconds": 81.5, "device": "cpu"}
 

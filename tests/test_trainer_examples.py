@@ -24,13 +24,21 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "trainers"
 @pytest.mark.parametrize("kind", list(TOOLS))
 def test_each_kind_has_an_example_that_loads(kind: str, tmp_path: Path) -> None:
     """examples/trainers/<kind>/job.yaml is a valid job of that kind with an effective batch of 16,
-    once its model path points at a local model directory (as the examples of our own trainer)."""
+    once its model path points at a local model directory (as the examples of our own trainer); a
+    script's settings are in its code, so its job loads as it is, naming the script beside it."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     example = EXAMPLES / kind
     job = yaml.safe_load((example / "job.yaml").read_text())
     job["output_dir"] = str(tmp_path / "run")
+    if kind == "script":
+        job["trainer"]["command"][0] = sys.executable  # `python` need not be on the test's PATH
+        (tmp_path / "job.yaml").write_text(
+            yaml.safe_dump({**job, "trainer": {**job["trainer"], "workdir": str(example)}})
+        )
+        assert load_job(tmp_path / "job.yaml").trainer.kind == kind
+        return
     if kind == "hf-script":
         command = job["trainer"]["command"]
         command[command.index("--model_name_or_path") + 1] = str(model)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qlora_supervise.policies.rungs import RUNGS
 from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.policies.verdicts import PastAttempt
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
@@ -80,6 +81,10 @@ def latest_charge(history: Sequence[PastAttempt]) -> Charge | None:
 
 
 def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
-    """Every rung charged with a failure anywhere in ``history``: unusable for the rest of the run."""
+    """Every rung charged with a failure anywhere in ``history``, and every rung whose knob an
+    attempt changed but its trainer did not take: unusable for the rest of the run."""
     charged = (charge_at(history, i) for i in range(len(history)))
-    return frozenset(name for c in charged if c is not None for name in c.rungs)
+    untaken = {knob for past in history for knob in past.unapplied}
+    return frozenset(name for c in charged if c is not None for name in c.rungs) | frozenset(
+        rung.name for rung in RUNGS if rung.knob in untaken
+    )

@@ -124,7 +124,7 @@ def job_view(job: Job) -> JobView:
     """The plan's view of ``job``: its knobs, target modules, caps, device and merge flag, and the
     rungs its trainer cannot take (left out of the search and the rung list, as ``run`` does)."""
     return JobView(
-        knobs=job.knobs,
+        knobs=job.trainer.built_knobs(job.knobs, job.output_dir),  # a script's: as it built them
         targets=job.train.target_modules,
         fallbacks=job.fallback_models,
         calibration_store=job.supervise.calibration_store,

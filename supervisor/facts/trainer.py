@@ -66,6 +66,10 @@ class Trainer(Protocol):
     def model_words(self) -> tuple[str, str, str]:
         """How the job names its model: (key, where, how to set it)."""
 
+    def built_knobs(self, knobs: Knobs, run_dir: Path) -> Knobs:
+        """The job's knobs as its trainer builds them: a script's, from what its attempts in
+        ``run_dir`` reported (its settings are in its code); ``knobs`` for every other trainer."""
+
     def probes_data(self) -> bool:
         """Whether the supervisor reads the data file (a tool reads its own data)."""
 
@@ -112,6 +116,9 @@ class OwnTrainer:
 
     def model_words(self) -> tuple[str, str, str]:
         return ("model.path", "the job file", "model.path: DIR")
+
+    def built_knobs(self, knobs: Knobs, run_dir: Path) -> Knobs:
+        return knobs
 
     def probes_data(self) -> bool:
         return True

@@ -31,6 +31,7 @@ from qlora_supervise.supervisor.loop.settings import (
     remember_attempt,
     step_fit,
     with_sample_lengths,
+    with_script_model,
 )
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
@@ -38,7 +39,8 @@ from qlora_supervise.supervisor.record.journal import RunState, append_attempt
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.events import ChildEvent
+from qlora_supervise.trainer_child.contract.events import ChildEvent, script_settings
+from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
@@ -68,15 +70,18 @@ class Conclusions:
     def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
         """``o`` with the knobs the attempt trained with: the policy's choice among the timings of its
         speed trial (from its events, read once), which may have switched the plan's micro-batch and
-        checkpointing; its reason joins the plan's. The journal, the policy's history and the
-        never-repeat-a-failed-config rule all key on what ran."""
+        checkpointing (its reason joins the plan's), and what a script reports it built. The journal,
+        the policy's history and the never-repeat-a-failed-config rule all key on what ran."""
         trial = speed_of(o.progress.events, o.plan.knobs).choice
-        trained = trial.knobs if trial else o.plan.knobs
+        # A script with its settings in its code: what it built (attempt 1 learns what it asks for).
+        trained = as_built(trial.knobs if trial else o.plan.knobs, script_settings(o.progress.events))
         # The host model's training peak for what ran: status and explain set the measured one beside it.
         o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
-        if trial is None:
+        note = o.plan.note
+        if trial is not None:
+            note = note and dataclasses.replace(note, why=(*note.why, trial.why))
+        elif trained == o.plan.knobs:
             return o
-        note = o.plan.note and dataclasses.replace(o.plan.note, why=(*o.plan.note.why, trial.why))
         return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained, note=note))
 
     def conclude(self, o: AttemptOutcome, records: list[AttemptRecord], reclaimed: bool = False) -> Turn:
@@ -172,6 +177,7 @@ class Conclusions:
         self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
     ) -> Turn:
         self.settings = with_sample_lengths(self.settings, o.progress.events)
+        self.settings = with_script_model(self.settings, o.progress.events)
         if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
             quarantined := self._quarantine(o, failure, records, log)
         ):

@@ -26,8 +26,9 @@ from qlora_supervise.supervisor.record.records import (
 )
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
-from qlora_supervise.trainer_child.contract.events import Resumed
+from qlora_supervise.trainer_child.contract.events import Resumed, script_settings
 from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.script_knobs import unapplied
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ def record_of(
         host=HostMemory(
             o.progress.host_peak, o.progress.load_host_peak, o.progress.last_rss, o.host_predicted
         ),
+        unapplied=unapplied(script_settings(o.progress.events)),
     )
 
 

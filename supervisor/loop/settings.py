@@ -28,7 +28,7 @@ from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Loaded, ScriptKnobs
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
@@ -164,6 +164,18 @@ def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent])
     for event in reversed(events):
         if isinstance(event, Loaded) and event.sample_lengths is not None:
             return dataclasses.replace(settings, sample_lengths=event.sample_lengths)
+    return settings
+
+
+def with_script_model(settings: policy.Settings, events: Sequence[ChildEvent]) -> policy.Settings:
+    """A script's model, from the config its attempt reported (``script_knobs``), for the memory
+    model of the attempts after it: the job named no model the supervisor could read first."""
+    if settings.shape is not None:
+        return settings
+    for event in reversed(events):
+        if isinstance(event, ScriptKnobs) and event.model_config:
+            shape = ModelShape.from_config(event.model_config)
+            return settings if shape is None else dataclasses.replace(settings, shape=shape, unmodelled=None)
     return settings
 
 

@@ -32,6 +32,7 @@ def policy_history(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]
             r.failure.stage if r.failure else None,
             r.steps_completed,
             r.decision.rung if r.decision else None,
+            r.unapplied,
         )
         for r in records
     ]

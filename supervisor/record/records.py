@@ -207,6 +207,9 @@ class AttemptRecord:
     # had none); None when it kept it or started fresh.
     optimizer_reset: str | None = None
     host: HostMemory | None = None  # the attempt's host RAM against the host model's prediction
+    # Knobs the attempt changed but the trainer did not take (a script that set them after building
+    # its Trainer): the ladder moves on without them.
+    unapplied: tuple[str, ...] = ()
 
     @property
     def steps_progressed(self) -> int:

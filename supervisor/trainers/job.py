@@ -138,7 +138,8 @@ def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) ->
     if section is None:
         return problems
     script = section.kind in TOOLS and not TOOLS[section.kind].entry  # its config is its command
-    argv = "write the script's argv as a list: [python, train.py, --output_dir, out, ...]"
+    flags = "" if section.kind in TOOLS and TOOLS[section.kind].settings_in_code else " --output_dir, out,"
+    argv = f"write the script's argv as a list: [python, train.py,{flags} ...]"
     checks = (
         (script and not section.command, "trainer.command", f"required for kind {kind}", None, argv),
         (
@@ -174,7 +175,11 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
             "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH",
         )
         problems.append(Problem("trainer.command", why, show(section.command[0]), fix))
-    if not tool.entry:  # a script: its config is the flags of its command
+    config: dict[str, Any]
+    if tool.settings_in_code:  # its flags are its own: nothing of its config is read before it runs
+        config, where, workdir, path = {}, "trainer.command", section.workdir or job_dir, None
+        problems += tool.command_problems(section.command or (), workdir) if section.command else []
+    elif not tool.entry:  # a script: its config is the flags of its command
         config, found = flags.parse(section.command or ())
         problems += found
         where, workdir, path = "trainer.command", section.workdir or job_dir, None

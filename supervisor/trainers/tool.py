@@ -42,6 +42,10 @@ def _no_data_problems(config: Config, where: str, workdir: Path) -> list[Problem
     return []
 
 
+def _no_command_problems(command: tuple[str, ...], workdir: Path) -> list[Problem]:
+    return []
+
+
 @dataclass(frozen=True)
 class Tool:
     """One tool the supervisor can run in place of our child."""
@@ -52,6 +56,9 @@ class Tool:
     # How the tool starts on an attempt's config: ``python *entry <config>``; () for a script that
     # is its own argv (hf-script: the job's trainer.command, its flags changed).
     entry: tuple[str, ...] = ()
+    # The script's settings are in its code (``script``): its argv runs unchanged and the shim
+    # changes the knobs where the script builds them (``script-knobs.json`` per attempt).
+    settings_in_code: bool = False
     # --- LoRA targets, as the tool hands them to peft (lora_targets.py) ---
     targets_regex: bool = True  # a string reaches peft as a regex of the full module name
     all_linear_words: tuple[str, ...] = ("all-linear",)  # the tool's own word for every Linear
@@ -72,6 +79,7 @@ class Tool:
     )
     # --- checks at validate ---
     data_problems: Callable[[Config, str, Path], list[Problem]] = _no_data_problems
+    command_problems: Callable[[tuple[str, ...], Path], list[Problem]] = _no_command_problems
 
     @property
     def config_name(self) -> str:

@@ -31,17 +31,18 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONFIG_PREFIX
 from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
-from qlora_supervise.supervisor.trainers import flags, model_facts
+from qlora_supervise.supervisor.trainers import flags, model_facts, script_attempt
 from qlora_supervise.supervisor.trainers.mapping import (
     attempt_config,
     config_diff,
     flatten,
     unmapped_changes,
 )
-from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, rungs_for, writable
+from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, Table, rungs_for, writable
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
+from qlora_supervise.trainer_child.contract.script_knobs import CHANGES_FILE
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 DIFF_NAME = "trainer-config.diff"
@@ -124,6 +125,14 @@ class ToolTrainer:
         Raises :class:`UnmappedKnobsError` when ``knobs`` change what the tool cannot be told.
         """
         table = self.tool.table
+        if self.tool.settings_in_code:  # the script runs as written; the shim changes its knobs
+            output = ensure_dir(run_dir / TRAINER_OUTPUT)
+            keys = {row.knob: row.key for row in table.rows}
+            before = {knob: getattr(job, knob) for knob in keys}
+            changed = script_attempt.write_changes(attempt_dir, run_dir, before, knobs, output)
+            diff = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
+            write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
+            return self.command
         unmapped = unmapped_changes(table, self.config, job, knobs)
         if unmapped:
             raise UnmappedKnobsError(
@@ -150,8 +159,16 @@ class ToolTrainer:
 
     def summary(self) -> list[str]:
         table = self.tool.table
+        if self.tool.settings_in_code:
+            return [
+                f"trainer: script {' '.join(self.command)} (run as written in {self.workdir}; never written)",
+                "its settings are in its code: attempt 1 runs it unchanged and reports what it builds "
+                "(the model, batch, seq_len above are TrainingArguments' defaults until then); later "
+                f"attempts change only the ladder's knobs where it builds them: {_keys(table, self.config)}",
+                f"rungs: {', '.join(sorted(self.rungs()))}",
+            ]
         source = self.config_path if self.config_path is not None else "the flags of trainer.command"
-        keys = ", ".join(row.key for row in table.rows if row.knob != "model" and writable(row, self.config))
+        keys = _keys(table, self.config)
         return [
             f"trainer: {self.kind}, config {source} (read once; never modified: each attempt "
             f"writes its own copy into attempt-NNN/)",
@@ -168,11 +185,20 @@ class ToolTrainer:
             return (key, "trainer.command", f"--{key} DIR")
         return (key, str(self.config_path), f"{key}: DIR")
 
+    def built_knobs(self, knobs: Knobs, run_dir: Path) -> Knobs:
+        if not self.tool.settings_in_code:
+            return knobs  # its config, read at load, is what it builds
+        return script_attempt.built_knobs(knobs, run_dir)
+
     def probes_data(self) -> bool:
         return False  # a tool reads its own data (a hub dataset, a mixture)
 
     def service_paths(self) -> list[tuple[str, str]]:
         return [] if self.config_path is None else [("trainer.config", str(self.config_path))]
+
+
+def _keys(table: Table, config: Mapping[str, Any]) -> str:
+    return ", ".join(row.key for row in table.rows if row.knob != "model" and writable(row, config))
 
 
 def tool_saved(run_dir: Path) -> bool:
@@ -192,7 +218,11 @@ def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
 
 
 def read_diff(attempt_dir: Path) -> list[str] | None:
-    """The attempt's diff lines (None: not a tool's attempt, or unreadable)."""
+    """The attempt's diff lines (None: not a tool's attempt, or unreadable); a script's attempt
+    that ran: what it asked for and got where it builds each value."""
+    lines = script_attempt.status_lines(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
+    if lines is not None:
+        return lines
     try:
         return (attempt_dir / DIFF_NAME).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):

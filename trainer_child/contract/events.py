@@ -25,6 +25,7 @@ from pydantic import BeforeValidator, Discriminator, StrictInt, Tag, TypeAdapter
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
 from qlora_supervise.trainer_child.contract.codes import StageName
 from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
+from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 
@@ -223,6 +224,17 @@ class MergePlanned(PlainEvent):
     dtype: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ScriptKnobs(PlainEvent):
+    """``script_knobs``: what a script with its settings in its code built, and what the shim
+    changed there (``contract/script_knobs.py``); the model's ``config.json`` values it loaded."""
+
+    event: ClassVar[str] = "script_knobs"
+    settings: tuple[KnobSetting, ...] = ()
+    model_config: Mapping[str, Any] | None = None
+    complete: bool = False  # written at train(): the script has built all it builds
+
+
 #: The records of the events file, each under its ``event`` name: a new event plugs in here.
 _RECORDS: tuple[type[Any], ...] = (
     Started,
@@ -237,6 +249,7 @@ _RECORDS: tuple[type[Any], ...] = (
     Stopping,
     MergePlanned,
     SpeedTrialEvent,
+    ScriptKnobs,
 )
 EVENT_NAMES = frozenset(record.event for record in _RECORDS)
 
@@ -254,6 +267,7 @@ ChildEvent: TypeAlias = (
     | Stopping
     | MergePlanned
     | SpeedTrialEvent
+    | ScriptKnobs
 )
 
 
@@ -295,6 +309,12 @@ def read_events(path: Path) -> list[ChildEvent]:
     except OSError:
         return []
     return [event for event in map(parse_event, lines) if event is not None]
+
+
+def script_settings(events: list[ChildEvent]) -> tuple[KnobSetting, ...]:
+    """What a script built, from the newest ``script_knobs`` event (none: not a script's attempt)."""
+    found = [e for e in events if isinstance(e, ScriptKnobs)]
+    return found[-1].settings if found else ()
 
 
 def event_from_fields(raw: Mapping[str, Any]) -> ChildEvent | None:

@@ -16,7 +16,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from qlora_supervise.trainer_child.contract.script_knobs import ScriptChanges
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.shim import script
 
 TRAINER_MODULE = "transformers.trainer"
 
@@ -69,18 +71,36 @@ def install(spec_path: str) -> None:
         prepare_env(spec)  # before torch: CUDA reads the allocator settings once
         os.environ[PREPARED_ENV] = "1"
 
+    ledger = _script_ledger(Path(spec_path).parent, spec)
+
     def patch(module: ModuleType) -> None:
         from qlora_supervise.trainer_child.shim.session import Session
 
         if _started_by_the_attempt():
             return
         os.environ[SESSION_ENV] = str(os.getpid())
-        Session(spec).patch(module.Trainer)
+        Session(spec, ledger).patch(module.Trainer)
 
-    if TRAINER_MODULE in sys.modules:  # imported before us (a sitecustomize that ran first)
-        patch(sys.modules[TRAINER_MODULE])
+    _after_import(TRAINER_MODULE, patch)
+
+
+def _after_import(name: str, then: Callable[[ModuleType], None]) -> None:
+    if name in sys.modules:  # imported before us (a sitecustomize that ran first)
+        then(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _AfterImport(TRAINER_MODULE, patch))
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+def _script_ledger(attempt_dir: Path, spec: AttemptSpec) -> script.Ledger | None:
+    """A script's attempt (``script-knobs.json`` beside the spec): its knobs patched in where the
+    script builds them (:mod:`.script`); None for any other tool."""
+    changes = ScriptChanges.read(attempt_dir)
+    if changes is None:
+        return None
+    ledger = script.Ledger(changes, spec.knobs)
+    for name, then in script.patches(ledger).items():
+        _after_import(name, then)
+    return ledger
 
 
 def _started_by_the_attempt() -> bool:

@@ -10,6 +10,7 @@ failure before ``train`` (the tool's model load) is caught by ``sys.excepthook``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from importlib import metadata
@@ -18,10 +19,12 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run import attempt, device
 from qlora_supervise.trainer_child.run.failure import CapturedFailure
 from qlora_supervise.trainer_child.run.heartbeat import HeartbeatThread
+from qlora_supervise.trainer_child.shim.script import Ledger
 
 #: Libraries whose versions the ``started`` event names (those installed: a foreign venv may lack some).
 VERSIONED = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "axolotl", "llamafactory")
@@ -42,9 +45,10 @@ def supervised_class(cls: type) -> type:
 class Session:
     """The attempt, from ``transformers.trainer``'s import to the process's exit."""
 
-    def __init__(self, spec: AttemptSpec) -> None:
+    def __init__(self, spec: AttemptSpec, ledger: Ledger | None = None) -> None:
         self.ctx = attempt.Context(spec)
         self.trialled = False
+        self.ledger = ledger  # a script's: the knobs it built, reported once
         attempt.install_stop_handler(self.ctx.progress)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
@@ -90,6 +94,7 @@ class Session:
         failure: CapturedFailure | None = None
         result: Any = None
         try:
+            self._report_knobs(trainer)
             source = self._attach(trainer)
             self._speed_trial(trainer, resuming=source.load_from is not None)
             if ctx.progress.stop_requested:  # SIGTERM during the trial: nothing new to save
@@ -110,6 +115,20 @@ class Session:
             self.leave(ExitCode.STOPPED)
         self._finish(trainer)
         return result
+
+    def _report_knobs(self, trainer: Any | None) -> None:
+        """A script's knobs as its Trainer will train with them (once: a second ``train()`` or a
+        failure after the first report adds nothing)."""
+        ledger, self.ledger = self.ledger, None
+        if ledger is None:
+            return
+        if trainer is not None:
+            ledger.check(trainer)
+        ledger.report(self.ctx.events, trainer)
+        # The checkpoints' and the resume's knobs are what the script built (attempt 1's spec
+        # holds the job's until the script has reported them).
+        spec = self.ctx.spec
+        self.ctx.spec = dataclasses.replace(spec, knobs=as_built(spec.knobs, ledger.settings))
 
     def _attach(self, trainer: Any) -> Any:
         """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
@@ -160,6 +179,7 @@ class Session:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             self._previous_hook(kind, exc, tb)
             return
+        self._report_knobs(None)  # what the script built before it failed
         # A refusal while the tool sets up or loads is the config's (failure.is_the_configs).
         failure = attempt.captured(self.ctx, exc)
         del exc, tb

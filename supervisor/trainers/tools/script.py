@@ -1,0 +1,64 @@
+"""A script with its settings in its code (``trainer.kind: script``): ``train.py`` from a tutorial,
+or a notebook exported to a script, run as written with the job's ``trainer.command``.
+
+Nothing of it is written: each attempt's ``script-knobs.json`` names the knobs the shim changes
+where the script builds them (``trainer_child/shim/script.py``), the values the keys of its
+``TrainingArguments`` / ``SFTConfig``, ``BitsAndBytesConfig`` and ``LoraConfig`` below. What the
+script asks for is learnt from attempt 1, which changes nothing and reports every value it built.
+A script that parses its flags (``HfArgumentParser``) stays ``hf-script``: its flags are its config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qlora_supervise.supervisor.jobfile.problems import Problem, show
+from qlora_supervise.supervisor.trainers.table_rows import EVAL_STRATEGY, Row, Table
+from qlora_supervise.supervisor.trainers.tool import Tool
+
+#: The keys as the shim finds them; the defaults are TrainingArguments', trl's and peft's own, the
+#: knobs of the job until attempt 1 reports what the script built.
+TABLE = Table(
+    "script",
+    rows=(
+        Row("micro_batch_size", "per_device_train_batch_size", 8),
+        Row("grad_accum", "gradient_accumulation_steps", 1),
+        Row("gradient_checkpointing", "gradient_checkpointing", False),
+        Row("optimizer", "optim", "adamw_torch_fused"),
+        Row("eval_batch_size", "per_device_eval_batch_size", 8),
+        EVAL_STRATEGY,
+        Row("max_seq_len", "max_length", 1024),
+        Row("lora_r", "r", 8),
+        Row("lora_alpha", "lora_alpha", 8),
+        Row("quant_type", "bnb_4bit_quant_type", "fp4"),
+        Row("double_quant", "bnb_4bit_use_double_quant", False),
+    ),
+    output_key="output_dir",
+    resume_key="resume_from_checkpoint",
+)
+
+
+def script_problems(command: tuple[str, ...], workdir: Path) -> list[Problem]:
+    """The command must run a Python file that is there: ``[python, train.py, ...]``."""
+    fix = f"write [python, train.py, ...] with the script's path relative to {workdir}, or absolute"
+    script = next((word for word in command[1:] if word.endswith(".py")), None)
+    if script is None:
+        return [Problem("trainer.command", "names no .py script to run", show(list(command)), fix)]
+    path = workdir / script
+    if not path.is_file():
+        why = f"no such script (looked for {path}: it runs in trainer.workdir, else the job file's folder)"
+        return [Problem("trainer.command", why, show(script), fix)]
+    return []
+
+
+TOOL = Tool(
+    "script",
+    TABLE,
+    package=None,  # the script's own imports
+    settings_in_code=True,
+    command_problems=script_problems,
+    unquantized=(
+        "the script's model and its quantization are read from its first attempt; until then the "
+        "memory model has no model to count"
+    ),
+)

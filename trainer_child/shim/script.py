@@ -1,0 +1,265 @@
+"""The attempt's knobs, applied where a script with its settings in its code builds them.
+
+``trainer.kind: script`` runs the user's ``train.py`` as written. Its settings are arguments to
+constructors, so the shim changes them there, once each module loads (:mod:`.attach`):
+
+* ``TrainingArguments.__post_init__`` (``SFTConfig`` and every subclass call it first): micro-batch
+  and accumulation, checkpointing, optimizer, eval batch and eval off, ``max_length``; the output
+  folder always goes to the run's ``trainer-output``;
+* ``BitsAndBytesConfig.__init__``: the 4-bit quant type and double quant;
+* ``AutoModelFor*.from_pretrained``: the model it loads (reported; the ladder's model where it
+  changes it);
+* ``LoraConfig.__post_init__``: the rank and alpha (a smaller rank resumes from the SVD-truncated
+  adapter, as for any tool: ``run.attempt.resume_source``);
+* ``prepare_model_for_kbit_training``: its ``use_gradient_checkpointing``, which turns checkpointing
+  on whatever the arguments say.
+
+Only the knobs the supervisor names in ``script-knobs.json`` change; every value seen is reported
+(:class:`~..contract.script_knobs.KnobSetting`). At ``train()`` the Trainer's arguments are read
+again: a value the script set after building the Trainer is not ours, so it is reported as not
+applied (the ladder then moves on without that knob) and its partner in the effective batch is put
+back as the script asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from qlora_supervise.trainer_child.contract.attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
+from qlora_supervise.trainer_child.contract.events import Loaded, ScriptKnobs
+from qlora_supervise.trainer_child.contract.script_knobs import TOGETHER, KnobSetting, ScriptChanges, Value
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+#: knob -> the TrainingArguments field (``max_seq_len``: trl's SFTConfig, where the class has it).
+ARGUMENTS = {
+    "micro_batch_size": "per_device_train_batch_size",
+    "grad_accum": "gradient_accumulation_steps",
+    "gradient_checkpointing": "gradient_checkpointing",
+    "optimizer": "optim",
+    "eval_batch_size": "per_device_eval_batch_size",
+    "eval_enabled": "eval_strategy",
+    "max_seq_len": "max_length",
+}
+QUANTIZATION = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant"}
+LORA = {"lora_r": "r", "lora_alpha": "lora_alpha"}
+#: Where each knob is built, for the report of a knob the script builds nothing for.
+PLACES = {
+    **dict.fromkeys(ARGUMENTS, "TrainingArguments"),
+    **dict.fromkeys(QUANTIZATION, "BitsAndBytesConfig"),
+    **dict.fromkeys(LORA, "LoraConfig"),
+}
+PREPARE = "prepare_model_for_kbit_training"
+
+
+def _plain(value: Any) -> Value:
+    """An enum (``OptimizerNames``, ``IntervalStrategy``) as its string; other values as they are."""
+    value = getattr(value, "value", value)
+    return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+
+
+def _read(knob: str, value: Any) -> Value:
+    return _plain(value) != "no" if knob == "eval_enabled" else _plain(value)
+
+
+def _write(knob: str, value: Any) -> Any:
+    return ("steps" if value else "no") if knob == "eval_enabled" else value
+
+
+class Ledger:
+    """The changes of one attempt and every value the script built, in the order it built them."""
+
+    def __init__(self, changes: ScriptChanges, knobs: Knobs) -> None:
+        self.output_dir = changes.output_dir
+        self.changes = {name: getattr(knobs, name) for name in changes.knobs}
+        self.settings: list[KnobSetting] = []
+
+    def _take(self, knob: str, key: str, asked: Value, where: str) -> Value:
+        """Record the script's value; the attempt's value when it changes this knob."""
+        got = self.changes.get(knob, asked)
+        self.settings.append(KnobSetting(knob, key, asked, got, where))
+        return got
+
+    # -- where the script builds them -----------------------------------------------------
+
+    def on_arguments(self, args: Any) -> None:
+        where = type(args).__name__
+        fields = {f.name for f in dataclasses.fields(args)}
+        for knob, key in ARGUMENTS.items():
+            if key not in fields:
+                if knob in self.changes:
+                    why = f"{where} has no {key}: the script sets it in its own code"
+                    self.settings.append(KnobSetting(knob, key, None, None, where, why))
+                continue
+            asked = _read(knob, getattr(args, key))
+            got = self._take(knob, key, asked, where)
+            if got != asked:
+                setattr(args, key, _write(knob, got))
+        self.settings.append(KnobSetting("output_dir", "output_dir", args.output_dir, self.output_dir, where))
+        args.output_dir = self.output_dir  # its saves and save_model() land in the run directory
+
+    def on_quantization(self, bound: inspect.BoundArguments) -> None:
+        for knob, key in QUANTIZATION.items():
+            bound.arguments[key] = self._take(knob, key, _plain(bound.arguments[key]), "BitsAndBytesConfig")
+
+    def on_lora(self, config: Any) -> None:
+        for knob, key in LORA.items():
+            setattr(config, key, self._take(knob, key, getattr(config, key), "LoraConfig"))
+
+    def on_model(self, name: Any, where: str) -> Any:
+        """``from_pretrained``'s model: a local folder as an absolute path (the supervisor reads it
+        from elsewhere); the attempt's model where the ladder changed it."""
+        if not isinstance(name, (str, os.PathLike)):
+            return name
+        path = os.fspath(name)
+        asked = os.path.abspath(path) if os.path.isdir(path) else path
+        got = self._take("model", "pretrained_model_name_or_path", asked, where)
+        return name if got == asked else got
+
+    def on_prepare(self, kwargs: dict[str, Any]) -> None:
+        asked = bool(kwargs.get("use_gradient_checkpointing", True))  # peft's default: on
+        kwargs["use_gradient_checkpointing"] = self._take(
+            "gradient_checkpointing", "use_gradient_checkpointing", asked, PREPARE
+        )
+
+    # -- at train() -------------------------------------------------------------------------
+
+    def check(self, trainer: Any) -> None:
+        """The Trainer's arguments as ``train()`` will read them: a knob the script set after
+        building the Trainer is reported as not applied, and its batch partner put back."""
+        args, where = trainer.args, type(trainer.args).__name__
+        overridden: set[str] = set()
+        for i, s in enumerate(self.settings):
+            if s.where != where or s.knob not in ARGUMENTS or not hasattr(args, s.key):
+                continue
+            now = _read(s.knob, getattr(args, s.key))
+            if now == s.got:
+                continue
+            if s.knob in self.changes:
+                why = f"the script sets it to {now} after building its Trainer, past the shim's reach"
+                self.settings[i] = dataclasses.replace(s, got=now, why_not=why)
+                overridden.add(s.knob)
+            else:  # the script's own second thought: what it asks for is what it set last
+                self.settings[i] = dataclasses.replace(s, asked=now, got=now)
+        if overridden & TOGETHER:
+            self._put_back(trainer, TOGETHER - overridden, ", ".join(sorted(overridden)))
+        seen = {s.knob for s in self.settings}
+        for knob in self.changes.keys() - seen:  # by train() the script has built all it will
+            place = PLACES.get(knob, "place the shim reaches")
+            why = f"the script builds no {place}, so nothing of it takes this knob"
+            self.settings.append(KnobSetting(knob, knob, None, None, "-", why))
+
+    def _put_back(self, trainer: Any, knobs: frozenset[str], overridden: str) -> None:
+        args, where = trainer.args, type(trainer.args).__name__
+        for i, s in enumerate(self.settings):
+            if s.where == where and s.knob in knobs and s.why_not is None and s.got != s.asked:
+                setattr(args, s.key, s.asked)
+                why = f"put back as the script asked, with {overridden}: the effective batch kept"
+                self.settings[i] = dataclasses.replace(s, got=s.asked, why_not=why)
+        trainer._train_batch_size = args.train_batch_size  # Trainer copied it at construction
+
+    def report(self, events: Any, trainer: Any | None) -> None:
+        """The ``script_knobs`` event into ``events`` (the attempt's ``EventLog``); with a Trainer,
+        ``loaded`` too: its rows and their lengths."""
+        model_config = _model_config(trainer) if trainer is not None else None
+        event = ScriptKnobs(
+            settings=tuple(self.settings), model_config=model_config, complete=trainer is not None
+        )
+        events.write(event.to_line())
+        lengths = _lengths(trainer) if trainer is not None else None
+        if lengths is not None:
+            events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
+
+
+def _model_config(trainer: Any) -> dict[str, Any] | None:
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    return {k: v for k, v in config.to_dict().items() if isinstance(v, (bool, int, float, str))}
+
+
+def _lengths(trainer: Any) -> SampleLengths | None:
+    """The tokenized rows' lengths, as our child reports them (an evenly spaced sample of a large set)."""
+    rows: Any = getattr(trainer, "train_dataset", None)
+    try:
+        total = len(rows)
+        every = max(1, total // MAX_REPORTED_LENGTHS)
+        return SampleLengths(total, tuple(len(rows[i]["input_ids"]) for i in range(0, total, every)))
+    except Exception:  # not a tokenized, indexable dataset: the supervisor goes without lengths
+        return None
+
+
+# -- the patches, once each module has loaded ----------------------------------------------
+
+
+def _before(original: Callable[..., Any], hook: Callable[..., None]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hook(self)
+        return original(self, *args, **kwargs)
+
+    return wrapped
+
+
+def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
+    """module name -> what to patch in it once it has loaded."""
+
+    def arguments(module: ModuleType) -> None:
+        cls = module.TrainingArguments
+        cls.__post_init__ = _before(cls.__post_init__, ledger.on_arguments)
+
+    def quantization(module: ModuleType) -> None:
+        cls = module.BitsAndBytesConfig
+        original, signature = cls.__init__, inspect.signature(cls.__init__)
+
+        @functools.wraps(original)
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            ledger.on_quantization(bound)
+            original(*bound.args, **bound.kwargs)
+
+        cls.__init__ = init
+
+    def lora(module: ModuleType) -> None:
+        cls = module.LoraConfig
+        cls.__post_init__ = _before(cls.__post_init__, ledger.on_lora)
+
+    def model(module: ModuleType) -> None:
+        # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
+        cls = module._BaseAutoModelClass
+        original = cls.__dict__["from_pretrained"].__func__
+
+        @functools.wraps(original)
+        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+            name = ledger.on_model(name, f"{klass.__name__}.from_pretrained")
+            return original(klass, name, *args, **kwargs)
+
+        cls.from_pretrained = classmethod(from_pretrained)
+
+    def prepare(module: ModuleType) -> None:
+        # `from peft import prepare_model_for_kbit_training` reads the name where peft binds it.
+        for owner in (module, module.utils, module.utils.other):
+            original = getattr(owner, PREPARE)
+
+            @functools.wraps(original)
+            def wrapped(model: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                if args:  # its second positional parameter is use_gradient_checkpointing
+                    kwargs["use_gradient_checkpointing"], args = args[0], args[1:]
+                ledger.on_prepare(kwargs)
+                return _original(model, *args, **kwargs)
+
+            setattr(owner, PREPARE, wrapped)
+
+    return {
+        "transformers.training_args": arguments,
+        "transformers.utils.quantization_config": quantization,
+        "transformers.models.auto.auto_factory": model,
+        "peft.tuners.lora.config": lora,
+        "peft": prepare,
+    }
