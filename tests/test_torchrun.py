@@ -174,7 +174,7 @@ def test_the_earliest_real_failure_is_the_cause_and_broken_collectives_are_knock
 
 
 def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record() -> None:
-    """The classified failure of a two-rank attempt carries rank 1 / local rank 1 into the journal."""
+    """The classified failure of a two-rank attempt carries rank 1 / local rank 1 and its card (GPU 3) into the journal."""
     oom, broken = _report(1, 10.0, oom=True), _report(0, 9.0, message=GLOO_TIMEOUT)
     outcome = AttemptOutcome(
         number=1,
@@ -182,7 +182,7 @@ def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record
         exit=ChildExit(1, None, None, 3.0),  # torchrun's own exit status after a rank failed
         progress=Progress(step=2),
         report=first_failure([broken, oom]).report,  # type: ignore[union-attr]
-        memory=MemorySeen(),
+        memory=MemorySeen(cards={0: 2, 1: 3}),  # NVML watched local ranks 0, 1 on GPUs 2, 3
         resumed_from=0,
         started_at=0.0,
         ended_at=1.0,
@@ -198,6 +198,7 @@ def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record
         1,
     )
     assert "rank 1 (local rank 1) of 2 failed first; rank(s) 0 followed" in failure.evidence
+    assert failure.gpu == 3 and "trains on GPU 3" in failure.evidence
     record = failure_record(failure, outcome.report)
     assert Failure.from_json(record.to_json()) == record and record.rank == 1
 

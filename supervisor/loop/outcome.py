@@ -9,6 +9,7 @@ line, peak included, by one rule.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
@@ -38,6 +39,9 @@ class MemorySeen:
     gpu_total: int | None = None
     rss_peak: int | None = None
     xid_events: tuple[int, ...] = ()  # NVML Xids seen while the attempt ran
+    # Under torchrun: local rank -> NVML index of its card, and the Xids seen on each card.
+    cards: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    card_xids: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,34 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     is judged on it, :mod:`~qlora_supervise.supervisor.diagnosis.fragmentation`). Under torchrun
     the failure names the rank (and local rank: its GPU) whose report was the cause."""
     verdict = _judge(o, phase_done, fit)
-    if isinstance(verdict, Failure) and o.report is not None and o.report.world_size > 1:
+    if not isinstance(verdict, Failure):
+        return verdict
+    if o.report is not None and o.report.world_size > 1:
         cause = first_failure(o.reports or (o.report,))
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
-        return dataclasses.replace(verdict, rank=o.report.rank, local_rank=o.report.local_rank, evidence=why)
-    return verdict
+        verdict = dataclasses.replace(verdict, rank=o.report.rank, local_rank=o.report.local_rank, evidence=why)
+    elif verdict.local_rank is None and verdict.fatal_xid is not None:
+        verdict = _xid_card(verdict, o.memory.card_xids)
+    return _named_card(verdict, o.memory.cards)
+
+
+def _xid_card(failure: Failure, card_xids: Mapping[int, tuple[int, ...]]) -> Failure:
+    """A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on (drop_rank leaves
+    that card out, not the last one)."""
+    ranks = [rank for rank, xids in sorted(card_xids.items()) if failure.fatal_xid in xids]
+    if len(ranks) != 1:
+        return failure
+    why = f"{failure.evidence}; NVML saw Xid {failure.fatal_xid} on local rank {ranks[0]}'s card"
+    return dataclasses.replace(failure, rank=ranks[0], local_rank=ranks[0], evidence=why)
+
+
+def _named_card(failure: Failure, cards: Mapping[int, int]) -> Failure:
+    """The failing rank's card by its NVML (physical) index, in the record and the evidence."""
+    if failure.local_rank is None or failure.local_rank not in cards:
+        return failure
+    gpu = cards[failure.local_rank]
+    why = f"{failure.evidence} (local rank {failure.local_rank} trains on GPU {gpu}, NVML index)"
+    return dataclasses.replace(failure, gpu=gpu, evidence=why)
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:

@@ -47,7 +47,8 @@ from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_mov
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
-from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
+from qlora_supervise.supervisor.watching.cards import RankCards
+from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
 
@@ -78,6 +79,7 @@ class AttemptRunner:
         self.failed_at: float | None = None
         self.warm = False  # the attempt in flight runs in a spare
         self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
+        self.cards: RankCards | None = None  # every rank's card, while a torchrun attempt runs
 
     def _spare_keeper(self) -> SpareKeeper | None:
         ctx = self.ctx
@@ -130,12 +132,18 @@ class AttemptRunner:
         reader = HeartbeatReader(Path(spec.events_file))
         creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
         first = FirstStep(resume.step, started_at, self.failed_at, self.warm)
-        watched = self._watch(number, proc, reader, spec, log, creep, first)
-        if watched.stopped_by_signal:
-            self.spare_due = None  # the run stops: no attempt will need it
-        self._start_due_spare()  # the attempt ended before its first step: the next may need one
-        exit_ = self._end(proc, watched)
-        self._last_gpu_look(proc.pid, watched, attempt_dir, log)
+        self.cards = seams.open_cards(plan.knobs, ctx.job.resources.device)
+        try:
+            watched = self._watch(number, proc, reader, spec, log, creep, first)
+            if watched.stopped_by_signal:
+                self.spare_due = None  # the run stops: no attempt will need it
+            self._start_due_spare()  # the attempt ended before its first step: the next may need one
+            exit_ = self._end(proc, watched)
+            self._last_gpu_look(proc.pid, watched, attempt_dir, log)
+        finally:
+            if self.cards is not None:
+                self.cards.close()
+            self.cards = None
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
         # and before its checkpoint counts (it would otherwise be missed by one).
         note_child_events(reader.poll(seams.clock()), log)
@@ -151,6 +159,7 @@ class AttemptRunner:
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
+            **_card_fields(watched),
         )
         log_optimizer_reset(log, reader.progress)
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
@@ -171,6 +180,8 @@ class AttemptRunner:
                 watched.gpu_total,
                 watched.rss_peak,
                 tuple(watched.xid_events),
+                cards=dict(watched.cards),
+                card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
             ),
             resumed_from=resume.step,
             started_at=started_at,
@@ -267,7 +278,7 @@ class AttemptRunner:
             self._watch_creep(new, creep, proc, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
-                sample_memory(proc.pid, watched, ctx.gpu, gpu_log)
+                self._sample(proc.pid, watched, gpu_log)
                 next_sample = now + seams.sample_every_s
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
@@ -301,13 +312,20 @@ class AttemptRunner:
         log = self.ctx.rd.attempt(number).log
         return output_moving(spec, log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
 
+    def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
+        # Under torchrun each rank's card; else the job's one card.
+        if self.cards is not None:
+            sample_cards(pid, watched, self.cards, gpu_log)
+        else:
+            sample_memory(pid, watched, self.ctx.gpu, gpu_log)
+
     def _last_gpu_look(
         self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger
     ) -> None:
         """One more NVML sample after the exit (the Xid of a crash may come after the last
         tick's sample), then the ``gpu_fault`` line when any Xid was seen."""
-        if self.ctx.gpu is not None:
-            sample_memory(pid, watched, self.ctx.gpu, AttemptDir(attempt_dir).gpu)
+        if self.ctx.gpu is not None or self.cards is not None:
+            self._sample(pid, watched, AttemptDir(attempt_dir).gpu)
         if watched.xid_events:
             fatal = xid.fatal_xid(watched.xid_events)
             log.error(
@@ -344,3 +362,12 @@ class AttemptRunner:
                 window_steps=forecast.window_steps,
                 early_checkpoint_requested=forecast.asks_for_checkpoint,
             )
+
+
+def _card_fields(watched: Watched) -> dict[str, dict[str, int]]:
+    """``child_exited``'s per-card numbers under torchrun: each local rank's card (NVML index) and
+    the child's peak NVML saw there (the allocator's ``rank_peaks`` leave out the CUDA context)."""
+    if not watched.cards:
+        return {}
+    cards = {str(rank): index for rank, index in watched.cards.items()}
+    return {"cards": cards, "card_peaks": {str(rank): peak for rank, peak in watched.card_peaks.items()}}

@@ -18,7 +18,9 @@ from typing import Protocol
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.spare import SpawnSpare
 from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
+from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 class Clock(Protocol):
@@ -82,6 +84,8 @@ class Seams:
     spawn_spare: SpawnSpare | None = child_mod.spawn_spare
     argv: Callable[[Path, str], list[str]] = child_mod.child_argv
     open_gpu: Callable[[str], GpuProbe | None] = _open_gpu
+    # Under torchrun, every rank's card for one attempt (its knobs name the cards; None: not watched).
+    open_cards: Callable[[Knobs, str], RankCards | None] = RankCards.open
     oom_kills: Callable[[], int | None] = oom_kill_count
     signal_child: Callable[[int, int], None] = _signal_child
     tick_s: float = 0.5
