@@ -69,6 +69,7 @@ from qlora_supervise.policies.memory.optimizer import (
     adapter_tensors,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.sharding import sharded_components
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
@@ -127,10 +128,13 @@ def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> in
 
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
-    """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest."""
+    """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest;
+    under FSDP one rank's share of it (:mod:`.sharding`: nothing upcast, blocks sharded)."""
     quantized = shape.layers * shape.layer_params
+    per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+    if knobs.fsdp:
+        return sharded_components(shape, knobs, per_weight if knobs.load_in_4bit else LOAD_DTYPE)
     if knobs.load_in_4bit:
-        per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
         weights = int(quantized * per_weight)
     else:
         weights = quantized * FP32  # prepare_model_for_kbit_training upcasts 16-bit weights too
@@ -170,7 +174,7 @@ def load_components(
         largest = max(largest, shape.experts * 2 * shape.expert_intermediate * shape.hidden)
     if not knobs.load_in_4bit:
         largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
-    cast = largest * LOAD_DTYPE
+    cast = 0 if knobs.fsdp else largest * LOAD_DTYPE  # FSDP: nothing is upcast (.sharding)
     adapter_fp32 = lora_params(shape, knobs.lora_r, targets) * FP32
     if cast >= adapter_fp32:
         return {**base, "load_cast_16bit": cast}

@@ -1,0 +1,52 @@
+"""FSDP-QLoRA in the plan: a 70B-shaped job that fits no single capped card fits on two under FSDP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_plan import make_job
+
+from qlora_supervise.policies.memory.gpu import predict
+from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.supervisor.commands.plan import make_plan
+from qlora_supervise.trainer_child.contract.spec import Knobs
+
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+#: An 80 GB card capped to 40 GiB: the 4-bit 70B weights alone (33 GiB) and its fp32 head leave no
+#: room for a step on one card at any config, while each of two FSDP ranks holds half the blocks.
+CAPPED = "resources: {gpu_memory_limit: 40GiB, nproc_per_node: 2%s}\n"
+
+
+def test_a_70b_job_that_fits_no_single_capped_card_fits_on_two_under_fsdp(tmp_path: Path) -> None:
+    """DDP (a replica per card) finds nothing that fits; FSDP-QLoRA fits as written, per rank."""
+    (tmp_path / "ddp").mkdir(), (tmp_path / "fsdp").mkdir()
+    ddp = make_plan(str(make_job(tmp_path / "ddp", LLAMA_70B, CAPPED % "")), None)
+    assert not ddp["fits_as_written"] and not ddp["start"]["fits"]
+    fsdp = make_plan(str(make_job(tmp_path / "fsdp", LLAMA_70B, CAPPED % ", parallel: fsdp")), None)
+    start = fsdp["start"]
+    assert start["fits"] and not start["quality_changed"]
+    assert start["knobs"]["fsdp"] and start["knobs"]["world_size"] == 2 and start["knobs"]["max_seq_len"] == 4096
+    assert start["knobs"]["micro_batch_size"] * start["knobs"]["grad_accum"] * 2 == 16  # the job's batch
+    assert start["peak_bytes"] <= fsdp["card"]["budget_bytes"] / 1.02
+
+
+def test_fsdp_shards_the_blocks_and_keeps_the_root_and_two_gathered_blocks_whole() -> None:
+    """Per rank: 1/N of the 4-bit blocks, two blocks gathered, the 16-bit embeddings and head whole."""
+    shape = ModelShape.from_config(LLAMA_70B)
+    one = predict(shape, Knobs(model="m", world_size=1, micro_batch_size=1, max_seq_len=1024)).components
+    two = predict(shape, Knobs(model="m", world_size=2, fsdp=True, micro_batch_size=1, max_seq_len=1024)).components
+    four = predict(shape, Knobs(model="m", world_size=4, fsdp=True, micro_batch_size=1, max_seq_len=1024)).components
+    block = two["gathered_blocks"] // 2
+    assert abs(two["weights_4bit_shard"] * 2 - 80 * block) <= 2 and abs(four["weights_4bit_shard"] * 4 - 80 * block) <= 4
+    assert 80 * block >= one["weights_4bit"]  # the blocks' norms ride along in their units
+    assert two["embeddings_bf16"] * 2 == one["embeddings_fp32"]  # not upcast: one flat dtype per unit
+    assert "load_cast_16bit" not in predict(shape, Knobs(model="m", world_size=2, fsdp=True)).components
