@@ -34,19 +34,24 @@ def test_a_70b_job_that_fits_no_single_capped_card_fits_on_two_under_fsdp(tmp_pa
     fsdp = make_plan(str(make_job(tmp_path / "fsdp", LLAMA_70B, CAPPED % ", parallel: fsdp")), None)
     start = fsdp["start"]
     assert start["fits"] and not start["quality_changed"]
-    assert start["knobs"]["fsdp"] and start["knobs"]["world_size"] == 2 and start["knobs"]["max_seq_len"] == 4096
-    assert start["knobs"]["micro_batch_size"] * start["knobs"]["grad_accum"] * 2 == 16  # the job's batch
+    knobs = start["knobs"]
+    assert knobs["fsdp"] and knobs["world_size"] == 2 and knobs["max_seq_len"] == 4096
+    assert knobs["micro_batch_size"] * knobs["grad_accum"] * 2 == 16  # the job's batch
     assert start["peak_bytes"] <= fsdp["card"]["budget_bytes"] / 1.02
 
 
 def test_fsdp_shards_the_blocks_and_keeps_the_root_and_two_gathered_blocks_whole() -> None:
     """Per rank: 1/N of the 4-bit blocks, two blocks gathered, the 16-bit embeddings and head whole."""
     shape = ModelShape.from_config(LLAMA_70B)
-    one = predict(shape, Knobs(model="m", world_size=1, micro_batch_size=1, max_seq_len=1024)).components
-    two = predict(shape, Knobs(model="m", world_size=2, fsdp=True, micro_batch_size=1, max_seq_len=1024)).components
-    four = predict(shape, Knobs(model="m", world_size=4, fsdp=True, micro_batch_size=1, max_seq_len=1024)).components
+    one, two, four = (
+        predict(
+            shape, Knobs(model="m", world_size=n, fsdp=n > 1, micro_batch_size=1, max_seq_len=1024)
+        ).components
+        for n in (1, 2, 4)
+    )
     block = two["gathered_blocks"] // 2
-    assert abs(two["weights_4bit_shard"] * 2 - 80 * block) <= 2 and abs(four["weights_4bit_shard"] * 4 - 80 * block) <= 4
+    for ranks, per_rank in ((2, two), (4, four)):
+        assert abs(per_rank["weights_4bit_shard"] * ranks - 80 * block) <= ranks
     assert 80 * block >= one["weights_4bit"]  # the blocks' norms ride along in their units
     assert two["embeddings_bf16"] * 2 == one["embeddings_fp32"]  # not upcast: one flat dtype per unit
     assert "load_cast_16bit" not in predict(shape, Knobs(model="m", world_size=2, fsdp=True)).components

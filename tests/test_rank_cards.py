@@ -45,7 +45,7 @@ class PerCardNvml(FakeNvml):
 def test_each_rank_is_watched_on_its_own_card_through_cuda_visible_devices(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Local rank N is watched on the N-th card the child sees: CUDA_VISIBLE_DEVICES "2,3,0" puts ranks 0, 1 on GPUs 2, 3."""
+    """Local rank N is watched on the N-th card the child sees ("2,3,0": ranks 0, 1 on GPUs 2, 3)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,0")
     cards = RankCards.open(TWO, "auto", nvml=PerCardNvml())
     assert cards is not None and cards.indexes == {0: 2, 1: 3}
@@ -57,7 +57,7 @@ def test_each_rank_is_watched_on_its_own_card_through_cuda_visible_devices(
 
 
 def test_after_drop_rank_the_dropped_card_is_no_longer_watched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0's card failing: drop_rank leaves one process on visible position 1, and only that card is opened."""
+    """Rank 0's card failing: drop_rank leaves one process on visible position 1, the only card opened."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     failed_card_0 = RungContext(failed_local_rank=0)
     after = rung_by_name("drop_rank", failed_card_0).step(TWO, failed_card_0)
@@ -106,4 +106,3 @@ def test_a_fatal_xid_on_one_card_names_that_rank_so_drop_rank_leaves_its_card_ou
     context = RungContext(failed_local_rank=failure.local_rank)
     after = rung_by_name("drop_rank", context).step(TWO, context)
     assert after is not None and after.gpus == "1"
-

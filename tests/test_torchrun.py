@@ -174,7 +174,7 @@ def test_the_earliest_real_failure_is_the_cause_and_broken_collectives_are_knock
 
 
 def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record() -> None:
-    """The classified failure of a two-rank attempt carries rank 1 / local rank 1 and its card (GPU 3) into the journal."""
+    """A two-rank attempt's failure carries rank 1 / local rank 1 and its card (GPU 3) into the journal."""
     oom, broken = _report(1, 10.0, oom=True), _report(0, 9.0, message=GLOO_TIMEOUT)
     outcome = AttemptOutcome(
         number=1,

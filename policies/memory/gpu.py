@@ -134,10 +134,8 @@ def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
     per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
     if knobs.fsdp:
         return sharded_components(shape, knobs, per_weight if knobs.load_in_4bit else LOAD_DTYPE)
-    if knobs.load_in_4bit:
-        weights = int(quantized * per_weight)
-    else:
-        weights = quantized * FP32  # prepare_model_for_kbit_training upcasts 16-bit weights too
+    # Without 4-bit, prepare_model_for_kbit_training upcasts the 16-bit weights to fp32 too.
+    weights = int(quantized * per_weight) if knobs.load_in_4bit else quantized * FP32
     # bf16_head: the recipe leaves the embeddings and the untied head in the checkpoint's 16-bit
     # dtype instead of letting prepare_model_for_kbit_training upcast them (the norms stay fp32).
     size, dtype = (LOAD_DTYPE, "bf16") if knobs.bf16_head else (FP32, "fp32")

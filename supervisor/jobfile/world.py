@@ -240,6 +240,9 @@ def _rank_problems(
         return [Problem("resources.parallel", why, "fsdp", "set nproc_per_node: 2 or more, or parallel: ddp")]
     if ranks == 1 or bad & {"resources.nproc_per_node", "resources.gpu"}:
         return []
+    if resources.parallel == "fsdp" and resources.gpu == "cpu":
+        why = "accelerate runs CPU ranks as DDP only: FSDP needs GPUs (trainer_child/recipe/fsdp.py)"
+        return [Problem("resources.parallel", why, "fsdp", "set parallel: ddp, or gpu: auto on a GPU host")]
     if resources.gpu not in ("auto", "cpu"):
         why = f"names one GPU, but nproc_per_node {ranks} puts rank N on visible GPU N (LOCAL_RANK)"
         fix = (

@@ -93,7 +93,9 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     if o.report is not None and o.report.world_size > 1:
         cause = first_failure(o.reports or (o.report,))
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
-        verdict = dataclasses.replace(verdict, rank=o.report.rank, local_rank=o.report.local_rank, evidence=why)
+        verdict = dataclasses.replace(
+            verdict, rank=o.report.rank, local_rank=o.report.local_rank, evidence=why
+        )
     elif verdict.local_rank is None and verdict.fatal_xid is not None:
         verdict = _xid_card(verdict, o.memory.card_xids)
     return _named_card(verdict, o.memory.cards)

@@ -100,5 +100,7 @@ def pid_tree(pid: int) -> set[int]:
 
 
 def _sample_line(sample: GpuSample, rank: int | None = None) -> str:
-    fields = dataclasses.asdict(sample) if rank is None else {"local_rank": rank, **dataclasses.asdict(sample)}
+    fields = dataclasses.asdict(sample)
+    if rank is not None:
+        fields = {"local_rank": rank, **fields}
     return json.dumps(fields, default=str) + "\n"
