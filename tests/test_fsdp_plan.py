@@ -6,7 +6,7 @@ from pathlib import Path
 
 from test_plan import make_job
 
-from qlora_supervise.policies.memory.gpu import predict
+from qlora_supervise.policies.memory.gpu import training_phases
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.commands.plan import make_plan
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -41,17 +41,17 @@ def test_a_70b_job_that_fits_no_single_capped_card_fits_on_two_under_fsdp(tmp_pa
 
 
 def test_fsdp_shards_the_blocks_and_keeps_the_root_and_two_gathered_blocks_whole() -> None:
-    """Per rank: 1/N of the 4-bit blocks, two blocks gathered, the 16-bit embeddings and head whole."""
+    """Per rank: 1/N of the 4-bit blocks, two gathered, the 16-bit root whole; the load holds all of it."""
     shape = ModelShape.from_config(LLAMA_70B)
     one, two, four = (
-        predict(
-            shape, Knobs(model="m", world_size=n, fsdp=n > 1, micro_batch_size=1, max_seq_len=1024)
-        ).components
+        training_phases(shape, Knobs(model="m", world_size=n, fsdp=n > 1, max_seq_len=1024), "attention", 2)
         for n in (1, 2, 4)
     )
+    one, two, four = one["backward"], two["backward"], four["backward"]
     block = two["gathered_blocks"] // 2
     for ranks, per_rank in ((2, two), (4, four)):
         assert abs(per_rank["weights_4bit_shard"] * ranks - 80 * block) <= ranks
     assert 80 * block >= one["weights_4bit"]  # the blocks' norms ride along in their units
     assert two["embeddings_bf16"] * 2 == one["embeddings_fp32"]  # not upcast: one flat dtype per unit
-    assert "load_cast_16bit" not in predict(shape, Knobs(model="m", world_size=2, fsdp=True)).components
+    load = training_phases(shape, Knobs(model="m", world_size=2, fsdp=True), "attention", 2)["load"]
+    assert "load_cast_16bit" not in load and load["weights_4bit"] == 80 * block  # whole while it loads

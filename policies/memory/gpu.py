@@ -69,7 +69,7 @@ from qlora_supervise.policies.memory.optimizer import (
     adapter_tensors,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.memory.sharding import sharded_components
+from qlora_supervise.policies.memory.sharding import loaded_components, sharded_components
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
@@ -166,6 +166,9 @@ def load_components(
     """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter, and the
     adapter in peft's fp32 before trl casts it to bf16 (one tensor at a time, so not both at once)."""
     base = base_components(shape, knobs)
+    if knobs.fsdp:  # nothing is cast, but the load holds the whole model, unsharded (.sharding)
+        per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+        base = loaded_components(shape, per_weight if knobs.load_in_4bit else LOAD_DTYPE)
     # With bf16_head the embeddings and head are not cast: the largest cast is a norm's weight.
     largest = shape.hidden if knobs.bf16_head else shape.vocab * shape.hidden
     if shape.experts:  # one fused 3D parameter: every expert's gate and up of one block

@@ -10,6 +10,7 @@ What the recipe does under FSDP (trainer_child/recipe/fsdp.py, read against tran
 * **Sharded over the ranks**: each decoder block is one FSDP unit (``FULL_SHARD``), each LoRA
   layer one unit of its own; every rank keeps ``1/world_size`` of every unit. While a block runs,
   its unit is gathered whole, and with backward prefetch the next one too: two gathered blocks.
+* **The load** places the whole 4-bit model on every card (:func:`loaded_components`).
 * **The root unit** (embeddings, final norm, LM head) is gathered for the forward and again for
   the loss and its backward; it is counted whole on every rank.
 * **LoRA, its gradients and the optimizer state** are sharded too; the model counts them whole on
@@ -34,6 +35,17 @@ def block_bytes(shape: ModelShape, per_weight: float) -> int:
     """One decoder block as FSDP holds it: 4-bit linear layers, 16-bit experts, biases and norms."""
     norms = shape.norm_params // max(shape.layers, 1)
     return int(shape.layer_params * per_weight) + (shape.expert_params + shape.bias_params + norms) * STORAGE
+
+
+def loaded_components(shape: ModelShape, per_weight: float) -> dict[str, int]:
+    """The whole model on every card while it loads: bitsandbytes quantizes on the card, so
+    transformers places a 4-bit model on ``cuda:LOCAL_RANK`` whole before the Trainer shards it."""
+    head = 0 if shape.tie_word_embeddings else shape.vocab * shape.hidden * STORAGE
+    return {
+        "weights_4bit": shape.layers * block_bytes(shape, per_weight),
+        "embeddings_bf16": shape.vocab * shape.hidden * STORAGE,
+        "lm_head_bf16": head,
+    }
 
 
 def sharded_components(shape: ModelShape, knobs: Knobs, per_weight: float) -> dict[str, int]:
