@@ -33,6 +33,7 @@ from qlora_supervise.supervisor.loop.child_output import (
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
+from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
 from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
@@ -50,7 +51,7 @@ from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat
-from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec, rank_files
 
 
 @dataclasses.dataclass
@@ -165,6 +166,8 @@ class AttemptRunner:
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
         reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
+        if plan.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree
+            reports = seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
         report = report_of(reports)
         self.failed_at = None if exit_.returncode == 0 else failure_time(report, seams.wall())
         return AttemptOutcome(
@@ -238,8 +241,10 @@ class AttemptRunner:
         killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
         code = proc.poll() if killed is None else None
         if code is None:
-            # A hung process cannot use a long grace to checkpoint: it gets the short one.
-            grace = self.ctx.job.supervise.hang_grace if watched.hang else seams.stop_grace_s
+            # A hung process cannot use a long grace to checkpoint: it gets the short one (so do
+            # ranks left in a collective another rank's failure broke).
+            short = watched.hang or watched.ranks_overstayed
+            grace = self.ctx.job.supervise.hang_grace if short else seams.stop_grace_s
             code = proc.stop(grace)
         return ChildExit(
             returncode=code if code >= 0 else None,
@@ -294,6 +299,8 @@ class AttemptRunner:
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
                 return watched
+            if self._ranks_overstay(spec, watched, now, log):
+                return watched
             if hung(reader.progress, started, now, hang_timeout) and not self._output_moving(spec, number):
                 log.warning(
                     Event.HANG_DETECTED,
@@ -306,6 +313,29 @@ class AttemptRunner:
                 return watched
             proc.wait_for_exit(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
+
+    def _ranks_overstay(
+        self, spec: AttemptSpec, watched: Watched, now: float, log: FilteringBoundLogger
+    ) -> bool:
+        """Under torchrun, once a rank has reported a failure the others get ``rank_shutdown_s`` to
+        leave (a gloo rank leaves at once; an NCCL rank stuck in the collective the failure broke
+        does not, and torchrun would wait its whole shutdown timeout): then they are stopped."""
+        if spec.knobs.world_size <= 1:
+            return False
+        if watched.rank_failed_at is None:
+            watched.rank_failed_at = now if rank_files(spec.error_file) else None
+            return False
+        if now - watched.rank_failed_at < self.ctx.seams.rank_shutdown_s:
+            return False
+        watched.ranks_overstayed = True
+        log.warning(
+            Event.RANKS_SHUTDOWN_BOUNDED,
+            reported=[rank for rank, _ in rank_files(spec.error_file)],
+            waited_s=round(now - watched.rank_failed_at, 1),
+            grace_s=self.ctx.job.supervise.hang_grace,
+            why="a rank failed and the others did not leave: stopped, as a hang would be",
+        )
+        return True
 
     def _output_moving(self, spec: AttemptSpec, number: int) -> bool:
         """A tool whose shim never spoke: its log's growth stands in for heartbeats."""

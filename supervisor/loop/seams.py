@@ -91,3 +91,6 @@ class Seams:
     tick_s: float = 0.5
     sample_every_s: float = 2.0
     stop_grace_s: float = 180.0
+    # Under torchrun: how long the other ranks may take to leave after one rank reported a failure
+    # (NCCL's shutdown of a broken collective takes up to ~30 s; torchrun would wait stop_grace).
+    rank_shutdown_s: float = 30.0

@@ -32,6 +32,10 @@ class Watched:
     rss_peak: int | None = None
     creep: CreepForecast | None = None  # memory creep seen (and an early checkpoint asked for)
     xid_events: list[int] = dataclasses.field(default_factory=list)  # NVML Xids during the attempt
+    # Under torchrun: when a rank's failure report first showed, and whether the others then
+    # overstayed the bound (supervisor/loop/runner.py) and were stopped.
+    rank_failed_at: float | None = None
+    ranks_overstayed: bool = False
     # Under torchrun, per local rank: its card's NVML index, the child's peak there, its Xids.
     cards: dict[int, int] = dataclasses.field(default_factory=dict)
     card_peaks: dict[int, int] = dataclasses.field(default_factory=dict)

@@ -231,15 +231,11 @@ def train(ctx: Context) -> ExitCode:
 def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     """Emergency checkpoint when the state is consistent, then the report (cheaply)."""
     emergency = None
-    # Not under torchrun: a save needs every rank (a barrier, torch's own broadcasts), and the
-    # others are dead or stuck in a collective the failure broke; the last regular one serves.
-    alone = not ctx.place.distributed
-    if failure.oom and ctx.trainer is not None and failure.stage in EMERGENCY_STAGES and alone:
-        try:
-            path = ctx.trainer.save_emergency_checkpoint()
-            emergency = (str(path), ctx.trainer.state.global_step) if path else None
-        except BaseException as exc:  # the report must still be written
-            failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
+    try:
+        path = emergency_save(ctx, failure)
+        emergency = (str(path), ctx.trainer.state.global_step) if path else None
+    except BaseException as exc:  # the report must still be written
+        failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
     ctx.trainer = None
     # After a CUDA OOM the report needs no host memory back, and a full gc plus empty_cache only
     # delay the exit the next attempt waits for (the emergency checkpoint frees what it needs
@@ -256,6 +252,19 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
             flush=True,
         )
     return failure.exit_code
+
+
+def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
+    """The emergency checkpoint a failure in forward, backward or eval allows: one process saves it
+    after its own OOM; under torchrun (DDP) each rank saves its part after any failure there (its
+    own, or the collective another rank's broke: the state is step N's on every rank either way),
+    and the supervisor trusts the parts only when every rank's names the same step."""
+    if ctx.trainer is None or failure.stage not in EMERGENCY_STAGES:
+        return None
+    if not ctx.place.distributed:
+        return ctx.trainer.save_emergency_checkpoint() if failure.oom else None
+    # FSDP: a rank holds a shard only, and gathering it is a collective the failure broke.
+    return None if ctx.spec.knobs.fsdp else ctx.trainer.save_rank_part()
 
 
 def report_failure(
