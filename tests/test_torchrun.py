@@ -287,6 +287,26 @@ def test_a_card_that_keeps_failing_drops_its_rank_instead_of_giving_up() -> None
     assert isinstance(after, policy.Restart) and after.rung == "drop_rank" and after.knobs.gpus == "1"
 
 
+def test_a_rank_killed_with_no_report_is_named_and_its_card_dropped_when_it_keeps_dying() -> None:
+    """Rank 1 SIGKILLed leaves no report and rank 0 only a broken collective: rank 1 is the cause,
+    and when that comes back with no step trained in between, drop_rank leaves card 1 out."""
+    broken = _report(0, 9.0, message=GLOO_TIMEOUT)
+    outcome = AttemptOutcome(
+        number=1, plan=Plan(Phase.TRAIN, TWO), exit=ChildExit(1, None, None, 3.0), progress=Progress(step=2),
+        report=broken, memory=MemorySeen(cards={0: 2, 1: 3}), resumed_from=0, started_at=0.0, ended_at=1.0,
+        log_tail="", reports=(broken,),
+    )  # fmt: skip
+    failure = judge(outcome, phase_done=False)
+    assert isinstance(failure, Failure) and (failure.rank, failure.local_rank, failure.gpu) == (1, 1, 3)
+    assert "rank 1 left no report" in failure.evidence
+    settings = policy.Settings()
+    history = [policy.PastAttempt(TWO, failure.kind, 0) for _ in range(settings.max_no_progress)]
+    restart = policy.decide(failure, TWO, history, settings)
+    assert isinstance(restart, policy.Restart) and restart.rung == "drop_rank", restart
+    assert restart.knobs.gpus == "0" or restart.knobs.gpus == ""  # card 1 left out: card 0 is rank 0
+    assert restart.knobs.world_size == 1 and restart.knobs.effective_batch == TWO.effective_batch
+
+
 # ---- the job field -----------------------------------------------------------------------
 
 

@@ -115,7 +115,8 @@ class Failure:
             "expandable_segments_active": self.expandable_segments_active,
             "rank": self.rank,
             "local_rank": self.local_rank,
-            "gpu": self.gpu,
+            # Only where NVML named the card: lines written before it had none read back the same.
+            **({"gpu": self.gpu} if self.gpu is not None else {}),
         }
 
     @classmethod

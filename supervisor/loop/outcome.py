@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure
+from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
@@ -93,12 +93,25 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     if o.report is not None and o.report.world_size > 1:
         cause = first_failure(o.reports or (o.report,))
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
-        verdict = dataclasses.replace(
-            verdict, rank=o.report.rank, local_rank=o.report.local_rank, evidence=why
-        )
+        rank, local = o.report.rank, o.report.local_rank
+        silent = _silent_rank(o.reports or (o.report,))
+        if silent is not None:  # one host (torchrun --standalone): the rank is its local rank
+            rank = local = silent
+            why = f"{why}; rank {silent} left no report: it died first"
+        verdict = dataclasses.replace(verdict, rank=rank, local_rank=local, evidence=why)
     elif verdict.local_rank is None and verdict.fatal_xid is not None:
         verdict = _xid_card(verdict, o.memory.card_xids)
     return _named_card(verdict, o.memory.cards)
+
+
+def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
+    """The one rank that left no report when every report is a knock-on: it died first (a SIGKILL,
+    a segfault) and broke the others' collective. None when a rank reported a cause of its own."""
+    world = reports[0].world_size
+    if any(not is_knock_on(r) for r in reports):
+        return None
+    silent = set(range(world)) - {r.rank for r in reports}
+    return silent.pop() if len(silent) == 1 else None
 
 
 def _xid_card(failure: Failure, card_xids: Mapping[int, tuple[int, ...]]) -> Failure:

@@ -35,8 +35,20 @@ from qlora_supervise.trainer_child.recipe.batches import BatchTracker
 from qlora_supervise.trainer_child.recipe.resume_state import inject_resume_cap, load_through_host
 from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import StepShapes, apply_cpu_cap, free_memory, late_cap_step
-from qlora_supervise.trainer_child.run.torchrun import barrier, decide_together, staging_owner, this_rank
+from qlora_supervise.trainer_child.run.memory import (
+    StepShapes,
+    apply_cpu_cap,
+    apply_gpu_cap,
+    free_memory,
+    late_cap_step,
+)
+from qlora_supervise.trainer_child.run.torchrun import (
+    barrier,
+    decide_together,
+    injected_gpu_cap,
+    staging_owner,
+    this_rank,
+)
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
@@ -333,6 +345,7 @@ class SupervisionCallback(TrainerCallback):
         self.trainer.finish_step()
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
             apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
+            apply_gpu_cap(injected_gpu_cap(self.trainer.place))  # ... and torchrun.TEST_RANK_GPU_CAP
             self.cap_after_step = None
         progress = self.trainer.progress
         # The ranks decide together: one that saves or stops alone would hang the others.
