@@ -288,8 +288,9 @@ def test_a_card_that_keeps_failing_drops_its_rank_instead_of_giving_up() -> None
 
 
 def test_a_rank_killed_with_no_report_is_named_and_its_card_dropped_when_it_keeps_dying() -> None:
-    """Rank 1 SIGKILLed leaves no report and rank 0 only a broken collective: rank 1 is the cause,
-    and when that comes back with no step trained in between, drop_rank leaves card 1 out."""
+    """Rank 1 SIGKILLed leaves no report and rank 0 only a broken collective (or none: then torchrun's
+    summary names it): rank 1 is the cause, and when that comes back with no step trained in
+    between, drop_rank leaves card 1 out."""
     broken = _report(0, 9.0, message=GLOO_TIMEOUT)
     outcome = AttemptOutcome(
         number=1, plan=Plan(Phase.TRAIN, TWO), exit=ChildExit(1, None, None, 3.0), progress=Progress(step=2),
@@ -305,6 +306,15 @@ def test_a_rank_killed_with_no_report_is_named_and_its_card_dropped_when_it_keep
     assert isinstance(restart, policy.Restart) and restart.rung == "drop_rank", restart
     assert restart.knobs.gpus == "0" or restart.knobs.gpus == ""  # card 1 left out: card 0 is rank 0
     assert restart.knobs.world_size == 1 and restart.knobs.effective_batch == TWO.effective_batch
+    # No rank reported at all (rank 0 was stopped in its load): torchrun's own summary names rank 1.
+    summary = (
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-12-04_15:12:43\n  host      : h\n"
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 6482)\n  traceback : Signal 9 (SIGKILL)\n"
+    )
+    silent = dataclasses.replace(outcome, report=None, reports=(), log_tail=summary)
+    unreported = judge(silent, phase_done=False)
+    assert isinstance(unreported, Failure) and (unreported.local_rank, unreported.gpu) == (1, 3)
+    assert "torchrun saw rank 1 fail first" in unreported.evidence
 
 
 # ---- the job field -----------------------------------------------------------------------

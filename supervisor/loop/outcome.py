@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
+from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on, torchrun_root_rank
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.records import (
@@ -101,6 +101,8 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
         verdict = dataclasses.replace(verdict, rank=rank, local_rank=local, evidence=why)
     elif verdict.local_rank is None and verdict.fatal_xid is not None:
         verdict = _xid_card(verdict, o.memory.card_xids)
+    elif o.plan.knobs.world_size > 1 and verdict.local_rank is None:
+        verdict = _root_rank(verdict, o.log_tail)
     return _named_card(verdict, o.memory.cards)
 
 
@@ -112,6 +114,16 @@ def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
         return None
     silent = set(range(world)) - {r.rank for r in reports}
     return silent.pop() if len(silent) == 1 else None
+
+
+def _root_rank(failure: Failure, log_tail: str) -> Failure:
+    """No rank reported: the one torchrun's summary names as the root cause (a rank killed by a
+    signal, or the others stopped before they could report)."""
+    rank = torchrun_root_rank(log_tail)
+    if rank is None:
+        return failure
+    why = f"{failure.evidence}; torchrun saw rank {rank} fail first and no rank reported"
+    return dataclasses.replace(failure, rank=rank, local_rank=rank, evidence=why)
 
 
 def _xid_card(failure: Failure, card_xids: Mapping[int, tuple[int, ...]]) -> Failure:
