@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from test_plan import make_job
 
 from qlora_supervise.policies.memory.gpu import training_phases
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.supervisor.commands.plan import make_plan
+from qlora_supervise.supervisor.commands.plan import make_plan, plan_command
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 LLAMA_70B = {
@@ -38,6 +39,9 @@ def test_a_70b_job_that_fits_no_single_capped_card_fits_on_two_under_fsdp(tmp_pa
     assert knobs["fsdp"] and knobs["world_size"] == 2 and knobs["max_seq_len"] == 4096
     assert knobs["micro_batch_size"] * knobs["grad_accum"] * 2 == 16  # the job's batch
     assert start["peak_bytes"] <= fsdp["card"]["budget_bytes"] / 1.02
+    out = io.StringIO()
+    plan_command(str(tmp_path / "fsdp" / "job.yaml"), None, out=out)
+    assert "(per rank, 2 ranks, FSDP: weights sharded)" in out.getvalue()  # what plan prints
 
 
 def test_fsdp_shards_the_blocks_and_keeps_the_root_and_two_gathered_blocks_whole() -> None:

@@ -364,9 +364,23 @@ def test_bad_nproc_per_node_is_refused_with_the_fix(tmp_path: Path, monkeypatch:
     assert "micro_batch_size x nproc_per_node (6)" in odd["train.effective_batch_size"]
 
 
+def test_parallel_fsdp_is_a_knob_of_two_or_more_gpu_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """parallel: fsdp sets Knobs.fsdp; one rank has nothing to shard with, CPU ranks would be DDP."""
+    monkeypatch.setattr(world_mod, "visible_gpu_count", lambda: 2)
+    job = load_job(_job(tmp_path, "{gpu: auto, nproc_per_node: 2, parallel: fsdp}"))
+    assert job.knobs.fsdp and job.knobs.world_size == 2
+    assert not load_job(_job(tmp_path, "{gpu: auto, nproc_per_node: 2}")).knobs.fsdp
+    assert "nproc_per_node: 2 or more" in _problems(_job(tmp_path, "{parallel: fsdp}"))["resources.parallel"]
+    cpu = _problems(_job(tmp_path, "{gpu: cpu, nproc_per_node: 2, parallel: fsdp}"))["resources.parallel"]
+    assert "FSDP needs GPUs" in cpu
+
+
 def test_changing_nproc_per_node_of_a_run_needs_restart() -> None:
     """The ranks are in the journal's knobs: a changed nproc_per_node is not applied silently on resume."""
     assert not FieldChange("resources.nproc_per_node", 2, None).safe
+    assert not FieldChange("resources.parallel", "fsdp", None).safe  # a checkpoint's layout is the mode's
     assert FieldChange("resources.cpu_memory_limit", 1, 2).safe
 
 

@@ -247,7 +247,7 @@ def fix_line(r: AttemptRecord) -> str | None:
 def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     """A few lines per attempt: config, outcome, failure, the fix, decision, progress kept."""
     k = r.knobs
-    ranks = f" x ranks {k.world_size}" if k.world_size > 1 else ""
+    ranks = f" x ranks {k.world_size}{' (FSDP)' if k.fsdp else ''}" if k.world_size > 1 else ""
     config = (
         f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}{ranks}, seq_len {k.max_seq_len}, "
         f"grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
