@@ -34,6 +34,7 @@ from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
+from qlora_supervise.supervisor.loop.rank_watch import card_fields, ranks_overstay
 from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
@@ -51,7 +52,7 @@ from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat
-from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec, rank_files
+from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
 
 
 @dataclasses.dataclass
@@ -160,7 +161,7 @@ class AttemptRunner:
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
-            **_card_fields(watched),
+            **card_fields(watched),
         )
         log_optimizer_reset(log, reader.progress)
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
@@ -299,7 +300,8 @@ class AttemptRunner:
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
                 return watched
-            if self._ranks_overstay(spec, watched, now, log):
+            if ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
+                watched.ranks_overstayed = True
                 return watched
             if hung(reader.progress, started, now, hang_timeout) and not self._output_moving(spec, number):
                 log.warning(
@@ -313,29 +315,6 @@ class AttemptRunner:
                 return watched
             proc.wait_for_exit(seams.tick_s, seams.sleep)  # woken early by the child's exit
         return watched
-
-    def _ranks_overstay(
-        self, spec: AttemptSpec, watched: Watched, now: float, log: FilteringBoundLogger
-    ) -> bool:
-        """Under torchrun, once a rank has reported a failure the others get ``rank_shutdown_s`` to
-        leave (a gloo rank leaves at once; an NCCL rank stuck in the collective the failure broke
-        does not, and torchrun would wait its whole shutdown timeout): then they are stopped."""
-        if spec.knobs.world_size <= 1:
-            return False
-        if watched.rank_failed_at is None:
-            watched.rank_failed_at = now if rank_files(spec.error_file) else None
-            return False
-        if now - watched.rank_failed_at < self.ctx.seams.rank_shutdown_s:
-            return False
-        watched.ranks_overstayed = True
-        log.warning(
-            Event.RANKS_SHUTDOWN_BOUNDED,
-            reported=[rank for rank, _ in rank_files(spec.error_file)],
-            waited_s=round(now - watched.rank_failed_at, 1),
-            grace_s=self.ctx.job.supervise.hang_grace,
-            why="a rank failed and the others did not leave: stopped, as a hang would be",
-        )
-        return True
 
     def _output_moving(self, spec: AttemptSpec, number: int) -> bool:
         """A tool whose shim never spoke: its log's growth stands in for heartbeats."""
@@ -392,12 +371,3 @@ class AttemptRunner:
                 window_steps=forecast.window_steps,
                 early_checkpoint_requested=forecast.asks_for_checkpoint,
             )
-
-
-def _card_fields(watched: Watched) -> dict[str, dict[str, int]]:
-    """``child_exited``'s per-card numbers under torchrun: each local rank's card (NVML index) and
-    the child's peak NVML saw there (the allocator's ``rank_peaks`` leave out the CUDA context)."""
-    if not watched.cards:
-        return {}
-    cards = {str(rank): index for rank, index in watched.cards.items()}
-    return {"cards": cards, "card_peaks": {str(rank): peak for rank, peak in watched.card_peaks.items()}}

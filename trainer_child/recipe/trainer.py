@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
-from qlora_supervise.trainer_child.contract import checkpoints, rank_parts
+from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.codes import Stage
@@ -257,28 +257,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         with _checkpoint_load(checkpoint, "RNG state"):
             super()._load_rng_state(checkpoint)
 
-    def save_rank_part(self) -> Path | None:
-        """This rank's part of an emergency checkpoint of step N under torchrun (DDP), written with no
-        collective (:mod:`...contract.rank_parts`): rank 0 the adapter, optimizer, scheduler and
-        trainer state (every rank holds the same), each rank its RNG state, then the part's marker."""
-        step = self.state.global_step
-        if step <= 0 or checkpoints.is_complete(self.plan.directory / f"{CHECKPOINT_PREFIX}{step}"):
-            return None  # nothing learnt yet, or step N's regular checkpoint is already sealed
-        self._drop_step_in_flight()
-        part = rank_parts.part_dir(self.plan.directory, step, staging_owner(self.place), self.place.rank)
-        shutil.rmtree(part, ignore_errors=True)
-        part.mkdir(parents=True)
-        if self.place.is_main:
-            ensure_room(self.plan.directory)
-            self._save(str(part))  # what Trainer's own checkpoint writes of the model (no collective)
-            self._save_optimizer_and_scheduler(str(part))
-            self.state.save_to_json(str(part / "trainer_state.json"))
-        self._save_rng_state(str(part))
-        done = {"step": step, "rank": self.place.rank, "world_size": self.place.world_size}
-        (part / rank_parts.PART_DONE).write_text(json.dumps(done), encoding="utf-8")
-        return part
-
-    def _drop_step_in_flight(self) -> None:
+    def drop_step_in_flight(self) -> None:
         """The partly accumulated gradients of step N+1 go; weights and optimizer state are step N's."""
         if self.model is not None:  # Trainer always has one by now; the attribute is Optional
             self.model.zero_grad(set_to_none=True)
@@ -293,7 +272,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         exact (step N+1's optimizer.step never ran); only the partly accumulated gradients are dropped."""
         if self.state.global_step <= 0:
             return None  # nothing learnt yet: a fresh start loses nothing
-        self._drop_step_in_flight()
+        self.drop_step_in_flight()
         self._emergency = True
         return self._write_checkpoint(self.model, None)
 

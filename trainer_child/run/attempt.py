@@ -264,7 +264,11 @@ def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
     if not ctx.place.distributed:
         return ctx.trainer.save_emergency_checkpoint() if failure.oom else None
     # FSDP: a rank holds a shard only, and gathering it is a collective the failure broke.
-    return None if ctx.spec.knobs.fsdp else ctx.trainer.save_rank_part()
+    if ctx.spec.knobs.fsdp:
+        return None
+    from qlora_supervise.trainer_child.recipe.rank_part import save_rank_part
+
+    return save_rank_part(ctx.trainer)
 
 
 def report_failure(
