@@ -25,10 +25,12 @@ from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop import launch, seams
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.generations import FieldChange
 from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome, Phase
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
+from qlora_supervise.trainer_child.contract.checkpoints import publish
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport
@@ -381,6 +383,30 @@ def test_changing_nproc_per_node_of_a_run_needs_restart() -> None:
     """The ranks are in the journal's knobs: a changed nproc_per_node is not applied silently on resume."""
     assert not FieldChange("resources.nproc_per_node", 2, None).safe
     assert not FieldChange("resources.parallel", "fsdp", None).safe  # a checkpoint's layout is the mode's
+
+
+def test_drop_rank_to_one_leaves_fsdp_and_its_optimizer_state_is_reset_on_resume(tmp_path: Path) -> None:
+    """FSDP on 2 ranks dropped to 1 trains as one process, from the adapter of FSDP's checkpoint with a
+    fresh optimizer (FSDP's optimizer.bin is laid out its own way)."""
+    fsdp = dataclasses.replace(TWO, fsdp=True)
+    context = RungContext(failed_local_rank=1)
+    one = rung_by_name("drop_rank", context).step(fsdp, context)
+    assert one is not None and (one.world_size, one.fsdp, one.effective_batch) == (
+        1,
+        False,
+        TWO.effective_batch,
+    )
+    three = rung_by_name("drop_rank", context).step(
+        dataclasses.replace(fsdp, world_size=3, grad_accum=2), context
+    )
+    assert three is not None and three.fsdp  # two ranks left still shard
+    written = tmp_path / "checkpoints" / ".tmp-checkpoint-4"
+    written.mkdir(parents=True)
+    (written / "adapter_model.safetensors").write_bytes(b"a")
+    (written / "optimizer.bin").write_bytes(b"fsdp's")
+    publish(written, tmp_path / "checkpoints" / "checkpoint-4", step=4, knobs=fsdp, emergency=False)
+    assert resume_point(tmp_path / "checkpoints", one).reset_optimizer
+    assert not resume_point(tmp_path / "checkpoints", fsdp).reset_optimizer
     assert FieldChange("resources.cpu_memory_limit", 1, 2).safe
 
 
