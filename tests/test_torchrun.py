@@ -25,11 +25,13 @@ from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop import launch, seams
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.rank_watch import note_rank_exits
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.generations import FieldChange
 from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome, Phase
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
+from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract.checkpoints import publish
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers
@@ -316,7 +318,29 @@ def test_a_rank_killed_with_no_report_is_named_and_its_card_dropped_when_it_keep
     silent = dataclasses.replace(outcome, report=None, reports=(), log_tail=summary)
     unreported = judge(silent, phase_done=False)
     assert isinstance(unreported, Failure) and (unreported.local_rank, unreported.gpu) == (1, 3)
-    assert "torchrun saw rank 1 fail first" in unreported.evidence
+    assert "rank 1 failed and no rank reported: torchrun saw it fail first" in unreported.evidence
+    # The supervisor saw rank 0's process leave first: that outweighs torchrun's summary.
+    seen = judge(dataclasses.replace(silent, rank_exits={1: 12.0, 0: 5.0}), phase_done=False)
+    assert isinstance(seen, Failure) and seen.local_rank == 0 and "its process left first" in seen.evidence
+
+
+def test_the_supervisor_notes_when_each_ranks_process_is_gone(tmp_path: Path) -> None:
+    """Each rank's pid comes from its started event; a process that exited is noted, a live one not."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    spec = AttemptSpec(
+        attempt=1, run_dir=str(tmp_path), knobs=TWO, data=DataSpec(path="d"), train=TrainSpec(),
+        events_file=str(tmp_path / "child-events.jsonl"), error_file=str(tmp_path / "error.json"),
+        checkpoints_dir="c", adapter_dir="a", merged_dir="m",
+    )  # fmt: skip
+    for rank, pid in ((0, os.getpid()), (1, int(gone.stdout))):
+        Path(rank_file(spec.events_file, rank)).write_text(
+            json.dumps({"event": "started", "pid": pid, "rank": rank}) + "\n"
+        )
+    watched = Watched(Progress())
+    note_rank_exits(spec, watched, 7.0)
+    assert watched.rank_pids == {0: os.getpid(), 1: int(gone.stdout)} and watched.rank_exits == {1: 7.0}
 
 
 # ---- the job field -----------------------------------------------------------------------

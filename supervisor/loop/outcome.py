@@ -62,6 +62,8 @@ class AttemptOutcome:
     host_predicted: int | None = None  # the host model's training peak for the plan's knobs
     # Under torchrun, every rank's report (``report`` is the cause among them); empty otherwise.
     reports: tuple[ErrorReport, ...] = ()
+    # Under torchrun, when the supervisor first saw each rank's process gone (clock seconds).
+    rank_exits: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def steps_completed(self) -> int:
@@ -102,7 +104,7 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     elif verdict.local_rank is None and verdict.fatal_xid is not None:
         verdict = _xid_card(verdict, o.memory.card_xids)
     elif o.plan.knobs.world_size > 1 and verdict.local_rank is None:
-        verdict = _root_rank(verdict, o.log_tail)
+        verdict = _root_rank(verdict, o.rank_exits, o.log_tail)
     return _named_card(verdict, o.memory.cards)
 
 
@@ -116,13 +118,17 @@ def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
     return silent.pop() if len(silent) == 1 else None
 
 
-def _root_rank(failure: Failure, log_tail: str) -> Failure:
-    """No rank reported: the one torchrun's summary names as the root cause (a rank killed by a
-    signal, or the others stopped before they could report)."""
-    rank = torchrun_root_rank(log_tail)
+def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str) -> Failure:
+    """No rank reported (a rank killed by a signal, the others stopped before they could report):
+    the rank whose process the supervisor saw leave first, else the one torchrun's summary names."""
+    first = sorted(rank_exits.items(), key=lambda item: item[1])
+    if first and (len(first) == 1 or first[0][1] < first[1][1]):
+        rank, whose = first[0][0], "its process left first"
+    else:
+        rank, whose = torchrun_root_rank(log_tail), "torchrun saw it fail first"
     if rank is None:
         return failure
-    why = f"{failure.evidence}; torchrun saw rank {rank} fail first and no rank reported"
+    why = f"{failure.evidence}; rank {rank} failed and no rank reported: {whose}"
     return dataclasses.replace(failure, rank=rank, local_rank=rank, evidence=why)
 
 

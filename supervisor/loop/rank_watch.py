@@ -1,13 +1,43 @@
-"""What the runner watches of a torchrun attempt beyond one process: the ranks that outstay another
-rank's failure, and each rank's card in the ``child_exited`` line."""
+"""What the runner watches of a torchrun attempt beyond one process: when each rank's process left,
+the ranks that outstay another rank's failure, and each rank's card in the ``child_exited`` line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.trainer_child.contract.events import Started, read_events
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_files
+
+
+def note_rank_exits(spec: AttemptSpec, watched: Watched, now: float) -> None:
+    """When each rank's process (its pid from its ``started`` event) was first seen gone: with no
+    report that says otherwise, the rank that left first is the one that failed (a SIGKILL, while
+    the others were stopped before they could report)."""
+    if spec.knobs.world_size <= 1:
+        return
+    for rank, path in rank_files(spec.events_file):
+        if rank not in watched.rank_pids:  # read until found: a rank's file is short at its start
+            started = [e for e in read_events(Path(path)) if isinstance(e, Started) and e.pid]
+            if started and started[-1].pid is not None:
+                watched.rank_pids[rank] = started[-1].pid
+    for rank, pid in watched.rank_pids.items():
+        if rank not in watched.rank_exits and _gone(pid):
+            watched.rank_exits[rank] = now
+
+
+def _gone(pid: int) -> bool:
+    # A rank is torchrun's child: until torchrun reaps it, a dead rank is a zombie.
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # not ours to look at: taken as alive
+        return False
 
 
 def ranks_overstay(

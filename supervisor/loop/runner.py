@@ -34,7 +34,7 @@ from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
-from qlora_supervise.supervisor.loop.rank_watch import card_fields, ranks_overstay
+from qlora_supervise.supervisor.loop.rank_watch import card_fields, note_rank_exits, ranks_overstay
 from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
@@ -192,6 +192,7 @@ class AttemptRunner:
             ended_at=seams.wall(),
             log_tail=child_mod.log_tail(AttemptDir(attempt_dir).log),
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
+            rank_exits=dict(watched.rank_exits),
         )
 
     def spawn(self, ready: Prepared) -> ChildHandle:
@@ -300,6 +301,7 @@ class AttemptRunner:
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
                 return watched
+            note_rank_exits(spec, watched, now)
             if ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
                 watched.ranks_overstayed = True
                 return watched

@@ -36,6 +36,8 @@ class Watched:
     # overstayed the bound (supervisor/loop/runner.py) and were stopped.
     rank_failed_at: float | None = None
     ranks_overstayed: bool = False
+    rank_pids: dict[int, int] = dataclasses.field(default_factory=dict)  # from each rank's started event
+    rank_exits: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> first seen gone
     # Under torchrun, per local rank: its card's NVML index, the child's peak there, its Xids.
     cards: dict[int, int] = dataclasses.field(default_factory=dict)
     card_peaks: dict[int, int] = dataclasses.field(default_factory=dict)
