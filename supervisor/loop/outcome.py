@@ -122,6 +122,7 @@ def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str)
     """No rank reported (a rank killed by a signal, the others stopped before they could report):
     the rank whose process the supervisor saw leave first, else the one torchrun's summary names."""
     first = sorted(rank_exits.items(), key=lambda item: item[1])
+    rank: int | None
     if first and (len(first) == 1 or first[0][1] < first[1][1]):
         rank, whose = first[0][0], "its process left first"
     else:
