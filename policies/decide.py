@@ -23,7 +23,8 @@ Order of the rules (first match wins):
    rule 3 and ``max_attempts`` still bound it)
    A GPU fault: a fatal Xid -> GiveUp, not retryable (on that GPU); another -> as hang.
    Under torchrun (``world_size`` > 1) a card that keeps failing (a fatal Xid, a fault that
-   came back, contention that outlasted the wait) -> Restart with ``drop_rank``: the other
+   came back, contention that outlasted the wait, a hang / nccl / other failure of a named rank
+   repeated to the crash-loop limit, e.g. a rank killed) -> Restart with ``drop_rank``: the other
    cards, accumulation raised so micro x accumulation x ranks holds (GiveUp as above when it
    cannot hold exactly)
 6. OOM-like kinds -> the next config, as :mod:`.choice` decides it (the search, then the ladder
@@ -118,11 +119,14 @@ def decide(
         return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
     if len(failed) >= settings.max_attempts:
         return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
+    # Under torchrun a rank whose failure keeps coming back costs its card, not the run.
+    named = kind in RETRY_UNCHANGED_ONCE and getattr(failure, "local_rank", None) is not None
     if _no_progress_streak(failed) >= settings.max_no_progress:
-        return GiveUp(
+        crash_loop = GiveUp(
             f"{settings.max_no_progress} attempts in a row trained no step with the same config "
             "(crash loop); see attempts.jsonl"
         )
+        return (without_card(failure, knobs, f"{kind.value} came back") if named else None) or crash_loop
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
         return after_contention(failure, knobs, settings, waited)
     if kind is FailureKind.DISK_FULL:
@@ -131,8 +135,9 @@ def decide(
         # A GPU that faulted is retried once (issue 9); other transient kinds up to the crash-loop limit.
         limit = 2 if kind is FailureKind.GPU_FAULT else settings.max_no_progress
         retried = _retry_unchanged(kind, knobs, history, limit)
-        if kind is FailureKind.GPU_FAULT and isinstance(retried, GiveUp):
-            return without_card(failure, knobs, "the card faulted again") or retried
+        if isinstance(retried, GiveUp) and (kind is FailureKind.GPU_FAULT or named):
+            why = "the card faulted again" if kind is FailureKind.GPU_FAULT else f"{kind.value} came back"
+            return without_card(failure, knobs, why) or retried
         return retried
     plain_retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
     if plain_retry is not None:  # 6a: a host OOM kill after progress, the first with these knobs

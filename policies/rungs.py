@@ -186,8 +186,14 @@ def _drop_rank(k: Knobs, context: RungContext) -> Knobs | None:
     failed = context.failed_local_rank
     cards.pop(failed if failed is not None and 0 <= failed < len(cards) else len(cards) - 1)
     gpus = "" if cards == list(range(ranks - 1)) else ",".join(map(str, cards))
+    # One rank left has nothing to shard with: it trains as one process (FSDP's optimizer state is
+    # then reset on resume, supervisor/loop/resume.py).
     return dataclasses.replace(
-        k, world_size=ranks - 1, grad_accum=k.grad_accum * ranks // (ranks - 1), gpus=gpus
+        k,
+        world_size=ranks - 1,
+        grad_accum=k.grad_accum * ranks // (ranks - 1),
+        gpus=gpus,
+        fsdp=k.fsdp and ranks > 2,
     )
 
 

@@ -29,7 +29,7 @@ from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_CO
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_file
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
 
 GiB = 1024**3
@@ -67,7 +67,8 @@ class FakeChild:
     After one fake second it has trained up to step N-1 and then: ``ok`` finishes; ``oom@N`` /
     ``oom_backward@N`` / ``contention@N`` exit with an OOM report and an emergency checkpoint;
     ``killed@N`` dies of SIGKILL with no report; ``config_error`` reports a config error at load;
-    ``hang@N`` stops making progress until it is stopped, then checkpoints and exits STOPPED.
+    ``hang@N`` stops making progress until it is stopped, then checkpoints and exits STOPPED;
+    ``rank_left@N`` (two ranks): rank 1 reports an OOM, rank 0 stays stuck until it is killed.
     """
 
     spec: AttemptSpec
@@ -89,6 +90,8 @@ class FakeChild:
         sleep(timeout_s)
 
     def stop(self, grace_s: float) -> int:
+        if self._code is None and self.behaviour.startswith("rank_left"):
+            self._code = -9  # stuck in the broken collective: it ignores SIGTERM and is killed
         if self._code is None and self._hung_at is not None:
             last = self._hung_at  # SIGTERM: like the real trainer, checkpoint and leave
             if last > _resume_step(self.spec):
@@ -113,8 +116,10 @@ class FakeChild:
         with events.open("a", encoding="utf-8") as out:
             for step in range(start + 1, last + 1):
                 out.write(event_line("heartbeat", step=step, stage="forward", peak_bytes=GiB))
-        if name == "hang":
+        if name in ("hang", "rank_left"):
             self._hung_at = max(last, start)
+            if name == "rank_left":
+                self._rank1_oom(last)
             return None
         if name == "killed":
             return -9
@@ -143,6 +148,13 @@ class FakeChild:
         )
         Path(self.spec.error_file).write_text(report.to_json(), encoding="utf-8")
         return int(code)
+
+    def _rank1_oom(self, step: int) -> None:
+        report = ErrorReport(
+            exit_code=int(ExitCode.OOM), exception_type="torch.OutOfMemoryError", message=OOM, traceback=OOM,
+            stage="forward", step=step, is_oom=True, device="cuda:1", rank=1, local_rank=1, world_size=2,
+        )  # fmt: skip
+        Path(rank_file(self.spec.error_file, 1)).write_text(report.to_json(), encoding="utf-8")
 
     def _steps_done(self) -> int:
         _, _, at = self.behaviour.partition("@")
@@ -217,7 +229,7 @@ def _seams(
     )
 
 
-def _job(tmp_path: Path, **supervise: Any) -> Path:
+def _job(tmp_path: Path, resources: Mapping[str, Any] | None = None, **supervise: Any) -> Path:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
@@ -233,7 +245,7 @@ def _job(tmp_path: Path, **supervise: Any) -> Path:
             "save_steps": 4,
             "max_seq_len": 256,
         },
-        "resources": {"gpu": "cuda:0"},
+        "resources": dict(resources or {"gpu": "cuda:0"}),
         "supervise": {"hang_timeout": "60s", "backoff_initial": "5s", "backoff_max": "60s", **supervise},
         "output_dir": "run",
     }
@@ -584,3 +596,20 @@ def test_trainer_deaths_without_progress_between_still_give_up(tmp_path: Path) -
 
 def _events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
     return [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == name]
+
+
+def test_ranks_left_after_one_ranks_failure_are_stopped_after_the_bound_not_the_hang_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 reported an OOM and rank 0 stays stuck: 30 s later it is stopped, the OOM is judged."""
+    clock = FakeClock()
+    job = _job(tmp_path, {"gpu": "auto", "nproc_per_node": 2}, hang_timeout="10m")
+    assert _run(job, _seams(clock, {1: "rank_left@3"})) == 0
+    records, _ = read_attempts(tmp_path / "run" / "attempts.jsonl")
+    first = records[0]
+    assert first.failure is not None and first.failure.kind.value == "oom_forward" and first.failure.rank == 1
+    bounded = [
+        e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "ranks_shutdown_bounded"
+    ]
+    assert len(bounded) == 1 and 30 <= bounded[0]["waited_s"] < 32 and bounded[0]["reported"] == [1]
+    assert records[1].outcome.value == "succeeded" and records[1].knobs.world_size == 2

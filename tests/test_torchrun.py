@@ -25,10 +25,14 @@ from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop import launch, seams
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.rank_watch import note_rank_exits
+from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.generations import FieldChange
 from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome, Phase
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
+from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.trainer_child.contract.checkpoints import publish
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport
@@ -174,7 +178,7 @@ def test_the_earliest_real_failure_is_the_cause_and_broken_collectives_are_knock
 
 
 def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record() -> None:
-    """The classified failure of a two-rank attempt carries rank 1 / local rank 1 into the journal."""
+    """A two-rank attempt's failure carries rank 1 / local rank 1 and its card (GPU 3) into the journal."""
     oom, broken = _report(1, 10.0, oom=True), _report(0, 9.0, message=GLOO_TIMEOUT)
     outcome = AttemptOutcome(
         number=1,
@@ -182,7 +186,7 @@ def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record
         exit=ChildExit(1, None, None, 3.0),  # torchrun's own exit status after a rank failed
         progress=Progress(step=2),
         report=first_failure([broken, oom]).report,  # type: ignore[union-attr]
-        memory=MemorySeen(),
+        memory=MemorySeen(cards={0: 2, 1: 3}),  # NVML watched local ranks 0, 1 on GPUs 2, 3
         resumed_from=0,
         started_at=0.0,
         ended_at=1.0,
@@ -198,6 +202,7 @@ def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record
         1,
     )
     assert "rank 1 (local rank 1) of 2 failed first; rank(s) 0 followed" in failure.evidence
+    assert failure.gpu == 3 and "trains on GPU 3" in failure.evidence
     record = failure_record(failure, outcome.report)
     assert Failure.from_json(record.to_json()) == record and record.rank == 1
 
@@ -286,6 +291,58 @@ def test_a_card_that_keeps_failing_drops_its_rank_instead_of_giving_up() -> None
     assert isinstance(after, policy.Restart) and after.rung == "drop_rank" and after.knobs.gpus == "1"
 
 
+def test_a_rank_killed_with_no_report_is_named_and_its_card_dropped_when_it_keeps_dying() -> None:
+    """Rank 1 SIGKILLed leaves no report and rank 0 only a broken collective (or none: then torchrun's
+    summary names it): rank 1 is the cause, and when that comes back with no step trained in
+    between, drop_rank leaves card 1 out."""
+    broken = _report(0, 9.0, message=GLOO_TIMEOUT)
+    outcome = AttemptOutcome(
+        number=1, plan=Plan(Phase.TRAIN, TWO), exit=ChildExit(1, None, None, 3.0), progress=Progress(step=2),
+        report=broken, memory=MemorySeen(cards={0: 2, 1: 3}), resumed_from=0, started_at=0.0, ended_at=1.0,
+        log_tail="", reports=(broken,),
+    )  # fmt: skip
+    failure = judge(outcome, phase_done=False)
+    assert isinstance(failure, Failure) and (failure.rank, failure.local_rank, failure.gpu) == (1, 1, 3)
+    assert "rank 1 left no report" in failure.evidence
+    settings = policy.Settings()
+    history = [policy.PastAttempt(TWO, failure.kind, 0) for _ in range(settings.max_no_progress)]
+    restart = policy.decide(failure, TWO, history, settings)
+    assert isinstance(restart, policy.Restart) and restart.rung == "drop_rank", restart
+    assert restart.knobs.gpus == "0" or restart.knobs.gpus == ""  # card 1 left out: card 0 is rank 0
+    assert restart.knobs.world_size == 1 and restart.knobs.effective_batch == TWO.effective_batch
+    # No rank reported at all (rank 0 was stopped in its load): torchrun's own summary names rank 1.
+    summary = (
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-12-04_15:12:43\n  host      : h\n"
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 6482)\n  traceback : Signal 9 (SIGKILL)\n"
+    )
+    silent = dataclasses.replace(outcome, report=None, reports=(), log_tail=summary)
+    unreported = judge(silent, phase_done=False)
+    assert isinstance(unreported, Failure) and (unreported.local_rank, unreported.gpu) == (1, 3)
+    assert "rank 1 failed and no rank reported: torchrun saw it fail first" in unreported.evidence
+    # The supervisor saw rank 0's process leave first: that outweighs torchrun's summary.
+    seen = judge(dataclasses.replace(silent, rank_exits={1: 12.0, 0: 5.0}), phase_done=False)
+    assert isinstance(seen, Failure) and seen.local_rank == 0 and "its process left first" in seen.evidence
+
+
+def test_the_supervisor_notes_when_each_ranks_process_is_gone(tmp_path: Path) -> None:
+    """Each rank's pid comes from its started event; a process that exited is noted, a live one not."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    spec = AttemptSpec(
+        attempt=1, run_dir=str(tmp_path), knobs=TWO, data=DataSpec(path="d"), train=TrainSpec(),
+        events_file=str(tmp_path / "child-events.jsonl"), error_file=str(tmp_path / "error.json"),
+        checkpoints_dir="c", adapter_dir="a", merged_dir="m",
+    )  # fmt: skip
+    for rank, pid in ((0, os.getpid()), (1, int(gone.stdout))):
+        Path(rank_file(spec.events_file, rank)).write_text(
+            json.dumps({"event": "started", "pid": pid, "rank": rank}) + "\n"
+        )
+    watched = Watched(Progress())
+    note_rank_exits(spec, watched, 7.0)
+    assert watched.rank_pids == {0: os.getpid(), 1: int(gone.stdout)} and watched.rank_exits == {1: 7.0}
+
+
 # ---- the job field -----------------------------------------------------------------------
 
 
@@ -333,9 +390,47 @@ def test_bad_nproc_per_node_is_refused_with_the_fix(tmp_path: Path, monkeypatch:
     assert "micro_batch_size x nproc_per_node (6)" in odd["train.effective_batch_size"]
 
 
+def test_parallel_fsdp_is_a_knob_of_two_or_more_gpu_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """parallel: fsdp sets Knobs.fsdp; one rank has nothing to shard with, CPU ranks would be DDP."""
+    monkeypatch.setattr(world_mod, "visible_gpu_count", lambda: 2)
+    job = load_job(_job(tmp_path, "{gpu: auto, nproc_per_node: 2, parallel: fsdp}"))
+    assert job.knobs.fsdp and job.knobs.world_size == 2
+    assert not load_job(_job(tmp_path, "{gpu: auto, nproc_per_node: 2}")).knobs.fsdp
+    assert "nproc_per_node: 2 or more" in _problems(_job(tmp_path, "{parallel: fsdp}"))["resources.parallel"]
+    cpu = _problems(_job(tmp_path, "{gpu: cpu, nproc_per_node: 2, parallel: fsdp}"))["resources.parallel"]
+    assert "FSDP needs GPUs" in cpu
+
+
 def test_changing_nproc_per_node_of_a_run_needs_restart() -> None:
     """The ranks are in the journal's knobs: a changed nproc_per_node is not applied silently on resume."""
     assert not FieldChange("resources.nproc_per_node", 2, None).safe
+    assert not FieldChange("resources.parallel", "fsdp", None).safe  # a checkpoint's layout is the mode's
+
+
+def test_drop_rank_to_one_leaves_fsdp_and_its_optimizer_state_is_reset_on_resume(tmp_path: Path) -> None:
+    """FSDP on 2 ranks dropped to 1 trains as one process, from the adapter of FSDP's checkpoint with a
+    fresh optimizer (FSDP's optimizer.bin is laid out its own way)."""
+    fsdp = dataclasses.replace(TWO, fsdp=True)
+    context = RungContext(failed_local_rank=1)
+    one = rung_by_name("drop_rank", context).step(fsdp, context)
+    assert one is not None and (one.world_size, one.fsdp, one.effective_batch) == (
+        1,
+        False,
+        TWO.effective_batch,
+    )
+    three = rung_by_name("drop_rank", context).step(
+        dataclasses.replace(fsdp, world_size=3, grad_accum=2), context
+    )
+    assert three is not None and three.fsdp  # two ranks left still shard
+    written = tmp_path / "checkpoints" / ".tmp-checkpoint-4"
+    written.mkdir(parents=True)
+    (written / "adapter_model.safetensors").write_bytes(b"a")
+    (written / "optimizer.bin").write_bytes(b"fsdp's")
+    publish(written, tmp_path / "checkpoints" / "checkpoint-4", step=4, knobs=fsdp, emergency=False)
+    assert resume_point(tmp_path / "checkpoints", one).reset_optimizer
+    assert not resume_point(tmp_path / "checkpoints", fsdp).reset_optimizer
     assert FieldChange("resources.cpu_memory_limit", 1, 2).safe
 
 

@@ -1,5 +1,6 @@
-"""Two ranks through torchrun (gloo, CPU) on the tiny model: one rank's real OOM, the restart of
-both with the new config, and a checkpoint of two ranks resumed by one.
+"""Two ranks through torchrun (gloo, CPU) on the tiny model: one rank's real OOM, the emergency
+checkpoint sealed from both ranks' parts, the restart of both with the new config from it, and a
+checkpoint of two ranks resumed by one.
 
 One supervised run is shared by the tests of this module (a module fixture): each test reads a
 different part of what it left. The OOM is real: rank 1 alone gets a data-segment cap
@@ -63,7 +64,7 @@ def _job(tiny_dir: Path, root: Path) -> Path:
         gradient_checkpointing=False,
         max_seq_len=256,
         max_steps=MAX_STEPS,
-        save_steps=2,
+        save_steps=3,  # no regular checkpoint of step 2: the ranks' emergency parts must serve
         logging_steps=1,
         warmup_ratio=0.0,
     )
@@ -142,11 +143,19 @@ def test_one_ranks_oom_is_classified_with_its_rank_and_both_ranks_restart(superv
 
 
 def test_the_run_finishes_with_the_effective_batch_kept(supervised: SupervisedRun) -> None:
-    """Both attempts ran 2 ranks with micro x accumulation x ranks = 16; the resumed one lost no step."""
+    """Both attempts ran 2 ranks with micro x accumulation x ranks = 16; the resumed one lost no step,
+    resuming from the emergency checkpoint the two ranks' parts made."""
     assert supervised.code == 0
     assert all(r.knobs.world_size == 2 and r.knobs.effective_batch == EFFECTIVE for r in supervised.records)
     first, second = supervised.records
     assert first.steps_completed == 2 and first.next_resume_from == 2 and first.lost_steps == 0
+    # Step 2 was saved by no regular checkpoint: both ranks wrote their parts of it, sealed as one.
+    assert first.failure is not None and first.failure.emergency_checkpoint is not None
+    sealed = json.loads(
+        (supervised.run / "checkpoints" / "checkpoint-2" / "qlora_supervise_complete.json").read_text()
+    )
+    assert sealed["emergency"] and {"rng_state_0.pth", "rng_state_1.pth"} <= set(sealed["files"])
+    assert any(e["event"] == "rank_parts_sealed" for e in read_events(supervised.run / "events.jsonl"))
     assert second.outcome == "succeeded" and second.resumed_from == 2 and second.steps_completed == MAX_STEPS
     assert (supervised.run / "adapter" / "adapter_model.safetensors").is_file()
     marker = json.loads(

@@ -69,6 +69,7 @@ from qlora_supervise.policies.memory.optimizer import (
     adapter_tensors,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.sharding import loaded_components, sharded_components
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30
@@ -127,13 +128,14 @@ def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> in
 
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
-    """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest."""
+    """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest;
+    under FSDP one rank's share of it (:mod:`.sharding`: nothing upcast, blocks sharded)."""
     quantized = shape.layers * shape.layer_params
-    if knobs.load_in_4bit:
-        per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
-        weights = int(quantized * per_weight)
-    else:
-        weights = quantized * FP32  # prepare_model_for_kbit_training upcasts 16-bit weights too
+    per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+    if knobs.fsdp:
+        return sharded_components(shape, knobs, per_weight if knobs.load_in_4bit else LOAD_DTYPE)
+    # Without 4-bit, prepare_model_for_kbit_training upcasts the 16-bit weights to fp32 too.
+    weights = int(quantized * per_weight) if knobs.load_in_4bit else quantized * FP32
     # bf16_head: the recipe leaves the embeddings and the untied head in the checkpoint's 16-bit
     # dtype instead of letting prepare_model_for_kbit_training upcast them (the norms stay fp32).
     size, dtype = (LOAD_DTYPE, "bf16") if knobs.bf16_head else (FP32, "fp32")
@@ -164,13 +166,16 @@ def load_components(
     """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter, and the
     adapter in peft's fp32 before trl casts it to bf16 (one tensor at a time, so not both at once)."""
     base = base_components(shape, knobs)
+    if knobs.fsdp:  # nothing is cast, but the load holds the whole model, unsharded (.sharding)
+        per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+        base = loaded_components(shape, per_weight if knobs.load_in_4bit else LOAD_DTYPE)
     # With bf16_head the embeddings and head are not cast: the largest cast is a norm's weight.
     largest = shape.hidden if knobs.bf16_head else shape.vocab * shape.hidden
     if shape.experts:  # one fused 3D parameter: every expert's gate and up of one block
         largest = max(largest, shape.experts * 2 * shape.expert_intermediate * shape.hidden)
     if not knobs.load_in_4bit:
         largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
-    cast = largest * LOAD_DTYPE
+    cast = 0 if knobs.fsdp else largest * LOAD_DTYPE  # FSDP: nothing is upcast (.sharding)
     adapter_fp32 = lora_params(shape, knobs.lora_r, targets) * FP32
     if cast >= adapter_fp32:
         return {**base, "load_cast_16bit": cast}

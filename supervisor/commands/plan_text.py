@@ -27,6 +27,15 @@ def render(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _per_rank(knobs: dict[str, Any]) -> str:
+    """Under torchrun every number is one rank's card (FSDP: its shard of the weights)."""
+    ranks = knobs.get("world_size", 1)
+    if ranks <= 1:
+        return ""
+    mode = "FSDP: weights sharded" if knobs.get("fsdp") else "DDP: a replica each"
+    return f" (per rank, {ranks} ranks, {mode})"
+
+
 def _render_prediction(plan: dict[str, Any]) -> list[str]:
     s, w = plan["shape"], plan["as_written"]
     lines = [
@@ -34,7 +43,8 @@ def _render_prediction(plan: dict[str, Any]) -> list[str]:
         f"MLP {s['intermediate']}, vocab {s['vocab']} ({'tied' if s['tie_word_embeddings'] else 'untied'}), "
         f"{s['params'] / 1e9:.2f} B params; LoRA on {', '.join(plan['targets'])}",
         f"predicted peak as written: {format_bytes(w['peak_bytes'])} allocated ({w['phase']}), "
-        f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card",
+        f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card"
+        f"{_per_rank(w['knobs'])}",
     ]
     lines += [f"  {name:<20} {format_bytes(size):>12}" for name, size in w["components"].items()]
     lines += [

@@ -66,7 +66,8 @@ def summary_lines(job: Job, records: int | None = None) -> list[str]:
         f"model: {model}",
         f"data: {_data_summary(job.data, records)}",
         f"effective batch: {knobs.effective_batch} = micro-batch {knobs.micro_batch_size} x accumulation "
-        f"{knobs.grad_accum}{f' x ranks {knobs.world_size}' if knobs.world_size > 1 else ''}; "
+        f"{knobs.grad_accum}{f' x ranks {knobs.world_size}' if knobs.world_size > 1 else ''}"
+        f"{' (FSDP-QLoRA)' if knobs.fsdp else ''}; "
         f"seq_len {knobs.max_seq_len}; {length}",
         f"device: {resources.device}" + (f"; memory limits: {', '.join(limits)}" if limits else ""),
         f"output_dir: {job.output_dir}",

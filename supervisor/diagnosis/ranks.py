@@ -7,6 +7,7 @@ that is not a knock-on effect."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 from qlora_supervise.supervisor.diagnosis import _signatures
@@ -51,3 +52,15 @@ def first_failure(reports: Sequence[ErrorReport]) -> RankCause | None:
     else:
         why = f"{where} failed"
     return RankCause(cause, others if real else (), why)
+
+
+#: torchrun's own summary of a failed run (torch.distributed.elastic's ChildFailedError), the rank
+#: under "Root Cause (first observed failure)": ``  rank      : 1 (local_rank: 1)``.
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?rank\s*:\s*(\d+)", re.DOTALL)
+
+
+def torchrun_root_rank(log_tail: str) -> int | None:
+    """The rank torchrun saw fail first, from its summary in the child's log (the fallback when no
+    rank's report says: a rank killed by a signal, the others stopped before they could report)."""
+    found = _ROOT_CAUSE.findall(log_tail)
+    return int(found[-1]) if found else None

@@ -76,7 +76,8 @@ class Failure:
     and free. ``evidence``: one sentence saying which source decided and why. ``message``: the
     error line it was read from, if any. ``rank`` / ``local_rank``: under torchrun, the rank whose
     report was the cause (the local rank is its GPU on the host); None for a single process or
-    when no rank's report decided. ``xid``: the GPU faults that decided a ``gpu_fault``.
+    when no rank's report decided. ``gpu``: that rank's card, by its NVML (physical) index, where NVML
+    watched it. ``xid``: the GPU faults that decided a ``gpu_fault``.
     ``emergency_checkpoint`` / ``expandable_segments_active``: the error report's, once known.
     """
 
@@ -87,6 +88,7 @@ class Failure:
     message: str = ""
     rank: int | None = None
     local_rank: int | None = None
+    gpu: int | None = None
     xid: XidFacts | None = None
     emergency_checkpoint: str | None = None
     expandable_segments_active: bool | None = None
@@ -114,6 +116,8 @@ class Failure:
             "expandable_segments_active": self.expandable_segments_active,
             "rank": self.rank,
             "local_rank": self.local_rank,
+            # Only where NVML named the card: lines written before it had none read back the same.
+            **({"gpu": self.gpu} if self.gpu is not None else {}),
         }
 
     @classmethod
@@ -129,6 +133,7 @@ class Failure:
             message=str(raw.get("message", "")),
             rank=raw.get("rank"),
             local_rank=raw.get("local_rank"),
+            gpu=raw.get("gpu"),
             xid=XidFacts.from_numbers(numbers),
             emergency_checkpoint=raw.get("emergency_checkpoint"),
             expandable_segments_active=raw.get("expandable_segments_active"),

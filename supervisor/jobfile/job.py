@@ -104,6 +104,7 @@ def job_from_sections(
             expandable_segments=resources.expandable_segments,
             eval_enabled=data.eval_path is not None or data.eval_fraction > 0,
             world_size=resources.nproc_per_node,
+            fsdp=resources.parallel == "fsdp",
         ),
         data=DataSpec(
             path=str(data.path),

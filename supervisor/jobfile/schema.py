@@ -158,6 +158,9 @@ class ResourcesSection(Section):
     # torchrun's own name: ranks on this host, one GPU each (gloo ranks on the CPU); above 1 the
     # child starts through `python -m torch.distributed.run` (supervisor/loop/launch.py).
     nproc_per_node: PositiveInt = _KNOBS.world_size
+    # How the ranks share the model: ddp (a whole 4-bit replica per rank) or fsdp (FSDP-QLoRA: the
+    # weights sharded over the ranks, for a model no single card holds; docs/several-gpus.md).
+    parallel: Literal["ddp", "fsdp"] = "fsdp" if _KNOBS.fsdp else "ddp"
 
 
 def _only_true(value: bool) -> bool:

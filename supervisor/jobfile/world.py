@@ -235,8 +235,14 @@ def _rank_problems(
     names one GPU cannot mean that, and a GPU host needs as many GPUs as ranks. ``gpu_count``:
     the GPUs visible here (None: no NVIDIA driver, the ranks run on the CPU with gloo)."""
     ranks = resources.nproc_per_node
+    if ranks == 1 and resources.parallel == "fsdp" and not bad & {"resources.nproc_per_node"}:
+        why = "FSDP shards the weights over the ranks; one rank has nothing to shard them with"
+        return [Problem("resources.parallel", why, "fsdp", "set nproc_per_node: 2 or more, or parallel: ddp")]
     if ranks == 1 or bad & {"resources.nproc_per_node", "resources.gpu"}:
         return []
+    if resources.parallel == "fsdp" and resources.gpu == "cpu":
+        why = "accelerate runs CPU ranks as DDP only: FSDP needs GPUs (trainer_child/recipe/fsdp.py)"
+        return [Problem("resources.parallel", why, "fsdp", "set parallel: ddp, or gpu: auto on a GPU host")]
     if resources.gpu not in ("auto", "cpu"):
         why = f"names one GPU, but nproc_per_node {ranks} puts rank N on visible GPU N (LOCAL_RANK)"
         fix = (

@@ -77,6 +77,7 @@ def announce_failure(
         memory_snapshot=report.memory_snapshot if report else None,
         rank=failure.rank,
         local_rank=failure.local_rank,
+        gpu=failure.gpu,
     )
 
 

@@ -65,11 +65,6 @@ def log_optimizer_reset(log: FilteringBoundLogger, progress: Progress) -> None:
         log.warning(Event.OPTIMIZER_RESET, why=why, lr_schedule="restored at the resumed step")
 
 
-def read_report(rd: RunDir, number: int, log: FilteringBoundLogger) -> ErrorReport | None:
-    """The attempt's error report: :func:`report_of` its ranks' reports."""
-    return report_of(read_reports(rd, number, log))
-
-
 def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:
     """The one report that speaks for the attempt (under torchrun: the first real failure of all
     the ranks', :func:`~qlora_supervise.supervisor.diagnosis.ranks.first_failure`); None if none."""

@@ -9,11 +9,12 @@ line, peak included, by one rule.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure
+from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on, torchrun_root_rank
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
@@ -40,6 +41,9 @@ class MemorySeen:
     gpu_total: int | None = None
     rss_peak: int | None = None
     xid_events: tuple[int, ...] = ()  # NVML Xids seen while the attempt ran
+    # Under torchrun: local rank -> NVML index of its card, and the Xids seen on each card.
+    cards: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    card_xids: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class AttemptOutcome:
     # Under torchrun, every rank's report (``report`` is the cause among them); empty otherwise.
     reports: tuple[ErrorReport, ...] = ()
     planned: PlannedRestart | None = None  # stopped at a checkpoint for a faster config (climb_back.py)
+    # Under torchrun, when the supervisor first saw each rank's process gone (clock seconds).
+    rank_exits: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def steps_completed(self) -> int:
@@ -87,11 +93,66 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     is judged on it, :mod:`~qlora_supervise.supervisor.diagnosis.fragmentation`). Under torchrun
     the failure names the rank (and local rank: its GPU) whose report was the cause."""
     verdict = _judge(o, phase_done, fit)
-    if isinstance(verdict, Failure) and o.report is not None and o.report.world_size > 1:
+    if not isinstance(verdict, Failure):
+        return verdict
+    if o.report is not None and o.report.world_size > 1:
         cause = first_failure(o.reports or (o.report,))
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
-        return dataclasses.replace(verdict, rank=o.report.rank, local_rank=o.report.local_rank, evidence=why)
-    return verdict
+        rank, local = o.report.rank, o.report.local_rank
+        silent = _silent_rank(o.reports or (o.report,))
+        if silent is not None:  # one host (torchrun --standalone): the rank is its local rank
+            rank = local = silent
+            why = f"{why}; rank {silent} left no report: it died first"
+        verdict = dataclasses.replace(verdict, rank=rank, local_rank=local, evidence=why)
+    elif verdict.local_rank is None and verdict.fatal_xid is not None:
+        verdict = _xid_card(verdict, o.memory.card_xids)
+    elif o.plan.knobs.world_size > 1 and verdict.local_rank is None:
+        verdict = _root_rank(verdict, o.rank_exits, o.log_tail)
+    return _named_card(verdict, o.memory.cards)
+
+
+def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
+    """The one rank that left no report when every report is a knock-on: it died first (a SIGKILL,
+    a segfault) and broke the others' collective. None when a rank reported a cause of its own."""
+    world = reports[0].world_size
+    if any(not is_knock_on(r) for r in reports):
+        return None
+    silent = set(range(world)) - {r.rank for r in reports}
+    return silent.pop() if len(silent) == 1 else None
+
+
+def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str) -> Failure:
+    """No rank reported (a rank killed by a signal, the others stopped before they could report):
+    the rank whose process the supervisor saw leave first, else the one torchrun's summary names."""
+    first = sorted(rank_exits.items(), key=lambda item: item[1])
+    rank: int | None
+    if first and (len(first) == 1 or first[0][1] < first[1][1]):
+        rank, whose = first[0][0], "its process left first"
+    else:
+        rank, whose = torchrun_root_rank(log_tail), "torchrun saw it fail first"
+    if rank is None:
+        return failure
+    why = f"{failure.evidence}; rank {rank} failed and no rank reported: {whose}"
+    return dataclasses.replace(failure, rank=rank, local_rank=rank, evidence=why)
+
+
+def _xid_card(failure: Failure, card_xids: Mapping[int, tuple[int, ...]]) -> Failure:
+    """A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on (drop_rank leaves
+    that card out, not the last one)."""
+    ranks = [rank for rank, xids in sorted(card_xids.items()) if failure.fatal_xid in xids]
+    if len(ranks) != 1:
+        return failure
+    why = f"{failure.evidence}; NVML saw Xid {failure.fatal_xid} on local rank {ranks[0]}'s card"
+    return dataclasses.replace(failure, rank=ranks[0], local_rank=ranks[0], evidence=why)
+
+
+def _named_card(failure: Failure, cards: Mapping[int, int]) -> Failure:
+    """The failing rank's card by its NVML (physical) index, in the record and the evidence."""
+    if failure.local_rank is None or failure.local_rank not in cards:
+        return failure
+    gpu = cards[failure.local_rank]
+    why = f"{failure.evidence} (local rank {failure.local_rank} trains on GPU {gpu}, NVML index)"
+    return dataclasses.replace(failure, gpu=gpu, evidence=why)
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:

@@ -14,9 +14,10 @@ from pathlib import Path
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.child_output import read_report
+from qlora_supervise.supervisor.loop.child_output import read_reports, report_of
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight
@@ -44,12 +45,16 @@ def reclaim(
         child_mod.stop_orphan(pid, seams.stop_grace_s)
     reader = HeartbeatReader(rd.attempt(flight.number).events)
     reader.poll(seams.clock())
+    reports = read_reports(rd, flight.number, log)
+    if flight.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree (as the runner)
+        reports = seal_rank_parts(rd.checkpoints, reports, flight.knobs, log)
     return AttemptOutcome(
         number=flight.number,
         plan=Plan(flight.phase, flight.knobs),
         exit=None,
         progress=reader.progress,
-        report=read_report(rd, flight.number, log),
+        report=report_of(reports),
+        reports=reports if flight.knobs.world_size > 1 else (),
         memory=MemorySeen(),
         resumed_from=flight.resumed_from,
         started_at=flight.started_at,

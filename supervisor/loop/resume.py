@@ -108,6 +108,8 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             or saved.get("optimizer") != knobs.optimizer
             # the fresh_optimizer_state rung, against a checkpoint written before it
             or bool(saved.get("fresh_optimizer_state", False)) != knobs.fresh_optimizer_state
+            # FSDP lays its optimizer state out its own way (optimizer.bin): one mode cannot read the other's
+            or bool(saved.get("fsdp", False)) != knobs.fsdp
         )
         return ResumePoint(step, path, reset, tuple(skipped), tuple(moved), rank_from)
     return ResumePoint(0, None, False, tuple(skipped), tuple(moved))

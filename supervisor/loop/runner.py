@@ -35,6 +35,8 @@ from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
+from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
+from qlora_supervise.supervisor.loop.rank_watch import card_fields, note_rank_exits, ranks_overstay
 from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
@@ -47,10 +49,11 @@ from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.launch import trainer_env
 from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_moving
+from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
-from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_memory
+from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
 from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent, Heartbeat
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
@@ -84,6 +87,7 @@ class AttemptRunner:
         self.warm = False  # the attempt in flight runs in a spare
         self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
         self.planned: PlannedRestart | None = None  # the attempt in flight is stopped for a faster config
+        self.cards: RankCards | None = None  # every rank's card, while a torchrun attempt runs
 
     def _spare_keeper(self) -> SpareKeeper | None:
         ctx = self.ctx
@@ -139,12 +143,18 @@ class AttemptRunner:
         self.planned = None
         if ctx.climb is not None:
             ctx.climb.start()
-        watched = self._watch(number, proc, reader, spec, log, creep, first)
-        if watched.stopped_by_signal:
-            self.spare_due = None  # the run stops: no attempt will need it
-        self._start_due_spare()  # the attempt ended before its first step: the next may need one
-        exit_ = self._end(proc, watched)
-        self._last_gpu_look(proc.pid, watched, attempt_dir, log)
+        self.cards = seams.open_cards(plan.knobs, ctx.job.resources.device)
+        try:
+            watched = self._watch(number, proc, reader, spec, log, creep, first)
+            if watched.stopped_by_signal:
+                self.spare_due = None  # the run stops: no attempt will need it
+            self._start_due_spare()  # the attempt ended before its first step: the next may need one
+            exit_ = self._end(proc, watched)
+            self._last_gpu_look(proc.pid, watched, attempt_dir, log)
+        finally:
+            if self.cards is not None:
+                self.cards.close()
+            self.cards = None
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
         # and before its checkpoint counts (it would otherwise be missed by one).
         note_child_events(reader.poll(seams.clock()), log)
@@ -160,11 +170,14 @@ class AttemptRunner:
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
+            **card_fields(watched),
         )
         log_optimizer_reset(log, reader.progress)
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
         reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
+        if plan.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree
+            reports = seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
         report = report_of(reports)
         self.failed_at = None if exit_.returncode == 0 else failure_time(report, seams.wall())
         return AttemptOutcome(
@@ -181,12 +194,15 @@ class AttemptRunner:
                 watched.gpu_total,
                 watched.rss_peak,
                 tuple(watched.xid_events),
+                cards=dict(watched.cards),
+                card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
             ),
             resumed_from=resume.step,
             started_at=started_at,
             ended_at=seams.wall(),
             log_tail=child_mod.log_tail(AttemptDir(attempt_dir).log),
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
+            rank_exits=dict(watched.rank_exits),
         )
 
     def spawn(self, ready: Prepared) -> ChildHandle:
@@ -239,8 +255,10 @@ class AttemptRunner:
             killed = KilledBy.STEP_UP
         code = proc.poll() if killed is None else None
         if code is None:
-            # A hung process cannot use a long grace to checkpoint: it gets the short one.
-            grace = self.ctx.job.supervise.hang_grace if watched.hang else seams.stop_grace_s
+            # A hung process cannot use a long grace to checkpoint: it gets the short one (so do
+            # ranks left in a collective another rank's failure broke).
+            short = watched.hang or watched.ranks_overstayed
+            grace = self.ctx.job.supervise.hang_grace if short else seams.stop_grace_s
             code = proc.stop(grace)
         return ChildExit(
             returncode=code if code >= 0 else None,
@@ -279,7 +297,7 @@ class AttemptRunner:
             self._watch_creep(new, creep, proc, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
-                sample_memory(proc.pid, watched, ctx.gpu, gpu_log)
+                self._sample(proc.pid, watched, gpu_log)
                 if ctx.climb is not None:
                     ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
@@ -298,6 +316,10 @@ class AttemptRunner:
                     grace_s=seams.stop_grace_s,
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
+                return watched
+            note_rank_exits(spec, watched, now)
+            if ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
+                watched.ranks_overstayed = True
                 return watched
             if hung(reader.progress, started, now, hang_timeout) and not self._output_moving(spec, number):
                 log.warning(
@@ -351,13 +373,20 @@ class AttemptRunner:
         log = self.ctx.rd.attempt(number).log
         return output_moving(spec, log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
 
+    def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
+        # Under torchrun each rank's card; else the job's one card.
+        if self.cards is not None:
+            sample_cards(pid, watched, self.cards, gpu_log)
+        else:
+            sample_memory(pid, watched, self.ctx.gpu, gpu_log)
+
     def _last_gpu_look(
         self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger
     ) -> None:
         """One more NVML sample after the exit (the Xid of a crash may come after the last
         tick's sample), then the ``gpu_fault`` line when any Xid was seen."""
-        if self.ctx.gpu is not None:
-            sample_memory(pid, watched, self.ctx.gpu, AttemptDir(attempt_dir).gpu)
+        if self.ctx.gpu is not None or self.cards is not None:
+            self._sample(pid, watched, AttemptDir(attempt_dir).gpu)
         if watched.xid_events:
             fatal = xid.fatal_xid(watched.xid_events)
             log.error(

@@ -17,8 +17,10 @@ from typing import Protocol
 
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.spare import SpawnSpare
+from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 class Clock(Protocol):
@@ -82,8 +84,13 @@ class Seams:
     spawn_spare: SpawnSpare | None = child_mod.spawn_spare
     argv: Callable[[Path, str], list[str]] = child_mod.child_argv
     open_gpu: Callable[[str], GpuProbe | None] = _open_gpu
+    # Under torchrun, every rank's card for one attempt (its knobs name the cards; None: not watched).
+    open_cards: Callable[[Knobs, str], RankCards | None] = RankCards.open
     oom_kills: Callable[[], int | None] = oom_kill_count
     signal_child: Callable[[int, int], None] = _signal_child
     tick_s: float = 0.5
     sample_every_s: float = 2.0
     stop_grace_s: float = 180.0
+    # Under torchrun: how long the other ranks may take to leave after one rank reported a failure
+    # (NCCL's shutdown of a broken collective takes up to ~30 s; torchrun would wait stop_grace).
+    rank_shutdown_s: float = 30.0

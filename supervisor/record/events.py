@@ -56,6 +56,9 @@ class Event(str, enum.Enum):
     SPARE_USED = "spare_used"
     SPARE_DISCARDED = "spare_discarded"
     RANK_PEAKS_UNEVEN = "rank_peaks_uneven"  # torchrun: one rank's peak well above the others'
+    RANK_PARTS_SEALED = "rank_parts_sealed"  # torchrun: every rank's emergency part of one step
+    RANK_PARTS_UNTRUSTED = "rank_parts_untrusted"  # torchrun: parts missing or of different steps
+    RANKS_SHUTDOWN_BOUNDED = "ranks_shutdown_bounded"  # torchrun: ranks left after a failure, stopped
     # after a failure
     FAILURE_CLASSIFIED = "failure_classified"
     RETRY = "retry"

@@ -45,7 +45,7 @@ SAFE_FIELDS = frozenset({"train.save_steps", "train.logging_steps", "train.eval_
 SAFE_WHEN_MORE = frozenset({"train.max_steps", "train.epochs"})
 #: In a safe section but carried in the attempts' knobs, which a resumed run takes from its
 #: journal: the number of ranks changes in a run through drop_rank, by hand through --restart.
-UNSAFE_FIELDS = frozenset({"resources.nproc_per_node"})
+UNSAFE_FIELDS = frozenset({"resources.nproc_per_node", "resources.parallel"})
 GENERATIONS = "generations"
 #: A foreign tool's config in the view: ``trainer.config`` is its file, ``trainer.config.<key>``
 #: each key of it the supervisor does not read into a field of its own.
@@ -140,6 +140,8 @@ def job_view(job: Job) -> dict[str, Any]:
     view.update({f"resources.{k}": v for k, v in resources.items()})
     if knobs.world_size != 1:  # absent for one process, as in the views recorded before it existed
         view["resources.nproc_per_node"] = knobs.world_size
+    if knobs.fsdp:  # likewise absent for DDP: a checkpoint's optimizer state is laid out by it
+        view["resources.parallel"] = "fsdp"
     supervise = job.supervise.model_dump(mode="json")
     view.update({f"supervise.{k}": v for k, v in supervise.items()})
     view.update(job.trainer.config_view())

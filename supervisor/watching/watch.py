@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_text
+from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.creep import CreepForecast
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
@@ -32,6 +33,16 @@ class Watched:
     rss_peak: int | None = None
     creep: CreepForecast | None = None  # memory creep seen (and an early checkpoint asked for)
     xid_events: list[int] = dataclasses.field(default_factory=list)  # NVML Xids during the attempt
+    # Under torchrun: when a rank's failure report first showed, and whether the others then
+    # overstayed the bound (supervisor/loop/runner.py) and were stopped.
+    rank_failed_at: float | None = None
+    ranks_overstayed: bool = False
+    rank_pids: dict[int, int] = dataclasses.field(default_factory=dict)  # from each rank's started event
+    rank_exits: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> first seen gone
+    # Under torchrun, per local rank: its card's NVML index, the child's peak there, its Xids.
+    cards: dict[int, int] = dataclasses.field(default_factory=dict)
+    card_peaks: dict[int, int] = dataclasses.field(default_factory=dict)
+    card_xids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def hung(progress: Progress, started: float, now: float, timeout_s: float) -> bool:
@@ -47,16 +58,39 @@ def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Pat
     if gpu is None:
         return
     sample = gpu.sample(pid_tree(pid))
-    if sample is None:
-        return
+    if sample is not None:
+        _note(watched, sample)
+        _append(gpu_log, _sample_line(sample))
+
+
+def sample_cards(pid: int, watched: Watched, cards: RankCards, gpu_log: Path) -> None:
+    """One host sample and one sample of every rank's card (torchrun). The attempt's GPU numbers are
+    the card that limits it: the highest peak, the most memory of others, the smallest total."""
+    sample_memory(pid, watched, None, gpu_log)
+    watched.cards = cards.indexes
+    samples = cards.sample(pid_tree(pid))
+    for rank, sample in samples.items():
+        _note(watched, sample)
+        watched.card_peaks[rank] = max(watched.card_peaks.get(rank, 0), sample.this_process_bytes)
+        watched.card_xids.setdefault(rank, []).extend(sample.xid_events)
+    if samples:
+        watched.gpu_others_at_end = max(sum(b for _, b in s.others) for s in samples.values())
+        watched.gpu_total = min(s.total for s in samples.values())
+        _append(gpu_log, "".join(_sample_line(s, rank) for rank, s in samples.items()))
+
+
+def _note(watched: Watched, sample: GpuSample) -> None:
     watched.gpu_peak_process = max(watched.gpu_peak_process or 0, sample.this_process_bytes)
     watched.gpu_others_at_end = sum(b for _, b in sample.others)
     watched.gpu_total = sample.total
     watched.gpu_others_sm_util = sample.others_sm_util
     watched.xid_events.extend(sample.xid_events)
+
+
+def _append(gpu_log: Path, lines: str) -> None:
     try:
         with open_append_text(gpu_log) as handle:
-            handle.write(_sample_line(sample))
+            handle.write(lines)
     except OSError as exc:
         if exc.errno not in DISK_ERRNOS:
             raise
@@ -73,5 +107,8 @@ def pid_tree(pid: int) -> set[int]:
         return {pid}
 
 
-def _sample_line(sample: GpuSample) -> str:
-    return json.dumps(dataclasses.asdict(sample), default=str) + "\n"
+def _sample_line(sample: GpuSample, rank: int | None = None) -> str:
+    fields = dataclasses.asdict(sample)
+    if rank is not None:
+        fields = {"local_rank": rank, **fields}
+    return json.dumps(fields, default=str) + "\n"

@@ -59,6 +59,9 @@ class Knobs:
     # The visible GPUs the ranks train on, by position in CUDA_VISIBLE_DEVICES, comma-separated, in
     # rank order; "" means the first world_size. drop_rank leaves the failing card out of it.
     gpus: str = ""
+    # FSDP-QLoRA (resources.parallel: fsdp): the ranks shard the 4-bit weights (stored in the compute
+    # dtype, bnb_4bit_quant_storage, so FSDP can flatten them) instead of holding one replica each.
+    fsdp: bool = False
 
     @property
     def effective_batch(self) -> int:

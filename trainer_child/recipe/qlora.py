@@ -23,7 +23,7 @@ from qlora_supervise.trainer_child.contract.checkpoints import ResumeSource
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.targets import TargetsError, check, resolve
-from qlora_supervise.trainer_child.recipe import data
+from qlora_supervise.trainer_child.recipe import data, fsdp
 from qlora_supervise.trainer_child.recipe.activations import checkpointing_kwargs
 from qlora_supervise.trainer_child.recipe.head import head_parameters, kept_out_of_upcast, match_head_input
 from qlora_supervise.trainer_child.recipe.prepared import Prepared, load_rows, load_tokenizer
@@ -80,6 +80,7 @@ def quantization_config(knobs: Knobs, dtype: torch.dtype) -> BitsAndBytesConfig 
         bnb_4bit_quant_type=knobs.quant_type,
         bnb_4bit_use_double_quant=knobs.double_quant,
         bnb_4bit_compute_dtype=dtype,
+        **fsdp.storage(knobs, dtype),  # FSDP-QLoRA: the 4-bit codes in a dtype FSDP can shard
         # CPU offload of some layers needs fp32 modules on the CPU side.
         llm_int8_enable_fp32_cpu_offload=knobs.cpu_offload,
     )
@@ -144,7 +145,8 @@ def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> N
 def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec, dtype: torch.dtype | None = None) -> Any:
     # bf16_head: the embeddings and LM head skip the fp32 upcast and stay in the compute dtype
     # (recipe/head.py says why that costs the loss no precision); norms are upcast as before.
-    kept = head_parameters(model) if knobs.bf16_head else []
+    # Under FSDP every non-4-bit parameter keeps it (recipe/fsdp.py: one dtype for FSDP to shard).
+    kept = fsdp.kept_16bit(model, knobs) or (head_parameters(model) if knobs.bf16_head else [])
     with kept_out_of_upcast(kept, dtype):
         model = prepare_model_for_kbit_training(
             model,
@@ -197,7 +199,13 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: bool) -> SFTConfig:
+def sft_config(
+    spec: AttemptSpec,
+    dtype: torch.dtype,
+    on_cuda: bool,
+    has_eval: bool,
+    sharding: dict[str, Any] | None = None,
+) -> SFTConfig:
     # Every SFTConfig argument the recipe sets, in one flat list: long, but one place to read
     # which spec field becomes which Trainer setting (no third set of defaults anywhere).
     knobs, train = spec.knobs, spec.train
@@ -247,6 +255,7 @@ def sft_config(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool, has_eval: b
         # gradient checkpointing (parameters marked ready twice).
         ddp_find_unused_parameters=False,
         ddp_backend=("nccl" if on_cuda else "gloo") if this_rank().distributed else None,
+        **(sharding or {}),  # FSDP-QLoRA's (recipe/fsdp.py); none for DDP
     )
     # transformers 5.24 folds warmup_ratio into warmup_steps (a float < 1 is a ratio).
     if "warmup_ratio" in _field_names(SFTConfig):
@@ -326,6 +335,7 @@ def build(
     progress.enter(Stage.LOAD)
     tokenizer = ready.tokenizer if ready else load_tokenizer(spec)
     clock.lap("tokenizer")
+    fsdp.refuse_cpu(knobs, on_cuda)
     model = load_model(spec, dtype, on_cuda)
     clock.lap("weights")
     injected_knob_fault(knobs)
@@ -363,7 +373,7 @@ def build(
     protect = Path(spec.resume_from) if spec.resume_from else None
     trainer = SupervisedSFTTrainer(
         model=model,
-        args=sft_config(spec, dtype, on_cuda, eval_set is not None),
+        args=sft_config(spec, dtype, on_cuda, eval_set is not None, fsdp.trainer_args(knobs, model)),
         train_dataset=train_set,
         eval_dataset=eval_set,
         processing_class=tokenizer,

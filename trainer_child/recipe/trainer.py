@@ -38,11 +38,18 @@ from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import (
     StepShapes,
     apply_cpu_cap,
+    apply_gpu_cap,
     free_memory,
     gpu_yield,
     late_cap_step,
 )
-from qlora_supervise.trainer_child.run.torchrun import barrier, decide_together, staging_owner, this_rank
+from qlora_supervise.trainer_child.run.torchrun import (
+    barrier,
+    decide_together,
+    injected_gpu_cap,
+    staging_owner,
+    this_rank,
+)
 
 #: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
 #: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
@@ -251,19 +258,23 @@ class SupervisedTrainerMixin(_TrainerBase):
         with _checkpoint_load(checkpoint, "RNG state"):
             super()._load_rng_state(checkpoint)
 
-    def save_emergency_checkpoint(self) -> Path | None:
-        """Checkpoint step N after a failure in forward/backward/eval: its weights and optimizer state are
-        exact (step N+1's optimizer.step never ran); only the partly accumulated gradients are dropped."""
-        if self.state.global_step <= 0:
-            return None  # nothing learnt yet: a fresh start loses nothing
+    def drop_step_in_flight(self) -> None:
+        """The partly accumulated gradients of step N+1 go; weights and optimizer state are step N's."""
         if self.model is not None:  # Trainer always has one by now; the attribute is Optional
             self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self._step_loss = None
         free_memory()
-        self._emergency = True
         self.progress.stage = Stage.SAVE
+
+    def save_emergency_checkpoint(self) -> Path | None:
+        """Checkpoint step N after a failure in forward/backward/eval: its weights and optimizer state are
+        exact (step N+1's optimizer.step never ran); only the partly accumulated gradients are dropped."""
+        if self.state.global_step <= 0:
+            return None  # nothing learnt yet: a fresh start loses nothing
+        self.drop_step_in_flight()
+        self._emergency = True
         return self._write_checkpoint(self.model, None)
 
 
@@ -315,6 +326,7 @@ class SupervisionCallback(TrainerCallback):
         self.trainer.finish_step()
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
             apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
+            apply_gpu_cap(injected_gpu_cap(self.trainer.place))  # ... and torchrun.TEST_RANK_GPU_CAP
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
             free_memory()  # injected fault, see memory.TEST_YIELD_GPU_AT_STEP

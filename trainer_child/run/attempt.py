@@ -40,7 +40,7 @@ from qlora_supervise.trainer_child.recipe.stack import import_training_stack
 from qlora_supervise.trainer_child.run import device, memory
 from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, oom_numbers
 from qlora_supervise.trainer_child.run.heartbeat import LOOP_STAGES, EventLog, HeartbeatThread, Progress
-from qlora_supervise.trainer_child.run.torchrun import this_rank
+from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace, staging_owner, this_rank
 
 #: Stages where the state is exactly the last completed step's (an optimizer-stage OOM may leave
 #: the step half-applied: no emergency checkpoint then).
@@ -178,14 +178,25 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
     return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
 
 
-def save_adapter(trainer: Any, tokenizer: Any, adapter_dir: Path) -> None:
+def save_adapter(
+    trainer: Any, tokenizer: Any, adapter_dir: Path, place: RankPlace = SINGLE, sharded: bool = False
+) -> None:
     """Final adapter, atomically: temp dir + rename (an old adapter is replaced whole, a link
-    there removed, never followed), group-readable (see :func:`checkpoints.replace_dir`)."""
-    temp = adapter_dir.with_name(f".tmp-{adapter_dir.name}-{os.getpid()}")
-    shutil.rmtree(temp, ignore_errors=True)
-    trainer.model.save_pretrained(temp)
-    tokenizer.save_pretrained(temp)
-    checkpoints.replace_dir(temp, adapter_dir)
+    there removed, never followed), group-readable (see :func:`checkpoints.replace_dir`).
+
+    Under DDP rank 0 alone calls it (every rank holds the same adapter). Under FSDP every rank
+    does: gathering the sharded adapter is a collective (the Trainer's ``save_model``), and rank 0
+    writes it, in a temp dir named by the launcher every rank shares."""
+    temp = adapter_dir.with_name(f".tmp-{adapter_dir.name}-{staging_owner(place)}")
+    if place.is_main:
+        shutil.rmtree(temp, ignore_errors=True)
+    if sharded:
+        trainer.save_model(str(temp))
+    else:
+        trainer.model.save_pretrained(temp)
+    if place.is_main:
+        tokenizer.save_pretrained(temp)
+        checkpoints.replace_dir(temp, adapter_dir)
 
 
 def train(ctx: Context) -> ExitCode:
@@ -211,8 +222,8 @@ def train(ctx: Context) -> ExitCode:
     if ctx.progress.stop_requested:
         return ExitCode.STOPPED
     ctx.progress.enter(Stage.SAVE)
-    if ctx.place.is_main:  # the ranks hold the same adapter (DDP): one of them saves it
-        save_adapter(recipe.trainer, recipe.tokenizer, Path(spec.adapter_dir))
+    if ctx.place.is_main or spec.knobs.fsdp:  # DDP: the ranks hold the same adapter, one saves it
+        save_adapter(recipe.trainer, recipe.tokenizer, Path(spec.adapter_dir), ctx.place, spec.knobs.fsdp)
     ctx.events.emit("finished", step=recipe.trainer.state.global_step, adapter=spec.adapter_dir)
     return ExitCode.OK
 
@@ -220,15 +231,11 @@ def train(ctx: Context) -> ExitCode:
 def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     """Emergency checkpoint when the state is consistent, then the report (cheaply)."""
     emergency = None
-    # Not under torchrun: a save needs every rank (a barrier, torch's own broadcasts), and the
-    # others are dead or stuck in a collective the failure broke; the last regular one serves.
-    alone = not ctx.place.distributed
-    if failure.oom and ctx.trainer is not None and failure.stage in EMERGENCY_STAGES and alone:
-        try:
-            path = ctx.trainer.save_emergency_checkpoint()
-            emergency = (str(path), ctx.trainer.state.global_step) if path else None
-        except BaseException as exc:  # the report must still be written
-            failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
+    try:
+        path = emergency_save(ctx, failure)
+        emergency = (str(path), ctx.trainer.state.global_step) if path else None
+    except BaseException as exc:  # the report must still be written
+        failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
     ctx.trainer = None
     # After a CUDA OOM the report needs no host memory back, and a full gc plus empty_cache only
     # delay the exit the next attempt waits for (the emergency checkpoint frees what it needs
@@ -245,6 +252,23 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
             flush=True,
         )
     return failure.exit_code
+
+
+def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
+    """The emergency checkpoint a failure in forward, backward or eval allows: one process saves it
+    after its own OOM; under torchrun (DDP) each rank saves its part after any failure there (its
+    own, or the collective another rank's broke: the state is step N's on every rank either way),
+    and the supervisor trusts the parts only when every rank's names the same step."""
+    if ctx.trainer is None or failure.stage not in EMERGENCY_STAGES:
+        return None
+    if not ctx.place.distributed:
+        return ctx.trainer.save_emergency_checkpoint() if failure.oom else None
+    # FSDP: a rank holds a shard only, and gathering it is a collective the failure broke.
+    if ctx.spec.knobs.fsdp:
+        return None
+    from qlora_supervise.trainer_child.recipe.rank_part import save_rank_part
+
+    return save_rank_part(ctx.trainer)
 
 
 def report_failure(

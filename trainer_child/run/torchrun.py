@@ -15,10 +15,12 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_file
 from qlora_supervise.trainer_child.run.heartbeat import Progress
+from qlora_supervise.trainer_child.run.memory import late_cap_step
 
-#: Injected faults for tests, never set elsewhere: ``RANK:BYTES`` gives rank RANK alone the CPU cap
-#: (RLIMIT_DATA; after ``memory.TEST_CAP_AFTER_STEP`` when set) or the GPU cap BYTES, so one rank
-#: of several runs out of memory for real while the others have room.
+#: Injected faults for tests and benches, never set elsewhere: ``RANK:BYTES`` gives rank RANK alone
+#: the CPU cap (RLIMIT_DATA) or the GPU cap BYTES, after ``memory.TEST_CAP_AFTER_STEP`` when that
+#: is set (until then the job's own caps hold), so one rank of several runs out of memory for real,
+#: mid-run, while the others have room.
 TEST_RANK_CPU_CAP = "QLORA_SUPERVISE_TEST_RANK_CPU_CAP"
 TEST_RANK_GPU_CAP = "QLORA_SUPERVISE_TEST_RANK_GPU_CAP"
 
@@ -57,7 +59,7 @@ def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = 
     """The spec as this rank runs it: its own events and error files, and the injected caps
     (:data:`TEST_RANK_CPU_CAP`, :data:`TEST_RANK_GPU_CAP`) that name this rank."""
     cpu = _injected_cap(environ.get(TEST_RANK_CPU_CAP, ""), place)
-    gpu = _injected_cap(environ.get(TEST_RANK_GPU_CAP, ""), place)
+    gpu = None if late_cap_step() is not None else injected_gpu_cap(place, environ)
     return dataclasses.replace(
         spec,
         events_file=rank_file(spec.events_file, place.rank),
@@ -65,6 +67,11 @@ def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = 
         cpu_memory_limit=spec.cpu_memory_limit if cpu is None else cpu,
         gpu_memory_limit=spec.gpu_memory_limit if gpu is None else gpu,
     )
+
+
+def injected_gpu_cap(place: RankPlace, environ: Mapping[str, str] = os.environ) -> int | None:
+    """This rank's injected GPU cap (:data:`TEST_RANK_GPU_CAP`), or None."""
+    return _injected_cap(environ.get(TEST_RANK_GPU_CAP, ""), place)
 
 
 def _injected_cap(value: str, place: RankPlace) -> int | None:

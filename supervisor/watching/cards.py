@@ -1,0 +1,56 @@
+"""Every rank's card under torchrun: one NVML monitor per card the attempt's ranks train on.
+
+Rank N trains on ``cuda:N`` of the child's ``CUDA_VISIBLE_DEVICES``, which ``loop.child.child_env``
+narrows to the positions ``Knobs.gpus`` names (``drop_rank`` leaves the failing card out). The
+supervisor maps the same positions through its own ``CUDA_VISIBLE_DEVICES`` with the one device
+mapping (``contract.devices.bind_device``), so local rank N's card is the one watched for it. The
+cards are opened per attempt from that attempt's knobs: a card ``drop_rank`` left out is not watched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuSample, Nvml
+from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
+
+
+class RankCards:
+    """One :class:`GpuMonitor` per local rank whose card NVML could open."""
+
+    def __init__(self, monitors: Mapping[int, GpuMonitor]) -> None:
+        self._monitors = dict(monitors)
+
+    @classmethod
+    def open(cls, knobs: Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
+        """The cards of ``knobs``' ranks; None where the job's one card is all there is to watch (a
+        single process on the first card), on the CPU, or when NVML opens no card. A single process
+        that ``drop_rank`` left is watched here: its card need not be the first visible one."""
+        if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
+            return None
+        monitors = {}
+        for local_rank, position in enumerate(rank_gpus(knobs)):
+            monitor = GpuMonitor.open(f"cuda:{position}", nvml=nvml)
+            if monitor is not None:
+                monitors[local_rank] = monitor
+        return cls(monitors) if monitors else None
+
+    @property
+    def indexes(self) -> dict[int, int]:
+        """Local rank -> the NVML (physical) index of its card."""
+        return {rank: monitor.index for rank, monitor in self._monitors.items()}
+
+    def sample(self, pids: set[int]) -> dict[int, GpuSample]:
+        """One sample per card that answered, by local rank (``pids``: the child's whole tree, which
+        holds every rank; on each card only that rank's memory shows)."""
+        found = {}
+        for rank, monitor in self._monitors.items():
+            sample = monitor.sample(pids)
+            if sample is not None:
+                found[rank] = sample
+        return found
+
+    def close(self) -> None:
+        for monitor in self._monitors.values():
+            monitor.close()
+        self._monitors.clear()
