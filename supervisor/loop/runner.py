@@ -32,6 +32,7 @@ from qlora_supervise.supervisor.loop.child_output import (
     report_of,
 )
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
+from qlora_supervise.supervisor.loop.creep_note import note_creep
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
@@ -54,8 +55,8 @@ from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
-from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent, Heartbeat
-from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec
+from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 
@@ -294,7 +295,7 @@ class AttemptRunner:
             note_child_events(new, log)
             if first.note(new, log):
                 self._start_due_spare()
-            self._watch_creep(new, creep, proc, log, watched)
+            note_creep(new, creep, proc.pid, self.ctx.seams, self.ctx.display, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
                 self._sample(proc.pid, watched, gpu_log)
@@ -394,32 +395,4 @@ class AttemptRunner:
                 xids=list(dict.fromkeys(watched.xid_events)),
                 meanings=xid.describe(watched.xid_events),
                 fatal=fatal is not None,
-            )
-
-    def _watch_creep(
-        self,
-        events: list[ChildEvent],
-        creep: CreepWatch,
-        proc: ChildHandle,
-        log: FilteringBoundLogger,
-        watched: Watched,
-    ) -> None:
-        """Feed new heartbeats to the creep rule; once it fires, log it and ask for a checkpoint."""
-        for event in events:
-            forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
-            if forecast is None:
-                continue
-            if forecast.asks_for_checkpoint:
-                self.ctx.seams.signal_child(proc.pid, EARLY_CHECKPOINT_SIGNAL)
-            watched.creep = forecast
-            self.ctx.display.clear()
-            log.warning(
-                Event.MEMORY_CREEP,
-                step=forecast.step,
-                peak_bytes=forecast.peak_bytes,
-                slope_bytes_per_step=round(forecast.slope_bytes_per_step),
-                budget_bytes=forecast.budget_bytes,
-                predicted_oom_step=forecast.predicted_oom_step,
-                window_steps=forecast.window_steps,
-                early_checkpoint_requested=forecast.asks_for_checkpoint,
             )
