@@ -1,5 +1,6 @@
 """Every run-directory entry is ours and opened without following links; merge holds the run's lock
-(issue 29 items 2, 3 and 9): the real supervisor with the scripted child, and the real CLI."""
+(issue 29 items 2, 3 and 9): the real supervisor with the scripted child, and the CLI's ``main()``
+(in-process where a test is about the refusal, the real command where it is about the process)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from pathlib import Path
 
 import pytest
 from _child import child_env
+from _cli import cli
 
 from qlora_supervise.supervisor.record.rundir import ENTRIES
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_loop import _job
+from test_loop import _job, _run
 
 CLI = Path(sys.executable).with_name("qlora-supervise")
 RUNNER = Path(__file__).with_name("run_scripted.py")
@@ -38,9 +40,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _finished(tmp_path: Path) -> Path:
     """A run of the scripted child that finished (adapter/ written), and its run directory."""
-    job = _job(tmp_path, {"default": "ok"})
-    done = _supervise(job)
-    assert done.returncode == 0, done.stderr
+    assert _run(_job(tmp_path, {"default": "ok"})) == 0
     return tmp_path / "run"
 
 
@@ -85,11 +85,11 @@ def test_a_link_planted_at_any_run_entry_is_refused_and_nothing_is_written_throu
     run = _finished(tmp_path)
     target = _plant(run, entry.name, entry.is_dir, tmp_path)
     before = _digest(target)
-    again = _supervise(tmp_path / "job.yaml")
+    again = cli("run", str(tmp_path / "job.yaml"))
     assert again.returncode == 2, again.stderr
     assert "symbolic link" in again.stderr and entry.name in again.stderr and "Traceback" not in again.stderr
     if entry.name != "adapter":  # merge needs adapter/adapter_config.json first
-        merged = _cli("merge", str(run), "--device", "cpu")
+        merged = cli("merge", str(run), "--device", "cpu")
         assert merged.returncode == 2, merged.stderr
         assert "symbolic link" in merged.stderr and "Traceback" not in merged.stderr
     assert _digest(target) == before
@@ -100,9 +100,9 @@ def test_a_run_writes_no_top_level_entry_that_is_not_registered(tmp_path: Path) 
     from fnmatch import fnmatch
 
     job = _job(tmp_path, {"1": "oom_forward@3"})
-    assert _supervise(job).returncode == 0
+    assert _run(job) == 0
     job.write_text(job.read_text().replace("max_steps: 10", "max_steps: 12"))
-    assert _supervise(job).returncode == 0
+    assert _run(job) == 0
     run = tmp_path / "run"
     unregistered = [p.name for p in run.iterdir() if not any(fnmatch(p.name, e.name) for e in ENTRIES)]
     assert unregistered == []
@@ -114,7 +114,7 @@ def test_merge_is_refused_while_a_supervisor_holds_the_lock_and_writes_nothing(t
     run = _finished(tmp_path)
     with open(run / ".lock", "r+") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        done = _cli("merge", str(run), "--device", "cpu")
+        done = cli("merge", str(run), "--device", "cpu")
     assert done.returncode == 2, done.stderr
     assert "a supervisor is running on" in done.stderr and "merge once it has ended" in done.stderr
     assert not (run / "merge-command").exists() and not (run / "merged").exists()
