@@ -29,8 +29,16 @@ def pytest_configure(config: pytest.Config) -> None:
 SHARED_RUN_MODULES = ("test_torchrun_real.py", "test_speed_trial.py", "test_child_rung_costs.py")
 
 #: Fast modules that run torch, transformers and peft in the test process: one unit together, so
-#: that one worker alone pays those imports (seconds each).
-IN_PROCESS_TORCH = ("test_activation_offload.py", "test_bf16_head.py", "test_rank.py", "test_rank_stop.py")
+#: that one worker alone pays those imports (seconds each; transformers' model modules about 5 s).
+IN_PROCESS_TORCH = (
+    "test_activation_offload.py",
+    "test_attention_default.py",
+    "test_bench_recovery.py",
+    "test_bf16_head.py",
+    "test_child_failure.py",
+    "test_rank.py",
+    "test_rank_stop.py",
+)
 
 
 #: The slow modules whose tests take longest (a foreign tool's venv, a supervised run of several
