@@ -17,10 +17,9 @@ import yaml
 from _cli import cli
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_loop import _job
+from test_loop import _job, _run
 
 CLI = Path(sys.executable).with_name("qlora-supervise")
-RUNNER = Path(__file__).with_name("run_scripted.py")
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -89,11 +88,8 @@ def test_system_folders_and_the_home_directory_are_refused_in_words(tmp_path: Pa
 def test_a_run_of_ours_and_a_run_of_an_earlier_version_are_run_again(tmp_path: Path) -> None:
     """A finished run is run again; a folder with only an earlier version's run files validates."""
     job = _job(tmp_path, {"default": "ok"})
-    for _ in range(2):
-        done = subprocess.run(
-            [sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, timeout=120, check=False
-        )
-        assert done.returncode == 0, done.stderr
+    assert _run(job) == 0
+    assert _run(job) == 0
     # An earlier version's run directory: state.json, attempts.jsonl, events.jsonl, no job.vN files.
     old = tmp_path / "old"
     old.mkdir()

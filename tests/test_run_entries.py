@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import os
 import stat
@@ -17,9 +18,11 @@ import pytest
 from _child import child_env
 from _cli import cli
 
+from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.record.rundir import ENTRIES
 
 sys.path.insert(0, str(Path(__file__).parent))
+from run_scripted import scripted_seams
 from test_loop import _job, _run
 
 CLI = Path(sys.executable).with_name("qlora-supervise")
@@ -191,7 +194,9 @@ def test_merge_command_folder_is_0750_and_its_files_0640_whatever_the_umask(tmp_
     assert all(mode & ~0o640 == 0 for mode in files.values()), files
 
 
-def test_a_tool_value_that_did_not_parse_is_recorded_as_written_not_as_its_default(tmp_path: Path) -> None:
+def test_a_tool_value_that_did_not_parse_is_recorded_as_written_not_as_its_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """trl's max_steps: ten is recorded as 'ten'; fixing it to 2 after a failed run mixes no trainings."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
@@ -206,13 +211,15 @@ def test_a_tool_value_that_did_not_parse_is_recorded_as_written_not_as_its_defau
     )
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"default": "config_error"}))  # the tool refuses its config: nothing trained
-    env = {**os.environ, "SCRIPTED_CHILD_PLAN": str(plan)}
-    first = subprocess.run([sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, env=env)
-    assert first.returncode == 4, first.stderr[-2000:]
+    monkeypatch.setenv("SCRIPTED_CHILD_PLAN", str(plan))
+    assert _run(job) == 4
     view = json.loads((tmp_path / "run" / "job.v1.json").read_text())
     assert view["train.max_steps"] == "ten" and view["train.save_steps"] == 10
     (tmp_path / "sft.yaml").write_text(sft.replace("max_steps: ten", "max_steps: 2"))
-    again = subprocess.run([sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, env=env)
-    said = again.stdout + again.stderr
+    console, summary = io.StringIO(), io.StringIO()
+    run_job(
+        str(job), plain=True, seams=scripted_seams(), console=console, install_signals=False, summary=summary
+    )
+    said = console.getvalue() + summary.getvalue()
     assert "train.max_steps: 'ten' -> 2  (applies on resume)" in said
     assert "-1 -> 2" not in said and "would mix two trainings" not in said and "epochs" not in said
