@@ -30,6 +30,7 @@ SHARED_RUN_MODULES = ("test_torchrun_real.py", "test_speed_trial.py", "test_chil
 
 #: Fast modules that run torch, transformers and peft in the test process: one unit together, so
 #: that one worker alone pays those imports (seconds each; transformers' model modules about 5 s).
+#: test_speed_trial's fast tests import the child's speed trial (torch); its shared run comes along.
 IN_PROCESS_TORCH = (
     "test_activation_offload.py",
     "test_attention_default.py",
@@ -38,6 +39,7 @@ IN_PROCESS_TORCH = (
     "test_child_failure.py",
     "test_rank.py",
     "test_rank_stop.py",
+    "test_speed_trial.py",
 )
 
 
