@@ -98,7 +98,7 @@ def test_plan_names_what_its_host_warning_compares_with_and_counts_the_cpu_impor
     assert done.returncode == 0, done.stderr
     assert "more host RAM than the cpu_memory_limit (4.00 GiB)" in done.stdout
     assert "imports 0.5 GB (the CPU build's)" in done.stdout and "imports 1.6 GB" not in done.stdout
-    host = json.loads(_cli("plan", str(job), "--gpu-memory", "80GiB", "--json").stdout)["host"]
+    host = json.loads(cli("plan", str(job), "--gpu-memory", "80GiB", "--json").stdout)["host"]
     assert host["room_of"] == "cpu_memory_limit" and host["room_bytes"] == 4 * 2**30
 
 
