@@ -111,10 +111,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return OneByOne(config, log)
 
 
+@pytest.fixture(scope="session")
+def _state_dirs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("state")
+
+
 @pytest.fixture(autouse=True)
-def _peak_store_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test keeps the per-host peak store in a temp dir: tests never write to ~/.local/state."""
-    monkeypatch.setenv("QLORA_SUPERVISE_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+def _peak_store_in_tmp(_state_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test keeps the per-host peak store in a temp dir: tests never write to ~/.local/state.
+    (mkdtemp under one folder: a numbered ``mktemp`` per test lists the base folder each time.)"""
+    monkeypatch.setenv("QLORA_SUPERVISE_STATE_DIR", tempfile.mkdtemp(dir=_state_dirs))
 
 
 @pytest.fixture(autouse=True)
