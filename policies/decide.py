@@ -26,14 +26,13 @@ Order of the rules (first match wins):
    came back, contention that outlasted the wait) -> Restart with ``drop_rank``: the other
    cards, accumulation raised so micro x accumulation x ranks holds (GiveUp as above when it
    cannot hold exactly)
-6. OOM-like kinds -> walk the ladder (:mod:`.climb`): skip rungs with nothing to change, rungs
-   charged by rule 0, results that already failed the same way, and results a calibrated memory
-   model says cannot fit (their change is kept and the next rung is applied on top) -> Restart,
-   or GiveUp when the ladder is exhausted. Before it (6a, :mod:`.host_kill`): a host OOM kill
-   after progress that is not in a row (the retry trained past the last kill) -> Restart
-   unchanged (a neighbour's spike); (6b, :mod:`.spurious_retry`) an OOM marked spurious ->
-   Restart unchanged once, its repeat climbs; a host OOM's ladder takes throughput rungs before
-   quality ones, and the LoRA rank only where the adapter is what grew (:mod:`.host_kill`).
+6. OOM-like kinds -> the next config, as :mod:`.choice` decides it (the search, then the ladder
+   walk, without the rungs charged by rule 0) -> Restart, or GiveUp when the ladder is exhausted.
+   Before it (6a, :mod:`.host_kill`): a host OOM kill after progress that is not in a row (the
+   retry trained past the last kill) -> Restart unchanged (a neighbour's spike); (6b,
+   :mod:`.spurious_retry`) an OOM marked spurious -> Restart unchanged once, its repeat climbs; a
+   host OOM's ladder takes throughput rungs before quality ones, and the LoRA rank only where the
+   adapter is what grew (:mod:`.host_kill`).
 
 The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
 :mod:`.waits`; this module holds the order of the rules and the retries.
@@ -43,8 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from qlora_supervise.policies.choice import after_failure
 from qlora_supervise.policies.ladder.charge import Charge, PastFailure, latest_charge, unusable_rungs
-from qlora_supervise.policies.ladder.climb import MergeFailure, climb
 from qlora_supervise.policies.ladder.host_kill import host_settings, retry_after_kill
 from qlora_supervise.policies.ladder.spurious_retry import retry_spurious
 from qlora_supervise.policies.ladder.waits import (
@@ -60,6 +59,7 @@ from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
     GiveUp,
+    MergeFailure,
     PastAttempt,
     Restart,
     Settings,
@@ -141,9 +141,10 @@ def decide(
     if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
         return spurious
     if phase == "merge" and kind.is_oom:
-        return climb(MergeFailure(), knobs, history, settings)
+        return after_failure(MergeFailure(), knobs, history, settings)
     # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
-    return climb(failure, knobs, history, host_settings(failure, settings, failed), unusable_rungs(history))
+    settings = host_settings(failure, settings, failed)
+    return after_failure(failure, knobs, history, settings, unusable_rungs(history))
 
 
 def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], settings: Settings) -> Decision:
@@ -155,7 +156,8 @@ def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], setti
         f"{names} reverted and unusable for this run"
     )
     before = charged.before
-    following = climb(PastFailure.of(before), before.knobs, history, settings, unusable_rungs(history))
+    unusable = unusable_rungs(history)
+    following = after_failure(PastFailure.of(before), before.knobs, history, settings, unusable)
     if isinstance(following, GiveUp):
         return GiveUp(f"{head}; {following.why}", retryable=following.retryable)
     if not isinstance(following, Restart):

@@ -1,11 +1,12 @@
 """The values the decision reads and returns: past attempts, settings, ``Restart | Wait | GiveUp``.
 
-Apart from :mod:`.decide` so that the rules' modules (:mod:`.climb`, :mod:`.waits`,
+Apart from :mod:`.decide` so that the rules' modules (:mod:`.choice`, :mod:`.climb`, :mod:`.waits`,
 :mod:`.charge`) share them without importing each other; :mod:`.decide` re-exports them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,16 @@ class FailureLike(Protocol):
     @property
     def fatal_xid(self) -> int | None:
         """The fatal NVML Xid that decided a ``gpu_fault``; None otherwise."""
+
+
+@dataclass(frozen=True)
+class MergeFailure:
+    """How the ladder sees any memory failure of the merge process."""
+
+    kind: FailureKind = FailureKind.OOM_MERGE
+    stage: Stage = Stage.MERGE
+    numbers: Mapping[str, Any] = field(default_factory=dict)
+    fatal_xid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,15 @@ class Settings:
     host: HostBudget | None = None
     #: The job's LoRA targets (``train.target_modules``): what the host model counts the adapter by.
     targets: tuple[str, ...] | str = memory_model.DEFAULT_TARGETS
+
+
+def for_model(settings: Settings, model: str) -> Settings:
+    """The settings for ``model``: a fallback model's own shape, without the job's model's
+    measurements (they calibrate another shape); the job's model: unchanged."""
+    shapes = dict(settings.fallback_shapes)
+    if model not in shapes:
+        return settings
+    return dataclasses.replace(settings, shape=shapes[model], prior=(), speeds=())
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def test_the_speed_trials_candidates_are_stored_and_a_switch_names_the_trained_k
     planned = TrialCandidate(k.micro_batch_size, k.grad_accum, k.gradient_checkpointing)
     faster = TrialCandidate(k.micro_batch_size // 2, k.grad_accum * 2, not k.gradient_checkpointing)
     event = SpeedTrialEvent(
-        (TrialResult(planned, 1500.0, None, 1.0), TrialResult(faster, 1900.0, None, 1.0)), faster, True, 2.0
+        (TrialResult(planned, 1500.0, None, 1.0), TrialResult(faster, 1900.0, None, 1.0)), 2.0
     )
     with (rd.attempt_dir(1) / "child-events.jsonl").open("a", encoding="utf-8") as out:
         out.write(json.dumps(event.to_json()) + "\n")

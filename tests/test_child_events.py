@@ -95,7 +95,7 @@ def _speed_trial() -> SpeedTrialEvent:
         TrialResult(first, 3010.0, 7 << 30, 4.2),
         TrialResult(other, None, None, 1.1, "OutOfMemoryError"),
     )
-    return SpeedTrialEvent(results, first, False, 5.3)
+    return SpeedTrialEvent(results, 5.3)
 
 
 def test_every_event_the_child_writes_reads_back_as_its_record(tmp_path: Path) -> None:
@@ -162,7 +162,7 @@ def test_typed_fields_of_the_records() -> None:
         '{"event": "heartbeat", "stage": "forward"}',  # no step: not a heartbeat to trust
         '{"event": "heartbeat", "step": "3"}',
         '{"event": "speed_trial", "results": "many"}',
-        '{"event": "speed_trial", "results": [], "chosen": {"micro_batch_size": 1}, "seconds": 1}',
+        '{"event": "speed_trial", "results": [{"candidate": {"micro_batch_size": 1}}], "seconds": 1}',
         "[" * 100_000,  # nesting deep enough to make the decoder recurse out
     ],
 )

@@ -49,6 +49,18 @@ def test_explain_json_has_every_attempt_with_numbers_and_wall_time() -> None:
     assert all(a["predicted_peak_bytes"] for a in story["attempts"])
 
 
+def test_explain_names_the_policys_reason_for_each_config() -> None:
+    """Each attempt after the first ran its config for the decision after the one before, as said."""
+    story = explanation(RunDir(BENCH_RUN), MODEL_CONFIG)
+    whys = [a["why"] for a in story["attempts"]]
+    records, _ = read_attempts(RunDir(BENCH_RUN).attempts)
+    assert whys[1:] == [[r.decision.why] for r in records[:-1] if r.decision is not None]
+    assert "recompute activations" in whys[1][0]
+    out = io.StringIO()
+    explain_command(str(BENCH_RUN), model_config=str(MODEL_CONFIG), out=out)
+    assert f"why #2 ran its config: {whys[1][0]}" in out.getvalue().splitlines()
+
+
 def test_status_json_on_several_run_directories(capsys: pytest.CaptureFixture[str]) -> None:
     """status --json reads runs whose supervisor is gone, several at once, with each failure's log."""
     assert main(["status", str(BENCH_RUN), str(RESULTS / "cap-16GiB"), "--json"]) == 0

@@ -52,7 +52,7 @@ def test_the_speed_trials_heartbeats_are_not_the_attempts_peak(tmp_path: Path) -
         return Heartbeat(stage, step, None, None, memory)
 
     chosen = TrialCandidate(8, 2, True)
-    trial = SpeedTrialEvent((TrialResult(chosen, 9502.0, 8_205_357_568, 3.9),), chosen, False, 11.0)
+    trial = SpeedTrialEvent((TrialResult(chosen, 9502.0, 8_205_357_568, 3.9),), 11.0)
     lines = [beat(Stage.LOAD, 0, 4_000_000_000).to_line(), beat(Stage.FORWARD, 0, 10_056_542_208).to_line(),
              trial.to_line(), beat(Stage.OPTIMIZER, 1, 8_222_597_632).to_line()]  # fmt: skip
     (tmp_path / "child-events.jsonl").write_text("".join(lines))

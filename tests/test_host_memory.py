@@ -401,7 +401,7 @@ def test_host_predictions_count_the_jobs_lora_targets(tmp_path: Path) -> None:
     wide = host_train_need(SHAPE, knobs, checkpoint, "all-linear").train_peak
     assert wide > host_train_need(SHAPE, knobs, checkpoint).train_peak
     assert predicted_host(settings, knobs) == wide
-    assert climb._train_host(SHAPE, knobs, settings) == wide
+    assert climb.train_host(SHAPE, knobs, settings) == wide
 
 
 def test_the_attempts_host_memory_crosses_the_journal() -> None:
@@ -437,7 +437,7 @@ def test_the_reader_keeps_the_loads_and_trainings_host_peaks_apart(tmp_path: Pat
     )
 
     chosen = TrialCandidate(1, 8, True)
-    trial = SpeedTrialEvent((TrialResult(chosen, 5.0, 1, 1.0, None, 6 * GiB),), chosen, False, 1.0)
+    trial = SpeedTrialEvent((TrialResult(chosen, 5.0, 1, 1.0, None, 6 * GiB),), 1.0)
     lines = [
         _host_beat(Stage.LOAD, 0, 12 * GiB, 16 * GiB),
         event_line(

@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
+from qlora_supervise.supervisor.commands.explain import explanation
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
+from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode
@@ -153,7 +155,7 @@ def _switched_trial(spec: AttemptSpec, events: Path) -> None:
     half = TrialCandidate(k.micro_batch_size // 2, k.grad_accum * 2, not k.gradient_checkpointing)
     rows = (TrialResult(planned, 100.0, GiB, 1.0), TrialResult(half, 150.0, GiB, 1.0))
     with events.open("a", encoding="utf-8") as out:
-        out.write(json.dumps(SpeedTrialEvent(rows, half, True, 2.0).to_json()) + "\n")
+        out.write(json.dumps(SpeedTrialEvent(rows, 2.0).to_json()) + "\n")
 
 
 def _resume_step(spec: AttemptSpec) -> int:
@@ -435,6 +437,9 @@ def test_an_attempt_the_speed_trial_switched_is_journaled_with_the_knobs_it_trai
     assert first.knobs.effective_batch == planned["micro_batch_size"] * planned["grad_accum"]
     assert first.decision is not None and first.decision.knobs == second.knobs
     assert second.knobs != first.knobs
+    # The policy chose among the reported timings, and explain says so in its words.
+    why = explanation(RunDir(tmp_path / "run"))["attempts"][0]["why"][-1]
+    assert why.startswith("speed trial: micro-batch") and "50% faster than the plan" in why
 
 
 def _states_written(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -1,5 +1,5 @@
-"""The speed trial's choice and the knobs it hands the supervisor (pure), and the trial in the real
-child on the tiny model: one row per candidate, training untouched by it, an OOM dropped in-process."""
+"""The policy's choice among the speed trial's timings (pure), and the trial in the real child on the
+tiny model: one row per candidate, training untouched by it, an OOM dropped in-process."""
 
 from __future__ import annotations
 
@@ -12,27 +12,28 @@ from typing import Any
 import pytest
 from _child import events, log_tail, make_spec, run_child
 
+from qlora_supervise.policies.choice import MIN_GAIN, after_trial, within
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import parse_event
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec, trained_knobs
-from qlora_supervise.trainer_child.contract.speed_trial import (
-    MIN_GAIN,
-    SpeedTrialEvent,
-    TrialCandidate,
-    TrialResult,
-    choose,
-    within,
-)
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
 
 PLANNED = TrialCandidate(4, 2, False)
 CHECKPOINTED = TrialCandidate(2, 4, True)
 BIGGER = TrialCandidate(8, 1, False)
+PLANNED_KNOBS = Knobs(model="m", micro_batch_size=4, grad_accum=2, gradient_checkpointing=False, lora_r=16)
 TRACE = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 
 
 def _result(candidate: TrialCandidate, tokens_per_s: float | None) -> TrialResult:
     error = None if tokens_per_s is not None else "OutOfMemoryError: CUDA out of memory"
     return TrialResult(candidate, tokens_per_s, 1 << 30, 1.0, error)
+
+
+def choose(results: list[TrialResult], planned: Knobs = PLANNED_KNOBS) -> TrialCandidate:
+    """The candidate the policy trains with, as the child and the supervisor ask it."""
+    k = after_trial(planned, results).knobs
+    return TrialCandidate(k.micro_batch_size, k.grad_accum, k.gradient_checkpointing)
 
 
 def test_the_planned_config_stays_unless_another_is_clearly_faster() -> None:
@@ -61,22 +62,26 @@ def test_a_candidate_measured_over_the_plans_limit_is_dropped_like_an_oom() -> N
     kept = [within(planned, limit), within(ok, limit)]
     assert kept[0].error is not None and "over the plan's limit 11.11 GiB" in kept[0].error
     assert kept[0].tokens_per_s == 9980.0 and kept[1] == ok
-    assert choose(kept) == PLANNED
+    assert choose(kept, dataclasses.replace(PLANNED_KNOBS, micro_batch_size=8, grad_accum=1)) == PLANNED
     assert within(planned, None) == planned  # no limit (the CPU, or a spec of an older supervisor)
 
 
-def test_the_chosen_knobs_change_only_what_the_trial_changes() -> None:
-    """trained_knobs takes micro-batch, accumulation and checkpointing from the event, nothing else."""
-    planned = Knobs(model="m", micro_batch_size=4, grad_accum=2, gradient_checkpointing=False, lora_r=16)
-    event = SpeedTrialEvent((_result(PLANNED, 900.0), _result(CHECKPOINTED, 1000.0)), CHECKPOINTED, True, 3.0)
-    trained = trained_knobs(planned, event.chosen)
+def test_the_chosen_knobs_change_only_what_the_trial_changes_and_say_why() -> None:
+    """The choice takes micro-batch, accumulation and checkpointing from the winner, nothing else,
+    and its reason names the winner and its gain; a kept plan says why it stays."""
+    choice = after_trial(PLANNED_KNOBS, [_result(PLANNED, 900.0), _result(CHECKPOINTED, 1000.0)])
+    trained = choice.knobs
     assert (trained.micro_batch_size, trained.grad_accum, trained.gradient_checkpointing) == (2, 4, True)
-    assert trained.lora_r == 16 and trained.effective_batch == planned.effective_batch
+    assert trained.lora_r == 16 and trained.effective_batch == PLANNED_KNOBS.effective_batch
+    assert choice.switched and "micro-batch 2 x 4, checkpointing" in choice.why and "11% faster" in choice.why
+    kept = after_trial(PLANNED_KNOBS, [_result(PLANNED, 1000.0), _result(BIGGER, 1001.0)])
+    assert not kept.switched and kept.knobs == PLANNED_KNOBS and "the plan stays" in kept.why
+    assert after_trial(PLANNED_KNOBS, ()).knobs == PLANNED_KNOBS  # an abandoned trial timed nothing
 
 
 def test_the_event_line_reads_back_through_the_contract() -> None:
     """to_line() is one line that parse_event turns back into the same event."""
-    event = SpeedTrialEvent((_result(PLANNED, 900.0), _result(BIGGER, None)), PLANNED, False, 3.25)
+    event = SpeedTrialEvent((_result(PLANNED, 900.0), _result(BIGGER, None)), 3.25)
     line = event.to_line()
     assert line.endswith("\n") and line.count("\n") == 1
     assert parse_event(line) == event
@@ -121,10 +126,12 @@ class Attempt:
         records = [json.loads(line) for line in self.trace.read_text().splitlines()]
         return [(r["step"], r["rows"]) for r in records]
 
-    def trial(self) -> dict[str, Any]:
+    def trial(self) -> SpeedTrialEvent:
         found = [e for e in events(self.spec) if e["event"] == "speed_trial"]
         assert len(found) == 1, log_tail(self.spec)
-        return found[0]
+        event = parse_event(json.dumps(found[0]))
+        assert isinstance(event, SpeedTrialEvent)
+        return event
 
 
 def _attempt(tiny: Path, root: Path, knobs: dict[str, Any], **fields: Any) -> Attempt:
@@ -146,15 +153,14 @@ def with_trial_fixture(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 def test_the_trial_writes_one_row_per_candidate_and_drops_the_oom_in_process(with_trial: Attempt) -> None:
     """One speed_trial event: a row per candidate in order, the one over the memory cap dropped with
     its OOM, and the same process then trains to the end (one start, no restart)."""
-    event = SpeedTrialEvent.from_json(with_trial.trial())
-    assert event is not None
+    event = with_trial.trial()
     assert [r.candidate for r in event.results] == list(REAL_TRIAL)
     ran, dropped = event.results[:2], event.results[2]
     assert all(r.tokens_per_s and r.tokens_per_s > 0 and r.error is None for r in ran)
     # Each candidate's host high-water mark, restarted before it (Linux: /proc/self/clear_refs).
     assert all(r.host_peak_bytes and r.host_peak_bytes > 0 for r in ran)
     assert dropped.tokens_per_s is None and dropped.error and "can't allocate memory" in dropped.error
-    assert event.chosen in REAL_TRIAL[:2] and event.seconds > 0
+    assert choose(list(event.results), with_trial.spec.knobs) in REAL_TRIAL[:2] and event.seconds > 0
     assert [e["event"] for e in events(with_trial.spec)].count("started") == 1
     assert max(with_trial.losses()) == TRAIN["max_steps"]
 
@@ -165,14 +171,9 @@ def test_the_trial_changes_nothing_in_the_training(
 ) -> None:
     """An attempt without a trial, with the knobs the trial chose, trains the same batches in the same
     order to the same losses, step for step: no optimizer step, no data or RNG consumed."""
-    chosen = SpeedTrialEvent.from_json(with_trial.trial())
-    assert chosen is not None
-    knobs = {
-        **KNOBS,
-        "micro_batch_size": chosen.chosen.micro_batch_size,
-        "grad_accum": chosen.chosen.grad_accum,
-    }
-    knobs["gradient_checkpointing"] = chosen.chosen.gradient_checkpointing
+    chosen = choose(list(with_trial.trial().results), with_trial.spec.knobs)
+    knobs = {**KNOBS, "micro_batch_size": chosen.micro_batch_size, "grad_accum": chosen.grad_accum}
+    knobs["gradient_checkpointing"] = chosen.gradient_checkpointing
     plain = _attempt(tiny_dir, tmp_path_factory.mktemp("plain"), knobs)
     assert plain.batches() == with_trial.batches()
     assert plain.losses() == with_trial.losses() and len(plain.losses()) == TRAIN["max_steps"]

@@ -9,6 +9,7 @@ started with the shim as the runner starts it (``trainers.launch.trainer_env``).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from _resume_checks import read_lines
 from _tool_venvs import AXOLOTL, tool_python
 from _trainer_configs import axolotl_config, text_dataset, trl_job
 
+from qlora_supervise.policies.choice import after_trial
 from qlora_supervise.supervisor.loop.launch import spec_command
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import write_spec
@@ -33,6 +35,8 @@ from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import launch
 from qlora_supervise.supervisor.trainers.job import load_job
+from qlora_supervise.trainer_child.contract.events import parse_event
+from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate
 
 pytestmark = pytest.mark.slow
@@ -73,9 +77,17 @@ def _attempt(job_file: Path, trial: tuple[TrialCandidate, ...]) -> Path:
 def _trial(events: Path) -> SpeedTrialEvent:
     found = [e for e in read_lines(events) if e["event"] == "speed_trial"]
     assert len(found) == 1
-    event = SpeedTrialEvent.from_json(found[0])
-    assert event is not None
+    event = parse_event(json.dumps(found[0]))
+    assert isinstance(event, SpeedTrialEvent)
     return event
+
+
+def _chosen(event: SpeedTrialEvent) -> TrialCandidate:
+    """The candidate the policy trains with among the event's timings (every job here plans CANDIDATES[0])."""
+    plan = CANDIDATES[0]
+    planned = Knobs("m", plan.micro_batch_size, plan.grad_accum, plan.gradient_checkpointing)
+    k = after_trial(planned, event.results).knobs
+    return TrialCandidate(k.micro_batch_size, k.grad_accum, k.gradient_checkpointing)
 
 
 def _trained(out: Path) -> list[tuple[int, list[str]]]:
@@ -96,8 +108,8 @@ def test_the_shim_times_trls_trainer_and_trl_trains_the_choice_as_if_untimed(
     event = _trial(events)
     assert event.abandoned is None and [r.candidate for r in event.results] == list(CANDIDATES)
     assert all(r.tokens_per_s and r.tokens_per_s > 0 and r.error is None for r in event.results)
-    chosen = event.chosen
-    assert event.switched and chosen != CANDIDATES[0]
+    chosen = _chosen(event)
+    assert chosen != CANDIDATES[0]
     trained = _trained(tmp_path / "trial")
     assert {len(rows) for _, rows in trained} == {chosen.micro_batch_size}
     assert len(trained) == STEPS * chosen.grad_accum
@@ -143,7 +155,7 @@ def test_a_trial_the_tool_cannot_take_keeps_the_plan_and_says_why(tiny_dir: Path
     events = _attempt(tmp_path / "job.yaml", CANDIDATES)
     event = _trial(events)
     assert event.abandoned and "no tokenized training row" in event.abandoned
-    assert event.chosen == CANDIDATES[0] and not event.switched and event.results == ()
+    assert _chosen(event) == CANDIDATES[0] and event.results == ()
     assert {len(rows) for _, rows in _trained(tmp_path)} == {2}
     assert max(_losses(events)) == STEPS
 
@@ -172,10 +184,10 @@ def test_the_shim_times_axolotls_trainer_and_axolotl_trains_the_choice(
     assert event.abandoned is None and [r.candidate for r in event.results] == list(CANDIDATES)
     assert all(r.tokens_per_s and r.error is None for r in event.results)
     trained = _trained(tmp_path / "plain")
-    assert {len(rows) for _, rows in trained} == {event.chosen.micro_batch_size}
+    assert {len(rows) for _, rows in trained} == {_chosen(event).micro_batch_size}
     assert max(_losses(events)) == STEPS
 
     packed = _axolotl_attempt(tiny_dir, tmp_path / "packed", sample_packing=True, pad_to_sequence_len=True)
     event = _trial(packed)
     assert event.abandoned is not None and "sample_packing" in event.abandoned
-    assert event.chosen == CANDIDATES[0] and max(_losses(packed)) == STEPS
+    assert _chosen(event) == CANDIDATES[0] and max(_losses(packed)) == STEPS

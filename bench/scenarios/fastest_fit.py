@@ -142,6 +142,15 @@ def child_events(run_dir: Path, attempt: int) -> list[dict[str, Any]]:
     return gpu_ladder.read_jsonl(run_dir / f"attempt-{attempt:03d}" / "child-events.jsonl")
 
 
+def switched(trial: dict[str, Any] | None, knobs: dict[str, Any]) -> bool | None:
+    """Whether the attempt trained another config than the trial's first (the planned) one: the
+    event reports timings only, the journal's knobs are the policy's choice."""
+    if not trial or not trial.get("results"):
+        return None
+    timed = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
+    return any(trial["results"][0]["candidate"][k] != knobs.get(k) for k in timed)
+
+
 def summarise(s: Scenario, run_dir: Path, run: dict[str, Any]) -> dict[str, Any]:
     """The run's attempts, OOMs, chosen config, quality changes and measured tokens/s."""
     attempts = gpu_ladder.read_jsonl(run_dir / "attempts.jsonl")
@@ -169,7 +178,7 @@ def summarise(s: Scenario, run_dir: Path, run: dict[str, Any]) -> dict[str, Any]
         "lost_steps": sum(int(a.get("lost_steps") or 0) for a in attempts),
         "tokens_per_s": round(statistics.median(rates[1:] or rates), 1) if rates else None,
         "trial_s": trial.get("seconds") if trial else None,
-        "trial_switched": trial.get("switched") if trial else None,
+        "trial_switched": switched(trial, knobs),
         "trial": trial,
     }
 

@@ -1,82 +1,52 @@
-"""Rule 6 of the decision: after a memory failure, climb the ladder (or search its combinations).
+"""The ladder walk: the stage's rungs in order, after a memory failure the search could not answer.
 
-Rungs with nothing to change, results that already failed the same way, rungs charged with a
-failure earlier in the run (:mod:`.charge`), rungs the trainer cannot take (a foreign tool's
-config has no key for them: ``Settings.cannot_take``), and results a calibrated memory model
-says cannot fit are skipped (a skipped rung's change is kept and the next rung applied on top)
--> Restart, or GiveUp when the ladder is exhausted. For the training step's own memory the pre-flight's
-search runs first: it combines throughput rungs and ranks them by the throughput model.
+:mod:`..choice` decides when the walk runs (after the search after a failure found no
+throughput-only change that fits). Rungs with nothing to change, results that already failed the
+same way, rungs charged with a failure earlier in the run (:mod:`.charge`), rungs the trainer
+cannot take (a foreign tool's config has no key for them: ``Settings.cannot_take``), and results a
+calibrated memory model says cannot fit are skipped (a skipped rung's change is kept and the next
+rung applied on top) -> Restart, or GiveUp when the ladder is exhausted.
 
-A host OOM kill is charged to what used the host (issue 28): under activation offload, offload
-itself. Offload goes off and the fastest config that fits both budgets (the card's and the
-host's) starts; where nothing without offload fits the card, offload stays with the config whose
-host need is the smallest below the one that was killed. Only when no throughput config fits both
-does the stage's ladder walk (and its quality rungs) decide. That walk, after a host OOM kill,
-skips any rung that needs more host RAM than the killed config; after any failure, a result over
-the host budget counts as too big, as the pre-flight counts it, and is never the one step taken
-when nothing is predicted to fit.
+After a host OOM kill (issue 28) the walk skips any rung that needs more host RAM than the killed
+config; after any failure, a result over the host budget counts as too big, as the pre-flight
+counts it, and is never the one step taken when nothing is predicted to fit.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.rungs import (
-    RUNG_BY_NAME,
-    Rung,
-    RungContext,
-    Survives,
-    rung_by_name,
-    shorten_cost_text,
-)
-from qlora_supervise.policies.search import config_search as preflight
-from qlora_supervise.policies.search import throughput
-from qlora_supervise.policies.search.candidates import rungs_between
+from qlora_supervise.policies.rungs import Rung, RungContext, Survives, rung_by_name, shorten_cost_text
 from qlora_supervise.policies.search.search_result import knob_changes
-from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
+from qlora_supervise.policies.search.search_state import fit_limit
+from qlora_supervise.policies.verdicts import (
+    Decision,
+    FailureLike,
+    GiveUp,
+    PastAttempt,
+    Restart,
+    Settings,
+    for_model,
+)
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
-from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _SURVIVAL_ORDER = (Survives.ALL, Survives.OPTIMIZER_RESET, Survives.ADAPTER_REINIT)
 
 
-@dataclass(frozen=True)
-class MergeFailure:
-    """How the ladder sees any memory failure of the merge process."""
-
-    kind: FailureKind = FailureKind.OOM_MERGE
-    stage: Stage = Stage.MERGE
-    numbers: Mapping[str, Any] = field(default_factory=dict)
-    fatal_xid: int | None = None
-
-
-def climb(
+def walk(
     failure: FailureLike,
     knobs: Knobs,
-    history: Sequence[PastAttempt],
+    failed_same_way: frozenset[Knobs],
     settings: Settings,
-    unusable: frozenset[str] = frozenset(),
+    scale: float | None,
+    unusable: frozenset[str],
 ) -> Decision:
-    """The next rung(s) for ``failure`` of ``knobs``; ``unusable``: rungs charged with a failure
-    (the ones the trainer cannot take, ``settings.cannot_take``, are added)."""
-    settings = for_model(settings, knobs.model)
-    unusable = unusable | settings.cannot_take
-    failed_same_way = {past.knobs for past in history if past.kind is failure.kind}
-    scale = _scale(history, settings)
-    if failure.kind is FailureKind.HOST_OOM and knobs.activation_offload:
-        charged = _charge_offload(knobs, failed_same_way, settings, scale, unusable)
-        if charged is not None:
-            return charged
-    searched = _search(failure, knobs, failed_same_way, settings, scale, unusable)
-    if searched is not None:
-        return searched
+    """The stage's ladder from ``knobs`` (``settings`` already those of its model)."""
     context = RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
     candidate = knobs
     applied: list[Rung] = []
@@ -108,83 +78,6 @@ def climb(
     return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
 
 
-#: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
-_STEP_MEMORY = frozenset(
-    {
-        FailureKind.OOM_FORWARD,
-        FailureKind.OOM_BACKWARD,
-        FailureKind.OOM_OPTIMIZER,
-        FailureKind.OOM_FRAGMENTATION,
-    }
-)
-
-
-def _search(
-    failure: FailureLike,
-    knobs: Knobs,
-    failed: set[Knobs],
-    settings: Settings,
-    scale: float | None,
-    unusable: frozenset[str],
-) -> Restart | None:
-    """The fastest throughput-only change predicted to fit, searched over combinations.
-
-    The ladder applies each rung once in its order; the search can combine them (checkpointing
-    with the micro-batch halved twice) and so reaches a config that fits without the quality
-    rung a walk would take next, ranked by the throughput model with this run's measured speeds.
-    The failure itself calibrates it: the failed config needed more than the budget, so the
-    model's variable part is scaled up to say so at least. A quality change, or nothing
-    predicted to fit, leaves the choice to the ladder walk.
-    """
-    shape, budget = settings.shape, settings.budget_bytes
-    if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
-        return None
-    floor = _failed_scale(shape, knobs, budget, settings.targets)
-    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
-    result = preflight.preflight(
-        shape, knobs, budget, scale=max(scale or floor, floor), speed=speed,
-        exclude=frozenset(failed), unusable=unusable, host=settings.host, targets=settings.targets,
-    )  # fmt: skip
-    if not result.fits or result.quality_changed or result.knobs == knobs:
-        return None
-    names = rungs_between(knobs, result.knobs)
-    survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
-    why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
-    why += f" (memory model: {result.reasons[-1]})"
-    return Restart(result.knobs, "+".join(names), knob_changes(knobs, result.knobs), why, survives)
-
-
-def _charge_offload(
-    knobs: Knobs, failed: set[Knobs], settings: Settings, scale: float | None, unusable: frozenset[str]
-) -> Restart | None:
-    """After a host OOM kill under activation offload: offload off, and the fastest throughput-only
-    config that fits the card and the host; else offload kept with less host need; None: neither
-    (the ladder walks). Without a shape or card budget to search with, offload off alone."""
-    off = dataclasses.replace(knobs, activation_offload=False)
-    why = "host OOM kill under activation offload: offload held the host's RAM, so it is charged with it"
-    shape, budget = settings.shape, settings.budget_bytes
-    if shape is None or budget is None:
-        return Restart(
-            off, "activation_offload_off", knob_changes(knobs, off), f"{why}; offload off", Survives.ALL
-        )
-    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
-    killed = _train_host(shape, knobs, settings)
-    for base, banned in ((off, frozenset({"activation_offload"})), (knobs, frozenset())):
-        result = preflight.preflight(
-            shape, base, budget, scale=scale, speed=speed, exclude=frozenset(failed),
-            unusable=unusable | banned, host=settings.host, targets=settings.targets,
-        )  # fmt: skip
-        lighter = not result.knobs.activation_offload or _train_host(shape, result.knobs, settings) < killed
-        if result.fits and not result.quality_changed and result.fallback is None and lighter:
-            names = ["activation_offload_off" if not result.knobs.activation_offload else ""]
-            names += [n for n in rungs_between(off, result.knobs) if n != "activation_offload"]
-            rung = "+".join(n for n in names if n)
-            survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
-            chose = result.reasons[-1] if result.reasons else "fits both budgets"
-            return Restart(result.knobs, rung, knob_changes(knobs, result.knobs), f"{why}; {chose}", survives)
-    return None
-
-
 def _adds_host(killed: Knobs, knobs: Knobs, settings: Settings) -> bool:
     """Whether ``knobs`` need more host RAM in training than ``killed``, by the host model (False
     where it cannot count: no shape for either model). Equal is no more: the model counts the
@@ -193,25 +86,16 @@ def _adds_host(killed: Knobs, knobs: Knobs, settings: Settings) -> bool:
     own, theirs = for_model(settings, knobs.model), for_model(settings, killed.model)
     if own.shape is None or theirs.shape is None:
         return False
-    return _train_host(own.shape, knobs, own) > _train_host(theirs.shape, killed, theirs)
+    return train_host(own.shape, knobs, own) > train_host(theirs.shape, killed, theirs)
 
 
-def _train_host(shape: memory_model.ModelShape, knobs: Knobs, settings: Settings) -> int:
+def train_host(shape: memory_model.ModelShape, knobs: Knobs, settings: Settings) -> int:
     """The training phase's host need of ``knobs`` (the checkpoint's size does not enter it)."""
     checkpoint = settings.host.checkpoint_bytes if settings.host is not None else 0
     return host_train_need(shape, knobs, checkpoint, settings.targets).train_peak
 
 
-def for_model(settings: Settings, model: str) -> Settings:
-    """The settings for ``model``: a fallback model's own shape, without the job's model's
-    measurements (they calibrate another shape); the job's model: unchanged."""
-    shapes = dict(settings.fallback_shapes)
-    if model not in shapes:
-        return settings
-    return dataclasses.replace(settings, shape=shapes[model], prior=(), speeds=())
-
-
-def _failed_scale(
+def failed_scale(
     shape: memory_model.ModelShape, knobs: Knobs, budget: int, targets: tuple[str, ...] | str
 ) -> float:
     """The smallest scale of the variable part at which ``knobs`` no longer fits ``budget``."""
@@ -219,7 +103,7 @@ def _failed_scale(
     return max(1.0, (budget - fixed) / variable) if variable > 0 else 1.0
 
 
-def _scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:
+def calibrated_scale(history: Sequence[PastAttempt], settings: Settings) -> float | None:
     if settings.shape is None:
         return None
     observations = [
@@ -250,7 +134,7 @@ def _over_host(knobs: Knobs, settings: Settings) -> bool:
     own = for_model(settings, knobs.model)
     if own.shape is None or own.host is None:
         return False
-    return _train_host(own.shape, knobs, own) > preflight.fit_limit(own.host.budget_bytes)
+    return train_host(own.shape, knobs, own) > fit_limit(own.host.budget_bytes)
 
 
 def _restart(

@@ -10,7 +10,7 @@ new first kill, retried unchanged again (issue 29 item 7: two kills with 5 good 
 them halved the LoRA rank). A kill before any step walks the ladder at once. This also holds at
 the ladder's bottom: the run does not give up at the first kill after progress. Under activation
 offload the child's own host use is the likely cause, so no plain retry: offload is charged at
-once (:mod:`.climb`).
+once (:mod:`..choice`).
 
 When the ladder walks for a host OOM, the stage the heartbeats last showed is only where the
 process was when the kernel chose it, not what grew. So the throughput rungs come first (the
@@ -48,7 +48,7 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
     """
     if failure.kind is not FailureKind.HOST_OOM or not failed or failed[-1].steps_progressed <= 0:
         return None
-    if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (climb.py)
+    if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (choice.py)
         return None
     now = failed[-1]
     before = failed[-2] if len(failed) > 1 else None

@@ -10,7 +10,8 @@ from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.rungs import PLAN_RUNGS, CostClass
 from qlora_supervise.policies.search import throughput
-from qlora_supervise.policies.search.config_search import knob_changes, scaled_peak
+from qlora_supervise.policies.search.search_result import knob_changes
+from qlora_supervise.policies.search.search_state import scaled_peak
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 

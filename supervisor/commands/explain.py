@@ -1,7 +1,9 @@
 """``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``.
 
 The retry story as a table: attempt, outcome and kind, stage, the key numbers, the change the
-ladder made, the progress kept, predicted vs measured peak, wall time. ``--json`` prints
+ladder made, the progress kept, predicted vs measured peak, wall time; then why each attempt ran
+its config, in the policy's words (``policies/choice.py`` decides every config: the first plan's
+reasons and the speed trial's, or the decision after the attempt before). ``--json`` prints
 schema ``qlora-supervise.explain/1``::
 
     {"schema": "qlora-supervise.explain/1", "run_dir": str, "budget_bytes": int | null,
@@ -13,7 +15,8 @@ schema ``qlora-supervise.explain/1``::
                    "peak_source": str | null, "predicted_peak_bytes": int | null,
                    "tokens_per_s": float | null,            # measured: median of its heartbeats
                    "predicted_tokens_per_s": float | null,  # the throughput model's, same knobs
-                   "wall_s": float, "started_at": float, "ended_at": float, "samples": int}]}
+                   "wall_s": float, "started_at": float, "ended_at": float, "samples": int,
+                   "why": [str]}]}                          # why it ran this config
 
 The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
 attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory
@@ -107,7 +110,10 @@ def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
     budget = _budget(job)
     given = _shape_of(model_config) if model_config else None
     asked_gpu = str((job.get("resources") or {}).get("gpu", "auto")) != "cpu"
-    rows = [_row(rd, r, given, _ran_on_gpu(rd, r.attempt, asked_gpu)) for r in records]
+    rows = [
+        {**_row(rd, r, given, _ran_on_gpu(rd, r.attempt, asked_gpu)), "why": _config_why(r, before)}
+        for before, r in zip([None, *records], records, strict=False)
+    ]
     return {
         "schema": SCHEMA,
         "run_dir": str(rd.root),
@@ -199,6 +205,14 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
     }
 
 
+def _config_why(r: AttemptRecord, before: AttemptRecord | None) -> list[str]:
+    """The policy's reasons for the config ``r`` ran: the first plan's (the speed trial's among
+    them), or the decision after the attempt before it."""
+    if r.plan is not None:
+        return list(r.plan.why)
+    return [before.decision.why] if before is not None and before.decision is not None else []
+
+
 #: The numbers that tell each kind's story (the JSON keeps them all).
 _KEY_NUMBERS = {
     "oom_fragmentation": ("tried_to_allocate", "reserved_unallocated"),
@@ -250,5 +264,8 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), file=out)
+    for a in story["attempts"]:
+        if a["why"]:
+            print(f"why #{a['attempt']} ran its config: {'; '.join(a['why'])}", file=out)
     budget = story["budget_bytes"]
     print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)

@@ -4,7 +4,7 @@ will go, on the card and on the host, before training.
 Reads the job, the model's ``config.json`` and its safetensors index / headers (never the
 weights: :mod:`qlora_supervise.supervisor.jobfile.model_files`), and prints the predicted peak by
 component, the card and the budget, whether the job fits as written, the config the supervisor
-would start from (the pre-flight, :func:`qlora_supervise.policies.search.config_search.preflight`), each
+would start from (the first plan, :data:`qlora_supervise.policies.choice.first`), each
 rung's predicted peak and cost class, and the host RAM needed to load and to merge. No GPU, no
 torch: it runs in a second on a laptop for a 70B config.
 
@@ -95,13 +95,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from qlora_supervise.policies import memory_model
+from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
-from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import card_budget, card_reserve
 from qlora_supervise.policies.search.rung_effects import RungEffect, rung_effects
+from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
 from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
 from qlora_supervise.supervisor.commands.plan_inputs import JobView, load_plan_job, plan_model_files
 from qlora_supervise.supervisor.commands.plan_text import render
@@ -185,7 +185,7 @@ def make_plan(
     speed = None if shape is None else _host_speeds(view, shape)
     if shape is not None and card.budget_bytes is not None:
         fallbacks = tuple((model, model_shape(Path(model))) for model in view.fallbacks)
-        start = preflight.preflight(
+        start = choice.first(
             shape,
             view.knobs,
             card.budget_bytes,
@@ -278,7 +278,7 @@ def _prediction(knobs: Knobs, p: gpu_terms.Prediction) -> dict[str, Any]:
     }
 
 
-def _start(r: preflight.PreflightResult) -> dict[str, Any]:
+def _start(r: PreflightResult) -> dict[str, Any]:
     return {
         "knobs": asdict(r.knobs),
         "changes": {k: list(v) for k, v in r.changes.items()},
@@ -302,7 +302,7 @@ def _start(r: preflight.PreflightResult) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _ranking(job: Knobs, r: preflight.PreflightResult) -> list[dict[str, Any]]:
+def _ranking(job: Knobs, r: PreflightResult) -> list[dict[str, Any]]:
     return [
         {
             "rank": n,
@@ -312,7 +312,7 @@ def _ranking(job: Knobs, r: preflight.PreflightResult) -> list[dict[str, Any]]:
             "host_peak_bytes": c.host_peak_bytes,
             "cost_class": c.cost_class.value,
             "rungs": list(c.rungs),
-            "changes": {k: list(v) for k, v in preflight.knob_changes(job, c.knobs).items()},
+            "changes": {k: list(v) for k, v in knob_changes(job, c.knobs).items()},
         }
         for n, c in enumerate(r.ranking, start=1)
     ]

@@ -13,8 +13,8 @@ from qlora_supervise.policies.memory.host import (
     host_train_need,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search.budget import HostBudget, host_budget
+from qlora_supervise.policies.search.search_result import PreflightResult
 from qlora_supervise.supervisor.commands.plan_inputs import JobView
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, parse_memory_size
@@ -46,7 +46,7 @@ def size_flag(flag: str, value: str | None) -> int | None:
 
 
 def host_training(
-    shape: ModelShape | None, view: JobView, host: HostBudget | None, start: preflight.PreflightResult | None
+    shape: ModelShape | None, view: JobView, host: HostBudget | None, start: PreflightResult | None
 ) -> dict[str, Any]:
     """The host budget and the start's training host peak by component, with its basis."""
     need = None

@@ -194,7 +194,7 @@ class SuperviseSection(Section):
     # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
     calibration_store: bool = True
     # Attempt 1 times the planner's top candidates (micro-batch, checkpointing) before step 1 and
-    # trains with the fastest (policies/search/config_search.py, contract/speed_trial.py); false: no trial.
+    # trains with the fastest (policies/choice.py decides); false: no trial.
     speed_trial: bool = _SETTINGS.speed_trial
     # A warm spare trainer (loop/spare.py): the next attempt skips the stack's imports. auto:
     # on with 4+ usable CPUs; host RAM short turns it off either way.

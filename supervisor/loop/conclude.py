@@ -65,15 +65,18 @@ class Conclusions:
     lifted_after: int = 0
 
     def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
-        """``o`` with the knobs the attempt trained with: a speed trial in the child may have switched
-        the plan's micro-batch and checkpointing. The journal, the policy's history and the
+        """``o`` with the knobs the attempt trained with: the policy's choice among the timings of its
+        speed trial (from its events, read once), which may have switched the plan's micro-batch and
+        checkpointing; its reason joins the plan's. The journal, the policy's history and the
         never-repeat-a-failed-config rule all key on what ran."""
-        trained = speed_of(o.progress.events, o.plan.knobs).knobs
+        trial = speed_of(o.progress.events, o.plan.knobs).choice
+        trained = trial.knobs if trial else o.plan.knobs
         # The host model's training peak for what ran: status and explain set the measured one beside it.
         o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
-        if trained == o.plan.knobs:
+        if trial is None:
             return o
-        return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained))
+        note = o.plan.note and dataclasses.replace(o.plan.note, why=(*o.plan.note.why, trial.why))
+        return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained, note=note))
 
     def conclude(self, o: AttemptOutcome, records: list[AttemptRecord], reclaimed: bool = False) -> Turn:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""

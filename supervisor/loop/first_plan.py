@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from structlog.typing import FilteringBoundLogger
 
+from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.search_result import PreflightResult
+from qlora_supervise.policies.search.search_state import fit_limit, scaled_peak
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
@@ -50,7 +51,7 @@ def first_plan(
     # Peaks this host saw for the shape before calibrate the first prediction too.
     scale = memory_model.calibrate(shape, list(settings.prior), targets) if settings.prior else None
     speed = throughput.calibrate(shape, settings.speeds, targets) if settings.speeds else None
-    result = preflight.preflight(
+    result = choice.first(
         shape,
         knobs,
         budget,
@@ -73,7 +74,7 @@ def first_plan(
         )
     if speed is not None:
         reasons = (*reasons, f"ranked with {len(speed.measured)} config(s) this host measured the speed of")
-    peak = preflight.scaled_peak(result.predicted, scale if result.fallback is None else None)
+    peak = scaled_peak(result.predicted, scale if result.fallback is None else None)
     note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
     trial = result.speed_trial if settings.speed_trial else ()
     return Plan(
@@ -81,7 +82,7 @@ def first_plan(
         result.knobs,
         note=note,
         speed_trial=trial,
-        speed_trial_limit=preflight.fit_limit(budget) if trial else None,
+        speed_trial_limit=fit_limit(budget) if trial else None,
         nothing_fits=nothing_fits_text(result),
     )
 
@@ -92,7 +93,7 @@ def stop_nothing_fits(log: FilteringBoundLogger, message: str) -> int:
     return int(SupervisorExitCode.NOTHING_FITS)
 
 
-def nothing_fits_text(result: preflight.PreflightResult) -> str | None:
+def nothing_fits_text(result: PreflightResult) -> str | None:
     """What to say when nothing fits: the smallest peak found, the budget, what would help."""
     nothing = result.nothing_fits
     if nothing is None:

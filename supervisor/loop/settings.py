@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.ladder.climb import for_model
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, host_budget
 from qlora_supervise.policies.search.throughput import SpeedObservation
+from qlora_supervise.policies.verdicts import for_model
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicted_fit
 from qlora_supervise.supervisor.jobfile import model_files
 from qlora_supervise.supervisor.jobfile.job import Job

@@ -2,7 +2,7 @@
 
 The child's heartbeats carry the tokens/s of its latest optimizer step; the attempt's speed is
 their median (the first step's kernel tuning and a checkpoint's pause are outliers). When the
-speed trial switched the config before step 1, the knobs are the trial's choice, not the plan's.
+speed trial ran, the knobs are the policy's choice among its timings (``policies.choice``), not the plan's.
 Used by ``status``, ``explain`` and the run summary, by the per-host store, and within a run to
 correct the throughput model.
 """
@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.policies.choice import TrialChoice, after_trial
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, read_events
-from qlora_supervise.trainer_child.contract.spec import Knobs, trained_knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
 
 
@@ -32,6 +33,7 @@ class AttemptSpeed:
     tokens_per_s: float | None  # median over its heartbeats; None: no step measured
     beats: int  # heartbeats with a tokens/s
     trial: SpeedTrialEvent | None = None
+    choice: TrialChoice | None = None  # the policy's, among the trial's timings
 
 
 def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
@@ -43,8 +45,8 @@ def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
             rates.append(event.tokens_per_s)
         elif isinstance(event, SpeedTrialEvent):
             trial = event
-    knobs = trained_knobs(planned, trial.chosen) if trial is not None and trial.switched else planned
-    return AttemptSpeed(knobs, _median(rates), len(rates), trial)
+    choice = None if trial is None else after_trial(planned, trial.results)
+    return AttemptSpeed(choice.knobs if choice else planned, _median(rates), len(rates), trial, choice)
 
 
 def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
@@ -96,9 +98,9 @@ def speed_line(speed: AttemptSpeed) -> str | None:
         parts.append(f"{speed.tokens_per_s:.0f} tokens/s (median of {speed.beats} heartbeat(s))")
     if speed.trial is not None and speed.trial.abandoned is not None:
         parts.append(f"speed trial abandoned, kept the plan: {speed.trial.abandoned}")
-    elif speed.trial is not None:
+    elif speed.trial is not None and speed.choice is not None:
         rows = ", ".join(_trial_row(t) for t in speed.trial.results)
-        verdict = "switched" if speed.trial.switched else "kept the plan"
+        verdict = "switched" if speed.choice.switched else "kept the plan"
         parts.append(f"speed trial {speed.trial.seconds:.1f} s, {verdict}: {rows}")
     return "  speed: " + "; ".join(parts)
 

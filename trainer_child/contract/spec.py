@@ -193,17 +193,6 @@ class AttemptSpec:
 _SPEC = TypeAdapter(AttemptSpec)
 
 
-def trained_knobs(knobs: Knobs, chosen: TrialCandidate) -> Knobs:
-    """The knobs an attempt planned as ``knobs`` trained with after its speed trial chose ``chosen``:
-    its micro-batch, accumulation and checkpointing; every other knob as planned."""
-    return dataclasses.replace(
-        knobs,
-        micro_batch_size=chosen.micro_batch_size,
-        grad_accum=chosen.grad_accum,
-        gradient_checkpointing=chosen.gradient_checkpointing,
-    )
-
-
 def rank_gpus(knobs: Knobs) -> list[int]:
     """The positions (in the visible GPUs) that ranks 0, 1, ... of ``knobs`` train on."""
     if not knobs.gpus:

@@ -12,12 +12,14 @@ states (LoRA dropout draws from torch's) are restored afterwards, the gradients 
 trl's logged metrics are put back. A candidate that runs out of memory is dropped where it failed
 (freed, no restart); the trial then goes on with the next.
 
-The choice (:func:`contract.speed_trial.choose`) is applied to the trainer's arguments before
+The choice is the policy's (:func:`policies.choice.after_trial`, the one place that decides the
+config; this module only times and applies), applied to the trainer's arguments before
 ``train()`` reads them: ``per_device_train_batch_size`` (Trainer copies it into
 ``_train_batch_size`` at construction, and its dataloader reads that copy),
 ``gradient_accumulation_steps`` (read in ``train()``), and checkpointing on the model and in the
-arguments (:func:`recipe.activations.set_checkpointing`). One ``speed_trial`` event carries the
-table and the trial's cost. Not under torchrun: the ranks would time and choose apart.
+arguments (:func:`recipe.activations.set_checkpointing`). One ``speed_trial`` event reports the
+timings and the trial's cost; the supervisor asks the policy the same question of them. Not under
+torchrun: the ranks would time and choose apart.
 """
 
 from __future__ import annotations
@@ -34,15 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from qlora_supervise.policies import choice
+from qlora_supervise.policies.choice import TrialChoice
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, trained_knobs
-from qlora_supervise.trainer_child.contract.speed_trial import (
-    SpeedTrialEvent,
-    TrialCandidate,
-    TrialResult,
-    choose,
-    within,
-)
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
+from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
 from qlora_supervise.trainer_child.recipe.activations import (
     activation_context,
     release_host_buffers,
@@ -74,7 +72,7 @@ def run(
     """
     began = Began.now(progress, trainer)
     row = longest_row(trainer.train_dataset) if row is None else row
-    return conclude(trainer, spec, progress, on_cuda, time_all(trainer, spec, on_cuda, row), began)
+    return conclude(trainer, progress, on_cuda, time_all(trainer, spec, on_cuda, row), began)
 
 
 def time_all(trainer: Any, spec: AttemptSpec, on_cuda: bool, row: dict[str, Any]) -> tuple[TrialResult, ...]:
@@ -82,35 +80,27 @@ def time_all(trainer: Any, spec: AttemptSpec, on_cuda: bool, row: dict[str, Any]
     share = BUDGET_S / len(spec.speed_trial)
     with untouched(trainer):
         results = tuple(time_candidate(trainer, row, c, on_cuda, share) for c in spec.speed_trial)
-    return tuple(within(r, spec.speed_trial_limit_bytes) for r in results)
+    return tuple(choice.within(r, spec.speed_trial_limit_bytes) for r in results)
 
 
 def conclude(
-    trainer: Any,
-    spec: AttemptSpec,
-    progress: Progress,
-    on_cuda: bool,
-    results: tuple[TrialResult, ...],
-    began: Began,
+    trainer: Any, progress: Progress, on_cuda: bool, results: tuple[TrialResult, ...], began: Began
 ) -> SpeedTrialEvent:
-    """Train with the choice among ``results``: apply it, emit the event."""
-    chosen = choose(results)
-    event = SpeedTrialEvent(
-        results, chosen, chosen != spec.speed_trial[0], round(time.monotonic() - began.time, 3)
-    )
-    apply(trainer, event)
-    return _ended(event, progress, began.stage, on_cuda)
+    """Train with the policy's choice among ``results``: apply it, emit the timings."""
+    chosen = choice.after_trial(trainer.plan.knobs, results)
+    apply(trainer, chosen.knobs)
+    event = SpeedTrialEvent(results, round(time.monotonic() - began.time, 3))
+    return _ended(event, progress, began.stage, on_cuda, summary(event, chosen))
 
 
-def abandon(
-    trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool, why: str, began: Began
-) -> SpeedTrialEvent:
+def abandon(trainer: Any, progress: Progress, on_cuda: bool, why: str, began: Began) -> SpeedTrialEvent:
     """End a trial that could not time its candidates: checkpointing as the trial found it (on the
     model and in the arguments), no gradients, and an event that says why and keeps the plan."""
     began.restore(trainer)
     trainer.model.zero_grad(set_to_none=True)
-    event = SpeedTrialEvent((), spec.speed_trial[0], False, round(time.monotonic() - began.time, 3), why)
-    return _ended(event, progress, began.stage, on_cuda)
+    event = SpeedTrialEvent((), round(time.monotonic() - began.time, 3), why)
+    line = f"speed trial abandoned ({why}): training as planned"
+    return _ended(event, progress, began.stage, on_cuda, line)
 
 
 #: The arguments' names for checkpointing (transformers 5's, and its deprecated alias).
@@ -154,7 +144,9 @@ def model_checkpointing(trainer: Any) -> bool | None:
     return None
 
 
-def _ended(event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: bool) -> SpeedTrialEvent:
+def _ended(
+    event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: bool, line: str
+) -> SpeedTrialEvent:
     release_host_buffers()  # pinned offload buffers the trial's candidates left: back to the system
     free(on_cuda)
     if on_cuda:  # from here the attempt's peak is its training's (the chosen config's), not the trial's
@@ -162,7 +154,7 @@ def _ended(event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: b
         reset_host_peak()  # and its host peak too
     progress.enter(before)
     progress.events.write(event.to_line())
-    print(summary(event), flush=True)
+    print(line, flush=True)
     return event
 
 
@@ -237,15 +229,14 @@ def micro_step(trainer: Any, batch: dict[str, Any]) -> None:
         trainer.accelerator.backward(loss)
 
 
-def apply(trainer: Any, event: SpeedTrialEvent) -> None:
-    """Train with ``event.chosen``: micro-batch, accumulation, checkpointing, and the checkpoints'
-    record of the knobs."""
-    chosen, args = event.chosen, trainer.args
-    args.per_device_train_batch_size = chosen.micro_batch_size
-    args.gradient_accumulation_steps = chosen.grad_accum
+def apply(trainer: Any, knobs: Knobs) -> None:
+    """Train with ``knobs``: micro-batch, accumulation, checkpointing, and the checkpoints' record."""
+    args = trainer.args
+    args.per_device_train_batch_size = knobs.micro_batch_size
+    args.gradient_accumulation_steps = knobs.grad_accum
     trainer._train_batch_size = args.train_batch_size
-    set_checkpointing(trainer, chosen.gradient_checkpointing)
-    trainer.plan = dataclasses.replace(trainer.plan, knobs=trained_knobs(trainer.plan.knobs, event.chosen))
+    set_checkpointing(trainer, knobs.gradient_checkpointing)
+    trainer.plan = dataclasses.replace(trainer.plan, knobs=knobs)
 
 
 @contextlib.contextmanager
@@ -292,13 +283,10 @@ def free(on_cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def summary(event: SpeedTrialEvent) -> str:
+def summary(event: SpeedTrialEvent, chosen: TrialChoice) -> str:
     """One line for child.log: each candidate's tokens/s (or why it was dropped), and the choice."""
-    rows = [f"{_name(r.candidate)}: {_outcome(r)}" for r in event.results]
-    if event.abandoned is not None:
-        return f"speed trial abandoned ({event.abandoned}): training with {_name(event.chosen)}, as planned"
-    switched = " (switched)" if event.switched else ""
-    return f"speed trial ({event.seconds:.1f} s): {'; '.join(rows)} -> {_name(event.chosen)}{switched}"
+    rows = [f"{r.candidate.name}: {_outcome(r)}" for r in event.results]
+    return f"speed trial ({event.seconds:.1f} s): {'; '.join(rows)} -> {chosen.why}"
 
 
 def _outcome(result: TrialResult) -> str:
@@ -308,8 +296,3 @@ def _outcome(result: TrialResult) -> str:
     if result.host_peak_bytes is not None:
         measured += f", host {result.host_peak_bytes / (1 << 30):.2f} GiB"
     return measured if result.error is None else f"{measured}, dropped: {result.error}"
-
-
-def _name(candidate: TrialCandidate) -> str:
-    checkpointing = ", checkpointing" if candidate.gradient_checkpointing else ""
-    return f"micro-batch {candidate.micro_batch_size} x {candidate.grad_accum}{checkpointing}"

@@ -44,14 +44,14 @@ def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> S
             why = f"no tokenized training row to time ({_said(exc)})"
     results = None
     if row is not None:
-        try:  # the timing alone: what follows it (the choice, applied) is the trial's own code
+        try:  # the timing alone: what follows it (the policy's choice, applied) is the trial's own code
             results = speed_trial.time_all(trainer, spec, on_cuda, row)
         except Exception as exc:  # the tool's loss or collator on the trial's batch
             why = f"the tool's Trainer did not take the trial's batch ({_said(exc)})"
         gc.collect()  # a traceback's frames held the failed micro-step's tensors
     if results is not None:
-        return speed_trial.conclude(trainer, spec, progress, on_cuda, results, began)
-    return speed_trial.abandon(trainer, spec, progress, on_cuda, why or "nothing to time", began)
+        return speed_trial.conclude(trainer, progress, on_cuda, results, began)
+    return speed_trial.abandon(trainer, progress, on_cuda, why or "nothing to time", began)
 
 
 def cannot_time(trainer: Any) -> str | None:
