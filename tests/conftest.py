@@ -44,7 +44,7 @@ IN_PROCESS_TORCH = (
 
 
 #: The slow modules whose tests take longest (a foreign tool's venv, a supervised run of several
-#: attempts, two ranks), measured: collected first of all.
+#: attempts, two ranks), measured: collected first of all (the fast ones below: first of the fast).
 LONGEST_FIRST = (
     "test_trainer_tools_real.py",
     "test_trainer_trial_real.py",
@@ -52,6 +52,17 @@ LONGEST_FIRST = (
     "test_spare.py",
     "test_families.py",
     "test_trainer_trl_real.py",
+    # The fast modules whose tests wait longest on real processes and real time (hang and stop
+    # timeouts, paced scripted children), measured: first of the fast tests, so that the short
+    # tests fill the end of `-n 2` and neither worker finishes alone on a long one.
+    "test_loop.py",
+    "test_trainer_shim.py",
+    "test_hardening_loop.py",
+    "test_reliability_loop.py",
+    "test_optional_outputs.py",
+    "test_creep.py",
+    "test_reliability_tools.py",
+    "test_trainer_stand_ins.py",
 )
 
 
