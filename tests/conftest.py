@@ -29,12 +29,22 @@ def pytest_configure(config: pytest.Config) -> None:
 SHARED_RUN_MODULES = ("test_torchrun_real.py", "test_speed_trial.py", "test_child_rung_costs.py")
 
 #: Fast modules that run torch, transformers and peft in the test process: one unit together, so
-#: that one worker alone pays those imports (seconds each).
-IN_PROCESS_TORCH = ("test_activation_offload.py", "test_bf16_head.py", "test_rank.py", "test_rank_stop.py")
+#: that one worker alone pays those imports (seconds each; transformers' model modules about 5 s).
+#: test_speed_trial's fast tests import the child's speed trial (torch); its shared run comes along.
+IN_PROCESS_TORCH = (
+    "test_activation_offload.py",
+    "test_attention_default.py",
+    "test_bench_recovery.py",
+    "test_bf16_head.py",
+    "test_child_failure.py",
+    "test_rank.py",
+    "test_rank_stop.py",
+    "test_speed_trial.py",
+)
 
 
 #: The slow modules whose tests take longest (a foreign tool's venv, a supervised run of several
-#: attempts, two ranks), measured: collected first of all.
+#: attempts, two ranks), measured: collected first of all (the fast ones below: first of the fast).
 LONGEST_FIRST = (
     "test_trainer_tools_real.py",
     "test_trainer_trial_real.py",
@@ -42,6 +52,17 @@ LONGEST_FIRST = (
     "test_spare.py",
     "test_families.py",
     "test_trainer_trl_real.py",
+    # The fast modules whose tests wait longest on real processes and real time (hang and stop
+    # timeouts, paced scripted children), measured: first of the fast tests, so that the short
+    # tests fill the end of `-n 2` and neither worker finishes alone on a long one.
+    "test_loop.py",
+    "test_trainer_shim.py",
+    "test_hardening_loop.py",
+    "test_reliability_loop.py",
+    "test_optional_outputs.py",
+    "test_creep.py",
+    "test_reliability_tools.py",
+    "test_trainer_stand_ins.py",
 )
 
 
@@ -101,10 +122,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return OneByOne(config, log)
 
 
+@pytest.fixture(scope="session")
+def _state_dirs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("state")
+
+
 @pytest.fixture(autouse=True)
-def _peak_store_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test keeps the per-host peak store in a temp dir: tests never write to ~/.local/state."""
-    monkeypatch.setenv("QLORA_SUPERVISE_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+def _peak_store_in_tmp(_state_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test keeps the per-host peak store in a temp dir: tests never write to ~/.local/state.
+    (mkdtemp under one folder: a numbered ``mktemp`` per test lists the base folder each time.)"""
+    monkeypatch.setenv("QLORA_SUPERVISE_STATE_DIR", tempfile.mkdtemp(dir=_state_dirs))
 
 
 @pytest.fixture(autouse=True)

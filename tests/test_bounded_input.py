@@ -1,5 +1,6 @@
-"""Bounded input (issue 29 item 4): the real ``qlora-supervise`` refuses a job file or tool config that
-is too large, nested too deep or holds too many values, quickly, in words, exit 2, no traceback."""
+"""Bounded input (issue 29 item 4): ``qlora-supervise`` refuses a job file or tool config that is too
+large, nested too deep or holds too many values, quickly, in words, exit 2, no traceback. The real
+process where its CPU time and memory are measured; ``main()`` in-process where the words are the point."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _cli import cli
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_loop import _job
 
-CLI = Path(sys.executable).with_name("qlora-supervise")
 #: Runs the CLI in-process and reports the process's peak RSS, so a test can bound the memory.
 MEASURED = (
     "import resource, sys\n"
@@ -30,10 +31,6 @@ MEASURED = (
     "print(f'maxrss_kb={hwm}', file=sys.stderr)\n"
     "sys.exit(code)\n"
 )
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=120, check=False)
 
 
 def _deep_flow(levels: int) -> str:
@@ -52,7 +49,7 @@ def test_a_job_file_nested_hundreds_deep_is_refused_in_words(
     """A job file with a value nested 600 (flow) or 200 (block) levels deep: exit 2 naming the depth."""
     job = _job(tmp_path, {"default": "ok"})
     job.write_text(job.read_text() + "notes:" + (" " + nested if nested.startswith("[") else nested))
-    done = _cli(command, str(job))
+    done = cli(command, str(job))
     assert done.returncode == 2, done.stdout + done.stderr
     said = done.stdout + done.stderr
     assert "nested too deep" in said and "more than 32 levels" in said
@@ -85,7 +82,7 @@ def test_many_values_within_the_size_limit_are_refused_as_too_many_not_as_aliase
     """20000 values in 110 KB (no alias anywhere): the message counts values and says nothing of aliases."""
     job = _job(tmp_path, {"default": "ok"})
     job.write_text(job.read_text() + "notes: [" + ", ".join(str(i) for i in range(20_000)) + "]\n")
-    done = _cli("validate", str(job))
+    done = cli("validate", str(job))
     assert done.returncode == 2
     assert "too many values" in done.stdout and "alias" not in done.stdout
 
@@ -103,7 +100,7 @@ def test_a_tool_config_too_deep_or_too_large_is_refused_in_words(tmp_path: Path,
         yaml.safe_dump({"trainer": {"kind": "trl-sft", "config": "sft.yaml"}, "output_dir": "run"})
     )
     for command in ("validate", "run"):
-        done = _cli(command, str(job))
+        done = cli(command, str(job))
         said = done.stdout + done.stderr
         assert done.returncode == 2, said
         assert "trainer.config" in said and ("nested too deep" in said or "the file is too large" in said)
@@ -123,7 +120,7 @@ def test_json_nested_thousands_deep_in_the_data_or_the_model_config_is_refused_i
     else:
         (tmp_path / "model" / "config.json").write_text('{"model_type": "llama", "x": ' + deep + "}")
     for command in ("validate", "plan"):
-        done = _cli(command, str(job))
+        done = cli(command, str(job))
         said = done.stdout + done.stderr
         assert done.returncode == 2, said[-2000:]
         assert "nested thousands of levels deep" in said or "nested too deep to read" in said

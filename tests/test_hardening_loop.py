@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -133,11 +134,12 @@ def test_a_memory_give_up_names_the_cap_the_smallest_peak_and_what_would_help(tm
 
 def test_status_shows_the_attempt_in_flight_with_its_step_and_speed(tmp_path: Path) -> None:
     """While attempt 1 trains, status (text, --json, --follow) names it, its config, step and since when."""
-    job = _job(tmp_path, {"default": "slow"})
+    job = _job(tmp_path, {"default": "ok"})
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("run_scripted.py")), str(job)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "SCRIPTED_CHILD_STEP_S": "0.2"},  # 2 s for the 10 steps
     )
     run = tmp_path / "run"
     try:
@@ -149,7 +151,7 @@ def test_status_shows_the_attempt_in_flight_with_its_step_and_speed(tmp_path: Pa
         status_command([str(run)], as_json=True, out=raw)
         follow = threading.Thread(target=status_command, args=([str(run)], False, True, followed, 0.1))
         follow.start()
-        time.sleep(1.6)  # the slow child beats every 0.5 s: --follow prints each new step
+        time.sleep(0.8)  # the child beats every 0.2 s: --follow prints each new step
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _cli import cli
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.record.eventlog import read_events
@@ -221,12 +222,9 @@ def test_contention_waits_for_memory_then_restarts_unchanged(tmp_path: Path) -> 
 def test_status_tells_the_retry_story(tmp_path: Path) -> None:
     """`qlora-supervise status` prints each attempt's config, failure, change and lost steps."""
     assert _run(_job(tmp_path, {"1": "oom_backward@3"})) == 0
-    out = subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "status", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    done = cli("status", str(tmp_path / "run"))  # main() in-process: the words are the point
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert "state: succeeded" in out
     assert "failed: oom_backward in backward" in out
     assert "retry: gradient_checkpointing: gradient_checkpointing False -> True" in out
@@ -236,12 +234,7 @@ def test_status_tells_the_retry_story(tmp_path: Path) -> None:
 
 def test_status_of_a_directory_that_is_no_run_fails_clearly(tmp_path: Path) -> None:
     """`status` on a directory without a journal exits 2 and names the problem."""
-    out = subprocess.run(
-        [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "status", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    out = cli("status", str(tmp_path))
     assert out.returncode == 2
     assert "is not a run directory" in out.stderr
 

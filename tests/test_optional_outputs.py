@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _cli import cli
 
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.jobfile.problems import JobError
@@ -193,11 +194,11 @@ def test_validate_accepts_a_textfile_whose_directory_is_made_at_run_start(job_di
 
 
 def test_run_with_a_textfile_that_cannot_be_created_exits_2_in_words(job_dir: Path) -> None:
-    """`run` refuses the job before anything starts (exit 2, the field named), never with a traceback."""
+    """`run` refuses the job before anything starts (exit 2, the field named), never with a traceback
+    (``main()`` in-process: the refusal's words are the point)."""
     (job_dir / "blocker").write_text("x\n")
     job = _job_with_textfile(job_dir, "./blocker/job.prom")
-    command = [sys.executable, "-m", "qlora_supervise.supervisor.commands.cli", "run", "--plain", str(job)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    done = cli("run", "--plain", str(job))
     assert done.returncode == 2, done.stderr
     assert "supervise.metrics_textfile" in done.stderr + done.stdout and "Traceback" not in done.stderr
 

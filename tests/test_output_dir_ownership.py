@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _cli import cli
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_loop import _job
+from test_loop import _job, _run
 
 CLI = Path(sys.executable).with_name("qlora-supervise")
-RUNNER = Path(__file__).with_name("run_scripted.py")
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -74,12 +74,13 @@ def test_a_users_folder_is_refused_by_validate_and_run_and_restart_moves_nothing
     "where", ["/", "/etc", "/usr", "/var", "/proc/qlora-run", "/sys/kernel/x", "/dev/shm/x", "~"]
 )
 def test_system_folders_and_the_home_directory_are_refused_in_words(tmp_path: Path, where: str) -> None:
-    """/, the home directory and system folders (and folders under /proc or /sys) are exit 2, no traceback."""
+    """/, the home directory and system folders (and folders under /proc or /sys) are exit 2, no traceback
+    (``main()`` in-process: the test above runs the real command on a refused folder)."""
     job = _with_output_dir(_job(tmp_path, {"default": "ok"}), where)
-    checked = _cli("validate", str(job))
+    checked = cli("validate", str(job))
     assert checked.returncode == 2, checked.stdout
     assert "output_dir: is " in checked.stdout and "folder of your own" in checked.stdout
-    run = _cli("run", str(job))
+    run = cli("run", str(job))
     assert run.returncode == 2, run.stderr
     assert "output_dir: is " in run.stderr and "Traceback" not in run.stderr
 
@@ -87,11 +88,8 @@ def test_system_folders_and_the_home_directory_are_refused_in_words(tmp_path: Pa
 def test_a_run_of_ours_and_a_run_of_an_earlier_version_are_run_again(tmp_path: Path) -> None:
     """A finished run is run again; a folder with only an earlier version's run files validates."""
     job = _job(tmp_path, {"default": "ok"})
-    for _ in range(2):
-        done = subprocess.run(
-            [sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, timeout=120, check=False
-        )
-        assert done.returncode == 0, done.stderr
+    assert _run(job) == 0
+    assert _run(job) == 0
     # An earlier version's run directory: state.json, attempts.jsonl, events.jsonl, no job.vN files.
     old = tmp_path / "old"
     old.mkdir()

@@ -1,10 +1,12 @@
 """Every run-directory entry is ours and opened without following links; merge holds the run's lock
-(issue 29 items 2, 3 and 9): the real supervisor with the scripted child, and the real CLI."""
+(issue 29 items 2, 3 and 9): the real supervisor with the scripted child, and the CLI's ``main()``
+(in-process where a test is about the refusal, the real command where it is about the process)."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import os
 import stat
@@ -14,11 +16,14 @@ from pathlib import Path
 
 import pytest
 from _child import child_env
+from _cli import cli
 
+from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.record.rundir import ENTRIES
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_loop import _job
+from run_scripted import scripted_seams
+from test_loop import _job, _run
 
 CLI = Path(sys.executable).with_name("qlora-supervise")
 RUNNER = Path(__file__).with_name("run_scripted.py")
@@ -38,9 +43,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _finished(tmp_path: Path) -> Path:
     """A run of the scripted child that finished (adapter/ written), and its run directory."""
-    job = _job(tmp_path, {"default": "ok"})
-    done = _supervise(job)
-    assert done.returncode == 0, done.stderr
+    assert _run(_job(tmp_path, {"default": "ok"})) == 0
     return tmp_path / "run"
 
 
@@ -85,11 +88,11 @@ def test_a_link_planted_at_any_run_entry_is_refused_and_nothing_is_written_throu
     run = _finished(tmp_path)
     target = _plant(run, entry.name, entry.is_dir, tmp_path)
     before = _digest(target)
-    again = _supervise(tmp_path / "job.yaml")
+    again = cli("run", str(tmp_path / "job.yaml"))
     assert again.returncode == 2, again.stderr
     assert "symbolic link" in again.stderr and entry.name in again.stderr and "Traceback" not in again.stderr
     if entry.name != "adapter":  # merge needs adapter/adapter_config.json first
-        merged = _cli("merge", str(run), "--device", "cpu")
+        merged = cli("merge", str(run), "--device", "cpu")
         assert merged.returncode == 2, merged.stderr
         assert "symbolic link" in merged.stderr and "Traceback" not in merged.stderr
     assert _digest(target) == before
@@ -100,9 +103,9 @@ def test_a_run_writes_no_top_level_entry_that_is_not_registered(tmp_path: Path) 
     from fnmatch import fnmatch
 
     job = _job(tmp_path, {"1": "oom_forward@3"})
-    assert _supervise(job).returncode == 0
+    assert _run(job) == 0
     job.write_text(job.read_text().replace("max_steps: 10", "max_steps: 12"))
-    assert _supervise(job).returncode == 0
+    assert _run(job) == 0
     run = tmp_path / "run"
     unregistered = [p.name for p in run.iterdir() if not any(fnmatch(p.name, e.name) for e in ENTRIES)]
     assert unregistered == []
@@ -114,7 +117,7 @@ def test_merge_is_refused_while_a_supervisor_holds_the_lock_and_writes_nothing(t
     run = _finished(tmp_path)
     with open(run / ".lock", "r+") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        done = _cli("merge", str(run), "--device", "cpu")
+        done = cli("merge", str(run), "--device", "cpu")
     assert done.returncode == 2, done.stderr
     assert "a supervisor is running on" in done.stderr and "merge once it has ended" in done.stderr
     assert not (run / "merge-command").exists() and not (run / "merged").exists()
@@ -191,7 +194,9 @@ def test_merge_command_folder_is_0750_and_its_files_0640_whatever_the_umask(tmp_
     assert all(mode & ~0o640 == 0 for mode in files.values()), files
 
 
-def test_a_tool_value_that_did_not_parse_is_recorded_as_written_not_as_its_default(tmp_path: Path) -> None:
+def test_a_tool_value_that_did_not_parse_is_recorded_as_written_not_as_its_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """trl's max_steps: ten is recorded as 'ten'; fixing it to 2 after a failed run mixes no trainings."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
@@ -206,13 +211,15 @@ def test_a_tool_value_that_did_not_parse_is_recorded_as_written_not_as_its_defau
     )
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"default": "config_error"}))  # the tool refuses its config: nothing trained
-    env = {**os.environ, "SCRIPTED_CHILD_PLAN": str(plan)}
-    first = subprocess.run([sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, env=env)
-    assert first.returncode == 4, first.stderr[-2000:]
+    monkeypatch.setenv("SCRIPTED_CHILD_PLAN", str(plan))
+    assert _run(job) == 4
     view = json.loads((tmp_path / "run" / "job.v1.json").read_text())
     assert view["train.max_steps"] == "ten" and view["train.save_steps"] == 10
     (tmp_path / "sft.yaml").write_text(sft.replace("max_steps: ten", "max_steps: 2"))
-    again = subprocess.run([sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, env=env)
-    said = again.stdout + again.stderr
+    console, summary = io.StringIO(), io.StringIO()
+    run_job(
+        str(job), plain=True, seams=scripted_seams(), console=console, install_signals=False, summary=summary
+    )
+    said = console.getvalue() + summary.getvalue()
     assert "train.max_steps: 'ten' -> 2  (applies on resume)" in said
     assert "-1 -> 2" not in said and "would mix two trainings" not in said and "epochs" not in said

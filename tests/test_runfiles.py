@@ -1,6 +1,8 @@
 """The run directory touches nothing outside itself: no writes through links, explicit modes, owner checks.
 
-Issue 11 items 12 and 13, with the real supervisor and the scripted child (real processes).
+Issue 11 items 12 and 13, with the real supervisor and the scripted child (real processes). A run
+refused before its first attempt is ``run``'s ``main()`` in-process (the words and the exit status are
+the point; test_output_dir_ownership refuses with the real command); the modes need a process's umask.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _cli import cli
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_loop import _job
+from test_loop import _job, _run
 
 RUNNER = Path(__file__).with_name("run_scripted.py")
 
@@ -44,7 +47,7 @@ def test_a_planted_link_in_the_run_directory_is_refused_and_its_target_untouched
     victim.write_text("precious\n")
     (tmp_path / "run").mkdir(mode=0o750)
     (tmp_path / "run" / name).symlink_to(victim)
-    done = _supervise(job)
+    done = cli("run", str(job))
     assert done.returncode == 2, done.stderr
     assert "symbolic link" in done.stderr and name in done.stderr
     assert "Traceback" not in done.stderr
@@ -70,7 +73,7 @@ def test_a_planted_checkpoints_link_is_refused_and_its_target_untouched(tmp_path
     if link.is_dir():
         link.rmdir()
     link.symlink_to(elsewhere)
-    done = _supervise(job)
+    done = cli("run", str(job))
     assert done.returncode == 2, done.stderr
     assert "symbolic link" in done.stderr and planted.split("/")[-1] in done.stderr
     assert "Traceback" not in done.stderr
@@ -87,8 +90,7 @@ def test_an_attempt_directory_planted_as_a_link_is_never_written_through(tmp_pat
     # A run of ours that stopped after its first event (a folder of only a link is no run of ours).
     (tmp_path / "run" / "events.jsonl").write_text('{"event": "run_started", "level": "info"}\n')
     (tmp_path / "run" / "attempt-001").symlink_to(elsewhere)
-    done = _supervise(job)
-    assert done.returncode == 0, done.stderr
+    assert _run(job) == 0
     assert list(elsewhere.iterdir()) == []
     assert (tmp_path / "run" / "attempt-001").is_dir() and not (tmp_path / "run" / "attempt-001").is_symlink()
 
@@ -99,7 +101,7 @@ def test_an_output_dir_writable_by_others_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     os.chmod(run, 0o777)
-    done = _supervise(job)
+    done = cli("run", str(job))
     assert done.returncode == 2
     assert "writable by others" in done.stderr and "chmod o-w" in done.stderr
     assert not (run / "attempts.jsonl").exists()
@@ -112,7 +114,7 @@ def test_an_output_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir(mode=0o750)
     os.chown(run, 65534, 65534)
-    done = _supervise(job)
+    done = cli("run", str(job))
     assert done.returncode == 2
     assert "owned by uid 65534" in done.stderr
 

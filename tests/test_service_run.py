@@ -71,8 +71,9 @@ def test_run_tells_systemd_ready_status_watchdog_and_stopping(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, systemd_socket: socket.socket
 ) -> None:
     """READY first, STATUS lines with attempt, step, ETA and peak, WATCHDOG pings, STOPPING last."""
-    monkeypatch.setattr(service, "STATUS_EVERY_S", 0.2)  # systemd's rate limit, shortened for a 5 s run
-    job = _job(tmp_path, monkeypatch, {"1": "oom_forward@3", "default": "slow"})
+    monkeypatch.setattr(service, "STATUS_EVERY_S", 0.2)  # systemd's rate limit, shortened for a 2 s run
+    monkeypatch.setenv("SCRIPTED_CHILD_STEP_S", "0.1")  # a few STATUS lines per attempt, not one
+    job = _job(tmp_path, monkeypatch, {"1": "oom_forward@3", "default": "ok"})
     listener = Listener(systemd_socket)
     listener.start()
     code = run_job(str(job), plain=True, seams=scripted_seams(), console=io.StringIO(), install_signals=False)

@@ -15,6 +15,7 @@ import yaml
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.commands.status import status_command
 from qlora_supervise.supervisor.loop.launch import spec_command
+from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.trainers import launch
@@ -166,7 +167,7 @@ def _script_job(tmp_path: Path, body: str) -> Path:
 
 _TALKS = """
 import os, sys, time
-for i in range(12):
+for i in range(9):  # 2.25 s of output, longer than the job's hang_timeout of 1.5 s
     print(f"step {i}", flush=True)
     time.sleep(0.25)
 out = sys.argv[sys.argv.index("--output_dir") + 1]
@@ -178,10 +179,11 @@ _SILENT = "import time\ntime.sleep(30)\n"
 
 def test_without_the_shim_a_talking_tool_is_no_hang_and_a_silent_one_is(tmp_path: Path) -> None:
     """No heartbeats: output in child.log within hang_timeout is progress; silence past it is a hang."""
+    ticks = Seams(tick_s=0.1, stop_grace_s=10)  # the loop looks at the log every 0.1 s, not 0.5 s
     talking = _script_job(tmp_path / "talks", _TALKS)
-    assert run_job(str(talking), plain=True, console=io.StringIO(), install_signals=False) == 0
+    assert run_job(str(talking), plain=True, seams=ticks, console=io.StringIO(), install_signals=False) == 0
     silent = _script_job(tmp_path / "silent", _SILENT)
-    assert run_job(str(silent), plain=True, console=io.StringIO(), install_signals=False) == 3
+    assert run_job(str(silent), plain=True, seams=ticks, console=io.StringIO(), install_signals=False) == 3
     records, _ = read_attempts(tmp_path / "silent" / "run" / "attempts.jsonl")
     assert records[0].failure is not None and records[0].failure.kind == "hang"
 

@@ -1,5 +1,7 @@
-"""Refuse, warn or say the true thing (issue 29 item 11: the issue's points 12-14), through the real
-``qlora-supervise`` on a tmp job: explain, plan, install-systemd, and the datasets cache of a real run."""
+"""Refuse, warn or say the true thing (issue 29 item 11: the issue's points 12-14), through
+``qlora-supervise`` on a tmp job: explain, plan, install-systemd, and the datasets cache of a real run.
+The commands run by ``main()`` in-process where a test is about their words (a process pays the
+supervisor's import each time); the plan's host warning and the real run start the real command."""
 
 from __future__ import annotations
 
@@ -11,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 from _child import capped_job, child_env
+from _cli import cli
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_loop import _job
+from test_loop import _job, _run
 
 CLI = Path(sys.executable).with_name("qlora-supervise")
-RUNNER = Path(__file__).with_name("run_scripted.py")
 #: A 7B Llama's config: the memory model reads it (no weights needed for a plan).
 LLAMA_7B = {
     "model_type": "llama",
@@ -47,18 +49,14 @@ def _edit(job: Path, **sections: dict[str, object]) -> Path:
 
 
 def _finished(tmp_path: Path, gpu: str = "cpu") -> Path:
-    job = _edit(_job(tmp_path, {"default": "ok"}), resources={"gpu": gpu})
-    done = subprocess.run(
-        [sys.executable, str(RUNNER), str(job)], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
+    assert _run(_edit(_job(tmp_path, {"default": "ok"}), resources={"gpu": gpu})) == 0
     return tmp_path / "run"
 
 
 def test_explain_plot_into_a_missing_folder_is_refused_in_words(tmp_path: Path) -> None:
     """explain --plot no/such/dir/x.png: exit 2 naming the folder, no traceback, nothing written."""
     run = _finished(tmp_path)
-    done = _cli("explain", str(run), "--plot", str(tmp_path / "no" / "such" / "x.png"))
+    done = cli("explain", str(run), "--plot", str(tmp_path / "no" / "such" / "x.png"))
     assert done.returncode == 2, done.stderr
     assert f"{tmp_path / 'no' / 'such'} does not exist" in done.stderr and "Traceback" not in done.stderr
 
@@ -72,7 +70,7 @@ def test_explain_predicts_a_gpu_peak_only_for_an_attempt_that_ran_on_a_gpu(
     events = run / "attempt-001" / "child-events.jsonl"
     events.write_text(json.dumps({"event": "started", "device": device}) + "\n" + events.read_text())
     (tmp_path / "llama.json").write_text(json.dumps(LLAMA_7B))
-    done = _cli("explain", str(run), "--json", "--model-config", str(tmp_path / "llama.json"))
+    done = cli("explain", str(run), "--json", "--model-config", str(tmp_path / "llama.json"))
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout)["attempts"][0]
     assert (row["predicted_peak_bytes"] is not None) is predicted
@@ -87,10 +85,10 @@ def _plan_job(tmp_path: Path, **resources: object) -> Path:
 def test_plan_exits_6_on_nothing_fits_as_run_does(tmp_path: Path) -> None:
     """plan of a 7B model on a 2 GiB card prints NOTHING FITS and exits 6, the code run ends with."""
     job = _plan_job(tmp_path, gpu="cpu")
-    done = _cli("plan", str(job), "--gpu-memory", "2GiB")
+    done = cli("plan", str(job), "--gpu-memory", "2GiB")
     assert done.returncode == 6, done.stdout + done.stderr
     assert "NOTHING FITS" in done.stdout
-    assert _cli("plan", str(job), "--gpu-memory", "80GiB").returncode == 0
+    assert cli("plan", str(job), "--gpu-memory", "80GiB").returncode == 0
 
 
 def test_plan_names_what_its_host_warning_compares_with_and_counts_the_cpu_imports(tmp_path: Path) -> None:
@@ -100,7 +98,7 @@ def test_plan_names_what_its_host_warning_compares_with_and_counts_the_cpu_impor
     assert done.returncode == 0, done.stderr
     assert "more host RAM than the cpu_memory_limit (4.00 GiB)" in done.stdout
     assert "imports 0.5 GB (the CPU build's)" in done.stdout and "imports 1.6 GB" not in done.stdout
-    host = json.loads(_cli("plan", str(job), "--gpu-memory", "80GiB", "--json").stdout)["host"]
+    host = json.loads(cli("plan", str(job), "--gpu-memory", "80GiB", "--json").stdout)["host"]
     assert host["room_of"] == "cpu_memory_limit" and host["room_bytes"] == 4 * 2**30
 
 
@@ -112,7 +110,7 @@ def test_plan_of_an_hf_script_without_a_model_names_the_tools_flag(tmp_path: Pat
     job.write_text(
         yaml.safe_dump({"trainer": {"kind": "hf-script", "command": command}, "output_dir": "run"})
     )
-    done = _cli("plan", str(job))
+    done = cli("plan", str(job))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--model_name_or_path DIR" in done.stderr and "model.path" not in done.stderr
 
@@ -121,7 +119,7 @@ def test_install_systemd_says_to_create_the_user_and_warns_of_tmp_under_private_
     """A system unit for a missing user and a job under /tmp: both said, with the fix; the unit is written."""
     job = _job(tmp_path, {"default": "ok"})
     root = tmp_path / "root"
-    done = _cli(
+    done = cli(
         "install-systemd", str(job), "--system", "--root", str(root), "--service-user", "no-such-user-29"
     )
     assert done.returncode == 0, done.stderr
@@ -153,8 +151,8 @@ def test_the_childs_datasets_cache_is_in_the_run_directory(tiny_dir: Path, tmp_p
 def test_explain_plot_and_merge_out_into_proc_are_refused_in_words(tmp_path: Path) -> None:
     """explain --plot /proc/x.png and merge --out /proc/x: exit 2 in words, no traceback, no merge started."""
     run = _finished(tmp_path)
-    plot = _cli("explain", str(run), "--plot", "/proc/qlora-plot.png")
+    plot = cli("explain", str(run), "--plot", "/proc/qlora-plot.png")
     assert plot.returncode == 2 and "cannot write it" in plot.stderr and "Traceback" not in plot.stderr
-    merge = _cli("merge", str(run), "--out", "/proc/qlora-merged", "--device", "cpu")
+    merge = cli("merge", str(run), "--out", "/proc/qlora-merged", "--device", "cpu")
     assert merge.returncode == 2 and "is in the system folder /proc" in merge.stderr
     assert not (run / "merge-command").exists()
