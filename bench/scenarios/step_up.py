@@ -103,7 +103,8 @@ def hog(mode: str, stop_file: Path, hold_bytes: int) -> int:
 
 
 def start_hog(mode: str, stop_file: Path, log: Path, hold: int = 0) -> subprocess.Popen[bytes]:
-    argv = [*module_argv(__spec__), "--_hog", mode, "--_stop", str(stop_file), "--_hold", str(hold)]
+    argv = [*module_argv(__spec__), "--out", str(stop_file.parent), "--_hog", mode, "--_stop", str(stop_file)]
+    argv += ["--_hold", str(hold)]
     with log.open("ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env_with_root())
 
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-s", type=float, default=15.0, help="supervise.step_up_settle (default 120 s)")
     p.add_argument("--yield-step", type=int, default=20)
     p.add_argument("--yield-pause-s", type=float, default=6.0)
-    p.add_argument("--neighbour-gib", type=float, default=16.0)
+    p.add_argument("--neighbour-gib", type=float, default=40.0)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--effective", type=int, default=16)
     p.add_argument("--save-steps", type=int, default=20)
