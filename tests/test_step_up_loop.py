@@ -21,16 +21,18 @@ from test_loop_fake_clock import CONTENTION, LLAMA2_7B, FakeClock, GiB, _checkpo
 
 from qlora_supervise.supervisor.commands.explain import explanation, print_table
 from qlora_supervise.supervisor.commands.status import print_story, status_json
+from qlora_supervise.supervisor.loop.climb_back import remaining_s
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
+from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode
-from qlora_supervise.trainer_child.contract.events import event_line
+from qlora_supervise.trainer_child.contract.events import Heartbeat, event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
 
 FRAGMENTED = (
@@ -115,7 +117,14 @@ class SteppingChild:
             if fail_at is not None and step == fail_at:
                 self.code = self._fail(kind, step)
                 return
-            self._write("heartbeat", step=step, stage="forward", tokens_per_s=100.0, peak_bytes=peak)
+            # Stamped as full-length rows at 100 tokens/s take: the time left is read from the stamps.
+            stamp = (
+                self.started_monotonic
+                + (step - _resume_step(self.spec)) * k.micro_batch_size * k.grad_accum * k.max_seq_len / 100.0
+            )
+            self._write(
+                "heartbeat", step=step, stage="forward", tokens_per_s=100.0, peak_bytes=peak, time=stamp
+            )
             self.done = step
             if step % self.spec.train.save_steps == 0:
                 self._save(step)
@@ -407,3 +416,14 @@ def test_no_step_up_at_the_final_checkpoint(tmp_path: Path) -> None:
     assert _run(_job_at(tmp_path), _seams(clock, {1: "contention@3"}, card)) == 0
     assert [r.outcome.value for r in _records(tmp_path)] == ["failed", "succeeded"]
     assert not _events(tmp_path, "step_up")
+
+
+def test_the_time_left_counts_measured_seconds_per_step_not_full_length_rows() -> None:
+    """Rows far shorter than max_seq_len make tokens/s low per full-length step: the time left comes
+    from the heartbeats' seconds per step (after the first step, so the load is not in it)."""
+    knobs = Knobs(model="m", micro_batch_size=4, grad_accum=2, max_seq_len=1024)
+    beats = [Heartbeat(stage="forward", step=s, time=t) for s, t in [(0, 0.0), (1, 50.0), (11, 70.0)]]
+    progress = Progress(step=11, tokens_per_s=1000.0, max_steps=111, events=list(beats))
+    assert remaining_s(progress, knobs) == pytest.approx(100 * 2.0)  # 2 s a step, load left out
+    no_beats = Progress(step=11, tokens_per_s=1000.0, max_steps=111)
+    assert remaining_s(no_beats, knobs) == pytest.approx(100 * 8 * 1024 / 1000.0)

@@ -88,3 +88,23 @@ def test_the_sharing_changes_by_memory_or_by_the_others_utilisation() -> None:
     assert Sharing(8 * GiB).differs(Sharing(5 * GiB)) and not Sharing(8 * GiB).differs(Sharing(7 * GiB))
     assert Sharing(0, 90).differs(Sharing(0, 10)) and not Sharing(0, 90).differs(Sharing(0, 70))
     assert not Sharing(0, 90).differs(Sharing(0, None))  # one reading without it: memory decides
+
+
+def test_a_dropped_rank_and_a_free_rung_are_never_undone() -> None:
+    """A descent that dropped a rank (accumulation doubled with it) is not undone, since undoing the
+    accumulation alone would halve the effective batch; nor is a free rung (expandable_segments)."""
+    settings = Settings(budget_bytes=20 * GiB)
+    card = CardNow(4, 24 * GiB, 0, 0.0)
+    two = dataclasses.replace(FAST, world_size=2, gpus="0,1")
+    one = dataclasses.replace(two, world_size=1, gpus="0", grad_accum=4)
+    dropped = Descent(1, Cause.TRANSIENT, FailureKind.OOM_FRAGMENTATION, "", two, one, 3, 8 * GiB)
+    answer = step_up(one, [dropped], [], settings, card)
+    assert not isinstance(answer, StepUp)
+    segments = dataclasses.replace(FAST, expandable_segments=True)
+    off = dataclasses.replace(FAST, expandable_segments=False)
+    free = Descent(1, Cause.TRANSIENT, FailureKind.OOM_FRAGMENTATION, "", off, segments, 3, 8 * GiB)
+    assert not isinstance(step_up(segments, [free], [], settings, card), StepUp)
+    both = dataclasses.replace(SLOW, expandable_segments=True)
+    mixed = Descent(1, Cause.TRANSIENT, FailureKind.OOM_FRAGMENTATION, "", off, both, 3, 8 * GiB)
+    up = step_up(both, [mixed], [], settings, card)
+    assert isinstance(up, StepUp) and up.knobs == dataclasses.replace(FAST, expandable_segments=True)

@@ -52,6 +52,8 @@ QUALITY_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.QUALITY)
 #: Never undone: a larger rank or another model is a new adapter (training from step 0), and a card
 #: that was dropped kept failing.
 KEPT_ALWAYS = frozenset({"lora_r", "lora_alpha", "model", "world_size", "gpus"})
+#: The knobs of the free rungs: never undone, since they cost no speed.
+FREE_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.FREE)
 
 
 class Cause(str, enum.Enum):
@@ -206,8 +208,15 @@ _NOTHING_TO_UNDO = (
 
 
 def _target(knobs: Knobs, descent: Descent, allow_quality: bool) -> Knobs | None:
-    """``knobs`` with the descent's changes undone; quality knobs only when allowed."""
-    undo = {name: getattr(descent.before, name) for name in _changed(descent) if name not in KEPT_ALWAYS}
+    """``knobs`` with the descent's changes undone; quality knobs only when allowed. A descent that
+    changed a knob kept for good is not undone at all: ``drop_rank`` also doubled the accumulation,
+    and undoing that alone would halve the effective batch."""
+    changed = _changed(descent)
+    if set(changed) & KEPT_ALWAYS:
+        return None
+    # A free rung (expandable_segments) costs no speed: undoing it gains nothing and brings back
+    # the failure it answered.
+    undo = {name: getattr(descent.before, name) for name in changed if name not in FREE_KNOBS}
     if not allow_quality:
         undo = {name: value for name, value in undo.items() if name not in QUALITY_KNOBS}
     if not undo:
@@ -226,7 +235,9 @@ def _room(settings: Settings, card: CardNow) -> int | None:
 
 def _peak(target: Knobs, descent: Descent, settings: Settings) -> int | None:
     """The larger of the memory model's calibrated peak and the peak ``target`` was measured at."""
-    measured = descent.before_peak if target == descent.before else None
+    # A free rung kept on (expandable_segments) lowers the peak at most: the measured one still bounds it.
+    same = set(_diff(target, descent.before)) <= FREE_KNOBS
+    measured = descent.before_peak if same else None
     predicted = None
     if settings.shape is not None:
         scale = memory_model.calibrate(settings.shape, settings.prior, settings.targets)

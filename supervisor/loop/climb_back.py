@@ -30,6 +30,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _TRIAL_KNOBS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
@@ -83,11 +84,25 @@ def past_step_ups(records: Sequence[AttemptRecord]) -> list[rule.PastStepUp]:
 
 
 def remaining_s(progress: Progress, knobs: Knobs) -> float:
-    """The training time left at the attempt's newest speed (at most full-length rows); inf: unknown."""
-    if not progress.max_steps or not progress.tokens_per_s:
+    """The training time left at the attempt's measured seconds per step; inf: unknown.
+
+    Steps, not tokens: ``tokens_per_s`` counts the real tokens of rows usually far shorter than
+    ``max_seq_len``, so tokens left at full length would overstate the time left several times over.
+    Without two timed heartbeats at different steps, the full-length estimate (an upper bound) stands.
+    """
+    if not progress.max_steps:
+        return math.inf
+    left = max(0, progress.max_steps - progress.step)
+    beats = [e for e in progress.events if isinstance(e, Heartbeat) and e.time is not None]
+    # From the first beat after a step finished: the ones before it include the load and setup.
+    beats = [b for b in beats if b.step > beats[0].step] if beats else []
+    if len(beats) >= 2 and beats[-1].step > beats[0].step:
+        per_step = (beats[-1].time or 0.0) - (beats[0].time or 0.0)
+        return left * per_step / (beats[-1].step - beats[0].step)
+    if not progress.tokens_per_s:
         return math.inf
     tokens_per_step = knobs.micro_batch_size * knobs.grad_accum * knobs.world_size * knobs.max_seq_len
-    return max(0, progress.max_steps - progress.step) * tokens_per_step / progress.tokens_per_s
+    return left * tokens_per_step / progress.tokens_per_s
 
 
 class ClimbBack:
