@@ -36,11 +36,13 @@ def test_the_two_sides_name_the_same_variable_and_folder() -> None:
 
 
 def test_a_foreign_attempt_gets_the_shim_and_its_own_argv(tmp_path: Path) -> None:
-    """PYTHONPATH gains the shim (before the user's), the spec is named, and the argv is the tool's."""
+    """PYTHONPATH gains the shim (before the user's), the spec is named, no bytecode is written
+    beside the user's modules, and the argv is the tool's."""
     spec = _spec(("python", "-m", "trl.scripts.sft", "--config", "/run/attempt-001/trl-sft.yaml"))
     env = launch.trainer_env({"PYTHONPATH": "/mine"}, spec, tmp_path / "spec.json")
     assert env["PYTHONPATH"] == f"{launch.SHIM_SITE}{os.pathsep}/mine"
     assert env[launch.SHIM_SPEC_ENV] == str(tmp_path / "spec.json")
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"  # no __pycache__ in the user's folder
     assert launch.trainer_env({"PYTHONPATH": "/mine"}, _spec(), tmp_path / "spec.json") == {
         "PYTHONPATH": "/mine"
     }

@@ -26,4 +26,7 @@ def trainer_env(env: Mapping[str, str], spec: AttemptSpec, spec_path: Path) -> d
     path = out.get("PYTHONPATH", "")
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_SITE), path) if p)
     out[SHIM_SPEC_ENV] = str(spec_path)
+    # The tool or script runs in the user's folder: a module it imports from there would get a
+    # __pycache__ written beside it. Compiled files already installed are still read.
+    out["PYTHONDONTWRITEBYTECODE"] = "1"
     return out
