@@ -89,7 +89,7 @@ class ToolTrainer:
         return view
 
     def rungs(self) -> frozenset[str]:
-        return rungs_for(self.tool.table, self.config)
+        return rungs_for(self.tool.table, self.config) | self.tool.shim_rungs
 
     def ladders(self, overrides: Ladders) -> dict[FailureKind, tuple[str, ...]]:
         """Every stage ladder (the job's override, else the default) with only the tool's rungs; the
