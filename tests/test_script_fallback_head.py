@@ -17,7 +17,7 @@ from qlora_supervise.policies.rungs import RungContext, rung_by_name
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.supervisor.trainers.tools import TOOLS
-from qlora_supervise.supervisor.trainers.trainer import ToolTrainer, read_diff
+from qlora_supervise.supervisor.trainers.trainer import ToolTrainer, read_diff, tool_job_copy
 from qlora_supervise.trainer_child.contract.events import ScriptKnobs
 from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting, ScriptChanges
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -51,6 +51,9 @@ def test_a_script_names_its_fallbacks_and_validate_checks_each(tmp_path: Path) -
     small = _model_dir(tmp_path / "small")
     job = load_job(_job(tmp_path, fallbacks=["small"]))
     assert job.fallback_models == (str(small),)
+    # install-systemd's copy lives elsewhere: the fallback is written absolute there.
+    copy = yaml.safe_load(tool_job_copy(job, yaml.safe_load(job.raw_text)))
+    assert copy["trainer"]["fallbacks"] == [str(small)]
     [missing] = _problems(_job(tmp_path, fallbacks=["small", "tiny"]))
     assert "trainer.fallbacks.1: no such directory" in missing
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump({"model_name_or_path": str(small)}))
