@@ -249,7 +249,8 @@ RUNGS: tuple[Rung, ...] = (
     # never builds the logits); CPU tiny model in bf16, 200 steps: 25-step means within 1.3 %, no bias
     # (bench/results/throughput-h200-2026-12-01/parity.txt, bench/results/bf16-head-parity-cpu-2026-12-01/).
     # It changes the numerics a little and buys no speed, so a job that fits as written keeps its fp32
-    # head: taken before any quality cut (FREE would put it on every changed config). Our child only.
+    # head: taken before any quality cut (FREE would put it on every changed config). Our child, and a
+    # script through its shim (Tool.shim_rungs).
     Rung(
         "bf16_head",
         "keep the embeddings and LM head in bf16 instead of fp32 (norms stay fp32): half their bytes",

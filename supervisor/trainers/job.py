@@ -23,7 +23,7 @@ from qlora_supervise.supervisor.facts.trainer import OWN
 from qlora_supervise.supervisor.jobfile import load as jobload
 from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
 from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, read_bounded, safe_load_bounded
-from qlora_supervise.supervisor.jobfile.fields import HookArgv, ResolvedPath, job_error
+from qlora_supervise.supervisor.jobfile.fields import HookArgv, PathList, ResolvedPath, job_error
 from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_you_mean, show
@@ -60,6 +60,8 @@ class TrainerSection(Section):
     # Where the tool runs: default the config's folder (hf-script: the job file's), so relative
     # paths in the config or command mean what they mean when the user runs the tool there.
     workdir: ResolvedPath | None = None
+    # Smaller models for the last rung (script: swapped in at from_pretrained), as model.fallbacks.
+    fallbacks: PathList = ()
 
     @field_validator("kind")
     @classmethod
@@ -109,7 +111,8 @@ def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[
         raise JobError(problems)
     assert isinstance(resources, ResourcesSection) and isinstance(supervise, SuperviseSection)
     assert isinstance(diagnose, DiagnoseSection)
-    return _job(job_file, text, output_dir, trainer, resources, supervise, diagnose)
+    assert section is not None  # a trainer implies its section
+    return _job(job_file, text, output_dir, trainer, section.fallbacks, resources, supervise, diagnose)
 
 
 def _validated(
@@ -157,7 +160,19 @@ def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) ->
             "delete it: the supervisor starts the tool itself",
         ),
     )
-    return problems + [Problem(name, why, got, fix) for bad, name, why, got, fix in checks if bad]
+    problems += [Problem(name, why, got, fix) for bad, name, why, got, fix in checks if bad]
+    return problems + _fallback_problems(section)
+
+
+def _fallback_problems(section: TrainerSection) -> list[Problem]:
+    """Each fallback must be a model directory, for a tool that can swap its model in (the script)."""
+    tool = TOOLS.get(section.kind)
+    if section.fallbacks and (tool is None or "smaller_model" not in tool.shim_rungs):
+        takers = ", ".join(kind for kind, t in TOOLS.items() if "smaller_model" in t.shim_rungs)
+        fix = f"delete it: trainer.fallbacks is for kind {takers} (the others: their own config)"
+        return [Problem("trainer.fallbacks", f"not used with trainer.kind {section.kind}", None, fix)]
+    found = (model_dir_problem(f"trainer.fallbacks.{i}", path) for i, path in enumerate(section.fallbacks))
+    return [problem for problem in found if problem is not None]
 
 
 def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem]) -> ToolTrainer | None:
@@ -256,6 +271,7 @@ def _job(
     text: str,
     output_dir: Path,
     trainer: ToolTrainer,
+    fallbacks: tuple[Path, ...],
     resources: ResourcesSection,
     supervise: SuperviseSection,
     diagnose: DiagnoseSection,
@@ -295,7 +311,7 @@ def _job(
             resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit, resources.host_memory_limit
         ),
         supervise=supervise,
-        fallback_models=(),
+        fallback_models=tuple(str(path) for path in fallbacks),
         diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
         trainer=trainer,
         unparsed={k: v for k, v in written.items() if present(v) and v != read[k]},

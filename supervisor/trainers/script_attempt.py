@@ -62,7 +62,8 @@ def write_changes(
     asked, complete = asked_by_script(run_dir)
     asked = {**before, **asked} if complete else asked
     changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
-    ScriptChanges(tuple(changed), str(output_dir)).write(attempt_dir)
+    replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
+    ScriptChanges(tuple(changed), str(output_dir), replaced).write(attempt_dir)
     return changed
 
 

@@ -59,6 +59,10 @@ class Tool:
     # The script's settings are in its code (``script``): its argv runs unchanged and the shim
     # changes the knobs where the script builds them (``script-knobs.json`` per attempt).
     settings_in_code: bool = False
+    # Rungs of our child's that this tool takes all the same, through its shim rather than its
+    # config (script: the bf16 head at prepare_model_for_kbit_training, the fallback model at
+    # from_pretrained); the job may name fallbacks (trainer.fallbacks) only where smaller_model is one.
+    shim_rungs: frozenset[str] = frozenset()
     # --- LoRA targets, as the tool hands them to peft (lora_targets.py) ---
     targets_regex: bool = True  # a string reaches peft as a regex of the full module name
     all_linear_words: tuple[str, ...] = ("all-linear",)  # the tool's own word for every Linear

@@ -89,7 +89,7 @@ class ToolTrainer:
         return view
 
     def rungs(self) -> frozenset[str]:
-        return rungs_for(self.tool.table, self.config)
+        return rungs_for(self.tool.table, self.config) | self.tool.shim_rungs
 
     def ladders(self, overrides: Ladders) -> dict[FailureKind, tuple[str, ...]]:
         """Every stage ladder (the job's override, else the default) with only the tool's rungs; the
@@ -241,6 +241,8 @@ def tool_job_copy(job: Job, raw: dict[str, Any]) -> str:
     if "python" in section:
         section["python"] = trainer.python
     section["workdir"] = str(trainer.workdir or job.job_file.parent)
+    if section.get("fallbacks"):
+        section["fallbacks"] = list(job.fallback_models)
     raw["output_dir"] = str(job.output_dir)
     header = f"# installed by qlora-supervise install-systemd from {job.job_file}\n"
     return header + yaml.safe_dump(raw, sort_keys=False)

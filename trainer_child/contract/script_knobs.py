@@ -32,10 +32,13 @@ _KNOBS = frozenset(field.name for field in dataclasses.fields(Knobs))
 @dataclasses.dataclass(frozen=True)
 class ScriptChanges:
     """What the shim changes in one attempt: ``knobs`` (names of :class:`Knobs` fields) take the
-    spec's values; ``output_dir`` replaces the script's (the run's ``trainer-output``)."""
+    spec's values; ``output_dir`` replaces the script's (the run's ``trainer-output``). When the
+    model changes (a fallback), ``replaced_model`` is the script's own, so its tokenizer, loaded
+    from the same name (perhaps before the model), is swapped with it."""
 
     knobs: tuple[str, ...]
     output_dir: str
+    replaced_model: str | None = None
 
     def write(self, attempt_dir: Path) -> None:
         write_text_atomic(attempt_dir / CHANGES_FILE, json.dumps(dataclasses.asdict(self), indent=2) + "\n")

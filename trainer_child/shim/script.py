@@ -8,11 +8,13 @@ constructors, so the shim changes them there, once each module loads (:mod:`.att
   folder always goes to the run's ``trainer-output``;
 * ``BitsAndBytesConfig.__init__``: the 4-bit quant type and double quant;
 * ``AutoModelFor*.from_pretrained``: the model it loads (reported; the ladder's model where it
-  changes it);
+  changes it: a fallback of ``trainer.fallbacks``), and ``AutoTokenizer.from_pretrained`` of the
+  same name with it (the adapter starts again: the loop moves the old checkpoints aside);
 * ``LoraConfig.__post_init__``: the rank and alpha (a smaller rank resumes from the SVD-truncated
   adapter, as for any tool: ``run.attempt.resume_source``);
 * ``prepare_model_for_kbit_training``: its ``use_gradient_checkpointing``, which turns checkpointing
-  on whatever the arguments say.
+  on whatever the arguments say; and the bf16 head: the embeddings and LM head kept out of its fp32
+  upcast, as our recipe keeps them (``recipe/head.py``).
 
 Only the knobs the supervisor names in ``script-knobs.json`` change; every value seen is reported
 (:class:`~..contract.script_knobs.KnobSetting`). At ``train()`` the Trainer's arguments are read
@@ -53,8 +55,10 @@ PLACES = {
     **dict.fromkeys(ARGUMENTS, "TrainingArguments"),
     **dict.fromkeys(QUANTIZATION, "BitsAndBytesConfig"),
     **dict.fromkeys(LORA, "LoraConfig"),
+    "bf16_head": "prepare_model_for_kbit_training",
 }
 PREPARE = "prepare_model_for_kbit_training"
+NAME = "pretrained_model_name_or_path"
 
 
 def _plain(value: Any) -> Value:
@@ -76,6 +80,7 @@ class Ledger:
 
     def __init__(self, changes: ScriptChanges, knobs: Knobs) -> None:
         self.output_dir = changes.output_dir
+        self.replaced_model = changes.replaced_model
         self.changes = {name: getattr(knobs, name) for name in changes.knobs}
         self.settings: list[KnobSetting] = []
 
@@ -118,14 +123,29 @@ class Ledger:
             return name
         path = os.fspath(name)
         asked = os.path.abspath(path) if os.path.isdir(path) else path
-        got = self._take("model", "pretrained_model_name_or_path", asked, where)
+        got = self._take("model", NAME, asked, where)
         return name if got == asked else got
 
-    def on_prepare(self, kwargs: dict[str, Any]) -> None:
+    def on_tokenizer(self, name: Any) -> Any:
+        """The tokenizer of the script's model is the attempt's model's, where it changed; a
+        tokenizer of another name is the script's own choice (reported, kept)."""
+        if not isinstance(name, (str, os.PathLike)):
+            return name
+        path = os.fspath(name)
+        asked = os.path.abspath(path) if os.path.isdir(path) else path
+        swap = self.replaced_model is not None and asked == self.replaced_model
+        got = self.changes["model"] if swap else asked
+        self.settings.append(KnobSetting("tokenizer", NAME, asked, got, "AutoTokenizer.from_pretrained"))
+        return got if swap else name
+
+    def on_prepare(self, kwargs: dict[str, Any]) -> bool:
+        """Checkpointing as the attempt has it; True when the attempt keeps the head in bf16 (the
+        script's prepare upcasts it to fp32: that is what it asks for)."""
         asked = bool(kwargs.get("use_gradient_checkpointing", True))  # peft's default: on
         kwargs["use_gradient_checkpointing"] = self._take(
             "gradient_checkpointing", "use_gradient_checkpointing", asked, PREPARE
         )
+        return bool(self._take("bf16_head", "bf16_head", False, PREPARE))
 
     # -- at train() -------------------------------------------------------------------------
 
@@ -242,7 +262,21 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
 
         cls.from_pretrained = classmethod(from_pretrained)
 
+    def tokenizer(module: ModuleType) -> None:
+        cls = module.AutoTokenizer
+        original = cls.__dict__["from_pretrained"].__func__
+
+        @functools.wraps(original)
+        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(klass, ledger.on_tokenizer(name), *args, **kwargs)
+
+        cls.from_pretrained = classmethod(from_pretrained)
+
     def prepare(module: ModuleType) -> None:
+        # Our recipe's bf16 head, imported here: it imports torch, which peft has loaded by now
+        # (at the shim's start it would load torch before the environment is set for it).
+        from qlora_supervise.trainer_child.recipe import head
+
         # `from peft import prepare_model_for_kbit_training` reads the name where peft binds it.
         for owner in (module, module.utils, module.utils.other):
             original = getattr(owner, PREPARE)
@@ -251,8 +285,12 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
             def wrapped(model: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
                 if args:  # its second positional parameter is use_gradient_checkpointing
                     kwargs["use_gradient_checkpointing"], args = args[0], args[1:]
-                ledger.on_prepare(kwargs)
-                return _original(model, *args, **kwargs)
+                if not ledger.on_prepare(kwargs):
+                    return _original(model, *args, **kwargs)
+                with head.kept_out_of_upcast(head.head_parameters(model), None):  # as loaded
+                    prepared = _original(model, *args, **kwargs)
+                head.match_head_input(prepared)
+                return prepared
 
             setattr(owner, PREPARE, wrapped)
 
@@ -260,6 +298,7 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
         "transformers.training_args": arguments,
         "transformers.utils.quantization_config": quantization,
         "transformers.models.auto.auto_factory": model,
+        "transformers.models.auto.tokenization_auto": tokenizer,
         "peft.tuners.lora.config": lora,
         "peft": prepare,
     }

@@ -32,6 +32,9 @@ TABLE = Table(
         Row("lora_alpha", "lora_alpha", 8),
         Row("quant_type", "bnb_4bit_quant_type", "fp4"),
         Row("double_quant", "bnb_4bit_use_double_quant", False),
+        # Not a key of the script: the shim's change at prepare_model_for_kbit_training, whose
+        # upcast puts the head in fp32 (False) as the script asks.
+        Row("bf16_head", "bf16_head", False),
     ),
     output_key="output_dir",
     resume_key="resume_from_checkpoint",
@@ -56,6 +59,7 @@ TOOL = Tool(
     TABLE,
     package=None,  # the script's own imports
     settings_in_code=True,
+    shim_rungs=frozenset({"bf16_head", "smaller_model"}),
     command_problems=script_problems,
     unquantized=(
         "the script's model and its quantization are read from its first attempt; until then the "
