@@ -31,7 +31,7 @@ from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import Decision, FailureLike, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialResult
+from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate, TrialResult
 
 #: Attempt 1's config: the search itself (``run``'s first plan and the ``plan`` command ask it here).
 first = config_search.preflight
@@ -162,13 +162,9 @@ def after_trial(planned: Knobs, results: Sequence[TrialResult]) -> TrialChoice:
         why = f"speed trial: none measured over {MIN_GAIN:.0%} faster; the plan stays"
         return TrialChoice(planned, False, why)
     c = fastest.candidate
-    knobs = dataclasses.replace(
-        planned,
-        micro_batch_size=c.micro_batch_size,
-        grad_accum=c.grad_accum,
-        gradient_checkpointing=c.gradient_checkpointing,
+    return TrialChoice(
+        trained_with(planned, c), True, f"speed trial: {c.name} at {fastest.tokens_per_s:.0f} tokens/s, {why}"
     )
-    return TrialChoice(knobs, True, f"speed trial: {c.name} at {fastest.tokens_per_s:.0f} tokens/s, {why}")
 
 
 def within(result: TrialResult, limit: int | None) -> TrialResult:
@@ -180,3 +176,13 @@ def within(result: TrialResult, limit: int | None) -> TrialResult:
     gib = 1 << 30
     why = f"measured peak {result.peak_bytes / gib:.2f} GiB is over the plan's limit {limit / gib:.2f} GiB"
     return dataclasses.replace(result, error=why)
+
+
+def trained_with(knobs: Knobs, candidate: TrialCandidate) -> Knobs:
+    """``knobs`` switched to a trial candidate: what changes without a reload."""
+    return dataclasses.replace(
+        knobs,
+        micro_batch_size=candidate.micro_batch_size,
+        grad_accum=candidate.grad_accum,
+        gradient_checkpointing=candidate.gradient_checkpointing,
+    )

@@ -14,12 +14,11 @@ worth the restart: the predicted gain on the time left must win back more than
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies.choice import MIN_GAIN
+from qlora_supervise.policies.choice import MIN_GAIN, trained_with
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
 
@@ -88,22 +87,13 @@ def retime(
         f"and different all of the last {held_for_s:.0f}s; {_name(planned)} is "
         f"predicted {fast / slow - 1:.0%} faster than the trained {_name(trained)}: time the trial again"
     )
-    return as_knobs(knobs, planned), why
-
-
-def as_knobs(knobs: Knobs, candidate: TrialCandidate) -> Knobs:
-    return dataclasses.replace(
-        knobs,
-        micro_batch_size=candidate.micro_batch_size,
-        grad_accum=candidate.grad_accum,
-        gradient_checkpointing=candidate.gradient_checkpointing,
-    )
+    return trained_with(knobs, planned), why
 
 
 def first_for(knobs: Knobs, candidates: tuple[TrialCandidate, ...]) -> tuple[TrialCandidate, ...]:
     """The trial's candidates with the one ``knobs`` trains first (the trial's rule: the spec's own
     first); none when ``knobs`` is no candidate (a supervisor restarted since, planning anew)."""
-    own = [c for c in candidates if as_knobs(knobs, c) == knobs]
+    own = [c for c in candidates if trained_with(knobs, c) == knobs]
     return (*own, *(c for c in candidates if c not in own)) if own else ()
 
 
@@ -113,4 +103,4 @@ def _name(c: TrialCandidate) -> str:
 
 def _candidate(first: Trial, knobs: Knobs) -> TrialCandidate | None:
     """The candidate ``knobs`` trains, when they differ from the pre-flight's only in the trial's knobs."""
-    return next((c for c in first.candidates if as_knobs(first.knobs, c) == knobs), None)
+    return next((c for c in first.candidates if trained_with(first.knobs, c) == knobs), None)

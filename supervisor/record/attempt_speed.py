@@ -9,13 +9,12 @@ correct the throughput model.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.policies.choice import TrialChoice, after_trial
+from qlora_supervise.policies.choice import TrialChoice, after_trial, trained_with
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.records import AttemptRecord
@@ -72,14 +71,7 @@ def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float
     for result in speed.trial.results:
         if result.tokens_per_s is None or result.error is not None:
             continue
-        c = result.candidate
-        knobs = dataclasses.replace(
-            planned,
-            micro_batch_size=c.micro_batch_size,
-            grad_accum=c.grad_accum,
-            gradient_checkpointing=c.gradient_checkpointing,
-        )
-        out.append((knobs, result.tokens_per_s))
+        out.append((trained_with(planned, result.candidate), result.tokens_per_s))
     return out
 
 
