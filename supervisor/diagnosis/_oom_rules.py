@@ -1,23 +1,13 @@
 """What an OOM message's numbers say about the cause: contention, fragmentation, or neither.
 
-**Contention**: other processes hold at least half of the GPU. ``others_in_use`` is the device's use
-beyond this process: with the new wording's "this process has P" clause, ``max(sum of the Process
-lines, total - free - max(P, reserved))`` (containers print 0 per process); otherwise ``total - free
-- reserved``, which also counts our CUDA context and workspaces (under 1 GiB: irrelevant at half the
-card). When others own most of the card nothing of ours fits: wait, do not degrade. A process that
-hit its own cap (``N allowed;``) is not contention.
+**Contention**: other processes hold at least half of the GPU (wait, do not degrade). ``others_in_use``
+is, with the new wording's "this process has P" clause, ``max(sum of the Process lines, total - free -
+max(P, reserved))``, else ``total - free - reserved``. A process that hit its own cap is not contention.
 
-**Fragmentation**: ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of capacity))`` **and**
-``reserved_unallocated + free >= tried_to_allocate`` **and** allocated + request under 95 % of the
-capacity. The memory existed and only its layout failed, so ``expandable_segments`` fixes it and a
-smaller batch is the wrong remedy; the floor ignores the allocator's normal slack; at 95 % no layout
-leaves room (H200 under an 8 GiB cap: 7.58 + 0.34 of 8 GiB, expandable_segments did not help;
-bench/results/gpu-h200-2026-11-29). Under a cap the request must fit in the split memory alone
-(``reserved_unallocated >= tried_to_allocate``): a capped allocator has already released its free
-segments and been refused by the cap, whose unreserved room no layout joins to the split bytes.
-
-Old wording: ``reserved_unallocated = reserved_total - already_allocated``; new: ``reserved_total =
-already_allocated + reserved_unallocated``; pre-1.5 ``X cached`` is the unallocated part."""
+**Fragmentation**: ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of capacity))`` and
+``reserved_unallocated + free >= tried_to_allocate`` and allocated + request under 95 % of the
+capacity (at 95 % no layout leaves room: bench/results/gpu-h200-2026-11-29). Under a cap the split
+memory alone must hold the request: the capped allocator already released its free segments."""
 
 from __future__ import annotations
 

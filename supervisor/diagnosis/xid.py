@@ -1,10 +1,8 @@
 """GPU faults: NVML Xid events seen while an attempt ran, what they mean, and which are fatal.
 
-Meanings after NVIDIA's Xid catalogue. A **fatal** Xid means the GPU is broken or must be reset: the
-supervisor stops with ``SupervisorExitCode.GPU_FAULT`` and decides over any other evidence
-(:func:`overrule`). A non-fatal one usually follows an application error: it decides only a failure
-that is not an OOM or config error (Xids are per GPU: another process's fault can fall in our
-window), and the attempt is retried once unchanged."""
+A **fatal** Xid (the GPU is broken or must be reset) decides over any other evidence. A non-fatal
+one decides only a failure that is not an OOM or config error (Xids are per GPU: another
+process's fault can fall in our window), and the attempt is retried once unchanged."""
 
 from __future__ import annotations
 
