@@ -1,11 +1,6 @@
-"""An attempt's measured speed: the tokens/s its heartbeats carried, for the knobs it trained with.
-
-The child's heartbeats carry the tokens/s of its latest optimizer step; the attempt's speed is
-their median (the first step's kernel tuning and a checkpoint's pause are outliers). When the
-speed trial ran, the knobs are the policy's choice among its timings (``policies.choice``), not the plan's.
-Used by ``status``, ``explain`` and the run summary, by the per-host store, and within a run to
-correct the throughput model.
-"""
+"""An attempt's measured speed: the median tokens/s of its heartbeats (the first step's kernel
+tuning and a checkpoint's pause are outliers), for the knobs it trained with (the speed trial's
+choice applied)."""
 
 from __future__ import annotations
 
@@ -62,9 +57,8 @@ def _median(values: list[float]) -> float | None:
 
 
 def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float]]:
-    """The speed trial's measured candidates as (knobs, tokens/s). Forward + backward micro-steps
-    without the optimizer step, so a little above a training step's rate: the attempt's own
-    heartbeats, stored after them, correct the chosen one."""
+    """The speed trial's measured candidates as (knobs, tokens/s): without the optimizer step, a
+    little above a training step's rate (the attempt's heartbeats, stored after, correct it)."""
     if speed.trial is None:
         return []
     out = []
@@ -81,8 +75,7 @@ def measured_speed(rd: RunDir, record: AttemptRecord) -> AttemptSpeed:
 
 
 def speed_line(speed: AttemptSpeed) -> str | None:
-    """``status``'s line for an attempt's speed (None: it measured no step), with the speed trial's
-    table when it ran one."""
+    """``status``'s line for an attempt's speed and its speed trial (None: neither measured)."""
     if speed.tokens_per_s is None and speed.trial is None:
         return None
     parts = []

@@ -1,10 +1,8 @@
 """Room on the disk for the run: what a full disk needs freed, what is ours to free, and the words.
 
-The child fails as ``disk_full`` when a checkpoint will not fit (it checks before each save) and
-the supervisor's own writes (journal, state, spec, events) can hit the same wall. Either way the
-supervisor frees what is its own to free (staging directories and temp files that killed
-writers left), then waits for room: as much as the last checkpoint took, at least
-:data:`MIN_ROOM` for the journal and the report.
+After a ``disk_full`` (the child's or the supervisor's own writes) the supervisor frees what killed
+writers of this run left, then waits for room: as much as the last checkpoint took, at least
+:data:`MIN_ROOM`.
 """
 
 from __future__ import annotations
@@ -33,12 +31,8 @@ def room_free(rd: RunDir) -> int:
 
 
 def free_ours(rd: RunDir) -> int:
-    """Delete what killed writers of this run left behind; returns the bytes freed.
-
-    Staging directories (``.tmp-*``) of children that are gone, a killed final save's adapter
-    temp, and the temp files of atomic writes: the caller holds the run's lock, so no live
-    supervisor is writing those.
-    """
+    """Delete the staging directories, adapter temps and atomic writes' temp files that killed
+    writers left (the caller holds the run's lock); returns the bytes freed."""
     freed = 0
     if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
         sizes = {

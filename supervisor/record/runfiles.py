@@ -1,16 +1,10 @@
 """Opening files inside the run directory: never through a symbolic link, with explicit modes.
 
-The supervisor often runs as root (the shipped unit does). A link planted in the run directory
-(``.lock -> /etc/passwd``) must not turn its writes into writes elsewhere, so every file it
-appends to or creates there is opened with ``O_NOFOLLOW`` (``O_EXCL`` where it must be new),
-checked to be a regular file, and given its mode explicitly (the umask can only take bits away,
-and differs between a shell and a unit):
-
-* the run directory and the directories in it: :data:`DIR_MODE` (0750);
-* the files: :data:`FILE_MODE` (0640).
-
-An ``output_dir`` owned by another user, or writable by others, is refused: anyone who can
-write there can plant such links, or edit the journal the supervisor acts on.
+The supervisor often runs as root, so a link planted in the run directory (``.lock -> /etc/passwd``)
+must not turn its writes into writes elsewhere: files are opened with ``O_NOFOLLOW``, checked to be
+regular, and given their mode explicitly (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640; the umask
+differs between a shell and a unit). An ``output_dir`` owned by another user, or writable by
+others, is refused: anyone who can write there can plant such links or edit the journal.
 """
 
 from __future__ import annotations
@@ -25,9 +19,7 @@ from typing import TextIO
 from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath
 from qlora_supervise.trainer_child.contract.checkpoints import DIR_MODE as CHILD_DIR_MODE
 
-# One value each, shared with the child (which sets the same modes on checkpoints, the adapter
-# and the merged model): 0750 and 0640.
-DIR_MODE = CHILD_DIR_MODE
+DIR_MODE = CHILD_DIR_MODE  # one value, shared with the child's checkpoints and adapter
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of DIR_MODE / FILE_MODE
 
 
@@ -74,8 +66,7 @@ def refuse_kind(directories: list[Path]) -> None:
 
 def refuse_linked_dirs(paths: list[Path]) -> None:
     """Refuse at start when one of the run's own directories is a link or no directory, or holds a
-    link: ``checkpoints/checkpoint-N -> /elsewhere`` would be resumed from, quarantined (a reason
-    file written into it) or deleted by rotation, all outside the run directory."""
+    link (``checkpoints/checkpoint-N -> /elsewhere`` would be resumed, quarantined or deleted)."""
     for path in paths:
         if not _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory"):
             continue
