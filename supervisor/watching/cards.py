@@ -1,10 +1,8 @@
 """Every rank's card under torchrun: one NVML monitor per card the attempt's ranks train on.
 
-Rank N trains on ``cuda:N`` of the child's ``CUDA_VISIBLE_DEVICES``, which ``loop.child.child_env``
-narrows to the positions ``Knobs.gpus`` names (``drop_rank`` leaves the failing card out). The
-supervisor maps the same positions through its own ``CUDA_VISIBLE_DEVICES`` with the one device
-mapping (``contract.devices.bind_device``), so local rank N's card is the one watched for it. The
-cards are opened per attempt from that attempt's knobs: a card ``drop_rank`` left out is not watched.
+Local rank N trains on ``cuda:N`` of the child's ``CUDA_VISIBLE_DEVICES``, narrowed to the positions
+``Knobs.gpus`` names; the supervisor maps the same positions with the one device mapping
+(``contract.devices.bind_device``). Opened per attempt: a card ``drop_rank`` left out is not watched.
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ class RankCards:
 
     @classmethod
     def open(cls, knobs: Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
-        """The cards of ``knobs``' ranks; None where the job's one card is all there is to watch (a
-        single process on the first card), on the CPU, or when NVML opens no card. A single process
-        that ``drop_rank`` left is watched here: its card need not be the first visible one."""
+        """The cards of ``knobs``' ranks; None for a single process on the first card (a single one
+        that ``drop_rank`` left is watched here), on the CPU, or when NVML opens no card."""
         if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
             return None
         monitors = {}
@@ -41,8 +38,7 @@ class RankCards:
         return {rank: monitor.index for rank, monitor in self._monitors.items()}
 
     def sample(self, pids: set[int]) -> dict[int, GpuSample]:
-        """One sample per card that answered, by local rank (``pids``: the child's whole tree, which
-        holds every rank; on each card only that rank's memory shows)."""
+        """One sample per card that answered, by local rank (``pids``: the child's whole tree)."""
         found = {}
         for rank, monitor in self._monitors.items():
             sample = monitor.sample(pids)

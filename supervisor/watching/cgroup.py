@@ -1,9 +1,7 @@
-"""The kernel's OOM-kill counter of this process's cgroup: evidence for ``host_oom``.
+"""The kernel's OOM-kill counter of this process's cgroup (the child's too): evidence for ``host_oom``.
 
-v2: ``memory.events``; v1: ``memory.oom_control`` (line ``oom_kill N``), found from
-``/proc/self/cgroup`` and ``/proc/self/mountinfo``. The child runs in the supervisor's cgroup, so the
-counter covers it. ``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file to read instead (tests, or an
-operator whose limit is enforced by another cgroup)."""
+v2: ``memory.events``; v1: ``memory.oom_control``, found from ``/proc/self/cgroup`` and
+``/proc/self/mountinfo``. ``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file to read instead."""
 
 from __future__ import annotations
 
@@ -66,7 +64,7 @@ def memory_events_path(
 
 def memory_limit_bytes(events_path: Path | None = None) -> int | None:
     """The limit beside the ``oom_kill`` counter (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
-    None without one (``max``, v1's huge sentinel) or when nothing can be read."""
+    None without one or when nothing can be read."""
     path = events_path or memory_events_path()
     if path is None:
         return None

@@ -1,13 +1,11 @@
 """Memory creep: a peak that rises step after step (a leak) towards the budget, seen in heartbeats.
 
-A healthy run's peak is flat after warm-up, with rarer jumps at a longer batch; a leak raises it at
-every step. Over the last :data:`WINDOW` steps after :data:`WARMUP_STEPS` (where optimizer state
-lands), a **leak** is a rise above the noise (:data:`NOISE_FLOOR` or :data:`NOISE_SHARE` of the
-peak) in every interval but at most one, with a positive least-squares slope; it **approaches the
-budget** when the line reaches it within :data:`HORIZON_STEPS` (the GPU budget for the CUDA
-allocator's peak, ``cpu_memory_limit`` for the data segment's). Then :meth:`CreepWatch.observe`
-returns a forecast once per attempt and the runner asks the child for an early checkpoint, so the
-OOM costs no finished step; a leak without a budget is reported once, without the signal."""
+Over the last :data:`WINDOW` steps after :data:`WARMUP_STEPS`, a **leak** is a rise above the noise
+in every interval but at most one, with a positive least-squares slope; it **approaches the
+budget** when the line reaches it within :data:`HORIZON_STEPS` (the GPU budget for the allocator's
+peak, ``cpu_memory_limit`` for the data segment's). :meth:`CreepWatch.observe` then returns a
+forecast once per attempt (the runner asks for an early checkpoint); a leak without a budget is
+reported once, without the signal."""
 
 from __future__ import annotations
 

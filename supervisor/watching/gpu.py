@@ -1,10 +1,8 @@
 """GPU memory samples through NVML (``pynvml``), with Xid events.
 
-``GpuMonitor.open(device)`` returns None where there is nothing to watch (no NVML, no driver, no such
-GPU, ``cpu``); it never raises or logs. NVML numbers GPUs physically and ignores
-``CUDA_VISIBLE_DEVICES``, so the device is mapped by ``contract.devices.bind_device``, as the child
-maps it (set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines). Only ``pynvml.NVMLError`` is caught,
-so a bug is not mistaken for a missing GPU. In a container with its own PID namespace the child's
+NVML numbers GPUs physically and ignores ``CUDA_VISIBLE_DEVICES``, so the device is mapped by
+``contract.devices.bind_device``, as the child maps it. Only ``pynvml.NVMLError`` is caught, so a
+bug is not mistaken for a missing GPU. In a container with its own PID namespace the child's
 memory shows under ``others``."""
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ import pynvml
 
 from qlora_supervise.trainer_child.contract.devices import DeviceError, bind_device, visible_entries
 
-#: Every NVML failure (``pynvml`` maps each return code to a subclass of it).
-NVMLError = pynvml.NVMLError
-#: NVML handles and event sets are opaque: passed back to NVML, never looked into.
-Handle = object
+NVMLError = pynvml.NVMLError  # every NVML failure: each return code is a subclass of it
+Handle = object  # NVML handles and event sets are opaque
 
 
 class NvmlMemory(Protocol):
@@ -48,7 +44,7 @@ class NvmlUtilisation(Protocol):
 
 
 class Nvml(Protocol):
-    """The part of ``pynvml`` the monitor calls (tests pass a fake); each call may raise :data:`NVMLError`."""
+    """The part of ``pynvml`` the monitor calls (tests pass a fake); each call may raise NVMLError."""
 
     nvmlEventTypeXidCriticalError: int
 
@@ -82,7 +78,7 @@ class GpuSample:
     others: tuple[tuple[int, int], ...]  # (pid, bytes) of every other process on the GPU
     xid_events: tuple[int, ...] = ()  # Xid codes seen since the previous sample
     # The other processes' SM utilisation (percent, summed, at most 100) since the previous sample;
-    # None where NVML has no new sample or will not say (MIG, some containers).
+    # None where NVML will not say (MIG, some containers).
     others_sm_util: int | None = None
 
 
@@ -104,7 +100,8 @@ class GpuMonitor:
 
     @classmethod
     def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
-        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing."""
+        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing (or ``cpu``);
+        never raises or logs."""
         if device == "cpu":
             return None
         started = _started_nvml(nvml)
@@ -167,17 +164,14 @@ class GpuMonitor:
         for _ in range(64):  # bounded: a storm of events must not stall the loop's tick
             try:
                 event = self._nvml.nvmlEventSetWait_v2(self._events, 0)
-            except pynvml.NVMLError_Timeout:  # no more events waiting
-                break
-            except NVMLError:  # the event set broke (the GPU is lost): the memory sample says so next
+            except NVMLError:  # a timeout: no more events; else the GPU is lost (the memory sample says so)
                 break
             found.append(int(event.eventData))
         return tuple(found)
 
 
 def _started_nvml(nvml: Nvml | None) -> Nvml | None:
-    module: Nvml = pynvml
-    started = module if nvml is None else nvml
+    started: Nvml = pynvml if nvml is None else nvml
     try:
         started.nvmlInit()
     except NVMLError:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: not a GPU host

@@ -1,8 +1,7 @@
 """Reading the child's events file as it grows, into a picture of its progress.
 
-Each line is parsed once (``contract.events.parse_event``). Progress is a change of step or stage:
-a heartbeat repeating both is not, so a child whose heartbeat thread outlives a stuck training is
-still seen as hung. The peak is the child's ``peak_bytes``, never re-derived here."""
+Progress is a change of step or stage: a heartbeat repeating both is not, so a child whose heartbeat
+thread outlives a stuck training is still seen as hung. The peak is the child's ``peak_bytes``."""
 
 from __future__ import annotations
 
@@ -38,11 +37,8 @@ class Progress:
     tokens_per_s: float | None = None
     max_steps: int | None = None
     peak_bytes: int | None = None  # the child's own peak (CUDA allocator peak, or data segment on the CPU)
-    # The peak before anything trained or was timed (setup and load): what a speed trial hands back.
-    setup_peak: int | None = None
-    # Host RSS (issue 28): the load's high-water mark (the ``loaded`` event), training's (the
-    # heartbeats' after it: the child restarts the mark after the load on a GPU), and the newest
-    # beat's RSS (what the host held when a kill came).
+    setup_peak: int | None = None  # before anything trained or was timed: what a speed trial hands back
+    # Host RSS: the load's high-water mark, training's (after the load), and the newest beat's RSS.
     load_host_peak: int | None = None
     host_peak: int | None = None
     last_rss: int | None = None
@@ -102,11 +98,9 @@ class HeartbeatReader:
                 p.setup_peak = max(p.setup_peak or 0, event.memory.peak_bytes)
         _host(p, event)
         if isinstance(event, SpeedTrialEvent):
-            # The heartbeats during the trial measured its candidates (the event has their peaks),
-            # and the child reset its allocator's peak after it: the attempt's peak is the load's and
-            # then the training's, not a candidate's it did not train with.
+            # The child reset its peaks after the trial: the attempt's is the load's, then training's.
             p.peak_bytes = p.setup_peak
-            p.host_peak = None  # and its host high-water mark restarts (the child resets VmHWM)
+            p.host_peak = None
         p.events.append(event)
 
 

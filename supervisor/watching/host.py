@@ -1,6 +1,4 @@
-"""Host memory samples through psutil: the machine's RAM and swap, and the child tree's RSS (a child
-whose RSS climbed towards ``available`` before a SIGKILL was likely a host OOM kill; the cgroup's
-counter says so for sure)."""
+"""Host memory samples through psutil: the machine's RAM and swap, and the child tree's RSS."""
 
 from __future__ import annotations
 

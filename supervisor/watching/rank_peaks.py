@@ -1,8 +1,6 @@
-"""Each rank's peak memory under torchrun, and the seeds' "uneven per-card batches" check.
-
-With DDP every rank holds the same replica and micro-batch shape, so one rank's peak well above the
-others' points at uneven per-card batches, gradient-sync buffers, or a device_map that put more than
-the replica on one card (the seeds' triage for "one card OOMs in multi-GPU fine-tuning")."""
+"""Each rank's peak memory under torchrun, and the seeds' "uneven per-card batches" check: with DDP
+every rank holds the same replica, so one rank's peak well above the others' points at uneven
+batches, sync buffers or a device_map that put more on one card."""
 
 from __future__ import annotations
 
@@ -13,10 +11,8 @@ from pathlib import Path
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.trainer_child.contract.spec import rank_files
 
-#: "Well above": the highest rank peak exceeds the lowest by this share of it ...
-UNEVEN_SHARE = 0.2
-#: ... and by at least this many bytes (small models differ by noise of a few MiB).
-UNEVEN_MIN_BYTES = 64 * 1024 * 1024
+UNEVEN_SHARE = 0.2  # "well above": the highest exceeds the lowest by this share of it
+UNEVEN_MIN_BYTES = 64 * 1024 * 1024  # ... and by this many bytes (small models differ by noise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +41,7 @@ def read_rank_peaks(events_file: Path) -> dict[int, int]:
 
 
 def uneven(peaks: Mapping[int, int]) -> UnevenPeaks | None:
-    """The highest and lowest rank when one peaked well above (:data:`UNEVEN_SHARE` and
-    :data:`UNEVEN_MIN_BYTES`); None with fewer than two ranks or peaks that agree."""
+    """The highest and lowest rank when one peaked well above; None with fewer than two or none."""
     if len(peaks) < 2:
         return None
     high = max(peaks, key=lambda rank: (peaks[rank], -rank))
