@@ -4,6 +4,7 @@ choice applied)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,20 +41,13 @@ def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
         elif isinstance(event, SpeedTrialEvent):
             trial = event
     choice = None if trial is None else after_trial(planned, trial.results)
-    return AttemptSpeed(choice.knobs if choice else planned, _median(rates), len(rates), trial, choice)
+    median = statistics.median(rates) if rates else None
+    return AttemptSpeed(choice.knobs if choice else planned, median, len(rates), trial, choice)
 
 
 def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
     """The speed in ``events_file`` (an unreadable or missing file is an attempt with no speed)."""
     return speed_of(read_events(events_file), planned)
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float]]:

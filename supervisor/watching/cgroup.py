@@ -6,19 +6,12 @@ v2: ``memory.events``; v1: ``memory.oom_control``, found from ``/proc/self/cgrou
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 ENV_MEMORY_EVENTS = "QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS"
 
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 PROC_SELF_MOUNTINFO = Path("/proc/self/mountinfo")
-
-
-@dataclass(frozen=True)
-class _Mount:
-    root: str  # the cgroup path that the mount point shows as its top
-    point: Path
 
 
 def oom_kill_count(path_override: Path | None = None) -> int | None:
@@ -100,7 +93,8 @@ def _memberships(lines: list[str]) -> dict[str, str]:
     return found
 
 
-def _mount(lines: list[str], fstype: str, controller: str) -> _Mount | None:
+def _mount(lines: list[str], fstype: str, controller: str) -> tuple[str, Path] | None:
+    """The cgroup path the mount point shows as its top, and the mount point."""
     for line in lines:
         head, sep, tail = line.partition(" - ")
         fields, tail_fields = head.split(), tail.split()
@@ -109,18 +103,18 @@ def _mount(lines: list[str], fstype: str, controller: str) -> _Mount | None:
         options = tail_fields[2].split(",") if len(tail_fields) > 2 else []
         if controller and controller not in options:
             continue
-        return _Mount(root=_unescape(fields[3]), point=Path(_unescape(fields[4])))
+        return _unescape(fields[3]), Path(_unescape(fields[4]))
     return None
 
 
-def _find_in(mount: _Mount, group: str, filename: str) -> Path | None:
+def _find_in(mount: tuple[str, Path], group: str, filename: str) -> Path | None:
     """Our cgroup's file under the mount; else the nearest ancestor's (it counts descendants)."""
-    relative = group[len(mount.root) :] if group.startswith(mount.root) else group
-    candidate = mount.point / relative.lstrip("/")
+    root, point = mount
+    candidate = point / (group[len(root) :] if group.startswith(root) else group).lstrip("/")
     while True:
         if (candidate / filename).is_file():
             return candidate / filename
-        if candidate == mount.point or mount.point not in candidate.parents:
+        if candidate == point or point not in candidate.parents:
             return None
         candidate = candidate.parent
 

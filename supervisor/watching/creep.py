@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from dataclasses import dataclass
 
 from qlora_supervise.trainer_child.contract.events import Heartbeat
@@ -73,7 +74,7 @@ class CreepWatch:
         peaks = [self._peaks[step] for step in steps]
         noise = max(NOISE_FLOOR, NOISE_SHARE * peaks[-1])
         rises = sum(1 for before, after in itertools.pairwise(peaks) if after - before > noise)
-        slope = _slope(steps, peaks)
+        slope = statistics.linear_regression(steps, peaks).slope  # steps are distinct
         if rises < len(steps) - 2 or slope <= 0:
             return None
         budget = self._budgets.get(self._source) if self._source is not None else None
@@ -85,15 +86,6 @@ class CreepWatch:
             predicted_oom_step=_reaches(steps[-1], peaks[-1], slope, budget),
             window_steps=len(steps),
         )
-
-
-def _slope(steps: list[int], peaks: list[int]) -> float:
-    mean_x = sum(steps) / len(steps)
-    mean_y = sum(peaks) / len(peaks)
-    spread = sum((x - mean_x) ** 2 for x in steps)
-    if spread == 0:
-        return 0.0
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(steps, peaks, strict=True)) / spread
 
 
 def _reaches(step: int, peak: int, slope: float, budget: int | None) -> int | None:
