@@ -97,17 +97,14 @@ class _EventsFile:
         except OSError as exc:
             if exc.errno not in DISK_ERRNOS:
                 raise
-            self._drop_partial()
+            # A failed flush may leave part of a line in the buffer or the file: start from a clean one.
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = open_append_text(self._path)
+            self._file.write("\n")  # closes a torn line, if any, so the next one stands alone
             del self._held[:-_HELD_MAX]
             return
         self._held.clear()
-
-    def _drop_partial(self) -> None:
-        # A failed flush may leave part of a line in the buffer or the file: start from a clean one.
-        with contextlib.suppress(OSError):
-            self._file.close()
-        self._file = open_append_text(self._path)
-        self._file.write("\n")  # closes a torn line, if any, so the next one stands alone
 
 
 class _Relay:

@@ -16,13 +16,7 @@ from typing import IO
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath
 from qlora_supervise.supervisor.record.ownership import foreign_output_dir
-from qlora_supervise.supervisor.record.runfiles import (
-    open_lock_file,
-    prepare_root,
-    refuse_kind,
-    refuse_linked_dirs,
-    refuse_links,
-)
+from qlora_supervise.supervisor.record.runfiles import open_lock_file, prepare_root, refuse_links
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import QUARANTINE_DIR
 
 MERGE_COMMAND = "merge-command"  # ``qlora-supervise merge``'s own spec, log and report
@@ -113,8 +107,8 @@ class RunDir:
         # Read-only checks first: the lock file is created only in a folder that is safe and ours.
         named = [entry for entry in ENTRIES if not entry.pattern]
         refuse_links([self.root / entry.name for entry in named if not entry.is_dir])
-        refuse_kind([self.root / entry.name for entry in named if entry.is_dir])
-        refuse_linked_dirs([self.checkpoints, self.quarantine])  # and the links in them
+        refuse_links([self.root / entry.name for entry in named if entry.is_dir], directories=True)
+        refuse_links([self.checkpoints, self.quarantine], directories=True, inside=True)
         refuse_foreign(self.root)  # someone else's files
         handle = open_lock_file(self.root / ".lock")
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -52,42 +51,26 @@ def prepare_root(root: Path) -> None:
         )
 
 
-def refuse_links(paths: list[Path]) -> None:
-    """Refuse at start, before anything is run, when one of the run's own files is a link or no file."""
+def refuse_links(paths: list[Path], directories: bool = False, inside: bool = False) -> None:
+    """Refuse at start when one of the run's own files (``directories``: directories) is a link or of
+    another kind; ``inside``: a directory holding a link too (``checkpoints/checkpoint-N ->
+    /elsewhere`` would be resumed, quarantined or deleted outside the run directory)."""
+    is_kind, other = (
+        (stat.S_ISDIR, "is not a directory") if directories else (stat.S_ISREG, "is not a regular file")
+    )
     for path in paths:
-        _refuse_link_or_other(path, stat.S_ISREG, "is not a regular file")
-
-
-def refuse_kind(directories: list[Path]) -> None:
-    """Refuse at start when one of the run's own directories is a link or no directory."""
-    for path in directories:
-        _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory")
-
-
-def refuse_linked_dirs(paths: list[Path]) -> None:
-    """Refuse at start when one of the run's own directories is a link or no directory, or holds a
-    link (``checkpoints/checkpoint-N -> /elsewhere`` would be resumed, quarantined or deleted)."""
-    for path in paths:
-        if not _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory"):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
             continue
-        for entry in sorted(path.iterdir()):
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX)
+        if not is_kind(info.st_mode):
+            raise UnsafeRunPath(path, other, LINK_FIX)
+        for entry in sorted(path.iterdir()) if inside else ():
             if entry.is_symlink():
-                raise UnsafeRunPath(
-                    entry, "is a symbolic link; refusing to follow or delete through it", LINK_FIX
-                )
-
-
-def _refuse_link_or_other(path: Path, is_kind: Callable[[int], bool], other: str) -> bool:
-    """Whether ``path`` exists; raise when it is a link or not of the kind ``is_kind`` accepts."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if stat.S_ISLNK(info.st_mode):
-        raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX)
-    if not is_kind(info.st_mode):
-        raise UnsafeRunPath(path, other, LINK_FIX)
-    return True
+                why = "is a symbolic link; refusing to follow or delete through it"
+                raise UnsafeRunPath(entry, why, LINK_FIX)
 
 
 def ensure_dir(path: Path) -> Path:
