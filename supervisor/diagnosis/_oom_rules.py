@@ -65,13 +65,10 @@ def contention(
     """Why this is contention (a sentence), or None. NVML's sample counts as a second witness."""
     if _cap_reached(numbers):
         return None
-    total, others = numbers.get("total_capacity"), numbers.get("others_in_use")
-    if total and others is not None and others >= CONTENTION_SHARE * total:
-        return f"other processes hold {format_bytes(others)} of {format_bytes(total)} (≥ 50 %)"
-    if nvml_total and nvml_others is not None and nvml_others >= CONTENTION_SHARE * nvml_total:
-        return (
-            f"NVML: other processes hold {format_bytes(nvml_others)} of {format_bytes(nvml_total)} (≥ 50 %)"
-        )
+    message = (numbers.get("total_capacity"), numbers.get("others_in_use"))
+    for witness, (total, others) in (("", message), ("NVML: ", (nvml_total, nvml_others))):
+        if total and others is not None and others >= CONTENTION_SHARE * total:
+            return f"{witness}other processes hold {format_bytes(others)} of {format_bytes(total)} (≥ 50 %)"
     return None
 
 

@@ -106,9 +106,7 @@ def job_view(job: Job) -> dict[str, Any]:
         "lora.r": knobs.lora_r,
         "lora.alpha": knobs.lora_alpha,
         "lora.dropout": train.lora_dropout,
-        "lora.target_modules": list(train.target_modules)
-        if isinstance(train.target_modules, tuple)
-        else train.target_modules,
+        "lora.target_modules": train.target_modules,  # a tuple reads back as a list (below)
         "train.max_seq_len": knobs.max_seq_len,
         "train.micro_batch_size": knobs.micro_batch_size,
         "train.effective_batch_size": knobs.effective_batch,
@@ -150,12 +148,8 @@ class JobVersions:
         self.rd = rd
 
     def numbers(self) -> list[int]:
-        found = []
-        for path in self.rd.root.glob("job.v*.yaml"):
-            tail = path.name[len("job.v") : -len(".yaml")]
-            if tail.isdigit():
-                found.append(int(tail))
-        return sorted(found)
+        tails = (path.name[len("job.v") : -len(".yaml")] for path in self.rd.root.glob("job.v*.yaml"))
+        return sorted(int(tail) for tail in tails if tail.isdigit())
 
     def newest_view(self) -> dict[str, Any] | None:
         """The newest recorded version's fields (None: no version recorded, or unreadable)."""
@@ -211,10 +205,7 @@ def finish_interrupted_move(rd: RunDir) -> Path | None:
     """A generation move a kill cut short is completed (it was asked for with ``--restart``)."""
     root = rd.root / GENERATIONS
     pending = sorted(root.glob(".tmp-*")) if root.is_dir() else []
-    for staging in pending:
-        number = staging.name.removeprefix(".tmp-")
-        return _move_into(rd, staging, root / number)
-    return None
+    return _move_into(rd, pending[0], root / pending[0].name.removeprefix(".tmp-")) if pending else None
 
 
 def start_generation(rd: RunDir) -> Path:
