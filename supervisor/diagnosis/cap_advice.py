@@ -47,10 +47,7 @@ def smallest_peak_seen(records: Sequence[AttemptRecord]) -> int | None:
 
 
 def cap_words(
-    cap: Cap,
-    records: Sequence[AttemptRecord],
-    knobs: Knobs,
-    shape: memory_model.ModelShape | None,
+    cap: Cap, records: Sequence[AttemptRecord], knobs: Knobs, shape: memory_model.ModelShape | None
 ) -> str:
     """One sentence for a memory give-up: the cap, the smallest peak seen or predicted, what helps."""
     limit = format_bytes(cap.bytes) if cap.bytes is not None else "its size unknown"

@@ -116,11 +116,9 @@ def _host(p: Progress, event: ChildEvent) -> None:
 
 def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
     """The step and stage an event names, where it does (``unknown``, a newer child's, says nothing)."""
-    step: int | None = None
-    stage: Stage | None = None
     match event:
         case Heartbeat() | StageEntered() | Stopping() | EarlyCheckpointRequested() | Started():
-            step, stage = event.step, event.stage
+            return event.step, (None if event.stage is Stage.UNKNOWN else event.stage)
         case CheckpointSaved() | Finished():
-            step = event.step
-    return step, (None if stage is Stage.UNKNOWN else stage)
+            return event.step, None
+    return None, None
