@@ -16,8 +16,7 @@ from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.loop.outcome import optimizer_reset
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
+from qlora_supervise.supervisor.watching.heartbeats import Progress, read_rank_peaks, uneven
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Resumed
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import rank_files

@@ -1,22 +1,27 @@
-"""GPU memory samples through NVML (``pynvml``), with Xid events.
+"""GPU memory samples through NVML (``pynvml``), with Xid events, and every rank's card under torchrun.
 
 NVML numbers GPUs physically and ignores ``CUDA_VISIBLE_DEVICES``, so the device is mapped by
 ``contract.devices.bind_device``, as the child maps it. Only ``pynvml.NVMLError`` is caught, so a
 bug is not mistaken for a missing GPU. In a container with its own PID namespace the child's
-memory shows under ``others``."""
+memory shows under ``others``.
+
+Under torchrun local rank N trains on ``cuda:N`` of the child's ``CUDA_VISIBLE_DEVICES``, narrowed to
+the positions ``Knobs.gpus`` names; :class:`RankCards` maps the same positions. Cards are opened per
+attempt: one that ``drop_rank`` left out is not watched."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import pynvml
 
 from qlora_supervise.trainer_child.contract.devices import DeviceError, bind_device, visible_entries
+from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 NVMLError = pynvml.NVMLError  # every NVML failure: each return code is a subclass of it
 Handle = object  # NVML handles and event sets are opaque
@@ -264,3 +269,42 @@ def _text(value: object) -> str:
 def _shutdown(nvml: Nvml) -> None:
     with contextlib.suppress(NVMLError):  # Uninitialized, or the driver went away: nothing to release
         nvml.nvmlShutdown()
+
+
+class RankCards:
+    """One :class:`GpuMonitor` per local rank whose card NVML could open."""
+
+    def __init__(self, monitors: Mapping[int, GpuMonitor]) -> None:
+        self._monitors = dict(monitors)
+
+    @classmethod
+    def open(cls, knobs: Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
+        """The cards of ``knobs``' ranks; None for a single process on the first card (a single one
+        that ``drop_rank`` left is watched here), on the CPU, or when NVML opens no card."""
+        if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
+            return None
+        monitors = {}
+        for local_rank, position in enumerate(rank_gpus(knobs)):
+            monitor = GpuMonitor.open(f"cuda:{position}", nvml=nvml)
+            if monitor is not None:
+                monitors[local_rank] = monitor
+        return cls(monitors) if monitors else None
+
+    @property
+    def indexes(self) -> dict[int, int]:
+        """Local rank -> the NVML (physical) index of its card."""
+        return {rank: monitor.index for rank, monitor in self._monitors.items()}
+
+    def sample(self, pids: set[int]) -> dict[int, GpuSample]:
+        """One sample per card that answered, by local rank (``pids``: the child's whole tree)."""
+        found = {}
+        for rank, monitor in self._monitors.items():
+            sample = monitor.sample(pids)
+            if sample is not None:
+                found[rank] = sample
+        return found
+
+    def close(self) -> None:
+        for monitor in self._monitors.values():
+            monitor.close()
+        self._monitors.clear()
