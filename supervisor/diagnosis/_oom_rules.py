@@ -77,7 +77,8 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
     unallocated, tried = numbers.get("reserved_unallocated"), numbers.get("tried_to_allocate")
     if unallocated is None or tried is None:
         return None
-    capacity = _capacity(numbers)
+    sizes = [numbers[key] for key in ("total_capacity", "allowed") if numbers.get(key)]
+    capacity = min(sizes) if sizes else None
     floor = min(FRAGMENTATION_MIN_BYTES, FRAGMENTATION_MIN_SHARE * capacity) if capacity else GIB
     floor = max(FRAGMENTATION_FLOOR_BYTES, floor)
     if capacity and int(numbers.get("already_allocated") or 0) + tried >= FULL_SHARE * capacity:
@@ -89,11 +90,6 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
         free, split = format_bytes(headroom), format_bytes(unallocated)
         return f"{split} reserved-unallocated + {free} free ≥ {format_bytes(tried)} requested"
     return None
-
-
-def _capacity(numbers: Mapping[str, Any]) -> int | None:
-    sizes = [numbers[key] for key in ("total_capacity", "allowed") if numbers.get(key)]
-    return min(sizes) if sizes else None
 
 
 def _headroom(numbers: Mapping[str, Any]) -> int:

@@ -2,30 +2,23 @@
 
 ``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
 
-0. **a GPU fault** (:mod:`.xid`): a fatal Xid during the attempt decides whatever follows; a
-   non-fatal one overrules a verdict below that is not an OOM or a config error;
-1. **we killed it**: a hung child -> ``hang`` at the heartbeats' last stage (stopped for another
-   reason and nothing below decides -> ``other``);
-2. **the error report**: ``config_error``; a checkpoint that did not load -> ``checkpoint_damaged``;
-   ``disk_full``; bitsandbytes setup / NCCL text -> ``bnb_cuda_setup`` / ``nccl``; an OOM ->
-   contention (:mod:`._oom_rules`), then fragmentation from the allocator facts and the step's fit
-   (:mod:`.fragmentation`, else the message-only rule), else the stage's OOM kind; else ``other``;
-3. **exit status + cgroup**: SIGKILL (or -9 / 137) with an ``oom_kill`` increment or ``Killed`` in
-   stderr -> ``host_oom``, with neither -> ``other``; ``ExitCode.CONFIG`` / ``CHECKPOINT`` /
-   ``DISK_FULL`` -> their kinds;
-4. **stderr text**: :func:`classify_text`; a child that refused its config before any training
-   stage (:mod:`.refusal`) -> ``config_error``;
+0. **a GPU fault** (:mod:`.xid`): a fatal Xid decides; a non-fatal one overrules below all but an
+   OOM or a config error;
+1. **we killed it**: a hung child -> ``hang`` at the heartbeats' last stage;
+2. **the error report**: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an
+   OOM is contention (:mod:`._oom_rules`), else fragmentation (:mod:`.fragmentation`), else the
+   stage's OOM kind, and may be marked spurious (:mod:`.spurious`); else ``other``;
+3. **exit status + cgroup**: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr ->
+   ``host_oom`` (with neither: ``other``); the reserved exit codes -> their kinds;
+4. **stderr text** (:func:`classify_text`); a refusal before any training stage (:mod:`.refusal`)
+   -> ``config_error``;
 5. **nothing**: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
 
-An OOM that is not contention is also *marked spurious* (:mod:`.spurious`) where the allocator's
-numbers say the request fit: its kind stays, and the policy retries the config once unchanged.
-
-``classify_text`` (any command's log) follows the failure corpus's labelling order: host kill ->
-NCCL -> bitsandbytes setup -> no room on the disk -> accelerator OOM (contention, fragmentation,
-then the stage from :mod:`._frames`; no stage frame: ``oom_forward``) -> host allocator (stage
-frames: that stage's OOM, else ``host_oom``) -> ``other``. A text with no exception line and no
-non-OOM sign is *presumed* an OOM of the stage its frames name (a missed OOM costs a supervisor
-more than a needless cheaper rung); without stage frames it stays ``other``.
+``classify_text`` follows the failure corpus's labelling order: host kill -> NCCL -> bitsandbytes
+setup -> disk full -> accelerator OOM (stage from :mod:`._frames`) -> host allocator (``host_oom``
+without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM
+sign, is *presumed* an OOM of the stage its frames name: a missed OOM costs more than a needless
+cheaper rung.
 """
 
 from __future__ import annotations

@@ -59,16 +59,13 @@ def _stale_entries(rd: RunDir) -> list[Path]:
             name = path.name
             if name.startswith(".") and name.endswith(".tmp") and path.is_file():
                 found.append(path)  # write_text_atomic's temp file, left by a kill mid-write
-            elif name.startswith(
-                (".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-")
-            ) and _pid_gone(name):
+            elif (
+                name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-"))
+                and (tail := name.rsplit("-", 1)[-1]).isdigit()
+                and not pid_alive(int(tail))
+            ):
                 found.append(path)
     return found
-
-
-def _pid_gone(name: str) -> bool:
-    tail = name.rsplit("-", 1)[-1]
-    return tail.isdigit() and not pid_alive(int(tail))
 
 
 def room_words(rd: RunDir, needed: int, free: int) -> str:

@@ -71,7 +71,8 @@ PROC_SELF_MOUNTINFO = Path("/proc/self/mountinfo")
 
 def oom_kill_count(path_override: Path | None = None) -> int | None:
     """The cgroup's ``oom_kill`` count (from ``path_override``, the variable, or our cgroup), or None."""
-    path = path_override or _env_path() or memory_events_path()
+    value = os.environ.get(ENV_MEMORY_EVENTS, "").strip()
+    path = path_override or (Path(value) if value else None) or memory_events_path()
     return None if path is None else read_oom_kill(path)
 
 
@@ -125,11 +126,6 @@ def memory_limit_bytes(events_path: Path | None = None) -> int | None:
             return int(text)
         return None
     return None
-
-
-def _env_path() -> Path | None:
-    value = os.environ.get(ENV_MEMORY_EVENTS, "").strip()
-    return Path(value) if value else None
 
 
 def _memberships(lines: list[str]) -> dict[str, str]:
