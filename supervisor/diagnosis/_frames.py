@@ -244,8 +244,7 @@ def _python_frames(text: str) -> list[tuple[int, Frame]]:
     frames = []
     for match in _PY_FRAME.finditer(text):
         path = "".join(match.group("path").split())  # hard-wrapped paths
-        source = _next_source_line(text, match)
-        frames.append((match.start(), Frame(path, match.group("func"), source)))
+        frames.append((match.start(), Frame(path, match.group("func"), _next_source_line(text, match))))
     return frames
 
 
@@ -277,13 +276,8 @@ def _ipython_frames(text: str) -> list[tuple[int, Frame]]:
 
 
 def _rich_frames(text: str) -> list[tuple[int, Frame]]:
-    frames = [
-        (match.start(), Frame(match.group("path"), match.group("func"), ""))
-        for match in _RICH_FRAME.finditer(text)
-    ]
-    for source in _RICH_SOURCE.finditer(text):
-        frames.append((source.start(), Frame("", "", source.group("src"))))
-    return frames
+    boxes = [(m.start(), Frame(m.group("path"), m.group("func"), "")) for m in _RICH_FRAME.finditer(text)]
+    return boxes + [(m.start(), Frame("", "", m.group("src"))) for m in _RICH_SOURCE.finditer(text)]
 
 
 def _bare_code_lines(text: str) -> list[Frame]:

@@ -128,17 +128,10 @@ class DecisionRecord:
 
     @classmethod
     def of(cls, decision: policy.Restart | policy.GiveUp, waited_s: float = 0.0) -> DecisionRecord:
-        if isinstance(decision, policy.Restart):
-            return cls(
-                Action.RESTART,
-                decision.why,
-                decision.rung,
-                dict(decision.changes),
-                decision.survives,
-                decision.knobs,
-                waited_s=waited_s,
-            )
-        return cls(Action.GIVE_UP, decision.why, retryable=decision.retryable, waited_s=waited_s)
+        d = decision
+        if isinstance(d, policy.Restart):
+            return cls(Action.RESTART, d.why, d.rung, dict(d.changes), d.survives, d.knobs, waited_s=waited_s)
+        return cls(Action.GIVE_UP, d.why, retryable=d.retryable, waited_s=waited_s)
 
     @classmethod
     def retry_from_older(cls, knobs: Knobs, quarantined: str) -> DecisionRecord:
