@@ -53,7 +53,9 @@ class _In:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def __get__(self, instance: AttemptDir | RunDir, owner: type | None = None) -> Path:
+    def __get__(self, instance: AttemptDir | RunDir | None, owner: type | None = None) -> Path:
+        if instance is None:  # on the class: no path
+            raise AttributeError(self.name)
         base = instance.path if isinstance(instance, AttemptDir) else instance.root
         return base / self.name
 
