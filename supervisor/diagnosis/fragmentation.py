@@ -1,11 +1,7 @@
-"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit?
-
-With our child's allocator facts both must hold: **the layout failed** (free memory in reserved
-segments plus headroom covers the request, yet no free block of its size existed) and **the step
-fits when perfectly packed** (a step of this micro-batch shape completed, or the memory model's peak
-is at most :data:`FIT_SHARE` of the budget). The message alone cannot tell them apart on a capped
-card (bench/results/gpu-h200-2026-11-29). A prediction that the step cannot fit vetoes
-fragmentation; without facts or prediction the message rule of :mod:`._oom_rules` decides."""
+"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit? With our
+child's allocator facts the layout failed (the memory was there, no block of the request's size) and
+the step fits when packed (a step of this shape completed, or the model's peak is at most
+:data:`FIT_SHARE` of the budget: bench/results/gpu-h200-2026-11-29). Else :mod:`._oom_rules` decides."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A trainer that refused its config before its first step, told from its stderr alone.
-
-A child without a report that ended before any training stage with an import failure, its argument
-parser's refusal (``usage:`` then ``prog: error:``, exit 2) or a deterministic exception in setup
-or load fails alike on every start: ``config_error`` (tried once), not ``other`` (a crash loop).
-Its message is the tool's line, with the fix where known (:data:`FIXES`)."""
+"""A trainer that refused its config before its first step, told from its stderr alone: an import
+failure, its argument parser's refusal (exit 2) or a deterministic exception in setup or load fails
+alike on every start, so ``config_error`` (tried once), not ``other`` (a crash loop)."""
 
 from __future__ import annotations
 

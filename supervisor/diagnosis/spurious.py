@@ -1,12 +1,8 @@
-"""A spurious OOM: the allocator raised although its own numbers say the request fit.
-
-The caching allocator does not search the pool again after waiting for pending stream frees, so a
-large-enough block can be back by the time the OOM is raised (pytorch/pytorch#189504). Either
-witness suffices: **the child's allocator facts** (a free block of the request's size was in the
-pool while the step's memory was still held, within :data:`SAME_STATE_SLACK`), or **the message's
-numbers** (free memory, under a cap ``allowed - reserved``, at least the request plus
-:func:`margin`). A mark, not a kind: the numbers gain :data:`SPURIOUS_KEY` (the bytes that were
-there) and the policy retries the config once unchanged."""
+"""A spurious OOM: the allocator raised although its own numbers say the request fit (it does not
+search the pool again after waiting for stream frees, pytorch/pytorch#189504). A mark, not a kind:
+the numbers gain :data:`SPURIOUS_KEY` and the policy retries the config once unchanged. Witnesses:
+the child's facts (a block of the request's size in the pool while the step's memory was held) or the
+message (free memory at least the request plus :func:`margin`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Room on the disk for the run: what a full disk needs freed, what is ours to free, and the words.
-
-After a ``disk_full`` (the child's or the supervisor's own writes) the supervisor frees what killed
-writers of this run left, then waits for room: as much as the last checkpoint took, at least
-:data:`MIN_ROOM`.
-"""
+"""Room on the disk for the run: after a ``disk_full`` the supervisor frees what killed writers of
+this run left, then waits for as much room as the last checkpoint took (at least :data:`MIN_ROOM`)."""
 
 from __future__ import annotations
 

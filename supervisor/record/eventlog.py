@@ -1,16 +1,7 @@
-"""The supervisor's structured log: JSON lines in ``events.jsonl``, readable lines on the console.
-
-Each line is one JSON object: ``{"event": <name>, "level": "info", "time": <epoch seconds>,
-...fields}``, its name from :class:`~.events.Event`. structlog processors stamp the level and time,
-write the file line (:class:`_EventsFile`), hand the event to the listeners and render the person's
-line (:class:`_Relay`, :class:`ConsoleLines`). A line a listener logs itself (a failing hook) comes
-after the event it reacts to, in the file and on the console alike, and is not handed to the
-listeners again.
-
-On the console each event's level becomes a syslog priority (``journalctl -p warning``): under
-journald (``$JOURNAL_STREAM``) as sd-daemon's ``<N>`` prefix, elsewhere the line starts with the
-local time.
-"""
+"""The supervisor's structured log: JSON lines in ``events.jsonl`` (``{"event", "level", "time",
+...fields}``, names from :class:`~.events.Event`), readable lines on the console (local times, or
+journald priorities under ``$JOURNAL_STREAM``). A line a listener logs itself comes after the event
+it reacts to, in the file and on the console, and is not handed to the listeners again."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Changed jobs: every submitted version kept, the diff against the recorded one, and generations.
-
-Each job ``run`` is given is recorded once as ``job.vN.yaml`` (as submitted) beside ``job.vN.json``
-(its resolved fields); ``job.yaml`` is a copy of the newest. A field safe on resume applies to the
-run as it stands (:attr:`FieldChange.safe`); any other changes what is trained and needs ``run
---restart``, which moves the current generation whole into ``generations/<n>/`` (docs/run-directory.md).
-A foreign tool's config key the supervisor does not read is ``trainer.config.<key>``: it applies
-only while the generation has trained no step (each attempt copies the tool's config afresh).
-
-A generation is moved into ``generations/.tmp-<n>/`` entry by entry and renamed when complete; the
-next ``run`` finishes a move a kill cut short.
-"""
+"""Changed jobs: every submitted version kept (``job.vN.yaml`` as submitted, ``job.vN.json`` resolved,
+``job.yaml`` the newest), the diff against the recorded one, and generations: a change that is not
+:attr:`FieldChange.safe` needs ``run --restart``, which moves the current generation whole into
+``generations/<n>/`` (through ``.tmp-<n>/``, finished by the next ``run`` after a kill)."""
 
 from __future__ import annotations
 

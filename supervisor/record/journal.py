@@ -1,11 +1,7 @@
-"""The run directory's durable record: ``state.json`` and ``attempts.jsonl``.
-
-``attempts.jsonl`` is the source of truth: one line per finished attempt, appended and fsynced
-before anything acts on its decision; ``state.json`` (written atomically) says what is in flight.
-A supervisor killed at any moment finds a finished attempt in the journal (and carries out its
-decision) or an in-flight one in the state (and finishes or reclaims it). A torn last line is
-ignored on read and logged by the caller.
-"""
+"""The run directory's durable record. ``attempts.jsonl`` is the source of truth: one line per finished
+attempt, fsynced before anything acts on its decision (a torn last line is ignored on read);
+``state.json`` (written atomically) says what is in flight, so a supervisor killed at any moment
+carries out a journalled decision or finishes or reclaims the in-flight attempt."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Whose folder ``output_dir`` is: a run directory of ours, a new or empty one, or someone else's.
-
-The supervisor moves, replaces and deletes entries of its run directory, so a folder that exists,
-is not empty and holds no record of ours is refused before anything is written (exit 2), and
-``/``, home directories and the system's folders are refused outright. *Ours*: a ``state.json``
-that reads as our state, an ``events.jsonl`` whose first line is one of our events, or a ``.lock``
-beside nothing but the job copies (a run stopped in its first moments).
-"""
+"""Whose folder ``output_dir`` is: the supervisor moves and deletes entries of its run directory, so a
+folder that is not empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a
+``.lock`` beside the job copies only) is refused before anything is written, and ``/``, homes and
+the system's folders outright."""
 
 from __future__ import annotations
 

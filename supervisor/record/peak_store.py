@@ -1,15 +1,7 @@
-"""The per-host store of observed peaks and speeds, so the next run on the same server starts calibrated.
-
-One JSON line per attempt that finished an optimizer step on a GPU: ``{"shape", "knobs",
-"peak_bytes", "tokens_per_s", "trainer", "time"}``. ``trainer`` is whose process measured it
-(``own``, or a foreign kind such as ``axolotl``): each calibrates only its own, and a line
-without it is skipped. ``tokens_per_s`` is the attempt's median over its heartbeats.
-
-Where: :func:`default_path`. It is a cache: deleting it loses only the head start, a torn or
-foreign line is skipped, and it keeps the newest :data:`KEEP_LINES` lines. Several supervisors on
-a host write it, each read-modify-write under an ``fcntl.flock`` on a lock file beside it (the
-store itself is replaced by a rename).
-"""
+"""The per-host store of observed peaks and speeds (one JSON line per attempt that trained a step on a
+GPU), so the next run on the same server starts calibrated. A cache: a torn or foreign line is skipped,
+the newest :data:`KEEP_LINES` are kept; each line names the ``trainer`` whose process measured it,
+which alone it calibrates. Writers on one host take an ``fcntl.flock`` on a lock file beside it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The layout of a run directory (the job's ``output_dir``). Paths only; no policy.
-
-:data:`ENTRIES` names every entry written at the top of a run directory; :meth:`RunDir.lock` refuses
-a run whose named entry is a link or of the wrong kind before anything is written. A test checks
-that a run writes no top-level name the tuple lacks, so a new entry must be registered here.
-"""
+"""The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names
+every top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a
+link or of the wrong kind before anything is written."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Opening files inside the run directory: never through a symbolic link, with explicit modes.
-
-The supervisor often runs as root, so a link planted in the run directory (``.lock -> /etc/passwd``)
-must not turn its writes into writes elsewhere: files are opened with ``O_NOFOLLOW``, checked to be
-regular, and given their mode explicitly (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640; the umask
-differs between a shell and a unit). An ``output_dir`` owned by another user, or writable by
-others, is refused: anyone who can write there can plant such links or edit the journal.
-"""
+"""Opening files inside the run directory: never through a symbolic link (the supervisor often runs
+as root), with explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask differs between a
+shell and a unit). An ``output_dir`` of another user, or writable by others, is refused."""
 
 from __future__ import annotations
 

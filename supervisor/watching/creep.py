@@ -1,11 +1,8 @@
 """Memory creep: a peak that rises step after step (a leak) towards the budget, seen in heartbeats.
 
-Over the last :data:`WINDOW` steps after :data:`WARMUP_STEPS`, a **leak** is a rise above the noise
-in every interval but at most one, with a positive least-squares slope; it **approaches the
-budget** when the line reaches it within :data:`HORIZON_STEPS` (the GPU budget for the allocator's
-peak, ``cpu_memory_limit`` for the data segment's). :meth:`CreepWatch.observe` then returns a
-forecast once per attempt (the runner asks for an early checkpoint); a leak without a budget is
-reported once, without the signal."""
+A **leak**: over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals
+but one and a positive slope; said once per attempt, with an early checkpoint asked for when the
+line reaches the budget within :data:`HORIZON_STEPS`."""
 
 from __future__ import annotations
 

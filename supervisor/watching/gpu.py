@@ -1,13 +1,8 @@
 """GPU memory samples through NVML (``pynvml``), with Xid events, and every rank's card under torchrun.
 
-NVML numbers GPUs physically and ignores ``CUDA_VISIBLE_DEVICES``, so the device is mapped by
-``contract.devices.bind_device``, as the child maps it. Only ``pynvml.NVMLError`` is caught, so a
-bug is not mistaken for a missing GPU. In a container with its own PID namespace the child's
-memory shows under ``others``.
-
-Under torchrun local rank N trains on ``cuda:N`` of the child's ``CUDA_VISIBLE_DEVICES``, narrowed to
-the positions ``Knobs.gpus`` names; :class:`RankCards` maps the same positions. Cards are opened per
-attempt: one that ``drop_rank`` left out is not watched."""
+NVML ignores ``CUDA_VISIBLE_DEVICES``, so a device is mapped by ``contract.devices.bind_device`` as
+the child maps it (rank N: the child's ``cuda:N``). Only ``pynvml.NVMLError`` is caught, so a bug is
+not mistaken for a missing GPU. In a container with its own PID namespace the child shows as ``others``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Reading the child's events file as it grows, into a picture of its progress; each rank's peak.
-
-Progress is a change of step or stage: a heartbeat repeating both is not, so a child whose heartbeat
-thread outlives a stuck training is still seen as hung. The peak is the child's ``peak_bytes``.
-
-Under torchrun (DDP) every rank holds the same replica, so one rank's peak well above the others'
-points at uneven batches, sync buffers or a device_map that put more on one card (:func:`uneven`)."""
+"""Reading the child's events file as it grows, into a picture of its progress (a change of step or
+stage: a heartbeat thread outliving a stuck training is still hung); each rank's peak under torchrun,
+where one rank well above the others points at uneven batches or a device_map (:func:`uneven`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Host memory: psutil samples of the machine's RAM and swap and of the child tree's RSS, and the
-cgroup's memory limit and OOM-kill counter (evidence for ``host_oom``; the child runs in our cgroup).
-
-cgroup v2: ``memory.events``; v1: ``memory.oom_control``, found from ``/proc/self/cgroup`` and
-``/proc/self/mountinfo``. ``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file to read instead."""
+"""Host memory: psutil samples of the RAM, swap and the child tree's RSS, and the cgroup's limit and
+OOM-kill counter (v2 ``memory.events``, v1 ``memory.oom_control``; the child runs in our cgroup;
+``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file to read instead)."""
 
 from __future__ import annotations
 
