@@ -29,7 +29,6 @@ from qlora_supervise.supervisor.loop import decision as deciding
 from qlora_supervise.supervisor.loop.announce import announce_plan
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
 from qlora_supervise.supervisor.loop.conclude import Conclusions, Turn
-from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.first_plan import first_plan, stop_nothing_fits
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
@@ -38,7 +37,13 @@ from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import with_card_budget
-from qlora_supervise.supervisor.loop.waiting import Pacer, backoff_s, failures_in_a_row, wait_for_memory
+from qlora_supervise.supervisor.loop.waiting import (
+    DiskWaiter,
+    Pacer,
+    backoff_s,
+    failures_in_a_row,
+    wait_for_memory,
+)
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import (
     RunState,

@@ -1,5 +1,5 @@
-"""What a child left for the supervisor to read and log once: its error reports (every rank's),
-the rank cut on resume, an optimizer reset, and the ranks' peaks.
+"""What a child shows while it runs and leaves when it ends, read and logged once: its heartbeats'
+memory creep and first step, its ranks' exits, peaks and emergency parts, its error reports.
 
 Shared by the runner (a watched attempt) and reclaim (the attempt of a supervisor that died).
 """
@@ -7,20 +7,34 @@ Shared by the runner (a watched attempt) and reclaim (the attempt of a superviso
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.loop.outcome import optimizer_reset
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.reporting.reporter import Reporter
+from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
-from qlora_supervise.trainer_child.contract.events import ChildEvent, Resumed
+from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
+from qlora_supervise.trainer_child.contract.checkpoints import is_complete, publish
+from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, Resumed, Started, read_events
+from qlora_supervise.trainer_child.contract.rank_parts import RNG_FILE, agreed_parts, part_step
 from qlora_supervise.trainer_child.contract.report import ErrorReport
-from qlora_supervise.trainer_child.contract.spec import rank_files
+from qlora_supervise.trainer_child.contract.spec import (
+    EARLY_CHECKPOINT_SIGNAL,
+    AttemptSpec,
+    Knobs,
+    rank_files,
+)
 
 
 def note_child_events(new: Sequence[ChildEvent], log: FilteringBoundLogger) -> None:
@@ -33,6 +47,126 @@ def note_child_events(new: Sequence[ChildEvent], log: FilteringBoundLogger) -> N
                 from_step=event.from_step,
                 why="the smaller adapter starts from the truncated SVD of the trained update",
             )
+
+
+def note_creep(
+    events: list[ChildEvent],
+    creep: CreepWatch,
+    pid: int,
+    signal_child: Callable[[int, int], None],
+    display: Reporter,
+    log: FilteringBoundLogger,
+    watched: Watched,
+) -> None:
+    """Feed new heartbeats to the creep rule (watching/creep.py); once it fires, log it and ask the
+    child for an early checkpoint."""
+    for event in events:
+        forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
+        if forecast is None:
+            continue
+        if forecast.asks_for_checkpoint:
+            signal_child(pid, EARLY_CHECKPOINT_SIGNAL)
+        watched.creep = forecast
+        display.clear()
+        log.warning(
+            Event.MEMORY_CREEP,
+            step=forecast.step,
+            peak_bytes=forecast.peak_bytes,
+            slope_bytes_per_step=round(forecast.slope_bytes_per_step),
+            budget_bytes=forecast.budget_bytes,
+            predicted_oom_step=forecast.predicted_oom_step,
+            window_steps=forecast.window_steps,
+            early_checkpoint_requested=forecast.asks_for_checkpoint,
+        )
+
+
+@dataclasses.dataclass
+class FirstStep:
+    """Logs ``first_step`` once: the attempt's first completed optimizer step, timed from its
+    start and from the previous attempt's failure (what a recovery costs, spare or not)."""
+
+    resumed_from: int
+    started_at: float  # wall clock
+    failed_at: float | None
+    warm_spare: bool
+    seen: bool = False
+
+    def note(self, events: Sequence[ChildEvent], log: FilteringBoundLogger) -> bool:
+        """Log ``first_step`` if ``events`` hold it; True when they did."""
+        for event in () if self.seen else events:
+            if isinstance(event, Heartbeat) and event.step > self.resumed_from and event.time is not None:
+                self.seen = True
+                at = event.time
+                log.info(
+                    Event.FIRST_STEP,
+                    step=event.step,
+                    warm_spare=self.warm_spare,
+                    since_spawn_s=round(at - self.started_at, 2),
+                    **({} if self.failed_at is None else {"since_failure_s": round(at - self.failed_at, 2)}),
+                )
+                return True
+        return False
+
+
+def failure_time(report: ErrorReport | None, ended_at: float) -> float:
+    """When the attempt failed: its report's time, else (a SIGKILL, a hang) the end of the watch."""
+    return ended_at if report is None else report.time
+
+
+def note_rank_exits(spec: AttemptSpec, watched: Watched, now: float) -> None:
+    """When each rank's process (its pid from its ``started`` event) was first seen gone: with no
+    report, the rank that left first is the one that failed."""
+    if spec.knobs.world_size <= 1:
+        return
+    for rank, path in rank_files(spec.events_file):
+        if rank not in watched.rank_pids:  # read until found: a rank's file is short at its start
+            started = [e for e in read_events(Path(path)) if isinstance(e, Started) and e.pid]
+            if started and started[-1].pid is not None:
+                watched.rank_pids[rank] = started[-1].pid
+    for rank, pid in watched.rank_pids.items():
+        if rank not in watched.rank_exits and _gone(pid):
+            watched.rank_exits[rank] = now
+
+
+def _gone(pid: int) -> bool:
+    # A rank is torchrun's child: until torchrun reaps it, a dead rank is a zombie.
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # not ours to look at: taken as alive
+        return False
+
+
+def ranks_overstay(
+    spec: AttemptSpec, watched: Watched, now: float, bound_s: float, log: FilteringBoundLogger
+) -> bool:
+    """Once a rank has reported a failure the others get ``bound_s`` to leave (an NCCL rank stuck
+    in the broken collective would hold torchrun for its whole shutdown timeout): then they are to
+    be stopped, as a hang is."""
+    if spec.knobs.world_size <= 1:
+        return False
+    if watched.rank_failed_at is None:
+        watched.rank_failed_at = now if rank_files(spec.error_file) else None
+        return False
+    if now - watched.rank_failed_at < bound_s:
+        return False
+    log.warning(
+        Event.RANKS_SHUTDOWN_BOUNDED,
+        reported=[rank for rank, _ in rank_files(spec.error_file)],
+        waited_s=round(now - watched.rank_failed_at, 1),
+        why="a rank failed and the others did not leave: stopped with the hang grace",
+    )
+    return True
+
+
+def card_fields(watched: Watched) -> dict[str, dict[str, int]]:
+    """``child_exited``'s per-card numbers under torchrun: each local rank's card (NVML index) and
+    the child's peak NVML saw there (the allocator's ``rank_peaks`` leave out the CUDA context)."""
+    if not watched.cards:
+        return {}
+    cards = {str(rank): index for rank, index in watched.cards.items()}
+    return {"cards": cards, "card_peaks": {str(rank): peak for rank, peak in watched.card_peaks.items()}}
 
 
 def note_rank_peaks(events_file: Path, progress: Progress, log: FilteringBoundLogger) -> dict[int, int]:
@@ -58,16 +192,14 @@ def note_rank_peaks(events_file: Path, progress: Progress, log: FilteringBoundLo
 
 
 def log_optimizer_reset(log: FilteringBoundLogger, progress: Progress) -> None:
-    """``optimizer_reset`` when the child resumed with fresh optimizer state (planned, or because
-    the checkpoint had none): the adapter and the LR schedule follow the step, the moments do not."""
+    """``optimizer_reset`` when the child resumed with fresh optimizer state."""
     why = optimizer_reset(progress)
     if why is not None:
         log.warning(Event.OPTIMIZER_RESET, why=why, lr_schedule="restored at the resumed step")
 
 
 def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:
-    """The one report that speaks for the attempt (under torchrun: the first real failure of all
-    the ranks', :func:`~qlora_supervise.supervisor.diagnosis.ranks.first_failure`); None if none."""
+    """The one report that speaks for the attempt (under torchrun: the ranks' first real failure)."""
     cause = first_failure(reports)
     if cause is not None:
         return cause.report
@@ -75,8 +207,7 @@ def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:
 
 
 def read_reports(rd: RunDir, number: int, log: FilteringBoundLogger) -> tuple[ErrorReport, ...]:
-    """Every rank's error report of the attempt (``error.json``, ``error.rank1.json``, ...), in
-    rank order; one that cannot be read is logged and left out."""
+    """Every rank's error report of the attempt, in rank order; an unreadable one is logged and left out."""
     found = []
     for _, path in rank_files(str(rd.attempt(number).error)):
         try:
@@ -84,3 +215,47 @@ def read_reports(rd: RunDir, number: int, log: FilteringBoundLogger) -> tuple[Er
         except (OSError, ValueError, TypeError) as exc:
             log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
     return tuple(found)
+
+
+def seal_rank_parts(
+    checkpoints_dir: Path, reports: Sequence[ErrorReport], knobs: Knobs, log: FilteringBoundLogger
+) -> tuple[ErrorReport, ...]:
+    """Under torchrun: ``checkpoint-N`` sealed from the ranks' emergency parts (rank 0's part and
+    every rank's RNG state) when every rank's part names the same step; the reports then name it
+    as their emergency checkpoint, else none (no part is trusted, and every part is removed)."""
+    parts = {r.rank: Path(r.emergency_checkpoint) for r in reports if r.emergency_checkpoint}
+    if not parts:
+        return tuple(reports)
+    step = agreed_parts(list(parts.values()), knobs.world_size)
+    sealed = None
+    try:
+        sealed = _seal(checkpoints_dir, parts, step, knobs) if step is not None and 0 in parts else None
+    except OSError as exc:  # a part gone or unreadable: untrusted, like a missing one
+        if is_disk_full(exc):
+            raise  # the arbiter waits for room and reclaims the attempt
+    if sealed is None:
+        log.warning(
+            Event.RANK_PARTS_UNTRUSTED,
+            parts={str(rank): part_step(part) for rank, part in sorted(parts.items())},
+            world_size=knobs.world_size,
+            why="an emergency checkpoint needs every rank's part of the same step: the last regular "
+            "checkpoint serves",
+        )
+    else:
+        log.info(Event.RANK_PARTS_SEALED, step=step, path=str(sealed), ranks=sorted(parts))
+    for parent in {part.parent for part in parts.values()}:
+        shutil.rmtree(parent, ignore_errors=True)
+    found = str(sealed) if sealed is not None else None
+    step_of = step if sealed is not None else None
+    return tuple(dataclasses.replace(r, emergency_checkpoint=found, emergency_step=step_of) for r in reports)
+
+
+def _seal(checkpoints_dir: Path, parts: dict[int, Path], step: int, knobs: Knobs) -> Path:
+    final = checkpoints_dir / f"{CHECKPOINT_PREFIX}{step}"
+    if is_complete(final):
+        return final
+    for rank, part in parts.items():
+        if rank != 0:
+            name = RNG_FILE.format(rank=rank)
+            shutil.copy2(part / name, parts[0] / name)
+    return publish(parts[0], final, step=step, knobs=knobs, emergency=True)

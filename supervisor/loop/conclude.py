@@ -22,7 +22,6 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import decision as deciding
 from qlora_supervise.supervisor.loop.announce import announce_decision, announce_failure, announce_success
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
-from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
@@ -33,6 +32,7 @@ from qlora_supervise.supervisor.loop.settings import (
     with_sample_lengths,
     with_script_model,
 )
+from qlora_supervise.supervisor.loop.waiting import DiskWaiter
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import RunState, append_attempt

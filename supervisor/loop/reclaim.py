@@ -14,10 +14,9 @@ from pathlib import Path
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.child_output import read_reports, report_of
+from qlora_supervise.supervisor.loop.child_output import read_reports, report_of, seal_rank_parts
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight

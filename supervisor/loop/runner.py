@@ -1,11 +1,7 @@
-"""The attempt runner: checkpoints chosen, spec written, child spawned, watched, ended.
-
-Three calls, in the order crash safety needs: :meth:`AttemptRunner.prepare` (checkpoints
-chosen, spec written), :meth:`~AttemptRunner.spawn` and :meth:`~AttemptRunner.run` (watched to
-its end, what it left read). The arbiter writes ``state.json`` between them (the attempt in
-flight, before the spawn and again with its pid): the runner writes no state, and it returns an
-:class:`~.outcome.AttemptOutcome` that it does not judge (the arbiter does, through the same
-path the reclaim uses).
+"""The attempt runner: :meth:`~AttemptRunner.prepare` (checkpoint chosen, spec written),
+:meth:`~AttemptRunner.spawn`, :meth:`~AttemptRunner.run` (watched to its end, what it left read).
+The arbiter writes ``state.json`` between them; the runner writes no state and does not judge the
+:class:`~.outcome.AttemptOutcome` it returns.
 """
 
 from __future__ import annotations
@@ -25,20 +21,23 @@ from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.child_output import (
+    FirstStep,
+    card_fields,
+    failure_time,
     log_optimizer_reset,
     note_child_events,
+    note_creep,
+    note_rank_exits,
     note_rank_peaks,
+    ranks_overstay,
     read_reports,
     report_of,
+    seal_rank_parts,
 )
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
-from qlora_supervise.supervisor.loop.creep_note import note_creep
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
-from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
-from qlora_supervise.supervisor.loop.rank_watch import card_fields, note_rank_exits, ranks_overstay
-from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
@@ -82,9 +81,7 @@ class AttemptRunner:
     def __init__(self, ctx: RunnerContext) -> None:
         self.ctx = ctx
         self.spares = self._spare_keeper()
-        # When the last attempt failed (its error report's time, else its end): the next
-        # attempt's ``first_step`` says how long the recovery took from there.
-        self.failed_at: float | None = None
+        self.failed_at: float | None = None  # when the last attempt failed: its successor's first_step
         self.warm = False  # the attempt in flight runs in a spare
         self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
         self.planned: PlannedRestart | None = None  # the attempt in flight is stopped for a faster config
@@ -120,10 +117,8 @@ class AttemptRunner:
 
     def run(self, ready: Prepared, proc: ChildHandle) -> AttemptOutcome:
         """Watch the spawned attempt to its end, stop it if the watch ended first, read what it left."""
-        # The rest of one attempt's life in the order it happens (watch, end, last read).
         ctx, seams = self.ctx, self.ctx.seams
         number, plan, resume, spec = ready.number, ready.plan, ready.resume, ready.spec
-        started_at = ready.started_at
         log = ctx.log.bind(attempt=number)
         attempt_dir = ctx.rd.attempt_dir(number)
         if not self.warm:
@@ -140,7 +135,7 @@ class AttemptRunner:
         )
         reader = HeartbeatReader(Path(spec.events_file))
         creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
-        first = FirstStep(resume.step, started_at, self.failed_at, self.warm)
+        first = FirstStep(resume.step, ready.started_at, self.failed_at, self.warm)
         self.planned = None
         if ctx.climb is not None:
             ctx.climb.start()
@@ -199,7 +194,7 @@ class AttemptRunner:
                 card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
             ),
             resumed_from=resume.step,
-            started_at=started_at,
+            started_at=ready.started_at,
             ended_at=seams.wall(),
             log_tail=child_mod.log_tail(AttemptDir(attempt_dir).log),
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
@@ -213,9 +208,7 @@ class AttemptRunner:
         files = ctx.rd.attempt(number)
         argv = seams.argv(files.spec, plan.phase.value)
         env = trainer_env(child_mod.child_env(dict(os.environ), plan.knobs), ready.spec, files.spec)
-        # The datasets library's cache (the prepared and tokenized data) stays in the run directory,
-        # not in ~/.cache/huggingface/datasets; a place the caller chose (HF_DATASETS_CACHE, or
-        # HF_HOME as the shipped unit sets it) is kept.
+        # The datasets cache stays in the run directory, unless the caller chose a place (HF_HOME).
         if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
             env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
         order = self._spare_order(argv, files.spec, plan, env)
@@ -228,21 +221,16 @@ class AttemptRunner:
         cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root, ready.spec.command)
         proc: ChildHandle = spare or seams.spawn(argv, env, files.log, cwd)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
-        # The next spare: behind a cold start at once (``run`` starts it, after the arbiter has
-        # written the pid: the child imports as long as the spare does, so nothing is slowed);
-        # behind a warm start only after its first step, so the spare's imports never compete
-        # with the recovery they exist to shorten.
+        # The next spare: behind a cold start at once (in ``run``, once the pid is written); behind a
+        # warm start only after its first step, so its imports never slow the recovery they shorten.
         self.spare_due = order
         return proc
 
     def _spare_order(
         self, argv: list[str], spec_path: Path, plan: Plan, env: dict[str, str]
     ) -> SpareOrder | None:
-        """What a spare for this attempt must have been started with; None when a spare cannot
-        run it: one training process (never torchrun's ranks, a merge or a test's scripted
-        child), started with exactly the trainer's own command line."""
+        """What a spare for this attempt must have been started with; None when a spare cannot run it."""
         trainer_argv = child_mod.child_argv(spec_path, plan.phase.value)
-        # A spare holds our trainer's imports: a tool's attempt never runs in one.
         train = plan.phase is Phase.TRAIN and self.ctx.job.trainer.spare
         if not runs_in_spare(argv, trainer_argv, train, plan.knobs.world_size):
             return None
@@ -256,8 +244,7 @@ class AttemptRunner:
             killed = KilledBy.STEP_UP
         code = proc.poll() if killed is None else None
         if code is None:
-            # A hung process cannot use a long grace to checkpoint: it gets the short one (so do
-            # ranks left in a collective another rank's failure broke).
+            # A hung process (or ranks left in a broken collective) gets the short grace.
             short = watched.hang or watched.ranks_overstayed
             grace = self.ctx.job.supervise.hang_grace if short else seams.stop_grace_s
             code = proc.stop(grace)
@@ -278,9 +265,8 @@ class AttemptRunner:
         creep: CreepWatch,
         first: FirstStep,
     ) -> Watched:
-        # One tick: read heartbeats, report progress (systemd's watchdog is fed there, by the
-        # child's events, not by this timer), sample memory, then the ways a watch ends early
-        # (a stop signal, a hang) before the child's own exit.
+        # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
+        # then the ways a watch ends early (a planned restart, a stop, ranks overstaying, a hang).
         ctx, seams = self.ctx, self.ctx.seams
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
@@ -295,7 +281,7 @@ class AttemptRunner:
             note_child_events(new, log)
             if first.note(new, log):
                 self._start_due_spare()
-            note_creep(new, creep, proc.pid, self.ctx.seams, self.ctx.display, log, watched)
+            note_creep(new, creep, proc.pid, seams.signal_child, ctx.display, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
                 self._sample(proc.pid, watched, gpu_log)
@@ -375,7 +361,6 @@ class AttemptRunner:
         return output_moving(spec, log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
 
     def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
-        # Under torchrun each rank's card; else the job's one card.
         if self.cards is not None:
             sample_cards(pid, watched, self.cards, gpu_log)
         else:
@@ -384,8 +369,7 @@ class AttemptRunner:
     def _last_gpu_look(
         self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger
     ) -> None:
-        """One more NVML sample after the exit (the Xid of a crash may come after the last
-        tick's sample), then the ``gpu_fault`` line when any Xid was seen."""
+        """One more NVML sample after the exit (a crash's Xid may come late), then any ``gpu_fault``."""
         if self.ctx.gpu is not None or self.cards is not None:
             self._sample(pid, watched, AttemptDir(attempt_dir).gpu)
         if watched.xid_events:
