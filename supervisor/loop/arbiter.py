@@ -25,11 +25,9 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.retime import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop import decision as deciding
-from qlora_supervise.supervisor.loop.announce import announce_plan
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
-from qlora_supervise.supervisor.loop.conclude import Conclusions, Turn
-from qlora_supervise.supervisor.loop.first_plan import first_plan, stop_nothing_fits
+from qlora_supervise.supervisor.loop.conclude import Conclusions, Pending, Turn
+from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan, stop_nothing_fits
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.reclaim import reclaim
@@ -236,7 +234,7 @@ class Supervisor:
 
     # -- the states that wait ---------------------------------------------------------------
 
-    def _wait(self, pending: deciding.Pending) -> policy.WaitResult:
+    def _wait(self, pending: Pending) -> policy.WaitResult:
         """WAITING: carry out the policy's Wait (for GPU memory, or room on the disk)."""
         wait = pending.decision
         assert isinstance(wait, policy.Wait), "only a Wait leads to WAITING"

@@ -87,6 +87,23 @@ def first_plan(
     )
 
 
+def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
+    """``preflight``: attempt 1's config and why; a warning when a quality knob (the user's
+    seq_len or rank) changed."""
+    if note is None:
+        return
+    emit = log.warning if note.quality_changed else log.info
+    emit(
+        Event.PREFLIGHT,
+        predicted_peak_bytes=note.predicted_peak,
+        budget_bytes=note.budget,
+        changes={k: list(v) for k, v in note.changes.items()},
+        quality_changed=note.quality_changed,
+        as_written=note.as_written,
+        why=" | ".join(note.why),
+    )
+
+
 def stop_nothing_fits(log: FilteringBoundLogger, message: str) -> int:
     """The stop before any child when nothing fits: one ``nothing_fits`` error event, exit 6."""
     log.error(Event.NOTHING_FITS, why=f"nothing fits: {message}; no child was started")
