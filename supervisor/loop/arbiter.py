@@ -1,16 +1,13 @@
 """The arbiter: runs one job's run directory to a verdict, one attempt at a time.
 
-Single-threaded and boring (gunicorn's arbiter, torchelastic's ``_invoke_run``): signal handlers
-only set a flag; one loop holds the run's state (:class:`~..record.journal.RunState`, whose
-docstring draws the machine) and moves it with one ``if/elif``. The planner says what runs next,
-the runner runs it and writes no state, the outcome is judged, the policy answers
-``Restart | Wait | GiveUp`` and the loop dispatches on the answer: a Wait is the WAITING state, an
-unchanged retry's pause the BACKOFF state, never a loop nested inside another.
+Single-threaded and boring (gunicorn's arbiter): signal handlers only set a flag; one loop holds
+the run's state (:class:`~..record.journal.RunState` draws the machine) and moves it with one
+``if/elif``. The planner says what runs next, the runner runs it, :mod:`.conclude` judges it and
+asks the policy; a Wait is the WAITING state, an unchanged retry's pause the BACKOFF state.
 
-Crash safety: every decision is appended to ``attempts.jsonl`` (fsynced) before it is acted
-on, and ``state.json`` names the attempt in flight. Started again after a kill at any moment,
-the arbiter reclaims the in-flight attempt and continues from the journal's last decision, so
-a config that failed is never run again the same way.
+Crash safety: every decision is appended to ``attempts.jsonl`` (fsynced) before it is acted on,
+and ``state.json`` names the attempt in flight; started again after a kill, the arbiter reclaims
+that attempt and goes on from the journal, so a config that failed never runs again the same way.
 """
 
 from __future__ import annotations
@@ -69,7 +66,6 @@ ENDED_FIX = (
     "what is trained needs `run --restart`, a new generation in the same output_dir), or "
     "`run --retry` to try the last config once more"
 )
-#: A finished run has no verdict to retry (issue 21 item 15): what goes on from it.
 FINISHED_FIX = (
     "the run finished and its adapter is kept: to train further, raise train.max_steps (or epochs) "
     "in the job and run it again (it continues from the last checkpoint); to train anew in the same "
@@ -107,8 +103,6 @@ class Supervisor:
         """The policy's settings as the run has updated them (the card's budget, peaks, speeds)."""
         return self.book.settings
 
-    # -- signals: handlers only set a flag; the loop acts on it at its next tick ------------
-
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGINT, self._on_stop_signal)
@@ -119,8 +113,6 @@ class Supervisor:
 
     def _on_hup(self, _signum: int, _frame: object) -> None:
         self.hup_seen = True  # SIGHUP reloads nothing; the runner logs it once
-
-    # -- the run ---------------------------------------------------------------------------
 
     def run(self) -> int:
         records = self._read_journal()
@@ -163,8 +155,7 @@ class Supervisor:
             clean_staging(self.rd.root, self.rd.checkpoints)  # any verdict: no next child will
 
     def _reclaim_in_flight(self, records: list[AttemptRecord], state: State | None) -> Turn:
-        """The attempt a dead supervisor left in flight, judged like a watched one (appended to
-        ``records``); the loop goes on from where its decision leads."""
+        """The attempt a dead supervisor left in flight, judged like a watched one."""
         if state is not None and state.in_flight is not None:
             reclaimed = reclaim(state.in_flight, records, self.rd, self.seams, self.log)
             if reclaimed is not None:
@@ -172,12 +163,8 @@ class Supervisor:
         return Turn(RunState.STARTING)
 
     def _loop_outlasting_full_disks(self, records: list[AttemptRecord], turn: Turn) -> int:
-        """The loop; when one of the supervisor's own writes finds no room, wait for room and go on.
-
-        Going on is what a supervisor restart does: read the journal and the state again and
-        reclaim the attempt in flight. The journal is fsynced before each action, so this loses
-        nothing a kill at the same moment would not.
-        """
+        """The loop; when one of the supervisor's own writes finds no room, wait for room and go on
+        as a restarted supervisor would (the journal and state read again, the attempt reclaimed)."""
         while True:
             try:
                 return self._loop(records, turn)
@@ -225,14 +212,11 @@ class Supervisor:
     def _run_attempt(self, runner: AttemptRunner, plan: Plan, records: list[AttemptRecord]) -> AttemptOutcome:
         """The RUNNING state: one attempt from its spec to its end."""
         ready = runner.prepare(max((r.attempt for r in records), default=0) + 1, plan)
-        # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
-        # between leaves a state that names the attempt, so its child can be found and stopped.
+        # In flight before the spawn (pid unknown) and after it: a kill in between leaves the attempt named.
         self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight()))
         proc = runner.spawn(ready)
         self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight(proc.pid)))
         return runner.run(ready, proc)
-
-    # -- the states that wait ---------------------------------------------------------------
 
     def _wait(self, pending: Pending) -> policy.WaitResult:
         """WAITING: carry out the policy's Wait (for GPU memory, or room on the disk)."""
@@ -254,8 +238,6 @@ class Supervisor:
         self.log.info(Event.BACKOFF, seconds=round(seconds, 1), failures_in_a_row=failures)
         self.pacer.pause(seconds)
         return Turn(RunState.STARTING)  # BACKOFF -> STARTING (a stop is seen there)
-
-    # -- small parts ----------------------------------------------------------------------
 
     def _move(self, state: State) -> None:
         """The one writer of ``state.json``: the state the loop has just moved to."""

@@ -1,17 +1,8 @@
-"""Climbing back: at each checkpoint of a training attempt, whether to restart it in a faster config.
-
-The runner feeds every NVML sample (:meth:`ClimbBack.sample`) and asks at every checkpoint the
-child saves (:meth:`ClimbBack.at_checkpoint`). Two answers stop the child for a planned restart
-(its graceful stop: it checkpoints and exits; the next attempt starts in the warm spare when one
-waits):
-
-* a step-up (:mod:`policies.ladder.step_up`): a rung's cause has cleared; the descents and the
-  step-ups tried are read from the journal, so a restarted supervisor knows them too;
-* a re-time (:mod:`policies.retime`): the card's sharing has changed since this attempt's
-  speed trial; the next attempt times the pre-flight's candidates again on the card as it is now.
-
-A refusal is logged once per descent and reason; nothing else happens.
-"""
+"""Climbing back: at each checkpoint of a training attempt, whether to stop it (gracefully) for a
+planned restart in a faster config. A step-up (:mod:`policies.ladder.step_up`): a rung's cause has
+cleared (descents and past step-ups are read from the journal, so a restarted supervisor knows
+them); a re-time (:mod:`policies.retime`): the card's sharing changed since this attempt's speed
+trial. A refusal is logged once per descent and reason."""
 
 from __future__ import annotations
 
@@ -84,12 +75,9 @@ def past_step_ups(records: Sequence[AttemptRecord]) -> list[rule.PastStepUp]:
 
 
 def remaining_s(progress: Progress, knobs: Knobs) -> float:
-    """The training time left at the attempt's measured seconds per step; inf: unknown.
-
-    Steps, not tokens: ``tokens_per_s`` counts the real tokens of rows usually far shorter than
-    ``max_seq_len``, so tokens left at full length would overstate the time left several times over.
-    Without two timed heartbeats at different steps, the full-length estimate (an upper bound) stands.
-    """
+    """The training time left at the attempt's measured seconds per step; inf: unknown. Without two
+    timed heartbeats at different steps, the full-length tokens estimate (an upper bound): real rows
+    are usually far shorter than ``max_seq_len``."""
     if not progress.max_steps:
         return math.inf
     left = max(0, progress.max_steps - progress.step)
@@ -107,7 +95,7 @@ def remaining_s(progress: Progress, knobs: Knobs) -> float:
 
 class ClimbBack:
     """One run's watch for a faster config; ``records`` is the arbiter's journal list (appended to
-    as attempts end), ``settings`` the policy's settings as the run has updated them."""
+    as attempts end), ``settings`` the policy's as the run has updated them."""
 
     def __init__(
         self,
@@ -122,7 +110,7 @@ class ClimbBack:
         self.trial_at: tuple[float, retime.Sharing | None] | None = None  # this attempt's trial: when, others
 
     def start(self) -> None:
-        """A new attempt: the card's story starts again (what it saw before is another attempt's)."""
+        """A new attempt: the card's story starts again."""
         self.samples.clear()
         self.trial_at = None
 

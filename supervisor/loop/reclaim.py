@@ -41,7 +41,7 @@ def reclaim(
     # and a warm spare that got the attempt by the run directory on its command line.
     for pid in attempt_children(flight.pid, spec_path, rd):
         log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
-        child_mod.stop_orphan(pid, seams.stop_grace_s)
+        child_mod.stop_group(pid, seams.stop_grace_s)
     reader = HeartbeatReader(rd.attempt(flight.number).events)
     reader.poll(seams.clock())
     reports = read_reports(rd, flight.number, log)

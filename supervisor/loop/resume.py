@@ -1,22 +1,12 @@
-"""Which checkpoint an attempt resumes from, judged from the checkpoint itself.
+"""Which checkpoint an attempt resumes from, judged from the checkpoint's own marker (the knobs it
+was trained with, each file's size and sha256), so the rule stays right however many attempts in
+between failed or stopped before writing one.
 
-Each complete checkpoint's marker records the knobs it was trained with and the size and
-sha256 of each of its files. A checkpoint whose files no longer match (truncated, overwritten)
-is skipped and, when the caller names a quarantine, moved there; one whose adapter has another
-model, or a smaller LoRA rank than the knobs (or the same rank with another alpha), cannot be
-loaded and is skipped; one of a larger rank of the same model is loaded and the child cuts its
-adapter to the knobs' rank by truncated SVD (``trainer_child.rank``), without its optimizer
-state, whose shapes no longer fit; one written with another optimizer, or before the
-``fresh_optimizer_state`` rung, is loaded without its optimizer state. Deciding from the marker, not from the
-decision that led here, stays right however many attempts in between failed, stopped or were
-interrupted before writing a checkpoint of their own.
-
-A checkpoint that passes (or whose older marker lists no files) and still fails to load in the
-child comes back as a ``checkpoint_damaged`` failure: :func:`quarantine_reported` moves it aside
-and the next attempt resumes from the next older one, with the config unchanged.
-
-When a run ends, :func:`clean_staging` removes what killed writers left behind (staging
-directories of checkpoints and of the adapter).
+Newest first: files that no longer match are skipped (and quarantined when asked); an adapter of
+another model, or a smaller LoRA rank (or the same rank with another alpha), is skipped; a larger
+rank is cut by truncated SVD in the child, without its optimizer state; another optimizer, or one
+written before the ``fresh_optimizer_state`` rung, loads without its optimizer state. One that
+passes and still fails to load comes back as ``checkpoint_damaged`` (:func:`quarantine_reported`).
 """
 
 from __future__ import annotations
@@ -66,14 +56,8 @@ class ResumePoint:
 
 def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: bool = False) -> ResumePoint:
     """The newest complete, intact checkpoint these knobs can load (step 0 and no path: none).
-
-    One loop over the checkpoints, newest first, each rule in the order of the module docstring
-    (marker, files, adapter shape, optimizer): long only because each rule says why it skips.
-
-    With ``quarantine_damaged`` a checkpoint whose files differ from its marker is moved to the
-    quarantine folder (``checkpoint_dirs.QUARANTINE_DIR``); without it, it is only skipped (the
-    arbiter's prediction of the next resume step reads the same rule and moves nothing).
-    """
+    With ``quarantine_damaged`` a checkpoint whose files differ from its marker is moved aside;
+    without it (the arbiter's prediction of the next resume step) it is only skipped."""
     skipped: list[str] = []
     moved: list[Quarantined] = []
     for step, path in reversed(complete_checkpoints(checkpoints_dir)):
@@ -84,8 +68,7 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             skipped.append(f"{path.name}: unreadable marker")
             continue
         why = "; ".join(f"{name}: {problem}" for name, problem in sorted(damaged.items()))
-        # Only the optimizer state damaged: the adapter and the step are good; resume them with a
-        # fresh optimizer (the LR schedule follows the step) rather than lose the steps.
+        # Only the optimizer state damaged: resume the adapter and step with a fresh optimizer.
         optimizer_only = bool(damaged) and set(damaged) <= set(OPTIMIZER_FILES)
         if damaged and not optimizer_only:
             skipped.append(f"{path.name}: damaged ({why})")
@@ -134,8 +117,8 @@ def _larger_rank(saved: dict[str, Any], knobs: Knobs) -> int | None:
 
 
 def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Quarantined | None:
-    """Move aside the checkpoint a child could not load (its report names it); None when the
-    report names none, or names something that is not one of this run's checkpoints any more."""
+    """Move aside the checkpoint a child could not load (its report names it); None when it names
+    none, or something that is not one of this run's checkpoints."""
     named = report.damaged_checkpoint if report is not None else None
     if not named:
         return None
@@ -147,12 +130,8 @@ def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Qu
 
 
 def clean_staging(run_root: Path, checkpoints_dir: Path) -> list[Path]:
-    """Delete staging directories whose writer is gone: ``.tmp-*`` under ``checkpoints/`` and the
-    adapter's ``.tmp-adapter-<pid>`` / ``.old-adapter-<pid>`` in the run directory.
-
-    Called when the run ends, whatever the verdict: a next child would clean them, but a run that
-    gave up has no next child. A writer still alive (its pid in the name) keeps its directory.
-    """
+    """When a run ends, whatever the verdict: delete staging directories whose writer (its pid in
+    the name) is gone: ``.tmp-*`` under ``checkpoints/``, ``.tmp-adapter-<pid>`` / ``.old-adapter-<pid>``."""
     removed = remove_stale_temps(checkpoints_dir)
     if not run_root.is_dir():
         return removed

@@ -33,13 +33,8 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def policy_settings(job: Job) -> policy.Settings:
-    """Settings from the job alone; the budget is the job's GPU cap.
-
-    On the CPU there is no budget: the memory model predicts GPU allocations, not the child's
-    data segment (which starts at the import baseline of torch and the stack), so comparing it
-    with ``cpu_memory_limit`` would skip or pick rungs for the wrong reason; the ladder's order
-    decides there.
-    """
+    """Settings from the job alone; the budget is the job's GPU cap. None on the CPU: the memory
+    model predicts GPU allocations, not the child's data segment; the ladder's order decides there."""
     resources = job.resources
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
@@ -83,8 +78,7 @@ def predicted_host(settings: policy.Settings, knobs: Knobs) -> int | None:
 
 def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
     """The host budget of a run: ``resources.host_memory_limit``, else the RAM available now (capped
-    by the cgroup) less a reserve; None on the CPU (the child's memory is capped by
-    ``cpu_memory_limit`` there) or without a shape to count with."""
+    by the cgroup) less a reserve; None on the CPU or without a shape to count with."""
     if shape is None or job.resources.device == "cpu":
         return None
     try:
@@ -121,8 +115,8 @@ def _store_attempt(
     speed: AttemptSpeed,
     trial: list[tuple[Knobs, float]],
 ) -> None:
-    """Best effort (a cache): the speed trial's candidates first, then the attempt's own line, which
-    wins for its knobs. Under torchrun the peak only: the ranks' tokens/s is no one card's speed."""
+    """The speed trial's candidates first, then the attempt's own line, which wins for its knobs.
+    Under torchrun the peak only: the ranks' tokens/s is no one card's speed."""
     for knobs, rate in trial:
         record_attempt(store, shape, knobs, None, rate, kind)
     peak = record.peak.bytes if record.peak else None
@@ -133,8 +127,7 @@ def _store_attempt(
 
 
 def with_measured_speed(settings: policy.Settings, speed: AttemptSpeed) -> policy.Settings:
-    """This run's measured tokens/s of an attempt into the settings: the next search after a
-    failure ranks with it (newest last, so a config measured twice counts its latest)."""
+    """An attempt's measured tokens/s into the settings, newest last (the latest measure counts)."""
     if speed.tokens_per_s is None:
         return settings
     observation = SpeedObservation(speed.knobs, speed.tokens_per_s)
@@ -159,8 +152,7 @@ def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.
 
 
 def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent]) -> policy.Settings:
-    """The sample lengths of the attempt's ``loaded`` event into the settings (unchanged when the
-    attempt reported none, e.g. it failed while loading: the earlier attempt's lengths stay)."""
+    """The sample lengths of the attempt's ``loaded`` event into the settings (none: unchanged)."""
     for event in reversed(events):
         if isinstance(event, Loaded) and event.sample_lengths is not None:
             return dataclasses.replace(settings, sample_lengths=event.sample_lengths)
@@ -168,8 +160,8 @@ def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent])
 
 
 def with_script_model(settings: policy.Settings, events: Sequence[ChildEvent]) -> policy.Settings:
-    """A script's model, from the config its attempt reported (``script_knobs``), for the memory
-    model of the attempts after it: the job named no model the supervisor could read first."""
+    """A script's model shape, from the config its attempt reported (``script_knobs``), when the
+    job named no model the supervisor could read."""
     if settings.shape is not None:
         return settings
     for event in reversed(events):
@@ -192,9 +184,8 @@ def model_shape(model_dir: Path) -> ModelShape | None:
 
 
 def step_fit(settings: policy.Settings, device: str, plan: Plan) -> StepFit | None:
-    """The memory model's training peak for the plan's knobs against the GPU budget. None for a
-    merge (the model predicts training) and on the CPU (the model counts GPU memory; a CPU run's
-    budget, its data segment cap, is not comparable)."""
+    """The memory model's training peak for the plan's knobs against the GPU budget; None for a
+    merge or on the CPU (the model counts GPU memory of training)."""
     if plan.phase is not Phase.TRAIN or device == "cpu":
         return None
     return predicted_fit(settings.shape, plan.knobs, settings.budget_bytes)
