@@ -1,10 +1,6 @@
-"""Appending to the run directory's files: never through a symbolic link, fsynced line by line.
-
-The supervisor often runs as root; a link planted in the run directory must not turn its
-appends into writes elsewhere, so every file it appends to is opened with ``O_NOFOLLOW``,
-checked to be a regular file, and given :data:`FILE_MODE` explicitly (the umask differs
-between a shell and a unit). ``record.runfiles`` holds the rest of the run directory's rules.
-"""
+"""Appending to the run directory's files, fsynced line by line and never through a symbolic link
+(a supervisor running as root must not follow a planted link): ``O_NOFOLLOW``, a regular file only,
+and :data:`FILE_MODE` set explicitly (the umask differs between a shell and a unit)."""
 
 from __future__ import annotations
 
@@ -68,11 +64,8 @@ def open_append_binary(path: Path) -> BinaryIO:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append one line and fsync it (and a new file's directory entry).
-
-    A line torn by an earlier kill is closed first, so it stays one unreadable line instead of
-    swallowing this one.
-    """
+    """Append one line and fsync it (and a new file's directory entry); a line torn by an earlier
+    kill is closed first, so it does not swallow this one."""
     created = not path.exists()
     with open_append_binary(path) as handle:
         handle.seek(0, os.SEEK_END)

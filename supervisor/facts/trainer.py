@@ -1,9 +1,5 @@
-"""The trainer as every room sees it: a :class:`Trainer` is our own child or a tool the user runs.
-
-``Job.trainer`` holds one, never None. Callers ask it what they need (whose peaks these are, the
-rungs it cannot take, where it runs, the argv of an attempt) and never which kind it is; the tools
-themselves (their keys, their checks) live in ``supervisor/trainers/``.
-"""
+"""The trainer as every room sees it (``Job.trainer``, never None): our own child or a tool the user
+runs (``supervisor/trainers/``). Callers ask it what they need, never which kind it is."""
 
 from __future__ import annotations
 
@@ -67,8 +63,7 @@ class Trainer(Protocol):
         """How the job names its model: (key, where, how to set it)."""
 
     def built_knobs(self, knobs: Knobs, run_dir: Path) -> Knobs:
-        """The job's knobs as its trainer builds them: a script's, from what its attempts in
-        ``run_dir`` reported (its settings are in its code); ``knobs`` for every other trainer."""
+        """The job's knobs as its trainer builds them (a script's, from what its attempts reported)."""
 
     def probes_data(self) -> bool:
         """Whether the supervisor reads the data file (a tool reads its own data)."""

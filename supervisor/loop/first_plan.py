@@ -1,13 +1,6 @@
-"""Attempt 1's config: the pre-flight's choice, or the job as written.
-
-Before anything runs, the memory model predicts the job against the budget (the cap, or the
-card less a reserve). A job predicted to fit with the margin starts as written; otherwise the
-fitting throughput candidates are ranked by the throughput model (calibrated by the speeds this
-host measured for the shape) and the fastest starts; a quality change (seq_len, rank, a fallback
-model) happens only when nothing else is predicted to fit, logged as a warning with the plan.
-When nothing fits at all, the plan says so (``nothing_fits``) and the run stops before a child
-starts. Without a shape or a budget there is nothing to predict with: the job runs as written.
-"""
+"""Attempt 1's config: the pre-flight's choice (``policies.choice.first``: a quality change only
+when nothing else fits; ``nothing_fits`` stops the run before any child), or the job as written
+(``--as-written``, or without a shape or a budget to predict with)."""
 
 from __future__ import annotations
 
@@ -48,7 +41,6 @@ def first_plan(
             missing = "no budget (no gpu_memory_limit and no NVML reading)"
         note = PlanNote(None, budget, (f"no memory prediction: {missing}",), as_written=as_written)
         return Plan(Phase.TRAIN, knobs, note=note)
-    # Peaks this host saw for the shape before calibrate the first prediction too.
     scale = memory_model.calibrate(shape, list(settings.prior), targets) if settings.prior else None
     speed = throughput.calibrate(shape, settings.speeds, targets) if settings.speeds else None
     result = choice.first(
@@ -60,7 +52,7 @@ def first_plan(
         speed=speed,
         fallbacks=settings.fallback_shapes,
         unusable=settings.cannot_take,  # a foreign tool's config has no key for these
-        host=settings.host,  # and every candidate fits the host (issue 28)
+        host=settings.host,
     )
     if as_written:
         reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)

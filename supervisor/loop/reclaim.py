@@ -1,9 +1,5 @@
-"""Reclaim: the attempt that was in flight when the supervisor itself died.
-
-Its child is found (by pid, or by the spec path on its command line when the pid was never
-recorded) and stopped, and what it left (heartbeats, error report, log) becomes an
-:class:`~.outcome.AttemptOutcome` with no exit status, judged by the same path as a watched one.
-"""
+"""Reclaim: the attempt in flight when the supervisor itself died. Its child is found and stopped,
+and what it left becomes an :class:`~.outcome.AttemptOutcome` with no exit status."""
 
 from __future__ import annotations
 
@@ -35,17 +31,15 @@ def reclaim(
     if any(r.attempt == flight.number for r in records):
         return None  # its record was written; only state.json was stale
     spec_path = rd.attempt(flight.number).spec
-    # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe,
-    # and finds the child when the supervisor died before it could record the pid. torchrun's
-    # ranks (their own sessions, no PDEATHSIG) are found by the spec path too, after torchrun,
-    # and a warm spare that got the attempt by the run directory on its command line.
+    # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe and
+    # finds a child whose pid was never recorded, torchrun's ranks, and a warm spare.
     for pid in attempt_children(flight.pid, spec_path, rd):
         log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
         child_mod.stop_group(pid, seams.stop_grace_s)
     reader = HeartbeatReader(rd.attempt(flight.number).events)
     reader.poll(seams.clock())
     reports = read_reports(rd, flight.number, log)
-    if flight.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree (as the runner)
+    if flight.knobs.world_size > 1:
         reports = seal_rank_parts(rd.checkpoints, reports, flight.knobs, log)
     return AttemptOutcome(
         number=flight.number,
@@ -63,10 +57,9 @@ def reclaim(
 
 
 def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
-    """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything
-    with the spec (or the attempt directory) on its command line, a warm spare of this run, and
-    a foreign trainer the shim was pointed at this spec (an hf-script's argv names only the run's
-    ``trainer-output/`` and checkpoints, so its environment is what identifies it)."""
+    """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything with
+    the spec (or its attempt directory) on its command line, a warm spare of this run, and a foreign
+    trainer whose environment points the shim at this spec."""
     spare = f"{entry.SPARE} --run-dir {rd.root}"
     shimmed = child_mod.pids_with_environment(SHIM_SPEC_ENV, str(spec_path))
     found = [*child_mod.pids_running(str(spec_path), spare), *shimmed]
@@ -79,9 +72,7 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
 
 
 def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
-    """Whether the process is the attempt's child: its spec on the command line, or a warm spare
-    of this run directory (a spare got its spec on stdin, so its command line names the run)."""
-    # A foreign trainer's command line names its per-attempt config in the same directory instead.
+    """Its spec or attempt directory on the command line, or a warm spare of this run directory."""
     if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
         return True
     return entry.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "

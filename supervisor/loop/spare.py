@@ -17,12 +17,13 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath, open_append_binary
+from qlora_supervise.supervisor.loop.seams import SpareProcess, SpawnSpare
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract import entry
 
@@ -38,26 +39,6 @@ ACK_S = 5.0
 IMPORT_BOUND_S = 60.0
 #: How often the hand-over looks for the acknowledgement.
 ACK_POLL_S = 0.05
-
-
-class SpareProcess(Protocol):
-    """A started spare (:class:`child.ChildProcess` in production); once taken, the attempt's child."""
-
-    started_monotonic: float
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-    def send_line(self, line: str) -> bool: ...
-
-    def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None: ...
-
-    def stop(self, grace_s: float) -> int: ...
-
-
-SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
 
 
 @dataclasses.dataclass(frozen=True)
