@@ -1,7 +1,7 @@
-"""The attempt runner: :meth:`~AttemptRunner.prepare` (checkpoint chosen, spec written),
-:meth:`~AttemptRunner.spawn`, :meth:`~AttemptRunner.run` (watched to its end, what it left read).
-The arbiter writes ``state.json`` between them; the runner writes no state and does not judge the
-:class:`~.outcome.AttemptOutcome` it returns.
+"""The attempt runner: :meth:`~AttemptRunner.prepare` (checkpoint chosen, spec written: on disk
+before ``state.json`` names the attempt), :meth:`~AttemptRunner.spawn`, :meth:`~AttemptRunner.run`
+(watched to its end, what it left read). The arbiter writes ``state.json`` between them; the
+runner writes no state and does not judge the :class:`~.outcome.AttemptOutcome` it returns.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ from qlora_supervise.supervisor.loop.child_output import (
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
-from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
+from qlora_supervise.supervisor.loop.resume import ResumePoint, log_quarantined, resume_point
+from qlora_supervise.supervisor.loop.seams import ChildHandle, Clock, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
@@ -52,11 +53,96 @@ from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_mov
 from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """An attempt ready to spawn: its resume point chosen and its spec written."""
+
+    number: int
+    plan: Plan
+    resume: ResumePoint
+    spec: AttemptSpec
+    started_at: float  # wall clock
+    oom_kills_before: int | None  # the cgroup's OOM-kill count before the spawn
+
+    def in_flight(self, pid: int | None = None) -> InFlight:
+        """What ``state.json`` names while the attempt runs (``pid`` None: before the spawn)."""
+        return InFlight(self.number, self.plan.phase, self.plan.knobs, self.resume.step, pid, self.started_at)
+
+
+def prepare_checkpoints(
+    rd: RunDir, number: int, plan: Plan, wall: Clock, log: FilteringBoundLogger
+) -> ResumePoint:
+    """Resume point of the next attempt: the newest complete checkpoint its knobs can load."""
+    if plan.phase is Phase.MERGE:
+        return ResumePoint(0, None, False)
+    if plan.fresh_start and rd.checkpoints.exists():
+        # Old checkpoints hold an adapter of another shape: keep them for the user, out of the way.
+        target = rd.superseded_checkpoints(number)
+        if target.exists():
+            target = target.with_name(f"{target.name}.{int(wall())}")
+        rd.checkpoints.rename(target)
+        log.info(Event.CHECKPOINTS_SUPERSEDED, moved_to=str(target))
+    point = resume_point(rd.checkpoints, plan.knobs, quarantine_damaged=True)
+    log_quarantined(log, point.quarantined)
+    if point.skipped:
+        log.info(Event.CHECKPOINTS_SKIPPED, skipped=list(point.skipped))
+    return point
+
+
+def write_spec(
+    job: Job,
+    rd: RunDir,
+    number: int,
+    plan: Plan,
+    resume: ResumePoint,
+    seams: Seams,
+    log: FilteringBoundLogger,
+) -> AttemptSpec:
+    """``attempt-NNN/spec.json``, written atomically: everything the child is told."""
+    directory = rd.attempt_dir(number)
+    if directory.exists():
+        # Left by an attempt the journal never recorded: its error report must not be read as this one's.
+        aside = directory.with_name(f"{directory.name}.unrecorded-{int(seams.wall())}")
+        directory.rename(aside)
+        log.warning(Event.UNRECORDED_ATTEMPT_MOVED, moved_to=str(aside))
+    ensure_dir(directory)
+    resume_from = str(resume.path) if resume.path else None
+    command: tuple[str, ...] = ()
+    if plan.phase is Phase.TRAIN:  # a tool's own config, per attempt (our child: none)
+        command = job.trainer.attempt_argv(directory, rd.root, job.knobs, plan.knobs, resume_from)
+    spec = AttemptSpec(
+        attempt=number,
+        run_dir=str(rd.root),
+        knobs=plan.knobs,
+        data=job.data,
+        train=job.train,
+        events_file=str(AttemptDir(directory).events),
+        error_file=str(AttemptDir(directory).error),
+        checkpoints_dir=str(rd.checkpoints),
+        adapter_dir=str(rd.adapter),
+        merged_dir=str(rd.merged),
+        device=job.resources.device,
+        gpu_memory_limit=job.resources.gpu_memory_limit,
+        cpu_memory_limit=job.resources.cpu_memory_limit,
+        resume_from=resume_from,
+        reset_optimizer=resume.reset_optimizer,
+        diagnose=job.diagnose,
+        stop_grace_s=seams.stop_grace_s,
+        speed_trial=plan.speed_trial,  # attempt 1 only: the planner's fastest candidates
+        speed_trial_limit_bytes=plan.speed_trial_limit,
+        speed_trial_on_resume=plan.retime,
+        command=command,
+    )
+    write_text_atomic(AttemptDir(directory).spec, spec.to_json())
+    return spec
 
 
 @dataclasses.dataclass
@@ -134,14 +220,12 @@ class AttemptRunner:
             effective_batch=plan.knobs.effective_batch,
         )
         reader = HeartbeatReader(Path(spec.events_file))
-        creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
-        first = FirstStep(resume.step, ready.started_at, self.failed_at, self.warm)
         self.planned = None
         if ctx.climb is not None:
             ctx.climb.start()
         self.cards = seams.open_cards(plan.knobs, ctx.job.resources.device)
         try:
-            watched = self._watch(number, proc, reader, spec, log, creep, first)
+            watched = self._watch(ready, proc, reader, log)
             if watched.stopped_by_signal:
                 self.spare_due = None  # the run stops: no attempt will need it
             self._start_due_spare()  # the attempt ended before its first step: the next may need one
@@ -256,18 +340,13 @@ class AttemptRunner:
         )
 
     def _watch(
-        self,
-        number: int,
-        proc: ChildHandle,
-        reader: HeartbeatReader,
-        spec: AttemptSpec,
-        log: FilteringBoundLogger,
-        creep: CreepWatch,
-        first: FirstStep,
+        self, ready: Prepared, proc: ChildHandle, reader: HeartbeatReader, log: FilteringBoundLogger
     ) -> Watched:
         # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
         # then the ways a watch ends early (a planned restart, a stop, ranks overstaying, a hang).
-        ctx, seams = self.ctx, self.ctx.seams
+        ctx, seams, spec, number = self.ctx, self.ctx.seams, ready.spec, ready.number
+        creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=ready.resume.step)
+        first = FirstStep(ready.resume.step, ready.started_at, self.failed_at, self.warm)
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
         watched = Watched(reader.progress)
@@ -288,7 +367,7 @@ class AttemptRunner:
                 if ctx.climb is not None:
                     ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
-            if self._planned_restart(new, spec, reader, now, log):
+            if self._planned_restart(new, spec.knobs, reader.progress, now, log):
                 return watched
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
@@ -324,23 +403,22 @@ class AttemptRunner:
     def _planned_restart(
         self,
         events: list[ChildEvent],
-        spec: AttemptSpec,
-        reader: HeartbeatReader,
+        knobs: Knobs,
+        progress: Progress,
         now: float,
         log: FilteringBoundLogger,
     ) -> bool:
         """At a checkpoint the child saved: whether to stop it for a faster config (climb_back.py)."""
         climb = self.ctx.climb
-        if climb is None or spec.knobs.world_size > 1:
+        if climb is None or knobs.world_size > 1:
             return False
         if any(isinstance(event, SpeedTrialEvent) for event in events):
             climb.trial_seen(now)
         saved = [e for e in events if isinstance(e, CheckpointSaved) and not e.emergency and e.step]
-        progress = reader.progress
         last_step = progress.finished or (progress.max_steps and progress.step >= progress.max_steps)
         if not saved or last_step:  # the final save: nothing is left to train faster
             return False
-        knobs = speed_of(progress.events, spec.knobs).knobs
+        knobs = speed_of(progress.events, knobs).knobs
         planned = climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))
         if planned is None:
             return False
