@@ -55,15 +55,9 @@ def rank_cards(visible: str | None, positions: list[int]) -> str:
     return ",".join(entries[p] for p in positions if p < len(entries))
 
 
-_NOT_INHERITED = frozenset(
-    {
-        "NOTIFY_SOCKET",
-        "WATCHDOG_USEC",
-        "WATCHDOG_PID",
-        *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"),
-        *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"),
-    }
-)
+_SYSTEMD = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
+_NOT_INHERITED = frozenset({*_SYSTEMD, *_TORCHRUN, "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
 
 
 def _pdeathsig(parent: int) -> Callable[[], None]:

@@ -163,13 +163,9 @@ class Conclusions:
             line = record_of(o, Outcome.STOPPED, self.resume_step(o.plan.knobs), pending.record.failure)
             self.journal(line, records, o.progress.events)
             return Turn(RunState.STOPPED)
+        knobs, phase = o.plan.knobs, o.plan.phase.value
         decision = policy.decide(
-            pending.failure,
-            o.plan.knobs,
-            pending.history,
-            self.settings,
-            waited=waited,
-            phase=o.plan.phase.value,
+            pending.failure, knobs, pending.history, self.settings, waited=waited, phase=phase
         )
         return self.answer(dataclasses.replace(pending, decision=decision, waited=waited), records)
 
@@ -191,9 +187,8 @@ class Conclusions:
     def _decide(
         self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
     ) -> Turn:
-        self.settings = with_script_model(
-            with_sample_lengths(self.settings, o.progress.events), o.progress.events
-        )
+        self.settings = with_sample_lengths(self.settings, o.progress.events)
+        self.settings = with_script_model(self.settings, o.progress.events)
         if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
             quarantined := self._quarantine(o, failure, records, log)
         ):

@@ -27,19 +27,9 @@ def command(spec_path: Path, phase: str, world_size: int = 1, shutdown_timeout_s
     child = ["-m", TRAINER_MODULE, "--spec", str(spec_path)]
     if world_size <= 1:
         return [sys.executable, *child]
-    return [
-        sys.executable,
-        "-m",
-        TORCHRUN_MODULE,
-        "--standalone",
-        "--nproc-per-node",
-        str(world_size),
-        "--max-restarts",
-        "0",
-        "--shutdown-timeout",
-        str(max(1, round(shutdown_timeout_s))),
-        *child,
-    ]
+    grace = str(max(1, round(shutdown_timeout_s)))
+    ranks = ["--standalone", "--nproc-per-node", str(world_size), "--max-restarts", "0"]
+    return [sys.executable, "-m", TORCHRUN_MODULE, *ranks, "--shutdown-timeout", grace, *child]
 
 
 def spec_command(spec_path: Path, phase: str) -> list[str]:
