@@ -264,17 +264,10 @@ class Supervisor:
         first = self.first
         trial = Trial(first.knobs, first.speed_trial, first.speed_trial_limit) if first.speed_trial else None
         climb = ClimbBack(records, lambda: self.settings, trial, self.log)
+        budget = None if self.job.resources.device == "cpu" else self.settings.budget_bytes
+        stop, hup = lambda: self.stop_signal, lambda: self.hup_seen
         return RunnerContext(
-            job=self.job,
-            rd=self.rd,
-            seams=self.seams,
-            log=self.log,
-            display=self.display,
-            gpu=self.gpu,
-            stop_signal=lambda: self.stop_signal,
-            hup_seen=lambda: self.hup_seen,
-            gpu_budget=None if self.job.resources.device == "cpu" else self.settings.budget_bytes,
-            climb=climb,
+            self.job, self.rd, self.seams, self.log, self.display, self.gpu, stop, hup, budget, climb
         )
 
 
