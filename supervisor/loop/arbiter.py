@@ -22,12 +22,12 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.retime import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop.child_output import reclaim
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
 from qlora_supervise.supervisor.loop.conclude import Conclusions, Pending, Turn
 from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan, stop_nothing_fits
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
-from qlora_supervise.supervisor.loop.reclaim import reclaim
 from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams

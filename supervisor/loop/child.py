@@ -19,9 +19,13 @@ import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.loop import launch
+from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
+from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
 from qlora_supervise.trainer_child.contract.devices import visible_entries
+from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 _PR_SET_PDEATHSIG = 1
@@ -245,3 +249,25 @@ def stop_group(pid: int, grace_s: float) -> int | None:
     # wait_procs sets ``returncode`` on each process it saw end (documented; not in the stubs).
     code = getattr(gone[0], "returncode", None) if gone else None
     return int(code) if code is not None else None
+
+
+def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
+    """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything with
+    the spec (or its attempt directory) on its command line, a warm spare of this run, and a foreign
+    trainer whose environment points the shim at this spec."""
+    spare = f"{entry.SPARE} --run-dir {rd.root}"
+    shimmed = pids_with_environment(SHIM_SPEC_ENV, str(spec_path))
+    found = [*pids_running(str(spec_path), spare), *shimmed]
+    candidates = [pid, *(p for p in found if p != pid)] if pid else found
+    return [
+        p
+        for p in dict.fromkeys(candidates)
+        if (p in shimmed or _is_attempt_child(process_cmdline(p), spec_path, rd)) and pid_alive(p)
+    ]
+
+
+def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
+    """Its spec or attempt directory on the command line, or a warm spare of this run directory."""
+    if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
+        return True
+    return entry.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "

@@ -1,7 +1,7 @@
 """What a child shows while it runs and leaves when it ends, read and logged once: its heartbeats'
 memory creep and first step, its ranks' exits, peaks and emergency parts, its error reports.
-
-Shared by the runner (a watched attempt) and reclaim (the attempt of a supervisor that died).
+Shared by the runner (a watched attempt) and :func:`reclaim`: the attempt in flight when the
+supervisor itself died, its child found and stopped, what it left an outcome with no exit status.
 """
 
 from __future__ import annotations
@@ -15,12 +15,17 @@ import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure
-from qlora_supervise.supervisor.loop.outcome import optimizer_reset
+from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
+from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.journal import InFlight
+from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.watching.creep import CreepWatch
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
 from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
@@ -259,3 +264,35 @@ def _seal(checkpoints_dir: Path, parts: dict[int, Path], step: int, knobs: Knobs
             name = RNG_FILE.format(rank=rank)
             shutil.copy2(part / name, parts[0] / name)
     return publish(parts[0], final, step=step, knobs=knobs, emergency=True)
+
+
+def reclaim(
+    flight: InFlight, records: Sequence[AttemptRecord], rd: RunDir, seams: Seams, log: FilteringBoundLogger
+) -> AttemptOutcome | None:
+    """What the in-flight attempt left; None when the journal already holds its record."""
+    if any(r.attempt == flight.number for r in records):
+        return None  # its record was written; only state.json was stale
+    spec_path = rd.attempt(flight.number).spec
+    # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe and
+    # finds a child whose pid was never recorded, torchrun's ranks, and a warm spare.
+    for pid in child_mod.attempt_children(flight.pid, spec_path, rd):
+        log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
+        child_mod.stop_group(pid, seams.stop_grace_s)
+    reader = HeartbeatReader(rd.attempt(flight.number).events)
+    reader.poll(seams.clock())
+    reports = read_reports(rd, flight.number, log)
+    if flight.knobs.world_size > 1:
+        reports = seal_rank_parts(rd.checkpoints, reports, flight.knobs, log)
+    return AttemptOutcome(
+        number=flight.number,
+        plan=Plan(flight.phase, flight.knobs),
+        exit=None,
+        progress=reader.progress,
+        report=report_of(reports),
+        reports=reports if flight.knobs.world_size > 1 else (),
+        memory=MemorySeen(),
+        resumed_from=flight.resumed_from,
+        started_at=flight.started_at,
+        ended_at=seams.wall(),
+        log_tail=child_mod.log_tail(rd.attempt(flight.number).log),
+    )
