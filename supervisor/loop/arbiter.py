@@ -24,7 +24,7 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.child_output import reclaim
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
-from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan, stop_nothing_fits
+from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, Conclusions, Pending, Turn
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.resume import clean_staging
@@ -145,8 +145,12 @@ class Supervisor:
             )
             if not records:
                 announce_plan(self.log, self.first.note)
-                if self.first.nothing_fits:  # in seconds, and no verdict in state.json: a rerun plans again
-                    return stop_nothing_fits(self.log, self.first.nothing_fits)
+                nothing_fits = self.first.nothing_fits  # no verdict in state.json: a rerun plans again
+                if nothing_fits:
+                    self.log.error(
+                        Event.NOTHING_FITS, why=f"nothing fits: {nothing_fits}; no child was started"
+                    )
+                    return int(SupervisorExitCode.NOTHING_FITS)
             return self._loop_outlasting_full_disks(records, turn)
         finally:
             if self.gpu is not None:

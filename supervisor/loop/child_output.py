@@ -16,7 +16,7 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
@@ -113,11 +113,6 @@ class FirstStep:
         return False
 
 
-def failure_time(report: ErrorReport | None, ended_at: float) -> float:
-    """When the attempt failed: its report's time, else (a SIGKILL, a hang) the end of the watch."""
-    return ended_at if report is None else report.time
-
-
 def note_rank_exits(spec: AttemptSpec, watched: Watched, now: float) -> None:
     """When each rank's process (its pid from its ``started`` event) was first seen gone: with no
     report, the rank that left first is the one that failed."""
@@ -194,13 +189,6 @@ def note_rank_peaks(events_file: Path, progress: Progress, log: FilteringBoundLo
             "rank) or gradient-sync buffers; check each rank's real batch and the device_map",
         )
     return peaks
-
-
-def log_optimizer_reset(log: FilteringBoundLogger, progress: Progress) -> None:
-    """``optimizer_reset`` when the child resumed with fresh optimizer state."""
-    why = optimizer_reset(progress)
-    if why is not None:
-        log.warning(Event.OPTIMIZER_RESET, why=why, lr_schedule="restored at the resumed step")
 
 
 def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:

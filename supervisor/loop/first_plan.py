@@ -11,7 +11,6 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.search_result import PreflightResult
 from qlora_supervise.policies.search.search_state import fit_limit, scaled_peak
-from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.events import Event
@@ -94,12 +93,6 @@ def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
         as_written=note.as_written,
         why=" | ".join(note.why),
     )
-
-
-def stop_nothing_fits(log: FilteringBoundLogger, message: str) -> int:
-    """The stop before any child when nothing fits: one ``nothing_fits`` error event, exit 6."""
-    log.error(Event.NOTHING_FITS, why=f"nothing fits: {message}; no child was started")
-    return int(SupervisorExitCode.NOTHING_FITS)
 
 
 def nothing_fits_text(result: PreflightResult) -> str | None:

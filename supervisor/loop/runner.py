@@ -23,8 +23,6 @@ from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.child_output import (
     FirstStep,
     card_fields,
-    failure_time,
-    log_optimizer_reset,
     note_child_events,
     note_creep,
     note_rank_exits,
@@ -35,7 +33,7 @@ from qlora_supervise.supervisor.loop.child_output import (
     seal_rank_parts,
 )
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import ResumePoint, log_quarantined, resume_point
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Clock, Seams
@@ -252,14 +250,17 @@ class AttemptRunner:
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
             **card_fields(watched),
         )
-        log_optimizer_reset(log, reader.progress)
+        reset = optimizer_reset(reader.progress)
+        if reset is not None:  # the adapter and the LR schedule follow the step, the moments do not
+            log.warning(Event.OPTIMIZER_RESET, why=reset, lr_schedule="restored at the resumed step")
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
         reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
         if plan.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree
             reports = seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
         report = report_of(reports)
-        self.failed_at = None if exit_.returncode == 0 else failure_time(report, seams.wall())
+        # When it failed (its report's time, else the end of the watch): the next first_step times from it.
+        self.failed_at = None if exit_.returncode == 0 else (report.time if report else seams.wall())
         return AttemptOutcome(
             number=number,
             plan=plan,

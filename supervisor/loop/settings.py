@@ -39,7 +39,8 @@ def policy_settings(job: Job) -> policy.Settings:
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
     unmodelled = job.trainer.unmodelled(job.knobs.model)
-    shape = None if unmodelled else job_shape(job)
+    model = Path(job.knobs.model)  # its shape as its trainer runs it (a foreign tool's attention choice)
+    shape = None if unmodelled else model_facts.with_tool_attention(model_shape(model), job.trainer)
     store, kind = peak_store_path(job), job.trainer.kind
     prior = tuple(read_observations(store, shape, kind)) if store is not None and shape is not None else ()
     speeds = tuple(read_speeds(store, shape, kind)) if store is not None and shape is not None else ()
@@ -103,8 +104,9 @@ def remember_attempt(
     if store is not None and shape is not None:
         _store_attempt(store, shape, job.trainer.kind, record, speed, trial)
     observed = [SpeedObservation(knobs, rate) for knobs, rate in trial]
-    settings = dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
-    return with_measured_speed(settings, speed)
+    if speed.tokens_per_s is not None:  # newest last: a config measured twice counts its latest
+        observed.append(SpeedObservation(speed.knobs, speed.tokens_per_s))
+    return dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
 
 
 def _store_attempt(
@@ -124,14 +126,6 @@ def _store_attempt(
         record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
     elif peak is not None:
         record_attempt(store, shape, record.knobs, peak, None, kind)
-
-
-def with_measured_speed(settings: policy.Settings, speed: AttemptSpeed) -> policy.Settings:
-    """An attempt's measured tokens/s into the settings, newest last (the latest measure counts)."""
-    if speed.tokens_per_s is None:
-        return settings
-    observation = SpeedObservation(speed.knobs, speed.tokens_per_s)
-    return dataclasses.replace(settings, speeds=(*settings.speeds, observation))
 
 
 def peak_store_path(job: Job) -> Path | None:
@@ -169,11 +163,6 @@ def with_script_model(settings: policy.Settings, events: Sequence[ChildEvent]) -
             shape = ModelShape.from_config(event.model_config)
             return settings if shape is None else dataclasses.replace(settings, shape=shape, unmodelled=None)
     return settings
-
-
-def job_shape(job: Job) -> ModelShape | None:
-    """The job's model shape as its trainer will run it (a foreign tool's attention choice)."""
-    return model_facts.with_tool_attention(model_shape(Path(job.knobs.model)), job.trainer)
 
 
 def model_shape(model_dir: Path) -> ModelShape | None:
