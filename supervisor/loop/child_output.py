@@ -169,10 +169,12 @@ def card_fields(watched: Watched) -> dict[str, dict[str, int]]:
     return {"cards": cards, "card_peaks": {str(rank): peak for rank, peak in watched.card_peaks.items()}}
 
 
-def note_rank_peaks(events_file: Path, progress: Progress, log: FilteringBoundLogger) -> dict[int, int]:
-    """Each rank's peak (torchrun): the attempt's peak becomes the highest of them (the card that
-    limits the config), and one rank well above the others is logged with the numbers."""
-    peaks = read_rank_peaks(events_file)
+def note_rank_peaks(spec: AttemptSpec, progress: Progress, log: FilteringBoundLogger) -> dict[int, int]:
+    """Each rank's peak (torchrun; {} for one process): the attempt's peak becomes the highest of
+    them (the card that limits the config), and one rank well above the others is logged."""
+    if spec.knobs.world_size <= 1:
+        return {}
+    peaks = read_rank_peaks(Path(spec.events_file))
     if peaks:
         progress.peak_bytes = max(progress.peak_bytes or 0, *peaks.values())
     found = uneven(peaks)

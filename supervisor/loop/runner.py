@@ -20,18 +20,7 @@ from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.child_output import (
-    FirstStep,
-    card_fields,
-    note_child_events,
-    note_creep,
-    note_rank_exits,
-    note_rank_peaks,
-    ranks_overstay,
-    read_reports,
-    report_of,
-    seal_rank_parts,
-)
+from qlora_supervise.supervisor.loop import child_output as output
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
@@ -170,6 +159,7 @@ class AttemptRunner:
         self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
         self.planned: PlannedRestart | None = None  # the attempt in flight is stopped for a faster config
         self.cards: RankCards | None = None  # every rank's card, while a torchrun attempt runs
+        self.log = ctx.log  # bound to the attempt in flight
 
     def _spare_keeper(self) -> SpareKeeper | None:
         ctx = self.ctx
@@ -192,7 +182,6 @@ class AttemptRunner:
             self.spares.discard("the run is over")
 
     def prepare(self, number: int, plan: Plan) -> Prepared:
-        """The attempt made ready to spawn: its resume checkpoint chosen and its spec written."""
         ctx = self.ctx
         log = ctx.log.bind(attempt=number)
         resume = prepare_checkpoints(ctx.rd, number, plan, ctx.seams.wall, log)
@@ -203,8 +192,7 @@ class AttemptRunner:
         """Watch the spawned attempt to its end, stop it if the watch ended first, read what it left."""
         ctx, seams = self.ctx, self.ctx.seams
         number, plan, resume, spec = ready.number, ready.plan, ready.resume, ready.spec
-        log = ctx.log.bind(attempt=number)
-        attempt_dir = ctx.rd.attempt_dir(number)
+        self.log = log = ctx.log.bind(attempt=number)
         if not self.warm:
             self._start_due_spare()
         log.info(
@@ -223,23 +211,21 @@ class AttemptRunner:
             ctx.climb.start()
         self.cards = seams.open_cards(plan.knobs, ctx.job.resources.device)
         try:
-            watched = self._watch(ready, proc, reader, log)
+            watched = self._watch(ready, proc, reader)
             if watched.stopped_by_signal:
                 self.spare_due = None  # the run stops: no attempt will need it
             self._start_due_spare()  # the attempt ended before its first step: the next may need one
             exit_ = self._end(proc, watched)
-            self._last_gpu_look(proc.pid, watched, attempt_dir, log)
+            self._last_gpu_look(proc.pid, watched, ctx.rd.attempt(number).gpu)
         finally:
             if self.cards is not None:
                 self.cards.close()
             self.cards = None
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
         # and before its checkpoint counts (it would otherwise be missed by one).
-        note_child_events(reader.poll(seams.clock()), log)
+        output.note_child_events(reader.poll(seams.clock()), log)
         ctx.display.clear()
-        peaks = (
-            note_rank_peaks(Path(spec.events_file), reader.progress, log) if spec.knobs.world_size > 1 else {}
-        )
+        peaks = output.note_rank_peaks(spec, reader.progress, log)
         log.info(
             Event.CHILD_EXITED,
             exit_code=exit_.returncode,
@@ -248,17 +234,17 @@ class AttemptRunner:
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
-            **card_fields(watched),
+            **output.card_fields(watched),
         )
         reset = optimizer_reset(reader.progress)
         if reset is not None:  # the adapter and the LR schedule follow the step, the moments do not
             log.warning(Event.OPTIMIZER_RESET, why=reset, lr_schedule="restored at the resumed step")
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
-        reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
+        reports = output.read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
         if plan.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree
-            reports = seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
-        report = report_of(reports)
+            reports = output.seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
+        report = output.report_of(reports)
         # When it failed (its report's time, else the end of the watch): the next first_step times from it.
         self.failed_at = None if exit_.returncode == 0 else (report.time if report else seams.wall())
         return AttemptOutcome(
@@ -281,7 +267,7 @@ class AttemptRunner:
             resumed_from=resume.step,
             started_at=ready.started_at,
             ended_at=seams.wall(),
-            log_tail=child_mod.log_tail(AttemptDir(attempt_dir).log),
+            log_tail=child_mod.log_tail(ctx.rd.attempt(number).log),
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
             rank_exits=dict(watched.rank_exits),
         )
@@ -340,35 +326,33 @@ class AttemptRunner:
             duration_s=seams.clock() - proc.started_monotonic,
         )
 
-    def _watch(
-        self, ready: Prepared, proc: ChildHandle, reader: HeartbeatReader, log: FilteringBoundLogger
-    ) -> Watched:
+    def _watch(self, ready: Prepared, proc: ChildHandle, reader: HeartbeatReader) -> Watched:
         # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
         # then the ways a watch ends early (a planned restart, a stop, ranks overstaying, a hang).
-        ctx, seams, spec, number = self.ctx, self.ctx.seams, ready.spec, ready.number
+        ctx, seams, spec, number, log = self.ctx, self.ctx.seams, ready.spec, ready.number, self.log
         creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=ready.resume.step)
-        first = FirstStep(ready.resume.step, ready.started_at, self.failed_at, self.warm)
+        first = output.FirstStep(ready.resume.step, ready.started_at, self.failed_at, self.warm)
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
         watched = Watched(reader.progress)
         started = next_sample = seams.clock()
-        gpu_log = ctx.rd.attempt(number).gpu
+        files = ctx.rd.attempt(number)
         hup_logged = False
         hang_timeout = ctx.job.supervise.hang_timeout
         while proc.poll() is None:
             now = seams.clock()
             new = reader.poll(now)
-            note_child_events(new, log)
+            output.note_child_events(new, log)
             if first.note(new, log):
                 self._start_due_spare()
-            note_creep(new, creep, proc.pid, seams.signal_child, ctx.display, log, watched)
+            output.note_creep(new, creep, proc.pid, seams.signal_child, ctx.display, log, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
-                self._sample(proc.pid, watched, gpu_log)
+                self._sample(proc.pid, watched, files.gpu)
                 if ctx.climb is not None:
                     ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
-            if self._planned_restart(new, spec.knobs, reader.progress, now, log):
+            if self._planned_restart(new, spec.knobs, reader.progress, now):
                 return watched
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
@@ -384,11 +368,13 @@ class AttemptRunner:
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
                 return watched
-            note_rank_exits(spec, watched, now)
-            if ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
+            output.note_rank_exits(spec, watched, now)
+            if output.ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
                 watched.ranks_overstayed = True
                 return watched
-            if hung(reader.progress, started, now, hang_timeout) and not self._output_moving(spec, number):
+            quiet = hung(reader.progress, started, now, hang_timeout)
+            # A tool whose shim never spoke: its log's growth stands in for heartbeats.
+            if quiet and not output_moving(spec, files.log, seams.wall(), hang_timeout):
                 log.warning(
                     Event.HANG_DETECTED,
                     step=reader.progress.step,
@@ -402,12 +388,7 @@ class AttemptRunner:
         return watched
 
     def _planned_restart(
-        self,
-        events: list[ChildEvent],
-        knobs: Knobs,
-        progress: Progress,
-        now: float,
-        log: FilteringBoundLogger,
+        self, events: list[ChildEvent], knobs: Knobs, progress: Progress, now: float
     ) -> bool:
         """At a checkpoint the child saved: whether to stop it for a faster config (climb_back.py)."""
         climb = self.ctx.climb
@@ -425,7 +406,7 @@ class AttemptRunner:
             return False
         self.planned = planned
         self.ctx.display.clear()
-        log.info(
+        self.log.info(
             Event.RETIME if planned.rung == RETIME_RUNG else Event.STEP_UP,
             step=progress.step,
             why=planned.why,
@@ -434,26 +415,19 @@ class AttemptRunner:
         )
         return True
 
-    def _output_moving(self, spec: AttemptSpec, number: int) -> bool:
-        """A tool whose shim never spoke: its log's growth stands in for heartbeats."""
-        log = self.ctx.rd.attempt(number).log
-        return output_moving(spec, log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
-
     def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
         if self.cards is not None:
             sample_cards(pid, watched, self.cards, gpu_log)
         else:
             sample_memory(pid, watched, self.ctx.gpu, gpu_log)
 
-    def _last_gpu_look(
-        self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger
-    ) -> None:
+    def _last_gpu_look(self, pid: int, watched: Watched, gpu_log: Path) -> None:
         """One more NVML sample after the exit (a crash's Xid may come late), then any ``gpu_fault``."""
         if self.ctx.gpu is not None or self.cards is not None:
-            self._sample(pid, watched, AttemptDir(attempt_dir).gpu)
+            self._sample(pid, watched, gpu_log)
         if watched.xid_events:
             fatal = xid.fatal_xid(watched.xid_events)
-            log.error(
+            self.log.error(
                 Event.GPU_FAULT,
                 xids=list(dict.fromkeys(watched.xid_events)),
                 meanings=xid.describe(watched.xid_events),
