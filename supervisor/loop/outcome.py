@@ -175,22 +175,17 @@ def _named_card(failure: Failure, cards: Mapping[int, int]) -> Failure:
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:
-    exit_ = o.exit
+    exit_, failed = o.exit, failed_report(o.report)
     if exit_ is None:
-        if failed_report(o.report):
-            assert o.report is not None
+        if failed and o.report is not None:
             # The child failed while nobody watched: classify it as if we had seen it exit.
             unseen = ChildExit(o.report.exit_code, None, None, 0.0)
             return classify_exit(unseen, o.report, o.log_tail, fit=fit)
         return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
-    if (
-        exit_.killed_by_supervisor is KilledBy.STEP_UP
-        and o.planned is not None
-        and not failed_report(o.report)
-    ):
+    if exit_.killed_by_supervisor is KilledBy.STEP_UP and o.planned is not None and not failed:
         return Outcome.STEPPED_UP
     # A child stopped for a hang also exits STOPPED (it checkpoints on SIGTERM): that is a hang.
-    ours = exit_.killed_by_supervisor is KilledBy.STOP and not failed_report(o.report)
+    ours = exit_.killed_by_supervisor is KilledBy.STOP and not failed
     if ours or (exit_.killed_by_supervisor is None and exit_.returncode == ExitCode.STOPPED):
         return Outcome.STOPPED
     if exit_.returncode == 0 and phase_done:
