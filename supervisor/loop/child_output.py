@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -23,8 +23,6 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.reporting.reporter import Reporter
-from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
 from qlora_supervise.supervisor.watching.watch import Watched
@@ -34,12 +32,7 @@ from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, Resumed, Started, read_events
 from qlora_supervise.trainer_child.contract.rank_parts import RNG_FILE, agreed_parts, part_step
 from qlora_supervise.trainer_child.contract.report import ErrorReport
-from qlora_supervise.trainer_child.contract.spec import (
-    EARLY_CHECKPOINT_SIGNAL,
-    AttemptSpec,
-    Knobs,
-    rank_files,
-)
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_files
 
 
 def note_child_events(new: Sequence[ChildEvent], log: FilteringBoundLogger) -> None:
@@ -52,37 +45,6 @@ def note_child_events(new: Sequence[ChildEvent], log: FilteringBoundLogger) -> N
                 from_step=event.from_step,
                 why="the smaller adapter starts from the truncated SVD of the trained update",
             )
-
-
-def note_creep(
-    events: list[ChildEvent],
-    creep: CreepWatch,
-    pid: int,
-    signal_child: Callable[[int, int], None],
-    display: Reporter,
-    log: FilteringBoundLogger,
-    watched: Watched,
-) -> None:
-    """Feed new heartbeats to the creep rule (watching/creep.py); once it fires, log it and ask the
-    child for an early checkpoint."""
-    for event in events:
-        forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
-        if forecast is None:
-            continue
-        if forecast.asks_for_checkpoint:
-            signal_child(pid, EARLY_CHECKPOINT_SIGNAL)
-        watched.creep = forecast
-        display.clear()
-        log.warning(
-            Event.MEMORY_CREEP,
-            step=forecast.step,
-            peak_bytes=forecast.peak_bytes,
-            slope_bytes_per_step=round(forecast.slope_bytes_per_step),
-            budget_bytes=forecast.budget_bytes,
-            predicted_oom_step=forecast.predicted_oom_step,
-            window_steps=forecast.window_steps,
-            early_checkpoint_requested=forecast.asks_for_checkpoint,
-        )
 
 
 @dataclasses.dataclass

@@ -43,8 +43,8 @@ from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
+from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent, Heartbeat
+from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 
@@ -345,7 +345,7 @@ class AttemptRunner:
             output.note_child_events(new, log)
             if first.note(new, log):
                 self._start_due_spare()
-            output.note_creep(new, creep, proc.pid, seams.signal_child, ctx.display, log, watched)
+            self._note_creep(new, creep, proc.pid, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
                 self._sample(proc.pid, watched, files.gpu)
@@ -414,6 +414,28 @@ class AttemptRunner:
             **({"undoes_attempt": planned.undoes} if planned.undoes is not None else {}),
         )
         return True
+
+    def _note_creep(self, events: list[ChildEvent], creep: CreepWatch, pid: int, watched: Watched) -> None:
+        """Feed new heartbeats to the creep rule (watching/creep.py); once it fires, log it and ask the
+        child for an early checkpoint."""
+        for event in events:
+            forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
+            if forecast is None:
+                continue
+            if forecast.asks_for_checkpoint:
+                self.ctx.seams.signal_child(pid, EARLY_CHECKPOINT_SIGNAL)
+            watched.creep = forecast
+            self.ctx.display.clear()
+            self.log.warning(
+                Event.MEMORY_CREEP,
+                step=forecast.step,
+                peak_bytes=forecast.peak_bytes,
+                slope_bytes_per_step=round(forecast.slope_bytes_per_step),
+                budget_bytes=forecast.budget_bytes,
+                predicted_oom_step=forecast.predicted_oom_step,
+                window_steps=forecast.window_steps,
+                early_checkpoint_requested=forecast.asks_for_checkpoint,
+            )
 
     def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
         if self.cards is not None:
