@@ -190,9 +190,7 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
     """The last ``limit`` bytes of the child's log (the traceback is at the end)."""
     try:
         with path.open("rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - limit))
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - limit))
             return handle.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
@@ -200,12 +198,9 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
 
 def pids_running(*arguments: str) -> list[int]:
     """Pids of processes whose command line contains any of ``arguments``."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or ())
-        if any(argument in cmdline for argument in arguments):
-            found.append(int(proc.info["pid"]))
-    return found
+    procs = psutil.process_iter(["pid", "cmdline"])
+    lines = ((int(p.info["pid"]), " ".join(p.info["cmdline"] or ())) for p in procs)
+    return [pid for pid, cmdline in lines if any(argument in cmdline for argument in arguments)]
 
 
 def pids_with_environment(name: str, value: str) -> list[int]:
