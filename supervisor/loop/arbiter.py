@@ -22,6 +22,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.retime import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop import waiting
 from qlora_supervise.supervisor.loop.child_output import reclaim
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
 from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan
@@ -31,22 +32,10 @@ from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import with_card_budget
-from qlora_supervise.supervisor.loop.waiting import (
-    DiskWaiter,
-    Pacer,
-    backoff_s,
-    failures_in_a_row,
-    wait_for_memory,
-)
+from qlora_supervise.supervisor.loop.waiting import DiskWaiter, Pacer
+from qlora_supervise.supervisor.record import journal
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import (
-    RunState,
-    State,
-    lifted_after,
-    read_attempts,
-    read_state,
-    write_state,
-)
+from qlora_supervise.supervisor.record.journal import RunState, State, write_state
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
@@ -115,10 +104,10 @@ class Supervisor:
 
     def run(self) -> int:
         records = self._read_journal()
-        state = read_state(self.rd.state)
+        state = journal.read_state(self.rd.state)
         if self.rd.state.exists() and state is None:
             self.log.warning(Event.STATE_UNREADABLE, path=str(self.rd.state))
-        self.book.lifted_after = lifted_after(self.rd.attempts)
+        self.book.lifted_after = journal.lifted_after(self.rd.attempts)
         lifted = bool(records) and records[-1].attempt <= self.book.lifted_after
         if state is not None and state.run_state in _ENDED and not lifted:
             self.log.info(
@@ -177,7 +166,7 @@ class Supervisor:
                 if not self.disk.outlast(exc):
                     return self.disk.verdict(self.stop_signal)
                 records = self._read_journal()
-                turn = self._reclaim_in_flight(records, read_state(self.rd.state))
+                turn = self._reclaim_in_flight(records, journal.read_state(self.rd.state))
 
     def _loop(self, records: list[AttemptRecord], turn: Turn) -> int:
         runner = AttemptRunner(self._runner_context(records))
@@ -230,13 +219,13 @@ class Supervisor:
         self._move(State(RunState.WAITING, pending.outcome.plan.knobs, note=wait.why))
         log = self.log.bind(attempt=pending.outcome.number)
         pacing = (self.job.supervise.backoff_initial, self.job.supervise.backoff_max)
-        return wait_for_memory(self.gpu, wait, pending.failure, log, self.pacer, pacing)
+        return waiting.wait_for_memory(self.gpu, wait, pending.failure, log, self.pacer, pacing)
 
     def _backoff(self, records: list[AttemptRecord]) -> Turn:
         """BACKOFF: the pause before an unchanged retry, longer for each failure in a row."""
-        failures = failures_in_a_row(records)
+        failures = waiting.failures_in_a_row(records)
         supervise = self.job.supervise
-        seconds = backoff_s(failures, supervise.backoff_initial, supervise.backoff_max)
+        seconds = waiting.backoff_s(failures, supervise.backoff_initial, supervise.backoff_max)
         self._move(State(RunState.BACKOFF, records[-1].knobs, note=f"{seconds:.1f}s"))
         self.log.info(Event.BACKOFF, seconds=round(seconds, 1), failures_in_a_row=failures)
         self.pacer.pause(seconds)
@@ -253,7 +242,7 @@ class Supervisor:
         return 128 + int(signum)
 
     def _read_journal(self) -> list[AttemptRecord]:
-        records, bad = read_attempts(self.rd.attempts)
+        records, bad = journal.read_attempts(self.rd.attempts)
         if bad:
             self.log.warning(Event.JOURNAL_LINE_UNREADABLE, lines=bad, path=str(self.rd.attempts))
         return records

@@ -26,16 +26,10 @@ from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_o
 from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop import settings as job_settings
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
-from qlora_supervise.supervisor.loop.settings import (
-    predicted_host,
-    remember_attempt,
-    step_fit,
-    with_sample_lengths,
-    with_script_model,
-)
 from qlora_supervise.supervisor.loop.waiting import DiskWaiter
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
@@ -310,7 +304,7 @@ class Conclusions:
         joins the plan's), and what a script with its settings in its code reports it built."""
         trial = speed_of(o.progress.events, o.plan.knobs).choice
         trained = as_built(trial.knobs if trial else o.plan.knobs, script_settings(o.progress.events))
-        o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
+        o = dataclasses.replace(o, host_predicted=job_settings.predicted_host(self.settings, trained))
         note = o.plan.note
         if trial is not None:
             note = note and dataclasses.replace(note, why=(*note.why, trial.why))
@@ -322,7 +316,7 @@ class Conclusions:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
         o = self._as_trained(o)
         log = self.log.bind(attempt=o.number)
-        fit = step_fit(self.settings, self.job.resources.device, o.plan)
+        fit = job_settings.step_fit(self.settings, self.job.resources.device, o.plan)
         verdict = judge(o, self._phase_done(o.plan.phase), fit)
         if isinstance(verdict, Failure):
             verdict = self.disk.explain(verdict)
@@ -398,7 +392,8 @@ class Conclusions:
         append_attempt(self.rd.attempts, record)
         records.append(record)
         speed = speed_of(events, record.knobs)
-        self.settings = remember_attempt(self.settings, self.job, record, speed)  # peak and speed kept
+        # The attempt's peak and speed kept.
+        self.settings = job_settings.remember_attempt(self.settings, self.job, record, speed)
         return record
 
     def resume_step(self, knobs: Knobs) -> int:
@@ -408,8 +403,8 @@ class Conclusions:
     def _decide(
         self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
     ) -> Turn:
-        self.settings = with_sample_lengths(self.settings, o.progress.events)
-        self.settings = with_script_model(self.settings, o.progress.events)
+        self.settings = job_settings.with_sample_lengths(self.settings, o.progress.events)
+        self.settings = job_settings.with_script_model(self.settings, o.progress.events)
         if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
             quarantined := self._quarantine(o, failure, records, log)
         ):

@@ -17,13 +17,9 @@ from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicte
 from qlora_supervise.supervisor.jobfile import model_files
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.record import peak_store
 from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, trial_speeds
-from qlora_supervise.supervisor.record.peak_store import (
-    default_path,
-    read_observations,
-    read_speeds,
-    record_attempt,
-)
+from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.watching import host as host_memory
@@ -120,19 +116,19 @@ def _store_attempt(
     """The speed trial's candidates first, then the attempt's own line, which wins for its knobs.
     Under torchrun the peak only: the ranks' tokens/s is no one card's speed."""
     for knobs, rate in trial:
-        record_attempt(store, shape, knobs, None, rate, kind)
+        peak_store.record_attempt(store, shape, knobs, None, rate, kind)
     peak = record.peak.bytes if record.peak else None
     if record.knobs.world_size == 1:
-        record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
+        peak_store.record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
     elif peak is not None:
-        record_attempt(store, shape, record.knobs, peak, None, kind)
+        peak_store.record_attempt(store, shape, record.knobs, peak, None, kind)
 
 
 def peak_store_path(job: Job) -> Path | None:
     """The per-host peak store, or None: turned off, or a CPU run (its peaks are no GPU's)."""
     if not job.supervise.calibration_store or job.resources.device == "cpu":
         return None
-    return default_path()
+    return peak_store.default_path()
 
 
 def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.Settings:
