@@ -1,9 +1,5 @@
-"""The arbiter: runs one job's run directory to a verdict, one attempt at a time.
-
-Single-threaded and boring (gunicorn's arbiter): signal handlers only set a flag; one loop holds
-the run's state (:class:`~..record.journal.RunState` draws the machine) and moves it with one
-``if/elif``. The planner says what runs next, the runner runs it, :mod:`.conclude` judges it and
-asks the policy; a Wait is the WAITING state, an unchanged retry's pause the BACKOFF state.
+"""The arbiter: runs one job's run directory to a verdict, one attempt at a time. Signal handlers
+only set a flag; one loop moves the run's state (``record.journal.RunState`` draws the machine).
 
 Crash safety: every decision is appended to ``attempts.jsonl`` (fsynced) before it is acted on,
 and ``state.json`` names the attempt in flight; started again after a kill, the arbiter reclaims

@@ -1,8 +1,5 @@
-"""What a child shows while it runs and leaves when it ends, read and logged once: its heartbeats'
-memory creep and first step, its ranks' exits, peaks and emergency parts, its error reports.
-Shared by the runner (a watched attempt) and :func:`reclaim`: the attempt in flight when the
-supervisor itself died, its child found and stopped, what it left an outcome with no exit status.
-"""
+"""What a child shows while it runs and leaves when it ends, read and logged once; shared by the
+runner and :func:`reclaim` (the attempt in flight when the supervisor itself died)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Climbing back: at each checkpoint of a training attempt, whether to stop it (gracefully) for a
-planned restart in a faster config. A step-up (:mod:`policies.ladder.step_up`): a rung's cause has
-cleared (descents and past step-ups are read from the journal, so a restarted supervisor knows
-them); a re-time (:mod:`policies.retime`): the card's sharing changed since this attempt's speed
-trial. A refusal is logged once per descent and reason."""
+"""Climbing back: at each checkpoint of a training attempt, whether to stop it for a planned restart
+in a faster config: a step-up (a rung's cause has cleared) or a re-time (the card's sharing changed
+since the speed trial). Descents and past step-ups are read from the journal."""
 
 from __future__ import annotations
 

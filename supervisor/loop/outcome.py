@@ -1,12 +1,7 @@
-"""What an ended attempt showed (watched by the runner, or found by the reclaim after the supervisor
-died), and the one path for both to a verdict (:func:`judge`), a journal line (:func:`record_of`)
-and the arbiter's next state (:class:`Conclusions`).
-
-A failed attempt's journal line is built once, before the policy is asked, and the policy's view of
-it is derived from that line as every earlier attempt's is (``record.history.policy_history``), so
-what the policy weighed and what the journal keeps cannot differ. A ``Wait`` leads to WAITING
-without a journal line yet; a ``Restart`` or ``GiveUp`` is journalled (fsynced) before the arbiter
-acts on it, and announced from that line alone.
+"""What an ended attempt showed (watched, or reclaimed after the supervisor died), and the one path
+for both to a verdict (:func:`judge`), a journal line (:func:`record_of`) and the arbiter's next
+state (:class:`Conclusions`). The policy is asked with the failed attempt's journal line, so what
+it weighed and what the journal keeps cannot differ; a decision is journalled before it is acted on.
 """
 
 from __future__ import annotations

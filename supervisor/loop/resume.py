@@ -1,12 +1,7 @@
-"""Which checkpoint an attempt resumes from, judged from the checkpoint's own marker (the knobs it
-was trained with, each file's size and sha256), so the rule stays right however many attempts in
-between failed or stopped before writing one.
-
-Newest first: files that no longer match are skipped (and quarantined when asked); an adapter of
-another model, or a smaller LoRA rank (or the same rank with another alpha), is skipped; a larger
-rank is cut by truncated SVD in the child, without its optimizer state; another optimizer, or one
-written before the ``fresh_optimizer_state`` rung, loads without its optimizer state. One that
-passes and still fails to load comes back as ``checkpoint_damaged`` (:func:`quarantine_reported`).
+"""Which checkpoint an attempt resumes from, judged from the checkpoint's own marker (its knobs, each
+file's size and sha256), newest first: damaged files are skipped (and quarantined when asked); an
+adapter of another model or a smaller LoRA rank (or alpha) is skipped; a larger rank is cut by SVD
+in the child; another optimizer (or ``fresh_optimizer_state``) loads without its optimizer state.
 """
 
 from __future__ import annotations

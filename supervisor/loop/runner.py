@@ -1,8 +1,5 @@
-"""The attempt runner: :meth:`~AttemptRunner.prepare` (checkpoint chosen, spec written: on disk
-before ``state.json`` names the attempt), :meth:`~AttemptRunner.spawn`, :meth:`~AttemptRunner.run`
-(watched to its end, what it left read). The arbiter writes ``state.json`` between them; the
-runner writes no state and does not judge the :class:`~.outcome.AttemptOutcome` it returns.
-"""
+"""The attempt runner: ``prepare`` (checkpoint chosen, spec written), ``spawn`` and ``run`` (watched
+to its end). The arbiter writes ``state.json`` between them; the runner writes no state."""
 
 from __future__ import annotations
 

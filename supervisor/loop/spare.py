@@ -1,12 +1,7 @@
-"""The warm spare: one trainer child that has already imported the stack (14-20 s of a ~20 s
-restart on an H200) and waits for a spec, started while the current attempt runs.
-
-A spare never changes the result: it gets an attempt only when that attempt's environment equals
-its own key by key (torch reads its allocator settings once; a stale spare is discarded, logged)
-and its device is the same; its prelude binds the device as an attempt does; what it does ahead
-(imports, a meta-device model, the tokenizer and rows) comes before the trainer seeds anything.
-No spare with ``supervise.warm_spare: false``, with ``auto`` on fewer than 4 usable CPUs, for
-torchrun's ranks or a merge, or when host RAM is short (:func:`room_for_spare`).
+"""The warm spare (docs/recovery.md): one trainer child that has already imported the stack and
+waits for a spec. It never changes the result: it gets an attempt only when that attempt's
+environment and device equal its own (torch reads its allocator settings once), and what it does
+ahead comes before the trainer seeds anything.
 """
 
 from __future__ import annotations

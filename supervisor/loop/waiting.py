@@ -1,11 +1,6 @@
 """Waiting, on the loop's clock: the backoff before an unchanged retry, and polls for GPU memory or
-room on the disk.
-
-One backoff series paces every wait (:func:`backoff_s`); a poll (:func:`poll_until`) pauses the
-next term between two readings, with jitter so that supervisors sharing a card do not poll in step.
-Every pause goes through one :class:`Pacer` (clock and sleep seams, ends early on a stop, feeds
-systemd's watchdog): an hour's wait is as interruptible as a tick, and fake-clock tests take no time.
-Nothing here writes ``state.json`` for the disk: on a full disk it could not.
+room on the disk. One backoff series paces every wait, with jitter between polls so supervisors
+sharing a card do not poll in step; every pause goes through one interruptible :class:`Pacer`.
 """
 
 from __future__ import annotations
