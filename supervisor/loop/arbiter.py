@@ -193,9 +193,7 @@ class Supervisor:
             elif state is RunState.STOPPED:
                 return self._stopped(records[-1].knobs, records[-1].phase)
             else:
-                raise AssertionError(
-                    f"{state.value} without what it acts on (RUNNING: a plan; WAITING: a decision)"
-                )
+                raise AssertionError(f"{state.value} without its plan (RUNNING) or decision (WAITING)")
 
     def _run_attempt(self, runner: AttemptRunner, plan: Plan, records: list[AttemptRecord]) -> AttemptOutcome:
         """The RUNNING state: one attempt from its spec to its end."""
@@ -244,9 +242,8 @@ class Supervisor:
         return records
 
     def _plan_facts(self) -> PlanFacts:
-        return PlanFacts(
-            self.first, self.job.train.merge, self.rd.merged.exists(), self.book.lifted_after, self.settings
-        )
+        merged, lifted = self.rd.merged.exists(), self.book.lifted_after
+        return PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
 
     def _runner_context(self, records: list[AttemptRecord]) -> RunnerContext:
         first = self.first

@@ -98,30 +98,19 @@ def remember_attempt(
     store, shape = peak_store_path(job), settings.shape
     trial = trial_speeds(speed, record.knobs)
     if store is not None and shape is not None:
-        _store_attempt(store, shape, job.trainer.kind, record, speed, trial)
+        # The trial's candidates first, then the attempt's own line, which wins for its knobs; under
+        # torchrun the peak only (the ranks' tokens/s is no one card's speed).
+        kind, peak = job.trainer.kind, record.peak.bytes if record.peak else None
+        for knobs, rate in trial:
+            peak_store.record_attempt(store, shape, knobs, None, rate, kind)
+        if record.knobs.world_size == 1:
+            peak_store.record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
+        elif peak is not None:
+            peak_store.record_attempt(store, shape, record.knobs, peak, None, kind)
     observed = [SpeedObservation(knobs, rate) for knobs, rate in trial]
     if speed.tokens_per_s is not None:  # newest last: a config measured twice counts its latest
         observed.append(SpeedObservation(speed.knobs, speed.tokens_per_s))
     return dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
-
-
-def _store_attempt(
-    store: Path,
-    shape: ModelShape,
-    kind: str,
-    record: AttemptRecord,
-    speed: AttemptSpeed,
-    trial: list[tuple[Knobs, float]],
-) -> None:
-    """The speed trial's candidates first, then the attempt's own line, which wins for its knobs.
-    Under torchrun the peak only: the ranks' tokens/s is no one card's speed."""
-    for knobs, rate in trial:
-        peak_store.record_attempt(store, shape, knobs, None, rate, kind)
-    peak = record.peak.bytes if record.peak else None
-    if record.knobs.world_size == 1:
-        peak_store.record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
-    elif peak is not None:
-        peak_store.record_attempt(store, shape, record.knobs, peak, None, kind)
 
 
 def peak_store_path(job: Job) -> Path | None:
