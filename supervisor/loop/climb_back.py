@@ -129,17 +129,17 @@ class ClimbBack:
         settings = self.settings()
         lengths = settings.sample_lengths.lengths if settings.sample_lengths else ()
         card = self._card(step, now, settings.step_up_settle_s)
-        answer = rule.step_up(
-            knobs, descents(self.records, lengths), past_step_ups(self.records), settings, card
-        )
+        past = descents(self.records, lengths), past_step_ups(self.records)
+        answer = rule.step_up(knobs, *past, settings, card)
         if isinstance(answer, rule.StepUp):
-            return PlannedRestart(
-                answer.knobs, rule.STEP_UP_RUNG, answer.why, answer.changes, answer.descent.attempt
-            )
+            up = answer
+            return PlannedRestart(up.knobs, rule.STEP_UP_RUNG, up.why, up.changes, up.descent.attempt)
         if isinstance(answer, rule.Refusal):
             # Once per descent and reason (its numbers move with the card's every sample).
             key = f"{answer.descent.attempt}:{re.sub(r'[0-9.]+', '#', answer.why)}"
-            self._say_once(key, Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
+            if key not in self.said:
+                self.said.add(key)
+                self.log.info(Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
         return self._retime(knobs, now, settings, remaining_s)
 
     def _card(self, step: int, now: float, settle_s: float) -> rule.CardNow:
@@ -164,14 +164,6 @@ class ClimbBack:
             return None
         self.trial_at = None  # once per trial
         to, why = answer
-        changes = {
-            n: (getattr(knobs, n), getattr(to, n))
-            for n in _TRIAL_KNOBS
-            if getattr(knobs, n) != getattr(to, n)
-        }
+        pairs = {n: (getattr(knobs, n), getattr(to, n)) for n in _TRIAL_KNOBS}
+        changes: dict[str, tuple[object, object]] = {n: p for n, p in pairs.items() if p[0] != p[1]}
         return PlannedRestart(to, retime.RETIME_RUNG, why, changes)
-
-    def _say_once(self, key: str, event: Event, **fields: object) -> None:
-        if key not in self.said:
-            self.said.add(key)
-            self.log.info(event, **fields)
