@@ -75,15 +75,12 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             skipped.append(f"{path.name}: {why_not}")
             continue
         rank_from = _larger_rank(saved, knobs)
-        reset = (
-            optimizer_only
-            or rank_from is not None
-            or saved.get("optimizer") != knobs.optimizer
-            # the fresh_optimizer_state rung, against a checkpoint written before it
-            or bool(saved.get("fresh_optimizer_state", False)) != knobs.fresh_optimizer_state
-            # FSDP lays its optimizer state out its own way (optimizer.bin): one mode cannot read the other's
-            or bool(saved.get("fsdp", False)) != knobs.fsdp
-        )
+        # Another optimizer, the fresh_optimizer_state rung against a checkpoint written before it, or
+        # the other FSDP mode (its optimizer state has its own layout): the optimizer state is not loaded.
+        flags = ("fresh_optimizer_state", "fsdp")
+        changed = saved.get("optimizer") != knobs.optimizer
+        changed = changed or any(bool(saved.get(name, False)) != getattr(knobs, name) for name in flags)
+        reset = optimizer_only or rank_from is not None or changed
         return ResumePoint(step, path, reset, tuple(skipped), tuple(moved), rank_from)
     return ResumePoint(0, None, False, tuple(skipped), tuple(moved))
 
