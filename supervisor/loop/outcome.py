@@ -387,7 +387,6 @@ class Conclusions:
         append_attempt(self.rd.attempts, record)
         records.append(record)
         speed = speed_of(events, record.knobs)
-        # The attempt's peak and speed kept.
         self.settings = job_settings.remember_attempt(self.settings, self.job, record, speed)
         return record
 
