@@ -21,8 +21,9 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import waiting
 from qlora_supervise.supervisor.loop.child_output import reclaim
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
+from qlora_supervise.supervisor.loop.conclude import Conclusions, Pending, Turn
 from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, Conclusions, Pending, Turn
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext

@@ -1,52 +1,30 @@
 """What an ended attempt showed (watched, or reclaimed after the supervisor died), and the one path
-for both to a verdict (:func:`judge`), a journal line (:func:`record_of`) and the arbiter's next
-state (:class:`Conclusions`). The policy is asked with the failed attempt's journal line, so what
-it weighed and what the journal keeps cannot differ; a decision is journalled before it is acted on.
-"""
+for both to a verdict (:func:`judge`) and a journal line (:func:`record_of`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from structlog.typing import FilteringBoundLogger
-
-from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.supervisor.diagnosis.cap_advice import with_named_cap
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on, torchrun_root_rank
-from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
-from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop import settings as job_settings
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
-from qlora_supervise.supervisor.loop.waiting import DiskWaiter
-from qlora_supervise.supervisor.record.attempt_speed import speed_of
-from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.history import policy_history, story
-from qlora_supervise.supervisor.record.journal import RunState, append_attempt
 from qlora_supervise.supervisor.record.records import (
-    Action,
     AttemptRecord,
     DecisionRecord,
     HostMemory,
     Outcome,
-    Phase,
     attempt_peak,
 )
-from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers.trainer import saved_by_the_tool_only
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
-from qlora_supervise.trainer_child.contract.events import ChildEvent, Resumed, script_settings
+from qlora_supervise.trainer_child.contract.events import Resumed, script_settings
 from qlora_supervise.trainer_child.contract.report import ErrorReport
-from qlora_supervise.trainer_child.contract.script_knobs import as_built, unapplied
-from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.contract.script_knobs import unapplied
 
 
 @dataclass(frozen=True)
@@ -255,282 +233,3 @@ def optimizer_reset(progress: Progress) -> str | None:
     if resumed is None or not resumed.reset_optimizer:
         return None
     return resumed.reset_reason or "the optimizer changed"
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    """A failed attempt between its classification and its journal line: ``record`` is the line
-    without its decision, ``history`` what the policy was asked with (this attempt last)."""
-
-    outcome: AttemptOutcome
-    failure: Failure
-    record: AttemptRecord
-    history: tuple[policy.PastAttempt, ...]
-    decision: policy.Decision
-    waited: policy.WaitResult | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Turn:
-    """Where the arbiter goes next: a state, with what that state acts on (RUNNING: the plan to
-    run; WAITING: the failed attempt whose answer waits)."""
-
-    state: RunState
-    pending: Pending | None = None
-    plan: Plan | None = None
-
-
-@dataclasses.dataclass
-class Conclusions:
-    """The journal's writer. ``settings`` are the policy's, updated by what each attempt showed
-    (sample lengths, peaks, speeds); ``lifted_after``: attempts up to this one had a verdict
-    that was lifted, so the policy's budgets count only the attempts after it."""
-
-    job: Job
-    rd: RunDir
-    log: FilteringBoundLogger
-    disk: DiskWaiter
-    settings: policy.Settings
-    lifted_after: int = 0
-
-    def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
-        """``o`` with the knobs the attempt trained with (the journal, the policy's history and the
-        never-repeat-a-failed-config rule key on what ran): its speed trial's choice (whose reason
-        joins the plan's), and what a script with its settings in its code reports it built."""
-        trial = speed_of(o.progress.events, o.plan.knobs).choice
-        trained = as_built(trial.knobs if trial else o.plan.knobs, script_settings(o.progress.events))
-        o = dataclasses.replace(o, host_predicted=job_settings.predicted_host(self.settings, trained))
-        note = o.plan.note
-        if trial is not None:
-            note = note and dataclasses.replace(note, why=(*note.why, trial.why))
-        elif trained == o.plan.knobs:
-            return o
-        return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained, note=note))
-
-    def conclude(self, o: AttemptOutcome, records: list[AttemptRecord], reclaimed: bool = False) -> Turn:
-        """The one path from an ended attempt (watched or reclaimed) to its journal line."""
-        o = self._as_trained(o)
-        log = self.log.bind(attempt=o.number)
-        fit = job_settings.step_fit(self.settings, self.job.resources.device, o.plan)
-        verdict = judge(o, self._phase_done(o.plan.phase), fit)
-        if isinstance(verdict, Failure):
-            verdict = self.disk.explain(verdict)
-            _announce_failure(log, verdict, o.report, reclaimed)
-            return self._decide(o, verdict, records, log)
-        if verdict is Outcome.STEPPED_UP and o.planned is not None:
-            return self._planned(o, o.planned, records)
-        next_from = None if verdict is Outcome.SUCCEEDED else self.resume_step(o.plan.knobs)
-        record = self.journal(record_of(o, verdict, next_from), records, o.progress.events)
-        if verdict is Outcome.STOPPED:
-            return Turn(RunState.STOPPED)  # RUNNING -> STOPPED
-        if verdict is Outcome.SUCCEEDED:
-            self._announce_success(log, record, records, reclaimed)
-        else:
-            log.info(
-                Event.ATTEMPT_INTERRUPTED,
-                steps=record.steps_completed,
-                resume_from=record.next_resume_from,
-                why="the supervisor stopped while this attempt ran; its config is not counted as failed",
-            )
-        return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan says what is left (a merge, or done)
-
-    def _planned(self, o: AttemptOutcome, planned: PlannedRestart, records: list[AttemptRecord]) -> Turn:
-        """A planned restart (a step-up or a re-time) journalled as the restart decision it is."""
-        # Back to the 32-bit optimizer: its state starts afresh (the resume reads that off the checkpoint).
-        survives = Survives.OPTIMIZER_RESET if "optimizer" in planned.changes else Survives.ALL
-        entry = DecisionRecord(
-            Action.RESTART, planned.why, planned.rung, planned.changes, survives, planned.knobs,
-            undoes=planned.undoes,
-        )  # fmt: skip
-        line = record_of(o, Outcome.STEPPED_UP, self.resume_step(planned.knobs), None, entry)
-        self.journal(line, records, o.progress.events)
-        return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan follows the decision
-
-    def answer(self, pending: Pending, records: list[AttemptRecord]) -> Turn:
-        """Act on the policy's answer: a Wait is carried out first; a Restart or GiveUp is journalled."""
-        decision = pending.decision
-        if isinstance(decision, policy.Wait):
-            return Turn(RunState.WAITING, pending)  # RUNNING -> WAITING
-        next_from = None
-        if isinstance(decision, policy.GiveUp):  # a memory give-up names the cap (issue 21 item 7)
-            seen = [*records, pending.record]
-            knobs = pending.outcome.plan.knobs
-            decision = with_named_cap(decision, pending.failure.kind, knobs, self.job, self.settings, seen)
-        if isinstance(decision, policy.Restart):
-            reinit = decision.survives is Survives.ADAPTER_REINIT
-            next_from = 0 if reinit else self.resume_step(decision.knobs)
-        entry = DecisionRecord.of(decision, pending.waited.waited_s if pending.waited else 0.0)
-        line = record_of(pending.outcome, Outcome.FAILED, next_from, pending.record.failure, entry)
-        record = self.journal(line, records, pending.outcome.progress.events)
-        self._announce_decision(self.log.bind(attempt=record.attempt), record, records)
-        return _after(record)
-
-    def after_wait(self, pending: Pending, waited: policy.WaitResult, records: list[AttemptRecord]) -> Turn:
-        """The policy asked again with what its Wait saw; a stop that ended the wait is no verdict."""
-        o = pending.outcome
-        if waited.stopped:
-            # WAITING -> STOPPED: no verdict on the config; the run stays resumable.
-            line = record_of(o, Outcome.STOPPED, self.resume_step(o.plan.knobs), pending.record.failure)
-            self.journal(line, records, o.progress.events)
-            return Turn(RunState.STOPPED)
-        knobs, phase = o.plan.knobs, o.plan.phase.value
-        decision = policy.decide(
-            pending.failure, knobs, pending.history, self.settings, waited=waited, phase=phase
-        )
-        return self.answer(dataclasses.replace(pending, decision=decision, waited=waited), records)
-
-    def journal(
-        self, record: AttemptRecord, records: list[AttemptRecord], events: Sequence[ChildEvent]
-    ) -> AttemptRecord:
-        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the
-        attempt's, read once by its heartbeat reader."""
-        append_attempt(self.rd.attempts, record)
-        records.append(record)
-        speed = speed_of(events, record.knobs)
-        self.settings = job_settings.remember_attempt(self.settings, self.job, record, speed)
-        return record
-
-    def resume_step(self, knobs: Knobs) -> int:
-        """The step an attempt with ``knobs`` would resume from: the same rule the spawn uses."""
-        return resume_point(self.rd.checkpoints, knobs).step
-
-    def _decide(
-        self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
-    ) -> Turn:
-        self.settings = job_settings.with_sample_lengths(self.settings, o.progress.events)
-        self.settings = job_settings.with_script_model(self.settings, o.progress.events)
-        if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
-            quarantined := self._quarantine(o, failure, records, log)
-        ):
-            return _after(quarantined)
-        if failure.kind is FailureKind.DISK_FULL:
-            failure = self.disk.with_room_needed(failure)
-        # A lifted verdict starts the budgets afresh: the attempts before it were judged already.
-        earlier = [r for r in records if r.attempt > self.lifted_after]
-        return self.answer(self._ask(o, failure, earlier), records)
-
-    def _ask(self, o: AttemptOutcome, failure: Failure, earlier: Sequence[AttemptRecord]) -> Pending:
-        """The policy's first answer, saying so when the OOM repeats at the data position of the
-        attempt before (:mod:`..diagnosis.repeat`)."""
-        record = record_of(o, Outcome.FAILED, None, failure_record(failure, o.report, o.progress))
-        # The failure's own kind even for a damaged checkpoint that could not be moved aside:
-        # later decisions leave that kind out of their budgets, but this one decides about it.
-        this = dataclasses.replace(policy_history([record])[0], kind=failure.kind)
-        history = (*policy_history(earlier), this)
-        decision = policy.decide(failure, o.plan.knobs, history, self.settings, phase=o.plan.phase.value)
-        before = next((r.failure for r in reversed(earlier) if r.failure is not None), None)
-        note = repeat_note(failure, before, o.plan.knobs.max_seq_len, self.settings.sample_lengths)
-        if note is not None and not isinstance(decision, policy.Wait):
-            decision = dataclasses.replace(decision, why=f"{decision.why}; {note}")
-        return Pending(o, failure, record, history, decision)
-
-    def _quarantine(
-        self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
-    ) -> AttemptRecord | None:
-        """The checkpoint the child could not load is moved aside and the same knobs resume from
-        the next older one (no verdict on the config); None when it cannot be moved."""
-        moved = quarantine_reported(o.report, self.rd.checkpoints)
-        if moved is None:
-            return None
-        log_quarantined(log, [moved])
-        entry = DecisionRecord.retry_from_older(o.plan.knobs, moved.path.name)
-        line = record_of(
-            o, Outcome.FAILED, self.resume_step(o.plan.knobs), failure_record(failure, o.report), entry
-        )
-        record = self.journal(line, records, o.progress.events)
-        self._announce_decision(log, record, records)
-        return record
-
-    def _phase_done(self, phase: Phase) -> bool:
-        if phase is Phase.TRAIN and self.job.trainer.saved_alone(self.rd.root):
-            return True  # a tool without the shim saves into its own output dir only
-        return (self.rd.merged if phase is Phase.MERGE else self.rd.adapter).exists()
-
-    def _announce_success(
-        self,
-        log: FilteringBoundLogger,
-        record: AttemptRecord,
-        records: Sequence[AttemptRecord],
-        reclaimed: bool,
-    ) -> None:
-        """``attempt_succeeded``, and ``run_succeeded`` when nothing (no merge) is left to run."""
-        log.info(
-            Event.ATTEMPT_SUCCEEDED,
-            phase=record.phase.value,
-            steps=record.steps_completed,
-            reclaimed=reclaimed,
-        )
-        if record.phase is Phase.MERGE or not self.job.train.merge:
-            rd = self.rd  # the event names what is there, never an adapter folder that was not written
-            tool_output = saved_by_the_tool_only(rd.root, rd.adapter)
-            log.info(
-                Event.RUN_SUCCEEDED,
-                attempts=record.attempt,
-                steps=max(r.steps_completed for r in records if r.phase is Phase.TRAIN),
-                adapter=str(rd.adapter) if rd.adapter.exists() else None,
-                trainer_output=str(tool_output) if tool_output is not None else None,
-                merged=str(rd.merged) if record.phase is Phase.MERGE else None,
-                story=story(records),
-            )
-
-    def _announce_decision(
-        self, log: FilteringBoundLogger, record: AttemptRecord, records: Sequence[AttemptRecord]
-    ) -> None:
-        """``retry`` (a warning: the run goes on) or ``gave_up`` (an error), read from the journal
-        line alone: what the log says is what the journal keeps."""
-        decision, failure = record.decision, record.failure
-        assert decision is not None and failure is not None, "only a decided failure is announced"
-        if record.restarts and decision.knobs is not None:
-            log.warning(
-                Event.RETRY,
-                failed=failure.kind.value,
-                stage=failure.stage.value,
-                numbers=failure.numbers_json(),
-                rung=decision.rung,
-                changes={k: list(v) for k, v in decision.changes.items()},
-                why=decision.why,
-                progress_survives=decision.survives.value,
-                steps_completed=record.steps_completed,
-                resume_from=record.next_resume_from,
-                lost_steps=record.lost_steps,
-                emergency_checkpoint=bool(failure.emergency_checkpoint),
-                effective_batch=decision.knobs.effective_batch,
-            )
-            return
-        log.error(
-            Event.GAVE_UP,
-            failed=failure.kind.value,
-            stage=failure.stage.value,
-            why=decision.why,
-            retryable=decision.retryable,
-            message=failure.message[:500],
-            journal=str(self.rd.attempts),
-            story=story(records),
-        )
-
-
-def _announce_failure(
-    log: FilteringBoundLogger, failure: Failure, report: ErrorReport | None, reclaimed: bool
-) -> None:
-    """``failure_classified``: what the classifier found, and from which evidence."""
-    log.info(
-        Event.FAILURE_CLASSIFIED,
-        kind=failure.kind.value,
-        stage=failure.stage.value,
-        numbers=failure.numbers_json(),
-        evidence=failure.evidence,
-        message=failure.message[:500],
-        reclaimed=reclaimed,
-        memory_snapshot=report.memory_snapshot if report else None,
-        rank=failure.rank,
-        local_rank=failure.local_rank,
-        gpu=failure.gpu,
-    )
-
-
-def _after(record: AttemptRecord) -> Turn:
-    """BACKOFF only before an unchanged retry with no wait in between (RUNNING | WAITING -> ...)."""
-    decision = record.decision
-    if record.restarts and decision is not None and decision.knobs == record.knobs and not decision.waited_s:
-        return Turn(RunState.BACKOFF)  # the same config again
-    return Turn(RunState.STARTING)  # a new config, or the verdict
