@@ -64,8 +64,7 @@ def open_append_binary(path: Path) -> BinaryIO:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append one line and fsync it (and a new file's directory entry); a line torn by an earlier
-    kill is closed first, so it does not swallow this one."""
+    """Append one line and fsync it; a line torn by an earlier kill is closed first."""
     created = not path.exists()
     with open_append_binary(path) as handle:
         handle.seek(0, os.SEEK_END)

@@ -152,8 +152,7 @@ class Supervisor:
         return Turn(RunState.STARTING)
 
     def _loop_outlasting_full_disks(self, records: list[AttemptRecord], turn: Turn) -> int:
-        """The loop; when one of the supervisor's own writes finds no room, wait for room and go on
-        as a restarted supervisor would (the journal and state read again, the attempt reclaimed)."""
+        """The loop; when the supervisor's own write finds no room, wait for room and go on as a restart."""
         while True:
             try:
                 return self._loop(records, turn)

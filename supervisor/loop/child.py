@@ -133,8 +133,7 @@ class ChildProcess:
             os.killpg(self.popen.pid, signum)
 
     def stop(self, grace_s: float) -> int:
-        """Stop the child and its group (:func:`stop_group`); its exit status (negative: a signal).
-        torchrun forwards the SIGTERM to its ranks; ranks left at the end are killed by their groups."""
+        """Stop the child and its group, and torchrun's ranks left at the end; its exit status."""
         ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
         if self.popen.poll() is None:
             code = stop_group(self.popen.pid, grace_s)

@@ -73,8 +73,7 @@ class FirstStep:
 
 
 def note_rank_exits(spec: AttemptSpec, watched: Watched, now: float) -> None:
-    """When each rank's process (its pid from its ``started`` event) was first seen gone: with no
-    report, the rank that left first is the one that failed."""
+    """When each rank's process (its pid from its ``started`` event) was first seen gone."""
     if spec.knobs.world_size <= 1:
         return
     for rank, path in rank_files(spec.events_file):
@@ -120,8 +119,7 @@ def ranks_overstay(
 
 
 def card_fields(watched: Watched) -> dict[str, dict[str, int]]:
-    """``child_exited``'s per-card numbers under torchrun: each local rank's card (NVML index) and
-    the child's peak NVML saw there (the allocator's ``rank_peaks`` leave out the CUDA context)."""
+    """``child_exited``'s per-card numbers under torchrun: each local rank's card and its NVML peak."""
     if not watched.cards:
         return {}
     cards = {str(rank): index for rank, index in watched.cards.items()}

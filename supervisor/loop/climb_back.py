@@ -92,8 +92,7 @@ def remaining_s(progress: Progress, knobs: Knobs) -> float:
 
 
 class ClimbBack:
-    """One run's watch for a faster config; ``records`` is the arbiter's journal list (appended to
-    as attempts end), ``settings`` the policy's as the run has updated them."""
+    """One run's watch for a faster config; ``records`` is the arbiter's journal list, kept current."""
 
     def __init__(
         self,

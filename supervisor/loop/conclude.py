@@ -167,8 +167,7 @@ class Conclusions:
     def journal(
         self, record: AttemptRecord, records: list[AttemptRecord], events: Sequence[ChildEvent]
     ) -> AttemptRecord:
-        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the
-        attempt's, read once by its heartbeat reader."""
+        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the attempt's."""
         append_attempt(self.rd.attempts, record)
         records.append(record)
         speed = speed_of(events, record.knobs)
@@ -195,8 +194,7 @@ class Conclusions:
         return self.answer(self._ask(o, failure, earlier), records)
 
     def _ask(self, o: AttemptOutcome, failure: Failure, earlier: Sequence[AttemptRecord]) -> Pending:
-        """The policy's first answer, saying so when the OOM repeats at the data position of the
-        attempt before (:mod:`..diagnosis.repeat`)."""
+        """The policy's first answer, saying so when the OOM repeats at the attempt before's data position."""
         record = record_of(o, Outcome.FAILED, None, failure_record(failure, o.report, o.progress))
         # The failure's own kind even for a damaged checkpoint that could not be moved aside:
         # later decisions leave that kind out of their budgets, but this one decides about it.
@@ -261,8 +259,7 @@ class Conclusions:
     def _announce_decision(
         self, log: FilteringBoundLogger, record: AttemptRecord, records: Sequence[AttemptRecord]
     ) -> None:
-        """``retry`` (a warning: the run goes on) or ``gave_up`` (an error), read from the journal
-        line alone: what the log says is what the journal keeps."""
+        """``retry`` (a warning) or ``gave_up`` (an error), read from the journal line alone."""
         decision, failure = record.decision, record.failure
         assert decision is not None and failure is not None, "only a decided failure is announced"
         if record.restarts and decision.knobs is not None:

@@ -79,8 +79,7 @@ def first_plan(
 
 
 def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
-    """``preflight``: attempt 1's config and why; a warning when a quality knob (the user's
-    seq_len or rank) changed."""
+    """``preflight``: attempt 1's config and why; a warning when a quality knob changed."""
     if note is None:
         return
     emit = log.warning if note.quality_changed else log.info

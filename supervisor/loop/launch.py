@@ -33,8 +33,7 @@ def command(spec_path: Path, phase: str, world_size: int = 1, shutdown_timeout_s
 
 
 def spec_command(spec_path: Path, phase: str) -> list[str]:
-    """The argv for the spec written at ``spec_path`` (its world size and stop grace decide); an
-    unreadable spec starts one process, which then reports it as a config error."""
+    """The argv for the spec at ``spec_path``; an unreadable spec starts one process, which reports it."""
     try:
         spec = AttemptSpec.from_json(spec_path.read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError, KeyError):

@@ -327,8 +327,7 @@ class AttemptRunner:
         return True
 
     def _note_creep(self, events: list[ChildEvent], creep: CreepWatch, pid: int, watched: Watched) -> None:
-        """Feed new heartbeats to the creep rule (watching/creep.py); once it fires, log it and ask the
-        child for an early checkpoint."""
+        """Feed new heartbeats to the creep rule; once it fires, log it and ask for an early checkpoint."""
         for event in events:
             forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
             if forecast is None:

@@ -41,8 +41,7 @@ class ChildHandle(Protocol):
         """Until it exits or ``timeout_s`` passes (a fake on a fake clock just sleeps)."""
 
     def stop(self, grace_s: float) -> int:
-        """SIGTERM, up to ``grace_s`` (in real time: a fake answers at once), then SIGKILL; the exit
-        status (negative: a signal)."""
+        """SIGTERM, up to ``grace_s`` to exit, then SIGKILL; the exit status (negative: a signal)."""
 
 
 class SpareProcess(ChildHandle, Protocol):

@@ -139,8 +139,7 @@ def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent])
 
 
 def with_script_model(settings: policy.Settings, events: Sequence[ChildEvent]) -> policy.Settings:
-    """A script's model shape, from the config its attempt reported (``script_knobs``), when the
-    job named no model the supervisor could read."""
+    """A script's model shape, from its attempt's ``script_knobs``, when the job named none readable."""
     if settings.shape is not None:
         return settings
     for event in reversed(events):
@@ -158,8 +157,7 @@ def model_shape(model_dir: Path) -> ModelShape | None:
 
 
 def step_fit(settings: policy.Settings, device: str, plan: Plan) -> StepFit | None:
-    """The memory model's training peak for the plan's knobs against the GPU budget; None for a
-    merge or on the CPU (the model counts GPU memory of training)."""
+    """The memory model's training peak for the plan's knobs against the GPU budget (None: merge, CPU)."""
     if plan.phase is not Phase.TRAIN or device == "cpu":
         return None
     return predicted_fit(settings.shape, plan.knobs, settings.budget_bytes)

@@ -150,8 +150,7 @@ class DiskWaiter:
         return int(SupervisorExitCode.GAVE_UP)
 
     def explain(self, failure: Failure) -> Failure:
-        """``other`` with no room left on the run's disk is ``disk_full``: a child that found the
-        disk full may not have had room to say so."""
+        """``other`` with no room left on the run's disk is ``disk_full`` (no room to say so)."""
         if failure.kind is not FailureKind.OTHER or disk_room.room_free(self.rd) >= disk_room.MIN_ROOM:
             return failure
         free = format_bytes(disk_room.room_free(self.rd))
