@@ -11,17 +11,8 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.trainer_child.contract.durable import FILE_MODE, fsync_dir
-
-__all__ = [
-    "FILE_MODE",
-    "LINK_FIX",
-    "UnsafeRunPath",
-    "append_line",
-    "open_append_binary",
-    "open_append_fd",
-    "open_append_text",
-]
+from qlora_supervise.trainer_child.contract.durable import FILE_MODE as FILE_MODE  # re-exported
+from qlora_supervise.trainer_child.contract.durable import fsync_dir
 
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 LINK_FIX = "remove it (nothing but the supervisor should create entries in a run directory)"
