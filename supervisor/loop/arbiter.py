@@ -80,7 +80,8 @@ class Supervisor:
         self.hup_seen = False
         self.gpu: GpuProbe | None = None
         self.pacer = Pacer(seams.clock, seams.sleep, seams.tick_s, lambda: self.stop_signal is not None)
-        self.disk = DiskWaiter.for_run(run_dir, log, self.pacer, job.supervise)
+        self.pacing = (job.supervise.backoff_initial, job.supervise.backoff_max)  # between two polls
+        self.disk = DiskWaiter(run_dir, log, self.pacer, job.supervise.disk_wait, self.pacing)
         self.book = Conclusions(job, run_dir, log, self.disk, settings or policy.Settings())
 
     @property
@@ -212,8 +213,7 @@ class Supervisor:
             return self.disk.wait(wait)  # state.json unwritten: on a full disk it could not be
         self._move(State(RunState.WAITING, pending.outcome.plan.knobs, note=wait.why))
         log = self.log.bind(attempt=pending.outcome.number)
-        pacing = (self.job.supervise.backoff_initial, self.job.supervise.backoff_max)
-        return waiting.wait_for_memory(self.gpu, wait, pending.failure, log, self.pacer, pacing)
+        return waiting.wait_for_memory(self.gpu, wait, pending.failure, log, self.pacer, self.pacing)
 
     def _backoff(self, records: list[AttemptRecord]) -> Turn:
         """BACKOFF: the pause before an unchanged retry, longer for each failure in a row."""

@@ -16,7 +16,6 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.jobfile.schema import SuperviseSection
 from qlora_supervise.supervisor.loop.seams import Clock, Sleep
 from qlora_supervise.supervisor.record import disk_room
 from qlora_supervise.supervisor.record.events import Event
@@ -133,12 +132,6 @@ class DiskWaiter:
     pacer: Pacer
     wait_s: float
     pacing: tuple[float, float]  # the job's (initial, max) backoff between polls
-
-    @classmethod
-    def for_run(
-        cls, rd: RunDir, log: FilteringBoundLogger, pacer: Pacer, supervise: SuperviseSection
-    ) -> DiskWaiter:
-        return cls(rd, log, pacer, supervise.disk_wait, (supervise.backoff_initial, supervise.backoff_max))
 
     def verdict(self, stop_signal: int | None) -> int:
         """No room came back in time (exit 3), or a stop came first (resumable): nothing to journal."""
