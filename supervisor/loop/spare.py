@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath, open_append_binary
-from qlora_supervise.supervisor.loop.seams import SpareProcess, SpawnSpare
+from qlora_supervise.supervisor.loop.seams import Clock, Sleep, SpareProcess, SpawnSpare
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract import entry
 
@@ -107,8 +107,8 @@ class SpareKeeper:
         self,
         run_dir: Path,
         spawn: SpawnSpare,
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
+        clock: Clock,
+        sleep: Sleep,
         log: FilteringBoundLogger,
         python: str,
     ) -> None:
