@@ -59,8 +59,7 @@ class FirstStep:
         """Log ``first_step`` if ``events`` hold it; True when they did."""
         for event in () if self.seen else events:
             if isinstance(event, Heartbeat) and event.step > self.resumed_from and event.time is not None:
-                self.seen = True
-                at = event.time
+                self.seen, at = True, event.time
                 log.info(
                     Event.FIRST_STEP,
                     step=event.step,

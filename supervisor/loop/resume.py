@@ -98,9 +98,7 @@ def _unloadable(saved: dict[str, Any], knobs: Knobs) -> str | None:
 
 def _larger_rank(saved: dict[str, Any], knobs: Knobs) -> int | None:
     rank = saved.get("lora_r")
-    if isinstance(rank, int) and not isinstance(rank, bool) and rank > knobs.lora_r:
-        return rank
-    return None
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > knobs.lora_r else None
 
 
 def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Quarantined | None:

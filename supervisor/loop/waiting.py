@@ -6,6 +6,7 @@ sharing a card do not poll in step; every pause goes through one interruptible :
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import signal
 from collections.abc import Callable, Sequence
@@ -33,12 +34,7 @@ def backoff_s(n: int, initial_s: float, max_s: float) -> float:
 
 def failures_in_a_row(records: Sequence[AttemptRecord]) -> int:
     """How many of the last journal lines are failures: the term of the series the next retry waits."""
-    count = 0
-    for record in reversed(records):
-        if record.outcome is not Outcome.FAILED:
-            break
-        count += 1
-    return count
+    return sum(1 for _ in itertools.takewhile(lambda r: r.outcome is Outcome.FAILED, reversed(records)))
 
 
 @dataclasses.dataclass
