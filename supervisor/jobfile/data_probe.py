@@ -1,15 +1,9 @@
-"""Peek at a training data file's columns without importing ``datasets`` (or torch).
+"""Peek at a training data file's columns without importing ``datasets`` (or torch), so a wrong
+``text_field`` is caught before any attempt starts; :func:`scan_records` then streams the whole
+dataset and names the file, line and field of the first record that cannot train.
 
-The job validator uses this to catch a wrong ``text_field`` before any attempt starts: the
-trainer would otherwise fail minutes later, after loading the model. Only the first record
-(or the schema) is read here; :func:`scan_records` then reads the whole dataset, streamed,
-and names the file, line and field of the first record that cannot train (a broken JSON line,
-a byte that is not UTF-8, a null or a wrong-typed value), and counts records, not lines.
-
-Formats: JSON Lines (``.jsonl``), JSON (``.json``: a list of records, a dict of columns, or
-JSON Lines under a ``.json`` name), CSV, Parquet (schema through pyarrow), a directory saved
-by ``datasets.save_to_disk`` (features from ``dataset_info.json``), or a directory holding files
-of those kinds (the first one, in sorted order, stands for all).
+Formats: ``.jsonl``, ``.json`` (records, columns, or JSON Lines), CSV, Parquet (its schema), a
+directory saved by ``datasets.save_to_disk``, or a directory of such files (the first stands for all).
 """
 
 from __future__ import annotations
@@ -43,10 +37,8 @@ class DataProbe:
 
 
 def probe(path: Path, *, count_rows: bool = False) -> DataProbe:
-    """The columns (and the first record where cheap) of the data at ``path``.
-
-    Raises DataProbeError when the file is unreadable, empty, malformed or of an unknown kind.
-    """
+    """The columns (and the first record where cheap) of the data at ``path``; DataProbeError when
+    the file is unreadable, empty, malformed or of an unknown kind."""
     if path.is_dir():
         return _probe_dir(path, count_rows)
     suffix = path.suffix.lower()
@@ -65,17 +57,17 @@ def probe(path: Path, *, count_rows: bool = False) -> DataProbe:
 
 
 def scan_records(path: Path, field: str, *, messages: bool) -> int | None:
-    """Every record of the data at ``path`` checked; the number of records, or None where it
-    cannot be read record by record (a directory saved by ``datasets``: its own info counts it).
-
-    Raises DataRowError (a ValueError) naming the file, line and field of the first bad record.
-    """
+    """Every record of the data at ``path`` checked; the number of records (None: not countable).
+    Raises DataRowError (a ValueError) naming the file, line and field of the first bad record."""
     if not path.is_dir():
         return scan(path, field, messages=messages)
     if (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file():
         return probe(path, count_rows=True).rows
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
-    return sum(scan(file, field, messages=messages) for file in files)
+    return sum(scan(file, field, messages=messages) for file in _data_files(path))
+
+
+def _data_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
 
 
 __all__ = ["DataProbe", "DataProbeError", "DataRowError", "field_problem", "probe", "scan_records"]
@@ -88,20 +80,16 @@ def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None
     if found.first_record is None:
         return None
     value = found.first_record.get(field)
-    if messages:
-        if not isinstance(value, list) or not all(
-            isinstance(turn, dict) and "role" in turn and "content" in turn for turn in value
-        ):
-            return f"field {field!r} of the first record is not a list of {{role, content}} messages"
+    if not messages:
+        kind = type(value).__name__
+        return None if isinstance(value, str) else f"field {field!r} of the first record is {kind}, not text"
+    if isinstance(value, list) and all(isinstance(t, dict) and "role" in t and "content" in t for t in value):
         return None
-    if not isinstance(value, str):
-        return f"field {field!r} of the first record is {type(value).__name__}, not text"
-    return None
+    return f"field {field!r} of the first record is not a list of {{role, content}} messages"
 
 
 def _probe_jsonl(path: Path, count_rows: bool) -> DataProbe:
-    # Bytes, decoded line by line: a bad byte further down is scan_records' to name, not a
-    # failure of this first look.
+    # Bytes, decoded line by line: a bad byte further down is scan_records' to name.
     first: dict[str, Any] | None = None
     rows = 0
     with path.open("rb") as handle:
@@ -129,7 +117,6 @@ def _json_record(text: str, where: str) -> dict[str, Any]:
 
 
 def _probe_json(path: Path) -> DataProbe:
-    # The whole file is parsed: .json datasets are the small ones (large ones are .jsonl/.parquet).
     text = path.read_text(encoding="utf-8")
     try:
         loaded = json_loads(text)
@@ -192,7 +179,7 @@ def _probe_dir(path: Path, count_rows: bool) -> DataProbe:
         return _probe_dir(_split_dir(path), count_rows)
     if (path / "dataset_info.json").is_file():
         return _probe_saved_dataset(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
+    files = _data_files(path)
     if not files:
         raise DataProbeError(f"the directory holds no dataset (expected {FORMATS_HELP})")
     found = probe(files[0], count_rows=False)

@@ -1,17 +1,12 @@
-"""A model directory read without its weights: ``config.json`` and the safetensors headers.
-
-A safetensors file starts with an 8-byte little-endian header length and that many bytes of
-JSON: ``{tensor name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...}``
-plus an optional ``__metadata__`` entry. A sharded checkpoint adds
-``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {name:
-file}}``). Reading those is enough to know every tensor's name, dtype and shape and the
-checkpoint's size, so ``qlora-supervise plan`` runs in a second for a 70B model on a laptop:
-no torch, no weights read, and shard files may even be absent (the index alone still gives
-names and the total size).
+"""A model directory read without its weights: ``config.json`` and the safetensors headers (an
+8-byte little-endian length, then that much JSON: name -> dtype, shape, offsets) and index (weight
+map, total size). That is every tensor's name, dtype and shape and the checkpoint's size, so
+``plan`` runs in a second for a 70B model without torch, even with shard files absent.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,23 +19,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Refuse headers larger than this: a real one is a few MB even for thousands of tensors.
 MAX_HEADER_BYTES = 100 << 20
-DTYPE_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
+_SIZES = {8: "F64 I64 U64", 4: "F32 I32 U32", 2: "F16 BF16 I16 U16", 1: "F8_E4M3 F8_E5M2 I8 U8 BOOL"}
+DTYPE_BYTES = {dtype: size for size, names in _SIZES.items() for dtype in names.split()}
 
 
 class ModelFilesError(ValueError):
@@ -54,10 +34,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -66,12 +43,9 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """What a model directory says about itself, weights unread.
-
-    ``tensors`` is empty when no safetensors header could be read (index without shards, or a
-    .bin checkpoint); ``checkpoint_bytes`` then comes from the index's ``total_size`` or the
-    file sizes, and is None when nothing tells it.
-    """
+    """What a model directory says about itself, weights unread. ``tensors`` is empty when no
+    safetensors header could be read (index without shards, a .bin checkpoint); ``checkpoint_bytes``
+    then comes from the index's ``total_size`` or the file sizes (None: nothing tells it)."""
 
     directory: Path
     config: Mapping[str, Any]
@@ -167,9 +141,8 @@ def _read_json(path: Path, what: str) -> Any:
     try:
         return json_loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ModelFilesError(
-            f"{path}: no {what}; point model.path at a Hugging Face model directory"
-        ) from None
+        fix = "point model.path at a Hugging Face model directory"
+        raise ModelFilesError(f"{path}: no {what}; {fix}") from None
     except OSError as error:
         raise ModelFilesError(f"{path}: cannot read ({error.strerror})") from error
     except ValueError as error:
