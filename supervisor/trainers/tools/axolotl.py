@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     MULTI_GPU,
     TRAINER_ARGUMENTS_CONTRADICTIONS,
     Contradiction,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     ACTIVATION_CHECKPOINTING,
     EVAL_STRATEGY,
     MULTI_GPU,

@@ -8,7 +8,7 @@ from typing import Any
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     EVAL_STRATEGY,
     TRAINER_ARGUMENTS_CONTRADICTIONS,
     Row,

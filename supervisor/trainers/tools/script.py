@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.table_rows import EVAL_STRATEGY, Row, Table
+from qlora_supervise.supervisor.trainers.tables import EVAL_STRATEGY, Row, Table
 from qlora_supervise.supervisor.trainers.tool import Tool
 
 #: The keys as the shim finds them; the defaults are TrainingArguments', trl's and peft's own, the

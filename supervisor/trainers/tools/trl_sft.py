@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     ACTIVATION_CHECKPOINTING,
     EVAL_STRATEGY,
     MULTI_GPU,
