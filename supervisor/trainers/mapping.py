@@ -1,15 +1,12 @@
 """The knobs of a tool's config, the config of an attempt's knobs, and what is wrong with a config.
-
-A config is the tool's own mapping (YAML, or the flags of a script). Keys may be dotted for a
-nested value (axolotl's ``bnb_config_kwargs.bnb_4bit_quant_type``). Only the rows of the table
-are read or written; every other key is passed through untouched.
-"""
+Keys may be dotted for a nested value (``bnb_config_kwargs.bnb_4bit_quant_type``); only the rows of
+the table are read or written, every other key passes through untouched."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
@@ -76,30 +73,25 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
         for key, fix in table.required.items()
         if lookup(config, key) is _MISSING
     ]
-    problems += list(_type_problems(table, config, where))
-    for rule in table.contradictions:
-        value = lookup(config, rule.key)
-        if value is not _MISSING and rule.bad(value) and rule.given(config):
-            problems.append(Problem(f"{where}: {rule.key}", rule.problem, show(value), rule.fix))
-    return problems
-
-
-def _type_problems(table: Table, config: Mapping[str, Any], where: str) -> Iterator[Problem]:
     for row in table.rows:
         key = row.key_in(config)
         raw = lookup(config, key)
         if raw is _MISSING or raw is None or row.knob not in _KNOB_TYPES:
             continue
-        value, wanted = (
-            row.read(_unquoted(row, raw) if table.reads_quoted_numbers else raw),
-            _KNOB_TYPES[row.knob],
-        )
+        value = row.read(_unquoted(row, raw) if table.reads_quoted_numbers else raw)
+        wanted = _KNOB_TYPES[row.knob]
+        why, fix = None, ""
         if wanted is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            yield Problem(
-                f"{where}: {key}", "must be a whole number > 0", show(raw), "write it as 1, 2, 4, ..."
-            )
+            why, fix = "must be a whole number > 0", "write it as 1, 2, 4, ..."
         elif wanted is not int and not isinstance(value, wanted):
-            yield Problem(f"{where}: {key}", f"wrong type: expected a {wanted.__name__}", show(raw), "")
+            why = f"wrong type: expected a {wanted.__name__}"
+        if why is not None:
+            problems.append(Problem(f"{where}: {key}", why, show(raw), fix))
+    for rule in table.contradictions:
+        value = lookup(config, rule.key)
+        if value is not _MISSING and rule.bad(value) and rule.given(config):
+            problems.append(Problem(f"{where}: {rule.key}", rule.problem, show(value), rule.fix))
+    return problems
 
 
 def attempt_config(

@@ -59,8 +59,8 @@ class Contradiction:
 class Table:
     kind: str
     rows: tuple[Row, ...]
-    output_key: str  # where the tool writes its own outputs: the run's trainer-output/
-    resume_key: str  # the tool's resume_from_checkpoint
+    output_key: str = "output_dir"  # where the tool writes its own outputs: the run's trainer-output/
+    resume_key: str = "resume_from_checkpoint"
     required: Mapping[str, str] = field(default_factory=dict)  # key -> fix, when absent
     contradictions: tuple[Contradiction, ...] = ()
     # Read for the supervisor's own bookkeeping (progress, the memory model), never written.

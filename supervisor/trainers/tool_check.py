@@ -1,13 +1,6 @@
-"""Whether the tool, and the shim, can be imported by the interpreter that will run them.
-
-Checked by ``validate`` and at ``run``'s start, before any attempt: a tool that is not installed
-for ``trainer.python`` fails in the same way on every start (``No module named 'axolotl'``), so
-retrying it unchanged would only walk the run into a crash loop. A venv without qlora-supervise
-still trains, but the shim cannot attach there (no heartbeats, no checkpoints of ours: every
-restart begins at step 0), which a person should hear before a night's run, not in the morning.
-
-The check asks the interpreter for the packages' import specs (``importlib.util.find_spec`` of the
-top-level names: nothing is imported, about 50 ms), once per interpreter.
+"""Whether the tool, and the shim, can be imported by the interpreter that will run them, asked
+before any attempt (``find_spec`` in that interpreter: nothing imported, once per interpreter). A
+missing tool would fail on every start; a venv without qlora-supervise trains without the shim.
 """
 
 from __future__ import annotations
@@ -36,18 +29,15 @@ def tool_problems(trainer: Trainer) -> list[Problem]:
     own trainer, or when the interpreter could not be asked (the attempt will say what is wrong)."""
     if not isinstance(trainer, ToolTrainer):
         return []
-    package = trainer.tool.package
-    if package is None or package not in _missing(trainer, trainer.python):
+    package, python = trainer.tool.package, trainer.python
+    if package is None or package not in _missing(trainer, python):
         return []
-    return [
-        Problem(
-            "trainer.python",
-            f"{package} is not installed for this interpreter: the tool would fail on every start",
-            show(trainer.python),
-            f"install it there (`{trainer.python} -m pip install {package}`), or name the python of "
-            "the venv it is in (trainer.python)",
-        )
-    ]
+    why = f"{package} is not installed for this interpreter: the tool would fail on every start"
+    fix = (
+        f"install it there (`{python} -m pip install {package}`), or name the python of "
+        "the venv it is in (trainer.python)"
+    )
+    return [Problem("trainer.python", why, show(python), fix)]
 
 
 def shim_advice(trainer: ToolTrainer) -> list[Advice]:
@@ -55,14 +45,12 @@ def shim_advice(trainer: ToolTrainer) -> list[Advice]:
     python = _interpreter(trainer)
     if python is None or SHIM_PACKAGE not in _missing(trainer, python):
         return []
-    return [
-        Advice(
-            "trainer.python",
-            f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
-            "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0",
-            f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`",
-        )
-    ]
+    what = (
+        f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
+        "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0"
+    )
+    fix = f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`"
+    return [Advice("trainer.python", what, fix)]
 
 
 def tool_advice(trainer: Trainer) -> list[Advice]:
@@ -98,9 +86,8 @@ def _interpreter(trainer: ToolTrainer) -> str | None:
 
 
 def _missing(trainer: ToolTrainer, python: str) -> frozenset[str]:
-    """Which of the tool's package and ours ``python`` cannot find, asked once, from the folder the
-    tool runs in (``-c`` puts it on sys.path, as the tool's start puts its own) and with the
-    PYTHONPATH it inherits: both decide what it finds, so both are in the cache's key."""
+    """Which of the tool's package and ours ``python`` cannot find, asked once from the folder the
+    tool runs in and with the PYTHONPATH it inherits (both decide what it finds: the cache's key)."""
     packages = tuple(p for p in (trainer.tool.package, SHIM_PACKAGE) if p)
     workdir = str(trainer.workdir) if trainer.workdir is not None else None
     return _missing_cached(python, packages, workdir, os.environ.get("PYTHONPATH", ""))

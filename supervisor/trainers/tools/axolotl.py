@@ -53,8 +53,6 @@ TABLE = Table(
             read_only=True,
         ),
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
     required={
         "base_model": "add base_model: a local model directory (the child runs offline)",
         "adapter": "add adapter: qlora (or lora): the supervisor supervises LoRA / QLoRA fine-tunes",

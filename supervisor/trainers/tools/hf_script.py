@@ -61,8 +61,6 @@ TABLE = Table(
         Row("lora_alpha", "lora_alpha", 16, present_only=True),
         Row("load_in_4bit", "load_in_4bit", False, read=_argparse_bool, present_only=True),
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
     required={"output_dir": "add --output_dir (TrainingArguments requires it; the supervisor replaces it)"},
     contradictions=(
         auto_batch("auto_find_batch_size", "--per_device_train_batch_size", "--gradient_accumulation_steps"),

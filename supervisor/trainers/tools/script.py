@@ -36,8 +36,6 @@ TABLE = Table(
         # upcast puts the head in fp32 (False) as the script asks.
         Row("bf16_head", "bf16_head", False),
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
 )
 
 

@@ -35,8 +35,6 @@ TABLE = Table(
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
         EVAL_STRATEGY,
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
     required={
         "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
         "use_peft": "add use_peft: true: the supervisor supervises LoRA / QLoRA fine-tunes",
