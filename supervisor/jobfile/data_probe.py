@@ -122,7 +122,7 @@ def _probe_json(path: Path) -> DataProbe:
         loaded = json_loads(text)
     except json.JSONDecodeError as error:
         if error.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` also accepts
-            return _probe_jsonl_text(path, text)
+            return _probe_jsonl(path, count_rows=True)
         raise DataProbeError(f"not valid JSON at line {error.lineno}: {error.msg}") from error
     if isinstance(loaded, list):
         if not loaded:
@@ -134,12 +134,6 @@ def _probe_json(path: Path) -> DataProbe:
     if isinstance(loaded, dict):
         return _columns_or_record(path, loaded)
     raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
-
-
-def _probe_jsonl_text(path: Path, text: str) -> DataProbe:
-    lines = [line for line in text.splitlines() if line.strip()]
-    first = _json_record(lines[0], "line 1")
-    return DataProbe(path, tuple(first), first, len(lines))
 
 
 def _columns_or_record(path: Path, loaded: dict[str, Any]) -> DataProbe:

@@ -1,7 +1,5 @@
-"""The world pass of validation: checks across fields and against the file system (model
-directories and their layer names, data files and their fields, batch divisibility, eval
-settings, backoff order, ranks and GPUs, and where the run may write), run after the shape pass
-for every section that passed it."""
+"""The world pass of validation: checks across fields and against the file system, run after the
+shape pass for every section that passed it."""
 
 from __future__ import annotations
 
@@ -44,11 +42,8 @@ NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
 def world_problems(
     sections: Mapping[str, Section], output_dir: Path | None, bad: frozenset[str]
 ) -> list[Problem]:
-    """Every problem across fields or with the file system, for the sections that validated.
-
-    ``sections`` may be partial (validated without their bad fields); ``bad`` names the field
-    paths that failed the shape pass, and a check that involves one is skipped (its default would lie).
-    """
+    """Every problem across fields or with the file system. ``sections`` may be partial; a check
+    that involves a field of ``bad`` (failed the shape pass) is skipped: its default would lie."""
     problems: list[Problem] = []
     if isinstance(model := sections.get("model"), ModelSection):
         problems += _model_problems(model, bad)
@@ -72,7 +67,6 @@ def world_problems(
 
 
 def _model_problems(model: ModelSection, bad: frozenset[str]) -> list[Problem]:
-    """The model directory and each fallback must be a Hugging Face model directory."""
     paths = [] if "model.path" in bad else [("model.path", model.path)]
     if "model.fallbacks" not in bad:
         paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
@@ -92,8 +86,7 @@ def model_dir_problem(name: str, path: Path) -> Problem | None:
 
 
 def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozenset[str]) -> list[Problem]:
-    """Each target module names layers of the model, read from its safetensors headers (no torch),
-    so a typo does not fail only after the model loaded; nothing is checked when the path is bad."""
+    """Each target module names layers of the model, read from its safetensors headers (no torch)."""
     if bad & {"model.path", "lora.target_modules"} or model_dir_problem("model.path", model.path):
         return []
     try:
@@ -104,13 +97,9 @@ def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozens
 
 
 def target_problems(targets: tuple[str, ...] | str, files: ModelFiles) -> list[Problem]:
-    """Why ``targets`` cannot adapt the model in ``files`` (empty: they can, or nothing tells).
-
-    Any name that matches no Linear layer is a problem, not only all of them (Llama names on Phi-3
-    would match ``o_proj`` and ``down_proj`` alone). The keywords resolve by the config's
-    ``model_type`` (``trainer_child.contract.targets``); where the header holds no transformer
-    block (a ``.bin`` checkpoint, an index without its shards) only the keyword is checked.
-    """
+    """Why ``targets`` cannot adapt the model in ``files`` (empty: they can, or nothing tells): any
+    name that matches no Linear layer (Llama names on Phi-3 match ``o_proj`` alone). Without the
+    blocks' tensor names (a ``.bin`` checkpoint) only a keyword is resolved."""
     raw_type = files.config.get("model_type")
     model_type = str(raw_type) if raw_type else None
     layers = linear_leaves(files.tensors, model_type)
@@ -154,7 +143,7 @@ def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
 
 def _source_problems(path_name: str, path: Path, data: DataSection, check_fields: bool) -> list[Problem]:
     """The data at ``path`` exists, is a format the probe reads, has the named fields, and every
-    record can train (streamed: the first one that cannot, by file, line and field)."""
+    record can train."""
     if not path.exists():
         fix = "check the path (relative to the job file)"
         return [Problem(path_name, "no such file or directory", show(path), fix)]
@@ -192,9 +181,8 @@ def _source_problems(path_name: str, path: Path, data: DataSection, check_fields
 
 
 def split_sizes(records: int, eval_fraction: float) -> tuple[int, int]:
-    """(train rows, eval rows) of ``records`` split by ``eval_fraction``, as the child's
-    ``Dataset.train_test_split(test_size=...)`` counts them: eval rounded up, train down. A split
-    too small to train on is only a warning (``jobfile.advice``): the data checked may be a sample."""
+    """(train rows, eval rows) as the child's ``Dataset.train_test_split`` counts them: eval rounded
+    up, train down. Too small a split is only a warning: the data checked may be a sample."""
     return math.floor((1 - eval_fraction) * records), math.ceil(eval_fraction * records)
 
 
@@ -216,9 +204,8 @@ def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
 def _rank_problems(
     resources: ResourcesSection, bad: frozenset[str], gpu_count: Callable[[], int | None]
 ) -> list[Problem]:
-    """Several ranks train on the first ``nproc_per_node`` visible GPUs, one each: a job that
-    names one GPU cannot mean that, and a GPU host needs as many GPUs as ranks. ``gpu_count``:
-    the GPUs visible here (None: no NVIDIA driver, the ranks run on the CPU with gloo)."""
+    """Ranks train on the first ``nproc_per_node`` visible GPUs, one each: a job that names one GPU
+    cannot mean that, and a GPU host needs as many GPUs as ranks (``gpu_count``; None: no driver)."""
     ranks = resources.nproc_per_node
     if ranks == 1 and resources.parallel == "fsdp" and not bad & {"resources.nproc_per_node"}:
         why = "FSDP shards the weights over the ranks; one rank has nothing to shard them with"
@@ -245,7 +232,6 @@ def _rank_problems(
 def _rank_batch_problems(
     train: TrainSection, resources: ResourcesSection, bad: frozenset[str]
 ) -> list[Problem]:
-    """The effective batch divides into micro-batches on every rank (micro x accumulation x ranks)."""
     fields = {"train.effective_batch_size", "train.micro_batch_size", "resources.nproc_per_node"}
     ranks = resources.nproc_per_node
     if ranks == 1 or bad & fields or train.effective_batch_size % train.micro_batch_size:
@@ -259,7 +245,6 @@ def _rank_batch_problems(
 
 
 def _eval_problems(train: TrainSection, data: DataSection, bad: frozenset[str]) -> list[Problem]:
-    """eval_steps needs eval data (eval_path or eval_fraction)."""
     if bad & {"train.eval_steps", "data.eval_path", "data.eval_fraction"}:
         return []
     if train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
@@ -285,7 +270,6 @@ def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> lis
 
 
 def _output_dir_problems(output_dir: Path) -> list[Problem]:
-    """The output directory is a folder of its own, a directory, or can be made in a writable place."""
     found = system_folder(output_dir)
     if found is not None:
         return [Problem("output_dir", found[0], show(output_dir), found[1])]
@@ -303,11 +287,8 @@ def _output_dir_problems(output_dir: Path) -> list[Problem]:
 
 def textfile_problem(path: Path) -> tuple[str, str] | None:
     """Why ``path`` cannot be the metrics textfile, and the fix; None when it can be written.
-
-    The file is written as a temp file in its directory (created when missing) and renamed, so
-    the directory, or its nearest existing parent, must take a file: that is tried with a temp
-    file (``os.access`` says yes to root where no file can go: /proc, a read-only bind mount).
-    """
+    Its nearest existing directory must take a temp file: tried, since ``os.access`` says yes to
+    root where no file can go (/proc, a read-only bind mount)."""
     if path.is_dir():
         return "is a directory", f"name a file in it, e.g. {path / 'job.prom'}"
     if path.suffix != ".prom":

@@ -31,18 +31,6 @@ def load_in_8bit(config: Config) -> str | None:
     return "load_in_8bit: true" if lookup(config, "load_in_8bit") is True else None
 
 
-def _nothing(config: Config, saved_4bit: bool) -> str | None:
-    return None
-
-
-def _no_data_problems(config: Config, where: str, workdir: Path) -> list[Problem]:
-    return []
-
-
-def _no_command_problems(command: tuple[str, ...], workdir: Path) -> list[Problem]:
-    return []
-
-
 @dataclass(frozen=True)
 class Tool:
     """One tool the supervisor can run in place of our child."""
@@ -65,9 +53,8 @@ class Tool:
     # --- what its config says of the model's memory (model_facts.py) ---
     attention: Callable[[Config], str | None] = attn_implementation
     eight_bit: Callable[[Config], str | None] = load_in_8bit
-    # The tool's own reason the memory model cannot count a config (saved_4bit: the model is saved
-    # in bitsandbytes 4-bit).
-    unmodelled: Callable[[Config, bool], str | None] = _nothing
+    # The tool's own reason the memory model cannot count a config (bool: saved in bnb 4-bit).
+    unmodelled: Callable[[Config, bool], str | None] = lambda config, saved_4bit: None
     # trl leaves what is not 4-bit in the dtype its script loads (no k-bit prepare): this key.
     head_dtype_key: str | None = None
     unquantized: str = (
@@ -75,8 +62,8 @@ class Tool:
         "model counts 4-bit weights"
     )
     # --- checks at validate ---
-    data_problems: Callable[[Config, str, Path], list[Problem]] = _no_data_problems
-    command_problems: Callable[[tuple[str, ...], Path], list[Problem]] = _no_command_problems
+    data_problems: Callable[[Config, str, Path], list[Problem]] = lambda config, where, workdir: []
+    command_problems: Callable[[tuple[str, ...], Path], list[Problem]] = lambda command, workdir: []
 
     @property
     def config_name(self) -> str:

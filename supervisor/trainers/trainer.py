@@ -45,14 +45,12 @@ DIFF_NAME = "trainer-config.diff"
 
 
 class UnmappedKnobsError(RuntimeError):
-    """The policy changed a knob the tool's config has no key for: a bug of the supervisor (the
-    rungs the tool cannot take are never chosen), raised rather than journalled as if it ran."""
+    """The policy changed a knob the tool's config has no key for: a bug, never journalled as run."""
 
 
 @dataclass(frozen=True)
 class ToolTrainer:
-    """A tool that is not ours. ``config`` is the user's file (or, for an hf-script, the flags of
-    ``command``) as read once at load; it is never written back."""
+    """A tool that is not ours. ``config``: the user's file (or an hf-script's flags), read once."""
 
     tool: Tool
     config: Mapping[str, Any]
@@ -68,8 +66,7 @@ class ToolTrainer:
         return self.tool.kind
 
     def unread_keys(self) -> dict[str, Any]:
-        """The config's keys (dotted where nested) that the supervisor reads into no knob or field
-        of its own (``use_cpu``, ``bf16``, ``learning_rate``): what a job's fields do not show."""
+        """The config's keys (dotted where nested) that the supervisor reads into no knob or field."""
         table = self.tool.table
         read = {key for row in table.rows for key in (row.key, *row.preferred)}
         read |= {table.max_steps_key, table.epochs_key, table.save_steps_key, table.targets_key}
@@ -77,8 +74,7 @@ class ToolTrainer:
         return {key: value for key, value in flatten(self.config).items() if key not in read}
 
     def config_view(self) -> dict[str, Any]:
-        """``trainer.config`` (the file, or the hf-script's argv) and ``trainer.config.<key>`` for
-        each key of the tool's config that no other field of the view stands for."""
+        """``trainer.config`` (the file, or the argv) and ``trainer.config.<key>`` per unread key."""
         where = str(self.config_path) if self.config_path is not None else list(self.command)
         view: dict[str, Any] = {TOOL_CONFIG: where}
         view.update({f"{TOOL_CONFIG_PREFIX}{key}": value for key, value in self.unread_keys().items()})
@@ -201,8 +197,7 @@ def tool_saved(run_dir: Path) -> bool:
 
 
 def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
-    """The tool's output directory when it holds the result and ``adapter`` was never written (a
-    foreign tool the shim did not attach to saves there alone); None otherwise."""
+    """The tool's output directory when it holds the result and ``adapter`` was never written."""
     return run_dir / TRAINER_OUTPUT if not adapter.exists() and tool_saved(run_dir) else None
 
 
@@ -244,9 +239,8 @@ def _script_report(attempt_dir: Path) -> ScriptKnobs | None:
 
 
 def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]:
-    """What the script asks for, each knob from the newest attempt that reported it ({}: none has
-    yet; attempt 1 changes nothing, so it reports the script as written), and whether any attempt
-    reached ``train()`` (then a knob never reported is one it never builds)."""
+    """What the script asks for, each knob from the newest attempt that reported it (attempt 1
+    changes nothing), and whether any attempt reached ``train()`` (a knob not reported: never built)."""
     asked: dict[str, script_knobs.Value] = {}
     complete = False
     for attempt_dir in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]")):
@@ -261,9 +255,8 @@ def _write_script_changes(
     attempt_dir: Path, run_dir: Path, before: Mapping[str, Any], knobs: Knobs, output_dir: Path
 ) -> dict[str, Any]:
     """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked.
-    ``before``: the job's knobs, for a knob a script that reached ``train()`` never reported. Before
-    any attempt reached it, only knobs the script reported change (a default halved is not the
-    script's value halved)."""
+    Before any attempt reached ``train()`` only the knobs reported change; after, ``before`` (the
+    job's knobs) stands for those never reported."""
     asked, complete = asked_by_script(run_dir)
     asked = {**before, **asked} if complete else asked
     changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}

@@ -1,9 +1,6 @@
 """An HfArgumentParser script: the job's ``trainer.command``, its TrainingArguments flags changed.
-
-transformers' TrainingArguments flags are every such script's. The model, sequence length, LoRA and
-4-bit flags are the script's own: their rows apply only where the user's command has the flag
-(``present_only``), so no flag the script does not define is ever added (HfArgumentParser refuses
-unknown flags).
+The model, sequence length, LoRA and 4-bit flags are the script's own: their rows apply only where
+the command has the flag (``present_only``; HfArgumentParser refuses unknown flags).
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ from qlora_supervise.supervisor.trainers.tables import (
 )
 from qlora_supervise.supervisor.trainers.tool import Tool
 
-#: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no
-#: as words, since a string field such as --save_strategy no must stay "no").
+#: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no as words).
 _ARGPARSE_BOOLS = {"yes": True, "y": True, "t": True, "no": False, "n": False, "f": False}
 
 
