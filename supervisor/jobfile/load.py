@@ -47,10 +47,34 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 
 
 def read_job_file(path: str | os.PathLike[str]) -> tuple[Path, str, dict[str, Any]]:
-    """The job file's absolute path, its text and its top-level mapping (JobError when unreadable)."""
+    """The job file's absolute path, its text and its top-level mapping; JobError when it cannot be
+    read, is bad YAML or an alias bomb, is empty or is no mapping."""
     job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
-    text = _read_text(job_file)
-    return job_file, text, _parse_yaml(text)
+    try:
+        text = read_bounded(job_file)
+        raw = safe_load_bounded(text)
+    except InputBoundError as error:
+        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
+    except FileNotFoundError:
+        fix = "check the path; a job file is YAML with at least model.path and data.path"
+        raise JobError([Problem(FILE_PATH, "no such file", show(str(job_file)), fix)]) from None
+    except yaml.YAMLError as error:
+        raise JobError([_yaml_problem(error, text)]) from None
+    except AliasBombError as error:
+        fix = "write the values out, or use fewer nested aliases (&name / *name)"
+        aliases = sum(isinstance(token, yaml.AliasToken) for token in yaml.scan(text, Loader=yaml.SafeLoader))
+        got = f"{aliases} aliases"
+        raise JobError([Problem(FILE_PATH, f"YAML aliases refused: {error}", got, fix)]) from None
+    except (OSError, UnicodeDecodeError) as error:
+        problem = Problem(FILE_PATH, f"cannot read the job file: {error}", show(str(job_file)), "")
+        raise JobError([problem]) from None
+    if raw is None:
+        fix = "write at least model.path and data.path"
+        raise JobError([Problem(FILE_PATH, "the job file is empty", None, fix)])
+    if not isinstance(raw, dict):
+        fix = "the top level must be a mapping of sections (model:, data:, train:, ...)"
+        raise JobError([Problem(FILE_PATH, f"top level is a {_yaml_kind(raw)}", show(raw), fix)])
+    return job_file, text, raw
 
 
 def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
@@ -71,41 +95,6 @@ def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
     if problems or output_dir is None:
         raise JobError(problems)
     return job_from_sections(job_file, text, output_dir, sections)
-
-
-def _read_text(job_file: Path) -> str:
-    try:
-        return read_bounded(job_file)
-    except InputBoundError as error:
-        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
-    except FileNotFoundError:
-        fix = "check the path; a job file is YAML with at least model.path and data.path"
-        raise JobError([Problem(FILE_PATH, "no such file", show(str(job_file)), fix)]) from None
-    except (OSError, UnicodeDecodeError) as error:
-        problem = Problem(FILE_PATH, f"cannot read the job file: {error}", show(str(job_file)), "")
-        raise JobError([problem]) from None
-
-
-def _parse_yaml(text: str) -> dict[str, Any]:
-    """The top-level mapping; bad YAML, an alias bomb, an empty file or a non-mapping is a JobError."""
-    try:
-        raw = safe_load_bounded(text)
-    except yaml.YAMLError as error:
-        raise JobError([_yaml_problem(error, text)]) from None
-    except InputBoundError as error:
-        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
-    except AliasBombError as error:
-        fix = "write the values out, or use fewer nested aliases (&name / *name)"
-        aliases = sum(isinstance(token, yaml.AliasToken) for token in yaml.scan(text, Loader=yaml.SafeLoader))
-        got = f"{aliases} aliases"
-        raise JobError([Problem(FILE_PATH, f"YAML aliases refused: {error}", got, fix)]) from None
-    if raw is None:
-        fix = "write at least model.path and data.path"
-        raise JobError([Problem(FILE_PATH, "the job file is empty", None, fix)])
-    if not isinstance(raw, dict):
-        fix = "the top level must be a mapping of sections (model:, data:, train:, ...)"
-        raise JobError([Problem(FILE_PATH, f"top level is a {_yaml_kind(raw)}", show(raw), fix)])
-    return raw
 
 
 def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
@@ -196,14 +185,19 @@ def _validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path |
 
 
 _TYPE_NAMES = {
-    "int_type": "a whole number",
-    "int_from_float": "a whole number",
-    "float_type": "a number",
-    "bool_type": "true or false",
-    "string_type": "a string",
-    "tuple_type": "a list",
-    "list_type": "a list",
-    "dict_type": "a mapping",
+    "a whole number": ("int_type", "int_from_float"),
+    "a number": ("float_type",),
+    "true or false": ("bool_type",),
+    "a string": ("string_type",),
+    "a list": ("tuple_type", "list_type"),
+    "a mapping": ("dict_type",),
+}
+#: Pydantic error types whose words do not depend on the error: the problem and the fix.
+_FIXED = {
+    "missing": ("required key is missing", "add it"),
+    "string_too_short": ("must not be empty", "write a name"),
+    "finite_number": ("must be a finite number", ""),
+    **{kind: ("wrong type", f"expected {name}") for name, kinds in _TYPE_NAMES.items() for kind in kinds},
 }
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
@@ -228,8 +222,6 @@ def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) 
         known = frozenset(section_type.model_fields) if section_type and len(loc) == 2 else frozenset()
         fix = did_you_mean(loc[-1], known) if known else "remove it"
         return Problem(path, "unknown key", show(value), fix)
-    if kind == "missing":
-        return Problem(path, "required key is missing", None, "add it")
     if kind in ("literal_error", "enum"):
         choices = tuple(re.findall(r"'([^']*)'", str(ctx.get("expected", ""))))
         return Problem(path, "not an allowed value", show(value), did_you_mean(value, choices))
@@ -237,10 +229,6 @@ def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) 
         op = _BOUNDS[kind]
         bound = next(iter(ctx.values()), "?")
         return Problem(path, f"must be {op} {bound}", show(value), f"use a value {op} {bound}")
-    if kind in _TYPE_NAMES:
-        return Problem(path, "wrong type", show(value), f"expected {_TYPE_NAMES[kind]}")
-    if kind == "string_too_short":
-        return Problem(path, "must not be empty", show(value), "write a name")
-    if kind == "finite_number":
-        return Problem(path, "must be a finite number", show(value), "")
+    if kind in _FIXED:
+        return Problem(path, _FIXED[kind][0], None if kind == "missing" else show(value), _FIXED[kind][1])
     return Problem(path, str(item["msg"]), show(value), "")
