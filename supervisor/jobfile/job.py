@@ -70,7 +70,6 @@ def job_from_sections(
     lora = _section(sections, "lora", LoraSection)
     train = _section(sections, "train", TrainSection)
     resources = _section(sections, "resources", ResourcesSection)
-    diagnose = _section(sections, "diagnose", DiagnoseSection)
     return Job(
         job_file=job_file,
         raw_text=raw_text,
@@ -102,15 +101,10 @@ def job_from_sections(
             eval_fraction=data.eval_fraction,
         ),
         train=_train_spec(model, quantization, lora, train),
-        resources=Resources(
-            device=resources.gpu,
-            gpu_memory_limit=resources.gpu_memory_limit,
-            cpu_memory_limit=resources.cpu_memory_limit,
-            host_memory_limit=resources.host_memory_limit,
-        ),
+        resources=resources.spec(),
         supervise=_section(sections, "supervise", SuperviseSection),
         fallback_models=tuple(str(path) for path in model.fallbacks),
-        diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
+        diagnose=_section(sections, "diagnose", DiagnoseSection).spec(),
     )
 
 

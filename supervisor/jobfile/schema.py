@@ -289,6 +289,9 @@ class ResourcesSection(Section):
     # ddp: a 4-bit replica per rank; fsdp: the weights sharded over the ranks (docs/several-gpus.md).
     parallel: Literal["ddp", "fsdp"] = "fsdp" if _KNOBS.fsdp else "ddp"
 
+    def spec(self) -> Resources:
+        return Resources(self.gpu, self.gpu_memory_limit, self.cpu_memory_limit, self.host_memory_limit)
+
 
 class SuperviseSection(Section):
     """How the loop supervises: budgets, timeouts and ladders. Durations are seconds.
@@ -330,6 +333,9 @@ class DiagnoseSection(Section):
 
     memory_history: bool = _DIAGNOSE.memory_history
     memory_history_entries: PositiveInt = _DIAGNOSE.memory_history_entries
+
+    def spec(self) -> DiagnoseSpec:
+        return DiagnoseSpec(self.memory_history, self.memory_history_entries)
 
 
 SECTIONS: Mapping[str, type[Section]] = {

@@ -46,7 +46,7 @@ from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_f
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.supervisor.trainers.tools import TOOLS
 from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
-from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
+from qlora_supervise.trainer_child.contract.spec import DataSpec, TrainSpec
 
 #: trainer.kind: ours, or a registered tool's.
 KINDS = (OWN, *TOOLS)
@@ -286,12 +286,10 @@ def _job(
         knobs=knobs,
         data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
         train=train,
-        resources=Resources(
-            resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit, resources.host_memory_limit
-        ),
+        resources=resources.spec(),
         supervise=supervise,
         fallback_models=tuple(str(path) for path in fallbacks),
-        diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
+        diagnose=diagnose.spec(),
         trainer=trainer,
         unparsed={k: v for k, v in written.items() if present(v) and v != read[k]},
     )

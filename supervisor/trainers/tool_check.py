@@ -40,39 +40,32 @@ def tool_problems(trainer: Trainer) -> list[Problem]:
     return [Problem("trainer.python", why, show(python), fix)]
 
 
-def shim_advice(trainer: ToolTrainer) -> list[Advice]:
-    """A warning when qlora-supervise cannot be imported by the tool's interpreter (no shim)."""
-    python = _interpreter(trainer)
-    if python is None or SHIM_PACKAGE not in _missing(trainer, python):
-        return []
-    what = (
-        f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
-        "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0"
-    )
-    fix = f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`"
-    return [Advice("trainer.python", what, fix)]
-
-
 def tool_advice(trainer: Trainer) -> list[Advice]:
-    """What validate warns of and run says at start about a tool: the shim, old key names."""
+    """What validate warns of and run says at start about a tool: no shim in its interpreter, and
+    each old key name the tool would drop without a word (its value then unused)."""
     if not isinstance(trainer, ToolTrainer):
         return []
-    return [*shim_advice(trainer), *renamed_advice(trainer)]
-
-
-def renamed_advice(trainer: ToolTrainer) -> list[Advice]:
-    """A warning for each old key name the tool would drop without a word (its value then unused)."""
-    where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
-    return [
-        Advice(
-            f"{where}: {old}",
-            f"{trainer.kind} no longer reads {old} and drops it silently, so it runs with "
-            f"{new}'s value (or its default) instead",
-            f"rename it to {new}" + (f" (both are set: delete {old})" if new in trainer.config else ""),
+    found = []
+    python = _interpreter(trainer)
+    if python is not None and SHIM_PACKAGE in _missing(trainer, python):
+        what = (
+            f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
+            "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0"
         )
-        for old, new in trainer.tool.table.renamed.items()
-        if old in trainer.config
-    ]
+        fix = (
+            f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`"
+        )
+        found.append(Advice("trainer.python", what, fix))
+    where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
+    for old, new in trainer.tool.table.renamed.items():
+        if old in trainer.config:
+            what = (
+                f"{trainer.kind} no longer reads {old} and drops it silently, so it runs with "
+                f"{new}'s value (or its default) instead"
+            )
+            both = f" (both are set: delete {old})" if new in trainer.config else ""
+            found.append(Advice(f"{where}: {old}", what, f"rename it to {new}{both}"))
+    return found
 
 
 def _interpreter(trainer: ToolTrainer) -> str | None:
@@ -109,6 +102,4 @@ def _missing_cached(
         )
     except (OSError, subprocess.TimeoutExpired):
         return frozenset()  # not asked: the attempt itself will say what is wrong
-    if done.returncode != 0:
-        return frozenset()
-    return frozenset(done.stdout.split()) & set(packages)
+    return frozenset(done.stdout.split()) & set(packages) if done.returncode == 0 else frozenset()
