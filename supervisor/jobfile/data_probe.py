@@ -131,12 +131,8 @@ def _probe_json(path: Path) -> DataProbe:
         if not isinstance(first, dict):
             raise DataProbeError(f"the first item is a JSON {type(first).__name__}, not an object")
         return DataProbe(path, tuple(first), first, len(loaded))
-    if isinstance(loaded, dict):
-        return _columns_or_record(path, loaded)
-    raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
-
-
-def _columns_or_record(path: Path, loaded: dict[str, Any]) -> DataProbe:
+    if not isinstance(loaded, dict):
+        raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
     columns = [value for value in loaded.values() if isinstance(value, list)]
     if columns and len(columns) == len(loaded):  # {"text": [...], "label": [...]}: columnar
         first = {key: (value[0] if value else None) for key, value in loaded.items()}
@@ -172,7 +168,10 @@ def _probe_dir(path: Path, count_rows: bool) -> DataProbe:
     if (path / "dataset_dict.json").is_file():
         return _probe_dir(_split_dir(path), count_rows)
     if (path / "dataset_info.json").is_file():
-        return _probe_saved_dataset(path)
+        info = _read_json(path / "dataset_info.json")
+        if not isinstance(features := info.get("features"), dict):
+            raise DataProbeError("dataset_info.json has no features")
+        return DataProbe(path, tuple(features), None, _saved_rows(info))
     files = _data_files(path)
     if not files:
         raise DataProbeError(f"the directory holds no dataset (expected {FORMATS_HELP})")
@@ -187,14 +186,6 @@ def _split_dir(path: Path) -> Path:
         raise DataProbeError("dataset_dict.json lists no splits")
     name = "train" if "train" in splits else str(splits[0])
     return path / name
-
-
-def _probe_saved_dataset(path: Path) -> DataProbe:
-    info = _read_json(path / "dataset_info.json")
-    features = info.get("features")
-    if not isinstance(features, dict):
-        raise DataProbeError("dataset_info.json has no features")
-    return DataProbe(path, tuple(features), None, _saved_rows(info))
 
 
 def _saved_rows(info: Mapping[str, Any]) -> int | None:

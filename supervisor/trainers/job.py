@@ -268,16 +268,17 @@ def _job(
     knobs = model_facts.with_saved_4bit(knobs, knobs.model)
     steps = lookup(config, table.max_steps_key)
     epochs = lookup(config, table.epochs_key)
+    save = lookup(config, table.save_steps_key)
     train = TrainSpec(
         max_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else -1,
-        epochs=float(epochs) if _positive_number(epochs) else table.epochs_default,
-        save_steps=_int(lookup(config, table.save_steps_key), table.save_steps_default),
+        epochs=float(epochs) if _positive(epochs) else table.epochs_default,
+        save_steps=save if isinstance(save, int) and _positive(save) else table.save_steps_default,
         merge=False,
         target_modules=lora_targets(tool, config, model_type(knobs.model)),
     )
     dataset = lookup(config, table.data_key)
     # A value that did not parse (``max_steps: ten``), under the job view's names, as written.
-    written = dict(zip(_TRAIN_VIEW, (steps, epochs, lookup(config, table.save_steps_key)), strict=True))
+    written = dict(zip(_TRAIN_VIEW, (steps, epochs, save), strict=True))
     read = dict(zip(_TRAIN_VIEW, (train.max_steps, train.epochs, train.save_steps), strict=True))
     return Job(
         job_file=job_file,
@@ -309,9 +310,5 @@ def tool_model_path(model: str, workdir: Path | None) -> str:
     return os.path.normpath(workdir.absolute() / model)  # symlinks kept, as the tool would open it
 
 
-def _positive_number(value: Any) -> bool:
+def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-def _int(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default

@@ -137,18 +137,13 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _both_absent(a: Any, b: Any) -> bool:
-    """A key written as null and a key left out say the same to the tool: no difference."""
-    return (a is None and b is _MISSING) or (a is _MISSING and b is None)
-
-
 def config_diff(user: Mapping[str, Any], attempt: Mapping[str, Any]) -> list[str]:
     """``key: old -> new`` for each key the attempt's config sets differently from the user's."""
     old, new = flatten(user), flatten(attempt)
     lines = []
     for key in dict.fromkeys([*old, *new]):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
-        if a != b and not _both_absent(a, b):
+        if a != b and not (None in (a, b) and _MISSING in (a, b)):  # null and left out: the same
             shown_a = "(absent)" if a is _MISSING else show(a)
             shown_b = "(removed)" if b is _MISSING else show(b)
             lines.append(f"{key}: {shown_a} -> {shown_b}")

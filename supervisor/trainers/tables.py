@@ -149,11 +149,7 @@ TRAINER_ARGUMENTS_CONTRADICTIONS = (
 ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
 #: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
 EVAL_STRATEGY = Row(
-    "eval_enabled",
-    "eval_strategy",
-    "no",
-    read=lambda v: v != "no",
-    write=lambda v: "steps" if v else "no",
+    "eval_enabled", "eval_strategy", "no", read=lambda v: v != "no", write=lambda v: "steps" if v else "no"
 )
 
 

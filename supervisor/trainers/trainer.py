@@ -26,12 +26,7 @@ from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONF
 from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT, AttemptDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.trainers import flags, model_facts
-from qlora_supervise.supervisor.trainers.mapping import (
-    attempt_config,
-    config_diff,
-    flatten,
-    unmapped_changes,
-)
+from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten, unmapped_changes
 from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, Table, rungs_for, writable
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.trainer_child.contract import script_knobs
