@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,6 @@ from typing import Any
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.trainer_child.contract.data_rows import DataRowError, scan
 
-FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 FORMATS_HELP = ".jsonl, .json, .csv, .parquet, or a directory saved by datasets.save_to_disk"
 
 
@@ -43,14 +42,8 @@ def probe(path: Path, *, count_rows: bool = False) -> DataProbe:
         return _probe_dir(path, count_rows)
     suffix = path.suffix.lower()
     try:
-        if suffix == ".jsonl":
-            return _probe_jsonl(path, count_rows)
-        if suffix == ".json":
-            return _probe_json(path)
-        if suffix == ".csv":
-            return _probe_csv(path, count_rows)
-        if suffix == ".parquet":
-            return _probe_parquet(path)
+        if suffix in _READERS:
+            return _READERS[suffix](path, count_rows)
     except (OSError, UnicodeDecodeError) as error:
         raise DataProbeError(f"cannot read the file: {error}") from error
     raise DataProbeError(f"unknown data format {suffix or '(no suffix)'!r}; use {FORMATS_HELP}")
@@ -116,7 +109,7 @@ def _json_record(text: str, where: str) -> dict[str, Any]:
     return record
 
 
-def _probe_json(path: Path) -> DataProbe:
+def _probe_json(path: Path, count_rows: bool) -> DataProbe:
     text = path.read_text(encoding="utf-8")
     try:
         loaded = json_loads(text)
@@ -152,7 +145,7 @@ def _probe_csv(path: Path, count_rows: bool) -> DataProbe:
     return DataProbe(path, tuple(reader.fieldnames), dict(first), rows)
 
 
-def _probe_parquet(path: Path) -> DataProbe:
+def _probe_parquet(path: Path, count_rows: bool) -> DataProbe:
     try:
         import pyarrow.parquet as pq  # comes with `datasets`; only the schema is read
     except ImportError as error:  # pragma: no cover - pyarrow is a dependency of datasets
@@ -195,6 +188,15 @@ def _saved_rows(info: Mapping[str, Any]) -> int | None:
     counts = [s.get("num_examples") for s in splits.values() if isinstance(s, dict)]
     numbers = [c for c in counts if isinstance(c, int)]
     return sum(numbers) if numbers and len(numbers) == len(counts) else None
+
+
+_READERS: Mapping[str, Callable[[Path, bool], DataProbe]] = {
+    ".jsonl": _probe_jsonl,
+    ".json": _probe_json,  # parsed whole, its rows always counted
+    ".csv": _probe_csv,
+    ".parquet": _probe_parquet,  # the schema alone, and the row count from its metadata
+}
+FILE_SUFFIXES = tuple(_READERS)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

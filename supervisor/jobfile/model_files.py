@@ -96,7 +96,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def read_model_files(directory: str | Path) -> ModelFiles:
     """``config.json`` plus the safetensors index and headers of ``directory``."""
     root = Path(directory)
-    config = _read_json(root / "config.json", "config.json")
+    config = _read_json(root / "config.json")
     if not isinstance(config, dict):
         raise ModelFilesError(f"{root / 'config.json'}: not a JSON object")
     index_path = root / INDEX_NAME
@@ -113,22 +113,17 @@ def read_model_files(directory: str | Path) -> ModelFiles:
 
 
 def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFiles:
-    index = _read_json(index_path, INDEX_NAME)
+    index = _read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ModelFilesError(f"{index_path}: no weight_map; not a safetensors index")
     metadata = index.get("metadata") or {}
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
-    tensors: dict[str, TensorInfo] = {}
-    missing: list[str] = []
-    largest = 0
-    for shard in sorted(set(map(str, weight_map.values()))):
-        path = root / shard
-        if not path.is_file():
-            missing.append(shard)
-            continue
-        largest = max(largest, path.stat().st_size)
-        tensors.update(read_header(path))
+    shards = sorted(set(map(str, weight_map.values())))
+    missing = [shard for shard in shards if not (root / shard).is_file()]
+    present = [root / shard for shard in shards if shard not in missing]
+    tensors = {name: info for path in present for name, info in read_header(path).items()}
+    largest = max((path.stat().st_size for path in present), default=0)
     notes: tuple[str, ...] = ()
     if missing:
         notes = (f"{len(missing)} shard(s) not present ({missing[0]}, ...): sizes from the index",)
@@ -137,12 +132,12 @@ def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFi
     return ModelFiles(root, config, tensors, size, largest, notes)
 
 
-def _read_json(path: Path, what: str) -> Any:
+def _read_json(path: Path) -> Any:
     try:
         return json_loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         fix = "point model.path at a Hugging Face model directory"
-        raise ModelFilesError(f"{path}: no {what}; {fix}") from None
+        raise ModelFilesError(f"{path}: no {path.name}; {fix}") from None
     except OSError as error:
         raise ModelFilesError(f"{path}: cannot read ({error.strerror})") from error
     except ValueError as error:

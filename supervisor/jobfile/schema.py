@@ -203,8 +203,6 @@ class Section(BaseModel):
     """A part of the job file; frozen, unknown keys refused."""
 
     # strict: YAML already gives ints, floats and bools; "8" for an int is a mistake worth naming.
-    # validate_default: a protocol default the schema would refuse fails every load and the
-    # defaults test, never an attempt.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True)
 
 

@@ -63,8 +63,7 @@ class TrainerSection(Section):
     config: ResolvedPath | None = None
     command: HookArgv | None = None  # argv, never a shell string
     python: ResolvedPath | None = None  # the tool venv's interpreter; default: this one
-    # Default: the config's folder (a script: the job file's), so relative paths in the config or
-    # command mean what they mean when the user runs the tool there.
+    # Default: the config's folder (a script: the job file's), where its relative paths mean most.
     workdir: ResolvedPath | None = None
     fallbacks: PathList = ()  # smaller models for the last rung (script: swapped in at from_pretrained)
 
@@ -257,8 +256,7 @@ def _job(
 ) -> Job:
     tool, config = trainer.tool, trainer.config
     table = tool.table
-    # The supervisor's own reads (the memory model, plan) see the model where the tool will: from
-    # its workdir. Only the knob is resolved; the tool's config keeps the path as the user wrote it.
+    # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
     knobs = knobs_from(table, config)
     knobs = dataclasses.replace(
         knobs,

@@ -108,8 +108,7 @@ def attempt_config(
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
     for row in table.rows:
         if before[row.knob] != after[row.knob] and writable(row, config):
-            # The spelling the tool reads, and a deprecated alias the config has beside it (so the
-            # file does not say two things).
+            # The spelling the tool reads, and a deprecated alias beside it (one value, not two).
             for key in dict.fromkeys([row.key_in(config), *([row.key] if row.key in config else [])]):
                 assign(out, key, row.write(after[row.knob]))
     assign(out, table.output_key, output_dir)

@@ -95,8 +95,7 @@ class ToolTrainer:
         return self.tool.attention(self.config)
 
     def cwd(self, job_dir: Path, run_dir: Path, command: Sequence[str]) -> Path:
-        # The tool runs where its user would run it; our own child (a merge: no command) in the run
-        # directory, where no user's ``peft/`` checkout comes first on sys.path.
+        # Our own child (a merge: no command) runs in the run dir: no user's ``peft/`` shadows peft.
         return (self.workdir or job_dir) if command else run_dir
 
     def attempt_argv(
