@@ -53,7 +53,6 @@ _TRAIN = TrainSpec()  # the protocol's defaults
 
 
 def _section(sections: Mapping[str, Section], name: str, kind: type[_S]) -> _S:
-    """The validated section ``name``, checked to be of ``kind``."""
     section = sections[name]
     if not isinstance(section, kind):  # a bug in load, never a problem of the job file
         raise TypeError(f"section {name!r} is a {type(section).__name__}, not a {kind.__name__}")

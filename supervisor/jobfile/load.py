@@ -78,7 +78,7 @@ def read_job_file(path: str | os.PathLike[str]) -> tuple[Path, str, dict[str, An
 
 
 def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
-    """The Job of our own trainer's sections, every problem raised at once."""
+    """Our own trainer's Job, or JobError with every problem."""
     problems = [*duplicate_keys(text), *_top_level_problems(raw)]
     context = {"job_dir": str(job_file.parent)}
     sections: dict[str, Section] = {}
@@ -203,7 +203,6 @@ _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "l
 
 
 def _problems_from(error: ValidationError, prefix: str, section_type: type[Section] | None) -> list[Problem]:
-    """Every error of a pydantic ValidationError as a Problem under ``prefix``."""
     items = error.errors(include_url=False)
     return [_one_problem(item, [prefix, *map(str, item["loc"])], section_type) for item in items]
 

@@ -10,6 +10,7 @@ One set of defaults: a field that lands in a spec crossing to the child or in th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -69,10 +70,8 @@ def list_to_tuple(value: object) -> object:
 def _yaml_float(value: object) -> object:
     """A number YAML 1.1 left as a string (``2e-4``) -> float; anything else unchanged."""
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             return float(value)
-        except ValueError:
-            return value
     return value
 
 

@@ -212,7 +212,7 @@ def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: P
 
 
 def _model_value(tool: Tool, config: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The tool's model key and the path its config gives (None: no model row, or no path)."""
+    """(key, path) of the tool's model in its config (None: no model row, or no path)."""
     row = tool.table.row("model")
     value = lookup(config, row.key) if row is not None else None
     return (row.key, value) if row is not None and isinstance(value, str) and value else None

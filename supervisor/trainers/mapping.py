@@ -125,7 +125,6 @@ def unmapped_changes(table: Table, config: Mapping[str, Any], job: Knobs, knobs:
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> leaf value."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
