@@ -14,12 +14,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from qlora_supervise.supervisor.jobfile.bounds import (
-    AliasBombError,
-    InputBoundError,
-    read_bounded,
-    safe_load_bounded,
-)
+from qlora_supervise.supervisor.jobfile import bounds
 from qlora_supervise.supervisor.jobfile.job import Job, job_from_sections
 from qlora_supervise.supervisor.jobfile.problems import (
     FILE_PATH,
@@ -51,16 +46,16 @@ def read_job_file(path: str | os.PathLike[str]) -> tuple[Path, str, dict[str, An
     read, is bad YAML or an alias bomb, is empty or is no mapping."""
     job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
     try:
-        text = read_bounded(job_file)
-        raw = safe_load_bounded(text)
-    except InputBoundError as error:
+        text = bounds.read_bounded(job_file)
+        raw = bounds.safe_load_bounded(text)
+    except bounds.InputBoundError as error:
         raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
     except FileNotFoundError:
         fix = "check the path; a job file is YAML with at least model.path and data.path"
         raise JobError([Problem(FILE_PATH, "no such file", show(str(job_file)), fix)]) from None
     except yaml.YAMLError as error:
         raise JobError([_yaml_problem(error, text)]) from None
-    except AliasBombError as error:
+    except bounds.AliasBombError as error:
         fix = "write the values out, or use fewer nested aliases (&name / *name)"
         aliases = sum(isinstance(token, yaml.AliasToken) for token in yaml.scan(text, Loader=yaml.SafeLoader))
         got = f"{aliases} aliases"

@@ -281,9 +281,7 @@ class ResourcesSection(Section):
     # Host RAM the plan may use (issue 28); default: what is available at start, less a reserve.
     host_memory_limit: ByteSize | None = _RESOURCES.host_memory_limit
     expandable_segments: bool = _KNOBS.expandable_segments
-    # torchrun's name: ranks on this host, one GPU each (gloo ranks on the CPU).
     nproc_per_node: PositiveInt = _KNOBS.world_size
-    # ddp: a 4-bit replica per rank; fsdp: the weights sharded over the ranks (docs/several-gpus.md).
     parallel: Literal["ddp", "fsdp"] = "fsdp" if _KNOBS.fsdp else "ddp"
 
     def spec(self) -> Resources:
@@ -291,12 +289,11 @@ class ResourcesSection(Section):
 
 
 class SuperviseSection(Section):
-    """How the loop supervises: budgets, timeouts and ladders. Durations are seconds.
+    """How the loop supervises (docs/job-file.md): budgets, timeouts and ladders. Durations are seconds.
     ``keep_effective_batch`` is a guarantee, not a knob: ``false`` is refused with the reason."""
 
     max_attempts: PositiveInt = _SETTINGS.max_attempts
     hang_timeout: Seconds = 1200.0
-    # SIGTERM grace of a hung child before SIGKILL (a hung process cannot use the stop grace).
     hang_grace: SecondsOrZero = 10.0
     max_no_progress_attempts: PositiveInt = _SETTINGS.max_no_progress
     backoff_initial: Seconds = 2.0
@@ -305,7 +302,6 @@ class SuperviseSection(Section):
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
     disk_wait: SecondsOrZero = _SETTINGS.disk_wait_s  # a full disk: wait this long for room
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
-    # Step back up when a rung's cause has cleared; step_up_settle: how long the change must hold.
     step_up: bool = _SETTINGS.step_up
     step_up_settle: Seconds = _SETTINGS.step_up_settle_s
     step_up_quality: bool = _SETTINGS.step_up_quality
@@ -313,15 +309,11 @@ class SuperviseSection(Section):
     calibration_store: bool = True
     # Attempt 1 times the planner's top candidates and trains with the fastest (policies/choice.py).
     speed_trial: bool = _SETTINGS.speed_trial
-    # A warm spare trainer (loop/spare.py); auto: on with 4+ usable CPUs and enough host RAM.
     warm_spare: bool | Literal["auto"] = "auto"
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
-    # How long a stop (SIGTERM, `systemctl stop`) waits for the child's checkpoint before SIGKILL.
     stop_grace: Seconds = 180.0
-    # An argv run on retry, gave_up and run_succeeded, the event as JSON on stdin; never fatal.
     on_event: HookArgv | None = None
     on_event_timeout: Seconds = 30.0
-    # node_exporter textfile-collector file (written atomically); None: no metrics.
     metrics_textfile: ResolvedPath | None = None
 
 

@@ -19,13 +19,8 @@ import yaml
 from pydantic import field_validator
 
 from qlora_supervise.supervisor.facts.trainer import OWN
+from qlora_supervise.supervisor.jobfile import bounds
 from qlora_supervise.supervisor.jobfile import load as jobload
-from qlora_supervise.supervisor.jobfile.bounds import (
-    AliasBombError,
-    InputBoundError,
-    read_bounded,
-    safe_load_bounded,
-)
 from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_you_mean, job_error, show
@@ -222,10 +217,10 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     """The tool's YAML config as a mapping (safe YAML); a problem when it is missing or not a mapping."""
     where = f"trainer.config ({path})"
     try:
-        value = safe_load_bounded(read_bounded(path))
-    except InputBoundError as error:
+        value = bounds.safe_load_bounded(bounds.read_bounded(path))
+    except bounds.InputBoundError as error:
         found = Problem(where, error.why, error.got, error.fix)
-    except AliasBombError as error:
+    except bounds.AliasBombError as error:
         found = Problem(where, f"YAML aliases refused: {error}", None, "write the values out")
     except FileNotFoundError:
         found = Problem(
