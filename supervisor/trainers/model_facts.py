@@ -30,8 +30,7 @@ def unmodelled(tool: Tool, config: Mapping[str, Any], model_dir: str) -> str | N
     why = tool.unmodelled(config, saved == _SAVED_NF4)
     if why is not None or saved == _SAVED_NF4:
         return why
-    eight = tool.eight_bit(config)
-    if eight is not None:
+    if (eight := tool.eight_bit(config)) is not None:
         return (
             f"the tool loads the base model in 8-bit ({eight}); the memory model counts 4-bit QLoRA weights"
         )
@@ -53,16 +52,11 @@ def model_config(model_dir: str) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def _saved_config(model_dir: str) -> dict[str, Any] | None:
-    quant = model_config(model_dir).get("quantization_config")
-    return quant if isinstance(quant, dict) else None
-
-
 def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
     """``knobs`` as a model saved in bitsandbytes 4-bit loads: 4-bit with the saved quant type and
     double quantization, whatever the tool's own 4-bit keys say (they are not applied to it)."""
-    quant = _saved_config(model_dir)
-    if quant is None or _saved_as(quant) != _SAVED_NF4:
+    quant = model_config(model_dir).get("quantization_config")
+    if not isinstance(quant, dict) or _saved_as(quant) != _SAVED_NF4:
         return knobs
     kind = quant.get("bnb_4bit_quant_type")
     double = quant.get("bnb_4bit_use_double_quant")
@@ -77,8 +71,8 @@ def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
 def saved_quantization(model_dir: str) -> str | None:
     """How the model directory's weights were saved quantized (None: not quantized, or unreadable):
     ``bitsandbytes 4-bit`` (a ``*-bnb-4bit`` model), else the method and its bits (gptq, awq, ...)."""
-    quant = _saved_config(model_dir)
-    return None if quant is None else _saved_as(quant)
+    quant = model_config(model_dir).get("quantization_config")
+    return _saved_as(quant) if isinstance(quant, dict) else None
 
 
 def _saved_as(quant: Mapping[str, Any]) -> str:
