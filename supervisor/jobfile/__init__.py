@@ -1,7 +1,6 @@
-"""The job file: its schema (validated once into the specs the child gets), world checks and the
-data probe. ``load_job(path)`` returns our trainer's :class:`Job` or raises a :class:`JobError`
-listing every :class:`Problem` (a job with a tool's ``trainer:`` section: ``trainers.job.load_job``).
-"""
+"""The job file: its schema, world checks and data probe. ``load_job(path)`` returns our trainer's
+:class:`Job` or raises a :class:`JobError` listing every :class:`Problem` (a tool's job:
+``trainers.job.load_job``)."""
 
 from __future__ import annotations
 

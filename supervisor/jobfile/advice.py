@@ -1,10 +1,5 @@
-"""Warnings: jobs that validate and would run, but probably do not mean what they say.
-
-A problem stops the job; advice does not. ``validate`` prints each as a ``warning:`` line and
-``run`` says them at start (console and ``events.jsonl``): a duration without a unit (read as
-seconds), ``max_steps`` beside ``epochs``, an eval split that leaves less than one effective batch
-to train on, and a ``resources.gpu`` this machine does not show.
-"""
+"""Warnings (``validate`` prints them, ``run`` says them at start): jobs that validate and would run
+but probably do not mean what they say. A problem stops the job; advice does not."""
 
 from __future__ import annotations
 

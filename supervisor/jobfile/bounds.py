@@ -1,8 +1,6 @@
-"""Bounded YAML input: a size limit before a file is read, a depth, value and alias-expansion limit
-before it is built (unbounded, a 12 MB file took minutes to refuse and 600 levels of nesting ended
-the supervisor in a ``RecursionError``). JSON read from the user's files goes through
-:func:`json_loads`, so a value nested too deep is a ``JSONDecodeError`` with words.
-"""
+"""Bounded YAML input: a size limit before a file is read; depth, value and alias-expansion limits
+before it is built (no ``RecursionError``, no minutes spent refusing a 12 MB file). JSON read from
+the user's files goes through :func:`json_loads`: too deep is a ``JSONDecodeError`` with words."""
 
 from __future__ import annotations
 

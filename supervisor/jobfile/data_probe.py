@@ -1,10 +1,6 @@
-"""Peek at a training data file's columns without importing ``datasets`` (or torch), so a wrong
-``text_field`` is caught before any attempt starts; :func:`scan_records` then streams the whole
-dataset and names the file, line and field of the first record that cannot train.
-
-Formats: ``.jsonl``, ``.json`` (records, columns, or JSON Lines), CSV, Parquet (its schema), a
-directory saved by ``datasets.save_to_disk``, or a directory of such files (the first stands for all).
-"""
+"""Peek at a training data file's columns without ``datasets`` (or torch), so a wrong ``text_field``
+is caught before any attempt starts; :func:`scan_records` streams every record and names the file,
+line and field of the first that cannot train. Formats: :data:`FORMATS_HELP`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""``model.path`` as a hub id (``meta-llama/Llama-3.1-8B``), resolved through the local HF cache
-(``snapshot_download(local_files_only=True)``, which follows ``HF_HOME`` / ``HF_HUB_CACHE``); it is
-downloaded only when ``model.allow_download: true`` and the machine is not offline. The result is
-the snapshot directory, so the child trains from a fixed revision and never touches the network.
-"""
+"""``model.path`` as a hub id (``org/name``), resolved to its snapshot in the local HF cache; it is
+downloaded only with ``model.allow_download: true`` on a machine that is not offline. The child
+trains from that fixed snapshot and never touches the network."""
 
 from __future__ import annotations
 

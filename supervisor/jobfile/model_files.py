@@ -1,8 +1,6 @@
-"""A model directory read without its weights: ``config.json`` and the safetensors headers (an
-8-byte little-endian length, then that much JSON: name -> dtype, shape, offsets) and index (weight
-map, total size). That is every tensor's name, dtype and shape and the checkpoint's size, so
-``plan`` runs in a second for a 70B model without torch, even with shard files absent.
-"""
+"""A model directory read without its weights: ``config.json`` and the safetensors headers and index
+give every tensor's name, dtype and shape and the checkpoint's size, so ``plan`` runs in a second for
+a 70B model without torch, even with shard files absent."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The sections of a job file, as frozen pydantic models (the shape pass of validation), and the
-field types they are made of.
-
-Each section is validated on its own, so one bad section does not hide another's problems.
-Before-validators turn the job file's spellings into one form (``24GiB`` -> bytes, ``20m`` ->
-seconds, ``1`` -> ``cuda:1``, relative paths -> absolute ones) or raise :func:`.problems.job_error`.
-One set of defaults: a field that lands in a spec crossing to the child or in the policy's
-``Settings`` takes its default from that dataclass (``tests/test_job.py`` checks they agree).
-"""
+"""The sections of a job file as frozen pydantic models (the shape pass, one section at a time), and
+their field types: before-validators turn the file's spellings into one form (``24GiB`` -> bytes,
+``20m`` -> seconds, ``1`` -> ``cuda:1``, relative paths -> absolute) or raise ``job_error``.
+A field that lands in a spec for the child or in the policy's ``Settings`` takes that dataclass's
+default (``tests/test_job.py`` checks they agree)."""
 
 from __future__ import annotations
 

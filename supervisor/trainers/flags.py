@@ -1,7 +1,5 @@
 """An HfArgumentParser script's flags as a config (``--per_device_train_batch_size 4`` reads as
-``{"per_device_train_batch_size": 4}``, values as YAML scalars), and the config back as flags.
-Arguments that are not ``--key`` flags (the interpreter, the script, positionals) are kept as they are.
-"""
+``{"per_device_train_batch_size": 4}``) and back; arguments that are not ``--key`` flags are kept."""
 
 from __future__ import annotations
 

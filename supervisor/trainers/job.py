@@ -1,8 +1,5 @@
-"""``load_job``: any job file, our own trainer's or a tool's (its ``trainer:`` section, its config).
-
-A tool's job has no ``model``, ``data``, ``quantization``, ``lora`` or ``train`` section: those live
-in the tool's config (one value written in two places would disagree sooner or later).
-"""
+"""``load_job``: any job file, our own trainer's or a tool's (its ``trainer:`` section). A tool's job
+has no ``model``, ``data``, ``quantization``, ``lora`` or ``train`` section: its config holds those."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""A tool's LoRA targets in our words, read the way the tool hands them to peft: a list of names (a
-module whose name ends in one), a string that peft reads as a regular expression of the full module
-name (trl, axolotl, an hf-script; so ``q_proj,v_proj`` adapts nothing), LLaMA-Factory's own
-comma-separated names, or nothing named: peft's default for the model type (read from peft's source
-as text: importing peft would import torch), or every Linear layer.
-"""
+"""A tool's LoRA targets in our words, read the way the tool hands them to peft: names (a module whose
+name ends in one), a string peft reads as a regex of the full module name (so ``q_proj,v_proj`` adapts
+nothing), LLaMA-Factory's comma-separated names, or none: peft's default for the model type (read
+from peft's source as text: importing peft would import torch), or every Linear layer."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""What a foreign tool's config says about the model's memory that the knobs do not: whether its
-weights are ones the memory model counts (4-bit NF4, or unquantized upcast to fp32 as our recipe
-leaves them), and which attention the tool asks transformers for. An 8-bit load, a plain bf16 LoRA,
-a model saved in another quantization or trl's ``max_length: null`` get no prediction: a guess would
-be off by 2x either way, so the attempt starts as written and the reactive ladder guards it.
-"""
+"""What a tool's config says of the model's memory that the knobs do not: whether the memory model
+counts its weights (4-bit NF4, or fp32 as our recipe upcasts them; an 8-bit load, a bf16 LoRA or
+another saved quantization get no prediction: the reactive ladder guards them), and its attention."""
 
 from __future__ import annotations
 

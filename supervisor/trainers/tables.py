@@ -1,8 +1,6 @@
-"""A tool's table: one row per knob the ladder may change (the tool's key, its default, how a value
-reads and writes), the keys that contradict the ladder, and the parts every tool built on
-transformers' TrainingArguments shares. A knob without a row cannot be changed for that tool, so the
-rungs that change it are left out of its ladders (:func:`rungs_for`).
-"""
+"""A tool's table: one row per knob the ladder may change (the tool's key, default, how a value reads
+and writes), the keys that contradict the ladder, and the parts every TrainingArguments tool shares.
+A knob without a row cannot be changed for the tool: its rungs leave its ladders (:func:`rungs_for`)."""
 
 from __future__ import annotations
 

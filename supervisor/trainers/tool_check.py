@@ -1,7 +1,5 @@
-"""Whether the tool, and the shim, can be imported by the interpreter that will run them, asked
-before any attempt (``find_spec`` in that interpreter: nothing imported, once per interpreter). A
-missing tool would fail on every start; a venv without qlora-supervise trains without the shim.
-"""
+"""Whether the tool, and the shim, can be imported by the interpreter that will run them (``find_spec``
+there, once per interpreter): a missing tool fails every start; without qlora-supervise, no shim."""
 
 from __future__ import annotations
 

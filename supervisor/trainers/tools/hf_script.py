@@ -1,7 +1,5 @@
-"""An HfArgumentParser script: the job's ``trainer.command``, its TrainingArguments flags changed.
-The model, sequence length, LoRA and 4-bit flags are the script's own: their rows apply only where
-the command has the flag (``present_only``; HfArgumentParser refuses unknown flags).
-"""
+"""An HfArgumentParser script: the job's ``trainer.command``, its TrainingArguments flags changed. Its
+own flags (model, sequence length, LoRA, 4-bit) apply only where the command has them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A script with its settings in its code (``trainer.kind: script``), run as written with the job's
-``trainer.command``; each attempt's ``script-knobs.json`` names the knobs the shim changes where the
-script builds them (``trainer_child/shim/script.py``), under the keys below. What it asks for is
-learnt from attempt 1, which changes nothing and reports every value it built.
-"""
+"""A script with its settings in its code (``trainer.kind: script``), run as written: the shim changes
+the knobs where the script builds them, under the keys below; attempt 1 changes nothing and reports
+what the script built."""
 
 from __future__ import annotations
 
