@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from qlora_supervise.supervisor.facts.units import format_duration
@@ -56,7 +56,7 @@ def world_problems(
         if isinstance(data, DataSection):
             problems += _eval_problems(train, data, bad)
     if isinstance(resources := sections.get("resources"), ResourcesSection):
-        problems += _rank_problems(resources, bad, visible_gpu_count)
+        problems += _rank_problems(resources, bad)
         if isinstance(train, TrainSection):
             problems += _rank_batch_problems(train, resources, bad)
     if isinstance(supervise := sections.get("supervise"), SuperviseSection):
@@ -201,11 +201,9 @@ def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
     return problems
 
 
-def _rank_problems(
-    resources: ResourcesSection, bad: frozenset[str], gpu_count: Callable[[], int | None]
-) -> list[Problem]:
+def _rank_problems(resources: ResourcesSection, bad: frozenset[str]) -> list[Problem]:
     """Ranks train on the first ``nproc_per_node`` visible GPUs, one each: a job that names one GPU
-    cannot mean that, and a GPU host needs as many GPUs as ranks (``gpu_count``; None: no driver)."""
+    cannot mean that, and a GPU host needs as many GPUs as ranks (None visible: no driver, gloo)."""
     ranks = resources.nproc_per_node
     if ranks == 1 and resources.parallel == "fsdp" and not bad & {"resources.nproc_per_node"}:
         why = "FSDP shards the weights over the ranks; one rank has nothing to shard them with"
@@ -221,7 +219,7 @@ def _rank_problems(
             "set gpu: auto and choose the cards with CUDA_VISIBLE_DEVICES (or gpu: cpu, or nproc_per_node: 1)"
         )
         return [Problem("resources.gpu", why, show(resources.gpu), fix)]
-    gpus = gpu_count() if resources.gpu == "auto" else None
+    gpus = visible_gpu_count() if resources.gpu == "auto" else None
     if gpus is not None and 0 < gpus < ranks:
         fix = f"lower nproc_per_node to {gpus} or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
         why = f"{ranks} ranks need {ranks} GPUs, but {gpus} GPU(s) are visible"
