@@ -137,15 +137,9 @@ def _peft_mapping(root: Path | None) -> dict[str, Any]:
         return {}
     try:
         tree = ast.parse((root / "utils" / "constants.py").read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
+        assigns = [node for node in tree.body if isinstance(node, ast.Assign)]
+        found = next(n for n in assigns if any(getattr(t, "id", None) == _PEFT_DEFAULTS for t in n.targets))
+        value = ast.literal_eval(found.value)
+    except (OSError, SyntaxError, UnicodeDecodeError, StopIteration, ValueError):
         return {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == _PEFT_DEFAULTS for t in node.targets
-        ):
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                return {}
-            return value if isinstance(value, dict) else {}
-    return {}
+    return value if isinstance(value, dict) else {}
