@@ -44,24 +44,24 @@ def assign(config: dict[str, Any], key: str, value: Any) -> None:
         node[last] = value
 
 
-def knob_value(row: Row, config: Mapping[str, Any], quoted_numbers: bool = False) -> Any:
-    """The knob's value as the tool would run it: the config's, else the tool's default."""
-    value = lookup(config, row.key_in(config))
-    if value is _MISSING or value is None:  # the default is in the tool's spelling too
-        value = row.default(config) if callable(row.default) else row.default
-    return row.read(_unquoted(row, value) if quoted_numbers else value)
-
-
-def _unquoted(row: Row, value: Any) -> Any:
-    """A whole-number knob written quoted ("4"), as a tool that reads it so takes it: 4."""
-    if _KNOB_TYPES.get(row.knob) is int and isinstance(value, str) and value.strip().isdecimal():
-        return int(value)
-    return value
+def _read(row: Row, value: Any, quoted_numbers: bool) -> Any:
+    """The knob's value of the tool's ``value``; a whole number written quoted ("4") is 4 for a tool
+    that reads it so (``quoted_numbers``)."""
+    whole = _KNOB_TYPES.get(row.knob) is int
+    if quoted_numbers and whole and isinstance(value, str) and value.strip().isdecimal():
+        value = int(value)
+    return row.read(value)
 
 
 def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
-    """The knobs the tool would train with (one process); call after :func:`config_problems` found none."""
-    values = {row.knob: knob_value(row, config, table.reads_quoted_numbers) for row in table.rows}
+    """The knobs the tool would train with (the config's values, else the tool's defaults); call
+    after :func:`config_problems` found none."""
+    values: dict[str, Any] = {}
+    for row in table.rows:
+        value = lookup(config, row.key_in(config))
+        if value is _MISSING or value is None:  # the default is in the tool's spelling too
+            value = row.default(config) if callable(row.default) else row.default
+        values[row.knob] = _read(row, value, table.reads_quoted_numbers)
     values["model"] = str(values.get("model") or "")
     return Knobs(**values)
 
@@ -78,7 +78,7 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
         raw = lookup(config, key)
         if raw is _MISSING or raw is None or row.knob not in _KNOB_TYPES:
             continue
-        value = row.read(_unquoted(row, raw) if table.reads_quoted_numbers else raw)
+        value = _read(row, raw, table.reads_quoted_numbers)
         wanted = _KNOB_TYPES[row.knob]
         why, fix = None, ""
         if wanted is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
