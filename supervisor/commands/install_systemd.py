@@ -27,10 +27,10 @@ from typing import Any
 
 import yaml
 
+from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.trainer import OWN
-from qlora_supervise.supervisor.jobfile import Job, JobError
-from qlora_supervise.supervisor.trainers.job import load_job
+from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.trainers.trainer import tool_job_copy
 
 UNIT_NAME = "qlora-supervise@.service"
@@ -81,7 +81,7 @@ def install_systemd_command(
     service_user: str | None = None,
 ) -> int:
     """Write the unit, the job copy and (once) the environment file; print what to run next."""
-    job = _load(job_path)
+    job = load_or_exit(job_path, head="not installed")
     instance = name or Path(job_path).stem
     layout = _layout(Path(root) if root else Path("/"), user_mode, instance)
     existing = [p for p in (layout.unit, layout.job) if p.exists()]
@@ -137,14 +137,6 @@ def _job_paths(job: Job) -> list[tuple[str, str]]:
         if value and value.startswith("/"):
             paths.append((field, value))
     return paths + job.trainer.service_paths()
-
-
-def _load(job_path: str) -> Job:
-    try:
-        return load_job(job_path)
-    except JobError as error:
-        lines = "\n".join(problem.render() for problem in error.problems)
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{job_path}: not installed:\n{lines}") from None
 
 
 def _layout(root: Path, user_mode: bool, instance: str) -> Layout:

@@ -103,8 +103,8 @@ from qlora_supervise.policies.search.budget import card_budget, card_reserve
 from qlora_supervise.policies.search.rung_effects import RungEffect, rung_effects
 from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
 from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
-from qlora_supervise.supervisor.commands.plan_inputs import JobView, load_plan_job, plan_model_files
 from qlora_supervise.supervisor.commands.plan_text import render
+from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import Job, model_files
@@ -118,24 +118,6 @@ if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must 
     from qlora_supervise.supervisor.watching.gpu import Nvml
 
 SCHEMA = "qlora-supervise.plan/1"
-
-
-def job_view(job: Job) -> JobView:
-    """The plan's view of ``job``: its knobs, target modules, caps, device and merge flag, and the
-    rungs its trainer cannot take (left out of the search and the rung list, as ``run`` does)."""
-    return JobView(
-        knobs=job.trainer.built_knobs(job.knobs, job.output_dir),  # a script's: as it built them
-        targets=job.train.target_modules,
-        fallbacks=job.fallback_models,
-        calibration_store=job.supervise.calibration_store,
-        gpu_memory_limit=job.resources.gpu_memory_limit,
-        cpu_memory_limit=job.resources.cpu_memory_limit,
-        device=job.resources.device,
-        host_memory_limit=job.resources.host_memory_limit,
-        merge=job.train.merge,
-        cannot_take=job.trainer.cannot_take(),
-        trainer=job.trainer.kind,
-    )
 
 
 @dataclass(frozen=True)
@@ -171,52 +153,53 @@ def make_plan(
     job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
 ) -> dict[str, Any]:
     """The plan as the JSON object documented above."""
-    job = load_plan_job(job_path)
-    view = job_view(job)
+    job = load_or_exit(job_path)
+    knobs = job.trainer.built_knobs(job.knobs, job.output_dir)  # a script's: as it built them
+    targets, cannot_take = job.train.target_modules, job.trainer.cannot_take()  # as `run` leaves them out
     host_size = size_flag("--host-memory", host_memory)
-    files = plan_model_files(view.knobs.model, job)
+    files = plan_model_files(knobs.model, job)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
-    as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
-    card = find_card(gpu_memory, view, as_written, nvml)
+    as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
+    card = find_card(gpu_memory, job, as_written, nvml)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
-    host = None if checkpoint is None else find_host(checkpoint, view, host_size, files.largest_shard_bytes)
+    host = None if checkpoint is None else find_host(checkpoint, job, host_size, files.largest_shard_bytes)
     start = None
-    speed = None if shape is None else _host_speeds(view, shape)
+    speed = None if shape is None else _host_speeds(job, shape)
     if shape is not None and card.budget_bytes is not None:
-        fallbacks = tuple((model, model_shape(Path(model))) for model in view.fallbacks)
+        fallbacks = tuple((model, model_shape(Path(model))) for model in job.fallback_models)
         start = choice.first(
             shape,
-            view.knobs,
+            knobs,
             card.budget_bytes,
-            targets=view.targets,
+            targets=targets,
             speed=speed,
             fallbacks=fallbacks,
-            unusable=view.cannot_take,
+            unusable=cannot_take,
             host=host,
         )
-    effects = [] if shape is None else rung_effects(shape, view.knobs, view.targets, speed=speed)
-    rungs = [effect for effect in effects if effect.name not in view.cannot_take]
+    effects = [] if shape is None else rung_effects(shape, knobs, targets, speed=speed)
+    rungs = [effect for effect in effects if effect.name not in cannot_take]
     return {
         "schema": SCHEMA,
         "job": str(Path(job_path).absolute()),
-        "model": view.knobs.model,
+        "model": knobs.model,
         "peak_bytes": None if as_written is None else as_written.peak_bytes,
         "components": {} if as_written is None else dict(as_written.components),
         "shape": None if shape is None else {**asdict(shape), "params": shape.params},
         "unsupported": _unsupported(read),
         "architecture": _architecture(files),
         "notes": list(files.notes) + _tie_note(files, shape),
-        "targets": list(resolve_targets(view.targets, shape.model_type if shape else "llama")),
-        "as_written": None if as_written is None else _prediction(view.knobs, as_written),
+        "targets": list(resolve_targets(targets, shape.model_type if shape else "llama")),
+        "as_written": None if as_written is None else _prediction(knobs, as_written),
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
         "start": None if start is None else _start(start),
-        "ranking": [] if start is None else _ranking(view.knobs, start),
+        "ranking": [] if start is None else _ranking(knobs, start),
         "rungs": [_rung(r) for r in rungs],
         "host": {
-            **host_ram(checkpoint, files.largest_shard_bytes, view),
-            **host_training(shape, view, host, start),
+            **host_ram(checkpoint, files.largest_shard_bytes, job),
+            **host_training(shape, knobs, targets, host, start),
         },
     }  # fmt: skip
 
@@ -233,7 +216,7 @@ def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsuppor
 
 
 def find_card(
-    gpu_memory: str | None, view: JobView, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
+    gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
 ) -> Card:
     """The card and the budget; see the module docstring for the order and the reserve."""
     paged = 0 if predicted is None else predicted.outside.get("paged_optimizer_state", 0)
@@ -249,13 +232,14 @@ def find_card(
                 SupervisorExitCode.BAD_JOB, f"--gpu-memory {gpu_memory!r}: {error}"
             ) from None
         return Card("flag", total, None, reserve, why, card_budget(total, paged))
-    if view.gpu_memory_limit is not None:
+    cap, device = job.resources.gpu_memory_limit, job.resources.device
+    if cap is not None:
         cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
-        return Card("job_cap", view.gpu_memory_limit, None, 0, cap_why, view.gpu_memory_limit)
-    if view.device != "cpu":
+        return Card("job_cap", cap, None, 0, cap_why, cap)
+    if device != "cpu":
         from qlora_supervise.supervisor.watching.gpu import GpuMonitor
 
-        monitor = GpuMonitor.open(view.device, nvml=nvml)
+        monitor = GpuMonitor.open(device, nvml=nvml)
         if monitor is not None:
             try:
                 sample = monitor.sample(set())
@@ -318,12 +302,12 @@ def _ranking(job: Knobs, r: PreflightResult) -> list[dict[str, Any]]:
     ]
 
 
-def _host_speeds(view: JobView, shape: ModelShape) -> throughput.SpeedCalibration | None:
+def _host_speeds(job: Job, shape: ModelShape) -> throughput.SpeedCalibration | None:
     """This host's measured speeds of the shape (the per-host store), or None: none, or turned off."""
-    if not view.calibration_store or view.device == "cpu":
+    if not job.supervise.calibration_store or job.resources.device == "cpu":
         return None
-    speeds = read_speeds(default_path(), shape, view.trainer)
-    return throughput.calibrate(shape, speeds, view.targets) if speeds else None
+    speeds = read_speeds(default_path(), shape, job.trainer.kind)
+    return throughput.calibrate(shape, speeds, job.train.target_modules) if speeds else None
 
 
 def _rung(r: RungEffect) -> dict[str, Any]:
@@ -335,6 +319,23 @@ def _rung(r: RungEffect) -> dict[str, Any]:
         "peak_bytes": r.predicted_peak,
         "changes": {k: list(v) for k, v in r.changes.items()},
     }
+
+
+def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
+    """The model's files, or exit 2 naming the model as the job does: ``model.path``, or a tool's own
+    key in its config."""
+    try:
+        return model_files.read_model_files(model)
+    except model_files.ModelFilesError as error:
+        key, where, spelled = job.trainer.model_words()
+        if not model:
+            message = (
+                f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
+                f"to predict its memory; add {spelled} there"
+            )
+        else:
+            message = str(error).replace("point model.path at", f"point {key} (in {where}) at")
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, message) from None
 
 
 def _unsupported(read: ModelShape | Unsupported) -> dict[str, str] | None:

@@ -15,24 +15,24 @@ from qlora_supervise.policies.memory.host import (
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search.budget import HostBudget, host_budget
 from qlora_supervise.policies.search.search_result import PreflightResult
-from qlora_supervise.supervisor.commands.plan_inputs import JobView
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, parse_memory_size
+from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
+from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def find_host(
-    checkpoint_bytes: int, view: JobView, host_size: int | None, largest_shard_bytes: int = 0
+    checkpoint_bytes: int, job: Job, host_size: int | None, largest_shard_bytes: int = 0
 ) -> HostBudget | None:
     """The host budget (see the module docstring for the order); None on the CPU, where the
     child's memory is the card's model's no longer (``cpu_memory_limit`` caps it there)."""
-    if view.device == "cpu":
+    if job.resources.device == "cpu":
         return None
     available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
-    return host_budget(
-        checkpoint_bytes, available, cgroup, view.host_memory_limit, host_size, largest_shard_bytes
-    )
+    limit = job.resources.host_memory_limit
+    return host_budget(checkpoint_bytes, available, cgroup, limit, host_size, largest_shard_bytes)
 
 
 def size_flag(flag: str, value: str | None) -> int | None:
@@ -46,13 +46,17 @@ def size_flag(flag: str, value: str | None) -> int | None:
 
 
 def host_training(
-    shape: ModelShape | None, view: JobView, host: HostBudget | None, start: PreflightResult | None
+    shape: ModelShape | None,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str,
+    host: HostBudget | None,
+    start: PreflightResult | None,
 ) -> dict[str, Any]:
-    """The host budget and the start's training host peak by component, with its basis."""
+    """The host budget and the start's (else ``knobs``') training host peak by component, with its basis."""
     need = None
     if shape is not None and host is not None:
-        knobs = view.knobs if start is None else start.knobs
-        need = host_train_need(shape, knobs, host.checkpoint_bytes, view.targets, host.largest_shard_bytes)
+        knobs = knobs if start is None else start.knobs
+        need = host_train_need(shape, knobs, host.checkpoint_bytes, targets, host.largest_shard_bytes)
     rejected, smallest = (0, None) if start is None else start.host_rejected
     return {
         "budget_bytes": None if host is None else host.budget_bytes,
@@ -68,14 +72,15 @@ def host_training(
     }
 
 
-def host_ram(checkpoint: int | None, largest_shard: int, view: JobView) -> dict[str, Any]:
+def host_ram(checkpoint: int | None, largest_shard: int, job: Job) -> dict[str, Any]:
     """The load's and the merge's host RAM as measured (RSS, the mapped checkpoint included), and
     whether the load's need (imports + its largest shard in the page cache) fits the room there is:
     the smallest of what is available, the cgroup's limit and ``cpu_memory_limit``, named."""
     available, limit = host_memory.host_room()  # through the module: the tests' one seam
-    on_gpu = view.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
+    resources = job.resources
+    on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
     need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard, on_gpu)
-    rooms = {"available": available, "cgroup limit": limit, "cpu_memory_limit": view.cpu_memory_limit}
+    rooms = {"available": available, "cgroup limit": limit, "cpu_memory_limit": resources.cpu_memory_limit}
     room_of, room = min(((k, v) for k, v in rooms.items() if v is not None), key=lambda kv: kv[1])
     imports = IMPORTS_RSS if on_gpu else CPU_IMPORTS_RSS
     return {

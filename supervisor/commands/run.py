@@ -20,8 +20,9 @@ from typing import TextIO, TypeVar
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.commands.summary import print_summary
+from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError
+from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
@@ -54,8 +55,7 @@ from qlora_supervise.supervisor.reporting.outputs import (
 )
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.reporting.service import ServiceStatus
-from qlora_supervise.supervisor.trainers.job import load_job
-from qlora_supervise.supervisor.trainers.tool_check import tool_advice, tool_problems
+from qlora_supervise.supervisor.trainers.tool_check import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
 
@@ -82,7 +82,8 @@ def run_job(
     """
     # Long because the start of a run is a sequence whose order matters (lock, reconcile the job,
     # open the log, lift a verdict, then the loop); each step is one call below.
-    job = _load(job_path)
+    # A tool its interpreter lacks fails every start alike.
+    job = load_or_exit(job_path, tail=f"\n(run `qlora-supervise validate {job_path}`)", tools=True)
     console, console_stream = best_effort(console)  # a closed pipe costs the console, not the run
     # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
     # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
@@ -161,22 +162,6 @@ def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
             SupervisorExitCode.BAD_JOB,
             f"{run_dir.root}: cannot write the run directory ({exc.strerror}): {fix}, "
             "or choose another output_dir",
-        ) from None
-
-
-def _load(job_path: str) -> Job:
-    try:
-        job = load_job(job_path)
-        problems = tool_problems(job.trainer)  # a tool its interpreter lacks fails every start alike
-        if problems:
-            raise JobError(problems)
-        return job
-    except JobError as error:
-        lines = "\n".join(problem.render() for problem in error.problems)
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
-            f"{job_path}: {len(error.problems)} problem(s):\n{lines}\n"
-            f"(run `qlora-supervise validate {job_path}`)",
         ) from None
 
 
