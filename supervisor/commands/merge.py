@@ -103,12 +103,12 @@ def adapter_step(rd: RunDir) -> int | None:
 
 def merged_record(rd: RunDir) -> dict[str, Any] | None:
     """What the last ``qlora-supervise merge`` recorded: ``merged_dir``, ``adapter_step``, ``time``."""
-    return _read_json(rd.merge_command / MERGED_RECORD)
+    return read_json(rd.merge_command / MERGED_RECORD)
 
 
 def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] | None:
     """The adapter's step into the merge report and ``merge-command/merged.json``; the report."""
-    numbers = _read_json(merged / "merge.json")
+    numbers = read_json(merged / "merge.json")
     if numbers is not None:
         numbers["adapter_step"] = step
         write_text_atomic(merged / "merge.json", json.dumps(numbers, indent=2))
@@ -117,7 +117,7 @@ def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] |
     return numbers
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

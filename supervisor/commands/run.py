@@ -19,7 +19,7 @@ from typing import TextIO, TypeVar
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.supervisor.commands.summary import print_summary
+from qlora_supervise.supervisor.commands.status import print_summary
 from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job

@@ -1,9 +1,5 @@
-"""``qlora-supervise status [RUN_DIR ...] [--json] [--follow]``: the retry story of run directories.
-
-It reads only the run directory (state.json, attempts.jsonl, attempt-NNN/, merged/merge.json),
-so it works whether or not a supervisor is running, for several runs at once. For every failure
-it prints the line that names the fix (the child's own message: a wrong ``target_modules``
-lists the layers that exist) and the attempt's ``child.log``.
+"""``qlora-supervise status [RUN_DIR ...] [--json] [--follow]``: the retry story of run directories,
+read from the run directory alone (a supervisor running or not), and the summary ``run`` ends with.
 
 ``--json`` prints one object, schema ``qlora-supervise.status/1``::
 
@@ -23,37 +19,41 @@ lists the layers that exist) and the attempt's ``child.log``.
                "planned_restarts": {"step_up": int, "retime": int},  # to a faster config
                "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}]}
 
-``--follow`` prints again whenever a run's journal or state changes, until every run has ended
-(succeeded, gave up, failed, stopped) or Ctrl-C.
+``--follow`` prints again whenever a run's journal, state or running heartbeats change, until
+every run has ended (succeeded, gave up, failed, stopped) or Ctrl-C.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from qlora_supervise.supervisor.commands.merge import adapter_step, merged_record
-from qlora_supervise.supervisor.commands.running import events_file, running_attempt
+import psutil
+
+from qlora_supervise.supervisor.commands.merge import adapter_step, merged_record, read_json
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
+from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line, speed_of
 from qlora_supervise.supervisor.record.history import (
     climb_back_lines,
     config_text,
     planned_restarts,
     time_in_configs,
 )
-from qlora_supervise.supervisor.record.journal import RunState, State, read_attempts, read_state
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, read_attempts, read_state
+from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.trainer import read_diff, saved_by_the_tool_only
-from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME
+from qlora_supervise.trainer_child.contract.events import Heartbeat, read_events
+from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME, Knobs
 
 #: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).
 SNAPSHOT_HOW_TO = (
@@ -151,12 +151,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
 
 def merge_report(rd: RunDir) -> dict[str, Any] | None:
     """The merge child's own numbers (time, device, dtype, peaks), when a merge finished."""
-    path = rd.merged / MERGE_REPORT
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+    return read_json(rd.merged / MERGE_REPORT)
 
 
 def print_story(run_dir: RunDir, out: TextIO) -> None:
@@ -224,13 +219,10 @@ def _from_step(step: object, now: int | None, rd: RunDir) -> str:
     return f", from the adapter of step {step}"
 
 
-def _finished(state: State | None) -> bool:
-    return state is not None and state.run_state is RunState.SUCCEEDED
-
-
 def _tool_saved(rd: RunDir, state: State | None) -> str | None:
     """Where a finished run's foreign tool saved its result when no adapter of ours was written."""
-    output = saved_by_the_tool_only(rd.root, rd.adapter) if _finished(state) else None
+    finished = state is not None and state.run_state is RunState.SUCCEEDED
+    output = saved_by_the_tool_only(rd.root, rd.adapter) if finished else None
     return str(output) if output is not None else None
 
 
@@ -324,3 +316,114 @@ def _fmt(value: object) -> str:
     if isinstance(value, int) and value >= 1024:
         return format_bytes(value)
     return str(value)
+
+
+@dataclass(frozen=True)
+class Running:
+    """The attempt ``state.json`` names in flight (its journal line comes only when it ends) and what
+    its heartbeats said last (None: no heartbeat yet, or no readable ``child-events.jsonl``)."""
+
+    flight: InFlight
+    step: int | None
+    stage: str | None
+    tokens_per_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``running`` object of ``status --json``."""
+        return {
+            "attempt": self.flight.number,
+            "phase": self.flight.phase.value,
+            "knobs": dataclasses.asdict(self.flight.knobs),
+            "resumed_from": self.flight.resumed_from,
+            "step": self.step,
+            "stage": self.stage,
+            "tokens_per_s": self.tokens_per_s,
+            "pid": self.flight.pid,
+            "alive": _alive(self.flight.pid),
+            "started_at": self.flight.started_at,
+        }
+
+    def lines(self, now: float | None = None) -> list[str]:
+        """What ``status`` prints for it: a head line like an attempt's, then its config and speed."""
+        f = self.flight
+        since = _ago((now if now is not None else time.time()) - f.started_at)
+        step = f"at step {self.step}" if self.step is not None else "no heartbeat yet"
+        where = f" in {self.stage}" if self.stage else ""
+        head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
+        child = f"pid {f.pid}" if _alive(f.pid) else f"its child, pid {f.pid}, is gone: the supervisor died?"
+        lines = [f"{head}; since {since} ago ({child})"]
+        lines.append(f"  config: {config_text(f.knobs)}")
+        if self.tokens_per_s is not None:
+            lines.append(f"  speed: {self.tokens_per_s:,.0f} tokens/s (median of its heartbeats)")
+        return lines
+
+
+def events_file(rd: RunDir, state: State | None) -> Path | None:
+    """The heartbeats file of the attempt in flight (``status --follow`` prints again when it grows)."""
+    flight = state.in_flight if state is not None else None
+    return rd.attempt(flight.number).events if flight is not None else None
+
+
+def running_attempt(rd: RunDir, state: State | None, last_recorded: int) -> Running | None:
+    """The attempt ``state`` names in flight, unless the journal already holds its line."""
+    flight = state.in_flight if state is not None else None
+    if flight is None or flight.number <= last_recorded:
+        return None
+    events = read_events(rd.attempt(flight.number).events)
+    beat = next((event for event in reversed(events) if isinstance(event, Heartbeat)), None)
+    speed = speed_of(events, flight.knobs).tokens_per_s
+    return Running(flight, beat.step if beat else None, beat.stage.value if beat else None, speed)
+
+
+def _alive(pid: int | None) -> bool:
+    return pid is not None and psutil.pid_exists(pid)  # someone else's process of that number counts
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def print_summary(rd: RunDir, out: TextIO) -> None:
+    """What ``run`` and ``demo`` end with: the retry story, what the ladder changed, how to load it."""
+    print("\n--- the retry story (qlora-supervise status) ---", file=out)
+    print_story(rd, out)
+    records, _ = read_attempts(rd.attempts)
+    train = [r for r in records if r.phase is Phase.TRAIN]
+    if not train:
+        return
+    first, last = train[0].knobs, train[-1].knobs
+    changed = [
+        f"{name} {getattr(first, name)} -> {getattr(last, name)}"
+        for name in (field.name for field in dataclasses.fields(Knobs))
+        if getattr(first, name) != getattr(last, name)
+    ]
+    print(f"changed by the ladder: {', '.join(changed) if changed else 'nothing'}", file=out)
+    if rd.adapter.exists():
+        for line in load_lines(str(rd.adapter), last.model, str(rd.merged) if rd.merged.exists() else None):
+            print(line, file=out)
+
+
+def load_lines(adapter: str, base_model: str, merged: str | None) -> list[str]:
+    """Python that loads the result: the base in 4-bit plus the adapter, or the merged model."""
+    lines = [
+        "load the adapter (PEFT):",
+        "  import torch",
+        "  from peft import PeftModel",
+        "  from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig",
+        f"  base = AutoModelForCausalLM.from_pretrained({base_model!r}, device_map='auto',",
+        "      quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',",
+        "          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))",
+        f"  model = PeftModel.from_pretrained(base, {adapter!r})",
+        f"  tokenizer = AutoTokenizer.from_pretrained({adapter!r})",
+    ]
+    if merged is not None:
+        lines += [
+            "or the merged model (no PEFT needed):",
+            f"  model = AutoModelForCausalLM.from_pretrained({merged!r}, dtype='auto', device_map='auto')",
+        ]
+    return lines
