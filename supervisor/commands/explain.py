@@ -40,7 +40,7 @@ import yaml
 from tqdm import tqdm
 
 from qlora_supervise.policies.memory_model import ModelShape
-from qlora_supervise.supervisor.commands.series import attempt_series
+from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
@@ -70,8 +70,6 @@ def explain_command(
         )
     story = explanation(rd, Path(model_config) if model_config else None)
     if plot is not None:
-        from qlora_supervise.supervisor.commands.memory_plot import draw  # matplotlib only here
-
         _check_plot_path(Path(plot))
         try:
             draw(rd, story, Path(plot))
