@@ -1,10 +1,7 @@
-"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``.
-
-The retry story as a table: attempt, outcome and kind, stage, the key numbers, the change the
-ladder made, the progress kept, predicted vs measured peak, wall time; then why each attempt ran
-its config, in the policy's words (``policies/choice.py`` decides every config: the first plan's
-reasons and the speed trial's, or the decision after the attempt before). ``--json`` prints
-schema ``qlora-supervise.explain/1``::
+"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``: the retry
+story as a table, one row per attempt, then why each attempt ran its config in the policy's words
+(the first plan's reasons, or the decision after the attempt before). ``--json`` prints schema
+``qlora-supervise.explain/1``::
 
     {"schema": "qlora-supervise.explain/1", "run_dir": str, "budget_bytes": int | null,
      "started_at": float | null,
@@ -20,12 +17,9 @@ schema ``qlora-supervise.explain/1``::
      "planned_restarts": {"step_up": int, "retime": int},   # to a faster config (docs/ladder.md)
      "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}  # training, first-run order
 
-The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
-attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory
-is gone); it predicts the CUDA allocator's peak, so it is left out for attempts that ran on the
-CPU (the child's ``started`` line names its device: ``gpu: auto`` on a machine without a GPU
-is a CPU attempt). ``--plot``
-draws :mod:`.memory_plot` (matplotlib, imported only then).
+The predicted peak is the memory model's for the attempt's knobs, from the model's ``config.json``
+(``--model-config`` when the model directory is gone); it predicts the CUDA allocator's peak, so it
+is left out for attempts that ran on the CPU.
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ from typing import Any, TextIO
 import yaml
 from tqdm import tqdm
 
-from qlora_supervise.policies.memory_model import ModelShape
+from qlora_supervise.policies.memory_model import ModelShape, estimate_peak
 from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
@@ -89,19 +83,16 @@ def explain_command(
 def _check_plot_path(path: Path) -> None:
     """``--plot`` into a folder that does not exist, or cannot be written, is exit 2 in words."""
     folder = path.absolute().parent
+    why = None
     if not folder.is_dir():
-        why = "does not exist" if not folder.exists() else "is not a folder"
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"--plot {path}: {folder} {why}; create it first or plot elsewhere"
-        )
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"--plot {path}: {folder} is not writable; plot elsewhere"
-        )
-    if path.is_dir():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"--plot {path}: is a folder; give a file name (.png)"
-        )
+        missing = "is not a folder" if folder.exists() else "does not exist"
+        why = f"{folder} {missing}; create it first or plot elsewhere"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        why = f"{folder} is not writable; plot elsewhere"
+    elif path.is_dir():
+        why = "is a folder; give a file name (.png)"
+    if why is not None:
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--plot {path}: {why}")
 
 
 def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
@@ -176,11 +167,7 @@ def _shape_of(config: Path) -> ModelShape:
 def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -> dict[str, Any]:
     f, d = r.failure, r.decision
     shape = given or model_shape(Path(r.knobs.model))
-    predicted = None
-    if shape is not None and on_gpu:
-        from qlora_supervise.policies.memory_model import estimate_peak
-
-        predicted = estimate_peak(shape, r.knobs)
+    predicted = estimate_peak(shape, r.knobs) if shape is not None and on_gpu else None
     speed = read_attempt_speed(rd.attempt(r.attempt).events, r.knobs)
     return {
         "attempt": r.attempt,

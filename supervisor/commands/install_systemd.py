@@ -1,16 +1,10 @@
 """``qlora-supervise install-systemd JOB [--user | --system] [--force] [--root DIR]``.
 
-Writes the template unit (``systemd/qlora-supervise@.service``: package data, in a wheel as in
-a clone, rendered for this machine) and the job as ``<config>/qlora-supervise/<name>.yaml``
-with every path made absolute, then prints the ``systemctl`` and ``journalctl`` lines to run.
-``<config>`` is ``/etc`` for ``--system`` and ``$XDG_CONFIG_HOME`` (``~/.config``) for
-``--user``; ``--root`` puts the whole tree under another directory (a package build, a test).
-Existing files are never overwritten without ``--force``: a unit edited by an admin is theirs.
-
-The rendering: ``ExecStart`` names this installation's ``qlora-supervise``; ``User=``/``Group=``
-are the service user (system units only: a user manager cannot switch users, so the user unit
-drops them with the sandboxing that needs a privileged manager); ``TimeoutStopSec`` is the job's
-``supervise.stop_grace`` plus two minutes; ``ReadWritePaths`` gains the job's ``output_dir``.
+Writes the template unit (package data) rendered for this machine and the job, with every path made
+absolute, as ``<config>/qlora-supervise/<name>.yaml`` (``<config>``: ``/etc``, or ``$XDG_CONFIG_HOME``
+for ``--user``; all under ``--root`` if given), then prints the ``systemctl`` lines to run. Existing
+files are never overwritten without ``--force``: a unit edited by an admin is theirs. A user unit
+drops ``User=``/``Group=`` and the sandboxing that needs a privileged manager.
 """
 
 from __future__ import annotations
@@ -39,26 +33,10 @@ ENV_EXAMPLE = "qlora-supervise.env.example"
 #: Seconds systemd waits beyond the child's checkpoint grace before SIGKILL (the supervisor's
 #: own exit and the journal's fsync come after the child's save).
 STOP_MARGIN_S = 120
-#: Settings a user manager cannot apply (no privileges to switch users, mount or filter devices).
-SYSTEM_ONLY = (
-    "User",
-    "Group",
-    "ProtectSystem",
-    "ProtectHome",
-    "PrivateTmp",
-    "ReadWritePaths",
-    "ProtectKernelTunables",
-    "ProtectKernelModules",
-    "ProtectControlGroups",
-    "DevicePolicy",
-    "DeviceAllow",
-    "ProtectKernelLogs",
-    "ProtectClock",
-    "ProtectHostname",
-    "PrivateMounts",
-    "CapabilityBoundingSet",
-    "AmbientCapabilities",
-)
+#: Settings a user manager cannot apply (no privileges to switch users, mount or filter devices):
+#: these, and every ``Protect*``, ``Private*`` and ``Device*`` sandboxing key.
+SYSTEM_ONLY = frozenset({"User", "Group", "ReadWritePaths", "CapabilityBoundingSet", "AmbientCapabilities"})
+SYSTEM_ONLY_PREFIXES = ("Protect", "Private", "Device")
 
 
 @dataclass(frozen=True)
@@ -91,7 +69,7 @@ def install_systemd_command(
             "refusing to overwrite " + ", ".join(map(str, existing)) + ": pass --force to replace them",
         )
     user = service_user or _default_service_user()
-    unit_text = render_unit(_template(), job, user_mode, user)
+    unit_text = render_unit(_packaged(UNIT_NAME), job, user_mode, user)
     _write(layout.unit, unit_text)
     _write(layout.job, job_copy(job))
     if not layout.env.exists():  # the shared environment file is the admin's after the first write
@@ -162,12 +140,8 @@ def _default_service_user() -> str:
 
 
 def _packaged(name: str) -> str:
-    """A file of the unit's package data (``systemd/`` of the clone, ``qlora_supervise/systemd``
-    of a wheel), read through :mod:`importlib.resources` so that both install kinds work.
-
-    An editable install made before ``systemd/`` was a package has no mapping for it: its
-    files are then read from the clone beside this code (one source either way).
-    """
+    """A file of the unit's package data (``systemd/`` of the clone, ``qlora_supervise/systemd`` of a
+    wheel); an editable install made before ``systemd/`` was a package reads it from the clone."""
     try:
         return (resources.files("qlora_supervise.systemd") / name).read_text(encoding="utf-8")
     except (ModuleNotFoundError, FileNotFoundError):
@@ -183,10 +157,6 @@ def _packaged(name: str) -> str:
         ) from None
 
 
-def _template() -> str:
-    return _packaged(UNIT_NAME)
-
-
 def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> str:
     """The template with this machine's executable, user, stop timeout and writable paths."""
     executable = (
@@ -195,7 +165,7 @@ def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> 
     out: list[str] = []
     for line in template.splitlines():
         key = line.split("=", 1)[0] if "=" in line and not line.startswith("#") else ""
-        if user_mode and key in SYSTEM_ONLY:
+        if user_mode and (key in SYSTEM_ONLY or key.startswith(SYSTEM_ONLY_PREFIXES)):
             continue
         if user_mode:  # %E: the user manager's config directory ($XDG_CONFIG_HOME)
             line = line.replace("/etc/qlora-supervise/", "%E/qlora-supervise/")
