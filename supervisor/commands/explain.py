@@ -1,21 +1,7 @@
 """``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``: the retry
 story as a table, one row per attempt, then why each attempt ran its config in the policy's words
 (the first plan's reasons, or the decision after the attempt before). ``--json`` prints schema
-``qlora-supervise.explain/1``::
-
-    {"schema": "qlora-supervise.explain/1", "run_dir": str, "budget_bytes": int | null,
-     "started_at": float | null,
-     "attempts": [{"attempt": int, "phase": str, "outcome": str, "kind": str | null,
-                   "stage": str | null, "numbers": {str: number}, "rung": str | null,
-                   "changes": {knob: [old, new]}, "progress_kept": str | null,
-                   "steps": [from, to], "lost_steps": int, "peak_bytes": int | null,
-                   "peak_source": str | null, "predicted_peak_bytes": int | null,
-                   "tokens_per_s": float | null,            # measured: median of its heartbeats
-                   "predicted_tokens_per_s": float | null,  # the throughput model's, same knobs
-                   "wall_s": float, "started_at": float, "ended_at": float, "samples": int,
-                   "why": [str]}],                          # why it ran this config
-     "planned_restarts": {"step_up": int, "retime": int},   # to a faster config (docs/ladder.md)
-     "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}  # training, first-run order
+``qlora-supervise.explain/1`` (docs/run-directory.md, "The JSON of status and explain").
 
 The predicted peak is the memory model's for the attempt's knobs, from the model's ``config.json``
 (``--model-config`` when the model directory is gone); it predicts the CUDA allocator's peak, so it

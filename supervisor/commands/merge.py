@@ -1,20 +1,14 @@
 """``qlora-supervise merge RUN_DIR [--out DIR] [--device auto|cpu|cuda]``: merge a finished adapter.
 
-The same merge child as ``run``'s final phase (``train.merge: true``), started on its own:
-its spec is the newest training attempt's, pointed at ``--out`` (default ``RUN_DIR/merged``),
-written to ``RUN_DIR/merge-command/``. The child plans the memory (GPU and host RAM) and picks
-the device for ``auto``; a memory failure on the GPU (``oom_merge``) is retried once on the
-CPU. The journal is not touched: this is not an attempt of the run.
-
-It holds the run's lock for the whole merge, so it never reads an adapter a supervisor is
-replacing (an extension, the run's own merge phase): while one runs it is refused (exit 2). The
-adapter's step (the journal's last finished training) is added to the merge report
-(``merge.json``) and recorded in ``merge-command/merged.json``, where ``status`` reads it.
-``--device cuda`` with no GPU visible is refused (exit 2), as a job with a GPU index is.
+``run``'s merge child started on its own, from the newest training attempt's spec pointed at ``--out``
+(default ``RUN_DIR/merged``), in ``RUN_DIR/merge-command/``; a GPU ``oom_merge`` is retried once on the
+CPU. The journal is not touched, and the run's lock is held throughout (refused, exit 2, while a
+supervisor runs). The adapter's step is added to ``merge.json`` and to ``merge-command/merged.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -151,19 +145,10 @@ def _run_child(spec: AttemptSpec, device: str) -> tuple[int, ErrorReport | None]
     work = AttemptDir(Path(spec.error_file).parent)
     work.error.unlink(missing_ok=True)
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        entry.MERGE,
-        "--spec",
-        str(work.spec),
-    ]
+    command = [sys.executable, "-m", entry.MERGE, "--spec", str(work.spec)]
     with open_append_binary(work.log) as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
-    report = None
     if code != ExitCode.OK and work.error.is_file():
-        try:
-            report = ErrorReport.from_json(work.error.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            report = None
-    return code, report
+        with contextlib.suppress(OSError, ValueError):
+            return code, ErrorReport.from_json(work.error.read_text(encoding="utf-8"))
+    return code, None

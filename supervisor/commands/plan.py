@@ -1,90 +1,15 @@
 """``qlora-supervise plan JOB [--gpu-memory 24GiB] [--host-memory 32GiB] [--json]``: where the memory
-will go, on the card and on the host, before training.
+will go, on the card and on the host, before training (docs/planning.md). No GPU, no torch, no weights.
 
-Reads the job, the model's ``config.json`` and its safetensors index / headers (never the
-weights: :mod:`qlora_supervise.supervisor.jobfile.model_files`), and prints the predicted peak by
-component, the card and the budget, whether the job fits as written, the config the supervisor
-would start from (the first plan, :data:`qlora_supervise.policies.choice.first`), each
-rung's predicted peak and cost class, and the host RAM needed to load and to merge. No GPU, no
-torch: it runs in a second on a laptop for a 70B config.
+The card, first match wins: ``--gpu-memory`` (budget: the size less the CUDA context and a paged
+optimizer's state, both outside PyTorch's allocator), the job's ``gpu_memory_limit`` (budget: the cap
+itself, since it caps the allocator), NVML. The host, first match wins: ``--host-memory`` (less a
+reserve), ``resources.host_memory_limit``, the RAM available now (capped by the cgroup, less a
+reserve); every candidate must fit it too. ``--json``: schema ``qlora-supervise.plan/1``
+(docs/planning.md, "The JSON").
 
-The card, first match wins: ``--gpu-memory`` (the card's size), the job's ``gpu_memory_limit``
-(a cap on PyTorch's allocator: the budget is the cap itself), NVML (the card's total). For a
-card size the budget is the total less a reserve: the CUDA context (outside the allocator,
-~600 MiB on an H200 with torch 2.11) and, with a paged optimizer, its unified-memory state,
-which lives on the card but outside the allocator too. The pre-flight then keeps an 8 % margin.
-
-The host, first match wins: ``--host-memory`` (the host's size, less a reserve: the explicit
-what-if wins over the job), the job's ``resources.host_memory_limit`` (the budget itself), the RAM
-available now (capped by the cgroup's limit, less a reserve). Every candidate must fit it too: its
-training host peak (:func:`qlora_supervise.policies.memory.host.host_train_need`) is in
-``host.train_peak_bytes`` for the start and in each ranked candidate's ``host_peak_bytes``.
-
-``--json`` prints one object (schema ``qlora-supervise.plan/1``; all sizes in bytes)::
-
-    {
-      "schema": "qlora-supervise.plan/1",
-      "job": str, "model": str,
-      "peak_bytes": int | null,          # predicted peak allocated of the job as written
-      "components": {name: int},         # the terms of peak_bytes (they sum to it)
-      "shape": {"hidden": int, "layers": int, "heads": int, "kv_heads": int,
-                "intermediate": int, "vocab": int, "tie_word_embeddings": bool,
-                "params": int} | null,
-      "unsupported": {"reason": str, "detail": str} | null,   # null when modelled
-      "architecture": {...the shape's fields: model_type, attn_implementation, softcaps, qkv_bias,
-                       sliding_window, experts..., "summary": str,
-                       "missing_terms": [str]} | null,         # null: a model type not read
-      "targets": [str],                  # the block's linear layers LoRA adapts
-      "as_written": {"knobs": {...}, "peak_bytes": int, "reserved_bytes": int,
-                     "card_bytes": int, "phase": str, "components": {name: int},
-                     "outside": {name: int}} | null,
-      "card": {"source": "flag" | "job_cap" | "nvml" | "none", "total_bytes": int | null,
-               "free_bytes": int | null, "reserve_bytes": int, "reserve_why": str,
-               "budget_bytes": int | null},
-      "fits_as_written": bool | null,    # null: no budget known
-      "start": {"knobs": {...}, "changes": {knob: [old, new]}, "reasons": [str],
-                "quality_changed": bool, "fits": bool, "margin": float,
-                "peak_bytes": int, "components": {name: int},
-                "tokens_per_s": float | null,      # predicted (or this host's measurement)
-                "fallback": str | null,            # the fallback model started instead
-                "speed_trial": [{"micro_batch_size": int, "grad_accum": int,
-                                 "gradient_checkpointing": bool, "predicted_tokens_per_s": float,
-                                 "predicted_peak_bytes": int}],
-                "host_peak_bytes": int | null,     # its training host peak
-                "nothing_fits": {"smallest_peak_bytes": int, "budget_bytes": int,
-                                 "help": str, "message": str,
-                                 "host": bool} | null} | null,   # host: host memory is short
-      "ranking": [{"rank": int, "tokens_per_s": float, "measured": bool, "peak_bytes": int,
-                   "host_peak_bytes": int | null,
-                   "cost_class": str, "rungs": [str], "changes": {knob: [old, new]}}],
-                                         # every fitting candidate of the start's model, fastest first
-                                         # (a foreign trainer's: of the rungs it can take)
-      "rungs": [{"name": str, "cost_class": "free" | "throughput" | "quality",
-                 "cost": float,                     # predicted share of tokens/s lost (< 0: faster)
-                 "tokens_per_s": float | null,
-                 "peak_bytes": int | null, "changes": {knob: [old, new]}}],
-                                         # a foreign trainer: only the rungs its config can express
-      "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
-               "merge_peak_bytes": int | null, "available_bytes": int,
-               "room_bytes": int, "room_of": "available" | "cgroup limit" | "cpu_memory_limit",
-               "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null,
-               "budget_bytes": int | null,        # the host budget the candidates must fit
-               "budget_source": "job" | "flag" | "available" | null,
-               "reserve_bytes": int,
-               "train_peak_bytes": int | null,    # the start's host need: training's, or the load's
-                                                  # (imports + the largest shard in the page cache)
-               "train_phase": "load" | "train" | null,  # which of the two it is
-               "train_phase_bytes": int | null,   # the training phase alone: the sum of train_components
-               "train_components": {name: int},  # its terms (resident, offloaded_activations, ...)
-               "train_basis": str,
-               "rejected": int,                   # candidates that fit the card but not the host
-               "rejected_smallest_bytes": int | null}
-    }
-
-Exit 0 when the plan was made (even when the job does not fit: that is the answer, and
-``start.nothing_fits`` says what would help), 2 for a bad job file, an unreadable model directory
-or a bad ``--gpu-memory`` / ``--host-memory``. The ranking uses this host's measured speeds for
-the shape (the per-host store, ``supervise.calibration_store``) where it has some.
+Exit 0 when the plan was made, 6 (as ``run`` would) when nothing fits, 2 for a bad job file, an
+unreadable model directory or a bad size flag.
 """
 
 from __future__ import annotations

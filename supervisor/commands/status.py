@@ -1,26 +1,8 @@
 """``qlora-supervise status [RUN_DIR ...] [--json] [--follow]``: the retry story of run directories,
 read from the run directory alone (a supervisor running or not), and the summary ``run`` ends with.
-
-``--json`` prints one object, schema ``qlora-supervise.status/1``::
-
-    {"schema": "qlora-supervise.status/1",
-     "runs": [{"run_dir": str, "state": str | null, "note": str, "lost_steps": int,
-               "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
-               "merged_by_command": {"merged_dir": str, "adapter_step": int | null, "time": float} | null,
-               "trainer_output": str | null,  # a finished foreign tool's own save, no adapter of ours
-               "unreadable_lines": int,
-               "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null,
-                             "tokens_per_s": float | null,     # median of the attempt's heartbeats
-                             "trainer_config_diff": [str] | null}],  # foreign trainer vs your file
-               "running": {"attempt": int, "phase": str, "knobs": {...}, "resumed_from": int,
-                           "step": int | null, "stage": str | null, "tokens_per_s": float | null,
-                           "pid": int | null, "alive": bool, "started_at": float} | null,
-                                                                      # the attempt in flight
-               "planned_restarts": {"step_up": int, "retime": int},  # to a faster config
-               "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}]}
-
-``--follow`` prints again whenever a run's journal, state or running heartbeats change, until
-every run has ended (succeeded, gave up, failed, stopped) or Ctrl-C.
+``--json`` prints one object, schema ``qlora-supervise.status/1`` (docs/run-directory.md, "The JSON
+of status and explain"). ``--follow`` prints again on every change of a run's journal, state or
+running attempt's heartbeats, until every run has ended (succeeded, gave up, failed, stopped).
 """
 
 from __future__ import annotations
