@@ -43,9 +43,9 @@ from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lif
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import RUN_UMASK
 from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.supervisor.reporting.console import ProgressDisplay
-from qlora_supervise.supervisor.reporting.console_stream import ConsoleStream, best_effort
+from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
 from qlora_supervise.supervisor.reporting.hooks import EventHook
+from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.reporting.outputs import (
     CONSOLE,
     METRICS_TEXTFILE,
@@ -54,7 +54,6 @@ from qlora_supervise.supervisor.reporting.outputs import (
     BestEffort,
 )
 from qlora_supervise.supervisor.reporting.reporter import Reporter
-from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.supervisor.trainers.tool_check import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 

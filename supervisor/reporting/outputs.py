@@ -20,7 +20,7 @@ from qlora_supervise.supervisor.record.events import Event
 METRICS_TEXTFILE = "supervise.metrics_textfile"
 ON_EVENT = "supervise.on_event"
 SYSTEMD = "systemd notify"
-CONSOLE = "console"  # stderr's log lines and progress, stdout's summary (console_stream.py)
+CONSOLE = "console"  # stderr's log lines and progress, stdout's summary (console.ConsoleStream)
 #: What a person does about each output's failure; the run goes on either way.
 FIXES = {
     METRICS_TEXTFILE: "the run goes on without metrics; free space or make the textfile's directory "
