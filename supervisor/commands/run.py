@@ -1,9 +1,5 @@
-"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, run the loop.
-
-Reporting is wired here, at the edge: the console progress, sd_notify, the metrics textfile
-and the ``on_event`` hook, as the loop's :class:`Reporter` and the event log's listeners. The
-run ends with the same summary ``demo`` prints.
-"""
+"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, wire the reporting (the
+loop's :class:`Reporter` and the event log's listeners), run the loop, print the summary."""
 
 from __future__ import annotations
 
@@ -68,25 +64,14 @@ def run_job(
     restart: bool = False,
     retry: bool = False,
     summary: TextIO | None = None,
-    print_summary_at_end: bool = True,
 ) -> int:
-    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``).
-
-    ``as_written``: attempt 1 runs the job's config even where the memory model predicts it
-    will not fit (the pre-flight's choice is still journaled, for comparison).
-    ``restart``: start a new generation in the same run directory (the current one is kept in
-    ``generations/<n>/``); needed when the job changed a field that changes what is trained.
-    ``retry``: lift the run's verdict (gave up, not retryable) and try the last config again.
-    The retry story and how to load the adapter go to ``summary`` (default: stdout) at the end.
-    """
+    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``, which also says what
+    ``as_written``, ``restart`` and ``retry`` do). The summary goes to ``summary`` (default: stdout)."""
     # Long because the start of a run is a sequence whose order matters (lock, reconcile the job,
     # open the log, lift a verdict, then the loop); each step is one call below.
-    # A tool its interpreter lacks fails every start alike.
     job = load_or_exit(job_path, tail=f"\n(run `qlora-supervise validate {job_path}`)", tools=True)
     console, console_stream = best_effort(console)  # a closed pipe costs the console, not the run
-    # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
-    # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
-    os.umask(RUN_UMASK)
+    os.umask(RUN_UMASK)  # for what the child's libraries create (checkpoints): 0640 / 0750 too
     run_dir = RunDir(job.output_dir)
     lock = _at_start(run_dir, run_dir.lock)
     try:
@@ -102,9 +87,7 @@ def run_job(
             log.warning(Event.JOB_ADVICE, field=advice.field, what=advice.what, fix=advice.fix)
         seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
         settings = policy_settings(job)
-        supervisor = Supervisor(
-            job, run_dir, log, seams, console, plain, settings, reporter, as_written=as_written
-        )
+        supervisor = Supervisor(job, run_dir, log, seams, console, plain, settings, reporter, as_written)
         if install_signals:
             supervisor.install_signal_handlers()
         notify.ready(f"supervising {job.job_file.name}")
@@ -113,19 +96,15 @@ def run_job(
         notify.stopping(f"exit {code}")
     finally:
         lock.close()
-    if print_summary_at_end:
-        print_summary(run_dir, summary or best_effort(sys.stdout)[0])
+    print_summary(run_dir, summary or best_effort(sys.stdout)[0])
     return code
 
 
 def _reporting(
     job: Job, console: TextIO, plain: bool, console_stream: ConsoleStream
 ) -> tuple[Reporter, list[Listener]]:
-    """The reporter the loop ticks and the listeners the event log feeds, from the job's settings.
-
-    Every listener is an optional output, run through the reporter's ``BestEffort``: none can
-    raise into a log call of the loop. The console's listener logs the console's loss once.
-    """
+    """The reporter the loop ticks and the listeners the event log feeds, each an optional output run
+    through the reporter's ``BestEffort`` (none can raise into the loop's log calls)."""
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
     outputs = BestEffort()
     service = ServiceStatus(job.supervise.max_attempts, budget)
@@ -176,16 +155,15 @@ class Submission:
 
 def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     """Compare ``job`` with the newest recorded version; record it; move a generation aside if asked.
-
-    Refuses (exit 2, with the diff and the flag) a change of what is trained without ``restart``.
-    """
+    Refuses (exit 2, with the diff and the flag) a change of what is trained without ``restart``."""
     moved = finish_interrupted_move(rd)
     versions = JobVersions(rd)
     recorded = versions.newest_view()
     if recorded is None:
         return Submission([], versions.record(job), moved)
     changes = diff(recorded, job_view(job))
-    if not _trained_a_step(rd):  # a tool's own key has nothing to mix with yet (generations.py)
+    # Before the first optimizer step a tool's own key has nothing to mix with yet (generations.py).
+    if not any(record.steps_completed > 0 for record in read_attempts(rd.attempts)[0]):
         changes = [dataclasses.replace(change, untrained=True) for change in changes]
     unsafe = [change for change in changes if not change.safe]
     if restart and has_attempts(rd):
@@ -202,12 +180,6 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     if not changes and not (restart and moved):
         return Submission([], None, moved)
     return Submission(changes, versions.record(job), moved, restart)
-
-
-def _trained_a_step(rd: RunDir) -> bool:
-    """Whether the run directory's generation finished an optimizer step (its journal says so)."""
-    records, _ = read_attempts(rd.attempts)
-    return any(record.steps_completed > 0 for record in records)
 
 
 def _announce(submitted: Submission, log: FilteringBoundLogger, console: TextIO) -> None:
@@ -238,12 +210,10 @@ def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Filtering
                 why=extended.why,
             )
         return
-    if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED):
+    records, _ = read_attempts(rd.attempts)
+    if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED) or not records:
         return
     if not (retry or submitted.changes):
-        return
-    records, _ = read_attempts(rd.attempts)
-    if not records:
         return
     names = ", ".join(change.name for change in submitted.changes)
     why = "run --retry" if retry else f"the job changed: {names}"
