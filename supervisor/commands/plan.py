@@ -22,12 +22,18 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
+from qlora_supervise.policies.memory.host import (
+    CPU_IMPORTS_RSS,
+    IMPORTS_RSS,
+    HostNeed,
+    host_need,
+    host_train_need,
+)
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.search import throughput
-from qlora_supervise.policies.search.budget import card_budget, card_reserve
+from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
 from qlora_supervise.policies.search.rung_effects import RungEffect, rung_effects
 from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
-from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
@@ -37,6 +43,8 @@ from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_f
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
+from qlora_supervise.supervisor.watching import host as host_memory
+from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must be asked
@@ -77,7 +85,7 @@ def plan_command(
 def make_plan(
     job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
 ) -> dict[str, Any]:
-    """The plan as the JSON object documented above."""
+    """The plan as the JSON object (schema: docs/planning.md)."""
     job = load_or_exit(job_path)
     knobs = job.trainer.built_knobs(job.knobs, job.output_dir)  # a script's: as it built them
     targets, cannot_take = job.train.target_modules, job.trainer.cannot_take()  # as `run` leaves them out
@@ -143,19 +151,14 @@ def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsuppor
 def find_card(
     gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
 ) -> Card:
-    """The card and the budget; see the module docstring for the order and the reserve."""
+    """The card and the budget, in the module docstring's order."""
     paged = 0 if predicted is None else predicted.outside.get("paged_optimizer_state", 0)
     reserve = card_reserve(paged)
     why = f"CUDA context {format_bytes(gpu_terms.CUDA_CONTEXT)} (outside PyTorch's allocator)"
     if paged:
         why += f" + paged optimizer state {format_bytes(paged)} (unified memory, outside the allocator)"
-    if gpu_memory is not None:
-        try:
-            total = parse_memory_size(gpu_memory)  # a bare 24 is refused: it would be 24 bytes
-        except UnitError as error:
-            raise SupervisorExit(
-                SupervisorExitCode.BAD_JOB, f"--gpu-memory {gpu_memory!r}: {error}"
-            ) from None
+    total = size_flag("--gpu-memory", gpu_memory)  # a bare 24 is refused: it would be 24 bytes
+    if total is not None:
         return Card("flag", total, None, reserve, why, card_budget(total, paged))
     cap, device = job.resources.gpu_memory_limit, job.resources.device
     if cap is not None:
@@ -247,8 +250,7 @@ def _rung(r: RungEffect) -> dict[str, Any]:
 
 
 def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
-    """The model's files, or exit 2 naming the model as the job does: ``model.path``, or a tool's own
-    key in its config."""
+    """The model's files, or exit 2 naming the model as the job does (``model.path``, or a tool's key)."""
     try:
         return model_files.read_model_files(model)
     except model_files.ModelFilesError as error:
@@ -285,3 +287,75 @@ def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[s
     if has_head:
         return ["config says tie_word_embeddings but the checkpoint stores lm_head.weight: counted as tied"]
     return ["the checkpoint has no lm_head.weight but config says untied: transformers will create one"]
+
+
+def find_host(
+    checkpoint_bytes: int, job: Job, host_size: int | None, largest_shard_bytes: int = 0
+) -> HostBudget | None:
+    """The host budget, in the module docstring's order; None on the CPU (``cpu_memory_limit`` caps it)."""
+    if job.resources.device == "cpu":
+        return None
+    available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
+    limit = job.resources.host_memory_limit
+    return host_budget(checkpoint_bytes, available, cgroup, limit, host_size, largest_shard_bytes)
+
+
+def size_flag(flag: str, value: str | None) -> int | None:
+    """A size flag's bytes; a bad one is a bad command line (exit 2), named."""
+    if value is None:
+        return None
+    try:
+        return parse_memory_size(value)
+    except UnitError as error:
+        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{flag} {value!r}: {error}") from None
+
+
+def host_training(
+    shape: ModelShape | None,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str,
+    host: HostBudget | None,
+    start: PreflightResult | None,
+) -> dict[str, Any]:
+    """The host budget and the start's (else ``knobs``') training host peak by component, with its basis."""
+    need = None
+    if shape is not None and host is not None:
+        knobs = knobs if start is None else start.knobs
+        need = host_train_need(shape, knobs, host.checkpoint_bytes, targets, host.largest_shard_bytes)
+    rejected, smallest = (0, None) if start is None else start.host_rejected
+    return {
+        "budget_bytes": None if host is None else host.budget_bytes,
+        "budget_source": None if host is None else host.source,
+        "reserve_bytes": 0 if host is None else host.reserve_bytes,
+        "train_peak_bytes": None if need is None else need.peak_bytes,
+        "train_phase": None if need is None else need.phase,
+        "train_phase_bytes": None if need is None else need.train_peak,
+        "train_components": {} if need is None else dict(need.train_components),
+        "train_basis": "" if need is None else need.basis,
+        "rejected": rejected,
+        "rejected_smallest_bytes": smallest,
+    }
+
+
+def host_ram(checkpoint: int | None, largest_shard: int, job: Job) -> dict[str, Any]:
+    """The load's and the merge's host RAM as measured (RSS, the mapped checkpoint included), and
+    whether the load's need (imports + its largest shard in the page cache) fits the room there is:
+    the smallest of what is available, the cgroup's limit and ``cpu_memory_limit``, named."""
+    available, limit = host_memory.host_room()  # through the module: the tests' one seam
+    resources = job.resources
+    on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
+    need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard, on_gpu)
+    rooms = {"available": available, "cgroup limit": limit, "cpu_memory_limit": resources.cpu_memory_limit}
+    room_of, room = min(((k, v) for k, v in rooms.items() if v is not None), key=lambda kv: kv[1])
+    imports = IMPORTS_RSS if on_gpu else CPU_IMPORTS_RSS
+    return {
+        "checkpoint_bytes": checkpoint,
+        "load_peak_bytes": None if need is None else need.load_peak,
+        "merge_peak_bytes": None if need is None else need.merge_peak,
+        "available_bytes": available,
+        "cgroup_limit_bytes": limit,
+        "basis": "" if need is None else need.basis,
+        "load_fits": None if checkpoint is None else imports + (largest_shard or checkpoint) <= room,
+        "room_bytes": room,
+        "room_of": room_of,
+    }
