@@ -139,33 +139,26 @@ def merge_report(rd: RunDir) -> dict[str, Any] | None:
 def print_story(run_dir: RunDir, out: TextIO) -> None:
     state = read_state(run_dir.state)
     records, bad = read_attempts(run_dir.attempts)
-    print(f"run directory: {run_dir.root}", file=out)
+    lines = [f"run directory: {run_dir.root}"]
     if state is not None:
-        print(f"state: {state.run_state.value}{f' ({state.note})' if state.note else ''}", file=out)
+        lines.append(f"state: {state.run_state.value}{f' ({state.note})' if state.note else ''}")
     for record in records:
-        for line in describe(record, run_dir):
-            print(line, file=out)
+        lines += describe(record, run_dir)
         snapshot = run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME
         if snapshot.is_file():
-            print(f"  memory snapshot: {snapshot}", file=out)
-            print(f"    {SNAPSHOT_HOW_TO}", file=out)
+            lines += [f"  memory snapshot: {snapshot}", f"    {SNAPSHOT_HOW_TO}"]
     running = running_attempt(run_dir, state, records[-1].attempt if records else 0)
-    for line in running.lines() if running is not None else []:
-        print(line, file=out)
+    lines += running.lines() if running is not None else []
     if bad:
-        print(f"({bad} unreadable journal line(s) skipped)", file=out)
-    total_lost = sum(r.lost_steps for r in records)
+        lines.append(f"({bad} unreadable journal line(s) skipped)")
     now = f" (+1 running: attempt {running.flight.number})" if running is not None else ""
-    print(f"attempts: {len(records)}{now}, lost steps in total: {total_lost}", file=out)
-    configs = [c.to_json() for c in time_in_configs(records)]
-    for line in climb_back_lines(planned_restarts(records), configs):
-        print(line, file=out)
+    lines.append(f"attempts: {len(records)}{now}, lost steps in total: {sum(r.lost_steps for r in records)}")
+    lines += climb_back_lines(planned_restarts(records), [c.to_json() for c in time_in_configs(records)])
     if run_dir.adapter.exists():
-        print(f"adapter: {run_dir.adapter}", file=out)
+        lines.append(f"adapter: {run_dir.adapter}")
     elif tool_output := _tool_saved(run_dir, state):
-        print(f"adapter: none in the run directory; the tool saved into {tool_output}", file=out)
-    for line in merge_lines(run_dir):
-        print(line, file=out)
+        lines.append(f"adapter: none in the run directory; the tool saved into {tool_output}")
+    print("\n".join(lines + merge_lines(run_dir)), file=out)
 
 
 def merge_lines(rd: RunDir) -> list[str]:
@@ -178,15 +171,9 @@ def merge_lines(rd: RunDir) -> list[str]:
         report = merge_report(rd)
         step = report.get("adapter_step") if report else None
         lines.append(f"merged: {rd.merged}{_merge_numbers(report)}{_from_step(step, now, rd)}")
-    if (
-        made is not None
-        and made.get("merged_dir") != str(rd.merged)
-        and Path(str(made.get("merged_dir"))).exists()
-    ):
-        step = made.get("adapter_step")
-        lines.append(
-            f"merged by `qlora-supervise merge --out`: {made['merged_dir']}{_from_step(step, now, rd)}"
-        )
+    if made and (made_dir := str(made.get("merged_dir"))) != str(rd.merged) and Path(made_dir).exists():
+        step = _from_step(made.get("adapter_step"), now, rd)
+        lines.append(f"merged by `qlora-supervise merge --out`: {made_dir}{step}")
     return lines
 
 
@@ -233,12 +220,11 @@ def fix_line(r: AttemptRecord) -> str | None:
 
 def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     """A few lines per attempt: config, outcome, failure, the fix, decision, progress kept."""
-    config = config_text(r.knobs)
     steps = f"steps {r.resumed_from} -> {r.steps_completed}"
     if r.steps_progressed == 0 and r.resumed_from > 0:
         steps = f"resumed at step {r.resumed_from}, trained no step"  # steps_completed 0 (issue 21 item 6)
     lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
-    lines.append(f"  config: {config}")
+    lines.append(f"  config: {config_text(r.knobs)}")
     if run_dir is not None and (diff := read_diff(run_dir.attempt_dir(r.attempt))) is not None:
         # A foreign trainer's attempt: its config against the user's file (supervisor/trainers/).
         lines.append(f"  trainer config (vs your file): {'; '.join(diff) or 'unchanged'}")
