@@ -40,7 +40,6 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import RUN_UMASK
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
-from qlora_supervise.supervisor.reporting.hooks import EventHook
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.reporting.outputs import (
     CONSOLE,
@@ -48,6 +47,7 @@ from qlora_supervise.supervisor.reporting.outputs import (
     ON_EVENT,
     SYSTEMD,
     BestEffort,
+    EventHook,
 )
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.tool_check import tool_advice
