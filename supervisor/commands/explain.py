@@ -54,10 +54,8 @@ def explain_command(
         try:
             draw(rd, story, Path(plot))
         except OSError as error:  # a folder that takes no files (/proc), a full disk
-            raise SupervisorExit(
-                SupervisorExitCode.BAD_JOB,
-                f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere",
-            ) from None
+            why = f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere"
+            raise SupervisorExit(SupervisorExitCode.BAD_JOB, why) from None
         print(f"wrote {plot}", file=sys.stderr)
     if as_json:
         print(json.dumps(story, indent=2), file=out)
@@ -182,8 +180,7 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
 
 
 def _config_why(r: AttemptRecord, before: AttemptRecord | None) -> list[str]:
-    """The policy's reasons for the config ``r`` ran: the first plan's (the speed trial's among
-    them), or the decision after the attempt before it."""
+    """The first plan's reasons for the config ``r`` ran, or the decision after the attempt before."""
     if r.plan is not None:
         return list(r.plan.why)
     return [before.decision.why] if before is not None and before.decision is not None else []
@@ -198,12 +195,10 @@ _DEFAULT_KEYS = ("tried_to_allocate", "allowed")
 _SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free", "others_in_use": "others"}
 
 
-def _host_cell(a: dict[str, Any]) -> str:
-    """Training's host peak (the host model's prediction): ``?`` where the child reported none."""
-    if not a["host_peak_bytes"]:
-        return "?"
-    predicted = a["host_predicted_bytes"]
-    return format_bytes(a["host_peak_bytes"]) + (f" ({format_bytes(predicted)})" if predicted else "")
+def _measured(measured: int | None, predicted: int | None) -> str:
+    """``measured (predicted)``; ``?`` where nothing was measured."""
+    cell = format_bytes(measured) if measured else "?"
+    return cell + (f" ({format_bytes(predicted)})" if predicted else "")
 
 
 def print_table(story: dict[str, Any], out: TextIO) -> None:
@@ -218,9 +213,8 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
             f"{_SHORT.get(k, k)} {format_bytes(a['numbers'][k])}" for k in keys if k in a["numbers"]
         )
         change = a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up")
-        peak = format_bytes(a["peak_bytes"]) if a["peak_bytes"] else "?"
-        if a["predicted_peak_bytes"]:
-            peak += f" ({format_bytes(a['predicted_peak_bytes'])})"
+        peak = _measured(a["peak_bytes"], a["predicted_peak_bytes"])
+        host = _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?"
         steps = f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else "")
         rows.append(
             (
@@ -232,7 +226,7 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
                 a["progress_kept"] or "-",
                 steps,
                 peak,
-                _host_cell(a),
+                host,
                 speed_cell(a),
                 tqdm.format_interval(a["wall_s"]),
             )

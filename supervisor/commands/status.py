@@ -46,6 +46,7 @@ SNAPSHOT_HOW_TO = (
 SCHEMA = "qlora-supervise.status/1"
 MERGE_REPORT = "merge.json"  # written by the merge child into merged/ before its rename
 _ENDED = {RunState.SUCCEEDED, RunState.GAVE_UP, RunState.FAILED, RunState.STOPPED}
+FOLLOW_EVERY_S = 2.0
 
 
 def status_command(
@@ -53,7 +54,6 @@ def status_command(
     as_json: bool = False,
     follow: bool = False,
     out: TextIO | None = None,
-    every_s: float = 2.0,
 ) -> int:
     out = out or sys.stdout  # at call time: a redirected stdout (tests, pipes) is the one to use
     dirs = [_run_dir(d) for d in (output_dirs or ["."])]
@@ -63,9 +63,9 @@ def status_command(
         if marks != seen:
             _print_all(dirs, as_json, out)
             seen = marks
-        if not follow or all(_ended(rd) for rd in dirs):
+        if not follow or all((state := read_state(rd.state)) and state.run_state in _ENDED for rd in dirs):
             return 0
-        time.sleep(every_s)
+        time.sleep(FOLLOW_EVERY_S)
 
 
 def _run_dir(path: str) -> RunDir:
@@ -80,14 +80,10 @@ def _run_dir(path: str) -> RunDir:
 
 def _marks(rd: RunDir) -> tuple[float, ...]:
     # The attempt in flight's heartbeats too: --follow shows its step and speed as they move.
-    beats = events_file(rd, read_state(rd.state))
-    paths = (rd.state, rd.attempts, *((beats,) if beats is not None else ()))
-    return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in paths)
-
-
-def _ended(rd: RunDir) -> bool:
     state = read_state(rd.state)
-    return state is not None and state.run_state in _ENDED
+    flight = state.in_flight if state is not None else None
+    beats = (rd.attempt(flight.number).events,) if flight is not None else ()
+    return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in (rd.state, rd.attempts, *beats))
 
 
 def _print_all(dirs: Sequence[RunDir], as_json: bool, out: TextIO) -> None:
@@ -311,25 +307,18 @@ class Running:
             "started_at": self.flight.started_at,
         }
 
-    def lines(self, now: float | None = None) -> list[str]:
+    def lines(self) -> list[str]:
         """What ``status`` prints for it: a head line like an attempt's, then its config and speed."""
         f = self.flight
-        since = _ago((now if now is not None else time.time()) - f.started_at)
+        since = _ago(time.time() - f.started_at)
         step = f"at step {self.step}" if self.step is not None else "no heartbeat yet"
         where = f" in {self.stage}" if self.stage else ""
         head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
         child = f"pid {f.pid}" if _alive(f.pid) else f"its child, pid {f.pid}, is gone: the supervisor died?"
-        lines = [f"{head}; since {since} ago ({child})"]
-        lines.append(f"  config: {config_text(f.knobs)}")
+        lines = [f"{head}; since {since} ago ({child})", f"  config: {config_text(f.knobs)}"]
         if self.tokens_per_s is not None:
             lines.append(f"  speed: {self.tokens_per_s:,.0f} tokens/s (median of its heartbeats)")
         return lines
-
-
-def events_file(rd: RunDir, state: State | None) -> Path | None:
-    """The heartbeats file of the attempt in flight (``status --follow`` prints again when it grows)."""
-    flight = state.in_flight if state is not None else None
-    return rd.attempt(flight.number).events if flight is not None else None
 
 
 def running_attempt(rd: RunDir, state: State | None, last_recorded: int) -> Running | None:
@@ -372,8 +361,8 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     ]
     print(f"changed by the ladder: {', '.join(changed) if changed else 'nothing'}", file=out)
     if rd.adapter.exists():
-        for line in load_lines(str(rd.adapter), last.model, str(rd.merged) if rd.merged.exists() else None):
-            print(line, file=out)
+        merged = str(rd.merged) if rd.merged.exists() else None
+        print("\n".join(load_lines(str(rd.adapter), last.model, merged)), file=out)
 
 
 def load_lines(adapter: str, base_model: str, merged: str | None) -> list[str]:
