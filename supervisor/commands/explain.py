@@ -20,8 +20,8 @@ import yaml
 from tqdm import tqdm
 
 from qlora_supervise.policies.memory_model import ModelShape, estimate_peak
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
@@ -45,9 +45,7 @@ def explain_command(
     out = out or sys.stdout  # at call time, like status
     rd = RunDir(Path(run_dir))
     if not rd.attempts.exists():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"{run_dir}: no attempts.jsonl; pass a job's output_dir that has run"
-        )
+        raise BadInput(f"{run_dir}: no attempts.jsonl; pass a job's output_dir that has run")
     story = explanation(rd, Path(model_config) if model_config else None)
     if plot is not None:
         _check_plot_path(Path(plot))
@@ -55,7 +53,7 @@ def explain_command(
             draw(rd, story, Path(plot))
         except OSError as error:  # a folder that takes no files (/proc), a full disk
             why = f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere"
-            raise SupervisorExit(SupervisorExitCode.BAD_JOB, why) from None
+            raise BadInput(why) from None
         print(f"wrote {plot}", file=sys.stderr)
     if as_json:
         print(json.dumps(story, indent=2), file=out)
@@ -76,7 +74,7 @@ def _check_plot_path(path: Path) -> None:
     elif path.is_dir():
         why = "is a folder; give a file name (.png)"
     if why is not None:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--plot {path}: {why}")
+        raise BadInput(f"--plot {path}: {why}")
 
 
 def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
@@ -139,10 +137,9 @@ def _shape_of(config: Path) -> ModelShape:
     try:
         shape = ModelShape.from_config(json_loads(config.read_text(encoding="utf-8")))
     except (OSError, ValueError) as error:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--model-config {config}: {error}") from None
+        raise BadInput(f"--model-config {config}: {error}") from None
     if shape is None:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"--model-config {config}: not a shape the memory model reads (see `qlora-supervise plan`)",
         )
     return shape

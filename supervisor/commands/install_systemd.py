@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.validate import load_or_exit
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.trainer import OWN
 from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.trainers.trainer import tool_job_copy
@@ -64,8 +64,7 @@ def install_systemd_command(
     layout = _layout(Path(root) if root else Path("/"), user_mode, instance)
     existing = [p for p in (layout.unit, layout.job) if p.exists()]
     if existing and not force:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             "refusing to overwrite " + ", ".join(map(str, existing)) + ": pass --force to replace them",
         )
     user = service_user or _default_service_user()
@@ -108,27 +107,18 @@ def service_warnings(job: Job, user: str, unit_text: str) -> list[str]:
 
 def _job_paths(job: Job) -> list[tuple[str, str]]:
     """The job's paths the service must see: its model, data, output_dir and a tool's config."""
-    paths = [("output_dir", str(job.output_dir))]
-    if job.knobs.model.startswith("/"):
-        paths.append(("model", job.knobs.model))
-    for field, value in (("data.path", job.data.path), ("data.eval_path", job.data.eval_path)):
-        if value and value.startswith("/"):
-            paths.append((field, value))
-    return paths + job.trainer.service_paths()
+    named = (("model", job.knobs.model), ("data.path", job.data.path), ("data.eval_path", job.data.eval_path))
+    paths = [(field, value) for field, value in named if value and value.startswith("/")]
+    return [("output_dir", str(job.output_dir)), *paths, *job.trainer.service_paths()]
 
 
 def _layout(root: Path, user_mode: bool, instance: str) -> Layout:
     def under_root(path: Path) -> Path:
         return root / path.relative_to(path.anchor)
 
-    if user_mode:
-        config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-        units = config / "systemd" / "user"
-        tools = ("systemctl --user", "journalctl --user")
-    else:
-        config = Path("/etc")
-        units = config / "systemd" / "system"
-        tools = ("sudo systemctl", "journalctl")
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") if user_mode else Path("/etc")
+    units = config / "systemd" / ("user" if user_mode else "system")
+    tools = ("systemctl --user", "journalctl --user") if user_mode else ("sudo systemctl", "journalctl")
     ours = under_root(config / "qlora-supervise")
     return Layout(under_root(units / UNIT_NAME), ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
 
@@ -150,8 +140,7 @@ def _packaged(name: str) -> str:
     try:
         return beside.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"the packaged {name} is missing from this installation (looked in qlora_supervise.systemd "
             f"and {beside.parent}): reinstall qlora-supervise",
         ) from None

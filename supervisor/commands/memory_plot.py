@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, read_events
 from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
@@ -76,8 +76,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             "explain --plot needs matplotlib: pip install -e '.[plot]' (the clone) or pip install matplotlib",
         ) from None
     matplotlib.use("Agg")  # headless: a lab server has no display

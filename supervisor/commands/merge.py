@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.facts.units import format_bytes
@@ -40,23 +41,19 @@ DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"  # trainer_child.merge.DEVICE_ENV (n
 def merge_command(run_dir: str, out: str | None = None, device: str = "auto") -> int:
     rd = RunDir(Path(run_dir).resolve())
     if device == "cuda" and not visible_gpu_count():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             "merge --device cuda: no GPU is visible here (NVML finds none); "
             "use --device cpu (or auto, which picks the CPU on this machine)",
         )
     if not (rd.adapter / "adapter_config.json").is_file():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{rd.adapter}: no adapter_config.json; merge a run that finished training "
             f"(qlora-supervise status {run_dir})",
         )
     os.umask(RUN_UMASK)  # what the child creates (its events, the merged model) is 0640 / 0750 too
     merged = Path(out).resolve() if out else rd.merged
     if (system := system_folder(merged)) is not None:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"merge --out {merged}: {system[0]}; choose a folder of your own"
-        )
+        raise BadInput(f"merge --out {merged}: {system[0]}; choose a folder of your own")
     lock = rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first")
     try:
         return _merge_locked(rd, merged, device)
@@ -123,7 +120,7 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
     """The newest training attempt's spec, pointed at this merge's own files."""
     specs = sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))
     if not specs:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{rd.root}: no attempt-NNN/spec.json to merge from")
+        raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")
     base = AttemptSpec.from_json(specs[-1].read_text(encoding="utf-8"))
     work = AttemptDir(ensure_dir(rd.merge_command))  # never through a link (runfiles)
     for stale in (work.error, work.events):

@@ -34,9 +34,10 @@ from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
 from qlora_supervise.policies.search.rung_effects import RungEffect, rung_effects
 from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.commands.validate import load_or_exit
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import Job, model_files
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
@@ -262,7 +263,7 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
             )
         else:
             message = str(error).replace("point model.path at", f"point {key} (in {where}) at")
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, message) from None
+        raise BadInput(message) from None
 
 
 def _unsupported(read: ModelShape | Unsupported) -> dict[str, str] | None:
@@ -307,7 +308,7 @@ def size_flag(flag: str, value: str | None) -> int | None:
     try:
         return parse_memory_size(value)
     except UnitError as error:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{flag} {value!r}: {error}") from None
+        raise BadInput(f"{flag} {value!r}: {error}") from None
 
 
 def host_training(

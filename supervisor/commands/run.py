@@ -15,9 +15,9 @@ from typing import TextIO, TypeVar
 
 from structlog.typing import FilteringBoundLogger
 
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.status import print_summary
 from qlora_supervise.supervisor.commands.validate import load_or_exit
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
@@ -136,8 +136,7 @@ def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
         if not is_disk_full(exc):
             raise
         fix = "remount it writable" if exc.errno == errno.EROFS else "free space there"
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{run_dir.root}: cannot write the run directory ({exc.strerror}): {fix}, "
             "or choose another output_dir",
         ) from None
@@ -170,8 +169,7 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
         moved = start_generation(rd)
     elif unsafe and not restart:
         lines = "\n".join(change.render() for change in changes)
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{job.job_file} differs from the job {rd.root} was trained with:\n{lines}\n"
             f"{len(unsafe)} change(s) would mix two trainings in one adapter. To train the new job in "
             f"the same output_dir, run `qlora-supervise run --restart {job.job_file}` (a new generation; "

@@ -18,10 +18,10 @@ from typing import Any, TextIO
 
 import psutil
 
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.merge import adapter_step, merged_record, read_json
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line, speed_of
 from qlora_supervise.supervisor.record.history import (
@@ -71,8 +71,7 @@ def status_command(
 def _run_dir(path: str) -> RunDir:
     run_dir = RunDir(Path(path))
     if not run_dir.attempts.exists() and not run_dir.state.exists():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{path} is not a run directory (no state.json or attempts.jsonl); pass the job's output_dir",
         )
     return run_dir

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile import data_probe, hub
 from qlora_supervise.supervisor.jobfile.advice import job_advice
@@ -49,7 +49,7 @@ def load_or_exit(job_path: str, head: str | None = None, tail: str = "", tools: 
     except JobError as error:
         lines = "\n".join(problem.render() for problem in error.problems)
         head = head or f"{len(error.problems)} problem(s)"
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{job_path}: {head}:\n{lines}{tail}") from None
+        raise BadInput(f"{job_path}: {head}:\n{lines}{tail}") from None
 
 
 def output_dir_problems(output_dir: Path) -> list[Problem]:
