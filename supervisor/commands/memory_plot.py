@@ -20,6 +20,8 @@ from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, rea
 from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
 
 _GIB = 2**30
+#: A label beside its point, in points.
+_NOTE = {"textcoords": "offset points", "fontsize": 8}
 #: The current gauge that shows the memory each peak source measures, and its label.
 _GAUGE_OF_SOURCE = {
     ChildPeakSource.CUDA_ALLOCATOR: ("allocated_bytes", "CUDA allocated"),
@@ -96,10 +98,9 @@ def draw(rd: RunDir, story: dict[str, Any], path: Path) -> None:
     # A wild prediction (an attempt the model knew would not fit) must not squash the rest.
     ceiling = 1.8 * budget if budget else None
     top = budget
+    t0 = story["started_at"] or 0.0
     for i, a in enumerate(attempts):
-        top = max(
-            top, _attempt(ax, rd, a, story["started_at"] or 0.0, scale, colors[i % len(colors)], ceiling)
-        )
+        top = max(top, _attempt(ax, rd, a, t0, scale, colors[i % len(colors)], ceiling))
     if budget:
         ax.axhline(budget, color="red", ls="--", lw=1.2, label=f"budget {budget:.2f} {unit}")
     if any(a["predicted_peak_bytes"] for a in attempts):
@@ -145,16 +146,8 @@ def _attempt(
     top = max(top, _mark_failure(ax, a, end, ys[-1] if ys else None, scale))
     if a["rung"]:
         # At the foot of the gap between attempts, below the data and clear of the failure marks.
-        ax.annotate(
-            f"retry: {a['rung']}",
-            xy=(end, 0),
-            xytext=(3, 6),
-            textcoords="offset points",
-            rotation=90,
-            va="bottom",
-            fontsize=8,
-            color="dimgray",
-        )
+        rung = f"retry: {a['rung']}"
+        ax.annotate(rung, xy=(end, 0), xytext=(3, 6), rotation=90, va="bottom", color="dimgray", **_NOTE)
     return top
 
 
@@ -166,14 +159,8 @@ def _prediction(
         return 0.0
     value = float(predicted) / scale
     if ceiling is not None and value > ceiling:
-        ax.annotate(
-            f"predicted {value:.1f} ↑ (off the scale)",
-            xy=((start + end) / 2, ceiling),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-            color=color,
-        )
+        where = {"xy": ((start + end) / 2, ceiling), "ha": "center", "va": "bottom"}
+        ax.annotate(f"predicted {value:.1f} ↑ (off the scale)", fontsize=8, color=color, **where)
         value = ceiling
     ax.hlines(value, start, end, colors=[color], linestyles="dotted", lw=1.5)
     return value
@@ -196,14 +183,7 @@ def _mark_failure(ax: Any, a: dict[str, Any], end: float, last: float | None, sc
     held_units = held / scale if held else (last if last is not None else (a["peak_bytes"] or 0) / scale)
     y = held_units + (numbers.get("tried_to_allocate") or 0) / scale
     oom = (a["kind"] or "").startswith("oom") or a["kind"] == "host_oom"
-    ax.plot([end], [y], marker="x", ms=11, mew=2.5, color="red" if oom else "black", ls="none")
-    ax.annotate(
-        a["kind"] or "failed",
-        xy=(end, y),
-        xytext=(7, 3),
-        textcoords="offset points",
-        ha="left",
-        fontsize=8,
-        color="red" if oom else "black",
-    )
+    mark = "red" if oom else "black"
+    ax.plot([end], [y], marker="x", ms=11, mew=2.5, color=mark, ls="none")
+    ax.annotate(a["kind"] or "failed", xy=(end, y), xytext=(7, 3), ha="left", color=mark, **_NOTE)
     return y
