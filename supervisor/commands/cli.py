@@ -28,7 +28,8 @@ JSON_HELP = "print one JSON object"
 
 def _build_parser() -> argparse.ArgumentParser:
     # Long because it declares every subcommand and flag in one place, the order --help shows them.
-    # Each subcommand's dests are the keyword parameters of the function ``target`` names.
+    # Each subcommand's dests are the keyword parameters of its function: ``target``, by default
+    # ``<name>:<name>_command`` (with ``-`` as ``_``) in this package.
     parser = argparse.ArgumentParser(
         prog="qlora-supervise",
         description=DESCRIPTION,
@@ -38,18 +39,20 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, target: str, help: str, **more: Any) -> argparse.ArgumentParser:
+    def command(name: str, help: str, target: str = "", **more: Any) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=help, **more)
-        parser.set_defaults(target=target)
+        module = name.replace("-", "_")
+        parser.set_defaults(target=target or f"{module}:{module}_command")
         return parser
 
-    def flag(parser: argparse.ArgumentParser, name: str, help: str, dest: str | None = None) -> None:
-        parser.add_argument(name, action="store_true", help=help, dest=dest or name[2:].replace("-", "_"))
+    def flag(parser: argparse.ArgumentParser, name: str, help: str) -> None:
+        dest = "as_json" if name == "--json" else name[2:].replace("-", "_")
+        parser.add_argument(name, action="store_true", help=help, dest=dest)
 
     run = command(
         "run",
-        "run:run_job",
         "supervise a fine-tune until it finishes or the ladder gives up",
+        "run:run_job",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -64,37 +67,24 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     flag(run, "--retry", "lift the run's verdict (gave up, not retryable) and try its last config again")
 
-    validate = command(
-        "validate", "validate:validate_command", "check a job file and report every problem at once"
-    )
+    validate = command("validate", "check a job file and report every problem at once")
     validate.add_argument("path", metavar="job", help=JOB_HELP)
 
-    classify = command("classify", "classify:classify_command", "classify a failure from a log or traceback")
+    classify = command("classify", "classify a failure from a log or traceback")
     classify.add_argument("path", metavar="file", help="the log file, or - for standard input")
-    flag(classify, "--json", JSON_HELP, dest="as_json")
+    flag(classify, "--json", JSON_HELP)
 
     tiny = command(
-        "make-tiny", "demo:make_tiny_command", "write a tiny Llama-shaped model, dataset and job.yaml"
+        "make-tiny", "write a tiny Llama-shaped model, dataset and job.yaml", "demo:make_tiny_command"
     )
     tiny.add_argument("directory", metavar="dir", help="directory to write into")
 
-    demo = command(
-        "demo",
-        "demo:demo_command",
-        "make the tiny model and supervise a job that does not fit its memory cap",
-    )
-    demo.add_argument(
-        "--dir",
-        dest="directory",
-        metavar="DIR",
-        default="demo-run",
-        help="working directory (default: ./demo-run)",
-    )
+    demo = command("demo", "make the tiny model and supervise a job that does not fit its memory cap")
+    demo_help = "working directory (default: ./demo-run)"
+    demo.add_argument("--dir", dest="directory", metavar="DIR", default="demo-run", help=demo_help)
 
     plan = command(
-        "plan",
-        "plan:plan_command",
-        "predict the peak memory by component and the config the supervisor would start from",
+        "plan", "predict the peak memory by component and the config the supervisor would start from"
     )
     plan.add_argument("job_path", metavar="job", help=JOB_HELP)
     plan.add_argument(
@@ -105,33 +95,25 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the host's RAM, e.g. 32GiB (default: the job's host_memory_limit, else what is available "
         "now, capped by the cgroup, less a reserve)",
     )
-    flag(plan, "--json", "print one JSON object (schema in the README)", dest="as_json")
+    flag(plan, "--json", "print one JSON object (schema in the README)")
 
-    status = command(
-        "status", "status:status_command", "summarise the attempts of one or more run directories"
-    )
+    status = command("status", "summarise the attempts of one or more run directories")
     status.add_argument("output_dirs", nargs="*", metavar="RUN_DIR", help="jobs' output_dirs (default: .)")
-    flag(status, "--json", "print one JSON object (schema in --help of status)", dest="as_json")
+    flag(status, "--json", "print one JSON object (schema in --help of status)")
     flag(status, "--follow", "print again on every change until the runs end")
 
-    explain = command(
-        "explain", "explain:explain_command", "the retry story as a table, JSON, or a memory-over-time plot"
-    )
+    explain = command("explain", "the retry story as a table, JSON, or a memory-over-time plot")
     explain.add_argument("run_dir", help="the job's output_dir")
-    flag(explain, "--json", JSON_HELP, dest="as_json")
+    flag(explain, "--json", JSON_HELP)
     explain.add_argument("--plot", metavar="FILE.png", help="draw memory over time for every attempt")
     explain.add_argument("--model-config", help="the model's config.json, when its directory is gone")
 
-    merge = command("merge", "merge:merge_command", "merge a finished run's adapter into its base model")
+    merge = command("merge", "merge a finished run's adapter into its base model")
     merge.add_argument("run_dir", help="the job's output_dir (with adapter/)")
     merge.add_argument("--out", help="where the merged model goes (default: RUN_DIR/merged)")
     merge.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
 
-    install = command(
-        "install-systemd",
-        "install_systemd:install_systemd_command",
-        "write the systemd unit and the job; print what to run",
-    )
+    install = command("install-systemd", "write the systemd unit and the job; print what to run")
     install.add_argument("job_path", metavar="job", help=JOB_HELP)
     scope = install.add_mutually_exclusive_group()
     scope.add_argument("--system", dest="user_mode", action="store_false", help="a system unit (default)")
