@@ -22,13 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
-from qlora_supervise.policies.memory.host import (
-    CPU_IMPORTS_RSS,
-    IMPORTS_RSS,
-    HostNeed,
-    host_need,
-    host_train_need,
-)
+from qlora_supervise.policies.memory import host as host_terms
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
@@ -322,7 +316,9 @@ def host_training(
     need = None
     if shape is not None and host is not None:
         knobs = knobs if start is None else start.knobs
-        need = host_train_need(shape, knobs, host.checkpoint_bytes, targets, host.largest_shard_bytes)
+        need = host_terms.host_train_need(
+            shape, knobs, host.checkpoint_bytes, targets, host.largest_shard_bytes
+        )
     rejected, smallest = (0, None) if start is None else start.host_rejected
     return {
         "budget_bytes": None if host is None else host.budget_bytes,
@@ -345,10 +341,10 @@ def host_ram(checkpoint: int | None, largest_shard: int, job: Job) -> dict[str, 
     available, limit = host_memory.host_room()  # through the module: the tests' one seam
     resources = job.resources
     on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
-    need: HostNeed | None = None if checkpoint is None else host_need(checkpoint, largest_shard, on_gpu)
+    need = None if checkpoint is None else host_terms.host_need(checkpoint, largest_shard, on_gpu)
     rooms = {"available": available, "cgroup limit": limit, "cpu_memory_limit": resources.cpu_memory_limit}
     room_of, room = min(((k, v) for k, v in rooms.items() if v is not None), key=lambda kv: kv[1])
-    imports = IMPORTS_RSS if on_gpu else CPU_IMPORTS_RSS
+    imports = host_terms.IMPORTS_RSS if on_gpu else host_terms.CPU_IMPORTS_RSS
     return {
         "checkpoint_bytes": checkpoint,
         "load_peak_bytes": None if need is None else need.load_peak,

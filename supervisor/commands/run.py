@@ -23,32 +23,15 @@ from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
+from qlora_supervise.supervisor.record import generations
 from qlora_supervise.supervisor.record.eventlog import Listener, open_event_log
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.generations import (
-    FieldChange,
-    JobVersions,
-    diff,
-    extend_finished,
-    finish_interrupted_move,
-    has_attempts,
-    job_view,
-    start_generation,
-)
 from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lift, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import RUN_UMASK
-from qlora_supervise.supervisor.reporting import notify
+from qlora_supervise.supervisor.reporting import notify, outputs
 from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
-from qlora_supervise.supervisor.reporting.outputs import (
-    CONSOLE,
-    METRICS_TEXTFILE,
-    ON_EVENT,
-    SYSTEMD,
-    BestEffort,
-    EventHook,
-)
 from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.tool_check import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
@@ -106,23 +89,23 @@ def _reporting(
     """The reporter the loop ticks and the listeners the event log feeds, each an optional output run
     through the reporter's ``BestEffort`` (none can raise into the loop's log calls)."""
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
-    outputs = BestEffort()
+    best = outputs.BestEffort()
     service = ServiceStatus(job.supervise.max_attempts, budget)
     listeners: list[Listener] = [
-        outputs.listener(SYSTEMD, service.on_event),
-        outputs.listener(CONSOLE, lambda _event: console_stream.check()),
+        best.listener(outputs.SYSTEMD, service.on_event),
+        best.listener(outputs.CONSOLE, lambda _event: console_stream.check()),
     ]
     metrics = None
     if job.supervise.metrics_textfile is not None:
         from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile  # only when asked
 
         metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
-        listeners.append(outputs.listener(METRICS_TEXTFILE, metrics.on_event))
+        listeners.append(best.listener(outputs.METRICS_TEXTFILE, metrics.on_event))
     if job.supervise.on_event is not None:
-        hook = EventHook(job.supervise.on_event, job.supervise.on_event_timeout, outputs)
-        listeners.append(outputs.listener(ON_EVENT, hook.on_event))
+        hook = outputs.EventHook(job.supervise.on_event, job.supervise.on_event_timeout, best)
+        listeners.append(best.listener(outputs.ON_EVENT, hook.on_event))
     display = ProgressDisplay(console, plain, job.train.logging_steps)
-    return Reporter(display, service, metrics, outputs), listeners
+    return Reporter(display, service, metrics, best), listeners
 
 
 _T = TypeVar("_T")
@@ -146,7 +129,7 @@ def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
 class Submission:
     """What ``run`` found when it compared the job with the run directory's record."""
 
-    changes: list[FieldChange]
+    changes: list[generations.FieldChange]
     version: int | None  # the job version recorded now; None: the job is the recorded one
     previous_generation: Path | None  # where --restart moved the last generation
     restarting: bool = False  # run --restart: the changes start a new generation, not a resume
@@ -155,18 +138,18 @@ class Submission:
 def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     """Compare ``job`` with the newest recorded version; record it; move a generation aside if asked.
     Refuses (exit 2, with the diff and the flag) a change of what is trained without ``restart``."""
-    moved = finish_interrupted_move(rd)
-    versions = JobVersions(rd)
+    moved = generations.finish_interrupted_move(rd)
+    versions = generations.JobVersions(rd)
     recorded = versions.newest_view()
     if recorded is None:
         return Submission([], versions.record(job), moved)
-    changes = diff(recorded, job_view(job))
+    changes = generations.diff(recorded, generations.job_view(job))
     # Before the first optimizer step a tool's own key has nothing to mix with yet (generations.py).
     if not any(record.steps_completed > 0 for record in read_attempts(rd.attempts)[0]):
         changes = [dataclasses.replace(change, untrained=True) for change in changes]
     unsafe = [change for change in changes if not change.safe]
-    if restart and has_attempts(rd):
-        moved = start_generation(rd)
+    if restart and generations.has_attempts(rd):
+        moved = generations.start_generation(rd)
     elif unsafe and not restart:
         lines = "\n".join(change.render() for change in changes)
         raise BadInput(
@@ -199,7 +182,7 @@ def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Filtering
     state = read_state(rd.state)
     if state is not None and state.run_state is RunState.SUCCEEDED:
         # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
-        extended = extend_finished(rd, submitted.changes, time.time())
+        extended = generations.extend_finished(rd, submitted.changes, time.time())
         if extended is not None:
             log.info(
                 Event.VERDICT_LIFTED,

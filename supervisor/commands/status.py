@@ -23,13 +23,8 @@ from qlora_supervise.supervisor.commands.merge import adapter_step, merged_recor
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.facts.units import format_bytes
+from qlora_supervise.supervisor.record import history
 from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line, speed_of
-from qlora_supervise.supervisor.record.history import (
-    climb_back_lines,
-    config_text,
-    planned_restarts,
-    time_in_configs,
-)
 from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
@@ -121,8 +116,8 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         "unreadable_lines": bad,
         "attempts": attempts,
         "running": running.to_json() if running is not None else None,
-        "planned_restarts": planned_restarts(records),  # {"step_up": n, "retime": n}
-        "time_in_configs": [c.to_json() for c in time_in_configs(records)],
+        "planned_restarts": history.planned_restarts(records),  # {"step_up": n, "retime": n}
+        "time_in_configs": [c.to_json() for c in history.time_in_configs(records)],
     }
 
 
@@ -148,7 +143,8 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
         lines.append(f"({bad} unreadable journal line(s) skipped)")
     now = f" (+1 running: attempt {running.flight.number})" if running is not None else ""
     lines.append(f"attempts: {len(records)}{now}, lost steps in total: {sum(r.lost_steps for r in records)}")
-    lines += climb_back_lines(planned_restarts(records), [c.to_json() for c in time_in_configs(records)])
+    configs = [c.to_json() for c in history.time_in_configs(records)]
+    lines += history.climb_back_lines(history.planned_restarts(records), configs)
     if run_dir.adapter.exists():
         lines.append(f"adapter: {run_dir.adapter}")
     elif tool_output := _tool_saved(run_dir, state):
@@ -219,7 +215,7 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     if r.steps_progressed == 0 and r.resumed_from > 0:
         steps = f"resumed at step {r.resumed_from}, trained no step"  # steps_completed 0 (issue 21 item 6)
     lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
-    lines.append(f"  config: {config_text(r.knobs)}")
+    lines.append(f"  config: {history.config_text(r.knobs)}")
     if run_dir is not None and (diff := read_diff(run_dir.attempt_dir(r.attempt))) is not None:
         # A foreign trainer's attempt: its config against the user's file (supervisor/trainers/).
         lines.append(f"  trainer config (vs your file): {'; '.join(diff) or 'unchanged'}")
@@ -314,7 +310,7 @@ class Running:
         where = f" in {self.stage}" if self.stage else ""
         head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
         child = f"pid {f.pid}" if _alive(f.pid) else f"its child, pid {f.pid}, is gone: the supervisor died?"
-        lines = [f"{head}; since {since} ago ({child})", f"  config: {config_text(f.knobs)}"]
+        lines = [f"{head}; since {since} ago ({child})", f"  config: {history.config_text(f.knobs)}"]
         if self.tokens_per_s is not None:
             lines.append(f"  speed: {self.tokens_per_s:,.0f} tokens/s (median of its heartbeats)")
         return lines
