@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, TextIO, cast
 
@@ -136,20 +137,12 @@ class ConsoleStream(io.TextIOBase):
         self._reported = False
 
     def write(self, text: str) -> int:
-        if self.lost is None:
-            try:
-                self._stream.write(text)
-                self._stream.flush()
-            except (OSError, ValueError) as error:  # EPIPE, EIO; ValueError: a closed file
-                self._lose(error)
+        self._try(self._stream.write, text)
+        self.flush()
         return len(text)
 
     def flush(self) -> None:
-        if self.lost is None:
-            try:
-                self._stream.flush()
-            except (OSError, ValueError) as error:
-                self._lose(error)
+        self._try(self._stream.flush)
 
     def isatty(self) -> bool:
         with contextlib.suppress(OSError, ValueError):
@@ -167,12 +160,18 @@ class ConsoleStream(io.TextIOBase):
         self._reported = True
         raise ConsoleLost(self.lost)
 
-    def _lose(self, error: BaseException) -> None:
-        self.lost = f"{type(error).__name__}: {error}"
-        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation, AttributeError):
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
-            os.close(null)
+    def _try(self, action: Callable[..., object], *args: str) -> None:
+        """``action(*args)`` while the console is there; the first failure loses it."""
+        if self.lost is not None:
+            return
+        try:
+            action(*args)
+        except (OSError, ValueError) as error:  # EPIPE, EIO; ValueError: a closed file
+            self.lost = f"{type(error).__name__}: {error}"
+            with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation, AttributeError):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, self._stream.fileno())
+                os.close(null)
 
 
 class ConsoleLost(OSError):
