@@ -135,17 +135,13 @@ def status_line(attempt: int, max_attempts: int, p: Progress, pace: Pace, budget
     parts = [f"attempt {attempt}/{max_attempts}", f"step {p.step}/{p.max_steps or '?'}"]
     if p.stage not in ("forward", "backward", "optimizer"):
         parts.append(p.stage)  # load, save, eval, merge: worth saying; the training stages are not
-    if p.tokens_per_s is not None:
-        parts.append(f"{_short(p.tokens_per_s)} tok/s")
+    if (rate := p.tokens_per_s) is not None:
+        parts.append(f"{rate / 1000:.1f}k tok/s" if rate >= 1000 else f"{rate:.0f} tok/s")
     if p.peak_bytes:
         parts.append(f"peak {_peak(p.peak_bytes, budget)}")
     if pace.eta_s is not None:
         parts.append(f"ETA {tqdm.format_interval(pace.eta_s)}")
     return " · ".join(parts)
-
-
-def _short(rate: float) -> str:
-    return f"{rate / 1000:.1f}k" if rate >= 1000 else f"{rate:.0f}"
 
 
 def _peak(peak: int, budget: int | None) -> str:
