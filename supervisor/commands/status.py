@@ -41,7 +41,6 @@ SNAPSHOT_HOW_TO = (
 SCHEMA = "qlora-supervise.status/1"
 MERGE_REPORT = "merge.json"  # written by the merge child into merged/ before its rename
 _ENDED = {RunState.SUCCEEDED, RunState.GAVE_UP, RunState.FAILED, RunState.STOPPED}
-FOLLOW_EVERY_S = 2.0
 
 
 def status_command(
@@ -49,6 +48,7 @@ def status_command(
     as_json: bool = False,
     follow: bool = False,
     out: TextIO | None = None,
+    every_s: float = 2.0,
 ) -> int:
     out = out or sys.stdout  # at call time: a redirected stdout (tests, pipes) is the one to use
     dirs = [_run_dir(d) for d in (output_dirs or ["."])]
@@ -60,7 +60,7 @@ def status_command(
             seen = marks
         if not follow or all((state := read_state(rd.state)) and state.run_state in _ENDED for rd in dirs):
             return 0
-        time.sleep(FOLLOW_EVERY_S)
+        time.sleep(every_s)
 
 
 def _run_dir(path: str) -> RunDir:
