@@ -95,16 +95,16 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the host's RAM, e.g. 32GiB (default: the job's host_memory_limit, else what is available "
         "now, capped by the cgroup, less a reserve)",
     )
-    flag(plan, "--json", "print one JSON object (schema in the README)")
+    flag(plan, "--json", "print one JSON object (schema in docs/planning.md)")
 
     status = command("status", "summarise the attempts of one or more run directories")
     status.add_argument("output_dirs", nargs="*", metavar="RUN_DIR", help="jobs' output_dirs (default: .)")
-    flag(status, "--json", "print one JSON object (schema in --help of status)")
+    flag(status, "--json", "print one JSON object (schema in docs/run-directory.md)")
     flag(status, "--follow", "print again on every change until the runs end")
 
     explain = command("explain", "the retry story as a table, JSON, or a memory-over-time plot")
     explain.add_argument("run_dir", help="the job's output_dir")
-    flag(explain, "--json", JSON_HELP)
+    flag(explain, "--json", "print one JSON object (schema in docs/run-directory.md)")
     explain.add_argument("--plot", metavar="FILE.png", help="draw memory over time for every attempt")
     explain.add_argument("--model-config", help="the model's config.json, when its directory is gone")
 

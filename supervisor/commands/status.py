@@ -92,7 +92,7 @@ def _print_all(dirs: Sequence[RunDir], as_json: bool, out: TextIO) -> None:
 
 
 def status_json(rd: RunDir) -> dict[str, Any]:
-    """One run's status as plain JSON (the schema in the module docstring)."""
+    """One run's status as plain JSON (the schema in docs/run-directory.md)."""
     state = read_state(rd.state)
     records, bad = read_attempts(rd.attempts)
     attempts = []
