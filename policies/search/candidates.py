@@ -1,9 +1,8 @@
 """The configs pre-flight chooses among, enumerated from the rungs by cost class (rungs.py).
 
-A candidate is the job's knobs with some knobs changed, and the names of the rungs that change
-them. Free rungs are always taken (``expandable_segments``: +0.9 % tokens/s on the H200, noise);
-throughput rungs are combined and ranked by the throughput model (:mod:`.throughput`), so no
-fixed cost per rung is needed; quality rungs only when nothing else fits, lightest first.
+Free rungs are always taken (``expandable_segments``: +0.9 % tokens/s on the H200, noise);
+throughput rungs are combined and ranked by the throughput model; quality rungs only when nothing
+else fits, lightest first.
 """
 
 from __future__ import annotations
@@ -13,18 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.rungs import (
-    PAGED_8BIT,
-    QUALITY_WEIGHTS,
-    RUNG_OF_KNOB,
-    RUNGS,
-    Axis,
-    CostClass,
-    Rung,
-)
+from qlora_supervise.policies.rungs import QUALITY_WEIGHTS, RUNG_OF_KNOB, RUNGS, Axis, CostClass, Rung
 from qlora_supervise.trainer_child.contract.spec import Knobs
-
-__all__ = ["PAGED_8BIT", "CostClass"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +36,9 @@ def rungs_between(old: Knobs, new: Knobs) -> tuple[str, ...]:
 
 
 def micro_batches(knobs: Knobs) -> list[Knobs]:
-    """Every micro-batch that divides the job's per-rank batch, largest first; accumulation
-    changes to keep the effective batch.
-
-    Larger than the job's own micro-batch too: the seeds' "micro-batch 1 + accumulation" is a
-    habit, not a limit, and on a 4-bit model most of a micro-step's cost is fixed, so a larger
-    micro-batch that fits is the cheapest speed there is (H200 sweep, 1B 128k at seq 2048 with
-    checkpointing: micro 1 6.3k tokens/s, micro 4 25.9k). Whether it fits is the memory model's
-    question, answered per candidate.
-    """
+    """Every micro-batch that divides the job's per-rank batch, largest first, with the
+    accumulation that keeps the effective batch. Larger than the job's own too: on a 4-bit model
+    most of a micro-step's cost is fixed (H200, 1B at seq 2048: micro 1 6.3k tokens/s, micro 4 25.9k)."""
     per_rank = knobs.micro_batch_size * knobs.grad_accum
     return [
         dataclasses.replace(knobs, micro_batch_size=m, grad_accum=per_rank // m)
@@ -125,11 +108,9 @@ def quality_variants(knobs: Knobs) -> list[Candidate]:
     return sorted(out, key=lambda c: c.quality_weight)  # stable: a shorter seq before a smaller rank
 
 
-#: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings: 16384 -> 4096
-#: still trains long context). Deeper, the run would train another task (seq 2048 -> 128 cuts every
-#: long sample to a sixteenth): the job's fallback model starts instead, or the run stops before any
-#: child and names the deeper cut that would fit, for the user to choose. The reactive ladder may
-#: still cut further after a real OOM.
+#: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings). Deeper, the
+#: run would train another task: a fallback model starts instead, or the run stops and names the
+#: deeper cut that would fit, for the user to choose. The ladder may cut further after a real OOM.
 DEEPEST_CUT_BEFORE_FALLBACK = 4
 
 

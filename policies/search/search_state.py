@@ -1,8 +1,4 @@
-"""The state of one search: the predictions of each config, cached, against the card and host budgets.
-
-Its own module so that the search (:mod:`.config_search`) and the verdict when nothing fits
-(:mod:`.nothing_fits`) both build on it without importing each other.
-"""
+"""The state of one search: each config's predictions, cached, against the card and host budgets."""
 
 from __future__ import annotations
 
@@ -114,8 +110,7 @@ class Search:
                     self.host_peak(fitted),
                 )
             )  # fmt: skip
-        # Fastest first; at equal speed fewer changes, the larger eval batch, then the config that
-        # uses the card best.
+        # Fastest first; at equal speed fewer changes, the larger eval batch, the higher peak.
         return sorted(
             out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
         )
