@@ -1,21 +1,8 @@
 """The one place that decides the config: at the first plan, after a failure, after the speed trial.
 
 Only this module calls the search (:mod:`.search.config_search`) and the ladder walk
-(:mod:`.ladder.climb`) (a contract in pyproject checks it); each answer carries its reason, which the
-journal keeps and ``explain`` prints.
-
-* **First plan** (:data:`first`): the search. The job as written when it is predicted to fit;
-  otherwise every fitting combination of the free and throughput rungs, ranked by the throughput
-  model, the fastest first; quality rungs only when none fits; then the fallback models.
-* **After a memory failure** (:func:`after_failure`, rule 6 of :mod:`.decide`), first match wins:
-  a host OOM kill under activation offload charges offload (the search again without it, or with
-  less host need); a failure of the training step's own memory runs the search again from the
-  failed config, the failure scaling the memory model up; when neither finds a throughput-only
-  change that fits, the stage's ladder walks (quality rungs included).
-* **After the speed trial** (:func:`after_trial`): the child times the search's top candidates
-  before step 1 and reports their timings; the plan stays unless another measured more than
-  :data:`MIN_GAIN` faster, or the plan itself failed in the trial. The child calls it to switch
-  in-process (no restart), the supervisor calls it on the reported timings to journal what trained.
+(:mod:`.ladder.climb`), a contract in pyproject checks it; each answer carries its reason, which
+the journal keeps and ``explain`` prints (docs/how-it-works.md tells the three moments).
 """
 
 from __future__ import annotations
@@ -36,8 +23,7 @@ from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate, T
 #: Attempt 1's config: the search itself (``run``'s first plan and the ``plan`` command ask it here).
 first = config_search.preflight
 
-#: A candidate replaces the planned config only when it is this much faster (DeepSpeed's
-#: autotuner also keeps the first config within noise); below it the trial's noise decides.
+#: A candidate replaces the planned config only when it is this much faster: below, noise decides.
 MIN_GAIN = 0.05
 
 #: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
@@ -53,8 +39,9 @@ def after_failure(
     settings: Settings,
     unusable: frozenset[str] = frozenset(),
 ) -> Decision:
-    """The next config after ``failure`` of ``knobs``; ``unusable``: rungs charged with a failure
-    (the ones the trainer cannot take, ``settings.cannot_take``, are added)."""
+    """The next config after a memory ``failure`` of ``knobs`` (rule 6 of :mod:`.decide`): offload
+    charged after a host OOM kill under it, else the search again from the failed config, else the
+    ladder walk; ``unusable``: rungs charged with a failure (``settings.cannot_take`` added)."""
     settings = for_model(settings, knobs.model)
     unusable = unusable | settings.cannot_take
     failed = frozenset(past.knobs for past in history if past.kind is failure.kind)
@@ -75,15 +62,9 @@ def _search(
     scale: float | None,
     unusable: frozenset[str],
 ) -> Restart | None:
-    """The fastest throughput-only change predicted to fit, searched over combinations.
-
-    The ladder applies each rung once in its order; the search can combine them (checkpointing
-    with the micro-batch halved twice) and so reaches a config that fits without the quality
-    rung a walk would take next, ranked by the throughput model with this run's measured speeds.
-    The failure itself calibrates it: the failed config needed more than the budget, so the
-    model's variable part is scaled up to say so at least. A quality change, or nothing
-    predicted to fit, leaves the choice to the ladder walk.
-    """
+    """The fastest throughput-only change predicted to fit, searched over combinations (a walk
+    takes one rung at a time, and a quality rung sooner). The failure calibrates the model: the
+    failed config needed more than the budget. None: a quality change or nothing fits (the walk)."""
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
         return None
@@ -105,9 +86,9 @@ def _search(
 def _charge_offload(
     knobs: Knobs, failed: frozenset[Knobs], settings: Settings, scale: float | None, unusable: frozenset[str]
 ) -> Restart | None:
-    """After a host OOM kill under activation offload: offload off, and the fastest throughput-only
-    config that fits the card and the host; else offload kept with less host need; None: neither
-    (the ladder walks). Without a shape or card budget to search with, offload off alone."""
+    """After a host OOM kill under activation offload: offload off with the fastest throughput-only
+    config that fits card and host; else offload kept with less host need; None: neither. Without
+    a shape or card budget to search with, offload off alone."""
     off = dataclasses.replace(knobs, activation_offload=False)
     why = "host OOM kill under activation offload: offload held the host's RAM, so it is charged with it"
     shape, budget = settings.shape, settings.budget_bytes
@@ -146,9 +127,9 @@ class TrialChoice:
 
 def after_trial(planned: Knobs, results: Sequence[TrialResult]) -> TrialChoice:
     """The config to train with after the trial timed ``results`` (the first is ``planned``): the plan
-    unless another ran more than :data:`MIN_GAIN` faster. A plan that failed (an OOM, or a peak over
-    the plan's limit: its ``error``) gives way to the fastest that ran within it; when none did, the
-    plan stays (training then fails as it would have without a trial, and the ladder acts)."""
+    unless another ran more than :data:`MIN_GAIN` faster, or the plan failed (an OOM, or a peak over
+    its limit) and another ran within it. The child calls it to switch in-process, the supervisor
+    on the reported timings to journal what trained."""
     ran = [r for r in results if r.tokens_per_s and r.error is None]
     if not ran:
         why = "no candidate ran within the plan's limit" if results else "nothing was timed"
@@ -169,8 +150,7 @@ def after_trial(planned: Knobs, results: Sequence[TrialResult]) -> TrialChoice:
 
 def within(result: TrialResult, limit: int | None) -> TrialResult:
     """``result``, or the same marked dropped when it measured above ``limit``: the pre-flight would
-    not have planned a config it knew peaked there (on the H200 a calibrated plan once predicted
-    10.0 GiB for a config the trial measured at 11.6 under a 12 GiB cap: 4 % from an OOM)."""
+    not have planned a config it knew peaked there (H200: predicted 10.0 GiB, measured 11.6 of 12)."""
     if limit is None or result.peak_bytes is None or result.error is not None or result.peak_bytes <= limit:
         return result
     gib = 1 << 30

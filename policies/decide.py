@@ -1,42 +1,22 @@
 """The decision after a failed attempt: ``Restart | Wait | GiveUp``, a value the loop carries out.
 
-Order of the rules (first match wins):
+The rules, first match wins (docs/ladder.md tells them for users):
 
-0. a non-OOM failure right after a rung changed the config, with no step trained -> the rung is
-   charged with it (:mod:`.charge`): reverted, unusable for the run, the ladder moves on from the
-   failure before it
-1. a failure no config can fix (config error, bitsandbytes setup) -> GiveUp (not retryable)
+0. a non-OOM failure right after a rung changed the config, no step trained: the rung is charged
+   (:mod:`.ladder.charge`): reverted, unusable for the run, the ladder goes on from the failure before
+1. a failure no config can fix (config error, bitsandbytes setup) -> GiveUp, not retryable
 2. the attempt budget is spent -> GiveUp
-3. ``max_no_progress`` restarts in a row trained no step without any config change between
-   them -> GiveUp (crash loop: the same thing failing again at once, e.g. memory that keeps
-   being taken by another process, or a retried transient error that is not transient)
-4. contention, the job does not allow degrading: no wait yet -> Wait(seconds, needed_bytes);
-   after the loop reports the wait (:class:`WaitResult`): the memory came back, or NVML gave
-   no reading to wait on -> Restart unchanged; the wait timed out -> GiveUp
-4b. disk_full: no wait yet -> Wait(seconds, needed_bytes, for the disk); after the wait: room
-   came back (or no reading) -> Restart unchanged; the wait timed out -> GiveUp. No rung
-   changes what a checkpoint needs on disk, and a full disk says nothing about the config.
-5. hang / nccl / other -> Restart unchanged; the same failure repeated ``max_no_progress`` times
-   *with no step trained in between* -> GiveUp. Failures are counted by progress: an attempt that trained
-   steps before it failed starts a fresh count, so a week-long run survives any number of
-   preemptions or operator kills as long as each retry gets further (the crash-loop guard of
-   rule 3 and ``max_attempts`` still bound it)
-   A GPU fault: a fatal Xid -> GiveUp, not retryable (on that GPU); another -> as hang.
-   Under torchrun (``world_size`` > 1) a card that keeps failing (a fatal Xid, a fault that
-   came back, contention that outlasted the wait, a hang / nccl / other failure of a named rank
-   repeated to the crash-loop limit, e.g. a rank killed) -> Restart with ``drop_rank``: the other
-   cards, accumulation raised so micro x accumulation x ranks holds (GiveUp as above when it
-   cannot hold exactly)
-6. OOM-like kinds -> the next config, as :mod:`.choice` decides it (the search, then the ladder
-   walk, without the rungs charged by rule 0) -> Restart, or GiveUp when the ladder is exhausted.
-   Before it (6a, :mod:`.host_kill`): a host OOM kill after progress that is not in a row (the
-   retry trained past the last kill) -> Restart unchanged (a neighbour's spike); (6b,
-   :mod:`.spurious_retry`) an OOM marked spurious -> Restart unchanged once, its repeat climbs; a
-   host OOM's ladder takes throughput rungs before quality ones, and the LoRA rank only where the
-   adapter is what grew (:mod:`.host_kill`).
+3. ``max_no_progress`` attempts in a row trained no step with no config change -> GiveUp (crash loop)
+4. contention the job may not degrade for, or a full disk -> Wait, then Restart unchanged once the
+   memory or room came back (or there is no reading), else GiveUp (:mod:`.ladder.waits`)
+5. hang / nccl / other / a GPU fault -> Restart unchanged, until the same failure repeated
+   ``max_no_progress`` times (a GPU fault: twice) with no step trained in between; a fatal Xid
+   -> GiveUp, not retryable. Under torchrun a card that keeps failing -> ``drop_rank``
+6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
+   OOM kill after progress not in a row (:mod:`.ladder.host_kill`) and an OOM marked spurious, once
+   (:mod:`.ladder.spurious_retry`); a merge's memory failure takes the merge ladder.
 
-The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
-:mod:`.waits`; this module holds the order of the rules and the retries.
+The values live in :mod:`.verdicts`, the waits in :mod:`.ladder.waits`.
 """
 
 from __future__ import annotations
@@ -102,11 +82,9 @@ def decide(
 ) -> Decision:
     """What to do after ``failure`` of an attempt that ran with ``knobs``.
 
-    ``history`` holds every finished attempt, the failed one included (last); attempts that did
-    not fail (stopped by the user, interrupted by a supervisor restart) count toward neither
-    the attempt budget nor the crash-loop streak. In the ``merge`` phase every memory failure
-    takes the merge ladder: training rungs cannot help a merge and a smaller model would merge
-    the adapter onto the wrong base.
+    ``history``: every finished attempt, the failed one last; those that did not fail count toward
+    neither the attempt budget nor the crash-loop streak. In the ``merge`` phase a memory failure
+    takes the merge ladder (a smaller model would merge the adapter onto the wrong base).
     """
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
@@ -174,12 +152,8 @@ def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], setti
 
 
 def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
-    """Attempts at the end of the history that trained no step and ran the config of the one before.
-
-    A ladder climbing at step 0 changes the config every time and ends on its own (finitely
-    many rungs, no config repeated), so only unchanged restarts count toward a crash loop. The
-    first attempt of the streak counts too: it is the failure the unchanged restarts repeat.
-    """
+    """Attempts at the end of the history that trained no step and ran the config of the one
+    before, and the first of them (a ladder climbing at step 0 ends on its own)."""
     streak = 0
     for index in range(len(history) - 1, -1, -1):
         past = history[index]
@@ -192,9 +166,6 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
 
 
 def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt], limit: int) -> Decision:
-    # A kill can come again before the retry trains a step (a preemption during the next load):
-    # the same failure gives up only once it repeated ``limit`` times (the crash-loop limit,
-    # supervise.max_no_progress_attempts) with no step trained in between.
     same = _same_failures_since_progress(kind, knobs, history)
     if same >= max(2, limit):
         return GiveUp(
@@ -207,11 +178,8 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
 
 
 def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> int:
-    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained steps.
-
-    The count starts afresh at an attempt that made progress: that failure is the first of a
-    new count, and the ones before it were followed by training, so they were transient.
-    """
+    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained
+    steps: the ones before it were followed by training, so they were transient."""
     same = 0
     for past in reversed(history):
         if past.kind is kind and past.knobs == knobs:

@@ -1,7 +1,6 @@
 """The values the decision reads and returns: past attempts, settings, ``Restart | Wait | GiveUp``.
 
-Apart from :mod:`.decide` so that the rules' modules (:mod:`.choice`, :mod:`.climb`, :mod:`.waits`,
-:mod:`.charge`) share them without importing each other; :mod:`.decide` re-exports them.
+Apart from :mod:`.decide` so that the rules' modules share them without importing each other.
 """
 
 from __future__ import annotations
@@ -75,8 +74,7 @@ class Settings:
     overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
     budget_bytes: int | None = None
     shape: memory_model.ModelShape | None = None
-    #: Why ``shape`` is None for a model whose config reads (a foreign tool's 8-bit or 16-bit
-    #: weights, supervisor/trainers/model_facts.py); None: the architecture is the reason, or none.
+    #: Why ``shape`` is None for a model whose config reads (a foreign tool's 8-bit or 16-bit weights).
     unmodelled: str | None = None
     #: Peaks observed on this host in earlier runs of the same shape (the per-host store).
     prior: tuple[memory_model.Observation, ...] = ()
@@ -88,26 +86,22 @@ class Settings:
     fallback_shapes: tuple[tuple[str, memory_model.ModelShape | None], ...] = ()
     #: The speed trial (supervise.speed_trial): attempt 1 times its top candidates before step 1.
     speed_trial: bool = True
-    #: Rungs the trainer cannot be told (a foreign tool's config has no key for their knob): the
-    #: pre-flight, the search after a failure and the ladder walk never use them.
+    #: Rungs the trainer cannot be told (a foreign tool's config has no key for their knob).
     cannot_take: frozenset[str] = frozenset()
-    #: The host budget every planned config must fit too (None: the card alone: a CPU run, or no
-    #: shape to count with). A host OOM kill under offload is charged to offload with it.
+    #: The host budget every planned config must fit too (None: the card alone).
     host: HostBudget | None = None
     #: The job's LoRA targets (``train.target_modules``): what the host model counts the adapter by.
     targets: tuple[str, ...] | str = memory_model.DEFAULT_TARGETS
     #: Step back up at a checkpoint when a rung's cause has cleared (ladder/step_up.py).
     step_up: bool = True
-    #: How long the others' memory must stay low before a contention rung is undone; also how long
-    #: the card's sharing must differ from the speed trial's before the trial is timed again.
+    #: How long a change on the card must hold before a contention rung is undone or a trial re-timed.
     step_up_settle_s: float = 120.0
-    #: A step-up may undo a quality rung too (a longer seq_len, a larger rank): off unless the job says.
+    #: A step-up may undo a quality rung too (a longer seq_len): off unless the job says.
     step_up_quality: bool = False
 
 
 def for_model(settings: Settings, model: str) -> Settings:
-    """The settings for ``model``: a fallback model's own shape, without the job's model's
-    measurements (they calibrate another shape); the job's model: unchanged."""
+    """The settings for ``model``: a fallback's own shape without the job's model's measurements."""
     shapes = dict(settings.fallback_shapes)
     if model not in shapes:
         return settings

@@ -1,16 +1,11 @@
 """No dead ends after a rung: a new non-OOM failure right after a rung changed the config is the rung's.
 
-A child that fails with an error (``other``, a config error, a bitsandbytes setup error) it did
-not have before a rung changed its config, and trained no step with the new config, has that
-failure charged to the rung: the change is deterministic, so retrying it unchanged repeats the
-failure (issue 19: ``cpu_offload`` -> ``Tensor.item() cannot be called on meta tensors``, retried
-three times). The rung is reverted (the next attempt starts from the config before it), it is
-unusable for the rest of the run, and the ladder moves on from the failure that called for it.
-
-When the change was a combination (the search's ``gradient_checkpointing+halve_micro_batch``),
-every rung in it is charged: which one broke the child cannot be told apart, and the ladder has
-others to try. The charges are derived from the history alone (each failed attempt and the one
-before it), so a supervisor that restarts reads the same unusable rungs from the journal.
+A failure (``other``, a config error, a bitsandbytes setup error) the run did not have before a
+rung changed its config, with no step trained, is charged to the rung: the change is
+deterministic, so a retry repeats it (issue 19: ``cpu_offload`` -> meta tensors, three times).
+The rung is reverted, unusable for the rest of the run, and the ladder moves on from the failure
+that called for it. Every rung of a combination is charged (which one broke it cannot be told).
+Charges derive from the history alone, so a restarted supervisor reads the same from the journal.
 """
 
 from __future__ import annotations
@@ -81,8 +76,8 @@ def latest_charge(history: Sequence[PastAttempt]) -> Charge | None:
 
 
 def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
-    """Every rung charged with a failure anywhere in ``history``, and every rung whose knob an
-    attempt changed but its trainer did not take: unusable for the rest of the run."""
+    """The rungs unusable for the rest of the run: charged with a failure in ``history``, or whose
+    knob an attempt changed but its trainer did not take."""
     charged = (charge_at(history, i) for i in range(len(history)))
     untaken = {knob for past in history for knob in past.unapplied}
     return frozenset(name for c in charged if c is not None for name in c.rungs) | frozenset(

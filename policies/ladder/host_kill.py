@@ -1,25 +1,15 @@
 """A host OOM kill after progress: retried unchanged, and a ladder that cuts quality last.
 
-On a shared host the kernel's OOM killer often picks the trainer for a neighbour's spike: the
-biggest process loses, whatever caused the pressure. A kill that came after the attempt trained
-steps says the config *did* fit for a while, so it is retried with the same knobs (issue 21
-item 4). Kills are "in a row" only when the retry got no further: a second kill with the same
-knobs at a step no later than the first one's is the config's own peak (the same batch, the same
-step, every time) and walks the ladder; a kill after the retry trained past the first kill is a
-new first kill, retried unchanged again (issue 29 item 7: two kills with 5 good steps between
-them halved the LoRA rank). A kill before any step walks the ladder at once. This also holds at
-the ladder's bottom: the run does not give up at the first kill after progress. Under activation
-offload the child's own host use is the likely cause, so no plain retry: offload is charged at
-once (:mod:`..choice`).
+On a shared host the OOM killer often picks the trainer for a neighbour's spike, so a kill after
+the attempt trained steps is retried with the same knobs. Kills are "in a row" only when the retry
+got no further (a second kill with the same knobs at a step no later than the first's is the
+config's own peak, and walks the ladder); a kill before any step walks at once, as does one under
+activation offload (offload is charged, :mod:`..choice`).
 
-When the ladder walks for a host OOM, the stage the heartbeats last showed is only where the
-process was when the kernel chose it, not what grew. So the throughput rungs come first (the
-stage's own, then checkpointing and a smaller micro-batch, which never add host memory; never
-offload or the paged optimizer, which move memory to the host, and :mod:`.climb` refuses any rung
-the host model says needs more host RAM than the killed config), the
-quality rungs last, and the LoRA rank is halved only when the evidence says the adapter is what
-grew: a kill in the optimizer stage before the attempt finished its first step, where the
-adapter's optimizer state is first allocated. After a step that state was already held.
+The stage of a host OOM is only where the process was when the kernel chose it, not what grew. So
+its ladder takes throughput rungs first (checkpointing and a smaller micro-batch, never offload or
+the paged optimizer, which move memory to the host), quality last, and the LoRA rank only when the
+adapter is what grew: a kill in the optimizer stage before the first step, when its state is made.
 """
 
 from __future__ import annotations
@@ -42,10 +32,8 @@ _HOST_RUNGS = frozenset({"activation_offload", "paged_8bit_optimizer"})
 
 
 def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
-    """Restart unchanged when ``failure`` is a host OOM kill after progress that is not in a row.
-
-    ``failed``: the failed attempts, the one that just failed last. None: the ladder decides.
-    """
+    """Restart unchanged when ``failure`` is a host OOM kill after progress that is not in a row;
+    ``failed``: the failed attempts, this one last. None: the ladder decides."""
     if failure.kind is not FailureKind.HOST_OOM or not failed or failed[-1].steps_progressed <= 0:
         return None
     if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (choice.py)
@@ -64,9 +52,8 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
 
 
 def host_ladder(stage: Stage, settings: Settings, adapter_grew: bool) -> tuple[str, ...]:
-    """The rungs for a host OOM at ``stage``: throughput first, quality last, the rank only when
-    ``adapter_grew`` (module docstring), none that moves memory to the host (offload, the paged
-    optimizer); a job's own ``host_oom`` ladder is taken as written."""
+    """The rungs for a host OOM at ``stage`` (the module docstring); a job's own ``host_oom`` ladder
+    is taken as written."""
     if FailureKind.HOST_OOM in settings.overrides:
         return settings.overrides[FailureKind.HOST_OOM]
     walked = ladder_for(FailureKind.HOST_OOM, stage, settings.overrides)
