@@ -1,10 +1,24 @@
 """Peak GPU memory of one QLoRA training attempt of our recipe, term by term, in bytes.
 
 docs/planning.md says what each term counts in the recipe and the libraries (4-bit weights, the
-fp32 upcast of everything else, the adapter and optimizer state in :mod:`.optimizer`, the
-activations, trl's fused LM head, the backward's transients, the bf16 head, activation offload,
-FSDP's per-rank share). The coefficients that are not exact byte counts are named constants,
-checked against bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py``).
+fp32 upcast of everything else, the adapter and its optimizer state, the activations, trl's fused
+LM head, the backward's transients, the bf16 head, activation offload, FSDP's per-rank share). The
+coefficients that are not exact byte counts are named constants, checked against
+bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py``).
+
+The adapter (read against trl 1.16, peft 0.21, torch 2.11, bitsandbytes 0.50): trl casts a
+quantized model's adapter to bf16 (unquantized, peft's fp32 stays); torch AdamW keeps two moments
+in the adapter's dtype plus a foreach step temporary (none fused); bitsandbytes keeps two fp32
+moments, or uint8 ones with an fp32 absmax per 256 for tensors of ``min_8bit_size`` or more, and
+a paged optimizer pages only tensors of 1e5 elements or more.
+
+A block's saved activations where families differ (:func:`attention_bytes`,
+:func:`mlp_activation_bytes`) were counted byte for byte with saved-tensor hooks over the child's
+build at each family's released widths (bench/results/family-memory-cpu-2026-12-02/), on CUDA's
+footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out). SDPA keeps
+q, k, v and the output, k and v at the kv width unless a sliding window shorter than the sequence
+needs a mask: then they are repeated to every head and the additive mask (``2s`` a token) is kept
+in each sliding layer. Eager attention (Gemma 2's softcapping) keeps per head ``s`` scores thrice.
 """
 
 from __future__ import annotations
@@ -12,18 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from qlora_supervise.policies.memory.block_terms import (
-    attention_bytes,
-    checkpoint_masks,
-    mlp_activation_bytes,
-)
 from qlora_supervise.policies.memory.families import Block, HeadNorm
-from qlora_supervise.policies.memory.optimizer import (
-    AdapterBytes,
-    adapter_bytes,
-    adapter_dtype_bytes,
-    adapter_tensors,
-)
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -73,6 +76,119 @@ class Prediction:
     @property
     def card_bytes(self) -> int:
         return self.reserved_bytes + sum(self.outside.values())
+
+
+#: trl casts a quantized model's trainable parameters to bf16.
+ADAPTER_BYTES_QUANTIZED = 2
+#: bitsandbytes: tensors under this many elements keep fp32 state in the 8-bit optimizers.
+BNB_MIN_8BIT_SIZE = 4096
+#: bitsandbytes: a paged optimizer pages a state tensor only from this many elements on.
+BNB_PAGED_MIN_NUMEL = 100_000
+#: bitsandbytes 8-bit blockwise state: one fp32 absmax per block of 256, for each of two moments.
+BNB_8BIT_BLOCK = 256
+#: transformers' names of bitsandbytes' 8-bit AdamW (``adamw_bnb_8bit``: axolotl's, LLaMA-Factory's).
+BNB_8BIT = frozenset({"adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"})
+BNB_32BIT = frozenset({"paged_adamw_32bit"})
+
+
+@dataclass(frozen=True)
+class AdapterBytes:
+    """The adapter's bytes on the card by where they live, for one config."""
+
+    params: int
+    grads: int
+    state: int  # optimizer state inside PyTorch's allocator
+    paged: int  # optimizer state in CUDA unified memory (outside the allocator)
+    step_temp: int  # what the optimizer step allocates on top, for the step's duration
+
+
+def adapter_dtype_bytes(knobs: Knobs) -> int:
+    """Bytes per adapter parameter (and gradient): bf16 on the 4-bit path, fp32 otherwise."""
+    return ADAPTER_BYTES_QUANTIZED if knobs.load_in_4bit else FP32
+
+
+def adapter_tensors(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> list[int]:
+    """The element count of every LoRA weight tensor (lora_A is r x in, lora_B is out x r)."""
+    dims = shape.linear_dims()
+    per_layer = [n for name in shape.adapted(targets) for n in (r * dims[name][0], dims[name][1] * r)]
+    return per_layer * shape.layers
+
+
+def _bnb_state(numel: int, eight_bit: bool) -> int:
+    """bitsandbytes' two moments of one tensor, in bytes."""
+    if eight_bit and numel >= BNB_MIN_8BIT_SIZE:
+        blocks = -(-numel // BNB_8BIT_BLOCK)
+        return 2 * numel + 2 * FP32 * blocks
+    return 2 * FP32 * numel
+
+
+def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str) -> AdapterBytes:
+    """Weights, gradients and optimizer state of the adapter ``knobs`` and ``targets`` describe; an
+    optimizer outside those modelled counts as torch AdamW, the largest of them."""
+    tensors = adapter_tensors(shape, knobs.lora_r, targets)
+    n = sum(tensors)
+    size = adapter_dtype_bytes(knobs)
+    name = knobs.optimizer
+    state = paged = temp = 0
+    if name in BNB_8BIT or name in BNB_32BIT:
+        is_paged = name.startswith("paged_")
+        for numel in tensors:
+            bytes_ = _bnb_state(numel, name in BNB_8BIT)
+            if is_paged and numel >= BNB_PAGED_MIN_NUMEL:
+                paged += bytes_
+            else:
+                state += bytes_
+    else:
+        state = 2 * size * n
+        temp = 0 if name == "adamw_torch_fused" else size * n
+    return AdapterBytes(params=size * n, grads=size * n, state=state, paged=paged, step_temp=temp)
+
+
+#: MoE, per routed token: the expert's fp32 output, and its int64 indices and routing weight.
+ROUTED_TOKEN_H = FP32
+ROUTED_TOKEN_FIXED = 38
+#: MoE, per token and expert: the router's fp32 softmax, and the auxiliary loss's own softmax.
+ROUTER_PER_EXPERT = FP32
+AUX_LOSS_PER_EXPERT = FP32
+
+
+def mlp_activation_bytes(shape: ModelShape) -> int:
+    """What the MLP keeps per token: gate, act(gate) and up in fp32 (per routed token for MoE)."""
+    if not shape.experts:
+        return 3 * FP32 * shape.intermediate
+    expert = 3 * FP32 * shape.expert_intermediate + ROUTED_TOKEN_H * shape.hidden + ROUTED_TOKEN_FIXED
+    router = (ROUTER_PER_EXPERT + (AUX_LOSS_PER_EXPERT if shape.router_logits else 0)) * shape.experts
+    return shape.experts_per_token * expert + router
+
+
+def masked(shape: ModelShape, seq: int) -> bool:
+    """Whether the sliding layers get a mask at this sequence length (SDPA; the window is shorter)."""
+    return bool(shape.sliding_window and shape.sliding_layers and seq >= shape.sliding_window)
+
+
+def attention_bytes(shape: ModelShape, half: int = 2, seq: int = 0, sliding: bool | None = None) -> int:
+    """What attention keeps per token in one block: a sliding layer's (``sliding=True``), a full
+    layer's (False), or the average over the model's layers (None)."""
+    if shape.attn_implementation == "eager":
+        scores = (half if shape.attn_softcap else 0) + FP32 + half
+        return half * 3 * shape.q_dim + shape.heads * seq * scores
+    full = half * (2 * shape.q_dim + 2 * shape.kv_dim)
+    if not masked(shape, seq):
+        return full
+    # The mask, and k and v at the query width instead of the kv width.
+    slide = full + 2 * half * (shape.q_dim - shape.kv_dim) + half * seq
+    if sliding is not None:
+        return slide if sliding else full
+    return (slide * shape.sliding_layers + full * (shape.layers - shape.sliding_layers)) // shape.layers
+
+
+def checkpoint_masks(shape: ModelShape, batch: int, seq: int) -> int:
+    """The masks every block's recompute is handed with checkpointing, held for the step: Gemma 2's
+    two fp32 additive masks, the bool one of a sliding window the sequence reaches."""
+    if shape.attn_implementation == "eager":
+        kinds = 2 if 0 < shape.sliding_layers < shape.layers else 1
+        return kinds * FP32 * batch * seq * seq
+    return batch * seq * seq if masked(shape, seq) else 0
 
 
 def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> int:
@@ -174,9 +290,7 @@ def layer_activation_bytes(
     """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens
     a sequence (only eager attention depends on it); ``half``: the autocast dtype's size.
 
-    The family terms (:mod:`.block_terms`) were counted with saved-tensor hooks at each family's
-    released widths (bench/models/family_memory_cpu.py). Layer 0 keeps a little less (its input
-    needs no gradient), which the model leaves in as margin.
+    Layer 0 keeps a little less (its input needs no gradient), which the model leaves in as margin.
     """
     block = shape.block or Block()
     norms = block.norms * FP32 * shape.hidden

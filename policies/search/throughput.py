@@ -24,9 +24,13 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, NF4_DOUBLE_QUANT, NF4_SINGLE_QUANT
+from qlora_supervise.policies.memory.gpu import (
+    DEFAULT_TARGETS,
+    NF4_DOUBLE_QUANT,
+    NF4_SINGLE_QUANT,
+    adapter_tensors,
+)
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
-from qlora_supervise.policies.memory.optimizer import adapter_tensors
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput_fit as fit
 from qlora_supervise.trainer_child.contract.spec import Knobs
