@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from qlora_supervise.policies.memory.families import Block, HeadNorm
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import Block, HeadNorm, ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The recipe's LoRA targets: the attention projections, by each family's own names.
