@@ -69,7 +69,7 @@ class Rung:
     quality_weight: float = 0.0  # fewer quality steps first, a shorter sequence before a smaller rank
     in_plan: bool = False  # shown by ``plan``, applied alone to the job as written
     tool_can_take: bool = False  # a foreign tool's config can express the knob (supervisor/trainers)
-    # A later failure is charged to it (ladder/charge.py); False for the rungs that answer one
+    # A later failure is charged to it (decide.py, rule 0); False for the rungs that answer one
     # phase's failure (load, eval, merge, a rank), which a failure of another kind must not revert.
     charged: bool = True
     context: RungContext = RungContext()
@@ -278,7 +278,7 @@ RUNGS: tuple[Rung, ...] = (
         "smaller_model", "fall back to a smaller model",
         Survives.ADAPTER_REINIT, _smaller_model, "model", _QUALITY, quality_weight=5.0,
     ),
-    # Under torchrun, for a card that keeps failing: the other cards (policies/ladder/waits.py).
+    # Under torchrun, for a card that keeps failing: the other cards (policies/decide.py).
     Rung(
         "drop_rank",
         "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
