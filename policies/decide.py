@@ -36,7 +36,6 @@ from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
     GiveUp,
-    MergeFailure,
     PastAttempt,
     Restart,
     Settings,
@@ -120,7 +119,8 @@ def decide(
     if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
         return spurious
     if phase == "merge" and kind.is_oom:
-        return after_failure(MergeFailure(), knobs, history, settings)
+        # Any memory failure of the merge process takes the merge ladder.
+        return after_failure(PastFailure(FailureKind.OOM_MERGE, Stage.MERGE), knobs, history, settings)
     # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
     settings = host_settings(failure, settings, failed)
     return after_failure(failure, knobs, history, settings, unusable_rungs(history))
@@ -215,7 +215,7 @@ class Charge:
 
 @dataclass(frozen=True)
 class PastFailure:
-    """An earlier attempt's failure, as the ladder needs it (kind and stage)."""
+    """A failure as the ladder needs it (kind and stage): an earlier attempt's, or the merge's."""
 
     kind: FailureKind
     stage: Stage

@@ -38,16 +38,6 @@ class FailureLike(Protocol):
 
 
 @dataclass(frozen=True)
-class MergeFailure:
-    """How the ladder sees any memory failure of the merge process."""
-
-    kind: FailureKind = FailureKind.OOM_MERGE
-    stage: Stage = Stage.MERGE
-    numbers: Mapping[str, Any] = field(default_factory=dict)
-    fatal_xid: int | None = None
-
-
-@dataclass(frozen=True)
 class PastAttempt:
     """One finished attempt as the policy sees it."""
 
