@@ -1,24 +1,11 @@
 """Peak GPU memory of one QLoRA training attempt of our recipe, term by term, in bytes.
 
-docs/planning.md says what each term counts in the recipe and the libraries (4-bit weights, the
-fp32 upcast of everything else, the adapter and its optimizer state, the activations, trl's fused
-LM head, the backward's transients, the bf16 head, activation offload, FSDP's per-rank share). The
-coefficients that are not exact byte counts are named constants, checked against
-bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py``).
-
-The adapter (read against trl 1.16, peft 0.21, torch 2.11, bitsandbytes 0.50): trl casts a
-quantized model's adapter to bf16 (unquantized, peft's fp32 stays); torch AdamW keeps two moments
-in the adapter's dtype plus a foreach step temporary (none fused); bitsandbytes keeps two fp32
-moments, or uint8 ones with an fp32 absmax per 256 for tensors of ``min_8bit_size`` or more, and
-a paged optimizer pages only tensors of 1e5 elements or more.
-
-A block's saved activations where families differ (:func:`attention_bytes`,
-:func:`mlp_activation_bytes`) were counted byte for byte with saved-tensor hooks over the child's
-build at each family's released widths (bench/results/family-memory-cpu-2026-12-02/), on CUDA's
-footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out). SDPA keeps
-q, k, v and the output, k and v at the kv width unless a sliding window shorter than the sequence
-needs a mask: then they are repeated to every head and the additive mask (``2s`` a token) is kept
-in each sliding layer. Eager attention (Gemma 2's softcapping) keeps per head ``s`` scores thrice.
+docs/planning.md says what each term counts in the recipe and the libraries (trl 1.16, peft 0.21,
+torch 2.11, bitsandbytes 0.50). Coefficients that are not exact byte counts are named constants,
+checked against bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py``).
+The family terms of a block (:func:`attention_bytes`, :func:`mlp_activation_bytes`) were counted
+with saved-tensor hooks at each family's released widths (bench/results/family-memory-cpu-*/), on
+CUDA's footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out).
 """
 
 from __future__ import annotations
@@ -174,7 +161,7 @@ def attention_bytes(shape: ModelShape, half: int = 2, seq: int = 0, sliding: boo
     full = half * (2 * shape.q_dim + 2 * shape.kv_dim)
     if not masked(shape, seq):
         return full
-    # The mask, and k and v at the query width instead of the kv width.
+    # A sliding window shorter than the sequence needs a mask: k and v are repeated to every head.
     slide = full + 2 * half * (shape.q_dim - shape.kv_dim) + half * seq
     if sliding is not None:
         return slide if sliding else full
@@ -194,8 +181,8 @@ def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> in
     return sum(adapter_tensors(shape, r, targets))
 
 
-def _per_weight(knobs: Knobs) -> float:
-    """Bytes per weight of the block's linear layers as loaded (FSDP: not upcast)."""
+def per_weight(knobs: Knobs) -> float:
+    """Bytes per weight of the block's linear layers as loaded (before any fp32 upcast)."""
     if not knobs.load_in_4bit:
         return LOAD_DTYPE
     return NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
@@ -205,10 +192,10 @@ def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
     """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest;
     under FSDP one rank's share of it (:func:`sharded_components`)."""
     if knobs.fsdp:
-        return sharded_components(shape, knobs, _per_weight(knobs))
+        return sharded_components(shape, knobs, per_weight(knobs))
     quantized = shape.layers * shape.layer_params
     # Without 4-bit, prepare_model_for_kbit_training upcasts the 16-bit weights to fp32 too.
-    weights = int(quantized * _per_weight(knobs)) if knobs.load_in_4bit else quantized * FP32
+    weights = int(quantized * per_weight(knobs)) if knobs.load_in_4bit else quantized * FP32
     # bf16_head: the embeddings and the untied head stay 16-bit (the norms stay fp32).
     size, dtype = (LOAD_DTYPE, "bf16") if knobs.bf16_head else (FP32, "fp32")
     return {
@@ -269,7 +256,7 @@ def load_components(
 ) -> dict[str, int]:
     """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter (its bf16
     original and fp32 copy coexist), and the adapter in peft's fp32 before trl casts it to bf16."""
-    base = loaded_components(shape, _per_weight(knobs)) if knobs.fsdp else base_components(shape, knobs)
+    base = loaded_components(shape, per_weight(knobs)) if knobs.fsdp else base_components(shape, knobs)
     # With bf16_head the embeddings and head are not cast: the largest cast is a norm's weight.
     largest = shape.hidden if knobs.bf16_head else shape.vocab * shape.hidden
     if shape.experts:  # one fused 3D parameter: every expert's gate and up of one block

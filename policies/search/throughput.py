@@ -24,12 +24,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies.memory.gpu import (
-    DEFAULT_TARGETS,
-    NF4_DOUBLE_QUANT,
-    NF4_SINGLE_QUANT,
-    adapter_tensors,
-)
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, adapter_tensors, per_weight
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput_fit as fit
@@ -42,8 +37,7 @@ OFFLOAD_BYTES_PER_S = 12.5e9
 
 def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
     """Bytes of the quantized linear layers: what each micro-step dequantizes."""
-    per_weight = (NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT) if knobs.load_in_4bit else 2
-    return int(shape.layers * shape.layer_params * per_weight)
+    return int(shape.layers * shape.layer_params * per_weight(knobs))
 
 
 def work_per_token(shape: ModelShape, seq_len: int) -> int:
