@@ -11,9 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from qlora_supervise.policies.ladder import climb
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives, rungs_between
 from qlora_supervise.policies.search import config_search, throughput
-from qlora_supervise.policies.search.candidates import rungs_between
 from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import Decision, FailureLike, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind

@@ -29,8 +29,15 @@ from typing import Any
 from qlora_supervise.policies.choice import after_failure
 from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
 from qlora_supervise.policies.ladder.spurious_retry import retry_spurious
-from qlora_supervise.policies.rungs import RUNG_CLASSES, RUNGS, CostClass, RungContext, Survives, rung_by_name
-from qlora_supervise.policies.search.candidates import rungs_between
+from qlora_supervise.policies.rungs import (
+    RUNG_CLASSES,
+    RUNGS,
+    CostClass,
+    RungContext,
+    Survives,
+    rung_by_name,
+    rungs_between,
+)
 from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,

@@ -42,7 +42,7 @@ class Axis(str, enum.Enum):
 
     TOGGLE = "toggle"  # the job's value, or the rung applied once (never back: towards less memory only)
     EITHER = "either"  # off and on, whatever the job says (checkpointing off may be the faster)
-    DIVISORS = "divisors"  # every value that keeps the effective batch (candidates.micro_batches)
+    DIVISORS = "divisors"  # every value that keeps the effective batch (search_state.micro_batches)
     FITTED = "fitted"  # the largest that fits, per candidate (the eval batch)
     HALVINGS = "halvings"  # a quality cut: the rung applied 0, 1, 2... times
     NONE = "none"  # not searched: the ladder (or the fallbacks) only
@@ -296,6 +296,14 @@ QUALITY_WEIGHTS: Mapping[str, float] = {r.name: r.quality_weight for r in RUNGS 
 RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS) if r.charged}
 #: The rungs ``plan`` shows, cheapest class first.
 PLAN_RUNGS: tuple[Rung, ...] = tuple(r for cost in CostClass for r in RUNGS if r.in_plan and r.cost is cost)
+
+
+def rungs_between(old: Knobs, new: Knobs) -> tuple[str, ...]:
+    """The rung names of every knob that differs, in the rungs' own order (one name per rung)."""
+    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
+    changed = {RUNG_OF_KNOB[k] for k in before if before[k] != after[k] and k in RUNG_OF_KNOB}
+    return tuple(rung.name for rung in RUNGS if rung.name in changed)
+
 
 #: Rungs that were, and why a job may no longer name them (the job file's validation says it).
 RETIRED_RUNGS: Mapping[str, str] = {

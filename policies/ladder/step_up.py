@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.rungs import RUNGS, CostClass
-from qlora_supervise.policies.search.candidates import rungs_between
+from qlora_supervise.policies.rungs import RUNGS, CostClass, rungs_between
 from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import Settings

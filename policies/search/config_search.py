@@ -1,11 +1,11 @@
 """Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models.
 
 * a job predicted to fit (with the margin) starts as written;
-* otherwise every combination of the free and throughput knobs (:mod:`.candidates`) that fits is
+* otherwise every combination of the free and throughput knobs (:mod:`.search_state`) that fits is
   ranked by predicted tokens/s (:mod:`.throughput`, this host's or run's measurements where there
   are some); the fastest wins;
 * quality knobs (seq_len, then LoRA rank) change only when no throughput candidate fits, lightest
-  cut first and no deeper than :data:`.candidates.DEEPEST_CUT_BEFORE_FALLBACK`, said loudly
+  cut first and no deeper than :data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK`, said loudly
   (``quality_changed``); then the job's fallback models (``fallback``); when none fits either,
   :class:`NothingFits` names the smallest peak, the budget and what would help.
 
@@ -27,10 +27,10 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
-from qlora_supervise.policies.search.candidates import DEEPEST_CUT_BEFORE_FALLBACK
 from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, Ranked, knob_changes
 from qlora_supervise.policies.search.search_result import gib as _gib
 from qlora_supervise.policies.search.search_state import (
+    DEEPEST_CUT_BEFORE_FALLBACK,
     DEFAULT_MARGIN,
     Search,
     fit_limit,
