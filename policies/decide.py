@@ -99,7 +99,6 @@ def decide(
         return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
     if len(failed) >= settings.max_attempts:
         return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
-    # Under torchrun a rank whose failure keeps coming back costs its card, not the run.
     named = kind in RETRY_UNCHANGED_ONCE and getattr(failure, "local_rank", None) is not None
     if _no_progress_streak(failed) >= settings.max_no_progress:
         crash_loop = GiveUp(
@@ -112,7 +111,6 @@ def decide(
     if kind is FailureKind.DISK_FULL:
         return after_disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
-        # A GPU that faulted is retried once (issue 9); other transient kinds up to the crash-loop limit.
         limit = 2 if kind is FailureKind.GPU_FAULT else settings.max_no_progress
         retried = _retry_unchanged(kind, knobs, history, limit)
         if isinstance(retried, GiveUp) and (kind is FailureKind.GPU_FAULT or named):
@@ -126,7 +124,6 @@ def decide(
     if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
         return spurious
     if phase == "merge" and kind.is_oom:
-        # Any memory failure of the merge process takes the merge ladder.
         return after_failure(PastFailure(FailureKind.OOM_MERGE, Stage.MERGE), knobs, history, settings)
     # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
     settings = host_settings(failure, settings, failed)
@@ -198,7 +195,6 @@ def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequ
 # three times). Every rung of a combination is charged (which one broke it cannot be told apart).
 # Charges derive from the history alone, so a restarted supervisor reads the same from the journal.
 
-#: Failures a config change can cause deterministically and a retry cannot fix.
 CHARGEABLE = frozenset({FailureKind.OTHER, FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
 #: Where an OOM kind happened, for a past attempt journalled without its stage.
 _STAGE_OF_KIND: Mapping[FailureKind, Stage] = {

@@ -16,8 +16,7 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
 SPURIOUS_KEY = "spurious_room"
-#: The rung name journalled for the retry.
-RETRY_RUNG = "retry_spurious"
+RETRY_RUNG = "retry_spurious"  # The rung name journalled for the retry.
 
 
 def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:

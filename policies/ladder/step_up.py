@@ -25,10 +25,8 @@ from qlora_supervise.policies.verdicts import Settings
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-#: The journal's rung name of a planned restart to a faster config.
-STEP_UP_RUNG = "step_up"
-#: A sample is "long" when it is longer than this share of the data's samples.
-LONG_SAMPLE_SHARE = 0.99
+STEP_UP_RUNG = "step_up"  # The journal's rung name of a planned restart to a faster config.
+LONG_SAMPLE_SHARE = 0.99  # A sample is "long" when it is longer than this share of the data's samples.
 #: The knobs a step-up leaves as they are unless ``Settings.step_up_quality`` allows it.
 QUALITY_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.QUALITY)
 #: Never undone: a larger rank or another model is a new adapter, and a dropped card kept failing.

@@ -22,14 +22,12 @@ DEFAULT_TARGETS: tuple[str, ...] | str = "attention"
 #: Bytes per quantized weight: packed 4-bit codes plus the per-block absmax (blocksize 64).
 NF4_DOUBLE_QUANT = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_SINGLE_QUANT = 0.5 + 4 / 64
-#: fp32: what prepare_model_for_kbit_training leaves every non-quantized parameter in.
-FP32 = 4
+FP32 = 4  # fp32: what prepare_model_for_kbit_training leaves every non-quantized parameter in.
 #: The checkpoint's 16-bit dtype, the one each parameter is cast from at load (and FSDP's storage).
 LOAD_DTYPE = 2
 #: The optimizers the job file accepts (supervisor/jobfile/fields.py ``Optimizer``).
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
-#: trl's fused LM head tiles (trl/kernels/chunked_logprob.py).
-HEAD_TOKEN_TILE = 4096
+HEAD_TOKEN_TILE = 4096  # trl's fused LM head tiles (trl/kernels/chunked_logprob.py).
 HEAD_VOCAB_TILE = 32768
 #: Outside the allocator: the CUDA context, cuBLAS handles and kernels (H200, torch 2.11).
 CUDA_CONTEXT = 600 << 20
@@ -39,8 +37,7 @@ BLAS_WORKSPACES = 2 * (32 << 20)
 #: Reserved over allocated at the peak; the caching allocator rounds and keeps split blocks.
 RESERVE_FRACTION = 0.08
 RESERVE_FRACTION_EXPANDABLE = 0.02
-#: FSDP: blocks gathered at once, the one running and the one backward prefetch brings in.
-GATHERED_BLOCKS = 2
+GATHERED_BLOCKS = 2  # FSDP: blocks gathered at once, the one running and the one backward prefetch brings in.
 
 
 @dataclass(frozen=True)
@@ -64,8 +61,7 @@ class Prediction:
         return self.reserved_bytes + sum(self.outside.values())
 
 
-#: trl casts a quantized model's trainable parameters to bf16.
-ADAPTER_BYTES_QUANTIZED = 2
+ADAPTER_BYTES_QUANTIZED = 2  # trl casts a quantized model's trainable parameters to bf16.
 #: bitsandbytes: tensors under this many elements keep fp32 state in the 8-bit optimizers.
 BNB_MIN_8BIT_SIZE = 4096
 #: bitsandbytes: a paged optimizer pages a state tensor only from this many elements on.

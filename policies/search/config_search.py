@@ -1,18 +1,11 @@
 """Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models.
 
-* a job predicted to fit (with the margin) starts as written;
-* otherwise every combination of the free and throughput knobs (:mod:`.search_state`) that fits is
-  ranked by predicted tokens/s (:mod:`.throughput`, this host's or run's measurements where there
-  are some); the fastest wins;
-* quality knobs (seq_len, then LoRA rank) change only when no throughput candidate fits, lightest
-  cut first and no deeper than :data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK`, said loudly
-  (``quality_changed``); then the job's fallback models (``fallback``); when none fits either,
-  :class:`NothingFits` names the smallest peak, the budget and what would help.
-
-With a host budget (:class:`.budget.HostBudget`) a candidate must fit the host too (its training
-host peak under the budget less the same margin); candidates ruled out so are counted
-(``host_rejected``), and when only the host stands in the way, :class:`NothingFits` names it.
-The margin (8 %) covers the model's error and the allocator's rounding under a cap.
+The job as written when it is predicted to fit with the margin (8 %: the model's error and the
+allocator's rounding under a cap); else the fastest fitting combination of the free and throughput
+knobs (:mod:`.search_state`); else the lightest quality cut, no deeper than
+:data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK` (``quality_changed``); else a fallback model
+(``fallback``); else :class:`NothingFits`. With a host budget a candidate must fit the host too;
+those it rules out are counted (``host_rejected``). docs/planning.md tells the rules.
 """
 
 from __future__ import annotations
@@ -52,8 +45,7 @@ __all__ = [
     "scaled_peak",
 ]
 
-#: The speed trial times at most this many candidates, the chosen one first.
-TRIAL_SIZE = 3
+TRIAL_SIZE = 3  # The speed trial times at most this many candidates, the chosen one first.
 #: The speed trial skips a candidate predicted at less than this share of the chosen config's
 #: tokens/s: it cannot win, and the slow one eats the trial (H200: 45 s of a 54 s trial).
 TRIAL_SLOWEST_SHARE = 0.5
@@ -72,12 +64,9 @@ def preflight(
     unusable: frozenset[str] = frozenset(),
     host: HostBudget | None = None,
 ) -> PreflightResult:
-    """The fastest config predicted to fit ``budget_bytes / (1 + margin)`` (the module docstring).
-
-    ``fallbacks``: the job's fallback models with their shapes (None: not modelled, skipped).
-    ``exclude``: configs that already failed; ``unusable``: rungs charged with a failure;
-    ``host``: the host budget every candidate must fit too (None: the card alone).
-    """
+    """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; ``fallbacks``: the job's
+    fallback models with their shapes (None: not modelled); ``exclude``: configs that already
+    failed; ``unusable``: rungs charged with a failure; ``host``: the host budget (None: none)."""
     limit = fit_limit(budget_bytes, margin)
     search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
@@ -125,7 +114,7 @@ def _result(
     budget_bytes: int,
     margin: float,
 ) -> PreflightResult:
-    """A fitting choice: ``chosen`` (the job as written when it names no rung) and its ranking."""
+    """A fitting choice: ``chosen`` (the job as written when it changes nothing) and its ranking."""
     changes = knob_changes(search.job, chosen.knobs)
     return PreflightResult(
         knobs=chosen.knobs,
@@ -326,9 +315,8 @@ def trial_candidates(
     knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked], host_peak: int | None = None
 ) -> tuple[TrialCandidate, ...]:
     """The speed trial's candidates: the chosen config and the fastest others that differ from it
-    only in what changes without a reload (micro-batch with its accumulation, checkpointing), none
-    slower than :data:`TRIAL_SLOWEST_SHARE` of it; empty when there is no other (every one of the
-    ranking fits both budgets)."""
+    only in what changes without a reload (micro-batch, accumulation, checkpointing), none slower
+    than :data:`TRIAL_SLOWEST_SHARE` of it; empty when there is no other."""
 
     def reloadless(k: Knobs) -> Knobs:
         # The allocator setting is no training knob: candidates differ from the job's in it alone.

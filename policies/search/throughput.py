@@ -1,20 +1,11 @@
 """The throughput model: predicted tokens/s of a QLoRA config, next to the memory model.
 
-For a 4-bit model much of a micro-step's cost is fixed (every weight dequantized, every block's
-kernels launched, whatever the tokens: docs/planning.md), so:
-
-    seconds per micro-step = launch_s_per_layer[mode] x layers
-                           + fixed_s_per_byte[mode] x 4-bit weight bytes
-                           + (token_s[mode] x block work + head_token_s[mode] x head work)
-                             x tokens x head factor
-                           + offload seconds (activation offload: saved activations over PCIe)
-    seconds per optimizer step = accumulation x micro-step + optimizer_s_per_param[kind] x adapter params
-
-``mode`` is checkpointing off or on, fitted apart (:mod:`.throughput_fit`, written by
-``bench/models/fit_throughput.py``). Measured numbers beat the model (:class:`SpeedCalibration`):
-a config measured is ranked by its measured speed, the others by the model scaled by their mode's
-median measured/predicted ratio (the median over all of them for a mode with none, so one slow
-measurement does not flip the modes' order).
+Much of a 4-bit micro-step's cost is fixed (docs/planning.md), so per micro-step: launch cost per
+layer + cost per 4-bit weight byte + (block work + head work) per token + offload's copies, per
+checkpointing mode, fitted by ``bench/models/fit_throughput.py`` (:mod:`.throughput_fit`); per
+optimizer step, accumulation micro-steps + a cost per adapter parameter. Measured speeds beat the
+model (:class:`SpeedCalibration`): a measured config keeps its speed, the others are scaled by their
+mode's median measured/predicted ratio (by all of them for a mode with none).
 """
 
 from __future__ import annotations
