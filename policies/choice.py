@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from qlora_supervise.policies.ladder import climb
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives, rungs_between
 from qlora_supervise.policies.search import config_search, throughput
-from qlora_supervise.policies.search.search_result import knob_changes
+from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
 from qlora_supervise.policies.verdicts import Decision, FailureLike, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -68,18 +68,30 @@ def _search(
     if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
         return None
     floor = climb.failed_scale(shape, knobs, budget, settings.targets)
-    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
-    result = first(
-        shape, knobs, budget, scale=max(scale or floor, floor), speed=speed,
-        exclude=failed, unusable=unusable, host=settings.host, targets=settings.targets,
-    )  # fmt: skip
+    result = _again(settings, knobs, max(scale or floor, floor), failed, unusable)
     if not result.fits or result.quality_changed or result.knobs == knobs:
         return None
     names = rungs_between(knobs, result.knobs)
-    survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
     why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
-    why += f" (memory model: {result.reasons[-1]})"
-    return Restart(result.knobs, "+".join(names), knob_changes(knobs, result.knobs), why, survives)
+    return _restart(knobs, result, "+".join(names), f"{why} (memory model: {result.reasons[-1]})")
+
+
+def _again(
+    settings: Settings, knobs: Knobs, scale: float | None, failed: frozenset[Knobs], unusable: frozenset[str]
+) -> PreflightResult:
+    """The search again from ``knobs``, with this run's measured speeds (a shape and budget given)."""
+    assert settings.shape is not None and settings.budget_bytes is not None
+    shape = settings.shape
+    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
+    return first(
+        shape, knobs, settings.budget_bytes, scale=scale, speed=speed,
+        exclude=failed, unusable=unusable, host=settings.host, targets=settings.targets,
+    )  # fmt: skip
+
+
+def _restart(knobs: Knobs, result: PreflightResult, rung: str, why: str) -> Restart:
+    survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
+    return Restart(result.knobs, rung, knob_changes(knobs, result.knobs), why, survives)
 
 
 def _charge_offload(
@@ -95,23 +107,17 @@ def _charge_offload(
         return Restart(
             off, "activation_offload_off", knob_changes(knobs, off), f"{why}; offload off", Survives.ALL
         )
-    speed = throughput.calibrate(shape, settings.speeds, settings.targets) if settings.speeds else None
     killed = climb.train_host(shape, knobs, settings)
     for base, banned in ((off, frozenset({"activation_offload"})), (knobs, frozenset())):
-        result = first(
-            shape, base, budget, scale=scale, speed=speed, exclude=failed,
-            unusable=unusable | banned, host=settings.host, targets=settings.targets,
-        )  # fmt: skip
+        result = _again(settings, base, scale, failed, unusable | banned)
         lighter = (
             not result.knobs.activation_offload or climb.train_host(shape, result.knobs, settings) < killed
         )
         if result.fits and not result.quality_changed and result.fallback is None and lighter:
             names = ["activation_offload_off" if not result.knobs.activation_offload else ""]
             names += [n for n in rungs_between(off, result.knobs) if n != "activation_offload"]
-            rung = "+".join(n for n in names if n)
-            survives = Survives.OPTIMIZER_RESET if "optimizer" in result.changes else Survives.ALL
             chose = result.reasons[-1] if result.reasons else "fits both budgets"
-            return Restart(result.knobs, rung, knob_changes(knobs, result.knobs), f"{why}; {chose}", survives)
+            return _restart(knobs, result, "+".join(n for n in names if n), f"{why}; {chose}")
     return None
 
 

@@ -1,11 +1,9 @@
 """Timing the speed trial again when the card's sharing has changed since it ran (issue 34).
 
-The trial ranks its candidates on the card as it is (beside three other jobs on an H200 it chose
-micro-batch 2 over 4, wrong once they had gone). When the sharing (NVML: the others' memory, and
-their SM utilisation where reported) has differed from the trial's for the whole settle time, and
-a candidate is predicted at least ``MIN_GAIN`` faster (for the card alone) than the one trained,
-with a gain on the time left worth more than :data:`RESTART_COST_S`, the next checkpoint restarts
-with that candidate first and the child times the trial again.
+When the others' memory or SM use (NVML) has differed from the trial's for the whole settle time,
+and a candidate is predicted at least ``MIN_GAIN`` faster than the one trained by more than
+:data:`RESTART_COST_S` on the time left, the next checkpoint restarts with it to time the trial
+again (docs/ladder.md: beside three jobs on an H200 a trial chose micro 2, wrong once they left).
 """
 
 from __future__ import annotations

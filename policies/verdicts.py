@@ -1,7 +1,4 @@
-"""The values the decision reads and returns: past attempts, settings, ``Restart | Wait | GiveUp``.
-
-Apart from :mod:`.decide` so that the rules' modules share them without importing each other.
-"""
+"""The values the decision reads and returns: past attempts, settings, ``Restart | Wait | GiveUp``."""
 
 from __future__ import annotations
 

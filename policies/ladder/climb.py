@@ -1,10 +1,8 @@
 """The ladder walk: the stage's rungs in order, after a memory failure the search could not answer.
 
-Skipped: rungs with nothing to change, results that already failed the same way, rungs charged
-or the trainer cannot take, and results a calibrated memory model says cannot fit (a skipped
-rung's change is kept and the next one applied on top) -> Restart, or GiveUp when exhausted.
-A result over the host budget counts as too big, and after a host OOM kill (issue 28) no rung
-that needs more host RAM than the killed config is taken.
+A rung with nothing to change, charged or untakeable is skipped; a result that failed the same way,
+or that a calibrated memory model (or the host budget) says cannot fit, is kept and the next rung
+applied on top; after a host OOM kill no rung that needs more host RAM than the killed config.
 """
 
 from __future__ import annotations

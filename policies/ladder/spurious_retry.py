@@ -1,9 +1,7 @@
 """A spurious OOM: the same config retried once before any rung (issue 33).
 
 The classifier marks an OOM spurious when the allocator's own numbers say the request fit
-(supervisor/diagnosis/spurious.py): nothing was too big, so it is run again unchanged, once per
-config. The same failure with the same knobs right after the retry, before any step, is no accident
-and the stage's ladder takes it, as it takes any OOM.
+(supervisor/diagnosis/spurious.py); a repeat right after the retry, before any step, is the config's.
 """
 
 from __future__ import annotations

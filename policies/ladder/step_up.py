@@ -1,12 +1,9 @@
 """Stepping back up: a rung taken for a cause that has cleared is undone at a checkpoint (issue 34).
 
-Each rung the ladder took is a :class:`Descent` with its :class:`Cause`: ``contention`` (cleared
-when the others held at most half of what they held then, for the whole settle time),
-``transient`` (fragmentation, or an OOM marked spurious) and ``long_sample`` (a micro-batch with a
-sample longer than :data:`LONG_SAMPLE_SHARE` of the data's), both cleared once the run passed the
-step that failed. Any other OOM says the config does not fit. :func:`step_up` answers with a
+A :class:`Descent` is a rung the ladder took, with its :class:`Cause` (docs/ladder.md tells when
+each clears); any other OOM says the config does not fit. :func:`step_up` answers with a
 :class:`StepUp` or a :class:`Refusal`: at most once per descent, never to a config a step-up
-reached that then failed, never without the pre-flight's margin (docs/ladder.md).
+reached that then failed, never without the pre-flight's margin.
 """
 
 from __future__ import annotations
@@ -36,7 +33,8 @@ FREE_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.FREE)
 
 
 class Cause(str, enum.Enum):
-    """Why a rung was taken, as far as what would undo it."""
+    """Why a rung was taken: contention (cleared when the others held at most half as much for the
+    settle time), a transient OOM or a long sample (cleared once past the step that failed)."""
 
     CONTENTION = "contention"
     TRANSIENT = "transient"

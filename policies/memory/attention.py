@@ -1,9 +1,8 @@
 """Which attention the child's transformers will run a model type with, read without importing it.
 
-transformers picks SDPA when the model class sets ``_supports_sdpa = True``, eager otherwise, and
-the flag moves between releases (Gemma 2: True in 5.17, False in 5.24), while eager attention keeps
-a seq x seq score tensor per head (a factor of two at seq 8192). So the flag is read from the
-installed source as text: importing the modeling module would import torch into the supervisor.
+transformers picks SDPA when the model class sets ``_supports_sdpa = True``, and the flag moves
+between releases (Gemma 2: True in 5.17, False in 5.24) while eager attention costs a factor of two
+at seq 8192; importing the modeling module would import torch, so its source is read as text.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """What the memory model needs to know about a model, read from its ``config.json`` alone.
 
 The blocks of :data:`BLOCKS` are modelled; anything else is refused with a typed
-:class:`Unsupported` reason (a number for the wrong block would be confidently wrong), carrying its
-architecture facts where the LoRA targets table knows the family, so ``plan`` can say what the
-model is and which terms it would need. A multimodal Gemma 3 is read from its ``text_config`` and
-refused: its vision tower is loaded beside the language model and is not modelled.
-
-What differs between the modelled blocks was read from transformers 5.24's
+:class:`Unsupported` reason (a number for the wrong block would be confidently wrong), with its
+facts where the LoRA targets table knows the family. A multimodal Gemma 3 is refused for its vision
+tower. What differs between the modelled blocks was read from transformers 5.24's
 ``models/*/modeling_*.py`` (the child's version). Llama, Mistral and Qwen2 (q/k/v bias): two
 RMSNorms, q/k/v/o, a gated MLP; Qwen3 adds q/k norms; Gemma 2/3: four norms, head_dim 256, tied
 256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24, :mod:`.attention`); Phi-3: fused

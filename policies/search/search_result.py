@@ -1,8 +1,4 @@
-"""What the pre-flight returns: the ranked candidates, the verdict when nothing fits, the choice.
-
-Apart from :mod:`.config_search` so that its users and :mod:`.search_state` share them without
-importing the search.
-"""
+"""What the pre-flight returns: the ranked candidates, the verdict when nothing fits, the choice."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The configs pre-flight chooses among, and the state of one search: each config's predictions,
-cached, against the card and host budgets.
-
-Candidates are enumerated from the rungs by cost class: free rungs always taken
-(``expandable_segments``: +0.9 % tokens/s on the H200, noise), throughput rungs combined and ranked
-by the throughput model, quality rungs only when nothing else fits, lightest first.
-"""
+"""The configs pre-flight chooses among, enumerated from the rungs by cost class, and the state of
+one search: each config's predictions, cached, against the card and host budgets."""
 
 from __future__ import annotations
 
