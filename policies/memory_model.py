@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
-from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
+from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 __all__ = [
@@ -20,8 +20,6 @@ __all__ = [
     "ModelShape",
     "Observation",
     "Prediction",
-    "Unsupported",
-    "UnsupportedReason",
     "calibrate",
     "cannot_fit",
     "estimate_peak",
