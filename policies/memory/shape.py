@@ -1,14 +1,9 @@
 """What the memory model needs to know about a model, read from its ``config.json`` alone.
 
-The blocks of :data:`BLOCKS` are modelled; anything else is refused with a typed
+The blocks of :data:`.families.BLOCKS` are modelled; anything else is refused with a typed
 :class:`Unsupported` reason (a number for the wrong block would be confidently wrong), with its
 facts where the LoRA targets table knows the family. A multimodal Gemma 3 is refused for its vision
-tower. What differs between the modelled blocks was read from transformers 5.24's
-``models/*/modeling_*.py`` (the child's version). Llama, Mistral and Qwen2 (q/k/v bias): two
-RMSNorms, q/k/v/o, a gated MLP; Qwen3 adds q/k norms; Gemma 2/3: four norms, head_dim 256, tied
-256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24, :mod:`.attention`); Phi-3: fused
-``qkv_proj`` and ``gate_up_proj``; Qwen3-MoE and Mixtral: experts as fused 3D parameters
-bitsandbytes leaves unquantized (cast to fp32), top-k of them per token.
+tower. The blocks' facts are in :mod:`.families`.
 """
 
 from __future__ import annotations
@@ -19,7 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.memory.attention import default_attention
+from qlora_supervise.policies.memory.families import (
+    ARCHITECTURES,
+    BLOCKS,
+    Block,
+    HeadNorm,
+    facts_of,
+    model_type_of,
+)
 from qlora_supervise.trainer_child.contract.targets import FAMILIES, KEYWORDS, resolve
 
 #: config.json keys that mean mixture-of-experts.
@@ -28,125 +30,6 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_interme
 LARGE_VOCAB = 200_000
 #: The attention's linear layers of one decoder block, by the names target_modules uses.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-class HeadNorm(str, enum.Enum):
-    """Whether queries and keys are normalised before attention, and over what width."""
-
-    NONE = "none"
-    PER_HEAD = "per_head"  # Qwen3, Gemma 3: one RMSNorm of head_dim, shared by the heads
-    FULL = "full"  # OLMo 2: one RMSNorm over the whole q (and kv) width
-
-
-@dataclass(frozen=True)
-class Block:
-    """One decoder block's facts beyond its sizes."""
-
-    norms: int = 2  # hidden-wide RMSNorms per block
-    head_norm: HeadNorm = HeadNorm.NONE
-    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj
-    moe: bool = False  # fused 3D experts and a bare router instead of a Linear MLP
-    # Gemma's RMSNorm casts back to its input's dtype (``type_as``), so the residual stream stays
-    # bf16 with the bf16 head; Llama's turns fp32 at the first norm (H200 host bench: 2 bytes vs 4).
-    norm_keeps_dtype: bool = False
-
-
-LLAMA = Block()
-QWEN3 = Block(head_norm=HeadNorm.PER_HEAD)
-GEMMA2 = Block(norms=4, norm_keeps_dtype=True)
-GEMMA3 = Block(norms=4, head_norm=HeadNorm.PER_HEAD, norm_keeps_dtype=True)
-
-#: ``model_type`` -> its block, for every model type the memory model predicts.
-BLOCKS: dict[str, Block] = {
-    "llama": LLAMA,
-    "mistral": LLAMA,
-    "qwen2": LLAMA,
-    "qwen3": QWEN3,
-    "olmo2": Block(head_norm=HeadNorm.FULL),
-    "gemma2": GEMMA2,
-    "gemma3_text": GEMMA3,
-    "phi3": Block(fused=True),
-    "qwen3_moe": Block(head_norm=HeadNorm.PER_HEAD, moe=True),
-    "mixtral": Block(moe=True),
-}
-
-#: The ``architectures`` entry of each modelled model type's causal-LM class.
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Olmo2ForCausalLM": "olmo2",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-}
-
-#: Model types whose q/k/v projections carry a bias without saying so in config.json.
-QKV_BIAS = frozenset({"qwen2"})
-
-
-def model_type_of(config: Mapping[str, Any]) -> str:
-    """config.json's ``model_type``; for one that names only a modelled architecture, its type;
-    for neither, ``llama`` (such a config has always been read as a Llama)."""
-    architectures = config.get("architectures") or []
-    first = architectures[0] if isinstance(architectures, list) and architectures else None
-    if config.get("model_type"):
-        return str(config["model_type"])
-    return ARCHITECTURES.get(str(first), "") if first is not None else "llama"
-
-
-def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The architecture facts of :class:`ModelShape`, from config.json's keys."""
-    model_type = model_type_of(config)
-    layers = int(config["num_hidden_layers"])
-    window, sliding = _window(config, layers)
-    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-    return {
-        "model_type": model_type,
-        "attn_implementation": default_attention(model_type),
-        "attn_softcap": _float_or_none(config.get("attn_logit_softcapping")),
-        "final_softcap": _float_or_none(config.get("final_logit_softcapping")),
-        "qkv_bias": bool(config.get("attention_bias")) or model_type in QKV_BIAS,
-        "sliding_window": window,
-        "sliding_layers": sliding,
-        "experts": experts,
-        "experts_per_token": int(config.get("num_experts_per_tok") or 0) if experts else 0,
-        "expert_intermediate": int(
-            config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
-        )
-        if experts
-        else 0,
-        "router_logits": bool(config.get("output_router_logits")) if experts else False,
-    }
-
-
-def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
-    """The sliding window and how many layers use it: by ``layer_types``, else Gemma's pattern,
-    Qwen's ``use_sliding_window`` switch, else Mistral/Phi-3's window on every layer."""
-    window = config.get("sliding_window")
-    if not window:
-        return None, 0
-    types = config.get("layer_types")
-    if isinstance(types, list) and types:
-        sliding = sum(1 for kind in types if kind == "sliding_attention")
-    elif model_type_of(config) in ("gemma2", "gemma3_text", "gemma3"):
-        # transformers' default: Gemma 2 alternates (sliding first), Gemma 3 slides 5 layers of 6.
-        pattern = 2 if model_type_of(config) == "gemma2" else int(config.get("sliding_window_pattern") or 6)
-        sliding = sum(1 for i in range(layers) if (i + 1) % pattern)
-    elif "use_sliding_window" in config:
-        sliding = (
-            max(0, layers - int(config.get("max_window_layers") or 0)) if config["use_sliding_window"] else 0
-        )
-    else:
-        sliding = layers
-    return (int(window), sliding) if sliding else (None, 0)
-
-
-def _float_or_none(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value else None
 
 
 class UnsupportedReason(str, enum.Enum):
