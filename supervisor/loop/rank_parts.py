@@ -1,6 +1,6 @@
 """The emergency checkpoint of a torchrun attempt, sealed from its ranks' parts when they agree.
 
-Each rank that could writes its part of step N after the failure (``contract.rank_parts``); the
+Each rank that could writes its part of step N after the failure (``contract.checkpoints``); the
 supervisor, once the attempt has ended, seals ``checkpoint-N`` from rank 0's part and every rank's
 RNG state when every rank's part names the same step, and otherwise trusts none of them.
 """
@@ -16,9 +16,14 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
-from qlora_supervise.trainer_child.contract.checkpoints import is_complete, publish
+from qlora_supervise.trainer_child.contract.checkpoints import (
+    RNG_FILE,
+    agreed_parts,
+    is_complete,
+    part_step,
+    publish,
+)
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
-from qlora_supervise.trainer_child.contract.rank_parts import RNG_FILE, agreed_parts, part_step
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

@@ -1,8 +1,5 @@
-"""Checkpoint directory names and which of them count as complete.
-
-Standard library only: the child writes checkpoints (:mod:`.checkpoints`) and the supervisor
-picks the one to resume from, and both must agree on these names.
-"""
+"""Checkpoint directory names and which of them count as complete: the child writes checkpoints
+(:mod:`.checkpoints`), the supervisor picks the one to resume from, by the same names."""
 
 from __future__ import annotations
 
@@ -14,24 +11,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: A complete checkpoint directory holds this file, written last (after the rename it is
-#: redundant, but it lets a reader reject a directory copied by hand or truncated by a full disk).
+#: Written last into a complete checkpoint: lets a reader reject a copied or truncated directory.
 CHECKPOINT_COMPLETE_MARKER = "qlora_supervise_complete.json"
 CHECKPOINT_PREFIX = "checkpoint-"
-#: Where checkpoints that must not be resumed go (damaged, or unmarked and in the way): a folder
-#: beside ``checkpoints/``, inside the run directory. Nothing there is deleted by us.
+#: Beside ``checkpoints/``: checkpoints that must not be resumed; nothing there is deleted by us.
 QUARANTINE_DIR = "checkpoints-quarantine"
-#: A file written into each quarantined checkpoint: why it was moved, in words.
 QUARANTINE_REASON = "quarantine_reason.txt"
 _CHUNK = 1 << 20
 
 
 class UnsafeCheckpointPath(Exception):
-    """A checkpoint path that is a symbolic link (or no directory): never written through.
-
-    The supervisor often runs as root; a planted ``checkpoints -> /somewhere`` would put whole
-    checkpoints outside the run directory, and rotation would delete directories there.
-    """
+    """A checkpoint path that is a symbolic link (or no directory): never written through (the
+    supervisor often runs as root; rotation would delete directories where a link points)."""
 
 
 def own_directory(path: Path) -> bool:
@@ -67,13 +58,8 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first. Temp names and unmarked directories are ignored.
-
-    A checkpoint counts only when its directory carries the final name *and* the marker
-    written after every other file: a kill during the write leaves a temp name, which is skipped.
-    A symbolic link is never a checkpoint (nor is anything under a linked ``checkpoints_dir``):
-    resuming from it, or rotating it, would read or delete what lies outside the run.
-    """
+    """Complete checkpoints (the final name *and* the marker), oldest first; temp names, unmarked
+    directories and symbolic links (or anything under a linked ``checkpoints_dir``) are not."""
     root = Path(checkpoints_dir)
     if not own_directory(root):
         return []
@@ -92,12 +78,8 @@ def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple
 
 
 def file_digests(root: Path) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the marker.
-
-    sha256 rather than a CRC: it is in the standard library, a LoRA checkpoint is tens of MB (a
-    fraction of a second to hash), and it tells a changed file from an intact one beyond doubt,
-    not only a truncated one.
-    """
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the
+    marker (a LoRA checkpoint hashes in a fraction of a second; sha256 catches any change)."""
     digests: dict[str, dict[str, Any]] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         name = path.relative_to(root).as_posix()
@@ -123,22 +105,9 @@ def read_marker(path: Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
-def damage(path: Path) -> str | None:
-    """Why checkpoint ``path`` does not match its marker, in words; None when it does.
-
-    A marker without a ``files`` entry (written before markers carried checksums, or by hand)
-    is accepted: such a checkpoint is verified by loading it (the child reports a load failure
-    as :attr:`contract.codes.ExitCode.CHECKPOINT`).
-    """
-    damaged = damaged_files(path)
-    if damaged is None:
-        return "its completion marker is unreadable or its file list malformed"
-    return "; ".join(f"{name}: {why}" for name, why in sorted(damaged.items())) or None
-
-
 def damaged_files(path: Path) -> dict[str, str] | None:
-    """``{file: why}`` for each file that differs from the marker (empty: intact, or an older
-    marker without a file list); None when the marker or its file list cannot be read."""
+    """``{file: why}`` for each file that differs from the marker (empty: intact, or a marker
+    without a file list, verified by loading); None when the marker or its list is unreadable."""
     marker = read_marker(path)
     if marker is None:
         return None
@@ -165,20 +134,12 @@ def _file_damage(path: Path, expected: object) -> str | None:
     return None
 
 
-def quarantine_dir(checkpoints_dir: Path) -> Path:
-    return checkpoints_dir.parent / QUARANTINE_DIR
-
-
 def quarantine(path: Path, reason: str) -> Path:
-    """Move checkpoint directory ``path`` into the quarantine folder beside its parent; return
-    where it went. The rename takes it out of the checkpoint namespace in one step.
-
-    Neither ``path`` nor the folder may be a link (:class:`UnsafeCheckpointPath`): the reason
-    file would be written, and the checkpoint moved, outside the run directory.
-    """
+    """Move checkpoint directory ``path`` into the quarantine folder beside its parent (one
+    rename), with the reason in a file; return where it went. Neither may be a link."""
     if not own_directory(path):
         raise UnsafeCheckpointPath(f"{path} is a symbolic link or no directory; refusing to quarantine it")
-    folder = quarantine_dir(path.parent)
+    folder = path.parent.parent / QUARANTINE_DIR
     refuse_linked_dir(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / path.name

@@ -1,9 +1,14 @@
-"""Checkpoint directories that are either complete or invisible.
+"""Checkpoint directories that are either complete or invisible, and the emergency parts of ranks.
 
-A checkpoint is written under ``.tmp-checkpoint-<step>-<pid>/`` (a name that
-:func:`checkpoint_dirs.complete_checkpoints` never matches), every file is fsynced, the marker is
-written last, and only then is it renamed to ``checkpoint-<step>``. A kill at any moment
+A checkpoint is written under ``.tmp-checkpoint-<step>-<pid>/`` (never matched as complete), every
+file fsynced, the marker written last, then renamed to ``checkpoint-<step>``: a kill at any moment
 leaves the old set of checkpoints or the old set plus one complete new one.
+
+Under torchrun (DDP), after one rank fails the others are dead or stuck in a broken collective, so
+each rank that can writes its *part* of step N with no collective (every rank holds the same state
+there, and its own RNG) into ``.tmp-emergency-<step>-<launcher pid>/rank-<R>/``, ending with
+:data:`PART_DONE`. The supervisor seals the checkpoint only when all ``world_size`` parts name the
+same step (:func:`agreed_parts`). FSDP writes no parts (a rank holds only a shard).
 """
 
 from __future__ import annotations
@@ -32,15 +37,17 @@ from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 TEMP_PREFIX = ".tmp-"
-#: Mode of the directories of a checkpoint, the adapter and the merged model: the run
-#: directory's (``supervisor/record/runfiles.py``), group-readable, nothing for others.
+#: Mode of the directories of a checkpoint, the adapter and the merged model: the run directory's.
 DIR_MODE = 0o750
+PART_DONE = "part.json"
+#: The Trainer's per-rank RNG file (``Trainer._save_rng_state``).
+RNG_FILE = "rng_state_{rank}.pth"
 _TRAINER_STATE = "trainer_state.json"
 
 
 class CheckpointLoadError(Exception):
-    """The checkpoint to resume from cannot be loaded (a file is corrupt, truncated or missing):
-    the child exits ExitCode.CHECKPOINT and names it, so the supervisor quarantines it."""
+    """The checkpoint to resume from cannot be loaded: the child exits ExitCode.CHECKPOINT naming it,
+    so the supervisor quarantines it."""
 
 
 #: Checkpoint files that hold optimizer state; left out when the optimizer is reset.
@@ -49,9 +56,9 @@ OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
 
 @dataclasses.dataclass(frozen=True)
 class ResumeSource:
-    """Where an attempt resumes: ``load_from`` is what Trainer reads; ``reset_from`` is set when
-    the optimizer state starts afresh (the scheduler is then restored from it, at the step),
-    with ``reset_reason`` in words; ``original`` is the checkpoint itself (named in reports)."""
+    """Where an attempt resumes: ``load_from`` is what Trainer reads; ``reset_from`` when the
+    optimizer state starts afresh (the scheduler restored from it), ``reset_reason`` why;
+    ``original`` is the checkpoint itself (named in reports)."""
 
     load_from: str | None = None
     reset_from: str | None = None
@@ -61,24 +68,15 @@ class ResumeSource:
 
 
 def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> Path:
-    """Where step ``step`` is written before it is sealed; ``owner`` (default: this process) is
-    the pid whose death makes it a leftover (:func:`remove_stale_temps`).
-
-    Asked for before every save, so it is where a ``checkpoints_dir`` that became a symbolic link
-    is refused (:class:`checkpoint_dirs.UnsafeCheckpointPath`) before anything is written.
-    """
+    """Where step ``step`` is written before it is sealed; ``owner`` (default: this process) is the
+    pid whose death makes it a leftover. Refuses a linked ``checkpoints_dir`` before any save."""
     refuse_linked_dir(checkpoints_dir)
     return checkpoints_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{owner or os.getpid()}"
 
 
 def settle_modes(root: Path) -> None:
-    """Give every directory under ``root`` (and itself) :data:`DIR_MODE` and every file
-    :data:`durable.FILE_MODE`: the run's mode rules, whatever wrote them.
-
-    Needed because the umask can only take bits away: safetensors writes its files 0600 (not
-    group-readable), and a merge started by hand runs under the shell's umask (0755 / 0644).
-    Links are left alone (``os.chmod`` would follow them).
-    """
+    """:data:`DIR_MODE` on every directory under ``root`` (and itself), :data:`durable.FILE_MODE` on
+    every file, links left alone: safetensors writes 0600, a merge by hand has the shell's umask."""
     for path in [root, *root.rglob("*")]:
         info = os.lstat(path)
         if stat.S_ISDIR(info.st_mode):
@@ -88,13 +86,9 @@ def settle_modes(root: Path) -> None:
 
 
 def replace_dir(temp: Path, final: Path) -> None:
-    """Put the finished directory ``temp`` at ``final`` (the adapter, the merged model): modes
-    settled, fsynced, the old one moved aside and deleted, renamed, the rename made durable.
-
-    A symbolic link at ``final`` is removed, never followed (its target stays as it was); a kill
-    between the two renames leaves ``.old-<name>-<pid>``, which the supervisor's disk reclaim
-    deletes once this pid is gone.
-    """
+    """Put the finished directory ``temp`` at ``final`` (the adapter, the merged model), durably;
+    a link at ``final`` is removed, never followed. A kill between the two renames leaves
+    ``.old-<name>-<pid>``, which the supervisor's disk reclaim deletes once this pid is gone."""
     settle_modes(temp)
     fsync_tree(temp)
     if final.is_symlink():
@@ -108,26 +102,15 @@ def replace_dir(temp: Path, final: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for directory in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        fsync_dir(directory)
+    """Every file under ``root``, then every directory (itself included)."""
+    inside = sorted(root.rglob("*"))
+    for path in [*(p for p in inside if p.is_file()), root, *(p for p in inside if p.is_dir())]:
+        fsync_dir(path)
 
 
 def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: bool) -> Path:
-    """Seal ``written`` (fsync, marker) and rename it to ``final``; return ``final``.
-
-    The marker records the size and sha256 of every file it covers, so the supervisor can tell
-    a checkpoint damaged after the fact (truncated, overwritten) before resuming from it. An
-    unmarked directory already under the final name (left by hand or another tool; ours are
-    never unmarked) would make the rename fail: it is quarantined first. A link under that name
-    is removed (the link only; what it points to is never touched).
-    """
+    """Seal ``written`` (fsync, a marker with each file's size and sha256) and rename it to
+    ``final``. An unmarked directory in the way is quarantined first, a link there removed."""
     settle_modes(written)
     fsync_tree(written)
     marker = {
@@ -153,11 +136,7 @@ def is_complete(path: Path) -> bool:
 
 def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, never ``protect`` (the one this
-    attempt resumed from: if the new ones turn out bad, the supervisor falls back to it).
-
-    Unmarked ``checkpoint-N`` leftovers (never usable, and in the way of a later save of step N)
-    are moved to the quarantine folder on the way.
-    """
+    attempt resumed from: the fallback); unmarked ``checkpoint-N`` leftovers are quarantined."""
     for leftover in unmarked_checkpoints(checkpoints_dir):
         quarantine(leftover, "unmarked checkpoint directory (no completion marker) found at rotation")
     found = complete_checkpoints(checkpoints_dir)
@@ -165,8 +144,7 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
     for _, path in found[: max(len(found) - keep, 0)]:
         if protect is not None and path.resolve() == protect.resolve():
             continue
-        # Rename out of the checkpoint namespace first, so a kill mid-delete leaves no half
-        # directory under a checkpoint name (the marker may already be gone).
+        # Out of the checkpoint namespace first: a kill mid-delete leaves no half checkpoint.
         doomed = path.with_name(f"{TEMP_PREFIX}deleting-{path.name}-{os.getpid()}")
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -175,7 +153,6 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
 
 
 def unmarked_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    """``checkpoint-N`` directories without the completion marker."""
     if not checkpoints_dir.is_dir():
         return []
     return sorted(
@@ -202,12 +179,8 @@ def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
 
 
 def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
-    """A copy of ``checkpoint`` without optimizer state, for ``reset_optimizer``.
-
-    The adapter, trainer state (step, data position), RNG and scheduler files stay; Trainer
-    only restores optimizer *and* scheduler when the optimizer file exists, so the scheduler
-    is put back separately by the recipe.
-    """
+    """A copy of ``checkpoint`` without optimizer state, for ``reset_optimizer`` (Trainer then skips
+    the scheduler too: the recipe puts it back)."""
     target = scratch / checkpoint.name
     if target.exists():
         shutil.rmtree(target)
@@ -216,9 +189,8 @@ def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
 
 
 def check_loadable(checkpoint: Path) -> None:
-    """Cheap checks of what Trainer will read, before the model is loaded: ``trainer_state.json``
-    parses with a step, and each safetensors file is as long as its header says. Raises
-    CheckpointLoadError. (The loads themselves are guarded too: see the trainer.)"""
+    """Before the model loads: ``trainer_state.json`` has an integer step and each safetensors file
+    is as long as its header says; raises CheckpointLoadError."""
     state_path = checkpoint / _TRAINER_STATE
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
@@ -231,8 +203,7 @@ def check_loadable(checkpoint: Path) -> None:
 
 
 def _check_safetensors_length(path: Path) -> None:
-    """A safetensors file is 8 bytes of header length, the JSON header, then the data whose
-    largest end offset the header gives: a shorter file was cut off."""
+    """8 bytes of header length, the JSON header, then the data up to its largest end offset."""
     size = path.stat().st_size
     try:
         with path.open("rb") as handle:
@@ -250,3 +221,26 @@ def _check_safetensors_length(path: Path) -> None:
     needed = 8 + length + max(ends, default=0)
     if size < needed:
         raise CheckpointLoadError(f"{path}: {size} bytes, its header needs {needed}: truncated")
+
+
+def part_dir(checkpoints_dir: Path, step: int, owner: int, rank: int) -> Path:
+    """Where rank ``rank`` of the launcher ``owner`` writes its part of step ``step`` (a stale temp
+    once the launcher is gone, removed as the staging directories are)."""
+    return checkpoints_dir / f"{TEMP_PREFIX}emergency-{step}-{owner}" / f"rank-{rank}"
+
+
+def part_step(part: Path) -> int | None:
+    """The step a finished part names; None when it is unfinished or unreadable."""
+    try:
+        step = json.loads((part / PART_DONE).read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def agreed_parts(parts: list[Path], world_size: int) -> int | None:
+    """The step every rank's part names, when there is one finished part per rank; else None."""
+    steps = {part_step(part) for part in parts}
+    if len(parts) != world_size or len(steps) != 1 or None in steps:
+        return None
+    return steps.pop()

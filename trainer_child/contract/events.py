@@ -1,12 +1,6 @@
-"""The child's events file: one JSON object per line, read back into one typed record each.
-
-The child writes each line with :func:`event_line` (``{"event": name, "time": ..., **fields}``);
-the supervisor reads it with :func:`parse_event`, once, through one pydantic union keyed on the
-line's ``event`` (:data:`ChildEvent`), into the frozen records below, and never indexes the line
-as a dict again. A new event is a record with an ``event`` name and one entry in :data:`_RECORDS`.
-
-A line that is not a JSON object, names no event this version knows, or does not fit its record
-(a torn last line after a kill, a wrong type) gives None: skipped, never trusted.
+"""The child's events file: one JSON object per line (:func:`event_line`), read back once by
+:func:`parse_event` through one pydantic union keyed on ``event`` (:data:`ChildEvent`) into the
+frozen records below. A new event is a record with an ``event`` name and one entry in the union.
 """
 
 from __future__ import annotations
@@ -16,6 +10,7 @@ import functools
 import json
 import operator
 import time
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, TypeAlias
@@ -41,9 +36,8 @@ def _adapter(record: type[Any]) -> TypeAdapter[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class PlainEvent:
-    """An event record: a frozen dataclass with a ``ClassVar`` ``event`` name whose fields are the
-    line's keys. ``time`` is the line's stamp, set by :func:`event_line` (None in a record built to
-    be written), left out of ``fields()`` and of comparisons: it is not part of what the event says."""
+    """An event record: its fields are the line's keys; ``time`` is the line's stamp (None in a
+    record built to be written), left out of ``fields()`` and of comparisons."""
 
     event: ClassVar[str]
     time: float | None = dataclasses.field(default=None, compare=False, kw_only=True)
@@ -60,11 +54,8 @@ class PlainEvent:
 
 @dataclasses.dataclass(frozen=True)
 class Heartbeat(PlainEvent):
-    """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
-
-    ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
-    and ``stage`` not changing, so a beat is sent whatever the main thread does.
-    """
+    """``heartbeat``: the stage, the last completed optimizer step (a hang is both unchanged), speed
+    and memory; sent whatever the main thread does."""
 
     event: ClassVar[str] = "heartbeat"
     stage: StageName
@@ -76,11 +67,8 @@ class Heartbeat(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class Started(PlainEvent):
-    """``started``: the process, its place under torchrun, its device and library versions.
-
-    ``vmdata`` / ``rss``: bytes at start. A stand-in child (the tests' scripted one) may also
-    name ``max_steps`` and where it starts (``step``, ``stage``).
-    """
+    """``started``: the process, its place under torchrun, device, versions, bytes at start; a
+    stand-in child (the tests') may also name ``max_steps``, ``step`` and ``stage``."""
 
     event: ClassVar[str] = "started"
     pid: int | None = None
@@ -119,7 +107,7 @@ class StageEntered(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class Loaded(PlainEvent):
-    """``loaded``: the model is loaded: its parameters, the data's rows, memory and sample lengths."""
+    """``loaded``: the model's parameters, the data's rows, memory and sample lengths."""
 
     event: ClassVar[str] = "loaded"
     trainable_params: int | None = None
@@ -167,8 +155,7 @@ class EarlyCheckpointRequested(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class Resumed(PlainEvent):
-    """``resumed``: training continues from ``path`` at ``from_step``; ``reset_optimizer`` (and
-    why) when the optimizer state was not restored; ``rank_reduction`` when the adapter was cut."""
+    """``resumed``: training continues from ``path`` at ``from_step``."""
 
     event: ClassVar[str] = "resumed"
     from_step: int | None = None
@@ -183,8 +170,7 @@ class Resumed(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class Finished(PlainEvent):
-    """``finished``: training ended at ``step`` with the adapter written, or the merge (``step``
-    None) wrote ``merged`` in ``seconds`` on ``device``."""
+    """``finished``: training wrote ``adapter`` at ``step``, or the merge (``step`` None) ``merged``."""
 
     event: ClassVar[str] = "finished"
     step: int | None = None
@@ -194,7 +180,6 @@ class Finished(PlainEvent):
     device: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        # A training child writes step and adapter; the merge writes step, merged, seconds, device.
         merge = {"merged": self.merged, "seconds": self.seconds, "device": self.device}
         train = {"adapter": self.adapter}
         return {"step": self.step, **(merge if self.merged is not None else train)}
@@ -211,7 +196,7 @@ class Stopping(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class MergePlanned(PlainEvent):
-    """``merge_plan``: the merge's memory plan (bytes): the device, what each would need, what was free."""
+    """``merge_plan``: the merge's device and memory plan (bytes)."""
 
     event: ClassVar[str] = "merge_plan"
     device: str | None = None
@@ -226,8 +211,8 @@ class MergePlanned(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class ScriptKnobs(PlainEvent):
-    """``script_knobs``: what a script with its settings in its code built, and what the shim
-    changed there (``contract/script_knobs.py``); the model's ``config.json`` values it loaded."""
+    """``script_knobs``: what a script built and the shim changed there (:mod:`.script_knobs`), and
+    the model's ``config.json`` values it loaded."""
 
     event: ClassVar[str] = "script_knobs"
     settings: tuple[KnobSetting, ...] = ()
@@ -235,25 +220,7 @@ class ScriptKnobs(PlainEvent):
     complete: bool = False  # written at train(): the script has built all it builds
 
 
-#: The records of the events file, each under its ``event`` name: a new event plugs in here.
-_RECORDS: tuple[type[Any], ...] = (
-    Started,
-    StageEntered,
-    Loaded,
-    TrainerReady,
-    Heartbeat,
-    CheckpointSaved,
-    EarlyCheckpointRequested,
-    Resumed,
-    Finished,
-    Stopping,
-    MergePlanned,
-    SpeedTrialEvent,
-    ScriptKnobs,
-)
-EVENT_NAMES = frozenset(record.event for record in _RECORDS)
-
-#: Every event of the child's events file.
+#: Every event of the child's events file, each under its ``event`` name.
 ChildEvent: TypeAlias = (
     Started
     | StageEntered
@@ -269,6 +236,8 @@ ChildEvent: TypeAlias = (
     | SpeedTrialEvent
     | ScriptKnobs
 )
+_RECORDS: tuple[type[Any], ...] = typing.get_args(ChildEvent)
+EVENT_NAMES = frozenset(record.event for record in _RECORDS)
 
 
 def _name(raw: object) -> str | None:
@@ -292,8 +261,8 @@ _LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
 def parse_event(line: str) -> ChildEvent | None:
-    """The record of one line of the events file; None for a blank, torn or corrupt line, or an
-    event this version does not know. Never raises: a child's bad line must not stop the supervisor."""
+    """The record of one line; None for a blank, torn or ill-typed line or an unknown event, never
+    raising: a child's bad line must not stop the supervisor."""
     if not line.strip():
         return None
     try:

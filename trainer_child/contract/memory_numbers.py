@@ -1,9 +1,5 @@
-"""The child's memory numbers in its events, and the one rule that picks its peak.
-
-The child measures them (``run/memory.py``) and writes them flat into
-its ``heartbeat`` and ``loaded`` events; the supervisor reads them back with the event
-(``contract/events.py``).
-"""
+"""The child's memory numbers, written flat into its ``heartbeat`` and ``loaded`` events, and the
+one rule that picks its peak."""
 
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ class ChildPeakSource(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryNumbers:
-    """The child's memory at one moment, in bytes; None where it could not be read.
-
-    ``peak_bytes`` is the one peak of the attempt so far, chosen once, here, by the child
-    (:meth:`measured`); readers take it as it is and never re-derive it from the gauges.
-    """
+    """The child's memory at one moment, in bytes (None: not read). ``peak_bytes`` is the attempt's
+    one peak so far, chosen by the child (:meth:`measured`); readers never re-derive it."""
 
     peak_bytes: int | None = None
     peak_source: ChildPeakSource | None = None
@@ -51,14 +44,14 @@ class MemoryNumbers:
         rss: int | None = None,
         vmdata: int | None = None,
     ) -> MemoryNumbers:
-        """The peak rule: the CUDA allocator's peak on a GPU, else the data segment's, else VmHWM."""
-        peak, source = _first_peak(
-            (
-                (cuda_peak, ChildPeakSource.CUDA_ALLOCATOR),
-                (data_segment_peak, ChildPeakSource.DATA_SEGMENT),
-                (rss_high_water, ChildPeakSource.RSS),
-            )
+        """The peak rule: the CUDA allocator's peak on a GPU, else the data segment's, else VmHWM (a
+        zero peak, nothing allocated yet, falls through too)."""
+        candidates = (
+            (cuda_peak, ChildPeakSource.CUDA_ALLOCATOR),
+            (data_segment_peak, ChildPeakSource.DATA_SEGMENT),
+            (rss_high_water, ChildPeakSource.RSS),
         )
+        peak, source = next(((v, s) for v, s in candidates if v), (None, None))
         return cls(peak, source, allocated, reserved, rss, rss_high_water, vmdata)
 
     def fields(self) -> dict[str, Any]:
@@ -72,13 +65,3 @@ class MemoryNumbers:
 
 
 _MEMORY = TypeAdapter(MemoryNumbers)
-
-
-def _first_peak(
-    candidates: tuple[tuple[int | None, ChildPeakSource], ...],
-) -> tuple[int | None, ChildPeakSource | None]:
-    # `or` semantics of the old reader: a zero peak (nothing allocated yet) falls through too.
-    for value, source in candidates:
-        if value:
-            return value, source
-    return None, None

@@ -1,25 +1,12 @@
 """LoRA target modules by architecture: what ``attention``, ``mlp`` and ``all-linear`` name in
-each model family, and which layer names a checkpoint gives the loaded model.
+each model family, and which layer names a checkpoint gives the loaded model. ``validate`` checks a
+job's targets against the safetensors headers and the child resolves them against the loaded
+``model_type`` with this one table, so the two cannot disagree.
 
-Both processes use it. The supervisor's ``validate`` checks a job's targets against the names in
-the safetensors headers (no torch); the child resolves the same keyword against the loaded
-model's ``config.model_type`` before it builds the ``LoraConfig``. One table, so the two sides
-cannot disagree about what ``attention`` means on Phi-3.
-
-Facts behind the table (transformers 5.24, read from ``models/*/modeling_*.py``):
-
-* Llama, Mistral, Qwen2, Qwen3, Olmo2, Gemma 1/2/3: separate ``q_proj k_proj v_proj o_proj`` and a
-  gated ``gate_proj up_proj down_proj`` MLP, all ``nn.Linear`` (bitsandbytes makes them Linear4bit).
-* Phi-3 / Phi-4-mini (``model_type: phi3``): fused ``qkv_proj`` and ``gate_up_proj``, so the
-  Llama names match only ``o_proj`` and ``down_proj``.
-* Mixtral, Qwen3-MoE, OLMoE: the checkpoint stores one matrix per expert (``experts.N.w1`` or
-  ``experts.N.gate_proj``), but transformers 5 loads them into two fused 3D ``nn.Parameter``s
-  (``experts.gate_up_proj``, ``experts.down_proj``) that are not ``nn.Linear``: LoRA cannot target
-  them by module name and bitsandbytes leaves them unquantized (peft's k-bit prepare then casts
-  them to fp32, like every 16-bit parameter). The router (``gate``) is a bare parameter too. So
-  LoRA on attention is what these models can take, and ``all-linear`` is it.
-
-Standard library only.
+Facts (transformers 5): Llama-style blocks have separate ``q/k/v/o_proj`` and a gated
+``gate/up/down_proj`` MLP; Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; Mixtral, Qwen3-MoE and
+OLMoE load their experts into fused 3D parameters (and the router ``gate`` as a bare one), not
+``nn.Linear``: LoRA can adapt only their attention, and ``all-linear`` is it.
 """
 
 from __future__ import annotations
@@ -35,8 +22,7 @@ KEYWORDS = (ATTENTION, MLP, ALL_LINEAR)
 
 
 class TargetsError(ValueError):
-    """Targets that cannot work on this model: ``problem`` says what, ``fix`` names what the model
-    has (validate prints them as a problem's two halves; the message is both)."""
+    """Targets that cannot work on this model: ``problem`` says what, ``fix`` what the model has."""
 
     def __init__(self, problem: str, fix: str) -> None:
         super().__init__(f"{problem}; {fix}")
@@ -99,14 +85,10 @@ def family(model_type: str | None) -> Family | None:
 
 
 def resolve(targets: tuple[str, ...] | str, model_type: str | None) -> tuple[str, ...] | str:
-    """The leaf names LoRA adapts for ``targets`` on a ``model_type`` model.
-
-    A list of names is returned as it is (checked by :func:`check`). ``attention`` / ``mlp`` /
-    ``all-linear`` become the family's names; ``all-linear`` on a model type outside the table
-    stays ``all-linear`` (peft's rule: every Linear but the head), while ``attention`` or ``mlp``
-    there raise :class:`TargetsError`, as does ``mlp`` on a mixture of experts. Any other string
-    (a regex written into a spec by hand) is left to peft.
-    """
+    """The leaf names LoRA adapts for ``targets`` on a ``model_type`` model: a keyword becomes the
+    family's names; a list, another string (a regex) or ``all-linear`` outside the table (peft's
+    rule) are returned as they are. Raises :class:`TargetsError` for ``attention`` or ``mlp``
+    outside the table and ``mlp`` on a mixture of experts."""
     if not isinstance(targets, str) or targets not in KEYWORDS:
         return targets
     block = family(model_type)
@@ -134,12 +116,8 @@ def _experts_why(block: Family) -> str:
 
 
 def linear_leaves(tensor_names: Iterable[str], model_type: str | None) -> set[str]:
-    """The leaf names of the Linear layers a checkpoint's tensors give the loaded model.
-
-    ``model.layers.0.self_attn.q_proj.weight`` -> ``q_proj``; embeddings, norms and the LM head are
-    left out, and so are MoE expert matrices (``.experts.N.``) and the router, which transformers
-    5 loads as bare parameters.
-    """
+    """The leaf names of the Linear layers a checkpoint's tensors give the loaded model
+    (``...self_attn.q_proj.weight`` -> ``q_proj``): no embeddings, norms, head, experts or router."""
     block = family(model_type)
     router = set(block.router) if block else set()
     leaves = set()
@@ -172,13 +150,9 @@ def check(
     layers: set[str],
     experts: Iterable[str] = (),
 ) -> tuple[str, ...] | str:
-    """``targets`` resolved (see :func:`resolve`) and checked against ``layers``, the leaf names of
-    the model's Linear layers; raises :class:`TargetsError` naming each name that matches nothing.
-
-    Any missing name is an error, not only all of them: Llama names on Phi-3 would match
-    ``o_proj`` and ``down_proj`` and silently train a third of what was meant. ``experts``: leaf
-    names found only inside MoE experts, so the message can say why they are not layers.
-    """
+    """``targets`` resolved and checked against ``layers`` (the model's Linear leaf names); raises
+    :class:`TargetsError` naming each name that matches nothing (one is enough: Llama names on Phi-3
+    would train a third of what was meant). ``experts``: leaf names only inside MoE experts."""
     resolved = resolve(targets, model_type)
     if isinstance(resolved, str):
         return resolved  # all-linear on an unknown block, or a regex: peft resolves it
@@ -195,8 +169,6 @@ def _missing(
     layers: set[str],
     experts: set[str],
 ) -> TargetsError:
-    """The error for names that match nothing, with the hint that fits: the experts' reason, or
-    the family's own names and the keyword that picks them."""
     resolved_from = f"{targets!r} resolves to names of which " if isinstance(targets, str) else ""
     problem = f"{resolved_from}{', '.join(map(repr, missing))} match no layer of the model"
     fix = f"its layers are {', '.join(sorted(layers))}"
