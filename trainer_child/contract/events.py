@@ -97,12 +97,18 @@ class Started(PlainEvent):
 
 
 @dataclasses.dataclass(frozen=True)
-class StageEntered(PlainEvent):
+class AtStage(PlainEvent):
+    """An event that says no more than where the child is."""
+
+    stage: StageName | None = None
+    step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEntered(AtStage):
     """``stage``: the child entered a phase (load, training, eval, save) at ``step``."""
 
     event: ClassVar[str] = "stage"
-    stage: StageName | None = None
-    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +151,10 @@ class CheckpointSaved(PlainEvent):
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyCheckpointRequested(PlainEvent):
+class EarlyCheckpointRequested(AtStage):
     """``early_checkpoint_requested``: the signal arrived; a checkpoint follows this step."""
 
     event: ClassVar[str] = "early_checkpoint_requested"
-    stage: StageName | None = None
-    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +190,10 @@ class Finished(PlainEvent):
 
 
 @dataclasses.dataclass(frozen=True)
-class Stopping(PlainEvent):
+class Stopping(AtStage):
     """``stopping``: a graceful stop was asked for; the child checkpoints and exits."""
 
     event: ClassVar[str] = "stopping"
-    stage: StageName | None = None
-    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,8 +265,6 @@ _LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 def parse_event(line: str) -> ChildEvent | None:
     """The record of one line; None for a blank, torn or ill-typed line or an unknown event, never
     raising: a child's bad line must not stop the supervisor."""
-    if not line.strip():
-        return None
     try:
         return _LINE.validate_json(line)
     except (ValidationError, ValueError, RecursionError):

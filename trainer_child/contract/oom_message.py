@@ -20,21 +20,6 @@ from pydantic import TypeAdapter, ValidationError
 
 from qlora_supervise.trainer_child.contract.byte_sizes import BYTE_UNITS
 
-#: Keys of a message's numbers, in the order they are usually printed.
-NUMBER_KEYS = (
-    "tried_to_allocate",
-    "total_capacity",
-    "free",
-    "already_allocated",
-    "reserved_total",
-    "reserved_unallocated",
-    "process_in_use",
-    "processes",  # {pid: bytes}, in printed order
-    "allowed",
-    "private_pools",
-)
-
-
 _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)\b"
 
 # The start of each message. Everything up to the next start belongs to that message.
@@ -104,12 +89,11 @@ def size_bytes(number: str, unit: str) -> int:
 def parse_messages(text: str) -> list[OomMessage]:
     """Every allocator OOM message in ``text``, in order of appearance."""
     starts = list(_START.finditer(text))
-    messages: list[OomMessage] = []
-    for index, match in enumerate(starts):
-        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
-        body = " ".join(text[match.start() : min(end, match.start() + _MAX_BODY)].split())
-        messages.append(_message(match, body))
-    return messages
+    ends = [match.start() for match in starts[1:]] + [len(text)]
+    return [
+        _message(match, " ".join(text[match.start() : min(end, match.start() + _MAX_BODY)].split()))
+        for match, end in zip(starts, ends, strict=False)
+    ]
 
 
 def parse_numbers(text: str) -> dict[str, Any]:
@@ -163,8 +147,8 @@ def _format(body: str, numbers: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class OomNumbers:
-    """The numbers of one OOM message under :data:`NUMBER_KEYS`, in bytes (None: not printed);
-    ``processes`` maps each other process's pid to its bytes."""
+    """The numbers of one OOM message, in the order they are usually printed, in bytes (None: not
+    printed); ``processes`` maps each other process's pid to its bytes, in printed order."""
 
     tried_to_allocate: int | None = None
     total_capacity: int | None = None
@@ -199,3 +183,5 @@ class OomNumbers:
 
 
 _NUMBERS = TypeAdapter(OomNumbers)
+#: Keys of a message's numbers, in the order they are usually printed.
+NUMBER_KEYS = tuple(field.name for field in dataclasses.fields(OomNumbers))

@@ -11,7 +11,7 @@ OLMoE load their experts into fused 3D parameters (and the router ``gate`` as a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 ATTENTION = "attention"
@@ -119,29 +119,25 @@ def linear_leaves(tensor_names: Iterable[str], model_type: str | None) -> set[st
     """The leaf names of the Linear layers a checkpoint's tensors give the loaded model
     (``...self_attn.q_proj.weight`` -> ``q_proj``): no embeddings, norms, head, experts or router."""
     block = family(model_type)
-    router = set(block.router) if block else set()
-    leaves = set()
-    for name in tensor_names:
-        parts = name.split(".")
-        if len(parts) < 2 or parts[-1] != "weight":
-            continue
-        leaf = parts[-2]
-        if "embed" in leaf or "norm" in leaf or leaf == "lm_head" or leaf in router:
-            continue
-        if "experts" in parts[:-2]:
-            continue
-        leaves.add(leaf)
-    return leaves
+    skip = {"lm_head", *(block.router if block else ())}
+    return {
+        leaf
+        for leaf, in_experts in _weights(tensor_names)
+        if not in_experts and leaf not in skip and "embed" not in leaf and "norm" not in leaf
+    }
 
 
 def expert_leaves(tensor_names: Iterable[str]) -> set[str]:
     """Leaf names that exist only inside MoE experts (``experts.N.w1`` -> ``w1``)."""
-    inside = set()
+    return {leaf for leaf, in_experts in _weights(tensor_names) if in_experts}
+
+
+def _weights(tensor_names: Iterable[str]) -> Iterator[tuple[str, bool]]:
+    """``(leaf, inside MoE experts)`` of each ``...<leaf>.weight`` tensor name."""
     for name in tensor_names:
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-1] == "weight" and "experts" in parts[:-2]:
-            inside.add(parts[-2])
-    return inside
+        if len(parts) >= 2 and parts[-1] == "weight":
+            yield parts[-2], "experts" in parts[:-2]
 
 
 def check(

@@ -1,10 +1,7 @@
-"""The merge's memory plan: what the merge needs on the GPU and in host RAM, and the device it picks.
-
-Pure arithmetic on byte counts. For a base of ``W`` bytes, adapter ``A`` (loaded shard by shard):
-on the GPU ``W + A`` plus the largest layer's ``B @ A`` plus a CUDA reserve, and host RAM for the
-imports, one input and one output shard; on the CPU, host RAM for ``W + A``, one output shard and the
-imports. Users' first merge complaint is host RAM, so ``auto`` takes the GPU only when both of its
-numbers fit, else the CPU when its host number fits."""
+"""The merge's memory plan, pure arithmetic on byte counts: on the GPU the base, the adapter, the
+largest layer's ``B @ A`` and a CUDA reserve, plus host RAM for the imports and one input and output
+shard; on the CPU all of it in host RAM. Users' first merge complaint is host RAM, so ``auto`` takes
+the GPU only when both its numbers fit."""
 
 from __future__ import annotations
 
