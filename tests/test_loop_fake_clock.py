@@ -25,7 +25,7 @@ from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport

@@ -15,8 +15,8 @@ from pathlib import Path
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.checkpoints import (
+    CHECKPOINT_PREFIX,
     RNG_FILE,
     agreed_parts,
     is_complete,

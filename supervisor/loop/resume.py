@@ -29,15 +29,13 @@ from typing import Any
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
+    OPTIMIZER_FILES,
+    TEMP_PREFIX,
     complete_checkpoints,
     damaged_files,
     quarantine,
     read_marker,
-)
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    OPTIMIZER_FILES,
-    TEMP_PREFIX,
     remove_stale_temps,
 )
 from qlora_supervise.trainer_child.contract.processes import pid_alive
@@ -71,7 +69,7 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
     (marker, files, adapter shape, optimizer): long only because each rule says why it skips.
 
     With ``quarantine_damaged`` a checkpoint whose files differ from its marker is moved to the
-    quarantine folder (``checkpoint_dirs.QUARANTINE_DIR``); without it, it is only skipped (the
+    quarantine folder (``checkpoints.QUARANTINE_DIR``); without it, it is only skipped (the
     arbiter's prediction of the next resume step reads the same rule and moves nothing).
     """
     skipped: list[str] = []

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import newest_complete_checkpoint
+from qlora_supervise.trainer_child.contract.checkpoints import newest_complete_checkpoint
 
 #: errno values that mean "no room to write here": a full disk, a read-only mount, a quota.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT})

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from qlora_supervise.trainer_child.contract import checkpoints
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.recipe.trainer import SupervisedTrainerMixin
 from qlora_supervise.trainer_child.run.torchrun import staging_owner
