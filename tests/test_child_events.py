@@ -16,15 +16,16 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import (
     EVENT_NAMES,
     ChildEvent,
+    ChildPeakSource,
     EarlyCheckpointRequested,
     Heartbeat,
     Loaded,
+    MemoryNumbers,
     StageEntered,
     Stopping,
     event_line,
     parse_event,
 )
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
 from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
 from qlora_supervise.trainer_child.run.heartbeat import EventLog, Progress
 

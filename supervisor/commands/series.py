@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, read_events
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
+from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat, Loaded, read_events
 
 #: Which current gauge shows the memory each peak source measures.
 _GAUGE_OF_SOURCE = {

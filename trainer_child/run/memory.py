@@ -19,7 +19,7 @@ from qlora_supervise.trainer_child.contract.allocator import (
     allocator_env,
     facts_from_allocator,
 )
-from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
+from qlora_supervise.trainer_child.contract.events import MemoryNumbers
 from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 
