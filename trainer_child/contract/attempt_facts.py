@@ -83,11 +83,7 @@ class BatchInFlight:
         usual next rungs change them while the same row fails at the same step."""
         if self.step != other.step:
             return False
-        mine, theirs = _found(self.rows), _found(other.rows)
+        mine, theirs = ({row for row in rows or () if row >= 0} for rows in (self.rows, other.rows))
         if mine and theirs:
             return not mine.isdisjoint(theirs)
         return bool(self.lengths) and max(self.lengths) == max(other.lengths, default=-1)
-
-
-def _found(rows: tuple[int, ...] | None) -> frozenset[int]:
-    return frozenset(row for row in rows or () if row >= 0)

@@ -42,8 +42,12 @@ def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int
     """
     if isinstance(value, bool):
         raise UnitError("a boolean is not a size", BYTES_HELP)
-    if unit_required:
-        _refuse_bare_number(value)
+    text = str(value).strip()
+    if unit_required and re.fullmatch(_NUMBER, text) and float(text) != 0:
+        raise UnitError(
+            f"{text} has no unit (it would be read as {text} bytes)",
+            f"a number with a unit, e.g. {text}GiB or {text}MiB (or {text}B for bytes)",
+        )
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value < 0:
             raise UnitError("must be a finite number >= 0", BYTES_HELP)
@@ -59,16 +63,6 @@ def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int
     if factor is None:
         raise UnitError(f"unknown unit {unit!r}", BYTES_HELP)
     return int(float(number) * factor)
-
-
-def _refuse_bare_number(value: str | int | float) -> None:
-    text = str(value).strip()
-    if not re.fullmatch(_NUMBER, text) or float(text) == 0:
-        return
-    raise UnitError(
-        f"{text} has no unit (it would be read as {text} bytes)",
-        f"a number with a unit, e.g. {text}GiB or {text}MiB (or {text}B for bytes)",
-    )
 
 
 def format_bytes(n: int | float) -> str:

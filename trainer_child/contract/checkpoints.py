@@ -76,11 +76,8 @@ def refuse_linked_dir(path: Path) -> None:
 
 def checkpoint_step(path: Path) -> int | None:
     """The optimizer step of a ``checkpoint-<step>`` directory name, else None."""
-    name = path.name
-    if not name.startswith(CHECKPOINT_PREFIX):
-        return None
-    tail = name[len(CHECKPOINT_PREFIX) :]
-    return int(tail) if tail.isdigit() else None
+    tail = path.name.removeprefix(CHECKPOINT_PREFIX)
+    return int(tail) if path.name.startswith(CHECKPOINT_PREFIX) and tail.isdigit() else None
 
 
 def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -89,12 +86,8 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[
     root = Path(checkpoints_dir)
     if not own_directory(root):
         return []
-    found: list[tuple[int, Path]] = []
-    for child in root.iterdir():
-        step = checkpoint_step(child)
-        if step is not None and own_directory(child) and is_complete(child):
-            found.append((step, child))
-    return sorted(found)
+    named = ((checkpoint_step(child), child) for child in root.iterdir())
+    return sorted((step, c) for step, c in named if step is not None and own_directory(c) and is_complete(c))
 
 
 def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
@@ -268,8 +261,9 @@ def is_complete(path: Path) -> bool:
 def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, never ``protect`` (the one this
     attempt resumed from: the fallback); unmarked ``checkpoint-N`` leftovers are quarantined."""
-    for leftover in unmarked_checkpoints(checkpoints_dir):
-        quarantine(leftover, "unmarked checkpoint directory (no completion marker) found at rotation")
+    for path in sorted(checkpoints_dir.iterdir()) if checkpoints_dir.is_dir() else []:
+        if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path):
+            quarantine(path, "unmarked checkpoint directory (no completion marker) found at rotation")
     found = complete_checkpoints(checkpoints_dir)
     removed = []
     for _, path in found[: max(len(found) - keep, 0)]:
@@ -281,16 +275,6 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def unmarked_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    if not checkpoints_dir.is_dir():
-        return []
-    return sorted(
-        path
-        for path in checkpoints_dir.iterdir()
-        if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path)
-    )
 
 
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:

@@ -32,9 +32,13 @@ def leave(code: int) -> NoReturn:
     that matters is on disk, the next attempt waits for this exit, and tearing down torch and the
     CUDA allocator object by object took seconds on an H200 (the kernel frees it all at once)."""
     if code in FAILED_EXITS:
-        for stream in (sys.stdout, sys.stderr):
-            # A full disk under child.log must not turn this exit into another one.
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
+        exit_now(code)
     sys.exit(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """``os._exit(code)`` after flushing stdout and stderr."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a full disk under child.log
+            stream.flush()
+    os._exit(code)

@@ -23,6 +23,7 @@ from typing import Any
 from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.devices import DeviceError
+from qlora_supervise.trainer_child.contract.events import Loaded, read_events
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.merge.plan import MAX_SHARD_BYTES, MergePlan, MergeSizes, plan_merge
 from qlora_supervise.trainer_child.run.attempt import Context, guarded
@@ -49,15 +50,10 @@ def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
 
 def trained_dtype(run_dir: Path) -> str | None:
     """The dtype the newest training attempt loaded in (its ``loaded`` event), if recorded."""
-    for events in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]/child-events.jsonl"), reverse=True):
-        for line in reversed(events.read_text(encoding="utf-8", errors="replace").splitlines()):
-            if '"loaded"' in line:
-                try:
-                    value = json.loads(line).get("dtype")
-                except ValueError:
-                    continue
-                if isinstance(value, str):
-                    return value
+    for path in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]/child-events.jsonl"), reverse=True):
+        dtypes = [e.dtype for e in read_events(path) if isinstance(e, Loaded) and e.dtype is not None]
+        if dtypes:
+            return dtypes[-1]
     return None
 
 
@@ -147,9 +143,7 @@ def merge(ctx: Context) -> ExitCode:
     (temp / REPORT_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
     checkpoints.replace_dir(temp, target)  # 0750 / 0640 whatever the umask; a link is not followed
     del merged, base
-    ctx.events.emit(
-        "finished", step=None, merged=str(target), **{k: report[k] for k in ("seconds", "device")}
-    )
+    ctx.events.emit("finished", step=None, merged=str(target), seconds=report["seconds"], device=plan.device)
     return ExitCode.OK
 
 

@@ -167,17 +167,13 @@ class Ledger:
 
     def report(self, events: Any, trainer: Any | None) -> None:
         """The ``script_knobs`` event; with a Trainer, ``loaded`` too: its rows and their lengths."""
-        model_config = _model_config(trainer) if trainer is not None else None
-        event = ScriptKnobs(
-            settings=tuple(self.settings), model_config=model_config, complete=trainer is not None
-        )
-        events.write(event.to_line())
+        events.write(ScriptKnobs(tuple(self.settings), _model_config(trainer), trainer is not None).to_line())
         lengths = _lengths(trainer) if trainer is not None else None
         if lengths is not None:
             events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
 
 
-def _model_config(trainer: Any) -> dict[str, Any] | None:
+def _model_config(trainer: Any | None) -> dict[str, Any] | None:
     config = getattr(getattr(trainer, "model", None), "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return None

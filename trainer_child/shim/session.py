@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -15,6 +14,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.processes import exit_now
 from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run import attempt, device
@@ -157,9 +157,8 @@ class Session:
         """Training ended: the adapter where ours goes, and ``finished``."""
         ctx, spec = self.ctx, self.ctx.spec
         ctx.progress.enter(Stage.SAVE)
-        if ctx.place.is_main:
-            tokenizer = trainer.processing_class or _NoTokenizer()
-            attempt.save_adapter(trainer, tokenizer, Path(spec.adapter_dir))
+        if ctx.place.is_main:  # a Trainer without a tokenizer saves the adapter alone
+            attempt.save_adapter(trainer, trainer.processing_class or _NoTokenizer(), Path(spec.adapter_dir))
         ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
         ctx.trainer = None
 
@@ -178,10 +177,7 @@ class Session:
         if self.ctx.heartbeat is not None:
             self.ctx.heartbeat.stop()
         self.ctx.events.close()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # a full disk under child.log
-                stream.flush()
-        os._exit(int(code))  # the report and the checkpoint are on disk, fsynced (processes.leave)
+        exit_now(int(code))  # the report and the checkpoint are on disk, fsynced
 
 
 class _NoTokenizer:
