@@ -11,8 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from qlora_supervise.policies.search.search_result import Ranked
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 #: The speed trial times at most this many candidates, the chosen one first.
 TRIAL_SIZE = 3

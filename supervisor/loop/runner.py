@@ -55,9 +55,8 @@ from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
-from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent
+from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent, SpeedTrialEvent
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 
 @dataclasses.dataclass

@@ -1,14 +1,7 @@
-"""The CUDA caching allocator: its settings, merged by one rule on both sides, and what it held at
-an OOM (the facts fragmentation is judged on, carried by the error report).
-
-PyTorch reads ``PYTORCH_ALLOC_CONF`` (2.8+) and the older ``PYTORCH_CUDA_ALLOC_CONF``; both are
-set. The supervisor sets them in the child's environment and the child again before ``import
-torch`` (a child started by hand); both call :func:`allocator_env`, so the two never disagree.
-
-The child reads ``torch.cuda.memory_stats()`` and ``memory_snapshot()``'s segments inside its
-``except`` block, while the failed step's tensors are alive. By then the allocator has released
-every wholly free segment and retried, so the free memory left lies *between* live blocks. On the
-CPU there is no caching allocator (``malloc``): a CPU report carries no facts.
+"""The CUDA caching allocator: its settings, set by one rule by the supervisor and again by the
+child before ``import torch``, and what it held at an OOM (read while the failed step's tensors are
+alive, after the allocator released every wholly free segment: the free memory left lies *between*
+live blocks). A CPU report carries no facts: ``malloc`` keeps no reserve.
 """
 
 from __future__ import annotations
@@ -23,31 +16,26 @@ EXPANDABLE = "expandable_segments:True"
 SMALL_POOL_MAX = 1 << 20
 
 
-def with_option(conf: str, option: str) -> str:
-    """``conf`` (comma-separated ``key:value``) with ``option`` set, replacing an earlier value of
-    its key: a rung that asked for expandable segments after a fragmentation OOM must get them."""
-    key = option.split(":", 1)[0]
-    parts = [p for p in conf.split(",") if p and not p.startswith(key + ":")]
-    return ",".join([*parts, option])
-
-
 def allocator_env(env: Mapping[str, str], expandable_segments: bool) -> dict[str, str]:
-    """The allocator variables to set over ``env`` for these knobs (empty when nothing changes)."""
+    """The allocator variables (PyTorch 2.8+'s and the older name) to set over ``env`` (empty when
+    nothing changes): :data:`EXPANDABLE` replaces an earlier value of its key, other options kept
+    (a rung that asked for it after a fragmentation OOM must get it)."""
     if not expandable_segments:
         return {}
-    return {name: with_option(env.get(name, ""), EXPANDABLE) for name in ALLOC_CONF_VARS}
+    key = EXPANDABLE.split(":", 1)[0] + ":"
+    kept = {
+        name: [p for p in env.get(name, "").split(",") if p and not p.startswith(key)]
+        for name in ALLOC_CONF_VARS
+    }
+    return {name: ",".join([*parts, EXPANDABLE]) for name, parts in kept.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class AllocatorFacts:
-    """The allocator at the OOM, in bytes (``None``: not known).
-
-    ``free_in_segments_bytes`` and ``largest_free_block_bytes``: over the free blocks of the pool
-    the request needed; ``inactive_split_bytes``: PyTorch's count of free split blocks, which no
-    ``empty_cache`` can release; ``limit_bytes``: the per-process cap, else the device's total;
-    ``device_free_bytes``: ``cudaMemGetInfo``'s free. ``same_shape_step`` /
-    ``same_shape_peak_bytes``: the last step of this attempt with the failed micro-batch's shape and
-    the peak after it: proof that the step fits when memory is laid out well.
+    """The allocator at the OOM, in bytes (``None``: not known). Free blocks count in the pool the
+    request needed; ``inactive_split_bytes`` no ``empty_cache`` can release; ``limit_bytes``: the
+    cap, else the device's total. ``same_shape_step`` / ``same_shape_peak_bytes``: the last step with
+    the failed micro-batch's shape and the peak after it: proof the step fits when laid out well.
     """
 
     requested_bytes: int | None

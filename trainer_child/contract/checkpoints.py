@@ -198,23 +198,26 @@ def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> P
     return checkpoints_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{owner or os.getpid()}"
 
 
-def settle_modes(root: Path) -> None:
+def seal(root: Path) -> None:
     """:data:`DIR_MODE` on every directory under ``root`` (and itself), :data:`durable.FILE_MODE` on
-    every file, links left alone: safetensors writes 0600, a merge by hand has the shell's umask."""
-    for path in [root, *root.rglob("*")]:
-        info = os.lstat(path)
-        if stat.S_ISDIR(info.st_mode):
+    every file, links left alone (safetensors writes 0600, a merge by hand has the shell's umask);
+    then every file fsynced, and every directory."""
+    inside = sorted(root.rglob("*"))
+    for path in [root, *inside]:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode):
             os.chmod(path, DIR_MODE)
-        elif stat.S_ISREG(info.st_mode):
+        elif stat.S_ISREG(mode):
             os.chmod(path, FILE_MODE)
+    for path in [*(p for p in inside if p.is_file()), root, *(p for p in inside if p.is_dir())]:
+        fsync_dir(path)
 
 
 def replace_dir(temp: Path, final: Path) -> None:
     """Put the finished directory ``temp`` at ``final`` (the adapter, the merged model), durably;
     a link at ``final`` is removed, never followed. A kill between the two renames leaves
     ``.old-<name>-<pid>``, which the supervisor's disk reclaim deletes once this pid is gone."""
-    settle_modes(temp)
-    fsync_tree(temp)
+    seal(temp)
     if final.is_symlink():
         os.unlink(final)
     elif final.exists():
@@ -225,18 +228,10 @@ def replace_dir(temp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def fsync_tree(root: Path) -> None:
-    """Every file under ``root``, then every directory (itself included)."""
-    inside = sorted(root.rglob("*"))
-    for path in [*(p for p in inside if p.is_file()), root, *(p for p in inside if p.is_dir())]:
-        fsync_dir(path)
-
-
 def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: bool) -> Path:
     """Seal ``written`` (fsync, a marker with each file's size and sha256) and rename it to
     ``final``. An unmarked directory in the way is quarantined first, a link there removed."""
-    settle_modes(written)
-    fsync_tree(written)
+    seal(written)
     marker = {
         "step": step,
         "knobs": dataclasses.asdict(knobs),

@@ -22,7 +22,7 @@ from pydantic import BeforeValidator, Discriminator, StrictInt, Tag, TypeAdapter
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
 from qlora_supervise.trainer_child.contract.codes import StageName
 from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
+from qlora_supervise.trainer_child.contract.spec import TrialCandidate
 
 
 class ChildPeakSource(str, enum.Enum):
@@ -266,6 +266,37 @@ class MergePlanned(PlainEvent):
     host_available_bytes: int | None = None
     why: str | None = None
     dtype: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialResult:
+    """A candidate's tokens/s and peak, or the OOM that dropped it (``error``); ``host_peak_bytes``:
+    the child's RSS high-water mark while it was timed."""
+
+    candidate: TrialCandidate
+    tokens_per_s: float | None
+    peak_bytes: int | None
+    seconds: float
+    error: str | None = None
+    host_peak_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedTrialEvent:
+    """The ``speed_trial`` line of the child's events file."""
+
+    event: ClassVar[str] = "speed_trial"
+    results: tuple[TrialResult, ...]  # the first is the planned config
+    seconds: float  # the trial's whole cost, before step 1
+    # Why a foreign tool's trial kept the plan (shim/trial.py); None: it ran.
+    abandoned: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"event": self.event, **dataclasses.asdict(self)}
+
+    def to_line(self) -> str:
+        """The line of the child's events file (its ``time`` stamp ignored by the reader)."""
+        return json.dumps({**self.to_json(), "time": time.time()}) + "\n"
 
 
 @dataclasses.dataclass(frozen=True)

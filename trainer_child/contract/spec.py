@@ -1,4 +1,10 @@
-"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources."""
+"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources.
+
+The speed trial: before step 1 the child times a few forward+backward micro-steps of each
+:class:`TrialCandidate` of the spec on its longest real batch, in-process, and reports them in one
+``speed_trial`` event (:class:`~.events.SpeedTrialEvent`); the policy picks from the same timings
+on both sides. Only knobs that change without a reload are candidates.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,22 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+
+@dataclasses.dataclass(frozen=True)
+class TrialCandidate:
+    """One config the trial times: the knobs that change without a reload, and the planner's guess."""
+
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    predicted_tokens_per_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_host_bytes: int | None = None  # the host model's training peak (None: unplanned)
+
+    @property
+    def name(self) -> str:
+        checkpointing = ", checkpointing" if self.gradient_checkpointing else ""
+        return f"micro-batch {self.micro_batch_size} x {self.grad_accum}{checkpointing}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 from qlora_supervise.trainer_child.run import speed_trial
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 
