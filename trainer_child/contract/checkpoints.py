@@ -1,16 +1,7 @@
-"""Checkpoint directories that are either complete or invisible, named and read the same way by the
-child that writes them and the supervisor that picks the one to resume from; and the emergency parts
-of ranks.
-
-A checkpoint is written under ``.tmp-checkpoint-<step>-<pid>/`` (never matched as complete), every
-file fsynced, the marker written last, then renamed to ``checkpoint-<step>``: a kill at any moment
-leaves the old set of checkpoints or the old set plus one complete new one.
-
-Under torchrun (DDP), after one rank fails the others are dead or stuck in a broken collective, so
-each rank that can writes its *part* of step N with no collective (every rank holds the same state
-there, and its own RNG) into ``.tmp-emergency-<step>-<launcher pid>/rank-<R>/``, ending with
-:data:`PART_DONE`. The supervisor seals the checkpoint only when all ``world_size`` parts name the
-same step (:func:`agreed_parts`). FSDP writes no parts (a rank holds only a shard).
+"""Checkpoint directories that are complete or invisible, named and read alike by the child and the
+supervisor: written under ``.tmp-checkpoint-<step>-<pid>/``, fsynced, marked last, then renamed.
+Under torchrun (DDP) each rank that can writes its *part* of an emergency checkpoint with no
+collective; the supervisor seals it only when all parts name one step (:func:`agreed_parts`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The memory numbers of allocator out-of-memory messages, for the child's error report and the
-supervisor's classifying of logs of commands that are not ours.
-
-Wordings (bytes as integers): old (PyTorch 1.5-2.0, ``... (GPU 0; X total capacity; X already
-allocated; X free; X reserved in total by PyTorch)``; ``old_no_free`` without ``free``, ``cached``
-before 1.5); new (2.1+, ``GPU 0 has a total capacity of X of which X is free. [Process N has X
-memory in use.] ... Of the allocated memory X is allocated by PyTorch ...``); async
-(``cudaMallocAsync``'s ``Allocation on device N would exceed allowed memory``); cpu
-(``DefaultCPUAllocator``). Only what a message prints is returned, under :data:`NUMBER_KEYS`.
+"""The numbers of allocator out-of-memory messages (PyTorch 1.5-2.0's ``old``, 2.1+'s ``new``,
+``cudaMallocAsync``'s ``async``, ``DefaultCPUAllocator``'s ``cpu``), for the child's error report
+and the supervisor's reading of logs of commands that are not ours; only what a message prints.
 """
 
 from __future__ import annotations

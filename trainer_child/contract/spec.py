@@ -1,9 +1,6 @@
-"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources.
-
-The speed trial: before step 1 the child times a few forward+backward micro-steps of each
-:class:`TrialCandidate` of the spec on its longest real batch, in-process, and reports them in one
-``speed_trial`` event (:class:`~.events.SpeedTrialEvent`); the policy picks from the same timings
-on both sides. Only knobs that change without a reload are candidates.
+"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources, and
+the speed trial's candidates (timed in-process before step 1; only knobs that change without a
+reload; the results come back in :class:`~.events.SpeedTrialEvent`).
 """
 
 from __future__ import annotations

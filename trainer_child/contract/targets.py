@@ -1,12 +1,7 @@
-"""LoRA target modules by architecture: what ``attention``, ``mlp`` and ``all-linear`` name in
-each model family, and which layer names a checkpoint gives the loaded model. ``validate`` checks a
-job's targets against the safetensors headers and the child resolves them against the loaded
-``model_type`` with this one table, so the two cannot disagree.
-
-Facts (transformers 5): Llama-style blocks have separate ``q/k/v/o_proj`` and a gated
-``gate/up/down_proj`` MLP; Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; Mixtral, Qwen3-MoE and
-OLMoE load their experts into fused 3D parameters (and the router ``gate`` as a bare one), not
-``nn.Linear``: LoRA can adapt only their attention, and ``all-linear`` is it.
+"""LoRA target modules by architecture, one table for ``validate`` and the child: what
+``attention``, ``mlp`` and ``all-linear`` name in each family, and the layer names a checkpoint
+gives the loaded model. Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; MoE experts load as fused 3D
+parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the GPU only when both its numbers fit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 #: RSS of a merge child after importing torch, transformers and peft (CPU build: less).
 IMPORTS_BYTES = 1_200_000_000
@@ -26,24 +26,18 @@ class MergeSizes:
 
 @dataclass(frozen=True)
 class MergePlan:
+    """The plan as ``merge_plan`` and ``merge.json`` write it (:meth:`fields`)."""
+
     device: str  # "cuda" or "cpu"
-    gpu_need: int
-    host_need_gpu: int  # host RAM when merging on the GPU
-    host_need_cpu: int  # host RAM when merging on the CPU
-    gpu_free: int | None
-    host_available: int
+    gpu_need_bytes: int
+    host_need_gpu_bytes: int  # host RAM when merging on the GPU
+    host_need_cpu_bytes: int  # host RAM when merging on the CPU
+    gpu_free_bytes: int | None
+    host_available_bytes: int
     why: str
 
     def fields(self) -> dict[str, object]:
-        return {
-            "device": self.device,
-            "gpu_need_bytes": self.gpu_need,
-            "host_need_gpu_bytes": self.host_need_gpu,
-            "host_need_cpu_bytes": self.host_need_cpu,
-            "gpu_free_bytes": self.gpu_free,
-            "host_available_bytes": self.host_available,
-            "why": self.why,
-        }
+        return asdict(self)
 
 
 def plan_merge(sizes: MergeSizes, requested: str, gpu_free: int | None, host_available: int) -> MergePlan:

@@ -1,11 +1,7 @@
-"""``python -m qlora_supervise.trainer_child.merge.process --spec attempt.json``: merge the adapter,
-in a process of its own so it starts with nothing else in memory.
-
-In order: the memory plan (:mod:`.plan`, sizes from the config on the meta device); a fresh base
-load in the *training* compute dtype (4-bit would round the adapter away), shard by shard; the
-adapter merged and the dtype checked; a sharded safetensors save to ``spec.merged_dir`` through a
-temp dir and a rename, with ``merge.json`` inside. On the CPU when ``Knobs.merge_on_cpu`` or the
-plan says so. Errors use the training child's report and exit codes, with stage ``merge``.
+"""``python -m qlora_supervise.trainer_child.merge.process --spec attempt.json``: merge the adapter
+in a process of its own: the memory plan, a fresh base load in the *training* compute dtype (4-bit
+would round the adapter away), the merge, and a sharded save through a temp dir and a rename, with
+``merge.json`` inside. Errors use the child's report and exit codes, with stage ``merge``.
 """
 
 from __future__ import annotations

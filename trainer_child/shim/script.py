@@ -1,12 +1,7 @@
-"""The attempt's knobs, applied where a script with its settings in its code (``trainer.kind:
-script``) builds them, once each module loads: ``TrainingArguments.__post_init__`` (and the output
-folder), ``BitsAndBytesConfig.__init__``, ``AutoModelFor*`` / ``AutoTokenizer.from_pretrained`` (a
-fallback's model), ``LoraConfig.__post_init__`` and ``prepare_model_for_kbit_training`` (its
-checkpointing, and our bf16 head kept out of its fp32 upcast).
-
-Only the knobs named in ``script-knobs.json`` change; every value seen is reported. At ``train()``
-a value the script set after building its Trainer is reported as not applied, and its partner in
-the effective batch put back as the script asked.
+"""The attempt's knobs, applied where a script with its settings in its code builds them, once each
+module loads (``TrainingArguments``, ``BitsAndBytesConfig``, ``from_pretrained``, ``LoraConfig``,
+``prepare_model_for_kbit_training``); every value seen is reported. A value the script sets after
+building its Trainer is reported as not applied, and its effective-batch partner put back.
 """
 
 from __future__ import annotations
@@ -191,32 +186,42 @@ def _lengths(trainer: Any) -> SampleLengths | None:
         return None
 
 
-def _before(original: Callable[..., Any], hook: Callable[..., None]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        hook(self)
-        return original(self, *args, **kwargs)
+def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType], None]:
+    """A patch that runs ``hook(instance)`` before ``module.<attr>.__post_init__``."""
 
-    return wrapped
+    def patch(module: ModuleType) -> None:
+        cls = getattr(module, attr)
+        original = cls.__post_init__
+
+        @functools.wraps(original)
+        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            hook(self)
+            return original(self, *args, **kwargs)
+
+        cls.__post_init__ = post_init
+
+    return patch
 
 
-def _name_through(cls: Any, hook: Callable[[Any, Any], Any]) -> None:
-    """``cls.from_pretrained`` (a classmethod) given the model name ``hook(klass, name)`` returns."""
-    original = cls.__dict__["from_pretrained"].__func__
+def _from_pretrained(attr: str, hook: Callable[[Any, Any], Any]) -> Callable[[ModuleType], None]:
+    """A patch that gives ``module.<attr>.from_pretrained`` (a classmethod) the model name
+    ``hook(klass, name)`` returns."""
 
-    @functools.wraps(original)
-    def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
-        return original(klass, hook(klass, name), *args, **kwargs)
+    def patch(module: ModuleType) -> None:
+        cls = getattr(module, attr)
+        original = cls.__dict__["from_pretrained"].__func__
 
-    cls.from_pretrained = classmethod(from_pretrained)
+        @functools.wraps(original)
+        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(klass, hook(klass, name), *args, **kwargs)
+
+        cls.from_pretrained = classmethod(from_pretrained)
+
+    return patch
 
 
 def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
     """module name -> what to patch in it once it has loaded."""
-
-    def arguments(module: ModuleType) -> None:
-        cls = module.TrainingArguments
-        cls.__post_init__ = _before(cls.__post_init__, ledger.on_arguments)
 
     def quantization(module: ModuleType) -> None:
         cls = module.BitsAndBytesConfig
@@ -230,19 +235,6 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
             original(*bound.args, **bound.kwargs)
 
         cls.__init__ = init
-
-    def lora(module: ModuleType) -> None:
-        cls = module.LoraConfig
-        cls.__post_init__ = _before(cls.__post_init__, ledger.on_lora)
-
-    def model(module: ModuleType) -> None:
-        # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
-        _name_through(
-            module._BaseAutoModelClass, lambda k, n: ledger.on_model(n, f"{k.__name__}.from_pretrained")
-        )
-
-    def tokenizer(module: ModuleType) -> None:
-        _name_through(module.AutoTokenizer, lambda _, name: ledger.on_tokenizer(name))
 
     def prepare(module: ModuleType) -> None:
         # Our recipe's bf16 head, imported here: it imports torch, which peft has loaded by now
@@ -267,10 +259,16 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
             setattr(owner, PREPARE, wrapped)
 
     return {
-        "transformers.training_args": arguments,
+        "transformers.training_args": _post_init("TrainingArguments", ledger.on_arguments),
         "transformers.utils.quantization_config": quantization,
-        "transformers.models.auto.auto_factory": model,
-        "transformers.models.auto.tokenization_auto": tokenizer,
-        "peft.tuners.lora.config": lora,
+        # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
+        "transformers.models.auto.auto_factory": _from_pretrained(
+            "_BaseAutoModelClass",
+            lambda klass, name: ledger.on_model(name, f"{klass.__name__}.from_pretrained"),
+        ),
+        "transformers.models.auto.tokenization_auto": _from_pretrained(
+            "AutoTokenizer", lambda _, name: ledger.on_tokenizer(name)
+        ),
+        "peft.tuners.lora.config": _post_init("LoraConfig", ledger.on_lora),
         "peft": prepare,
     }

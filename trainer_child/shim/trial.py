@@ -1,10 +1,6 @@
-"""The speed trial in a foreign tool's process: our child's trial, on the tool's own Trainer, before
-``train()`` builds the dataloader. What we cannot know about the tool is checked here, and a trial
-that cannot time its candidates keeps the plan and says why (``abandoned``) rather than failing an
-attempt that would have trained: a dataset without a tokenized row; axolotl's sample packing (a
-repeated row is not a batch it trains on); offloading inside the tool's own training step (the
-trial's micro-step runs without it); anything else the tool's loss or collator raises (an OOM
-drops only that candidate, as in our child).
+"""The speed trial on a foreign tool's own Trainer. A trial that cannot time the tool's batches (no
+tokenized row, axolotl's sample packing, offloading in the tool's own training step, a loss or
+collator that refuses the trial's batch) keeps the plan and says why, rather than failing.
 """
 
 from __future__ import annotations
