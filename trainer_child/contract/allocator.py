@@ -17,9 +17,8 @@ SMALL_POOL_MAX = 1 << 20
 
 
 def allocator_env(env: Mapping[str, str], expandable_segments: bool) -> dict[str, str]:
-    """The allocator variables (PyTorch 2.8+'s and the older name) to set over ``env`` (empty when
-    nothing changes): :data:`EXPANDABLE` replaces an earlier value of its key, other options kept
-    (a rung that asked for it after a fragmentation OOM must get it)."""
+    """The allocator variables (both names) to set over ``env``, empty when nothing changes; the knob
+    wins over an earlier value of its key (a rung after a fragmentation OOM must get it)."""
     if not expandable_segments:
         return {}
     key = EXPANDABLE.split(":", 1)[0] + ":"
@@ -68,8 +67,7 @@ def facts_from_allocator(
     limit: int | None = None,
     device_free: int | None = None,
 ) -> AllocatorFacts:
-    """Reduce ``memory_stats()`` and ``memory_snapshot()``'s segments to :class:`AllocatorFacts`;
-    only the pool the request could use counts (above 1 MiB never a small-pool block)."""
+    """``memory_stats()`` and ``memory_snapshot()``'s segments, in the pool the request could use."""
     large_only = requested is not None and requested > SMALL_POOL_MAX
     pool = [seg for seg in segments if not large_only or seg.get("segment_type", "large") == "large"]
     free_blocks = [
@@ -97,8 +95,7 @@ def facts_from_allocator(
 
 @dataclasses.dataclass(frozen=True)
 class AllocatorPeak:
-    """The attempt's peaks from the report's ``memory_stats`` (bytes): ``allocated_bytes.all.peak``
-    (the failed step included) and ``reserved_bytes.all.peak``."""
+    """The attempt's allocated and reserved peaks from the report's ``memory_stats`` (bytes)."""
 
     allocated_bytes: int | None
     reserved_bytes: int | None = None

@@ -34,9 +34,8 @@ class SampleLengths:
 
 @dataclasses.dataclass(frozen=True)
 class RankReduction:
-    """A resumed adapter cut to a smaller rank by truncated SVD of its update: ``energy_kept`` is
-    the share of the update's squared singular values the smaller rank keeps, over all modules;
-    ``worst_energy_kept`` that of the module that keeps least (``worst_module``)."""
+    """A resumed adapter cut to a smaller rank by truncated SVD: the share of the update's energy
+    kept, over all modules and in the module that keeps least."""
 
     rank_from: int
     rank_to: int
@@ -55,10 +54,8 @@ MAX_ROWS_SEARCHED = 50_000
 
 @dataclasses.dataclass(frozen=True)
 class BatchInFlight:
-    """The micro-batch a training step ran out of memory on: ``step`` the optimizer step being
-    trained, ``micro`` the index within it, ``lengths`` the rows' token counts (truncated), ``rows``
-    their indices in the training set (None: packed, or above :data:`MAX_ROWS_SEARCHED` rows; -1: a
-    row not found)."""
+    """The micro-batch a training step ran out of memory on: ``rows`` are the training set's indices
+    of its ``lengths`` (None: packed, or above :data:`MAX_ROWS_SEARCHED` rows; -1: not found)."""
 
     step: int
     micro: int
@@ -78,9 +75,8 @@ class BatchInFlight:
             return None
 
     def same_position(self, other: BatchInFlight) -> bool:
-        """Whether ``other`` is this data position again: the same step and a row in common (rows
-        unknown: a longest row of the same length). Not the micro index or the other lengths: the
-        usual next rungs change them while the same row fails at the same step."""
+        """The same step and a row in common (rows unknown: a longest row of the same length); the
+        next rungs change the micro index and the other lengths while the same row fails."""
         if self.step != other.step:
             return False
         mine, theirs = ({row for row in rows or () if row >= 0} for rows in (self.rows, other.rows))

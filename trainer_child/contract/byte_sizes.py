@@ -35,11 +35,8 @@ _BYTES_RE = re.compile(rf"^\s*({_NUMBER})\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int:
-    """``"24GiB"`` -> 25769803776; plain numbers are bytes, rounded down; raises UnitError.
-
-    Bools are refused (YAML's ``yes``). With ``unit_required`` a number without a unit is refused
-    (0 aside): ``gpu_memory_limit: 24`` almost always means 24 GiB, and would fail only at run time.
-    """
+    """``"24GiB"`` -> 25769803776; plain numbers are bytes, rounded down; raises UnitError. With
+    ``unit_required`` a number but 0 needs a unit (``gpu_memory_limit: 24`` almost means 24 GiB)."""
     if isinstance(value, bool):
         raise UnitError("a boolean is not a size", BYTES_HELP)
     text = str(value).strip()

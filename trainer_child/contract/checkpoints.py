@@ -38,8 +38,7 @@ _TRAINER_STATE = "trainer_state.json"
 
 
 class UnsafeCheckpointPath(Exception):
-    """A checkpoint path that is a symbolic link (or no directory): never written through (the
-    supervisor often runs as root; rotation would delete directories where a link points)."""
+    """A checkpoint path that is a symbolic link (or no directory): never written through."""
 
 
 def own_directory(path: Path) -> bool:
@@ -72,8 +71,7 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints (the final name *and* the marker), oldest first; temp names, unmarked
-    directories and symbolic links (or anything under a linked ``checkpoints_dir``) are not."""
+    """Complete checkpoints (the final name *and* the marker, no link), oldest first."""
     root = Path(checkpoints_dir)
     if not own_directory(root):
         return []
@@ -88,8 +86,7 @@ def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple
 
 
 def file_digests(root: Path) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the
-    marker (a LoRA checkpoint hashes in a fraction of a second; sha256 catches any change)."""
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the marker."""
     digests: dict[str, dict[str, Any]] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         name = path.relative_to(root).as_posix()
@@ -116,8 +113,8 @@ def read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def damaged_files(path: Path) -> dict[str, str] | None:
-    """``{file: why}`` for each file that differs from the marker (empty: intact, or a marker
-    without a file list, verified by loading); None when the marker or its list is unreadable."""
+    """``{file: why}`` for each file that differs from the marker (empty: intact, or no file list);
+    None when the marker or its list is unreadable."""
     marker = read_marker(path)
     if marker is None:
         return None
@@ -145,8 +142,7 @@ def _file_damage(path: Path, expected: object) -> str | None:
 
 
 def quarantine(path: Path, reason: str) -> Path:
-    """Move checkpoint directory ``path`` into the quarantine folder beside its parent (one
-    rename), with the reason in a file; return where it went. Neither may be a link."""
+    """Move checkpoint ``path`` into the quarantine folder, with the reason; return where it went."""
     if not own_directory(path):
         raise UnsafeCheckpointPath(f"{path} is a symbolic link or no directory; refusing to quarantine it")
     folder = path.parent.parent / QUARANTINE_DIR
@@ -161,8 +157,7 @@ def quarantine(path: Path, reason: str) -> Path:
 
 
 class CheckpointLoadError(Exception):
-    """The checkpoint to resume from cannot be loaded: the child exits ExitCode.CHECKPOINT naming it,
-    so the supervisor quarantines it."""
+    """The checkpoint to resume from cannot be loaded (ExitCode.CHECKPOINT: it is quarantined)."""
 
 
 #: Checkpoint files that hold optimizer state; left out when the optimizer is reset.
@@ -171,9 +166,8 @@ OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
 
 @dataclasses.dataclass(frozen=True)
 class ResumeSource:
-    """Where an attempt resumes: ``load_from`` is what Trainer reads; ``reset_from`` when the
-    optimizer state starts afresh (the scheduler restored from it), ``reset_reason`` why;
-    ``original`` is the checkpoint itself (named in reports)."""
+    """Where an attempt resumes: ``load_from`` is what Trainer reads, ``original`` the checkpoint;
+    ``reset_from`` when the optimizer starts afresh (the scheduler restored from it)."""
 
     load_from: str | None = None
     reset_from: str | None = None
@@ -183,16 +177,15 @@ class ResumeSource:
 
 
 def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> Path:
-    """Where step ``step`` is written before it is sealed; ``owner`` (default: this process) is the
-    pid whose death makes it a leftover. Refuses a linked ``checkpoints_dir`` before any save."""
+    """Where step ``step`` is written before it is sealed, a leftover once ``owner`` (default: this
+    process) is gone; refuses a linked ``checkpoints_dir``."""
     refuse_linked_dir(checkpoints_dir)
     return checkpoints_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{owner or os.getpid()}"
 
 
 def seal(root: Path) -> None:
-    """:data:`DIR_MODE` on every directory under ``root`` (and itself), :data:`durable.FILE_MODE` on
-    every file, links left alone (safetensors writes 0600, a merge by hand has the shell's umask);
-    then every file fsynced, and every directory."""
+    """The run's modes on ``root`` and everything under it but links (safetensors writes 0600), then
+    every file fsynced, and every directory."""
     inside = sorted(root.rglob("*"))
     for path in [root, *inside]:
         mode = os.lstat(path).st_mode
@@ -205,9 +198,8 @@ def seal(root: Path) -> None:
 
 
 def replace_dir(temp: Path, final: Path) -> None:
-    """Put the finished directory ``temp`` at ``final`` (the adapter, the merged model), durably;
-    a link at ``final`` is removed, never followed. A kill between the two renames leaves
-    ``.old-<name>-<pid>``, which the supervisor's disk reclaim deletes once this pid is gone."""
+    """Put the finished directory ``temp`` at ``final`` durably (a link there removed); a kill between
+    the renames leaves ``.old-<name>-<pid>`` for the supervisor's disk reclaim."""
     seal(temp)
     if final.is_symlink():
         os.unlink(final)
@@ -220,8 +212,7 @@ def replace_dir(temp: Path, final: Path) -> None:
 
 
 def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: bool) -> Path:
-    """Seal ``written`` (fsync, a marker with each file's size and sha256) and rename it to
-    ``final``. An unmarked directory in the way is quarantined first, a link there removed."""
+    """Seal ``written`` and rename it to ``final`` (an unmarked directory there quarantined first)."""
     seal(written)
     marker = {
         "step": step,
@@ -245,8 +236,8 @@ def is_complete(path: Path) -> bool:
 
 
 def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, never ``protect`` (the one this
-    attempt resumed from: the fallback); unmarked ``checkpoint-N`` leftovers are quarantined."""
+    """Delete all but the newest ``keep`` complete checkpoints, never ``protect`` (the fallback);
+    unmarked leftovers are quarantined."""
     for path in sorted(checkpoints_dir.iterdir()) if checkpoints_dir.is_dir() else []:
         if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path):
             quarantine(path, "unmarked checkpoint directory (no completion marker) found at rotation")
@@ -280,8 +271,7 @@ def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
 
 
 def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
-    """A copy of ``checkpoint`` without optimizer state, for ``reset_optimizer`` (Trainer then skips
-    the scheduler too: the recipe puts it back)."""
+    """A copy of ``checkpoint`` without optimizer state (the recipe puts the scheduler back)."""
     target = scratch / checkpoint.name
     if target.exists():
         shutil.rmtree(target)
@@ -290,8 +280,7 @@ def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
 
 
 def check_loadable(checkpoint: Path) -> None:
-    """Before the model loads: ``trainer_state.json`` has an integer step and each safetensors file
-    is as long as its header says; raises CheckpointLoadError."""
+    """Raise CheckpointLoadError unless the trainer state has a step and no safetensors is cut off."""
     state_path = checkpoint / _TRAINER_STATE
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
@@ -325,8 +314,7 @@ def _check_safetensors_length(path: Path) -> None:
 
 
 def part_dir(checkpoints_dir: Path, step: int, owner: int, rank: int) -> Path:
-    """Where rank ``rank`` of the launcher ``owner`` writes its part of step ``step`` (a stale temp
-    once the launcher is gone, removed as the staging directories are)."""
+    """Where rank ``rank`` of the launcher ``owner`` writes its part of step ``step``."""
     return checkpoints_dir / f"{TEMP_PREFIX}emergency-{step}-{owner}" / f"rank-{rank}"
 
 

@@ -11,10 +11,8 @@ class DeviceError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DeviceBinding:
-    """The one GPU an attempt trains on: ``child_visible_devices`` is the child's
-    ``CUDA_VISIBLE_DEVICES`` (``""`` hides every GPU) so it sees that GPU as ``cuda:0``;
-    ``nvml_target`` what the supervisor's NVML monitor watches (a physical index, a ``GPU-``/``MIG-``
-    UUID or unique prefix, or None)."""
+    """The one GPU an attempt trains on: the child's ``CUDA_VISIBLE_DEVICES`` (``""``: none), and what
+    the supervisor's NVML monitor watches (a physical index, a UUID or unique prefix, or None)."""
 
     child_visible_devices: str
     nvml_target: int | str | None
@@ -24,11 +22,9 @@ _UUID_PREFIXES = ("GPU-", "MIG-")
 
 
 def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
-    """Map the job's ``device`` (``auto``, ``cpu``, ``N`` / ``cuda:N``: the N-th GPU visible to the
-    supervisor, or a GPU/MIG UUID) through the inherited ``CUDA_VISIBLE_DEVICES``; both sides call it
-    with the same inputs. Without the variable N is CUDA's device N (NVML's too only under
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or one GPU model). Raises :class:`DeviceError`.
-    """
+    """Map the job's ``device`` (``auto``, ``cpu``, ``N`` / ``cuda:N``: the N-th visible GPU, or a
+    GPU/MIG UUID) through the inherited ``CUDA_VISIBLE_DEVICES``, the same on both sides; raises
+    :class:`DeviceError`."""
     text = device.strip()
     if text == "cpu":
         return DeviceBinding("", None)
@@ -57,8 +53,7 @@ def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
 
 
 def visible_entries(value: str | None) -> list[str] | None:
-    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value lists, in order (like CUDA, up to the first entry
-    that is neither an index nor a UUID); None when it is unset."""
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value lists, up to the first bad entry as in CUDA; None: unset."""
     if value is None:
         return None
     entries: list[str] = []

@@ -11,8 +11,7 @@ FILE_MODE = 0o640
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` so a reader sees the old file or the whole new one, whatever the moment of a
-    kill or a power cut (a temp file, fsync, rename, fsync of the directory)."""
+    """Write ``text`` so a reader sees the old file or the whole new one, whatever kills us when."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # mkstemp opens O_CREAT | O_EXCL | O_NOFOLLOW, and the rename replaces a link at ``path``

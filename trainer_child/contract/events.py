@@ -35,8 +35,8 @@ class ChildPeakSource(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryNumbers:
-    """The child's memory at one moment, in bytes (None: not read). ``peak_bytes`` is the attempt's
-    one peak so far, chosen by the child (:meth:`measured`); readers never re-derive it."""
+    """The child's memory at one moment, in bytes (None: not read); ``peak_bytes`` is the attempt's
+    one peak so far (:meth:`measured`), never re-derived by readers."""
 
     peak_bytes: int | None = None
     peak_source: ChildPeakSource | None = None
@@ -58,8 +58,7 @@ class MemoryNumbers:
         rss: int | None = None,
         vmdata: int | None = None,
     ) -> MemoryNumbers:
-        """The peak rule: the CUDA allocator's peak on a GPU, else the data segment's, else VmHWM (a
-        zero peak, nothing allocated yet, falls through too)."""
+        """The peak rule: the first nonzero of the CUDA allocator's, the data segment's and VmHWM."""
         candidates = (
             (cuda_peak, ChildPeakSource.CUDA_ALLOCATOR),
             (data_segment_peak, ChildPeakSource.DATA_SEGMENT),
@@ -93,8 +92,7 @@ def _adapter(record: type[Any]) -> TypeAdapter[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class PlainEvent:
-    """An event record: its fields are the line's keys; ``time`` is the line's stamp (None in a
-    record built to be written), left out of ``fields()`` and of comparisons."""
+    """An event record, its fields the line's keys; ``time`` (the line's stamp) is not compared."""
 
     event: ClassVar[str]
     time: float | None = dataclasses.field(default=None, compare=False, kw_only=True)
@@ -111,8 +109,7 @@ class PlainEvent:
 
 @dataclasses.dataclass(frozen=True)
 class Heartbeat(PlainEvent):
-    """``heartbeat``: the stage, the last completed optimizer step (a hang is both unchanged), speed
-    and memory; sent whatever the main thread does."""
+    """``heartbeat``: the stage, the last completed step (a hang: both unchanged), speed and memory."""
 
     event: ClassVar[str] = "heartbeat"
     stage: StageName
@@ -124,8 +121,7 @@ class Heartbeat(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class Started(PlainEvent):
-    """``started``: the process, its place under torchrun, device, versions, bytes at start; a
-    stand-in child (the tests') may also name ``max_steps``, ``step`` and ``stage``."""
+    """``started``: the process, its rank, device and versions; a stand-in child may add the rest."""
 
     event: ClassVar[str] = "started"
     pid: int | None = None
@@ -148,7 +144,6 @@ class Started(PlainEvent):
     stage: StageName | None = None
 
     def fields(self) -> dict[str, Any]:
-        # The stand-in's keys are written where it gave them; the child's own line has none.
         stand_in = ("max_steps", "step", "stage")
         return {k: v for k, v in super().fields().items() if k not in stand_in or v is not None}
 
@@ -197,8 +192,7 @@ class TrainerReady(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSaved(PlainEvent):
-    """``checkpoint_saved``: a complete checkpoint at ``path``; ``emergency``: after a failure;
-    ``early``: asked for by ``EARLY_CHECKPOINT_SIGNAL``."""
+    """``checkpoint_saved``: a complete checkpoint, after a failure (``emergency``) or asked (``early``)."""
 
     event: ClassVar[str] = "checkpoint_saved"
     step: int | None = None
@@ -270,8 +264,7 @@ class MergePlanned(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class TrialResult:
-    """A candidate's tokens/s and peak, or the OOM that dropped it (``error``); ``host_peak_bytes``:
-    the child's RSS high-water mark while it was timed."""
+    """A candidate's tokens/s and peaks (``host_peak_bytes``: VmHWM), or the OOM that dropped it."""
 
     candidate: TrialCandidate
     tokens_per_s: float | None
@@ -301,8 +294,7 @@ class SpeedTrialEvent:
 
 @dataclasses.dataclass(frozen=True)
 class ScriptKnobs(PlainEvent):
-    """``script_knobs``: what a script built and the shim changed there (:mod:`.script_knobs`), and
-    the model's ``config.json`` values it loaded."""
+    """``script_knobs``: what a script built, what the shim changed, and the model's config."""
 
     event: ClassVar[str] = "script_knobs"
     settings: tuple[KnobSetting, ...] = ()
@@ -351,8 +343,7 @@ _LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
 def parse_event(line: str) -> ChildEvent | None:
-    """The record of one line; None for a blank, torn or ill-typed line or an unknown event, never
-    raising: a child's bad line must not stop the supervisor."""
+    """The record of one line; None, never raising, for a torn or ill-typed line or an unknown event."""
     try:
         return _LINE.validate_json(line)
     except (ValidationError, ValueError, RecursionError):

@@ -64,9 +64,8 @@ _NEW_GPU = re.compile(r"\bGPU\s*(\d*)\s*has a total capac")
 
 @dataclasses.dataclass(frozen=True)
 class OomMessage:
-    """One allocator message in a text: ``device`` cuda, hip, xpu, mps or cpu; ``gpu`` the printed
-    index (None: none printed); ``format`` old, old_no_free, cached, new, async, cpu or short (cut
-    off before any wording's own clause); ``start`` its offset in the text."""
+    """One allocator message in a text: ``format`` old, old_no_free, cached, new, async, cpu or short
+    (cut off before any wording's own clause); ``start`` its offset."""
 
     device: str
     gpu: int | None
@@ -141,8 +140,8 @@ def _format(body: str, numbers: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class OomNumbers:
-    """The numbers of one OOM message, in the order they are usually printed, in bytes (None: not
-    printed); ``processes`` maps each other process's pid to its bytes, in printed order."""
+    """The numbers of one OOM message in printed order, in bytes (None: not printed); ``processes``:
+    pid -> bytes."""
 
     tried_to_allocate: int | None = None
     total_capacity: int | None = None

@@ -28,9 +28,8 @@ FAILED_EXITS = frozenset(
 
 
 def leave(code: int) -> NoReturn:
-    """End the child process with ``code``; a failed attempt skips the interpreter's teardown: all
-    that matters is on disk, the next attempt waits for this exit, and tearing down torch and the
-    CUDA allocator object by object took seconds on an H200 (the kernel frees it all at once)."""
+    """End the child with ``code``; a failed attempt skips the teardown the next attempt would wait
+    for (torch's took seconds on an H200; all that matters is on disk)."""
     if code in FAILED_EXITS:
         exit_now(code)
     sys.exit(code)

@@ -17,13 +17,8 @@ from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 
 @dataclasses.dataclass(frozen=True)
 class ErrorReport:
-    """What the child knew when it failed; read from its JSON once (:meth:`from_json`).
-
-    ``step`` is the last *completed* optimizer step. ``memory_stats``: the
-    ``torch.cuda.memory_stats()`` dump, kept whole for a person; ``allocator_peak`` is derived from
-    it when the report is built or read (not written). ``allocator``: the allocator's facts at an
-    OOM (None on the CPU); ``memory_snapshot``: the path of the snapshot dumped at the OOM.
-    """
+    """What the child knew when it failed, read from its JSON once: ``step`` is the last *completed*
+    one; ``allocator_peak`` is derived from ``memory_stats`` (not written)."""
 
     exit_code: int
     exception_type: str

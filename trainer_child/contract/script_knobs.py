@@ -26,9 +26,8 @@ _KNOBS = frozenset(field.name for field in dataclasses.fields(Knobs))
 
 @dataclasses.dataclass(frozen=True)
 class ScriptChanges:
-    """What the shim changes in one attempt: ``knobs`` (:class:`Knobs` fields) take the spec's
-    values; ``output_dir`` replaces the script's; ``replaced_model``: the script's own model where a
-    fallback changes it, so its tokenizer of the same name is swapped too."""
+    """What the shim changes in one attempt: ``knobs`` take the spec's values; ``replaced_model``:
+    the script's own model where a fallback changes it (its tokenizer is swapped too)."""
 
     knobs: tuple[str, ...]
     output_dir: str
@@ -49,8 +48,7 @@ class ScriptChanges:
 
 @dataclasses.dataclass(frozen=True)
 class KnobSetting:
-    """One value the script builds: ``knob`` is its ``key`` in ``where``; ``why_not`` when the
-    attempt's value could not be applied there (``got`` is then what it trained with)."""
+    """One value the script builds (``key`` in ``where``); ``why_not``: the attempt's was not applied."""
 
     knob: str
     key: str

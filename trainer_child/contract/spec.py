@@ -122,9 +122,7 @@ class Resources:
 
 @dataclasses.dataclass(frozen=True)
 class DiagnoseSpec:
-    """Opt-in diagnostics (the job's ``diagnose``): ``memory_history`` records the CUDA allocator's
-    history (at most ``memory_history_entries`` events) and dumps it at an OOM
-    (:data:`MEMORY_SNAPSHOT_NAME`) for https://pytorch.org/memory_viz; it costs throughput."""
+    """Opt-in diagnostics: the CUDA allocator's history, dumped at an OOM (:data:`MEMORY_SNAPSHOT_NAME`)."""
 
     memory_history: bool = False
     memory_history_entries: int = 100_000
@@ -137,8 +135,7 @@ EARLY_CHECKPOINT_SIGNAL = signal.SIGUSR1
 
 @dataclasses.dataclass(frozen=True)
 class AttemptSpec:
-    """One attempt of the child: what to train, with which knobs, where to write. The child applies
-    the caps itself (``set_per_process_memory_fraction``, ``RLIMIT_DATA``)."""
+    """One attempt of the child: what to train, with which knobs, where to write, which caps."""
 
     attempt: int
     run_dir: str
@@ -173,8 +170,7 @@ class AttemptSpec:
 
     @classmethod
     def from_json(cls, text: str) -> AttemptSpec:
-        """Raises ValueError (pydantic's) for no spec; unknown fields are ignored, so a shim in a
-        tool's venv reads a newer supervisor's spec."""
+        """Raises ValueError; unknown fields are ignored (a shim reads a newer supervisor's spec)."""
         return _SPEC.validate_json(text)
 
 
@@ -189,8 +185,7 @@ def rank_gpus(knobs: Knobs) -> list[int]:
 
 
 def rank_file(path: str, rank: int) -> str:
-    """Where rank ``rank`` writes a file the spec names once: rank 0 the path itself, rank N
-    ``<stem>.rankN<suffix>`` beside it (``error.rank1.json``)."""
+    """Where rank ``rank`` writes a file the spec names: rank N > 0 ``<stem>.rankN<suffix>`` beside it."""
     if rank == 0:
         return path
     name = Path(path)

@@ -80,10 +80,8 @@ def family(model_type: str | None) -> Family | None:
 
 
 def resolve(targets: tuple[str, ...] | str, model_type: str | None) -> tuple[str, ...] | str:
-    """The leaf names LoRA adapts for ``targets`` on a ``model_type`` model: a keyword becomes the
-    family's names; a list, another string (a regex) or ``all-linear`` outside the table (peft's
-    rule) are returned as they are. Raises :class:`TargetsError` for ``attention`` or ``mlp``
-    outside the table and ``mlp`` on a mixture of experts."""
+    """The leaf names LoRA adapts for ``targets``: a keyword becomes the family's names (raising
+    :class:`TargetsError` where it has none); anything else, as it is, is peft's."""
     if not isinstance(targets, str) or targets not in KEYWORDS:
         return targets
     block = family(model_type)
@@ -111,8 +109,7 @@ def _experts_why(block: Family) -> str:
 
 
 def linear_leaves(tensor_names: Iterable[str], model_type: str | None) -> set[str]:
-    """The leaf names of the Linear layers a checkpoint's tensors give the loaded model
-    (``...self_attn.q_proj.weight`` -> ``q_proj``): no embeddings, norms, head, experts or router."""
+    """The leaf names of the Linear layers a checkpoint's tensors give the loaded model."""
     block = family(model_type)
     skip = {"lm_head", *(block.router if block else ())}
     return {
@@ -141,9 +138,8 @@ def check(
     layers: set[str],
     experts: Iterable[str] = (),
 ) -> tuple[str, ...] | str:
-    """``targets`` resolved and checked against ``layers`` (the model's Linear leaf names); raises
-    :class:`TargetsError` naming each name that matches nothing (one is enough: Llama names on Phi-3
-    would train a third of what was meant). ``experts``: leaf names only inside MoE experts."""
+    """``targets`` resolved; raises :class:`TargetsError` naming each name not in ``layers`` (one is
+    enough: Llama names on Phi-3 would train a third of what was meant)."""
     resolved = resolve(targets, model_type)
     if isinstance(resolved, str):
         return resolved  # all-linear on an unknown block, or a regex: peft resolves it

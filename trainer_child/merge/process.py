@@ -31,8 +31,7 @@ DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"
 
 
 def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
-    """The dtype training computed in: the job's, else the one the child recorded (``trained``),
-    else bf16 off the GPU (a CPU merge is usually of a GPU-trained model; fp32 would double it)."""
+    """The dtype training computed in: the job's, else the recorded one, else bf16 off the GPU."""
     import torch
 
     from qlora_supervise.trainer_child.recipe.qlora import compute_dtype
@@ -144,8 +143,7 @@ def merge(ctx: Context) -> ExitCode:
 
 
 def check_dtype(model: Any, dtype: Any) -> None:
-    """Every floating-point weight is in the training dtype (an fp32 delta left in a bf16 base would
-    double on disk and change the numbers)."""
+    """Every floating-point weight is in the training dtype (no fp32 delta in a bf16 base)."""
     wrong = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != dtype})
     if wrong:
         raise RuntimeError(f"merged weights in {wrong}, expected {dtype} (the training compute dtype)")

@@ -204,8 +204,7 @@ def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType],
 
 
 def _from_pretrained(attr: str, hook: Callable[[Any, Any], Any]) -> Callable[[ModuleType], None]:
-    """A patch that gives ``module.<attr>.from_pretrained`` (a classmethod) the model name
-    ``hook(klass, name)`` returns."""
+    """A patch that gives ``module.<attr>.from_pretrained`` the name ``hook(klass, name)`` returns."""
 
     def patch(module: ModuleType) -> None:
         cls = getattr(module, attr)

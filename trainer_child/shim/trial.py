@@ -58,8 +58,7 @@ def tool_row(trainer: Any) -> dict[str, Any]:
 
 
 def kept_columns(trainer: Any) -> set[str] | None:
-    """The columns ``remove_unused_columns`` keeps, as the Trainer finds them (the model's
-    ``forward`` arguments and the label names); None: it keeps every one, or cannot say."""
+    """The columns ``remove_unused_columns`` keeps, as the Trainer finds them; None: every one."""
     if not getattr(trainer.args, "remove_unused_columns", False):
         return None
     find = getattr(trainer, "_set_signature_columns_if_needed", None)
