@@ -34,15 +34,14 @@ class ErrorReport:
     emergency_checkpoint: str | None = None  # the checkpoint saved after the failure
     emergency_step: int | None = None
     expandable_segments_active: bool | None = None
-    # The checkpoint that failed to load (ExitCode.CHECKPOINT): the original, not a scratch copy.
-    damaged_checkpoint: str | None = None
-    disk_full: bool = False  # the failure was ENOSPC / EROFS / EDQUOT: see ``disk``
-    # {"path", "needed_bytes" (the size of the last checkpoint), "free_bytes", "errno"}
-    disk: dict[str, Any] | None = None
+    damaged_checkpoint: str | None = None  # the original that failed to load, not a scratch copy
+    disk_full: bool = False  # ENOSPC / EROFS / EDQUOT
+    disk: dict[str, Any] | None = None  # {"path", "needed_bytes", "free_bytes", "errno"}
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
-    # When the exception was caught: under torchrun the earliest failure of all ranks is the cause.
-    time: float = dataclasses.field(default_factory=time.time)
+    time: float = dataclasses.field(
+        default_factory=time.time
+    )  # when caught: the earliest rank's is the cause
     rank: int = 0  # torchrun's RANK and LOCAL_RANK (0 for a single process)
     local_rank: int = 0
     world_size: int = 1

@@ -46,28 +46,18 @@ class Knobs:
     quant_type: str = "nf4"
     double_quant: bool = True
     load_in_4bit: bool = True
-    # Kept so old journals and specs read; refused at validate (accelerate cannot train 4-bit
-    # weights offloaded to the CPU).
-    cpu_offload: bool = False
-    # The embeddings and LM head stay bf16 through prepare_model_for_kbit_training's fp32 upcast
-    # (2.1 GB each in fp32 at a 128k vocabulary).
-    bf16_head: bool = False
-    # Activations saved for backward in host memory (torch.autograd.graph.save_on_cpu).
-    activation_offload: bool = False
-    # On by default: no tokens/s lost on the H200 and 0.7 GiB less reserved (memory-grid-h200).
-    expandable_segments: bool = True
+    cpu_offload: bool = False  # old specs only: refused at validate (4-bit weights cannot train offloaded)
+    bf16_head: bool = False  # embeddings and LM head kept out of prepare's fp32 upcast
+    activation_offload: bool = False  # activations saved for backward in host memory
+    expandable_segments: bool = True  # no tokens/s lost on the H200, 0.7 GiB less reserved
     eval_batch_size: int = 1
     eval_enabled: bool = True
     merge_on_cpu: bool = False
-    # The resume ladder: the checkpoint's optimizer state read into host memory first (Trainer
-    # reads it onto the card whole); a fresh optimizer state with the LR schedule kept.
-    optimizer_state_on_host: bool = False
-    fresh_optimizer_state: bool = False
+    optimizer_state_on_host: bool = False  # resume: read it into host memory, not onto the card whole
+    fresh_optimizer_state: bool = False  # resume: a fresh optimizer state, the LR schedule kept
     world_size: int = 1
-    # The ranks' GPUs by position in CUDA_VISIBLE_DEVICES, comma-separated; "": the first world_size.
-    gpus: str = ""
-    # FSDP-QLoRA: the ranks shard the 4-bit weights (stored in the compute dtype) instead of replicas.
-    fsdp: bool = False
+    gpus: str = ""  # the ranks' positions in CUDA_VISIBLE_DEVICES, comma-separated; "": the first ones
+    fsdp: bool = False  # FSDP-QLoRA: the ranks shard the 4-bit weights instead of holding replicas
 
     @property
     def effective_batch(self) -> int:
@@ -105,8 +95,7 @@ class TrainSpec:
     compute_dtype: str = "auto"
     trust_remote_code: bool = False
     merge: bool = False
-    # "none" or "tensorboard" (<run_dir>/tensorboard: one directory, the curves go on after a restart).
-    report_to: str = "none"
+    report_to: str = "none"  # or "tensorboard" (<run_dir>/tensorboard, across attempts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +105,7 @@ class Resources:
     device: str = "auto"  # "auto", "cpu", "cuda:N" or a GPU UUID
     gpu_memory_limit: int | None = None
     cpu_memory_limit: int | None = None
-    # The host RAM the plan may give this job (a budget, not a cap the child applies).
-    host_memory_limit: int | None = None
+    host_memory_limit: int | None = None  # the plan's host budget, not a cap the child applies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,18 +140,13 @@ class AttemptSpec:
     cpu_memory_limit: int | None = None  # bytes
     heartbeat_interval: float = 5.0
     resume_from: str | None = None  # None: start from step 0
-    # Keep adapter, step and data position, start the optimizer state afresh.
-    reset_optimizer: bool = False
+    reset_optimizer: bool = False  # keep adapter, step and data position; a fresh optimizer state
     diagnose: DiagnoseSpec = DiagnoseSpec()
-    # SIGTERM to SIGKILL; torchrun is told the same, so it does not kill the ranks' checkpoint sooner.
-    stop_grace_s: float = 180.0
-    # Candidates the child times before step 1, the first being these knobs; empty: no trial.
-    speed_trial: tuple[TrialCandidate, ...] = ()
-    # The most a candidate may measure (dropped above it, as by an OOM); None: no such check.
-    speed_trial_limit_bytes: int | None = None
+    stop_grace_s: float = 180.0  # SIGTERM to SIGKILL, torchrun's too: the ranks' checkpoint fits in it
+    speed_trial: tuple[TrialCandidate, ...] = ()  # the first is these knobs; empty: no trial
+    speed_trial_limit_bytes: int | None = None  # a candidate above it is dropped, as by an OOM
     speed_trial_on_resume: bool = False  # the card's sharing changed since the last trial
-    # A trainer that is not ours: its argv, run with the shim on its PYTHONPATH; empty: our child.
-    command: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()  # a trainer that is not ours, run with the shim; empty: our child
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
