@@ -4,6 +4,7 @@ launchers and data workers, stay free of torch and of our heartbeats)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -21,12 +22,12 @@ from qlora_supervise.trainer_child.shim import script
 TRAINER_MODULE = "transformers.trainer"
 
 
+@dataclasses.dataclass(eq=False)
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds ``name`` through the other finders, and runs ``then`` on the module once it has loaded."""
 
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.then = then
+    name: str
+    then: Callable[[ModuleType], None]
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
