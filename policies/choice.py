@@ -16,8 +16,8 @@ from qlora_supervise.policies.search import config_search, throughput
 from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
 from qlora_supervise.policies.verdicts import Decision, FailureLike, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate, TrialResult
+from qlora_supervise.trainer_child.contract.events import TrialResult
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 #: Attempt 1's config: the search itself (``run``'s first plan and the ``plan`` command ask it here).
 first = config_search.preflight

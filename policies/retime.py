@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies.choice import MIN_GAIN, trained_with
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 RETIME_RUNG = "retime"
 #: How far the others' memory, or their SM utilisation (percentage points), must move to count.

@@ -29,8 +29,7 @@ from qlora_supervise.policies.search.search_state import (
     fit_limit,
     scaled_peak,
 )
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 __all__ = [
     "DEFAULT_MARGIN",

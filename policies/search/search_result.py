@@ -8,8 +8,7 @@ from typing import Any
 
 from qlora_supervise.policies.memory.gpu import Prediction
 from qlora_supervise.policies.rungs import CostClass
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 
 @dataclass(frozen=True)

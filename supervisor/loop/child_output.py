@@ -23,11 +23,16 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
 from qlora_supervise.supervisor.watching.watch import Watched
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
-from qlora_supervise.trainer_child.contract.checkpoints import is_complete, publish
+from qlora_supervise.trainer_child.contract.checkpoints import (
+    CHECKPOINT_PREFIX,
+    RNG_FILE,
+    agreed_parts,
+    is_complete,
+    part_step,
+    publish,
+)
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, Resumed, Started, read_events
-from qlora_supervise.trainer_child.contract.rank_parts import RNG_FILE, agreed_parts, part_step
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_files
 

@@ -27,8 +27,7 @@ from qlora_supervise.supervisor.record.history import policy_history
 from qlora_supervise.supervisor.record.journal import RunState
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 
 @dataclass(frozen=True)

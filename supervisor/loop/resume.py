@@ -14,10 +14,13 @@ from typing import Any
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.contract import checkpoint_dirs
 from qlora_supervise.trainer_child.contract.checkpoints import (
     OPTIMIZER_FILES,
     TEMP_PREFIX,
+    complete_checkpoints,
+    damaged_files,
+    quarantine,
+    read_marker,
     remove_stale_temps,
 )
 from qlora_supervise.trainer_child.contract.processes import pid_alive
@@ -50,10 +53,10 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
     without it (the arbiter's prediction of the next resume step) it is only skipped."""
     skipped: list[str] = []
     moved: list[Quarantined] = []
-    for step, path in reversed(checkpoint_dirs.complete_checkpoints(checkpoints_dir)):
-        marker = checkpoint_dirs.read_marker(path)
+    for step, path in reversed(complete_checkpoints(checkpoints_dir)):
+        marker = read_marker(path)
         saved = marker.get("knobs", {}) if marker is not None else None
-        damaged = checkpoint_dirs.damaged_files(path) if isinstance(saved, dict) else None
+        damaged = damaged_files(path) if isinstance(saved, dict) else None
         if saved is None or damaged is None:
             skipped.append(f"{path.name}: unreadable marker")
             continue
@@ -64,7 +67,7 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             skipped.append(f"{path.name}: damaged ({why})")
             if quarantine_damaged:
                 reason = f"files differ from the completion marker: {why}"
-                moved.append(Quarantined(path, checkpoint_dirs.quarantine(path, reason), reason))
+                moved.append(Quarantined(path, quarantine(path, reason), reason))
             continue
         if optimizer_only:
             skipped.append(f"{path.name}: optimizer state damaged ({why}); resumed with a fresh optimizer")
@@ -111,7 +114,7 @@ def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Qu
     if path.parent.resolve() != checkpoints_dir.resolve() or not path.is_dir():
         return None
     reason = f"failed to load in the child: {report.exception_type}: {report.message[:300]}" if report else ""
-    return Quarantined(path, checkpoint_dirs.quarantine(path, reason), reason)
+    return Quarantined(path, quarantine(path, reason), reason)
 
 
 def clean_staging(run_root: Path, checkpoints_dir: Path) -> list[Path]:

@@ -38,9 +38,13 @@ from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
-from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent, Heartbeat
+from qlora_supervise.trainer_child.contract.events import (
+    CheckpointSaved,
+    ChildEvent,
+    Heartbeat,
+    SpeedTrialEvent,
+)
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 
 @dataclasses.dataclass

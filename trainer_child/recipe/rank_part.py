@@ -1,7 +1,7 @@
 """This rank's part of an emergency checkpoint under torchrun (DDP), written with no collective.
 
 After one rank's failure the others are dead or stuck in the collective it broke, so the
-Trainer's own save (barriers, broadcasts) cannot run; :mod:`...contract.rank_parts` says how the
+Trainer's own save (barriers, broadcasts) cannot run; :mod:`...contract.checkpoints` says how the
 parts are laid out and when the supervisor trusts them.
 """
 
@@ -11,8 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
-from qlora_supervise.trainer_child.contract import checkpoints, rank_parts
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
+from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.recipe.trainer import SupervisedTrainerMixin
 from qlora_supervise.trainer_child.run.torchrun import staging_owner
@@ -25,7 +25,7 @@ def save_rank_part(trainer: SupervisedTrainerMixin) -> Path | None:
     if step <= 0 or checkpoints.is_complete(directory / f"{CHECKPOINT_PREFIX}{step}"):
         return None  # nothing learnt yet, or step N's regular checkpoint is already sealed
     trainer.drop_step_in_flight()
-    part = rank_parts.part_dir(directory, step, staging_owner(place), place.rank)
+    part = checkpoints.part_dir(directory, step, staging_owner(place), place.rank)
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
     if place.is_main:
@@ -35,5 +35,5 @@ def save_rank_part(trainer: SupervisedTrainerMixin) -> Path | None:
         trainer.state.save_to_json(str(part / "trainer_state.json"))
     trainer._save_rng_state(str(part))
     done = {"step": step, "rank": place.rank, "world_size": place.world_size}
-    (part / rank_parts.PART_DONE).write_text(json.dumps(done), encoding="utf-8")
+    (part / checkpoints.PART_DONE).write_text(json.dumps(done), encoding="utf-8")
     return part

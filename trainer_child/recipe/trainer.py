@@ -25,7 +25,7 @@ from trl import SFTTrainer
 
 from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.events import Heartbeat

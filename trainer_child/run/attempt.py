@@ -20,7 +20,7 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
     UnsafeCheckpointPath,
     newest_complete_checkpoint,
     refuse_linked_dir,

@@ -10,7 +10,7 @@ import re
 import time
 import traceback
 
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadError
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage

@@ -14,11 +14,11 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import (
     EarlyCheckpointRequested,
     Heartbeat,
+    MemoryNumbers,
     StageEntered,
     Stopping,
     event_line,
 )
-from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.run.memory import memory_numbers
 
 LOOP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})

@@ -14,9 +14,12 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract.allocator import allocator_env
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, facts_from_allocator
-from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
+from qlora_supervise.trainer_child.contract.allocator import (
+    AllocatorFacts,
+    allocator_env,
+    facts_from_allocator,
+)
+from qlora_supervise.trainer_child.contract.events import MemoryNumbers
 from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 

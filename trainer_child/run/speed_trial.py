@@ -1,7 +1,7 @@
 """The speed trial: time the planner's candidates in-process before step 1, train with the fastest.
 
 Once the trainer is built, and only for an attempt that starts at step 0 with two or more
-candidates in its spec (:mod:`...contract.speed_trial`; the first is the spec's own knobs), each
+candidates in its spec (:mod:`...contract.spec`; the first is the spec's own knobs), each
 candidate runs a warm-up and a few timed forward+backward micro-steps on the longest real sample of
 the training data (repeated to the candidate's micro-batch, so every row has the longest length),
 with its checkpointing switched on the same model: no reload, no optimizer step.
@@ -39,8 +39,8 @@ import torch
 from qlora_supervise.policies import choice
 from qlora_supervise.policies.choice import TrialChoice
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
+from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, TrialCandidate
 from qlora_supervise.trainer_child.recipe.activations import (
     activation_context,
     release_host_buffers,
