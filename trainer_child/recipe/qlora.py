@@ -113,20 +113,16 @@ def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
     return model
 
 
-def linear_layer_names(model: Any) -> list[str]:
-    """Leaf names of the linear layers (4-bit ones included), the vocabulary of target_modules."""
-    names = set()
-    for full_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not full_name.endswith("lm_head"):
-            names.add(full_name.rsplit(".", 1)[-1])
-    return sorted(names)
-
-
 def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> None:
     """Every target must match a real layer (a typo would silently train nothing). ``attention`` /
     ``mlp`` / ``all-linear`` resolve by model type (:mod:`...contract.targets`); a regex is peft's."""
+    linear = {  # leaf names of the linear layers (4-bit ones included): target_modules' vocabulary
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    }
     try:
-        check(target_modules, model.config.model_type, set(linear_layer_names(model)))
+        check(target_modules, model.config.model_type, linear)
     except TargetsError as exc:
         raise ConfigError(f"target_modules {target_modules!r} on {type(model).__name__}: {exc}") from exc
 
