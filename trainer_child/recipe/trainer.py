@@ -99,7 +99,8 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens = 0
         self._step_started = time.monotonic()
         self.shapes = StepShapes()  # for the OOM handler: did a step of this shape fit already?
-        self.batches = BatchTracker()  # for the OOM report: the micro-batch in flight
+        # For the OOM report, the micro-batch in flight: step, index in it, lengths, leading tokens.
+        self._batch: tuple[int, int, tuple[int, ...], list[list[int]]] | None = None
         self._leaked: list[torch.Tensor] = []  # TEST_LEAK_PER_STEP only
         backward = self.accelerator.backward
 
@@ -122,14 +123,24 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
         self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
-        self.batches.start(self.state.global_step + 1, inputs)
+        self._start_batch(inputs)
         with activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
 
+    def _start_batch(self, inputs: Any) -> None:
+        step, ids, mask = self.state.global_step + 1, inputs["input_ids"], inputs.get("attention_mask")
+        micro = self._batch[1] + 1 if self._batch is not None and self._batch[0] == step else 0
+        rows = [row[m.bool()] for row, m in zip(ids, mask, strict=True)] if mask is not None else list(ids)
+        lengths = tuple(int(row.numel()) for row in rows)
+        self._batch = (step, micro, lengths, [row[:ROW_KEY_TOKENS].tolist() for row in rows])
+
     def batch_in_flight(self) -> BatchInFlight | None:
-        return self.batches.in_flight(self.train_dataset)
+        if self._batch is None:
+            return None
+        step, micro, lengths, keys = self._batch
+        return BatchInFlight(step, micro, lengths, find_rows(self.train_dataset, lengths, keys))
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with self._in_stage(Stage.EVAL):
@@ -329,11 +340,10 @@ class SupervisionCallback(TrainerCallback):
         assert self.trainer is not None
         self.trainer.progress.step = state.global_step
         source, scheduler = self.source, self.trainer.lr_scheduler
-        if source.reset_from is not None:
-            restore_scheduler(self.trainer, Path(source.reset_from), state.global_step)
-        elif source.original is not None:
-            follow_schedule(self.trainer, state.global_step)
         if source.original is not None:
+            if source.reset_from is not None:
+                restore_scheduler(self.trainer, Path(source.reset_from))
+            follow_schedule(self.trainer, state.global_step)
             self.trainer.progress.events.emit(
                 "resumed",
                 from_step=state.global_step,
@@ -393,19 +403,16 @@ def injected_save_pause(step: int) -> float:
     return float(seconds)
 
 
-def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path, step: int) -> None:
-    """Put the LR schedule back at ``step`` when the optimizer state is reset (Trainer restores it
-    only with the optimizer): from the checkpoint's ``scheduler.pt``, then stepped to ``step``."""
-    scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
-    if scheduler is None or optimizer is None:
-        return
+def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path) -> None:
+    """The checkpoint's LR schedule when the optimizer state is reset (Trainer restores it only with the
+    optimizer); a damaged file is a CheckpointLoadError."""
     path = checkpoint / "scheduler.pt"
-    if path.is_file():
-        try:
-            scheduler.load_state_dict(torch.load(path, weights_only=True))
-        except Exception as exc:  # a damaged scheduler file: the checkpoint is not loadable
-            raise checkpoints.CheckpointLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
-    follow_schedule(trainer, step)
+    if trainer.lr_scheduler is None or trainer.optimizer is None or not path.is_file():
+        return
+    try:
+        trainer.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+    except Exception as exc:
+        raise checkpoints.CheckpointLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
 
 
 def follow_schedule(trainer: SupervisedTrainerMixin, step: int) -> None:
@@ -437,30 +444,6 @@ def inject_resume_cap(checkpoint: str | None) -> None:
         # past the cap whatever glibc's free lists hold (a request of the state's size alone was
         # served from them under load, and the cap failed the next step's forward instead).
         torch.empty(max(size, 2 * in_use, 2 * MMAP_THRESHOLD), dtype=torch.uint8)
-
-
-class BatchTracker:
-    """The micro-batch a training step is on (step, index in the step, lengths, leading tokens), for
-    the report of an OOM: :meth:`in_flight` looks its rows up in the training set."""
-
-    def __init__(self) -> None:
-        self._micro = 0
-        self._batch: tuple[int, tuple[int, ...], list[list[int]]] | None = None
-
-    def start(self, step: int, inputs: Any) -> None:
-        """A micro-batch of optimizer step ``step`` (1-based) is about to train."""
-        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-        same_step = self._batch is not None and self._batch[0] == step
-        self._micro = self._micro + 1 if same_step else 0
-        rows = [row[m.bool()] for row, m in zip(ids, mask, strict=True)] if mask is not None else list(ids)
-        lengths = tuple(int(row.numel()) for row in rows)
-        self._batch = (step, lengths, [row[:ROW_KEY_TOKENS].tolist() for row in rows])
-
-    def in_flight(self, dataset: Any) -> BatchInFlight | None:
-        if self._batch is None:
-            return None
-        step, lengths, keys = self._batch
-        return BatchInFlight(step, self._micro, lengths, find_rows(dataset, lengths, keys))
 
 
 def find_rows(dataset: Any, lengths: tuple[int, ...], keys: list[list[int]]) -> tuple[int, ...] | None:

@@ -17,13 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from qlora_supervise.trainer_child.contract import checkpoints, disk_space
+from qlora_supervise.trainer_child.contract import checkpoint_dirs, checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
-    UnsafeCheckpointPath,
-    newest_complete_checkpoint,
-    refuse_linked_dir,
-)
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.events import Started
@@ -130,12 +125,12 @@ def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
     removing dead writers' staging dirs. A linked ``checkpoints_dir`` is a ConfigError."""
     checkpoints_dir = Path(spec.checkpoints_dir)
     try:
-        refuse_linked_dir(checkpoints_dir)
-    except UnsafeCheckpointPath as exc:
+        checkpoint_dirs.refuse_linked_dir(checkpoints_dir)
+    except checkpoint_dirs.UnsafeCheckpointPath as exc:
         raise ConfigError(str(exc)) from exc
     checkpoints.remove_stale_temps(checkpoints_dir)
     if spec.resume_from == "auto":
-        newest = newest_complete_checkpoint(checkpoints_dir)
+        newest = checkpoint_dirs.newest_complete_checkpoint(checkpoints_dir)
         return newest[1] if newest else None
     return Path(spec.resume_from) if spec.resume_from else None
 
@@ -165,11 +160,12 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
             "resume at its rank or start from step 0"
         )
     stripped = checkpoints.without_optimizer(source, Path(spec.checkpoints_dir) / f".tmp-reset-{os.getpid()}")
-    if not cut:
-        why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
-        return checkpoints.ResumeSource(str(stripped), str(stripped), why, original)
-    why = "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
-    reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha)
+    reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha) if cut else None
+    why = (
+        "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
+        if cut
+        else "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
+    )
     return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
 
 

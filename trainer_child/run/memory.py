@@ -3,9 +3,11 @@ functions: :func:`prepare_process_env` runs before it is)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import gc
 import os
 import resource
 from pathlib import Path
@@ -46,12 +48,10 @@ def tune_malloc(arenas: int = 2) -> None:
     path = ctypes.util.find_library("c")
     if path is None:
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
         libc = ctypes.CDLL(path)
         libc.mallopt(_M_ARENA_MAX, arenas)
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 def proc_status_bytes(field: str) -> int | None:
@@ -96,9 +96,8 @@ def apply_cpu_cap(limit: int | None) -> None:
             f"({used} bytes, VmData): raise the limit above {used} bytes plus the model and activations"
         )
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if hard != resource.RLIM_INFINITY and limit > hard:
-        limit = hard
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    soft = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 def late_cap_step() -> int | None:
@@ -112,11 +111,9 @@ def gpu_yield() -> tuple[int, float] | None:
 
 
 def lift_cpu_cap() -> None:
-    try:
+    with contextlib.suppress(ValueError, OSError):
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)
         resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
-    except (ValueError, OSError):
-        pass
 
 
 def apply_gpu_cap(limit: int | None) -> None:
@@ -180,8 +177,6 @@ def cuda_memory_stats() -> dict[str, Any] | None:
 
 def free_memory() -> None:
     """Give back what the allocators hold (gc first: frames hold tensors)."""
-    import gc
-
     import torch
 
     gc.collect()
