@@ -72,9 +72,9 @@ class HostBuffers:
         self.packed = 0  # tensors offloaded
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host buffer whose first bytes hold ``tensor`` (:func:`as_saved` views it as the tensor)."""
+        """A host buffer whose first bytes hold ``tensor``."""
         nbytes = _nbytes(tensor)
-        size = _bucket(nbytes)
+        size = 1 << max(nbytes - 1, 0).bit_length()
         free = self._free.get(size)
         if free:
             buffer = free.pop()
@@ -98,16 +98,12 @@ class HostBuffers:
         dropped = sum(b.numel() for buffers in self._free.values() for b in buffers)
         self._free.clear()
         self.held_bytes -= dropped
-        empty_host_cache()
+        # The host allocator's cached pinned blocks back too (``_host_emptyCache`` in torch 2.11).
+        accelerator = getattr(torch, "accelerator", None)
+        empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None and torch.cuda.is_available():
+            empty()
         return dropped
-
-
-def as_saved(buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    return buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
-
-
-def _bucket(nbytes: int) -> int:
-    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 class _Offloaded:
@@ -125,6 +121,10 @@ class _Offloaded:
     def __del__(self) -> None:
         self.pool.give_back(self.buffer)
 
+    def saved(self) -> torch.Tensor:
+        """The buffer's first bytes, viewed as the tensor that was saved."""
+        return self.buffer[: self.shape.numel() * self.dtype.itemsize].view(self.dtype).view(self.shape)
+
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """``save_on_cpu``, less what :func:`offloads` keeps in place, into the reused buffers of ``pool``.
@@ -135,7 +135,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         seen: dict[int, tuple[weakref.ref[torch.Tensor], _Offloaded]] = {}
 
         def pack(tensor: torch.Tensor) -> Any:
-            if not offloads(tensor) or in_backward():
+            if not offloads(tensor) or torch._C._current_graph_task_id() != -1:  # saved in a backward
                 return tensor
             earlier = seen.get(id(tensor))
             if earlier is not None and earlier[0]() is tensor:
@@ -147,27 +147,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            host = as_saved(packed.buffer, packed.dtype, packed.shape)
-            result: torch.Tensor = host.to(packed.device, non_blocking=pool.pin_memory)
+            result: torch.Tensor = packed.saved().to(packed.device, non_blocking=pool.pin_memory)
             return result
 
         super().__init__(pack, unpack)
 
 
-def in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def empty_host_cache() -> None:
-    """Give the host allocator's cached pinned blocks back (``_host_emptyCache`` in torch 2.11)."""
-    accelerator = getattr(torch, "accelerator", None)
-    empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None and torch.cuda.is_available():
-        empty()
 
 
 _POOL: HostBuffers | None = None

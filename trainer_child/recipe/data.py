@@ -107,14 +107,10 @@ def sample_lengths(rows: Any, tokenizer: Any, limit: int = MAX_REPORTED_LENGTHS)
     total = len(rows)
     picked = rows.select(range(0, total, max(1, math.ceil(total / limit))))
     if MESSAGES in picked.column_names:
-        lengths = [len(_chat_ids(tokenizer, chat)) for chat in picked[MESSAGES]]
+        chats = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=True) for c in picked[MESSAGES]]
+        lengths = [len(chat["input_ids"]) for chat in chats]
     else:
         eos = tokenizer.eos_token or ""
         texts = [text if text.endswith(eos) else text + eos for text in picked[TEXT]]
         lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
     return SampleLengths(total, tuple(sorted(lengths)))
-
-
-def _chat_ids(tokenizer: Any, chat: Any) -> list[int]:
-    ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
-    return list(ids)

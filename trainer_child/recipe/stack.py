@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -37,27 +38,21 @@ def import_training_classes(model_dir: str | None = None) -> None:
         importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     except (OSError, ValueError, KeyError, TypeError, ImportError):
         return  # a hub id, or an architecture this transformers names otherwise: the attempt imports it
-    warm_weight_renamings(str(model_type))
-    build_on_meta(model_dir)
+    warm_first_load(model_dir, str(model_type))
 
 
-def warm_weight_renamings(model_type: str) -> None:
-    """Build transformers' checkpoint-renaming table (a private cache in 5.x), which the first
-    ``from_pretrained`` builds for every architecture (0.6 s of regexes on CI)."""
-    try:
-        from transformers import conversion_mapping
-    except ImportError:
-        return
-    build = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
-    if callable(build):
-        build(model_type)
-
-
-def build_on_meta(model_dir: str) -> None:
-    """Construct the model on the meta device and drop it: a first construction's one-off work is done."""
+def warm_first_load(model_dir: str, model_type: str) -> None:
+    """Do a first load's one-off work ahead: transformers' checkpoint-renaming table (a private cache in
+    5.x, 0.6 s of regexes on CI), and a first construction (on the meta device, dropped)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    with contextlib.suppress(ImportError):
+        from transformers import conversion_mapping
+
+        build = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+        if callable(build):
+            build(model_type)
     try:
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):

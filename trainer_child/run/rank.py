@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -62,7 +61,12 @@ def adapter_rank(directory: Path) -> int | None:
 def truncate_adapter(directory: Path, rank: int, alpha: int) -> RankReduction:
     """Rewrite the adapter in ``directory`` (a scratch copy) at ``rank`` and ``alpha``; the energy kept."""
     config = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    _check_plain_lora(config, directory)
+    # Per-module ranks or DoRA magnitudes would need their own rule; the recipe never writes them.
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
+        raise ConfigError(
+            f"resume_from {directory}: the adapter uses rank_pattern, alpha_pattern or DoRA, which "
+            "rank reduction does not handle; resume it at its own lora_r or start from step 0"
+        )
     rslora = bool(config.get("use_rslora"))
     old_rank, old_alpha = int(config["r"]), float(config["lora_alpha"])
     if rank > old_rank:
@@ -93,12 +97,3 @@ def truncate_adapter(directory: Path, rank: int, alpha: int) -> RankReduction:
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
     worst = min(kept, key=kept.__getitem__)
     return RankReduction(old_rank, rank, len(kept), top / total if total > 0 else 1.0, kept[worst], worst)
-
-
-def _check_plain_lora(config: dict[str, Any], directory: Path) -> None:
-    # Per-module ranks or DoRA magnitudes would need their own rule; the recipe never writes them.
-    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
-        raise ConfigError(
-            f"resume_from {directory}: the adapter uses rank_pattern, alpha_pattern or DoRA, which "
-            "rank reduction does not handle; resume it at its own lora_r or start from step 0"
-        )
