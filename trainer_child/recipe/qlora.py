@@ -44,12 +44,10 @@ _DTYPES = {
 
 @dataclasses.dataclass
 class Recipe:
-    """What the attempt needs to run and finish: the trainer and where it resumes from."""
+    """The trainer, and the tokenizer saved with the adapter."""
 
     trainer: SupervisedSFTTrainer
     tokenizer: Any
-    resume_from: str | None
-    compute_dtype: torch.dtype
 
 
 def compute_dtype(name: str, on_cuda: bool) -> torch.dtype:
@@ -350,7 +348,7 @@ def build(
         prepared=ready is not None,
         prepared_s=ready.seconds if ready else None,
     )
-    return Recipe(trainer, tokenizer, source.load_from, dtype)
+    return Recipe(trainer, tokenizer)
 
 
 def count_linear4bit(model: Any) -> int:

@@ -110,7 +110,6 @@ class SupervisedTrainerMixin(_TrainerBase):
 
         self.accelerator.backward = tracked_backward
 
-    # ---- stages -------------------------------------------------------------------------
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
             self.progress.enter(Stage.FORWARD)
@@ -189,7 +188,6 @@ class SupervisedTrainerMixin(_TrainerBase):
         with open(rank_file(trace, self.place.rank), "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    # ---- checkpoints ----------------------------------------------------------------------
     def _get_output_dir(self, trial: Any) -> str:  # into our staging dir while saving
         if self._staging_root is not None:
             return str(self._staging_root)
@@ -232,16 +230,17 @@ class SupervisedTrainerMixin(_TrainerBase):
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        pause = injected_save_pause(self.state.global_step)
+        seconds, _, from_step = os.environ.get(TEST_PAUSE_IN_SAVE, "").partition("@")
+        too_early = from_step and self.state.global_step < int(from_step)
+        pause = float(seconds) if seconds and not too_early else 0.0
         if pause > 0:
             beat = Heartbeat(Stage.SAVE, self.progress.step)
             self.progress.events.emit("heartbeat", **beat.fields(), test_pause_in_save=pause)
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
 
-    # ---- loading the resume checkpoint ----------------------------------------------------
-    # A failure here is the checkpoint's (truncated, corrupt), not the config's; an OOM in the
-    # stage ``resume`` is the resume's (its own ladder), not the load's.
+    # Loading the resume checkpoint: a failure is the checkpoint's (truncated, corrupt), not the config's;
+    # an OOM in the stage ``resume`` is the resume's (its own ladder), not the load's.
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         with self._in_stage(Stage.RESUME), _checkpoint_load(resume_from_checkpoint, "adapter"):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -394,13 +393,6 @@ def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
         raise checkpoints.CheckpointLoadError(
             f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
         ) from exc
-
-
-def injected_save_pause(step: int) -> float:
-    seconds, _, from_step = os.environ.get(TEST_PAUSE_IN_SAVE, "").partition("@")
-    if not seconds or (from_step and step < int(from_step)):
-        return 0.0
-    return float(seconds)
 
 
 def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path) -> None:

@@ -178,7 +178,9 @@ def time_candidate(
     if error is not None:
         free_memory()
     seconds = round(time.monotonic() - started, 3)
-    return TrialResult(candidate, tokens_per_s, peak(on_cuda), seconds, error, host_peak)
+    # The CUDA allocator's peak since the start; on the CPU the data segment's so far (never reset).
+    peak = int(torch.cuda.max_memory_allocated()) if on_cuda else memory_numbers().peak_bytes
+    return TrialResult(candidate, tokens_per_s, peak, seconds, error, host_peak)
 
 
 def timed_steps(trainer: Any, batch: dict[str, Any], on_cuda: bool, deadline: float) -> float:
@@ -239,14 +241,6 @@ def untouched(trainer: Any) -> Iterator[None]:
         if train_tokens is not None:
             trainer._total_train_tokens = train_tokens
         trainer.model.train(training)
-
-
-def peak(on_cuda: bool) -> int | None:
-    """The candidate's peak: the CUDA allocator's since its start; on the CPU the data segment's
-    high-water mark so far (it cannot be reset)."""
-    if on_cuda:
-        return int(torch.cuda.max_memory_allocated())
-    return memory_numbers().peak_bytes
 
 
 def sync(on_cuda: bool) -> None:
