@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,18 +28,16 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
+from qlora_supervise.trainer_child.recipe import resume
 from qlora_supervise.trainer_child.recipe.activations import activation_context
-from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import (
-    MMAP_THRESHOLD,
     StepShapes,
     apply_cpu_cap,
     apply_gpu_cap,
     free_memory,
     gpu_yield,
     late_cap_step,
-    proc_status_bytes,
 )
 from qlora_supervise.trainer_child.run.torchrun import (
     barrier,
@@ -59,10 +56,6 @@ TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
 #: ``BYTES`` leaked on the training device in each optimizer step's first forward: memory creep.
 TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
-#: As the resume's optimizer state is read, cap the data segment at what is in use plus half the
-#: state's file and ask for one more large copy (as Trainer's loader under torchrun does on the card):
-#: the allocation fails for real, in the stage ``resume``.
-TEST_CAP_IN_RESUME = "QLORA_SUPERVISE_TEST_CAP_IN_RESUME"
 
 KEEP_CHECKPOINTS = 3
 #: Leading tokens kept of each row of the micro-batch in flight, to find it in the training set.
@@ -242,38 +235,21 @@ class SupervisedTrainerMixin(_TrainerBase):
     # Loading the resume checkpoint: a failure is the checkpoint's (truncated, corrupt), not the config's;
     # an OOM in the stage ``resume`` is the resume's (its own ladder), not the load's.
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        with self._in_stage(Stage.RESUME), _checkpoint_load(resume_from_checkpoint, "adapter"):
+        with self._in_stage(Stage.RESUME), resume.checkpoint_load(resume_from_checkpoint, "adapter"):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        with self._in_stage(Stage.RESUME), _checkpoint_load(checkpoint, "optimizer/scheduler state"):
-            inject_resume_cap(checkpoint)
-            if not self._load_through_host(checkpoint):
+        with self._in_stage(Stage.RESUME), resume.checkpoint_load(checkpoint, "optimizer/scheduler state"):
+            resume.inject_resume_cap(checkpoint)
+            if not resume.load_through_host(self, checkpoint):
                 super()._load_optimizer_and_scheduler(checkpoint)
 
-    def _load_through_host(self, checkpoint: str | None) -> bool:
-        """The ``optimizer_state_on_host`` rung: the state read into host memory, copied to the card
-        tensor by tensor (Trainer under torchrun reads it onto the card whole). False: Trainer's own
-        loader does it (knob off, no file, or DeepSpeed / FSDP, whose loaders are their own)."""
-        if checkpoint is None or not self.plan.knobs.optimizer_state_on_host or self.optimizer is None:
-            return False
-        state_file = Path(checkpoint) / "optimizer.pt"
-        if not state_file.is_file() or self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return False
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(state)
-        del state
-        scheduler_file = Path(checkpoint) / "scheduler.pt"
-        if self.lr_scheduler is not None and scheduler_file.is_file():
-            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-        return True
-
     def _load_scaler(self, checkpoint: str | None) -> None:
-        with _checkpoint_load(checkpoint, "grad scaler state"):
+        with resume.checkpoint_load(checkpoint, "grad scaler state"):
             super()._load_scaler(checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        with _checkpoint_load(checkpoint, "RNG state"):
+        with resume.checkpoint_load(checkpoint, "RNG state"):
             super()._load_rng_state(checkpoint)
 
     def drop_step_in_flight(self) -> None:
@@ -341,8 +317,8 @@ class SupervisionCallback(TrainerCallback):
         source, scheduler = self.source, self.trainer.lr_scheduler
         if source.original is not None:
             if source.reset_from is not None:
-                restore_scheduler(self.trainer, Path(source.reset_from))
-            follow_schedule(self.trainer, state.global_step)
+                resume.restore_scheduler(self.trainer, Path(source.reset_from))
+            resume.follow_schedule(self.trainer, state.global_step)
             self.trainer.progress.events.emit(
                 "resumed",
                 from_step=state.global_step,
@@ -379,63 +355,6 @@ class SupervisionCallback(TrainerCallback):
             progress.announce_stop()
             control.should_save = True  # SIGTERM: finish this step, checkpoint, leave
             control.should_training_stop = True
-
-
-@contextlib.contextmanager
-def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
-    """Any exception but an OOM (the host allocator's RuntimeError included) while loading ``what``
-    becomes a CheckpointLoadError."""
-    try:
-        yield
-    except Exception as exc:
-        if is_oom(exc):
-            raise
-        raise checkpoints.CheckpointLoadError(
-            f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path) -> None:
-    """The checkpoint's LR schedule when the optimizer state is reset (Trainer restores it only with the
-    optimizer); a damaged file is a CheckpointLoadError."""
-    path = checkpoint / "scheduler.pt"
-    if trainer.lr_scheduler is None or trainer.optimizer is None or not path.is_file():
-        return
-    try:
-        trainer.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
-    except Exception as exc:
-        raise checkpoints.CheckpointLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
-
-
-def follow_schedule(trainer: SupervisedTrainerMixin, step: int) -> None:
-    """The learning rate of ``step`` on *this* attempt's schedule, in the scheduler and the optimizer:
-    a run extended (``max_steps`` raised) continues as one of the new length would, not at the old
-    schedule's end (rate 0 for cosine); an ordinary resume gets the value it restored."""
-    scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
-    if scheduler is None or optimizer is None:
-        return
-    # LambdaLR (cosine, linear, constant, warmup) is a function of its step count alone; another
-    # (reduce on plateau) keeps the state it restored.
-    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        scheduler.last_epoch = step - 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": meant here
-            scheduler.step()
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=False):
-        group["lr"] = lr
-
-
-def inject_resume_cap(checkpoint: str | None) -> None:
-    """The injected fault of :data:`TEST_CAP_IN_RESUME` (nothing without it)."""
-    state = Path(checkpoint) / "optimizer.pt" if checkpoint and os.environ.get(TEST_CAP_IN_RESUME) else None
-    if state is not None and state.is_file():
-        size = state.stat().st_size
-        in_use = proc_status_bytes("VmData") or 0
-        apply_cpu_cap(in_use + size // 2)
-        # Twice the data segment: no free chunk of the heap can serve it, so the segment must grow
-        # past the cap whatever glibc's free lists hold (a request of the state's size alone was
-        # served from them under load, and the cap failed the next step's forward instead).
-        torch.empty(max(size, 2 * in_use, 2 * MMAP_THRESHOLD), dtype=torch.uint8)
 
 
 def find_rows(dataset: Any, lengths: tuple[int, ...], keys: list[list[int]]) -> tuple[int, ...] | None:
