@@ -19,7 +19,7 @@ TEXT = "text"
 MESSAGES = "messages"
 
 
-def load_table(path: str, spec: DataSpec | None = None) -> Any:  # -> datasets.Dataset
+def load_table(path: str, spec: DataSpec) -> Any:  # -> datasets.Dataset
     """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train')."""
     import datasets
 
@@ -44,8 +44,8 @@ def load_table(path: str, spec: DataSpec | None = None) -> Any:  # -> datasets.D
         raise ConfigError(f"data {path}: {_bad_record(source, spec) or f'cannot be read: {exc}'}") from exc
 
 
-def _bad_record(source: Path, spec: DataSpec | None) -> str | None:
-    if spec is None or not source.is_file():
+def _bad_record(source: Path, spec: DataSpec) -> str | None:
+    if not source.is_file():
         return None
     messages = spec.messages_field is not None
     try:

@@ -53,13 +53,11 @@ def wanted(spec: AttemptSpec, resuming: bool) -> bool:
     return len(spec.speed_trial) >= 2 and from_here and not this_rank().distributed
 
 
-def run(
-    trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool, row: dict[str, Any] | None = None
-) -> SpeedTrialEvent:
-    """Time ``spec.speed_trial`` on ``row`` (default: the longest training sample), apply the choice to
-    ``trainer``, emit and return the event."""
+def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> SpeedTrialEvent:
+    """Time ``spec.speed_trial`` on the longest training sample, apply the choice to ``trainer``, emit
+    and return the event."""
     began = Began.now(progress, trainer)
-    row = longest_row(trainer.train_dataset) if row is None else row
+    row = longest_row(trainer.train_dataset)
     return conclude(trainer, progress, on_cuda, time_all(trainer, spec, on_cuda, row), began)
 
 
