@@ -14,7 +14,7 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExit
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath
 from qlora_supervise.supervisor.record.ownership import foreign_output_dir
 from qlora_supervise.supervisor.record.runfiles import open_lock_file, prepare_root, refuse_links
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import QUARANTINE_DIR
+from qlora_supervise.trainer_child.contract.checkpoints import QUARANTINE_DIR
 
 MERGE_COMMAND = "merge-command"  # ``qlora-supervise merge``'s own spec, log and report
 TRAINER_OUTPUT = "trainer-output"  # a foreign tool's own output directory (its final save)
@@ -82,7 +82,7 @@ class RunDir:
     merged = _In("merged")
     merge_command = _In(MERGE_COMMAND)
     datasets_cache = _In(DATASETS_CACHE)
-    quarantine = _In(QUARANTINE_DIR)  # checkpoints that must not be resumed (checkpoint_dirs.quarantine)
+    quarantine = _In(QUARANTINE_DIR)  # checkpoints that must not be resumed (checkpoints.quarantine)
 
     def attempt_dir(self, number: int) -> Path:
         return self.root / f"attempt-{number:03d}"

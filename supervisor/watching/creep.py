@@ -11,8 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from qlora_supervise.trainer_child.contract.events import Heartbeat
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
+from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat
 
 WINDOW = 6
 WARMUP_STEPS = 2
