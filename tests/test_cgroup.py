@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_supervise.supervisor.watching.cgroup import (
+from qlora_supervise.supervisor.watching.host import (
     ENV_MEMORY_EVENTS,
     memory_events_path,
     oom_kill_count,

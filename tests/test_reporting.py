@@ -13,8 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from qlora_supervise.supervisor.record.console_log import ConsoleLines
-from qlora_supervise.supervisor.record.eventlog import open_event_log, read_events
+from qlora_supervise.supervisor.record.eventlog import ConsoleLines, open_event_log, read_events
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting.console import Pace, PaceMeter, ProgressDisplay, plain_line
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile

@@ -1,48 +1,27 @@
 """Where a traceback was: frames out of any traceback layout, and the stage they name.
 
-Layouts read: CPython (``File "p", line N, in f`` + source line, with ``[rankN]:`` or log
-prefixes, lost indentation, hard wrapping), IPython 7 (``p in f(...)`` + ``--> N source``),
-IPython 8 (``File p:N, in Class.f(...)`` + ``--> N source``) and rich (``│ p:N in f │`` +
-``❱ N │ source``, the function wrapped onto the box's next line when the path is long). A
-qualified name (``Trainer._move_model_to_device``, ``Module.to.<locals>.convert``) is matched by
-its own last part, and by its class where the class says more (``SFTTrainer.__init__``).
-When a text has no frame at all, its bare code lines stand in for frames (excerpts often keep
-only the line that failed).
+Layouts: CPython (``File "p", line N, in f`` + source, with ``[rankN]:`` or log prefixes, lost
+indentation, hard wrapping), IPython 7 / 8 (``--> N source``) and rich (``│ p:N in f │``). A
+qualified name matches by its last part, and by its class where that says more
+(``SFTTrainer.__init__``). A text with no frame at all has its bare code lines stand in for frames.
 
 The stage rule, :func:`stage_from_frames`:
 
-0. our own trainer child's failure line (``trainer child failed in <stage>:``) is the child's
-   own word on its stage and wins over any frame (the same fact its error report carries);
-1. **merge** when any frame merges or exports a model (a merge script loading its adapter is
-   still merging); else **eval** when a frame evaluates, predicts or generates; else **resume**
-   when a frame loads a resume checkpoint's state (Trainer's ``_load_from_checkpoint`` and
-   ``_load_optimizer_and_scheduler``, accelerate's ``load_state``, DeepSpeed's checkpoint
-   loaders, an optimizer's or scheduler's ``load_state_dict``): all are contexts that run
-   forwards, loads or tensor copies of their own, so they win over any frame *inside* them.
-   An eval frame loses only to a training step deeper than it (``training_step``,
-   ``_inner_training_loop``: a script's ``evaluate_and_train()`` that trains), while a
-   generation inside ``training_step`` (GRPO / PPO rollouts) stays eval;
-2. otherwise the *deepest* frame that names a training stage (optimizer, backward, forward,
-   load, setup) decides, because an outer frame only says who called: a forward inside
-   ``optimizer.step(closure)`` is a forward OOM, a backward inside Lightning's
-   ``optimizer_step`` a backward one. One exception: a forward *inside* backward is
-   gradient-checkpoint recomputation, which belongs to backward. An optimizer step inside
-   backward stays optimizer: transformers' layer-wise optimizers step each parameter in
-   ``optimizer_hook``, which autograd calls during backward. Optimizer frames include the
-   step of packages whose files do not say "optim" (GaLore's ``adamw.py``, lion, sophia...)
-   and a low-rank projection's ``project`` / ``get_orthogonal_matrix`` (the SVD of the
-   gradient); a Trainer's ``__init__`` is load (it places the model on its device);
-3. autograd's own markers say backward where the frames say forward or nothing: anomaly mode
-   prints the *forward* traceback of the op whose backward failed ("Traceback of forward call
-   that caused the error", "Error detected in MmBackward0"), and C++ stacks of a failed
-   backward name ``torch::autograd::Engine``;
-4. bare tensor operations (matmul, softmax, linear) say forward only when nothing else
-   names a stage; then log lines: an unfinished ``Loading checkpoint shards`` progress bar
-   says load, process-group initialisation says setup.
+0. our trainer child's failure line (``trainer child failed in <stage>:``) wins over any frame;
+1. contexts win over any frame inside them: **merge** (any merge/export frame), else **eval**
+   (unless a training step, ``training_step`` / ``_inner_training_loop``, is deeper: GRPO rollouts
+   inside a step stay eval), else **resume** (loading a checkpoint's optimizer / scheduler / state);
+2. otherwise the *deepest* frame naming optimizer, backward, forward, load or setup decides (an
+   outer frame only says who called), except a forward inside backward (checkpoint recomputation:
+   backward). An optimizer step inside backward stays optimizer (layer-wise ``optimizer_hook``);
+3. autograd's markers (anomaly mode's forward traceback, ``torch::autograd::Engine``) say backward
+   where the frames say forward or nothing;
+4. bare tensor operations say forward only when nothing else names a stage; then log lines: an
+   unfinished ``Loading checkpoint shards`` bar says load, process-group initialisation setup.
 
-Within one frame a merge/export script's file name comes first (it is the context), then the
-source line (the call in progress, the deeper fact), then the function name; stages are tried
-in the order merge, eval, resume, optimizer, backward, forward, load, setup.
+Within one frame a merge/export script's file name comes first, then the source line (the call in
+progress), then the function name; stages are tried merge, eval, resume, optimizer, backward,
+forward, load, setup.
 """
 
 from __future__ import annotations
@@ -111,16 +90,13 @@ _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.EVAL, r"_?evaluat\w*|_?predict(?:ion)?(?:_\w+)?|eval_\w+|_?generate", None),
     (Stage.EVAL, r"nested_concat|pad_across_processes|validation_step|validation_loop|test_step", None),
     (Stage.EVAL, r"_?sample|greedy_search|_?beam_search|contrastive_search|assisted_decoding", r"generat"),
-    # Loading the resume checkpoint's state (a context, rule 1): the Trainer's loaders, accelerate's
-    # load_state, DeepSpeed's checkpoint loaders, and an optimizer's own load_state_dict.
+    # Loading a resume checkpoint's state (a context, rule 1).
     (Stage.RESUME, r"_load_optimizer_and_scheduler|_load_from_checkpoint|_load_scaler|_load_rng_state", None),
     (Stage.RESUME, r"load_accelerator_state|load_state", r"accelerate[/\\]"),
     (Stage.RESUME, r"_?load_checkpoint|_load_zero_checkpoint|_load_optimizer_state", r"deepspeed[/\\]"),
     (Stage.RESUME, r"load_state_dict|_process_value_according_to_param_policy|_cast", r"optim"),
     (Stage.OPTIMIZER, r"\w*optimizer_step|_maybe_opt_step|_init_group|initialize_optimizer_states", None),
-    # transformers' layer-wise optimizers (GaLore *_layerwise) step each parameter in a hook that
-    # autograd calls inside backward: the step, not the backward, ran out.
-    (Stage.OPTIMIZER, r"optimizer_hook", None),
+    (Stage.OPTIMIZER, r"optimizer_hook", None),  # layer-wise optimizers step inside backward
     # Low-rank projection optimizers (GaLore, APOLLO, Fira) take an SVD of the gradient in step.
     (Stage.OPTIMIZER, r"step|project(?:_back)?|get_orthogonal_matrix", _OPTIMIZER_PACKAGES),
     (Stage.OPTIMIZER, r"_configure_(?:zero_)?optimizer|_(?:multi|single)_tensor_\w+|_fused_adamw?", None),
@@ -135,7 +111,6 @@ _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.LOAD, r"load_checkpoint_and_dispatch|dispatch_model|caching_allocator_warmup", None),
     (Stage.LOAD, r"\w*(?:tensor|weigh\w*|param\w*|module|model)_to_device|quantize_4bit", None),
     (Stage.LOAD, r"prepare_model_for_kbit_training|prepare_model", None),
-    # A Trainer's construction places the model on its device (Trainer._move_model_to_device).
     (Stage.LOAD, r"__init__", r"(?i)trainer\w*\.py$|[/\\]trainers?[/\\]"),
     (Stage.LOAD, r"_apply|convert|to|cuda", r"torch[/\\]nn[/\\]modules[/\\]module\.py"),
     (Stage.SETUP, r"init_process_group|_verify_model_across_ranks", None),
@@ -148,7 +123,6 @@ _MERGE_FILE = re.compile(r"(?:^|[/\\_])(?:merge|export)\w*\.py$", re.IGNORECASE)
 _SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
     (Stage.MERGE, r"merge_and_unload\(|save_pretrained_merged\(|push_to_hub_merged\(|_gguf\("),
     (Stage.EVAL, r"\.(?:evaluate\w*|generate|predict)\(|\bgenerate\("),
-    # an optimizer's, scheduler's or scaler's saved state loaded back: only a resume does that
     (Stage.RESUME, r"\b\w*(?:optimizer|optim|scheduler|scaler)\w*\.load_state_dict\("),
     (Stage.OPTIMIZER, r"\b\w*(?:optimizer|optim|scaler)\w*\.step\(|optimizer_step\("),
     (Stage.OPTIMIZER, r"_configure_zero_optimizer\(|DeepSpeedZeroOptimizer\w*\("),
@@ -215,16 +189,11 @@ def frame_stage(frame: Frame) -> Stage | None:
     for stage, qualified in _QUALIFIED_RULES:
         if qualified.match(frame.function):
             return stage
-    function = _own_name(frame.function)
+    function = frame.function.rsplit(".", 1)[-1]  # Module.to.<locals>.convert -> convert
     for stage, name, path in _COMPILED_FUNCTIONS:
         if name.match(function) and (path is None or path.search(frame.path)):
             return stage
     return None
-
-
-def _own_name(function: str) -> str:
-    """A qualified name's own part: ``Module.to.<locals>.convert`` -> ``convert``."""
-    return function.rsplit(".", 1)[-1] if "." in function else function
 
 
 def _context_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
@@ -254,8 +223,7 @@ def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> Stag
 def _log_hint(text: str) -> StageFinding:
     if "doesn't have NCCL built in" in text or "init_process_group" in text:
         return StageFinding(Stage.SETUP, "process-group initialisation")
-    # A merge/export run says so in its log (its settings or progress lines) before it loads
-    # the base model; with no frames, that is the best witness of the stage it died in.
+    # A merge/export run says so in its log before it loads the base model.
     merge = _MERGE_LOG.search(text)
     if merge:
         return StageFinding(Stage.MERGE, f"a log line names a merge ({merge.group(0)!r})")
@@ -276,8 +244,7 @@ def _python_frames(text: str) -> list[tuple[int, Frame]]:
     frames = []
     for match in _PY_FRAME.finditer(text):
         path = "".join(match.group("path").split())  # hard-wrapped paths
-        source = _next_source_line(text, match)
-        frames.append((match.start(), Frame(path, match.group("func"), source)))
+        frames.append((match.start(), Frame(path, match.group("func"), _next_source_line(text, match))))
     return frames
 
 
@@ -309,13 +276,8 @@ def _ipython_frames(text: str) -> list[tuple[int, Frame]]:
 
 
 def _rich_frames(text: str) -> list[tuple[int, Frame]]:
-    frames = [
-        (match.start(), Frame(match.group("path"), match.group("func"), ""))
-        for match in _RICH_FRAME.finditer(text)
-    ]
-    for source in _RICH_SOURCE.finditer(text):
-        frames.append((source.start(), Frame("", "", source.group("src"))))
-    return frames
+    boxes = [(m.start(), Frame(m.group("path"), m.group("func"), "")) for m in _RICH_FRAME.finditer(text)]
+    return boxes + [(m.start(), Frame("", "", m.group("src"))) for m in _RICH_SOURCE.finditer(text)]
 
 
 def _bare_code_lines(text: str) -> list[Frame]:

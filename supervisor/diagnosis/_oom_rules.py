@@ -1,23 +1,13 @@
 """What an OOM message's numbers say about the cause: contention, fragmentation, or neither.
 
-**Contention**: other processes hold at least half of the GPU. ``others_in_use`` is the device's use
-beyond this process: with the new wording's "this process has P" clause, ``max(sum of the Process
-lines, total - free - max(P, reserved))`` (containers print 0 per process); otherwise ``total - free
-- reserved``, which also counts our CUDA context and workspaces (under 1 GiB: irrelevant at half the
-card). When others own most of the card nothing of ours fits: wait, do not degrade. A process that
-hit its own cap (``N allowed;``) is not contention.
+**Contention**: other processes hold at least half of the GPU (wait, do not degrade). ``others_in_use``
+is, with the new wording's "this process has P" clause, ``max(sum of the Process lines, total - free -
+max(P, reserved))``, else ``total - free - reserved``. A process that hit its own cap is not contention.
 
-**Fragmentation**: ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of capacity))`` **and**
-``reserved_unallocated + free >= tried_to_allocate`` **and** allocated + request under 95 % of the
-capacity. The memory existed and only its layout failed, so ``expandable_segments`` fixes it and a
-smaller batch is the wrong remedy; the floor ignores the allocator's normal slack; at 95 % no layout
-leaves room (H200 under an 8 GiB cap: 7.58 + 0.34 of 8 GiB, expandable_segments did not help;
-bench/results/gpu-h200-2026-11-29). Under a cap the request must fit in the split memory alone
-(``reserved_unallocated >= tried_to_allocate``): a capped allocator has already released its free
-segments and been refused by the cap, whose unreserved room no layout joins to the split bytes.
-
-Old wording: ``reserved_unallocated = reserved_total - already_allocated``; new: ``reserved_total =
-already_allocated + reserved_unallocated``; pre-1.5 ``X cached`` is the unallocated part."""
+**Fragmentation**: ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of capacity))`` and
+``reserved_unallocated + free >= tried_to_allocate`` and allocated + request under 95 % of the
+capacity (at 95 % no layout leaves room: bench/results/gpu-h200-2026-11-29). Under a cap the split
+memory alone must hold the request: the capped allocator already released its free segments."""
 
 from __future__ import annotations
 
@@ -75,13 +65,10 @@ def contention(
     """Why this is contention (a sentence), or None. NVML's sample counts as a second witness."""
     if _cap_reached(numbers):
         return None
-    total, others = numbers.get("total_capacity"), numbers.get("others_in_use")
-    if total and others is not None and others >= CONTENTION_SHARE * total:
-        return f"other processes hold {format_bytes(others)} of {format_bytes(total)} (≥ 50 %)"
-    if nvml_total and nvml_others is not None and nvml_others >= CONTENTION_SHARE * nvml_total:
-        return (
-            f"NVML: other processes hold {format_bytes(nvml_others)} of {format_bytes(nvml_total)} (≥ 50 %)"
-        )
+    message = (numbers.get("total_capacity"), numbers.get("others_in_use"))
+    for witness, (total, others) in (("", message), ("NVML: ", (nvml_total, nvml_others))):
+        if total and others is not None and others >= CONTENTION_SHARE * total:
+            return f"{witness}other processes hold {format_bytes(others)} of {format_bytes(total)} (≥ 50 %)"
     return None
 
 
@@ -90,7 +77,8 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
     unallocated, tried = numbers.get("reserved_unallocated"), numbers.get("tried_to_allocate")
     if unallocated is None or tried is None:
         return None
-    capacity = _capacity(numbers)
+    sizes = [numbers[key] for key in ("total_capacity", "allowed") if numbers.get(key)]
+    capacity = min(sizes) if sizes else None
     floor = min(FRAGMENTATION_MIN_BYTES, FRAGMENTATION_MIN_SHARE * capacity) if capacity else GIB
     floor = max(FRAGMENTATION_FLOOR_BYTES, floor)
     if capacity and int(numbers.get("already_allocated") or 0) + tried >= FULL_SHARE * capacity:
@@ -102,11 +90,6 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
         free, split = format_bytes(headroom), format_bytes(unallocated)
         return f"{split} reserved-unallocated + {free} free ≥ {format_bytes(tried)} requested"
     return None
-
-
-def _capacity(numbers: Mapping[str, Any]) -> int | None:
-    sizes = [numbers[key] for key in ("total_capacity", "allowed") if numbers.get(key)]
-    return min(sizes) if sizes else None
 
 
 def _headroom(numbers: Mapping[str, Any]) -> int:

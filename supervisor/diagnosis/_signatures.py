@@ -1,9 +1,5 @@
-"""Regex families that name a failure from its text, strongest family first.
-
-Each family is a tuple of patterns; :func:`find` returns the first line that matches, for the
-evidence sentence. Only the allocator messages' *numbers* are parsed elsewhere
-(:mod:`qlora_supervise.trainer_child.contract.oom_message`).
-"""
+"""Regex families that name a failure from its text; :func:`find` returns the first line that
+matches, for the evidence sentence."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What a memory give-up says about the cap: which one, the smallest peak seen or predicted, what helps.
-
-"ladder exhausted" alone hides the likeliest cause on a capped job: the cap is too low (issue 21
-item 7)."""
+"""What a memory give-up says about the cap: which one, the smallest peak seen or predicted,
+what helps ("ladder exhausted" alone hides that the cap is too low)."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ class Cap:
 def cap_of(
     gpu_memory_limit: int | None, cpu_memory_limit: int | None, budget_bytes: int | None, device: str = "auto"
 ) -> Cap:
-    """The cap of a job: its GPU limit, else its CPU limit, else the card (``budget_bytes``), or
-    the host's RAM for a job on the CPU without a limit."""
+    """The job's GPU limit, else its CPU limit, else the host's RAM (on the CPU) or the card."""
     if gpu_memory_limit is not None:
         return Cap("resources.gpu_memory_limit", gpu_memory_limit)
     if cpu_memory_limit is not None:
@@ -44,17 +41,13 @@ def cap_of(
 
 
 def smallest_peak_seen(records: Sequence[AttemptRecord]) -> int | None:
-    """The smallest peak an attempt reached (None: none recorded): a failed attempt's is a lower bound
-    of what its step needed, so this is the least the cap had to hold for the cheapest config tried."""
+    """The smallest peak an attempt reached (a failed one's is a lower bound of its step's need)."""
     peaks = [r.peak.bytes for r in records if r.peak is not None and r.peak.bytes]
     return min(peaks, default=None)
 
 
 def cap_words(
-    cap: Cap,
-    records: Sequence[AttemptRecord],
-    knobs: Knobs,
-    shape: memory_model.ModelShape | None,
+    cap: Cap, records: Sequence[AttemptRecord], knobs: Knobs, shape: memory_model.ModelShape | None
 ) -> str:
     """One sentence for a memory give-up: the cap, the smallest peak seen or predicted, what helps."""
     limit = format_bytes(cap.bytes) if cap.bytes is not None else "its size unknown"
@@ -80,10 +73,8 @@ def with_named_cap(
     settings: policy.Settings,
     records: Sequence[AttemptRecord],
 ) -> policy.GiveUp:
-    """A memory give-up with the cap named (``cap_words``); any other give-up as it was.
-
-    Contention is left out: another process held the memory, so no cap or config is to blame.
-    """
+    """A memory give-up with the cap named; any other give-up (and contention, where no cap or
+    config is to blame) as it was."""
     if not kind.is_oom or kind is FailureKind.OOM_CONTENTION:
         return decision
     res = job.resources

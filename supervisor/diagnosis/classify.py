@@ -2,46 +2,23 @@
 
 ``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
 
-0. **a GPU fault**: an NVML Xid event during the attempt (:mod:`.xid`): a fatal one decides
-   whatever follows; a non-fatal one overrules a verdict below that is not an OOM or a config
-   error;
-1. **we killed it**: the supervisor stopped a hung child -> ``hang`` at the stage the heartbeats
-   last showed (stopped for another
-   reason, e.g. "stop", and nothing below decides -> ``other``, saying so);
-2. **the error report** (the child knows its stage): ``config_error`` -> ``config_error``; a
-   checkpoint that did not load (``damaged_checkpoint``) -> ``checkpoint_damaged``; a
-   bitsandbytes setup or NCCL error in its text -> ``bnb_cuda_setup`` / ``nccl``; an OOM (GPU,
-   or the CPU allocator under the cap that emulates a small card) -> contention by
-   :mod:`._oom_rules` (message and NVML sample), then fragmentation judged from the report's
-   allocator facts and the step's fit (:mod:`.fragmentation`; the message-only rule where the
-   report has neither), else the stage's OOM kind; anything else -> ``other`` at its stage;
-3. **exit status + cgroup**: SIGKILL (or exit -9 / 137) with an ``oom_kill`` increment in the
-   cgroup's ``memory.events``, or with ``Killed`` in stderr -> ``host_oom``; SIGKILL with
-   neither -> ``other`` (the evidence says so); ``ExitCode.CONFIG`` -> ``config_error``;
-   ``ExitCode.DISK_FULL`` -> ``disk_full`` (a report marked ``disk_full`` decides in 2);
-4. **stderr text**: :func:`classify_text`; a child that refused its config before any training
-   stage (an import failure, its argument parser's refusal, a ``ValueError`` or a model file that
-   does not load in setup or load: :mod:`.refusal`) -> ``config_error``, the tool's line its message;
-5. **nothing**: ``other`` (``ExitCode.OOM`` without report or message: the stage is unknown, so
-   ``oom_forward``, the commonest site, whose ladder is the generic remedy).
+0. **a GPU fault** (:mod:`.xid`): a fatal Xid decides; a non-fatal one overrules below all but an
+   OOM or a config error;
+1. **we killed it**: a hung child -> ``hang`` at the heartbeats' last stage;
+2. **the error report**: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an
+   OOM is contention (:mod:`._oom_rules`), else fragmentation (:mod:`.fragmentation`), else the
+   stage's OOM kind, and may be marked spurious (:mod:`.spurious`); else ``other``;
+3. **exit status + cgroup**: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr ->
+   ``host_oom`` (with neither: ``other``); the reserved exit codes -> their kinds;
+4. **stderr text** (:func:`classify_text`); a refusal before any training stage (:mod:`.refusal`)
+   -> ``config_error``;
+5. **nothing**: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
 
-An OOM that is not contention is also *marked spurious* (:mod:`.spurious`) where the allocator's
-numbers say the request fit: its kind stays, and the policy retries the config once unchanged.
-
-``classify_text`` (any command's log) follows the labelling order of the failure corpus:
-host kill (``Killed``, exit -9/137, kernel OOM line) -> NCCL -> bitsandbytes setup -> no room
-on the disk (ENOSPC, EROFS, EDQUOT) -> OOM
-(allocator / driver / cuBLAS message, then the host allocator) -> ``other``. An OOM is
-contention, then fragmentation (:mod:`._oom_rules`), then the stage from the frames
-(:mod:`._frames`); an OOM whose frames name no stage is ``oom_forward`` with stage unknown. A
-host-allocator failure (``DefaultCPUAllocator``, ``MemoryError``) with stage frames is that
-stage's OOM, without frames ``host_oom``.
-
-A text with no exception class at all (an excerpt that stops inside the traceback) and no
-non-OOM sign (kernel assertion, illegal access, segfault) is *presumed* an OOM of the stage its
-frames name, and the evidence says "presumed": for a supervisor a missed OOM (restart
-unchanged, fail again, give up) costs more than a needless cheaper rung, and logs handed to an
-OOM supervisor are mostly OOMs. Without stage frames it stays ``other``.
+``classify_text`` follows the failure corpus's labelling order: host kill -> NCCL -> bitsandbytes
+setup -> disk full -> accelerator OOM (stage from :mod:`._frames`) -> host allocator (``host_oom``
+without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM
+sign, is *presumed* an OOM of the stage its frames name: a missed OOM costs more than a needless
+cheaper rung.
 """
 
 from __future__ import annotations
@@ -80,11 +57,25 @@ _SIGNATURE_FAMILIES = (
     (FailureKind.NCCL, _signatures.NCCL, "NCCL error"),
     (FailureKind.BNB_CUDA_SETUP, _signatures.BNB_SETUP, "bitsandbytes setup error"),
 )
+# An exit status without a report that names its kind by itself.
+_EXIT_CODE_KINDS: dict[int | None, tuple[FailureKind, Stage, str]] = {
+    ExitCode.CONFIG: (FailureKind.CONFIG_ERROR, Stage.UNKNOWN, "exit code CONFIG (71) without a report"),
+    ExitCode.CHECKPOINT: (
+        FailureKind.CHECKPOINT_DAMAGED,
+        Stage.UNKNOWN,
+        "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load",
+    ),
+    ExitCode.DISK_FULL: (
+        FailureKind.DISK_FULL,
+        Stage.SAVE,
+        "exit code DISK_FULL (76) without a report (no room for it either)",
+    ),
+}
 
 
 def classify_text(text: str) -> Failure:
-    """Classify a log or traceback of any command from its text alone (module docstring); only the last
-    :data:`TEXT_WINDOW` characters: the failure is at the end, and an earlier recovered error misleads."""
+    """Classify any command's log from its text alone, reading only the last :data:`TEXT_WINDOW`
+    characters: the failure is at the end, and an earlier recovered error misleads."""
     text = _window(text)
     stage = stage_from_frames(parse_frames(text), text)
     numbers = _oom_rules.derive(parse_numbers(text))
@@ -124,13 +115,11 @@ def classify_exit(
     fit: StepFit | None = None,
     xid_events: Sequence[int] = (),
 ) -> Failure:
-    """Classify how our child ended; precedence in the module docstring. ``last_stage`` / ``last_step``:
-    what the heartbeats showed last (a hung child writes no report); ``fit``: the model's peak against the
-    budget; ``xid_events``: the NVML Xids seen while the attempt ran."""
-    seen = (last_stage, last_step)
-    found = _classify_child(
-        exit, report, stderr_tail, cgroup_oom_kills, gpu_others_bytes, gpu_total_bytes, fit, seen
-    )
+    """Classify how our child ended (module docstring). ``last_stage`` / ``last_step``: the heartbeats'
+    last (a hung child writes no report); ``fit``: the model's peak against the budget;
+    ``xid_events``: the NVML Xids seen while the attempt ran."""
+    nvml = (gpu_others_bytes, gpu_total_bytes)
+    found = _classify_child(exit, report, stderr_tail, cgroup_oom_kills, nvml, fit, last_stage, last_step)
     return xid.overrule(found, xid_events)
 
 
@@ -139,19 +128,18 @@ def _classify_child(
     report: ErrorReport | None,
     stderr_tail: str,
     cgroup_oom_kills: int,
-    gpu_others_bytes: int | None,
-    gpu_total_bytes: int | None,
+    nvml: tuple[int | None, int | None],
     fit: StepFit | None,
-    seen: tuple[Stage, int | None],
+    last_stage: Stage,
+    last_step: int | None,
 ) -> Failure:
-    last_stage, last_step = seen
     if exit.killed_by_supervisor is KilledBy.HANG:
         where = f"; last seen in {last_stage.value}" + (
             f" after step {last_step}" if last_step is not None else ""
         )
         return Failure(FailureKind.HANG, last_stage, {}, f"supervisor: no progress before the timeout{where}")
     if report is not None:
-        return _from_report(report, gpu_others_bytes, gpu_total_bytes, fit)
+        return _from_report(report, nvml, fit)
     from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills, last_stage)
     if from_status is not None:
         return from_status
@@ -162,7 +150,7 @@ def _classify_child(
         refused = _refused_at_setup(exit, stderr_tail, last_stage)
         if refused is not None:
             return refused
-    return _from_stderr(exit, stderr_tail, gpu_others_bytes, gpu_total_bytes)
+    return _from_stderr(exit, stderr_tail, nvml)
 
 
 def oom_failure(
@@ -175,40 +163,31 @@ def oom_failure(
     fit: StepFit | None = None,
 ) -> Failure:
     """An accelerator OOM: contention, then fragmentation, then the stage's OOM kind; any but
-    contention is marked spurious where the allocator's numbers say the request fit
-    (:mod:`.spurious`)."""
+    contention is marked spurious where the allocator's numbers say the request fit."""
     where = f"stage {stage.stage.value} from {stage.why}"
     reason = _oom_rules.contention(numbers, *nvml)
     if reason is not None:
         why = f"{source}; contention: {reason}; {where}"
         return Failure(FailureKind.OOM_CONTENTION, stage.stage, numbers, why, message)
-    found = _layout_or_stage(stage, numbers, source, message, allocator, fit)
-    return spurious.mark(found, allocator)
-
-
-def _layout_or_stage(
-    stage: StageFinding,
-    numbers: Mapping[str, Any],
-    source: str,
-    message: str,
-    allocator: AllocatorFacts | None,
-    fit: StepFit | None,
-) -> Failure:
-    where = f"stage {stage.stage.value} from {stage.why}"
     verdict = fragmentation.judge(allocator, numbers, fit)
     if verdict is not None:
         shown = {**numbers, **verdict.numbers}
         if verdict.fragmentation:
             why = f"{source}; fragmentation: {verdict.why}; {where}"
-            return Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, shown, why, message)
-        why = f"{source}; {verdict.why}; {_stage_why(stage)}"
-        return Failure(_stage_kind(stage.stage), stage.stage, shown, why, message)
+            found = Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, shown, why, message)
+        else:
+            why = f"{source}; {verdict.why}; {_stage_why(stage)}"
+            found = Failure(_stage_kind(stage.stage), stage.stage, shown, why, message)
+        return spurious.mark(found, allocator)
     reason = _oom_rules.fragmentation(numbers)
     if reason is not None:
         why = f"{source}; fragmentation: {reason}; {where}"
-        return Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, numbers, why, message)
-    why = f"{source}; {_stage_why(stage)}"
-    return Failure(_stage_kind(stage.stage), stage.stage, numbers, why, message)
+        found = Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, numbers, why, message)
+    else:
+        found = Failure(
+            _stage_kind(stage.stage), stage.stage, numbers, f"{source}; {_stage_why(stage)}", message
+        )
+    return spurious.mark(found, allocator)
 
 
 def _oom_source(text: str, line: str) -> str:
@@ -261,9 +240,7 @@ def _other_from_text(text: str, stage: StageFinding) -> Failure:
     return Failure(FailureKind.OTHER, stage.stage, {}, why)
 
 
-def _from_report(
-    report: ErrorReport, nvml_others: int | None, nvml_total: int | None, fit: StepFit | None = None
-) -> Failure:
+def _from_report(report: ErrorReport, nvml: tuple[int | None, int | None], fit: StepFit | None) -> Failure:
     stage = report.stage  # a Stage already: an unknown name reads back as Stage.UNKNOWN
     text = f"{report.exception_type}: {report.message}\n{report.traceback}"
     head = f"error report: {report.exception_type} in {stage.value} at step {report.step}"
@@ -278,38 +255,31 @@ def _from_report(
         why = f"{head}; the checkpoint {report.damaged_checkpoint} did not load"
         return Failure(FailureKind.CHECKPOINT_DAMAGED, stage, {}, why, message)
     if report.disk_full:
-        return Failure(
-            FailureKind.DISK_FULL, stage, _disk_numbers(report), f"{head}; no room on the disk", message
-        )
+        facts = report.disk or {}
+        disk = {key: facts[key] for key in ("needed_bytes", "free_bytes") if isinstance(facts.get(key), int)}
+        return Failure(FailureKind.DISK_FULL, stage, disk, f"{head}; no room on the disk", message)
     for kind, patterns, what in _SIGNATURE_FAMILIES[1:]:
         line = _signatures.find(patterns, text)
         if line is not None and not report.is_oom:
             return Failure(kind, stage, {}, f"{head}; {what} {line!r}", message)
-    if report.is_oom or _signatures.find(_signatures.GPU_OOM + _signatures.CPU_OOM, message):
-        # The report's numbers, typed when it was read; an older child's report may have none.
-        numbers = _oom_rules.derive(report.oom_numbers.to_json() or parse_numbers(report.message))
-        finding = StageFinding(stage, "the error report")
-        nvml = (nvml_others, nvml_total)
-        found = oom_failure(finding, numbers, head, message, nvml, report.allocator, fit)
-        if report.batch is not None:  # the micro-batch it happened on (a repeat is told by the loop)
-            found = dataclasses.replace(found, numbers={**found.numbers, **batch_numbers(report.batch)})
-        if found.kind is FailureKind.OOM_FRAGMENTATION and report.expandable_segments_active:
-            # Expandable segments were already on: the fix fragmentation names was in place and
-            # the step still did not fit, so this is the stage's capacity OOM.
-            kind = OOM_KIND_BY_STAGE.get(stage, FailureKind.OOM_FORWARD)
-            why = f"{found.evidence}; but expandable_segments was already active: capacity"
-            return dataclasses.replace(found, kind=kind, evidence=why)
-        return found
-    return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
-
-
-def _disk_numbers(report: ErrorReport) -> dict[str, int]:
-    facts = report.disk or {}
-    return {key: facts[key] for key in ("needed_bytes", "free_bytes") if isinstance(facts.get(key), int)}
+    if not report.is_oom and not _signatures.find(_signatures.GPU_OOM + _signatures.CPU_OOM, message):
+        return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
+    # The report's numbers, typed when it was read; an older child's report may have none.
+    numbers = _oom_rules.derive(report.oom_numbers.to_json() or parse_numbers(report.message))
+    found = oom_failure(
+        StageFinding(stage, "the error report"), numbers, head, message, nvml, report.allocator, fit
+    )
+    if report.batch is not None:  # the micro-batch it happened on (a repeat is told by the loop)
+        found = dataclasses.replace(found, numbers={**found.numbers, **batch_numbers(report.batch)})
+    if found.kind is FailureKind.OOM_FRAGMENTATION and report.expandable_segments_active:
+        # The fix fragmentation names was in place and the step still did not fit: capacity.
+        why = f"{found.evidence}; but expandable_segments was already active: capacity"
+        return dataclasses.replace(found, kind=_stage_kind(stage), evidence=why)
+    return found
 
 
 def _from_exit_status(
-    exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int, last_stage: Stage = Stage.UNKNOWN
+    exit: ChildExit, stderr_tail: str, cgroup_oom_kills: int, last_stage: Stage
 ) -> Failure | None:
     sigkill = exit.signal == signals.SIGKILL or exit.returncode in _SIGKILL_CODES
     status = f"signal {exit.signal}" if exit.signal else f"exit code {exit.returncode}"
@@ -325,20 +295,12 @@ def _from_exit_status(
             return Failure(FailureKind.HOST_OOM, stage, {}, why)
         why = f"{status} without OOM-kill evidence (no cgroup oom_kill, no 'Killed' line)"
         return Failure(FailureKind.OTHER, _stderr_stage(stderr_tail), {}, why)
-    if exit.returncode == ExitCode.CONFIG:
-        return Failure(FailureKind.CONFIG_ERROR, Stage.UNKNOWN, {}, "exit code CONFIG (71) without a report")
-    if exit.returncode == ExitCode.CHECKPOINT:
-        why = "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load"
-        return Failure(FailureKind.CHECKPOINT_DAMAGED, Stage.UNKNOWN, {}, why)
-    if exit.returncode == ExitCode.DISK_FULL:
-        why = "exit code DISK_FULL (76) without a report (no room for it either)"
-        return Failure(FailureKind.DISK_FULL, Stage.SAVE, {}, why)
-    return None
+    named = _EXIT_CODE_KINDS.get(exit.returncode)
+    return None if named is None else Failure(named[0], named[1], {}, named[2])
 
 
 def _refused_at_setup(exit: ChildExit, stderr_tail: str, last_stage: Stage) -> Failure | None:
-    """A child with no report that refused its config before step 1 (:mod:`.refusal`): only where
-    the text's verdict is ``other``; an OOM, a CUDA error or any other sign decides as before."""
+    """Only where the text's verdict is ``other``: an OOM, a CUDA error or any other sign decides."""
     text = classify_text(stderr_tail)
     if text.kind is not FailureKind.OTHER:
         return None
@@ -346,9 +308,8 @@ def _refused_at_setup(exit: ChildExit, stderr_tail: str, last_stage: Stage) -> F
 
 
 def _killed_stage(stderr_tail: str, last_stage: Stage) -> tuple[Stage, str]:
-    """The stage of a child the kernel killed, and where that came from: frames are rare after a
-    SIGKILL, the last heartbeat is not (issue 21 item 4: an optimizer kill must not walk the forward
-    ladder, whose shorter seq_len costs quality for nothing)."""
+    """The stage of a child the kernel killed and where that came from: frames are rare after a
+    SIGKILL, the last heartbeat is not (an optimizer kill must not walk the forward ladder)."""
     from_frames = _stderr_stage(stderr_tail)
     if from_frames is not Stage.UNKNOWN:
         return from_frames, f"; stage {from_frames.value} from stderr frames"
@@ -361,13 +322,11 @@ def _stderr_stage(stderr_tail: str) -> Stage:
     return stage_from_frames(parse_frames(stderr_tail), stderr_tail).stage
 
 
-def _from_stderr(
-    exit: ChildExit, stderr_tail: str, nvml_others: int | None, nvml_total: int | None
-) -> Failure:
+def _from_stderr(exit: ChildExit, stderr_tail: str, nvml: tuple[int | None, int | None]) -> Failure:
     text = classify_text(stderr_tail)
-    if text.kind.is_oom and text.kind is not FailureKind.HOST_OOM and nvml_others is not None:
+    if text.kind.is_oom and text.kind is not FailureKind.HOST_OOM and nvml[0] is not None:
         stage = StageFinding(text.stage, "stderr frames")
-        text = oom_failure(stage, text.numbers, "stderr", text.message, (nvml_others, nvml_total))
+        text = oom_failure(stage, text.numbers, "stderr", text.message, nvml)
     if text.kind is not FailureKind.OTHER or text.message:
         why = f"no error report; stderr {text.evidence}"
         return Failure(text.kind, text.stage, text.numbers, why, text.message)

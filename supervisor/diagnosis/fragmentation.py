@@ -1,20 +1,7 @@
-"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit?
-
-``oom_fragmentation`` sends the next attempt to a rung that changes only the allocator's layout,
-so the verdict must mean a better layout would have been enough. With our child's allocator facts
-(:class:`AllocatorFacts`) both must hold:
-
-1. **the layout failed, not the quantity**: free memory in reserved segments plus headroom covers
-   the request, yet no free block of its size existed (``block_for_request`` false);
-2. **the step fits when perfectly packed**: a step of the same micro-batch shape completed in this
-   attempt, or the memory model's peak (:func:`predicted_fit`) is at most :data:`FIT_SHARE` of the
-   budget (the slack no layout removes: 2 MiB small-pool segments, page rounding, model error).
-
-Why 2: on a capped card the message alone cannot tell them apart (bench/results/gpu-h200-2026-11-29:
-0.93 GiB reserved-but-free against a 344 MiB request, yet the step was predicted at 11.3 GiB under an
-8 GiB cap; the ``expandable_segments`` attempt failed again and cost ~22 s). A prediction that the
-step cannot fit vetoes fragmentation for any report of ours; without facts and prediction the
-message-only rule of :mod:`._oom_rules` decides, as for logs that are not ours."""
+"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit? With our
+child's allocator facts the layout failed (the memory was there, no block of the request's size) and
+the step fits when packed (a step of this shape completed, or the model's peak is at most
+:data:`FIT_SHARE` of the budget: bench/results/gpu-h200-2026-11-29). Else :mod:`._oom_rules` decides."""
 
 from __future__ import annotations
 
@@ -70,16 +57,20 @@ def judge(facts: AllocatorFacts | None, numbers: Mapping[str, Any], fit: StepFit
     fit = _observed_fit(facts) or fit
     if facts is None:
         if fit is None or fit.fits:
-            return None  # nothing beyond the message: its rule decides
+            return None
         return Verdict(False, f"capacity: {fit.sentence()}", _fit_numbers(fit))
-    shown = {**_fact_numbers(facts), **(_fit_numbers(fit) if fit else {})}
-    layout = _layout_failed(facts, numbers)
-    if layout is None:
-        return Verdict(False, "capacity: " + _quantity_sentence(facts, numbers), shown)
+    shown = {
+        "allocator_free_in_segments": facts.free_in_segments_bytes,
+        "allocator_largest_free_block": facts.largest_free_block_bytes,
+        "allocator_inactive_split": facts.inactive_split_bytes,
+        **(_fit_numbers(fit) if fit else {}),
+    }
+    failed, layout = _layout(facts, numbers)
+    if not failed:
+        return Verdict(False, "capacity: " + layout, shown)
     if fit is None:
         nothing = "no model prediction, no step of this shape"
-        why = f"capacity: {layout}, but nothing shows the step fits ({nothing})"
-        return Verdict(False, why, shown)
+        return Verdict(False, f"capacity: {layout}, but nothing shows the step fits ({nothing})", shown)
     if not fit.fits:
         return Verdict(False, f"capacity: {layout}, but {fit.sentence()}", shown)
     return Verdict(True, f"{layout}, and {fit.sentence()}", shown)
@@ -93,47 +84,24 @@ def _observed_fit(facts: AllocatorFacts | None) -> StepFit | None:
     return StepFit(min(facts.same_shape_peak_bytes, facts.limit_bytes), facts.limit_bytes, source)
 
 
-def _request(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> int | None:
+def _layout(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> tuple[bool, str]:
+    """Whether the layout failed (the memory was there, no block of the request's size), and why."""
     asked = facts.requested_bytes if facts.requested_bytes is not None else numbers.get("tried_to_allocate")
-    return None if asked is None else int(asked)
-
-
-def _layout_failed(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> str | None:
-    asked = _request(facts, numbers)
-    if asked is None or facts.block_for_request:
-        return None
-    if facts.largest_free_block_bytes >= asked:
-        return None
-    available = facts.free_in_segments_bytes + facts.headroom_bytes
-    if available < asked:
-        return None
-    return (
-        f"{format_bytes(facts.free_in_segments_bytes)} free in reserved segments "
-        f"+ {format_bytes(facts.headroom_bytes)} headroom ≥ {format_bytes(asked)} requested, "
-        f"yet the largest free block was {format_bytes(facts.largest_free_block_bytes)}"
-    )
-
-
-def _quantity_sentence(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> str:
-    asked = _request(facts, numbers)
     if asked is None:
-        return "the request's size is unknown"
+        return False, "the request's size is unknown"
+    asked = int(asked)
     if facts.block_for_request:
-        return f"a free block of {format_bytes(asked)} existed: the layout did not fail"
+        return False, f"a free block of {format_bytes(asked)} existed: the layout did not fail"
     available = facts.free_in_segments_bytes + facts.headroom_bytes
-    return (
+    split = (
         f"{format_bytes(facts.free_in_segments_bytes)} free in reserved segments "
-        f"+ {format_bytes(facts.headroom_bytes)} headroom < {format_bytes(asked)} requested "
-        f"({format_bytes(available)} in all): the memory was not there"
+        f"+ {format_bytes(facts.headroom_bytes)} headroom"
     )
-
-
-def _fact_numbers(facts: AllocatorFacts) -> dict[str, int]:
-    return {
-        "allocator_free_in_segments": facts.free_in_segments_bytes,
-        "allocator_largest_free_block": facts.largest_free_block_bytes,
-        "allocator_inactive_split": facts.inactive_split_bytes,
-    }
+    if facts.largest_free_block_bytes >= asked or available < asked:
+        what = f"({format_bytes(available)} in all): the memory was not there"
+        return False, f"{split} < {format_bytes(asked)} requested {what}"
+    largest = format_bytes(facts.largest_free_block_bytes)
+    return True, f"{split} ≥ {format_bytes(asked)} requested, yet the largest free block was {largest}"
 
 
 def _fit_numbers(fit: StepFit) -> dict[str, int]:

@@ -1,8 +1,5 @@
-"""Several ranks failed together: which report is the cause, and which are knock-on effects.
-
-Under torchrun one rank's failure breaks the others' next collective (gloo's "Connection closed by
-peer", an NCCL watchdog, a store timeout) or torchrun stops them. The cause is the earliest report
-that is not a knock-on effect."""
+"""Several ranks failed together: which report is the cause, and which are knock-on effects
+(a broken collective or a stop from torchrun after another rank's failure)."""
 
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ class RankCause:
 
 def is_knock_on(report: ErrorReport) -> bool:
     """A report of a rank that failed *because another one did*: a broken collective (not an OOM
-    of its own), or a stop it was asked for (torchrun's SIGTERM of the siblings)."""
+    of its own), or a stop torchrun asked for."""
     if report.exit_code == ExitCode.STOPPED:
         return True
     if report.is_oom or report.config_error or report.disk_full:
@@ -54,13 +51,11 @@ def first_failure(reports: Sequence[ErrorReport]) -> RankCause | None:
     return RankCause(cause, others if real else (), why)
 
 
-#: torchrun's own summary of a failed run (torch.distributed.elastic's ChildFailedError), the rank
-#: under "Root Cause (first observed failure)": ``  rank      : 1 (local_rank: 1)``.
+#: torchrun's summary of a failed run: the rank under "Root Cause (first observed failure)".
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?rank\s*:\s*(\d+)", re.DOTALL)
 
 
 def torchrun_root_rank(log_tail: str) -> int | None:
-    """The rank torchrun saw fail first, from its summary in the child's log (the fallback when no
-    rank's report says: a rank killed by a signal, the others stopped before they could report)."""
+    """The rank torchrun saw fail first, from its summary in the child's log (when no report says)."""
     found = _ROOT_CAUSE.findall(log_tail)
     return int(found[-1]) if found else None

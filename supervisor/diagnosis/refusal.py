@@ -1,13 +1,6 @@
-"""A trainer that refused its config before its first step, told from its stderr alone.
-
-A child without a report of its own (a tool the shim had not attached to yet, a venv lacking a
-package) that ended before any training stage with an **import failure**, its **argument parser's
-refusal** (``usage:`` then ``prog: error:``, exit 2) or a **deterministic exception** (the classes of
-``trainer_child/run/failure.is_the_configs``) placed in setup or load fails alike on every start:
-``config_error`` (tried once), not ``other`` (a crash loop). Its message is the tool's line, with the
-fix where known (:data:`FIXES`). Only where the text's verdict is ``other``; an import error of an
-interpreter already shutting down follows another failure. :func:`classify_text` keeps its corpus
-labels: this rule needs the exit and heartbeats."""
+"""A trainer that refused its config before its first step, told from its stderr alone: an import
+failure, its argument parser's refusal (exit 2) or a deterministic exception in setup or load fails
+alike on every start, so ``config_error`` (tried once), not ``other`` (a crash loop)."""
 
 from __future__ import annotations
 
@@ -17,10 +10,8 @@ from qlora_supervise.supervisor.diagnosis import _signatures
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 
-#: The last exception of a process that could not import what it needs.
 _IMPORT_FAILED = re.compile(r"^(?:ModuleNotFoundError|ImportError)\b")
-#: Exception classes (by the last part of their printed name) that say the same on every start;
-#: ``ValidationError`` is pydantic's (a ValueError), which axolotl's config schema raises.
+#: Exception classes (by their name's last part) that say the same on every start.
 _DETERMINISTIC = frozenset(
     {
         "ValueError",
@@ -39,19 +30,16 @@ _DETERMINISTIC = frozenset(
     }
 )
 _EXCEPTION_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*(?P<name>[A-Za-z_]\w*)")
-#: argparse's refusal: ``usage: ...`` then ``prog: error: message``; it exits with status 2.
 _USAGE = re.compile(r"^usage: ", re.MULTILINE)
 _PARSER_ERROR = re.compile(r"^(?P<line>[\w.\- ]{1,80}: error: .+)$", re.MULTILINE)
 ARGPARSE_EXIT = 2
-#: Import errors of an interpreter already shutting down (``Exception ignored in ...``), which follow
-#: the failure that ended it and say nothing of the environment.
+#: Import errors of an interpreter already shutting down follow the failure that ended it.
 _AT_EXIT = re.compile(r"Python is likely shutting down|sys\.meta_path is None|^Exception ignored in", re.M)
 #: Stages before the first step (UNKNOWN: no heartbeat and no frame says otherwise).
 BEFORE_TRAINING = frozenset({Stage.UNKNOWN, Stage.SETUP, Stage.LOAD})
 _PLACED_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
 
-#: Refusals whose fix is known: (the tool's words, the fix). trl's default ``bf16: true`` on a
-#: machine without a GPU stops transformers' TrainingArguments (docs/trainers-cpu.md).
+#: Refusals whose fix is known: (the tool's words, the fix).
 FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"You need to assign use_cpu|doesn't support bf16/gpu"),
@@ -67,9 +55,8 @@ FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
 def refused_before_training(
     text: str, stage: Stage, last_stage: Stage, returncode: int | None
 ) -> Failure | None:
-    """The config's failure for ``text`` (a stderr tail whose verdict was ``other`` at ``stage``,
-    from its frames), or None. ``last_stage``: the heartbeats' last stage; ``returncode``: the
-    child's exit status (argparse's refusal is status 2)."""
+    """The config's failure for ``text`` (a stderr tail judged ``other`` at ``stage``), or None;
+    ``last_stage``: the heartbeats' last."""
     if stage not in BEFORE_TRAINING or last_stage not in BEFORE_TRAINING or _AT_EXIT.search(text):
         return None
     lines = [match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(text)]
@@ -81,8 +68,10 @@ def refused_before_training(
     if parser is not None:
         return _refusal(stage, "its argument parser's refusal", parser, _fix(parser))
     placed = stage in _PLACED_BEFORE_TRAINING or last_stage in _PLACED_BEFORE_TRAINING
-    if last is not None and placed and _name(last) in _DETERMINISTIC:
-        return _refusal(stage, f"a refusal in {_where(stage, last_stage)}", last, _fix(last))
+    named = _EXCEPTION_NAME.match(last) if last is not None else None
+    if last is not None and named is not None and placed and named.group("name") in _DETERMINISTIC:
+        where = stage if stage is not Stage.UNKNOWN else last_stage
+        return _refusal(stage, f"a refusal in {where.value}", last, _fix(last))
     return None
 
 
@@ -91,15 +80,6 @@ def _parser_refusal(text: str) -> str | None:
         return None
     found = _PARSER_ERROR.findall(text)
     return found[-1].strip()[:300] if found else None
-
-
-def _name(line: str) -> str:
-    match = _EXCEPTION_NAME.match(line)
-    return match.group("name") if match else ""
-
-
-def _where(stage: Stage, last_stage: Stage) -> str:
-    return (stage if stage is not Stage.UNKNOWN else last_stage).value
 
 
 def known_fix(line: str) -> str | None:

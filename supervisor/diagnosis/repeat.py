@@ -1,8 +1,7 @@
 """The sample behind a repeating OOM: the same data position fails again (issue 33).
 
-Our child names the micro-batch a step's OOM happened on (:class:`BatchInFlight`), kept in the
-failure's numbers (:data:`BATCH_KEYS`). When the attempt before failed at the same position,
-:func:`repeat_note` says so and what a shorter ``max_seq_len`` would cost: only those rows, or many."""
+Our child names the micro-batch an OOM happened on, kept in the failure's numbers
+(:data:`BATCH_KEYS`); :func:`repeat_note` says what a shorter ``max_seq_len`` would cost."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from qlora_supervise.policies.rungs import MIN_SEQ_LEN
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight, SampleLengths
 
-#: The keys of a failure's numbers that hold the micro-batch in flight.
 BATCH_KEYS = ("batch_step", "batch_micro", "batch_lengths", "batch_rows")
 
 

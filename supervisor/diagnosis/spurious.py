@@ -1,19 +1,8 @@
-"""A spurious OOM: the allocator raised although its own numbers say the request fit.
-
-The caching allocator waits for pending stream frees inside its release and does not search the
-pool again after it, so a large-enough block can be back by the time the OOM is raised
-(pytorch/pytorch#189504); a driver whose memory came back is the same case. The remedy: run the
-config again, unchanged, once (policies/decide.py). Two witnesses, either suffices:
-
-1. **the child's allocator facts**: a free block of at least the request was in the pool *and* the
-   step's memory was still held (allocated bytes at least the message's, less
-   :data:`SAME_STATE_SLACK`): the child reads its facts after the failed op's temporaries were freed,
-   and a block freed afterwards did not exist when the allocator looked;
-2. **the message's numbers**: the driver's free memory (under a cap: ``allowed - reserved``) is at
-   least the request plus :func:`margin`, far beyond a segment's rounding and a CUDA library's share.
-
-A mark, not a kind: the failure keeps its kind (the ladder if the retry fails alike) and its numbers
-gain :data:`SPURIOUS_KEY`, the bytes that were there. Contention is judged before this."""
+"""A spurious OOM: the allocator raised although its own numbers say the request fit (it does not
+search the pool again after waiting for stream frees, pytorch/pytorch#189504). A mark, not a kind:
+the numbers gain :data:`SPURIOUS_KEY` and the policy retries the config once unchanged. Witnesses:
+the child's facts (a block of the request's size in the pool while the step's memory was held) or the
+message (free memory at least the request plus :func:`margin`)."""
 
 from __future__ import annotations
 
@@ -27,10 +16,8 @@ from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 
 MIB = 1024**2
-#: The least margin above the request that counts as "well above".
 MIN_MARGIN_BYTES = 512 * MIB
-#: Allocated bytes that may differ between the message and the facts with the state unchanged
-#: (the report's own small tensors, rounding of the printed value).
+#: Allocated bytes the message and the facts may differ by with the state unchanged.
 SAME_STATE_SLACK = 64 * MIB
 
 

@@ -1,10 +1,8 @@
 """GPU faults: NVML Xid events seen while an attempt ran, what they mean, and which are fatal.
 
-Meanings after NVIDIA's Xid catalogue. A **fatal** Xid means the GPU is broken or must be reset: the
-supervisor stops with ``SupervisorExitCode.GPU_FAULT`` and decides over any other evidence
-(:func:`overrule`). A non-fatal one usually follows an application error: it decides only a failure
-that is not an OOM or config error (Xids are per GPU: another process's fault can fall in our
-window), and the attempt is retried once unchanged."""
+A **fatal** Xid (the GPU is broken or must be reset) decides over any other evidence. A non-fatal
+one decides only a failure that is not an OOM or config error (Xids are per GPU: another
+process's fault can fall in our window), and the attempt is retried once unchanged."""
 
 from __future__ import annotations
 
@@ -23,24 +21,20 @@ class XidMeaning:
 
 
 XIDS: dict[int, XidMeaning] = {
-    xid.code: xid
-    for xid in (
-        XidMeaning(
-            13,
-            "graphics engine exception (mostly an application error: bad address or instruction)",
-            False,
-        ),
-        XidMeaning(31, "GPU memory page fault (usually an application's illegal memory access)", False),
-        XidMeaning(43, "GPU stopped processing (the application's context was reset)", False),
-        XidMeaning(45, "preemptive cleanup after earlier errors (the context was killed)", False),
-        XidMeaning(48, "double-bit (uncorrectable) ECC error", True),
-        XidMeaning(63, "ECC page retirement / row remapping recorded: the GPU needs a reset", True),
-        XidMeaning(64, "ECC page retirement / row remapping failed", True),
-        XidMeaning(74, "NVLink error", True),
-        XidMeaning(79, "GPU has fallen off the bus", True),
-        XidMeaning(92, "high single-bit ECC error rate (a warning)", False),
-        XidMeaning(94, "contained uncorrectable ECC error", True),
-        XidMeaning(95, "uncontained uncorrectable ECC error: every application on the GPU is affected", True),
+    code: XidMeaning(code, meaning, fatal)
+    for code, meaning, fatal in (
+        (13, "graphics engine exception (mostly an application error: bad address or instruction)", False),
+        (31, "GPU memory page fault (usually an application's illegal memory access)", False),
+        (43, "GPU stopped processing (the application's context was reset)", False),
+        (45, "preemptive cleanup after earlier errors (the context was killed)", False),
+        (48, "double-bit (uncorrectable) ECC error", True),
+        (63, "ECC page retirement / row remapping recorded: the GPU needs a reset", True),
+        (64, "ECC page retirement / row remapping failed", True),
+        (74, "NVLink error", True),
+        (79, "GPU has fallen off the bus", True),
+        (92, "high single-bit ECC error rate (a warning)", False),
+        (94, "contained uncorrectable ECC error", True),
+        (95, "uncontained uncorrectable ECC error: every application on the GPU is affected", True),
     )
 }
 

@@ -20,8 +20,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
-from qlora_supervise.supervisor.watching.rank_peaks import read_rank_peaks, uneven
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress, read_rank_peaks, uneven
 from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract.checkpoints import (
     CHECKPOINT_PREFIX,

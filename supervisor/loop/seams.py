@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Protocol
 
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.watching.cards import RankCards
-from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
-from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe, RankCards
+from qlora_supervise.supervisor.watching.host import oom_kill_count
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 

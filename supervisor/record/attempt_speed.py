@@ -1,14 +1,10 @@
-"""An attempt's measured speed: the tokens/s its heartbeats carried, for the knobs it trained with.
-
-The child's heartbeats carry the tokens/s of its latest optimizer step; the attempt's speed is
-their median (the first step's kernel tuning and a checkpoint's pause are outliers). When the
-speed trial ran, the knobs are the policy's choice among its timings (``policies.choice``), not the plan's.
-Used by ``status``, ``explain`` and the run summary, by the per-host store, and within a run to
-correct the throughput model.
-"""
+"""An attempt's measured speed: the median tokens/s of its heartbeats (the first step's kernel
+tuning and a checkpoint's pause are outliers), for the knobs it trained with (the speed trial's
+choice applied)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +46,8 @@ def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
         elif isinstance(event, SpeedTrialEvent):
             trial = event
     choice = None if trial is None else after_trial(planned, trial.results)
-    return AttemptSpeed(choice.knobs if choice else planned, _median(rates), len(rates), trial, choice)
+    median = statistics.median(rates) if rates else None
+    return AttemptSpeed(choice.knobs if choice else planned, median, len(rates), trial, choice)
 
 
 def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
@@ -58,18 +55,9 @@ def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
     return speed_of(read_events(events_file), planned)
 
 
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float]]:
-    """The speed trial's measured candidates as (knobs, tokens/s). Forward + backward micro-steps
-    without the optimizer step, so a little above a training step's rate: the attempt's own
-    heartbeats, stored after them, correct the chosen one."""
+    """The speed trial's measured candidates as (knobs, tokens/s): without the optimizer step, a
+    little above a training step's rate (the attempt's heartbeats, stored after, correct it)."""
     if speed.trial is None:
         return []
     out = []
@@ -86,8 +74,7 @@ def measured_speed(rd: RunDir, record: AttemptRecord) -> AttemptSpeed:
 
 
 def speed_line(speed: AttemptSpeed) -> str | None:
-    """``status``'s line for an attempt's speed (None: it measured no step), with the speed trial's
-    table when it ran one."""
+    """``status``'s line for an attempt's speed and its speed trial (None: neither measured)."""
     if speed.tokens_per_s is None and speed.trial is None:
         return None
     parts = []

@@ -1,11 +1,5 @@
-"""Room on the disk for the run: what a full disk needs freed, what is ours to free, and the words.
-
-The child fails as ``disk_full`` when a checkpoint will not fit (it checks before each save) and
-the supervisor's own writes (journal, state, spec, events) can hit the same wall. Either way the
-supervisor frees what is its own to free (staging directories and temp files that killed
-writers left), then waits for room: as much as the last checkpoint took, at least
-:data:`MIN_ROOM` for the journal and the report.
-"""
+"""Room on the disk for the run: after a ``disk_full`` the supervisor frees what killed writers of
+this run left, then waits for as much room as the last checkpoint took (at least :data:`MIN_ROOM`)."""
 
 from __future__ import annotations
 
@@ -33,12 +27,8 @@ def room_free(rd: RunDir) -> int:
 
 
 def free_ours(rd: RunDir) -> int:
-    """Delete what killed writers of this run left behind; returns the bytes freed.
-
-    Staging directories (``.tmp-*``) of children that are gone, a killed final save's adapter
-    temp, and the temp files of atomic writes: the caller holds the run's lock, so no live
-    supervisor is writing those.
-    """
+    """Delete the staging directories, adapter temps and atomic writes' temp files that killed
+    writers left (the caller holds the run's lock); returns the bytes freed."""
     freed = 0
     if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
         sizes = {
@@ -65,16 +55,13 @@ def _stale_entries(rd: RunDir) -> list[Path]:
             name = path.name
             if name.startswith(".") and name.endswith(".tmp") and path.is_file():
                 found.append(path)  # write_text_atomic's temp file, left by a kill mid-write
-            elif name.startswith(
-                (".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-")
-            ) and _pid_gone(name):
+            elif (
+                name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-"))
+                and (tail := name.rsplit("-", 1)[-1]).isdigit()
+                and not pid_alive(int(tail))
+            ):
                 found.append(path)
     return found
-
-
-def _pid_gone(name: str) -> bool:
-    tail = name.rsplit("-", 1)[-1]
-    return tail.isdigit() and not pid_alive(int(tail))
 
 
 def room_words(rd: RunDir, needed: int, free: int) -> str:

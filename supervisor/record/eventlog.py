@@ -1,25 +1,16 @@
-"""The supervisor's structured log: JSON lines in ``events.jsonl``, readable lines on the console.
-
-Each line is one JSON object: ``{"event": <name>, "level": "info", "time": <epoch seconds>,
-...fields}``. Event names come from one vocabulary, :class:`~.events.Event`. structlog does the
-work as its authors mean it: a :class:`~structlog.typing.FilteringBoundLogger` whose ``bind()``
-carries context (``attempt=3``) onto every later line; processors stamp the level and the time,
-write the file line (:class:`_EventsFile`), hand the event to the listeners and render the
-person's line (:class:`_Relay`, through
-:class:`~qlora_supervise.supervisor.record.console_log.ConsoleLines`: local times, journald
-priorities); ``structlog.WriteLogger`` writes that line to the console.
-
-A listener runs after the event's file line is written, and a line it logs itself (a failing
-hook, see :mod:`~qlora_supervise.supervisor.reporting.outputs`) comes after the event it reacts
-to, in the file and on the console alike; it is not handed to the listeners again.
-"""
+"""The supervisor's structured log: JSON lines in ``events.jsonl`` (``{"event", "level", "time",
+...fields}``, names from :class:`~.events.Event`), readable lines on the console (local times, or
+journald priorities under ``$JOURNAL_STREAM``). A line a listener logs itself comes after the event
+it reacts to, in the file and on the console, and is not handed to the listeners again."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,8 +19,44 @@ import structlog
 from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
 from qlora_supervise.supervisor.facts.append import open_append_text
-from qlora_supervise.supervisor.record.console_log import ConsoleLines
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
+
+#: syslog priorities (sd-daemon.h): err 3, warning 4, info 6, debug 7.
+PRIORITY = {"critical": 2, "exception": 3, "error": 3, "warning": 4, "warn": 4, "info": 6, "debug": 7}
+
+
+def under_journald(stream: TextIO | None) -> bool:
+    """True when ``stream`` is the journal stream systemd connected (``JOURNAL_STREAM=dev:inode``)."""
+    value = os.environ.get("JOURNAL_STREAM", "")
+    if stream is None or ":" not in value:
+        return False
+    try:
+        info = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError):  # a StringIO in tests, a closed stream
+        return False
+    return value == f"{info.st_dev}:{info.st_ino}"
+
+
+class ConsoleLines:
+    """Renders one event for a person; ``level`` decides the journald priority prefix."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._journald = under_journald(stream)
+        colors = bool(stream is not None and stream.isatty() and not self._journald)
+        self._render = structlog.dev.ConsoleRenderer(colors=colors, timestamp_key="timestamp")
+
+    def render(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
+        # Nested numbers and knobs are for tools; the console shows the flat fields and the "why".
+        view = {k: v for k, v in event_dict.items() if not isinstance(v, dict | list) or k == "changes"}
+        stamp = view.pop("time", None)
+        if not self._journald and isinstance(stamp, int | float):
+            view["timestamp"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+        text = str(self._render(logger, method, view))
+        if not self._journald:
+            return text
+        prefix = f"<{PRIORITY.get(str(event_dict.get('level', method)), 6)}>"
+        return "\n".join(prefix + line for line in text.splitlines())
+
 
 _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
 
@@ -52,11 +79,8 @@ class _EventsFile:
         return event_dict
 
     def _write(self, line: str) -> None:
-        """Append ``line``; on a full disk hold it (and those after it) until there is room again.
-
-        Logging must never raise into the loop: the supervisor's answer to a full disk is to
-        wait for room, and it says so in events it cannot write yet.
-        """
+        """Append ``line``; on a full disk hold it (and those after it) until there is room again:
+        logging never raises into the loop, which waits for room and says so in these events."""
         self._held.append(line)
         try:
             self._file.write("".join(self._held))
@@ -64,27 +88,21 @@ class _EventsFile:
         except OSError as exc:
             if exc.errno not in DISK_ERRNOS:
                 raise
-            self._drop_partial()
+            # A failed flush may leave part of a line in the buffer or the file: start from a clean one.
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = open_append_text(self._path)
+            self._file.write("\n")  # closes a torn line, if any, so the next one stands alone
             del self._held[:-_HELD_MAX]
             return
         self._held.clear()
-
-    def _drop_partial(self) -> None:
-        # A failed flush may leave part of a line in the buffer or the file: start from a clean
-        # buffer (held lines are rewritten whole; a torn line in the file is skipped on read).
-        with contextlib.suppress(OSError):
-            self._file.close()
-        self._file = open_append_text(self._path)
-        self._file.write("\n")  # closes a torn line, if any, so the next one stands alone
 
 
 class _Relay:
     """Final processor: runs the listeners, then returns the console line for ``WriteLogger``.
 
-    A line logged *by* a listener arrives here while the outer event is still being relayed;
-    its console text is held and written after the outer event's own line (one ``WriteLogger``
-    call), so the console keeps the file's order. Without a console the event ends here
-    (``DropEvent``: nothing is left to write).
+    A line logged *by* a listener is held and written after the outer event's own line, so the
+    console keeps the file's order. Without a console the event ends here (``DropEvent``).
     """
 
     def __init__(self, console: TextIO | None, listeners: Sequence[Listener]) -> None:

@@ -1,27 +1,7 @@
-"""Changed jobs: every submitted version kept, the diff against the recorded one, and generations.
-
-Each job ``run`` is given is recorded once as ``job.vN.yaml`` (the text as submitted, never
-overwritten) beside ``job.vN.json`` (its resolved fields: absolute paths, defaults filled in),
-and ``job.yaml`` is a copy of the newest. A new submission is compared field by field with the
-newest recorded one:
-
-* fields safe on resume apply to the run as it stands: more ``max_steps`` / ``epochs``, the
-  save / logging / eval cadence, ``merge``, everything under ``supervise`` and ``resources``;
-* every other field changes what is trained (model, data, LoRA, quantization, lr and its
-  schedule, seq_len, batch): that needs ``run --restart``, which starts a new *generation* in
-  the same directory.
-* a foreign tool's config is part of the job: its keys the supervisor reads (model, batch,
-  LoRA, max_steps ...) are the fields above; every other key is ``trainer.config.<key>`` (issue
-  29 item 10: ``use_cpu: true`` added after trl refused to start is a change of the job, which
-  lifts its verdict). Such a key changes what is trained, unless the generation has trained no
-  step yet: then there is nothing to mix it with, and each attempt copies the tool's config
-  afresh, so it applies. The current one (journal, state, events, attempts, checkpoints, adapter)
-  moves whole into ``generations/<n>/`` and the new one starts from nothing, so the two are
-  never mixed.
-
-A generation is moved into ``generations/.tmp-<n>/`` entry by entry and renamed when complete;
-a kill half-way leaves that name, and the next ``run`` finishes the move before anything else.
-"""
+"""Changed jobs: every submitted version kept (``job.vN.yaml`` as submitted, ``job.vN.json`` resolved,
+``job.yaml`` the newest), the diff against the recorded one, and generations: a change that is not
+:attr:`FieldChange.safe` needs ``run --restart``, which moves the current generation whole into
+``generations/<n>/`` (through ``.tmp-<n>/``, finished by the next ``run`` after a kill)."""
 
 from __future__ import annotations
 
@@ -43,12 +23,9 @@ from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text
 SAFE_SECTIONS = ("supervise.", "resources.")
 SAFE_FIELDS = frozenset({"train.save_steps", "train.logging_steps", "train.eval_steps", "train.merge"})
 SAFE_WHEN_MORE = frozenset({"train.max_steps", "train.epochs"})
-#: In a safe section but carried in the attempts' knobs, which a resumed run takes from its
-#: journal: the number of ranks changes in a run through drop_rank, by hand through --restart.
+#: In a safe section but carried in the attempts' knobs, which a resumed run takes from its journal.
 UNSAFE_FIELDS = frozenset({"resources.nproc_per_node", "resources.parallel"})
 GENERATIONS = "generations"
-#: A foreign tool's config in the view: ``trainer.config`` is its file, ``trainer.config.<key>``
-#: each key of it the supervisor does not read into a field of its own.
 TOOL_CONFIG = "trainer.config"
 TOOL_CONFIG_PREFIX = TOOL_CONFIG + "."
 #: What belongs to one generation (moved aside whole by ``--restart``); job versions stay.
@@ -80,8 +57,8 @@ class FieldChange:
         return False
 
     def render(self, restarting: bool = False) -> str:
-        """One line of the diff; ``restarting``: said by ``run --restart``, where every change
-        goes into the new generation (nothing is resumed, and nothing more is needed)."""
+        """One line of the diff; ``restarting``: said by ``run --restart`` (every change goes into
+        the new generation)."""
         if restarting:
             how = "the new generation trains with it from step 0"
         else:
@@ -99,8 +76,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _number(value: Any) -> float:
-    # max_steps -1 / None mean "epochs decide": infinitely many steps for this comparison; a value
-    # that is no number is never more training.
+    # max_steps -1 / None: "epochs decide", infinitely many steps; no number is never more training.
     if not _is_number(value):
         return float("nan")
     if value is None or value < 0:
@@ -122,9 +98,7 @@ def job_view(job: Job) -> dict[str, Any]:
         "lora.r": knobs.lora_r,
         "lora.alpha": knobs.lora_alpha,
         "lora.dropout": train.lora_dropout,
-        "lora.target_modules": list(train.target_modules)
-        if isinstance(train.target_modules, tuple)
-        else train.target_modules,
+        "lora.target_modules": train.target_modules,  # a tuple reads back as a list (below)
         "train.max_seq_len": knobs.max_seq_len,
         "train.micro_batch_size": knobs.micro_batch_size,
         "train.effective_batch_size": knobs.effective_batch,
@@ -151,10 +125,8 @@ def job_view(job: Job) -> dict[str, Any]:
 
 
 def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
-    """Every field whose value differs, in name order (a field only one side has counts too).
-
-    A view recorded before the tool's config was part of it (no ``trainer.config``) is not
-    compared on the tool's keys: they did not change, they were not recorded."""
+    """Every field whose value differs, in name order (a field only one side has counts too); the
+    tool's keys only where ``old`` recorded them."""
     names = sorted(set(old) | set(new))
     if TOOL_CONFIG not in old:
         names = [n for n in names if n != TOOL_CONFIG and not n.startswith(TOOL_CONFIG_PREFIX)]
@@ -168,12 +140,8 @@ class JobVersions:
         self.rd = rd
 
     def numbers(self) -> list[int]:
-        found = []
-        for path in self.rd.root.glob("job.v*.yaml"):
-            tail = path.name[len("job.v") : -len(".yaml")]
-            if tail.isdigit():
-                found.append(int(tail))
-        return sorted(found)
+        tails = (path.name[len("job.v") : -len(".yaml")] for path in self.rd.root.glob("job.v*.yaml"))
+        return sorted(int(tail) for tail in tails if tail.isdigit())
 
     def newest_view(self) -> dict[str, Any] | None:
         """The newest recorded version's fields (None: no version recorded, or unreadable)."""
@@ -202,14 +170,10 @@ def raised_length(changes: list[FieldChange]) -> list[FieldChange]:
 
 
 def extend_finished(rd: RunDir, changes: list[FieldChange], now: float) -> Lift | None:
-    """A finished run whose job now asks for more steps goes on from its last checkpoint.
-
-    The journal gets a lift line after the last attempt (the planner then trains again with the
-    last training attempt's knobs, resuming as any attempt does) and an existing ``merged/``,
-    made from the shorter training, is moved to ``merged-before-extend-<attempt>/`` so the merge
-    runs again on the longer adapter; the adapter itself is replaced when the training ends.
-    None, and nothing written, when no change raises the length or the journal is empty.
-    """
+    """A finished run whose job now asks for more steps goes on from its last checkpoint: a lift
+    line after the last attempt, and an existing ``merged/`` moved to ``merged-before-extend-<n>/``
+    so the merge runs again. None, and nothing written, when no change raises the length or the
+    journal is empty."""
     raised = raised_length(changes)
     records, _ = read_attempts(rd.attempts)
     if not raised or not records:
@@ -233,10 +197,7 @@ def finish_interrupted_move(rd: RunDir) -> Path | None:
     """A generation move a kill cut short is completed (it was asked for with ``--restart``)."""
     root = rd.root / GENERATIONS
     pending = sorted(root.glob(".tmp-*")) if root.is_dir() else []
-    for staging in pending:
-        number = staging.name.removeprefix(".tmp-")
-        return _move_into(rd, staging, root / number)
-    return None
+    return _move_into(rd, pending[0], root / pending[0].name.removeprefix(".tmp-")) if pending else None
 
 
 def start_generation(rd: RunDir) -> Path:

@@ -18,11 +18,8 @@ PLANNED_RUNGS = (STEP_UP_RUNG, RETIME_RUNG)
 
 
 def policy_history(records: Sequence[AttemptRecord]) -> list[policy.PastAttempt]:
-    """Every journalled attempt as the policy sees it (kind None: it did not fail).
-
-    A checkpoint that would not load is no failure of the config (the run resumed from an older
-    one, unchanged): it counts toward no limit of the policy.
-    """
+    """Every journalled attempt as the policy sees it (kind None: it did not fail; a checkpoint
+    that would not load is no failure of the config)."""
     return [
         policy.PastAttempt(
             r.knobs,
@@ -96,9 +93,8 @@ def planned_restarts(records: Sequence[AttemptRecord]) -> dict[str, int]:
 
 
 def climb_back_lines(planned: dict[str, int], configs: Sequence[dict[str, Any]]) -> list[str]:
-    """status and explain: the planned restarts and the time in each config, from their JSON forms
-    (:func:`planned_restarts`, :meth:`ConfigTime.to_json`); none without a planned restart (each
-    attempt's lines say its config then)."""
+    """status and explain: the planned restarts and the time in each config, from their JSON forms;
+    none without a planned restart."""
     if not any(planned.values()):
         return []
     head = (

@@ -1,13 +1,7 @@
-"""The run directory's durable record: ``state.json`` and ``attempts.jsonl``.
-
-``attempts.jsonl`` is the source of truth: one line per finished attempt, appended and fsynced
-before anything acts on the decision it holds. ``state.json`` (written atomically) says what is
-in flight: the attempt running now, its child's pid and knobs. A supervisor killed at any
-moment finds either a finished attempt in the journal (and carries out its decision) or an
-in-flight attempt in the state (and finishes or reclaims it); it never loses a line.
-
-A torn last line (a kill during the append) is ignored on read and logged by the caller.
-"""
+"""The run directory's durable record. ``attempts.jsonl`` is the source of truth: one line per finished
+attempt, fsynced before anything acts on its decision (a torn last line is ignored on read);
+``state.json`` (written atomically) says what is in flight, so a supervisor killed at any moment
+carries out a journalled decision or finishes or reclaims the in-flight attempt."""
 
 from __future__ import annotations
 
@@ -89,7 +83,7 @@ def write_state(path: Path, state: State) -> None:
 
 
 def read_state(path: Path) -> State | None:
-    """The saved state, or None when absent or unreadable (the caller logs which)."""
+    """The saved state, or None when absent or unreadable."""
     try:
         return _STATE.validate_json(path.read_bytes())
     except (OSError, ValueError):
@@ -97,21 +91,14 @@ def read_state(path: Path) -> State | None:
 
 
 def append_attempt(path: Path, record: AttemptRecord) -> None:
-    """Append one line and fsync: the decision is durable before the loop acts on it.
-
-    A line torn by an earlier kill is closed first, so it stays one unreadable line instead of
-    swallowing this record; a new file's directory entry is fsynced too.
-    """
+    """Append one line and fsync (``append_line``): the decision is durable before the loop acts."""
     append_line(path, record.to_line())
 
 
 @dataclass(frozen=True)
 class Lift:
-    """A verdict (gave up, not retryable) lifted by a changed job or ``run --retry``.
-
-    A journal line of its own, ``{"version": 2, "lift": {...}}``: the attempts up to
-    ``after_attempt`` keep their verdict in the record, and the run goes on after them.
-    """
+    """A verdict lifted by a changed job or ``run --retry``: a journal line of its own,
+    ``{"version": 2, "lift": {...}}``; the run goes on after ``after_attempt``."""
 
     after_attempt: int
     verdict: str  # the run state that was lifted: gave_up / failed
@@ -128,7 +115,6 @@ class _LiftLine:
 
 
 def _kind(raw: object) -> str | None:
-    """A line of this version is an attempt or a lift; anything else fits neither (unreadable)."""
     if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
         return None
     return "lift" if "lift" in raw else "attempt"

@@ -1,17 +1,7 @@
-"""Whose folder ``output_dir`` is: a run directory of ours, a new or empty one, or someone else's.
-
-The supervisor moves, replaces and deletes entries of its run directory (checkpoints rotated or
-quarantined, ``adapter/`` replaced, a generation moved aside by ``--restart``). Done in a folder
-it did not make, that destroys the user's files, so a folder that exists, is not empty and holds
-no record of ours is refused before anything is written (exit 2), and ``/``, home directories and
-the system's folders are refused outright (a run under ``/proc`` or ``/sys`` could not even be
-created).
-
-*Ours* is read from what every version of the supervisor writes first: a ``state.json`` that
-reads as our state, or an ``events.jsonl`` whose first line is one of our events; or, for a run
-stopped in its first moments, the ``.lock`` beside nothing but the job copies (``job.yaml``,
-``job.vN.yaml``, ``job.vN.json``). Run directories of earlier versions have the same files.
-"""
+"""Whose folder ``output_dir`` is: the supervisor moves and deletes entries of its run directory, so a
+folder that is not empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a
+``.lock`` beside the job copies only) is refused before anything is written, and ``/``, homes and
+the system's folders outright."""
 
 from __future__ import annotations
 
@@ -27,10 +17,8 @@ _FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")
 
 
 def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | None:
-    """Why ``root`` may not be a run directory and the fix, or None when it may be one.
-
-    ``contents`` False: only where it is (a system folder, a home), not what it holds.
-    """
+    """Why ``root`` may not be a run directory and the fix, or None; ``contents`` False: only
+    where it is (a system folder, a home), not what it holds."""
     found = system_folder(root)
     if found is not None or not contents:
         return found

@@ -1,25 +1,7 @@
-"""The per-host store of observed peaks and speeds, so the next run on the same server starts calibrated.
-
-One JSON line per attempt that finished at least one optimizer step on a GPU:
-``{"shape": {...ModelShape...}, "knobs": {...Knobs...}, "peak_bytes": int | null,
-"tokens_per_s": float | null, "trainer": str, "time": float}``. ``trainer`` is whose process
-measured it (``own``, or a foreign kind such as ``axolotl``): the same knobs peak lower or higher
-in another tool (its loss, its upcasts, its kernels), so each calibrates only its own. A line
-without it is skipped: the supervisor before it stored foreign tools' attempts unlabelled too, and
-a tool's lower peaks calibrating our trainer would plan it too close to the card.
-``peak_bytes`` calibrates the memory model, ``tokens_per_s`` (the attempt's median over its
-heartbeats, for the knobs it trained with) the throughput model; a line may carry either or both.
-
-Where: ``$QLORA_SUPERVISE_STATE_DIR/peaks.jsonl``, else ``$XDG_STATE_HOME/qlora-supervise/
-peaks.jsonl``, else ``~/.local/state/qlora-supervise/peaks.jsonl`` (under the systemd unit,
-``StateDirectory=`` provides ``$STATE_DIRECTORY``, which comes first). It is a cache: deleting it
-loses nothing but the head start, a torn or foreign line is skipped, and it keeps the newest
-:data:`KEEP_LINES` lines. ``supervise.calibration_store: false`` turns it off for a job.
-
-Several supervisors on one host write it: each write holds an exclusive ``fcntl.flock`` on a lock
-file beside the store for its read-modify-write (the store itself is replaced by a rename, so a
-lock on it would be a lock on an inode the next writer no longer opens).
-"""
+"""The per-host store of observed peaks and speeds (one JSON line per attempt that trained a step on a
+GPU), so the next run on the same server starts calibrated. A cache: a torn or foreign line is skipped,
+the newest :data:`KEEP_LINES` are kept; each line names the ``trainer`` whose process measured it,
+which alone it calibrates. Writers on one host take an ``fcntl.flock`` on a lock file beside it."""
 
 from __future__ import annotations
 
@@ -44,7 +26,8 @@ KEEP_LINES = 2000
 
 
 def default_path() -> Path:
-    """The store's file on this host, by the order in the module docstring."""
+    """``$QLORA_SUPERVISE_STATE_DIR``, ``$STATE_DIRECTORY`` (systemd's ``StateDirectory=``), then
+    ``$XDG_STATE_HOME/qlora-supervise``, else ``~/.local/state/qlora-supervise``: ``peaks.jsonl``."""
     for variable in ("QLORA_SUPERVISE_STATE_DIR", "STATE_DIRECTORY"):
         value = os.environ.get(variable)
         if value:
@@ -68,8 +51,7 @@ _STORED = TypeAdapter(_Stored)
 
 
 def _lines_of(path: Path, shape: ModelShape, trainer: str) -> Iterator[_Stored]:
-    """The store's lines of this shape and trainer (an unreadable store is an empty one; a torn
-    or foreign line is skipped)."""
+    """The store's lines of this shape and trainer (an unreadable store is an empty one)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -111,7 +93,7 @@ def record_attempt(
     trainer: str = OWN,
 ) -> bool:
     """Append one attempt's peak and speed; False (and nothing raised) when the store cannot be
-    written. The store is an optimisation, so a read-only home or a full disk never stops a run."""
+    written: a read-only home or a full disk never stops a run."""
     if peak_bytes is None and tokens_per_s is None:
         return True
     line = json.dumps(
@@ -139,7 +121,6 @@ def record_attempt(
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock for one read-modify-write of the store (blocks while another holds it)."""
     fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o640)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

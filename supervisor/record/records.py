@@ -1,21 +1,7 @@
 """The typed records of ``attempts.jsonl``: one :class:`AttemptRecord` per finished attempt.
 
-A line is plain JSON that ``jq`` reads (``jq -c '{attempt, outcome, kind: .failure.kind}'``)::
-
-    {"version": 2, "attempt": 1, "phase": "train", "outcome": "failed",
-     "knobs": {...Knobs...}, "started_at": 1764576000.0, "ended_at": 1764576042.5,
-     "exit_code": 70, "signal": null, "resumed_from": 0, "steps_completed": 2,
-     "next_resume_from": 2, "lost_steps": 0,
-     "peak": {"bytes": 12884901888, "source": "allocator_report"},
-     "failure": {"kind": "oom_forward", "stage": "forward", "numbers": {...}, "evidence": "...",
-                 "message": "...", "emergency_checkpoint": "...", "expandable_segments_active": false},
-     "decision": {"action": "restart", "rung": "gradient_checkpointing", "changes": {...},
-                  "why": "...", "survives": "all", "knobs": {...}, "waited_s": 0.0},
-     "plan": {"predicted_peak": 6442450944, "budget": 8589934592, "why": [...], "changes": {...},
-              "quality_changed": false, "as_written": false}}
-
-A line is read back whole through one pydantic ``TypeAdapter`` (:data:`_RECORD`); a line that
-does not fit the record is unreadable (the journal counts it).
+A line is plain JSON (its fields: docs/run-directory.md), written and read back whole through one
+pydantic ``TypeAdapter``; a line that does not fit the record is unreadable (the journal counts it).
 """
 
 from __future__ import annotations
@@ -34,18 +20,17 @@ from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 JOURNAL_VERSION = 2
-#: The failure as the journal keeps it (its own codec: pids as string keys, the Xid facts flat).
+#: The failure in its own codec (pids as string keys, the Xid facts flat).
 FailureField = Annotated[Failure, PlainValidator(lambda raw: _failure(raw)), PlainSerializer(Failure.to_json)]
 
 
 def _failure(raw: Any) -> Failure:
     try:
         return Failure.from_json(raw)
-    except (KeyError, TypeError, AttributeError) as error:  # pydantic turns only ValueError into "unreadable"
+    except (KeyError, TypeError, AttributeError) as error:  # only a ValueError reads as "unreadable"
         raise ValueError(f"not a failure: {error!r}") from None
 
 
-#: The decision's rung name when a checkpoint that did not load was moved aside.
 QUARANTINE_RUNG = "quarantine_checkpoint"
 
 
@@ -93,9 +78,8 @@ class Peak:
 
 @dataclass(frozen=True)
 class HostMemory:
-    """An attempt's host RAM (bytes; None: not read): training's RSS high-water mark, the load's,
-    the newest heartbeat's RSS (at a kill, what the host held), and the host model's prediction
-    of training's for the attempt's knobs (issue 28: ``status`` and ``explain`` set them side by side)."""
+    """An attempt's host RAM (bytes; None: not read): training's and the load's RSS high-water
+    marks, the newest heartbeat's RSS, and the host model's prediction of training's."""
 
     peak_bytes: int | None = None
     load_peak_bytes: int | None = None
@@ -110,20 +94,13 @@ def attempt_peak(
     nvml_peak: int | None,
     rss_peak: int | None,
 ) -> Peak | None:
-    """The attempt's peak by one precedence: the first source that has a reading wins.
-
-    The allocator's own numbers come first because they count what the step needed and are
-    read at the moment of failure; heartbeats are sampled every few seconds and miss the last
-    moments before an OOM; NVML adds the CUDA context and sees only every sampling tick. The
-    report peak and the OOM need are both lower bounds of a failed step, so the larger wins.
-    """
+    """The attempt's peak: the first source with a reading wins, in :class:`AttemptPeakSource`'s
+    order (the allocator's numbers count what the failed step needed; both are lower bounds of
+    it, so the larger wins; heartbeats miss the last moments, NVML adds the CUDA context)."""
     failed_step = max((p for p in (report_peak, oom_need) if p), default=None)
     if failed_step:
-        source = (
-            AttemptPeakSource.ALLOCATOR_REPORT
-            if failed_step == report_peak
-            else AttemptPeakSource.OOM_MESSAGE
-        )
+        from_report = failed_step == report_peak
+        source = AttemptPeakSource.ALLOCATOR_REPORT if from_report else AttemptPeakSource.OOM_MESSAGE
         return Peak(int(max(failed_step, heartbeat_peak or 0)), source)
     for value, source in (
         (heartbeat_peak, AttemptPeakSource.HEARTBEAT),
@@ -151,22 +128,15 @@ class DecisionRecord:
 
     @classmethod
     def of(cls, decision: policy.Restart | policy.GiveUp, waited_s: float = 0.0) -> DecisionRecord:
-        if isinstance(decision, policy.Restart):
-            return cls(
-                Action.RESTART,
-                decision.why,
-                decision.rung,
-                dict(decision.changes),
-                decision.survives,
-                decision.knobs,
-                waited_s=waited_s,
-            )
-        return cls(Action.GIVE_UP, decision.why, retryable=decision.retryable, waited_s=waited_s)
+        d = decision
+        if isinstance(d, policy.Restart):
+            return cls(Action.RESTART, d.why, d.rung, dict(d.changes), d.survives, d.knobs, waited_s=waited_s)
+        return cls(Action.GIVE_UP, d.why, retryable=d.retryable, waited_s=waited_s)
 
     @classmethod
     def retry_from_older(cls, knobs: Knobs, quarantined: str) -> DecisionRecord:
         """The restart after a checkpoint that would not load was quarantined: same knobs, the
-        next older checkpoint. No policy is asked: it is no verdict on the config."""
+        next older checkpoint (no verdict on the config)."""
         why = f"{quarantined} did not load and was quarantined; resume from the next older checkpoint"
         return cls(Action.RESTART, why, QUARANTINE_RUNG, {}, Survives.ALL, knobs)
 
@@ -203,12 +173,9 @@ class AttemptRecord:
     failure: FailureField | None = None
     decision: DecisionRecord | None = None
     plan: PlanNote | None = None  # the pre-flight's choice (attempt 1 of a run)
-    # Why the child resumed with fresh optimizer state (the optimizer changed, or the checkpoint
-    # had none); None when it kept it or started fresh.
-    optimizer_reset: str | None = None
+    optimizer_reset: str | None = None  # why the child resumed with fresh optimizer state
     host: HostMemory | None = None  # the attempt's host RAM against the host model's prediction
-    # Knobs the attempt changed but the trainer did not take (a script that set them after building
-    # its Trainer): the ladder moves on without them.
+    # Knobs the attempt changed but the trainer did not take: the ladder moves on without them.
     unapplied: tuple[str, ...] = ()
 
     @property

@@ -1,12 +1,6 @@
-"""The layout of a run directory (the job's ``output_dir``). Paths only; no policy.
-
-:data:`ENTRIES` names every entry the supervisor, its child or a tool writes at the top of a run
-directory. Each is opened through :mod:`.runfiles`' no-follow helpers (``ensure_dir``,
-``open_append_*``, ``write_text_atomic``'s rename), and :meth:`RunDir.lock` refuses a run whose
-named entry is a link or of the wrong kind before anything is written. A test plants a link at
-each entry of the tuple, and checks that a run writes no top-level name the tuple lacks: an entry
-added later is registered here or that test fails.
-"""
+"""The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names
+every top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a
+link or of the wrong kind before anything is written."""
 
 from __future__ import annotations
 
@@ -19,13 +13,7 @@ from typing import IO
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath
 from qlora_supervise.supervisor.record.ownership import foreign_output_dir
-from qlora_supervise.supervisor.record.runfiles import (
-    open_lock_file,
-    prepare_root,
-    refuse_kind,
-    refuse_linked_dirs,
-    refuse_links,
-)
+from qlora_supervise.supervisor.record.runfiles import open_lock_file, prepare_root, refuse_links
 from qlora_supervise.trainer_child.contract.checkpoints import QUARANTINE_DIR
 
 MERGE_COMMAND = "merge-command"  # ``qlora-supervise merge``'s own spec, log and report
@@ -56,82 +44,45 @@ ENTRIES: tuple[Entry, ...] = (
 )
 
 
+class _In:
+    """A path property: ``name`` inside the object's ``path`` / ``root``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: AttemptDir | RunDir | None, owner: type | None = None) -> Path:
+        if instance is None:  # on the class: no path
+            raise AttributeError(self.name)
+        base = instance.path if isinstance(instance, AttemptDir) else instance.root
+        return base / self.name
+
+
 @dataclass(frozen=True)
 class AttemptDir:
-    """One attempt's directory (``attempt-NNN/``, or ``merge-command/``) and the files in it: the
-    spec the supervisor writes, what the child writes back, and what the supervisor samples."""
+    """One attempt's directory (``attempt-NNN/``, or ``merge-command/``): the spec the supervisor
+    writes, what the child writes back, and what the supervisor samples."""
 
     path: Path
-
-    @property
-    def spec(self) -> Path:
-        return self.path / "spec.json"
-
-    @property
-    def events(self) -> Path:
-        return self.path / "child-events.jsonl"
-
-    @property
-    def error(self) -> Path:
-        return self.path / "error.json"
-
-    @property
-    def log(self) -> Path:
-        return self.path / "child.log"
-
-    @property
-    def gpu(self) -> Path:
-        return self.path / "gpu.jsonl"
+    spec = _In("spec.json")
+    events = _In("child-events.jsonl")
+    error = _In("error.json")
+    log = _In("child.log")
+    gpu = _In("gpu.jsonl")
 
 
 @dataclass(frozen=True)
 class RunDir:
     root: Path
-
-    @property
-    def job_copy(self) -> Path:
-        return self.root / "job.yaml"
-
-    @property
-    def state(self) -> Path:
-        return self.root / "state.json"
-
-    @property
-    def attempts(self) -> Path:
-        return self.root / "attempts.jsonl"
-
-    @property
-    def events(self) -> Path:
-        return self.root / "events.jsonl"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def adapter(self) -> Path:
-        return self.root / "adapter"
-
-    @property
-    def merged(self) -> Path:
-        return self.root / "merged"
-
-    @property
-    def merge_command(self) -> Path:
-        return self.root / MERGE_COMMAND
-
-    @property
-    def trainer_output(self) -> Path:
-        return self.root / TRAINER_OUTPUT
-
-    @property
-    def datasets_cache(self) -> Path:
-        return self.root / DATASETS_CACHE
-
-    @property
-    def quarantine(self) -> Path:
-        """Where checkpoints that must not be resumed are moved (``checkpoints.quarantine``)."""
-        return self.root / QUARANTINE_DIR
+    job_copy = _In("job.yaml")
+    state = _In("state.json")
+    attempts = _In("attempts.jsonl")
+    events = _In("events.jsonl")
+    checkpoints = _In("checkpoints")
+    adapter = _In("adapter")
+    merged = _In("merged")
+    merge_command = _In(MERGE_COMMAND)
+    datasets_cache = _In(DATASETS_CACHE)
+    quarantine = _In(QUARANTINE_DIR)  # checkpoints that must not be resumed (checkpoints.quarantine)
 
     def attempt_dir(self, number: int) -> Path:
         return self.root / f"attempt-{number:03d}"
@@ -146,20 +97,17 @@ class RunDir:
     def lock(self, busy: str | None = None) -> IO[str]:
         """Hold an exclusive lock on the run directory for the life of the returned file.
 
-        Two supervisors on one run directory would race on the journal and the checkpoints. The
-        directory is created 0750, or checked to be ours (see :mod:`.ownership` and :mod:`.runfiles`): a
-        system folder, or one holding files but no run of ours, is refused; the lock file is
-        never opened through a link, and a run file, ``checkpoints/`` or the quarantine that is a
-        link (or holds one) stops the run before anything is written. ``busy``: the words when
-        another process holds the lock (``merge`` says to wait for the run).
+        The directory is created 0750 or checked to be ours (:mod:`.ownership`, :mod:`.runfiles`);
+        a run file, ``checkpoints/`` or the quarantine that is a link (or holds one) stops the run
+        before anything is written. ``busy``: the words when another process holds the lock.
         """
         refuse_foreign(self.root, contents=False)  # a system folder, before anything is created
         prepare_root(self.root)
         # Read-only checks first: the lock file is created only in a folder that is safe and ours.
         named = [entry for entry in ENTRIES if not entry.pattern]
         refuse_links([self.root / entry.name for entry in named if not entry.is_dir])
-        refuse_kind([self.root / entry.name for entry in named if entry.is_dir])
-        refuse_linked_dirs([self.checkpoints, self.quarantine])  # and the links in them
+        refuse_links([self.root / entry.name for entry in named if entry.is_dir], directories=True)
+        refuse_links([self.checkpoints, self.quarantine], directories=True, inside=True)
         refuse_foreign(self.root)  # someone else's files
         handle = open_lock_file(self.root / ".lock")
         try:

@@ -1,33 +1,19 @@
-"""Opening files inside the run directory: never through a symbolic link, with explicit modes.
-
-The supervisor often runs as root (the shipped unit does). A link planted in the run directory
-(``.lock -> /etc/passwd``) must not turn its writes into writes elsewhere, so every file it
-appends to or creates there is opened with ``O_NOFOLLOW`` (``O_EXCL`` where it must be new),
-checked to be a regular file, and given its mode explicitly (the umask can only take bits away,
-and differs between a shell and a unit):
-
-* the run directory and the directories in it: :data:`DIR_MODE` (0750);
-* the files: :data:`FILE_MODE` (0640).
-
-An ``output_dir`` owned by another user, or writable by others, is refused: anyone who can
-write there can plant such links, or edit the journal the supervisor acts on.
-"""
+"""Opening files inside the run directory: never through a symbolic link (the supervisor often runs
+as root), with explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask differs between a
+shell and a unit). An ``output_dir`` of another user, or writable by others, is refused."""
 
 from __future__ import annotations
 
 import errno
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath
 from qlora_supervise.trainer_child.contract.checkpoints import DIR_MODE as CHILD_DIR_MODE
 
-# One value each, shared with the child (which sets the same modes on checkpoints, the adapter
-# and the merged model): 0750 and 0640.
-DIR_MODE = CHILD_DIR_MODE
+DIR_MODE = CHILD_DIR_MODE  # one value, shared with the child's checkpoints and adapter
 RUN_UMASK = 0o027  # group may read, others nothing: the modes of DIR_MODE / FILE_MODE
 
 
@@ -60,43 +46,26 @@ def prepare_root(root: Path) -> None:
         )
 
 
-def refuse_links(paths: list[Path]) -> None:
-    """Refuse at start, before anything is run, when one of the run's own files is a link or no file."""
+def refuse_links(paths: list[Path], directories: bool = False, inside: bool = False) -> None:
+    """Refuse at start when one of the run's own files (``directories``: directories) is a link or of
+    another kind; ``inside``: a directory holding a link too (``checkpoints/checkpoint-N ->
+    /elsewhere`` would be resumed, quarantined or deleted outside the run directory)."""
+    is_kind, other = (
+        (stat.S_ISDIR, "is not a directory") if directories else (stat.S_ISREG, "is not a regular file")
+    )
     for path in paths:
-        _refuse_link_or_other(path, stat.S_ISREG, "is not a regular file")
-
-
-def refuse_kind(directories: list[Path]) -> None:
-    """Refuse at start when one of the run's own directories is a link or no directory."""
-    for path in directories:
-        _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory")
-
-
-def refuse_linked_dirs(paths: list[Path]) -> None:
-    """Refuse at start when one of the run's own directories is a link or no directory, or holds a
-    link: ``checkpoints/checkpoint-N -> /elsewhere`` would be resumed from, quarantined (a reason
-    file written into it) or deleted by rotation, all outside the run directory."""
-    for path in paths:
-        if not _refuse_link_or_other(path, stat.S_ISDIR, "is not a directory"):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
             continue
-        for entry in sorted(path.iterdir()):
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX)
+        if not is_kind(info.st_mode):
+            raise UnsafeRunPath(path, other, LINK_FIX)
+        for entry in sorted(path.iterdir()) if inside else ():
             if entry.is_symlink():
-                raise UnsafeRunPath(
-                    entry, "is a symbolic link; refusing to follow or delete through it", LINK_FIX
-                )
-
-
-def _refuse_link_or_other(path: Path, is_kind: Callable[[int], bool], other: str) -> bool:
-    """Whether ``path`` exists; raise when it is a link or not of the kind ``is_kind`` accepts."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if stat.S_ISLNK(info.st_mode):
-        raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX)
-    if not is_kind(info.st_mode):
-        raise UnsafeRunPath(path, other, LINK_FIX)
-    return True
+                why = "is a symbolic link; refusing to follow or delete through it"
+                raise UnsafeRunPath(entry, why, LINK_FIX)
 
 
 def ensure_dir(path: Path) -> Path:

@@ -1,18 +1,14 @@
 """Memory creep: a peak that rises step after step (a leak) towards the budget, seen in heartbeats.
 
-A healthy run's peak is flat after warm-up, with rarer jumps at a longer batch; a leak raises it at
-every step. Over the last :data:`WINDOW` steps after :data:`WARMUP_STEPS` (where optimizer state
-lands), a **leak** is a rise above the noise (:data:`NOISE_FLOOR` or :data:`NOISE_SHARE` of the
-peak) in every interval but at most one, with a positive least-squares slope; it **approaches the
-budget** when the line reaches it within :data:`HORIZON_STEPS` (the GPU budget for the CUDA
-allocator's peak, ``cpu_memory_limit`` for the data segment's). Then :meth:`CreepWatch.observe`
-returns a forecast once per attempt and the runner asks the child for an early checkpoint, so the
-OOM costs no finished step; a leak without a budget is reported once, without the signal."""
+A **leak**: over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals
+but one and a positive slope; said once per attempt, with an early checkpoint asked for when the
+line reaches the budget within :data:`HORIZON_STEPS`."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from dataclasses import dataclass
 
 from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat
@@ -74,7 +70,7 @@ class CreepWatch:
         peaks = [self._peaks[step] for step in steps]
         noise = max(NOISE_FLOOR, NOISE_SHARE * peaks[-1])
         rises = sum(1 for before, after in itertools.pairwise(peaks) if after - before > noise)
-        slope = _slope(steps, peaks)
+        slope = statistics.linear_regression(steps, peaks).slope  # steps are distinct
         if rises < len(steps) - 2 or slope <= 0:
             return None
         budget = self._budgets.get(self._source) if self._source is not None else None
@@ -86,15 +82,6 @@ class CreepWatch:
             predicted_oom_step=_reaches(steps[-1], peaks[-1], slope, budget),
             window_steps=len(steps),
         )
-
-
-def _slope(steps: list[int], peaks: list[int]) -> float:
-    mean_x = sum(steps) / len(steps)
-    mean_y = sum(peaks) / len(peaks)
-    spread = sum((x - mean_x) ** 2 for x in steps)
-    if spread == 0:
-        return 0.0
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(steps, peaks, strict=True)) / spread
 
 
 def _reaches(step: int, peak: int, slope: float, budget: int | None) -> int | None:

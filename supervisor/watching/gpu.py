@@ -1,29 +1,25 @@
-"""GPU memory samples through NVML (``pynvml``), with Xid events.
+"""GPU memory samples through NVML (``pynvml``), with Xid events, and every rank's card under torchrun.
 
-``GpuMonitor.open(device)`` returns None where there is nothing to watch (no NVML, no driver, no such
-GPU, ``cpu``); it never raises or logs. NVML numbers GPUs physically and ignores
-``CUDA_VISIBLE_DEVICES``, so the device is mapped by ``contract.devices.bind_device``, as the child
-maps it (set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` on mixed machines). Only ``pynvml.NVMLError`` is caught,
-so a bug is not mistaken for a missing GPU. In a container with its own PID namespace the child's
-memory shows under ``others``."""
+NVML ignores ``CUDA_VISIBLE_DEVICES``, so a device is mapped by ``contract.devices.bind_device`` as
+the child maps it (rank N: the child's ``cuda:N``). Only ``pynvml.NVMLError`` is caught, so a bug is
+not mistaken for a missing GPU. In a container with its own PID namespace the child shows as ``others``."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import pynvml
 
 from qlora_supervise.trainer_child.contract.devices import DeviceError, bind_device, visible_entries
+from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
-#: Every NVML failure (``pynvml`` maps each return code to a subclass of it).
-NVMLError = pynvml.NVMLError
-#: NVML handles and event sets are opaque: passed back to NVML, never looked into.
-Handle = object
+NVMLError = pynvml.NVMLError  # every NVML failure: each return code is a subclass of it
+Handle = object  # NVML handles and event sets are opaque
 
 
 class NvmlMemory(Protocol):
@@ -48,7 +44,7 @@ class NvmlUtilisation(Protocol):
 
 
 class Nvml(Protocol):
-    """The part of ``pynvml`` the monitor calls (tests pass a fake); each call may raise :data:`NVMLError`."""
+    """The part of ``pynvml`` the monitor calls (tests pass a fake); each call may raise NVMLError."""
 
     nvmlEventTypeXidCriticalError: int
 
@@ -82,7 +78,7 @@ class GpuSample:
     others: tuple[tuple[int, int], ...]  # (pid, bytes) of every other process on the GPU
     xid_events: tuple[int, ...] = ()  # Xid codes seen since the previous sample
     # The other processes' SM utilisation (percent, summed, at most 100) since the previous sample;
-    # None where NVML has no new sample or will not say (MIG, some containers).
+    # None where NVML will not say (MIG, some containers).
     others_sm_util: int | None = None
 
 
@@ -104,7 +100,8 @@ class GpuMonitor:
 
     @classmethod
     def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
-        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing."""
+        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing (or ``cpu``);
+        never raises or logs."""
         if device == "cpu":
             return None
         started = _started_nvml(nvml)
@@ -167,17 +164,14 @@ class GpuMonitor:
         for _ in range(64):  # bounded: a storm of events must not stall the loop's tick
             try:
                 event = self._nvml.nvmlEventSetWait_v2(self._events, 0)
-            except pynvml.NVMLError_Timeout:  # no more events waiting
-                break
-            except NVMLError:  # the event set broke (the GPU is lost): the memory sample says so next
+            except NVMLError:  # a timeout: no more events; else the GPU is lost (the memory sample says so)
                 break
             found.append(int(event.eventData))
         return tuple(found)
 
 
 def _started_nvml(nvml: Nvml | None) -> Nvml | None:
-    module: Nvml = pynvml
-    started = module if nvml is None else nvml
+    started: Nvml = pynvml if nvml is None else nvml
     try:
         started.nvmlInit()
     except NVMLError:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: not a GPU host
@@ -270,3 +264,42 @@ def _text(value: object) -> str:
 def _shutdown(nvml: Nvml) -> None:
     with contextlib.suppress(NVMLError):  # Uninitialized, or the driver went away: nothing to release
         nvml.nvmlShutdown()
+
+
+class RankCards:
+    """One :class:`GpuMonitor` per local rank whose card NVML could open."""
+
+    def __init__(self, monitors: Mapping[int, GpuMonitor]) -> None:
+        self._monitors = dict(monitors)
+
+    @classmethod
+    def open(cls, knobs: Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
+        """The cards of ``knobs``' ranks; None for a single process on the first card (a single one
+        that ``drop_rank`` left is watched here), on the CPU, or when NVML opens no card."""
+        if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
+            return None
+        monitors = {}
+        for local_rank, position in enumerate(rank_gpus(knobs)):
+            monitor = GpuMonitor.open(f"cuda:{position}", nvml=nvml)
+            if monitor is not None:
+                monitors[local_rank] = monitor
+        return cls(monitors) if monitors else None
+
+    @property
+    def indexes(self) -> dict[int, int]:
+        """Local rank -> the NVML (physical) index of its card."""
+        return {rank: monitor.index for rank, monitor in self._monitors.items()}
+
+    def sample(self, pids: set[int]) -> dict[int, GpuSample]:
+        """One sample per card that answered, by local rank (``pids``: the child's whole tree)."""
+        found = {}
+        for rank, monitor in self._monitors.items():
+            sample = monitor.sample(pids)
+            if sample is not None:
+                found[rank] = sample
+        return found
+
+    def close(self) -> None:
+        for monitor in self._monitors.values():
+            monitor.close()
+        self._monitors.clear()

@@ -1,11 +1,11 @@
-"""Reading the child's events file as it grows, into a picture of its progress.
-
-Each line is parsed once (``contract.events.parse_event``). Progress is a change of step or stage:
-a heartbeat repeating both is not, so a child whose heartbeat thread outlives a stuck training is
-still seen as hung. The peak is the child's ``peak_bytes``, never re-derived here."""
+"""Reading the child's events file as it grows, into a picture of its progress (a change of step or
+stage: a heartbeat thread outliving a stuck training is still hung); each rank's peak under torchrun,
+where one rank well above the others points at uneven batches or a device_map (:func:`uneven`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from qlora_supervise.trainer_child.contract.events import (
     Stopping,
     parse_event,
 )
+from qlora_supervise.trainer_child.contract.spec import rank_files
 
 #: The stages before the first micro-step (``starting``: before any event named one).
 _BEFORE_TRAINING = frozenset({"starting", Stage.SETUP.value, Stage.LOAD.value, Stage.RESUME.value})
@@ -38,11 +39,8 @@ class Progress:
     tokens_per_s: float | None = None
     max_steps: int | None = None
     peak_bytes: int | None = None  # the child's own peak (CUDA allocator peak, or data segment on the CPU)
-    # The peak before anything trained or was timed (setup and load): what a speed trial hands back.
-    setup_peak: int | None = None
-    # Host RSS (issue 28): the load's high-water mark (the ``loaded`` event), training's (the
-    # heartbeats' after it: the child restarts the mark after the load on a GPU), and the newest
-    # beat's RSS (what the host held when a kill came).
+    setup_peak: int | None = None  # before anything trained or was timed: what a speed trial hands back
+    # Host RSS: the load's high-water mark, training's (after the load), and the newest beat's RSS.
     load_host_peak: int | None = None
     host_peak: int | None = None
     last_rss: int | None = None
@@ -102,11 +100,9 @@ class HeartbeatReader:
                 p.setup_peak = max(p.setup_peak or 0, event.memory.peak_bytes)
         _host(p, event)
         if isinstance(event, SpeedTrialEvent):
-            # The heartbeats during the trial measured its candidates (the event has their peaks),
-            # and the child reset its allocator's peak after it: the attempt's peak is the load's and
-            # then the training's, not a candidate's it did not train with.
+            # The child reset its peaks after the trial: the attempt's is the load's, then training's.
             p.peak_bytes = p.setup_peak
-            p.host_peak = None  # and its host high-water mark restarts (the child resets VmHWM)
+            p.host_peak = None
         p.events.append(event)
 
 
@@ -122,11 +118,50 @@ def _host(p: Progress, event: ChildEvent) -> None:
 
 def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
     """The step and stage an event names, where it does (``unknown``, a newer child's, says nothing)."""
-    step: int | None = None
-    stage: Stage | None = None
     match event:
         case Heartbeat() | StageEntered() | Stopping() | EarlyCheckpointRequested() | Started():
-            step, stage = event.step, event.stage
+            return event.step, (None if event.stage is Stage.UNKNOWN else event.stage)
         case CheckpointSaved() | Finished():
-            step = event.step
-    return step, (None if stage is Stage.UNKNOWN else stage)
+            return event.step, None
+    return None, None
+
+
+UNEVEN_SHARE = 0.2  # "well above": the highest exceeds the lowest by this share of it
+UNEVEN_MIN_BYTES = 64 * 1024 * 1024  # ... and by this many bytes (small models differ by noise)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnevenPeaks:
+    """One rank peaked well above the others (bytes)."""
+
+    high_rank: int
+    high_bytes: int
+    low_rank: int
+    low_bytes: int
+
+    @property
+    def share_above(self) -> float:
+        return (self.high_bytes - self.low_bytes) / self.low_bytes
+
+
+def read_rank_peaks(events_file: Path) -> dict[int, int]:
+    """``{rank: peak bytes}`` from each rank's events file; a rank without a reading is left out."""
+    peaks: dict[int, int] = {}
+    for rank, path in rank_files(str(events_file)):
+        reader = HeartbeatReader(Path(path))
+        reader.poll(0.0)
+        if reader.progress.peak_bytes:
+            peaks[rank] = reader.progress.peak_bytes
+    return peaks
+
+
+def uneven(peaks: Mapping[int, int]) -> UnevenPeaks | None:
+    """The highest and lowest rank when one peaked well above; None with fewer than two or none."""
+    if len(peaks) < 2:
+        return None
+    high = max(peaks, key=lambda rank: (peaks[rank], -rank))
+    low = min(peaks, key=lambda rank: (peaks[rank], rank))
+    gap = peaks[high] - peaks[low]
+    if gap < UNEVEN_MIN_BYTES or gap < UNEVEN_SHARE * peaks[low]:
+        return None
+    return UnevenPeaks(high, peaks[high], low, peaks[low])

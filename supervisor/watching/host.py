@@ -1,15 +1,15 @@
-"""Host memory samples through psutil: the machine's RAM and swap, and the child tree's RSS (a child
-whose RSS climbed towards ``available`` before a SIGKILL was likely a host OOM kill; the cgroup's
-counter says so for sure)."""
+"""Host memory: psutil samples of the RAM, swap and the child tree's RSS, and the cgroup's limit and
+OOM-kill counter (v2 ``memory.events``, v1 ``memory.oom_control``; the child runs in our cgroup;
+``QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS`` names a file to read instead)."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
-
-from qlora_supervise.supervisor.watching.cgroup import memory_limit_bytes
 
 
 @dataclass(frozen=True)
@@ -59,3 +59,117 @@ def _rss(process: psutil.Process) -> int:
 def host_room() -> tuple[int, int | None]:
     """(RAM available now, the cgroup's memory limit or None): what the host budget starts from."""
     return int(psutil.virtual_memory().available), memory_limit_bytes()
+
+
+ENV_MEMORY_EVENTS = "QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS"
+
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+PROC_SELF_MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def oom_kill_count(path_override: Path | None = None) -> int | None:
+    """The cgroup's ``oom_kill`` count (from ``path_override``, the variable, or our cgroup), or None."""
+    value = os.environ.get(ENV_MEMORY_EVENTS, "").strip()
+    path = path_override or (Path(value) if value else None) or memory_events_path()
+    return None if path is None else read_oom_kill(path)
+
+
+def read_oom_kill(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":  # exact key: v2 also has oom_group_kill
+            return int(value) if value.strip().isdigit() else None
+    return None
+
+
+def memory_events_path(
+    proc_cgroup: Path = PROC_SELF_CGROUP, mountinfo: Path = PROC_SELF_MOUNTINFO
+) -> Path | None:
+    """The counter file of this process's cgroup: v2 ``memory.events`` first, then v1."""
+    try:
+        cgroup_lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
+        mount_lines = mountinfo.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    memberships = _memberships(cgroup_lines)
+    for fstype, controller, filename in (
+        ("cgroup2", "", "memory.events"),
+        ("cgroup", "memory", "memory.oom_control"),
+    ):
+        group = memberships.get(controller)
+        mount = _mount(mount_lines, fstype, controller)
+        if group is not None and mount is not None:
+            found = _find_in(mount, group, filename)
+            if found is not None:
+                return found
+    return None
+
+
+def memory_limit_bytes(events_path: Path | None = None) -> int | None:
+    """The limit beside the ``oom_kill`` counter (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
+    None without one or when nothing can be read."""
+    path = events_path or memory_events_path()
+    if path is None:
+        return None
+    for name in ("memory.max", "memory.limit_in_bytes"):
+        try:
+            text = (path.parent / name).read_text(encoding="ascii").strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 reports "no limit" as ~2**63
+            return int(text)
+        return None
+    return None
+
+
+def _memberships(lines: list[str]) -> dict[str, str]:
+    """Controller -> cgroup path (``""`` is the v2 hierarchy)."""
+    found: dict[str, str] = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if parts[0] == "0" and controllers == "":
+            found[""] = path
+        for controller in controllers.split(","):
+            if controller:
+                found[controller] = path
+    return found
+
+
+def _mount(lines: list[str], fstype: str, controller: str) -> tuple[str, Path] | None:
+    """The cgroup path the mount point shows as its top, and the mount point."""
+    for line in lines:
+        head, sep, tail = line.partition(" - ")
+        fields, tail_fields = head.split(), tail.split()
+        if not sep or len(fields) < 5 or not tail_fields or tail_fields[0] != fstype:
+            continue
+        options = tail_fields[2].split(",") if len(tail_fields) > 2 else []
+        if controller and controller not in options:
+            continue
+        return _unescape(fields[3]), Path(_unescape(fields[4]))
+    return None
+
+
+def _find_in(mount: tuple[str, Path], group: str, filename: str) -> Path | None:
+    """Our cgroup's file under the mount; else the nearest ancestor's (it counts descendants)."""
+    root, point = mount
+    candidate = point / (group[len(root) :] if group.startswith(root) else group).lstrip("/")
+    while True:
+        if (candidate / filename).is_file():
+            return candidate / filename
+        if candidate == point or point not in candidate.parents:
+            return None
+        candidate = candidate.parent
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal.
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field

@@ -11,9 +11,8 @@ from pathlib import Path
 import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_text
-from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.creep import CreepForecast
-from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
+from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample, RankCards
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.host import sample_host
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
@@ -33,8 +32,7 @@ class Watched:
     rss_peak: int | None = None
     creep: CreepForecast | None = None  # memory creep seen (and an early checkpoint asked for)
     xid_events: list[int] = dataclasses.field(default_factory=list)  # NVML Xids during the attempt
-    # Under torchrun: when a rank's failure report first showed, and whether the others then
-    # overstayed the bound (supervisor/loop/runner.py) and were stopped.
+    # Under torchrun: when a rank's failure report first showed, whether the others overstayed.
     rank_failed_at: float | None = None
     ranks_overstayed: bool = False
     rank_pids: dict[int, int] = dataclasses.field(default_factory=dict)  # from each rank's started event
@@ -64,8 +62,8 @@ def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Pat
 
 
 def sample_cards(pid: int, watched: Watched, cards: RankCards, gpu_log: Path) -> None:
-    """One host sample and one sample of every rank's card (torchrun). The attempt's GPU numbers are
-    the card that limits it: the highest peak, the most memory of others, the smallest total."""
+    """One host sample and one of every rank's card (torchrun); the attempt's GPU numbers are the
+    limiting card's: the highest peak, the most memory of others, the smallest total."""
     sample_memory(pid, watched, None, gpu_log)
     watched.cards = cards.indexes
     samples = cards.sample(pid_tree(pid))
@@ -94,8 +92,7 @@ def _append(gpu_log: Path, lines: str) -> None:
     except OSError as exc:
         if exc.errno not in DISK_ERRNOS:
             raise
-        # A diagnostic line lost to a full disk must not stop a child that is training fine;
-        # the child itself finds out at its next save and fails as disk_full.
+        # A diagnostic line lost to a full disk must not stop a child that is training fine.
 
 
 def pid_tree(pid: int) -> set[int]:
