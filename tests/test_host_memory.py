@@ -159,6 +159,16 @@ def test_a_candidate_over_the_host_budget_is_no_candidate_and_the_result_says_wh
     assert len(alone.ranking) > len(result.ranking)
 
 
+def test_a_job_that_fits_as_written_still_says_how_many_configs_the_host_ruled_out() -> None:
+    """The 8B as written fits a 40 GiB card and a 20 GiB host budget; faster configs that fit the card
+    but not the host are counted in the reasons too, not only in ``host_rejected``."""
+    result = preflight.preflight(SHAPE, USER, 40 * GiB, host=HostBudget(20 * GiB, CHECKPOINT, "job"))
+    assert result.fits and result.fits_as_written
+    rejected, _ = result.host_rejected
+    assert rejected > 0
+    assert any(f"host: {rejected} config(s) that fit the card are no candidates" in r for r in result.reasons)
+
+
 def test_the_speed_trial_skips_candidates_predicted_far_slower_than_the_chosen() -> None:
     """No trial candidate is predicted at under half the chosen config's tokens/s."""
     result = preflight.preflight(SHAPE, GREEDY, 40 * GiB, host=HostBudget(120 * GiB, CHECKPOINT, "job"))

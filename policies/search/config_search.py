@@ -74,8 +74,10 @@ def preflight(
         written = Ranked(
             knobs, (), search.peak(knobs), base_speed, False, CostClass.FREE, search.host_peak(knobs)
         )
-        reasons = why + _host_reasons(search, knobs)
-        return _result(search, shape, written, search.rank(knobs), reasons, budget_bytes, margin)
+        ranking = search.rank(knobs)  # first: ranking counts the configs the host rules out
+        return _result(
+            search, shape, written, ranking, why + _host_reasons(search, knobs), budget_bytes, margin
+        )
     ranking, quality = search.best(knobs)
     fallback = None
     chosen_shape = shape
