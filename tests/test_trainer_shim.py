@@ -160,7 +160,7 @@ def _script_job(tmp_path: Path, body: str) -> Path:
     job = {
         "trainer": {"kind": "hf-script", "command": command},
         "resources": {"gpu": "cpu"},
-        "supervise": {"hang_timeout": "1s", "hang_grace": "1s", "max_attempts": 1},
+        "supervise": {"hang_timeout": "1.5s", "hang_grace": "1s", "max_attempts": 1},
         "output_dir": "./run",
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
@@ -169,9 +169,9 @@ def _script_job(tmp_path: Path, body: str) -> Path:
 
 _TALKS = """
 import os, sys, time
-for i in range(8):  # 1.6 s of output, longer than the job's hang_timeout of 1 s
+for i in range(9):  # 2.25 s of output, longer than the job's hang_timeout of 1.5 s
     print(f"step {i}", flush=True)
-    time.sleep(0.2)
+    time.sleep(0.25)
 out = sys.argv[sys.argv.index("--output_dir") + 1]
 os.makedirs(out, exist_ok=True)
 open(os.path.join(out, "adapter_config.json"), "w").write("{}")
