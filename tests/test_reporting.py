@@ -16,11 +16,10 @@ from tqdm import tqdm
 from qlora_supervise.supervisor.record.console_log import ConsoleLines
 from qlora_supervise.supervisor.record.eventlog import open_event_log, read_events
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.reporting.console import ProgressDisplay, plain_line
-from qlora_supervise.supervisor.reporting.hooks import EventHook
+from qlora_supervise.supervisor.reporting.console import Pace, PaceMeter, ProgressDisplay, plain_line
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
-from qlora_supervise.supervisor.reporting.pace import Pace, PaceMeter
-from qlora_supervise.supervisor.reporting.service import status_line
+from qlora_supervise.supervisor.reporting.notify import status_line
+from qlora_supervise.supervisor.reporting.outputs import EventHook
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
-from qlora_supervise.supervisor.reporting import service
+from qlora_supervise.supervisor.reporting import notify
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_scripted import scripted_seams
@@ -71,7 +71,7 @@ def test_run_tells_systemd_ready_status_watchdog_and_stopping(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, systemd_socket: socket.socket
 ) -> None:
     """READY first, STATUS lines with attempt, step, ETA and peak, WATCHDOG pings, STOPPING last."""
-    monkeypatch.setattr(service, "STATUS_EVERY_S", 0.2)  # systemd's rate limit, shortened for a 2 s run
+    monkeypatch.setattr(notify, "STATUS_EVERY_S", 0.2)  # systemd's rate limit, shortened for a 2 s run
     monkeypatch.setenv("SCRIPTED_CHILD_STEP_S", "0.1")  # a few STATUS lines per attempt, not one
     job = _job(tmp_path, monkeypatch, {"1": "oom_forward@3", "default": "ok"})
     listener = Listener(systemd_socket)

@@ -1,13 +1,6 @@
-"""``qlora-supervise make-tiny`` and ``qlora-supervise demo``.
-
-The demo makes the tiny model, then supervises a job whose first config does not fit a
-deliberately small memory cap (``RLIMIT_DATA`` on the CPU), so the child hits *real*
-allocation failures inside torch, and the ladder has to find a config that fits. It ends
-with the retry story read back from the journal.
-
-The tiny model is built by the trainer child's own module in a child process: the supervisor
-never imports torch, not even here.
-"""
+"""``qlora-supervise make-tiny`` and ``qlora-supervise demo``: the tiny model (built in a child process:
+the supervisor never imports torch), then a job whose first config does not fit a deliberately small
+memory cap, so the child hits real allocation failures and the ladder must find a config that fits."""
 
 from __future__ import annotations
 
@@ -18,16 +11,14 @@ from typing import Any
 
 import yaml
 
+from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.trainer_child.contract import entry
 
-#: The demo's first config: micro-batch 16 without gradient checkpointing needs about
-#: 1.7 GiB of data segment on the tiny model at seq 512 (logits and trl's chunked log-prob
-#: buffer grow with micro_batch * seq_len); with gradient checkpointing it needs about 1.2 GiB.
-#: The cap sits between the two, so the first rung of the forward ladder is the one that fits.
-#: Measured on the CPU by a one-off script (bench/child_memory.py, since removed; its table is in
-#: docs/planning.md, "The CPU cap").
+#: The demo's first config: about 1.7 GiB of data segment on the tiny model, 1.2 GiB with gradient
+#: checkpointing; the cap sits between, so the forward ladder's first rung fits (docs/planning.md,
+#: "The CPU cap").
 DEMO_TRAIN = {
     "micro_batch_size": 16,
     "effective_batch_size": 16,
@@ -37,22 +28,15 @@ DEMO_TRAIN = {
     "save_steps": 4,
     "logging_steps": 1,
 }
-#: The CPU cap is this far above the child's data segment after its imports (0.37 GiB with
-#: the CPU build of torch here, making 1350 MiB; about 2.3 GiB with a CUDA build).
+#: The CPU cap is this far above the child's data segment after its imports (0.37 GiB with a CPU torch).
 DEMO_CPU_HEADROOM = 970 * 2**20
-#: On a GPU the same two configs peak at 830 MiB and 385 MiB allocated (H200, measured by a one-off
-#: script, bench/demo_gpu_peaks.py, since removed): the cap sits between them.
+#: On a GPU the same two configs peak at 830 MiB and 385 MiB allocated (H200): the cap sits between.
 DEMO_GPU_CAP = "640MiB"
 
 
-def make_tiny_command(directory: str) -> int:
-    """Write the tiny model, dataset and job.yaml into ``directory``."""
-    return _make_tiny(Path(directory))
-
-
-def _make_tiny(directory: Path) -> int:
-    command = [sys.executable, "-m", entry.TINY, str(directory)]
-    return subprocess.run(command, check=False).returncode
+def make_tiny_command(directory: str | Path) -> int:
+    """Write the tiny model, dataset and job.yaml into ``directory``; the child's exit status."""
+    return subprocess.run([sys.executable, "-m", entry.TINY, str(directory)], check=False).returncode
 
 
 def demo_command(directory: str) -> int:
@@ -60,28 +44,19 @@ def demo_command(directory: str) -> int:
     tiny = root / "tiny"
     if not (tiny / "job.yaml").exists():
         print(f"making the tiny model in {tiny} ...", file=sys.stderr, flush=True)
-        if _make_tiny(tiny) != 0:
+        if make_tiny_command(tiny) != 0:
             raise SupervisorExit(
                 SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)"
             )
-    on_gpu = _gpu_present()
-    baseline = None if on_gpu else _import_baseline()
+    baseline = None if _gpu_present() else _import_baseline()
     cpu_cap = None if baseline is None else f"{(baseline + DEMO_CPU_HEADROOM) // 2**20}MiB"
     job_path = write_demo_job(tiny / "job.yaml", root, cpu_cap)
-    print(
-        f"supervising {job_path} ({cap_words(baseline)}: the first config will not fit)",
-        file=sys.stderr,
-        flush=True,
-    )
-
-    from qlora_supervise.supervisor.commands.run import run_job
-
+    print(f"supervising {job_path} ({cap_words(baseline)}: the first config will not fit)", file=sys.stderr)
     return run_job(str(job_path))  # ends with the summary: the retry story and how to load the adapter
 
 
 def cap_words(baseline: int | None) -> str:
-    """The demo's cap for a person: the GPU cap, or the CPU cap in MiB / GiB with where it comes
-    from (``baseline``: the child's data segment after its imports; None on a GPU)."""
+    """The demo's cap for a person, with where a CPU cap comes from (``baseline``: None on a GPU)."""
     if baseline is None:
         return f"gpu_memory_limit {DEMO_GPU_CAP}"
     cap = (baseline + DEMO_CPU_HEADROOM) // 2**20 * 2**20

@@ -1,31 +1,11 @@
-"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``.
+"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``: the retry
+story as a table, one row per attempt, then why each attempt ran its config in the policy's words
+(the first plan's reasons, or the decision after the attempt before). ``--json`` prints schema
+``qlora-supervise.explain/1`` (docs/run-directory.md, "The JSON of status and explain").
 
-The retry story as a table: attempt, outcome and kind, stage, the key numbers, the change the
-ladder made, the progress kept, predicted vs measured peak, wall time; then why each attempt ran
-its config, in the policy's words (``policies/choice.py`` decides every config: the first plan's
-reasons and the speed trial's, or the decision after the attempt before). ``--json`` prints
-schema ``qlora-supervise.explain/1``::
-
-    {"schema": "qlora-supervise.explain/1", "run_dir": str, "budget_bytes": int | null,
-     "started_at": float | null,
-     "attempts": [{"attempt": int, "phase": str, "outcome": str, "kind": str | null,
-                   "stage": str | null, "numbers": {str: number}, "rung": str | null,
-                   "changes": {knob: [old, new]}, "progress_kept": str | null,
-                   "steps": [from, to], "lost_steps": int, "peak_bytes": int | null,
-                   "peak_source": str | null, "predicted_peak_bytes": int | null,
-                   "tokens_per_s": float | null,            # measured: median of its heartbeats
-                   "predicted_tokens_per_s": float | null,  # the throughput model's, same knobs
-                   "wall_s": float, "started_at": float, "ended_at": float, "samples": int,
-                   "why": [str]}],                          # why it ran this config
-     "planned_restarts": {"step_up": int, "retime": int},   # to a faster config (docs/ladder.md)
-     "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}  # training, first-run order
-
-The predicted peak is the memory model's (``policies.memory_model.estimate_peak``) for the
-attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory
-is gone); it predicts the CUDA allocator's peak, so it is left out for attempts that ran on the
-CPU (the child's ``started`` line names its device: ``gpu: auto`` on a machine without a GPU
-is a CPU attempt). ``--plot``
-draws :mod:`.memory_plot` (matplotlib, imported only then).
+The predicted peak is the memory model's for the attempt's knobs, from the model's ``config.json``
+(``--model-config`` when the model directory is gone); it predicts the CUDA allocator's peak, so it
+is left out for attempts that ran on the CPU.
 """
 
 from __future__ import annotations
@@ -39,9 +19,9 @@ from typing import Any, TextIO
 import yaml
 from tqdm import tqdm
 
-from qlora_supervise.policies.memory_model import ModelShape
-from qlora_supervise.supervisor.commands.series import attempt_series
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.policies.memory_model import ModelShape, estimate_peak
+from qlora_supervise.supervisor.commands import BadInput
+from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
@@ -65,21 +45,15 @@ def explain_command(
     out = out or sys.stdout  # at call time, like status
     rd = RunDir(Path(run_dir))
     if not rd.attempts.exists():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"{run_dir}: no attempts.jsonl; pass a job's output_dir that has run"
-        )
+        raise BadInput(f"{run_dir}: no attempts.jsonl; pass a job's output_dir that has run")
     story = explanation(rd, Path(model_config) if model_config else None)
     if plot is not None:
-        from qlora_supervise.supervisor.commands.memory_plot import draw  # matplotlib only here
-
         _check_plot_path(Path(plot))
         try:
             draw(rd, story, Path(plot))
         except OSError as error:  # a folder that takes no files (/proc), a full disk
-            raise SupervisorExit(
-                SupervisorExitCode.BAD_JOB,
-                f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere",
-            ) from None
+            why = f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere"
+            raise BadInput(why) from None
         print(f"wrote {plot}", file=sys.stderr)
     if as_json:
         print(json.dumps(story, indent=2), file=out)
@@ -91,19 +65,16 @@ def explain_command(
 def _check_plot_path(path: Path) -> None:
     """``--plot`` into a folder that does not exist, or cannot be written, is exit 2 in words."""
     folder = path.absolute().parent
+    why = None
     if not folder.is_dir():
-        why = "does not exist" if not folder.exists() else "is not a folder"
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"--plot {path}: {folder} {why}; create it first or plot elsewhere"
-        )
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"--plot {path}: {folder} is not writable; plot elsewhere"
-        )
-    if path.is_dir():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"--plot {path}: is a folder; give a file name (.png)"
-        )
+        missing = "is not a folder" if folder.exists() else "does not exist"
+        why = f"{folder} {missing}; create it first or plot elsewhere"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        why = f"{folder} is not writable; plot elsewhere"
+    elif path.is_dir():
+        why = "is a folder; give a file name (.png)"
+    if why is not None:
+        raise BadInput(f"--plot {path}: {why}")
 
 
 def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
@@ -166,10 +137,9 @@ def _shape_of(config: Path) -> ModelShape:
     try:
         shape = ModelShape.from_config(json_loads(config.read_text(encoding="utf-8")))
     except (OSError, ValueError) as error:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"--model-config {config}: {error}") from None
+        raise BadInput(f"--model-config {config}: {error}") from None
     if shape is None:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"--model-config {config}: not a shape the memory model reads (see `qlora-supervise plan`)",
         )
     return shape
@@ -178,11 +148,7 @@ def _shape_of(config: Path) -> ModelShape:
 def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -> dict[str, Any]:
     f, d = r.failure, r.decision
     shape = given or model_shape(Path(r.knobs.model))
-    predicted = None
-    if shape is not None and on_gpu:
-        from qlora_supervise.policies.memory_model import estimate_peak
-
-        predicted = estimate_peak(shape, r.knobs)
+    predicted = estimate_peak(shape, r.knobs) if shape is not None and on_gpu else None
     speed = read_attempt_speed(rd.attempt(r.attempt).events, r.knobs)
     return {
         "attempt": r.attempt,
@@ -211,8 +177,7 @@ def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -
 
 
 def _config_why(r: AttemptRecord, before: AttemptRecord | None) -> list[str]:
-    """The policy's reasons for the config ``r`` ran: the first plan's (the speed trial's among
-    them), or the decision after the attempt before it."""
+    """The first plan's reasons for the config ``r`` ran, or the decision after the attempt before."""
     if r.plan is not None:
         return list(r.plan.why)
     return [before.decision.why] if before is not None and before.decision is not None else []
@@ -227,12 +192,10 @@ _DEFAULT_KEYS = ("tried_to_allocate", "allowed")
 _SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free", "others_in_use": "others"}
 
 
-def _host_cell(a: dict[str, Any]) -> str:
-    """Training's host peak (the host model's prediction): ``?`` where the child reported none."""
-    if not a["host_peak_bytes"]:
-        return "?"
-    predicted = a["host_predicted_bytes"]
-    return format_bytes(a["host_peak_bytes"]) + (f" ({format_bytes(predicted)})" if predicted else "")
+def _measured(measured: int | None, predicted: int | None) -> str:
+    """``measured (predicted)``; ``?`` where nothing was measured."""
+    cell = format_bytes(measured) if measured else "?"
+    return cell + (f" ({format_bytes(predicted)})" if predicted else "")
 
 
 def print_table(story: dict[str, Any], out: TextIO) -> None:
@@ -247,9 +210,8 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
             f"{_SHORT.get(k, k)} {format_bytes(a['numbers'][k])}" for k in keys if k in a["numbers"]
         )
         change = a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up")
-        peak = format_bytes(a["peak_bytes"]) if a["peak_bytes"] else "?"
-        if a["predicted_peak_bytes"]:
-            peak += f" ({format_bytes(a['predicted_peak_bytes'])})"
+        peak = _measured(a["peak_bytes"], a["predicted_peak_bytes"])
+        host = _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?"
         steps = f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else "")
         rows.append(
             (
@@ -261,7 +223,7 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
                 a["progress_kept"] or "-",
                 steps,
                 peak,
-                _host_cell(a),
+                host,
                 speed_cell(a),
                 tqdm.format_interval(a["wall_s"]),
             )

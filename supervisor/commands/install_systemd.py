@@ -1,16 +1,10 @@
 """``qlora-supervise install-systemd JOB [--user | --system] [--force] [--root DIR]``.
 
-Writes the template unit (``systemd/qlora-supervise@.service``: package data, in a wheel as in
-a clone, rendered for this machine) and the job as ``<config>/qlora-supervise/<name>.yaml``
-with every path made absolute, then prints the ``systemctl`` and ``journalctl`` lines to run.
-``<config>`` is ``/etc`` for ``--system`` and ``$XDG_CONFIG_HOME`` (``~/.config``) for
-``--user``; ``--root`` puts the whole tree under another directory (a package build, a test).
-Existing files are never overwritten without ``--force``: a unit edited by an admin is theirs.
-
-The rendering: ``ExecStart`` names this installation's ``qlora-supervise``; ``User=``/``Group=``
-are the service user (system units only: a user manager cannot switch users, so the user unit
-drops them with the sandboxing that needs a privileged manager); ``TimeoutStopSec`` is the job's
-``supervise.stop_grace`` plus two minutes; ``ReadWritePaths`` gains the job's ``output_dir``.
+Writes the template unit (package data) rendered for this machine and the job, with every path made
+absolute, as ``<config>/qlora-supervise/<name>.yaml`` (``<config>``: ``/etc``, or ``$XDG_CONFIG_HOME``
+for ``--user``; all under ``--root`` if given), then prints the ``systemctl`` lines to run. Existing
+files are never overwritten without ``--force``: a unit edited by an admin is theirs. A user unit
+drops ``User=``/``Group=`` and the sandboxing that needs a privileged manager.
 """
 
 from __future__ import annotations
@@ -27,10 +21,10 @@ from typing import Any
 
 import yaml
 
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.commands import BadInput
+from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.facts.trainer import OWN
-from qlora_supervise.supervisor.jobfile import Job, JobError
-from qlora_supervise.supervisor.trainers.job import load_job
+from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.trainers.trainer import tool_job_copy
 
 UNIT_NAME = "qlora-supervise@.service"
@@ -39,26 +33,10 @@ ENV_EXAMPLE = "qlora-supervise.env.example"
 #: Seconds systemd waits beyond the child's checkpoint grace before SIGKILL (the supervisor's
 #: own exit and the journal's fsync come after the child's save).
 STOP_MARGIN_S = 120
-#: Settings a user manager cannot apply (no privileges to switch users, mount or filter devices).
-SYSTEM_ONLY = (
-    "User",
-    "Group",
-    "ProtectSystem",
-    "ProtectHome",
-    "PrivateTmp",
-    "ReadWritePaths",
-    "ProtectKernelTunables",
-    "ProtectKernelModules",
-    "ProtectControlGroups",
-    "DevicePolicy",
-    "DeviceAllow",
-    "ProtectKernelLogs",
-    "ProtectClock",
-    "ProtectHostname",
-    "PrivateMounts",
-    "CapabilityBoundingSet",
-    "AmbientCapabilities",
-)
+#: Settings a user manager cannot apply (no privileges to switch users, mount or filter devices):
+#: these, and every ``Protect*``, ``Private*`` and ``Device*`` sandboxing key.
+SYSTEM_ONLY = frozenset({"User", "Group", "ReadWritePaths", "CapabilityBoundingSet", "AmbientCapabilities"})
+SYSTEM_ONLY_PREFIXES = ("Protect", "Private", "Device")
 
 
 @dataclass(frozen=True)
@@ -81,17 +59,16 @@ def install_systemd_command(
     service_user: str | None = None,
 ) -> int:
     """Write the unit, the job copy and (once) the environment file; print what to run next."""
-    job = _load(job_path)
+    job = load_or_exit(job_path, head="not installed")
     instance = name or Path(job_path).stem
     layout = _layout(Path(root) if root else Path("/"), user_mode, instance)
     existing = [p for p in (layout.unit, layout.job) if p.exists()]
     if existing and not force:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             "refusing to overwrite " + ", ".join(map(str, existing)) + ": pass --force to replace them",
         )
     user = service_user or _default_service_user()
-    unit_text = render_unit(_template(), job, user_mode, user)
+    unit_text = render_unit(_packaged(UNIT_NAME), job, user_mode, user)
     _write(layout.unit, unit_text)
     _write(layout.job, job_copy(job))
     if not layout.env.exists():  # the shared environment file is the admin's after the first write
@@ -130,35 +107,18 @@ def service_warnings(job: Job, user: str, unit_text: str) -> list[str]:
 
 def _job_paths(job: Job) -> list[tuple[str, str]]:
     """The job's paths the service must see: its model, data, output_dir and a tool's config."""
-    paths = [("output_dir", str(job.output_dir))]
-    if job.knobs.model.startswith("/"):
-        paths.append(("model", job.knobs.model))
-    for field, value in (("data.path", job.data.path), ("data.eval_path", job.data.eval_path)):
-        if value and value.startswith("/"):
-            paths.append((field, value))
-    return paths + job.trainer.service_paths()
-
-
-def _load(job_path: str) -> Job:
-    try:
-        return load_job(job_path)
-    except JobError as error:
-        lines = "\n".join(problem.render() for problem in error.problems)
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{job_path}: not installed:\n{lines}") from None
+    named = (("model", job.knobs.model), ("data.path", job.data.path), ("data.eval_path", job.data.eval_path))
+    paths = [(field, value) for field, value in named if value and value.startswith("/")]
+    return [("output_dir", str(job.output_dir)), *paths, *job.trainer.service_paths()]
 
 
 def _layout(root: Path, user_mode: bool, instance: str) -> Layout:
     def under_root(path: Path) -> Path:
         return root / path.relative_to(path.anchor)
 
-    if user_mode:
-        config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-        units = config / "systemd" / "user"
-        tools = ("systemctl --user", "journalctl --user")
-    else:
-        config = Path("/etc")
-        units = config / "systemd" / "system"
-        tools = ("sudo systemctl", "journalctl")
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") if user_mode else Path("/etc")
+    units = config / "systemd" / ("user" if user_mode else "system")
+    tools = ("systemctl --user", "journalctl --user") if user_mode else ("sudo systemctl", "journalctl")
     ours = under_root(config / "qlora-supervise")
     return Layout(under_root(units / UNIT_NAME), ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
 
@@ -170,12 +130,8 @@ def _default_service_user() -> str:
 
 
 def _packaged(name: str) -> str:
-    """A file of the unit's package data (``systemd/`` of the clone, ``qlora_supervise/systemd``
-    of a wheel), read through :mod:`importlib.resources` so that both install kinds work.
-
-    An editable install made before ``systemd/`` was a package has no mapping for it: its
-    files are then read from the clone beside this code (one source either way).
-    """
+    """A file of the unit's package data (``systemd/`` of the clone, ``qlora_supervise/systemd`` of a
+    wheel); an editable install made before ``systemd/`` was a package reads it from the clone."""
     try:
         return (resources.files("qlora_supervise.systemd") / name).read_text(encoding="utf-8")
     except (ModuleNotFoundError, FileNotFoundError):
@@ -184,15 +140,10 @@ def _packaged(name: str) -> str:
     try:
         return beside.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"the packaged {name} is missing from this installation (looked in qlora_supervise.systemd "
             f"and {beside.parent}): reinstall qlora-supervise",
         ) from None
-
-
-def _template() -> str:
-    return _packaged(UNIT_NAME)
 
 
 def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> str:
@@ -203,7 +154,7 @@ def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> 
     out: list[str] = []
     for line in template.splitlines():
         key = line.split("=", 1)[0] if "=" in line and not line.startswith("#") else ""
-        if user_mode and key in SYSTEM_ONLY:
+        if user_mode and (key in SYSTEM_ONLY or key.startswith(SYSTEM_ONLY_PREFIXES)):
             continue
         if user_mode:  # %E: the user manager's config directory ($XDG_CONFIG_HOME)
             line = line.replace("/etc/qlora-supervise/", "%E/qlora-supervise/")

@@ -1,32 +1,84 @@
-"""``explain --plot FILE.png``: every attempt's memory on one time axis (matplotlib, headless).
+"""An attempt's memory over time, and ``explain --plot FILE.png``: every attempt's on one time axis.
 
-One colour per attempt; the line is the memory the attempt's cap limits (CUDA allocated on a
-GPU, the data segment on the CPU), NVML's view of the process as a thin line where it ran. An
-OOM is a red cross at the end of its attempt, at the bytes it needed when the message says
-(in use + the request), with the failure kind beside it; the rung that the next attempt runs
-with labels the gap between them. The budget is a dashed red line, the memory model's
-prediction a dotted line over its attempt. Imported only by ``explain --plot``: the daemon
-never loads matplotlib.
+One colour per attempt: the memory its cap limits (CUDA allocated on a GPU, the data segment on
+the CPU), NVML's view as a thin line; a failure is a cross at the bytes it needed, labelled with
+its kind; the next attempt's rung labels the gap; the budget is a dashed red line, the memory
+model's prediction a dotted one. matplotlib (headless) is imported only when a plot is drawn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.supervisor.commands.series import attempt_series
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, read_events
+from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
 
 _GIB = 2**30
+#: A label beside its point, in points.
+_NOTE = {"textcoords": "offset points", "fontsize": 8}
+#: The current gauge that shows the memory each peak source measures, and its label.
+_GAUGE_OF_SOURCE = {
+    ChildPeakSource.CUDA_ALLOCATOR: ("allocated_bytes", "CUDA allocated"),
+    ChildPeakSource.DATA_SEGMENT: ("vmdata_bytes", "data segment"),
+    ChildPeakSource.RSS: ("rss_bytes", "RSS"),
+}
+
+
+@dataclass
+class Series:
+    """(wall time, bytes) points of one attempt; ``nvml`` from the GPU monitor, when it ran."""
+
+    points: list[tuple[float, int]] = field(default_factory=list)
+    nvml: list[tuple[float, int]] = field(default_factory=list)
+    label: str = "memory"
+
+
+def attempt_series(rd: RunDir, attempt: int) -> Series:
+    """The attempt's memory over time from its ``child-events.jsonl`` (the heartbeats' and ``loaded``'s
+    memory numbers: the gauge of its peak source) and ``gpu.jsonl`` (NVML's view of the process, CUDA
+    context included). A missing or torn file gives fewer points, never an error."""
+    files = rd.attempt(attempt)
+    series = Series()
+    for event in read_events(files.events):
+        if not isinstance(event, Heartbeat | Loaded) or event.time is None:
+            continue
+        numbers = event.memory
+        if numbers.peak_source is None:
+            continue
+        gauge, label = _GAUGE_OF_SOURCE[numbers.peak_source]
+        if value := getattr(numbers, gauge):
+            series.points.append((event.time, int(value)))
+            series.label = label
+    for sample in _lines(files.gpu):
+        if isinstance(sample.get("time"), int | float) and isinstance(sample.get("this_process_bytes"), int):
+            series.nvml.append((float(sample["time"]), int(sample["this_process_bytes"])))
+    return series
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            value = json.loads(line)
+            out += [value] if isinstance(value, dict) else []
+    return out
 
 
 def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             "explain --plot needs matplotlib: pip install -e '.[plot]' (the clone) or pip install matplotlib",
         ) from None
     matplotlib.use("Agg")  # headless: a lab server has no display
@@ -46,10 +98,9 @@ def draw(rd: RunDir, story: dict[str, Any], path: Path) -> None:
     # A wild prediction (an attempt the model knew would not fit) must not squash the rest.
     ceiling = 1.8 * budget if budget else None
     top = budget
+    t0 = story["started_at"] or 0.0
     for i, a in enumerate(attempts):
-        top = max(
-            top, _attempt(ax, rd, a, story["started_at"] or 0.0, scale, colors[i % len(colors)], ceiling)
-        )
+        top = max(top, _attempt(ax, rd, a, t0, scale, colors[i % len(colors)], ceiling))
     if budget:
         ax.axhline(budget, color="red", ls="--", lw=1.2, label=f"budget {budget:.2f} {unit}")
     if any(a["predicted_peak_bytes"] for a in attempts):
@@ -95,16 +146,8 @@ def _attempt(
     top = max(top, _mark_failure(ax, a, end, ys[-1] if ys else None, scale))
     if a["rung"]:
         # At the foot of the gap between attempts, below the data and clear of the failure marks.
-        ax.annotate(
-            f"retry: {a['rung']}",
-            xy=(end, 0),
-            xytext=(3, 6),
-            textcoords="offset points",
-            rotation=90,
-            va="bottom",
-            fontsize=8,
-            color="dimgray",
-        )
+        rung = f"retry: {a['rung']}"
+        ax.annotate(rung, xy=(end, 0), xytext=(3, 6), rotation=90, va="bottom", color="dimgray", **_NOTE)
     return top
 
 
@@ -116,14 +159,8 @@ def _prediction(
         return 0.0
     value = float(predicted) / scale
     if ceiling is not None and value > ceiling:
-        ax.annotate(
-            f"predicted {value:.1f} ↑ (off the scale)",
-            xy=((start + end) / 2, ceiling),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-            color=color,
-        )
+        where = {"xy": ((start + end) / 2, ceiling), "ha": "center", "va": "bottom"}
+        ax.annotate(f"predicted {value:.1f} ↑ (off the scale)", fontsize=8, color=color, **where)
         value = ceiling
     ax.hlines(value, start, end, colors=[color], linestyles="dotted", lw=1.5)
     return value
@@ -146,14 +183,7 @@ def _mark_failure(ax: Any, a: dict[str, Any], end: float, last: float | None, sc
     held_units = held / scale if held else (last if last is not None else (a["peak_bytes"] or 0) / scale)
     y = held_units + (numbers.get("tried_to_allocate") or 0) / scale
     oom = (a["kind"] or "").startswith("oom") or a["kind"] == "host_oom"
-    ax.plot([end], [y], marker="x", ms=11, mew=2.5, color="red" if oom else "black", ls="none")
-    ax.annotate(
-        a["kind"] or "failed",
-        xy=(end, y),
-        xytext=(7, 3),
-        textcoords="offset points",
-        ha="left",
-        fontsize=8,
-        color="red" if oom else "black",
-    )
+    mark = "red" if oom else "black"
+    ax.plot([end], [y], marker="x", ms=11, mew=2.5, color=mark, ls="none")
+    ax.annotate(a["kind"] or "failed", xy=(end, y), xytext=(7, 3), ha="left", color=mark, **_NOTE)
     return y

@@ -1,20 +1,14 @@
 """``qlora-supervise merge RUN_DIR [--out DIR] [--device auto|cpu|cuda]``: merge a finished adapter.
 
-The same merge child as ``run``'s final phase (``train.merge: true``), started on its own:
-its spec is the newest training attempt's, pointed at ``--out`` (default ``RUN_DIR/merged``),
-written to ``RUN_DIR/merge-command/``. The child plans the memory (GPU and host RAM) and picks
-the device for ``auto``; a memory failure on the GPU (``oom_merge``) is retried once on the
-CPU. The journal is not touched: this is not an attempt of the run.
-
-It holds the run's lock for the whole merge, so it never reads an adapter a supervisor is
-replacing (an extension, the run's own merge phase): while one runs it is refused (exit 2). The
-adapter's step (the journal's last finished training) is added to the merge report
-(``merge.json``) and recorded in ``merge-command/merged.json``, where ``status`` reads it.
-``--device cuda`` with no GPU visible is refused (exit 2), as a job with a GPU index is.
+``run``'s merge child started on its own, from the newest training attempt's spec pointed at ``--out``
+(default ``RUN_DIR/merged``), in ``RUN_DIR/merge-command/``; a GPU ``oom_merge`` is retried once on the
+CPU. The journal is not touched, and the run's lock is held throughout (refused, exit 2, while a
+supervisor runs). The adapter's step is added to ``merge.json`` and to ``merge-command/merged.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.facts.units import format_bytes
@@ -46,23 +41,19 @@ DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"  # trainer_child.merge.DEVICE_ENV (n
 def merge_command(run_dir: str, out: str | None = None, device: str = "auto") -> int:
     rd = RunDir(Path(run_dir).resolve())
     if device == "cuda" and not visible_gpu_count():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             "merge --device cuda: no GPU is visible here (NVML finds none); "
             "use --device cpu (or auto, which picks the CPU on this machine)",
         )
     if not (rd.adapter / "adapter_config.json").is_file():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{rd.adapter}: no adapter_config.json; merge a run that finished training "
             f"(qlora-supervise status {run_dir})",
         )
     os.umask(RUN_UMASK)  # what the child creates (its events, the merged model) is 0640 / 0750 too
     merged = Path(out).resolve() if out else rd.merged
     if (system := system_folder(merged)) is not None:
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB, f"merge --out {merged}: {system[0]}; choose a folder of your own"
-        )
+        raise BadInput(f"merge --out {merged}: {system[0]}; choose a folder of your own")
     lock = rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first")
     try:
         return _merge_locked(rd, merged, device)
@@ -103,12 +94,12 @@ def adapter_step(rd: RunDir) -> int | None:
 
 def merged_record(rd: RunDir) -> dict[str, Any] | None:
     """What the last ``qlora-supervise merge`` recorded: ``merged_dir``, ``adapter_step``, ``time``."""
-    return _read_json(rd.merge_command / MERGED_RECORD)
+    return read_json(rd.merge_command / MERGED_RECORD)
 
 
 def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] | None:
     """The adapter's step into the merge report and ``merge-command/merged.json``; the report."""
-    numbers = _read_json(merged / "merge.json")
+    numbers = read_json(merged / "merge.json")
     if numbers is not None:
         numbers["adapter_step"] = step
         write_text_atomic(merged / "merge.json", json.dumps(numbers, indent=2))
@@ -117,7 +108,7 @@ def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] |
     return numbers
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -129,7 +120,7 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
     """The newest training attempt's spec, pointed at this merge's own files."""
     specs = sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))
     if not specs:
-        raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{rd.root}: no attempt-NNN/spec.json to merge from")
+        raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")
     base = AttemptSpec.from_json(specs[-1].read_text(encoding="utf-8"))
     work = AttemptDir(ensure_dir(rd.merge_command))  # never through a link (runfiles)
     for stale in (work.error, work.events):
@@ -151,19 +142,10 @@ def _run_child(spec: AttemptSpec, device: str) -> tuple[int, ErrorReport | None]
     work = AttemptDir(Path(spec.error_file).parent)
     work.error.unlink(missing_ok=True)
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        entry.MERGE,
-        "--spec",
-        str(work.spec),
-    ]
+    command = [sys.executable, "-m", entry.MERGE, "--spec", str(work.spec)]
     with open_append_binary(work.log) as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
-    report = None
     if code != ExitCode.OK and work.error.is_file():
-        try:
-            report = ErrorReport.from_json(work.error.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            report = None
-    return code, report
+        with contextlib.suppress(OSError, ValueError):
+            return code, ErrorReport.from_json(work.error.read_text(encoding="utf-8"))
+    return code, None

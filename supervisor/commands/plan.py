@@ -1,90 +1,15 @@
 """``qlora-supervise plan JOB [--gpu-memory 24GiB] [--host-memory 32GiB] [--json]``: where the memory
-will go, on the card and on the host, before training.
+will go, on the card and on the host, before training (docs/planning.md). No GPU, no torch, no weights.
 
-Reads the job, the model's ``config.json`` and its safetensors index / headers (never the
-weights: :mod:`qlora_supervise.supervisor.jobfile.model_files`), and prints the predicted peak by
-component, the card and the budget, whether the job fits as written, the config the supervisor
-would start from (the first plan, :data:`qlora_supervise.policies.choice.first`), each
-rung's predicted peak and cost class, and the host RAM needed to load and to merge. No GPU, no
-torch: it runs in a second on a laptop for a 70B config.
+The card, first match wins: ``--gpu-memory`` (budget: the size less the CUDA context and a paged
+optimizer's state, both outside PyTorch's allocator), the job's ``gpu_memory_limit`` (budget: the cap
+itself, since it caps the allocator), NVML. The host, first match wins: ``--host-memory`` (less a
+reserve), ``resources.host_memory_limit``, the RAM available now (capped by the cgroup, less a
+reserve); every candidate must fit it too. ``--json``: schema ``qlora-supervise.plan/1``
+(docs/planning.md, "The JSON").
 
-The card, first match wins: ``--gpu-memory`` (the card's size), the job's ``gpu_memory_limit``
-(a cap on PyTorch's allocator: the budget is the cap itself), NVML (the card's total). For a
-card size the budget is the total less a reserve: the CUDA context (outside the allocator,
-~600 MiB on an H200 with torch 2.11) and, with a paged optimizer, its unified-memory state,
-which lives on the card but outside the allocator too. The pre-flight then keeps an 8 % margin.
-
-The host, first match wins: ``--host-memory`` (the host's size, less a reserve: the explicit
-what-if wins over the job), the job's ``resources.host_memory_limit`` (the budget itself), the RAM
-available now (capped by the cgroup's limit, less a reserve). Every candidate must fit it too: its
-training host peak (:func:`qlora_supervise.policies.memory.host.host_train_need`) is in
-``host.train_peak_bytes`` for the start and in each ranked candidate's ``host_peak_bytes``.
-
-``--json`` prints one object (schema ``qlora-supervise.plan/1``; all sizes in bytes)::
-
-    {
-      "schema": "qlora-supervise.plan/1",
-      "job": str, "model": str,
-      "peak_bytes": int | null,          # predicted peak allocated of the job as written
-      "components": {name: int},         # the terms of peak_bytes (they sum to it)
-      "shape": {"hidden": int, "layers": int, "heads": int, "kv_heads": int,
-                "intermediate": int, "vocab": int, "tie_word_embeddings": bool,
-                "params": int} | null,
-      "unsupported": {"reason": str, "detail": str} | null,   # null when modelled
-      "architecture": {...the shape's fields: model_type, attn_implementation, softcaps, qkv_bias,
-                       sliding_window, experts..., "summary": str,
-                       "missing_terms": [str]} | null,         # null: a model type not read
-      "targets": [str],                  # the block's linear layers LoRA adapts
-      "as_written": {"knobs": {...}, "peak_bytes": int, "reserved_bytes": int,
-                     "card_bytes": int, "phase": str, "components": {name: int},
-                     "outside": {name: int}} | null,
-      "card": {"source": "flag" | "job_cap" | "nvml" | "none", "total_bytes": int | null,
-               "free_bytes": int | null, "reserve_bytes": int, "reserve_why": str,
-               "budget_bytes": int | null},
-      "fits_as_written": bool | null,    # null: no budget known
-      "start": {"knobs": {...}, "changes": {knob: [old, new]}, "reasons": [str],
-                "quality_changed": bool, "fits": bool, "margin": float,
-                "peak_bytes": int, "components": {name: int},
-                "tokens_per_s": float | null,      # predicted (or this host's measurement)
-                "fallback": str | null,            # the fallback model started instead
-                "speed_trial": [{"micro_batch_size": int, "grad_accum": int,
-                                 "gradient_checkpointing": bool, "predicted_tokens_per_s": float,
-                                 "predicted_peak_bytes": int}],
-                "host_peak_bytes": int | null,     # its training host peak
-                "nothing_fits": {"smallest_peak_bytes": int, "budget_bytes": int,
-                                 "help": str, "message": str,
-                                 "host": bool} | null} | null,   # host: host memory is short
-      "ranking": [{"rank": int, "tokens_per_s": float, "measured": bool, "peak_bytes": int,
-                   "host_peak_bytes": int | null,
-                   "cost_class": str, "rungs": [str], "changes": {knob: [old, new]}}],
-                                         # every fitting candidate of the start's model, fastest first
-                                         # (a foreign trainer's: of the rungs it can take)
-      "rungs": [{"name": str, "cost_class": "free" | "throughput" | "quality",
-                 "cost": float,                     # predicted share of tokens/s lost (< 0: faster)
-                 "tokens_per_s": float | null,
-                 "peak_bytes": int | null, "changes": {knob: [old, new]}}],
-                                         # a foreign trainer: only the rungs its config can express
-      "host": {"checkpoint_bytes": int | null, "load_peak_bytes": int | null,
-               "merge_peak_bytes": int | null, "available_bytes": int,
-               "room_bytes": int, "room_of": "available" | "cgroup limit" | "cpu_memory_limit",
-               "cgroup_limit_bytes": int | null, "basis": str, "load_fits": bool | null,
-               "budget_bytes": int | null,        # the host budget the candidates must fit
-               "budget_source": "job" | "flag" | "available" | null,
-               "reserve_bytes": int,
-               "train_peak_bytes": int | null,    # the start's host need: training's, or the load's
-                                                  # (imports + the largest shard in the page cache)
-               "train_phase": "load" | "train" | null,  # which of the two it is
-               "train_phase_bytes": int | null,   # the training phase alone: the sum of train_components
-               "train_components": {name: int},  # its terms (resident, offloaded_activations, ...)
-               "train_basis": str,
-               "rejected": int,                   # candidates that fit the card but not the host
-               "rejected_smallest_bytes": int | null}
-    }
-
-Exit 0 when the plan was made (even when the job does not fit: that is the answer, and
-``start.nothing_fits`` says what would help), 2 for a bad job file, an unreadable model directory
-or a bad ``--gpu-memory`` / ``--host-memory``. The ranking uses this host's measured speeds for
-the shape (the per-host store, ``supervise.calibration_store``) where it has some.
+Exit 0 when the plan was made, 6 (as ``run`` would) when nothing fits, 2 for a bad job file, an
+unreadable model directory or a bad size flag.
 """
 
 from __future__ import annotations
@@ -97,45 +22,30 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
+from qlora_supervise.policies.memory import host as host_terms
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
 from qlora_supervise.policies.search import throughput
-from qlora_supervise.policies.search.budget import card_budget, card_reserve
+from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
 from qlora_supervise.policies.search.rung_effects import RungEffect, rung_effects
 from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
-from qlora_supervise.supervisor.commands.plan_host import find_host, host_ram, host_training, size_flag
-from qlora_supervise.supervisor.commands.plan_inputs import JobView, load_plan_job, plan_model_files
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.plan_text import render
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
+from qlora_supervise.supervisor.commands.validate import load_or_exit
+from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import Job, model_files
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
+from qlora_supervise.supervisor.watching import host as host_memory
+from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must be asked
     from qlora_supervise.supervisor.watching.gpu import Nvml
 
 SCHEMA = "qlora-supervise.plan/1"
-
-
-def job_view(job: Job) -> JobView:
-    """The plan's view of ``job``: its knobs, target modules, caps, device and merge flag, and the
-    rungs its trainer cannot take (left out of the search and the rung list, as ``run`` does)."""
-    return JobView(
-        knobs=job.trainer.built_knobs(job.knobs, job.output_dir),  # a script's: as it built them
-        targets=job.train.target_modules,
-        fallbacks=job.fallback_models,
-        calibration_store=job.supervise.calibration_store,
-        gpu_memory_limit=job.resources.gpu_memory_limit,
-        cpu_memory_limit=job.resources.cpu_memory_limit,
-        device=job.resources.device,
-        host_memory_limit=job.resources.host_memory_limit,
-        merge=job.train.merge,
-        cannot_take=job.trainer.cannot_take(),
-        trainer=job.trainer.kind,
-    )
 
 
 @dataclass(frozen=True)
@@ -170,53 +80,54 @@ def plan_command(
 def make_plan(
     job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
 ) -> dict[str, Any]:
-    """The plan as the JSON object documented above."""
-    job = load_plan_job(job_path)
-    view = job_view(job)
+    """The plan as the JSON object (schema: docs/planning.md)."""
+    job = load_or_exit(job_path)
+    knobs = job.trainer.built_knobs(job.knobs, job.output_dir)  # a script's: as it built them
+    targets, cannot_take = job.train.target_modules, job.trainer.cannot_take()  # as `run` leaves them out
     host_size = size_flag("--host-memory", host_memory)
-    files = plan_model_files(view.knobs.model, job)
+    files = plan_model_files(knobs.model, job)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
-    as_written = None if shape is None else memory_model.predict(shape, view.knobs, view.targets)
-    card = find_card(gpu_memory, view, as_written, nvml)
+    as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
+    card = find_card(gpu_memory, job, as_written, nvml)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
-    host = None if checkpoint is None else find_host(checkpoint, view, host_size, files.largest_shard_bytes)
+    host = None if checkpoint is None else find_host(checkpoint, job, host_size, files.largest_shard_bytes)
     start = None
-    speed = None if shape is None else _host_speeds(view, shape)
+    speed = None if shape is None else _host_speeds(job, shape)
     if shape is not None and card.budget_bytes is not None:
-        fallbacks = tuple((model, model_shape(Path(model))) for model in view.fallbacks)
+        fallbacks = tuple((model, model_shape(Path(model))) for model in job.fallback_models)
         start = choice.first(
             shape,
-            view.knobs,
+            knobs,
             card.budget_bytes,
-            targets=view.targets,
+            targets=targets,
             speed=speed,
             fallbacks=fallbacks,
-            unusable=view.cannot_take,
+            unusable=cannot_take,
             host=host,
         )
-    effects = [] if shape is None else rung_effects(shape, view.knobs, view.targets, speed=speed)
-    rungs = [effect for effect in effects if effect.name not in view.cannot_take]
+    effects = [] if shape is None else rung_effects(shape, knobs, targets, speed=speed)
+    rungs = [effect for effect in effects if effect.name not in cannot_take]
     return {
         "schema": SCHEMA,
         "job": str(Path(job_path).absolute()),
-        "model": view.knobs.model,
+        "model": knobs.model,
         "peak_bytes": None if as_written is None else as_written.peak_bytes,
         "components": {} if as_written is None else dict(as_written.components),
         "shape": None if shape is None else {**asdict(shape), "params": shape.params},
         "unsupported": _unsupported(read),
         "architecture": _architecture(files),
         "notes": list(files.notes) + _tie_note(files, shape),
-        "targets": list(resolve_targets(view.targets, shape.model_type if shape else "llama")),
-        "as_written": None if as_written is None else _prediction(view.knobs, as_written),
+        "targets": list(resolve_targets(targets, shape.model_type if shape else "llama")),
+        "as_written": None if as_written is None else _prediction(knobs, as_written),
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
         "start": None if start is None else _start(start),
-        "ranking": [] if start is None else _ranking(view.knobs, start),
+        "ranking": [] if start is None else _ranking(knobs, start),
         "rungs": [_rung(r) for r in rungs],
         "host": {
-            **host_ram(checkpoint, files.largest_shard_bytes, view),
-            **host_training(shape, view, host, start),
+            **host_ram(checkpoint, files.largest_shard_bytes, job),
+            **host_training(shape, knobs, targets, host, start),
         },
     }  # fmt: skip
 
@@ -233,29 +144,25 @@ def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsuppor
 
 
 def find_card(
-    gpu_memory: str | None, view: JobView, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
+    gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
 ) -> Card:
-    """The card and the budget; see the module docstring for the order and the reserve."""
+    """The card and the budget, in the module docstring's order."""
     paged = 0 if predicted is None else predicted.outside.get("paged_optimizer_state", 0)
     reserve = card_reserve(paged)
     why = f"CUDA context {format_bytes(gpu_terms.CUDA_CONTEXT)} (outside PyTorch's allocator)"
     if paged:
         why += f" + paged optimizer state {format_bytes(paged)} (unified memory, outside the allocator)"
-    if gpu_memory is not None:
-        try:
-            total = parse_memory_size(gpu_memory)  # a bare 24 is refused: it would be 24 bytes
-        except UnitError as error:
-            raise SupervisorExit(
-                SupervisorExitCode.BAD_JOB, f"--gpu-memory {gpu_memory!r}: {error}"
-            ) from None
+    total = size_flag("--gpu-memory", gpu_memory)  # a bare 24 is refused: it would be 24 bytes
+    if total is not None:
         return Card("flag", total, None, reserve, why, card_budget(total, paged))
-    if view.gpu_memory_limit is not None:
+    cap, device = job.resources.gpu_memory_limit, job.resources.device
+    if cap is not None:
         cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
-        return Card("job_cap", view.gpu_memory_limit, None, 0, cap_why, view.gpu_memory_limit)
-    if view.device != "cpu":
+        return Card("job_cap", cap, None, 0, cap_why, cap)
+    if device != "cpu":
         from qlora_supervise.supervisor.watching.gpu import GpuMonitor
 
-        monitor = GpuMonitor.open(view.device, nvml=nvml)
+        monitor = GpuMonitor.open(device, nvml=nvml)
         if monitor is not None:
             try:
                 sample = monitor.sample(set())
@@ -318,12 +225,12 @@ def _ranking(job: Knobs, r: PreflightResult) -> list[dict[str, Any]]:
     ]
 
 
-def _host_speeds(view: JobView, shape: ModelShape) -> throughput.SpeedCalibration | None:
+def _host_speeds(job: Job, shape: ModelShape) -> throughput.SpeedCalibration | None:
     """This host's measured speeds of the shape (the per-host store), or None: none, or turned off."""
-    if not view.calibration_store or view.device == "cpu":
+    if not job.supervise.calibration_store or job.resources.device == "cpu":
         return None
-    speeds = read_speeds(default_path(), shape, view.trainer)
-    return throughput.calibrate(shape, speeds, view.targets) if speeds else None
+    speeds = read_speeds(default_path(), shape, job.trainer.kind)
+    return throughput.calibrate(shape, speeds, job.train.target_modules) if speeds else None
 
 
 def _rung(r: RungEffect) -> dict[str, Any]:
@@ -335,6 +242,22 @@ def _rung(r: RungEffect) -> dict[str, Any]:
         "peak_bytes": r.predicted_peak,
         "changes": {k: list(v) for k, v in r.changes.items()},
     }
+
+
+def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
+    """The model's files, or exit 2 naming the model as the job does (``model.path``, or a tool's key)."""
+    try:
+        return model_files.read_model_files(model)
+    except model_files.ModelFilesError as error:
+        key, where, spelled = job.trainer.model_words()
+        if not model:
+            message = (
+                f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
+                f"to predict its memory; add {spelled} there"
+            )
+        else:
+            message = str(error).replace("point model.path at", f"point {key} (in {where}) at")
+        raise BadInput(message) from None
 
 
 def _unsupported(read: ModelShape | Unsupported) -> dict[str, str] | None:
@@ -359,3 +282,77 @@ def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[s
     if has_head:
         return ["config says tie_word_embeddings but the checkpoint stores lm_head.weight: counted as tied"]
     return ["the checkpoint has no lm_head.weight but config says untied: transformers will create one"]
+
+
+def find_host(
+    checkpoint_bytes: int, job: Job, host_size: int | None, largest_shard_bytes: int = 0
+) -> HostBudget | None:
+    """The host budget, in the module docstring's order; None on the CPU (``cpu_memory_limit`` caps it)."""
+    if job.resources.device == "cpu":
+        return None
+    available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
+    limit = job.resources.host_memory_limit
+    return host_budget(checkpoint_bytes, available, cgroup, limit, host_size, largest_shard_bytes)
+
+
+def size_flag(flag: str, value: str | None) -> int | None:
+    """A size flag's bytes; a bad one is a bad command line (exit 2), named."""
+    if value is None:
+        return None
+    try:
+        return parse_memory_size(value)
+    except UnitError as error:
+        raise BadInput(f"{flag} {value!r}: {error}") from None
+
+
+def host_training(
+    shape: ModelShape | None,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str,
+    host: HostBudget | None,
+    start: PreflightResult | None,
+) -> dict[str, Any]:
+    """The host budget and the start's (else ``knobs``') training host peak by component, with its basis."""
+    need = None
+    if shape is not None and host is not None:
+        knobs = knobs if start is None else start.knobs
+        need = host_terms.host_train_need(
+            shape, knobs, host.checkpoint_bytes, targets, host.largest_shard_bytes
+        )
+    rejected, smallest = (0, None) if start is None else start.host_rejected
+    return {
+        "budget_bytes": None if host is None else host.budget_bytes,
+        "budget_source": None if host is None else host.source,
+        "reserve_bytes": 0 if host is None else host.reserve_bytes,
+        "train_peak_bytes": None if need is None else need.peak_bytes,
+        "train_phase": None if need is None else need.phase,
+        "train_phase_bytes": None if need is None else need.train_peak,
+        "train_components": {} if need is None else dict(need.train_components),
+        "train_basis": "" if need is None else need.basis,
+        "rejected": rejected,
+        "rejected_smallest_bytes": smallest,
+    }
+
+
+def host_ram(checkpoint: int | None, largest_shard: int, job: Job) -> dict[str, Any]:
+    """The load's and the merge's host RAM as measured (RSS, the mapped checkpoint included), and
+    whether the load's need (imports + its largest shard in the page cache) fits the room there is:
+    the smallest of what is available, the cgroup's limit and ``cpu_memory_limit``, named."""
+    available, limit = host_memory.host_room()  # through the module: the tests' one seam
+    resources = job.resources
+    on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
+    need = None if checkpoint is None else host_terms.host_need(checkpoint, largest_shard, on_gpu)
+    rooms = {"available": available, "cgroup limit": limit, "cpu_memory_limit": resources.cpu_memory_limit}
+    room_of, room = min(((k, v) for k, v in rooms.items() if v is not None), key=lambda kv: kv[1])
+    imports = host_terms.IMPORTS_RSS if on_gpu else host_terms.CPU_IMPORTS_RSS
+    return {
+        "checkpoint_bytes": checkpoint,
+        "load_peak_bytes": None if need is None else need.load_peak,
+        "merge_peak_bytes": None if need is None else need.merge_peak,
+        "available_bytes": available,
+        "cgroup_limit_bytes": limit,
+        "basis": "" if need is None else need.basis,
+        "load_fits": None if checkpoint is None else imports + (largest_shard or checkpoint) <= room,
+        "room_bytes": room,
+        "room_of": room_of,
+    }

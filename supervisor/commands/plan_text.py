@@ -1,8 +1,4 @@
-"""The text view of ``qlora-supervise plan``: the plan's JSON object (plan.py) for a person.
-
-Components, the card and the budget, the verdict, the start config (or why nothing fits), the
-ranking of every fitting candidate by tokens/s, each rung alone, and the host RAM.
-"""
+"""The text view of ``qlora-supervise plan``: the plan's JSON object (plan.py) for a person."""
 
 from __future__ import annotations
 
@@ -16,10 +12,8 @@ from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN
 def render(plan: dict[str, Any]) -> list[str]:
     """The plan for a person: components, card, verdict, start config, rungs, host RAM."""
     lines = [f"plan for {plan['job']}", f"model: {hub.describe(plan['model'])}"]
-    if plan["unsupported"]:
-        u = plan["unsupported"]
-        lines.append(f"NOT MODELLED ({u['reason']}): {u['detail']}; no GPU prediction")
-        lines.append(f"run: {UNMODELLED_RUN}")
+    if u := plan["unsupported"]:
+        lines += [f"NOT MODELLED ({u['reason']}): {u['detail']}; no GPU prediction", f"run: {UNMODELLED_RUN}"]
     else:
         lines += _render_prediction(plan)
     lines += [f"note: {n}" for n in plan["notes"]]
@@ -92,17 +86,15 @@ def _render_ranking(ranking: list[dict[str, Any]]) -> list[str]:
 
 
 def _render_start(start: dict[str, Any]) -> list[str]:
-    if start["nothing_fits"] is not None:
-        lines = [f"NOTHING FITS: {start['nothing_fits']['message']}"]  # a host's message names host memory
-        return lines + [f"  why: {reason}" for reason in start["reasons"]]
+    why = [f"  why: {reason}" for reason in start["reasons"]]
+    if start["nothing_fits"] is not None:  # a host's message names host memory
+        return [f"NOTHING FITS: {start['nothing_fits']['message']}", *why]
     speed = "" if start["tokens_per_s"] is None else f", {start['tokens_per_s']:.0f} tokens/s"
     if not start["changes"]:
         return [f"start from: the job as written{speed}"]
     changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in start["changes"].items())
     head = "start from (QUALITY KNOBS CHANGED)" if start["quality_changed"] else "start from"
-    lines = [f"{head}: {changes}; predicted {format_bytes(start['peak_bytes'])}{speed}"]
-    lines += [f"  why: {reason}" for reason in start["reasons"]]
-    return lines
+    return [f"{head}: {changes}; predicted {format_bytes(start['peak_bytes'])}{speed}", *why]
 
 
 def _render_host(host: dict[str, Any]) -> list[str]:
@@ -133,11 +125,11 @@ def _render_host_training(host: dict[str, Any]) -> list[str]:
     lines = [f"host budget: {format_bytes(host['budget_bytes'])} ({source})"]
     if host["train_peak_bytes"] is not None:
         terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in host["train_components"].items())
-        lines.append(
+        lines += [
             f"host need of the start: {format_bytes(host['train_peak_bytes'])} (at {host['train_phase']}); "
-            f"training itself {format_bytes(host['train_phase_bytes'])} ({terms})"
-        )
-        lines.append(f"  basis: {host['train_basis']}")
+            f"training itself {format_bytes(host['train_phase_bytes'])} ({terms})",
+            f"  basis: {host['train_basis']}",
+        ]
     if host["rejected"]:
         lines.append(
             f"  {host['rejected']} config(s) that fit the card are no candidates: host need "

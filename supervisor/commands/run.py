@@ -1,9 +1,5 @@
-"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, run the loop.
-
-Reporting is wired here, at the edge: the console progress, sd_notify, the metrics textfile
-and the ``on_event`` hook, as the loop's :class:`Reporter` and the event log's listeners. The
-run ends with the same summary ``demo`` prints.
-"""
+"""``qlora-supervise run job.yaml``: load the job once, lock its run directory, wire the reporting (the
+loop's :class:`Reporter` and the event log's listeners), run the loop, print the summary."""
 
 from __future__ import annotations
 
@@ -19,43 +15,25 @@ from typing import TextIO, TypeVar
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.supervisor.commands.summary import print_summary
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.jobfile import Job, JobError
+from qlora_supervise.supervisor.commands import BadInput
+from qlora_supervise.supervisor.commands.status import print_summary
+from qlora_supervise.supervisor.commands.validate import load_or_exit
+from qlora_supervise.supervisor.jobfile import Job
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING
 from qlora_supervise.supervisor.loop.arbiter import Seams, Supervisor
 from qlora_supervise.supervisor.loop.settings import policy_settings
+from qlora_supervise.supervisor.record import generations
 from qlora_supervise.supervisor.record.eventlog import Listener, open_event_log
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.generations import (
-    FieldChange,
-    JobVersions,
-    diff,
-    extend_finished,
-    finish_interrupted_move,
-    has_attempts,
-    job_view,
-    start_generation,
-)
 from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lift, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import RUN_UMASK
-from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.supervisor.reporting.console import ProgressDisplay
-from qlora_supervise.supervisor.reporting.console_stream import ConsoleStream, best_effort
-from qlora_supervise.supervisor.reporting.hooks import EventHook
-from qlora_supervise.supervisor.reporting.outputs import (
-    CONSOLE,
-    METRICS_TEXTFILE,
-    ON_EVENT,
-    SYSTEMD,
-    BestEffort,
-)
+from qlora_supervise.supervisor.reporting import notify, outputs
+from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
+from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.reporting.reporter import Reporter
-from qlora_supervise.supervisor.reporting.service import ServiceStatus
-from qlora_supervise.supervisor.trainers.job import load_job
-from qlora_supervise.supervisor.trainers.tool_check import tool_advice, tool_problems
+from qlora_supervise.supervisor.trainers.tool_check import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
 
@@ -69,24 +47,14 @@ def run_job(
     restart: bool = False,
     retry: bool = False,
     summary: TextIO | None = None,
-    print_summary_at_end: bool = True,
 ) -> int:
-    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``).
-
-    ``as_written``: attempt 1 runs the job's config even where the memory model predicts it
-    will not fit (the pre-flight's choice is still journaled, for comparison).
-    ``restart``: start a new generation in the same run directory (the current one is kept in
-    ``generations/<n>/``); needed when the job changed a field that changes what is trained.
-    ``retry``: lift the run's verdict (gave up, not retryable) and try the last config again.
-    The retry story and how to load the adapter go to ``summary`` (default: stdout) at the end.
-    """
+    """Supervise ``job_path`` to a verdict; returns the exit code (see ``--help``, which also says what
+    ``as_written``, ``restart`` and ``retry`` do). The summary goes to ``summary`` (default: stdout)."""
     # Long because the start of a run is a sequence whose order matters (lock, reconcile the job,
     # open the log, lift a verdict, then the loop); each step is one call below.
-    job = _load(job_path)
+    job = load_or_exit(job_path, tail=f"\n(run `qlora-supervise validate {job_path}`)", tools=True)
     console, console_stream = best_effort(console)  # a closed pipe costs the console, not the run
-    # Files the child's libraries create (checkpoints, tokenizer files) get 0640 / 0750 too:
-    # the supervisor sets its own files' modes explicitly, and this covers what it cannot.
-    os.umask(RUN_UMASK)
+    os.umask(RUN_UMASK)  # for what the child's libraries create (checkpoints): 0640 / 0750 too
     run_dir = RunDir(job.output_dir)
     lock = _at_start(run_dir, run_dir.lock)
     try:
@@ -102,9 +70,7 @@ def run_job(
             log.warning(Event.JOB_ADVICE, field=advice.field, what=advice.what, fix=advice.fix)
         seams = seams or Seams(stop_grace_s=job.supervise.stop_grace)
         settings = policy_settings(job)
-        supervisor = Supervisor(
-            job, run_dir, log, seams, console, plain, settings, reporter, as_written=as_written
-        )
+        supervisor = Supervisor(job, run_dir, log, seams, console, plain, settings, reporter, as_written)
         if install_signals:
             supervisor.install_signal_handlers()
         notify.ready(f"supervising {job.job_file.name}")
@@ -113,37 +79,33 @@ def run_job(
         notify.stopping(f"exit {code}")
     finally:
         lock.close()
-    if print_summary_at_end:
-        print_summary(run_dir, summary or best_effort(sys.stdout)[0])
+    print_summary(run_dir, summary or best_effort(sys.stdout)[0])
     return code
 
 
 def _reporting(
     job: Job, console: TextIO, plain: bool, console_stream: ConsoleStream
 ) -> tuple[Reporter, list[Listener]]:
-    """The reporter the loop ticks and the listeners the event log feeds, from the job's settings.
-
-    Every listener is an optional output, run through the reporter's ``BestEffort``: none can
-    raise into a log call of the loop. The console's listener logs the console's loss once.
-    """
+    """The reporter the loop ticks and the listeners the event log feeds, each an optional output run
+    through the reporter's ``BestEffort`` (none can raise into the loop's log calls)."""
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
-    outputs = BestEffort()
+    best = outputs.BestEffort()
     service = ServiceStatus(job.supervise.max_attempts, budget)
     listeners: list[Listener] = [
-        outputs.listener(SYSTEMD, service.on_event),
-        outputs.listener(CONSOLE, lambda _event: console_stream.check()),
+        best.listener(outputs.SYSTEMD, service.on_event),
+        best.listener(outputs.CONSOLE, lambda _event: console_stream.check()),
     ]
     metrics = None
     if job.supervise.metrics_textfile is not None:
         from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile  # only when asked
 
         metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
-        listeners.append(outputs.listener(METRICS_TEXTFILE, metrics.on_event))
+        listeners.append(best.listener(outputs.METRICS_TEXTFILE, metrics.on_event))
     if job.supervise.on_event is not None:
-        hook = EventHook(job.supervise.on_event, job.supervise.on_event_timeout, outputs)
-        listeners.append(outputs.listener(ON_EVENT, hook.on_event))
+        hook = outputs.EventHook(job.supervise.on_event, job.supervise.on_event_timeout, best)
+        listeners.append(best.listener(outputs.ON_EVENT, hook.on_event))
     display = ProgressDisplay(console, plain, job.train.logging_steps)
-    return Reporter(display, service, metrics, outputs), listeners
+    return Reporter(display, service, metrics, best), listeners
 
 
 _T = TypeVar("_T")
@@ -157,26 +119,9 @@ def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
         if not is_disk_full(exc):
             raise
         fix = "remount it writable" if exc.errno == errno.EROFS else "free space there"
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{run_dir.root}: cannot write the run directory ({exc.strerror}): {fix}, "
             "or choose another output_dir",
-        ) from None
-
-
-def _load(job_path: str) -> Job:
-    try:
-        job = load_job(job_path)
-        problems = tool_problems(job.trainer)  # a tool its interpreter lacks fails every start alike
-        if problems:
-            raise JobError(problems)
-        return job
-    except JobError as error:
-        lines = "\n".join(problem.render() for problem in error.problems)
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
-            f"{job_path}: {len(error.problems)} problem(s):\n{lines}\n"
-            f"(run `qlora-supervise validate {job_path}`)",
         ) from None
 
 
@@ -184,7 +129,7 @@ def _load(job_path: str) -> Job:
 class Submission:
     """What ``run`` found when it compared the job with the run directory's record."""
 
-    changes: list[FieldChange]
+    changes: list[generations.FieldChange]
     version: int | None  # the job version recorded now; None: the job is the recorded one
     previous_generation: Path | None  # where --restart moved the last generation
     restarting: bool = False  # run --restart: the changes start a new generation, not a resume
@@ -192,24 +137,22 @@ class Submission:
 
 def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     """Compare ``job`` with the newest recorded version; record it; move a generation aside if asked.
-
-    Refuses (exit 2, with the diff and the flag) a change of what is trained without ``restart``.
-    """
-    moved = finish_interrupted_move(rd)
-    versions = JobVersions(rd)
+    Refuses (exit 2, with the diff and the flag) a change of what is trained without ``restart``."""
+    moved = generations.finish_interrupted_move(rd)
+    versions = generations.JobVersions(rd)
     recorded = versions.newest_view()
     if recorded is None:
         return Submission([], versions.record(job), moved)
-    changes = diff(recorded, job_view(job))
-    if not _trained_a_step(rd):  # a tool's own key has nothing to mix with yet (generations.py)
+    changes = generations.diff(recorded, generations.job_view(job))
+    # Before the first optimizer step a tool's own key has nothing to mix with yet (generations.py).
+    if not any(record.steps_completed > 0 for record in read_attempts(rd.attempts)[0]):
         changes = [dataclasses.replace(change, untrained=True) for change in changes]
     unsafe = [change for change in changes if not change.safe]
-    if restart and has_attempts(rd):
-        moved = start_generation(rd)
+    if restart and generations.has_attempts(rd):
+        moved = generations.start_generation(rd)
     elif unsafe and not restart:
         lines = "\n".join(change.render() for change in changes)
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{job.job_file} differs from the job {rd.root} was trained with:\n{lines}\n"
             f"{len(unsafe)} change(s) would mix two trainings in one adapter. To train the new job in "
             f"the same output_dir, run `qlora-supervise run --restart {job.job_file}` (a new generation; "
@@ -218,12 +161,6 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     if not changes and not (restart and moved):
         return Submission([], None, moved)
     return Submission(changes, versions.record(job), moved, restart)
-
-
-def _trained_a_step(rd: RunDir) -> bool:
-    """Whether the run directory's generation finished an optimizer step (its journal says so)."""
-    records, _ = read_attempts(rd.attempts)
-    return any(record.steps_completed > 0 for record in records)
 
 
 def _announce(submitted: Submission, log: FilteringBoundLogger, console: TextIO) -> None:
@@ -245,7 +182,7 @@ def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Filtering
     state = read_state(rd.state)
     if state is not None and state.run_state is RunState.SUCCEEDED:
         # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
-        extended = extend_finished(rd, submitted.changes, time.time())
+        extended = generations.extend_finished(rd, submitted.changes, time.time())
         if extended is not None:
             log.info(
                 Event.VERDICT_LIFTED,
@@ -254,12 +191,10 @@ def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Filtering
                 why=extended.why,
             )
         return
-    if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED):
+    records, _ = read_attempts(rd.attempts)
+    if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED) or not records:
         return
     if not (retry or submitted.changes):
-        return
-    records, _ = read_attempts(rd.attempts)
-    if not records:
         return
     names = ", ".join(change.name for change in submitted.changes)
     why = "run --retry" if retry else f"the job changed: {names}"

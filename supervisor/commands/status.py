@@ -1,59 +1,36 @@
-"""``qlora-supervise status [RUN_DIR ...] [--json] [--follow]``: the retry story of run directories.
-
-It reads only the run directory (state.json, attempts.jsonl, attempt-NNN/, merged/merge.json),
-so it works whether or not a supervisor is running, for several runs at once. For every failure
-it prints the line that names the fix (the child's own message: a wrong ``target_modules``
-lists the layers that exist) and the attempt's ``child.log``.
-
-``--json`` prints one object, schema ``qlora-supervise.status/1``::
-
-    {"schema": "qlora-supervise.status/1",
-     "runs": [{"run_dir": str, "state": str | null, "note": str, "lost_steps": int,
-               "adapter": str | null, "merged": str | null, "merge": {...merge.json...} | null,
-               "merged_by_command": {"merged_dir": str, "adapter_step": int | null, "time": float} | null,
-               "trainer_output": str | null,  # a finished foreign tool's own save, no adapter of ours
-               "unreadable_lines": int,
-               "attempts": [{...the attempts.jsonl line..., "child_log": str, "fix": str | null,
-                             "tokens_per_s": float | null,     # median of the attempt's heartbeats
-                             "trainer_config_diff": [str] | null}],  # foreign trainer vs your file
-               "running": {"attempt": int, "phase": str, "knobs": {...}, "resumed_from": int,
-                           "step": int | null, "stage": str | null, "tokens_per_s": float | null,
-                           "pid": int | null, "alive": bool, "started_at": float} | null,
-                                                                      # the attempt in flight
-               "planned_restarts": {"step_up": int, "retime": int},  # to a faster config
-               "time_in_configs": [{"config": str, "seconds": float, "steps": int}]}]}
-
-``--follow`` prints again whenever a run's journal or state changes, until every run has ended
-(succeeded, gave up, failed, stopped) or Ctrl-C.
+"""``qlora-supervise status [RUN_DIR ...] [--json] [--follow]``: the retry story of run directories,
+read from the run directory alone (a supervisor running or not), and the summary ``run`` ends with.
+``--json`` prints one object, schema ``qlora-supervise.status/1`` (docs/run-directory.md, "The JSON
+of status and explain"). ``--follow`` prints again on every change of a run's journal, state or
+running attempt's heartbeats, until every run has ended (succeeded, gave up, failed, stopped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from qlora_supervise.supervisor.commands.merge import adapter_step, merged_record
-from qlora_supervise.supervisor.commands.running import events_file, running_attempt
+import psutil
+
+from qlora_supervise.supervisor.commands import BadInput
+from qlora_supervise.supervisor.commands.merge import adapter_step, merged_record, read_json
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
-from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line
-from qlora_supervise.supervisor.record.history import (
-    climb_back_lines,
-    config_text,
-    planned_restarts,
-    time_in_configs,
-)
-from qlora_supervise.supervisor.record.journal import RunState, State, read_attempts, read_state
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record import history
+from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line, speed_of
+from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, read_attempts, read_state
+from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.trainer import read_diff, saved_by_the_tool_only
-from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME
+from qlora_supervise.trainer_child.contract.events import Heartbeat, read_events
+from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME, Knobs
 
 #: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).
 SNAPSHOT_HOW_TO = (
@@ -81,7 +58,7 @@ def status_command(
         if marks != seen:
             _print_all(dirs, as_json, out)
             seen = marks
-        if not follow or all(_ended(rd) for rd in dirs):
+        if not follow or all((state := read_state(rd.state)) and state.run_state in _ENDED for rd in dirs):
             return 0
         time.sleep(every_s)
 
@@ -89,8 +66,7 @@ def status_command(
 def _run_dir(path: str) -> RunDir:
     run_dir = RunDir(Path(path))
     if not run_dir.attempts.exists() and not run_dir.state.exists():
-        raise SupervisorExit(
-            SupervisorExitCode.BAD_JOB,
+        raise BadInput(
             f"{path} is not a run directory (no state.json or attempts.jsonl); pass the job's output_dir",
         )
     return run_dir
@@ -98,14 +74,10 @@ def _run_dir(path: str) -> RunDir:
 
 def _marks(rd: RunDir) -> tuple[float, ...]:
     # The attempt in flight's heartbeats too: --follow shows its step and speed as they move.
-    beats = events_file(rd, read_state(rd.state))
-    paths = (rd.state, rd.attempts, *((beats,) if beats is not None else ()))
-    return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in paths)
-
-
-def _ended(rd: RunDir) -> bool:
     state = read_state(rd.state)
-    return state is not None and state.run_state in _ENDED
+    flight = state.in_flight if state is not None else None
+    beats = (rd.attempt(flight.number).events,) if flight is not None else ()
+    return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in (rd.state, rd.attempts, *beats))
 
 
 def _print_all(dirs: Sequence[RunDir], as_json: bool, out: TextIO) -> None:
@@ -120,7 +92,7 @@ def _print_all(dirs: Sequence[RunDir], as_json: bool, out: TextIO) -> None:
 
 
 def status_json(rd: RunDir) -> dict[str, Any]:
-    """One run's status as plain JSON (the schema in the module docstring)."""
+    """One run's status as plain JSON (the schema in docs/run-directory.md)."""
     state = read_state(rd.state)
     records, bad = read_attempts(rd.attempts)
     attempts = []
@@ -144,51 +116,40 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         "unreadable_lines": bad,
         "attempts": attempts,
         "running": running.to_json() if running is not None else None,
-        "planned_restarts": planned_restarts(records),  # {"step_up": n, "retime": n}
-        "time_in_configs": [c.to_json() for c in time_in_configs(records)],
+        "planned_restarts": history.planned_restarts(records),  # {"step_up": n, "retime": n}
+        "time_in_configs": [c.to_json() for c in history.time_in_configs(records)],
     }
 
 
 def merge_report(rd: RunDir) -> dict[str, Any] | None:
     """The merge child's own numbers (time, device, dtype, peaks), when a merge finished."""
-    path = rd.merged / MERGE_REPORT
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+    return read_json(rd.merged / MERGE_REPORT)
 
 
 def print_story(run_dir: RunDir, out: TextIO) -> None:
     state = read_state(run_dir.state)
     records, bad = read_attempts(run_dir.attempts)
-    print(f"run directory: {run_dir.root}", file=out)
+    lines = [f"run directory: {run_dir.root}"]
     if state is not None:
-        print(f"state: {state.run_state.value}{f' ({state.note})' if state.note else ''}", file=out)
+        lines.append(f"state: {state.run_state.value}{f' ({state.note})' if state.note else ''}")
     for record in records:
-        for line in describe(record, run_dir):
-            print(line, file=out)
+        lines += describe(record, run_dir)
         snapshot = run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME
         if snapshot.is_file():
-            print(f"  memory snapshot: {snapshot}", file=out)
-            print(f"    {SNAPSHOT_HOW_TO}", file=out)
+            lines += [f"  memory snapshot: {snapshot}", f"    {SNAPSHOT_HOW_TO}"]
     running = running_attempt(run_dir, state, records[-1].attempt if records else 0)
-    for line in running.lines() if running is not None else []:
-        print(line, file=out)
+    lines += running.lines() if running is not None else []
     if bad:
-        print(f"({bad} unreadable journal line(s) skipped)", file=out)
-    total_lost = sum(r.lost_steps for r in records)
+        lines.append(f"({bad} unreadable journal line(s) skipped)")
     now = f" (+1 running: attempt {running.flight.number})" if running is not None else ""
-    print(f"attempts: {len(records)}{now}, lost steps in total: {total_lost}", file=out)
-    configs = [c.to_json() for c in time_in_configs(records)]
-    for line in climb_back_lines(planned_restarts(records), configs):
-        print(line, file=out)
+    lines.append(f"attempts: {len(records)}{now}, lost steps in total: {sum(r.lost_steps for r in records)}")
+    configs = [c.to_json() for c in history.time_in_configs(records)]
+    lines += history.climb_back_lines(history.planned_restarts(records), configs)
     if run_dir.adapter.exists():
-        print(f"adapter: {run_dir.adapter}", file=out)
+        lines.append(f"adapter: {run_dir.adapter}")
     elif tool_output := _tool_saved(run_dir, state):
-        print(f"adapter: none in the run directory; the tool saved into {tool_output}", file=out)
-    for line in merge_lines(run_dir):
-        print(line, file=out)
+        lines.append(f"adapter: none in the run directory; the tool saved into {tool_output}")
+    print("\n".join(lines + merge_lines(run_dir)), file=out)
 
 
 def merge_lines(rd: RunDir) -> list[str]:
@@ -201,15 +162,9 @@ def merge_lines(rd: RunDir) -> list[str]:
         report = merge_report(rd)
         step = report.get("adapter_step") if report else None
         lines.append(f"merged: {rd.merged}{_merge_numbers(report)}{_from_step(step, now, rd)}")
-    if (
-        made is not None
-        and made.get("merged_dir") != str(rd.merged)
-        and Path(str(made.get("merged_dir"))).exists()
-    ):
-        step = made.get("adapter_step")
-        lines.append(
-            f"merged by `qlora-supervise merge --out`: {made['merged_dir']}{_from_step(step, now, rd)}"
-        )
+    if made and (made_dir := str(made.get("merged_dir"))) != str(rd.merged) and Path(made_dir).exists():
+        step = _from_step(made.get("adapter_step"), now, rd)
+        lines.append(f"merged by `qlora-supervise merge --out`: {made_dir}{step}")
     return lines
 
 
@@ -224,13 +179,10 @@ def _from_step(step: object, now: int | None, rd: RunDir) -> str:
     return f", from the adapter of step {step}"
 
 
-def _finished(state: State | None) -> bool:
-    return state is not None and state.run_state is RunState.SUCCEEDED
-
-
 def _tool_saved(rd: RunDir, state: State | None) -> str | None:
     """Where a finished run's foreign tool saved its result when no adapter of ours was written."""
-    output = saved_by_the_tool_only(rd.root, rd.adapter) if _finished(state) else None
+    finished = state is not None and state.run_state is RunState.SUCCEEDED
+    output = saved_by_the_tool_only(rd.root, rd.adapter) if finished else None
     return str(output) if output is not None else None
 
 
@@ -259,12 +211,11 @@ def fix_line(r: AttemptRecord) -> str | None:
 
 def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     """A few lines per attempt: config, outcome, failure, the fix, decision, progress kept."""
-    config = config_text(r.knobs)
     steps = f"steps {r.resumed_from} -> {r.steps_completed}"
     if r.steps_progressed == 0 and r.resumed_from > 0:
         steps = f"resumed at step {r.resumed_from}, trained no step"  # steps_completed 0 (issue 21 item 6)
     lines = [f"attempt {r.attempt} [{r.phase.value}] {r.outcome.value}: {steps}"]
-    lines.append(f"  config: {config}")
+    lines.append(f"  config: {history.config_text(r.knobs)}")
     if run_dir is not None and (diff := read_diff(run_dir.attempt_dir(r.attempt))) is not None:
         # A foreign trainer's attempt: its config against the user's file (supervisor/trainers/).
         lines.append(f"  trainer config (vs your file): {'; '.join(diff) or 'unchanged'}")
@@ -324,3 +275,107 @@ def _fmt(value: object) -> str:
     if isinstance(value, int) and value >= 1024:
         return format_bytes(value)
     return str(value)
+
+
+@dataclass(frozen=True)
+class Running:
+    """The attempt ``state.json`` names in flight (its journal line comes only when it ends) and what
+    its heartbeats said last (None: no heartbeat yet, or no readable ``child-events.jsonl``)."""
+
+    flight: InFlight
+    step: int | None
+    stage: str | None
+    tokens_per_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``running`` object of ``status --json``."""
+        return {
+            "attempt": self.flight.number,
+            "phase": self.flight.phase.value,
+            "knobs": dataclasses.asdict(self.flight.knobs),
+            "resumed_from": self.flight.resumed_from,
+            "step": self.step,
+            "stage": self.stage,
+            "tokens_per_s": self.tokens_per_s,
+            "pid": self.flight.pid,
+            "alive": _alive(self.flight.pid),
+            "started_at": self.flight.started_at,
+        }
+
+    def lines(self) -> list[str]:
+        """What ``status`` prints for it: a head line like an attempt's, then its config and speed."""
+        f = self.flight
+        since = _ago(time.time() - f.started_at)
+        step = f"at step {self.step}" if self.step is not None else "no heartbeat yet"
+        where = f" in {self.stage}" if self.stage else ""
+        head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
+        child = f"pid {f.pid}" if _alive(f.pid) else f"its child, pid {f.pid}, is gone: the supervisor died?"
+        lines = [f"{head}; since {since} ago ({child})", f"  config: {history.config_text(f.knobs)}"]
+        if self.tokens_per_s is not None:
+            lines.append(f"  speed: {self.tokens_per_s:,.0f} tokens/s (median of its heartbeats)")
+        return lines
+
+
+def running_attempt(rd: RunDir, state: State | None, last_recorded: int) -> Running | None:
+    """The attempt ``state`` names in flight, unless the journal already holds its line."""
+    flight = state.in_flight if state is not None else None
+    if flight is None or flight.number <= last_recorded:
+        return None
+    events = read_events(rd.attempt(flight.number).events)
+    beat = next((event for event in reversed(events) if isinstance(event, Heartbeat)), None)
+    speed = speed_of(events, flight.knobs).tokens_per_s
+    return Running(flight, beat.step if beat else None, beat.stage.value if beat else None, speed)
+
+
+def _alive(pid: int | None) -> bool:
+    return pid is not None and psutil.pid_exists(pid)  # someone else's process of that number counts
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def print_summary(rd: RunDir, out: TextIO) -> None:
+    """What ``run`` and ``demo`` end with: the retry story, what the ladder changed, how to load it."""
+    print("\n--- the retry story (qlora-supervise status) ---", file=out)
+    print_story(rd, out)
+    records, _ = read_attempts(rd.attempts)
+    train = [r for r in records if r.phase is Phase.TRAIN]
+    if not train:
+        return
+    first, last = train[0].knobs, train[-1].knobs
+    changed = [
+        f"{name} {getattr(first, name)} -> {getattr(last, name)}"
+        for name in (field.name for field in dataclasses.fields(Knobs))
+        if getattr(first, name) != getattr(last, name)
+    ]
+    print(f"changed by the ladder: {', '.join(changed) if changed else 'nothing'}", file=out)
+    if rd.adapter.exists():
+        merged = str(rd.merged) if rd.merged.exists() else None
+        print("\n".join(load_lines(str(rd.adapter), last.model, merged)), file=out)
+
+
+def load_lines(adapter: str, base_model: str, merged: str | None) -> list[str]:
+    """Python that loads the result: the base in 4-bit plus the adapter, or the merged model."""
+    lines = [
+        "load the adapter (PEFT):",
+        "  import torch",
+        "  from peft import PeftModel",
+        "  from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig",
+        f"  base = AutoModelForCausalLM.from_pretrained({base_model!r}, device_map='auto',",
+        "      quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',",
+        "          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))",
+        f"  model = PeftModel.from_pretrained(base, {adapter!r})",
+        f"  tokenizer = AutoTokenizer.from_pretrained({adapter!r})",
+    ]
+    if merged is not None:
+        lines += [
+            "or the merged model (no PEFT needed):",
+            f"  model = AutoModelForCausalLM.from_pretrained({merged!r}, dtype='auto', device_map='auto')",
+        ]
+    return lines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile import data_probe, hub
 from qlora_supervise.supervisor.jobfile.advice import job_advice
@@ -35,6 +36,20 @@ def validate_command(path: str) -> int:
     for line in [*warning_lines(job, records), *summary_lines(job, records), *job.trainer.summary()]:
         print(f"  {line}")
     return 0
+
+
+def load_or_exit(job_path: str, head: str | None = None, tail: str = "", tools: bool = False) -> Job:
+    """The job (with ``tools``: its tool checked too), or exit 2 listing every problem under
+    ``<job_path>: <head, default N problem(s)>:`` and above ``tail``."""
+    try:
+        job = load_job(job_path)
+        if tools and (problems := tool_problems(job.trainer)):
+            raise JobError(problems)
+        return job
+    except JobError as error:
+        lines = "\n".join(problem.render() for problem in error.problems)
+        head = head or f"{len(error.problems)} problem(s)"
+        raise BadInput(f"{job_path}: {head}:\n{lines}{tail}") from None
 
 
 def output_dir_problems(output_dir: Path) -> list[Problem]:

@@ -1,12 +1,6 @@
-"""The job file: its schema (validated once into the specs the child gets), world checks and the
-data probe.
-
-``load_job(path)`` returns our trainer's :class:`Job` or raises a :class:`JobError` listing every
-:class:`Problem` (a job with a tool's ``trainer:`` section: ``trainers.job.load_job``).
-The modules: ``problems`` (what is wrong, in words), ``fields`` (one value's type and spellings),
-``schema`` (the sections), ``world`` (checks across fields and against the disk), ``load`` (YAML,
-the two passes, pydantic errors as problems), ``job`` (the Job of specs), ``data_probe``.
-"""
+"""The job file: its schema, world checks and data probe. ``load_job(path)`` returns our trainer's
+:class:`Job` or raises a :class:`JobError` listing every :class:`Problem` (a tool's job:
+``trainers.job.load_job``)."""
 
 from __future__ import annotations
 
@@ -20,13 +14,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Job", "JobError", "Problem", "load_job"]
 
-# Re-exported lazily: importing the package (a submodule's import does) must not load the
-# schema and the world checks for a command that uses neither.
+# Re-exported lazily: importing a submodule must not load the schema and the world checks.
 _HOMES = {"Job": "job", "load_job": "load", "JobError": "problems", "Problem": "problems"}
 
 
 def __getattr__(name: str) -> object:
-    """``Job``, ``load_job``, ``JobError`` and ``Problem``, imported from their modules on first use."""
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -1,19 +1,5 @@
-"""Warnings: jobs that validate and would run, but probably do not mean what they say.
-
-A problem (``problems.Problem``) stops the job; advice does not. ``validate`` prints each as a
-``warning:`` line, and ``run`` says them at start (console and ``events.jsonl``), so nothing of
-this is silent:
-
-* a duration written without a unit (``hang_timeout: 20``) is read as seconds, as before (job
-  files and run directories written that way keep loading), and said so with the fix (``20s``,
-  or ``20m`` if minutes were meant);
-* ``max_steps`` and ``epochs`` both set: ``max_steps`` wins (the trainer stops there), ``epochs``
-  is ignored;
-* an ``eval_fraction`` that leaves fewer training records than one effective batch, or none (an
-  ``eval_fraction`` above one half is a problem: ``world.MAX_EVAL_FRACTION``);
-* ``resources.gpu`` naming a GPU this machine does not show (no NVIDIA driver, or fewer GPUs
-  visible): the child would fail only after its imports.
-"""
+"""Warnings (``validate`` prints them, ``run`` says them at start): jobs that validate and would run
+but probably do not mean what they say. A problem stops the job; advice does not."""
 
 from __future__ import annotations
 
@@ -25,9 +11,8 @@ from typing import Any
 import yaml
 from pydantic import BeforeValidator
 
-from qlora_supervise.supervisor.jobfile import fields
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.jobfile.schema import SuperviseSection
+from qlora_supervise.supervisor.jobfile.schema import SuperviseSection, to_seconds
 from qlora_supervise.supervisor.jobfile.world import split_sizes
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 
@@ -48,7 +33,11 @@ def job_advice(
     job: Job, records: int | None, gpu_count: Callable[[], int | None] = visible_gpu_count
 ) -> list[Advice]:
     """Every warning for ``job``; ``records``: the training file's record count (None: unknown)."""
-    raw = _raw(job.raw_text)
+    try:
+        raw = yaml.safe_load(job.raw_text)
+    except yaml.YAMLError:
+        raw = {}
+    raw = raw if isinstance(raw, dict) else {}
     return [
         *_bare_durations(raw),
         *_length_advice(job, raw),
@@ -57,20 +46,12 @@ def job_advice(
     ]
 
 
-def _raw(text: str) -> dict[str, Any]:
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
 def duration_fields() -> tuple[str, ...]:
     """The supervise fields that are durations (their type reads ``20m``), from the schema."""
     return tuple(
         name
         for name, info in SuperviseSection.model_fields.items()
-        if any(isinstance(m, BeforeValidator) and m.func is fields.to_seconds for m in info.metadata)
+        if any(isinstance(m, BeforeValidator) and m.func is to_seconds for m in info.metadata)
     )
 
 
@@ -105,15 +86,12 @@ def _split_advice(job: Job, records: int | None) -> list[Advice]:
     batch = job.knobs.effective_batch
     if train_rows >= batch:
         return []
-    if train_rows == 0:
-        what = (
-            f"{fraction:g} of {records} record(s) holds out all {eval_rows}: the trainer will refuse to start"
-        )
-    else:
-        what = (
-            f"{fraction:g} of {records} record(s) trains on {train_rows} and evaluates on {eval_rows}: "
-            f"fewer than one effective batch ({batch}), so every step repeats the same records"
-        )
+    what = (
+        f"{fraction:g} of {records} record(s) holds out all {eval_rows}: the trainer will refuse to start"
+        if train_rows == 0
+        else f"{fraction:g} of {records} record(s) trains on {train_rows} and evaluates on {eval_rows}: "
+        f"fewer than one effective batch ({batch}), so every step repeats the same records"
+    )
     return [Advice("data.eval_fraction", what, "use more data, a smaller eval_fraction or a data.eval_path")]
 
 

@@ -1,22 +1,6 @@
-"""Bounded YAML input: a size limit before a file is read, a depth and a value limit before it is built.
-
-A job file is a few KB and a tool's config not much more, but either may be anything a user (or a
-generator gone wrong) wrote. Unbounded, a 12 MB file took minutes and a GB to refuse, and a value
-nested 600 levels deep ended the supervisor in a ``RecursionError`` (PyYAML builds nodes
-recursively). So, in this order, each refusal a :class:`InputBoundError` with its words:
-
-1. the file's size: at most :data:`MAX_FILE_BYTES`, checked on the open file (``fstat``) and read
-   at most one byte past it (a pipe or a device has no size);
-2. the nesting and the count of values, on PyYAML's event stream (an iterative parser: no
-   recursion, memory bounded by the text): at most :data:`MAX_DEPTH` levels and
-   :data:`~.aliases.MAX_EXPANDED_NODES` values as written;
-3. the expansion of aliases, on the composed node graph (:mod:`.aliases`);
-
-and only then the values are built with ``yaml.safe_load``. JSON the supervisor reads from the
-user's files (data records, a model's ``config.json`` and safetensors header, a tool's
-``dataset_info.json``) goes through :func:`json_loads`: Python's decoder recurses too, and a value
-nested past its limit is a ``JSONDecodeError`` with words, like any other bad JSON.
-"""
+"""Bounded YAML input: a size limit before a file is read; depth, value and alias-expansion limits
+before it is built (no ``RecursionError``, no minutes spent refusing a 12 MB file). JSON read from
+the user's files goes through :func:`json_loads`: too deep is a ``JSONDecodeError`` with words."""
 
 from __future__ import annotations
 
@@ -28,12 +12,12 @@ from typing import Any
 
 import yaml
 
-from qlora_supervise.supervisor.jobfile.aliases import MAX_EXPANDED_NODES, check_expansion
-
 #: Bytes a job file or a tool's config may hold: a full job file is about 3 KB.
 MAX_FILE_BYTES = 256 * 1024
 #: Levels of nesting (mappings and lists): a job file needs 3, a tool's config about 5.
 MAX_DEPTH = 32
+#: Nodes a job file may expand to, aliases counted at each use. A full job file has about 100.
+MAX_EXPANDED_NODES = 10_000
 _OPEN = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
 _CLOSE = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
 _VALUE = (yaml.ScalarEvent, yaml.AliasEvent, *_OPEN)
@@ -49,11 +33,13 @@ class InputBoundError(ValueError):
         self.fix = fix
 
 
-def read_bounded(path: Path, limit: int = MAX_FILE_BYTES) -> str:
-    """The UTF-8 text of ``path``; InputBoundError past ``limit`` bytes (before reading a large file).
+class AliasBombError(ValueError):
+    """The document's aliases expand past :data:`MAX_EXPANDED_NODES` (or refer to themselves)."""
 
-    OSError and UnicodeDecodeError pass through to the caller, which words them.
-    """
+
+def read_bounded(path: Path, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of ``path``; InputBoundError past ``limit`` bytes (checked before reading a
+    regular file, and by reading one byte past it for a pipe). OSError and UnicodeDecodeError pass."""
     with open(path, "rb") as handle:
         info = os.fstat(handle.fileno())
         if stat.S_ISREG(info.st_mode) and info.st_size > limit:
@@ -66,7 +52,7 @@ def read_bounded(path: Path, limit: int = MAX_FILE_BYTES) -> str:
 
 def check_shape(text: str, max_depth: int = MAX_DEPTH, max_values: int = MAX_EXPANDED_NODES) -> None:
     """InputBoundError when ``text`` nests deeper than ``max_depth`` or holds more than ``max_values``
-    values as written; yaml.YAMLError when it is no YAML (the caller words it at its line)."""
+    values as written; yaml.YAMLError when it is no YAML. Reads PyYAML's event stream: no recursion."""
     depth = values = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, _VALUE):
@@ -85,11 +71,36 @@ def check_shape(text: str, max_depth: int = MAX_DEPTH, max_values: int = MAX_EXP
             depth -= 1
 
 
-def safe_load_bounded(text: str) -> Any:
-    """``yaml.safe_load(text)`` once the text is within every bound (see the module's docstring).
+def check_expansion(root: yaml.Node | None, limit: int = MAX_EXPANDED_NODES) -> int:
+    """The number of nodes ``root`` expands to, aliases counted at each use; AliasBombError past
+    ``limit``. One visit per node (memoized), so a "billion laughs" file is refused fast."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
 
-    Raises InputBoundError, AliasBombError (from :mod:`.aliases`) or yaml.YAMLError.
-    """
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise AliasBombError("an alias refers to a node that contains it (an endless expansion)")
+        open_nodes.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(item) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        open_nodes.discard(key)
+        if total > limit:
+            raise AliasBombError(f"its aliases expand to more than {limit} values")
+        sizes[key] = total
+        return total
+
+    return 0 if root is None else size(root)
+
+
+def safe_load_bounded(text: str) -> Any:
+    """``yaml.safe_load(text)`` once the text is within every bound; raises InputBoundError,
+    AliasBombError or yaml.YAMLError."""
     check_shape(text)
     check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
     return yaml.safe_load(text)

@@ -1,22 +1,12 @@
-"""Peek at a training data file's columns without importing ``datasets`` (or torch).
-
-The job validator uses this to catch a wrong ``text_field`` before any attempt starts: the
-trainer would otherwise fail minutes later, after loading the model. Only the first record
-(or the schema) is read here; :func:`scan_records` then reads the whole dataset, streamed,
-and names the file, line and field of the first record that cannot train (a broken JSON line,
-a byte that is not UTF-8, a null or a wrong-typed value), and counts records, not lines.
-
-Formats: JSON Lines (``.jsonl``), JSON (``.json``: a list of records, a dict of columns, or
-JSON Lines under a ``.json`` name), CSV, Parquet (schema through pyarrow), a directory saved
-by ``datasets.save_to_disk`` (features from ``dataset_info.json``), or a directory holding files
-of those kinds (the first one, in sorted order, stands for all).
-"""
+"""Peek at a training data file's columns without ``datasets`` (or torch), so a wrong ``text_field``
+is caught before any attempt starts; :func:`scan_records` streams every record and names the file,
+line and field of the first that cannot train. Formats: :data:`FORMATS_HELP`."""
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +14,6 @@ from typing import Any
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.trainer_child.contract.data_rows import DataRowError, scan
 
-FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 FORMATS_HELP = ".jsonl, .json, .csv, .parquet, or a directory saved by datasets.save_to_disk"
 
 
@@ -43,39 +32,31 @@ class DataProbe:
 
 
 def probe(path: Path, *, count_rows: bool = False) -> DataProbe:
-    """The columns (and the first record where cheap) of the data at ``path``.
-
-    Raises DataProbeError when the file is unreadable, empty, malformed or of an unknown kind.
-    """
+    """The columns (and the first record where cheap) of the data at ``path``; DataProbeError when
+    the file is unreadable, empty, malformed or of an unknown kind."""
     if path.is_dir():
         return _probe_dir(path, count_rows)
     suffix = path.suffix.lower()
     try:
-        if suffix == ".jsonl":
-            return _probe_jsonl(path, count_rows)
-        if suffix == ".json":
-            return _probe_json(path)
-        if suffix == ".csv":
-            return _probe_csv(path, count_rows)
-        if suffix == ".parquet":
-            return _probe_parquet(path)
+        if suffix in _READERS:
+            return _READERS[suffix](path, count_rows)
     except (OSError, UnicodeDecodeError) as error:
         raise DataProbeError(f"cannot read the file: {error}") from error
     raise DataProbeError(f"unknown data format {suffix or '(no suffix)'!r}; use {FORMATS_HELP}")
 
 
 def scan_records(path: Path, field: str, *, messages: bool) -> int | None:
-    """Every record of the data at ``path`` checked; the number of records, or None where it
-    cannot be read record by record (a directory saved by ``datasets``: its own info counts it).
-
-    Raises DataRowError (a ValueError) naming the file, line and field of the first bad record.
-    """
+    """Every record of the data at ``path`` checked; the number of records (None: not countable).
+    Raises DataRowError (a ValueError) naming the file, line and field of the first bad record."""
     if not path.is_dir():
         return scan(path, field, messages=messages)
     if (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file():
         return probe(path, count_rows=True).rows
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
-    return sum(scan(file, field, messages=messages) for file in files)
+    return sum(scan(file, field, messages=messages) for file in _data_files(path))
+
+
+def _data_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
 
 
 __all__ = ["DataProbe", "DataProbeError", "DataRowError", "field_problem", "probe", "scan_records"]
@@ -88,20 +69,16 @@ def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None
     if found.first_record is None:
         return None
     value = found.first_record.get(field)
-    if messages:
-        if not isinstance(value, list) or not all(
-            isinstance(turn, dict) and "role" in turn and "content" in turn for turn in value
-        ):
-            return f"field {field!r} of the first record is not a list of {{role, content}} messages"
+    if not messages:
+        kind = type(value).__name__
+        return None if isinstance(value, str) else f"field {field!r} of the first record is {kind}, not text"
+    if isinstance(value, list) and all(isinstance(t, dict) and "role" in t and "content" in t for t in value):
         return None
-    if not isinstance(value, str):
-        return f"field {field!r} of the first record is {type(value).__name__}, not text"
-    return None
+    return f"field {field!r} of the first record is not a list of {{role, content}} messages"
 
 
 def _probe_jsonl(path: Path, count_rows: bool) -> DataProbe:
-    # Bytes, decoded line by line: a bad byte further down is scan_records' to name, not a
-    # failure of this first look.
+    # Bytes, decoded line by line: a bad byte further down is scan_records' to name.
     first: dict[str, Any] | None = None
     rows = 0
     with path.open("rb") as handle:
@@ -128,14 +105,13 @@ def _json_record(text: str, where: str) -> dict[str, Any]:
     return record
 
 
-def _probe_json(path: Path) -> DataProbe:
-    # The whole file is parsed: .json datasets are the small ones (large ones are .jsonl/.parquet).
+def _probe_json(path: Path, count_rows: bool) -> DataProbe:
     text = path.read_text(encoding="utf-8")
     try:
         loaded = json_loads(text)
     except json.JSONDecodeError as error:
         if error.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` also accepts
-            return _probe_jsonl_text(path, text)
+            return _probe_jsonl(path, count_rows=True)
         raise DataProbeError(f"not valid JSON at line {error.lineno}: {error.msg}") from error
     if isinstance(loaded, list):
         if not loaded:
@@ -144,18 +120,8 @@ def _probe_json(path: Path) -> DataProbe:
         if not isinstance(first, dict):
             raise DataProbeError(f"the first item is a JSON {type(first).__name__}, not an object")
         return DataProbe(path, tuple(first), first, len(loaded))
-    if isinstance(loaded, dict):
-        return _columns_or_record(path, loaded)
-    raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
-
-
-def _probe_jsonl_text(path: Path, text: str) -> DataProbe:
-    lines = [line for line in text.splitlines() if line.strip()]
-    first = _json_record(lines[0], "line 1")
-    return DataProbe(path, tuple(first), first, len(lines))
-
-
-def _columns_or_record(path: Path, loaded: dict[str, Any]) -> DataProbe:
+    if not isinstance(loaded, dict):
+        raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
     columns = [value for value in loaded.values() if isinstance(value, list)]
     if columns and len(columns) == len(loaded):  # {"text": [...], "label": [...]}: columnar
         first = {key: (value[0] if value else None) for key, value in loaded.items()}
@@ -175,7 +141,7 @@ def _probe_csv(path: Path, count_rows: bool) -> DataProbe:
     return DataProbe(path, tuple(reader.fieldnames), dict(first), rows)
 
 
-def _probe_parquet(path: Path) -> DataProbe:
+def _probe_parquet(path: Path, count_rows: bool) -> DataProbe:
     try:
         import pyarrow.parquet as pq  # comes with `datasets`; only the schema is read
     except ImportError as error:  # pragma: no cover - pyarrow is a dependency of datasets
@@ -191,8 +157,11 @@ def _probe_dir(path: Path, count_rows: bool) -> DataProbe:
     if (path / "dataset_dict.json").is_file():
         return _probe_dir(_split_dir(path), count_rows)
     if (path / "dataset_info.json").is_file():
-        return _probe_saved_dataset(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
+        info = _read_json(path / "dataset_info.json")
+        if not isinstance(features := info.get("features"), dict):
+            raise DataProbeError("dataset_info.json has no features")
+        return DataProbe(path, tuple(features), None, _saved_rows(info))
+    files = _data_files(path)
     if not files:
         raise DataProbeError(f"the directory holds no dataset (expected {FORMATS_HELP})")
     found = probe(files[0], count_rows=False)
@@ -208,14 +177,6 @@ def _split_dir(path: Path) -> Path:
     return path / name
 
 
-def _probe_saved_dataset(path: Path) -> DataProbe:
-    info = _read_json(path / "dataset_info.json")
-    features = info.get("features")
-    if not isinstance(features, dict):
-        raise DataProbeError("dataset_info.json has no features")
-    return DataProbe(path, tuple(features), None, _saved_rows(info))
-
-
 def _saved_rows(info: Mapping[str, Any]) -> int | None:
     splits = info.get("splits")
     if not isinstance(splits, dict):
@@ -223,6 +184,15 @@ def _saved_rows(info: Mapping[str, Any]) -> int | None:
     counts = [s.get("num_examples") for s in splits.values() if isinstance(s, dict)]
     numbers = [c for c in counts if isinstance(c, int)]
     return sum(numbers) if numbers and len(numbers) == len(counts) else None
+
+
+_READERS: Mapping[str, Callable[[Path, bool], DataProbe]] = {
+    ".jsonl": _probe_jsonl,
+    ".json": _probe_json,  # parsed whole, its rows always counted
+    ".csv": _probe_csv,
+    ".parquet": _probe_parquet,  # the schema alone, and the row count from its metadata
+}
+FILE_SUFFIXES = tuple(_READERS)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

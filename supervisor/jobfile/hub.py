@@ -1,12 +1,6 @@
-"""``model.path`` as a hub id (``meta-llama/Llama-3.1-8B``), resolved through the local HF cache.
-
-A value that is not an existing path relative to the job file and reads as ``org/name`` is
-looked up with ``huggingface_hub.snapshot_download(local_files_only=True)``, which follows
-``HF_HOME`` / ``HF_HUB_CACHE`` and the cache's own layout (``models--org--name/snapshots/<sha>``,
-``refs/main``). Only when it is not cached, the job says ``model.allow_download: true`` and the
-machine is not offline (``HF_HUB_OFFLINE``) is it downloaded. The result is the snapshot
-directory, so the child trains from a fixed revision and never touches the network.
-"""
+"""``model.path`` as a hub id (``org/name``), resolved to its snapshot in the local HF cache; it is
+downloaded only with ``model.allow_download: true`` on a machine that is not offline. The child
+trains from that fixed snapshot and never touches the network."""
 
 from __future__ import annotations
 
@@ -14,9 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from pydantic_core import PydanticCustomError
-
-from qlora_supervise.supervisor.jobfile.fields import job_error
+from qlora_supervise.supervisor.jobfile.problems import job_error
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: What a download fetches: the config, the tokenizer and the safetensors weights, nothing else.
@@ -44,7 +36,11 @@ def resolve_hub_id(repo_id: str, allow_download: bool) -> str:
     cache = constants.HF_HUB_CACHE
     if not allow_download or offline():
         why = "the machine is offline (HF_HUB_OFFLINE)" if offline() else "model.allow_download is false"
-        raise _not_cached(repo_id, cache, why)
+        raise job_error(
+            f"hub id {repo_id!r} is not in the local Hugging Face cache ({cache}) and {why}",
+            f"download it first (`hf download {repo_id}`), set model.allow_download: true on a machine "
+            "with network, or give a local model directory",
+        )
     try:
         return str(snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS))
     except (HfHubHTTPError, OSError, ValueError) as error:
@@ -52,14 +48,6 @@ def resolve_hub_id(repo_id: str, allow_download: bool) -> str:
             f"hub id {repo_id!r} is not in the cache ({cache}) and the download failed: {error}",
             "check the id, the network and the token (`hf auth login` if gated), or give a local directory",
         ) from None
-
-
-def _not_cached(repo_id: str, cache: str, why: str) -> PydanticCustomError:
-    return job_error(
-        f"hub id {repo_id!r} is not in the local Hugging Face cache ({cache}) and {why}",
-        f"download it first (`hf download {repo_id}`), set model.allow_download: true on a machine with "
-        "network, or give a local model directory",
-    )
 
 
 def describe(model_dir: str) -> str:

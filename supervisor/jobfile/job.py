@@ -1,11 +1,5 @@
-"""The validated job: the specs that cross to the child, built once from the job file's sections.
-
-A :class:`Job` holds what the rest of the supervisor reads, and nothing it would have to
-translate again: attempt 1's :class:`Knobs`, the :class:`DataSpec`, :class:`TrainSpec` and
-:class:`Resources` exactly as the child receives them, and the validated supervise section.
-:func:`job_from_sections` is the one place where the job file's layout (sections) is mapped
-onto the contract's layout (specs).
-"""
+"""The validated job: the specs that cross to the child, exactly as it receives them, built once
+from the job file's sections (:func:`job_from_sections` is the one map from sections to specs)."""
 
 from __future__ import annotations
 
@@ -28,9 +22,7 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
-#: Said by ``validate`` and at run start (console and ``events.jsonl``) when the job trusts the
-#: model's code: the model directory's Python files run with the supervisor's user (root under
-#: the shipped unit).
+#: Said by ``validate`` and at run start when the job trusts the model's code.
 TRUST_REMOTE_CODE_WARNING = (
     "model.trust_remote_code is true: Python code from the model directory will run in the "
     "trainer, with this user's rights; keep it false unless you have read that code"
@@ -50,13 +42,9 @@ class Job:
     resources: Resources
     supervise: SuperviseSection  # durations already seconds; ``ladders`` are the overrides
     fallback_models: tuple[str, ...]  # model.fallbacks, absolute
-    diagnose: DiagnoseSpec = field(
-        default_factory=DiagnoseSpec
-    )  # opt-in diagnostics, as the child receives them
-    # Our own child, or the tool of the job's ``trainer:`` section (supervisor/trainers/).
-    trainer: Trainer = field(default_factory=OwnTrainer)
-    # Fields of a tool's config that did not parse (``max_steps: ten``), under the job view's
-    # names, as written: the spec carries the default, the run's record keeps what the user wrote.
+    diagnose: DiagnoseSpec = field(default_factory=DiagnoseSpec)
+    trainer: Trainer = field(default_factory=OwnTrainer)  # ours, or the ``trainer:`` section's tool
+    # A tool's config fields that did not parse (``max_steps: ten``), as written, by job view name.
     unparsed: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -65,7 +53,6 @@ _TRAIN = TrainSpec()  # the protocol's defaults
 
 
 def _section(sections: Mapping[str, Section], name: str, kind: type[_S]) -> _S:
-    """The validated section ``name``, checked to be of ``kind``."""
     section = sections[name]
     if not isinstance(section, kind):  # a bug in load, never a problem of the job file
         raise TypeError(f"section {name!r} is a {type(section).__name__}, not a {kind.__name__}")
@@ -76,7 +63,6 @@ def job_from_sections(
     job_file: Path, raw_text: str, output_dir: Path, sections: Mapping[str, Section]
 ) -> Job:
     """The Job of sections that each validated whole (``load_job`` calls this after every check)."""
-    # Long only because it names every field once: this is the one map from sections to specs.
     model = _section(sections, "model", ModelSection)
     data = _section(sections, "data", DataSection)
     quantization = _section(sections, "quantization", QuantizationSection)
@@ -114,29 +100,18 @@ def job_from_sections(
             eval_fraction=data.eval_fraction,
         ),
         train=_train_spec(model, quantization, lora, train),
-        resources=Resources(
-            device=resources.gpu,
-            gpu_memory_limit=resources.gpu_memory_limit,
-            cpu_memory_limit=resources.cpu_memory_limit,
-            host_memory_limit=resources.host_memory_limit,
-        ),
+        resources=resources.spec(),
         supervise=_section(sections, "supervise", SuperviseSection),
         fallback_models=tuple(str(path) for path in model.fallbacks),
-        diagnose=_diagnose_spec(sections),
+        diagnose=_section(sections, "diagnose", DiagnoseSection).spec(),
     )
-
-
-def _diagnose_spec(sections: Mapping[str, Section]) -> DiagnoseSpec:
-    section = _section(sections, "diagnose", DiagnoseSection)
-    return DiagnoseSpec(section.memory_history, section.memory_history_entries)
 
 
 def _train_spec(
     model: ModelSection, quantization: QuantizationSection, lora: LoraSection, train: TrainSection
 ) -> TrainSpec:
-    """The TrainSpec: the recipe settings of the model, quantization, lora and train sections."""
-    # max_steps None (epochs decide) is -1 in the spec; with max_steps set, epochs may be null and
-    # the spec then keeps its own default (the trainer ignores epochs when max_steps > 0).
+    """The recipe settings; max_steps None (epochs decide) is -1, and epochs null keeps the spec's
+    default (the trainer ignores epochs when max_steps > 0)."""
     return TrainSpec(
         learning_rate=train.learning_rate,
         lr_scheduler=train.lr_scheduler,

@@ -1,16 +1,6 @@
-"""``load_job``: read the job file, parse its YAML, validate it in two passes, and build the Job.
-
-YAML is read with ``yaml.safe_load`` (tags such as ``!!python/object`` are refused, never
-executed). Validation runs in two passes so that one bad section does not hide the others'
-problems:
-
-1. shape: each section is validated on its own by its pydantic model (``schema``); paths are
-   resolved against the job file's directory;
-2. world: checks across fields and against the file system (``world``), run for every section
-   that passed the first pass.
-
-Either every problem is raised at once in a :class:`JobError`, or the :class:`Job` comes back.
-Pydantic's errors are translated here into :class:`Problem` lines with the fix.
+"""``load_job``: read the job file (safe YAML, bounded), validate it in two passes (shape: each
+section by its pydantic model; world: checks across fields and against the disk, for what passed),
+and build the Job, or raise every problem at once. Pydantic's errors become :class:`Problem` lines.
 """
 
 from __future__ import annotations
@@ -24,16 +14,22 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
-from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, read_bounded, safe_load_bounded
-from qlora_supervise.supervisor.jobfile.fields import JOB_ERROR_TYPE, ResolvedPath
+from qlora_supervise.supervisor.jobfile import bounds
 from qlora_supervise.supervisor.jobfile.job import Job, job_from_sections
-from qlora_supervise.supervisor.jobfile.problems import FILE_PATH, JobError, Problem, did_you_mean, show
+from qlora_supervise.supervisor.jobfile.problems import (
+    FILE_PATH,
+    JOB_ERROR_TYPE,
+    JobError,
+    Problem,
+    did_you_mean,
+    show,
+)
 from qlora_supervise.supervisor.jobfile.schema import (
     DEFAULT_OUTPUT_DIR,
     REQUIRED_SECTIONS,
     SECTIONS,
     TOP_LEVEL_KEYS,
+    ResolvedPath,
     Section,
 )
 from qlora_supervise.supervisor.jobfile.world import world_problems
@@ -41,20 +37,43 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
-    """Read, parse and validate the job file of our own trainer at ``path`` (a tool's job, with
-    its ``trainer:`` section: ``trainers.job.load_job``). Raises JobError with every problem."""
+    """Read, parse and validate our own trainer's job file; JobError with every problem."""
     return job_of(*read_job_file(path))
 
 
 def read_job_file(path: str | os.PathLike[str]) -> tuple[Path, str, dict[str, Any]]:
-    """The job file's absolute path, its text and its top-level mapping (JobError when unreadable)."""
+    """The job file's absolute path, its text and its top-level mapping; JobError when it cannot be
+    read, is bad YAML or an alias bomb, is empty or is no mapping."""
     job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
-    text = _read_text(job_file)
-    return job_file, text, _parse_yaml(text)
+    try:
+        text = bounds.read_bounded(job_file)
+        raw = bounds.safe_load_bounded(text)
+    except bounds.InputBoundError as error:
+        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
+    except FileNotFoundError:
+        fix = "check the path; a job file is YAML with at least model.path and data.path"
+        raise JobError([Problem(FILE_PATH, "no such file", show(str(job_file)), fix)]) from None
+    except yaml.YAMLError as error:
+        raise JobError([_yaml_problem(error, text)]) from None
+    except bounds.AliasBombError as error:
+        fix = "write the values out, or use fewer nested aliases (&name / *name)"
+        aliases = sum(isinstance(token, yaml.AliasToken) for token in yaml.scan(text, Loader=yaml.SafeLoader))
+        got = f"{aliases} aliases"
+        raise JobError([Problem(FILE_PATH, f"YAML aliases refused: {error}", got, fix)]) from None
+    except (OSError, UnicodeDecodeError) as error:
+        problem = Problem(FILE_PATH, f"cannot read the job file: {error}", show(str(job_file)), "")
+        raise JobError([problem]) from None
+    if raw is None:
+        fix = "write at least model.path and data.path"
+        raise JobError([Problem(FILE_PATH, "the job file is empty", None, fix)])
+    if not isinstance(raw, dict):
+        fix = "the top level must be a mapping of sections (model:, data:, train:, ...)"
+        raise JobError([Problem(FILE_PATH, f"top level is a {_yaml_kind(raw)}", show(raw), fix)])
+    return job_file, text, raw
 
 
 def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
-    """The Job of our own trainer's sections, every problem raised at once."""
+    """Our own trainer's Job, or JobError with every problem."""
     problems = [*duplicate_keys(text), *_top_level_problems(raw)]
     context = {"job_dir": str(job_file.parent)}
     sections: dict[str, Section] = {}
@@ -70,47 +89,7 @@ def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
     problems += world_problems(sections, output_dir, frozenset(bad))
     if problems or output_dir is None:
         raise JobError(problems)
-    # No problems means every section validated whole: the specs are built from complete sections.
     return job_from_sections(job_file, text, output_dir, sections)
-
-
-def _read_text(job_file: Path) -> str:
-    """The job file as text; a missing or unreadable file is a JobError."""
-    try:
-        return read_bounded(job_file)
-    except InputBoundError as error:
-        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
-    except FileNotFoundError:
-        fix = "check the path; a job file is YAML with at least model.path and data.path"
-        raise JobError([Problem(FILE_PATH, "no such file", show(str(job_file)), fix)]) from None
-    except (OSError, UnicodeDecodeError) as error:
-        problem = Problem(FILE_PATH, f"cannot read the job file: {error}", show(str(job_file)), "")
-        raise JobError([problem]) from None
-
-
-def _parse_yaml(text: str) -> dict[str, Any]:
-    """The top-level mapping; bad YAML, an alias bomb, an empty file or a non-mapping is a JobError."""
-    try:
-        # Depth and size on the event stream, then the node graph (linear in the file): input past
-        # a bound is refused before anything recurses or walks the values (bounds.py, aliases.py).
-        raw = safe_load_bounded(text)
-    except yaml.YAMLError as error:
-        raise JobError([_yaml_problem(error, text)]) from None
-    except InputBoundError as error:
-        raise JobError([Problem(FILE_PATH, error.why, error.got, error.fix)]) from None
-    except AliasBombError as error:
-        fix = "write the values out, or use fewer nested aliases (&name / *name)"
-        aliases = sum(isinstance(token, yaml.AliasToken) for token in yaml.scan(text, Loader=yaml.SafeLoader))
-        got = f"{aliases} aliases"
-        raise JobError([Problem(FILE_PATH, f"YAML aliases refused: {error}", got, fix)]) from None
-    if raw is None:
-        raise JobError(
-            [Problem(FILE_PATH, "the job file is empty", None, "write at least model.path and data.path")]
-        )
-    if not isinstance(raw, dict):
-        fix = "the top level must be a mapping of sections (model:, data:, train:, ...)"
-        raise JobError([Problem(FILE_PATH, f"top level is a {_yaml_kind(raw)}", show(raw), fix)])
-    return raw
 
 
 def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
@@ -130,7 +109,6 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
 
 def duplicate_keys(text: str) -> Iterator[Problem]:
     """Keys given twice in one mapping: PyYAML silently keeps the last, which hides edits."""
-    # compose() builds nodes only (no objects are constructed): as safe as safe_load.
     stack: list[tuple[str, yaml.Node | None]] = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
     while stack:
         prefix, node = stack.pop()
@@ -147,35 +125,33 @@ def duplicate_keys(text: str) -> Iterator[Problem]:
             stack.append((path, value_node))
 
 
+_YAML_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
 def _yaml_kind(value: object) -> str:
-    """The YAML word for a value's type (list, string, number, boolean)."""
-    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
-        type(value), type(value).__name__
-    )
+    return _YAML_KINDS.get(type(value), type(value).__name__)
 
 
 def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
     """Unknown top-level keys (with a did-you-mean) and missing required sections."""
-    problems = []
-    for key in raw:
-        if key not in TOP_LEVEL_KEYS:
-            problems.append(
-                Problem(str(key), "unknown key", show(raw[key]), did_you_mean(key, TOP_LEVEL_KEYS))
-            )
-    for name in REQUIRED_SECTIONS:
-        if name not in raw:
-            problems.append(Problem(name, "required section is missing", None, f"add {name}: {{path: ...}}"))
-    return problems
+    unknown = [
+        Problem(str(key), "unknown key", show(raw[key]), did_you_mean(key, TOP_LEVEL_KEYS))
+        for key in raw
+        if key not in TOP_LEVEL_KEYS
+    ]
+    missing = [
+        Problem(name, "required section is missing", None, f"add {name}: {{path: ...}}")
+        for name in REQUIRED_SECTIONS
+        if name not in raw
+    ]
+    return unknown + missing
 
 
 def _validate_section(
     name: str, section_type: type[Section], raw: Mapping[str, Any], context: dict[str, str]
 ) -> tuple[Section | None, list[Problem], set[str]]:
-    """The section (partial when some fields are bad), its problems, and the bad field paths.
-
-    A section with bad fields is validated again without them so that the world checks still
-    run for the good ones; checks that involve a bad field are skipped (their defaults would lie).
-    """
+    """The section (validated again without its bad fields, so the world checks still run for the
+    good ones), its problems, and the bad field paths."""
     if name not in raw and name in REQUIRED_SECTIONS:
         return None, [], {name}  # reported once by _top_level_problems
     value = raw.get(name)
@@ -197,35 +173,33 @@ def _validate_section(
 
 
 def _validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path | None, list[Problem]]:
-    """output_dir resolved against the job directory, or its problems."""
     try:
         return TypeAdapter(ResolvedPath).validate_python(value, context=context), []
     except ValidationError as error:
         return None, _problems_from(error, "output_dir", None)
 
 
-# --------------------------------------------------------------------------- pydantic -> problems
-
 _TYPE_NAMES = {
-    "int_type": "a whole number",
-    "int_from_float": "a whole number",
-    "float_type": "a number",
-    "bool_type": "true or false",
-    "string_type": "a string",
-    "tuple_type": "a list",
-    "list_type": "a list",
-    "dict_type": "a mapping",
+    "a whole number": ("int_type", "int_from_float"),
+    "a number": ("float_type",),
+    "true or false": ("bool_type",),
+    "a string": ("string_type",),
+    "a list": ("tuple_type", "list_type"),
+    "a mapping": ("dict_type",),
+}
+#: Pydantic error types whose words do not depend on the error: the problem and the fix.
+_FIXED = {
+    "missing": ("required key is missing", "add it"),
+    "string_too_short": ("must not be empty", "write a name"),
+    "finite_number": ("must be a finite number", ""),
+    **{kind: ("wrong type", f"expected {name}") for name, kinds in _TYPE_NAMES.items() for kind in kinds},
 }
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 def _problems_from(error: ValidationError, prefix: str, section_type: type[Section] | None) -> list[Problem]:
-    """Every error of a pydantic ValidationError as a Problem under ``prefix``."""
-    problems = []
-    for item in error.errors(include_url=False):
-        loc = [str(part) for part in item["loc"]]
-        problems.append(_one_problem(item, [prefix, *loc], section_type))
-    return problems
+    items = error.errors(include_url=False)
+    return [_one_problem(item, [prefix, *map(str, item["loc"])], section_type) for item in items]
 
 
 def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) -> Problem:
@@ -240,11 +214,8 @@ def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) 
         return Problem(path, str(ctx["problem"]), show(value), str(ctx["fix"]))
     if kind == "extra_forbidden":
         known = frozenset(section_type.model_fields) if section_type and len(loc) == 2 else frozenset()
-        return Problem(
-            path, "unknown key", show(value), did_you_mean(loc[-1], known) if known else "remove it"
-        )
-    if kind == "missing":
-        return Problem(path, "required key is missing", None, "add it")
+        fix = did_you_mean(loc[-1], known) if known else "remove it"
+        return Problem(path, "unknown key", show(value), fix)
     if kind in ("literal_error", "enum"):
         choices = tuple(re.findall(r"'([^']*)'", str(ctx.get("expected", ""))))
         return Problem(path, "not an allowed value", show(value), did_you_mean(value, choices))
@@ -252,10 +223,6 @@ def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) 
         op = _BOUNDS[kind]
         bound = next(iter(ctx.values()), "?")
         return Problem(path, f"must be {op} {bound}", show(value), f"use a value {op} {bound}")
-    if kind in _TYPE_NAMES:
-        return Problem(path, "wrong type", show(value), f"expected {_TYPE_NAMES[kind]}")
-    if kind == "string_too_short":
-        return Problem(path, "must not be empty", show(value), "write a name")
-    if kind == "finite_number":
-        return Problem(path, "must be a finite number", show(value), "")
+    if kind in _FIXED:
+        return Problem(path, _FIXED[kind][0], None if kind == "missing" else show(value), _FIXED[kind][1])
     return Problem(path, str(item["msg"]), show(value), "")

@@ -1,17 +1,10 @@
-"""A model directory read without its weights: ``config.json`` and the safetensors headers.
-
-A safetensors file starts with an 8-byte little-endian header length and that many bytes of
-JSON: ``{tensor name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...}``
-plus an optional ``__metadata__`` entry. A sharded checkpoint adds
-``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {name:
-file}}``). Reading those is enough to know every tensor's name, dtype and shape and the
-checkpoint's size, so ``qlora-supervise plan`` runs in a second for a 70B model on a laptop:
-no torch, no weights read, and shard files may even be absent (the index alone still gives
-names and the total size).
-"""
+"""A model directory read without its weights: ``config.json`` and the safetensors headers and index
+give every tensor's name, dtype and shape and the checkpoint's size, so ``plan`` runs in a second for
+a 70B model without torch, even with shard files absent."""
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,23 +17,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Refuse headers larger than this: a real one is a few MB even for thousands of tensors.
 MAX_HEADER_BYTES = 100 << 20
-DTYPE_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
+_SIZES = {8: "F64 I64 U64", 4: "F32 I32 U32", 2: "F16 BF16 I16 U16", 1: "F8_E4M3 F8_E5M2 I8 U8 BOOL"}
+DTYPE_BYTES = {dtype: size for size, names in _SIZES.items() for dtype in names.split()}
 
 
 class ModelFilesError(ValueError):
@@ -54,10 +32,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -66,12 +41,9 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """What a model directory says about itself, weights unread.
-
-    ``tensors`` is empty when no safetensors header could be read (index without shards, or a
-    .bin checkpoint); ``checkpoint_bytes`` then comes from the index's ``total_size`` or the
-    file sizes, and is None when nothing tells it.
-    """
+    """What a model directory says about itself, weights unread. ``tensors`` is empty when no
+    safetensors header could be read (index without shards, a .bin checkpoint); ``checkpoint_bytes``
+    then comes from the index's ``total_size`` or the file sizes (None: nothing tells it)."""
 
     directory: Path
     config: Mapping[str, Any]
@@ -122,7 +94,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def read_model_files(directory: str | Path) -> ModelFiles:
     """``config.json`` plus the safetensors index and headers of ``directory``."""
     root = Path(directory)
-    config = _read_json(root / "config.json", "config.json")
+    config = _read_json(root / "config.json")
     if not isinstance(config, dict):
         raise ModelFilesError(f"{root / 'config.json'}: not a JSON object")
     index_path = root / INDEX_NAME
@@ -139,22 +111,17 @@ def read_model_files(directory: str | Path) -> ModelFiles:
 
 
 def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFiles:
-    index = _read_json(index_path, INDEX_NAME)
+    index = _read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ModelFilesError(f"{index_path}: no weight_map; not a safetensors index")
     metadata = index.get("metadata") or {}
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
-    tensors: dict[str, TensorInfo] = {}
-    missing: list[str] = []
-    largest = 0
-    for shard in sorted(set(map(str, weight_map.values()))):
-        path = root / shard
-        if not path.is_file():
-            missing.append(shard)
-            continue
-        largest = max(largest, path.stat().st_size)
-        tensors.update(read_header(path))
+    shards = sorted(set(map(str, weight_map.values())))
+    missing = [shard for shard in shards if not (root / shard).is_file()]
+    present = [root / shard for shard in shards if shard not in missing]
+    tensors = {name: info for path in present for name, info in read_header(path).items()}
+    largest = max((path.stat().st_size for path in present), default=0)
     notes: tuple[str, ...] = ()
     if missing:
         notes = (f"{len(missing)} shard(s) not present ({missing[0]}, ...): sizes from the index",)
@@ -163,13 +130,12 @@ def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFi
     return ModelFiles(root, config, tensors, size, largest, notes)
 
 
-def _read_json(path: Path, what: str) -> Any:
+def _read_json(path: Path) -> Any:
     try:
         return json_loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ModelFilesError(
-            f"{path}: no {what}; point model.path at a Hugging Face model directory"
-        ) from None
+        fix = "point model.path at a Hugging Face model directory"
+        raise ModelFilesError(f"{path}: no {path.name}; {fix}") from None
     except OSError as error:
         raise ModelFilesError(f"{path}: cannot read ({error.strerror})") from error
     except ValueError as error:

@@ -1,9 +1,5 @@
-"""What is wrong with a job file, in words: a :class:`Problem` per mistake, all raised at once.
-
-Every check of the job file (YAML, schema, world) reports through these, so that
-``qlora-supervise validate`` prints one line per mistake with the field path, the bad value
-as the job file spells it, and the fix.
-"""
+"""What is wrong with a job file, in words: a :class:`Problem` per mistake (field path, the bad
+value as the job file spells it, the fix), all raised at once in a :class:`JobError`."""
 
 from __future__ import annotations
 
@@ -12,7 +8,11 @@ import difflib
 from collections.abc import Iterable
 from pathlib import Path
 
+from pydantic_core import PydanticCustomError
+
 FILE_PATH = "<job file>"  # the field path of problems with the file as a whole
+#: The pydantic error type of :func:`job_error`; its ctx carries ``problem`` and ``fix``.
+JOB_ERROR_TYPE = "job"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,11 @@ class JobError(Exception):
     def __init__(self, problems: list[Problem]) -> None:
         super().__init__("\n".join(p.render() for p in problems))
         self.problems = problems
+
+
+def job_error(problem: str, fix: str) -> PydanticCustomError:
+    """The error a validator raises: the problem and its fix travel apart in ctx."""
+    return PydanticCustomError(JOB_ERROR_TYPE, "{problem}", {"problem": problem, "fix": fix})
 
 
 def show(value: object) -> str:

@@ -1,18 +1,14 @@
-"""The sections of a job file, as frozen pydantic models: the shape pass of validation.
-
-Each section is validated on its own (types, units, ranges, allowed values, unknown keys), so
-one bad section does not hide another's problems.
-
-One set of defaults: a field that lands in a spec crossing to the child (``Knobs``,
-``DataSpec``, ``TrainSpec``, ``Resources``) or in the policy's ``Settings`` takes its default
-from that dataclass, never a number of its own. Only what nothing else knows about (durations
-of the loop, ``keep_effective_batch``, the fallbacks) has its default here.
-``tests/test_job.py`` walks the dataclass fields and fails where a default disagrees.
-"""
+"""The sections of a job file as frozen pydantic models (the shape pass, one section at a time), and
+their field types: before-validators turn the file's spellings into one form (``24GiB`` -> bytes,
+``20m`` -> seconds, ``1`` -> ``cuda:1``, relative paths -> absolute) or raise ``job_error``.
+A field that lands in a spec for the child or in the policy's ``Settings`` takes that dataclass's
+default (``tests/test_job.py`` checks they agree)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
@@ -20,6 +16,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -28,34 +25,167 @@ from pydantic import (
 )
 
 from qlora_supervise.policies.decide import Settings
-from qlora_supervise.supervisor.jobfile import hub
-from qlora_supervise.supervisor.jobfile.fields import (
-    ByteSize,
-    ComputeDtype,
-    Device,
-    Fraction,
-    HookArgv,
-    Ladders,
-    Name,
-    NonNegativeFloat,
-    NonNegativeInt,
-    Optimizer,
-    PathList,
-    PositiveFloat,
-    PositiveInt,
-    QuantType,
-    ReportTo,
-    ResolvedPath,
-    Scheduler,
-    Seconds,
-    SecondsOrZero,
-    TargetModules,
-    job_error,
+from qlora_supervise.policies.rungs import RETIRED_RUNGS, RUNG_NAMES
+from qlora_supervise.supervisor.facts.units import (
+    DURATION_HELP,
+    SIZE_HELP,
+    UnitError,
+    parse_bytes,
+    parse_duration,
 )
+from qlora_supervise.supervisor.jobfile import hub
+from qlora_supervise.supervisor.jobfile.problems import did_you_mean, job_error
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
+from qlora_supervise.trainer_child.contract.targets import KEYWORDS as TARGET_KEYWORDS
 
-# The protocol's defaults, read off default instances (the required fields get placeholders that
-# no section reads).
+
+def _job_dir(info: ValidationInfo) -> Path:
+    return Path(str((info.context or {}).get("job_dir", os.getcwd())))
+
+
+def _resolve_path(value: object, info: ValidationInfo) -> object:
+    """A non-empty path string (or Path) -> an absolute, normalised Path, relative to the job file's
+    directory (context ``job_dir``), never the cwd."""
+    if isinstance(value, Path):
+        path = value
+    elif isinstance(value, str) and value.strip():
+        path = Path(value.strip()).expanduser()
+    else:
+        raise job_error("not a path", "write a file or directory path (relative to the job file)")
+    if "\0" in str(path):  # no system call takes it (every later check would end in a ValueError)
+        raise job_error("holds a NUL character, which no path can", "write the path without it")
+    return Path(os.path.normpath(_job_dir(info) / path))
+
+
+def list_to_tuple(value: object) -> object:
+    """YAML lists become tuples, so that frozen sections hold nothing mutable."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _yaml_float(value: object) -> object:
+    """A number YAML 1.1 left as a string (``2e-4``) -> float; anything else unchanged."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    return value
+
+
+def _bytes(value: object) -> object:
+    """``24GiB`` / ``64GB`` -> bytes (int); a bare number (``24``) is refused with the fix."""
+    if not isinstance(value, (str, int, float)):
+        return value  # the int type check reports it
+    try:
+        return parse_bytes(value, unit_required=True)
+    except UnitError as error:
+        fix = error.expected if "no unit" in error.reason or "bits" in error.reason else SIZE_HELP
+        raise job_error(f"bad byte size: {error.reason}", f"use {fix}") from None
+
+
+def to_seconds(value: object) -> object:
+    """``20m`` / ``1h30m`` / a plain number -> seconds (float). A plain number stays valid;
+    ``jobfile.advice`` warns about it, with the fix."""
+    if not isinstance(value, (str, int, float)):
+        return value
+    try:
+        return parse_duration(value)
+    except UnitError as error:
+        raise job_error(f"bad duration: {error.reason}", f"use {DURATION_HELP}") from None
+
+
+_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$")
+
+
+def _device(value: object) -> object:
+    """``0`` / ``cuda:0`` -> ``cuda:0``; ``auto``, ``cpu`` and GPU/MIG UUIDs unchanged."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return f"cuda:{value}"
+    if isinstance(value, str):
+        text = value.strip()
+        if text in ("auto", "cpu") or _UUID_RE.match(text):
+            return text
+        if re.fullmatch(r"(cuda:)?\d+", text):
+            return f"cuda:{text.removeprefix('cuda:')}"
+    raise job_error("not a device", "use auto, cpu, a GPU index (0), cuda:N, or a GPU UUID (GPU-...)")
+
+
+def _target_modules(value: object) -> object:
+    """``attention`` / ``mlp`` / ``all-linear`` or a non-empty list of module names (as a tuple)."""
+    if value in TARGET_KEYWORDS:
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, str) and m for m in value):
+        return tuple(value)
+    raise job_error(
+        "not a list of module names",
+        "use attention, mlp, all-linear or a non-empty list such as [q_proj, k_proj, v_proj, o_proj]",
+    )
+
+
+def _hook_argv(value: object) -> object:
+    """A non-empty list of strings: the hook's argv. A string is refused (no shell, ever)."""
+    if isinstance(value, str):
+        raise job_error(
+            "a shell string (hooks run without a shell, so quoting and pipes would not work)",
+            f"write an argv list, e.g. [/usr/local/bin/notify-lab, --channel, ml]; "
+            f"for a pipeline use [sh, -c, {value!r}] on purpose",
+        )
+    if isinstance(value, (list, tuple)) and value and all(isinstance(a, str) and a for a in value):
+        return tuple(value)
+    raise job_error("not an argv list", "write a non-empty list of strings, e.g. [mail, -s, qlora, me@lab]")
+
+
+def _ladders(value: object) -> object:
+    """Failure kind -> rung names: keys that name a FailureKind become one (the others fail the
+    key check), lists become tuples."""
+    if not isinstance(value, dict):
+        return value
+    kinds = {kind.value: kind for kind in FailureKind}
+    return {kinds.get(k, k) if isinstance(k, str) else k: list_to_tuple(v) for k, v in value.items()}
+
+
+def _rung_name(value: str) -> str:
+    """A rung name the policies know, else a did-you-mean."""
+    if value in RETIRED_RUNGS:
+        raise job_error(RETIRED_RUNGS[value], "remove it from the ladder, or name activation_offload")
+    if value not in RUNG_NAMES:
+        raise job_error("unknown rung", did_you_mean(value, RUNG_NAMES))
+    return value
+
+
+def _only_true(value: bool) -> bool:
+    if not value:
+        raise job_error(
+            "a smaller effective batch saves no memory (halving the micro-batch raises accumulation "
+            "instead), so the supervisor always keeps it",
+            "delete the line or set keep_effective_batch: true",
+        )
+    return value
+
+
+ResolvedPath = Annotated[Path, BeforeValidator(_resolve_path)]
+Name = Annotated[str, Field(min_length=1)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, BeforeValidator(_yaml_float), Field(ge=0.0, lt=1.0)]
+PositiveFloat = Annotated[float, BeforeValidator(_yaml_float), Field(gt=0.0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, BeforeValidator(_yaml_float), Field(ge=0.0, allow_inf_nan=False)]
+ByteSize = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]
+Seconds = Annotated[float, BeforeValidator(to_seconds), Field(gt=0.0)]
+SecondsOrZero = Annotated[float, BeforeValidator(to_seconds), Field(ge=0.0)]
+Device = Annotated[str, BeforeValidator(_device)]
+TargetModules = Annotated[tuple[str, ...] | str, BeforeValidator(_target_modules)]
+RungName = Annotated[str, AfterValidator(_rung_name)]
+Ladders = Annotated[dict[FailureKind, tuple[RungName, ...]], BeforeValidator(_ladders)]
+HookArgv = Annotated[tuple[str, ...], BeforeValidator(_hook_argv)]
+PathList = Annotated[tuple[ResolvedPath, ...], BeforeValidator(list_to_tuple)]
+
+Optimizer = Literal["paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused"]
+Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
+QuantType = Literal["nf4", "fp4"]
+ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
+ReportTo = Literal["none", "tensorboard"]
+
+# The protocol's defaults, read off default instances (required fields get unread placeholders).
 _KNOBS = Knobs(model="")
 _DATA = DataSpec(path="")
 _TRAIN = TrainSpec()
@@ -68,16 +198,13 @@ class Section(BaseModel):
     """A part of the job file; frozen, unknown keys refused."""
 
     # strict: YAML already gives ints, floats and bools; "8" for an int is a mistake worth naming.
-    # validate_default: a protocol default the schema would refuse (the casts below to the allowed
-    # values are checked here) fails every load and the defaults test, never an attempt.
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True)
 
 
 class ModelSection(Section):
     """``path`` is a local directory or a hub id (``org/name``), resolved to its cached snapshot."""
 
-    # Declared before ``path``: the path's validator reads it (pydantic validates in field order).
-    # A hub id not in the local cache is downloaded only when this is true and the machine is online.
+    # Before ``path``: the path's validator reads it (pydantic validates in field order).
     allow_download: bool = False
     path: ResolvedPath
     fallbacks: PathList = ()  # smaller models for the last rung; none unless named
@@ -86,10 +213,7 @@ class ModelSection(Section):
     @field_validator("path", mode="before")
     @classmethod
     def _hub_id_to_snapshot(cls, value: Any, info: ValidationInfo) -> Any:
-        if not isinstance(value, str):
-            return value
-        job_dir = Path(str((info.context or {}).get("job_dir", os.getcwd())))
-        if not hub.looks_like_hub_id(value.strip(), job_dir):
+        if not isinstance(value, str) or not hub.looks_like_hub_id(value.strip(), _job_dir(info)):
             return value
         return hub.resolve_hub_id(value.strip(), info.data.get("allow_download") is True)
 
@@ -150,42 +274,22 @@ class ResourcesSection(Section):
     gpu: Device = _RESOURCES.device
     gpu_memory_limit: ByteSize | None = _RESOURCES.gpu_memory_limit
     cpu_memory_limit: ByteSize | None = _RESOURCES.cpu_memory_limit
-    # The host RAM this job's plan may use (issue 28): candidates whose training host peak is
-    # over it are not started. Default: what is available when the run starts, less a reserve.
+    # Host RAM the plan may use (issue 28); default: what is available at start, less a reserve.
     host_memory_limit: ByteSize | None = _RESOURCES.host_memory_limit
-    # The allocator's expandable segments (PYTORCH_ALLOC_CONF); false only where a platform lacks them.
     expandable_segments: bool = _KNOBS.expandable_segments
-    # torchrun's own name: ranks on this host, one GPU each (gloo ranks on the CPU); above 1 the
-    # child starts through `python -m torch.distributed.run` (supervisor/loop/launch.py).
     nproc_per_node: PositiveInt = _KNOBS.world_size
-    # How the ranks share the model: ddp (a whole 4-bit replica per rank) or fsdp (FSDP-QLoRA: the
-    # weights sharded over the ranks, for a model no single card holds; docs/several-gpus.md).
     parallel: Literal["ddp", "fsdp"] = "fsdp" if _KNOBS.fsdp else "ddp"
 
-
-def _only_true(value: bool) -> bool:
-    if not value:
-        raise job_error(
-            "a smaller effective batch saves no memory (halving the micro-batch raises accumulation "
-            "instead), so the supervisor always keeps it",
-            "delete the line or set keep_effective_batch: true",
-        )
-    return value
+    def spec(self) -> Resources:
+        return Resources(self.gpu, self.gpu_memory_limit, self.cpu_memory_limit, self.host_memory_limit)
 
 
 class SuperviseSection(Section):
-    """How the loop supervises: budgets, timeouts and ladders. Durations are seconds.
-
-    ``keep_effective_batch`` is a guarantee, not a knob: only ``true`` is accepted. Halving the
-    micro-batch raises accumulation to match and can always reach micro-batch 1, and memory does
-    not depend on the effective batch at a given micro-batch, so lowering it would cost quality
-    and save no memory; ``false`` is refused with that reason rather than accepted and ignored.
-    """
+    """How the loop supervises (docs/job-file.md): budgets, timeouts and ladders. Durations are seconds.
+    ``keep_effective_batch`` is a guarantee, not a knob: ``false`` is refused with the reason."""
 
     max_attempts: PositiveInt = _SETTINGS.max_attempts
     hang_timeout: Seconds = 1200.0
-    # SIGTERM grace of a hung child, before SIGKILL: a hung process cannot use the stop grace
-    # (minutes, for a checkpoint) anyway, so a hang costs this much, not the full grace.
     hang_grace: SecondsOrZero = 10.0
     max_no_progress_attempts: PositiveInt = _SETTINGS.max_no_progress
     backoff_initial: Seconds = 2.0
@@ -194,36 +298,29 @@ class SuperviseSection(Section):
     contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
     disk_wait: SecondsOrZero = _SETTINGS.disk_wait_s  # a full disk: wait this long for room
     degrade_on_contention: bool = _SETTINGS.degrade_on_contention
-    # Step back up at a checkpoint when the cause of a rung has cleared (docs/ladder.md, "Stepping
-    # back up"); step_up_settle: how long a change on the card must hold first.
     step_up: bool = _SETTINGS.step_up
     step_up_settle: Seconds = _SETTINGS.step_up_settle_s
     step_up_quality: bool = _SETTINGS.step_up_quality
     # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
     calibration_store: bool = True
-    # Attempt 1 times the planner's top candidates (micro-batch, checkpointing) before step 1 and
-    # trains with the fastest (policies/choice.py decides); false: no trial.
+    # Attempt 1 times the planner's top candidates and trains with the fastest (policies/choice.py).
     speed_trial: bool = _SETTINGS.speed_trial
-    # A warm spare trainer (loop/spare.py): the next attempt skips the stack's imports. auto:
-    # on with 4+ usable CPUs; host RAM short turns it off either way.
     warm_spare: bool | Literal["auto"] = "auto"
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
-    # How long a stop (SIGTERM, `systemctl stop`) waits for the child's checkpoint before SIGKILL.
     stop_grace: Seconds = 180.0
-    # A command (argv list, never a shell string) run on retry, gave_up and run_succeeded, with
-    # the event as JSON on stdin; a failing or slow hook is logged and never stops the run.
     on_event: HookArgv | None = None
     on_event_timeout: Seconds = 30.0
-    # node_exporter textfile-collector file (written atomically); None: no metrics.
     metrics_textfile: ResolvedPath | None = None
 
 
 class DiagnoseSection(Section):
-    """Opt-in diagnostics (contract.spec.DiagnoseSpec): ``memory_history`` records the CUDA allocator's
-    history and dumps a snapshot for PyTorch's memory viewer at an OOM."""
+    """Opt-in diagnostics (contract.spec.DiagnoseSpec): the CUDA allocator's history at an OOM."""
 
     memory_history: bool = _DIAGNOSE.memory_history
     memory_history_entries: PositiveInt = _DIAGNOSE.memory_history_entries
+
+    def spec(self) -> DiagnoseSpec:
+        return DiagnoseSpec(self.memory_history, self.memory_history_entries)
 
 
 SECTIONS: Mapping[str, type[Section]] = {

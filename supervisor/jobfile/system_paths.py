@@ -1,10 +1,5 @@
-"""The folders no ``output_dir`` may be: ``/``, a home directory, the system's own folders.
-
-A run directory's entries are moved, replaced and deleted by the supervisor (which often runs as
-root), so it must be a folder of its own: never ``/`` or a home itself, and nothing in the trees of
-the kernel, the devices or the installed system (a run under ``/proc`` or ``/sys`` could not even
-be created). Paths are compared after links are resolved. Whether a folder's *contents* are a run
-of ours is the run directory's question (``record/ownership.py``).
+"""The folders no ``output_dir`` may be: ``/``, a home directory, the system's own folders (the
+supervisor, often root, moves and deletes a run directory's entries). Compared after links resolve.
 """
 
 from __future__ import annotations
@@ -17,19 +12,7 @@ from pathlib import Path
 #: Trees no run directory may be in: the kernel's, the devices', the system's own files.
 SYSTEM_TREES = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib64")
 #: Folders that are never a run directory themselves (a run in a folder under them is fine).
-SYSTEM_FOLDERS = (
-    "/",
-    "/var",
-    "/var/lib",
-    "/var/tmp",
-    "/tmp",
-    "/opt",
-    "/srv",
-    "/home",
-    "/root",
-    "/mnt",
-    "/run",
-)
+SYSTEM_FOLDERS = ("/", "/var", "/var/lib", "/var/tmp", "/tmp", "/opt", "/srv", "/home", "/root", "/mnt")
 OWN_FOLDER = "choose a folder of your own for output_dir (for example /srv/runs/NAME, or one in your home)"
 
 

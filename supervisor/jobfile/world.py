@@ -1,22 +1,17 @@
-"""The world pass of validation: checks across fields and against the file system.
-
-Run after the shape pass (``schema``), for every section that passed it: model directories,
-data files and their fields, batch divisibility, eval settings, backoff order, and whether the
-output directory can be written.
-"""
+"""The world pass of validation: checks across fields and against the file system, run after the
+shape pass for every section that passed it."""
 
 from __future__ import annotations
 
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from qlora_supervise.supervisor.facts.units import format_duration
 from qlora_supervise.supervisor.jobfile import data_probe
-from qlora_supervise.supervisor.jobfile.lora_targets import target_problems
-from qlora_supervise.supervisor.jobfile.model_files import ModelFilesError, read_model_files
+from qlora_supervise.supervisor.jobfile.model_files import ModelFiles, ModelFilesError, read_model_files
 from qlora_supervise.supervisor.jobfile.problems import Problem, did_you_mean, show
 from qlora_supervise.supervisor.jobfile.schema import (
     DataSection,
@@ -29,20 +24,26 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
+from qlora_supervise.trainer_child.contract.targets import (
+    TargetsError,
+    check,
+    expert_leaves,
+    linear_leaves,
+    resolve,
+)
 
 #: The largest share of the data ``eval_fraction`` may hold out: beyond it less is trained on
-#: than is evaluated, which is never what a fine-tune means (0.999 trains on almost nothing).
+#: than is evaluated, which is never what a fine-tune means.
 MAX_EVAL_FRACTION = 0.5
+#: Why a textfile name is refused: node_exporter's collector skips every other name.
+NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
 
 
 def world_problems(
     sections: Mapping[str, Section], output_dir: Path | None, bad: frozenset[str]
 ) -> list[Problem]:
-    """Every problem across fields or with the file system, for the sections that validated.
-
-    ``sections`` may be partial (validated without their bad fields); ``bad`` names the field
-    paths that failed the shape pass, and a check that involves one is skipped (its default would lie).
-    """
+    """Every problem across fields or with the file system. ``sections`` may be partial; a check
+    that involves a field of ``bad`` (failed the shape pass) is skipped: its default would lie."""
     problems: list[Problem] = []
     if isinstance(model := sections.get("model"), ModelSection):
         problems += _model_problems(model, bad)
@@ -55,19 +56,17 @@ def world_problems(
         if isinstance(data, DataSection):
             problems += _eval_problems(train, data, bad)
     if isinstance(resources := sections.get("resources"), ResourcesSection):
-        problems += _rank_problems(resources, bad, visible_gpu_count)
+        problems += _rank_problems(resources, bad)
         if isinstance(train, TrainSection):
             problems += _rank_batch_problems(train, resources, bad)
     if isinstance(supervise := sections.get("supervise"), SuperviseSection):
         problems += _supervise_problems(supervise, bad)
-        problems += _metrics_textfile_problems(supervise, bad)
     if output_dir is not None:
         problems += _output_dir_problems(output_dir)
     return problems
 
 
 def _model_problems(model: ModelSection, bad: frozenset[str]) -> list[Problem]:
-    """The model directory and each fallback must be a Hugging Face model directory."""
     paths = [] if "model.path" in bad else [("model.path", model.path)]
     if "model.fallbacks" not in bad:
         paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
@@ -87,17 +86,8 @@ def model_dir_problem(name: str, path: Path) -> Problem | None:
 
 
 def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozenset[str]) -> list[Problem]:
-    """Each listed target module names layers of the model, read from the safetensors header or
-    index (JSON, no torch, no weights): a typo would otherwise fail only after the model loaded.
-
-    ``attention`` / ``mlp`` / ``all-linear`` resolve by the config's model_type first
-    (:mod:`.lora_targets`). Names are not checked for a model whose tensor names cannot be read
-    without torch (a ``.bin`` checkpoint, an index without its shards, a header without the
-    transformer blocks); nothing is checked when the model path is bad.
-    """
-    if bad & {"model.path", "lora.target_modules"}:
-        return []
-    if model_dir_problem("model.path", model.path) is not None:
+    """Each target module names layers of the model, read from its safetensors headers (no torch)."""
+    if bad & {"model.path", "lora.target_modules"} or model_dir_problem("model.path", model.path):
         return []
     try:
         files = read_model_files(model.path)
@@ -106,38 +96,38 @@ def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozens
     return target_problems(lora.target_modules, files)
 
 
+def target_problems(targets: tuple[str, ...] | str, files: ModelFiles) -> list[Problem]:
+    """Why ``targets`` cannot adapt the model in ``files`` (empty: they can, or nothing tells): any
+    name that matches no Linear layer (Llama names on Phi-3 match ``o_proj`` alone). Without the
+    blocks' tensor names (a ``.bin`` checkpoint) only a keyword is resolved."""
+    raw_type = files.config.get("model_type")
+    model_type = str(raw_type) if raw_type else None
+    layers = linear_leaves(files.tensors, model_type)
+    shown = show(list(targets) if isinstance(targets, tuple) else targets)
+    try:
+        if layers:
+            check(targets, model_type, layers, expert_leaves(files.tensors))
+        else:
+            resolve(targets, model_type)
+    except TargetsError as error:
+        return [Problem("lora.target_modules", error.problem, shown, error.fix)]
+    return []
+
+
 def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
     """Exactly one of text_field / messages_field, at most one eval source, and readable sources."""
     problems = []
     fields_ok = not bad & {"data.text_field", "data.messages_field"}
     if fields_ok and data.text_field is not None and data.messages_field is not None:
-        fix = "set one of them; the other to null"
-        problems.append(
-            Problem(
-                "data.messages_field",
-                "both text_field and messages_field are set",
-                show(data.messages_field),
-                fix,
-            )
-        )
+        why, fix = "both text_field and messages_field are set", "set one of them; the other to null"
+        problems.append(Problem("data.messages_field", why, show(data.messages_field), fix))
     if fields_ok and data.text_field is None and data.messages_field is None:
-        problems.append(
-            Problem("data.text_field", "neither text_field nor messages_field is set", None, "set one")
-        )
-    if (
-        not bad & {"data.eval_path", "data.eval_fraction"}
-        and data.eval_path is not None
-        and data.eval_fraction > 0
-    ):
-        fix = "use eval_path or eval_fraction, not both"
-        problems.append(
-            Problem(
-                "data.eval_fraction",
-                "both eval_path and eval_fraction are set",
-                show(data.eval_fraction),
-                fix,
-            )
-        )
+        why = "neither text_field nor messages_field is set"
+        problems.append(Problem("data.text_field", why, None, "set one"))
+    eval_ok = not bad & {"data.eval_path", "data.eval_fraction"}
+    if eval_ok and data.eval_path is not None and data.eval_fraction > 0:
+        why, fix = "both eval_path and eval_fraction are set", "use eval_path or eval_fraction, not both"
+        problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
     if "data.eval_fraction" not in bad and data.eval_fraction > MAX_EVAL_FRACTION:
         why = (
             f"holds out more than {MAX_EVAL_FRACTION:g} of the data for evaluation, leaving less to train on"
@@ -152,16 +142,11 @@ def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
 
 
 def _source_problems(path_name: str, path: Path, data: DataSection, check_fields: bool) -> list[Problem]:
-    """The data at ``path`` exists, is a format the probe reads, and has the named fields."""
+    """The data at ``path`` exists, is a format the probe reads, has the named fields, and every
+    record can train."""
     if not path.exists():
-        return [
-            Problem(
-                path_name,
-                "no such file or directory",
-                show(path),
-                "check the path (relative to the job file)",
-            )
-        ]
+        fix = "check the path (relative to the job file)"
+        return [Problem(path_name, "no such file or directory", show(path), fix)]
     try:
         found = data_probe.probe(path)
     except data_probe.DataProbeError as error:
@@ -179,11 +164,8 @@ def _source_problems(path_name: str, path: Path, data: DataSection, check_fields
             known = field in found.fields
             fix = "fix the data or the field" if known else did_you_mean(field, found.fields, "fields")
             problems.append(Problem(field_name, why + where, show(field), fix))
-    return problems or _record_problems(path_name, path, data)
-
-
-def _record_problems(path_name: str, path: Path, data: DataSection) -> list[Problem]:
-    """The whole dataset read, streamed: the first record that cannot train, by file, line, field."""
+    if problems:
+        return problems
     messages = data.messages_field is not None
     field = data.messages_field if messages else data.text_field
     if field is None:
@@ -199,10 +181,8 @@ def _record_problems(path_name: str, path: Path, data: DataSection) -> list[Prob
 
 
 def split_sizes(records: int, eval_fraction: float) -> tuple[int, int]:
-    """(train rows, eval rows) of ``records`` split by ``eval_fraction``, as the child's
-    ``datasets.Dataset.train_test_split(test_size=...)`` counts them: eval rounded up, train down.
-    A split too small to train on is ``validate``'s warning (``jobfile.advice``), not a problem: the
-    job may be checked here against a sample of the data it will train on."""
+    """(train rows, eval rows) as the child's ``Dataset.train_test_split`` counts them: eval rounded
+    up, train down. Too small a split is only a warning: the data checked may be a sample."""
     return math.floor((1 - eval_fraction) * records), math.ceil(eval_fraction * records)
 
 
@@ -212,28 +192,18 @@ def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
     batch_ok = not bad & {"train.effective_batch_size", "train.micro_batch_size"}
     if batch_ok and train.effective_batch_size % train.micro_batch_size:
         fix = f"make it a multiple of train.micro_batch_size ({train.micro_batch_size})"
-        problems.append(
-            Problem(
-                "train.effective_batch_size",
-                "not divisible by micro_batch_size",
-                show(train.effective_batch_size),
-                fix,
-            )
-        )
+        got = show(train.effective_batch_size)
+        problems.append(Problem("train.effective_batch_size", "not divisible by micro_batch_size", got, fix))
     length_ok = not bad & {"train.max_steps", "train.epochs"}
     if length_ok and train.max_steps is None and train.epochs is None:
-        problems.append(
-            Problem("train.max_steps", "neither max_steps nor epochs is set", None, "set one of them")
-        )
+        why = "neither max_steps nor epochs is set"
+        problems.append(Problem("train.max_steps", why, None, "set one of them"))
     return problems
 
 
-def _rank_problems(
-    resources: ResourcesSection, bad: frozenset[str], gpu_count: Callable[[], int | None]
-) -> list[Problem]:
-    """Several ranks train on the first ``nproc_per_node`` visible GPUs, one each: a job that
-    names one GPU cannot mean that, and a GPU host needs as many GPUs as ranks. ``gpu_count``:
-    the GPUs visible here (None: no NVIDIA driver, the ranks run on the CPU with gloo)."""
+def _rank_problems(resources: ResourcesSection, bad: frozenset[str]) -> list[Problem]:
+    """Ranks train on the first ``nproc_per_node`` visible GPUs, one each: a job that names one GPU
+    cannot mean that, and a GPU host needs as many GPUs as ranks (None visible: no driver, gloo)."""
     ranks = resources.nproc_per_node
     if ranks == 1 and resources.parallel == "fsdp" and not bad & {"resources.nproc_per_node"}:
         why = "FSDP shards the weights over the ranks; one rank has nothing to shard them with"
@@ -249,7 +219,7 @@ def _rank_problems(
             "set gpu: auto and choose the cards with CUDA_VISIBLE_DEVICES (or gpu: cpu, or nproc_per_node: 1)"
         )
         return [Problem("resources.gpu", why, show(resources.gpu), fix)]
-    gpus = gpu_count() if resources.gpu == "auto" else None
+    gpus = visible_gpu_count() if resources.gpu == "auto" else None
     if gpus is not None and 0 < gpus < ranks:
         fix = f"lower nproc_per_node to {gpus} or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
         why = f"{ranks} ranks need {ranks} GPUs, but {gpus} GPU(s) are visible"
@@ -260,7 +230,6 @@ def _rank_problems(
 def _rank_batch_problems(
     train: TrainSection, resources: ResourcesSection, bad: frozenset[str]
 ) -> list[Problem]:
-    """The effective batch divides into micro-batches on every rank (micro x accumulation x ranks)."""
     fields = {"train.effective_batch_size", "train.micro_batch_size", "resources.nproc_per_node"}
     ranks = resources.nproc_per_node
     if ranks == 1 or bad & fields or train.effective_batch_size % train.micro_batch_size:
@@ -274,77 +243,50 @@ def _rank_batch_problems(
 
 
 def _eval_problems(train: TrainSection, data: DataSection, bad: frozenset[str]) -> list[Problem]:
-    """eval_steps needs eval data (eval_path or eval_fraction)."""
     if bad & {"train.eval_steps", "data.eval_path", "data.eval_fraction"}:
         return []
-    if train.eval_steps is not None and data.eval_path is None and data.eval_fraction == 0:
-        fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
-        return [
-            Problem(
-                "train.eval_steps",
-                "evaluation asked for but there is no eval data",
-                show(train.eval_steps),
-                fix,
-            )
-        ]
-    return []
+    if train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
+        return []
+    why = "evaluation asked for but there is no eval data"
+    fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
+    return [Problem("train.eval_steps", why, show(train.eval_steps), fix)]
 
 
 def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> list[Problem]:
-    """The backoff may not shrink: backoff_max is at least backoff_initial."""
-    if bad & {"supervise.backoff_max", "supervise.backoff_initial"}:
-        return []
-    if supervise.backoff_max < supervise.backoff_initial:
+    """backoff_max is at least backoff_initial, and the metrics textfile can be created."""
+    problems = []
+    if not bad & {"supervise.backoff_max", "supervise.backoff_initial"} and (
+        supervise.backoff_max < supervise.backoff_initial
+    ):
         fix = f"use at least backoff_initial ({format_duration(supervise.backoff_initial)})"
         got = show(format_duration(supervise.backoff_max))
-        return [Problem("supervise.backoff_max", "smaller than backoff_initial", got, fix)]
-    return []
-
-
-def _metrics_textfile_problems(supervise: SuperviseSection, bad: frozenset[str]) -> list[Problem]:
-    """The metrics textfile can be created (else ``run`` would find out with a traceback)."""
+        problems.append(Problem("supervise.backoff_max", "smaller than backoff_initial", got, fix))
     path = supervise.metrics_textfile
-    if path is None or "supervise.metrics_textfile" in bad:
-        return []
-    found = textfile_problem(path)
-    if found is None:
-        return []
-    return [Problem("supervise.metrics_textfile", found[0], show(path), found[1])]
+    if path is not None and "supervise.metrics_textfile" not in bad and (found := textfile_problem(path)):
+        problems.append(Problem("supervise.metrics_textfile", found[0], show(path), found[1]))
+    return problems
 
 
 def _output_dir_problems(output_dir: Path) -> list[Problem]:
-    """The output directory is a folder of its own, a directory, or can be made in a writable place."""
     found = system_folder(output_dir)
     if found is not None:
         return [Problem("output_dir", found[0], show(output_dir), found[1])]
     if output_dir.exists() and not output_dir.is_dir():
-        return [
-            Problem(
-                "output_dir", "exists and is not a directory", show(output_dir), "choose a directory path"
-            )
-        ]
+        why, fix = "exists and is not a directory", "choose a directory path"
+        return [Problem("output_dir", why, show(output_dir), fix)]
     existing = output_dir
     while not existing.exists():
         existing = existing.parent
     if not os.access(existing, os.W_OK | os.X_OK):
-        return [
-            Problem("output_dir", f"{existing} is not writable", show(output_dir), "choose a writable place")
-        ]
+        why = f"{existing} is not writable"
+        return [Problem("output_dir", why, show(output_dir), "choose a writable place")]
     return []
-
-
-#: Why a textfile name is refused: node_exporter's collector skips every other name.
-NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
 
 
 def textfile_problem(path: Path) -> tuple[str, str] | None:
     """Why ``path`` cannot be the metrics textfile, and the fix; None when it can be written.
-
-    The file is written as a temp file in its directory and renamed (the directory is created
-    first when missing), so what must take a file is the directory, or its nearest existing parent.
-    That is tried, with a temp file created and removed there at once: ``os.access`` says yes to
-    root for any directory, one that cannot take a file included (/proc, a read-only bind mount).
-    """
+    Its nearest existing directory must take a temp file: tried, since ``os.access`` says yes to
+    root where no file can go (/proc, a read-only bind mount)."""
     if path.is_dir():
         return "is a directory", f"name a file in it, e.g. {path / 'job.prom'}"
     if path.suffix != ".prom":

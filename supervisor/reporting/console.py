@@ -1,24 +1,27 @@
-"""Progress on the console: a tqdm bar on a terminal, one plain line per logging step otherwise.
-
-The bar starts at the resume step, so its rate and ETA count only this attempt. Under journald, in a
-pipe or with ``--plain``, a line at each multiple of ``logging_steps`` and at a stage change, with
-times as tqdm prints them (``2:10:00``), never epoch seconds."""
+"""The console: progress as a tqdm bar on a terminal, one plain line per logging step otherwise (times as
+tqdm prints them, ``2:10:00``); the attempt's pace; and the console as a best-effort stream."""
 
 from __future__ import annotations
 
-from typing import NoReturn, TextIO
+import contextlib
+import io
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn, TextIO, cast
 
 from tqdm import tqdm
 
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.reporting.pace import Pace
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
 _TRAINING = frozenset({"forward", "backward", "optimizer"})
 
 
 class ProgressDisplay:
-    """Draws one attempt's progress; :meth:`clear` ends the bar before a log line."""
+    """Draws one attempt's progress (the bar starts at the resume step, so its rate and ETA count only
+    this attempt; plain: a line at each multiple of ``logging_steps`` and at a stage change);
+    :meth:`clear` ends the bar before a log line."""
 
     def __init__(self, stream: TextIO, plain: bool, logging_steps: int = 1) -> None:
         self._stream = stream
@@ -88,3 +91,95 @@ def plain_line(attempt: int, p: Progress, pace: Pace) -> str:
         timing += f", ETA {tqdm.format_interval(pace.eta_s)}"
     parts.append(timing)
     return " | ".join(parts)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """An attempt's pace at one moment. ``eta_s`` is None until a step has been trained."""
+
+    elapsed_s: float
+    steps_per_s: float | None
+    eta_s: float | None
+
+
+class PaceMeter:
+    """Measures the pace of the current attempt from the step it started (resumed) at."""
+
+    def __init__(self) -> None:
+        self._attempt: int | None = None
+        self._start_at = 0.0
+        self._first_step: int | None = None
+        self._first_step_at = 0.0
+
+    def measure(self, attempt: int, progress: Progress, now: float) -> Pace:
+        if attempt != self._attempt:
+            self._attempt, self._start_at, self._first_step = attempt, now, None
+        if self._first_step is None and progress.stage not in ("starting", "setup", "load"):
+            # The rate counts from the first training tick, not from the model load.
+            self._first_step, self._first_step_at = progress.step, now
+        elapsed = now - self._start_at
+        if self._first_step is None or progress.step <= self._first_step:
+            return Pace(elapsed, None, None)
+        rate = (progress.step - self._first_step) / max(1e-9, now - self._first_step_at)
+        left = (progress.max_steps or 0) - progress.step
+        return Pace(elapsed, rate, left / rate if progress.max_steps and left >= 0 else None)
+
+
+class ConsoleStream(io.TextIOBase):
+    """``stream`` for as long as it takes writes; then nothing. A closed pipe or terminal (``run | tee``
+    ended by Ctrl-C) costs the console, not the run: the first failure turns the console off, points
+    the fd at ``/dev/null`` (for the interpreter's flush at exit) and is logged once as ``output_failed``."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self._stream = stream
+        self.lost: str | None = None  # why the console went away (None: it is there)
+        self._reported = False
+
+    def write(self, text: str) -> int:
+        self._try(self._stream.write, text)
+        self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self._try(self._stream.flush)
+
+    def isatty(self) -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            return self.lost is None and self._stream.isatty()
+        return False
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def check(self) -> bool:
+        """For the event log's listeners: raises once, the first time after the console went away
+        (so :class:`~.outputs.BestEffort` logs it), and is a no-op (False) otherwise."""
+        if self.lost is None or self._reported:
+            return False
+        self._reported = True
+        raise ConsoleLost(self.lost)
+
+    def _try(self, action: Callable[..., object], *args: str) -> None:
+        """``action(*args)`` while the console is there; the first failure loses it."""
+        if self.lost is not None:
+            return
+        try:
+            action(*args)
+        except (OSError, ValueError) as error:  # EPIPE, EIO; ValueError: a closed file
+            self.lost = f"{type(error).__name__}: {error}"
+            with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation, AttributeError):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, self._stream.fileno())
+                os.close(null)
+
+
+class ConsoleLost(OSError):
+    """The console stopped taking writes (its reader or terminal went away)."""
+
+
+def best_effort(stream: TextIO) -> tuple[TextIO, ConsoleStream]:
+    """``stream`` wrapped as a :class:`ConsoleStream`: as a ``TextIO`` for its writers (the
+    wrapper has the methods they call: write, flush, isatty, fileno), and as itself."""
+    console = stream if isinstance(stream, ConsoleStream) else ConsoleStream(stream)
+    return cast(TextIO, console), console

@@ -1,17 +1,13 @@
-"""Prometheus metrics as a node_exporter textfile (``supervise.metrics_textfile``; off by default).
-
-A textfile, not an HTTP endpoint: one single-threaded supervisor per job would need a port and a
-server thread per job, and an endpoint vanishes with the process, verdict and all. node_exporter
-already serves ``--collector.textfile.directory``; the file is written atomically
-(``write_to_textfile``) and its last state stays readable. Label ``run``: the output_dir's name.
-
-Optional: ``validate`` refuses a file that cannot be created (``jobfile.world.textfile_problem``); a write
-that fails mid-run goes through :class:`~.outputs.BestEffort` and never stops training."""
+"""Prometheus metrics as a node_exporter textfile (``supervise.metrics_textfile``; off by default), label
+``run``: the output_dir's name. A textfile, not an HTTP endpoint: an endpoint would need a port and a
+server thread per job, and would vanish with the process, verdict and all; the file, written atomically,
+keeps its last state. A write that fails mid-run goes through :class:`~.outputs.BestEffort`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, write_to_textfile
 
@@ -28,6 +24,7 @@ _STATE_OF_EVENT = {
     Event.GAVE_UP.value: "gave_up",
     Event.STOPPED.value: "stopped",
 }
+_Metric = TypeVar("_Metric", Counter, Gauge)
 #: Progress is written at most this often; events (a retry, the verdict) are written at once.
 WRITE_EVERY_S = 10.0
 
@@ -40,27 +37,23 @@ class MetricsTextfile:
             raise ValueError(f"{path}: {NOT_PROM}")
         self.path = path
         self.registry = CollectorRegistry()
-        labels = ["run"]
-        self._attempts = Counter(
-            "qlora_supervise_attempts",
-            "Attempts that ended, by outcome and failure kind",
-            [*labels, "outcome", "kind"],
-            registry=self.registry,
+        self._attempts = self._metric(
+            Counter, "attempts", "Attempts that ended, by outcome and failure kind", "outcome", "kind"
         )
-        self._planned = Counter(
-            "qlora_supervise_planned_restarts",
+        self._planned = self._metric(
+            Counter,
+            "planned_restarts",
             "Planned restarts to a faster config: step_up (a rung's cause cleared), retime (the trial again)",
-            [*labels, "kind"],
-            registry=self.registry,
+            "kind",
         )
-        self._step = self._gauge("step", "Last completed optimizer step", labels)
-        self._max_steps = self._gauge("max_steps", "Steps the run trains to", labels)
-        self._tokens = self._gauge("tokens_per_second", "Training throughput of this attempt", labels)
-        self._peak = self._gauge("peak_bytes", "Peak memory of this attempt (what its cap limits)", labels)
-        self._budget = self._gauge("budget_bytes", "The memory cap the job gives the trainer", labels)
-        self._attempt = self._gauge("attempt", "The attempt number running now", labels)
+        self._step = self._metric(Gauge, "step", "Last completed optimizer step")
+        self._max_steps = self._metric(Gauge, "max_steps", "Steps the run trains to")
+        self._tokens = self._metric(Gauge, "tokens_per_second", "Training throughput of this attempt")
+        self._peak = self._metric(Gauge, "peak_bytes", "Peak memory of this attempt (what its cap limits)")
+        self._budget = self._metric(Gauge, "budget_bytes", "The memory cap the job gives the trainer")
+        self._attempt = self._metric(Gauge, "attempt", "The attempt number running now")
         self._state = Enum(
-            "qlora_supervise_state", "Supervisor state", labels, states=list(STATES), registry=self.registry
+            "qlora_supervise_state", "Supervisor state", ["run"], states=list(STATES), registry=self.registry
         )
         self._run = run
         self._written_at = -1e18
@@ -68,8 +61,8 @@ class MetricsTextfile:
         if budget_bytes is not None:
             self._budget.labels(run).set(budget_bytes)
 
-    def _gauge(self, name: str, doc: str, labels: list[str]) -> Gauge:
-        return Gauge(f"qlora_supervise_{name}", doc, labels, registry=self.registry)
+    def _metric(self, kind: type[_Metric], name: str, doc: str, *labels: str) -> _Metric:
+        return kind(f"qlora_supervise_{name}", doc, ["run", *labels], registry=self.registry)
 
     def progress(self, attempt: int, p: Progress, now: float) -> bool:
         """The attempt's progress, written every :data:`WRITE_EVERY_S`; False when no write was due."""

@@ -1,16 +1,18 @@
-"""Optional outputs are best-effort: the metrics textfile, the ``on_event`` hook, sd_notify, the console.
-
-None of them is the run: each must never stop training, never raise into the loop (where an
-``OSError`` would read as the run disk being full) and never flood the log. A failure becomes
-``output_failed`` once (the hook's keep ``hook_failed``), is logged again at most every
-:data:`RELOG_EVERY_S` with the unlogged count, and ``output_recovered`` once when it works again.
-TensorBoard is not here: the trainer writes it on the run's own disk."""
+"""Optional outputs are best-effort: the metrics textfile, the ``on_event`` hook (here), sd_notify, the
+console. None may stop training, raise into the loop (where an ``OSError`` would read as the run disk
+being full) or flood the log: a failure is ``output_failed`` once (the hook's ``hook_failed``), again at
+most every :data:`RELOG_EVERY_S` with the unlogged count, and ``output_recovered`` when it works again."""
 
 from __future__ import annotations
 
+import json
+import os
+import selectors
+import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 from structlog.typing import FilteringBoundLogger
 
@@ -20,7 +22,7 @@ from qlora_supervise.supervisor.record.events import Event
 METRICS_TEXTFILE = "supervise.metrics_textfile"
 ON_EVENT = "supervise.on_event"
 SYSTEMD = "systemd notify"
-CONSOLE = "console"  # stderr's log lines and progress, stdout's summary (console_stream.py)
+CONSOLE = "console"  # stderr's log lines and progress, stdout's summary (console.ConsoleStream)
 #: What a person does about each output's failure; the run goes on either way.
 FIXES = {
     METRICS_TEXTFILE: "the run goes on without metrics; free space or make the textfile's directory "
@@ -91,3 +93,122 @@ class BestEffort:
         streak = self._failing.pop(output, None)
         if streak is not None and self.log is not None:
             self.log.info(Event.OUTPUT_RECOVERED, output=output, failures=streak.failures)
+
+
+HOOKED_EVENTS = frozenset({Event.RETRY.value, Event.GAVE_UP.value, Event.RUN_SUCCEEDED.value})
+ENV_EVENT = "QLORA_SUPERVISE_EVENT"
+#: Of each of the hook's stdout and stderr, only the last lines are kept (for the log): a hook printing
+#: a gigabyte cost 2.9 GB before.
+KEEP_BYTES = 64 * 1024
+
+
+class EventHook:
+    """``supervise.on_event``: runs ``argv`` (no shell) for each hooked event, with the event's JSON line
+    on stdin and ``QLORA_SUPERVISE_EVENT`` set, to completion or ``timeout_s`` before the loop goes on
+    (so its order with the run's actions is fixed); its failures go to ``outputs``."""
+
+    def __init__(self, argv: Sequence[str], timeout_s: float, outputs: BestEffort | None = None) -> None:
+        self.argv = list(argv)
+        self.timeout_s = timeout_s
+        self.outputs = outputs or BestEffort()
+
+    @property
+    def log(self) -> FilteringBoundLogger | None:
+        return self.outputs.log
+
+    @log.setter
+    def log(self, log: FilteringBoundLogger | None) -> None:
+        self.outputs.log = log
+
+    def on_event(self, event: Mapping[str, object]) -> bool:
+        """Run the hook for a hooked event; True when it ran and exited 0 (a failure is logged here)."""
+        name = str(event.get("event"))
+        if name not in HOOKED_EVENTS:
+            return False
+        problem = self._run(name, json.dumps(dict(event), default=str))
+        if problem is None:
+            self.outputs.worked(ON_EVENT)
+            return True
+        self.outputs.failed(ON_EVENT, problem, Event.HOOK_FAILED, hook=self.argv, for_event=name)
+        return False
+
+    def _run(self, name: str, payload: str) -> str | None:
+        """None when the hook exited 0, else what went wrong, in one line."""
+        env = {**os.environ, ENV_EVENT: name}
+        try:
+            code, out, err = bounded_run(self.argv, payload.encode(), self.timeout_s, env)
+        except OSError as error:
+            return f"could not start: {error}"
+        if code is None:
+            return f"timed out after {self.timeout_s:g}s (killed)"
+        if code != 0:
+            text = (err or out).decode("utf-8", "replace")
+            tail = text.strip().splitlines()[-1:] or [""]
+            return f"exit status {code}: {tail[0][:300]}"
+        return None
+
+
+def bounded_run(
+    argv: Sequence[str], payload: bytes, timeout_s: float, env: Mapping[str, str]
+) -> tuple[int | None, bytes, bytes]:
+    """Run ``argv`` with ``payload`` on stdin: its exit status (None: killed at the timeout) and the
+    last :data:`KEEP_BYTES` of its stdout and stderr. Raises OSError when it cannot start."""
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None  # all piped
+    out, err, stdin_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
+    tails = {out: bytearray(), err: bytearray()}
+    deadline = time.monotonic() + timeout_s
+    pending = memoryview(payload)
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        os.set_blocking(stdin_fd, False)
+        selector.register(proc.stdin, selectors.EVENT_WRITE)
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                if key.fd == stdin_fd:
+                    pending = _feed(proc.stdin, pending, selector)
+                else:
+                    _drain(key.fd, tails[key.fd], selector)
+    code = _wait(proc, deadline)
+    return code, bytes(tails[out]), bytes(tails[err])
+
+
+def _feed(stdin: IO[bytes], pending: memoryview, selector: selectors.BaseSelector) -> memoryview:
+    """Write what the hook's stdin takes now; close it once all is written (or the hook stopped reading)."""
+    try:
+        pending = pending[os.write(stdin.fileno(), pending) :]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:
+        pending = pending[:0]  # the hook does not read its stdin: the rest is dropped
+    if not pending:
+        selector.unregister(stdin)
+        stdin.close()
+    return pending
+
+
+def _drain(fd: int, tail: bytearray, selector: selectors.BaseSelector) -> None:
+    """Read a chunk of one of the hook's streams; keep only its last KEEP_BYTES."""
+    chunk = os.read(fd, 65536)
+    if not chunk:
+        selector.unregister(fd)
+        return
+    tail += chunk
+    if len(tail) > KEEP_BYTES:
+        del tail[: len(tail) - KEEP_BYTES]
+
+
+def _wait(proc: subprocess.Popen[bytes], deadline: float) -> int | None:
+    """The hook's exit status, or None after a kill at the deadline; its pipes closed either way."""
+    try:
+        code: int | None = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None and not stream.closed:
+            stream.close()
+    return code

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.supervisor.reporting.console import ProgressDisplay
+from qlora_supervise.supervisor.reporting.console import PaceMeter, ProgressDisplay
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
+from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, SYSTEMD, BestEffort
-from qlora_supervise.supervisor.reporting.pace import PaceMeter
-from qlora_supervise.supervisor.reporting.service import ServiceStatus
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
 

@@ -1,10 +1,5 @@
-"""An HfArgumentParser script's flags as a config, and the config back as flags.
-
-``[python, train.py, --per_device_train_batch_size, 4, --gradient_checkpointing]`` reads as
-``{"per_device_train_batch_size": 4, "gradient_checkpointing": True}``. Values are read as YAML
-scalars (``4`` an int, ``true`` a bool), as HfArgumentParser's types would take them. Arguments
-that are not ``--key`` flags (the interpreter, the script, positionals) are kept as they are.
-"""
+"""An HfArgumentParser script's flags as a config (``--per_device_train_batch_size 4`` reads as
+``{"per_device_train_batch_size": 4}``) and back; arguments that are not ``--key`` flags are kept."""
 
 from __future__ import annotations
 
@@ -13,8 +8,7 @@ from typing import Any
 
 import yaml
 
-from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
-from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, safe_load_bounded
+from qlora_supervise.supervisor.jobfile.bounds import AliasBombError, InputBoundError, safe_load_bounded
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 
 #: Words YAML 1.1 reads as bools that argparse leaves as strings: HfArgumentParser gives a str

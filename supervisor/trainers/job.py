@@ -1,9 +1,5 @@
-"""``load_job``: any job file, our own trainer's or a tool's (its ``trainer:`` section, its config).
-
-A tool's job has no ``model``, ``data``, ``quantization``, ``lora`` or ``train`` section: those
-live in the tool's config, and one value written in two places would disagree sooner or later.
-``resources``, ``supervise``, ``diagnose`` and ``output_dir`` mean what they mean for our trainer.
-"""
+"""``load_job``: any job file, our own trainer's or a tool's (its ``trainer:`` section). A tool's job
+has no ``model``, ``data``, ``quantization``, ``lora`` or ``train`` section: its config holds those."""
 
 from __future__ import annotations
 
@@ -14,22 +10,23 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import field_validator
 
 from qlora_supervise.supervisor.facts.trainer import OWN
+from qlora_supervise.supervisor.jobfile import bounds
 from qlora_supervise.supervisor.jobfile import load as jobload
-from qlora_supervise.supervisor.jobfile.aliases import AliasBombError
-from qlora_supervise.supervisor.jobfile.bounds import InputBoundError, read_bounded, safe_load_bounded
-from qlora_supervise.supervisor.jobfile.fields import HookArgv, PathList, ResolvedPath, job_error
 from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_you_mean, show
+from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_you_mean, job_error, show
 from qlora_supervise.supervisor.jobfile.schema import (
     DEFAULT_OUTPUT_DIR,
     DiagnoseSection,
+    HookArgv,
+    PathList,
+    ResolvedPath,
     ResourcesSection,
     Section,
     SuperviseSection,
@@ -41,27 +38,26 @@ from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_f
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.supervisor.trainers.tools import TOOLS
 from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
-from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Resources, TrainSpec
+from qlora_supervise.trainer_child.contract.spec import DataSpec, TrainSpec
 
 #: trainer.kind: ours, or a registered tool's.
 KINDS = (OWN, *TOOLS)
 #: Sections of our own trainer that a foreign tool's config replaces.
 OWN_ONLY = ("model", "data", "quantization", "lora", "train")
 FOREIGN_KEYS = ("trainer", "resources", "supervise", "diagnose", "output_dir")
+_S = TypeVar("_S", bound=Section)
 
 
 class TrainerSection(Section):
-    """``trainer:``: ``kind``, the tool's ``config`` file, or ``command`` (hf-script's argv)."""
+    """``trainer:``: ``kind``, the tool's ``config`` file, or ``command`` (a script's argv)."""
 
     kind: str = OWN
     config: ResolvedPath | None = None
     command: HookArgv | None = None  # argv, never a shell string
     python: ResolvedPath | None = None  # the tool venv's interpreter; default: this one
-    # Where the tool runs: default the config's folder (hf-script: the job file's), so relative
-    # paths in the config or command mean what they mean when the user runs the tool there.
+    # Default: the config's folder (a script: the job file's), where its relative paths mean most.
     workdir: ResolvedPath | None = None
-    # Smaller models for the last rung (script: swapped in at from_pretrained), as model.fallbacks.
-    fallbacks: PathList = ()
+    fallbacks: PathList = ()  # smaller models for the last rung (script: swapped in at from_pretrained)
 
     @field_validator("kind")
     @classmethod
@@ -79,48 +75,35 @@ def load_job(path: str | os.PathLike[str]) -> Job:
     return tool if tool is not None else jobload.job_of(job_file, text, own)
 
 
-def trainer_section(
-    raw: Mapping[str, Any], context: dict[str, str]
-) -> tuple[TrainerSection | None, list[Problem]]:
-    section, problems, _ = jobload._validate_section("trainer", TrainerSection, raw, context)
-    if section is not None and not isinstance(section, TrainerSection):
-        raise TypeError("trainer section of another type")  # a bug in load, never the job's
-    return section, problems
+def _validated(
+    name: str, kind: type[_S], raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
+) -> _S | None:
+    """The section ``name`` (None: it did not validate); its problems appended to ``problems``."""
+    section, found, _ = jobload._validate_section(name, kind, raw, context)
+    problems += found
+    if section is None or isinstance(section, kind):
+        return section
+    raise TypeError(f"section {name!r} of another type")  # a bug in load, never the job's
 
 
 def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
     """The Job of a ``trainer:`` job; None when the kind is ``own`` (the usual sections follow)."""
     context = {"job_dir": str(job_file.parent)}
-    section, found = trainer_section(raw, context)
-    problems = [*problems, *found]
-    if section is not None and section.kind == OWN and not found:
+    before = len(problems)
+    section = _validated("trainer", TrainerSection, raw, context, problems)
+    if section is not None and section.kind == OWN and len(problems) == before:
         return None
     problems += _section_problems(raw, section)
-    resources, supervise, diagnose = (
-        _validated(name, kind, raw, context, problems)
-        for name, kind in (
-            ("resources", ResourcesSection),
-            ("supervise", SuperviseSection),
-            ("diagnose", DiagnoseSection),
-        )
-    )
+    resources = _validated("resources", ResourcesSection, raw, context, problems)
+    supervise = _validated("supervise", SuperviseSection, raw, context, problems)
+    diagnose = _validated("diagnose", DiagnoseSection, raw, context, problems)
     output_dir, found = jobload._validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
     problems += found
     trainer = _tool_trainer(section, job_file.parent, problems) if section and section.kind in TOOLS else None
     if problems or trainer is None or output_dir is None:
         raise JobError(problems)
-    assert isinstance(resources, ResourcesSection) and isinstance(supervise, SuperviseSection)
-    assert isinstance(diagnose, DiagnoseSection)
-    assert section is not None  # a trainer implies its section
+    assert resources is not None and supervise is not None and diagnose is not None and section is not None
     return _job(job_file, text, output_dir, trainer, section.fallbacks, resources, supervise, diagnose)
-
-
-def _validated(
-    name: str, kind: type[Section], raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
-) -> Section | None:
-    section, found, _ = jobload._validate_section(name, kind, raw, context)
-    problems += found
-    return section
 
 
 def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) -> list[Problem]:
@@ -140,27 +123,19 @@ def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) ->
         problems.append(Problem("resources.nproc_per_node", why, show(nproc), "delete it (or 1)"))
     if section is None:
         return problems
-    script = section.kind in TOOLS and not TOOLS[section.kind].entry  # its config is its command
-    flags = "" if section.kind in TOOLS and TOOLS[section.kind].settings_in_code else " --output_dir, out,"
-    argv = f"write the script's argv as a list: [python, train.py,{flags} ...]"
-    checks = (
-        (script and not section.command, "trainer.command", f"required for kind {kind}", None, argv),
-        (
-            not script and section.config is None,
-            "trainer.config",
-            f"required for kind {kind}",
-            None,
-            "name the tool's own config file (relative to this job file)",
-        ),
-        (
-            not script and bool(section.command),
-            "trainer.command",
-            f"only for kind hf-script, not {kind}",
-            show(list(section.command or ())),
-            "delete it: the supervisor starts the tool itself",
-        ),
-    )
-    problems += [Problem(name, why, got, fix) for bad, name, why, got, fix in checks if bad]
+    tool = TOOLS.get(section.kind)
+    script = tool is not None and not tool.entry  # its config is its command
+    required = f"required for kind {kind}"
+    if script and not section.command:
+        flags = "" if tool is not None and tool.settings_in_code else " --output_dir, out,"
+        argv = f"write the script's argv as a list: [python, train.py,{flags} ...]"
+        problems.append(Problem("trainer.command", required, None, argv))
+    if not script and section.config is None:
+        fix = "name the tool's own config file (relative to this job file)"
+        problems.append(Problem("trainer.config", required, None, fix))
+    if not script and section.command:
+        why, fix = f"only for kind hf-script, not {kind}", "delete it: the supervisor starts the tool itself"
+        problems.append(Problem("trainer.command", why, show(list(section.command)), fix))
     return problems + _fallback_problems(section)
 
 
@@ -180,52 +155,46 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
     tool = TOOLS[section.kind]
     python = str(section.python) if section.python else sys.executable
     if section.python is not None and not os.access(section.python, os.X_OK):
+        why = "no such interpreter (or not executable)"
         fix = "name the python of the tool's venv, e.g. /opt/axolotl-venv/bin/python"
-        problems.append(
-            Problem("trainer.python", "no such interpreter (or not executable)", show(python), fix)
-        )
+        problems.append(Problem("trainer.python", why, show(python), fix))
     if section.command and shutil.which(section.command[0]) is None:
-        why, fix = (
-            "its first word is no program on PATH",
-            "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH",
-        )
+        why = "its first word is no program on PATH"
+        fix = "write the interpreter's path (e.g. /opt/venv/bin/python) or a program on PATH"
         problems.append(Problem("trainer.command", why, show(section.command[0]), fix))
-    config: dict[str, Any]
+    config: dict[str, Any] = {}
+    where, workdir, path = "trainer.command", section.workdir or job_dir, None
     if tool.settings_in_code:  # its flags are its own: nothing of its config is read before it runs
-        config, where, workdir, path = {}, "trainer.command", section.workdir or job_dir, None
-        problems += tool.command_problems(section.command or (), workdir) if section.command else []
+        problems += tool.command_problems(section.command, workdir) if section.command else []
     elif not tool.entry:  # a script: its config is the flags of its command
         config, found = flags.parse(section.command or ())
         problems += found
-        where, workdir, path = "trainer.command", section.workdir or job_dir, None
-    elif section.config is None:
+    elif section.config is None or (read := read_config(section.config, problems)) is None:
         return None
     else:
-        read = read_config(section.config, problems)
-        if read is None:
-            return None
         config, path = read, section.config
         where, workdir = f"trainer.config ({section.config.name})", section.workdir or section.config.parent
     problems += config_problems(tool.table, config, where)
     problems += model_problems(tool, config, where, workdir)
-    problems += target_problems(tool, config, where, _tool_model_type(tool, config, workdir))
+    model = _model_value(tool, config)
+    types = model_type(tool_model_path(model[1], workdir)) if model else None
+    problems += target_problems(tool, config, where, types)
     problems += tool.data_problems(config, where, workdir)
     return ToolTrainer(tool, MappingProxyType(dict(config)), path, section.command or (), python, workdir)
 
 
 def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: Path) -> list[Problem]:
     """The tool's model must be a local directory with a config.json, as ``model.path`` must: the
-    tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads the model's shape from there.
-    A key the config leaves out is not checked here (a required one is named by ``config_problems``;
-    an hf-script may spell its model flag otherwise)."""
-    row = tool.table.row("model")
-    value = lookup(config, row.key) if row is not None else None
-    if row is None or not isinstance(value, str) or not value:
+    tool runs offline and the supervisor reads the model's shape there. A key left out is not
+    checked here (a required one is named by ``config_problems``)."""
+    model = _model_value(tool, config)
+    if model is None:
         return []
-    name = f"{where}: {row.key}"
+    key, value = model
+    name = f"{where}: {key}"
     if not Path(value).is_absolute() and looks_like_hub_id(value, workdir):
         why = "a hub id, but the tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads config.json"
-        fix = f"download it (`hf download {value} --local-dir DIR`) and point {row.key} at that directory"
+        fix = f"download it (`hf download {value} --local-dir DIR`) and point {key} at that directory"
         return [Problem(name, why, show(value), fix)]
     if value.startswith("~"):  # the tool opens the path as written: no shell expands it there
         why = "starts with ~, which the tool does not expand (it would look for a folder named ~)"
@@ -234,33 +203,34 @@ def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: P
     return [] if problem is None else [problem]
 
 
+def _model_value(tool: Tool, config: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(key, path) of the tool's model in its config (None: no model row, or no path)."""
+    row = tool.table.row("model")
+    value = lookup(config, row.key) if row is not None else None
+    return (row.key, value) if row is not None and isinstance(value, str) and value else None
+
+
 def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     """The tool's YAML config as a mapping (safe YAML); a problem when it is missing or not a mapping."""
     where = f"trainer.config ({path})"
     try:
-        value = safe_load_bounded(read_bounded(path))
-    except InputBoundError as error:
-        problems.append(Problem(where, error.why, error.got, error.fix))
-        return None
-    except AliasBombError as error:
-        problems.append(Problem(where, f"YAML aliases refused: {error}", None, "write the values out"))
-        return None
+        value = bounds.safe_load_bounded(bounds.read_bounded(path))
+    except bounds.InputBoundError as error:
+        found = Problem(where, error.why, error.got, error.fix)
+    except bounds.AliasBombError as error:
+        found = Problem(where, f"YAML aliases refused: {error}", None, "write the values out")
     except FileNotFoundError:
-        problems.append(
-            Problem(
-                "trainer.config", "no such file", show(str(path)), "check the path (relative to the job file)"
-            )
+        found = Problem(
+            "trainer.config", "no such file", show(str(path)), "check the path (relative to the job file)"
         )
-        return None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        problems.append(Problem(where, f"cannot read it: {error}", None, "fix the file"))
-        return None
-    if not isinstance(value, dict):
-        problems.append(
-            Problem(where, "not a mapping of keys", show(value), "the tool's config is a YAML mapping")
-        )
-        return None
-    return value
+        found = Problem(where, f"cannot read it: {error}", None, "fix the file")
+    else:
+        if isinstance(value, dict):
+            return value
+        found = Problem(where, "not a mapping of keys", show(value), "the tool's config is a YAML mapping")
+    problems.append(found)
+    return None
 
 
 _TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
@@ -278,8 +248,7 @@ def _job(
 ) -> Job:
     tool, config = trainer.tool, trainer.config
     table = tool.table
-    # The supervisor's own reads (the memory model, plan) see the model where the tool will: from
-    # its workdir. Only the knob is resolved; the tool's config keeps the path as the user wrote it.
+    # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
     knobs = knobs_from(table, config)
     knobs = dataclasses.replace(
         knobs,
@@ -289,16 +258,17 @@ def _job(
     knobs = model_facts.with_saved_4bit(knobs, knobs.model)
     steps = lookup(config, table.max_steps_key)
     epochs = lookup(config, table.epochs_key)
+    save = lookup(config, table.save_steps_key)
     train = TrainSpec(
         max_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else -1,
-        epochs=float(epochs) if _positive_number(epochs) else table.epochs_default,
-        save_steps=_int(lookup(config, table.save_steps_key), table.save_steps_default),
+        epochs=float(epochs) if _positive(epochs) else table.epochs_default,
+        save_steps=save if isinstance(save, int) and _positive(save) else table.save_steps_default,
         merge=False,
         target_modules=lora_targets(tool, config, model_type(knobs.model)),
     )
     dataset = lookup(config, table.data_key)
     # A value that did not parse (``max_steps: ten``), under the job view's names, as written.
-    written = dict(zip(_TRAIN_VIEW, (steps, epochs, lookup(config, table.save_steps_key)), strict=True))
+    written = dict(zip(_TRAIN_VIEW, (steps, epochs, save), strict=True))
     read = dict(zip(_TRAIN_VIEW, (train.max_steps, train.epochs, train.save_steps), strict=True))
     return Job(
         job_file=job_file,
@@ -307,21 +277,13 @@ def _job(
         knobs=knobs,
         data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
         train=train,
-        resources=Resources(
-            resources.gpu, resources.gpu_memory_limit, resources.cpu_memory_limit, resources.host_memory_limit
-        ),
+        resources=resources.spec(),
         supervise=supervise,
         fallback_models=tuple(str(path) for path in fallbacks),
-        diagnose=DiagnoseSpec(diagnose.memory_history, diagnose.memory_history_entries),
+        diagnose=diagnose.spec(),
         trainer=trainer,
         unparsed={k: v for k, v in written.items() if present(v) and v != read[k]},
     )
-
-
-def _tool_model_type(tool: Tool, config: Mapping[str, Any], workdir: Path) -> str | None:
-    row = tool.table.row("model")
-    value = lookup(config, row.key) if row is not None else None
-    return model_type(tool_model_path(value, workdir)) if isinstance(value, str) and value else None
 
 
 def model_type(model: str) -> str | None:
@@ -338,9 +300,5 @@ def tool_model_path(model: str, workdir: Path | None) -> str:
     return os.path.normpath(workdir.absolute() / model)  # symlinks kept, as the tool would open it
 
 
-def _positive_number(value: Any) -> bool:
+def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-def _int(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default

@@ -1,8 +1,5 @@
-"""The environment of a foreign trainer's process: the shim on its PYTHONPATH, the spec named.
-
-The shim's folder is found beside the contract's entry module (the supervisor imports nothing of
-the shim: only its path travels).
-"""
+"""The environment of a foreign trainer's process: the shim on its PYTHONPATH (found beside the
+contract's entry module; nothing of it is imported here), the spec named."""
 
 from __future__ import annotations
 
@@ -26,7 +23,6 @@ def trainer_env(env: Mapping[str, str], spec: AttemptSpec, spec_path: Path) -> d
     path = out.get("PYTHONPATH", "")
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_SITE), path) if p)
     out[SHIM_SPEC_ENV] = str(spec_path)
-    # The tool or script runs in the user's folder: a module it imports from there would get a
-    # __pycache__ written beside it. Compiled files already installed are still read.
+    # It runs in the user's folder: no __pycache__ written beside the modules it imports from there.
     out["PYTHONDONTWRITEBYTECODE"] = "1"
     return out

@@ -1,19 +1,7 @@
-"""A tool's LoRA targets in our words, read the way the tool hands them to peft.
-
-* **A list** of names (every tool): peft adapts each Linear whose name ends in one of them.
-* **A string** in trl's or axolotl's config (and an hf-script's flag) reaches peft unchanged, and
-  peft reads a string as a regular expression that must match a module's *full* name
-  (``re.fullmatch``, peft/tuners/tuners_utils.py), except ``all-linear``. So ``q_proj,v_proj``
-  adapts nothing there: peft stops with "Target modules ... not found". It is read as peft reads
-  it, against the block's module paths (``model.layers.0.self_attn.q_proj``), and a string that
-  matches no Linear layer is a problem ``validate`` names, before a run fails on it.
-* LLaMA-Factory's ``lora_target`` is its own: comma-separated names, or ``all``.
-* **Nothing named**: trl hands peft ``None`` and peft takes its default for the model type
-  (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``: ``q_proj, v_proj`` for Llama, Mistral,
-  Qwen, Gemma), read from the installed peft's source as text (importing peft would import torch
-  into the supervisor); axolotl's ``lora_target_linear: true`` and LLaMA-Factory's default are
-  every Linear layer.
-"""
+"""A tool's LoRA targets in our words, read the way the tool hands them to peft: names (a module whose
+name ends in one), a string peft reads as a regex of the full module name (so ``q_proj,v_proj`` adapts
+nothing), LLaMA-Factory's comma-separated names, or none: peft's default for the model type (read
+from peft's source as text: importing peft would import torch), or every Linear layer."""
 
 from __future__ import annotations
 
@@ -58,8 +46,7 @@ def lora_targets(
 
 
 def as_peft_gets_it(tool: Tool, value: Any) -> Any:
-    """trl's ModelConfig turns a one-name list into that name (``__post_init__``), which peft then
-    reads as a pattern: ``[q_proj]`` reaches it as ``"q_proj"``."""
+    """trl's ModelConfig turns a one-name list into that name: ``[q_proj]`` reaches peft as ``"q_proj"``."""
     if tool.one_name_list_is_name and isinstance(value, list) and len(value) == 1:
         return value[0]
     return value
@@ -89,16 +76,11 @@ def target_problems(
     value = as_peft_gets_it(tool, written)
     if not tool.targets_regex or not isinstance(value, str) or value == ALL_LINEAR:
         return []
-    if _all_linear_key(tool, config):
-        return []
-    if family(model_type) is None:
-        return []  # a block the table does not know: its module names cannot be checked here
+    if _all_linear_key(tool, config) or family(model_type) is None:
+        return []  # every Linear; or a block the table does not know: its names cannot be checked
     names = [name for name in re.split(r"[,\s]+", value) if re.fullmatch(r"\w+", name)]
-    fix = (
-        f"write a list: [{', '.join(names)}]"
-        if names
-        else "write a list of module names, e.g. [q_proj, v_proj]"
-    )
+    fix = "write a list of module names, e.g. [q_proj, v_proj]"
+    fix = f"write a list: [{', '.join(names)}]" if names else fix
     try:
         re.compile(value)
     except re.error as error:
@@ -121,8 +103,7 @@ def target_problems(
     return [Problem(f"{where}: {key}", why, show(value), fix)]
 
 
-#: Where the loaded model keeps its decoder blocks: a text model, and the language model of a
-#: multimodal one (Gemma 3, Gemma 4).
+#: Where the loaded model keeps its decoder blocks: a text model, and a multimodal one's (Gemma 3).
 _BLOCK_PREFIXES = ("model.layers", "model.language_model.layers")
 #: Block indices a pattern is tried on (a pattern may pick some layers only: ``layers\.(1[0-5])``).
 _LAYERS = 128
@@ -142,8 +123,7 @@ def _block_paths(model_type: str | None) -> list[tuple[str, str]]:
 
 
 def peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:
-    """peft's default ``target_modules`` for ``model_type`` (a list there), or None: unknown type,
-    a pattern default, or no peft source to read."""
+    """peft's default ``target_modules`` for ``model_type`` (None: unknown type, a pattern, no peft)."""
     if not model_type:
         return None
     found = _peft_mapping(installed_package_root("peft")).get(model_type)
@@ -157,15 +137,9 @@ def _peft_mapping(root: Path | None) -> dict[str, Any]:
         return {}
     try:
         tree = ast.parse((root / "utils" / "constants.py").read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
+        assigns = [node for node in tree.body if isinstance(node, ast.Assign)]
+        found = next(n for n in assigns if any(getattr(t, "id", None) == _PEFT_DEFAULTS for t in n.targets))
+        value = ast.literal_eval(found.value)
+    except (OSError, SyntaxError, UnicodeDecodeError, StopIteration, ValueError):
         return {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == _PEFT_DEFAULTS for t in node.targets
-        ):
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                return {}
-            return value if isinstance(value, dict) else {}
-    return {}
+    return value if isinstance(value, dict) else {}

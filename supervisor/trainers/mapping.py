@@ -1,15 +1,12 @@
 """The knobs of a tool's config, the config of an attempt's knobs, and what is wrong with a config.
-
-A config is the tool's own mapping (YAML, or the flags of a script). Keys may be dotted for a
-nested value (axolotl's ``bnb_config_kwargs.bnb_4bit_quant_type``). Only the rows of the table
-are read or written; every other key is passed through untouched.
-"""
+Keys may be dotted for a nested value (``bnb_config_kwargs.bnb_4bit_quant_type``); only the rows of
+the table are read or written, every other key passes through untouched."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
@@ -47,24 +44,24 @@ def assign(config: dict[str, Any], key: str, value: Any) -> None:
         node[last] = value
 
 
-def knob_value(row: Row, config: Mapping[str, Any], quoted_numbers: bool = False) -> Any:
-    """The knob's value as the tool would run it: the config's, else the tool's default."""
-    value = lookup(config, row.key_in(config))
-    if value is _MISSING or value is None:  # the default is in the tool's spelling too
-        value = row.default(config) if callable(row.default) else row.default
-    return row.read(_unquoted(row, value) if quoted_numbers else value)
-
-
-def _unquoted(row: Row, value: Any) -> Any:
-    """A whole-number knob written quoted ("4"), as a tool that reads it so takes it: 4."""
-    if _KNOB_TYPES.get(row.knob) is int and isinstance(value, str) and value.strip().isdecimal():
-        return int(value)
-    return value
+def _read(row: Row, value: Any, quoted_numbers: bool) -> Any:
+    """The knob's value of the tool's ``value``; a whole number written quoted ("4") is 4 for a tool
+    that reads it so (``quoted_numbers``)."""
+    whole = _KNOB_TYPES.get(row.knob) is int
+    if quoted_numbers and whole and isinstance(value, str) and value.strip().isdecimal():
+        value = int(value)
+    return row.read(value)
 
 
 def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
-    """The knobs the tool would train with (one process); call after :func:`config_problems` found none."""
-    values = {row.knob: knob_value(row, config, table.reads_quoted_numbers) for row in table.rows}
+    """The knobs the tool would train with (the config's values, else the tool's defaults); call
+    after :func:`config_problems` found none."""
+    values: dict[str, Any] = {}
+    for row in table.rows:
+        value = lookup(config, row.key_in(config))
+        if value is _MISSING or value is None:  # the default is in the tool's spelling too
+            value = row.default(config) if callable(row.default) else row.default
+        values[row.knob] = _read(row, value, table.reads_quoted_numbers)
     values["model"] = str(values.get("model") or "")
     return Knobs(**values)
 
@@ -76,30 +73,25 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
         for key, fix in table.required.items()
         if lookup(config, key) is _MISSING
     ]
-    problems += list(_type_problems(table, config, where))
-    for rule in table.contradictions:
-        value = lookup(config, rule.key)
-        if value is not _MISSING and rule.bad(value) and rule.given(config):
-            problems.append(Problem(f"{where}: {rule.key}", rule.problem, show(value), rule.fix))
-    return problems
-
-
-def _type_problems(table: Table, config: Mapping[str, Any], where: str) -> Iterator[Problem]:
     for row in table.rows:
         key = row.key_in(config)
         raw = lookup(config, key)
         if raw is _MISSING or raw is None or row.knob not in _KNOB_TYPES:
             continue
-        value, wanted = (
-            row.read(_unquoted(row, raw) if table.reads_quoted_numbers else raw),
-            _KNOB_TYPES[row.knob],
-        )
+        value = _read(row, raw, table.reads_quoted_numbers)
+        wanted = _KNOB_TYPES[row.knob]
+        why, fix = None, ""
         if wanted is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            yield Problem(
-                f"{where}: {key}", "must be a whole number > 0", show(raw), "write it as 1, 2, 4, ..."
-            )
+            why, fix = "must be a whole number > 0", "write it as 1, 2, 4, ..."
         elif wanted is not int and not isinstance(value, wanted):
-            yield Problem(f"{where}: {key}", f"wrong type: expected a {wanted.__name__}", show(raw), "")
+            why = f"wrong type: expected a {wanted.__name__}"
+        if why is not None:
+            problems.append(Problem(f"{where}: {key}", why, show(raw), fix))
+    for rule in table.contradictions:
+        value = lookup(config, rule.key)
+        if value is not _MISSING and rule.bad(value) and rule.given(config):
+            problems.append(Problem(f"{where}: {rule.key}", rule.problem, show(value), rule.fix))
+    return problems
 
 
 def attempt_config(
@@ -116,8 +108,7 @@ def attempt_config(
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
     for row in table.rows:
         if before[row.knob] != after[row.knob] and writable(row, config):
-            # The spelling the tool reads, and a deprecated alias the config has beside it (so the
-            # file does not say two things).
+            # The spelling the tool reads, and a deprecated alias beside it (one value, not two).
             for key in dict.fromkeys([row.key_in(config), *([row.key] if row.key in config else [])]):
                 assign(out, key, row.write(after[row.knob]))
     assign(out, table.output_key, output_dir)
@@ -134,7 +125,6 @@ def unmapped_changes(table: Table, config: Mapping[str, Any], job: Knobs, knobs:
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> leaf value."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
@@ -145,18 +135,13 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _both_absent(a: Any, b: Any) -> bool:
-    """A key written as null and a key left out say the same to the tool: no difference."""
-    return (a is None and b is _MISSING) or (a is _MISSING and b is None)
-
-
 def config_diff(user: Mapping[str, Any], attempt: Mapping[str, Any]) -> list[str]:
     """``key: old -> new`` for each key the attempt's config sets differently from the user's."""
     old, new = flatten(user), flatten(attempt)
     lines = []
     for key in dict.fromkeys([*old, *new]):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
-        if a != b and not _both_absent(a, b):
+        if a != b and not (None in (a, b) and _MISSING in (a, b)):  # null and left out: the same
             shown_a = "(absent)" if a is _MISSING else show(a)
             shown_b = "(removed)" if b is _MISSING else show(b)
             lines.append(f"{key}: {shown_a} -> {shown_b}")

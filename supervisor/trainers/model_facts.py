@@ -1,22 +1,6 @@
-"""What a foreign tool's config says about the model's memory that the knobs do not: whether its
-weights are ones the memory model counts, and which attention the tool asks transformers for.
-
-The memory model counts our recipe's weights: 4-bit NF4 (QLoRA), or, unquantized, every weight
-upcast to fp32 as our child's k-bit prepare leaves them. A tool that loads the base model in
-8-bit (LLM.int8, ``load_in_8bit`` / ``quantization_bit: 8``) or unquantized in its own dtype (a
-plain LoRA in bf16: no k-bit prepare, no upcast) is neither, and a guess would be off by a factor
-of two or more either way: reading bf16 weights as fp32 calls a 7B LoRA that fits a 24 GiB card
-one that fits nothing, and stops the run before it starts. So for those configs there is no
-prediction: the attempt starts as written and the reactive ladder guards it, as for an
-architecture the model does not cover. (An hf-script is counted only where its command has
-``--load_in_4bit true``: what else a script loads is its own.) The model directory counts too: a
-model saved in bitsandbytes 4-bit loads so whatever the tool's keys say, and is counted as such;
-one saved in another quantization (GPTQ, AWQ, 8-bit, 4-bit with modules left in 16 bits) is not
-counted, nor is trl's ``max_length: null`` (no truncation: no sequence length to count).
-
-The attention implementation changes the model's activations (eager keeps a seq x seq score
-tensor per head), so a tool's explicit choice replaces transformers' default for the model type.
-"""
+"""What a tool's config says of the model's memory that the knobs do not: whether the memory model
+counts its weights (4-bit NF4, or fp32 as our recipe upcasts them; an 8-bit load, a bf16 LoRA or
+another saved quantization get no prediction: the reactive ladder guards them), and its attention."""
 
 from __future__ import annotations
 
@@ -35,21 +19,15 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 def unmodelled(tool: Tool, config: Mapping[str, Any], model_dir: str) -> str | None:
     """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit).
-
-    ``model_dir``: the model as the tool opens it; a model saved already quantized (its
-    config.json's ``quantization_config``) is loaded as saved, whatever the tool's 4-bit keys say.
-    """
+    ``model_dir``: the model as the tool opens it; a model saved quantized is loaded as saved."""
     saved = saved_quantization(model_dir)
     if saved is not None and saved != _SAVED_NF4:
-        return (
-            f"the model is saved already quantized ({saved}); the memory model counts bitsandbytes 4-bit "
-            "QLoRA weights"
-        )
+        counts = "the memory model counts bitsandbytes 4-bit QLoRA weights"
+        return f"the model is saved already quantized ({saved}); {counts}"
     why = tool.unmodelled(config, saved == _SAVED_NF4)
     if why is not None or saved == _SAVED_NF4:
         return why
-    eight = tool.eight_bit(config)
-    if eight is not None:
+    if (eight := tool.eight_bit(config)) is not None:
         return (
             f"the tool loads the base model in 8-bit ({eight}); the memory model counts 4-bit QLoRA weights"
         )
@@ -71,17 +49,11 @@ def model_config(model_dir: str) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def _saved_config(model_dir: str) -> dict[str, Any] | None:
-    """The model directory's ``quantization_config`` (None: none, or no readable config.json)."""
-    quant = model_config(model_dir).get("quantization_config")
-    return quant if isinstance(quant, dict) else None
-
-
 def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
     """``knobs`` as a model saved in bitsandbytes 4-bit loads: 4-bit with the saved quant type and
     double quantization, whatever the tool's own 4-bit keys say (they are not applied to it)."""
-    quant = _saved_config(model_dir)
-    if quant is None or _saved_as(quant) != _SAVED_NF4:
+    quant = model_config(model_dir).get("quantization_config")
+    if not isinstance(quant, dict) or _saved_as(quant) != _SAVED_NF4:
         return knobs
     kind = quant.get("bnb_4bit_quant_type")
     double = quant.get("bnb_4bit_use_double_quant")
@@ -95,14 +67,12 @@ def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
 
 def saved_quantization(model_dir: str) -> str | None:
     """How the model directory's weights were saved quantized (None: not quantized, or unreadable):
-    ``bitsandbytes 4-bit`` (a ``*-bnb-4bit`` model, which transformers loads as 4-bit without a
-    BitsAndBytesConfig), else the method and its bits as config.json names them (gptq, awq, ...)."""
-    quant = _saved_config(model_dir)
-    return None if quant is None else _saved_as(quant)
+    ``bitsandbytes 4-bit`` (a ``*-bnb-4bit`` model), else the method and its bits (gptq, awq, ...)."""
+    quant = model_config(model_dir).get("quantization_config")
+    return _saved_as(quant) if isinstance(quant, dict) else None
 
 
 def _saved_as(quant: Mapping[str, Any]) -> str:
-    """A ``quantization_config`` in words (:func:`saved_quantization`)."""
     method = str(quant.get("quant_method") or "unknown method")
     if method == "bitsandbytes":
         if quant.get("llm_int8_skip_modules") not in (None, [], ["lm_head"]):
@@ -115,24 +85,15 @@ def _saved_as(quant: Mapping[str, Any]) -> str:
     return f"{method}, {bits}-bit" if isinstance(bits, int) else method
 
 
-#: trl's ``dtype`` values that load the unquantized parameters in 16 bits ("auto": the checkpoint's
-#: own dtype, 16-bit for the models people fine-tune); its default is "float32" (ModelConfig).
+#: trl's ``dtype`` values that load the unquantized parameters in 16 bits (its default: float32).
 _HALF_DTYPES = frozenset({"bfloat16", "float16", "auto"})
 
 
 def keeps_head_dtype(tool: Tool, config: Mapping[str, Any]) -> bool:
     """Whether the tool leaves the embeddings and the LM head in a 16-bit load dtype, as our
-    ``bf16_head`` knob does, instead of the fp32 our recipe's k-bit prepare casts them to.
-
-    trl 1.16's SFTTrainer builds the LoRA model with ``get_peft_model`` and never calls
-    ``prepare_model_for_kbit_training`` (trl/trainer/sft_trainer.py), so what is not 4-bit keeps
-    the ``dtype`` its script loaded it in (``Tool.head_dtype_key``). Measured on the H200 (trl in
-    its own process, Llama-2-7B shape, seq 1024, checkpointing, micro-batch 1 to 16): with the head
-    counted in bf16, one scale of the variable part explains every peak (0.55 to 0.57); counted in
-    fp32, the scales ran from 0.06 to 0.53, so one peak calibrated the next run 14 % under. axolotl
-    and LLaMA-Factory are left as our recipe counts them (fp32): their peaks calibrate their own
-    predictions.
-    """
+    ``bf16_head`` knob does, instead of the fp32 our recipe's k-bit prepare casts them to: trl 1.16
+    never calls ``prepare_model_for_kbit_training`` (``Tool.head_dtype_key``). Measured on the H200,
+    counted so one scale explains every trl peak (0.55 to 0.57; in fp32 they ran 0.06 to 0.53)."""
     key = tool.head_dtype_key
     return key is not None and lookup(config, key) in _HALF_DTYPES
 

@@ -1,10 +1,5 @@
-"""Whether the shim attached in a foreign trainer's process, said in the journal when it did not.
-
-The shim's first line in the attempt's events file is our ``started`` record. Without it (the
-tool never imported ``transformers.trainer``, its venv lacks qlora-supervise, its Python is not
-the one the shim was written for), there are no heartbeats, no stage and no error report: the
-classifier reads the stderr tail alone, and ``events.jsonl`` says so.
-"""
+"""Whether the shim attached in a foreign trainer's process (its ``started`` line in the attempt's
+events file), said in the journal when it did not: no heartbeats, no stage, no error report."""
 
 from __future__ import annotations
 
@@ -43,10 +38,8 @@ def note_shim(spec: AttemptSpec, log: FilteringBoundLogger) -> bool:
 
 
 def output_moving(spec: AttemptSpec, log_path: Path, wall_now: float, timeout_s: float) -> bool:
-    """Whether a tool without the shim wrote to its log within ``timeout_s``: with no heartbeats,
-    its own output (progress bars, log lines) is the only sign of progress left, so a long run is
-    not taken for a hang; a log silent for the timeout still is one. False for our own child and
-    for a tool the shim speaks for: their heartbeats say it."""
+    """Whether a tool without the shim wrote to its log within ``timeout_s``: with no heartbeats, its
+    own output is the only sign of progress left. False for our child and a tool the shim speaks for."""
     if not spec.command or shim_attached(Path(spec.events_file)):
         return False
     try:

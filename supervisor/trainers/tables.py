@@ -1,23 +1,161 @@
-"""The knob each rung changes, and the rungs a tool's table can take.
-
-Each tool's table (``tools/``) has one row per knob the ladder may change: the tool's key, its
-default (``tests/test_trainer_tables.py`` checks them against the tool's own), how a value reads
-and writes. A knob without a row cannot be changed for that tool, so the rungs that change it are
-left out of its ladders.
-"""
+"""A tool's table: one row per knob the ladder may change (the tool's key, default, how a value reads
+and writes), the keys that contradict the ladder, and the parts every TrainingArguments tool shares.
+A knob without a row cannot be changed for the tool: its rungs leave its ladders (:func:`rungs_for`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from qlora_supervise.policies.rungs import RUNGS
-from qlora_supervise.supervisor.trainers.table_rows import Contradiction, Row, Table, writable
-
-__all__ = ["RUNG_KNOBS", "Contradiction", "Row", "Table", "rungs_for", "writable"]
 
 #: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take.
 RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Row:
+    """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
+    (a callable: computed from the rest of the config)."""
+
+    knob: str
+    key: str
+    default: Any
+    read: Callable[[Any], Any] = _same  # tool's value -> knob value
+    write: Callable[[Any], Any] = _same  # knob value -> tool's value
+    # Read but never written: changing it alone would not do what the rung means in this tool.
+    read_only: bool = False
+    # The key is the script's own, not the tool's: read and written only where the config has it.
+    present_only: bool = False
+    # Newer names the tool reads first where the config has them (``activation_checkpointing``).
+    preferred: tuple[str, ...] = ()
+
+    def key_in(self, config: Mapping[str, Any]) -> str:
+        """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
+        TrainingArguments falls back to the alias when the new name is None), else ``key``."""
+        return next((name for name in self.preferred if config.get(name) is not None), self.key)
+
+
+@dataclass(frozen=True)
+class Contradiction:
+    """A key whose value fights the supervisor; ``bad`` says which values do."""
+
+    key: str
+    bad: Callable[[Any], bool]
+    problem: str
+    fix: str
+    # Only where the rest of the config says so too (a value that is wrong beside another one).
+    given: Callable[[Mapping[str, Any]], bool] = lambda config: True
+
+
+@dataclass(frozen=True)
+class Table:
+    kind: str
+    rows: tuple[Row, ...]
+    output_key: str = "output_dir"  # where the tool writes its own outputs: the run's trainer-output/
+    resume_key: str = "resume_from_checkpoint"
+    required: Mapping[str, str] = field(default_factory=dict)  # key -> fix, when absent
+    contradictions: tuple[Contradiction, ...] = ()
+    # Read for the supervisor's own bookkeeping (progress, the memory model), never written.
+    max_steps_key: str = "max_steps"
+    epochs_key: str = "num_train_epochs"
+    epochs_default: float = 3.0  # TrainingArguments' own
+    save_steps_key: str = "save_steps"
+    save_steps_default: int = 500
+    targets_key: str = "lora_target_modules"
+    data_key: str = "dataset_name"
+    # Old names the tool no longer reads (its parser drops them without a word): old -> new.
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    # The tool reads a quoted whole number ("4") as the number (trl's argparse, axolotl's pydantic).
+    reads_quoted_numbers: bool = False
+
+    def row(self, knob: str) -> Row | None:
+        return next((r for r in self.rows if r.knob == knob), None)
+
+
+def auto_batch(key: str, micro_key: str, accum_key: str) -> Contradiction:
+    why = (
+        "contradicts the supervisor: on an OOM it lowers the batch size without raising accumulation "
+        "(the effective batch changes) and retries from step 0 in the same process"
+    )
+    fix = (
+        f"delete {key} (or set false): after an OOM the supervisor lowers {micro_key} and raises "
+        f"{accum_key} to keep the effective batch, and resumes from the last checkpoint"
+    )
+    return Contradiction(key, bool, why, fix)
+
+
+def resume(key: str) -> Contradiction:
+    why = "set by the supervisor for each attempt (the newest complete checkpoint it checked)"
+    fix = f"delete {key}: a run is resumed by running the same qlora-supervise command again"
+    return Contradiction(key, lambda v: v not in (None, False, ""), why, fix)
+
+
+def no_saves(key: str) -> Contradiction:
+    why = "no checkpoints: every restart would begin at step 0"
+    return Contradiction(key, lambda v: v == "no", why, f'set {key}: "steps" (with save_steps), or delete it')
+
+
+def lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:
+    why = "not a LoRA fine-tune: the supervisor supervises LoRA / QLoRA"
+    return Contradiction(key, lambda v: v not in allowed, why, f"set {key}: {allowed[0]}")
+
+
+def is_true(value: Any) -> bool:
+    return value is True
+
+
+def present(value: Any) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
+
+
+def unquoted_no(key: str) -> Contradiction:
+    """``key: no`` written unquoted: YAML hands the tool false, which no strategy field takes."""
+    why = (
+        "a bool, not a strategy: YAML reads an unquoted no (or off, false) as false, and the tool "
+        'stops at load on it ("False is not a valid ...")'
+    )
+    return Contradiction(
+        key, lambda v: isinstance(v, bool), why, f'write {key}: "no" (quoted), or "steps" / "epoch"'
+    )
+
+
+#: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.
+STRATEGY_KEYS = ("eval_strategy", "save_strategy")
+#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
+#: supervisor, the same in every tool's config that has them.
+TRAINER_ARGUMENTS_CONTRADICTIONS = (
+    *(unquoted_no(key) for key in STRATEGY_KEYS),
+    Contradiction(
+        "save_only_model",
+        is_true,
+        "checkpoints without optimizer state: every resume would start the optimizer afresh",
+        "delete save_only_model (or set false)",
+    ),
+    Contradiction("deepspeed", present, MULTI_GPU, "delete deepspeed"),
+    Contradiction("fsdp", present, MULTI_GPU, "delete fsdp"),
+)
+#: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
+ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
+#: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
+EVAL_STRATEGY = Row(
+    "eval_enabled", "eval_strategy", "no", read=lambda v: v != "no", write=lambda v: "steps" if v else "no"
+)
+
+
+def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
+    """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
+    if row.read_only:
+        return False
+    return not row.present_only or (config is not None and row.key in config)
 
 
 def rungs_for(table: Table, config: Mapping[str, Any] | None = None) -> frozenset[str]:

@@ -1,9 +1,6 @@
 """A tool is one :class:`Tool` record: its kind, package, argv, knob table, spellings and model facts.
-
-Each tool's module under :mod:`.tools` exports one; :data:`.tools.TOOLS` registers them, and the
-job file's ``trainer.kind`` is one of its keys (or ``own``). Everything a tool does differently
-is a field here, so adding a tool is one module and its registry line.
-"""
+Everything a tool does differently is a field here, so adding a tool is one module under
+:mod:`.tools` and its line in :data:`.tools.TOOLS`."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.table_rows import Table
+from qlora_supervise.supervisor.trainers.tables import Table
 
 Config = Mapping[str, Any]
 #: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
@@ -34,18 +31,6 @@ def load_in_8bit(config: Config) -> str | None:
     return "load_in_8bit: true" if lookup(config, "load_in_8bit") is True else None
 
 
-def _nothing(config: Config, saved_4bit: bool) -> str | None:
-    return None
-
-
-def _no_data_problems(config: Config, where: str, workdir: Path) -> list[Problem]:
-    return []
-
-
-def _no_command_problems(command: tuple[str, ...], workdir: Path) -> list[Problem]:
-    return []
-
-
 @dataclass(frozen=True)
 class Tool:
     """One tool the supervisor can run in place of our child."""
@@ -53,15 +38,11 @@ class Tool:
     kind: str  # trainer.kind in the job file
     table: Table  # knob -> the tool's key
     package: str | None  # what its interpreter must import (None: the script's own)
-    # How the tool starts on an attempt's config: ``python *entry <config>``; () for a script that
-    # is its own argv (hf-script: the job's trainer.command, its flags changed).
+    # ``python *entry <config>``; (): a script that is its own argv (hf-script: its flags changed).
     entry: tuple[str, ...] = ()
-    # The script's settings are in its code (``script``): its argv runs unchanged and the shim
-    # changes the knobs where the script builds them (``script-knobs.json`` per attempt).
+    # ``script``: its argv runs unchanged; the shim changes the knobs where the script builds them.
     settings_in_code: bool = False
-    # Rungs of our child's that this tool takes all the same, through its shim rather than its
-    # config (script: the bf16 head at prepare_model_for_kbit_training, the fallback model at
-    # from_pretrained); the job may name fallbacks (trainer.fallbacks) only where smaller_model is one.
+    # Rungs it takes through its shim rather than its config (script: bf16_head, smaller_model).
     shim_rungs: frozenset[str] = frozenset()
     # --- LoRA targets, as the tool hands them to peft (lora_targets.py) ---
     targets_regex: bool = True  # a string reaches peft as a regex of the full module name
@@ -72,9 +53,8 @@ class Tool:
     # --- what its config says of the model's memory (model_facts.py) ---
     attention: Callable[[Config], str | None] = attn_implementation
     eight_bit: Callable[[Config], str | None] = load_in_8bit
-    # The tool's own reason the memory model cannot count a config (saved_4bit: the model
-    # directory holds bitsandbytes 4-bit weights, loaded so whatever the keys say).
-    unmodelled: Callable[[Config, bool], str | None] = _nothing
+    # The tool's own reason the memory model cannot count a config (bool: saved in bnb 4-bit).
+    unmodelled: Callable[[Config, bool], str | None] = lambda config, saved_4bit: None
     # trl leaves what is not 4-bit in the dtype its script loads (no k-bit prepare): this key.
     head_dtype_key: str | None = None
     unquantized: str = (
@@ -82,8 +62,8 @@ class Tool:
         "model counts 4-bit weights"
     )
     # --- checks at validate ---
-    data_problems: Callable[[Config, str, Path], list[Problem]] = _no_data_problems
-    command_problems: Callable[[tuple[str, ...], Path], list[Problem]] = _no_command_problems
+    data_problems: Callable[[Config, str, Path], list[Problem]] = lambda config, where, workdir: []
+    command_problems: Callable[[tuple[str, ...], Path], list[Problem]] = lambda command, workdir: []
 
     @property
     def config_name(self) -> str:

@@ -1,14 +1,5 @@
-"""Whether the tool, and the shim, can be imported by the interpreter that will run them.
-
-Checked by ``validate`` and at ``run``'s start, before any attempt: a tool that is not installed
-for ``trainer.python`` fails in the same way on every start (``No module named 'axolotl'``), so
-retrying it unchanged would only walk the run into a crash loop. A venv without qlora-supervise
-still trains, but the shim cannot attach there (no heartbeats, no checkpoints of ours: every
-restart begins at step 0), which a person should hear before a night's run, not in the morning.
-
-The check asks the interpreter for the packages' import specs (``importlib.util.find_spec`` of the
-top-level names: nothing is imported, about 50 ms), once per interpreter.
-"""
+"""Whether the tool, and the shim, can be imported by the interpreter that will run them (``find_spec``
+there, once per interpreter): a missing tool fails every start; without qlora-supervise, no shim."""
 
 from __future__ import annotations
 
@@ -36,55 +27,43 @@ def tool_problems(trainer: Trainer) -> list[Problem]:
     own trainer, or when the interpreter could not be asked (the attempt will say what is wrong)."""
     if not isinstance(trainer, ToolTrainer):
         return []
-    package = trainer.tool.package
-    if package is None or package not in _missing(trainer, trainer.python):
+    package, python = trainer.tool.package, trainer.python
+    if package is None or package not in _missing(trainer, python):
         return []
-    return [
-        Problem(
-            "trainer.python",
-            f"{package} is not installed for this interpreter: the tool would fail on every start",
-            show(trainer.python),
-            f"install it there (`{trainer.python} -m pip install {package}`), or name the python of "
-            "the venv it is in (trainer.python)",
-        )
-    ]
-
-
-def shim_advice(trainer: ToolTrainer) -> list[Advice]:
-    """A warning when qlora-supervise cannot be imported by the tool's interpreter (no shim)."""
-    python = _interpreter(trainer)
-    if python is None or SHIM_PACKAGE not in _missing(trainer, python):
-        return []
-    return [
-        Advice(
-            "trainer.python",
-            f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
-            "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0",
-            f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`",
-        )
-    ]
+    why = f"{package} is not installed for this interpreter: the tool would fail on every start"
+    fix = (
+        f"install it there (`{python} -m pip install {package}`), or name the python of "
+        "the venv it is in (trainer.python)"
+    )
+    return [Problem("trainer.python", why, show(python), fix)]
 
 
 def tool_advice(trainer: Trainer) -> list[Advice]:
-    """What validate warns of and run says at start about a tool: the shim, old key names."""
+    """What validate warns of and run says at start about a tool: no shim in its interpreter, and
+    each old key name the tool would drop without a word (its value then unused)."""
     if not isinstance(trainer, ToolTrainer):
         return []
-    return [*shim_advice(trainer), *renamed_advice(trainer)]
-
-
-def renamed_advice(trainer: ToolTrainer) -> list[Advice]:
-    """A warning for each old key name the tool would drop without a word (its value then unused)."""
-    where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
-    return [
-        Advice(
-            f"{where}: {old}",
-            f"{trainer.kind} no longer reads {old} and drops it silently, so it runs with "
-            f"{new}'s value (or its default) instead",
-            f"rename it to {new}" + (f" (both are set: delete {old})" if new in trainer.config else ""),
+    found = []
+    python = _interpreter(trainer)
+    if python is not None and SHIM_PACKAGE in _missing(trainer, python):
+        what = (
+            f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
+            "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0"
         )
-        for old, new in trainer.tool.table.renamed.items()
-        if old in trainer.config
-    ]
+        fix = (
+            f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`"
+        )
+        found.append(Advice("trainer.python", what, fix))
+    where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
+    for old, new in trainer.tool.table.renamed.items():
+        if old in trainer.config:
+            what = (
+                f"{trainer.kind} no longer reads {old} and drops it silently, so it runs with "
+                f"{new}'s value (or its default) instead"
+            )
+            both = f" (both are set: delete {old})" if new in trainer.config else ""
+            found.append(Advice(f"{where}: {old}", what, f"rename it to {new}{both}"))
+    return found
 
 
 def _interpreter(trainer: ToolTrainer) -> str | None:
@@ -98,9 +77,8 @@ def _interpreter(trainer: ToolTrainer) -> str | None:
 
 
 def _missing(trainer: ToolTrainer, python: str) -> frozenset[str]:
-    """Which of the tool's package and ours ``python`` cannot find, asked once, from the folder the
-    tool runs in (``-c`` puts it on sys.path, as the tool's start puts its own) and with the
-    PYTHONPATH it inherits: both decide what it finds, so both are in the cache's key."""
+    """Which of the tool's package and ours ``python`` cannot find, asked once from the folder the
+    tool runs in and with the PYTHONPATH it inherits (both decide what it finds: the cache's key)."""
     packages = tuple(p for p in (trainer.tool.package, SHIM_PACKAGE) if p)
     workdir = str(trainer.workdir) if trainer.workdir is not None else None
     return _missing_cached(python, packages, workdir, os.environ.get("PYTHONPATH", ""))
@@ -122,6 +100,4 @@ def _missing_cached(
         )
     except (OSError, subprocess.TimeoutExpired):
         return frozenset()  # not asked: the attempt itself will say what is wrong
-    if done.returncode != 0:
-        return frozenset()
-    return frozenset(done.stdout.split()) & set(packages)
+    return frozenset(done.stdout.split()) & set(packages) if done.returncode == 0 else frozenset()

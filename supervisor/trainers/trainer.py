@@ -1,17 +1,11 @@
 """A tool the user already runs, as the job's :class:`~...facts.trainer.Trainer`.
 
 The supervisor never imports the tool: it reads the user's config once (YAML, or the flags of an
-hf-script's command), maps the ladder's knobs to the tool's keys (``tools/``), writes each
-attempt's config into the attempt's directory (the user's file is never touched), and starts the
-tool with the shim on its ``PYTHONPATH`` (``trainer_child/shim/``).
-
-Each attempt's files, beside ``spec.json``:
-
-* ``<kind>.yaml``: the user's config with the ladder's changes, the tool's output dir
-  (``<run>/trainer-output``) and the checkpoint to resume from; an hf-script's ``command.json``:
-  its argv with its flags changed the same way;
-* ``trainer-config.diff``: one ``key: old -> new`` line per key that differs from the user's
-  file, which ``status`` prints under the attempt.
+hf-script's command), writes each attempt's config with the ladder's changes into the attempt's
+directory (``<kind>.yaml`` or ``command.json``; the user's file is never touched) beside
+``trainer-config.diff`` (``key: old -> new`` lines that ``status`` prints), and starts the tool with
+the shim on its ``PYTHONPATH``. A ``script`` attempt instead gets ``script-knobs.json``: the knobs
+the shim changes where the script builds them, learnt from what earlier attempts reported it asks for.
 """
 
 from __future__ import annotations
@@ -29,34 +23,29 @@ from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
 from qlora_supervise.supervisor.facts.trainer import Ladders
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONFIG_PREFIX
-from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT
+from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT, AttemptDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
-from qlora_supervise.supervisor.trainers import flags, model_facts, script_attempt
-from qlora_supervise.supervisor.trainers.mapping import (
-    attempt_config,
-    config_diff,
-    flatten,
-    unmapped_changes,
-)
+from qlora_supervise.supervisor.trainers import flags, model_facts
+from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten, unmapped_changes
 from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, Table, rungs_for, writable
 from qlora_supervise.supervisor.trainers.tool import Tool
+from qlora_supervise.trainer_child.contract import script_knobs
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.script_knobs import CHANGES_FILE
+from qlora_supervise.trainer_child.contract.events import ScriptKnobs, read_events
+from qlora_supervise.trainer_child.contract.script_knobs import CHANGES_FILE, ScriptChanges
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 DIFF_NAME = "trainer-config.diff"
 
 
 class UnmappedKnobsError(RuntimeError):
-    """The policy changed a knob the tool's config has no key for: a bug of the supervisor (the
-    rungs the tool cannot take are never chosen), raised rather than journalled as if it ran."""
+    """The policy changed a knob the tool's config has no key for: a bug, never journalled as run."""
 
 
 @dataclass(frozen=True)
 class ToolTrainer:
-    """A tool that is not ours. ``config`` is the user's file (or, for an hf-script, the flags of
-    ``command``) as read once at load; it is never written back."""
+    """A tool that is not ours. ``config``: the user's file (or an hf-script's flags), read once."""
 
     tool: Tool
     config: Mapping[str, Any]
@@ -72,8 +61,7 @@ class ToolTrainer:
         return self.tool.kind
 
     def unread_keys(self) -> dict[str, Any]:
-        """The config's keys (dotted where nested) that the supervisor reads into no knob or field
-        of its own (``use_cpu``, ``bf16``, ``learning_rate``): what a job's fields do not show."""
+        """The config's keys (dotted where nested) that the supervisor reads into no knob or field."""
         table = self.tool.table
         read = {key for row in table.rows for key in (row.key, *row.preferred)}
         read |= {table.max_steps_key, table.epochs_key, table.save_steps_key, table.targets_key}
@@ -81,8 +69,7 @@ class ToolTrainer:
         return {key: value for key, value in flatten(self.config).items() if key not in read}
 
     def config_view(self) -> dict[str, Any]:
-        """``trainer.config`` (the file, or the hf-script's argv) and ``trainer.config.<key>`` for
-        each key of the tool's config that no other field of the view stands for."""
+        """``trainer.config`` (the file, or the argv) and ``trainer.config.<key>`` per unread key."""
         where = str(self.config_path) if self.config_path is not None else list(self.command)
         view: dict[str, Any] = {TOOL_CONFIG: where}
         view.update({f"{TOOL_CONFIG_PREFIX}{key}": value for key, value in self.unread_keys().items()})
@@ -92,11 +79,8 @@ class ToolTrainer:
         return rungs_for(self.tool.table, self.config) | self.tool.shim_rungs
 
     def ladders(self, overrides: Ladders) -> dict[FailureKind, tuple[str, ...]]:
-        """Every stage ladder (the job's override, else the default) with only the tool's rungs; the
-        stage-dependent kinds (fragmentation, host OOM) then climb these through the stage.
-
-        A rung the tool cannot take is left out rather than tried: its knob would change in our
-        journal while the tool trained on as before, and the same failure would come back."""
+        """Every stage ladder (the job's override, else the default) with only the tool's rungs: a rung
+        it cannot take would change our journal while the tool trained on as before."""
         allowed = self.rungs()
         kinds = {**DEFAULT_LADDERS, **overrides}
         return {kind: tuple(name for name in ladder if name in allowed) for kind, ladder in kinds.items()}
@@ -111,38 +95,33 @@ class ToolTrainer:
         return self.tool.attention(self.config)
 
     def cwd(self, job_dir: Path, run_dir: Path, command: Sequence[str]) -> Path:
-        # The tool runs where its user would run it (its config's folder), so relative paths in its
-        # config or command mean what they mean there. Our own child (a merge: no command) runs in
-        # the run directory: under ``python -m`` the folder comes first on sys.path, and a user's
-        # folder holding a ``peft/`` checkout would shadow the real package.
+        # Our own child (a merge: no command) runs in the run dir: no user's ``peft/`` shadows peft.
         return (self.workdir or job_dir) if command else run_dir
 
     def attempt_argv(
         self, attempt_dir: Path, run_dir: Path, job: Knobs, knobs: Knobs, resume_from: str | None
     ) -> tuple[str, ...]:
         """Write the attempt's config (or argv) and its diff; return the argv that runs it.
-
-        Raises :class:`UnmappedKnobsError` when ``knobs`` change what the tool cannot be told.
-        """
+        Raises :class:`UnmappedKnobsError` when ``knobs`` change what the tool cannot be told."""
         table = self.tool.table
-        if self.tool.settings_in_code:  # the script runs as written; the shim changes its knobs
-            output = ensure_dir(run_dir / TRAINER_OUTPUT)
-            keys = {row.knob: row.key for row in table.rows}
-            before = {knob: getattr(job, knob) for knob in keys}
-            changed = script_attempt.write_changes(attempt_dir, run_dir, before, knobs, output)
-            diff = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
-            write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
-            return self.command
-        unmapped = unmapped_changes(table, self.config, job, knobs)
+        unmapped = [] if self.tool.settings_in_code else unmapped_changes(table, self.config, job, knobs)
         if unmapped:
             raise UnmappedKnobsError(
                 f"internal error: the attempt changes {', '.join(unmapped)}, which {self.kind} "
                 "has no config key for; the tool would train as before while the journal said otherwise"
             )
         output = ensure_dir(run_dir / TRAINER_OUTPUT)  # the tool saves there: never through a link
-        config = attempt_config(table, self.config, job, knobs, str(output), resume_from)
-        diff = config_diff(self.config, config)
+        if self.tool.settings_in_code:  # the script runs as written; the shim changes its knobs
+            keys = {row.knob: row.key for row in table.rows}
+            before = {knob: getattr(job, knob) for knob in keys}
+            changed = _write_script_changes(attempt_dir, run_dir, before, knobs, output)
+            diff = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
+        else:
+            config = attempt_config(table, self.config, job, knobs, str(output), resume_from)
+            diff = config_diff(self.config, config)
         write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
+        if self.tool.settings_in_code:
+            return self.command
         path = attempt_dir / self.tool.config_name
         if not self.tool.entry:  # the script's own argv, its flags changed
             old, new = flatten(self.config), flatten(config)
@@ -188,7 +167,7 @@ class ToolTrainer:
     def built_knobs(self, knobs: Knobs, run_dir: Path) -> Knobs:
         if not self.tool.settings_in_code:
             return knobs  # its config, read at load, is what it builds
-        return script_attempt.built_knobs(knobs, run_dir)
+        return script_knobs.with_values(knobs, asked_by_script(run_dir)[0])
 
     def probes_data(self) -> bool:
         return False  # a tool reads its own data (a hub dataset, a mixture)
@@ -202,8 +181,8 @@ def _keys(table: Table, config: Mapping[str, Any]) -> str:
 
 
 def tool_saved(run_dir: Path) -> bool:
-    """Whether the tool saved anything into its output directory. The directory itself proves
-    nothing: the loop creates it before every attempt of the tool."""
+    """Whether the tool saved anything into its output directory (which the loop creates for every
+    attempt of the tool, so it proves nothing itself)."""
     output = run_dir / TRAINER_OUTPUT
     try:
         return output.is_dir() and any(output.iterdir())
@@ -212,15 +191,14 @@ def tool_saved(run_dir: Path) -> bool:
 
 
 def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
-    """The tool's output directory when it holds the result and ``adapter`` was never written (a
-    foreign tool the shim did not attach to saves there alone); None otherwise."""
+    """The tool's output directory when it holds the result and ``adapter`` was never written."""
     return run_dir / TRAINER_OUTPUT if not adapter.exists() and tool_saved(run_dir) else None
 
 
 def read_diff(attempt_dir: Path) -> list[str] | None:
     """The attempt's diff lines (None: not a tool's attempt, or unreadable); a script's attempt
     that ran: what it asked for and got where it builds each value."""
-    lines = script_attempt.status_lines(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
+    lines = _script_status(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
     if lines is not None:
         return lines
     try:
@@ -231,7 +209,7 @@ def read_diff(attempt_dir: Path) -> list[str] | None:
 
 def tool_job_copy(job: Job, raw: dict[str, Any]) -> str:
     """``install-systemd``'s copy of a tool's job, its paths absolute (the copy lives elsewhere); the
-    tool still runs in the folder it ran in, so the relative paths inside its config keep their meaning."""
+    tool still runs in its folder, so relative paths inside its config keep their meaning."""
     trainer = job.trainer
     if not isinstance(trainer, ToolTrainer):
         raise TypeError("not a tool's job")  # install_systemd asks only for a tool's
@@ -246,3 +224,45 @@ def tool_job_copy(job: Job, raw: dict[str, Any]) -> str:
     raw["output_dir"] = str(job.output_dir)
     header = f"# installed by qlora-supervise install-systemd from {job.job_file}\n"
     return header + yaml.safe_dump(raw, sort_keys=False)
+
+
+def _script_report(attempt_dir: Path) -> ScriptKnobs | None:
+    """The attempt's ``script_knobs`` event: what its script built (None: no report)."""
+    found = [e for e in read_events(AttemptDir(attempt_dir).events) if isinstance(e, ScriptKnobs)]
+    return found[-1] if found else None
+
+
+def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]:
+    """What the script asks for, each knob from the newest attempt that reported it (attempt 1
+    changes nothing), and whether any attempt reached ``train()`` (a knob not reported: never built)."""
+    asked: dict[str, script_knobs.Value] = {}
+    complete = False
+    for attempt_dir in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]")):
+        event = _script_report(attempt_dir)
+        if event is not None:
+            asked.update(script_knobs.asked(event.settings))
+            complete = complete or event.complete
+    return asked, complete
+
+
+def _write_script_changes(
+    attempt_dir: Path, run_dir: Path, before: Mapping[str, Any], knobs: Knobs, output_dir: Path
+) -> dict[str, Any]:
+    """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked.
+    Before any attempt reached ``train()`` only the knobs reported change; after, ``before`` (the
+    job's knobs) stands for those never reported."""
+    asked, complete = asked_by_script(run_dir)
+    asked = {**before, **asked} if complete else asked
+    changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
+    replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
+    ScriptChanges(tuple(changed), str(output_dir), replaced).write(attempt_dir)
+    return changed
+
+
+def _script_status(attempt_dir: Path) -> list[str] | None:
+    """What the attempt's script asked for and got, where it differs or could not be changed."""
+    event = _script_report(attempt_dir)
+    if event is None:
+        return None
+    # The output folder moves on every attempt (as a tool's does): not a change worth a line.
+    return [s.line() for s in event.settings if (s.asked != s.got or s.why_not) and s.knob != "output_dir"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     MULTI_GPU,
     TRAINER_ARGUMENTS_CONTRADICTIONS,
     Contradiction,
@@ -43,8 +43,7 @@ TABLE = Table(
         Row("double_quant", "bnb_config_kwargs.bnb_4bit_use_double_quant", True),
         # None: axolotl uses micro_batch_size (utils/config normalize_config).
         Row("eval_batch_size", "eval_batch_size", lambda config: config.get("micro_batch_size") or 1),
-        # axolotl evaluates on a split of the training data (val_set_size, default 0: none) or on
-        # test_datasets; read only: the ladder's eval rungs change the eval batch, not whether.
+        # A split of the training data (val_set_size) or test_datasets; read only: rungs change the batch.
         Row(
             "eval_enabled",
             "val_set_size",
@@ -53,8 +52,6 @@ TABLE = Table(
             read_only=True,
         ),
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
     required={
         "base_model": "add base_model: a local model directory (the child runs offline)",
         "adapter": "add adapter: qlora (or lora): the supervisor supervises LoRA / QLoRA fine-tunes",
@@ -72,9 +69,7 @@ TABLE = Table(
         ),
         no_saves("save_strategy"),
         lora_only("adapter", ("qlora", "lora")),
-        # axolotl 0.19's schema defaults gradient_accumulation_steps to 1 before its CLI would derive
-        # it from batch_size, so batch_size alone trains at accumulation 1 (older versions derived
-        # batch_size // micro_batch_size): one meaning only, the accumulation written out.
+        # axolotl 0.19 trains batch_size alone at accumulation 1 (older ones derived it): one meaning only.
         Contradiction(
             "batch_size",
             present,
@@ -82,8 +77,7 @@ TABLE = Table(
             "gradient_accumulation_steps 1 and counts steps by batch_size; older ones derived it)",
             "delete batch_size and write gradient_accumulation_steps: batch_size / micro_batch_size",
         ),
-        # axolotl's own schema refuses it at load (its LoraConfig validator); here it is named at
-        # validate, before a card is taken.
+        # axolotl's schema refuses it at load; here it is named at validate, before a card is taken.
         Contradiction(
             "adapter",
             lambda v: v == "qlora",

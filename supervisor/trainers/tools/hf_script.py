@@ -1,16 +1,11 @@
-"""An HfArgumentParser script: the job's ``trainer.command``, its TrainingArguments flags changed.
-
-transformers' TrainingArguments flags are every such script's. The model, sequence length, LoRA and
-4-bit flags are the script's own: their rows apply only where the user's command has the flag
-(``present_only``), so no flag the script does not define is ever added (HfArgumentParser refuses
-unknown flags).
-"""
+"""An HfArgumentParser script: the job's ``trainer.command``, its TrainingArguments flags changed. Its
+own flags (model, sequence length, LoRA, 4-bit) apply only where the command has them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     ACTIVATION_CHECKPOINTING,
     EVAL_STRATEGY,
     MULTI_GPU,
@@ -26,8 +21,7 @@ from qlora_supervise.supervisor.trainers.table_rows import (
 )
 from qlora_supervise.supervisor.trainers.tool import Tool
 
-#: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no
-#: as words, since a string field such as --save_strategy no must stay "no").
+#: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no as words).
 _ARGPARSE_BOOLS = {"yes": True, "y": True, "t": True, "no": False, "n": False, "f": False}
 
 
@@ -61,8 +55,6 @@ TABLE = Table(
         Row("lora_alpha", "lora_alpha", 16, present_only=True),
         Row("load_in_4bit", "load_in_4bit", False, read=_argparse_bool, present_only=True),
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
     required={"output_dir": "add --output_dir (TrainingArguments requires it; the supervisor replaces it)"},
     contradictions=(
         auto_batch("auto_find_batch_size", "--per_device_train_batch_size", "--gradient_accumulation_steps"),

@@ -8,7 +8,7 @@ from typing import Any
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     EVAL_STRATEGY,
     TRAINER_ARGUMENTS_CONTRADICTIONS,
     Row,
@@ -22,8 +22,7 @@ from qlora_supervise.supervisor.trainers.tool import Config, Tool
 
 
 def _4bit(value: Any) -> Any:
-    # None: no quantization_bit, LLaMA-Factory loads unquantized (False, a bool like every knob);
-    # another type is passed on for the type check to name.
+    # None: no quantization_bit, loaded unquantized (False); another type is left to the type check.
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value == 4
     return value
@@ -54,8 +53,6 @@ TABLE = Table(
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
         EVAL_STRATEGY,
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
     required={
         "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
         "do_train": "add do_train: true",
@@ -87,17 +84,11 @@ def _eight_bit(config: Config) -> str | None:
 
 def _unmodelled(config: Config, saved_4bit: bool) -> str | None:
     method = lookup(config, "quantization_method")
-    if (
-        not saved_4bit
-        and isinstance(lookup(config, "quantization_bit"), int)  # without a bit it loads unquantized
-        and isinstance(method, str)
-        and method != "bnb"
-    ):
-        return (
-            f"quantization_method: {method}: the tool quantizes on the fly with {method}; the memory "
-            "model counts bitsandbytes 4-bit QLoRA weights"
-        )
-    return None
+    bits = lookup(config, "quantization_bit")  # without a bit it loads unquantized
+    if saved_4bit or not isinstance(bits, int) or not isinstance(method, str) or method == "bnb":
+        return None
+    counts = "the memory model counts bitsandbytes 4-bit QLoRA weights"
+    return f"quantization_method: {method}: the tool quantizes on the fly with {method}; {counts}"
 
 
 _ADD = "add it to dataset_info.json, or name one of its datasets"
@@ -118,26 +109,17 @@ def _data_problems(config: Config, where: str, workdir: Path) -> list[Problem]:
     try:
         known = json_loads(info.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        return [
-            Problem(
-                f"{where}: dataset_dir",
-                f"LLaMA-Factory looks up its datasets ({', '.join(names)}) in {info}, which it cannot read "
-                f"({type(exc).__name__})",
-                show(folder),
-                "set dataset_dir to the folder that holds dataset_info.json (LLaMA-Factory's examples "
-                "expect its repository's data/), or trainer.workdir to where you run llamafactory-cli",
-            )
-        ]
-    missing = [name for name in names if not isinstance(known, dict) or name not in known]
-    return [
-        Problem(
-            f"{where}: dataset",
-            f"not defined in {info}",
-            show(name),
-            "add it to dataset_info.json, or name one of its datasets",
+        why = (
+            f"LLaMA-Factory looks up its datasets ({', '.join(names)}) in {info}, which it cannot read "
+            f"({type(exc).__name__})"
         )
-        for name in missing
-    ]
+        fix = (
+            "set dataset_dir to the folder that holds dataset_info.json (LLaMA-Factory's examples "
+            "expect its repository's data/), or trainer.workdir to where you run llamafactory-cli"
+        )
+        return [Problem(f"{where}: dataset_dir", why, show(folder), fix)]
+    missing = [name for name in names if not isinstance(known, dict) or name not in known]
+    return [Problem(f"{where}: dataset", f"not defined in {info}", show(name), _ADD) for name in missing]
 
 
 def _names(value: Any) -> list[str]:

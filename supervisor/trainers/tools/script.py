@@ -1,23 +1,17 @@
-"""A script with its settings in its code (``trainer.kind: script``): ``train.py`` from a tutorial,
-or a notebook exported to a script, run as written with the job's ``trainer.command``.
-
-Nothing of it is written: each attempt's ``script-knobs.json`` names the knobs the shim changes
-where the script builds them (``trainer_child/shim/script.py``), the values the keys of its
-``TrainingArguments`` / ``SFTConfig``, ``BitsAndBytesConfig`` and ``LoraConfig`` below. What the
-script asks for is learnt from attempt 1, which changes nothing and reports every value it built.
-A script that parses its flags (``HfArgumentParser``) stays ``hf-script``: its flags are its config.
-"""
+"""A script with its settings in its code (``trainer.kind: script``), run as written: the shim changes
+the knobs where the script builds them, under the keys below; attempt 1 changes nothing and reports
+what the script built."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.table_rows import EVAL_STRATEGY, Row, Table
+from qlora_supervise.supervisor.trainers.tables import EVAL_STRATEGY, Row, Table
 from qlora_supervise.supervisor.trainers.tool import Tool
 
-#: The keys as the shim finds them; the defaults are TrainingArguments', trl's and peft's own, the
-#: knobs of the job until attempt 1 reports what the script built.
+#: The keys as the shim finds them; the defaults (TrainingArguments', trl's, peft's) stand until
+#: attempt 1 reports what the script built.
 TABLE = Table(
     "script",
     rows=(
@@ -32,12 +26,9 @@ TABLE = Table(
         Row("lora_alpha", "lora_alpha", 8),
         Row("quant_type", "bnb_4bit_quant_type", "fp4"),
         Row("double_quant", "bnb_4bit_use_double_quant", False),
-        # Not a key of the script: the shim's change at prepare_model_for_kbit_training, whose
-        # upcast puts the head in fp32 (False) as the script asks.
+        # Not a key of the script: the shim's change at prepare_model_for_kbit_training.
         Row("bf16_head", "bf16_head", False),
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
 )
 
 

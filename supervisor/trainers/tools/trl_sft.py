@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlora_supervise.supervisor.trainers.table_rows import (
+from qlora_supervise.supervisor.trainers.tables import (
     ACTIVATION_CHECKPOINTING,
     EVAL_STRATEGY,
     MULTI_GPU,
@@ -35,15 +35,11 @@ TABLE = Table(
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
         EVAL_STRATEGY,
     ),
-    output_key="output_dir",
-    resume_key="resume_from_checkpoint",
     required={
         "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
         "use_peft": "add use_peft: true: the supervisor supervises LoRA / QLoRA fine-tunes",
     },
-    # trl's script parses its YAML without failing on unknown keys, so these older configs' names
-    # are dropped in silence (trl 0.20 renamed max_seq_length; transformers 5 torch_dtype and
-    # evaluation_strategy).
+    # trl's parser drops unknown keys in silence: these older names (trl 0.20, transformers 5) too.
     renamed={"max_seq_length": "max_length", "torch_dtype": "dtype", "evaluation_strategy": "eval_strategy"},
     reads_quoted_numbers=True,
     contradictions=(
@@ -52,9 +48,7 @@ TABLE = Table(
         no_saves("save_strategy"),
         Contradiction("use_peft", lambda v: v is not True, "not a LoRA fine-tune", "set use_peft: true"),
         *TRAINER_ARGUMENTS_CONTRADICTIONS,
-        # Keys `trl sft` hands to `accelerate launch` (the config's keys no dataclass knows,
-        # cli/commands/training.py); the supervisor starts the script as one process, so they
-        # would be dropped in silence.
+        # Keys `trl sft` hands to `accelerate launch`: the supervisor's one process would drop them.
         Contradiction(
             "accelerate_config",
             present,
@@ -94,7 +88,6 @@ TOOL = Tool(
     one_name_list_is_name=True,  # ModelConfig.__post_init__ turns [q_proj] into "q_proj"
     peft_default_targets=True,  # trl hands peft None: peft's default for the model type
     unmodelled=_unmodelled,
-    # trl 1.16's SFTTrainer builds the LoRA model with get_peft_model and never calls
-    # prepare_model_for_kbit_training (trl/trainer/sft_trainer.py): see model_facts.keeps_head_dtype.
+    # trl 1.16 never calls prepare_model_for_kbit_training: see model_facts.keeps_head_dtype.
     head_dtype_key="dtype",
 )
