@@ -1,66 +1,48 @@
 """The decision after a failed attempt: ``Restart | Wait | GiveUp``, a value the loop carries out.
 
-Order of the rules (first match wins):
+The rules, first match wins (docs/ladder.md tells them for users):
 
-0. a non-OOM failure right after a rung changed the config, with no step trained -> the rung is
-   charged with it (:mod:`.charge`): reverted, unusable for the run, the ladder moves on from the
-   failure before it
-1. a failure no config can fix (config error, bitsandbytes setup) -> GiveUp (not retryable)
+0. a non-OOM failure right after a rung changed the config, no step trained: the rung is charged
+   (below): reverted, unusable for the run, the ladder goes on from the failure before
+1. a failure no config can fix (config error, bitsandbytes setup) -> GiveUp, not retryable
 2. the attempt budget is spent -> GiveUp
-3. ``max_no_progress`` restarts in a row trained no step without any config change between
-   them -> GiveUp (crash loop: the same thing failing again at once, e.g. memory that keeps
-   being taken by another process, or a retried transient error that is not transient)
-4. contention, the job does not allow degrading: no wait yet -> Wait(seconds, needed_bytes);
-   after the loop reports the wait (:class:`WaitResult`): the memory came back, or NVML gave
-   no reading to wait on -> Restart unchanged; the wait timed out -> GiveUp
-4b. disk_full: no wait yet -> Wait(seconds, needed_bytes, for the disk); after the wait: room
-   came back (or no reading) -> Restart unchanged; the wait timed out -> GiveUp. No rung
-   changes what a checkpoint needs on disk, and a full disk says nothing about the config.
-5. hang / nccl / other -> Restart unchanged; the same failure repeated ``max_no_progress`` times
-   *with no step trained in between* -> GiveUp. Failures are counted by progress: an attempt that trained
-   steps before it failed starts a fresh count, so a week-long run survives any number of
-   preemptions or operator kills as long as each retry gets further (the crash-loop guard of
-   rule 3 and ``max_attempts`` still bound it)
-   A GPU fault: a fatal Xid -> GiveUp, not retryable (on that GPU); another -> as hang.
-   Under torchrun (``world_size`` > 1) a card that keeps failing (a fatal Xid, a fault that
-   came back, contention that outlasted the wait, a hang / nccl / other failure of a named rank
-   repeated to the crash-loop limit, e.g. a rank killed) -> Restart with ``drop_rank``: the other
-   cards, accumulation raised so micro x accumulation x ranks holds (GiveUp as above when it
-   cannot hold exactly)
-6. OOM-like kinds -> the next config, as :mod:`.choice` decides it (the search, then the ladder
-   walk, without the rungs charged by rule 0) -> Restart, or GiveUp when the ladder is exhausted.
-   Before it (6a, :mod:`.host_kill`): a host OOM kill after progress that is not in a row (the
-   retry trained past the last kill) -> Restart unchanged (a neighbour's spike); (6b,
-   :mod:`.spurious_retry`) an OOM marked spurious -> Restart unchanged once, its repeat climbs; a
-   host OOM's ladder takes throughput rungs before quality ones, and the LoRA rank only where the
-   adapter is what grew (:mod:`.host_kill`).
+3. ``max_no_progress`` attempts in a row trained no step with no config change -> GiveUp (crash loop)
+4. contention the job may not degrade for, or a full disk -> Wait, then Restart unchanged once the
+   memory or room came back (or there is no reading), else GiveUp
+5. hang / nccl / other / a GPU fault -> Restart unchanged, until the same failure repeated
+   ``max_no_progress`` times (a GPU fault: twice) with no step trained in between; a fatal Xid
+   -> GiveUp, not retryable. Under torchrun a card that keeps failing -> ``drop_rank``
+6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
+   OOM kill after progress not in a row and an OOM marked spurious, once
+   (:mod:`.ladder.spurious_retry`); a merge's memory failure takes the merge ladder.
 
-The values (settings, past attempts, decisions) live in :mod:`.verdicts`, the waits in
-:mod:`.waits`; this module holds the order of the rules and the retries.
+The values live in :mod:`.verdicts`; the rules after the first few are below :func:`decide`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from qlora_supervise.policies.choice import after_failure
-from qlora_supervise.policies.ladder.charge import Charge, PastFailure, latest_charge, unusable_rungs
-from qlora_supervise.policies.ladder.host_kill import host_settings, retry_after_kill
+from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
 from qlora_supervise.policies.ladder.spurious_retry import retry_spurious
-from qlora_supervise.policies.ladder.waits import (
-    after_contention,
-    after_disk_full,
-    bytes_needed,
-    gpu_broken,
-    without_card,
+from qlora_supervise.policies.rungs import (
+    RUNG_CLASSES,
+    RUNGS,
+    CostClass,
+    RungContext,
+    Survives,
+    rung_by_name,
+    rungs_between,
 )
-from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
     GiveUp,
-    MergeFailure,
     PastAttempt,
     Restart,
     Settings,
@@ -68,7 +50,7 @@ from qlora_supervise.policies.verdicts import (
     WaitFor,
     WaitResult,
 )
-from qlora_supervise.trainer_child.contract.codes import FailureKind
+from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 __all__ = [
@@ -102,11 +84,9 @@ def decide(
 ) -> Decision:
     """What to do after ``failure`` of an attempt that ran with ``knobs``.
 
-    ``history`` holds every finished attempt, the failed one included (last); attempts that did
-    not fail (stopped by the user, interrupted by a supervisor restart) count toward neither
-    the attempt budget nor the crash-loop streak. In the ``merge`` phase every memory failure
-    takes the merge ladder: training rungs cannot help a merge and a smaller model would merge
-    the adapter onto the wrong base.
+    ``history``: every finished attempt, the failed one last; those that did not fail count toward
+    neither the attempt budget nor the crash-loop streak. In the ``merge`` phase a memory failure
+    takes the merge ladder (a smaller model would merge the adapter onto the wrong base).
     """
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
@@ -119,7 +99,6 @@ def decide(
         return GiveUp(f"{kind.value} cannot be fixed by changing the training config", retryable=False)
     if len(failed) >= settings.max_attempts:
         return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
-    # Under torchrun a rank whose failure keeps coming back costs its card, not the run.
     named = kind in RETRY_UNCHANGED_ONCE and getattr(failure, "local_rank", None) is not None
     if _no_progress_streak(failed) >= settings.max_no_progress:
         crash_loop = GiveUp(
@@ -132,7 +111,6 @@ def decide(
     if kind is FailureKind.DISK_FULL:
         return after_disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
-        # A GPU that faulted is retried once (issue 9); other transient kinds up to the crash-loop limit.
         limit = 2 if kind is FailureKind.GPU_FAULT else settings.max_no_progress
         retried = _retry_unchanged(kind, knobs, history, limit)
         if isinstance(retried, GiveUp) and (kind is FailureKind.GPU_FAULT or named):
@@ -146,7 +124,7 @@ def decide(
     if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
         return spurious
     if phase == "merge" and kind.is_oom:
-        return after_failure(MergeFailure(), knobs, history, settings)
+        return after_failure(PastFailure(FailureKind.OOM_MERGE, Stage.MERGE), knobs, history, settings)
     # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
     settings = host_settings(failure, settings, failed)
     return after_failure(failure, knobs, history, settings, unusable_rungs(history))
@@ -174,12 +152,8 @@ def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], setti
 
 
 def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
-    """Attempts at the end of the history that trained no step and ran the config of the one before.
-
-    A ladder climbing at step 0 changes the config every time and ends on its own (finitely
-    many rungs, no config repeated), so only unchanged restarts count toward a crash loop. The
-    first attempt of the streak counts too: it is the failure the unchanged restarts repeat.
-    """
+    """Attempts at the end of the history that trained no step and ran the config of the one
+    before, and the first of them (a ladder climbing at step 0 ends on its own)."""
     streak = 0
     for index in range(len(history) - 1, -1, -1):
         past = history[index]
@@ -192,9 +166,6 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
 
 
 def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt], limit: int) -> Decision:
-    # A kill can come again before the retry trains a step (a preemption during the next load):
-    # the same failure gives up only once it repeated ``limit`` times (the crash-loop limit,
-    # supervise.max_no_progress_attempts) with no step trained in between.
     same = _same_failures_since_progress(kind, knobs, history)
     if same >= max(2, limit):
         return GiveUp(
@@ -207,11 +178,8 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
 
 
 def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> int:
-    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained steps.
-
-    The count starts afresh at an attempt that made progress: that failure is the first of a
-    new count, and the ones before it were followed by training, so they were transient.
-    """
+    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained
+    steps: the ones before it were followed by training, so they were transient."""
     same = 0
     for past in reversed(history):
         if past.kind is kind and past.knobs == knobs:
@@ -219,3 +187,197 @@ def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequ
         if past.steps_progressed > 0:
             break
     return same
+
+
+# ---- rule 0: a rung charged with the failure right after it -------------------------------
+# A failure the run did not have before a rung changed its config, with no step trained, is the
+# rung's: the change is deterministic, so a retry repeats it (issue 19: cpu_offload -> meta tensors,
+# three times). Every rung of a combination is charged (which one broke it cannot be told apart).
+# Charges derive from the history alone, so a restarted supervisor reads the same from the journal.
+
+CHARGEABLE = frozenset({FailureKind.OTHER, FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
+#: Where an OOM kind happened, for a past attempt journalled without its stage.
+_STAGE_OF_KIND: Mapping[FailureKind, Stage] = {
+    FailureKind.OOM_LOAD: Stage.LOAD,
+    FailureKind.OOM_FORWARD: Stage.FORWARD,
+    FailureKind.OOM_BACKWARD: Stage.BACKWARD,
+    FailureKind.OOM_OPTIMIZER: Stage.OPTIMIZER,
+    FailureKind.OOM_EVAL: Stage.EVAL,
+    FailureKind.OOM_MERGE: Stage.MERGE,
+}
+
+
+@dataclass(frozen=True)
+class Charge:
+    """Rungs charged with the newest failure, and the attempt before them (its failure to climb from)."""
+
+    rungs: tuple[str, ...]
+    kind: FailureKind  # the failure charged
+    before: PastAttempt  # the attempt whose failure the rungs answered
+
+
+@dataclass(frozen=True)
+class PastFailure:
+    """A failure as the ladder needs it (kind and stage): an earlier attempt's, or the merge's."""
+
+    kind: FailureKind
+    stage: Stage
+    numbers: Mapping[str, Any] = field(default_factory=dict)
+    fatal_xid: int | None = None
+
+    @classmethod
+    def of(cls, past: PastAttempt) -> PastFailure:
+        assert past.kind is not None  # a Charge's ``before`` failed
+        return cls(past.kind, past.stage or _STAGE_OF_KIND.get(past.kind, Stage.FORWARD))
+
+
+def charge_at(history: Sequence[PastAttempt], index: int) -> Charge | None:
+    """The charge of attempt ``history[index]``'s failure, or None when it is not a rung's."""
+    failed = history[index]
+    if index == 0 or failed.kind not in CHARGEABLE or failed.steps_progressed > 0:
+        return None
+    before = history[index - 1]
+    if before.kind is None or not before.kind.is_oom or before.knobs == failed.knobs:
+        return None  # no rung changed the config for a memory failure just before
+    if any(past.kind is failed.kind for past in history[:index] if past.knobs != failed.knobs):
+        return None  # the run had this failure before the change: it is not the rung's
+    rungs = rungs_between(before.knobs, failed.knobs)
+    return Charge(rungs, failed.kind, before) if rungs else None
+
+
+def latest_charge(history: Sequence[PastAttempt]) -> Charge | None:
+    """The charge of the newest attempt's failure (history's last entry)."""
+    return charge_at(history, len(history) - 1) if history else None
+
+
+def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
+    """The rungs unusable for the rest of the run: charged with a failure in ``history``, or whose
+    knob an attempt changed but its trainer did not take."""
+    charged = (charge_at(history, i) for i in range(len(history)))
+    untaken = {knob for past in history for knob in past.unapplied}
+    return frozenset(name for c in charged if c is not None for name in c.rungs) | frozenset(
+        rung.name for rung in RUNGS if rung.knob in untaken
+    )
+
+
+# ---- rule 6a: a host OOM kill, and its ladder ---------------------------------------------
+# On a shared host the OOM killer often picks the trainer for a neighbour's spike, so a kill after
+# progress is retried unchanged, unless the retry got no further (the config's own peak) or offload
+# is on (charged instead, :mod:`.choice`). The stage of a kill is only where the process was, not
+# what grew: its ladder takes throughput rungs first (none that moves memory to the host), quality
+# last, and the rank only for a kill in the optimizer stage before the first step.
+
+_STEP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
+#: Throughput rungs that shrink a training step's memory without moving anything to the host.
+_STEP_RUNGS = ("gradient_checkpointing", "halve_micro_batch")
+_RANK = "halve_lora_rank"
+#: Rungs that move memory from the card to the host: no way down after the host killed the child.
+_HOST_RUNGS = frozenset({"activation_offload", "paged_8bit_optimizer"})
+
+
+def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
+    """Restart unchanged when ``failure`` is a host OOM kill after progress that is not in a row;
+    ``failed``: the failed attempts, this one last. None: the ladder decides."""
+    if failure.kind is not FailureKind.HOST_OOM or not failed or failed[-1].steps_progressed <= 0:
+        return None
+    if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (choice.py)
+        return None
+    now = failed[-1]
+    before = failed[-2] if len(failed) > 1 else None
+    in_a_row = before is not None and before.kind is FailureKind.HOST_OOM and before.knobs == knobs
+    if in_a_row and before is not None and now.reached <= before.reached:
+        return None  # killed again no further than the last kill: the config's own peak
+    why = (
+        f"host OOM kill after {now.steps_progressed} step(s) of progress (at step {now.reached}): the "
+        "config fitted until then and the kernel may have picked the trainer for another process's "
+        "spike; retry unchanged before the ladder moves"
+    )
+    return Restart(knobs, "retry_unchanged", {}, why, Survives.ALL)
+
+
+def host_ladder(stage: Stage, settings: Settings, adapter_grew: bool) -> tuple[str, ...]:
+    """The rungs for a host OOM at ``stage`` (the module docstring); a job's own ``host_oom`` ladder
+    is taken as written."""
+    if FailureKind.HOST_OOM in settings.overrides:
+        return settings.overrides[FailureKind.HOST_OOM]
+    walked = ladder_for(FailureKind.HOST_OOM, stage, settings.overrides)
+    names = tuple(n for n in walked if n not in _HOST_RUNGS)
+    if stage in _STEP_STAGES:
+        names = tuple(dict.fromkeys((*names, *_STEP_RUNGS)))
+    quality = [n for n in names if RUNG_CLASSES.get(n) is CostClass.QUALITY and (n != _RANK or adapter_grew)]
+    return (*(n for n in names if RUNG_CLASSES.get(n) is not CostClass.QUALITY), *quality)
+
+
+def host_settings(failure: FailureLike, settings: Settings, failed: Sequence[PastAttempt]) -> Settings:
+    """``settings`` with :func:`host_ladder` as the ``host_oom`` ladder for this failure."""
+    if failure.kind is not FailureKind.HOST_OOM:
+        return settings
+    grew = failure.stage is Stage.OPTIMIZER and bool(failed) and failed[-1].steps_progressed <= 0
+    ladder = host_ladder(failure.stage, settings, grew)
+    return dataclasses.replace(settings, overrides={**settings.overrides, FailureKind.HOST_OOM: ladder})
+
+
+# ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------
+
+
+def gpu_broken(failure: FailureLike) -> GiveUp:
+    """A fatal Xid: the GPU must be reset or replaced; no config, and no retry, helps on it."""
+    code = failure.fatal_xid
+    return GiveUp(
+        f"the GPU reported fatal Xid {code}: it needs a reset (nvidia-smi -r) or a hardware check; "
+        "nothing was retried on it (the checkpoints are kept)",
+        retryable=False,
+    )
+
+
+def bytes_needed(numbers: Mapping[str, Any]) -> int:
+    """What the failed process held plus what it asked for: the memory it needs to get past."""
+    held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
+    return int(held) + int(numbers.get("tried_to_allocate") or 0)
+
+
+def after_contention(
+    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
+) -> Decision:
+    needed = bytes_needed(failure.numbers)
+    if waited is None:
+        return Wait(settings.contention_wait_s, needed, "other processes hold the GPU memory this job needs")
+    if waited.free_bytes is None:
+        why = "no NVML reading to wait on: retry the same config after the backoff"
+        return Restart(knobs, "wait_for_memory", {}, why, Survives.ALL)
+    if waited.free_bytes >= needed:
+        return Restart(knobs, "wait_for_memory", {}, "the other processes released the memory", Survives.ALL)
+    kept = GiveUp(
+        f"other processes kept the GPU memory for {settings.contention_wait_s:.0f}s "
+        "and supervise.degrade_on_contention is false"
+    )
+    return without_card(failure, knobs, "other processes kept one card's memory") or kept
+
+
+def without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None:
+    """Under torchrun, the restart on the other cards (``drop_rank``) when one card keeps failing;
+    None for a single process or where the effective batch cannot be kept exactly."""
+    # A failure of the supervisor's (diagnosis.Failure) names the rank that caused it; one that
+    # does not (a single process, a caller's own failure type) leaves the last card out.
+    context = RungContext(failed_local_rank=getattr(failure, "local_rank", None))
+    for rung in (rung_by_name(name, context) for name in CARD_FAILING):
+        dropped = rung.apply(knobs)
+        if dropped is not None:
+            changes = knob_changes(knobs, dropped)
+            return Restart(dropped, rung.name, changes, f"{why}: {rung.reason}", rung.survives)
+    return None
+
+
+def after_disk_full(
+    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
+) -> Decision:
+    needed = int(failure.numbers.get("needed_bytes") or 0)
+    if waited is None:
+        why = "the disk holding the run directory has no room for a checkpoint"
+        return Wait(settings.disk_wait_s, needed, why, WaitFor.DISK)
+    if waited.free_bytes is None or waited.free_bytes >= needed:
+        return Restart(knobs, "wait_for_disk", {}, "there is room on the disk again", Survives.ALL)
+    return GiveUp(
+        f"the disk stayed without room for a checkpoint ({needed} bytes) for "
+        f"{settings.disk_wait_s:.0f}s (supervise.disk_wait): free space there and run the same command again"
+    )

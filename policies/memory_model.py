@@ -1,21 +1,8 @@
-"""The peak-memory model of a QLoRA attempt, and its per-run calibration.
+"""The peak-memory model of a QLoRA attempt (terms in :mod:`.memory.gpu`), and its calibration.
 
-It answers two questions: for ``qlora-supervise plan`` and the pre-flight, "what will this
-config peak at, and where does the memory go?"; for the ladder, "can this candidate possibly
-fit the budget?", so that rungs whose result would fail the same way are skipped.
-
-The terms are in :mod:`.memory.gpu` (each one says what in the recipe and the libraries it
-counts; the adapter's weights, gradients and optimizer state in :mod:`.memory.optimizer`), the
-shape reader in :mod:`.memory.shape`, host memory in :mod:`.memory.host`. Against the H200 grid
-(bench/results/memory-grid-h200-2026-12-01, re-scored by ``bench/models/score_memory_grid.py``): median
-|error| 0.2 %, worst 2.2 % on peak allocated over 28 configs.
-
-Calibration (:func:`calibrate`) splits a prediction into a *fixed* part (weights, embeddings,
-adapter, optimizer state: exact byte counts) and a *variable* part (activations, the loss,
-backward transients: they scale with tokens and are where the model's approximations live),
-and fits one scale on the variable part from what the child reported. The next prediction for
-a nearby config (same shape, other micro-batch / seq_len / checkpointing) is then
-``fixed + scale * variable``.
+Calibration splits a prediction into a *fixed* part (exact byte counts: weights, adapter, optimizer
+state) and a *variable* part (what scales with tokens, where the approximations live) and fits one
+scale on the variable part from observed peaks.
 """
 
 from __future__ import annotations
@@ -24,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
-from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
+from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 __all__ = [
@@ -33,8 +20,6 @@ __all__ = [
     "ModelShape",
     "Observation",
     "Prediction",
-    "Unsupported",
-    "UnsupportedReason",
     "calibrate",
     "cannot_fit",
     "estimate_peak",
@@ -42,7 +27,6 @@ __all__ = [
     "split",
 ]
 
-#: The parts that scale with tokens, which calibration corrects.
 VARIABLE_COMPONENTS = frozenset(
     {"activations", "backward_block", "loss_hidden_fp32", "loss_tiles", "eval_activations"}
 )
@@ -80,12 +64,10 @@ def calibrate(
     observations: Sequence[Observation],
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
 ) -> float | None:
-    """The scale on the variable part that explains the observed peaks; None without data.
+    """The median over observed peaks of ``(observed - fixed) / variable``; None without data.
 
-    Only non-exceeded observations calibrate: an OOM tells a lower bound, not the peak. Each
-    observation gives ``(observed - fixed) / variable``; the median keeps one odd attempt from
-    steering the model. Clamped to [0.25, 4]: outside that the model is wrong in its fixed part,
-    and a scale would only hide it.
+    An OOM (``exceeded``) is a lower bound, not a peak, and does not calibrate. Clamped to
+    :data:`SCALE_RANGE`: outside it the fixed part is wrong, and a scale would only hide it.
     """
     scales = []
     for o in observations:

@@ -1,15 +1,9 @@
 """Timing the speed trial again when the card's sharing has changed since it ran (issue 34).
 
-The trial ranks its candidates on the card as it is: beside three other jobs on an H200 it chose
-micro-batch 2 over the planner's 4, right while the card was shared and wrong once the others had
-gone. When the card's sharing (NVML: the other processes' memory, and their SM utilisation where
-the board reports it) has differed from what it was at the trial (:meth:`Sharing.differs`) for the
-whole settle time, and a candidate is predicted (the throughput model, for the card alone) at least
-``MIN_GAIN`` faster than the one the attempt trains, the next checkpoint restarts it with that
-candidate and the trial's candidates (that one first), and the restarted child times them again
-before it goes on (the trial runs on a resume too when its spec says so). Only when the gain is
-worth the restart: the predicted gain on the time left must win back more than
-:data:`RESTART_COST_S`.
+When the others' memory or SM use (NVML) has differed from the trial's for the whole settle time,
+and a candidate is predicted at least ``MIN_GAIN`` faster than the one trained by more than
+:data:`RESTART_COST_S` on the time left, the next checkpoint restarts with it to time the trial
+again (docs/ladder.md: beside three jobs on an H200 a trial chose micro 2, wrong once they left).
 """
 
 from __future__ import annotations
@@ -19,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies.choice import MIN_GAIN, trained_with
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 RETIME_RUNG = "retime"
 #: How far the others' memory, or their SM utilisation (percentage points), must move to count.
@@ -66,8 +59,7 @@ def retime(
     settle_s: float,
     remaining_s: float = math.inf,
 ) -> tuple[Knobs, str] | None:
-    """The knobs to restart with and why, to time the trial again now; None: not now (the module
-    docstring)."""
+    """The knobs to restart with and why, to time the trial again now; None: not now."""
     if then is None or not window or held_for_s < settle_s:
         return None
     if not all(now.differs(then) for now in window):

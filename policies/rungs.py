@@ -1,9 +1,7 @@
 """Rungs: the one record of each change the supervisor may make, and every table derived from it.
 
 A rung is a pure function ``knobs -> knobs | None`` (None: nothing left to change here) with a
-stable name (job files name rungs in ladder overrides), a reason a person can read in the log,
-what training progress survives it, the knob it moves, its cost class (how the pre-flight search
-enumerates it), its quality weight, and whether ``plan`` shows it and a foreign tool can take it.
+stable name (job files name rungs in ladder overrides) and a reason a person can read in the log.
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ class Survives(str, enum.Enum):
 
 
 class CostClass(str, enum.Enum):
-    """What a change costs (ARCHITECTURE.md, "Choosing a config"): free changes are always on in the
-    search, throughput ones are ranked by the throughput model, quality ones only when nothing else fits."""
+    """What a change costs: free changes are always on in the search, throughput ones are ranked by
+    the throughput model, quality ones only when nothing else fits."""
 
     FREE = "free"
     THROUGHPUT = "throughput"
@@ -44,7 +42,7 @@ class Axis(str, enum.Enum):
 
     TOGGLE = "toggle"  # the job's value, or the rung applied once (never back: towards less memory only)
     EITHER = "either"  # off and on, whatever the job says (checkpointing off may be the faster)
-    DIVISORS = "divisors"  # every value that keeps the effective batch (candidates.micro_batches)
+    DIVISORS = "divisors"  # every value that keeps the effective batch (search_state.micro_batches)
     FITTED = "fitted"  # the largest that fits, per candidate (the eval batch)
     HALVINGS = "halvings"  # a quality cut: the rung applied 0, 1, 2... times
     NONE = "none"  # not searched: the ladder (or the fallbacks) only
@@ -53,7 +51,7 @@ class Axis(str, enum.Enum):
 @dataclass(frozen=True)
 class RungContext:
     """What a rung may need beyond the knobs: the job's fallback models, and under torchrun the
-    local rank (its GPU) of the failure (None: unknown, or a single process)."""
+    local rank of the failure (None: unknown, or a single process)."""
 
     fallbacks: tuple[str, ...] = ()
     failed_local_rank: int | None = None
@@ -71,9 +69,8 @@ class Rung:
     quality_weight: float = 0.0  # fewer quality steps first, a shorter sequence before a smaller rank
     in_plan: bool = False  # shown by ``plan``, applied alone to the job as written
     tool_can_take: bool = False  # a foreign tool's config can express the knob (supervisor/trainers)
-    # A later failure is charged to it (ladder/charge.py) and the search names it as a change; False
-    # for the rungs that answer one phase's failure (the load, eval, the merge, a rank), which a
-    # failure of another kind must not revert.
+    # A later failure is charged to it (decide.py, rule 0); False for the rungs that answer one
+    # phase's failure (load, eval, merge, a rank), which a failure of another kind must not revert.
     charged: bool = True
     context: RungContext = RungContext()
 
@@ -81,29 +78,33 @@ class Rung:
         return self.step(knobs, self.context)
 
 
-def _set(knob: str, value: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
-    """The step that sets a knob to ``value`` (None: it already is)."""
+def _set(**values: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
+    """The step that sets knobs to ``values`` (None: they already are)."""
 
     def step(k: Knobs, _: RungContext) -> Knobs | None:
-        return None if getattr(k, knob) == value else dataclasses.replace(k, **{knob: value})
+        changed = dataclasses.replace(k, **values)
+        return None if changed == k else changed
+
+    return step
+
+
+def _halve(knob: str, floor: int) -> Callable[[Knobs, RungContext], Knobs | None]:
+    """The step that halves a knob, to ``floor`` at least (None: it is there already)."""
+
+    def step(k: Knobs, _: RungContext) -> Knobs | None:
+        value = getattr(k, knob)
+        return None if value <= floor else dataclasses.replace(k, **{knob: max(floor, value // 2)})
 
     return step
 
 
 def _halve_micro_batch(k: Knobs, _: RungContext) -> Knobs | None:
-    # The largest micro-batch of at most half that divides each rank's share of the effective
-    # batch: accumulation grows to match, so micro x accumulation x ranks holds (micro 1 always divides).
+    # The largest micro-batch of at most half that divides the per-rank batch; accumulation grows.
     if k.micro_batch_size <= 1:
         return None
     per_rank = k.micro_batch_size * k.grad_accum
     half = next(m for m in range(k.micro_batch_size // 2, 0, -1) if per_rank % m == 0)
     return dataclasses.replace(k, micro_batch_size=half, grad_accum=per_rank // half)
-
-
-def _shorten_seq_len(k: Knobs, _: RungContext) -> Knobs | None:
-    if k.max_seq_len <= MIN_SEQ_LEN:
-        return None
-    return dataclasses.replace(k, max_seq_len=max(MIN_SEQ_LEN, k.max_seq_len // 2))
 
 
 @dataclass(frozen=True)
@@ -151,17 +152,6 @@ def _halve_lora_rank(k: Knobs, _: RungContext) -> Knobs | None:
     return dataclasses.replace(k, lora_r=k.lora_r // 2, lora_alpha=max(1, k.lora_alpha // 2))
 
 
-def _quantize_4bit(k: Knobs, _: RungContext) -> Knobs | None:
-    wanted = dataclasses.replace(k, load_in_4bit=True, quant_type="nf4", double_quant=True)
-    return None if wanted == k else wanted
-
-
-def _halve_eval_batch(k: Knobs, _: RungContext) -> Knobs | None:
-    if k.eval_batch_size <= 1:
-        return None
-    return dataclasses.replace(k, eval_batch_size=k.eval_batch_size // 2)
-
-
 def _optimizer_state_on_host(k: Knobs, _: RungContext) -> Knobs | None:
     # On one process transformers already reads the state with map_location="cpu": nothing to change.
     if k.optimizer_state_on_host or k.world_size <= 1:
@@ -177,8 +167,7 @@ def _smaller_model(k: Knobs, context: RungContext) -> Knobs | None:
 
 
 def _drop_rank(k: Knobs, context: RungContext) -> Knobs | None:
-    # micro x accumulation x ranks must come out exactly: 2 -> 1 ranks doubles accumulation, 4 -> 3
-    # needs it divisible by 3. Where it cannot be kept (or one rank is left), the rung does not apply.
+    # micro x accumulation x ranks must come out exactly (4 -> 3 ranks needs accumulation x 4 / 3).
     ranks = k.world_size
     if ranks <= 1 or (k.grad_accum * ranks) % (ranks - 1):
         return None
@@ -186,8 +175,7 @@ def _drop_rank(k: Knobs, context: RungContext) -> Knobs | None:
     failed = context.failed_local_rank
     cards.pop(failed if failed is not None and 0 <= failed < len(cards) else len(cards) - 1)
     gpus = "" if cards == list(range(ranks - 1)) else ",".join(map(str, cards))
-    # One rank left has nothing to shard with: it trains as one process (FSDP's optimizer state is
-    # then reset on resume, supervisor/loop/resume.py).
+    # One rank left has nothing to shard with: it trains as one process.
     return dataclasses.replace(
         k,
         world_size=ranks - 1,
@@ -204,13 +192,13 @@ RUNGS: tuple[Rung, ...] = (
     Rung(
         "expandable_segments",
         "reserved-but-unallocated memory could have served the request: let the allocator grow segments",
-        Survives.ALL, _set("expandable_segments", True), "expandable_segments",
+        Survives.ALL, _set(expandable_segments=True), "expandable_segments",
         _FREE, Axis.TOGGLE, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "gradient_checkpointing",
         "recompute activations in backward instead of keeping them",
-        Survives.ALL, _set("gradient_checkpointing", True), "gradient_checkpointing",
+        Survives.ALL, _set(gradient_checkpointing=True), "gradient_checkpointing",
         _SPEED, Axis.EITHER, in_plan=True, tool_can_take=True,
     ),
     Rung(
@@ -222,13 +210,13 @@ RUNGS: tuple[Rung, ...] = (
     Rung(
         "shorten_seq_len",
         "halve max_seq_len: activations grow with sequence length",
-        Survives.ALL, _shorten_seq_len, "max_seq_len",
+        Survives.ALL, _halve("max_seq_len", MIN_SEQ_LEN), "max_seq_len",
         _QUALITY, Axis.HALVINGS, 1.0, in_plan=True, tool_can_take=True,
     ),
     Rung(
         "paged_8bit_optimizer",
         "8-bit paged AdamW: a quarter of the optimizer state, paged out under pressure",
-        Survives.OPTIMIZER_RESET, _set("optimizer", PAGED_8BIT), "optimizer",
+        Survives.OPTIMIZER_RESET, _set(optimizer=PAGED_8BIT), "optimizer",
         _SPEED, Axis.TOGGLE, in_plan=True, tool_can_take=True,
     ),
     Rung(
@@ -241,34 +229,31 @@ RUNGS: tuple[Rung, ...] = (
     Rung(
         "quantize_4bit",
         "load the base model in 4-bit NF4 with double quantization",
-        Survives.ALL, _quantize_4bit, "load_in_4bit", tool_can_take=True, charged=False,
+        Survives.ALL, _set(load_in_4bit=True, quant_type="nf4", double_quant=True), "load_in_4bit",
+        tool_can_take=True, charged=False,
     ),
-    # The bf16 embeddings and LM head, a throughput rung on the loss parity measured: H200, 8B 128k,
-    # 60 steps: max |loss difference| 0.0037, no larger than two upcast runs differ from each other
-    # (0.0037), 2.0 GiB less memory, tokens/s within the runs' 12 % noise (no gain: trl's fused head
-    # never builds the logits); CPU tiny model in bf16, 200 steps: 25-step means within 1.3 %, no bias
-    # (bench/results/throughput-h200-2026-12-01/parity.txt, bench/results/bf16-head-parity-cpu-2026-12-01/).
-    # It changes the numerics a little and buys no speed, so a job that fits as written keeps its fp32
-    # head: taken before any quality cut (FREE would put it on every changed config). Our child, and a
-    # script through its shim (Tool.shim_rungs).
+    # A throughput rung on the loss parity measured (H200 8B, 60 steps: within the noise of two
+    # upcast runs; bench/results/throughput-h200-2026-12-01/parity.txt), but no speed: not FREE, so
+    # a job that fits keeps its fp32 head. Our child, and a script through its shim.
     Rung(
         "bf16_head",
         "keep the embeddings and LM head in bf16 instead of fp32 (norms stay fp32): half their bytes",
-        Survives.ALL, _set("bf16_head", True), "bf16_head",
+        Survives.ALL, _set(bf16_head=True), "bf16_head",
         _SPEED, Axis.TOGGLE, in_plan=True,
     ),
     Rung(
         "activation_offload",
         "keep the activations saved for backward in host memory (save_on_cpu): slower, far less GPU memory",
-        Survives.ALL, _set("activation_offload", True), "activation_offload",
+        Survives.ALL, _set(activation_offload=True), "activation_offload",
         _SPEED, Axis.TOGGLE, in_plan=True,
     ),
     Rung(
-        "halve_eval_batch", "halve the evaluation batch", Survives.ALL, _halve_eval_batch, "eval_batch_size",
+        "halve_eval_batch", "halve the evaluation batch",
+        Survives.ALL, _halve("eval_batch_size", 1), "eval_batch_size",
         _SPEED, Axis.FITTED, in_plan=True, tool_can_take=True,
     ),
     Rung(
-        "disable_eval", "turn evaluation off", Survives.ALL, _set("eval_enabled", False), "eval_enabled",
+        "disable_eval", "turn evaluation off", Survives.ALL, _set(eval_enabled=False), "eval_enabled",
         tool_can_take=True, charged=False,
     ),
     # The resume stage's rungs: our child loads the optimizer state itself; a tool's resume is its own.
@@ -282,18 +267,18 @@ RUNGS: tuple[Rung, ...] = (
         "fresh_optimizer_state",
         "resume the adapter and the step with a fresh optimizer state, the LR schedule kept at the "
         "step: the saved moments are not loaded",
-        Survives.OPTIMIZER_RESET, _set("fresh_optimizer_state", True), "fresh_optimizer_state",
+        Survives.OPTIMIZER_RESET, _set(fresh_optimizer_state=True), "fresh_optimizer_state",
     ),
     Rung(
         "merge_on_cpu", "merge the adapter in a separate process on the CPU",
-        Survives.ALL, _set("merge_on_cpu", True), "merge_on_cpu", charged=False,
+        Survives.ALL, _set(merge_on_cpu=True), "merge_on_cpu", charged=False,
     ),
     # The job's fallback models (the adapter starts again); the search tries them itself.
     Rung(
         "smaller_model", "fall back to a smaller model",
         Survives.ADAPTER_REINIT, _smaller_model, "model", _QUALITY, quality_weight=5.0,
     ),
-    # Under torchrun, for a card that keeps failing: the other cards (policies/ladder/waits.py).
+    # Under torchrun, for a card that keeps failing: the other cards (policies/decide.py).
     Rung(
         "drop_rank",
         "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
@@ -311,6 +296,14 @@ QUALITY_WEIGHTS: Mapping[str, float] = {r.name: r.quality_weight for r in RUNGS 
 RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS) if r.charged}
 #: The rungs ``plan`` shows, cheapest class first.
 PLAN_RUNGS: tuple[Rung, ...] = tuple(r for cost in CostClass for r in RUNGS if r.in_plan and r.cost is cost)
+
+
+def rungs_between(old: Knobs, new: Knobs) -> tuple[str, ...]:
+    """The rung names of every knob that differs, in the rungs' own order (one name per rung)."""
+    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
+    changed = {RUNG_OF_KNOB[k] for k in before if before[k] != after[k] and k in RUNG_OF_KNOB}
+    return tuple(rung.name for rung in RUNGS if rung.name in changed)
+
 
 #: Rungs that were, and why a job may no longer name them (the job file's validation says it).
 RETIRED_RUNGS: Mapping[str, str] = {

@@ -1,8 +1,4 @@
-"""The values the decision reads and returns: past attempts, settings, ``Restart | Wait | GiveUp``.
-
-Apart from :mod:`.decide` so that the rules' modules (:mod:`.choice`, :mod:`.climb`, :mod:`.waits`,
-:mod:`.charge`) share them without importing each other; :mod:`.decide` re-exports them.
-"""
+"""The values the decision reads and returns: past attempts, settings, ``Restart | Wait | GiveUp``."""
 
 from __future__ import annotations
 
@@ -39,16 +35,6 @@ class FailureLike(Protocol):
 
 
 @dataclass(frozen=True)
-class MergeFailure:
-    """How the ladder sees any memory failure of the merge process."""
-
-    kind: FailureKind = FailureKind.OOM_MERGE
-    stage: Stage = Stage.MERGE
-    numbers: Mapping[str, Any] = field(default_factory=dict)
-    fatal_xid: int | None = None
-
-
-@dataclass(frozen=True)
 class PastAttempt:
     """One finished attempt as the policy sees it."""
 
@@ -75,39 +61,22 @@ class Settings:
     overrides: Mapping[FailureKind, tuple[str, ...]] = field(default_factory=dict)
     budget_bytes: int | None = None
     shape: memory_model.ModelShape | None = None
-    #: Why ``shape`` is None for a model whose config reads (a foreign tool's 8-bit or 16-bit
-    #: weights, supervisor/trainers/model_facts.py); None: the architecture is the reason, or none.
-    unmodelled: str | None = None
-    #: Peaks observed on this host in earlier runs of the same shape (the per-host store).
-    prior: tuple[memory_model.Observation, ...] = ()
-    # The latest attempt's tokenized sample lengths: shorten_seq_len says what it would cut.
-    sample_lengths: SampleLengths | None = None
-    #: Tokens/s measured for this shape: this host's earlier runs (the store), then this run's attempts.
-    speeds: tuple[SpeedObservation, ...] = ()
-    #: The fallback models' shapes, in the order of ``fallbacks`` (None: outside the memory model).
-    fallback_shapes: tuple[tuple[str, memory_model.ModelShape | None], ...] = ()
-    #: The speed trial (supervise.speed_trial): attempt 1 times its top candidates before step 1.
-    speed_trial: bool = True
-    #: Rungs the trainer cannot be told (a foreign tool's config has no key for their knob): the
-    #: pre-flight, the search after a failure and the ladder walk never use them.
-    cannot_take: frozenset[str] = frozenset()
-    #: The host budget every planned config must fit too (None: the card alone: a CPU run, or no
-    #: shape to count with). A host OOM kill under offload is charged to offload with it.
-    host: HostBudget | None = None
-    #: The job's LoRA targets (``train.target_modules``): what the host model counts the adapter by.
-    targets: tuple[str, ...] | str = memory_model.DEFAULT_TARGETS
-    #: Step back up at a checkpoint when a rung's cause has cleared (ladder/step_up.py).
-    step_up: bool = True
-    #: How long the others' memory must stay low before a contention rung is undone; also how long
-    #: the card's sharing must differ from the speed trial's before the trial is timed again.
-    step_up_settle_s: float = 120.0
-    #: A step-up may undo a quality rung too (a longer seq_len, a larger rank): off unless the job says.
-    step_up_quality: bool = False
+    unmodelled: str | None = None  # why ``shape`` is None for a model whose config reads (a tool's)
+    prior: tuple[memory_model.Observation, ...] = ()  # this host's peaks of the shape (the store)
+    sample_lengths: SampleLengths | None = None  # the latest attempt's (what shorten_seq_len cuts)
+    speeds: tuple[SpeedObservation, ...] = ()  # this host's tokens/s of the shape, then this run's
+    fallback_shapes: tuple[tuple[str, memory_model.ModelShape | None], ...] = ()  # as ``fallbacks``
+    speed_trial: bool = True  # attempt 1 times its top candidates before step 1
+    cannot_take: frozenset[str] = frozenset()  # rungs the trainer cannot be told
+    host: HostBudget | None = None  # the host budget every config must fit too (None: none)
+    targets: tuple[str, ...] | str = memory_model.DEFAULT_TARGETS  # ``train.target_modules``
+    step_up: bool = True  # step back up once a rung's cause has cleared (ladder/step_up.py)
+    step_up_settle_s: float = 120.0  # how long a change on the card must hold to step up or re-time
+    step_up_quality: bool = False  # a step-up may undo a quality rung too
 
 
 def for_model(settings: Settings, model: str) -> Settings:
-    """The settings for ``model``: a fallback model's own shape, without the job's model's
-    measurements (they calibrate another shape); the job's model: unchanged."""
+    """The settings for ``model``: a fallback's own shape without the job's model's measurements."""
     shapes = dict(settings.fallback_shapes)
     if model not in shapes:
         return settings

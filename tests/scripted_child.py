@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.disk_space import disk_facts, ensure_room, is_disk_full
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
@@ -254,7 +254,7 @@ class Child:
 
 
 def file_digests(root: Path) -> dict[str, dict[str, object]]:
-    """The marker's ``files`` entry (size and sha256 per file), as checkpoint_dirs.file_digests
+    """The marker's ``files`` entry (size and sha256 per file), as checkpoints.file_digests
     writes it; spelled out here so the scripted child speaks the file contract on its own."""
     return {
         p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}

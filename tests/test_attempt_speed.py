@@ -16,8 +16,8 @@ from qlora_supervise.supervisor.record.attempt_speed import measured_speed
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import event_line
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
+from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult, event_line
+from qlora_supervise.trainer_child.contract.spec import TrialCandidate
 
 
 def _run_with_speeds(tmp_path: Path, rates: list[float]) -> RunDir:

@@ -6,8 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, decide
-from qlora_supervise.policies.ladder.charge import unusable_rungs
+from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, decide, unusable_rungs
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

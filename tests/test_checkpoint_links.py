@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qlora_supervise.trainer_child.contract import checkpoints
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
     CHECKPOINT_COMPLETE_MARKER,
     QUARANTINE_REASON,
     UnsafeCheckpointPath,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qlora_supervise.trainer_child.contract import checkpoints
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
     CHECKPOINT_COMPLETE_MARKER,
     complete_checkpoints,
 )

@@ -16,16 +16,19 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import (
     EVENT_NAMES,
     ChildEvent,
+    ChildPeakSource,
     EarlyCheckpointRequested,
     Heartbeat,
     Loaded,
+    MemoryNumbers,
+    SpeedTrialEvent,
     StageEntered,
     Stopping,
+    TrialResult,
     event_line,
     parse_event,
 )
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
+from qlora_supervise.trainer_child.contract.spec import TrialCandidate
 from qlora_supervise.trainer_child.run.heartbeat import EventLog, Progress
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
 from _machine import above_baseline
 
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
     CHECKPOINT_COMPLETE_MARKER,
     newest_complete_checkpoint,
 )

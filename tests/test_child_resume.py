@@ -18,7 +18,7 @@ from _child import (
 )
 from _machine import scaled
 
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import complete_checkpoints
+from qlora_supervise.trainer_child.contract.checkpoints import complete_checkpoints
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,7 @@ from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.watching.creep import HORIZON_STEPS, CreepWatch
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.events import Heartbeat
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
+from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat, MemoryNumbers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import import_baseline

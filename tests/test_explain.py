@@ -16,8 +16,7 @@ from qlora_supervise.supervisor.commands.explain import explain_command, explana
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.events import Heartbeat
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
+from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat, MemoryNumbers
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench/results/gpu-h200-2026-11-29"
 BENCH_RUN = RESULTS / "after-fix/cap-8GiB"

@@ -16,7 +16,7 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptPeakSource, AttemptRecord, Outcome, Phase
 from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorPeak
+from qlora_supervise.trainer_child.contract.allocator import AllocatorPeak
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport

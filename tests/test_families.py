@@ -13,7 +13,7 @@ from _child import events, log_tail, make_spec, next_spec, run_child, shared_dir
 
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.jobfile.model_files import read_header
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import complete_checkpoints
+from qlora_supervise.trainer_child.contract.checkpoints import complete_checkpoints
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.targets import FAMILIES
 

@@ -24,7 +24,7 @@ from test_targets_shape import QWEN3_30B_A3B
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory import gpu
-from qlora_supervise.policies.memory.block_terms import attention_bytes, checkpoint_masks
+from qlora_supervise.policies.memory.gpu import attention_bytes, checkpoint_masks
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
 from qlora_supervise.supervisor.commands.plan import make_plan
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -12,7 +12,7 @@ from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, judge, predicted_fit
 from qlora_supervise.supervisor.facts.failure import ChildExit
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, facts_from_allocator
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts, facts_from_allocator
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -41,11 +41,8 @@ def test_reader_reads_the_lines_before_a_torn_last_one(tmp_path: Path) -> None:
 def test_the_speed_trials_heartbeats_are_not_the_attempts_peak(tmp_path: Path) -> None:
     """The H200 case: a trial candidate peaked at 10.06 GB and the config trained at 8.22: the
     attempt's peak is the load's, then the training's (the child resets its peak after the trial)."""
-    from qlora_supervise.trainer_child.contract.speed_trial import (
-        SpeedTrialEvent,
-        TrialCandidate,
-        TrialResult,
-    )
+    from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult
+    from qlora_supervise.trainer_child.contract.spec import TrialCandidate
 
     def beat(stage: Stage, step: int, peak: int) -> Heartbeat:
         memory = MemoryNumbers.measured(cuda_peak=peak, data_segment_peak=None, rss_high_water=None)

@@ -429,12 +429,13 @@ def test_the_reader_keeps_the_loads_and_trainings_host_peaks_apart(tmp_path: Pat
     """The load's high-water mark comes from ``loaded``; training's from the heartbeats after it,
     restarted at the speed trial (its candidates are not the trained config); the last RSS is kept."""
     from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
-    from qlora_supervise.trainer_child.contract.events import MemoryNumbers, event_line
-    from qlora_supervise.trainer_child.contract.speed_trial import (
+    from qlora_supervise.trainer_child.contract.events import (
+        MemoryNumbers,
         SpeedTrialEvent,
-        TrialCandidate,
         TrialResult,
+        event_line,
     )
+    from qlora_supervise.trainer_child.contract.spec import TrialCandidate
 
     chosen = TrialCandidate(1, 8, True)
     trial = SpeedTrialEvent((TrialResult(chosen, 5.0, 1, 1.0, None, 6 * GiB),), 1.0)

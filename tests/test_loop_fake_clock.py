@@ -25,12 +25,11 @@ from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode
-from qlora_supervise.trainer_child.contract.events import event_line
+from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult, event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_file
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, TrialCandidate, rank_file
 
 GiB = 1024**3
 OOM = (

@@ -16,8 +16,7 @@ from typing import Any
 from qlora_supervise.policies.decide import Wait, WaitFor
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
-from qlora_supervise.supervisor.loop.waiting import Pacer, backoff_s, poll_until, wait_for_memory
+from qlora_supervise.supervisor.loop.waiting import DiskWaiter, Pacer, backoff_s, poll_until, wait_for_memory
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage

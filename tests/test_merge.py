@@ -72,4 +72,6 @@ def test_merge_plan_picks_the_gpu_only_when_gpu_and_host_both_fit() -> None:
     assert plan_merge(sizes, "auto", gpu_free=None, host_available=32 * GIB).device == "cpu"
     assert plan_merge(sizes, "cpu", gpu_free=40 * GIB, host_available=32 * GIB).device == "cpu"
     cpu = plan_merge(sizes, "auto", gpu_free=12 * GIB, host_available=32 * GIB)
-    assert cpu.host_need_cpu > sizes.weights > cpu.host_need_gpu  # the CPU merge holds the model in RAM
+    assert (
+        cpu.host_need_cpu_bytes > sizes.weights > cpu.host_need_gpu_bytes
+    )  # the CPU merge holds the model in RAM

@@ -11,8 +11,14 @@ import pytest
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, WaitResult, decide
 from qlora_supervise.policies.ladder.ladders import ladder_for
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, RungContext, Survives, smaller_model
-from qlora_supervise.policies.search.candidates import rungs_between
+from qlora_supervise.policies.rungs import (
+    RUNG_BY_NAME,
+    RUNG_OF_KNOB,
+    RungContext,
+    Survives,
+    rungs_between,
+    smaller_model,
+)
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

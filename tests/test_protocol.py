@@ -9,8 +9,12 @@ import pytest
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.devices import DeviceBinding, DeviceError, bind_device
-from qlora_supervise.trainer_child.contract.events import Heartbeat, event_from_fields
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource, MemoryNumbers
+from qlora_supervise.trainer_child.contract.events import (
+    ChildPeakSource,
+    Heartbeat,
+    MemoryNumbers,
+    event_from_fields,
+)
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 

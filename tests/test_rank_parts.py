@@ -8,9 +8,8 @@ from pathlib import Path
 
 import structlog
 
-from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
-from qlora_supervise.trainer_child.contract.checkpoints import is_complete
-from qlora_supervise.trainer_child.contract.rank_parts import PART_DONE, part_dir
+from qlora_supervise.supervisor.loop.child_output import seal_rank_parts
+from qlora_supervise.trainer_child.contract.checkpoints import PART_DONE, is_complete, part_dir
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qlora_supervise.supervisor.loop.reclaim import attempt_children
+from qlora_supervise.supervisor.loop.child import attempt_children
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
 

@@ -18,7 +18,7 @@ from _child import events, log_tail, make_spec, report, run_child
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
     CHECKPOINT_COMPLETE_MARKER,
     complete_checkpoints,
 )

@@ -14,7 +14,7 @@ from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, next_plan
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.events import event_from_fields
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

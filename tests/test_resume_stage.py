@@ -22,7 +22,7 @@ from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.facts.failure import ChildExit
 from qlora_supervise.supervisor.loop.resume import resume_point
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_COMPLETE_MARKER
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -25,7 +25,7 @@ from _child import capped_job
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.reclaim import _is_attempt_child
+from qlora_supervise.supervisor.loop.child import _is_attempt_child
 from qlora_supervise.supervisor.loop.spare import (
     RAM_HEADROOM,
     SpareKeeper,

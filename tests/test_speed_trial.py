@@ -14,9 +14,14 @@ from _child import events, log_tail, make_spec, run_child
 
 from qlora_supervise.policies.choice import MIN_GAIN, after_trial, within
 from qlora_supervise.trainer_child.contract.codes import ExitCode
-from qlora_supervise.trainer_child.contract.events import parse_event
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate, TrialResult
+from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult, parse_event
+from qlora_supervise.trainer_child.contract.spec import (
+    AttemptSpec,
+    DataSpec,
+    Knobs,
+    TrainSpec,
+    TrialCandidate,
+)
 
 PLANNED = TrialCandidate(4, 2, False)
 CHECKPOINTED = TrialCandidate(2, 4, True)

@@ -19,7 +19,7 @@ from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classif
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import event_line
 from qlora_supervise.trainer_child.contract.oom_message import parse_numbers

@@ -30,10 +30,9 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode
-from qlora_supervise.trainer_child.contract.events import Heartbeat, event_line
+from qlora_supervise.trainer_child.contract.events import Heartbeat, SpeedTrialEvent, TrialResult, event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
 
 FRAGMENTED = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

@@ -18,8 +18,7 @@ from qlora_supervise.policies.ladder.step_up import (
 )
 from qlora_supervise.policies.retime import Sharing, Trial, first_for, retime
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 GiB = 1 << 30
 DATA = [60] * 99 + [4000]

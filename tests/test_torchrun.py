@@ -23,9 +23,9 @@ from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile import world as world_mod
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop import launch, seams
+from qlora_supervise.supervisor.loop.child_output import note_rank_exits
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.rank_watch import note_rank_exits
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.generations import FieldChange
 from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome, Phase

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qlora_supervise.policies.ladder.charge import unusable_rungs
+from qlora_supervise.policies.decide import unusable_rungs
 from qlora_supervise.policies.verdicts import PastAttempt, Settings
 from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.loop.settings import with_script_model

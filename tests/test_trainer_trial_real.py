@@ -35,9 +35,8 @@ from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import launch
 from qlora_supervise.supervisor.trainers.job import load_job
-from qlora_supervise.trainer_child.contract.events import parse_event
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialCandidate
+from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, parse_event
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,7 @@
 """``python -m qlora_supervise.trainer_child --spec attempt.json``: one training attempt.
 
-Order matters here: the environment (hub offline, visible device, allocator settings, malloc
-arenas) is fixed *before* anything imports torch, because the CUDA allocator reads its
-settings once, when CUDA initialises.
+The environment (hub offline, visible device, allocator settings, malloc arenas) is fixed *before*
+anything imports torch: the CUDA allocator reads its settings once, when CUDA initialises.
 """
 
 from __future__ import annotations
@@ -23,19 +22,24 @@ def read_spec(path: Path) -> AttemptSpec:
     return AttemptSpec.from_json(path.read_text(encoding="utf-8"))
 
 
-def prepare_env(spec: AttemptSpec, place: RankPlace = SINGLE) -> None:
-    """Offline hub, one visible device, allocator settings: all before ``import torch``.
+def spec_or_none(path: Path) -> AttemptSpec | None:
+    """The spec at ``path``, or None after saying on stderr why not (there is no error file yet)."""
+    try:
+        return read_spec(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
+        return None
 
-    The device goes through ``contract.devices.bind_device``, the function the supervisor's GPU monitor
-    calls with the same inherited ``CUDA_VISIBLE_DEVICES``, so the GPU trained on is the GPU
-    watched. Raises DeviceError when the device names no visible GPU. Under torchrun every rank
-    keeps the GPUs it inherited and trains on ``cuda:LOCAL_RANK`` (``gpu: cpu`` still hides them).
-    """
+
+def prepare_env(spec: AttemptSpec, place: RankPlace = SINGLE) -> None:
+    """Offline hub, one visible device, allocator settings: all before ``import torch``."""
     prepare_env_for(spec.device, spec.knobs.expandable_segments, place)
 
 
 def prepare_env_for(device_name: str, expandable_segments: bool, place: RankPlace = SINGLE) -> None:
-    """:func:`prepare_env` from the two facts of the spec it reads (a warm spare has no spec yet)."""
+    """:func:`prepare_env` from the two facts it reads (a warm spare has no spec yet). The device goes
+    through ``bind_device``, as in the supervisor's GPU monitor: the GPU trained on is the GPU watched
+    (DeviceError when it names no visible GPU). Under torchrun every rank keeps the GPUs it inherited."""
     from qlora_supervise.trainer_child.run.memory import prepare_process_env
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # never download: the lab server may have no network
@@ -56,12 +60,8 @@ def parse_args(argv: list[str] | None, prog: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    path = parse_args(argv, "python -m qlora_supervise.trainer_child")
-    try:
-        spec = read_spec(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        # No spec, no error_file to write to: stderr and the config exit code are all we have.
-        print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
+    spec = spec_or_none(parse_args(argv, "python -m qlora_supervise.trainer_child"))
+    if spec is None:
         return int(ExitCode.CONFIG)
     place = this_rank()
     mismatch = world_mismatch(spec, place)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = rank_spec(spec, place)  # this rank's own events and error files
     try:
         prepare_env(spec, place)
-    except DeviceError as exc:  # before the event log exists: stderr and the config exit code
+    except DeviceError as exc:  # before the event log exists
         print(f"trainer child: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     from qlora_supervise.trainer_child.run.attempt import run

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies.memory import gpu
-from qlora_supervise.policies.memory.block_terms import attention_bytes
+from qlora_supervise.policies.memory.gpu import attention_bytes
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

@@ -87,7 +87,7 @@ def supervised(place: Place, variant: str, limit_s: float, name: str | None = No
 def restart_loop(place: Place, limit_s: float, restarts: int = RESTARTS) -> dict[str, Any]:
     """The same spec again after each failure, from the newest complete checkpoint, no change."""
     from qlora_supervise.supervisor.loop.child import child_argv
-    from qlora_supervise.trainer_child.contract.checkpoint_dirs import newest_complete_checkpoint
+    from qlora_supervise.trainer_child.contract.checkpoints import newest_complete_checkpoint
 
     run_dir = place.run_dir("restart-loop")
     job = jobs.write_job(place.scenario, place.assets, run_dir, place.tiny)

@@ -94,7 +94,7 @@ def step_log(events: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int, 
 
 def read_attempt(directory: Path) -> Attempt | None:
     """The attempt in ``directory`` (``attempt-NNN``), or None without a spec."""
-    from qlora_supervise.trainer_child.contract.checkpoint_dirs import checkpoint_step
+    from qlora_supervise.trainer_child.contract.checkpoints import checkpoint_step
 
     spec_path = directory / "spec.json"
     if not spec_path.is_file():
@@ -122,7 +122,7 @@ def attempts_in(run_dir: Path) -> list[Attempt]:
 
 def kept_steps(run_dir: Path, finished: bool, max_steps: int) -> int:
     """``max_steps`` when finished, else the newest complete checkpoint's step (0 for none)."""
-    from qlora_supervise.trainer_child.contract.checkpoint_dirs import newest_complete_checkpoint
+    from qlora_supervise.trainer_child.contract.checkpoints import newest_complete_checkpoint
 
     if finished:
         return max_steps

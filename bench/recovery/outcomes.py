@@ -122,7 +122,7 @@ def tries(events: list[dict[str, Any]], knobs: dict[str, Any]) -> list[Attempt]:
 
 
 def auto_batch(s: Scenario, out: dict[str, Any]) -> dict[str, Any]:
-    from qlora_supervise.trainer_child.contract.checkpoint_dirs import checkpoint_step
+    from qlora_supervise.trainer_child.contract.checkpoints import checkpoint_step
 
     run_dir, launch = Path(out["run_dir"]), out["launch"]
     attempt_dir = run_dir / "attempt-001"

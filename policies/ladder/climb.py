@@ -1,15 +1,8 @@
 """The ladder walk: the stage's rungs in order, after a memory failure the search could not answer.
 
-:mod:`..choice` decides when the walk runs (after the search after a failure found no
-throughput-only change that fits). Rungs with nothing to change, results that already failed the
-same way, rungs charged with a failure earlier in the run (:mod:`.charge`), rungs the trainer
-cannot take (a foreign tool's config has no key for them: ``Settings.cannot_take``), and results a
-calibrated memory model says cannot fit are skipped (a skipped rung's change is kept and the next
-rung applied on top) -> Restart, or GiveUp when the ladder is exhausted.
-
-After a host OOM kill (issue 28) the walk skips any rung that needs more host RAM than the killed
-config; after any failure, a result over the host budget counts as too big, as the pre-flight
-counts it, and is never the one step taken when nothing is predicted to fit.
+A rung with nothing to change, charged or untakeable is skipped; a result that failed the same way,
+or that a calibrated memory model (or the host budget) says cannot fit, is kept and the next rung
+applied on top; after a host OOM kill no rung that needs more host RAM than the killed config.
 """
 
 from __future__ import annotations
@@ -80,9 +73,8 @@ def walk(
 
 def _adds_host(killed: Knobs, knobs: Knobs, settings: Settings) -> bool:
     """Whether ``knobs`` need more host RAM in training than ``killed``, by the host model (False
-    where it cannot count: no shape for either model). Equal is no more: the model counts the
-    child's resident memory as one constant, so checkpointing, the rank and a smaller model come
-    out equal, and a kill may still have been the step's own peak that they cut."""
+    where it cannot count). Equal is no more: checkpointing, the rank and a smaller model come out
+    equal (one constant for the resident child), and may still cut the step's own peak."""
     own, theirs = for_model(settings, knobs.model), for_model(settings, killed.model)
     if own.shape is None or theirs.shape is None:
         return False
@@ -128,9 +120,8 @@ def _predicted_too_big(knobs: Knobs, settings: Settings, scale: float | None) ->
 
 
 def _over_host(knobs: Knobs, settings: Settings) -> bool:
-    """Whether training ``knobs`` needs more host RAM than the host budget allows, as the pre-flight
-    counts it (its margin); training's need, not the load's: this run's model has loaded already
-    (a fallback's checkpoint is the smaller one). False without a shape or host budget."""
+    """Whether training ``knobs`` needs more host RAM than the host budget with the pre-flight's
+    margin (training's need: the model has loaded already). False without a shape or host budget."""
     own = for_model(settings, knobs.model)
     if own.shape is None or own.host is None:
         return False

@@ -1,8 +1,7 @@
-"""Default ladders: for each failure kind, the rungs to try in order.
+"""Default ladders: for each failure kind, the rungs to try in order (a job may override any).
 
-In the spirit of the seed recipes (``../shared/seeds``): the cheapest change that keeps all
-progress comes first, the ones that reset the optimizer or the adapter come last, and a
-smaller model is the last resort. A job may override any kind's ladder by rung names.
+The cheapest change that keeps all progress first, those that reset the optimizer or the adapter
+last, a smaller model as the last resort.
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ OPTIMIZER: tuple[str, ...] = ("paged_8bit_optimizer", "halve_lora_rank", "smalle
 # No CPU offload of weights: accelerate refuses to train 4-bit weights offloaded to the CPU and
 # bitsandbytes then fails on meta tensors (issue 19's dead end), so the head in bf16 comes next.
 LOAD: tuple[str, ...] = ("quantize_4bit", "bf16_head", "smaller_model")
-# Loading the resume checkpoint's state (issue 33): through the host, then a fresh optimizer state
-# with the schedule kept, then the paged 8-bit optimizer (a quarter of the state; a checkpoint of
-# another optimizer does not load, so it too starts the moments afresh, and changes the optimizer
-# besides); the adapter and the step survive each of them.
+# Loading the resume checkpoint's state (issue 33): through the host, then a fresh optimizer state,
+# then the paged 8-bit optimizer (its moments start afresh too); the adapter and the step survive.
 RESUME: tuple[str, ...] = ("optimizer_state_on_host", "fresh_optimizer_state", "paged_8bit_optimizer")
 EVAL: tuple[str, ...] = ("halve_eval_batch", "disable_eval")
 MERGE: tuple[str, ...] = ("merge_on_cpu",)

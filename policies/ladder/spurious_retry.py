@@ -1,13 +1,7 @@
 """A spurious OOM: the same config retried once before any rung (issue 33).
 
-The classifier marks an OOM spurious when the allocator's own numbers say the request fit: a
-free block as large was in its pool while the step's memory was still held, or the memory it
-could still take (the driver's free memory, under a cap what is left under the cap) was well
-above the request (supervisor/diagnosis/spurious.py). Nothing about the config was too big, so
-the remedy costs nothing: run it again, unchanged, once per config. A second failure of the same
-kind with the same knobs right after it, before any step was trained, is no accident, and a
-config retried so already is not retried again (even after it trained steps): the stage's ladder
-takes it, as it takes any OOM.
+The classifier marks an OOM spurious when the allocator's own numbers say the request fit
+(supervisor/diagnosis/spurious.py); a repeat right after the retry, before any step, is the config's.
 """
 
 from __future__ import annotations
@@ -20,15 +14,12 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
 SPURIOUS_KEY = "spurious_room"
-#: The rung name journalled for the retry.
-RETRY_RUNG = "retry_spurious"
+RETRY_RUNG = "retry_spurious"  # The rung name journalled for the retry.
 
 
 def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
-    """Restart unchanged when ``failure`` is marked spurious and ``knobs`` had no such retry yet.
-
-    ``failed``: the failed attempts, the one that just failed last. None: the ladder decides.
-    """
+    """Restart unchanged when ``failure`` is marked spurious and ``knobs`` had no such retry yet;
+    ``failed``: the failed attempts, this one last. None: the ladder decides."""
     if SPURIOUS_KEY not in failure.numbers or not failed:
         return None
     if any(past.rung == RETRY_RUNG and past.knobs == knobs for past in failed[:-1]):

@@ -1,31 +1,9 @@
 """Stepping back up: a rung taken for a cause that has cleared is undone at a checkpoint (issue 34).
 
-Every OOM handler steps down only; on a shared card that leaves a run slow all night. Each rung the
-ladder took is remembered as a :class:`Descent`: the config before and after it, and its
-:class:`Cause`, read from the failure that called for it:
-
-=============  ===============================================  ===================================
-cause          the failure                                      cleared when
-=============  ===============================================  ===================================
-contention     ``oom_contention`` (other processes held the     the others have held at most half
-               card)                                            of what they held then for the
-                                                                whole ``settle_s`` (NVML)
-transient      ``oom_fragmentation``, an OOM marked spurious    the slower config has trained past
-               (the allocator's numbers say it fit)             the step that failed
-long_sample    an OOM whose micro-batch held a sample longer    the run has passed the step that
-               than :data:`LONG_SAMPLE_SHARE` of the data's      failed (that sample is behind it)
-=============  ===============================================  ===================================
-
-Any other OOM says the config does not fit: no cause to clear, no step up. :func:`step_up` answers
-at a checkpoint: the newest descent whose cause cleared becomes a :class:`StepUp` to its config
-before (the quality knobs kept as they are now, unless the job allows stepping across a quality
-change), or a :class:`Refusal` that says why not:
-
-* at most once per cause (a descent is stepped up once);
-* never to a config a step-up reached before and that then failed;
-* never without the margin: the faster config's peak (the larger of the memory model's, calibrated
-  by this host's peaks, and the peak it was measured at) must fit the room left by the others with
-  the pre-flight's margin.
+A :class:`Descent` is a rung the ladder took, with its :class:`Cause` (docs/ladder.md tells when
+each clears); any other OOM says the config does not fit. :func:`step_up` answers with a
+:class:`StepUp` or a :class:`Refusal`: at most once per descent, never to a config a step-up
+reached that then failed, never without the pre-flight's margin.
 """
 
 from __future__ import annotations
@@ -34,30 +12,29 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.rungs import RUNGS, CostClass
-from qlora_supervise.policies.search.candidates import rungs_between
+from qlora_supervise.policies.rungs import RUNGS, CostClass, rungs_between
+from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import Settings
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-#: The journal's rung name of a planned restart to a faster config.
-STEP_UP_RUNG = "step_up"
-#: A sample is "long" when it is longer than this share of the data's samples.
-LONG_SAMPLE_SHARE = 0.99
+STEP_UP_RUNG = "step_up"  # The journal's rung name of a planned restart to a faster config.
+LONG_SAMPLE_SHARE = 0.99  # A sample is "long" when it is longer than this share of the data's samples.
 #: The knobs a step-up leaves as they are unless ``Settings.step_up_quality`` allows it.
 QUALITY_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.QUALITY)
-#: Never undone: a larger rank or another model is a new adapter (training from step 0), and a card
-#: that was dropped kept failing.
+#: Never undone: a larger rank or another model is a new adapter, and a dropped card kept failing.
 KEPT_ALWAYS = frozenset({"lora_r", "lora_alpha", "model", "world_size", "gpus"})
 #: The knobs of the free rungs: never undone, since they cost no speed.
 FREE_KNOBS = frozenset(r.knob for r in RUNGS if r.cost is CostClass.FREE)
 
 
 class Cause(str, enum.Enum):
-    """Why a rung was taken, as far as what would undo it."""
+    """Why a rung was taken: contention (cleared when the others held at most half as much for the
+    settle time), a transient OOM or a long sample (cleared once past the step that failed)."""
 
     CONTENTION = "contention"
     TRANSIENT = "transient"
@@ -102,7 +79,7 @@ class CardNow:
 class StepUp:
     knobs: Knobs
     descent: Descent
-    changes: dict[str, tuple[object, object]]
+    changes: dict[str, tuple[Any, Any]]
     why: str
 
 
@@ -136,7 +113,7 @@ def step_up(
     card: CardNow,
 ) -> StepUp | Refusal | None:
     """At a checkpoint of an attempt running ``knobs``: the step-up to take, the refusal of the newest
-    cleared descent, or None when no cause has cleared (see the module docstring)."""
+    cleared descent, or None when no cause has cleared."""
     if not settings.step_up:
         return None
     refusal = None
@@ -157,8 +134,8 @@ def _still_in(descent: Descent, knobs: Knobs) -> bool:
     return all(getattr(knobs, name) == getattr(descent.after, name) for name in _changed(descent))
 
 
-def _changed(descent: Descent) -> list[str]:
-    return _diff(descent.before, descent.after)
+def _changed(descent: Descent) -> dict[str, tuple[Any, Any]]:
+    return knob_changes(descent.before, descent.after)
 
 
 def _cleared(descent: Descent, settings: Settings, card: CardNow) -> bool:
@@ -193,7 +170,7 @@ def _answer(
             descent,
             f"predicted peak {_gib(peak)} does not fit {_gib(room)} free with the margin",
         )
-    changes = {name: (getattr(knobs, name), getattr(target, name)) for name in _diff(knobs, target)}
+    changes = knob_changes(knobs, target)
     names = "+".join(rungs_between(target, knobs)) or "the rung"
     fits = f"; predicted peak {_gib(peak)} fits {_gib(room)} with the margin"
     cleared = f"{descent.cause.value} cleared ({_evidence(descent, card)})"
@@ -208,20 +185,15 @@ _NOTHING_TO_UNDO = (
 
 
 def _target(knobs: Knobs, descent: Descent, allow_quality: bool) -> Knobs | None:
-    """``knobs`` with the descent's changes undone; quality knobs only when allowed. A descent that
-    changed a knob kept for good is not undone at all: ``drop_rank`` also doubled the accumulation,
-    and undoing that alone would halve the effective batch."""
+    """``knobs`` with the descent's changes undone; quality knobs only when allowed. None when it
+    changed a knob kept for good (undoing ``drop_rank``'s accumulation alone would halve the batch)."""
     changed = _changed(descent)
     if set(changed) & KEPT_ALWAYS:
         return None
-    # A free rung (expandable_segments) costs no speed: undoing it gains nothing and brings back
-    # the failure it answered.
-    undo = {name: getattr(descent.before, name) for name in changed if name not in FREE_KNOBS}
-    if not allow_quality:
-        undo = {name: value for name, value in undo.items() if name not in QUALITY_KNOBS}
-    if not undo:
-        return None
-    return dataclasses.replace(knobs, **undo)
+    # A free rung costs no speed: undoing it gains nothing and brings back its failure.
+    kept = FREE_KNOBS if allow_quality else FREE_KNOBS | QUALITY_KNOBS
+    undo = {name: before for name, (before, _) in changed.items() if name not in kept}
+    return dataclasses.replace(knobs, **undo) if undo else None
 
 
 def _room(settings: Settings, card: CardNow) -> int | None:
@@ -236,7 +208,7 @@ def _room(settings: Settings, card: CardNow) -> int | None:
 def _peak(target: Knobs, descent: Descent, settings: Settings) -> int | None:
     """The larger of the memory model's calibrated peak and the peak ``target`` was measured at."""
     # A free rung kept on (expandable_segments) lowers the peak at most: the measured one still bounds it.
-    same = set(_diff(target, descent.before)) <= FREE_KNOBS
+    same = set(knob_changes(target, descent.before)) <= FREE_KNOBS
     measured = descent.before_peak if same else None
     predicted = None
     if settings.shape is not None:
@@ -244,10 +216,6 @@ def _peak(target: Knobs, descent: Descent, settings: Settings) -> int | None:
         predicted = memory_model.estimate_peak(settings.shape, target, scale, settings.targets)
     known = [p for p in (measured, predicted) if p is not None]
     return max(known) if known else None
-
-
-def _diff(a: Knobs, b: Knobs) -> list[str]:
-    return [f.name for f in dataclasses.fields(Knobs) if getattr(a, f.name) != getattr(b, f.name)]
 
 
 def _evidence(descent: Descent, card: CardNow) -> str:

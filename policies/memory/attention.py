@@ -1,12 +1,8 @@
 """Which attention the child's transformers will run a model type with, read without importing it.
 
-The child asks transformers for no attention implementation, so transformers picks SDPA when the
-model class sets ``_supports_sdpa = True`` and eager attention otherwise. That flag moves between
-releases: Gemma 2's is True in transformers 5.17 and False in 5.24 (SDPA cannot softcap the
-scores). Eager attention keeps a seq x seq score tensor per head, so guessing wrong costs a
-Gemma 2 plan a factor of two at seq 8192 (measured on an H200 with 5.17: 7.5 GiB where the eager
-reading predicted 16.8). So the planner reads the flag from the installed transformers' source,
-as text: importing the modeling module would import torch into the supervisor.
+transformers picks SDPA when the model class sets ``_supports_sdpa = True``, and the flag moves
+between releases (Gemma 2: True in 5.17, False in 5.24) while eager attention costs a factor of two
+at seq 8192; importing the modeling module would import torch, so its source is read as text.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ from pathlib import Path
 
 #: The transformers folder of a model type whose modeling module is named for another one.
 MODULE_OF = {"gemma3_text": "gemma3"}
-#: The reading where transformers' source cannot be found or read: the release the child is
-#: pinned to (5.24) refuses SDPA for these.
+#: Eager where transformers' source cannot be read: the child's pinned release (5.24) says so.
 EAGER_WITHOUT_SOURCE = frozenset({"gemma2"})
 
 
@@ -49,9 +44,8 @@ def installed_package_root(name: str) -> Path | None:
 
 @functools.cache
 def _supports_sdpa(root: Path | None, module: str) -> bool | None:
-    """``_supports_sdpa`` as the model's ``*PreTrainedModel`` class sets it in
-    ``models/<module>/modeling_<module>.py``; None when that file cannot be read. A file read
-    whose class sets nothing inherits ``PreTrainedModel``'s default, False."""
+    """``_supports_sdpa`` of ``models/<module>/modeling_<module>.py``'s ``*PreTrainedModel`` class;
+    None when that file cannot be read; False when it sets nothing (``PreTrainedModel``'s default)."""
     if root is None:
         return None
     path = root / "models" / module / f"modeling_{module}.py"

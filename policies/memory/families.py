@@ -1,27 +1,11 @@
 """What differs between the decoder blocks the memory model covers, by ``config.json``'s ``model_type``.
 
-Read from transformers 5.24's ``models/*/modeling_*.py`` (the version the child runs):
-
-* **Llama, Mistral, Qwen2**: two RMSNorms a block (before attention, before the MLP), separate
-  q/k/v/o projections, a gated SiLU MLP (gate, up, down). Qwen2 adds a bias to q/k/v.
-* **Qwen3** (and **Qwen3-MoE**): the Llama block plus an RMSNorm over each head's query and key
-  (``q_norm``/``k_norm``, head_dim wide, applied to the projections' fp32 outputs).
-* **Gemma 2 / Gemma 3 (text)**: four RMSNorms a block (before *and after* attention and the MLP),
-  a tanh-GELU gated MLP with the same three intermediates as SiLU's, embeddings scaled by
-  sqrt(hidden) and tied to the head at a 256k vocabulary, head_dim 256 (not hidden/heads).
-  Gemma 2 softcaps the attention scores, which SDPA cannot: transformers 5.24 sets
-  ``_supports_sdpa = False``, so it trains with eager attention, keeping seq^2 tensors per head
-  and layer, while 5.17 runs SDPA without the softcap (:mod:`.attention` reads which, from the
-  installed source). Gemma 3 has q/k norms instead and trains with SDPA. Both softcap or scale
-  the logits inside trl's fused head tiles.
-* **Phi-3 / Phi-4-mini**: the Llama block with q/k/v fused into ``qkv_proj`` and gate/up into
-  ``gate_up_proj`` (same weights, other shapes for LoRA).
-* **Qwen3-MoE, Mixtral**: attention as above; the MLP is ``E`` experts stored as two fused 3D
-  parameters, which bitsandbytes does not quantize (they are not ``nn.Linear``) and peft's k-bit
-  prepare casts to fp32, and a router (``gate``, a bare ``E x h`` parameter, fp32 too). Every
-  expert is resident; each token runs through ``top-k`` of them.
-
-A model type outside :data:`BLOCKS` is not modelled: ``plan`` says so and why (:mod:`.shape`).
+Read from transformers 5.24's ``models/*/modeling_*.py`` (the child's version). Llama, Mistral and
+Qwen2 (q/k/v bias): two RMSNorms, q/k/v/o, a gated MLP; Qwen3 adds q/k norms; Gemma 2/3: four
+norms, head_dim 256, tied 256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24,
+:mod:`.attention`); Phi-3: fused ``qkv_proj`` and ``gate_up_proj``; Qwen3-MoE and Mixtral: experts
+as fused 3D parameters bitsandbytes leaves unquantized (cast to fp32), top-k of them per token.
+A model type outside :data:`BLOCKS` is not modelled (:mod:`.shape`).
 """
 
 from __future__ import annotations
@@ -50,18 +34,15 @@ class Block:
     head_norm: HeadNorm = HeadNorm.NONE
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj
     moe: bool = False  # fused 3D experts and a bare router instead of a Linear MLP
-    scaled_embeddings: bool = False  # Gemma: the embedding output times sqrt(hidden)
-    # Gemma's RMSNorm casts its output back to its input's dtype (``type_as``), so the residual
-    # stream stays in the embeddings' dtype: bf16 with the bf16 head. Llama's multiplies by its fp32
-    # weight and the stream turns fp32 at the first norm (H200, host bench: a Gemma 3 block input
-    # offloaded at 2 bytes a value, the Llama, Qwen3 and Phi-3 ones at 4).
+    # Gemma's RMSNorm casts back to its input's dtype (``type_as``), so the residual stream stays
+    # bf16 with the bf16 head; Llama's turns fp32 at the first norm (H200 host bench: 2 bytes vs 4).
     norm_keeps_dtype: bool = False
 
 
 LLAMA = Block()
 QWEN3 = Block(head_norm=HeadNorm.PER_HEAD)
-GEMMA2 = Block(norms=4, scaled_embeddings=True, norm_keeps_dtype=True)
-GEMMA3 = Block(norms=4, head_norm=HeadNorm.PER_HEAD, scaled_embeddings=True, norm_keeps_dtype=True)
+GEMMA2 = Block(norms=4, norm_keeps_dtype=True)
+GEMMA3 = Block(norms=4, head_norm=HeadNorm.PER_HEAD, norm_keeps_dtype=True)
 
 #: ``model_type`` -> its block, for every model type the memory model predicts.
 BLOCKS: dict[str, Block] = {
@@ -93,11 +74,6 @@ ARCHITECTURES: dict[str, str] = {
 
 #: Model types whose q/k/v projections carry a bias without saying so in config.json.
 QKV_BIAS = frozenset({"qwen2"})
-
-
-def block(model_type: str) -> Block | None:
-    """The block of ``model_type``; None when the memory model does not cover it."""
-    return BLOCKS.get(model_type)
 
 
 def model_type_of(config: Mapping[str, Any]) -> str:
@@ -136,10 +112,8 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
-    """The sliding window and how many layers use it: ``layer_types`` where the config lists
-    them (Gemma 2/3, and transformers 5's Qwen), else Gemma's own pattern, Qwen's
-    ``use_sliding_window`` switch (off in the released models), else Mistral/Phi-3's window on
-    every layer."""
+    """The sliding window and how many layers use it: by ``layer_types``, else Gemma's pattern,
+    Qwen's ``use_sliding_window`` switch, else Mistral/Phi-3's window on every layer."""
     window = config.get("sliding_window")
     if not window:
         return None, 0
@@ -147,8 +121,7 @@ def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
     if isinstance(types, list) and types:
         sliding = sum(1 for kind in types if kind == "sliding_attention")
     elif model_type_of(config) in ("gemma2", "gemma3_text", "gemma3"):
-        # transformers' own default when config.json lists no layer_types: Gemma 2 alternates
-        # (sliding first), Gemma 3 slides on 5 layers of every 6 (sliding_window_pattern).
+        # transformers' default: Gemma 2 alternates (sliding first), Gemma 3 slides 5 layers of 6.
         pattern = 2 if model_type_of(config) == "gemma2" else int(config.get("sliding_window_pattern") or 6)
         sliding = sum(1 for i in range(layers) if (i + 1) % pattern)
     elif "use_sliding_window" in config:

@@ -1,54 +1,11 @@
 """Peak GPU memory of one QLoRA training attempt of our recipe, term by term, in bytes.
 
-What the recipe does to memory (trainer_child/recipe.py, read against the installed libraries):
-
-* **4-bit weights.** bitsandbytes NF4 stores two weights per byte, plus one absmax per block of
-  64 weights: with double quantization that absmax is 8-bit, with one fp32 absmax per 256 blocks
-  on top (``0.5 + 1/64 + 4/16384`` bytes per weight); without it, fp32 (``0.5 + 4/64``).
-* **Everything not quantized is fp32.** peft's ``prepare_model_for_kbit_training`` casts every
-  16-bit parameter that is not ``Params4bit`` to fp32 (peft/utils/other.py): the embeddings, the
-  LM head (bitsandbytes never quantizes it), every RMSNorm weight. A 128k vocabulary at hidden
-  4096 is therefore 2.1 GB per matrix, twice when untied. The cast is one parameter at a time
-  (``param.data = param.data.to(float32)``), so while the largest one is cast its bf16 original
-  and its fp32 copy coexist with everything else: the **load** peak, which is the whole peak of
-  a short-sequence job on an untied 128k vocabulary (8B, seq 512, checkpointing: 8.25 GiB).
-* **The adapter, its gradients and the optimizer state** are in :mod:`.optimizer`: bf16 adapter
-  weights and gradients on the 4-bit path (trl casts them), state by optimizer kind and by tensor
-  size (small tensors of a *paged* optimizer are not paged). Paged state sits in CUDA unified
-  memory, outside PyTorch's allocator: on the card, not in ``max_memory_allocated``, so it is in
-  ``outside`` (``paged_optimizer_state``), not in the allocated peak.
-* **Activations.** Because the norms and embeddings are fp32, the residual stream and every norm
-  output are fp32, and bitsandbytes' ``Linear4bit`` returns its output in its input's dtype, so
-  q/k/v and the MLP's gate/up/down outputs are fp32 as well. Per token and layer, autograd keeps:
-  the two norm inputs (fp32), the gated MLP's three intermediates (gate, SiLU(gate), up; fp32),
-  SDPA's query, key, value and output (bf16 under autocast; key and value at the kv width:
-  grouped-query attention is passed to SDPA natively when there is no padding mask), and per
-  LoRA adapter its dropout mask (1 byte) and the 16-bit input of ``lora_A`` (2 bytes) per input
-  feature. The 4-bit matmul saves only the packed weight. With gradient checkpointing
-  (non-reentrant, per block) each block keeps only its fp32 input and one block's activations
-  are recomputed at a time.
-* **The loss.** trl 1.16's SFTTrainer patches a fused LM head (trl/trainer/utils.py,
-  ``add_fused_lm_head``; trl/kernels/chunked_logprob.py): log-probabilities are folded tile by
-  tile (4096 tokens x 32768 vocabulary entries, bf16), so the ``tokens x vocab`` logits are never
-  materialised. It keeps the gathered fp32 hidden states for backward and builds an fp32
-  gradient of the same size. Its backward loop binds ``w_chunk = weight[start:end].to(bf16)``,
-  so the next slice of the head is allocated while the previous one is still bound: two bf16
-  slices of 32768 rows are live at once whenever the vocabulary has more than one slice.
-* **Backward transients.** The backward of one block holds fp32 gradients of its widest
-  intermediates (the MLP's product backward returns two i-wide fp32 gradients, gate's and up's,
-  while the residual's and the block output's h-wide fp32 gradients are live), and bitsandbytes
-  dequantizes a 4-bit weight to its 16-bit storage dtype for ``grad_input`` (the incoming
-  gradient is already 16-bit, so the ``.to(grad_output.dtype)`` is a no-op: 2 bytes per weight).
-
-* **The bf16 head** (``Knobs.bf16_head``): the embeddings and the untied LM head stay in bf16,
-  half their fp32 bytes, and nothing of theirs is cast at load. **Activation offload**
-  (``Knobs.activation_offload``, ``torch.autograd.graph.save_on_cpu``): what autograd saves sits
-  in host memory; one block's share comes back to the card at a time in backward.
-
-The coefficients that are not exact byte counts (the backward transients' 8 bytes per i and per
-h, the allocator's reserve) are named constants below, checked against the H200 grid in
-bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py`` re-scores it);
-calibration corrects the rest per run.
+docs/planning.md says what each term counts in the recipe and the libraries (trl 1.16, peft 0.21,
+torch 2.11, bitsandbytes 0.50). Coefficients that are not exact byte counts are named constants,
+checked against bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py``).
+The family terms of a block (:func:`attention_bytes`, :func:`mlp_activation_bytes`) were counted
+with saved-tensor hooks at each family's released widths (bench/results/family-memory-cpu-*/), on
+CUDA's footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out).
 """
 
 from __future__ import annotations
@@ -56,11 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from qlora_supervise.policies.memory.block_terms import (
-    attention_bytes,
-    checkpoint_masks,
-    mlp_activation_bytes,
-)
 from qlora_supervise.policies.memory.families import Block, HeadNorm
 from qlora_supervise.policies.memory.optimizer import (
     AdapterBytes,
@@ -69,46 +21,40 @@ from qlora_supervise.policies.memory.optimizer import (
     adapter_tensors,
 )
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.memory.sharding import loaded_components, sharded_components
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-GiB = 1 << 30
 #: The recipe's LoRA targets: the attention projections, by each family's own names.
 DEFAULT_TARGETS: tuple[str, ...] | str = "attention"
 
 #: Bytes per quantized weight: packed 4-bit codes plus the per-block absmax (blocksize 64).
 NF4_DOUBLE_QUANT = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_SINGLE_QUANT = 0.5 + 4 / 64
-#: fp32: what prepare_model_for_kbit_training leaves every non-quantized parameter in.
-FP32 = 4
-#: The checkpoint's 16-bit dtype, the one each parameter is cast from at load.
+FP32 = 4  # fp32: what prepare_model_for_kbit_training leaves every non-quantized parameter in.
+#: The checkpoint's 16-bit dtype, the one each parameter is cast from at load (and FSDP's storage).
 LOAD_DTYPE = 2
 #: The optimizers the job file accepts (supervisor/jobfile/fields.py ``Optimizer``).
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
-#: trl's fused LM head tiles (trl/kernels/chunked_logprob.py).
-HEAD_TOKEN_TILE = 4096
+HEAD_TOKEN_TILE = 4096  # trl's fused LM head tiles (trl/kernels/chunked_logprob.py).
 HEAD_VOCAB_TILE = 32768
 #: Outside the allocator: the CUDA context, cuBLAS handles and kernels (H200, torch 2.11).
 CUDA_CONTEXT = 600 << 20
-#: Inside the allocator once the first matmul runs: a cuBLAS workspace per (handle, stream), and
-#: training has two, the forward's thread and autograd's backward thread. 32 MiB each is torch's
-#: default on Hopper (8 MiB before it; the larger is kept for every card). It is the ~0.06 GiB that
-#: every small point of the H200 grids was short by (Llama 1B/7B, Qwen3, Gemma 3 at seq 512).
+#: A 32 MiB cuBLAS workspace (torch's default on Hopper) for each of training's two threads, the
+#: forward's and autograd's: the ~0.06 GiB every small point of the H200 grids was short by.
 BLAS_WORKSPACES = 2 * (32 << 20)
 #: Reserved over allocated at the peak; the caching allocator rounds and keeps split blocks.
 RESERVE_FRACTION = 0.08
 RESERVE_FRACTION_EXPANDABLE = 0.02
+GATHERED_BLOCKS = 2  # FSDP: blocks gathered at once, the one running and the one backward prefetch brings in.
 
 
 @dataclass(frozen=True)
 class Prediction:
     """A predicted peak, by component (bytes).
 
-    ``peak_bytes`` is the peak PyTorch *allocated* (``torch.cuda.max_memory_allocated``, what
-    ``gpu_memory_limit`` caps); ``components`` sums to it. ``outside`` holds what is on the card
-    but outside the allocator (CUDA context, paged optimizer state), and ``reserved_bytes`` is
-    the allocator's peak reserve; ``card_bytes`` is what the card must hold. ``phase`` is where
-    the peak happens: load, backward, backward_end, optimizer_step or eval.
+    ``peak_bytes`` is the peak PyTorch *allocated* (what ``gpu_memory_limit`` caps); ``components``
+    sums to it. ``outside`` is on the card but outside the allocator (CUDA context, paged optimizer
+    state); ``card_bytes`` is what the card must hold. ``phase``: load, backward, backward_end,
+    optimizer_step or eval.
     """
 
     components: Mapping[str, int]
@@ -122,22 +68,73 @@ class Prediction:
         return self.reserved_bytes + sum(self.outside.values())
 
 
+#: MoE, per routed token: the expert's fp32 output, and its int64 indices and routing weight.
+ROUTED_TOKEN_H = FP32
+ROUTED_TOKEN_FIXED = 38
+#: MoE, per token and expert: the router's fp32 softmax, and the auxiliary loss's own softmax.
+ROUTER_PER_EXPERT = FP32
+AUX_LOSS_PER_EXPERT = FP32
+
+
+def mlp_activation_bytes(shape: ModelShape) -> int:
+    """What the MLP keeps per token: gate, act(gate) and up in fp32 (per routed token for MoE)."""
+    if not shape.experts:
+        return 3 * FP32 * shape.intermediate
+    expert = 3 * FP32 * shape.expert_intermediate + ROUTED_TOKEN_H * shape.hidden + ROUTED_TOKEN_FIXED
+    router = (ROUTER_PER_EXPERT + (AUX_LOSS_PER_EXPERT if shape.router_logits else 0)) * shape.experts
+    return shape.experts_per_token * expert + router
+
+
+def masked(shape: ModelShape, seq: int) -> bool:
+    """Whether the sliding layers get a mask at this sequence length (SDPA; the window is shorter)."""
+    return bool(shape.sliding_window and shape.sliding_layers and seq >= shape.sliding_window)
+
+
+def attention_bytes(shape: ModelShape, half: int = 2, seq: int = 0, sliding: bool | None = None) -> int:
+    """What attention keeps per token in one block: a sliding layer's (``sliding=True``), a full
+    layer's (False), or the average over the model's layers (None)."""
+    if shape.attn_implementation == "eager":
+        scores = (half if shape.attn_softcap else 0) + FP32 + half
+        return half * 3 * shape.q_dim + shape.heads * seq * scores
+    full = half * (2 * shape.q_dim + 2 * shape.kv_dim)
+    if not masked(shape, seq):
+        return full
+    # A sliding window shorter than the sequence needs a mask: k and v are repeated to every head.
+    slide = full + 2 * half * (shape.q_dim - shape.kv_dim) + half * seq
+    if sliding is not None:
+        return slide if sliding else full
+    return (slide * shape.sliding_layers + full * (shape.layers - shape.sliding_layers)) // shape.layers
+
+
+def checkpoint_masks(shape: ModelShape, batch: int, seq: int) -> int:
+    """The masks every block's recompute is handed with checkpointing, held for the step: Gemma 2's
+    two fp32 additive masks, the bool one of a sliding window the sequence reaches."""
+    if shape.attn_implementation == "eager":
+        kinds = 2 if 0 < shape.sliding_layers < shape.layers else 1
+        return kinds * FP32 * batch * seq * seq
+    return batch * seq * seq if masked(shape, seq) else 0
+
+
 def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> int:
-    """How many parameters the adapter has."""
     return sum(adapter_tensors(shape, r, targets))
+
+
+def per_weight(knobs: Knobs) -> float:
+    """Bytes per weight of the block's linear layers as loaded (before any fp32 upcast)."""
+    if not knobs.load_in_4bit:
+        return LOAD_DTYPE
+    return NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
 
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
     """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest;
-    under FSDP one rank's share of it (:mod:`.sharding`: nothing upcast, blocks sharded)."""
-    quantized = shape.layers * shape.layer_params
-    per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+    under FSDP one rank's share of it (:func:`sharded_components`)."""
     if knobs.fsdp:
-        return sharded_components(shape, knobs, per_weight if knobs.load_in_4bit else LOAD_DTYPE)
+        return sharded_components(shape, knobs, per_weight(knobs))
+    quantized = shape.layers * shape.layer_params
     # Without 4-bit, prepare_model_for_kbit_training upcasts the 16-bit weights to fp32 too.
-    weights = int(quantized * per_weight) if knobs.load_in_4bit else quantized * FP32
-    # bf16_head: the recipe leaves the embeddings and the untied head in the checkpoint's 16-bit
-    # dtype instead of letting prepare_model_for_kbit_training upcast them (the norms stay fp32).
+    weights = int(quantized * per_weight(knobs)) if knobs.load_in_4bit else quantized * FP32
+    # bf16_head: the embeddings and the untied head stay 16-bit (the norms stay fp32).
     size, dtype = (LOAD_DTYPE, "bf16") if knobs.bf16_head else (FP32, "fp32")
     return {
         "weights_4bit" if knobs.load_in_4bit else "weights_fp32": weights,
@@ -147,6 +144,38 @@ def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
         # Bare parameters bitsandbytes does not quantize, which peft's prepare casts to fp32.
         "experts_fp32": shape.layers * shape.expert_params * FP32,
         "biases_fp32": shape.layers * shape.bias_params * FP32,
+    }
+
+
+def fsdp_block_bytes(shape: ModelShape, per_weight: float) -> int:
+    """One decoder block as FSDP holds it: 4-bit linear layers, 16-bit experts, biases and norms
+    (the codes are stored in the compute dtype, so nothing is upcast)."""
+    norms = shape.norm_params // max(shape.layers, 1)
+    return (
+        int(shape.layer_params * per_weight) + (shape.expert_params + shape.bias_params + norms) * LOAD_DTYPE
+    )
+
+
+def _root(shape: ModelShape) -> dict[str, int]:
+    """FSDP's root unit, gathered whole on every rank: the 16-bit embeddings and head."""
+    head = 0 if shape.tie_word_embeddings else shape.vocab * shape.hidden * LOAD_DTYPE
+    return {"embeddings_bf16": shape.vocab * shape.hidden * LOAD_DTYPE, "lm_head_bf16": head}
+
+
+def loaded_components(shape: ModelShape, per_weight: float) -> dict[str, int]:
+    """FSDP's load: bitsandbytes quantizes on the card, so every rank holds the whole 4-bit model
+    before the Trainer shards it."""
+    return {"weights_4bit": shape.layers * fsdp_block_bytes(shape, per_weight), **_root(shape)}
+
+
+def sharded_components(shape: ModelShape, knobs: Knobs, per_weight: float) -> dict[str, int]:
+    """The base model on one FSDP rank: its shard of every block, the gathered blocks, the root.
+    LoRA and the optimizer state stay counted whole (a small over-estimate, unmeasured on cards)."""
+    block = fsdp_block_bytes(shape, per_weight)
+    return {
+        "weights_4bit_shard": shape.layers * block // max(knobs.world_size, 1),
+        "gathered_blocks": min(GATHERED_BLOCKS, shape.layers) * block,
+        **_root(shape),
     }
 
 
@@ -163,19 +192,16 @@ def static_components(
 def load_components(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
 ) -> dict[str, int]:
-    """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter, and the
-    adapter in peft's fp32 before trl casts it to bf16 (one tensor at a time, so not both at once)."""
-    base = base_components(shape, knobs)
-    if knobs.fsdp:  # nothing is cast, but the load holds the whole model, unsharded (.sharding)
-        per_weight = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
-        base = loaded_components(shape, per_weight if knobs.load_in_4bit else LOAD_DTYPE)
+    """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter (its bf16
+    original and fp32 copy coexist), and the adapter in peft's fp32 before trl casts it to bf16."""
+    base = loaded_components(shape, per_weight(knobs)) if knobs.fsdp else base_components(shape, knobs)
     # With bf16_head the embeddings and head are not cast: the largest cast is a norm's weight.
     largest = shape.hidden if knobs.bf16_head else shape.vocab * shape.hidden
     if shape.experts:  # one fused 3D parameter: every expert's gate and up of one block
         largest = max(largest, shape.experts * 2 * shape.expert_intermediate * shape.hidden)
     if not knobs.load_in_4bit:
         largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
-    cast = 0 if knobs.fsdp else largest * LOAD_DTYPE  # FSDP: nothing is upcast (.sharding)
+    cast = 0 if knobs.fsdp else largest * LOAD_DTYPE
     adapter_fp32 = lora_params(shape, knobs.lora_r, targets) * FP32
     if cast >= adapter_fp32:
         return {**base, "load_cast_16bit": cast}
@@ -186,37 +212,29 @@ def layer_activation_bytes(
     shape: ModelShape, r: int, targets: tuple[str, ...] | str, half: int = 2, seq: int = 0
 ) -> int:
     """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens
-    a sequence (only eager attention depends on it).
+    a sequence (only eager attention depends on it); ``half``: the autocast dtype's size.
 
-    ``half`` is the autocast dtype's size (2 for bf16/fp16, 4 when training in fp32 on the CPU).
-    The family terms (:mod:`.block_terms`) were counted on the CPU with saved-tensor hooks at each
-    family's released widths (bench/models/family_memory_cpu.py): Gemma's two extra norms keep one fp32
-    input each; a q/k norm keeps its fp32 input. Layer 0 keeps a little less (its input needs
-    no gradient), which the model leaves in as margin.
+    Layer 0 keeps a little less (its input needs no gradient), which the model leaves in as margin.
     """
-    h = shape.hidden
     block = shape.block or Block()
-    norms = block.norms * FP32 * h
+    norms = block.norms * FP32 * shape.hidden
     head_norms = FP32 * (shape.q_dim + shape.kv_dim) if block.head_norm is not HeadNorm.NONE else 0
     dims = shape.linear_dims()
-    # Per adapter: dropout mask (1 byte) and the 16-bit copy lora_A saves, per input feature;
+    # Per adapter: its dropout mask (1 byte) and lora_A's 16-bit input per input feature, and
     # lora_A's output (r wide) for lora_B.
     adapters = sum((1 + half) * dims[n][0] + half * r for n in shape.adapted(targets))
     return norms + head_norms + mlp_activation_bytes(shape) + attention_bytes(shape, half, seq) + adapters
 
 
-#: Eager attention's backward, per token, head and key position: the scores' gradient as the
-#: second matmul returns it (autocast dtype), cast to fp32 for the softmax's backward, and that
-#: backward's fp32 output, live together. Read from the ops, not yet measured on a card.
+#: Eager attention's backward, per token, head and key position: the scores' gradient (autocast
+#: dtype), its fp32 cast for the softmax's backward, and that backward's fp32 output. Unmeasured.
 EAGER_BACKWARD_SCORES = 2 + FP32 + FP32
-#: The backward of one block, per token: two fp32 i-wide gradients (the MLP product's backward
-#: returns gate's and up's) and two fp32 h-wide ones (the residual's and the block output's).
+#: The backward of one block, per token: two fp32 i-wide gradients (gate's and up's) and two fp32
+#: h-wide ones (the residual's and the block output's).
 BACKWARD_TRANSIENT_I = 8
 BACKWARD_TRANSIENT_H = 8
-#: A MoE block's backward, per routed token: the i-wide pair at the expert's width, and two fp32
-#: h-wide gradients, the expert output's and its gathered input's, for every routed token at once
-#: (H200, Qwen3-MoE block, top-8: 132 KB a token over seq 2048..8192 = 8 x 8 h; the dense terms
-#: alone left it 2.4-6.8 % short).
+#: A MoE block's backward, per routed token: two fp32 h-wide gradients, the expert output's and
+#: its gathered input's (H200, Qwen3-MoE, top-8: 132 KB a token = 8 x 8 h).
 MOE_BACKWARD_ROUTED_H = 8
 
 
@@ -224,7 +242,7 @@ def block_backward_bytes(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
 ) -> int:
     """One block's backward on top of what stays kept: with checkpointing its recomputed
-    activations, then its fp32 gradients and one dequantized 16-bit weight."""
+    activations, then its fp32 gradients and one weight bitsandbytes dequantizes to 16-bit."""
     tokens = knobs.micro_batch_size * knobs.max_seq_len
     recomputed = (
         layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len)
@@ -240,27 +258,21 @@ def block_backward_bytes(
     per_token = recomputed + mlp + BACKWARD_TRANSIENT_H * shape.hidden
     if shape.attn_implementation == "eager":
         per_token += EAGER_BACKWARD_SCORES * shape.heads * knobs.max_seq_len
-    return tokens * per_token + widest * half  # bitsandbytes: 4-bit -> its 16-bit storage dtype
+    return tokens * per_token + widest * half
 
 
 def activation_components(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
 ) -> dict[str, int]:
-    """What the forward keeps plus the larger of the two moments that start the backward.
-
-    The backward starts in the LM head (all activations kept, plus the head's saved hidden
-    states, their gradient and its tiles), then walks the blocks from the last one (kept
-    activations, plus one block's backward, :func:`block_backward_bytes`). The peak is whichever
-    of the two is larger. (Its end, the first block with every gradient made, is its own phase.)
-    """
+    """What the forward keeps plus the larger of the backward's two first moments: the LM head
+    (:func:`loss_components`) and the last block (:func:`block_backward_bytes`)."""
     tokens = knobs.micro_batch_size * knobs.max_seq_len
     per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len)
     final_norm = FP32 * shape.hidden * tokens
     per_kept_layer = FP32 * shape.hidden if knobs.gradient_checkpointing else per_layer
-    # activation_offload (torch.autograd.graph.save_on_cpu): what autograd saves goes to host memory
-    # and comes back one block at a time in backward, so one block's share stays on the card.
+    # activation_offload: what autograd saves is in host memory; one block's comes back at a time.
     on_card = 1 if knobs.activation_offload else shape.layers
-    kept = on_card * per_kept_layer * tokens + final_norm  # with checkpointing: each block's fp32 input
+    kept = on_card * per_kept_layer * tokens + final_norm
     if knobs.gradient_checkpointing:  # the masks every block's recompute is handed, held once
         kept += checkpoint_masks(shape, knobs.micro_batch_size, knobs.max_seq_len)
     block = block_backward_bytes(shape, knobs, targets, half)
@@ -275,9 +287,9 @@ def loss_components(
 ) -> dict[str, int]:
     """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, the tiles.
 
-    The tiles: the bf16 logits buffer (one token tile by one vocabulary slice), the bf16 copy of
-    the token tile, and one bf16 slice of the head, two while the loop moves to the next slice.
-    A head already in bf16 (``bf16_head``) is sliced without a copy: ``.to(bf16)`` is a no-op.
+    The tiles: the bf16 logits buffer (a token tile by a vocabulary slice), the bf16 copy of the
+    token tile, and a bf16 slice of the head, two while the loop moves to the next slice (none
+    when the head is bf16 already: ``.to(bf16)`` is a no-op).
     """
     scored = batch * max(seq - 1, 1)  # every position with a next-token label
     tile_tokens = min(scored, HEAD_TOKEN_TILE)
@@ -312,17 +324,9 @@ def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str,
 def training_phases(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str, half: int
 ) -> dict[str, dict[str, int]]:
-    """Each moment that can hold the peak, by component.
-
-    * load: the base model while its largest 16-bit parameter is cast to fp32 (or the adapter
-      in fp32 before trl's bf16 cast);
-    * backward: static + optimizer state + kept activations + the head or the last block; the
-      gradients only from the second micro-batch of an accumulation (the Trainer zeroes them to
-      None after each step, so a step's first backward starts without them);
-    * backward_end: the first block's backward with every gradient made;
-    * optimizer_step: static + state + grads + the step's temporary;
-    * eval (when enabled): static + state + one no-grad batch.
-    """
+    """Each moment that can hold the peak, by component: load, backward (the gradients only from
+    the second micro-batch of an accumulation: the Trainer sets them to None after each step),
+    backward_end (the first block's backward with every gradient made), optimizer_step, eval."""
     static = {**static_components(shape, knobs, targets), "blas_workspaces": BLAS_WORKSPACES}
     adapter: AdapterBytes = adapter_bytes(shape, knobs, targets)
     state = {"optimizer_state": adapter.state}
@@ -353,8 +357,8 @@ def predict(
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
     half: int = 2,
 ) -> Prediction:
-    """The peak of loading, training (and evaluating) with ``knobs``: the largest phase of
-    :func:`training_phases`, with the allocator's reserve and what sits outside it."""
+    """The largest phase of :func:`training_phases`, with the allocator's reserve and what sits
+    outside it."""
     phases = training_phases(shape, knobs, targets, half)
     phase, components = max(phases.items(), key=lambda item: sum(item[1].values()))
     peak = sum(components.values())

@@ -1,11 +1,8 @@
 """Host memory: loading a checkpoint into 4-bit, merging the adapter, and training (the host's budget).
 
-The basis is measured, not derived: safetensors maps the checkpoint file, so every page of the
-16-bit checkpoint passes through the loading process's resident set (and the cgroup's page
-cache) on its way to the GPU, on top of what the imports cost. On the H200 host a 7B
-checkpoint (13.5 GB in bf16) peaked at 14.6 GB RSS while loading into 4-bit; the grid in
-bench/results/memory-grid-h200-*/ records the peak RSS of every shape and fits
-:data:`LOAD_PER_CHECKPOINT_BYTE` and :data:`IMPORTS_RSS`.
+Measured, not derived (docs/host-memory.md says how it counts): safetensors maps the checkpoint,
+so every page of the 16-bit checkpoint passes through the loading process's resident set; on the
+H200 host a 7B (13.5 GB in bf16) peaked at 14.6 GB RSS while loading into 4-bit.
 """
 
 from __future__ import annotations
@@ -20,16 +17,12 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: RSS of the child after importing torch (CUDA build), transformers, peft, trl, bitsandbytes.
 IMPORTS_RSS = 1_600_000_000
-#: The same imports with torch's CPU build (no CUDA libraries): 0.50 GB peak RSS measured on the
-#: 2-core CPU host (torch 2.13 CPU, transformers, peft, trl, datasets, accelerate, bitsandbytes).
+#: The same imports with torch's CPU build (0.50 GB peak RSS on the 2-core CPU host).
 CPU_IMPORTS_RSS = 500_000_000
 #: Peak RSS while loading, per byte of the 16-bit checkpoint (mapped pages + conversion buffers).
 LOAD_PER_CHECKPOINT_BYTE = 0.97
-#: A merge loads the base in 16-bit on the CPU (the checkpoint once), adds the adapter, and
-#: writes the merged shards (one shard's serialisation buffer at a time).
+#: A merge loads the base in 16-bit on the CPU and writes the merged shards (one at a time).
 MERGE_PER_CHECKPOINT_BYTE = 1.05
-#: Data segment of the child after the imports on a CPU build (trainer_child/stack.py).
-CPU_BUILD_VMDATA = 430_000_000
 
 
 @dataclass(frozen=True)
@@ -57,25 +50,8 @@ def host_need(checkpoint_bytes: int, largest_shard_bytes: int = 0, on_gpu: bool 
     return HostNeed(load, merge, basis)
 
 
-# ---- training --------------------------------------------------------------------------------
-#
-# What the child holds on the host while it trains, once the load is over (safetensors' mapped
-# pages are gone by then: the 7B and 8B children of bench/results/recovery-h200-2026-12-01 fell
-# from 12-15 GB RSS while loading to 1.2 GB once loaded):
-#
-# * the resident set of a training child: the imports, the CUDA context's host side (driver,
-#   cuBLAS and kernel images), the tokenized data set, autograd's and the optimizer's bookkeeping
-#   (:data:`TRAIN_RESIDENT_RSS`; 2.03-2.19 GB over every 7B and 8B run there, independent of the
-#   model's size: the weights live on the card);
-# * activation offload (trainer_child/recipe/activations.py): what the forward saves for backward,
-#   in host buffers reused between micro-steps, so one micro-step's worth. With checkpointing
-#   that is each block's fp32 input; without it every activation of every block. Pinned buffers
-#   come from the host caching allocator, which rounds each up to a power of two;
-# * the paged optimizer's state (CUDA unified memory): it stays on the card until the card runs
-#   short, and then pages to the host, so the host must be able to take it;
-# * the data loader's pinned batch (input ids, attention mask and labels, int64).
-
-#: RSS of a training child besides offloaded activations (H200, torch 2.11, 7B and 8B, see above).
+#: RSS of a training child besides offloaded activations: imports, the CUDA context's host side,
+#: the data, autograd's bookkeeping (H200, torch 2.11: 2.03-2.19 GB over every 7B and 8B run).
 TRAIN_RESIDENT_RSS = 2_150_000_000
 #: The int64 tensors of a collated batch the data loader pins (input ids, attention mask, labels).
 BATCH_TENSORS = 3
@@ -85,18 +61,9 @@ INT64 = 8
 @dataclass(frozen=True)
 class HostTrainNeed:
     """Host RAM one training config needs (bytes): the load's peak RSS (``load_peak``, as measured),
-    what of the load the host must hold (``load_need``), the training phase's by component, and the
-    larger of the last two (``peak_bytes``, what the host budget must hold).
-
-    The load's RSS peak is almost all the checkpoint's pages mapped from its files (safetensors):
-    on the H200 the 8B's 16.01 GiB peak was 15.28 GiB of file-backed pages and 0.62 GiB anonymous,
-    the 4B's 8.55 GiB 7.85 and 0.62 (bench/results/host-memory-h200-2026-12-04/). Clean file pages
-    are what the kernel drops first under pressure, and reads again: they never bring the OOM
-    killer. So the load needs the imports and the shard being read in the page cache
-    (:data:`IMPORTS_RSS` + the largest shard; the whole checkpoint when its shards are not known),
-    not the whole checkpoint. What training holds is anonymous, and pinned buffers cannot even be
-    swapped: that is the budget's.
-    """
+    what of the load the host must hold (``load_need``: the imports and the shard being read; the
+    rest is clean file pages the kernel reclaims), the training phase's by component, and the
+    larger of the last two (``peak_bytes``, what the host budget must hold)."""
 
     load_peak: int
     train_components: Mapping[str, int] = field(default_factory=dict)
@@ -123,8 +90,8 @@ def pinned(nbytes: int) -> int:
 
 
 def residual_bytes(shape: ModelShape, knobs: Knobs) -> int:
-    """Bytes per value of the residual stream, what a checkpointed block's input is saved in: fp32,
-    except a family whose norms keep their input's dtype (Gemma) with the bf16 embeddings."""
+    """Bytes per value of the residual stream (a checkpointed block's input): fp32, but 2 where the
+    norms keep their input's dtype (Gemma) with the bf16 embeddings."""
     keeps = shape.block is not None and shape.block.norm_keeps_dtype
     return 2 if keeps and knobs.bf16_head else FP32
 
@@ -132,13 +99,9 @@ def residual_bytes(shape: ModelShape, knobs: Knobs) -> int:
 def offloaded_bytes(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, pin: bool = True
 ) -> int:
-    """Host bytes activation offload holds at the end of one micro-step's forward (0 when off).
-
-    With checkpointing each block's input (one ``tokens x hidden`` tensor a block, in the residual
-    stream's dtype: :func:`residual_bytes`); without it
-    every block's saved activations, rounded as its hidden-wide tensors are. Outside the blocks:
-    the final norm's fp32 input and the fused head's gathered fp32 hidden states.
-    """
+    """Host bytes activation offload holds at the end of one micro-step's forward (0 when off), in
+    reused pinned buffers: with checkpointing each block's input, without it every block's saved
+    activations (rounded as its hidden-wide tensors are); and the final norm's and the head's input."""
     if not knobs.activation_offload:
         return 0
     tokens = knobs.micro_batch_size * knobs.max_seq_len
@@ -159,8 +122,8 @@ def host_train_need(
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
     largest_shard_bytes: int | None = None,
 ) -> HostTrainNeed:
-    """The host RAM of training ``shape`` with ``knobs`` (see the comment above the constants);
-    ``largest_shard_bytes``: the checkpoint's largest file (None or 0: not known, the whole of it)."""
+    """The host RAM of training ``shape`` with ``knobs``; ``largest_shard_bytes``: the checkpoint's
+    largest file (None or 0: not known, the whole of it)."""
     batch = knobs.micro_batch_size * knobs.max_seq_len * INT64
     components = {
         "resident": TRAIN_RESIDENT_RSS,

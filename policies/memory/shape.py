@@ -1,19 +1,14 @@
 """What the memory model needs to know about a model, read from its ``config.json`` alone.
 
-The model covers the decoder blocks of :data:`.families.BLOCKS`: Llama, Mistral, Qwen2/3, OLMo 2,
-Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, and the fused-expert MoE blocks of Qwen3-MoE and
-Mixtral. Anything else is refused with a typed :class:`Unsupported` reason, because a number
-computed for the wrong block would be confidently wrong.
-
-The architecture facts are also read for every family the LoRA targets table knows
-(:data:`...contract.targets.FAMILIES`), so ``plan`` can say what an unmodelled model is and which
-memory terms it would need (:meth:`ModelShape.missing_terms`); a model type outside that table
-is not read at all. A multimodal Gemma 3 (``gemma3``) is read from its ``text_config`` and refused:
-its vision tower is loaded (and quantized) beside the language model, and is not modelled.
+The blocks of :data:`.families.BLOCKS` are modelled; anything else is refused with a typed
+:class:`Unsupported` reason (a number for the wrong block would be confidently wrong), with its
+facts where the LoRA targets table knows the family. A multimodal Gemma 3 is refused for its vision
+tower. The blocks' facts are in :mod:`.families`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,10 +28,8 @@ from qlora_supervise.trainer_child.contract.targets import FAMILIES, KEYWORDS, r
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 #: A vocabulary this large makes the logits (batch x seq x vocab, fp32 in the loss) the peak.
 LARGE_VOCAB = 200_000
-#: The linear layers of one decoder block, by the names target_modules uses.
+#: The attention's linear layers of one decoder block, by the names target_modules uses.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 
 
 class UnsupportedReason(str, enum.Enum):
@@ -51,8 +44,8 @@ class UnsupportedReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Unsupported:
-    """A config the memory model does not cover, and in words why; ``shape``: its architecture
-    facts where its block is one the targets table knows (None: not read)."""
+    """A config the memory model does not cover, and why; ``shape``: its architecture facts where
+    the targets table knows its block (None: not read)."""
 
     reason: UnsupportedReason
     detail: str
@@ -61,7 +54,8 @@ class Unsupported:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a Llama-family decoder that memory depends on."""
+    """The sizes of a decoder that memory depends on (the first eight fields), and its
+    architecture facts, whose defaults are the Llama block's."""
 
     hidden: int
     layers: int
@@ -71,8 +65,6 @@ class ModelShape:
     vocab: int
     tie_word_embeddings: bool = False
     head_dim: int | None = None  # None: hidden // heads
-    # The architecture facts (issue 20): what the block is beyond its sizes. Defaults are the
-    # Llama block's, so a shape built from sizes alone stays the Llama one.
     model_type: str = "llama"
     attn_implementation: str = "sdpa"  # what the child gets: see attention.default_attention
     attn_softcap: float | None = None  # tanh softcapping of the attention scores (Gemma 2)
@@ -87,11 +79,7 @@ class ModelShape:
 
     @classmethod
     def read(cls, config: Mapping[str, Any]) -> ModelShape | Unsupported:
-        """The shape of ``config`` (a parsed ``config.json``), or why it is not modelled.
-
-        A block outside :data:`.families.BLOCKS` is refused; where it is one the targets table
-        knows, the refusal carries its facts (:attr:`Unsupported.shape`) and the terms it lacks.
-        """
+        """The shape of ``config`` (a parsed ``config.json``), or why it is not modelled."""
         if isinstance(config.get("text_config"), Mapping) and "hidden_size" not in config:
             facts = cls.architecture(config)
             return Unsupported(
@@ -119,9 +107,8 @@ class ModelShape:
 
     @classmethod
     def architecture(cls, config: Mapping[str, Any]) -> ModelShape | Unsupported:
-        """The sizes and architecture facts of any family the targets table knows, modelled or
-        not (see :meth:`missing_terms`); Unsupported for another model type or a broken config.
-        A multimodal config is read from its ``text_config``."""
+        """The sizes and facts of any family the targets table knows, modelled or not; Unsupported
+        for another model type or a broken config. A multimodal one is read from its text_config."""
         model_type = model_type_of(config)
         if model_type not in FAMILIES:
             known = ", ".join(sorted(FAMILIES))
@@ -172,11 +159,11 @@ class ModelShape:
 
     def sizes(self) -> dict[str, Any]:
         """The eight sizes alone: the per-host peak store's key, as it was before the facts existed."""
-        return {name: getattr(self, name) for name in _SIZE_FIELDS}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[:8]}
 
     @property
     def block(self) -> Block | None:
-        """The modelled block of this model type (None: not modelled, see :meth:`missing_terms`)."""
+        """The modelled block of this model type (None: not modelled)."""
         return BLOCKS.get(self.model_type)
 
     def missing_terms(self) -> tuple[str, ...]:
@@ -193,8 +180,6 @@ class ModelShape:
         if self.vocab >= LARGE_VOCAB:
             terms.append(f"{self.vocab}-token logits in fp32 (fused-head slices, eval) at that vocabulary")
         if self.experts:
-            # transformers 5 fuses the experts into 3D parameters bitsandbytes does not quantize,
-            # and peft's k-bit prepare casts every such parameter to fp32.
             terms.append(f"{self.experts} resident experts per layer, unquantized and cast to fp32")
             terms.append(
                 "router logits kept for the auxiliary loss" if self.router_logits else "routing buffers"
@@ -235,9 +220,8 @@ class ModelShape:
         return self.kv_heads * self.dim_per_head
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """``{module: (in_features, out_features)}`` of one decoder block's Linear layers (the ones
-        bitsandbytes quantizes and LoRA can adapt): Phi-3's are fused; a MoE block has attention
-        only (its experts and router are bare parameters, :attr:`expert_params`)."""
+        """``{module: (in_features, out_features)}`` of one block's Linear layers (quantized, and
+        what LoRA can adapt); a MoE block's experts and router are bare parameters."""
         h, i = self.hidden, self.intermediate
         block = self.block or Block()
         if block.fused:
@@ -264,8 +248,7 @@ class ModelShape:
 
     @property
     def expert_params(self) -> int:
-        """One block's MoE parameters left unquantized: every expert's gate, up and down, and
-        the router (0 for a dense block)."""
+        """One block's unquantized MoE parameters: every expert's gate, up and down, the router."""
         if not self.experts:
             return 0
         return self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)
@@ -287,8 +270,7 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        """Every RMSNorm weight: the block's hidden-wide ones and the final one, and the query and
-        key norms (head_dim wide shared by the heads, or the whole width: OLMo 2)."""
+        """Every RMSNorm weight: the blocks' hidden-wide ones, the final one, the q/k norms."""
         block = self.block or Block()
         head = {
             HeadNorm.NONE: 0,
@@ -299,8 +281,8 @@ class ModelShape:
 
     @property
     def unquantized_params(self) -> int:
-        """Parameters bitsandbytes leaves in 16-bit and peft's prepare casts to fp32, besides the
-        embeddings and the head: norms, biases, MoE experts and routers."""
+        """Parameters besides the embeddings and head that bitsandbytes leaves 16-bit and peft's
+        prepare casts to fp32: norms, biases, MoE experts and routers."""
         return self.norm_params + self.layers * (self.bias_params + self.expert_params)
 
     @property
@@ -308,21 +290,8 @@ class ModelShape:
         return self.layers * self.layer_params + self.embedding_params + self.unquantized_params
 
 
-_SIZE_FIELDS = (
-    "hidden",
-    "layers",
-    "heads",
-    "kv_heads",
-    "intermediate",
-    "vocab",
-    "tie_word_embeddings",
-    "head_dim",
-)
-
-
 def _not_modelled(what: str, config: Mapping[str, Any]) -> Unsupported:
-    """The refusal of an unmodelled architecture: with its facts and lacking terms where its
-    block is known, else why nothing is read."""
+    """The refusal of an unmodelled architecture, with its facts and lacking terms where known."""
     modelled = ", ".join(sorted(BLOCKS))
     facts = ModelShape.architecture(config)
     if not isinstance(facts, ModelShape):
@@ -341,12 +310,8 @@ def _not_modelled(what: str, config: Mapping[str, Any]) -> Unsupported:
 
 
 def resolve_targets(targets: tuple[str, ...] | str, model_type: str = "llama") -> tuple[str, ...]:
-    """The block's Linear layers a LoRA ``target_modules`` value adapts on a ``model_type`` model.
-
-    ``attention`` / ``mlp`` / ``all-linear`` resolve by the family's table (``all-linear`` is every
-    Linear of the block, peft's rule without the head); a regex or an unknown name adapts what it
-    matches among the block's layers, so it is read as a list of names.
-    """
+    """The block's Linear layers a LoRA ``target_modules`` value adapts on a ``model_type`` model:
+    a keyword by the family's table, any other string (a regex) as a list of names."""
     family_type = model_type if model_type in FAMILIES else "llama"
     known = FAMILIES[family_type]
     layers = known.linear

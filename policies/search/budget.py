@@ -1,14 +1,5 @@
-"""The memory budget the policy plans against when the job sets no cap: the card less a reserve.
-
-The reserve is what sits on the card but outside PyTorch's allocator, which is what the memory
-model's peak counts: the CUDA context (``memory.gpu.CUDA_CONTEXT``, measured on the H200) and,
-with a paged optimizer, its unified-memory state. ``plan`` and the loop use these same two
-functions, so the budget ``plan`` prints is the one the run plans against.
-
-The host has a budget of its own (:class:`HostBudget`): the job's ``resources.host_memory_limit``,
-or the RAM available now (capped by the cgroup's limit) less a reserve; the host model
-(:mod:`.memory.host`) counts a candidate's need against it.
-"""
+"""The budgets the policy plans against: the card's (less what sits outside the allocator) and the
+host's (:class:`HostBudget`). ``plan`` and the loop use the same functions."""
 
 from __future__ import annotations
 
@@ -36,12 +27,9 @@ HOST_RESERVE_FRACTION = 0.05
 
 @dataclass(frozen=True)
 class HostBudget:
-    """The host RAM a training child may use, and what the host model needs to count against it.
-
-    ``source``: ``flag`` (``plan --host-memory``, the host's size less the reserve), ``job``
-    (``resources.host_memory_limit``, taken as it is), ``available`` (available now, capped by the
-    cgroup's limit, less the reserve).
-    """
+    """The host RAM a training child may use, and what the host model counts against it;
+    ``source``: ``flag`` (``plan --host-memory``), ``job`` (``resources.host_memory_limit``) or
+    ``available`` (see :func:`host_budget`)."""
 
     budget_bytes: int
     checkpoint_bytes: int
@@ -76,9 +64,8 @@ def host_budget(
     host_size: int | None = None,
     largest_shard_bytes: int | None = None,
 ) -> HostBudget:
-    """The host budget, first match wins: a stated host size (``--host-memory``, the plan's explicit
-    what-if) less the reserve; the job's ``host_memory_limit``; what is available now, capped by the
-    cgroup, less the reserve."""
+    """The host budget, first match wins: a stated host size less the reserve; the job's
+    ``host_memory_limit`` as it is; what is available now, capped by the cgroup, less the reserve."""
     shard = largest_shard_bytes or None
     if host_size is not None:
         reserve = host_reserve(host_size)

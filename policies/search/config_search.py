@@ -1,32 +1,11 @@
 """Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models.
 
-Rules (issues 8 and 19):
-
-* a job predicted to fit (with the margin) starts as written;
-* otherwise every combination of the free and *throughput* knobs (:mod:`.candidates`: expandable
-  segments, gradient checkpointing, each micro-batch that divides the per-rank batch with the
-  accumulation that keeps the effective batch, the paged 8-bit optimizer, activation offload,
-  the bf16 head, and per candidate the largest eval batch that fits) is predicted, and **every**
-  candidate that fits is ranked by predicted tokens/s (:mod:`.throughput`, measured numbers of
-  this host or run where there are some); the fastest wins;
-* *quality* knobs (seq_len, then LoRA rank) change only when no throughput candidate fits; the
-  lightest quality cut that fits wins, with its fastest throughput knobs, and the result says so
-  (``quality_changed``) so the caller can log it loudly;
-* quality cuts go no deeper than two halvings of seq_len and of the rank
-  (:data:`DEEPEST_CUT_BEFORE_FALLBACK`); when no config of the job's model fits within that, the
-  job's fallback models are tried in order, as a loud quality change (``fallback``); when none
-  fits either, :class:`NothingFits` names the smallest
-  peak found, the budget and what would help, so the run can stop before any child starts.
-
-**Two budgets** (issue 28): with a host budget (:class:`.budget.HostBudget`) a candidate must also
-fit the host: its training host peak (:func:`.memory.host.host_train_need`: the load, the resident
-child, offloaded activations, paged optimizer state, the data loader) under the host budget less the
-same margin. A candidate that fits the card but not the host is no candidate; the result counts
-them (``host_rejected``) and says why. When the load alone does not fit the host, or nothing that
-fits the card fits the host, :class:`NothingFits` names host memory (``host``) and what would fit.
-
-The margin (8 %) covers the model's error and the allocator's block rounding that a cap sees as
-used memory; a calibrated scale shrinks the first, which is why the margin stays fixed.
+The job as written when it is predicted to fit with the margin (8 %: the model's error and the
+allocator's rounding under a cap); else the fastest fitting combination of the free and throughput
+knobs (:mod:`.search_state`); else the lightest quality cut, no deeper than
+:data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK` (``quality_changed``); else a fallback model
+(``fallback``); else :class:`NothingFits`. With a host budget a candidate must fit the host too;
+those it rules out are counted (``host_rejected``). docs/planning.md tells the rules.
 """
 
 from __future__ import annotations
@@ -36,21 +15,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
+from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass
 from qlora_supervise.policies.search import throughput
-from qlora_supervise.policies.search.budget import HostBudget
-from qlora_supervise.policies.search.nothing_fits import nothing_fits, rejected
+from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
 from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, Ranked, knob_changes
 from qlora_supervise.policies.search.search_result import gib as _gib
 from qlora_supervise.policies.search.search_state import (
+    DEEPEST_CUT_BEFORE_FALLBACK,
     DEFAULT_MARGIN,
     Search,
     fit_limit,
     scaled_peak,
 )
-from qlora_supervise.policies.search.trial_pick import TRIAL_SIZE, TRIAL_SLOWEST_SHARE, trial_candidates
-from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 __all__ = [
     "DEFAULT_MARGIN",
@@ -64,6 +43,11 @@ __all__ = [
     "preflight",
     "scaled_peak",
 ]
+
+TRIAL_SIZE = 3  # The speed trial times at most this many candidates, the chosen one first.
+#: The speed trial skips a candidate predicted at less than this share of the chosen config's
+#: tokens/s: it cannot win, and the slow one eats the trial (H200: 45 s of a 54 s trial).
+TRIAL_SLOWEST_SHARE = 0.5
 
 
 def preflight(
@@ -79,43 +63,19 @@ def preflight(
     unusable: frozenset[str] = frozenset(),
     host: HostBudget | None = None,
 ) -> PreflightResult:
-    """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; see the module docstring.
-
-    ``fallbacks``: the job's fallback models with their shapes (None: not modelled, skipped).
-    ``exclude``: configs that already failed; ``unusable``: rungs charged with a failure;
-    ``host``: the host budget every candidate must fit too (None: the card alone).
-    """
-    # One search in the docstring's order (as written, throughput, quality, fallbacks, nothing),
-    # with the reasons written as it goes: splitting it would scatter the one story the journal tells.
+    """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; ``fallbacks``: the job's
+    fallback models with their shapes (None: not modelled); ``exclude``: configs that already
+    failed; ``unusable``: rungs charged with a failure; ``host``: the host budget (None: none)."""
     limit = fit_limit(budget_bytes, margin)
     search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
-        ranking = search.rank(knobs)
-        why = (
-            f"predicted {_gib(search.peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin",
-            *_host_reasons(search, knobs),
+        why = [f"predicted {_gib(search.peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin"]
+        written = Ranked(
+            knobs, (), search.peak(knobs), base_speed, False, CostClass.FREE, search.host_peak(knobs)
         )
-        return PreflightResult(
-            knobs=knobs,
-            predicted=predict(shape, knobs, targets),
-            fits_as_written=True,
-            changes={},
-            reasons=why,
-            quality_changed=False,
-            fits=True,
-            budget_bytes=budget_bytes,
-            margin=margin,
-            cost=0.0,
-            tokens_per_s=base_speed,
-            ranking=tuple(ranking),
-            speed_trial=trial_candidates(
-                knobs, search.peak(knobs), base_speed, ranking, search.host_peak(knobs)
-            ),
-            host_budget_bytes=None if host is None else host.budget_bytes,
-            host_peak_bytes=search.host_peak(knobs),
-            host_rejected=rejected(search),
-        )
+        reasons = why + _host_reasons(search, knobs)
+        return _result(search, shape, written, search.rank(knobs), reasons, budget_bytes, margin)
     ranking, quality = search.best(knobs)
     fallback = None
     chosen_shape = shape
@@ -123,7 +83,7 @@ def preflight(
         fallback, chosen_shape, ranking = found
     head = [_as_written(search, knobs, budget_bytes, margin)]
     if not ranking:
-        return nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
+        return _nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
@@ -136,26 +96,43 @@ def preflight(
     elif quality:
         reasons.append("no throughput-only change fits: QUALITY knobs changed (seq_len / LoRA rank)")
     cost = 1 - chosen.tokens_per_s / base_speed if base_speed > 0 and fallback is None else 0.0
+    return dataclasses.replace(
+        _result(search, chosen_shape, chosen, ranking, reasons, budget_bytes, margin),
+        quality_changed=quality or fallback is not None,
+        cost=round(cost, 4),
+        fallback=fallback,
+    )
+
+
+def _result(
+    search: Search,
+    shape: ModelShape,
+    chosen: Ranked,
+    ranking: list[Ranked],
+    reasons: list[str],
+    budget_bytes: int,
+    margin: float,
+) -> PreflightResult:
+    """A fitting choice: ``chosen`` (the job as written when it changes nothing) and its ranking."""
+    changes = knob_changes(search.job, chosen.knobs)
     return PreflightResult(
         knobs=chosen.knobs,
-        predicted=predict(chosen_shape, chosen.knobs, targets),
-        fits_as_written=False,
-        changes=knob_changes(knobs, chosen.knobs),
+        predicted=predict(shape, chosen.knobs, search.targets),
+        fits_as_written=not changes,
+        changes=changes,
         reasons=tuple(reasons),
-        quality_changed=quality or fallback is not None,
+        quality_changed=False,
         fits=True,
         budget_bytes=budget_bytes,
         margin=margin,
-        cost=round(cost, 4),
+        cost=0.0,
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
         speed_trial=trial_candidates(
             chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking, chosen.host_peak_bytes
         ),
-        fallback=fallback,
-        host_budget_bytes=None if host is None else host.budget_bytes,
         host_peak_bytes=chosen.host_peak_bytes,
-        host_rejected=rejected(search),
+        host_rejected=_rejected(search),
     )
 
 
@@ -202,8 +179,8 @@ def _as_written(search: Search, knobs: Knobs, budget_bytes: int, margin: float) 
 
 
 def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
-    """The host side of a choice: its training host peak against the host budget, and how many
-    candidates the host ruled out."""
+    """The host side of a choice: its host need against the host budget, and how many candidates
+    the host ruled out."""
     host = search.host_peak(knobs)
     if host is None or search.host is None:
         return []
@@ -236,3 +213,132 @@ def _towards_less_memory(name: str, before: Any, after: Any) -> bool:
 
 def _speed(r: Ranked) -> str:
     return f"{r.tokens_per_s:.0f} tokens/s {'measured' if r.measured else 'predicted'}"
+
+
+def _nothing_fits(
+    search: Search,
+    knobs: Knobs,
+    budget_bytes: int,
+    margin: float,
+    head: list[str],
+    fallbacks: Sequence[tuple[str, ModelShape | None]],
+) -> PreflightResult:
+    """The refusal when nothing fits the card: the smallest peak and what would help."""
+    if search.host_rejected:  # configs fitted the card: host memory is what nothing fits
+        return _nothing_fits_host(search, knobs, budget_bytes, margin, head)
+    assert search.smallest is not None  # the job as written was predicted first
+    peak, smallest = search.smallest
+    need = int(peak * (1 + margin))
+    helps = [f"a budget of at least {_gib(need)} (a card of about {_gib(need + card_reserve())})"]
+    if fallbacks:
+        helps.append("a smaller model than every one in model.fallbacks (none of them fits either)")
+    else:
+        helps.append("a smaller model in model.fallbacks")
+    if search.deep_fit is not None:
+        deep = search.deep_fit
+        helps.append(
+            f"max_seq_len {deep.max_seq_len} and lora.r {deep.lora_r} written in the job (predicted to fit; "
+            f"pre-flight cuts no deeper than 1/{DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
+        )
+    text = " or ".join(helps)
+    nothing = NothingFits(peak, smallest, budget_bytes, margin, text)
+    verdict = (
+        f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
+        f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
+    )
+    return _refusal(search, knobs, (*head, verdict), budget_bytes, nothing)
+
+
+def _nothing_fits_host(
+    search: Search, knobs: Knobs, budget_bytes: int, margin: float, head: list[str]
+) -> PreflightResult:
+    """Nothing that fits the card fits the host: the smallest host need among them, the host
+    budget, and the host budget that would fit."""
+    assert search.host is not None and search.host_limit is not None
+    host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
+    need = int(host_peak * (1 + margin))
+    host = search.host
+    phase = host_train_need(
+        search.shape, smallest, host.checkpoint_bytes, search.targets, host.largest_shard_bytes
+    ).phase
+    what = "loading the model" if phase == "load" else "training the smallest"
+    if phase == "load" and not host.largest_shard_bytes:
+        what += " (its shards unknown: the whole checkpoint counts as the file being read)"
+    # The smallest host whose budget holds ``need``, rounded up to the 0.01 GiB the text shows, so
+    # that the size as printed, given to ``plan --host-memory``, is a budget of ``need`` at least.
+    step = (1 << 30) // 100
+    size = -(-host_for_budget(need) // step) * step
+    text = (
+        f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
+        f"for a host of {_gib(size)}), or a smaller model in model.fallbacks"
+    )
+    nothing = NothingFits(host_peak, smallest, host.budget_bytes, margin, text, host=True)
+    verdict = (
+        f"NOTHING FITS HOST MEMORY: {len(search.host_rejected)} config(s) fit the card, but {what} "
+        f"needs {_gib(host_peak)} of host RAM, the host budget is "
+        f"{_gib(host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
+    )
+    return dataclasses.replace(
+        _refusal(search, knobs, (*head, verdict), budget_bytes, nothing),
+        host_peak_bytes=host_peak,
+        host_rejected=_rejected(search),
+    )
+
+
+def _refusal(
+    search: Search, knobs: Knobs, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
+) -> PreflightResult:
+    """The result when nothing fits: the smallest config ``nothing`` names, refused."""
+    smallest = nothing.smallest_knobs
+    return PreflightResult(
+        knobs=smallest,
+        predicted=predict(search.shape, smallest, search.targets),
+        fits_as_written=False,
+        changes=knob_changes(knobs, smallest),
+        reasons=reasons,
+        quality_changed=True,
+        fits=False,
+        budget_bytes=budget_bytes,
+        margin=nothing.margin,
+        cost=0.0,
+        nothing_fits=nothing,
+    )
+
+
+def _rejected(search: Search) -> tuple[int, int | None]:
+    values = search.host_rejected.values()
+    return len(search.host_rejected), min(values) if values else None
+
+
+def trial_candidates(
+    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked], host_peak: int | None = None
+) -> tuple[TrialCandidate, ...]:
+    """The speed trial's candidates: the chosen config and the fastest others that differ from it
+    only in what changes without a reload (micro-batch, accumulation, checkpointing), none slower
+    than :data:`TRIAL_SLOWEST_SHARE` of it; empty when there is no other."""
+
+    def reloadless(k: Knobs) -> Knobs:
+        # The allocator setting is no training knob: candidates differ from the job's in it alone.
+        return dataclasses.replace(
+            k, micro_batch_size=1, grad_accum=1, gradient_checkpointing=False, expandable_segments=True
+        )
+
+    def timed(k: Knobs) -> tuple[int, int, bool]:
+        return k.micro_batch_size, k.grad_accum, k.gradient_checkpointing
+
+    seen = {timed(knobs)}
+    others = []
+    for r in ranking:
+        if r.tokens_per_s < tokens_per_s * TRIAL_SLOWEST_SHARE:
+            continue
+        if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
+            seen.add(timed(r.knobs))
+            others.append(r)
+    if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
+        return ()
+    chosen = (knobs, tokens_per_s, peak, host_peak)
+    rest = [(r.knobs, r.tokens_per_s, r.peak_bytes, r.host_peak_bytes) for r in others[: TRIAL_SIZE - 1]]
+    return tuple(
+        TrialCandidate(k.micro_batch_size, k.grad_accum, k.gradient_checkpointing, round(rate, 1), p, h)
+        for k, rate, p, h in (chosen, *rest)
+    )

@@ -1,8 +1,4 @@
-"""What the pre-flight returns: the ranked candidates, the verdict when nothing fits, the choice.
-
-Apart from :mod:`.preflight` so that the pieces that build them (:mod:`.nothing_fits`,
-:mod:`.trial_pick`) share them without importing the search; :mod:`.preflight` re-exports them.
-"""
+"""What the pre-flight returns: the ranked candidates, the verdict when nothing fits, the choice."""
 
 from __future__ import annotations
 
@@ -11,9 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies.memory.gpu import Prediction
-from qlora_supervise.policies.search.candidates import CostClass
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.policies.rungs import CostClass
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,6 @@ class PreflightResult:
     speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
     fallback: str | None = None  # the fallback model started instead of the job's
     nothing_fits: NothingFits | None = None
-    host_budget_bytes: int | None = None  # the host budget planned against (None: none)
     host_peak_bytes: int | None = None  # the chosen config's training host peak
     # Candidates that fit the card but not the host: how many, and the smallest host need of them.
     host_rejected: tuple[int, int | None] = (0, None)

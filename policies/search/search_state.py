@@ -1,35 +1,130 @@
-"""The state of one search: the predictions of each config, cached, against the card and host budgets.
-
-Its own module so that the search (:mod:`.config_search`) and the verdict when nothing fits
-(:mod:`.nothing_fits`) both build on it without importing each other.
-"""
+"""The configs pre-flight chooses among, enumerated from the rungs by cost class, and the state of
+one search: each config's predictions, cached, against the card and host budgets."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qlora_supervise.policies.memory.gpu import Prediction, predict
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.memory_model import split
-from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass
+from qlora_supervise.policies.rungs import (
+    QUALITY_WEIGHTS,
+    RUNG_CLASSES,
+    RUNGS,
+    Axis,
+    CostClass,
+    Rung,
+    rungs_between,
+)
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget
-from qlora_supervise.policies.search.candidates import (
-    deep_cut,
-    eval_batches,
-    most_frugal,
-    quality_variants,
-    rungs_between,
-    throughput_variants,
-)
 from qlora_supervise.policies.search.search_result import Ranked
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 DEFAULT_MARGIN = 0.08
 _CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The job's knobs with the changes ``rungs`` name."""
+
+    knobs: Knobs
+    rungs: tuple[str, ...]
+
+    @property
+    def quality_weight(self) -> float:
+        return sum(QUALITY_WEIGHTS.get(name, 0.0) for name in self.rungs)
+
+
+def micro_batches(knobs: Knobs) -> list[Knobs]:
+    """Every micro-batch that divides the job's per-rank batch, largest first, with the
+    accumulation that keeps the effective batch. Larger than the job's own too: on a 4-bit model
+    most of a micro-step's cost is fixed (H200, 1B at seq 2048: micro 1 6.3k tokens/s, micro 4 25.9k)."""
+    per_rank = knobs.micro_batch_size * knobs.grad_accum
+    return [
+        dataclasses.replace(knobs, micro_batch_size=m, grad_accum=per_rank // m)
+        for m in range(per_rank, 0, -1)
+        if per_rank % m == 0
+    ]
+
+
+def eval_batches(knobs: Knobs) -> list[Knobs]:
+    """The job's eval batch and each halving (a smaller eval batch fixes an eval that does not fit)."""
+    chain = [knobs]
+    while chain[-1].eval_enabled and chain[-1].eval_batch_size > 1:
+        chain.append(dataclasses.replace(chain[-1], eval_batch_size=chain[-1].eval_batch_size // 2))
+    return chain
+
+
+def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
+    """What the search tries for ``rung`` on ``knobs``, each with the rung names it took."""
+    if rung.axis is Axis.EITHER:
+        values: list[dict[str, Any]] = [{rung.knob: False}, {rung.knob: True}]
+        return [(dataclasses.replace(knobs, **value), ()) for value in values]
+    if rung.axis is Axis.DIVISORS:
+        return [(k, ()) for k in micro_batches(knobs)]
+    out: list[tuple[Knobs, tuple[str, ...]]] = [(knobs, ())]
+    # A knob the job already turned on stays on: the search goes towards less memory only.
+    while (changed := rung.apply(out[-1][0])) is not None and (rung.axis is Axis.HALVINGS or len(out) < 2):
+        out.append((changed, (*out[-1][1], rung.name)))
+    return out
+
+
+def _product(knobs: Knobs, axes: tuple[Rung, ...]) -> Iterator[tuple[Knobs, tuple[str, ...]]]:
+    """Every combination of ``axes``' options on ``knobs``, with the rung names taken."""
+    if not axes:
+        yield knobs, ()
+        return
+    for option, named in _options(axes[0], knobs):
+        for combined, names in _product(option, axes[1:]):
+            yield combined, named + names
+
+
+def _searched(cost: CostClass, *axes: Axis) -> tuple[Rung, ...]:
+    return tuple(r for r in RUNGS if r.cost is cost and r.axis in axes)
+
+
+def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
+    """Every combination of the throughput rungs on ``knobs`` with every free rung taken (the eval
+    batch apart: pre-flight fits it per candidate)."""
+    free = knobs
+    for rung in _searched(CostClass.FREE, *Axis):
+        free = rung.apply(free) or free
+    axes = _searched(CostClass.THROUGHPUT, Axis.TOGGLE, Axis.EITHER, Axis.DIVISORS)
+    return (variant for variant, _ in _product(free, axes))
+
+
+def most_frugal(knobs: Knobs) -> Knobs:
+    """Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1)."""
+    for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
+        while (changed := rung.apply(knobs)) is not None:
+            knobs = changed
+    return knobs
+
+
+def quality_variants(knobs: Knobs) -> list[Candidate]:
+    """The job's model at each combination of the quality halvings (seq_len, rank), lightest first."""
+    axes = _searched(CostClass.QUALITY, Axis.HALVINGS)
+    out = [Candidate(k, names) for k, names in _product(knobs, axes) if names]
+    return sorted(out, key=lambda c: c.quality_weight)  # stable: a shorter seq before a smaller rank
+
+
+#: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings). Deeper, the
+#: run would train another task: a fallback model starts instead, or the run stops and names the
+#: deeper cut that would fit, for the user to choose. The ladder may cut further after a real OOM.
+DEEPEST_CUT_BEFORE_FALLBACK = 4
+
+
+def deep_cut(job: Knobs, chosen: Knobs) -> bool:
+    """Whether ``chosen`` cuts seq_len or the rank of ``job`` deeper than pre-flight may."""
+    factor = DEEPEST_CUT_BEFORE_FALLBACK
+    return chosen.max_seq_len * factor < job.max_seq_len or chosen.lora_r * factor < job.lora_r
 
 
 def scaled_peak(prediction: Prediction, scale: float | None) -> int:
@@ -114,8 +209,7 @@ class Search:
                     self.host_peak(fitted),
                 )
             )  # fmt: skip
-        # Fastest first; at equal speed fewer changes, the larger eval batch, then the config that
-        # uses the card best.
+        # Fastest first; at equal speed fewer changes, the larger eval batch, the higher peak.
         return sorted(
             out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
         )

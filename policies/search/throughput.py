@@ -1,62 +1,40 @@
 """The throughput model: predicted tokens/s of a QLoRA config, next to the memory model.
 
-For a 4-bit model much of a micro-step's cost is fixed: every micro-step dequantizes every
-weight (forward, and again in backward for the input gradient; once more for the recomputed
-forward under checkpointing) and launches every block's kernels, whatever the number of tokens
-it carries (the H200 sweep: a 1B micro-step takes as long at micro-batch 4 as at 1). So:
-
-    seconds per micro-step = launch_s_per_layer[mode] x layers
-                           + fixed_s_per_byte[mode] x 4-bit weight bytes
-                           + (token_s[mode] x block work + head_token_s[mode] x head work)
-                             x tokens x head factor
-                           + offload seconds (activation offload: saved activations over PCIe)
-    seconds per optimizer step = accumulation x micro-step + optimizer_s_per_param[kind] x adapter params
-    tokens/s = micro x accumulation x seq_len / seconds per optimizer step
-
-``mode`` is gradient checkpointing off or on; the two are fitted apart, so the recompute share
-(``token_s[on] / token_s[off] - 1``) is a result of the fit, not a prior. *Block work* is the
-multiply-adds one token costs the decoder blocks (the quantized linear layers and attention,
-``layers x seq_len x q_dim``), *head work* the LM head's (``vocab x hidden``, its loss in fp32).
-The coefficients are in :mod:`.throughput_fit`, written by ``bench/models/fit_throughput.py`` from the
-H200 sweep.
-
-Measured numbers beat the model (:class:`SpeedCalibration`): a config this host (or this run)
-has measured is ranked with its measured step time, and the others with the model scaled by the
-median measured/predicted ratio of their checkpointing mode, so a host where recomputation is
-dearer than on the H200 ranks accordingly. A mode with no measurement takes the median over all
-of them: one slow measurement of one mode says the host is slower, not that the other mode is
-faster, so it does not flip the modes' order by itself.
+Much of a 4-bit micro-step's cost is fixed (docs/planning.md), so per micro-step: launch cost per
+layer + cost per 4-bit weight byte + (block work + head work) per token + offload's copies, per
+checkpointing mode, fitted by ``bench/models/fit_throughput.py`` (:mod:`.throughput_fit`); per
+optimizer step, accumulation micro-steps + a cost per adapter parameter. Measured speeds beat the
+model (:class:`SpeedCalibration`): a measured config keeps its speed, the others are scaled by their
+mode's median measured/predicted ratio (by all of them for a mode with none).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, NF4_DOUBLE_QUANT, NF4_SINGLE_QUANT
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, per_weight
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
 from qlora_supervise.policies.memory.optimizer import adapter_tensors
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput_fit as fit
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-#: Host <-> card bandwidth an offloaded activation crosses twice (out in forward, back in backward).
-#: A prior, not measured here (no sweep has offload yet): PCIe 5.0 x16 moves ~50 GB/s each way, and
-#: ``save_on_cpu`` copies on the compute stream, unoverlapped, into freshly pinned buffers; a quarter
-#: of the link keeps an unmeasured rung from winning the ranking on optimism alone.
+#: Host <-> card bandwidth an offloaded activation crosses twice. A prior, unmeasured: a quarter of
+#: PCIe 5.0 x16 (``save_on_cpu`` copies unoverlapped), so an unmeasured rung does not win on optimism.
 OFFLOAD_BYTES_PER_S = 12.5e9
 
 
 def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
     """Bytes of the quantized linear layers: what each micro-step dequantizes."""
-    per_weight = (NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT) if knobs.load_in_4bit else 2
-    return int(shape.layers * shape.layer_params * per_weight)
+    return int(shape.layers * shape.layer_params * per_weight(knobs))
 
 
 def work_per_token(shape: ModelShape, seq_len: int) -> int:
     """Multiply-adds per token of the decoder blocks' forward: the linear layers, the experts a
-    token is routed through (their fp32 matmuls counted as the 4-bit ones: unmeasured), attention."""
+    token is routed through (counted as 4-bit ones: unmeasured), attention."""
     linear = shape.layer_params + shape.active_expert_params
     return shape.layers * linear + shape.layers * seq_len * shape.q_dim
 
@@ -82,7 +60,6 @@ class Coefficients:
     bf16_head_token_factor: float = 1.0
 
 
-#: The coefficients bench/models/fit_throughput.py wrote (:mod:`.throughput_fit`, with its provenance).
 FITTED = Coefficients(
     fit.LAUNCH_S_PER_LAYER,
     fit.FIXED_S_PER_BYTE,
@@ -150,12 +127,9 @@ def predict(
     return StepTime(micro, step, tokens / step if step > 0 else 0.0)
 
 
-# --------------------------------------------------------------------------- calibration
-
-
 def speed_key(knobs: Knobs) -> Knobs:
-    """The knobs that decide training speed (eval, the allocator, alpha and the model's path do
-    not), so a measured config is found again however those were set."""
+    """The knobs that decide training speed, so a measured config is found again however the
+    others (eval, the allocator, alpha, the model's path) were set."""
     return dataclasses.replace(
         knobs,
         model="",  # the store is read per shape: the same shape under another path is the same speed
@@ -188,7 +162,7 @@ class SpeedCalibration:
         return next((s for mode, s in self.scale if mode is checkpointing), self.overall)
 
 
-#: A measured/predicted ratio outside this is a different machine or a broken measurement: clamp.
+#: A measured/predicted ratio outside this is another machine or a broken measurement: clamped.
 SCALE_RANGE = (0.1, 10.0)
 
 
@@ -207,9 +181,9 @@ def calibrate(
         predicted = predict(shape, key, targets).tokens_per_s
         if predicted > 0:
             ratios[key.gradient_checkpointing].append(_clamp(o.tokens_per_s / predicted))
-    every = sorted(r for rs in ratios.values() for r in rs)
-    scale = tuple((mode, _median(rs)) for mode, rs in ratios.items() if rs)
-    return SpeedCalibration(tuple(latest.values()), scale, _median(every) if every else None)
+    every = [r for rs in ratios.values() for r in rs]
+    scale = tuple((mode, statistics.median(rs)) for mode, rs in ratios.items() if rs)
+    return SpeedCalibration(tuple(latest.values()), scale, statistics.median(every) if every else None)
 
 
 def rank_speed(
@@ -241,9 +215,3 @@ def _at(knobs: Knobs, tokens_per_s: float, model: StepTime) -> StepTime:
 def _clamp(ratio: float) -> float:
     low, high = SCALE_RANGE
     return min(high, max(low, ratio))
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

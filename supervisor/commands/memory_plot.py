@@ -16,8 +16,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import Heartbeat, Loaded, read_events
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
+from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat, Loaded, read_events
 
 _GIB = 2**30
 #: A label beside its point, in points.

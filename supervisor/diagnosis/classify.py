@@ -63,7 +63,7 @@ from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_fra
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.oom_message import parse_messages, parse_numbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport

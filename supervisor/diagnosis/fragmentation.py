@@ -24,7 +24,7 @@ from typing import Any
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The share of the budget a perfectly packed step may use and still count as fitting.

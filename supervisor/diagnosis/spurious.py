@@ -24,7 +24,7 @@ from typing import Any
 from qlora_supervise.policies.ladder.spurious_retry import SPURIOUS_KEY
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 
 MIB = 1024**2
 #: The least margin above the request that counts as "well above".

@@ -1,10 +1,6 @@
-"""Appending to the run directory's files: never through a symbolic link, fsynced line by line.
-
-The supervisor often runs as root; a link planted in the run directory must not turn its
-appends into writes elsewhere, so every file it appends to is opened with ``O_NOFOLLOW``,
-checked to be a regular file, and given :data:`FILE_MODE` explicitly (the umask differs
-between a shell and a unit). ``record.runfiles`` holds the rest of the run directory's rules.
-"""
+"""Appending to the run directory's files, fsynced line by line and never through a symbolic link
+(a supervisor running as root must not follow a planted link): ``O_NOFOLLOW``, a regular file only,
+and :data:`FILE_MODE` set explicitly (the umask differs between a shell and a unit)."""
 
 from __future__ import annotations
 
@@ -15,17 +11,8 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.trainer_child.contract.durable import FILE_MODE, fsync_dir
-
-__all__ = [
-    "FILE_MODE",
-    "LINK_FIX",
-    "UnsafeRunPath",
-    "append_line",
-    "open_append_binary",
-    "open_append_fd",
-    "open_append_text",
-]
+from qlora_supervise.trainer_child.contract.durable import FILE_MODE as FILE_MODE  # re-exported
+from qlora_supervise.trainer_child.contract.durable import fsync_dir
 
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 LINK_FIX = "remove it (nothing but the supervisor should create entries in a run directory)"
@@ -68,11 +55,7 @@ def open_append_binary(path: Path) -> BinaryIO:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append one line and fsync it (and a new file's directory entry).
-
-    A line torn by an earlier kill is closed first, so it stays one unreadable line instead of
-    swallowing this one.
-    """
+    """Append one line and fsync it; a line torn by an earlier kill is closed first."""
     created = not path.exists()
     with open_append_binary(path) as handle:
         handle.seek(0, os.SEEK_END)

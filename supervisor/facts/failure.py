@@ -1,10 +1,5 @@
-"""Facts about a failed attempt: how the child ended, and the one record of what it failed of.
-
-:class:`Failure` is both what the classifier returns and what the journal keeps
-(``attempts.jsonl``'s ``failure`` object, :meth:`Failure.to_json` / :meth:`Failure.from_json`):
-the report's facts the journal adds (the emergency checkpoint, expandable segments) are its
-fields too, filled in once the report is known (``loop.outcome.failure_record``).
-"""
+"""Facts about a failed attempt: how the child ended, and :class:`Failure`, both what the classifier
+returns and what the journal keeps (``attempts.jsonl``'s ``failure`` object)."""
 
 from __future__ import annotations
 
@@ -26,12 +21,8 @@ class KilledBy(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ChildExit:
-    """How a child process ended, as the supervisor saw it.
-
-    ``returncode`` is None only while unknown; ``signal`` is set when a signal ended it (the
-    number, e.g. 9 for SIGKILL). ``killed_by_supervisor`` says why the supervisor stopped it,
-    None when the child ended on its own.
-    """
+    """How a child process ended: ``returncode`` None while unknown, ``signal`` the number of a
+    signal that ended it, ``killed_by_supervisor`` None when the child ended on its own."""
 
     returncode: int | None
     signal: int | None = None
@@ -41,8 +32,7 @@ class ChildExit:
 
 @dataclasses.dataclass(frozen=True)
 class XidFacts:
-    """The NVML Xid events seen while an attempt ran (each code once, in the order seen) and the
-    first fatal one among them (:func:`~qlora_supervise.supervisor.diagnosis.xid.fatal_xid`)."""
+    """The NVML Xids seen while an attempt ran (each once, in order) and the first fatal one."""
 
     codes: tuple[int, ...]
     fatal: int | None = None
@@ -67,18 +57,11 @@ _XID_KEYS = ("xid", "fatal_xid")
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """A classified failure, as the classifier found it and the journal keeps it.
-
-    ``numbers``: the allocator message's numbers in bytes (keys of
-    :data:`qlora_supervise.trainer_child.contract.oom_message.NUMBER_KEYS`) plus what follows from them:
-    ``reserved_unallocated`` / ``reserved_total`` when the wording prints only the other, and
-    ``others_in_use`` (memory of other processes on the GPU); for a full disk, the bytes needed
-    and free. ``evidence``: one sentence saying which source decided and why. ``message``: the
-    error line it was read from, if any. ``rank`` / ``local_rank``: under torchrun, the rank whose
-    report was the cause (the local rank is its GPU on the host); None for a single process or
-    when no rank's report decided. ``gpu``: that rank's card, by its NVML (physical) index, where NVML
-    watched it. ``xid``: the GPU faults that decided a ``gpu_fault``.
-    ``emergency_checkpoint`` / ``expandable_segments_active``: the error report's, once known.
+    """A classified failure. ``numbers``: the allocator message's numbers in bytes (``oom_message.
+    NUMBER_KEYS``) plus what follows from them (``others_in_use``: other processes' GPU memory), or
+    a full disk's needed and free bytes. ``evidence``: which source decided and why. ``rank`` /
+    ``local_rank``: under torchrun, the rank that caused it; ``gpu``: its card's NVML index.
+    ``xid``: the faults that decided a ``gpu_fault``. The last two fields: the error report's.
     """
 
     kind: FailureKind
@@ -99,8 +82,7 @@ class Failure:
         return self.xid.fatal if self.xid is not None else None
 
     def numbers_json(self) -> dict[str, Any]:
-        """The numbers as JSON keeps them: pids become string keys, bytes stay ints, and the Xid
-        facts sit under ``xid`` / ``fatal_xid`` (the journal's shape since before :class:`XidFacts`)."""
+        """The numbers as JSON keeps them: string keys, and the Xid facts under ``xid`` / ``fatal_xid``."""
         plain = {key: _plain(value) for key, value in self.numbers.items()}
         return {**plain, **(self.xid.numbers() if self.xid is not None else {})}
 
@@ -122,8 +104,7 @@ class Failure:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Failure:
-        """Read a journal line's ``failure``, written by this version or an older one (whose
-        failure record had the same keys). Raises KeyError/ValueError without a known kind."""
+        """Read a journal line's ``failure``; raises KeyError/ValueError without a known kind."""
         numbers = dict(raw.get("numbers") or {})
         return cls(
             kind=FailureKind(raw["kind"]),

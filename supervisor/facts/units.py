@@ -1,5 +1,5 @@
-"""Durations as people write them in job files (``20m``, ``1h30m``), and the memory sizes of the
-command line; byte sizes themselves live in the child's contract (:mod:`.byte_sizes`), read here."""
+"""Durations as people write them in job files (``20m``, ``1h30m``), and the command line's memory
+sizes; byte sizes live in the child's contract (``byte_sizes``), re-exported here."""
 
 from __future__ import annotations
 
@@ -24,14 +24,12 @@ _DURATION_PART_RE = re.compile(rf"({_NUMBER})\s*([smhd])", re.IGNORECASE)
 _DURATION_RE = re.compile(rf"^\s*(?:{_NUMBER}\s*[smhd]\s*)+$", re.IGNORECASE)
 
 
-#: The smallest memory size (of a card, a cap) that is not surely a slip: a bare ``24`` meant as
-#: 24 GiB would be 24 bytes, and a plan or a cap from it is nonsense.
+#: The smallest memory size that is not surely a slip (a bare ``24`` meant as 24 GiB is 24 bytes).
 MIN_MEMORY_SIZE = 1024**2
 
 
 def parse_memory_size(value: str) -> int:
-    """A memory size given on the command line (``plan --gpu-memory``): :func:`parse_bytes`, and
-    anything below :data:`MIN_MEMORY_SIZE` refused, the fix naming the GiB it surely meant."""
+    """A command line's memory size: :func:`parse_bytes`, refusing less than :data:`MIN_MEMORY_SIZE`."""
     size = parse_bytes(value)
     if size >= MIN_MEMORY_SIZE:
         return size
@@ -46,10 +44,8 @@ def parse_memory_size(value: str) -> int:
 
 
 def parse_duration(value: str | int | float) -> float:
-    """``"20m"`` -> 1200.0 seconds; ``"1h30m"`` -> 5400.0; plain numbers are seconds.
-
-    Raises UnitError (a ValueError) for anything else, negative numbers included.
-    """
+    """``"20m"`` -> 1200.0 seconds; ``"1h30m"`` -> 5400.0; plain numbers are seconds. Raises
+    UnitError (a ValueError) for anything else, negative numbers included."""
     if isinstance(value, bool):
         raise UnitError("a boolean is not a duration", DURATION_HELP)
     if isinstance(value, (int, float)):

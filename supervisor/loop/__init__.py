@@ -1,3 +1,1 @@
-"""The loop and its parts: the state machine, the attempt runner, reclaim, the planner, waiting and the
-child process.
-"""
+"""The loop: the state machine, the attempt runner, reclaim, the planner, waiting, the child process."""

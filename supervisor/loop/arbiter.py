@@ -1,16 +1,9 @@
-"""The arbiter: runs one job's run directory to a verdict, one attempt at a time.
+"""The arbiter: runs one job's run directory to a verdict, one attempt at a time. Signal handlers
+only set a flag; one loop moves the run's state (``record.journal.RunState`` draws the machine).
 
-Single-threaded and boring (gunicorn's arbiter, torchelastic's ``_invoke_run``): signal handlers
-only set a flag; one loop holds the run's state (:class:`~..record.journal.RunState`, whose
-docstring draws the machine) and moves it with one ``if/elif``. The planner says what runs next,
-the runner runs it and writes no state, the outcome is judged, the policy answers
-``Restart | Wait | GiveUp`` and the loop dispatches on the answer: a Wait is the WAITING state, an
-unchanged retry's pause the BACKOFF state, never a loop nested inside another.
-
-Crash safety: every decision is appended to ``attempts.jsonl`` (fsynced) before it is acted
-on, and ``state.json`` names the attempt in flight. Started again after a kill at any moment,
-the arbiter reclaims the in-flight attempt and continues from the journal's last decision, so
-a config that failed is never run again the same way.
+Crash safety: every decision is appended to ``attempts.jsonl`` (fsynced) before it is acted on,
+and ``state.json`` names the attempt in flight; started again after a kill, the arbiter reclaims
+that attempt and goes on from the journal, so a config that failed never runs again the same way.
 """
 
 from __future__ import annotations
@@ -25,29 +18,21 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.retime import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop import decision as deciding
-from qlora_supervise.supervisor.loop.announce import announce_plan
+from qlora_supervise.supervisor.loop import waiting
+from qlora_supervise.supervisor.loop.child_output import reclaim
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
-from qlora_supervise.supervisor.loop.conclude import Conclusions, Turn
-from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
-from qlora_supervise.supervisor.loop.first_plan import first_plan, stop_nothing_fits
+from qlora_supervise.supervisor.loop.conclude import Conclusions, Pending, Turn
+from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
-from qlora_supervise.supervisor.loop.reclaim import reclaim
 from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import with_card_budget
-from qlora_supervise.supervisor.loop.waiting import Pacer, backoff_s, failures_in_a_row, wait_for_memory
+from qlora_supervise.supervisor.loop.waiting import DiskWaiter, Pacer
+from qlora_supervise.supervisor.record import journal
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import (
-    RunState,
-    State,
-    lifted_after,
-    read_attempts,
-    read_state,
-    write_state,
-)
+from qlora_supervise.supervisor.record.journal import RunState, State, write_state
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
@@ -66,7 +51,6 @@ ENDED_FIX = (
     "what is trained needs `run --restart`, a new generation in the same output_dir), or "
     "`run --retry` to try the last config once more"
 )
-#: A finished run has no verdict to retry (issue 21 item 15): what goes on from it.
 FINISHED_FIX = (
     "the run finished and its adapter is kept: to train further, raise train.max_steps (or epochs) "
     "in the job and run it again (it continues from the last checkpoint); to train anew in the same "
@@ -96,15 +80,14 @@ class Supervisor:
         self.hup_seen = False
         self.gpu: GpuProbe | None = None
         self.pacer = Pacer(seams.clock, seams.sleep, seams.tick_s, lambda: self.stop_signal is not None)
-        self.disk = DiskWaiter.for_run(run_dir, log, self.pacer, job.supervise)
+        self.pacing = (job.supervise.backoff_initial, job.supervise.backoff_max)  # between two polls
+        self.disk = DiskWaiter(run_dir, log, self.pacer, job.supervise.disk_wait, self.pacing)
         self.book = Conclusions(job, run_dir, log, self.disk, settings or policy.Settings())
 
     @property
     def settings(self) -> policy.Settings:
         """The policy's settings as the run has updated them (the card's budget, peaks, speeds)."""
         return self.book.settings
-
-    # -- signals: handlers only set a flag; the loop acts on it at its next tick ------------
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self._on_stop_signal)
@@ -117,14 +100,12 @@ class Supervisor:
     def _on_hup(self, _signum: int, _frame: object) -> None:
         self.hup_seen = True  # SIGHUP reloads nothing; the runner logs it once
 
-    # -- the run ---------------------------------------------------------------------------
-
     def run(self) -> int:
         records = self._read_journal()
-        state = read_state(self.rd.state)
+        state = journal.read_state(self.rd.state)
         if self.rd.state.exists() and state is None:
             self.log.warning(Event.STATE_UNREADABLE, path=str(self.rd.state))
-        self.book.lifted_after = lifted_after(self.rd.attempts)
+        self.book.lifted_after = journal.lifted_after(self.rd.attempts)
         lifted = bool(records) and records[-1].attempt <= self.book.lifted_after
         if state is not None and state.run_state in _ENDED and not lifted:
             self.log.info(
@@ -151,8 +132,12 @@ class Supervisor:
             )
             if not records:
                 announce_plan(self.log, self.first.note)
-                if self.first.nothing_fits:  # in seconds, and no verdict in state.json: a rerun plans again
-                    return stop_nothing_fits(self.log, self.first.nothing_fits)
+                nothing_fits = self.first.nothing_fits  # no verdict in state.json: a rerun plans again
+                if nothing_fits:
+                    self.log.error(
+                        Event.NOTHING_FITS, why=f"nothing fits: {nothing_fits}; no child was started"
+                    )
+                    return int(SupervisorExitCode.NOTHING_FITS)
             return self._loop_outlasting_full_disks(records, turn)
         finally:
             if self.gpu is not None:
@@ -160,8 +145,7 @@ class Supervisor:
             clean_staging(self.rd.root, self.rd.checkpoints)  # any verdict: no next child will
 
     def _reclaim_in_flight(self, records: list[AttemptRecord], state: State | None) -> Turn:
-        """The attempt a dead supervisor left in flight, judged like a watched one (appended to
-        ``records``); the loop goes on from where its decision leads."""
+        """The attempt a dead supervisor left in flight, judged like a watched one."""
         if state is not None and state.in_flight is not None:
             reclaimed = reclaim(state.in_flight, records, self.rd, self.seams, self.log)
             if reclaimed is not None:
@@ -169,12 +153,7 @@ class Supervisor:
         return Turn(RunState.STARTING)
 
     def _loop_outlasting_full_disks(self, records: list[AttemptRecord], turn: Turn) -> int:
-        """The loop; when one of the supervisor's own writes finds no room, wait for room and go on.
-
-        Going on is what a supervisor restart does: read the journal and the state again and
-        reclaim the attempt in flight. The journal is fsynced before each action, so this loses
-        nothing a kill at the same moment would not.
-        """
+        """The loop; when the supervisor's own write finds no room, wait for room and go on as a restart."""
         while True:
             try:
                 return self._loop(records, turn)
@@ -184,7 +163,7 @@ class Supervisor:
                 if not self.disk.outlast(exc):
                     return self.disk.verdict(self.stop_signal)
                 records = self._read_journal()
-                turn = self._reclaim_in_flight(records, read_state(self.rd.state))
+                turn = self._reclaim_in_flight(records, journal.read_state(self.rd.state))
 
     def _loop(self, records: list[AttemptRecord], turn: Turn) -> int:
         runner = AttemptRunner(self._runner_context(records))
@@ -215,23 +194,18 @@ class Supervisor:
             elif state is RunState.STOPPED:
                 return self._stopped(records[-1].knobs, records[-1].phase)
             else:
-                raise AssertionError(
-                    f"{state.value} without what it acts on (RUNNING: a plan; WAITING: a decision)"
-                )
+                raise AssertionError(f"{state.value} without its plan (RUNNING) or decision (WAITING)")
 
     def _run_attempt(self, runner: AttemptRunner, plan: Plan, records: list[AttemptRecord]) -> AttemptOutcome:
         """The RUNNING state: one attempt from its spec to its end."""
         ready = runner.prepare(max((r.attempt for r in records), default=0) + 1, plan)
-        # In flight before the spawn (pid unknown) and again after it: a supervisor killed in
-        # between leaves a state that names the attempt, so its child can be found and stopped.
+        # In flight before the spawn (pid unknown) and after it: a kill in between leaves the attempt named.
         self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight()))
         proc = runner.spawn(ready)
         self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight(proc.pid)))
         return runner.run(ready, proc)
 
-    # -- the states that wait ---------------------------------------------------------------
-
-    def _wait(self, pending: deciding.Pending) -> policy.WaitResult:
+    def _wait(self, pending: Pending) -> policy.WaitResult:
         """WAITING: carry out the policy's Wait (for GPU memory, or room on the disk)."""
         wait = pending.decision
         assert isinstance(wait, policy.Wait), "only a Wait leads to WAITING"
@@ -239,20 +213,17 @@ class Supervisor:
             return self.disk.wait(wait)  # state.json unwritten: on a full disk it could not be
         self._move(State(RunState.WAITING, pending.outcome.plan.knobs, note=wait.why))
         log = self.log.bind(attempt=pending.outcome.number)
-        pacing = (self.job.supervise.backoff_initial, self.job.supervise.backoff_max)
-        return wait_for_memory(self.gpu, wait, pending.failure, log, self.pacer, pacing)
+        return waiting.wait_for_memory(self.gpu, wait, pending.failure, log, self.pacer, self.pacing)
 
     def _backoff(self, records: list[AttemptRecord]) -> Turn:
         """BACKOFF: the pause before an unchanged retry, longer for each failure in a row."""
-        failures = failures_in_a_row(records)
+        failures = waiting.failures_in_a_row(records)
         supervise = self.job.supervise
-        seconds = backoff_s(failures, supervise.backoff_initial, supervise.backoff_max)
+        seconds = waiting.backoff_s(failures, supervise.backoff_initial, supervise.backoff_max)
         self._move(State(RunState.BACKOFF, records[-1].knobs, note=f"{seconds:.1f}s"))
         self.log.info(Event.BACKOFF, seconds=round(seconds, 1), failures_in_a_row=failures)
         self.pacer.pause(seconds)
         return Turn(RunState.STARTING)  # BACKOFF -> STARTING (a stop is seen there)
-
-    # -- small parts ----------------------------------------------------------------------
 
     def _move(self, state: State) -> None:
         """The one writer of ``state.json``: the state the loop has just moved to."""
@@ -265,31 +236,23 @@ class Supervisor:
         return 128 + int(signum)
 
     def _read_journal(self) -> list[AttemptRecord]:
-        records, bad = read_attempts(self.rd.attempts)
+        records, bad = journal.read_attempts(self.rd.attempts)
         if bad:
             self.log.warning(Event.JOURNAL_LINE_UNREADABLE, lines=bad, path=str(self.rd.attempts))
         return records
 
     def _plan_facts(self) -> PlanFacts:
-        return PlanFacts(
-            self.first, self.job.train.merge, self.rd.merged.exists(), self.book.lifted_after, self.settings
-        )
+        merged, lifted = self.rd.merged.exists(), self.book.lifted_after
+        return PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
 
     def _runner_context(self, records: list[AttemptRecord]) -> RunnerContext:
         first = self.first
         trial = Trial(first.knobs, first.speed_trial, first.speed_trial_limit) if first.speed_trial else None
         climb = ClimbBack(records, lambda: self.settings, trial, self.log)
+        budget = None if self.job.resources.device == "cpu" else self.settings.budget_bytes
+        stop, hup = lambda: self.stop_signal, lambda: self.hup_seen
         return RunnerContext(
-            job=self.job,
-            rd=self.rd,
-            seams=self.seams,
-            log=self.log,
-            display=self.display,
-            gpu=self.gpu,
-            stop_signal=lambda: self.stop_signal,
-            hup_seen=lambda: self.hup_seen,
-            gpu_budget=None if self.job.resources.device == "cpu" else self.settings.budget_bytes,
-            climb=climb,
+            self.job, self.rd, self.seams, self.log, self.display, self.gpu, stop, hup, budget, climb
         )
 
 

@@ -1,10 +1,6 @@
-"""Starting and stopping the child process.
-
-The child runs in its own session (so its process group is its own and a Ctrl-C on the
-terminal reaches only the supervisor, which then stops the child on purpose), with its
-output streamed to ``attempt-NNN/child.log``. On Linux it also gets ``PDEATHSIG=SIGTERM``:
-if the supervisor dies, the child checkpoints and exits instead of training on unwatched.
-"""
+"""Starting and stopping the child process: in its own session (a Ctrl-C on the terminal reaches
+only the supervisor, which stops the child on purpose), output appended to ``attempt-NNN/child.log``,
+and on Linux ``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits)."""
 
 from __future__ import annotations
 
@@ -23,33 +19,31 @@ import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.loop import launch
+from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
+from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
 from qlora_supervise.trainer_child.contract.devices import visible_entries
+from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 _PR_SET_PDEATHSIG = 1
 
 
 def child_argv(spec_path: Path, phase: str) -> list[str]:
-    """The trainer child's command line for one attempt: one process, or torchrun's ranks when
-    the spec's ``knobs.world_size`` is above 1 (:mod:`.launch`)."""
+    """The attempt's command line (:mod:`.launch`): one process, or torchrun's ranks."""
     return launch.spec_command(spec_path, phase)
 
 
 def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
-    """The attempt's environment: the caller's, plus allocator settings the knobs ask for.
-
-    The allocator variables follow :func:`~qlora_supervise.trainer_child.contract.allocator.allocator_env`,
-    the rule the child applies too; the child verifies the effect.
-    """
-    # systemd's notify socket and watchdog belong to the supervisor, not to the trainer; a rank's
-    # place is torchrun's to give (a RANK/WORLD_SIZE the supervisor inherited would mislead a child).
+    """The attempt's environment: the caller's, less what is the supervisor's (systemd's socket and
+    watchdog) or torchrun's to give (a rank's place), plus the allocator settings the knobs ask for
+    (``contract.allocator.allocator_env``, the rule the child verifies)."""
     env = {k: v for k, v in base.items() if k not in _NOT_INHERITED}
     env["PYTHONUNBUFFERED"] = "1"
-    # One string-hash seed for every attempt: set and dict-of-set orders (peft's target_modules
-    # is a set) then match across processes, so a restart, cold or in a warm spare, trains the
-    # same numbers as an uninterrupted process would. A seed the caller chose is kept.
+    # One string-hash seed for every attempt: set orders (peft's target_modules) match across
+    # processes, so a restart, cold or warm, trains the numbers an uninterrupted process would.
     env.setdefault("PYTHONHASHSEED", "0")
     env.update(allocator_env(env, knobs.expandable_segments))
     if knobs.gpus:  # drop_rank left a card out: the ranks see only the others, in rank order
@@ -58,23 +52,16 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
 
 
 def rank_cards(visible: str | None, positions: list[int]) -> str:
-    """``CUDA_VISIBLE_DEVICES`` naming the cards at ``positions`` of ``visible`` (all of CUDA's
-    GPUs when unset), so that rank N trains on ``cuda:N`` = the N-th of them."""
+    """``CUDA_VISIBLE_DEVICES`` naming the cards at ``positions`` of ``visible`` (unset: all GPUs)."""
     entries = visible_entries(visible)
     if entries is None:
         return ",".join(map(str, positions))
     return ",".join(entries[p] for p in positions if p < len(entries))
 
 
-_NOT_INHERITED = frozenset(
-    {
-        "NOTIFY_SOCKET",
-        "WATCHDOG_USEC",
-        "WATCHDOG_PID",
-        *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"),
-        *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"),
-    }
-)
+_SYSTEMD = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
+_NOT_INHERITED = frozenset({*_SYSTEMD, *_TORCHRUN, "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
 
 
 def _pdeathsig(parent: int) -> Callable[[], None]:
@@ -110,13 +97,10 @@ class ChildProcess:
         return self.popen.poll()
 
     def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> None:
-        """Return when the child exits or ``timeout_s`` has passed, whichever is first; it neither
-        reaps the child nor says how it ended (``poll`` does both).
+        """Return when the child exits or ``timeout_s`` has passed (it does not reap: ``poll`` does).
 
-        A pidfd wakes the watch at the exit itself: a failed attempt's successor (a warm spare
-        above all) then starts at once rather than at the next tick. ``poll(2)``, not
-        ``select(2)``, since a supervisor with many files open may get a pidfd above 1023. Without
-        pidfds (not Linux, or before 5.3) it sleeps the tick out.
+        A pidfd wakes the watch at the exit itself, so a successor starts at once; ``poll(2)``, as a
+        pidfd may be above 1023. Without pidfds (not Linux, or before 5.3) it sleeps the tick out.
         """
         if self.popen.poll() is not None:
             return
@@ -133,8 +117,7 @@ class ChildProcess:
             os.close(pidfd)
 
     def send_line(self, line: str) -> bool:
-        """Write one line to the child's stdin and close it (a spare's order); False when the
-        child has no stdin pipe or closed it."""
+        """Write one line to the child's stdin and close it (a spare's order); False: no pipe, or closed."""
         stdin = self.popen.stdin
         if stdin is None:
             return False
@@ -150,11 +133,7 @@ class ChildProcess:
             os.killpg(self.popen.pid, signum)
 
     def stop(self, grace_s: float) -> int:
-        """Stop the child and its group (:func:`stop_group`); returns its exit status (negative: signal).
-
-        torchrun forwards the SIGTERM to its ranks (they checkpoint) and waits for them; the
-        ranks run in sessions of their own, so those left at the end are killed by their groups.
-        """
+        """Stop the child and its group, and torchrun's ranks left at the end; its exit status."""
         ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
         if self.popen.poll() is None:
             code = stop_group(self.popen.pid, grace_s)
@@ -172,8 +151,7 @@ class ChildProcess:
 
 
 def trainer_pids(pid: int) -> list[int]:
-    """The trainer processes of a started child: the child itself, or, when it is torchrun's
-    launcher, its ranks (its children running the trainer module)."""
+    """The trainer processes of a started child: itself, or torchrun's ranks when it is the launcher."""
     if launch.TORCHRUN_MODULE not in process_cmdline(pid):
         return [pid]
     try:
@@ -186,8 +164,7 @@ def trainer_pids(pid: int) -> list[int]:
 def spawn_child(
     argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path, stdin_pipe: bool = False
 ) -> ChildProcess:
-    """Start the child in its own session with PDEATHSIG, output appended to ``log_path``;
-    ``stdin_pipe`` gives it a pipe on stdin (a warm spare waits for its order there)."""
+    """Start the child; ``stdin_pipe`` gives it a pipe on stdin (a warm spare waits for its order there)."""
     ensure_dir(log_path.parent)
     with open_append_binary(log_path) as log:
         popen = subprocess.Popen(
@@ -212,23 +189,17 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
     """The last ``limit`` bytes of the child's log (the traceback is at the end)."""
     try:
         with path.open("rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - limit))
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - limit))
             return handle.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
 
 
 def pids_running(*arguments: str) -> list[int]:
-    """Pids of processes whose command line contains any of ``arguments`` (e.g. an attempt's spec
-    path), in one pass over the process table."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or ())
-        if any(argument in cmdline for argument in arguments):
-            found.append(int(proc.info["pid"]))
-    return found
+    """Pids of processes whose command line contains any of ``arguments``."""
+    procs = psutil.process_iter(["pid", "cmdline"])
+    lines = ((int(p.info["pid"]), " ".join(p.info["cmdline"] or ())) for p in procs)
+    return [pid for pid, cmdline in lines if any(argument in cmdline for argument in arguments)]
 
 
 def pids_with_environment(name: str, value: str) -> list[int]:
@@ -251,22 +222,14 @@ def process_cmdline(pid: int) -> str:
         return ""
 
 
-def stop_orphan(pid: int, grace_s: float) -> None:
-    """Stop a child left by a supervisor that died: SIGTERM to its group, a grace period, SIGKILL."""
-    stop_group(pid, grace_s)
-
-
 #: After the SIGKILL: how long to wait for the kernel to end the process (it cannot refuse).
 _KILL_WAIT_S = 5.0
 
 
 def stop_group(pid: int, grace_s: float) -> int | None:
-    """SIGTERM to the process group that ``pid`` leads, up to ``grace_s`` for ``pid`` to exit
-    (``psutil.wait_procs``), then SIGKILL to the group.
-
-    Returns ``pid``'s exit status (negative: a signal) when it is our child, which psutil then
-    has reaped; None when it is not ours (an orphan: its new parent reaps it) or already gone.
-    """
+    """SIGTERM to the process group ``pid`` leads, up to ``grace_s`` for ``pid`` to exit, then SIGKILL.
+    ``pid``'s exit status (negative: a signal) when it is our child (psutil reaped it); None when it
+    is not ours (an orphan: its new parent reaps it) or already gone."""
     try:
         leader = psutil.Process(pid)
         os.killpg(pid, signal.SIGTERM)
@@ -280,3 +243,25 @@ def stop_group(pid: int, grace_s: float) -> int | None:
     # wait_procs sets ``returncode`` on each process it saw end (documented; not in the stubs).
     code = getattr(gone[0], "returncode", None) if gone else None
     return int(code) if code is not None else None
+
+
+def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
+    """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything with
+    the spec (or its attempt directory) on its command line, a warm spare of this run, and a foreign
+    trainer whose environment points the shim at this spec."""
+    spare = f"{entry.SPARE} --run-dir {rd.root}"
+    shimmed = pids_with_environment(SHIM_SPEC_ENV, str(spec_path))
+    found = [*pids_running(str(spec_path), spare), *shimmed]
+    candidates = [pid, *(p for p in found if p != pid)] if pid else found
+    return [
+        p
+        for p in dict.fromkeys(candidates)
+        if (p in shimmed or _is_attempt_child(process_cmdline(p), spec_path, rd)) and pid_alive(p)
+    ]
+
+
+def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
+    """Its spec or attempt directory on the command line, or a warm spare of this run directory."""
+    if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
+        return True
+    return entry.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "

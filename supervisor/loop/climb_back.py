@@ -1,17 +1,6 @@
-"""Climbing back: at each checkpoint of a training attempt, whether to restart it in a faster config.
-
-The runner feeds every NVML sample (:meth:`ClimbBack.sample`) and asks at every checkpoint the
-child saves (:meth:`ClimbBack.at_checkpoint`). Two answers stop the child for a planned restart
-(its graceful stop: it checkpoints and exits; the next attempt starts in the warm spare when one
-waits):
-
-* a step-up (:mod:`policies.ladder.step_up`): a rung's cause has cleared; the descents and the
-  step-ups tried are read from the journal, so a restarted supervisor knows them too;
-* a re-time (:mod:`policies.retime`): the card's sharing has changed since this attempt's
-  speed trial; the next attempt times the pre-flight's candidates again on the card as it is now.
-
-A refusal is logged once per descent and reason; nothing else happens.
-"""
+"""Climbing back: at each checkpoint of a training attempt, whether to stop it for a planned restart
+in a faster config: a step-up (a rung's cause has cleared) or a re-time (the card's sharing changed
+since the speed trial). Descents and past step-ups are read from the journal."""
 
 from __future__ import annotations
 
@@ -84,12 +73,9 @@ def past_step_ups(records: Sequence[AttemptRecord]) -> list[rule.PastStepUp]:
 
 
 def remaining_s(progress: Progress, knobs: Knobs) -> float:
-    """The training time left at the attempt's measured seconds per step; inf: unknown.
-
-    Steps, not tokens: ``tokens_per_s`` counts the real tokens of rows usually far shorter than
-    ``max_seq_len``, so tokens left at full length would overstate the time left several times over.
-    Without two timed heartbeats at different steps, the full-length estimate (an upper bound) stands.
-    """
+    """The training time left at the attempt's measured seconds per step; inf: unknown. Without two
+    timed heartbeats at different steps, the full-length tokens estimate (an upper bound): real rows
+    are usually far shorter than ``max_seq_len``."""
     if not progress.max_steps:
         return math.inf
     left = max(0, progress.max_steps - progress.step)
@@ -106,8 +92,7 @@ def remaining_s(progress: Progress, knobs: Knobs) -> float:
 
 
 class ClimbBack:
-    """One run's watch for a faster config; ``records`` is the arbiter's journal list (appended to
-    as attempts end), ``settings`` the policy's settings as the run has updated them."""
+    """One run's watch for a faster config; ``records`` is the arbiter's journal list, kept current."""
 
     def __init__(
         self,
@@ -122,7 +107,7 @@ class ClimbBack:
         self.trial_at: tuple[float, retime.Sharing | None] | None = None  # this attempt's trial: when, others
 
     def start(self) -> None:
-        """A new attempt: the card's story starts again (what it saw before is another attempt's)."""
+        """A new attempt: the card's story starts again."""
         self.samples.clear()
         self.trial_at = None
 
@@ -143,17 +128,17 @@ class ClimbBack:
         settings = self.settings()
         lengths = settings.sample_lengths.lengths if settings.sample_lengths else ()
         card = self._card(step, now, settings.step_up_settle_s)
-        answer = rule.step_up(
-            knobs, descents(self.records, lengths), past_step_ups(self.records), settings, card
-        )
+        past = descents(self.records, lengths), past_step_ups(self.records)
+        answer = rule.step_up(knobs, *past, settings, card)
         if isinstance(answer, rule.StepUp):
-            return PlannedRestart(
-                answer.knobs, rule.STEP_UP_RUNG, answer.why, answer.changes, answer.descent.attempt
-            )
+            up = answer
+            return PlannedRestart(up.knobs, rule.STEP_UP_RUNG, up.why, up.changes, up.descent.attempt)
         if isinstance(answer, rule.Refusal):
             # Once per descent and reason (its numbers move with the card's every sample).
             key = f"{answer.descent.attempt}:{re.sub(r'[0-9.]+', '#', answer.why)}"
-            self._say_once(key, Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
+            if key not in self.said:
+                self.said.add(key)
+                self.log.info(Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
         return self._retime(knobs, now, settings, remaining_s)
 
     def _card(self, step: int, now: float, settle_s: float) -> rule.CardNow:
@@ -178,14 +163,6 @@ class ClimbBack:
             return None
         self.trial_at = None  # once per trial
         to, why = answer
-        changes = {
-            n: (getattr(knobs, n), getattr(to, n))
-            for n in _TRIAL_KNOBS
-            if getattr(knobs, n) != getattr(to, n)
-        }
+        pairs = {n: (getattr(knobs, n), getattr(to, n)) for n in _TRIAL_KNOBS}
+        changes: dict[str, tuple[object, object]] = {n: p for n, p in pairs.items() if p[0] != p[1]}
         return PlannedRestart(to, retime.RETIME_RUNG, why, changes)
-
-    def _say_once(self, key: str, event: Event, **fields: object) -> None:
-        if key not in self.said:
-            self.said.add(key)
-            self.log.info(event, **fields)

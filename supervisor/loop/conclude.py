@@ -1,10 +1,6 @@
 """After an attempt: judged, decided, journalled, announced; the arbiter is told where to go next.
-
-Both ways an attempt ends come here (the runner watched it, or the reclaim found it after the
-supervisor itself died). :meth:`Conclusions.conclude` judges the outcome; a failure goes to the
-policy (:mod:`.decision`) and :meth:`~Conclusions.answer` turns the policy's answer into a
-:class:`Turn`: a ``Wait`` leads to WAITING without a journal line yet; a ``Restart`` or
-``GiveUp`` is journalled (fsynced) before the arbiter acts on it, and announced from its line.
+The policy is asked with the failed attempt's journal line, so what it weighed and what the journal
+keeps cannot differ; a decision is journalled (fsynced) before the arbiter acts on it.
 """
 
 from __future__ import annotations
@@ -17,31 +13,40 @@ from structlog.typing import FilteringBoundLogger
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.cap_advice import with_named_cap
+from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop import decision as deciding
-from qlora_supervise.supervisor.loop.announce import announce_decision, announce_failure, announce_success
+from qlora_supervise.supervisor.loop import settings as job_settings
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
-from qlora_supervise.supervisor.loop.disk_wait import DiskWaiter
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge, record_of
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
-from qlora_supervise.supervisor.loop.settings import (
-    predicted_host,
-    remember_attempt,
-    step_fit,
-    with_sample_lengths,
-    with_script_model,
-)
+from qlora_supervise.supervisor.loop.waiting import DiskWaiter
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.record.history import policy_history, story
 from qlora_supervise.supervisor.record.journal import RunState, append_attempt
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.supervisor.trainers.trainer import saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.events import ChildEvent, script_settings
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import Knobs
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A failed attempt between its classification and its journal line: ``record`` is the line
+    without its decision, ``history`` what the policy was asked with (this attempt last)."""
+
+    outcome: AttemptOutcome
+    failure: Failure
+    record: AttemptRecord
+    history: tuple[policy.PastAttempt, ...]
+    decision: policy.Decision
+    waited: policy.WaitResult | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +55,7 @@ class Turn:
     run; WAITING: the failed attempt whose answer waits)."""
 
     state: RunState
-    pending: deciding.Pending | None = None
+    pending: Pending | None = None
     plan: Plan | None = None
 
 
@@ -68,15 +73,12 @@ class Conclusions:
     lifted_after: int = 0
 
     def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
-        """``o`` with the knobs the attempt trained with: the policy's choice among the timings of its
-        speed trial (from its events, read once), which may have switched the plan's micro-batch and
-        checkpointing (its reason joins the plan's), and what a script reports it built. The journal,
-        the policy's history and the never-repeat-a-failed-config rule all key on what ran."""
+        """``o`` with the knobs the attempt trained with (the journal, the policy's history and the
+        never-repeat-a-failed-config rule key on what ran): its speed trial's choice (whose reason
+        joins the plan's), and what a script with its settings in its code reports it built."""
         trial = speed_of(o.progress.events, o.plan.knobs).choice
-        # A script with its settings in its code: what it built (attempt 1 learns what it asks for).
         trained = as_built(trial.knobs if trial else o.plan.knobs, script_settings(o.progress.events))
-        # The host model's training peak for what ran: status and explain set the measured one beside it.
-        o = dataclasses.replace(o, host_predicted=predicted_host(self.settings, trained))
+        o = dataclasses.replace(o, host_predicted=job_settings.predicted_host(self.settings, trained))
         note = o.plan.note
         if trial is not None:
             note = note and dataclasses.replace(note, why=(*note.why, trial.why))
@@ -88,11 +90,11 @@ class Conclusions:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
         o = self._as_trained(o)
         log = self.log.bind(attempt=o.number)
-        fit = step_fit(self.settings, self.job.resources.device, o.plan)
+        fit = job_settings.step_fit(self.settings, self.job.resources.device, o.plan)
         verdict = judge(o, self._phase_done(o.plan.phase), fit)
         if isinstance(verdict, Failure):
             verdict = self.disk.explain(verdict)
-            announce_failure(log, verdict, o.report, reclaimed)
+            _announce_failure(log, verdict, o.report, reclaimed)
             return self._decide(o, verdict, records, log)
         if verdict is Outcome.STEPPED_UP and o.planned is not None:
             return self._planned(o, o.planned, records)
@@ -101,7 +103,7 @@ class Conclusions:
         if verdict is Outcome.STOPPED:
             return Turn(RunState.STOPPED)  # RUNNING -> STOPPED
         if verdict is Outcome.SUCCEEDED:
-            announce_success(log, record, records, self.job.train.merge, self.rd, reclaimed)
+            self._announce_success(log, record, records, reclaimed)
         else:
             log.info(
                 Event.ATTEMPT_INTERRUPTED,
@@ -119,14 +121,11 @@ class Conclusions:
             Action.RESTART, planned.why, planned.rung, planned.changes, survives, planned.knobs,
             undoes=planned.undoes,
         )  # fmt: skip
-        self.journal(
-            record_of(o, Outcome.STEPPED_UP, self.resume_step(planned.knobs), None, entry),
-            records,
-            o.progress.events,
-        )
+        line = record_of(o, Outcome.STEPPED_UP, self.resume_step(planned.knobs), None, entry)
+        self.journal(line, records, o.progress.events)
         return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan follows the decision
 
-    def answer(self, pending: deciding.Pending, records: list[AttemptRecord]) -> Turn:
+    def answer(self, pending: Pending, records: list[AttemptRecord]) -> Turn:
         """Act on the policy's answer: a Wait is carried out first; a Restart or GiveUp is journalled."""
         decision = pending.decision
         if isinstance(decision, policy.Wait):
@@ -139,34 +138,34 @@ class Conclusions:
         if isinstance(decision, policy.Restart):
             reinit = decision.survives is Survives.ADAPTER_REINIT
             next_from = 0 if reinit else self.resume_step(decision.knobs)
-        record = self.journal(
-            deciding.settled(pending, decision, next_from), records, pending.outcome.progress.events
-        )
-        announce_decision(self.log.bind(attempt=record.attempt), record, records, self.rd)
+        entry = DecisionRecord.of(decision, pending.waited.waited_s if pending.waited else 0.0)
+        line = record_of(pending.outcome, Outcome.FAILED, next_from, pending.record.failure, entry)
+        record = self.journal(line, records, pending.outcome.progress.events)
+        self._announce_decision(self.log.bind(attempt=record.attempt), record, records)
         return _after(record)
 
-    def after_wait(
-        self, pending: deciding.Pending, waited: policy.WaitResult, records: list[AttemptRecord]
-    ) -> Turn:
+    def after_wait(self, pending: Pending, waited: policy.WaitResult, records: list[AttemptRecord]) -> Turn:
         """The policy asked again with what its Wait saw; a stop that ended the wait is no verdict."""
+        o = pending.outcome
         if waited.stopped:
             # WAITING -> STOPPED: no verdict on the config; the run stays resumable.
-            next_from = self.resume_step(pending.outcome.plan.knobs)
-            self.journal(
-                deciding.stopped_while_waiting(pending, next_from), records, pending.outcome.progress.events
-            )
+            line = record_of(o, Outcome.STOPPED, self.resume_step(o.plan.knobs), pending.record.failure)
+            self.journal(line, records, o.progress.events)
             return Turn(RunState.STOPPED)
-        return self.answer(deciding.ask_again(pending, waited, self.settings), records)  # WAITING -> ...
+        knobs, phase = o.plan.knobs, o.plan.phase.value
+        decision = policy.decide(
+            pending.failure, knobs, pending.history, self.settings, waited=waited, phase=phase
+        )
+        return self.answer(dataclasses.replace(pending, decision=decision, waited=waited), records)
 
     def journal(
         self, record: AttemptRecord, records: list[AttemptRecord], events: Sequence[ChildEvent]
     ) -> AttemptRecord:
-        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the
-        attempt's, read once by its heartbeat reader."""
+        """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the attempt's."""
         append_attempt(self.rd.attempts, record)
         records.append(record)
         speed = speed_of(events, record.knobs)
-        self.settings = remember_attempt(self.settings, self.job, record, speed)  # peak and speed kept
+        self.settings = job_settings.remember_attempt(self.settings, self.job, record, speed)
         return record
 
     def resume_step(self, knobs: Knobs) -> int:
@@ -176,8 +175,8 @@ class Conclusions:
     def _decide(
         self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
     ) -> Turn:
-        self.settings = with_sample_lengths(self.settings, o.progress.events)
-        self.settings = with_script_model(self.settings, o.progress.events)
+        self.settings = job_settings.with_sample_lengths(self.settings, o.progress.events)
+        self.settings = job_settings.with_script_model(self.settings, o.progress.events)
         if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
             quarantined := self._quarantine(o, failure, records, log)
         ):
@@ -186,14 +185,27 @@ class Conclusions:
             failure = self.disk.with_room_needed(failure)
         # A lifted verdict starts the budgets afresh: the attempts before it were judged already.
         earlier = [r for r in records if r.attempt > self.lifted_after]
-        return self.answer(deciding.ask(o, failure, earlier, self.settings), records)
+        return self.answer(self._ask(o, failure, earlier), records)
+
+    def _ask(self, o: AttemptOutcome, failure: Failure, earlier: Sequence[AttemptRecord]) -> Pending:
+        """The policy's first answer, saying so when the OOM repeats at the attempt before's data position."""
+        record = record_of(o, Outcome.FAILED, None, failure_record(failure, o.report, o.progress))
+        # The failure's own kind even for a damaged checkpoint that could not be moved aside:
+        # later decisions leave that kind out of their budgets, but this one decides about it.
+        this = dataclasses.replace(policy_history([record])[0], kind=failure.kind)
+        history = (*policy_history(earlier), this)
+        decision = policy.decide(failure, o.plan.knobs, history, self.settings, phase=o.plan.phase.value)
+        before = next((r.failure for r in reversed(earlier) if r.failure is not None), None)
+        note = repeat_note(failure, before, o.plan.knobs.max_seq_len, self.settings.sample_lengths)
+        if note is not None and not isinstance(decision, policy.Wait):
+            decision = dataclasses.replace(decision, why=f"{decision.why}; {note}")
+        return Pending(o, failure, record, history, decision)
 
     def _quarantine(
         self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
     ) -> AttemptRecord | None:
         """The checkpoint the child could not load is moved aside and the same knobs resume from
-        the next older one (no verdict on the config); None when it cannot be moved (the policy
-        then decides as for any failure)."""
+        the next older one (no verdict on the config); None when it cannot be moved."""
         moved = quarantine_reported(o.report, self.rd.checkpoints)
         if moved is None:
             return None
@@ -203,7 +215,7 @@ class Conclusions:
             o, Outcome.FAILED, self.resume_step(o.plan.knobs), failure_record(failure, o.report), entry
         )
         record = self.journal(line, records, o.progress.events)
-        announce_decision(log, record, records, self.rd)
+        self._announce_decision(log, record, records)
         return record
 
     def _phase_done(self, phase: Phase) -> bool:
@@ -211,8 +223,90 @@ class Conclusions:
             return True  # a tool without the shim saves into its own output dir only
         return (self.rd.merged if phase is Phase.MERGE else self.rd.adapter).exists()
 
+    def _announce_success(
+        self,
+        log: FilteringBoundLogger,
+        record: AttemptRecord,
+        records: Sequence[AttemptRecord],
+        reclaimed: bool,
+    ) -> None:
+        """``attempt_succeeded``, and ``run_succeeded`` when nothing (no merge) is left to run."""
+        log.info(
+            Event.ATTEMPT_SUCCEEDED,
+            phase=record.phase.value,
+            steps=record.steps_completed,
+            reclaimed=reclaimed,
+        )
+        if record.phase is Phase.MERGE or not self.job.train.merge:
+            rd = self.rd  # the event names what is there, never an adapter folder that was not written
+            tool_output = saved_by_the_tool_only(rd.root, rd.adapter)
+            log.info(
+                Event.RUN_SUCCEEDED,
+                attempts=record.attempt,
+                steps=max(r.steps_completed for r in records if r.phase is Phase.TRAIN),
+                adapter=str(rd.adapter) if rd.adapter.exists() else None,
+                trainer_output=str(tool_output) if tool_output is not None else None,
+                merged=str(rd.merged) if record.phase is Phase.MERGE else None,
+                story=story(records),
+            )
+
+    def _announce_decision(
+        self, log: FilteringBoundLogger, record: AttemptRecord, records: Sequence[AttemptRecord]
+    ) -> None:
+        """``retry`` (a warning) or ``gave_up`` (an error), read from the journal line alone."""
+        decision, failure = record.decision, record.failure
+        assert decision is not None and failure is not None, "only a decided failure is announced"
+        if record.restarts and decision.knobs is not None:
+            log.warning(
+                Event.RETRY,
+                failed=failure.kind.value,
+                stage=failure.stage.value,
+                numbers=failure.numbers_json(),
+                rung=decision.rung,
+                changes={k: list(v) for k, v in decision.changes.items()},
+                why=decision.why,
+                progress_survives=decision.survives.value,
+                steps_completed=record.steps_completed,
+                resume_from=record.next_resume_from,
+                lost_steps=record.lost_steps,
+                emergency_checkpoint=bool(failure.emergency_checkpoint),
+                effective_batch=decision.knobs.effective_batch,
+            )
+            return
+        log.error(
+            Event.GAVE_UP,
+            failed=failure.kind.value,
+            stage=failure.stage.value,
+            why=decision.why,
+            retryable=decision.retryable,
+            message=failure.message[:500],
+            journal=str(self.rd.attempts),
+            story=story(records),
+        )
+
+
+def _announce_failure(
+    log: FilteringBoundLogger, failure: Failure, report: ErrorReport | None, reclaimed: bool
+) -> None:
+    """``failure_classified``: what the classifier found, and from which evidence."""
+    log.info(
+        Event.FAILURE_CLASSIFIED,
+        kind=failure.kind.value,
+        stage=failure.stage.value,
+        numbers=failure.numbers_json(),
+        evidence=failure.evidence,
+        message=failure.message[:500],
+        reclaimed=reclaimed,
+        memory_snapshot=report.memory_snapshot if report else None,
+        rank=failure.rank,
+        local_rank=failure.local_rank,
+        gpu=failure.gpu,
+    )
+
 
 def _after(record: AttemptRecord) -> Turn:
-    if deciding.unchanged_retry(record):
-        return Turn(RunState.BACKOFF)  # RUNNING | WAITING -> BACKOFF: the same config again
-    return Turn(RunState.STARTING)  # RUNNING | WAITING -> STARTING: a new config, or the verdict
+    """BACKOFF only before an unchanged retry with no wait in between (RUNNING | WAITING -> ...)."""
+    decision = record.decision
+    if record.restarts and decision is not None and decision.knobs == record.knobs and not decision.waited_s:
+        return Turn(RunState.BACKOFF)  # the same config again
+    return Turn(RunState.STARTING)  # a new config, or the verdict

@@ -1,13 +1,6 @@
-"""Attempt 1's config: the pre-flight's choice, or the job as written.
-
-Before anything runs, the memory model predicts the job against the budget (the cap, or the
-card less a reserve). A job predicted to fit with the margin starts as written; otherwise the
-fitting throughput candidates are ranked by the throughput model (calibrated by the speeds this
-host measured for the shape) and the fastest starts; a quality change (seq_len, rank, a fallback
-model) happens only when nothing else is predicted to fit, logged as a warning with the plan.
-When nothing fits at all, the plan says so (``nothing_fits``) and the run stops before a child
-starts. Without a shape or a budget there is nothing to predict with: the job runs as written.
-"""
+"""Attempt 1's config: the pre-flight's choice (``policies.choice.first``: a quality change only
+when nothing else fits; ``nothing_fits`` stops the run before any child), or the job as written
+(``--as-written``, or without a shape or a budget to predict with)."""
 
 from __future__ import annotations
 
@@ -18,7 +11,6 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.search_result import PreflightResult
 from qlora_supervise.policies.search.search_state import fit_limit, scaled_peak
-from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.events import Event
@@ -48,7 +40,6 @@ def first_plan(
             missing = "no budget (no gpu_memory_limit and no NVML reading)"
         note = PlanNote(None, budget, (f"no memory prediction: {missing}",), as_written=as_written)
         return Plan(Phase.TRAIN, knobs, note=note)
-    # Peaks this host saw for the shape before calibrate the first prediction too.
     scale = memory_model.calibrate(shape, list(settings.prior), targets) if settings.prior else None
     speed = throughput.calibrate(shape, settings.speeds, targets) if settings.speeds else None
     result = choice.first(
@@ -60,7 +51,7 @@ def first_plan(
         speed=speed,
         fallbacks=settings.fallback_shapes,
         unusable=settings.cannot_take,  # a foreign tool's config has no key for these
-        host=settings.host,  # and every candidate fits the host (issue 28)
+        host=settings.host,
     )
     if as_written:
         reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)
@@ -87,10 +78,20 @@ def first_plan(
     )
 
 
-def stop_nothing_fits(log: FilteringBoundLogger, message: str) -> int:
-    """The stop before any child when nothing fits: one ``nothing_fits`` error event, exit 6."""
-    log.error(Event.NOTHING_FITS, why=f"nothing fits: {message}; no child was started")
-    return int(SupervisorExitCode.NOTHING_FITS)
+def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
+    """``preflight``: attempt 1's config and why; a warning when a quality knob changed."""
+    if note is None:
+        return
+    emit = log.warning if note.quality_changed else log.info
+    emit(
+        Event.PREFLIGHT,
+        predicted_peak_bytes=note.predicted_peak,
+        budget_bytes=note.budget,
+        changes={k: list(v) for k, v in note.changes.items()},
+        quality_changed=note.quality_changed,
+        as_written=note.as_written,
+        why=" | ".join(note.why),
+    )
 
 
 def nothing_fits_text(result: PreflightResult) -> str | None:

@@ -1,10 +1,5 @@
-"""What an ended attempt showed, and the one path that turns it into a verdict and a record.
-
-Both ways an attempt ends meet here: the runner watched the child exit, or the reclaim found
-an attempt in flight after the supervisor itself died. Each builds an :class:`AttemptOutcome`;
-:func:`judge` classifies it the same way for both, and :func:`record_of` writes the journal
-line, peak included, by one rule.
-"""
+"""What an ended attempt showed (watched, or reclaimed after the supervisor died), and the one path
+for both to a verdict (:func:`judge`) and a journal line (:func:`record_of`)."""
 
 from __future__ import annotations
 
@@ -40,7 +35,7 @@ class MemorySeen:
     gpu_others_at_end: int | None = None
     gpu_total: int | None = None
     rss_peak: int | None = None
-    xid_events: tuple[int, ...] = ()  # NVML Xids seen while the attempt ran
+    xid_events: tuple[int, ...] = ()
     # Under torchrun: local rank -> NVML index of its card, and the Xids seen on each card.
     cards: Mapping[int, int] = dataclasses.field(default_factory=dict)
     card_xids: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -70,13 +65,8 @@ class AttemptOutcome:
 
     @property
     def steps_completed(self) -> int:
-        """The last optimizer step this attempt itself finished; 0 when it trained none.
-
-        A child that resumed at step S and then failed before S + 1 (a failed hand-over, a
-        hang in the load, a crash loop) reports S in its heartbeats and its report: that step
-        was finished by an earlier attempt, so the journal must not credit this one with it
-        (issue 21 item 6). Lines written before kept S there; both read as 0 steps progressed.
-        """
+        """The last optimizer step this attempt itself finished; 0 when it trained none (a child
+        that resumed at S and failed before S + 1 still reports S: an earlier attempt's step)."""
         last = max(self.progress.step, self.report.step if self.report else 0)
         return last if last > self.resumed_from else 0
 
@@ -87,11 +77,9 @@ def failed_report(report: ErrorReport | None) -> bool:
 
 
 def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Outcome | Failure:
-    """Succeeded, stopped, interrupted (no verdict on the config), or a classified failure.
-
-    ``fit``: the memory model's peak for the attempt's knobs against the budget (fragmentation
-    is judged on it, :mod:`~qlora_supervise.supervisor.diagnosis.fragmentation`). Under torchrun
-    the failure names the rank (and local rank: its GPU) whose report was the cause."""
+    """Succeeded, stopped, interrupted (no verdict on the config), or a classified failure; under
+    torchrun it names the rank (and local rank: its GPU) that caused it. ``fit``: the memory model's
+    peak for the knobs against the budget (fragmentation is judged on it)."""
     verdict = _judge(o, phase_done, fit)
     if not isinstance(verdict, Failure):
         return verdict
@@ -112,8 +100,8 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
 
 
 def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
-    """The one rank that left no report when every report is a knock-on: it died first (a SIGKILL,
-    a segfault) and broke the others' collective. None when a rank reported a cause of its own."""
+    """The one rank that left no report when every report is a knock-on: it died first and broke
+    the others' collective. None when a rank reported a cause of its own."""
     world = reports[0].world_size
     if any(not is_knock_on(r) for r in reports):
         return None
@@ -122,8 +110,7 @@ def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
 
 
 def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str) -> Failure:
-    """No rank reported (a rank killed by a signal, the others stopped before they could report):
-    the rank whose process the supervisor saw leave first, else the one torchrun's summary names."""
+    """No rank reported: the rank whose process left first, else the one torchrun's summary names."""
     first = sorted(rank_exits.items(), key=lambda item: item[1])
     rank: int | None
     if first and (len(first) == 1 or first[0][1] < first[1][1]):
@@ -137,8 +124,7 @@ def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str)
 
 
 def _xid_card(failure: Failure, card_xids: Mapping[int, tuple[int, ...]]) -> Failure:
-    """A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on (drop_rank leaves
-    that card out, not the last one)."""
+    """A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on."""
     ranks = [rank for rank, xids in sorted(card_xids.items()) if failure.fatal_xid in xids]
     if len(ranks) != 1:
         return failure
@@ -156,22 +142,17 @@ def _named_card(failure: Failure, cards: Mapping[int, int]) -> Failure:
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:
-    exit_ = o.exit
+    exit_, failed = o.exit, failed_report(o.report)
     if exit_ is None:
-        if failed_report(o.report):
-            assert o.report is not None
+        if failed and o.report is not None:
             # The child failed while nobody watched: classify it as if we had seen it exit.
             unseen = ChildExit(o.report.exit_code, None, None, 0.0)
             return classify_exit(unseen, o.report, o.log_tail, fit=fit)
         return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
-    if (
-        exit_.killed_by_supervisor is KilledBy.STEP_UP
-        and o.planned is not None
-        and not failed_report(o.report)
-    ):
+    if exit_.killed_by_supervisor is KilledBy.STEP_UP and o.planned is not None and not failed:
         return Outcome.STEPPED_UP
     # A child stopped for a hang also exits STOPPED (it checkpoints on SIGTERM): that is a hang.
-    ours = exit_.killed_by_supervisor is KilledBy.STOP and not failed_report(o.report)
+    ours = exit_.killed_by_supervisor is KilledBy.STOP and not failed
     if ours or (exit_.killed_by_supervisor is None and exit_.returncode == ExitCode.STOPPED):
         return Outcome.STOPPED
     if exit_.returncode == 0 and phase_done:
@@ -191,9 +172,8 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
 
 
 def failure_record(failure: Failure, report: ErrorReport | None, progress: Progress | None = None) -> Failure:
-    """The failure as the journal keeps it: the report's emergency checkpoint and allocator
-    setting added, the message cut to what a journal line should hold; for a host OOM kill, the
-    newest heartbeat's RSS (``rss_at_kill``) and training's host peak so far (``host_peak``)."""
+    """The failure as the journal keeps it: the report's emergency checkpoint and allocator setting,
+    the message cut short; for a host OOM kill, ``rss_at_kill`` and ``host_peak`` from the heartbeats."""
     if failure.kind is FailureKind.HOST_OOM and progress is not None:
         host = {"rss_at_kill": progress.last_rss, "host_peak": progress.host_peak}
         numbers = {**failure.numbers, **{k: v for k, v in host.items() if v is not None}}

@@ -8,12 +8,14 @@ last decision was a restart    -> its knobs; from step 0 when the adapter shape 
                                   restart, a step-up or a re-time, is one; a re-time times the
                                   pre-flight's candidates again)
 last decision was a give-up    -> the run's verdict (retryable or not; a GPU fault has its own),
-                                  unless a changed job or ``run --retry`` lifted it: then that
-                                  attempt's phase and knobs again
+                                  unless a changed job or ``run --retry`` lifted it: then the
+                                  ladder's next rung for a memory give-up, else that attempt's
+                                  phase and knobs again
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,12 +23,11 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.retime import RETIME_RUNG, first_for
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
-from qlora_supervise.supervisor.loop.retry_plan import next_rung_after_lift
+from qlora_supervise.supervisor.record.history import policy_history
 from qlora_supervise.supervisor.record.journal import RunState
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 
 @dataclass(frozen=True)
@@ -37,16 +38,13 @@ class Plan:
     knobs: Knobs
     fresh_start: bool = False  # the adapter's shape changed: old checkpoints cannot be loaded
     note: PlanNote | None = None  # why these knobs (the pre-flight's reasons, attempt 1)
-    # Attempt 1: the candidates the child's speed trial times before step 1, these knobs first
-    # (empty: no trial). Later attempts run the knobs the ladder chose, untimed.
+    # The candidates the child's speed trial times before step 1, these knobs first (empty: no trial).
     speed_trial: tuple[TrialCandidate, ...] = ()
     # The most a trial candidate may measure (the pre-flight's budget less its margin); None: no check.
     speed_trial_limit: int | None = None
-    # Attempt 1 only: no config of the model or a fallback is predicted to fit; the run stops
-    # before any child starts, with this message (the smallest peak, the budget, what would help).
+    # Attempt 1 only: nothing is predicted to fit; the run stops before any child, with this message.
     nothing_fits: str | None = None
-    # A re-time (policies/retime.py): the trial runs on the resume too.
-    retime: bool = False
+    retime: bool = False  # a re-time (policies/retime.py): the trial runs on the resume too
 
 
 @dataclass(frozen=True)
@@ -67,8 +65,7 @@ class PlanFacts:
     merge: bool  # the job asks for a merged model after training
     merged_exists: bool
     lifted_after: int = 0  # the newest lift's attempt: a verdict up to it no longer stands
-    # The policy's settings: a lifted memory give-up takes the ladder's next rung (retry_plan).
-    settings: policy.Settings | None = None
+    settings: policy.Settings | None = None  # a lifted memory give-up takes the ladder's next rung
 
 
 def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verdict:
@@ -96,15 +93,30 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
     if last.attempt <= facts.lifted_after:
         rung = next_rung_after_lift(records, facts.settings) if facts.settings is not None else None
         if rung is not None:  # a memory give-up: the ladder's next rung, not the config that failed
-            return Plan(last.phase, rung[0].knobs, fresh_start=rung[1])
+            return Plan(last.phase, rung.knobs, fresh_start=rung.survives is Survives.ADAPTER_REINIT)
         return Plan(last.phase, last.knobs)  # the verdict was lifted: try its config once more
-    if decision is not None and not decision.retryable and _gpu_fault(last):
-        return Verdict(RunState.FAILED, SupervisorExitCode.GPU_FAULT, decision.why, last.knobs)
     if decision is not None and not decision.retryable:
-        return Verdict(RunState.FAILED, SupervisorExitCode.NOT_RETRYABLE, decision.why, last.knobs)
+        failure = last.failure
+        gpu_fault = failure is not None and failure.kind is FailureKind.GPU_FAULT
+        code = SupervisorExitCode.GPU_FAULT if gpu_fault else SupervisorExitCode.NOT_RETRYABLE
+        return Verdict(RunState.FAILED, code, decision.why, last.knobs)
     why = decision.why if decision is not None else "the last attempt failed without a decision"
     return Verdict(RunState.GAVE_UP, SupervisorExitCode.GAVE_UP, why, last.knobs)
 
 
-def _gpu_fault(record: AttemptRecord) -> bool:
-    return record.failure is not None and record.failure.kind is FailureKind.GPU_FAULT
+def next_rung_after_lift(
+    records: Sequence[AttemptRecord], settings: policy.Settings
+) -> policy.Restart | None:
+    """``run --retry`` after a memory give-up: the policy's restart for the last attempt's failure,
+    asked again with a fresh attempt budget (replaying the failed config would fail the same way,
+    issue 21 item 15); None when it did not fail of memory or the ladder has nothing left."""
+    last = records[-1] if records else None
+    if last is None or last.failure is None or not last.failure.kind.is_oom:
+        return None
+    history = policy_history([r for r in records if r.phase is last.phase])
+    failed = sum(1 for past in history if past.kind is not None)
+    fresh = dataclasses.replace(settings, max_attempts=settings.max_attempts + failed)
+    decision = policy.decide(last.failure, last.knobs, history, fresh, phase=last.phase.value)
+    if not isinstance(decision, policy.Restart) or decision.knobs == last.knobs:
+        return None
+    return decision

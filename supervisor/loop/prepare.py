@@ -1,9 +1,5 @@
-"""An attempt made ready to spawn: its resume checkpoint chosen and its spec written.
-
-The first of the runner's three calls (:meth:`~.runner.AttemptRunner.prepare`): what it prepares is
-on disk before ``state.json`` names the attempt in flight, so a supervisor killed at any moment
-after it finds a spec that says what the child was told.
-"""
+"""An attempt made ready to spawn, on disk before ``state.json`` names it in flight: its resume
+checkpoint chosen and its spec written."""
 
 from __future__ import annotations
 
@@ -72,8 +68,7 @@ def write_spec(
     """``attempt-NNN/spec.json``, written atomically: everything the child is told."""
     directory = rd.attempt_dir(number)
     if directory.exists():
-        # Left by an attempt the journal never recorded (the supervisor died between spawn and
-        # state.json): its error report must not be read as this attempt's.
+        # Left by an attempt the journal never recorded: its error report must not be read as this one's.
         aside = directory.with_name(f"{directory.name}.unrecorded-{int(seams.wall())}")
         directory.rename(aside)
         log.warning(Event.UNRECORDED_ATTEMPT_MOVED, moved_to=str(aside))
@@ -97,7 +92,6 @@ def write_spec(
         gpu_memory_limit=job.resources.gpu_memory_limit,
         cpu_memory_limit=job.resources.cpu_memory_limit,
         resume_from=resume_from,
-        # The checkpoint itself says whether its optimizer state fits these knobs.
         reset_optimizer=resume.reset_optimizer,
         diagnose=job.diagnose,
         stop_grace_s=seams.stop_grace_s,

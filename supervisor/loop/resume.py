@@ -1,22 +1,7 @@
-"""Which checkpoint an attempt resumes from, judged from the checkpoint itself.
-
-Each complete checkpoint's marker records the knobs it was trained with and the size and
-sha256 of each of its files. A checkpoint whose files no longer match (truncated, overwritten)
-is skipped and, when the caller names a quarantine, moved there; one whose adapter has another
-model, or a smaller LoRA rank than the knobs (or the same rank with another alpha), cannot be
-loaded and is skipped; one of a larger rank of the same model is loaded and the child cuts its
-adapter to the knobs' rank by truncated SVD (``trainer_child.rank``), without its optimizer
-state, whose shapes no longer fit; one written with another optimizer, or before the
-``fresh_optimizer_state`` rung, is loaded without its optimizer state. Deciding from the marker, not from the
-decision that led here, stays right however many attempts in between failed, stopped or were
-interrupted before writing a checkpoint of their own.
-
-A checkpoint that passes (or whose older marker lists no files) and still fails to load in the
-child comes back as a ``checkpoint_damaged`` failure: :func:`quarantine_reported` moves it aside
-and the next attempt resumes from the next older one, with the config unchanged.
-
-When a run ends, :func:`clean_staging` removes what killed writers left behind (staging
-directories of checkpoints and of the adapter).
+"""Which checkpoint an attempt resumes from, judged from the checkpoint's own marker (its knobs, each
+file's size and sha256), newest first: damaged files are skipped (and quarantined when asked); an
+adapter of another model or a smaller LoRA rank (or alpha) is skipped; a larger rank is cut by SVD
+in the child; another optimizer (or ``fresh_optimizer_state``) loads without its optimizer state.
 """
 
 from __future__ import annotations
@@ -29,15 +14,13 @@ from typing import Any
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
+    OPTIMIZER_FILES,
+    TEMP_PREFIX,
     complete_checkpoints,
     damaged_files,
     quarantine,
     read_marker,
-)
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    OPTIMIZER_FILES,
-    TEMP_PREFIX,
     remove_stale_temps,
 )
 from qlora_supervise.trainer_child.contract.processes import pid_alive
@@ -66,14 +49,8 @@ class ResumePoint:
 
 def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: bool = False) -> ResumePoint:
     """The newest complete, intact checkpoint these knobs can load (step 0 and no path: none).
-
-    One loop over the checkpoints, newest first, each rule in the order of the module docstring
-    (marker, files, adapter shape, optimizer): long only because each rule says why it skips.
-
-    With ``quarantine_damaged`` a checkpoint whose files differ from its marker is moved to the
-    quarantine folder (``checkpoint_dirs.QUARANTINE_DIR``); without it, it is only skipped (the
-    arbiter's prediction of the next resume step reads the same rule and moves nothing).
-    """
+    With ``quarantine_damaged`` a checkpoint whose files differ from its marker is moved aside;
+    without it (the arbiter's prediction of the next resume step) it is only skipped."""
     skipped: list[str] = []
     moved: list[Quarantined] = []
     for step, path in reversed(complete_checkpoints(checkpoints_dir)):
@@ -84,8 +61,7 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             skipped.append(f"{path.name}: unreadable marker")
             continue
         why = "; ".join(f"{name}: {problem}" for name, problem in sorted(damaged.items()))
-        # Only the optimizer state damaged: the adapter and the step are good; resume them with a
-        # fresh optimizer (the LR schedule follows the step) rather than lose the steps.
+        # Only the optimizer state damaged: resume the adapter and step with a fresh optimizer.
         optimizer_only = bool(damaged) and set(damaged) <= set(OPTIMIZER_FILES)
         if damaged and not optimizer_only:
             skipped.append(f"{path.name}: damaged ({why})")
@@ -102,15 +78,12 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             skipped.append(f"{path.name}: {why_not}")
             continue
         rank_from = _larger_rank(saved, knobs)
-        reset = (
-            optimizer_only
-            or rank_from is not None
-            or saved.get("optimizer") != knobs.optimizer
-            # the fresh_optimizer_state rung, against a checkpoint written before it
-            or bool(saved.get("fresh_optimizer_state", False)) != knobs.fresh_optimizer_state
-            # FSDP lays its optimizer state out its own way (optimizer.bin): one mode cannot read the other's
-            or bool(saved.get("fsdp", False)) != knobs.fsdp
-        )
+        # Another optimizer, the fresh_optimizer_state rung against a checkpoint written before it, or
+        # the other FSDP mode (its optimizer state has its own layout): the optimizer state is not loaded.
+        flags = ("fresh_optimizer_state", "fsdp")
+        changed = saved.get("optimizer") != knobs.optimizer
+        changed = changed or any(bool(saved.get(name, False)) != getattr(knobs, name) for name in flags)
+        reset = optimizer_only or rank_from is not None or changed
         return ResumePoint(step, path, reset, tuple(skipped), tuple(moved), rank_from)
     return ResumePoint(0, None, False, tuple(skipped), tuple(moved))
 
@@ -128,14 +101,12 @@ def _unloadable(saved: dict[str, Any], knobs: Knobs) -> str | None:
 
 def _larger_rank(saved: dict[str, Any], knobs: Knobs) -> int | None:
     rank = saved.get("lora_r")
-    if isinstance(rank, int) and not isinstance(rank, bool) and rank > knobs.lora_r:
-        return rank
-    return None
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > knobs.lora_r else None
 
 
 def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Quarantined | None:
-    """Move aside the checkpoint a child could not load (its report names it); None when the
-    report names none, or names something that is not one of this run's checkpoints any more."""
+    """Move aside the checkpoint a child could not load (its report names it); None when it names
+    none, or something that is not one of this run's checkpoints."""
     named = report.damaged_checkpoint if report is not None else None
     if not named:
         return None
@@ -147,12 +118,8 @@ def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Qu
 
 
 def clean_staging(run_root: Path, checkpoints_dir: Path) -> list[Path]:
-    """Delete staging directories whose writer is gone: ``.tmp-*`` under ``checkpoints/`` and the
-    adapter's ``.tmp-adapter-<pid>`` / ``.old-adapter-<pid>`` in the run directory.
-
-    Called when the run ends, whatever the verdict: a next child would clean them, but a run that
-    gave up has no next child. A writer still alive (its pid in the name) keeps its directory.
-    """
+    """When a run ends, whatever the verdict: delete staging directories whose writer (its pid in
+    the name) is gone: ``.tmp-*`` under ``checkpoints/``, ``.tmp-adapter-<pid>`` / ``.old-adapter-<pid>``."""
     removed = remove_stale_temps(checkpoints_dir)
     if not run_root.is_dir():
         return removed

@@ -1,12 +1,5 @@
-"""The attempt runner: checkpoints chosen, spec written, child spawned, watched, ended.
-
-Three calls, in the order crash safety needs: :meth:`AttemptRunner.prepare` (checkpoints
-chosen, spec written), :meth:`~AttemptRunner.spawn` and :meth:`~AttemptRunner.run` (watched to
-its end, what it left read). The arbiter writes ``state.json`` between them (the attempt in
-flight, before the spawn and again with its pid): the runner writes no state, and it returns an
-:class:`~.outcome.AttemptOutcome` that it does not judge (the arbiter does, through the same
-path the reclaim uses).
-"""
+"""The attempt runner: ``prepare`` (checkpoint chosen, spec written), ``spawn`` and ``run`` (watched
+to its end). The arbiter writes ``state.json`` between them; the runner writes no state."""
 
 from __future__ import annotations
 
@@ -24,27 +17,17 @@ from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.child_output import (
-    log_optimizer_reset,
-    note_child_events,
-    note_rank_peaks,
-    read_reports,
-    report_of,
-)
+from qlora_supervise.supervisor.loop import child_output as output
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
-from qlora_supervise.supervisor.loop.creep_note import note_creep
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
-from qlora_supervise.supervisor.loop.rank_parts import seal_rank_parts
-from qlora_supervise.supervisor.loop.rank_watch import card_fields, note_rank_exits, ranks_overstay
-from qlora_supervise.supervisor.loop.recovery import FirstStep, failure_time
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Phase
-from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
+from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter
@@ -53,11 +36,15 @@ from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_mov
 from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
 from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
-from qlora_supervise.trainer_child.contract.events import CheckpointSaved, ChildEvent
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
+from qlora_supervise.trainer_child.contract.events import (
+    CheckpointSaved,
+    ChildEvent,
+    Heartbeat,
+    SpeedTrialEvent,
+)
+from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, Knobs
 
 
 @dataclasses.dataclass
@@ -82,13 +69,12 @@ class AttemptRunner:
     def __init__(self, ctx: RunnerContext) -> None:
         self.ctx = ctx
         self.spares = self._spare_keeper()
-        # When the last attempt failed (its error report's time, else its end): the next
-        # attempt's ``first_step`` says how long the recovery took from there.
-        self.failed_at: float | None = None
+        self.failed_at: float | None = None  # when the last attempt failed: its successor's first_step
         self.warm = False  # the attempt in flight runs in a spare
         self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
         self.planned: PlannedRestart | None = None  # the attempt in flight is stopped for a faster config
         self.cards: RankCards | None = None  # every rank's card, while a torchrun attempt runs
+        self.log = ctx.log  # bound to the attempt in flight
 
     def _spare_keeper(self) -> SpareKeeper | None:
         ctx = self.ctx
@@ -111,7 +97,6 @@ class AttemptRunner:
             self.spares.discard("the run is over")
 
     def prepare(self, number: int, plan: Plan) -> Prepared:
-        """The attempt made ready to spawn: its resume checkpoint chosen and its spec written."""
         ctx = self.ctx
         log = ctx.log.bind(attempt=number)
         resume = prepare_checkpoints(ctx.rd, number, plan, ctx.seams.wall, log)
@@ -120,12 +105,9 @@ class AttemptRunner:
 
     def run(self, ready: Prepared, proc: ChildHandle) -> AttemptOutcome:
         """Watch the spawned attempt to its end, stop it if the watch ended first, read what it left."""
-        # The rest of one attempt's life in the order it happens (watch, end, last read).
         ctx, seams = self.ctx, self.ctx.seams
         number, plan, resume, spec = ready.number, ready.plan, ready.resume, ready.spec
-        started_at = ready.started_at
-        log = ctx.log.bind(attempt=number)
-        attempt_dir = ctx.rd.attempt_dir(number)
+        self.log = log = ctx.log.bind(attempt=number)
         if not self.warm:
             self._start_due_spare()
         log.info(
@@ -139,30 +121,26 @@ class AttemptRunner:
             effective_batch=plan.knobs.effective_batch,
         )
         reader = HeartbeatReader(Path(spec.events_file))
-        creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=resume.step)
-        first = FirstStep(resume.step, started_at, self.failed_at, self.warm)
         self.planned = None
         if ctx.climb is not None:
             ctx.climb.start()
         self.cards = seams.open_cards(plan.knobs, ctx.job.resources.device)
         try:
-            watched = self._watch(number, proc, reader, spec, log, creep, first)
+            watched = self._watch(ready, proc, reader)
             if watched.stopped_by_signal:
                 self.spare_due = None  # the run stops: no attempt will need it
             self._start_due_spare()  # the attempt ended before its first step: the next may need one
             exit_ = self._end(proc, watched)
-            self._last_gpu_look(proc.pid, watched, attempt_dir, log)
+            self._last_gpu_look(proc.pid, watched, ctx.rd.attempt(number).gpu)
         finally:
             if self.cards is not None:
                 self.cards.close()
             self.cards = None
         # Read what the child wrote while it stopped: the step it finished after our SIGTERM
         # and before its checkpoint counts (it would otherwise be missed by one).
-        note_child_events(reader.poll(seams.clock()), log)
+        output.note_child_events(reader.poll(seams.clock()), log)
         ctx.display.clear()
-        peaks = (
-            note_rank_peaks(Path(spec.events_file), reader.progress, log) if spec.knobs.world_size > 1 else {}
-        )
+        peaks = output.note_rank_peaks(spec, reader.progress, log)
         log.info(
             Event.CHILD_EXITED,
             exit_code=exit_.returncode,
@@ -171,16 +149,19 @@ class AttemptRunner:
             duration_s=round(exit_.duration_s, 1),
             step=reader.progress.step,
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
-            **card_fields(watched),
+            **output.card_fields(watched),
         )
-        log_optimizer_reset(log, reader.progress)
+        reset = optimizer_reset(reader.progress)
+        if reset is not None:  # the adapter and the LR schedule follow the step, the moments do not
+            log.warning(Event.OPTIMIZER_RESET, why=reset, lr_schedule="restored at the resumed step")
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
-        reports = read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
+        reports = output.read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
         if plan.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree
-            reports = seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
-        report = report_of(reports)
-        self.failed_at = None if exit_.returncode == 0 else failure_time(report, seams.wall())
+            reports = output.seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
+        report = output.report_of(reports)
+        # When it failed (its report's time, else the end of the watch): the next first_step times from it.
+        self.failed_at = None if exit_.returncode == 0 else (report.time if report else seams.wall())
         return AttemptOutcome(
             number=number,
             plan=plan,
@@ -199,9 +180,9 @@ class AttemptRunner:
                 card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
             ),
             resumed_from=resume.step,
-            started_at=started_at,
+            started_at=ready.started_at,
             ended_at=seams.wall(),
-            log_tail=child_mod.log_tail(AttemptDir(attempt_dir).log),
+            log_tail=child_mod.log_tail(ctx.rd.attempt(number).log),
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
             rank_exits=dict(watched.rank_exits),
         )
@@ -213,9 +194,7 @@ class AttemptRunner:
         files = ctx.rd.attempt(number)
         argv = seams.argv(files.spec, plan.phase.value)
         env = trainer_env(child_mod.child_env(dict(os.environ), plan.knobs), ready.spec, files.spec)
-        # The datasets library's cache (the prepared and tokenized data) stays in the run directory,
-        # not in ~/.cache/huggingface/datasets; a place the caller chose (HF_DATASETS_CACHE, or
-        # HF_HOME as the shipped unit sets it) is kept.
+        # The datasets cache stays in the run directory, unless the caller chose a place (HF_HOME).
         if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
             env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
         order = self._spare_order(argv, files.spec, plan, env)
@@ -228,21 +207,16 @@ class AttemptRunner:
         cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root, ready.spec.command)
         proc: ChildHandle = spare or seams.spawn(argv, env, files.log, cwd)
         notify.status(f"attempt {number} ({plan.phase.value}) running, pid {proc.pid}")
-        # The next spare: behind a cold start at once (``run`` starts it, after the arbiter has
-        # written the pid: the child imports as long as the spare does, so nothing is slowed);
-        # behind a warm start only after its first step, so the spare's imports never compete
-        # with the recovery they exist to shorten.
+        # The next spare: behind a cold start at once (in ``run``, once the pid is written); behind a
+        # warm start only after its first step, so its imports never slow the recovery they shorten.
         self.spare_due = order
         return proc
 
     def _spare_order(
         self, argv: list[str], spec_path: Path, plan: Plan, env: dict[str, str]
     ) -> SpareOrder | None:
-        """What a spare for this attempt must have been started with; None when a spare cannot
-        run it: one training process (never torchrun's ranks, a merge or a test's scripted
-        child), started with exactly the trainer's own command line."""
+        """What a spare for this attempt must have been started with; None when a spare cannot run it."""
         trainer_argv = child_mod.child_argv(spec_path, plan.phase.value)
-        # A spare holds our trainer's imports: a tool's attempt never runs in one.
         train = plan.phase is Phase.TRAIN and self.ctx.job.trainer.spare
         if not runs_in_spare(argv, trainer_argv, train, plan.knobs.world_size):
             return None
@@ -256,8 +230,7 @@ class AttemptRunner:
             killed = KilledBy.STEP_UP
         code = proc.poll() if killed is None else None
         if code is None:
-            # A hung process cannot use a long grace to checkpoint: it gets the short one (so do
-            # ranks left in a collective another rank's failure broke).
+            # A hung process (or ranks left in a broken collective) gets the short grace.
             short = watched.hang or watched.ranks_overstayed
             grace = self.ctx.job.supervise.hang_grace if short else seams.stop_grace_s
             code = proc.stop(grace)
@@ -268,41 +241,33 @@ class AttemptRunner:
             duration_s=seams.clock() - proc.started_monotonic,
         )
 
-    def _watch(
-        self,
-        number: int,
-        proc: ChildHandle,
-        reader: HeartbeatReader,
-        spec: AttemptSpec,
-        log: FilteringBoundLogger,
-        creep: CreepWatch,
-        first: FirstStep,
-    ) -> Watched:
-        # One tick: read heartbeats, report progress (systemd's watchdog is fed there, by the
-        # child's events, not by this timer), sample memory, then the ways a watch ends early
-        # (a stop signal, a hang) before the child's own exit.
-        ctx, seams = self.ctx, self.ctx.seams
+    def _watch(self, ready: Prepared, proc: ChildHandle, reader: HeartbeatReader) -> Watched:
+        # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
+        # then the ways a watch ends early (a planned restart, a stop, ranks overstaying, a hang).
+        ctx, seams, spec, number, log = self.ctx, self.ctx.seams, ready.spec, ready.number, self.log
+        creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=ready.resume.step)
+        first = output.FirstStep(ready.resume.step, ready.started_at, self.failed_at, self.warm)
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
         watched = Watched(reader.progress)
         started = next_sample = seams.clock()
-        gpu_log = ctx.rd.attempt(number).gpu
+        files = ctx.rd.attempt(number)
         hup_logged = False
         hang_timeout = ctx.job.supervise.hang_timeout
         while proc.poll() is None:
             now = seams.clock()
             new = reader.poll(now)
-            note_child_events(new, log)
+            output.note_child_events(new, log)
             if first.note(new, log):
                 self._start_due_spare()
-            note_creep(new, creep, proc.pid, self.ctx.seams, self.ctx.display, log, watched)
+            self._note_creep(new, creep, proc.pid, watched)
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
-                self._sample(proc.pid, watched, gpu_log)
+                self._sample(proc.pid, watched, files.gpu)
                 if ctx.climb is not None:
                     ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
-            if self._planned_restart(new, spec, reader, now, log):
+            if self._planned_restart(new, spec.knobs, reader.progress, now):
                 return watched
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
@@ -318,11 +283,13 @@ class AttemptRunner:
                     why="the child checkpoints and exits; run the same command again to resume",
                 )
                 return watched
-            note_rank_exits(spec, watched, now)
-            if ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
+            output.note_rank_exits(spec, watched, now)
+            if output.ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
                 watched.ranks_overstayed = True
                 return watched
-            if hung(reader.progress, started, now, hang_timeout) and not self._output_moving(spec, number):
+            quiet = hung(reader.progress, started, now, hang_timeout)
+            # A tool whose shim never spoke: its log's growth stands in for heartbeats.
+            if quiet and not output_moving(spec, files.log, seams.wall(), hang_timeout):
                 log.warning(
                     Event.HANG_DETECTED,
                     step=reader.progress.step,
@@ -336,31 +303,25 @@ class AttemptRunner:
         return watched
 
     def _planned_restart(
-        self,
-        events: list[ChildEvent],
-        spec: AttemptSpec,
-        reader: HeartbeatReader,
-        now: float,
-        log: FilteringBoundLogger,
+        self, events: list[ChildEvent], knobs: Knobs, progress: Progress, now: float
     ) -> bool:
         """At a checkpoint the child saved: whether to stop it for a faster config (climb_back.py)."""
         climb = self.ctx.climb
-        if climb is None or spec.knobs.world_size > 1:
+        if climb is None or knobs.world_size > 1:
             return False
         if any(isinstance(event, SpeedTrialEvent) for event in events):
             climb.trial_seen(now)
         saved = [e for e in events if isinstance(e, CheckpointSaved) and not e.emergency and e.step]
-        progress = reader.progress
         last_step = progress.finished or (progress.max_steps and progress.step >= progress.max_steps)
         if not saved or last_step:  # the final save: nothing is left to train faster
             return False
-        knobs = speed_of(progress.events, spec.knobs).knobs
+        knobs = speed_of(progress.events, knobs).knobs
         planned = climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))
         if planned is None:
             return False
         self.planned = planned
         self.ctx.display.clear()
-        log.info(
+        self.log.info(
             Event.RETIME if planned.rung == RETIME_RUNG else Event.STEP_UP,
             step=progress.step,
             why=planned.why,
@@ -369,28 +330,40 @@ class AttemptRunner:
         )
         return True
 
-    def _output_moving(self, spec: AttemptSpec, number: int) -> bool:
-        """A tool whose shim never spoke: its log's growth stands in for heartbeats."""
-        log = self.ctx.rd.attempt(number).log
-        return output_moving(spec, log, self.ctx.seams.wall(), self.ctx.job.supervise.hang_timeout)
+    def _note_creep(self, events: list[ChildEvent], creep: CreepWatch, pid: int, watched: Watched) -> None:
+        """Feed new heartbeats to the creep rule; once it fires, log it and ask for an early checkpoint."""
+        for event in events:
+            forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
+            if forecast is None:
+                continue
+            if forecast.asks_for_checkpoint:
+                self.ctx.seams.signal_child(pid, EARLY_CHECKPOINT_SIGNAL)
+            watched.creep = forecast
+            self.ctx.display.clear()
+            self.log.warning(
+                Event.MEMORY_CREEP,
+                step=forecast.step,
+                peak_bytes=forecast.peak_bytes,
+                slope_bytes_per_step=round(forecast.slope_bytes_per_step),
+                budget_bytes=forecast.budget_bytes,
+                predicted_oom_step=forecast.predicted_oom_step,
+                window_steps=forecast.window_steps,
+                early_checkpoint_requested=forecast.asks_for_checkpoint,
+            )
 
     def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
-        # Under torchrun each rank's card; else the job's one card.
         if self.cards is not None:
             sample_cards(pid, watched, self.cards, gpu_log)
         else:
             sample_memory(pid, watched, self.ctx.gpu, gpu_log)
 
-    def _last_gpu_look(
-        self, pid: int, watched: Watched, attempt_dir: Path, log: FilteringBoundLogger
-    ) -> None:
-        """One more NVML sample after the exit (the Xid of a crash may come after the last
-        tick's sample), then the ``gpu_fault`` line when any Xid was seen."""
+    def _last_gpu_look(self, pid: int, watched: Watched, gpu_log: Path) -> None:
+        """One more NVML sample after the exit (a crash's Xid may come late), then any ``gpu_fault``."""
         if self.ctx.gpu is not None or self.cards is not None:
-            self._sample(pid, watched, AttemptDir(attempt_dir).gpu)
+            self._sample(pid, watched, gpu_log)
         if watched.xid_events:
             fatal = xid.fatal_xid(watched.xid_events)
-            log.error(
+            self.log.error(
                 Event.GPU_FAULT,
                 xids=list(dict.fromkeys(watched.xid_events)),
                 meanings=xid.describe(watched.xid_events),

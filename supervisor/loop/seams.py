@@ -1,9 +1,5 @@
-"""The loop's side effects behind small seams, so the loop can run on a fake clock in tests.
-
-Each seam is a ``Protocol``: the real one is the default of :class:`Seams`; the fake-clock
-tier of tests replaces clock, sleep, spawn and the GPU probe and runs a whole ladder climb
-without a process. The real-process tests keep the defaults (fakes lie).
-"""
+"""The loop's side effects behind small seams (the real ones are :class:`Seams`' defaults), so the
+fake-clock tests run a whole ladder climb without a process; the real-process tests keep them."""
 
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ from pathlib import Path
 from typing import Protocol
 
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.spare import SpawnSpare
 from qlora_supervise.supervisor.watching.cards import RankCards
 from qlora_supervise.supervisor.watching.cgroup import oom_kill_count
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe
@@ -44,14 +39,20 @@ class ChildHandle(Protocol):
 
     def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
         """Until it exits or ``timeout_s`` passes (a fake on a fake clock just sleeps)."""
-        ...
 
     def stop(self, grace_s: float) -> int:
-        """SIGTERM, up to ``grace_s`` to exit, then SIGKILL; the exit status (negative: a signal).
+        """SIGTERM, up to ``grace_s`` to exit, then SIGKILL; the exit status (negative: a signal)."""
 
-        The real child waits its grace in real time (``psutil.wait_procs``): a process needs that
-        time to checkpoint. A fake child answers at once, so a fake-clock test pays no grace."""
-        ...
+
+class SpareProcess(ChildHandle, Protocol):
+    """A started warm spare; once taken, the attempt's child, its clock restarted at the hand-over."""
+
+    started_monotonic: float
+
+    def send_line(self, line: str) -> bool: ...
+
+
+SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
 
 
 class Spawn(Protocol):
@@ -80,17 +81,16 @@ class Seams:
     wall: Clock = time.time
     sleep: Sleep = time.sleep
     spawn: Spawn = child_mod.spawn_child
-    # The warm spare's start (loop/spare.py); None keeps none (a test's fake spawn has no spare).
+    # The warm spare's start; None keeps none (a test's fake spawn has no spare).
     spawn_spare: SpawnSpare | None = child_mod.spawn_spare
     argv: Callable[[Path, str], list[str]] = child_mod.child_argv
     open_gpu: Callable[[str], GpuProbe | None] = _open_gpu
-    # Under torchrun, every rank's card for one attempt (its knobs name the cards; None: not watched).
+    # Under torchrun, every rank's card for one attempt (None: not watched).
     open_cards: Callable[[Knobs, str], RankCards | None] = RankCards.open
     oom_kills: Callable[[], int | None] = oom_kill_count
     signal_child: Callable[[int, int], None] = _signal_child
     tick_s: float = 0.5
     sample_every_s: float = 2.0
     stop_grace_s: float = 180.0
-    # Under torchrun: how long the other ranks may take to leave after one rank reported a failure
-    # (NCCL's shutdown of a broken collective takes up to ~30 s; torchrun would wait stop_grace).
+    # Under torchrun: how long the other ranks may take to leave after one rank reported a failure.
     rank_shutdown_s: float = 30.0

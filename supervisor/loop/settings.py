@@ -17,13 +17,9 @@ from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicte
 from qlora_supervise.supervisor.jobfile import model_files
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.planner import Plan
+from qlora_supervise.supervisor.record import peak_store
 from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, trial_speeds
-from qlora_supervise.supervisor.record.peak_store import (
-    default_path,
-    read_observations,
-    read_speeds,
-    record_attempt,
-)
+from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.watching import host as host_memory
@@ -33,18 +29,14 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 
 def policy_settings(job: Job) -> policy.Settings:
-    """Settings from the job alone; the budget is the job's GPU cap.
-
-    On the CPU there is no budget: the memory model predicts GPU allocations, not the child's
-    data segment (which starts at the import baseline of torch and the stack), so comparing it
-    with ``cpu_memory_limit`` would skip or pick rungs for the wrong reason; the ladder's order
-    decides there.
-    """
+    """Settings from the job alone; the budget is the job's GPU cap. None on the CPU: the memory
+    model predicts GPU allocations, not the child's data segment; the ladder's order decides there."""
     resources = job.resources
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
     supervise = job.supervise
     unmodelled = job.trainer.unmodelled(job.knobs.model)
-    shape = None if unmodelled else job_shape(job)
+    model = Path(job.knobs.model)  # its shape as its trainer runs it (a foreign tool's attention choice)
+    shape = None if unmodelled else model_facts.with_tool_attention(model_shape(model), job.trainer)
     store, kind = peak_store_path(job), job.trainer.kind
     prior = tuple(read_observations(store, shape, kind)) if store is not None and shape is not None else ()
     speeds = tuple(read_speeds(store, shape, kind)) if store is not None and shape is not None else ()
@@ -83,8 +75,7 @@ def predicted_host(settings: policy.Settings, knobs: Knobs) -> int | None:
 
 def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
     """The host budget of a run: ``resources.host_memory_limit``, else the RAM available now (capped
-    by the cgroup) less a reserve; None on the CPU (the child's memory is capped by
-    ``cpu_memory_limit`` there) or without a shape to count with."""
+    by the cgroup) less a reserve; None on the CPU or without a shape to count with."""
     if shape is None or job.resources.device == "cpu":
         return None
     try:
@@ -107,45 +98,26 @@ def remember_attempt(
     store, shape = peak_store_path(job), settings.shape
     trial = trial_speeds(speed, record.knobs)
     if store is not None and shape is not None:
-        _store_attempt(store, shape, job.trainer.kind, record, speed, trial)
+        # The trial's candidates first, then the attempt's own line, which wins for its knobs; under
+        # torchrun the peak only (the ranks' tokens/s is no one card's speed).
+        kind, peak = job.trainer.kind, record.peak.bytes if record.peak else None
+        for knobs, rate in trial:
+            peak_store.record_attempt(store, shape, knobs, None, rate, kind)
+        if record.knobs.world_size == 1:
+            peak_store.record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
+        elif peak is not None:
+            peak_store.record_attempt(store, shape, record.knobs, peak, None, kind)
     observed = [SpeedObservation(knobs, rate) for knobs, rate in trial]
-    settings = dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
-    return with_measured_speed(settings, speed)
-
-
-def _store_attempt(
-    store: Path,
-    shape: ModelShape,
-    kind: str,
-    record: AttemptRecord,
-    speed: AttemptSpeed,
-    trial: list[tuple[Knobs, float]],
-) -> None:
-    """Best effort (a cache): the speed trial's candidates first, then the attempt's own line, which
-    wins for its knobs. Under torchrun the peak only: the ranks' tokens/s is no one card's speed."""
-    for knobs, rate in trial:
-        record_attempt(store, shape, knobs, None, rate, kind)
-    peak = record.peak.bytes if record.peak else None
-    if record.knobs.world_size == 1:
-        record_attempt(store, shape, speed.knobs, peak, speed.tokens_per_s, kind)
-    elif peak is not None:
-        record_attempt(store, shape, record.knobs, peak, None, kind)
-
-
-def with_measured_speed(settings: policy.Settings, speed: AttemptSpeed) -> policy.Settings:
-    """This run's measured tokens/s of an attempt into the settings: the next search after a
-    failure ranks with it (newest last, so a config measured twice counts its latest)."""
-    if speed.tokens_per_s is None:
-        return settings
-    observation = SpeedObservation(speed.knobs, speed.tokens_per_s)
-    return dataclasses.replace(settings, speeds=(*settings.speeds, observation))
+    if speed.tokens_per_s is not None:  # newest last: a config measured twice counts its latest
+        observed.append(SpeedObservation(speed.knobs, speed.tokens_per_s))
+    return dataclasses.replace(settings, speeds=(*settings.speeds, *observed))
 
 
 def peak_store_path(job: Job) -> Path | None:
     """The per-host peak store, or None: turned off, or a CPU run (its peaks are no GPU's)."""
     if not job.supervise.calibration_store or job.resources.device == "cpu":
         return None
-    return default_path()
+    return peak_store.default_path()
 
 
 def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.Settings:
@@ -159,8 +131,7 @@ def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.
 
 
 def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent]) -> policy.Settings:
-    """The sample lengths of the attempt's ``loaded`` event into the settings (unchanged when the
-    attempt reported none, e.g. it failed while loading: the earlier attempt's lengths stay)."""
+    """The sample lengths of the attempt's ``loaded`` event into the settings (none: unchanged)."""
     for event in reversed(events):
         if isinstance(event, Loaded) and event.sample_lengths is not None:
             return dataclasses.replace(settings, sample_lengths=event.sample_lengths)
@@ -168,8 +139,7 @@ def with_sample_lengths(settings: policy.Settings, events: Sequence[ChildEvent])
 
 
 def with_script_model(settings: policy.Settings, events: Sequence[ChildEvent]) -> policy.Settings:
-    """A script's model, from the config its attempt reported (``script_knobs``), for the memory
-    model of the attempts after it: the job named no model the supervisor could read first."""
+    """A script's model shape, from its attempt's ``script_knobs``, when the job named none readable."""
     if settings.shape is not None:
         return settings
     for event in reversed(events):
@@ -177,11 +147,6 @@ def with_script_model(settings: policy.Settings, events: Sequence[ChildEvent]) -
             shape = ModelShape.from_config(event.model_config)
             return settings if shape is None else dataclasses.replace(settings, shape=shape, unmodelled=None)
     return settings
-
-
-def job_shape(job: Job) -> ModelShape | None:
-    """The job's model shape as its trainer will run it (a foreign tool's attention choice)."""
-    return model_facts.with_tool_attention(model_shape(Path(job.knobs.model)), job.trainer)
 
 
 def model_shape(model_dir: Path) -> ModelShape | None:
@@ -192,9 +157,7 @@ def model_shape(model_dir: Path) -> ModelShape | None:
 
 
 def step_fit(settings: policy.Settings, device: str, plan: Plan) -> StepFit | None:
-    """The memory model's training peak for the plan's knobs against the GPU budget. None for a
-    merge (the model predicts training) and on the CPU (the model counts GPU memory; a CPU run's
-    budget, its data segment cap, is not comparable)."""
+    """The memory model's training peak for the plan's knobs against the GPU budget (None: merge, CPU)."""
     if plan.phase is not Phase.TRAIN or device == "cpu":
         return None
     return predicted_fit(settings.shape, plan.knobs, settings.budget_bytes)

@@ -1,25 +1,7 @@
-"""The warm spare: one trainer child that has already imported the stack and waits for a spec.
-
-Why: an attempt spends most of its restart importing torch, transformers, peft, trl and
-bitsandbytes (14-20 s of ~20 s on an H200, shared/gpu/README.md), and none of it depends on the
-attempt. A spare started while the current attempt runs has paid it when the next one starts.
-
-A spare never changes the result:
-
-* **Environment.** It is started with exactly the environment the next attempt would get
-  (:func:`child.child_env` of the current knobs) and is given an attempt only when that
-  attempt's environment is equal key by key. torch reads its allocator settings once, when
-  CUDA starts, so a spare started before ``expandable_segments`` changed is discarded (logged)
-  and the attempt starts cold, with a new spare started behind it.
-* **Device.** Its prelude binds the device with the same ``contract.devices.bind_device`` as an
-  attempt, from the same job field; the spare checks the spec's device once more.
-* **Seeds.** What it does ahead (imports, a model on the meta device, the tokenizer and rows of
-  ``trainer_child/prepared.py``) comes before the trainer seeds every generator from the spec.
-
-No spare when the run would not gain from one or could lose by it: ``supervise.warm_spare:
-false``; ``auto`` on a host with fewer than 4 usable CPUs (its imports would take a core from
-the trainer); more than one process (torchrun starts the ranks itself); the merge phase (its own
-low-memory process); and host RAM short (see :func:`room_for_spare`).
+"""The warm spare (docs/recovery.md): one trainer child that has already imported the stack and
+waits for a spec. It never changes the result: it gets an attempt only when that attempt's
+environment and device equal its own (torch reads its allocator settings once), and what it does
+ahead comes before the trainer seeds anything.
 """
 
 from __future__ import annotations
@@ -28,55 +10,30 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath, open_append_binary
+from qlora_supervise.supervisor.loop.seams import Clock, Sleep, SpareProcess, SpawnSpare
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract import entry
 
-#: What a spare costs before it has reported its own RSS: a Python process with the stack
-#: imported (0.9 GB with the CUDA build of torch on the H200: bench/results/recovery-h200-2026-12-01/
-#: spare/, docs/recovery.md), rounded up.
+#: What a spare costs before it has reported its own RSS (0.9 GB measured on the H200, rounded up).
 SPARE_RSS_GUESS = 2 << 30
 #: Host RAM that must stay free beside the spare, for the running child's growth.
 RAM_HEADROOM = 2 << 30
 #: Fewer usable CPUs than this and ``auto`` keeps no spare.
 MIN_CPUS_FOR_AUTO = 4
-#: How long a spare that reported ready has to acknowledge a handed spec (``spare_ack``): it
-#: does so before any work, so only a stopped or wedged process misses it.
+#: How long a spare that reported ready has to acknowledge a handed spec (``spare_ack``).
 ACK_S = 5.0
-#: A spare not ready yet when handed a spec is still importing: it may take until this long after
-#: its start (the stack's imports take 14-20 s on an H200) before it acks; one still silent then
-#: is stuck in an import. The supervisor waits in the hand-over; a cold child would need as long.
+#: A spare still importing when handed a spec may take until this long after its start to ack.
 IMPORT_BOUND_S = 60.0
 #: How often the hand-over looks for the acknowledgement.
 ACK_POLL_S = 0.05
-
-
-class SpareProcess(Protocol):
-    """A started spare as the keeper drives it (:class:`child.ChildProcess` in production); once
-    taken it is the attempt's child, its clock restarted at the hand-over."""
-
-    started_monotonic: float
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-    def send_line(self, line: str) -> bool: ...
-
-    def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None: ...
-
-    def stop(self, grace_s: float) -> int: ...
-
-
-SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +43,9 @@ class SpareOrder:
     env: Mapping[str, str]
     device: str
     expandable_segments: bool
-    # Only a hint (the architecture module to import ahead): a spare warmed for another model
-    # still saves the rest, so the model is not part of the match.
+    # Hints, not part of the match: the model whose architecture it imports ahead, and the spec
+    # whose tokenizer and rows it loads ahead (trainer_child/prepared.py; the attempt checks them).
     model: str = dataclasses.field(compare=False)
-    # Also a hint: the spec of the attempt it is started behind, whose tokenizer and rows it
-    # loads ahead (trainer_child/prepared.py); the attempt checks they are its own.
     prepare_from: Path | None = dataclasses.field(default=None, compare=False)
 
 
@@ -102,8 +57,7 @@ class Spare:
 
 
 def spare_enabled(setting: bool | str, cpus: int | None = None) -> tuple[bool, str]:
-    """Whether this run keeps a spare, and why (for the log). Whether a given attempt can use
-    it is the runner's question: only one that runs the trainer's own command line."""
+    """Whether this run keeps a spare, and why (for the log)."""
     if setting is False:
         return False, "supervise.warm_spare is false"
     usable = cpus if cpus is not None else len(os.sched_getaffinity(0))
@@ -116,14 +70,13 @@ def spare_enabled(setting: bool | str, cpus: int | None = None) -> tuple[bool, s
 
 
 def runs_in_spare(argv: list[str], trainer_argv: list[str], train: bool, world_size: int) -> bool:
-    """Whether a spare may run this attempt: one training process (never torchrun's ranks, whose
-    command is the launcher, nor a merge) whose command line is exactly the trainer's own (a
-    test's scripted child has another)."""
+    """Whether a spare may run this attempt: one training process (no torchrun, no merge) whose
+    command line is exactly the trainer's own (a tool's or a test's scripted child has another)."""
     return train and world_size == 1 and argv == trainer_argv
 
 
 def room_for_spare(expected_rss: int, available: int | None = None) -> bool:
-    """Host RAM is short when what is free could not hold the spare plus headroom for the child."""
+    """Whether what is free holds the spare plus headroom for the running child."""
     free = available if available is not None else int(psutil.virtual_memory().available)
     return free >= expected_rss + RAM_HEADROOM
 
@@ -136,17 +89,8 @@ def spare_argv(run_dir: Path, order: SpareOrder, python: str) -> list[str]:
     return argv + (["--expandable-segments"] if order.expandable_segments else [])
 
 
-def ready_line(log_path: Path, pid: int) -> dict[str, Any] | None:
-    """The spare's ``spare_ready`` report from its log, once it has written it."""
-    return _spare_line(log_path, pid, "spare_ready")
-
-
-def ack_line(log_path: Path, pid: int) -> dict[str, Any] | None:
-    """The spare's ``spare_ack`` of a handed spec from its log, once it has written it."""
-    return _spare_line(log_path, pid, "spare_ack")
-
-
-def _spare_line(log_path: Path, pid: int, event: str) -> dict[str, Any] | None:
+def ready_line(log_path: Path, pid: int, event: str = "spare_ready") -> dict[str, Any] | None:
+    """The spare's ``spare_ready`` (or other ``event``) line from its log, once it has written it."""
     with contextlib.suppress(OSError):
         for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
             with contextlib.suppress(ValueError):
@@ -163,8 +107,8 @@ class SpareKeeper:
         self,
         run_dir: Path,
         spawn: SpawnSpare,
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
+        clock: Clock,
+        sleep: Sleep,
         log: FilteringBoundLogger,
         python: str,
     ) -> None:
@@ -196,10 +140,9 @@ class SpareKeeper:
     def take(self, order: SpareOrder, spec_path: Path, log_path: Path) -> SpareProcess | None:
         """The spare, now running the attempt of ``spec_path``; None when there is no usable one.
 
-        The hand-over waits (here, in the loop) for the spare's ``spare_ack``: :data:`ACK_S` once
-        it reported ready, up to :data:`IMPORT_BOUND_S` from its start while it still imports. A
-        spare silent past that (SIGSTOPped, wedged in an import) is killed and None returned, so
-        the attempt starts cold at once rather than being found by the hang timeout.
+        The hand-over waits for the spare's ``spare_ack`` (:data:`ACK_S` once it reported ready, up
+        to :data:`IMPORT_BOUND_S` from its start while it imports); a spare silent past that is
+        killed and None returned, so the attempt starts cold at once, not at the hang timeout.
         """
         spare, self.spare = self.spare, None
         if spare is None:
@@ -213,8 +156,7 @@ class SpareKeeper:
             return None
         ready = ready_line(self.log_path, spare.proc.pid)
         self._note_rss(ready)
-        # The supervisor creates the attempt's log as it would for a cold child (0640, a regular
-        # file, no link) before the spare opens it for appending.
+        # The attempt's log is created as for a cold child (0640, a regular file) before the spare appends.
         open_append_binary(log_path).close()
         if not spare.proc.send_line(json.dumps({"spec": str(spec_path), "log": str(log_path)})):
             self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why="its stdin was closed")
@@ -242,7 +184,7 @@ class SpareKeeper:
         bound = ACK_S if ready else max(ACK_S, IMPORT_BOUND_S - (self._clock() - spare.started_at))
         deadline = self._clock() + bound
         while True:
-            if ack_line(self.log_path, spare.proc.pid) is not None:
+            if ready_line(self.log_path, spare.proc.pid, "spare_ack") is not None:
                 return None
             if spare.proc.poll() is not None:
                 return "it exited instead of acknowledging the spec"
@@ -254,8 +196,7 @@ class SpareKeeper:
             self._sleep(ACK_POLL_S)
 
     def discard(self, why: str) -> None:
-        """Stop the spare, if any: SIGTERM to its group (it has no handler before it runs an
-        attempt, so it ends at once, importing or waiting), SIGKILL after a short grace."""
+        """Stop the spare, if any (it has no SIGTERM handler before it runs an attempt)."""
         spare, self.spare = self.spare, None
         if spare is None:
             return

@@ -1,31 +1,30 @@
-"""Waiting, on the loop's clock: the backoff before an unchanged retry, and polls for memory or room.
-
-One backoff series paces every wait (:func:`backoff_s`: initial, 2x, 4x, ... capped at max): the
-n-th unchanged retry in a row pauses its n-th term, and a poll (:func:`poll_until`) pauses the next
-term between two readings, with jitter so that several supervisors on one card do not poll in step.
-Every pause goes through one :class:`Pacer`, which reads the clock seam, sleeps through the sleep
-seam in ticks, ends early on a stop request and feeds systemd's watchdog meanwhile: a wait of an
-hour is as interruptible as a tick, and the fake-clock tests run it in microseconds.
-
-(tenacity paced the polls until issue 18; the backoff between attempts cannot be one
-``Retrying`` call, so it kept a second series of its own. One small loop replaced both.)
+"""Waiting, on the loop's clock: the backoff before an unchanged retry, and polls for GPU memory or
+room on the disk. One backoff series paces every wait, with jitter between polls so supervisors
+sharing a card do not poll in step; every pause goes through one interruptible :class:`Pacer`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
+import signal
 from collections.abc import Callable, Sequence
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.policies.decide import Wait, WaitResult
+from qlora_supervise.policies import decide as policy
+from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.failure import Failure
+from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.seams import Clock, Sleep
+from qlora_supervise.supervisor.record import disk_room
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome
+from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
+from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 
 def backoff_s(n: int, initial_s: float, max_s: float) -> float:
@@ -35,21 +34,13 @@ def backoff_s(n: int, initial_s: float, max_s: float) -> float:
 
 def failures_in_a_row(records: Sequence[AttemptRecord]) -> int:
     """How many of the last journal lines are failures: the term of the series the next retry waits."""
-    count = 0
-    for record in reversed(records):
-        if record.outcome is not Outcome.FAILED:
-            break
-        count += 1
-    return count
+    return sum(1 for _ in itertools.takewhile(lambda r: r.outcome is Outcome.FAILED, reversed(records)))
 
 
 @dataclasses.dataclass
 class Pacer:
-    """The loop's one way to pass time: in ticks of the sleep seam, measured on the clock seam.
-
-    ``stop_requested`` ends a pause at the next tick (a signal handler sets it); each tick feeds
-    systemd's watchdog (``WatchdogSec=`` wants a sign of life at least every interval).
-    """
+    """The loop's one way to pass time: in ticks of the sleep seam, measured on the clock seam;
+    ``stop_requested`` ends a pause at the next tick, and each tick feeds systemd's watchdog."""
 
     clock: Clock
     sleep: Sleep
@@ -62,28 +53,19 @@ class Pacer:
         """Sleep ``seconds`` on the clock seam, or less when a stop is requested."""
         deadline = self.clock() + seconds
         while not self.stop_requested() and self.clock() < deadline:
-            self._ping(self.clock())
+            now = self.clock()
+            if self.watchdog_every_s is not None and now - self._last_ping >= self.watchdog_every_s / 2:
+                notify.watchdog()
+                self._last_ping = now
             self.sleep(min(self.tick_s, max(0.0, deadline - self.clock())))
-
-    def _ping(self, now: float) -> None:
-        if self.watchdog_every_s is not None and now - self._last_ping >= self.watchdog_every_s / 2:
-            notify.watchdog()
-            self._last_ping = now
 
 
 def poll_until(
-    read: Callable[[], int | None],
-    needed: int,
-    timeout_s: float,
-    pacing: tuple[float, float],
-    pacer: Pacer,
+    read: Callable[[], int | None], needed: int, timeout_s: float, pacing: tuple[float, float], pacer: Pacer
 ) -> int | None:
-    """Read until a reading reaches ``needed``, ``timeout_s`` passes on the clock seam, or a stop is
-    requested; returns the last reading (None: no reading at all, e.g. no NVML: at once).
-
-    ``pacing`` is the job's (initial, max) backoff; a poll pauses the series' next term plus up to
-    ``initial`` of jitter, never past the timeout.
-    """
+    """Read until a reading reaches ``needed``, ``timeout_s`` passes or a stop is requested; the
+    last reading (None: no reading at all, at once). ``pacing``: the job's (initial, max) backoff;
+    each pause is the series' next term plus up to ``initial`` of jitter, never past the timeout."""
     started = pacer.clock()
     initial_s, max_s = pacing
     n = 0
@@ -97,18 +79,23 @@ def poll_until(
         pacer.pause(min(left, pause))
 
 
+def _timed_poll(
+    read: Callable[[], int | None], needed: int, timeout_s: float, pacing: tuple[float, float], pacer: Pacer
+) -> tuple[int | None, float]:
+    started = pacer.clock()
+    free = poll_until(read, needed, timeout_s, pacing, pacer)
+    return free, pacer.clock() - started
+
+
 def wait_for_memory(
     gpu: GpuProbe | None,
-    wait: Wait,
+    wait: policy.Wait,
     failure: Failure,
     log: FilteringBoundLogger,
     pacer: Pacer,
     pacing: tuple[float, float],
-) -> WaitResult:
-    """Carry out the policy's Wait: poll NVML until the memory is back, the timeout, or a stop.
-
-    ``pacing`` is the job's (initial, max) backoff between polls; the events say what happened.
-    """
+) -> policy.WaitResult:
+    """Carry out the policy's Wait: poll NVML until the memory is back, the timeout, or a stop."""
     log.info(
         Event.WAITING_FOR_MEMORY,
         why=wait.why,
@@ -121,12 +108,83 @@ def wait_for_memory(
         sample = gpu.sample(set()) if gpu is not None else None
         return sample.free if sample else None
 
-    started = pacer.clock()
-    free = poll_until(free_now, wait.needed_bytes, wait.seconds, pacing, pacer)
-    waited = pacer.clock() - started
+    free, waited = _timed_poll(free_now, wait.needed_bytes, wait.seconds, pacing, pacer)
     if free is None:
         event = Event.NO_MEMORY_READING
     else:
         event = Event.MEMORY_AVAILABLE if free >= wait.needed_bytes else Event.MEMORY_WAIT_TIMED_OUT
     log.info(event, free_bytes=free, waited_s=round(waited, 1))
-    return WaitResult(free, waited, stopped=pacer.stop_requested())
+    return policy.WaitResult(free, waited, stopped=pacer.stop_requested())
+
+
+@dataclasses.dataclass
+class DiskWaiter:
+    """Waits out a full disk (the child's ``disk_full`` and the supervisor's own failed writes):
+    frees what is the run's own to free, says where room is needed and how much, and polls until
+    there is room, ``disk_wait`` has passed, or a stop. The arbiter owns one per run."""
+
+    rd: RunDir
+    log: FilteringBoundLogger
+    pacer: Pacer
+    wait_s: float
+    pacing: tuple[float, float]  # the job's (initial, max) backoff between polls
+
+    def verdict(self, stop_signal: int | None) -> int:
+        """No room came back in time (exit 3), or a stop came first (resumable): nothing to journal."""
+        if stop_signal is not None:
+            self.log.info(Event.STOPPED, signal=signal.Signals(stop_signal).name, resumable=True)
+            return 128 + int(stop_signal)
+        why = f"no room on the disk for {self.wait_s:.0f}s (supervise.disk_wait)"
+        self.log.error(Event.GAVE_UP, why=why, resumable="free space and run the same command again")
+        return int(SupervisorExitCode.GAVE_UP)
+
+    def explain(self, failure: Failure) -> Failure:
+        """``other`` with no room left on the run's disk is ``disk_full`` (no room to say so)."""
+        if failure.kind is not FailureKind.OTHER or disk_room.room_free(self.rd) >= disk_room.MIN_ROOM:
+            return failure
+        free = format_bytes(disk_room.room_free(self.rd))
+        why = f"{failure.evidence}; the run's disk has {free} free (below {format_bytes(disk_room.MIN_ROOM)})"
+        return dataclasses.replace(failure, kind=FailureKind.DISK_FULL, evidence=why)
+
+    def with_room_needed(self, failure: Failure) -> Failure:
+        """The child's ``disk_full`` with what it needs (at least the last checkpoint) and what is free."""
+        self._free_ours()
+        reported = failure.numbers.get("needed_bytes")
+        needed = disk_room.room_needed(self.rd, reported if isinstance(reported, int) else None)
+        numbers = {**failure.numbers, "needed_bytes": needed, "free_bytes": disk_room.room_free(self.rd)}
+        return dataclasses.replace(failure, numbers=numbers)
+
+    def wait(self, wait: policy.Wait) -> policy.WaitResult:
+        """Carry out the policy's Wait for the disk: poll until ``needed_bytes`` are free."""
+        self._warn(Event.WAITING_FOR_DISK, wait.needed_bytes, wait.seconds, why=wait.why)
+        return self._poll(wait.needed_bytes, wait.seconds)
+
+    def outlast(self, exc: OSError) -> bool:
+        """The supervisor's own write failed for room: free, explain, wait. True: room is back."""
+        self._free_ours()
+        needed = disk_room.room_needed(self.rd)
+        self._warn(Event.SUPERVISOR_DISK_FULL, needed, self.wait_s, error=str(exc))
+        result = self._poll(needed, self.wait_s)
+        return not result.stopped and result.free_bytes is not None and result.free_bytes >= needed
+
+    def _warn(self, event: Event, needed: int, timeout_s: float, **why: str) -> None:
+        free_now = disk_room.room_free(self.rd)
+        words = disk_room.room_words(self.rd, needed, free_now)
+        self.log.warning(
+            event, **why, words=words, needed_bytes=needed, free_bytes=free_now, timeout_s=timeout_s
+        )
+
+    def _poll(self, needed: int, timeout_s: float) -> policy.WaitResult:
+        rd = self.rd
+        free, waited = _timed_poll(
+            lambda: disk_room.room_free(rd), needed, timeout_s, self.pacing, self.pacer
+        )
+        room = free is not None and free >= needed
+        event = Event.DISK_ROOM_AVAILABLE if room else Event.DISK_WAIT_TIMED_OUT
+        self.log.info(event, free_bytes=free, needed_bytes=needed, waited_s=round(waited, 1))
+        return policy.WaitResult(free, waited, stopped=self.pacer.stop_requested())
+
+    def _free_ours(self) -> None:
+        freed = disk_room.free_ours(self.rd)
+        if freed:
+            self.log.info(Event.STAGING_FREED, freed_bytes=freed, where=str(self.rd.root))

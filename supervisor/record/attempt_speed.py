@@ -19,9 +19,14 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, read_events
+from qlora_supervise.trainer_child.contract.events import (
+    ChildEvent,
+    Heartbeat,
+    SpeedTrialEvent,
+    TrialResult,
+    read_events,
+)
 from qlora_supervise.trainer_child.contract.spec import Knobs
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent, TrialResult
 
 
 @dataclass(frozen=True)

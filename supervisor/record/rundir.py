@@ -26,7 +26,7 @@ from qlora_supervise.supervisor.record.runfiles import (
     refuse_linked_dirs,
     refuse_links,
 )
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import QUARANTINE_DIR
+from qlora_supervise.trainer_child.contract.checkpoints import QUARANTINE_DIR
 
 MERGE_COMMAND = "merge-command"  # ``qlora-supervise merge``'s own spec, log and report
 TRAINER_OUTPUT = "trainer-output"  # a foreign tool's own output directory (its final save)
@@ -130,7 +130,7 @@ class RunDir:
 
     @property
     def quarantine(self) -> Path:
-        """Where checkpoints that must not be resumed are moved (``checkpoint_dirs.quarantine``)."""
+        """Where checkpoints that must not be resumed are moved (``checkpoints.quarantine``)."""
         return self.root / QUARANTINE_DIR
 
     def attempt_dir(self, number: int) -> Path:

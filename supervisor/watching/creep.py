@@ -15,8 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from qlora_supervise.trainer_child.contract.events import Heartbeat
-from qlora_supervise.trainer_child.contract.memory_numbers import ChildPeakSource
+from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat
 
 WINDOW = 6
 WARMUP_STEPS = 2

@@ -17,12 +17,12 @@ from qlora_supervise.trainer_child.contract.events import (
     Finished,
     Heartbeat,
     Loaded,
+    SpeedTrialEvent,
     StageEntered,
     Started,
     Stopping,
     parse_event,
 )
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
 
 #: The stages before the first micro-step (``starting``: before any event named one).
 _BEFORE_TRAINING = frozenset({"starting", Stage.SETUP.value, Stage.LOAD.value, Stage.RESUME.value})

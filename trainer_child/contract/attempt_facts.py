@@ -1,10 +1,6 @@
-"""Facts the child reports once per attempt, typed on both sides of the events file.
-
-:class:`SampleLengths` travels in the
-``loaded`` event, :class:`RankReduction` in the ``resumed`` event, :class:`BatchInFlight` in the
-error report of an OOM in a training step. Each travels as its own JSON object under its own key,
-read back by the pydantic codecs of the event and the report.
-"""
+"""Facts the child reports once per attempt, each as its own JSON object under its own key:
+:class:`SampleLengths` in ``loaded``, :class:`RankReduction` in ``resumed``, :class:`BatchInFlight`
+in the error report of an OOM in a training step."""
 
 from __future__ import annotations
 
@@ -19,11 +15,8 @@ MAX_REPORTED_LENGTHS = 2000
 
 @dataclasses.dataclass(frozen=True)
 class SampleLengths:
-    """Tokenized lengths of the training samples, before any truncation to ``max_seq_len``.
-
-    ``lengths`` is sorted; it holds every sample when ``rows <= MAX_REPORTED_LENGTHS``, else an
-    evenly spaced sample of them (then counts derived from it are estimates, scaled to ``rows``).
-    """
+    """Tokenized lengths of the training samples before truncation, sorted: every sample up to
+    ``MAX_REPORTED_LENGTHS`` rows, else an evenly spaced sample (counts from it are estimates)."""
 
     rows: int
     lengths: tuple[int, ...]
@@ -41,12 +34,8 @@ class SampleLengths:
 
 @dataclasses.dataclass(frozen=True)
 class RankReduction:
-    """A resumed adapter cut to a smaller rank by truncated SVD of its trained update.
-
-    ``energy_kept`` is the share of the update's energy (sum of squared singular values of
-    ``delta_W = scale * B @ A``) the smaller rank keeps, over all modules together;
-    ``worst_energy_kept`` that of the module that keeps least (``worst_module``).
-    """
+    """A resumed adapter cut to a smaller rank by truncated SVD: the share of the update's energy
+    kept, over all modules and in the module that keeps least."""
 
     rank_from: int
     rank_to: int
@@ -65,14 +54,8 @@ MAX_ROWS_SEARCHED = 50_000
 
 @dataclasses.dataclass(frozen=True)
 class BatchInFlight:
-    """The micro-batch a training step was on when it ran out of memory: its data position and rows.
-
-    ``step`` is the optimizer step being trained (the last completed one + 1), ``micro`` the
-    micro-batch's index within it; ``lengths`` the rows' token counts (after the recipe's
-    truncation to ``max_seq_len``); ``rows`` their indices in the training set, in the same
-    order, where the child found them (None: packed sequences, or a set above
-    :data:`MAX_ROWS_SEARCHED` rows; an index is -1 where a row was not found).
-    """
+    """The micro-batch a training step ran out of memory on: ``rows`` are the training set's indices
+    of its ``lengths`` (None: packed, or above :data:`MAX_ROWS_SEARCHED` rows; -1: not found)."""
 
     step: int
     micro: int
@@ -92,21 +75,11 @@ class BatchInFlight:
             return None
 
     def same_position(self, other: BatchInFlight) -> bool:
-        """Whether ``other`` is this data position again: the same optimizer step and a row in
-        common (where either side's rows are unknown, a longest row of the same length).
-
-        The micro-batch's index and the other rows' lengths are not compared: the usual next rungs
-        (a smaller micro-batch, a shorter ``max_seq_len``) change them while the same row fails at
-        the same step.
-        """
+        """The same step and a row in common (rows unknown: a longest row of the same length); the
+        next rungs change the micro index and the other lengths while the same row fails."""
         if self.step != other.step:
             return False
-        mine, theirs = _found(self.rows), _found(other.rows)
+        mine, theirs = ({row for row in rows or () if row >= 0} for rows in (self.rows, other.rows))
         if mine and theirs:
             return not mine.isdisjoint(theirs)
         return bool(self.lengths) and max(self.lengths) == max(other.lengths, default=-1)
-
-
-def _found(rows: tuple[int, ...] | None) -> frozenset[int]:
-    """The row indices the child found (-1: a row it did not find)."""
-    return frozenset(row for row in rows or () if row >= 0)

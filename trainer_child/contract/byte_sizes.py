@@ -1,12 +1,8 @@
 """Byte sizes, parsed and formatted in one place for both sides: ``24GiB``, ``500MB``, ``1.50 GiB``.
 
-Decimal units (KB, MB, GB, TB) are powers of 1000 and binary units (KiB, MiB, GiB, TiB)
-powers of 1024, as their names say. ``24GB`` is therefore 24 * 10**9 bytes (22.35 GiB): when a
-memory cap is written in GB the cap comes out a little tighter, never looser. Unit letters are
-matched case-insensitively; single letters (``24G``) are refused because they are ambiguous, and
-a capital prefix with a small ``b`` (``12Gb``, ``12Gib``) is refused as bits, with the byte form.
-The child's contract holds them (its OOM messages print sizes too); ``supervisor/facts/units.py``
-adds durations and the job file's forms.
+KB..TB are powers of 1000, KiB..TiB of 1024 (``24GB`` is 22.35 GiB: a cap written in GB comes out
+tighter, never looser). Units are case-insensitive; single letters (``24G``) are refused as
+ambiguous, a capital prefix with a small ``b`` (``12Gb``) as bits.
 """
 
 from __future__ import annotations
@@ -18,21 +14,15 @@ BYTE_UNITS: dict[str, int] = {
     "b": 1,
     "byte": 1,
     "bytes": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+    **{f"{prefix}b": 1000 ** (i + 1) for i, prefix in enumerate("kmgt")},
+    **{f"{prefix}ib": 1024 ** (i + 1) for i, prefix in enumerate("kmgt")},
 }
 
 BYTES_HELP = "a byte count or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GiB)"
 
 
 class UnitError(ValueError):
-    """A value that is not a size or a duration. ``reason`` is the short why; str() adds the forms."""
+    """A value that is not a size or a duration: ``reason`` the short why; str() adds the forms."""
 
     def __init__(self, reason: str, expected: str) -> None:
         super().__init__(f"{reason}; expected {expected}")
@@ -45,17 +35,16 @@ _BYTES_RE = re.compile(rf"^\s*({_NUMBER})\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int:
-    """``"24GiB"`` -> 25769803776. Plain numbers are bytes. Raises UnitError (a ValueError).
-
-    Bools are refused (YAML turns ``yes`` into True). Fractions of a byte are rounded down.
-    With ``unit_required`` a number without a unit (``24``, ``"24"``) is refused, except 0:
-    in a job file ``gpu_memory_limit: 24`` almost always means 24 GiB, not 24 bytes, and a
-    cap read as 24 bytes fails only at run time. The error names the fix (``24GiB``).
-    """
+    """``"24GiB"`` -> 25769803776; plain numbers are bytes, rounded down; raises UnitError. With
+    ``unit_required`` a number but 0 needs a unit (``gpu_memory_limit: 24`` almost means 24 GiB)."""
     if isinstance(value, bool):
         raise UnitError("a boolean is not a size", BYTES_HELP)
-    if unit_required:
-        _refuse_bare_number(value)
+    text = str(value).strip()
+    if unit_required and re.fullmatch(_NUMBER, text) and float(text) != 0:
+        raise UnitError(
+            f"{text} has no unit (it would be read as {text} bytes)",
+            f"a number with a unit, e.g. {text}GiB or {text}MiB (or {text}B for bytes)",
+        )
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value < 0:
             raise UnitError("must be a finite number >= 0", BYTES_HELP)
@@ -71,17 +60,6 @@ def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int
     if factor is None:
         raise UnitError(f"unknown unit {unit!r}", BYTES_HELP)
     return int(float(number) * factor)
-
-
-def _refuse_bare_number(value: str | int | float) -> None:
-    """UnitError for a number without a unit (0 aside: it is 0 in every unit)."""
-    text = str(value).strip()
-    if not re.fullmatch(_NUMBER, text) or float(text) == 0:
-        return
-    raise UnitError(
-        f"{text} has no unit (it would be read as {text} bytes)",
-        f"a number with a unit, e.g. {text}GiB or {text}MiB (or {text}B for bytes)",
-    )
 
 
 def format_bytes(n: int | float) -> str:

@@ -1,46 +1,163 @@
-"""Checkpoint directories that are either complete or invisible.
-
-A checkpoint is written under ``.tmp-checkpoint-<step>-<pid>/`` (a name that
-:func:`checkpoint_dirs.complete_checkpoints` never matches), every file is fsynced, the marker is
-written last, and only then is it renamed to ``checkpoint-<step>``. A kill at any moment
-leaves the old set of checkpoints or the old set plus one complete new one.
+"""Checkpoint directories that are complete or invisible, named and read alike by the child and the
+supervisor: written under ``.tmp-checkpoint-<step>-<pid>/``, fsynced, marked last, then renamed.
+Under torchrun (DDP) each rank that can writes its *part* of an emergency checkpoint with no
+collective; the supervisor seals it only when all parts name one step (:func:`agreed_parts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
-    CHECKPOINT_COMPLETE_MARKER,
-    CHECKPOINT_PREFIX,
-    checkpoint_step,
-    complete_checkpoints,
-    file_digests,
-    own_directory,
-    quarantine,
-    refuse_linked_dir,
-)
 from qlora_supervise.trainer_child.contract.durable import FILE_MODE, fsync_dir, write_text_atomic
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
+#: Written last into a complete checkpoint: lets a reader reject a copied or truncated directory.
+CHECKPOINT_COMPLETE_MARKER = "qlora_supervise_complete.json"
+CHECKPOINT_PREFIX = "checkpoint-"
+#: Beside ``checkpoints/``: checkpoints that must not be resumed; nothing there is deleted by us.
+QUARANTINE_DIR = "checkpoints-quarantine"
+QUARANTINE_REASON = "quarantine_reason.txt"
+_CHUNK = 1 << 20
 TEMP_PREFIX = ".tmp-"
-#: Mode of the directories of a checkpoint, the adapter and the merged model: the run
-#: directory's (``supervisor/record/runfiles.py``), group-readable, nothing for others.
+#: Mode of the directories of a checkpoint, the adapter and the merged model: the run directory's.
 DIR_MODE = 0o750
+PART_DONE = "part.json"
+#: The Trainer's per-rank RNG file (``Trainer._save_rng_state``).
+RNG_FILE = "rng_state_{rank}.pth"
 _TRAINER_STATE = "trainer_state.json"
 
 
+class UnsafeCheckpointPath(Exception):
+    """A checkpoint path that is a symbolic link (or no directory): never written through."""
+
+
+def own_directory(path: Path) -> bool:
+    """``path`` is a real directory (not a link to one): the only kind we write into or delete."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def refuse_linked_dir(path: Path) -> None:
+    """Raise :class:`UnsafeCheckpointPath` when ``path`` exists and is a link or no directory."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise UnsafeCheckpointPath(
+            f"{path} is a symbolic link; refusing to write checkpoints through it: remove it "
+            "(nothing but the supervisor should create entries in a run directory)"
+        )
+    if not stat.S_ISDIR(mode):
+        raise UnsafeCheckpointPath(f"{path} is not a directory: remove it")
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step of a ``checkpoint-<step>`` directory name, else None."""
+    tail = path.name.removeprefix(CHECKPOINT_PREFIX)
+    return int(tail) if path.name.startswith(CHECKPOINT_PREFIX) and tail.isdigit() else None
+
+
+def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints (the final name *and* the marker, no link), oldest first."""
+    root = Path(checkpoints_dir)
+    if not own_directory(root):
+        return []
+    named = ((checkpoint_step(child), child) for child in root.iterdir())
+    return sorted((step, c) for step, c in named if step is not None and own_directory(c) and is_complete(c))
+
+
+def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
+    """The (step, path) of the newest complete checkpoint, or None when there is none."""
+    found = complete_checkpoints(checkpoints_dir)
+    return found[-1] if found else None
+
+
+def file_digests(root: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the marker."""
+    digests: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        if name != CHECKPOINT_COMPLETE_MARKER:
+            digests[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return digests
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """The completion marker of checkpoint ``path`` as a JSON object; None when unreadable."""
+    try:
+        marker = json.loads((path / CHECKPOINT_COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def damaged_files(path: Path) -> dict[str, str] | None:
+    """``{file: why}`` for each file that differs from the marker (empty: intact, or no file list);
+    None when the marker or its list is unreadable."""
+    marker = read_marker(path)
+    if marker is None:
+        return None
+    files = marker.get("files")
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        return None
+    found = {name: _file_damage(path / name, expected) for name, expected in files.items()}
+    return {name: why for name, why in found.items() if why is not None}
+
+
+def _file_damage(path: Path, expected: object) -> str | None:
+    if not isinstance(expected, dict):
+        return "malformed marker entry"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "missing"
+    if size != expected.get("size"):
+        return f"{size} bytes, the marker says {expected.get('size')}"
+    if _sha256(path) != expected.get("sha256"):
+        return "contents differ from the marker's sha256"
+    return None
+
+
+def quarantine(path: Path, reason: str) -> Path:
+    """Move checkpoint ``path`` into the quarantine folder, with the reason; return where it went."""
+    if not own_directory(path):
+        raise UnsafeCheckpointPath(f"{path} is a symbolic link or no directory; refusing to quarantine it")
+    folder = path.parent.parent / QUARANTINE_DIR
+    refuse_linked_dir(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / path.name
+    if target.exists():
+        target = folder / f"{path.name}.{time.time_ns()}"
+    os.rename(path, target)
+    (target / QUARANTINE_REASON).write_text(reason + "\n", encoding="utf-8")
+    return target
+
+
 class CheckpointLoadError(Exception):
-    """The checkpoint to resume from cannot be loaded (a file is corrupt, truncated or missing):
-    the child exits ExitCode.CHECKPOINT and names it, so the supervisor quarantines it."""
+    """The checkpoint to resume from cannot be loaded (ExitCode.CHECKPOINT: it is quarantined)."""
 
 
 #: Checkpoint files that hold optimizer state; left out when the optimizer is reset.
@@ -49,9 +166,8 @@ OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
 
 @dataclasses.dataclass(frozen=True)
 class ResumeSource:
-    """Where an attempt resumes: ``load_from`` is what Trainer reads; ``reset_from`` is set when
-    the optimizer state starts afresh (the scheduler is then restored from it, at the step),
-    with ``reset_reason`` in words; ``original`` is the checkpoint itself (named in reports)."""
+    """Where an attempt resumes: ``load_from`` is what Trainer reads, ``original`` the checkpoint;
+    ``reset_from`` when the optimizer starts afresh (the scheduler restored from it)."""
 
     load_from: str | None = None
     reset_from: str | None = None
@@ -61,42 +177,30 @@ class ResumeSource:
 
 
 def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> Path:
-    """Where step ``step`` is written before it is sealed; ``owner`` (default: this process) is
-    the pid whose death makes it a leftover (:func:`remove_stale_temps`).
-
-    Asked for before every save, so it is where a ``checkpoints_dir`` that became a symbolic link
-    is refused (:class:`checkpoint_dirs.UnsafeCheckpointPath`) before anything is written.
-    """
+    """Where step ``step`` is written before it is sealed, a leftover once ``owner`` (default: this
+    process) is gone; refuses a linked ``checkpoints_dir``."""
     refuse_linked_dir(checkpoints_dir)
     return checkpoints_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{owner or os.getpid()}"
 
 
-def settle_modes(root: Path) -> None:
-    """Give every directory under ``root`` (and itself) :data:`DIR_MODE` and every file
-    :data:`durable.FILE_MODE`: the run's mode rules, whatever wrote them.
-
-    Needed because the umask can only take bits away: safetensors writes its files 0600 (not
-    group-readable), and a merge started by hand runs under the shell's umask (0755 / 0644).
-    Links are left alone (``os.chmod`` would follow them).
-    """
-    for path in [root, *root.rglob("*")]:
-        info = os.lstat(path)
-        if stat.S_ISDIR(info.st_mode):
+def seal(root: Path) -> None:
+    """The run's modes on ``root`` and everything under it but links (safetensors writes 0600), then
+    every file fsynced, and every directory."""
+    inside = sorted(root.rglob("*"))
+    for path in [root, *inside]:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode):
             os.chmod(path, DIR_MODE)
-        elif stat.S_ISREG(info.st_mode):
+        elif stat.S_ISREG(mode):
             os.chmod(path, FILE_MODE)
+    for path in [*(p for p in inside if p.is_file()), root, *(p for p in inside if p.is_dir())]:
+        fsync_dir(path)
 
 
 def replace_dir(temp: Path, final: Path) -> None:
-    """Put the finished directory ``temp`` at ``final`` (the adapter, the merged model): modes
-    settled, fsynced, the old one moved aside and deleted, renamed, the rename made durable.
-
-    A symbolic link at ``final`` is removed, never followed (its target stays as it was); a kill
-    between the two renames leaves ``.old-<name>-<pid>``, which the supervisor's disk reclaim
-    deletes once this pid is gone.
-    """
-    settle_modes(temp)
-    fsync_tree(temp)
+    """Put the finished directory ``temp`` at ``final`` durably (a link there removed); a kill between
+    the renames leaves ``.old-<name>-<pid>`` for the supervisor's disk reclaim."""
+    seal(temp)
     if final.is_symlink():
         os.unlink(final)
     elif final.exists():
@@ -107,29 +211,9 @@ def replace_dir(temp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for directory in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        fsync_dir(directory)
-
-
 def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: bool) -> Path:
-    """Seal ``written`` (fsync, marker) and rename it to ``final``; return ``final``.
-
-    The marker records the size and sha256 of every file it covers, so the supervisor can tell
-    a checkpoint damaged after the fact (truncated, overwritten) before resuming from it. An
-    unmarked directory already under the final name (left by hand or another tool; ours are
-    never unmarked) would make the rename fail: it is quarantined first. A link under that name
-    is removed (the link only; what it points to is never touched).
-    """
-    settle_modes(written)
-    fsync_tree(written)
+    """Seal ``written`` and rename it to ``final`` (an unmarked directory there quarantined first)."""
+    seal(written)
     marker = {
         "step": step,
         "knobs": dataclasses.asdict(knobs),
@@ -152,37 +236,22 @@ def is_complete(path: Path) -> bool:
 
 
 def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, never ``protect`` (the one this
-    attempt resumed from: if the new ones turn out bad, the supervisor falls back to it).
-
-    Unmarked ``checkpoint-N`` leftovers (never usable, and in the way of a later save of step N)
-    are moved to the quarantine folder on the way.
-    """
-    for leftover in unmarked_checkpoints(checkpoints_dir):
-        quarantine(leftover, "unmarked checkpoint directory (no completion marker) found at rotation")
+    """Delete all but the newest ``keep`` complete checkpoints, never ``protect`` (the fallback);
+    unmarked leftovers are quarantined."""
+    for path in sorted(checkpoints_dir.iterdir()) if checkpoints_dir.is_dir() else []:
+        if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path):
+            quarantine(path, "unmarked checkpoint directory (no completion marker) found at rotation")
     found = complete_checkpoints(checkpoints_dir)
     removed = []
     for _, path in found[: max(len(found) - keep, 0)]:
         if protect is not None and path.resolve() == protect.resolve():
             continue
-        # Rename out of the checkpoint namespace first, so a kill mid-delete leaves no half
-        # directory under a checkpoint name (the marker may already be gone).
+        # Out of the checkpoint namespace first: a kill mid-delete leaves no half checkpoint.
         doomed = path.with_name(f"{TEMP_PREFIX}deleting-{path.name}-{os.getpid()}")
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def unmarked_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    """``checkpoint-N`` directories without the completion marker."""
-    if not checkpoints_dir.is_dir():
-        return []
-    return sorted(
-        path
-        for path in checkpoints_dir.iterdir()
-        if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path)
-    )
 
 
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
@@ -202,12 +271,7 @@ def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
 
 
 def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
-    """A copy of ``checkpoint`` without optimizer state, for ``reset_optimizer``.
-
-    The adapter, trainer state (step, data position), RNG and scheduler files stay; Trainer
-    only restores optimizer *and* scheduler when the optimizer file exists, so the scheduler
-    is put back separately by the recipe.
-    """
+    """A copy of ``checkpoint`` without optimizer state (the recipe puts the scheduler back)."""
     target = scratch / checkpoint.name
     if target.exists():
         shutil.rmtree(target)
@@ -216,9 +280,7 @@ def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
 
 
 def check_loadable(checkpoint: Path) -> None:
-    """Cheap checks of what Trainer will read, before the model is loaded: ``trainer_state.json``
-    parses with a step, and each safetensors file is as long as its header says. Raises
-    CheckpointLoadError. (The loads themselves are guarded too: see the trainer.)"""
+    """Raise CheckpointLoadError unless the trainer state has a step and no safetensors is cut off."""
     state_path = checkpoint / _TRAINER_STATE
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
@@ -231,8 +293,7 @@ def check_loadable(checkpoint: Path) -> None:
 
 
 def _check_safetensors_length(path: Path) -> None:
-    """A safetensors file is 8 bytes of header length, the JSON header, then the data whose
-    largest end offset the header gives: a shorter file was cut off."""
+    """8 bytes of header length, the JSON header, then the data up to its largest end offset."""
     size = path.stat().st_size
     try:
         with path.open("rb") as handle:
@@ -250,3 +311,25 @@ def _check_safetensors_length(path: Path) -> None:
     needed = 8 + length + max(ends, default=0)
     if size < needed:
         raise CheckpointLoadError(f"{path}: {size} bytes, its header needs {needed}: truncated")
+
+
+def part_dir(checkpoints_dir: Path, step: int, owner: int, rank: int) -> Path:
+    """Where rank ``rank`` of the launcher ``owner`` writes its part of step ``step``."""
+    return checkpoints_dir / f"{TEMP_PREFIX}emergency-{step}-{owner}" / f"rank-{rank}"
+
+
+def part_step(part: Path) -> int | None:
+    """The step a finished part names; None when it is unfinished or unreadable."""
+    try:
+        step = json.loads((part / PART_DONE).read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def agreed_parts(parts: list[Path], world_size: int) -> int | None:
+    """The step every rank's part names, when there is one finished part per rank; else None."""
+    steps = {part_step(part) for part in parts}
+    if len(parts) != world_size or len(steps) != 1 or None in steps:
+        return None
+    return steps.pop()

@@ -26,9 +26,7 @@ class Stage(str, enum.Enum):
 
     SETUP = "setup"
     LOAD = "load"
-    # The resume checkpoint's adapter, optimizer and scheduler state being loaded before the first
-    # resumed step (Trainer._load_from_checkpoint, _load_optimizer_and_scheduler).
-    RESUME = "resume"
+    RESUME = "resume"  # the resume checkpoint's state loaded before the first resumed step
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
@@ -46,7 +44,7 @@ class Stage(str, enum.Enum):
             return cls.UNKNOWN
 
 
-#: A stage as a file names it: a name this version does not know reads as UNKNOWN.
+#: A stage as a file names it (unknown names read as UNKNOWN).
 StageName = Annotated[Stage, BeforeValidator(Stage.named)]
 
 
@@ -59,7 +57,7 @@ class FailureKind(str, enum.Enum):
     OOM_OPTIMIZER = "oom_optimizer"
     OOM_EVAL = "oom_eval"
     OOM_MERGE = "oom_merge"
-    OOM_RESUME = "oom_resume"  # loading the resume checkpoint's state onto the card (Stage.RESUME)
+    OOM_RESUME = "oom_resume"
     OOM_FRAGMENTATION = "oom_fragmentation"
     OOM_CONTENTION = "oom_contention"
     HOST_OOM = "host_oom"

@@ -1,13 +1,7 @@
-"""Every record of a data file checked, streamed: the first bad one is named by file, line, field.
-
-Standard library only (pyarrow, lazily, for parquet): the supervisor's ``validate`` runs it on
-the whole dataset before any attempt, and the child runs it when ``datasets`` fails to load a
-file or finds null or wrong-typed values, so both say the same thing: ``data.jsonl line 4812,
-field 'text': null, expected text``.
-
-What a record must hold: the text field a string, or the messages field a list of
-``{role, content}`` objects with string values. Blank lines of JSON Lines are skipped and not
-counted; the count returned is of records, never of lines.
+"""Every record of a data file checked, streamed: the first bad one is named by file, line, field
+(``data.jsonl line 4812, field 'text': null, expected text``), the same from ``validate`` and from
+the child when ``datasets`` fails. A record holds a string text field, or a messages field of
+``{role, content}`` strings; blank JSON Lines are skipped, and the count is of records.
 """
 
 from __future__ import annotations
@@ -18,11 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-_CSV_SUFFIXES = (".csv",)
-
 
 class DataRowError(ValueError):
-    """A record that cannot train: ``where`` is ``line N`` (or ``record N``), ``field`` may be None."""
+    """A record that cannot train: ``where`` is ``line N`` or ``record N``; ``field`` may be None."""
 
     def __init__(self, path: Path, where: str, field: str | None, problem: str) -> None:
         self.path, self.where, self.field, self.problem = path, where, field, problem
@@ -37,7 +29,7 @@ def scan(path: Path, field: str, *, messages: bool) -> int:
         return _count(_jsonl_records(path), path, field, messages)
     if suffix == ".json":
         return _scan_json(path, field, messages)
-    if suffix in _CSV_SUFFIXES:
+    if suffix == ".csv":
         return _count(_csv_records(path), path, field, messages)
     if suffix == ".parquet":
         return _scan_parquet(path, field)
@@ -104,8 +96,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _csv_records(path: Path) -> Iterator[tuple[str, Any]]:
-    # csv reads the decoded lines as they come; a quoted field may span lines, so the record is
-    # named by the line it starts on.
+    # A quoted field may span lines: the record is named by the line it starts on.
     decoded = (text for _, text in _lines(path))
     reader = csv.DictReader(decoded)
     start = 2
@@ -115,8 +106,7 @@ def _csv_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _scan_json(path: Path, field: str, messages: bool) -> int:
-    # A .json dataset is parsed whole (it is one JSON value); JSON Lines under a .json name, as
-    # `datasets` also accepts it, is streamed like .jsonl.
+    # One JSON value, parsed whole; JSON Lines under a .json name (`datasets` takes it) is streamed.
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -11,13 +11,8 @@ class DeviceError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DeviceBinding:
-    """The one GPU an attempt trains on, named as each side needs it.
-
-    ``child_visible_devices`` is what the child sets ``CUDA_VISIBLE_DEVICES`` to before CUDA
-    starts (``""`` hides every GPU), so that it sees exactly that GPU as ``cuda:0``.
-    ``nvml_target`` is what the supervisor's NVML monitor watches: a physical index (NVML ignores
-    ``CUDA_VISIBLE_DEVICES``), a ``GPU-``/``MIG-`` UUID or unique UUID prefix, or None for nothing.
-    """
+    """The one GPU an attempt trains on: the child's ``CUDA_VISIBLE_DEVICES`` (``""``: none), and what
+    the supervisor's NVML monitor watches (a physical index, a UUID or unique prefix, or None)."""
 
     child_visible_devices: str
     nvml_target: int | str | None
@@ -27,16 +22,9 @@ _UUID_PREFIXES = ("GPU-", "MIG-")
 
 
 def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
-    """Map the job's ``device`` through the ``CUDA_VISIBLE_DEVICES`` both sides inherit.
-
-    ``device`` is ``auto`` (the first visible GPU), ``cpu``, ``N`` or ``cuda:N`` (the N-th GPU
-    *visible to the supervisor*, as CUDA itself would count it), or a GPU/MIG UUID (that GPU,
-    whatever the list says). The supervisor and the child both call this with the same inputs
-    (the child inherits the supervisor's environment), so they cannot disagree on the GPU.
-    Without the variable, index N means CUDA's device N, which NVML numbers the same only when
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or all GPUs are one model. Raises :class:`DeviceError`
-    for an unknown form or an index beyond the visible list.
-    """
+    """Map the job's ``device`` (``auto``, ``cpu``, ``N`` / ``cuda:N``: the N-th visible GPU, or a
+    GPU/MIG UUID) through the inherited ``CUDA_VISIBLE_DEVICES``, the same on both sides; raises
+    :class:`DeviceError`."""
     text = device.strip()
     if text == "cpu":
         return DeviceBinding("", None)
@@ -65,11 +53,7 @@ def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
 
 
 def visible_entries(value: str | None) -> list[str] | None:
-    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value lists, in order; None when it is unset.
-
-    Like CUDA, the list ends at the first entry that is neither an index nor a UUID (``-1``
-    hides every GPU after it).
-    """
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value lists, up to the first bad entry as in CUDA; None: unset."""
     if value is None:
         return None
     entries: list[str] = []

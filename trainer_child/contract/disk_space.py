@@ -1,8 +1,5 @@
-"""Room on the disk for a checkpoint: the check before each save, and what a full disk looks like.
-
-Standard library only: the child checks before it saves, and the supervisor (which never imports
-torch) reads the same facts when it waits for space. A checkpoint needs about as much as the
-last one did; before the first there is nothing to go by and the save itself finds out.
+"""Room on the disk for a checkpoint, checked by the child before each save and by the supervisor
+when it waits for space: about as much as the last one took (before the first, the save finds out).
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import newest_complete_checkpoint
+from qlora_supervise.trainer_child.contract.checkpoints import newest_complete_checkpoint
 
 #: errno values that mean "no room to write here": a full disk, a read-only mount, a quota.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT})
@@ -71,7 +68,7 @@ def ensure_room(checkpoints_dir: str | os.PathLike[str]) -> None:
 
 
 def disk_facts(checkpoints_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """What the error report says about a full disk: where, how much is needed and how much is free."""
+    """The error report's ``disk``: where, how much is needed and how much is free."""
     return {
         "path": str(checkpoints_dir),
         "needed_bytes": last_checkpoint_bytes(checkpoints_dir),
@@ -80,8 +77,7 @@ def disk_facts(checkpoints_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def exception_chain(exc: BaseException) -> list[BaseException]:
-    """The exception and its causes: libraries wrap OOMs and ENOSPC (e.g. in a RuntimeError of
-    their own). It lives here, with the disk check, because the failure module imports this one."""
+    """The exception and its causes (libraries wrap OOMs and ENOSPC in errors of their own)."""
     seen: list[BaseException] = []
     current: BaseException | None = exc
     while current is not None and current not in seen:

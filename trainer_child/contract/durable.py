@@ -1,7 +1,4 @@
-"""Files that survive a kill or a power cut: atomic replacement and durable renames.
-
-Standard library only: both the supervisor and the trainer child write through these.
-"""
+"""Files that survive a kill or a power cut, for both sides: atomic replacement, durable renames."""
 
 from __future__ import annotations
 
@@ -14,11 +11,7 @@ FILE_MODE = 0o640
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` so that a reader sees the old file or the whole new one, never a torn one.
-
-    tmp file in the same directory + fsync + rename + fsync of the directory: a kill or a
-    power cut at any moment leaves one of the two complete versions.
-    """
+    """Write ``text`` so a reader sees the old file or the whole new one, whatever kills us when."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # mkstemp opens O_CREAT | O_EXCL | O_NOFOLLOW, and the rename replaces a link at ``path``
@@ -38,7 +31,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Make a rename inside ``directory`` durable."""
+    """Make a rename inside ``directory`` durable (or a file's contents, given a file)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,5 +1,5 @@
 """The child's ``python -m`` entry points, named once: the supervisor starts them by these names
-and never imports the modules (they import torch)."""
+and never imports them (they import torch)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ SPARE = f"{_PACKAGE}.run.spare"
 MERGE = f"{_PACKAGE}.merge.process"
 #: The tiny Llama-shaped model, tokenizer and dataset for the demo and the tests.
 TINY = f"{_PACKAGE}.recipe.tiny"
-#: Prints the data segment after the training stack's imports (the CPU cap's baseline), for a
-#: person; with :data:`STACK_BYTES` only the byte count, which is what callers parse.
+#: Prints the data segment after the training stack's imports; with :data:`STACK_BYTES` only bytes.
 STACK = f"{_PACKAGE}.recipe.stack"
 STACK_BYTES = "--bytes"

@@ -1,21 +1,18 @@
-"""The child's events file: one JSON object per line, read back into one typed record each.
-
-The child writes each line with :func:`event_line` (``{"event": name, "time": ..., **fields}``);
-the supervisor reads it with :func:`parse_event`, once, through one pydantic union keyed on the
-line's ``event`` (:data:`ChildEvent`), into the frozen records below, and never indexes the line
-as a dict again. A new event is a record with an ``event`` name and one entry in :data:`_RECORDS`.
-
-A line that is not a JSON object, names no event this version knows, or does not fit its record
-(a torn last line after a kill, a wrong type) gives None: skipped, never trusted.
+"""The child's events file: one JSON object per line (:func:`event_line`), read back once by
+:func:`parse_event` through one pydantic union keyed on ``event`` (:data:`ChildEvent`) into the
+frozen records below. A new event is a record with an ``event`` name and one entry in the union.
+The child's memory numbers are written flat into ``heartbeat`` and ``loaded``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import operator
 import time
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, TypeAlias
@@ -24,9 +21,63 @@ from pydantic import BeforeValidator, Discriminator, StrictInt, Tag, TypeAdapter
 
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
 from qlora_supervise.trainer_child.contract.codes import StageName
-from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting
-from qlora_supervise.trainer_child.contract.speed_trial import SpeedTrialEvent
+from qlora_supervise.trainer_child.contract.spec import TrialCandidate
+
+
+class ChildPeakSource(str, enum.Enum):
+    """What :attr:`MemoryNumbers.peak_bytes` measured in the child: the memory its cap limits."""
+
+    CUDA_ALLOCATOR = "cuda_allocator"  # torch.cuda.max_memory_allocated on the training GPU
+    DATA_SEGMENT = "data_segment"  # peak VmData on the CPU: what RLIMIT_DATA (cpu_memory_limit) caps
+    RSS = "rss"  # VmHWM, where the data segment cannot be read
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNumbers:
+    """The child's memory at one moment, in bytes (None: not read); ``peak_bytes`` is the attempt's
+    one peak so far (:meth:`measured`), never re-derived by readers."""
+
+    peak_bytes: int | None = None
+    peak_source: ChildPeakSource | None = None
+    allocated_bytes: int | None = None  # CUDA allocator, now
+    reserved_bytes: int | None = None  # CUDA caching allocator's reserve, now
+    rss_bytes: int | None = None  # VmRSS, now
+    rss_high_water_bytes: int | None = None  # VmHWM
+    vmdata_bytes: int | None = None  # VmData, now
+
+    @classmethod
+    def measured(
+        cls,
+        *,
+        cuda_peak: int | None,
+        data_segment_peak: int | None,
+        rss_high_water: int | None,
+        allocated: int | None = None,
+        reserved: int | None = None,
+        rss: int | None = None,
+        vmdata: int | None = None,
+    ) -> MemoryNumbers:
+        """The peak rule: the first nonzero of the CUDA allocator's, the data segment's and VmHWM."""
+        candidates = (
+            (cuda_peak, ChildPeakSource.CUDA_ALLOCATOR),
+            (data_segment_peak, ChildPeakSource.DATA_SEGMENT),
+            (rss_high_water, ChildPeakSource.RSS),
+        )
+        peak, source = next(((v, s) for v, s in candidates if v), (None, None))
+        return cls(peak, source, allocated, reserved, rss, rss_high_water, vmdata)
+
+    def fields(self) -> dict[str, Any]:
+        """The JSON fields of an event line (flat, so ``jq .peak_bytes`` reads them)."""
+        return dict(_MEMORY.dump_python(self, mode="json"))
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, Any]) -> MemoryNumbers:
+        """The memory fields of an event line read flat (extra keys ignored)."""
+        return _MEMORY.validate_python(raw)
+
+
+_MEMORY = TypeAdapter(MemoryNumbers)
 
 
 def event_line(event: str, **fields: Any) -> str:
@@ -41,9 +92,7 @@ def _adapter(record: type[Any]) -> TypeAdapter[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class PlainEvent:
-    """An event record: a frozen dataclass with a ``ClassVar`` ``event`` name whose fields are the
-    line's keys. ``time`` is the line's stamp, set by :func:`event_line` (None in a record built to
-    be written), left out of ``fields()`` and of comparisons: it is not part of what the event says."""
+    """An event record, its fields the line's keys; ``time`` (the line's stamp) is not compared."""
 
     event: ClassVar[str]
     time: float | None = dataclasses.field(default=None, compare=False, kw_only=True)
@@ -60,11 +109,7 @@ class PlainEvent:
 
 @dataclasses.dataclass(frozen=True)
 class Heartbeat(PlainEvent):
-    """One ``heartbeat`` event: where the child is, how fast it goes, and its memory.
-
-    ``step`` is the last completed optimizer step; the supervisor decides hangs from ``step``
-    and ``stage`` not changing, so a beat is sent whatever the main thread does.
-    """
+    """``heartbeat``: the stage, the last completed step (a hang: both unchanged), speed and memory."""
 
     event: ClassVar[str] = "heartbeat"
     stage: StageName
@@ -76,11 +121,7 @@ class Heartbeat(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class Started(PlainEvent):
-    """``started``: the process, its place under torchrun, its device and library versions.
-
-    ``vmdata`` / ``rss``: bytes at start. A stand-in child (the tests' scripted one) may also
-    name ``max_steps`` and where it starts (``step``, ``stage``).
-    """
+    """``started``: the process, its rank, device and versions; a stand-in child may add the rest."""
 
     event: ClassVar[str] = "started"
     pid: int | None = None
@@ -103,23 +144,28 @@ class Started(PlainEvent):
     stage: StageName | None = None
 
     def fields(self) -> dict[str, Any]:
-        # The stand-in's keys are written where it gave them; the child's own line has none.
         stand_in = ("max_steps", "step", "stage")
         return {k: v for k, v in super().fields().items() if k not in stand_in or v is not None}
 
 
 @dataclasses.dataclass(frozen=True)
-class StageEntered(PlainEvent):
-    """``stage``: the child entered a phase (load, training, eval, save) at ``step``."""
+class AtStage(PlainEvent):
+    """An event that says no more than where the child is."""
 
-    event: ClassVar[str] = "stage"
     stage: StageName | None = None
     step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
+class StageEntered(AtStage):
+    """``stage``: the child entered a phase (load, training, eval, save) at ``step``."""
+
+    event: ClassVar[str] = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
 class Loaded(PlainEvent):
-    """``loaded``: the model is loaded: its parameters, the data's rows, memory and sample lengths."""
+    """``loaded``: the model's parameters, the data's rows, memory and sample lengths."""
 
     event: ClassVar[str] = "loaded"
     trainable_params: int | None = None
@@ -146,8 +192,7 @@ class TrainerReady(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSaved(PlainEvent):
-    """``checkpoint_saved``: a complete checkpoint at ``path``; ``emergency``: after a failure;
-    ``early``: asked for by ``EARLY_CHECKPOINT_SIGNAL``."""
+    """``checkpoint_saved``: a complete checkpoint, after a failure (``emergency``) or asked (``early``)."""
 
     event: ClassVar[str] = "checkpoint_saved"
     step: int | None = None
@@ -157,18 +202,15 @@ class CheckpointSaved(PlainEvent):
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyCheckpointRequested(PlainEvent):
+class EarlyCheckpointRequested(AtStage):
     """``early_checkpoint_requested``: the signal arrived; a checkpoint follows this step."""
 
     event: ClassVar[str] = "early_checkpoint_requested"
-    stage: StageName | None = None
-    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Resumed(PlainEvent):
-    """``resumed``: training continues from ``path`` at ``from_step``; ``reset_optimizer`` (and
-    why) when the optimizer state was not restored; ``rank_reduction`` when the adapter was cut."""
+    """``resumed``: training continues from ``path`` at ``from_step``."""
 
     event: ClassVar[str] = "resumed"
     from_step: int | None = None
@@ -183,8 +225,7 @@ class Resumed(PlainEvent):
 
 @dataclasses.dataclass(frozen=True)
 class Finished(PlainEvent):
-    """``finished``: training ended at ``step`` with the adapter written, or the merge (``step``
-    None) wrote ``merged`` in ``seconds`` on ``device``."""
+    """``finished``: training wrote ``adapter`` at ``step``, or the merge (``step`` None) ``merged``."""
 
     event: ClassVar[str] = "finished"
     step: int | None = None
@@ -194,24 +235,21 @@ class Finished(PlainEvent):
     device: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        # A training child writes step and adapter; the merge writes step, merged, seconds, device.
         merge = {"merged": self.merged, "seconds": self.seconds, "device": self.device}
         train = {"adapter": self.adapter}
         return {"step": self.step, **(merge if self.merged is not None else train)}
 
 
 @dataclasses.dataclass(frozen=True)
-class Stopping(PlainEvent):
+class Stopping(AtStage):
     """``stopping``: a graceful stop was asked for; the child checkpoints and exits."""
 
     event: ClassVar[str] = "stopping"
-    stage: StageName | None = None
-    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class MergePlanned(PlainEvent):
-    """``merge_plan``: the merge's memory plan (bytes): the device, what each would need, what was free."""
+    """``merge_plan``: the merge's device and memory plan (bytes)."""
 
     event: ClassVar[str] = "merge_plan"
     device: str | None = None
@@ -225,9 +263,38 @@ class MergePlanned(PlainEvent):
 
 
 @dataclasses.dataclass(frozen=True)
+class TrialResult:
+    """A candidate's tokens/s and peaks (``host_peak_bytes``: VmHWM), or the OOM that dropped it."""
+
+    candidate: TrialCandidate
+    tokens_per_s: float | None
+    peak_bytes: int | None
+    seconds: float
+    error: str | None = None
+    host_peak_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedTrialEvent:
+    """The ``speed_trial`` line of the child's events file."""
+
+    event: ClassVar[str] = "speed_trial"
+    results: tuple[TrialResult, ...]  # the first is the planned config
+    seconds: float  # the trial's whole cost, before step 1
+    # Why a foreign tool's trial kept the plan (shim/trial.py); None: it ran.
+    abandoned: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"event": self.event, **dataclasses.asdict(self)}
+
+    def to_line(self) -> str:
+        """The line of the child's events file (its ``time`` stamp ignored by the reader)."""
+        return json.dumps({**self.to_json(), "time": time.time()}) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
 class ScriptKnobs(PlainEvent):
-    """``script_knobs``: what a script with its settings in its code built, and what the shim
-    changed there (``contract/script_knobs.py``); the model's ``config.json`` values it loaded."""
+    """``script_knobs``: what a script built, what the shim changed, and the model's config."""
 
     event: ClassVar[str] = "script_knobs"
     settings: tuple[KnobSetting, ...] = ()
@@ -235,25 +302,7 @@ class ScriptKnobs(PlainEvent):
     complete: bool = False  # written at train(): the script has built all it builds
 
 
-#: The records of the events file, each under its ``event`` name: a new event plugs in here.
-_RECORDS: tuple[type[Any], ...] = (
-    Started,
-    StageEntered,
-    Loaded,
-    TrainerReady,
-    Heartbeat,
-    CheckpointSaved,
-    EarlyCheckpointRequested,
-    Resumed,
-    Finished,
-    Stopping,
-    MergePlanned,
-    SpeedTrialEvent,
-    ScriptKnobs,
-)
-EVENT_NAMES = frozenset(record.event for record in _RECORDS)
-
-#: Every event of the child's events file.
+#: Every event of the child's events file, each under its ``event`` name.
 ChildEvent: TypeAlias = (
     Started
     | StageEntered
@@ -269,6 +318,8 @@ ChildEvent: TypeAlias = (
     | SpeedTrialEvent
     | ScriptKnobs
 )
+_RECORDS: tuple[type[Any], ...] = typing.get_args(ChildEvent)
+EVENT_NAMES = frozenset(record.event for record in _RECORDS)
 
 
 def _name(raw: object) -> str | None:
@@ -292,10 +343,7 @@ _LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
 def parse_event(line: str) -> ChildEvent | None:
-    """The record of one line of the events file; None for a blank, torn or corrupt line, or an
-    event this version does not know. Never raises: a child's bad line must not stop the supervisor."""
-    if not line.strip():
-        return None
+    """The record of one line; None, never raising, for a torn or ill-typed line or an unknown event."""
     try:
         return _LINE.validate_json(line)
     except (ValidationError, ValueError, RecursionError):

@@ -1,25 +1,6 @@
-"""Parse the memory numbers out of allocator out-of-memory messages.
-
-No torch: the trainer child imports this module to fill its error report, and the
-supervisor imports it to classify logs of commands that are not ours.
-
-Wording families read here (bytes come back as integers; ``KiB`` = 1024 bytes, rounded):
-
-* old (PyTorch 1.5 - 2.0): ``CUDA out of memory. Tried to allocate X (GPU 0; X total capacity;
-  X already allocated; X free; X reserved in total by PyTorch)``; ``old_no_free`` when the
-  ``free`` clause is missing (XPU), ``cached`` for the pre-1.5 form that ends ``X cached)``;
-* new (2.1+): ``Tried to allocate X. GPU 0 has a total capacity of X of which X is free.
-  [Process N has X memory in use.] [Including non-PyTorch memory, this process has X memory in
-  use.] [X allowed;] Of the allocated memory X is allocated by PyTorch[, with X allocated in
-  private pools (e.g., CUDA Graphs)], and X is reserved by PyTorch but unallocated.``
-  (also ``capacty``, ``GPU  has`` without an index, and XPU's form without ``of which``);
-* async: the ``cudaMallocAsync`` backend's ``Allocation on device N would exceed allowed
-  memory. (out of memory)`` followed by ``Currently allocated : X`` ... lines;
-* cpu: ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes``.
-
-Only what a message prints is returned, under the keys of :data:`NUMBER_KEYS`; quantities
-derived from them (reserved-but-unallocated in the old wording, memory of other processes)
-are the classifier's business.
+"""The numbers of allocator out-of-memory messages (PyTorch 1.5-2.0's ``old``, 2.1+'s ``new``,
+``cudaMallocAsync``'s ``async``, ``DefaultCPUAllocator``'s ``cpu``), for the child's error report
+and the supervisor's reading of logs of commands that are not ours; only what a message prints.
 """
 
 from __future__ import annotations
@@ -32,21 +13,6 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from qlora_supervise.trainer_child.contract.byte_sizes import BYTE_UNITS
-
-#: Keys of a message's numbers, in the order they are usually printed.
-NUMBER_KEYS = (
-    "tried_to_allocate",
-    "total_capacity",
-    "free",
-    "already_allocated",
-    "reserved_total",
-    "reserved_unallocated",
-    "process_in_use",
-    "processes",  # {pid: bytes}, in printed order
-    "allowed",
-    "private_pools",
-)
-
 
 _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)\b"
 
@@ -98,12 +64,8 @@ _NEW_GPU = re.compile(r"\bGPU\s*(\d*)\s*has a total capac")
 
 @dataclasses.dataclass(frozen=True)
 class OomMessage:
-    """One allocator message found in a text.
-
-    ``device``: cuda, hip, xpu, mps or cpu. ``gpu``: the printed index (None when the message
-    prints none, e.g. ``GPU  has``). ``format``: old, old_no_free, cached, new, async, cpu, or
-    short (cut off before any wording-specific clause). ``start``: its offset in the text.
-    """
+    """One allocator message in a text: ``format`` old, old_no_free, cached, new, async, cpu or short
+    (cut off before any wording's own clause); ``start`` its offset."""
 
     device: str
     gpu: int | None
@@ -120,12 +82,11 @@ def size_bytes(number: str, unit: str) -> int:
 def parse_messages(text: str) -> list[OomMessage]:
     """Every allocator OOM message in ``text``, in order of appearance."""
     starts = list(_START.finditer(text))
-    messages: list[OomMessage] = []
-    for index, match in enumerate(starts):
-        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
-        body = " ".join(text[match.start() : min(end, match.start() + _MAX_BODY)].split())
-        messages.append(_message(match, body))
-    return messages
+    ends = [match.start() for match in starts[1:]] + [len(text)]
+    return [
+        _message(match, " ".join(text[match.start() : min(end, match.start() + _MAX_BODY)].split()))
+        for match, end in zip(starts, ends, strict=False)
+    ]
 
 
 def parse_numbers(text: str) -> dict[str, Any]:
@@ -179,11 +140,8 @@ def _format(body: str, numbers: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class OomNumbers:
-    """The numbers of one allocator OOM message, in bytes (None: the wording does not print it).
-
-    The fields are :data:`NUMBER_KEYS`; ``processes`` maps each other process's pid to its bytes.
-    The error report carries one, read from its JSON once (:meth:`from_json`).
-    """
+    """The numbers of one OOM message in printed order, in bytes (None: not printed); ``processes``:
+    pid -> bytes."""
 
     tried_to_allocate: int | None = None
     total_capacity: int | None = None
@@ -204,15 +162,13 @@ class OomNumbers:
         return self.already_allocated + self.tried_to_allocate
 
     def to_json(self) -> dict[str, Any]:
-        """The numbers the message printed, under :data:`NUMBER_KEYS` (the report's JSON shape:
-        absent numbers are left out, pids are keys)."""
+        """The report's JSON shape: only the numbers printed, pids as keys."""
         raw: dict[str, Any] = _NUMBERS.dump_python(self, exclude_none=True)
         return {key: value for key, value in raw.items() if value != {}}
 
     @classmethod
     def from_json(cls, raw: object) -> OomNumbers:
-        """The numbers of a report read back from JSON (pids as strings there), or of
-        ``parse_numbers``' dict; none for anything ill-typed (a hand-edited report)."""
+        """The numbers of a report's JSON or of ``parse_numbers``' dict; none when ill-typed."""
         try:
             return _NUMBERS.validate_python(raw)
         except ValidationError:
@@ -220,3 +176,5 @@ class OomNumbers:
 
 
 _NUMBERS = TypeAdapter(OomNumbers)
+#: Keys of a message's numbers, in the order they are usually printed.
+NUMBER_KEYS = tuple(field.name for field in dataclasses.fields(OomNumbers))

@@ -1,7 +1,4 @@
-"""Questions about other processes, asked the same way by the supervisor and the child.
-
-Standard library only.
-"""
+"""Processes, asked about the same way by the supervisor and the child, and the child's exit."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
@@ -31,17 +28,16 @@ FAILED_EXITS = frozenset(
 
 
 def leave(code: int) -> NoReturn:
-    """End the child process with ``code``; a failed attempt skips the interpreter's teardown.
-
-    Why: after a failure everything that matters is already on disk and fsynced (the error
-    report, an emergency checkpoint, the event log closed), and the next attempt waits for this
-    exit. Tearing down torch's modules and the CUDA caching allocator one object at a time took
-    seconds on an H200; the kernel frees the process's memory and the driver its context at once.
-    """
+    """End the child with ``code``; a failed attempt skips the teardown the next attempt would wait
+    for (torch's took seconds on an H200; all that matters is on disk)."""
     if code in FAILED_EXITS:
-        for stream in (sys.stdout, sys.stderr):
-            # A full disk under child.log must not turn this exit into another one.
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
+        exit_now(code)
     sys.exit(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """``os._exit(code)`` after flushing stdout and stderr."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a full disk under child.log
+            stream.flush()
+    os._exit(code)

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, AllocatorPeak
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts, AllocatorPeak
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.codes import Stage, StageName
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
@@ -17,20 +17,8 @@ from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 
 @dataclasses.dataclass(frozen=True)
 class ErrorReport:
-    """What the child knew when it failed. Written atomically to ``spec.error_file``.
-
-    ``step`` is the last *completed* optimizer step. ``oom_numbers``: the OOM message's
-    numbers (:class:`~.oom_message.OomNumbers`, written under the keys of
-    :func:`~.oom_message.parse_numbers`, bytes as integers). ``memory_stats``: the
-    ``torch.cuda.memory_stats()`` dump, kept whole for a person; ``allocator_peak`` is what the
-    supervisor reads of it, derived once when the report is built or read (not written).
-    ``allocator``: the CUDA allocator's facts read at the OOM (None on the CPU, for a failure
-    that is not an OOM, or from a child older than them); ``memory_snapshot``: the path of the
-    allocator snapshot dumped at the OOM (``diagnose.memory_history``), else None.
-
-    Like torchelastic's ``ProcessFailure``, the report is read from its JSON once, into these
-    typed fields (:meth:`from_json`); nothing re-reads it by key afterwards.
-    """
+    """What the child knew when it failed, read from its JSON once: ``step`` is the last *completed*
+    one; ``allocator_peak`` is derived from ``memory_stats`` (not written)."""
 
     exit_code: int
     exception_type: str
@@ -43,37 +31,32 @@ class ErrorReport:
     oom_numbers: OomNumbers = dataclasses.field(default_factory=OomNumbers)
     memory_stats: dict[str, Any] | None = None
     device: str = "cpu"
-    emergency_checkpoint: str | None = None  # path of the checkpoint saved after the failure
+    emergency_checkpoint: str | None = None  # the checkpoint saved after the failure
     emergency_step: int | None = None
     expandable_segments_active: bool | None = None
-    # The checkpoint that failed to load (ExitCode.CHECKPOINT): the original, never a scratch copy.
-    damaged_checkpoint: str | None = None
-    disk_full: bool = False  # the failure was ENOSPC / EROFS / EDQUOT: see ``disk``
-    # {"path", "needed_bytes" (the size of the last checkpoint), "free_bytes", "errno"}
-    disk: dict[str, Any] | None = None
+    damaged_checkpoint: str | None = None  # the original that failed to load, not a scratch copy
+    disk_full: bool = False  # ENOSPC / EROFS / EDQUOT
+    disk: dict[str, Any] | None = None  # {"path", "needed_bytes", "free_bytes", "errno"}
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
-    # When the exception was caught (not when the report was written): under torchrun the
-    # earliest real failure of all ranks is the cause (supervisor/diagnosis/ranks.py).
-    time: float = dataclasses.field(default_factory=time.time)
-    rank: int = 0  # torchrun's RANK of the process that wrote it (0 for a single process)
-    local_rank: int = 0  # LOCAL_RANK: the GPU index of this rank on its host
+    time: float = dataclasses.field(
+        default_factory=time.time
+    )  # when caught: the earliest rank's is the cause
+    rank: int = 0  # torchrun's RANK and LOCAL_RANK (0 for a single process)
+    local_rank: int = 0
     world_size: int = 1
-    # The micro-batch a training step's OOM happened on: its data position, row indices, lengths.
-    batch: BatchInFlight | None = None
+    batch: BatchInFlight | None = None  # the micro-batch of a training step's OOM
     allocator_peak: AllocatorPeak | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        # Built by hand from plain values too (the child's failure path, the tests): a stage's name,
-        # the numbers ``parse_numbers`` found.
+        # Built from plain values too: a stage's name, the numbers ``parse_numbers`` found.
         object.__setattr__(self, "stage", Stage.named(self.stage))
         if not isinstance(self.oom_numbers, OomNumbers):
             object.__setattr__(self, "oom_numbers", OomNumbers.from_json(self.oom_numbers))
         object.__setattr__(self, "allocator_peak", AllocatorPeak.from_memory_stats(self.memory_stats))
 
     def to_json(self) -> str:
-        """The report's file: every field as written since the first report (``allocator_peak``,
-        derived, is not; ``oom_numbers`` holds only the numbers the message printed)."""
+        """The report's file: every field but the derived ``allocator_peak``."""
         raw = dataclasses.asdict(self)
         del raw["allocator_peak"]
         raw["oom_numbers"] = self.oom_numbers.to_json()
@@ -81,15 +64,15 @@ class ErrorReport:
 
     @classmethod
     def from_json(cls, text: str) -> ErrorReport:
-        """Raises ValueError (pydantic's ValidationError) for anything that is not a well-typed report."""
+        """Raises ValueError (pydantic's ValidationError) for anything but a well-typed report."""
         return _REPORT.validate_json(text)
 
 
 _REPORT = TypeAdapter(ErrorReport)
 
 
-#: The last line the child prints to stderr on a failure: ``<prefix><stage>: <type>: <message>``.
-#: The stage is the child's own; a log classified without the error report can still read it.
+#: The last line the child prints to stderr on a failure: ``<prefix><stage>: <type>: <message>``,
+#: read where a log is classified without the error report.
 FAILURE_LINE_PREFIX = "trainer child failed in "
 
 

@@ -1,11 +1,6 @@
 """A script with its settings in its code (``trainer.kind: script``): which knobs the shim changes
-where the script builds them, and what it found and did there.
-
-The supervisor writes :data:`CHANGES_FILE` beside the attempt's ``spec.json``: the knobs to change
-(their values are the spec's knobs) and the run's output folder. The shim reads it, changes only
-those knobs as the script builds ``TrainingArguments`` / ``SFTConfig``, ``BitsAndBytesConfig``,
-``LoraConfig`` and ``prepare_model_for_kbit_training``, and reports one :class:`KnobSetting` per
-value it saw in the ``script_knobs`` event: what the script asked for, what the attempt got, where.
+where the script builds them (:data:`CHANGES_FILE` beside ``spec.json``, written by the
+supervisor), and one :class:`KnobSetting` per value it saw, in the ``script_knobs`` event.
 Attempt 1 changes nothing: it learns what the script asks for.
 """
 
@@ -24,17 +19,15 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 CHANGES_FILE = "script-knobs.json"
 Value = bool | int | float | str | None
 #: Knobs that move together: when the script overrides one after the Trainer is built, the shim
-#: puts the others back as the script asked, so the effective batch stays the script's.
+#: puts the others back as the script asked (the effective batch stays the script's).
 TOGETHER = frozenset({"micro_batch_size", "grad_accum"})
 _KNOBS = frozenset(field.name for field in dataclasses.fields(Knobs))
 
 
 @dataclasses.dataclass(frozen=True)
 class ScriptChanges:
-    """What the shim changes in one attempt: ``knobs`` (names of :class:`Knobs` fields) take the
-    spec's values; ``output_dir`` replaces the script's (the run's ``trainer-output``). When the
-    model changes (a fallback), ``replaced_model`` is the script's own, so its tokenizer, loaded
-    from the same name (perhaps before the model), is swapped with it."""
+    """What the shim changes in one attempt: ``knobs`` take the spec's values; ``replaced_model``:
+    the script's own model where a fallback changes it (its tokenizer is swapped too)."""
 
     knobs: tuple[str, ...]
     output_dir: str
@@ -55,9 +48,7 @@ class ScriptChanges:
 
 @dataclasses.dataclass(frozen=True)
 class KnobSetting:
-    """One value the script builds: ``knob`` (a :class:`Knobs` field, or ``output_dir``) is the
-    script's ``key`` in ``where`` (the class or function); ``why_not`` when the attempt's value
-    could not be applied there (``got`` is then what it trained with)."""
+    """One value the script builds (``key`` in ``where``); ``why_not``: the attempt's was not applied."""
 
     knob: str
     key: str
@@ -76,13 +67,11 @@ class KnobSetting:
 
 
 def as_built(planned: Knobs, settings: Iterable[KnobSetting]) -> Knobs:
-    """``planned`` with what the script built: gradient checkpointing is on when any of its places
-    (``prepare_model_for_kbit_training``, the arguments) turned it on; the rest is the last value."""
+    """``planned`` with what the script built (the last value; checkpointing: on in any place)."""
     return with_values(planned, _knobs((s.knob, s.got) for s in settings))
 
 
 def with_values(knobs: Knobs, values: Mapping[str, Value]) -> Knobs:
-    """``knobs`` with ``values`` (knob -> value, as :func:`asked` returns them)."""
     return dataclasses.replace(knobs, **values) if values else knobs  # type: ignore[arg-type]
 
 

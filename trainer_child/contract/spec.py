@@ -1,4 +1,7 @@
-"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources."""
+"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources, and
+the speed trial's candidates (timed in-process before step 1; only knobs that change without a
+reload; the results come back in :class:`~.events.SpeedTrialEvent`).
+"""
 
 from __future__ import annotations
 
@@ -9,17 +12,28 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from qlora_supervise.trainer_child.contract.speed_trial import TrialCandidate
+
+@dataclasses.dataclass(frozen=True)
+class TrialCandidate:
+    """One config the trial times: the knobs that change without a reload, and the planner's guess."""
+
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    predicted_tokens_per_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_host_bytes: int | None = None  # the host model's training peak (None: unplanned)
+
+    @property
+    def name(self) -> str:
+        checkpointing = ", checkpointing" if self.gradient_checkpointing else ""
+        return f"micro-batch {self.micro_batch_size} x {self.grad_accum}{checkpointing}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
-    """Everything the policy ladder may change between attempts.
-
-    ``micro_batch_size * grad_accum * world_size`` is the effective batch; rungs keep it.
-    ``world_size`` is the number of ranks (``resources.nproc_per_node``): above 1 the child is
-    started through torchrun, one rank per GPU, all ranks with these same knobs.
-    """
+    """Everything the policy ladder may change between attempts; rungs keep the effective batch.
+    ``world_size`` above 1: torchrun, one rank per GPU, all with these knobs."""
 
     model: str
     micro_batch_size: int = 1
@@ -32,36 +46,18 @@ class Knobs:
     quant_type: str = "nf4"
     double_quant: bool = True
     load_in_4bit: bool = True
-    # Kept so that journals and specs that named it still read; it is no training rung on one GPU
-    # (accelerate refuses to train 4-bit weights offloaded to the CPU; bitsandbytes then fails on
-    # meta tensors), and a job that names it is refused at validate.
-    cpu_offload: bool = False
-    # The input embeddings and the LM head stay in bf16 after prepare_model_for_kbit_training
-    # (which upcasts every non-4-bit parameter to fp32); norms stay fp32. At a 128k vocabulary
-    # each of the two is 2.1 GB in fp32.
-    bf16_head: bool = False
-    # Activations saved for backward live in host memory (torch.autograd.graph.save_on_cpu):
-    # the throughput rung that replaces cpu_offload.
-    activation_offload: bool = False
-    # On by default: on the H200 it cost no tokens/s (+0.9 %, noise) and reserved 0.7 GiB less
-    # (bench/results/memory-grid-h200-2026-12-01/rungs-table.txt), so it needs no attempt of its own.
-    expandable_segments: bool = True
+    cpu_offload: bool = False  # old specs only: refused at validate (4-bit weights cannot train offloaded)
+    bf16_head: bool = False  # embeddings and LM head kept out of prepare's fp32 upcast
+    activation_offload: bool = False  # activations saved for backward in host memory
+    expandable_segments: bool = True  # no tokens/s lost on the H200, 0.7 GiB less reserved
     eval_batch_size: int = 1
     eval_enabled: bool = True
     merge_on_cpu: bool = False
-    # The resume ladder (issue 33): the checkpoint's optimizer state is read into host memory
-    # (map_location cpu) and copied to the card by load_state_dict, where Trainer under torchrun
-    # reads it onto the card whole; and a fresh optimizer state with the LR schedule kept, taken
-    # when a checkpoint written without it is resumed (supervisor/loop/resume.py).
-    optimizer_state_on_host: bool = False
-    fresh_optimizer_state: bool = False
-    world_size: int = 1  # journals and specs written before it had one process
-    # The visible GPUs the ranks train on, by position in CUDA_VISIBLE_DEVICES, comma-separated, in
-    # rank order; "" means the first world_size. drop_rank leaves the failing card out of it.
-    gpus: str = ""
-    # FSDP-QLoRA (resources.parallel: fsdp): the ranks shard the 4-bit weights (stored in the compute
-    # dtype, bnb_4bit_quant_storage, so FSDP can flatten them) instead of holding one replica each.
-    fsdp: bool = False
+    optimizer_state_on_host: bool = False  # resume: read it into host memory, not onto the card whole
+    fresh_optimizer_state: bool = False  # resume: a fresh optimizer state, the LR schedule kept
+    world_size: int = 1
+    gpus: str = ""  # the ranks' positions in CUDA_VISIBLE_DEVICES, comma-separated; "": the first ones
+    fsdp: bool = False  # FSDP-QLoRA: the ranks shard the 4-bit weights instead of holding replicas
 
     @property
     def effective_batch(self) -> int:
@@ -70,7 +66,7 @@ class Knobs:
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-    """Where the training text comes from (validated by the supervisor before any attempt)."""
+    """Where the training text comes from."""
 
     path: str
     text_field: str | None = "text"
@@ -99,9 +95,7 @@ class TrainSpec:
     compute_dtype: str = "auto"
     trust_remote_code: bool = False
     merge: bool = False
-    # Passed through to the Trainer: "none" or "tensorboard" (logs in <run_dir>/tensorboard,
-    # one directory across attempts so the curves continue after a restart).
-    report_to: str = "none"
+    report_to: str = "none"  # or "tensorboard" (<run_dir>/tensorboard, across attempts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,42 +105,25 @@ class Resources:
     device: str = "auto"  # "auto", "cpu", "cuda:N" or a GPU UUID
     gpu_memory_limit: int | None = None
     cpu_memory_limit: int | None = None
-    # The host RAM the plan may give this job (the supervisor's host budget, not a cap the child
-    # applies: cpu_memory_limit is that, through RLIMIT_DATA).
-    host_memory_limit: int | None = None
+    host_memory_limit: int | None = None  # the plan's host budget, not a cap the child applies
 
 
 @dataclasses.dataclass(frozen=True)
 class DiagnoseSpec:
-    """Opt-in diagnostics of the child (the job's ``diagnose`` section).
-
-    ``memory_history``: record the CUDA allocator's history
-    (``torch.cuda.memory._record_memory_history``, at most ``memory_history_entries`` events)
-    and dump it into the attempt's directory at an OOM (:data:`MEMORY_SNAPSHOT_NAME`), for
-    PyTorch's memory viewer (https://pytorch.org/memory_viz). Off by default: recording costs
-    throughput (README, Benchmarks).
-    """
+    """Opt-in diagnostics: the CUDA allocator's history, dumped at an OOM (:data:`MEMORY_SNAPSHOT_NAME`)."""
 
     memory_history: bool = False
     memory_history_entries: int = 100_000
 
 
-#: The allocator snapshot an OOM leaves in ``attempt-NNN/`` when ``diagnose.memory_history`` is on.
 MEMORY_SNAPSHOT_NAME = "memory-snapshot.pickle"
-
-
-#: Sent by the supervisor when memory creeps towards the budget: the child saves a checkpoint at
-#: the end of the step in flight, and after every step from then on (trainer_child/trainer.py).
+#: Sent when memory creeps towards the budget: the child checkpoints after this step and every next.
 EARLY_CHECKPOINT_SIGNAL = signal.SIGUSR1
 
 
 @dataclasses.dataclass(frozen=True)
 class AttemptSpec:
-    """One attempt of the child: what to train, with which knobs, where to write.
-
-    Memory caps are applied *inside* the child: ``gpu_memory_limit`` through
-    ``torch.cuda.set_per_process_memory_fraction``, ``cpu_memory_limit`` through ``RLIMIT_DATA``.
-    """
+    """One attempt of the child: what to train, with which knobs, where to write, which caps."""
 
     attempt: int
     run_dir: str
@@ -158,41 +135,25 @@ class AttemptSpec:
     checkpoints_dir: str
     adapter_dir: str
     merged_dir: str
-    device: str = "auto"  # "auto", "cpu", "cuda:N" or a GPU UUID; both sides map it with bind_device
+    device: str = "auto"  # mapped by bind_device on both sides
     gpu_memory_limit: int | None = None  # bytes
     cpu_memory_limit: int | None = None  # bytes
     heartbeat_interval: float = 5.0
-    # Chosen by the supervisor (the newest complete checkpoint still valid for these knobs);
-    # None: start from step 0.
-    resume_from: str | None = None
-    # The optimizer changed (or its state is suspect): keep adapter, step and data position,
-    # start the optimizer state afresh.
-    reset_optimizer: bool = False
+    resume_from: str | None = None  # None: start from step 0
+    reset_optimizer: bool = False  # keep adapter, step and data position; a fresh optimizer state
     diagnose: DiagnoseSpec = DiagnoseSpec()
-    # How long the supervisor waits after SIGTERM before SIGKILL (supervise.stop_grace); torchrun
-    # is told the same (--shutdown-timeout), so it does not kill the ranks' checkpoint sooner.
-    stop_grace_s: float = 180.0
-    # The speed trial (supervise.speed_trial): candidates the child times in-process before
-    # step 1, the first being these knobs; empty: no trial (contract/speed_trial.py).
-    speed_trial: tuple[TrialCandidate, ...] = ()
-    # The most a candidate may measure in the trial: the budget the pre-flight planned with, less
-    # its margin (a candidate above it is dropped as an OOM would drop it); None: no such check.
-    speed_trial_limit_bytes: int | None = None
-    # The trial runs on a resume too: the card's sharing changed since the last one
-    # (policies/retime.py).
-    speed_trial_on_resume: bool = False
-    # A trainer that is not ours (the job's ``trainer:`` section): its argv, the per-attempt config
-    # in the attempt's directory on it, run with the shim on its PYTHONPATH (trainer_child/shim/);
-    # empty: our own child.
-    command: tuple[str, ...] = ()
+    stop_grace_s: float = 180.0  # SIGTERM to SIGKILL, torchrun's too: the ranks' checkpoint fits in it
+    speed_trial: tuple[TrialCandidate, ...] = ()  # the first is these knobs; empty: no trial
+    speed_trial_limit_bytes: int | None = None  # a candidate above it is dropped, as by an OOM
+    speed_trial_on_resume: bool = False  # the card's sharing changed since the last trial
+    command: tuple[str, ...] = ()  # a trainer that is not ours, run with the shim; empty: our child
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> AttemptSpec:
-        """The spec (pydantic's ValidationError, a ValueError, for one that is not); a field this
-        version does not know is ignored, so a shim in a tool's venv reads a newer supervisor's spec."""
+        """Raises ValueError; unknown fields are ignored (a shim reads a newer supervisor's spec)."""
         return _SPEC.validate_json(text)
 
 
@@ -207,13 +168,7 @@ def rank_gpus(knobs: Knobs) -> list[int]:
 
 
 def rank_file(path: str, rank: int) -> str:
-    """Where rank ``rank`` writes a file the spec names once: rank 0 (and a single process) the
-    path itself, rank N ``<stem>.rankN<suffix>`` beside it (``error.rank1.json``,
-    ``child-events.rank1.jsonl``).
-
-    Every rank writes its own error report and events (heartbeats with its own peak memory); only
-    rank 0 writes checkpoints, the adapter and the ``finished`` event the supervisor waits for.
-    """
+    """Where rank ``rank`` writes a file the spec names: rank N > 0 ``<stem>.rankN<suffix>`` beside it."""
     if rank == 0:
         return path
     name = Path(path)

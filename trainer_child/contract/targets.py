@@ -1,30 +1,12 @@
-"""LoRA target modules by architecture: what ``attention``, ``mlp`` and ``all-linear`` name in
-each model family, and which layer names a checkpoint gives the loaded model.
-
-Both processes use it. The supervisor's ``validate`` checks a job's targets against the names in
-the safetensors headers (no torch); the child resolves the same keyword against the loaded
-model's ``config.model_type`` before it builds the ``LoraConfig``. One table, so the two sides
-cannot disagree about what ``attention`` means on Phi-3.
-
-Facts behind the table (transformers 5.24, read from ``models/*/modeling_*.py``):
-
-* Llama, Mistral, Qwen2, Qwen3, Olmo2, Gemma 1/2/3: separate ``q_proj k_proj v_proj o_proj`` and a
-  gated ``gate_proj up_proj down_proj`` MLP, all ``nn.Linear`` (bitsandbytes makes them Linear4bit).
-* Phi-3 / Phi-4-mini (``model_type: phi3``): fused ``qkv_proj`` and ``gate_up_proj``, so the
-  Llama names match only ``o_proj`` and ``down_proj``.
-* Mixtral, Qwen3-MoE, OLMoE: the checkpoint stores one matrix per expert (``experts.N.w1`` or
-  ``experts.N.gate_proj``), but transformers 5 loads them into two fused 3D ``nn.Parameter``s
-  (``experts.gate_up_proj``, ``experts.down_proj``) that are not ``nn.Linear``: LoRA cannot target
-  them by module name and bitsandbytes leaves them unquantized (peft's k-bit prepare then casts
-  them to fp32, like every 16-bit parameter). The router (``gate``) is a bare parameter too. So
-  LoRA on attention is what these models can take, and ``all-linear`` is it.
-
-Standard library only.
+"""LoRA target modules by architecture, one table for ``validate`` and the child: what
+``attention``, ``mlp`` and ``all-linear`` name in each family, and the layer names a checkpoint
+gives the loaded model. Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; MoE experts load as fused 3D
+parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 ATTENTION = "attention"
@@ -35,8 +17,7 @@ KEYWORDS = (ATTENTION, MLP, ALL_LINEAR)
 
 
 class TargetsError(ValueError):
-    """Targets that cannot work on this model: ``problem`` says what, ``fix`` names what the model
-    has (validate prints them as a problem's two halves; the message is both)."""
+    """Targets that cannot work on this model: ``problem`` says what, ``fix`` what the model has."""
 
     def __init__(self, problem: str, fix: str) -> None:
         super().__init__(f"{problem}; {fix}")
@@ -99,14 +80,8 @@ def family(model_type: str | None) -> Family | None:
 
 
 def resolve(targets: tuple[str, ...] | str, model_type: str | None) -> tuple[str, ...] | str:
-    """The leaf names LoRA adapts for ``targets`` on a ``model_type`` model.
-
-    A list of names is returned as it is (checked by :func:`check`). ``attention`` / ``mlp`` /
-    ``all-linear`` become the family's names; ``all-linear`` on a model type outside the table
-    stays ``all-linear`` (peft's rule: every Linear but the head), while ``attention`` or ``mlp``
-    there raise :class:`TargetsError`, as does ``mlp`` on a mixture of experts. Any other string
-    (a regex written into a spec by hand) is left to peft.
-    """
+    """The leaf names LoRA adapts for ``targets``: a keyword becomes the family's names (raising
+    :class:`TargetsError` where it has none); anything else, as it is, is peft's."""
     if not isinstance(targets, str) or targets not in KEYWORDS:
         return targets
     block = family(model_type)
@@ -134,36 +109,27 @@ def _experts_why(block: Family) -> str:
 
 
 def linear_leaves(tensor_names: Iterable[str], model_type: str | None) -> set[str]:
-    """The leaf names of the Linear layers a checkpoint's tensors give the loaded model.
-
-    ``model.layers.0.self_attn.q_proj.weight`` -> ``q_proj``; embeddings, norms and the LM head are
-    left out, and so are MoE expert matrices (``.experts.N.``) and the router, which transformers
-    5 loads as bare parameters.
-    """
+    """The leaf names of the Linear layers a checkpoint's tensors give the loaded model."""
     block = family(model_type)
-    router = set(block.router) if block else set()
-    leaves = set()
-    for name in tensor_names:
-        parts = name.split(".")
-        if len(parts) < 2 or parts[-1] != "weight":
-            continue
-        leaf = parts[-2]
-        if "embed" in leaf or "norm" in leaf or leaf == "lm_head" or leaf in router:
-            continue
-        if "experts" in parts[:-2]:
-            continue
-        leaves.add(leaf)
-    return leaves
+    skip = {"lm_head", *(block.router if block else ())}
+    return {
+        leaf
+        for leaf, in_experts in _weights(tensor_names)
+        if not in_experts and leaf not in skip and "embed" not in leaf and "norm" not in leaf
+    }
 
 
 def expert_leaves(tensor_names: Iterable[str]) -> set[str]:
     """Leaf names that exist only inside MoE experts (``experts.N.w1`` -> ``w1``)."""
-    inside = set()
+    return {leaf for leaf, in_experts in _weights(tensor_names) if in_experts}
+
+
+def _weights(tensor_names: Iterable[str]) -> Iterator[tuple[str, bool]]:
+    """``(leaf, inside MoE experts)`` of each ``...<leaf>.weight`` tensor name."""
     for name in tensor_names:
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-1] == "weight" and "experts" in parts[:-2]:
-            inside.add(parts[-2])
-    return inside
+        if len(parts) >= 2 and parts[-1] == "weight":
+            yield parts[-2], "experts" in parts[:-2]
 
 
 def check(
@@ -172,13 +138,8 @@ def check(
     layers: set[str],
     experts: Iterable[str] = (),
 ) -> tuple[str, ...] | str:
-    """``targets`` resolved (see :func:`resolve`) and checked against ``layers``, the leaf names of
-    the model's Linear layers; raises :class:`TargetsError` naming each name that matches nothing.
-
-    Any missing name is an error, not only all of them: Llama names on Phi-3 would match
-    ``o_proj`` and ``down_proj`` and silently train a third of what was meant. ``experts``: leaf
-    names found only inside MoE experts, so the message can say why they are not layers.
-    """
+    """``targets`` resolved; raises :class:`TargetsError` naming each name not in ``layers`` (one is
+    enough: Llama names on Phi-3 would train a third of what was meant)."""
     resolved = resolve(targets, model_type)
     if isinstance(resolved, str):
         return resolved  # all-linear on an unknown block, or a regex: peft resolves it
@@ -195,8 +156,6 @@ def _missing(
     layers: set[str],
     experts: set[str],
 ) -> TargetsError:
-    """The error for names that match nothing, with the hint that fits: the experts' reason, or
-    the family's own names and the keyword that picks them."""
     resolved_from = f"{targets!r} resolves to names of which " if isinstance(targets, str) else ""
     problem = f"{resolved_from}{', '.join(map(repr, missing))} match no layer of the model"
     fix = f"its layers are {', '.join(sorted(layers))}"

@@ -1,14 +1,11 @@
-"""The merge's memory plan: what the merge needs on the GPU and in host RAM, and the device it picks.
-
-Pure arithmetic on byte counts. For a base of ``W`` bytes, adapter ``A`` (loaded shard by shard):
-on the GPU ``W + A`` plus the largest layer's ``B @ A`` plus a CUDA reserve, and host RAM for the
-imports, one input and one output shard; on the CPU, host RAM for ``W + A``, one output shard and the
-imports. Users' first merge complaint is host RAM, so ``auto`` takes the GPU only when both of its
-numbers fit, else the CPU when its host number fits."""
+"""The merge's memory plan, pure arithmetic on byte counts: on the GPU the base, the adapter, the
+largest layer's ``B @ A`` and a CUDA reserve, plus host RAM for the imports and one input and output
+shard; on the CPU all of it in host RAM. Users' first merge complaint is host RAM, so ``auto`` takes
+the GPU only when both its numbers fit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 #: RSS of a merge child after importing torch, transformers and peft (CPU build: less).
 IMPORTS_BYTES = 1_200_000_000
@@ -29,24 +26,18 @@ class MergeSizes:
 
 @dataclass(frozen=True)
 class MergePlan:
+    """The plan as ``merge_plan`` and ``merge.json`` write it (:meth:`fields`)."""
+
     device: str  # "cuda" or "cpu"
-    gpu_need: int
-    host_need_gpu: int  # host RAM when merging on the GPU
-    host_need_cpu: int  # host RAM when merging on the CPU
-    gpu_free: int | None
-    host_available: int
+    gpu_need_bytes: int
+    host_need_gpu_bytes: int  # host RAM when merging on the GPU
+    host_need_cpu_bytes: int  # host RAM when merging on the CPU
+    gpu_free_bytes: int | None
+    host_available_bytes: int
     why: str
 
     def fields(self) -> dict[str, object]:
-        return {
-            "device": self.device,
-            "gpu_need_bytes": self.gpu_need,
-            "host_need_gpu_bytes": self.host_need_gpu,
-            "host_need_cpu_bytes": self.host_need_cpu,
-            "gpu_free_bytes": self.gpu_free,
-            "host_available_bytes": self.host_available,
-            "why": self.why,
-        }
+        return asdict(self)
 
 
 def plan_merge(sizes: MergeSizes, requested: str, gpu_free: int | None, host_available: int) -> MergePlan:

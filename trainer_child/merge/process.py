@@ -1,21 +1,12 @@
-"""``python -m qlora_supervise.trainer_child.merge.process --spec attempt.json``: merge the adapter.
-
-A separate process from training, so it starts with nothing else in memory. In order:
-
-1. the memory plan (:mod:`.merge_plan`): the base's size from its config on the meta device
-   (nothing loaded), the card's free memory and the host's available RAM pick the device;
-2. a fresh base load in the *training* compute dtype (not 4-bit: merging into quantized
-   weights would round the adapter away), with ``low_cpu_mem_usage`` (shard by shard);
-3. the adapter from ``spec.adapter_dir`` merged (``merge_and_unload``), the dtype checked;
-4. a sharded safetensors save to ``spec.merged_dir`` through a temp dir and a rename, with
-   ``merge.json`` inside: time, device, dtype, the plan and the measured GPU and host peaks.
-
-On the CPU when ``Knobs.merge_on_cpu`` (the merge ladder's rung after an ``oom_merge``) or when
-the plan says so. Errors use the same report and exit codes as training, with stage ``merge``.
+"""``python -m qlora_supervise.trainer_child.merge.process --spec attempt.json``: merge the adapter
+in a process of its own: the memory plan, a fresh base load in the *training* compute dtype (4-bit
+would round the adapter away), the merge, and a sharded save through a temp dir and a rename, with
+``merge.json`` inside. Errors use the child's report and exit codes, with stage ``merge``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -25,19 +16,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.devices import DeviceError
+from qlora_supervise.trainer_child.contract.events import Loaded, read_events
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.merge.plan import MAX_SHARD_BYTES, MergePlan, MergeSizes, plan_merge
 from qlora_supervise.trainer_child.run.attempt import Context, guarded
 
 REPORT_NAME = "merge.json"
+#: ``qlora-supervise merge --device`` reaches the child through this variable (the spec's device
+#: names *which* GPU; this says whether to use it).
+DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"
 
 
 def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
-    """The dtype training computed in: the job's explicit one, else the one the training child
-    recorded (``trained``, e.g. ``torch.bfloat16``), else bf16 off the GPU (a CPU merge is usually
-    of a GPU-trained model, and fp32 would double it)."""
+    """The dtype training computed in: the job's, else the recorded one, else bf16 off the GPU."""
     import torch
 
     from qlora_supervise.trainer_child.recipe.qlora import compute_dtype
@@ -51,15 +45,10 @@ def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
 
 def trained_dtype(run_dir: Path) -> str | None:
     """The dtype the newest training attempt loaded in (its ``loaded`` event), if recorded."""
-    for events in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]/child-events.jsonl"), reverse=True):
-        for line in reversed(events.read_text(encoding="utf-8", errors="replace").splitlines()):
-            if '"loaded"' in line:
-                try:
-                    value = json.loads(line).get("dtype")
-                except ValueError:
-                    continue
-                if isinstance(value, str):
-                    return value
+    for path in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]/child-events.jsonl"), reverse=True):
+        dtypes = [e.dtype for e in read_events(path) if isinstance(e, Loaded) and e.dtype is not None]
+        if dtypes:
+            return dtypes[-1]
     return None
 
 
@@ -85,9 +74,8 @@ def _host_available() -> int:
     import psutil
 
     available = int(psutil.virtual_memory().available)
-    limit = Path("/sys/fs/cgroup/memory.max")
     try:
-        text = limit.read_text().strip()
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         used = int(Path("/sys/fs/cgroup/memory.current").read_text())
     except (OSError, ValueError):
         return available
@@ -105,14 +93,8 @@ def _plan(ctx: Context, sizes: MergeSizes) -> MergePlan:
     return plan_merge(sizes, requested, gpu_free, _host_available())
 
 
-#: ``qlora-supervise merge --device`` reaches the child through this variable (the spec's device
-#: names *which* GPU; this says whether to use it).
-DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"
-
-
 def merge(ctx: Context) -> ExitCode:
-    # The four steps of the module docstring in order; kept together so the memory-relevant order
-    # (plan before load, the base freed before the next process) reads in one place.
+    # The module docstring's steps, together: the memory-relevant order reads in one place.
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -154,26 +136,17 @@ def merge(ctx: Context) -> ExitCode:
         "plan": plan.fields(),
     }
     (temp / REPORT_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
-    _publish(temp, target)
+    checkpoints.replace_dir(temp, target)  # 0750 / 0640 whatever the umask; a link is not followed
     del merged, base
-    ctx.events.emit(
-        "finished", step=None, merged=str(target), **{k: report[k] for k in ("seconds", "device")}
-    )
+    ctx.events.emit("finished", step=None, merged=str(target), seconds=report["seconds"], device=plan.device)
     return ExitCode.OK
 
 
 def check_dtype(model: Any, dtype: Any) -> None:
-    """Every floating-point weight of the merged model is in the training dtype: a mixed model
-    (an fp32 delta left in a bf16 base) would double in size on disk and change the numbers."""
+    """Every floating-point weight is in the training dtype (no fp32 delta in a bf16 base)."""
     wrong = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != dtype})
     if wrong:
         raise RuntimeError(f"merged weights in {wrong}, expected {dtype} (the training compute dtype)")
-
-
-def _publish(temp: Path, target: Path) -> None:
-    from qlora_supervise.trainer_child.contract import checkpoints
-
-    checkpoints.replace_dir(temp, target)  # 0750 / 0640 whatever the umask; a link is not followed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,20 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     if spec.knobs.merge_on_cpu or os.environ.get(DEVICE_ENV) == "cpu":
-        spec = _on_cpu(spec)
+        # Hide the GPUs: a CPU merge must not even create a CUDA context on a full device.
+        spec = dataclasses.replace(spec, device="cpu", gpu_memory_limit=None)
     try:
         prepare_env(spec)
     except DeviceError as exc:
         print(f"trainer child: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     return guarded(spec, merge)
-
-
-def _on_cpu(spec: AttemptSpec) -> AttemptSpec:
-    """Hide the GPUs: a CPU merge must not even create a CUDA context on a full device."""
-    import dataclasses
-
-    return dataclasses.replace(spec, device="cpu", gpu_memory_limit=None)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,5 @@
-"""Where activations live: gradient checkpointing switched on a built model, and activation offload.
-
-Both change without a reload: the speed trial switches checkpointing on the model it times, and the
-trainer runs each micro-step under :func:`activation_context`."""
+"""Where activations live: gradient checkpointing switched on a built model, and activation offload;
+both change without a reload."""
 
 from __future__ import annotations
 
@@ -14,24 +12,23 @@ import torch
 
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-#: The one set of checkpointing kwargs: prepare_model_for_kbit_training, SFTConfig and the speed
-#: trial all use it. Non-reentrant: it needs no input gradients and works with frozen 4-bit layers.
+#: The one set of checkpointing kwargs. Non-reentrant: it needs no input gradients and works with
+#: frozen 4-bit layers.
 CHECKPOINTING_KWARGS: dict[str, Any] = {"use_reentrant": False}
 #: Saved tensors smaller than this stay where they are: copying them costs more than they free.
 MIN_OFFLOAD_BYTES = 1024
 
 
 def checkpointing_kwargs() -> dict[str, Any]:
-    """A fresh copy (the libraries keep and may mutate what they get)."""
+    """A fresh copy: the libraries keep and may mutate what they get."""
     return dict(CHECKPOINTING_KWARGS)
 
 
 def set_checkpointing(trainer: Any, enabled: bool) -> None:
-    """Checkpointing on or off on ``trainer``'s model and in its arguments: ``Trainer.train`` turns it
-    on again when ``args.activation_checkpointing`` (or its deprecated alias) is set, and never off."""
+    """Checkpointing on or off on ``trainer``'s model and in its arguments (``Trainer.train`` turns it
+    on again when the arguments say so, and never off)."""
     model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    # transformers 5 names them activation_checkpointing_*; gradient_checkpointing_* are deprecated
-    # aliases that warn on every call.
+    # transformers 5's activation_checkpointing_*; gradient_checkpointing_* are aliases that warn.
     if enabled:
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
@@ -48,27 +45,21 @@ def set_checkpointing(trainer: Any, enabled: bool) -> None:
 
 
 def offloads(tensor: torch.Tensor) -> bool:
-    """Whether a tensor saved for backward goes to the host: an activation on an accelerator.
-
-    Parameters and their views stay (as in torchtune's OffloadActivations): a frozen weight an op
-    saves, such as the LM head's in trl's fused loss, would be copied out and back every micro-step
-    (gigabytes at a 128k vocabulary) for nothing. Host tensors and tiny ones stay as well."""
+    """Whether a tensor saved for backward goes to the host: an activation on an accelerator, not tiny.
+    Parameters and their views stay (as in torchtune): a frozen weight an op saves, such as the LM
+    head's in trl's fused loss, would be copied out and back every micro-step for nothing."""
     if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
         return False
-    if tensor.device.type == "cpu":
-        return False
-    return tensor.numel() * tensor.element_size() >= MIN_OFFLOAD_BYTES
+    return tensor.device.type != "cpu" and _nbytes(tensor) >= MIN_OFFLOAD_BYTES
 
 
 class HostBuffers:
-    """The host buffers offloaded activations live in, kept between micro-steps.
+    """The host buffers offloaded activations live in, reused between micro-steps (``save_on_cpu``
+    allocates new pinned tensors each micro-step, and the host caching allocator keeps them all).
 
-    ``save_on_cpu`` allocates a new pinned tensor per saved tensor per micro-step, and the host caching
-    allocator keeps them all: host memory only grows. Here a buffer is the tensor's size rounded up to a
-    power of two (the allocator's rounding, which the host model's ``pinned()`` counts; rounded because
-    trl's collator pads each batch to its own length), taken from a free list and returned when autograd
-    drops what it saved. :meth:`release` gives them back when the config changes or the trial ends. The
-    counters are what the tests and the heartbeats read."""
+    A buffer is the tensor's size rounded up to a power of two (the allocator's rounding, which the host
+    model counts; trl pads each batch to its own length), taken from a free list and returned when
+    autograd drops what it saved."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
@@ -81,9 +72,9 @@ class HostBuffers:
         self.packed = 0  # tensors offloaded
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host buffer whose first bytes hold ``tensor`` (:func:`as_saved` views it as the tensor)."""
+        """A host buffer whose first bytes hold ``tensor``."""
         nbytes = _nbytes(tensor)
-        size = _bucket(nbytes)
+        size = 1 << max(nbytes - 1, 0).bit_length()
         free = self._free.get(size)
         if free:
             buffer = free.pop()
@@ -107,20 +98,16 @@ class HostBuffers:
         dropped = sum(b.numel() for buffers in self._free.values() for b in buffers)
         self._free.clear()
         self.held_bytes -= dropped
-        empty_host_cache()
+        # The host allocator's cached pinned blocks back too (``_host_emptyCache`` in torch 2.11).
+        accelerator = getattr(torch, "accelerator", None)
+        empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None and torch.cuda.is_available():
+            empty()
         return dropped
 
 
-def as_saved(buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    return buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
-
-
-def _bucket(nbytes: int) -> int:
-    return 1 << max(nbytes - 1, 0).bit_length()
-
-
 class _Offloaded:
-    """What autograd keeps for one offloaded tensor; its buffer returns to the pool when autograd drops it."""
+    """What autograd keeps for one offloaded tensor; its buffer goes back to the pool when dropped."""
 
     __slots__ = ("buffer", "device", "dtype", "pool", "shape")
 
@@ -134,21 +121,21 @@ class _Offloaded:
     def __del__(self) -> None:
         self.pool.give_back(self.buffer)
 
+    def saved(self) -> torch.Tensor:
+        """The buffer's first bytes, viewed as the tensor that was saved."""
+        return self.buffer[: self.shape.numel() * self.dtype.itemsize].view(self.dtype).view(self.shape)
+
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """``save_on_cpu``, less what :func:`offloads` keeps in place, into the reused buffers of ``pool``.
-
-    With non-reentrant checkpointing only each block's input is offloaded (the checkpoint's hooks keep
-    the inner tensors out of ours); a tensor saved during the backward (a reentrant recomputation) is read
-    back in that backward, so it stays."""
+    A tensor saved during the backward (a reentrant recomputation) is read back in it, so it stays."""
 
     def __init__(self, pool: HostBuffers) -> None:
-        # The same tensor saved by two ops (an RMSNorm's input: by its square and by its product)
-        # is copied once: while the tensor lives, its first copy is handed out again.
+        # A tensor saved by two ops (an RMSNorm's input) is copied once, while it lives.
         seen: dict[int, tuple[weakref.ref[torch.Tensor], _Offloaded]] = {}
 
         def pack(tensor: torch.Tensor) -> Any:
-            if not offloads(tensor) or in_backward():
+            if not offloads(tensor) or torch._C._current_graph_task_id() != -1:  # saved in a backward
                 return tensor
             earlier = seen.get(id(tensor))
             if earlier is not None and earlier[0]() is tensor:
@@ -160,28 +147,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            host = as_saved(packed.buffer, packed.dtype, packed.shape)
-            result: torch.Tensor = host.to(packed.device, non_blocking=pool.pin_memory)
+            result: torch.Tensor = packed.saved().to(packed.device, non_blocking=pool.pin_memory)
             return result
 
         super().__init__(pack, unpack)
 
 
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a recomputation's saves)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def empty_host_cache() -> None:
-    """Give the host allocator's cached pinned blocks back (``_host_emptyCache`` in torch 2.11)."""
-    accelerator = getattr(torch, "accelerator", None)
-    empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None and torch.cuda.is_available():
-        empty()
 
 
 _POOL: HostBuffers | None = None
@@ -195,14 +168,12 @@ def host_buffers() -> HostBuffers:
 
 
 def release_host_buffers() -> int:
-    """Give back the buffers no micro-step holds (after the speed trial, or a config change in-process);
-    the bytes given back."""
+    """Give back the buffers no micro-step holds; the bytes given back."""
     return 0 if _POOL is None else _POOL.release()
 
 
 @contextlib.contextmanager
 def activation_context(knobs: Knobs) -> Iterator[None]:
-    """What a training micro-step runs under: activation offload when the knob is on, else nothing."""
     if not knobs.activation_offload:
         yield
         return

@@ -1,10 +1,6 @@
-"""Training rows: a local jsonl/json/parquet/csv file or a saved ``datasets`` directory.
-
-Text becomes one ``text`` column (loss on every token); chat one ``messages`` column, which trl renders
-with the chat template (``assistant_only_loss``: loss on the assistant's tokens). Every problem the job
-can fix is a :class:`ConfigError` (never retried), a bad record named by file, line and field
-(:mod:`.data_rows`). The full scan runs only when loading failed or the column looks wrong, so a good
-dataset is read once."""
+"""Training rows from a local jsonl/json/parquet/csv file or a saved ``datasets`` directory: one ``text``
+or ``messages`` column. Every problem the job can fix is a ConfigError naming the bad record; the full
+scan runs only when loading failed or the column looks wrong, so a good dataset is read once."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ TEXT = "text"
 MESSAGES = "messages"
 
 
-def load_table(path: str, spec: DataSpec | None = None) -> Any:  # -> datasets.Dataset
-    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train'); a file
-    ``datasets`` cannot read is scanned for the bad record, named in a ConfigError."""
+def load_table(path: str, spec: DataSpec) -> Any:  # -> datasets.Dataset
+    """One split from a file or a ``save_to_disk`` directory (a DatasetDict gives its 'train')."""
     import datasets
 
     source = Path(path)
@@ -49,9 +44,8 @@ def load_table(path: str, spec: DataSpec | None = None) -> Any:  # -> datasets.D
         raise ConfigError(f"data {path}: {_bad_record(source, spec) or f'cannot be read: {exc}'}") from exc
 
 
-def _bad_record(source: Path, spec: DataSpec | None) -> str | None:
-    """The first record of ``source`` that cannot train, in words (file, line, field), or None."""
-    if spec is None or not source.is_file():
+def _bad_record(source: Path, spec: DataSpec) -> str | None:
+    if not source.is_file():
         return None
     messages = spec.messages_field is not None
     try:
@@ -64,8 +58,7 @@ def _bad_record(source: Path, spec: DataSpec | None) -> str | None:
 
 
 def check_column(table: Any, spec: DataSpec, path: str) -> None:
-    """Nulls or a non-text column (read from the arrow table, cheaply) become a ConfigError that
-    names the first bad record's line."""
+    """Nulls or a non-text column (read cheaply from the arrow table) become a ConfigError."""
     field = spec.messages_field or spec.text_field or TEXT
     column = table.data.column(field)
     kind = str(column.type)
@@ -79,8 +72,7 @@ def check_column(table: Any, spec: DataSpec, path: str) -> None:
 
 
 def to_rows(table: Any, spec: DataSpec, tokenizer: Any, path: str) -> Any:
-    """A dataset with one column: ``text`` (the text field) or ``messages`` (the messages
-    field, left as a list of turns so that trl can mask the user's turns out of the loss)."""
+    """A dataset of one column: ``text``, or ``messages`` (left as turns, for trl to mask the user's)."""
     field = spec.messages_field or spec.text_field
     if field is None:
         raise ConfigError("data: neither text_field nor messages_field is set")
@@ -110,20 +102,15 @@ def train_eval_split(spec: DataSpec, tokenizer: Any, seed: int) -> tuple[Any, An
 
 
 def sample_lengths(rows: Any, tokenizer: Any, limit: int = MAX_REPORTED_LENGTHS) -> SampleLengths:
-    """Tokenized lengths of the training rows before any truncation, tokenized as trl will (text
-    with EOS appended, chats through the chat template): every row up to ``limit``, else ``limit``
-    evenly spaced ones, so that the supervisor can say what a shorter ``max_seq_len`` would cut."""
+    """Lengths of up to ``limit`` evenly spaced rows, tokenized as trl will, before any truncation: what
+    a shorter ``max_seq_len`` would cut."""
     total = len(rows)
     picked = rows.select(range(0, total, max(1, math.ceil(total / limit))))
     if MESSAGES in picked.column_names:
-        lengths = [len(_chat_ids(tokenizer, chat)) for chat in picked[MESSAGES]]
+        chats = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=True) for c in picked[MESSAGES]]
+        lengths = [len(chat["input_ids"]) for chat in chats]
     else:
         eos = tokenizer.eos_token or ""
         texts = [text if text.endswith(eos) else text + eos for text in picked[TEXT]]
         lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
     return SampleLengths(total, tuple(sorted(lengths)))
-
-
-def _chat_ids(tokenizer: Any, chat: Any) -> list[int]:
-    ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
-    return list(ids)

@@ -1,10 +1,9 @@
-"""The bf16 head: the embeddings and the LM head keep the compute dtype through k-bit prepare.
+"""The bf16 head: the embeddings and the LM head keep the compute dtype through the k-bit prepare.
 
-``prepare_model_for_kbit_training`` upcasts every non-4-bit parameter to fp32, the embeddings and the
-LM head too: 2.1 GB each at a 128k vocabulary (issue 19, H200: 9.18 GiB peak with the upcast, 6.42
-without, +43 % tokens/s). The loss stays fp32 either way: trl's fused head accumulates the
-log-sum-exp in fp32 and transformers' ``ForCausalLMLoss`` upcasts the logits, so the knob changes the
-head weight's dtype only. On the CPU the compute dtype is fp32 and the knob changes nothing."""
+Its fp32 upcast costs 2.1 GB each at a 128k vocabulary (issue 19, H200: 9.18 GiB peak with it, 6.42
+without, +43 % tokens/s). The loss stays fp32 either way (trl's fused head and transformers'
+``ForCausalLMLoss`` upcast the logits). On the CPU the compute dtype is fp32: the knob changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ def head_parameters(model: Any) -> list[torch.nn.Parameter]:
 
 @contextlib.contextmanager
 def kept_out_of_upcast(parameters: list[torch.nn.Parameter], dtype: torch.dtype | None) -> Iterator[None]:
-    """Inside: ``parameters`` hold empty stand-ins, so the upcast passes them by; after: their own data
-    in ``dtype`` (None: as loaded). Casting down after the upcast would be exact, but the device would
-    hold each fp32 copy on the way (2.1 GB at a 128k vocabulary, at the load)."""
+    """Inside: ``parameters`` hold empty stand-ins the upcast passes by; after: their data in ``dtype``
+    (None: as loaded). Casting down after the upcast would hold each fp32 copy on the device meanwhile."""
     saved = [parameter.data for parameter in parameters]
     for parameter, data in zip(parameters, saved, strict=True):
         parameter.data = torch.empty(0, dtype=data.dtype, device=data.device)
@@ -43,8 +41,8 @@ def kept_out_of_upcast(parameters: list[torch.nn.Parameter], dtype: torch.dtype 
 
 
 def match_head_input(model: Any) -> None:
-    """Cast what enters the LM head to its weight dtype (a forward pre-hook): a plain forward without
-    autocast would otherwise meet a bf16 weight with the fp32 norm's output."""
+    """Cast what enters the LM head to its weight dtype: without autocast the fp32 norm's output would
+    meet a bf16 weight."""
     head = model.get_output_embeddings()
     if head is None:
         return

@@ -1,9 +1,7 @@
 """What a warm spare readies before its attempt exists: the tokenizer, the rows and their lengths.
 
-They depend on no knob a rung changes, only on the model, the data, the seed and packing. A spare
-prepares them from attempt N's spec while N trains; N+1 takes them when its inputs are equal, else
-loads its own. Both run the same functions on the same inputs (none draws from a generator), so
-preparing ahead cannot change a result; it saves the time between the OOM and the next forward."""
+They depend on no knob a rung changes. A spare prepares them from attempt N's spec; N+1 takes them when
+its inputs are equal, else loads its own, by the same functions: preparing ahead cannot change a result."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ Stamp = tuple[tuple[str, int, int], ...]
 
 
 def stamp(path: str | None) -> Stamp:
-    """(name, size, mtime_ns) of the file at ``path``, or of a directory's top-level files (a
-    model's weights left out): what tells a file rewritten since the spare read it."""
+    """(name, size, mtime_ns) of the file at ``path``, or of a directory's top-level non-weight files."""
     if path is None:
         return ()
     where = Path(path)
@@ -42,8 +39,7 @@ def stamp(path: str | None) -> Stamp:
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    """Everything the prepared objects depend on; equal inputs, equal objects. The stamps catch
-    data or tokenizer files rewritten between the spare's preparation and its attempt."""
+    """Everything the prepared objects depend on, files stamped (rewritten since the spare read them?)."""
 
     model: str
     trust_remote_code: bool
@@ -61,7 +57,7 @@ class Inputs:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """The tokenizer, the training and eval rows, and the rows' lengths (None when packing)."""
+    """The tokenizer, training and eval rows, and the rows' lengths (None when packing)."""
 
     inputs: Inputs
     tokenizer: Any
@@ -75,9 +71,8 @@ class Prepared:
 
 
 def load_rows(spec: AttemptSpec, tokenizer: Any) -> tuple[Any, Any | None, SampleLengths | None]:
-    """(train, eval or None, lengths or None): the recipe's data step, prepared or not."""
     train_set, eval_set = data.train_eval_split(spec.data, tokenizer, spec.train.seed)
-    # Packed rows are chunked, not cut, at max_seq_len: their lengths say nothing of a loss.
+    # Packed rows are chunked, not cut, at max_seq_len: their lengths say nothing.
     lengths = None if spec.train.packing else data.sample_lengths(train_set, tokenizer)
     return train_set, eval_set, lengths
 
@@ -94,7 +89,6 @@ def load_tokenizer(spec: AttemptSpec) -> Any:
 
 
 def prepare(spec: AttemptSpec) -> Prepared:
-    """Load the CPU-side inputs of ``spec``'s recipe (errors are the attempt's to report)."""
     started = time.monotonic()
     inputs = Inputs.of(spec)  # stamped before reading: a file rewritten meanwhile no longer matches
     tokenizer = load_tokenizer(spec)

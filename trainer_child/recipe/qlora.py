@@ -1,9 +1,5 @@
-"""The QLoRA recipe, top to bottom in the order the seed recipes teach it.
-
-4-bit quantization config → load (use_cache off) → prepare for k-bit training → LoRA →
-checks (target modules matched, trainable share sane) → data → SFTConfig → trainer.
-Every config object is built here; :mod:`attempt` only runs what this returns.
-"""
+"""The QLoRA recipe, top to bottom in the seeds' order: 4-bit config → load (use_cache off) → k-bit
+prepare → LoRA → checks → data → SFTConfig → trainer. Every config object is built here."""
 
 from __future__ import annotations
 
@@ -34,33 +30,29 @@ from qlora_supervise.trainer_child.recipe.trainer import (
 )
 from qlora_supervise.trainer_child.run.failure import ConfigError
 from qlora_supervise.trainer_child.run.heartbeat import Progress
+from qlora_supervise.trainer_child.run.memory import memory_numbers, reset_host_peak
 from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
 _DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
+    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16"), torch.float16),
+    **dict.fromkeys(("fp32", "float32"), torch.float32),
 }
 
 
 @dataclasses.dataclass
 class Recipe:
-    """What the attempt needs to run and finish: the trainer and where it resumes from."""
+    """The trainer, and the tokenizer saved with the adapter."""
 
     trainer: SupervisedSFTTrainer
     tokenizer: Any
-    resume_from: str | None
-    compute_dtype: torch.dtype
 
 
 def compute_dtype(name: str, on_cuda: bool) -> torch.dtype:
-    """``auto``: bf16 where the GPU supports it, else fp16; fp32 on the CPU, because Trainer's
-    CPU autocast is bf16-only and slow without AMX, and fp32 keeps the CPU path simple."""
+    """``auto``: bf16 where the GPU supports it, else fp16; fp32 on the CPU (Trainer's CPU autocast
+    is bf16-only and slow without AMX)."""
     if name != "auto":
         if name not in _DTYPES:
             raise ConfigError(f"compute_dtype {name!r}: expected auto or one of {sorted(_DTYPES)}")
@@ -81,23 +73,20 @@ def quantization_config(knobs: Knobs, dtype: torch.dtype) -> BitsAndBytesConfig 
         bnb_4bit_use_double_quant=knobs.double_quant,
         bnb_4bit_compute_dtype=dtype,
         **fsdp.storage(knobs, dtype),  # FSDP-QLoRA: the 4-bit codes in a dtype FSDP can shard
-        # CPU offload of some layers needs fp32 modules on the CPU side.
         llm_int8_enable_fp32_cpu_offload=knobs.cpu_offload,
     )
 
 
 def placement(knobs: Knobs, gpu_limit: int | None, on_cuda: bool) -> dict[str, Any]:
-    """device_map / max_memory. CPU offload only means something on a GPU; on the CPU
-    everything is on the CPU already, so the knob is a no-op there. On a GPU the model goes to
-    the current device: ``cuda:0``, or ``cuda:LOCAL_RANK`` for a torchrun rank (DDP keeps one whole
-    replica per rank)."""
+    """device_map / max_memory: CPU offload is a no-op on the CPU; on a GPU the model goes to the
+    current device (``cuda:LOCAL_RANK`` under torchrun: DDP keeps one whole replica per rank)."""
     if not on_cuda:
         return {"device_map": {"": "cpu"}}
     index = torch.cuda.current_device()
     if not knobs.cpu_offload:
         return {"device_map": {"": index}}
     total = torch.cuda.get_device_properties(index).total_memory
-    # Leave room for activations: the weights may take about half of the allowed device memory.
+    # The weights may take about half of the allowed device memory: the rest is for activations.
     budget = int((gpu_limit or total) * 0.5)
     return {"device_map": "auto", "max_memory": {index: budget, "cpu": "1000GiB"}}
 
@@ -122,30 +111,23 @@ def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
     return model
 
 
-def linear_layer_names(model: Any) -> list[str]:
-    """Leaf names of the linear layers (4-bit ones included), the vocabulary of target_modules."""
-    names = set()
-    for full_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not full_name.endswith("lm_head"):
-            names.add(full_name.rsplit(".", 1)[-1])
-    return sorted(names)
-
-
 def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> None:
-    """Every target must match a real layer: a typo would otherwise train nothing (or only the
-    layers that did match) without a word. ``attention`` / ``mlp`` / ``all-linear`` resolve by the
-    model's type first (:mod:`...contract.targets`, the table validate uses too); ``all-linear``
-    on a type outside it, or a regex, is peft's to resolve, and the trainable share check follows."""
+    """Every target must match a real layer (a typo would silently train nothing). ``attention`` /
+    ``mlp`` / ``all-linear`` resolve by model type (:mod:`...contract.targets`); a regex is peft's."""
+    linear = {  # leaf names of the linear layers (4-bit ones included): target_modules' vocabulary
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    }
     try:
-        check(target_modules, model.config.model_type, set(linear_layer_names(model)))
+        check(target_modules, model.config.model_type, linear)
     except TargetsError as exc:
         raise ConfigError(f"target_modules {target_modules!r} on {type(model).__name__}: {exc}") from exc
 
 
 def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec, dtype: torch.dtype | None = None) -> Any:
-    # bf16_head: the embeddings and LM head skip the fp32 upcast and stay in the compute dtype
-    # (recipe/head.py says why that costs the loss no precision); norms are upcast as before.
-    # Under FSDP every non-4-bit parameter keeps it (recipe/fsdp.py: one dtype for FSDP to shard).
+    # bf16_head: the embeddings and LM head skip the fp32 upcast (recipe/head.py says why); under
+    # FSDP every non-4-bit parameter does (recipe/fsdp.py: one dtype for FSDP to shard).
     kept = fsdp.kept_16bit(model, knobs) or (head_parameters(model) if knobs.bf16_head else [])
     with kept_out_of_upcast(kept, dtype):
         model = prepare_model_for_kbit_training(
@@ -181,7 +163,7 @@ def trainable_share(model: Any) -> tuple[int, int, float]:
 
 def check_chat_template(tokenizer: Any) -> None:
     """Assistant-only loss needs ``{% generation %}`` markers in the chat template, or a training
-    template trl ships for this model family; without either, say so before anything trains."""
+    template trl ships for the model family: a ConfigError before anything trains."""
     from trl.chat_template_utils import get_training_chat_template
 
     try:
@@ -195,10 +177,6 @@ def check_chat_template(tokenizer: Any) -> None:
         ) from exc
 
 
-def _field_names(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
-
-
 def sft_config(
     spec: AttemptSpec,
     dtype: torch.dtype,
@@ -206,8 +184,8 @@ def sft_config(
     has_eval: bool,
     sharding: dict[str, Any] | None = None,
 ) -> SFTConfig:
-    # Every SFTConfig argument the recipe sets, in one flat list: long, but one place to read
-    # which spec field becomes which Trainer setting (no third set of defaults anywhere).
+    # Every SFTConfig argument the recipe sets, in one flat list: one place to read which spec
+    # field becomes which Trainer setting.
     knobs, train = spec.knobs, spec.train
     evaluating = has_eval and knobs.eval_enabled and train.eval_steps is not None
     kwargs: dict[str, Any] = dict(
@@ -218,12 +196,8 @@ def sft_config(
         max_length=knobs.max_seq_len,
         packing=train.packing,
         dataset_text_field=data.TEXT,
-        # Chat data: the loss on the assistant's tokens only, never on the user's turns.
-        # assistant_only_loss rather than completion_only_loss, because it trains every assistant
-        # turn of a multi-turn chat straight from the `messages` column; the completion mask needs
-        # prompt/completion rows and trains only the final turn. Its cost: the chat template must
-        # mark assistant output with {% generation %}, or trl must ship a training template for it
-        # (check_chat_template turns the lack of both into a ConfigError).
+        # Chat data: loss on every assistant turn (completion_only_loss would train the last only);
+        # the chat template must mark them (check_chat_template).
         assistant_only_loss=spec.data.messages_field is not None,
         optim=knobs.optimizer,
         learning_rate=train.learning_rate,
@@ -243,36 +217,30 @@ def sft_config(
         bf16=on_cuda and dtype == torch.bfloat16,
         fp16=on_cuda and dtype == torch.float16,
         use_cpu=not on_cuda,
-        # "none" or "tensorboard" (the job's train.report_to); the log directory is set by
-        # report_env, one for every attempt of the run.
         report_to=train.report_to,
         disable_tqdm=True,
         dataloader_num_workers=0,
-        # Never: a restored batch size would undo the micro-batch rung (see attempt docs).
-        auto_find_batch_size=False,
-        # Under torchrun (DDP): LoRA leaves every frozen base weight out of the gradient, and the
-        # default search for unused parameters would cost a graph walk per step and fail with
+        auto_find_batch_size=False,  # a restored batch size would undo the micro-batch rung
+        # DDP: the search for unused parameters costs a graph walk per step and fails with
         # gradient checkpointing (parameters marked ready twice).
         ddp_find_unused_parameters=False,
         ddp_backend=("nccl" if on_cuda else "gloo") if this_rank().distributed else None,
         **(sharding or {}),  # FSDP-QLoRA's (recipe/fsdp.py); none for DDP
     )
     # transformers 5.24 folds warmup_ratio into warmup_steps (a float < 1 is a ratio).
-    if "warmup_ratio" in _field_names(SFTConfig):
+    if "warmup_ratio" in {f.name for f in dataclasses.fields(SFTConfig)}:
         kwargs["warmup_ratio"] = train.warmup_ratio
     else:
         kwargs["warmup_steps"] = train.warmup_ratio
     return SFTConfig(**kwargs)
 
 
-#: TensorBoard's log directory inside the run directory: every attempt writes its event file
-#: there, so the curves of a restarted run continue (steps resume from the checkpoint's step).
+#: TensorBoard's directory in the run directory, shared by every attempt: a restarted run's curves continue.
 TENSORBOARD_DIR = "tensorboard"
 
 
 def report_env(spec: AttemptSpec) -> dict[str, str]:
-    """Environment the Trainer's reporting integrations read (transformers' TensorBoardCallback
-    takes its directory from ``TENSORBOARD_LOGGING_DIR``, else a new dated one per process)."""
+    """Environment of the Trainer's reporting (TensorBoardCallback reads ``TENSORBOARD_LOGGING_DIR``)."""
     if spec.train.report_to != "tensorboard":
         return {}
     from importlib.util import find_spec
@@ -299,13 +267,11 @@ class PhaseClock:
 
 
 #: Injected fault for tests: ``knob_name`` makes the load fail with a plain RuntimeError while that
-#: knob is on, as a rung whose config the stack cannot run does (the 4-bit CPU-offload crash:
-#: "Tensor.item() cannot be called on meta tensors"). Never set outside tests.
+#: knob is on, as a rung the stack cannot run does (the 4-bit CPU-offload crash on meta tensors).
 TEST_FAIL_WITH_KNOB = "QLORA_SUPERVISE_TEST_FAIL_WITH_KNOB"
 
 
 def injected_knob_fault(knobs: Knobs) -> None:
-    """Raise the injected fault of :data:`TEST_FAIL_WITH_KNOB` when its knob is on (tests only)."""
     name = os.environ.get(TEST_FAIL_WITH_KNOB, "")
     if name and getattr(knobs, name, False) is True:
         raise RuntimeError(f"injected fault ({TEST_FAIL_WITH_KNOB}): this stack cannot run {name}")
@@ -319,18 +285,15 @@ def build(
     prepared: Prepared | None = None,
 ) -> Recipe:
     """Everything up to a trainer ready to ``train(resume_from_checkpoint=source.load_from)``;
-    ``prepared`` (a warm spare's, see :mod:`.prepared`) stands in for the tokenizer and data
-    steps when it was made from the same inputs."""
-    # The recipe top to bottom in the seeds' order (4-bit load, use_cache off, k-bit prepare,
-    # LoRA, trainer): split into pieces it would no longer read as one script.
+    ``prepared`` (a warm spare's) stands in for the tokenizer and data when made from the same inputs."""
+    # One function, so the recipe reads as one script in the seeds' order.
     knobs = spec.knobs
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
     os.environ.update(report_env(spec))
     ready = prepared if prepared is not None and prepared.serves(spec) else None
     clock = PhaseClock()
-    # Seeded before the adapter exists: LoRA's A matrices are drawn at get_peft_model, before
-    # the Trainer would seed (it seeds in its own constructor), so without this each process,
-    # each restart included, starts from another random adapter.
+    # Before get_peft_model draws LoRA's A matrices (the Trainer seeds later): every restart starts
+    # from the same adapter.
     set_seed(spec.train.seed)
     progress.enter(Stage.LOAD)
     tokenizer = ready.tokenizer if ready else load_tokenizer(spec)
@@ -349,8 +312,6 @@ def build(
     if spec.data.messages_field is not None:
         check_chat_template(tokenizer)
     clock.lap("data")
-    from qlora_supervise.trainer_child.run.memory import memory_numbers
-
     progress.events.emit(
         "loaded",
         trainable_params=trainable,
@@ -366,8 +327,6 @@ def build(
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     if on_cuda:  # the load's host peak is in the event above; from here the mark is training's
-        from qlora_supervise.trainer_child.run.memory import reset_host_peak
-
         reset_host_peak()
     callback = SupervisionCallback(source, spec.cpu_memory_limit)
     protect = Path(spec.resume_from) if spec.resume_from else None
@@ -389,7 +348,7 @@ def build(
         prepared=ready is not None,
         prepared_s=ready.seconds if ready else None,
     )
-    return Recipe(trainer, tokenizer, source.load_from, dtype)
+    return Recipe(trainer, tokenizer)
 
 
 def count_linear4bit(model: Any) -> int:

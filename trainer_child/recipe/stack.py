@@ -1,10 +1,9 @@
-"""The heavy import stack of an attempt, in one place, and the data segment it costs.
-
-``python -m qlora_supervise.trainer_child.recipe.stack [--bytes]`` prints the data segment (VmData)
-after these imports: the fixed cost a CPU memory cap is placed above (CPU torch ~0.4 GiB, CUDA ~2.3)."""
+"""The heavy import stack of an attempt; ``python -m ...recipe.stack [--bytes]`` prints the data segment
+(VmData) it costs: the fixed cost a CPU memory cap sits above (CPU torch ~0.4 GiB, CUDA ~2.3)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -12,25 +11,16 @@ from qlora_supervise.trainer_child.contract.byte_sizes import format_bytes
 
 
 def import_training_stack() -> dict[str, str]:
-    """Import torch, bitsandbytes, peft, transformers and trl; return their versions."""
-    import bitsandbytes
-    import peft
-    import torch
-    import transformers
-    import trl
+    """Import torch, transformers, peft, trl and bitsandbytes; their versions."""
+    import importlib
 
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "trl": trl.__version__,
-        "bitsandbytes": bitsandbytes.__version__,
-    }
+    names = ("torch", "transformers", "peft", "trl", "bitsandbytes")
+    return {name: str(importlib.import_module(name).__version__) for name in names}
 
 
 def import_training_classes(model_dir: str | None = None) -> None:
-    """Import what the recipe touches lazily (transformers, trl, peft, ``datasets``, and the modelling
-    module of ``model_dir``'s architecture), so that a warm spare's attempt pays none of it; no CUDA."""
+    """Import what the recipe touches lazily (and ``model_dir``'s modelling module), so a warm spare's
+    attempt pays none of it; no CUDA."""
     import importlib
     import json
     from pathlib import Path
@@ -48,28 +38,21 @@ def import_training_classes(model_dir: str | None = None) -> None:
         importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     except (OSError, ValueError, KeyError, TypeError, ImportError):
         return  # a hub id, or an architecture this transformers names otherwise: the attempt imports it
-    warm_weight_renamings(str(model_type))
-    build_on_meta(model_dir)
+    warm_first_load(model_dir, str(model_type))
 
 
-def warm_weight_renamings(model_type: str) -> None:
-    """Build transformers' checkpoint-renaming table (5.x; a private cache as of 5.17 and 5.24), which
-    the first ``from_pretrained`` builds for every architecture at once (0.6 s of regexes on CI)."""
-    try:
-        from transformers import conversion_mapping
-    except ImportError:
-        return
-    build = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
-    if callable(build):
-        build(model_type)
-
-
-def build_on_meta(model_dir: str) -> None:
-    """Construct the model on the meta device and drop it: a first construction's one-off work (the
-    loss-name regex, the generation config, each layer's constructor) is then done; nothing is kept."""
+def warm_first_load(model_dir: str, model_type: str) -> None:
+    """Do a first load's one-off work ahead: transformers' checkpoint-renaming table (a private cache in
+    5.x, 0.6 s of regexes on CI), and a first construction (on the meta device, dropped)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    with contextlib.suppress(ImportError):
+        from transformers import conversion_mapping
+
+        build = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+        if callable(build):
+            build(model_type)
     try:
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):
@@ -79,8 +62,7 @@ def build_on_meta(model_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the import baseline: for a person by default, or only the byte count with ``--bytes``
-    (what the demo, the tests and the benches parse)."""
+    """Print the import baseline: for a person, or only the byte count with ``--bytes`` (for scripts)."""
     import argparse
 
     from qlora_supervise.trainer_child.contract.entry import STACK, STACK_BYTES

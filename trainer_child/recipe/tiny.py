@@ -1,12 +1,10 @@
 """A tiny Llama-shaped model, tokenizer, dataset and job, built locally with no download.
 
-``python -m qlora_supervise.trainer_child.recipe.tiny DIR`` writes ``DIR/model`` (with a word-level
-tokenizer), ``DIR/data.jsonl`` (``text`` and ``messages``) and ``DIR/job.yaml``, for tests, demos and
-the CPU memory-cap scenarios: 30 steps take seconds on 2 cores, and every row is longer than 512
-tokens, so activation memory grows with ``micro_batch_size * max_seq_len``. The task (counting by a
-stride) is learnable, so the loss falls fast. ``--family gemma2`` (``gemma3_text``, ``phi3``,
-``qwen3``, ``qwen3_moe``) writes a random model of that architecture (hidden 64, 2 layers) whose job's
-``target_modules: attention`` resolves by model type (tests/test_families.py)."""
+``python -m qlora_supervise.trainer_child.recipe.tiny DIR [--family F]`` writes ``DIR/model`` (with a
+word-level tokenizer), ``DIR/data.jsonl`` (``text`` and ``messages``) and ``DIR/job.yaml``: 30 steps
+take seconds on 2 cores, every row is longer than 512 tokens (activation memory grows with
+``micro_batch_size * max_seq_len``), and the task (counting by a stride) is learnable. ``--family``
+writes a random model of that architecture whose job's ``target_modules: attention`` resolves by type."""
 
 from __future__ import annotations
 
@@ -15,36 +13,22 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy libraries load only when a model is built
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-
-class ModelShape(TypedDict):
-    """The LlamaConfig sizes of the tiny model (typed, so each one is checked against LlamaConfig)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int
-
-
 #: Sized so that activations, not weights, dominate memory: hidden 256, 4 layers.
-MODEL_SHAPE: ModelShape = {
+MODEL_SHAPE = {
     "hidden_size": 256,
-    # A multiple of 32: in eval mode on the CPU, bitsandbytes repacks 4-bit weights in blocks of
-    # 32 output rows and asserts on any other size.
+    # A multiple of 32: on the CPU in eval mode, bitsandbytes repacks 4-bit weights in 32-row blocks.
     "intermediate_size": 704,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "max_position_embeddings": 1024,
 }
-#: The other families' shared sizes: every Linear's output a multiple of 32 (see above), the
-#: query heads a multiple of the kv heads, so each family's own block is what differs.
+#: The other families' shared sizes (every Linear's output a multiple of 32, as above).
 FAMILY_SHAPE: dict[str, object] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -53,9 +37,8 @@ FAMILY_SHAPE: dict[str, object] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
 }
-#: ``model_type`` -> what its config needs beyond :data:`FAMILY_SHAPE` to be that family in small:
-#: Gemma's head_dim (256 by default) and window scaled down, a window shorter than the test's
-#: sequences so sliding layers slide, and a few experts of which two are routed per token.
+#: ``model_type`` -> what its config needs beyond :data:`FAMILY_SHAPE` to be that family in small (a
+#: sliding window shorter than the test's sequences, a few experts of which two are routed).
 FAMILIES: dict[str, dict[str, object]] = {
     "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64},
     "gemma3_text": {
@@ -90,8 +73,8 @@ def spell(number: int) -> str:
 
 
 def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
-    """Counting exercises (the prompt determines the answer, so the loss can fall), each longer than 600
-    tokens: truncated to ``max_seq_len`` (up to 512) every batch has the same shape."""
+    """Counting exercises (the prompt determines the answer), each over 600 tokens: truncated to
+    ``max_seq_len`` (up to 512) every batch has the same shape."""
     rng = random.Random(seed)
     rows: list[dict[str, object]] = []
     for index in range(count):
@@ -126,26 +109,18 @@ def build_tokenizer(rows: list[dict[str, object]]) -> PreTrainedTokenizerFast:
 
 
 def build_model(vocab_size: int, family: str | None = None) -> PreTrainedModel:
-    """Random weights of the Llama demo model, or of ``family`` (a key of :data:`FAMILIES`); a
-    fixed seed, so every test session gets the same model."""
+    """Random weights (a fixed seed) of the Llama demo model, or of ``family`` (a key of :data:`FAMILIES`,
+    with its own tie default: Gemma ties its embeddings)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    if family is None:
-        config = LlamaConfig(
-            vocab_size=vocab_size,
-            pad_token_id=0,
-            bos_token_id=2,
-            eos_token_id=3,
-            tie_word_embeddings=False,
-            **MODEL_SHAPE,
-        )
-        return LlamaForCausalLM(config)
-    # The family's own tie default stays (Gemma ties its embeddings): that is part of its shape.
     tokens = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
-    family_config = AutoConfig.for_model(family, **tokens, **FAMILY_SHAPE, **FAMILIES[family])
-    model: PreTrainedModel = AutoModelForCausalLM.from_config(family_config)  # type: ignore[no-untyped-call]
+    shape = (
+        {**MODEL_SHAPE, "tie_word_embeddings": False} if family is None else FAMILY_SHAPE | FAMILIES[family]
+    )
+    config = AutoConfig.for_model(family or "llama", **tokens, **shape)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     return model
 
 
@@ -171,8 +146,7 @@ output_dir: ./run
 
 
 def write_tiny(directory: Path, family: str | None = None) -> Path:
-    """Write model, tokenizer, dataset and job under ``directory``; return the job file's path.
-    ``family``: a key of :data:`FAMILIES` instead of the Llama demo model."""
+    """Write model, tokenizer, dataset and job under ``directory``; the job file's path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rows = tiny_rows()

@@ -1,9 +1,8 @@
-"""SFTTrainer with stage tracking, atomic checkpoints, emergency checkpoints and graceful stop.
+"""SFTTrainer with stage tracking, atomic and emergency checkpoints, resume loading and graceful stop.
 
-Stages are set where the work starts: ``compute_loss`` (forward), ``accelerator.backward``
-(backward; gradient clipping counts as backward), ``on_pre_optimizer_step`` (optimizer),
-``evaluate`` (eval), ``_save_checkpoint`` (save). A stage is never reset in a ``finally``: after
-an exception it must still say where the exception came from.
+Stages are set where the work starts: ``compute_loss`` (forward), ``accelerator.backward`` (backward,
+clipping included), ``on_pre_optimizer_step`` (optimizer), ``evaluate``, ``_save_checkpoint`` (save).
+A stage is never reset in a ``finally``: after an exception it must say where it came from.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import json
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +22,14 @@ from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
 from qlora_supervise.trainer_child.contract import checkpoints
-from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import CHECKPOINT_PREFIX
+from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCHED, BatchInFlight
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
+from qlora_supervise.trainer_child.recipe import resume
 from qlora_supervise.trainer_child.recipe.activations import activation_context
-from qlora_supervise.trainer_child.recipe.batches import BatchTracker
-from qlora_supervise.trainer_child.recipe.resume_state import inject_resume_cap, load_through_host
-from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import (
     StepShapes,
@@ -51,21 +47,19 @@ from qlora_supervise.trainer_child.run.torchrun import (
     this_rank,
 )
 
-#: Injected fault for tests: ``SECONDS`` or ``SECONDS@STEP`` to sleep in the middle of a
-#: checkpoint write (after the adapter, before the optimizer state) of every checkpoint, or
-#: only from step STEP on, so a test can SIGKILL the child mid-write.
+# Test hooks, never set elsewhere:
+#: ``SECONDS`` or ``SECONDS@STEP``: sleep mid-write of every checkpoint (after the adapter, before the
+#: optimizer state), or only from step STEP on, so a test can SIGKILL the child mid-write.
 TEST_PAUSE_IN_SAVE = "QLORA_SUPERVISE_TEST_PAUSE_IN_SAVE"
-#: Test probe: a file to which each micro-batch's row fingerprints (and its input_ids and
-#: labels) are appended, so a test can check that a resumed run sees exactly the samples an
-#: uninterrupted run would, and which tokens the loss covers. Under torchrun rank N appends to
-#: its own file (``contract.spec.rank_file``) and each record names its rank and world size.
+#: A file each micro-batch's row fingerprints, input_ids and labels are appended to (rank N: its
+#: own ``rank_file``), so a test can check which samples a resumed run sees and what the loss covers.
 TEST_TRACE_BATCHES = "QLORA_SUPERVISE_TEST_TRACE_BATCHES"
-#: Test hook: ``BYTES`` to keep (leak) that many bytes more in the forward of every optimizer
-#: step's first micro-batch, on the training device, so a test can watch memory creep towards the
-#: cap (the supervisor's memory_creep rule) end in an OOM. Never set outside tests.
+#: ``BYTES`` leaked on the training device in each optimizer step's first forward: memory creep.
 TEST_LEAK_PER_STEP = "QLORA_SUPERVISE_TEST_LEAK_PER_STEP"
 
 KEEP_CHECKPOINTS = 3
+#: Leading tokens kept of each row of the micro-batch in flight, to find it in the training set.
+ROW_KEY_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -76,9 +70,8 @@ class CheckpointPlan:
     protect: Path | None = None  # the checkpoint this attempt resumed from
 
 
-# The mixin's methods override Trainer's and call them through super(): to the type checker it is
-# a Trainer, at run time a plain mixin, so it can go in front of any Trainer subclass (ours below,
-# or the one a foreign tool builds: trainer_child/shim/attach.py puts it there).
+# A Trainer to the type checker, a plain mixin at run time: it goes in front of any Trainer subclass
+# (ours below, or a foreign tool's: trainer_child/shim/attach.py).
 if TYPE_CHECKING:
     _TrainerBase = Trainer
 else:
@@ -86,8 +79,8 @@ else:
 
 
 class SupervisedTrainerMixin(_TrainerBase):
-    """Any transformers Trainer, reporting its stage and step to :class:`Progress`, with our atomic
-    checkpoints and the emergency save; :meth:`supervise` sets it up after the Trainer's own init."""
+    """Any Trainer, reporting stage and step to :class:`Progress`, with our atomic checkpoints and the
+    emergency save; :meth:`supervise` sets it up after the Trainer's own init."""
 
     def supervise(self, progress: Progress, plan: CheckpointPlan) -> None:
         self.progress = progress
@@ -99,7 +92,8 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens = 0
         self._step_started = time.monotonic()
         self.shapes = StepShapes()  # for the OOM handler: did a step of this shape fit already?
-        self.batches = BatchTracker()  # for the OOM report: the micro-batch in flight
+        # For the OOM report, the micro-batch in flight: step, index in it, lengths, leading tokens.
+        self._batch: tuple[int, int, tuple[int, ...], list[list[int]]] | None = None
         self._leaked: list[torch.Tensor] = []  # TEST_LEAK_PER_STEP only
         backward = self.accelerator.backward
 
@@ -109,7 +103,6 @@ class SupervisedTrainerMixin(_TrainerBase):
 
         self.accelerator.backward = tracked_backward
 
-    # ---- stages -------------------------------------------------------------------------
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
             self.progress.enter(Stage.FORWARD)
@@ -122,22 +115,35 @@ class SupervisedTrainerMixin(_TrainerBase):
         self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
         self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
-        self.batches.start(self.state.global_step + 1, inputs)
+        self._start_batch(inputs)
         with activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
 
+    def _start_batch(self, inputs: Any) -> None:
+        step, ids, mask = self.state.global_step + 1, inputs["input_ids"], inputs.get("attention_mask")
+        micro = self._batch[1] + 1 if self._batch is not None and self._batch[0] == step else 0
+        rows = [row[m.bool()] for row, m in zip(ids, mask, strict=True)] if mask is not None else list(ids)
+        lengths = tuple(int(row.numel()) for row in rows)
+        self._batch = (step, micro, lengths, [row[:ROW_KEY_TOKENS].tolist() for row in rows])
+
     def batch_in_flight(self) -> BatchInFlight | None:
-        """The micro-batch the step in flight was on, its rows found in the training set."""
-        return self.batches.in_flight(self.train_dataset)
+        if self._batch is None:
+            return None
+        step, micro, lengths, keys = self._batch
+        return BatchInFlight(step, micro, lengths, find_rows(self.train_dataset, lengths, keys))
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._in_stage(Stage.EVAL):
+            return super().evaluate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _in_stage(self, stage: Stage) -> Iterator[None]:
         before = self.progress.stage
-        self.progress.enter(Stage.EVAL)
-        metrics = super().evaluate(*args, **kwargs)
+        self.progress.enter(stage)
+        yield  # an exception leaves the stage set, for the error report
         self.progress.enter(before)
-        return metrics
 
     def finish_step(self) -> None:
         """After optimizer step N: publish step, loss and throughput, and beat once."""
@@ -154,7 +160,7 @@ class SupervisedTrainerMixin(_TrainerBase):
 
     def _leak_for_test(self) -> None:
         leak = os.environ.get(TEST_LEAK_PER_STEP, "")
-        if leak.isdigit():  # see TEST_LEAK_PER_STEP: written to, so the pages are really held
+        if leak.isdigit():  # written to, so the pages are really held
             self._leaked.append(torch.ones(int(leak), dtype=torch.uint8, device=self.args.device))
 
     def _trace_batch(self, inputs: Any) -> None:
@@ -175,29 +181,24 @@ class SupervisedTrainerMixin(_TrainerBase):
         with open(rank_file(trace, self.place.rank), "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def _get_output_dir(self, trial: Any) -> str:
-        # Trainer writes `<output_dir>/checkpoint-N`; point it into our temp dir while saving.
+    def _get_output_dir(self, trial: Any) -> str:  # into our staging dir while saving
         if self._staging_root is not None:
             return str(self._staging_root)
         return str(super()._get_output_dir(trial))
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        before = self.progress.stage
-        self.progress.enter(Stage.SAVE)
-        self.last_checkpoint = self._write_checkpoint(model, trial)
-        self.progress.enter(before)
+        with self._in_stage(Stage.SAVE):
+            self._write_checkpoint(model, trial)
 
     def _write_checkpoint(self, model: Any, trial: Any) -> Path:
-        # Under torchrun every rank writes into one staging directory (Trainer: rank 0 the adapter,
-        # optimizer and state, rank N its rng_state_N.pth); rank 0 seals and publishes it once all
-        # have written, and the others wait for that, so no rank runs ahead of a half-made checkpoint.
+        # Under torchrun every rank writes into one staging directory (rank N its rng_state_N.pth);
+        # rank 0 publishes it once all have written, the others wait: none runs ahead of a half-made one.
         step = self.state.global_step
         final = self.plan.directory / f"{CHECKPOINT_PREFIX}{step}"
         if checkpoints.is_complete(final):
             return final  # e.g. an emergency save right after the regular save of the same step
         main = self.place.is_main
-        if main:  # no room for one more like the last: disk_full now, not half-way through the write
+        if main:  # no room for one more like the last: disk_full now, not half-way through
             ensure_room(self.plan.directory)
         staging = checkpoints.staging_dir(self.plan.directory, step, staging_owner(self.place))
         self._staging_root = staging
@@ -222,40 +223,33 @@ class SupervisedTrainerMixin(_TrainerBase):
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        pause = injected_save_pause(self.state.global_step)
+        seconds, _, from_step = os.environ.get(TEST_PAUSE_IN_SAVE, "").partition("@")
+        too_early = from_step and self.state.global_step < int(from_step)
+        pause = float(seconds) if seconds and not too_early else 0.0
         if pause > 0:
             beat = Heartbeat(Stage.SAVE, self.progress.step)
             self.progress.events.emit("heartbeat", **beat.fields(), test_pause_in_save=pause)
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
 
-    # ---- loading the resume checkpoint ----------------------------------------------------
-    # Trainer reads the adapter, optimizer, scheduler, scaler and RNG state of the checkpoint in
-    # these methods; a failure there is the checkpoint's (truncated, corrupt), not the config's.
-    # Both run in the stage ``resume``: an OOM there is the resume's (its own ladder), not load's.
+    # Loading the resume checkpoint: a failure is the checkpoint's (truncated, corrupt), not the config's;
+    # an OOM in the stage ``resume`` is the resume's (its own ladder), not the load's.
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        with self._resuming(), _checkpoint_load(resume_from_checkpoint, "adapter"):
+        with self._in_stage(Stage.RESUME), resume.checkpoint_load(resume_from_checkpoint, "adapter"):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        with self._resuming(), _checkpoint_load(checkpoint, "optimizer/scheduler state"):
-            inject_resume_cap(checkpoint)
-            if not load_through_host(self, checkpoint, self.plan.knobs.optimizer_state_on_host):
+        with self._in_stage(Stage.RESUME), resume.checkpoint_load(checkpoint, "optimizer/scheduler state"):
+            resume.inject_resume_cap(checkpoint)
+            if not resume.load_through_host(self, checkpoint):
                 super()._load_optimizer_and_scheduler(checkpoint)
 
-    @contextlib.contextmanager
-    def _resuming(self) -> Iterator[None]:
-        before = self.progress.stage
-        self.progress.enter(Stage.RESUME)
-        yield  # an exception leaves the stage at resume, for the error report
-        self.progress.enter(before)
-
     def _load_scaler(self, checkpoint: str | None) -> None:
-        with _checkpoint_load(checkpoint, "grad scaler state"):
+        with resume.checkpoint_load(checkpoint, "grad scaler state"):
             super()._load_scaler(checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        with _checkpoint_load(checkpoint, "RNG state"):
+        with resume.checkpoint_load(checkpoint, "RNG state"):
             super()._load_rng_state(checkpoint)
 
     def drop_step_in_flight(self) -> None:
@@ -276,6 +270,27 @@ class SupervisedTrainerMixin(_TrainerBase):
         self.drop_step_in_flight()
         self._emergency = True
         return self._write_checkpoint(self.model, None)
+
+    def save_rank_part(self) -> Path | None:
+        """Under torchrun (DDP), this rank's part of step N's emergency checkpoint, with no collective
+        (the others are dead or stuck in the one the failure broke; :mod:`...contract.checkpoints`):
+        rank 0 the adapter, optimizer, scheduler and state, each rank its RNG state, then the marker."""
+        step, place, directory = self.state.global_step, self.place, self.plan.directory
+        if step <= 0 or checkpoints.is_complete(directory / f"{CHECKPOINT_PREFIX}{step}"):
+            return None  # nothing learnt yet, or step N's regular checkpoint is already sealed
+        self.drop_step_in_flight()
+        part = checkpoints.part_dir(directory, step, staging_owner(place), place.rank)
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+        if place.is_main:
+            ensure_room(directory)
+            self._save(str(part))  # what the Trainer's own checkpoint writes of the model
+            self._save_optimizer_and_scheduler(str(part))
+            self.state.save_to_json(str(part / "trainer_state.json"))
+        self._save_rng_state(str(part))
+        done = {"step": step, "rank": place.rank, "world_size": place.world_size}
+        (part / checkpoints.PART_DONE).write_text(json.dumps(done), encoding="utf-8")
+        return part
 
 
 class SupervisedSFTTrainer(SupervisedTrainerMixin, SFTTrainer):
@@ -300,11 +315,10 @@ class SupervisionCallback(TrainerCallback):
         assert self.trainer is not None
         self.trainer.progress.step = state.global_step
         source, scheduler = self.source, self.trainer.lr_scheduler
-        if source.reset_from is not None:
-            restore_scheduler(self.trainer, Path(source.reset_from), state.global_step)
-        elif source.original is not None:
-            follow_schedule(self.trainer, state.global_step)
         if source.original is not None:
+            if source.reset_from is not None:
+                resume.restore_scheduler(self.trainer, Path(source.reset_from))
+            resume.follow_schedule(self.trainer, state.global_step)
             self.trainer.progress.events.emit(
                 "resumed",
                 from_step=state.global_step,
@@ -325,11 +339,11 @@ class SupervisionCallback(TrainerCallback):
         assert self.trainer is not None
         self.trainer.finish_step()
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
-            apply_cpu_cap(self.cpu_memory_limit)  # injected fault, see memory.TEST_CAP_AFTER_STEP
-            apply_gpu_cap(injected_gpu_cap(self.trainer.place))  # ... and torchrun.TEST_RANK_GPU_CAP
+            apply_cpu_cap(self.cpu_memory_limit)  # injected: memory.TEST_CAP_AFTER_STEP
+            apply_gpu_cap(injected_gpu_cap(self.trainer.place))  # and torchrun.TEST_RANK_GPU_CAP
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
-            free_memory()  # injected fault, see memory.TEST_YIELD_GPU_AT_STEP
+            free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
             time.sleep(self.yield_gpu[1])
         progress = self.trainer.progress
         # The ranks decide together: one that saves or stops alone would hang the others.
@@ -343,58 +357,16 @@ class SupervisionCallback(TrainerCallback):
             control.should_training_stop = True
 
 
-@contextlib.contextmanager
-def _checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
-    """Any exception but an OOM while loading ``what`` becomes a CheckpointLoadError (a host
-    allocator's RuntimeError is an OOM too: the checkpoint is not to blame for the memory)."""
-    try:
-        yield
-    except Exception as exc:
-        if is_oom(exc):
-            raise
-        raise checkpoints.CheckpointLoadError(
-            f"{checkpoint}: cannot load its {what}: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def injected_save_pause(step: int) -> float:
-    seconds, _, from_step = os.environ.get(TEST_PAUSE_IN_SAVE, "").partition("@")
-    if not seconds or (from_step and step < int(from_step)):
-        return 0.0
-    return float(seconds)
-
-
-def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path, step: int) -> None:
-    """Put the LR schedule back at ``step`` when the optimizer state is reset (Trainer restores
-    the scheduler only together with the optimizer): from the checkpoint's ``scheduler.pt``, or,
-    where it is missing or names another step, by stepping a fresh schedule to ``step``."""
-    scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
-    if scheduler is None or optimizer is None:
-        return
-    path = checkpoint / "scheduler.pt"
-    if path.is_file():
-        try:
-            scheduler.load_state_dict(torch.load(path, weights_only=True))
-        except Exception as exc:  # a damaged scheduler file: the checkpoint is not loadable
-            raise checkpoints.CheckpointLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
-    follow_schedule(trainer, step)
-
-
-def follow_schedule(trainer: SupervisedTrainerMixin, step: int) -> None:
-    """The learning rate of ``step`` on *this* attempt's schedule, in the scheduler and the optimizer.
-
-    A resume restores the old schedule's rate; for an extended run (``max_steps`` raised) that is the old
-    end, 0 for cosine and linear, so the first new step trained at rate 0 (issue 29 item 8). The run
-    continues as a run of the new length would; an ordinary resume gets the value it restored."""
-    scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
-    if scheduler is None or optimizer is None:
-        return
-    # LambdaLR (cosine, linear, constant, with warmup) is a function of its step count alone;
-    # another scheduler (reduce on plateau) keeps the state it restored.
-    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        scheduler.last_epoch = step - 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": meant here
-            scheduler.step()
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=False):
-        group["lr"] = lr
+def find_rows(dataset: Any, lengths: tuple[int, ...], keys: list[list[int]]) -> tuple[int, ...] | None:
+    """The indices of the rows with these lengths and leading tokens (-1: not found); None when the
+    set cannot be searched (no ``input_ids`` column, packed, or above MAX_ROWS_SEARCHED rows)."""
+    names = getattr(dataset, "column_names", None) or []
+    if "input_ids" not in names or len(dataset) > MAX_ROWS_SEARCHED:
+        return None
+    wanted = {(length, tuple(key)): at for at, (length, key) in enumerate(zip(lengths, keys, strict=True))}
+    found = [-1] * len(lengths)
+    for index, row in enumerate(dataset["input_ids"]):
+        position = wanted.get((len(row), tuple(row[:ROW_KEY_TOKENS])))
+        if position is not None and found[position] < 0:
+            found[position] = index
+    return tuple(found)

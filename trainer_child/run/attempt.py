@@ -1,9 +1,8 @@
 """One training attempt: setup → recipe → train → adapter, and the failure path.
 
-The exit code (contract.codes.ExitCode) is OK after the adapter is saved, STOPPED after SIGTERM
-and a checkpoint, else the failure's after the error report. The failure path runs *outside*
-the ``except`` block, so the activations the exception's frames hold are gone before the
-emergency checkpoint needs memory.
+Exit code: OK after the adapter is saved, STOPPED after SIGTERM and a checkpoint, else the failure's
+after the error report. The failure path runs *outside* the ``except`` block, so the activations the
+exception's frames hold are gone before the emergency checkpoint needs memory.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoint_dirs import (
+from qlora_supervise.trainer_child.contract.checkpoints import (
     UnsafeCheckpointPath,
     newest_complete_checkpoint,
     refuse_linked_dir,
@@ -42,8 +41,7 @@ from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigErr
 from qlora_supervise.trainer_child.run.heartbeat import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace, staging_owner, this_rank
 
-#: Stages where the state is exactly the last completed step's (an optimizer-stage OOM may leave
-#: the step half-applied: no emergency checkpoint then).
+#: Stages where the state is exactly the last completed step's (not the optimizer's: half-applied).
 EMERGENCY_STAGES = (Stage.FORWARD, Stage.BACKWARD, Stage.EVAL)
 TRUST_REMOTE_CODE_WARNING = (
     "trainer child: warning: trust_remote_code is on: Python code from the model directory runs "
@@ -73,8 +71,8 @@ class Context:
 
 
 def install_stop_handler(progress: Progress) -> None:
-    """SIGTERM and the early-checkpoint signal only set flags: the step in flight finishes, then
-    the child checkpoints (and, for SIGTERM, leaves)."""
+    """SIGTERM and the early-checkpoint signal only set flags: the step in flight finishes, then the
+    child checkpoints (and, for SIGTERM, leaves)."""
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         progress.stop_requested = True
@@ -105,7 +103,6 @@ def setup(ctx: Context) -> None:
 
 
 def announce_started(ctx: Context, versions: dict[str, str], cpu_fallback: str | None) -> None:
-    """The ``started`` event: this process, its place, device, library versions and caps."""
     import torch
 
     started = Started(
@@ -129,9 +126,8 @@ def announce_started(ctx: Context, versions: dict[str, str], cpu_fallback: str |
 
 
 def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
-    """The checkpoint the spec names; ``resume_from="auto"`` (for runs by hand) takes the newest
-    complete one, if any. Stale staging directories of dead writers are removed first. A
-    ``checkpoints_dir`` that is a symbolic link is a ConfigError: nothing is written through it."""
+    """The checkpoint the spec names (``auto``, for runs by hand: the newest complete one), after
+    removing dead writers' staging dirs. A linked ``checkpoints_dir`` is a ConfigError."""
     checkpoints_dir = Path(spec.checkpoints_dir)
     try:
         refuse_linked_dir(checkpoints_dir)
@@ -146,9 +142,8 @@ def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
 
 def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeSource:
     """How to resume from ``source``, checked to be loadable (CheckpointLoadError if not). Without
-    optimizer state it resumes as a reset, said so; an adapter saved at a larger rank is cut to
-    ``lora_r`` in an optimizer-less scratch copy (truncated SVD, :mod:`.rank`): the original
-    checkpoint is never rewritten, and the optimizer state's shapes no longer fit."""
+    optimizer state it resumes as a reset; an adapter of a larger rank is cut to ``lora_r`` in an
+    optimizer-less scratch copy (:mod:`.rank`), never in the original."""
     if source is None:
         return checkpoints.ResumeSource()
     if not checkpoints.is_complete(source):
@@ -170,23 +165,20 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
             "resume at its rank or start from step 0"
         )
     stripped = checkpoints.without_optimizer(source, Path(spec.checkpoints_dir) / f".tmp-reset-{os.getpid()}")
-    if not cut:
-        why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
-        return checkpoints.ResumeSource(str(stripped), str(stripped), why, original)
-    why = "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
-    reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha)
+    reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha) if cut else None
+    why = (
+        "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
+        if cut
+        else "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
+    )
     return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
 
 
 def save_adapter(
     trainer: Any, tokenizer: Any, adapter_dir: Path, place: RankPlace = SINGLE, sharded: bool = False
 ) -> None:
-    """Final adapter, atomically: temp dir + rename (an old adapter is replaced whole, a link
-    there removed, never followed), group-readable (see :func:`checkpoints.replace_dir`).
-
-    Under DDP rank 0 alone calls it (every rank holds the same adapter). Under FSDP every rank
-    does: gathering the sharded adapter is a collective (the Trainer's ``save_model``), and rank 0
-    writes it, in a temp dir named by the launcher every rank shares."""
+    """Final adapter, atomically (temp dir + :func:`checkpoints.replace_dir`). Under DDP rank 0 alone
+    calls it; under FSDP every rank does (gathering the shards is a collective), rank 0 writes."""
     temp = adapter_dir.with_name(f".tmp-{adapter_dir.name}-{staging_owner(place)}")
     if place.is_main:
         shutil.rmtree(temp, ignore_errors=True)
@@ -207,7 +199,7 @@ def train(ctx: Context) -> ExitCode:
     ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
     source = resume_source(spec, chosen)
     recipe = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
-    ctx.prepared = None  # the recipe holds what it took; the rest need not live as long as training
+    ctx.prepared = None  # the recipe holds what it took; the rest need not live on
     ctx.trainer = recipe.trainer
     from qlora_supervise.trainer_child.run import speed_trial
 
@@ -229,7 +221,7 @@ def train(ctx: Context) -> ExitCode:
 
 
 def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
-    """Emergency checkpoint when the state is consistent, then the report (cheaply)."""
+    """Emergency checkpoint when the state is consistent, then the report."""
     emergency = None
     try:
         path = emergency_save(ctx, failure)
@@ -237,10 +229,8 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     except BaseException as exc:  # the report must still be written
         failure.traceback += f"\nemergency checkpoint failed: {type(exc).__name__}: {exc}\n"
     ctx.trainer = None
-    # After a CUDA OOM the report needs no host memory back, and a full gc plus empty_cache only
-    # delay the exit the next attempt waits for (the emergency checkpoint frees what it needs
-    # itself). After any other failure, a host OOM under a hard RLIMIT_DATA above all (which
-    # lift_cpu_cap cannot raise), the gc is what makes room for the report.
+    # After a CUDA OOM a gc and empty_cache only delay the exit the next attempt waits for; after
+    # any other (a host OOM under a hard RLIMIT_DATA above all) they make room for the report.
     if not failure.device_oom:
         memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
@@ -256,26 +246,19 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
 
 def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
     """The emergency checkpoint a failure in forward, backward or eval allows: one process saves it
-    after its own OOM; under torchrun (DDP) each rank saves its part after any failure there (its
-    own, or the collective another rank's broke: the state is step N's on every rank either way),
-    and the supervisor trusts the parts only when every rank's names the same step."""
+    after its own OOM; under DDP each rank saves its part after any failure there (the state is step
+    N's on every rank). Not under FSDP: gathering a shard is a collective the failure broke."""
     if ctx.trainer is None or failure.stage not in EMERGENCY_STAGES:
         return None
     if not ctx.place.distributed:
         return ctx.trainer.save_emergency_checkpoint() if failure.oom else None
-    # FSDP: a rank holds a shard only, and gathering it is a collective the failure broke.
-    if ctx.spec.knobs.fsdp:
-        return None
-    from qlora_supervise.trainer_child.recipe.rank_part import save_rank_part
-
-    return save_rank_part(ctx.trainer)
+    return None if ctx.spec.knobs.fsdp else ctx.trainer.save_rank_part()
 
 
 def report_failure(
     ctx: Context, failure: CapturedFailure, stats: dict[str, Any] | None, emergency: tuple[str, int] | None
 ) -> None:
-    """Write the error report (the resume checkpoint named as damaged when it did not load); on a
-    disk with no room for it, the exit code and stderr must do."""
+    """Write the error report; on a disk with no room for it, the exit code and stderr must do."""
     disk = disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None
     report = ErrorReport(
         exit_code=int(failure.exit_code),
@@ -336,7 +319,7 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
 
 
 def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None:
-    """The micro-batch a training step's OOM happened on, its rows looked up in the training set."""
+    """The micro-batch a training step's OOM happened on."""
     if not failure.oom or failure.stage not in LOOP_STAGES or ctx.trainer is None:
         return None
     try:
@@ -347,8 +330,8 @@ def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None
 
 
 def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
-    """``exc`` reduced to strings (:func:`.failure.capture`), with the allocator's facts and, when
-    recorded, its snapshot for an OOM on the GPU, read first: the frames still hold the step's tensors."""
+    """``exc`` reduced to strings, with the allocator's facts and snapshot of a GPU OOM, read first:
+    the frames still hold the step's tensors."""
     facts, snapshot = None, None
     if ctx.on_cuda:
         try:

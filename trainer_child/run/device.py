@@ -1,6 +1,5 @@
-"""Whether the device the job asks for is there: a GPU asked for and missing is a config error
-(a job that named a GPU and silently trained on the CPU would run for days at a hundredth of the
-speed); ``auto`` may fall back to the CPU, and ``started`` and stderr say why."""
+"""Whether the device the job asks for is there: a GPU asked for and missing is a config error (not
+days on the CPU); ``auto`` may fall back to the CPU, and ``started`` and stderr say why."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ _GPU_FREE = ("auto", "cpu")
 
 
 def check(spec: AttemptSpec, on_cuda: bool) -> str | None:
-    """Raise ConfigError when the spec's GPU is not usable; return why an ``auto`` job (or a
-    GPU cap that cannot apply) runs on the CPU, or None when nothing is amiss."""
+    """Raise ConfigError when the spec's GPU is not usable; return why an ``auto`` job (or a GPU cap)
+    runs on the CPU, or None."""
     if on_cuda:
         return None
     if spec.device not in _GPU_FREE:
@@ -37,7 +36,6 @@ def check(spec: AttemptSpec, on_cuda: bool) -> str | None:
 
 
 def why_no_cuda() -> str:
-    """The reason torch sees no CUDA device, in words: no CUDA build, no driver, or no such GPU."""
     import torch
 
     if torch.version.cuda is None:
@@ -61,8 +59,7 @@ def why_no_cuda() -> str:
 
 
 def use_rank_gpu(place: RankPlace) -> None:
-    """Make ``cuda:LOCAL_RANK`` this process's current device (``cuda:0`` for a single process),
-    before anything allocates: the caps, the 4-bit load and the memory numbers then all mean it."""
+    """Make ``cuda:LOCAL_RANK`` current before anything allocates: caps, load and numbers mean it."""
     import torch
 
     if place.local_rank >= torch.cuda.device_count():

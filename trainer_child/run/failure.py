@@ -1,6 +1,5 @@
-"""What went wrong: an exception reduced to a :class:`CapturedFailure` of strings (so that it, and
-the activations its frames keep alive, can be dropped before memory is needed again), its exit
-code and OOM numbers."""
+"""What went wrong: an exception reduced to a :class:`CapturedFailure` of strings (so it, and the
+activations its frames hold, can be dropped before memory is needed again), its exit code and OOM numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import re
 import time
 import traceback
 
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts
+from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadError
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
@@ -42,28 +41,22 @@ def _in_chain(exc: BaseException, kinds: type[BaseException] | tuple[type[BaseEx
     return any(isinstance(item, kinds) for item in exception_chain(exc))
 
 
-#: Exceptions a trainer raises while it reads its config and loads its model and data that say the
-#: same thing on every start (a missing dataset key, a path that is not there, a value its parser
-#: refuses, a package it cannot import, the hub while offline): a config error, not retried
-#: unchanged. A RuntimeError or an OSError of the device or the disk is left to the classifier.
+#: Exceptions of a trainer's setup and load that say the same on every start (a missing key or path,
+#: a value its parser refuses, a package it cannot import): a config error. A RuntimeError or an
+#: OSError of the device or the disk is left to the classifier.
 _DETERMINISTIC = (ValueError, TypeError, KeyError, AttributeError, ImportError, NotImplementedError,
                   FileNotFoundError, NotADirectoryError, IsADirectoryError, SyntaxError)  # fmt: skip
-#: Deterministic by name, from libraries not imported here: huggingface_hub's offline refusal (a
-#: ConnectionError by class; offline, it is the config's), and safetensors' refusal of a model
-#: file whose header does not load (the file is damaged or cut short: re-download it).
+#: Deterministic by name: huggingface_hub's offline refusal (a ConnectionError by class), and
+#: safetensors' refusal of a damaged or truncated model file.
 _DETERMINISTIC_NAMES = frozenset({"OfflineModeIsEnabled", "SafetensorError", "HeaderTooLarge"})
-#: ValueErrors and NotImplementedErrors of a load that did not get the device memory it wanted
-#: (transformers' bitsandbytes quantizer under ``device_map: auto`` on a shared card, a weight
-#: left on the meta device): the card's state, not the config's, so the classifier decides.
+#: Errors of a load short of device memory (bitsandbytes under ``device_map: auto`` on a shared card,
+#: a weight left on the meta device): the card's state, not the config's.
 _SHORT_OF_MEMORY = ("dispatched on the CPU or the disk", "enough GPU RAM", "meta tensor")
-#: Before the first step: the trainer is still reading its config and loading (issue 29 item 5).
 _BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
 
 
 def is_the_configs(exc: BaseException, stage: Stage) -> bool:
-    """Whether ``exc``, raised while the trainer set up or loaded (``stage``), is the config's: it
-    would fail alike on every start (a value the tool's parser refuses, ``learning_rate: [1, 2]``
-    at its optimizer's construction, a model file that does not load)."""
+    """Whether ``exc``, raised in setup or load, is the config's: it would fail alike on every start."""
     if stage not in _BEFORE_TRAINING:
         return False
     chain = exception_chain(exc)
@@ -77,8 +70,7 @@ def is_the_configs(exc: BaseException, stage: Stage) -> bool:
 
 
 def oom_numbers(message: str) -> dict[str, int]:
-    """Numbers of an OOM message; the parser lives in ``oom_message`` (written separately),
-    the CPU allocator's ``you tried to allocate N bytes`` is read here in any case."""
+    """Numbers of an OOM message (``oom_message``'s parser, and the CPU allocator's ``tried to allocate``)."""
     numbers: dict[str, int] = {}
     with contextlib.suppress(Exception):  # a parser bug: the report matters more
         numbers.update(parse_numbers(message))
@@ -90,8 +82,6 @@ def oom_numbers(message: str) -> dict[str, int]:
 
 @dataclasses.dataclass
 class CapturedFailure:
-    """An exception reduced to strings plus where the child was when it happened."""
-
     exception_type: str
     message: str
     traceback: str
@@ -101,7 +91,6 @@ class CapturedFailure:
     config: bool
     checkpoint: bool = False  # the resume checkpoint did not load (an OOM while loading is an OOM)
     disk_full: bool = False  # ENOSPC / EROFS / EDQUOT (see disk_space): wait for room, not a rung
-    # Read at the OOM, before the step's tensors are freed (memory.allocator_facts_at_oom).
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
     batch: BatchInFlight | None = None  # the micro-batch a training step's OOM happened on
@@ -109,8 +98,7 @@ class CapturedFailure:
 
     @property
     def device_oom(self) -> bool:
-        """An accelerator's allocator ran out (torch.OutOfMemoryError: CUDA, also cudaMallocAsync's
-        wording), not the host: the CPU allocator raises RuntimeError, Python MemoryError."""
+        """An accelerator's allocator ran out (torch.OutOfMemoryError), not the host's."""
         return self.oom and self.exception_type == "OutOfMemoryError"
 
     @property
@@ -125,10 +113,7 @@ class CapturedFailure:
 
 
 def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
-    """Reduce ``exc`` to strings and clear its frames, so the tensors they hold can be freed.
-
-    The config's when it says so (:class:`ConfigError`) or when it is a refusal before the first
-    step (:func:`is_the_configs`): our child and a foreign tool's shim alike."""
+    """Reduce ``exc`` to strings and clear its frames, so the tensors they hold can be freed."""
     try:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except MemoryError:

@@ -1,7 +1,5 @@
-"""The child's events file and its heartbeat thread.
-
-The lines written are the contract's own records (``to_line()``, :func:`contract.events.event_line`),
-so the supervisor's :func:`contract.events.parse_event` reads back exactly what was written."""
+"""The child's events file (the contract's own records, read back by ``contract.events.parse_event``)
+and its heartbeat thread."""
 
 from __future__ import annotations
 
@@ -14,19 +12,18 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import (
     EarlyCheckpointRequested,
     Heartbeat,
+    MemoryNumbers,
     StageEntered,
     Stopping,
     event_line,
 )
-from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
 from qlora_supervise.trainer_child.run.memory import memory_numbers
 
 LOOP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
 
 
 class EventLog:
-    """Appends event lines, each written and flushed whole under a lock (the main thread and the
-    heartbeat thread share it); the supervisor still skips a torn last line it reads mid-append."""
+    """Appends event lines, each written and flushed whole under a lock (shared with the heartbeat thread)."""
 
     def __init__(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -47,13 +44,9 @@ class EventLog:
 
 
 class Progress:
-    """Where the child is: stage, completed optimizer steps, last loss, throughput, and the
-    requests of the signals (SIGTERM: stop; contract.spec.EARLY_CHECKPOINT_SIGNAL: the supervisor
-    saw memory creep, so checkpoint after every step from now on).
-
-    Written by the main thread, read by the heartbeat thread and the error report; plain attribute
-    writes are atomic enough for that.
-    """
+    """Where the child is (stage, completed optimizer steps, last loss, throughput) and what the signals
+    asked (SIGTERM: stop; EARLY_CHECKPOINT_SIGNAL: checkpoint after every step). Written by the main
+    thread, read by the heartbeat thread: plain attribute writes are atomic enough."""
 
     def __init__(self, events: EventLog) -> None:
         self.events = events
@@ -66,8 +59,8 @@ class Progress:
         self._announced: set[type] = set()
 
     def enter(self, stage: Stage) -> None:
-        """Set the stage; a ``stage`` event marks entering a phase (load, training, eval, save),
-        not every forward/backward/optimizer turn of the loop (heartbeats carry those)."""
+        """Set the stage; a ``stage`` event marks a phase (load, training, eval, save), not each turn of
+        the training loop (heartbeats carry those)."""
         if stage is self.stage:
             return
         looping = self.stage in LOOP_STAGES and stage in LOOP_STAGES
@@ -80,7 +73,6 @@ class Progress:
         self._once(self.stop_requested, Stopping)
 
     def announce_early_checkpoints(self) -> None:
-        """Emit ``early_checkpoint_requested`` once, after the signal asked for it."""
         self._once(self.early_checkpoints, EarlyCheckpointRequested)
 
     def _once(self, requested: bool, record: type[Stopping | EarlyCheckpointRequested]) -> None:
@@ -89,7 +81,6 @@ class Progress:
             self.events.write(record(self.stage, self.step).to_line())
 
     def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
-        """The heartbeat of this moment (memory measured now unless given)."""
         memory = memory_numbers() if memory is None else memory
         return Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)
 
@@ -98,8 +89,8 @@ class Progress:
 
 
 class HeartbeatThread(threading.Thread):
-    """Beats every ``interval`` seconds whatever the main thread does (load, eval, a hang):
-    the supervisor decides hangs from ``step`` not advancing, not from missing beats."""
+    """Beats every ``interval`` seconds whatever the main thread does: the supervisor decides hangs from
+    ``step`` not advancing, not from missing beats."""
 
     def __init__(self, progress: Progress, interval: float) -> None:
         super().__init__(name="qlora-heartbeat", daemon=True)

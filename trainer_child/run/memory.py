@@ -1,34 +1,34 @@
-"""Memory caps, measurements and allocator settings of the trainer child.
-
-:func:`prepare_process_env` runs before torch is imported (allocator settings and glibc arenas
-are fixed at the first allocation); the rest imports torch inside the functions.
-"""
+"""Memory caps, measurements and allocator settings of the trainer child (torch imported inside the
+functions: :func:`prepare_process_env` runs before it is)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import gc
 import os
 import resource
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract.allocator import allocator_env
-from qlora_supervise.trainer_child.contract.allocator_facts import AllocatorFacts, facts_from_allocator
-from qlora_supervise.trainer_child.contract.memory_numbers import MemoryNumbers
+from qlora_supervise.trainer_child.contract.allocator import (
+    AllocatorFacts,
+    allocator_env,
+    facts_from_allocator,
+)
+from qlora_supervise.trainer_child.contract.events import MemoryNumbers
 from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 1 << 20
-#: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (memory
-#: scarce mid-run), so an OOM hits after progress.
+#: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (an OOM
+#: after progress).
 TEST_CAP_AFTER_STEP = "QLORA_SUPERVISE_TEST_CAP_AFTER_STEP"
-#: Injected fault for the step-up bench (``N:S``): after optimizer step N the child hands its cached
-#: GPU memory back and pauses S seconds, as a process between allocations does (an eval, a save), so
-#: a neighbour can take the card and step N + 1 meets contention. Only at step N: a resume past it
-#: does not yield again.
+#: Injected fault for the step-up bench (``N:S``): after optimizer step N (only) the child hands its
+#: cached GPU memory back and pauses S seconds, so a neighbour can take the card.
 TEST_YIELD_GPU_AT_STEP = "QLORA_SUPERVISE_TEST_YIELD_GPU_AT_STEP"
 
 
@@ -37,30 +37,24 @@ class MemoryCapError(ConfigError):
 
 
 def prepare_process_env(expandable_segments: bool) -> None:
-    """Fix allocator settings before ``import torch`` (the supervisor sets the same variables by
-    the same rule, :func:`allocator_env`; this covers a child started by hand)."""
+    """Fix allocator settings before ``import torch`` (as the supervisor does, for a child run by hand)."""
     os.environ.update(allocator_env(os.environ, expandable_segments))
-    # Arrow's default jemalloc/mimalloc pool reserves ~1 GiB of address space on the first
-    # dataset load; it counts against RLIMIT_DATA without being used. The system pool does not.
+    # Arrow's jemalloc/mimalloc pool reserves ~1 GiB of address space, counted by RLIMIT_DATA unused.
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     tune_malloc()
 
 
 def tune_malloc(arenas: int = 2) -> None:
-    """Keep the data segment (VmData, what RLIMIT_DATA counts) close to live memory: few arenas
-    (each reserves 64 MiB of address space that counts without being used), and a fixed mmap
-    threshold (glibc raises it after the first large free, so later activations would come from
-    the heap, which never shrinks: VmData would stay at the peak after an OOM and the emergency
-    checkpoint could not allocate). mallopt, as the environment variables only work at exec."""
+    """Keep the data segment (what RLIMIT_DATA counts) close to live memory: few arenas (64 MiB of
+    address space each), and a fixed mmap threshold (glibc raises it after the first large free, and
+    the heap never shrinks: after an OOM the emergency checkpoint could not allocate)."""
     path = ctypes.util.find_library("c")
     if path is None:
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
         libc = ctypes.CDLL(path)
         libc.mallopt(_M_ARENA_MAX, arenas)
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 def proc_status_bytes(field: str) -> int | None:
@@ -76,9 +70,7 @@ def proc_status_bytes(field: str) -> int | None:
 
 
 def reset_host_peak() -> bool:
-    """Restart the RSS high-water mark (VmHWM) from the RSS now (a ``5`` into clear_refs), so the
-    heartbeats' peak after the load, or a speed-trial candidate's, is its own. False where it
-    cannot (then the mark keeps the earlier peak)."""
+    """Restart the RSS high-water mark (VmHWM) from the RSS now; False where it cannot."""
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
             handle.write("5")
@@ -88,8 +80,7 @@ def reset_host_peak() -> bool:
 
 
 def peak_vmdata() -> int | None:
-    """Peak of the data segment: VmPeak less the non-data mappings (code, libraries, stacks),
-    which stay put once the model is loaded."""
+    """Peak of the data segment: VmPeak less the non-data mappings (fixed once the model is loaded)."""
     peak, size, data = (proc_status_bytes(f) for f in ("VmPeak", "VmSize", "VmData"))
     if peak is None or size is None or data is None:
         return None
@@ -97,8 +88,8 @@ def peak_vmdata() -> int | None:
 
 
 def apply_cpu_cap(limit: int | None) -> None:
-    """Cap the data segment with RLIMIT_DATA (the soft limit, so the report can lift it); after
-    the imports (a fixed cost the job cannot change), before the load (what the knobs control)."""
+    """Cap the data segment with RLIMIT_DATA (the soft limit, so the report can lift it); after the
+    imports (a fixed cost), before the load (what the knobs control)."""
     if limit is None:
         return
     used = proc_status_bytes("VmData") or 0
@@ -108,9 +99,8 @@ def apply_cpu_cap(limit: int | None) -> None:
             f"({used} bytes, VmData): raise the limit above {used} bytes plus the model and activations"
         )
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if hard != resource.RLIM_INFINITY and limit > hard:
-        limit = hard
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    soft = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 def late_cap_step() -> int | None:
@@ -124,16 +114,12 @@ def gpu_yield() -> tuple[int, float] | None:
 
 
 def lift_cpu_cap() -> None:
-    """Raise the soft RLIMIT_DATA back to the hard limit, so writing the report cannot fail."""
-    try:
+    with contextlib.suppress(ValueError, OSError):
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)
         resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
-    except (ValueError, OSError):
-        pass
 
 
 def apply_gpu_cap(limit: int | None) -> None:
-    """Cap the CUDA caching allocator to ``limit`` bytes of the current device (set before)."""
     import torch
 
     if limit is None or not torch.cuda.is_available():
@@ -146,8 +132,8 @@ def apply_gpu_cap(limit: int | None) -> None:
 
 
 def expandable_segments_active() -> bool | None:
-    """Whether the CUDA allocator really runs with expandable segments (read from the allocator:
-    a variable set too late or misspelled is not); None on the CPU."""
+    """Whether the CUDA allocator really runs with expandable segments (a variable set too late or
+    misspelled does not); None on the CPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -167,7 +153,6 @@ def expandable_segments_active() -> bool | None:
 
 
 def memory_numbers() -> MemoryNumbers:
-    """Numbers for a heartbeat: CUDA allocator counters on GPU, RSS and VmData always."""
     import torch
 
     on_cuda = torch.cuda.is_available()
@@ -183,7 +168,6 @@ def memory_numbers() -> MemoryNumbers:
 
 
 def cuda_memory_stats() -> dict[str, Any] | None:
-    """``torch.cuda.memory_stats()`` for the error report; None on the CPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -195,9 +179,7 @@ def cuda_memory_stats() -> dict[str, Any] | None:
 
 
 def free_memory() -> None:
-    """Give back what the allocators hold after a failure (gc first: frames hold tensors)."""
-    import gc
-
+    """Give back what the allocators hold (gc first: frames hold tensors)."""
     import torch
 
     gc.collect()
@@ -206,9 +188,8 @@ def free_memory() -> None:
 
 
 def start_memory_history(diagnose: DiagnoseSpec) -> bool:
-    """Record the CUDA allocator's history when ``diagnose.memory_history`` asks, in a ring of
-    ``memory_history_entries`` (the newest explain an OOM), Python stacks only (C++ unwinding costs
-    far more). Whether it records: False on the CPU or where this torch cannot."""
+    """Record the CUDA allocator's history when ``diagnose`` asks, in a ring, Python stacks only (C++
+    unwinding costs far more); whether it records."""
     import torch
 
     if not diagnose.memory_history or not torch.cuda.is_available():
@@ -221,8 +202,7 @@ def start_memory_history(diagnose: DiagnoseSpec) -> bool:
 
 
 def dump_memory_snapshot(path: Path) -> str | None:
-    """Write the recorded history to ``path`` (a pickle https://pytorch.org/memory_viz opens);
-    None when that fails."""
+    """Write the recorded history to ``path`` (for https://pytorch.org/memory_viz); None on failure."""
     import torch
 
     try:
@@ -235,8 +215,8 @@ def dump_memory_snapshot(path: Path) -> str | None:
 def allocator_facts_at_oom(
     exc: BaseException, limit: int | None, shapes: StepShapes | None
 ) -> AllocatorFacts | None:
-    """The CUDA allocator's facts for an OOM, read inside the ``except`` block, before the step's
-    tensors are freed; None on the CPU, for other failures, or on error."""
+    """The CUDA allocator's facts for an OOM, read before the step's tensors are freed; None on the
+    CPU, for other failures, or on error."""
     import torch
 
     if not torch.cuda.is_available() or not is_oom(exc):
@@ -259,8 +239,7 @@ def allocator_facts_at_oom(
 
 
 class StepShapes:
-    """The micro-batch shapes of each completed optimizer step and the peak after it: after an
-    OOM, whether a step of the shape in flight (``current``) already fitted in this attempt."""
+    """After an OOM: whether a step of the shape in flight (``current``) already fitted in this attempt."""
 
     def __init__(self) -> None:
         self.current: tuple[int, ...] | None = None

@@ -1,16 +1,9 @@
 """A trained LoRA adapter cut to a smaller rank by truncated SVD, so halving the rank keeps progress.
 
-For each LoRA module the trained update is ``delta_W = scale * B @ A`` (``scale = alpha / r``,
-``alpha / sqrt(r)`` with rsLoRA). With ``U S V^T = svd(delta_W)`` and the new rank ``k``:
-
-    B' = U_k sqrt(S_k) / sqrt(scale'),   A' = sqrt(S_k) V_k^T / sqrt(scale')
-
-so ``scale' * B' @ A'`` is ``U_k S_k V_k^T``, the best rank-``k`` approximation of ``delta_W``
-(Eckart-Young), split evenly between the two factors. ``delta_W`` has rank at most ``r``, so
-the SVD is taken of an ``r x r`` core (QR of ``B`` and ``A^T``), never of the full
-``out x in`` matrix: exact, and cheap enough for a 70B adapter on the CPU.
-
-The optimizer state has the old shapes and cannot follow; the caller resets it.
+Each module's update is ``delta_W = scale * B @ A``; with ``U S V^T = svd(delta_W)`` and new rank ``k``,
+``B' = U_k sqrt(S_k / scale')`` and ``A' = sqrt(S_k / scale') V_k^T`` give the best rank-``k``
+approximation (Eckart-Young). The SVD is of an ``r x r`` core (QR of ``B`` and ``A^T``), never of the
+full ``out x in`` matrix. The optimizer state keeps the old shapes: the caller resets it.
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -39,11 +31,8 @@ def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
 def truncate_pair(
     b: torch.Tensor, a: torch.Tensor, scale: float, rank: int, new_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(B', A', s)``: factors of rank ``rank`` with ``new_scale * B' @ A'`` the best rank-``rank``
-    approximation of ``scale * b @ a``, and all singular values ``s`` of that update (descending).
-
-    Computed in float64 and returned in float32; ``b`` is ``out x r``, ``a`` is ``r x in``.
-    """
+    """``(B', A', s)``: ``new_scale * B' @ A'`` the best rank-``rank`` approximation of ``scale * b @ a``,
+    and all singular values ``s`` of that update (descending); float64 inside, float32 out."""
     q_b, r_b = torch.linalg.qr(b.double())  # b = q_b r_b, q_b: out x r with orthonormal columns
     q_a, r_a = torch.linalg.qr(a.double().T)  # a^T = q_a r_a
     u_core, s, vh_core = torch.linalg.svd(scale * r_b @ r_a.T)
@@ -60,7 +49,7 @@ def energy_share(singular: torch.Tensor, rank: int) -> float:
 
 
 def adapter_rank(directory: Path) -> int | None:
-    """The rank ``r`` a saved adapter's config names; None when there is no readable config."""
+    """The rank ``r`` a saved adapter's config names; None without a readable config."""
     try:
         config = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -70,10 +59,14 @@ def adapter_rank(directory: Path) -> int | None:
 
 
 def truncate_adapter(directory: Path, rank: int, alpha: int) -> RankReduction:
-    """Rewrite the adapter saved in ``directory`` (a scratch copy: it is changed in place) at
-    rank ``rank`` and ``lora_alpha`` ``alpha``, and say how much of the update's energy is kept."""
+    """Rewrite the adapter in ``directory`` (a scratch copy) at ``rank`` and ``alpha``; the energy kept."""
     config = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    _check_plain_lora(config, directory)
+    # Per-module ranks or DoRA magnitudes would need their own rule; the recipe never writes them.
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
+        raise ConfigError(
+            f"resume_from {directory}: the adapter uses rank_pattern, alpha_pattern or DoRA, which "
+            "rank reduction does not handle; resume it at its own lora_r or start from step 0"
+        )
     rslora = bool(config.get("use_rslora"))
     old_rank, old_alpha = int(config["r"]), float(config["lora_alpha"])
     if rank > old_rank:
@@ -104,13 +97,3 @@ def truncate_adapter(directory: Path, rank: int, alpha: int) -> RankReduction:
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
     worst = min(kept, key=kept.__getitem__)
     return RankReduction(old_rank, rank, len(kept), top / total if total > 0 else 1.0, kept[worst], worst)
-
-
-def _check_plain_lora(config: dict[str, Any], directory: Path) -> None:
-    # Per-module ranks or DoRA magnitudes would need their own truncation rule; the recipe
-    # never writes them, so an adapter that has them came from elsewhere.
-    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
-        raise ConfigError(
-            f"resume_from {directory}: the adapter uses rank_pattern, alpha_pattern or DoRA, which "
-            "rank reduction does not handle; resume it at its own lora_r or start from step 0"
-        )

@@ -1,18 +1,11 @@
 """A warm spare trainer: ``python -m qlora_supervise.trainer_child.run.spare --run-dir R --device D
 [--expandable-segments] [--model M] [--prepare SPEC]``.
 
-It fixes the environment as an attempt does (offline hub, the device, allocator settings, malloc
-arenas), imports the training stack (and with ``--prepare``, loads the tokenizer and rows of the
-attempt it was started behind, :mod:`.prepared`), prints one ``spare_ready`` line (JSON: import
-time, RSS, whether torch initialised CUDA), then waits on stdin for ``{"spec": PATH, "log": PATH}``.
-It acknowledges that at once (``spare_ack``), sends its output to the attempt's log and runs the
-attempt as ``python -m qlora_supervise.trainer_child --spec PATH`` would. An empty stdin (the
-supervisor closed the pipe, or died) ends it with status 0.
-
-It never touches CUDA while it waits (``import torch`` and the stack create no context), so it
-holds no GPU memory until it becomes an attempt. Its allocator settings were fixed before the
-imports, so it refuses (ExitCode.CONFIG) a spec whose environment differs from its own (the
-supervisor checks the same, ``supervisor/loop/spare.py``).
+It fixes the environment and imports the training stack as an attempt does (with ``--prepare``, also
+loads the tokenizer and rows of the attempt it stands behind), prints one ``spare_ready`` JSON line,
+and waits on stdin for ``{"spec": PATH, "log": PATH}``: it acknowledges (``spare_ack``), sends its
+output to the attempt's log and runs the attempt. An empty stdin ends it with status 0. It touches no
+CUDA while it waits, and refuses (ExitCode.CONFIG) a spec whose environment differs from its own.
 """
 
 from __future__ import annotations
@@ -46,7 +39,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> dict[str, object]:
-    """The attempt's environment and imports, without CUDA; what it cost, for ``spare_ready``."""
     from qlora_supervise.trainer_child.__main__ import prepare_env_for
     from qlora_supervise.trainer_child.recipe.stack import import_training_classes, import_training_stack
 
@@ -66,11 +58,8 @@ def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> d
 
 
 def prepare_ahead(spec_path: str | None) -> tuple[Prepared | None, dict[str, object]]:
-    """The tokenizer and rows of the spec at ``spec_path``, and what it cost, for ``spare_ready``.
-
-    A spare that cannot prepare still serves: the attempt then loads them itself and reports
-    whatever was wrong with them as its own failure.
-    """
+    """The tokenizer and rows of the spec at ``spec_path``, and what it cost. A spare that cannot
+    prepare still serves: the attempt loads them itself and reports what was wrong."""
     if spec_path is None:
         return None, {}
     from qlora_supervise.trainer_child.__main__ import read_spec
@@ -78,16 +67,16 @@ def prepare_ahead(spec_path: str | None) -> tuple[Prepared | None, dict[str, obj
 
     try:
         prepared = prepare(read_spec(Path(spec_path)))
-    except Exception as exc:  # the attempt will meet the same problem and report it properly
+    except Exception as exc:
         return None, {"prepare_error": f"{type(exc).__name__}: {exc}"[:500]}
     return prepared, {"prepare_s": prepared.seconds}
 
 
 def redirect_output(log_path: str) -> None:
-    """Point stdout and stderr (the file descriptors, so native code follows) at the attempt's log."""
+    """Point stdout and stderr (the descriptors: native code follows) at the attempt's log, opened as
+    the supervisor opens a child's log (never through a link, the run's file mode)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # As the supervisor opens a child's log: never through a link, the run's file mode.
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -119,18 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     if not line.strip():
         return 0  # discarded, or the supervisor is gone: nothing was started
     order = json.loads(line)
-    # The hand-over's acknowledgement, on the spare's own log before anything that could block:
-    # a spare the supervisor hears nothing from within seconds (SIGSTOPped, stuck) is discarded
-    # and the attempt starts cold, instead of waiting for the hang timeout (issue 21 item 5).
+    # Acknowledged before anything that could block: a spare that says nothing within seconds is
+    # discarded and the attempt starts cold, instead of waiting for the hang timeout.
     print(json.dumps({"event": "spare_ack", "pid": os.getpid(), "spec": order.get("spec")}), flush=True)
     redirect_output(order["log"])
-    from qlora_supervise.trainer_child.__main__ import read_spec
+    from qlora_supervise.trainer_child.__main__ import spec_or_none
 
-    path = Path(order["spec"])
-    try:
-        spec = read_spec(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
+    spec = spec_or_none(Path(order["spec"]))
+    if spec is None:
         return int(ExitCode.CONFIG)
     why = check_spec(spec, args.device, args.expandable_segments)
     if why is not None:

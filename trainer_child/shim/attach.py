@@ -1,11 +1,10 @@
-"""When the foreign tool imports ``transformers.trainer``, its ``Trainer.train`` is wrapped.
-
-:func:`install` runs in ``sitecustomize``: it fixes the environment our child fixes before torch and
-leaves a finder that patches ``Trainer`` once ``transformers.trainer`` loads. Waiting for that import
-keeps the tool's other processes (launchers, data workers) free of torch and of our heartbeats."""
+""":func:`install`, run in ``sitecustomize``: the environment our child fixes before torch, and a
+finder that patches ``Trainer`` once ``transformers.trainer`` loads (so the tool's other processes,
+launchers and data workers, stay free of torch and of our heartbeats)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -23,12 +22,12 @@ from qlora_supervise.trainer_child.shim import script
 TRAINER_MODULE = "transformers.trainer"
 
 
+@dataclasses.dataclass(eq=False)
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds ``name`` through the other finders, and runs ``then`` on the module once it has loaded."""
 
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.then = then
+    name: str
+    then: Callable[[ModuleType], None]
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -51,12 +50,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-#: Set once the environment is fixed: a process the tool starts inherits the fixed environment
-#: (its CUDA_VISIBLE_DEVICES already narrowed to the one card), so it must not fix it again.
+#: Set once the environment is fixed (a child process inherits it, its card already narrowed).
 PREPARED_ENV = "QLORA_SUPERVISE_SHIM_PREPARED"
-#: Set by the process that holds the attempt's session (its pid): a process it starts that also
-#: imports ``transformers.trainer`` (a spawned data worker unpickling the collator) is not the
-#: attempt, and must not write a second ``started`` or beat into the same events file.
+#: The pid holding the attempt's session: a process it starts (a data worker) is not the attempt.
 SESSION_ENV = "QLORA_SUPERVISE_SHIM_SESSION"
 
 
@@ -92,8 +88,7 @@ def _after_import(name: str, then: Callable[[ModuleType], None]) -> None:
 
 
 def _script_ledger(attempt_dir: Path, spec: AttemptSpec) -> script.Ledger | None:
-    """A script's attempt (``script-knobs.json`` beside the spec): its knobs patched in where the
-    script builds them (:mod:`.script`); None for any other tool."""
+    """A script's attempt: its knobs patched in where it builds them (:mod:`.script`); else None."""
     changes = ScriptChanges.read(attempt_dir)
     if changes is None:
         return None
@@ -104,7 +99,6 @@ def _script_ledger(attempt_dir: Path, spec: AttemptSpec) -> script.Ledger | None
 
 
 def _started_by_the_attempt() -> bool:
-    """Whether another process holds the session (this one was started by it); a process that
-    re-executed itself keeps its pid and is still the attempt."""
+    """Whether another process holds the session (a re-executed process keeps its pid)."""
     owner = os.environ.get(SESSION_ENV)
     return bool(owner) and owner != str(os.getpid())

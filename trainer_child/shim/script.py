@@ -1,26 +1,7 @@
-"""The attempt's knobs, applied where a script with its settings in its code builds them.
-
-``trainer.kind: script`` runs the user's ``train.py`` as written. Its settings are arguments to
-constructors, so the shim changes them there, once each module loads (:mod:`.attach`):
-
-* ``TrainingArguments.__post_init__`` (``SFTConfig`` and every subclass call it first): micro-batch
-  and accumulation, checkpointing, optimizer, eval batch and eval off, ``max_length``; the output
-  folder always goes to the run's ``trainer-output``;
-* ``BitsAndBytesConfig.__init__``: the 4-bit quant type and double quant;
-* ``AutoModelFor*.from_pretrained``: the model it loads (reported; the ladder's model where it
-  changes it: a fallback of ``trainer.fallbacks``), and ``AutoTokenizer.from_pretrained`` of the
-  same name with it (the adapter starts again: the loop moves the old checkpoints aside);
-* ``LoraConfig.__post_init__``: the rank and alpha (a smaller rank resumes from the SVD-truncated
-  adapter, as for any tool: ``run.attempt.resume_source``);
-* ``prepare_model_for_kbit_training``: its ``use_gradient_checkpointing``, which turns checkpointing
-  on whatever the arguments say; and the bf16 head: the embeddings and LM head kept out of its fp32
-  upcast, as our recipe keeps them (``recipe/head.py``).
-
-Only the knobs the supervisor names in ``script-knobs.json`` change; every value seen is reported
-(:class:`~..contract.script_knobs.KnobSetting`). At ``train()`` the Trainer's arguments are read
-again: a value the script set after building the Trainer is not ours, so it is reported as not
-applied (the ladder then moves on without that knob) and its partner in the effective batch is put
-back as the script asked.
+"""The attempt's knobs, applied where a script with its settings in its code builds them, once each
+module loads (``TrainingArguments``, ``BitsAndBytesConfig``, ``from_pretrained``, ``LoraConfig``,
+``prepare_model_for_kbit_training``); every value seen is reported. A value the script sets after
+building its Trainer is reported as not applied, and its effective-batch partner put back.
 """
 
 from __future__ import annotations
@@ -75,6 +56,12 @@ def _write(knob: str, value: Any) -> Any:
     return ("steps" if value else "no") if knob == "eval_enabled" else value
 
 
+def _model_name(name: str | os.PathLike[str]) -> str:
+    """A local folder as an absolute path (the supervisor reads it from elsewhere), else the name."""
+    path = os.fspath(name)
+    return os.path.abspath(path) if os.path.isdir(path) else path
+
+
 class Ledger:
     """The changes of one attempt and every value the script built, in the order it built them."""
 
@@ -89,8 +76,6 @@ class Ledger:
         got = self.changes.get(knob, asked)
         self.settings.append(KnobSetting(knob, key, asked, got, where))
         return got
-
-    # -- where the script builds them -----------------------------------------------------
 
     def on_arguments(self, args: Any) -> None:
         where = type(args).__name__
@@ -117,41 +102,33 @@ class Ledger:
             setattr(config, key, self._take(knob, key, getattr(config, key), "LoraConfig"))
 
     def on_model(self, name: Any, where: str) -> Any:
-        """``from_pretrained``'s model: a local folder as an absolute path (the supervisor reads it
-        from elsewhere); the attempt's model where the ladder changed it."""
+        """``from_pretrained``'s model: the attempt's where the ladder changed it."""
         if not isinstance(name, (str, os.PathLike)):
             return name
-        path = os.fspath(name)
-        asked = os.path.abspath(path) if os.path.isdir(path) else path
+        asked = _model_name(name)
         got = self._take("model", NAME, asked, where)
         return name if got == asked else got
 
     def on_tokenizer(self, name: Any) -> Any:
-        """The tokenizer of the script's model is the attempt's model's, where it changed; a
-        tokenizer of another name is the script's own choice (reported, kept)."""
+        """The tokenizer of the script's model is the attempt's model's, where it changed."""
         if not isinstance(name, (str, os.PathLike)):
             return name
-        path = os.fspath(name)
-        asked = os.path.abspath(path) if os.path.isdir(path) else path
+        asked = _model_name(name)
         swap = self.replaced_model is not None and asked == self.replaced_model
         got = self.changes["model"] if swap else asked
         self.settings.append(KnobSetting("tokenizer", NAME, asked, got, "AutoTokenizer.from_pretrained"))
         return got if swap else name
 
     def on_prepare(self, kwargs: dict[str, Any]) -> bool:
-        """Checkpointing as the attempt has it; True when the attempt keeps the head in bf16 (the
-        script's prepare upcasts it to fp32: that is what it asks for)."""
+        """Checkpointing as the attempt has it; True when the attempt keeps the head in bf16."""
         asked = bool(kwargs.get("use_gradient_checkpointing", True))  # peft's default: on
         kwargs["use_gradient_checkpointing"] = self._take(
             "gradient_checkpointing", "use_gradient_checkpointing", asked, PREPARE
         )
         return bool(self._take("bf16_head", "bf16_head", False, PREPARE))
 
-    # -- at train() -------------------------------------------------------------------------
-
     def check(self, trainer: Any) -> None:
-        """The Trainer's arguments as ``train()`` will read them: a knob the script set after
-        building the Trainer is reported as not applied, and its batch partner put back."""
+        """The Trainer's arguments as ``train()`` will read them (see the module docstring)."""
         args, where = trainer.args, type(trainer.args).__name__
         overridden: set[str] = set()
         for i, s in enumerate(self.settings):
@@ -184,19 +161,14 @@ class Ledger:
         trainer._train_batch_size = args.train_batch_size  # Trainer copied it at construction
 
     def report(self, events: Any, trainer: Any | None) -> None:
-        """The ``script_knobs`` event into ``events`` (the attempt's ``EventLog``); with a Trainer,
-        ``loaded`` too: its rows and their lengths."""
-        model_config = _model_config(trainer) if trainer is not None else None
-        event = ScriptKnobs(
-            settings=tuple(self.settings), model_config=model_config, complete=trainer is not None
-        )
-        events.write(event.to_line())
+        """The ``script_knobs`` event; with a Trainer, ``loaded`` too: its rows and their lengths."""
+        events.write(ScriptKnobs(tuple(self.settings), _model_config(trainer), trainer is not None).to_line())
         lengths = _lengths(trainer) if trainer is not None else None
         if lengths is not None:
             events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
 
 
-def _model_config(trainer: Any) -> dict[str, Any] | None:
+def _model_config(trainer: Any | None) -> dict[str, Any] | None:
     config = getattr(getattr(trainer, "model", None), "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return None
@@ -204,7 +176,7 @@ def _model_config(trainer: Any) -> dict[str, Any] | None:
 
 
 def _lengths(trainer: Any) -> SampleLengths | None:
-    """The tokenized rows' lengths, as our child reports them (an evenly spaced sample of a large set)."""
+    """The tokenized rows' lengths, as our child reports them."""
     rows: Any = getattr(trainer, "train_dataset", None)
     try:
         total = len(rows)
@@ -214,24 +186,41 @@ def _lengths(trainer: Any) -> SampleLengths | None:
         return None
 
 
-# -- the patches, once each module has loaded ----------------------------------------------
+def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType], None]:
+    """A patch that runs ``hook(instance)`` before ``module.<attr>.__post_init__``."""
+
+    def patch(module: ModuleType) -> None:
+        cls = getattr(module, attr)
+        original = cls.__post_init__
+
+        @functools.wraps(original)
+        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            hook(self)
+            return original(self, *args, **kwargs)
+
+        cls.__post_init__ = post_init
+
+    return patch
 
 
-def _before(original: Callable[..., Any], hook: Callable[..., None]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        hook(self)
-        return original(self, *args, **kwargs)
+def _from_pretrained(attr: str, hook: Callable[[Any, Any], Any]) -> Callable[[ModuleType], None]:
+    """A patch that gives ``module.<attr>.from_pretrained`` the name ``hook(klass, name)`` returns."""
 
-    return wrapped
+    def patch(module: ModuleType) -> None:
+        cls = getattr(module, attr)
+        original = cls.__dict__["from_pretrained"].__func__
+
+        @functools.wraps(original)
+        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(klass, hook(klass, name), *args, **kwargs)
+
+        cls.from_pretrained = classmethod(from_pretrained)
+
+    return patch
 
 
 def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
     """module name -> what to patch in it once it has loaded."""
-
-    def arguments(module: ModuleType) -> None:
-        cls = module.TrainingArguments
-        cls.__post_init__ = _before(cls.__post_init__, ledger.on_arguments)
 
     def quantization(module: ModuleType) -> None:
         cls = module.BitsAndBytesConfig
@@ -245,32 +234,6 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
             original(*bound.args, **bound.kwargs)
 
         cls.__init__ = init
-
-    def lora(module: ModuleType) -> None:
-        cls = module.LoraConfig
-        cls.__post_init__ = _before(cls.__post_init__, ledger.on_lora)
-
-    def model(module: ModuleType) -> None:
-        # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
-        cls = module._BaseAutoModelClass
-        original = cls.__dict__["from_pretrained"].__func__
-
-        @functools.wraps(original)
-        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
-            name = ledger.on_model(name, f"{klass.__name__}.from_pretrained")
-            return original(klass, name, *args, **kwargs)
-
-        cls.from_pretrained = classmethod(from_pretrained)
-
-    def tokenizer(module: ModuleType) -> None:
-        cls = module.AutoTokenizer
-        original = cls.__dict__["from_pretrained"].__func__
-
-        @functools.wraps(original)
-        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
-            return original(klass, ledger.on_tokenizer(name), *args, **kwargs)
-
-        cls.from_pretrained = classmethod(from_pretrained)
 
     def prepare(module: ModuleType) -> None:
         # Our recipe's bf16 head, imported here: it imports torch, which peft has loaded by now
@@ -295,10 +258,16 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
             setattr(owner, PREPARE, wrapped)
 
     return {
-        "transformers.training_args": arguments,
+        "transformers.training_args": _post_init("TrainingArguments", ledger.on_arguments),
         "transformers.utils.quantization_config": quantization,
-        "transformers.models.auto.auto_factory": model,
-        "transformers.models.auto.tokenization_auto": tokenizer,
-        "peft.tuners.lora.config": lora,
+        # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
+        "transformers.models.auto.auto_factory": _from_pretrained(
+            "_BaseAutoModelClass",
+            lambda klass, name: ledger.on_model(name, f"{klass.__name__}.from_pretrained"),
+        ),
+        "transformers.models.auto.tokenization_auto": _from_pretrained(
+            "AutoTokenizer", lambda _, name: ledger.on_tokenizer(name)
+        ),
+        "peft.tuners.lora.config": _post_init("LoraConfig", ledger.on_lora),
         "peft": prepare,
     }

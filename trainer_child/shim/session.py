@@ -1,17 +1,12 @@
-"""One supervised attempt inside a foreign tool: the same heartbeats, stages, checkpoints,
-emergency save, error report and speed trial as our own child, from the same code
-(:mod:`..run.attempt`, :mod:`..recipe.trainer`, :mod:`.trial`).
-
-``Trainer.train`` is wrapped (:meth:`Session.patch`): at the call the instance's class becomes a
-subclass of its own with our mixin in front (the tool's overrides stay, ours call them through
-``super()``), our callback is added, and ``resume_from_checkpoint`` is the supervisor's choice. A
-failure before ``train`` (the tool's model load) is caught by ``sys.excepthook``."""
+"""One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency
+save, error report and speed trial, from the same code. At ``Trainer.train`` the instance's class
+becomes a subclass of its own with our mixin in front, our callback is added, and
+``resume_from_checkpoint`` is the supervisor's choice; a failure before it goes to ``sys.excepthook``."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -19,6 +14,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.processes import exit_now
 from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run import attempt, device
@@ -56,8 +52,7 @@ class Session:
         self.ctx.progress.enter(Stage.LOAD)  # the tool loads its model and data next
 
     def _setup(self) -> None:
-        """Device check, caps, ``started``, heartbeats: what :func:`attempt.setup` does for our child,
-        without importing a training stack the tool may not have (bitsandbytes on a CPU venv)."""
+        """:func:`attempt.setup` without importing a training stack the tool may not have."""
         import torch
 
         from qlora_supervise.trainer_child.run import memory
@@ -88,45 +83,41 @@ class Session:
     def train(self, trainer: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The tool's ``trainer.train(...)``, supervised; a failure ends the process with our exit code."""
         ctx = self.ctx
-        if ctx.progress.stop_requested:  # SIGTERM during the tool's load: nothing new to save
-            ctx.progress.announce_stop()
-            self.leave(ExitCode.STOPPED)
+        self._stop_if_asked()  # SIGTERM during the tool's load: nothing new to save
         failure: CapturedFailure | None = None
         result: Any = None
         try:
             self._report_knobs(trainer)
             source = self._attach(trainer)
             self._speed_trial(trainer, resuming=source.load_from is not None)
-            if ctx.progress.stop_requested:  # SIGTERM during the trial: nothing new to save
-                ctx.progress.announce_stop()
-                self.leave(ExitCode.STOPPED)
-            # The supervisor's choice (already on the tool's config); the source may be an
-            # optimizer-less copy of it when the optimizer changed, which the tool cannot know.
+            self._stop_if_asked()
+            # The supervisor's choice; perhaps an optimizer-less copy, which the tool cannot know.
             kwargs["resume_from_checkpoint"] = source.load_from
-            # Trainer.train's first positional parameter is resume_from_checkpoint: a tool that
-            # passes its own there would clash with (and override) the supervisor's, so it goes.
+            # Trainer.train's first positional parameter is resume_from_checkpoint: a tool's own
+            # there would override the supervisor's, so it goes.
             result = original(trainer, *args[1:], **kwargs) if args else original(trainer, **kwargs)
         except BaseException as exc:  # every failure must leave a report
             failure = attempt.captured(ctx, exc)
         if failure is not None:
             self.leave(attempt.fail(ctx, failure))
-        if ctx.progress.stop_requested:  # SIGTERM: the callback checkpointed and stopped training
-            ctx.progress.announce_stop()
-            self.leave(ExitCode.STOPPED)
+        self._stop_if_asked()  # the callback checkpointed and stopped training
         self._finish(trainer)
         return result
 
+    def _stop_if_asked(self) -> None:
+        if self.ctx.progress.stop_requested:
+            self.ctx.progress.announce_stop()
+            self.leave(ExitCode.STOPPED)
+
     def _report_knobs(self, trainer: Any | None) -> None:
-        """A script's knobs as its Trainer will train with them (once: a second ``train()`` or a
-        failure after the first report adds nothing)."""
+        """A script's knobs as its Trainer will train with them, reported once."""
         ledger, self.ledger = self.ledger, None
         if ledger is None:
             return
         if trainer is not None:
             ledger.check(trainer)
         ledger.report(self.ctx.events, trainer)
-        # The checkpoints' and the resume's knobs are what the script built (attempt 1's spec
-        # holds the job's until the script has reported them).
+        # The checkpoints' and the resume's knobs are what the script built.
         spec = self.ctx.spec
         self.ctx.spec = dataclasses.replace(spec, knobs=as_built(spec.knobs, ledger.settings))
 
@@ -135,11 +126,11 @@ class Session:
         from qlora_supervise.trainer_child.recipe.trainer import CheckpointPlan, SupervisionCallback
 
         ctx, spec = self.ctx, self.ctx.spec
-        if ctx.trainer is trainer:  # train() called again on the same Trainer: attached already
-            return attempt.resume_source(spec, attempt.chosen_checkpoint(spec))
         chosen = attempt.chosen_checkpoint(spec)
-        ctx.resume_checkpoint = str(chosen) if chosen is not None else None
         source = attempt.resume_source(spec, chosen)
+        if ctx.trainer is trainer:  # train() called again on the same Trainer: attached already
+            return source
+        ctx.resume_checkpoint = str(chosen) if chosen is not None else None
         trainer.__class__ = supervised_class(type(trainer))
         protect = Path(spec.resume_from) if spec.resume_from else None
         trainer.supervise(
@@ -152,8 +143,7 @@ class Session:
         return source
 
     def _speed_trial(self, trainer: Any, resuming: bool) -> None:
-        """Before step 1 of a fresh attempt with candidates: our child's trial on the tool's Trainer
-        (:mod:`.trial`), which may switch its micro-batch and checkpointing in its arguments."""
+        """Our child's trial on the tool's Trainer (:mod:`.trial`), once, before step 1."""
         from qlora_supervise.trainer_child.run import speed_trial
         from qlora_supervise.trainer_child.shim import trial
 
@@ -164,13 +154,11 @@ class Session:
         trial.run(trainer, ctx.spec, ctx.progress, ctx.on_cuda)
 
     def _finish(self, trainer: Any) -> None:
-        """Training ended: the adapter where ours goes (``<run>/adapter``), and ``finished``."""
+        """Training ended: the adapter where ours goes, and ``finished``."""
         ctx, spec = self.ctx, self.ctx.spec
         ctx.progress.enter(Stage.SAVE)
-        if ctx.place.is_main:
-            # A Trainer built without a tokenizer (processing_class None) saves the adapter alone.
-            tokenizer = trainer.processing_class or _NoTokenizer()
-            attempt.save_adapter(trainer, tokenizer, Path(spec.adapter_dir))
+        if ctx.place.is_main:  # a Trainer without a tokenizer saves the adapter alone
+            attempt.save_adapter(trainer, trainer.processing_class or _NoTokenizer(), Path(spec.adapter_dir))
         ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
         ctx.trainer = None
 
@@ -180,21 +168,16 @@ class Session:
             self._previous_hook(kind, exc, tb)
             return
         self._report_knobs(None)  # what the script built before it failed
-        # A refusal while the tool sets up or loads is the config's (failure.is_the_configs).
         failure = attempt.captured(self.ctx, exc)
         del exc, tb
         self.leave(attempt.fail(self.ctx, failure))
 
     def leave(self, code: int) -> NoReturn:
-        """End the process now with ``code``: the tool's own code after ``train`` must not run on
-        (it would save or push a model of a failed or stopped attempt)."""
+        """End the process now: the tool's code after ``train`` must not save or push a failed model."""
         if self.ctx.heartbeat is not None:
             self.ctx.heartbeat.stop()
         self.ctx.events.close()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # a full disk under child.log
-                stream.flush()
-        os._exit(int(code))  # the report and the checkpoint are on disk, fsynced (processes.leave)
+        exit_now(int(code))  # the report and the checkpoint are on disk, fsynced
 
 
 class _NoTokenizer:
@@ -206,8 +189,6 @@ def installed_versions() -> dict[str, str]:
     """The versions of :data:`VERSIONED` that are installed here."""
     found = {}
     for name in VERSIONED:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
     return found

@@ -1,9 +1,5 @@
-"""Loaded by Python at start-up from the child's PYTHONPATH (trainer_child/shim/__init__.py).
-
-It must never break the tool it rides in: any failure to attach is one line on stderr (the
-supervisor then classifies from stderr alone and says so in its journal), and a
-``sitecustomize`` of the user's own further down ``sys.path`` is still run.
-"""
+"""Loaded by Python at start-up from the child's PYTHONPATH. It never breaks the tool it rides in: a
+failure to attach is one line on stderr, and the user's own ``sitecustomize`` still runs."""
 
 from __future__ import annotations
 
