@@ -1,10 +1,12 @@
 """Shared fixtures. The trainer-child fixtures live in ``_child.py``; registered here so the
 session-scoped tiny model is built once for all test modules."""
 
+import contextlib
 import itertools
 import os
 import re
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,14 @@ from typing import Any
 import pytest
 from _child import tiny_dir_fixture  # noqa: F401 - registers the `tiny_dir` fixture
 from _pytest.mark.expression import Expression
+
+# Python's default, even where the environment turned it off (PYTHONDONTWRITEBYTECODE): otherwise
+# every process of the test run (the xdist workers, the supervisors and scripted children the tests
+# start, dozens each) compiles the package, and pytest rewrites the test modules, again from source:
+# about 3 s of CPU per worker's collection and 0.1 s per supervisor started. Set here, in the process
+# that starts the workers, before it starts them; the caches go to __pycache__ (git ignores them).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -123,31 +133,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def _state_dirs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("state")
+def _state_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Iterator[str]]:
+    """Fresh peak-store folder names under one session folder (created by the store when it writes)."""
+    base = tmp_path_factory.mktemp("state")
+    yield (str(base / str(n)) for n in itertools.count())
 
 
 @pytest.fixture(autouse=True)
-def _peak_store_in_tmp(_state_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test keeps the per-host peak store in a temp dir: tests never write to ~/.local/state.
-    (mkdtemp under one folder: a numbered ``mktemp`` per test lists the base folder each time.)"""
-    monkeypatch.setenv("QLORA_SUPERVISE_STATE_DIR", tempfile.mkdtemp(dir=_state_dirs))
+def _test_process_state(_state_dirs: Iterator[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """What every test gets, undone after it (one fixture: ~1,300 tests pay each fixture's setup):
 
-
-@pytest.fixture(autouse=True)
-def _scripted_plan_per_test(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scripted child's plan (``SCRIPTED_CHILD_PLAN``, which the loop tests' ``_job`` points at
-    their own tmp file) is undone after every test, so no test inherits another's plan."""
-    monkeypatch.delenv("SCRIPTED_CHILD_PLAN", raising=False)
-
-
-@pytest.fixture(autouse=True)
-def _roomy_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process plans read a fixed, roomy host (256 GiB available, no cgroup limit) instead of the
-    machine's free RAM, so that a busy or small test machine does not change what a plan starts
-    from; tests/test_host_memory.py tests the host budget itself (its sources, reserve and limits)."""
+    * the per-host peak store in a folder of its own in a temp dir, never ~/.local/state (a name
+      only: the store creates it when it writes, most tests never do);
+    * no scripted child's plan (``SCRIPTED_CHILD_PLAN``, which the loop tests' ``_job`` points at
+      their own tmp file), so no test inherits another's plan;
+    * in-process plans read a fixed, roomy host (256 GiB available, no cgroup limit) instead of the
+      machine's free RAM, so that a busy or small test machine does not change what a plan starts
+      from; tests/test_host_memory.py tests the host budget itself (its sources, reserve and limits).
+    """
     from qlora_supervise.supervisor.watching import host
 
+    monkeypatch.setenv("QLORA_SUPERVISE_STATE_DIR", next(_state_dirs))
+    monkeypatch.delenv("SCRIPTED_CHILD_PLAN", raising=False)
     monkeypatch.setattr(host, "host_room", lambda: (256 << 30, None))
 
 
@@ -166,3 +173,28 @@ def notify_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
         sock.close()
         path.unlink(missing_ok=True)
         directory.rmdir()
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@pytest.fixture
+def reaps_orphans() -> Iterator[None]:
+    """This test's process adopts the orphans of the processes it starts (a supervisor it SIGKILLs
+    leaves its child behind) and reaps each as it exits, as a host's init does at once. A container's
+    PID 1 may reap adopted orphans a second or two late, and until then the exited child still looks
+    alive to the next supervisor that waits for it to leave. Zombies left adopted are reaped after."""
+    import ctypes
+
+    import psutil
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)

@@ -63,7 +63,7 @@ def _job(
     path.write_text(yaml.safe_dump(job))
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(plan))
-    # Undone after each test by conftest's _scripted_plan_per_test (a monkeypatch of this variable).
+    # Undone after each test by conftest's _test_process_state (a monkeypatch of this variable).
     os.environ["SCRIPTED_CHILD_PLAN"] = str(plan_path)
     return path
 
@@ -180,6 +180,7 @@ def test_sigterm_stops_gracefully_and_the_same_command_resumes(tmp_path: Path) -
     assert records[-1].outcome == "succeeded" and records[-1].resumed_from == records[-2].next_resume_from
 
 
+@pytest.mark.usefixtures("reaps_orphans")
 def test_supervisor_sigkill_mid_attempt_resumes_without_repeating_failed_config(tmp_path: Path) -> None:
     """A supervisor SIGKILLed mid-attempt and started again finishes without rerunning a failed config."""
     job = _job(tmp_path, {"1": "oom_forward@2", "default": "slow"})

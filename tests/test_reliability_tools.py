@@ -351,7 +351,7 @@ _SCRIPTED = Path(__file__).with_name("run_scripted.py")
 def test_ctrl_c_under_tee_exits_130_and_journals_the_stop(tmp_path: Path, piped: str) -> None:
     """``run job.yaml | tee log`` and Ctrl-C (SIGINT to the whole process group, so tee dies
     first): exit 130 (not 141), the stop journaled, the state stopped."""
-    job = loop_job(tmp_path, {"default": "slow"}, train={"max_steps": 40})
+    job = loop_job(tmp_path, {"default": "ok"}, train={"max_steps": 40})
     redirect = "2>&1" if piped == "stdout and stderr" else "2>/dev/null"
     command = (
         f"{sys.executable} {_SCRIPTED} --cli run {job} --plain {redirect} | tee {tmp_path / 'log'}; "
@@ -363,12 +363,13 @@ def test_ctrl_c_under_tee_exits_130_and_journals_the_stop(tmp_path: Path, piped:
         start_new_session=True,  # its own process group: the terminal's Ctrl-C goes to all of it
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "SCRIPTED_CHILD_STEP_S": "0.1"},  # 4 s for the 40 steps: stopped mid-run
     )
     child_events = tmp_path / "run" / "attempt-001" / "child-events.jsonl"
     deadline = time.monotonic() + 120
     while not (child_events.is_file() and '"heartbeat"' in child_events.read_text()):
         assert time.monotonic() < deadline and shell.poll() is None, "the child never trained a step"
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.killpg(shell.pid, signal.SIGINT)
     shell.wait(timeout=120)
     assert (tmp_path / "status").read_text().strip() == "130"

@@ -43,7 +43,7 @@ def test_a_live_child_is_stopped_at_a_checkpoint_and_resumed_in_the_faster_confi
     resumes there with the config before the rung and finishes."""
     job = _job(
         tmp_path,
-        {"1": "contention@3", "default": "slow"},
+        {"1": "contention@3", "2": "slow", "default": "ok"},  # slow: the neighbour leaves mid-attempt
         train={"max_steps": 16},
         degrade_on_contention=True,
         step_up_settle="1s",
