@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from qlora_supervise.supervisor.loop.child import attempt_children
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
+from qlora_supervise.trainer_child.contract.processes import pid_alive
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -34,3 +36,17 @@ def test_a_shimmed_trainer_is_found_by_its_spec_in_the_environment_and_a_strange
             proc.kill()
             proc.wait()
     assert attempt_children(ours.pid, spec, rd) == []  # gone: nothing to stop
+
+
+def test_a_zombie_counts_as_exited() -> None:
+    """An exited process its parent has not reaped yet is no live process to wait on."""
+    proc = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert not pid_alive(proc.pid)
+    finally:
+        proc.wait()
+    assert pid_alive(os.getpid())

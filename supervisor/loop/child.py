@@ -232,8 +232,15 @@ def stop_group(pid: int, grace_s: float) -> int | None:
     is not ours (an orphan: its new parent reaps it) or already gone."""
     try:
         leader = psutil.Process(pid)
+        ours = leader.ppid() == os.getpid()
         os.killpg(pid, signal.SIGTERM)
     except (psutil.Error, ProcessLookupError, PermissionError):
+        return None
+    if not ours:  # psutil would wait on an orphan's zombie until its new parent reaps it
+        if not _exited_within(pid, grace_s):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            _exited_within(pid, _KILL_WAIT_S)
         return None
     gone, alive = psutil.wait_procs([leader], timeout=grace_s)
     if alive:
@@ -243,6 +250,16 @@ def stop_group(pid: int, grace_s: float) -> int | None:
     # wait_procs sets ``returncode`` on each process it saw end (documented; not in the stubs).
     code = getattr(gone[0], "returncode", None) if gone else None
     return int(code) if code is not None else None
+
+
+def _exited_within(pid: int, timeout_s: float) -> bool:
+    """Whether ``pid`` (not our child) exits, a zombie counting as exited, within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:

@@ -5,20 +5,28 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (it may belong to another user)."""
+    """Whether a process with this pid exists and has not exited (it may belong to another user).
+
+    A zombie has exited: an orphan's new parent (PID 1 in a container) may reap it late or never.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return True
+    try:  # the state follows the command name, which may hold spaces and parentheses
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc to ask: kill(0) is the answer
+    return state != "Z"
 
 
 #: Exit statuses of a failed attempt: what the supervisor waits on before the next one starts.
