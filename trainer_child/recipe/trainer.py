@@ -26,6 +26,7 @@ from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCH
 from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
+from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
 from qlora_supervise.trainer_child.recipe import resume
@@ -288,8 +289,9 @@ class SupervisedTrainerMixin(_TrainerBase):
             self._save_optimizer_and_scheduler(str(part))
             self.state.save_to_json(str(part / "trainer_state.json"))
         self._save_rng_state(str(part))
+        checkpoints.seal(part)  # the files on disk before the marker that vouches for them
         done = {"step": step, "rank": place.rank, "world_size": place.world_size}
-        (part / checkpoints.PART_DONE).write_text(json.dumps(done), encoding="utf-8")
+        write_text_atomic(part / checkpoints.PART_DONE, json.dumps(done))
         return part
 
 
