@@ -11,7 +11,7 @@ import dataclasses
 import io
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.watching.gpu import GpuSample
+from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample
 from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult, event_line
@@ -206,13 +206,21 @@ class FakeGpu:
 
 
 def _seams(
-    clock: FakeClock, plan: Mapping[int, str], gpu: FakeGpu | None = None, default: str = "ok"
+    clock: FakeClock,
+    plan: Mapping[int, str],
+    gpu: GpuProbe | None = None,
+    default: str = "ok",
+    *,
+    child: Callable[[AttemptSpec, FakeClock, str], Any] = FakeChild,
+    sample_every_s: float = 5.0,
 ) -> Seams:
-    def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> FakeChild:
+    """The loop's seams on the fake clock: attempt N is ``child(spec, clock, plan[N])``."""
+
+    def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> Any:
         spec = AttemptSpec.from_json(Path(argv[-1]).read_text(encoding="utf-8"))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
-        return FakeChild(spec, clock, plan.get(spec.attempt, default))
+        return child(spec, clock, plan.get(spec.attempt, default))
 
     return Seams(
         clock=clock,
@@ -223,7 +231,7 @@ def _seams(
         open_gpu=lambda device: gpu,
         oom_kills=lambda: None,
         tick_s=0.25,
-        sample_every_s=5.0,
+        sample_every_s=sample_every_s,
         stop_grace_s=1.0,
     )
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_loop_fake_clock import CONTENTION, LLAMA2_7B, FakeClock, GiB, _checkpoint, _job, _resume_step, _run
+from test_loop_fake_clock import _seams as fake_seams
 
 from qlora_supervise.supervisor.commands.explain import explanation, print_table
 from qlora_supervise.supervisor.commands.status import print_story, status_json
@@ -192,24 +193,7 @@ class SharedCard:
 
 
 def _seams(clock: FakeClock, scripts: Mapping[int, str], card: SharedCard) -> Seams:
-    def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> SteppingChild:
-        spec = AttemptSpec.from_json(Path(argv[-1]).read_text(encoding="utf-8"))
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("")
-        return SteppingChild(spec, clock, scripts.get(spec.attempt, "ok"))
-
-    return Seams(
-        clock=clock,
-        wall=clock,
-        sleep=clock.sleep,
-        spawn=spawn,
-        argv=lambda spec, phase: ["fake-child", str(spec)],
-        open_gpu=lambda device: card,
-        oom_kills=lambda: None,
-        tick_s=0.25,
-        sample_every_s=1.0,
-        stop_grace_s=1.0,
-    )
+    return fake_seams(clock, scripts, card, child=SteppingChild, sample_every_s=1.0)
 
 
 def _job_at(tmp_path: Path, **supervise: Any) -> Path:
