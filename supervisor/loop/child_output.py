@@ -8,7 +8,6 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure
@@ -32,6 +31,7 @@ from qlora_supervise.trainer_child.contract.checkpoints import (
 )
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, Resumed, Started, read_events
+from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_files
 
@@ -84,19 +84,10 @@ def note_rank_exits(spec: AttemptSpec, watched: Watched, now: float) -> None:
             started = [e for e in read_events(Path(path)) if isinstance(e, Started) and e.pid]
             if started and started[-1].pid is not None:
                 watched.rank_pids[rank] = started[-1].pid
+    # A dead rank is torchrun's zombie until torchrun reaps it: pid_alive counts it as exited.
     for rank, pid in watched.rank_pids.items():
-        if rank not in watched.rank_exits and _gone(pid):
+        if rank not in watched.rank_exits and not pid_alive(pid):
             watched.rank_exits[rank] = now
-
-
-def _gone(pid: int) -> bool:
-    # A rank is torchrun's child: until torchrun reaps it, a dead rank is a zombie.
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:  # not ours to look at: taken as alive
-        return False
 
 
 def ranks_overstay(
