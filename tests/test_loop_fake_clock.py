@@ -211,16 +211,17 @@ def _seams(
     gpu: GpuProbe | None = None,
     default: str = "ok",
     *,
-    child: Callable[[AttemptSpec, FakeClock, str], Any] = FakeChild,
+    child: Callable[[AttemptSpec, FakeClock, str], Any] | None = None,
     sample_every_s: float = 5.0,
 ) -> Seams:
-    """The loop's seams on the fake clock: attempt N is ``child(spec, clock, plan[N])``."""
+    """The loop's seams on the fake clock: attempt N is ``child(spec, clock, plan[N])``; ``child``
+    defaults to this module's ``FakeChild`` as it is when the attempt starts (tests patch it)."""
 
     def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> Any:
         spec = AttemptSpec.from_json(Path(argv[-1]).read_text(encoding="utf-8"))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
-        return child(spec, clock, plan.get(spec.attempt, default))
+        return (child or FakeChild)(spec, clock, plan.get(spec.attempt, default))
 
     return Seams(
         clock=clock,
