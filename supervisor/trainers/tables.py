@@ -78,27 +78,30 @@ class Table:
         return next((r for r in self.rows if r.knob == knob), None)
 
 
-def auto_batch(key: str, micro_key: str, accum_key: str) -> Contradiction:
+def restarts(micro_key: str, accum_key: str) -> tuple[Contradiction, ...]:
+    """The TrainingArguments keys that would restart, resume or checkpoint in place of the supervisor."""
     why = (
         "contradicts the supervisor: on an OOM it lowers the batch size without raising accumulation "
         "(the effective batch changes) and retries from step 0 in the same process"
     )
     fix = (
-        f"delete {key} (or set false): after an OOM the supervisor lowers {micro_key} and raises "
-        f"{accum_key} to keep the effective batch, and resumes from the last checkpoint"
+        f"delete auto_find_batch_size (or set false): after an OOM the supervisor lowers {micro_key} "
+        f"and raises {accum_key} to keep the effective batch, and resumes from the last checkpoint"
     )
-    return Contradiction(key, bool, why, fix)
-
-
-def resume(key: str) -> Contradiction:
-    why = "set by the supervisor for each attempt (the newest complete checkpoint it checked)"
-    fix = f"delete {key}: a run is resumed by running the same qlora-supervise command again"
-    return Contradiction(key, lambda v: v not in (None, False, ""), why, fix)
-
-
-def no_saves(key: str) -> Contradiction:
-    why = "no checkpoints: every restart would begin at step 0"
-    return Contradiction(key, lambda v: v == "no", why, f'set {key}: "steps" (with save_steps), or delete it')
+    resumed = "set by the supervisor for each attempt (the newest complete checkpoint it checked)"
+    resume_fix = (
+        "delete resume_from_checkpoint: a run is resumed by running the same qlora-supervise command again"
+    )
+    return (
+        Contradiction("auto_find_batch_size", bool, why, fix),
+        Contradiction("resume_from_checkpoint", lambda v: v not in (None, False, ""), resumed, resume_fix),
+        Contradiction(
+            "save_strategy",
+            lambda v: v == "no",
+            "no checkpoints: every restart would begin at step 0",
+            'set save_strategy: "steps" (with save_steps), or delete it',
+        ),
+    )
 
 
 def lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:

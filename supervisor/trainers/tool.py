@@ -35,9 +35,8 @@ def load_in_8bit(config: Config) -> str | None:
 class Tool:
     """One tool the supervisor can run in place of our child."""
 
-    kind: str  # trainer.kind in the job file
-    table: Table  # knob -> the tool's key
-    package: str | None  # what its interpreter must import (None: the script's own)
+    table: Table  # knob -> the tool's key; its kind is trainer.kind in the job file
+    package: str | None = None  # what its interpreter must import (None: the script's own)
     # ``python *entry <config>``; (): a script that is its own argv (hf-script: its flags changed).
     entry: tuple[str, ...] = ()
     # ``script``: its argv runs unchanged; the shim changes the knobs where the script builds them.
@@ -64,6 +63,10 @@ class Tool:
     # --- checks at validate ---
     data_problems: Callable[[Config, str, Path], list[Problem]] = lambda config, where, workdir: []
     command_problems: Callable[[tuple[str, ...], Path], list[Problem]] = lambda command, workdir: []
+
+    @property
+    def kind(self) -> str:
+        return self.table.kind
 
     @property
     def config_name(self) -> str:

@@ -11,12 +11,10 @@ from qlora_supervise.supervisor.trainers.tables import (
     Contradiction,
     Row,
     Table,
-    auto_batch,
     is_true,
     lora_only,
-    no_saves,
     present,
-    resume,
+    restarts,
 )
 from qlora_supervise.supervisor.trainers.tool import Config, Tool, attn_implementation
 
@@ -59,15 +57,13 @@ TABLE = Table(
         "lora_alpha": "add lora_alpha (axolotl has no default)",
     },
     contradictions=(
-        auto_batch("auto_find_batch_size", "micro_batch_size", "gradient_accumulation_steps"),
-        resume("resume_from_checkpoint"),
+        *restarts("micro_batch_size", "gradient_accumulation_steps"),
         Contradiction(
             "auto_resume_from_checkpoints",
             is_true,
             "axolotl would pick its own checkpoint in output_dir, not the one the supervisor checked",
             "delete auto_resume_from_checkpoints: the supervisor resumes from its newest complete checkpoint",
         ),
-        no_saves("save_strategy"),
         lora_only("adapter", ("qlora", "lora")),
         # axolotl 0.19 trains batch_size alone at accumulation 1 (older ones derived it): one meaning only.
         Contradiction(
@@ -108,7 +104,6 @@ def _attention(config: Config) -> str | None:
 
 
 TOOL = Tool(
-    "axolotl",
     TABLE,
     package="axolotl",
     entry=("-m", "axolotl.cli.train"),

@@ -13,10 +13,8 @@ from qlora_supervise.supervisor.trainers.tables import (
     Contradiction,
     Row,
     Table,
-    auto_batch,
-    no_saves,
     present,
-    resume,
+    restarts,
     unquoted_no,
 )
 from qlora_supervise.supervisor.trainers.tool import Tool
@@ -57,9 +55,7 @@ TABLE = Table(
     ),
     required={"output_dir": "add --output_dir (TrainingArguments requires it; the supervisor replaces it)"},
     contradictions=(
-        auto_batch("auto_find_batch_size", "--per_device_train_batch_size", "--gradient_accumulation_steps"),
-        resume("resume_from_checkpoint"),
-        no_saves("save_strategy"),
+        *restarts("--per_device_train_batch_size", "--gradient_accumulation_steps"),
         *(unquoted_no(key) for key in STRATEGY_KEYS),
         Contradiction("deepspeed", present, MULTI_GPU, "delete --deepspeed"),
         Contradiction("fsdp", present, MULTI_GPU, "delete --fsdp"),
@@ -68,9 +64,7 @@ TABLE = Table(
 )
 
 TOOL = Tool(
-    "hf-script",
     TABLE,
-    package=None,  # the script's own imports
     unquantized=(
         "the script's command has no --load_in_4bit true, so how it loads the base model is its "
         "own; the memory model counts 4-bit weights"

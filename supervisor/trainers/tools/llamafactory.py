@@ -13,10 +13,8 @@ from qlora_supervise.supervisor.trainers.tables import (
     TRAINER_ARGUMENTS_CONTRADICTIONS,
     Row,
     Table,
-    auto_batch,
     lora_only,
-    no_saves,
-    resume,
+    restarts,
 )
 from qlora_supervise.supervisor.trainers.tool import Config, Tool
 
@@ -58,9 +56,7 @@ TABLE = Table(
         "do_train": "add do_train: true",
     },
     contradictions=(
-        auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
-        resume("resume_from_checkpoint"),
-        no_saves("save_strategy"),
+        *restarts("per_device_train_batch_size", "gradient_accumulation_steps"),
         lora_only("finetuning_type", ("lora",)),
         *TRAINER_ARGUMENTS_CONTRADICTIONS,
     ),
@@ -132,7 +128,6 @@ def _names(value: Any) -> list[str]:
 
 
 TOOL = Tool(
-    "llamafactory",
     TABLE,
     package="llamafactory",
     entry=("-m", "llamafactory.launcher"),

@@ -46,9 +46,7 @@ def script_problems(command: tuple[str, ...], workdir: Path) -> list[Problem]:
 
 
 TOOL = Tool(
-    "script",
     TABLE,
-    package=None,  # the script's own imports
     settings_in_code=True,
     shim_rungs=frozenset({"bf16_head", "smaller_model"}),
     command_problems=script_problems,

@@ -10,11 +10,9 @@ from qlora_supervise.supervisor.trainers.tables import (
     Contradiction,
     Row,
     Table,
-    auto_batch,
     is_true,
-    no_saves,
     present,
-    resume,
+    restarts,
 )
 from qlora_supervise.supervisor.trainers.tool import Config, Tool
 
@@ -43,9 +41,7 @@ TABLE = Table(
     renamed={"max_seq_length": "max_length", "torch_dtype": "dtype", "evaluation_strategy": "eval_strategy"},
     reads_quoted_numbers=True,
     contradictions=(
-        auto_batch("auto_find_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"),
-        resume("resume_from_checkpoint"),
-        no_saves("save_strategy"),
+        *restarts("per_device_train_batch_size", "gradient_accumulation_steps"),
         Contradiction("use_peft", lambda v: v is not True, "not a LoRA fine-tune", "set use_peft: true"),
         *TRAINER_ARGUMENTS_CONTRADICTIONS,
         # Keys `trl sft` hands to `accelerate launch`: the supervisor's one process would drop them.
@@ -80,7 +76,6 @@ def _unmodelled(config: Config, saved_4bit: bool) -> str | None:
 
 
 TOOL = Tool(
-    "trl-sft",
     TABLE,
     package="trl",
     # Its own entry module in one process (``trl sft`` itself would go through accelerate launch).
