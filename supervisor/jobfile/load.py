@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
@@ -34,6 +34,8 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.supervisor.jobfile.world import world_problems
 from qlora_supervise.trainer_child.contract.codes import FailureKind
+
+_S = TypeVar("_S", bound=Section)
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
@@ -79,12 +81,12 @@ def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
     sections: dict[str, Section] = {}
     bad: set[str] = set()
     for name, section_type in SECTIONS.items():
-        section, found, bad_fields = _validate_section(name, section_type, raw, context)
+        section, found, bad_fields = validate_section(name, section_type, raw, context)
         problems += found
         bad |= bad_fields
         if section is not None:
             sections[name] = section
-    output_dir, found = _validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
+    output_dir, found = validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
     problems += found
     problems += world_problems(sections, output_dir, frozenset(bad))
     if problems or output_dir is None:
@@ -147,9 +149,9 @@ def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
     return unknown + missing
 
 
-def _validate_section(
-    name: str, section_type: type[Section], raw: Mapping[str, Any], context: dict[str, str]
-) -> tuple[Section | None, list[Problem], set[str]]:
+def validate_section(
+    name: str, section_type: type[_S], raw: Mapping[str, Any], context: dict[str, str]
+) -> tuple[_S | None, list[Problem], set[str]]:
     """The section (validated again without its bad fields, so the world checks still run for the
     good ones), its problems, and the bad field paths."""
     if name not in raw and name in REQUIRED_SECTIONS:
@@ -166,13 +168,13 @@ def _validate_section(
         bad_keys = {str(item["loc"][0]) for item in error.errors() if item["loc"]}
     try:
         good = {k: v for k, v in value.items() if k not in bad_keys}
-        partial: Section | None = section_type.model_validate(good, context=context)
+        partial: _S | None = section_type.model_validate(good, context=context)
     except ValidationError:
         partial = None  # a required field is bad: nothing in this section can be checked
     return partial, problems, {f"{name}.{key}" for key in bad_keys}
 
 
-def _validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path | None, list[Problem]]:
+def validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path | None, list[Problem]]:
     try:
         return TypeAdapter(ResolvedPath).validate_python(value, context=context), []
     except ValidationError as error:

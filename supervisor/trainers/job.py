@@ -79,11 +79,9 @@ def _validated(
     name: str, kind: type[_S], raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
 ) -> _S | None:
     """The section ``name`` (None: it did not validate); its problems appended to ``problems``."""
-    section, found, _ = jobload._validate_section(name, kind, raw, context)
+    section, found, _ = jobload.validate_section(name, kind, raw, context)
     problems += found
-    if section is None or isinstance(section, kind):
-        return section
-    raise TypeError(f"section {name!r} of another type")  # a bug in load, never the job's
+    return section
 
 
 def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
@@ -97,7 +95,7 @@ def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[
     resources = _validated("resources", ResourcesSection, raw, context, problems)
     supervise = _validated("supervise", SuperviseSection, raw, context, problems)
     diagnose = _validated("diagnose", DiagnoseSection, raw, context, problems)
-    output_dir, found = jobload._validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
+    output_dir, found = jobload.validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
     problems += found
     trainer = _tool_trainer(section, job_file.parent, problems) if section and section.kind in TOOLS else None
     if problems or trainer is None or output_dir is None:
