@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from qlora_supervise.supervisor.trainers.lora_targets import lora_targets
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, knobs_from
+from qlora_supervise.supervisor.trainers.model_facts import lora_targets
 from qlora_supervise.supervisor.trainers.tools import TOOLS
 from qlora_supervise.supervisor.trainers.tools.axolotl import TABLE as AXOLOTL
 from qlora_supervise.supervisor.trainers.tools.llamafactory import TABLE as LLAMAFACTORY

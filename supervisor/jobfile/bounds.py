@@ -37,43 +37,43 @@ class AliasBombError(ValueError):
     """The document's aliases expand past :data:`MAX_EXPANDED_NODES` (or refer to themselves)."""
 
 
-def read_bounded(path: Path, limit: int = MAX_FILE_BYTES) -> str:
-    """The UTF-8 text of ``path``; InputBoundError past ``limit`` bytes (checked before reading a
-    regular file, and by reading one byte past it for a pipe). OSError and UnicodeDecodeError pass."""
+def read_bounded(path: Path) -> str:
+    """The UTF-8 text of ``path``; InputBoundError past :data:`MAX_FILE_BYTES` (checked before reading
+    a regular file, and by reading one byte past it for a pipe). OSError and UnicodeDecodeError pass."""
     with open(path, "rb") as handle:
         info = os.fstat(handle.fileno())
-        if stat.S_ISREG(info.st_mode) and info.st_size > limit:
-            raise _too_large(_size(info.st_size), limit)
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise _too_large(f"more than {limit} bytes", limit)
+        if stat.S_ISREG(info.st_mode) and (size := info.st_size) > MAX_FILE_BYTES:
+            raise _too_large(f"{size / 1e6:.1f} MB" if size >= 1_000_000 else f"{size} bytes")
+        data = handle.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise _too_large(f"more than {MAX_FILE_BYTES} bytes")
     return data.decode("utf-8")
 
 
-def check_shape(text: str, max_depth: int = MAX_DEPTH, max_values: int = MAX_EXPANDED_NODES) -> None:
-    """InputBoundError when ``text`` nests deeper than ``max_depth`` or holds more than ``max_values``
-    values as written; yaml.YAMLError when it is no YAML. Reads PyYAML's event stream: no recursion."""
+def check_shape(text: str) -> None:
+    """InputBoundError when ``text`` nests too deep or holds too many values as written;
+    yaml.YAMLError when it is no YAML. Reads PyYAML's event stream: no recursion."""
     depth = values = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, _VALUE):
             values += 1
-            if values > max_values:
-                got = f"more than {max_values} values; a job file has about 100"
+            if values > MAX_EXPANDED_NODES:
+                got = f"more than {MAX_EXPANDED_NODES} values; a job file has about 100"
                 raise InputBoundError("too many values", got, "keep the file to the settings the run needs")
         if isinstance(event, _OPEN):
             depth += 1
-            if depth > max_depth:
+            if depth > MAX_DEPTH:
                 where = f" at line {event.start_mark.line + 1}" if event.start_mark else ""
-                got = f"more than {max_depth} levels{where}"
+                got = f"more than {MAX_DEPTH} levels{where}"
                 fix = "nest mappings and lists a few levels at most, as the examples do"
                 raise InputBoundError("nested too deep", got, fix)
         elif isinstance(event, _CLOSE):
             depth -= 1
 
 
-def check_expansion(root: yaml.Node | None, limit: int = MAX_EXPANDED_NODES) -> int:
+def check_expansion(root: yaml.Node | None) -> int:
     """The number of nodes ``root`` expands to, aliases counted at each use; AliasBombError past
-    ``limit``. One visit per node (memoized), so a "billion laughs" file is refused fast."""
+    :data:`MAX_EXPANDED_NODES`. One visit per node (memoized), so a "billion laughs" file is refused fast."""
     sizes: dict[int, int] = {}
     open_nodes: set[int] = set()
 
@@ -90,8 +90,8 @@ def check_expansion(root: yaml.Node | None, limit: int = MAX_EXPANDED_NODES) -> 
         elif isinstance(node, yaml.MappingNode):
             total += sum(size(k) + size(v) for k, v in node.value)
         open_nodes.discard(key)
-        if total > limit:
-            raise AliasBombError(f"its aliases expand to more than {limit} values")
+        if total > MAX_EXPANDED_NODES:
+            raise AliasBombError(f"its aliases expand to more than {MAX_EXPANDED_NODES} values")
         sizes[key] = total
         return total
 
@@ -115,11 +115,7 @@ def json_loads(text: str | bytes) -> Any:
         raise json.JSONDecodeError("nested too deep to read (thousands of levels)", doc[:80], 0) from None
 
 
-def _too_large(size: str, limit: int) -> InputBoundError:
-    got = f"{size}; the limit is {limit // 1024} KiB, a job file is a few KB"
+def _too_large(size: str) -> InputBoundError:
+    got = f"{size}; the limit is {MAX_FILE_BYTES // 1024} KiB, a job file is a few KB"
     fix = "check that this is the file you meant; write only the settings the run needs"
     return InputBoundError("the file is too large", got, fix)
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1_000_000 else f"{n} bytes"

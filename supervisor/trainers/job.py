@@ -33,7 +33,6 @@ from qlora_supervise.supervisor.jobfile.schema import (
 )
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags, model_facts
-from qlora_supervise.supervisor.trainers.lora_targets import lora_targets, target_problems
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup, present
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.supervisor.trainers.tools import TOOLS
@@ -176,7 +175,7 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
     problems += model_problems(tool, config, where, workdir)
     model = _model_value(tool, config)
     types = model_type(tool_model_path(model[1], workdir)) if model else None
-    problems += target_problems(tool, config, where, types)
+    problems += model_facts.target_problems(tool, config, where, types)
     problems += tool.data_problems(config, where, workdir)
     return ToolTrainer(tool, MappingProxyType(dict(config)), path, section.command or (), python, workdir)
 
@@ -262,7 +261,7 @@ def _job(
         epochs=float(epochs) if _positive(epochs) else table.epochs_default,
         save_steps=save if isinstance(save, int) and _positive(save) else table.save_steps_default,
         merge=False,
-        target_modules=lora_targets(tool, config, model_type(knobs.model)),
+        target_modules=model_facts.lora_targets(tool, config, model_type(knobs.model)),
     )
     dataset = lookup(config, table.data_key)
     # A value that did not parse (``max_steps: ten``), under the job view's names, as written.

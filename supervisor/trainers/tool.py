@@ -43,7 +43,7 @@ class Tool:
     settings_in_code: bool = False
     # Rungs it takes through its shim rather than its config (script: bf16_head, smaller_model).
     shim_rungs: frozenset[str] = frozenset()
-    # --- LoRA targets, as the tool hands them to peft (lora_targets.py) ---
+    # --- LoRA targets, as the tool hands them to peft (model_facts.py) ---
     targets_regex: bool = True  # a string reaches peft as a regex of the full module name
     all_linear_words: tuple[str, ...] = ("all-linear",)  # the tool's own word for every Linear
     one_name_list_is_name: bool = False  # trl: [q_proj] reaches peft as "q_proj"
