@@ -25,21 +25,20 @@ class DataProbeError(Exception):
 class DataProbe:
     """What the first look at a data source found."""
 
-    path: Path
     fields: tuple[str, ...]
     first_record: Mapping[str, Any] | None = None  # None where only the schema was read
-    rows: int | None = None  # None unless counted (and countable cheaply)
+    rows: int | None = None  # a saved dataset's, from its dataset_info.json (None: not counted)
 
 
-def probe(path: Path, *, count_rows: bool = False) -> DataProbe:
+def probe(path: Path) -> DataProbe:
     """The columns (and the first record where cheap) of the data at ``path``; DataProbeError when
     the file is unreadable, empty, malformed or of an unknown kind."""
     if path.is_dir():
-        return _probe_dir(path, count_rows)
+        return _probe_dir(path)
     suffix = path.suffix.lower()
     try:
         if suffix in _READERS:
-            return _READERS[suffix](path, count_rows)
+            return _READERS[suffix](path)
     except (OSError, UnicodeDecodeError) as error:
         raise DataProbeError(f"cannot read the file: {error}") from error
     raise DataProbeError(f"unknown data format {suffix or '(no suffix)'!r}; use {FORMATS_HELP}")
@@ -51,7 +50,7 @@ def scan_records(path: Path, field: str, *, messages: bool) -> int | None:
     if not path.is_dir():
         return scan(path, field, messages=messages)
     if (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file():
-        return probe(path, count_rows=True).rows
+        return probe(path).rows
     return sum(scan(file, field, messages=messages) for file in _data_files(path))
 
 
@@ -77,22 +76,14 @@ def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None
     return f"field {field!r} of the first record is not a list of {{role, content}} messages"
 
 
-def _probe_jsonl(path: Path, count_rows: bool) -> DataProbe:
-    # Bytes, decoded line by line: a bad byte further down is scan_records' to name.
-    first: dict[str, Any] | None = None
-    rows = 0
+def _probe_jsonl(path: Path) -> DataProbe:
+    # Bytes, the first record decoded: a bad byte further down is scan_records' to name.
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            if first is None:
+            if raw.strip():
                 first = _json_record(raw.decode("utf-8"), f"line {number}")
-                if not count_rows:
-                    return DataProbe(path, tuple(first), first)
-            rows += 1
-    if first is None:
-        raise DataProbeError("the file holds no records")
-    return DataProbe(path, tuple(first), first, rows)
+                return DataProbe(tuple(first), first)
+    raise DataProbeError("the file holds no records")
 
 
 def _json_record(text: str, where: str) -> dict[str, Any]:
@@ -105,13 +96,13 @@ def _json_record(text: str, where: str) -> dict[str, Any]:
     return record
 
 
-def _probe_json(path: Path, count_rows: bool) -> DataProbe:
+def _probe_json(path: Path) -> DataProbe:
     text = path.read_text(encoding="utf-8")
     try:
         loaded = json_loads(text)
     except json.JSONDecodeError as error:
         if error.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` also accepts
-            return _probe_jsonl(path, count_rows=True)
+            return _probe_jsonl(path)
         raise DataProbeError(f"not valid JSON at line {error.lineno}: {error.msg}") from error
     if isinstance(loaded, list):
         if not loaded:
@@ -119,17 +110,16 @@ def _probe_json(path: Path, count_rows: bool) -> DataProbe:
         first = loaded[0]
         if not isinstance(first, dict):
             raise DataProbeError(f"the first item is a JSON {type(first).__name__}, not an object")
-        return DataProbe(path, tuple(first), first, len(loaded))
+        return DataProbe(tuple(first), first)
     if not isinstance(loaded, dict):
         raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
-    columns = [value for value in loaded.values() if isinstance(value, list)]
-    if columns and len(columns) == len(loaded):  # {"text": [...], "label": [...]}: columnar
+    if loaded and all(isinstance(value, list) for value in loaded.values()):  # {"text": [...]}: columnar
         first = {key: (value[0] if value else None) for key, value in loaded.items()}
-        return DataProbe(path, tuple(loaded), first, len(columns[0]))
-    return DataProbe(path, tuple(loaded), loaded, 1)
+        return DataProbe(tuple(loaded), first)
+    return DataProbe(tuple(loaded), loaded)
 
 
-def _probe_csv(path: Path, count_rows: bool) -> DataProbe:
+def _probe_csv(path: Path) -> DataProbe:
     with path.open(encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle)
         first = next(reader, None)
@@ -137,11 +127,10 @@ def _probe_csv(path: Path, count_rows: bool) -> DataProbe:
             raise DataProbeError("the file is empty (no header row)")
         if first is None:
             raise DataProbeError("the file has a header but no records")
-        rows = 1 + sum(1 for _ in reader) if count_rows else None
-    return DataProbe(path, tuple(reader.fieldnames), dict(first), rows)
+    return DataProbe(tuple(reader.fieldnames), dict(first))
 
 
-def _probe_parquet(path: Path, count_rows: bool) -> DataProbe:
+def _probe_parquet(path: Path) -> DataProbe:
     try:
         import pyarrow.parquet as pq  # comes with `datasets`; only the schema is read
     except ImportError as error:  # pragma: no cover - pyarrow is a dependency of datasets
@@ -150,22 +139,21 @@ def _probe_parquet(path: Path, count_rows: bool) -> DataProbe:
         parquet = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises its own ArrowInvalid / OSError kinds
         raise DataProbeError(f"not a readable parquet file: {error}") from error
-    return DataProbe(path, tuple(parquet.schema_arrow.names), None, parquet.metadata.num_rows)
+    return DataProbe(tuple(parquet.schema_arrow.names))
 
 
-def _probe_dir(path: Path, count_rows: bool) -> DataProbe:
+def _probe_dir(path: Path) -> DataProbe:
     if (path / "dataset_dict.json").is_file():
-        return _probe_dir(_split_dir(path), count_rows)
+        return _probe_dir(_split_dir(path))
     if (path / "dataset_info.json").is_file():
         info = _read_json(path / "dataset_info.json")
         if not isinstance(features := info.get("features"), dict):
             raise DataProbeError("dataset_info.json has no features")
-        return DataProbe(path, tuple(features), None, _saved_rows(info))
+        return DataProbe(tuple(features), None, _saved_rows(info))
     files = _data_files(path)
     if not files:
         raise DataProbeError(f"the directory holds no dataset (expected {FORMATS_HELP})")
-    found = probe(files[0], count_rows=False)
-    return DataProbe(path, found.fields, found.first_record, None)
+    return probe(files[0])
 
 
 def _split_dir(path: Path) -> Path:
@@ -186,11 +174,11 @@ def _saved_rows(info: Mapping[str, Any]) -> int | None:
     return sum(numbers) if numbers and len(numbers) == len(counts) else None
 
 
-_READERS: Mapping[str, Callable[[Path, bool], DataProbe]] = {
+_READERS: Mapping[str, Callable[[Path], DataProbe]] = {
     ".jsonl": _probe_jsonl,
-    ".json": _probe_json,  # parsed whole, its rows always counted
+    ".json": _probe_json,  # parsed whole
     ".csv": _probe_csv,
-    ".parquet": _probe_parquet,  # the schema alone, and the row count from its metadata
+    ".parquet": _probe_parquet,  # the schema alone
 }
 FILE_SUFFIXES = tuple(_READERS)
 
