@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, knobs_from
-from qlora_supervise.supervisor.trainers.tables import Table
+from qlora_supervise.supervisor.trainers.tool import Table
 from qlora_supervise.supervisor.trainers.tools.axolotl import TABLE as AXOLOTL
 from qlora_supervise.supervisor.trainers.tools.llamafactory import TABLE as LLAMAFACTORY
 

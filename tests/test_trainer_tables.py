@@ -23,7 +23,7 @@ from qlora_supervise.supervisor.trainers.mapping import (
     lookup,
     unmapped_changes,
 )
-from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, rungs_for
+from qlora_supervise.supervisor.trainers.tool import RUNG_KNOBS, rungs_for
 from qlora_supervise.supervisor.trainers.tools import TOOLS
 from qlora_supervise.supervisor.trainers.tools.trl_sft import LAUNCH_KEYS as TRL_LAUNCH_KEYS
 from qlora_supervise.supervisor.trainers.tools.trl_sft import TABLE as TRL_SFT

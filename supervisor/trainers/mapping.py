@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.tables import Row, Table, writable
+from qlora_supervise.supervisor.trainers.tool import Row, Table, writable
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _MISSING = object()

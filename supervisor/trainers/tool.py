@@ -1,17 +1,177 @@
 """A tool is one :class:`Tool` record: its kind, package, argv, knob table, spellings and model facts.
 Everything a tool does differently is a field here, so adding a tool is one module under
-:mod:`.tools` and its line in :data:`.tools.TOOLS`."""
+:mod:`.tools` and its line in :data:`.tools.TOOLS`.
+
+Its :class:`Table`: one row per knob the ladder may change (the tool's key, default, how a value reads
+and writes), the keys that contradict the ladder, and the parts every TrainingArguments tool shares.
+A knob without a row cannot be changed for the tool: its rungs leave its ladders (:func:`rungs_for`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.policies.rungs import RUNGS
 from qlora_supervise.supervisor.jobfile.problems import Problem
-from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.tables import Table
+
+#: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take.
+RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Row:
+    """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
+    (a callable: computed from the rest of the config)."""
+
+    knob: str
+    key: str
+    default: Any
+    read: Callable[[Any], Any] = _same  # tool's value -> knob value
+    write: Callable[[Any], Any] = _same  # knob value -> tool's value
+    # Read but never written: changing it alone would not do what the rung means in this tool.
+    read_only: bool = False
+    # The key is the script's own, not the tool's: read and written only where the config has it.
+    present_only: bool = False
+    # Newer names the tool reads first where the config has them (``activation_checkpointing``).
+    preferred: tuple[str, ...] = ()
+
+    def key_in(self, config: Mapping[str, Any]) -> str:
+        """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
+        TrainingArguments falls back to the alias when the new name is None), else ``key``."""
+        return next((name for name in self.preferred if config.get(name) is not None), self.key)
+
+
+@dataclass(frozen=True)
+class Contradiction:
+    """A key whose value fights the supervisor; ``bad`` says which values do."""
+
+    key: str
+    bad: Callable[[Any], bool]
+    problem: str
+    fix: str
+    # Only where the rest of the config says so too (a value that is wrong beside another one).
+    given: Callable[[Mapping[str, Any]], bool] = lambda config: True
+
+
+@dataclass(frozen=True)
+class Table:
+    kind: str
+    rows: tuple[Row, ...]
+    output_key: str = "output_dir"  # where the tool writes its own outputs: the run's trainer-output/
+    resume_key: str = "resume_from_checkpoint"
+    required: Mapping[str, str] = field(default_factory=dict)  # key -> fix, when absent
+    contradictions: tuple[Contradiction, ...] = ()
+    # Read for the supervisor's own bookkeeping (progress, the memory model), never written.
+    max_steps_key: str = "max_steps"
+    epochs_key: str = "num_train_epochs"
+    epochs_default: float = 3.0  # TrainingArguments' own
+    save_steps_key: str = "save_steps"
+    save_steps_default: int = 500
+    targets_key: str = "lora_target_modules"
+    data_key: str = "dataset_name"
+    # Old names the tool no longer reads (its parser drops them without a word): old -> new.
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    # The tool reads a quoted whole number ("4") as the number (trl's argparse, axolotl's pydantic).
+    reads_quoted_numbers: bool = False
+
+    def row(self, knob: str) -> Row | None:
+        return next((r for r in self.rows if r.knob == knob), None)
+
+
+def restarts(micro_key: str, accum_key: str) -> tuple[Contradiction, ...]:
+    """The TrainingArguments keys that would restart, resume or checkpoint in place of the supervisor."""
+    why = (
+        "contradicts the supervisor: on an OOM it lowers the batch size without raising accumulation "
+        "(the effective batch changes) and retries from step 0 in the same process"
+    )
+    fix = (
+        f"delete auto_find_batch_size (or set false): after an OOM the supervisor lowers {micro_key} "
+        f"and raises {accum_key} to keep the effective batch, and resumes from the last checkpoint"
+    )
+    resumed = "set by the supervisor for each attempt (the newest complete checkpoint it checked)"
+    resume_fix = (
+        "delete resume_from_checkpoint: a run is resumed by running the same qlora-supervise command again"
+    )
+    return (
+        Contradiction("auto_find_batch_size", bool, why, fix),
+        Contradiction("resume_from_checkpoint", lambda v: v not in (None, False, ""), resumed, resume_fix),
+        Contradiction(
+            "save_strategy",
+            lambda v: v == "no",
+            "no checkpoints: every restart would begin at step 0",
+            'set save_strategy: "steps" (with save_steps), or delete it',
+        ),
+    )
+
+
+def lora_only(key: str, allowed: tuple[str, ...]) -> Contradiction:
+    why = "not a LoRA fine-tune: the supervisor supervises LoRA / QLoRA"
+    return Contradiction(key, lambda v: v not in allowed, why, f"set {key}: {allowed[0]}")
+
+
+def is_true(value: Any) -> bool:
+    return value is True
+
+
+def present(value: Any) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
+
+
+def unquoted_no(key: str) -> Contradiction:
+    """``key: no`` written unquoted: YAML hands the tool false, which no strategy field takes."""
+    why = (
+        "a bool, not a strategy: YAML reads an unquoted no (or off, false) as false, and the tool "
+        'stops at load on it ("False is not a valid ...")'
+    )
+    return Contradiction(
+        key, lambda v: isinstance(v, bool), why, f'write {key}: "no" (quoted), or "steps" / "epoch"'
+    )
+
+
+#: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.
+STRATEGY_KEYS = ("eval_strategy", "save_strategy")
+#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
+#: supervisor, the same in every tool's config that has them.
+TRAINER_ARGUMENTS_CONTRADICTIONS = (
+    *(unquoted_no(key) for key in STRATEGY_KEYS),
+    Contradiction(
+        "save_only_model",
+        is_true,
+        "checkpoints without optimizer state: every resume would start the optimizer afresh",
+        "delete save_only_model (or set false)",
+    ),
+    Contradiction("deepspeed", present, MULTI_GPU, "delete deepspeed"),
+    Contradiction("fsdp", present, MULTI_GPU, "delete fsdp"),
+)
+#: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
+ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
+#: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
+EVAL_STRATEGY = Row(
+    "eval_enabled", "eval_strategy", "no", read=lambda v: v != "no", write=lambda v: "steps" if v else "no"
+)
+
+
+def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
+    """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
+    if row.read_only:
+        return False
+    return not row.present_only or (config is not None and row.key in config)
+
+
+def rungs_for(table: Table, config: Mapping[str, Any] | None = None) -> frozenset[str]:
+    """The rungs whose knob this tool's config can express."""
+    knobs = {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
+    return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in knobs)
+
 
 Config = Mapping[str, Any]
 #: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
@@ -20,7 +180,7 @@ _ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
 
 def attn_implementation(config: Config) -> str | None:
     """transformers' ``attn_implementation`` as the memory model reads it (None: the default)."""
-    value = lookup(config, "attn_implementation")
+    value = config.get("attn_implementation")
     if not isinstance(value, str):
         return None
     return _ATTENTION.get(value, "sdpa" if value.startswith("flash") else None)
@@ -28,7 +188,7 @@ def attn_implementation(config: Config) -> str | None:
 
 def load_in_8bit(config: Config) -> str | None:
     """The key that loads the base model in 8-bit (None: it does not)."""
-    return "load_in_8bit: true" if lookup(config, "load_in_8bit") is True else None
+    return "load_in_8bit: true" if config.get("load_in_8bit") is True else None
 
 
 @dataclass(frozen=True)

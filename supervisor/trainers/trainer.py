@@ -27,8 +27,7 @@ from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT, AttemptDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten, unmapped_changes
-from qlora_supervise.supervisor.trainers.tables import RUNG_KNOBS, Table, rungs_for, writable
-from qlora_supervise.supervisor.trainers.tool import Tool
+from qlora_supervise.supervisor.trainers.tool import RUNG_KNOBS, Table, Tool, rungs_for, writable
 from qlora_supervise.trainer_child.contract import script_knobs
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic

@@ -5,18 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.tables import (
+from qlora_supervise.supervisor.trainers.tool import (
     MULTI_GPU,
     TRAINER_ARGUMENTS_CONTRADICTIONS,
+    Config,
     Contradiction,
     Row,
     Table,
+    Tool,
+    attn_implementation,
     is_true,
     lora_only,
     present,
     restarts,
 )
-from qlora_supervise.supervisor.trainers.tool import Config, Tool, attn_implementation
 
 
 def _gradient_checkpointing(value: Any) -> Any:

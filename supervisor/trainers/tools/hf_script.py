@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qlora_supervise.supervisor.trainers.tables import (
+from qlora_supervise.supervisor.trainers.tool import (
     ACTIVATION_CHECKPOINTING,
     EVAL_STRATEGY,
     MULTI_GPU,
@@ -13,11 +13,11 @@ from qlora_supervise.supervisor.trainers.tables import (
     Contradiction,
     Row,
     Table,
+    Tool,
     present,
     restarts,
     unquoted_no,
 )
-from qlora_supervise.supervisor.trainers.tool import Tool
 
 #: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no as words).
 _ARGPARSE_BOOLS = {"yes": True, "y": True, "t": True, "no": False, "n": False, "f": False}

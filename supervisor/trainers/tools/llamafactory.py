@@ -8,15 +8,16 @@ from typing import Any
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.tables import (
+from qlora_supervise.supervisor.trainers.tool import (
     EVAL_STRATEGY,
     TRAINER_ARGUMENTS_CONTRADICTIONS,
+    Config,
     Row,
     Table,
+    Tool,
     lora_only,
     restarts,
 )
-from qlora_supervise.supervisor.trainers.tool import Config, Tool
 
 
 def _4bit(value: Any) -> Any:

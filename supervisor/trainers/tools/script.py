@@ -7,8 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.tables import EVAL_STRATEGY, Row, Table
-from qlora_supervise.supervisor.trainers.tool import Tool
+from qlora_supervise.supervisor.trainers.tool import EVAL_STRATEGY, Row, Table, Tool
 
 #: The keys as the shim finds them; the defaults (TrainingArguments', trl's, peft's) stand until
 #: attempt 1 reports what the script built.

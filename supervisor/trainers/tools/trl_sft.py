@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from qlora_supervise.supervisor.trainers.tables import (
+from qlora_supervise.supervisor.trainers.tool import (
     ACTIVATION_CHECKPOINTING,
     EVAL_STRATEGY,
     MULTI_GPU,
     TRAINER_ARGUMENTS_CONTRADICTIONS,
+    Config,
     Contradiction,
     Row,
     Table,
+    Tool,
     is_true,
     present,
     restarts,
 )
-from qlora_supervise.supervisor.trainers.tool import Config, Tool
 
 TABLE = Table(
     "trl-sft",
