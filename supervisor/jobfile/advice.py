@@ -46,21 +46,14 @@ def job_advice(
     ]
 
 
-def duration_fields() -> tuple[str, ...]:
-    """The supervise fields that are durations (their type reads ``20m``), from the schema."""
-    return tuple(
-        name
-        for name, info in SuperviseSection.model_fields.items()
-        if any(isinstance(m, BeforeValidator) and m.func is to_seconds for m in info.metadata)
-    )
-
-
 def _bare_durations(raw: dict[str, Any]) -> list[Advice]:
     supervise = raw.get("supervise")
     if not isinstance(supervise, dict):
         return []
     found = []
-    for name in duration_fields():
+    for name, info in SuperviseSection.model_fields.items():
+        if not any(isinstance(m, BeforeValidator) and m.func is to_seconds for m in info.metadata):
+            continue  # not a duration (its type reads ``20m``)
         value = supervise.get(name)
         text = str(value).strip()
         if isinstance(value, bool) or not re.fullmatch(r"\d+(\.\d*)?|\.\d+", text) or float(text) == 0:

@@ -13,8 +13,6 @@ from typing import Any
 
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 #: Refuse headers larger than this: a real one is a few MB even for thousands of tensors.
 MAX_HEADER_BYTES = 100 << 20
 _SIZES = {8: "F64 I64 U64", 4: "F32 I32 U32", 2: "F16 BF16 I16 U16", 1: "F8_E4M3 F8_E5M2 I8 U8 BOOL"}
@@ -45,7 +43,6 @@ class ModelFiles:
     safetensors header could be read (index without shards, a .bin checkpoint); ``checkpoint_bytes``
     then comes from the index's ``total_size`` or the file sizes (None: nothing tells it)."""
 
-    directory: Path
     config: Mapping[str, Any]
     tensors: Mapping[str, TensorInfo] = field(default_factory=dict)
     checkpoint_bytes: int | None = None
@@ -97,17 +94,17 @@ def read_model_files(directory: str | Path) -> ModelFiles:
     config = _read_json(root / "config.json")
     if not isinstance(config, dict):
         raise ModelFilesError(f"{root / 'config.json'}: not a JSON object")
-    index_path = root / INDEX_NAME
+    index_path = root / "model.safetensors.index.json"
     if index_path.is_file():
         return _from_index(root, config, index_path)
-    single = root / SINGLE_NAME
+    single = root / "model.safetensors"
     if single.is_file():
         size = single.stat().st_size
-        return ModelFiles(root, config, read_header(single), size, size)
+        return ModelFiles(config, read_header(single), size, size)
     bins = sorted(root.glob("*.bin"))
     total = sum(p.stat().st_size for p in bins) or None
     note = "no safetensors files: tensor names unknown" + ("" if total else ", checkpoint size unknown")
-    return ModelFiles(root, config, {}, total, max((p.stat().st_size for p in bins), default=0), (note,))
+    return ModelFiles(config, {}, total, max((p.stat().st_size for p in bins), default=0), (note,))
 
 
 def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFiles:
@@ -127,7 +124,7 @@ def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFi
         notes = (f"{len(missing)} shard(s) not present ({missing[0]}, ...): sizes from the index",)
         tensors = {}  # a partial tensor list would mislead more than none
     size = int(total) if isinstance(total, (int, float)) else sum(t.nbytes for t in tensors.values()) or None
-    return ModelFiles(root, config, tensors, size, largest, notes)
+    return ModelFiles(config, tensors, size, largest, notes)
 
 
 def _read_json(path: Path) -> Any:

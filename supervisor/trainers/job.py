@@ -265,8 +265,9 @@ def _job(
     )
     dataset = lookup(config, table.data_key)
     # A value that did not parse (``max_steps: ten``), under the job view's names, as written.
-    written = dict(zip(_TRAIN_VIEW, (steps, epochs, save), strict=True))
-    read = dict(zip(_TRAIN_VIEW, (train.max_steps, train.epochs, train.save_steps), strict=True))
+    views = zip(
+        _TRAIN_VIEW, (steps, epochs, save), (train.max_steps, train.epochs, train.save_steps), strict=True
+    )
     return Job(
         job_file=job_file,
         raw_text=text,
@@ -279,7 +280,7 @@ def _job(
         fallback_models=tuple(str(path) for path in fallbacks),
         diagnose=diagnose.spec(),
         trainer=trainer,
-        unparsed={k: v for k, v in written.items() if present(v) and v != read[k]},
+        unparsed={name: v for name, v, got in views if present(v) and v != got},
     )
 
 

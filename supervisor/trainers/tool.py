@@ -227,8 +227,3 @@ class Tool:
     @property
     def kind(self) -> str:
         return self.table.kind
-
-    @property
-    def config_name(self) -> str:
-        """The attempt's file: the tool's config, or the script's argv (``command.json``)."""
-        return f"{self.kind}.yaml" if self.entry else "command.json"

@@ -19,7 +19,6 @@ _PROBE = (
     "import importlib.util, sys; "
     "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
 )
-PROBE_TIMEOUT_S = 60
 
 
 def tool_problems(trainer: Trainer) -> list[Problem]:
@@ -95,7 +94,7 @@ def _missing_cached(
             stdin=subprocess.DEVNULL,
             cwd=workdir,
             text=True,
-            timeout=PROBE_TIMEOUT_S,
+            timeout=60,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):

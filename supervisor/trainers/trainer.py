@@ -114,20 +114,19 @@ class ToolTrainer:
             keys = {row.knob: row.key for row in table.rows}
             before = {knob: getattr(job, knob) for knob in keys}
             changed = _write_script_changes(attempt_dir, run_dir, before, knobs, output)
-            diff = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
-        else:
-            config = attempt_config(table, self.config, job, knobs, str(output), resume_from)
-            diff = config_diff(self.config, config)
-        write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in diff))
-        if self.tool.settings_in_code:
+            _write_diff(
+                attempt_dir, [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
+            )
             return self.command
-        path = attempt_dir / self.tool.config_name
+        config = attempt_config(table, self.config, job, knobs, str(output), resume_from)
+        _write_diff(attempt_dir, config_diff(self.config, config))
         if not self.tool.entry:  # the script's own argv, its flags changed
             old, new = flatten(self.config), flatten(config)
             changes = {key: new.get(key) for key in {*old, *new} if old.get(key) != new.get(key)}
             argv = flags.with_flags(self.command, changes)
-            write_text_atomic(path, json.dumps(argv, indent=2) + "\n")
+            write_text_atomic(attempt_dir / "command.json", json.dumps(argv, indent=2) + "\n")
             return tuple(argv)
+        path = attempt_dir / f"{self.kind}.yaml"
         header = f"# qlora-supervise wrote this for one attempt from {self.config_path}: edit that file\n"
         write_text_atomic(path, header + yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
         return (self.python, *self.tool.entry, str(path))
@@ -173,6 +172,10 @@ class ToolTrainer:
 
     def service_paths(self) -> list[tuple[str, str]]:
         return [] if self.config_path is None else [("trainer.config", str(self.config_path))]
+
+
+def _write_diff(attempt_dir: Path, lines: list[str]) -> None:
+    write_text_atomic(attempt_dir / DIFF_NAME, "".join(f"{line}\n" for line in lines))
 
 
 def _keys(table: Table, config: Mapping[str, Any]) -> str:
