@@ -29,12 +29,8 @@ class TensorInfo:
     shape: tuple[int, ...]
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def nbytes(self) -> int:
-        return self.numel * DTYPE_BYTES.get(self.dtype, 2)
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 2)
 
 
 @dataclass(frozen=True)

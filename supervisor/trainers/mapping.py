@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.tool import Row, Table, writable
+from qlora_supervise.supervisor.trainers.tool import Row, Table, settable, writable
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _MISSING = object()
@@ -119,8 +119,7 @@ def attempt_config(
 def unmapped_changes(table: Table, config: Mapping[str, Any], job: Knobs, knobs: Knobs) -> list[str]:
     """Knobs that differ from the job's but have no key in this tool (the ladder must not get here)."""
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
-    # expandable_segments is the allocator's environment variable: any torch process takes it.
-    mapped = {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
+    mapped = settable(table, config)
     return [name for name in before if before[name] != after[name] and name not in mapped]
 
 

@@ -1,10 +1,7 @@
-"""A tool is one :class:`Tool` record: its kind, package, argv, knob table, spellings and model facts.
-Everything a tool does differently is a field here, so adding a tool is one module under
-:mod:`.tools` and its line in :data:`.tools.TOOLS`.
-
-Its :class:`Table`: one row per knob the ladder may change (the tool's key, default, how a value reads
-and writes), the keys that contradict the ladder, and the parts every TrainingArguments tool shares.
-A knob without a row cannot be changed for the tool: its rungs leave its ladders (:func:`rungs_for`)."""
+"""A tool is one :class:`Tool` record: everything it does differently is a field, so adding a tool is
+one module under :mod:`.tools` and its line in :data:`.tools.TOOLS`. Its :class:`Table` has one row per
+knob the ladder may change (the tool's key, default, how a value reads and writes) and the keys that
+contradict the ladder; a knob without a row cannot be changed: its rungs leave its ladders."""
 
 from __future__ import annotations
 
@@ -167,10 +164,15 @@ def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
     return not row.present_only or (config is not None and row.key in config)
 
 
+def settable(table: Table, config: Mapping[str, Any] | None) -> set[str]:
+    """The knobs the ladder may set in ``config``; expandable_segments is the allocator's
+    environment variable: any torch process takes it."""
+    return {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
+
+
 def rungs_for(table: Table, config: Mapping[str, Any] | None = None) -> frozenset[str]:
     """The rungs whose knob this tool's config can express."""
-    knobs = {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
-    return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in knobs)
+    return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in settable(table, config))
 
 
 Config = Mapping[str, Any]
