@@ -49,7 +49,6 @@ class Job:
 
 
 _S = TypeVar("_S", bound=Section)
-_TRAIN = TrainSpec()  # the protocol's defaults
 
 
 def _section(sections: Mapping[str, Section], name: str, kind: type[_S]) -> _S:
@@ -118,7 +117,7 @@ def _train_spec(
         warmup_ratio=train.warmup_ratio,
         max_grad_norm=train.max_grad_norm,
         max_steps=-1 if train.max_steps is None else train.max_steps,
-        epochs=_TRAIN.epochs if train.epochs is None else float(train.epochs),
+        epochs=TrainSpec.epochs if train.epochs is None else float(train.epochs),
         save_steps=train.save_steps,
         logging_steps=train.logging_steps,
         eval_steps=train.eval_steps,

@@ -185,14 +185,6 @@ QuantType = Literal["nf4", "fp4"]
 ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
 ReportTo = Literal["none", "tensorboard"]
 
-# The protocol's defaults, read off default instances (required fields get unread placeholders).
-_KNOBS = Knobs(model="")
-_DATA = DataSpec(path="")
-_TRAIN = TrainSpec()
-_RESOURCES = Resources()
-_SETTINGS = Settings()
-_DIAGNOSE = DiagnoseSpec()
-
 
 class Section(BaseModel):
     """A part of the job file; frozen, unknown keys refused."""
@@ -208,7 +200,7 @@ class ModelSection(Section):
     allow_download: bool = False
     path: ResolvedPath
     fallbacks: PathList = ()  # smaller models for the last rung; none unless named
-    trust_remote_code: bool = _TRAIN.trust_remote_code
+    trust_remote_code: bool = TrainSpec.trust_remote_code
 
     @field_validator("path", mode="before")
     @classmethod
@@ -220,10 +212,10 @@ class ModelSection(Section):
 
 class DataSection(Section):
     path: ResolvedPath
-    text_field: Name | None = _DATA.text_field
-    messages_field: Name | None = _DATA.messages_field
+    text_field: Name | None = DataSpec.text_field
+    messages_field: Name | None = DataSpec.messages_field
     eval_path: ResolvedPath | None = None  # DataSpec.eval_path's None, as a Path
-    eval_fraction: Fraction = _DATA.eval_fraction
+    eval_fraction: Fraction = DataSpec.eval_fraction
 
     @model_validator(mode="before")
     @classmethod
@@ -235,50 +227,50 @@ class DataSection(Section):
 
 
 class QuantizationSection(Section):
-    load_in_4bit: bool = _KNOBS.load_in_4bit
-    quant_type: QuantType = cast(QuantType, _KNOBS.quant_type)
-    double_quant: bool = _KNOBS.double_quant
-    compute_dtype: ComputeDtype = cast(ComputeDtype, _TRAIN.compute_dtype)
+    load_in_4bit: bool = Knobs.load_in_4bit
+    quant_type: QuantType = cast(QuantType, Knobs.quant_type)
+    double_quant: bool = Knobs.double_quant
+    compute_dtype: ComputeDtype = cast(ComputeDtype, TrainSpec.compute_dtype)
 
 
 class LoraSection(Section):
-    r: PositiveInt = _KNOBS.lora_r
-    alpha: PositiveInt = _KNOBS.lora_alpha
-    dropout: Fraction = _TRAIN.lora_dropout
-    target_modules: TargetModules = _TRAIN.target_modules
+    r: PositiveInt = Knobs.lora_r
+    alpha: PositiveInt = Knobs.lora_alpha
+    dropout: Fraction = TrainSpec.lora_dropout
+    target_modules: TargetModules = TrainSpec.target_modules
 
 
 class TrainSection(Section):
-    max_seq_len: PositiveInt = _KNOBS.max_seq_len
-    micro_batch_size: PositiveInt = _KNOBS.micro_batch_size
-    effective_batch_size: PositiveInt = _KNOBS.effective_batch
-    gradient_checkpointing: bool = _KNOBS.gradient_checkpointing
-    optimizer: Optimizer = cast(Optimizer, _KNOBS.optimizer)
-    learning_rate: PositiveFloat = _TRAIN.learning_rate
-    lr_scheduler: Scheduler = cast(Scheduler, _TRAIN.lr_scheduler)
-    warmup_ratio: Fraction = _TRAIN.warmup_ratio
-    max_grad_norm: NonNegativeFloat = _TRAIN.max_grad_norm
+    max_seq_len: PositiveInt = Knobs.max_seq_len
+    micro_batch_size: PositiveInt = Knobs.micro_batch_size
+    effective_batch_size: PositiveInt = Knobs(model="").effective_batch
+    gradient_checkpointing: bool = Knobs.gradient_checkpointing
+    optimizer: Optimizer = cast(Optimizer, Knobs.optimizer)
+    learning_rate: PositiveFloat = TrainSpec.learning_rate
+    lr_scheduler: Scheduler = cast(Scheduler, TrainSpec.lr_scheduler)
+    warmup_ratio: Fraction = TrainSpec.warmup_ratio
+    max_grad_norm: NonNegativeFloat = TrainSpec.max_grad_norm
     max_steps: PositiveInt | None = None  # None: epochs decide (TrainSpec spells it -1)
-    epochs: PositiveFloat | None = _TRAIN.epochs
-    save_steps: PositiveInt = _TRAIN.save_steps
-    logging_steps: PositiveInt = _TRAIN.logging_steps
-    eval_steps: PositiveInt | None = _TRAIN.eval_steps
-    eval_batch_size: PositiveInt = _KNOBS.eval_batch_size
-    packing: bool = _TRAIN.packing
-    seed: NonNegativeInt = _TRAIN.seed
-    merge: bool = _TRAIN.merge
-    report_to: ReportTo = cast(ReportTo, _TRAIN.report_to)
+    epochs: PositiveFloat | None = TrainSpec.epochs
+    save_steps: PositiveInt = TrainSpec.save_steps
+    logging_steps: PositiveInt = TrainSpec.logging_steps
+    eval_steps: PositiveInt | None = TrainSpec.eval_steps
+    eval_batch_size: PositiveInt = Knobs.eval_batch_size
+    packing: bool = TrainSpec.packing
+    seed: NonNegativeInt = TrainSpec.seed
+    merge: bool = TrainSpec.merge
+    report_to: ReportTo = cast(ReportTo, TrainSpec.report_to)
 
 
 class ResourcesSection(Section):
-    gpu: Device = _RESOURCES.device
-    gpu_memory_limit: ByteSize | None = _RESOURCES.gpu_memory_limit
-    cpu_memory_limit: ByteSize | None = _RESOURCES.cpu_memory_limit
+    gpu: Device = Resources.device
+    gpu_memory_limit: ByteSize | None = Resources.gpu_memory_limit
+    cpu_memory_limit: ByteSize | None = Resources.cpu_memory_limit
     # Host RAM the plan may use (issue 28); default: what is available at start, less a reserve.
-    host_memory_limit: ByteSize | None = _RESOURCES.host_memory_limit
-    expandable_segments: bool = _KNOBS.expandable_segments
-    nproc_per_node: PositiveInt = _KNOBS.world_size
-    parallel: Literal["ddp", "fsdp"] = "fsdp" if _KNOBS.fsdp else "ddp"
+    host_memory_limit: ByteSize | None = Resources.host_memory_limit
+    expandable_segments: bool = Knobs.expandable_segments
+    nproc_per_node: PositiveInt = Knobs.world_size
+    parallel: Literal["ddp", "fsdp"] = "fsdp" if Knobs.fsdp else "ddp"
 
     def spec(self) -> Resources:
         return Resources(self.gpu, self.gpu_memory_limit, self.cpu_memory_limit, self.host_memory_limit)
@@ -288,23 +280,23 @@ class SuperviseSection(Section):
     """How the loop supervises (docs/job-file.md): budgets, timeouts and ladders. Durations are seconds.
     ``keep_effective_batch`` is a guarantee, not a knob: ``false`` is refused with the reason."""
 
-    max_attempts: PositiveInt = _SETTINGS.max_attempts
+    max_attempts: PositiveInt = Settings.max_attempts
     hang_timeout: Seconds = 1200.0
     hang_grace: SecondsOrZero = 10.0
-    max_no_progress_attempts: PositiveInt = _SETTINGS.max_no_progress
+    max_no_progress_attempts: PositiveInt = Settings.max_no_progress
     backoff_initial: Seconds = 2.0
     backoff_max: Seconds = 60.0
     keep_effective_batch: Annotated[bool, AfterValidator(_only_true)] = True
-    contention_wait: SecondsOrZero = _SETTINGS.contention_wait_s
-    disk_wait: SecondsOrZero = _SETTINGS.disk_wait_s  # a full disk: wait this long for room
-    degrade_on_contention: bool = _SETTINGS.degrade_on_contention
-    step_up: bool = _SETTINGS.step_up
-    step_up_settle: Seconds = _SETTINGS.step_up_settle_s
-    step_up_quality: bool = _SETTINGS.step_up_quality
+    contention_wait: SecondsOrZero = Settings.contention_wait_s
+    disk_wait: SecondsOrZero = Settings.disk_wait_s  # a full disk: wait this long for room
+    degrade_on_contention: bool = Settings.degrade_on_contention
+    step_up: bool = Settings.step_up
+    step_up_settle: Seconds = Settings.step_up_settle_s
+    step_up_quality: bool = Settings.step_up_quality
     # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
     calibration_store: bool = True
     # Attempt 1 times the planner's top candidates and trains with the fastest (policies/choice.py).
-    speed_trial: bool = _SETTINGS.speed_trial
+    speed_trial: bool = Settings.speed_trial
     warm_spare: bool | Literal["auto"] = "auto"
     ladders: Ladders = Field(default_factory=dict)  # by failure kind; none: the built-in ladders
     stop_grace: Seconds = 180.0
@@ -316,8 +308,8 @@ class SuperviseSection(Section):
 class DiagnoseSection(Section):
     """Opt-in diagnostics (contract.spec.DiagnoseSpec): the CUDA allocator's history at an OOM."""
 
-    memory_history: bool = _DIAGNOSE.memory_history
-    memory_history_entries: PositiveInt = _DIAGNOSE.memory_history_entries
+    memory_history: bool = DiagnoseSpec.memory_history
+    memory_history_entries: PositiveInt = DiagnoseSpec.memory_history_entries
 
     def spec(self) -> DiagnoseSpec:
         return DiagnoseSpec(self.memory_history, self.memory_history_entries)
