@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -34,23 +34,27 @@ def _is_flag(arg: str) -> bool:
     return arg.startswith("--") and len(arg) > 2
 
 
+def _words(argv: Sequence[str]) -> Iterator[tuple[str | None, list[str]]]:
+    """Each argument of ``argv`` with its key: a flag with the value word it takes (``--key value``;
+    ``--key=value`` and a bare ``--key`` take none), or None and the one word that is no flag."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        takes = _is_flag(arg) and "=" not in arg and i + 1 < len(argv) and not _is_flag(argv[i + 1])
+        words = list(argv[i : i + 1 + takes])
+        i += len(words)
+        yield (arg[2:].partition("=")[0] if _is_flag(arg) else None), words
+
+
 def parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[Problem]]:
     """The ``--key value`` / ``--key=value`` / bare ``--key`` (true) flags of ``argv``."""
     config: dict[str, Any] = {}
     problems = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        if not _is_flag(arg):
+    for key, words in _words(argv):
+        if key is None:
             continue
-        key, eq, inline = arg[2:].partition("=")
-        if eq:
-            value: Any = _value(inline)
-        elif i < len(argv) and not _is_flag(argv[i]):
-            value, i = _value(argv[i]), i + 1
-        else:
-            value = True
+        _, eq, inline = words[0].partition("=")
+        value = _value(inline) if eq else _value(words[1]) if len(words) == 2 else True
         if key in config:
             problems.append(Problem(f"trainer.command: --{key}", "given twice", show(value), "keep one"))
         config[key] = value
@@ -67,21 +71,13 @@ def with_flags(argv: Sequence[str], changes: Mapping[str, Any]) -> list[str]:
     """``argv`` with each ``--key`` of ``changes`` set to its value (None: the flag removed),
     in place where the user wrote it, appended where they did not."""
     out: list[str] = []
-    done: set[str] = set()
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        key = arg[2:].partition("=")[0] if _is_flag(arg) else None
+    for key, words in _words(argv):
         if key is None or key not in changes:
-            out.append(arg)
-            continue
-        if "=" not in arg and i < len(argv) and not _is_flag(argv[i]):
-            i += 1  # its value goes with it
-        if changes[key] is not None:
+            out += words
+        elif changes[key] is not None:
             out += [f"--{key}", _spelled(changes[key])]
-        done.add(key)
+    written = {key for key, _ in _words(argv)}
     for key, value in changes.items():
-        if key not in done and value is not None:
+        if key not in written and value is not None:
             out += [f"--{key}", _spelled(value)]
     return out
