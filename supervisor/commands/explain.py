@@ -25,12 +25,12 @@ from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
-from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
+from qlora_supervise.supervisor.record.attempt_speed import speed_cell, speed_columns, speed_of
 from qlora_supervise.supervisor.record.history import climb_back_lines, planned_restarts, time_in_configs
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import Started, parse_event
+from qlora_supervise.trainer_child.contract.events import Started, read_events
 
 SCHEMA = "qlora-supervise.explain/1"
 
@@ -85,7 +85,7 @@ def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
     given = _shape_of(model_config) if model_config else None
     asked_gpu = str((job.get("resources") or {}).get("gpu", "auto")) != "cpu"
     rows = [
-        {**_row(rd, r, given, _ran_on_gpu(rd, r.attempt, asked_gpu)), "why": _config_why(r, before)}
+        {**_row(rd, r, given, asked_gpu), "why": _config_why(r, before)}
         for before, r in zip([None, *records], records, strict=False)
     ]
     return {
@@ -106,20 +106,6 @@ def _job_copy(rd: RunDir) -> dict[str, Any]:
     except (OSError, yaml.YAMLError):
         return {}
     return raw if isinstance(raw, dict) else {}
-
-
-def _ran_on_gpu(rd: RunDir, attempt: int, asked_gpu: bool) -> bool:
-    """Whether the attempt ran on a GPU: its child's ``started`` line names the device (``gpu: auto``
-    on a machine without one runs on the CPU); the job's ``gpu`` where the child never said."""
-    try:
-        with rd.attempt(attempt).events.open(encoding="utf-8") as handle:
-            for line, _ in zip(handle, range(50), strict=False):  # ``started`` is among the first lines
-                event = parse_event(line)
-                if isinstance(event, Started) and event.device is not None:
-                    return event.device.startswith("cuda")
-    except (OSError, UnicodeDecodeError):
-        pass
-    return asked_gpu
 
 
 def _budget(job: dict[str, Any]) -> int | None:
@@ -145,11 +131,16 @@ def _shape_of(config: Path) -> ModelShape:
     return shape
 
 
-def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -> dict[str, Any]:
+def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, asked_gpu: bool) -> dict[str, Any]:
     f, d = r.failure, r.decision
+    events = read_events(rd.attempt(r.attempt).events)
+    # The child's ``started`` names the device (``gpu: auto`` on a machine without one runs on the
+    # CPU); the job's ``gpu`` where the child never said.
+    device = next((e.device for e in events if isinstance(e, Started) and e.device is not None), None)
+    on_gpu = asked_gpu if device is None else device.startswith("cuda")
     shape = given or model_shape(Path(r.knobs.model))
     predicted = estimate_peak(shape, r.knobs) if shape is not None and on_gpu else None
-    speed = read_attempt_speed(rd.attempt(r.attempt).events, r.knobs)
+    speed = speed_of(events, r.knobs)
     return {
         "attempt": r.attempt,
         "phase": r.phase.value,

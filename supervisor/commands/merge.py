@@ -35,6 +35,7 @@ from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 MERGED_RECORD = "merged.json"  # in merge-command/: what the last merge made, from which step
+MERGE_REPORT = "merge.json"  # written by the merge child into merged/ before its rename
 DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"  # trainer_child.merge.DEVICE_ENV (not imported: torch side)
 
 
@@ -97,12 +98,17 @@ def merged_record(rd: RunDir) -> dict[str, Any] | None:
     return read_json(rd.merge_command / MERGED_RECORD)
 
 
+def merge_report(rd: RunDir) -> dict[str, Any] | None:
+    """The merge child's own numbers (time, device, dtype, peaks), when a merge finished."""
+    return read_json(rd.merged / MERGE_REPORT)
+
+
 def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] | None:
     """The adapter's step into the merge report and ``merge-command/merged.json``; the report."""
-    numbers = read_json(merged / "merge.json")
+    numbers = read_json(merged / MERGE_REPORT)
     if numbers is not None:
         numbers["adapter_step"] = step
-        write_text_atomic(merged / "merge.json", json.dumps(numbers, indent=2))
+        write_text_atomic(merged / MERGE_REPORT, json.dumps(numbers, indent=2))
     record = {"merged_dir": str(merged), "adapter_step": step, "time": time.time()}
     write_text_atomic(rd.merge_command / MERGED_RECORD, json.dumps(record, indent=2))
     return numbers

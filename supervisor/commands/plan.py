@@ -14,11 +14,12 @@ unreadable model directory or a bad size flag.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
@@ -39,11 +40,8 @@ from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.watching import host as host_memory
-from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, visible_gpu_count
 from qlora_supervise.trainer_child.contract.spec import Knobs
-
-if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must be asked
-    from qlora_supervise.supervisor.watching.gpu import Nvml
 
 SCHEMA = "qlora-supervise.plan/1"
 
@@ -77,9 +75,7 @@ def plan_command(
     return int(SupervisorExitCode.NOTHING_FITS) if start and start["nothing_fits"] is not None else 0
 
 
-def make_plan(
-    job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
-) -> dict[str, Any]:
+def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = None) -> dict[str, Any]:
     """The plan as the JSON object (schema: docs/planning.md)."""
     job = load_or_exit(job_path)
     knobs = job.trainer.built_knobs(job.knobs, job.output_dir)  # a script's: as it built them
@@ -89,7 +85,7 @@ def make_plan(
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
     as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
-    card = find_card(gpu_memory, job, as_written, nvml)
+    card = find_card(gpu_memory, job, as_written)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
     host = None if checkpoint is None else find_host(checkpoint, job, host_size, files.largest_shard_bytes)
     start = None
@@ -119,7 +115,9 @@ def make_plan(
         "architecture": _architecture(files),
         "notes": list(files.notes) + _tie_note(files, shape),
         "targets": list(resolve_targets(targets, shape.model_type if shape else "llama")),
-        "as_written": None if as_written is None else _prediction(knobs, as_written),
+        "as_written": None if as_written is None else {
+            "knobs": asdict(knobs), **asdict(as_written), "card_bytes": as_written.card_bytes
+        },
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
         "start": None if start is None else _start(start),
@@ -143,9 +141,7 @@ def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsuppor
     return model_facts.with_tool_attention(read, job.trainer) or read
 
 
-def find_card(
-    gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
-) -> Card:
+def find_card(gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None) -> Card:
     """The card and the budget, in the module docstring's order."""
     paged = 0 if predicted is None else predicted.outside.get("paged_optimizer_state", 0)
     reserve = card_reserve(paged)
@@ -160,29 +156,13 @@ def find_card(
         cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
         return Card("job_cap", cap, None, 0, cap_why, cap)
     if device != "cpu":
-        from qlora_supervise.supervisor.watching.gpu import GpuMonitor
-
-        monitor = GpuMonitor.open(device, nvml=nvml)
+        monitor = GpuMonitor.open(device)
         if monitor is not None:
-            try:
+            with contextlib.closing(monitor):
                 sample = monitor.sample(set())
-            finally:
-                monitor.close()
             if sample is not None:
                 return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
     return Card("none", None, None, reserve, why, None)
-
-
-def _prediction(knobs: Knobs, p: gpu_terms.Prediction) -> dict[str, Any]:
-    return {
-        "knobs": asdict(knobs),
-        "peak_bytes": p.peak_bytes,
-        "reserved_bytes": p.reserved_bytes,
-        "card_bytes": p.card_bytes,
-        "phase": p.phase,
-        "components": dict(p.components),
-        "outside": dict(p.outside),
-    }
 
 
 def _start(r: PreflightResult) -> dict[str, Any]:
