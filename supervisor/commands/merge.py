@@ -65,17 +65,16 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
 def _merge_locked(rd: RunDir, merged: Path, device: str) -> int:
     """The merge, with the run's lock held: nothing replaces the adapter meanwhile."""
     step = adapter_step(rd)
-    spec = _merge_spec(rd, merged)
-    code, report = _run_child(spec, device)
+    work = _merge_spec(rd, merged)
+    code, report = _run_child(work, device)
     if report is not None and report.is_oom and device != "cpu":
         print(f"oom_merge on the GPU ({report.message[:200]}): merging on the CPU instead", file=sys.stderr)
-        code, report = _run_child(spec, "cpu")
+        code, report = _run_child(work, "cpu")
     if code != 0:
-        where = AttemptDir(Path(spec.error_file).parent).log
         why = report.message[:500] if report else f"exit status {code}"
-        raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {where})")
-    numbers = _record_step(rd, Path(spec.merged_dir), step)
-    print(f"merged: {spec.merged_dir} (the adapter of step {step if step is not None else '?'})")
+        raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {work.log})")
+    numbers = _record_step(rd, merged, step)
+    print(f"merged: {merged} (the adapter of step {step if step is not None else '?'})")
     if numbers:
         peaks = [
             f"{label} {format_bytes(numbers[key])}"
@@ -122,8 +121,9 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
-    """The newest training attempt's spec, pointed at this merge's own files."""
+def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
+    """The newest training attempt's spec, pointed at this merge's own files, written into (and
+    returned with) ``merge-command/``."""
     specs = sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))
     if not specs:
         raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")
@@ -141,11 +141,10 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
         resume_from=None,
     )
     write_text_atomic(work.spec, spec.to_json())
-    return spec
+    return work
 
 
-def _run_child(spec: AttemptSpec, device: str) -> tuple[int, ErrorReport | None]:
-    work = AttemptDir(Path(spec.error_file).parent)
+def _run_child(work: AttemptDir, device: str) -> tuple[int, ErrorReport | None]:
     work.error.unlink(missing_ok=True)
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", entry.MERGE, "--spec", str(work.spec)]
