@@ -39,7 +39,7 @@ from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_f
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
-from qlora_supervise.supervisor.watching import host as host_memory
+from qlora_supervise.supervisor.watching import host as watched_host
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor, visible_gpu_count
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -65,11 +65,7 @@ def plan_command(
 ) -> int:
     out = out or sys.stdout  # read at the call: a captured stdout is the one to print to
     plan = make_plan(job_path, gpu_memory, host_memory=host_memory)
-    if as_json:
-        print(json.dumps(plan, indent=2), file=out)
-    else:
-        for line in render(plan):
-            print(line, file=out)
+    print(json.dumps(plan, indent=2) if as_json else "\n".join(render(plan)), file=out)
     start = plan["start"]
     # As `run` would end before any child: exit 6 (the plan itself is printed either way).
     return int(SupervisorExitCode.NOTHING_FITS) if start and start["nothing_fits"] is not None else 0
@@ -87,7 +83,11 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
     as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
     card = find_card(gpu_memory, job, as_written)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
-    host = None if checkpoint is None else find_host(checkpoint, job, host_size, files.largest_shard_bytes)
+    room = watched_host.host_room()  # (available, cgroup limit), read once; the tests' one seam
+    host = None
+    if checkpoint is not None and job.resources.device != "cpu":  # on the CPU cpu_memory_limit caps it
+        limit = job.resources.host_memory_limit
+        host = host_budget(checkpoint, *room, limit, host_size, files.largest_shard_bytes)
     start = None
     speed = None if shape is None else _host_speeds(job, shape)
     if shape is not None and card.budget_bytes is not None:
@@ -124,7 +124,7 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
         "ranking": [] if start is None else _ranking(knobs, start),
         "rungs": [_rung(r) for r in rungs],
         "host": {
-            **host_ram(checkpoint, files.largest_shard_bytes, job),
+            **host_ram(checkpoint, files.largest_shard_bytes, job, room),
             **host_training(shape, knobs, targets, host, start),
         },
     }  # fmt: skip
@@ -264,17 +264,6 @@ def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[s
     return ["the checkpoint has no lm_head.weight but config says untied: transformers will create one"]
 
 
-def find_host(
-    checkpoint_bytes: int, job: Job, host_size: int | None, largest_shard_bytes: int = 0
-) -> HostBudget | None:
-    """The host budget, in the module docstring's order; None on the CPU (``cpu_memory_limit`` caps it)."""
-    if job.resources.device == "cpu":
-        return None
-    available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
-    limit = job.resources.host_memory_limit
-    return host_budget(checkpoint_bytes, available, cgroup, limit, host_size, largest_shard_bytes)
-
-
 def size_flag(flag: str, value: str | None) -> int | None:
     """A size flag's bytes; a bad one is a bad command line (exit 2), named."""
     if value is None:
@@ -314,11 +303,13 @@ def host_training(
     }
 
 
-def host_ram(checkpoint: int | None, largest_shard: int, job: Job) -> dict[str, Any]:
+def host_ram(
+    checkpoint: int | None, largest_shard: int, job: Job, host_room: tuple[int, int | None]
+) -> dict[str, Any]:
     """The load's and the merge's host RAM as measured (RSS, the mapped checkpoint included), and
     whether the load's need (imports + its largest shard in the page cache) fits the room there is:
     the smallest of what is available, the cgroup's limit and ``cpu_memory_limit``, named."""
-    available, limit = host_memory.host_room()  # through the module: the tests' one seam
+    available, limit = host_room
     resources = job.resources
     on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
     need = None if checkpoint is None else host_terms.host_need(checkpoint, largest_shard, on_gpu)
