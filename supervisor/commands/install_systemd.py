@@ -9,6 +9,7 @@ drops ``User=``/``Group=`` and the sandboxing that needs a privileged manager.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import pwd
@@ -132,10 +133,8 @@ def _default_service_user() -> str:
 def _packaged(name: str) -> str:
     """A file of the unit's package data (``systemd/`` of the clone, ``qlora_supervise/systemd`` of a
     wheel); an editable install made before ``systemd/`` was a package reads it from the clone."""
-    try:
+    with contextlib.suppress(ModuleNotFoundError, FileNotFoundError):
         return (resources.files("qlora_supervise.systemd") / name).read_text(encoding="utf-8")
-    except (ModuleNotFoundError, FileNotFoundError):
-        pass
     beside = Path(__file__).resolve().parents[2] / "systemd" / name
     try:
         return beside.read_text(encoding="utf-8")

@@ -92,9 +92,8 @@ class BestEffort:
                 return
         if self.log is None:
             return
-        unlogged = 0 if streak is None else streak.unlogged
         self._failing[output] = _Failing(now, 1 if streak is None else streak.failures)
-        more = {"unlogged_failures": unlogged} if streak is not None else {}
+        more = {"unlogged_failures": streak.unlogged} if streak is not None else {}
         self.log.warning(event, output=output, problem=problem, fix=FIXES.get(output, ""), **more, **fields)
 
     def worked(self, output: str) -> None:
