@@ -195,37 +195,31 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
     header += ("peak (pred)", "host (pred)", "tok/s (pred)", "wall")
     rows: list[tuple[str, ...]] = [header]
     for a in story["attempts"]:
-        outcome = a["kind"] or a["outcome"]
         keys = _KEY_NUMBERS.get(a["kind"] or "", _DEFAULT_KEYS)
         numbers = ", ".join(
             f"{_SHORT.get(k, k)} {format_bytes(a['numbers'][k])}" for k in keys if k in a["numbers"]
         )
-        change = a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up")
-        peak = _measured(a["peak_bytes"], a["predicted_peak_bytes"])
-        host = _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?"
-        steps = f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else "")
         rows.append(
             (
                 str(a["attempt"]),
-                outcome,
+                a["kind"] or a["outcome"],
                 a["stage"] or "-",
                 numbers or "-",
-                change,
+                a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up"),
                 a["progress_kept"] or "-",
-                steps,
-                peak,
-                host,
+                f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else ""),
+                _measured(a["peak_bytes"], a["predicted_peak_bytes"]),
+                _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?",
                 speed_cell(a),
                 tqdm.format_interval(a["wall_s"]),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), file=out)
-    for a in story["attempts"]:
-        if a["why"]:
-            print(f"why #{a['attempt']} ran its config: {'; '.join(a['why'])}", file=out)
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines += [
+        f"why #{a['attempt']} ran its config: {'; '.join(a['why'])}" for a in story["attempts"] if a["why"]
+    ]
     budget = story["budget_bytes"]
-    print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)
-    for line in climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or []):
-        print(line, file=out)
+    lines.append(f"budget: {format_bytes(budget) if budget else 'none (the card)'}")
+    lines += climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or [])
+    print("\n".join(lines), file=out)
