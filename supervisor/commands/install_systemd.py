@@ -114,14 +114,12 @@ def _job_paths(job: Job) -> list[tuple[str, str]]:
 
 
 def _layout(root: Path, user_mode: bool, instance: str) -> Layout:
-    def under_root(path: Path) -> Path:
-        return root / path.relative_to(path.anchor)
-
     config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") if user_mode else Path("/etc")
+    config = root / config.relative_to(config.anchor)
     units = config / "systemd" / ("user" if user_mode else "system")
     tools = ("systemctl --user", "journalctl --user") if user_mode else ("sudo systemctl", "journalctl")
-    ours = under_root(config / "qlora-supervise")
-    return Layout(under_root(units / UNIT_NAME), ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
+    ours = config / "qlora-supervise"
+    return Layout(units / UNIT_NAME, ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
 
 
 def _default_service_user() -> str:
