@@ -55,11 +55,8 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
     merged = Path(out).resolve() if out else rd.merged
     if (system := system_folder(merged)) is not None:
         raise BadInput(f"merge --out {merged}: {system[0]}; choose a folder of your own")
-    lock = rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first")
-    try:
+    with rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first"):
         return _merge_locked(rd, merged, device)
-    finally:
-        lock.close()
 
 
 def _merge_locked(rd: RunDir, merged: Path, device: str) -> int:

@@ -56,8 +56,7 @@ def run_job(
     console, console_stream = best_effort(console)  # a closed pipe costs the console, not the run
     os.umask(RUN_UMASK)  # for what the child's libraries create (checkpoints): 0640 / 0750 too
     run_dir = RunDir(job.output_dir)
-    lock = _at_start(run_dir, run_dir.lock)
-    try:
+    with _at_start(run_dir, run_dir.lock):
         reporter, listeners = _reporting(job, console, plain, console_stream)
         submitted = _at_start(run_dir, lambda: reconcile(run_dir, job, restart))
         log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console, listeners))
@@ -77,8 +76,6 @@ def run_job(
         code = supervisor.run()
         reporter.clear()
         notify.stopping(f"exit {code}")
-    finally:
-        lock.close()
     print_summary(run_dir, summary or best_effort(sys.stdout)[0])
     return code
 
