@@ -200,11 +200,10 @@ def fix_line(r: AttemptRecord) -> str | None:
     if r.failure is None:
         return None
     message = r.failure.message.strip().splitlines()
-    if r.failure.kind.value == "config_error" and message:
-        return message[-1][:600]
-    if r.decision is not None:
-        return r.decision.why
-    return message[-1][:600] if message else None
+    last = message[-1][:600] if message else None  # stripped: a last line is never empty
+    if r.failure.kind.value == "config_error" and last:
+        return last
+    return r.decision.why if r.decision is not None else last
 
 
 def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
@@ -263,10 +262,8 @@ def host_line(r: AttemptRecord) -> str | None:
     if host.peak_bytes is not None:
         predicted = f" (predicted {format_bytes(host.predicted_bytes)})" if host.predicted_bytes else ""
         parts.append(f"training peak {format_bytes(host.peak_bytes)}{predicted}")
-    if host.load_peak_bytes is not None:
-        parts.append(f"load peak {format_bytes(host.load_peak_bytes)}")
-    if host.last_rss_bytes is not None:
-        parts.append(f"last RSS {format_bytes(host.last_rss_bytes)}")
+    more = (("load peak", host.load_peak_bytes), ("last RSS", host.last_rss_bytes))
+    parts += [f"{label} {format_bytes(size)}" for label, size in more if size is not None]
     return f"  host RAM: {', '.join(parts)}"
 
 

@@ -103,7 +103,6 @@ class BestEffort:
 
 
 HOOKED_EVENTS = frozenset({Event.RETRY.value, Event.GAVE_UP.value, Event.RUN_SUCCEEDED.value})
-ENV_EVENT = "QLORA_SUPERVISE_EVENT"
 #: Of each of the hook's stdout and stderr, only the last lines are kept (for the log): a hook printing
 #: a gigabyte cost 2.9 GB before.
 KEEP_BYTES = 64 * 1024
@@ -141,7 +140,7 @@ class EventHook:
 
     def _run(self, name: str, payload: str) -> str | None:
         """None when the hook exited 0, else what went wrong, in one line."""
-        env = {**os.environ, ENV_EVENT: name}
+        env = {**os.environ, "QLORA_SUPERVISE_EVENT": name}
         try:
             code, out, err = bounded_run(self.argv, payload.encode(), self.timeout_s, env)
         except OSError as error:
