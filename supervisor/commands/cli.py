@@ -135,9 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported only now, so that each command loads only what it uses.
     module, function = args.pop("target").split(":")
     try:
-        code = getattr(importlib.import_module(f"qlora_supervise.supervisor.commands.{module}"), function)(
-            **args
-        )
+        command = getattr(importlib.import_module(f"qlora_supervise.supervisor.commands.{module}"), function)
+        code = command(**args)
         sys.stdout.flush()  # here, not at exit: a closed pipe must end in the except below
         return int(code)
     except SupervisorExit as stop:

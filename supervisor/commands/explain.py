@@ -10,6 +10,7 @@ is left out for attempts that ran on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -110,12 +111,9 @@ def _job_copy(rd: RunDir) -> dict[str, Any]:
 
 def _budget(job: dict[str, Any]) -> int | None:
     resources = job.get("resources") or {}
-    for key in ("gpu_memory_limit", "cpu_memory_limit"):
-        if resources.get(key) is not None:
-            try:
-                return parse_bytes(resources[key])
-            except UnitError:
-                return None
+    limits = [resources[k] for k in ("gpu_memory_limit", "cpu_memory_limit") if resources.get(k) is not None]
+    with contextlib.suppress(UnitError):
+        return parse_bytes(limits[0]) if limits else None
     return None
 
 
