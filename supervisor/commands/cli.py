@@ -23,7 +23,6 @@ host OOM, hang, ...), and restarts from the last good checkpoint with a cheaper 
 chosen by a policy ladder. Every decision goes to <output_dir>/events.jsonl and
 attempts.jsonl."""
 JOB_HELP = "the job file (YAML)"
-JSON_HELP = "print one JSON object"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -37,7 +36,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name: str, help: str, target: str = "", **more: Any) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=help, **more)
@@ -72,7 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     classify = command("classify", "classify a failure from a log or traceback")
     classify.add_argument("path", metavar="file", help="the log file, or - for standard input")
-    flag(classify, "--json", JSON_HELP)
+    flag(classify, "--json", "print one JSON object")
 
     tiny = command(
         "make-tiny", "write a tiny Llama-shaped model, dataset and job.yaml", "demo:make_tiny_command"
@@ -135,11 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = vars(_build_parser().parse_args(argv))
     # Imported only now, so that each command loads only what it uses.
     module, function = args.pop("target").split(":")
-    del args["command"]
     try:
-        code = getattr(importlib.import_module(f"qlora_supervise.supervisor.commands.{module}"), function)(
-            **args
-        )
+        command = getattr(importlib.import_module(f"qlora_supervise.supervisor.commands.{module}"), function)
+        code = command(**args)
         sys.stdout.flush()  # here, not at exit: a closed pipe must end in the except below
         return int(code)
     except SupervisorExit as stop:

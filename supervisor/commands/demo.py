@@ -14,6 +14,7 @@ import yaml
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
+from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import entry
 
 #: The demo's first config: about 1.7 GiB of data segment on the tiny model, 1.2 GiB with gradient
@@ -48,7 +49,8 @@ def demo_command(directory: str) -> int:
             raise SupervisorExit(
                 SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)"
             )
-    baseline = None if _gpu_present() else _import_baseline()
+    # A GPU NVML can see: the demo caps GPU memory instead of the CPU data segment.
+    baseline = None if visible_gpu_count() else _import_baseline()
     cpu_cap = None if baseline is None else f"{(baseline + DEMO_CPU_HEADROOM) // 2**20}MiB"
     job_path = write_demo_job(tiny / "job.yaml", root, cpu_cap)
     print(f"supervising {job_path} ({cap_words(baseline)}: the first config will not fit)", file=sys.stderr)
@@ -64,17 +66,6 @@ def cap_words(baseline: int | None) -> str:
         f"cpu_memory_limit {format_bytes(cap)}: the trainer's {format_bytes(baseline)} after its imports "
         f"+ {format_bytes(DEMO_CPU_HEADROOM)}"
     )
-
-
-def _gpu_present() -> bool:
-    """A GPU NVML can see: the demo then caps GPU memory instead of the CPU data segment."""
-    from qlora_supervise.supervisor.watching.gpu import GpuMonitor
-
-    monitor = GpuMonitor.open("auto")
-    if monitor is None:
-        return False
-    monitor.close()
-    return True
 
 
 def _import_baseline() -> int:

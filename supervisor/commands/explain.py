@@ -10,6 +10,7 @@ is left out for attempts that ran on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -25,12 +26,12 @@ from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
-from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
+from qlora_supervise.supervisor.record.attempt_speed import speed_cell, speed_columns, speed_of
 from qlora_supervise.supervisor.record.history import climb_back_lines, planned_restarts, time_in_configs
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import Started, parse_event
+from qlora_supervise.trainer_child.contract.events import Started, read_events
 
 SCHEMA = "qlora-supervise.explain/1"
 
@@ -85,7 +86,7 @@ def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
     given = _shape_of(model_config) if model_config else None
     asked_gpu = str((job.get("resources") or {}).get("gpu", "auto")) != "cpu"
     rows = [
-        {**_row(rd, r, given, _ran_on_gpu(rd, r.attempt, asked_gpu)), "why": _config_why(r, before)}
+        {**_row(rd, r, given, asked_gpu), "why": _config_why(r, before)}
         for before, r in zip([None, *records], records, strict=False)
     ]
     return {
@@ -108,28 +109,11 @@ def _job_copy(rd: RunDir) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def _ran_on_gpu(rd: RunDir, attempt: int, asked_gpu: bool) -> bool:
-    """Whether the attempt ran on a GPU: its child's ``started`` line names the device (``gpu: auto``
-    on a machine without one runs on the CPU); the job's ``gpu`` where the child never said."""
-    try:
-        with rd.attempt(attempt).events.open(encoding="utf-8") as handle:
-            for line, _ in zip(handle, range(50), strict=False):  # ``started`` is among the first lines
-                event = parse_event(line)
-                if isinstance(event, Started) and event.device is not None:
-                    return event.device.startswith("cuda")
-    except (OSError, UnicodeDecodeError):
-        pass
-    return asked_gpu
-
-
 def _budget(job: dict[str, Any]) -> int | None:
     resources = job.get("resources") or {}
-    for key in ("gpu_memory_limit", "cpu_memory_limit"):
-        if resources.get(key) is not None:
-            try:
-                return parse_bytes(resources[key])
-            except UnitError:
-                return None
+    limits = [resources[k] for k in ("gpu_memory_limit", "cpu_memory_limit") if resources.get(k) is not None]
+    with contextlib.suppress(UnitError):
+        return parse_bytes(limits[0]) if limits else None
     return None
 
 
@@ -145,11 +129,16 @@ def _shape_of(config: Path) -> ModelShape:
     return shape
 
 
-def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, on_gpu: bool) -> dict[str, Any]:
+def _row(rd: RunDir, r: AttemptRecord, given: ModelShape | None, asked_gpu: bool) -> dict[str, Any]:
     f, d = r.failure, r.decision
+    events = read_events(rd.attempt(r.attempt).events)
+    # The child's ``started`` names the device (``gpu: auto`` on a machine without one runs on the
+    # CPU); the job's ``gpu`` where the child never said.
+    device = next((e.device for e in events if isinstance(e, Started) and e.device is not None), None)
+    on_gpu = asked_gpu if device is None else device.startswith("cuda")
     shape = given or model_shape(Path(r.knobs.model))
     predicted = estimate_peak(shape, r.knobs) if shape is not None and on_gpu else None
-    speed = read_attempt_speed(rd.attempt(r.attempt).events, r.knobs)
+    speed = speed_of(events, r.knobs)
     return {
         "attempt": r.attempt,
         "phase": r.phase.value,
@@ -204,37 +193,31 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
     header += ("peak (pred)", "host (pred)", "tok/s (pred)", "wall")
     rows: list[tuple[str, ...]] = [header]
     for a in story["attempts"]:
-        outcome = a["kind"] or a["outcome"]
         keys = _KEY_NUMBERS.get(a["kind"] or "", _DEFAULT_KEYS)
         numbers = ", ".join(
             f"{_SHORT.get(k, k)} {format_bytes(a['numbers'][k])}" for k in keys if k in a["numbers"]
         )
-        change = a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up")
-        peak = _measured(a["peak_bytes"], a["predicted_peak_bytes"])
-        host = _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?"
-        steps = f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else "")
         rows.append(
             (
                 str(a["attempt"]),
-                outcome,
+                a["kind"] or a["outcome"],
                 a["stage"] or "-",
                 numbers or "-",
-                change,
+                a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up"),
                 a["progress_kept"] or "-",
-                steps,
-                peak,
-                host,
+                f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else ""),
+                _measured(a["peak_bytes"], a["predicted_peak_bytes"]),
+                _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?",
                 speed_cell(a),
                 tqdm.format_interval(a["wall_s"]),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), file=out)
-    for a in story["attempts"]:
-        if a["why"]:
-            print(f"why #{a['attempt']} ran its config: {'; '.join(a['why'])}", file=out)
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines += [
+        f"why #{a['attempt']} ran its config: {'; '.join(a['why'])}" for a in story["attempts"] if a["why"]
+    ]
     budget = story["budget_bytes"]
-    print(f"budget: {format_bytes(budget) if budget else 'none (the card)'}", file=out)
-    for line in climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or []):
-        print(line, file=out)
+    lines.append(f"budget: {format_bytes(budget) if budget else 'none (the card)'}")
+    lines += climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or [])
+    print("\n".join(lines), file=out)

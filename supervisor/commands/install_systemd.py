@@ -9,6 +9,7 @@ drops ``User=``/``Group=`` and the sandboxing that needs a privileged manager.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import pwd
@@ -113,14 +114,12 @@ def _job_paths(job: Job) -> list[tuple[str, str]]:
 
 
 def _layout(root: Path, user_mode: bool, instance: str) -> Layout:
-    def under_root(path: Path) -> Path:
-        return root / path.relative_to(path.anchor)
-
     config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") if user_mode else Path("/etc")
+    config = root / config.relative_to(config.anchor)
     units = config / "systemd" / ("user" if user_mode else "system")
     tools = ("systemctl --user", "journalctl --user") if user_mode else ("sudo systemctl", "journalctl")
-    ours = under_root(config / "qlora-supervise")
-    return Layout(under_root(units / UNIT_NAME), ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
+    ours = config / "qlora-supervise"
+    return Layout(units / UNIT_NAME, ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
 
 
 def _default_service_user() -> str:
@@ -132,10 +131,8 @@ def _default_service_user() -> str:
 def _packaged(name: str) -> str:
     """A file of the unit's package data (``systemd/`` of the clone, ``qlora_supervise/systemd`` of a
     wheel); an editable install made before ``systemd/`` was a package reads it from the clone."""
-    try:
+    with contextlib.suppress(ModuleNotFoundError, FileNotFoundError):
         return (resources.files("qlora_supervise.systemd") / name).read_text(encoding="utf-8")
-    except (ModuleNotFoundError, FileNotFoundError):
-        pass
     beside = Path(__file__).resolve().parents[2] / "systemd" / name
     try:
         return beside.read_text(encoding="utf-8")

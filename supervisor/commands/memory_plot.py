@@ -54,23 +54,14 @@ def attempt_series(rd: RunDir, attempt: int) -> Series:
         if value := getattr(numbers, gauge):
             series.points.append((event.time, int(value)))
             series.label = label
-    for sample in _lines(files.gpu):
-        if isinstance(sample.get("time"), int | float) and isinstance(sample.get("this_process_bytes"), int):
-            series.nvml.append((float(sample["time"]), int(sample["this_process_bytes"])))
+    with contextlib.suppress(OSError):
+        for line in files.gpu.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):  # a torn line; a line not an object
+                sample = json.loads(line)
+                when, used = sample.get("time"), sample.get("this_process_bytes")
+                if isinstance(when, int | float) and isinstance(used, int):
+                    series.nvml.append((float(when), used))
     return series
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            value = json.loads(line)
-            out += [value] if isinstance(value, dict) else []
-    return out
 
 
 def _pyplot() -> Any:

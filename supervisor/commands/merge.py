@@ -35,6 +35,7 @@ from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 MERGED_RECORD = "merged.json"  # in merge-command/: what the last merge made, from which step
+MERGE_REPORT = "merge.json"  # written by the merge child into merged/ before its rename
 DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"  # trainer_child.merge.DEVICE_ENV (not imported: torch side)
 
 
@@ -54,27 +55,23 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
     merged = Path(out).resolve() if out else rd.merged
     if (system := system_folder(merged)) is not None:
         raise BadInput(f"merge --out {merged}: {system[0]}; choose a folder of your own")
-    lock = rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first")
-    try:
+    with rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first"):
         return _merge_locked(rd, merged, device)
-    finally:
-        lock.close()
 
 
 def _merge_locked(rd: RunDir, merged: Path, device: str) -> int:
     """The merge, with the run's lock held: nothing replaces the adapter meanwhile."""
     step = adapter_step(rd)
-    spec = _merge_spec(rd, merged)
-    code, report = _run_child(spec, device)
+    work = _merge_spec(rd, merged)
+    code, report = _run_child(work, device)
     if report is not None and report.is_oom and device != "cpu":
         print(f"oom_merge on the GPU ({report.message[:200]}): merging on the CPU instead", file=sys.stderr)
-        code, report = _run_child(spec, "cpu")
+        code, report = _run_child(work, "cpu")
     if code != 0:
-        where = AttemptDir(Path(spec.error_file).parent).log
         why = report.message[:500] if report else f"exit status {code}"
-        raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {where})")
-    numbers = _record_step(rd, Path(spec.merged_dir), step)
-    print(f"merged: {spec.merged_dir} (the adapter of step {step if step is not None else '?'})")
+        raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {work.log})")
+    numbers = _record_step(rd, merged, step)
+    print(f"merged: {merged} (the adapter of step {step if step is not None else '?'})")
     if numbers:
         peaks = [
             f"{label} {format_bytes(numbers[key])}"
@@ -97,12 +94,17 @@ def merged_record(rd: RunDir) -> dict[str, Any] | None:
     return read_json(rd.merge_command / MERGED_RECORD)
 
 
+def merge_report(rd: RunDir) -> dict[str, Any] | None:
+    """The merge child's own numbers (time, device, dtype, peaks), when a merge finished."""
+    return read_json(rd.merged / MERGE_REPORT)
+
+
 def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] | None:
     """The adapter's step into the merge report and ``merge-command/merged.json``; the report."""
-    numbers = read_json(merged / "merge.json")
+    numbers = read_json(merged / MERGE_REPORT)
     if numbers is not None:
         numbers["adapter_step"] = step
-        write_text_atomic(merged / "merge.json", json.dumps(numbers, indent=2))
+        write_text_atomic(merged / MERGE_REPORT, json.dumps(numbers, indent=2))
     record = {"merged_dir": str(merged), "adapter_step": step, "time": time.time()}
     write_text_atomic(rd.merge_command / MERGED_RECORD, json.dumps(record, indent=2))
     return numbers
@@ -116,8 +118,9 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
-    """The newest training attempt's spec, pointed at this merge's own files."""
+def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
+    """The newest training attempt's spec, pointed at this merge's own files, written into (and
+    returned with) ``merge-command/``."""
     specs = sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))
     if not specs:
         raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")
@@ -135,11 +138,10 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptSpec:
         resume_from=None,
     )
     write_text_atomic(work.spec, spec.to_json())
-    return spec
+    return work
 
 
-def _run_child(spec: AttemptSpec, device: str) -> tuple[int, ErrorReport | None]:
-    work = AttemptDir(Path(spec.error_file).parent)
+def _run_child(work: AttemptDir, device: str) -> tuple[int, ErrorReport | None]:
     work.error.unlink(missing_ok=True)
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", entry.MERGE, "--spec", str(work.spec)]

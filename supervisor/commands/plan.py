@@ -14,11 +14,12 @@ unreadable model directory or a bad size flag.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
@@ -38,12 +39,9 @@ from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_f
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
-from qlora_supervise.supervisor.watching import host as host_memory
-from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
+from qlora_supervise.supervisor.watching import host as watched_host
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, visible_gpu_count
 from qlora_supervise.trainer_child.contract.spec import Knobs
-
-if TYPE_CHECKING:  # the monitor (and pynvml) is imported only when a card must be asked
-    from qlora_supervise.supervisor.watching.gpu import Nvml
 
 SCHEMA = "qlora-supervise.plan/1"
 
@@ -67,19 +65,13 @@ def plan_command(
 ) -> int:
     out = out or sys.stdout  # read at the call: a captured stdout is the one to print to
     plan = make_plan(job_path, gpu_memory, host_memory=host_memory)
-    if as_json:
-        print(json.dumps(plan, indent=2), file=out)
-    else:
-        for line in render(plan):
-            print(line, file=out)
+    print(json.dumps(plan, indent=2) if as_json else "\n".join(render(plan)), file=out)
     start = plan["start"]
     # As `run` would end before any child: exit 6 (the plan itself is printed either way).
     return int(SupervisorExitCode.NOTHING_FITS) if start and start["nothing_fits"] is not None else 0
 
 
-def make_plan(
-    job_path: str, gpu_memory: str | None, nvml: Nvml | None = None, host_memory: str | None = None
-) -> dict[str, Any]:
+def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = None) -> dict[str, Any]:
     """The plan as the JSON object (schema: docs/planning.md)."""
     job = load_or_exit(job_path)
     knobs = job.trainer.built_knobs(job.knobs, job.output_dir)  # a script's: as it built them
@@ -89,9 +81,13 @@ def make_plan(
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
     as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
-    card = find_card(gpu_memory, job, as_written, nvml)
+    card = find_card(gpu_memory, job, as_written)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
-    host = None if checkpoint is None else find_host(checkpoint, job, host_size, files.largest_shard_bytes)
+    room = watched_host.host_room()  # (available, cgroup limit), read once; the tests' one seam
+    host = None
+    if checkpoint is not None and job.resources.device != "cpu":  # on the CPU cpu_memory_limit caps it
+        limit = job.resources.host_memory_limit
+        host = host_budget(checkpoint, *room, limit, host_size, files.largest_shard_bytes)
     start = None
     speed = None if shape is None else _host_speeds(job, shape)
     if shape is not None and card.budget_bytes is not None:
@@ -119,14 +115,16 @@ def make_plan(
         "architecture": _architecture(files),
         "notes": list(files.notes) + _tie_note(files, shape),
         "targets": list(resolve_targets(targets, shape.model_type if shape else "llama")),
-        "as_written": None if as_written is None else _prediction(knobs, as_written),
+        "as_written": None if as_written is None else {
+            "knobs": asdict(knobs), **asdict(as_written), "card_bytes": as_written.card_bytes
+        },
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
         "start": None if start is None else _start(start),
         "ranking": [] if start is None else _ranking(knobs, start),
         "rungs": [_rung(r) for r in rungs],
         "host": {
-            **host_ram(checkpoint, files.largest_shard_bytes, job),
+            **host_ram(checkpoint, files.largest_shard_bytes, job, room),
             **host_training(shape, knobs, targets, host, start),
         },
     }  # fmt: skip
@@ -143,9 +141,7 @@ def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsuppor
     return model_facts.with_tool_attention(read, job.trainer) or read
 
 
-def find_card(
-    gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None, nvml: Nvml | None
-) -> Card:
+def find_card(gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None) -> Card:
     """The card and the budget, in the module docstring's order."""
     paged = 0 if predicted is None else predicted.outside.get("paged_optimizer_state", 0)
     reserve = card_reserve(paged)
@@ -160,29 +156,13 @@ def find_card(
         cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
         return Card("job_cap", cap, None, 0, cap_why, cap)
     if device != "cpu":
-        from qlora_supervise.supervisor.watching.gpu import GpuMonitor
-
-        monitor = GpuMonitor.open(device, nvml=nvml)
+        monitor = GpuMonitor.open(device)
         if monitor is not None:
-            try:
+            with contextlib.closing(monitor):
                 sample = monitor.sample(set())
-            finally:
-                monitor.close()
             if sample is not None:
                 return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
     return Card("none", None, None, reserve, why, None)
-
-
-def _prediction(knobs: Knobs, p: gpu_terms.Prediction) -> dict[str, Any]:
-    return {
-        "knobs": asdict(knobs),
-        "peak_bytes": p.peak_bytes,
-        "reserved_bytes": p.reserved_bytes,
-        "card_bytes": p.card_bytes,
-        "phase": p.phase,
-        "components": dict(p.components),
-        "outside": dict(p.outside),
-    }
 
 
 def _start(r: PreflightResult) -> dict[str, Any]:
@@ -284,17 +264,6 @@ def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[s
     return ["the checkpoint has no lm_head.weight but config says untied: transformers will create one"]
 
 
-def find_host(
-    checkpoint_bytes: int, job: Job, host_size: int | None, largest_shard_bytes: int = 0
-) -> HostBudget | None:
-    """The host budget, in the module docstring's order; None on the CPU (``cpu_memory_limit`` caps it)."""
-    if job.resources.device == "cpu":
-        return None
-    available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
-    limit = job.resources.host_memory_limit
-    return host_budget(checkpoint_bytes, available, cgroup, limit, host_size, largest_shard_bytes)
-
-
 def size_flag(flag: str, value: str | None) -> int | None:
     """A size flag's bytes; a bad one is a bad command line (exit 2), named."""
     if value is None:
@@ -334,11 +303,13 @@ def host_training(
     }
 
 
-def host_ram(checkpoint: int | None, largest_shard: int, job: Job) -> dict[str, Any]:
+def host_ram(
+    checkpoint: int | None, largest_shard: int, job: Job, host_room: tuple[int, int | None]
+) -> dict[str, Any]:
     """The load's and the merge's host RAM as measured (RSS, the mapped checkpoint included), and
     whether the load's need (imports + its largest shard in the page cache) fits the room there is:
     the smallest of what is available, the cgroup's limit and ``cpu_memory_limit``, named."""
-    available, limit = host_memory.host_room()  # through the module: the tests' one seam
+    available, limit = host_room
     resources = job.resources
     on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
     need = None if checkpoint is None else host_terms.host_need(checkpoint, largest_shard, on_gpu)

@@ -31,8 +31,8 @@ from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import RUN_UMASK
 from qlora_supervise.supervisor.reporting import notify, outputs
 from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
+from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
-from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.tool_check import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
@@ -56,8 +56,7 @@ def run_job(
     console, console_stream = best_effort(console)  # a closed pipe costs the console, not the run
     os.umask(RUN_UMASK)  # for what the child's libraries create (checkpoints): 0640 / 0750 too
     run_dir = RunDir(job.output_dir)
-    lock = _at_start(run_dir, run_dir.lock)
-    try:
+    with _at_start(run_dir, run_dir.lock):
         reporter, listeners = _reporting(job, console, plain, console_stream)
         submitted = _at_start(run_dir, lambda: reconcile(run_dir, job, restart))
         log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console, listeners))
@@ -77,15 +76,13 @@ def run_job(
         code = supervisor.run()
         reporter.clear()
         notify.stopping(f"exit {code}")
-    finally:
-        lock.close()
     print_summary(run_dir, summary or best_effort(sys.stdout)[0])
     return code
 
 
 def _reporting(
     job: Job, console: TextIO, plain: bool, console_stream: ConsoleStream
-) -> tuple[Reporter, list[Listener]]:
+) -> tuple[outputs.Reporter, list[Listener]]:
     """The reporter the loop ticks and the listeners the event log feeds, each an optional output run
     through the reporter's ``BestEffort`` (none can raise into the loop's log calls)."""
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
@@ -97,15 +94,13 @@ def _reporting(
     ]
     metrics = None
     if job.supervise.metrics_textfile is not None:
-        from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile  # only when asked
-
         metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
         listeners.append(best.listener(outputs.METRICS_TEXTFILE, metrics.on_event))
     if job.supervise.on_event is not None:
         hook = outputs.EventHook(job.supervise.on_event, job.supervise.on_event_timeout, best)
         listeners.append(best.listener(outputs.ON_EVENT, hook.on_event))
     display = ProgressDisplay(console, plain, job.train.logging_steps)
-    return Reporter(display, service, metrics, best), listeners
+    return outputs.Reporter(display, service, metrics, best), listeners
 
 
 _T = TypeVar("_T")

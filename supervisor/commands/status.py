@@ -18,8 +18,9 @@ from typing import Any, TextIO
 
 import psutil
 
+from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.supervisor.commands import BadInput
-from qlora_supervise.supervisor.commands.merge import adapter_step, merged_record, read_json
+from qlora_supervise.supervisor.commands.merge import adapter_step, merge_report, merged_record
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.facts.units import format_bytes
@@ -30,7 +31,7 @@ from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.trainer import read_diff, saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.events import Heartbeat, read_events
-from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME, Knobs
+from qlora_supervise.trainer_child.contract.spec import MEMORY_SNAPSHOT_NAME
 
 #: How to read the allocator snapshot an OOM left (``diagnose.memory_history: true``).
 SNAPSHOT_HOW_TO = (
@@ -39,7 +40,6 @@ SNAPSHOT_HOW_TO = (
 )
 
 SCHEMA = "qlora-supervise.status/1"
-MERGE_REPORT = "merge.json"  # written by the merge child into merged/ before its rename
 _ENDED = {RunState.SUCCEEDED, RunState.GAVE_UP, RunState.FAILED, RunState.STOPPED}
 
 
@@ -95,13 +95,16 @@ def status_json(rd: RunDir) -> dict[str, Any]:
     """One run's status as plain JSON (the schema in docs/run-directory.md)."""
     state = read_state(rd.state)
     records, bad = read_attempts(rd.attempts)
-    attempts = []
-    for r in records:
-        line = json.loads(r.to_line())
-        line.update(child_log=str(rd.attempt(r.attempt).log), fix=fix_line(r))
-        line.update(tokens_per_s=measured_speed(rd, r).tokens_per_s)
-        line.update(trainer_config_diff=read_diff(rd.attempt_dir(r.attempt)))  # None: our own trainer
-        attempts.append(line)
+    attempts = [
+        {
+            **json.loads(r.to_line()),
+            "child_log": str(rd.attempt(r.attempt).log),
+            "fix": fix_line(r),
+            "tokens_per_s": measured_speed(rd, r).tokens_per_s,
+            "trainer_config_diff": read_diff(rd.attempt_dir(r.attempt)),  # None: our own trainer
+        }
+        for r in records
+    ]
     running = running_attempt(rd, state, records[-1].attempt if records else 0)
     return {
         "run_dir": str(rd.root),
@@ -119,11 +122,6 @@ def status_json(rd: RunDir) -> dict[str, Any]:
         "planned_restarts": history.planned_restarts(records),  # {"step_up": n, "retime": n}
         "time_in_configs": [c.to_json() for c in history.time_in_configs(records)],
     }
-
-
-def merge_report(rd: RunDir) -> dict[str, Any] | None:
-    """The merge child's own numbers (time, device, dtype, peaks), when a merge finished."""
-    return read_json(rd.merged / MERGE_REPORT)
 
 
 def print_story(run_dir: RunDir, out: TextIO) -> None:
@@ -202,11 +200,10 @@ def fix_line(r: AttemptRecord) -> str | None:
     if r.failure is None:
         return None
     message = r.failure.message.strip().splitlines()
-    if r.failure.kind.value == "config_error" and message:
-        return message[-1][:600]
-    if r.decision is not None:
-        return r.decision.why
-    return message[-1][:600] if message else None
+    last = message[-1][:600] if message else None  # stripped: a last line is never empty
+    if r.failure.kind.value == "config_error" and last:
+        return last
+    return r.decision.why if r.decision is not None else last
 
 
 def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
@@ -234,7 +231,8 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
         f = r.failure
         lines.append(f"  failed: {f.kind.value} in {f.stage.value} - {f.evidence}")
         if numbers := {k: v for k, v in f.numbers_json().items() if k not in BATCH_KEYS}:
-            nums = ", ".join(f"{key} {_fmt(value)}" for key, value in numbers.items())
+            big = {k: format_bytes(v) for k, v in numbers.items() if isinstance(v, int) and v >= 1024}
+            nums = ", ".join(f"{key} {big.get(key, value)}" for key, value in numbers.items())
             lines.append(f"  numbers: {nums}")
         if (batch := batch_of(f.numbers)) is not None:
             lines.append(f"  in flight: {describe_batch(batch)}")
@@ -264,17 +262,9 @@ def host_line(r: AttemptRecord) -> str | None:
     if host.peak_bytes is not None:
         predicted = f" (predicted {format_bytes(host.predicted_bytes)})" if host.predicted_bytes else ""
         parts.append(f"training peak {format_bytes(host.peak_bytes)}{predicted}")
-    if host.load_peak_bytes is not None:
-        parts.append(f"load peak {format_bytes(host.load_peak_bytes)}")
-    if host.last_rss_bytes is not None:
-        parts.append(f"last RSS {format_bytes(host.last_rss_bytes)}")
+    more = (("load peak", host.load_peak_bytes), ("last RSS", host.last_rss_bytes))
+    parts += [f"{label} {format_bytes(size)}" for label, size in more if size is not None]
     return f"  host RAM: {', '.join(parts)}"
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, int) and value >= 1024:
-        return format_bytes(value)
-    return str(value)
 
 
 @dataclass(frozen=True)
@@ -348,12 +338,8 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     train = [r for r in records if r.phase is Phase.TRAIN]
     if not train:
         return
-    first, last = train[0].knobs, train[-1].knobs
-    changed = [
-        f"{name} {getattr(first, name)} -> {getattr(last, name)}"
-        for name in (field.name for field in dataclasses.fields(Knobs))
-        if getattr(first, name) != getattr(last, name)
-    ]
+    last = train[-1].knobs
+    changed = [f"{name} {old} -> {new}" for name, (old, new) in knob_changes(train[0].knobs, last).items()]
     print(f"changed by the ladder: {', '.join(changed) if changed else 'nothing'}", file=out)
     if rd.adapter.exists():
         merged = str(rd.merged) if rd.merged.exists() else None

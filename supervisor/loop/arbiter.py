@@ -36,7 +36,7 @@ from qlora_supervise.supervisor.record.journal import RunState, State, write_sta
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
-from qlora_supervise.supervisor.reporting.reporter import Reporter
+from qlora_supervise.supervisor.reporting.outputs import Reporter
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 from qlora_supervise.trainer_child.contract.spec import Knobs

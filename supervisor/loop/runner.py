@@ -30,7 +30,7 @@ from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.reporting import notify
-from qlora_supervise.supervisor.reporting.reporter import Reporter
+from qlora_supervise.supervisor.reporting.outputs import Reporter
 from qlora_supervise.supervisor.trainers.launch import note_shim, output_moving, trainer_env
 from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards

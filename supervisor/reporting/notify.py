@@ -15,8 +15,6 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting.console import Pace
 from qlora_supervise.supervisor.watching.heartbeats import Progress
 
-NOTIFY_SOCKET = "NOTIFY_SOCKET"
-
 
 def notify(**fields: str | int | float | bool) -> bool:
     """Send ``KEY=value`` lines (keys upper-cased; True -> 1). False when not under systemd or on error."""
@@ -70,7 +68,7 @@ def watchdog_interval_s() -> float | None:
 
 
 def _address() -> str | None:
-    value = os.environ.get(NOTIFY_SOCKET, "")
+    value = os.environ.get("NOTIFY_SOCKET", "")
     if value.startswith("@"):
         return "\0" + value[1:]  # abstract namespace
     if value.startswith("/"):

@@ -1,7 +1,11 @@
 """Optional outputs are best-effort: the metrics textfile, the ``on_event`` hook (here), sd_notify, the
 console. None may stop training, raise into the loop (where an ``OSError`` would read as the run disk
 being full) or flood the log: a failure is ``output_failed`` once (the hook's ``hook_failed``), again at
-most every :data:`RELOG_EVERY_S` with the unlogged count, and ``output_recovered`` when it works again."""
+most every :data:`RELOG_EVERY_S` with the unlogged count, and ``output_recovered`` when it works again.
+
+:class:`Reporter` is the loop's one hook into reporting: each tick's progress goes to the console,
+systemd and metrics. Events reach the metrics and the hook through the event log's listeners, so the
+loop knows nothing of tqdm, sd_notify or Prometheus."""
 
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.eventlog import Listener
 from qlora_supervise.supervisor.record.events import Event
+from qlora_supervise.supervisor.reporting.console import PaceMeter, ProgressDisplay
+from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
+from qlora_supervise.supervisor.reporting.notify import ServiceStatus
+from qlora_supervise.supervisor.watching.heartbeats import Progress
 
 METRICS_TEXTFILE = "supervise.metrics_textfile"
 ON_EVENT = "supervise.on_event"
@@ -84,9 +92,8 @@ class BestEffort:
                 return
         if self.log is None:
             return
-        unlogged = 0 if streak is None else streak.unlogged
         self._failing[output] = _Failing(now, 1 if streak is None else streak.failures)
-        more = {"unlogged_failures": unlogged} if streak is not None else {}
+        more = {"unlogged_failures": streak.unlogged} if streak is not None else {}
         self.log.warning(event, output=output, problem=problem, fix=FIXES.get(output, ""), **more, **fields)
 
     def worked(self, output: str) -> None:
@@ -96,7 +103,6 @@ class BestEffort:
 
 
 HOOKED_EVENTS = frozenset({Event.RETRY.value, Event.GAVE_UP.value, Event.RUN_SUCCEEDED.value})
-ENV_EVENT = "QLORA_SUPERVISE_EVENT"
 #: Of each of the hook's stdout and stderr, only the last lines are kept (for the log): a hook printing
 #: a gigabyte cost 2.9 GB before.
 KEEP_BYTES = 64 * 1024
@@ -134,7 +140,7 @@ class EventHook:
 
     def _run(self, name: str, payload: str) -> str | None:
         """None when the hook exited 0, else what went wrong, in one line."""
-        env = {**os.environ, ENV_EVENT: name}
+        env = {**os.environ, "QLORA_SUPERVISE_EVENT": name}
         try:
             code, out, err = bounded_run(self.argv, payload.encode(), self.timeout_s, env)
         except OSError as error:
@@ -212,3 +218,39 @@ def _wait(proc: subprocess.Popen[bytes], deadline: float) -> int | None:
         if stream is not None and not stream.closed:
             stream.close()
     return code
+
+
+class Reporter:
+    """Fans one attempt's progress out to the console, sd_notify and (when on) the metrics file."""
+
+    def __init__(
+        self,
+        display: ProgressDisplay,
+        service: ServiceStatus | None = None,
+        metrics: MetricsTextfile | None = None,
+        outputs: BestEffort | None = None,
+    ) -> None:
+        self.display = display
+        self.service = service
+        self.metrics = metrics
+        self.outputs = outputs or BestEffort()
+        self._pace = PaceMeter()
+
+    def update(self, attempt: int, progress: Progress, now: float) -> None:
+        pace = self._pace.measure(attempt, progress, now)
+        self.display.update(attempt, progress, pace)
+        service, metrics = self.service, self.metrics
+        if service is not None:
+            self.outputs.run(SYSTEMD, lambda: service.update(attempt, progress, pace, now))
+        if metrics is not None:
+            self.outputs.run(METRICS_TEXTFILE, lambda: metrics.progress(attempt, progress, now))
+
+    def bind(self, log: FilteringBoundLogger) -> None:
+        """The event log exists: output failures go there; the metrics file gets its first state."""
+        self.outputs.log = log
+        metrics = self.metrics
+        if metrics is not None:
+            self.outputs.run(METRICS_TEXTFILE, metrics.write)
+
+    def clear(self) -> None:
+        self.display.clear()
