@@ -63,9 +63,7 @@ __all__ = [
     "Wait",
     "WaitFor",
     "WaitResult",
-    "bytes_needed",
     "decide",
-    "knob_changes",
 ]
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
@@ -91,8 +89,13 @@ def decide(
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
     if kind is FailureKind.GPU_FAULT and failure.fatal_xid is not None:
-        return without_card(failure, knobs, "the card reported a fatal Xid") or gpu_broken(failure)
-    charged = latest_charge(history) if phase == "train" else None
+        # A fatal Xid: the GPU must be reset or replaced; no config, and no retry, helps on it.
+        return without_card(failure, knobs, "the card reported a fatal Xid") or GiveUp(
+            f"the GPU reported fatal Xid {failure.fatal_xid}: it needs a reset (nvidia-smi -r) or a "
+            "hardware check; nothing was retried on it (the checkpoints are kept)",
+            retryable=False,
+        )
+    charged = charge_at(history, len(history) - 1) if phase == "train" and history else None
     if charged is not None and len(failed) < settings.max_attempts:
         return _revert(charged, knobs, history, settings)
     if kind in NOT_RETRYABLE:
@@ -166,7 +169,14 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
 
 
 def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt], limit: int) -> Decision:
-    same = _same_failures_since_progress(kind, knobs, history)
+    # Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained
+    # steps: the ones before it were followed by training, so they were transient.
+    same = 0
+    for past in reversed(history):
+        if past.kind is kind and past.knobs == knobs:
+            same += 1
+        if past.steps_progressed > 0:
+            break
     if same >= max(2, limit):
         return GiveUp(
             f"{kind.value} happened {same} times with the same config and no step trained in between; "
@@ -175,18 +185,6 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
     return Restart(
         knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry unchanged", Survives.ALL
     )
-
-
-def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> int:
-    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained
-    steps: the ones before it were followed by training, so they were transient."""
-    same = 0
-    for past in reversed(history):
-        if past.kind is kind and past.knobs == knobs:
-            same += 1
-        if past.steps_progressed > 0:
-            break
-    return same
 
 
 # ---- rule 0: a rung charged with the failure right after it -------------------------------
@@ -245,11 +243,6 @@ def charge_at(history: Sequence[PastAttempt], index: int) -> Charge | None:
     return Charge(rungs, failed.kind, before) if rungs else None
 
 
-def latest_charge(history: Sequence[PastAttempt]) -> Charge | None:
-    """The charge of the newest attempt's failure (history's last entry)."""
-    return charge_at(history, len(history) - 1) if history else None
-
-
 def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
     """The rungs unusable for the rest of the run: charged with a failure in ``history``, or whose
     knob an attempt changed but its trainer did not take."""
@@ -295,39 +288,22 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
     return Restart(knobs, "retry_unchanged", {}, why, Survives.ALL)
 
 
-def host_ladder(stage: Stage, settings: Settings, adapter_grew: bool) -> tuple[str, ...]:
-    """The rungs for a host OOM at ``stage`` (the module docstring); a job's own ``host_oom`` ladder
-    is taken as written."""
-    if FailureKind.HOST_OOM in settings.overrides:
-        return settings.overrides[FailureKind.HOST_OOM]
-    walked = ladder_for(FailureKind.HOST_OOM, stage, settings.overrides)
-    names = tuple(n for n in walked if n not in _HOST_RUNGS)
-    if stage in _STEP_STAGES:
-        names = tuple(dict.fromkeys((*names, *_STEP_RUNGS)))
-    quality = [n for n in names if RUNG_CLASSES.get(n) is CostClass.QUALITY and (n != _RANK or adapter_grew)]
-    return (*(n for n in names if RUNG_CLASSES.get(n) is not CostClass.QUALITY), *quality)
-
-
 def host_settings(failure: FailureLike, settings: Settings, failed: Sequence[PastAttempt]) -> Settings:
-    """``settings`` with :func:`host_ladder` as the ``host_oom`` ladder for this failure."""
-    if failure.kind is not FailureKind.HOST_OOM:
+    """``settings`` with the ladder for a host OOM at the failure's stage (above) as the ``host_oom``
+    ladder; a job's own ``host_oom`` ladder is taken as written."""
+    if failure.kind is not FailureKind.HOST_OOM or FailureKind.HOST_OOM in settings.overrides:
         return settings
+    walked = ladder_for(FailureKind.HOST_OOM, failure.stage, settings.overrides)
+    names = tuple(n for n in walked if n not in _HOST_RUNGS)
+    if failure.stage in _STEP_STAGES:
+        names = tuple(dict.fromkeys((*names, *_STEP_RUNGS)))
     grew = failure.stage is Stage.OPTIMIZER and bool(failed) and failed[-1].steps_progressed <= 0
-    ladder = host_ladder(failure.stage, settings, grew)
+    quality = [n for n in names if RUNG_CLASSES.get(n) is CostClass.QUALITY and (n != _RANK or grew)]
+    ladder = (*(n for n in names if RUNG_CLASSES.get(n) is not CostClass.QUALITY), *quality)
     return dataclasses.replace(settings, overrides={**settings.overrides, FailureKind.HOST_OOM: ladder})
 
 
 # ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------
-
-
-def gpu_broken(failure: FailureLike) -> GiveUp:
-    """A fatal Xid: the GPU must be reset or replaced; no config, and no retry, helps on it."""
-    code = failure.fatal_xid
-    return GiveUp(
-        f"the GPU reported fatal Xid {code}: it needs a reset (nvidia-smi -r) or a hardware check; "
-        "nothing was retried on it (the checkpoints are kept)",
-        retryable=False,
-    )
 
 
 def bytes_needed(numbers: Mapping[str, Any]) -> int:

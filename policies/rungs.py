@@ -291,7 +291,6 @@ RUNG_BY_NAME: Mapping[str, Rung] = {rung.name: rung for rung in RUNGS}
 #: Every rung name a job file may use in ``supervise.ladders``.
 RUNG_NAMES: frozenset[str] = frozenset(RUNG_BY_NAME)
 RUNG_CLASSES: Mapping[str, CostClass] = {r.name: r.cost for r in RUNGS if r.cost is not None}
-QUALITY_WEIGHTS: Mapping[str, float] = {r.name: r.quality_weight for r in RUNGS if r.quality_weight}
 #: Which rung a changed knob stands for, in the journal's words (the first rung over that knob).
 RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS) if r.charged}
 #: The rungs ``plan`` shows, cheapest class first.
@@ -318,11 +317,3 @@ RETIRED_RUNGS: Mapping[str, str] = {
 def rung_by_name(name: str, context: RungContext = RungContext()) -> Rung:
     """The rung called ``name``, bound to what it may need beyond the knobs."""
     return dataclasses.replace(RUNG_BY_NAME[name], context=context)
-
-
-def smaller_model(context: RungContext) -> Rung:
-    return rung_by_name("smaller_model", context)
-
-
-def drop_rank(context: RungContext) -> Rung:
-    return rung_by_name("drop_rank", context)

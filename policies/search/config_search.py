@@ -27,22 +27,8 @@ from qlora_supervise.policies.search.search_state import (
     DEFAULT_MARGIN,
     Search,
     fit_limit,
-    scaled_peak,
 )
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
-
-__all__ = [
-    "DEFAULT_MARGIN",
-    "TRIAL_SIZE",
-    "TRIAL_SLOWEST_SHARE",
-    "NothingFits",
-    "PreflightResult",
-    "Ranked",
-    "fit_limit",
-    "knob_changes",
-    "preflight",
-    "scaled_peak",
-]
 
 TRIAL_SIZE = 3  # The speed trial times at most this many candidates, the chosen one first.
 #: The speed trial skips a candidate predicted at less than this share of the chosen config's
@@ -89,8 +75,9 @@ def preflight(
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
-        f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, "
-        f"{_speed(chosen)} ({len(ranking)} fitting candidate(s) ranked by tokens/s)"
+        f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, {chosen.tokens_per_s:.0f} "
+        f"tokens/s {'measured' if chosen.measured else 'predicted'} ({len(ranking)} fitting candidate(s) "
+        "ranked by tokens/s)"
     )
     reasons += _host_reasons(search, chosen.knobs)
     if fallback is not None:
@@ -130,9 +117,7 @@ def _result(
         cost=0.0,
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
-        speed_trial=trial_candidates(
-            chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking, chosen.host_peak_bytes
-        ),
+        speed_trial=trial_candidates(chosen, ranking),
         host_peak_bytes=chosen.host_peak_bytes,
         host_rejected=_rejected(search),
     )
@@ -211,10 +196,6 @@ def _towards_less_memory(name: str, before: Any, after: Any) -> bool:
     if isinstance(before, int) and isinstance(after, int):
         return after < before
     return True
-
-
-def _speed(r: Ranked) -> str:
-    return f"{r.tokens_per_s:.0f} tokens/s {'measured' if r.measured else 'predicted'}"
 
 
 def _nothing_fits(
@@ -312,9 +293,7 @@ def _rejected(search: Search) -> tuple[int, int | None]:
     return len(search.host_rejected), min(values) if values else None
 
 
-def trial_candidates(
-    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked], host_peak: int | None = None
-) -> tuple[TrialCandidate, ...]:
+def trial_candidates(chosen: Ranked, ranking: Sequence[Ranked]) -> tuple[TrialCandidate, ...]:
     """The speed trial's candidates: the chosen config and the fastest others that differ from it
     only in what changes without a reload (micro-batch, accumulation, checkpointing), none slower
     than :data:`TRIAL_SLOWEST_SHARE` of it; empty when there is no other."""
@@ -328,19 +307,18 @@ def trial_candidates(
     def timed(k: Knobs) -> tuple[int, int, bool]:
         return k.micro_batch_size, k.grad_accum, k.gradient_checkpointing
 
+    knobs = chosen.knobs
     seen = {timed(knobs)}
     others = []
     for r in ranking:
-        if r.tokens_per_s < tokens_per_s * TRIAL_SLOWEST_SHARE:
+        if r.tokens_per_s < chosen.tokens_per_s * TRIAL_SLOWEST_SHARE:
             continue
         if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
             seen.add(timed(r.knobs))
             others.append(r)
     if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
         return ()
-    chosen = (knobs, tokens_per_s, peak, host_peak)
-    rest = [(r.knobs, r.tokens_per_s, r.peak_bytes, r.host_peak_bytes) for r in others[: TRIAL_SIZE - 1]]
     return tuple(
-        TrialCandidate(k.micro_batch_size, k.grad_accum, k.gradient_checkpointing, round(rate, 1), p, h)
-        for k, rate, p, h in (chosen, *rest)
+        TrialCandidate(*timed(r.knobs), round(r.tokens_per_s, 1), r.peak_bytes, r.host_peak_bytes)
+        for r in (chosen, *others[: TRIAL_SIZE - 1])
     )

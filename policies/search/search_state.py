@@ -13,7 +13,7 @@ from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.memory_model import split
 from qlora_supervise.policies.rungs import (
-    QUALITY_WEIGHTS,
+    RUNG_BY_NAME,
     RUNG_CLASSES,
     RUNGS,
     Axis,
@@ -28,18 +28,6 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 DEFAULT_MARGIN = 0.08
 _CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """The job's knobs with the changes ``rungs`` name."""
-
-    knobs: Knobs
-    rungs: tuple[str, ...]
-
-    @property
-    def quality_weight(self) -> float:
-        return sum(QUALITY_WEIGHTS.get(name, 0.0) for name in self.rungs)
 
 
 def micro_batches(knobs: Knobs) -> list[Knobs]:
@@ -108,11 +96,12 @@ def most_frugal(knobs: Knobs) -> Knobs:
     return knobs
 
 
-def quality_variants(knobs: Knobs) -> list[Candidate]:
-    """The job's model at each combination of the quality halvings (seq_len, rank), lightest first."""
-    axes = _searched(CostClass.QUALITY, Axis.HALVINGS)
-    out = [Candidate(k, names) for k, names in _product(knobs, axes) if names]
-    return sorted(out, key=lambda c: c.quality_weight)  # stable: a shorter seq before a smaller rank
+def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
+    """The job's model at each combination of the quality halvings (seq_len, rank), with the rung
+    names taken, lightest first."""
+    out = [(k, names) for k, names in _product(knobs, _searched(CostClass.QUALITY, Axis.HALVINGS)) if names]
+    # Stable: a shorter seq before a smaller rank.
+    return sorted(out, key=lambda c: sum(RUNG_BY_NAME[name].quality_weight for name in c[1]))
 
 
 #: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings). Deeper, the
@@ -219,11 +208,11 @@ class Search:
         ranking = self.rank(job)
         if ranking:
             return ranking, False
-        for variant in quality_variants(job):
-            if set(variant.rungs) & self.unusable or not self.fits(most_frugal(variant.knobs)):
+        for variant, rungs in quality_variants(job):
+            if set(rungs) & self.unusable or not self.fits(most_frugal(variant)):
                 continue
-            ranking = self.rank(variant.knobs)
-            if ranking and deep_cut(self.job, variant.knobs):
+            ranking = self.rank(variant)
+            if ranking and deep_cut(self.job, variant):
                 self.deep_fit = self.deep_fit or ranking[0].knobs  # said, never started
             elif ranking:
                 return ranking, True
