@@ -14,7 +14,7 @@ The rules, first match wins (docs/ladder.md tells them for users):
    -> GiveUp, not retryable. Under torchrun a card that keeps failing -> ``drop_rank``
 6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
    OOM kill after progress not in a row and an OOM marked spurious, once
-   (:mod:`.ladder.spurious_retry`); a merge's memory failure takes the merge ladder.
+   (issue 33, below); a merge's memory failure takes the merge ladder.
 
 The values live in :mod:`.verdicts`; the rules after the first few are below :func:`decide`.
 """
@@ -28,17 +28,16 @@ from typing import Any
 
 from qlora_supervise.policies.choice import after_failure
 from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
-from qlora_supervise.policies.ladder.spurious_retry import retry_spurious
 from qlora_supervise.policies.rungs import (
     RUNG_CLASSES,
     RUNGS,
     CostClass,
     RungContext,
     Survives,
+    knob_changes,
     rung_by_name,
     rungs_between,
 )
-from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
@@ -301,6 +300,34 @@ def host_settings(failure: FailureLike, settings: Settings, failed: Sequence[Pas
     quality = [n for n in names if RUNG_CLASSES.get(n) is CostClass.QUALITY and (n != _RANK or grew)]
     ladder = (*(n for n in names if RUNG_CLASSES.get(n) is not CostClass.QUALITY), *quality)
     return dataclasses.replace(settings, overrides={**settings.overrides, FailureKind.HOST_OOM: ladder})
+
+
+# ---- rule 6b: a spurious OOM, the same config retried once before any rung (issue 33) -----
+# The classifier marks an OOM spurious when the allocator's own numbers say the request fit
+# (supervisor/diagnosis/spurious.py); a repeat right after the retry, before any step, is the config's.
+
+#: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
+SPURIOUS_KEY = "spurious_room"
+RETRY_RUNG = "retry_spurious"  # The rung name journalled for the retry.
+
+
+def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
+    """Restart unchanged when ``failure`` is marked spurious and ``knobs`` had no such retry yet;
+    ``failed``: the failed attempts, this one last. None: the ladder decides."""
+    if SPURIOUS_KEY not in failure.numbers or not failed:
+        return None
+    if any(past.rung == RETRY_RUNG and past.knobs == knobs for past in failed[:-1]):
+        return None  # once per config (issue 33): the ladder takes a second spurious OOM
+    before = failed[-2] if len(failed) > 1 else None
+    again = before is not None and before.kind is failure.kind and before.knobs == knobs
+    if again and failed[-1].steps_progressed <= 0:
+        return None  # the retry was had and failed the same way at once: the config's own
+    why = (
+        f"{failure.kind.value} looks spurious (the allocator's numbers say the request fit: "
+        f"{int(failure.numbers[SPURIOUS_KEY]) / 1024**2:.0f} MiB were there for it): retry the same "
+        "config once before any rung"
+    )
+    return Restart(knobs, RETRY_RUNG, {}, why, Survives.ALL)
 
 
 # ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------

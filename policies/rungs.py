@@ -297,10 +297,15 @@ RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS) if r.
 PLAN_RUNGS: tuple[Rung, ...] = tuple(r for cost in CostClass for r in RUNGS if r.in_plan and r.cost is cost)
 
 
+def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
+    """``{knob: (old, new)}`` for every knob that differs."""
+    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
+    return {name: (before[name], after[name]) for name in before if before[name] != after[name]}
+
+
 def rungs_between(old: Knobs, new: Knobs) -> tuple[str, ...]:
     """The rung names of every knob that differs, in the rungs' own order (one name per rung)."""
-    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
-    changed = {RUNG_OF_KNOB[k] for k in before if before[k] != after[k] and k in RUNG_OF_KNOB}
+    changed = {RUNG_OF_KNOB[k] for k in knob_changes(old, new) if k in RUNG_OF_KNOB}
     return tuple(rung.name for rung in RUNGS if rung.name in changed)
 
 

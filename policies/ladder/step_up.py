@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.rungs import RUNGS, CostClass, rungs_between
-from qlora_supervise.policies.search.search_result import knob_changes
+from qlora_supervise.policies.rungs import RUNGS, CostClass, knob_changes, rungs_between
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import Settings
 from qlora_supervise.trainer_child.contract.codes import FailureKind

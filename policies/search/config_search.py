@@ -17,17 +17,19 @@ from typing import Any
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass, knob_changes
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
-from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, Ranked, knob_changes
-from qlora_supervise.policies.search.search_result import gib as _gib
 from qlora_supervise.policies.search.search_state import (
     DEEPEST_CUT_BEFORE_FALLBACK,
     DEFAULT_MARGIN,
+    NothingFits,
+    PreflightResult,
+    Ranked,
     Search,
     fit_limit,
 )
+from qlora_supervise.policies.search.search_state import gib as _gib
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 TRIAL_SIZE = 3  # The speed trial times at most this many candidates, the chosen one first.

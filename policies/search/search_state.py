@@ -1,5 +1,6 @@
-"""The configs pre-flight chooses among, enumerated from the rungs by cost class, and the state of
-one search: each config's predictions, cached, against the card and host budgets."""
+"""The configs pre-flight chooses among, enumerated from the rungs by cost class, the state of one
+search (each config's predictions, cached, against the card and host budgets), what the pre-flight
+returns, and what ``plan`` shows of each rung (:func:`rung_effects`)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,74 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.memory.gpu import Prediction, predict
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.memory_model import split
 from qlora_supervise.policies.rungs import (
+    PLAN_RUNGS,
     RUNG_BY_NAME,
     RUNG_CLASSES,
     RUNGS,
     Axis,
     CostClass,
     Rung,
+    knob_changes,
     rungs_between,
 )
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget
-from qlora_supervise.policies.search.search_result import Ranked
-from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One fitting candidate: its knobs, the rungs it takes, predicted peak and tokens/s."""
+
+    knobs: Knobs
+    rungs: tuple[str, ...]
+    peak_bytes: int
+    tokens_per_s: float
+    measured: bool  # tokens/s from this host's or run's measurements (else the model's)
+    cost_class: CostClass  # the dearest class among its rungs (free with none)
+    host_peak_bytes: int | None = None  # its training host peak (None: no host budget to plan with)
+
+
+@dataclass(frozen=True)
+class NothingFits:
+    """No config of the job's model, nor of a fallback, is predicted to fit."""
+
+    smallest_peak: int
+    smallest_knobs: Knobs
+    budget_bytes: int
+    margin: float
+    help: str
+    host: bool = False  # True: host memory is what nothing fits (the figures are the host's)
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    """The knobs attempt 1 should run with, and why."""
+
+    knobs: Knobs
+    predicted: Prediction
+    fits_as_written: bool
+    changes: dict[str, tuple[Any, Any]]
+    reasons: tuple[str, ...]
+    quality_changed: bool
+    fits: bool  # False: nothing the pre-flight may change is predicted to fit (see nothing_fits)
+    budget_bytes: int
+    margin: float
+    cost: float  # predicted share of tokens/s lost against the job as written (negative: faster)
+    tokens_per_s: float | None = None  # predicted (or measured) for ``knobs``
+    ranking: tuple[Ranked, ...] = ()  # every fitting candidate of the chosen model, fastest first
+    speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
+    fallback: str | None = None  # the fallback model started instead of the job's
+    nothing_fits: NothingFits | None = None
+    host_peak_bytes: int | None = None  # the chosen config's training host peak
+    # Candidates that fit the card but not the host: how many, and the smallest host need of them.
+    host_rejected: tuple[int, int | None] = (0, None)
+
 
 DEFAULT_MARGIN = 0.08
 _CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
@@ -228,3 +280,41 @@ def fit_limit(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
 def dearest(rungs: Sequence[str]) -> CostClass:
     classes = [RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in rungs]
     return max(classes, key=_CLASS_ORDER.index, default=CostClass.FREE)
+
+
+def gib(value: float) -> str:
+    return f"{value / (1 << 30):.2f} GiB"
+
+
+@dataclass(frozen=True)
+class RungEffect:
+    """One rung applied alone to the job as written: what it predicts and what it costs."""
+
+    name: str
+    cost_class: CostClass
+    cost: float  # predicted share of tokens/s lost (negative: faster)
+    predicted_peak: int | None  # None: the rung changes nothing here
+    changes: dict[str, tuple[Any, Any]]
+    tokens_per_s: float | None = None
+
+
+def rung_effects(
+    shape: ModelShape,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    scale: float | None = None,
+    speed: throughput.SpeedCalibration | None = None,
+) -> list[RungEffect]:
+    """Each plan rung applied alone to ``knobs``: predicted peak and tokens/s after it."""
+    base = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
+    effects = []
+    for rung in PLAN_RUNGS:
+        changed = rung.apply(knobs)
+        if changed is None or rung.cost is None:
+            effects.append(RungEffect(rung.name, rung.cost or CostClass.FREE, 0.0, None, {}))
+            continue
+        rate = throughput.rank_speed(shape, changed, speed, targets).tokens_per_s
+        peak = scaled_peak(predict(shape, changed, targets), scale)
+        cost = round(1 - rate / base, 4) if base > 0 else 0.0
+        effects.append(RungEffect(rung.name, rung.cost, cost, peak, knob_changes(knobs, changed), rate))
+    return effects

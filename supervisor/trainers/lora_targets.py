@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.policies.memory.attention import installed_package_root
+from qlora_supervise.policies.memory.families import installed_package_root
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.mapping import lookup
 from qlora_supervise.supervisor.trainers.tool import Tool
