@@ -99,6 +99,7 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
     layers = int(config["num_hidden_layers"])
     window, sliding = _window(config, layers)
     experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    expert_width = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
     return {
         "model_type": model_type,
         "attn_implementation": default_attention(model_type),
@@ -109,12 +110,8 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
         "sliding_layers": sliding,
         "experts": experts,
         "experts_per_token": int(config.get("num_experts_per_tok") or 0) if experts else 0,
-        "expert_intermediate": int(
-            config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
-        )
-        if experts
-        else 0,
-        "router_logits": bool(config.get("output_router_logits")) if experts else False,
+        "expert_intermediate": int(expert_width) if experts else 0,
+        "router_logits": bool(experts and config.get("output_router_logits")),
     }
 
 

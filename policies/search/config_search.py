@@ -105,18 +105,13 @@ def _result(
     margin: float,
 ) -> PreflightResult:
     """A fitting choice: ``chosen`` (the job as written when it changes nothing) and its ranking."""
-    changes = knob_changes(search.job, chosen.knobs)
     return PreflightResult(
         knobs=chosen.knobs,
         predicted=predict(shape, chosen.knobs, search.targets),
-        fits_as_written=not changes,
-        changes=changes,
+        changes=knob_changes(search.job, chosen.knobs),
         reasons=tuple(reasons),
-        quality_changed=False,
-        fits=True,
         budget_bytes=budget_bytes,
         margin=margin,
-        cost=0.0,
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
         speed_trial=trial_candidates(chosen, ranking),
@@ -278,14 +273,11 @@ def _refusal(
     return PreflightResult(
         knobs=smallest,
         predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
         changes=knob_changes(knobs, smallest),
         reasons=reasons,
-        quality_changed=True,
-        fits=False,
         budget_bytes=budget_bytes,
         margin=nothing.margin,
-        cost=0.0,
+        quality_changed=True,
         nothing_fits=nothing,
     )
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.memory_model import split
+from qlora_supervise.policies.memory_model import estimate_peak
 from qlora_supervise.policies.rungs import (
     PLAN_RUNGS,
     RUNG_BY_NAME,
@@ -60,14 +60,12 @@ class PreflightResult:
 
     knobs: Knobs
     predicted: Prediction
-    fits_as_written: bool
     changes: dict[str, tuple[Any, Any]]
     reasons: tuple[str, ...]
-    quality_changed: bool
-    fits: bool  # False: nothing the pre-flight may change is predicted to fit (see nothing_fits)
     budget_bytes: int
     margin: float
-    cost: float  # predicted share of tokens/s lost against the job as written (negative: faster)
+    quality_changed: bool = False
+    cost: float = 0.0  # predicted share of tokens/s lost against the job as written (negative: faster)
     tokens_per_s: float | None = None  # predicted (or measured) for ``knobs``
     ranking: tuple[Ranked, ...] = ()  # every fitting candidate of the chosen model, fastest first
     speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
@@ -76,6 +74,15 @@ class PreflightResult:
     host_peak_bytes: int | None = None  # the chosen config's training host peak
     # Candidates that fit the card but not the host: how many, and the smallest host need of them.
     host_rejected: tuple[int, int | None] = (0, None)
+
+    @property
+    def fits(self) -> bool:
+        """False: nothing the pre-flight may change is predicted to fit (see ``nothing_fits``)."""
+        return self.nothing_fits is None
+
+    @property
+    def fits_as_written(self) -> bool:
+        return self.fits and not self.changes
 
 
 DEFAULT_MARGIN = 0.08
@@ -168,14 +175,6 @@ def deep_cut(job: Knobs, chosen: Knobs) -> bool:
     return chosen.max_seq_len * factor < job.max_seq_len or chosen.lora_r * factor < job.lora_r
 
 
-def scaled_peak(prediction: Prediction, scale: float | None) -> int:
-    """The allocated peak with the variable part scaled by a calibration (None: as predicted)."""
-    if scale is None:
-        return prediction.peak_bytes
-    fixed, variable = split(prediction)
-    return fixed + int(variable * scale)
-
-
 @dataclass
 class Search:
     """The predictions of one pre-flight, cached per knobs; remembers the smallest peak it saw."""
@@ -200,7 +199,7 @@ class Search:
 
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
-            self._peaks[knobs] = scaled_peak(predict(self.shape, knobs, self.targets), self.scale)
+            self._peaks[knobs] = estimate_peak(self.shape, knobs, self.scale, self.targets)
             allowed = not deep_cut(self.job, knobs)
             if allowed and (self.smallest is None or self._peaks[knobs] < self.smallest[0]):
                 self.smallest = (self._peaks[knobs], knobs)
@@ -314,7 +313,7 @@ def rung_effects(
             effects.append(RungEffect(rung.name, rung.cost or CostClass.FREE, 0.0, None, {}))
             continue
         rate = throughput.rank_speed(shape, changed, speed, targets).tokens_per_s
-        peak = scaled_peak(predict(shape, changed, targets), scale)
+        peak = estimate_peak(shape, changed, scale, targets)
         cost = round(1 - rate / base, 4) if base > 0 else 0.0
         effects.append(RungEffect(rung.name, rung.cost, cost, peak, knob_changes(knobs, changed), rate))
     return effects
