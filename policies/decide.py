@@ -333,16 +333,13 @@ def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAtte
 # ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------
 
 
-def bytes_needed(numbers: Mapping[str, Any]) -> int:
-    """What the failed process held plus what it asked for: the memory it needs to get past."""
-    held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
-    return int(held) + int(numbers.get("tried_to_allocate") or 0)
-
-
 def after_contention(
     failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
 ) -> Decision:
-    needed = bytes_needed(failure.numbers)
+    # What the failed process held plus what it asked for: the memory it needs to get past.
+    numbers = failure.numbers
+    held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
+    needed = int(held) + int(numbers.get("tried_to_allocate") or 0)
     if waited is None:
         return Wait(settings.contention_wait_s, needed, "other processes hold the GPU memory this job needs")
     if waited.free_bytes is None:

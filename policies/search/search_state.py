@@ -86,7 +86,6 @@ class PreflightResult:
 
 
 DEFAULT_MARGIN = 0.08
-_CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
 
 
 def micro_batches(knobs: Knobs) -> list[Knobs]:
@@ -278,7 +277,7 @@ def fit_limit(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
 
 def dearest(rungs: Sequence[str]) -> CostClass:
     classes = [RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in rungs]
-    return max(classes, key=_CLASS_ORDER.index, default=CostClass.FREE)
+    return max(classes, key=list(CostClass).index, default=CostClass.FREE)
 
 
 def gib(value: float) -> str:

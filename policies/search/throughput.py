@@ -145,9 +145,6 @@ class SpeedCalibration:
     scale: tuple[tuple[bool, float], ...] = ()  # (checkpointing, measured / predicted tokens/s)
     overall: float | None = None  # the median over every observation, for a mode with none
 
-    def factor(self, checkpointing: bool) -> float | None:
-        return next((s for mode, s in self.scale if mode is checkpointing), self.overall)
-
 
 #: A measured/predicted ratio outside this is another machine or a broken measurement: clamped.
 SCALE_RANGE = (0.1, 10.0)
@@ -189,7 +186,8 @@ def rank_speed(
     for o in calibration.measured:
         if speed_key(o.knobs) == key:
             return _at(knobs, o.tokens_per_s, model)
-    factor = calibration.factor(knobs.gradient_checkpointing)
+    mode = knobs.gradient_checkpointing
+    factor = next((s for ckpt, s in calibration.scale if ckpt is mode), calibration.overall)
     return model if factor is None else _at(knobs, model.tokens_per_s * factor, model)
 
 
