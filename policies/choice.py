@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from qlora_supervise.policies.ladder import climb
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives, rungs_between
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives, knob_changes, rungs_between
 from qlora_supervise.policies.search import config_search, throughput
-from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
+from qlora_supervise.policies.search.search_state import PreflightResult
 from qlora_supervise.policies.verdicts import Decision, FailureLike, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.events import TrialResult

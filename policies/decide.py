@@ -14,7 +14,7 @@ The rules, first match wins (docs/ladder.md tells them for users):
    -> GiveUp, not retryable. Under torchrun a card that keeps failing -> ``drop_rank``
 6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
    OOM kill after progress not in a row and an OOM marked spurious, once
-   (:mod:`.ladder.spurious_retry`); a merge's memory failure takes the merge ladder.
+   (issue 33, below); a merge's memory failure takes the merge ladder.
 
 The values live in :mod:`.verdicts`; the rules after the first few are below :func:`decide`.
 """
@@ -28,17 +28,16 @@ from typing import Any
 
 from qlora_supervise.policies.choice import after_failure
 from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
-from qlora_supervise.policies.ladder.spurious_retry import retry_spurious
 from qlora_supervise.policies.rungs import (
     RUNG_CLASSES,
     RUNGS,
     CostClass,
     RungContext,
     Survives,
+    knob_changes,
     rung_by_name,
     rungs_between,
 )
-from qlora_supervise.policies.search.search_result import knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
@@ -63,9 +62,7 @@ __all__ = [
     "Wait",
     "WaitFor",
     "WaitResult",
-    "bytes_needed",
     "decide",
-    "knob_changes",
 ]
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
@@ -91,8 +88,13 @@ def decide(
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
     if kind is FailureKind.GPU_FAULT and failure.fatal_xid is not None:
-        return without_card(failure, knobs, "the card reported a fatal Xid") or gpu_broken(failure)
-    charged = latest_charge(history) if phase == "train" else None
+        # A fatal Xid: the GPU must be reset or replaced; no config, and no retry, helps on it.
+        return without_card(failure, knobs, "the card reported a fatal Xid") or GiveUp(
+            f"the GPU reported fatal Xid {failure.fatal_xid}: it needs a reset (nvidia-smi -r) or a "
+            "hardware check; nothing was retried on it (the checkpoints are kept)",
+            retryable=False,
+        )
+    charged = charge_at(history, len(history) - 1) if phase == "train" and history else None
     if charged is not None and len(failed) < settings.max_attempts:
         return _revert(charged, knobs, history, settings)
     if kind in NOT_RETRYABLE:
@@ -166,7 +168,14 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
 
 
 def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt], limit: int) -> Decision:
-    same = _same_failures_since_progress(kind, knobs, history)
+    # Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained
+    # steps: the ones before it were followed by training, so they were transient.
+    same = 0
+    for past in reversed(history):
+        if past.kind is kind and past.knobs == knobs:
+            same += 1
+        if past.steps_progressed > 0:
+            break
     if same >= max(2, limit):
         return GiveUp(
             f"{kind.value} happened {same} times with the same config and no step trained in between; "
@@ -175,18 +184,6 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
     return Restart(
         knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry unchanged", Survives.ALL
     )
-
-
-def _same_failures_since_progress(kind: FailureKind, knobs: Knobs, history: Sequence[PastAttempt]) -> int:
-    """Failures of ``kind`` with ``knobs`` back to (and including) the newest attempt that trained
-    steps: the ones before it were followed by training, so they were transient."""
-    same = 0
-    for past in reversed(history):
-        if past.kind is kind and past.knobs == knobs:
-            same += 1
-        if past.steps_progressed > 0:
-            break
-    return same
 
 
 # ---- rule 0: a rung charged with the failure right after it -------------------------------
@@ -245,11 +242,6 @@ def charge_at(history: Sequence[PastAttempt], index: int) -> Charge | None:
     return Charge(rungs, failed.kind, before) if rungs else None
 
 
-def latest_charge(history: Sequence[PastAttempt]) -> Charge | None:
-    """The charge of the newest attempt's failure (history's last entry)."""
-    return charge_at(history, len(history) - 1) if history else None
-
-
 def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
     """The rungs unusable for the rest of the run: charged with a failure in ``history``, or whose
     knob an attempt changed but its trainer did not take."""
@@ -295,51 +287,59 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
     return Restart(knobs, "retry_unchanged", {}, why, Survives.ALL)
 
 
-def host_ladder(stage: Stage, settings: Settings, adapter_grew: bool) -> tuple[str, ...]:
-    """The rungs for a host OOM at ``stage`` (the module docstring); a job's own ``host_oom`` ladder
-    is taken as written."""
-    if FailureKind.HOST_OOM in settings.overrides:
-        return settings.overrides[FailureKind.HOST_OOM]
-    walked = ladder_for(FailureKind.HOST_OOM, stage, settings.overrides)
-    names = tuple(n for n in walked if n not in _HOST_RUNGS)
-    if stage in _STEP_STAGES:
-        names = tuple(dict.fromkeys((*names, *_STEP_RUNGS)))
-    quality = [n for n in names if RUNG_CLASSES.get(n) is CostClass.QUALITY and (n != _RANK or adapter_grew)]
-    return (*(n for n in names if RUNG_CLASSES.get(n) is not CostClass.QUALITY), *quality)
-
-
 def host_settings(failure: FailureLike, settings: Settings, failed: Sequence[PastAttempt]) -> Settings:
-    """``settings`` with :func:`host_ladder` as the ``host_oom`` ladder for this failure."""
-    if failure.kind is not FailureKind.HOST_OOM:
+    """``settings`` with the ladder for a host OOM at the failure's stage (above) as the ``host_oom``
+    ladder; a job's own ``host_oom`` ladder is taken as written."""
+    if failure.kind is not FailureKind.HOST_OOM or FailureKind.HOST_OOM in settings.overrides:
         return settings
+    walked = ladder_for(FailureKind.HOST_OOM, failure.stage, settings.overrides)
+    names = tuple(n for n in walked if n not in _HOST_RUNGS)
+    if failure.stage in _STEP_STAGES:
+        names = tuple(dict.fromkeys((*names, *_STEP_RUNGS)))
     grew = failure.stage is Stage.OPTIMIZER and bool(failed) and failed[-1].steps_progressed <= 0
-    ladder = host_ladder(failure.stage, settings, grew)
+    quality = [n for n in names if RUNG_CLASSES.get(n) is CostClass.QUALITY and (n != _RANK or grew)]
+    ladder = (*(n for n in names if RUNG_CLASSES.get(n) is not CostClass.QUALITY), *quality)
     return dataclasses.replace(settings, overrides={**settings.overrides, FailureKind.HOST_OOM: ladder})
+
+
+# ---- rule 6b: a spurious OOM, the same config retried once before any rung (issue 33) -----
+# The classifier marks an OOM spurious when the allocator's own numbers say the request fit
+# (supervisor/diagnosis/spurious.py); a repeat right after the retry, before any step, is the config's.
+
+#: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
+SPURIOUS_KEY = "spurious_room"
+RETRY_RUNG = "retry_spurious"  # The rung name journalled for the retry.
+
+
+def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
+    """Restart unchanged when ``failure`` is marked spurious and ``knobs`` had no such retry yet;
+    ``failed``: the failed attempts, this one last. None: the ladder decides."""
+    if SPURIOUS_KEY not in failure.numbers or not failed:
+        return None
+    if any(past.rung == RETRY_RUNG and past.knobs == knobs for past in failed[:-1]):
+        return None  # once per config (issue 33): the ladder takes a second spurious OOM
+    before = failed[-2] if len(failed) > 1 else None
+    again = before is not None and before.kind is failure.kind and before.knobs == knobs
+    if again and failed[-1].steps_progressed <= 0:
+        return None  # the retry was had and failed the same way at once: the config's own
+    why = (
+        f"{failure.kind.value} looks spurious (the allocator's numbers say the request fit: "
+        f"{int(failure.numbers[SPURIOUS_KEY]) / 1024**2:.0f} MiB were there for it): retry the same "
+        "config once before any rung"
+    )
+    return Restart(knobs, RETRY_RUNG, {}, why, Survives.ALL)
 
 
 # ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------
 
 
-def gpu_broken(failure: FailureLike) -> GiveUp:
-    """A fatal Xid: the GPU must be reset or replaced; no config, and no retry, helps on it."""
-    code = failure.fatal_xid
-    return GiveUp(
-        f"the GPU reported fatal Xid {code}: it needs a reset (nvidia-smi -r) or a hardware check; "
-        "nothing was retried on it (the checkpoints are kept)",
-        retryable=False,
-    )
-
-
-def bytes_needed(numbers: Mapping[str, Any]) -> int:
-    """What the failed process held plus what it asked for: the memory it needs to get past."""
-    held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
-    return int(held) + int(numbers.get("tried_to_allocate") or 0)
-
-
 def after_contention(
     failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
 ) -> Decision:
-    needed = bytes_needed(failure.numbers)
+    # What the failed process held plus what it asked for: the memory it needs to get past.
+    numbers = failure.numbers
+    held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
+    needed = int(held) + int(numbers.get("tried_to_allocate") or 0)
     if waited is None:
         return Wait(settings.contention_wait_s, needed, "other processes hold the GPU memory this job needs")
     if waited.free_bytes is None:

@@ -24,6 +24,7 @@ __all__ = [
     "cannot_fit",
     "estimate_peak",
     "predict",
+    "scaled_peak",
     "split",
 ]
 
@@ -39,6 +40,12 @@ def split(prediction: Prediction) -> tuple[int, int]:
     return prediction.peak_bytes - variable, variable
 
 
+def scaled_peak(prediction: Prediction, scale: float | None) -> int:
+    """The allocated peak with the variable part scaled by a calibration (None: as predicted)."""
+    fixed, variable = split(prediction)
+    return prediction.peak_bytes if scale is None else fixed + int(variable * scale)
+
+
 def estimate_peak(
     shape: ModelShape,
     knobs: Knobs,
@@ -46,8 +53,7 @@ def estimate_peak(
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
 ) -> int:
     """Predicted peak allocated bytes of training with ``knobs``; ``scale`` from :func:`calibrate`."""
-    fixed, variable = split(predict(shape, knobs, targets))
-    return fixed + int(variable * (1.0 if scale is None else scale))
+    return scaled_peak(predict(shape, knobs, targets), scale)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,6 @@ def cannot_fit(
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
 ) -> bool:
     """True when the calibrated prediction exceeds the budget, or the raw one exceeds it by 25 %."""
-    if scale is None:
-        return estimate_peak(shape, knobs, None, targets) > budget * UNCALIBRATED_MARGIN
-    return estimate_peak(shape, knobs, scale, targets) > budget
+    return estimate_peak(shape, knobs, scale, targets) > budget * (
+        UNCALIBRATED_MARGIN if scale is None else 1
+    )

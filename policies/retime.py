@@ -64,7 +64,8 @@ def retime(
         return None
     if not all(now.differs(then) for now in window):
         return None
-    trained = _candidate(first, knobs)
+    # The candidate ``knobs`` trains, when they differ from the pre-flight's only in the trial's knobs.
+    trained = next((c for c in first.candidates if trained_with(first.knobs, c) == knobs), None)
     if trained is None:
         return None  # the run has changed more than the trial's knobs since: its candidates are stale
     planned = max(first.candidates, key=lambda c: c.predicted_tokens_per_s or 0.0)
@@ -91,8 +92,3 @@ def first_for(knobs: Knobs, candidates: tuple[TrialCandidate, ...]) -> tuple[Tri
 
 def _name(c: TrialCandidate) -> str:
     return f"micro-batch {c.micro_batch_size}" + (" with checkpointing" if c.gradient_checkpointing else "")
-
-
-def _candidate(first: Trial, knobs: Knobs) -> TrialCandidate | None:
-    """The candidate ``knobs`` trains, when they differ from the pre-flight's only in the trial's knobs."""
-    return next((c for c in first.candidates if trained_with(first.knobs, c) == knobs), None)

@@ -291,17 +291,21 @@ RUNG_BY_NAME: Mapping[str, Rung] = {rung.name: rung for rung in RUNGS}
 #: Every rung name a job file may use in ``supervise.ladders``.
 RUNG_NAMES: frozenset[str] = frozenset(RUNG_BY_NAME)
 RUNG_CLASSES: Mapping[str, CostClass] = {r.name: r.cost for r in RUNGS if r.cost is not None}
-QUALITY_WEIGHTS: Mapping[str, float] = {r.name: r.quality_weight for r in RUNGS if r.quality_weight}
 #: Which rung a changed knob stands for, in the journal's words (the first rung over that knob).
 RUNG_OF_KNOB: Mapping[str, str] = {r.knob: r.name for r in reversed(RUNGS) if r.charged}
 #: The rungs ``plan`` shows, cheapest class first.
 PLAN_RUNGS: tuple[Rung, ...] = tuple(r for cost in CostClass for r in RUNGS if r.in_plan and r.cost is cost)
 
 
+def knob_changes(old: Knobs, new: Knobs) -> dict[str, tuple[Any, Any]]:
+    """``{knob: (old, new)}`` for every knob that differs."""
+    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
+    return {name: (before[name], after[name]) for name in before if before[name] != after[name]}
+
+
 def rungs_between(old: Knobs, new: Knobs) -> tuple[str, ...]:
     """The rung names of every knob that differs, in the rungs' own order (one name per rung)."""
-    before, after = dataclasses.asdict(old), dataclasses.asdict(new)
-    changed = {RUNG_OF_KNOB[k] for k in before if before[k] != after[k] and k in RUNG_OF_KNOB}
+    changed = {RUNG_OF_KNOB[k] for k in knob_changes(old, new) if k in RUNG_OF_KNOB}
     return tuple(rung.name for rung in RUNGS if rung.name in changed)
 
 
@@ -318,11 +322,3 @@ RETIRED_RUNGS: Mapping[str, str] = {
 def rung_by_name(name: str, context: RungContext = RungContext()) -> Rung:
     """The rung called ``name``, bound to what it may need beyond the knobs."""
     return dataclasses.replace(RUNG_BY_NAME[name], context=context)
-
-
-def smaller_model(context: RungContext) -> Rung:
-    return rung_by_name("smaller_model", context)
-
-
-def drop_rank(context: RungContext) -> Rung:
-    return rung_by_name("drop_rank", context)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_supervise.policies.memory import attention
+from qlora_supervise.policies.memory import families as attention
 from qlora_supervise.policies.memory.shape import ModelShape
 
 

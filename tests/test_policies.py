@@ -16,8 +16,8 @@ from qlora_supervise.policies.rungs import (
     RUNG_OF_KNOB,
     RungContext,
     Survives,
+    rung_by_name,
     rungs_between,
-    smaller_model,
 )
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -73,7 +73,7 @@ def test_rung_with_nothing_left_returns_none(rung: str, knobs: Knobs) -> None:
 
 def test_smaller_model_walks_the_fallbacks_then_stops() -> None:
     """The smaller-model rung steps through the job's fallbacks in order and ends with None."""
-    rung = smaller_model(RungContext(fallbacks=("/m/3b", "/m/1b")))
+    rung = rung_by_name("smaller_model", RungContext(fallbacks=("/m/3b", "/m/1b")))
     step1 = rung.apply(BASE)
     assert step1 is not None and step1.model == "/m/3b"
     step2 = rung.apply(step1)

@@ -9,7 +9,7 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.rungs import CostClass
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.config_search import preflight
-from qlora_supervise.policies.search.rung_effects import rung_effects
+from qlora_supervise.policies.search.search_state import rung_effects
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GiB = 1 << 30

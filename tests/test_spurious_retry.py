@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import test_loop_fake_clock as fake
 
-from qlora_supervise.policies.decide import PastAttempt, Restart, Settings, decide
-from qlora_supervise.policies.ladder.spurious_retry import RETRY_RUNG, SPURIOUS_KEY
+from qlora_supervise.policies.decide import RETRY_RUNG, SPURIOUS_KEY, PastAttempt, Restart, Settings, decide
 from qlora_supervise.supervisor.diagnosis import spurious
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, drop_rank, rung_by_name
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, rung_by_name
 from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.jobfile import JobError, load_job
@@ -253,18 +253,18 @@ def test_halving_the_micro_batch_keeps_micro_accum_and_ranks() -> None:
 
 def test_drop_rank_leaves_the_failing_card_out_and_keeps_the_batch_exactly() -> None:
     """2 -> 1 ranks doubles accumulation; the failing local rank's card is left out; inexact is refused."""
-    dropped = drop_rank(RungContext()).apply(TWO)
+    dropped = rung_by_name("drop_rank", RungContext()).apply(TWO)
     assert dropped is not None and (dropped.world_size, dropped.grad_accum, dropped.gpus) == (1, 4, "")
     assert dropped.effective_batch == TWO.effective_batch
-    first_out = drop_rank(RungContext(failed_local_rank=0)).apply(TWO)
+    first_out = rung_by_name("drop_rank", RungContext(failed_local_rank=0)).apply(TWO)
     assert first_out is not None and first_out.gpus == "1"
     three = dataclasses.replace(TWO, world_size=3, grad_accum=2)
-    assert (after := drop_rank(RungContext(failed_local_rank=1)).apply(three)) is not None
+    assert (after := rung_by_name("drop_rank", RungContext(failed_local_rank=1)).apply(three)) is not None
     assert (after.world_size, after.grad_accum, after.gpus) == (2, 3, "0,2") and after.effective_batch == 24
     assert (
-        drop_rank(RungContext()).apply(dataclasses.replace(three, grad_accum=1)) is None
+        rung_by_name("drop_rank", RungContext()).apply(dataclasses.replace(three, grad_accum=1)) is None
     )  # 3 x 1 over 2 ranks
-    assert drop_rank(RungContext()).apply(Knobs(model="m")) is None
+    assert rung_by_name("drop_rank", RungContext()).apply(Knobs(model="m")) is None
     assert rung_by_name("drop_rank", RungContext()).name == "drop_rank"
     assert child_mod.rank_cards("3,5,7", [0, 2]) == "3,7" and child_mod.rank_cards(None, [1]) == "1"
     env = child_mod.child_env({"CUDA_VISIBLE_DEVICES": "4,6", "RANK": "3", "WORLD_SIZE": "8"}, first_out)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.policies.ladder.spurious_retry import SPURIOUS_KEY
+from qlora_supervise.policies.decide import SPURIOUS_KEY
 from qlora_supervise.supervisor.diagnosis._frames import parse_frames
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
 from qlora_supervise.trainer_child.contract.codes import FailureKind

@@ -12,8 +12,14 @@ from collections.abc import Sequence
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.rungs import Rung, RungContext, Survives, rung_by_name, shorten_cost_text
-from qlora_supervise.policies.search.search_result import knob_changes
+from qlora_supervise.policies.rungs import (
+    Rung,
+    RungContext,
+    Survives,
+    knob_changes,
+    rung_by_name,
+    shorten_cost_text,
+)
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import (
     Decision,

@@ -71,9 +71,5 @@ def ladder_for(
     if kind in STAGE_DEPENDENT:
         stage_kind = OOM_KIND_BY_STAGE.get(stage, FailureKind.OOM_FORWARD)
         stage_ladder = overrides.get(stage_kind, DEFAULT_LADDERS[stage_kind])
-        return _unique(STAGE_DEPENDENT[kind] + stage_ladder)
+        return tuple(dict.fromkeys(STAGE_DEPENDENT[kind] + stage_ladder))
     return DEFAULT_LADDERS.get(kind, ())
-
-
-def _unique(names: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(names))

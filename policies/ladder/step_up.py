@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.rungs import RUNGS, CostClass, rungs_between
-from qlora_supervise.policies.search.search_result import knob_changes
+from qlora_supervise.policies.rungs import RUNGS, CostClass, knob_changes, rungs_between
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import Settings
 from qlora_supervise.trainer_child.contract.codes import FailureKind
@@ -118,20 +117,15 @@ def step_up(
         return None
     refusal = None
     for descent in reversed(descents):
-        if not _still_in(descent, knobs):
-            continue  # undone already (a step-up), or the run has another config since
-        if not _cleared(descent, settings, card):
+        # Its change no longer in ``knobs``: undone already (a step-up), or another config since.
+        still_in = all(getattr(knobs, name) == value for name, (_, value) in _changed(descent).items())
+        if not still_in or not _cleared(descent, settings, card):
             continue
         answer = _answer(knobs, descent, past, settings, card)
         if isinstance(answer, StepUp):
             return answer
         refusal = refusal or answer
     return refusal
-
-
-def _still_in(descent: Descent, knobs: Knobs) -> bool:
-    """The descent's change is still in ``knobs`` (later rungs may have changed other knobs)."""
-    return all(getattr(knobs, name) == getattr(descent.after, name) for name in _changed(descent))
 
 
 def _changed(descent: Descent) -> dict[str, tuple[Any, Any]]:
@@ -154,7 +148,11 @@ def _answer(
 ) -> StepUp | Refusal:
     target = _target(knobs, descent, settings.step_up_quality)
     if target is None or target == knobs:
-        return Refusal(descent, _NOTHING_TO_UNDO)
+        return Refusal(
+            descent,
+            "the rung changed only what a step-up leaves: quality knobs (unless "
+            "supervise.step_up_quality), the rank, the model, the ranks",
+        )
     if any(p.descent == descent.attempt for p in past):
         return Refusal(
             descent, f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
@@ -166,22 +164,13 @@ def _answer(
     if peak is None or room is None:
         return Refusal(descent, "no margin to check: no peak known for the faster config, or no budget")
     if peak > fit_limit(room):
-        return Refusal(
-            descent,
-            f"predicted peak {_gib(peak)} does not fit {_gib(room)} free with the margin",
-        )
+        return Refusal(descent, f"predicted peak {_gib(peak)} does not fit {_gib(room)} free with the margin")
     changes = knob_changes(knobs, target)
     names = "+".join(rungs_between(target, knobs)) or "the rung"
     fits = f"; predicted peak {_gib(peak)} fits {_gib(room)} with the margin"
     cleared = f"{descent.cause.value} cleared ({_evidence(descent, card)})"
     why = f"{cleared}: undo {names} of attempt {descent.attempt}{fits}"
     return StepUp(target, descent, changes, why)
-
-
-_NOTHING_TO_UNDO = (
-    "the rung changed only what a step-up leaves: quality knobs (unless supervise.step_up_quality), "
-    "the rank, the model, the ranks"
-)
 
 
 def _target(knobs: Knobs, descent: Descent, allow_quality: bool) -> Knobs | None:

@@ -6,16 +6,23 @@ norms, head_dim 256, tied 256k vocabulary, Gemma 2 softcaps scores (eager attent
 :mod:`.attention`); Phi-3: fused ``qkv_proj`` and ``gate_up_proj``; Qwen3-MoE and Mixtral: experts
 as fused 3D parameters bitsandbytes leaves unquantized (cast to fp32), top-k of them per token.
 A model type outside :data:`BLOCKS` is not modelled (:mod:`.shape`).
+
+Which attention the child's transformers runs a model type with is read without importing it:
+transformers picks SDPA when the model class sets ``_supports_sdpa = True``, and the flag moves
+between releases (Gemma 2: True in 5.17, False in 5.24) while eager attention costs a factor of two
+at seq 8192; importing the modeling module would import torch, so its source is read as text.
 """
 
 from __future__ import annotations
 
+import ast
 import enum
+import functools
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-
-from .attention import default_attention
 
 
 class HeadNorm(str, enum.Enum):
@@ -92,6 +99,7 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
     layers = int(config["num_hidden_layers"])
     window, sliding = _window(config, layers)
     experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    expert_width = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
     return {
         "model_type": model_type,
         "attn_implementation": default_attention(model_type),
@@ -102,12 +110,8 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
         "sliding_layers": sliding,
         "experts": experts,
         "experts_per_token": int(config.get("num_experts_per_tok") or 0) if experts else 0,
-        "expert_intermediate": int(
-            config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
-        )
-        if experts
-        else 0,
-        "router_logits": bool(config.get("output_router_logits")) if experts else False,
+        "expert_intermediate": int(expert_width) if experts else 0,
+        "router_logits": bool(experts and config.get("output_router_logits")),
     }
 
 
@@ -135,3 +139,66 @@ def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
 
 def _float_or_none(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value else None
+
+
+#: The transformers folder of a model type whose modeling module is named for another one.
+MODULE_OF = {"gemma3_text": "gemma3"}
+#: Eager where transformers' source cannot be read: the child's pinned release (5.24) says so.
+EAGER_WITHOUT_SOURCE = frozenset({"gemma2"})
+
+
+def default_attention(model_type: str) -> str:
+    """``"sdpa"`` or ``"eager"``: what transformers picks for ``model_type`` when asked for none."""
+    supports = _supports_sdpa(_transformers_root(), MODULE_OF.get(model_type, model_type))
+    if supports is None:
+        return "eager" if model_type in EAGER_WITHOUT_SOURCE else "sdpa"
+    return "sdpa" if supports else "eager"
+
+
+def _transformers_root() -> Path | None:
+    return installed_package_root("transformers")
+
+
+@functools.cache
+def installed_package_root(name: str) -> Path | None:
+    """The installed package's folder, found without importing it (its source is read as text)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def _supports_sdpa(root: Path | None, module: str) -> bool | None:
+    """``_supports_sdpa`` of ``models/<module>/modeling_<module>.py``'s ``*PreTrainedModel`` class;
+    None when that file cannot be read; False when it sets nothing (``PreTrainedModel``'s default)."""
+    if root is None:
+        return None
+    path = root / "models" / module / f"modeling_{module}.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    return bool(supports_sdpa_in(tree))
+
+
+def supports_sdpa_in(tree: ast.Module) -> bool | None:
+    """The constant a ``*PreTrainedModel`` class in ``tree`` assigns to ``_supports_sdpa``."""
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and node.name.endswith("PreTrainedModel")):
+            continue
+        for statement in node.body:
+            value: ast.expr | None
+            if isinstance(statement, ast.Assign):
+                targets, value = statement.targets, statement.value
+            elif isinstance(statement, ast.AnnAssign):
+                targets, value = [statement.target], statement.value
+            else:
+                continue
+            named = any(isinstance(t, ast.Name) and t.id == "_supports_sdpa" for t in targets)
+            if named and isinstance(value, ast.Constant) and isinstance(value.value, bool):
+                return value.value
+    return None

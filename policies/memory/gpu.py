@@ -128,9 +128,16 @@ def per_weight(knobs: Knobs) -> float:
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
     """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest;
-    under FSDP one rank's share of it (:func:`sharded_components`)."""
+    under FSDP one rank's share of it."""
     if knobs.fsdp:
-        return sharded_components(shape, knobs, per_weight(knobs))
+        # One rank's shard of every block, the gathered blocks, the root. LoRA and the optimizer
+        # state stay counted whole (a small over-estimate, unmeasured on cards).
+        block = fsdp_block_bytes(shape, per_weight(knobs))
+        return {
+            "weights_4bit_shard": shape.layers * block // max(knobs.world_size, 1),
+            "gathered_blocks": min(GATHERED_BLOCKS, shape.layers) * block,
+            **_root(shape),
+        }
     quantized = shape.layers * shape.layer_params
     # Without 4-bit, prepare_model_for_kbit_training upcasts the 16-bit weights to fp32 too.
     weights = int(quantized * per_weight(knobs)) if knobs.load_in_4bit else quantized * FP32
@@ -162,23 +169,6 @@ def _root(shape: ModelShape) -> dict[str, int]:
     return {"embeddings_bf16": shape.vocab * shape.hidden * LOAD_DTYPE, "lm_head_bf16": head}
 
 
-def loaded_components(shape: ModelShape, per_weight: float) -> dict[str, int]:
-    """FSDP's load: bitsandbytes quantizes on the card, so every rank holds the whole 4-bit model
-    before the Trainer shards it."""
-    return {"weights_4bit": shape.layers * fsdp_block_bytes(shape, per_weight), **_root(shape)}
-
-
-def sharded_components(shape: ModelShape, knobs: Knobs, per_weight: float) -> dict[str, int]:
-    """The base model on one FSDP rank: its shard of every block, the gathered blocks, the root.
-    LoRA and the optimizer state stay counted whole (a small over-estimate, unmeasured on cards)."""
-    block = fsdp_block_bytes(shape, per_weight)
-    return {
-        "weights_4bit_shard": shape.layers * block // max(knobs.world_size, 1),
-        "gathered_blocks": min(GATHERED_BLOCKS, shape.layers) * block,
-        **_root(shape),
-    }
-
-
 def static_components(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
 ) -> dict[str, int]:
@@ -194,7 +184,9 @@ def load_components(
 ) -> dict[str, int]:
     """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter (its bf16
     original and fp32 copy coexist), and the adapter in peft's fp32 before trl casts it to bf16."""
-    base = loaded_components(shape, per_weight(knobs)) if knobs.fsdp else base_components(shape, knobs)
+    base = base_components(shape, knobs)
+    if knobs.fsdp:  # bitsandbytes quantizes on the card: every rank holds the whole 4-bit model
+        base = {"weights_4bit": shape.layers * fsdp_block_bytes(shape, per_weight(knobs)), **_root(shape)}
     # With bf16_head the embeddings and head are not cast: the largest cast is a norm's weight.
     largest = shape.hidden if knobs.bf16_head else shape.vocab * shape.hidden
     if shape.experts:  # one fused 3D parameter: every expert's gate and up of one block

@@ -89,13 +89,6 @@ def pinned(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
-def residual_bytes(shape: ModelShape, knobs: Knobs) -> int:
-    """Bytes per value of the residual stream (a checkpointed block's input): fp32, but 2 where the
-    norms keep their input's dtype (Gemma) with the bf16 embeddings."""
-    keeps = shape.block is not None and shape.block.norm_keeps_dtype
-    return 2 if keeps and knobs.bf16_head else FP32
-
-
 def offloaded_bytes(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, pin: bool = True
 ) -> int:
@@ -105,7 +98,10 @@ def offloaded_bytes(
     if not knobs.activation_offload:
         return 0
     tokens = knobs.micro_batch_size * knobs.max_seq_len
-    hidden = tokens * shape.hidden * residual_bytes(shape, knobs)
+    # The residual stream (a checkpointed block's input) is fp32, but 2 bytes where the norms keep
+    # their input's dtype (Gemma) with the bf16 embeddings.
+    keeps = shape.block is not None and shape.block.norm_keeps_dtype and knobs.bf16_head
+    hidden = tokens * shape.hidden * (2 if keeps else FP32)
     block_input = pinned(hidden) if pin else hidden
     if knobs.gradient_checkpointing:
         blocks = shape.layers * block_input

@@ -51,14 +51,6 @@ def adapter_tensors(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -
     return per_layer * shape.layers
 
 
-def _bnb_state(numel: int, eight_bit: bool) -> int:
-    """bitsandbytes' two moments of one tensor, in bytes."""
-    if eight_bit and numel >= BNB_MIN_8BIT_SIZE:
-        blocks = -(-numel // BNB_8BIT_BLOCK)
-        return 2 * numel + 2 * FP32 * blocks
-    return 2 * FP32 * numel
-
-
 def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str) -> AdapterBytes:
     """Weights, gradients and optimizer state of the adapter ``knobs`` and ``targets`` describe; an
     optimizer outside those modelled counts as torch AdamW, the largest of them."""
@@ -69,8 +61,11 @@ def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | st
     state = paged = temp = 0
     if name in BNB_8BIT or name in BNB_32BIT:
         is_paged = name.startswith("paged_")
-        for numel in tensors:
-            bytes_ = _bnb_state(numel, name in BNB_8BIT)
+        for numel in tensors:  # bitsandbytes' two moments of each tensor
+            if name in BNB_8BIT and numel >= BNB_MIN_8BIT_SIZE:
+                bytes_ = 2 * numel + 2 * FP32 * -(-numel // BNB_8BIT_BLOCK)
+            else:
+                bytes_ = 2 * FP32 * numel
             if is_paged and numel >= BNB_PAGED_MIN_NUMEL:
                 paged += bytes_
             else:

@@ -264,11 +264,6 @@ class ModelShape:
         return self.experts_per_token * 3 * self.hidden * self.expert_intermediate if self.experts else 0
 
     @property
-    def embedding_params(self) -> int:
-        """Input embeddings plus the LM head (one matrix when tied)."""
-        return self.vocab * self.hidden * (1 if self.tie_word_embeddings else 2)
-
-    @property
     def norm_params(self) -> int:
         """Every RMSNorm weight: the blocks' hidden-wide ones, the final one, the q/k norms."""
         block = self.block or Block()
@@ -280,14 +275,12 @@ class ModelShape:
         return (block.norms * self.layers + 1) * self.hidden + self.layers * head
 
     @property
-    def unquantized_params(self) -> int:
-        """Parameters besides the embeddings and head that bitsandbytes leaves 16-bit and peft's
-        prepare casts to fp32: norms, biases, MoE experts and routers."""
-        return self.norm_params + self.layers * (self.bias_params + self.expert_params)
-
-    @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.unquantized_params
+        """The blocks' Linear layers, the embeddings and the LM head (one matrix when tied), and what
+        bitsandbytes leaves 16-bit and peft's prepare casts to fp32: norms, biases, MoE experts."""
+        embeddings = self.vocab * self.hidden * (1 if self.tie_word_embeddings else 2)
+        unquantized = self.norm_params + self.layers * (self.bias_params + self.expert_params)
+        return self.layers * self.layer_params + embeddings + unquantized
 
 
 def _not_modelled(what: str, config: Mapping[str, Any]) -> Unsupported:

@@ -17,32 +17,20 @@ from typing import Any
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass, knob_changes
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
-from qlora_supervise.policies.search.search_result import NothingFits, PreflightResult, Ranked, knob_changes
-from qlora_supervise.policies.search.search_result import gib as _gib
 from qlora_supervise.policies.search.search_state import (
     DEEPEST_CUT_BEFORE_FALLBACK,
     DEFAULT_MARGIN,
+    NothingFits,
+    PreflightResult,
+    Ranked,
     Search,
     fit_limit,
-    scaled_peak,
 )
+from qlora_supervise.policies.search.search_state import gib as _gib
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
-
-__all__ = [
-    "DEFAULT_MARGIN",
-    "TRIAL_SIZE",
-    "TRIAL_SLOWEST_SHARE",
-    "NothingFits",
-    "PreflightResult",
-    "Ranked",
-    "fit_limit",
-    "knob_changes",
-    "preflight",
-    "scaled_peak",
-]
 
 TRIAL_SIZE = 3  # The speed trial times at most this many candidates, the chosen one first.
 #: The speed trial skips a candidate predicted at less than this share of the chosen config's
@@ -89,8 +77,9 @@ def preflight(
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
-        f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, "
-        f"{_speed(chosen)} ({len(ranking)} fitting candidate(s) ranked by tokens/s)"
+        f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, {chosen.tokens_per_s:.0f} "
+        f"tokens/s {'measured' if chosen.measured else 'predicted'} ({len(ranking)} fitting candidate(s) "
+        "ranked by tokens/s)"
     )
     reasons += _host_reasons(search, chosen.knobs)
     if fallback is not None:
@@ -116,23 +105,16 @@ def _result(
     margin: float,
 ) -> PreflightResult:
     """A fitting choice: ``chosen`` (the job as written when it changes nothing) and its ranking."""
-    changes = knob_changes(search.job, chosen.knobs)
     return PreflightResult(
         knobs=chosen.knobs,
         predicted=predict(shape, chosen.knobs, search.targets),
-        fits_as_written=not changes,
-        changes=changes,
+        changes=knob_changes(search.job, chosen.knobs),
         reasons=tuple(reasons),
-        quality_changed=False,
-        fits=True,
         budget_bytes=budget_bytes,
         margin=margin,
-        cost=0.0,
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
-        speed_trial=trial_candidates(
-            chosen.knobs, chosen.peak_bytes, chosen.tokens_per_s, ranking, chosen.host_peak_bytes
-        ),
+        speed_trial=trial_candidates(chosen, ranking),
         host_peak_bytes=chosen.host_peak_bytes,
         host_rejected=_rejected(search),
     )
@@ -213,10 +195,6 @@ def _towards_less_memory(name: str, before: Any, after: Any) -> bool:
     return True
 
 
-def _speed(r: Ranked) -> str:
-    return f"{r.tokens_per_s:.0f} tokens/s {'measured' if r.measured else 'predicted'}"
-
-
 def _nothing_fits(
     search: Search,
     knobs: Knobs,
@@ -295,14 +273,11 @@ def _refusal(
     return PreflightResult(
         knobs=smallest,
         predicted=predict(search.shape, smallest, search.targets),
-        fits_as_written=False,
         changes=knob_changes(knobs, smallest),
         reasons=reasons,
-        quality_changed=True,
-        fits=False,
         budget_bytes=budget_bytes,
         margin=nothing.margin,
-        cost=0.0,
+        quality_changed=True,
         nothing_fits=nothing,
     )
 
@@ -312,9 +287,7 @@ def _rejected(search: Search) -> tuple[int, int | None]:
     return len(search.host_rejected), min(values) if values else None
 
 
-def trial_candidates(
-    knobs: Knobs, peak: int, tokens_per_s: float, ranking: Sequence[Ranked], host_peak: int | None = None
-) -> tuple[TrialCandidate, ...]:
+def trial_candidates(chosen: Ranked, ranking: Sequence[Ranked]) -> tuple[TrialCandidate, ...]:
     """The speed trial's candidates: the chosen config and the fastest others that differ from it
     only in what changes without a reload (micro-batch, accumulation, checkpointing), none slower
     than :data:`TRIAL_SLOWEST_SHARE` of it; empty when there is no other."""
@@ -328,19 +301,18 @@ def trial_candidates(
     def timed(k: Knobs) -> tuple[int, int, bool]:
         return k.micro_batch_size, k.grad_accum, k.gradient_checkpointing
 
+    knobs = chosen.knobs
     seen = {timed(knobs)}
     others = []
     for r in ranking:
-        if r.tokens_per_s < tokens_per_s * TRIAL_SLOWEST_SHARE:
+        if r.tokens_per_s < chosen.tokens_per_s * TRIAL_SLOWEST_SHARE:
             continue
         if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
             seen.add(timed(r.knobs))
             others.append(r)
     if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
         return ()
-    chosen = (knobs, tokens_per_s, peak, host_peak)
-    rest = [(r.knobs, r.tokens_per_s, r.peak_bytes, r.host_peak_bytes) for r in others[: TRIAL_SIZE - 1]]
     return tuple(
-        TrialCandidate(k.micro_batch_size, k.grad_accum, k.gradient_checkpointing, round(rate, 1), p, h)
-        for k, rate, p, h in (chosen, *rest)
+        TrialCandidate(*timed(r.knobs), round(r.tokens_per_s, 1), r.peak_bytes, r.host_peak_bytes)
+        for r in (chosen, *others[: TRIAL_SIZE - 1])
     )

@@ -1,5 +1,6 @@
-"""The configs pre-flight chooses among, enumerated from the rungs by cost class, and the state of
-one search: each config's predictions, cached, against the card and host budgets."""
+"""The configs pre-flight chooses among, enumerated from the rungs by cost class, the state of one
+search (each config's predictions, cached, against the card and host budgets), what the pre-flight
+returns, and what ``plan`` shows of each rung (:func:`rung_effects`)."""
 
 from __future__ import annotations
 
@@ -8,38 +9,83 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.memory.gpu import Prediction, predict
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.memory_model import split
+from qlora_supervise.policies.memory_model import estimate_peak
 from qlora_supervise.policies.rungs import (
-    QUALITY_WEIGHTS,
+    PLAN_RUNGS,
+    RUNG_BY_NAME,
     RUNG_CLASSES,
     RUNGS,
     Axis,
     CostClass,
     Rung,
+    knob_changes,
     rungs_between,
 )
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget
-from qlora_supervise.policies.search.search_result import Ranked
-from qlora_supervise.trainer_child.contract.spec import Knobs
-
-DEFAULT_MARGIN = 0.08
-_CLASS_ORDER = (CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY)
+from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """The job's knobs with the changes ``rungs`` name."""
+class Ranked:
+    """One fitting candidate: its knobs, the rungs it takes, predicted peak and tokens/s."""
 
     knobs: Knobs
     rungs: tuple[str, ...]
+    peak_bytes: int
+    tokens_per_s: float
+    measured: bool  # tokens/s from this host's or run's measurements (else the model's)
+    cost_class: CostClass  # the dearest class among its rungs (free with none)
+    host_peak_bytes: int | None = None  # its training host peak (None: no host budget to plan with)
+
+
+@dataclass(frozen=True)
+class NothingFits:
+    """No config of the job's model, nor of a fallback, is predicted to fit."""
+
+    smallest_peak: int
+    smallest_knobs: Knobs
+    budget_bytes: int
+    margin: float
+    help: str
+    host: bool = False  # True: host memory is what nothing fits (the figures are the host's)
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    """The knobs attempt 1 should run with, and why."""
+
+    knobs: Knobs
+    predicted: Prediction
+    changes: dict[str, tuple[Any, Any]]
+    reasons: tuple[str, ...]
+    budget_bytes: int
+    margin: float
+    quality_changed: bool = False
+    cost: float = 0.0  # predicted share of tokens/s lost against the job as written (negative: faster)
+    tokens_per_s: float | None = None  # predicted (or measured) for ``knobs``
+    ranking: tuple[Ranked, ...] = ()  # every fitting candidate of the chosen model, fastest first
+    speed_trial: tuple[TrialCandidate, ...] = ()  # for the child to time; empty: nothing to choose
+    fallback: str | None = None  # the fallback model started instead of the job's
+    nothing_fits: NothingFits | None = None
+    host_peak_bytes: int | None = None  # the chosen config's training host peak
+    # Candidates that fit the card but not the host: how many, and the smallest host need of them.
+    host_rejected: tuple[int, int | None] = (0, None)
 
     @property
-    def quality_weight(self) -> float:
-        return sum(QUALITY_WEIGHTS.get(name, 0.0) for name in self.rungs)
+    def fits(self) -> bool:
+        """False: nothing the pre-flight may change is predicted to fit (see ``nothing_fits``)."""
+        return self.nothing_fits is None
+
+    @property
+    def fits_as_written(self) -> bool:
+        return self.fits and not self.changes
+
+
+DEFAULT_MARGIN = 0.08
 
 
 def micro_batches(knobs: Knobs) -> list[Knobs]:
@@ -108,11 +154,12 @@ def most_frugal(knobs: Knobs) -> Knobs:
     return knobs
 
 
-def quality_variants(knobs: Knobs) -> list[Candidate]:
-    """The job's model at each combination of the quality halvings (seq_len, rank), lightest first."""
-    axes = _searched(CostClass.QUALITY, Axis.HALVINGS)
-    out = [Candidate(k, names) for k, names in _product(knobs, axes) if names]
-    return sorted(out, key=lambda c: c.quality_weight)  # stable: a shorter seq before a smaller rank
+def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
+    """The job's model at each combination of the quality halvings (seq_len, rank), with the rung
+    names taken, lightest first."""
+    out = [(k, names) for k, names in _product(knobs, _searched(CostClass.QUALITY, Axis.HALVINGS)) if names]
+    # Stable: a shorter seq before a smaller rank.
+    return sorted(out, key=lambda c: sum(RUNG_BY_NAME[name].quality_weight for name in c[1]))
 
 
 #: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings). Deeper, the
@@ -125,14 +172,6 @@ def deep_cut(job: Knobs, chosen: Knobs) -> bool:
     """Whether ``chosen`` cuts seq_len or the rank of ``job`` deeper than pre-flight may."""
     factor = DEEPEST_CUT_BEFORE_FALLBACK
     return chosen.max_seq_len * factor < job.max_seq_len or chosen.lora_r * factor < job.lora_r
-
-
-def scaled_peak(prediction: Prediction, scale: float | None) -> int:
-    """The allocated peak with the variable part scaled by a calibration (None: as predicted)."""
-    if scale is None:
-        return prediction.peak_bytes
-    fixed, variable = split(prediction)
-    return fixed + int(variable * scale)
 
 
 @dataclass
@@ -159,7 +198,7 @@ class Search:
 
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
-            self._peaks[knobs] = scaled_peak(predict(self.shape, knobs, self.targets), self.scale)
+            self._peaks[knobs] = estimate_peak(self.shape, knobs, self.scale, self.targets)
             allowed = not deep_cut(self.job, knobs)
             if allowed and (self.smallest is None or self._peaks[knobs] < self.smallest[0]):
                 self.smallest = (self._peaks[knobs], knobs)
@@ -219,11 +258,11 @@ class Search:
         ranking = self.rank(job)
         if ranking:
             return ranking, False
-        for variant in quality_variants(job):
-            if set(variant.rungs) & self.unusable or not self.fits(most_frugal(variant.knobs)):
+        for variant, rungs in quality_variants(job):
+            if set(rungs) & self.unusable or not self.fits(most_frugal(variant)):
                 continue
-            ranking = self.rank(variant.knobs)
-            if ranking and deep_cut(self.job, variant.knobs):
+            ranking = self.rank(variant)
+            if ranking and deep_cut(self.job, variant):
                 self.deep_fit = self.deep_fit or ranking[0].knobs  # said, never started
             elif ranking:
                 return ranking, True
@@ -238,4 +277,42 @@ def fit_limit(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
 
 def dearest(rungs: Sequence[str]) -> CostClass:
     classes = [RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in rungs]
-    return max(classes, key=_CLASS_ORDER.index, default=CostClass.FREE)
+    return max(classes, key=list(CostClass).index, default=CostClass.FREE)
+
+
+def gib(value: float) -> str:
+    return f"{value / (1 << 30):.2f} GiB"
+
+
+@dataclass(frozen=True)
+class RungEffect:
+    """One rung applied alone to the job as written: what it predicts and what it costs."""
+
+    name: str
+    cost_class: CostClass
+    cost: float  # predicted share of tokens/s lost (negative: faster)
+    predicted_peak: int | None  # None: the rung changes nothing here
+    changes: dict[str, tuple[Any, Any]]
+    tokens_per_s: float | None = None
+
+
+def rung_effects(
+    shape: ModelShape,
+    knobs: Knobs,
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    scale: float | None = None,
+    speed: throughput.SpeedCalibration | None = None,
+) -> list[RungEffect]:
+    """Each plan rung applied alone to ``knobs``: predicted peak and tokens/s after it."""
+    base = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
+    effects = []
+    for rung in PLAN_RUNGS:
+        changed = rung.apply(knobs)
+        if changed is None or rung.cost is None:
+            effects.append(RungEffect(rung.name, rung.cost or CostClass.FREE, 0.0, None, {}))
+            continue
+        rate = throughput.rank_speed(shape, changed, speed, targets).tokens_per_s
+        peak = estimate_peak(shape, changed, scale, targets)
+        cost = round(1 - rate / base, 4) if base > 0 else 0.0
+        effects.append(RungEffect(rung.name, rung.cost, cost, peak, knob_changes(knobs, changed), rate))
+    return effects

@@ -80,29 +80,6 @@ class StepTime:
     measured: bool = False  # True: this host measured these knobs (or a calibration scaled it)
 
 
-def micro_step_seconds(
-    shape: ModelShape,
-    knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    c: Coefficients = FITTED,
-) -> float:
-    """Seconds of one forward + backward micro-step (no optimizer step), by the fitted model."""
-    mode = "ckpt" if knobs.gradient_checkpointing else "no_ckpt"
-    tokens = knobs.micro_batch_size * knobs.max_seq_len
-    head = c.bf16_head_token_factor if knobs.bf16_head else 1.0
-    seconds = c.launch_s_per_layer[mode] * shape.layers + c.fixed_s_per_byte[mode] * weight_bytes(
-        shape, knobs
-    )
-    per_token = c.token_s[mode] * work_per_token(shape, knobs.max_seq_len)
-    per_token += c.head_token_s[mode] * head_work_per_token(shape)
-    seconds += tokens * per_token * head
-    if knobs.activation_offload:
-        on_card = dataclasses.replace(knobs, activation_offload=False)
-        saved = predict_memory(shape, on_card, targets).components.get("activations", 0)
-        seconds += 2 * saved / OFFLOAD_BYTES_PER_S
-    return seconds
-
-
 def optimizer_seconds(
     shape: ModelShape,
     knobs: Knobs,
@@ -120,11 +97,21 @@ def predict(
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
     c: Coefficients = FITTED,
 ) -> StepTime:
-    """The model's step time and tokens/s for ``knobs`` (one rank; ranks add throughput, not speed)."""
-    micro = micro_step_seconds(shape, knobs, targets, c)
+    """The model's step time and tokens/s for ``knobs`` (one rank; ranks add throughput, not speed):
+    ``grad_accum`` forward + backward micro-steps by the fitted model, then the optimizer step."""
+    mode = "ckpt" if knobs.gradient_checkpointing else "no_ckpt"
+    tokens = knobs.micro_batch_size * knobs.max_seq_len
+    head = c.bf16_head_token_factor if knobs.bf16_head else 1.0
+    micro = c.launch_s_per_layer[mode] * shape.layers + c.fixed_s_per_byte[mode] * weight_bytes(shape, knobs)
+    per_token = c.token_s[mode] * work_per_token(shape, knobs.max_seq_len)
+    per_token += c.head_token_s[mode] * head_work_per_token(shape)
+    micro += tokens * per_token * head
+    if knobs.activation_offload:
+        on_card = dataclasses.replace(knobs, activation_offload=False)
+        saved = predict_memory(shape, on_card, targets).components.get("activations", 0)
+        micro += 2 * saved / OFFLOAD_BYTES_PER_S
     step = knobs.grad_accum * micro + optimizer_seconds(shape, knobs, targets, c)
-    tokens = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len
-    return StepTime(micro, step, tokens / step if step > 0 else 0.0)
+    return StepTime(micro, step, tokens * knobs.grad_accum / step if step > 0 else 0.0)
 
 
 def speed_key(knobs: Knobs) -> Knobs:
@@ -158,9 +145,6 @@ class SpeedCalibration:
     scale: tuple[tuple[bool, float], ...] = ()  # (checkpointing, measured / predicted tokens/s)
     overall: float | None = None  # the median over every observation, for a mode with none
 
-    def factor(self, checkpointing: bool) -> float | None:
-        return next((s for mode, s in self.scale if mode is checkpointing), self.overall)
-
 
 #: A measured/predicted ratio outside this is another machine or a broken measurement: clamped.
 SCALE_RANGE = (0.1, 10.0)
@@ -177,10 +161,11 @@ def calibrate(
         if o.tokens_per_s > 0 and o.knobs.world_size == 1:
             latest[speed_key(o.knobs)] = o
     ratios: dict[bool, list[float]] = {True: [], False: []}
+    low, high = SCALE_RANGE
     for key, o in latest.items():
         predicted = predict(shape, key, targets).tokens_per_s
         if predicted > 0:
-            ratios[key.gradient_checkpointing].append(_clamp(o.tokens_per_s / predicted))
+            ratios[key.gradient_checkpointing].append(min(max(o.tokens_per_s / predicted, low), high))
     every = [r for rs in ratios.values() for r in rs]
     scale = tuple((mode, statistics.median(rs)) for mode, rs in ratios.items() if rs)
     return SpeedCalibration(tuple(latest.values()), scale, statistics.median(every) if every else None)
@@ -201,7 +186,8 @@ def rank_speed(
     for o in calibration.measured:
         if speed_key(o.knobs) == key:
             return _at(knobs, o.tokens_per_s, model)
-    factor = calibration.factor(knobs.gradient_checkpointing)
+    mode = knobs.gradient_checkpointing
+    factor = next((s for ckpt, s in calibration.scale if ckpt is mode), calibration.overall)
     return model if factor is None else _at(knobs, model.tokens_per_s * factor, model)
 
 
@@ -210,8 +196,3 @@ def _at(knobs: Knobs, tokens_per_s: float, model: StepTime) -> StepTime:
     step = tokens / tokens_per_s
     micro = model.micro_step_s * step / model.optimizer_step_s if model.optimizer_step_s else step
     return StepTime(micro, step, tokens_per_s, measured=True)
-
-
-def _clamp(ratio: float) -> float:
-    low, high = SCALE_RANGE
-    return min(high, max(low, ratio))

@@ -25,10 +25,10 @@ from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies.memory import gpu as gpu_terms
 from qlora_supervise.policies.memory import host as host_terms
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason, resolve_targets
+from qlora_supervise.policies.rungs import knob_changes
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
-from qlora_supervise.policies.search.rung_effects import RungEffect, rung_effects
-from qlora_supervise.policies.search.search_result import PreflightResult, knob_changes
+from qlora_supervise.policies.search.search_state import PreflightResult, RungEffect, rung_effects
 from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.commands.validate import load_or_exit

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from qlora_supervise.policies.ladder.spurious_retry import SPURIOUS_KEY
+from qlora_supervise.policies.decide import SPURIOUS_KEY
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts

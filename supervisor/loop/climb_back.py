@@ -13,8 +13,8 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies import retime
+from qlora_supervise.policies.decide import SPURIOUS_KEY
 from qlora_supervise.policies.ladder import step_up as rule
-from qlora_supervise.policies.ladder.spurious_retry import SPURIOUS_KEY
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome
 from qlora_supervise.supervisor.watching.heartbeats import Progress

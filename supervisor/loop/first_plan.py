@@ -8,9 +8,9 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.memory_model import scaled_peak
 from qlora_supervise.policies.search import throughput
-from qlora_supervise.policies.search.search_result import PreflightResult
-from qlora_supervise.policies.search.search_state import fit_limit, scaled_peak
+from qlora_supervise.policies.search.search_state import PreflightResult, fit_limit
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.events import Event
