@@ -33,7 +33,7 @@ MEDIAN_TARGET, WORST_TARGET = 0.05, 0.15
 
 #: ``--attention MODEL_TYPE=IMPL``: the attention a grid's children ran with, for grids recorded
 #: before the bench kept the child's ``attn_implementation`` (the transformers there may choose
-#: otherwise than the one here; see policies/memory/attention.py).
+#: otherwise than the one here; see policies/memory/families.py).
 ATTENTION: dict[str, str] = {}
 
 

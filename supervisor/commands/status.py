@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import psutil
 
-from qlora_supervise.policies.search.search_result import knob_changes
+from qlora_supervise.policies.rungs import knob_changes
 from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.merge import adapter_step, merge_report, merged_record
 from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of

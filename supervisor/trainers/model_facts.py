@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.policies.memory.attention import installed_package_root
+from qlora_supervise.policies.memory.families import installed_package_root
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.supervisor.facts.trainer import Trainer
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
