@@ -21,7 +21,7 @@ from qlora_supervise.supervisor.loop import child_output as output
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
+from qlora_supervise.supervisor.loop.resume import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
@@ -155,33 +155,23 @@ class AttemptRunner:
             log.warning(Event.OPTIMIZER_RESET, why=reset, lr_schedule="restored at the resumed step")
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
-        reports = output.read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
-        if plan.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree
-            reports = output.seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
-        report = output.report_of(reports)
+        o = output.ended(ctx.rd, ready.in_flight(proc.pid), plan, reader.progress, seams.wall(), log)
         # When it failed (its report's time, else the end of the watch): the next first_step times from it.
-        self.failed_at = None if exit_.returncode == 0 else (report.time if report else seams.wall())
-        return AttemptOutcome(
-            number=number,
-            plan=plan,
+        self.failed_at = None if exit_.returncode == 0 else (o.report.time if o.report else seams.wall())
+        memory = MemorySeen(
+            watched.gpu_peak_process,
+            watched.gpu_others_at_end,
+            watched.gpu_total,
+            watched.rss_peak,
+            tuple(watched.xid_events),
+            cards=dict(watched.cards),
+            card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
+        )
+        return dataclasses.replace(
+            o,
             exit=exit_,
-            progress=reader.progress,
-            report=report,
-            reports=reports if plan.knobs.world_size > 1 else (),
             planned=self.planned,
-            memory=MemorySeen(
-                watched.gpu_peak_process,
-                watched.gpu_others_at_end,
-                watched.gpu_total,
-                watched.rss_peak,
-                tuple(watched.xid_events),
-                cards=dict(watched.cards),
-                card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
-            ),
-            resumed_from=resume.step,
-            started_at=ready.started_at,
-            ended_at=seams.wall(),
-            log_tail=child_mod.log_tail(ctx.rd.attempt(number).log),
+            memory=memory,
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
             rank_exits=dict(watched.rank_exits),
         )
