@@ -8,6 +8,7 @@ that attempt and goes on from the journal, so a config that failed never runs ag
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from typing import TextIO
@@ -155,8 +156,9 @@ class Supervisor:
     def _loop_outlasting_full_disks(self, records: list[AttemptRecord], turn: Turn) -> int:
         """The loop; when the supervisor's own write finds no room, wait for room and go on as a restart."""
         while True:
-            try:
-                return self._loop(records, turn)
+            try:  # the runner closes (its warm spare goes) on every way out, before any wait for room
+                with contextlib.closing(AttemptRunner(self._runner_context(records))) as runner:
+                    return self._machine(runner, records, turn)
             except OSError as exc:
                 if not is_disk_full(exc):
                     raise
@@ -165,19 +167,15 @@ class Supervisor:
                 records = self._read_journal()
                 turn = self._reclaim_in_flight(records, journal.read_state(self.rd.state))
 
-    def _loop(self, records: list[AttemptRecord], turn: Turn) -> int:
-        runner = AttemptRunner(self._runner_context(records))
-        try:
-            return self._machine(runner, records, turn)
-        finally:
-            runner.close()  # its warm spare, on every way out
-
     def _machine(self, runner: AttemptRunner, records: list[AttemptRecord], turn: Turn) -> int:
         """The state machine: one ``if/elif`` over the state; each branch says where it goes next."""
         while True:
             state = turn.state
             if state is RunState.STARTING:
-                plan = next_plan(records, self._plan_facts())
+                merged, lifted = self.rd.merged.exists(), self.book.lifted_after
+                plan = next_plan(
+                    records, PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
+                )
                 if isinstance(plan, Verdict):
                     # STARTING -> SUCCEEDED | GAVE_UP | FAILED
                     self._move(State(plan.run_state, plan.knobs, note=plan.note))
@@ -240,10 +238,6 @@ class Supervisor:
         if bad:
             self.log.warning(Event.JOURNAL_LINE_UNREADABLE, lines=bad, path=str(self.rd.attempts))
         return records
-
-    def _plan_facts(self) -> PlanFacts:
-        merged, lifted = self.rd.merged.exists(), self.book.lifted_after
-        return PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
 
     def _runner_context(self, records: list[AttemptRecord]) -> RunnerContext:
         first = self.first
