@@ -155,10 +155,6 @@ class ChildProcess:
             return False
         return True
 
-    def signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signum)
-
     def stop(self, grace_s: float) -> int:
         """Stop the child and its group, and torchrun's ranks left at the end; its exit status."""
         ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
@@ -169,11 +165,9 @@ class ChildProcess:
                 self.popen.returncode = code
         code = self.popen.wait()
         # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
-        self.signal_group(signal.SIGKILL)
-        for pid in ranks:
-            if pid != self.popen.pid:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+        for pid in dict.fromkeys([self.popen.pid, *ranks]):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         return code
 
 

@@ -144,14 +144,6 @@ def note_rank_peaks(spec: AttemptSpec, progress: Progress, log: FilteringBoundLo
     return peaks
 
 
-def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:
-    """The one report that speaks for the attempt (under torchrun: the ranks' first real failure)."""
-    cause = first_failure(reports)
-    if cause is not None:
-        return cause.report
-    return reports[0] if reports else None
-
-
 def read_reports(rd: RunDir, number: int, log: FilteringBoundLogger) -> tuple[ErrorReport, ...]:
     """Every rank's error report of the attempt, in rank order; an unreadable one is logged and left out."""
     found = []
@@ -216,12 +208,13 @@ def ended(
     torchrun = plan.knobs.world_size > 1
     if torchrun:
         reports = seal_rank_parts(rd.checkpoints, reports, plan.knobs, log)
+    cause = first_failure(reports)  # the one report that speaks for the attempt
     return AttemptOutcome(
         number=flight.number,
         plan=plan,
         exit=None,
         progress=progress,
-        report=report_of(reports),
+        report=cause.report if cause is not None else (reports[0] if reports else None),
         reports=reports if torchrun else (),
         memory=MemorySeen(),
         resumed_from=flight.resumed_from,
