@@ -202,8 +202,7 @@ def _seal(checkpoints_dir: Path, parts: dict[int, Path], step: int, knobs: Knobs
 def ended(
     rd: RunDir, flight: InFlight, plan: Plan, progress: Progress, ended_at: float, log: FilteringBoundLogger
 ) -> AttemptOutcome:
-    """An ended attempt as its files show it: every rank's report read once (an unreadable one is
-    logged once) and, under torchrun, the ranks' emergency parts sealed when they agree."""
+    """An ended attempt as its files show it: every rank's report read, their emergency parts sealed."""
     reports = read_reports(rd, flight.number, log)
     torchrun = plan.knobs.world_size > 1
     if torchrun:

@@ -13,6 +13,7 @@ from structlog.typing import FilteringBoundLogger
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.cap_advice import with_named_cap
+from qlora_supervise.supervisor.diagnosis.fragmentation import predicted_fit
 from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.jobfile.job import Job
@@ -92,7 +93,10 @@ class Conclusions:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
         o = self._as_trained(o)
         log = self.log.bind(attempt=o.number)
-        fit = job_settings.step_fit(self.settings, self.job.resources.device, o.plan)
+        # The memory model's peak for the knobs against the GPU budget (none for a merge, on the CPU).
+        modelled = o.plan.phase is Phase.TRAIN and self.job.resources.device != "cpu"
+        budget = self.settings.budget_bytes
+        fit = predicted_fit(self.settings.shape, o.plan.knobs, budget) if modelled else None
         verdict = judge(o, self._phase_done(o.plan.phase), fit)
         if isinstance(verdict, Failure):
             verdict = self.disk.explain(verdict)

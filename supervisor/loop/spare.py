@@ -119,8 +119,7 @@ class SpareKeeper:
         self.measured_rss: int | None = None
 
     def ensure(self, order: SpareOrder) -> None:
-        """Have a spare for ``order`` (one for another order is replaced); no spare if RAM is short,
-        nor in a keeper without a ``spawn`` (the run keeps no spare)."""
+        """Have a spare for ``order`` (one for another is replaced); none if RAM is short or no ``spawn``."""
         if self._spawn is None:
             return
         if self.spare is not None and self.spare.order == order and self.spare.proc.poll() is None:
