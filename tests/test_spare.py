@@ -89,7 +89,7 @@ def _keeper(tmp_path: Path, log: _Log) -> tuple[SpareKeeper, list[_StandIn]]:
         started.append(_StandIn(1000 + len(started), log_path))
         return started[-1]
 
-    return SpareKeeper(tmp_path, spawn, time.monotonic, lambda s: None, log, sys.executable), started
+    return SpareKeeper(tmp_path, spawn, time.monotonic, lambda s: None, log), started
 
 
 def _order(expandable: bool, model: str = "/m") -> SpareOrder:
@@ -142,7 +142,7 @@ def test_a_spare_that_does_not_acknowledge_the_spec_is_discarded(tmp_path: Path)
     def sleep(seconds: float) -> None:
         now[0] += seconds
 
-    keeper = SpareKeeper(tmp_path, spawn, lambda: now[0], sleep, log, sys.executable)
+    keeper = SpareKeeper(tmp_path, spawn, lambda: now[0], sleep, log)
     keeper.ensure(_order(True))
     (tmp_path / "spare.log").write_text(json.dumps({"event": "spare_ready", "pid": 1000}) + "\n")
     assert keeper.take(_order(True), tmp_path / "spec.json", tmp_path / "child.log") is None
@@ -297,7 +297,7 @@ def test_the_watch_wakes_at_the_childs_exit_not_at_the_next_tick(
 def _ready_real_spare(tmp_path: Path) -> tuple[SpareKeeper, _Log]:
     """A keeper with a real spare started and waited for until it reported ready (or 120 s)."""
     log = _Log()
-    keeper = SpareKeeper(tmp_path, child_mod.spawn_spare, time.monotonic, time.sleep, log, sys.executable)
+    keeper = SpareKeeper(tmp_path, child_mod.spawn_spare, time.monotonic, time.sleep, log)
     keeper.ensure(SpareOrder(child_mod.child_env(dict(os.environ), _knobs(True)), "cpu", True, "/none"))
     assert keeper.spare is not None
     proc = keeper.spare.proc

@@ -22,7 +22,7 @@ from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFact
 from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile import world as world_mod
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop import launch, seams
+from qlora_supervise.supervisor.loop import seams
 from qlora_supervise.supervisor.loop.child_output import note_rank_exits
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
@@ -86,20 +86,20 @@ def test_one_process_starts_the_child_and_several_start_torchrun_with_no_restart
 ) -> None:
     """World size 1 runs the child itself; 2 runs torchrun --standalone --max-restarts 0, the stop grace."""
     spec = tmp_path / "attempt-001" / "spec.json"
-    assert launch.command(spec, "train") == [
+    assert child_mod.command(spec, "train") == [
         sys.executable,
         "-m",
         "qlora_supervise.trainer_child",
         "--spec",
         str(spec),
     ]
-    argv = launch.command(spec, "train", 2, 90.0)
+    argv = child_mod.command(spec, "train", 2, 90.0)
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
     joined = " ".join(argv)
     assert "--standalone --nproc-per-node 2 --max-restarts 0 --shutdown-timeout 90" in joined
     assert argv[-4:] == ["-m", "qlora_supervise.trainer_child", "--spec", str(spec)]
     assert (
-        launch.command(spec, "merge", 2)[2] == "qlora_supervise.trainer_child.merge.process"
+        child_mod.command(spec, "merge", 2)[2] == "qlora_supervise.trainer_child.merge.process"
     )  # merging is one process
 
 

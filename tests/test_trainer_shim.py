@@ -14,7 +14,7 @@ import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.commands.status import status_command
-from qlora_supervise.supervisor.loop.launch import spec_command
+from qlora_supervise.supervisor.loop.child import child_argv
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
@@ -47,7 +47,7 @@ def test_a_foreign_attempt_gets_the_shim_and_its_own_argv(tmp_path: Path) -> Non
         "PYTHONPATH": "/mine"
     }
     (tmp_path / "spec.json").write_text(spec.to_json())
-    assert spec_command(tmp_path / "spec.json", "train") == list(spec.command)
+    assert child_argv(tmp_path / "spec.json", "train") == list(spec.command)
     assert AttemptSpec.from_json(spec.to_json()) == spec
 
 

@@ -1,7 +1,7 @@
 """The speed trial in a foreign tool's own process, run by the shim on its Trainer (tiny model,
 CPU): trl sft, axolotl (in its venv, tests/_tool_venvs.py), and a script it cannot time.
 
-The attempt is prepared as the supervisor prepares one (``prepare.write_spec``: the attempt's
+The attempt is prepared as the supervisor prepares one (``resume.write_spec``: the attempt's
 ``trl-sft.yaml`` and its spec, with three candidates the pre-flight would hand a GPU attempt; on
 the CPU the pre-flight has no budget to rank by, so the test names them), then trl's script is
 started with the shim as the runner starts it (``trainers.launch.trainer_env``).
@@ -25,10 +25,9 @@ from _tool_venvs import AXOLOTL, tool_python
 from _trainer_configs import axolotl_config, text_dataset, trl_job
 
 from qlora_supervise.policies.choice import after_trial
-from qlora_supervise.supervisor.loop.launch import spec_command
+from qlora_supervise.supervisor.loop.child import child_argv
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.prepare import write_spec
-from qlora_supervise.supervisor.loop.resume import ResumePoint
+from qlora_supervise.supervisor.loop.resume import ResumePoint, write_spec
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
 from qlora_supervise.supervisor.record.records import Phase
@@ -67,7 +66,7 @@ def _attempt(job_file: Path, trial: tuple[TrialCandidate, ...]) -> Path:
     spec = write_spec(job, rd, 1, plan, ResumePoint(0, None, False), Seams(), structlog.get_logger())
     spec_path = rd.attempt_dir(1) / "spec.json"
     env = launch.trainer_env({**os.environ, TRACE: str(out / "trace.jsonl")}, spec, spec_path)
-    argv = spec_command(spec_path, "train")
+    argv = child_argv(spec_path, "train")
     done = subprocess.run(argv, env=env, cwd=out, capture_output=True, text=True, timeout=scaled(600))
     assert done.returncode == 0, done.stderr[-3000:]
     return Path(spec.events_file)

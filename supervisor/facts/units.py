@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 import re
 
-from qlora_supervise.trainer_child.contract.byte_sizes import BYTE_UNITS as BYTE_UNITS
-from qlora_supervise.trainer_child.contract.byte_sizes import BYTES_HELP as BYTES_HELP
 from qlora_supervise.trainer_child.contract.byte_sizes import UnitError as UnitError
 from qlora_supervise.trainer_child.contract.byte_sizes import format_bytes as format_bytes
 from qlora_supervise.trainer_child.contract.byte_sizes import parse_bytes as parse_bytes

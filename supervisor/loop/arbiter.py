@@ -8,6 +8,7 @@ that attempt and goes on from the journal, so a config that failed never runs ag
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from typing import TextIO
@@ -101,7 +102,7 @@ class Supervisor:
         self.hup_seen = True  # SIGHUP reloads nothing; the runner logs it once
 
     def run(self) -> int:
-        records = self._read_journal()
+        records = self.book.records = self._read_journal()
         state = journal.read_state(self.rd.state)
         if self.rd.state.exists() and state is None:
             self.log.warning(Event.STATE_UNREADABLE, path=str(self.rd.state))
@@ -117,7 +118,7 @@ class Supervisor:
             return int(_ENDED[state.run_state])
         self.gpu = self.seams.open_gpu(self.job.resources.device)
         try:
-            turn = self._reclaim_in_flight(records, state)
+            turn = self._reclaim_in_flight(state)
             self.log.info(
                 Event.RUN_RESUMED if records else Event.RUN_STARTED,
                 output_dir=str(self.rd.root),
@@ -138,46 +139,44 @@ class Supervisor:
                         Event.NOTHING_FITS, why=f"nothing fits: {nothing_fits}; no child was started"
                     )
                     return int(SupervisorExitCode.NOTHING_FITS)
-            return self._loop_outlasting_full_disks(records, turn)
+            return self._loop_outlasting_full_disks(turn)
         finally:
             if self.gpu is not None:
                 self.gpu.close()
             clean_staging(self.rd.root, self.rd.checkpoints)  # any verdict: no next child will
 
-    def _reclaim_in_flight(self, records: list[AttemptRecord], state: State | None) -> Turn:
+    def _reclaim_in_flight(self, state: State | None) -> Turn:
         """The attempt a dead supervisor left in flight, judged like a watched one."""
         if state is not None and state.in_flight is not None:
-            reclaimed = reclaim(state.in_flight, records, self.rd, self.seams, self.log)
+            reclaimed = reclaim(state.in_flight, self.book.records, self.rd, self.seams, self.log)
             if reclaimed is not None:
-                return self.book.conclude(reclaimed, records, reclaimed=True)
+                return self.book.conclude(reclaimed, reclaimed=True)
         return Turn(RunState.STARTING)
 
-    def _loop_outlasting_full_disks(self, records: list[AttemptRecord], turn: Turn) -> int:
+    def _loop_outlasting_full_disks(self, turn: Turn) -> int:
         """The loop; when the supervisor's own write finds no room, wait for room and go on as a restart."""
         while True:
-            try:
-                return self._loop(records, turn)
+            try:  # the runner closes (its warm spare goes) on every way out, before any wait for room
+                with contextlib.closing(AttemptRunner(self._runner_context())) as runner:
+                    return self._machine(runner, turn)
             except OSError as exc:
                 if not is_disk_full(exc):
                     raise
                 if not self.disk.outlast(exc):
                     return self.disk.verdict(self.stop_signal)
-                records = self._read_journal()
-                turn = self._reclaim_in_flight(records, journal.read_state(self.rd.state))
+                self.book.records = self._read_journal()
+                turn = self._reclaim_in_flight(journal.read_state(self.rd.state))
 
-    def _loop(self, records: list[AttemptRecord], turn: Turn) -> int:
-        runner = AttemptRunner(self._runner_context(records))
-        try:
-            return self._machine(runner, records, turn)
-        finally:
-            runner.close()  # its warm spare, on every way out
-
-    def _machine(self, runner: AttemptRunner, records: list[AttemptRecord], turn: Turn) -> int:
+    def _machine(self, runner: AttemptRunner, turn: Turn) -> int:
         """The state machine: one ``if/elif`` over the state; each branch says where it goes next."""
+        records = self.book.records
         while True:
             state = turn.state
             if state is RunState.STARTING:
-                plan = next_plan(records, self._plan_facts())
+                merged, lifted = self.rd.merged.exists(), self.book.lifted_after
+                plan = next_plan(
+                    records, PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
+                )
                 if isinstance(plan, Verdict):
                     # STARTING -> SUCCEEDED | GAVE_UP | FAILED
                     self._move(State(plan.run_state, plan.knobs, note=plan.note))
@@ -186,19 +185,19 @@ class Supervisor:
                     return self._stopped(plan.knobs, plan.phase)  # STARTING -> STOPPED
                 turn = Turn(RunState.RUNNING, plan=plan)  # STARTING -> RUNNING
             elif state is RunState.RUNNING and turn.plan is not None:
-                turn = self.book.conclude(self._run_attempt(runner, turn.plan, records), records)
+                turn = self.book.conclude(self._run_attempt(runner, turn.plan))
             elif state is RunState.WAITING and turn.pending is not None:
-                turn = self.book.after_wait(turn.pending, self._wait(turn.pending), records)
+                turn = self.book.after_wait(turn.pending, self._wait(turn.pending))
             elif state is RunState.BACKOFF:
-                turn = self._backoff(records)
+                turn = self._backoff()
             elif state is RunState.STOPPED:
                 return self._stopped(records[-1].knobs, records[-1].phase)
             else:
                 raise AssertionError(f"{state.value} without its plan (RUNNING) or decision (WAITING)")
 
-    def _run_attempt(self, runner: AttemptRunner, plan: Plan, records: list[AttemptRecord]) -> AttemptOutcome:
+    def _run_attempt(self, runner: AttemptRunner, plan: Plan) -> AttemptOutcome:
         """The RUNNING state: one attempt from its spec to its end."""
-        ready = runner.prepare(max((r.attempt for r in records), default=0) + 1, plan)
+        ready = runner.prepare(max((r.attempt for r in self.book.records), default=0) + 1, plan)
         # In flight before the spawn (pid unknown) and after it: a kill in between leaves the attempt named.
         self._move(State(RunState.RUNNING, plan.knobs, plan.phase, ready.in_flight()))
         proc = runner.spawn(ready)
@@ -215,8 +214,9 @@ class Supervisor:
         log = self.log.bind(attempt=pending.outcome.number)
         return waiting.wait_for_memory(self.gpu, wait, pending.failure, log, self.pacer, self.pacing)
 
-    def _backoff(self, records: list[AttemptRecord]) -> Turn:
+    def _backoff(self) -> Turn:
         """BACKOFF: the pause before an unchanged retry, longer for each failure in a row."""
+        records = self.book.records
         failures = waiting.failures_in_a_row(records)
         supervise = self.job.supervise
         seconds = waiting.backoff_s(failures, supervise.backoff_initial, supervise.backoff_max)
@@ -241,14 +241,10 @@ class Supervisor:
             self.log.warning(Event.JOURNAL_LINE_UNREADABLE, lines=bad, path=str(self.rd.attempts))
         return records
 
-    def _plan_facts(self) -> PlanFacts:
-        merged, lifted = self.rd.merged.exists(), self.book.lifted_after
-        return PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
-
-    def _runner_context(self, records: list[AttemptRecord]) -> RunnerContext:
+    def _runner_context(self) -> RunnerContext:
         first = self.first
         trial = Trial(first.knobs, first.speed_trial, first.speed_trial_limit) if first.speed_trial else None
-        climb = ClimbBack(records, lambda: self.settings, trial, self.log)
+        climb = ClimbBack(self.book.records, lambda: self.settings, trial, self.log)
         budget = None if self.job.resources.device == "cpu" else self.settings.budget_bytes
         stop, hup = lambda: self.stop_signal, lambda: self.hup_seen
         return RunnerContext(

@@ -1,6 +1,13 @@
 """Starting and stopping the child process: in its own session (a Ctrl-C on the terminal reaches
 only the supervisor, which stops the child on purpose), output appended to ``attempt-NNN/child.log``,
-and on Linux ``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits)."""
+and on Linux ``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits).
+
+The command line is one process, or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m
+torch.distributed.run --standalone --nproc-per-node N ...``; never a launcher of our own).
+``--max-restarts 0``: retrying is the supervisor's job, with a new config when the failure says so.
+``--shutdown-timeout``: the supervisor's stop grace (torchrun's 30 s could cut a GPU checkpoint
+short). The spec path stays on every rank's command line: reclaim finds orphans by it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +26,6 @@ from pathlib import Path
 import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_binary
-from qlora_supervise.supervisor.loop import launch
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.record.runfiles import ensure_dir
 from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
@@ -26,14 +33,34 @@ from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
 from qlora_supervise.trainer_child.contract.devices import visible_entries
 from qlora_supervise.trainer_child.contract.processes import pid_alive
-from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_gpus
 
 _PR_SET_PDEATHSIG = 1
+#: torchrun's module, run with this interpreter so the ranks import the same packages as one child.
+TORCHRUN_MODULE = "torch.distributed.run"
+
+
+def command(spec_path: Path, phase: str, world_size: int = 1, shutdown_timeout_s: float = 180.0) -> list[str]:
+    """The argv of one attempt; ``world_size`` > 1 starts that many ranks through torchrun."""
+    if phase == "merge":
+        return [sys.executable, "-m", entry.MERGE, "--spec", str(spec_path)]
+    child = ["-m", entry.ATTEMPT, "--spec", str(spec_path)]
+    if world_size <= 1:
+        return [sys.executable, *child]
+    grace = str(max(1, round(shutdown_timeout_s)))
+    ranks = ["--standalone", "--nproc-per-node", str(world_size), "--max-restarts", "0"]
+    return [sys.executable, "-m", TORCHRUN_MODULE, *ranks, "--shutdown-timeout", grace, *child]
 
 
 def child_argv(spec_path: Path, phase: str) -> list[str]:
-    """The attempt's command line (:mod:`.launch`): one process, or torchrun's ranks."""
-    return launch.spec_command(spec_path, phase)
+    """The argv for the spec at ``spec_path``; an unreadable spec starts one process, which reports it."""
+    try:
+        spec = AttemptSpec.from_json(spec_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, KeyError):
+        return command(spec_path, phase)
+    if spec.command and phase != "merge":  # a foreign trainer (supervisor/trainers/): its own argv
+        return list(spec.command)
+    return command(spec_path, phase, spec.knobs.world_size, spec.stop_grace_s)
 
 
 def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
@@ -128,10 +155,6 @@ class ChildProcess:
             return False
         return True
 
-    def signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signum)
-
     def stop(self, grace_s: float) -> int:
         """Stop the child and its group, and torchrun's ranks left at the end; its exit status."""
         ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
@@ -142,23 +165,21 @@ class ChildProcess:
                 self.popen.returncode = code
         code = self.popen.wait()
         # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
-        self.signal_group(signal.SIGKILL)
-        for pid in ranks:
-            if pid != self.popen.pid:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+        for pid in dict.fromkeys([self.popen.pid, *ranks]):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         return code
 
 
 def trainer_pids(pid: int) -> list[int]:
     """The trainer processes of a started child: itself, or torchrun's ranks when it is the launcher."""
-    if launch.TORCHRUN_MODULE not in process_cmdline(pid):
+    if TORCHRUN_MODULE not in process_cmdline(pid):
         return [pid]
     try:
         children = psutil.Process(pid).children()
     except psutil.Error:
         return []
-    return [child.pid for child in children if launch.TRAINER_MODULE in process_cmdline(child.pid)]
+    return [child.pid for child in children if entry.ATTEMPT in process_cmdline(child.pid)]
 
 
 def spawn_child(

@@ -144,14 +144,6 @@ def note_rank_peaks(spec: AttemptSpec, progress: Progress, log: FilteringBoundLo
     return peaks
 
 
-def report_of(reports: tuple[ErrorReport, ...]) -> ErrorReport | None:
-    """The one report that speaks for the attempt (under torchrun: the ranks' first real failure)."""
-    cause = first_failure(reports)
-    if cause is not None:
-        return cause.report
-    return reports[0] if reports else None
-
-
 def read_reports(rd: RunDir, number: int, log: FilteringBoundLogger) -> tuple[ErrorReport, ...]:
     """Every rank's error report of the attempt, in rank order; an unreadable one is logged and left out."""
     found = []
@@ -207,6 +199,30 @@ def _seal(checkpoints_dir: Path, parts: dict[int, Path], step: int, knobs: Knobs
     return publish(parts[0], final, step=step, knobs=knobs, emergency=True)
 
 
+def ended(
+    rd: RunDir, flight: InFlight, plan: Plan, progress: Progress, ended_at: float, log: FilteringBoundLogger
+) -> AttemptOutcome:
+    """An ended attempt as its files show it: every rank's report read, their emergency parts sealed."""
+    reports = read_reports(rd, flight.number, log)
+    torchrun = plan.knobs.world_size > 1
+    if torchrun:
+        reports = seal_rank_parts(rd.checkpoints, reports, plan.knobs, log)
+    cause = first_failure(reports)  # the one report that speaks for the attempt
+    return AttemptOutcome(
+        number=flight.number,
+        plan=plan,
+        exit=None,
+        progress=progress,
+        report=cause.report if cause is not None else (reports[0] if reports else None),
+        reports=reports if torchrun else (),
+        memory=MemorySeen(),
+        resumed_from=flight.resumed_from,
+        started_at=flight.started_at,
+        ended_at=ended_at,
+        log_tail=child_mod.log_tail(rd.attempt(flight.number).log),
+    )
+
+
 def reclaim(
     flight: InFlight, records: Sequence[AttemptRecord], rd: RunDir, seams: Seams, log: FilteringBoundLogger
 ) -> AttemptOutcome | None:
@@ -221,19 +237,4 @@ def reclaim(
         child_mod.stop_group(pid, seams.stop_grace_s)
     reader = HeartbeatReader(rd.attempt(flight.number).events)
     reader.poll(seams.clock())
-    reports = read_reports(rd, flight.number, log)
-    if flight.knobs.world_size > 1:
-        reports = seal_rank_parts(rd.checkpoints, reports, flight.knobs, log)
-    return AttemptOutcome(
-        number=flight.number,
-        plan=Plan(flight.phase, flight.knobs),
-        exit=None,
-        progress=reader.progress,
-        report=report_of(reports),
-        reports=reports if flight.knobs.world_size > 1 else (),
-        memory=MemorySeen(),
-        resumed_from=flight.resumed_from,
-        started_at=flight.started_at,
-        ended_at=seams.wall(),
-        log_tail=child_mod.log_tail(rd.attempt(flight.number).log),
-    )
+    return ended(rd, flight, Plan(flight.phase, flight.knobs), reader.progress, seams.wall(), log)

@@ -13,6 +13,7 @@ from structlog.typing import FilteringBoundLogger
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.diagnosis.cap_advice import with_named_cap
+from qlora_supervise.supervisor.diagnosis.fragmentation import predicted_fit
 from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.jobfile.job import Job
@@ -63,7 +64,8 @@ class Turn:
 class Conclusions:
     """The journal's writer. ``settings`` are the policy's, updated by what each attempt showed
     (sample lengths, peaks, speeds); ``lifted_after``: attempts up to this one had a verdict
-    that was lifted, so the policy's budgets count only the attempts after it."""
+    that was lifted, so the policy's budgets count only the attempts after it; ``records``: the
+    journal's lines, this run's appended as they are written."""
 
     job: Job
     rd: RunDir
@@ -71,6 +73,7 @@ class Conclusions:
     disk: DiskWaiter
     settings: policy.Settings
     lifted_after: int = 0
+    records: list[AttemptRecord] = dataclasses.field(default_factory=list)
 
     def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
         """``o`` with the knobs the attempt trained with (the journal, the policy's history and the
@@ -86,24 +89,27 @@ class Conclusions:
             return o
         return dataclasses.replace(o, plan=dataclasses.replace(o.plan, knobs=trained, note=note))
 
-    def conclude(self, o: AttemptOutcome, records: list[AttemptRecord], reclaimed: bool = False) -> Turn:
+    def conclude(self, o: AttemptOutcome, reclaimed: bool = False) -> Turn:
         """The one path from an ended attempt (watched or reclaimed) to its journal line."""
         o = self._as_trained(o)
         log = self.log.bind(attempt=o.number)
-        fit = job_settings.step_fit(self.settings, self.job.resources.device, o.plan)
+        # The memory model's peak for the knobs against the GPU budget (none for a merge, on the CPU).
+        modelled = o.plan.phase is Phase.TRAIN and self.job.resources.device != "cpu"
+        budget = self.settings.budget_bytes
+        fit = predicted_fit(self.settings.shape, o.plan.knobs, budget) if modelled else None
         verdict = judge(o, self._phase_done(o.plan.phase), fit)
         if isinstance(verdict, Failure):
             verdict = self.disk.explain(verdict)
             _announce_failure(log, verdict, o.report, reclaimed)
-            return self._decide(o, verdict, records, log)
+            return self._decide(o, verdict)
         if verdict is Outcome.STEPPED_UP and o.planned is not None:
-            return self._planned(o, o.planned, records)
+            return self._planned(o, o.planned)
         next_from = None if verdict is Outcome.SUCCEEDED else self.resume_step(o.plan.knobs)
-        record = self.journal(record_of(o, verdict, next_from), records, o.progress.events)
+        record = self.journal(record_of(o, verdict, next_from), o.progress.events)
         if verdict is Outcome.STOPPED:
             return Turn(RunState.STOPPED)  # RUNNING -> STOPPED
         if verdict is Outcome.SUCCEEDED:
-            self._announce_success(log, record, records, reclaimed)
+            self._announce_success(log, record, reclaimed)
         else:
             log.info(
                 Event.ATTEMPT_INTERRUPTED,
@@ -113,7 +119,7 @@ class Conclusions:
             )
         return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan says what is left (a merge, or done)
 
-    def _planned(self, o: AttemptOutcome, planned: PlannedRestart, records: list[AttemptRecord]) -> Turn:
+    def _planned(self, o: AttemptOutcome, planned: PlannedRestart) -> Turn:
         """A planned restart (a step-up or a re-time) journalled as the restart decision it is."""
         # Back to the 32-bit optimizer: its state starts afresh (the resume reads that off the checkpoint).
         survives = Survives.OPTIMIZER_RESET if "optimizer" in planned.changes else Survives.ALL
@@ -122,17 +128,17 @@ class Conclusions:
             undoes=planned.undoes,
         )  # fmt: skip
         line = record_of(o, Outcome.STEPPED_UP, self.resume_step(planned.knobs), None, entry)
-        self.journal(line, records, o.progress.events)
+        self.journal(line, o.progress.events)
         return Turn(RunState.STARTING)  # RUNNING -> STARTING: the plan follows the decision
 
-    def answer(self, pending: Pending, records: list[AttemptRecord]) -> Turn:
+    def answer(self, pending: Pending) -> Turn:
         """Act on the policy's answer: a Wait is carried out first; a Restart or GiveUp is journalled."""
         decision = pending.decision
         if isinstance(decision, policy.Wait):
             return Turn(RunState.WAITING, pending)  # RUNNING -> WAITING
         next_from = None
         if isinstance(decision, policy.GiveUp):  # a memory give-up names the cap (issue 21 item 7)
-            seen = [*records, pending.record]
+            seen = [*self.records, pending.record]
             knobs = pending.outcome.plan.knobs
             decision = with_named_cap(decision, pending.failure.kind, knobs, self.job, self.settings, seen)
         if isinstance(decision, policy.Restart):
@@ -140,30 +146,28 @@ class Conclusions:
             next_from = 0 if reinit else self.resume_step(decision.knobs)
         entry = DecisionRecord.of(decision, pending.waited.waited_s if pending.waited else 0.0)
         line = record_of(pending.outcome, Outcome.FAILED, next_from, pending.record.failure, entry)
-        record = self.journal(line, records, pending.outcome.progress.events)
-        self._announce_decision(self.log.bind(attempt=record.attempt), record, records)
+        record = self.journal(line, pending.outcome.progress.events)
+        self._announce_decision(self.log.bind(attempt=record.attempt), record)
         return _after(record)
 
-    def after_wait(self, pending: Pending, waited: policy.WaitResult, records: list[AttemptRecord]) -> Turn:
+    def after_wait(self, pending: Pending, waited: policy.WaitResult) -> Turn:
         """The policy asked again with what its Wait saw; a stop that ended the wait is no verdict."""
         o = pending.outcome
         if waited.stopped:
             # WAITING -> STOPPED: no verdict on the config; the run stays resumable.
             line = record_of(o, Outcome.STOPPED, self.resume_step(o.plan.knobs), pending.record.failure)
-            self.journal(line, records, o.progress.events)
+            self.journal(line, o.progress.events)
             return Turn(RunState.STOPPED)
         knobs, phase = o.plan.knobs, o.plan.phase.value
         decision = policy.decide(
             pending.failure, knobs, pending.history, self.settings, waited=waited, phase=phase
         )
-        return self.answer(dataclasses.replace(pending, decision=decision, waited=waited), records)
+        return self.answer(dataclasses.replace(pending, decision=decision, waited=waited))
 
-    def journal(
-        self, record: AttemptRecord, records: list[AttemptRecord], events: Sequence[ChildEvent]
-    ) -> AttemptRecord:
+    def journal(self, record: AttemptRecord, events: Sequence[ChildEvent]) -> AttemptRecord:
         """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the attempt's."""
         append_attempt(self.rd.attempts, record)
-        records.append(record)
+        self.records.append(record)
         speed = speed_of(events, record.knobs)
         self.settings = job_settings.remember_attempt(self.settings, self.job, record, speed)
         return record
@@ -172,23 +176,16 @@ class Conclusions:
         """The step an attempt with ``knobs`` would resume from: the same rule the spawn uses."""
         return resume_point(self.rd.checkpoints, knobs).step
 
-    def _decide(
-        self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
-    ) -> Turn:
+    def _decide(self, o: AttemptOutcome, failure: Failure) -> Turn:
         self.settings = job_settings.with_sample_lengths(self.settings, o.progress.events)
         self.settings = job_settings.with_script_model(self.settings, o.progress.events)
-        if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (
-            quarantined := self._quarantine(o, failure, records, log)
-        ):
+        if failure.kind is FailureKind.CHECKPOINT_DAMAGED and (quarantined := self._quarantine(o, failure)):
             return _after(quarantined)
         if failure.kind is FailureKind.DISK_FULL:
             failure = self.disk.with_room_needed(failure)
         # A lifted verdict starts the budgets afresh: the attempts before it were judged already.
-        earlier = [r for r in records if r.attempt > self.lifted_after]
-        return self.answer(self._ask(o, failure, earlier), records)
-
-    def _ask(self, o: AttemptOutcome, failure: Failure, earlier: Sequence[AttemptRecord]) -> Pending:
-        """The policy's first answer, saying so when the OOM repeats at the attempt before's data position."""
+        earlier = [r for r in self.records if r.attempt > self.lifted_after]
+        # The policy's first answer, saying so when the OOM repeats at the attempt before's data position.
         record = record_of(o, Outcome.FAILED, None, failure_record(failure, o.report, o.progress))
         # The failure's own kind even for a damaged checkpoint that could not be moved aside:
         # later decisions leave that kind out of their budgets, but this one decides about it.
@@ -199,23 +196,22 @@ class Conclusions:
         note = repeat_note(failure, before, o.plan.knobs.max_seq_len, self.settings.sample_lengths)
         if note is not None and not isinstance(decision, policy.Wait):
             decision = dataclasses.replace(decision, why=f"{decision.why}; {note}")
-        return Pending(o, failure, record, history, decision)
+        return self.answer(Pending(o, failure, record, history, decision))
 
-    def _quarantine(
-        self, o: AttemptOutcome, failure: Failure, records: list[AttemptRecord], log: FilteringBoundLogger
-    ) -> AttemptRecord | None:
+    def _quarantine(self, o: AttemptOutcome, failure: Failure) -> AttemptRecord | None:
         """The checkpoint the child could not load is moved aside and the same knobs resume from
         the next older one (no verdict on the config); None when it cannot be moved."""
         moved = quarantine_reported(o.report, self.rd.checkpoints)
         if moved is None:
             return None
+        log = self.log.bind(attempt=o.number)
         log_quarantined(log, [moved])
         entry = DecisionRecord.retry_from_older(o.plan.knobs, moved.path.name)
         line = record_of(
             o, Outcome.FAILED, self.resume_step(o.plan.knobs), failure_record(failure, o.report), entry
         )
-        record = self.journal(line, records, o.progress.events)
-        self._announce_decision(log, record, records)
+        record = self.journal(line, o.progress.events)
+        self._announce_decision(log, record)
         return record
 
     def _phase_done(self, phase: Phase) -> bool:
@@ -223,13 +219,7 @@ class Conclusions:
             return True  # a tool without the shim saves into its own output dir only
         return (self.rd.merged if phase is Phase.MERGE else self.rd.adapter).exists()
 
-    def _announce_success(
-        self,
-        log: FilteringBoundLogger,
-        record: AttemptRecord,
-        records: Sequence[AttemptRecord],
-        reclaimed: bool,
-    ) -> None:
+    def _announce_success(self, log: FilteringBoundLogger, record: AttemptRecord, reclaimed: bool) -> None:
         """``attempt_succeeded``, and ``run_succeeded`` when nothing (no merge) is left to run."""
         log.info(
             Event.ATTEMPT_SUCCEEDED,
@@ -243,16 +233,14 @@ class Conclusions:
             log.info(
                 Event.RUN_SUCCEEDED,
                 attempts=record.attempt,
-                steps=max(r.steps_completed for r in records if r.phase is Phase.TRAIN),
+                steps=max(r.steps_completed for r in self.records if r.phase is Phase.TRAIN),
                 adapter=str(rd.adapter) if rd.adapter.exists() else None,
                 trainer_output=str(tool_output) if tool_output is not None else None,
                 merged=str(rd.merged) if record.phase is Phase.MERGE else None,
-                story=story(records),
+                story=story(self.records),
             )
 
-    def _announce_decision(
-        self, log: FilteringBoundLogger, record: AttemptRecord, records: Sequence[AttemptRecord]
-    ) -> None:
+    def _announce_decision(self, log: FilteringBoundLogger, record: AttemptRecord) -> None:
         """``retry`` (a warning) or ``gave_up`` (an error), read from the journal line alone."""
         decision, failure = record.decision, record.failure
         assert decision is not None and failure is not None, "only a decided failure is announced"
@@ -281,7 +269,7 @@ class Conclusions:
             retryable=decision.retryable,
             message=failure.message[:500],
             journal=str(self.rd.attempts),
-            story=story(records),
+            story=story(self.records),
         )
 
 

@@ -71,11 +71,6 @@ class AttemptOutcome:
         return last if last > self.resumed_from else 0
 
 
-def failed_report(report: ErrorReport | None) -> bool:
-    """A report of a real failure (not of the graceful stop we asked for)."""
-    return report is not None and report.exit_code not in (ExitCode.OK, ExitCode.STOPPED)
-
-
 def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Outcome | Failure:
     """Succeeded, stopped, interrupted (no verdict on the config), or a classified failure; under
     torchrun it names the rank (and local rank: its GPU) that caused it. ``fit``: the memory model's
@@ -142,12 +137,14 @@ def _named_card(failure: Failure, cards: Mapping[int, int]) -> Failure:
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:
-    exit_, failed = o.exit, failed_report(o.report)
+    exit_, report = o.exit, o.report
+    # A report of a real failure (not of the graceful stop we asked for).
+    failed = report is not None and report.exit_code not in (ExitCode.OK, ExitCode.STOPPED)
     if exit_ is None:
-        if failed and o.report is not None:
+        if failed and report is not None:
             # The child failed while nobody watched: classify it as if we had seen it exit.
-            unseen = ChildExit(o.report.exit_code, None, None, 0.0)
-            return classify_exit(unseen, o.report, o.log_tail, fit=fit)
+            unseen = ChildExit(report.exit_code, None, None, 0.0)
+            return classify_exit(unseen, report, o.log_tail, fit=fit)
         return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
     if exit_.killed_by_supervisor is KilledBy.STEP_UP and o.planned is not None and not failed:
         return Outcome.STEPPED_UP

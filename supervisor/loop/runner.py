@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from qlora_supervise.supervisor.loop import child_output as output
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.prepare import Prepared, prepare_checkpoints, write_spec
+from qlora_supervise.supervisor.loop.resume import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.attempt_speed import speed_of
@@ -57,8 +56,8 @@ class RunnerContext:
     gpu: GpuProbe | None
     stop_signal: Callable[[], int | None]
     hup_seen: Callable[[], bool]
-    gpu_budget: int | None = None  # the policy's GPU budget: what memory creep is measured against
-    climb: ClimbBack | None = None  # asked at each checkpoint: a planned restart to a faster config
+    gpu_budget: int | None  # the policy's GPU budget: what memory creep is measured against
+    climb: ClimbBack  # asked at each checkpoint: a planned restart to a faster config
 
 
 class AttemptRunner:
@@ -66,7 +65,11 @@ class AttemptRunner:
 
     def __init__(self, ctx: RunnerContext) -> None:
         self.ctx = ctx
-        self.spares = self._spare_keeper()
+        on, why = spare_enabled(ctx.job.supervise.warm_spare)
+        if ctx.seams.spawn_spare is None or not on:
+            ctx.log.info(Event.SPARE_OFF, why=why if not on else "no spare seam (a test's fake spawn)")
+        spawn = ctx.seams.spawn_spare if on else None
+        self.spares = SpareKeeper(ctx.rd.root, spawn, ctx.seams.clock, ctx.seams.sleep, ctx.log)
         self.failed_at: float | None = None  # when the last attempt failed: its successor's first_step
         self.warm = False  # the attempt in flight runs in a spare
         self.spare_due: SpareOrder | None = None  # a spare to start behind the attempt in flight
@@ -74,25 +77,14 @@ class AttemptRunner:
         self.cards: RankCards | None = None  # every rank's card, while a torchrun attempt runs
         self.log = ctx.log  # bound to the attempt in flight
 
-    def _spare_keeper(self) -> SpareKeeper | None:
-        ctx = self.ctx
-        on, why = spare_enabled(ctx.job.supervise.warm_spare)
-        if ctx.seams.spawn_spare is None or not on:
-            ctx.log.info(Event.SPARE_OFF, why=why if not on else "no spare seam (a test's fake spawn)")
-            return None
-        return SpareKeeper(
-            ctx.rd.root, ctx.seams.spawn_spare, ctx.seams.clock, ctx.seams.sleep, ctx.log, sys.executable
-        )
-
     def _start_due_spare(self) -> None:
-        if self.spare_due is not None and self.spares is not None:
+        if self.spare_due is not None:
             self.spares.ensure(self.spare_due)
         self.spare_due = None
 
     def close(self) -> None:
         """The run is over: its spare, if any, goes too."""
-        if self.spares is not None:
-            self.spares.discard("the run is over")
+        self.spares.discard("the run is over")
 
     def prepare(self, number: int, plan: Plan) -> Prepared:
         ctx = self.ctx
@@ -120,8 +112,7 @@ class AttemptRunner:
         )
         reader = HeartbeatReader(Path(spec.events_file))
         self.planned = None
-        if ctx.climb is not None:
-            ctx.climb.start()
+        ctx.climb.start()
         self.cards = seams.open_cards(plan.knobs, ctx.job.resources.device)
         try:
             watched = self._watch(ready, proc, reader)
@@ -154,33 +145,23 @@ class AttemptRunner:
             log.warning(Event.OPTIMIZER_RESET, why=reset, lr_schedule="restored at the resumed step")
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
-        reports = output.read_reports(ctx.rd, number, ctx.log)  # once: an unreadable one is logged once
-        if plan.knobs.world_size > 1:  # the ranks' emergency parts, sealed when they agree
-            reports = output.seal_rank_parts(Path(spec.checkpoints_dir), reports, plan.knobs, log)
-        report = output.report_of(reports)
+        o = output.ended(ctx.rd, ready.in_flight(proc.pid), plan, reader.progress, seams.wall(), log)
         # When it failed (its report's time, else the end of the watch): the next first_step times from it.
-        self.failed_at = None if exit_.returncode == 0 else (report.time if report else seams.wall())
-        return AttemptOutcome(
-            number=number,
-            plan=plan,
+        self.failed_at = None if exit_.returncode == 0 else (o.report.time if o.report else seams.wall())
+        memory = MemorySeen(
+            watched.gpu_peak_process,
+            watched.gpu_others_at_end,
+            watched.gpu_total,
+            watched.rss_peak,
+            tuple(watched.xid_events),
+            cards=dict(watched.cards),
+            card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
+        )
+        return dataclasses.replace(
+            o,
             exit=exit_,
-            progress=reader.progress,
-            report=report,
-            reports=reports if plan.knobs.world_size > 1 else (),
             planned=self.planned,
-            memory=MemorySeen(
-                watched.gpu_peak_process,
-                watched.gpu_others_at_end,
-                watched.gpu_total,
-                watched.rss_peak,
-                tuple(watched.xid_events),
-                cards=dict(watched.cards),
-                card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
-            ),
-            resumed_from=resume.step,
-            started_at=ready.started_at,
-            ended_at=seams.wall(),
-            log_tail=child_mod.log_tail(ctx.rd.attempt(number).log),
+            memory=memory,
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
             rank_exits=dict(watched.rank_exits),
         )
@@ -196,11 +177,9 @@ class AttemptRunner:
         if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
             env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
         order = self._spare_order(argv, files.spec, plan, env)
-        spare = None
-        if self.spares is not None and order is not None:
-            spare = self.spares.take(order, files.spec, files.log)
-        elif self.spares is not None:  # a merge or torchrun: the spare's RAM is theirs now
+        if order is None:  # a merge or torchrun: the spare's RAM is theirs now
             self.spares.discard("this attempt cannot run in a spare")
+        spare = self.spares.take(order, files.spec, files.log) if order is not None else None
         self.warm = spare is not None
         cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root, ready.spec.command)
         proc: ChildHandle = spare or seams.spawn(argv, env, files.log, cwd)
@@ -262,8 +241,7 @@ class AttemptRunner:
             ctx.display.update(number, reader.progress, now)
             if now >= next_sample:
                 self._sample(proc.pid, watched, files.gpu)
-                if ctx.climb is not None:
-                    ctx.climb.sample(now, watched)
+                ctx.climb.sample(now, watched)
                 next_sample = now + seams.sample_every_s
             if self._planned_restart(new, spec.knobs, reader.progress, now):
                 return watched
@@ -305,7 +283,7 @@ class AttemptRunner:
     ) -> bool:
         """At a checkpoint the child saved: whether to stop it for a faster config (climb_back.py)."""
         climb = self.ctx.climb
-        if climb is None or knobs.world_size > 1:
+        if knobs.world_size > 1:
             return False
         if any(isinstance(event, SpeedTrialEvent) for event in events):
             climb.trial_seen(now)

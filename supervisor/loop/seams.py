@@ -16,13 +16,8 @@ from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe, RankCa
 from qlora_supervise.supervisor.watching.host import oom_kill_count
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-
-class Clock(Protocol):
-    def __call__(self) -> float: ...
-
-
-class Sleep(Protocol):
-    def __call__(self, seconds: float, /) -> None: ...
+Clock = Callable[[], float]
+Sleep = Callable[[float], None]
 
 
 class ChildHandle(Protocol):
@@ -60,10 +55,6 @@ class Spawn(Protocol):
     ) -> ChildHandle: ...
 
 
-def _open_gpu(device: str) -> GpuProbe | None:
-    return GpuMonitor.open(device)
-
-
 def _signal_child(pid: int, signum: int) -> None:
     # The trainer processes only, not the process group: torchrun would die of SIGUSR1, so under
     # it the signal goes to each rank (the ranks then agree to checkpoint together).
@@ -83,7 +74,7 @@ class Seams:
     # The warm spare's start; None keeps none (a test's fake spawn has no spare).
     spawn_spare: SpawnSpare | None = child_mod.spawn_spare
     argv: Callable[[Path, str], list[str]] = child_mod.child_argv
-    open_gpu: Callable[[str], GpuProbe | None] = _open_gpu
+    open_gpu: Callable[[str], GpuProbe | None] = GpuMonitor.open
     # Under torchrun, every rank's card for one attempt (None: not watched).
     open_cards: Callable[[Knobs, str], RankCards | None] = RankCards.open
     oom_kills: Callable[[], int | None] = oom_kill_count

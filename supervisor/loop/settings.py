@@ -13,10 +13,8 @@ from qlora_supervise.policies.memory_model import ModelShape
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, host_budget
 from qlora_supervise.policies.search.throughput import SpeedObservation
 from qlora_supervise.policies.verdicts import for_model
-from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit, predicted_fit
 from qlora_supervise.supervisor.jobfile import model_files
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record import peak_store
 from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, trial_speeds
 from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds
@@ -154,10 +152,3 @@ def model_shape(model_dir: Path) -> ModelShape | None:
         return ModelShape.from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return None
-
-
-def step_fit(settings: policy.Settings, device: str, plan: Plan) -> StepFit | None:
-    """The memory model's training peak for the plan's knobs against the GPU budget (None: merge, CPU)."""
-    if plan.phase is not Phase.TRAIN or device == "cpu":
-        return None
-    return predicted_fit(settings.shape, plan.knobs, settings.budget_bytes)

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -106,20 +107,21 @@ class SpareKeeper:
     def __init__(
         self,
         run_dir: Path,
-        spawn: SpawnSpare,
+        spawn: SpawnSpare | None,
         clock: Clock,
         sleep: Sleep,
         log: FilteringBoundLogger,
-        python: str,
     ) -> None:
         self.run_dir = run_dir
         self.log_path = run_dir / "spare.log"
-        self._spawn, self._clock, self._sleep, self._log, self._python = spawn, clock, sleep, log, python
+        self._spawn, self._clock, self._sleep, self._log = spawn, clock, sleep, log
         self.spare: Spare | None = None
         self.measured_rss: int | None = None
 
     def ensure(self, order: SpareOrder) -> None:
-        """Have a spare for ``order`` (one for another order is replaced); no spare if RAM is short."""
+        """Have a spare for ``order`` (one for another is replaced); none if RAM is short or no ``spawn``."""
+        if self._spawn is None:
+            return
         if self.spare is not None and self.spare.order == order and self.spare.proc.poll() is None:
             return
         if self.spare is not None:
@@ -128,7 +130,7 @@ class SpareKeeper:
         if not room_for_spare(expected):
             self._log.info(Event.SPARE_SKIPPED, why="host RAM is short", expected_rss=expected)
             return
-        argv = spare_argv(self.run_dir, order, self._python)
+        argv = spare_argv(self.run_dir, order, sys.executable)
         try:
             proc = self._spawn(argv, dict(order.env), self.log_path, self.run_dir)
         except (OSError, UnsafeRunPath) as exc:  # a speed-up that cannot start must not stop the run
