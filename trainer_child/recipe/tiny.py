@@ -124,15 +124,11 @@ def build_model(vocab_size: int, family: str | None = None) -> PreTrainedModel:
     return model
 
 
-def job_yaml(
-    model_dir: str = "./model",
-    data_path: str = "./data.jsonl",
-    targets: str = "[q_proj, k_proj, v_proj, o_proj]",
-) -> str:
+def job_yaml(targets: str = "[q_proj, k_proj, v_proj, o_proj]") -> str:
     """The tiny job in the job.yaml schema (paths relative to the job file's directory)."""
     return f"""\
-model: {{path: {model_dir}, fallbacks: [], trust_remote_code: false}}
-data: {{path: {data_path}, text_field: text, messages_field: null, eval_path: null, eval_fraction: 0.0}}
+model: {{path: ./model, fallbacks: [], trust_remote_code: false}}
+data: {{path: ./data.jsonl, text_field: text, messages_field: null, eval_path: null, eval_fraction: 0.0}}
 quantization: {{load_in_4bit: true, quant_type: nf4, double_quant: true, compute_dtype: auto}}
 lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: {targets}}}
 train: {{max_seq_len: 256, micro_batch_size: 1, effective_batch_size: 8, gradient_checkpointing: false,

@@ -34,7 +34,7 @@ from qlora_supervise.trainer_child.contract.spec import (
     MEMORY_SNAPSHOT_NAME,
     AttemptSpec,
 )
-from qlora_supervise.trainer_child.recipe.prepared import Prepared
+from qlora_supervise.trainer_child.recipe.data import Prepared
 from qlora_supervise.trainer_child.recipe.stack import import_training_stack
 from qlora_supervise.trainer_child.run import device, memory
 from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, oom_numbers
@@ -198,25 +198,25 @@ def train(ctx: Context) -> ExitCode:
     chosen = chosen_checkpoint(spec)
     ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
     source = resume_source(spec, chosen)
-    recipe = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
-    ctx.prepared = None  # the recipe holds what it took; the rest need not live on
-    ctx.trainer = recipe.trainer
+    trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
+    ctx.prepared = None  # the trainer holds what it took; the rest need not live on
+    ctx.trainer = trainer
     from qlora_supervise.trainer_child.run import speed_trial
 
     if speed_trial.wanted(spec, resuming=source.load_from is not None) and not ctx.progress.stop_requested:
-        speed_trial.run(recipe.trainer, spec, ctx.progress, ctx.on_cuda)  # before step 1 only
+        speed_trial.run(trainer, spec, ctx.progress, ctx.on_cuda)  # before step 1 only
     if ctx.progress.stop_requested:  # SIGTERM during the load (or the trial): nothing new to save
         ctx.progress.announce_stop()
         return ExitCode.STOPPED
-    recipe.trainer.train(resume_from_checkpoint=source.load_from)
+    trainer.train(resume_from_checkpoint=source.load_from)
     if source.reset_from is not None and source.reset_from != source.original:
         shutil.rmtree(Path(source.reset_from).parent, ignore_errors=True)  # the optimizer-less copy
     if ctx.progress.stop_requested:
         return ExitCode.STOPPED
     ctx.progress.enter(Stage.SAVE)
     if ctx.place.is_main or spec.knobs.fsdp:  # DDP: the ranks hold the same adapter, one saves it
-        save_adapter(recipe.trainer, recipe.tokenizer, Path(spec.adapter_dir), ctx.place, spec.knobs.fsdp)
-    ctx.events.emit("finished", step=recipe.trainer.state.global_step, adapter=spec.adapter_dir)
+        save_adapter(trainer, trainer.processing_class, Path(spec.adapter_dir), ctx.place, spec.knobs.fsdp)
+    ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
     return ExitCode.OK
 
 

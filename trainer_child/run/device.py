@@ -10,15 +10,13 @@ from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run.failure import ConfigError
 from qlora_supervise.trainer_child.run.torchrun import RankPlace
 
-_GPU_FREE = ("auto", "cpu")
-
 
 def check(spec: AttemptSpec, on_cuda: bool) -> str | None:
     """Raise ConfigError when the spec's GPU is not usable; return why an ``auto`` job (or a GPU cap)
     runs on the CPU, or None."""
     if on_cuda:
         return None
-    if spec.device not in _GPU_FREE:
+    if spec.device not in ("auto", "cpu"):
         raise ConfigError(
             f"resources.gpu {spec.device!r}: no usable GPU: {why_no_cuda()}. "
             "Fix the GPU setup, or set gpu: cpu (or auto) to train on the CPU"

@@ -123,8 +123,6 @@ class Session:
 
     def _attach(self, trainer: Any) -> Any:
         """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
-        from qlora_supervise.trainer_child.recipe.trainer import CheckpointPlan, SupervisionCallback
-
         ctx, spec = self.ctx, self.ctx.spec
         chosen = attempt.chosen_checkpoint(spec)
         source = attempt.resume_source(spec, chosen)
@@ -132,13 +130,7 @@ class Session:
             return source
         ctx.resume_checkpoint = str(chosen) if chosen is not None else None
         trainer.__class__ = supervised_class(type(trainer))
-        protect = Path(spec.resume_from) if spec.resume_from else None
-        trainer.supervise(
-            ctx.progress, CheckpointPlan(Path(spec.checkpoints_dir), spec.knobs, protect=protect)
-        )
-        callback = SupervisionCallback(source, spec.cpu_memory_limit)
-        callback.trainer = trainer
-        trainer.add_callback(callback)
+        trainer.supervise(ctx.progress, spec, source)
         ctx.trainer = trainer
         return source
 
