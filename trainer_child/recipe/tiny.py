@@ -39,14 +39,10 @@ FAMILY_SHAPE: dict[str, object] = {
 }
 #: ``model_type`` -> what its config needs beyond :data:`FAMILY_SHAPE` to be that family in small (a
 #: sliding window shorter than the test's sequences, a few experts of which two are routed).
+_GEMMA: dict[str, object] = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64}
 FAMILIES: dict[str, dict[str, object]] = {
-    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64},
-    "gemma3_text": {
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
-        "sliding_window": 64,
-        "layer_types": ["sliding_attention", "full_attention"],
-    },
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA | {"layer_types": ["sliding_attention", "full_attention"]},
     "phi3": {},  # fused qkv_proj and gate_up_proj are the family's whole difference
     "qwen3": {"head_dim": 16},
     "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},

@@ -41,9 +41,10 @@ from qlora_supervise.trainer_child.run.memory import (
     late_cap_step,
 )
 from qlora_supervise.trainer_child.run.torchrun import (
+    TEST_RANK_GPU_CAP,
     barrier,
     decide_together,
-    injected_gpu_cap,
+    injected_cap,
     staging_owner,
     this_rank,
 )
@@ -113,10 +114,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        mask = inputs.get("attention_mask")
-        self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
-        self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
         self._start_batch(inputs)
         with activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
@@ -128,6 +126,8 @@ class SupervisedTrainerMixin(_TrainerBase):
         micro = self._batch[1] + 1 if self._batch is not None and self._batch[0] == step else 0
         rows = [row[m.bool()] for row, m in zip(ids, mask, strict=True)] if mask is not None else list(ids)
         lengths = tuple(int(row.numel()) for row in rows)
+        self._step_tokens += sum(lengths)
+        self.shapes.micro_batch(tuple(ids.shape))
         self._batch = (step, micro, lengths, [row[:ROW_KEY_TOKENS].tolist() for row in rows])
 
     def batch_in_flight(self) -> BatchInFlight | None:
@@ -297,8 +297,6 @@ class SupervisedTrainerMixin(_TrainerBase):
 
 
 class SupervisedSFTTrainer(SupervisedTrainerMixin, SFTTrainer):
-    """trl's SFTTrainer, supervised: the recipe's trainer."""
-
     def __init__(
         self, *args: Any, progress: Progress, spec: AttemptSpec, source: ResumeSource, **kwargs: Any
     ) -> None:
@@ -344,7 +342,7 @@ class SupervisionCallback(TrainerCallback):
         self.trainer.finish_step()
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
             apply_cpu_cap(self.cpu_memory_limit)  # injected: memory.TEST_CAP_AFTER_STEP
-            apply_gpu_cap(injected_gpu_cap(self.trainer.place))  # and torchrun.TEST_RANK_GPU_CAP
+            apply_gpu_cap(injected_cap(TEST_RANK_GPU_CAP, self.trainer.place))
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
             free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP

@@ -36,7 +36,7 @@ from qlora_supervise.trainer_child.contract.spec import (
 )
 from qlora_supervise.trainer_child.recipe.data import Prepared
 from qlora_supervise.trainer_child.recipe.stack import import_training_stack
-from qlora_supervise.trainer_child.run import device, memory
+from qlora_supervise.trainer_child.run import memory, torchrun
 from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, oom_numbers
 from qlora_supervise.trainer_child.run.heartbeat import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace, staging_owner, this_rank
@@ -89,9 +89,9 @@ def setup(ctx: Context) -> None:
     import torch
 
     ctx.on_cuda = torch.cuda.is_available()
-    cpu_fallback = device.check(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
+    cpu_fallback = torchrun.check_device(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
     if ctx.on_cuda:
-        device.use_rank_gpu(ctx.place)  # cuda:LOCAL_RANK: every later device-0 default means it
+        torchrun.use_rank_gpu(ctx.place)  # cuda:LOCAL_RANK: every later device-0 default means it
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()

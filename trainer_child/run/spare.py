@@ -52,7 +52,6 @@ def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> d
         "event": "spare_ready",
         "pid": os.getpid(),
         "import_s": round(time.monotonic() - started, 2),
-        "rss": proc_status_bytes("VmRSS"),
         "cuda_initialized": bool(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
     }
 

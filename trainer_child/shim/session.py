@@ -17,9 +17,10 @@ from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.processes import exit_now
 from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
-from qlora_supervise.trainer_child.run import attempt, device
+from qlora_supervise.trainer_child.run import attempt
 from qlora_supervise.trainer_child.run.failure import CapturedFailure
 from qlora_supervise.trainer_child.run.heartbeat import HeartbeatThread
+from qlora_supervise.trainer_child.run.torchrun import check_device
 from qlora_supervise.trainer_child.shim.script import Ledger
 
 #: Libraries whose versions the ``started`` event names (those installed: a foreign venv may lack some).
@@ -59,7 +60,7 @@ class Session:
 
         ctx, spec = self.ctx, self.ctx.spec
         ctx.on_cuda = torch.cuda.is_available()
-        fallback = device.check(spec, ctx.on_cuda)
+        fallback = check_device(spec, ctx.on_cuda)
         memory.apply_gpu_cap(spec.gpu_memory_limit)
         ctx.expandable = memory.expandable_segments_active()
         attempt.announce_started(ctx, installed_versions(), fallback)
