@@ -348,7 +348,6 @@ class SupervisionCallback(TrainerCallback):
             free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
             time.sleep(self.yield_gpu[1])
         progress = self.trainer.progress
-        # The ranks decide together: one that saves or stops alone would hang the others.
         stop, early = decide_together(self.trainer.place, progress, args.device)
         if early:  # memory creeps towards the budget: lose no step to it
             progress.announce_early_checkpoints()

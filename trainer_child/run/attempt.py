@@ -234,7 +234,7 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     if not failure.device_oom:
         memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
-    report_failure(ctx, failure, memory.cuda_memory_stats() if ctx.on_cuda else None, emergency)
+    report_failure(ctx, failure, emergency)
     with contextlib.suppress(OSError):  # stderr is child.log, on the run's disk, which may be full
         print(
             failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),
@@ -255,9 +255,7 @@ def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
     return None if ctx.spec.knobs.fsdp else ctx.trainer.save_rank_part()
 
 
-def report_failure(
-    ctx: Context, failure: CapturedFailure, stats: dict[str, Any] | None, emergency: tuple[str, int] | None
-) -> None:
+def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str, int] | None) -> None:
     """Write the error report; on a disk with no room for it, the exit code and stderr must do."""
     disk = disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None
     report = ErrorReport(
@@ -270,7 +268,7 @@ def report_failure(
         is_oom=failure.oom,
         config_error=failure.config,
         oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
-        memory_stats=stats,
+        memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
         device=ctx.device,
         emergency_checkpoint=emergency[0] if emergency else None,
         emergency_step=emergency[1] if emergency else None,
