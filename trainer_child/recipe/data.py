@@ -54,13 +54,12 @@ def load_table(path: str, spec: DataSpec) -> Any:  # -> datasets.Dataset
 def _bad_record(source: Path, spec: DataSpec) -> str | None:
     if not source.is_file():
         return None
-    messages = spec.messages_field is not None
     try:
-        scan(source, spec.messages_field or spec.text_field or TEXT, messages=messages)
+        scan(source, spec.messages_field or spec.text_field or TEXT, messages=spec.messages_field is not None)
     except DataRowError as error:
         return str(error)
     except (OSError, ValueError, ImportError):
-        return None
+        pass
     return None
 
 
@@ -134,16 +133,14 @@ def stamp(path: str | None) -> Stamp:
         return ()
     where = Path(path)
     try:
-        if where.is_file():
-            status = where.stat()
-            return ((where.name, status.st_size, status.st_mtime_ns),)
         if where.is_dir():
             files = [f for f in where.iterdir() if f.is_file() and f.suffix not in WEIGHT_SUFFIXES]
-            stats = {f.name: f.stat() for f in files}
-            return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats.items()))
+        else:
+            files = [where] if where.is_file() else []  # else a hub id, not a local path
+        stats = {f.name: f.stat() for f in files}
     except OSError:  # gone or unreadable: the attempt's own load will say so
         return ()
-    return ()  # a hub id, not a local path
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats.items()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,7 +86,7 @@ def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
     if not model_path.exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in knobs.model:
         raise ConfigError(f"model {knobs.model!r}: no such directory (and the hub is offline)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        return AutoModelForCausalLM.from_pretrained(
             knobs.model,
             quantization_config=quantization_config(knobs, dtype),
             dtype=dtype,
@@ -97,7 +97,6 @@ def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
         )
     except (OSError, HFValidationError) as exc:  # missing files, not a model dir, bad repo id
         raise ConfigError(f"model {knobs.model!r}: {exc}") from exc
-    return model
 
 
 def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> None:
