@@ -10,7 +10,7 @@ from pathlib import Path
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.spare import SpareOrder, spare_argv
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
-from qlora_supervise.trainer_child.recipe.prepared import Inputs, Prepared
+from qlora_supervise.trainer_child.recipe.data import Inputs, Prepared
 
 
 def _spec(**changes: object) -> AttemptSpec:

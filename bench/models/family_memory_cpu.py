@@ -266,7 +266,7 @@ def build_trainer(spec: Any) -> Any:
     from qlora_supervise.trainer_child.recipe import qlora
     from qlora_supervise.trainer_child.run.heartbeat import EventLog, Progress
 
-    return qlora.build(spec, Progress(EventLog(spec.events_file)), False, ResumeSource()).trainer
+    return qlora.build(spec, Progress(EventLog(spec.events_file)), False, ResumeSource())
 
 
 # ---- resident bytes --------------------------------------------------------------------------------

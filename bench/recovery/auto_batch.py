@@ -114,7 +114,7 @@ def train(spec_path: Path) -> int:
 def run(ctx: Any) -> int:
     """The child's setup, the recipe, and training with ``auto_find_batch_size``."""
     from qlora_supervise.trainer_child.contract.codes import Stage
-    from qlora_supervise.trainer_child.recipe import data, prepared
+    from qlora_supervise.trainer_child.recipe import data
     from qlora_supervise.trainer_child.recipe import qlora as recipe
     from qlora_supervise.trainer_child.run import attempt
 
@@ -122,7 +122,7 @@ def run(ctx: Any) -> int:
     attempt.setup(ctx)  # the GPU cap, the imports, ``started``, then the CPU cap
     dtype = recipe.compute_dtype(spec.train.compute_dtype, ctx.on_cuda)
     progress.enter(Stage.LOAD)
-    tokenizer = prepared.load_tokenizer(spec)
+    tokenizer = data.load_tokenizer(spec)
     model = recipe.add_lora(recipe.load_model(spec, dtype, ctx.on_cuda), spec.knobs, spec)
     train_set, _ = data.train_eval_split(spec.data, tokenizer, spec.train.seed)
     config = recipe.sft_config(spec, dtype, ctx.on_cuda, has_eval=False)

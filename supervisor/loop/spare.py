@@ -45,7 +45,7 @@ class SpareOrder:
     device: str
     expandable_segments: bool
     # Hints, not part of the match: the model whose architecture it imports ahead, and the spec
-    # whose tokenizer and rows it loads ahead (trainer_child/prepared.py; the attempt checks them).
+    # whose tokenizer and rows it loads ahead (trainer_child/recipe/data.py; the attempt checks them).
     model: str = dataclasses.field(compare=False)
     prepare_from: Path | None = dataclasses.field(default=None, compare=False)
 

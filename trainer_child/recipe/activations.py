@@ -12,16 +12,14 @@ import torch
 
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-#: The one set of checkpointing kwargs. Non-reentrant: it needs no input gradients and works with
-#: frozen 4-bit layers.
-CHECKPOINTING_KWARGS: dict[str, Any] = {"use_reentrant": False}
 #: Saved tensors smaller than this stay where they are: copying them costs more than they free.
 MIN_OFFLOAD_BYTES = 1024
 
 
 def checkpointing_kwargs() -> dict[str, Any]:
-    """A fresh copy: the libraries keep and may mutate what they get."""
-    return dict(CHECKPOINTING_KWARGS)
+    """The one set of checkpointing kwargs, a fresh copy each time (the libraries keep and may mutate
+    what they get). Non-reentrant: it needs no input gradients and works with frozen 4-bit layers."""
+    return {"use_reentrant": False}
 
 
 def set_checkpointing(trainer: Any, enabled: bool) -> None:

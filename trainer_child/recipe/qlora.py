@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bitsandbytes as bnb
 import torch
 from huggingface_hub.errors import HFValidationError
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -19,15 +20,11 @@ from qlora_supervise.trainer_child.contract.checkpoints import ResumeSource
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.targets import TargetsError, check, resolve
-from qlora_supervise.trainer_child.recipe import data, fsdp
+from qlora_supervise.trainer_child.recipe import fsdp
 from qlora_supervise.trainer_child.recipe.activations import checkpointing_kwargs
+from qlora_supervise.trainer_child.recipe.data import TEXT, Prepared, load_rows, load_tokenizer
 from qlora_supervise.trainer_child.recipe.head import head_parameters, kept_out_of_upcast, match_head_input
-from qlora_supervise.trainer_child.recipe.prepared import Prepared, load_rows, load_tokenizer
-from qlora_supervise.trainer_child.recipe.trainer import (
-    CheckpointPlan,
-    SupervisedSFTTrainer,
-    SupervisionCallback,
-)
+from qlora_supervise.trainer_child.recipe.trainer import SupervisedSFTTrainer
 from qlora_supervise.trainer_child.run.failure import ConfigError
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import memory_numbers, reset_host_peak
@@ -40,14 +37,6 @@ _DTYPES = {
     **dict.fromkeys(("fp16", "float16"), torch.float16),
     **dict.fromkeys(("fp32", "float32"), torch.float32),
 }
-
-
-@dataclasses.dataclass
-class Recipe:
-    """The trainer, and the tokenizer saved with the adapter."""
-
-    trainer: SupervisedSFTTrainer
-    tokenizer: Any
 
 
 def compute_dtype(name: str, on_cuda: bool) -> torch.dtype:
@@ -97,7 +86,7 @@ def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
     if not model_path.exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in knobs.model:
         raise ConfigError(f"model {knobs.model!r}: no such directory (and the hub is offline)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        return AutoModelForCausalLM.from_pretrained(
             knobs.model,
             quantization_config=quantization_config(knobs, dtype),
             dtype=dtype,
@@ -108,7 +97,6 @@ def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
         )
     except (OSError, HFValidationError) as exc:  # missing files, not a model dir, bad repo id
         raise ConfigError(f"model {knobs.model!r}: {exc}") from exc
-    return model
 
 
 def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> None:
@@ -195,7 +183,7 @@ def sft_config(
         per_device_eval_batch_size=knobs.eval_batch_size,
         max_length=knobs.max_seq_len,
         packing=train.packing,
-        dataset_text_field=data.TEXT,
+        dataset_text_field=TEXT,
         # Chat data: loss on every assistant turn (completion_only_loss would train the last only);
         # the chat template must mark them (check_chat_template).
         assistant_only_loss=spec.data.messages_field is not None,
@@ -283,9 +271,9 @@ def build(
     on_cuda: bool,
     source: ResumeSource,
     prepared: Prepared | None = None,
-) -> Recipe:
-    """Everything up to a trainer ready to ``train(resume_from_checkpoint=source.load_from)``;
-    ``prepared`` (a warm spare's) stands in for the tokenizer and data when made from the same inputs."""
+) -> SupervisedSFTTrainer:
+    """A trainer ready to ``train(resume_from_checkpoint=source.load_from)``, its ``processing_class`` the
+    tokenizer; ``prepared`` (a warm spare's) stands in for tokenizer and data made from the same inputs."""
     # One function, so the recipe reads as one script in the seeds' order.
     knobs = spec.knobs
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
@@ -317,7 +305,7 @@ def build(
         trainable_params=trainable,
         total_params=total,
         trainable_share=share,
-        linear4bit=count_linear4bit(model),
+        linear4bit=sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()),  # 0: not 4-bit
         attn_implementation=model.config._attn_implementation,  # what the memory model must assume
         dtype=str(dtype),
         train_rows=len(train_set),
@@ -328,19 +316,16 @@ def build(
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     if on_cuda:  # the load's host peak is in the event above; from here the mark is training's
         reset_host_peak()
-    callback = SupervisionCallback(source, spec.cpu_memory_limit)
-    protect = Path(spec.resume_from) if spec.resume_from else None
     trainer = SupervisedSFTTrainer(
         model=model,
         args=sft_config(spec, dtype, on_cuda, eval_set is not None, fsdp.trainer_args(knobs, model)),
         train_dataset=train_set,
         eval_dataset=eval_set,
         processing_class=tokenizer,
-        callbacks=[callback],
         progress=progress,
-        plan=CheckpointPlan(Path(spec.checkpoints_dir), knobs, protect=protect),
+        spec=spec,
+        source=source,
     )
-    callback.trainer = trainer
     clock.lap("trainer")
     progress.events.emit(
         "trainer_ready",
@@ -348,11 +333,4 @@ def build(
         prepared=ready is not None,
         prepared_s=ready.seconds if ready else None,
     )
-    return Recipe(trainer, tokenizer)
-
-
-def count_linear4bit(model: Any) -> int:
-    """How many bitsandbytes 4-bit layers the model has (0: the 4-bit path is not in use)."""
-    import bitsandbytes as bnb
-
-    return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    return trainer

@@ -11,7 +11,6 @@ from qlora_supervise.trainer_child.contract.byte_sizes import format_bytes
 
 
 def import_training_stack() -> dict[str, str]:
-    """Import torch, transformers, peft, trl and bitsandbytes; their versions."""
     import importlib
 
     names = ("torch", "transformers", "peft", "trl", "bitsandbytes")

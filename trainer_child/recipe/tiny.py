@@ -39,14 +39,10 @@ FAMILY_SHAPE: dict[str, object] = {
 }
 #: ``model_type`` -> what its config needs beyond :data:`FAMILY_SHAPE` to be that family in small (a
 #: sliding window shorter than the test's sequences, a few experts of which two are routed).
+_GEMMA: dict[str, object] = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64}
 FAMILIES: dict[str, dict[str, object]] = {
-    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64},
-    "gemma3_text": {
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
-        "sliding_window": 64,
-        "layer_types": ["sliding_attention", "full_attention"],
-    },
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA | {"layer_types": ["sliding_attention", "full_attention"]},
     "phi3": {},  # fused qkv_proj and gate_up_proj are the family's whole difference
     "qwen3": {"head_dim": 16},
     "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
@@ -124,15 +120,11 @@ def build_model(vocab_size: int, family: str | None = None) -> PreTrainedModel:
     return model
 
 
-def job_yaml(
-    model_dir: str = "./model",
-    data_path: str = "./data.jsonl",
-    targets: str = "[q_proj, k_proj, v_proj, o_proj]",
-) -> str:
+def job_yaml(targets: str = "[q_proj, k_proj, v_proj, o_proj]") -> str:
     """The tiny job in the job.yaml schema (paths relative to the job file's directory)."""
     return f"""\
-model: {{path: {model_dir}, fallbacks: [], trust_remote_code: false}}
-data: {{path: {data_path}, text_field: text, messages_field: null, eval_path: null, eval_fraction: 0.0}}
+model: {{path: ./model, fallbacks: [], trust_remote_code: false}}
+data: {{path: ./data.jsonl, text_field: text, messages_field: null, eval_path: null, eval_fraction: 0.0}}
 quantization: {{load_in_4bit: true, quant_type: nf4, double_quant: true, compute_dtype: auto}}
 lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: {targets}}}
 train: {{max_seq_len: 256, micro_batch_size: 1, effective_batch_size: 8, gradient_checkpointing: false,

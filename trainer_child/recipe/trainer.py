@@ -23,12 +23,12 @@ from trl import SFTTrainer
 
 from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCHED, BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX, ResumeSource
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import ensure_room
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.events import Heartbeat
-from qlora_supervise.trainer_child.contract.spec import Knobs, rank_file
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_file
 from qlora_supervise.trainer_child.recipe import resume
 from qlora_supervise.trainer_child.recipe.activations import activation_context
 from qlora_supervise.trainer_child.run.heartbeat import Progress
@@ -41,9 +41,10 @@ from qlora_supervise.trainer_child.run.memory import (
     late_cap_step,
 )
 from qlora_supervise.trainer_child.run.torchrun import (
+    TEST_RANK_GPU_CAP,
     barrier,
     decide_together,
-    injected_gpu_cap,
+    injected_cap,
     staging_owner,
     this_rank,
 )
@@ -67,8 +68,7 @@ ROW_KEY_TOKENS = 32
 class CheckpointPlan:
     directory: Path
     knobs: Knobs
-    keep: int = KEEP_CHECKPOINTS
-    protect: Path | None = None  # the checkpoint this attempt resumed from
+    protect: Path | None
 
 
 # A Trainer to the type checker, a plain mixin at run time: it goes in front of any Trainer subclass
@@ -81,11 +81,12 @@ else:
 
 class SupervisedTrainerMixin(_TrainerBase):
     """Any Trainer, reporting stage and step to :class:`Progress`, with our atomic checkpoints and the
-    emergency save; :meth:`supervise` sets it up after the Trainer's own init."""
+    emergency save; :meth:`supervise` sets it up, and adds our callback, after the Trainer's own init."""
 
-    def supervise(self, progress: Progress, plan: CheckpointPlan) -> None:
+    def supervise(self, progress: Progress, spec: AttemptSpec, source: ResumeSource) -> None:
         self.progress = progress
-        self.plan = plan
+        protect = Path(spec.resume_from) if spec.resume_from else None  # the checkpoint resumed from
+        self.plan = CheckpointPlan(Path(spec.checkpoints_dir), spec.knobs, protect)
         self.place = this_rank()
         self._staging_root: Path | None = None
         self._emergency = False
@@ -103,6 +104,7 @@ class SupervisedTrainerMixin(_TrainerBase):
             backward(loss, **kw)
 
         self.accelerator.backward = tracked_backward
+        self.add_callback(SupervisionCallback(self, source, spec.cpu_memory_limit))
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
@@ -112,10 +114,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        mask = inputs.get("attention_mask")
-        self._step_tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
         self._trace_batch(inputs)
-        self.shapes.micro_batch(tuple(inputs["input_ids"].shape))
         self._start_batch(inputs)
         with activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
@@ -127,6 +126,8 @@ class SupervisedTrainerMixin(_TrainerBase):
         micro = self._batch[1] + 1 if self._batch is not None and self._batch[0] == step else 0
         rows = [row[m.bool()] for row, m in zip(ids, mask, strict=True)] if mask is not None else list(ids)
         lengths = tuple(int(row.numel()) for row in rows)
+        self._step_tokens += sum(lengths)
+        self.shapes.micro_batch(tuple(ids.shape))
         self._batch = (step, micro, lengths, [row[:ROW_KEY_TOKENS].tolist() for row in rows])
 
     def batch_in_flight(self) -> BatchInFlight | None:
@@ -212,7 +213,7 @@ class SupervisedTrainerMixin(_TrainerBase):
             written = staging / final.name
             checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
             shutil.rmtree(staging, ignore_errors=True)
-            checkpoints.rotate(self.plan.directory, self.plan.keep, self.plan.protect)
+            checkpoints.rotate(self.plan.directory, KEEP_CHECKPOINTS, self.plan.protect)
             self.progress.events.emit(
                 "checkpoint_saved",
                 step=step,
@@ -296,25 +297,26 @@ class SupervisedTrainerMixin(_TrainerBase):
 
 
 class SupervisedSFTTrainer(SupervisedTrainerMixin, SFTTrainer):
-    """trl's SFTTrainer, supervised: the recipe's trainer."""
-
-    def __init__(self, *args: Any, progress: Progress, plan: CheckpointPlan, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, progress: Progress, spec: AttemptSpec, source: ResumeSource, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.supervise(progress, plan)
+        self.supervise(progress, spec, source)
 
 
 class SupervisionCallback(TrainerCallback):
     """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
 
-    def __init__(self, source: checkpoints.ResumeSource, cpu_memory_limit: int | None = None) -> None:
-        self.trainer: SupervisedTrainerMixin | None = None
+    def __init__(
+        self, trainer: SupervisedTrainerMixin, source: ResumeSource, cpu_memory_limit: int | None
+    ) -> None:
+        self.trainer = trainer
         self.source = source
         self.cpu_memory_limit = cpu_memory_limit
         self.cap_after_step = late_cap_step()
         self.yield_gpu = gpu_yield()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        assert self.trainer is not None
         self.trainer.progress.step = state.global_step
         source, scheduler = self.source, self.trainer.lr_scheduler
         if source.original is not None:
@@ -334,21 +336,18 @@ class SupervisionCallback(TrainerCallback):
             )
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        assert self.trainer is not None
         self.trainer.progress.enter(Stage.OPTIMIZER)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        assert self.trainer is not None
         self.trainer.finish_step()
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
             apply_cpu_cap(self.cpu_memory_limit)  # injected: memory.TEST_CAP_AFTER_STEP
-            apply_gpu_cap(injected_gpu_cap(self.trainer.place))  # and torchrun.TEST_RANK_GPU_CAP
+            apply_gpu_cap(injected_cap(TEST_RANK_GPU_CAP, self.trainer.place))
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
             free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
             time.sleep(self.yield_gpu[1])
         progress = self.trainer.progress
-        # The ranks decide together: one that saves or stops alone would hang the others.
         stop, early = decide_together(self.trainer.place, progress, args.device)
         if early:  # memory creeps towards the budget: lose no step to it
             progress.announce_early_checkpoints()

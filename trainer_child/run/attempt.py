@@ -34,9 +34,9 @@ from qlora_supervise.trainer_child.contract.spec import (
     MEMORY_SNAPSHOT_NAME,
     AttemptSpec,
 )
-from qlora_supervise.trainer_child.recipe.prepared import Prepared
+from qlora_supervise.trainer_child.recipe.data import Prepared
 from qlora_supervise.trainer_child.recipe.stack import import_training_stack
-from qlora_supervise.trainer_child.run import device, memory
+from qlora_supervise.trainer_child.run import memory, torchrun
 from qlora_supervise.trainer_child.run.failure import CapturedFailure, ConfigError, capture, oom_numbers
 from qlora_supervise.trainer_child.run.heartbeat import LOOP_STAGES, EventLog, HeartbeatThread, Progress
 from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace, staging_owner, this_rank
@@ -89,9 +89,9 @@ def setup(ctx: Context) -> None:
     import torch
 
     ctx.on_cuda = torch.cuda.is_available()
-    cpu_fallback = device.check(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
+    cpu_fallback = torchrun.check_device(ctx.spec, ctx.on_cuda)  # a GPU asked for and missing: ConfigError
     if ctx.on_cuda:
-        device.use_rank_gpu(ctx.place)  # cuda:LOCAL_RANK: every later device-0 default means it
+        torchrun.use_rank_gpu(ctx.place)  # cuda:LOCAL_RANK: every later device-0 default means it
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
@@ -198,25 +198,25 @@ def train(ctx: Context) -> ExitCode:
     chosen = chosen_checkpoint(spec)
     ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
     source = resume_source(spec, chosen)
-    recipe = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
-    ctx.prepared = None  # the recipe holds what it took; the rest need not live on
-    ctx.trainer = recipe.trainer
+    trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
+    ctx.prepared = None  # the trainer holds what it took; the rest need not live on
+    ctx.trainer = trainer
     from qlora_supervise.trainer_child.run import speed_trial
 
     if speed_trial.wanted(spec, resuming=source.load_from is not None) and not ctx.progress.stop_requested:
-        speed_trial.run(recipe.trainer, spec, ctx.progress, ctx.on_cuda)  # before step 1 only
+        speed_trial.run(trainer, spec, ctx.progress, ctx.on_cuda)  # before step 1 only
     if ctx.progress.stop_requested:  # SIGTERM during the load (or the trial): nothing new to save
         ctx.progress.announce_stop()
         return ExitCode.STOPPED
-    recipe.trainer.train(resume_from_checkpoint=source.load_from)
+    trainer.train(resume_from_checkpoint=source.load_from)
     if source.reset_from is not None and source.reset_from != source.original:
         shutil.rmtree(Path(source.reset_from).parent, ignore_errors=True)  # the optimizer-less copy
     if ctx.progress.stop_requested:
         return ExitCode.STOPPED
     ctx.progress.enter(Stage.SAVE)
     if ctx.place.is_main or spec.knobs.fsdp:  # DDP: the ranks hold the same adapter, one saves it
-        save_adapter(recipe.trainer, recipe.tokenizer, Path(spec.adapter_dir), ctx.place, spec.knobs.fsdp)
-    ctx.events.emit("finished", step=recipe.trainer.state.global_step, adapter=spec.adapter_dir)
+        save_adapter(trainer, trainer.processing_class, Path(spec.adapter_dir), ctx.place, spec.knobs.fsdp)
+    ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
     return ExitCode.OK
 
 
@@ -234,7 +234,7 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
     if not failure.device_oom:
         memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
-    report_failure(ctx, failure, memory.cuda_memory_stats() if ctx.on_cuda else None, emergency)
+    report_failure(ctx, failure, emergency)
     with contextlib.suppress(OSError):  # stderr is child.log, on the run's disk, which may be full
         print(
             failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),
@@ -255,9 +255,7 @@ def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
     return None if ctx.spec.knobs.fsdp else ctx.trainer.save_rank_part()
 
 
-def report_failure(
-    ctx: Context, failure: CapturedFailure, stats: dict[str, Any] | None, emergency: tuple[str, int] | None
-) -> None:
+def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str, int] | None) -> None:
     """Write the error report; on a disk with no room for it, the exit code and stderr must do."""
     disk = disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None
     report = ErrorReport(
@@ -270,7 +268,7 @@ def report_failure(
         is_oom=failure.oom,
         config_error=failure.config,
         oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
-        memory_stats=stats,
+        memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
         device=ctx.device,
         emergency_checkpoint=emergency[0] if emergency else None,
         emergency_step=emergency[1] if emergency else None,

@@ -25,7 +25,7 @@ from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run.memory import proc_status_bytes
 
 if TYPE_CHECKING:  # at run time it comes after the imports the environment must precede
-    from qlora_supervise.trainer_child.recipe.prepared import Prepared
+    from qlora_supervise.trainer_child.recipe.data import Prepared
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +52,6 @@ def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> d
         "event": "spare_ready",
         "pid": os.getpid(),
         "import_s": round(time.monotonic() - started, 2),
-        "rss": proc_status_bytes("VmRSS"),
         "cuda_initialized": bool(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
     }
 
@@ -63,7 +62,7 @@ def prepare_ahead(spec_path: str | None) -> tuple[Prepared | None, dict[str, obj
     if spec_path is None:
         return None, {}
     from qlora_supervise.trainer_child.__main__ import read_spec
-    from qlora_supervise.trainer_child.recipe.prepared import prepare
+    from qlora_supervise.trainer_child.recipe.data import prepare
 
     try:
         prepared = prepare(read_spec(Path(spec_path)))

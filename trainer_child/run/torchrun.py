@@ -1,15 +1,20 @@
 """This process as one of torchrun's ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``): its own events
-and error files, and what the ranks agree on. DDP itself is the Trainer's; torch is imported only
-where the process group is used."""
+and error files, its GPU, and what the ranks agree on. DDP itself is the Trainer's; torch is imported
+only where it is used.
+
+Whether the device the job asks for is there: a GPU asked for and missing is a config error (not days
+on the CPU); ``auto`` may fall back to the CPU, and ``started`` and stderr say why."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_file
+from qlora_supervise.trainer_child.run.failure import ConfigError
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.memory import late_cap_step
 
@@ -50,8 +55,8 @@ def this_rank(environ: Mapping[str, str] = os.environ) -> RankPlace:
 
 def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = os.environ) -> AttemptSpec:
     """The spec as this rank runs it: its own events and error files, and the injected caps naming it."""
-    cpu = _injected_cap(environ.get(TEST_RANK_CPU_CAP, ""), place)
-    gpu = None if late_cap_step() is not None else injected_gpu_cap(place, environ)
+    cpu = injected_cap(TEST_RANK_CPU_CAP, place, environ)
+    gpu = None if late_cap_step() is not None else injected_cap(TEST_RANK_GPU_CAP, place, environ)
     return dataclasses.replace(
         spec,
         events_file=rank_file(spec.events_file, place.rank),
@@ -61,12 +66,8 @@ def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = 
     )
 
 
-def injected_gpu_cap(place: RankPlace, environ: Mapping[str, str] = os.environ) -> int | None:
-    return _injected_cap(environ.get(TEST_RANK_GPU_CAP, ""), place)
-
-
-def _injected_cap(value: str, place: RankPlace) -> int | None:
-    target, _, cap = value.partition(":")
+def injected_cap(variable: str, place: RankPlace, environ: Mapping[str, str] = os.environ) -> int | None:
+    target, _, cap = environ.get(variable, "").partition(":")
     return int(cap) if target.isdigit() and int(target) == place.rank and cap.isdigit() else None
 
 
@@ -119,3 +120,60 @@ def decide_together(place: RankPlace, progress: Progress, device: Any) -> tuple[
     progress.stop_requested = progress.stop_requested or stop
     progress.early_checkpoints = progress.early_checkpoints or early
     return stop, early
+
+
+def check_device(spec: AttemptSpec, on_cuda: bool) -> str | None:
+    """Raise ConfigError when the spec's GPU is not usable; return why an ``auto`` job (or a GPU cap)
+    runs on the CPU, or None."""
+    if on_cuda:
+        return None
+    if spec.device not in ("auto", "cpu"):
+        raise ConfigError(
+            f"resources.gpu {spec.device!r}: no usable GPU: {why_no_cuda()}. "
+            "Fix the GPU setup, or set gpu: cpu (or auto) to train on the CPU"
+        )
+    notes = []
+    if spec.device == "auto":
+        notes.append(f"gpu: auto found no usable GPU ({why_no_cuda()}): training on the CPU")
+    if spec.gpu_memory_limit is not None:
+        notes.append("gpu_memory_limit does nothing on the CPU (cpu_memory_limit caps host memory)")
+    if not notes:
+        return None
+    note = "; ".join(notes)
+    print(f"trainer child: warning: {note}", file=sys.stderr, flush=True)
+    return note
+
+
+def why_no_cuda() -> str:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        import pynvml
+    except ImportError as exc:
+        return f"no NVIDIA driver could be asked (pynvml is not installed: {exc})"
+    try:
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        return f"no NVIDIA driver could be loaded ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return "the NVIDIA driver sees no GPU"
+    return (
+        f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU CUDA can use (the driver sees {count}): no such index"
+    )
+
+
+def use_rank_gpu(place: RankPlace) -> None:
+    """Make ``cuda:LOCAL_RANK`` current before anything allocates: caps, load and numbers mean it."""
+    import torch
+
+    if place.local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"rank {place.rank} (local rank {place.local_rank}) has no GPU: {torch.cuda.device_count()} "
+            "visible; lower resources.nproc_per_node or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    torch.cuda.set_device(place.local_rank)

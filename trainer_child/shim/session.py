@@ -17,9 +17,10 @@ from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.processes import exit_now
 from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
-from qlora_supervise.trainer_child.run import attempt, device
+from qlora_supervise.trainer_child.run import attempt
 from qlora_supervise.trainer_child.run.failure import CapturedFailure
 from qlora_supervise.trainer_child.run.heartbeat import HeartbeatThread
+from qlora_supervise.trainer_child.run.torchrun import check_device
 from qlora_supervise.trainer_child.shim.script import Ledger
 
 #: Libraries whose versions the ``started`` event names (those installed: a foreign venv may lack some).
@@ -59,7 +60,7 @@ class Session:
 
         ctx, spec = self.ctx, self.ctx.spec
         ctx.on_cuda = torch.cuda.is_available()
-        fallback = device.check(spec, ctx.on_cuda)
+        fallback = check_device(spec, ctx.on_cuda)
         memory.apply_gpu_cap(spec.gpu_memory_limit)
         ctx.expandable = memory.expandable_segments_active()
         attempt.announce_started(ctx, installed_versions(), fallback)
@@ -123,8 +124,6 @@ class Session:
 
     def _attach(self, trainer: Any) -> Any:
         """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
-        from qlora_supervise.trainer_child.recipe.trainer import CheckpointPlan, SupervisionCallback
-
         ctx, spec = self.ctx, self.ctx.spec
         chosen = attempt.chosen_checkpoint(spec)
         source = attempt.resume_source(spec, chosen)
@@ -132,13 +131,7 @@ class Session:
             return source
         ctx.resume_checkpoint = str(chosen) if chosen is not None else None
         trainer.__class__ = supervised_class(type(trainer))
-        protect = Path(spec.resume_from) if spec.resume_from else None
-        trainer.supervise(
-            ctx.progress, CheckpointPlan(Path(spec.checkpoints_dir), spec.knobs, protect=protect)
-        )
-        callback = SupervisionCallback(source, spec.cpu_memory_limit)
-        callback.trainer = trainer
-        trainer.add_callback(callback)
+        trainer.supervise(ctx.progress, spec, source)
         ctx.trainer = trainer
         return source
 
