@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from qlora_supervise.trainer_child.contract.script_knobs import (
     unapplied,
 )
 from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.shim import script
 
 #: What a tutorial's script builds, as its shim reports it.
 BUILT = (
@@ -112,6 +114,28 @@ def test_what_the_script_built_becomes_the_attempts_knobs_and_an_unapplied_knob_
     micro = dataclasses.replace(BUILT[1], why_not="put back as the script asked")
     past = PastAttempt(knobs, None, 0, unapplied=unapplied((micro,)))
     assert "halve_micro_batch" in unusable_rungs([past]) and "halve_micro_batch" not in unusable_rungs([])
+
+
+def test_turning_eval_off_turns_the_scripts_best_model_at_end_off_with_it(tmp_path: Path) -> None:
+    """transformers refuses load_best_model_at_end without evaluation: the shim that turns eval off
+    turns it off too, and reports it."""
+    from transformers import TrainingArguments
+
+    args_class = type("Args", (TrainingArguments,), {})  # patched alone: TrainingArguments stays as is
+    ledger = script.Ledger(
+        ScriptChanges(("eval_enabled",), str(tmp_path)), Knobs(model="m", eval_enabled=False)
+    )
+    script.patches(ledger)["transformers.training_args"](types.SimpleNamespace(TrainingArguments=args_class))
+    args = args_class(
+        output_dir=str(tmp_path), eval_strategy="steps", eval_steps=5, save_strategy="steps", save_steps=10,
+        load_best_model_at_end=True,
+    )  # fmt: skip
+    assert (args.eval_strategy, args.load_best_model_at_end) == ("no", False)
+    lines = [s.line() for s in ledger.settings if s.asked != s.got and s.knob != "output_dir"]
+    assert lines == [
+        "eval_strategy: True -> False (applied at Args)",
+        "load_best_model_at_end: True -> False (applied at Args)",
+    ]
 
 
 def test_the_model_config_a_script_reports_gives_the_later_attempts_a_shape() -> None:

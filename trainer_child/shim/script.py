@@ -39,6 +39,7 @@ PLACES = {
     "bf16_head": "prepare_model_for_kbit_training",
 }
 PREPARE = "prepare_model_for_kbit_training"
+BEST = "load_best_model_at_end"
 NAME = "pretrained_model_name_or_path"
 
 
@@ -90,6 +91,10 @@ class Ledger:
             got = self._take(knob, key, asked, where)
             if got != asked:
                 setattr(args, key, _write(knob, got))
+        if self.changes.get("eval_enabled") is False and getattr(args, BEST, False):
+            # Its __post_init__ refuses the best model at the end without eval (strategies must match).
+            self.settings.append(KnobSetting(BEST, BEST, True, False, where))
+            setattr(args, BEST, False)
         self.settings.append(KnobSetting("output_dir", "output_dir", args.output_dir, self.output_dir, where))
         args.output_dir = self.output_dir  # its saves and save_model() land in the run directory
 
