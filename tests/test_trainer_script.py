@@ -84,7 +84,9 @@ def test_attempt_one_changes_nothing_and_a_later_attempt_names_the_ladders_knobs
     halved = dataclasses.replace(plan, micro_batch_size=8, grad_accum=2, lora_r=plan.lora_r // 2)
     job.trainer.attempt_argv(second, run, job.knobs, halved, None)
     assert ScriptChanges.read(second) == ScriptChanges(
-        ("micro_batch_size", "grad_accum"), str(run / "trainer-output")
+        ("micro_batch_size", "grad_accum"),
+        str(run / "trainer-output"),
+        asked={"micro_batch_size": 16, "grad_accum": 1},
     )
     # Once an attempt reached train(), a knob it never built is changed all the same.
     (first / "child-events.jsonl").write_text(ScriptKnobs(settings=BUILT, complete=True).to_line())
@@ -114,6 +116,26 @@ def test_what_the_script_built_becomes_the_attempts_knobs_and_an_unapplied_knob_
     micro = dataclasses.replace(BUILT[1], why_not="put back as the script asked")
     past = PastAttempt(knobs, None, 0, unapplied=unapplied((micro,)))
     assert "halve_micro_batch" in unusable_rungs([past]) and "halve_micro_batch" not in unusable_rungs([])
+
+
+def test_a_knob_nothing_of_the_script_takes_is_recorded_as_the_script_ran_it(tmp_path: Path) -> None:
+    """r halved for a script that builds no LoraConfig: the attempt's knobs as built keep the
+    script's r (the plan's never ran), and the knob is named not applied."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    job = load_job(_job(tmp_path, [sys.executable, "train.py"]))
+    run, first, second = tmp_path / "run", tmp_path / "run" / "attempt-001", tmp_path / "run" / "attempt-002"
+    first.mkdir(parents=True)
+    (first / "child-events.jsonl").write_text(ScriptKnobs(settings=BUILT, complete=True).to_line())
+    second.mkdir()
+    plan = as_built(job.knobs, BUILT)
+    halved = dataclasses.replace(plan, lora_r=plan.lora_r // 2)
+    job.trainer.attempt_argv(second, run, job.knobs, halved, None)
+    changes = ScriptChanges.read(second)
+    assert changes is not None
+    ledger = script.Ledger(changes, halved)
+    ledger.check(types.SimpleNamespace(args=types.SimpleNamespace()))  # by train(): no LoraConfig
+    assert as_built(halved, ledger.settings) == plan
+    assert unapplied(ledger.settings) == ("lora_r",)
 
 
 def test_turning_eval_off_turns_the_scripts_best_model_at_end_off_with_it(tmp_path: Path) -> None:
