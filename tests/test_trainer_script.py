@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from qlora_supervise.trainer_child.contract.script_knobs import (
     unapplied,
 )
 from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.shim import script
 
 #: What a tutorial's script builds, as its shim reports it.
 BUILT = (
@@ -82,7 +84,9 @@ def test_attempt_one_changes_nothing_and_a_later_attempt_names_the_ladders_knobs
     halved = dataclasses.replace(plan, micro_batch_size=8, grad_accum=2, lora_r=plan.lora_r // 2)
     job.trainer.attempt_argv(second, run, job.knobs, halved, None)
     assert ScriptChanges.read(second) == ScriptChanges(
-        ("micro_batch_size", "grad_accum"), str(run / "trainer-output")
+        ("micro_batch_size", "grad_accum"),
+        str(run / "trainer-output"),
+        asked={"micro_batch_size": 16, "grad_accum": 1},
     )
     # Once an attempt reached train(), a knob it never built is changed all the same.
     (first / "child-events.jsonl").write_text(ScriptKnobs(settings=BUILT, complete=True).to_line())
@@ -112,6 +116,48 @@ def test_what_the_script_built_becomes_the_attempts_knobs_and_an_unapplied_knob_
     micro = dataclasses.replace(BUILT[1], why_not="put back as the script asked")
     past = PastAttempt(knobs, None, 0, unapplied=unapplied((micro,)))
     assert "halve_micro_batch" in unusable_rungs([past]) and "halve_micro_batch" not in unusable_rungs([])
+
+
+def test_a_knob_nothing_of_the_script_takes_is_recorded_as_the_script_ran_it(tmp_path: Path) -> None:
+    """r halved for a script that builds no LoraConfig: the attempt's knobs as built keep the
+    script's r (the plan's never ran), and the knob is named not applied."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    job = load_job(_job(tmp_path, [sys.executable, "train.py"]))
+    run, first, second = tmp_path / "run", tmp_path / "run" / "attempt-001", tmp_path / "run" / "attempt-002"
+    first.mkdir(parents=True)
+    (first / "child-events.jsonl").write_text(ScriptKnobs(settings=BUILT, complete=True).to_line())
+    second.mkdir()
+    plan = as_built(job.knobs, BUILT)
+    halved = dataclasses.replace(plan, lora_r=plan.lora_r // 2)
+    job.trainer.attempt_argv(second, run, job.knobs, halved, None)
+    changes = ScriptChanges.read(second)
+    assert changes is not None
+    ledger = script.Ledger(changes, halved)
+    ledger.check(types.SimpleNamespace(args=types.SimpleNamespace()))  # by train(): no LoraConfig
+    assert as_built(halved, ledger.settings) == plan
+    assert unapplied(ledger.settings) == ("lora_r",)
+
+
+def test_turning_eval_off_turns_the_scripts_best_model_at_end_off_with_it(tmp_path: Path) -> None:
+    """transformers refuses load_best_model_at_end without evaluation: the shim that turns eval off
+    turns it off too, and reports it."""
+    from transformers import TrainingArguments
+
+    args_class = type("Args", (TrainingArguments,), {})  # patched alone: TrainingArguments stays as is
+    ledger = script.Ledger(
+        ScriptChanges(("eval_enabled",), str(tmp_path)), Knobs(model="m", eval_enabled=False)
+    )
+    script.patches(ledger)["transformers.training_args"](types.SimpleNamespace(TrainingArguments=args_class))
+    args = args_class(
+        output_dir=str(tmp_path), eval_strategy="steps", eval_steps=5, save_strategy="steps", save_steps=10,
+        load_best_model_at_end=True,
+    )  # fmt: skip
+    assert (args.eval_strategy, args.load_best_model_at_end) == ("no", False)
+    lines = [s.line() for s in ledger.settings if s.asked != s.got and s.knob != "output_dir"]
+    assert lines == [
+        "eval_strategy: True -> False (applied at Args)",
+        "load_best_model_at_end: True -> False (applied at Args)",
+    ]
 
 
 def test_the_model_config_a_script_reports_gives_the_later_attempts_a_shape() -> None:

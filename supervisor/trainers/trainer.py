@@ -257,7 +257,7 @@ def _write_script_changes(
     asked = {**before, **asked} if complete else asked
     changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
     replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
-    ScriptChanges(tuple(changed), str(output_dir), replaced).write(attempt_dir)
+    ScriptChanges(tuple(changed), str(output_dir), replaced, changed).write(attempt_dir)
     return changed
 
 

@@ -27,11 +27,14 @@ _KNOBS = frozenset(field.name for field in dataclasses.fields(Knobs))
 @dataclasses.dataclass(frozen=True)
 class ScriptChanges:
     """What the shim changes in one attempt: ``knobs`` take the spec's values; ``replaced_model``:
-    the script's own model where a fallback changes it (its tokenizer is swapped too)."""
+    the script's own model where a fallback changes it (its tokenizer is swapped too); ``asked``:
+    what the supervisor takes the script to ask for, each changed knob (what it runs with where it
+    builds nothing that takes the knob)."""
 
     knobs: tuple[str, ...]
     output_dir: str
     replaced_model: str | None = None
+    asked: dict[str, Value] = dataclasses.field(default_factory=dict)
 
     def write(self, attempt_dir: Path) -> None:
         write_text_atomic(attempt_dir / CHANGES_FILE, json.dumps(dataclasses.asdict(self), indent=2) + "\n")

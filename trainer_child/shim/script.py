@@ -39,6 +39,7 @@ PLACES = {
     "bf16_head": "prepare_model_for_kbit_training",
 }
 PREPARE = "prepare_model_for_kbit_training"
+BEST = "load_best_model_at_end"
 NAME = "pretrained_model_name_or_path"
 
 
@@ -69,6 +70,7 @@ class Ledger:
         self.output_dir = changes.output_dir
         self.replaced_model = changes.replaced_model
         self.changes = {name: getattr(knobs, name) for name in changes.knobs}
+        self.asked = changes.asked  # what a knob nothing takes stays at: the script's own
         self.settings: list[KnobSetting] = []
 
     def _take(self, knob: str, key: str, asked: Value, where: str) -> Value:
@@ -84,12 +86,16 @@ class Ledger:
             if key not in fields:
                 if knob in self.changes:
                     why = f"{where} has no {key}: the script sets it in its own code"
-                    self.settings.append(KnobSetting(knob, key, None, None, where, why))
+                    self.settings.append(KnobSetting(knob, key, None, self.asked.get(knob), where, why))
                 continue
             asked = _read(knob, getattr(args, key))
             got = self._take(knob, key, asked, where)
             if got != asked:
                 setattr(args, key, _write(knob, got))
+        if self.changes.get("eval_enabled") is False and getattr(args, BEST, False):
+            # Its __post_init__ refuses the best model at the end without eval (strategies must match).
+            self.settings.append(KnobSetting(BEST, BEST, True, False, where))
+            setattr(args, BEST, False)
         self.settings.append(KnobSetting("output_dir", "output_dir", args.output_dir, self.output_dir, where))
         args.output_dir = self.output_dir  # its saves and save_model() land in the run directory
 
@@ -149,7 +155,7 @@ class Ledger:
         for knob in self.changes.keys() - seen:  # by train() the script has built all it will
             place = PLACES.get(knob, "place the shim reaches")
             why = f"the script builds no {place}, so nothing of it takes this knob"
-            self.settings.append(KnobSetting(knob, knob, None, None, "-", why))
+            self.settings.append(KnobSetting(knob, knob, None, self.asked.get(knob), "-", why))
 
     def _put_back(self, trainer: Any, knobs: frozenset[str], overridden: str) -> None:
         args, where = trainer.args, type(trainer.args).__name__
