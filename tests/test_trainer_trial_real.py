@@ -30,7 +30,7 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.prepare import write_spec
 from qlora_supervise.supervisor.loop.resume import ResumePoint
 from qlora_supervise.supervisor.loop.seams import Seams
-from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
+from qlora_supervise.supervisor.record.history import read_attempt_speed
 from qlora_supervise.supervisor.record.records import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import launch

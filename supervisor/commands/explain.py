@@ -25,8 +25,14 @@ from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
-from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed, speed_cell, speed_columns
-from qlora_supervise.supervisor.record.history import climb_back_lines, planned_restarts, time_in_configs
+from qlora_supervise.supervisor.record.history import (
+    climb_back_lines,
+    planned_restarts,
+    read_attempt_speed,
+    speed_cell,
+    speed_columns,
+    time_in_configs,
+)
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.records import AttemptRecord
 from qlora_supervise.supervisor.record.rundir import RunDir

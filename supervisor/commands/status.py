@@ -24,7 +24,7 @@ from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record import history
-from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line, speed_of
+from qlora_supervise.supervisor.record.history import measured_speed, speed_line, speed_of
 from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, read_attempts, read_state
 from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir

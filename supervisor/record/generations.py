@@ -16,8 +16,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.journal import Lift, append_lift, read_attempts
-from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
 
 SAFE_SECTIONS = ("supervise.", "resources.")

@@ -1,21 +1,33 @@
 """The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names
 every top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a
-link or of the wrong kind before anything is written."""
+link or of the wrong kind before anything is written.
+
+Files inside it are never opened through a symbolic link (the supervisor often runs as root), with
+explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask differs between a shell and a
+unit). An ``output_dir`` of another user, or writable by others, is refused; so is a folder that is not
+empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a ``.lock`` beside the
+job copies only): the supervisor moves and deletes entries of its run directory. ``/``, homes and the
+system's folders are refused outright."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.facts.append import UnsafeRunPath
-from qlora_supervise.supervisor.record.ownership import foreign_output_dir
-from qlora_supervise.supervisor.record.runfiles import open_lock_file, prepare_root, refuse_links
-from qlora_supervise.trainer_child.contract.checkpoints import QUARANTINE_DIR
+from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath
+from qlora_supervise.supervisor.jobfile.system_paths import system_folder
+from qlora_supervise.supervisor.record.journal import read_state
+from qlora_supervise.trainer_child.contract.checkpoints import DIR_MODE, QUARANTINE_DIR
 
+RUN_UMASK = 0o027  # group may read, others nothing: the modes of DIR_MODE / FILE_MODE
 MERGE_COMMAND = "merge-command"  # ``qlora-supervise merge``'s own spec, log and report
 TRAINER_OUTPUT = "trainer-output"  # a foreign tool's own output directory (its final save)
 DATASETS_CACHE = "datasets-cache"  # the child's HF_DATASETS_CACHE: prepared data stays in the run
@@ -97,7 +109,7 @@ class RunDir:
     def lock(self, busy: str | None = None) -> IO[str]:
         """Hold an exclusive lock on the run directory for the life of the returned file.
 
-        The directory is created 0750 or checked to be ours (:mod:`.ownership`, :mod:`.runfiles`);
+        The directory is created 0750 or checked to be ours (the module's docstring);
         a run file, ``checkpoints/`` or the quarantine that is a link (or holds one) stops the run
         before anything is written. ``busy``: the words when another process holds the lock.
         """
@@ -128,7 +140,137 @@ class RunDir:
 
 
 def refuse_foreign(root: Path, contents: bool = True) -> None:
-    """Exit 2 when ``root`` may not be a run directory (:func:`.ownership.foreign_output_dir`)."""
+    """Exit 2 when ``root`` may not be a run directory (:func:`foreign_output_dir`)."""
     found = foreign_output_dir(root, contents)
     if found is not None:
         raise UnsafeRunPath(root, f"output_dir {found[0]}", found[1])
+
+
+def prepare_root(root: Path) -> None:
+    """Create the run directory (0750) or check an existing one is ours and not writable by others."""
+    if not root.exists():
+        try:
+            root.mkdir(parents=True, mode=DIR_MODE)
+            os.chmod(root, DIR_MODE)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise  # the caller words a full or read-only disk (run._at_start)
+            why = f"cannot create output_dir: {exc.strerror}"
+            raise UnsafeRunPath(root, why, "choose a folder this user may create") from None
+        return
+    info = os.stat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeRunPath(root, "output_dir is not a directory", "choose another output_dir")
+    if info.st_uid != os.geteuid():
+        raise UnsafeRunPath(
+            root,
+            f"output_dir is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})",
+            "run as its owner, or choose an output_dir of your own",
+        )
+    if info.st_mode & stat.S_IWOTH:
+        raise UnsafeRunPath(
+            root,
+            f"output_dir is writable by others (mode {stat.S_IMODE(info.st_mode):04o})",
+            f"run `chmod o-w {root}` (the supervisor makes it {DIR_MODE:04o}), or choose another output_dir",
+        )
+
+
+def refuse_links(paths: list[Path], directories: bool = False, inside: bool = False) -> None:
+    """Refuse at start when one of the run's own files (``directories``: directories) is a link or of
+    another kind; ``inside``: a directory holding a link too (``checkpoints/checkpoint-N ->
+    /elsewhere`` would be resumed, quarantined or deleted outside the run directory)."""
+    is_kind, other = (
+        (stat.S_ISDIR, "is not a directory") if directories else (stat.S_ISREG, "is not a regular file")
+    )
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX)
+        if not is_kind(info.st_mode):
+            raise UnsafeRunPath(path, other, LINK_FIX)
+        for entry in sorted(path.iterdir()) if inside else ():
+            if entry.is_symlink():
+                why = "is a symbolic link; refusing to follow or delete through it"
+                raise UnsafeRunPath(entry, why, LINK_FIX)
+
+
+def ensure_dir(path: Path) -> Path:
+    """``path`` as a real directory of ours (created 0750); a link or a file there is refused."""
+    try:
+        os.mkdir(path, DIR_MODE)
+        os.chmod(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise UnsafeRunPath(path, f"is {kind}; the supervisor writes only into its own directories", LINK_FIX)
+    return path
+
+
+def open_lock_file(path: Path) -> TextIO:
+    """The lock file, read-write (created 0640), never through a link."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            why = "is a symbolic link; refusing to lock or write through it"
+            raise UnsafeRunPath(path, why, LINK_FIX) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeRunPath(path, "is not a regular file", LINK_FIX)
+    os.fchmod(fd, FILE_MODE)
+    return os.fdopen(fd, "r+", encoding="utf-8")
+
+
+_FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")
+
+
+def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | None:
+    """Why ``root`` may not be a run directory and the fix, or None; ``contents`` False: only
+    where it is (a system folder, a home), not what it holds."""
+    found = system_folder(root)
+    if found is not None or not contents:
+        return found
+    real = Path(os.path.realpath(root))
+    if not real.is_dir() or is_run_dir(real):
+        return None
+    return (
+        "exists, is not empty and holds no run of qlora-supervise (no state.json or events.jsonl of "
+        "ours); the supervisor would move, replace or delete the files there",
+        f"choose a new or empty folder for output_dir (for example a subfolder, such as {real}/run), "
+        "or give the path of this run's own output_dir",
+    )
+
+
+def is_run_dir(root: Path) -> bool:
+    """Whether ``root`` is empty or holds a run of ours (see the module's docstring)."""
+    try:
+        names = [entry.name for entry in os.scandir(root)]
+    except OSError:
+        return False
+    if not names:
+        return True
+    state = root / "state.json"
+    if state.is_file() and not state.is_symlink() and read_state(state) is not None:
+        return True
+    if _first_line_is_ours(root / "events.jsonl"):
+        return True
+    return ".lock" in names and all(_FIRST_FILES.fullmatch(name) for name in names)
+
+
+def _first_line_is_ours(path: Path) -> bool:
+    """An event log line of ours: a JSON object with ``event`` and ``level``."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open("rb") as handle:
+            line = handle.readline(64 * 1024)
+        record = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"event", "level"} <= record.keys()

@@ -1,10 +1,17 @@
 """Reading the child's events file as it grows, into a picture of its progress (a change of step or
 stage: a heartbeat thread outliving a stuck training is still hung); each rank's peak under torchrun,
-where one rank well above the others points at uneven batches or a device_map (:func:`uneven`)."""
+where one rank well above the others points at uneven batches or a device_map (:func:`uneven`).
+
+**Memory creep** (:class:`CreepWatch`), a peak that rises step after step (a leak) towards the budget:
+over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals
+but one and a positive slope; said once per attempt, with an early checkpoint asked for when the
+line reaches the budget within :data:`HORIZON_STEPS`."""
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
+import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +20,7 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import (
     CheckpointSaved,
     ChildEvent,
+    ChildPeakSource,
     EarlyCheckpointRequested,
     Finished,
     Heartbeat,
@@ -130,7 +138,7 @@ UNEVEN_SHARE = 0.2  # "well above": the highest exceeds the lowest by this share
 UNEVEN_MIN_BYTES = 64 * 1024 * 1024  # ... and by this many bytes (small models differ by noise)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class UnevenPeaks:
     """One rank peaked well above the others (bytes)."""
 
@@ -165,3 +173,82 @@ def uneven(peaks: Mapping[int, int]) -> UnevenPeaks | None:
     if gap < UNEVEN_MIN_BYTES or gap < UNEVEN_SHARE * peaks[low]:
         return None
     return UnevenPeaks(high, peaks[high], low, peaks[low])
+
+
+WINDOW = 6
+WARMUP_STEPS = 2
+HORIZON_STEPS = 8
+NOISE_FLOOR = 8 * 1024**2
+NOISE_SHARE = 0.001
+
+
+@dataclass(frozen=True)
+class CreepForecast:
+    step: int
+    peak_bytes: int
+    slope_bytes_per_step: float
+    budget_bytes: int | None
+    predicted_oom_step: int | None  # None: no budget to reach
+    window_steps: int
+
+    @property
+    def asks_for_checkpoint(self) -> bool:
+        return self.predicted_oom_step is not None
+
+
+class CreepWatch:
+    """Fed every heartbeat of one attempt; says once when memory creeps towards the budget."""
+
+    def __init__(self, gpu_budget: int | None, cpu_budget: int | None, first_step: int = 0) -> None:
+        self._budgets = {ChildPeakSource.CUDA_ALLOCATOR: gpu_budget, ChildPeakSource.DATA_SEGMENT: cpu_budget}
+        self._first_step = first_step
+        self._peaks: dict[int, int] = {}
+        self._source: ChildPeakSource | None = None
+        self.fired = False
+
+    def observe(self, beat: Heartbeat) -> CreepForecast | None:
+        peak = beat.memory.peak_bytes
+        if self.fired or peak is None or beat.step <= self._first_step + WARMUP_STEPS:
+            return None
+        self._source = beat.memory.peak_source
+        self._peaks[beat.step] = max(self._peaks.get(beat.step, 0), peak)
+        for old in sorted(self._peaks)[:-WINDOW]:  # only the window is ever read
+            del self._peaks[old]
+        forecast = self._forecast()
+        if forecast is None:
+            return None
+        budget = forecast.budget_bytes
+        if budget is not None and (
+            forecast.predicted_oom_step is None or forecast.predicted_oom_step - forecast.step > HORIZON_STEPS
+        ):
+            return None  # a leak, but the budget is still far: say so when it is near
+        self.fired = True
+        return forecast
+
+    def _forecast(self) -> CreepForecast | None:
+        steps = sorted(self._peaks)[-WINDOW:]
+        if len(steps) < WINDOW:
+            return None
+        peaks = [self._peaks[step] for step in steps]
+        noise = max(NOISE_FLOOR, NOISE_SHARE * peaks[-1])
+        rises = sum(1 for before, after in itertools.pairwise(peaks) if after - before > noise)
+        slope = statistics.linear_regression(steps, peaks).slope  # steps are distinct
+        if rises < len(steps) - 2 or slope <= 0:
+            return None
+        budget = self._budgets.get(self._source) if self._source is not None else None
+        return CreepForecast(
+            step=steps[-1],
+            peak_bytes=peaks[-1],
+            slope_bytes_per_step=slope,
+            budget_bytes=budget,
+            predicted_oom_step=_reaches(steps[-1], peaks[-1], slope, budget),
+            window_steps=len(steps),
+        )
+
+
+def _reaches(step: int, peak: int, slope: float, budget: int | None) -> int | None:
+    if budget is None:
+        return None
+    if peak >= budget:
+        return step + 1
+    return step + max(1, math.ceil((budget - peak) / slope))

@@ -11,9 +11,8 @@ from pathlib import Path
 import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_text
-from qlora_supervise.supervisor.watching.creep import CreepForecast
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample, RankCards
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.heartbeats import CreepForecast, Progress
 from qlora_supervise.supervisor.watching.host import sample_host
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
 
