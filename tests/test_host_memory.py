@@ -33,7 +33,7 @@ from qlora_supervise.supervisor.commands.plan import plan_command
 from qlora_supervise.supervisor.facts.units import parse_bytes
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.loop.settings import policy_settings, predicted_host
-from qlora_supervise.supervisor.record.records import AttemptRecord, HostMemory, Outcome, Phase
+from qlora_supervise.supervisor.record.journal import AttemptRecord, HostMemory, Outcome, Phase
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

@@ -33,8 +33,7 @@ from qlora_supervise.supervisor.record.history import (
     speed_columns,
     time_in_configs,
 )
-from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import Started, parse_event
 

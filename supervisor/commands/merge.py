@@ -23,8 +23,7 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExit
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
-from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.record.records import Outcome, Phase
+from qlora_supervise.supervisor.record.journal import Outcome, Phase, read_attempts
 from qlora_supervise.supervisor.record.rundir import RUN_UMASK, AttemptDir, RunDir, ensure_dir
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import entry

@@ -170,23 +170,18 @@ def oom_failure(
         why = f"{source}; contention: {reason}; {where}"
         return Failure(FailureKind.OOM_CONTENTION, stage.stage, numbers, why, message)
     verdict = fragmentation.judge(allocator, numbers, fit)
-    if verdict is not None:
-        shown = {**numbers, **verdict.numbers}
-        if verdict.fragmentation:
-            why = f"{source}; fragmentation: {verdict.why}; {where}"
-            found = Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, shown, why, message)
-        else:
-            why = f"{source}; {verdict.why}; {_stage_why(stage)}"
-            found = Failure(_stage_kind(stage.stage), stage.stage, shown, why, message)
-        return spurious.mark(found, allocator)
-    reason = _oom_rules.fragmentation(numbers)
+    if verdict is not None:  # the allocator's facts or the model's prediction decide
+        numbers = {**numbers, **verdict.numbers}
+        reason = verdict.why if verdict.fragmentation else None
+        capacity = f"{source}; {verdict.why}; {_stage_why(stage)}"
+    else:
+        reason = _oom_rules.fragmentation(numbers)
+        capacity = f"{source}; {_stage_why(stage)}"
     if reason is not None:
         why = f"{source}; fragmentation: {reason}; {where}"
         found = Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, numbers, why, message)
     else:
-        found = Failure(
-            _stage_kind(stage.stage), stage.stage, numbers, f"{source}; {_stage_why(stage)}", message
-        )
+        found = Failure(_stage_kind(stage.stage), stage.stage, numbers, capacity, message)
     return spurious.mark(found, allocator)
 
 

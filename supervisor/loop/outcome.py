@@ -13,7 +13,7 @@ from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_o
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.records import (
+from qlora_supervise.supervisor.record.journal import (
     AttemptRecord,
     DecisionRecord,
     HostMemory,

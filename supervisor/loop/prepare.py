@@ -12,8 +12,7 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import ResumePoint, log_quarantined, resume_point
 from qlora_supervise.supervisor.loop.seams import Clock, Seams
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import InFlight
-from qlora_supervise.supervisor.record.records import Phase
+from qlora_supervise.supervisor.record.journal import InFlight, Phase
 from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir, ensure_dir
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec

@@ -26,7 +26,7 @@ from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import speed_of
-from qlora_supervise.supervisor.record.records import Phase
+from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.reporter import Reporter

@@ -19,8 +19,8 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record import peak_store
 from qlora_supervise.supervisor.record.history import AttemptSpeed, trial_speeds
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds
-from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import GpuProbe

@@ -20,7 +20,7 @@ from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.seams import Clock, Sleep
 from qlora_supervise.supervisor.record import disk_room
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.watching.gpu import GpuProbe

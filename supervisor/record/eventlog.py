@@ -150,12 +150,10 @@ def open_event_log(
 
 def read_events(events_path: Path) -> list[dict[str, Any]]:
     """The events of a run (a torn last line is skipped)."""
-    events: list[dict[str, Any]] = []
     if not events_path.is_file():
-        return events
+        return []
+    events: list[dict[str, Any]] = []
     for line in events_path.read_text(encoding="utf-8").splitlines():
-        try:
+        with contextlib.suppress(ValueError):  # a torn last line
             events.append(json.loads(line))
-        except ValueError:
-            continue
     return events

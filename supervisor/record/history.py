@@ -16,7 +16,7 @@ from qlora_supervise.policies.ladder.step_up import STEP_UP_RUNG
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.retime import RETIME_RUNG
 from qlora_supervise.policies.search import throughput
-from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.events import (

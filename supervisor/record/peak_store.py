@@ -79,11 +79,6 @@ def read_speeds(path: Path, shape: ModelShape, trainer: str = OWN) -> list[Speed
     return [SpeedObservation(knobs, rate) for knobs, rate in rates if rate is not None and rate > 0]
 
 
-def record_peak(path: Path, shape: ModelShape, knobs: Knobs, peak_bytes: int) -> bool:
-    """Append one peak; False (and nothing raised) when the store cannot be written."""
-    return record_attempt(path, shape, knobs, peak_bytes, None)
-
-
 def record_attempt(
     path: Path,
     shape: ModelShape,

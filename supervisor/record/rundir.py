@@ -126,12 +126,9 @@ class RunDir:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
-            held = f"another qlora-supervise is running on {self.root}"
-            raise SupervisorExit(
-                SupervisorExitCode.BAD_JOB,
-                f"{busy or held} (lock held)"
-                + ("" if busy else "; stop it first or choose another output_dir"),
-            ) from None
+            why = busy or f"another qlora-supervise is running on {self.root}"
+            fix = "" if busy else "; stop it first or choose another output_dir"
+            raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{why} (lock held){fix}") from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
