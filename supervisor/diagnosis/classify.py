@@ -146,11 +146,15 @@ def _classify_child(
     if exit.killed_by_supervisor is not None:
         why = f"supervisor stopped the child ({exit.killed_by_supervisor.value}); no error report"
         return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
-    if last_stage in refusal.BEFORE_TRAINING:  # the heartbeats saw no step, eval or save begin
-        refused = _refused_at_setup(exit, stderr_tail, last_stage)
+    text = classify_text(stderr_tail)
+    # The heartbeats saw no step, eval or save begin, and the text says only ``other`` (an OOM, a
+    # CUDA error or any other sign decides).
+    if last_stage in refusal.BEFORE_TRAINING and text.kind is FailureKind.OTHER:
+        window = _window(stderr_tail)
+        refused = refusal.refused_before_training(window, text.stage, last_stage, exit.returncode)
         if refused is not None:
             return refused
-    return _from_stderr(exit, stderr_tail, nvml)
+    return _from_stderr(exit, text, nvml)
 
 
 def oom_failure(
@@ -294,14 +298,6 @@ def _from_exit_status(
     return None if named is None else Failure(named[0], named[1], {}, named[2])
 
 
-def _refused_at_setup(exit: ChildExit, stderr_tail: str, last_stage: Stage) -> Failure | None:
-    """Only where the text's verdict is ``other``: an OOM, a CUDA error or any other sign decides."""
-    text = classify_text(stderr_tail)
-    if text.kind is not FailureKind.OTHER:
-        return None
-    return refusal.refused_before_training(_window(stderr_tail), text.stage, last_stage, exit.returncode)
-
-
 def _killed_stage(stderr_tail: str, last_stage: Stage) -> tuple[Stage, str]:
     """The stage of a child the kernel killed and where that came from: frames are rare after a
     SIGKILL, the last heartbeat is not (an optimizer kill must not walk the forward ladder)."""
@@ -317,8 +313,8 @@ def _stderr_stage(stderr_tail: str) -> Stage:
     return stage_from_frames(parse_frames(stderr_tail), stderr_tail).stage
 
 
-def _from_stderr(exit: ChildExit, stderr_tail: str, nvml: tuple[int | None, int | None]) -> Failure:
-    text = classify_text(stderr_tail)
+def _from_stderr(exit: ChildExit, text: Failure, nvml: tuple[int | None, int | None]) -> Failure:
+    """``text``: the stderr tail's :func:`classify_text` verdict."""
     if text.kind.is_oom and text.kind is not FailureKind.HOST_OOM and nvml[0] is not None:
         stage = StageFinding(text.stage, "stderr frames")
         text = oom_failure(stage, text.numbers, "stderr", text.message, nvml)

@@ -159,14 +159,12 @@ def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
 def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float]]:
     """The speed trial's measured candidates as (knobs, tokens/s): without the optimizer step, a
     little above a training step's rate (the attempt's heartbeats, stored after, correct it)."""
-    if speed.trial is None:
-        return []
-    out = []
-    for result in speed.trial.results:
-        if result.tokens_per_s is None or result.error is not None:
-            continue
-        out.append((trained_with(planned, result.candidate), result.tokens_per_s))
-    return out
+    results = speed.trial.results if speed.trial is not None else ()
+    return [
+        (trained_with(planned, r.candidate), r.tokens_per_s)
+        for r in results
+        if r.tokens_per_s is not None and r.error is None
+    ]
 
 
 def measured_speed(rd: RunDir, record: AttemptRecord) -> AttemptSpeed:

@@ -255,15 +255,12 @@ class State:
     fresh_start: bool = False  # the next attempt must not resume (adapter shape changed)
     note: str = ""
 
-    def to_json(self) -> str:
-        return _STATE.dump_json(self, indent=2).decode()
-
 
 _STATE = TypeAdapter(State)
 
 
 def write_state(path: Path, state: State) -> None:
-    write_text_atomic(path, state.to_json())
+    write_text_atomic(path, _STATE.dump_json(state, indent=2).decode())
 
 
 def read_state(path: Path) -> State | None:
