@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from qlora_supervise.supervisor.watching import heartbeats
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching.watch import HeartbeatReader
 from qlora_supervise.trainer_child.contract import events
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
 from qlora_supervise.trainer_child.contract.codes import Stage

@@ -20,7 +20,7 @@ from qlora_supervise.supervisor.record.journal import (
     Phase,
     read_attempts,
 )
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 from qlora_supervise.trainer_child.contract.allocator import AllocatorPeak
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers

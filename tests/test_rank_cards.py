@@ -16,8 +16,7 @@ from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, 
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.watching.gpu import RankCards
-from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.supervisor.watching.watch import Watched, sample_cards
+from qlora_supervise.supervisor.watching.watch import Progress, Watched, sample_cards
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

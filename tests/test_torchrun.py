@@ -29,8 +29,7 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.generations import FieldChange
 from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome, Phase
-from qlora_supervise.supervisor.watching.heartbeats import Progress, read_rank_peaks, uneven
-from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.supervisor.watching.watch import Progress, Watched, read_rank_peaks, uneven
 from qlora_supervise.trainer_child.contract.checkpoints import publish
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers

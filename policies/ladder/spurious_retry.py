@@ -1,7 +1,7 @@
 """A spurious OOM: the same config retried once before any rung (issue 33).
 
 The classifier marks an OOM spurious when the allocator's own numbers say the request fit
-(supervisor/diagnosis/spurious.py); a repeat right after the retry, before any step, is the config's.
+(supervisor/diagnosis/fragmentation.py); a repeat right after the retry, before any step, is the config's.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from qlora_supervise.supervisor.diagnosis import (
     _signatures,
     fragmentation,
     refusal,
-    spurious,
     xid,
 )
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
@@ -186,7 +185,7 @@ def oom_failure(
         found = Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, numbers, why, message)
     else:
         found = Failure(_stage_kind(stage.stage), stage.stage, numbers, capacity, message)
-    return spurious.mark(found, allocator)
+    return fragmentation.mark_spurious(found, allocator)
 
 
 def _oom_source(text: str, line: str) -> str:

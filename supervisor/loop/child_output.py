@@ -18,8 +18,13 @@ from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import AttemptRecord, InFlight
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress, read_rank_peaks, uneven
-from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.supervisor.watching.watch import (
+    HeartbeatReader,
+    Progress,
+    Watched,
+    read_rank_peaks,
+    uneven,
+)
 from qlora_supervise.trainer_child.contract.checkpoints import (
     CHECKPOINT_PREFIX,
     RNG_FILE,

@@ -20,7 +20,7 @@ from qlora_supervise.supervisor.record.journal import (
     Outcome,
     attempt_peak,
 )
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Resumed, script_settings
 from qlora_supervise.trainer_child.contract.report import ErrorReport

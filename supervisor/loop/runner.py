@@ -33,8 +33,15 @@ from qlora_supervise.supervisor.reporting.reporter import Reporter
 from qlora_supervise.supervisor.trainers.launch import trainer_env
 from qlora_supervise.supervisor.trainers.shim_check import note_shim, output_moving
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards
-from qlora_supervise.supervisor.watching.heartbeats import CreepWatch, HeartbeatReader, Progress
-from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
+from qlora_supervise.supervisor.watching.watch import (
+    CreepWatch,
+    HeartbeatReader,
+    Progress,
+    Watched,
+    hung,
+    sample_cards,
+    sample_memory,
+)
 from qlora_supervise.trainer_child.contract.events import (
     CheckpointSaved,
     ChildEvent,

@@ -11,7 +11,7 @@ from qlora_supervise.supervisor.reporting.console import PaceMeter, ProgressDisp
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, SYSTEMD, BestEffort
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 
 
 class Reporter:

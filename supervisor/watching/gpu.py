@@ -272,11 +272,9 @@ class RankCards:
         that ``drop_rank`` left is watched here), on the CPU, or when NVML opens no card."""
         if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
             return None
-        monitors = {}
-        for local_rank, position in enumerate(rank_gpus(knobs)):
-            monitor = GpuMonitor.open(f"cuda:{position}", nvml=nvml)
-            if monitor is not None:
-                monitors[local_rank] = monitor
+        cards = enumerate(rank_gpus(knobs))
+        opened = {rank: GpuMonitor.open(f"cuda:{position}", nvml=nvml) for rank, position in cards}
+        monitors = {rank: monitor for rank, monitor in opened.items() if monitor is not None}
         return cls(monitors) if monitors else None
 
     @property
