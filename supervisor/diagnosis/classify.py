@@ -7,7 +7,7 @@
 1. **we killed it**: a hung child -> ``hang`` at the heartbeats' last stage;
 2. **the error report**: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an
    OOM is contention (:mod:`._oom_rules`), else fragmentation (:mod:`.fragmentation`), else the
-   stage's OOM kind, and may be marked spurious (:mod:`.spurious`); else ``other``;
+   stage's OOM kind, and may be marked spurious (:mod:`.fragmentation`); else ``other``;
 3. **exit status + cgroup**: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr ->
    ``host_oom`` (with neither: ``other``); the reserved exit codes -> their kinds;
 4. **stderr text** (:func:`classify_text`); a refusal before any training stage (:mod:`.refusal`)
