@@ -17,7 +17,7 @@ import pytest
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, drop_rank, rung_by_name
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
+from qlora_supervise.supervisor.diagnosis.classify import first_failure, is_knock_on
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile import world as world_mod

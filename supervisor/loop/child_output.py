@@ -10,7 +10,7 @@ from pathlib import Path
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure
+from qlora_supervise.supervisor.diagnosis.classify import first_failure
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan

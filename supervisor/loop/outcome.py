@@ -7,9 +7,13 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from qlora_supervise.supervisor.diagnosis.classify import classify_exit
+from qlora_supervise.supervisor.diagnosis.classify import (
+    classify_exit,
+    first_failure,
+    is_knock_on,
+    torchrun_root_rank,
+)
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on, torchrun_root_rank
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
