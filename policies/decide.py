@@ -304,7 +304,7 @@ def host_settings(failure: FailureLike, settings: Settings, failed: Sequence[Pas
 
 # ---- rule 6b: a spurious OOM, the same config retried once before any rung (issue 33) -----
 # The classifier marks an OOM spurious when the allocator's own numbers say the request fit
-# (supervisor/diagnosis/spurious.py); a repeat right after the retry, before any step, is the config's.
+# (supervisor/diagnosis/fragmentation.py); a repeat right after the retry, before any step, is the config's.
 
 #: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
 SPURIOUS_KEY = "spurious_room"

@@ -12,7 +12,7 @@ from qlora_supervise.supervisor.commands.explain import explanation, print_table
 from qlora_supervise.supervisor.commands.status import print_story, status_json
 from qlora_supervise.supervisor.jobfile import load_job
 from qlora_supervise.supervisor.loop.settings import model_shape, policy_settings, remember_attempt
-from qlora_supervise.supervisor.record.attempt_speed import measured_speed
+from qlora_supervise.supervisor.record.history import measured_speed
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.record.rundir import RunDir

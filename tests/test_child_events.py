@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from qlora_supervise.supervisor.watching import heartbeats
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching import watch
+from qlora_supervise.supervisor.watching.watch import HeartbeatReader
 from qlora_supervise.trainer_child.contract import events
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction, SampleLengths
 from qlora_supervise.trainer_child.contract.codes import Stage
@@ -214,7 +214,7 @@ def test_the_reader_parses_each_line_once_and_yields_records(
         calls.append(line)
         return parse_event(line)
 
-    monkeypatch.setattr(heartbeats, "parse_event", counting)
+    monkeypatch.setattr(watch, "parse_event", counting)
     path = tmp_path / "child-events.jsonl"
     lines = [Heartbeat(Stage.FORWARD, step, 2.0, 100.0, GPU_MEMORY).to_line() for step in (1, 2, 3)]
     path.write_text("".join(lines) + event_line("finished", step=3, adapter="/a"))

@@ -16,7 +16,7 @@ from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.watching.creep import HORIZON_STEPS, CreepWatch
+from qlora_supervise.supervisor.watching.watch import HORIZON_STEPS, CreepWatch
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import ChildPeakSource, Heartbeat, MemoryNumbers
 

@@ -13,9 +13,14 @@ from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, record_of
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.record.records import AttemptPeakSource, AttemptRecord, Outcome, Phase
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.record.journal import (
+    AttemptPeakSource,
+    AttemptRecord,
+    Outcome,
+    Phase,
+    read_attempts,
+)
+from qlora_supervise.supervisor.watching.watch import Progress
 from qlora_supervise.trainer_child.contract.allocator import AllocatorPeak
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+from qlora_supervise.supervisor.watching.watch import HeartbeatReader
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers, event_line
 

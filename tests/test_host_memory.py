@@ -33,7 +33,7 @@ from qlora_supervise.supervisor.commands.plan import plan_command
 from qlora_supervise.supervisor.facts.units import parse_bytes
 from qlora_supervise.supervisor.jobfile.load import load_job
 from qlora_supervise.supervisor.loop.settings import policy_settings, predicted_host
-from qlora_supervise.supervisor.record.records import AttemptRecord, HostMemory, Outcome, Phase
+from qlora_supervise.supervisor.record.journal import AttemptRecord, HostMemory, Outcome, Phase
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -438,7 +438,7 @@ def _host_beat(stage: Stage, step: int, rss: int, high_water: int) -> str:
 def test_the_reader_keeps_the_loads_and_trainings_host_peaks_apart(tmp_path: Path) -> None:
     """The load's high-water mark comes from ``loaded``; training's from the heartbeats after it,
     restarted at the speed trial (its candidates are not the trained config); the last RSS is kept."""
-    from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader
+    from qlora_supervise.supervisor.watching.watch import HeartbeatReader
     from qlora_supervise.trainer_child.contract.events import (
         MemoryNumbers,
         SpeedTrialEvent,
@@ -473,7 +473,7 @@ def test_a_host_oom_kill_carries_the_rss_at_the_kill_and_status_shows_host_again
     from qlora_supervise.supervisor.commands.status import host_line
     from qlora_supervise.supervisor.facts.failure import Failure
     from qlora_supervise.supervisor.loop.outcome import failure_record
-    from qlora_supervise.supervisor.watching.heartbeats import Progress
+    from qlora_supervise.supervisor.watching.watch import Progress
 
     progress = Progress(host_peak=40 * GiB, last_rss=39 * GiB)
     kill = failure_record(Failure(FailureKind.HOST_OOM, Stage.FORWARD, {}, "oom_kill +1"), None, progress)

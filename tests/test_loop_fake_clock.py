@@ -585,8 +585,7 @@ def test_torn_journal_line_does_not_swallow_the_next_record(tmp_path: Path) -> N
     journal = tmp_path / "run" / "attempts.jsonl"
     first = journal.read_text().splitlines()[0]
     journal.write_text(first + "\n" + first[: len(first) // 2])  # attempt 2's line torn mid-write
-    from qlora_supervise.supervisor.record.journal import append_attempt
-    from qlora_supervise.supervisor.record.records import AttemptRecord
+    from qlora_supervise.supervisor.record.journal import AttemptRecord, append_attempt
 
     append_attempt(journal, AttemptRecord.from_json({**json.loads(first), "attempt": 3}))
     records, bad = read_attempts(journal)

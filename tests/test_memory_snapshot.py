@@ -10,8 +10,7 @@ import pytest
 
 from qlora_supervise.supervisor.commands.status import print_story
 from qlora_supervise.supervisor.jobfile.load import JobError, load_job
-from qlora_supervise.supervisor.record.journal import append_attempt
-from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome, Phase
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome, Phase, append_attempt
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.spec import (
     MEMORY_SNAPSHOT_NAME,

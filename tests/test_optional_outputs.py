@@ -28,7 +28,7 @@ from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, RELOG_EVERY_S, BestEffort, Reporter
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_loop import _job, _wait_for

@@ -13,7 +13,6 @@ from qlora_supervise.supervisor.record.peak_store import (
     read_observations,
     read_speeds,
     record_attempt,
-    record_peak,
 )
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -47,7 +46,7 @@ def test_speeds_are_kept_by_shape_and_knobs(tmp_path: Path) -> None:
     """An attempt's tokens/s reads back for its knobs; a peak-only line is no speed and vice versa."""
     store = tmp_path / "peaks.jsonl"
     assert record_attempt(store, SHAPE, KNOBS, None, 1234.56)
-    assert record_peak(store, SHAPE, KNOBS, 4096)
+    assert record_attempt(store, SHAPE, KNOBS, 4096, None)
     other = dataclasses.replace(SHAPE, layers=3)
     assert record_attempt(store, other, KNOBS, 1, 99.0)
     speeds = read_speeds(store, SHAPE)

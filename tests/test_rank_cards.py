@@ -14,10 +14,9 @@ from qlora_supervise.policies.rungs import RungContext, rung_by_name
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, judge
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.records import Phase
+from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.watching.gpu import RankCards
-from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.supervisor.watching.watch import Watched, sample_cards
+from qlora_supervise.supervisor.watching.watch import Progress, Watched, sample_cards
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

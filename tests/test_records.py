@@ -10,8 +10,7 @@ from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.commands.status import describe
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import append_attempt, read_attempts
-from qlora_supervise.supervisor.record.records import (
+from qlora_supervise.supervisor.record.journal import (
     Action,
     AttemptPeakSource,
     AttemptRecord,
@@ -19,7 +18,9 @@ from qlora_supervise.supervisor.record.records import (
     Outcome,
     Peak,
     Phase,
+    append_attempt,
     attempt_peak,
+    read_attempts,
 )
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs

@@ -19,7 +19,7 @@ from qlora_supervise.supervisor.reporting.console import Pace, PaceMeter, Progre
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import status_line
 from qlora_supervise.supervisor.reporting.outputs import EventHook
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 
 
 def _scrape(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -12,7 +12,7 @@ from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives
 from qlora_supervise.supervisor.loop.child_output import note_child_events
 from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, next_plan
 from qlora_supervise.supervisor.loop.resume import resume_point
-from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
+from qlora_supervise.supervisor.record.journal import Action, AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.events import event_from_fields

@@ -13,7 +13,7 @@ import pytest
 import test_loop_fake_clock as fake
 
 from qlora_supervise.policies.decide import RETRY_RUNG, SPURIOUS_KEY, PastAttempt, Restart, Settings, decide
-from qlora_supervise.supervisor.diagnosis import spurious
+from qlora_supervise.supervisor.diagnosis import fragmentation
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit, classify_text
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure
 from qlora_supervise.supervisor.record.eventlog import read_events
@@ -60,28 +60,36 @@ def test_free_memory_well_above_the_request_marks_the_oom_spurious() -> None:
 
 def test_a_capped_process_counts_the_room_under_its_cap_not_the_device() -> None:
     """Under a cap the device's 131 GiB free says nothing: what is left under the cap is 50 MiB."""
-    assert spurious.judge(parse_numbers(H200_CAPPED) | {"reserved_total": int(7.95 * GIB)}) is None
+    assert (
+        fragmentation.judge_spurious(parse_numbers(H200_CAPPED) | {"reserved_total": int(7.95 * GIB)}) is None
+    )
     assert SPURIOUS_KEY not in classify_text(H200_CAPPED).numbers
 
 
 def test_free_memory_just_above_the_request_is_not_enough() -> None:
     """Free memory above the request by less than the margin (rounding, a workspace) is no evidence."""
     numbers = {"tried_to_allocate": 1 * GIB, "free": 1 * GIB + 400 * MIB}
-    assert spurious.judge(numbers) is None
-    assert spurious.judge({**numbers, "free": 2 * GIB}) is not None
+    assert fragmentation.judge_spurious(numbers) is None
+    assert fragmentation.judge_spurious({**numbers, "free": 2 * GIB}) is not None
 
 
 def test_a_free_block_with_the_steps_memory_still_held_is_spurious() -> None:
     """The child's facts: a fitting free block while nothing the step held was released yet."""
     numbers = parse_numbers(H200_CAPPED)
-    found = spurious.judge(numbers, _facts(allocated=numbers["already_allocated"], block=True))
+    found = fragmentation.judge_spurious(numbers, _facts(allocated=numbers["already_allocated"], block=True))
     assert found is not None and found[1] == 700 * MIB
 
 
 def test_a_free_block_after_the_step_released_its_memory_is_not() -> None:
     """The recorded H200 capacity OOM: 0.7 GiB freed between the raise and the facts: no evidence."""
-    assert spurious.judge(parse_numbers(H200_CAPPED), _facts(allocated=7270 * MIB, block=True)) is None
-    assert spurious.judge(parse_numbers(H200_CAPPED), _facts(allocated=7956 * MIB, block=False)) is None
+    assert (
+        fragmentation.judge_spurious(parse_numbers(H200_CAPPED), _facts(allocated=7270 * MIB, block=True))
+        is None
+    )
+    assert (
+        fragmentation.judge_spurious(parse_numbers(H200_CAPPED), _facts(allocated=7956 * MIB, block=False))
+        is None
+    )
 
 
 def test_contention_is_not_marked_spurious() -> None:

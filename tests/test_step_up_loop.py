@@ -25,11 +25,10 @@ from qlora_supervise.supervisor.commands.status import print_story, status_json
 from qlora_supervise.supervisor.loop.climb_back import remaining_s
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
-from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.watching.gpu import GpuSample
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.events import Heartbeat, SpeedTrialEvent, TrialResult, event_line
 from qlora_supervise.trainer_child.contract.report import ErrorReport

@@ -17,7 +17,7 @@ import pytest
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RungContext, rung_by_name
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on
+from qlora_supervise.supervisor.diagnosis.classify import first_failure, is_knock_on
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
 from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile import world as world_mod
@@ -28,9 +28,8 @@ from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, 
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.generations import FieldChange
-from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome, Phase
-from qlora_supervise.supervisor.watching.heartbeats import Progress, read_rank_peaks, uneven
-from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome, Phase
+from qlora_supervise.supervisor.watching.watch import Progress, Watched, read_rank_peaks, uneven
 from qlora_supervise.trainer_child.contract.checkpoints import publish
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Heartbeat, MemoryNumbers

@@ -29,8 +29,7 @@ from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.commands.status import describe
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.record.eventlog import read_events
-from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.report import ErrorReport

@@ -29,8 +29,8 @@ from qlora_supervise.supervisor.loop.child import child_argv
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import ResumePoint, write_spec
 from qlora_supervise.supervisor.loop.seams import Seams
-from qlora_supervise.supervisor.record.attempt_speed import read_attempt_speed
-from qlora_supervise.supervisor.record.records import Phase
+from qlora_supervise.supervisor.record.history import read_attempt_speed
+from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers import launch
 from qlora_supervise.supervisor.trainers.job import load_job

@@ -280,11 +280,12 @@ PEAK_WRITER = """
 import sys
 from pathlib import Path
 from qlora_supervise.policies.memory_model import ModelShape
-from qlora_supervise.supervisor.record.peak_store import record_peak
+from qlora_supervise.supervisor.record.peak_store import record_attempt
 from qlora_supervise.trainer_child.contract.spec import Knobs
 shape = ModelShape(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=128, vocab=256)
 for i in range(150):
-    record_peak(Path(sys.argv[1]) / "peaks.jsonl", shape, Knobs(model="m", micro_batch_size=1 + i), 1000 + i)
+    knobs = Knobs(model="m", micro_batch_size=1 + i)
+    record_attempt(Path(sys.argv[1]) / "peaks.jsonl", shape, knobs, 1000 + i, None)
 """
 
 

@@ -26,10 +26,15 @@ from qlora_supervise.supervisor.commands.memory_plot import attempt_series, draw
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
-from qlora_supervise.supervisor.record.attempt_speed import speed_cell, speed_columns, speed_of
-from qlora_supervise.supervisor.record.history import climb_back_lines, planned_restarts, time_in_configs
-from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.history import (
+    climb_back_lines,
+    planned_restarts,
+    speed_cell,
+    speed_columns,
+    speed_of,
+    time_in_configs,
+)
+from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.trainer_child.contract.events import Started, read_events
 

@@ -23,10 +23,8 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExit
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
-from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.record.records import Outcome, Phase
-from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
-from qlora_supervise.supervisor.record.runfiles import RUN_UMASK, ensure_dir
+from qlora_supervise.supervisor.record.journal import Outcome, Phase, read_attempts
+from qlora_supervise.supervisor.record.rundir import RUN_UMASK, AttemptDir, RunDir, ensure_dir
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.codes import ExitCode
@@ -125,7 +123,7 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
     if not specs:
         raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")
     base = AttemptSpec.from_json(specs[-1].read_text(encoding="utf-8"))
-    work = AttemptDir(ensure_dir(rd.merge_command))  # never through a link (runfiles)
+    work = AttemptDir(ensure_dir(rd.merge_command))  # never through a link (rundir)
     for stale in (work.error, work.events):
         stale.unlink(missing_ok=True)
     spec = dataclasses.replace(

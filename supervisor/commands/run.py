@@ -27,8 +27,7 @@ from qlora_supervise.supervisor.record import generations
 from qlora_supervise.supervisor.record.eventlog import Listener, open_event_log
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lift, read_attempts, read_state
-from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.record.runfiles import RUN_UMASK
+from qlora_supervise.supervisor.record.rundir import RUN_UMASK, RunDir
 from qlora_supervise.supervisor.reporting import notify, outputs
 from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile

@@ -25,9 +25,16 @@ from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
 from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record import history
-from qlora_supervise.supervisor.record.attempt_speed import measured_speed, speed_line, speed_of
-from qlora_supervise.supervisor.record.journal import InFlight, RunState, State, read_attempts, read_state
-from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
+from qlora_supervise.supervisor.record.history import measured_speed, speed_line, speed_of
+from qlora_supervise.supervisor.record.journal import (
+    AttemptRecord,
+    InFlight,
+    Phase,
+    RunState,
+    State,
+    read_attempts,
+    read_state,
+)
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.trainer import read_diff, saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.events import Heartbeat, read_events

@@ -10,7 +10,7 @@ from qlora_supervise.supervisor.jobfile import data_probe, hub
 from qlora_supervise.supervisor.jobfile.advice import job_advice
 from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
-from qlora_supervise.supervisor.record.ownership import foreign_output_dir
+from qlora_supervise.supervisor.record.rundir import foreign_output_dir
 from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.supervisor.trainers.tool_check import tool_advice, tool_problems
 from qlora_supervise.trainer_child.contract.spec import DataSpec

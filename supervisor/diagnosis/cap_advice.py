@@ -11,7 +11,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies import memory_model
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.journal import AttemptRecord
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -40,19 +40,14 @@ def cap_of(
     return Cap(CARD, budget_bytes)
 
 
-def smallest_peak_seen(records: Sequence[AttemptRecord]) -> int | None:
-    """The smallest peak an attempt reached (a failed one's is a lower bound of its step's need)."""
-    peaks = [r.peak.bytes for r in records if r.peak is not None and r.peak.bytes]
-    return min(peaks, default=None)
-
-
 def cap_words(
     cap: Cap, records: Sequence[AttemptRecord], knobs: Knobs, shape: memory_model.ModelShape | None
 ) -> str:
     """One sentence for a memory give-up: the cap, the smallest peak seen or predicted, what helps."""
     limit = format_bytes(cap.bytes) if cap.bytes is not None else "its size unknown"
     parts = [f"the cap is {cap.name} ({limit})"]
-    seen = smallest_peak_seen(records)
+    # The smallest peak an attempt reached (a failed one's is a lower bound of its step's need).
+    seen = min((r.peak.bytes for r in records if r.peak is not None and r.peak.bytes), default=None)
     if seen is not None:
         parts.append(f"the smallest peak seen was {format_bytes(seen)}")
     if shape is not None:

@@ -7,11 +7,11 @@
 1. **we killed it**: a hung child -> ``hang`` at the heartbeats' last stage;
 2. **the error report**: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an
    OOM is contention (:mod:`._oom_rules`), else fragmentation (:mod:`.fragmentation`), else the
-   stage's OOM kind, and may be marked spurious (:mod:`.spurious`); else ``other``;
+   stage's OOM kind, and may be marked spurious (:mod:`.fragmentation`); else ``other``;
 3. **exit status + cgroup**: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr ->
    ``host_oom`` (with neither: ``other``); the reserved exit codes -> their kinds;
-4. **stderr text** (:func:`classify_text`); a refusal before any training stage (:mod:`.refusal`)
-   -> ``config_error``;
+4. **stderr text** (:func:`classify_text`); a refusal before any training stage
+   (:func:`._signatures.refused_before_training`) -> ``config_error``;
 5. **nothing**: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
 
 ``classify_text`` follows the failure corpus's labelling order: host kill -> NCCL -> bitsandbytes
@@ -19,11 +19,15 @@ setup -> disk full -> accelerator OOM (stage from :mod:`._frames`) -> host alloc
 without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM
 sign, is *presumed* an OOM of the stage its frames name: a missed OOM costs more than a needless
 cheaper rung.
+
+Several ranks failed together (:func:`first_failure`): which report is the cause, and which are
+knock-on effects (a broken collective or a stop from torchrun after another rank's failure).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal as signals
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,8 +36,6 @@ from qlora_supervise.supervisor.diagnosis import (
     _oom_rules,
     _signatures,
     fragmentation,
-    refusal,
-    spurious,
     xid,
 )
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
@@ -146,11 +148,15 @@ def _classify_child(
     if exit.killed_by_supervisor is not None:
         why = f"supervisor stopped the child ({exit.killed_by_supervisor.value}); no error report"
         return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
-    if last_stage in refusal.BEFORE_TRAINING:  # the heartbeats saw no step, eval or save begin
-        refused = _refused_at_setup(exit, stderr_tail, last_stage)
+    text = classify_text(stderr_tail)
+    # The heartbeats saw no step, eval or save begin, and the text says only ``other`` (an OOM, a
+    # CUDA error or any other sign decides).
+    if last_stage in _signatures.BEFORE_TRAINING and text.kind is FailureKind.OTHER:
+        window = _window(stderr_tail)
+        refused = _signatures.refused_before_training(window, text.stage, last_stage, exit.returncode)
         if refused is not None:
             return refused
-    return _from_stderr(exit, stderr_tail, nvml)
+    return _from_stderr(exit, text, nvml)
 
 
 def oom_failure(
@@ -170,24 +176,19 @@ def oom_failure(
         why = f"{source}; contention: {reason}; {where}"
         return Failure(FailureKind.OOM_CONTENTION, stage.stage, numbers, why, message)
     verdict = fragmentation.judge(allocator, numbers, fit)
-    if verdict is not None:
-        shown = {**numbers, **verdict.numbers}
-        if verdict.fragmentation:
-            why = f"{source}; fragmentation: {verdict.why}; {where}"
-            found = Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, shown, why, message)
-        else:
-            why = f"{source}; {verdict.why}; {_stage_why(stage)}"
-            found = Failure(_stage_kind(stage.stage), stage.stage, shown, why, message)
-        return spurious.mark(found, allocator)
-    reason = _oom_rules.fragmentation(numbers)
+    if verdict is not None:  # the allocator's facts or the model's prediction decide
+        numbers = {**numbers, **verdict.numbers}
+        reason = verdict.why if verdict.fragmentation else None
+        capacity = f"{source}; {verdict.why}; {_stage_why(stage)}"
+    else:
+        reason = _oom_rules.fragmentation(numbers)
+        capacity = f"{source}; {_stage_why(stage)}"
     if reason is not None:
         why = f"{source}; fragmentation: {reason}; {where}"
         found = Failure(FailureKind.OOM_FRAGMENTATION, stage.stage, numbers, why, message)
     else:
-        found = Failure(
-            _stage_kind(stage.stage), stage.stage, numbers, f"{source}; {_stage_why(stage)}", message
-        )
-    return spurious.mark(found, allocator)
+        found = Failure(_stage_kind(stage.stage), stage.stage, numbers, capacity, message)
+    return fragmentation.mark_spurious(found, allocator)
 
 
 def _oom_source(text: str, line: str) -> str:
@@ -248,7 +249,7 @@ def _from_report(report: ErrorReport, nvml: tuple[int | None, int | None], fit: 
     # A bitsandbytes library that does not load is raised as an import or attribute error while
     # loading, which the child marks the config's: its own kind (not retryable either) says more.
     if report.config_error and _signatures.find(_signatures.BNB_SETUP, text) is None:
-        fix = refusal.known_fix(message)
+        fix = _signatures.known_fix(message)
         why = f"{head}; marked config_error" + (f" ({fix})" if fix else "")
         return Failure(FailureKind.CONFIG_ERROR, stage, {}, why, message)
     if report.damaged_checkpoint and not report.is_oom:
@@ -299,14 +300,6 @@ def _from_exit_status(
     return None if named is None else Failure(named[0], named[1], {}, named[2])
 
 
-def _refused_at_setup(exit: ChildExit, stderr_tail: str, last_stage: Stage) -> Failure | None:
-    """Only where the text's verdict is ``other``: an OOM, a CUDA error or any other sign decides."""
-    text = classify_text(stderr_tail)
-    if text.kind is not FailureKind.OTHER:
-        return None
-    return refusal.refused_before_training(_window(stderr_tail), text.stage, last_stage, exit.returncode)
-
-
 def _killed_stage(stderr_tail: str, last_stage: Stage) -> tuple[Stage, str]:
     """The stage of a child the kernel killed and where that came from: frames are rare after a
     SIGKILL, the last heartbeat is not (an optimizer kill must not walk the forward ladder)."""
@@ -322,8 +315,8 @@ def _stderr_stage(stderr_tail: str) -> Stage:
     return stage_from_frames(parse_frames(stderr_tail), stderr_tail).stage
 
 
-def _from_stderr(exit: ChildExit, stderr_tail: str, nvml: tuple[int | None, int | None]) -> Failure:
-    text = classify_text(stderr_tail)
+def _from_stderr(exit: ChildExit, text: Failure, nvml: tuple[int | None, int | None]) -> Failure:
+    """``text``: the stderr tail's :func:`classify_text` verdict."""
     if text.kind.is_oom and text.kind is not FailureKind.HOST_OOM and nvml[0] is not None:
         stage = StageFinding(text.stage, "stderr frames")
         text = oom_failure(stage, text.numbers, "stderr", text.message, nvml)
@@ -335,3 +328,52 @@ def _from_stderr(exit: ChildExit, stderr_tail: str, nvml: tuple[int | None, int 
         return Failure(FailureKind.OOM_FORWARD, text.stage, {}, why)
     why = f"exit code {exit.returncode}; nothing in stderr decides"
     return Failure(FailureKind.OTHER, text.stage, {}, why)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCause:
+    """The report that decides an attempt of several ranks, and the ranks that only followed it."""
+
+    report: ErrorReport
+    knock_on: tuple[int, ...]  # ranks whose reports were effects of the cause (sorted)
+    why: str  # in words, for the evidence: "rank 1 (local rank 1) of 2 failed first; ..."
+
+
+def is_knock_on(report: ErrorReport) -> bool:
+    """A report of a rank that failed *because another one did*: a broken collective (not an OOM
+    of its own), or a stop torchrun asked for."""
+    if report.exit_code == ExitCode.STOPPED:
+        return True
+    if report.is_oom or report.config_error or report.disk_full:
+        return False
+    text = f"{report.exception_type}: {report.message}\n{report.traceback}"
+    return _signatures.find(_signatures.KNOCK_ON, text) is not None
+
+
+def first_failure(reports: Sequence[ErrorReport]) -> RankCause | None:
+    """The cause among the ranks' reports (ties: the lower rank); None when none failed. When all are
+    knock-on effects, the rank that failed first left none: the earliest stands for it, ``why`` says so."""
+    failed = [r for r in reports if r.exit_code not in (ExitCode.OK, ExitCode.STOPPED)]
+    if not failed:
+        return None
+    real = [r for r in failed if not is_knock_on(r)]
+    cause = min(real or failed, key=lambda r: (r.time, r.rank))
+    others = tuple(sorted(r.rank for r in reports if r is not cause))
+    where = f"rank {cause.rank} (local rank {cause.local_rank}) of {cause.world_size}"
+    if not real:
+        why = f"{where} failed first, with a broken collective only: the rank that died first left no report"
+    elif others:
+        why = f"{where} failed first; rank(s) {', '.join(map(str, others))} followed (knock-on)"
+    else:
+        why = f"{where} failed"
+    return RankCause(cause, others if real else (), why)
+
+
+#: torchrun's summary of a failed run: the rank under "Root Cause (first observed failure)".
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?rank\s*:\s*(\d+)", re.DOTALL)
+
+
+def torchrun_root_rank(log_tail: str) -> int | None:
+    """The rank torchrun saw fail first, from its summary in the child's log (when no report says)."""
+    found = _ROOT_CAUSE.findall(log_tail)
+    return int(found[-1]) if found else None

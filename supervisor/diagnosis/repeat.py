@@ -15,10 +15,8 @@ from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight, 
 BATCH_KEYS = ("batch_step", "batch_micro", "batch_lengths", "batch_rows")
 
 
-def batch_numbers(batch: BatchInFlight | None) -> dict[str, Any]:
-    """The failure's numbers for ``batch`` (none without one)."""
-    if batch is None:
-        return {}
+def batch_numbers(batch: BatchInFlight) -> dict[str, Any]:
+    """The failure's numbers for ``batch``."""
     rows = {"batch_rows": list(batch.rows)} if batch.rows is not None else {}
     return {
         "batch_step": batch.step,

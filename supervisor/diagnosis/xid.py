@@ -7,57 +7,44 @@ process's fault can fall in our window), and the attempt is retried once unchang
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from qlora_supervise.supervisor.facts.failure import Failure, XidFacts
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
-
-@dataclass(frozen=True)
-class XidMeaning:
-    code: int
-    meaning: str
-    fatal: bool
-
-
-XIDS: dict[int, XidMeaning] = {
-    code: XidMeaning(code, meaning, fatal)
-    for code, meaning, fatal in (
-        (13, "graphics engine exception (mostly an application error: bad address or instruction)", False),
-        (31, "GPU memory page fault (usually an application's illegal memory access)", False),
-        (43, "GPU stopped processing (the application's context was reset)", False),
-        (45, "preemptive cleanup after earlier errors (the context was killed)", False),
-        (48, "double-bit (uncorrectable) ECC error", True),
-        (63, "ECC page retirement / row remapping recorded: the GPU needs a reset", True),
-        (64, "ECC page retirement / row remapping failed", True),
-        (74, "NVLink error", True),
-        (79, "GPU has fallen off the bus", True),
-        (92, "high single-bit ECC error rate (a warning)", False),
-        (94, "contained uncorrectable ECC error", True),
-        (95, "uncontained uncorrectable ECC error: every application on the GPU is affected", True),
-    )
+#: What each Xid means (NVIDIA's catalogue); an unknown one is not fatal.
+XIDS: dict[int, str] = {
+    13: "graphics engine exception (mostly an application error: bad address or instruction)",
+    31: "GPU memory page fault (usually an application's illegal memory access)",
+    43: "GPU stopped processing (the application's context was reset)",
+    45: "preemptive cleanup after earlier errors (the context was killed)",
+    48: "double-bit (uncorrectable) ECC error",
+    63: "ECC page retirement / row remapping recorded: the GPU needs a reset",
+    64: "ECC page retirement / row remapping failed",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate (a warning)",
+    94: "contained uncorrectable ECC error",
+    95: "uncontained uncorrectable ECC error: every application on the GPU is affected",
 }
+#: The GPU is broken or must be reset.
+FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 94, 95})
+_UNKNOWN = "see NVIDIA's Xid catalogue"
 
 _NOT_OVERRULED = frozenset({FailureKind.CONFIG_ERROR, FailureKind.GPU_FAULT})
-
-
-def meaning(code: int) -> XidMeaning:
-    """The catalogue entry for ``code``; an unknown Xid is not fatal ("see NVIDIA's catalogue")."""
-    return XIDS.get(code, XidMeaning(code, "see NVIDIA's Xid catalogue", False))
 
 
 def describe(codes: Sequence[int]) -> str:
     """``Xid 79 (GPU has fallen off the bus, fatal), Xid 13 (...)``, each code once."""
     parts = []
     for code in dict.fromkeys(codes):
-        entry = meaning(code)
-        parts.append(f"Xid {code} ({entry.meaning}{', fatal' if entry.fatal else ''})")
+        fatal = ", fatal" if code in FATAL_XIDS else ""
+        parts.append(f"Xid {code} ({XIDS.get(code, _UNKNOWN)}{fatal})")
     return ", ".join(parts)
 
 
 def fatal_xid(codes: Sequence[int]) -> int | None:
     """The first fatal Xid among ``codes``, else None."""
-    return next((code for code in codes if meaning(code).fatal), None)
+    return next((code for code in codes if code in FATAL_XIDS), None)
 
 
 def overrule(failure: Failure, codes: Sequence[int]) -> Failure:

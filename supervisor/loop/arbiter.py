@@ -33,8 +33,7 @@ from qlora_supervise.supervisor.loop.settings import with_card_budget
 from qlora_supervise.supervisor.loop.waiting import DiskWaiter, Pacer
 from qlora_supervise.supervisor.record import journal
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import RunState, State, write_state
-from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Phase, RunState, State, write_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
 from qlora_supervise.supervisor.reporting.outputs import Reporter

@@ -26,8 +26,7 @@ from pathlib import Path
 import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_binary
-from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
 from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.allocator import allocator_env

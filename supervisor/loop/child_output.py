@@ -10,17 +10,21 @@ from pathlib import Path
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure
+from qlora_supervise.supervisor.diagnosis.classify import first_failure
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import InFlight
-from qlora_supervise.supervisor.record.records import AttemptRecord
+from qlora_supervise.supervisor.record.journal import AttemptRecord, InFlight
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress, read_rank_peaks, uneven
-from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.supervisor.watching.watch import (
+    HeartbeatReader,
+    Progress,
+    Watched,
+    read_rank_peaks,
+    uneven,
+)
 from qlora_supervise.trainer_child.contract.checkpoints import (
     CHECKPOINT_PREFIX,
     RNG_FILE,

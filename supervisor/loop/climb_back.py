@@ -16,9 +16,8 @@ from qlora_supervise.policies import retime
 from qlora_supervise.policies.decide import SPURIOUS_KEY
 from qlora_supervise.policies.ladder import step_up as rule
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome
-from qlora_supervise.supervisor.watching.heartbeats import Progress
-from qlora_supervise.supervisor.watching.watch import Watched
+from qlora_supervise.supervisor.record.journal import Action, AttemptRecord, Outcome
+from qlora_supervise.supervisor.watching.watch import Progress, Watched
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

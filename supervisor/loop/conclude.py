@@ -23,11 +23,17 @@ from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_reco
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
 from qlora_supervise.supervisor.loop.waiting import DiskWaiter
-from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.history import policy_history, story
-from qlora_supervise.supervisor.record.journal import RunState, append_attempt
-from qlora_supervise.supervisor.record.records import Action, AttemptRecord, DecisionRecord, Outcome, Phase
+from qlora_supervise.supervisor.record.history import policy_history, speed_of, story
+from qlora_supervise.supervisor.record.journal import (
+    Action,
+    AttemptRecord,
+    DecisionRecord,
+    Outcome,
+    Phase,
+    RunState,
+    append_attempt,
+)
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.trainer import saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.codes import FailureKind

@@ -14,7 +14,7 @@ from qlora_supervise.policies.search.search_state import PreflightResult, fit_li
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.records import Phase, PlanNote
+from qlora_supervise.supervisor.record.journal import Phase, PlanNote
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: What ``run`` does for a model the memory model does not cover: it does not guess a number.

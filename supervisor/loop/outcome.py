@@ -7,20 +7,24 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from qlora_supervise.supervisor.diagnosis.classify import classify_exit
+from qlora_supervise.supervisor.diagnosis.classify import (
+    classify_exit,
+    first_failure,
+    is_knock_on,
+    torchrun_root_rank,
+)
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.supervisor.diagnosis.ranks import first_failure, is_knock_on, torchrun_root_rank
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.records import (
+from qlora_supervise.supervisor.record.journal import (
     AttemptRecord,
     DecisionRecord,
     HostMemory,
     Outcome,
     attempt_peak,
 )
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Resumed, script_settings
 from qlora_supervise.trainer_child.contract.report import ErrorReport

@@ -24,8 +24,14 @@ from qlora_supervise.policies.retime import RETIME_RUNG, first_for
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.record.history import policy_history
-from qlora_supervise.supervisor.record.journal import RunState
-from qlora_supervise.supervisor.record.records import Action, AttemptRecord, Outcome, Phase, PlanNote
+from qlora_supervise.supervisor.record.journal import (
+    Action,
+    AttemptRecord,
+    Outcome,
+    Phase,
+    PlanNote,
+    RunState,
+)
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 

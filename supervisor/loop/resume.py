@@ -20,10 +20,8 @@ from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.seams import Clock, Seams
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.journal import InFlight
-from qlora_supervise.supervisor.record.records import Phase
-from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.record.journal import InFlight, Phase
+from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir, ensure_dir
 from qlora_supervise.trainer_child.contract.checkpoints import (
     OPTIMIZER_FILES,
     TEMP_PREFIX,

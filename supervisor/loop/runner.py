@@ -23,18 +23,23 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
-from qlora_supervise.supervisor.record.attempt_speed import speed_of
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.records import Phase
-from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.record.history import speed_of
+from qlora_supervise.supervisor.record.journal import Phase
+from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.outputs import Reporter
 from qlora_supervise.supervisor.trainers.launch import note_shim, output_moving, trainer_env
-from qlora_supervise.supervisor.watching.creep import CreepWatch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards
-from qlora_supervise.supervisor.watching.heartbeats import HeartbeatReader, Progress
-from qlora_supervise.supervisor.watching.watch import Watched, hung, sample_cards, sample_memory
+from qlora_supervise.supervisor.watching.watch import (
+    CreepWatch,
+    HeartbeatReader,
+    Progress,
+    Watched,
+    hung,
+    sample_cards,
+    sample_memory,
+)
 from qlora_supervise.trainer_child.contract.events import (
     CheckpointSaved,
     ChildEvent,

@@ -16,9 +16,9 @@ from qlora_supervise.policies.verdicts import for_model
 from qlora_supervise.supervisor.jobfile import model_files
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record import peak_store
-from qlora_supervise.supervisor.record.attempt_speed import AttemptSpeed, trial_speeds
+from qlora_supervise.supervisor.record.history import AttemptSpeed, trial_speeds
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.peak_store import read_observations, read_speeds
-from qlora_supervise.supervisor.record.records import AttemptRecord, Phase
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.watching import host as host_memory
 from qlora_supervise.supervisor.watching.gpu import GpuProbe

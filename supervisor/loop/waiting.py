@@ -18,9 +18,9 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.loop.seams import Clock, Sleep
-from qlora_supervise.supervisor.record import disk_room
+from qlora_supervise.supervisor.record import rundir
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.record.records import AttemptRecord, Outcome
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.watching.gpu import GpuProbe
@@ -140,18 +140,18 @@ class DiskWaiter:
 
     def explain(self, failure: Failure) -> Failure:
         """``other`` with no room left on the run's disk is ``disk_full`` (no room to say so)."""
-        if failure.kind is not FailureKind.OTHER or disk_room.room_free(self.rd) >= disk_room.MIN_ROOM:
+        if failure.kind is not FailureKind.OTHER or rundir.room_free(self.rd) >= rundir.MIN_ROOM:
             return failure
-        free = format_bytes(disk_room.room_free(self.rd))
-        why = f"{failure.evidence}; the run's disk has {free} free (below {format_bytes(disk_room.MIN_ROOM)})"
+        free = format_bytes(rundir.room_free(self.rd))
+        why = f"{failure.evidence}; the run's disk has {free} free (below {format_bytes(rundir.MIN_ROOM)})"
         return dataclasses.replace(failure, kind=FailureKind.DISK_FULL, evidence=why)
 
     def with_room_needed(self, failure: Failure) -> Failure:
         """The child's ``disk_full`` with what it needs (at least the last checkpoint) and what is free."""
         self._free_ours()
         reported = failure.numbers.get("needed_bytes")
-        needed = disk_room.room_needed(self.rd, reported if isinstance(reported, int) else None)
-        numbers = {**failure.numbers, "needed_bytes": needed, "free_bytes": disk_room.room_free(self.rd)}
+        needed = rundir.room_needed(self.rd, reported if isinstance(reported, int) else None)
+        numbers = {**failure.numbers, "needed_bytes": needed, "free_bytes": rundir.room_free(self.rd)}
         return dataclasses.replace(failure, numbers=numbers)
 
     def wait(self, wait: policy.Wait) -> policy.WaitResult:
@@ -162,29 +162,27 @@ class DiskWaiter:
     def outlast(self, exc: OSError) -> bool:
         """The supervisor's own write failed for room: free, explain, wait. True: room is back."""
         self._free_ours()
-        needed = disk_room.room_needed(self.rd)
+        needed = rundir.room_needed(self.rd)
         self._warn(Event.SUPERVISOR_DISK_FULL, needed, self.wait_s, error=str(exc))
         result = self._poll(needed, self.wait_s)
         return not result.stopped and result.free_bytes is not None and result.free_bytes >= needed
 
     def _warn(self, event: Event, needed: int, timeout_s: float, **why: str) -> None:
-        free_now = disk_room.room_free(self.rd)
-        words = disk_room.room_words(self.rd, needed, free_now)
+        free_now = rundir.room_free(self.rd)
+        words = rundir.room_words(self.rd, needed, free_now)
         self.log.warning(
             event, **why, words=words, needed_bytes=needed, free_bytes=free_now, timeout_s=timeout_s
         )
 
     def _poll(self, needed: int, timeout_s: float) -> policy.WaitResult:
         rd = self.rd
-        free, waited = _timed_poll(
-            lambda: disk_room.room_free(rd), needed, timeout_s, self.pacing, self.pacer
-        )
+        free, waited = _timed_poll(lambda: rundir.room_free(rd), needed, timeout_s, self.pacing, self.pacer)
         room = free is not None and free >= needed
         event = Event.DISK_ROOM_AVAILABLE if room else Event.DISK_WAIT_TIMED_OUT
         self.log.info(event, free_bytes=free, needed_bytes=needed, waited_s=round(waited, 1))
         return policy.WaitResult(free, waited, stopped=self.pacer.stop_requested())
 
     def _free_ours(self) -> None:
-        freed = disk_room.free_ours(self.rd)
+        freed = rundir.free_ours(self.rd)
         if freed:
             self.log.info(Event.STAGING_FREED, freed_bytes=freed, where=str(self.rd.root))

@@ -75,13 +75,9 @@ class _EventsFile:
         self._json = structlog.processors.JSONRenderer(default=str)
 
     def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
-        self._write(str(self._json(logger, method, dict(event_dict))) + "\n")
-        return event_dict
-
-    def _write(self, line: str) -> None:
-        """Append ``line``; on a full disk hold it (and those after it) until there is room again:
+        """Append the line; on a full disk hold it (and those after it) until there is room again:
         logging never raises into the loop, which waits for room and says so in these events."""
-        self._held.append(line)
+        self._held.append(str(self._json(logger, method, dict(event_dict))) + "\n")
         try:
             self._file.write("".join(self._held))
             self._file.flush()
@@ -94,8 +90,9 @@ class _EventsFile:
             self._file = open_append_text(self._path)
             self._file.write("\n")  # closes a torn line, if any, so the next one stands alone
             del self._held[:-_HELD_MAX]
-            return
-        self._held.clear()
+        else:
+            self._held.clear()
+        return event_dict
 
 
 class _Relay:
@@ -150,12 +147,10 @@ def open_event_log(
 
 def read_events(events_path: Path) -> list[dict[str, Any]]:
     """The events of a run (a torn last line is skipped)."""
-    events: list[dict[str, Any]] = []
     if not events_path.is_file():
-        return events
+        return []
+    events: list[dict[str, Any]] = []
     for line in events_path.read_text(encoding="utf-8").splitlines():
-        try:
+        with contextlib.suppress(ValueError):  # a torn last line
             events.append(json.loads(line))
-        except ValueError:
-            continue
     return events

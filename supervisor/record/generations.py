@@ -16,8 +16,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.journal import Lift, append_lift, read_attempts
-from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.trainer_child.contract.durable import fsync_dir, write_text_atomic
 
 SAFE_SECTIONS = ("supervise.", "resources.")
@@ -133,11 +132,11 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
     return [FieldChange(n, old.get(n), new.get(n)) for n in names if old.get(n) != new.get(n)]
 
 
+@dataclass(frozen=True)
 class JobVersions:
     """``job.vN.yaml`` / ``job.vN.json`` in a run directory: every job it was given."""
 
-    def __init__(self, rd: RunDir) -> None:
-        self.rd = rd
+    rd: RunDir
 
     def numbers(self) -> list[int]:
         tails = (path.name[len("job.v") : -len(".yaml")] for path in self.rd.root.glob("job.v*.yaml"))
@@ -164,17 +163,12 @@ class JobVersions:
         return number
 
 
-def raised_length(changes: list[FieldChange]) -> list[FieldChange]:
-    """The changes that ask for more training: ``max_steps`` or ``epochs`` strictly raised."""
-    return [c for c in changes if c.name in SAFE_WHEN_MORE and _number(c.new) > _number(c.old)]
-
-
 def extend_finished(rd: RunDir, changes: list[FieldChange], now: float) -> Lift | None:
     """A finished run whose job now asks for more steps goes on from its last checkpoint: a lift
     line after the last attempt, and an existing ``merged/`` moved to ``merged-before-extend-<n>/``
     so the merge runs again. None, and nothing written, when no change raises the length or the
     journal is empty."""
-    raised = raised_length(changes)
+    raised = [c for c in changes if c.name in SAFE_WHEN_MORE and _number(c.new) > _number(c.old)]
     records, _ = read_attempts(rd.attempts)
     if not raised or not records:
         return None

@@ -1,23 +1,207 @@
 """The run directory's durable record. ``attempts.jsonl`` is the source of truth: one line per finished
 attempt, fsynced before anything acts on its decision (a torn last line is ignored on read);
 ``state.json`` (written atomically) says what is in flight, so a supervisor killed at any moment
-carries out a journalled decision or finishes or reclaims the in-flight attempt."""
+carries out a journalled decision or finishes or reclaims the in-flight attempt.
+
+A line is plain JSON (its fields: docs/run-directory.md), written and read back whole through one
+pydantic ``TypeAdapter``; a line that does not fit the record is unreadable (the journal counts it)."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Discriminator, Tag, TypeAdapter
+from pydantic import PlainSerializer, PlainValidator, TypeAdapter
 
+from qlora_supervise.policies import decide as policy
+from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.facts.append import append_line
-from qlora_supervise.supervisor.record.records import JOURNAL_VERSION, AttemptRecord, Phase
+from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.spec import Knobs
+
+JOURNAL_VERSION = 2
+#: The failure in its own codec (pids as string keys, the Xid facts flat).
+FailureField = Annotated[Failure, PlainValidator(lambda raw: _failure(raw)), PlainSerializer(Failure.to_json)]
+
+
+def _failure(raw: Any) -> Failure:
+    try:
+        return Failure.from_json(raw)
+    except (KeyError, TypeError, AttributeError) as error:  # only a ValueError reads as "unreadable"
+        raise ValueError(f"not a failure: {error!r}") from None
+
+
+QUARANTINE_RUNG = "quarantine_checkpoint"
+
+
+class Phase(str, enum.Enum):
+    """What an attempt's child does."""
+
+    TRAIN = "train"
+    MERGE = "merge"
+
+
+class Outcome(str, enum.Enum):
+    """How an attempt ended, as the journal records it."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # a stop signal: no verdict on the config
+    INTERRUPTED = "interrupted"  # the supervisor died while it ran: no verdict either
+    STEPPED_UP = "stepped_up"  # stopped at a checkpoint for a faster config (policies/ladder/step_up.py)
+
+
+class Action(str, enum.Enum):
+    """What the policy decided after a failure."""
+
+    RESTART = "restart"
+    GIVE_UP = "give_up"
+
+
+class AttemptPeakSource(str, enum.Enum):
+    """Where an attempt's peak came from, strongest first (see :func:`attempt_peak`)."""
+
+    ALLOCATOR_REPORT = "allocator_report"  # the error report's allocator statistics at the failure
+    OOM_MESSAGE = "oom_message"  # "N is allocated by PyTorch" + the request that failed
+    HEARTBEAT = "heartbeat"  # the child's own allocator peak (data segment on the CPU)
+    NVML = "nvml"  # what NVML saw the process hold (includes the CUDA context)
+    RSS = "rss"  # host memory of the child, when nothing else was seen
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The one peak of an attempt: what the policy calibrates on and ``status`` prints."""
+
+    bytes: int
+    source: AttemptPeakSource
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """An attempt's host RAM (bytes; None: not read): training's and the load's RSS high-water
+    marks, the newest heartbeat's RSS, and the host model's prediction of training's."""
+
+    peak_bytes: int | None = None
+    load_peak_bytes: int | None = None
+    last_rss_bytes: int | None = None
+    predicted_bytes: int | None = None
+
+
+def attempt_peak(
+    report_peak: int | None,
+    oom_need: int | None,
+    heartbeat_peak: int | None,
+    nvml_peak: int | None,
+    rss_peak: int | None,
+) -> Peak | None:
+    """The attempt's peak: the first source with a reading wins, in :class:`AttemptPeakSource`'s
+    order (the allocator's numbers count what the failed step needed; both are lower bounds of
+    it, so the larger wins; heartbeats miss the last moments, NVML adds the CUDA context)."""
+    failed_step = max((p for p in (report_peak, oom_need) if p), default=None)
+    if failed_step:
+        from_report = failed_step == report_peak
+        source = AttemptPeakSource.ALLOCATOR_REPORT if from_report else AttemptPeakSource.OOM_MESSAGE
+        return Peak(int(max(failed_step, heartbeat_peak or 0)), source)
+    for value, source in (
+        (heartbeat_peak, AttemptPeakSource.HEARTBEAT),
+        (nvml_peak, AttemptPeakSource.NVML),
+        (rss_peak, AttemptPeakSource.RSS),
+    ):
+        if value:
+            return Peak(int(value), source)
+    return None
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """The policy's verdict on a failed attempt: a restart with new knobs, or giving up."""
+
+    action: Action
+    why: str
+    rung: str = ""
+    changes: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+    survives: Survives = Survives.ALL
+    knobs: Knobs | None = None  # the next attempt's knobs (restart only)
+    retryable: bool = True  # give up only: False means no config change can help (exit 4)
+    waited_s: float = 0.0  # seconds spent waiting for memory before this decision
+    undoes: int | None = None  # a step-up: the attempt whose rung it undoes
+
+    @classmethod
+    def of(cls, decision: policy.Restart | policy.GiveUp, waited_s: float = 0.0) -> DecisionRecord:
+        d = decision
+        if isinstance(d, policy.Restart):
+            return cls(Action.RESTART, d.why, d.rung, dict(d.changes), d.survives, d.knobs, waited_s=waited_s)
+        return cls(Action.GIVE_UP, d.why, retryable=d.retryable, waited_s=waited_s)
+
+    @classmethod
+    def retry_from_older(cls, knobs: Knobs, quarantined: str) -> DecisionRecord:
+        """The restart after a checkpoint that would not load was quarantined: same knobs, the
+        next older checkpoint (no verdict on the config)."""
+        why = f"{quarantined} did not load and was quarantined; resume from the next older checkpoint"
+        return cls(Action.RESTART, why, QUARANTINE_RUNG, {}, Survives.ALL, knobs)
+
+
+@dataclass(frozen=True)
+class PlanNote:
+    """Why an attempt runs the config it runs, as the pre-flight chose it (attempt 1)."""
+
+    predicted_peak: int | None  # bytes, the memory model's peak allocated for these knobs
+    budget: int | None  # bytes the plan was made against (the cap, or the card less a reserve)
+    why: tuple[str, ...]
+    changes: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)  # from the job as written
+    quality_changed: bool = False  # seq_len or rank changed before the first attempt (said loudly)
+    as_written: bool = False  # ``run --as-written``: the job's config, whatever the plan says
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One line of ``attempts.jsonl``: a finished attempt, its failure and the decision taken."""
+
+    attempt: int
+    phase: Phase
+    knobs: Knobs
+    outcome: Outcome
+    started_at: float
+    ended_at: float
+    exit_code: int | None
+    signal: int | None
+    resumed_from: int
+    steps_completed: int  # the last optimizer step this attempt finished
+    next_resume_from: int | None  # where the next attempt starts (None: no next attempt)
+    lost_steps: int  # finished steps the next attempt will not start from
+    peak: Peak | None = None
+    failure: FailureField | None = None
+    decision: DecisionRecord | None = None
+    plan: PlanNote | None = None  # the pre-flight's choice (attempt 1 of a run)
+    optimizer_reset: str | None = None  # why the child resumed with fresh optimizer state
+    host: HostMemory | None = None  # the attempt's host RAM against the host model's prediction
+    # Knobs the attempt changed but the trainer did not take: the ladder moves on without them.
+    unapplied: tuple[str, ...] = ()
+
+    @property
+    def steps_progressed(self) -> int:
+        return max(0, self.steps_completed - self.resumed_from)
+
+    @property
+    def restarts(self) -> bool:
+        return self.decision is not None and self.decision.action is Action.RESTART
+
+    def to_line(self) -> str:
+        raw = {"version": JOURNAL_VERSION, **_RECORD.dump_python(self, mode="json")}
+        return json.dumps(raw, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> AttemptRecord:
+        """Raises ValueError (pydantic's ValidationError) for a line this version cannot read."""
+        return _RECORD.validate_python(raw)
+
+
+_RECORD = TypeAdapter(AttemptRecord)
 
 
 class RunState(str, enum.Enum):
@@ -71,15 +255,12 @@ class State:
     fresh_start: bool = False  # the next attempt must not resume (adapter shape changed)
     note: str = ""
 
-    def to_json(self) -> str:
-        return _STATE.dump_json(self, indent=2).decode()
-
 
 _STATE = TypeAdapter(State)
 
 
 def write_state(path: Path, state: State) -> None:
-    write_text_atomic(path, state.to_json())
+    write_text_atomic(path, _STATE.dump_json(state, indent=2).decode())
 
 
 def read_state(path: Path) -> State | None:
@@ -106,25 +287,10 @@ class Lift:
     time: float
 
     def to_line(self) -> str:
-        return json.dumps({"version": JOURNAL_VERSION, "lift": dataclasses.asdict(self)}) + "\n"
+        return json.dumps({"version": JOURNAL_VERSION, "lift": asdict(self)}) + "\n"
 
 
-@dataclass(frozen=True)
-class _LiftLine:
-    lift: Lift
-
-
-def _kind(raw: object) -> str | None:
-    if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
-        return None
-    return "lift" if "lift" in raw else "attempt"
-
-
-_LINE: TypeAdapter[AttemptRecord | _LiftLine] = TypeAdapter(
-    Annotated[
-        Annotated[AttemptRecord, Tag("attempt")] | Annotated[_LiftLine, Tag("lift")], Discriminator(_kind)
-    ]
-)
+_LIFT = TypeAdapter(Lift)
 
 
 def _lines(path: Path) -> tuple[list[AttemptRecord | Lift], int]:
@@ -137,11 +303,14 @@ def _lines(path: Path) -> tuple[list[AttemptRecord | Lift], int]:
         if not line.strip():
             continue
         try:
-            item = _LINE.validate_json(line)
+            raw = json.loads(line)
+            if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
+                raise ValueError("not a journal line of this version")
+            found.append(
+                _LIFT.validate_python(raw["lift"]) if "lift" in raw else AttemptRecord.from_json(raw)
+            )
         except ValueError:
             bad += 1
-            continue
-        found.append(item.lift if isinstance(item, _LiftLine) else item)
     return found, bad
 
 

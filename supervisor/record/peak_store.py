@@ -11,7 +11,6 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +78,6 @@ def read_speeds(path: Path, shape: ModelShape, trainer: str = OWN) -> list[Speed
     return [SpeedObservation(knobs, rate) for knobs, rate in rates if rate is not None and rate > 0]
 
 
-def record_peak(path: Path, shape: ModelShape, knobs: Knobs, peak_bytes: int) -> bool:
-    """Append one peak; False (and nothing raised) when the store cannot be written."""
-    return record_attempt(path, shape, knobs, peak_bytes, None)
-
-
 def record_attempt(
     path: Path,
     shape: ModelShape,
@@ -108,22 +102,16 @@ def record_attempt(
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        with _locked(path):
+        lock = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
             lines = [*lines[-(KEEP_LINES - 1) :], line]
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
             os.replace(tmp, path)
+        finally:
+            os.close(lock)  # closing drops the lock
     except OSError:
         return False
     return True
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o640)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing drops the lock

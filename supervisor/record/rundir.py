@@ -1,21 +1,45 @@
 """The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names
 every top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a
-link or of the wrong kind before anything is written."""
+link or of the wrong kind before anything is written.
+
+Files inside it are never opened through a symbolic link (the supervisor often runs as root), with
+explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask differs between a shell and a
+unit). An ``output_dir`` of another user, or writable by others, is refused; so is a folder that is not
+empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a ``.lock`` beside the
+job copies only): the supervisor moves and deletes entries of its run directory. ``/``, homes and the
+system's folders are refused outright.
+
+Room on the disk (:func:`room_needed`): after a ``disk_full`` the supervisor frees what killed writers of
+this run left, then waits for as much room as the last checkpoint took (at least :data:`MIN_ROOM`)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
+import re
+import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.facts.append import UnsafeRunPath
-from qlora_supervise.supervisor.record.ownership import foreign_output_dir
-from qlora_supervise.supervisor.record.runfiles import open_lock_file, prepare_root, refuse_links
-from qlora_supervise.trainer_child.contract.checkpoints import QUARANTINE_DIR
+from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath
+from qlora_supervise.supervisor.facts.units import format_bytes
+from qlora_supervise.supervisor.jobfile.system_paths import system_folder
+from qlora_supervise.supervisor.record.journal import read_state
+from qlora_supervise.trainer_child.contract.checkpoints import (
+    DIR_MODE,
+    QUARANTINE_DIR,
+    TEMP_PREFIX,
+    remove_stale_temps,
+)
+from qlora_supervise.trainer_child.contract.disk_space import free_bytes, last_checkpoint_bytes, tree_bytes
+from qlora_supervise.trainer_child.contract.processes import pid_alive
 
+RUN_UMASK = 0o027  # group may read, others nothing: the modes of DIR_MODE / FILE_MODE
 MERGE_COMMAND = "merge-command"  # ``qlora-supervise merge``'s own spec, log and report
 TRAINER_OUTPUT = "trainer-output"  # a foreign tool's own output directory (its final save)
 DATASETS_CACHE = "datasets-cache"  # the child's HF_DATASETS_CACHE: prepared data stays in the run
@@ -97,7 +121,7 @@ class RunDir:
     def lock(self, busy: str | None = None) -> IO[str]:
         """Hold an exclusive lock on the run directory for the life of the returned file.
 
-        The directory is created 0750 or checked to be ours (:mod:`.ownership`, :mod:`.runfiles`);
+        The directory is created 0750 or checked to be ours (the module's docstring);
         a run file, ``checkpoints/`` or the quarantine that is a link (or holds one) stops the run
         before anything is written. ``busy``: the words when another process holds the lock.
         """
@@ -114,12 +138,9 @@ class RunDir:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
-            held = f"another qlora-supervise is running on {self.root}"
-            raise SupervisorExit(
-                SupervisorExitCode.BAD_JOB,
-                f"{busy or held} (lock held)"
-                + ("" if busy else "; stop it first or choose another output_dir"),
-            ) from None
+            why = busy or f"another qlora-supervise is running on {self.root}"
+            fix = "" if busy else "; stop it first or choose another output_dir"
+            raise SupervisorExit(SupervisorExitCode.BAD_JOB, f"{why} (lock held){fix}") from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
@@ -128,7 +149,201 @@ class RunDir:
 
 
 def refuse_foreign(root: Path, contents: bool = True) -> None:
-    """Exit 2 when ``root`` may not be a run directory (:func:`.ownership.foreign_output_dir`)."""
+    """Exit 2 when ``root`` may not be a run directory (:func:`foreign_output_dir`)."""
     found = foreign_output_dir(root, contents)
     if found is not None:
         raise UnsafeRunPath(root, f"output_dir {found[0]}", found[1])
+
+
+def prepare_root(root: Path) -> None:
+    """Create the run directory (0750) or check an existing one is ours and not writable by others."""
+    if not root.exists():
+        try:
+            root.mkdir(parents=True, mode=DIR_MODE)
+            os.chmod(root, DIR_MODE)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise  # the caller words a full or read-only disk (run._at_start)
+            why = f"cannot create output_dir: {exc.strerror}"
+            raise UnsafeRunPath(root, why, "choose a folder this user may create") from None
+        return
+    info = os.stat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeRunPath(root, "output_dir is not a directory", "choose another output_dir")
+    if info.st_uid != os.geteuid():
+        raise UnsafeRunPath(
+            root,
+            f"output_dir is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})",
+            "run as its owner, or choose an output_dir of your own",
+        )
+    if info.st_mode & stat.S_IWOTH:
+        raise UnsafeRunPath(
+            root,
+            f"output_dir is writable by others (mode {stat.S_IMODE(info.st_mode):04o})",
+            f"run `chmod o-w {root}` (the supervisor makes it {DIR_MODE:04o}), or choose another output_dir",
+        )
+
+
+def refuse_links(paths: list[Path], directories: bool = False, inside: bool = False) -> None:
+    """Refuse at start when one of the run's own files (``directories``: directories) is a link or of
+    another kind; ``inside``: a directory holding a link too (``checkpoints/checkpoint-N ->
+    /elsewhere`` would be resumed, quarantined or deleted outside the run directory)."""
+    is_kind, other = (
+        (stat.S_ISDIR, "is not a directory") if directories else (stat.S_ISREG, "is not a regular file")
+    )
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX)
+        if not is_kind(info.st_mode):
+            raise UnsafeRunPath(path, other, LINK_FIX)
+        for entry in sorted(path.iterdir()) if inside else ():
+            if entry.is_symlink():
+                why = "is a symbolic link; refusing to follow or delete through it"
+                raise UnsafeRunPath(entry, why, LINK_FIX)
+
+
+def ensure_dir(path: Path) -> Path:
+    """``path`` as a real directory of ours (created 0750); a link or a file there is refused."""
+    try:
+        os.mkdir(path, DIR_MODE)
+        os.chmod(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise UnsafeRunPath(path, f"is {kind}; the supervisor writes only into its own directories", LINK_FIX)
+    return path
+
+
+def open_lock_file(path: Path) -> TextIO:
+    """The lock file, read-write (created 0640), never through a link."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            why = "is a symbolic link; refusing to lock or write through it"
+            raise UnsafeRunPath(path, why, LINK_FIX) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeRunPath(path, "is not a regular file", LINK_FIX)
+    os.fchmod(fd, FILE_MODE)
+    return os.fdopen(fd, "r+", encoding="utf-8")
+
+
+_FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")
+
+
+def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | None:
+    """Why ``root`` may not be a run directory and the fix, or None; ``contents`` False: only
+    where it is (a system folder, a home), not what it holds."""
+    found = system_folder(root)
+    if found is not None or not contents:
+        return found
+    real = Path(os.path.realpath(root))
+    if not real.is_dir() or is_run_dir(real):
+        return None
+    return (
+        "exists, is not empty and holds no run of qlora-supervise (no state.json or events.jsonl of "
+        "ours); the supervisor would move, replace or delete the files there",
+        f"choose a new or empty folder for output_dir (for example a subfolder, such as {real}/run), "
+        "or give the path of this run's own output_dir",
+    )
+
+
+def is_run_dir(root: Path) -> bool:
+    """Whether ``root`` is empty or holds a run of ours (see the module's docstring)."""
+    try:
+        names = [entry.name for entry in os.scandir(root)]
+    except OSError:
+        return False
+    if not names:
+        return True
+    state = root / "state.json"
+    if state.is_file() and not state.is_symlink() and read_state(state) is not None:
+        return True
+    if _first_line_is_ours(root / "events.jsonl"):
+        return True
+    return ".lock" in names and all(_FIRST_FILES.fullmatch(name) for name in names)
+
+
+def _first_line_is_ours(path: Path) -> bool:
+    """An event log line of ours: a JSON object with ``event`` and ``level``."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open("rb") as handle:
+            line = handle.readline(64 * 1024)
+        record = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"event", "level"} <= record.keys()
+
+
+MIN_ROOM = 1 << 20  # a journal line, a state file, an error report and some events
+
+
+def room_needed(rd: RunDir, reported: int | None = None) -> int:
+    """Bytes to wait for: what the child said it needs, the last checkpoint's size, or the minimum."""
+    return max(MIN_ROOM, reported or 0, last_checkpoint_bytes(rd.checkpoints) or 0)
+
+
+def room_free(rd: RunDir) -> int:
+    """Bytes the run may still write on its disk (0 on a read-only mount)."""
+    return free_bytes(rd.checkpoints if rd.checkpoints.exists() else rd.root)
+
+
+def free_ours(rd: RunDir) -> int:
+    """Delete the staging directories, adapter temps and atomic writes' temp files that killed
+    writers left (the caller holds the run's lock); returns the bytes freed."""
+    freed = 0
+    if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
+        sizes = {
+            path: tree_bytes(path) for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)
+        }
+        gone = remove_stale_temps(rd.checkpoints)
+        freed += sum(sizes.get(path, 0) for path in gone)
+    for path in _stale_entries(rd):
+        size = tree_bytes(path) if path.is_dir() else path.stat().st_size
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        freed += size
+    return freed
+
+
+def _stale_entries(rd: RunDir) -> list[Path]:
+    found: list[Path] = []
+    for directory in [rd.root, *sorted(rd.root.glob("attempt-*"))]:
+        if not directory.is_dir() or directory.is_symlink():
+            continue
+        for path in directory.iterdir():
+            name = path.name
+            if name.startswith(".") and name.endswith(".tmp") and path.is_file():
+                found.append(path)  # write_text_atomic's temp file, left by a kill mid-write
+            elif (
+                name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-"))
+                and (tail := name.rsplit("-", 1)[-1]).isdigit()
+                and not pid_alive(int(tail))
+            ):
+                found.append(path)
+    return found
+
+
+def room_words(rd: RunDir, needed: int, free: int) -> str:
+    """The sentence for people: where, how much is free, how much is needed and why, what to do."""
+    where = rd.checkpoints if rd.checkpoints.exists() else rd.root
+    if free == 0 and not os.access(where, os.W_OK):
+        return f"{where} is read-only: remount it writable (the run needs {format_bytes(needed)} there)"
+    last = last_checkpoint_bytes(rd.checkpoints)
+    basis = "the size of the last checkpoint" if last and needed <= last else "the journal, state and reports"
+    return (
+        f"the disk holding {where} has {format_bytes(free)} free; the run needs {format_bytes(needed)} "
+        f"there ({basis}): free {format_bytes(max(0, needed - free))} or more"
+    )

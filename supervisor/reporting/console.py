@@ -13,7 +13,7 @@ from typing import NoReturn, TextIO, cast
 from tqdm import tqdm
 
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 
 _TRAINING = frozenset({"forward", "backward", "optimizer"})
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, write_to_
 
 from qlora_supervise.supervisor.jobfile.world import NOT_PROM
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 
 STATES = ("starting", "running", "backoff", "waiting", "succeeded", "gave_up", "stopped")
 _STATE_OF_EVENT = {

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting.console import Pace
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 
 
 def notify(**fields: str | int | float | bool) -> bool:

@@ -25,7 +25,7 @@ from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting.console import PaceMeter, ProgressDisplay
 from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
-from qlora_supervise.supervisor.watching.heartbeats import Progress
+from qlora_supervise.supervisor.watching.watch import Progress
 
 METRICS_TEXTFILE = "supervise.metrics_textfile"
 ON_EVENT = "supervise.on_event"

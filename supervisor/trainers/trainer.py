@@ -23,8 +23,7 @@ from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
 from qlora_supervise.supervisor.facts.trainer import Ladders
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONFIG_PREFIX
-from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT, AttemptDir
-from qlora_supervise.supervisor.record.runfiles import ensure_dir
+from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT, AttemptDir, ensure_dir
 from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten, unmapped_changes
 from qlora_supervise.supervisor.trainers.tool import RUNG_KNOBS, Table, Tool, rungs_for, writable

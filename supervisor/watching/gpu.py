@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -211,7 +211,8 @@ def _handle_by_uuid(nvml: Nvml, uuid: str) -> Handle:
     # CUDA_VISIBLE_DEVICES accepts unique UUID prefixes; NVML wants the whole UUID.
     for index in range(int(nvml.nvmlDeviceGetCount())):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        if _text(nvml.nvmlDeviceGetUUID(handle)).startswith(uuid):
+        found = nvml.nvmlDeviceGetUUID(handle)
+        if (found.decode() if isinstance(found, bytes) else found).startswith(uuid):
             return handle
     raise LookupError(f"no GPU with UUID {uuid}")
 
@@ -230,17 +231,14 @@ def _processes(nvml: Nvml, handle: Handle) -> list[tuple[int, int]]:
     """(pid, bytes) per process, compute and graphics merged."""
     by_pid: dict[int, int] = {}
     for query in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
-        for process in _listed(query, handle):
+        try:
+            listed = list(query(handle))
+        except pynvml.NVMLError_NotSupported:  # e.g. graphics processes on a compute-only board
+            continue
+        for process in listed:
             used = process.usedGpuMemory  # None where the driver will not say (e.g. no permission)
             by_pid[int(process.pid)] = max(by_pid.get(int(process.pid), 0), int(used or 0))
     return sorted(by_pid.items())
-
-
-def _listed(query: Callable[[Handle], Iterable[NvmlProcess]], handle: Handle) -> list[NvmlProcess]:
-    try:
-        return list(query(handle))
-    except pynvml.NVMLError_NotSupported:
-        return []  # e.g. graphics processes on a compute-only board
 
 
 def _xid_event_set(nvml: Nvml, handle: Handle) -> Handle | None:
@@ -255,10 +253,6 @@ def _xid_event_set(nvml: Nvml, handle: Handle) -> Handle | None:
             nvml.nvmlEventSetFree(events)
         return None
     return events
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _shutdown(nvml: Nvml) -> None:
@@ -278,11 +272,9 @@ class RankCards:
         that ``drop_rank`` left is watched here), on the CPU, or when NVML opens no card."""
         if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
             return None
-        monitors = {}
-        for local_rank, position in enumerate(rank_gpus(knobs)):
-            monitor = GpuMonitor.open(f"cuda:{position}", nvml=nvml)
-            if monitor is not None:
-                monitors[local_rank] = monitor
+        cards = enumerate(rank_gpus(knobs))
+        opened = {rank: GpuMonitor.open(f"cuda:{position}", nvml=nvml) for rank, position in cards}
+        monitors = {rank: monitor for rank, monitor in opened.items() if monitor is not None}
         return cls(monitors) if monitors else None
 
     @property
@@ -292,12 +284,8 @@ class RankCards:
 
     def sample(self, pids: set[int]) -> dict[int, GpuSample]:
         """One sample per card that answered, by local rank (``pids``: the child's whole tree)."""
-        found = {}
-        for rank, monitor in self._monitors.items():
-            sample = monitor.sample(pids)
-            if sample is not None:
-                found[rank] = sample
-        return found
+        samples = {rank: monitor.sample(pids) for rank, monitor in self._monitors.items()}
+        return {rank: sample for rank, sample in samples.items() if sample is not None}
 
     def close(self) -> None:
         for monitor in self._monitors.values():

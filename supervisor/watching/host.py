@@ -109,10 +109,10 @@ def memory_events_path(
     return None
 
 
-def memory_limit_bytes(events_path: Path | None = None) -> int | None:
+def memory_limit_bytes() -> int | None:
     """The limit beside the ``oom_kill`` counter (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
     None without one or when nothing can be read."""
-    path = events_path or memory_events_path()
+    path = memory_events_path()
     if path is None:
         return None
     for name in ("memory.max", "memory.limit_in_bytes"):

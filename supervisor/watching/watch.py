@@ -1,21 +1,259 @@
 """What the loop watches while an attempt runs: host and GPU memory samples (each GPU sample appended
-to ``attempt-NNN/gpu.jsonl``) and the hang rule. A missing reading is never an error."""
+to ``attempt-NNN/gpu.jsonl``) and the hang rule. A missing reading is never an error.
+
+Reading the child's events file as it grows, into a picture of its progress (a change of step or
+stage: a heartbeat thread outliving a stuck training is still hung); each rank's peak under torchrun,
+where one rank well above the others points at uneven batches or a device_map (:func:`uneven`).
+
+**Memory creep** (:class:`CreepWatch`), a peak that rises step after step (a leak) towards the budget:
+over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals
+but one and a positive slope; said once per attempt, with an early checkpoint asked for when the
+line reaches the budget within :data:`HORIZON_STEPS`."""
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
-from dataclasses import dataclass
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_text
-from qlora_supervise.supervisor.watching.creep import CreepForecast
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample, RankCards
-from qlora_supervise.supervisor.watching.heartbeats import Progress
 from qlora_supervise.supervisor.watching.host import sample_host
+from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
+from qlora_supervise.trainer_child.contract.events import (
+    CheckpointSaved,
+    ChildEvent,
+    ChildPeakSource,
+    EarlyCheckpointRequested,
+    Finished,
+    Heartbeat,
+    Loaded,
+    SpeedTrialEvent,
+    StageEntered,
+    Started,
+    Stopping,
+    parse_event,
+)
+from qlora_supervise.trainer_child.contract.spec import rank_files
+
+#: The stages before the first micro-step (``starting``: before any event named one).
+_BEFORE_TRAINING = frozenset({"starting", Stage.SETUP.value, Stage.LOAD.value, Stage.RESUME.value})
+
+
+@dataclass
+class Progress:
+    """What the heartbeats have shown so far in one attempt (``stage``: ``starting`` before any)."""
+
+    step: int = 0
+    stage: str = "starting"
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    max_steps: int | None = None
+    peak_bytes: int | None = None  # the child's own peak (CUDA allocator peak, or data segment on the CPU)
+    setup_peak: int | None = None  # before anything trained or was timed: what a speed trial hands back
+    # Host RSS: the load's high-water mark, training's (after the load), and the newest beat's RSS.
+    load_host_peak: int | None = None
+    host_peak: int | None = None
+    last_rss: int | None = None
+    last_event_at: float | None = None  # monotonic time of the newest line of any kind
+    last_progress_at: float | None = None  # monotonic time the step or stage last changed
+    finished: bool = False
+    events: list[ChildEvent] = field(default_factory=list)
+
+
+class HeartbeatReader:
+    """Incremental reader: each :meth:`poll` consumes only the lines written since the last one."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._offset = 0
+        self._partial = ""
+        self.progress = Progress()
+
+    def poll(self, now: float) -> list[ChildEvent]:
+        """New events since the last call, typed; updates :attr:`progress`; bad lines are skipped."""
+        try:
+            with self._path.open("r", encoding="utf-8") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+                self._offset = handle.tell()
+        except OSError:
+            return []
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()  # a line still being written stays for the next poll
+        new = [event for event in map(parse_event, lines) if event is not None]
+        for event in new:
+            self._apply(event, now)
+        return new
+
+    def _apply(self, event: ChildEvent, now: float) -> None:
+        p = self.progress
+        p.last_event_at = now
+        step, stage = position(event)
+        if (step is not None and step != p.step) or (stage is not None and stage.value != p.stage):
+            p.last_progress_at = now
+        if step is not None:
+            p.step = max(p.step, step)
+        if stage is not None:
+            p.stage = stage.value
+        match event:
+            case Heartbeat(loss=loss, tokens_per_s=rate, memory=memory):
+                p.loss = loss if loss is not None else p.loss
+                p.tokens_per_s = rate if rate is not None else p.tokens_per_s
+                p.last_rss = memory.rss_bytes if memory.rss_bytes is not None else p.last_rss
+                if p.stage not in _BEFORE_TRAINING and memory.rss_high_water_bytes is not None:
+                    p.host_peak = max(p.host_peak or 0, memory.rss_high_water_bytes)
+            case Loaded():
+                p.load_host_peak = event.memory.rss_high_water_bytes
+            case Started(max_steps=int() as max_steps):
+                p.max_steps = max_steps
+            case Finished():
+                p.finished = True
+        # ``loaded`` carries memory numbers too; the peak rule is the child's.
+        if isinstance(event, Heartbeat | Loaded) and event.memory.peak_bytes is not None:
+            p.peak_bytes = max(p.peak_bytes or 0, event.memory.peak_bytes)
+            if p.stage in _BEFORE_TRAINING:
+                p.setup_peak = max(p.setup_peak or 0, event.memory.peak_bytes)
+        if isinstance(event, SpeedTrialEvent):
+            # The child reset its peaks after the trial: the attempt's is the load's, then training's.
+            p.peak_bytes = p.setup_peak
+            p.host_peak = None
+        p.events.append(event)
+
+
+def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
+    """The step and stage an event names, where it does (``unknown``, a newer child's, says nothing)."""
+    match event:
+        case Heartbeat() | StageEntered() | Stopping() | EarlyCheckpointRequested() | Started():
+            return event.step, (None if event.stage is Stage.UNKNOWN else event.stage)
+        case CheckpointSaved() | Finished():
+            return event.step, None
+    return None, None
+
+
+UNEVEN_SHARE = 0.2  # "well above": the highest exceeds the lowest by this share of it
+UNEVEN_MIN_BYTES = 64 * 1024 * 1024  # ... and by this many bytes (small models differ by noise)
+
+
+@dataclass(frozen=True)
+class UnevenPeaks:
+    """One rank peaked well above the others (bytes)."""
+
+    high_rank: int
+    high_bytes: int
+    low_rank: int
+    low_bytes: int
+
+    @property
+    def share_above(self) -> float:
+        return (self.high_bytes - self.low_bytes) / self.low_bytes
+
+
+def read_rank_peaks(events_file: Path) -> dict[int, int]:
+    """``{rank: peak bytes}`` from each rank's events file; a rank without a reading is left out."""
+    peaks: dict[int, int] = {}
+    for rank, path in rank_files(str(events_file)):
+        reader = HeartbeatReader(Path(path))
+        reader.poll(0.0)
+        if reader.progress.peak_bytes:
+            peaks[rank] = reader.progress.peak_bytes
+    return peaks
+
+
+def uneven(peaks: Mapping[int, int]) -> UnevenPeaks | None:
+    """The highest and lowest rank when one peaked well above; None with fewer than two or none."""
+    if len(peaks) < 2:
+        return None
+    high = max(peaks, key=lambda rank: (peaks[rank], -rank))
+    low = min(peaks, key=lambda rank: (peaks[rank], rank))
+    gap = peaks[high] - peaks[low]
+    if gap < UNEVEN_MIN_BYTES or gap < UNEVEN_SHARE * peaks[low]:
+        return None
+    return UnevenPeaks(high, peaks[high], low, peaks[low])
+
+
+WINDOW = 6
+WARMUP_STEPS = 2
+HORIZON_STEPS = 8
+NOISE_FLOOR = 8 * 1024**2
+NOISE_SHARE = 0.001
+
+
+@dataclass(frozen=True)
+class CreepForecast:
+    step: int
+    peak_bytes: int
+    slope_bytes_per_step: float
+    budget_bytes: int | None
+    predicted_oom_step: int | None  # None: no budget to reach
+    window_steps: int
+
+    @property
+    def asks_for_checkpoint(self) -> bool:
+        return self.predicted_oom_step is not None
+
+
+class CreepWatch:
+    """Fed every heartbeat of one attempt; says once when memory creeps towards the budget."""
+
+    def __init__(self, gpu_budget: int | None, cpu_budget: int | None, first_step: int = 0) -> None:
+        self._budgets = {ChildPeakSource.CUDA_ALLOCATOR: gpu_budget, ChildPeakSource.DATA_SEGMENT: cpu_budget}
+        self._first_step = first_step
+        self._peaks: dict[int, int] = {}
+        self._source: ChildPeakSource | None = None
+        self.fired = False
+
+    def observe(self, beat: Heartbeat) -> CreepForecast | None:
+        peak = beat.memory.peak_bytes
+        if self.fired or peak is None or beat.step <= self._first_step + WARMUP_STEPS:
+            return None
+        self._source = beat.memory.peak_source
+        self._peaks[beat.step] = max(self._peaks.get(beat.step, 0), peak)
+        for old in sorted(self._peaks)[:-WINDOW]:  # only the window is ever read
+            del self._peaks[old]
+        forecast = self._forecast()
+        if forecast is None:
+            return None
+        oom_step = forecast.predicted_oom_step  # None only without a budget
+        if oom_step is not None and oom_step - forecast.step > HORIZON_STEPS:
+            return None  # a leak, but the budget is still far: say so when it is near
+        self.fired = True
+        return forecast
+
+    def _forecast(self) -> CreepForecast | None:
+        steps = sorted(self._peaks)[-WINDOW:]
+        if len(steps) < WINDOW:
+            return None
+        peaks = [self._peaks[step] for step in steps]
+        noise = max(NOISE_FLOOR, NOISE_SHARE * peaks[-1])
+        rises = sum(1 for before, after in itertools.pairwise(peaks) if after - before > noise)
+        slope = statistics.linear_regression(steps, peaks).slope  # steps are distinct
+        if rises < len(steps) - 2 or slope <= 0:
+            return None
+        budget = self._budgets.get(self._source) if self._source is not None else None
+        return CreepForecast(
+            step=steps[-1],
+            peak_bytes=peaks[-1],
+            slope_bytes_per_step=slope,
+            budget_bytes=budget,
+            predicted_oom_step=_reaches(steps[-1], peaks[-1], slope, budget),
+            window_steps=len(steps),
+        )
+
+
+def _reaches(step: int, peak: int, slope: float, budget: int | None) -> int | None:
+    if budget is None:
+        return None
+    if peak >= budget:
+        return step + 1
+    return step + max(1, math.ceil((budget - peak) / slope))
 
 
 @dataclass
@@ -31,16 +269,16 @@ class Watched:
     gpu_others_sm_util: int | None = None  # the newest sample's (None: NVML did not say)
     rss_peak: int | None = None
     creep: CreepForecast | None = None  # memory creep seen (and an early checkpoint asked for)
-    xid_events: list[int] = dataclasses.field(default_factory=list)  # NVML Xids during the attempt
+    xid_events: list[int] = field(default_factory=list)  # NVML Xids during the attempt
     # Under torchrun: when a rank's failure report first showed, whether the others overstayed.
     rank_failed_at: float | None = None
     ranks_overstayed: bool = False
-    rank_pids: dict[int, int] = dataclasses.field(default_factory=dict)  # from each rank's started event
-    rank_exits: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> first seen gone
+    rank_pids: dict[int, int] = field(default_factory=dict)  # from each rank's started event
+    rank_exits: dict[int, float] = field(default_factory=dict)  # rank -> first seen gone
     # Under torchrun, per local rank: its card's NVML index, the child's peak there, its Xids.
-    cards: dict[int, int] = dataclasses.field(default_factory=dict)
-    card_peaks: dict[int, int] = dataclasses.field(default_factory=dict)
-    card_xids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    cards: dict[int, int] = field(default_factory=dict)
+    card_peaks: dict[int, int] = field(default_factory=dict)
+    card_xids: dict[int, list[int]] = field(default_factory=dict)
 
 
 def hung(progress: Progress, started: float, now: float, timeout_s: float) -> bool:
@@ -105,7 +343,7 @@ def pid_tree(pid: int) -> set[int]:
 
 
 def _sample_line(sample: GpuSample, rank: int | None = None) -> str:
-    fields = dataclasses.asdict(sample)
+    fields = asdict(sample)
     if rank is not None:
         fields = {"local_rank": rank, **fields}
     return json.dumps(fields, default=str) + "\n"
