@@ -8,7 +8,6 @@ import re
 import pytest
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.devices import DeviceBinding, DeviceError, bind_device
 from qlora_supervise.trainer_child.contract.events import (
     ChildPeakSource,
     Heartbeat,
@@ -16,6 +15,7 @@ from qlora_supervise.trainer_child.contract.events import (
     parse_event,
 )
 from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import DeviceBinding, DeviceError, bind_device
 
 
 def _report(stage: object) -> ErrorReport:

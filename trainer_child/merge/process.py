@@ -23,8 +23,8 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.devices import DeviceError
 from qlora_supervise.trainer_child.contract.events import Loaded, read_events
+from qlora_supervise.trainer_child.contract.spec import DeviceError
 from qlora_supervise.trainer_child.run.attempt import Context, guarded
 
 #: ``qlora-supervise merge --device`` reaches the child through this variable (the spec's device
