@@ -14,7 +14,7 @@ import pytest
 from _child import events, log_tail, make_spec, next_spec, run_child
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
-from qlora_supervise.trainer_child.contract.events import Loaded, Resumed, event_from_fields
+from qlora_supervise.trainer_child.contract.events import Loaded, Resumed, parse_event
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def r8_fixture(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Trai
 def test_loaded_reports_the_untruncated_lengths_trl_trains_on(r8: Trained) -> None:
     """The loaded event holds every sample's length; each traced row is one of them cut at max_seq_len."""
     loaded = next(e for e in events(r8.spec) if e["event"] == "loaded")
-    record = event_from_fields(loaded)
+    record = parse_event(loaded)
     lengths = record.sample_lengths if isinstance(record, Loaded) else None
     assert lengths is not None and lengths.exact and lengths.rows == loaded["train_rows"] == 320
     cap = r8.spec.knobs.max_seq_len
@@ -98,7 +98,7 @@ def test_rank_halved_on_resume_keeps_step_data_position_and_loss(
 
     resumed = next(e for e in events(second) if e["event"] == "resumed")
     assert resumed["from_step"] == 4 and resumed["reset_optimizer"] is True
-    record = event_from_fields(resumed)
+    record = parse_event(resumed)
     reduction = record.rank_reduction if isinstance(record, Resumed) else None
     assert reduction is not None, resumed
     assert (reduction.rank_from, reduction.rank_to, reduction.modules) == (8, 4, 16)

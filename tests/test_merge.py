@@ -11,7 +11,7 @@ import pytest
 from _child import child_env, events, make_spec, run_child
 
 from qlora_supervise.supervisor.commands.cli import main
-from qlora_supervise.trainer_child.merge.plan import MergeSizes, plan_merge
+from qlora_supervise.trainer_child.merge.process import MergeSizes, plan_merge
 
 CHECK = Path(__file__).with_name("merge_check.py")
 GIB = 2**30

@@ -8,14 +8,14 @@ import re
 import pytest
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.devices import DeviceBinding, DeviceError, bind_device
 from qlora_supervise.trainer_child.contract.events import (
     ChildPeakSource,
     Heartbeat,
     MemoryNumbers,
-    event_from_fields,
+    parse_event,
 )
 from qlora_supervise.trainer_child.contract.report import ErrorReport
+from qlora_supervise.trainer_child.contract.spec import DeviceBinding, DeviceError, bind_device
 
 
 def _report(stage: object) -> ErrorReport:
@@ -68,14 +68,14 @@ def test_heartbeat_round_trips_through_an_event_line() -> None:
     assert line["event"] == "heartbeat" and line["peak_bytes"] == 4096 and line["stage"] == "forward"
     assert line["peak_source"] == "cuda_allocator" and line["allocated_bytes"] == 1024
     assert "peak" not in line and "peak_vmdata" not in line  # the peak is named once
-    assert event_from_fields(line) == beat
+    assert parse_event(line) == beat
 
 
 def test_heartbeat_without_an_integer_step_is_not_trusted() -> None:
     """A line whose step is missing or not an integer gives no heartbeat."""
-    assert event_from_fields({"event": "heartbeat", "stage": "forward"}) is None
-    assert event_from_fields({"event": "heartbeat", "step": "3"}) is None
-    assert event_from_fields({"event": "heartbeat", "step": True}) is None
+    assert parse_event({"event": "heartbeat", "stage": "forward"}) is None
+    assert parse_event({"event": "heartbeat", "step": "3"}) is None
+    assert parse_event({"event": "heartbeat", "step": True}) is None
 
 
 @pytest.mark.parametrize(

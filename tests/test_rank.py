@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
-from qlora_supervise.trainer_child.contract.events import Resumed, event_from_fields
+from qlora_supervise.trainer_child.contract.events import Resumed, parse_event
 from qlora_supervise.trainer_child.run.failure import ConfigError
 
 # torch (and run.rank, which imports it) are imported by the tests that run, not at collection:
@@ -121,7 +121,7 @@ def test_truncate_adapter_rewrites_the_files_at_the_new_rank_and_reports_the_ene
     assert reduction.energy_kept == pytest.approx(top / total, rel=1e-3)
     assert reduction.worst_module == worst
     assert reduction.worst_energy_kept == pytest.approx(shares[worst], rel=1e-3)
-    resumed = event_from_fields({"event": "resumed", **reduction.fields()})
+    resumed = parse_event({"event": "resumed", **reduction.fields()})
     assert isinstance(resumed, Resumed) and resumed.rank_reduction == reduction
 
 

@@ -15,7 +15,7 @@ from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.journal import Action, AttemptRecord, DecisionRecord, Outcome, Phase
 from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
-from qlora_supervise.trainer_child.contract.events import event_from_fields
+from qlora_supervise.trainer_child.contract.events import parse_event
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 KNOBS = Knobs(model="/m/7b", lora_r=16, lora_alpha=32, optimizer="paged_adamw_8bit")
@@ -103,7 +103,7 @@ def test_the_supervisor_logs_rank_reduced_from_the_childs_resumed_event() -> Non
         {"event": "heartbeat", "step": 40, **reduction.fields()},  # only the resumed event counts
         {"event": "resumed", "from_step": 40, **reduction.fields()},
     ]
-    note_child_events([e for e in map(event_from_fields, lines) if e is not None], log)
+    note_child_events([e for e in map(parse_event, lines) if e is not None], log)
     assert log.lines == [
         (
             "rank_reduced",

@@ -19,7 +19,7 @@ from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
-from qlora_supervise.trainer_child.contract.events import Loaded, Started, event_from_fields, event_line
+from qlora_supervise.trainer_child.contract.events import Loaded, Started, event_line, parse_event
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 # 20 samples: 10 of 50 tokens, 6 of 100, 4 of 200 (1900 tokens). At 128 the four longest lose 72 each.
@@ -63,11 +63,11 @@ def test_the_policy_puts_the_cost_into_the_shorten_rungs_reason() -> None:
 
 def test_sample_lengths_round_trip_and_torn_events_read_as_none() -> None:
     """The typed field survives the events file; an event without it has none, one with bad values is None."""
-    loaded = event_from_fields({"event": "loaded", **LENGTHS.fields()})
+    loaded = parse_event({"event": "loaded", **LENGTHS.fields()})
     assert isinstance(loaded, Loaded) and loaded.sample_lengths == LENGTHS
-    none = event_from_fields({"event": "loaded", "train_rows": 20})
+    none = parse_event({"event": "loaded", "train_rows": 20})
     assert isinstance(none, Loaded) and none.sample_lengths is None
-    assert event_from_fields({"event": "loaded", "sample_lengths": {"rows": 2, "lengths": [1, "x"]}}) is None
+    assert parse_event({"event": "loaded", "sample_lengths": {"rows": 2, "lengths": [1, "x"]}}) is None
 
 
 def test_settings_take_the_latest_loaded_lengths_and_keep_earlier_ones_otherwise() -> None:

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
-from qlora_supervise.trainer_child.contract.devices import DeviceError, bind_device
 from qlora_supervise.trainer_child.contract.processes import leave
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DeviceError, bind_device
 from qlora_supervise.trainer_child.run.torchrun import SINGLE, RankPlace, rank_spec, this_rank, world_mismatch
 
 

@@ -30,9 +30,8 @@ from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
 from qlora_supervise.trainer_child.contract import entry
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
-from qlora_supervise.trainer_child.contract.devices import visible_entries
 from qlora_supervise.trainer_child.contract.processes import pid_alive
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_gpus
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_gpus, visible_entries
 
 _PR_SET_PDEATHSIG = 1
 #: torchrun's module, run with this interpreter so the ranks import the same packages as one child.

@@ -56,7 +56,7 @@ def policy_settings(job: Job) -> policy.Settings:
         prior=prior,
         speeds=speeds,
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
-        speed_trial=supervise.speed_trial,  # in our child, or the shim in a foreign tool (shim/trial.py)
+        speed_trial=supervise.speed_trial,  # in our child, or the shim in a foreign tool (shim/session.py)
         cannot_take=job.trainer.cannot_take(),
         host=job_host_budget(job, shape),
         targets=job.train.target_modules,

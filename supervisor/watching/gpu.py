@@ -1,6 +1,6 @@
 """GPU memory samples through NVML (``pynvml``), with Xid events, and every rank's card under torchrun.
 
-NVML ignores ``CUDA_VISIBLE_DEVICES``, so a device is mapped by ``contract.devices.bind_device`` as
+NVML ignores ``CUDA_VISIBLE_DEVICES``, so a device is mapped by ``contract.spec.bind_device`` as
 the child maps it (rank N: the child's ``cuda:N``). Only ``pynvml.NVMLError`` is caught, so a bug is
 not mistaken for a missing GPU. In a container with its own PID namespace the child shows as ``others``."""
 
@@ -15,8 +15,13 @@ from typing import Protocol
 
 import pynvml
 
-from qlora_supervise.trainer_child.contract.devices import DeviceError, bind_device, visible_entries
-from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
+from qlora_supervise.trainer_child.contract.spec import (
+    DeviceError,
+    Knobs,
+    bind_device,
+    rank_gpus,
+    visible_entries,
+)
 
 NVMLError = pynvml.NVMLError  # every NVML failure: each return code is a subclass of it
 Handle = object  # NVML handles and event sets are opaque

@@ -27,14 +27,12 @@ CHECKPOINT_PREFIX = "checkpoint-"
 #: Beside ``checkpoints/``: checkpoints that must not be resumed; nothing there is deleted by us.
 QUARANTINE_DIR = "checkpoints-quarantine"
 QUARANTINE_REASON = "quarantine_reason.txt"
-_CHUNK = 1 << 20
 TEMP_PREFIX = ".tmp-"
 #: Mode of the directories of a checkpoint, the adapter and the merged model: the run directory's.
 DIR_MODE = 0o750
 PART_DONE = "part.json"
 #: The Trainer's per-rank RNG file (``Trainer._save_rng_state``).
 RNG_FILE = "rng_state_{rank}.pth"
-_TRAINER_STATE = "trainer_state.json"
 
 
 class UnsafeCheckpointPath(Exception):
@@ -98,7 +96,7 @@ def file_digests(root: Path) -> dict[str, dict[str, Any]]:
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
+        while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -281,7 +279,7 @@ def without_optimizer(checkpoint: Path, scratch: Path) -> Path:
 
 def check_loadable(checkpoint: Path) -> None:
     """Raise CheckpointLoadError unless the trainer state has a step and no safetensors is cut off."""
-    state_path = checkpoint / _TRAINER_STATE
+    state_path = checkpoint / "trainer_state.json"
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:

@@ -75,16 +75,11 @@ class FailureKind(str, enum.Enum):
         return self.value.startswith("oom_") or self is FailureKind.HOST_OOM
 
 
-#: The stage-named OOM kind for each stage. Setup counts as load; a checkpoint save happens
-#: between steps with the whole training state resident, so it takes the backward ladder.
+#: The stage-named OOM kind (``oom_<stage>``) for each stage. Setup counts as load; a checkpoint save
+#: happens between steps with the whole training state resident, so it takes the backward ladder.
+_OOM_STAGE = {Stage.SETUP: Stage.LOAD, Stage.SAVE: Stage.BACKWARD}
 OOM_KIND_BY_STAGE: Mapping[Stage, FailureKind] = {
-    Stage.SETUP: FailureKind.OOM_LOAD,
-    Stage.LOAD: FailureKind.OOM_LOAD,
-    Stage.RESUME: FailureKind.OOM_RESUME,
-    Stage.FORWARD: FailureKind.OOM_FORWARD,
-    Stage.BACKWARD: FailureKind.OOM_BACKWARD,
-    Stage.OPTIMIZER: FailureKind.OOM_OPTIMIZER,
-    Stage.EVAL: FailureKind.OOM_EVAL,
-    Stage.SAVE: FailureKind.OOM_BACKWARD,
-    Stage.MERGE: FailureKind.OOM_MERGE,
+    stage: FailureKind(f"oom_{_OOM_STAGE.get(stage, stage).value}")
+    for stage in Stage
+    if stage is not Stage.UNKNOWN
 }

@@ -275,21 +275,17 @@ class TrialResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class SpeedTrialEvent:
-    """The ``speed_trial`` line of the child's events file."""
+class SpeedTrialEvent(PlainEvent):
+    """``speed_trial``: each candidate's result, the first the planned config."""
 
     event: ClassVar[str] = "speed_trial"
-    results: tuple[TrialResult, ...]  # the first is the planned config
+    results: tuple[TrialResult, ...]
     seconds: float  # the trial's whole cost, before step 1
-    # Why a foreign tool's trial kept the plan (shim/trial.py); None: it ran.
+    # Why a foreign tool's trial kept the plan (shim/session.py); None: it ran.
     abandoned: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"event": self.event, **dataclasses.asdict(self)}
-
-    def to_line(self) -> str:
-        """The line of the child's events file (its ``time`` stamp ignored by the reader)."""
-        return json.dumps({**self.to_json(), "time": time.time()}) + "\n"
+        return {"event": self.event, **self.fields()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,24 +324,20 @@ def _name(raw: object) -> str | None:
 
 
 def _memory_in_line(raw: object) -> object:
-    """The line's flat memory keys as the record's ``memory``."""
+    """The line's flat memory keys as the record's ``memory`` (records without one ignore it)."""
     return {**raw, "memory": raw} if isinstance(raw, Mapping) else raw
 
 
-def _tagged(record: type[Any]) -> Any:
-    if record in (Heartbeat, Loaded):
-        return Annotated[record, BeforeValidator(_memory_in_line), Tag(record.event)]
-    return Annotated[record, Tag(record.event)]
-
-
-_UNION: Any = Annotated[functools.reduce(operator.or_, map(_tagged, _RECORDS)), Discriminator(_name)]
+_TAGGED = (Annotated[record, BeforeValidator(_memory_in_line), Tag(record.event)] for record in _RECORDS)
+_UNION: Any = Annotated[functools.reduce(operator.or_, _TAGGED), Discriminator(_name)]
 _LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
-def parse_event(line: str) -> ChildEvent | None:
-    """The record of one line; None, never raising, for a torn or ill-typed line or an unknown event."""
+def parse_event(line: str | Mapping[str, Any]) -> ChildEvent | None:
+    """The record of one line (or of its decoded fields); None, never raising, for a torn or
+    ill-typed line or an unknown event."""
     try:
-        return _LINE.validate_json(line)
+        return _LINE.validate_json(line) if isinstance(line, str) else _LINE.validate_python(line)
     except (ValidationError, ValueError, RecursionError):
         return None
 
@@ -363,11 +355,3 @@ def script_settings(events: list[ChildEvent]) -> tuple[KnobSetting, ...]:
     """What a script built, from the newest ``script_knobs`` event (none: not a script's attempt)."""
     found = [e for e in events if isinstance(e, ScriptKnobs)]
     return found[-1].settings if found else ()
-
-
-def event_from_fields(raw: Mapping[str, Any]) -> ChildEvent | None:
-    """The record of an already decoded line (:func:`parse_event` without the JSON)."""
-    try:
-        return _LINE.validate_python(raw)
-    except (ValidationError, ValueError, RecursionError):
-        return None

@@ -2,6 +2,11 @@
 in a process of its own: the memory plan, a fresh base load in the *training* compute dtype (4-bit
 would round the adapter away), the merge, and a sharded save through a temp dir and a rename, with
 ``merge.json`` inside. Errors use the child's report and exit codes, with stage ``merge``.
+
+The memory plan is pure arithmetic on byte counts: on the GPU the base, the adapter, the largest
+layer's ``B @ A`` and a CUDA reserve, plus host RAM for the imports and one input and output shard;
+on the CPU all of it in host RAM. Users' first merge complaint is host RAM, so ``auto`` takes the
+GPU only when both its numbers fit.
 """
 
 from __future__ import annotations
@@ -18,16 +23,64 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.devices import DeviceError
 from qlora_supervise.trainer_child.contract.events import Loaded, read_events
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
-from qlora_supervise.trainer_child.merge.plan import MAX_SHARD_BYTES, MergePlan, MergeSizes, plan_merge
+from qlora_supervise.trainer_child.contract.spec import DeviceError
 from qlora_supervise.trainer_child.run.attempt import Context, guarded
 
-REPORT_NAME = "merge.json"
 #: ``qlora-supervise merge --device`` reaches the child through this variable (the spec's device
 #: names *which* GPU; this says whether to use it).
 DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"
+#: RSS of a merge child after importing torch, transformers and peft (CPU build: less).
+IMPORTS_BYTES = 1_200_000_000
+CUDA_CONTEXT_BYTES = 600 * 2**20
+#: Output shards of the merged model (safetensors): small enough that serialising one is cheap.
+MAX_SHARD_BYTES = 2 * 10**9
+#: A plan fits when it needs at most this share of what is free (the rest absorbs estimate error).
+FIT_SHARE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeSizes:
+    weights: int  # the base model in the merge dtype
+    adapter: int
+    largest_layer: int  # bytes of the largest linear weight (its B @ A delta is this size)
+    largest_shard: int  # the largest input file the loader maps at once
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    """The plan as ``merge_plan`` and ``merge.json`` write it."""
+
+    device: str  # "cuda" or "cpu"
+    gpu_need_bytes: int
+    host_need_gpu_bytes: int  # host RAM when merging on the GPU
+    host_need_cpu_bytes: int  # host RAM when merging on the CPU
+    gpu_free_bytes: int | None
+    host_available_bytes: int
+    why: str
+
+
+def plan_merge(sizes: MergeSizes, requested: str, gpu_free: int | None, host_available: int) -> MergePlan:
+    """The device to merge on: ``requested`` is auto, cpu or cuda; ``gpu_free`` None: no GPU."""
+    out_shard = min(MAX_SHARD_BYTES, sizes.weights)
+    gpu_need = sizes.weights + sizes.adapter + sizes.largest_layer + CUDA_CONTEXT_BYTES
+    host_gpu = IMPORTS_BYTES + sizes.largest_shard + out_shard
+    host_cpu = IMPORTS_BYTES + sizes.weights + sizes.adapter + sizes.largest_layer + out_shard
+    fits_host_gpu = host_gpu <= host_available * FIT_SHARE
+    fits_gpu = gpu_free is not None and gpu_need <= gpu_free * FIT_SHARE and fits_host_gpu
+
+    def plan(device: str, why: str) -> MergePlan:
+        return MergePlan(device, gpu_need, host_gpu, host_cpu, gpu_free, host_available, why)
+
+    if requested == "cpu" or gpu_free is None:
+        return plan("cpu", "asked for the CPU" if requested == "cpu" else "no GPU visible")
+    if requested == "cuda":
+        return plan("cuda", "asked for the GPU")
+    if fits_gpu:
+        return plan("cuda", "the model, the adapter and one layer's delta fit the free GPU memory")
+    if gpu_need > gpu_free * FIT_SHARE:
+        return plan("cpu", "the merge does not fit the free GPU memory; the CPU merge is slower, not worse")
+    return plan("cpu", "host RAM is too small for shard-by-shard loading onto the GPU")
 
 
 def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
@@ -110,7 +163,7 @@ def merge(ctx: Context) -> ExitCode:
     dtype = merge_dtype(spec.train.compute_dtype, ctx.on_cuda, trained)
     plan = _plan(ctx, measure_sizes(spec.knobs.model, adapter, dtype, spec.train.trust_remote_code))
     on_gpu = plan.device == "cuda"
-    ctx.events.emit("merge_plan", **plan.fields(), dtype=str(dtype))
+    ctx.events.emit("merge_plan", **dataclasses.asdict(plan), dtype=str(dtype))
     base = AutoModelForCausalLM.from_pretrained(
         spec.knobs.model,
         dtype=dtype,
@@ -133,9 +186,9 @@ def merge(ctx: Context) -> ExitCode:
         "gpu_peak_bytes": int(torch.cuda.max_memory_allocated()) if on_gpu else None,
         "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
         "shards": sorted(p.name for p in temp.glob("*.safetensors")),
-        "plan": plan.fields(),
+        "plan": dataclasses.asdict(plan),
     }
-    (temp / REPORT_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    (temp / "merge.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     checkpoints.replace_dir(temp, target)  # 0750 / 0640 whatever the umask; a link is not followed
     del merged, base
     ctx.events.emit("finished", step=None, merged=str(target), seconds=report["seconds"], device=plan.device)
@@ -150,13 +203,10 @@ def check_dtype(model: Any, dtype: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qlora_supervise.trainer_child.__main__ import parse_args, prepare_env, read_spec
+    from qlora_supervise.trainer_child.__main__ import parse_args, prepare_env, spec_or_none
 
-    path = parse_args(argv, "python -m qlora_supervise.trainer_child.merge.process")
-    try:
-        spec: AttemptSpec = read_spec(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        print(f"cannot read attempt spec {path}: {exc}", file=sys.stderr)
+    spec = spec_or_none(parse_args(argv, "python -m qlora_supervise.trainer_child.merge.process"))
+    if spec is None:
         return int(ExitCode.CONFIG)
     if spec.knobs.merge_on_cpu or os.environ.get(DEVICE_ENV) == "cpu":
         # Hide the GPUs: a CPU merge must not even create a CUDA context on a full device.

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode
-from qlora_supervise.trainer_child.contract.devices import DeviceError
 from qlora_supervise.trainer_child.contract.processes import leave
-from qlora_supervise.trainer_child.contract.spec import AttemptSpec
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DeviceError
 from qlora_supervise.trainer_child.run.memory import proc_status_bytes
 
 if TYPE_CHECKING:  # at run time it comes after the imports the environment must precede

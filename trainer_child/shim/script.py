@@ -107,18 +107,14 @@ class Ledger:
         for knob, key in LORA.items():
             setattr(config, key, self._take(knob, key, getattr(config, key), "LoraConfig"))
 
-    def on_model(self, name: Any, where: str) -> Any:
+    def on_model(self, name: str | os.PathLike[str], where: str) -> Any:
         """``from_pretrained``'s model: the attempt's where the ladder changed it."""
-        if not isinstance(name, (str, os.PathLike)):
-            return name
         asked = _model_name(name)
         got = self._take("model", NAME, asked, where)
         return name if got == asked else got
 
-    def on_tokenizer(self, name: Any) -> Any:
+    def on_tokenizer(self, name: str | os.PathLike[str]) -> Any:
         """The tokenizer of the script's model is the attempt's model's, where it changed."""
-        if not isinstance(name, (str, os.PathLike)):
-            return name
         asked = _model_name(name)
         swap = self.replaced_model is not None and asked == self.replaced_model
         got = self.changes["model"] if swap else asked
@@ -210,7 +206,8 @@ def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType],
 
 
 def _from_pretrained(attr: str, hook: Callable[[Any, Any], Any]) -> Callable[[ModuleType], None]:
-    """A patch that gives ``module.<attr>.from_pretrained`` the name ``hook(klass, name)`` returns."""
+    """A patch that gives ``module.<attr>.from_pretrained`` the name ``hook(klass, name)`` returns
+    (a model object instead of a name passes as it is)."""
 
     def patch(module: ModuleType) -> None:
         cls = getattr(module, attr)
@@ -218,7 +215,8 @@ def _from_pretrained(attr: str, hook: Callable[[Any, Any], Any]) -> Callable[[Mo
 
         @functools.wraps(original)
         def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
-            return original(klass, hook(klass, name), *args, **kwargs)
+            named = isinstance(name, (str, os.PathLike))
+            return original(klass, hook(klass, name) if named else name, *args, **kwargs)
 
         cls.from_pretrained = classmethod(from_pretrained)
 

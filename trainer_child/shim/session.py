@@ -1,23 +1,28 @@
 """One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency
 save, error report and speed trial, from the same code. At ``Trainer.train`` the instance's class
 becomes a subclass of its own with our mixin in front, our callback is added, and
-``resume_from_checkpoint`` is the supervisor's choice; a failure before it goes to ``sys.excepthook``."""
+``resume_from_checkpoint`` is the supervisor's choice; a failure before it goes to ``sys.excepthook``.
+A speed trial that cannot time the tool's batches (no tokenized row, axolotl's sample packing,
+offloading in the tool's own training step, a loss or collator that refuses the trial's batch)
+keeps the plan and says why, rather than failing."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import gc
 import sys
 from importlib import metadata
 from pathlib import Path
-from types import TracebackType
+from types import SimpleNamespace, TracebackType
 from typing import Any, NoReturn
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.processes import exit_now
 from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
-from qlora_supervise.trainer_child.run import attempt
+from qlora_supervise.trainer_child.run import attempt, speed_trial
 from qlora_supervise.trainer_child.run.failure import CapturedFailure
 from qlora_supervise.trainer_child.run.heartbeat import HeartbeatThread
 from qlora_supervise.trainer_child.run.torchrun import check_device
@@ -25,18 +30,17 @@ from qlora_supervise.trainer_child.shim.script import Ledger
 
 #: Libraries whose versions the ``started`` event names (those installed: a foreign venv may lack some).
 VERSIONED = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes", "axolotl", "llamafactory")
-_CLASSES: dict[type, type] = {}
+_NO_TOKENIZER = SimpleNamespace(save_pretrained=lambda directory: None)
 
 
+@functools.cache
 def supervised_class(cls: type) -> type:
     """``cls`` with :class:`SupervisedTrainerMixin` in front, made once per class."""
     from qlora_supervise.trainer_child.recipe.trainer import SupervisedTrainerMixin
 
     if issubclass(cls, SupervisedTrainerMixin):
         return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Supervised{cls.__name__}", (SupervisedTrainerMixin, cls), {})
-    return _CLASSES[cls]
+    return type(f"Supervised{cls.__name__}", (SupervisedTrainerMixin, cls), {})
 
 
 class Session:
@@ -73,12 +77,11 @@ class Session:
     def patch(self, trainer_class: Any) -> None:
         """Wrap ``trainer_class.train`` (transformers' ``Trainer``) so every subclass goes through us."""
         original = trainer_class.train
-        session = self
 
+        @functools.wraps(original)
         def train(trainer: Any, *args: Any, **kwargs: Any) -> Any:
-            return session.train(trainer, original, args, kwargs)
+            return self.train(trainer, original, args, kwargs)
 
-        train.__doc__ = original.__doc__
         trainer_class.train = train
 
     def train(self, trainer: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -130,28 +133,43 @@ class Session:
         if ctx.trainer is trainer:  # train() called again on the same Trainer: attached already
             return source
         ctx.resume_checkpoint = str(chosen) if chosen is not None else None
-        trainer.__class__ = supervised_class(type(trainer))
+        trainer.__class__ = supervised_class(trainer.__class__)
         trainer.supervise(ctx.progress, spec, source)
         ctx.trainer = trainer
         return source
 
     def _speed_trial(self, trainer: Any, resuming: bool) -> None:
-        """Our child's trial on the tool's Trainer (:mod:`.trial`), once, before step 1."""
-        from qlora_supervise.trainer_child.run import speed_trial
-        from qlora_supervise.trainer_child.shim import trial
-
+        """Our child's trial on the tool's Trainer, once, before step 1; or the plan kept, saying why."""
         ctx = self.ctx
         if self.trialled or ctx.progress.stop_requested or not speed_trial.wanted(ctx.spec, resuming):
             return
         self.trialled = True  # a second train() on the same process trains as the first chose
-        trial.run(trainer, ctx.spec, ctx.progress, ctx.on_cuda)
+        began = speed_trial.Began.now(ctx.progress, trainer)
+        why = cannot_time(trainer)
+        row: dict[str, Any] | None = None
+        if why is None:
+            try:
+                row = tool_row(trainer)
+            except Exception as exc:  # not a dataset the trial can read: the plan stays
+                why = f"no tokenized training row to time ({_said(exc)})"
+        results = None
+        if row is not None:
+            try:  # the timing alone: the policy's choice, applied after it, is our own code
+                results = speed_trial.time_all(trainer, ctx.spec, ctx.on_cuda, row)
+            except Exception as exc:  # the tool's loss or collator on the trial's batch
+                why = f"the tool's Trainer did not take the trial's batch ({_said(exc)})"
+            gc.collect()  # a traceback's frames held the failed micro-step's tensors
+        if results is not None:
+            speed_trial.conclude(trainer, ctx.progress, ctx.on_cuda, results, began)
+        else:
+            speed_trial.abandon(trainer, ctx.progress, ctx.on_cuda, why or "nothing to time", began)
 
     def _finish(self, trainer: Any) -> None:
         """Training ended: the adapter where ours goes, and ``finished``."""
         ctx, spec = self.ctx, self.ctx.spec
         ctx.progress.enter(Stage.SAVE)
         if ctx.place.is_main:  # a Trainer without a tokenizer saves the adapter alone
-            attempt.save_adapter(trainer, trainer.processing_class or _NoTokenizer(), Path(spec.adapter_dir))
+            attempt.save_adapter(trainer, trainer.processing_class or _NO_TOKENIZER, Path(spec.adapter_dir))
         ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
         ctx.trainer = None
 
@@ -173,11 +191,6 @@ class Session:
         exit_now(int(code))  # the report and the checkpoint are on disk, fsynced
 
 
-class _NoTokenizer:
-    def save_pretrained(self, directory: Path) -> None:
-        return None
-
-
 def installed_versions() -> dict[str, str]:
     """The versions of :data:`VERSIONED` that are installed here."""
     found = {}
@@ -185,3 +198,40 @@ def installed_versions() -> dict[str, str]:
         with contextlib.suppress(metadata.PackageNotFoundError):
             found[name] = metadata.version(name)
     return found
+
+
+def cannot_time(trainer: Any) -> str | None:
+    """Why the trial cannot time this Trainer's batches, or None."""
+    args = trainer.args
+    if getattr(args, "sample_packing", False):
+        return "axolotl's sample_packing: its batches are packed per micro-batch"
+    offloads = [name for name in ("activation_offloading", "layer_offloading") if getattr(args, name, False)]
+    if offloads:
+        named = ", ".join(offloads)
+        return f"the tool offloads in its own training step ({named}): the trial would measure without it"
+    if getattr(trainer, "train_dataset", None) is None:
+        return "the Trainer has no train_dataset"
+    return None
+
+
+def tool_row(trainer: Any) -> dict[str, Any]:
+    """The longest training row, with the columns the Trainer's own dataloader would keep."""
+    row = speed_trial.longest_row(trainer.train_dataset)
+    kept = kept_columns(trainer)
+    return row if kept is None else {k: v for k, v in row.items() if k in kept}
+
+
+def kept_columns(trainer: Any) -> set[str] | None:
+    """The columns ``remove_unused_columns`` keeps, as the Trainer finds them; None: every one."""
+    if not getattr(trainer.args, "remove_unused_columns", False):
+        return None
+    find = getattr(trainer, "_set_signature_columns_if_needed", None)
+    if find is None:
+        return None
+    find()
+    signature = getattr(trainer, "_signature_columns", None)
+    return set(signature) if signature else None
+
+
+def _said(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
