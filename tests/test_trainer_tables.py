@@ -314,3 +314,68 @@ def test_a_quoted_number_is_read_where_the_tool_reads_it_and_refused_where_it_do
     lf = {"model_name_or_path": "/m", "do_train": True, "per_device_train_batch_size": "4"}
     named = config_problems(TABLES["llamafactory"], lf, "c")
     assert [p.path for p in named] == ["c: per_device_train_batch_size"]
+
+
+#: Evaluation and the best model at the end, as each TrainingArguments tool spells them (hf-script: flags).
+_BEST = ["--eval_strategy", "steps", "--eval_steps", "5", "--save_strategy", "steps", "--save_steps", "10"]
+_EVAL_OFF_KINDS = ("trl-sft", "llamafactory", "hf-script")
+
+
+def _eval_off_attempt(kind: str, extra: list[str], tmp_path: Path) -> tuple[Any, list[str]]:
+    """The attempt of ``kind`` whose ladder turned evaluation off: its config (hf-script: its argv
+    after the script) and its diff lines, as status reads them."""
+    from qlora_supervise.supervisor.trainers.trainer import ToolTrainer, read_diff
+
+    command = ("python", "train.py", "--model_name_or_path", "/m", "--output_dir", "o", *_BEST, *extra)
+    config, _ = flags.parse(command)
+    config |= {} if kind == "hf-script" else {"use_peft": True, "do_train": True}
+    path = None if kind == "hf-script" else tmp_path / "user.yaml"
+    trainer = ToolTrainer(TOOLS[kind], config, path, command if path is None else ())
+    (tmp_path / "run").mkdir(parents=True)
+    job = knobs_from(TABLES[kind], config)
+    argv = trainer.attempt_argv(
+        tmp_path, tmp_path / "run", job, dataclasses.replace(job, eval_enabled=False), None
+    )
+    attempt = list(argv[2:]) if path is None else yaml.safe_load(Path(argv[-1]).read_text())
+    return attempt, read_diff(tmp_path) or []
+
+
+@pytest.mark.parametrize("kind", _EVAL_OFF_KINDS)
+def test_turning_eval_off_turns_load_best_model_at_end_off_in_the_attempt(kind: str, tmp_path: Path) -> None:
+    """TrainingArguments refuses the best model at the end without eval: the attempt that turns eval
+    off turns it off too and its diff says so; a config without it gets none."""
+    attempt, diff = _eval_off_attempt(kind, ["--load_best_model_at_end"], tmp_path)
+    config = flags.parse(["t.py", *attempt])[0] if kind == "hf-script" else attempt
+    assert (config["eval_strategy"], config["load_best_model_at_end"]) == ("no", False)
+    assert "eval_strategy: 'steps' -> 'no'" in diff and "load_best_model_at_end: true -> false" in diff
+    attempt, diff = _eval_off_attempt(kind, [], tmp_path / "none")
+    assert "load_best_model_at_end" not in str(attempt) and not [d for d in diff if "best" in d]
+
+
+_TRAINING_ARGUMENTS = """
+import json, sys
+from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
+for kind, attempt in json.loads(sys.argv[1]):  # llamafactory's TrainingArguments: Seq2Seq's __post_init__
+    parser = HfArgumentParser(Seq2SeqTrainingArguments if kind == "llamafactory" else TrainingArguments)
+    if isinstance(attempt, list):
+        args = parser.parse_args_into_dataclasses(attempt, return_remaining_strings=True)[0]
+    else:
+        args = parser.parse_dict(attempt, allow_extra_keys=True)[0]
+    print(kind, args.eval_strategy.value, args.load_best_model_at_end)
+"""
+
+
+@pytest.mark.slow  # imports transformers in a subprocess (~10 s)
+def test_transformers_builds_the_eval_off_attempts_with_the_best_model_at_end(tmp_path: Path) -> None:
+    """Each tool's TrainingArguments builds the attempt with eval off (it raised on the mismatch before)."""
+    attempts = [
+        [k, _eval_off_attempt(k, ["--load_best_model_at_end"], tmp_path / k)[0]] for k in _EVAL_OFF_KINDS
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _TRAINING_ARGUMENTS, json.dumps(attempts)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-4:-1] == [f"{kind} no False" for kind in _EVAL_OFF_KINDS]

@@ -102,8 +102,9 @@ def attempt_config(
     output_dir: str,
     resume_from: str | None,
 ) -> dict[str, Any]:
-    """The user's config with what the ladder changed (``job`` -> ``knobs``), the tool's output dir
-    and the checkpoint to resume from; every other key exactly as the user wrote it."""
+    """The user's config with what the ladder changed (``job`` -> ``knobs``, and a row's ``off_with``
+    keys with a knob turned off), the tool's output dir and the checkpoint to resume from; every
+    other key exactly as the user wrote it."""
     out = copy.deepcopy(dict(config))
     before, after = dataclasses.asdict(job), dataclasses.asdict(knobs)
     for row in table.rows:
@@ -111,6 +112,9 @@ def attempt_config(
             # The spelling the tool reads, and a deprecated alias beside it (one value, not two).
             for key in dict.fromkeys([row.key_in(config), *([row.key] if row.key in config else [])]):
                 assign(out, key, row.write(after[row.knob]))
+            for key in row.off_with if not after[row.knob] else ():
+                if present(lookup(config, key)):  # recorded in the attempt's diff like the knob
+                    assign(out, key, False)
     assign(out, table.output_key, output_dir)
     assign(out, table.resume_key, resume_from)
     return out

@@ -37,6 +37,8 @@ class Row:
     present_only: bool = False
     # Newer names the tool reads first where the config has them (``activation_checkpointing``).
     preferred: tuple[str, ...] = ()
+    # Keys the tool refuses left on beside this knob written off: where the config has them, off too.
+    off_with: tuple[str, ...] = ()
 
     def key_in(self, config: Mapping[str, Any]) -> str:
         """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
@@ -151,9 +153,15 @@ TRAINER_ARGUMENTS_CONTRADICTIONS = (
 )
 #: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
 ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
-#: TrainingArguments' eval switch, as a knob: any strategy but "no" is on.
+#: TrainingArguments' eval switch, as a knob: any strategy but "no" is on. Its __post_init__ refuses
+#: load_best_model_at_end without eval (the eval and save strategies must match).
 EVAL_STRATEGY = Row(
-    "eval_enabled", "eval_strategy", "no", read=lambda v: v != "no", write=lambda v: "steps" if v else "no"
+    "eval_enabled",
+    "eval_strategy",
+    "no",
+    read=lambda v: v != "no",
+    write=lambda v: "steps" if v else "no",
+    off_with=("load_best_model_at_end",),
 )
 
 
