@@ -1,11 +1,21 @@
-"""Failure classification inside the child: OOM recognition and the numbers of the message."""
+"""Failure classification inside the child: OOM recognition, the numbers of the message, and the
+shim's setup and report, which must be our child's."""
 
 from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, DiagnoseSpec, Knobs, TrainSpec
+from qlora_supervise.trainer_child.run import attempt, memory
 from qlora_supervise.trainer_child.run.failure import ConfigError, capture, is_oom, oom_numbers
+from qlora_supervise.trainer_child.shim.session import Session
 
 CPU_MESSAGE = (
     "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
@@ -59,3 +69,46 @@ def test_only_an_accelerators_oom_skips_the_gc_before_the_report() -> None:
     assert host.oom and not host.device_oom
     assert python.oom and not python.device_oom
     assert not capture(ValueError("bad"), Stage.FORWARD, 3).device_oom
+
+
+class _Left(Exception):
+    """The shim ending the process, caught by the test instead."""
+
+
+@pytest.fixture
+def shim_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Session]]:
+    """A shim session in this process, its spec's files in ``tmp_path``; leaving raises :class:`_Left`."""
+
+    def leave(self: Session, code: int) -> NoReturn:
+        raise _Left(code)
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(attempt, "install_stop_handler", lambda progress: None)
+    monkeypatch.setattr(Session, "leave", leave)
+    made: list[Session] = []
+
+    def make(**fields: Any) -> Session:
+        files = {name: str(tmp_path / name) for name in ("events_file", "error_file", "checkpoints_dir")}
+        spec = AttemptSpec(1, str(tmp_path), Knobs(model="m"), DataSpec(path="d"), TrainSpec(), **files,
+                           adapter_dir=str(tmp_path / "adapter"), merged_dir="")  # fmt: skip
+        made.append(Session(dataclasses.replace(spec, heartbeat_interval=60.0, **fields)))
+        return made[-1]
+
+    yield make
+    for session in made:
+        if session.ctx.heartbeat is not None:
+            session.ctx.heartbeat.stop()
+        session.ctx.events.close()
+
+
+def test_the_shim_sets_up_as_our_child_does(
+    shim_session: Callable[..., Session], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shim records the allocator's history when the job asks (its OOM then leaves a snapshot) and
+    warns of trust_remote_code, as our child does."""
+    monkeypatch.setattr(memory, "start_memory_history", lambda diagnose: diagnose.memory_history)
+    session = shim_session(
+        train=TrainSpec(trust_remote_code=True), diagnose=DiagnoseSpec(memory_history=True)
+    )
+    assert session.ctx.memory_history
+    assert attempt.TRUST_REMOTE_CODE_WARNING in capsys.readouterr().err

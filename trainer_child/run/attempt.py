@@ -84,8 +84,9 @@ def install_stop_handler(progress: Progress) -> None:
     signal.signal(EARLY_CHECKPOINT_SIGNAL, on_early_checkpoint)
 
 
-def setup(ctx: Context) -> None:
-    """Device, caps, heavy imports, ``started``; the CPU cap after the imports (see apply_cpu_cap)."""
+def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training_stack) -> None:
+    """Device, caps, heavy imports, ``started``; the CPU cap after the imports (see apply_cpu_cap).
+    ``versions`` imports the stack and names it (the shim's names what the tool's venv has)."""
     import torch
 
     ctx.on_cuda = torch.cuda.is_available()
@@ -95,7 +96,7 @@ def setup(ctx: Context) -> None:
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
-    announce_started(ctx, import_training_stack(), cpu_fallback)
+    announce_started(ctx, versions(), cpu_fallback)
     if ctx.spec.train.trust_remote_code:
         print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
     if memory.late_cap_step() is None:  # else the trainer caps after that step (a test's fault)
