@@ -11,7 +11,9 @@ from typing import Any, NoReturn
 
 import pytest
 
+from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
+from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, DiagnoseSpec, Knobs, TrainSpec
 from qlora_supervise.trainer_child.run import attempt, memory
 from qlora_supervise.trainer_child.run.failure import ConfigError, capture, is_oom, oom_numbers
@@ -112,3 +114,33 @@ def test_the_shim_sets_up_as_our_child_does(
     )
     assert session.ctx.memory_history
     assert attempt.TRUST_REMOTE_CODE_WARNING in capsys.readouterr().err
+
+
+class _OomInForward:
+    """A Trainer already attached, whose step runs out of memory on a known micro-batch."""
+
+    BATCH = BatchInFlight(step=3, micro=1, lengths=(512, 80), rows=(41, 7))
+
+    def __init__(self, session: Session) -> None:
+        self.progress = session.ctx.progress
+
+    def train(self, **kwargs: Any) -> None:
+        self.progress.enter(Stage.FORWARD)
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes")
+
+    def batch_in_flight(self) -> BatchInFlight:
+        return self.BATCH
+
+    def save_emergency_checkpoint(self) -> None:
+        return None
+
+
+def test_the_shims_oom_report_names_the_batch_in_flight(shim_session: Callable[..., Session]) -> None:
+    """An OOM in the tool's training step reports the micro-batch it ran on, as our child's does."""
+    session = shim_session()
+    trainer = _OomInForward(session)
+    session.ctx.trainer = trainer
+    with pytest.raises(_Left):
+        session.train(trainer, type(trainer).train, (), {})
+    report = ErrorReport.from_json(Path(session.ctx.spec.error_file).read_text())
+    assert report.exit_code == ExitCode.OOM and report.batch == _OomInForward.BATCH

@@ -307,7 +307,6 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
         code = body(ctx)
     except BaseException as exc:  # every failure must leave a report
         failure = captured(ctx, exc)
-        failure.batch = batch_at_oom(ctx, failure)
         del exc
     if failure is not None:
         code = fail(ctx, failure)
@@ -330,7 +329,7 @@ def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None
 
 def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
     """``exc`` reduced to strings, with the allocator's facts and snapshot of a GPU OOM, read first:
-    the frames still hold the step's tensors."""
+    the frames still hold the step's tensors; and the micro-batch of a training step's OOM."""
     facts, snapshot = None, None
     if ctx.on_cuda:
         try:
@@ -346,6 +345,7 @@ def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
             facts, snapshot = None, None
     failure = capture(exc, ctx.progress.stage, ctx.progress.step)
     failure.allocator, failure.memory_snapshot = facts, snapshot
+    failure.batch = batch_at_oom(ctx, failure)
     return failure
 
 
