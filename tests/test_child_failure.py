@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import pytest
 
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
+from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_COMPLETE_MARKER
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, DiagnoseSpec, Knobs, TrainSpec
@@ -144,3 +145,17 @@ def test_the_shims_oom_report_names_the_batch_in_flight(shim_session: Callable[.
         session.train(trainer, type(trainer).train, (), {})
     report = ErrorReport.from_json(Path(session.ctx.spec.error_file).read_text())
     assert report.exit_code == ExitCode.OOM and report.batch == _OomInForward.BATCH
+
+
+def test_the_shim_names_the_checkpoint_that_fails_to_load(
+    shim_session: Callable[..., Session], tmp_path: Path
+) -> None:
+    """A resume checkpoint that does not load is named in the shim's report, as in our child's."""
+    damaged = tmp_path / "checkpoints" / "checkpoint-2"
+    damaged.mkdir(parents=True)
+    (damaged / CHECKPOINT_COMPLETE_MARKER).write_text("{}")  # complete, but no trainer_state.json
+    session = shim_session(resume_from=str(damaged))
+    with pytest.raises(_Left):
+        session.train(object(), lambda trainer, **kwargs: None, (), {})
+    report = ErrorReport.from_json(Path(session.ctx.spec.error_file).read_text())
+    assert report.exit_code == ExitCode.CHECKPOINT and report.damaged_checkpoint == str(damaged)

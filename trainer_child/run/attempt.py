@@ -141,6 +141,14 @@ def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
     return Path(spec.resume_from) if spec.resume_from else None
 
 
+def resume_choice(ctx: Context) -> checkpoints.ResumeSource:
+    """:func:`resume_source` of the chosen checkpoint, named in ``ctx`` first (the report names it
+    if it fails to load)."""
+    chosen = chosen_checkpoint(ctx.spec)
+    ctx.resume_checkpoint = str(chosen) if chosen is not None else None
+    return resume_source(ctx.spec, chosen)
+
+
 def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeSource:
     """How to resume from ``source``, checked to be loadable (CheckpointLoadError if not). Without
     optimizer state it resumes as a reset; an adapter of a larger rank is cut to ``lora_r`` in an
@@ -196,9 +204,7 @@ def train(ctx: Context) -> ExitCode:
     from qlora_supervise.trainer_child.recipe.qlora import build
 
     spec = ctx.spec
-    chosen = chosen_checkpoint(spec)
-    ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
-    source = resume_source(spec, chosen)
+    source = resume_choice(ctx)
     trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
     ctx.prepared = None  # the trainer holds what it took; the rest need not live on
     ctx.trainer = trainer

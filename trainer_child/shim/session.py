@@ -116,14 +116,12 @@ class Session:
 
     def _attach(self, trainer: Any) -> Any:
         """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
-        ctx, spec = self.ctx, self.ctx.spec
-        chosen = attempt.chosen_checkpoint(spec)
-        source = attempt.resume_source(spec, chosen)
+        ctx = self.ctx
+        source = attempt.resume_choice(ctx)
         if ctx.trainer is trainer:  # train() called again on the same Trainer: attached already
             return source
-        ctx.resume_checkpoint = str(chosen) if chosen is not None else None
         trainer.__class__ = supervised_class(trainer.__class__)
-        trainer.supervise(ctx.progress, spec, source)
+        trainer.supervise(ctx.progress, ctx.spec, source)
         ctx.trainer = trainer
         return source
 
