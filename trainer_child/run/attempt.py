@@ -84,8 +84,9 @@ def install_stop_handler(progress: Progress) -> None:
     signal.signal(EARLY_CHECKPOINT_SIGNAL, on_early_checkpoint)
 
 
-def setup(ctx: Context) -> None:
-    """Device, caps, heavy imports, ``started``; the CPU cap after the imports (see apply_cpu_cap)."""
+def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training_stack) -> None:
+    """Device, caps, heavy imports, ``started``; the CPU cap after the imports (see apply_cpu_cap).
+    ``versions`` imports the stack and names it (the shim's names what the tool's venv has)."""
     import torch
 
     ctx.on_cuda = torch.cuda.is_available()
@@ -95,7 +96,7 @@ def setup(ctx: Context) -> None:
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
-    announce_started(ctx, import_training_stack(), cpu_fallback)
+    announce_started(ctx, versions(), cpu_fallback)
     if ctx.spec.train.trust_remote_code:
         print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
     if memory.late_cap_step() is None:  # else the trainer caps after that step (a test's fault)
@@ -138,6 +139,14 @@ def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
         newest = newest_complete_checkpoint(checkpoints_dir)
         return newest[1] if newest else None
     return Path(spec.resume_from) if spec.resume_from else None
+
+
+def resume_choice(ctx: Context) -> checkpoints.ResumeSource:
+    """:func:`resume_source` of the chosen checkpoint, named in ``ctx`` first (the report names it
+    if it fails to load)."""
+    chosen = chosen_checkpoint(ctx.spec)
+    ctx.resume_checkpoint = str(chosen) if chosen is not None else None
+    return resume_source(ctx.spec, chosen)
 
 
 def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeSource:
@@ -195,9 +204,7 @@ def train(ctx: Context) -> ExitCode:
     from qlora_supervise.trainer_child.recipe.qlora import build
 
     spec = ctx.spec
-    chosen = chosen_checkpoint(spec)
-    ctx.resume_checkpoint = str(chosen) if chosen is not None else None  # named if it fails to load
-    source = resume_source(spec, chosen)
+    source = resume_choice(ctx)
     trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
     ctx.prepared = None  # the trainer holds what it took; the rest need not live on
     ctx.trainer = trainer
@@ -306,7 +313,6 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
         code = body(ctx)
     except BaseException as exc:  # every failure must leave a report
         failure = captured(ctx, exc)
-        failure.batch = batch_at_oom(ctx, failure)
         del exc
     if failure is not None:
         code = fail(ctx, failure)
@@ -329,7 +335,7 @@ def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None
 
 def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
     """``exc`` reduced to strings, with the allocator's facts and snapshot of a GPU OOM, read first:
-    the frames still hold the step's tensors."""
+    the frames still hold the step's tensors; and the micro-batch of a training step's OOM."""
     facts, snapshot = None, None
     if ctx.on_cuda:
         try:
@@ -345,6 +351,7 @@ def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
             facts, snapshot = None, None
     failure = capture(exc, ctx.progress.stage, ctx.progress.step)
     failure.allocator, failure.memory_snapshot = facts, snapshot
+    failure.batch = batch_at_oom(ctx, failure)
     return failure
 
 

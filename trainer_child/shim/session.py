@@ -25,7 +25,6 @@ from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 from qlora_supervise.trainer_child.run import attempt, speed_trial
 from qlora_supervise.trainer_child.run.failure import CapturedFailure
 from qlora_supervise.trainer_child.run.heartbeat import HeartbeatThread
-from qlora_supervise.trainer_child.run.torchrun import check_device
 from qlora_supervise.trainer_child.shim.script import Ledger
 
 #: Libraries whose versions the ``started`` event names (those installed: a foreign venv may lack some).
@@ -57,20 +56,10 @@ class Session:
         self.ctx.progress.enter(Stage.LOAD)  # the tool loads its model and data next
 
     def _setup(self) -> None:
-        """:func:`attempt.setup` without importing a training stack the tool may not have."""
-        import torch
-
-        from qlora_supervise.trainer_child.run import memory
-
+        """Our child's setup, naming the versions installed: the tool's venv may lack some of our stack."""
         ctx, spec = self.ctx, self.ctx.spec
-        ctx.on_cuda = torch.cuda.is_available()
-        fallback = check_device(spec, ctx.on_cuda)
-        memory.apply_gpu_cap(spec.gpu_memory_limit)
-        ctx.expandable = memory.expandable_segments_active()
-        attempt.announce_started(ctx, installed_versions(), fallback)
+        attempt.setup(ctx, installed_versions)
         ctx.events.emit("shim_attached", trainer_module="transformers.trainer", command=list(spec.command))
-        if memory.late_cap_step() is None:  # else the callback caps after that step (a test's fault)
-            memory.apply_cpu_cap(spec.cpu_memory_limit)
         ctx.heartbeat = HeartbeatThread(ctx.progress, spec.heartbeat_interval)
         ctx.heartbeat.start()
 
@@ -127,14 +116,12 @@ class Session:
 
     def _attach(self, trainer: Any) -> Any:
         """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
-        ctx, spec = self.ctx, self.ctx.spec
-        chosen = attempt.chosen_checkpoint(spec)
-        source = attempt.resume_source(spec, chosen)
+        ctx = self.ctx
+        source = attempt.resume_choice(ctx)
         if ctx.trainer is trainer:  # train() called again on the same Trainer: attached already
             return source
-        ctx.resume_checkpoint = str(chosen) if chosen is not None else None
         trainer.__class__ = supervised_class(trainer.__class__)
-        trainer.supervise(ctx.progress, spec, source)
+        trainer.supervise(ctx.progress, ctx.spec, source)
         ctx.trainer = trainer
         return source
 
