@@ -111,7 +111,6 @@ class ChildProcess:
     """A running child. ``stop`` is SIGTERM to the group, a grace period, then SIGKILL."""
 
     popen: subprocess.Popen[bytes]
-    log_path: Path
     started_monotonic: float
 
     @property
@@ -196,7 +195,7 @@ def spawn_child(
             start_new_session=True,
             preexec_fn=_pdeathsig(os.getpid()),
         )
-    return ChildProcess(popen, log_path, time.monotonic())
+    return ChildProcess(popen, time.monotonic())
 
 
 def spawn_spare(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> ChildProcess:
