@@ -11,7 +11,7 @@ from pathlib import Path
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.policies.retime import RETIME_RUNG
+from qlora_supervise.policies.choice import RETIME_RUNG
 from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
