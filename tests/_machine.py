@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract import processes
 
 MIB = 1 << 20
 #: Seconds :func:`_spin` takes on the development machine the nominal timeouts were set on
@@ -33,7 +33,7 @@ GENEROUS = 3.0
 def import_baseline(python: str = sys.executable) -> int:
     """The trainer child's data segment, in bytes, after its imports with the torch installed here
     (or with ``python``'s: a foreign tool's venv, its own torch, transformers, peft, trl, ...)."""
-    command = [python, "-m", entry.STACK, entry.STACK_BYTES]
+    command = [python, "-m", processes.STACK, processes.STACK_BYTES]
     out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=scaled(120))
     return int(out.stdout.split()[-1])
 

@@ -13,7 +13,7 @@ import pytest
 from _machine import scaled
 
 from qlora_supervise.supervisor.commands.demo import DEMO_CPU_HEADROOM, DEMO_GPU_CAP, cap_words
-from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract.processes import STACK, STACK_BYTES
 
 MIB = 1 << 20
 
@@ -32,12 +32,12 @@ def test_the_demos_cpu_cap_is_said_in_human_units_with_its_origin() -> None:
 def test_the_stack_probe_prints_human_units_and_bytes_on_request() -> None:
     """The stack probe says MiB or GiB; with --bytes it prints the bare byte count its callers parse."""
     person = subprocess.run(
-        [sys.executable, "-m", entry.STACK], capture_output=True, text=True, check=True, timeout=scaled(120)
+        [sys.executable, "-m", STACK], capture_output=True, text=True, check=True, timeout=scaled(120)
     ).stdout
     said = re.match(r"import baseline: (\d+(?:\.\d+)?) (MiB|GiB) of data segment", person)
     assert said, person
     script = subprocess.run(
-        [sys.executable, "-m", entry.STACK, entry.STACK_BYTES],
+        [sys.executable, "-m", STACK, STACK_BYTES],
         capture_output=True,
         text=True,
         check=True,

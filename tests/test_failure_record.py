@@ -11,7 +11,7 @@ import pytest
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFacts
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, record_of
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, record_of
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.journal import (
     AttemptPeakSource,
@@ -20,7 +20,7 @@ from qlora_supervise.supervisor.record.journal import (
     Phase,
     read_attempts,
 )
-from qlora_supervise.supervisor.watching.watch import Progress
+from qlora_supervise.supervisor.watching.watch import Progress, Watched
 from qlora_supervise.trainer_child.contract.allocator import AllocatorPeak
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
@@ -107,7 +107,8 @@ def test_the_attempts_peak_comes_from_the_typed_report() -> None:
     report, raw = _old_report()
     outcome = AttemptOutcome(
         number=1, plan=Plan(Phase.TRAIN, Knobs(model="/m")), exit=ChildExit(int(ExitCode.OOM)),
-        progress=Progress(step=0, peak_bytes=1 << 30), report=report, memory=MemorySeen(nvml_peak=9 << 30),
+        progress=Progress(step=0, peak_bytes=1 << 30), report=report,
+        memory=Watched(Progress(), gpu_peak_process=9 << 30),
         resumed_from=0, started_at=0.0, ended_at=1.0, log_tail="",
     )  # fmt: skip
     peak = record_of(outcome, Outcome.FAILED, 0).peak

@@ -49,7 +49,7 @@ def test_supervisor_and_policies_reach_the_child_only_through_its_contract(folde
         for module in _imports(path)
         if module.startswith(CHILD + ".")
         and not module.startswith(CONTRACT)
-        # ``from qlora_supervise.trainer_child.contract import entry`` also yields the package itself
+        # ``from qlora_supervise.trainer_child.contract import processes`` also yields the package itself
         and module != CHILD
     }
     assert not wrong, sorted(wrong)

@@ -170,7 +170,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace() -> None:
     """TERM, the grace (psutil.wait_procs), then KILL: the status says SIGKILL, and the grace was waited."""
     proc = _popen("signal.SIG_IGN")
     _ready(proc)
-    child = child_mod.ChildProcess(proc, Path("/dev/null"), time.monotonic())
+    child = child_mod.ChildProcess(proc, time.monotonic())
     started = time.monotonic()
     assert child.stop(0.5) == -9
     assert 0.5 <= time.monotonic() - started < 5.0
@@ -182,7 +182,7 @@ def test_a_child_that_exits_on_sigterm_is_not_waited_for_the_whole_grace() -> No
     proc = _popen("lambda *a: sys.exit(75)")
     _ready(proc)
     started = time.monotonic()
-    assert child_mod.ChildProcess(proc, Path("/dev/null"), started).stop(30.0) == 75
+    assert child_mod.ChildProcess(proc, started).stop(30.0) == 75
     assert time.monotonic() - started < 5.0
 
 
@@ -199,5 +199,5 @@ def test_a_zero_grace_kills_at_once() -> None:
     proc = _popen("signal.SIG_IGN")
     _ready(proc)
     started = time.monotonic()
-    assert child_mod.ChildProcess(proc, Path("/dev/null"), started).stop(0.0) == -9
+    assert child_mod.ChildProcess(proc, started).stop(0.0) == -9
     assert time.monotonic() - started < 5.0

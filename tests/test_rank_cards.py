@@ -12,7 +12,7 @@ from test_gpu import GIB, FakeNvml, _Proc
 
 from qlora_supervise.policies.rungs import RungContext, rung_by_name
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, judge
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, judge
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.watching.gpu import RankCards
@@ -94,7 +94,7 @@ def test_a_fatal_xid_on_one_card_names_that_rank_so_drop_rank_leaves_its_card_ou
     """No rank reported (killed by the fault): the card NVML saw Xid 79 on is the failing rank and GPU."""
     outcome = AttemptOutcome(
         number=1, plan=Plan(Phase.TRAIN, TWO), exit=ChildExit(1, None, None, 3.0), progress=Progress(step=2),
-        report=None, memory=MemorySeen(xid_events=(79,), cards={0: 2, 1: 3}, card_xids={0: (79,)}),
+        report=None, memory=Watched(Progress(), xid_events=[79], cards={0: 2, 1: 3}, card_xids={0: [79]}),
         resumed_from=0, started_at=0.0, ended_at=1.0, log_tail="",
     )  # fmt: skip
     failure = judge(outcome, phase_done=False)

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from qlora_supervise.policies.choice import Sharing, Trial, first_for, retime
 from qlora_supervise.policies.decide import Settings
 from qlora_supervise.policies.ladder.step_up import (
     CardNow,
@@ -16,7 +17,6 @@ from qlora_supervise.policies.ladder.step_up import (
     cause_of,
     step_up,
 )
-from qlora_supervise.policies.retime import Sharing, Trial, first_for, retime
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 

@@ -24,7 +24,7 @@ from qlora_supervise.supervisor.jobfile import world as world_mod
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop import seams
 from qlora_supervise.supervisor.loop.child_output import note_rank_exits
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, failure_record, judge
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import resume_point
 from qlora_supervise.supervisor.record.generations import FieldChange
@@ -184,7 +184,7 @@ def test_judge_names_the_rank_and_gpu_of_the_cause_in_the_failure_and_its_record
         exit=ChildExit(1, None, None, 3.0),  # torchrun's own exit status after a rank failed
         progress=Progress(step=2),
         report=first_failure([broken, oom]).report,  # type: ignore[union-attr]
-        memory=MemorySeen(cards={0: 2, 1: 3}),  # NVML watched local ranks 0, 1 on GPUs 2, 3
+        memory=Watched(Progress(), cards={0: 2, 1: 3}),  # NVML watched local ranks 0, 1 on GPUs 2, 3
         resumed_from=0,
         started_at=0.0,
         ended_at=1.0,
@@ -296,8 +296,8 @@ def test_a_rank_killed_with_no_report_is_named_and_its_card_dropped_when_it_keep
     broken = _report(0, 9.0, message=GLOO_TIMEOUT)
     outcome = AttemptOutcome(
         number=1, plan=Plan(Phase.TRAIN, TWO), exit=ChildExit(1, None, None, 3.0), progress=Progress(step=2),
-        report=broken, memory=MemorySeen(cards={0: 2, 1: 3}), resumed_from=0, started_at=0.0, ended_at=1.0,
-        log_tail="", reports=(broken,),
+        report=broken, memory=Watched(Progress(), cards={0: 2, 1: 3}), resumed_from=0, started_at=0.0,
+        ended_at=1.0, log_tail="", reports=(broken,),
     )  # fmt: skip
     failure = judge(outcome, phase_done=False)
     assert isinstance(failure, Failure) and (failure.rank, failure.local_rank, failure.gpu) == (1, 1, 3)

@@ -15,7 +15,7 @@ from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
-from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract import processes
 
 #: The demo's first config: about 1.7 GiB of data segment on the tiny model, 1.2 GiB with gradient
 #: checkpointing; the cap sits between, so the forward ladder's first rung fits (docs/planning.md,
@@ -37,7 +37,7 @@ DEMO_GPU_CAP = "640MiB"
 
 def make_tiny_command(directory: str | Path) -> int:
     """Write the tiny model, dataset and job.yaml into ``directory``; the child's exit status."""
-    return subprocess.run([sys.executable, "-m", entry.TINY, str(directory)], check=False).returncode
+    return subprocess.run([sys.executable, "-m", processes.TINY, str(directory)], check=False).returncode
 
 
 def demo_command(directory: str) -> int:
@@ -70,7 +70,7 @@ def cap_words(baseline: int | None) -> str:
 
 def _import_baseline() -> int:
     """The trainer child's data segment after its imports on this machine (a child process)."""
-    command = [sys.executable, "-m", entry.STACK, entry.STACK_BYTES]
+    command = [sys.executable, "-m", processes.STACK, processes.STACK_BYTES]
     out = subprocess.run(command, check=False, capture_output=True, text=True)
     if out.returncode != 0 or not out.stdout.strip().isdigit():
         raise SupervisorExit(

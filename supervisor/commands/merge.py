@@ -26,7 +26,7 @@ from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.record.journal import Outcome, Phase, read_attempts
 from qlora_supervise.supervisor.record.rundir import RUN_UMASK, AttemptDir, RunDir, ensure_dir
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
-from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract import processes
 from qlora_supervise.trainer_child.contract.codes import ExitCode
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.report import ErrorReport
@@ -142,7 +142,7 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
 def _run_child(work: AttemptDir, device: str) -> tuple[int, ErrorReport | None]:
     work.error.unlink(missing_ok=True)
     env = {**os.environ, DEVICE_ENV: device, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", entry.MERGE, "--spec", str(work.spec)]
+    command = [sys.executable, "-m", processes.MERGE, "--spec", str(work.spec)]
     with open_append_binary(work.log) as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     if code != ExitCode.OK and work.error.is_file():

@@ -16,7 +16,7 @@ from typing import TextIO
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.retime import Trial
+from qlora_supervise.policies.choice import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import waiting

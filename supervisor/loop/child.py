@@ -28,9 +28,8 @@ import psutil
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
-from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract import processes
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
-from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_gpus, visible_entries
 
 _PR_SET_PDEATHSIG = 1
@@ -41,8 +40,8 @@ TORCHRUN_MODULE = "torch.distributed.run"
 def command(spec_path: Path, phase: str, world_size: int = 1, shutdown_timeout_s: float = 180.0) -> list[str]:
     """The argv of one attempt; ``world_size`` > 1 starts that many ranks through torchrun."""
     if phase == "merge":
-        return [sys.executable, "-m", entry.MERGE, "--spec", str(spec_path)]
-    child = ["-m", entry.ATTEMPT, "--spec", str(spec_path)]
+        return [sys.executable, "-m", processes.MERGE, "--spec", str(spec_path)]
+    child = ["-m", processes.ATTEMPT, "--spec", str(spec_path)]
     if world_size <= 1:
         return [sys.executable, *child]
     grace = str(max(1, round(shutdown_timeout_s)))
@@ -111,7 +110,6 @@ class ChildProcess:
     """A running child. ``stop`` is SIGTERM to the group, a grace period, then SIGKILL."""
 
     popen: subprocess.Popen[bytes]
-    log_path: Path
     started_monotonic: float
 
     @property
@@ -177,7 +175,7 @@ def trainer_pids(pid: int) -> list[int]:
         children = psutil.Process(pid).children()
     except psutil.Error:
         return []
-    return [child.pid for child in children if entry.ATTEMPT in process_cmdline(child.pid)]
+    return [child.pid for child in children if processes.ATTEMPT in process_cmdline(child.pid)]
 
 
 def spawn_child(
@@ -196,7 +194,7 @@ def spawn_child(
             start_new_session=True,
             preexec_fn=_pdeathsig(os.getpid()),
         )
-    return ChildProcess(popen, log_path, time.monotonic())
+    return ChildProcess(popen, time.monotonic())
 
 
 def spawn_spare(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path) -> ChildProcess:
@@ -274,7 +272,7 @@ def stop_group(pid: int, grace_s: float) -> int | None:
 def _exited_within(pid: int, timeout_s: float) -> bool:
     """Whether ``pid`` (not our child) exits, a zombie counting as exited, within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while pid_alive(pid):
+    while processes.pid_alive(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
@@ -285,14 +283,14 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
     """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything with
     the spec (or its attempt directory) on its command line, a warm spare of this run, and a foreign
     trainer whose environment points the shim at this spec."""
-    spare = f"{entry.SPARE} --run-dir {rd.root}"
+    spare = f"{processes.SPARE} --run-dir {rd.root}"
     shimmed = pids_with_environment(SHIM_SPEC_ENV, str(spec_path))
     found = [*pids_running(str(spec_path), spare), *shimmed]
     candidates = [pid, *(p for p in found if p != pid)] if pid else found
     return [
         p
         for p in dict.fromkeys(candidates)
-        if (p in shimmed or _is_attempt_child(process_cmdline(p), spec_path, rd)) and pid_alive(p)
+        if (p in shimmed or _is_attempt_child(process_cmdline(p), spec_path, rd)) and processes.pid_alive(p)
     ]
 
 
@@ -300,4 +298,4 @@ def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
     """Its spec or attempt directory on the command line, or a warm spare of this run directory."""
     if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
         return True
-    return entry.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "
+    return processes.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "

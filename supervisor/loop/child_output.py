@@ -12,7 +12,7 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.classify import first_failure
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
@@ -219,7 +219,7 @@ def ended(
         progress=progress,
         report=cause.report if cause is not None else (reports[0] if reports else None),
         reports=reports if torchrun else (),
-        memory=MemorySeen(),
+        memory=Watched(progress),
         resumed_from=flight.resumed_from,
         started_at=flight.started_at,
         ended_at=ended_at,

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from structlog.typing import FilteringBoundLogger
 
+from qlora_supervise.policies import choice
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies import retime
 from qlora_supervise.policies.decide import SPURIOUS_KEY
 from qlora_supervise.policies.ladder import step_up as rule
 from qlora_supervise.supervisor.record.events import Event
@@ -29,7 +29,7 @@ class PlannedRestart:
     """The runner's order to stop the attempt at this checkpoint: to ``knobs``, for ``why``."""
 
     knobs: Knobs
-    rung: str  # rule.STEP_UP_RUNG or retime.RETIME_RUNG
+    rung: str  # rule.STEP_UP_RUNG or choice.RETIME_RUNG
     why: str
     changes: dict[str, tuple[object, object]] = field(default_factory=dict)
     undoes: int | None = None  # a step-up: the attempt whose rung it undoes
@@ -97,13 +97,13 @@ class ClimbBack:
         self,
         records: list[AttemptRecord],
         settings: Callable[[], policy.Settings],
-        first_trial: retime.Trial | None,
+        first_trial: choice.Trial | None,
         log: FilteringBoundLogger,
     ) -> None:
         self.records, self.settings, self.first_trial, self.log = records, settings, first_trial, log
-        self.samples: list[tuple[float, retime.Sharing, int | None]] = []  # (time, the others, card total)
+        self.samples: list[tuple[float, choice.Sharing, int | None]] = []  # (time, the others, card total)
         self.said: set[str] = set()
-        self.trial_at: tuple[float, retime.Sharing | None] | None = None  # this attempt's trial: when, others
+        self.trial_at: tuple[float, choice.Sharing | None] | None = None  # this attempt's trial: when, others
 
     def start(self) -> None:
         """A new attempt: the card's story starts again."""
@@ -113,7 +113,7 @@ class ClimbBack:
     def sample(self, now: float, watched: Watched) -> None:
         """The newest NVML sample of the attempt (its others' memory and SM utilisation)."""
         if watched.gpu_others_at_end is not None:
-            sharing = retime.Sharing(watched.gpu_others_at_end, watched.gpu_others_sm_util)
+            sharing = choice.Sharing(watched.gpu_others_at_end, watched.gpu_others_sm_util)
             self.samples.append((now, sharing, watched.gpu_total))
 
     def trial_seen(self, now: float) -> None:
@@ -157,11 +157,11 @@ class ClimbBack:
         window = [s[1] for s in self.samples if s[0] >= now - settings.step_up_settle_s]
         held_for = now - max(when, self.samples[0][0]) if self.samples else 0.0
         settle = settings.step_up_settle_s
-        answer = retime.retime(self.first_trial, knobs, then, window, held_for, settle, remaining_s)
+        answer = choice.retime(self.first_trial, knobs, then, window, held_for, settle, remaining_s)
         if answer is None:
             return None
         self.trial_at = None  # once per trial
         to, why = answer
         pairs = {n: (getattr(knobs, n), getattr(to, n)) for n in _TRIAL_KNOBS}
         changes: dict[str, tuple[object, object]] = {n: p for n, p in pairs.items() if p[0] != p[1]}
-        return PlannedRestart(to, retime.RETIME_RUNG, why, changes)
+        return PlannedRestart(to, choice.RETIME_RUNG, why, changes)

@@ -24,25 +24,11 @@ from qlora_supervise.supervisor.record.journal import (
     Outcome,
     attempt_peak,
 )
-from qlora_supervise.supervisor.watching.watch import Progress
+from qlora_supervise.supervisor.watching.watch import Progress, Watched
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Resumed, script_settings
 from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.script_knobs import unapplied
-
-
-@dataclass(frozen=True)
-class MemorySeen:
-    """What the supervisor sampled while the attempt ran (None: no reading)."""
-
-    nvml_peak: int | None = None
-    gpu_others_at_end: int | None = None
-    gpu_total: int | None = None
-    rss_peak: int | None = None
-    xid_events: tuple[int, ...] = ()
-    # Under torchrun: local rank -> NVML index of its card, and the Xids seen on each card.
-    cards: Mapping[int, int] = dataclasses.field(default_factory=dict)
-    card_xids: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,7 +40,7 @@ class AttemptOutcome:
     exit: ChildExit | None
     progress: Progress
     report: ErrorReport | None
-    memory: MemorySeen
+    memory: Watched  # what the supervisor sampled while it ran (None fields: no reading)
     resumed_from: int
     started_at: float
     ended_at: float
@@ -122,7 +108,7 @@ def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str)
     return dataclasses.replace(failure, rank=rank, local_rank=rank, evidence=why)
 
 
-def _xid_card(failure: Failure, card_xids: Mapping[int, tuple[int, ...]]) -> Failure:
+def _xid_card(failure: Failure, card_xids: Mapping[int, list[int]]) -> Failure:
     """A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on."""
     ranks = [rank for rank, xids in sorted(card_xids.items()) if failure.fatal_xid in xids]
     if len(ranks) != 1:
@@ -214,7 +200,7 @@ def record_of(
             o.report.allocator_peak.allocated_bytes if o.report and o.report.allocator_peak else None,
             o.report.oom_numbers.step_need_bytes if o.report else None,
             o.progress.peak_bytes,
-            o.memory.nvml_peak,
+            o.memory.gpu_peak_process,
             o.memory.rss_peak,
         ),
         failure=failure,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.retime import RETIME_RUNG, first_for
+from qlora_supervise.policies.choice import RETIME_RUNG, first_for
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.record.history import policy_history
@@ -50,7 +50,7 @@ class Plan:
     speed_trial_limit: int | None = None
     # Attempt 1 only: nothing is predicted to fit; the run stops before any child, with this message.
     nothing_fits: str | None = None
-    retime: bool = False  # a re-time (policies/retime.py): the trial runs on the resume too
+    retime: bool = False  # a re-time (policies/choice.py): the trial runs on the resume too
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.policies.retime import RETIME_RUNG
+from qlora_supervise.policies.choice import RETIME_RUNG
 from qlora_supervise.supervisor.diagnosis import xid
 from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop import child_output as output
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
-from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, MemorySeen, optimizer_reset
+from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import Prepared, prepare_checkpoints, write_spec
 from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
@@ -153,20 +153,11 @@ class AttemptRunner:
         o = output.ended(ctx.rd, ready.in_flight(proc.pid), plan, reader.progress, seams.wall(), log)
         # When it failed (its report's time, else the end of the watch): the next first_step times from it.
         self.failed_at = None if exit_.returncode == 0 else (o.report.time if o.report else seams.wall())
-        memory = MemorySeen(
-            watched.gpu_peak_process,
-            watched.gpu_others_at_end,
-            watched.gpu_total,
-            watched.rss_peak,
-            tuple(watched.xid_events),
-            cards=dict(watched.cards),
-            card_xids={rank: tuple(x) for rank, x in watched.card_xids.items() if x},
-        )
         return dataclasses.replace(
             o,
             exit=exit_,
             planned=self.planned,
-            memory=memory,
+            memory=watched,
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
             rank_exits=dict(watched.rank_exits),
         )

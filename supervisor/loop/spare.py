@@ -21,7 +21,7 @@ from structlog.typing import FilteringBoundLogger
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath, open_append_binary
 from qlora_supervise.supervisor.loop.seams import Clock, Sleep, SpareProcess, SpawnSpare
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract import processes
 
 #: What a spare costs before it has reported its own RSS (0.9 GB measured on the H200, rounded up).
 SPARE_RSS_GUESS = 2 << 30
@@ -83,7 +83,7 @@ def room_for_spare(expected_rss: int, available: int | None = None) -> bool:
 
 
 def spare_argv(run_dir: Path, order: SpareOrder, python: str) -> list[str]:
-    argv = [python, "-m", entry.SPARE, "--run-dir", str(run_dir)]
+    argv = [python, "-m", processes.SPARE, "--run-dir", str(run_dir)]
     argv += ["--device", order.device, "--model", order.model]
     if order.prepare_from is not None:
         argv += ["--prepare", str(order.prepare_from)]

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.choice import TrialChoice, after_trial, trained_with
+from qlora_supervise.policies.choice import RETIME_RUNG, TrialChoice, after_trial, trained_with
 from qlora_supervise.policies.ladder.step_up import STEP_UP_RUNG
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.retime import RETIME_RUNG
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.journal import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir

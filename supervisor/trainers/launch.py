@@ -1,5 +1,5 @@
 """The shim in a foreign trainer's process: the environment that puts it on the PYTHONPATH (found
-beside the contract's entry module; nothing of it is imported here) with the spec named, and whether
+beside the contract's processes module; nothing of it is imported here) with the spec named, and whether
 it attached (its ``started`` line in the attempt's events file), said in the journal when it did not."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.record.events import Event
-from qlora_supervise.trainer_child.contract import entry
+from qlora_supervise.trainer_child.contract import processes
 from qlora_supervise.trainer_child.contract.events import Started, parse_event
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec
 
 #: The same name as trainer_child.shim.SHIM_SPEC_ENV (tests/test_trainer_shim.py checks they agree).
 SHIM_SPEC_ENV = "QLORA_SUPERVISE_SHIM_SPEC"
-SHIM_SITE = Path(entry.__file__).resolve().parent.parent / "shim" / "site"
+SHIM_SITE = Path(processes.__file__).resolve().parent.parent / "shim" / "site"
 SHIM_SILENT = (
     "the trainer's process wrote none of our events (no `started` line in {events}): the shim did "
     "not attach (is qlora-supervise importable by {python}? does the tool build a transformers "

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the import baseline: for a person, or only the byte count with ``--bytes`` (for scripts)."""
     import argparse
 
-    from qlora_supervise.trainer_child.contract.entry import STACK, STACK_BYTES
+    from qlora_supervise.trainer_child.contract.processes import STACK, STACK_BYTES
     from qlora_supervise.trainer_child.run.memory import prepare_process_env, proc_status_bytes
 
     parser = argparse.ArgumentParser(
