@@ -167,3 +167,24 @@ def test_the_model_config_a_script_reports_gives_the_later_attempts_a_shape() ->
     settings = with_script_model(Settings(), [ScriptKnobs(settings=BUILT, model_config=config)])
     assert settings.shape is not None and (settings.shape.hidden, settings.shape.layers) == (64, 2)
     assert with_script_model(Settings(), [ScriptKnobs(settings=BUILT)]).shape is None
+
+
+@pytest.mark.parametrize("changes", [(), ("eval_enabled",)])
+def test_a_scheduler_that_needs_eval_keeps_the_scripts_eval_on_and_disable_eval_off_the_ladder(
+    changes: tuple[str, ...], tmp_path: Path
+) -> None:
+    """A plateau scheduler needs an eval strategy: eval is reported not applicable from attempt 1 (the
+    rung leaves the ladder), and an attempt that asks for it off builds with eval on."""
+    from transformers import TrainingArguments
+
+    args_class = type("Args", (TrainingArguments,), {})  # patched alone: TrainingArguments stays as is
+    ledger = script.Ledger(ScriptChanges(changes, str(tmp_path)), Knobs(model="m", eval_enabled=False))
+    script.patches(ledger)["transformers.training_args"](types.SimpleNamespace(TrainingArguments=args_class))
+    args = args_class(
+        output_dir=str(tmp_path), eval_strategy="steps", eval_steps=5, save_strategy="steps", save_steps=10,
+        load_best_model_at_end=True, lr_scheduler_type="reduce_lr_on_plateau",
+    )  # fmt: skip
+    assert (args.eval_strategy, args.load_best_model_at_end) == ("steps", True)
+    assert unapplied(ledger.settings) == ("eval_enabled",)
+    past = PastAttempt(Knobs(model="m"), None, 0, unapplied=unapplied(ledger.settings))
+    assert "disable_eval" in unusable_rungs([past])

@@ -379,3 +379,24 @@ def test_transformers_builds_the_eval_off_attempts_with_the_best_model_at_end(tm
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-4:-1] == [f"{kind} no False" for kind in _EVAL_OFF_KINDS]
+
+
+@pytest.mark.parametrize("kind", _EVAL_OFF_KINDS)
+@pytest.mark.parametrize("scheduler", ["reduce_lr_on_plateau", "greedy"])
+def test_a_scheduler_that_needs_eval_takes_disable_eval_off_the_tools_ladder(
+    kind: str, scheduler: str
+) -> None:
+    """TrainingArguments refuses these schedulers with eval off: the eval ladder stops at its batch;
+    axolotl never turns eval off (val_set_size is read only)."""
+    from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
+    from qlora_supervise.trainer_child.contract.codes import FailureKind
+
+    command = ("python", "train.py", "--model_name_or_path", "/m", *_BEST, "--lr_scheduler_type", scheduler)
+    config = flags.parse(command)[0]
+    trainer = ToolTrainer(TOOLS[kind], config, None, command)
+    assert "disable_eval" in trainer.cannot_take() and "disable_eval" in rungs_for(TABLES[kind])
+    assert trainer.ladders({})[FailureKind.OOM_EVAL] == ("halve_eval_batch",)
+    assert "disable_eval" in rungs_for(TABLES[kind], {**config, "lr_scheduler_type": "cosine"})
+    assert "disable_eval" not in rungs_for(
+        TABLES["axolotl"], {"val_set_size": 0.1, "lr_scheduler": scheduler}
+    )

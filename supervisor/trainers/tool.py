@@ -12,6 +12,7 @@ from typing import Any
 
 from qlora_supervise.policies.rungs import RUNGS
 from qlora_supervise.supervisor.jobfile.problems import Problem
+from qlora_supervise.trainer_child.contract.script_knobs import EVAL_SCHEDULERS
 
 #: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take.
 RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
@@ -39,6 +40,8 @@ class Row:
     preferred: tuple[str, ...] = ()
     # Keys the tool refuses left on beside this knob written off: where the config has them, off too.
     off_with: tuple[str, ...] = ()
+    # Where the rest of the config needs the knob as it is: never written, so its rungs leave the ladder.
+    held: Callable[[Mapping[str, Any]], bool] = lambda config: False
 
     def key_in(self, config: Mapping[str, Any]) -> str:
         """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
@@ -154,7 +157,8 @@ TRAINER_ARGUMENTS_CONTRADICTIONS = (
 #: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
 ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
 #: TrainingArguments' eval switch, as a knob: any strategy but "no" is on. Its __post_init__ refuses
-#: load_best_model_at_end without eval (the eval and save strategies must match).
+#: load_best_model_at_end without eval (the eval and save strategies must match), and a scheduler
+#: that steps on the eval loss: eval stays on rather than the schedule changing.
 EVAL_STRATEGY = Row(
     "eval_enabled",
     "eval_strategy",
@@ -162,12 +166,13 @@ EVAL_STRATEGY = Row(
     read=lambda v: v != "no",
     write=lambda v: "steps" if v else "no",
     off_with=("load_best_model_at_end",),
+    held=lambda config: config.get("lr_scheduler_type") in EVAL_SCHEDULERS,
 )
 
 
 def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
     """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
-    if row.read_only:
+    if row.read_only or (config is not None and row.held(config)):
         return False
     return not row.present_only or (config is not None and row.key in config)
 

@@ -22,6 +22,9 @@ Value = bool | int | float | str | None
 #: puts the others back as the script asked (the effective batch stays the script's).
 TOGETHER = frozenset({"micro_batch_size", "grad_accum"})
 _KNOBS = frozenset(field.name for field in dataclasses.fields(Knobs))
+#: lr_scheduler_type values TrainingArguments refuses without an eval strategy ("... requires an eval
+#: strategy"): with one of them the ladder leaves evaluation on (scripts and tools alike).
+EVAL_SCHEDULERS = frozenset({"reduce_lr_on_plateau", "greedy"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,13 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract.attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
 from qlora_supervise.trainer_child.contract.events import Loaded, ScriptKnobs
-from qlora_supervise.trainer_child.contract.script_knobs import TOGETHER, KnobSetting, ScriptChanges, Value
+from qlora_supervise.trainer_child.contract.script_knobs import (
+    EVAL_SCHEDULERS,
+    TOGETHER,
+    KnobSetting,
+    ScriptChanges,
+    Value,
+)
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: knob -> the TrainingArguments field (``max_seq_len``: trl's SFTConfig, where the class has it).
@@ -57,6 +63,14 @@ def _write(knob: str, value: Any) -> Any:
     return ("steps" if value else "no") if knob == "eval_enabled" else value
 
 
+def _eval_held(args: Any) -> str | None:
+    """Why the script's evaluation must stay on (its scheduler steps on the eval loss); None: it may go."""
+    scheduler = _plain(getattr(args, "lr_scheduler_type", None))
+    if scheduler not in EVAL_SCHEDULERS:
+        return None
+    return f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
+
+
 def _model_name(name: str | os.PathLike[str]) -> str:
     """A local folder as an absolute path (the supervisor reads it from elsewhere), else the name."""
     path = os.fspath(name)
@@ -82,6 +96,7 @@ class Ledger:
     def on_arguments(self, args: Any) -> None:
         where = type(args).__name__
         fields = {f.name for f in dataclasses.fields(args)}
+        held = _eval_held(args)
         for knob, key in ARGUMENTS.items():
             if key not in fields:
                 if knob in self.changes:
@@ -89,10 +104,14 @@ class Ledger:
                     self.settings.append(KnobSetting(knob, key, None, self.asked.get(knob), where, why))
                 continue
             asked = _read(knob, getattr(args, key))
+            if knob == "eval_enabled" and held is not None:
+                # Not applied, changed or not: its rung leaves the ladder from the first report.
+                self.settings.append(KnobSetting(knob, key, asked, asked, where, held))
+                continue
             got = self._take(knob, key, asked, where)
             if got != asked:
                 setattr(args, key, _write(knob, got))
-        if self.changes.get("eval_enabled") is False and getattr(args, BEST, False):
+        if self.changes.get("eval_enabled") is False and held is None and getattr(args, BEST, False):
             # Its __post_init__ refuses the best model at the end without eval (strategies must match).
             self.settings.append(KnobSetting(BEST, BEST, True, False, where))
             setattr(args, BEST, False)
