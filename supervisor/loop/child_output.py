@@ -12,9 +12,9 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.classify import first_failure
 from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import AttemptRecord, InFlight
 from qlora_supervise.supervisor.record.rundir import RunDir

@@ -17,8 +17,8 @@ from typing import Any
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop.child import Clock, Seams
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.seams import Clock, Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, Phase
 from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir, ensure_dir

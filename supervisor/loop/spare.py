@@ -19,7 +19,7 @@ import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath, open_append_binary
-from qlora_supervise.supervisor.loop.seams import Clock, Sleep, SpareProcess, SpawnSpare
+from qlora_supervise.supervisor.loop.child import Clock, Sleep, SpareProcess, SpawnSpare
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract import processes
 

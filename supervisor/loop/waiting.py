@@ -17,7 +17,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.loop.seams import Clock, Sleep
+from qlora_supervise.supervisor.loop.child import Clock, Sleep
 from qlora_supervise.supervisor.record import rundir
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome
