@@ -17,14 +17,12 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.choice import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop import waiting
+from qlora_supervise.supervisor.loop import planner, waiting
 from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.loop.child_output import reclaim
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
 from qlora_supervise.supervisor.loop.conclude import Conclusions, Pending, Turn
-from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
-from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
 from qlora_supervise.supervisor.loop.settings import with_card_budget
@@ -117,11 +115,11 @@ class Supervisor:
                 self.log.info(Event.GPU_MONITOR_UNAVAILABLE, why="NVML not available: no GPU readings")
             self.book.settings = with_card_budget(self.settings, self.gpu)
             job = self.job
-            self.first = first_plan(
+            self.first = planner.first_plan(
                 job.knobs, self.settings, job.train.target_modules, self.as_written, job.resources.device
             )
             if not records:
-                announce_plan(self.log, self.first.note)
+                planner.announce_plan(self.log, self.first.note)
                 if self.first.nothing_fits:  # no verdict in state.json: a rerun plans again
                     why = f"nothing fits: {self.first.nothing_fits}; no child was started"
                     self.log.error(Event.NOTHING_FITS, why=why)
@@ -161,10 +159,9 @@ class Supervisor:
             state = turn.state
             if state is RunState.STARTING:
                 merged, lifted = self.rd.merged.exists(), self.book.lifted_after
-                plan = next_plan(
-                    records, PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
-                )
-                if isinstance(plan, Verdict):
+                facts = planner.PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
+                plan = planner.next_plan(records, facts)
+                if isinstance(plan, planner.Verdict):
                     # STARTING -> SUCCEEDED | GAVE_UP | FAILED
                     self._move(State(plan.run_state, plan.knobs, note=plan.note))
                     return int(plan.exit_code)
@@ -182,7 +179,7 @@ class Supervisor:
             else:
                 raise AssertionError(f"{state.value} without its plan (RUNNING) or decision (WAITING)")
 
-    def _run_attempt(self, runner: AttemptRunner, plan: Plan) -> AttemptOutcome:
+    def _run_attempt(self, runner: AttemptRunner, plan: planner.Plan) -> AttemptOutcome:
         """The RUNNING state: one attempt from its spec to its end."""
         ready = runner.prepare(max((r.attempt for r in self.book.records), default=0) + 1, plan)
         # In flight before the spawn (pid unknown) and after it: a kill in between leaves the attempt named.
@@ -237,4 +234,4 @@ class Supervisor:
         )
 
 
-__all__ = ["Plan", "Seams", "Supervisor"]
+__all__ = ["Seams", "Supervisor"]
