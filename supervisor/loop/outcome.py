@@ -7,23 +7,13 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from qlora_supervise.supervisor.diagnosis.classify import (
-    classify_exit,
-    first_failure,
-    is_knock_on,
-    torchrun_root_rank,
-)
+from qlora_supervise.supervisor.diagnosis import classify
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.journal import (
-    AttemptRecord,
-    DecisionRecord,
-    HostMemory,
-    Outcome,
-    attempt_peak,
-)
+from qlora_supervise.supervisor.record import journal
+from qlora_supervise.supervisor.record.journal import AttemptRecord, DecisionRecord, Outcome
 from qlora_supervise.supervisor.watching.watch import Progress, Watched
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Resumed, script_settings
@@ -69,7 +59,7 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     if not isinstance(verdict, Failure):
         return verdict
     if o.report is not None and o.report.world_size > 1:
-        cause = first_failure(o.reports or (o.report,))
+        cause = classify.first_failure(o.reports or (o.report,))
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
         rank, local = o.report.rank, o.report.local_rank
         silent = _silent_rank(o.reports or (o.report,))
@@ -88,7 +78,7 @@ def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
     """The one rank that left no report when every report is a knock-on: it died first and broke
     the others' collective. None when a rank reported a cause of its own."""
     world = reports[0].world_size
-    if any(not is_knock_on(r) for r in reports):
+    if any(not classify.is_knock_on(r) for r in reports):
         return None
     silent = set(range(world)) - {r.rank for r in reports}
     return silent.pop() if len(silent) == 1 else None
@@ -101,7 +91,7 @@ def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str)
     if first and (len(first) == 1 or first[0][1] < first[1][1]):
         rank, whose = first[0][0], "its process left first"
     else:
-        rank, whose = torchrun_root_rank(log_tail), "torchrun saw it fail first"
+        rank, whose = classify.torchrun_root_rank(log_tail), "torchrun saw it fail first"
     if rank is None:
         return failure
     why = f"{failure.evidence}; rank {rank} failed and no rank reported: {whose}"
@@ -134,7 +124,7 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
         if failed and report is not None:
             # The child failed while nobody watched: classify it as if we had seen it exit.
             unseen = ChildExit(report.exit_code, None, None, 0.0)
-            return classify_exit(unseen, report, o.log_tail, fit=fit)
+            return classify.classify_exit(unseen, report, o.log_tail, fit=fit)
         return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
     if exit_.killed_by_supervisor is KilledBy.STEP_UP and o.planned is not None and not failed:
         return Outcome.STEPPED_UP
@@ -144,7 +134,7 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
         return Outcome.STOPPED
     if exit_.returncode == 0 and phase_done:
         return Outcome.SUCCEEDED
-    return classify_exit(
+    return classify.classify_exit(
         exit_,
         o.report,
         o.log_tail,
@@ -196,7 +186,7 @@ def record_of(
         steps_completed=steps,
         next_resume_from=next_resume_from,
         lost_steps=lost,
-        peak=attempt_peak(
+        peak=journal.attempt_peak(
             o.report.allocator_peak.allocated_bytes if o.report and o.report.allocator_peak else None,
             o.report.oom_numbers.step_need_bytes if o.report else None,
             o.progress.peak_bytes,
@@ -207,7 +197,7 @@ def record_of(
         decision=decision,
         plan=o.plan.note,
         optimizer_reset=optimizer_reset(o.progress),
-        host=HostMemory(
+        host=journal.HostMemory(
             o.progress.host_peak, o.progress.load_host_peak, o.progress.last_rss, o.host_predicted
         ),
         unapplied=unapplied(script_settings(o.progress.events)),

@@ -35,14 +35,7 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import policy_history
-from qlora_supervise.supervisor.record.journal import (
-    Action,
-    AttemptRecord,
-    Outcome,
-    Phase,
-    PlanNote,
-    RunState,
-)
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome, Phase, PlanNote, RunState
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
@@ -105,7 +98,7 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
         trial = first_for(decision.knobs, first.speed_trial)
         limit = first.speed_trial_limit
         return Plan(last.phase, decision.knobs, speed_trial=trial, speed_trial_limit=limit, retime=True)
-    if decision is not None and decision.action is Action.RESTART and decision.knobs is not None:
+    if last.restarts and decision is not None and decision.knobs is not None:
         return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
     if last.attempt <= facts.lifted_after:
         rung = next_rung_after_lift(records, facts.settings) if facts.settings is not None else None

@@ -22,15 +22,7 @@ from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, Phase
 from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir, ensure_dir
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    OPTIMIZER_FILES,
-    TEMP_PREFIX,
-    complete_checkpoints,
-    damaged_files,
-    quarantine,
-    read_marker,
-    remove_stale_temps,
-)
+from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.report import ErrorReport
@@ -62,21 +54,21 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
     without it (the arbiter's prediction of the next resume step) it is only skipped."""
     skipped: list[str] = []
     moved: list[Quarantined] = []
-    for step, path in reversed(complete_checkpoints(checkpoints_dir)):
-        marker = read_marker(path)
+    for step, path in reversed(checkpoints.complete_checkpoints(checkpoints_dir)):
+        marker = checkpoints.read_marker(path)
         saved = marker.get("knobs", {}) if marker is not None else None
-        damaged = damaged_files(path) if isinstance(saved, dict) else None
+        damaged = checkpoints.damaged_files(path) if isinstance(saved, dict) else None
         if saved is None or damaged is None:
             skipped.append(f"{path.name}: unreadable marker")
             continue
         why = "; ".join(f"{name}: {problem}" for name, problem in sorted(damaged.items()))
         # Only the optimizer state damaged: resume the adapter and step with a fresh optimizer.
-        optimizer_only = bool(damaged) and set(damaged) <= set(OPTIMIZER_FILES)
+        optimizer_only = bool(damaged) and set(damaged) <= set(checkpoints.OPTIMIZER_FILES)
         if damaged and not optimizer_only:
             skipped.append(f"{path.name}: damaged ({why})")
             if quarantine_damaged:
                 reason = f"files differ from the completion marker: {why}"
-                moved.append(Quarantined(path, quarantine(path, reason), reason))
+                moved.append(Quarantined(path, checkpoints.quarantine(path, reason), reason))
             continue
         if optimizer_only:
             skipped.append(f"{path.name}: optimizer state damaged ({why}); resumed with a fresh optimizer")
@@ -123,18 +115,18 @@ def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Qu
     if path.parent.resolve() != checkpoints_dir.resolve() or not path.is_dir():
         return None
     reason = f"failed to load in the child: {report.exception_type}: {report.message[:300]}" if report else ""
-    return Quarantined(path, quarantine(path, reason), reason)
+    return Quarantined(path, checkpoints.quarantine(path, reason), reason)
 
 
 def clean_staging(run_root: Path, checkpoints_dir: Path) -> list[Path]:
     """When a run ends, whatever the verdict: delete staging directories whose writer (its pid in
     the name) is gone: ``.tmp-*`` under ``checkpoints/``, ``.tmp-adapter-<pid>`` / ``.old-adapter-<pid>``."""
-    removed = remove_stale_temps(checkpoints_dir)
+    removed = checkpoints.remove_stale_temps(checkpoints_dir)
     if not run_root.is_dir():
         return removed
     for path in run_root.iterdir():
         tail = path.name.rsplit("-", 1)[-1]
-        ours = path.name.startswith((TEMP_PREFIX, ".old-")) and tail.isdigit()
+        ours = path.name.startswith((checkpoints.TEMP_PREFIX, ".old-")) and tail.isdigit()
         if ours and path.is_dir() and not pid_alive(int(tail)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
