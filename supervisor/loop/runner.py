@@ -200,12 +200,8 @@ class AttemptRunner:
             short = watched.hang or watched.ranks_overstayed
             grace = self.ctx.job.supervise.hang_grace if short else seams.stop_grace_s
             code = proc.stop(grace)
-        return ChildExit(
-            returncode=code if code >= 0 else None,
-            signal=-code if code < 0 else None,
-            killed_by_supervisor=killed,
-            duration_s=seams.clock() - proc.started_monotonic,
-        )
+        duration_s = seams.clock() - proc.started_monotonic
+        return ChildExit(code if code >= 0 else None, -code if code < 0 else None, killed, duration_s)
 
     def _watch(self, ready: Prepared, proc: ChildHandle, reader: watch.HeartbeatReader) -> Watched:
         # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
@@ -329,10 +325,6 @@ class AttemptRunner:
         if self.ctx.gpu is not None or self.cards is not None:
             self._sample(pid, watched, gpu_log)
         if watched.xid_events:
-            fatal = xid.fatal_xid(watched.xid_events)
-            self.log.error(
-                Event.GPU_FAULT,
-                xids=list(dict.fromkeys(watched.xid_events)),
-                meanings=xid.describe(watched.xid_events),
-                fatal=fatal is not None,
-            )
+            xids, fatal = list(dict.fromkeys(watched.xid_events)), xid.fatal_xid(watched.xid_events)
+            meanings = xid.describe(watched.xid_events)
+            self.log.error(Event.GPU_FAULT, xids=xids, meanings=meanings, fatal=fatal is not None)
