@@ -37,8 +37,7 @@ class AttemptOutcome:
     log_tail: str
     oom_kill_delta: int = 0
     host_predicted: int | None = None  # the host model's training peak for the plan's knobs
-    # Under torchrun, every rank's report (``report`` is the cause among them); empty otherwise.
-    reports: tuple[ErrorReport, ...] = ()
+    reports: tuple[ErrorReport, ...] = ()  # torchrun: every rank's (``report`` is the cause); else empty
     planned: PlannedRestart | None = None  # stopped at a checkpoint for a faster config (climb_back.py)
     # Under torchrun, when the supervisor first saw each rank's process gone (clock seconds).
     rank_exits: Mapping[int, float] = dataclasses.field(default_factory=dict)
@@ -77,10 +76,9 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
 def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
     """The one rank that left no report when every report is a knock-on: it died first and broke
     the others' collective. None when a rank reported a cause of its own."""
-    world = reports[0].world_size
     if any(not classify.is_knock_on(r) for r in reports):
         return None
-    silent = set(range(world)) - {r.rank for r in reports}
+    silent = set(range(reports[0].world_size)) - {r.rank for r in reports}
     return silent.pop() if len(silent) == 1 else None
 
 

@@ -3,12 +3,10 @@ file's size and sha256), newest first: damaged files are skipped (and quarantine
 adapter of another model or a smaller LoRA rank (or alpha) is skipped; a larger rank is cut by SVD
 in the child; another optimizer (or ``fresh_optimizer_state``) loads without its optimizer state.
 An attempt made ready to spawn (:class:`Prepared`) is on disk before ``state.json`` names it in flight:
-its resume checkpoint chosen and its spec written.
-"""
+its resume checkpoint chosen and its spec written."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +143,7 @@ def log_quarantined(log: FilteringBoundLogger, moved: tuple[Quarantined, ...] | 
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Prepared:
     """An attempt ready to spawn: its resume point chosen and its spec written."""
 
