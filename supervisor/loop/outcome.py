@@ -70,7 +70,12 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
         verdict = _xid_card(verdict, o.memory.card_xids)
     elif o.plan.knobs.world_size > 1 and verdict.local_rank is None:
         verdict = _root_rank(verdict, o.rank_exits, o.log_tail)
-    return _named_card(verdict, o.memory.cards)
+    gpu = o.memory.cards.get(verdict.local_rank) if verdict.local_rank is not None else None
+    if gpu is None:
+        return verdict
+    # The failing rank's card by its NVML (physical) index, in the record and the evidence.
+    why = f"{verdict.evidence} (local rank {verdict.local_rank} trains on GPU {gpu}, NVML index)"
+    return dataclasses.replace(verdict, gpu=gpu, evidence=why)
 
 
 def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
@@ -103,15 +108,6 @@ def _xid_card(failure: Failure, card_xids: Mapping[int, list[int]]) -> Failure:
         return failure
     why = f"{failure.evidence}; NVML saw Xid {failure.fatal_xid} on local rank {ranks[0]}'s card"
     return dataclasses.replace(failure, rank=ranks[0], local_rank=ranks[0], evidence=why)
-
-
-def _named_card(failure: Failure, cards: Mapping[int, int]) -> Failure:
-    """The failing rank's card by its NVML (physical) index, in the record and the evidence."""
-    if failure.local_rank is None or failure.local_rank not in cards:
-        return failure
-    gpu = cards[failure.local_rank]
-    why = f"{failure.evidence} (local rank {failure.local_rank} trains on GPU {gpu}, NVML index)"
-    return dataclasses.replace(failure, gpu=gpu, evidence=why)
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:
