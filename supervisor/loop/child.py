@@ -220,18 +220,6 @@ def pids_running(*arguments: str) -> list[int]:
     return [pid for pid, cmdline in lines if any(argument in cmdline for argument in arguments)]
 
 
-def pids_with_environment(name: str, value: str) -> list[int]:
-    """Pids of the processes we may read whose environment sets ``name`` to ``value``."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get(name) == value:
-                found.append(int(proc.info["pid"]))
-        except psutil.Error:  # gone, or another user's: not ours to stop anyway
-            continue
-    return found
-
-
 def process_cmdline(pid: int) -> str:
     """The process's command line, space-joined; empty when it is gone or not ours to read."""
     try:
@@ -284,8 +272,13 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
     """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything with
     the spec (or its attempt directory) on its command line, a warm spare of this run, and a foreign
     trainer whose environment points the shim at this spec."""
-    spare = f"{processes.SPARE} --run-dir {rd.root}"
-    shimmed = pids_with_environment(SHIM_SPEC_ENV, str(spec_path))
+    spare, shimmed = f"{processes.SPARE} --run-dir {rd.root}", []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(SHIM_SPEC_ENV) == str(spec_path):
+                shimmed.append(int(proc.info["pid"]))
+        except psutil.Error:  # gone, or another user's: not ours to stop anyway
+            continue
     found = [*pids_running(str(spec_path), spare), *shimmed]
     candidates = [pid, *(p for p in found if p != pid)] if pid else found
     return [
@@ -357,16 +350,13 @@ class Seams:
     wall: Clock = time.time
     sleep: Sleep = time.sleep
     spawn: Spawn = spawn_child
-    # The warm spare's start; None keeps none (a test's fake spawn has no spare).
-    spawn_spare: SpawnSpare | None = spawn_spare
+    spawn_spare: SpawnSpare | None = spawn_spare  # None keeps no warm spare (a test's fake spawn)
     argv: Callable[[Path, str], list[str]] = child_argv
     open_gpu: Callable[[str], GpuProbe | None] = GpuMonitor.open
-    # Under torchrun, every rank's card for one attempt (None: not watched).
-    open_cards: Callable[[Knobs, str], RankCards | None] = RankCards.open
+    open_cards: Callable[[Knobs, str], RankCards | None] = RankCards.open  # torchrun: every rank's card
     oom_kills: Callable[[], int | None] = oom_kill_count
     signal_child: Callable[[int, int], None] = _signal_child
     tick_s: float = 0.5
     sample_every_s: float = 2.0
     stop_grace_s: float = 180.0
-    # Under torchrun: how long the other ranks may take to leave after one rank reported a failure.
-    rank_shutdown_s: float = 30.0
+    rank_shutdown_s: float = 30.0  # torchrun: how long the others may take to leave after one failed

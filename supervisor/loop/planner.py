@@ -48,12 +48,9 @@ class Plan:
     knobs: Knobs
     fresh_start: bool = False  # the adapter's shape changed: old checkpoints cannot be loaded
     note: PlanNote | None = None  # why these knobs (the pre-flight's reasons, attempt 1)
-    # The candidates the child's speed trial times before step 1, these knobs first (empty: no trial).
-    speed_trial: tuple[TrialCandidate, ...] = ()
-    # The most a trial candidate may measure (the pre-flight's budget less its margin); None: no check.
-    speed_trial_limit: int | None = None
-    # Attempt 1 only: nothing is predicted to fit; the run stops before any child, with this message.
-    nothing_fits: str | None = None
+    speed_trial: tuple[TrialCandidate, ...] = ()  # timed before step 1, these knobs first (empty: none)
+    speed_trial_limit: int | None = None  # the most a candidate may measure (budget less margin)
+    nothing_fits: str | None = None  # attempt 1 only: the run stops before any child, with this message
     retime: bool = False  # a re-time (policies/choice.py): the trial runs on the resume too
 
 

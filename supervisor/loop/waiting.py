@@ -1,7 +1,6 @@
 """Waiting, on the loop's clock: the backoff before an unchanged retry, and polls for GPU memory or
 room on the disk. One backoff series paces every wait, with jitter between polls so supervisors
-sharing a card do not poll in step; every pause goes through one interruptible :class:`Pacer`.
-"""
+sharing a card do not poll in step; every pause goes through one interruptible :class:`Pacer`."""
 
 from __future__ import annotations
 
