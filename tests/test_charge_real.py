@@ -16,7 +16,7 @@ import pytest
 from _child import capped_job
 
 from qlora_supervise.supervisor.commands.run import run_job
-from qlora_supervise.supervisor.loop.seams import Seams
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.trainer_child.recipe.qlora import TEST_FAIL_WITH_KNOB
 

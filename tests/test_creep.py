@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
-from qlora_supervise.supervisor.loop.seams import Seams
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.watching.watch import HORIZON_STEPS, CreepWatch

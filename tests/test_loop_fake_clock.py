@@ -20,7 +20,7 @@ import yaml
 
 from qlora_supervise.supervisor.commands.explain import explanation
 from qlora_supervise.supervisor.commands.run import run_job
-from qlora_supervise.supervisor.loop.seams import Seams
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir

@@ -13,7 +13,7 @@ from test_loop_fake_clock import FakeChild, FakeClock, _job, _run, _seams
 from qlora_supervise.policies.decide import Restart, Settings, decide
 from qlora_supervise.policies.rungs import truncation_cost
 from qlora_supervise.supervisor.facts.failure import Failure
-from qlora_supervise.supervisor.loop.seams import Seams
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.loop.settings import with_sample_lengths
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts

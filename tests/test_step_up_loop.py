@@ -22,8 +22,8 @@ from test_loop_fake_clock import _seams as fake_seams
 
 from qlora_supervise.supervisor.commands.explain import explanation, print_table
 from qlora_supervise.supervisor.commands.status import print_story, status_json
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.loop.climb_back import remaining_s
-from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir

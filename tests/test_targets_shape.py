@@ -14,7 +14,7 @@ import pytest
 from qlora_supervise.policies.decide import Settings
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported
 from qlora_supervise.supervisor.commands.plan import make_plan, plan_command
-from qlora_supervise.supervisor.loop.first_plan import first_plan
+from qlora_supervise.supervisor.loop.planner import first_plan
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: config.json of the released models, cut to the keys the reader looks at.

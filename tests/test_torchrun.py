@@ -22,7 +22,6 @@ from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, XidFact
 from qlora_supervise.supervisor.jobfile import JobError, load_job
 from qlora_supervise.supervisor.jobfile import world as world_mod
 from qlora_supervise.supervisor.loop import child as child_mod
-from qlora_supervise.supervisor.loop import seams
 from qlora_supervise.supervisor.loop.child_output import note_rank_exits
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_record, judge
 from qlora_supervise.supervisor.loop.planner import Plan
@@ -464,7 +463,7 @@ def test_the_early_checkpoint_signal_reaches_the_ranks_and_spares_the_launcher(t
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert len(child_mod.trainer_pids(launcher.pid)) == 2
-        seams._signal_child(launcher.pid, signal.SIGUSR1)
+        child_mod._signal_child(launcher.pid, signal.SIGUSR1)
         assert launcher.wait(20) == 0  # not killed by SIGUSR1: it waited for its ranks
     finally:
         if launcher.poll() is None:

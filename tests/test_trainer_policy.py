@@ -15,7 +15,7 @@ from test_loop_fake_clock import LLAMA2_7B
 from qlora_supervise.policies.decide import PastAttempt, Restart, decide
 from qlora_supervise.policies.rungs import rungs_between
 from qlora_supervise.supervisor.commands.plan import make_plan
-from qlora_supervise.supervisor.loop.first_plan import first_plan
+from qlora_supervise.supervisor.loop.planner import first_plan
 from qlora_supervise.supervisor.loop.settings import policy_settings
 from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.supervisor.trainers.mapping import unmapped_changes

@@ -14,8 +14,7 @@ import yaml
 
 from qlora_supervise.supervisor.commands.run import run_job
 from qlora_supervise.supervisor.commands.status import status_command
-from qlora_supervise.supervisor.loop.child import child_argv
-from qlora_supervise.supervisor.loop.seams import Seams
+from qlora_supervise.supervisor.loop.child import Seams, child_argv
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.trainers import launch

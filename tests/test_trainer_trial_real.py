@@ -25,10 +25,9 @@ from _tool_venvs import AXOLOTL, tool_python
 from _trainer_configs import axolotl_config, text_dataset, trl_job
 
 from qlora_supervise.policies.choice import after_trial
-from qlora_supervise.supervisor.loop.child import child_argv
+from qlora_supervise.supervisor.loop.child import Seams, child_argv
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import ResumePoint, write_spec
-from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.history import read_attempt_speed
 from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir

@@ -35,7 +35,7 @@ from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import Job, model_files
-from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
+from qlora_supervise.supervisor.loop.planner import UNMODELLED_RUN, nothing_fits_text
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
 from qlora_supervise.supervisor.trainers import model_facts

@@ -6,7 +6,7 @@ from typing import Any
 
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile import hub
-from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN
+from qlora_supervise.supervisor.loop.planner import UNMODELLED_RUN
 
 
 def render(plan: dict[str, Any]) -> list[str]:

@@ -1,10 +1,8 @@
 """The arbiter: runs one job's run directory to a verdict, one attempt at a time. Signal handlers
 only set a flag; one loop moves the run's state (``record.journal.RunState`` draws the machine).
-
 Crash safety: every decision is appended to ``attempts.jsonl`` (fsynced) before it is acted on,
 and ``state.json`` names the attempt in flight; started again after a kill, the arbiter reclaims
-that attempt and goes on from the journal, so a config that failed never runs again the same way.
-"""
+that attempt and goes on from the journal, so a config that failed never runs again the same way."""
 
 from __future__ import annotations
 
@@ -19,16 +17,14 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.choice import Trial
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.jobfile.job import Job
-from qlora_supervise.supervisor.loop import waiting
+from qlora_supervise.supervisor.loop import planner, waiting
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.loop.child_output import reclaim
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack
 from qlora_supervise.supervisor.loop.conclude import Conclusions, Pending, Turn
-from qlora_supervise.supervisor.loop.first_plan import announce_plan, first_plan
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
-from qlora_supervise.supervisor.loop.planner import Plan, PlanFacts, Verdict, next_plan
 from qlora_supervise.supervisor.loop.resume import clean_staging
 from qlora_supervise.supervisor.loop.runner import AttemptRunner, RunnerContext
-from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.loop.settings import with_card_budget
 from qlora_supervise.supervisor.loop.waiting import DiskWaiter, Pacer
 from qlora_supervise.supervisor.record import journal
@@ -90,15 +86,14 @@ class Supervisor:
         return self.book.settings
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_stop_signal)
-        signal.signal(signal.SIGINT, self._on_stop_signal)
-        signal.signal(signal.SIGHUP, self._on_hup)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
 
-    def _on_stop_signal(self, signum: int, _frame: object) -> None:
-        self.stop_signal = signum
-
-    def _on_hup(self, _signum: int, _frame: object) -> None:
-        self.hup_seen = True  # SIGHUP reloads nothing; the runner logs it once
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:
+            self.hup_seen = True  # SIGHUP reloads nothing; the runner logs it once
+        else:
+            self.stop_signal = signum
 
     def run(self) -> int:
         records = self.book.records = self._read_journal()
@@ -108,35 +103,26 @@ class Supervisor:
         self.book.lifted_after = journal.lifted_after(self.rd.attempts)
         lifted = bool(records) and records[-1].attempt <= self.book.lifted_after
         if state is not None and state.run_state in _ENDED and not lifted:
-            self.log.info(
-                Event.RUN_ALREADY_ENDED,
-                run_state=state.run_state.value,
-                note=state.note,
-                fix=FINISHED_FIX if state.run_state is RunState.SUCCEEDED else ENDED_FIX,
-            )
+            fix = FINISHED_FIX if state.run_state is RunState.SUCCEEDED else ENDED_FIX
+            self.log.info(Event.RUN_ALREADY_ENDED, run_state=state.run_state.value, note=state.note, fix=fix)
             return int(_ENDED[state.run_state])
         self.gpu = self.seams.open_gpu(self.job.resources.device)
         try:
             turn = self._reclaim_in_flight(state)
-            self.log.info(
-                Event.RUN_RESUMED if records else Event.RUN_STARTED,
-                output_dir=str(self.rd.root),
-                attempts_so_far=len(records),
-            )
+            started = Event.RUN_RESUMED if records else Event.RUN_STARTED
+            self.log.info(started, output_dir=str(self.rd.root), attempts_so_far=len(records))
             if self.gpu is None:
                 self.log.info(Event.GPU_MONITOR_UNAVAILABLE, why="NVML not available: no GPU readings")
             self.book.settings = with_card_budget(self.settings, self.gpu)
             job = self.job
-            self.first = first_plan(
+            self.first = planner.first_plan(
                 job.knobs, self.settings, job.train.target_modules, self.as_written, job.resources.device
             )
             if not records:
-                announce_plan(self.log, self.first.note)
-                nothing_fits = self.first.nothing_fits  # no verdict in state.json: a rerun plans again
-                if nothing_fits:
-                    self.log.error(
-                        Event.NOTHING_FITS, why=f"nothing fits: {nothing_fits}; no child was started"
-                    )
+                planner.announce_plan(self.log, self.first.note)
+                if self.first.nothing_fits:  # no verdict in state.json: a rerun plans again
+                    why = f"nothing fits: {self.first.nothing_fits}; no child was started"
+                    self.log.error(Event.NOTHING_FITS, why=why)
                     return int(SupervisorExitCode.NOTHING_FITS)
             return self._loop_outlasting_full_disks(turn)
         finally:
@@ -173,10 +159,9 @@ class Supervisor:
             state = turn.state
             if state is RunState.STARTING:
                 merged, lifted = self.rd.merged.exists(), self.book.lifted_after
-                plan = next_plan(
-                    records, PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
-                )
-                if isinstance(plan, Verdict):
+                facts = planner.PlanFacts(self.first, self.job.train.merge, merged, lifted, self.settings)
+                plan = planner.next_plan(records, facts)
+                if isinstance(plan, planner.Verdict):
                     # STARTING -> SUCCEEDED | GAVE_UP | FAILED
                     self._move(State(plan.run_state, plan.knobs, note=plan.note))
                     return int(plan.exit_code)
@@ -194,7 +179,7 @@ class Supervisor:
             else:
                 raise AssertionError(f"{state.value} without its plan (RUNNING) or decision (WAITING)")
 
-    def _run_attempt(self, runner: AttemptRunner, plan: Plan) -> AttemptOutcome:
+    def _run_attempt(self, runner: AttemptRunner, plan: planner.Plan) -> AttemptOutcome:
         """The RUNNING state: one attempt from its spec to its end."""
         ready = runner.prepare(max((r.attempt for r in self.book.records), default=0) + 1, plan)
         # In flight before the spawn (pid unknown) and after it: a kill in between leaves the attempt named.
@@ -215,11 +200,9 @@ class Supervisor:
 
     def _backoff(self) -> Turn:
         """BACKOFF: the pause before an unchanged retry, longer for each failure in a row."""
-        records = self.book.records
-        failures = waiting.failures_in_a_row(records)
-        supervise = self.job.supervise
-        seconds = waiting.backoff_s(failures, supervise.backoff_initial, supervise.backoff_max)
-        self._move(State(RunState.BACKOFF, records[-1].knobs, note=f"{seconds:.1f}s"))
+        failures = waiting.failures_in_a_row(self.book.records)
+        seconds = waiting.backoff_s(failures, *self.pacing)
+        self._move(State(RunState.BACKOFF, self.book.records[-1].knobs, note=f"{seconds:.1f}s"))
         self.log.info(Event.BACKOFF, seconds=round(seconds, 1), failures_in_a_row=failures)
         self.pacer.pause(seconds)
         return Turn(RunState.STARTING)  # BACKOFF -> STARTING (a stop is seen there)
@@ -251,4 +234,4 @@ class Supervisor:
         )
 
 
-__all__ = ["Plan", "Seams", "Supervisor"]
+__all__ = ["Seams", "Supervisor"]

@@ -1,12 +1,13 @@
 """Starting and stopping the child process: in its own session (a Ctrl-C on the terminal reaches
 only the supervisor, which stops the child on purpose), output appended to ``attempt-NNN/child.log``,
-and on Linux ``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits).
-
-The command line is one process, or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m
+and on Linux ``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits). The
+command line is one process, or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m
 torch.distributed.run --standalone --nproc-per-node N ...``; never a launcher of our own).
 ``--max-restarts 0``: retrying is the supervisor's job, with a new config when the failure says so.
 ``--shutdown-timeout``: the supervisor's stop grace (torchrun's 30 s could cut a GPU checkpoint
 short). The spec path stays on every rank's command line: reclaim finds orphans by it.
+The loop's side effects sit behind :class:`Seams` (the real ones are its defaults), so the
+fake-clock tests run a whole ladder climb without a process; the real-process tests keep them.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
+from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe, RankCards
+from qlora_supervise.supervisor.watching.host import oom_kill_count
 from qlora_supervise.trainer_child.contract import processes
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_gpus, visible_entries
@@ -61,9 +65,8 @@ def child_argv(spec_path: Path, phase: str) -> list[str]:
 
 
 def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
-    """The attempt's environment: the caller's, less what is the supervisor's (systemd's socket and
-    watchdog) or torchrun's to give (a rank's place), plus the allocator settings the knobs ask for
-    (``contract.allocator.allocator_env``, the rule the child verifies)."""
+    """The caller's environment less the supervisor's (systemd's) and torchrun's (a rank's place), plus
+    the allocator settings the knobs ask for (``contract.allocator.allocator_env``: the child checks)."""
     env = {k: v for k, v in base.items() if k not in _NOT_INHERITED}
     env["PYTHONUNBUFFERED"] = "1"
     # One string-hash seed for every attempt: set orders (peft's target_modules) match across
@@ -121,10 +124,8 @@ class ChildProcess:
 
     def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None] = time.sleep) -> None:
         """Return when the child exits or ``timeout_s`` has passed (it does not reap: ``poll`` does).
-
-        A pidfd wakes the watch at the exit itself, so a successor starts at once; ``poll(2)``, as a
-        pidfd may be above 1023. Without pidfds (not Linux, or before 5.3) it sleeps the tick out.
-        """
+        A pidfd wakes the watch at the exit itself (``poll(2)``: a pidfd may be above 1023); without
+        pidfds (not Linux, or before 5.3) it sleeps the tick out."""
         if self.popen.poll() is not None:
             return
         try:
@@ -219,18 +220,6 @@ def pids_running(*arguments: str) -> list[int]:
     return [pid for pid, cmdline in lines if any(argument in cmdline for argument in arguments)]
 
 
-def pids_with_environment(name: str, value: str) -> list[int]:
-    """Pids of the processes we may read whose environment sets ``name`` to ``value``."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get(name) == value:
-                found.append(int(proc.info["pid"]))
-        except psutil.Error:  # gone, or another user's: not ours to stop anyway
-            continue
-    return found
-
-
 def process_cmdline(pid: int) -> str:
     """The process's command line, space-joined; empty when it is gone or not ours to read."""
     try:
@@ -283,8 +272,13 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
     """The live processes of the attempt whose spec is ``spec_path``: the recorded pid, anything with
     the spec (or its attempt directory) on its command line, a warm spare of this run, and a foreign
     trainer whose environment points the shim at this spec."""
-    spare = f"{processes.SPARE} --run-dir {rd.root}"
-    shimmed = pids_with_environment(SHIM_SPEC_ENV, str(spec_path))
+    spare, shimmed = f"{processes.SPARE} --run-dir {rd.root}", []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(SHIM_SPEC_ENV) == str(spec_path):
+                shimmed.append(int(proc.info["pid"]))
+        except psutil.Error:  # gone, or another user's: not ours to stop anyway
+            continue
     found = [*pids_running(str(spec_path), spare), *shimmed]
     candidates = [pid, *(p for p in found if p != pid)] if pid else found
     return [
@@ -299,3 +293,70 @@ def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
     if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
         return True
     return processes.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "
+
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], None]
+
+
+class ChildHandle(Protocol):
+    """A started child as the loop drives it (:class:`child.ChildProcess` in production)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def started_monotonic(self) -> float: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait_for_exit(self, timeout_s: float, sleep: Callable[[float], None]) -> None:
+        """Until it exits or ``timeout_s`` passes (a fake on a fake clock just sleeps)."""
+
+    def stop(self, grace_s: float) -> int:
+        """SIGTERM, up to ``grace_s`` to exit, then SIGKILL; the exit status (negative: a signal)."""
+
+
+class SpareProcess(ChildHandle, Protocol):
+    """A started warm spare; once taken, the attempt's child, its clock restarted at the hand-over."""
+
+    started_monotonic: float
+
+    def send_line(self, line: str) -> bool: ...
+
+
+SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
+
+
+class Spawn(Protocol):
+    def __call__(
+        self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path
+    ) -> ChildHandle: ...
+
+
+def _signal_child(pid: int, signum: int) -> None:
+    # The trainer processes only, not the process group: torchrun would die of SIGUSR1, so under
+    # it the signal goes to each rank (the ranks then agree to checkpoint together).
+    for target in trainer_pids(pid):
+        with contextlib.suppress(ProcessLookupError):  # it exited in between: nothing to ask
+            os.kill(target, signum)
+
+
+@dataclass
+class Seams:
+    """The loop's side effects, replaceable in tests."""
+
+    clock: Clock = time.monotonic
+    wall: Clock = time.time
+    sleep: Sleep = time.sleep
+    spawn: Spawn = spawn_child
+    spawn_spare: SpawnSpare | None = spawn_spare  # None keeps no warm spare (a test's fake spawn)
+    argv: Callable[[Path, str], list[str]] = child_argv
+    open_gpu: Callable[[str], GpuProbe | None] = GpuMonitor.open
+    open_cards: Callable[[Knobs, str], RankCards | None] = RankCards.open  # torchrun: every rank's card
+    oom_kills: Callable[[], int | None] = oom_kill_count
+    signal_child: Callable[[int, int], None] = _signal_child
+    tick_s: float = 0.5
+    sample_every_s: float = 2.0
+    stop_grace_s: float = 180.0
+    rank_shutdown_s: float = 30.0  # torchrun: how long the others may take to leave after one failed

@@ -12,27 +12,15 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.diagnosis.classify import first_failure
 from qlora_supervise.supervisor.loop import child as child_mod
+from qlora_supervise.supervisor.loop.child import Seams
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.seams import Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import AttemptRecord, InFlight
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.watching.watch import (
-    HeartbeatReader,
-    Progress,
-    Watched,
-    read_rank_peaks,
-    uneven,
-)
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    CHECKPOINT_PREFIX,
-    RNG_FILE,
-    agreed_parts,
-    is_complete,
-    part_step,
-    publish,
-)
+from qlora_supervise.supervisor.watching import watch
+from qlora_supervise.supervisor.watching.watch import HeartbeatReader, Progress, Watched
+from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, Resumed, Started, read_events
 from qlora_supervise.trainer_child.contract.processes import pid_alive
@@ -97,9 +85,8 @@ def note_rank_exits(spec: AttemptSpec, watched: Watched, now: float) -> None:
 def ranks_overstay(
     spec: AttemptSpec, watched: Watched, now: float, bound_s: float, log: FilteringBoundLogger
 ) -> bool:
-    """Once a rank has reported a failure the others get ``bound_s`` to leave (an NCCL rank stuck
-    in the broken collective would hold torchrun for its whole shutdown timeout): then they are to
-    be stopped, as a hang is."""
+    """Once a rank has reported a failure the others get ``bound_s`` to leave, then are stopped as a
+    hang is (an NCCL rank stuck in the broken collective would hold torchrun its whole shutdown timeout)."""
     if spec.knobs.world_size <= 1:
         return False
     if watched.rank_failed_at is None:
@@ -129,10 +116,10 @@ def note_rank_peaks(spec: AttemptSpec, progress: Progress, log: FilteringBoundLo
     them (the card that limits the config), and one rank well above the others is logged."""
     if spec.knobs.world_size <= 1:
         return {}
-    peaks = read_rank_peaks(Path(spec.events_file))
+    peaks = watch.read_rank_peaks(Path(spec.events_file))
     if peaks:
         progress.peak_bytes = max(progress.peak_bytes or 0, *peaks.values())
-    found = uneven(peaks)
+    found = watch.uneven(peaks)
     if found is not None:
         log.warning(
             Event.RANK_PEAKS_UNEVEN,
@@ -148,17 +135,6 @@ def note_rank_peaks(spec: AttemptSpec, progress: Progress, log: FilteringBoundLo
     return peaks
 
 
-def read_reports(rd: RunDir, number: int, log: FilteringBoundLogger) -> tuple[ErrorReport, ...]:
-    """Every rank's error report of the attempt, in rank order; an unreadable one is logged and left out."""
-    found = []
-    for _, path in rank_files(str(rd.attempt(number).error)):
-        try:
-            found.append(ErrorReport.from_json(Path(path).read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError) as exc:
-            log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
-    return tuple(found)
-
-
 def seal_rank_parts(
     checkpoints_dir: Path, reports: Sequence[ErrorReport], knobs: Knobs, log: FilteringBoundLogger
 ) -> tuple[ErrorReport, ...]:
@@ -168,7 +144,7 @@ def seal_rank_parts(
     parts = {r.rank: Path(r.emergency_checkpoint) for r in reports if r.emergency_checkpoint}
     if not parts:
         return tuple(reports)
-    step = agreed_parts(list(parts.values()), knobs.world_size)
+    step = checkpoints.agreed_parts(list(parts.values()), knobs.world_size)
     sealed = None
     try:
         sealed = _seal(checkpoints_dir, parts, step, knobs) if step is not None and 0 in parts else None
@@ -178,7 +154,7 @@ def seal_rank_parts(
     if sealed is None:
         log.warning(
             Event.RANK_PARTS_UNTRUSTED,
-            parts={str(rank): part_step(part) for rank, part in sorted(parts.items())},
+            parts={str(rank): checkpoints.part_step(part) for rank, part in sorted(parts.items())},
             world_size=knobs.world_size,
             why="an emergency checkpoint needs every rank's part of the same step: the last regular "
             "checkpoint serves",
@@ -187,27 +163,33 @@ def seal_rank_parts(
         log.info(Event.RANK_PARTS_SEALED, step=step, path=str(sealed), ranks=sorted(parts))
     for parent in {part.parent for part in parts.values()}:
         shutil.rmtree(parent, ignore_errors=True)
-    found = str(sealed) if sealed is not None else None
-    step_of = step if sealed is not None else None
+    found, step_of = (str(sealed), step) if sealed is not None else (None, None)
     return tuple(dataclasses.replace(r, emergency_checkpoint=found, emergency_step=step_of) for r in reports)
 
 
 def _seal(checkpoints_dir: Path, parts: dict[int, Path], step: int, knobs: Knobs) -> Path:
-    final = checkpoints_dir / f"{CHECKPOINT_PREFIX}{step}"
-    if is_complete(final):
+    final = checkpoints_dir / f"{checkpoints.CHECKPOINT_PREFIX}{step}"
+    if checkpoints.is_complete(final):
         return final
     for rank, part in parts.items():
         if rank != 0:
-            name = RNG_FILE.format(rank=rank)
+            name = checkpoints.RNG_FILE.format(rank=rank)
             shutil.copy2(part / name, parts[0] / name)
-    return publish(parts[0], final, step=step, knobs=knobs, emergency=True)
+    return checkpoints.publish(parts[0], final, step=step, knobs=knobs, emergency=True)
 
 
 def ended(
     rd: RunDir, flight: InFlight, plan: Plan, progress: Progress, ended_at: float, log: FilteringBoundLogger
 ) -> AttemptOutcome:
-    """An ended attempt as its files show it: every rank's report read, their emergency parts sealed."""
-    reports = read_reports(rd, flight.number, log)
+    """An ended attempt as its files show it: every rank's report read (in rank order; an unreadable
+    one is logged and left out), their emergency parts sealed."""
+    found = []
+    for _, path in rank_files(str(rd.attempt(flight.number).error)):
+        try:
+            found.append(ErrorReport.from_json(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
+    reports = tuple(found)
     torchrun = plan.knobs.world_size > 1
     if torchrun:
         reports = seal_rank_parts(rd.checkpoints, reports, plan.knobs, log)

@@ -90,20 +90,18 @@ def remaining_s(progress: Progress, knobs: Knobs) -> float:
     return left * tokens_per_step / progress.tokens_per_s
 
 
+@dataclass
 class ClimbBack:
     """One run's watch for a faster config; ``records`` is the arbiter's journal list, kept current."""
 
-    def __init__(
-        self,
-        records: list[AttemptRecord],
-        settings: Callable[[], policy.Settings],
-        first_trial: choice.Trial | None,
-        log: FilteringBoundLogger,
-    ) -> None:
-        self.records, self.settings, self.first_trial, self.log = records, settings, first_trial, log
-        self.samples: list[tuple[float, choice.Sharing, int | None]] = []  # (time, the others, card total)
-        self.said: set[str] = set()
-        self.trial_at: tuple[float, choice.Sharing | None] | None = None  # this attempt's trial: when, others
+    records: list[AttemptRecord]
+    settings: Callable[[], policy.Settings]
+    first_trial: choice.Trial | None
+    log: FilteringBoundLogger
+    # (time, the others, card total) of each NVML sample
+    samples: list[tuple[float, choice.Sharing, int | None]] = field(default_factory=list)
+    said: set[str] = field(default_factory=set)
+    trial_at: tuple[float, choice.Sharing | None] | None = None  # this attempt's trial: when, others
 
     def start(self) -> None:
         """A new attempt: the card's story starts again."""
@@ -130,8 +128,9 @@ class ClimbBack:
         past = descents(self.records, lengths), past_step_ups(self.records)
         answer = rule.step_up(knobs, *past, settings, card)
         if isinstance(answer, rule.StepUp):
-            up = answer
-            return PlannedRestart(up.knobs, rule.STEP_UP_RUNG, up.why, up.changes, up.descent.attempt)
+            return PlannedRestart(
+                answer.knobs, rule.STEP_UP_RUNG, answer.why, answer.changes, answer.descent.attempt
+            )
         if isinstance(answer, rule.Refusal):
             # Once per descent and reason (its numbers move with the card's every sample).
             key = f"{answer.descent.attempt}:{re.sub(r'[0-9.]+', '#', answer.why)}"

@@ -1,7 +1,6 @@
 """After an attempt: judged, decided, journalled, announced; the arbiter is told where to go next.
 The policy is asked with the failed attempt's journal line, so what it weighed and what the journal
-keeps cannot differ; a decision is journalled (fsynced) before the arbiter acts on it.
-"""
+keeps cannot differ; a decision is journalled (fsynced) before the arbiter acts on it."""
 
 from __future__ import annotations
 
@@ -23,22 +22,14 @@ from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, failure_reco
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import log_quarantined, quarantine_reported, resume_point
 from qlora_supervise.supervisor.loop.waiting import DiskWaiter
+from qlora_supervise.supervisor.record import journal
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import policy_history, speed_of, story
-from qlora_supervise.supervisor.record.journal import (
-    Action,
-    AttemptRecord,
-    DecisionRecord,
-    Outcome,
-    Phase,
-    RunState,
-    append_attempt,
-)
+from qlora_supervise.supervisor.record.journal import AttemptRecord, DecisionRecord, Outcome, Phase, RunState
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.trainer import saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.events import ChildEvent, script_settings
-from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.script_knobs import as_built
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -100,13 +91,28 @@ class Conclusions:
         o = self._as_trained(o)
         log = self.log.bind(attempt=o.number)
         # The memory model's peak for the knobs against the GPU budget (none for a merge, on the CPU).
-        modelled = o.plan.phase is Phase.TRAIN and self.job.resources.device != "cpu"
-        budget = self.settings.budget_bytes
-        fit = predicted_fit(self.settings.shape, o.plan.knobs, budget) if modelled else None
-        verdict = judge(o, self._phase_done(o.plan.phase), fit)
+        phase, rd = o.plan.phase, self.rd
+        modelled = phase is Phase.TRAIN and self.job.resources.device != "cpu"
+        shape, budget = self.settings.shape, self.settings.budget_bytes
+        fit = predicted_fit(shape, o.plan.knobs, budget) if modelled else None
+        # A tool without the shim saves into its own output dir only.
+        saved_alone = phase is Phase.TRAIN and self.job.trainer.saved_alone(rd.root)
+        verdict = judge(o, saved_alone or (rd.merged if phase is Phase.MERGE else rd.adapter).exists(), fit)
         if isinstance(verdict, Failure):
             verdict = self.disk.explain(verdict)
-            _announce_failure(log, verdict, o.report, reclaimed)
+            log.info(  # what the classifier found, and from which evidence
+                Event.FAILURE_CLASSIFIED,
+                kind=verdict.kind.value,
+                stage=verdict.stage.value,
+                numbers=verdict.numbers_json(),
+                evidence=verdict.evidence,
+                message=verdict.message[:500],
+                reclaimed=reclaimed,
+                memory_snapshot=o.report.memory_snapshot if o.report else None,
+                rank=verdict.rank,
+                local_rank=verdict.local_rank,
+                gpu=verdict.gpu,
+            )
             return self._decide(o, verdict)
         if verdict is Outcome.STEPPED_UP and o.planned is not None:
             return self._planned(o, o.planned)
@@ -130,7 +136,7 @@ class Conclusions:
         # Back to the 32-bit optimizer: its state starts afresh (the resume reads that off the checkpoint).
         survives = Survives.OPTIMIZER_RESET if "optimizer" in planned.changes else Survives.ALL
         entry = DecisionRecord(
-            Action.RESTART, planned.why, planned.rung, planned.changes, survives, planned.knobs,
+            journal.Action.RESTART, planned.why, planned.rung, planned.changes, survives, planned.knobs,
             undoes=planned.undoes,
         )  # fmt: skip
         line = record_of(o, Outcome.STEPPED_UP, self.resume_step(planned.knobs), None, entry)
@@ -164,15 +170,13 @@ class Conclusions:
             line = record_of(o, Outcome.STOPPED, self.resume_step(o.plan.knobs), pending.record.failure)
             self.journal(line, o.progress.events)
             return Turn(RunState.STOPPED)
-        knobs, phase = o.plan.knobs, o.plan.phase.value
-        decision = policy.decide(
-            pending.failure, knobs, pending.history, self.settings, waited=waited, phase=phase
-        )
+        knobs, phase, history = o.plan.knobs, o.plan.phase.value, pending.history
+        decision = policy.decide(pending.failure, knobs, history, self.settings, waited=waited, phase=phase)
         return self.answer(dataclasses.replace(pending, decision=decision, waited=waited))
 
     def journal(self, record: AttemptRecord, events: Sequence[ChildEvent]) -> AttemptRecord:
         """Append ``record`` to ``attempts.jsonl`` (fsynced) and to ``records``; ``events``: the attempt's."""
-        append_attempt(self.rd.attempts, record)
+        journal.append_attempt(self.rd.attempts, record)
         self.records.append(record)
         speed = speed_of(events, record.knobs)
         self.settings = job_settings.remember_attempt(self.settings, self.job, record, speed)
@@ -213,17 +217,11 @@ class Conclusions:
         log = self.log.bind(attempt=o.number)
         log_quarantined(log, [moved])
         entry = DecisionRecord.retry_from_older(o.plan.knobs, moved.path.name)
-        line = record_of(
-            o, Outcome.FAILED, self.resume_step(o.plan.knobs), failure_record(failure, o.report), entry
-        )
+        resume = self.resume_step(o.plan.knobs)
+        line = record_of(o, Outcome.FAILED, resume, failure_record(failure, o.report), entry)
         record = self.journal(line, o.progress.events)
         self._announce_decision(log, record)
         return record
-
-    def _phase_done(self, phase: Phase) -> bool:
-        if phase is Phase.TRAIN and self.job.trainer.saved_alone(self.rd.root):
-            return True  # a tool without the shim saves into its own output dir only
-        return (self.rd.merged if phase is Phase.MERGE else self.rd.adapter).exists()
 
     def _announce_success(self, log: FilteringBoundLogger, record: AttemptRecord, reclaimed: bool) -> None:
         """``attempt_succeeded``, and ``run_succeeded`` when nothing (no merge) is left to run."""
@@ -277,25 +275,6 @@ class Conclusions:
             journal=str(self.rd.attempts),
             story=story(self.records),
         )
-
-
-def _announce_failure(
-    log: FilteringBoundLogger, failure: Failure, report: ErrorReport | None, reclaimed: bool
-) -> None:
-    """``failure_classified``: what the classifier found, and from which evidence."""
-    log.info(
-        Event.FAILURE_CLASSIFIED,
-        kind=failure.kind.value,
-        stage=failure.stage.value,
-        numbers=failure.numbers_json(),
-        evidence=failure.evidence,
-        message=failure.message[:500],
-        reclaimed=reclaimed,
-        memory_snapshot=report.memory_snapshot if report else None,
-        rank=failure.rank,
-        local_rank=failure.local_rank,
-        gpu=failure.gpu,
-    )
 
 
 def _after(record: AttemptRecord) -> Turn:

@@ -7,23 +7,13 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from qlora_supervise.supervisor.diagnosis.classify import (
-    classify_exit,
-    first_failure,
-    is_knock_on,
-    torchrun_root_rank,
-)
+from qlora_supervise.supervisor.diagnosis import classify
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.supervisor.loop.climb_back import PlannedRestart
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.record.journal import (
-    AttemptRecord,
-    DecisionRecord,
-    HostMemory,
-    Outcome,
-    attempt_peak,
-)
+from qlora_supervise.supervisor.record import journal
+from qlora_supervise.supervisor.record.journal import AttemptRecord, DecisionRecord, Outcome
 from qlora_supervise.supervisor.watching.watch import Progress, Watched
 from qlora_supervise.trainer_child.contract.codes import ExitCode, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.events import Resumed, script_settings
@@ -47,8 +37,7 @@ class AttemptOutcome:
     log_tail: str
     oom_kill_delta: int = 0
     host_predicted: int | None = None  # the host model's training peak for the plan's knobs
-    # Under torchrun, every rank's report (``report`` is the cause among them); empty otherwise.
-    reports: tuple[ErrorReport, ...] = ()
+    reports: tuple[ErrorReport, ...] = ()  # torchrun: every rank's (``report`` is the cause); else empty
     planned: PlannedRestart | None = None  # stopped at a checkpoint for a faster config (climb_back.py)
     # Under torchrun, when the supervisor first saw each rank's process gone (clock seconds).
     rank_exits: Mapping[int, float] = dataclasses.field(default_factory=dict)
@@ -69,7 +58,7 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     if not isinstance(verdict, Failure):
         return verdict
     if o.report is not None and o.report.world_size > 1:
-        cause = first_failure(o.reports or (o.report,))
+        cause = classify.first_failure(o.reports or (o.report,))
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
         rank, local = o.report.rank, o.report.local_rank
         silent = _silent_rank(o.reports or (o.report,))
@@ -81,16 +70,20 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
         verdict = _xid_card(verdict, o.memory.card_xids)
     elif o.plan.knobs.world_size > 1 and verdict.local_rank is None:
         verdict = _root_rank(verdict, o.rank_exits, o.log_tail)
-    return _named_card(verdict, o.memory.cards)
+    gpu = o.memory.cards.get(verdict.local_rank) if verdict.local_rank is not None else None
+    if gpu is None:
+        return verdict
+    # The failing rank's card by its NVML (physical) index, in the record and the evidence.
+    why = f"{verdict.evidence} (local rank {verdict.local_rank} trains on GPU {gpu}, NVML index)"
+    return dataclasses.replace(verdict, gpu=gpu, evidence=why)
 
 
 def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
     """The one rank that left no report when every report is a knock-on: it died first and broke
     the others' collective. None when a rank reported a cause of its own."""
-    world = reports[0].world_size
-    if any(not is_knock_on(r) for r in reports):
+    if any(not classify.is_knock_on(r) for r in reports):
         return None
-    silent = set(range(world)) - {r.rank for r in reports}
+    silent = set(range(reports[0].world_size)) - {r.rank for r in reports}
     return silent.pop() if len(silent) == 1 else None
 
 
@@ -101,7 +94,7 @@ def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str)
     if first and (len(first) == 1 or first[0][1] < first[1][1]):
         rank, whose = first[0][0], "its process left first"
     else:
-        rank, whose = torchrun_root_rank(log_tail), "torchrun saw it fail first"
+        rank, whose = classify.torchrun_root_rank(log_tail), "torchrun saw it fail first"
     if rank is None:
         return failure
     why = f"{failure.evidence}; rank {rank} failed and no rank reported: {whose}"
@@ -117,15 +110,6 @@ def _xid_card(failure: Failure, card_xids: Mapping[int, list[int]]) -> Failure:
     return dataclasses.replace(failure, rank=ranks[0], local_rank=ranks[0], evidence=why)
 
 
-def _named_card(failure: Failure, cards: Mapping[int, int]) -> Failure:
-    """The failing rank's card by its NVML (physical) index, in the record and the evidence."""
-    if failure.local_rank is None or failure.local_rank not in cards:
-        return failure
-    gpu = cards[failure.local_rank]
-    why = f"{failure.evidence} (local rank {failure.local_rank} trains on GPU {gpu}, NVML index)"
-    return dataclasses.replace(failure, gpu=gpu, evidence=why)
-
-
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:
     exit_, report = o.exit, o.report
     # A report of a real failure (not of the graceful stop we asked for).
@@ -134,7 +118,7 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
         if failed and report is not None:
             # The child failed while nobody watched: classify it as if we had seen it exit.
             unseen = ChildExit(report.exit_code, None, None, 0.0)
-            return classify_exit(unseen, report, o.log_tail, fit=fit)
+            return classify.classify_exit(unseen, report, o.log_tail, fit=fit)
         return Outcome.SUCCEEDED if o.progress.finished and phase_done else Outcome.INTERRUPTED
     if exit_.killed_by_supervisor is KilledBy.STEP_UP and o.planned is not None and not failed:
         return Outcome.STEPPED_UP
@@ -144,7 +128,7 @@ def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome 
         return Outcome.STOPPED
     if exit_.returncode == 0 and phase_done:
         return Outcome.SUCCEEDED
-    return classify_exit(
+    return classify.classify_exit(
         exit_,
         o.report,
         o.log_tail,
@@ -196,7 +180,7 @@ def record_of(
         steps_completed=steps,
         next_resume_from=next_resume_from,
         lost_steps=lost,
-        peak=attempt_peak(
+        peak=journal.attempt_peak(
             o.report.allocator_peak.allocated_bytes if o.report and o.report.allocator_peak else None,
             o.report.oom_numbers.step_need_bytes if o.report else None,
             o.progress.peak_bytes,
@@ -207,7 +191,7 @@ def record_of(
         decision=decision,
         plan=o.plan.note,
         optimizer_reset=optimizer_reset(o.progress),
-        host=HostMemory(
+        host=journal.HostMemory(
             o.progress.host_peak, o.progress.load_host_peak, o.progress.last_rss, o.host_predicted
         ),
         unapplied=unapplied(script_settings(o.progress.events)),

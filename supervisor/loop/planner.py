@@ -1,4 +1,7 @@
-"""The planner: what the next attempt runs, from the journal alone. Pure: no writes.
+"""The planner: what the next attempt runs, from the journal alone. Pure: no writes. Attempt 1's
+config is the pre-flight's choice (``policies.choice.first``: a quality change only when nothing
+else fits; ``nothing_fits`` stops the run before any child), or the job as written (``--as-written``,
+or without a shape or a budget to predict with).
 
 no attempt yet                 -> train with the job's knobs
 last attempt stopped or was
@@ -19,19 +22,20 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from structlog.typing import FilteringBoundLogger
+
+from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.choice import RETIME_RUNG, first_for
+from qlora_supervise.policies.memory_model import scaled_peak
 from qlora_supervise.policies.rungs import Survives
+from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search.search_state import PreflightResult, fit_limit
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
+from qlora_supervise.supervisor.facts.units import format_bytes
+from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import policy_history
-from qlora_supervise.supervisor.record.journal import (
-    Action,
-    AttemptRecord,
-    Outcome,
-    Phase,
-    PlanNote,
-    RunState,
-)
+from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome, Phase, PlanNote, RunState
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
@@ -44,12 +48,9 @@ class Plan:
     knobs: Knobs
     fresh_start: bool = False  # the adapter's shape changed: old checkpoints cannot be loaded
     note: PlanNote | None = None  # why these knobs (the pre-flight's reasons, attempt 1)
-    # The candidates the child's speed trial times before step 1, these knobs first (empty: no trial).
-    speed_trial: tuple[TrialCandidate, ...] = ()
-    # The most a trial candidate may measure (the pre-flight's budget less its margin); None: no check.
-    speed_trial_limit: int | None = None
-    # Attempt 1 only: nothing is predicted to fit; the run stops before any child, with this message.
-    nothing_fits: str | None = None
+    speed_trial: tuple[TrialCandidate, ...] = ()  # timed before step 1, these knobs first (empty: none)
+    speed_trial_limit: int | None = None  # the most a candidate may measure (budget less margin)
+    nothing_fits: str | None = None  # attempt 1 only: the run stops before any child, with this message
     retime: bool = False  # a re-time (policies/choice.py): the trial runs on the resume too
 
 
@@ -94,7 +95,7 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
         trial = first_for(decision.knobs, first.speed_trial)
         limit = first.speed_trial_limit
         return Plan(last.phase, decision.knobs, speed_trial=trial, speed_trial_limit=limit, retime=True)
-    if decision is not None and decision.action is Action.RESTART and decision.knobs is not None:
+    if last.restarts and decision is not None and decision.knobs is not None:
         return Plan(last.phase, decision.knobs, fresh_start=decision.survives is Survives.ADAPTER_REINIT)
     if last.attempt <= facts.lifted_after:
         rung = next_rung_after_lift(records, facts.settings) if facts.settings is not None else None
@@ -126,3 +127,99 @@ def next_rung_after_lift(
     if not isinstance(decision, policy.Restart) or decision.knobs == last.knobs:
         return None
     return decision
+
+
+#: What ``run`` does for a model the memory model does not cover: it does not guess a number.
+UNMODELLED_RUN = (
+    "the job starts as written and the reactive ladder alone guards the run "
+    "(each OOM is classified, a rung applied, the child resumed from its last checkpoint)"
+)
+
+
+def first_plan(
+    knobs: Knobs, settings: policy.Settings, targets: tuple[str, ...] | str, as_written: bool, device: str
+) -> Plan:
+    """The plan of attempt 1 and its note for the journal."""
+    shape, budget = settings.shape, settings.budget_bytes
+    if shape is None or budget is None:
+        if shape is None and settings.unmodelled:
+            missing = f"{settings.unmodelled}: {UNMODELLED_RUN}"
+        elif shape is None:
+            missing = f"the memory model does not cover this architecture (plan says why): {UNMODELLED_RUN}"
+        elif device == "cpu":
+            missing = "on the CPU the model (GPU allocations) does not apply; the ladder decides"
+        else:
+            missing = "no budget (no gpu_memory_limit and no NVML reading)"
+        note = PlanNote(None, budget, (f"no memory prediction: {missing}",), as_written=as_written)
+        return Plan(Phase.TRAIN, knobs, note=note)
+    scale = memory_model.calibrate(shape, list(settings.prior), targets) if settings.prior else None
+    speed = throughput.calibrate(shape, settings.speeds, targets) if settings.speeds else None
+    result = choice.first(
+        shape,
+        knobs,
+        budget,
+        scale=scale,
+        targets=targets,
+        speed=speed,
+        fallbacks=settings.fallback_shapes,
+        unusable=settings.cannot_take,  # a foreign tool's config has no key for these
+        host=settings.host,
+    )
+    if as_written:
+        reasons = ("run --as-written: the job's config, whatever the plan says", *result.reasons)
+        peak = memory_model.predict(shape, knobs, targets).peak_bytes
+        return Plan(Phase.TRAIN, knobs, note=PlanNote(peak, budget, reasons, as_written=True))
+    reasons = result.reasons
+    if scale is not None:
+        reasons = (
+            *reasons,
+            f"calibrated by {len(settings.prior)} peak(s) seen on this host (scale {scale:.2f})",
+        )
+    if speed is not None:
+        reasons = (*reasons, f"ranked with {len(speed.measured)} config(s) this host measured the speed of")
+    peak = scaled_peak(result.predicted, scale if result.fallback is None else None)
+    note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
+    trial = result.speed_trial if settings.speed_trial else ()
+    return Plan(
+        Phase.TRAIN,
+        result.knobs,
+        note=note,
+        speed_trial=trial,
+        speed_trial_limit=fit_limit(budget) if trial else None,
+        nothing_fits=nothing_fits_text(result),
+    )
+
+
+def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
+    """``preflight``: attempt 1's config and why; a warning when a quality knob changed."""
+    if note is None:
+        return
+    emit = log.warning if note.quality_changed else log.info
+    emit(
+        Event.PREFLIGHT,
+        predicted_peak_bytes=note.predicted_peak,
+        budget_bytes=note.budget,
+        changes={k: list(v) for k, v in note.changes.items()},
+        quality_changed=note.quality_changed,
+        as_written=note.as_written,
+        why=" | ".join(note.why),
+    )
+
+
+def nothing_fits_text(result: PreflightResult) -> str | None:
+    """What to say when nothing fits: the smallest peak found, the budget, what would help."""
+    nothing = result.nothing_fits
+    if nothing is None:
+        return None
+    if nothing.host:
+        return (
+            "HOST MEMORY: the smallest config that fits the card needs "
+            f"{format_bytes(nothing.smallest_peak)} of host RAM against a host budget of "
+            f"{format_bytes(nothing.budget_bytes)} (with the {nothing.margin:.0%} margin); "
+            f"what would fit: {nothing.help}"
+        )
+    return (
+        f"the smallest config of every rung peaks at {format_bytes(nothing.smallest_peak)} "
+        f"against a budget of {format_bytes(nothing.budget_bytes)} (with the {nothing.margin:.0%} margin); "
+        f"what would help: {nothing.help}"
+    )

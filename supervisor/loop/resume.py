@@ -3,12 +3,10 @@ file's size and sha256), newest first: damaged files are skipped (and quarantine
 adapter of another model or a smaller LoRA rank (or alpha) is skipped; a larger rank is cut by SVD
 in the child; another optimizer (or ``fresh_optimizer_state``) loads without its optimizer state.
 An attempt made ready to spawn (:class:`Prepared`) is on disk before ``state.json`` names it in flight:
-its resume checkpoint chosen and its spec written.
-"""
+its resume checkpoint chosen and its spec written."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,20 +15,12 @@ from typing import Any
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.loop.child import Clock, Seams
 from qlora_supervise.supervisor.loop.planner import Plan
-from qlora_supervise.supervisor.loop.seams import Clock, Seams
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import InFlight, Phase
 from qlora_supervise.supervisor.record.rundir import AttemptDir, RunDir, ensure_dir
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    OPTIMIZER_FILES,
-    TEMP_PREFIX,
-    complete_checkpoints,
-    damaged_files,
-    quarantine,
-    read_marker,
-    remove_stale_temps,
-)
+from qlora_supervise.trainer_child.contract import checkpoints
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 from qlora_supervise.trainer_child.contract.report import ErrorReport
@@ -62,21 +52,21 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
     without it (the arbiter's prediction of the next resume step) it is only skipped."""
     skipped: list[str] = []
     moved: list[Quarantined] = []
-    for step, path in reversed(complete_checkpoints(checkpoints_dir)):
-        marker = read_marker(path)
+    for step, path in reversed(checkpoints.complete_checkpoints(checkpoints_dir)):
+        marker = checkpoints.read_marker(path)
         saved = marker.get("knobs", {}) if marker is not None else None
-        damaged = damaged_files(path) if isinstance(saved, dict) else None
+        damaged = checkpoints.damaged_files(path) if isinstance(saved, dict) else None
         if saved is None or damaged is None:
             skipped.append(f"{path.name}: unreadable marker")
             continue
         why = "; ".join(f"{name}: {problem}" for name, problem in sorted(damaged.items()))
         # Only the optimizer state damaged: resume the adapter and step with a fresh optimizer.
-        optimizer_only = bool(damaged) and set(damaged) <= set(OPTIMIZER_FILES)
+        optimizer_only = bool(damaged) and set(damaged) <= set(checkpoints.OPTIMIZER_FILES)
         if damaged and not optimizer_only:
             skipped.append(f"{path.name}: damaged ({why})")
             if quarantine_damaged:
                 reason = f"files differ from the completion marker: {why}"
-                moved.append(Quarantined(path, quarantine(path, reason), reason))
+                moved.append(Quarantined(path, checkpoints.quarantine(path, reason), reason))
             continue
         if optimizer_only:
             skipped.append(f"{path.name}: optimizer state damaged ({why}); resumed with a fresh optimizer")
@@ -123,18 +113,18 @@ def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Qu
     if path.parent.resolve() != checkpoints_dir.resolve() or not path.is_dir():
         return None
     reason = f"failed to load in the child: {report.exception_type}: {report.message[:300]}" if report else ""
-    return Quarantined(path, quarantine(path, reason), reason)
+    return Quarantined(path, checkpoints.quarantine(path, reason), reason)
 
 
 def clean_staging(run_root: Path, checkpoints_dir: Path) -> list[Path]:
     """When a run ends, whatever the verdict: delete staging directories whose writer (its pid in
     the name) is gone: ``.tmp-*`` under ``checkpoints/``, ``.tmp-adapter-<pid>`` / ``.old-adapter-<pid>``."""
-    removed = remove_stale_temps(checkpoints_dir)
+    removed = checkpoints.remove_stale_temps(checkpoints_dir)
     if not run_root.is_dir():
         return removed
     for path in run_root.iterdir():
         tail = path.name.rsplit("-", 1)[-1]
-        ours = path.name.startswith((TEMP_PREFIX, ".old-")) and tail.isdigit()
+        ours = path.name.startswith((checkpoints.TEMP_PREFIX, ".old-")) and tail.isdigit()
         if ours and path.is_dir() and not pid_alive(int(tail)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -153,7 +143,7 @@ def log_quarantined(log: FilteringBoundLogger, moved: tuple[Quarantined, ...] | 
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Prepared:
     """An attempt ready to spawn: its resume point chosen and its spec written."""
 

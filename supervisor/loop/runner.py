@@ -17,11 +17,11 @@ from qlora_supervise.supervisor.facts.failure import ChildExit, KilledBy
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import child as child_mod
 from qlora_supervise.supervisor.loop import child_output as output
+from qlora_supervise.supervisor.loop.child import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.climb_back import ClimbBack, PlannedRestart, remaining_s
 from qlora_supervise.supervisor.loop.outcome import AttemptOutcome, optimizer_reset
 from qlora_supervise.supervisor.loop.planner import Plan
 from qlora_supervise.supervisor.loop.resume import Prepared, prepare_checkpoints, write_spec
-from qlora_supervise.supervisor.loop.seams import ChildHandle, Seams
 from qlora_supervise.supervisor.loop.spare import SpareKeeper, SpareOrder, runs_in_spare, spare_enabled
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.history import speed_of
@@ -30,16 +30,9 @@ from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.outputs import Reporter
 from qlora_supervise.supervisor.trainers.launch import note_shim, output_moving, trainer_env
+from qlora_supervise.supervisor.watching import watch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards
-from qlora_supervise.supervisor.watching.watch import (
-    CreepWatch,
-    HeartbeatReader,
-    Progress,
-    Watched,
-    hung,
-    sample_cards,
-    sample_memory,
-)
+from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract.events import (
     CheckpointSaved,
     ChildEvent,
@@ -115,7 +108,7 @@ class AttemptRunner:
             knobs=dataclasses.asdict(plan.knobs),
             effective_batch=plan.knobs.effective_batch,
         )
-        reader = HeartbeatReader(Path(spec.events_file))
+        reader = watch.HeartbeatReader(Path(spec.events_file))
         self.planned = None
         ctx.climb.start()
         self.cards = seams.open_cards(plan.knobs, ctx.job.resources.device)
@@ -207,18 +200,14 @@ class AttemptRunner:
             short = watched.hang or watched.ranks_overstayed
             grace = self.ctx.job.supervise.hang_grace if short else seams.stop_grace_s
             code = proc.stop(grace)
-        return ChildExit(
-            returncode=code if code >= 0 else None,
-            signal=-code if code < 0 else None,
-            killed_by_supervisor=killed,
-            duration_s=seams.clock() - proc.started_monotonic,
-        )
+        duration_s = seams.clock() - proc.started_monotonic
+        return ChildExit(code if code >= 0 else None, -code if code < 0 else None, killed, duration_s)
 
-    def _watch(self, ready: Prepared, proc: ChildHandle, reader: HeartbeatReader) -> Watched:
+    def _watch(self, ready: Prepared, proc: ChildHandle, reader: watch.HeartbeatReader) -> Watched:
         # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
         # then the ways a watch ends early (a planned restart, a stop, ranks overstaying, a hang).
         ctx, seams, spec, number, log = self.ctx, self.ctx.seams, ready.spec, ready.number, self.log
-        creep = CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=ready.resume.step)
+        creep = watch.CreepWatch(ctx.gpu_budget, spec.cpu_memory_limit, first_step=ready.resume.step)
         first = output.FirstStep(ready.resume.step, ready.started_at, self.failed_at, self.warm)
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
@@ -259,7 +248,7 @@ class AttemptRunner:
             if output.ranks_overstay(spec, watched, now, self.ctx.seams.rank_shutdown_s, log):
                 watched.ranks_overstayed = True
                 return watched
-            quiet = hung(reader.progress, started, now, hang_timeout)
+            quiet = watch.hung(reader.progress, started, now, hang_timeout)
             # A tool whose shim never spoke: its log's growth stands in for heartbeats.
             if quiet and not output_moving(spec, files.log, seams.wall(), hang_timeout):
                 log.warning(
@@ -275,7 +264,7 @@ class AttemptRunner:
         return watched
 
     def _planned_restart(
-        self, events: list[ChildEvent], knobs: Knobs, progress: Progress, now: float
+        self, events: list[ChildEvent], knobs: Knobs, progress: watch.Progress, now: float
     ) -> bool:
         """At a checkpoint the child saved: whether to stop it for a faster config (climb_back.py)."""
         climb = self.ctx.climb
@@ -302,7 +291,9 @@ class AttemptRunner:
         )
         return True
 
-    def _note_creep(self, events: list[ChildEvent], creep: CreepWatch, pid: int, watched: Watched) -> None:
+    def _note_creep(
+        self, events: list[ChildEvent], creep: watch.CreepWatch, pid: int, watched: Watched
+    ) -> None:
         """Feed new heartbeats to the creep rule; once it fires, log it and ask for an early checkpoint."""
         for event in events:
             forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
@@ -325,19 +316,15 @@ class AttemptRunner:
 
     def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
         if self.cards is not None:
-            sample_cards(pid, watched, self.cards, gpu_log)
+            watch.sample_cards(pid, watched, self.cards, gpu_log)
         else:
-            sample_memory(pid, watched, self.ctx.gpu, gpu_log)
+            watch.sample_memory(pid, watched, self.ctx.gpu, gpu_log)
 
     def _last_gpu_look(self, pid: int, watched: Watched, gpu_log: Path) -> None:
         """One more NVML sample after the exit (a crash's Xid may come late), then any ``gpu_fault``."""
         if self.ctx.gpu is not None or self.cards is not None:
             self._sample(pid, watched, gpu_log)
         if watched.xid_events:
-            fatal = xid.fatal_xid(watched.xid_events)
-            self.log.error(
-                Event.GPU_FAULT,
-                xids=list(dict.fromkeys(watched.xid_events)),
-                meanings=xid.describe(watched.xid_events),
-                fatal=fatal is not None,
-            )
+            xids, fatal = list(dict.fromkeys(watched.xid_events)), xid.fatal_xid(watched.xid_events)
+            meanings = xid.describe(watched.xid_events)
+            self.log.error(Event.GPU_FAULT, xids=xids, meanings=meanings, fatal=fatal is not None)

@@ -1,8 +1,7 @@
 """The warm spare (docs/recovery.md): one trainer child that has already imported the stack and
 waits for a spec. It never changes the result: it gets an attempt only when that attempt's
 environment and device equal its own (torch reads its allocator settings once), and what it does
-ahead comes before the trainer seeds anything.
-"""
+ahead comes before the trainer seeds anything."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import psutil
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.supervisor.facts.append import UnsafeRunPath, open_append_binary
-from qlora_supervise.supervisor.loop.seams import Clock, Sleep, SpareProcess, SpawnSpare
+from qlora_supervise.supervisor.loop.child import Clock, Sleep, SpareProcess, SpawnSpare
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.trainer_child.contract import processes
 
@@ -105,12 +104,7 @@ class SpareKeeper:
     """Keeps at most one spare; hands it to the next attempt whose environment it was made for."""
 
     def __init__(
-        self,
-        run_dir: Path,
-        spawn: SpawnSpare | None,
-        clock: Clock,
-        sleep: Sleep,
-        log: FilteringBoundLogger,
+        self, run_dir: Path, spawn: SpawnSpare | None, clock: Clock, sleep: Sleep, log: FilteringBoundLogger
     ) -> None:
         self.run_dir = run_dir
         self.log_path = run_dir / "spare.log"
@@ -140,12 +134,10 @@ class SpareKeeper:
         self._log.info(Event.SPARE_STARTED, pid=proc.pid, expected_rss=expected)
 
     def take(self, order: SpareOrder, spec_path: Path, log_path: Path) -> SpareProcess | None:
-        """The spare, now running the attempt of ``spec_path``; None when there is no usable one.
-
-        The hand-over waits for the spare's ``spare_ack`` (:data:`ACK_S` once it reported ready, up
-        to :data:`IMPORT_BOUND_S` from its start while it imports); a spare silent past that is
-        killed and None returned, so the attempt starts cold at once, not at the hang timeout.
-        """
+        """The spare, now running the attempt of ``spec_path``; None when there is no usable one. The
+        hand-over waits for its ``spare_ack`` (:data:`ACK_S` once it reported ready, up to
+        :data:`IMPORT_BOUND_S` from its start while it imports); one silent past that is killed, so the
+        attempt starts cold at once, not at the hang timeout."""
         spare, self.spare = self.spare, None
         if spare is None:
             return None
@@ -160,11 +152,8 @@ class SpareKeeper:
         self._note_rss(ready)
         # The attempt's log is created as for a cold child (0640, a regular file) before the spare appends.
         open_append_binary(log_path).close()
-        if not spare.proc.send_line(json.dumps({"spec": str(spec_path), "log": str(log_path)})):
-            self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why="its stdin was closed")
-            spare.proc.stop(1.0)
-            return None
-        silent = self._await_ack(spare, ready is not None)
+        sent = spare.proc.send_line(json.dumps({"spec": str(spec_path), "log": str(log_path)}))
+        silent = self._await_ack(spare, ready is not None) if sent else "its stdin was closed"
         if silent is not None:
             spare.proc.stop(1.0)  # SIGTERM, then SIGKILL: a SIGSTOPped process ends by the SIGKILL
             self._log.warning(Event.SPARE_DISCARDED, pid=spare.proc.pid, why=silent)
@@ -174,9 +163,7 @@ class SpareKeeper:
             Event.SPARE_USED,
             pid=spare.proc.pid,
             ready=ready is not None,
-            import_s=ready.get("import_s") if ready else None,
-            rss=ready.get("rss") if ready else None,
-            cuda_initialized=ready.get("cuda_initialized") if ready else None,
+            **{key: ready.get(key) if ready else None for key in ("import_s", "rss", "cuda_initialized")},
             waited_s=round(self._clock() - spare.started_at, 1),
         )
         return spare.proc

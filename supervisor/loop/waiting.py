@@ -1,7 +1,6 @@
 """Waiting, on the loop's clock: the backoff before an unchanged retry, and polls for GPU memory or
 room on the disk. One backoff series paces every wait, with jitter between polls so supervisors
-sharing a card do not poll in step; every pause goes through one interruptible :class:`Pacer`.
-"""
+sharing a card do not poll in step; every pause goes through one interruptible :class:`Pacer`."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.loop.seams import Clock, Sleep
+from qlora_supervise.supervisor.loop.child import Clock, Sleep
 from qlora_supervise.supervisor.record import rundir
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import AttemptRecord, Outcome
