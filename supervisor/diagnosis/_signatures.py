@@ -1,10 +1,8 @@
-"""Regex families that name a failure from its text; :func:`find` returns the first line that
-matches, for the evidence sentence.
+"""Regex families that name a failure from its text (:func:`find`: the first line that matches).
 
-A trainer that refused its config before its first step, told from its stderr alone
-(:func:`refused_before_training`): an import failure, its argument parser's refusal (exit 2) or a
-deterministic exception in setup or load fails alike on every start, so ``config_error`` (tried
-once), not ``other`` (a crash loop)."""
+:func:`refused_before_training`: an import failure, an argument parser's refusal (exit 2) or a
+deterministic exception in setup or load, told from stderr alone, fails alike on every start, so
+``config_error`` (tried once), not ``other`` (a crash loop)."""
 
 from __future__ import annotations
 
@@ -107,35 +105,18 @@ def find(patterns: Sequence[re.Pattern[str]], text: str) -> str | None:
     for pattern in patterns:
         match = pattern.search(text)
         if match is not None:
-            return _line_at(text, match.start(), match.end())
+            start, end = text.rfind("\n", 0, match.start()) + 1, text.find("\n", match.end())
+            line = " ".join(text[start : end if end >= 0 else len(text)].split())
+            return line if len(line) <= 160 else line[:157] + "..."
     return None
-
-
-def _line_at(text: str, start: int, end: int) -> str:
-    line_start = text.rfind("\n", 0, start) + 1
-    line_end = text.find("\n", end)
-    line = " ".join(text[line_start : line_end if line_end >= 0 else len(text)].split())
-    return line if len(line) <= 160 else line[:157] + "..."
 
 
 _IMPORT_FAILED = re.compile(r"^(?:ModuleNotFoundError|ImportError)\b")
 #: Exception classes (by their name's last part) that say the same on every start.
 _DETERMINISTIC = frozenset(
-    {
-        "ValueError",
-        "TypeError",
-        "KeyError",
-        "AttributeError",
-        "NotImplementedError",
-        "FileNotFoundError",
-        "NotADirectoryError",
-        "IsADirectoryError",
-        "SyntaxError",
-        "ValidationError",
-        "SafetensorError",
-        "HeaderTooLarge",
-        "OfflineModeIsEnabled",
-    }
+    {"ValueError", "TypeError", "KeyError", "AttributeError", "NotImplementedError", "FileNotFoundError"}
+    | {"NotADirectoryError", "IsADirectoryError", "SyntaxError", "ValidationError", "SafetensorError"}
+    | {"HeaderTooLarge", "OfflineModeIsEnabled"}
 )
 _EXCEPTION_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*(?P<name>[A-Za-z_]\w*)")
 _USAGE = re.compile(r"^usage: ", re.MULTILINE)
@@ -147,16 +128,12 @@ _AT_EXIT = re.compile(r"Python is likely shutting down|sys\.meta_path is None|^E
 BEFORE_TRAINING = frozenset({Stage.UNKNOWN, Stage.SETUP, Stage.LOAD})
 _PLACED_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
 
+_NO_GPU = "no GPU here: write use_cpu: true and bf16: false in the tool's config (docs/trainers-cpu.md)"
+_DAMAGED = "the model file does not load (damaged or cut short): download the model again"
 #: Refusals whose fix is known: (the tool's words, the fix).
 FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(r"You need to assign use_cpu|doesn't support bf16/gpu"),
-        "no GPU here: write use_cpu: true and bf16: false in the tool's config (docs/trainers-cpu.md)",
-    ),
-    (
-        re.compile(r"Error while deserializing header|HeaderTooLarge|incomplete metadata"),
-        "the model file does not load (damaged or cut short): download the model again",
-    ),
+    (re.compile(r"You need to assign use_cpu|doesn't support bf16/gpu"), _NO_GPU),
+    (re.compile(r"Error while deserializing header|HeaderTooLarge|incomplete metadata"), _DAMAGED),
 )
 
 
@@ -172,9 +149,10 @@ def refused_before_training(
     if last is not None and _IMPORT_FAILED.match(last):
         fix = "install the package into the trainer's interpreter, trainer.python"
         return _refusal(stage, "an import failure", last, fix)
-    parser = _parser_refusal(text) if returncode == ARGPARSE_EXIT else None
-    if parser is not None:
-        return _refusal(stage, "its argument parser's refusal", parser, _fix(parser))
+    parser = _PARSER_ERROR.findall(text) if returncode == ARGPARSE_EXIT and _USAGE.search(text) else []
+    if parser:
+        line = parser[-1].strip()[:300]
+        return _refusal(stage, "its argument parser's refusal", line, _fix(line))
     placed = stage in _PLACED_BEFORE_TRAINING or last_stage in _PLACED_BEFORE_TRAINING
     named = _EXCEPTION_NAME.match(last) if last is not None else None
     if last is not None and named is not None and placed and named.group("name") in _DETERMINISTIC:
@@ -183,19 +161,9 @@ def refused_before_training(
     return None
 
 
-def _parser_refusal(text: str) -> str | None:
-    if _USAGE.search(text) is None:
-        return None
-    found = _PARSER_ERROR.findall(text)
-    return found[-1].strip()[:300] if found else None
-
-
 def known_fix(line: str) -> str | None:
     """The fix :data:`FIXES` knows for a refusal's ``line``, or None."""
-    for pattern, fix in FIXES:
-        if pattern.search(line):
-            return fix
-    return None
+    return next((fix for pattern, fix in FIXES if pattern.search(line)), None)
 
 
 def _fix(line: str) -> str:

@@ -1,28 +1,20 @@
 """Classify a failure: pure functions from evidence to a :class:`Failure`.
 
 ``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
-
-0. **a GPU fault** (:mod:`.xid`): a fatal Xid decides; a non-fatal one overrules below all but an
-   OOM or a config error;
-1. **we killed it**: a hung child -> ``hang`` at the heartbeats' last stage;
-2. **the error report**: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an
-   OOM is contention (:mod:`._oom_rules`), else fragmentation (:mod:`.fragmentation`), else the
-   stage's OOM kind, and may be marked spurious (:mod:`.fragmentation`); else ``other``;
-3. **exit status + cgroup**: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr ->
-   ``host_oom`` (with neither: ``other``); the reserved exit codes -> their kinds;
-4. **stderr text** (:func:`classify_text`); a refusal before any training stage
-   (:func:`._signatures.refused_before_training`) -> ``config_error``;
-5. **nothing**: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
+0. a GPU fault (:mod:`.xid`): a fatal Xid decides; a non-fatal one all but an OOM or config error;
+1. we killed it: a hung child -> ``hang`` at the heartbeats' last stage;
+2. the error report: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an OOM is
+   contention, else fragmentation, else the stage's OOM kind, maybe marked spurious; else ``other``;
+3. exit status + cgroup: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr -> ``host_oom``
+   (with neither: ``other``); the reserved exit codes -> their kinds;
+4. stderr text (:func:`classify_text`); a refusal before any training stage -> ``config_error``;
+5. nothing: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
 
 ``classify_text`` follows the failure corpus's labelling order: host kill -> NCCL -> bitsandbytes
 setup -> disk full -> accelerator OOM (stage from :mod:`._frames`) -> host allocator (``host_oom``
-without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM
-sign, is *presumed* an OOM of the stage its frames name: a missed OOM costs more than a needless
-cheaper rung.
-
-Several ranks failed together (:func:`first_failure`): which report is the cause, and which are
-knock-on effects (a broken collective or a stop from torchrun after another rank's failure).
-"""
+without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM sign,
+is *presumed* an OOM of the stage its frames name: a missed OOM costs more than a needless rung.
+:func:`first_failure`: which of several ranks' reports is the cause, which are knock-on effects."""
 
 from __future__ import annotations
 
@@ -32,12 +24,7 @@ import signal as signals
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qlora_supervise.supervisor.diagnosis import (
-    _oom_rules,
-    _signatures,
-    fragmentation,
-    xid,
-)
+from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, xid
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
 from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers
@@ -76,8 +63,8 @@ _EXIT_CODE_KINDS: dict[int | None, tuple[FailureKind, Stage, str]] = {
 
 
 def classify_text(text: str) -> Failure:
-    """Classify any command's log from its text alone, reading only the last :data:`TEXT_WINDOW`
-    characters: the failure is at the end, and an earlier recovered error misleads."""
+    """Classify any command's log from its last :data:`TEXT_WINDOW` characters alone: the failure is
+    at the end, and an earlier recovered error misleads."""
     text = _window(text)
     stage = stage_from_frames(parse_frames(text), text)
     numbers = _oom_rules.derive(parse_numbers(text))
@@ -121,42 +108,27 @@ def classify_exit(
     last (a hung child writes no report); ``fit``: the model's peak against the budget;
     ``xid_events``: the NVML Xids seen while the attempt ran."""
     nvml = (gpu_others_bytes, gpu_total_bytes)
-    found = _classify_child(exit, report, stderr_tail, cgroup_oom_kills, nvml, fit, last_stage, last_step)
-    return xid.overrule(found, xid_events)
-
-
-def _classify_child(
-    exit: ChildExit,
-    report: ErrorReport | None,
-    stderr_tail: str,
-    cgroup_oom_kills: int,
-    nvml: tuple[int | None, int | None],
-    fit: StepFit | None,
-    last_stage: Stage,
-    last_step: int | None,
-) -> Failure:
+    found: Failure | None = None
     if exit.killed_by_supervisor is KilledBy.HANG:
-        where = f"; last seen in {last_stage.value}" + (
-            f" after step {last_step}" if last_step is not None else ""
-        )
-        return Failure(FailureKind.HANG, last_stage, {}, f"supervisor: no progress before the timeout{where}")
-    if report is not None:
-        return _from_report(report, nvml, fit)
-    from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills, last_stage)
-    if from_status is not None:
-        return from_status
-    if exit.killed_by_supervisor is not None:
+        after = f" after step {last_step}" if last_step is not None else ""
+        why = f"supervisor: no progress before the timeout; last seen in {last_stage.value}{after}"
+        found = Failure(FailureKind.HANG, last_stage, {}, why)
+    elif report is not None:
+        found = _from_report(report, nvml, fit)
+    else:
+        found = _from_exit_status(exit, stderr_tail, cgroup_oom_kills, last_stage)
+    if found is None and exit.killed_by_supervisor is not None:
         why = f"supervisor stopped the child ({exit.killed_by_supervisor.value}); no error report"
-        return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
-    text = classify_text(stderr_tail)
-    # The heartbeats saw no step, eval or save begin, and the text says only ``other`` (an OOM, a
-    # CUDA error or any other sign decides).
-    if last_stage in _signatures.BEFORE_TRAINING and text.kind is FailureKind.OTHER:
-        window = _window(stderr_tail)
-        refused = _signatures.refused_before_training(window, text.stage, last_stage, exit.returncode)
-        if refused is not None:
-            return refused
-    return _from_stderr(exit, text, nvml)
+        found = Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
+    if found is None:
+        text = classify_text(stderr_tail)
+        # The heartbeats saw no step, eval or save begin, and the text says only ``other`` (an OOM,
+        # a CUDA error or any other sign decides).
+        if last_stage in _signatures.BEFORE_TRAINING and text.kind is FailureKind.OTHER:
+            window = _window(stderr_tail)
+            found = _signatures.refused_before_training(window, text.stage, last_stage, exit.returncode)
+        found = found or _from_stderr(exit, text, nvml)
+    return xid.overrule(found, xid_events)
 
 
 def oom_failure(
