@@ -1,28 +1,21 @@
 """Where a traceback was: frames out of any traceback layout, and the stage they name.
 
 Layouts: CPython (``File "p", line N, in f`` + source, with ``[rankN]:`` or log prefixes, lost
-indentation, hard wrapping), IPython 7 / 8 (``--> N source``) and rich (``│ p:N in f │``). A
-qualified name matches by its last part, and by its class where that says more
-(``SFTTrainer.__init__``). A text with no frame at all has its bare code lines stand in for frames.
-
-The stage rule, :func:`stage_from_frames`:
-
+indentation, hard wrapping), IPython 7 / 8 (``--> N source``) and rich (``│ p:N in f │``). A qualified
+name matches by its last part, and by its class where that says more (``SFTTrainer.__init__``). A text
+with no frame at all has its bare code lines stand in for frames. The stage rule (:func:`stage_from_frames`):
 0. our trainer child's failure line (``trainer child failed in <stage>:``) wins over any frame;
-1. contexts win over any frame inside them: **merge** (any merge/export frame), else **eval**
-   (unless a training step, ``training_step`` / ``_inner_training_loop``, is deeper: GRPO rollouts
-   inside a step stay eval), else **resume** (loading a checkpoint's optimizer / scheduler / state);
-2. otherwise the *deepest* frame naming optimizer, backward, forward, load or setup decides (an
-   outer frame only says who called), except a forward inside backward (checkpoint recomputation:
-   backward). An optimizer step inside backward stays optimizer (layer-wise ``optimizer_hook``);
-3. autograd's markers (anomaly mode's forward traceback, ``torch::autograd::Engine``) say backward
-   where the frames say forward or nothing;
+1. contexts win over any frame inside them: merge (any merge/export frame), else eval (unless a
+   training step is deeper: GRPO rollouts inside a step stay eval), else resume (loading a
+   checkpoint's optimizer / scheduler / state);
+2. otherwise the *deepest* frame naming optimizer, backward, forward, load or setup decides (an outer
+   frame only says who called), except a forward inside backward (checkpoint recomputation: backward);
+   an optimizer step inside backward stays optimizer (layer-wise ``optimizer_hook``);
+3. autograd's markers say backward where the frames say forward or nothing;
 4. bare tensor operations say forward only when nothing else names a stage; then log lines: an
    unfinished ``Loading checkpoint shards`` bar says load, process-group initialisation setup.
-
 Within one frame a merge/export script's file name comes first, then the source line (the call in
-progress), then the function name; stages are tried merge, eval, resume, optimizer, backward,
-forward, load, setup.
-"""
+progress), then the function name; stages are tried in :data:`_FUNCTION_RULES`' order."""
 
 from __future__ import annotations
 
@@ -211,12 +204,10 @@ def _context_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding 
 
 def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
     result: StageFinding | None = None
-    for frame, stage in named:  # outermost first: a deeper frame replaces an outer one ...
-        if stage is None:
-            continue
-        if stage is Stage.FORWARD and result is not None and result.stage is Stage.BACKWARD:
-            continue  # ... except a forward inside backward: checkpoint recomputation
-        result = StageFinding(stage, f"frame {_describe(frame)}")
+    for frame, stage in named:  # outermost first: a deeper frame replaces an outer one, except a
+        # forward inside backward (checkpoint recomputation)
+        if stage is not None and not (stage is Stage.FORWARD and result and result.stage is Stage.BACKWARD):
+            result = StageFinding(stage, f"frame {_describe(frame)}")
     return result
 
 
@@ -241,11 +232,10 @@ def _describe(frame: Frame) -> str:
 
 
 def _python_frames(text: str) -> list[tuple[int, Frame]]:
-    frames = []
-    for match in _PY_FRAME.finditer(text):
-        path = "".join(match.group("path").split())  # hard-wrapped paths
-        frames.append((match.start(), Frame(path, match.group("func"), _next_source_line(text, match))))
-    return frames
+    return [  # a hard-wrapped path is joined
+        (m.start(), Frame("".join(m.group("path").split()), m.group("func"), _next_source_line(text, m)))
+        for m in _PY_FRAME.finditer(text)
+    ]
 
 
 def _next_source_line(text: str, match: re.Match[str]) -> str:
@@ -281,9 +271,9 @@ def _rich_frames(text: str) -> list[tuple[int, Frame]]:
 
 
 def _bare_code_lines(text: str) -> list[Frame]:
-    frames = []
-    for raw in text.splitlines():
-        line = _ARROW.sub("", _LINE_PREFIX.sub("", raw))
-        if _CODE_LINE.match(line) and not re.match(r"^\s*\w+(?:\.\w+)*(?:Error|Exception)\b", line):
-            frames.append(Frame("", "", line.strip()))
-    return frames
+    lines = (_ARROW.sub("", _LINE_PREFIX.sub("", raw)) for raw in text.splitlines())
+    return [
+        Frame("", "", line.strip())
+        for line in lines
+        if _CODE_LINE.match(line) and not re.match(r"^\s*\w+(?:\.\w+)*(?:Error|Exception)\b", line)
+    ]

@@ -130,17 +130,9 @@ class GpuMonitor:
             return None
         mine = sum(used for pid, used in processes if pid in pids)
         others = tuple((pid, used) for pid, used in processes if pid not in pids)
-        return GpuSample(
-            time=time.time(),
-            gpu=self.index,
-            total=int(memory.total),
-            used=int(memory.used),
-            free=int(memory.free),
-            this_process_bytes=mine,
-            others=others,
-            xid_events=self._drain_xids(),
-            others_sm_util=self._others_sm_util(pids),
-        )
+        sizes = int(memory.total), int(memory.used), int(memory.free)
+        xids, sm_util = self._drain_xids(), self._others_sm_util(pids)
+        return GpuSample(time.time(), self.index, *sizes, mine, others, xids, sm_util)
 
     def _others_sm_util(self, pids: set[int]) -> int | None:
         """The other processes' SM utilisation since the previous call (each process's newest sample)."""

@@ -4,6 +4,7 @@ OOM-kill counter (v2 ``memory.events``, v1 ``memory.oom_control``; the child run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -30,13 +31,8 @@ def sample_host(pid: int | None) -> HostSample:
         swap_used = int(psutil.swap_memory().used)
     except (OSError, RuntimeError):  # no /proc/swaps in some sandboxes
         swap_used = 0
-    return HostSample(
-        time=time.time(),
-        total=int(memory.total),
-        available=int(memory.available),
-        child_rss_bytes=0 if pid is None else tree_rss(pid),
-        swap_used=swap_used,
-    )
+    rss = 0 if pid is None else tree_rss(pid)
+    return HostSample(time.time(), int(memory.total), int(memory.available), rss, swap_used)
 
 
 def tree_rss(pid: int) -> int:
@@ -46,14 +42,11 @@ def tree_rss(pid: int) -> int:
         processes = [root, *root.children(recursive=True)]
     except psutil.Error:  # NoSuchProcess, AccessDenied, ZombieProcess
         return 0
-    return sum(_rss(process) for process in processes)
-
-
-def _rss(process: psutil.Process) -> int:
-    try:
-        return int(process.memory_info().rss)
-    except psutil.Error:
-        return 0
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            total += int(process.memory_info().rss)
+    return total
 
 
 def host_room() -> tuple[int, int | None]:
@@ -62,7 +55,6 @@ def host_room() -> tuple[int, int | None]:
 
 
 ENV_MEMORY_EVENTS = "QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS"
-
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 PROC_SELF_MOUNTINFO = Path("/proc/self/mountinfo")
 
@@ -100,12 +92,10 @@ def memory_events_path(
         ("cgroup2", "", "memory.events"),
         ("cgroup", "memory", "memory.oom_control"),
     ):
-        group = memberships.get(controller)
-        mount = _mount(mount_lines, fstype, controller)
-        if group is not None and mount is not None:
-            found = _find_in(mount, group, filename)
-            if found is not None:
-                return found
+        group, mount = memberships.get(controller), _mount(mount_lines, fstype, controller)
+        found = _find_in(mount, group, filename) if group is not None and mount is not None else None
+        if found is not None:
+            return found
     return None
 
 
