@@ -107,14 +107,8 @@ def attempt_peak(
         from_report = failed_step == report_peak
         source = AttemptPeakSource.ALLOCATOR_REPORT if from_report else AttemptPeakSource.OOM_MESSAGE
         return Peak(int(max(failed_step, heartbeat_peak or 0)), source)
-    for value, source in (
-        (heartbeat_peak, AttemptPeakSource.HEARTBEAT),
-        (nvml_peak, AttemptPeakSource.NVML),
-        (rss_peak, AttemptPeakSource.RSS),
-    ):
-        if value:
-            return Peak(int(value), source)
-    return None
+    later = zip((heartbeat_peak, nvml_peak, rss_peak), list(AttemptPeakSource)[2:], strict=True)
+    return next((Peak(int(value), source) for value, source in later if value), None)
 
 
 @dataclass(frozen=True)
@@ -326,8 +320,7 @@ def read_lifts(path: Path) -> list[Lift]:
 
 def lifted_after(path: Path) -> int:
     """The attempt after which the newest lift lets the run go on (0: none)."""
-    lifts = read_lifts(path)
-    return lifts[-1].after_attempt if lifts else 0
+    return next((lift.after_attempt for lift in reversed(read_lifts(path))), 0)
 
 
 def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:

@@ -119,12 +119,10 @@ class RunDir:
         return self.root / f"checkpoints-before-attempt-{number:03d}"
 
     def lock(self, busy: str | None = None) -> IO[str]:
-        """Hold an exclusive lock on the run directory for the life of the returned file.
-
-        The directory is created 0750 or checked to be ours (the module's docstring);
-        a run file, ``checkpoints/`` or the quarantine that is a link (or holds one) stops the run
-        before anything is written. ``busy``: the words when another process holds the lock.
-        """
+        """Hold an exclusive lock on the run directory for the life of the returned file; the directory
+        is created 0750 or checked to be ours (the module's docstring), and a run file, ``checkpoints/``
+        or the quarantine that is a link (or holds one) stops the run before anything is written.
+        ``busy``: the words when another process holds the lock."""
         refuse_foreign(self.root, contents=False)  # a system folder, before anything is created
         prepare_root(self.root)
         # Read-only checks first: the lock file is created only in a folder that is safe and ours.
@@ -171,26 +169,20 @@ def prepare_root(root: Path) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise UnsafeRunPath(root, "output_dir is not a directory", "choose another output_dir")
     if info.st_uid != os.geteuid():
-        raise UnsafeRunPath(
-            root,
-            f"output_dir is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})",
-            "run as its owner, or choose an output_dir of your own",
-        )
+        why = f"output_dir is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+        raise UnsafeRunPath(root, why, "run as its owner, or choose an output_dir of your own")
     if info.st_mode & stat.S_IWOTH:
-        raise UnsafeRunPath(
-            root,
-            f"output_dir is writable by others (mode {stat.S_IMODE(info.st_mode):04o})",
-            f"run `chmod o-w {root}` (the supervisor makes it {DIR_MODE:04o}), or choose another output_dir",
-        )
+        why = f"output_dir is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
+        fix = f"run `chmod o-w {root}` (the supervisor makes it {DIR_MODE:04o}), or choose another output_dir"
+        raise UnsafeRunPath(root, why, fix)
 
 
 def refuse_links(paths: list[Path], directories: bool = False, inside: bool = False) -> None:
     """Refuse at start when one of the run's own files (``directories``: directories) is a link or of
     another kind; ``inside``: a directory holding a link too (``checkpoints/checkpoint-N ->
     /elsewhere`` would be resumed, quarantined or deleted outside the run directory)."""
-    is_kind, other = (
-        (stat.S_ISDIR, "is not a directory") if directories else (stat.S_ISREG, "is not a regular file")
-    )
+    is_kind = stat.S_ISDIR if directories else stat.S_ISREG
+    other = "is not a directory" if directories else "is not a regular file"
     for path in paths:
         try:
             info = os.lstat(path)
@@ -262,27 +254,18 @@ def is_run_dir(root: Path) -> bool:
         names = [entry.name for entry in os.scandir(root)]
     except OSError:
         return False
-    if not names:
+    state, events = root / "state.json", root / "events.jsonl"
+    if not names or (state.is_file() and not state.is_symlink() and read_state(state) is not None):
         return True
-    state = root / "state.json"
-    if state.is_file() and not state.is_symlink() and read_state(state) is not None:
-        return True
-    if _first_line_is_ours(root / "events.jsonl"):
-        return True
+    if events.is_file() and not events.is_symlink():  # its first line is an event of ours
+        try:
+            with events.open("rb") as handle:
+                record = json.loads(handle.readline(64 * 1024))
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict) and {"event", "level"} <= record.keys():
+            return True
     return ".lock" in names and all(_FIRST_FILES.fullmatch(name) for name in names)
-
-
-def _first_line_is_ours(path: Path) -> bool:
-    """An event log line of ours: a JSON object with ``event`` and ``level``."""
-    if path.is_symlink() or not path.is_file():
-        return False
-    try:
-        with path.open("rb") as handle:
-            line = handle.readline(64 * 1024)
-        record = json.loads(line)
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and {"event", "level"} <= record.keys()
 
 
 MIN_ROOM = 1 << 20  # a journal line, a state file, an error report and some events
@@ -303,9 +286,8 @@ def free_ours(rd: RunDir) -> int:
     writers left (the caller holds the run's lock); returns the bytes freed."""
     freed = 0
     if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
-        sizes = {
-            path: tree_bytes(path) for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)
-        }
+        temps = [path for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)]
+        sizes = {path: tree_bytes(path) for path in temps}
         gone = remove_stale_temps(rd.checkpoints)
         freed += sum(sizes.get(path, 0) for path in gone)
     for path in _stale_entries(rd):
