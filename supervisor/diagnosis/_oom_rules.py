@@ -28,22 +28,18 @@ def derive(numbers: Mapping[str, Any]) -> dict[str, Any]:
     """``numbers`` plus the reserved split the wording left out and ``others_in_use``."""
     out = dict(numbers)
     allocated = out.get("already_allocated")
-    if allocated is not None:
-        if "reserved_unallocated" not in out and "reserved_total" in out:
-            out["reserved_unallocated"] = max(0, out["reserved_total"] - allocated)
-        if "reserved_total" not in out and "reserved_unallocated" in out:
-            out["reserved_total"] = allocated + out["reserved_unallocated"]
+    if allocated is not None and "reserved_unallocated" not in out and "reserved_total" in out:
+        out["reserved_unallocated"] = max(0, out["reserved_total"] - allocated)
+    if allocated is not None and "reserved_total" not in out and "reserved_unallocated" in out:
+        out["reserved_total"] = allocated + out["reserved_unallocated"]
     others = others_in_use(out)
-    if others is not None:
-        out["others_in_use"] = others
-    return out
+    return out if others is None else {**out, "others_in_use": others}
 
 
 def others_in_use(numbers: Mapping[str, Any]) -> int | None:
     """Bytes other processes hold on the GPU, from a (derived) message's numbers; None: unknown."""
     total, free = _size(numbers, "total_capacity"), _size(numbers, "free")
-    reserved = _size(numbers, "reserved_total")
-    mine = _size(numbers, "process_in_use")
+    reserved, mine = _size(numbers, "reserved_total"), _size(numbers, "process_in_use")
     if mine is not None:
         listed = sum(int(size) for size in numbers.get("processes", {}).values())
         if total is None or free is None:
@@ -55,8 +51,7 @@ def others_in_use(numbers: Mapping[str, Any]) -> int | None:
 
 
 def _size(numbers: Mapping[str, Any], key: str) -> int | None:
-    value = numbers.get(key)
-    return None if value is None else int(value)
+    return None if numbers.get(key) is None else int(numbers[key])
 
 
 def contention(
@@ -83,9 +78,9 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
     floor = max(FRAGMENTATION_FLOOR_BYTES, floor)
     if capacity and int(numbers.get("already_allocated") or 0) + tried >= FULL_SHARE * capacity:
         return None
-    headroom = _headroom(numbers)
     if numbers.get("allowed") is not None and unallocated < tried:
         return None  # capped: the split memory alone must hold the request (module docstring)
+    headroom = _headroom(numbers)
     if unallocated >= floor and unallocated + headroom >= tried:
         free, split = format_bytes(headroom), format_bytes(unallocated)
         return f"{split} reserved-unallocated + {free} free ≥ {format_bytes(tried)} requested"

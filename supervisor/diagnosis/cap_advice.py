@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies import memory_model
@@ -19,7 +18,7 @@ CARD = "the card"
 HOST_RAM = "the host's RAM"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Cap:
     """The memory limit the attempts ran under: the job field that set it (or the card), in bytes."""
 
@@ -54,10 +53,8 @@ def cap_words(
         predicted = format_bytes(memory_model.estimate_peak(shape, knobs))
         parts.append(f"the memory model predicts {predicted} for the last config")
     raise_it = {CARD: "a card with more memory", HOST_RAM: "more host RAM"}.get(cap.name, f"raise {cap.name}")
-    parts.append(
-        f"what would help: {raise_it}, a smaller model in model.fallbacks, or a shorter train.max_seq_len"
-    )
-    return "; ".join(parts)
+    helps = "a smaller model in model.fallbacks, or a shorter train.max_seq_len"
+    return "; ".join([*parts, f"what would help: {raise_it}, {helps}"])
 
 
 def with_named_cap(

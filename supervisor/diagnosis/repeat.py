@@ -68,11 +68,7 @@ def _seq_len_cost(batch: BatchInFlight, max_seq_len: int, lengths: SampleLengths
     mine = sum(1 for length in batch.lengths if length > shorter)
     about = "" if lengths.exact else "about "
     if rows_cut <= mine:
-        return (
-            f"max_seq_len {shorter} would cut only these {mine} row(s) ({about}{tokens} tokens): "
-            "removing or splitting them keeps everything else"
-        )
-    return (
-        f"max_seq_len {shorter} would cut {about}{rows_cut} of {lengths.rows} rows ({tokens} tokens), "
-        f"not only these {mine}"
-    )
+        only = f"only these {mine} row(s) ({about}{tokens} tokens)"
+        return f"max_seq_len {shorter} would cut {only}: removing or splitting them keeps everything else"
+    cut = f"{about}{rows_cut} of {lengths.rows} rows ({tokens} tokens)"
+    return f"max_seq_len {shorter} would cut {cut}, not only these {mine}"

@@ -35,11 +35,8 @@ _NOT_OVERRULED = frozenset({FailureKind.CONFIG_ERROR, FailureKind.GPU_FAULT})
 
 def describe(codes: Sequence[int]) -> str:
     """``Xid 79 (GPU has fallen off the bus, fatal), Xid 13 (...)``, each code once."""
-    parts = []
-    for code in dict.fromkeys(codes):
-        fatal = ", fatal" if code in FATAL_XIDS else ""
-        parts.append(f"Xid {code} ({XIDS.get(code, _UNKNOWN)}{fatal})")
-    return ", ".join(parts)
+    fatal = {code: ", fatal" if code in FATAL_XIDS else "" for code in codes}
+    return ", ".join(f"Xid {code} ({XIDS.get(code, _UNKNOWN)}{fatal[code]})" for code in fatal)
 
 
 def fatal_xid(codes: Sequence[int]) -> int | None:
@@ -56,7 +53,6 @@ def overrule(failure: Failure, codes: Sequence[int]) -> Failure:
         return failure
     facts = XidFacts(tuple(dict.fromkeys(codes)), fatal)
     verdict = "not retried on this GPU" if fatal is not None else "retried once"
-    why = (
-        f"NVML: {describe(codes)} during the attempt, {verdict}; the child's own failure: {failure.evidence}"
-    )
+    why = f"NVML: {describe(codes)} during the attempt, {verdict}; the child's own failure: "
+    why += failure.evidence
     return Failure(FailureKind.GPU_FAULT, failure.stage, {}, why, failure.message, xid=facts)
