@@ -71,12 +71,10 @@ _AUTOGRAD_MARKERS = re.compile(
 )
 # A training step: an eval frame outside one of these does not make what runs inside it eval.
 _TRAINING_STEP = re.compile(r"(?:training_step|_inner_training_loop|train_step)$")
-
 # Optimizer packages whose file names do not say "optim" (their step is the optimizer's).
 _OPTIMIZER_PACKAGES = (
     r"(?i)\w*(?:galore|apollo|fira|adam|lion|lomo|sophia|adafactor|muon|soap|shampoo)\w*\.py$"
 )
-
 # (stage, pattern on the function name, pattern the path must match or None)
 _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.MERGE, r"(?:\w*_)?merged?(?:_\w*)?|save_pretrained_gguf|push_to_hub_gguf", None),
@@ -109,10 +107,8 @@ _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.SETUP, r"init_process_group|_verify_model_across_ranks", None),
     (Stage.SETUP, r"<module>", r"site-packages|dist-packages"),
 )
-
 # Merge / export scripts are recognised by file name as well.
 _MERGE_FILE = re.compile(r"(?:^|[/\\_])(?:merge|export)\w*\.py$", re.IGNORECASE)
-
 _SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
     (Stage.MERGE, r"merge_and_unload\(|save_pretrained_merged\(|push_to_hub_merged\(|_gguf\("),
     (Stage.EVAL, r"\.(?:evaluate\w*|generate|predict)\(|\bgenerate\("),
@@ -127,10 +123,8 @@ _SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
     (Stage.LOAD, r"\b(?:model|module)\.(?:to|cuda)\(|\.weight\.data\.to\("),
     (Stage.SETUP, r"DistributedDataParallel\(|init_process_group\("),
 )
-
 # Tensor operations: forward only when nothing else names a stage.
 _WEAK_FORWARD = re.compile(r"\b(?:matmul|bmm|einsum|softmax|linear|baddbmm)\b|\b(?:key|query)_states\b")
-
 _COMPILED_FUNCTIONS = tuple(
     (stage, re.compile(rf"(?:{name})$"), re.compile(path) if path else None)
     for stage, name, path in _FUNCTION_RULES

@@ -14,7 +14,6 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 
 _M = re.MULTILINE
 _I = re.IGNORECASE
-
 #: The kernel (or a launcher on its behalf) killed the process: SIGKILL after an OOM kill.
 HOST_KILLED: tuple[re.Pattern[str], ...] = (
     re.compile(r"Killed\s*$", _M),  # the shell's line; progress bars glue it to their last line
@@ -26,7 +25,6 @@ HOST_KILLED: tuple[re.Pattern[str], ...] = (
     re.compile(r"killed by signal: (?:Killed|SIGKILL)"),
     re.compile(r"Signal 9 \(SIGKILL\) received"),
 )
-
 #: No room to write: a full disk, a read-only mount, a quota (errno 28, 30, 122).
 DISK_FULL: tuple[re.Pattern[str], ...] = (
     re.compile(r"No space left on device"),
@@ -34,7 +32,6 @@ DISK_FULL: tuple[re.Pattern[str], ...] = (
     re.compile(r"Disk quota exceeded"),
     re.compile(r"\[Errno (?:28|30|122)\]"),
 )
-
 #: NCCL errors and watchdog timeouts.
 NCCL: tuple[re.Pattern[str], ...] = (
     re.compile(r"ProcessGroupNCCL.*(?:Watchdog|timeout|timed out)", _I),
@@ -43,7 +40,6 @@ NCCL: tuple[re.Pattern[str], ...] = (
     re.compile(r"\bNCCL (?:Error \d|error in:|communicator was aborted)"),
     re.compile(r"Distributed package doesn't have NCCL built in"),
 )
-
 #: A rank's collective broke because another rank died or stopped answering (gloo, NCCL,
 #: torch's store): under torchrun a knock-on effect of the first failure, never its cause.
 KNOCK_ON: tuple[re.Pattern[str], ...] = (
@@ -54,7 +50,6 @@ KNOCK_ON: tuple[re.Pattern[str], ...] = (
     re.compile(r"\bDistBackendError\b|\bDistNetworkError\b|\bDistStoreError\b"),
     re.compile(r"Timed out waiting|Socket Timeout|recvBytes|sendBytes", _I),
 )
-
 #: bitsandbytes cannot load its CUDA library (or only has its CPU build).
 BNB_SETUP: tuple[re.Pattern[str], ...] = (
     re.compile(r"CUDA Setup failed", _I),
@@ -64,7 +59,6 @@ BNB_SETUP: tuple[re.Pattern[str], ...] = (
     re.compile(r"libbitsandbytes_cuda\w*\.(?:so|dll).*(?:not found|No such file|cannot open|not exist)", _I),
     re.compile(r"(?:could not|cannot|failed to) (?:find|load)\b.*libbitsandbytes", _I),
 )
-
 #: An accelerator ran out of memory: the caching allocator, the driver, cuBLAS / cuDNN.
 GPU_OOM: tuple[re.Pattern[str], ...] = (
     # as PyTorch and the drivers print it; a loose "out of memory" in a warning does not count
@@ -75,21 +69,18 @@ GPU_OOM: tuple[re.Pattern[str], ...] = (
     re.compile(r"can NOT allocate memory block with size larger than"),
     re.compile(r"would exceed allowed memory"),
 )
-
 #: The host allocator failed inside the process (no kill): PyTorch's CPU allocator, Python.
 CPU_OOM: tuple[re.Pattern[str], ...] = (
     re.compile(r"DefaultCPUAllocator: can't allocate memory"),
     re.compile(r"(?<![\w.])MemoryError\b"),  # not the tail of OutOfMemoryError
     re.compile(r"std::bad_alloc"),
 )
-
 #: A failure that is not an out-of-memory, recognisable without its exception line.
 NOT_OOM: tuple[re.Pattern[str], ...] = (
     re.compile(r"Assertion `.*` failed"),  # device-side assert, printed by the kernel
     re.compile(r"device-side assert|illegal memory access|misaligned address", _I),
     re.compile(r"Segmentation fault|Bus error|Floating point exception|core dumped|Fatal Python error"),
 )
-
 #: Where an exception names its class: ``Type: message`` (with rank or log prefixes), a bare
 #: ``Type`` line, or a notebook's ``Type    Traceback (most recent call last)`` header.
 EXCEPTION_LINE = re.compile(
@@ -127,7 +118,6 @@ _AT_EXIT = re.compile(r"Python is likely shutting down|sys\.meta_path is None|^E
 #: Stages before the first step (UNKNOWN: no heartbeat and no frame says otherwise).
 BEFORE_TRAINING = frozenset({Stage.UNKNOWN, Stage.SETUP, Stage.LOAD})
 _PLACED_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
-
 _NO_GPU = "no GPU here: write use_cpu: true and bf16: false in the tool's config (docs/trainers-cpu.md)"
 _DAMAGED = "the model file does not load (damaged or cut short): download the model again"
 #: Refusals whose fix is known: (the tool's words, the fix).

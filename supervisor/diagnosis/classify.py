@@ -36,7 +36,6 @@ from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 _SIGKILL_CODES = frozenset({-signals.SIGKILL, 128 + signals.SIGKILL})
 TEXT_WINDOW = 1 << 20  # characters of a log that classify_text reads, from the end
-
 # A traceback cut before its exception line, in one of these stages, is presumed an OOM.
 _PRESUMED_OOM_STAGES = frozenset(
     {Stage.LOAD, Stage.RESUME, Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER, Stage.EVAL, Stage.MERGE}

@@ -29,7 +29,6 @@ XIDS: dict[int, str] = {
 #: The GPU is broken or must be reset.
 FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 94, 95})
 _UNKNOWN = "see NVIDIA's Xid catalogue"
-
 _NOT_OVERRULED = frozenset({FailureKind.CONFIG_ERROR, FailureKind.GPU_FAULT})
 
 

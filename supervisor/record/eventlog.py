@@ -59,7 +59,6 @@ class ConsoleLines:
 
 
 _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
-
 #: Receives each event after its line is written (``MetricsTextfile.on_event``, ``EventHook.on_event``).
 Listener = Callable[[Mapping[str, object]], None]
 

@@ -91,7 +91,6 @@ class GpuProbe(Protocol):
     """NVML as the loop reads it (:class:`GpuMonitor`; tests pass a fake through the seams)."""
 
     def sample(self, pids: set[int]) -> GpuSample | None: ...
-
     def close(self) -> None: ...
 
 
