@@ -70,5 +70,5 @@ def _seq_len_cost(batch: BatchInFlight, max_seq_len: int, lengths: SampleLengths
     if rows_cut <= mine:
         only = f"only these {mine} row(s) ({about}{tokens} tokens)"
         return f"max_seq_len {shorter} would cut {only}: removing or splitting them keeps everything else"
-    cut = f"{about}{rows_cut} of {lengths.rows} rows ({tokens} tokens)"
-    return f"max_seq_len {shorter} would cut {cut}, not only these {mine}"
+    lost = f"{about}{rows_cut} of {lengths.rows} rows ({tokens} tokens)"
+    return f"max_seq_len {shorter} would cut {lost}, not only these {mine}"

@@ -95,11 +95,9 @@ class _EventsFile:
 
 
 class _Relay:
-    """Final processor: runs the listeners, then returns the console line for ``WriteLogger``.
-
-    A line logged *by* a listener is held and written after the outer event's own line, so the
-    console keeps the file's order. Without a console the event ends here (``DropEvent``).
-    """
+    """Final processor: runs the listeners, then returns the console line for ``WriteLogger``. A line
+    logged *by* a listener is held and written after the outer event's own line, so the console keeps
+    the file's order. Without a console the event ends here (``DropEvent``)."""
 
     def __init__(self, console: TextIO | None, listeners: Sequence[Listener]) -> None:
         self._lines = ConsoleLines(console) if console is not None else None
@@ -146,10 +144,8 @@ def open_event_log(
 
 def read_events(events_path: Path) -> list[dict[str, Any]]:
     """The events of a run (a torn last line is skipped)."""
-    if not events_path.is_file():
-        return []
     events: list[dict[str, Any]] = []
-    for line in events_path.read_text(encoding="utf-8").splitlines():
+    for line in events_path.read_text(encoding="utf-8").splitlines() if events_path.is_file() else []:
         with contextlib.suppress(ValueError):  # a torn last line
             events.append(json.loads(line))
     return events

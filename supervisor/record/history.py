@@ -94,9 +94,8 @@ def time_in_configs(records: Sequence[AttemptRecord]) -> list[ConfigTime]:
         if r.phase is not Phase.TRAIN:
             continue
         was = seen.get(r.knobs, ConfigTime(r.knobs, 0.0, 0))
-        seen[r.knobs] = ConfigTime(
-            r.knobs, was.seconds + r.ended_at - r.started_at, was.steps + r.steps_progressed
-        )
+        seconds, steps = was.seconds + r.ended_at - r.started_at, was.steps + r.steps_progressed
+        seen[r.knobs] = ConfigTime(r.knobs, seconds, steps)
     return list(seen.values())
 
 
@@ -111,10 +110,8 @@ def climb_back_lines(planned: dict[str, int], configs: Sequence[dict[str, Any]])
     none without a planned restart."""
     if not any(planned.values()):
         return []
-    head = (
-        f"step-ups: {planned.get(STEP_UP_RUNG, 0)}, speed trials timed again: {planned.get(RETIME_RUNG, 0)}"
-    )
-    return [head, "time in each config:"] + [
+    ups, retimes = planned.get(STEP_UP_RUNG, 0), planned.get(RETIME_RUNG, 0)
+    return [f"step-ups: {ups}, speed trials timed again: {retimes}", "time in each config:"] + [
         f"  {_clock(c['seconds'])}, {c['steps']} step(s): {c['config']}" for c in configs
     ]
 
@@ -138,13 +135,10 @@ class AttemptSpeed:
 
 def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
     """The speed the events of an attempt planned with ``planned`` say it trained at."""
-    rates: list[float] = []
-    trial = None
-    for event in events:
-        if isinstance(event, Heartbeat) and event.tokens_per_s is not None and event.tokens_per_s > 0:
-            rates.append(event.tokens_per_s)
-        elif isinstance(event, SpeedTrialEvent):
-            trial = event
+    seen = list(events)
+    beats = [e.tokens_per_s for e in seen if isinstance(e, Heartbeat)]
+    rates = [rate for rate in beats if rate is not None and rate > 0]
+    trial = next((e for e in reversed(seen) if isinstance(e, SpeedTrialEvent)), None)
     choice = None if trial is None else after_trial(planned, trial.results)
     median = statistics.median(rates) if rates else None
     return AttemptSpeed(choice.knobs if choice else planned, median, len(rates), trial, choice)

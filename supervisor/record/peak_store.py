@@ -90,16 +90,9 @@ def record_attempt(
     written: a read-only home or a full disk never stops a run."""
     if peak_bytes is None and tokens_per_s is None:
         return True
-    line = json.dumps(
-        {
-            "shape": shape.sizes(),
-            "knobs": dataclasses.asdict(knobs),
-            "peak_bytes": peak_bytes,
-            "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 1),
-            "trainer": trainer,
-            "time": round(time.time(), 1),
-        }
-    )
+    rate = None if tokens_per_s is None else round(tokens_per_s, 1)
+    fields = {"shape": shape.sizes(), "knobs": dataclasses.asdict(knobs), "peak_bytes": peak_bytes}
+    line = json.dumps({**fields, "tokens_per_s": rate, "trainer": trainer, "time": round(time.time(), 1)})
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         lock = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o640)
