@@ -69,8 +69,10 @@ def classify_text(text: str) -> Failure:
     numbers = _oom_rules.derive(parse_numbers(text))
     for kind, patterns, what in _SIGNATURE_FAMILIES:
         line = _signatures.find(patterns, text)
-        if line is not None:
-            return _signature_failure(kind, stage, numbers, f"{what} {line!r}")
+        if line is not None:  # bitsandbytes loads its library at import: setup, where no frame says
+            bnb_setup = kind is FailureKind.BNB_CUDA_SETUP and stage.stage is Stage.UNKNOWN
+            where, what = (Stage.SETUP if bnb_setup else stage.stage), f"{what} {line!r}"
+            return Failure(kind, where, numbers, f"text: {what}; stage {where.value} from {stage.why}", what)
     disk_line = _signatures.find(_signatures.DISK_FULL, text)
     if disk_line is not None:
         why = f"text: no room to write {disk_line!r}; stage {stage.stage.value} from {stage.why}"
@@ -79,8 +81,12 @@ def classify_text(text: str) -> Failure:
     if oom_line is not None:
         return oom_failure(stage, numbers, _oom_source(text, oom_line), message=oom_line)
     cpu_line = _signatures.find(_signatures.CPU_OOM, text)
+    if cpu_line is not None and stage.stage is Stage.UNKNOWN:
+        why = f"text: host allocation failed {cpu_line!r}; no frame names a stage"
+        return Failure(FailureKind.HOST_OOM, Stage.UNKNOWN, numbers, why, cpu_line)
     if cpu_line is not None:
-        return _host_allocation_failure(stage, numbers, cpu_line)
+        why = f"text: host allocation failed {cpu_line!r}; {_stage_why(stage)}"
+        return Failure(_stage_kind(stage.stage), stage.stage, numbers, why, cpu_line)
     return _other_from_text(text, stage)
 
 
@@ -181,23 +187,6 @@ def _stage_why(stage: StageFinding) -> str:
     return f"stage {stage.stage.value} from {stage.why}"
 
 
-def _signature_failure(
-    kind: FailureKind, stage: StageFinding, numbers: Mapping[str, Any], what: str
-) -> Failure:
-    where = stage.stage
-    if kind is FailureKind.BNB_CUDA_SETUP and where is Stage.UNKNOWN:
-        where = Stage.SETUP  # bitsandbytes loads its library at import
-    return Failure(kind, where, numbers, f"text: {what}; stage {where.value} from {stage.why}", what)
-
-
-def _host_allocation_failure(stage: StageFinding, numbers: Mapping[str, Any], line: str) -> Failure:
-    if stage.stage is Stage.UNKNOWN:
-        why = f"text: host allocation failed {line!r}; no frame names a stage"
-        return Failure(FailureKind.HOST_OOM, Stage.UNKNOWN, numbers, why, line)
-    why = f"text: host allocation failed {line!r}; {_stage_why(stage)}"
-    return Failure(_stage_kind(stage.stage), stage.stage, numbers, why, line)
-
-
 def _other_from_text(text: str, stage: StageFinding) -> Failure:
     lines = [match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(text)]
     known = _signatures.find(_signatures.NOT_OOM, text)
@@ -238,9 +227,8 @@ def _from_report(report: ErrorReport, nvml: tuple[int | None, int | None], fit: 
         return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
     # The report's numbers, typed when it was read; an older child's report may have none.
     numbers = _oom_rules.derive(report.oom_numbers.to_json() or parse_numbers(report.message))
-    found = oom_failure(
-        StageFinding(stage, "the error report"), numbers, head, message, nvml, report.allocator, fit
-    )
+    finding = StageFinding(stage, "the error report")
+    found = oom_failure(finding, numbers, head, message, nvml, report.allocator, fit)
     if report.batch is not None:  # the micro-batch it happened on (a repeat is told by the loop)
         found = dataclasses.replace(found, numbers={**found.numbers, **batch_numbers(report.batch)})
     if found.kind is FailureKind.OOM_FRAGMENTATION and report.expandable_segments_active:

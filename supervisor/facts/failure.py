@@ -52,7 +52,7 @@ class XidFacts:
 
 
 _XID_KEYS = ("xid", "fatal_xid")
-_OPTIONAL = ("rank", "local_rank", "gpu", "emergency_checkpoint", "expandable_segments_active")
+_PLAIN_FIELDS = ("emergency_checkpoint", "expandable_segments_active", "rank", "local_rank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +88,9 @@ class Failure:
     def to_json(self) -> dict[str, Any]:
         """The ``failure`` object of an ``attempts.jsonl`` line (and of ``classify --json``)."""
         head = {"kind": self.kind.value, "stage": self.stage.value, "numbers": self.numbers_json()}
-        words = (
-            "evidence",
-            "message",
-            "emergency_checkpoint",
-            "expandable_segments_active",
-            "rank",
-            "local_rank",
-        )
+        tail = {key: getattr(self, key) for key in ("evidence", "message", *_PLAIN_FIELDS)}
         # Only where NVML named the card: lines written before it had none read back the same.
-        gpu = {"gpu": self.gpu} if self.gpu is not None else {}
-        return {**head, **{key: getattr(self, key) for key in words}, **gpu}
+        return {**head, **tail, **({"gpu": self.gpu} if self.gpu is not None else {})}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Failure:
@@ -107,7 +99,7 @@ class Failure:
         kind, stage = FailureKind(raw["kind"]), Stage(raw.get("stage", "unknown"))
         words = str(raw.get("evidence", "")), str(raw.get("message", ""))
         plain = {key: value for key, value in numbers.items() if key not in _XID_KEYS}
-        kept: dict[str, Any] = {key: raw.get(key) for key in _OPTIONAL}
+        kept: dict[str, Any] = {key: raw.get(key) for key in (*_PLAIN_FIELDS, "gpu")}
         return cls(kind, stage, plain, *words, xid=XidFacts.from_numbers(numbers), **kept)
 
 
