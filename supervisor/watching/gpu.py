@@ -106,9 +106,7 @@ class GpuMonitor:
     def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
         """A monitor for ``device``, or None when NVML, the driver or the GPU is missing (or ``cpu``);
         never raises or logs."""
-        if device == "cpu":
-            return None
-        started = _started_nvml(nvml)
+        started = None if device == "cpu" else _started_nvml(nvml)
         if started is None:
             return None
         try:

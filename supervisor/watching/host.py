@@ -57,6 +57,7 @@ def host_room() -> tuple[int, int | None]:
 ENV_MEMORY_EVENTS = "QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS"
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 PROC_SELF_MOUNTINFO = Path("/proc/self/mountinfo")
+_COUNTERS = (("cgroup2", "", "memory.events"), ("cgroup", "memory", "memory.oom_control"))  # v2 first
 
 
 def oom_kill_count(path_override: Path | None = None) -> int | None:
@@ -88,10 +89,7 @@ def memory_events_path(
     except OSError:
         return None
     memberships = _memberships(cgroup_lines)
-    for fstype, controller, filename in (
-        ("cgroup2", "", "memory.events"),
-        ("cgroup", "memory", "memory.oom_control"),
-    ):
+    for fstype, controller, filename in _COUNTERS:
         group, mount = memberships.get(controller), _mount(mount_lines, fstype, controller)
         found = _find_in(mount, group, filename) if group is not None and mount is not None else None
         if found is not None:
@@ -119,16 +117,10 @@ def memory_limit_bytes() -> int | None:
 def _memberships(lines: list[str]) -> dict[str, str]:
     """Controller -> cgroup path (``""`` is the v2 hierarchy)."""
     found: dict[str, str] = {}
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if parts[0] == "0" and controllers == "":
+    for hierarchy, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        if hierarchy == "0" and controllers == "":
             found[""] = path
-        for controller in controllers.split(","):
-            if controller:
-                found[controller] = path
+        found.update({controller: path for controller in controllers.split(",") if controller})
     return found
 
 
@@ -140,9 +132,8 @@ def _mount(lines: list[str], fstype: str, controller: str) -> tuple[str, Path] |
         if not sep or len(fields) < 5 or not tail_fields or tail_fields[0] != fstype:
             continue
         options = tail_fields[2].split(",") if len(tail_fields) > 2 else []
-        if controller and controller not in options:
-            continue
-        return _unescape(fields[3]), Path(_unescape(fields[4]))
+        if not controller or controller in options:
+            return _unescape(fields[3]), Path(_unescape(fields[4]))
     return None
 
 
