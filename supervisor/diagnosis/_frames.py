@@ -140,7 +140,9 @@ _QUALIFIED_RULES: tuple[tuple[Stage, re.Pattern[str]], ...] = (
 
 def parse_frames(text: str) -> list[Frame]:
     """The frames of every traceback in ``text``, outermost first as printed."""
-    found = _python_frames(text) + _ipython_frames(text) + _rich_frames(text)
+    boxes = [(m.start(), Frame(m.group("path"), m.group("func"), "")) for m in _RICH_FRAME.finditer(text)]
+    rich = boxes + [(m.start(), Frame("", "", m.group("src"))) for m in _RICH_SOURCE.finditer(text)]
+    found = _python_frames(text) + _ipython_frames(text) + rich
     frames = [frame for _, frame in sorted(found, key=lambda item: item[0])]
     return frames or _bare_code_lines(text)
 
@@ -154,7 +156,11 @@ def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
     context = _context_stage(named)
     if context is not None:
         return context
-    finding = _deepest_training_stage(named)
+    finding: StageFinding | None = None
+    for frame, stage in named:  # outermost first: a deeper frame replaces an outer one
+        recomputed = stage is Stage.FORWARD and finding is not None and finding.stage is Stage.BACKWARD
+        if stage is not None and not recomputed:  # a forward inside backward: checkpoint recomputation
+            finding = StageFinding(stage, f"frame {_describe(frame)}")
     marker = _AUTOGRAD_MARKERS.search(text)
     if marker and (finding is None or finding.stage is Stage.FORWARD):
         return StageFinding(Stage.BACKWARD, f"autograd marker {marker.group(0)!r}")
@@ -193,15 +199,6 @@ def _context_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding 
             if stage is context and not in_step:
                 return StageFinding(stage, f"frame {_describe(frame)}")
     return None
-
-
-def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
-    result: StageFinding | None = None
-    for frame, stage in named:  # outermost first: a deeper frame replaces an outer one, except a
-        # forward inside backward (checkpoint recomputation)
-        if stage is not None and not (stage is Stage.FORWARD and result and result.stage is Stage.BACKWARD):
-            result = StageFinding(stage, f"frame {_describe(frame)}")
-    return result
 
 
 def _log_hint(text: str) -> StageFinding:
@@ -256,11 +253,6 @@ def _ipython_frames(text: str) -> list[tuple[int, Frame]]:
         path, func = match.group("path8", "func8") if match.group("path8") else match.group("path", "func")
         frames.append((match.start(), Frame(path, func.strip(), src)))
     return frames
-
-
-def _rich_frames(text: str) -> list[tuple[int, Frame]]:
-    boxes = [(m.start(), Frame(m.group("path"), m.group("func"), "")) for m in _RICH_FRAME.finditer(text)]
-    return boxes + [(m.start(), Frame("", "", m.group("src"))) for m in _RICH_SOURCE.finditer(text)]
 
 
 def _bare_code_lines(text: str) -> list[Frame]:

@@ -58,8 +58,10 @@ def contention(
     numbers: Mapping[str, Any], nvml_others: int | None = None, nvml_total: int | None = None
 ) -> str | None:
     """Why this is contention (a sentence), or None. NVML's sample counts as a second witness."""
-    if _cap_reached(numbers):
-        return None
+    allowed, tried = numbers.get("allowed"), int(numbers.get("tried_to_allocate") or 0)
+    held = numbers.get("reserved_total") or numbers.get("process_in_use") or 0
+    if allowed is not None and held + tried > allowed:
+        return None  # the process hit its own cap
     message = (numbers.get("total_capacity"), numbers.get("others_in_use"))
     for witness, (total, others) in (("", message), ("NVML: ", (nvml_total, nvml_others))):
         if total and others is not None and others >= CONTENTION_SHARE * total:
@@ -78,24 +80,13 @@ def fragmentation(numbers: Mapping[str, Any]) -> str | None:
     floor = max(FRAGMENTATION_FLOOR_BYTES, floor)
     if capacity and int(numbers.get("already_allocated") or 0) + tried >= FULL_SHARE * capacity:
         return None
-    if numbers.get("allowed") is not None and unallocated < tried:
+    allowed, reserved = _size(numbers, "allowed"), _size(numbers, "reserved_total")
+    if allowed is not None and unallocated < tried:
         return None  # capped: the split memory alone must hold the request (module docstring)
-    headroom = _headroom(numbers)
+    headroom = int(numbers.get("free") or 0)
+    if allowed is not None and reserved is not None:  # under a cap: no more than the cap leaves
+        headroom = min(headroom, max(0, allowed - reserved))
     if unallocated >= floor and unallocated + headroom >= tried:
         free, split = format_bytes(headroom), format_bytes(unallocated)
         return f"{split} reserved-unallocated + {free} free ≥ {format_bytes(tried)} requested"
     return None
-
-
-def _headroom(numbers: Mapping[str, Any]) -> int:
-    free = int(numbers.get("free") or 0)
-    allowed, reserved = _size(numbers, "allowed"), _size(numbers, "reserved_total")
-    if allowed is not None and reserved is not None:
-        return min(free, max(0, allowed - reserved))
-    return free
-
-
-def _cap_reached(numbers: Mapping[str, Any]) -> bool:
-    allowed = numbers.get("allowed")
-    held = numbers.get("reserved_total") or numbers.get("process_in_use") or 0
-    return allowed is not None and held + int(numbers.get("tried_to_allocate") or 0) > allowed

@@ -59,7 +59,10 @@ def predicted_fit(
 
 def judge(facts: AllocatorFacts | None, numbers: Mapping[str, Any], fit: StepFit | None) -> Verdict | None:
     """The verdict of the module docstring; None without facts or a prediction (the message rule decides)."""
-    fit = _observed_fit(facts) or fit
+    if facts is not None and facts.same_shape_peak_bytes is not None and facts.limit_bytes is not None:
+        source = f"step {facts.same_shape_step} with this micro-batch shape completed"
+        # It ran under this very limit: the peak it reached fits by construction.
+        fit = StepFit(min(facts.same_shape_peak_bytes, facts.limit_bytes), facts.limit_bytes, source)
     if facts is None:
         if fit is None or fit.fits:
             return None
@@ -79,14 +82,6 @@ def judge(facts: AllocatorFacts | None, numbers: Mapping[str, Any], fit: StepFit
     if not fit.fits:
         return Verdict(False, f"capacity: {layout}, but {fit.sentence()}", shown)
     return Verdict(True, f"{layout}, and {fit.sentence()}", shown)
-
-
-def _observed_fit(facts: AllocatorFacts | None) -> StepFit | None:
-    if facts is None or facts.same_shape_peak_bytes is None or facts.limit_bytes is None:
-        return None
-    source = f"step {facts.same_shape_step} with this micro-batch shape completed"
-    # It ran under this very limit: the peak it reached fits by construction.
-    return StepFit(min(facts.same_shape_peak_bytes, facts.limit_bytes), facts.limit_bytes, source)
 
 
 def _layout(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> tuple[bool, str]:
