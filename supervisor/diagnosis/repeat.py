@@ -18,12 +18,8 @@ BATCH_KEYS = ("batch_step", "batch_micro", "batch_lengths", "batch_rows")
 def batch_numbers(batch: BatchInFlight) -> dict[str, Any]:
     """The failure's numbers for ``batch``."""
     rows = {"batch_rows": list(batch.rows)} if batch.rows is not None else {}
-    return {
-        "batch_step": batch.step,
-        "batch_micro": batch.micro,
-        "batch_lengths": list(batch.lengths),
-        **rows,
-    }
+    head = {"batch_step": batch.step, "batch_micro": batch.micro}
+    return {**head, "batch_lengths": list(batch.lengths), **rows}
 
 
 def batch_of(numbers: Mapping[str, Any]) -> BatchInFlight | None:

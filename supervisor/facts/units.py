@@ -30,10 +30,8 @@ def parse_memory_size(value: str) -> int:
     number = re.match(_NUMBER, text)
     shown = number.group(0) if number else text
     bare = "" if number is None or number.group(0) != text else " (a number without a unit is bytes)"
-    raise UnitError(
-        f"{text} is {size} bytes{bare}, not a plausible memory size",
-        f"a number with a unit, e.g. {shown}GiB or {shown}MiB",
-    )
+    why = f"{text} is {size} bytes{bare}, not a plausible memory size"
+    raise UnitError(why, f"a number with a unit, e.g. {shown}GiB or {shown}MiB")
 
 
 def parse_duration(value: str | int | float) -> float:
