@@ -65,8 +65,7 @@ def with_named_cap(
     settings: policy.Settings,
     records: Sequence[AttemptRecord],
 ) -> policy.GiveUp:
-    """A memory give-up with the cap named; any other give-up (and contention, where no cap or
-    config is to blame) as it was."""
+    """A memory give-up with the cap named; others (and contention: no cap is to blame) as they were."""
     if not kind.is_oom or kind is FailureKind.OOM_CONTENTION:
         return decision
     res = job.resources

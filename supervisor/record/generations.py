@@ -56,8 +56,7 @@ class FieldChange:
         return False
 
     def render(self, restarting: bool = False) -> str:
-        """One line of the diff; ``restarting``: said by ``run --restart`` (every change goes into
-        the new generation)."""
+        """One line of the diff; ``restarting``: as ``run --restart`` says it, for the new generation."""
         how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
         if self.safe and (self.name == TOOL_CONFIG or self.name.startswith(TOOL_CONFIG_PREFIX)):
             how = "applies: no step was trained yet"

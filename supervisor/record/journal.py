@@ -289,20 +289,18 @@ _LIFT = TypeAdapter(Lift)
 
 def _lines(path: Path) -> tuple[list[AttemptRecord | Lift], int]:
     """The journal's attempts and lifts in order, and the number of lines that could not be read."""
-    if not path.is_file():
-        return [], 0
+    text = path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else ""
     found: list[AttemptRecord | Lift] = []
     bad = 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:
             raw = json.loads(line)
             if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
                 raise ValueError("not a journal line of this version")
-            found.append(
-                _LIFT.validate_python(raw["lift"]) if "lift" in raw else AttemptRecord.from_json(raw)
-            )
+            item = _LIFT.validate_python(raw["lift"]) if "lift" in raw else AttemptRecord.from_json(raw)
+            found.append(item)
         except ValueError:
             bad += 1
     return found, bad

@@ -104,8 +104,7 @@ class GpuMonitor:
 
     @classmethod
     def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
-        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing (or ``cpu``);
-        never raises or logs."""
+        """``device``'s monitor, or None without NVML, driver or GPU (or on ``cpu``); never raises or logs."""
         started = None if device == "cpu" else _started_nvml(nvml)
         if started is None:
             return None

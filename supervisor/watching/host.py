@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,5 @@ def _find_in(mount: tuple[str, Path], group: str, filename: str) -> Path | None:
 
 
 def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal.
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
+    # mountinfo escapes space, tab, newline and backslash as octal (``\040``).
+    return re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), field)
