@@ -290,7 +290,9 @@ def free_ours(rd: RunDir) -> int:
         sizes = {path: tree_bytes(path) for path in temps}
         gone = remove_stale_temps(rd.checkpoints)
         freed += sum(sizes.get(path, 0) for path in gone)
-    for path in _stale_entries(rd):
+    folders = [rd.root, *sorted(rd.root.glob("attempt-*"))]
+    real = [folder for folder in folders if folder.is_dir() and not folder.is_symlink()]
+    for path in [path for folder in real for path in folder.iterdir() if _stale(path)]:
         size = tree_bytes(path) if path.is_dir() else path.stat().st_size
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -300,22 +302,12 @@ def free_ours(rd: RunDir) -> int:
     return freed
 
 
-def _stale_entries(rd: RunDir) -> list[Path]:
-    found: list[Path] = []
-    for directory in [rd.root, *sorted(rd.root.glob("attempt-*"))]:
-        if not directory.is_dir() or directory.is_symlink():
-            continue
-        for path in directory.iterdir():
-            name = path.name
-            if name.startswith(".") and name.endswith(".tmp") and path.is_file():
-                found.append(path)  # write_text_atomic's temp file, left by a kill mid-write
-            elif (
-                name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-"))
-                and (tail := name.rsplit("-", 1)[-1]).isdigit()
-                and not pid_alive(int(tail))
-            ):
-                found.append(path)
-    return found
+def _stale(path: Path) -> bool:
+    name, tail = path.name, path.name.rsplit("-", 1)[-1]
+    if name.startswith(".") and name.endswith(".tmp"):
+        return path.is_file()  # write_text_atomic's temp file, left by a kill mid-write
+    swapped = name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-"))
+    return swapped and tail.isdigit() and not pid_alive(int(tail))
 
 
 def room_words(rd: RunDir, needed: int, free: int) -> str:
