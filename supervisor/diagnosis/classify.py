@@ -26,8 +26,8 @@ from typing import Any
 
 from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, xid
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
+from qlora_supervise.supervisor.diagnosis.advice import batch_numbers
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, ExitCode, FailureKind, Stage
