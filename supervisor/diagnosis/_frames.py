@@ -1,5 +1,4 @@
 """Where a traceback was: frames out of any traceback layout, and the stage they name.
-
 Layouts: CPython (``File "p", line N, in f`` + source, with ``[rankN]:`` or log prefixes, lost
 indentation, hard wrapping), IPython 7 / 8 (``--> N source``) and rich (``│ p:N in f │``). A qualified
 name matches by its last part, and by its class where that says more (``SFTTrainer.__init__``). A text

@@ -1,9 +1,7 @@
 """What an OOM message's numbers say about the cause: contention, fragmentation, or neither.
-
 **Contention**: other processes hold at least half of the GPU (wait, do not degrade). ``others_in_use``
 is, with the new wording's "this process has P" clause, ``max(sum of the Process lines, total - free -
 max(P, reserved))``, else ``total - free - reserved``. A process that hit its own cap is not contention.
-
 **Fragmentation**: ``reserved_unallocated >= max(512 MiB, min(1 GiB, 5 % of capacity))`` and
 ``reserved_unallocated + free >= tried_to_allocate`` and allocated + request under 95 % of the
 capacity (at 95 % no layout leaves room: bench/results/gpu-h200-2026-11-29). Under a cap the split

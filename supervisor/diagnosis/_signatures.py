@@ -1,5 +1,4 @@
 """Regex families that name a failure from its text (:func:`find`: the first line that matches).
-
 :func:`refused_before_training`: an import failure, an argument parser's refusal (exit 2) or a
 deterministic exception in setup or load, told from stderr alone, fails alike on every start, so
 ``config_error`` (tried once), not ``other`` (a crash loop)."""

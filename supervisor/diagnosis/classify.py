@@ -1,5 +1,4 @@
 """Classify a failure: pure functions from evidence to a :class:`Failure`.
-
 ``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
 0. a GPU fault (:mod:`.xid`): a fatal Xid decides; a non-fatal one all but an OOM or config error;
 1. we killed it: a hung child -> ``hang`` at the heartbeats' last stage;
@@ -9,7 +8,6 @@
    (with neither: ``other``); the reserved exit codes -> their kinds;
 4. stderr text (:func:`classify_text`); a refusal before any training stage -> ``config_error``;
 5. nothing: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
-
 ``classify_text`` follows the failure corpus's labelling order: host kill -> NCCL -> bitsandbytes
 setup -> disk full -> accelerator OOM (stage from :mod:`._frames`) -> host allocator (``host_oom``
 without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM sign,

@@ -1,5 +1,4 @@
 """GPU faults: NVML Xid events seen while an attempt ran, what they mean, and which are fatal.
-
 A **fatal** Xid (the GPU is broken or must be reset) decides over any other evidence. A non-fatal
 one decides only a failure that is not an OOM or config error (Xids are per GPU: another
 process's fault can fall in our window), and the attempt is retried once unchanged."""

@@ -2,7 +2,6 @@
 attempt, fsynced before anything acts on its decision (a torn last line is ignored on read);
 ``state.json`` (written atomically) says what is in flight, so a supervisor killed at any moment
 carries out a journalled decision or finishes or reclaims the in-flight attempt.
-
 A line is plain JSON (its fields: docs/run-directory.md), written and read back whole through one
 pydantic ``TypeAdapter``; a line that does not fit the record is unreadable (the journal counts it)."""
 

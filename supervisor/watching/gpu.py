@@ -1,5 +1,4 @@
 """GPU memory samples through NVML (``pynvml``), with Xid events, and every rank's card under torchrun.
-
 NVML ignores ``CUDA_VISIBLE_DEVICES``, so a device is mapped by ``contract.spec.bind_device`` as
 the child maps it (rank N: the child's ``cuda:N``). Only ``pynvml.NVMLError`` is caught, so a bug is
 not mistaken for a missing GPU. In a container with its own PID namespace the child shows as ``others``."""
