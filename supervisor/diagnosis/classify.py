@@ -44,18 +44,12 @@ _SIGNATURE_FAMILIES = (
     (FailureKind.BNB_CUDA_SETUP, _signatures.BNB_SETUP, "bitsandbytes setup error"),
 )
 # An exit status without a report that names its kind by itself.
+_NO_CHECKPOINT = "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load"
+_NO_ROOM = "exit code DISK_FULL (76) without a report (no room for it either)"
 _EXIT_CODE_KINDS: dict[int | None, tuple[FailureKind, Stage, str]] = {
     ExitCode.CONFIG: (FailureKind.CONFIG_ERROR, Stage.UNKNOWN, "exit code CONFIG (71) without a report"),
-    ExitCode.CHECKPOINT: (
-        FailureKind.CHECKPOINT_DAMAGED,
-        Stage.UNKNOWN,
-        "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load",
-    ),
-    ExitCode.DISK_FULL: (
-        FailureKind.DISK_FULL,
-        Stage.SAVE,
-        "exit code DISK_FULL (76) without a report (no room for it either)",
-    ),
+    ExitCode.CHECKPOINT: (FailureKind.CHECKPOINT_DAMAGED, Stage.UNKNOWN, _NO_CHECKPOINT),
+    ExitCode.DISK_FULL: (FailureKind.DISK_FULL, Stage.SAVE, _NO_ROOM),
 }
 
 

@@ -74,8 +74,7 @@ class _EventsFile:
         self._json = structlog.processors.JSONRenderer(default=str)
 
     def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
-        """Append the line; on a full disk hold it (and those after it) until there is room again:
-        logging never raises into the loop, which waits for room and says so in these events."""
+        """Append the line; a full disk holds it (and later ones) until there is room: never raises."""
         self._held.append(str(self._json(logger, method, dict(event_dict))) + "\n")
         try:
             self._file.write("".join(self._held))

@@ -211,15 +211,12 @@ class RunState(str, enum.Enum):
           +------ (every arrow into STARTING)
         any --> STOPPED   (SIGTERM/SIGINT; resumable: the same command continues)
 
-    STARTING is never written (nothing to resume from it: the journal says what comes next), and
-    neither is WAITING for room on a full disk (it could not be). Each transition in the arbiter is
-    commented ``# RUNNING -> BACKOFF``.
-    """
+    Each transition in the arbiter is commented ``# RUNNING -> BACKOFF``."""
 
-    STARTING = "starting"
+    STARTING = "starting"  # never written: nothing to resume from it (the journal says what comes next)
     RUNNING = "running"
     BACKOFF = "backoff"
-    WAITING = "waiting"
+    WAITING = "waiting"  # not written while waiting for room on a full disk (it could not be)
     SUCCEEDED = "succeeded"
     GAVE_UP = "gave_up"
     FAILED = "failed"

@@ -73,8 +73,7 @@ def read_observations(path: Path, shape: ModelShape, trainer: str = OWN) -> list
 
 def read_speeds(path: Path, shape: ModelShape, trainer: str = OWN) -> list[SpeedObservation]:
     """Every stored tokens/s of this model shape measured in ``trainer``'s process, oldest first."""
-    lines = _lines_of(path, shape, trainer)
-    rates = [(line.knobs, line.tokens_per_s) for line in lines]
+    rates = [(line.knobs, line.tokens_per_s) for line in _lines_of(path, shape, trainer)]
     return [SpeedObservation(knobs, rate) for knobs, rate in rates if rate is not None and rate > 0]
 
 

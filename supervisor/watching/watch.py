@@ -272,9 +272,7 @@ def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Pat
     """One host sample and, where NVML answers, one GPU sample of the child's process tree."""
     host = sample_host(pid)
     watched.rss_peak = max(watched.rss_peak or 0, host.child_rss_bytes) or None
-    if gpu is None:
-        return
-    sample = gpu.sample(pid_tree(pid))
+    sample = gpu.sample(pid_tree(pid)) if gpu is not None else None
     if sample is not None:
         _note(watched, sample)
         _append(gpu_log, _sample_line(sample))
@@ -308,10 +306,9 @@ def _append(gpu_log: Path, lines: str) -> None:
     try:
         with open_append_text(gpu_log) as handle:
             handle.write(lines)
-    except OSError as exc:
+    except OSError as exc:  # a diagnostic line lost to a full disk must not stop a child training fine
         if exc.errno not in DISK_ERRNOS:
             raise
-        # A diagnostic line lost to a full disk must not stop a child that is training fine.
 
 
 def pid_tree(pid: int) -> set[int]:
