@@ -51,6 +51,6 @@ def overrule(failure: Failure, codes: Sequence[int]) -> Failure:
         return failure
     facts = XidFacts(tuple(dict.fromkeys(codes)), fatal)
     verdict = "not retried on this GPU" if fatal is not None else "retried once"
-    why = f"NVML: {describe(codes)} during the attempt, {verdict}; the child's own failure: "
-    why += failure.evidence
+    xids = describe(codes)
+    why = f"NVML: {xids} during the attempt, {verdict}; the child's own failure: {failure.evidence}"
     return Failure(FailureKind.GPU_FAULT, failure.stage, {}, why, failure.message, xid=facts)

@@ -37,8 +37,6 @@ def default_path() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class _Stored:
-    """One line of the store."""
-
     shape: dict[str, Any]
     knobs: Knobs
     trainer: str
