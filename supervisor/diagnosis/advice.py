@@ -1,8 +1,7 @@
-"""What a memory failure's decision says to people. A give-up names the cap (which one, the smallest
-peak seen or predicted, what helps: "ladder exhausted" alone hides that the cap is too low). A
-repeating OOM names its sample (issue 33): our child names the micro-batch an OOM happened on, kept in
-the failure's numbers (:data:`BATCH_KEYS`); :func:`repeat_note` says what a shorter ``max_seq_len``
-would cost."""
+"""What a memory failure's decision says to people. A give-up names the cap (which one, the smallest peak seen
+or predicted, what helps: "ladder exhausted" alone hides that the cap is too low). A repeating OOM names its
+sample (issue 33): our child names the micro-batch an OOM happened on, kept in the failure's numbers
+(:data:`BATCH_KEYS`); :func:`repeat_note` says what a shorter ``max_seq_len`` would cost."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit? With our
-child's allocator facts the layout failed (the memory was there, no block of the request's size) and
-the step fits when packed (a step of this shape completed, or the model's peak is at most
-:data:`FIT_SHARE` of the budget: bench/results/gpu-h200-2026-11-29). Else :mod:`._oom_rules` decides.
-A spurious OOM: the allocator raised although its own numbers say the request fit (it does not search
-the pool again after waiting for stream frees, pytorch/pytorch#189504); a mark, not a kind: the numbers
-gain :data:`SPURIOUS_KEY`, the policy retries the config once unchanged. Witnesses: the child's facts
-(a block of the request's size in the pool while the step's memory was held) or the message (free
-memory at least the request plus :func:`margin`)."""
+"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit? With our child's
+allocator facts the layout failed (the memory was there, no block of the request's size) and the step fits
+when packed (a step of this shape completed, or the model's peak is at most :data:`FIT_SHARE` of the budget:
+bench/results/gpu-h200-2026-11-29). Else :mod:`._oom_rules` decides. A spurious OOM: the allocator raised
+although its own numbers say the request fit (it does not search the pool again after waiting for stream
+frees, pytorch/pytorch#189504); a mark, not a kind: the numbers gain :data:`SPURIOUS_KEY`, the policy retries
+the config once unchanged. Witnesses: the child's facts (a block of the request's size in the pool while the
+step's memory was held) or the message (free memory at least the request plus :func:`margin`)."""
 
 from __future__ import annotations
 

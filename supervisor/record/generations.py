@@ -156,10 +156,9 @@ class JobVersions:
 
 
 def extend_finished(rd: RunDir, changes: list[FieldChange], now: float) -> Lift | None:
-    """A finished run whose job now asks for more steps goes on from its last checkpoint: a lift
-    line after the last attempt, and an existing ``merged/`` moved to ``merged-before-extend-<n>/``
-    so the merge runs again. None, and nothing written, when no change raises the length or the
-    journal is empty."""
+    """A finished run whose job now asks for more steps goes on from its last checkpoint: a lift line after
+    the last attempt, and an existing ``merged/`` moved to ``merged-before-extend-<n>/`` so the merge runs
+    again. None, and nothing written, when no change raises the length or the journal is empty."""
     raised = [c for c in changes if c.name in SAFE_WHEN_MORE and _number(c.new) > _number(c.old)]
     records, _ = read_attempts(rd.attempts)
     if not raised or not records:

@@ -1,14 +1,13 @@
-"""The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names
-every top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a
-link or of the wrong kind before anything is written.
-Files inside it are never opened through a symbolic link (the supervisor often runs as root), with
-explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask differs between a shell and a
-unit). An ``output_dir`` of another user, or writable by others, is refused; so is a folder that is not
-empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a ``.lock`` beside the
-job copies only): the supervisor moves and deletes entries of its run directory. ``/``, homes and the
-system's folders are refused outright.
-Room on the disk (:func:`room_needed`): after a ``disk_full`` the supervisor frees what killed writers of
-this run left, then waits for as much room as the last checkpoint took (at least :data:`MIN_ROOM`)."""
+"""The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names every
+top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a link or of
+the wrong kind before anything is written. Files inside it are never opened through a symbolic link (the
+supervisor often runs as root), with explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask
+differs between a shell and a unit). An ``output_dir`` of another user, or writable by others, is refused; so
+is a folder that is not empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a
+``.lock`` beside the job copies only): the supervisor moves and deletes entries of its run directory. ``/``,
+homes and the system's folders are refused outright. Room on the disk (:func:`room_needed`): after a
+``disk_full`` the supervisor frees what killed writers of this run left, then waits for as much room as the
+last checkpoint took (at least :data:`MIN_ROOM`)."""
 
 from __future__ import annotations
 

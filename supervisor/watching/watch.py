@@ -1,11 +1,10 @@
-"""What the loop watches while an attempt runs: host and GPU memory samples (each GPU sample appended
-to ``attempt-NNN/gpu.jsonl``) and the hang rule; a missing reading is never an error. The child's
-events file, read as it grows, gives its progress (a change of step or stage: a heartbeat thread
-outliving a stuck training is still hung); under torchrun one rank's peak well above the others'
-points at uneven batches or a device_map (:func:`uneven`).
-**Memory creep** (:class:`CreepWatch`), a peak that rises step after step (a leak) towards the budget:
-over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals but one and
-a positive slope; said once per attempt, with an early checkpoint asked for when the line reaches the
+"""What the loop watches while an attempt runs: host and GPU memory samples (each GPU sample appended to
+``attempt-NNN/gpu.jsonl``) and the hang rule; a missing reading is never an error. The child's events file,
+read as it grows, gives its progress (a change of step or stage: a heartbeat thread outliving a stuck training
+is still hung); under torchrun one rank's peak well above the others' points at uneven batches or a device_map
+(:func:`uneven`). **Memory creep** (:class:`CreepWatch`), a peak that rises step after step (a leak) towards
+the budget: over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals but one
+and a positive slope; said once per attempt, with an early checkpoint asked for when the line reaches the
 budget within :data:`HORIZON_STEPS`."""
 
 from __future__ import annotations
