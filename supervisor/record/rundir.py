@@ -290,12 +290,11 @@ def free_ours(rd: RunDir) -> int:
     folders = [rd.root, *sorted(rd.root.glob("attempt-*"))]
     real = [folder for folder in folders if folder.is_dir() and not folder.is_symlink()]
     for path in [path for folder in real for path in folder.iterdir() if _stale(path)]:
-        size = tree_bytes(path) if path.is_dir() else path.stat().st_size
+        freed += tree_bytes(path) if path.is_dir() else path.stat().st_size
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-        freed += size
     return freed
 
 
