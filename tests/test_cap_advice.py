@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qlora_supervise.policies.memory_model import ModelShape
-from qlora_supervise.supervisor.diagnosis.cap_advice import CARD, HOST_RAM, Cap, cap_of, cap_words
+from qlora_supervise.supervisor.diagnosis.advice import CARD, HOST_RAM, Cap, cap_of, cap_words
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 GIB = 1 << 30

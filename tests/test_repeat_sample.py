@@ -16,8 +16,8 @@ import test_loop_fake_clock as fake
 from _child import events, log_tail, make_spec, report, run_child
 
 from qlora_supervise.supervisor.commands.status import describe
+from qlora_supervise.supervisor.diagnosis.advice import batch_numbers, batch_of, repeat_note
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
-from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers, batch_of, repeat_note
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir

@@ -21,8 +21,8 @@ import psutil
 from qlora_supervise.policies.rungs import knob_changes
 from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.merge import adapter_step, merge_report, merged_record
-from qlora_supervise.supervisor.diagnosis.repeat import BATCH_KEYS, batch_of
-from qlora_supervise.supervisor.diagnosis.repeat import describe as describe_batch
+from qlora_supervise.supervisor.diagnosis.advice import BATCH_KEYS, batch_of
+from qlora_supervise.supervisor.diagnosis.advice import describe as describe_batch
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.record import history
 from qlora_supervise.supervisor.record.history import measured_speed, speed_line, speed_of

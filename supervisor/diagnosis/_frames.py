@@ -1,28 +1,20 @@
 """Where a traceback was: frames out of any traceback layout, and the stage they name.
-
 Layouts: CPython (``File "p", line N, in f`` + source, with ``[rankN]:`` or log prefixes, lost
-indentation, hard wrapping), IPython 7 / 8 (``--> N source``) and rich (``│ p:N in f │``). A
-qualified name matches by its last part, and by its class where that says more
-(``SFTTrainer.__init__``). A text with no frame at all has its bare code lines stand in for frames.
-
-The stage rule, :func:`stage_from_frames`:
-
+indentation, hard wrapping), IPython 7 / 8 (``--> N source``) and rich (``│ p:N in f │``). A qualified
+name matches by its last part, and by its class where that says more (``SFTTrainer.__init__``). A text
+with no frame at all has its bare code lines stand in for frames. The stage rule (:func:`stage_from_frames`):
 0. our trainer child's failure line (``trainer child failed in <stage>:``) wins over any frame;
-1. contexts win over any frame inside them: **merge** (any merge/export frame), else **eval**
-   (unless a training step, ``training_step`` / ``_inner_training_loop``, is deeper: GRPO rollouts
-   inside a step stay eval), else **resume** (loading a checkpoint's optimizer / scheduler / state);
-2. otherwise the *deepest* frame naming optimizer, backward, forward, load or setup decides (an
-   outer frame only says who called), except a forward inside backward (checkpoint recomputation:
-   backward). An optimizer step inside backward stays optimizer (layer-wise ``optimizer_hook``);
-3. autograd's markers (anomaly mode's forward traceback, ``torch::autograd::Engine``) say backward
-   where the frames say forward or nothing;
+1. contexts win over any frame inside them: merge (any merge/export frame), else eval (unless a
+   training step is deeper: GRPO rollouts inside a step stay eval), else resume (loading a
+   checkpoint's optimizer / scheduler / state);
+2. otherwise the *deepest* frame naming optimizer, backward, forward, load or setup decides (an outer
+   frame only says who called), except a forward inside backward (checkpoint recomputation: backward);
+   an optimizer step inside backward stays optimizer (layer-wise ``optimizer_hook``);
+3. autograd's markers say backward where the frames say forward or nothing;
 4. bare tensor operations say forward only when nothing else names a stage; then log lines: an
    unfinished ``Loading checkpoint shards`` bar says load, process-group initialisation setup.
-
 Within one frame a merge/export script's file name comes first, then the source line (the call in
-progress), then the function name; stages are tried merge, eval, resume, optimizer, backward,
-forward, load, setup.
-"""
+progress), then the function name; stages are tried in :data:`_FUNCTION_RULES`' order."""
 
 from __future__ import annotations
 
@@ -78,12 +70,10 @@ _AUTOGRAD_MARKERS = re.compile(
 )
 # A training step: an eval frame outside one of these does not make what runs inside it eval.
 _TRAINING_STEP = re.compile(r"(?:training_step|_inner_training_loop|train_step)$")
-
 # Optimizer packages whose file names do not say "optim" (their step is the optimizer's).
 _OPTIMIZER_PACKAGES = (
     r"(?i)\w*(?:galore|apollo|fira|adam|lion|lomo|sophia|adafactor|muon|soap|shampoo)\w*\.py$"
 )
-
 # (stage, pattern on the function name, pattern the path must match or None)
 _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.MERGE, r"(?:\w*_)?merged?(?:_\w*)?|save_pretrained_gguf|push_to_hub_gguf", None),
@@ -116,10 +106,8 @@ _FUNCTION_RULES: tuple[tuple[Stage, str, str | None], ...] = (
     (Stage.SETUP, r"init_process_group|_verify_model_across_ranks", None),
     (Stage.SETUP, r"<module>", r"site-packages|dist-packages"),
 )
-
 # Merge / export scripts are recognised by file name as well.
 _MERGE_FILE = re.compile(r"(?:^|[/\\_])(?:merge|export)\w*\.py$", re.IGNORECASE)
-
 _SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
     (Stage.MERGE, r"merge_and_unload\(|save_pretrained_merged\(|push_to_hub_merged\(|_gguf\("),
     (Stage.EVAL, r"\.(?:evaluate\w*|generate|predict)\(|\bgenerate\("),
@@ -134,10 +122,8 @@ _SOURCE_RULES: tuple[tuple[Stage, str], ...] = (
     (Stage.LOAD, r"\b(?:model|module)\.(?:to|cuda)\(|\.weight\.data\.to\("),
     (Stage.SETUP, r"DistributedDataParallel\(|init_process_group\("),
 )
-
 # Tensor operations: forward only when nothing else names a stage.
 _WEAK_FORWARD = re.compile(r"\b(?:matmul|bmm|einsum|softmax|linear|baddbmm)\b|\b(?:key|query)_states\b")
-
 _COMPILED_FUNCTIONS = tuple(
     (stage, re.compile(rf"(?:{name})$"), re.compile(path) if path else None)
     for stage, name, path in _FUNCTION_RULES
@@ -153,7 +139,9 @@ _QUALIFIED_RULES: tuple[tuple[Stage, re.Pattern[str]], ...] = (
 
 def parse_frames(text: str) -> list[Frame]:
     """The frames of every traceback in ``text``, outermost first as printed."""
-    found = _python_frames(text) + _ipython_frames(text) + _rich_frames(text)
+    boxes = [(m.start(), Frame(m.group("path"), m.group("func"), "")) for m in _RICH_FRAME.finditer(text)]
+    rich = boxes + [(m.start(), Frame("", "", m.group("src"))) for m in _RICH_SOURCE.finditer(text)]
+    found = _python_frames(text) + _ipython_frames(text) + rich
     frames = [frame for _, frame in sorted(found, key=lambda item: item[0])]
     return frames or _bare_code_lines(text)
 
@@ -167,7 +155,11 @@ def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
     context = _context_stage(named)
     if context is not None:
         return context
-    finding = _deepest_training_stage(named)
+    finding: StageFinding | None = None
+    for frame, stage in named:  # outermost first: a deeper frame replaces an outer one
+        recomputed = stage is Stage.FORWARD and finding is not None and finding.stage is Stage.BACKWARD
+        if stage is not None and not recomputed:  # a forward inside backward: checkpoint recomputation
+            finding = StageFinding(stage, f"frame {_describe(frame)}")
     marker = _AUTOGRAD_MARKERS.search(text)
     if marker and (finding is None or finding.stage is Stage.FORWARD):
         return StageFinding(Stage.BACKWARD, f"autograd marker {marker.group(0)!r}")
@@ -200,24 +192,12 @@ def _context_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding 
     """Merge anywhere; else the outermost eval frame with no training step deeper than it."""
     for context in _CONTEXT_STAGES:
         for index, (frame, stage) in enumerate(named):
-            if stage is not context:
-                continue
-            inner = named[index + 1 :]
-            if context is Stage.EVAL and any(_TRAINING_STEP.match(f.function) for f, _ in inner):
-                continue
-            return StageFinding(stage, f"frame {_describe(frame)}")
+            in_step = context is Stage.EVAL and any(
+                _TRAINING_STEP.match(f.function) for f, _ in named[index + 1 :]
+            )
+            if stage is context and not in_step:
+                return StageFinding(stage, f"frame {_describe(frame)}")
     return None
-
-
-def _deepest_training_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding | None:
-    result: StageFinding | None = None
-    for frame, stage in named:  # outermost first: a deeper frame replaces an outer one ...
-        if stage is None:
-            continue
-        if stage is Stage.FORWARD and result is not None and result.stage is Stage.BACKWARD:
-            continue  # ... except a forward inside backward: checkpoint recomputation
-        result = StageFinding(stage, f"frame {_describe(frame)}")
-    return result
 
 
 def _log_hint(text: str) -> StageFinding:
@@ -241,11 +221,10 @@ def _describe(frame: Frame) -> str:
 
 
 def _python_frames(text: str) -> list[tuple[int, Frame]]:
-    frames = []
-    for match in _PY_FRAME.finditer(text):
-        path = "".join(match.group("path").split())  # hard-wrapped paths
-        frames.append((match.start(), Frame(path, match.group("func"), _next_source_line(text, match))))
-    return frames
+    return [  # a hard-wrapped path is joined
+        (m.start(), Frame("".join(m.group("path").split()), m.group("func"), _next_source_line(text, m)))
+        for m in _PY_FRAME.finditer(text)
+    ]
 
 
 def _next_source_line(text: str, match: re.Match[str]) -> str:
@@ -275,15 +254,10 @@ def _ipython_frames(text: str) -> list[tuple[int, Frame]]:
     return frames
 
 
-def _rich_frames(text: str) -> list[tuple[int, Frame]]:
-    boxes = [(m.start(), Frame(m.group("path"), m.group("func"), "")) for m in _RICH_FRAME.finditer(text)]
-    return boxes + [(m.start(), Frame("", "", m.group("src"))) for m in _RICH_SOURCE.finditer(text)]
-
-
 def _bare_code_lines(text: str) -> list[Frame]:
-    frames = []
-    for raw in text.splitlines():
-        line = _ARROW.sub("", _LINE_PREFIX.sub("", raw))
-        if _CODE_LINE.match(line) and not re.match(r"^\s*\w+(?:\.\w+)*(?:Error|Exception)\b", line):
-            frames.append(Frame("", "", line.strip()))
-    return frames
+    lines = (_ARROW.sub("", _LINE_PREFIX.sub("", raw)) for raw in text.splitlines())
+    return [
+        Frame("", "", line.strip())
+        for line in lines
+        if _CODE_LINE.match(line) and not re.match(r"^\s*\w+(?:\.\w+)*(?:Error|Exception)\b", line)
+    ]

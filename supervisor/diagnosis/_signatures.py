@@ -1,10 +1,7 @@
-"""Regex families that name a failure from its text; :func:`find` returns the first line that
-matches, for the evidence sentence.
-
-A trainer that refused its config before its first step, told from its stderr alone
-(:func:`refused_before_training`): an import failure, its argument parser's refusal (exit 2) or a
-deterministic exception in setup or load fails alike on every start, so ``config_error`` (tried
-once), not ``other`` (a crash loop)."""
+"""Regex families that name a failure from its text (:func:`find`: the first line that matches).
+:func:`refused_before_training`: an import failure, an argument parser's refusal (exit 2) or a
+deterministic exception in setup or load, told from stderr alone, fails alike on every start, so
+``config_error`` (tried once), not ``other`` (a crash loop)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 
 _M = re.MULTILINE
 _I = re.IGNORECASE
-
 #: The kernel (or a launcher on its behalf) killed the process: SIGKILL after an OOM kill.
 HOST_KILLED: tuple[re.Pattern[str], ...] = (
     re.compile(r"Killed\s*$", _M),  # the shell's line; progress bars glue it to their last line
@@ -28,7 +24,6 @@ HOST_KILLED: tuple[re.Pattern[str], ...] = (
     re.compile(r"killed by signal: (?:Killed|SIGKILL)"),
     re.compile(r"Signal 9 \(SIGKILL\) received"),
 )
-
 #: No room to write: a full disk, a read-only mount, a quota (errno 28, 30, 122).
 DISK_FULL: tuple[re.Pattern[str], ...] = (
     re.compile(r"No space left on device"),
@@ -36,7 +31,6 @@ DISK_FULL: tuple[re.Pattern[str], ...] = (
     re.compile(r"Disk quota exceeded"),
     re.compile(r"\[Errno (?:28|30|122)\]"),
 )
-
 #: NCCL errors and watchdog timeouts.
 NCCL: tuple[re.Pattern[str], ...] = (
     re.compile(r"ProcessGroupNCCL.*(?:Watchdog|timeout|timed out)", _I),
@@ -45,7 +39,6 @@ NCCL: tuple[re.Pattern[str], ...] = (
     re.compile(r"\bNCCL (?:Error \d|error in:|communicator was aborted)"),
     re.compile(r"Distributed package doesn't have NCCL built in"),
 )
-
 #: A rank's collective broke because another rank died or stopped answering (gloo, NCCL,
 #: torch's store): under torchrun a knock-on effect of the first failure, never its cause.
 KNOCK_ON: tuple[re.Pattern[str], ...] = (
@@ -56,7 +49,6 @@ KNOCK_ON: tuple[re.Pattern[str], ...] = (
     re.compile(r"\bDistBackendError\b|\bDistNetworkError\b|\bDistStoreError\b"),
     re.compile(r"Timed out waiting|Socket Timeout|recvBytes|sendBytes", _I),
 )
-
 #: bitsandbytes cannot load its CUDA library (or only has its CPU build).
 BNB_SETUP: tuple[re.Pattern[str], ...] = (
     re.compile(r"CUDA Setup failed", _I),
@@ -66,7 +58,6 @@ BNB_SETUP: tuple[re.Pattern[str], ...] = (
     re.compile(r"libbitsandbytes_cuda\w*\.(?:so|dll).*(?:not found|No such file|cannot open|not exist)", _I),
     re.compile(r"(?:could not|cannot|failed to) (?:find|load)\b.*libbitsandbytes", _I),
 )
-
 #: An accelerator ran out of memory: the caching allocator, the driver, cuBLAS / cuDNN.
 GPU_OOM: tuple[re.Pattern[str], ...] = (
     # as PyTorch and the drivers print it; a loose "out of memory" in a warning does not count
@@ -77,21 +68,18 @@ GPU_OOM: tuple[re.Pattern[str], ...] = (
     re.compile(r"can NOT allocate memory block with size larger than"),
     re.compile(r"would exceed allowed memory"),
 )
-
 #: The host allocator failed inside the process (no kill): PyTorch's CPU allocator, Python.
 CPU_OOM: tuple[re.Pattern[str], ...] = (
     re.compile(r"DefaultCPUAllocator: can't allocate memory"),
     re.compile(r"(?<![\w.])MemoryError\b"),  # not the tail of OutOfMemoryError
     re.compile(r"std::bad_alloc"),
 )
-
 #: A failure that is not an out-of-memory, recognisable without its exception line.
 NOT_OOM: tuple[re.Pattern[str], ...] = (
     re.compile(r"Assertion `.*` failed"),  # device-side assert, printed by the kernel
     re.compile(r"device-side assert|illegal memory access|misaligned address", _I),
     re.compile(r"Segmentation fault|Bus error|Floating point exception|core dumped|Fatal Python error"),
 )
-
 #: Where an exception names its class: ``Type: message`` (with rank or log prefixes), a bare
 #: ``Type`` line, or a notebook's ``Type    Traceback (most recent call last)`` header.
 EXCEPTION_LINE = re.compile(
@@ -107,35 +95,18 @@ def find(patterns: Sequence[re.Pattern[str]], text: str) -> str | None:
     for pattern in patterns:
         match = pattern.search(text)
         if match is not None:
-            return _line_at(text, match.start(), match.end())
+            start, end = text.rfind("\n", 0, match.start()) + 1, text.find("\n", match.end())
+            line = " ".join(text[start : end if end >= 0 else len(text)].split())
+            return line if len(line) <= 160 else line[:157] + "..."
     return None
-
-
-def _line_at(text: str, start: int, end: int) -> str:
-    line_start = text.rfind("\n", 0, start) + 1
-    line_end = text.find("\n", end)
-    line = " ".join(text[line_start : line_end if line_end >= 0 else len(text)].split())
-    return line if len(line) <= 160 else line[:157] + "..."
 
 
 _IMPORT_FAILED = re.compile(r"^(?:ModuleNotFoundError|ImportError)\b")
 #: Exception classes (by their name's last part) that say the same on every start.
 _DETERMINISTIC = frozenset(
-    {
-        "ValueError",
-        "TypeError",
-        "KeyError",
-        "AttributeError",
-        "NotImplementedError",
-        "FileNotFoundError",
-        "NotADirectoryError",
-        "IsADirectoryError",
-        "SyntaxError",
-        "ValidationError",
-        "SafetensorError",
-        "HeaderTooLarge",
-        "OfflineModeIsEnabled",
-    }
+    {"ValueError", "TypeError", "KeyError", "AttributeError", "NotImplementedError", "FileNotFoundError"}
+    | {"NotADirectoryError", "IsADirectoryError", "SyntaxError", "ValidationError", "SafetensorError"}
+    | {"HeaderTooLarge", "OfflineModeIsEnabled"}
 )
 _EXCEPTION_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*(?P<name>[A-Za-z_]\w*)")
 _USAGE = re.compile(r"^usage: ", re.MULTILINE)
@@ -146,17 +117,12 @@ _AT_EXIT = re.compile(r"Python is likely shutting down|sys\.meta_path is None|^E
 #: Stages before the first step (UNKNOWN: no heartbeat and no frame says otherwise).
 BEFORE_TRAINING = frozenset({Stage.UNKNOWN, Stage.SETUP, Stage.LOAD})
 _PLACED_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
-
+_NO_GPU = "no GPU here: write use_cpu: true and bf16: false in the tool's config (docs/trainers-cpu.md)"
+_DAMAGED = "the model file does not load (damaged or cut short): download the model again"
 #: Refusals whose fix is known: (the tool's words, the fix).
 FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(r"You need to assign use_cpu|doesn't support bf16/gpu"),
-        "no GPU here: write use_cpu: true and bf16: false in the tool's config (docs/trainers-cpu.md)",
-    ),
-    (
-        re.compile(r"Error while deserializing header|HeaderTooLarge|incomplete metadata"),
-        "the model file does not load (damaged or cut short): download the model again",
-    ),
+    (re.compile(r"You need to assign use_cpu|doesn't support bf16/gpu"), _NO_GPU),
+    (re.compile(r"Error while deserializing header|HeaderTooLarge|incomplete metadata"), _DAMAGED),
 )
 
 
@@ -172,9 +138,10 @@ def refused_before_training(
     if last is not None and _IMPORT_FAILED.match(last):
         fix = "install the package into the trainer's interpreter, trainer.python"
         return _refusal(stage, "an import failure", last, fix)
-    parser = _parser_refusal(text) if returncode == ARGPARSE_EXIT else None
-    if parser is not None:
-        return _refusal(stage, "its argument parser's refusal", parser, _fix(parser))
+    parser = _PARSER_ERROR.findall(text) if returncode == ARGPARSE_EXIT and _USAGE.search(text) else []
+    if parser:
+        line = parser[-1].strip()[:300]
+        return _refusal(stage, "its argument parser's refusal", line, _fix(line))
     placed = stage in _PLACED_BEFORE_TRAINING or last_stage in _PLACED_BEFORE_TRAINING
     named = _EXCEPTION_NAME.match(last) if last is not None else None
     if last is not None and named is not None and placed and named.group("name") in _DETERMINISTIC:
@@ -183,19 +150,9 @@ def refused_before_training(
     return None
 
 
-def _parser_refusal(text: str) -> str | None:
-    if _USAGE.search(text) is None:
-        return None
-    found = _PARSER_ERROR.findall(text)
-    return found[-1].strip()[:300] if found else None
-
-
 def known_fix(line: str) -> str | None:
     """The fix :data:`FIXES` knows for a refusal's ``line``, or None."""
-    for pattern, fix in FIXES:
-        if pattern.search(line):
-            return fix
-    return None
+    return next((fix for pattern, fix in FIXES if pattern.search(line)), None)
 
 
 def _fix(line: str) -> str:

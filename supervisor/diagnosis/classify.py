@@ -1,28 +1,18 @@
 """Classify a failure: pure functions from evidence to a :class:`Failure`.
-
 ``classify_exit`` (our child) reads the sources strongest first; the first that decides wins:
-
-0. **a GPU fault** (:mod:`.xid`): a fatal Xid decides; a non-fatal one overrules below all but an
-   OOM or a config error;
-1. **we killed it**: a hung child -> ``hang`` at the heartbeats' last stage;
-2. **the error report**: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an
-   OOM is contention (:mod:`._oom_rules`), else fragmentation (:mod:`.fragmentation`), else the
-   stage's OOM kind, and may be marked spurious (:mod:`.fragmentation`); else ``other``;
-3. **exit status + cgroup**: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr ->
-   ``host_oom`` (with neither: ``other``); the reserved exit codes -> their kinds;
-4. **stderr text** (:func:`classify_text`); a refusal before any training stage
-   (:func:`._signatures.refused_before_training`) -> ``config_error``;
-5. **nothing**: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
-
+0. a GPU fault (:mod:`.xid`): a fatal Xid decides; a non-fatal one all but an OOM or config error;
+1. we killed it: a hung child -> ``hang`` at the heartbeats' last stage;
+2. the error report: config error, damaged checkpoint, disk full, bitsandbytes / NCCL text; an OOM is
+   contention, else fragmentation, else the stage's OOM kind, maybe marked spurious; else ``other``;
+3. exit status + cgroup: SIGKILL with an ``oom_kill`` increment or ``Killed`` in stderr -> ``host_oom``
+   (with neither: ``other``); the reserved exit codes -> their kinds;
+4. stderr text (:func:`classify_text`); a refusal before any training stage -> ``config_error``;
+5. nothing: ``other`` (``ExitCode.OOM`` alone: ``oom_forward``, the commonest site).
 ``classify_text`` follows the failure corpus's labelling order: host kill -> NCCL -> bitsandbytes
 setup -> disk full -> accelerator OOM (stage from :mod:`._frames`) -> host allocator (``host_oom``
-without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM
-sign, is *presumed* an OOM of the stage its frames name: a missed OOM costs more than a needless
-cheaper rung.
-
-Several ranks failed together (:func:`first_failure`): which report is the cause, and which are
-knock-on effects (a broken collective or a stop from torchrun after another rank's failure).
-"""
+without stage frames) -> ``other``. A traceback cut before its exception line, with no non-OOM sign,
+is *presumed* an OOM of the stage its frames name: a missed OOM costs more than a needless rung.
+:func:`first_failure`: which of several ranks' reports is the cause, which are knock-on effects."""
 
 from __future__ import annotations
 
@@ -32,15 +22,10 @@ import signal as signals
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qlora_supervise.supervisor.diagnosis import (
-    _oom_rules,
-    _signatures,
-    fragmentation,
-    xid,
-)
+from qlora_supervise.supervisor.diagnosis import _oom_rules, _signatures, fragmentation, xid
 from qlora_supervise.supervisor.diagnosis._frames import StageFinding, parse_frames, stage_from_frames
+from qlora_supervise.supervisor.diagnosis.advice import batch_numbers
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
-from qlora_supervise.supervisor.diagnosis.repeat import batch_numbers
 from qlora_supervise.supervisor.facts.failure import ChildExit, Failure, KilledBy
 from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
 from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, ExitCode, FailureKind, Stage
@@ -49,7 +34,6 @@ from qlora_supervise.trainer_child.contract.report import ErrorReport
 
 _SIGKILL_CODES = frozenset({-signals.SIGKILL, 128 + signals.SIGKILL})
 TEXT_WINDOW = 1 << 20  # characters of a log that classify_text reads, from the end
-
 # A traceback cut before its exception line, in one of these stages, is presumed an OOM.
 _PRESUMED_OOM_STAGES = frozenset(
     {Stage.LOAD, Stage.RESUME, Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER, Stage.EVAL, Stage.MERGE}
@@ -60,31 +44,27 @@ _SIGNATURE_FAMILIES = (
     (FailureKind.BNB_CUDA_SETUP, _signatures.BNB_SETUP, "bitsandbytes setup error"),
 )
 # An exit status without a report that names its kind by itself.
+_NO_CHECKPOINT = "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load"
+_NO_ROOM = "exit code DISK_FULL (76) without a report (no room for it either)"
 _EXIT_CODE_KINDS: dict[int | None, tuple[FailureKind, Stage, str]] = {
     ExitCode.CONFIG: (FailureKind.CONFIG_ERROR, Stage.UNKNOWN, "exit code CONFIG (71) without a report"),
-    ExitCode.CHECKPOINT: (
-        FailureKind.CHECKPOINT_DAMAGED,
-        Stage.UNKNOWN,
-        "exit code CHECKPOINT (74) without a report: the resume checkpoint did not load",
-    ),
-    ExitCode.DISK_FULL: (
-        FailureKind.DISK_FULL,
-        Stage.SAVE,
-        "exit code DISK_FULL (76) without a report (no room for it either)",
-    ),
+    ExitCode.CHECKPOINT: (FailureKind.CHECKPOINT_DAMAGED, Stage.UNKNOWN, _NO_CHECKPOINT),
+    ExitCode.DISK_FULL: (FailureKind.DISK_FULL, Stage.SAVE, _NO_ROOM),
 }
 
 
 def classify_text(text: str) -> Failure:
-    """Classify any command's log from its text alone, reading only the last :data:`TEXT_WINDOW`
-    characters: the failure is at the end, and an earlier recovered error misleads."""
+    """Classify any command's log from its last :data:`TEXT_WINDOW` characters alone: the failure is
+    at the end, and an earlier recovered error misleads."""
     text = _window(text)
     stage = stage_from_frames(parse_frames(text), text)
     numbers = _oom_rules.derive(parse_numbers(text))
     for kind, patterns, what in _SIGNATURE_FAMILIES:
         line = _signatures.find(patterns, text)
-        if line is not None:
-            return _signature_failure(kind, stage, numbers, f"{what} {line!r}")
+        if line is not None:  # bitsandbytes loads its library at import: setup, where no frame says
+            bnb_setup = kind is FailureKind.BNB_CUDA_SETUP and stage.stage is Stage.UNKNOWN
+            where, what = (Stage.SETUP if bnb_setup else stage.stage), f"{what} {line!r}"
+            return Failure(kind, where, numbers, f"text: {what}; stage {where.value} from {stage.why}", what)
     disk_line = _signatures.find(_signatures.DISK_FULL, text)
     if disk_line is not None:
         why = f"text: no room to write {disk_line!r}; stage {stage.stage.value} from {stage.why}"
@@ -93,8 +73,12 @@ def classify_text(text: str) -> Failure:
     if oom_line is not None:
         return oom_failure(stage, numbers, _oom_source(text, oom_line), message=oom_line)
     cpu_line = _signatures.find(_signatures.CPU_OOM, text)
+    if cpu_line is not None and stage.stage is Stage.UNKNOWN:
+        why = f"text: host allocation failed {cpu_line!r}; no frame names a stage"
+        return Failure(FailureKind.HOST_OOM, Stage.UNKNOWN, numbers, why, cpu_line)
     if cpu_line is not None:
-        return _host_allocation_failure(stage, numbers, cpu_line)
+        why = f"text: host allocation failed {cpu_line!r}; {_stage_why(stage)}"
+        return Failure(_stage_kind(stage.stage), stage.stage, numbers, why, cpu_line)
     return _other_from_text(text, stage)
 
 
@@ -121,42 +105,27 @@ def classify_exit(
     last (a hung child writes no report); ``fit``: the model's peak against the budget;
     ``xid_events``: the NVML Xids seen while the attempt ran."""
     nvml = (gpu_others_bytes, gpu_total_bytes)
-    found = _classify_child(exit, report, stderr_tail, cgroup_oom_kills, nvml, fit, last_stage, last_step)
-    return xid.overrule(found, xid_events)
-
-
-def _classify_child(
-    exit: ChildExit,
-    report: ErrorReport | None,
-    stderr_tail: str,
-    cgroup_oom_kills: int,
-    nvml: tuple[int | None, int | None],
-    fit: StepFit | None,
-    last_stage: Stage,
-    last_step: int | None,
-) -> Failure:
+    found: Failure | None = None
     if exit.killed_by_supervisor is KilledBy.HANG:
-        where = f"; last seen in {last_stage.value}" + (
-            f" after step {last_step}" if last_step is not None else ""
-        )
-        return Failure(FailureKind.HANG, last_stage, {}, f"supervisor: no progress before the timeout{where}")
-    if report is not None:
-        return _from_report(report, nvml, fit)
-    from_status = _from_exit_status(exit, stderr_tail, cgroup_oom_kills, last_stage)
-    if from_status is not None:
-        return from_status
-    if exit.killed_by_supervisor is not None:
+        after = f" after step {last_step}" if last_step is not None else ""
+        why = f"supervisor: no progress before the timeout; last seen in {last_stage.value}{after}"
+        found = Failure(FailureKind.HANG, last_stage, {}, why)
+    elif report is not None:
+        found = _from_report(report, nvml, fit)
+    else:
+        found = _from_exit_status(exit, stderr_tail, cgroup_oom_kills, last_stage)
+    if found is None and exit.killed_by_supervisor is not None:
         why = f"supervisor stopped the child ({exit.killed_by_supervisor.value}); no error report"
-        return Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
-    text = classify_text(stderr_tail)
-    # The heartbeats saw no step, eval or save begin, and the text says only ``other`` (an OOM, a
-    # CUDA error or any other sign decides).
-    if last_stage in _signatures.BEFORE_TRAINING and text.kind is FailureKind.OTHER:
-        window = _window(stderr_tail)
-        refused = _signatures.refused_before_training(window, text.stage, last_stage, exit.returncode)
-        if refused is not None:
-            return refused
-    return _from_stderr(exit, text, nvml)
+        found = Failure(FailureKind.OTHER, Stage.UNKNOWN, {}, why)
+    if found is None:
+        text = classify_text(stderr_tail)
+        # The heartbeats saw no step, eval or save begin, and the text says only ``other`` (an OOM,
+        # a CUDA error or any other sign decides).
+        if last_stage in _signatures.BEFORE_TRAINING and text.kind is FailureKind.OTHER:
+            window = _window(stderr_tail)
+            found = _signatures.refused_before_training(window, text.stage, last_stage, exit.returncode)
+        found = found or _from_stderr(exit, text, nvml)
+    return xid.overrule(found, xid_events)
 
 
 def oom_failure(
@@ -210,23 +179,6 @@ def _stage_why(stage: StageFinding) -> str:
     return f"stage {stage.stage.value} from {stage.why}"
 
 
-def _signature_failure(
-    kind: FailureKind, stage: StageFinding, numbers: Mapping[str, Any], what: str
-) -> Failure:
-    where = stage.stage
-    if kind is FailureKind.BNB_CUDA_SETUP and where is Stage.UNKNOWN:
-        where = Stage.SETUP  # bitsandbytes loads its library at import
-    return Failure(kind, where, numbers, f"text: {what}; stage {where.value} from {stage.why}", what)
-
-
-def _host_allocation_failure(stage: StageFinding, numbers: Mapping[str, Any], line: str) -> Failure:
-    if stage.stage is Stage.UNKNOWN:
-        why = f"text: host allocation failed {line!r}; no frame names a stage"
-        return Failure(FailureKind.HOST_OOM, Stage.UNKNOWN, numbers, why, line)
-    why = f"text: host allocation failed {line!r}; {_stage_why(stage)}"
-    return Failure(_stage_kind(stage.stage), stage.stage, numbers, why, line)
-
-
 def _other_from_text(text: str, stage: StageFinding) -> Failure:
     lines = [match.group("line").strip() for match in _signatures.EXCEPTION_LINE.finditer(text)]
     known = _signatures.find(_signatures.NOT_OOM, text)
@@ -267,9 +219,8 @@ def _from_report(report: ErrorReport, nvml: tuple[int | None, int | None], fit: 
         return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
     # The report's numbers, typed when it was read; an older child's report may have none.
     numbers = _oom_rules.derive(report.oom_numbers.to_json() or parse_numbers(report.message))
-    found = oom_failure(
-        StageFinding(stage, "the error report"), numbers, head, message, nvml, report.allocator, fit
-    )
+    finding = StageFinding(stage, "the error report")
+    found = oom_failure(finding, numbers, head, message, nvml, report.allocator, fit)
     if report.batch is not None:  # the micro-batch it happened on (a repeat is told by the loop)
         found = dataclasses.replace(found, numbers={**found.numbers, **batch_numbers(report.batch)})
     if found.kind is FailureKind.OOM_FRAGMENTATION and report.expandable_segments_active:

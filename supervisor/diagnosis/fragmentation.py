@@ -1,13 +1,11 @@
-"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit? With our
-child's allocator facts the layout failed (the memory was there, no block of the request's size) and
-the step fits when packed (a step of this shape completed, or the model's peak is at most
-:data:`FIT_SHARE` of the budget: bench/results/gpu-h200-2026-11-29). Else :mod:`._oom_rules` decides.
-
-A spurious OOM: the allocator raised although its own numbers say the request fit (it does not
-search the pool again after waiting for stream frees, pytorch/pytorch#189504). A mark, not a kind:
-the numbers gain :data:`SPURIOUS_KEY` and the policy retries the config once unchanged. Witnesses:
-the child's facts (a block of the request's size in the pool while the step's memory was held) or the
-message (free memory at least the request plus :func:`margin`)."""
+"""Fragmentation judged from facts: would ``expandable_segments`` have let the step fit? With our child's
+allocator facts the layout failed (the memory was there, no block of the request's size) and the step fits
+when packed (a step of this shape completed, or the model's peak is at most :data:`FIT_SHARE` of the budget:
+bench/results/gpu-h200-2026-11-29). Else :mod:`._oom_rules` decides. A spurious OOM: the allocator raised
+although its own numbers say the request fit (it does not search the pool again after waiting for stream
+frees, pytorch/pytorch#189504); a mark, not a kind: the numbers gain :data:`SPURIOUS_KEY`, the policy retries
+the config once unchanged. Witnesses: the child's facts (a block of the request's size in the pool while the
+step's memory was held) or the message (free memory at least the request plus :func:`margin`)."""
 
 from __future__ import annotations
 
@@ -38,10 +36,8 @@ class StepFit:
 
     def sentence(self) -> str:
         verb = "fits" if self.fits else "does not fit"
-        return (
-            f"the step {verb}: {self.source} says {format_bytes(self.peak_bytes)} "
-            f"against a budget of {format_bytes(self.budget_bytes)}"
-        )
+        peak, budget = format_bytes(self.peak_bytes), format_bytes(self.budget_bytes)
+        return f"the step {verb}: {self.source} says {peak} against a budget of {budget}"
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,10 @@ def predicted_fit(
 
 def judge(facts: AllocatorFacts | None, numbers: Mapping[str, Any], fit: StepFit | None) -> Verdict | None:
     """The verdict of the module docstring; None without facts or a prediction (the message rule decides)."""
-    fit = _observed_fit(facts) or fit
+    if facts is not None and facts.same_shape_peak_bytes is not None and facts.limit_bytes is not None:
+        source = f"step {facts.same_shape_step} with this micro-batch shape completed"
+        # It ran under this very limit: the peak it reached fits by construction.
+        fit = StepFit(min(facts.same_shape_peak_bytes, facts.limit_bytes), facts.limit_bytes, source)
     if facts is None:
         if fit is None or fit.fits:
             return None
@@ -84,14 +83,6 @@ def judge(facts: AllocatorFacts | None, numbers: Mapping[str, Any], fit: StepFit
     return Verdict(True, f"{layout}, and {fit.sentence()}", shown)
 
 
-def _observed_fit(facts: AllocatorFacts | None) -> StepFit | None:
-    if facts is None or facts.same_shape_peak_bytes is None or facts.limit_bytes is None:
-        return None
-    source = f"step {facts.same_shape_step} with this micro-batch shape completed"
-    # It ran under this very limit: the peak it reached fits by construction.
-    return StepFit(min(facts.same_shape_peak_bytes, facts.limit_bytes), facts.limit_bytes, source)
-
-
 def _layout(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether the layout failed (the memory was there, no block of the request's size), and why."""
     asked = facts.requested_bytes if facts.requested_bytes is not None else numbers.get("tried_to_allocate")
@@ -101,10 +92,8 @@ def _layout(facts: AllocatorFacts, numbers: Mapping[str, Any]) -> tuple[bool, st
     if facts.block_for_request:
         return False, f"a free block of {format_bytes(asked)} existed: the layout did not fail"
     available = facts.free_in_segments_bytes + facts.headroom_bytes
-    split = (
-        f"{format_bytes(facts.free_in_segments_bytes)} free in reserved segments "
-        f"+ {format_bytes(facts.headroom_bytes)} headroom"
-    )
+    free, headroom = format_bytes(facts.free_in_segments_bytes), format_bytes(facts.headroom_bytes)
+    split = f"{free} free in reserved segments + {headroom} headroom"
     if facts.largest_free_block_bytes >= asked or available < asked:
         what = f"({format_bytes(available)} in all): the memory was not there"
         return False, f"{split} < {format_bytes(asked)} requested {what}"
@@ -149,11 +138,9 @@ def _from_facts(numbers: Mapping[str, Any], facts: AllocatorFacts | None) -> tup
     at_raise = numbers.get("already_allocated")
     if asked is None or at_raise is None or facts.allocated_bytes + SAME_STATE_SLACK < int(at_raise):
         return None  # the step's memory was released in between: the block may be its
-    why = (
-        f"a free block of {format_bytes(facts.largest_free_block_bytes)} was in the pool for the "
-        f"{format_bytes(int(asked))} request, with the step's memory still held "
-        f"({format_bytes(facts.allocated_bytes)} allocated)"
-    )
+    block, request = format_bytes(facts.largest_free_block_bytes), format_bytes(int(asked))
+    held = f"with the step's memory still held ({format_bytes(facts.allocated_bytes)} allocated)"
+    why = f"a free block of {block} was in the pool for the {request} request, {held}"
     return why, facts.largest_free_block_bytes
 
 

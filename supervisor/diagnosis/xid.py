@@ -1,5 +1,4 @@
 """GPU faults: NVML Xid events seen while an attempt ran, what they mean, and which are fatal.
-
 A **fatal** Xid (the GPU is broken or must be reset) decides over any other evidence. A non-fatal
 one decides only a failure that is not an OOM or config error (Xids are per GPU: another
 process's fault can fall in our window), and the attempt is retried once unchanged."""
@@ -29,17 +28,13 @@ XIDS: dict[int, str] = {
 #: The GPU is broken or must be reset.
 FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 94, 95})
 _UNKNOWN = "see NVIDIA's Xid catalogue"
-
 _NOT_OVERRULED = frozenset({FailureKind.CONFIG_ERROR, FailureKind.GPU_FAULT})
 
 
 def describe(codes: Sequence[int]) -> str:
     """``Xid 79 (GPU has fallen off the bus, fatal), Xid 13 (...)``, each code once."""
-    parts = []
-    for code in dict.fromkeys(codes):
-        fatal = ", fatal" if code in FATAL_XIDS else ""
-        parts.append(f"Xid {code} ({XIDS.get(code, _UNKNOWN)}{fatal})")
-    return ", ".join(parts)
+    fatal = {code: ", fatal" if code in FATAL_XIDS else "" for code in codes}
+    return ", ".join(f"Xid {code} ({XIDS.get(code, _UNKNOWN)}{fatal[code]})" for code in fatal)
 
 
 def fatal_xid(codes: Sequence[int]) -> int | None:
@@ -56,7 +51,6 @@ def overrule(failure: Failure, codes: Sequence[int]) -> Failure:
         return failure
     facts = XidFacts(tuple(dict.fromkeys(codes)), fatal)
     verdict = "not retried on this GPU" if fatal is not None else "retried once"
-    why = (
-        f"NVML: {describe(codes)} during the attempt, {verdict}; the child's own failure: {failure.evidence}"
-    )
+    xids = describe(codes)
+    why = f"NVML: {xids} during the attempt, {verdict}; the child's own failure: {failure.evidence}"
     return Failure(FailureKind.GPU_FAULT, failure.stage, {}, why, failure.message, xid=facts)

@@ -26,11 +26,10 @@ class UnsafeRunPath(SupervisorExit):
         self.path = path
 
 
-def open_append_fd(path: Path, *, exclusive: bool = False) -> int:
+def open_append_fd(path: Path) -> int:
     """A read-append descriptor of ``path`` (created 0640), never through a link or onto a non-file."""
-    flags = _APPEND | (os.O_EXCL if exclusive else 0)
     try:
-        fd = os.open(path, flags, FILE_MODE)
+        fd = os.open(path, _APPEND, FILE_MODE)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX) from None

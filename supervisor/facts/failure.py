@@ -44,8 +44,7 @@ class XidFacts:
     @classmethod
     def from_numbers(cls, numbers: Mapping[str, Any]) -> XidFacts | None:
         """The facts in a journal line's ``numbers``; None when it names no Xid."""
-        codes = numbers.get("xid")
-        fatal = numbers.get("fatal_xid")
+        codes, fatal = numbers.get("xid"), numbers.get("fatal_xid")
         listed = tuple(code for code in codes if _is_int(code)) if isinstance(codes, list) else ()
         if not listed and not _is_int(fatal):
             return None
@@ -53,6 +52,7 @@ class XidFacts:
 
 
 _XID_KEYS = ("xid", "fatal_xid")
+_PLAIN_FIELDS = ("emergency_checkpoint", "expandable_segments_active", "rank", "local_rank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,7 @@ class Failure:
     NUMBER_KEYS``) plus what follows from them (``others_in_use``: other processes' GPU memory), or
     a full disk's needed and free bytes. ``evidence``: which source decided and why. ``rank`` /
     ``local_rank``: under torchrun, the rank that caused it; ``gpu``: its card's NVML index.
-    ``xid``: the faults that decided a ``gpu_fault``. The last two fields: the error report's.
-    """
+    ``xid``: the faults that decided a ``gpu_fault``. The last two fields: the error report's."""
 
     kind: FailureKind
     stage: Stage
@@ -88,43 +87,24 @@ class Failure:
 
     def to_json(self) -> dict[str, Any]:
         """The ``failure`` object of an ``attempts.jsonl`` line (and of ``classify --json``)."""
-        return {
-            "kind": self.kind.value,
-            "stage": self.stage.value,
-            "numbers": self.numbers_json(),
-            "evidence": self.evidence,
-            "message": self.message,
-            "emergency_checkpoint": self.emergency_checkpoint,
-            "expandable_segments_active": self.expandable_segments_active,
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            # Only where NVML named the card: lines written before it had none read back the same.
-            **({"gpu": self.gpu} if self.gpu is not None else {}),
-        }
+        head = {"kind": self.kind.value, "stage": self.stage.value, "numbers": self.numbers_json()}
+        tail = {key: getattr(self, key) for key in ("evidence", "message", *_PLAIN_FIELDS)}
+        # Only where NVML named the card: lines written before it had none read back the same.
+        return {**head, **tail, **({"gpu": self.gpu} if self.gpu is not None else {})}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Failure:
         """Read a journal line's ``failure``; raises KeyError/ValueError without a known kind."""
         numbers = dict(raw.get("numbers") or {})
-        return cls(
-            kind=FailureKind(raw["kind"]),
-            stage=Stage(raw.get("stage", "unknown")),
-            numbers={key: value for key, value in numbers.items() if key not in _XID_KEYS},
-            evidence=str(raw.get("evidence", "")),
-            message=str(raw.get("message", "")),
-            rank=raw.get("rank"),
-            local_rank=raw.get("local_rank"),
-            gpu=raw.get("gpu"),
-            xid=XidFacts.from_numbers(numbers),
-            emergency_checkpoint=raw.get("emergency_checkpoint"),
-            expandable_segments_active=raw.get("expandable_segments_active"),
-        )
+        kind, stage = FailureKind(raw["kind"]), Stage(raw.get("stage", "unknown"))
+        words = str(raw.get("evidence", "")), str(raw.get("message", ""))
+        plain = {key: value for key, value in numbers.items() if key not in _XID_KEYS}
+        kept: dict[str, Any] = {key: raw.get(key) for key in (*_PLAIN_FIELDS, "gpu")}
+        return cls(kind, stage, plain, *words, xid=XidFacts.from_numbers(numbers), **kept)
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(key): item for key, item in value.items()}
-    return value
+    return {str(key): item for key, item in value.items()} if isinstance(value, Mapping) else value
 
 
 def _is_int(value: object) -> bool:

@@ -11,17 +11,12 @@ from qlora_supervise.trainer_child.contract.byte_sizes import format_bytes as fo
 from qlora_supervise.trainer_child.contract.byte_sizes import parse_bytes as parse_bytes
 
 DURATION_UNITS: dict[str, float] = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
 #: The job file's form: a unit is required (see :func:`parse_bytes`).
 SIZE_HELP = "a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GiB)"
 DURATION_HELP = "seconds, or numbers with units s, m, h, d (e.g. 90s, 20m, 1h30m)"
-
-
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 _DURATION_PART_RE = re.compile(rf"({_NUMBER})\s*([smhd])", re.IGNORECASE)
 _DURATION_RE = re.compile(rf"^\s*(?:{_NUMBER}\s*[smhd]\s*)+$", re.IGNORECASE)
-
-
 #: The smallest memory size that is not surely a slip (a bare ``24`` meant as 24 GiB is 24 bytes).
 MIN_MEMORY_SIZE = 1024**2
 
@@ -35,10 +30,8 @@ def parse_memory_size(value: str) -> int:
     number = re.match(_NUMBER, text)
     shown = number.group(0) if number else text
     bare = "" if number is None or number.group(0) != text else " (a number without a unit is bytes)"
-    raise UnitError(
-        f"{text} is {size} bytes{bare}, not a plausible memory size",
-        f"a number with a unit, e.g. {shown}GiB or {shown}MiB",
-    )
+    why = f"{text} is {size} bytes{bare}, not a plausible memory size"
+    raise UnitError(why, f"a number with a unit, e.g. {shown}GiB or {shown}MiB")
 
 
 def parse_duration(value: str | int | float) -> float:

@@ -11,9 +11,8 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
-from qlora_supervise.supervisor.diagnosis.cap_advice import with_named_cap
+from qlora_supervise.supervisor.diagnosis.advice import repeat_note, with_named_cap
 from qlora_supervise.supervisor.diagnosis.fragmentation import predicted_fit
-from qlora_supervise.supervisor.diagnosis.repeat import repeat_note
 from qlora_supervise.supervisor.facts.failure import Failure
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.loop import settings as job_settings

@@ -1,2 +1,1 @@
-"""The run record: the run directory, the attempt journal, ``state.json`` and the event log
-(its file lines and console lines)."""
+"""The run record: the run directory, the attempt journal, ``state.json`` and the event log."""

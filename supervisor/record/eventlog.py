@@ -59,7 +59,6 @@ class ConsoleLines:
 
 
 _HELD_MAX = 10_000  # lines held for a full disk before the oldest are dropped
-
 #: Receives each event after its line is written (``MetricsTextfile.on_event``, ``EventHook.on_event``).
 Listener = Callable[[Mapping[str, object]], None]
 
@@ -75,8 +74,7 @@ class _EventsFile:
         self._json = structlog.processors.JSONRenderer(default=str)
 
     def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
-        """Append the line; on a full disk hold it (and those after it) until there is room again:
-        logging never raises into the loop, which waits for room and says so in these events."""
+        """Append the line; a full disk holds it (and later ones) until there is room: never raises."""
         self._held.append(str(self._json(logger, method, dict(event_dict))) + "\n")
         try:
             self._file.write("".join(self._held))
@@ -96,11 +94,9 @@ class _EventsFile:
 
 
 class _Relay:
-    """Final processor: runs the listeners, then returns the console line for ``WriteLogger``.
-
-    A line logged *by* a listener is held and written after the outer event's own line, so the
-    console keeps the file's order. Without a console the event ends here (``DropEvent``).
-    """
+    """Final processor: runs the listeners, then returns the console line for ``WriteLogger``. A line
+    logged *by* a listener is held and written after the outer event's own line, so the console keeps
+    the file's order. Without a console the event ends here (``DropEvent``)."""
 
     def __init__(self, console: TextIO | None, listeners: Sequence[Listener]) -> None:
         self._lines = ConsoleLines(console) if console is not None else None
@@ -147,10 +143,8 @@ def open_event_log(
 
 def read_events(events_path: Path) -> list[dict[str, Any]]:
     """The events of a run (a torn last line is skipped)."""
-    if not events_path.is_file():
-        return []
     events: list[dict[str, Any]] = []
-    for line in events_path.read_text(encoding="utf-8").splitlines():
+    for line in events_path.read_text(encoding="utf-8").splitlines() if events_path.is_file() else []:
         with contextlib.suppress(ValueError):  # a torn last line
             events.append(json.loads(line))
     return events

@@ -1,6 +1,5 @@
-"""The one vocabulary of event names in ``events.jsonl``: people grep for them and tools select
-on them, so a name never changes meaning. The README lists every member; a test holds the two
-together."""
+"""The one vocabulary of event names in ``events.jsonl``: people grep for them and tools select on them, so a
+name never changes meaning. The README lists every member; a test holds the two together."""
 
 from __future__ import annotations
 

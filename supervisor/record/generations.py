@@ -56,14 +56,12 @@ class FieldChange:
         return False
 
     def render(self, restarting: bool = False) -> str:
-        """One line of the diff; ``restarting``: said by ``run --restart`` (every change goes into
-        the new generation)."""
+        """One line of the diff; ``restarting``: as ``run --restart`` says it, for the new generation."""
+        how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
+        if self.safe and (self.name == TOOL_CONFIG or self.name.startswith(TOOL_CONFIG_PREFIX)):
+            how = "applies: no step was trained yet"
         if restarting:
             how = "the new generation trains with it from step 0"
-        else:
-            how = "applies on resume" if self.safe else "changes what is trained: needs --restart"
-            if self.safe and (self.name == TOOL_CONFIG or self.name.startswith(TOOL_CONFIG_PREFIX)):
-                how = "applies: no step was trained yet"
         return f"  {self.name}: {self.old!r} -> {self.new!r}  ({how})"
 
     def to_json(self) -> dict[str, Any]:
@@ -78,9 +76,7 @@ def _number(value: Any) -> float:
     # max_steps -1 / None: "epochs decide", infinitely many steps; no number is never more training.
     if not _is_number(value):
         return float("nan")
-    if value is None or value < 0:
-        return float("inf")
-    return float(value)
+    return float("inf") if value is None or value < 0 else float(value)
 
 
 def job_view(job: Job) -> dict[str, Any]:
@@ -115,8 +111,7 @@ def job_view(job: Job) -> dict[str, Any]:
         view["resources.nproc_per_node"] = knobs.world_size
     if knobs.fsdp:  # likewise absent for DDP: a checkpoint's optimizer state is laid out by it
         view["resources.parallel"] = "fsdp"
-    supervise = job.supervise.model_dump(mode="json")
-    view.update({f"supervise.{k}": v for k, v in supervise.items()})
+    view.update({f"supervise.{k}": v for k, v in job.supervise.model_dump(mode="json").items()})
     view.update(job.trainer.config_view())
     view.update(job.unparsed)  # a tool's value that did not parse, as written: never its default
     shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk
@@ -145,18 +140,15 @@ class JobVersions:
     def newest_view(self) -> dict[str, Any] | None:
         """The newest recorded version's fields (None: no version recorded, or unreadable)."""
         numbers = self.numbers()
-        if not numbers:
-            return None
         try:
             view = json.loads((self.rd.root / f"job.v{numbers[-1]}.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (IndexError, OSError, ValueError):  # no version recorded, or unreadable
             return None
         return view if isinstance(view, dict) else None
 
     def record(self, job: Job) -> int:
         """Keep ``job`` as the next version (never overwriting one); ``job.yaml`` becomes it."""
-        numbers = self.numbers()
-        number = (numbers[-1] if numbers else 0) + 1
+        number = max(self.numbers(), default=0) + 1
         write_text_atomic(self.rd.root / f"job.v{number}.json", json.dumps(job_view(job), indent=2))
         write_text_atomic(self.rd.root / f"job.v{number}.yaml", job.raw_text)
         write_text_atomic(self.rd.job_copy, job.raw_text)
@@ -164,10 +156,9 @@ class JobVersions:
 
 
 def extend_finished(rd: RunDir, changes: list[FieldChange], now: float) -> Lift | None:
-    """A finished run whose job now asks for more steps goes on from its last checkpoint: a lift
-    line after the last attempt, and an existing ``merged/`` moved to ``merged-before-extend-<n>/``
-    so the merge runs again. None, and nothing written, when no change raises the length or the
-    journal is empty."""
+    """A finished run whose job now asks for more steps goes on from its last checkpoint: a lift line after
+    the last attempt, and an existing ``merged/`` moved to ``merged-before-extend-<n>/`` so the merge runs
+    again. None, and nothing written, when no change raises the length or the journal is empty."""
     raised = [c for c in changes if c.name in SAFE_WHEN_MORE and _number(c.new) > _number(c.old)]
     records, _ = read_attempts(rd.attempts)
     if not raised or not records:
@@ -207,9 +198,8 @@ def start_generation(rd: RunDir) -> Path:
 
 def _move_into(rd: RunDir, staging: Path, final: Path) -> Path:
     entries = [rd.root / name for name in _GENERATION_FILES if (rd.root / name).exists()]
-    for pattern in _GENERATION_GLOBS:
-        entries.extend(sorted(rd.root.glob(pattern)))
-    for entry in entries:
+    globbed = [path for pattern in _GENERATION_GLOBS for path in sorted(rd.root.glob(pattern))]
+    for entry in [*entries, *globbed]:
         os.rename(entry, staging / entry.name)
     fsync_dir(rd.root)
     os.rename(staging, final)

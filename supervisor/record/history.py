@@ -69,10 +69,9 @@ def story(records: Sequence[AttemptRecord]) -> list[str]:
 def config_text(k: Knobs) -> str:
     """A config in one line, as status and explain show it."""
     ranks = f" x ranks {k.world_size}{' (FSDP)' if k.fsdp else ''}" if k.world_size > 1 else ""
-    return (
-        f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}{ranks}, seq_len {k.max_seq_len}, "
-        f"grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
-    )
+    batch = f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}{ranks}, seq_len {k.max_seq_len}"
+    ckpt = "on" if k.gradient_checkpointing else "off"
+    return f"{batch}, grad_ckpt {ckpt}, {k.optimizer}, r {k.lora_r}"
 
 
 @dataclass(frozen=True)
@@ -94,9 +93,8 @@ def time_in_configs(records: Sequence[AttemptRecord]) -> list[ConfigTime]:
         if r.phase is not Phase.TRAIN:
             continue
         was = seen.get(r.knobs, ConfigTime(r.knobs, 0.0, 0))
-        seen[r.knobs] = ConfigTime(
-            r.knobs, was.seconds + r.ended_at - r.started_at, was.steps + r.steps_progressed
-        )
+        seconds, steps = was.seconds + r.ended_at - r.started_at, was.steps + r.steps_progressed
+        seen[r.knobs] = ConfigTime(r.knobs, seconds, steps)
     return list(seen.values())
 
 
@@ -111,10 +109,8 @@ def climb_back_lines(planned: dict[str, int], configs: Sequence[dict[str, Any]])
     none without a planned restart."""
     if not any(planned.values()):
         return []
-    head = (
-        f"step-ups: {planned.get(STEP_UP_RUNG, 0)}, speed trials timed again: {planned.get(RETIME_RUNG, 0)}"
-    )
-    return [head, "time in each config:"] + [
+    ups, retimes = planned.get(STEP_UP_RUNG, 0), planned.get(RETIME_RUNG, 0)
+    return [f"step-ups: {ups}, speed trials timed again: {retimes}", "time in each config:"] + [
         f"  {_clock(c['seconds'])}, {c['steps']} step(s): {c['config']}" for c in configs
     ]
 
@@ -138,13 +134,10 @@ class AttemptSpeed:
 
 def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
     """The speed the events of an attempt planned with ``planned`` say it trained at."""
-    rates: list[float] = []
-    trial = None
-    for event in events:
-        if isinstance(event, Heartbeat) and event.tokens_per_s is not None and event.tokens_per_s > 0:
-            rates.append(event.tokens_per_s)
-        elif isinstance(event, SpeedTrialEvent):
-            trial = event
+    seen = list(events)
+    beats = [e.tokens_per_s for e in seen if isinstance(e, Heartbeat)]
+    rates = [rate for rate in beats if rate is not None and rate > 0]
+    trial = next((e for e in reversed(seen) if isinstance(e, SpeedTrialEvent)), None)
     choice = None if trial is None else after_trial(planned, trial.results)
     median = statistics.median(rates) if rates else None
     return AttemptSpeed(choice.knobs if choice else planned, median, len(rates), trial, choice)

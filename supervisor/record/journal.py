@@ -2,7 +2,6 @@
 attempt, fsynced before anything acts on its decision (a torn last line is ignored on read);
 ``state.json`` (written atomically) says what is in flight, so a supervisor killed at any moment
 carries out a journalled decision or finishes or reclaims the in-flight attempt.
-
 A line is plain JSON (its fields: docs/run-directory.md), written and read back whole through one
 pydantic ``TypeAdapter``; a line that does not fit the record is unreadable (the journal counts it)."""
 
@@ -107,14 +106,8 @@ def attempt_peak(
         from_report = failed_step == report_peak
         source = AttemptPeakSource.ALLOCATOR_REPORT if from_report else AttemptPeakSource.OOM_MESSAGE
         return Peak(int(max(failed_step, heartbeat_peak or 0)), source)
-    for value, source in (
-        (heartbeat_peak, AttemptPeakSource.HEARTBEAT),
-        (nvml_peak, AttemptPeakSource.NVML),
-        (rss_peak, AttemptPeakSource.RSS),
-    ):
-        if value:
-            return Peak(int(value), source)
-    return None
+    later = zip((heartbeat_peak, nvml_peak, rss_peak), list(AttemptPeakSource)[2:], strict=True)
+    return next((Peak(int(value), source) for value, source in later if value), None)
 
 
 @dataclass(frozen=True)
@@ -218,15 +211,12 @@ class RunState(str, enum.Enum):
           +------ (every arrow into STARTING)
         any --> STOPPED   (SIGTERM/SIGINT; resumable: the same command continues)
 
-    STARTING is never written (nothing to resume from it: the journal says what comes next), and
-    neither is WAITING for room on a full disk (it could not be). Each transition in the arbiter is
-    commented ``# RUNNING -> BACKOFF``.
-    """
+    Each transition in the arbiter is commented ``# RUNNING -> BACKOFF``."""
 
-    STARTING = "starting"
+    STARTING = "starting"  # never written: nothing to resume from it (the journal says what comes next)
     RUNNING = "running"
     BACKOFF = "backoff"
-    WAITING = "waiting"
+    WAITING = "waiting"  # not written while waiting for room on a full disk (it could not be)
     SUCCEEDED = "succeeded"
     GAVE_UP = "gave_up"
     FAILED = "failed"
@@ -295,20 +285,18 @@ _LIFT = TypeAdapter(Lift)
 
 def _lines(path: Path) -> tuple[list[AttemptRecord | Lift], int]:
     """The journal's attempts and lifts in order, and the number of lines that could not be read."""
-    if not path.is_file():
-        return [], 0
+    text = path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else ""
     found: list[AttemptRecord | Lift] = []
     bad = 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:
             raw = json.loads(line)
             if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
                 raise ValueError("not a journal line of this version")
-            found.append(
-                _LIFT.validate_python(raw["lift"]) if "lift" in raw else AttemptRecord.from_json(raw)
-            )
+            item = _LIFT.validate_python(raw["lift"]) if "lift" in raw else AttemptRecord.from_json(raw)
+            found.append(item)
         except ValueError:
             bad += 1
     return found, bad
@@ -326,8 +314,7 @@ def read_lifts(path: Path) -> list[Lift]:
 
 def lifted_after(path: Path) -> int:
     """The attempt after which the newest lift lets the run go on (0: none)."""
-    lifts = read_lifts(path)
-    return lifts[-1].after_attempt if lifts else 0
+    return next((lift.after_attempt for lift in reversed(read_lifts(path))), 0)
 
 
 def read_attempts(path: Path) -> tuple[list[AttemptRecord], int]:

@@ -37,8 +37,6 @@ def default_path() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class _Stored:
-    """One line of the store."""
-
     shape: dict[str, Any]
     knobs: Knobs
     trainer: str
@@ -73,8 +71,7 @@ def read_observations(path: Path, shape: ModelShape, trainer: str = OWN) -> list
 
 def read_speeds(path: Path, shape: ModelShape, trainer: str = OWN) -> list[SpeedObservation]:
     """Every stored tokens/s of this model shape measured in ``trainer``'s process, oldest first."""
-    lines = _lines_of(path, shape, trainer)
-    rates = [(line.knobs, line.tokens_per_s) for line in lines]
+    rates = [(line.knobs, line.tokens_per_s) for line in _lines_of(path, shape, trainer)]
     return [SpeedObservation(knobs, rate) for knobs, rate in rates if rate is not None and rate > 0]
 
 
@@ -90,16 +87,9 @@ def record_attempt(
     written: a read-only home or a full disk never stops a run."""
     if peak_bytes is None and tokens_per_s is None:
         return True
-    line = json.dumps(
-        {
-            "shape": shape.sizes(),
-            "knobs": dataclasses.asdict(knobs),
-            "peak_bytes": peak_bytes,
-            "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 1),
-            "trainer": trainer,
-            "time": round(time.time(), 1),
-        }
-    )
+    rate = None if tokens_per_s is None else round(tokens_per_s, 1)
+    fields = {"shape": shape.sizes(), "knobs": dataclasses.asdict(knobs), "peak_bytes": peak_bytes}
+    line = json.dumps({**fields, "tokens_per_s": rate, "trainer": trainer, "time": round(time.time(), 1)})
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         lock = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o640)

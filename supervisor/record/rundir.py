@@ -1,16 +1,13 @@
-"""The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names
-every top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a
-link or of the wrong kind before anything is written.
-
-Files inside it are never opened through a symbolic link (the supervisor often runs as root), with
-explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask differs between a shell and a
-unit). An ``output_dir`` of another user, or writable by others, is refused; so is a folder that is not
-empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a ``.lock`` beside the
-job copies only): the supervisor moves and deletes entries of its run directory. ``/``, homes and the
-system's folders are refused outright.
-
-Room on the disk (:func:`room_needed`): after a ``disk_full`` the supervisor frees what killed writers of
-this run left, then waits for as much room as the last checkpoint took (at least :data:`MIN_ROOM`)."""
+"""The layout of a run directory (the job's ``output_dir``): paths, and the lock. :data:`ENTRIES` names every
+top-level entry (a test checks a run writes no other); :meth:`RunDir.lock` refuses one that is a link or of
+the wrong kind before anything is written. Files inside it are never opened through a symbolic link (the
+supervisor often runs as root), with explicit modes (:data:`DIR_MODE` 0750, ``FILE_MODE`` 0640: the umask
+differs between a shell and a unit). An ``output_dir`` of another user, or writable by others, is refused; so
+is a folder that is not empty and holds no run of ours (a ``state.json`` or ``events.jsonl`` of ours, or a
+``.lock`` beside the job copies only): the supervisor moves and deletes entries of its run directory. ``/``,
+homes and the system's folders are refused outright. Room on the disk (:func:`room_needed`): after a
+``disk_full`` the supervisor frees what killed writers of this run left, then waits for as much room as the
+last checkpoint took (at least :data:`MIN_ROOM`)."""
 
 from __future__ import annotations
 
@@ -119,12 +116,10 @@ class RunDir:
         return self.root / f"checkpoints-before-attempt-{number:03d}"
 
     def lock(self, busy: str | None = None) -> IO[str]:
-        """Hold an exclusive lock on the run directory for the life of the returned file.
-
-        The directory is created 0750 or checked to be ours (the module's docstring);
-        a run file, ``checkpoints/`` or the quarantine that is a link (or holds one) stops the run
-        before anything is written. ``busy``: the words when another process holds the lock.
-        """
+        """Hold an exclusive lock on the run directory for the life of the returned file; the directory
+        is created 0750 or checked to be ours (the module's docstring), and a run file, ``checkpoints/``
+        or the quarantine that is a link (or holds one) stops the run before anything is written.
+        ``busy``: the words when another process holds the lock."""
         refuse_foreign(self.root, contents=False)  # a system folder, before anything is created
         prepare_root(self.root)
         # Read-only checks first: the lock file is created only in a folder that is safe and ours.
@@ -171,26 +166,20 @@ def prepare_root(root: Path) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise UnsafeRunPath(root, "output_dir is not a directory", "choose another output_dir")
     if info.st_uid != os.geteuid():
-        raise UnsafeRunPath(
-            root,
-            f"output_dir is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})",
-            "run as its owner, or choose an output_dir of your own",
-        )
+        why = f"output_dir is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+        raise UnsafeRunPath(root, why, "run as its owner, or choose an output_dir of your own")
     if info.st_mode & stat.S_IWOTH:
-        raise UnsafeRunPath(
-            root,
-            f"output_dir is writable by others (mode {stat.S_IMODE(info.st_mode):04o})",
-            f"run `chmod o-w {root}` (the supervisor makes it {DIR_MODE:04o}), or choose another output_dir",
-        )
+        why = f"output_dir is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
+        fix = f"run `chmod o-w {root}` (the supervisor makes it {DIR_MODE:04o}), or choose another output_dir"
+        raise UnsafeRunPath(root, why, fix)
 
 
 def refuse_links(paths: list[Path], directories: bool = False, inside: bool = False) -> None:
     """Refuse at start when one of the run's own files (``directories``: directories) is a link or of
     another kind; ``inside``: a directory holding a link too (``checkpoints/checkpoint-N ->
     /elsewhere`` would be resumed, quarantined or deleted outside the run directory)."""
-    is_kind, other = (
-        (stat.S_ISDIR, "is not a directory") if directories else (stat.S_ISREG, "is not a regular file")
-    )
+    is_kind = stat.S_ISDIR if directories else stat.S_ISREG
+    other = "is not a directory" if directories else "is not a regular file"
     for path in paths:
         try:
             info = os.lstat(path)
@@ -262,27 +251,18 @@ def is_run_dir(root: Path) -> bool:
         names = [entry.name for entry in os.scandir(root)]
     except OSError:
         return False
-    if not names:
+    state, events = root / "state.json", root / "events.jsonl"
+    if not names or (state.is_file() and not state.is_symlink() and read_state(state) is not None):
         return True
-    state = root / "state.json"
-    if state.is_file() and not state.is_symlink() and read_state(state) is not None:
-        return True
-    if _first_line_is_ours(root / "events.jsonl"):
-        return True
+    if events.is_file() and not events.is_symlink():  # its first line is an event of ours
+        try:
+            with events.open("rb") as handle:
+                record = json.loads(handle.readline(64 * 1024))
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict) and {"event", "level"} <= record.keys():
+            return True
     return ".lock" in names and all(_FIRST_FILES.fullmatch(name) for name in names)
-
-
-def _first_line_is_ours(path: Path) -> bool:
-    """An event log line of ours: a JSON object with ``event`` and ``level``."""
-    if path.is_symlink() or not path.is_file():
-        return False
-    try:
-        with path.open("rb") as handle:
-            line = handle.readline(64 * 1024)
-        record = json.loads(line)
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and {"event", "level"} <= record.keys()
 
 
 MIN_ROOM = 1 << 20  # a journal line, a state file, an error report and some events
@@ -303,37 +283,27 @@ def free_ours(rd: RunDir) -> int:
     writers left (the caller holds the run's lock); returns the bytes freed."""
     freed = 0
     if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
-        sizes = {
-            path: tree_bytes(path) for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)
-        }
+        temps = [path for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)]
+        sizes = {path: tree_bytes(path) for path in temps}
         gone = remove_stale_temps(rd.checkpoints)
         freed += sum(sizes.get(path, 0) for path in gone)
-    for path in _stale_entries(rd):
-        size = tree_bytes(path) if path.is_dir() else path.stat().st_size
+    folders = [rd.root, *sorted(rd.root.glob("attempt-*"))]
+    real = [folder for folder in folders if folder.is_dir() and not folder.is_symlink()]
+    for path in [path for folder in real for path in folder.iterdir() if _stale(path)]:
+        freed += tree_bytes(path) if path.is_dir() else path.stat().st_size
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-        freed += size
     return freed
 
 
-def _stale_entries(rd: RunDir) -> list[Path]:
-    found: list[Path] = []
-    for directory in [rd.root, *sorted(rd.root.glob("attempt-*"))]:
-        if not directory.is_dir() or directory.is_symlink():
-            continue
-        for path in directory.iterdir():
-            name = path.name
-            if name.startswith(".") and name.endswith(".tmp") and path.is_file():
-                found.append(path)  # write_text_atomic's temp file, left by a kill mid-write
-            elif (
-                name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-"))
-                and (tail := name.rsplit("-", 1)[-1]).isdigit()
-                and not pid_alive(int(tail))
-            ):
-                found.append(path)
-    return found
+def _stale(path: Path) -> bool:
+    name, tail = path.name, path.name.rsplit("-", 1)[-1]
+    if name.startswith(".") and name.endswith(".tmp"):
+        return path.is_file()  # write_text_atomic's temp file, left by a kill mid-write
+    swapped = name.startswith((".tmp-adapter-", ".old-adapter-", ".tmp-merged-", ".old-merged-"))
+    return swapped and tail.isdigit() and not pid_alive(int(tail))
 
 
 def room_words(rd: RunDir, needed: int, free: int) -> str:

@@ -1,5 +1,4 @@
 """GPU memory samples through NVML (``pynvml``), with Xid events, and every rank's card under torchrun.
-
 NVML ignores ``CUDA_VISIBLE_DEVICES``, so a device is mapped by ``contract.spec.bind_device`` as
 the child maps it (rank N: the child's ``cuda:N``). Only ``pynvml.NVMLError`` is caught, so a bug is
 not mistaken for a missing GPU. In a container with its own PID namespace the child shows as ``others``."""
@@ -91,7 +90,6 @@ class GpuProbe(Protocol):
     """NVML as the loop reads it (:class:`GpuMonitor`; tests pass a fake through the seams)."""
 
     def sample(self, pids: set[int]) -> GpuSample | None: ...
-
     def close(self) -> None: ...
 
 
@@ -105,11 +103,8 @@ class GpuMonitor:
 
     @classmethod
     def open(cls, device: str, *, nvml: Nvml | None = None) -> GpuMonitor | None:
-        """A monitor for ``device``, or None when NVML, the driver or the GPU is missing (or ``cpu``);
-        never raises or logs."""
-        if device == "cpu":
-            return None
-        started = _started_nvml(nvml)
+        """``device``'s monitor, or None without NVML, driver or GPU (or on ``cpu``); never raises or logs."""
+        started = None if device == "cpu" else _started_nvml(nvml)
         if started is None:
             return None
         try:
@@ -130,17 +125,9 @@ class GpuMonitor:
             return None
         mine = sum(used for pid, used in processes if pid in pids)
         others = tuple((pid, used) for pid, used in processes if pid not in pids)
-        return GpuSample(
-            time=time.time(),
-            gpu=self.index,
-            total=int(memory.total),
-            used=int(memory.used),
-            free=int(memory.free),
-            this_process_bytes=mine,
-            others=others,
-            xid_events=self._drain_xids(),
-            others_sm_util=self._others_sm_util(pids),
-        )
+        sizes = int(memory.total), int(memory.used), int(memory.free)
+        xids, sm_util = self._drain_xids(), self._others_sm_util(pids)
+        return GpuSample(time.time(), self.index, *sizes, mine, others, xids, sm_util)
 
     def _others_sm_util(self, pids: set[int]) -> int | None:
         """The other processes' SM utilisation since the previous call (each process's newest sample)."""

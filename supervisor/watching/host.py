@@ -4,7 +4,9 @@ OOM-kill counter (v2 ``memory.events``, v1 ``memory.oom_control``; the child run
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +32,8 @@ def sample_host(pid: int | None) -> HostSample:
         swap_used = int(psutil.swap_memory().used)
     except (OSError, RuntimeError):  # no /proc/swaps in some sandboxes
         swap_used = 0
-    return HostSample(
-        time=time.time(),
-        total=int(memory.total),
-        available=int(memory.available),
-        child_rss_bytes=0 if pid is None else tree_rss(pid),
-        swap_used=swap_used,
-    )
+    rss = 0 if pid is None else tree_rss(pid)
+    return HostSample(time.time(), int(memory.total), int(memory.available), rss, swap_used)
 
 
 def tree_rss(pid: int) -> int:
@@ -46,14 +43,11 @@ def tree_rss(pid: int) -> int:
         processes = [root, *root.children(recursive=True)]
     except psutil.Error:  # NoSuchProcess, AccessDenied, ZombieProcess
         return 0
-    return sum(_rss(process) for process in processes)
-
-
-def _rss(process: psutil.Process) -> int:
-    try:
-        return int(process.memory_info().rss)
-    except psutil.Error:
-        return 0
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            total += int(process.memory_info().rss)
+    return total
 
 
 def host_room() -> tuple[int, int | None]:
@@ -62,9 +56,9 @@ def host_room() -> tuple[int, int | None]:
 
 
 ENV_MEMORY_EVENTS = "QLORA_SUPERVISE_CGROUP_MEMORY_EVENTS"
-
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 PROC_SELF_MOUNTINFO = Path("/proc/self/mountinfo")
+_COUNTERS = (("cgroup2", "", "memory.events"), ("cgroup", "memory", "memory.oom_control"))  # v2 first
 
 
 def oom_kill_count(path_override: Path | None = None) -> int | None:
@@ -96,16 +90,11 @@ def memory_events_path(
     except OSError:
         return None
     memberships = _memberships(cgroup_lines)
-    for fstype, controller, filename in (
-        ("cgroup2", "", "memory.events"),
-        ("cgroup", "memory", "memory.oom_control"),
-    ):
-        group = memberships.get(controller)
-        mount = _mount(mount_lines, fstype, controller)
-        if group is not None and mount is not None:
-            found = _find_in(mount, group, filename)
-            if found is not None:
-                return found
+    for fstype, controller, filename in _COUNTERS:
+        group, mount = memberships.get(controller), _mount(mount_lines, fstype, controller)
+        found = _find_in(mount, group, filename) if group is not None and mount is not None else None
+        if found is not None:
+            return found
     return None
 
 
@@ -129,16 +118,10 @@ def memory_limit_bytes() -> int | None:
 def _memberships(lines: list[str]) -> dict[str, str]:
     """Controller -> cgroup path (``""`` is the v2 hierarchy)."""
     found: dict[str, str] = {}
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if parts[0] == "0" and controllers == "":
+    for hierarchy, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        if hierarchy == "0" and controllers == "":
             found[""] = path
-        for controller in controllers.split(","):
-            if controller:
-                found[controller] = path
+        found.update({controller: path for controller in controllers.split(",") if controller})
     return found
 
 
@@ -150,9 +133,8 @@ def _mount(lines: list[str], fstype: str, controller: str) -> tuple[str, Path] |
         if not sep or len(fields) < 5 or not tail_fields or tail_fields[0] != fstype:
             continue
         options = tail_fields[2].split(",") if len(tail_fields) > 2 else []
-        if controller and controller not in options:
-            continue
-        return _unescape(fields[3]), Path(_unescape(fields[4]))
+        if not controller or controller in options:
+            return _unescape(fields[3]), Path(_unescape(fields[4]))
     return None
 
 
@@ -169,7 +151,5 @@ def _find_in(mount: tuple[str, Path], group: str, filename: str) -> Path | None:
 
 
 def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal.
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
+    # mountinfo escapes space, tab, newline and backslash as octal (``\040``).
+    return re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), field)

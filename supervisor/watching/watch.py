@@ -1,14 +1,11 @@
-"""What the loop watches while an attempt runs: host and GPU memory samples (each GPU sample appended
-to ``attempt-NNN/gpu.jsonl``) and the hang rule. A missing reading is never an error.
-
-Reading the child's events file as it grows, into a picture of its progress (a change of step or
-stage: a heartbeat thread outliving a stuck training is still hung); each rank's peak under torchrun,
-where one rank well above the others points at uneven batches or a device_map (:func:`uneven`).
-
-**Memory creep** (:class:`CreepWatch`), a peak that rises step after step (a leak) towards the budget:
-over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals
-but one and a positive slope; said once per attempt, with an early checkpoint asked for when the
-line reaches the budget within :data:`HORIZON_STEPS`."""
+"""What the loop watches while an attempt runs: host and GPU memory samples (each GPU sample appended to
+``attempt-NNN/gpu.jsonl``) and the hang rule; a missing reading is never an error. The child's events file,
+read as it grows, gives its progress (a change of step or stage: a heartbeat thread outliving a stuck training
+is still hung); under torchrun one rank's peak well above the others' points at uneven batches or a device_map
+(:func:`uneven`). **Memory creep** (:class:`CreepWatch`), a peak that rises step after step (a leak) towards
+the budget: over the last :data:`WINDOW` steps after warm-up, a rise above the noise in all intervals but one
+and a positive slope; said once per attempt, with an early checkpoint asked for when the line reaches the
+budget within :data:`HORIZON_STEPS`."""
 
 from __future__ import annotations
 
@@ -158,13 +155,10 @@ class UnevenPeaks:
 
 def read_rank_peaks(events_file: Path) -> dict[int, int]:
     """``{rank: peak bytes}`` from each rank's events file; a rank without a reading is left out."""
-    peaks: dict[int, int] = {}
-    for rank, path in rank_files(str(events_file)):
-        reader = HeartbeatReader(Path(path))
+    readers = {rank: HeartbeatReader(Path(path)) for rank, path in rank_files(str(events_file))}
+    for reader in readers.values():
         reader.poll(0.0)
-        if reader.progress.peak_bytes:
-            peaks[rank] = reader.progress.peak_bytes
-    return peaks
+    return {rank: r.progress.peak_bytes for rank, r in readers.items() if r.progress.peak_bytes}
 
 
 def uneven(peaks: Mapping[int, int]) -> UnevenPeaks | None:
@@ -238,22 +232,9 @@ class CreepWatch:
         if rises < len(steps) - 2 or slope <= 0:
             return None
         budget = self._budgets.get(self._source) if self._source is not None else None
-        return CreepForecast(
-            step=steps[-1],
-            peak_bytes=peaks[-1],
-            slope_bytes_per_step=slope,
-            budget_bytes=budget,
-            predicted_oom_step=_reaches(steps[-1], peaks[-1], slope, budget),
-            window_steps=len(steps),
-        )
-
-
-def _reaches(step: int, peak: int, slope: float, budget: int | None) -> int | None:
-    if budget is None:
-        return None
-    if peak >= budget:
-        return step + 1
-    return step + max(1, math.ceil((budget - peak) / slope))
+        step, peak = steps[-1], peaks[-1]
+        reaches = None if budget is None else step + max(1, math.ceil((budget - peak) / slope))
+        return CreepForecast(step, peak, slope, budget, reaches, len(steps))
 
 
 @dataclass
@@ -283,17 +264,14 @@ class Watched:
 
 def hung(progress: Progress, started: float, now: float, timeout_s: float) -> bool:
     """No step or stage change for ``timeout_s`` (counted from the start until the first one)."""
-    last = progress.last_progress_at or started
-    return now - last > timeout_s
+    return now - (progress.last_progress_at or started) > timeout_s
 
 
 def sample_memory(pid: int, watched: Watched, gpu: GpuProbe | None, gpu_log: Path) -> None:
     """One host sample and, where NVML answers, one GPU sample of the child's process tree."""
     host = sample_host(pid)
     watched.rss_peak = max(watched.rss_peak or 0, host.child_rss_bytes) or None
-    if gpu is None:
-        return
-    sample = gpu.sample(pid_tree(pid))
+    sample = gpu.sample(pid_tree(pid)) if gpu is not None else None
     if sample is not None:
         _note(watched, sample)
         _append(gpu_log, _sample_line(sample))
@@ -327,10 +305,9 @@ def _append(gpu_log: Path, lines: str) -> None:
     try:
         with open_append_text(gpu_log) as handle:
             handle.write(lines)
-    except OSError as exc:
+    except OSError as exc:  # a diagnostic line lost to a full disk must not stop a child training fine
         if exc.errno not in DISK_ERRNOS:
             raise
-        # A diagnostic line lost to a full disk must not stop a child that is training fine.
 
 
 def pid_tree(pid: int) -> set[int]:
@@ -343,7 +320,5 @@ def pid_tree(pid: int) -> set[int]:
 
 
 def _sample_line(sample: GpuSample, rank: int | None = None) -> str:
-    fields = asdict(sample)
-    if rank is not None:
-        fields = {"local_rank": rank, **fields}
+    fields = asdict(sample) if rank is None else {"local_rank": rank, **asdict(sample)}
     return json.dumps(fields, default=str) + "\n"
