@@ -1,15 +1,12 @@
 """``qlora-supervise plan JOB [--gpu-memory 24GiB] [--host-memory 32GiB] [--json]``: where the memory
 will go, on the card and on the host, before training (docs/planning.md). No GPU, no torch, no weights.
-
 The card, first match wins: ``--gpu-memory`` (budget: the size less the CUDA context and a paged
 optimizer's state, both outside PyTorch's allocator), the job's ``gpu_memory_limit`` (budget: the cap
 itself, since it caps the allocator), NVML. The host, first match wins: ``--host-memory`` (less a
 reserve), ``resources.host_memory_limit``, the RAM available now (capped by the cgroup, less a
-reserve); every candidate must fit it too. ``--json``: schema ``qlora-supervise.plan/1``
-(docs/planning.md, "The JSON").
-
-Exit 0 when the plan was made, 6 (as ``run`` would) when nothing fits, 2 for a bad job file, an
-unreadable model directory or a bad size flag.
+reserve); every candidate must fit it too. ``--json``: schema ``qlora-supervise.plan/1``. Exit 0 when
+the plan was made, 6 (as ``run`` would) when nothing fits, 2 for a bad job file, an unreadable model
+directory or a bad size flag. The text view is :func:`render`.
 """
 
 from __future__ import annotations
@@ -30,11 +27,10 @@ from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
 from qlora_supervise.policies.search.search_state import PreflightResult, RungEffect, rung_effects
 from qlora_supervise.supervisor.commands import BadInput
-from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
-from qlora_supervise.supervisor.jobfile import Job, model_files
+from qlora_supervise.supervisor.jobfile import Job, hub, model_files
 from qlora_supervise.supervisor.loop.first_plan import UNMODELLED_RUN, nothing_fits_text
 from qlora_supervise.supervisor.loop.settings import model_shape
 from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
@@ -80,6 +76,7 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
     files = plan_model_files(knobs.model, job)
     read = tool_read(ModelShape.read(files.config), job)
     shape = read if isinstance(read, ModelShape) else None
+    gone = read if isinstance(read, Unsupported) else None
     as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
     card = find_card(gpu_memory, job, as_written)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
@@ -88,14 +85,17 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
     if checkpoint is not None and job.resources.device != "cpu":  # on the CPU cpu_memory_limit caps it
         limit = job.resources.host_memory_limit
         host = host_budget(checkpoint, *room, limit, host_size, files.largest_shard_bytes)
-    start = None
-    speed = None if shape is None else _host_speeds(job, shape)
-    if shape is not None and card.budget_bytes is not None:
+    start = speed = None
+    # This host's measured speeds of the shape (the per-host store), unless turned off.
+    if shape is not None and job.supervise.calibration_store and job.resources.device != "cpu":
+        speeds = read_speeds(default_path(), shape, job.trainer.kind)
+        speed = throughput.calibrate(shape, speeds, job.train.target_modules) if speeds else None
+    if shape is not None and (budget := card.budget_bytes) is not None:
         fallbacks = tuple((model, model_shape(Path(model))) for model in job.fallback_models)
         start = choice.first(
             shape,
             knobs,
-            card.budget_bytes,
+            budget,
             targets=targets,
             speed=speed,
             fallbacks=fallbacks,
@@ -111,7 +111,7 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
         "peak_bytes": None if as_written is None else as_written.peak_bytes,
         "components": {} if as_written is None else dict(as_written.components),
         "shape": None if shape is None else {**asdict(shape), "params": shape.params},
-        "unsupported": _unsupported(read),
+        "unsupported": None if gone is None else {"reason": gone.reason.value, "detail": gone.detail},
         "architecture": _architecture(files),
         "notes": list(files.notes) + _tie_note(files, shape),
         "targets": list(resolve_targets(targets, shape.model_type if shape else "llama")),
@@ -205,14 +205,6 @@ def _ranking(job: Knobs, r: PreflightResult) -> list[dict[str, Any]]:
     ]
 
 
-def _host_speeds(job: Job, shape: ModelShape) -> throughput.SpeedCalibration | None:
-    """This host's measured speeds of the shape (the per-host store), or None: none, or turned off."""
-    if not job.supervise.calibration_store or job.resources.device == "cpu":
-        return None
-    speeds = read_speeds(default_path(), shape, job.trainer.kind)
-    return throughput.calibrate(shape, speeds, job.train.target_modules) if speeds else None
-
-
 def _rung(r: RungEffect) -> dict[str, Any]:
     return {
         "name": r.name,
@@ -238,12 +230,6 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
         else:
             message = str(error).replace("point model.path at", f"point {key} (in {where}) at")
         raise BadInput(message) from None
-
-
-def _unsupported(read: ModelShape | Unsupported) -> dict[str, str] | None:
-    if isinstance(read, Unsupported):
-        return {"reason": read.reason.value, "detail": read.detail}
-    return None
 
 
 def _architecture(files: model_files.ModelFiles) -> dict[str, Any] | None:
@@ -327,3 +313,127 @@ def host_ram(
         "room_bytes": room,
         "room_of": room_of,
     }
+
+
+def render(plan: dict[str, Any]) -> list[str]:
+    """The plan for a person: components, card, verdict, start config, rungs, host RAM."""
+    lines = [f"plan for {plan['job']}", f"model: {hub.describe(plan['model'])}"]
+    if u := plan["unsupported"]:
+        lines += [f"NOT MODELLED ({u['reason']}): {u['detail']}; no GPU prediction", f"run: {UNMODELLED_RUN}"]
+    else:
+        lines += _render_prediction(plan)
+    lines += [f"note: {n}" for n in plan["notes"]]
+    lines += _render_host(plan["host"])
+    return lines
+
+
+def _per_rank(knobs: dict[str, Any]) -> str:
+    """Under torchrun every number is one rank's card (FSDP: its shard of the weights)."""
+    ranks = knobs.get("world_size", 1)
+    if ranks <= 1:
+        return ""
+    mode = "FSDP: weights sharded" if knobs.get("fsdp") else "DDP: a replica each"
+    return f" (per rank, {ranks} ranks, {mode})"
+
+
+def _render_prediction(plan: dict[str, Any]) -> list[str]:
+    s, w = plan["shape"], plan["as_written"]
+    lines = [
+        f"shape: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, "
+        f"MLP {s['intermediate']}, vocab {s['vocab']} ({'tied' if s['tie_word_embeddings'] else 'untied'}), "
+        f"{s['params'] / 1e9:.2f} B params; LoRA on {', '.join(plan['targets'])}",
+        f"predicted peak as written: {format_bytes(w['peak_bytes'])} allocated ({w['phase']}), "
+        f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card"
+        f"{_per_rank(w['knobs'])}",
+    ]
+    lines += [f"  {name:<20} {format_bytes(size):>12}" for name, size in w["components"].items()]
+    lines += [
+        f"  (outside allocator) {name:<20} {format_bytes(size):>12}" for name, size in w["outside"].items()
+    ]
+    card = plan["card"]
+    if card["budget_bytes"] is None:
+        lines.append("card: unknown (no --gpu-memory, no gpu_memory_limit, no NVML): no fit verdict")
+    else:
+        total = "" if card["total_bytes"] is None else f"{format_bytes(card['total_bytes'])}, "
+        lines.append(
+            f"card: {total}from {card['source']}; budget {format_bytes(card['budget_bytes'])} "
+            f"(reserve {format_bytes(card['reserve_bytes'])}: {card['reserve_why']})"
+        )
+        verdict = "yes" if plan["fits_as_written"] else "NO"
+        lines.append(f"fits as written (with the {plan['start']['margin']:.0%} margin): {verdict}")
+        lines += _render_start(plan["start"])
+        lines += _render_ranking(plan["ranking"])
+    lines.append("rungs (each alone on the job as written; tokens/s by the throughput model):")
+    for r in plan["rungs"]:
+        peak = "no change" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])
+        speed = "" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:>8.0f} tok/s ({-r['cost']:+.0%})"
+        lines.append(f"  {r['name']:<24} {peak:>12}  {r['cost_class']:<10} {speed}")
+    return lines
+
+
+#: The ranking's lines in the text view (the JSON has every candidate).
+RANKING_SHOWN = 12
+
+
+def _render_ranking(ranking: list[dict[str, Any]]) -> list[str]:
+    if not ranking:
+        return []
+    lines = [f"ranking: {len(ranking)} fitting candidate(s), fastest first (effective batch kept):"]
+    for c in ranking[:RANKING_SHOWN]:
+        changes = ", ".join(f"{k} {new}" for k, (_, new) in c["changes"].items()) or "as written"
+        source = "measured" if c["measured"] else "predicted"
+        peak = format_bytes(c["peak_bytes"])
+        host = "" if c.get("host_peak_bytes") is None else f" host {format_bytes(c['host_peak_bytes']):>9}"
+        speed = f"{c['tokens_per_s']:>8.0f} tok/s {source:<9}"
+        lines.append(f"  {c['rank']:>2}. {speed} {peak:>10}{host}  {c['cost_class']:<10} {changes}")
+    if len(ranking) > RANKING_SHOWN:
+        lines.append(f"  ... and {len(ranking) - RANKING_SHOWN} more (--json lists them all)")
+    return lines
+
+
+def _render_start(start: dict[str, Any]) -> list[str]:
+    why = [f"  why: {reason}" for reason in start["reasons"]]
+    if start["nothing_fits"] is not None:  # a host's message names host memory
+        return [f"NOTHING FITS: {start['nothing_fits']['message']}", *why]
+    speed = "" if start["tokens_per_s"] is None else f", {start['tokens_per_s']:.0f} tokens/s"
+    if not start["changes"]:
+        return [f"start from: the job as written{speed}"]
+    changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in start["changes"].items())
+    head = "start from (QUALITY KNOBS CHANGED)" if start["quality_changed"] else "start from"
+    return [f"{head}: {changes}; predicted {format_bytes(start['peak_bytes'])}{speed}", *why]
+
+
+def _render_host(host: dict[str, Any]) -> list[str]:
+    if host["load_peak_bytes"] is None:
+        return ["host RAM: checkpoint size unknown"]
+    limit = host["cgroup_limit_bytes"]
+    lines = [
+        f"host RAM to load: {format_bytes(host['load_peak_bytes'])}, to merge: "
+        f"{format_bytes(host['merge_peak_bytes'])} "
+        f"(16-bit checkpoint {format_bytes(host['checkpoint_bytes'])}); "
+        f"available now {format_bytes(host['available_bytes'])}, cgroup limit "
+        f"{'none' if limit is None else format_bytes(limit)}",
+        f"  basis: {host['basis']}",
+    ]
+    if host["load_fits"] is False:
+        room = f"{host['room_of']} ({format_bytes(host['room_bytes'])})"
+        lines.append(f"  WARNING: loading is predicted to need more host RAM than the {room}")
+    if host.get("budget_bytes") is None:
+        return lines
+    source = {"job": "resources.host_memory_limit", "flag": "--host-memory less a reserve"}.get(
+        host["budget_source"], "available now (capped by the cgroup) less a reserve"
+    )
+    lines.append(f"host budget: {format_bytes(host['budget_bytes'])} ({source})")
+    if host["train_peak_bytes"] is not None:
+        terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in host["train_components"].items())
+        lines += [
+            f"host need of the start: {format_bytes(host['train_peak_bytes'])} (at {host['train_phase']}); "
+            f"training itself {format_bytes(host['train_phase_bytes'])} ({terms})",
+            f"  basis: {host['train_basis']}",
+        ]
+    if host["rejected"]:
+        lines.append(
+            f"  {host['rejected']} config(s) that fit the card are no candidates: host need "
+            f"{format_bytes(host['rejected_smallest_bytes'])} or more is over the host budget"
+        )
+    return lines
