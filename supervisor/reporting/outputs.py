@@ -2,9 +2,8 @@
 console. None may stop training, raise into the loop (where an ``OSError`` would read as the run disk
 being full) or flood the log: a failure is ``output_failed`` once (the hook's ``hook_failed``), again at
 most every :data:`RELOG_EVERY_S` with the unlogged count, and ``output_recovered`` when it works again.
-
 :class:`Reporter` is the loop's one hook into reporting: each tick's progress goes to the console,
-systemd and metrics. Events reach the metrics and the hook through the event log's listeners, so the
+systemd and metrics; events reach the metrics and the hook through the event log's listeners, so the
 loop knows nothing of tqdm, sd_notify or Prometheus."""
 
 from __future__ import annotations
@@ -76,7 +75,6 @@ class BestEffort:
         return True
 
     def listener(self, output: str, listener: Callable[[Mapping[str, object]], object]) -> Listener:
-
         def guarded(event: Mapping[str, object]) -> None:
             self.run(output, lambda: listener(event))
 
@@ -114,9 +112,7 @@ class EventHook:
     (so its order with the run's actions is fixed); its failures go to ``outputs``."""
 
     def __init__(self, argv: Sequence[str], timeout_s: float, outputs: BestEffort | None = None) -> None:
-        self.argv = list(argv)
-        self.timeout_s = timeout_s
-        self.outputs = outputs or BestEffort()
+        self.argv, self.timeout_s, self.outputs = list(argv), timeout_s, outputs or BestEffort()
 
     @property
     def log(self) -> FilteringBoundLogger | None:
@@ -147,11 +143,8 @@ class EventHook:
             return f"could not start: {error}"
         if code is None:
             return f"timed out after {self.timeout_s:g}s (killed)"
-        if code != 0:
-            text = (err or out).decode("utf-8", "replace")
-            tail = text.strip().splitlines()[-1:] or [""]
-            return f"exit status {code}: {tail[0][:300]}"
-        return None
+        tail = (err or out).decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        return f"exit status {code}: {tail[0][:300]}" if code != 0 else None
 
 
 def bounded_run(
@@ -177,7 +170,15 @@ def bounded_run(
                     pending = _feed(proc.stdin, pending, selector)
                 else:
                     _drain(key.fd, tails[key.fd], selector)
-    code = _wait(proc, deadline)
+    try:  # the exit status, or None after a kill at the deadline; its pipes closed either way
+        code: int | None = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if not stream.closed:
+            stream.close()
     return code, bytes(tails[out]), bytes(tails[err])
 
 
@@ -206,20 +207,6 @@ def _drain(fd: int, tail: bytearray, selector: selectors.BaseSelector) -> None:
         del tail[: len(tail) - KEEP_BYTES]
 
 
-def _wait(proc: subprocess.Popen[bytes], deadline: float) -> int | None:
-    """The hook's exit status, or None after a kill at the deadline; its pipes closed either way."""
-    try:
-        code: int | None = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        code = None
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if stream is not None and not stream.closed:
-            stream.close()
-    return code
-
-
 class Reporter:
     """Fans one attempt's progress out to the console, sd_notify and (when on) the metrics file."""
 
@@ -230,9 +217,7 @@ class Reporter:
         metrics: MetricsTextfile | None = None,
         outputs: BestEffort | None = None,
     ) -> None:
-        self.display = display
-        self.service = service
-        self.metrics = metrics
+        self.display, self.service, self.metrics = display, service, metrics
         self.outputs = outputs or BestEffort()
         self._pace = PaceMeter()
 
@@ -248,9 +233,8 @@ class Reporter:
     def bind(self, log: FilteringBoundLogger) -> None:
         """The event log exists: output failures go there; the metrics file gets its first state."""
         self.outputs.log = log
-        metrics = self.metrics
-        if metrics is not None:
-            self.outputs.run(METRICS_TEXTFILE, metrics.write)
+        if self.metrics is not None:
+            self.outputs.run(METRICS_TEXTFILE, self.metrics.write)
 
     def clear(self) -> None:
         self.display.clear()
