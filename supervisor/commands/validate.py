@@ -21,7 +21,9 @@ def validate_command(path: str) -> int:
     try:
         job = load_job(path)
         problems = tool_problems(job.trainer)  # the tool itself, for the interpreter that runs it
-        problems += output_dir_problems(job.output_dir)
+        # output_dir as ``run`` would refuse it: a system folder, or someone else's files.
+        if (found := foreign_output_dir(job.output_dir)) is not None:
+            problems.append(Problem("output_dir", found[0], show(job.output_dir), found[1]))
         if problems:
             raise JobError(problems)
     except JobError as error:
@@ -52,12 +54,6 @@ def load_or_exit(job_path: str, head: str | None = None, tail: str = "", tools: 
         raise BadInput(f"{job_path}: {head}:\n{lines}{tail}") from None
 
 
-def output_dir_problems(output_dir: Path) -> list[Problem]:
-    """``output_dir`` as ``run`` would refuse it: a system folder, or someone else's files."""
-    found = foreign_output_dir(output_dir)
-    return [] if found is None else [Problem("output_dir", found[0], show(output_dir), found[1])]
-
-
 def warning_lines(job: Job, records: int | None = None) -> list[str]:
     """What a person should know before running the job, though it is not a problem (see
     :mod:`jobfile.advice`); ``records``: the training file's record count, where known."""
@@ -72,11 +68,8 @@ def summary_lines(job: Job, records: int | None = None) -> list[str]:
     if job.fallback_models:
         model += f" (fallbacks: {', '.join(job.fallback_models)})"
     length = f"max_steps {train.max_steps}" if train.max_steps > 0 else f"{train.epochs:g} epoch(s)"
-    limits = [
-        f"{name} {format_bytes(n)}"
-        for name, n in (("GPU", resources.gpu_memory_limit), ("CPU", resources.cpu_memory_limit))
-        if n is not None
-    ]
+    caps = (("GPU", resources.gpu_memory_limit), ("CPU", resources.cpu_memory_limit))
+    limits = [f"{name} {format_bytes(n)}" for name, n in caps if n is not None]
     return [
         f"model: {model}",
         f"data: {_data_summary(job.data, records)}",
