@@ -30,7 +30,6 @@ from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lif
 from qlora_supervise.supervisor.record.rundir import RUN_UMASK, RunDir
 from qlora_supervise.supervisor.reporting import notify, outputs
 from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
-from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.trainers.tool_check import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
@@ -100,7 +99,7 @@ def _reporting(
     ]
     metrics = None
     if job.supervise.metrics_textfile is not None:
-        metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
+        metrics = outputs.MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
         listeners.append(best.listener(outputs.METRICS_TEXTFILE, metrics.on_event))
     if job.supervise.on_event is not None:
         hook = outputs.EventHook(job.supervise.on_event, job.supervise.on_event_timeout, best)
