@@ -26,7 +26,7 @@ def _build_parser() -> ArgumentParser:
     # Long because it declares every subcommand and flag in one place, the order --help shows them.
     # Each subcommand's dests are the keyword parameters of its function: ``target``, by default
     # ``<name>:<name>_command`` (with ``-`` as ``_``) in this package.
-    raw = {"epilog": EXIT_CODES_HELP, "formatter_class": RawDescriptionHelpFormatter}
+    raw: dict[str, Any] = {"epilog": EXIT_CODES_HELP, "formatter_class": RawDescriptionHelpFormatter}
     parser = ArgumentParser(prog="qlora-supervise", description=DESCRIPTION, **raw)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")

@@ -113,9 +113,15 @@ def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
     work = AttemptDir(ensure_dir(rd.merge_command))  # never through a link (rundir)
     for stale in (work.error, work.events):
         stale.unlink(missing_ok=True)
-    knobs = dataclasses.replace(base.knobs, merge_on_cpu=False)
-    files = {"events_file": str(work.events), "error_file": str(work.error), "adapter_dir": str(rd.adapter)}
-    spec = dataclasses.replace(base, knobs=knobs, **files, merged_dir=str(merged), resume_from=None)
+    spec = dataclasses.replace(
+        base,
+        knobs=dataclasses.replace(base.knobs, merge_on_cpu=False),
+        events_file=str(work.events),
+        error_file=str(work.error),
+        adapter_dir=str(rd.adapter),
+        merged_dir=str(merged),
+        resume_from=None,
+    )
     write_text_atomic(work.spec, spec.to_json())
     return work
 

@@ -103,6 +103,12 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
             host=host,
         )
     effects = [] if shape is None else rung_effects(shape, knobs, targets, speed=speed)
+    # What the shape reader found of the architecture, modelled or not (None: a model type it does not
+    # read); ``missing_terms``: what the memory model would need for it.
+    facts, architecture = ModelShape.architecture(files.config), None
+    if not isinstance(facts, Unsupported):
+        terms = list(facts.missing_terms())
+        architecture = {**asdict(facts), "summary": facts.describe(), "missing_terms": terms}
     rungs = [effect for effect in effects if effect.name not in cannot_take]
     return {
         "schema": SCHEMA,
@@ -112,7 +118,7 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
         "components": {} if as_written is None else dict(as_written.components),
         "shape": None if shape is None else {**asdict(shape), "params": shape.params},
         "unsupported": None if gone is None else {"reason": gone.reason.value, "detail": gone.detail},
-        "architecture": _architecture(files),
+        "architecture": architecture,
         "notes": list(files.notes) + _tie_note(files, shape),
         "targets": list(resolve_targets(targets, shape.model_type if shape else "llama")),
         "as_written": None if as_written is None else {
@@ -232,15 +238,6 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
         raise BadInput(message) from None
 
 
-def _architecture(files: model_files.ModelFiles) -> dict[str, Any] | None:
-    """What the shape reader found of the architecture, modelled or not (None: a model type it
-    does not read); ``missing_terms``: what the memory model would need for it."""
-    facts = ModelShape.architecture(files.config)
-    if isinstance(facts, Unsupported):
-        return None
-    return {**asdict(facts), "summary": facts.describe(), "missing_terms": list(facts.missing_terms())}
-
-
 def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[str]:
     has_head = files.has_lm_head
     if shape is None or has_head is None or has_head != shape.tie_word_embeddings:
@@ -327,24 +324,19 @@ def render(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _per_rank(knobs: dict[str, Any]) -> str:
-    """Under torchrun every number is one rank's card (FSDP: its shard of the weights)."""
-    ranks = knobs.get("world_size", 1)
-    if ranks <= 1:
-        return ""
-    mode = "FSDP: weights sharded" if knobs.get("fsdp") else "DDP: a replica each"
-    return f" (per rank, {ranks} ranks, {mode})"
-
-
 def _render_prediction(plan: dict[str, Any]) -> list[str]:
     s, w = plan["shape"], plan["as_written"]
+    # Under torchrun every number is one rank's card (FSDP: its shard of the weights).
+    ranks = w["knobs"].get("world_size", 1)
+    mode = "FSDP: weights sharded" if w["knobs"].get("fsdp") else "DDP: a replica each"
+    per_rank = f" (per rank, {ranks} ranks, {mode})" if ranks > 1 else ""
     lines = [
         f"shape: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, "
         f"MLP {s['intermediate']}, vocab {s['vocab']} ({'tied' if s['tie_word_embeddings'] else 'untied'}), "
         f"{s['params'] / 1e9:.2f} B params; LoRA on {', '.join(plan['targets'])}",
         f"predicted peak as written: {format_bytes(w['peak_bytes'])} allocated ({w['phase']}), "
         f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card"
-        f"{_per_rank(w['knobs'])}",
+        f"{per_rank}",
     ]
     lines += [f"  {name:<20} {format_bytes(size):>12}" for name, size in w["components"].items()]
     lines += [

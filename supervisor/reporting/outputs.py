@@ -237,12 +237,10 @@ class MetricsTextfile:
         self._attempts = self._metric(
             Counter, "attempts", "Attempts that ended, by outcome and failure kind", "outcome", "kind"
         )
-        self._planned = self._metric(
-            Counter,
-            "planned_restarts",
-            "Planned restarts to a faster config: step_up (a rung's cause cleared), retime (the trial again)",
-            "kind",
+        doc = (
+            "Planned restarts to a faster config: step_up (a rung's cause cleared), retime (the trial again)"
         )
+        self._planned = self._metric(Counter, "planned_restarts", doc, "kind")
         self._step = self._metric(Gauge, "step", "Last completed optimizer step")
         self._max_steps = self._metric(Gauge, "max_steps", "Steps the run trains to")
         self._tokens = self._metric(Gauge, "tokens_per_second", "Training throughput of this attempt")
@@ -252,8 +250,7 @@ class MetricsTextfile:
         self._state = Enum(
             "qlora_supervise_state", "Supervisor state", ["run"], states=list(STATES), registry=self.registry
         )
-        self._run = run
-        self._written_at = -1e18
+        self._run, self._written_at = run, -1e18
         self._state.labels(run).state("starting")
         if budget_bytes is not None:
             self._budget.labels(run).set(budget_bytes)
