@@ -4,14 +4,9 @@ story as a table, one row per attempt, then why each attempt ran its config in t
 ``qlora-supervise.explain/1`` (docs/run-directory.md, "The JSON of status and explain"). The predicted
 peak is the memory model's for the attempt's knobs, from the model's ``config.json`` (``--model-config``
 when the model directory is gone); it predicts the CUDA allocator's peak, so it is left out for
-attempts that ran on the CPU.
-
-``--plot``: every attempt's memory on one time axis, one colour per attempt: the memory its cap limits
-(CUDA allocated on a GPU, the data segment on the CPU), NVML's view as a thin line; a failure is a
-cross at the bytes it needed, labelled with its kind; the next attempt's rung labels the gap; the
-budget is a dashed red line, the memory model's prediction a dotted one. matplotlib (headless) is
-imported only when a plot is drawn.
-"""
+attempts that ran on the CPU. ``--plot``: every attempt's memory (what its cap limits) on one time
+axis, with NVML's view, the failures, the rungs, the budget and the prediction; matplotlib (headless)
+is imported only when a plot is drawn."""
 
 from __future__ import annotations
 
@@ -187,21 +182,13 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
         numbers = ", ".join(
             f"{_SHORT.get(k, k)} {format_bytes(a['numbers'][k])}" for k in keys if k in a["numbers"]
         )
-        rows.append(
-            (
-                str(a["attempt"]),
-                a["kind"] or a["outcome"],
-                a["stage"] or "-",
-                numbers or "-",
-                a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up"),
-                a["progress_kept"] or "-",
-                f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else ""),
-                _measured(a["peak_bytes"], a["predicted_peak_bytes"]),
-                _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?",
-                speed_cell(a),
-                tqdm.format_interval(a["wall_s"]),
-            )
-        )
+        change = a["rung"] or ("-" if a["outcome"] == "succeeded" else "gave up")
+        steps = f"{a['steps'][0]}->{a['steps'][1]}" + (f" -{a['lost_steps']}" if a["lost_steps"] else "")
+        peak = _measured(a["peak_bytes"], a["predicted_peak_bytes"])
+        host = _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?"
+        row = (str(a["attempt"]), a["kind"] or a["outcome"], a["stage"] or "-", numbers or "-", change)
+        wall = tqdm.format_interval(a["wall_s"])
+        rows.append((*row, a["progress_kept"] or "-", steps, peak, host, speed_cell(a), wall))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines += [
