@@ -257,7 +257,7 @@ def draw(rd: RunDir, story: dict[str, Any], path: Path) -> None:
     biggest = max([story["budget_bytes"] or 0, *[a["peak_bytes"] or 0 for a in attempts]])
     unit, scale = ("GiB", _GIB) if biggest >= 2 * _GIB else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(11, 5.5), dpi=110)
-    colors = plt.get_cmap("tab10").colors
+    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]  # a ListedColormap: it has them
     budget = (story["budget_bytes"] or 0) / scale
     # A wild prediction (an attempt the model knew would not fit) must not squash the rest.
     ceiling = 1.8 * budget if budget else None

@@ -33,7 +33,20 @@ class ProgressDisplay:
     def update(self, attempt: int, progress: Progress, pace: Pace) -> None:
         key = (attempt, progress.step, progress.stage)
         if self._tty:
-            self._draw(attempt, progress)
+            if self._bar is None:
+                self._bar = tqdm(
+                    total=progress.max_steps,
+                    initial=progress.step,
+                    desc=f"attempt {attempt}",
+                    unit="step",
+                    file=self._stream,
+                    dynamic_ncols=True,
+                )
+            self._bar.set_postfix_str(_postfix(progress), refresh=False)
+            if progress.step > self._bar.n:
+                self._bar.update(progress.step - self._bar.n)  # redraws at tqdm's own rate limit
+            else:
+                self._bar.refresh()
         elif key != self._last_key and self._worth_a_line(progress):
             print(plain_line(attempt, progress, pace), file=self._stream, flush=True)
         self._last_key = key
@@ -52,24 +65,6 @@ class ProgressDisplay:
         if last[2] != p.stage and not (p.stage in _TRAINING and last[2] in _TRAINING):
             return True
         return p.step != last[1] and (p.step % self._every == 0 or p.step == p.max_steps)
-
-    def _draw(self, attempt: int, p: Progress) -> None:
-        bar = self._bar
-        if bar is None:
-            bar = self._bar = tqdm(
-                total=p.max_steps,
-                initial=p.step,
-                desc=f"attempt {attempt}",
-                unit="step",
-                file=self._stream,
-                dynamic_ncols=True,
-                leave=True,
-            )
-        bar.set_postfix_str(_postfix(p), refresh=False)
-        if p.step > bar.n:
-            bar.update(p.step - bar.n)  # redraws at tqdm's own rate limit
-        else:
-            bar.refresh()
 
 
 def _postfix(p: Progress) -> str:
