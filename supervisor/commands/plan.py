@@ -25,7 +25,7 @@ from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, Unsup
 from qlora_supervise.policies.rungs import knob_changes
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
-from qlora_supervise.policies.search.search_state import PreflightResult, RungEffect, rung_effects
+from qlora_supervise.policies.search.search_state import PreflightResult, rung_effects
 from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.validate import load_or_exit
 from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
@@ -74,7 +74,13 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
     targets, cannot_take = job.train.target_modules, job.trainer.cannot_take()  # as `run` leaves them out
     host_size = size_flag("--host-memory", host_memory)
     files = plan_model_files(knobs.model, job)
-    read = tool_read(ModelShape.read(files.config), job)
+    # The shape as the trainer runs it (a foreign tool's attention), or why the memory model cannot count
+    # it (a foreign tool's 8-bit or unquantized weights: run starts as written).
+    read = ModelShape.read(files.config)
+    if (why := job.trainer.unmodelled(job.knobs.model)) is not None:
+        read = Unsupported(UnsupportedReason.NOT_MODELLED, f"{why}: {UNMODELLED_RUN}")
+    elif isinstance(read, ModelShape):
+        read = model_facts.with_tool_attention(read, job.trainer) or read
     shape = read if isinstance(read, ModelShape) else None
     gone = read if isinstance(read, Unsupported) else None
     as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
@@ -109,7 +115,31 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
     if not isinstance(facts, Unsupported):
         terms = list(facts.missing_terms())
         architecture = {**asdict(facts), "summary": facts.describe(), "missing_terms": terms}
-    rungs = [effect for effect in effects if effect.name not in cannot_take]
+    rungs = [
+        {
+            "name": r.name,
+            "cost_class": r.cost_class.value,
+            "cost": r.cost,
+            "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
+            "peak_bytes": r.predicted_peak,
+            "changes": {k: list(v) for k, v in r.changes.items()},
+        }
+        for r in effects
+        if r.name not in cannot_take
+    ]
+    ranking = [
+        {
+            "rank": n,
+            "tokens_per_s": round(c.tokens_per_s, 1),
+            "measured": c.measured,
+            "peak_bytes": c.peak_bytes,
+            "host_peak_bytes": c.host_peak_bytes,
+            "cost_class": c.cost_class.value,
+            "rungs": list(c.rungs),
+            "changes": {k: list(v) for k, v in knob_changes(knobs, c.knobs).items()},
+        }
+        for n, c in enumerate(() if start is None else start.ranking, start=1)
+    ]
     return {
         "schema": SCHEMA,
         "job": str(Path(job_path).absolute()),
@@ -127,24 +157,13 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
         "start": None if start is None else _start(start),
-        "ranking": [] if start is None else _ranking(knobs, start),
-        "rungs": [_rung(r) for r in rungs],
+        "ranking": ranking,
+        "rungs": rungs,
         "host": {
             **host_ram(checkpoint, files.largest_shard_bytes, job, room),
             **host_training(shape, knobs, targets, host, start),
         },
     }  # fmt: skip
-
-
-def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsupported:
-    """The shape as ``job``'s trainer runs it (a foreign tool's attention), or why the memory
-    model cannot count it (a foreign tool's 8-bit or unquantized weights: run starts as written)."""
-    why = job.trainer.unmodelled(job.knobs.model)
-    if why is not None:
-        return Unsupported(UnsupportedReason.NOT_MODELLED, f"{why}: {UNMODELLED_RUN}")
-    if isinstance(read, Unsupported):
-        return read
-    return model_facts.with_tool_attention(read, job.trainer) or read
 
 
 def find_card(gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None) -> Card:
@@ -195,33 +214,6 @@ def _start(r: PreflightResult) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _ranking(job: Knobs, r: PreflightResult) -> list[dict[str, Any]]:
-    return [
-        {
-            "rank": n,
-            "tokens_per_s": round(c.tokens_per_s, 1),
-            "measured": c.measured,
-            "peak_bytes": c.peak_bytes,
-            "host_peak_bytes": c.host_peak_bytes,
-            "cost_class": c.cost_class.value,
-            "rungs": list(c.rungs),
-            "changes": {k: list(v) for k, v in knob_changes(job, c.knobs).items()},
-        }
-        for n, c in enumerate(r.ranking, start=1)
-    ]
-
-
-def _rung(r: RungEffect) -> dict[str, Any]:
-    return {
-        "name": r.name,
-        "cost_class": r.cost_class.value,
-        "cost": r.cost,
-        "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
-        "peak_bytes": r.predicted_peak,
-        "changes": {k: list(v) for k, v in r.changes.items()},
-    }
-
-
 def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
     """The model's files, or exit 2 naming the model as the job does (``model.path``, or a tool's key)."""
     try:
@@ -229,10 +221,8 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
     except model_files.ModelFilesError as error:
         key, where, spelled = job.trainer.model_words()
         if not model:
-            message = (
-                f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
-                f"to predict its memory; add {spelled} there"
-            )
+            why = f"plan reads the model's config.json to predict its memory; add {spelled} there"
+            message = f"the job names no model ({key} is not set in {where}): {why}"
         else:
             message = str(error).replace("point model.path at", f"point {key} (in {where}) at")
         raise BadInput(message) from None
