@@ -102,9 +102,8 @@ class PaceMeter:
 
     def __init__(self) -> None:
         self._attempt: int | None = None
-        self._start_at = 0.0
         self._first_step: int | None = None
-        self._first_step_at = 0.0
+        self._start_at = self._first_step_at = 0.0
 
     def measure(self, attempt: int, progress: Progress, now: float) -> Pace:
         if attempt != self._attempt:

@@ -82,14 +82,10 @@ class ServiceStatus:
     ``TimeoutStopSec`` does not cut a checkpoint off."""
 
     def __init__(self, max_attempts: int, budget_bytes: int | None) -> None:
-        self._max_attempts = max_attempts
-        self._budget = budget_bytes
-        self._watchdog_s = watchdog_interval_s()
-        self._last_status = ""
-        self._status_at = -1e18
+        self._max_attempts, self._budget, self._watchdog_s = max_attempts, budget_bytes, watchdog_interval_s()
         self._seen_event_at: float | None = None
-        self._ping_at = -1e18
-        self._extend_at = -1e18
+        self._last_status = ""
+        self._status_at = self._ping_at = self._extend_at = -1e18
 
     def update(self, attempt: int, p: Progress, pace: Pace, now: float) -> None:
         text = status_line(attempt, self._max_attempts, p, pace, self._budget)
