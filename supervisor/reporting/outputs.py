@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, write_to_textfile
 from structlog.typing import FilteringBoundLogger
@@ -168,10 +168,21 @@ def bounded_run(
         selector.register(proc.stdin, selectors.EVENT_WRITE)
         while selector.get_map() and (left := deadline - time.monotonic()) > 0:
             for key, _ in selector.select(left):
-                if key.fd == stdin_fd:
-                    pending = _feed(proc.stdin, pending, selector)
+                if key.fd == stdin_fd:  # what stdin takes now; closed once all is written
+                    try:
+                        pending = pending[os.write(stdin_fd, pending) :]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:
+                        pending = pending[:0]  # the hook does not read its stdin: the rest is dropped
+                    if not pending:
+                        selector.unregister(proc.stdin)
+                        proc.stdin.close()
+                elif chunk := os.read(key.fd, 65536):
+                    tails[key.fd] += chunk
+                    del tails[key.fd][:-KEEP_BYTES]
                 else:
-                    _drain(key.fd, tails[key.fd], selector)
+                    selector.unregister(key.fd)
     try:  # the exit status, or None after a kill at the deadline; its pipes closed either way
         code: int | None = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -182,31 +193,6 @@ def bounded_run(
         if not stream.closed:
             stream.close()
     return code, bytes(tails[out]), bytes(tails[err])
-
-
-def _feed(stdin: IO[bytes], pending: memoryview, selector: selectors.BaseSelector) -> memoryview:
-    """Write what the hook's stdin takes now; close it once all is written (or the hook stopped reading)."""
-    try:
-        pending = pending[os.write(stdin.fileno(), pending) :]
-    except BlockingIOError:
-        return pending
-    except BrokenPipeError:
-        pending = pending[:0]  # the hook does not read its stdin: the rest is dropped
-    if not pending:
-        selector.unregister(stdin)
-        stdin.close()
-    return pending
-
-
-def _drain(fd: int, tail: bytearray, selector: selectors.BaseSelector) -> None:
-    """Read a chunk of one of the hook's streams; keep only its last KEEP_BYTES."""
-    chunk = os.read(fd, 65536)
-    if not chunk:
-        selector.unregister(fd)
-        return
-    tail += chunk
-    if len(tail) > KEEP_BYTES:
-        del tail[: len(tail) - KEEP_BYTES]
 
 
 STATES = ("starting", "running", "backoff", "waiting", "succeeded", "gave_up", "stopped")
