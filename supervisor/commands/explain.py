@@ -221,9 +221,8 @@ class Series:
 
 
 def attempt_series(rd: RunDir, attempt: int) -> Series:
-    """The attempt's memory over time from its ``child-events.jsonl`` (the heartbeats' and ``loaded``'s
-    memory numbers: the gauge of its peak source) and ``gpu.jsonl`` (NVML's view of the process, CUDA
-    context included). A missing or torn file gives fewer points, never an error."""
+    """The attempt's memory over time: its events' gauge of their peak source, and ``gpu.jsonl`` (NVML's
+    view, CUDA context included). A missing or torn file gives fewer points, never an error."""
     files = rd.attempt(attempt)
     series = Series()
     for event in read_events(files.events):

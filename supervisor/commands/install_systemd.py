@@ -126,9 +126,8 @@ def _packaged(name: str) -> str:
 
 def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> str:
     """The template with this machine's executable, user, stop timeout and writable paths."""
-    executable = (
-        shutil.which("qlora-supervise") or f"{sys.executable} -m qlora_supervise.supervisor.commands.cli"
-    )
+    cli = "qlora_supervise.supervisor.commands.cli"
+    executable = shutil.which("qlora-supervise") or f"{sys.executable} -m {cli}"
     out: list[str] = []
     for line in template.splitlines():
         key = line.split("=", 1)[0] if "=" in line and not line.startswith("#") else ""

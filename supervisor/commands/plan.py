@@ -279,9 +279,8 @@ def host_training(
 def host_ram(
     checkpoint: int | None, largest_shard: int, job: Job, host_room: tuple[int, int | None]
 ) -> dict[str, Any]:
-    """The load's and the merge's host RAM as measured (RSS, the mapped checkpoint included), and
-    whether the load's need (imports + its largest shard in the page cache) fits the room there is:
-    the smallest of what is available, the cgroup's limit and ``cpu_memory_limit``, named."""
+    """The load's and the merge's host RAM (RSS, the mapped checkpoint included), and whether the load's
+    need (imports + its largest shard) fits the smallest of available, cgroup limit, cpu_memory_limit."""
     available, limit = host_room
     resources = job.resources
     on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run
@@ -402,9 +401,8 @@ def _render_host(host: dict[str, Any]) -> list[str]:
         lines.append(f"  WARNING: loading is predicted to need more host RAM than the {room}")
     if host.get("budget_bytes") is None:
         return lines
-    source = {"job": "resources.host_memory_limit", "flag": "--host-memory less a reserve"}.get(
-        host["budget_source"], "available now (capped by the cgroup) less a reserve"
-    )
+    sources = {"job": "resources.host_memory_limit", "flag": "--host-memory less a reserve"}
+    source = sources.get(host["budget_source"], "available now (capped by the cgroup) less a reserve")
     lines.append(f"host budget: {format_bytes(host['budget_bytes'])} ({source})")
     if host["train_peak_bytes"] is not None:
         terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in host["train_components"].items())

@@ -132,9 +132,9 @@ class EventHook:
         problem = self._run(name, json.dumps(dict(event), default=str))
         if problem is None:
             self.outputs.worked(ON_EVENT)
-            return True
-        self.outputs.failed(ON_EVENT, problem, Event.HOOK_FAILED, hook=self.argv, for_event=name)
-        return False
+        else:
+            self.outputs.failed(ON_EVENT, problem, Event.HOOK_FAILED, hook=self.argv, for_event=name)
+        return problem is None
 
     def _run(self, name: str, payload: str) -> str | None:
         """None when the hook exited 0, else what went wrong, in one line."""
