@@ -65,10 +65,7 @@ def human_lines(failure: Failure, printed: Any = ()) -> list[str]:
 
 def format_size(size: int) -> str:
     """PyTorch's size format: bytes up to 1 KiB, KiB up to 1 MiB, MiB up to 1 GiB, then GiB."""
-    if size <= 1024:
-        return f"{size} bytes"
-    if size <= 1024**2:
-        return f"{size / 1024:.2f} KiB"
-    if size <= 1024**3:
-        return f"{size / 1024**2:.2f} MiB"
-    return f"{size / 1024**3:.2f} GiB"
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size > scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} bytes"

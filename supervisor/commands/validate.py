@@ -67,6 +67,8 @@ def summary_lines(job: Job, records: int | None = None) -> list[str]:
     model = hub.describe(knobs.model)
     if job.fallback_models:
         model += f" (fallbacks: {', '.join(job.fallback_models)})"
+    ranks = f" x ranks {knobs.world_size}" if knobs.world_size > 1 else ""
+    ranks += " (FSDP-QLoRA)" if knobs.fsdp else ""
     length = f"max_steps {train.max_steps}" if train.max_steps > 0 else f"{train.epochs:g} epoch(s)"
     caps = (("GPU", resources.gpu_memory_limit), ("CPU", resources.cpu_memory_limit))
     limits = [f"{name} {format_bytes(n)}" for name, n in caps if n is not None]
@@ -74,9 +76,7 @@ def summary_lines(job: Job, records: int | None = None) -> list[str]:
         f"model: {model}",
         f"data: {_data_summary(job.data, records)}",
         f"effective batch: {knobs.effective_batch} = micro-batch {knobs.micro_batch_size} x accumulation "
-        f"{knobs.grad_accum}{f' x ranks {knobs.world_size}' if knobs.world_size > 1 else ''}"
-        f"{' (FSDP-QLoRA)' if knobs.fsdp else ''}; "
-        f"seq_len {knobs.max_seq_len}; {length}",
+        f"{knobs.grad_accum}{ranks}; seq_len {knobs.max_seq_len}; {length}",
         f"device: {resources.device}" + (f"; memory limits: {', '.join(limits)}" if limits else ""),
         f"output_dir: {job.output_dir}",
     ]

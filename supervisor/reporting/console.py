@@ -80,12 +80,9 @@ def _postfix(p: Progress) -> str:
 
 def plain_line(attempt: int, p: Progress, pace: Pace) -> str:
     """``attempt 2 | step 40/100 | forward | loss 1.2345 | 1893 tok/s | 03:10 elapsed, ETA 04:45``."""
-    parts = [f"attempt {attempt}", f"step {p.step}/{p.max_steps or '?'}", _postfix(p)]
-    timing = f"{tqdm.format_interval(pace.elapsed_s)} elapsed"
-    if pace.eta_s is not None:
-        timing += f", ETA {tqdm.format_interval(pace.eta_s)}"
-    parts.append(timing)
-    return " | ".join(parts)
+    eta = "" if pace.eta_s is None else f", ETA {tqdm.format_interval(pace.eta_s)}"
+    timing = f"{tqdm.format_interval(pace.elapsed_s)} elapsed{eta}"
+    return " | ".join([f"attempt {attempt}", f"step {p.step}/{p.max_steps or '?'}", _postfix(p), timing])
 
 
 @dataclass(frozen=True)
