@@ -313,9 +313,8 @@ def _attempt(
         ax.hlines(value, start, end, colors=[color], linestyles="dotted", lw=1.5)
         top = max(top, value)
     if a["outcome"] == "failed":
-        # Where it died: what it held (the allocator's reserve, which a cap counts, else its allocated
-        # bytes, else the last sample) plus the request that failed, so a cross above the budget line
-        # shows by how much the attempt did not fit.
+        # Where it died: what it held (the allocator's reserve, which a cap counts, else its allocated bytes,
+        # else the last sample) plus the failed request: a cross above the budget shows by how much.
         numbers = a["numbers"]
         held = (
             numbers.get("reserved_total") or numbers.get("already_allocated") or numbers.get("process_in_use")

@@ -180,13 +180,11 @@ def find_card(gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction 
     if cap is not None:
         cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
         return Card("job_cap", cap, None, 0, cap_why, cap)
-    if device != "cpu":
-        monitor = GpuMonitor.open(device)
-        if monitor is not None:
-            with contextlib.closing(monitor):
-                sample = monitor.sample(set())
-            if sample is not None:
-                return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
+    if device != "cpu" and (monitor := GpuMonitor.open(device)) is not None:
+        with contextlib.closing(monitor):
+            sample = monitor.sample(set())
+        if sample is not None:
+            return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
     return Card("none", None, None, reserve, why, None)
 
 

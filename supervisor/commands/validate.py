@@ -35,7 +35,10 @@ def validate_command(path: str) -> int:
     print(f"{path}: OK")
     # A tool reads its own data (a hub dataset, a mixture): it is not probed here.
     records = _records(job.data) if job.trainer.probes_data() else None
-    for line in [*warning_lines(job, records), *summary_lines(job, records), *job.trainer.summary()]:
+    # What a person should know before running the job, though it is not a problem (jobfile.advice).
+    trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
+    advice = [found.render() for found in [*job_advice(job, records), *tool_advice(job.trainer)]]
+    for line in [*trust, *advice, *summary_lines(job, records), *job.trainer.summary()]:
         print(f"  {line}")
     return 0
 
@@ -52,13 +55,6 @@ def load_or_exit(job_path: str, head: str | None = None, tail: str = "", tools: 
         lines = "\n".join(problem.render() for problem in error.problems)
         head = head or f"{len(error.problems)} problem(s)"
         raise BadInput(f"{job_path}: {head}:\n{lines}{tail}") from None
-
-
-def warning_lines(job: Job, records: int | None = None) -> list[str]:
-    """What a person should know before running the job, though it is not a problem (see
-    :mod:`jobfile.advice`); ``records``: the training file's record count, where known."""
-    trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
-    return trust + [advice.render() for advice in [*job_advice(job, records), *tool_advice(job.trainer)]]
 
 
 def summary_lines(job: Job, records: int | None = None) -> list[str]:
