@@ -31,11 +31,10 @@ def classify_command(path: str, as_json: bool) -> int:
     """Print the classification of ``path`` (``-``: standard input). 0 when read, 2 when not."""
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        print(f"qlora-supervise classify: no such file: {path}", file=sys.stderr)
-        return 2
     except OSError as error:
-        print(f"qlora-supervise classify: cannot read {path}: {error.strerror}", file=sys.stderr)
+        missing = isinstance(error, FileNotFoundError)
+        why = f"no such file: {path}" if missing else f"cannot read {path}: {error.strerror}"
+        print(f"qlora-supervise classify: {why}", file=sys.stderr)
         return 2
     failure = classify_text(text)
     if as_json:

@@ -129,7 +129,6 @@ def _row(
     on_gpu = asked_gpu if device is None else device.startswith("cuda")
     shape = given or model_shape(Path(r.knobs.model))
     predicted = estimate_peak(shape, r.knobs) if shape is not None and on_gpu else None
-    speed = speed_of(events, r.knobs)
     return {
         "attempt": r.attempt,
         "phase": r.phase.value,
@@ -148,7 +147,7 @@ def _row(
         "host_peak_bytes": r.host.peak_bytes if r.host else None,
         "host_predicted_bytes": r.host.predicted_bytes if r.host else None,
         "host_load_peak_bytes": r.host.load_peak_bytes if r.host else None,
-        **speed_columns(shape if on_gpu else None, speed),
+        **speed_columns(shape if on_gpu else None, speed_of(events, r.knobs)),
         "wall_s": round(r.ended_at - r.started_at, 1),
         "started_at": r.started_at,
         "ended_at": r.ended_at,

@@ -24,9 +24,7 @@ class ProgressDisplay:
     :meth:`clear` ends the bar before a log line."""
 
     def __init__(self, stream: TextIO, plain: bool, logging_steps: int = 1) -> None:
-        self._stream = stream
-        self._tty = stream.isatty() and not plain
-        self._every = max(1, logging_steps)
+        self._stream, self._tty, self._every = stream, stream.isatty() and not plain, max(1, logging_steps)
         self._bar: tqdm[NoReturn] | None = None  # a bar with no iterable: fed by update()
         self._last_key: tuple[int, int, str] | None = None
 
@@ -123,9 +121,8 @@ class ConsoleStream(io.TextIOBase):
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__()
-        self._stream = stream
+        self._stream, self._reported = stream, False
         self.lost: str | None = None  # why the console went away (None: it is there)
-        self._reported = False
 
     def write(self, text: str) -> int:
         self._try(self._stream.write, text)
