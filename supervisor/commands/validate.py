@@ -66,27 +66,23 @@ def summary_lines(job: Job, records: int | None = None) -> list[str]:
     ranks = f" x ranks {knobs.world_size}" if knobs.world_size > 1 else ""
     ranks += " (FSDP-QLoRA)" if knobs.fsdp else ""
     length = f"max_steps {train.max_steps}" if train.max_steps > 0 else f"{train.epochs:g} epoch(s)"
+    # The data: records, not lines (blank lines are none).
+    data, messages = job.data, job.data.messages_field is not None
+    name = data.messages_field if messages else data.text_field
+    count = "" if records is None else f"{records} records, "
+    described = f"{data.path} ({count}{'messages_field' if messages else 'text_field'} {name!r})"
+    if name is None:  # a foreign trainer's dataset: its own config says how to read it
+        described = f"{data.path or '(see the trainer config)'} (read by the trainer itself)"
     caps = (("GPU", resources.gpu_memory_limit), ("CPU", resources.cpu_memory_limit))
     limits = [f"{name} {format_bytes(n)}" for name, n in caps if n is not None]
     return [
         f"model: {model}",
-        f"data: {_data_summary(job.data, records)}",
+        f"data: {described}",
         f"effective batch: {knobs.effective_batch} = micro-batch {knobs.micro_batch_size} x accumulation "
         f"{knobs.grad_accum}{ranks}; seq_len {knobs.max_seq_len}; {length}",
         f"device: {resources.device}" + (f"; memory limits: {', '.join(limits)}" if limits else ""),
         f"output_dir: {job.output_dir}",
     ]
-
-
-def _data_summary(data: DataSpec, records: int | None) -> str:
-    """``<path> (<n> records, text_field 'text')``: records, not lines (blank lines are none)."""
-    messages = data.messages_field is not None
-    name = data.messages_field if messages else data.text_field
-    if name is None:  # a foreign trainer's dataset: its own config says how to read it
-        return f"{data.path or '(see the trainer config)'} (read by the trainer itself)"
-    field = f"messages_field {name!r}" if messages else f"text_field {name!r}"
-    count = "" if records is None else f"{records} records, "
-    return f"{data.path} ({count}{field})"
 
 
 def _records(data: DataSpec) -> int | None:
