@@ -66,14 +66,10 @@ class ProgressDisplay:
 
 
 def _postfix(p: Progress) -> str:
-    parts = [p.stage]
-    if p.loss is not None:
-        parts.append(f"loss {p.loss:.4f}")
-    if p.tokens_per_s is not None:
-        parts.append(f"{p.tokens_per_s:.0f} tok/s")
-    if p.peak_bytes:
-        parts.append(f"peak {format_bytes(p.peak_bytes)}")
-    return " | ".join(parts)
+    loss = [] if p.loss is None else [f"loss {p.loss:.4f}"]
+    rate = [] if p.tokens_per_s is None else [f"{p.tokens_per_s:.0f} tok/s"]
+    peak = [f"peak {format_bytes(p.peak_bytes)}"] if p.peak_bytes else []
+    return " | ".join([p.stage, *loss, *rate, *peak])
 
 
 def plain_line(attempt: int, p: Progress, pace: Pace) -> str:
