@@ -26,8 +26,13 @@ from qlora_supervise.supervisor.jobfile.problems import JobError
 from qlora_supervise.supervisor.record.eventlog import open_event_log, read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
 from qlora_supervise.supervisor.reporting.console import ProgressDisplay
-from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
-from qlora_supervise.supervisor.reporting.outputs import METRICS_TEXTFILE, RELOG_EVERY_S, BestEffort, Reporter
+from qlora_supervise.supervisor.reporting.outputs import (
+    METRICS_TEXTFILE,
+    RELOG_EVERY_S,
+    BestEffort,
+    MetricsTextfile,
+    Reporter,
+)
 from qlora_supervise.supervisor.watching.watch import Progress
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -16,9 +16,8 @@ from tqdm import tqdm
 from qlora_supervise.supervisor.record.eventlog import ConsoleLines, open_event_log, read_events
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting.console import Pace, PaceMeter, ProgressDisplay, plain_line
-from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import status_line
-from qlora_supervise.supervisor.reporting.outputs import EventHook
+from qlora_supervise.supervisor.reporting.outputs import EventHook, MetricsTextfile
 from qlora_supervise.supervisor.watching.watch import Progress
 
 

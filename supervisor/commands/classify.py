@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,12 @@ NUMBER_LABELS: tuple[tuple[str, str], ...] = (
 
 def classify_command(path: str, as_json: bool) -> int:
     """Print the classification of ``path`` (``-``: standard input). 0 when read, 2 when not."""
-    text = _read(path)
-    if text is None:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as error:
+        missing = isinstance(error, FileNotFoundError)
+        why = f"no such file: {path}" if missing else f"cannot read {path}: {error.strerror}"
+        print(f"qlora-supervise classify: {why}", file=sys.stderr)
         return 2
     failure = classify_text(text)
     if as_json:
@@ -44,7 +47,13 @@ def classify_command(path: str, as_json: bool) -> int:
 def human_lines(failure: Failure, printed: Any = ()) -> list[str]:
     """The failure for a person; numbers not in ``printed`` are marked as derived."""
     lines = [f"kind      {failure.kind.value}", f"stage     {failure.stage.value}"]
-    numbers = _number_lines(failure.numbers, set(printed))
+    numbers = [
+        f"  {label:<34}{format_size(int(failure.numbers[key]))}{'' if key in printed else '  (derived)'}"
+        for key, label in NUMBER_LABELS
+        if key in failure.numbers
+    ]
+    processes = dict(failure.numbers.get("processes", {})).items()
+    numbers += [f"  {'process ' + str(pid):<34}{format_size(int(size))}" for pid, size in processes]
     if numbers:
         lines += ["numbers", *numbers]
     if failure.message:
@@ -55,33 +64,7 @@ def human_lines(failure: Failure, printed: Any = ()) -> list[str]:
 
 def format_size(size: int) -> str:
     """PyTorch's size format: bytes up to 1 KiB, KiB up to 1 MiB, MiB up to 1 GiB, then GiB."""
-    if size <= 1024:
-        return f"{size} bytes"
-    if size <= 1024**2:
-        return f"{size / 1024:.2f} KiB"
-    if size <= 1024**3:
-        return f"{size / 1024**2:.2f} MiB"
-    return f"{size / 1024**3:.2f} GiB"
-
-
-def _number_lines(numbers: Mapping[str, Any], printed: set[str]) -> list[str]:
-    lines = []
-    for key, label in NUMBER_LABELS:
-        if key in numbers:
-            derived = "" if key in printed else "  (derived)"
-            lines.append(f"  {label:<34}{format_size(int(numbers[key]))}{derived}")
-    for pid, size in dict(numbers.get("processes", {})).items():
-        lines.append(f"  {'process ' + str(pid):<34}{format_size(int(size))}")
-    return lines
-
-
-def _read(path: str) -> str | None:
-    if path == "-":
-        return sys.stdin.read()
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        print(f"qlora-supervise classify: no such file: {path}", file=sys.stderr)
-    except OSError as error:
-        print(f"qlora-supervise classify: cannot read {path}: {error.strerror}", file=sys.stderr)
-    return None
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size > scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} bytes"

@@ -1,15 +1,12 @@
-"""The ``qlora-supervise`` command line.
-
-Each subcommand lives in its own module and is imported only when it runs, so ``--help`` is
-instant and nothing here pulls in torch (the tiny-model maker runs as a child process).
-"""
+"""The ``qlora-supervise`` command line. Each subcommand lives in its own module and is imported only
+when it runs, so ``--help`` is instant and nothing here pulls in torch (the tiny model is a child's)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,75 +22,60 @@ attempts.jsonl."""
 JOB_HELP = "the job file (YAML)"
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> ArgumentParser:
     # Long because it declares every subcommand and flag in one place, the order --help shows them.
     # Each subcommand's dests are the keyword parameters of its function: ``target``, by default
     # ``<name>:<name>_command`` (with ``-`` as ``_``) in this package.
-    parser = argparse.ArgumentParser(
-        prog="qlora-supervise",
-        description=DESCRIPTION,
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    raw: dict[str, Any] = {"epilog": EXIT_CODES_HELP, "formatter_class": RawDescriptionHelpFormatter}
+    parser = ArgumentParser(prog="qlora-supervise", description=DESCRIPTION, **raw)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, target: str = "", **more: Any) -> argparse.ArgumentParser:
+    def command(name: str, help: str, target: str = "", job: str = "", **more: Any) -> ArgumentParser:
+        """The subcommand ``name``, with a positional job file ``job`` (its dest) where given."""
         parser = sub.add_parser(name, help=help, **more)
         module = name.replace("-", "_")
         parser.set_defaults(target=target or f"{module}:{module}_command")
+        if job:
+            parser.add_argument(job, metavar="job", help=JOB_HELP)
         return parser
 
-    def flag(parser: argparse.ArgumentParser, name: str, help: str) -> None:
+    def flag(parser: ArgumentParser, name: str, help: str) -> None:
         dest = "as_json" if name == "--json" else name[2:].replace("-", "_")
         parser.add_argument(name, action="store_true", help=help, dest=dest)
 
-    run = command(
-        "run",
-        "supervise a fine-tune until it finishes or the ladder gives up",
-        "run:run_job",
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    run.add_argument("job_path", metavar="job", help=JOB_HELP)
+    what = "supervise a fine-tune until it finishes or the ladder gives up"
+    run = command("run", what, "run:run_job", "job_path", **raw)
     flag(run, "--plain", "one progress line per logging step, even on a terminal")
     flag(run, "--as-written", "start from the job's own config, not the memory model's pre-flight choice")
-    flag(
-        run,
-        "--restart",
-        "start a new generation in the same output_dir (the current one moves to generations/N/); "
-        "needed when the job changes what is trained (model, data, LoRA, quantization, lr, seq_len, batch)",
+    what = "start a new generation in the same output_dir (the current one moves to generations/N/); "
+    what += (
+        "needed when the job changes what is trained (model, data, LoRA, quantization, lr, seq_len, batch)"
     )
+    flag(run, "--restart", what)
     flag(run, "--retry", "lift the run's verdict (gave up, not retryable) and try its last config again")
 
-    validate = command("validate", "check a job file and report every problem at once")
-    validate.add_argument("path", metavar="job", help=JOB_HELP)
+    command("validate", "check a job file and report every problem at once", job="path")
 
     classify = command("classify", "classify a failure from a log or traceback")
     classify.add_argument("path", metavar="file", help="the log file, or - for standard input")
     flag(classify, "--json", "print one JSON object")
 
-    tiny = command(
-        "make-tiny", "write a tiny Llama-shaped model, dataset and job.yaml", "demo:make_tiny_command"
-    )
+    what = "write a tiny Llama-shaped model, dataset and job.yaml"
+    tiny = command("make-tiny", what, "demo:make_tiny_command")
     tiny.add_argument("directory", metavar="dir", help="directory to write into")
 
     demo = command("demo", "make the tiny model and supervise a job that does not fit its memory cap")
-    demo_help = "working directory (default: ./demo-run)"
-    demo.add_argument("--dir", dest="directory", metavar="DIR", default="demo-run", help=demo_help)
+    what = "working directory (default: ./demo-run)"
+    demo.add_argument("--dir", dest="directory", metavar="DIR", default="demo-run", help=what)
 
-    plan = command(
-        "plan", "predict the peak memory by component and the config the supervisor would start from"
-    )
-    plan.add_argument("job_path", metavar="job", help=JOB_HELP)
-    plan.add_argument(
-        "--gpu-memory", help="the card's memory, e.g. 24GiB (default: the job's cap, else NVML)"
-    )
-    plan.add_argument(
-        "--host-memory",
-        help="the host's RAM, e.g. 32GiB (default: the job's host_memory_limit, else what is available "
-        "now, capped by the cgroup, less a reserve)",
-    )
+    what = "predict the peak memory by component and the config the supervisor would start from"
+    plan = command("plan", what, job="job_path")
+    what = "the card's memory, e.g. 24GiB (default: the job's cap, else NVML)"
+    plan.add_argument("--gpu-memory", help=what)
+    what = "the host's RAM, e.g. 32GiB (default: the job's host_memory_limit, else what is available now, "
+    what += "capped by the cgroup, less a reserve)"
+    plan.add_argument("--host-memory", help=what)
     flag(plan, "--json", "print one JSON object (schema in docs/planning.md)")
 
     status = command("status", "summarise the attempts of one or more run directories")
@@ -112,8 +94,9 @@ def _build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", help="where the merged model goes (default: RUN_DIR/merged)")
     merge.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
 
-    install = command("install-systemd", "write the systemd unit and the job; print what to run")
-    install.add_argument("job_path", metavar="job", help=JOB_HELP)
+    install = command(
+        "install-systemd", "write the systemd unit and the job; print what to run", job="job_path"
+    )
     scope = install.add_mutually_exclusive_group()
     scope.add_argument("--system", dest="user_mode", action="store_false", help="a system unit (default)")
     scope.add_argument("--user", dest="user_mode", action="store_true", help="a unit of your user's manager")

@@ -46,11 +46,17 @@ def demo_command(directory: str) -> int:
     if not (tiny / "job.yaml").exists():
         print(f"making the tiny model in {tiny} ...", file=sys.stderr, flush=True)
         if make_tiny_command(tiny) != 0:
-            raise SupervisorExit(
-                SupervisorExitCode.NOT_RETRYABLE, "could not build the tiny model (see above)"
-            )
-    # A GPU NVML can see: the demo caps GPU memory instead of the CPU data segment.
-    baseline = None if visible_gpu_count() else _import_baseline()
+            why = "could not build the tiny model (see above)"
+            raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, why)
+    baseline = None  # a GPU NVML can see: the demo caps GPU memory instead of the CPU data segment
+    if not visible_gpu_count():  # the trainer child's data segment after its imports on this machine
+        command = [sys.executable, "-m", processes.STACK, processes.STACK_BYTES]
+        out = subprocess.run(command, check=False, capture_output=True, text=True)
+        if out.returncode != 0 or not out.stdout.strip().isdigit():
+            stack = "torch, transformers, peft, trl, bitsandbytes"
+            why = f"could not import the training stack ({stack}): {out.stderr.strip()[-2000:]}"
+            raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, why)
+        baseline = int(out.stdout.strip())
     cpu_cap = None if baseline is None else f"{(baseline + DEMO_CPU_HEADROOM) // 2**20}MiB"
     job_path = write_demo_job(tiny / "job.yaml", root, cpu_cap)
     print(f"supervising {job_path} ({cap_words(baseline)}: the first config will not fit)", file=sys.stderr)
@@ -62,36 +68,19 @@ def cap_words(baseline: int | None) -> str:
     if baseline is None:
         return f"gpu_memory_limit {DEMO_GPU_CAP}"
     cap = (baseline + DEMO_CPU_HEADROOM) // 2**20 * 2**20
-    return (
-        f"cpu_memory_limit {format_bytes(cap)}: the trainer's {format_bytes(baseline)} after its imports "
-        f"+ {format_bytes(DEMO_CPU_HEADROOM)}"
-    )
-
-
-def _import_baseline() -> int:
-    """The trainer child's data segment after its imports on this machine (a child process)."""
-    command = [sys.executable, "-m", processes.STACK, processes.STACK_BYTES]
-    out = subprocess.run(command, check=False, capture_output=True, text=True)
-    if out.returncode != 0 or not out.stdout.strip().isdigit():
-        raise SupervisorExit(
-            SupervisorExitCode.NOT_RETRYABLE,
-            f"could not import the training stack (torch, transformers, peft, trl, bitsandbytes): "
-            f"{out.stderr.strip()[-2000:]}",
-        )
-    return int(out.stdout.strip())
+    imports = f"the trainer's {format_bytes(baseline)} after its imports + {format_bytes(DEMO_CPU_HEADROOM)}"
+    return f"cpu_memory_limit {format_bytes(cap)}: {imports}"
 
 
 def write_demo_job(tiny_job: Path, root: Path, cpu_cap: str | None) -> Path:
     """The tiny job with a first config too big for the demo's memory cap."""
     job: dict[str, Any] = yaml.safe_load(tiny_job.read_text(encoding="utf-8"))
     base = tiny_job.parent
-    job["model"]["path"] = str((base / job["model"]["path"]).resolve())
-    job["data"]["path"] = str((base / job["data"]["path"]).resolve())
+    for key in ("model", "data"):
+        job[key]["path"] = str((base / job[key]["path"]).resolve())
     job["train"].update(DEMO_TRAIN)
-    if cpu_cap is None:
-        job["resources"] = {"gpu": 0, "gpu_memory_limit": DEMO_GPU_CAP}
-    else:
-        job["resources"] = {"gpu": "cpu", "cpu_memory_limit": cpu_cap}
+    gpu = {"gpu": 0, "gpu_memory_limit": DEMO_GPU_CAP}
+    job["resources"] = gpu if cpu_cap is None else {"gpu": "cpu", "cpu_memory_limit": cpu_cap}
     job.setdefault("supervise", {})["hang_timeout"] = "5m"
     job["output_dir"] = str(root / "run")
     path = root / "demo-job.yaml"

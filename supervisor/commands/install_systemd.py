@@ -1,11 +1,9 @@
-"""``qlora-supervise install-systemd JOB [--user | --system] [--force] [--root DIR]``.
-
-Writes the template unit (package data) rendered for this machine and the job, with every path made
-absolute, as ``<config>/qlora-supervise/<name>.yaml`` (``<config>``: ``/etc``, or ``$XDG_CONFIG_HOME``
-for ``--user``; all under ``--root`` if given), then prints the ``systemctl`` lines to run. Existing
-files are never overwritten without ``--force``: a unit edited by an admin is theirs. A user unit
-drops ``User=``/``Group=`` and the sandboxing that needs a privileged manager.
-"""
+"""``qlora-supervise install-systemd JOB [--user | --system] [--force] [--root DIR]``: writes the template
+unit (package data) rendered for this machine and the job, with every path made absolute, as
+``<config>/qlora-supervise/<name>.yaml`` (``<config>``: ``/etc``, or ``$XDG_CONFIG_HOME`` for ``--user``;
+all under ``--root`` if given), then prints the ``systemctl`` lines to run. Existing files are never
+overwritten without ``--force``: a unit edited by an admin is theirs. A user unit drops
+``User=``/``Group=`` and the sandboxing that needs a privileged manager."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ import os
 import pwd
 import shutil
 import sys
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -40,17 +37,6 @@ SYSTEM_ONLY = frozenset({"User", "Group", "ReadWritePaths", "CapabilityBoundingS
 SYSTEM_ONLY_PREFIXES = ("Protect", "Private", "Device")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where one installation's files go, and what the printed commands say."""
-
-    unit: Path
-    job: Path
-    env: Path
-    systemctl: str  # "systemctl" or "systemctl --user"
-    journalctl: str
-
-
 def install_systemd_command(
     job_path: str,
     user_mode: bool = False,
@@ -62,19 +48,33 @@ def install_systemd_command(
     """Write the unit, the job copy and (once) the environment file; print what to run next."""
     job = load_or_exit(job_path, head="not installed")
     instance = name or Path(job_path).stem
-    layout = _layout(Path(root) if root else Path("/"), user_mode, instance)
-    existing = [p for p in (layout.unit, layout.job) if p.exists()]
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") if user_mode else Path("/etc")
+    config = (Path(root) if root else Path("/")) / config.relative_to(config.anchor)
+    unit_file = config / "systemd" / ("user" if user_mode else "system") / UNIT_NAME
+    job_file, env = config / "qlora-supervise" / f"{instance}.yaml", config / "qlora-supervise" / ENV_NAME
+    existing = [p for p in (unit_file, job_file) if p.exists()]
     if existing and not force:
-        raise BadInput(
-            "refusing to overwrite " + ", ".join(map(str, existing)) + ": pass --force to replace them",
-        )
-    user = service_user or _default_service_user()
+        raise BadInput(f"refusing to overwrite {', '.join(map(str, existing))}: pass --force to replace them")
+    # The user who asked (through sudo too); root is never the default service user.
+    user = service_user or os.environ.get("SUDO_USER") or getpass.getuser()
+    user = "qlora" if user == "root" and not service_user else user
     unit_text = render_unit(_packaged(UNIT_NAME), job, user_mode, user)
-    _write(layout.unit, unit_text)
-    _write(layout.job, job_copy(job))
-    if not layout.env.exists():  # the shared environment file is the admin's after the first write
-        _write(layout.env, _packaged(ENV_EXAMPLE))
-    _print_next_steps(layout, instance, job)
+    _write(unit_file, unit_text)
+    _write(job_file, job_copy(job))
+    if not env.exists():  # the shared environment file is the admin's after the first write
+        _write(env, _packaged(ENV_EXAMPLE))
+    tools = ("systemctl --user", "journalctl --user") if user_mode else ("sudo systemctl", "journalctl")
+    systemctl, journalctl = tools
+    unit = f"qlora-supervise@{instance}"
+    print(
+        f"\nnext:\n"
+        f"  {systemctl} daemon-reload\n"
+        f"  {systemctl} enable --now {unit}\n"
+        f"  {systemctl} status {unit}\n"
+        f"  {journalctl} -u {unit} -f            # -p warning: retries and give-ups only\n"
+        f"  qlora-supervise status {job.output_dir}\n"
+        f"edit {env} for PATH, HF_HOME and CUDA_VISIBLE_DEVICES first."
+    )
     if not user_mode:
         for line in service_warnings(job, user, unit_text):
             print(line)
@@ -93,8 +93,11 @@ def service_warnings(job: Job, user: str, unit_text: str) -> list[str]:
             f"(`sudo useradd --system --create-home {user}`) and give it read access to the model and "
             f"data and write access to {job.output_dir}, or install with --service-user NAME"
         )
+    # The job's paths the service must see: its model, data, output_dir and a tool's config.
+    named = (("model", job.knobs.model), ("data.path", job.data.path), ("data.eval_path", job.data.eval_path))
+    paths = [(field, value) for field, value in named if value and value.startswith("/")]
     if "\nPrivateTmp=yes" in "\n" + unit_text:
-        for field, path in _job_paths(job):
+        for field, path in [("output_dir", str(job.output_dir)), *paths, *job.trainer.service_paths()]:
             real = Path(os.path.realpath(path))
             tmp = next((t for t in ("/tmp", "/var/tmp") if real == Path(t) or Path(t) in real.parents), None)
             if tmp is not None:
@@ -104,28 +107,6 @@ def service_warnings(job: Job, user: str, unit_text: str) -> list[str]:
                     "/srv/qlora), or remove PrivateTmp=yes from the unit"
                 )
     return lines
-
-
-def _job_paths(job: Job) -> list[tuple[str, str]]:
-    """The job's paths the service must see: its model, data, output_dir and a tool's config."""
-    named = (("model", job.knobs.model), ("data.path", job.data.path), ("data.eval_path", job.data.eval_path))
-    paths = [(field, value) for field, value in named if value and value.startswith("/")]
-    return [("output_dir", str(job.output_dir)), *paths, *job.trainer.service_paths()]
-
-
-def _layout(root: Path, user_mode: bool, instance: str) -> Layout:
-    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") if user_mode else Path("/etc")
-    config = root / config.relative_to(config.anchor)
-    units = config / "systemd" / ("user" if user_mode else "system")
-    tools = ("systemctl --user", "journalctl --user") if user_mode else ("sudo systemctl", "journalctl")
-    ours = config / "qlora-supervise"
-    return Layout(units / UNIT_NAME, ours / f"{instance}.yaml", ours / ENV_NAME, *tools)
-
-
-def _default_service_user() -> str:
-    """The user who asked (through sudo too); root is never the default service user."""
-    name = os.environ.get("SUDO_USER") or getpass.getuser()
-    return "qlora" if name == "root" else name
 
 
 def _packaged(name: str) -> str:
@@ -145,9 +126,8 @@ def _packaged(name: str) -> str:
 
 def render_unit(template: str, job: Job, user_mode: bool, service_user: str) -> str:
     """The template with this machine's executable, user, stop timeout and writable paths."""
-    executable = (
-        shutil.which("qlora-supervise") or f"{sys.executable} -m qlora_supervise.supervisor.commands.cli"
-    )
+    cli = "qlora_supervise.supervisor.commands.cli"
+    executable = shutil.which("qlora-supervise") or f"{sys.executable} -m {cli}"
     out: list[str] = []
     for line in template.splitlines():
         key = line.split("=", 1)[0] if "=" in line and not line.startswith("#") else ""
@@ -192,16 +172,3 @@ def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     print(f"wrote {path}")
-
-
-def _print_next_steps(layout: Layout, instance: str, job: Job) -> None:
-    unit = f"qlora-supervise@{instance}"
-    print(
-        f"\nnext:\n"
-        f"  {layout.systemctl} daemon-reload\n"
-        f"  {layout.systemctl} enable --now {unit}\n"
-        f"  {layout.systemctl} status {unit}\n"
-        f"  {layout.journalctl} -u {unit} -f            # -p warning: retries and give-ups only\n"
-        f"  qlora-supervise status {job.output_dir}\n"
-        f"edit {layout.env} for PATH, HF_HOME and CUDA_VISIBLE_DEVICES first."
-    )

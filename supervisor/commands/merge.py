@@ -3,8 +3,7 @@
 ``run``'s merge child started on its own, from the newest training attempt's spec pointed at ``--out``
 (default ``RUN_DIR/merged``), in ``RUN_DIR/merge-command/``; a GPU ``oom_merge`` is retried once on the
 CPU. The journal is not touched, and the run's lock is held throughout (refused, exit 2, while a
-supervisor runs). The adapter's step is added to ``merge.json`` and to ``merge-command/merged.json``.
-"""
+supervisor runs). The adapter's step is added to ``merge.json`` and to ``merge-command/merged.json``."""
 
 from __future__ import annotations
 
@@ -40,43 +39,42 @@ DEVICE_ENV = "QLORA_SUPERVISE_MERGE_DEVICE"  # trainer_child.merge.DEVICE_ENV (n
 def merge_command(run_dir: str, out: str | None = None, device: str = "auto") -> int:
     rd = RunDir(Path(run_dir).resolve())
     if device == "cuda" and not visible_gpu_count():
-        raise BadInput(
-            "merge --device cuda: no GPU is visible here (NVML finds none); "
-            "use --device cpu (or auto, which picks the CPU on this machine)",
-        )
+        cpu = "use --device cpu (or auto, which picks the CPU on this machine)"
+        raise BadInput(f"merge --device cuda: no GPU is visible here (NVML finds none); {cpu}")
     if not (rd.adapter / "adapter_config.json").is_file():
-        raise BadInput(
-            f"{rd.adapter}: no adapter_config.json; merge a run that finished training "
-            f"(qlora-supervise status {run_dir})",
-        )
+        why = f"merge a run that finished training (qlora-supervise status {run_dir})"
+        raise BadInput(f"{rd.adapter}: no adapter_config.json; {why}")
     os.umask(RUN_UMASK)  # what the child creates (its events, the merged model) is 0640 / 0750 too
     merged = Path(out).resolve() if out else rd.merged
     if (system := system_folder(merged)) is not None:
         raise BadInput(f"merge --out {merged}: {system[0]}; choose a folder of your own")
+    # The lock held throughout: nothing replaces the adapter meanwhile.
     with rd.lock(busy=f"a supervisor is running on {rd.root}: merge once it has ended, or stop it first"):
-        return _merge_locked(rd, merged, device)
-
-
-def _merge_locked(rd: RunDir, merged: Path, device: str) -> int:
-    """The merge, with the run's lock held: nothing replaces the adapter meanwhile."""
-    step = adapter_step(rd)
-    work = _merge_spec(rd, merged)
-    code, report = _run_child(work, device)
-    if report is not None and report.is_oom and device != "cpu":
-        print(f"oom_merge on the GPU ({report.message[:200]}): merging on the CPU instead", file=sys.stderr)
-        code, report = _run_child(work, "cpu")
-    if code != 0:
-        why = report.message[:500] if report else f"exit status {code}"
-        raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {work.log})")
-    numbers = _record_step(rd, merged, step)
-    print(f"merged: {merged} (the adapter of step {step if step is not None else '?'})")
-    if numbers:
-        peaks = [
-            f"{label} {format_bytes(numbers[key])}"
-            for key, label in (("gpu_peak_bytes", "GPU peak"), ("host_peak_bytes", "host peak"))
-            if isinstance(numbers.get(key), int)
-        ]
-        print(f"  {numbers['device']}, {numbers['dtype']}, {numbers['seconds']} s, {', '.join(peaks)}")
+        step = adapter_step(rd)
+        work = _merge_spec(rd, merged)
+        code, report = _run_child(work, device)
+        if report is not None and report.is_oom and device != "cpu":
+            why = report.message[:200]
+            print(f"oom_merge on the GPU ({why}): merging on the CPU instead", file=sys.stderr)
+            code, report = _run_child(work, "cpu")
+        if code != 0:
+            why = report.message[:500] if report else f"exit status {code}"
+            raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {work.log})")
+        # The adapter's step into the merge report and ``merge-command/merged.json``.
+        numbers = read_json(merged / MERGE_REPORT)
+        if numbers is not None:
+            numbers["adapter_step"] = step
+            write_text_atomic(merged / MERGE_REPORT, json.dumps(numbers, indent=2))
+        record = {"merged_dir": str(merged), "adapter_step": step, "time": time.time()}
+        write_text_atomic(rd.merge_command / MERGED_RECORD, json.dumps(record, indent=2))
+        print(f"merged: {merged} (the adapter of step {step if step is not None else '?'})")
+        if numbers:
+            peaks = [
+                f"{label} {format_bytes(numbers[key])}"
+                for key, label in (("gpu_peak_bytes", "GPU peak"), ("host_peak_bytes", "host peak"))
+                if isinstance(numbers.get(key), int)
+            ]
+            print(f"  {numbers['device']}, {numbers['dtype']}, {numbers['seconds']} s, {', '.join(peaks)}")
     return 0
 
 
@@ -95,17 +93,6 @@ def merged_record(rd: RunDir) -> dict[str, Any] | None:
 def merge_report(rd: RunDir) -> dict[str, Any] | None:
     """The merge child's own numbers (time, device, dtype, peaks), when a merge finished."""
     return read_json(rd.merged / MERGE_REPORT)
-
-
-def _record_step(rd: RunDir, merged: Path, step: int | None) -> dict[str, Any] | None:
-    """The adapter's step into the merge report and ``merge-command/merged.json``; the report."""
-    numbers = read_json(merged / MERGE_REPORT)
-    if numbers is not None:
-        numbers["adapter_step"] = step
-        write_text_atomic(merged / MERGE_REPORT, json.dumps(numbers, indent=2))
-    record = {"merged_dir": str(merged), "adapter_step": step, "time": time.time()}
-    write_text_atomic(rd.merge_command / MERGED_RECORD, json.dumps(record, indent=2))
-    return numbers
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -1,16 +1,12 @@
 """``qlora-supervise plan JOB [--gpu-memory 24GiB] [--host-memory 32GiB] [--json]``: where the memory
 will go, on the card and on the host, before training (docs/planning.md). No GPU, no torch, no weights.
-
 The card, first match wins: ``--gpu-memory`` (budget: the size less the CUDA context and a paged
 optimizer's state, both outside PyTorch's allocator), the job's ``gpu_memory_limit`` (budget: the cap
 itself, since it caps the allocator), NVML. The host, first match wins: ``--host-memory`` (less a
 reserve), ``resources.host_memory_limit``, the RAM available now (capped by the cgroup, less a
-reserve); every candidate must fit it too. ``--json``: schema ``qlora-supervise.plan/1``
-(docs/planning.md, "The JSON").
-
-Exit 0 when the plan was made, 6 (as ``run`` would) when nothing fits, 2 for a bad job file, an
-unreadable model directory or a bad size flag.
-"""
+reserve); every candidate must fit it too. ``--json``: schema ``qlora-supervise.plan/1``. Exit 0 when
+the plan was made, 6 (as ``run`` would) when nothing fits, 2 for a bad job file, an unreadable model
+directory or a bad size flag. The text view is plan_text.py's."""
 
 from __future__ import annotations
 
@@ -28,7 +24,7 @@ from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, Unsup
 from qlora_supervise.policies.rungs import knob_changes
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_budget, card_reserve, host_budget
-from qlora_supervise.policies.search.search_state import PreflightResult, RungEffect, rung_effects
+from qlora_supervise.policies.search.search_state import PreflightResult, rung_effects
 from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.plan_text import render
 from qlora_supervise.supervisor.commands.validate import load_or_exit
@@ -78,8 +74,15 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
     targets, cannot_take = job.train.target_modules, job.trainer.cannot_take()  # as `run` leaves them out
     host_size = size_flag("--host-memory", host_memory)
     files = plan_model_files(knobs.model, job)
-    read = tool_read(ModelShape.read(files.config), job)
+    # The shape as the trainer runs it (a foreign tool's attention), or why the memory model cannot count
+    # it (a foreign tool's 8-bit or unquantized weights: run starts as written).
+    read = ModelShape.read(files.config)
+    if (why := job.trainer.unmodelled(job.knobs.model)) is not None:
+        read = Unsupported(UnsupportedReason.NOT_MODELLED, f"{why}: {UNMODELLED_RUN}")
+    elif isinstance(read, ModelShape):
+        read = model_facts.with_tool_attention(read, job.trainer) or read
     shape = read if isinstance(read, ModelShape) else None
+    gone = read if isinstance(read, Unsupported) else None
     as_written = None if shape is None else memory_model.predict(shape, knobs, targets)
     card = find_card(gpu_memory, job, as_written)
     checkpoint = files.checkpoint_bytes or (shape.params * 2 if shape else None)
@@ -88,14 +91,17 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
     if checkpoint is not None and job.resources.device != "cpu":  # on the CPU cpu_memory_limit caps it
         limit = job.resources.host_memory_limit
         host = host_budget(checkpoint, *room, limit, host_size, files.largest_shard_bytes)
-    start = None
-    speed = None if shape is None else _host_speeds(job, shape)
-    if shape is not None and card.budget_bytes is not None:
+    start = speed = None
+    # This host's measured speeds of the shape (the per-host store), unless turned off.
+    if shape is not None and job.supervise.calibration_store and job.resources.device != "cpu":
+        speeds = read_speeds(default_path(), shape, job.trainer.kind)
+        speed = throughput.calibrate(shape, speeds, job.train.target_modules) if speeds else None
+    if shape is not None and (budget := card.budget_bytes) is not None:
         fallbacks = tuple((model, model_shape(Path(model))) for model in job.fallback_models)
         start = choice.first(
             shape,
             knobs,
-            card.budget_bytes,
+            budget,
             targets=targets,
             speed=speed,
             fallbacks=fallbacks,
@@ -103,7 +109,37 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
             host=host,
         )
     effects = [] if shape is None else rung_effects(shape, knobs, targets, speed=speed)
-    rungs = [effect for effect in effects if effect.name not in cannot_take]
+    # What the shape reader found of the architecture, modelled or not (None: a model type it does not
+    # read); ``missing_terms``: what the memory model would need for it.
+    facts, architecture = ModelShape.architecture(files.config), None
+    if not isinstance(facts, Unsupported):
+        terms = list(facts.missing_terms())
+        architecture = {**asdict(facts), "summary": facts.describe(), "missing_terms": terms}
+    rungs = [
+        {
+            "name": r.name,
+            "cost_class": r.cost_class.value,
+            "cost": r.cost,
+            "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
+            "peak_bytes": r.predicted_peak,
+            "changes": {k: list(v) for k, v in r.changes.items()},
+        }
+        for r in effects
+        if r.name not in cannot_take
+    ]
+    ranking = [
+        {
+            "rank": n,
+            "tokens_per_s": round(c.tokens_per_s, 1),
+            "measured": c.measured,
+            "peak_bytes": c.peak_bytes,
+            "host_peak_bytes": c.host_peak_bytes,
+            "cost_class": c.cost_class.value,
+            "rungs": list(c.rungs),
+            "changes": {k: list(v) for k, v in knob_changes(knobs, c.knobs).items()},
+        }
+        for n, c in enumerate(() if start is None else start.ranking, start=1)
+    ]
     return {
         "schema": SCHEMA,
         "job": str(Path(job_path).absolute()),
@@ -111,8 +147,8 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
         "peak_bytes": None if as_written is None else as_written.peak_bytes,
         "components": {} if as_written is None else dict(as_written.components),
         "shape": None if shape is None else {**asdict(shape), "params": shape.params},
-        "unsupported": _unsupported(read),
-        "architecture": _architecture(files),
+        "unsupported": None if gone is None else {"reason": gone.reason.value, "detail": gone.detail},
+        "architecture": architecture,
         "notes": list(files.notes) + _tie_note(files, shape),
         "targets": list(resolve_targets(targets, shape.model_type if shape else "llama")),
         "as_written": None if as_written is None else {
@@ -121,24 +157,13 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
         "card": asdict(card),
         "fits_as_written": None if start is None else start.fits_as_written,
         "start": None if start is None else _start(start),
-        "ranking": [] if start is None else _ranking(knobs, start),
-        "rungs": [_rung(r) for r in rungs],
+        "ranking": ranking,
+        "rungs": rungs,
         "host": {
             **host_ram(checkpoint, files.largest_shard_bytes, job, room),
             **host_training(shape, knobs, targets, host, start),
         },
     }  # fmt: skip
-
-
-def tool_read(read: ModelShape | Unsupported, job: Job) -> ModelShape | Unsupported:
-    """The shape as ``job``'s trainer runs it (a foreign tool's attention), or why the memory
-    model cannot count it (a foreign tool's 8-bit or unquantized weights: run starts as written)."""
-    why = job.trainer.unmodelled(job.knobs.model)
-    if why is not None:
-        return Unsupported(UnsupportedReason.NOT_MODELLED, f"{why}: {UNMODELLED_RUN}")
-    if isinstance(read, Unsupported):
-        return read
-    return model_facts.with_tool_attention(read, job.trainer) or read
 
 
 def find_card(gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction | None) -> Card:
@@ -155,13 +180,11 @@ def find_card(gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction 
     if cap is not None:
         cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
         return Card("job_cap", cap, None, 0, cap_why, cap)
-    if device != "cpu":
-        monitor = GpuMonitor.open(device)
-        if monitor is not None:
-            with contextlib.closing(monitor):
-                sample = monitor.sample(set())
-            if sample is not None:
-                return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
+    if device != "cpu" and (monitor := GpuMonitor.open(device)) is not None:
+        with contextlib.closing(monitor):
+            sample = monitor.sample(set())
+        if sample is not None:
+            return Card("nvml", sample.total, sample.free, reserve, why, card_budget(sample.total, paged))
     return Card("none", None, None, reserve, why, None)
 
 
@@ -189,41 +212,6 @@ def _start(r: PreflightResult) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _ranking(job: Knobs, r: PreflightResult) -> list[dict[str, Any]]:
-    return [
-        {
-            "rank": n,
-            "tokens_per_s": round(c.tokens_per_s, 1),
-            "measured": c.measured,
-            "peak_bytes": c.peak_bytes,
-            "host_peak_bytes": c.host_peak_bytes,
-            "cost_class": c.cost_class.value,
-            "rungs": list(c.rungs),
-            "changes": {k: list(v) for k, v in knob_changes(job, c.knobs).items()},
-        }
-        for n, c in enumerate(r.ranking, start=1)
-    ]
-
-
-def _host_speeds(job: Job, shape: ModelShape) -> throughput.SpeedCalibration | None:
-    """This host's measured speeds of the shape (the per-host store), or None: none, or turned off."""
-    if not job.supervise.calibration_store or job.resources.device == "cpu":
-        return None
-    speeds = read_speeds(default_path(), shape, job.trainer.kind)
-    return throughput.calibrate(shape, speeds, job.train.target_modules) if speeds else None
-
-
-def _rung(r: RungEffect) -> dict[str, Any]:
-    return {
-        "name": r.name,
-        "cost_class": r.cost_class.value,
-        "cost": r.cost,
-        "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
-        "peak_bytes": r.predicted_peak,
-        "changes": {k: list(v) for k, v in r.changes.items()},
-    }
-
-
 def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
     """The model's files, or exit 2 naming the model as the job does (``model.path``, or a tool's key)."""
     try:
@@ -231,28 +219,11 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
     except model_files.ModelFilesError as error:
         key, where, spelled = job.trainer.model_words()
         if not model:
-            message = (
-                f"the job names no model ({key} is not set in {where}): plan reads the model's config.json "
-                f"to predict its memory; add {spelled} there"
-            )
+            why = f"plan reads the model's config.json to predict its memory; add {spelled} there"
+            message = f"the job names no model ({key} is not set in {where}): {why}"
         else:
             message = str(error).replace("point model.path at", f"point {key} (in {where}) at")
         raise BadInput(message) from None
-
-
-def _unsupported(read: ModelShape | Unsupported) -> dict[str, str] | None:
-    if isinstance(read, Unsupported):
-        return {"reason": read.reason.value, "detail": read.detail}
-    return None
-
-
-def _architecture(files: model_files.ModelFiles) -> dict[str, Any] | None:
-    """What the shape reader found of the architecture, modelled or not (None: a model type it
-    does not read); ``missing_terms``: what the memory model would need for it."""
-    facts = ModelShape.architecture(files.config)
-    if isinstance(facts, Unsupported):
-        return None
-    return {**asdict(facts), "summary": facts.describe(), "missing_terms": list(facts.missing_terms())}
 
 
 def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[str]:
@@ -284,10 +255,8 @@ def host_training(
     """The host budget and the start's (else ``knobs``') training host peak by component, with its basis."""
     need = None
     if shape is not None and host is not None:
-        knobs = knobs if start is None else start.knobs
-        need = host_terms.host_train_need(
-            shape, knobs, host.checkpoint_bytes, targets, host.largest_shard_bytes
-        )
+        knobs, shard = knobs if start is None else start.knobs, host.largest_shard_bytes
+        need = host_terms.host_train_need(shape, knobs, host.checkpoint_bytes, targets, shard)
     rejected, smallest = (0, None) if start is None else start.host_rejected
     return {
         "budget_bytes": None if host is None else host.budget_bytes,
@@ -306,9 +275,8 @@ def host_training(
 def host_ram(
     checkpoint: int | None, largest_shard: int, job: Job, host_room: tuple[int, int | None]
 ) -> dict[str, Any]:
-    """The load's and the merge's host RAM as measured (RSS, the mapped checkpoint included), and
-    whether the load's need (imports + its largest shard in the page cache) fits the room there is:
-    the smallest of what is available, the cgroup's limit and ``cpu_memory_limit``, named."""
+    """The load's and the merge's host RAM (RSS, the mapped checkpoint included), and whether the load's
+    need (imports + its largest shard) fits the smallest of available, cgroup limit, cpu_memory_limit."""
     available, limit = host_room
     resources = job.resources
     on_gpu = resources.device != "cpu" and bool(visible_gpu_count())  # gpu: auto on a CPU host is a CPU run

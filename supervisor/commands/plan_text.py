@@ -21,24 +21,19 @@ def render(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _per_rank(knobs: dict[str, Any]) -> str:
-    """Under torchrun every number is one rank's card (FSDP: its shard of the weights)."""
-    ranks = knobs.get("world_size", 1)
-    if ranks <= 1:
-        return ""
-    mode = "FSDP: weights sharded" if knobs.get("fsdp") else "DDP: a replica each"
-    return f" (per rank, {ranks} ranks, {mode})"
-
-
 def _render_prediction(plan: dict[str, Any]) -> list[str]:
     s, w = plan["shape"], plan["as_written"]
+    # Under torchrun every number is one rank's card (FSDP: its shard of the weights).
+    ranks = w["knobs"].get("world_size", 1)
+    mode = "FSDP: weights sharded" if w["knobs"].get("fsdp") else "DDP: a replica each"
+    per_rank = f" (per rank, {ranks} ranks, {mode})" if ranks > 1 else ""
     lines = [
         f"shape: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, "
         f"MLP {s['intermediate']}, vocab {s['vocab']} ({'tied' if s['tie_word_embeddings'] else 'untied'}), "
         f"{s['params'] / 1e9:.2f} B params; LoRA on {', '.join(plan['targets'])}",
         f"predicted peak as written: {format_bytes(w['peak_bytes'])} allocated ({w['phase']}), "
         f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card"
-        f"{_per_rank(w['knobs'])}",
+        f"{per_rank}",
     ]
     lines += [f"  {name:<20} {format_bytes(size):>12}" for name, size in w["components"].items()]
     lines += [
@@ -112,17 +107,11 @@ def _render_host(host: dict[str, Any]) -> list[str]:
     if host["load_fits"] is False:
         room = f"{host['room_of']} ({format_bytes(host['room_bytes'])})"
         lines.append(f"  WARNING: loading is predicted to need more host RAM than the {room}")
-    return lines + _render_host_training(host)
-
-
-def _render_host_training(host: dict[str, Any]) -> list[str]:
-    """The host budget and the start's training host peak, by component."""
     if host.get("budget_bytes") is None:
-        return []
-    source = {"job": "resources.host_memory_limit", "flag": "--host-memory less a reserve"}.get(
-        host["budget_source"], "available now (capped by the cgroup) less a reserve"
-    )
-    lines = [f"host budget: {format_bytes(host['budget_bytes'])} ({source})"]
+        return lines
+    sources = {"job": "resources.host_memory_limit", "flag": "--host-memory less a reserve"}
+    source = sources.get(host["budget_source"], "available now (capped by the cgroup) less a reserve")
+    lines.append(f"host budget: {format_bytes(host['budget_bytes'])} ({source})")
     if host["train_peak_bytes"] is not None:
         terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in host["train_components"].items())
         lines += [

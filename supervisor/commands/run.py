@@ -30,7 +30,6 @@ from qlora_supervise.supervisor.record.journal import Lift, RunState, append_lif
 from qlora_supervise.supervisor.record.rundir import RUN_UMASK, RunDir
 from qlora_supervise.supervisor.reporting import notify, outputs
 from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
-from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.trainers.tool_check import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
@@ -60,7 +59,14 @@ def run_job(
         submitted = _at_start(run_dir, lambda: reconcile(run_dir, job, restart))
         log = _at_start(run_dir, lambda: open_event_log(run_dir.events, console, listeners))
         reporter.bind(log)
-        _announce(submitted, log, console)
+        if submitted.changes:
+            lines = "\n".join(change.render(submitted.restarting) for change in submitted.changes)
+            how = ", in a new generation (--restart)" if submitted.restarting else ""
+            print(f"job changed (now job.v{submitted.version}.yaml{how}):\n{lines}", file=console, flush=True)
+            changes = {change.name: change.to_json() for change in submitted.changes}
+            log.warning(Event.JOB_CHANGED, version=submitted.version, changes=changes)
+        if submitted.previous_generation is not None:
+            log.info(Event.GENERATION_STARTED, previous_generation=str(submitted.previous_generation))
         _at_start(run_dir, lambda: _lift_verdict(run_dir, submitted, retry, log))
         if job.train.trust_remote_code:
             log.warning(Event.TRUST_REMOTE_CODE, model=job.knobs.model, why=TRUST_REMOTE_CODE_WARNING)
@@ -93,7 +99,7 @@ def _reporting(
     ]
     metrics = None
     if job.supervise.metrics_textfile is not None:
-        metrics = MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
+        metrics = outputs.MetricsTextfile(job.supervise.metrics_textfile, job.output_dir.name, budget)
         listeners.append(best.listener(outputs.METRICS_TEXTFILE, metrics.on_event))
     if job.supervise.on_event is not None:
         hook = outputs.EventHook(job.supervise.on_event, job.supervise.on_event_timeout, best)
@@ -113,10 +119,8 @@ def _at_start(run_dir: RunDir, action: Callable[[], _T]) -> _T:
         if not is_disk_full(exc):
             raise
         fix = "remount it writable" if exc.errno == errno.EROFS else "free space there"
-        raise BadInput(
-            f"{run_dir.root}: cannot write the run directory ({exc.strerror}): {fix}, "
-            "or choose another output_dir",
-        ) from None
+        why = f"cannot write the run directory ({exc.strerror}): {fix}, or choose another output_dir"
+        raise BadInput(f"{run_dir.root}: {why}") from None
 
 
 @dataclass(frozen=True)
@@ -157,20 +161,6 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     return Submission(changes, versions.record(job), moved, restart)
 
 
-def _announce(submitted: Submission, log: FilteringBoundLogger, console: TextIO) -> None:
-    if submitted.changes:
-        lines = "\n".join(change.render(submitted.restarting) for change in submitted.changes)
-        how = ", in a new generation (--restart)" if submitted.restarting else ""
-        print(f"job changed (now job.v{submitted.version}.yaml{how}):\n{lines}", file=console, flush=True)
-        log.warning(
-            Event.JOB_CHANGED,
-            version=submitted.version,
-            changes={change.name: change.to_json() for change in submitted.changes},
-        )
-    if submitted.previous_generation is not None:
-        log.info(Event.GENERATION_STARTED, previous_generation=str(submitted.previous_generation))
-
-
 def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: FilteringBoundLogger) -> None:
     """A verdict other than success is lifted by ``--retry`` or a changed job; the journal says so."""
     state = read_state(rd.state)
@@ -178,12 +168,8 @@ def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Filtering
         # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
         extended = generations.extend_finished(rd, submitted.changes, time.time())
         if extended is not None:
-            log.info(
-                Event.VERDICT_LIFTED,
-                verdict="succeeded",
-                after_attempt=extended.after_attempt,
-                why=extended.why,
-            )
+            lifted = {"after_attempt": extended.after_attempt, "why": extended.why}
+            log.info(Event.VERDICT_LIFTED, verdict="succeeded", **lifted)
         return
     records, _ = read_attempts(rd.attempts)
     if state is None or state.run_state not in (RunState.GAVE_UP, RunState.FAILED) or not records:

@@ -2,8 +2,7 @@
 read from the run directory alone (a supervisor running or not), and the summary ``run`` ends with.
 ``--json`` prints one object, schema ``qlora-supervise.status/1`` (docs/run-directory.md, "The JSON
 of status and explain"). ``--follow`` prints again on every change of a run's journal, state or
-running attempt's heartbeats, until every run has ended (succeeded, gave up, failed, stopped).
-"""
+running attempt's heartbeats, until every run has ended (succeeded, gave up, failed, stopped)."""
 
 from __future__ import annotations
 
@@ -21,20 +20,10 @@ import psutil
 from qlora_supervise.policies.rungs import knob_changes
 from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.commands.merge import adapter_step, merge_report, merged_record
-from qlora_supervise.supervisor.diagnosis.advice import BATCH_KEYS, batch_of
-from qlora_supervise.supervisor.diagnosis.advice import describe as describe_batch
+from qlora_supervise.supervisor.diagnosis import advice
 from qlora_supervise.supervisor.facts.units import format_bytes
-from qlora_supervise.supervisor.record import history
-from qlora_supervise.supervisor.record.history import measured_speed, speed_line, speed_of
-from qlora_supervise.supervisor.record.journal import (
-    AttemptRecord,
-    InFlight,
-    Phase,
-    RunState,
-    State,
-    read_attempts,
-    read_state,
-)
+from qlora_supervise.supervisor.record import history, journal
+from qlora_supervise.supervisor.record.journal import AttemptRecord, RunState, read_attempts, read_state
 from qlora_supervise.supervisor.record.rundir import RunDir
 from qlora_supervise.supervisor.trainers.trainer import read_diff, saved_by_the_tool_only
 from qlora_supervise.trainer_child.contract.events import Heartbeat, read_events
@@ -58,25 +47,28 @@ def status_command(
     every_s: float = 2.0,
 ) -> int:
     out = out or sys.stdout  # at call time: a redirected stdout (tests, pipes) is the one to use
-    dirs = [_run_dir(d) for d in (output_dirs or ["."])]
+    paths = output_dirs or ["."]
+    dirs = [RunDir(Path(path)) for path in paths]
+    for path, rd in zip(paths, dirs, strict=True):
+        if not rd.attempts.exists() and not rd.state.exists():
+            why = "no state.json or attempts.jsonl"
+            raise BadInput(f"{path} is not a run directory ({why}); pass the job's output_dir")
     seen: list[tuple[float, ...]] = []
     while True:
         marks = [_marks(rd) for rd in dirs]
-        if marks != seen:
-            _print_all(dirs, as_json, out)
-            seen = marks
+        if marks != seen and as_json:
+            runs = [status_json(rd) for rd in dirs]
+            print(json.dumps({"schema": SCHEMA, "runs": runs}, indent=2), file=out)
+        elif marks != seen:
+            for index, rd in enumerate(dirs):
+                if index:
+                    print(file=out)
+                print_story(rd, out)
+            out.flush()
+        seen = marks
         if not follow or all((state := read_state(rd.state)) and state.run_state in _ENDED for rd in dirs):
             return 0
         time.sleep(every_s)
-
-
-def _run_dir(path: str) -> RunDir:
-    run_dir = RunDir(Path(path))
-    if not run_dir.attempts.exists() and not run_dir.state.exists():
-        raise BadInput(
-            f"{path} is not a run directory (no state.json or attempts.jsonl); pass the job's output_dir",
-        )
-    return run_dir
 
 
 def _marks(rd: RunDir) -> tuple[float, ...]:
@@ -85,17 +77,6 @@ def _marks(rd: RunDir) -> tuple[float, ...]:
     flight = state.in_flight if state is not None else None
     beats = (rd.attempt(flight.number).events,) if flight is not None else ()
     return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in (rd.state, rd.attempts, *beats))
-
-
-def _print_all(dirs: Sequence[RunDir], as_json: bool, out: TextIO) -> None:
-    if as_json:
-        print(json.dumps({"schema": SCHEMA, "runs": [status_json(rd) for rd in dirs]}, indent=2), file=out)
-        return
-    for index, rd in enumerate(dirs):
-        if index:
-            print(file=out)
-        print_story(rd, out)
-    out.flush()
 
 
 def status_json(rd: RunDir) -> dict[str, Any]:
@@ -107,7 +88,7 @@ def status_json(rd: RunDir) -> dict[str, Any]:
             **json.loads(r.to_line()),
             "child_log": str(rd.attempt(r.attempt).log),
             "fix": fix_line(r),
-            "tokens_per_s": measured_speed(rd, r).tokens_per_s,
+            "tokens_per_s": history.measured_speed(rd, r).tokens_per_s,
             "trainer_config_diff": read_diff(rd.attempt_dir(r.attempt)),  # None: our own trainer
         }
         for r in records
@@ -166,7 +147,14 @@ def merge_lines(rd: RunDir) -> list[str]:
     if rd.merged.exists():
         report = merge_report(rd)
         step = report.get("adapter_step") if report else None
-        lines.append(f"merged: {rd.merged}{_merge_numbers(report)}{_from_step(step, now, rd)}")
+        numbers = ""
+        if report:
+            parts = [f"{report.get('device')}", f"{report.get('dtype')}", f"{report.get('seconds', 0):.0f} s"]
+            for key, label in (("host_peak_bytes", "host peak"), ("gpu_peak_bytes", "GPU peak")):
+                if isinstance(report.get(key), int):
+                    parts.append(f"{label} {format_bytes(report[key])}")
+            numbers = f" ({', '.join(parts)})"
+        lines.append(f"merged: {rd.merged}{numbers}{_from_step(step, now, rd)}")
     if made and (made_dir := str(made.get("merged_dir"))) != str(rd.merged) and Path(made_dir).exists():
         step = _from_step(made.get("adapter_step"), now, rd)
         lines.append(f"merged by `qlora-supervise merge --out`: {made_dir}{step}")
@@ -176,29 +164,14 @@ def merge_lines(rd: RunDir) -> list[str]:
 def _from_step(step: object, now: int | None, rd: RunDir) -> str:
     if not isinstance(step, int):
         return ""
-    if now is not None and step != now:
-        return (
-            f", from the adapter of step {step}: older than the run's adapter (step {now}); "
-            f"run `qlora-supervise merge {rd.root}` again"
-        )
-    return f", from the adapter of step {step}"
+    older = f": older than the run's adapter (step {now}); run `qlora-supervise merge {rd.root}` again"
+    return f", from the adapter of step {step}" + (older if now is not None and step != now else "")
 
 
-def _tool_saved(rd: RunDir, state: State | None) -> str | None:
+def _tool_saved(rd: RunDir, state: journal.State | None) -> str | None:
     """Where a finished run's foreign tool saved its result when no adapter of ours was written."""
     finished = state is not None and state.run_state is RunState.SUCCEEDED
-    output = saved_by_the_tool_only(rd.root, rd.adapter) if finished else None
-    return str(output) if output is not None else None
-
-
-def _merge_numbers(report: dict[str, Any] | None) -> str:
-    if not report:
-        return ""
-    parts = [f"{report.get('device')}", f"{report.get('dtype')}", f"{report.get('seconds', 0):.0f} s"]
-    for key, label in (("host_peak_bytes", "host peak"), ("gpu_peak_bytes", "GPU peak")):
-        if isinstance(report.get(key), int):
-            parts.append(f"{label} {format_bytes(report[key])}")
-    return f" ({', '.join(parts)})"
+    return str(output) if finished and (output := saved_by_the_tool_only(rd.root, rd.adapter)) else None
 
 
 def fix_line(r: AttemptRecord) -> str | None:
@@ -223,7 +196,7 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     if run_dir is not None and (diff := read_diff(run_dir.attempt_dir(r.attempt))) is not None:
         # A foreign trainer's attempt: its config against the user's file (supervisor/trainers/).
         lines.append(f"  trainer config (vs your file): {'; '.join(diff) or 'unchanged'}")
-    if run_dir is not None and (speed := speed_line(measured_speed(run_dir, r))):
+    if run_dir is not None and (speed := history.speed_line(history.measured_speed(run_dir, r))):
         lines.append(speed)
     if r.plan is not None:
         planned = "as written (--as-written)" if r.plan.as_written else "pre-flight"
@@ -237,12 +210,12 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     if r.failure:
         f = r.failure
         lines.append(f"  failed: {f.kind.value} in {f.stage.value} - {f.evidence}")
-        if numbers := {k: v for k, v in f.numbers_json().items() if k not in BATCH_KEYS}:
+        if numbers := {k: v for k, v in f.numbers_json().items() if k not in advice.BATCH_KEYS}:
             big = {k: format_bytes(v) for k, v in numbers.items() if isinstance(v, int) and v >= 1024}
             nums = ", ".join(f"{key} {big.get(key, value)}" for key, value in numbers.items())
             lines.append(f"  numbers: {nums}")
-        if (batch := batch_of(f.numbers)) is not None:
-            lines.append(f"  in flight: {describe_batch(batch)}")
+        if (batch := advice.batch_of(f.numbers)) is not None:
+            lines.append(f"  in flight: {advice.describe(batch)}")
         if f.kind.value == "config_error" and (fix := fix_line(r)):
             lines.append(f"  fix: {fix}")
         if run_dir is not None:
@@ -250,11 +223,8 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
     d = r.decision
     if d is not None and r.restarts:
         changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d.changes.items()) or "no change"
-        lines.append(f"  retry: {d.rung}: {changes} ({d.why})")
-        lines.append(
-            f"  progress kept: {d.survives.value}; next attempt resumes at step {r.next_resume_from}, "
-            f"lost {r.lost_steps} step(s)"
-        )
+        kept = f"{d.survives.value}; next attempt resumes at step {r.next_resume_from}, lost {r.lost_steps}"
+        lines += [f"  retry: {d.rung}: {changes} ({d.why})", f"  progress kept: {kept} step(s)"]
     elif d is not None:
         lines.append(f"  gave up: {d.why}")
     return lines
@@ -279,7 +249,7 @@ class Running:
     """The attempt ``state.json`` names in flight (its journal line comes only when it ends) and what
     its heartbeats said last (None: no heartbeat yet, or no readable ``child-events.jsonl``)."""
 
-    flight: InFlight
+    flight: journal.InFlight
     step: int | None
     stage: str | None
     tokens_per_s: float | None
@@ -302,7 +272,10 @@ class Running:
     def lines(self) -> list[str]:
         """What ``status`` prints for it: a head line like an attempt's, then its config and speed."""
         f = self.flight
-        since = _ago(time.time() - f.started_at)
+        ago = max(0.0, time.time() - f.started_at)
+        since = (
+            f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.1f} h"
+        )
         step = f"at step {self.step}" if self.step is not None else "no heartbeat yet"
         where = f" in {self.stage}" if self.stage else ""
         head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
@@ -313,14 +286,14 @@ class Running:
         return lines
 
 
-def running_attempt(rd: RunDir, state: State | None, last_recorded: int) -> Running | None:
+def running_attempt(rd: RunDir, state: journal.State | None, last_recorded: int) -> Running | None:
     """The attempt ``state`` names in flight, unless the journal already holds its line."""
     flight = state.in_flight if state is not None else None
     if flight is None or flight.number <= last_recorded:
         return None
     events = read_events(rd.attempt(flight.number).events)
     beat = next((event for event in reversed(events) if isinstance(event, Heartbeat)), None)
-    speed = speed_of(events, flight.knobs).tokens_per_s
+    speed = history.speed_of(events, flight.knobs).tokens_per_s
     return Running(flight, beat.step if beat else None, beat.stage.value if beat else None, speed)
 
 
@@ -328,47 +301,35 @@ def _alive(pid: int | None) -> bool:
     return pid is not None and psutil.pid_exists(pid)  # someone else's process of that number counts
 
 
-def _ago(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def print_summary(rd: RunDir, out: TextIO) -> None:
     """What ``run`` and ``demo`` end with: the retry story, what the ladder changed, how to load it."""
     print("\n--- the retry story (qlora-supervise status) ---", file=out)
     print_story(rd, out)
     records, _ = read_attempts(rd.attempts)
-    train = [r for r in records if r.phase is Phase.TRAIN]
+    train = [r for r in records if r.phase is journal.Phase.TRAIN]
     if not train:
         return
     last = train[-1].knobs
     changed = [f"{name} {old} -> {new}" for name, (old, new) in knob_changes(train[0].knobs, last).items()]
     print(f"changed by the ladder: {', '.join(changed) if changed else 'nothing'}", file=out)
-    if rd.adapter.exists():
-        merged = str(rd.merged) if rd.merged.exists() else None
-        print("\n".join(load_lines(str(rd.adapter), last.model, merged)), file=out)
-
-
-def load_lines(adapter: str, base_model: str, merged: str | None) -> list[str]:
-    """Python that loads the result: the base in 4-bit plus the adapter, or the merged model."""
+    if not rd.adapter.exists():
+        return
+    # Python that loads the result: the base in 4-bit plus the adapter, or the merged model.
+    adapter, merged = str(rd.adapter), str(rd.merged)
     lines = [
         "load the adapter (PEFT):",
         "  import torch",
         "  from peft import PeftModel",
         "  from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig",
-        f"  base = AutoModelForCausalLM.from_pretrained({base_model!r}, device_map='auto',",
+        f"  base = AutoModelForCausalLM.from_pretrained({last.model!r}, device_map='auto',",
         "      quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',",
         "          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))",
         f"  model = PeftModel.from_pretrained(base, {adapter!r})",
         f"  tokenizer = AutoTokenizer.from_pretrained({adapter!r})",
     ]
-    if merged is not None:
+    if rd.merged.exists():
         lines += [
             "or the merged model (no PEFT needed):",
             f"  model = AutoModelForCausalLM.from_pretrained({merged!r}, dtype='auto', device_map='auto')",
         ]
-    return lines
+    print("\n".join(lines), file=out)

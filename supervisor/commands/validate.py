@@ -21,7 +21,9 @@ def validate_command(path: str) -> int:
     try:
         job = load_job(path)
         problems = tool_problems(job.trainer)  # the tool itself, for the interpreter that runs it
-        problems += output_dir_problems(job.output_dir)
+        # output_dir as ``run`` would refuse it: a system folder, or someone else's files.
+        if (found := foreign_output_dir(job.output_dir)) is not None:
+            problems.append(Problem("output_dir", found[0], show(job.output_dir), found[1]))
         if problems:
             raise JobError(problems)
     except JobError as error:
@@ -33,7 +35,10 @@ def validate_command(path: str) -> int:
     print(f"{path}: OK")
     # A tool reads its own data (a hub dataset, a mixture): it is not probed here.
     records = _records(job.data) if job.trainer.probes_data() else None
-    for line in [*warning_lines(job, records), *summary_lines(job, records), *job.trainer.summary()]:
+    # What a person should know before running the job, though it is not a problem (jobfile.advice).
+    trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
+    advice = [found.render() for found in [*job_advice(job, records), *tool_advice(job.trainer)]]
+    for line in [*trust, *advice, *summary_lines(job, records), *job.trainer.summary()]:
         print(f"  {line}")
     return 0
 
@@ -52,52 +57,32 @@ def load_or_exit(job_path: str, head: str | None = None, tail: str = "", tools: 
         raise BadInput(f"{job_path}: {head}:\n{lines}{tail}") from None
 
 
-def output_dir_problems(output_dir: Path) -> list[Problem]:
-    """``output_dir`` as ``run`` would refuse it: a system folder, or someone else's files."""
-    found = foreign_output_dir(output_dir)
-    return [] if found is None else [Problem("output_dir", found[0], show(output_dir), found[1])]
-
-
-def warning_lines(job: Job, records: int | None = None) -> list[str]:
-    """What a person should know before running the job, though it is not a problem (see
-    :mod:`jobfile.advice`); ``records``: the training file's record count, where known."""
-    trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
-    return trust + [advice.render() for advice in [*job_advice(job, records), *tool_advice(job.trainer)]]
-
-
 def summary_lines(job: Job, records: int | None = None) -> list[str]:
     """A few lines a person checks before starting a long run."""
     knobs, train, resources = job.knobs, job.train, job.resources
     model = hub.describe(knobs.model)
     if job.fallback_models:
         model += f" (fallbacks: {', '.join(job.fallback_models)})"
+    ranks = f" x ranks {knobs.world_size}" if knobs.world_size > 1 else ""
+    ranks += " (FSDP-QLoRA)" if knobs.fsdp else ""
     length = f"max_steps {train.max_steps}" if train.max_steps > 0 else f"{train.epochs:g} epoch(s)"
-    limits = [
-        f"{name} {format_bytes(n)}"
-        for name, n in (("GPU", resources.gpu_memory_limit), ("CPU", resources.cpu_memory_limit))
-        if n is not None
-    ]
+    # The data: records, not lines (blank lines are none).
+    data, messages = job.data, job.data.messages_field is not None
+    name = data.messages_field if messages else data.text_field
+    count = "" if records is None else f"{records} records, "
+    described = f"{data.path} ({count}{'messages_field' if messages else 'text_field'} {name!r})"
+    if name is None:  # a foreign trainer's dataset: its own config says how to read it
+        described = f"{data.path or '(see the trainer config)'} (read by the trainer itself)"
+    caps = (("GPU", resources.gpu_memory_limit), ("CPU", resources.cpu_memory_limit))
+    limits = [f"{name} {format_bytes(n)}" for name, n in caps if n is not None]
     return [
         f"model: {model}",
-        f"data: {_data_summary(job.data, records)}",
+        f"data: {described}",
         f"effective batch: {knobs.effective_batch} = micro-batch {knobs.micro_batch_size} x accumulation "
-        f"{knobs.grad_accum}{f' x ranks {knobs.world_size}' if knobs.world_size > 1 else ''}"
-        f"{' (FSDP-QLoRA)' if knobs.fsdp else ''}; "
-        f"seq_len {knobs.max_seq_len}; {length}",
+        f"{knobs.grad_accum}{ranks}; seq_len {knobs.max_seq_len}; {length}",
         f"device: {resources.device}" + (f"; memory limits: {', '.join(limits)}" if limits else ""),
         f"output_dir: {job.output_dir}",
     ]
-
-
-def _data_summary(data: DataSpec, records: int | None) -> str:
-    """``<path> (<n> records, text_field 'text')``: records, not lines (blank lines are none)."""
-    messages = data.messages_field is not None
-    name = data.messages_field if messages else data.text_field
-    if name is None:  # a foreign trainer's dataset: its own config says how to read it
-        return f"{data.path or '(see the trainer config)'} (read by the trainer itself)"
-    field = f"messages_field {name!r}" if messages else f"text_field {name!r}"
-    count = "" if records is None else f"{records} records, "
-    return f"{data.path} ({count}{field})"
 
 
 def _records(data: DataSpec) -> int | None:

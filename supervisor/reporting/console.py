@@ -24,16 +24,27 @@ class ProgressDisplay:
     :meth:`clear` ends the bar before a log line."""
 
     def __init__(self, stream: TextIO, plain: bool, logging_steps: int = 1) -> None:
-        self._stream = stream
-        self._tty = stream.isatty() and not plain
-        self._every = max(1, logging_steps)
+        self._stream, self._tty, self._every = stream, stream.isatty() and not plain, max(1, logging_steps)
         self._bar: tqdm[NoReturn] | None = None  # a bar with no iterable: fed by update()
         self._last_key: tuple[int, int, str] | None = None
 
     def update(self, attempt: int, progress: Progress, pace: Pace) -> None:
         key = (attempt, progress.step, progress.stage)
         if self._tty:
-            self._draw(attempt, progress)
+            if self._bar is None:
+                self._bar = tqdm(
+                    total=progress.max_steps,
+                    initial=progress.step,
+                    desc=f"attempt {attempt}",
+                    unit="step",
+                    file=self._stream,
+                    dynamic_ncols=True,
+                )
+            self._bar.set_postfix_str(_postfix(progress), refresh=False)
+            if progress.step > self._bar.n:
+                self._bar.update(progress.step - self._bar.n)  # redraws at tqdm's own rate limit
+            else:
+                self._bar.refresh()
         elif key != self._last_key and self._worth_a_line(progress):
             print(plain_line(attempt, progress, pace), file=self._stream, flush=True)
         self._last_key = key
@@ -53,44 +64,19 @@ class ProgressDisplay:
             return True
         return p.step != last[1] and (p.step % self._every == 0 or p.step == p.max_steps)
 
-    def _draw(self, attempt: int, p: Progress) -> None:
-        bar = self._bar
-        if bar is None:
-            bar = self._bar = tqdm(
-                total=p.max_steps,
-                initial=p.step,
-                desc=f"attempt {attempt}",
-                unit="step",
-                file=self._stream,
-                dynamic_ncols=True,
-                leave=True,
-            )
-        bar.set_postfix_str(_postfix(p), refresh=False)
-        if p.step > bar.n:
-            bar.update(p.step - bar.n)  # redraws at tqdm's own rate limit
-        else:
-            bar.refresh()
-
 
 def _postfix(p: Progress) -> str:
-    parts = [p.stage]
-    if p.loss is not None:
-        parts.append(f"loss {p.loss:.4f}")
-    if p.tokens_per_s is not None:
-        parts.append(f"{p.tokens_per_s:.0f} tok/s")
-    if p.peak_bytes:
-        parts.append(f"peak {format_bytes(p.peak_bytes)}")
-    return " | ".join(parts)
+    loss = [] if p.loss is None else [f"loss {p.loss:.4f}"]
+    rate = [] if p.tokens_per_s is None else [f"{p.tokens_per_s:.0f} tok/s"]
+    peak = [f"peak {format_bytes(p.peak_bytes)}"] if p.peak_bytes else []
+    return " | ".join([p.stage, *loss, *rate, *peak])
 
 
 def plain_line(attempt: int, p: Progress, pace: Pace) -> str:
     """``attempt 2 | step 40/100 | forward | loss 1.2345 | 1893 tok/s | 03:10 elapsed, ETA 04:45``."""
-    parts = [f"attempt {attempt}", f"step {p.step}/{p.max_steps or '?'}", _postfix(p)]
-    timing = f"{tqdm.format_interval(pace.elapsed_s)} elapsed"
-    if pace.eta_s is not None:
-        timing += f", ETA {tqdm.format_interval(pace.eta_s)}"
-    parts.append(timing)
-    return " | ".join(parts)
+    eta = "" if pace.eta_s is None else f", ETA {tqdm.format_interval(pace.eta_s)}"
+    timing = f"{tqdm.format_interval(pace.elapsed_s)} elapsed{eta}"
+    return " | ".join([f"attempt {attempt}", f"step {p.step}/{p.max_steps or '?'}", _postfix(p), timing])
 
 
 @dataclass(frozen=True)
@@ -107,9 +93,8 @@ class PaceMeter:
 
     def __init__(self) -> None:
         self._attempt: int | None = None
-        self._start_at = 0.0
         self._first_step: int | None = None
-        self._first_step_at = 0.0
+        self._start_at = self._first_step_at = 0.0
 
     def measure(self, attempt: int, progress: Progress, now: float) -> Pace:
         if attempt != self._attempt:
@@ -132,9 +117,8 @@ class ConsoleStream(io.TextIOBase):
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__()
-        self._stream = stream
+        self._stream, self._reported = stream, False
         self.lost: str | None = None  # why the console went away (None: it is there)
-        self._reported = False
 
     def write(self, text: str) -> int:
         self._try(self._stream.write, text)

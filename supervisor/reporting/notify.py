@@ -18,10 +18,13 @@ from qlora_supervise.supervisor.watching.watch import Progress
 
 def notify(**fields: str | int | float | bool) -> bool:
     """Send ``KEY=value`` lines (keys upper-cased; True -> 1). False when not under systemd or on error."""
-    address = _address()
+    where = os.environ.get("NOTIFY_SOCKET", "")  # unset, or a kind we do not speak (vsock:): a no-op
+    address = "\0" + where[1:] if where.startswith("@") else where if where.startswith("/") else None
     if address is None or not fields:
         return False
-    message = "".join(f"{key.upper()}={_value(value)}\n" for key, value in fields.items())
+    # True -> 1; a newline in a value would start a new field.
+    texts = {key: int(value) if isinstance(value, bool) else value for key, value in fields.items()}
+    message = "".join(f"{key.upper()}={value}".replace("\n", " ") + "\n" for key, value in texts.items())
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             # Never wait for systemd: a full receive queue drops this message, not the run.
@@ -67,21 +70,6 @@ def watchdog_interval_s() -> float | None:
     return int(usec) / 1_000_000
 
 
-def _address() -> str | None:
-    value = os.environ.get("NOTIFY_SOCKET", "")
-    if value.startswith("@"):
-        return "\0" + value[1:]  # abstract namespace
-    if value.startswith("/"):
-        return value
-    return None  # unset, or a kind we do not speak (vsock:)
-
-
-def _value(value: str | int | float | bool) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value).replace("\n", " ")  # a newline would start a new field
-
-
 STATUS_EVERY_S = 5.0
 #: While the child saves, ask for this much more time, again every third of it.
 SAVE_EXTENSION_S = 90.0
@@ -94,14 +82,10 @@ class ServiceStatus:
     ``TimeoutStopSec`` does not cut a checkpoint off."""
 
     def __init__(self, max_attempts: int, budget_bytes: int | None) -> None:
-        self._max_attempts = max_attempts
-        self._budget = budget_bytes
-        self._watchdog_s = watchdog_interval_s()
-        self._last_status = ""
-        self._status_at = -1e18
+        self._max_attempts, self._budget, self._watchdog_s = max_attempts, budget_bytes, watchdog_interval_s()
         self._seen_event_at: float | None = None
-        self._ping_at = -1e18
-        self._extend_at = -1e18
+        self._last_status = ""
+        self._status_at = self._ping_at = self._extend_at = -1e18
 
     def update(self, attempt: int, p: Progress, pace: Pace, now: float) -> None:
         text = status_line(attempt, self._max_attempts, p, pace, self._budget)
@@ -135,15 +119,11 @@ def status_line(attempt: int, max_attempts: int, p: Progress, pace: Pace, budget
         parts.append(p.stage)  # load, save, eval, merge: worth saying; the training stages are not
     if (rate := p.tokens_per_s) is not None:
         parts.append(f"{rate / 1000:.1f}k tok/s" if rate >= 1000 else f"{rate:.0f} tok/s")
-    if p.peak_bytes:
-        parts.append(f"peak {_peak(p.peak_bytes, budget)}")
+    if p.peak_bytes and budget is None:
+        parts.append(f"peak {format_bytes(p.peak_bytes)}")
+    elif p.peak_bytes and budget is not None:
+        unit, scale = ("GiB", 2**30) if budget >= 2**30 else ("MiB", 2**20)
+        parts.append(f"peak {p.peak_bytes / scale:.1f}/{budget / scale:.0f} {unit}")
     if pace.eta_s is not None:
         parts.append(f"ETA {tqdm.format_interval(pace.eta_s)}")
     return " · ".join(parts)
-
-
-def _peak(peak: int, budget: int | None) -> str:
-    if budget is None:
-        return format_bytes(peak)
-    unit, scale = ("GiB", 2**30) if budget >= 2**30 else ("MiB", 2**20)
-    return f"{peak / scale:.1f}/{budget / scale:.0f} {unit}"

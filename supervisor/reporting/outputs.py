@@ -2,9 +2,8 @@
 console. None may stop training, raise into the loop (where an ``OSError`` would read as the run disk
 being full) or flood the log: a failure is ``output_failed`` once (the hook's ``hook_failed``), again at
 most every :data:`RELOG_EVERY_S` with the unlogged count, and ``output_recovered`` when it works again.
-
 :class:`Reporter` is the loop's one hook into reporting: each tick's progress goes to the console,
-systemd and metrics. Events reach the metrics and the hook through the event log's listeners, so the
+systemd and metrics; events reach the metrics and the hook through the event log's listeners, so the
 loop knows nothing of tqdm, sd_notify or Prometheus."""
 
 from __future__ import annotations
@@ -16,14 +15,16 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from pathlib import Path
+from typing import TypeVar
 
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, write_to_textfile
 from structlog.typing import FilteringBoundLogger
 
+from qlora_supervise.supervisor.jobfile.world import NOT_PROM
 from qlora_supervise.supervisor.record.eventlog import Listener
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.reporting.console import PaceMeter, ProgressDisplay
-from qlora_supervise.supervisor.reporting.metrics import MetricsTextfile
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
 from qlora_supervise.supervisor.watching.watch import Progress
 
@@ -76,7 +77,6 @@ class BestEffort:
         return True
 
     def listener(self, output: str, listener: Callable[[Mapping[str, object]], object]) -> Listener:
-
         def guarded(event: Mapping[str, object]) -> None:
             self.run(output, lambda: listener(event))
 
@@ -114,9 +114,7 @@ class EventHook:
     (so its order with the run's actions is fixed); its failures go to ``outputs``."""
 
     def __init__(self, argv: Sequence[str], timeout_s: float, outputs: BestEffort | None = None) -> None:
-        self.argv = list(argv)
-        self.timeout_s = timeout_s
-        self.outputs = outputs or BestEffort()
+        self.argv, self.timeout_s, self.outputs = list(argv), timeout_s, outputs or BestEffort()
 
     @property
     def log(self) -> FilteringBoundLogger | None:
@@ -134,9 +132,9 @@ class EventHook:
         problem = self._run(name, json.dumps(dict(event), default=str))
         if problem is None:
             self.outputs.worked(ON_EVENT)
-            return True
-        self.outputs.failed(ON_EVENT, problem, Event.HOOK_FAILED, hook=self.argv, for_event=name)
-        return False
+        else:
+            self.outputs.failed(ON_EVENT, problem, Event.HOOK_FAILED, hook=self.argv, for_event=name)
+        return problem is None
 
     def _run(self, name: str, payload: str) -> str | None:
         """None when the hook exited 0, else what went wrong, in one line."""
@@ -147,11 +145,8 @@ class EventHook:
             return f"could not start: {error}"
         if code is None:
             return f"timed out after {self.timeout_s:g}s (killed)"
-        if code != 0:
-            text = (err or out).decode("utf-8", "replace")
-            tail = text.strip().splitlines()[-1:] or [""]
-            return f"exit status {code}: {tail[0][:300]}"
-        return None
+        tail = (err or out).decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        return f"exit status {code}: {tail[0][:300]}" if code != 0 else None
 
 
 def bounded_run(
@@ -173,51 +168,119 @@ def bounded_run(
         selector.register(proc.stdin, selectors.EVENT_WRITE)
         while selector.get_map() and (left := deadline - time.monotonic()) > 0:
             for key, _ in selector.select(left):
-                if key.fd == stdin_fd:
-                    pending = _feed(proc.stdin, pending, selector)
+                if key.fd == stdin_fd:  # what stdin takes now; closed once all is written
+                    try:
+                        pending = pending[os.write(stdin_fd, pending) :]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:
+                        pending = pending[:0]  # the hook does not read its stdin: the rest is dropped
+                    if not pending:
+                        selector.unregister(proc.stdin)
+                        proc.stdin.close()
+                elif chunk := os.read(key.fd, 65536):
+                    tails[key.fd] += chunk
+                    del tails[key.fd][:-KEEP_BYTES]
                 else:
-                    _drain(key.fd, tails[key.fd], selector)
-    code = _wait(proc, deadline)
-    return code, bytes(tails[out]), bytes(tails[err])
-
-
-def _feed(stdin: IO[bytes], pending: memoryview, selector: selectors.BaseSelector) -> memoryview:
-    """Write what the hook's stdin takes now; close it once all is written (or the hook stopped reading)."""
-    try:
-        pending = pending[os.write(stdin.fileno(), pending) :]
-    except BlockingIOError:
-        return pending
-    except BrokenPipeError:
-        pending = pending[:0]  # the hook does not read its stdin: the rest is dropped
-    if not pending:
-        selector.unregister(stdin)
-        stdin.close()
-    return pending
-
-
-def _drain(fd: int, tail: bytearray, selector: selectors.BaseSelector) -> None:
-    """Read a chunk of one of the hook's streams; keep only its last KEEP_BYTES."""
-    chunk = os.read(fd, 65536)
-    if not chunk:
-        selector.unregister(fd)
-        return
-    tail += chunk
-    if len(tail) > KEEP_BYTES:
-        del tail[: len(tail) - KEEP_BYTES]
-
-
-def _wait(proc: subprocess.Popen[bytes], deadline: float) -> int | None:
-    """The hook's exit status, or None after a kill at the deadline; its pipes closed either way."""
-    try:
+                    selector.unregister(key.fd)
+    try:  # the exit status, or None after a kill at the deadline; its pipes closed either way
         code: int | None = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
         code = None
     for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if stream is not None and not stream.closed:
+        if not stream.closed:
             stream.close()
-    return code
+    return code, bytes(tails[out]), bytes(tails[err])
+
+
+STATES = ("starting", "running", "backoff", "waiting", "succeeded", "gave_up", "stopped")
+_STATE_OF_EVENT = {
+    Event.ATTEMPT_STARTED.value: "running",
+    Event.BACKOFF.value: "backoff",
+    Event.WAITING_FOR_MEMORY.value: "waiting",
+    Event.RUN_SUCCEEDED.value: "succeeded",
+    Event.GAVE_UP.value: "gave_up",
+    Event.STOPPED.value: "stopped",
+}
+_Metric = TypeVar("_Metric", Counter, Gauge)
+#: Progress is written at most this often; events (a retry, the verdict) are written at once.
+WRITE_EVERY_S = 10.0
+
+
+class MetricsTextfile:
+    """The run's Prometheus metrics (``supervise.metrics_textfile``; off by default), label ``run``: the
+    output_dir's name, rewritten atomically to ``path`` (``.prom``) from the first :meth:`write`. A
+    node_exporter textfile, not an HTTP endpoint: an endpoint would need a port and a server thread per
+    job, and would vanish with the process, verdict and all; the file keeps its last state."""
+
+    def __init__(self, path: Path, run: str, budget_bytes: int | None) -> None:
+        if path.suffix != ".prom":
+            raise ValueError(f"{path}: {NOT_PROM}")
+        self.path = path
+        self.registry = CollectorRegistry()
+        self._attempts = self._metric(
+            Counter, "attempts", "Attempts that ended, by outcome and failure kind", "outcome", "kind"
+        )
+        doc = (
+            "Planned restarts to a faster config: step_up (a rung's cause cleared), retime (the trial again)"
+        )
+        self._planned = self._metric(Counter, "planned_restarts", doc, "kind")
+        self._step = self._metric(Gauge, "step", "Last completed optimizer step")
+        self._max_steps = self._metric(Gauge, "max_steps", "Steps the run trains to")
+        self._tokens = self._metric(Gauge, "tokens_per_second", "Training throughput of this attempt")
+        self._peak = self._metric(Gauge, "peak_bytes", "Peak memory of this attempt (what its cap limits)")
+        self._budget = self._metric(Gauge, "budget_bytes", "The memory cap the job gives the trainer")
+        self._attempt = self._metric(Gauge, "attempt", "The attempt number running now")
+        self._state = Enum(
+            "qlora_supervise_state", "Supervisor state", ["run"], states=list(STATES), registry=self.registry
+        )
+        self._run, self._written_at = run, -1e18
+        self._state.labels(run).state("starting")
+        if budget_bytes is not None:
+            self._budget.labels(run).set(budget_bytes)
+
+    def _metric(self, kind: type[_Metric], name: str, doc: str, *labels: str) -> _Metric:
+        return kind(f"qlora_supervise_{name}", doc, ["run", *labels], registry=self.registry)
+
+    def progress(self, attempt: int, p: Progress, now: float) -> bool:
+        """The attempt's progress, written every :data:`WRITE_EVERY_S`; False when no write was due."""
+        run = self._run
+        self._attempt.labels(run).set(attempt)
+        self._step.labels(run).set(p.step)
+        if p.max_steps:
+            self._max_steps.labels(run).set(p.max_steps)
+        if p.tokens_per_s is not None:
+            self._tokens.labels(run).set(p.tokens_per_s)
+        if p.peak_bytes:
+            self._peak.labels(run).set(p.peak_bytes)
+        if now - self._written_at < WRITE_EVERY_S:
+            return False
+        self._written_at = now  # first: a failing write is tried again in WRITE_EVERY_S, not every tick
+        self.write()
+        return True
+
+    def on_event(self, event: Mapping[str, object]) -> bool:
+        """Attempt outcomes and state changes, written at once; False for an event not counted."""
+        name = str(event.get("event"))
+        if name == Event.FAILURE_CLASSIFIED.value:
+            self._attempts.labels(self._run, "failed", str(event.get("kind"))).inc()
+        elif name == Event.ATTEMPT_SUCCEEDED.value:
+            self._attempts.labels(self._run, "succeeded", "none").inc()
+        elif name in (Event.STEP_UP.value, Event.RETIME.value):
+            self._planned.labels(self._run, name).inc()
+        elif name not in _STATE_OF_EVENT:
+            return False
+        if name in _STATE_OF_EVENT:
+            self._state.labels(self._run).state(_STATE_OF_EVENT[name])
+        self.write()
+        return True
+
+    def write(self) -> None:
+        """The whole file, atomically. Raises what the file system raises."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_to_textfile(str(self.path), self.registry)
 
 
 class Reporter:
@@ -230,9 +293,7 @@ class Reporter:
         metrics: MetricsTextfile | None = None,
         outputs: BestEffort | None = None,
     ) -> None:
-        self.display = display
-        self.service = service
-        self.metrics = metrics
+        self.display, self.service, self.metrics = display, service, metrics
         self.outputs = outputs or BestEffort()
         self._pace = PaceMeter()
 
@@ -248,9 +309,8 @@ class Reporter:
     def bind(self, log: FilteringBoundLogger) -> None:
         """The event log exists: output failures go there; the metrics file gets its first state."""
         self.outputs.log = log
-        metrics = self.metrics
-        if metrics is not None:
-            self.outputs.run(METRICS_TEXTFILE, metrics.write)
+        if self.metrics is not None:
+            self.outputs.run(METRICS_TEXTFILE, self.metrics.write)
 
     def clear(self) -> None:
         self.display.clear()
