@@ -47,37 +47,23 @@ class Block:
 
 
 LLAMA = Block()
-QWEN3 = Block(head_norm=HeadNorm.PER_HEAD)
-GEMMA2 = Block(norms=4, norm_keeps_dtype=True)
-GEMMA3 = Block(norms=4, head_norm=HeadNorm.PER_HEAD, norm_keeps_dtype=True)
 
-#: ``model_type`` -> its block, for every model type the memory model predicts.
-BLOCKS: dict[str, Block] = {
-    "llama": LLAMA,
-    "mistral": LLAMA,
-    "qwen2": LLAMA,
-    "qwen3": QWEN3,
-    "olmo2": Block(head_norm=HeadNorm.FULL),
-    "gemma2": GEMMA2,
-    "gemma3_text": GEMMA3,
-    "phi3": Block(fused=True),
-    "qwen3_moe": Block(head_norm=HeadNorm.PER_HEAD, moe=True),
-    "mixtral": Block(moe=True),
+#: ``model_type`` -> its block and the ``architectures`` entry of its causal-LM class, for every
+#: model type the memory model predicts.
+_MODELLED: dict[str, tuple[Block, str]] = {
+    "llama": (LLAMA, "LlamaForCausalLM"),
+    "mistral": (LLAMA, "MistralForCausalLM"),
+    "qwen2": (LLAMA, "Qwen2ForCausalLM"),
+    "qwen3": (Block(head_norm=HeadNorm.PER_HEAD), "Qwen3ForCausalLM"),
+    "olmo2": (Block(head_norm=HeadNorm.FULL), "Olmo2ForCausalLM"),
+    "gemma2": (Block(norms=4, norm_keeps_dtype=True), "Gemma2ForCausalLM"),
+    "gemma3_text": (Block(norms=4, head_norm=HeadNorm.PER_HEAD, norm_keeps_dtype=True), "Gemma3ForCausalLM"),
+    "phi3": (Block(fused=True), "Phi3ForCausalLM"),
+    "qwen3_moe": (Block(head_norm=HeadNorm.PER_HEAD, moe=True), "Qwen3MoeForCausalLM"),
+    "mixtral": (Block(moe=True), "MixtralForCausalLM"),
 }
-
-#: The ``architectures`` entry of each modelled model type's causal-LM class.
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Olmo2ForCausalLM": "olmo2",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-}
+BLOCKS: dict[str, Block] = {model_type: block for model_type, (block, _) in _MODELLED.items()}
+ARCHITECTURES: dict[str, str] = {name: model_type for model_type, (_, name) in _MODELLED.items()}
 
 #: Model types whose q/k/v projections carry a bias without saying so in config.json.
 QKV_BIAS = frozenset({"qwen2"})
@@ -129,9 +115,8 @@ def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
         pattern = 2 if model_type_of(config) == "gemma2" else int(config.get("sliding_window_pattern") or 6)
         sliding = sum(1 for i in range(layers) if (i + 1) % pattern)
     elif "use_sliding_window" in config:
-        sliding = (
-            max(0, layers - int(config.get("max_window_layers") or 0)) if config["use_sliding_window"] else 0
-        )
+        below = int(config.get("max_window_layers") or 0)
+        sliding = max(0, layers - below) if config["use_sliding_window"] else 0
     else:
         sliding = layers
     return (int(window), sliding) if sliding else (None, 0)

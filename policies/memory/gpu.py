@@ -14,12 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from qlora_supervise.policies.memory.families import Block, HeadNorm
-from qlora_supervise.policies.memory.optimizer import (
-    AdapterBytes,
-    adapter_bytes,
-    adapter_dtype_bytes,
-    adapter_tensors,
-)
+from qlora_supervise.policies.memory.optimizer import adapter_bytes, adapter_dtype_bytes, adapter_tensors
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -49,13 +44,10 @@ GATHERED_BLOCKS = 2  # FSDP: blocks gathered at once, the one running and the on
 
 @dataclass(frozen=True)
 class Prediction:
-    """A predicted peak, by component (bytes).
-
-    ``peak_bytes`` is the peak PyTorch *allocated* (what ``gpu_memory_limit`` caps); ``components``
-    sums to it. ``outside`` is on the card but outside the allocator (CUDA context, paged optimizer
-    state); ``card_bytes`` is what the card must hold. ``phase``: load, backward, backward_end,
-    optimizer_step or eval.
-    """
+    """A predicted peak by component (bytes): ``peak_bytes`` is the peak PyTorch *allocated* (what
+    ``gpu_memory_limit`` caps), the sum of ``components``; ``outside`` is on the card outside the
+    allocator (CUDA context, paged optimizer state); ``card_bytes`` is what the card must hold.
+    ``phase``: load, backward, backward_end, optimizer_step or eval."""
 
     components: Mapping[str, int]
     peak_bytes: int
@@ -157,10 +149,8 @@ def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
 def fsdp_block_bytes(shape: ModelShape, per_weight: float) -> int:
     """One decoder block as FSDP holds it: 4-bit linear layers, 16-bit experts, biases and norms
     (the codes are stored in the compute dtype, so nothing is upcast)."""
-    norms = shape.norm_params // max(shape.layers, 1)
-    return (
-        int(shape.layer_params * per_weight) + (shape.expert_params + shape.bias_params + norms) * LOAD_DTYPE
-    )
+    unquantized = shape.expert_params + shape.bias_params + shape.norm_params // max(shape.layers, 1)
+    return int(shape.layer_params * per_weight) + unquantized * LOAD_DTYPE
 
 
 def _root(shape: ModelShape) -> dict[str, int]:
@@ -173,10 +163,8 @@ def static_components(
     shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
 ) -> dict[str, int]:
     """What sits on the card once the model is loaded and the adapter attached (in trl's dtype)."""
-    return {
-        **base_components(shape, knobs),
-        "lora_params": lora_params(shape, knobs.lora_r, targets) * adapter_dtype_bytes(knobs),
-    }
+    adapter = lora_params(shape, knobs.lora_r, targets) * adapter_dtype_bytes(knobs)
+    return {**base_components(shape, knobs), "lora_params": adapter}
 
 
 def load_components(
@@ -195,19 +183,15 @@ def load_components(
         largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
     cast = 0 if knobs.fsdp else largest * LOAD_DTYPE
     adapter_fp32 = lora_params(shape, knobs.lora_r, targets) * FP32
-    if cast >= adapter_fp32:
-        return {**base, "load_cast_16bit": cast}
-    return {**base, "lora_params": adapter_fp32}
+    return {**base, **({"load_cast_16bit": cast} if cast >= adapter_fp32 else {"lora_params": adapter_fp32})}
 
 
 def layer_activation_bytes(
     shape: ModelShape, r: int, targets: tuple[str, ...] | str, half: int = 2, seq: int = 0
 ) -> int:
-    """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens
-    a sequence (only eager attention depends on it); ``half``: the autocast dtype's size.
-
-    Layer 0 keeps a little less (its input needs no gradient), which the model leaves in as margin.
-    """
+    """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens a
+    sequence (only eager attention depends on it); ``half``: the autocast dtype's size. Layer 0 keeps
+    a little less (its input needs no gradient), which the model leaves in as margin."""
     block = shape.block or Block()
     norms = block.norms * FP32 * shape.hidden
     head_norms = FP32 * (shape.q_dim + shape.kv_dim) if block.head_norm is not HeadNorm.NONE else 0
@@ -235,12 +219,9 @@ def block_backward_bytes(
 ) -> int:
     """One block's backward on top of what stays kept: with checkpointing its recomputed
     activations, then its fp32 gradients and one weight bitsandbytes dequantizes to 16-bit."""
-    tokens = knobs.micro_batch_size * knobs.max_seq_len
-    recomputed = (
-        layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len)
-        if knobs.gradient_checkpointing
-        else 0
-    )
+    tokens, seq = knobs.micro_batch_size * knobs.max_seq_len, knobs.max_seq_len
+    ckpt = knobs.gradient_checkpointing
+    recomputed = layer_activation_bytes(shape, knobs.lora_r, targets, half, seq) if ckpt else 0
     widest = max(a * b for a, b in shape.linear_dims().values())
     if shape.experts:
         routed = BACKWARD_TRANSIENT_I * shape.expert_intermediate + MOE_BACKWARD_ROUTED_H * shape.hidden
@@ -249,7 +230,7 @@ def block_backward_bytes(
         mlp = BACKWARD_TRANSIENT_I * shape.intermediate
     per_token = recomputed + mlp + BACKWARD_TRANSIENT_H * shape.hidden
     if shape.attn_implementation == "eager":
-        per_token += EAGER_BACKWARD_SCORES * shape.heads * knobs.max_seq_len
+        per_token += EAGER_BACKWARD_SCORES * shape.heads * seq
     return tokens * per_token + widest * half
 
 
@@ -269,29 +250,22 @@ def activation_components(
         kept += checkpoint_masks(shape, knobs.micro_batch_size, knobs.max_seq_len)
     block = block_backward_bytes(shape, knobs, targets, half)
     head = loss_components(shape, knobs.micro_batch_size, knobs.max_seq_len, half, knobs.bf16_head)
-    if sum(head.values()) >= block:
-        return {"activations": kept, **head}
-    return {"activations": kept, "backward_block": block}
+    return {"activations": kept, **(head if sum(head.values()) >= block else {"backward_block": block})}
 
 
 def loss_components(
     shape: ModelShape, batch: int, seq: int, half: int = 2, bf16_head: bool = False
 ) -> dict[str, int]:
-    """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, the tiles.
-
-    The tiles: the bf16 logits buffer (a token tile by a vocabulary slice), the bf16 copy of the
-    token tile, and a bf16 slice of the head, two while the loop moves to the next slice (none
-    when the head is bf16 already: ``.to(bf16)`` is a no-op).
-    """
+    """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, and the
+    tiles: the bf16 logits buffer (a token tile by a vocabulary slice), the bf16 copy of the token
+    tile, a bf16 slice of the head, two while the loop moves to the next slice (none when the head
+    is bf16 already: ``.to(bf16)`` is a no-op)."""
     scored = batch * max(seq - 1, 1)  # every position with a next-token label
     tile_tokens = min(scored, HEAD_TOKEN_TILE)
     tile_vocab = min(shape.vocab, HEAD_VOCAB_TILE)
     slices = 0 if bf16_head else (2 if shape.vocab > HEAD_VOCAB_TILE else 1)
-    return {
-        "loss_hidden_fp32": scored * shape.hidden * FP32 * 2,
-        "loss_tiles": tile_tokens * (tile_vocab + shape.hidden) * half
-        + slices * tile_vocab * shape.hidden * half,
-    }
+    tiles = (tile_tokens * (tile_vocab + shape.hidden) + slices * tile_vocab * shape.hidden) * half
+    return {"loss_hidden_fp32": scored * shape.hidden * FP32 * 2, "loss_tiles": tiles}
 
 
 def optimizer_components(
@@ -299,8 +273,7 @@ def optimizer_components(
 ) -> tuple[dict[str, int], int, int]:
     """(grads and state held by the allocator, the step's temporary, paged state outside it)."""
     adapter = adapter_bytes(shape, knobs, targets)
-    held = {"lora_grads": adapter.grads, "optimizer_state": adapter.state}
-    return held, adapter.step_temp, adapter.paged
+    return {"lora_grads": adapter.grads, "optimizer_state": adapter.state}, adapter.step_temp, adapter.paged
 
 
 def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str, int]:
@@ -320,7 +293,7 @@ def training_phases(
     the second micro-batch of an accumulation: the Trainer sets them to None after each step),
     backward_end (the first block's backward with every gradient made), optimizer_step, eval."""
     static = {**static_components(shape, knobs, targets), "blas_workspaces": BLAS_WORKSPACES}
-    adapter: AdapterBytes = adapter_bytes(shape, knobs, targets)
+    adapter = adapter_bytes(shape, knobs, targets)
     state = {"optimizer_state": adapter.state}
     grads = {"lora_grads": adapter.grads}
     tokens = knobs.micro_batch_size * knobs.max_seq_len
@@ -344,13 +317,9 @@ def training_phases(
 
 
 def predict(
-    shape: ModelShape,
-    knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    half: int = 2,
+    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
 ) -> Prediction:
-    """The largest phase of :func:`training_phases`, with the allocator's reserve and what sits
-    outside it."""
+    """The largest phase of :func:`training_phases`, with the allocator's reserve and what sits outside it."""
     phases = training_phases(shape, knobs, targets, half)
     phase, components = max(phases.items(), key=lambda item: sum(item[1].values()))
     peak = sum(components.values())
@@ -359,10 +328,5 @@ def predict(
     paged = adapter_bytes(shape, knobs, targets).paged
     if paged:
         outside["paged_optimizer_state"] = paged
-    return Prediction(
-        components={k: v for k, v in components.items() if v},
-        peak_bytes=peak,
-        reserved_bytes=int(peak * (1 + fraction)),
-        outside=outside,
-        phase=phase,
-    )
+    kept = {k: v for k, v in components.items() if v}
+    return Prediction(kept, peak, int(peak * (1 + fraction)), outside, phase)

@@ -227,12 +227,8 @@ class ModelShape:
         if block.fused:
             attention = {"qkv_proj": (h, self.q_dim + 2 * self.kv_dim), "o_proj": (self.q_dim, h)}
             return {**attention, "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
-        attention = {
-            "q_proj": (h, self.q_dim),
-            "k_proj": (h, self.kv_dim),
-            "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h),
-        }
+        q, kv = self.q_dim, self.kv_dim
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         if block.moe:
             return attention
         return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -267,11 +263,8 @@ class ModelShape:
     def norm_params(self) -> int:
         """Every RMSNorm weight: the blocks' hidden-wide ones, the final one, the q/k norms."""
         block = self.block or Block()
-        head = {
-            HeadNorm.NONE: 0,
-            HeadNorm.PER_HEAD: 2 * self.dim_per_head,
-            HeadNorm.FULL: self.q_dim + self.kv_dim,
-        }[block.head_norm]
+        per_head, full = 2 * self.dim_per_head, self.q_dim + self.kv_dim
+        head = {HeadNorm.NONE: 0, HeadNorm.PER_HEAD: per_head, HeadNorm.FULL: full}[block.head_norm]
         return (block.norms * self.layers + 1) * self.hidden + self.layers * head
 
     @property
