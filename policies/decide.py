@@ -13,8 +13,8 @@ The rules, first match wins (docs/ladder.md tells them for users):
    ``max_no_progress`` times (a GPU fault: twice) with no step trained in between; a fatal Xid
    -> GiveUp, not retryable. Under torchrun a card that keeps failing -> ``drop_rank``
 6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
-   OOM kill after progress not in a row and an OOM marked spurious, once
-   (issue 33, below); a merge's memory failure takes the merge ladder.
+   OOM kill after progress not in a row and an OOM marked spurious, once (issue 33, below); a
+   merge's memory failure takes the merge ladder.
 
 The values live in :mod:`.verdicts`; the rules after the first few are below :func:`decide`.
 """
@@ -135,13 +135,11 @@ def decide(
 def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], settings: Settings) -> Decision:
     """Rule 0: the charged rungs go (back to the config before them) and the ladder moves on from
     the failure they answered, without them for the rest of the run."""
-    names = "+".join(charged.rungs)
+    names, before, unusable = "+".join(charged.rungs), charged.before, unusable_rungs(history)
     head = (
         f"{charged.kind.value} right after {names} changed the config (no attempt failed so before): "
         f"{names} reverted and unusable for this run"
     )
-    before = charged.before
-    unusable = unusable_rungs(history)
     following = after_failure(PastFailure.of(before), before.knobs, history, settings, unusable)
     if isinstance(following, GiveUp):
         return GiveUp(f"{head}; {following.why}", retryable=following.retryable)
@@ -157,8 +155,7 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
     """Attempts at the end of the history that trained no step and ran the config of the one
     before, and the first of them (a ladder climbing at step 0 ends on its own)."""
     streak = 0
-    for index in range(len(history) - 1, -1, -1):
-        past = history[index]
+    for index, past in reversed(list(enumerate(history))):
         if past.steps_progressed > 0:
             break
         if index > 0 and history[index - 1].knobs != past.knobs:
@@ -181,9 +178,8 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
             f"{kind.value} happened {same} times with the same config and no step trained in between; "
             "no rung addresses it"
         )
-    return Restart(
-        knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry unchanged", Survives.ALL
-    )
+    why = f"{kind.value} may be transient: retry unchanged"
+    return Restart(knobs, "retry_unchanged", {}, why, Survives.ALL)
 
 
 # ---- rule 0: a rung charged with the failure right after it -------------------------------
@@ -195,12 +191,8 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
 CHARGEABLE = frozenset({FailureKind.OTHER, FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
 #: Where an OOM kind happened, for a past attempt journalled without its stage.
 _STAGE_OF_KIND: Mapping[FailureKind, Stage] = {
-    FailureKind.OOM_LOAD: Stage.LOAD,
-    FailureKind.OOM_FORWARD: Stage.FORWARD,
-    FailureKind.OOM_BACKWARD: Stage.BACKWARD,
-    FailureKind.OOM_OPTIMIZER: Stage.OPTIMIZER,
-    FailureKind.OOM_EVAL: Stage.EVAL,
-    FailureKind.OOM_MERGE: Stage.MERGE,
+    FailureKind(f"oom_{stage.value}"): stage
+    for stage in (Stage.LOAD, Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER, Stage.EVAL, Stage.MERGE)
 }
 
 
@@ -274,8 +266,7 @@ def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAt
         return None
     if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (choice.py)
         return None
-    now = failed[-1]
-    before = failed[-2] if len(failed) > 1 else None
+    now, before = failed[-1], (failed[-2] if len(failed) > 1 else None)
     in_a_row = before is not None and before.kind is FailureKind.HOST_OOM and before.knobs == knobs
     if in_a_row and before is not None and now.reached <= before.reached:
         return None  # killed again no further than the last kill: the config's own peak

@@ -66,9 +66,7 @@ class Observation:
 
 
 def calibrate(
-    shape: ModelShape,
-    observations: Sequence[Observation],
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, observations: Sequence[Observation], targets: tuple[str, ...] | str = DEFAULT_TARGETS
 ) -> float | None:
     """The median over observed peaks of ``(observed - fixed) / variable``; None without data.
 

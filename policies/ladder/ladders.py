@@ -60,9 +60,7 @@ STAGE_DEPENDENT: Mapping[FailureKind, tuple[str, ...]] = {
 
 
 def ladder_for(
-    kind: FailureKind,
-    stage: Stage,
-    overrides: Mapping[FailureKind, tuple[str, ...]] | None = None,
+    kind: FailureKind, stage: Stage, overrides: Mapping[FailureKind, tuple[str, ...]] | None = None
 ) -> tuple[str, ...]:
     """The rung names to try for a failure of ``kind`` that happened in ``stage``."""
     overrides = overrides or {}

@@ -105,11 +105,7 @@ def cause_of(
 
 
 def step_up(
-    knobs: Knobs,
-    descents: Sequence[Descent],
-    past: Sequence[PastStepUp],
-    settings: Settings,
-    card: CardNow,
+    knobs: Knobs, descents: Sequence[Descent], past: Sequence[PastStepUp], settings: Settings, card: CardNow
 ) -> StepUp | Refusal | None:
     """At a checkpoint of an attempt running ``knobs``: the step-up to take, the refusal of the newest
     cleared descent, or None when no cause has cleared."""
