@@ -21,15 +21,7 @@ from qlora_supervise.policies.rungs import (
     shorten_cost_text,
 )
 from qlora_supervise.policies.search.search_state import fit_limit
-from qlora_supervise.policies.verdicts import (
-    Decision,
-    FailureLike,
-    GiveUp,
-    PastAttempt,
-    Restart,
-    Settings,
-    for_model,
-)
+from qlora_supervise.policies.verdicts import FailureLike, GiveUp, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -44,7 +36,7 @@ def walk(
     settings: Settings,
     scale: float | None,
     unusable: frozenset[str],
-) -> Decision:
+) -> Restart | GiveUp:
     """The stage's ladder from ``knobs`` (``settings`` already those of its model)."""
     context = RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
     candidate = knobs
@@ -137,15 +129,14 @@ def _over_host(knobs: Knobs, settings: Settings) -> bool:
 def _restart(
     old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str], lengths: SampleLengths | None
 ) -> Restart:
-    why = "; ".join(_reason(rung, old, new, lengths) for rung in applied)
+    # Each rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts).
+    why = "; ".join(
+        f"{rung.reason}: {shorten_cost_text(lengths, old, new)}"
+        if rung.name == "shorten_seq_len" and lengths is not None
+        else rung.reason
+        for rung in applied
+    )
     if skipped:
         why += f" (memory model: {', '.join(skipped)} alone would not fit)"
     survives = max((rung.survives for rung in applied), key=_SURVIVAL_ORDER.index)
     return Restart(new, "+".join(rung.name for rung in applied), knob_changes(old, new), why, survives)
-
-
-def _reason(rung: Rung, old: Knobs, new: Knobs, lengths: SampleLengths | None) -> str:
-    """The rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts)."""
-    if rung.name == "shorten_seq_len" and lengths is not None:
-        return f"{rung.reason}: {shorten_cost_text(lengths, old, new)}"
-    return rung.reason
