@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.host import host_train_need
@@ -135,11 +134,7 @@ def _fallback(
             continue
         job = dataclasses.replace(knobs, model=model)
         # The fallback's checkpoint is not read here: its size is its parameters in 16 bits.
-        own = (
-            None
-            if host is None
-            else dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
-        )
+        own = host and dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
         search = Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
         ranking, _ = search.best(job)
         if ranking:
@@ -179,20 +174,17 @@ def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
 
 
 def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
+    """Each changed knob, with its rung's reason where it moved towards less memory."""
     reasons = []
     for name, (before, after) in knob_changes(old, new).items():
         rung = RUNG_BY_NAME.get(RUNG_OF_KNOB.get(name, ""))
-        why = f": {rung.reason}" if rung is not None and _towards_less_memory(name, before, after) else ""
+        if isinstance(before, bool):
+            less = bool(after) and not before
+        else:
+            less = after < before if isinstance(before, int) and isinstance(after, int) else True
+        why = f": {rung.reason}" if rung is not None and less else ""
         reasons.append(f"{name} {before} -> {after}{why}")
     return reasons
-
-
-def _towards_less_memory(name: str, before: Any, after: Any) -> bool:
-    if isinstance(before, bool):
-        return bool(after) and not before
-    if isinstance(before, int) and isinstance(after, int):
-        return after < before
-    return True
 
 
 def _nothing_fits(

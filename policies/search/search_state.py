@@ -100,14 +100,6 @@ def micro_batches(knobs: Knobs) -> list[Knobs]:
     ]
 
 
-def eval_batches(knobs: Knobs) -> list[Knobs]:
-    """The job's eval batch and each halving (a smaller eval batch fixes an eval that does not fit)."""
-    chain = [knobs]
-    while chain[-1].eval_enabled and chain[-1].eval_batch_size > 1:
-        chain.append(dataclasses.replace(chain[-1], eval_batch_size=chain[-1].eval_batch_size // 2))
-    return chain
-
-
 def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
     """What the search tries for ``rung`` on ``knobs``, each with the rung names it took."""
     if rung.axis is Axis.EITHER:
@@ -144,14 +136,6 @@ def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
         free = rung.apply(free) or free
     axes = _searched(CostClass.THROUGHPUT, Axis.TOGGLE, Axis.EITHER, Axis.DIVISORS)
     return (variant for variant, _ in _product(free, axes))
-
-
-def most_frugal(knobs: Knobs) -> Knobs:
-    """Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1)."""
-    for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
-        while (changed := rung.apply(knobs)) is not None:
-            knobs = changed
-    return knobs
 
 
 def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
@@ -226,10 +210,15 @@ class Search:
         return True
 
     def with_eval_that_fits(self, knobs: Knobs) -> Knobs | None:
-        """``knobs`` with the largest eval batch that fits; None when training itself does not."""
+        """``knobs`` with the largest eval batch that fits, the job's or a halving of it (a smaller eval
+        batch fixes an eval that does not fit); None when training itself does not."""
         if not self.fits(dataclasses.replace(knobs, eval_enabled=False)):
             return None
-        return next((k for k in eval_batches(knobs) if self.fits(k)), None)
+        while not self.fits(knobs):
+            if not knobs.eval_enabled or knobs.eval_batch_size <= 1:
+                return None
+            knobs = dataclasses.replace(knobs, eval_batch_size=knobs.eval_batch_size // 2)
+        return knobs
 
     def rank(self, base: Knobs) -> list[Ranked]:
         """Every fitting throughput variant of ``base``, fastest first."""
@@ -259,7 +248,12 @@ class Search:
         if ranking:
             return ranking, False
         for variant, rungs in quality_variants(job):
-            if set(rungs) & self.unusable or not self.fits(most_frugal(variant)):
+            # Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1).
+            frugal = variant
+            for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
+                while (changed := rung.apply(frugal)) is not None:
+                    frugal = changed
+            if set(rungs) & self.unusable or not self.fits(frugal):
                 continue
             ranking = self.rank(variant)
             if ranking and deep_cut(self.job, variant):
