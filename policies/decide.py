@@ -52,18 +52,8 @@ from qlora_supervise.policies.verdicts import (
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-__all__ = [
-    "Decision",
-    "FailureLike",
-    "GiveUp",
-    "PastAttempt",
-    "Restart",
-    "Settings",
-    "Wait",
-    "WaitFor",
-    "WaitResult",
-    "decide",
-]
+#: What the loop reads of the decision's values through this module.
+__all__ = ["Decision", "GiveUp", "PastAttempt", "Restart", "Settings", "Wait", "WaitFor", "WaitResult"]
 
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
 RETRY_UNCHANGED_ONCE = frozenset(

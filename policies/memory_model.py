@@ -14,19 +14,8 @@ from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, pre
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-__all__ = [
-    "DEFAULT_TARGETS",
-    "UNCALIBRATED_MARGIN",
-    "ModelShape",
-    "Observation",
-    "Prediction",
-    "calibrate",
-    "cannot_fit",
-    "estimate_peak",
-    "predict",
-    "scaled_peak",
-    "split",
-]
+#: The terms' names the callers read through this module (its own are public as defined).
+__all__ = ["DEFAULT_TARGETS", "ModelShape", "Prediction", "predict"]
 
 VARIABLE_COMPONENTS = frozenset(
     {"activations", "backward_block", "loss_hidden_fp32", "loss_tiles", "eval_activations"}
@@ -68,21 +57,13 @@ class Observation:
 def calibrate(
     shape: ModelShape, observations: Sequence[Observation], targets: tuple[str, ...] | str = DEFAULT_TARGETS
 ) -> float | None:
-    """The median over observed peaks of ``(observed - fixed) / variable``; None without data.
-
-    An OOM (``exceeded``) is a lower bound, not a peak, and does not calibrate. Clamped to
-    :data:`SCALE_RANGE`: outside it the fixed part is wrong, and a scale would only hide it.
-    """
-    scales = []
-    for o in observations:
-        if o.exceeded or not o.peak_bytes:
-            continue
-        fixed, variable = split(predict(shape, o.knobs, targets))
-        if variable > 0:
-            scales.append((o.peak_bytes - fixed) / variable)
+    """The median over observed peaks of ``(observed - fixed) / variable``; None without data. An OOM
+    (``exceeded``) is a lower bound, not a peak, and does not calibrate. Clamped to
+    :data:`SCALE_RANGE`: outside it the fixed part is wrong, and a scale would only hide it."""
+    peaks = [(o.peak_bytes, split(predict(shape, o.knobs, targets))) for o in observations if not o.exceeded]
+    scales = sorted((peak - fixed) / variable for peak, (fixed, variable) in peaks if peak and variable > 0)
     if not scales:
         return None
-    scales.sort()
     low, high = SCALE_RANGE
     return min(high, max(low, scales[len(scales) // 2]))
 
@@ -98,6 +79,5 @@ def cannot_fit(
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
 ) -> bool:
     """True when the calibrated prediction exceeds the budget, or the raw one exceeds it by 25 %."""
-    return estimate_peak(shape, knobs, scale, targets) > budget * (
-        UNCALIBRATED_MARGIN if scale is None else 1
-    )
+    margin = UNCALIBRATED_MARGIN if scale is None else 1
+    return estimate_peak(shape, knobs, scale, targets) > budget * margin

@@ -168,21 +168,16 @@ def _smaller_model(k: Knobs, context: RungContext) -> Knobs | None:
 
 def _drop_rank(k: Knobs, context: RungContext) -> Knobs | None:
     # micro x accumulation x ranks must come out exactly (4 -> 3 ranks needs accumulation x 4 / 3).
-    ranks = k.world_size
-    if ranks <= 1 or (k.grad_accum * ranks) % (ranks - 1):
+    ranks, left = k.world_size, k.world_size - 1
+    if ranks <= 1 or (k.grad_accum * ranks) % left:
         return None
     cards = rank_gpus(k)
     failed = context.failed_local_rank
     cards.pop(failed if failed is not None and 0 <= failed < len(cards) else len(cards) - 1)
-    gpus = "" if cards == list(range(ranks - 1)) else ",".join(map(str, cards))
+    gpus = "" if cards == list(range(left)) else ",".join(map(str, cards))
     # One rank left has nothing to shard with: it trains as one process.
-    return dataclasses.replace(
-        k,
-        world_size=ranks - 1,
-        grad_accum=k.grad_accum * ranks // (ranks - 1),
-        gpus=gpus,
-        fsdp=k.fsdp and ranks > 2,
-    )
+    accum = k.grad_accum * ranks // left
+    return dataclasses.replace(k, world_size=left, grad_accum=accum, gpus=gpus, fsdp=k.fsdp and ranks > 2)
 
 
 _FREE, _SPEED, _QUALITY = CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY
