@@ -51,31 +51,18 @@ def after_failure(
         charged = _charge_offload(knobs, failed, settings, scale, unusable)
         if charged is not None:
             return charged
-    searched = _search(failure, knobs, failed, settings, scale, unusable)
-    return searched or climb.walk(failure, knobs, failed, settings, scale, unusable)
-
-
-def _search(
-    failure: FailureLike,
-    knobs: Knobs,
-    failed: frozenset[Knobs],
-    settings: Settings,
-    scale: float | None,
-    unusable: frozenset[str],
-) -> Restart | None:
-    """The fastest throughput-only change predicted to fit, searched over combinations (a walk
-    takes one rung at a time, and a quality rung sooner). The failure calibrates the model: the
-    failed config needed more than the budget. None: a quality change or nothing fits (the walk)."""
+    # The fastest throughput-only change predicted to fit, searched over combinations (a walk takes
+    # one rung at a time, and a quality rung sooner); the failure calibrates the model: the failed
+    # config needed more than the budget. A quality change or nothing that fits: the walk.
     shape, budget = settings.shape, settings.budget_bytes
-    if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
-        return None
-    floor = climb.failed_scale(shape, knobs, budget, settings.targets)
-    result = _again(settings, knobs, max(scale or floor, floor), failed, unusable)
-    if not result.fits or result.quality_changed or result.knobs == knobs:
-        return None
-    names = rungs_between(knobs, result.knobs)
-    why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
-    return _restart(knobs, result, "+".join(names), f"{why} (memory model: {result.reasons[-1]})")
+    if shape is not None and budget is not None and failure.kind in _STEP_MEMORY:
+        floor = climb.failed_scale(shape, knobs, budget, settings.targets)
+        result = _again(settings, knobs, max(scale or floor, floor), failed, unusable)
+        if result.fits and not result.quality_changed and result.knobs != knobs:
+            names = rungs_between(knobs, result.knobs)
+            why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
+            return _restart(knobs, result, "+".join(names), f"{why} (memory model: {result.reasons[-1]})")
+    return climb.walk(failure, knobs, failed, settings, scale, unusable)
 
 
 def _again(

@@ -57,22 +57,20 @@ def preflight(
     search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
-        why = [f"predicted {_gib(search.peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin"]
-        written = Ranked(
-            knobs, (), search.peak(knobs), base_speed, False, CostClass.FREE, search.host_peak(knobs)
-        )
+        peak = search.peak(knobs)
+        written = Ranked(knobs, (), peak, base_speed, False, CostClass.FREE, search.host_peak(knobs))
         ranking = search.rank(knobs)  # first: ranking counts the configs the host rules out
+        why = [f"predicted {_gib(peak)} fits {_gib(budget_bytes)} with the {margin:.0%} margin"]
         return _result(
             search, shape, written, ranking, why + _host_reasons(search, knobs), budget_bytes, margin
         )
     ranking, quality = search.best(knobs)
-    fallback = None
-    chosen_shape = shape
+    fallback, chosen_shape = None, shape
     if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable, host)) is not None:
         fallback, chosen_shape, ranking = found
     head = [_as_written(search, knobs, budget_bytes, margin)]
     if not ranking:
-        return _nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
+        return _nothing_fits(search, budget_bytes, margin, head, bool(fallbacks))
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
@@ -188,16 +186,12 @@ def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
 
 
 def _nothing_fits(
-    search: Search,
-    knobs: Knobs,
-    budget_bytes: int,
-    margin: float,
-    head: list[str],
-    fallbacks: Sequence[tuple[str, ModelShape | None]],
+    search: Search, budget_bytes: int, margin: float, head: list[str], fallbacks: bool
 ) -> PreflightResult:
-    """The refusal when nothing fits the card: the smallest peak and what would help."""
+    """The refusal when nothing fits the card: the smallest peak and what would help (``fallbacks``:
+    the job has fallback models, none of which fits)."""
     if search.host_rejected:  # configs fitted the card: host memory is what nothing fits
-        return _nothing_fits_host(search, knobs, budget_bytes, margin, head)
+        return _nothing_fits_host(search, budget_bytes, margin, head)
     assert search.smallest is not None  # the job as written was predicted first
     peak, smallest = search.smallest
     need = int(peak * (1 + margin))
@@ -218,12 +212,10 @@ def _nothing_fits(
         f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
         f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
     )
-    return _refusal(search, knobs, (*head, verdict), budget_bytes, nothing)
+    return _refusal(search, (*head, verdict), budget_bytes, nothing)
 
 
-def _nothing_fits_host(
-    search: Search, knobs: Knobs, budget_bytes: int, margin: float, head: list[str]
-) -> PreflightResult:
+def _nothing_fits_host(search: Search, budget_bytes: int, margin: float, head: list[str]) -> PreflightResult:
     """Nothing that fits the card fits the host: the smallest host need among them, the host
     budget, and the host budget that would fit."""
     assert search.host is not None and search.host_limit is not None
@@ -251,21 +243,21 @@ def _nothing_fits_host(
         f"{_gib(host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
     )
     return dataclasses.replace(
-        _refusal(search, knobs, (*head, verdict), budget_bytes, nothing),
+        _refusal(search, (*head, verdict), budget_bytes, nothing),
         host_peak_bytes=host_peak,
         host_rejected=_rejected(search),
     )
 
 
 def _refusal(
-    search: Search, knobs: Knobs, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
+    search: Search, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
 ) -> PreflightResult:
     """The result when nothing fits: the smallest config ``nothing`` names, refused."""
     smallest = nothing.smallest_knobs
     return PreflightResult(
         knobs=smallest,
         predicted=predict(search.shape, smallest, search.targets),
-        changes=knob_changes(knobs, smallest),
+        changes=knob_changes(search.job, smallest),
         reasons=reasons,
         budget_bytes=budget_bytes,
         margin=nothing.margin,
