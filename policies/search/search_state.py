@@ -103,8 +103,7 @@ def micro_batches(knobs: Knobs) -> list[Knobs]:
 def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
     """What the search tries for ``rung`` on ``knobs``, each with the rung names it took."""
     if rung.axis is Axis.EITHER:
-        values: list[dict[str, Any]] = [{rung.knob: False}, {rung.knob: True}]
-        return [(dataclasses.replace(knobs, **value), ()) for value in values]
+        return [(dataclasses.replace(knobs, **{rung.knob: value}), ()) for value in (False, True)]
     if rung.axis is Axis.DIVISORS:
         return [(k, ()) for k in micro_batches(knobs)]
     out: list[tuple[Knobs, tuple[str, ...]]] = [(knobs, ())]
@@ -182,10 +181,9 @@ class Search:
 
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
-            self._peaks[knobs] = estimate_peak(self.shape, knobs, self.scale, self.targets)
-            allowed = not deep_cut(self.job, knobs)
-            if allowed and (self.smallest is None or self._peaks[knobs] < self.smallest[0]):
-                self.smallest = (self._peaks[knobs], knobs)
+            peak = self._peaks[knobs] = estimate_peak(self.shape, knobs, self.scale, self.targets)
+            if not deep_cut(self.job, knobs) and (self.smallest is None or peak < self.smallest[0]):
+                self.smallest = (peak, knobs)
         return self._peaks[knobs]
 
     def host_peak(self, knobs: Knobs) -> int | None:
@@ -231,12 +229,8 @@ class Search:
             if set(rungs) & self.unusable:
                 continue
             speed = throughput.rank_speed(self.shape, fitted, self.speed, self.targets)
-            out.append(
-                Ranked(
-                    fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, dearest(rungs),
-                    self.host_peak(fitted),
-                )
-            )  # fmt: skip
+            peak, host = self.peak(fitted), self.host_peak(fitted)
+            out.append(Ranked(fitted, rungs, peak, speed.tokens_per_s, speed.measured, dearest(rungs), host))
         # Fastest first; at equal speed fewer changes, the larger eval batch, the higher peak.
         return sorted(
             out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
