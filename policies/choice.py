@@ -1,10 +1,8 @@
 """The one place that decides the config: at the first plan, after a failure, after the speed trial.
-
 Only this module calls the search (:mod:`.search.config_search`) and the ladder walk
 (:mod:`.ladder.climb`), a contract in pyproject checks it; each answer carries its reason, which
 the journal keeps and ``explain`` prints (docs/how-it-works.md tells the three moments); and
-whether to time the speed trial again when the card's sharing has changed (:func:`retime`).
-"""
+whether to time the speed trial again when the card's sharing has changed (:func:`retime`)."""
 
 from __future__ import annotations
 
@@ -137,9 +135,8 @@ def after_trial(planned: Knobs, results: Sequence[TrialResult]) -> TrialChoice:
         why = f"speed trial: none measured over {MIN_GAIN:.0%} faster; the plan stays"
         return TrialChoice(planned, False, why)
     c = fastest.candidate
-    return TrialChoice(
-        trained_with(planned, c), True, f"speed trial: {c.name} at {fastest.tokens_per_s:.0f} tokens/s, {why}"
-    )
+    why = f"speed trial: {c.name} at {fastest.tokens_per_s:.0f} tokens/s, {why}"
+    return TrialChoice(trained_with(planned, c), True, why)
 
 
 def within(result: TrialResult, limit: int | None) -> TrialResult:

@@ -1,6 +1,6 @@
-"""The decision after a failed attempt: ``Restart | Wait | GiveUp``, a value the loop carries out.
-
-The rules, first match wins (docs/ladder.md tells them for users):
+"""The decision after a failed attempt: ``Restart | Wait | GiveUp`` (:mod:`.verdicts`), a value the
+loop carries out. The rules, first match wins (docs/ladder.md tells them for users; the rules after
+the first few are below :func:`decide`):
 
 0. a non-OOM failure right after a rung changed the config, no step trained: the rung is charged
    (below): reverted, unusable for the run, the ladder goes on from the failure before
@@ -15,8 +15,6 @@ The rules, first match wins (docs/ladder.md tells them for users):
 6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
    OOM kill after progress not in a row and an OOM marked spurious, once (issue 33, below); a
    merge's memory failure takes the merge ladder.
-
-The values live in :mod:`.verdicts`; the rules after the first few are below :func:`decide`.
 """
 
 from __future__ import annotations
@@ -69,12 +67,10 @@ def decide(
     waited: WaitResult | None = None,
     phase: str = "train",
 ) -> Decision:
-    """What to do after ``failure`` of an attempt that ran with ``knobs``.
-
-    ``history``: every finished attempt, the failed one last; those that did not fail count toward
-    neither the attempt budget nor the crash-loop streak. In the ``merge`` phase a memory failure
-    takes the merge ladder (a smaller model would merge the adapter onto the wrong base).
-    """
+    """What to do after ``failure`` of an attempt that ran with ``knobs``. ``history``: every finished
+    attempt, the failed one last; those that did not fail count toward neither the attempt budget nor
+    the crash-loop streak. In the ``merge`` phase a memory failure takes the merge ladder (a smaller
+    model would merge the adapter onto the wrong base)."""
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
     if kind is FailureKind.GPU_FAULT and failure.fatal_xid is not None:
@@ -109,12 +105,11 @@ def decide(
             why = "the card faulted again" if kind is FailureKind.GPU_FAULT else f"{kind.value} came back"
             return without_card(failure, knobs, why) or retried
         return retried
-    plain_retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
-    if plain_retry is not None:  # 6a: a host OOM kill after progress, the first with these knobs
-        return plain_retry
-    spurious = retry_spurious(failure, knobs, failed) if kind.is_oom else None
-    if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
-        return spurious
+    # 6a: a host OOM kill after progress, the first with these knobs; 6b: an OOM marked spurious, once.
+    retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
+    retry = retry or (retry_spurious(failure, knobs, failed) if kind.is_oom else None)
+    if retry is not None:
+        return retry
     if phase == "merge" and kind.is_oom:
         return after_failure(PastFailure(FailureKind.OOM_MERGE, Stage.MERGE), knobs, history, settings)
     # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.

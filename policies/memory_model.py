@@ -1,9 +1,7 @@
 """The peak-memory model of a QLoRA attempt (terms in :mod:`.memory.gpu`), and its calibration.
-
 Calibration splits a prediction into a *fixed* part (exact byte counts: weights, adapter, optimizer
 state) and a *variable* part (what scales with tokens, where the approximations live) and fits one
-scale on the variable part from observed peaks.
-"""
+scale on the variable part from observed peaks."""
 
 from __future__ import annotations
 

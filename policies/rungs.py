@@ -1,8 +1,6 @@
 """Rungs: the one record of each change the supervisor may make, and every table derived from it.
-
 A rung is a pure function ``knobs -> knobs | None`` (None: nothing left to change here) with a
-stable name (job files name rungs in ladder overrides) and a reason a person can read in the log.
-"""
+stable name (job files name rungs in ladder overrides) and a reason a person can read in the log."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The ladder walk: the stage's rungs in order, after a memory failure the search could not answer.
-
 A rung with nothing to change, charged or untakeable is skipped; a result that failed the same way,
 or that a calibrated memory model (or the host budget) says cannot fit, is kept and the next rung
-applied on top; after a host OOM kill no rung that needs more host RAM than the killed config.
-"""
+applied on top; after a host OOM kill no rung that needs more host RAM than the killed config."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Default ladders: for each failure kind, the rungs to try in order (a job may override any).
-
 The cheapest change that keeps all progress first, those that reset the optimizer or the adapter
-last, a smaller model as the last resort.
-"""
+last, a smaller model as the last resort."""
 
 from __future__ import annotations
 

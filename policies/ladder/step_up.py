@@ -1,10 +1,8 @@
 """Stepping back up: a rung taken for a cause that has cleared is undone at a checkpoint (issue 34).
-
 A :class:`Descent` is a rung the ladder took, with its :class:`Cause` (docs/ladder.md tells when
 each clears); any other OOM says the config does not fit. :func:`step_up` answers with a
 :class:`StepUp` or a :class:`Refusal`: at most once per descent, never to a config a step-up
-reached that then failed, never without the pre-flight's margin.
-"""
+reached that then failed, never without the pre-flight's margin."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Peak GPU memory of one QLoRA training attempt of our recipe, term by term, in bytes.
-
 docs/planning.md says what each term counts in the recipe and the libraries (trl 1.16, peft 0.21,
 torch 2.11, bitsandbytes 0.50). Coefficients that are not exact byte counts are named constants,
 checked against bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py``).
 The family terms of a block (:func:`attention_bytes`, :func:`mlp_activation_bytes`) were counted
 with saved-tensor hooks at each family's released widths (bench/results/family-memory-cpu-*/), on
-CUDA's footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out).
-"""
+CUDA's footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Host memory: loading a checkpoint into 4-bit, merging the adapter, and training (the host's budget).
-
 Measured, not derived (docs/host-memory.md says how it counts): safetensors maps the checkpoint,
 so every page of the 16-bit checkpoint passes through the loading process's resident set; on the
-H200 host a 7B (13.5 GB in bf16) peaked at 14.6 GB RSS while loading into 4-bit.
-"""
+H200 host a 7B (13.5 GB in bf16) peaked at 14.6 GB RSS while loading into 4-bit."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The LoRA adapter's own bytes: its weights, their gradients, and the optimizer's state, per tensor.
-
 Read against trl 1.16, peft 0.21, torch 2.11 and bitsandbytes 0.50: trl casts a quantized model's
 adapter to bf16 (unquantized, peft's fp32 stays); torch AdamW keeps two moments in the adapter's
 dtype plus a foreach step temporary (none fused); bitsandbytes keeps two fp32 moments, or uint8 ones
 with an fp32 absmax per 256 for tensors of ``min_8bit_size`` or more, and a paged optimizer pages
-only tensors of 1e5 elements or more (smaller ones are ordinary allocations).
-"""
+only tensors of 1e5 elements or more (smaller ones are ordinary allocations)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """What the memory model needs to know about a model, read from its ``config.json`` alone.
-
 The blocks of :data:`.families.BLOCKS` are modelled; anything else is refused with a typed
 :class:`Unsupported` reason (a number for the wrong block would be confidently wrong), with its
 facts where the LoRA targets table knows the family. A multimodal Gemma 3 is refused for its vision
-tower. The blocks' facts are in :mod:`.families`.
-"""
+tower. The blocks' facts are in :mod:`.families`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """The throughput model: predicted tokens/s of a QLoRA config, next to the memory model.
-
 Much of a 4-bit micro-step's cost is fixed (docs/planning.md), so per micro-step: launch cost per
 layer + cost per 4-bit weight byte + (block work + head work) per token + offload's copies, per
 checkpointing mode, fitted by ``bench/models/fit_throughput.py`` (:mod:`.throughput_fit`); per
 optimizer step, accumulation micro-steps + a cost per adapter parameter. Measured speeds beat the
 model (:class:`SpeedCalibration`): a measured config keeps its speed, the others are scaled by their
-mode's median measured/predicted ratio (by all of them for a mode with none).
-"""
+mode's median measured/predicted ratio (by all of them for a mode with none)."""
 
 from __future__ import annotations
 
