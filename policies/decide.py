@@ -95,9 +95,9 @@ def decide(
         )
         return (without_card(failure, knobs, f"{kind.value} came back") if named else None) or crash_loop
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
-        return after_contention(failure, knobs, settings, waited)
+        return _contended(failure, knobs, settings, waited)
     if kind is FailureKind.DISK_FULL:
-        return after_disk_full(failure, knobs, settings, waited)
+        return _disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
         limit = 2 if kind is FailureKind.GPU_FAULT else settings.max_no_progress
         retried = _retry_unchanged(kind, knobs, history, limit)
@@ -222,11 +222,9 @@ def charge_at(history: Sequence[PastAttempt], index: int) -> Charge | None:
 def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
     """The rungs unusable for the rest of the run: charged with a failure in ``history``, or whose
     knob an attempt changed but its trainer did not take."""
-    charged = (charge_at(history, i) for i in range(len(history)))
+    charged = {name for i in range(len(history)) if (c := charge_at(history, i)) for name in c.rungs}
     untaken = {knob for past in history for knob in past.unapplied}
-    return frozenset(name for c in charged if c is not None for name in c.rungs) | frozenset(
-        rung.name for rung in RUNGS if rung.knob in untaken
-    )
+    return frozenset(charged | {rung.name for rung in RUNGS if rung.knob in untaken})
 
 
 # ---- rule 6a: a host OOM kill, and its ladder ---------------------------------------------
@@ -247,9 +245,8 @@ _HOST_RUNGS = frozenset({"activation_offload", "paged_8bit_optimizer"})
 def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
     """Restart unchanged when ``failure`` is a host OOM kill after progress that is not in a row;
     ``failed``: the failed attempts, this one last. None: the ladder decides."""
-    if failure.kind is not FailureKind.HOST_OOM or not failed or failed[-1].steps_progressed <= 0:
-        return None
-    if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (choice.py)
+    after_progress = failure.kind is FailureKind.HOST_OOM and bool(failed) and failed[-1].steps_progressed > 0
+    if not after_progress or knobs.activation_offload:  # offload held the host's RAM: charged (choice.py)
         return None
     now, before = failed[-1], (failed[-2] if len(failed) > 1 else None)
     in_a_row = before is not None and before.kind is FailureKind.HOST_OOM and before.knobs == knobs
@@ -309,9 +306,7 @@ def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAtte
 # ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------
 
 
-def after_contention(
-    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
-) -> Decision:
+def _contended(failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None) -> Decision:
     # What the failed process held plus what it asked for: the memory it needs to get past.
     numbers = failure.numbers
     held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
@@ -344,9 +339,7 @@ def without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None
     return None
 
 
-def after_disk_full(
-    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
-) -> Decision:
+def _disk_full(failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None) -> Decision:
     needed = int(failure.numbers.get("needed_bytes") or 0)
     if waited is None:
         why = "the disk holding the run directory has no room for a checkpoint"

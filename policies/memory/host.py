@@ -40,9 +40,8 @@ def host_need(checkpoint_bytes: int, largest_shard_bytes: int = 0, on_gpu: bool 
     merge = imports + int(checkpoint_bytes * MERGE_PER_CHECKPOINT_BYTE) + largest_shard_bytes
     build = "" if on_gpu else " (the CPU build's)"
     basis = (
-        f"imports {imports / 1e9:.1f} GB{build} + {LOAD_PER_CHECKPOINT_BYTE:.2f} x the 16-bit checkpoint "
-        "to load "
-        f"(measured on the H200 host: 7B, 13.5 GB checkpoint, 14.6 GB peak RSS); merge: "
+        f"imports {imports / 1e9:.1f} GB{build} + {LOAD_PER_CHECKPOINT_BYTE:.2f} x the 16-bit checkpoint to "
+        f"load (measured on the H200 host: 7B, 13.5 GB checkpoint, 14.6 GB peak RSS); merge: "
         f"{MERGE_PER_CHECKPOINT_BYTE:.2f} x checkpoint + one shard being written"
     )
     return HostNeed(load, merge, basis)
@@ -102,11 +101,9 @@ def offloaded_bytes(
     hidden = tokens * shape.hidden * (2 if keeps else FP32)
     block_input = pinned(hidden) if pin else hidden
     if knobs.gradient_checkpointing:
-        blocks = shape.layers * block_input
-    else:
-        per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, 2, knobs.max_seq_len) * tokens
-        blocks = int(shape.layers * per_layer * block_input / hidden)
-    return blocks + 2 * block_input
+        return (shape.layers + 2) * block_input
+    per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, 2, knobs.max_seq_len) * tokens
+    return int(shape.layers * per_layer * block_input / hidden) + 2 * block_input
 
 
 def host_train_need(
@@ -127,11 +124,10 @@ def host_train_need(
     }
     basis = (
         f"training: {TRAIN_RESIDENT_RSS / 1e9:.2f} GB resident (H200, 7B/8B children) + offloaded "
-        "activations (one micro-step's, in reused pinned buffers, each rounded up to a power of two) "
-        "+ paged optimizer state (may page to the host) + the data loader's pinned batch; the need is "
-        "the larger of that and the load's: imports + the largest shard in the page cache (the load's "
-        "RSS peak is the checkpoint's file-backed pages, which the kernel reclaims: H200, 8B, 15.3 of "
-        "16.0 GiB)"
+        "activations (one micro-step's, in reused pinned buffers, each rounded up to a power of two) + paged "
+        "optimizer state (may page to the host) + the data loader's pinned batch; the need is the larger of "
+        "that and the load's: imports + the largest shard in the page cache (the load's RSS peak is the "
+        "checkpoint's file-backed pages, which the kernel reclaims: H200, 8B, 15.3 of 16.0 GiB)"
     )
     load_need = IMPORTS_RSS + (largest_shard_bytes or checkpoint_bytes)
     terms = {k: v for k, v in components.items() if v}

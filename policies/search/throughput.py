@@ -33,8 +33,7 @@ def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
 def work_per_token(shape: ModelShape, seq_len: int) -> int:
     """Multiply-adds per token of the decoder blocks' forward: the linear layers, the experts a
     token is routed through (counted as 4-bit ones: unmeasured), attention."""
-    linear = shape.layer_params + shape.active_expert_params
-    return shape.layers * linear + shape.layers * seq_len * shape.q_dim
+    return shape.layers * (shape.layer_params + shape.active_expert_params + seq_len * shape.q_dim)
 
 
 def head_work_per_token(shape: ModelShape) -> int:
@@ -154,10 +153,7 @@ def calibrate(
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
 ) -> SpeedCalibration:
     """The calibration ``observations`` of this shape give (newest last; the newest of a config wins)."""
-    latest: dict[Knobs, SpeedObservation] = {}
-    for o in observations:
-        if o.tokens_per_s > 0 and o.knobs.world_size == 1:
-            latest[speed_key(o.knobs)] = o
+    latest = {speed_key(o.knobs): o for o in observations if o.tokens_per_s > 0 and o.knobs.world_size == 1}
     ratios: dict[bool, list[float]] = {True: [], False: []}
     low, high = SCALE_RANGE
     for key, o in latest.items():
