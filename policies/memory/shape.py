@@ -12,14 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qlora_supervise.policies.memory.families import (
-    ARCHITECTURES,
-    BLOCKS,
-    Block,
-    HeadNorm,
-    facts_of,
-    model_type_of,
-)
+from qlora_supervise.policies.memory import families
+from qlora_supervise.policies.memory.families import BLOCKS, Block, HeadNorm, facts_of, model_type_of
 from qlora_supervise.trainer_child.contract.targets import FAMILIES, KEYWORDS, resolve
 
 #: config.json keys that mean mixture-of-experts.
@@ -89,7 +83,7 @@ class ModelShape:
             )
         architectures = config.get("architectures") or []
         if isinstance(architectures, list) and architectures:
-            unknown = [a for a in architectures if a not in ARCHITECTURES]
+            unknown = [a for a in architectures if a not in families.ARCHITECTURES]
             if unknown:
                 return _not_modelled(str(unknown[0]), config)
         model_type = model_type_of(config)
@@ -168,20 +162,15 @@ class ModelShape:
         """The memory terms an unmodelled model would need (empty for a modelled block)."""
         if self.block is not None:
             return ()
-        terms = []
-        if self.attn_implementation == "eager":
-            terms.append(
-                "eager attention scores (micro x heads x seq^2 per layer: scores, tanh, fp32 softmax)"
-            )
+        eager = "eager attention scores (micro x heads x seq^2 per layer: scores, tanh, fp32 softmax)"
+        terms = [eager] if self.attn_implementation == "eager" else []
         if self.final_softcap:
             terms.append("softcapped logits (inside trl's fused-head tiles: to measure)")
         if self.vocab >= LARGE_VOCAB:
             terms.append(f"{self.vocab}-token logits in fp32 (fused-head slices, eval) at that vocabulary")
         if self.experts:
-            terms.append(f"{self.experts} resident experts per layer, unquantized and cast to fp32")
-            terms.append(
-                "router logits kept for the auxiliary loss" if self.router_logits else "routing buffers"
-            )
+            router = "router logits kept for the auxiliary loss" if self.router_logits else "routing buffers"
+            terms += [f"{self.experts} resident experts per layer, unquantized and cast to fp32", router]
         block = FAMILIES.get(self.model_type)
         if block is not None and block.attention != ATTENTION_MODULES:
             terms.append(f"LoRA on fused {', '.join(block.linear)}")
