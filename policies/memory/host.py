@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, FP32, layer_activation_bytes
-from qlora_supervise.policies.memory.optimizer import adapter_bytes
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, FP32, adapter_bytes, layer_activation_bytes
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

@@ -13,9 +13,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, per_weight
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, adapter_tensors, per_weight
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
-from qlora_supervise.policies.memory.optimizer import adapter_tensors
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput_fit as fit
 from qlora_supervise.trainer_child.contract.spec import Knobs
