@@ -137,7 +137,7 @@ def default_attention(model_type: str) -> str:
     return "sdpa" if supports else "eager"
 
 
-def _transformers_root() -> Path | None:
+def _transformers_root() -> Path | None:  # a seam the tests replace
     return installed_package_root("transformers")
 
 
@@ -169,17 +169,11 @@ def _supports_sdpa(root: Path | None, module: str) -> bool | None:
 
 def supports_sdpa_in(tree: ast.Module) -> bool | None:
     """The constant a ``*PreTrainedModel`` class in ``tree`` assigns to ``_supports_sdpa``."""
-    for node in tree.body:
-        if not (isinstance(node, ast.ClassDef) and node.name.endswith("PreTrainedModel")):
-            continue
-        for statement in node.body:
-            value: ast.expr | None
-            if isinstance(statement, ast.Assign):
-                targets, value = statement.targets, statement.value
-            elif isinstance(statement, ast.AnnAssign):
-                targets, value = [statement.target], statement.value
-            else:
-                continue
+    classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    for statement in (s for c in classes if c.name.endswith("PreTrainedModel") for s in c.body):
+        if isinstance(statement, (ast.Assign, ast.AnnAssign)):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            value = statement.value
             named = any(isinstance(t, ast.Name) and t.id == "_supports_sdpa" for t in targets)
             if named and isinstance(value, ast.Constant) and isinstance(value.value, bool):
                 return value.value
