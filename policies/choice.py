@@ -210,9 +210,7 @@ def retime(
     remaining_s: float = math.inf,
 ) -> tuple[Knobs, str] | None:
     """The knobs to restart with and why, to time the trial again now; None: not now."""
-    if then is None or not window or held_for_s < settle_s:
-        return None
-    if not all(now.differs(then) for now in window):
+    if then is None or not window or held_for_s < settle_s or not all(now.differs(then) for now in window):
         return None
     # The candidate ``knobs`` trains, when they differ from the pre-flight's only in the trial's knobs.
     trained = next((c for c in first.candidates if trained_with(first.knobs, c) == knobs), None)
@@ -222,8 +220,7 @@ def retime(
     fast, slow = planned.predicted_tokens_per_s, trained.predicted_tokens_per_s
     if not fast or not slow or fast < slow * (1 + MIN_GAIN):
         return None
-    saved_s = remaining_s * (1 - slow / fast)
-    if saved_s <= RESTART_COST_S:
+    if remaining_s * (1 - slow / fast) <= RESTART_COST_S:  # what it saves on the time left
         return None
     why = (
         f"the card's sharing changed: others held {then.text()} at the trial, {window[-1].text()} now "

@@ -60,11 +60,10 @@ def walk(
         stepped = rung.apply(knobs)
         if stepped is not None and not _over_host(stepped, settings):
             return _restart(knobs, stepped, [rung], [], settings.sample_lengths)
+    kind = failure.kind.value
     if applied:
-        return GiveUp(
-            f"ladder for {failure.kind.value}: every rung left needs more host RAM than the host budget"
-        )
-    return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
+        return GiveUp(f"ladder for {kind}: every rung left needs more host RAM than the host budget")
+    return GiveUp(f"ladder for {kind} exhausted: no rung changes this config any further")
 
 
 def _adds_host(killed: Knobs, knobs: Knobs, settings: Settings) -> bool:
