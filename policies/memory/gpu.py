@@ -364,14 +364,10 @@ def training_phases(
     first_block = block_backward_bytes(shape, knobs, targets, half)
     if not knobs.gradient_checkpointing:  # the first block's own kept activations are still there
         first_block += layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len) * tokens
+    activations = activation_components(shape, knobs, targets, half)
     phases: dict[str, dict[str, int]] = {
         "load": load_components(shape, knobs, targets),
-        "backward": {
-            **static,
-            **state,
-            **(grads if knobs.grad_accum > 1 else {}),
-            **activation_components(shape, knobs, targets, half),
-        },
+        "backward": {**static, **state, **(grads if knobs.grad_accum > 1 else {}), **activations},
         "backward_end": {**static, **state, **grads, "backward_block": first_block},
         "optimizer_step": {**static, **state, **grads, "optimizer_step_temp": adapter.step_temp},
     }

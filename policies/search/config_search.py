@@ -15,17 +15,9 @@ from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass, knob_changes
-from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search import search_state, throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
-from qlora_supervise.policies.search.search_state import (
-    DEEPEST_CUT_BEFORE_FALLBACK,
-    DEFAULT_MARGIN,
-    NothingFits,
-    PreflightResult,
-    Ranked,
-    Search,
-    fit_limit,
-)
+from qlora_supervise.policies.search.search_state import PreflightResult, Ranked, Search
 from qlora_supervise.policies.search.search_state import gib as _gib
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
@@ -39,7 +31,7 @@ def preflight(
     shape: ModelShape,
     knobs: Knobs,
     budget_bytes: int,
-    margin: float = DEFAULT_MARGIN,
+    margin: float = search_state.DEFAULT_MARGIN,
     scale: float | None = None,
     targets: tuple[str, ...] | str = DEFAULT_TARGETS,
     speed: throughput.SpeedCalibration | None = None,
@@ -51,7 +43,7 @@ def preflight(
     """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; ``fallbacks``: the job's
     fallback models with their shapes (None: not modelled); ``exclude``: configs that already
     failed; ``unusable``: rungs charged with a failure; ``host``: the host budget (None: none)."""
-    limit = fit_limit(budget_bytes, margin)
+    limit = search_state.fit_limit(budget_bytes, margin)
     search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
@@ -202,10 +194,10 @@ def _nothing_fits(
         deep = search.deep_fit
         helps.append(
             f"max_seq_len {deep.max_seq_len} and lora.r {deep.lora_r} written in the job (predicted to fit; "
-            f"pre-flight cuts no deeper than 1/{DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
+            f"pre-flight cuts no deeper than 1/{search_state.DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
         )
     text = " or ".join(helps)
-    nothing = NothingFits(peak, smallest, budget_bytes, margin, text)
+    nothing = search_state.NothingFits(peak, smallest, budget_bytes, margin, text)
     verdict = (
         f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
         f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
@@ -234,7 +226,7 @@ def _nothing_fits_host(search: Search, budget_bytes: int, margin: float, head: l
         f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
         f"for a host of {_gib(size)}), or a smaller model in model.fallbacks"
     )
-    nothing = NothingFits(host_peak, smallest, host.budget_bytes, margin, text, host=True)
+    nothing = search_state.NothingFits(host_peak, smallest, host.budget_bytes, margin, text, host=True)
     verdict = (
         f"NOTHING FITS HOST MEMORY: {len(search.host_rejected)} config(s) fit the card, but {what} "
         f"needs {_gib(host_peak)} of host RAM, the host budget is "
@@ -248,7 +240,7 @@ def _nothing_fits_host(search: Search, budget_bytes: int, margin: float, head: l
 
 
 def _refusal(
-    search: Search, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
+    search: Search, reasons: tuple[str, ...], budget_bytes: int, nothing: search_state.NothingFits
 ) -> PreflightResult:
     """The result when nothing fits: the smallest config ``nothing`` names, refused."""
     smallest = nothing.smallest_knobs
