@@ -24,18 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qlora_supervise.policies import rungs
 from qlora_supervise.policies.choice import after_failure
 from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
-from qlora_supervise.policies.rungs import (
-    RUNG_CLASSES,
-    RUNGS,
-    CostClass,
-    RungContext,
-    Survives,
-    knob_changes,
-    rung_by_name,
-    rungs_between,
-)
+from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives, knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
@@ -215,8 +207,8 @@ def charge_at(history: Sequence[PastAttempt], index: int) -> Charge | None:
         return None  # no rung changed the config for a memory failure just before
     if any(past.kind is failed.kind for past in history[:index] if past.knobs != failed.knobs):
         return None  # the run had this failure before the change: it is not the rung's
-    rungs = rungs_between(before.knobs, failed.knobs)
-    return Charge(rungs, failed.kind, before) if rungs else None
+    names = rungs.rungs_between(before.knobs, failed.knobs)
+    return Charge(names, failed.kind, before) if names else None
 
 
 def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
@@ -224,7 +216,7 @@ def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
     knob an attempt changed but its trainer did not take."""
     charged = {name for i in range(len(history)) if (c := charge_at(history, i)) for name in c.rungs}
     untaken = {knob for past in history for knob in past.unapplied}
-    return frozenset(charged | {rung.name for rung in RUNGS if rung.knob in untaken})
+    return frozenset(charged | {rung.name for rung in rungs.RUNGS if rung.knob in untaken})
 
 
 # ---- rule 6a: a host OOM kill, and its ladder ---------------------------------------------
@@ -330,8 +322,8 @@ def without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None
     None for a single process or where the effective batch cannot be kept exactly."""
     # A failure of the supervisor's (diagnosis.Failure) names the rank that caused it; one that
     # does not (a single process, a caller's own failure type) leaves the last card out.
-    context = RungContext(failed_local_rank=getattr(failure, "local_rank", None))
-    for rung in (rung_by_name(name, context) for name in CARD_FAILING):
+    context = rungs.RungContext(failed_local_rank=getattr(failure, "local_rank", None))
+    for rung in (rungs.rung_by_name(name, context) for name in CARD_FAILING):
         dropped = rung.apply(knobs)
         if dropped is not None:
             changes = knob_changes(knobs, dropped)

@@ -9,21 +9,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qlora_supervise.policies import rungs
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.memory_model import estimate_peak
-from qlora_supervise.policies.rungs import (
-    PLAN_RUNGS,
-    RUNG_BY_NAME,
-    RUNG_CLASSES,
-    RUNGS,
-    Axis,
-    CostClass,
-    Rung,
-    knob_changes,
-    rungs_between,
-)
+from qlora_supervise.policies.rungs import RUNGS, Axis, CostClass, Rung, knob_changes, rungs_between
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
@@ -103,7 +94,8 @@ def micro_batches(knobs: Knobs) -> list[Knobs]:
 def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
     """What the search tries for ``rung`` on ``knobs``, each with the rung names it took."""
     if rung.axis is Axis.EITHER:
-        return [(dataclasses.replace(knobs, **{rung.knob: value}), ()) for value in (False, True)]
+        values: list[dict[str, Any]] = [{rung.knob: False}, {rung.knob: True}]
+        return [(dataclasses.replace(knobs, **value), ()) for value in values]
     if rung.axis is Axis.DIVISORS:
         return [(k, ()) for k in micro_batches(knobs)]
     out: list[tuple[Knobs, tuple[str, ...]]] = [(knobs, ())]
@@ -142,7 +134,7 @@ def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
     names taken, lightest first."""
     out = [(k, names) for k, names in _product(knobs, _searched(CostClass.QUALITY, Axis.HALVINGS)) if names]
     # Stable: a shorter seq before a smaller rank.
-    return sorted(out, key=lambda c: sum(RUNG_BY_NAME[name].quality_weight for name in c[1]))
+    return sorted(out, key=lambda c: sum(rungs.RUNG_BY_NAME[name].quality_weight for name in c[1]))
 
 
 #: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings). Deeper, the
@@ -225,12 +217,12 @@ class Search:
             fitted = self.with_eval_that_fits(variant)
             if fitted is None or fitted in self.exclude:
                 continue
-            rungs = rungs_between(self.job, fitted)
-            if set(rungs) & self.unusable:
+            names = rungs_between(self.job, fitted)
+            if set(names) & self.unusable:
                 continue
             speed = throughput.rank_speed(self.shape, fitted, self.speed, self.targets)
             peak, host = self.peak(fitted), self.host_peak(fitted)
-            out.append(Ranked(fitted, rungs, peak, speed.tokens_per_s, speed.measured, dearest(rungs), host))
+            out.append(Ranked(fitted, names, peak, speed.tokens_per_s, speed.measured, dearest(names), host))
         # Fastest first; at equal speed fewer changes, the larger eval batch, the higher peak.
         return sorted(
             out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
@@ -241,13 +233,13 @@ class Search:
         ranking = self.rank(job)
         if ranking:
             return ranking, False
-        for variant, rungs in quality_variants(job):
+        for variant, names in quality_variants(job):
             # Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1).
             frugal = variant
             for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
                 while (changed := rung.apply(frugal)) is not None:
                     frugal = changed
-            if set(rungs) & self.unusable or not self.fits(frugal):
+            if set(names) & self.unusable or not self.fits(frugal):
                 continue
             ranking = self.rank(variant)
             if ranking and deep_cut(self.job, variant):
@@ -263,8 +255,8 @@ def fit_limit(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
     return int(budget_bytes / (1 + margin))
 
 
-def dearest(rungs: Sequence[str]) -> CostClass:
-    classes = [RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in rungs]
+def dearest(names: Sequence[str]) -> CostClass:
+    classes = [rungs.RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in names]
     return max(classes, key=list(CostClass).index, default=CostClass.FREE)
 
 
@@ -294,7 +286,7 @@ def rung_effects(
     """Each plan rung applied alone to ``knobs``: predicted peak and tokens/s after it."""
     base = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     effects = []
-    for rung in PLAN_RUNGS:
+    for rung in rungs.PLAN_RUNGS:
         changed = rung.apply(knobs)
         if changed is None or rung.cost is None:
             effects.append(RungEffect(rung.name, rung.cost or CostClass.FREE, 0.0, None, {}))
