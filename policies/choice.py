@@ -21,10 +21,8 @@ from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 #: Attempt 1's config: the search itself (``run``'s first plan and the ``plan`` command ask it here).
 first = config_search.preflight
-
 #: A candidate replaces the planned config only when it is this much faster: below, noise decides.
 MIN_GAIN = 0.05
-
 #: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
 _STEP_MEMORY = frozenset(
     map(FailureKind, ("oom_forward", "oom_backward", "oom_optimizer", "oom_fragmentation"))

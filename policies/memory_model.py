@@ -14,7 +14,6 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The terms' names the callers read through this module (its own are public as defined).
 __all__ = ["DEFAULT_TARGETS", "ModelShape", "Prediction", "predict"]
-
 VARIABLE_COMPONENTS = frozenset(
     {"activations", "backward_block", "loss_hidden_fp32", "loss_tiles", "eval_activations"}
 )

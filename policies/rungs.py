@@ -179,7 +179,6 @@ def _drop_rank(k: Knobs, context: RungContext) -> Knobs | None:
 
 
 _FREE, _SPEED, _QUALITY = CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY
-
 #: Every rung, in the order the journal lists the rungs of a change.
 RUNGS: tuple[Rung, ...] = (
     Rung("expandable_segments",

@@ -7,17 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from qlora_supervise.policies import memory_model
+from qlora_supervise.policies import memory_model, rungs
 from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.rungs import (
-    Rung,
-    RungContext,
-    Survives,
-    knob_changes,
-    rung_by_name,
-    shorten_cost_text,
-)
+from qlora_supervise.policies.rungs import Rung, Survives, knob_changes, rung_by_name
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import FailureLike, GiveUp, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
@@ -36,7 +29,7 @@ def walk(
     unusable: frozenset[str],
 ) -> Restart | GiveUp:
     """The stage's ladder from ``knobs`` (``settings`` already those of its model)."""
-    context = RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
+    context = rungs.RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
     candidate = knobs
     applied: list[Rung] = []
     skipped: list[str] = []
@@ -128,7 +121,7 @@ def _restart(
 ) -> Restart:
     # Each rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts).
     why = "; ".join(
-        f"{rung.reason}: {shorten_cost_text(lengths, old, new)}"
+        f"{rung.reason}: {rungs.shorten_cost_text(lengths, old, new)}"
         if rung.name == "shorten_seq_len" and lengths is not None
         else rung.reason
         for rung in applied

@@ -36,7 +36,6 @@ MERGE: tuple[str, ...] = ("merge_on_cpu",)
 #: Under torchrun, for a card that keeps failing (a fatal Xid, a fault that came back, contention
 #: that outlasted the wait): the other cards, with accumulation raised (policies/decide.py).
 CARD_FAILING: tuple[str, ...] = ("drop_rank",)
-
 DEFAULT_LADDERS: Mapping[FailureKind, tuple[str, ...]] = {
     FailureKind.OOM_FORWARD: FORWARD,
     FailureKind.OOM_BACKWARD: BACKWARD,

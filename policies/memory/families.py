@@ -44,7 +44,6 @@ class Block:
 
 
 LLAMA = Block()
-
 #: ``model_type`` -> its block and the ``architectures`` entry of its causal-LM class, for every
 #: model type the memory model predicts.
 _MODELLED: dict[str, tuple[Block, str]] = {
@@ -61,7 +60,6 @@ _MODELLED: dict[str, tuple[Block, str]] = {
 }
 BLOCKS: dict[str, Block] = {model_type: block for model_type, (block, _) in _MODELLED.items()}
 ARCHITECTURES: dict[str, str] = {name: model_type for model_type, (_, name) in _MODELLED.items()}
-
 #: Model types whose q/k/v projections carry a bias without saying so in config.json.
 QKV_BIAS = frozenset({"qwen2"})
 

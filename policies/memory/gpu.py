@@ -17,7 +17,6 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The recipe's LoRA targets: the attention projections, by each family's own names.
 DEFAULT_TARGETS: tuple[str, ...] | str = "attention"
-
 #: Bytes per quantized weight: packed 4-bit codes plus the per-block absmax (blocksize 64).
 NF4_DOUBLE_QUANT = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_SINGLE_QUANT = 0.5 + 4 / 64
