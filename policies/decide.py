@@ -45,9 +45,7 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 #: What the loop reads of the decision's values through this module.
 __all__ = ["Decision", "GiveUp", "PastAttempt", "Restart", "Settings", "Wait", "WaitFor", "WaitResult"]
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
-RETRY_UNCHANGED_ONCE = frozenset(
-    {FailureKind.HANG, FailureKind.NCCL, FailureKind.OTHER, FailureKind.GPU_FAULT}
-)
+RETRY_UNCHANGED_ONCE = frozenset(map(FailureKind, ("hang", "nccl", "other", "gpu_fault")))
 
 
 def decide(

@@ -176,9 +176,8 @@ def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> in
 
 def per_weight(knobs: Knobs) -> float:
     """Bytes per weight of the block's linear layers as loaded (before any fp32 upcast)."""
-    if not knobs.load_in_4bit:
-        return LOAD_DTYPE
-    return NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+    quantized = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+    return quantized if knobs.load_in_4bit else LOAD_DTYPE
 
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
@@ -357,8 +356,7 @@ def training_phases(
     backward_end (the first block's backward with every gradient made), optimizer_step, eval."""
     static = {**static_components(shape, knobs, targets), "blas_workspaces": BLAS_WORKSPACES}
     adapter = adapter_bytes(shape, knobs, targets)
-    state = {"optimizer_state": adapter.state}
-    grads = {"lora_grads": adapter.grads}
+    state, grads = {"optimizer_state": adapter.state}, {"lora_grads": adapter.grads}
     tokens = knobs.micro_batch_size * knobs.max_seq_len
     first_block = block_backward_bytes(shape, knobs, targets, half)
     if not knobs.gradient_checkpointing:  # the first block's own kept activations are still there

@@ -287,11 +287,9 @@ def resolve_targets(targets: tuple[str, ...] | str, model_type: str = "llama") -
     a keyword by the family's table, any other string (a regex) as a list of names."""
     family_type = model_type if model_type in FAMILIES else "llama"
     known = FAMILIES[family_type]
-    layers = known.linear
+    if isinstance(targets, str) and targets in KEYWORDS:
+        # "mlp" on a family without one is refused at validate (contract.targets): nothing to adapt here.
+        return () if targets == "mlp" and not known.mlp else tuple(resolve(targets, family_type))
     if isinstance(targets, str):
-        if targets in KEYWORDS:
-            if targets == "mlp" and not known.mlp:
-                return ()  # refused at validate (contract.targets): nothing to adapt here
-            return tuple(resolve(targets, family_type))
-        return tuple(name for name in layers if name in targets)
-    return tuple(name for name in targets if name in layers)
+        return tuple(name for name in known.linear if name in targets)
+    return tuple(name for name in targets if name in known.linear)
