@@ -23,6 +23,8 @@ from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 first = config_search.preflight
 #: A candidate replaces the planned config only when it is this much faster: below, noise decides.
 MIN_GAIN = 0.05
+#: What a trial candidate sets: the knobs that change without a reload.
+TRIAL_KNOBS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
 #: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
 _STEP_MEMORY = frozenset(
     map(FailureKind, ("oom_forward", "oom_backward", "oom_optimizer", "oom_fragmentation"))
@@ -89,17 +91,15 @@ def _charge_offload(
     why = "host OOM kill under activation offload: offload held the host's RAM, so it is charged with it"
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None:
-        return Restart(
-            off, "activation_offload_off", knob_changes(knobs, off), f"{why}; offload off", Survives.ALL
-        )
+        changes = knob_changes(knobs, off)
+        return Restart(off, "activation_offload_off", changes, f"{why}; offload off", Survives.ALL)
     killed = climb.train_host(shape, knobs, settings)
     for base, banned in ((off, frozenset({"activation_offload"})), (knobs, frozenset())):
         result = _again(settings, base, scale, failed, unusable | banned)
-        lighter = (
-            not result.knobs.activation_offload or climb.train_host(shape, result.knobs, settings) < killed
-        )
+        offloads = result.knobs.activation_offload
+        lighter = not offloads or climb.train_host(shape, result.knobs, settings) < killed
         if result.fits and not result.quality_changed and result.fallback is None and lighter:
-            names = ["activation_offload_off" if not result.knobs.activation_offload else ""]
+            names = ["activation_offload_off" if not offloads else ""]
             names += [n for n in rungs_between(off, result.knobs) if n != "activation_offload"]
             chose = result.reasons[-1] if result.reasons else "fits both budgets"
             return _restart(knobs, result, "+".join(n for n in names if n), f"{why}; {chose}")
@@ -149,12 +149,7 @@ def within(result: TrialResult, limit: int | None) -> TrialResult:
 
 def trained_with(knobs: Knobs, candidate: TrialCandidate) -> Knobs:
     """``knobs`` switched to a trial candidate: what changes without a reload."""
-    return dataclasses.replace(
-        knobs,
-        micro_batch_size=candidate.micro_batch_size,
-        grad_accum=candidate.grad_accum,
-        gradient_checkpointing=candidate.gradient_checkpointing,
-    )
+    return dataclasses.replace(knobs, **{name: getattr(candidate, name) for name in TRIAL_KNOBS})
 
 
 # Timing the speed trial again when the card's sharing has changed since it ran (issue 34): when

@@ -78,10 +78,8 @@ def decide(
         return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
     named = kind in RETRY_UNCHANGED_ONCE and getattr(failure, "local_rank", None) is not None
     if _no_progress_streak(failed) >= settings.max_no_progress:
-        crash_loop = GiveUp(
-            f"{settings.max_no_progress} attempts in a row trained no step with the same config "
-            "(crash loop); see attempts.jsonl"
-        )
+        streak = f"{settings.max_no_progress} attempts in a row trained no step with the same config"
+        crash_loop = GiveUp(f"{streak} (crash loop); see attempts.jsonl")
         return (without_card(failure, knobs, f"{kind.value} came back") if named else None) or crash_loop
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
         return _contended(failure, knobs, settings, waited)
@@ -148,10 +146,8 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
         if past.steps_progressed > 0:
             break
     if same >= max(2, limit):
-        return GiveUp(
-            f"{kind.value} happened {same} times with the same config and no step trained in between; "
-            "no rung addresses it"
-        )
+        why = f"{kind.value} happened {same} times with the same config and no step trained in between"
+        return GiveUp(f"{why}; no rung addresses it")
     why = f"{kind.value} may be transient: retry unchanged"
     return Restart(knobs, "retry_unchanged", {}, why, Survives.ALL)
 

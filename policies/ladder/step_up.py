@@ -151,9 +151,8 @@ def _answer(
             "supervise.step_up_quality), the rank, the model, the ranks",
         )
     if any(p.descent == descent.attempt for p in past):
-        return Refusal(
-            descent, f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
-        )
+        why = f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
+        return Refusal(descent, why)
     if any(p.knobs == target and p.failed for p in past):
         return Refusal(descent, "a step-up to this config failed before")
     # The budget left by the others: the job's budget, or the card less what the others hold now.

@@ -91,10 +91,8 @@ class ModelShape:
             return _not_modelled(model_type, config)
         moe = [key for key in MOE_KEYS if config.get(key)]
         if moe and not BLOCKS[model_type].moe:
-            return Unsupported(
-                UnsupportedReason.MIXTURE_OF_EXPERTS,
-                f"{moe[0]}={config[moe[0]]} on a {model_type} block: its experts are not modelled",
-            )
+            detail = f"{moe[0]}={config[moe[0]]} on a {model_type} block: its experts are not modelled"
+            return Unsupported(UnsupportedReason.MIXTURE_OF_EXPERTS, detail)
         return cls._sizes(config)
 
     @classmethod
@@ -104,10 +102,8 @@ class ModelShape:
         model_type = model_type_of(config)
         if model_type not in FAMILIES:
             known = ", ".join(sorted(FAMILIES))
-            return Unsupported(
-                UnsupportedReason.NOT_MODELLED,
-                f"model_type {model_type!r} is none of the families read ({known})",
-            )
+            detail = f"model_type {model_type!r} is none of the families read ({known})"
+            return Unsupported(UnsupportedReason.NOT_MODELLED, detail)
         text = config.get("text_config")
         if isinstance(text, Mapping) and "hidden_size" not in config:
             return cls._sizes({"model_type": f"{model_type}_text", **text})
@@ -189,9 +185,8 @@ class ModelShape:
         if self.qkv_bias:
             parts.append("qkv bias")
         if self.sliding_window:
-            parts.append(
-                f"sliding window {self.sliding_window} on {self.sliding_layers} of {self.layers} layers"
-            )
+            window = f"sliding window {self.sliding_window} on {self.sliding_layers} of {self.layers} layers"
+            parts.append(window)
         if self.experts:
             parts.append(
                 f"{self.experts} experts, top-{self.experts_per_token}, width {self.expert_intermediate}"

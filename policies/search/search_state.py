@@ -84,11 +84,8 @@ def micro_batches(knobs: Knobs) -> list[Knobs]:
     accumulation that keeps the effective batch. Larger than the job's own too: on a 4-bit model
     most of a micro-step's cost is fixed (H200, 1B at seq 2048: micro 1 6.3k tokens/s, micro 4 25.9k)."""
     per_rank = knobs.micro_batch_size * knobs.grad_accum
-    return [
-        dataclasses.replace(knobs, micro_batch_size=m, grad_accum=per_rank // m)
-        for m in range(per_rank, 0, -1)
-        if per_rank % m == 0
-    ]
+    divisors = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    return [dataclasses.replace(knobs, micro_batch_size=m, grad_accum=per_rank // m) for m in divisors]
 
 
 def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
@@ -224,9 +221,8 @@ class Search:
             peak, host = self.peak(fitted), self.host_peak(fitted)
             out.append(Ranked(fitted, names, peak, speed.tokens_per_s, speed.measured, dearest(names), host))
         # Fastest first; at equal speed fewer changes, the larger eval batch, the higher peak.
-        return sorted(
-            out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
-        )
+        out.sort(key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes))
+        return out
 
     def best(self, job: Knobs) -> tuple[list[Ranked], bool]:
         """The ranking of the lightest change that fits: (ranking, quality changed); empty: none."""
