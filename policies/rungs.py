@@ -117,10 +117,8 @@ class TruncationCost:
 
     def text(self) -> str:
         about = "" if self.exact else "about "
-        return (
-            f"{about}{self.truncated} of {self.rows} samples truncated, "
-            f"{_percent(self.tokens_lost)} of tokens lost at max_seq_len {self.max_seq_len}"
-        )
+        lost = f"{_percent(self.tokens_lost)} of tokens lost at max_seq_len {self.max_seq_len}"
+        return f"{about}{self.truncated} of {self.rows} samples truncated, {lost}"
 
 
 def truncation_cost(lengths: SampleLengths, max_seq_len: int) -> TruncationCost:
@@ -134,8 +132,7 @@ def truncation_cost(lengths: SampleLengths, max_seq_len: int) -> TruncationCost:
 
 def shorten_cost_text(lengths: SampleLengths, old: Knobs, new: Knobs) -> str:
     """The cost of going from ``old.max_seq_len`` to ``new.max_seq_len``, for the rung's reason."""
-    before = truncation_cost(lengths, old.max_seq_len)
-    after = truncation_cost(lengths, new.max_seq_len)
+    before, after = truncation_cost(lengths, old.max_seq_len), truncation_cost(lengths, new.max_seq_len)
     return f"{after.text()} (at {old.max_seq_len}: {before.truncated}, {_percent(before.tokens_lost)})"
 
 

@@ -17,7 +17,7 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass, knob_changes
 from qlora_supervise.policies.search import search_state, throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
-from qlora_supervise.policies.search.search_state import PreflightResult, Ranked, Search
+from qlora_supervise.policies.search.search_state import PreflightResult, Ranked, Search, fit_limit
 from qlora_supervise.policies.search.search_state import gib as _gib
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
@@ -43,7 +43,7 @@ def preflight(
     """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; ``fallbacks``: the job's
     fallback models with their shapes (None: not modelled); ``exclude``: configs that already
     failed; ``unusable``: rungs charged with a failure; ``host``: the host budget (None: none)."""
-    limit = search_state.fit_limit(budget_bytes, margin)
+    limit = fit_limit(budget_bytes, margin)
     search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
@@ -132,17 +132,16 @@ def _fallback(
 
 def _as_written(search: Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
     """Why the job as written does not start: the card, the host, or an earlier failure."""
-    limit = search.limit
-    if search.peak(knobs) > limit:
-        peak = _gib(search.peak(knobs))
-        return f"as written: predicted {peak} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
+    peak, limit = search.peak(knobs), search.limit
+    if peak > limit:
+        return f"as written: predicted {_gib(peak)} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
     host = search.host_peak(knobs)
     if host is not None and search.host_limit is not None and host > search.host_limit:
         return (
             f"as written: host peak {_gib(host)} > {_gib(search.host_limit)} (host budget "
             f"{_gib(search.host.budget_bytes if search.host else 0)} less {margin:.0%})"
         )
-    return f"as written: predicted {_gib(search.peak(knobs))} fits, but this config already failed"
+    return f"as written: predicted {_gib(peak)} fits, but this config already failed"
 
 
 def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
@@ -257,8 +256,7 @@ def _refusal(
 
 
 def _rejected(search: Search) -> tuple[int, int | None]:
-    values = search.host_rejected.values()
-    return len(search.host_rejected), min(values) if values else None
+    return len(search.host_rejected), min(search.host_rejected.values(), default=None)
 
 
 def trial_candidates(chosen: Ranked, ranking: Sequence[Ranked]) -> tuple[TrialCandidate, ...]:
