@@ -160,7 +160,14 @@ def _answer(
     if card.total_bytes is not None and card.others_bytes is not None:
         free = card.total_bytes - card.others_bytes
         room = free if room is None else min(room, free)
-    peak = _peak(target, descent, settings)
+    # The peak: the larger of the memory model's calibrated one and the one ``target`` was measured
+    # at (a free rung kept on, expandable_segments, lowers the peak at most: the measured one bounds it).
+    measured = descent.before_peak if set(knob_changes(target, descent.before)) <= FREE_KNOBS else None
+    predicted = None
+    if settings.shape is not None:
+        scale = memory_model.calibrate(settings.shape, settings.prior, settings.targets)
+        predicted = memory_model.estimate_peak(settings.shape, target, scale, settings.targets)
+    peak = max((p for p in (measured, predicted) if p is not None), default=None)
     if peak is None or room is None:
         return Refusal(descent, "no margin to check: no peak known for the faster config, or no budget")
     if peak > fit_limit(room):
@@ -176,19 +183,6 @@ def _answer(
         f"predicted peak {_gib(peak)} fits {_gib(room)} with the margin"
     )
     return StepUp(target, descent, knob_changes(knobs, target), why)
-
-
-def _peak(target: Knobs, descent: Descent, settings: Settings) -> int | None:
-    """The larger of the memory model's calibrated peak and the peak ``target`` was measured at."""
-    # A free rung kept on (expandable_segments) lowers the peak at most: the measured one still bounds it.
-    same = set(knob_changes(target, descent.before)) <= FREE_KNOBS
-    measured = descent.before_peak if same else None
-    predicted = None
-    if settings.shape is not None:
-        scale = memory_model.calibrate(settings.shape, settings.prior, settings.targets)
-        predicted = memory_model.estimate_peak(settings.shape, target, scale, settings.targets)
-    known = [p for p in (measured, predicted) if p is not None]
-    return max(known) if known else None
 
 
 def _gib(value: int | None) -> str:

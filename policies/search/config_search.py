@@ -56,7 +56,7 @@ def preflight(
         )
     ranking, quality = search.best(knobs)
     fallback, chosen_shape = None, shape
-    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable, host)) is not None:
+    if not ranking and (found := _fallback(search, fallbacks)) is not None:
         fallback, chosen_shape, ranking = found
     head = [_as_written(search, knobs, budget_bytes, margin)]
     if not ranking:
@@ -108,23 +108,20 @@ def _result(
 
 
 def _fallback(
-    knobs: Knobs,
-    limit: float,
-    targets: tuple[str, ...] | str,
-    fallbacks: Sequence[tuple[str, ModelShape | None]],
-    unusable: frozenset[str],
-    host: HostBudget | None,
+    search: Search, fallbacks: Sequence[tuple[str, ModelShape | None]]
 ) -> tuple[str, ModelShape, list[Ranked]] | None:
-    """The first fallback model with a config that fits, and its ranking (uncalibrated: this host's
-    measurements are of the job's model)."""
+    """The first fallback model with a config that fits the job's ``search``, and its ranking
+    (uncalibrated: this host's measurements are of the job's model)."""
+    knobs, host = search.job, search.host
     for model, shape in fallbacks:
         if shape is None:
             continue
-        job = dataclasses.replace(knobs, model=model)
         # The fallback's checkpoint is not read here: its size is its parameters in 16 bits.
         own = host and dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
-        search = Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
-        ranking, _ = search.best(job)
+        fallback = Search(
+            shape, knobs, search.limit, None, search.targets, None, frozenset(), search.unusable, own
+        )
+        ranking, _ = fallback.best(dataclasses.replace(knobs, model=model))
         if ranking:
             return model, shape, ranking
     return None
