@@ -157,7 +157,6 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
 # rung's: the change is deterministic, so a retry repeats it (issue 19: cpu_offload -> meta tensors,
 # three times). Every rung of a combination is charged (which one broke it cannot be told apart).
 # Charges derive from the history alone, so a restarted supervisor reads the same from the journal.
-
 CHARGEABLE = frozenset({FailureKind.OTHER, FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
 #: Where an OOM kind happened, for a past attempt journalled without its stage.
 _STAGE_OF_KIND: Mapping[FailureKind, Stage] = {
@@ -218,7 +217,6 @@ def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
 # is on (charged instead, :mod:`.choice`). The stage of a kill is only where the process was, not
 # what grew: its ladder takes throughput rungs first (none that moves memory to the host), quality
 # last, and the rank only for a kill in the optimizer stage before the first step.
-
 _STEP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
 #: Throughput rungs that shrink a training step's memory without moving anything to the host.
 _STEP_RUNGS = ("gradient_checkpointing", "halve_micro_batch")
@@ -263,7 +261,6 @@ def host_settings(failure: FailureLike, settings: Settings, failed: Sequence[Pas
 # ---- rule 6b: a spurious OOM, the same config retried once before any rung (issue 33) -----
 # The classifier marks an OOM spurious when the allocator's own numbers say the request fit
 # (supervisor/diagnosis/fragmentation.py); a repeat right after the retry, before any step, is the config's.
-
 #: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
 SPURIOUS_KEY = "spurious_room"
 RETRY_RUNG = "retry_spurious"  # The rung name journalled for the retry.
@@ -289,8 +286,6 @@ def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAtte
 
 
 # ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------
-
-
 def _contended(failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None) -> Decision:
     # What the failed process held plus what it asked for: the memory it needs to get past.
     numbers = failure.numbers

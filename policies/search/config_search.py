@@ -274,9 +274,8 @@ def trial_candidates(chosen: Ranked, ranking: Sequence[Ranked]) -> tuple[TrialCa
     seen = {timed(knobs)}
     others = []
     for r in ranking:
-        if r.tokens_per_s < chosen.tokens_per_s * TRIAL_SLOWEST_SHARE:
-            continue
-        if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
+        fast = r.tokens_per_s >= chosen.tokens_per_s * TRIAL_SLOWEST_SHARE
+        if fast and reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
             seen.add(timed(r.knobs))
             others.append(r)
     if not others or knobs.world_size > 1:  # one process only: ranks would have to agree
