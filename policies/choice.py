@@ -84,9 +84,8 @@ def _restart(knobs: Knobs, result: PreflightResult, rung: str, why: str) -> Rest
 def _charge_offload(
     knobs: Knobs, failed: frozenset[Knobs], settings: Settings, scale: float | None, unusable: frozenset[str]
 ) -> Restart | None:
-    """After a host OOM kill under activation offload: offload off with the fastest throughput-only
-    config that fits card and host; else offload kept with less host need; None: neither. Without
-    a shape or card budget to search with, offload off alone."""
+    """After a host OOM kill under offload: offload off with the fastest throughput-only config that fits
+    card and host, else offload kept with less host need (no shape or budget: offload off); None: neither."""
     off = dataclasses.replace(knobs, activation_offload=False)
     why = "host OOM kill under activation offload: offload held the host's RAM, so it is charged with it"
     shape, budget = settings.shape, settings.budget_bytes
@@ -174,10 +173,9 @@ class Sharing:
     others_sm_util: int | None = None
 
     def differs(self, other: Sharing) -> bool:
-        if abs(self.others_bytes - other.others_bytes) >= SHARING_CHANGE_BYTES:
-            return True
-        util = (self.others_sm_util, other.others_sm_util)
-        return None not in util and abs((util[0] or 0) - (util[1] or 0)) >= SHARING_CHANGE_UTIL
+        mine, theirs = self.others_sm_util, other.others_sm_util
+        util = mine is not None and theirs is not None and abs(mine - theirs) >= SHARING_CHANGE_UTIL
+        return abs(self.others_bytes - other.others_bytes) >= SHARING_CHANGE_BYTES or util
 
     def text(self) -> str:
         util = f", {self.others_sm_util} % of the SMs" if self.others_sm_util is not None else ""

@@ -114,12 +114,11 @@ def host_train_need(
 ) -> HostTrainNeed:
     """The host RAM of training ``shape`` with ``knobs``; ``largest_shard_bytes``: the checkpoint's
     largest file (None or 0: not known, the whole of it)."""
-    batch = knobs.micro_batch_size * knobs.max_seq_len * INT64
     components = {
         "resident": TRAIN_RESIDENT_RSS,
         "offloaded_activations": offloaded_bytes(shape, knobs, targets),
         "paged_optimizer_state": adapter_bytes(shape, knobs, targets).paged,
-        "data_loader": BATCH_TENSORS * pinned(batch),
+        "data_loader": BATCH_TENSORS * pinned(knobs.micro_batch_size * knobs.max_seq_len * INT64),
     }
     basis = (
         f"training: {TRAIN_RESIDENT_RSS / 1e9:.2f} GB resident (H200, 7B/8B children) + offloaded "
