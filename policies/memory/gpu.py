@@ -56,14 +56,12 @@ class Prediction:
         return self.reserved_bytes + sum(self.outside.values())
 
 
-# ---- the LoRA adapter's own bytes: its weights, their gradients, and the optimizer's state, per
-# tensor. Read against trl 1.16, peft 0.21, torch 2.11 and bitsandbytes 0.50: trl casts a quantized
-# model's adapter to bf16 (unquantized, peft's fp32 stays); torch AdamW keeps two moments in the
-# adapter's dtype plus a foreach step temporary (none fused); bitsandbytes keeps two fp32 moments, or
-# uint8 ones with an fp32 absmax per 256 for tensors of ``min_8bit_size`` or more, and a paged
-# optimizer pages only tensors of 1e5 elements or more (smaller ones are ordinary allocations).
-#: trl casts a quantized model's trainable parameters to bf16.
-ADAPTER_BYTES_QUANTIZED = 2
+# ---- the LoRA adapter's own bytes, per tensor: its weights, their gradients, the optimizer's state.
+# trl casts a quantized model's adapter to bf16 (unquantized, peft's fp32 stays); torch AdamW keeps
+# two moments in the adapter's dtype plus a foreach step temporary (none fused); bitsandbytes keeps
+# two fp32 moments, or uint8 ones with an fp32 absmax per 256 for tensors of ``min_8bit_size`` or more,
+# and a paged optimizer pages only tensors of 1e5 elements or more (smaller ones are ordinary allocations).
+ADAPTER_BYTES_QUANTIZED = 2  # trl's bf16 for a quantized model's trainable parameters
 #: bitsandbytes: tensors under this many elements keep fp32 state in the 8-bit optimizers.
 BNB_MIN_8BIT_SIZE = 4096
 #: bitsandbytes: a paged optimizer pages a state tensor only from this many elements on.
@@ -109,14 +107,12 @@ def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | st
     if name in BNB_8BIT or name in BNB_32BIT:
         is_paged = name.startswith("paged_")
         for numel in tensors:  # bitsandbytes' two moments of each tensor
-            if name in BNB_8BIT and numel >= BNB_MIN_8BIT_SIZE:
-                bytes_ = 2 * numel + 2 * FP32 * -(-numel // BNB_8BIT_BLOCK)
-            else:
-                bytes_ = 2 * FP32 * numel
+            eight = name in BNB_8BIT and numel >= BNB_MIN_8BIT_SIZE
+            moments = 2 * numel + 2 * FP32 * -(-numel // BNB_8BIT_BLOCK) if eight else 2 * FP32 * numel
             if is_paged and numel >= BNB_PAGED_MIN_NUMEL:
-                paged += bytes_
+                paged += moments
             else:
-                state += bytes_
+                state += moments
     else:
         state = 2 * size * n
         temp = 0 if name == "adamw_torch_fused" else size * n
