@@ -145,11 +145,8 @@ def _answer(
     undo = {name: before for name, (before, _) in changed.items() if name not in kept}
     target = dataclasses.replace(knobs, **undo) if undo and not set(changed) & KEPT_ALWAYS else knobs
     if target == knobs:
-        return Refusal(
-            descent,
-            "the rung changed only what a step-up leaves: quality knobs (unless "
-            "supervise.step_up_quality), the rank, the model, the ranks",
-        )
+        leaves = "quality knobs (unless supervise.step_up_quality), the rank, the model, the ranks"
+        return Refusal(descent, f"the rung changed only what a step-up leaves: {leaves}")
     if any(p.descent == descent.attempt for p in past):
         why = f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
         return Refusal(descent, why)

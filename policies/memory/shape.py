@@ -260,21 +260,14 @@ class ModelShape:
 
 def _not_modelled(what: str, config: Mapping[str, Any]) -> Unsupported:
     """The refusal of an unmodelled architecture, with its facts and lacking terms where known."""
-    modelled = ", ".join(sorted(BLOCKS))
     facts = ModelShape.architecture(config)
+    covers = f"is not a block the memory model covers (model types: {', '.join(sorted(BLOCKS))})"
     if not isinstance(facts, ModelShape):
-        return Unsupported(
-            UnsupportedReason.NOT_MODELLED,
-            f"{what} is not a block the memory model covers (model types: {modelled}); "
-            f"{facts.detail}, so its attention, MLP and head are not read and no term would be right",
-        )
+        why = f"{facts.detail}, so its attention, MLP and head are not read and no term would be right"
+        return Unsupported(UnsupportedReason.NOT_MODELLED, f"{what} {covers}; {why}")
     terms = "; ".join(facts.missing_terms()) or "none known to differ, but the block is unmeasured"
-    return Unsupported(
-        UnsupportedReason.NOT_MODELLED,
-        f"{what} ({facts.describe()}) is not a block the memory model covers (model types: "
-        f"{modelled}); it would need terms for: {terms}",
-        shape=facts,
-    )
+    detail = f"{what} ({facts.describe()}) {covers}; it would need terms for: {terms}"
+    return Unsupported(UnsupportedReason.NOT_MODELLED, detail, shape=facts)
 
 
 def resolve_targets(targets: tuple[str, ...] | str, model_type: str = "llama") -> tuple[str, ...]:
