@@ -45,10 +45,9 @@ def after_failure(
     unusable = unusable | settings.cannot_take
     failed = frozenset(past.knobs for past in history if past.kind is failure.kind)
     scale = climb.calibrated_scale(history, settings)
-    if failure.kind is FailureKind.HOST_OOM and knobs.activation_offload:
-        charged = _charge_offload(knobs, failed, settings, scale, unusable)
-        if charged is not None:
-            return charged
+    offloaded = failure.kind is FailureKind.HOST_OOM and knobs.activation_offload
+    if offloaded and (charged := _charge_offload(knobs, failed, settings, scale, unusable)) is not None:
+        return charged
     # The fastest throughput-only change predicted to fit, searched over combinations (a walk takes
     # one rung at a time, and a quality rung sooner); the failure calibrates the model: the failed
     # config needed more than the budget. A quality change or nothing that fits: the walk.

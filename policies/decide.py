@@ -312,8 +312,7 @@ def without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None
     # does not (a single process, a caller's own failure type) leaves the last card out.
     context = rungs.RungContext(failed_local_rank=getattr(failure, "local_rank", None))
     for rung in (rungs.rung_by_name(name, context) for name in CARD_FAILING):
-        dropped = rung.apply(knobs)
-        if dropped is not None:
+        if (dropped := rung.apply(knobs)) is not None:
             changes = knob_changes(knobs, dropped)
             return Restart(dropped, rung.name, changes, f"{why}: {rung.reason}", rung.survives)
     return None

@@ -378,8 +378,7 @@ def predict(
     peak = sum(components.values())
     fraction = RESERVE_FRACTION_EXPANDABLE if knobs.expandable_segments else RESERVE_FRACTION
     outside = {"cuda_context": CUDA_CONTEXT}
-    paged = adapter_bytes(shape, knobs, targets).paged
-    if paged:
+    if paged := adapter_bytes(shape, knobs, targets).paged:
         outside["paged_optimizer_state"] = paged
     kept = {k: v for k, v in components.items() if v}
     return Prediction(kept, peak, int(peak * (1 + fraction)), outside, phase)

@@ -186,8 +186,7 @@ def _nothing_fits(
         helps.append("a smaller model than every one in model.fallbacks (none of them fits either)")
     else:
         helps.append("a smaller model in model.fallbacks")
-    if search.deep_fit is not None:
-        deep = search.deep_fit
+    if (deep := search.deep_fit) is not None:
         helps.append(
             f"max_seq_len {deep.max_seq_len} and lora.r {deep.lora_r} written in the job (predicted to fit; "
             f"pre-flight cuts no deeper than 1/{search_state.DEEPEST_CUT_BEFORE_FALLBACK} by itself)"

@@ -226,8 +226,7 @@ class Search:
 
     def best(self, job: Knobs) -> tuple[list[Ranked], bool]:
         """The ranking of the lightest change that fits: (ranking, quality changed); empty: none."""
-        ranking = self.rank(job)
-        if ranking:
+        if ranking := self.rank(job):
             return ranking, False
         for variant, names in quality_variants(job):
             # Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1).
