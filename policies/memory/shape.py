@@ -1,8 +1,7 @@
-"""What the memory model needs to know about a model, read from its ``config.json`` alone.
-The blocks of :data:`.families.BLOCKS` are modelled; anything else is refused with a typed
-:class:`Unsupported` reason (a number for the wrong block would be confidently wrong), with its
-facts where the LoRA targets table knows the family. A multimodal Gemma 3 is refused for its vision
-tower. The blocks' facts are in :mod:`.families`."""
+"""What the memory model needs to know about a model, read from its ``config.json`` alone. The blocks of
+:data:`.families.BLOCKS` are modelled; anything else is refused with a typed :class:`Unsupported` reason (a
+number for the wrong block would be confidently wrong), with its facts where the LoRA targets table knows the
+family. A multimodal Gemma 3 is refused for its vision tower. The blocks' facts are in :mod:`.families`."""
 
 from __future__ import annotations
 
@@ -227,8 +226,6 @@ class ModelShape:
     @property
     def expert_params(self) -> int:
         """One block's unquantized MoE parameters: every expert's gate, up and down, the router."""
-        if not self.experts:
-            return 0
         return self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)
 
     @property

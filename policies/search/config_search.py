@@ -1,10 +1,9 @@
-"""Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models.
-The job as written when it is predicted to fit with the margin (8 %: the model's error and the
-allocator's rounding under a cap); else the fastest fitting combination of the free and throughput
-knobs (:mod:`.search_state`); else the lightest quality cut, no deeper than
-:data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK` (``quality_changed``); else a fallback model
-(``fallback``); else :class:`NothingFits`. With a host budget a candidate must fit the host too;
-those it rules out are counted (``host_rejected``). docs/planning.md tells the rules."""
+"""Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models. The job as
+written when it is predicted to fit with the margin (8 %: the model's error and the allocator's rounding under
+a cap); else the fastest fitting combination of the free and throughput knobs (:mod:`.search_state`); else the
+lightest quality cut, no deeper than :data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK` (``quality_changed``);
+else a fallback model (``fallback``); else :class:`NothingFits`. With a host budget a candidate must fit the
+host too; those it rules out are counted (``host_rejected``). docs/planning.md tells the rules."""
 
 from __future__ import annotations
 
