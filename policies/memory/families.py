@@ -128,8 +128,7 @@ EAGER_WITHOUT_SOURCE = frozenset({"gemma2"})
 
 def default_attention(model_type: str) -> str:
     """``"sdpa"`` or ``"eager"``: what transformers picks for ``model_type`` when asked for none."""
-    supports = _supports_sdpa(_transformers_root(), MODULE_OF.get(model_type, model_type))
-    if supports is None:
+    if (supports := _supports_sdpa(_transformers_root(), MODULE_OF.get(model_type, model_type))) is None:
         return "eager" if model_type in EAGER_WITHOUT_SOURCE else "sdpa"
     return "sdpa" if supports else "eager"
 

@@ -100,16 +100,13 @@ def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | st
     """Weights, gradients and optimizer state of the adapter ``knobs`` and ``targets`` describe; an
     optimizer outside those modelled counts as torch AdamW, the largest of them."""
     tensors = adapter_tensors(shape, knobs.lora_r, targets)
-    n = sum(tensors)
-    size = adapter_dtype_bytes(knobs)
-    name = knobs.optimizer
+    n, size, name = sum(tensors), adapter_dtype_bytes(knobs), knobs.optimizer
     state = paged = temp = 0
     if name in BNB_8BIT or name in BNB_32BIT:
-        is_paged = name.startswith("paged_")
         for numel in tensors:  # bitsandbytes' two moments of each tensor
             eight = name in BNB_8BIT and numel >= BNB_MIN_8BIT_SIZE
             moments = 2 * numel + 2 * FP32 * -(-numel // BNB_8BIT_BLOCK) if eight else 2 * FP32 * numel
-            if is_paged and numel >= BNB_PAGED_MIN_NUMEL:
+            if name.startswith("paged_") and numel >= BNB_PAGED_MIN_NUMEL:
                 paged += moments
             else:
                 state += moments

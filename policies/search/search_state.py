@@ -177,10 +177,9 @@ class Search:
 
     def host_peak(self, knobs: Knobs) -> int | None:
         """The training host peak of ``knobs`` (None: no host budget)."""
-        if self.host is None:
+        if (host := self.host) is None:
             return None
         if knobs not in self._host_peaks:
-            host = self.host
             need = host_train_need(
                 self.shape, knobs, host.checkpoint_bytes, self.targets, host.largest_shard_bytes
             )
