@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The terms' names the callers read through this module (its own are public as defined).
@@ -33,10 +33,7 @@ def scaled_peak(prediction: Prediction, scale: float | None) -> int:
 
 
 def estimate_peak(
-    shape: ModelShape,
-    knobs: Knobs,
-    scale: float | None = None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, knobs: Knobs, scale: float | None = None, targets: Targets = DEFAULT_TARGETS
 ) -> int:
     """Predicted peak allocated bytes of training with ``knobs``; ``scale`` from :func:`calibrate`."""
     return scaled_peak(predict(shape, knobs, targets), scale)
@@ -52,7 +49,7 @@ class Observation:
 
 
 def calibrate(
-    shape: ModelShape, observations: Sequence[Observation], targets: tuple[str, ...] | str = DEFAULT_TARGETS
+    shape: ModelShape, observations: Sequence[Observation], targets: Targets = DEFAULT_TARGETS
 ) -> float | None:
     """The median over observed peaks of ``(observed - fixed) / variable``; None without data. An OOM
     (``exceeded``) is a lower bound, not a peak, and does not calibrate. Clamped to
@@ -69,11 +66,7 @@ UNCALIBRATED_MARGIN = 1.25
 
 
 def cannot_fit(
-    shape: ModelShape,
-    knobs: Knobs,
-    budget: int,
-    scale: float | None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, knobs: Knobs, budget: int, scale: float | None, targets: Targets = DEFAULT_TARGETS
 ) -> bool:
     """True when the calibrated prediction exceeds the budget, or the raw one exceeds it by 25 %."""
     margin = UNCALIBRATED_MARGIN if scale is None else 1

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from qlora_supervise.policies import memory_model, rungs
 from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
+from qlora_supervise.policies.memory.shape import Targets
 from qlora_supervise.policies.rungs import Rung, Survives, knob_changes, rung_by_name
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import FailureLike, GiveUp, PastAttempt, Restart, Settings, for_model
@@ -75,9 +76,7 @@ def train_host(shape: memory_model.ModelShape, knobs: Knobs, settings: Settings)
     return host_train_need(shape, knobs, checkpoint, settings.targets).train_peak
 
 
-def failed_scale(
-    shape: memory_model.ModelShape, knobs: Knobs, budget: int, targets: tuple[str, ...] | str
-) -> float:
+def failed_scale(shape: memory_model.ModelShape, knobs: Knobs, budget: int, targets: Targets) -> float:
     """The smallest scale of the variable part at which ``knobs`` no longer fits ``budget``."""
     fixed, variable = memory_model.split(memory_model.predict(shape, knobs, targets))
     return max(1.0, (budget - fixed) / variable) if variable > 0 else 1.0

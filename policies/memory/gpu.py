@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from qlora_supervise.policies.memory.families import Block, HeadNorm
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The recipe's LoRA targets: the attention projections, by each family's own names.
-DEFAULT_TARGETS: tuple[str, ...] | str = "attention"
+DEFAULT_TARGETS: Targets = "attention"
 #: Bytes per quantized weight: packed 4-bit codes plus the per-block absmax (blocksize 64).
 NF4_DOUBLE_QUANT = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_SINGLE_QUANT = 0.5 + 4 / 64
@@ -89,14 +89,14 @@ def adapter_dtype_bytes(knobs: Knobs) -> int:
     return ADAPTER_BYTES_QUANTIZED if knobs.load_in_4bit else FP32
 
 
-def adapter_tensors(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> list[int]:
+def adapter_tensors(shape: ModelShape, r: int, targets: Targets) -> list[int]:
     """The element count of every LoRA weight tensor (lora_A is r x in, lora_B is out x r)."""
     dims = shape.linear_dims()
     per_layer = [n for name in shape.adapted(targets) for n in (r * dims[name][0], dims[name][1] * r)]
     return per_layer * shape.layers
 
 
-def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str) -> AdapterBytes:
+def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: Targets) -> AdapterBytes:
     """Weights, gradients and optimizer state of the adapter ``knobs`` and ``targets`` describe; an
     optimizer outside those modelled counts as torch AdamW, the largest of them."""
     tensors = adapter_tensors(shape, knobs.lora_r, targets)
@@ -163,7 +163,7 @@ def checkpoint_masks(shape: ModelShape, batch: int, seq: int) -> int:
     return batch * seq * seq if masked(shape, seq) else 0
 
 
-def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> int:
+def lora_params(shape: ModelShape, r: int, targets: Targets) -> int:
     return sum(adapter_tensors(shape, r, targets))
 
 
@@ -214,17 +214,13 @@ def _root(shape: ModelShape) -> dict[str, int]:
     return {"embeddings_bf16": shape.vocab * shape.hidden * LOAD_DTYPE, "lm_head_bf16": head}
 
 
-def static_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
-) -> dict[str, int]:
+def static_components(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS) -> dict[str, int]:
     """What sits on the card once the model is loaded and the adapter attached (in trl's dtype)."""
     adapter = lora_params(shape, knobs.lora_r, targets) * adapter_dtype_bytes(knobs)
     return {**base_components(shape, knobs), "lora_params": adapter}
 
 
-def load_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
-) -> dict[str, int]:
+def load_components(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS) -> dict[str, int]:
     """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter (its bf16
     original and fp32 copy coexist), and the adapter in peft's fp32 before trl casts it to bf16."""
     base = base_components(shape, knobs)
@@ -241,9 +237,7 @@ def load_components(
     return {**base, **({"load_cast_16bit": cast} if cast >= adapter_fp32 else {"lora_params": adapter_fp32})}
 
 
-def layer_activation_bytes(
-    shape: ModelShape, r: int, targets: tuple[str, ...] | str, half: int = 2, seq: int = 0
-) -> int:
+def layer_activation_bytes(shape: ModelShape, r: int, targets: Targets, half: int = 2, seq: int = 0) -> int:
     """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens a
     sequence (only eager attention depends on it); ``half``: the autocast dtype's size. Layer 0 keeps
     a little less (its input needs no gradient), which the model leaves in as margin."""
@@ -270,7 +264,7 @@ MOE_BACKWARD_ROUTED_H = 8
 
 
 def block_backward_bytes(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, half: int = 2
 ) -> int:
     """One block's backward on top of what stays kept: with checkpointing its recomputed
     activations, then its fp32 gradients and one weight bitsandbytes dequantizes to 16-bit."""
@@ -290,7 +284,7 @@ def block_backward_bytes(
 
 
 def activation_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, half: int = 2
 ) -> dict[str, int]:
     """What the forward keeps plus the larger of the backward's two first moments: the LM head
     (:func:`loss_components`) and the last block (:func:`block_backward_bytes`)."""
@@ -324,7 +318,7 @@ def loss_components(
 
 
 def optimizer_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS
 ) -> tuple[dict[str, int], int, int]:
     """(grads and state held by the allocator, the step's temporary, paged state outside it)."""
     adapter = adapter_bytes(shape, knobs, targets)
@@ -342,7 +336,7 @@ def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str,
 
 
 def training_phases(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str, half: int
+    shape: ModelShape, knobs: Knobs, targets: Targets, half: int
 ) -> dict[str, dict[str, int]]:
     """Each moment that can hold the peak, by component: load, backward (the gradients only from
     the second micro-batch of an accumulation: the Trainer sets them to None after each step),
@@ -366,9 +360,7 @@ def training_phases(
     return phases
 
 
-def predict(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
-) -> Prediction:
+def predict(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, half: int = 2) -> Prediction:
     """The largest phase of :func:`training_phases`, with the allocator's reserve and what sits outside it."""
     phases = training_phases(shape, knobs, targets, half)
     phase, components = max(phases.items(), key=lambda item: sum(item[1].values()))

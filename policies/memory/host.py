@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, FP32, adapter_bytes, layer_activation_bytes
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: RSS of the child after importing torch (CUDA build), transformers, peft, trl, bitsandbytes.
@@ -86,7 +86,7 @@ def pinned(nbytes: int) -> int:
 
 
 def offloaded_bytes(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, pin: bool = True
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, pin: bool = True
 ) -> int:
     """Host bytes activation offload holds at the end of one micro-step's forward (0 when off), in
     reused pinned buffers: with checkpointing each block's input, without it every block's saved
@@ -109,7 +109,7 @@ def host_train_need(
     shape: ModelShape,
     knobs: Knobs,
     checkpoint_bytes: int,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
     largest_shard_bytes: int | None = None,
 ) -> HostTrainNeed:
     """The host RAM of training ``shape`` with ``knobs``; ``largest_shard_bytes``: the checkpoint's

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from qlora_supervise.policies.memory import families
 from qlora_supervise.policies.memory.families import BLOCKS, Block, HeadNorm, facts_of, model_type_of
@@ -21,6 +21,8 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_interme
 LARGE_VOCAB = 200_000
 #: The attention's linear layers of one decoder block, by the names target_modules uses.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: A LoRA ``target_modules`` value: a keyword of the family's table, a regex, or module names.
+Targets: TypeAlias = tuple[str, ...] | str
 
 
 class UnsupportedReason(str, enum.Enum):
@@ -214,7 +216,7 @@ class ModelShape:
             return attention
         return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
-    def adapted(self, targets: tuple[str, ...] | str) -> tuple[str, ...]:
+    def adapted(self, targets: Targets) -> tuple[str, ...]:
         """The block's Linear layers a LoRA ``target_modules`` value adapts on this model."""
         return resolve_targets(targets, self.model_type)
 
@@ -267,7 +269,7 @@ def _not_modelled(what: str, config: Mapping[str, Any]) -> Unsupported:
     return Unsupported(UnsupportedReason.NOT_MODELLED, detail, shape=facts)
 
 
-def resolve_targets(targets: tuple[str, ...] | str, model_type: str = "llama") -> tuple[str, ...]:
+def resolve_targets(targets: Targets, model_type: str = "llama") -> tuple[str, ...]:
     """The block's Linear layers a LoRA ``target_modules`` value adapts on a ``model_type`` model:
     a keyword by the family's table, any other string (a regex) as a list of names."""
     family_type = model_type if model_type in FAMILIES else "llama"

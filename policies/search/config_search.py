@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass, knob_changes
 from qlora_supervise.policies.search import search_state, throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
@@ -32,7 +32,7 @@ def preflight(
     budget_bytes: int,
     margin: float = search_state.DEFAULT_MARGIN,
     scale: float | None = None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
     speed: throughput.SpeedCalibration | None = None,
     fallbacks: Sequence[tuple[str, ModelShape | None]] = (),
     exclude: frozenset[Knobs] = frozenset(),

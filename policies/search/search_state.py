@@ -12,7 +12,7 @@ from typing import Any
 from qlora_supervise.policies import rungs
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.memory_model import estimate_peak
 from qlora_supervise.policies.rungs import RUNGS, Axis, CostClass, Rung, knob_changes, rungs_between
 from qlora_supervise.policies.search import throughput
@@ -154,7 +154,7 @@ class Search:
     job: Knobs
     limit: float
     scale: float | None
-    targets: tuple[str, ...] | str
+    targets: Targets
     speed: throughput.SpeedCalibration | None
     exclude: frozenset[Knobs]
     unusable: frozenset[str]
@@ -273,7 +273,7 @@ class RungEffect:
 def rung_effects(
     shape: ModelShape,
     knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
     scale: float | None = None,
     speed: throughput.SpeedCalibration | None = None,
 ) -> list[RungEffect]:

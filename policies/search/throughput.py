@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, adapter_tensors, per_weight
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.search import throughput_fit as fit
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -40,7 +40,7 @@ def head_work_per_token(shape: ModelShape) -> int:
     return shape.vocab * shape.hidden
 
 
-def adapter_params(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS) -> int:
+def adapter_params(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS) -> int:
     return sum(adapter_tensors(shape, knobs.lora_r, targets))
 
 
@@ -77,10 +77,7 @@ class StepTime:
 
 
 def optimizer_seconds(
-    shape: ModelShape,
-    knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    c: Coefficients = FITTED,
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, c: Coefficients = FITTED
 ) -> float:
     """Seconds of one optimizer step over the adapter (by optimizer kind; unknown kinds as adamw_torch)."""
     per_param = c.optimizer_s_per_param.get(knobs.optimizer, c.optimizer_s_per_param["adamw_torch"])
@@ -88,10 +85,7 @@ def optimizer_seconds(
 
 
 def predict(
-    shape: ModelShape,
-    knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    c: Coefficients = FITTED,
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, c: Coefficients = FITTED
 ) -> StepTime:
     """The model's step time and tokens/s for ``knobs`` (one rank; ranks add throughput, not speed):
     ``grad_accum`` forward + backward micro-steps by the fitted model, then the optimizer step."""
@@ -147,9 +141,7 @@ SCALE_RANGE = (0.1, 10.0)
 
 
 def calibrate(
-    shape: ModelShape,
-    observations: Sequence[SpeedObservation],
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, observations: Sequence[SpeedObservation], targets: Targets = DEFAULT_TARGETS
 ) -> SpeedCalibration:
     """The calibration ``observations`` of this shape give (newest last; the newest of a config wins)."""
     latest = {speed_key(o.knobs): o for o in observations if o.tokens_per_s > 0 and o.knobs.world_size == 1}
@@ -168,7 +160,7 @@ def rank_speed(
     shape: ModelShape,
     knobs: Knobs,
     calibration: SpeedCalibration | None = None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
 ) -> StepTime:
     """The step time the ranking uses: measured where these knobs were measured, else the model
     scaled by its checkpointing mode's measured ratio, else the model."""
