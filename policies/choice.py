@@ -1,10 +1,8 @@
 """The one place that decides the config: at the first plan, after a failure, after the speed trial.
-
 Only this module calls the search (:mod:`.search.config_search`) and the ladder walk
 (:mod:`.ladder.climb`), a contract in pyproject checks it; each answer carries its reason, which
 the journal keeps and ``explain`` prints (docs/how-it-works.md tells the three moments); and
-whether to time the speed trial again when the card's sharing has changed (:func:`retime`).
-"""
+whether to time the speed trial again when the card's sharing has changed (:func:`retime`)."""
 
 from __future__ import annotations
 
@@ -23,10 +21,10 @@ from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 #: Attempt 1's config: the search itself (``run``'s first plan and the ``plan`` command ask it here).
 first = config_search.preflight
-
 #: A candidate replaces the planned config only when it is this much faster: below, noise decides.
 MIN_GAIN = 0.05
-
+#: What a trial candidate sets: the knobs that change without a reload.
+TRIAL_KNOBS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
 #: Kinds whose memory is the training step's, which the memory model predicts (not load, eval, merge).
 _STEP_MEMORY = frozenset(
     map(FailureKind, ("oom_forward", "oom_backward", "oom_optimizer", "oom_fragmentation"))
@@ -47,35 +45,21 @@ def after_failure(
     unusable = unusable | settings.cannot_take
     failed = frozenset(past.knobs for past in history if past.kind is failure.kind)
     scale = climb.calibrated_scale(history, settings)
-    if failure.kind is FailureKind.HOST_OOM and knobs.activation_offload:
-        charged = _charge_offload(knobs, failed, settings, scale, unusable)
-        if charged is not None:
-            return charged
-    searched = _search(failure, knobs, failed, settings, scale, unusable)
-    return searched or climb.walk(failure, knobs, failed, settings, scale, unusable)
-
-
-def _search(
-    failure: FailureLike,
-    knobs: Knobs,
-    failed: frozenset[Knobs],
-    settings: Settings,
-    scale: float | None,
-    unusable: frozenset[str],
-) -> Restart | None:
-    """The fastest throughput-only change predicted to fit, searched over combinations (a walk
-    takes one rung at a time, and a quality rung sooner). The failure calibrates the model: the
-    failed config needed more than the budget. None: a quality change or nothing fits (the walk)."""
+    offloaded = failure.kind is FailureKind.HOST_OOM and knobs.activation_offload
+    if offloaded and (charged := _charge_offload(knobs, failed, settings, scale, unusable)) is not None:
+        return charged
+    # The fastest throughput-only change predicted to fit, searched over combinations (a walk takes
+    # one rung at a time, and a quality rung sooner); the failure calibrates the model: the failed
+    # config needed more than the budget. A quality change or nothing that fits: the walk.
     shape, budget = settings.shape, settings.budget_bytes
-    if shape is None or budget is None or failure.kind not in _STEP_MEMORY:
-        return None
-    floor = climb.failed_scale(shape, knobs, budget, settings.targets)
-    result = _again(settings, knobs, max(scale or floor, floor), failed, unusable)
-    if not result.fits or result.quality_changed or result.knobs == knobs:
-        return None
-    names = rungs_between(knobs, result.knobs)
-    why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
-    return _restart(knobs, result, "+".join(names), f"{why} (memory model: {result.reasons[-1]})")
+    if shape is not None and budget is not None and failure.kind in _STEP_MEMORY:
+        floor = climb.failed_scale(shape, knobs, budget, settings.targets)
+        result = _again(settings, knobs, max(scale or floor, floor), failed, unusable)
+        if result.fits and not result.quality_changed and result.knobs != knobs:
+            names = rungs_between(knobs, result.knobs)
+            why = "; ".join(RUNG_BY_NAME[name].reason for name in names)
+            return _restart(knobs, result, "+".join(names), f"{why} (memory model: {result.reasons[-1]})")
+    return climb.walk(failure, knobs, failed, settings, scale, unusable)
 
 
 def _again(
@@ -99,24 +83,21 @@ def _restart(knobs: Knobs, result: PreflightResult, rung: str, why: str) -> Rest
 def _charge_offload(
     knobs: Knobs, failed: frozenset[Knobs], settings: Settings, scale: float | None, unusable: frozenset[str]
 ) -> Restart | None:
-    """After a host OOM kill under activation offload: offload off with the fastest throughput-only
-    config that fits card and host; else offload kept with less host need; None: neither. Without
-    a shape or card budget to search with, offload off alone."""
+    """After a host OOM kill under offload: offload off with the fastest throughput-only config that fits
+    card and host, else offload kept with less host need (no shape or budget: offload off); None: neither."""
     off = dataclasses.replace(knobs, activation_offload=False)
     why = "host OOM kill under activation offload: offload held the host's RAM, so it is charged with it"
     shape, budget = settings.shape, settings.budget_bytes
     if shape is None or budget is None:
-        return Restart(
-            off, "activation_offload_off", knob_changes(knobs, off), f"{why}; offload off", Survives.ALL
-        )
+        changes = knob_changes(knobs, off)
+        return Restart(off, "activation_offload_off", changes, f"{why}; offload off", Survives.ALL)
     killed = climb.train_host(shape, knobs, settings)
     for base, banned in ((off, frozenset({"activation_offload"})), (knobs, frozenset())):
         result = _again(settings, base, scale, failed, unusable | banned)
-        lighter = (
-            not result.knobs.activation_offload or climb.train_host(shape, result.knobs, settings) < killed
-        )
+        offloads = result.knobs.activation_offload
+        lighter = not offloads or climb.train_host(shape, result.knobs, settings) < killed
         if result.fits and not result.quality_changed and result.fallback is None and lighter:
-            names = ["activation_offload_off" if not result.knobs.activation_offload else ""]
+            names = ["activation_offload_off" if not offloads else ""]
             names += [n for n in rungs_between(off, result.knobs) if n != "activation_offload"]
             chose = result.reasons[-1] if result.reasons else "fits both budgets"
             return _restart(knobs, result, "+".join(n for n in names if n), f"{why}; {chose}")
@@ -150,9 +131,8 @@ def after_trial(planned: Knobs, results: Sequence[TrialResult]) -> TrialChoice:
         why = f"speed trial: none measured over {MIN_GAIN:.0%} faster; the plan stays"
         return TrialChoice(planned, False, why)
     c = fastest.candidate
-    return TrialChoice(
-        trained_with(planned, c), True, f"speed trial: {c.name} at {fastest.tokens_per_s:.0f} tokens/s, {why}"
-    )
+    why = f"speed trial: {c.name} at {fastest.tokens_per_s:.0f} tokens/s, {why}"
+    return TrialChoice(trained_with(planned, c), True, why)
 
 
 def within(result: TrialResult, limit: int | None) -> TrialResult:
@@ -167,12 +147,7 @@ def within(result: TrialResult, limit: int | None) -> TrialResult:
 
 def trained_with(knobs: Knobs, candidate: TrialCandidate) -> Knobs:
     """``knobs`` switched to a trial candidate: what changes without a reload."""
-    return dataclasses.replace(
-        knobs,
-        micro_batch_size=candidate.micro_batch_size,
-        grad_accum=candidate.grad_accum,
-        gradient_checkpointing=candidate.gradient_checkpointing,
-    )
+    return dataclasses.replace(knobs, **{name: getattr(candidate, name) for name in TRIAL_KNOBS})
 
 
 # Timing the speed trial again when the card's sharing has changed since it ran (issue 34): when
@@ -197,10 +172,9 @@ class Sharing:
     others_sm_util: int | None = None
 
     def differs(self, other: Sharing) -> bool:
-        if abs(self.others_bytes - other.others_bytes) >= SHARING_CHANGE_BYTES:
-            return True
-        util = (self.others_sm_util, other.others_sm_util)
-        return None not in util and abs((util[0] or 0) - (util[1] or 0)) >= SHARING_CHANGE_UTIL
+        mine, theirs = self.others_sm_util, other.others_sm_util
+        util = mine is not None and theirs is not None and abs(mine - theirs) >= SHARING_CHANGE_UTIL
+        return abs(self.others_bytes - other.others_bytes) >= SHARING_CHANGE_BYTES or util
 
     def text(self) -> str:
         util = f", {self.others_sm_util} % of the SMs" if self.others_sm_util is not None else ""
@@ -226,9 +200,7 @@ def retime(
     remaining_s: float = math.inf,
 ) -> tuple[Knobs, str] | None:
     """The knobs to restart with and why, to time the trial again now; None: not now."""
-    if then is None or not window or held_for_s < settle_s:
-        return None
-    if not all(now.differs(then) for now in window):
+    if then is None or not window or held_for_s < settle_s or not all(now.differs(then) for now in window):
         return None
     # The candidate ``knobs`` trains, when they differ from the pre-flight's only in the trial's knobs.
     trained = next((c for c in first.candidates if trained_with(first.knobs, c) == knobs), None)
@@ -238,8 +210,7 @@ def retime(
     fast, slow = planned.predicted_tokens_per_s, trained.predicted_tokens_per_s
     if not fast or not slow or fast < slow * (1 + MIN_GAIN):
         return None
-    saved_s = remaining_s * (1 - slow / fast)
-    if saved_s <= RESTART_COST_S:
+    if remaining_s * (1 - slow / fast) <= RESTART_COST_S:  # what it saves on the time left
         return None
     why = (
         f"the card's sharing changed: others held {then.text()} at the trial, {window[-1].text()} now "

@@ -1,6 +1,6 @@
-"""The decision after a failed attempt: ``Restart | Wait | GiveUp``, a value the loop carries out.
-
-The rules, first match wins (docs/ladder.md tells them for users):
+"""The decision after a failed attempt: ``Restart | Wait | GiveUp`` (:mod:`.verdicts`), a value the
+loop carries out. The rules, first match wins (docs/ladder.md tells them for users; the rules after
+the first few are below :func:`decide`):
 
 0. a non-OOM failure right after a rung changed the config, no step trained: the rung is charged
    (below): reverted, unusable for the run, the ladder goes on from the failure before
@@ -13,10 +13,8 @@ The rules, first match wins (docs/ladder.md tells them for users):
    ``max_no_progress`` times (a GPU fault: twice) with no step trained in between; a fatal Xid
    -> GiveUp, not retryable. Under torchrun a card that keeps failing -> ``drop_rank``
 6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
-   OOM kill after progress not in a row and an OOM marked spurious, once
-   (issue 33, below); a merge's memory failure takes the merge ladder.
-
-The values live in :mod:`.verdicts`; the rules after the first few are below :func:`decide`.
+   OOM kill after progress not in a row and an OOM marked spurious, once (issue 33, below); a
+   merge's memory failure takes the merge ladder.
 """
 
 from __future__ import annotations
@@ -26,18 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qlora_supervise.policies import rungs
 from qlora_supervise.policies.choice import after_failure
 from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
-from qlora_supervise.policies.rungs import (
-    RUNG_CLASSES,
-    RUNGS,
-    CostClass,
-    RungContext,
-    Survives,
-    knob_changes,
-    rung_by_name,
-    rungs_between,
-)
+from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives, knob_changes
 from qlora_supervise.policies.verdicts import (
     Decision,
     FailureLike,
@@ -52,23 +42,10 @@ from qlora_supervise.policies.verdicts import (
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-__all__ = [
-    "Decision",
-    "FailureLike",
-    "GiveUp",
-    "PastAttempt",
-    "Restart",
-    "Settings",
-    "Wait",
-    "WaitFor",
-    "WaitResult",
-    "decide",
-]
-
+#: What the loop reads of the decision's values through this module.
+__all__ = ["Decision", "GiveUp", "PastAttempt", "Restart", "Settings", "Wait", "WaitFor", "WaitResult"]
 NOT_RETRYABLE = frozenset({FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
-RETRY_UNCHANGED_ONCE = frozenset(
-    {FailureKind.HANG, FailureKind.NCCL, FailureKind.OTHER, FailureKind.GPU_FAULT}
-)
+RETRY_UNCHANGED_ONCE = frozenset(map(FailureKind, ("hang", "nccl", "other", "gpu_fault")))
 
 
 def decide(
@@ -79,12 +56,10 @@ def decide(
     waited: WaitResult | None = None,
     phase: str = "train",
 ) -> Decision:
-    """What to do after ``failure`` of an attempt that ran with ``knobs``.
-
-    ``history``: every finished attempt, the failed one last; those that did not fail count toward
-    neither the attempt budget nor the crash-loop streak. In the ``merge`` phase a memory failure
-    takes the merge ladder (a smaller model would merge the adapter onto the wrong base).
-    """
+    """What to do after ``failure`` of an attempt that ran with ``knobs``. ``history``: every finished
+    attempt, the failed one last; those that did not fail count toward neither the attempt budget nor
+    the crash-loop streak. In the ``merge`` phase a memory failure takes the merge ladder (a smaller
+    model would merge the adapter onto the wrong base)."""
     kind = failure.kind
     failed = [past for past in history if past.kind is not None]
     if kind is FailureKind.GPU_FAULT and failure.fatal_xid is not None:
@@ -103,15 +78,13 @@ def decide(
         return GiveUp(f"all {settings.max_attempts} attempts used (supervise.max_attempts)")
     named = kind in RETRY_UNCHANGED_ONCE and getattr(failure, "local_rank", None) is not None
     if _no_progress_streak(failed) >= settings.max_no_progress:
-        crash_loop = GiveUp(
-            f"{settings.max_no_progress} attempts in a row trained no step with the same config "
-            "(crash loop); see attempts.jsonl"
-        )
+        streak = f"{settings.max_no_progress} attempts in a row trained no step with the same config"
+        crash_loop = GiveUp(f"{streak} (crash loop); see attempts.jsonl")
         return (without_card(failure, knobs, f"{kind.value} came back") if named else None) or crash_loop
     if kind is FailureKind.OOM_CONTENTION and not settings.degrade_on_contention:
-        return after_contention(failure, knobs, settings, waited)
+        return _contended(failure, knobs, settings, waited)
     if kind is FailureKind.DISK_FULL:
-        return after_disk_full(failure, knobs, settings, waited)
+        return _disk_full(failure, knobs, settings, waited)
     if kind in RETRY_UNCHANGED_ONCE:
         limit = 2 if kind is FailureKind.GPU_FAULT else settings.max_no_progress
         retried = _retry_unchanged(kind, knobs, history, limit)
@@ -119,12 +92,11 @@ def decide(
             why = "the card faulted again" if kind is FailureKind.GPU_FAULT else f"{kind.value} came back"
             return without_card(failure, knobs, why) or retried
         return retried
-    plain_retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
-    if plain_retry is not None:  # 6a: a host OOM kill after progress, the first with these knobs
-        return plain_retry
-    spurious = retry_spurious(failure, knobs, failed) if kind.is_oom else None
-    if spurious is not None:  # 6b: the allocator's numbers say the request fit: retried once
-        return spurious
+    # 6a: a host OOM kill after progress, the first with these knobs; 6b: an OOM marked spurious, once.
+    retry = retry_after_kill(failure, knobs, failed) if phase == "train" else None
+    retry = retry or (retry_spurious(failure, knobs, failed) if kind.is_oom else None)
+    if retry is not None:
+        return retry
     if phase == "merge" and kind.is_oom:
         return after_failure(PastFailure(FailureKind.OOM_MERGE, Stage.MERGE), knobs, history, settings)
     # A host OOM's ladder puts throughput before quality, the rank only where the adapter grew.
@@ -135,13 +107,11 @@ def decide(
 def _revert(charged: Charge, knobs: Knobs, history: Sequence[PastAttempt], settings: Settings) -> Decision:
     """Rule 0: the charged rungs go (back to the config before them) and the ladder moves on from
     the failure they answered, without them for the rest of the run."""
-    names = "+".join(charged.rungs)
+    names, before, unusable = "+".join(charged.rungs), charged.before, unusable_rungs(history)
     head = (
         f"{charged.kind.value} right after {names} changed the config (no attempt failed so before): "
         f"{names} reverted and unusable for this run"
     )
-    before = charged.before
-    unusable = unusable_rungs(history)
     following = after_failure(PastFailure.of(before), before.knobs, history, settings, unusable)
     if isinstance(following, GiveUp):
         return GiveUp(f"{head}; {following.why}", retryable=following.retryable)
@@ -157,8 +127,7 @@ def _no_progress_streak(history: Sequence[PastAttempt]) -> int:
     """Attempts at the end of the history that trained no step and ran the config of the one
     before, and the first of them (a ladder climbing at step 0 ends on its own)."""
     streak = 0
-    for index in range(len(history) - 1, -1, -1):
-        past = history[index]
+    for index, past in reversed(list(enumerate(history))):
         if past.steps_progressed > 0:
             break
         if index > 0 and history[index - 1].knobs != past.knobs:
@@ -177,13 +146,10 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
         if past.steps_progressed > 0:
             break
     if same >= max(2, limit):
-        return GiveUp(
-            f"{kind.value} happened {same} times with the same config and no step trained in between; "
-            "no rung addresses it"
-        )
-    return Restart(
-        knobs, "retry_unchanged", {}, f"{kind.value} may be transient: retry unchanged", Survives.ALL
-    )
+        why = f"{kind.value} happened {same} times with the same config and no step trained in between"
+        return GiveUp(f"{why}; no rung addresses it")
+    why = f"{kind.value} may be transient: retry unchanged"
+    return Restart(knobs, "retry_unchanged", {}, why, Survives.ALL)
 
 
 # ---- rule 0: a rung charged with the failure right after it -------------------------------
@@ -191,16 +157,11 @@ def _retry_unchanged(kind: FailureKind, knobs: Knobs, history: Sequence[PastAtte
 # rung's: the change is deterministic, so a retry repeats it (issue 19: cpu_offload -> meta tensors,
 # three times). Every rung of a combination is charged (which one broke it cannot be told apart).
 # Charges derive from the history alone, so a restarted supervisor reads the same from the journal.
-
 CHARGEABLE = frozenset({FailureKind.OTHER, FailureKind.CONFIG_ERROR, FailureKind.BNB_CUDA_SETUP})
 #: Where an OOM kind happened, for a past attempt journalled without its stage.
 _STAGE_OF_KIND: Mapping[FailureKind, Stage] = {
-    FailureKind.OOM_LOAD: Stage.LOAD,
-    FailureKind.OOM_FORWARD: Stage.FORWARD,
-    FailureKind.OOM_BACKWARD: Stage.BACKWARD,
-    FailureKind.OOM_OPTIMIZER: Stage.OPTIMIZER,
-    FailureKind.OOM_EVAL: Stage.EVAL,
-    FailureKind.OOM_MERGE: Stage.MERGE,
+    FailureKind(f"oom_{stage.value}"): stage
+    for stage in (Stage.LOAD, Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER, Stage.EVAL, Stage.MERGE)
 }
 
 
@@ -238,18 +199,16 @@ def charge_at(history: Sequence[PastAttempt], index: int) -> Charge | None:
         return None  # no rung changed the config for a memory failure just before
     if any(past.kind is failed.kind for past in history[:index] if past.knobs != failed.knobs):
         return None  # the run had this failure before the change: it is not the rung's
-    rungs = rungs_between(before.knobs, failed.knobs)
-    return Charge(rungs, failed.kind, before) if rungs else None
+    names = rungs.rungs_between(before.knobs, failed.knobs)
+    return Charge(names, failed.kind, before) if names else None
 
 
 def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
     """The rungs unusable for the rest of the run: charged with a failure in ``history``, or whose
     knob an attempt changed but its trainer did not take."""
-    charged = (charge_at(history, i) for i in range(len(history)))
+    charged = {name for i in range(len(history)) if (c := charge_at(history, i)) for name in c.rungs}
     untaken = {knob for past in history for knob in past.unapplied}
-    return frozenset(name for c in charged if c is not None for name in c.rungs) | frozenset(
-        rung.name for rung in RUNGS if rung.knob in untaken
-    )
+    return frozenset(charged | {rung.name for rung in rungs.RUNGS if rung.knob in untaken})
 
 
 # ---- rule 6a: a host OOM kill, and its ladder ---------------------------------------------
@@ -258,7 +217,6 @@ def unusable_rungs(history: Sequence[PastAttempt]) -> frozenset[str]:
 # is on (charged instead, :mod:`.choice`). The stage of a kill is only where the process was, not
 # what grew: its ladder takes throughput rungs first (none that moves memory to the host), quality
 # last, and the rank only for a kill in the optimizer stage before the first step.
-
 _STEP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
 #: Throughput rungs that shrink a training step's memory without moving anything to the host.
 _STEP_RUNGS = ("gradient_checkpointing", "halve_micro_batch")
@@ -270,12 +228,10 @@ _HOST_RUNGS = frozenset({"activation_offload", "paged_8bit_optimizer"})
 def retry_after_kill(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAttempt]) -> Restart | None:
     """Restart unchanged when ``failure`` is a host OOM kill after progress that is not in a row;
     ``failed``: the failed attempts, this one last. None: the ladder decides."""
-    if failure.kind is not FailureKind.HOST_OOM or not failed or failed[-1].steps_progressed <= 0:
+    after_progress = failure.kind is FailureKind.HOST_OOM and bool(failed) and failed[-1].steps_progressed > 0
+    if not after_progress or knobs.activation_offload:  # offload held the host's RAM: charged (choice.py)
         return None
-    if knobs.activation_offload:  # the child itself held the host's RAM: offload is charged (choice.py)
-        return None
-    now = failed[-1]
-    before = failed[-2] if len(failed) > 1 else None
+    now, before = failed[-1], (failed[-2] if len(failed) > 1 else None)
     in_a_row = before is not None and before.kind is FailureKind.HOST_OOM and before.knobs == knobs
     if in_a_row and before is not None and now.reached <= before.reached:
         return None  # killed again no further than the last kill: the config's own peak
@@ -305,7 +261,6 @@ def host_settings(failure: FailureLike, settings: Settings, failed: Sequence[Pas
 # ---- rule 6b: a spurious OOM, the same config retried once before any rung (issue 33) -----
 # The classifier marks an OOM spurious when the allocator's own numbers say the request fit
 # (supervisor/diagnosis/fragmentation.py); a repeat right after the retry, before any step, is the config's.
-
 #: The key in a failure's numbers that marks it spurious: the bytes that were there for the request.
 SPURIOUS_KEY = "spurious_room"
 RETRY_RUNG = "retry_spurious"  # The rung name journalled for the retry.
@@ -331,11 +286,7 @@ def retry_spurious(failure: FailureLike, knobs: Knobs, failed: Sequence[PastAtte
 
 
 # ---- rules 4 and 5: waits, a GPU that faults, a card left out -----------------------------
-
-
-def after_contention(
-    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
-) -> Decision:
+def _contended(failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None) -> Decision:
     # What the failed process held plus what it asked for: the memory it needs to get past.
     numbers = failure.numbers
     held = numbers.get("process_in_use") or numbers.get("already_allocated") or 0
@@ -359,18 +310,15 @@ def without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None
     None for a single process or where the effective batch cannot be kept exactly."""
     # A failure of the supervisor's (diagnosis.Failure) names the rank that caused it; one that
     # does not (a single process, a caller's own failure type) leaves the last card out.
-    context = RungContext(failed_local_rank=getattr(failure, "local_rank", None))
-    for rung in (rung_by_name(name, context) for name in CARD_FAILING):
-        dropped = rung.apply(knobs)
-        if dropped is not None:
+    context = rungs.RungContext(failed_local_rank=getattr(failure, "local_rank", None))
+    for rung in (rungs.rung_by_name(name, context) for name in CARD_FAILING):
+        if (dropped := rung.apply(knobs)) is not None:
             changes = knob_changes(knobs, dropped)
             return Restart(dropped, rung.name, changes, f"{why}: {rung.reason}", rung.survives)
     return None
 
 
-def after_disk_full(
-    failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None
-) -> Decision:
+def _disk_full(failure: FailureLike, knobs: Knobs, settings: Settings, waited: WaitResult | None) -> Decision:
     needed = int(failure.numbers.get("needed_bytes") or 0)
     if waited is None:
         why = "the disk holding the run directory has no room for a checkpoint"

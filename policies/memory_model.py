@@ -1,9 +1,7 @@
 """The peak-memory model of a QLoRA attempt (terms in :mod:`.memory.gpu`), and its calibration.
-
 Calibration splits a prediction into a *fixed* part (exact byte counts: weights, adapter, optimizer
 state) and a *variable* part (what scales with tokens, where the approximations live) and fits one
-scale on the variable part from observed peaks.
-"""
+scale on the variable part from observed peaks."""
 
 from __future__ import annotations
 
@@ -11,23 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction, predict
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-__all__ = [
-    "DEFAULT_TARGETS",
-    "UNCALIBRATED_MARGIN",
-    "ModelShape",
-    "Observation",
-    "Prediction",
-    "calibrate",
-    "cannot_fit",
-    "estimate_peak",
-    "predict",
-    "scaled_peak",
-    "split",
-]
-
+#: The terms' names the callers read through this module (its own are public as defined).
+__all__ = ["DEFAULT_TARGETS", "ModelShape", "Prediction", "predict"]
 VARIABLE_COMPONENTS = frozenset(
     {"activations", "backward_block", "loss_hidden_fp32", "loss_tiles", "eval_activations"}
 )
@@ -47,10 +33,7 @@ def scaled_peak(prediction: Prediction, scale: float | None) -> int:
 
 
 def estimate_peak(
-    shape: ModelShape,
-    knobs: Knobs,
-    scale: float | None = None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, knobs: Knobs, scale: float | None = None, targets: Targets = DEFAULT_TARGETS
 ) -> int:
     """Predicted peak allocated bytes of training with ``knobs``; ``scale`` from :func:`calibrate`."""
     return scaled_peak(predict(shape, knobs, targets), scale)
@@ -66,25 +49,15 @@ class Observation:
 
 
 def calibrate(
-    shape: ModelShape,
-    observations: Sequence[Observation],
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, observations: Sequence[Observation], targets: Targets = DEFAULT_TARGETS
 ) -> float | None:
-    """The median over observed peaks of ``(observed - fixed) / variable``; None without data.
-
-    An OOM (``exceeded``) is a lower bound, not a peak, and does not calibrate. Clamped to
-    :data:`SCALE_RANGE`: outside it the fixed part is wrong, and a scale would only hide it.
-    """
-    scales = []
-    for o in observations:
-        if o.exceeded or not o.peak_bytes:
-            continue
-        fixed, variable = split(predict(shape, o.knobs, targets))
-        if variable > 0:
-            scales.append((o.peak_bytes - fixed) / variable)
+    """The median over observed peaks of ``(observed - fixed) / variable``; None without data. An OOM
+    (``exceeded``) is a lower bound, not a peak, and does not calibrate. Clamped to
+    :data:`SCALE_RANGE`: outside it the fixed part is wrong, and a scale would only hide it."""
+    peaks = [(o.peak_bytes, split(predict(shape, o.knobs, targets))) for o in observations if not o.exceeded]
+    scales = sorted((peak - fixed) / variable for peak, (fixed, variable) in peaks if peak and variable > 0)
     if not scales:
         return None
-    scales.sort()
     low, high = SCALE_RANGE
     return min(high, max(low, scales[len(scales) // 2]))
 
@@ -93,13 +66,8 @@ UNCALIBRATED_MARGIN = 1.25
 
 
 def cannot_fit(
-    shape: ModelShape,
-    knobs: Knobs,
-    budget: int,
-    scale: float | None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, knobs: Knobs, budget: int, scale: float | None, targets: Targets = DEFAULT_TARGETS
 ) -> bool:
     """True when the calibrated prediction exceeds the budget, or the raw one exceeds it by 25 %."""
-    return estimate_peak(shape, knobs, scale, targets) > budget * (
-        UNCALIBRATED_MARGIN if scale is None else 1
-    )
+    margin = UNCALIBRATED_MARGIN if scale is None else 1
+    return estimate_peak(shape, knobs, scale, targets) > budget * margin

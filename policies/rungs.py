@@ -1,8 +1,6 @@
 """Rungs: the one record of each change the supervisor may make, and every table derived from it.
-
 A rung is a pure function ``knobs -> knobs | None`` (None: nothing left to change here) with a
-stable name (job files name rungs in ladder overrides) and a reason a person can read in the log.
-"""
+stable name (job files name rungs in ladder overrides) and a reason a person can read in the log."""
 
 from __future__ import annotations
 
@@ -79,8 +77,7 @@ class Rung:
 
 
 def _set(**values: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
-    """The step that sets knobs to ``values`` (None: they already are)."""
-
+    # The step that sets knobs to ``values`` (None: they already are).
     def step(k: Knobs, _: RungContext) -> Knobs | None:
         changed = dataclasses.replace(k, **values)
         return None if changed == k else changed
@@ -89,8 +86,7 @@ def _set(**values: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
 
 
 def _halve(knob: str, floor: int) -> Callable[[Knobs, RungContext], Knobs | None]:
-    """The step that halves a knob, to ``floor`` at least (None: it is there already)."""
-
+    # The step that halves a knob, to ``floor`` at least (None: it is there already).
     def step(k: Knobs, _: RungContext) -> Knobs | None:
         value = getattr(k, knob)
         return None if value <= floor else dataclasses.replace(k, **{knob: max(floor, value // 2)})
@@ -119,10 +115,8 @@ class TruncationCost:
 
     def text(self) -> str:
         about = "" if self.exact else "about "
-        return (
-            f"{about}{self.truncated} of {self.rows} samples truncated, "
-            f"{_percent(self.tokens_lost)} of tokens lost at max_seq_len {self.max_seq_len}"
-        )
+        lost = f"{_percent(self.tokens_lost)} of tokens lost at max_seq_len {self.max_seq_len}"
+        return f"{about}{self.truncated} of {self.rows} samples truncated, {lost}"
 
 
 def truncation_cost(lengths: SampleLengths, max_seq_len: int) -> TruncationCost:
@@ -136,8 +130,7 @@ def truncation_cost(lengths: SampleLengths, max_seq_len: int) -> TruncationCost:
 
 def shorten_cost_text(lengths: SampleLengths, old: Knobs, new: Knobs) -> str:
     """The cost of going from ``old.max_seq_len`` to ``new.max_seq_len``, for the rung's reason."""
-    before = truncation_cost(lengths, old.max_seq_len)
-    after = truncation_cost(lengths, new.max_seq_len)
+    before, after = truncation_cost(lengths, old.max_seq_len), truncation_cost(lengths, new.max_seq_len)
     return f"{after.text()} (at {old.max_seq_len}: {before.truncated}, {_percent(before.tokens_lost)})"
 
 
@@ -168,123 +161,81 @@ def _smaller_model(k: Knobs, context: RungContext) -> Knobs | None:
 
 def _drop_rank(k: Knobs, context: RungContext) -> Knobs | None:
     # micro x accumulation x ranks must come out exactly (4 -> 3 ranks needs accumulation x 4 / 3).
-    ranks = k.world_size
-    if ranks <= 1 or (k.grad_accum * ranks) % (ranks - 1):
+    ranks, left = k.world_size, k.world_size - 1
+    if ranks <= 1 or (k.grad_accum * ranks) % left:
         return None
     cards = rank_gpus(k)
     failed = context.failed_local_rank
     cards.pop(failed if failed is not None and 0 <= failed < len(cards) else len(cards) - 1)
-    gpus = "" if cards == list(range(ranks - 1)) else ",".join(map(str, cards))
+    gpus = "" if cards == list(range(left)) else ",".join(map(str, cards))
     # One rank left has nothing to shard with: it trains as one process.
-    return dataclasses.replace(
-        k,
-        world_size=ranks - 1,
-        grad_accum=k.grad_accum * ranks // (ranks - 1),
-        gpus=gpus,
-        fsdp=k.fsdp and ranks > 2,
-    )
+    accum = k.grad_accum * ranks // left
+    return dataclasses.replace(k, world_size=left, grad_accum=accum, gpus=gpus, fsdp=k.fsdp and ranks > 2)
 
 
 _FREE, _SPEED, _QUALITY = CostClass.FREE, CostClass.THROUGHPUT, CostClass.QUALITY
-
 #: Every rung, in the order the journal lists the rungs of a change.
 RUNGS: tuple[Rung, ...] = (
-    Rung(
-        "expandable_segments",
-        "reserved-but-unallocated memory could have served the request: let the allocator grow segments",
-        Survives.ALL, _set(expandable_segments=True), "expandable_segments",
-        _FREE, Axis.TOGGLE, in_plan=True, tool_can_take=True,
-    ),
-    Rung(
-        "gradient_checkpointing",
-        "recompute activations in backward instead of keeping them",
-        Survives.ALL, _set(gradient_checkpointing=True), "gradient_checkpointing",
-        _SPEED, Axis.EITHER, in_plan=True, tool_can_take=True,
-    ),
-    Rung(
-        "halve_micro_batch",
-        "halve the micro-batch and double accumulation: same effective batch, half the activations",
-        Survives.ALL, _halve_micro_batch, "micro_batch_size",
-        _SPEED, Axis.DIVISORS, in_plan=True, tool_can_take=True,
-    ),
-    Rung(
-        "shorten_seq_len",
-        "halve max_seq_len: activations grow with sequence length",
-        Survives.ALL, _halve("max_seq_len", MIN_SEQ_LEN), "max_seq_len",
-        _QUALITY, Axis.HALVINGS, 1.0, in_plan=True, tool_can_take=True,
-    ),
-    Rung(
-        "paged_8bit_optimizer",
-        "8-bit paged AdamW: a quarter of the optimizer state, paged out under pressure",
-        Survives.OPTIMIZER_RESET, _set(optimizer=PAGED_8BIT), "optimizer",
-        _SPEED, Axis.TOGGLE, in_plan=True, tool_can_take=True,
-    ),
-    Rung(
-        "halve_lora_rank",
-        "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state; the "
-        "adapter is cut to the new rank by truncated SVD of its trained update, so progress is kept",
-        Survives.OPTIMIZER_RESET, _halve_lora_rank, "lora_r",
-        _QUALITY, Axis.HALVINGS, 1.2, in_plan=True, tool_can_take=True,
-    ),
-    Rung(
-        "quantize_4bit",
-        "load the base model in 4-bit NF4 with double quantization",
-        Survives.ALL, _set(load_in_4bit=True, quant_type="nf4", double_quant=True), "load_in_4bit",
-        tool_can_take=True, charged=False,
-    ),
+    Rung("expandable_segments",
+         "reserved-but-unallocated memory could have served the request: let the allocator grow segments",
+         Survives.ALL, _set(expandable_segments=True), "expandable_segments",
+         _FREE, Axis.TOGGLE, in_plan=True, tool_can_take=True),
+    Rung("gradient_checkpointing", "recompute activations in backward instead of keeping them",
+         Survives.ALL, _set(gradient_checkpointing=True), "gradient_checkpointing",
+         _SPEED, Axis.EITHER, in_plan=True, tool_can_take=True),
+    Rung("halve_micro_batch",
+         "halve the micro-batch and double accumulation: same effective batch, half the activations",
+         Survives.ALL, _halve_micro_batch, "micro_batch_size",
+         _SPEED, Axis.DIVISORS, in_plan=True, tool_can_take=True),
+    Rung("shorten_seq_len", "halve max_seq_len: activations grow with sequence length",
+         Survives.ALL, _halve("max_seq_len", MIN_SEQ_LEN), "max_seq_len",
+         _QUALITY, Axis.HALVINGS, 1.0, in_plan=True, tool_can_take=True),
+    Rung("paged_8bit_optimizer",
+         "8-bit paged AdamW: a quarter of the optimizer state, paged out under pressure",
+         Survives.OPTIMIZER_RESET, _set(optimizer=PAGED_8BIT), "optimizer",
+         _SPEED, Axis.TOGGLE, in_plan=True, tool_can_take=True),
+    Rung("halve_lora_rank",
+         "halve the LoRA rank (alpha with it): fewer trainable parameters and optimizer state; the "
+         "adapter is cut to the new rank by truncated SVD of its trained update, so progress is kept",
+         Survives.OPTIMIZER_RESET, _halve_lora_rank, "lora_r",
+         _QUALITY, Axis.HALVINGS, 1.2, in_plan=True, tool_can_take=True),
+    Rung("quantize_4bit", "load the base model in 4-bit NF4 with double quantization",
+         Survives.ALL, _set(load_in_4bit=True, quant_type="nf4", double_quant=True), "load_in_4bit",
+         tool_can_take=True, charged=False),
     # A throughput rung on the loss parity measured (H200 8B, 60 steps: within the noise of two
     # upcast runs; bench/results/throughput-h200-2026-12-01/parity.txt), but no speed: not FREE, so
     # a job that fits keeps its fp32 head. Our child, and a script through its shim.
-    Rung(
-        "bf16_head",
-        "keep the embeddings and LM head in bf16 instead of fp32 (norms stay fp32): half their bytes",
-        Survives.ALL, _set(bf16_head=True), "bf16_head",
-        _SPEED, Axis.TOGGLE, in_plan=True,
-    ),
-    Rung(
-        "activation_offload",
-        "keep the activations saved for backward in host memory (save_on_cpu): slower, far less GPU memory",
-        Survives.ALL, _set(activation_offload=True), "activation_offload",
-        _SPEED, Axis.TOGGLE, in_plan=True,
-    ),
-    Rung(
-        "halve_eval_batch", "halve the evaluation batch",
-        Survives.ALL, _halve("eval_batch_size", 1), "eval_batch_size",
-        _SPEED, Axis.FITTED, in_plan=True, tool_can_take=True,
-    ),
-    Rung(
-        "disable_eval", "turn evaluation off", Survives.ALL, _set(eval_enabled=False), "eval_enabled",
-        tool_can_take=True, charged=False,
-    ),
+    Rung("bf16_head",
+         "keep the embeddings and LM head in bf16 instead of fp32 (norms stay fp32): half their bytes",
+         Survives.ALL, _set(bf16_head=True), "bf16_head", _SPEED, Axis.TOGGLE, in_plan=True),
+    Rung("activation_offload",
+         "keep the activations saved for backward in host memory (save_on_cpu): slower, far less GPU memory",
+         Survives.ALL, _set(activation_offload=True), "activation_offload",
+         _SPEED, Axis.TOGGLE, in_plan=True),
+    Rung("halve_eval_batch", "halve the evaluation batch",
+         Survives.ALL, _halve("eval_batch_size", 1), "eval_batch_size",
+         _SPEED, Axis.FITTED, in_plan=True, tool_can_take=True),
+    Rung("disable_eval", "turn evaluation off", Survives.ALL, _set(eval_enabled=False), "eval_enabled",
+         tool_can_take=True, charged=False),
     # The resume stage's rungs: our child loads the optimizer state itself; a tool's resume is its own.
-    Rung(
-        "optimizer_state_on_host",
-        "read the checkpoint's optimizer state into host memory and copy it to the card tensor by "
-        "tensor, not onto the card whole (transformers does so under torchrun)",
-        Survives.ALL, _optimizer_state_on_host, "optimizer_state_on_host",
-    ),
-    Rung(
-        "fresh_optimizer_state",
-        "resume the adapter and the step with a fresh optimizer state, the LR schedule kept at the "
-        "step: the saved moments are not loaded",
-        Survives.OPTIMIZER_RESET, _set(fresh_optimizer_state=True), "fresh_optimizer_state",
-    ),
-    Rung(
-        "merge_on_cpu", "merge the adapter in a separate process on the CPU",
-        Survives.ALL, _set(merge_on_cpu=True), "merge_on_cpu", charged=False,
-    ),
+    Rung("optimizer_state_on_host",
+         "read the checkpoint's optimizer state into host memory and copy it to the card tensor by "
+         "tensor, not onto the card whole (transformers does so under torchrun)",
+         Survives.ALL, _optimizer_state_on_host, "optimizer_state_on_host"),
+    Rung("fresh_optimizer_state",
+         "resume the adapter and the step with a fresh optimizer state, the LR schedule kept at the "
+         "step: the saved moments are not loaded",
+         Survives.OPTIMIZER_RESET, _set(fresh_optimizer_state=True), "fresh_optimizer_state"),
+    Rung("merge_on_cpu", "merge the adapter in a separate process on the CPU",
+         Survives.ALL, _set(merge_on_cpu=True), "merge_on_cpu", charged=False),
     # The job's fallback models (the adapter starts again); the search tries them itself.
-    Rung(
-        "smaller_model", "fall back to a smaller model",
-        Survives.ADAPTER_REINIT, _smaller_model, "model", _QUALITY, quality_weight=5.0,
-    ),
+    Rung("smaller_model", "fall back to a smaller model",
+         Survives.ADAPTER_REINIT, _smaller_model, "model", _QUALITY, quality_weight=5.0),
     # Under torchrun, for a card that keeps failing: the other cards (policies/decide.py).
-    Rung(
-        "drop_rank",
-        "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
-        "effective batch (micro-batch x accumulation x ranks)",
-        Survives.ALL, _drop_rank, "world_size", charged=False,
-    ),
+    Rung("drop_rank",
+         "one card keeps failing: restart on the remaining cards, accumulation raised to keep the "
+         "effective batch (micro-batch x accumulation x ranks)",
+         Survives.ALL, _drop_rank, "world_size", charged=False),
 )  # fmt: skip
 
 RUNG_BY_NAME: Mapping[str, Rung] = {rung.name: rung for rung in RUNGS}

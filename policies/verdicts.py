@@ -22,13 +22,10 @@ class FailureLike(Protocol):
 
     @property
     def kind(self) -> FailureKind: ...
-
     @property
     def stage(self) -> Stage: ...
-
     @property
     def numbers(self) -> Mapping[str, Any]: ...
-
     @property
     def fatal_xid(self) -> int | None:
         """The fatal NVML Xid that decided a ``gpu_fault``; None otherwise."""

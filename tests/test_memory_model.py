@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.memory import gpu, optimizer
+from qlora_supervise.policies.memory import gpu
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -129,12 +129,8 @@ def test_optimizers_by_kind() -> None:
 
 def test_small_tensors_of_a_paged_optimizer_stay_in_the_allocator() -> None:
     """bitsandbytes pages only tensors of 1e5 elements or more: rank 8 on 4096-wide layers is not paged."""
-    small = optimizer.adapter_bytes(
-        SHAPE_7B, knobs(optimizer="paged_adamw_8bit", lora_r=8), gpu.DEFAULT_TARGETS
-    )
-    large = optimizer.adapter_bytes(
-        SHAPE_7B, knobs(optimizer="paged_adamw_8bit", lora_r=32), gpu.DEFAULT_TARGETS
-    )
+    small = gpu.adapter_bytes(SHAPE_7B, knobs(optimizer="paged_adamw_8bit", lora_r=8), gpu.DEFAULT_TARGETS)
+    large = gpu.adapter_bytes(SHAPE_7B, knobs(optimizer="paged_adamw_8bit", lora_r=32), gpu.DEFAULT_TARGETS)
     assert small.paged == 0 and small.state > 2 * gpu.lora_params(SHAPE_7B, 8, gpu.DEFAULT_TARGETS)
     assert large.state == 0 and large.paged > 0
 

@@ -1,35 +1,19 @@
 """The ladder walk: the stage's rungs in order, after a memory failure the search could not answer.
-
 A rung with nothing to change, charged or untakeable is skipped; a result that failed the same way,
 or that a calibrated memory model (or the host budget) says cannot fit, is kept and the next rung
-applied on top; after a host OOM kill no rung that needs more host RAM than the killed config.
-"""
+applied on top; after a host OOM kill no rung that needs more host RAM than the killed config."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from qlora_supervise.policies import memory_model
+from qlora_supervise.policies import memory_model, rungs
 from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.rungs import (
-    Rung,
-    RungContext,
-    Survives,
-    knob_changes,
-    rung_by_name,
-    shorten_cost_text,
-)
+from qlora_supervise.policies.memory.shape import Targets
+from qlora_supervise.policies.rungs import Rung, Survives, knob_changes, rung_by_name
 from qlora_supervise.policies.search.search_state import fit_limit
-from qlora_supervise.policies.verdicts import (
-    Decision,
-    FailureLike,
-    GiveUp,
-    PastAttempt,
-    Restart,
-    Settings,
-    for_model,
-)
+from qlora_supervise.policies.verdicts import FailureLike, GiveUp, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs
@@ -44,9 +28,9 @@ def walk(
     settings: Settings,
     scale: float | None,
     unusable: frozenset[str],
-) -> Decision:
+) -> Restart | GiveUp:
     """The stage's ladder from ``knobs`` (``settings`` already those of its model)."""
-    context = RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
+    context = rungs.RungContext(settings.fallbacks, getattr(failure, "local_rank", None))
     candidate = knobs
     applied: list[Rung] = []
     skipped: list[str] = []
@@ -70,11 +54,10 @@ def walk(
         stepped = rung.apply(knobs)
         if stepped is not None and not _over_host(stepped, settings):
             return _restart(knobs, stepped, [rung], [], settings.sample_lengths)
+    kind = failure.kind.value
     if applied:
-        return GiveUp(
-            f"ladder for {failure.kind.value}: every rung left needs more host RAM than the host budget"
-        )
-    return GiveUp(f"ladder for {failure.kind.value} exhausted: no rung changes this config any further")
+        return GiveUp(f"ladder for {kind}: every rung left needs more host RAM than the host budget")
+    return GiveUp(f"ladder for {kind} exhausted: no rung changes this config any further")
 
 
 def _adds_host(killed: Knobs, knobs: Knobs, settings: Settings) -> bool:
@@ -93,9 +76,7 @@ def train_host(shape: memory_model.ModelShape, knobs: Knobs, settings: Settings)
     return host_train_need(shape, knobs, checkpoint, settings.targets).train_peak
 
 
-def failed_scale(
-    shape: memory_model.ModelShape, knobs: Knobs, budget: int, targets: tuple[str, ...] | str
-) -> float:
+def failed_scale(shape: memory_model.ModelShape, knobs: Knobs, budget: int, targets: Targets) -> float:
     """The smallest scale of the variable part at which ``knobs`` no longer fits ``budget``."""
     fixed, variable = memory_model.split(memory_model.predict(shape, knobs, targets))
     return max(1.0, (budget - fixed) / variable) if variable > 0 else 1.0
@@ -137,15 +118,14 @@ def _over_host(knobs: Knobs, settings: Settings) -> bool:
 def _restart(
     old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str], lengths: SampleLengths | None
 ) -> Restart:
-    why = "; ".join(_reason(rung, old, new, lengths) for rung in applied)
+    # Each rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts).
+    why = "; ".join(
+        f"{rung.reason}: {rungs.shorten_cost_text(lengths, old, new)}"
+        if rung.name == "shorten_seq_len" and lengths is not None
+        else rung.reason
+        for rung in applied
+    )
     if skipped:
         why += f" (memory model: {', '.join(skipped)} alone would not fit)"
     survives = max((rung.survives for rung in applied), key=_SURVIVAL_ORDER.index)
     return Restart(new, "+".join(rung.name for rung in applied), knob_changes(old, new), why, survives)
-
-
-def _reason(rung: Rung, old: Knobs, new: Knobs, lengths: SampleLengths | None) -> str:
-    """The rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts)."""
-    if rung.name == "shorten_seq_len" and lengths is not None:
-        return f"{rung.reason}: {shorten_cost_text(lengths, old, new)}"
-    return rung.reason

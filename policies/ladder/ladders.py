@@ -1,8 +1,6 @@
 """Default ladders: for each failure kind, the rungs to try in order (a job may override any).
-
 The cheapest change that keeps all progress first, those that reset the optimizer or the adapter
-last, a smaller model as the last resort.
-"""
+last, a smaller model as the last resort."""
 
 from __future__ import annotations
 
@@ -10,45 +8,36 @@ from collections.abc import Mapping
 
 from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, FailureKind, Stage
 
-FORWARD: tuple[str, ...] = (
-    "gradient_checkpointing",
-    "halve_micro_batch",
-    "activation_offload",
-    "shorten_seq_len",
-    "smaller_model",
-)
-BACKWARD: tuple[str, ...] = (
-    "gradient_checkpointing",
-    "paged_8bit_optimizer",
-    "halve_micro_batch",
-    "activation_offload",
-    "halve_lora_rank",
-    "shorten_seq_len",
-    "smaller_model",
-)
-OPTIMIZER: tuple[str, ...] = ("paged_8bit_optimizer", "halve_lora_rank", "smaller_model")
-# No CPU offload of weights: accelerate refuses to train 4-bit weights offloaded to the CPU and
-# bitsandbytes then fails on meta tensors (issue 19's dead end), so the head in bf16 comes next.
-LOAD: tuple[str, ...] = ("quantize_4bit", "bf16_head", "smaller_model")
-# Loading the resume checkpoint's state (issue 33): through the host, then a fresh optimizer state,
-# then the paged 8-bit optimizer (its moments start afresh too); the adapter and the step survive.
-RESUME: tuple[str, ...] = ("optimizer_state_on_host", "fresh_optimizer_state", "paged_8bit_optimizer")
-EVAL: tuple[str, ...] = ("halve_eval_batch", "disable_eval")
-MERGE: tuple[str, ...] = ("merge_on_cpu",)
 #: Under torchrun, for a card that keeps failing (a fatal Xid, a fault that came back, contention
 #: that outlasted the wait): the other cards, with accumulation raised (policies/decide.py).
 CARD_FAILING: tuple[str, ...] = ("drop_rank",)
-
 DEFAULT_LADDERS: Mapping[FailureKind, tuple[str, ...]] = {
-    FailureKind.OOM_FORWARD: FORWARD,
-    FailureKind.OOM_BACKWARD: BACKWARD,
-    FailureKind.OOM_OPTIMIZER: OPTIMIZER,
-    FailureKind.OOM_LOAD: LOAD,
-    FailureKind.OOM_RESUME: RESUME,
-    FailureKind.OOM_EVAL: EVAL,
-    FailureKind.OOM_MERGE: MERGE,
+    FailureKind.OOM_FORWARD: (
+        "gradient_checkpointing",
+        "halve_micro_batch",
+        "activation_offload",
+        "shorten_seq_len",
+        "smaller_model",
+    ),
+    FailureKind.OOM_BACKWARD: (
+        "gradient_checkpointing",
+        "paged_8bit_optimizer",
+        "halve_micro_batch",
+        "activation_offload",
+        "halve_lora_rank",
+        "shorten_seq_len",
+        "smaller_model",
+    ),
+    FailureKind.OOM_OPTIMIZER: ("paged_8bit_optimizer", "halve_lora_rank", "smaller_model"),
+    # No CPU offload of weights: accelerate refuses to train 4-bit weights offloaded to the CPU and
+    # bitsandbytes then fails on meta tensors (issue 19's dead end), so the head in bf16 comes next.
+    FailureKind.OOM_LOAD: ("quantize_4bit", "bf16_head", "smaller_model"),
+    # Loading the resume checkpoint's state (issue 33): through the host, then a fresh optimizer state,
+    # then the paged 8-bit optimizer (its moments start afresh too); the adapter and the step survive.
+    FailureKind.OOM_RESUME: ("optimizer_state_on_host", "fresh_optimizer_state", "paged_8bit_optimizer"),
+    FailureKind.OOM_EVAL: ("halve_eval_batch", "disable_eval"),
+    FailureKind.OOM_MERGE: ("merge_on_cpu",),
 }
-
 #: Kinds whose ladder is "their own fix first, then the ladder of the stage they happened in".
 STAGE_DEPENDENT: Mapping[FailureKind, tuple[str, ...]] = {
     FailureKind.OOM_FRAGMENTATION: ("expandable_segments",),
@@ -60,9 +49,7 @@ STAGE_DEPENDENT: Mapping[FailureKind, tuple[str, ...]] = {
 
 
 def ladder_for(
-    kind: FailureKind,
-    stage: Stage,
-    overrides: Mapping[FailureKind, tuple[str, ...]] | None = None,
+    kind: FailureKind, stage: Stage, overrides: Mapping[FailureKind, tuple[str, ...]] | None = None
 ) -> tuple[str, ...]:
     """The rung names to try for a failure of ``kind`` that happened in ``stage``."""
     overrides = overrides or {}

@@ -1,10 +1,8 @@
 """Stepping back up: a rung taken for a cause that has cleared is undone at a checkpoint (issue 34).
-
 A :class:`Descent` is a rung the ladder took, with its :class:`Cause` (docs/ladder.md tells when
 each clears); any other OOM says the config does not fit. :func:`step_up` answers with a
 :class:`StepUp` or a :class:`Refusal`: at most once per descent, never to a config a step-up
-reached that then failed, never without the pre-flight's margin.
-"""
+reached that then failed, never without the pre-flight's margin."""
 
 from __future__ import annotations
 
@@ -105,11 +103,7 @@ def cause_of(
 
 
 def step_up(
-    knobs: Knobs,
-    descents: Sequence[Descent],
-    past: Sequence[PastStepUp],
-    settings: Settings,
-    card: CardNow,
+    knobs: Knobs, descents: Sequence[Descent], past: Sequence[PastStepUp], settings: Settings, card: CardNow
 ) -> StepUp | Refusal | None:
     """At a checkpoint of an attempt running ``knobs``: the step-up to take, the refusal of the newest
     cleared descent, or None when no cause has cleared."""
@@ -118,7 +112,8 @@ def step_up(
     refusal = None
     for descent in reversed(descents):
         # Its change no longer in ``knobs``: undone already (a step-up), or another config since.
-        still_in = all(getattr(knobs, name) == value for name, (_, value) in _changed(descent).items())
+        changed = knob_changes(descent.before, descent.after)
+        still_in = all(getattr(knobs, name) == value for name, (_, value) in changed.items())
         if not still_in or not _cleared(descent, settings, card):
             continue
         answer = _answer(knobs, descent, past, settings, card)
@@ -126,10 +121,6 @@ def step_up(
             return answer
         refusal = refusal or answer
     return refusal
-
-
-def _changed(descent: Descent) -> dict[str, tuple[Any, Any]]:
-    return knob_changes(descent.before, descent.after)
 
 
 def _cleared(descent: Descent, settings: Settings, card: CardNow) -> bool:
@@ -146,72 +137,49 @@ def _cleared(descent: Descent, settings: Settings, card: CardNow) -> bool:
 def _answer(
     knobs: Knobs, descent: Descent, past: Sequence[PastStepUp], settings: Settings, card: CardNow
 ) -> StepUp | Refusal:
-    target = _target(knobs, descent, settings.step_up_quality)
-    if target is None or target == knobs:
-        return Refusal(
-            descent,
-            "the rung changed only what a step-up leaves: quality knobs (unless "
-            "supervise.step_up_quality), the rank, the model, the ranks",
-        )
+    changed = knob_changes(descent.before, descent.after)
+    # ``knobs`` with the descent's changes undone, quality knobs only when allowed; none when it
+    # changed a knob kept for good (undoing ``drop_rank``'s accumulation alone would halve the batch).
+    # A free rung costs no speed: undoing it gains nothing and brings back its failure.
+    kept = FREE_KNOBS if settings.step_up_quality else FREE_KNOBS | QUALITY_KNOBS
+    undo = {name: before for name, (before, _) in changed.items() if name not in kept}
+    target = dataclasses.replace(knobs, **undo) if undo and not set(changed) & KEPT_ALWAYS else knobs
+    if target == knobs:
+        leaves = "quality knobs (unless supervise.step_up_quality), the rank, the model, the ranks"
+        return Refusal(descent, f"the rung changed only what a step-up leaves: {leaves}")
     if any(p.descent == descent.attempt for p in past):
-        return Refusal(
-            descent, f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
-        )
+        why = f"attempt {descent.attempt}'s {descent.cause.value} was stepped up once already"
+        return Refusal(descent, why)
     if any(p.knobs == target and p.failed for p in past):
         return Refusal(descent, "a step-up to this config failed before")
-    room = _room(settings, card)
-    peak = _peak(target, descent, settings)
-    if peak is None or room is None:
-        return Refusal(descent, "no margin to check: no peak known for the faster config, or no budget")
-    if peak > fit_limit(room):
-        return Refusal(descent, f"predicted peak {_gib(peak)} does not fit {_gib(room)} free with the margin")
-    changes = knob_changes(knobs, target)
-    names = "+".join(rungs_between(target, knobs)) or "the rung"
-    fits = f"; predicted peak {_gib(peak)} fits {_gib(room)} with the margin"
-    cleared = f"{descent.cause.value} cleared ({_evidence(descent, card)})"
-    why = f"{cleared}: undo {names} of attempt {descent.attempt}{fits}"
-    return StepUp(target, descent, changes, why)
-
-
-def _target(knobs: Knobs, descent: Descent, allow_quality: bool) -> Knobs | None:
-    """``knobs`` with the descent's changes undone; quality knobs only when allowed. None when it
-    changed a knob kept for good (undoing ``drop_rank``'s accumulation alone would halve the batch)."""
-    changed = _changed(descent)
-    if set(changed) & KEPT_ALWAYS:
-        return None
-    # A free rung costs no speed: undoing it gains nothing and brings back its failure.
-    kept = FREE_KNOBS if allow_quality else FREE_KNOBS | QUALITY_KNOBS
-    undo = {name: before for name, (before, _) in changed.items() if name not in kept}
-    return dataclasses.replace(knobs, **undo) if undo else None
-
-
-def _room(settings: Settings, card: CardNow) -> int | None:
-    """The budget left by the others: the job's budget, or the card less what the others hold now."""
-    budget = settings.budget_bytes
-    if card.total_bytes is None or card.others_bytes is None:
-        return budget
-    free = card.total_bytes - card.others_bytes
-    return free if budget is None else min(budget, free)
-
-
-def _peak(target: Knobs, descent: Descent, settings: Settings) -> int | None:
-    """The larger of the memory model's calibrated peak and the peak ``target`` was measured at."""
-    # A free rung kept on (expandable_segments) lowers the peak at most: the measured one still bounds it.
-    same = set(knob_changes(target, descent.before)) <= FREE_KNOBS
-    measured = descent.before_peak if same else None
+    # The budget left by the others: the job's budget, or the card less what the others hold now.
+    room = settings.budget_bytes
+    if card.total_bytes is not None and card.others_bytes is not None:
+        free = card.total_bytes - card.others_bytes
+        room = free if room is None else min(room, free)
+    # The peak: the larger of the memory model's calibrated one and the one ``target`` was measured
+    # at (a free rung kept on, expandable_segments, lowers the peak at most: the measured one bounds it).
+    measured = descent.before_peak if set(knob_changes(target, descent.before)) <= FREE_KNOBS else None
     predicted = None
     if settings.shape is not None:
         scale = memory_model.calibrate(settings.shape, settings.prior, settings.targets)
         predicted = memory_model.estimate_peak(settings.shape, target, scale, settings.targets)
-    known = [p for p in (measured, predicted) if p is not None]
-    return max(known) if known else None
-
-
-def _evidence(descent: Descent, card: CardNow) -> str:
+    peak = max((p for p in (measured, predicted) if p is not None), default=None)
+    if peak is None or room is None:
+        return Refusal(descent, "no margin to check: no peak known for the faster config, or no budget")
+    if peak > fit_limit(room):
+        return Refusal(descent, f"predicted peak {_gib(peak)} does not fit {_gib(room)} free with the margin")
+    names = "+".join(rungs_between(target, knobs)) or "the rung"
     if descent.cause is Cause.CONTENTION:
         held = f"{_gib(descent.others_bytes)} then" if descent.others_bytes is not None else "then"
-        return f"others held {held}, {_gib(card.others_bytes)} for {card.others_low_for_s:.0f}s now"
-    return f"{descent.kind.value} at step {descent.failed_step}, now at step {card.step}"
+        evidence = f"others held {held}, {_gib(card.others_bytes)} for {card.others_low_for_s:.0f}s now"
+    else:
+        evidence = f"{descent.kind.value} at step {descent.failed_step}, now at step {card.step}"
+    why = (
+        f"{descent.cause.value} cleared ({evidence}): undo {names} of attempt {descent.attempt}; "
+        f"predicted peak {_gib(peak)} fits {_gib(room)} with the margin"
+    )
+    return StepUp(target, descent, knob_changes(knobs, target), why)
 
 
 def _gib(value: int | None) -> str:

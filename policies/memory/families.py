@@ -1,17 +1,13 @@
-"""What differs between the decoder blocks the memory model covers, by ``config.json``'s ``model_type``.
-
-Read from transformers 5.24's ``models/*/modeling_*.py`` (the child's version). Llama, Mistral and
-Qwen2 (q/k/v bias): two RMSNorms, q/k/v/o, a gated MLP; Qwen3 adds q/k norms; Gemma 2/3: four
-norms, head_dim 256, tied 256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24,
-:mod:`.attention`); Phi-3: fused ``qkv_proj`` and ``gate_up_proj``; Qwen3-MoE and Mixtral: experts
-as fused 3D parameters bitsandbytes leaves unquantized (cast to fp32), top-k of them per token.
-A model type outside :data:`BLOCKS` is not modelled (:mod:`.shape`).
-
-Which attention the child's transformers runs a model type with is read without importing it:
-transformers picks SDPA when the model class sets ``_supports_sdpa = True``, and the flag moves
-between releases (Gemma 2: True in 5.17, False in 5.24) while eager attention costs a factor of two
-at seq 8192; importing the modeling module would import torch, so its source is read as text.
-"""
+"""What differs between the decoder blocks the memory model covers, by ``config.json``'s ``model_type``. Read
+from transformers 5.24's ``models/*/modeling_*.py`` (the child's version). Llama, Mistral and Qwen2 (q/k/v
+bias): two RMSNorms, q/k/v/o, a gated MLP; Qwen3 adds q/k norms; Gemma 2/3: four norms, head_dim 256, tied
+256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24, :mod:`.attention`); Phi-3: fused
+``qkv_proj`` and ``gate_up_proj``; Qwen3-MoE and Mixtral: experts as fused 3D parameters bitsandbytes leaves
+unquantized (cast to fp32), top-k of them per token. A model type outside :data:`BLOCKS` is not modelled
+(:mod:`.shape`). Which attention the child's transformers runs a model type with is read without importing it:
+transformers picks SDPA when the model class sets ``_supports_sdpa = True``, and the flag moves between
+releases (Gemma 2: True in 5.17, False in 5.24) while eager attention costs a factor of two at seq 8192;
+importing the modeling module would import torch, so its source is read as text."""
 
 from __future__ import annotations
 
@@ -47,38 +43,22 @@ class Block:
 
 
 LLAMA = Block()
-QWEN3 = Block(head_norm=HeadNorm.PER_HEAD)
-GEMMA2 = Block(norms=4, norm_keeps_dtype=True)
-GEMMA3 = Block(norms=4, head_norm=HeadNorm.PER_HEAD, norm_keeps_dtype=True)
-
-#: ``model_type`` -> its block, for every model type the memory model predicts.
-BLOCKS: dict[str, Block] = {
-    "llama": LLAMA,
-    "mistral": LLAMA,
-    "qwen2": LLAMA,
-    "qwen3": QWEN3,
-    "olmo2": Block(head_norm=HeadNorm.FULL),
-    "gemma2": GEMMA2,
-    "gemma3_text": GEMMA3,
-    "phi3": Block(fused=True),
-    "qwen3_moe": Block(head_norm=HeadNorm.PER_HEAD, moe=True),
-    "mixtral": Block(moe=True),
+#: ``model_type`` -> its block and the ``architectures`` entry of its causal-LM class, for every
+#: model type the memory model predicts.
+_MODELLED: dict[str, tuple[Block, str]] = {
+    "llama": (LLAMA, "LlamaForCausalLM"),
+    "mistral": (LLAMA, "MistralForCausalLM"),
+    "qwen2": (LLAMA, "Qwen2ForCausalLM"),
+    "qwen3": (Block(head_norm=HeadNorm.PER_HEAD), "Qwen3ForCausalLM"),
+    "olmo2": (Block(head_norm=HeadNorm.FULL), "Olmo2ForCausalLM"),
+    "gemma2": (Block(norms=4, norm_keeps_dtype=True), "Gemma2ForCausalLM"),
+    "gemma3_text": (Block(norms=4, head_norm=HeadNorm.PER_HEAD, norm_keeps_dtype=True), "Gemma3ForCausalLM"),
+    "phi3": (Block(fused=True), "Phi3ForCausalLM"),
+    "qwen3_moe": (Block(head_norm=HeadNorm.PER_HEAD, moe=True), "Qwen3MoeForCausalLM"),
+    "mixtral": (Block(moe=True), "MixtralForCausalLM"),
 }
-
-#: The ``architectures`` entry of each modelled model type's causal-LM class.
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Olmo2ForCausalLM": "olmo2",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-}
-
+BLOCKS: dict[str, Block] = {model_type: block for model_type, (block, _) in _MODELLED.items()}
+ARCHITECTURES: dict[str, str] = {name: model_type for model_type, (_, name) in _MODELLED.items()}
 #: Model types whose q/k/v projections carry a bias without saying so in config.json.
 QKV_BIAS = frozenset({"qwen2"})
 
@@ -129,9 +109,8 @@ def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
         pattern = 2 if model_type_of(config) == "gemma2" else int(config.get("sliding_window_pattern") or 6)
         sliding = sum(1 for i in range(layers) if (i + 1) % pattern)
     elif "use_sliding_window" in config:
-        sliding = (
-            max(0, layers - int(config.get("max_window_layers") or 0)) if config["use_sliding_window"] else 0
-        )
+        below = int(config.get("max_window_layers") or 0)
+        sliding = max(0, layers - below) if config["use_sliding_window"] else 0
     else:
         sliding = layers
     return (int(window), sliding) if sliding else (None, 0)
@@ -149,13 +128,12 @@ EAGER_WITHOUT_SOURCE = frozenset({"gemma2"})
 
 def default_attention(model_type: str) -> str:
     """``"sdpa"`` or ``"eager"``: what transformers picks for ``model_type`` when asked for none."""
-    supports = _supports_sdpa(_transformers_root(), MODULE_OF.get(model_type, model_type))
-    if supports is None:
+    if (supports := _supports_sdpa(_transformers_root(), MODULE_OF.get(model_type, model_type))) is None:
         return "eager" if model_type in EAGER_WITHOUT_SOURCE else "sdpa"
     return "sdpa" if supports else "eager"
 
 
-def _transformers_root() -> Path | None:
+def _transformers_root() -> Path | None:  # a seam the tests replace
     return installed_package_root("transformers")
 
 
@@ -187,17 +165,11 @@ def _supports_sdpa(root: Path | None, module: str) -> bool | None:
 
 def supports_sdpa_in(tree: ast.Module) -> bool | None:
     """The constant a ``*PreTrainedModel`` class in ``tree`` assigns to ``_supports_sdpa``."""
-    for node in tree.body:
-        if not (isinstance(node, ast.ClassDef) and node.name.endswith("PreTrainedModel")):
-            continue
-        for statement in node.body:
-            value: ast.expr | None
-            if isinstance(statement, ast.Assign):
-                targets, value = statement.targets, statement.value
-            elif isinstance(statement, ast.AnnAssign):
-                targets, value = [statement.target], statement.value
-            else:
-                continue
+    classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    for statement in (s for c in classes if c.name.endswith("PreTrainedModel") for s in c.body):
+        if isinstance(statement, (ast.Assign, ast.AnnAssign)):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            value = statement.value
             named = any(isinstance(t, ast.Name) and t.id == "_supports_sdpa" for t in targets)
             if named and isinstance(value, ast.Constant) and isinstance(value.value, bool):
                 return value.value

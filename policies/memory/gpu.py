@@ -1,12 +1,10 @@
 """Peak GPU memory of one QLoRA training attempt of our recipe, term by term, in bytes.
-
 docs/planning.md says what each term counts in the recipe and the libraries (trl 1.16, peft 0.21,
 torch 2.11, bitsandbytes 0.50). Coefficients that are not exact byte counts are named constants,
 checked against bench/results/memory-grid-h200-2026-12-01/ (``bench/models/score_memory_grid.py``).
 The family terms of a block (:func:`attention_bytes`, :func:`mlp_activation_bytes`) were counted
 with saved-tensor hooks at each family's released widths (bench/results/family-memory-cpu-*/), on
-CUDA's footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out).
-"""
+CUDA's footing (a LoRA dropout mask is 1 byte; the fp32 log-sum-exp SDPA keeps is left out)."""
 
 from __future__ import annotations
 
@@ -14,18 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from qlora_supervise.policies.memory.families import Block, HeadNorm
-from qlora_supervise.policies.memory.optimizer import (
-    AdapterBytes,
-    adapter_bytes,
-    adapter_dtype_bytes,
-    adapter_tensors,
-)
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The recipe's LoRA targets: the attention projections, by each family's own names.
-DEFAULT_TARGETS: tuple[str, ...] | str = "attention"
-
+DEFAULT_TARGETS: Targets = "attention"
 #: Bytes per quantized weight: packed 4-bit codes plus the per-block absmax (blocksize 64).
 NF4_DOUBLE_QUANT = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_SINGLE_QUANT = 0.5 + 4 / 64
@@ -49,13 +40,10 @@ GATHERED_BLOCKS = 2  # FSDP: blocks gathered at once, the one running and the on
 
 @dataclass(frozen=True)
 class Prediction:
-    """A predicted peak, by component (bytes).
-
-    ``peak_bytes`` is the peak PyTorch *allocated* (what ``gpu_memory_limit`` caps); ``components``
-    sums to it. ``outside`` is on the card but outside the allocator (CUDA context, paged optimizer
-    state); ``card_bytes`` is what the card must hold. ``phase``: load, backward, backward_end,
-    optimizer_step or eval.
-    """
+    """A predicted peak by component (bytes): ``peak_bytes`` is the peak PyTorch *allocated* (what
+    ``gpu_memory_limit`` caps), the sum of ``components``; ``outside`` is on the card outside the
+    allocator (CUDA context, paged optimizer state); ``card_bytes`` is what the card must hold.
+    ``phase``: load, backward, backward_end, optimizer_step or eval."""
 
     components: Mapping[str, int]
     peak_bytes: int
@@ -66,6 +54,66 @@ class Prediction:
     @property
     def card_bytes(self) -> int:
         return self.reserved_bytes + sum(self.outside.values())
+
+
+# ---- the LoRA adapter's own bytes, per tensor: its weights, their gradients, the optimizer's state.
+# trl casts a quantized model's adapter to bf16 (unquantized, peft's fp32 stays); torch AdamW keeps
+# two moments in the adapter's dtype plus a foreach step temporary (none fused); bitsandbytes keeps
+# two fp32 moments, or uint8 ones with an fp32 absmax per 256 for tensors of ``min_8bit_size`` or more,
+# and a paged optimizer pages only tensors of 1e5 elements or more (smaller ones are ordinary allocations).
+ADAPTER_BYTES_QUANTIZED = 2  # trl's bf16 for a quantized model's trainable parameters
+#: bitsandbytes: tensors under this many elements keep fp32 state in the 8-bit optimizers.
+BNB_MIN_8BIT_SIZE = 4096
+#: bitsandbytes: a paged optimizer pages a state tensor only from this many elements on.
+BNB_PAGED_MIN_NUMEL = 100_000
+#: bitsandbytes 8-bit blockwise state: one fp32 absmax per block of 256, for each of two moments.
+BNB_8BIT_BLOCK = 256
+#: transformers' names of bitsandbytes' 8-bit AdamW (``adamw_bnb_8bit``: axolotl's, LLaMA-Factory's).
+BNB_8BIT = frozenset({"adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"})
+BNB_32BIT = frozenset({"paged_adamw_32bit"})
+
+
+@dataclass(frozen=True)
+class AdapterBytes:
+    """The adapter's bytes on the card by where they live, for one config."""
+
+    params: int
+    grads: int
+    state: int  # optimizer state inside PyTorch's allocator
+    paged: int  # optimizer state in CUDA unified memory (outside the allocator)
+    step_temp: int  # what the optimizer step allocates on top, for the step's duration
+
+
+def adapter_dtype_bytes(knobs: Knobs) -> int:
+    """Bytes per adapter parameter (and gradient): bf16 on the 4-bit path, fp32 otherwise."""
+    return ADAPTER_BYTES_QUANTIZED if knobs.load_in_4bit else FP32
+
+
+def adapter_tensors(shape: ModelShape, r: int, targets: Targets) -> list[int]:
+    """The element count of every LoRA weight tensor (lora_A is r x in, lora_B is out x r)."""
+    dims = shape.linear_dims()
+    per_layer = [n for name in shape.adapted(targets) for n in (r * dims[name][0], dims[name][1] * r)]
+    return per_layer * shape.layers
+
+
+def adapter_bytes(shape: ModelShape, knobs: Knobs, targets: Targets) -> AdapterBytes:
+    """Weights, gradients and optimizer state of the adapter ``knobs`` and ``targets`` describe; an
+    optimizer outside those modelled counts as torch AdamW, the largest of them."""
+    tensors = adapter_tensors(shape, knobs.lora_r, targets)
+    n, size, name = sum(tensors), adapter_dtype_bytes(knobs), knobs.optimizer
+    state = paged = temp = 0
+    if name in BNB_8BIT or name in BNB_32BIT:
+        for numel in tensors:  # bitsandbytes' two moments of each tensor
+            eight = name in BNB_8BIT and numel >= BNB_MIN_8BIT_SIZE
+            moments = 2 * numel + 2 * FP32 * -(-numel // BNB_8BIT_BLOCK) if eight else 2 * FP32 * numel
+            if name.startswith("paged_") and numel >= BNB_PAGED_MIN_NUMEL:
+                paged += moments
+            else:
+                state += moments
+    else:
+        state = 2 * size * n
+        temp = 0 if name == "adamw_torch_fused" else size * n
+    return AdapterBytes(params=size * n, grads=size * n, state=state, paged=paged, step_temp=temp)
 
 
 #: MoE, per routed token: the expert's fp32 output, and its int64 indices and routing weight.
@@ -115,15 +163,14 @@ def checkpoint_masks(shape: ModelShape, batch: int, seq: int) -> int:
     return batch * seq * seq if masked(shape, seq) else 0
 
 
-def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...] | str) -> int:
+def lora_params(shape: ModelShape, r: int, targets: Targets) -> int:
     return sum(adapter_tensors(shape, r, targets))
 
 
 def per_weight(knobs: Knobs) -> float:
     """Bytes per weight of the block's linear layers as loaded (before any fp32 upcast)."""
-    if not knobs.load_in_4bit:
-        return LOAD_DTYPE
-    return NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+    quantized = NF4_DOUBLE_QUANT if knobs.double_quant else NF4_SINGLE_QUANT
+    return quantized if knobs.load_in_4bit else LOAD_DTYPE
 
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
@@ -157,10 +204,8 @@ def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
 def fsdp_block_bytes(shape: ModelShape, per_weight: float) -> int:
     """One decoder block as FSDP holds it: 4-bit linear layers, 16-bit experts, biases and norms
     (the codes are stored in the compute dtype, so nothing is upcast)."""
-    norms = shape.norm_params // max(shape.layers, 1)
-    return (
-        int(shape.layer_params * per_weight) + (shape.expert_params + shape.bias_params + norms) * LOAD_DTYPE
-    )
+    unquantized = shape.expert_params + shape.bias_params + shape.norm_params // max(shape.layers, 1)
+    return int(shape.layer_params * per_weight) + unquantized * LOAD_DTYPE
 
 
 def _root(shape: ModelShape) -> dict[str, int]:
@@ -169,19 +214,13 @@ def _root(shape: ModelShape) -> dict[str, int]:
     return {"embeddings_bf16": shape.vocab * shape.hidden * LOAD_DTYPE, "lm_head_bf16": head}
 
 
-def static_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
-) -> dict[str, int]:
+def static_components(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS) -> dict[str, int]:
     """What sits on the card once the model is loaded and the adapter attached (in trl's dtype)."""
-    return {
-        **base_components(shape, knobs),
-        "lora_params": lora_params(shape, knobs.lora_r, targets) * adapter_dtype_bytes(knobs),
-    }
+    adapter = lora_params(shape, knobs.lora_r, targets) * adapter_dtype_bytes(knobs)
+    return {**base_components(shape, knobs), "lora_params": adapter}
 
 
-def load_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
-) -> dict[str, int]:
+def load_components(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS) -> dict[str, int]:
     """The larger of the two load moments: the fp32 cast of the largest 16-bit parameter (its bf16
     original and fp32 copy coexist), and the adapter in peft's fp32 before trl casts it to bf16."""
     base = base_components(shape, knobs)
@@ -195,19 +234,13 @@ def load_components(
         largest = max(largest, *(a * b for a, b in shape.linear_dims().values()))
     cast = 0 if knobs.fsdp else largest * LOAD_DTYPE
     adapter_fp32 = lora_params(shape, knobs.lora_r, targets) * FP32
-    if cast >= adapter_fp32:
-        return {**base, "load_cast_16bit": cast}
-    return {**base, "lora_params": adapter_fp32}
+    return {**base, **({"load_cast_16bit": cast} if cast >= adapter_fp32 else {"lora_params": adapter_fp32})}
 
 
-def layer_activation_bytes(
-    shape: ModelShape, r: int, targets: tuple[str, ...] | str, half: int = 2, seq: int = 0
-) -> int:
-    """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens
-    a sequence (only eager attention depends on it); ``half``: the autocast dtype's size.
-
-    Layer 0 keeps a little less (its input needs no gradient), which the model leaves in as margin.
-    """
+def layer_activation_bytes(shape: ModelShape, r: int, targets: Targets, half: int = 2, seq: int = 0) -> int:
+    """Bytes autograd keeps per token for one decoder block (no checkpointing), at ``seq`` tokens a
+    sequence (only eager attention depends on it); ``half``: the autocast dtype's size. Layer 0 keeps
+    a little less (its input needs no gradient), which the model leaves in as margin."""
     block = shape.block or Block()
     norms = block.norms * FP32 * shape.hidden
     head_norms = FP32 * (shape.q_dim + shape.kv_dim) if block.head_norm is not HeadNorm.NONE else 0
@@ -231,16 +264,13 @@ MOE_BACKWARD_ROUTED_H = 8
 
 
 def block_backward_bytes(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, half: int = 2
 ) -> int:
     """One block's backward on top of what stays kept: with checkpointing its recomputed
     activations, then its fp32 gradients and one weight bitsandbytes dequantizes to 16-bit."""
-    tokens = knobs.micro_batch_size * knobs.max_seq_len
-    recomputed = (
-        layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len)
-        if knobs.gradient_checkpointing
-        else 0
-    )
+    tokens, seq = knobs.micro_batch_size * knobs.max_seq_len, knobs.max_seq_len
+    ckpt = knobs.gradient_checkpointing
+    recomputed = layer_activation_bytes(shape, knobs.lora_r, targets, half, seq) if ckpt else 0
     widest = max(a * b for a, b in shape.linear_dims().values())
     if shape.experts:
         routed = BACKWARD_TRANSIENT_I * shape.expert_intermediate + MOE_BACKWARD_ROUTED_H * shape.hidden
@@ -249,12 +279,12 @@ def block_backward_bytes(
         mlp = BACKWARD_TRANSIENT_I * shape.intermediate
     per_token = recomputed + mlp + BACKWARD_TRANSIENT_H * shape.hidden
     if shape.attn_implementation == "eager":
-        per_token += EAGER_BACKWARD_SCORES * shape.heads * knobs.max_seq_len
+        per_token += EAGER_BACKWARD_SCORES * shape.heads * seq
     return tokens * per_token + widest * half
 
 
 def activation_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, half: int = 2
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, half: int = 2
 ) -> dict[str, int]:
     """What the forward keeps plus the larger of the backward's two first moments: the LM head
     (:func:`loss_components`) and the last block (:func:`block_backward_bytes`)."""
@@ -269,38 +299,30 @@ def activation_components(
         kept += checkpoint_masks(shape, knobs.micro_batch_size, knobs.max_seq_len)
     block = block_backward_bytes(shape, knobs, targets, half)
     head = loss_components(shape, knobs.micro_batch_size, knobs.max_seq_len, half, knobs.bf16_head)
-    if sum(head.values()) >= block:
-        return {"activations": kept, **head}
-    return {"activations": kept, "backward_block": block}
+    return {"activations": kept, **(head if sum(head.values()) >= block else {"backward_block": block})}
 
 
 def loss_components(
     shape: ModelShape, batch: int, seq: int, half: int = 2, bf16_head: bool = False
 ) -> dict[str, int]:
-    """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, the tiles.
-
-    The tiles: the bf16 logits buffer (a token tile by a vocabulary slice), the bf16 copy of the
-    token tile, and a bf16 slice of the head, two while the loop moves to the next slice (none
-    when the head is bf16 already: ``.to(bf16)`` is a no-op).
-    """
+    """trl's fused LM head in its backward: kept fp32 hidden states, their fp32 gradient, and the
+    tiles: the bf16 logits buffer (a token tile by a vocabulary slice), the bf16 copy of the token
+    tile, a bf16 slice of the head, two while the loop moves to the next slice (none when the head
+    is bf16 already: ``.to(bf16)`` is a no-op)."""
     scored = batch * max(seq - 1, 1)  # every position with a next-token label
     tile_tokens = min(scored, HEAD_TOKEN_TILE)
     tile_vocab = min(shape.vocab, HEAD_VOCAB_TILE)
     slices = 0 if bf16_head else (2 if shape.vocab > HEAD_VOCAB_TILE else 1)
-    return {
-        "loss_hidden_fp32": scored * shape.hidden * FP32 * 2,
-        "loss_tiles": tile_tokens * (tile_vocab + shape.hidden) * half
-        + slices * tile_vocab * shape.hidden * half,
-    }
+    tiles = (tile_tokens * (tile_vocab + shape.hidden) + slices * tile_vocab * shape.hidden) * half
+    return {"loss_hidden_fp32": scored * shape.hidden * FP32 * 2, "loss_tiles": tiles}
 
 
 def optimizer_components(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS
 ) -> tuple[dict[str, int], int, int]:
     """(grads and state held by the allocator, the step's temporary, paged state outside it)."""
     adapter = adapter_bytes(shape, knobs, targets)
-    held = {"lora_grads": adapter.grads, "optimizer_state": adapter.state}
-    return held, adapter.step_temp, adapter.paged
+    return {"lora_grads": adapter.grads, "optimizer_state": adapter.state}, adapter.step_temp, adapter.paged
 
 
 def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str, int]:
@@ -314,27 +336,22 @@ def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str,
 
 
 def training_phases(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str, half: int
+    shape: ModelShape, knobs: Knobs, targets: Targets, half: int
 ) -> dict[str, dict[str, int]]:
     """Each moment that can hold the peak, by component: load, backward (the gradients only from
     the second micro-batch of an accumulation: the Trainer sets them to None after each step),
     backward_end (the first block's backward with every gradient made), optimizer_step, eval."""
     static = {**static_components(shape, knobs, targets), "blas_workspaces": BLAS_WORKSPACES}
-    adapter: AdapterBytes = adapter_bytes(shape, knobs, targets)
-    state = {"optimizer_state": adapter.state}
-    grads = {"lora_grads": adapter.grads}
+    adapter = adapter_bytes(shape, knobs, targets)
+    state, grads = {"optimizer_state": adapter.state}, {"lora_grads": adapter.grads}
     tokens = knobs.micro_batch_size * knobs.max_seq_len
     first_block = block_backward_bytes(shape, knobs, targets, half)
     if not knobs.gradient_checkpointing:  # the first block's own kept activations are still there
         first_block += layer_activation_bytes(shape, knobs.lora_r, targets, half, knobs.max_seq_len) * tokens
+    activations = activation_components(shape, knobs, targets, half)
     phases: dict[str, dict[str, int]] = {
         "load": load_components(shape, knobs, targets),
-        "backward": {
-            **static,
-            **state,
-            **(grads if knobs.grad_accum > 1 else {}),
-            **activation_components(shape, knobs, targets, half),
-        },
+        "backward": {**static, **state, **(grads if knobs.grad_accum > 1 else {}), **activations},
         "backward_end": {**static, **state, **grads, "backward_block": first_block},
         "optimizer_step": {**static, **state, **grads, "optimizer_step_temp": adapter.step_temp},
     }
@@ -343,26 +360,14 @@ def training_phases(
     return phases
 
 
-def predict(
-    shape: ModelShape,
-    knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    half: int = 2,
-) -> Prediction:
-    """The largest phase of :func:`training_phases`, with the allocator's reserve and what sits
-    outside it."""
+def predict(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, half: int = 2) -> Prediction:
+    """The largest phase of :func:`training_phases`, with the allocator's reserve and what sits outside it."""
     phases = training_phases(shape, knobs, targets, half)
     phase, components = max(phases.items(), key=lambda item: sum(item[1].values()))
     peak = sum(components.values())
     fraction = RESERVE_FRACTION_EXPANDABLE if knobs.expandable_segments else RESERVE_FRACTION
     outside = {"cuda_context": CUDA_CONTEXT}
-    paged = adapter_bytes(shape, knobs, targets).paged
-    if paged:
+    if paged := adapter_bytes(shape, knobs, targets).paged:
         outside["paged_optimizer_state"] = paged
-    return Prediction(
-        components={k: v for k, v in components.items() if v},
-        peak_bytes=peak,
-        reserved_bytes=int(peak * (1 + fraction)),
-        outside=outside,
-        phase=phase,
-    )
+    kept = {k: v for k, v in components.items() if v}
+    return Prediction(kept, peak, int(peak * (1 + fraction)), outside, phase)

@@ -1,18 +1,15 @@
 """Host memory: loading a checkpoint into 4-bit, merging the adapter, and training (the host's budget).
-
 Measured, not derived (docs/host-memory.md says how it counts): safetensors maps the checkpoint,
 so every page of the 16-bit checkpoint passes through the loading process's resident set; on the
-H200 host a 7B (13.5 GB in bf16) peaked at 14.6 GB RSS while loading into 4-bit.
-"""
+H200 host a 7B (13.5 GB in bf16) peaked at 14.6 GB RSS while loading into 4-bit."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, FP32, layer_activation_bytes
-from qlora_supervise.policies.memory.optimizer import adapter_bytes
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, FP32, adapter_bytes, layer_activation_bytes
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: RSS of the child after importing torch (CUDA build), transformers, peft, trl, bitsandbytes.
@@ -42,9 +39,8 @@ def host_need(checkpoint_bytes: int, largest_shard_bytes: int = 0, on_gpu: bool 
     merge = imports + int(checkpoint_bytes * MERGE_PER_CHECKPOINT_BYTE) + largest_shard_bytes
     build = "" if on_gpu else " (the CPU build's)"
     basis = (
-        f"imports {imports / 1e9:.1f} GB{build} + {LOAD_PER_CHECKPOINT_BYTE:.2f} x the 16-bit checkpoint "
-        "to load "
-        f"(measured on the H200 host: 7B, 13.5 GB checkpoint, 14.6 GB peak RSS); merge: "
+        f"imports {imports / 1e9:.1f} GB{build} + {LOAD_PER_CHECKPOINT_BYTE:.2f} x the 16-bit checkpoint to "
+        f"load (measured on the H200 host: 7B, 13.5 GB checkpoint, 14.6 GB peak RSS); merge: "
         f"{MERGE_PER_CHECKPOINT_BYTE:.2f} x checkpoint + one shard being written"
     )
     return HostNeed(load, merge, basis)
@@ -90,7 +86,7 @@ def pinned(nbytes: int) -> int:
 
 
 def offloaded_bytes(
-    shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS, pin: bool = True
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, pin: bool = True
 ) -> int:
     """Host bytes activation offload holds at the end of one micro-step's forward (0 when off), in
     reused pinned buffers: with checkpointing each block's input, without it every block's saved
@@ -104,36 +100,32 @@ def offloaded_bytes(
     hidden = tokens * shape.hidden * (2 if keeps else FP32)
     block_input = pinned(hidden) if pin else hidden
     if knobs.gradient_checkpointing:
-        blocks = shape.layers * block_input
-    else:
-        per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, 2, knobs.max_seq_len) * tokens
-        blocks = int(shape.layers * per_layer * block_input / hidden)
-    return blocks + 2 * block_input
+        return (shape.layers + 2) * block_input
+    per_layer = layer_activation_bytes(shape, knobs.lora_r, targets, 2, knobs.max_seq_len) * tokens
+    return int(shape.layers * per_layer * block_input / hidden) + 2 * block_input
 
 
 def host_train_need(
     shape: ModelShape,
     knobs: Knobs,
     checkpoint_bytes: int,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
     largest_shard_bytes: int | None = None,
 ) -> HostTrainNeed:
     """The host RAM of training ``shape`` with ``knobs``; ``largest_shard_bytes``: the checkpoint's
     largest file (None or 0: not known, the whole of it)."""
-    batch = knobs.micro_batch_size * knobs.max_seq_len * INT64
     components = {
         "resident": TRAIN_RESIDENT_RSS,
         "offloaded_activations": offloaded_bytes(shape, knobs, targets),
         "paged_optimizer_state": adapter_bytes(shape, knobs, targets).paged,
-        "data_loader": BATCH_TENSORS * pinned(batch),
+        "data_loader": BATCH_TENSORS * pinned(knobs.micro_batch_size * knobs.max_seq_len * INT64),
     }
     basis = (
         f"training: {TRAIN_RESIDENT_RSS / 1e9:.2f} GB resident (H200, 7B/8B children) + offloaded "
-        "activations (one micro-step's, in reused pinned buffers, each rounded up to a power of two) "
-        "+ paged optimizer state (may page to the host) + the data loader's pinned batch; the need is "
-        "the larger of that and the load's: imports + the largest shard in the page cache (the load's "
-        "RSS peak is the checkpoint's file-backed pages, which the kernel reclaims: H200, 8B, 15.3 of "
-        "16.0 GiB)"
+        "activations (one micro-step's, in reused pinned buffers, each rounded up to a power of two) + paged "
+        "optimizer state (may page to the host) + the data loader's pinned batch; the need is the larger of "
+        "that and the load's: imports + the largest shard in the page cache (the load's RSS peak is the "
+        "checkpoint's file-backed pages, which the kernel reclaims: H200, 8B, 15.3 of 16.0 GiB)"
     )
     load_need = IMPORTS_RSS + (largest_shard_bytes or checkpoint_bytes)
     terms = {k: v for k, v in components.items() if v}

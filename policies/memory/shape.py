@@ -1,10 +1,7 @@
-"""What the memory model needs to know about a model, read from its ``config.json`` alone.
-
-The blocks of :data:`.families.BLOCKS` are modelled; anything else is refused with a typed
-:class:`Unsupported` reason (a number for the wrong block would be confidently wrong), with its
-facts where the LoRA targets table knows the family. A multimodal Gemma 3 is refused for its vision
-tower. The blocks' facts are in :mod:`.families`.
-"""
+"""What the memory model needs to know about a model, read from its ``config.json`` alone. The blocks of
+:data:`.families.BLOCKS` are modelled; anything else is refused with a typed :class:`Unsupported` reason (a
+number for the wrong block would be confidently wrong), with its facts where the LoRA targets table knows the
+family. A multimodal Gemma 3 is refused for its vision tower. The blocks' facts are in :mod:`.families`."""
 
 from __future__ import annotations
 
@@ -12,16 +9,10 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
-from qlora_supervise.policies.memory.families import (
-    ARCHITECTURES,
-    BLOCKS,
-    Block,
-    HeadNorm,
-    facts_of,
-    model_type_of,
-)
+from qlora_supervise.policies.memory import families
+from qlora_supervise.policies.memory.families import BLOCKS, Block, HeadNorm, facts_of, model_type_of
 from qlora_supervise.trainer_child.contract.targets import FAMILIES, KEYWORDS, resolve
 
 #: config.json keys that mean mixture-of-experts.
@@ -30,6 +21,8 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_interme
 LARGE_VOCAB = 200_000
 #: The attention's linear layers of one decoder block, by the names target_modules uses.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: A LoRA ``target_modules`` value: a keyword of the family's table, a regex, or module names.
+Targets: TypeAlias = tuple[str, ...] | str
 
 
 class UnsupportedReason(str, enum.Enum):
@@ -91,7 +84,7 @@ class ModelShape:
             )
         architectures = config.get("architectures") or []
         if isinstance(architectures, list) and architectures:
-            unknown = [a for a in architectures if a not in ARCHITECTURES]
+            unknown = [a for a in architectures if a not in families.ARCHITECTURES]
             if unknown:
                 return _not_modelled(str(unknown[0]), config)
         model_type = model_type_of(config)
@@ -99,10 +92,8 @@ class ModelShape:
             return _not_modelled(model_type, config)
         moe = [key for key in MOE_KEYS if config.get(key)]
         if moe and not BLOCKS[model_type].moe:
-            return Unsupported(
-                UnsupportedReason.MIXTURE_OF_EXPERTS,
-                f"{moe[0]}={config[moe[0]]} on a {model_type} block: its experts are not modelled",
-            )
+            detail = f"{moe[0]}={config[moe[0]]} on a {model_type} block: its experts are not modelled"
+            return Unsupported(UnsupportedReason.MIXTURE_OF_EXPERTS, detail)
         return cls._sizes(config)
 
     @classmethod
@@ -112,10 +103,8 @@ class ModelShape:
         model_type = model_type_of(config)
         if model_type not in FAMILIES:
             known = ", ".join(sorted(FAMILIES))
-            return Unsupported(
-                UnsupportedReason.NOT_MODELLED,
-                f"model_type {model_type!r} is none of the families read ({known})",
-            )
+            detail = f"model_type {model_type!r} is none of the families read ({known})"
+            return Unsupported(UnsupportedReason.NOT_MODELLED, detail)
         text = config.get("text_config")
         if isinstance(text, Mapping) and "hidden_size" not in config:
             return cls._sizes({"model_type": f"{model_type}_text", **text})
@@ -170,20 +159,15 @@ class ModelShape:
         """The memory terms an unmodelled model would need (empty for a modelled block)."""
         if self.block is not None:
             return ()
-        terms = []
-        if self.attn_implementation == "eager":
-            terms.append(
-                "eager attention scores (micro x heads x seq^2 per layer: scores, tanh, fp32 softmax)"
-            )
+        eager = "eager attention scores (micro x heads x seq^2 per layer: scores, tanh, fp32 softmax)"
+        terms = [eager] if self.attn_implementation == "eager" else []
         if self.final_softcap:
             terms.append("softcapped logits (inside trl's fused-head tiles: to measure)")
         if self.vocab >= LARGE_VOCAB:
             terms.append(f"{self.vocab}-token logits in fp32 (fused-head slices, eval) at that vocabulary")
         if self.experts:
-            terms.append(f"{self.experts} resident experts per layer, unquantized and cast to fp32")
-            terms.append(
-                "router logits kept for the auxiliary loss" if self.router_logits else "routing buffers"
-            )
+            router = "router logits kept for the auxiliary loss" if self.router_logits else "routing buffers"
+            terms += [f"{self.experts} resident experts per layer, unquantized and cast to fp32", router]
         block = FAMILIES.get(self.model_type)
         if block is not None and block.attention != ATTENTION_MODULES:
             terms.append(f"LoRA on fused {', '.join(block.linear)}")
@@ -202,9 +186,8 @@ class ModelShape:
         if self.qkv_bias:
             parts.append("qkv bias")
         if self.sliding_window:
-            parts.append(
-                f"sliding window {self.sliding_window} on {self.sliding_layers} of {self.layers} layers"
-            )
+            window = f"sliding window {self.sliding_window} on {self.sliding_layers} of {self.layers} layers"
+            parts.append(window)
         if self.experts:
             parts.append(
                 f"{self.experts} experts, top-{self.experts_per_token}, width {self.expert_intermediate}"
@@ -227,17 +210,13 @@ class ModelShape:
         if block.fused:
             attention = {"qkv_proj": (h, self.q_dim + 2 * self.kv_dim), "o_proj": (self.q_dim, h)}
             return {**attention, "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
-        attention = {
-            "q_proj": (h, self.q_dim),
-            "k_proj": (h, self.kv_dim),
-            "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h),
-        }
+        q, kv = self.q_dim, self.kv_dim
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         if block.moe:
             return attention
         return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
-    def adapted(self, targets: tuple[str, ...] | str) -> tuple[str, ...]:
+    def adapted(self, targets: Targets) -> tuple[str, ...]:
         """The block's Linear layers a LoRA ``target_modules`` value adapts on this model."""
         return resolve_targets(targets, self.model_type)
 
@@ -249,8 +228,6 @@ class ModelShape:
     @property
     def expert_params(self) -> int:
         """One block's unquantized MoE parameters: every expert's gate, up and down, the router."""
-        if not self.experts:
-            return 0
         return self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)
 
     @property
@@ -267,11 +244,8 @@ class ModelShape:
     def norm_params(self) -> int:
         """Every RMSNorm weight: the blocks' hidden-wide ones, the final one, the q/k norms."""
         block = self.block or Block()
-        head = {
-            HeadNorm.NONE: 0,
-            HeadNorm.PER_HEAD: 2 * self.dim_per_head,
-            HeadNorm.FULL: self.q_dim + self.kv_dim,
-        }[block.head_norm]
+        per_head, full = 2 * self.dim_per_head, self.q_dim + self.kv_dim
+        head = {HeadNorm.NONE: 0, HeadNorm.PER_HEAD: per_head, HeadNorm.FULL: full}[block.head_norm]
         return (block.norms * self.layers + 1) * self.hidden + self.layers * head
 
     @property
@@ -285,33 +259,24 @@ class ModelShape:
 
 def _not_modelled(what: str, config: Mapping[str, Any]) -> Unsupported:
     """The refusal of an unmodelled architecture, with its facts and lacking terms where known."""
-    modelled = ", ".join(sorted(BLOCKS))
     facts = ModelShape.architecture(config)
+    covers = f"is not a block the memory model covers (model types: {', '.join(sorted(BLOCKS))})"
     if not isinstance(facts, ModelShape):
-        return Unsupported(
-            UnsupportedReason.NOT_MODELLED,
-            f"{what} is not a block the memory model covers (model types: {modelled}); "
-            f"{facts.detail}, so its attention, MLP and head are not read and no term would be right",
-        )
+        why = f"{facts.detail}, so its attention, MLP and head are not read and no term would be right"
+        return Unsupported(UnsupportedReason.NOT_MODELLED, f"{what} {covers}; {why}")
     terms = "; ".join(facts.missing_terms()) or "none known to differ, but the block is unmeasured"
-    return Unsupported(
-        UnsupportedReason.NOT_MODELLED,
-        f"{what} ({facts.describe()}) is not a block the memory model covers (model types: "
-        f"{modelled}); it would need terms for: {terms}",
-        shape=facts,
-    )
+    detail = f"{what} ({facts.describe()}) {covers}; it would need terms for: {terms}"
+    return Unsupported(UnsupportedReason.NOT_MODELLED, detail, shape=facts)
 
 
-def resolve_targets(targets: tuple[str, ...] | str, model_type: str = "llama") -> tuple[str, ...]:
+def resolve_targets(targets: Targets, model_type: str = "llama") -> tuple[str, ...]:
     """The block's Linear layers a LoRA ``target_modules`` value adapts on a ``model_type`` model:
     a keyword by the family's table, any other string (a regex) as a list of names."""
     family_type = model_type if model_type in FAMILIES else "llama"
     known = FAMILIES[family_type]
-    layers = known.linear
+    if isinstance(targets, str) and targets in KEYWORDS:
+        # "mlp" on a family without one is refused at validate (contract.targets): nothing to adapt here.
+        return () if targets == "mlp" and not known.mlp else tuple(resolve(targets, family_type))
     if isinstance(targets, str):
-        if targets in KEYWORDS:
-            if targets == "mlp" and not known.mlp:
-                return ()  # refused at validate (contract.targets): nothing to adapt here
-            return tuple(resolve(targets, family_type))
-        return tuple(name for name in layers if name in targets)
-    return tuple(name for name in targets if name in layers)
+        return tuple(name for name in known.linear if name in targets)
+    return tuple(name for name in targets if name in known.linear)

@@ -1,34 +1,22 @@
-"""Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models.
-
-The job as written when it is predicted to fit with the margin (8 %: the model's error and the
-allocator's rounding under a cap); else the fastest fitting combination of the free and throughput
-knobs (:mod:`.search_state`); else the lightest quality cut, no deeper than
-:data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK` (``quality_changed``); else a fallback model
-(``fallback``); else :class:`NothingFits`. With a host budget a candidate must fit the host too;
-those it rules out are counted (``host_rejected``). docs/planning.md tells the rules.
-"""
+"""Pre-flight: the config attempt 1 starts from, chosen by the memory and throughput models. The job as
+written when it is predicted to fit with the margin (8 %: the model's error and the allocator's rounding under
+a cap); else the fastest fitting combination of the free and throughput knobs (:mod:`.search_state`); else the
+lightest quality cut, no deeper than :data:`.search_state.DEEPEST_CUT_BEFORE_FALLBACK` (``quality_changed``);
+else a fallback model (``fallback``); else :class:`NothingFits`. With a host budget a candidate must fit the
+host too; those it rules out are counted (``host_rejected``). docs/planning.md tells the rules."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, predict
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass, knob_changes
-from qlora_supervise.policies.search import throughput
+from qlora_supervise.policies.search import search_state, throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
-from qlora_supervise.policies.search.search_state import (
-    DEEPEST_CUT_BEFORE_FALLBACK,
-    DEFAULT_MARGIN,
-    NothingFits,
-    PreflightResult,
-    Ranked,
-    Search,
-    fit_limit,
-)
+from qlora_supervise.policies.search.search_state import PreflightResult, Ranked, Search, fit_limit
 from qlora_supervise.policies.search.search_state import gib as _gib
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
@@ -42,9 +30,9 @@ def preflight(
     shape: ModelShape,
     knobs: Knobs,
     budget_bytes: int,
-    margin: float = DEFAULT_MARGIN,
+    margin: float = search_state.DEFAULT_MARGIN,
     scale: float | None = None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
     speed: throughput.SpeedCalibration | None = None,
     fallbacks: Sequence[tuple[str, ModelShape | None]] = (),
     exclude: frozenset[Knobs] = frozenset(),
@@ -58,22 +46,20 @@ def preflight(
     search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
-        why = [f"predicted {_gib(search.peak(knobs))} fits {_gib(budget_bytes)} with the {margin:.0%} margin"]
-        written = Ranked(
-            knobs, (), search.peak(knobs), base_speed, False, CostClass.FREE, search.host_peak(knobs)
-        )
+        peak = search.peak(knobs)
+        written = Ranked(knobs, (), peak, base_speed, False, CostClass.FREE, search.host_peak(knobs))
         ranking = search.rank(knobs)  # first: ranking counts the configs the host rules out
+        why = [f"predicted {_gib(peak)} fits {_gib(budget_bytes)} with the {margin:.0%} margin"]
         return _result(
             search, shape, written, ranking, why + _host_reasons(search, knobs), budget_bytes, margin
         )
     ranking, quality = search.best(knobs)
-    fallback = None
-    chosen_shape = shape
-    if not ranking and (found := _fallback(knobs, limit, targets, fallbacks, unusable, host)) is not None:
+    fallback, chosen_shape = None, shape
+    if not ranking and (found := _fallback(search, fallbacks)) is not None:
         fallback, chosen_shape, ranking = found
     head = [_as_written(search, knobs, budget_bytes, margin)]
     if not ranking:
-        return _nothing_fits(search, knobs, budget_bytes, margin, head, fallbacks)
+        return _nothing_fits(search, budget_bytes, margin, head, bool(fallbacks))
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
@@ -121,27 +107,20 @@ def _result(
 
 
 def _fallback(
-    knobs: Knobs,
-    limit: float,
-    targets: tuple[str, ...] | str,
-    fallbacks: Sequence[tuple[str, ModelShape | None]],
-    unusable: frozenset[str],
-    host: HostBudget | None,
+    search: Search, fallbacks: Sequence[tuple[str, ModelShape | None]]
 ) -> tuple[str, ModelShape, list[Ranked]] | None:
-    """The first fallback model with a config that fits, and its ranking (uncalibrated: this host's
-    measurements are of the job's model)."""
+    """The first fallback model with a config that fits the job's ``search``, and its ranking
+    (uncalibrated: this host's measurements are of the job's model)."""
+    knobs, host = search.job, search.host
     for model, shape in fallbacks:
         if shape is None:
             continue
-        job = dataclasses.replace(knobs, model=model)
         # The fallback's checkpoint is not read here: its size is its parameters in 16 bits.
-        own = (
-            None
-            if host is None
-            else dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
+        own = host and dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
+        fallback = Search(
+            shape, knobs, search.limit, None, search.targets, None, frozenset(), search.unusable, own
         )
-        search = Search(shape, knobs, limit, None, targets, None, frozenset(), unusable, own)
-        ranking, _ = search.best(job)
+        ranking, _ = fallback.best(dataclasses.replace(knobs, model=model))
         if ranking:
             return model, shape, ranking
     return None
@@ -149,17 +128,16 @@ def _fallback(
 
 def _as_written(search: Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
     """Why the job as written does not start: the card, the host, or an earlier failure."""
-    limit = search.limit
-    if search.peak(knobs) > limit:
-        peak = _gib(search.peak(knobs))
-        return f"as written: predicted {peak} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
+    peak, limit = search.peak(knobs), search.limit
+    if peak > limit:
+        return f"as written: predicted {_gib(peak)} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
     host = search.host_peak(knobs)
     if host is not None and search.host_limit is not None and host > search.host_limit:
         return (
             f"as written: host peak {_gib(host)} > {_gib(search.host_limit)} (host budget "
             f"{_gib(search.host.budget_bytes if search.host else 0)} less {margin:.0%})"
         )
-    return f"as written: predicted {_gib(search.peak(knobs))} fits, but this config already failed"
+    return f"as written: predicted {_gib(peak)} fits, but this config already failed"
 
 
 def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
@@ -179,33 +157,26 @@ def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
 
 
 def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
+    """Each changed knob, with its rung's reason where it moved towards less memory."""
     reasons = []
     for name, (before, after) in knob_changes(old, new).items():
         rung = RUNG_BY_NAME.get(RUNG_OF_KNOB.get(name, ""))
-        why = f": {rung.reason}" if rung is not None and _towards_less_memory(name, before, after) else ""
+        if isinstance(before, bool):
+            less = bool(after) and not before
+        else:
+            less = after < before if isinstance(before, int) and isinstance(after, int) else True
+        why = f": {rung.reason}" if rung is not None and less else ""
         reasons.append(f"{name} {before} -> {after}{why}")
     return reasons
 
 
-def _towards_less_memory(name: str, before: Any, after: Any) -> bool:
-    if isinstance(before, bool):
-        return bool(after) and not before
-    if isinstance(before, int) and isinstance(after, int):
-        return after < before
-    return True
-
-
 def _nothing_fits(
-    search: Search,
-    knobs: Knobs,
-    budget_bytes: int,
-    margin: float,
-    head: list[str],
-    fallbacks: Sequence[tuple[str, ModelShape | None]],
+    search: Search, budget_bytes: int, margin: float, head: list[str], fallbacks: bool
 ) -> PreflightResult:
-    """The refusal when nothing fits the card: the smallest peak and what would help."""
+    """The refusal when nothing fits the card: the smallest peak and what would help (``fallbacks``:
+    the job has fallback models, none of which fits)."""
     if search.host_rejected:  # configs fitted the card: host memory is what nothing fits
-        return _nothing_fits_host(search, knobs, budget_bytes, margin, head)
+        return _nothing_fits_host(search, budget_bytes, margin, head)
     assert search.smallest is not None  # the job as written was predicted first
     peak, smallest = search.smallest
     need = int(peak * (1 + margin))
@@ -214,24 +185,21 @@ def _nothing_fits(
         helps.append("a smaller model than every one in model.fallbacks (none of them fits either)")
     else:
         helps.append("a smaller model in model.fallbacks")
-    if search.deep_fit is not None:
-        deep = search.deep_fit
+    if (deep := search.deep_fit) is not None:
         helps.append(
             f"max_seq_len {deep.max_seq_len} and lora.r {deep.lora_r} written in the job (predicted to fit; "
-            f"pre-flight cuts no deeper than 1/{DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
+            f"pre-flight cuts no deeper than 1/{search_state.DEEPEST_CUT_BEFORE_FALLBACK} by itself)"
         )
     text = " or ".join(helps)
-    nothing = NothingFits(peak, smallest, budget_bytes, margin, text)
+    nothing = search_state.NothingFits(peak, smallest, budget_bytes, margin, text)
     verdict = (
         f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
         f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
     )
-    return _refusal(search, knobs, (*head, verdict), budget_bytes, nothing)
+    return _refusal(search, (*head, verdict), budget_bytes, nothing)
 
 
-def _nothing_fits_host(
-    search: Search, knobs: Knobs, budget_bytes: int, margin: float, head: list[str]
-) -> PreflightResult:
+def _nothing_fits_host(search: Search, budget_bytes: int, margin: float, head: list[str]) -> PreflightResult:
     """Nothing that fits the card fits the host: the smallest host need among them, the host
     budget, and the host budget that would fit."""
     assert search.host is not None and search.host_limit is not None
@@ -252,28 +220,28 @@ def _nothing_fits_host(
         f"a host budget of at least {_gib(need)} (resources.host_memory_limit, or plan --host-memory "
         f"for a host of {_gib(size)}), or a smaller model in model.fallbacks"
     )
-    nothing = NothingFits(host_peak, smallest, host.budget_bytes, margin, text, host=True)
+    nothing = search_state.NothingFits(host_peak, smallest, host.budget_bytes, margin, text, host=True)
     verdict = (
         f"NOTHING FITS HOST MEMORY: {len(search.host_rejected)} config(s) fit the card, but {what} "
         f"needs {_gib(host_peak)} of host RAM, the host budget is "
         f"{_gib(host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
     )
     return dataclasses.replace(
-        _refusal(search, knobs, (*head, verdict), budget_bytes, nothing),
+        _refusal(search, (*head, verdict), budget_bytes, nothing),
         host_peak_bytes=host_peak,
         host_rejected=_rejected(search),
     )
 
 
 def _refusal(
-    search: Search, knobs: Knobs, reasons: tuple[str, ...], budget_bytes: int, nothing: NothingFits
+    search: Search, reasons: tuple[str, ...], budget_bytes: int, nothing: search_state.NothingFits
 ) -> PreflightResult:
     """The result when nothing fits: the smallest config ``nothing`` names, refused."""
     smallest = nothing.smallest_knobs
     return PreflightResult(
         knobs=smallest,
         predicted=predict(search.shape, smallest, search.targets),
-        changes=knob_changes(knobs, smallest),
+        changes=knob_changes(search.job, smallest),
         reasons=reasons,
         budget_bytes=budget_bytes,
         margin=nothing.margin,
@@ -283,8 +251,7 @@ def _refusal(
 
 
 def _rejected(search: Search) -> tuple[int, int | None]:
-    values = search.host_rejected.values()
-    return len(search.host_rejected), min(values) if values else None
+    return len(search.host_rejected), min(search.host_rejected.values(), default=None)
 
 
 def trial_candidates(chosen: Ranked, ranking: Sequence[Ranked]) -> tuple[TrialCandidate, ...]:
@@ -305,9 +272,8 @@ def trial_candidates(chosen: Ranked, ranking: Sequence[Ranked]) -> tuple[TrialCa
     seen = {timed(knobs)}
     others = []
     for r in ranking:
-        if r.tokens_per_s < chosen.tokens_per_s * TRIAL_SLOWEST_SHARE:
-            continue
-        if reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
+        fast = r.tokens_per_s >= chosen.tokens_per_s * TRIAL_SLOWEST_SHARE
+        if fast and reloadless(r.knobs) == reloadless(knobs) and timed(r.knobs) not in seen:
             seen.add(timed(r.knobs))
             others.append(r)
     if not others or knobs.world_size > 1:  # one process only: ranks would have to agree

@@ -9,21 +9,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qlora_supervise.policies import rungs
 from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, Prediction
 from qlora_supervise.policies.memory.host import host_train_need
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.memory_model import estimate_peak
-from qlora_supervise.policies.rungs import (
-    PLAN_RUNGS,
-    RUNG_BY_NAME,
-    RUNG_CLASSES,
-    RUNGS,
-    Axis,
-    CostClass,
-    Rung,
-    knob_changes,
-    rungs_between,
-)
+from qlora_supervise.policies.rungs import RUNGS, Axis, CostClass, Rung, knob_changes, rungs_between
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.budget import HostBudget
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
@@ -93,19 +84,8 @@ def micro_batches(knobs: Knobs) -> list[Knobs]:
     accumulation that keeps the effective batch. Larger than the job's own too: on a 4-bit model
     most of a micro-step's cost is fixed (H200, 1B at seq 2048: micro 1 6.3k tokens/s, micro 4 25.9k)."""
     per_rank = knobs.micro_batch_size * knobs.grad_accum
-    return [
-        dataclasses.replace(knobs, micro_batch_size=m, grad_accum=per_rank // m)
-        for m in range(per_rank, 0, -1)
-        if per_rank % m == 0
-    ]
-
-
-def eval_batches(knobs: Knobs) -> list[Knobs]:
-    """The job's eval batch and each halving (a smaller eval batch fixes an eval that does not fit)."""
-    chain = [knobs]
-    while chain[-1].eval_enabled and chain[-1].eval_batch_size > 1:
-        chain.append(dataclasses.replace(chain[-1], eval_batch_size=chain[-1].eval_batch_size // 2))
-    return chain
+    divisors = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    return [dataclasses.replace(knobs, micro_batch_size=m, grad_accum=per_rank // m) for m in divisors]
 
 
 def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
@@ -146,20 +126,12 @@ def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
     return (variant for variant, _ in _product(free, axes))
 
 
-def most_frugal(knobs: Knobs) -> Knobs:
-    """Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1)."""
-    for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
-        while (changed := rung.apply(knobs)) is not None:
-            knobs = changed
-    return knobs
-
-
 def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
     """The job's model at each combination of the quality halvings (seq_len, rank), with the rung
     names taken, lightest first."""
     out = [(k, names) for k, names in _product(knobs, _searched(CostClass.QUALITY, Axis.HALVINGS)) if names]
     # Stable: a shorter seq before a smaller rank.
-    return sorted(out, key=lambda c: sum(RUNG_BY_NAME[name].quality_weight for name in c[1]))
+    return sorted(out, key=lambda c: sum(rungs.RUNG_BY_NAME[name].quality_weight for name in c[1]))
 
 
 #: Pre-flight cuts the job's seq_len or LoRA rank by at most this factor (two halvings). Deeper, the
@@ -182,7 +154,7 @@ class Search:
     job: Knobs
     limit: float
     scale: float | None
-    targets: tuple[str, ...] | str
+    targets: Targets
     speed: throughput.SpeedCalibration | None
     exclude: frozenset[Knobs]
     unusable: frozenset[str]
@@ -198,18 +170,16 @@ class Search:
 
     def peak(self, knobs: Knobs) -> int:
         if knobs not in self._peaks:
-            self._peaks[knobs] = estimate_peak(self.shape, knobs, self.scale, self.targets)
-            allowed = not deep_cut(self.job, knobs)
-            if allowed and (self.smallest is None or self._peaks[knobs] < self.smallest[0]):
-                self.smallest = (self._peaks[knobs], knobs)
+            peak = self._peaks[knobs] = estimate_peak(self.shape, knobs, self.scale, self.targets)
+            if not deep_cut(self.job, knobs) and (self.smallest is None or peak < self.smallest[0]):
+                self.smallest = (peak, knobs)
         return self._peaks[knobs]
 
     def host_peak(self, knobs: Knobs) -> int | None:
         """The training host peak of ``knobs`` (None: no host budget)."""
-        if self.host is None:
+        if (host := self.host) is None:
             return None
         if knobs not in self._host_peaks:
-            host = self.host
             need = host_train_need(
                 self.shape, knobs, host.checkpoint_bytes, self.targets, host.largest_shard_bytes
             )
@@ -226,10 +196,15 @@ class Search:
         return True
 
     def with_eval_that_fits(self, knobs: Knobs) -> Knobs | None:
-        """``knobs`` with the largest eval batch that fits; None when training itself does not."""
+        """``knobs`` with the largest eval batch that fits, the job's or a halving of it (a smaller eval
+        batch fixes an eval that does not fit); None when training itself does not."""
         if not self.fits(dataclasses.replace(knobs, eval_enabled=False)):
             return None
-        return next((k for k in eval_batches(knobs) if self.fits(k)), None)
+        while not self.fits(knobs):
+            if not knobs.eval_enabled or knobs.eval_batch_size <= 1:
+                return None
+            knobs = dataclasses.replace(knobs, eval_batch_size=knobs.eval_batch_size // 2)
+        return knobs
 
     def rank(self, base: Knobs) -> list[Ranked]:
         """Every fitting throughput variant of ``base``, fastest first."""
@@ -238,28 +213,27 @@ class Search:
             fitted = self.with_eval_that_fits(variant)
             if fitted is None or fitted in self.exclude:
                 continue
-            rungs = rungs_between(self.job, fitted)
-            if set(rungs) & self.unusable:
+            names = rungs_between(self.job, fitted)
+            if set(names) & self.unusable:
                 continue
             speed = throughput.rank_speed(self.shape, fitted, self.speed, self.targets)
-            out.append(
-                Ranked(
-                    fitted, rungs, self.peak(fitted), speed.tokens_per_s, speed.measured, dearest(rungs),
-                    self.host_peak(fitted),
-                )
-            )  # fmt: skip
+            peak, host = self.peak(fitted), self.host_peak(fitted)
+            out.append(Ranked(fitted, names, peak, speed.tokens_per_s, speed.measured, dearest(names), host))
         # Fastest first; at equal speed fewer changes, the larger eval batch, the higher peak.
-        return sorted(
-            out, key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes)
-        )
+        out.sort(key=lambda r: (-r.tokens_per_s, len(r.rungs), -r.knobs.eval_batch_size, -r.peak_bytes))
+        return out
 
     def best(self, job: Knobs) -> tuple[list[Ranked], bool]:
         """The ranking of the lightest change that fits: (ranking, quality changed); empty: none."""
-        ranking = self.rank(job)
-        if ranking:
+        if ranking := self.rank(job):
             return ranking, False
-        for variant, rungs in quality_variants(job):
-            if set(rungs) & self.unusable or not self.fits(most_frugal(variant)):
+        for variant, names in quality_variants(job):
+            # Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1).
+            frugal = variant
+            for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
+                while (changed := rung.apply(frugal)) is not None:
+                    frugal = changed
+            if set(names) & self.unusable or not self.fits(frugal):
                 continue
             ranking = self.rank(variant)
             if ranking and deep_cut(self.job, variant):
@@ -275,8 +249,8 @@ def fit_limit(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
     return int(budget_bytes / (1 + margin))
 
 
-def dearest(rungs: Sequence[str]) -> CostClass:
-    classes = [RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in rungs]
+def dearest(names: Sequence[str]) -> CostClass:
+    classes = [rungs.RUNG_CLASSES.get(name, CostClass.THROUGHPUT) for name in names]
     return max(classes, key=list(CostClass).index, default=CostClass.FREE)
 
 
@@ -299,14 +273,14 @@ class RungEffect:
 def rung_effects(
     shape: ModelShape,
     knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
     scale: float | None = None,
     speed: throughput.SpeedCalibration | None = None,
 ) -> list[RungEffect]:
     """Each plan rung applied alone to ``knobs``: predicted peak and tokens/s after it."""
     base = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     effects = []
-    for rung in PLAN_RUNGS:
+    for rung in rungs.PLAN_RUNGS:
         changed = rung.apply(knobs)
         if changed is None or rung.cost is None:
             effects.append(RungEffect(rung.name, rung.cost or CostClass.FREE, 0.0, None, {}))

@@ -1,12 +1,10 @@
 """The throughput model: predicted tokens/s of a QLoRA config, next to the memory model.
-
 Much of a 4-bit micro-step's cost is fixed (docs/planning.md), so per micro-step: launch cost per
 layer + cost per 4-bit weight byte + (block work + head work) per token + offload's copies, per
 checkpointing mode, fitted by ``bench/models/fit_throughput.py`` (:mod:`.throughput_fit`); per
 optimizer step, accumulation micro-steps + a cost per adapter parameter. Measured speeds beat the
 model (:class:`SpeedCalibration`): a measured config keeps its speed, the others are scaled by their
-mode's median measured/predicted ratio (by all of them for a mode with none).
-"""
+mode's median measured/predicted ratio (by all of them for a mode with none)."""
 
 from __future__ import annotations
 
@@ -15,10 +13,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, per_weight
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, adapter_tensors, per_weight
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
-from qlora_supervise.policies.memory.optimizer import adapter_tensors
-from qlora_supervise.policies.memory.shape import ModelShape
+from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.search import throughput_fit as fit
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -35,8 +32,7 @@ def weight_bytes(shape: ModelShape, knobs: Knobs) -> int:
 def work_per_token(shape: ModelShape, seq_len: int) -> int:
     """Multiply-adds per token of the decoder blocks' forward: the linear layers, the experts a
     token is routed through (counted as 4-bit ones: unmeasured), attention."""
-    linear = shape.layer_params + shape.active_expert_params
-    return shape.layers * linear + shape.layers * seq_len * shape.q_dim
+    return shape.layers * (shape.layer_params + shape.active_expert_params + seq_len * shape.q_dim)
 
 
 def head_work_per_token(shape: ModelShape) -> int:
@@ -44,7 +40,7 @@ def head_work_per_token(shape: ModelShape) -> int:
     return shape.vocab * shape.hidden
 
 
-def adapter_params(shape: ModelShape, knobs: Knobs, targets: tuple[str, ...] | str = DEFAULT_TARGETS) -> int:
+def adapter_params(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS) -> int:
     return sum(adapter_tensors(shape, knobs.lora_r, targets))
 
 
@@ -81,10 +77,7 @@ class StepTime:
 
 
 def optimizer_seconds(
-    shape: ModelShape,
-    knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    c: Coefficients = FITTED,
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, c: Coefficients = FITTED
 ) -> float:
     """Seconds of one optimizer step over the adapter (by optimizer kind; unknown kinds as adamw_torch)."""
     per_param = c.optimizer_s_per_param.get(knobs.optimizer, c.optimizer_s_per_param["adamw_torch"])
@@ -92,10 +85,7 @@ def optimizer_seconds(
 
 
 def predict(
-    shape: ModelShape,
-    knobs: Knobs,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
-    c: Coefficients = FITTED,
+    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS, c: Coefficients = FITTED
 ) -> StepTime:
     """The model's step time and tokens/s for ``knobs`` (one rank; ranks add throughput, not speed):
     ``grad_accum`` forward + backward micro-steps by the fitted model, then the optimizer step."""
@@ -151,15 +141,10 @@ SCALE_RANGE = (0.1, 10.0)
 
 
 def calibrate(
-    shape: ModelShape,
-    observations: Sequence[SpeedObservation],
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    shape: ModelShape, observations: Sequence[SpeedObservation], targets: Targets = DEFAULT_TARGETS
 ) -> SpeedCalibration:
     """The calibration ``observations`` of this shape give (newest last; the newest of a config wins)."""
-    latest: dict[Knobs, SpeedObservation] = {}
-    for o in observations:
-        if o.tokens_per_s > 0 and o.knobs.world_size == 1:
-            latest[speed_key(o.knobs)] = o
+    latest = {speed_key(o.knobs): o for o in observations if o.tokens_per_s > 0 and o.knobs.world_size == 1}
     ratios: dict[bool, list[float]] = {True: [], False: []}
     low, high = SCALE_RANGE
     for key, o in latest.items():
@@ -175,7 +160,7 @@ def rank_speed(
     shape: ModelShape,
     knobs: Knobs,
     calibration: SpeedCalibration | None = None,
-    targets: tuple[str, ...] | str = DEFAULT_TARGETS,
+    targets: Targets = DEFAULT_TARGETS,
 ) -> StepTime:
     """The step time the ranking uses: measured where these knobs were measured, else the model
     scaled by its checkpointing mode's measured ratio, else the model."""
