@@ -1,7 +1,7 @@
 """What differs between the decoder blocks the memory model covers, by ``config.json``'s ``model_type``. Read
 from transformers 5.24's ``models/*/modeling_*.py`` (the child's version). Llama, Mistral and Qwen2 (q/k/v
 bias): two RMSNorms, q/k/v/o, a gated MLP; Qwen3 adds q/k norms; Gemma 2/3: four norms, head_dim 256, tied
-256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24, :mod:`.attention`); Phi-3: fused
+256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24, `default_attention` below); Phi-3: fused
 ``qkv_proj`` and ``gate_up_proj``; Qwen3-MoE and Mixtral: experts as fused 3D parameters bitsandbytes leaves
 unquantized (cast to fp32), top-k of them per token. A model type outside :data:`BLOCKS` is not modelled
 (:mod:`.shape`). Which attention the child's transformers runs a model type with is read without importing it:
