@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,11 +52,9 @@ def offloads(tensor: torch.Tensor) -> bool:
 
 class HostBuffers:
     """The host buffers offloaded activations live in, reused between micro-steps (``save_on_cpu``
-    allocates new pinned tensors each micro-step, and the host caching allocator keeps them all).
-
-    A buffer is the tensor's size rounded up to a power of two (the allocator's rounding, which the host
-    model counts; trl pads each batch to its own length), taken from a free list and returned when
-    autograd drops what it saved."""
+    allocates new pinned tensors each micro-step, and the host caching allocator keeps them all). A
+    buffer is the tensor's size rounded up to a power of two (the allocator's rounding, which the host
+    model counts; trl pads each batch to its own length), from a free list, back when autograd drops it."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
@@ -110,10 +107,7 @@ class _Offloaded:
     __slots__ = ("buffer", "device", "dtype", "pool", "shape")
 
     def __init__(self, pool: HostBuffers, tensor: torch.Tensor) -> None:
-        self.pool = pool
-        self.device = tensor.device
-        self.dtype = tensor.dtype
-        self.shape = tensor.shape
+        self.pool, self.device, self.dtype, self.shape = pool, tensor.device, tensor.dtype, tensor.shape
         self.buffer = pool.take(tensor)
 
     def __del__(self) -> None:
@@ -170,10 +164,5 @@ def release_host_buffers() -> int:
     return 0 if _POOL is None else _POOL.release()
 
 
-@contextlib.contextmanager
-def activation_context(knobs: Knobs) -> Iterator[None]:
-    if not knobs.activation_offload:
-        yield
-        return
-    with OffloadActivations(host_buffers()):
-        yield
+def activation_context(knobs: Knobs) -> contextlib.AbstractContextManager[Any]:
+    return OffloadActivations(host_buffers()) if knobs.activation_offload else contextlib.nullcontext()

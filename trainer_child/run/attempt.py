@@ -1,9 +1,7 @@
-"""One training attempt: setup → recipe → train → adapter, and the failure path.
-
-Exit code: OK after the adapter is saved, STOPPED after SIGTERM and a checkpoint, else the failure's
-after the error report. The failure path runs *outside* the ``except`` block, so the activations the
-exception's frames hold are gone before the emergency checkpoint needs memory.
-"""
+"""One training attempt: setup → recipe → train → adapter, and the failure path. Exit code: OK after the
+adapter is saved, STOPPED after SIGTERM and a checkpoint, else the failure's after the error report. The
+failure path runs *outside* the ``except`` block, so the activations the exception's frames hold are
+gone before the emergency checkpoint needs memory."""
 
 from __future__ import annotations
 
@@ -19,11 +17,6 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    UnsafeCheckpointPath,
-    newest_complete_checkpoint,
-    refuse_linked_dir,
-)
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.events import Started
@@ -131,19 +124,18 @@ def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
     removing dead writers' staging dirs. A linked ``checkpoints_dir`` is a ConfigError."""
     checkpoints_dir = Path(spec.checkpoints_dir)
     try:
-        refuse_linked_dir(checkpoints_dir)
-    except UnsafeCheckpointPath as exc:
+        checkpoints.refuse_linked_dir(checkpoints_dir)
+    except checkpoints.UnsafeCheckpointPath as exc:
         raise ConfigError(str(exc)) from exc
     checkpoints.remove_stale_temps(checkpoints_dir)
     if spec.resume_from == "auto":
-        newest = newest_complete_checkpoint(checkpoints_dir)
+        newest = checkpoints.newest_complete_checkpoint(checkpoints_dir)
         return newest[1] if newest else None
     return Path(spec.resume_from) if spec.resume_from else None
 
 
 def resume_choice(ctx: Context) -> checkpoints.ResumeSource:
-    """:func:`resume_source` of the chosen checkpoint, named in ``ctx`` first (the report names it
-    if it fails to load)."""
+    """:func:`resume_source` of the chosen checkpoint, named in ``ctx`` first (for the report if it fails)."""
     chosen = chosen_checkpoint(ctx.spec)
     ctx.resume_checkpoint = str(chosen) if chosen is not None else None
     return resume_source(ctx.spec, chosen)
@@ -174,12 +166,11 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
             "resume at its rank or start from step 0"
         )
     stripped = checkpoints.without_optimizer(source, Path(spec.checkpoints_dir) / f".tmp-reset-{os.getpid()}")
-    reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha) if cut else None
-    why = (
-        "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
-        if cut
-        else "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
-    )
+    why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
+    reduction = None
+    if cut:
+        reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha)
+        why = "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
     return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
 
 
@@ -242,12 +233,9 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
         memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
     report_failure(ctx, failure, emergency)
+    line = failure_line(failure.stage.value, failure.exception_type, failure.message[:2000])
     with contextlib.suppress(OSError):  # stderr is child.log, on the run's disk, which may be full
-        print(
-            failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),
-            file=sys.stderr,
-            flush=True,
-        )
+        print(line, file=sys.stderr, flush=True)
     return failure.exit_code
 
 
@@ -322,20 +310,9 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
     return int(code)
 
 
-def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None:
-    """The micro-batch a training step's OOM happened on."""
-    if not failure.oom or failure.stage not in LOOP_STAGES or ctx.trainer is None:
-        return None
-    try:
-        batch = ctx.trainer.batch_in_flight()
-    except Exception:  # a bonus, as the allocator's facts: the report must still be written
-        return None
-    return batch if isinstance(batch, BatchInFlight) else None
-
-
 def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
-    """``exc`` reduced to strings, with the allocator's facts and snapshot of a GPU OOM, read first:
-    the frames still hold the step's tensors; and the micro-batch of a training step's OOM."""
+    """``exc`` reduced to strings, with the allocator's facts and snapshot of a GPU OOM, read first (the
+    frames still hold the step's tensors), and the micro-batch a training step's OOM happened on."""
     facts, snapshot = None, None
     if ctx.on_cuda:
         try:
@@ -351,7 +328,10 @@ def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
             facts, snapshot = None, None
     failure = capture(exc, ctx.progress.stage, ctx.progress.step)
     failure.allocator, failure.memory_snapshot = facts, snapshot
-    failure.batch = batch_at_oom(ctx, failure)
+    if failure.oom and failure.stage in LOOP_STAGES and ctx.trainer is not None:
+        with contextlib.suppress(Exception):  # a bonus, as the allocator's facts: the report comes first
+            batch = ctx.trainer.batch_in_flight()
+            failure.batch = batch if isinstance(batch, BatchInFlight) else None
     return failure
 
 
