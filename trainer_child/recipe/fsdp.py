@@ -32,9 +32,7 @@ def storage(knobs: Knobs, dtype: torch.dtype) -> dict[str, Any]:
 def kept_16bit(model: Any, knobs: Knobs) -> list[torch.nn.Parameter]:
     """Under FSDP, every parameter that is not 4-bit: each keeps the compute dtype through the k-bit
     prepare (FSDP's mixed precision casts them all to one)."""
-    if not knobs.fsdp:
-        return []
-    return [p for p in model.parameters() if type(p).__name__ != "Params4bit"]
+    return [p for p in model.parameters() if type(p).__name__ != "Params4bit"] if knobs.fsdp else []
 
 
 def block_classes(model: Any) -> list[str]:

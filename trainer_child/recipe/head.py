@@ -16,13 +16,8 @@ import torch
 
 def head_parameters(model: Any) -> list[torch.nn.Parameter]:
     """The parameters of the input embeddings and the LM head, once each (a tied head shares one)."""
-    modules = [model.get_input_embeddings(), model.get_output_embeddings()]
-    unique: dict[int, torch.nn.Parameter] = {}
-    for module in modules:
-        if module is None:
-            continue
-        for parameter in module.parameters():
-            unique.setdefault(id(parameter), parameter)
+    modules = (model.get_input_embeddings(), model.get_output_embeddings())
+    unique = {id(param): param for module in modules if module is not None for param in module.parameters()}
     return list(unique.values())
 
 

@@ -48,9 +48,7 @@ def load_through_host(trainer: SupervisedTrainerMixin, checkpoint: str | None) -
     state_file = Path(checkpoint) / "optimizer.pt"
     if not state_file.is_file() or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         return False
-    state = torch.load(state_file, map_location="cpu", weights_only=True)
-    trainer.optimizer.load_state_dict(state)
-    del state
+    trainer.optimizer.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True))
     scheduler_file = Path(checkpoint) / "scheduler.pt"
     if trainer.lr_scheduler is not None and scheduler_file.is_file():
         trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))

@@ -1,10 +1,8 @@
 """A trained LoRA adapter cut to a smaller rank by truncated SVD, so halving the rank keeps progress.
-
 Each module's update is ``delta_W = scale * B @ A``; with ``U S V^T = svd(delta_W)`` and new rank ``k``,
 ``B' = U_k sqrt(S_k / scale')`` and ``A' = sqrt(S_k / scale') V_k^T`` give the best rank-``k``
 approximation (Eckart-Young). The SVD is of an ``r x r`` core (QR of ``B`` and ``A^T``), never of the
-full ``out x in`` matrix. The optimizer state keeps the old shapes: the caller resets it.
-"""
+full ``out x in`` matrix. The optimizer state keeps the old shapes: the caller resets it."""
 
 from __future__ import annotations
 
@@ -82,12 +80,10 @@ def truncate_adapter(directory: Path, rank: int, alpha: int) -> RankReduction:
             continue
         b_name = name.replace(_A, _B)
         b, a = weights[b_name], tensor
-        b_new, a_new, singular = truncate_pair(
-            b, a, lora_scale(old_alpha, a.shape[0], rslora), rank, new_scale
-        )
+        old_scale = lora_scale(old_alpha, a.shape[0], rslora)
+        b_new, a_new, singular = truncate_pair(b, a, old_scale, rank, new_scale)
         out[name], out[b_name] = a_new.to(a.dtype).contiguous(), b_new.to(b.dtype).contiguous()
-        module = name.split(_A)[0]
-        kept[module] = energy_share(singular, rank)
+        kept[name.split(_A)[0]] = energy_share(singular, rank)
         total += float(singular.double().square().sum())
         top += float(singular.double()[:rank].square().sum())
     if not kept:

@@ -1,9 +1,7 @@
 """This process as one of torchrun's ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``): its own events
-and error files, its GPU, and what the ranks agree on. DDP itself is the Trainer's; torch is imported
-only where it is used.
-
-Whether the device the job asks for is there: a GPU asked for and missing is a config error (not days
-on the CPU); ``auto`` may fall back to the CPU, and ``started`` and stderr say why."""
+and error files, its GPU, and what the ranks agree on (DDP itself is the Trainer's; torch is imported
+only where used). A GPU asked for and missing is a config error (not days on the CPU); ``auto`` may
+fall back to the CPU, and ``started`` and stderr say why."""
 
 from __future__ import annotations
 
@@ -104,11 +102,8 @@ def barrier(place: RankPlace) -> None:
 
 def decide_together(place: RankPlace, progress: Progress, device: Any) -> tuple[bool, bool]:
     """Whether every rank stops / checkpoints after this step, true if any rank says so (MAX all-reduce):
-    one that saves or stops alone would hang the others in mismatched collectives.
-
-    The flags are only raised here, never cleared: a SIGTERM landing during the all-reduce, after this
-    rank's value was sent, goes into the next step's instead of being lost.
-    """
+    one that saves or stops alone would hang the others in mismatched collectives. Flags are only raised
+    here, never cleared: a SIGTERM landing after this rank's value was sent counts in the next step's."""
     stop, early = progress.stop_requested, progress.early_checkpoints
     dist = _group(place)
     if dist is not None:
