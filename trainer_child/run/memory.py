@@ -13,11 +13,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract.allocator import (
-    AllocatorFacts,
-    allocator_env,
-    facts_from_allocator,
-)
+from qlora_supervise.trainer_child.contract import allocator
 from qlora_supervise.trainer_child.contract.events import MemoryNumbers
 from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
@@ -38,7 +34,7 @@ class MemoryCapError(ConfigError):
 
 def prepare_process_env(expandable_segments: bool) -> None:
     """Fix allocator settings before ``import torch`` (as the supervisor does, for a child run by hand)."""
-    os.environ.update(allocator_env(os.environ, expandable_segments))
+    os.environ.update(allocator.allocator_env(os.environ, expandable_segments))
     # Arrow's jemalloc/mimalloc pool reserves ~1 GiB of address space, counted by RLIMIT_DATA unused.
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     tune_malloc()
@@ -214,7 +210,7 @@ def dump_memory_snapshot(path: Path) -> str | None:
 
 def allocator_facts_at_oom(
     exc: BaseException, limit: int | None, shapes: StepShapes | None
-) -> AllocatorFacts | None:
+) -> allocator.AllocatorFacts | None:
     """The CUDA allocator's facts for an OOM, read before the step's tensors are freed; None on the
     CPU, for other failures, or on error."""
     import torch
@@ -229,7 +225,9 @@ def allocator_facts_at_oom(
         total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     except (RuntimeError, MemoryError):
         return None
-    facts = facts_from_allocator(stats, segments, requested, limit=limit or total, device_free=device_free)
+    facts = allocator.facts_from_allocator(
+        stats, segments, requested, limit=limit or total, device_free=device_free
+    )
     if shapes is None:
         return facts
     step, peak = shapes.last_with(shapes.current)

@@ -26,19 +26,10 @@ from qlora_supervise.policies.choice import TrialChoice
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, TrialCandidate
-from qlora_supervise.trainer_child.recipe.activations import (
-    activation_context,
-    release_host_buffers,
-    set_checkpointing,
-)
+from qlora_supervise.trainer_child.recipe import activations
+from qlora_supervise.trainer_child.run import memory
 from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import (
-    free_memory,
-    memory_numbers,
-    proc_status_bytes,
-    reset_host_peak,
-)
 from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: The whole trial's aim, warm-ups included, shared among the candidates (each gets its warm-up and
@@ -110,7 +101,7 @@ class Began:
 
     def restore(self, trainer: Any) -> None:
         if self.model_checkpointing is not None and model_checkpointing(trainer) != self.model_checkpointing:
-            set_checkpointing(trainer, self.model_checkpointing)
+            activations.set_checkpointing(trainer, self.model_checkpointing)
         for name, value in self.args_checkpointing:
             setattr(trainer.args, name, value)
 
@@ -127,11 +118,11 @@ def model_checkpointing(trainer: Any) -> bool | None:
 def _ended(
     event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: bool, line: str
 ) -> SpeedTrialEvent:
-    release_host_buffers()
-    free_memory()
+    activations.release_host_buffers()
+    memory.free_memory()
     if on_cuda:  # from here the attempt's peaks are its training's, not the trial's
         torch.cuda.reset_peak_memory_stats()
-        reset_host_peak()
+        memory.reset_host_peak()
     progress.enter(before)
     progress.events.write(event.to_line())
     print(line, flush=True)
@@ -156,10 +147,10 @@ def time_candidate(
     """Warm-up, then timed micro-steps until ``share`` seconds are spent (within the step limits); an
     OOM ends the candidate with its ``error`` (handled outside ``except``, whose frames hold tensors)."""
     started = time.monotonic()
-    set_checkpointing(trainer, candidate.gradient_checkpointing)
+    activations.set_checkpointing(trainer, candidate.gradient_checkpointing)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    measured_host = reset_host_peak()
+    measured_host = memory.reset_host_peak()
     tokens_per_s: float | None = None
     error: str | None = None
     try:
@@ -171,13 +162,13 @@ def time_candidate(
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
     batch = None  # the activations of a failed step went with the exception; the batch goes here
     trainer.model.zero_grad(set_to_none=True)
-    host_peak = proc_status_bytes("VmHWM") if measured_host else None
-    release_host_buffers()  # the next candidate saves other sizes
+    host_peak = memory.proc_status_bytes("VmHWM") if measured_host else None
+    activations.release_host_buffers()  # the next candidate saves other sizes
     if error is not None:
-        free_memory()
+        memory.free_memory()
     seconds = round(time.monotonic() - started, 3)
     # The CUDA allocator's peak since the start; on the CPU the data segment's so far (never reset).
-    peak = int(torch.cuda.max_memory_allocated()) if on_cuda else memory_numbers().peak_bytes
+    peak = int(torch.cuda.max_memory_allocated()) if on_cuda else memory.memory_numbers().peak_bytes
     return TrialResult(candidate, tokens_per_s, peak, seconds, error, host_peak)
 
 
@@ -200,7 +191,7 @@ def micro_step(trainer: Any, batch: dict[str, Any]) -> None:
     forward in, not applied yet); the gradients accumulate, nothing steps."""
     model = trainer.model
     model.train()
-    with activation_context(trainer.plan.knobs):
+    with activations.activation_context(trainer.plan.knobs):
         with trainer.accelerator.autocast(), trainer.compute_loss_context_manager():
             loss = trainer.compute_loss(model, dict(batch))
         trainer.accelerator.backward(loss)
@@ -213,7 +204,7 @@ def apply(trainer: Any, knobs: Knobs) -> None:
     args.per_device_train_batch_size = knobs.micro_batch_size
     args.gradient_accumulation_steps = knobs.grad_accum
     trainer._train_batch_size = args.train_batch_size
-    set_checkpointing(trainer, knobs.gradient_checkpointing)
+    activations.set_checkpointing(trainer, knobs.gradient_checkpointing)
     trainer.plan = dataclasses.replace(trainer.plan, knobs=knobs)
 
 
