@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -231,8 +232,6 @@ def report_env(spec: AttemptSpec) -> dict[str, str]:
     """Environment of the Trainer's reporting (TensorBoardCallback reads ``TENSORBOARD_LOGGING_DIR``)."""
     if spec.train.report_to != "tensorboard":
         return {}
-    from importlib.util import find_spec
-
     if find_spec("tensorboard") is None and find_spec("tensorboardX") is None:
         raise ConfigError(
             "train.report_to: tensorboard, but tensorboard is not installed in the trainer's environment: "

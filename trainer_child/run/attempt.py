@@ -6,6 +6,7 @@ gone before the emergency checkpoint needs memory."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -89,25 +90,13 @@ def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
-    announce_started(ctx, versions(), cpu_fallback)
-    if ctx.spec.train.trust_remote_code:
-        print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
-    if memory.late_cap_step() is None:  # else the trainer caps after that step (a test's fault)
-        memory.apply_cpu_cap(ctx.spec.cpu_memory_limit)
-
-
-def announce_started(ctx: Context, versions: dict[str, str], cpu_fallback: str | None) -> None:
-    import torch
-
     started = Started(
         pid=os.getpid(),
         attempt=ctx.spec.attempt,
-        rank=ctx.place.rank,
-        local_rank=ctx.place.local_rank,
-        world_size=ctx.place.world_size,
+        **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
         device=ctx.device,
         device_name=torch.cuda.get_device_name() if ctx.on_cuda else "cpu",
-        versions=versions,
+        versions=versions(),
         vmdata=memory.proc_status_bytes("VmData"),
         rss=memory.proc_status_bytes("VmRSS"),
         cpu_memory_limit=ctx.spec.cpu_memory_limit,
@@ -117,6 +106,10 @@ def announce_started(ctx: Context, versions: dict[str, str], cpu_fallback: str |
         trust_remote_code=ctx.spec.train.trust_remote_code,
     )
     ctx.events.write(started.to_line())
+    if ctx.spec.train.trust_remote_code:
+        print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
+    if memory.late_cap_step() is None:  # else the trainer caps after that step (a test's fault)
+        memory.apply_cpu_cap(ctx.spec.cpu_memory_limit)
 
 
 def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
@@ -144,14 +137,14 @@ def resume_choice(ctx: Context) -> checkpoints.ResumeSource:
 def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeSource:
     """How to resume from ``source``, checked to be loadable (CheckpointLoadError if not). Without
     optimizer state it resumes as a reset; an adapter of a larger rank is cut to ``lora_r`` in an
-    optimizer-less scratch copy (:mod:`.rank`), never in the original."""
+    optimizer-less scratch copy (:mod:`...recipe.resume`), never in the original."""
     if source is None:
         return checkpoints.ResumeSource()
     if not checkpoints.is_complete(source):
         raise ConfigError(f"resume_from {source}: not a complete checkpoint (no completion marker)")
     checkpoints.check_loadable(source)
     original = str(source)
-    from qlora_supervise.trainer_child.run.rank import adapter_rank, truncate_adapter  # imports torch
+    from qlora_supervise.trainer_child.recipe.resume import adapter_rank, truncate_adapter  # imports torch
 
     saved = adapter_rank(source)
     cut = saved is not None and saved > spec.knobs.lora_r
@@ -275,9 +268,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         memory_snapshot=failure.memory_snapshot,
         batch=failure.batch,
         time=failure.time,
-        rank=ctx.place.rank,
-        local_rank=ctx.place.local_rank,
-        world_size=ctx.place.world_size,
+        **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
     )
     try:
         write_text_atomic(ctx.spec.error_file, report.to_json())
