@@ -62,9 +62,8 @@ class HostBuffers:
         self.held_bytes = 0  # every buffer this pool allocated and still holds (in use + free)
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
-        self.allocated = 0  # buffers allocated (a new host tensor)
-        self.reused = 0  # packs served from the free list
-        self.packed = 0  # tensors offloaded
+        # Counts: buffers allocated (a new host tensor), packs served from the free list, tensors offloaded.
+        self.allocated = self.reused = self.packed = 0
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host buffer whose first bytes hold ``tensor``."""

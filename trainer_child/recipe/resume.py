@@ -37,8 +37,7 @@ TEST_CAP_IN_RESUME = "QLORA_SUPERVISE_TEST_CAP_IN_RESUME"
 
 @contextlib.contextmanager
 def checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
-    """Any exception but an OOM (the host allocator's RuntimeError included) while loading ``what``
-    becomes a CheckpointLoadError."""
+    """Any exception but an OOM (a host allocator's RuntimeError too) loading ``what``: a load error."""
     try:
         yield
     except Exception as exc:

@@ -18,8 +18,7 @@ def import_training_stack() -> dict[str, str]:
 
 
 def import_training_classes(model_dir: str | None = None) -> None:
-    """Import what the recipe touches lazily (and ``model_dir``'s modelling module), so a warm spare's
-    attempt pays none of it; no CUDA."""
+    """Import ahead what the recipe imports lazily (and ``model_dir``'s modelling module); no CUDA."""
     import importlib
     import json
     from pathlib import Path

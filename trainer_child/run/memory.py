@@ -128,8 +128,7 @@ def apply_gpu_cap(limit: int | None) -> None:
 
 
 def expandable_segments_active() -> bool | None:
-    """Whether the CUDA allocator really runs with expandable segments (a variable set too late or
-    misspelled does not); None on the CPU."""
+    """Whether the CUDA allocator truly uses expandable segments (not if set late or misspelt); CPU: None."""
     import torch
 
     if not torch.cuda.is_available():

@@ -1,12 +1,10 @@
 """The speed trial: time the planner's candidates in-process before step 1, train with the fastest.
-
 Only for an attempt from step 0 (or a re-time) with two or more candidates, in one process. Each
 candidate runs a warm-up and a few timed forward+backward micro-steps on the longest training sample
 (repeated to its micro-batch), its checkpointing switched on the same model: no reload, no optimizer
 step. The training that follows is the one it would have been: the dataloader does not exist yet, the
 RNG states, gradients and trl's metrics are put back. An OOM drops the candidate where it failed. The
-choice is the policy's (:func:`policies.choice.after_trial`); this module times and applies it.
-"""
+choice is the policy's (:func:`policies.choice.after_trial`); this module times and applies it."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def wanted(spec: AttemptSpec, resuming: bool) -> bool:
 
 
 def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> SpeedTrialEvent:
-    """Time ``spec.speed_trial`` on the longest training sample, apply the choice to ``trainer``, emit
-    and return the event."""
+    """Time ``spec.speed_trial`` on the longest training row, apply the choice, emit and return the event."""
     began = Began.now(progress, trainer)
     row = longest_row(trainer.train_dataset)
     return conclude(trainer, progress, on_cuda, time_all(trainer, spec, on_cuda, row), began)
@@ -198,8 +195,7 @@ def micro_step(trainer: Any, batch: dict[str, Any]) -> None:
 
 
 def apply(trainer: Any, knobs: Knobs) -> None:
-    """Train with ``knobs``, before ``train()`` reads them (its dataloader reads ``_train_batch_size``,
-    copied at construction)."""
+    """Train with ``knobs``, before ``train()`` (its dataloader reads ``_train_batch_size``, set at init)."""
     args = trainer.args
     args.per_device_train_batch_size = knobs.micro_batch_size
     args.gradient_accumulation_steps = knobs.grad_accum
