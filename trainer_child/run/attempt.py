@@ -189,9 +189,8 @@ def train(ctx: Context) -> ExitCode:
 
     spec = ctx.spec
     source = resume_choice(ctx)
-    trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
+    ctx.trainer = trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
     ctx.prepared = None  # the trainer holds what it took; the rest need not live on
-    ctx.trainer = trainer
     from qlora_supervise.trainer_child.run import speed_trial
 
     if speed_trial.wanted(spec, resuming=source.load_from is not None) and not ctx.progress.stop_requested:
@@ -308,8 +307,7 @@ def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
     if ctx.on_cuda:
         try:
             # A step of the same shape proves a *training* step fits: not an eval or a save.
-            training = ctx.progress.stage in LOOP_STAGES
-            shapes = getattr(ctx.trainer, "shapes", None) if training else None
+            shapes = getattr(ctx.trainer, "shapes", None) if ctx.progress.stage in LOOP_STAGES else None
             facts = memory.allocator_facts_at_oom(exc, ctx.spec.gpu_memory_limit, shapes)
             if facts is not None and ctx.memory_history:
                 snapshot = memory.dump_memory_snapshot(

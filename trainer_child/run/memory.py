@@ -20,8 +20,7 @@ from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_n
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 1 << 20
-#: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (an OOM
-#: after progress).
+#: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (late OOM).
 TEST_CAP_AFTER_STEP = "QLORA_SUPERVISE_TEST_CAP_AFTER_STEP"
 #: Injected fault for the step-up bench (``N:S``): after optimizer step N (only) the child hands its
 #: cached GPU memory back and pauses S seconds, so a neighbour can take the card.
@@ -55,13 +54,10 @@ def tune_malloc(arenas: int = 2) -> None:
 
 def proc_status_bytes(field: str) -> int | None:
     """A ``kB`` field of /proc/self/status (VmData, VmRSS, VmHWM) in bytes; None off Linux."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -165,12 +161,9 @@ def memory_numbers() -> MemoryNumbers:
 def cuda_memory_stats() -> dict[str, Any] | None:
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return dict(torch.cuda.memory_stats())
-    except RuntimeError:
-        return None
+    with contextlib.suppress(RuntimeError):
+        return dict(torch.cuda.memory_stats()) if torch.cuda.is_available() else None
+    return None
 
 
 def free_memory() -> None:
@@ -189,22 +182,20 @@ def start_memory_history(diagnose: DiagnoseSpec) -> bool:
 
     if not diagnose.memory_history or not torch.cuda.is_available():
         return False
-    try:
+    with contextlib.suppress(RuntimeError, TypeError, AttributeError):
         torch.cuda.memory._record_memory_history(max_entries=diagnose.memory_history_entries, stacks="python")
-    except (RuntimeError, TypeError, AttributeError):
-        return False
-    return True
+        return True
+    return False
 
 
 def dump_memory_snapshot(path: Path) -> str | None:
     """Write the recorded history to ``path`` (for https://pytorch.org/memory_viz); None on failure."""
     import torch
 
-    try:
+    with contextlib.suppress(RuntimeError, OSError, AttributeError, MemoryError):
         torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]  # untyped in torch
-    except (RuntimeError, OSError, AttributeError, MemoryError):
-        return None
-    return str(path)
+        return str(path)
+    return None
 
 
 def allocator_facts_at_oom(
@@ -224,9 +215,8 @@ def allocator_facts_at_oom(
         total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     except (RuntimeError, MemoryError):
         return None
-    facts = allocator.facts_from_allocator(
-        stats, segments, requested, limit=limit or total, device_free=device_free
-    )
+    limit = limit or total
+    facts = allocator.facts_from_allocator(stats, segments, requested, limit=limit, device_free=device_free)
     if shapes is None:
         return facts
     step, peak = shapes.last_with(shapes.current)
@@ -248,11 +238,8 @@ class StepShapes:
         self._in_step.add(shape)
 
     def step_done(self, step: int, peak: int | None) -> None:
-        for shape in self._in_step:
-            self._done[shape] = (step, peak)
+        self._done.update(dict.fromkeys(self._in_step, (step, peak)))
         self._in_step.clear()
 
     def last_with(self, shape: tuple[int, ...] | None) -> tuple[int | None, int | None]:
-        if shape is None or shape not in self._done:
-            return None, None
-        return self._done[shape]
+        return (None, None) if shape is None else self._done.get(shape, (None, None))

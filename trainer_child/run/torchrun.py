@@ -43,12 +43,9 @@ SINGLE = RankPlace()
 
 
 def this_rank(environ: Mapping[str, str] = os.environ) -> RankPlace:
-    rank, local, world = (environ.get(name, "") for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    return RankPlace(
-        int(rank) if rank.isdigit() else 0,
-        int(local) if local.isdigit() else 0,
-        int(world) if world.isdigit() else 1,
-    )
+    defaults = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1}
+    values = {name: environ.get(name, "") for name in defaults}
+    return RankPlace(*(int(value) if value.isdigit() else defaults[name] for name, value in values.items()))
 
 
 def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = os.environ) -> AttemptSpec:
