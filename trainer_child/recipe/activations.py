@@ -45,9 +45,8 @@ def offloads(tensor: torch.Tensor) -> bool:
     """Whether a tensor saved for backward goes to the host: an activation on an accelerator, not tiny.
     Parameters and their views stay (as in torchtune): a frozen weight an op saves, such as the LM
     head's in trl's fused loss, would be copied out and back every micro-step for nothing."""
-    if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
-        return False
-    return tensor.device.type != "cpu" and _nbytes(tensor) >= MIN_OFFLOAD_BYTES
+    parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+    return not parameter and tensor.device.type != "cpu" and tensor.nbytes >= MIN_OFFLOAD_BYTES
 
 
 class HostBuffers:
@@ -60,14 +59,13 @@ class HostBuffers:
         self.pin_memory = pin_memory
         self._free: dict[int, list[torch.Tensor]] = {}  # by size in bytes, a power of two
         self.held_bytes = 0  # every buffer this pool allocated and still holds (in use + free)
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
+        self.in_use_bytes = self.peak_in_use_bytes = 0
         # Counts: buffers allocated (a new host tensor), packs served from the free list, tensors offloaded.
         self.allocated = self.reused = self.packed = 0
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host buffer whose first bytes hold ``tensor``."""
-        nbytes = _nbytes(tensor)
+        nbytes = tensor.nbytes
         size = 1 << max(nbytes - 1, 0).bit_length()
         free = self._free.get(size)
         if free:
@@ -135,17 +133,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             seen[id(tensor)] = (weakref.ref(tensor), packed)
             return packed
 
-        def unpack(packed: Any) -> torch.Tensor:
+        def unpack(packed: torch.Tensor | _Offloaded) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            result: torch.Tensor = packed.saved().to(packed.device, non_blocking=pool.pin_memory)
-            return result
+            return packed.saved().to(packed.device, non_blocking=pool.pin_memory)
 
         super().__init__(pack, unpack)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 _POOL: HostBuffers | None = None

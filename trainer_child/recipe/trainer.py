@@ -74,10 +74,8 @@ class SupervisedTrainerMixin(_TrainerBase):
         self.plan = CheckpointPlan(Path(spec.checkpoints_dir), spec.knobs, protect)
         self.place = torchrun.this_rank()
         self._staging_root: Path | None = None
-        self._emergency = False
         self._step_loss: torch.Tensor | None = None
-        self._step_tokens = 0
-        self._step_started = time.monotonic()
+        self._emergency, self._step_tokens, self._step_started = False, 0, time.monotonic()
         self.shapes = memory.StepShapes()  # for the OOM handler: did a step of this shape fit already?
         # For the OOM report, the micro-batch in flight: step, index in it, lengths, leading tokens.
         self._batch: tuple[int, int, tuple[int, ...], list[list[int]]] | None = None
@@ -293,9 +291,7 @@ class SupervisionCallback(TrainerCallback):
     def __init__(
         self, trainer: SupervisedTrainerMixin, source: ResumeSource, cpu_memory_limit: int | None
     ) -> None:
-        self.trainer = trainer
-        self.source = source
-        self.cpu_memory_limit = cpu_memory_limit
+        self.trainer, self.source, self.cpu_memory_limit = trainer, source, cpu_memory_limit
         self.cap_after_step = memory.late_cap_step()
         self.yield_gpu = memory.gpu_yield()
 

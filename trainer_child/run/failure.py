@@ -62,9 +62,7 @@ def is_the_configs(exc: BaseException, stage: Stage) -> bool:
     chain = exception_chain(exc)
     if any(words in str(item) for item in chain for words in _SHORT_OF_MEMORY):
         return False
-    if isinstance(exc, _DETERMINISTIC):
-        return True
-    return any(
+    return isinstance(exc, _DETERMINISTIC) or any(
         type(item).__name__ in _DETERMINISTIC_NAMES or "OfflineModeIsEnabled" in str(item) for item in chain
     )
 

@@ -49,13 +49,10 @@ class Progress:
     thread, read by the heartbeat thread: plain attribute writes are atomic enough."""
 
     def __init__(self, events: EventLog) -> None:
-        self.events = events
-        self.stage = Stage.SETUP
-        self.step = 0
+        self.events, self.stage, self.step = events, Stage.SETUP, 0
         self.loss: float | None = None
         self.tokens_per_s: float | None = None
-        self.stop_requested = False
-        self.early_checkpoints = False
+        self.stop_requested = self.early_checkpoints = False
         self._announced: set[type] = set()
 
     def enter(self, stage: Stage) -> None:
@@ -94,8 +91,7 @@ class HeartbeatThread(threading.Thread):
 
     def __init__(self, progress: Progress, interval: float) -> None:
         super().__init__(name="qlora-heartbeat", daemon=True)
-        self.progress = progress
-        self.interval = interval
+        self.progress, self.interval = progress, interval
         self._done = threading.Event()
 
     def run(self) -> None:

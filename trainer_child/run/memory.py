@@ -138,9 +138,7 @@ def expandable_segments_active() -> bool | None:
     finally:
         del probe
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if getter is not None:
-        return "expandable_segments:true" in getter().replace(" ", "").lower()
-    return None
+    return None if getter is None else "expandable_segments:true" in getter().replace(" ", "").lower()
 
 
 def memory_numbers() -> MemoryNumbers:
