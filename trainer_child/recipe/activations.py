@@ -50,10 +50,9 @@ def offloads(tensor: torch.Tensor) -> bool:
 
 
 class HostBuffers:
-    """The host buffers offloaded activations live in, reused between micro-steps (``save_on_cpu``
-    allocates new pinned tensors each micro-step, and the host caching allocator keeps them all). A
-    buffer is the tensor's size rounded up to a power of two (the allocator's rounding, which the host
-    model counts; trl pads each batch to its own length), from a free list, back when autograd drops it."""
+    """Host buffers for offloaded activations, reused between micro-steps (``save_on_cpu`` pins new ones
+    each micro-step, and the host caching allocator keeps them all), sized to a power of two as the
+    allocator rounds (the host model counts it; trl pads each batch to its own length)."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory

@@ -132,8 +132,7 @@ def write_tiny(directory: Path, family: str | None = None) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rows = tiny_rows()
-    with (directory / "data.jsonl").open("w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    (directory / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     tokenizer = build_tokenizer(rows)
     build_model(max(VOCAB_SIZE, len(tokenizer)), family).save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")

@@ -288,10 +288,8 @@ class SupervisedSFTTrainer(SupervisedTrainerMixin, SFTTrainer):
 class SupervisionCallback(TrainerCallback):
     """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
 
-    def __init__(
-        self, trainer: SupervisedTrainerMixin, source: ResumeSource, cpu_memory_limit: int | None
-    ) -> None:
-        self.trainer, self.source, self.cpu_memory_limit = trainer, source, cpu_memory_limit
+    def __init__(self, trainer: SupervisedTrainerMixin, source: ResumeSource, cpu_cap: int | None) -> None:
+        self.trainer, self.source, self.cpu_cap = trainer, source, cpu_cap
         self.cap_after_step = memory.late_cap_step()
         self.yield_gpu = memory.gpu_yield()
 
@@ -320,7 +318,7 @@ class SupervisionCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.finish_step()
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
-            memory.apply_cpu_cap(self.cpu_memory_limit)  # injected: memory.TEST_CAP_AFTER_STEP
+            memory.apply_cpu_cap(self.cpu_cap)  # injected: memory.TEST_CAP_AFTER_STEP
             memory.apply_gpu_cap(torchrun.injected_cap(torchrun.TEST_RANK_GPU_CAP, self.trainer.place))
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:

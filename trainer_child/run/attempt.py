@@ -1,7 +1,6 @@
 """One training attempt: setup → recipe → train → adapter, and the failure path. Exit code: OK after the
 adapter is saved, STOPPED after SIGTERM and a checkpoint, else the failure's after the error report. The
-failure path runs *outside* the ``except`` block, so the activations the exception's frames hold are
-gone before the emergency checkpoint needs memory."""
+failure path runs outside ``except``: the frames' activations are gone before the emergency checkpoint."""
 
 from __future__ import annotations
 

@@ -173,25 +173,25 @@ def timed_steps(trainer: Any, batch: dict[str, Any], on_cuda: bool, deadline: fl
     """Tokens per second over the timed micro-steps, after one warm-up (kernel choice, allocator)."""
     mask = batch.get("attention_mask")
     tokens = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
-    micro_step(trainer, batch)
-    sync(on_cuda)
+    micro_step(trainer, batch, on_cuda)
     steps, start = 0, time.monotonic()
     while steps < MIN_TIMED_STEPS or (steps < MAX_TIMED_STEPS and time.monotonic() < deadline):
-        micro_step(trainer, batch)
-        sync(on_cuda)
+        micro_step(trainer, batch, on_cuda)
         steps += 1
     return tokens * steps / max(time.monotonic() - start, 1e-9)
 
 
-def micro_step(trainer: Any, batch: dict[str, Any]) -> None:
+def micro_step(trainer: Any, batch: dict[str, Any], on_cuda: bool) -> None:
     """One forward+backward as ``training_step`` runs it (with the autocast ``train()`` would wrap the
-    forward in, not applied yet); the gradients accumulate, nothing steps."""
+    forward in, not applied yet), synchronized; the gradients accumulate, nothing steps."""
     model = trainer.model
     model.train()
     with activations.activation_context(trainer.plan.knobs):
         with trainer.accelerator.autocast(), trainer.compute_loss_context_manager():
             loss = trainer.compute_loss(model, dict(batch))
         trainer.accelerator.backward(loss)
+    if on_cuda:
+        torch.cuda.synchronize()
 
 
 def apply(trainer: Any, knobs: Knobs) -> None:
@@ -226,11 +226,6 @@ def untouched(trainer: Any) -> Iterator[None]:
         if train_tokens is not None:
             trainer._total_train_tokens = train_tokens
         trainer.model.train(training)
-
-
-def sync(on_cuda: bool) -> None:
-    if on_cuda:
-        torch.cuda.synchronize()
 
 
 def summary(event: SpeedTrialEvent, chosen: TrialChoice) -> str:

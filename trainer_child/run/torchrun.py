@@ -1,7 +1,6 @@
-"""This process as one of torchrun's ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``): its own events
-and error files, its GPU, and what the ranks agree on (DDP itself is the Trainer's; torch is imported
-only where used). A GPU asked for and missing is a config error (not days on the CPU); ``auto`` may
-fall back to the CPU, and ``started`` and stderr say why."""
+"""This process as one of torchrun's ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``): its events and error
+files, its GPU, what the ranks agree on (DDP is the Trainer's; torch imported where used). A GPU asked for
+and missing is a config error (not days on the CPU); ``auto`` may fall back to the CPU, saying why."""
 
 from __future__ import annotations
 
@@ -129,11 +128,10 @@ def check_device(spec: AttemptSpec, on_cuda: bool) -> str | None:
         notes.append(f"gpu: auto found no usable GPU ({why_no_cuda()}): training on the CPU")
     if spec.gpu_memory_limit is not None:
         notes.append("gpu_memory_limit does nothing on the CPU (cpu_memory_limit caps host memory)")
-    if not notes:
-        return None
     note = "; ".join(notes)
-    print(f"trainer child: warning: {note}", file=sys.stderr, flush=True)
-    return note
+    if note:
+        print(f"trainer child: warning: {note}", file=sys.stderr, flush=True)
+    return note or None
 
 
 def why_no_cuda() -> str:
