@@ -99,8 +99,7 @@ def train_eval_split(spec: DataSpec, tokenizer: Any, seed: int) -> tuple[Any, An
 
 
 def sample_lengths(rows: Any, tokenizer: Any, limit: int = MAX_REPORTED_LENGTHS) -> SampleLengths:
-    """Lengths of up to ``limit`` evenly spaced rows, tokenized as trl will, before any truncation: what
-    a shorter ``max_seq_len`` would cut."""
+    """Up to ``limit`` spaced rows' lengths as trl tokenizes them, uncut: what a lower max_seq_len cuts."""
     total = len(rows)
     picked = rows.select(range(0, total, max(1, math.ceil(total / limit))))
     if MESSAGES in picked.column_names:

@@ -83,8 +83,7 @@ def follow_schedule(trainer: SupervisedTrainerMixin, step: int) -> None:
     scheduler, optimizer = trainer.lr_scheduler, trainer.optimizer
     if scheduler is None or optimizer is None:
         return
-    # LambdaLR (cosine, linear, constant, warmup) is a function of its step count alone; another
-    # (reduce on plateau) keeps the state it restored.
+    # LambdaLR (cosine, linear, constant, warmup) is a function of its step alone; plateau keeps its state.
     if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         scheduler.last_epoch = step - 1
         with warnings.catch_warnings():

@@ -58,14 +58,9 @@ class Context:
         self.place = this_rank()  # rank 0 of 1 outside torchrun
         self.prepared: Prepared | None = None  # a warm spare's tokenizer and rows (see .prepared)
 
-    @property
-    def device(self) -> str:
-        return "cuda" if self.on_cuda else "cpu"
-
 
 def install_stop_handler(progress: Progress) -> None:
-    """SIGTERM and the early-checkpoint signal only set flags: the step in flight finishes, then the
-    child checkpoints (and, for SIGTERM, leaves)."""
+    """SIGTERM and the early-checkpoint signal set flags: the step ends, then a checkpoint (SIGTERM: exit)."""
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         progress.stop_requested = True
@@ -93,7 +88,7 @@ def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training
         pid=os.getpid(),
         attempt=ctx.spec.attempt,
         **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
-        device=ctx.device,
+        device="cuda" if ctx.on_cuda else "cpu",
         device_name=torch.cuda.get_device_name() if ctx.on_cuda else "cpu",
         versions=versions(),
         vmdata=memory.proc_status_bytes("VmData"),
@@ -255,7 +250,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         config_error=failure.config,
         oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
         memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
-        device=ctx.device,
+        device="cuda" if ctx.on_cuda else "cpu",
         emergency_checkpoint=emergency[0] if emergency else None,
         emergency_step=emergency[1] if emergency else None,
         expandable_segments_active=ctx.expandable,

@@ -46,8 +46,7 @@ def _in_chain(exc: BaseException, kinds: type[BaseException] | tuple[type[BaseEx
 #: OSError of the device or the disk is left to the classifier.
 _DETERMINISTIC = (ValueError, TypeError, KeyError, AttributeError, ImportError, NotImplementedError,
                   FileNotFoundError, NotADirectoryError, IsADirectoryError, SyntaxError)  # fmt: skip
-#: Deterministic by name: huggingface_hub's offline refusal (a ConnectionError by class), and
-#: safetensors' refusal of a damaged or truncated model file.
+#: Deterministic by name: huggingface_hub's offline refusal (a ConnectionError); safetensors' damaged file.
 _DETERMINISTIC_NAMES = frozenset({"OfflineModeIsEnabled", "SafetensorError", "HeaderTooLarge"})
 #: Errors of a load short of device memory (bitsandbytes under ``device_map: auto`` on a shared card,
 #: a weight left on the meta device): the card's state, not the config's.

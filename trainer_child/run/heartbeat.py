@@ -56,8 +56,7 @@ class Progress:
         self._announced: set[type] = set()
 
     def enter(self, stage: Stage) -> None:
-        """Set the stage; a ``stage`` event marks a phase (load, training, eval, save), not each turn of
-        the training loop (heartbeats carry those)."""
+        """Set the stage; a ``stage`` event marks a phase (load, training, eval, save), not each loop turn."""
         if stage is self.stage:
             return
         looping = self.stage in LOOP_STAGES and stage in LOOP_STAGES
@@ -86,8 +85,7 @@ class Progress:
 
 
 class HeartbeatThread(threading.Thread):
-    """Beats every ``interval`` seconds whatever the main thread does: the supervisor decides hangs from
-    ``step`` not advancing, not from missing beats."""
+    """Beats every ``interval`` s whatever the main thread does: a hang is ``step`` stuck, not a lost beat."""
 
     def __init__(self, progress: Progress, interval: float) -> None:
         super().__init__(name="qlora-heartbeat", daemon=True)

@@ -174,8 +174,7 @@ def free_memory() -> None:
 
 
 def start_memory_history(diagnose: DiagnoseSpec) -> bool:
-    """Record the CUDA allocator's history when ``diagnose`` asks, in a ring, Python stacks only (C++
-    unwinding costs far more); whether it records."""
+    """Record the CUDA allocator's history if ``diagnose`` asks (a ring, Python stacks: C++ is far dearer)."""
     import torch
 
     if not diagnose.memory_history or not torch.cuda.is_available():
@@ -199,8 +198,7 @@ def dump_memory_snapshot(path: Path) -> str | None:
 def allocator_facts_at_oom(
     exc: BaseException, limit: int | None, shapes: StepShapes | None
 ) -> allocator.AllocatorFacts | None:
-    """The CUDA allocator's facts for an OOM, read before the step's tensors are freed; None on the
-    CPU, for other failures, or on error."""
+    """The CUDA allocator's facts of an OOM, read before the step's tensors go (None: CPU, not OOM, error)."""
     import torch
 
     if not torch.cuda.is_available() or not is_oom(exc):

@@ -30,8 +30,7 @@ from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 from qlora_supervise.trainer_child.run.torchrun import this_rank
 
-#: The whole trial's aim, warm-ups included, shared among the candidates (each gets its warm-up and
-#: MIN_TIMED_STEPS whatever its share).
+#: The whole trial's aim, warm-ups included, shared by the candidates (each has a warm-up, MIN_TIMED_STEPS).
 BUDGET_S = 10.0
 MIN_TIMED_STEPS = 1
 MAX_TIMED_STEPS = 4
@@ -66,8 +65,7 @@ def conclude(
 
 
 def abandon(trainer: Any, progress: Progress, on_cuda: bool, why: str, began: Began) -> SpeedTrialEvent:
-    """End a trial that could not time its candidates: checkpointing as it found it, no gradients,
-    an event that says why and keeps the plan."""
+    """End an untimed trial: checkpointing as found, no gradients, an event saying why; the plan stands."""
     began.restore(trainer)
     trainer.model.zero_grad(set_to_none=True)
     event = SpeedTrialEvent((), round(time.monotonic() - began.time, 3), why)
@@ -127,8 +125,7 @@ def _ended(
 
 
 def longest_row(dataset: Any) -> dict[str, Any]:
-    """The training sample with the most tokens (as trl tokenized and truncated it), read through
-    Arrow: no Python list per row of a large dataset."""
+    """The sample with the most tokens (as trl tokenized, truncated), read via Arrow: no list per row."""
     import pyarrow.compute as pc
 
     column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]

@@ -114,8 +114,7 @@ def decide_together(place: RankPlace, progress: Progress, device: Any) -> tuple[
 
 
 def check_device(spec: AttemptSpec, on_cuda: bool) -> str | None:
-    """Raise ConfigError when the spec's GPU is not usable; return why an ``auto`` job (or a GPU cap)
-    runs on the CPU, or None."""
+    """ConfigError for an unusable GPU asked for; else why ``auto`` (or a GPU cap) runs on CPU, or None."""
     if on_cuda:
         return None
     if spec.device not in ("auto", "cpu"):
