@@ -184,8 +184,7 @@ def sft_config(
         max_length=knobs.max_seq_len,
         packing=train.packing,
         dataset_text_field=TEXT,
-        # Chat data: loss on every assistant turn (completion_only_loss would train the last only);
-        # the chat template must mark them (check_chat_template).
+        # Chat: loss on every assistant turn (completion_only_loss: the last only), marked by the template.
         assistant_only_loss=spec.data.messages_field is not None,
         optim=knobs.optimizer,
         learning_rate=train.learning_rate,

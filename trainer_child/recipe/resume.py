@@ -1,7 +1,6 @@
 """The resume: loading its checkpoint (failures named as the checkpoint's, the optimizer state through
 the host for the ``optimizer_state_on_host`` rung, the LR schedule of a reset or an extended run), and a
 trained LoRA adapter cut to a smaller rank by truncated SVD, so halving the rank keeps progress.
-
 Each module's update is ``delta_W = scale * B @ A``; with ``U S V^T = svd(delta_W)`` and new rank ``k``,
 ``B' = U_k sqrt(S_k / scale')`` and ``A' = sqrt(S_k / scale') V_k^T`` give the best rank-``k``
 approximation (Eckart-Young). The SVD is of an ``r x r`` core (QR of ``B`` and ``A^T``), never of the

@@ -21,8 +21,7 @@ def import_training_stack() -> dict[str, str]:
 
 def import_training_classes(model_dir: str | None = None) -> None:
     """Import ahead what the recipe imports lazily (and ``model_dir``'s modelling module); no CUDA."""
-    # imported for their side effect: the modules load
-    from qlora_supervise.trainer_child.recipe import data, qlora, trainer  # noqa: F401
+    from qlora_supervise.trainer_child.recipe import data, qlora, trainer  # noqa: F401 - loaded ahead
 
     if model_dir is None:
         return

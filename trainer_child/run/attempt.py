@@ -45,7 +45,7 @@ TRUST_REMOTE_CODE_WARNING = (
 class Context:
     """What the failure path needs, filled in as setup gets further."""
 
-    def __init__(self, spec: AttemptSpec) -> None:
+    def __init__(self, spec: AttemptSpec, prepared: Prepared | None = None) -> None:
         self.spec = spec
         self.events = EventLog(spec.events_file)
         self.progress = Progress(self.events)
@@ -56,7 +56,7 @@ class Context:
         self.resume_checkpoint: str | None = None  # the source checkpoint, once chosen
         self.memory_history = False  # diagnose.memory_history is recording
         self.place = this_rank()  # rank 0 of 1 outside torchrun
-        self.prepared: Prepared | None = None  # a warm spare's tokenizer and rows (see .prepared)
+        self.prepared = prepared  # a warm spare's tokenizer and rows (see recipe.data.Prepared)
 
 
 def install_stop_handler(progress: Progress) -> None:
@@ -274,8 +274,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
 
 def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Prepared | None = None) -> int:
     """Run ``body`` with heartbeats; any exception becomes a report and a reserved exit code."""
-    ctx = Context(spec)
-    ctx.prepared = prepared
+    ctx = Context(spec, prepared)
     install_stop_handler(ctx.progress)
     failure: CapturedFailure | None = None
     try:
