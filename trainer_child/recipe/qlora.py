@@ -33,11 +33,8 @@ from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
-_DTYPES = {
-    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
-    **dict.fromkeys(("fp16", "float16"), torch.float16),
-    **dict.fromkeys(("fp32", "float32"), torch.float32),
-}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES |= {str(dtype).removeprefix("torch."): dtype for dtype in _DTYPES.values()}  # and their full names
 
 
 def compute_dtype(name: str, on_cuda: bool) -> torch.dtype:
