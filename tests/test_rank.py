@@ -12,7 +12,7 @@ from qlora_supervise.trainer_child.contract.attempt_facts import RankReduction
 from qlora_supervise.trainer_child.contract.events import Resumed, parse_event
 from qlora_supervise.trainer_child.run.failure import ConfigError
 
-# torch (and run.rank, which imports it) are imported by the tests that run, not at collection:
+# torch (and recipe.resume, which imports it) are imported by the tests that run, not at collection:
 # every xdist worker collects every module.
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ def test_truncated_factors_reproduce_the_rank_k_svd_of_the_update() -> None:
     """scale'·B'A' equals the rank-k SVD reconstruction of ΔW, and keeps its top singular directions."""
     import torch
 
-    from qlora_supervise.trainer_child.run.rank import lora_scale, truncate_pair
+    from qlora_supervise.trainer_child.recipe.resume import lora_scale, truncate_pair
 
     b, a = _factors(96, 80, 8, seed=0)
     scale, new_scale = lora_scale(16, 8), lora_scale(8, 4)
@@ -60,7 +60,7 @@ def test_energy_share_is_the_top_k_share_of_squared_singular_values() -> None:
     """The energy kept is Σ top-k s² / Σ s², and a zero update keeps everything."""
     import torch
 
-    from qlora_supervise.trainer_child.run.rank import energy_share, truncate_pair
+    from qlora_supervise.trainer_child.recipe.resume import energy_share, truncate_pair
 
     b, a = _factors(64, 48, 8, seed=1)
     _, _, singular = truncate_pair(b, a, 2.0, 4, 2.0)
@@ -94,7 +94,7 @@ def test_truncate_adapter_rewrites_the_files_at_the_new_rank_and_reports_the_ene
     import torch
     from safetensors.torch import load_file
 
-    from qlora_supervise.trainer_child.run.rank import truncate_adapter
+    from qlora_supervise.trainer_child.recipe.resume import truncate_adapter
 
     old = _adapter(tmp_path / "ckpt", modules=3, rank=8, alpha=16)
 
@@ -128,7 +128,7 @@ def test_truncate_adapter_rewrites_the_files_at_the_new_rank_and_reports_the_ene
 def test_an_adapter_of_a_smaller_rank_cannot_grow(tmp_path: Path) -> None:
     """Asking for a larger rank than the saved one is a config error that names both ranks."""
 
-    from qlora_supervise.trainer_child.run.rank import truncate_adapter
+    from qlora_supervise.trainer_child.recipe.resume import truncate_adapter
 
     _adapter(tmp_path / "ckpt", modules=1, rank=4, alpha=8)
     with pytest.raises(ConfigError, match="rank 4 is smaller than lora_r 8"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,32 +45,26 @@ def offloads(tensor: torch.Tensor) -> bool:
     """Whether a tensor saved for backward goes to the host: an activation on an accelerator, not tiny.
     Parameters and their views stay (as in torchtune): a frozen weight an op saves, such as the LM
     head's in trl's fused loss, would be copied out and back every micro-step for nothing."""
-    if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
-        return False
-    return tensor.device.type != "cpu" and _nbytes(tensor) >= MIN_OFFLOAD_BYTES
+    parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+    return not parameter and tensor.device.type != "cpu" and tensor.nbytes >= MIN_OFFLOAD_BYTES
 
 
 class HostBuffers:
-    """The host buffers offloaded activations live in, reused between micro-steps (``save_on_cpu``
-    allocates new pinned tensors each micro-step, and the host caching allocator keeps them all).
-
-    A buffer is the tensor's size rounded up to a power of two (the allocator's rounding, which the host
-    model counts; trl pads each batch to its own length), taken from a free list and returned when
-    autograd drops what it saved."""
+    """Host buffers for offloaded activations, reused between micro-steps (``save_on_cpu`` pins new ones
+    each micro-step, and the host caching allocator keeps them all), sized to a power of two as the
+    allocator rounds (the host model counts it; trl pads each batch to its own length)."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self._free: dict[int, list[torch.Tensor]] = {}  # by size in bytes, a power of two
         self.held_bytes = 0  # every buffer this pool allocated and still holds (in use + free)
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-        self.allocated = 0  # buffers allocated (a new host tensor)
-        self.reused = 0  # packs served from the free list
-        self.packed = 0  # tensors offloaded
+        self.in_use_bytes = self.peak_in_use_bytes = 0
+        # Counts: buffers allocated (a new host tensor), packs served from the free list, tensors offloaded.
+        self.allocated = self.reused = self.packed = 0
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host buffer whose first bytes hold ``tensor``."""
-        nbytes = _nbytes(tensor)
+        nbytes = tensor.nbytes
         size = 1 << max(nbytes - 1, 0).bit_length()
         free = self._free.get(size)
         if free:
@@ -110,10 +103,7 @@ class _Offloaded:
     __slots__ = ("buffer", "device", "dtype", "pool", "shape")
 
     def __init__(self, pool: HostBuffers, tensor: torch.Tensor) -> None:
-        self.pool = pool
-        self.device = tensor.device
-        self.dtype = tensor.dtype
-        self.shape = tensor.shape
+        self.pool, self.device, self.dtype, self.shape = pool, tensor.device, tensor.dtype, tensor.shape
         self.buffer = pool.take(tensor)
 
     def __del__(self) -> None:
@@ -142,17 +132,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             seen[id(tensor)] = (weakref.ref(tensor), packed)
             return packed
 
-        def unpack(packed: Any) -> torch.Tensor:
+        def unpack(packed: torch.Tensor | _Offloaded) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            result: torch.Tensor = packed.saved().to(packed.device, non_blocking=pool.pin_memory)
-            return result
+            return packed.saved().to(packed.device, non_blocking=pool.pin_memory)
 
         super().__init__(pack, unpack)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 _POOL: HostBuffers | None = None
@@ -170,10 +155,5 @@ def release_host_buffers() -> int:
     return 0 if _POOL is None else _POOL.release()
 
 
-@contextlib.contextmanager
-def activation_context(knobs: Knobs) -> Iterator[None]:
-    if not knobs.activation_offload:
-        yield
-        return
-    with OffloadActivations(host_buffers()):
-        yield
+def activation_context(knobs: Knobs) -> contextlib.AbstractContextManager[Any]:
+    return OffloadActivations(host_buffers()) if knobs.activation_offload else contextlib.nullcontext()

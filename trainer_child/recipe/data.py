@@ -1,11 +1,9 @@
 """Training rows from a local jsonl/json/parquet/csv file or a saved ``datasets`` directory: one ``text``
 or ``messages`` column. Every problem the job can fix is a ConfigError naming the bad record; the full
 scan runs only when loading failed or the column looks wrong, so a good dataset is read once.
-
 What a warm spare readies before its attempt exists (:class:`Prepared`): the tokenizer, the rows and
-their lengths. They depend on no knob a rung changes. A spare prepares them from attempt N's spec; N+1
-takes them when its inputs are equal, else loads its own, by the same functions: preparing ahead cannot
-change a result."""
+their lengths, which depend on no knob a rung changes. Attempt N+1 takes what a spare prepared from N's
+spec if its inputs are equal, else loads its own by the same functions: preparing ahead changes no result."""
 
 from __future__ import annotations
 
@@ -63,20 +61,6 @@ def _bad_record(source: Path, spec: DataSpec) -> str | None:
     return None
 
 
-def check_column(table: Any, spec: DataSpec, path: str) -> None:
-    """Nulls or a non-text column (read cheaply from the arrow table) become a ConfigError."""
-    field = spec.messages_field or spec.text_field or TEXT
-    column = table.data.column(field)
-    kind = str(column.type)
-    wanted = "list" if spec.messages_field else "string"
-    if column.null_count == 0 and kind.startswith(("large_" + wanted, wanted)):
-        return
-    where = _bad_record(Path(path), spec)
-    raise ConfigError(
-        f"data {path}: {where or f'field {field!r} is {kind} with {column.null_count} null(s)'}"
-    )
-
-
 def to_rows(table: Any, spec: DataSpec, tokenizer: Any, path: str) -> Any:
     """A dataset of one column: ``text``, or ``messages`` (left as turns, for trl to mask the user's)."""
     field = spec.messages_field or spec.text_field
@@ -86,7 +70,14 @@ def to_rows(table: Any, spec: DataSpec, tokenizer: Any, path: str) -> Any:
         raise ConfigError(f"data {path}: field {field!r} not found; columns are {table.column_names}")
     if len(table) == 0:
         raise ConfigError(f"data {path}: no rows")
-    check_column(table, spec, path)
+    # Nulls or a non-text column (read cheaply from the arrow table): the bad record, else the column's type.
+    column = table.data.column(field)
+    kind, wanted = str(column.type), "list" if spec.messages_field else "string"
+    if column.null_count or not kind.startswith(("large_" + wanted, wanted)):
+        where = _bad_record(Path(path), spec)
+        raise ConfigError(
+            f"data {path}: {where or f'field {field!r} is {kind} with {column.null_count} null(s)'}"
+        )
     # Only the one column: trl would treat a leftover ``messages`` column as a chat dataset.
     rows = table.select_columns([field])
     if spec.messages_field:
@@ -108,8 +99,7 @@ def train_eval_split(spec: DataSpec, tokenizer: Any, seed: int) -> tuple[Any, An
 
 
 def sample_lengths(rows: Any, tokenizer: Any, limit: int = MAX_REPORTED_LENGTHS) -> SampleLengths:
-    """Lengths of up to ``limit`` evenly spaced rows, tokenized as trl will, before any truncation: what
-    a shorter ``max_seq_len`` would cut."""
+    """Up to ``limit`` spaced rows' lengths as trl tokenizes them, uncut: what a lower max_seq_len cuts."""
     total = len(rows)
     picked = rows.select(range(0, total, max(1, math.ceil(total / limit))))
     if MESSAGES in picked.column_names:

@@ -1,18 +1,16 @@
-"""FSDP-QLoRA (``Knobs.fsdp``, ``resources.parallel: fsdp``): the ranks shard one 4-bit model.
-
-Read against transformers 5.25, accelerate 1.16, peft 0.21, bitsandbytes 0.50:
+"""FSDP-QLoRA (``Knobs.fsdp``, ``resources.parallel: fsdp``): the ranks shard one 4-bit model. Read
+against transformers 5.25, accelerate 1.16, peft 0.21, bitsandbytes 0.50:
 
 * **Storage dtype**: ``bnb_4bit_quant_storage`` is the compute dtype, so the packed 4-bit codes shard
   like any bf16 tensor; the Trainer sets FSDP's mixed precision to it (``update_fsdp_plugin_peft``).
 * **No fp32 upcast**: the k-bit prepare leaves norms, embeddings and head in the compute dtype.
-* **The wrap**: FSDP2, one unit per decoder block (``_no_split_modules``); peft's
-  ``fsdp_auto_wrap_policy`` gives each LoRA layer a unit of its own.
+* **The wrap**: FSDP2, a unit per decoder block (``_no_split_modules``), and per LoRA layer (peft's
+  ``fsdp_auto_wrap_policy``).
 * **The load**: bitsandbytes quantizes on the card, so every rank loads the whole 4-bit model on
-  ``cuda:LOCAL_RANK`` before the Trainer shards it (``cpu_ram_efficient_loading`` skips quantized
-  models in transformers 5, so it is off).
+  ``cuda:LOCAL_RANK`` before the Trainer shards it (``cpu_ram_efficient_loading``, off, skips quantized
+  models in transformers 5).
 * **GPUs only**: accelerate never turns ``MULTI_CPU`` into ``FSDP``, so CPU ranks would quietly run
-  DDP: the child refuses. torch's FSDP2 itself runs on gloo CPU ranks (tests/test_fsdp_ranks.py).
-"""
+  DDP: the child refuses. torch's FSDP2 itself runs on gloo CPU ranks (tests/test_fsdp_ranks.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +30,7 @@ def storage(knobs: Knobs, dtype: torch.dtype) -> dict[str, Any]:
 def kept_16bit(model: Any, knobs: Knobs) -> list[torch.nn.Parameter]:
     """Under FSDP, every parameter that is not 4-bit: each keeps the compute dtype through the k-bit
     prepare (FSDP's mixed precision casts them all to one)."""
-    if not knobs.fsdp:
-        return []
-    return [p for p in model.parameters() if type(p).__name__ != "Params4bit"]
+    return [p for p in model.parameters() if type(p).__name__ != "Params4bit"] if knobs.fsdp else []
 
 
 def block_classes(model: Any) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +33,12 @@ from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
-_DTYPES = {
-    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
-    **dict.fromkeys(("fp16", "float16"), torch.float16),
-    **dict.fromkeys(("fp32", "float32"), torch.float32),
-}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES |= {str(dtype).removeprefix("torch."): dtype for dtype in _DTYPES.values()}  # and their full names
 
 
 def compute_dtype(name: str, on_cuda: bool) -> torch.dtype:
-    """``auto``: bf16 where the GPU supports it, else fp16; fp32 on the CPU (Trainer's CPU autocast
-    is bf16-only and slow without AMX)."""
+    """``auto``: bf16 if the GPU has it, else fp16; fp32 on CPU (CPU autocast is bf16-only, slow sans AMX)."""
     if name != "auto":
         if name not in _DTYPES:
             raise ConfigError(f"compute_dtype {name!r}: expected auto or one of {sorted(_DTYPES)}")
@@ -82,8 +79,7 @@ def placement(knobs: Knobs, gpu_limit: int | None, on_cuda: bool) -> dict[str, A
 
 def load_model(spec: AttemptSpec, dtype: torch.dtype, on_cuda: bool) -> Any:
     knobs = spec.knobs
-    model_path = Path(knobs.model)
-    if not model_path.exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in knobs.model:
+    if not Path(knobs.model).exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in knobs.model:
         raise ConfigError(f"model {knobs.model!r}: no such directory (and the hub is offline)")
     try:
         return AutoModelForCausalLM.from_pretrained(
@@ -172,10 +168,11 @@ def sft_config(
     has_eval: bool,
     sharding: dict[str, Any] | None = None,
 ) -> SFTConfig:
-    # Every SFTConfig argument the recipe sets, in one flat list: one place to read which spec
-    # field becomes which Trainer setting.
+    # Every SFTConfig argument the recipe sets, in one flat list: which spec field becomes which setting.
     knobs, train = spec.knobs, spec.train
     evaluating = has_eval and knobs.eval_enabled and train.eval_steps is not None
+    # transformers 5.24 folds warmup_ratio into warmup_steps (a float < 1 is a ratio).
+    ratio = "warmup_ratio" in {field.name for field in dataclasses.fields(SFTConfig)}
     kwargs: dict[str, Any] = dict(
         output_dir=spec.checkpoints_dir,
         per_device_train_batch_size=knobs.micro_batch_size,
@@ -184,8 +181,7 @@ def sft_config(
         max_length=knobs.max_seq_len,
         packing=train.packing,
         dataset_text_field=TEXT,
-        # Chat data: loss on every assistant turn (completion_only_loss would train the last only);
-        # the chat template must mark them (check_chat_template).
+        # Chat: loss on every assistant turn (completion_only_loss: the last only), marked by the template.
         assistant_only_loss=spec.data.messages_field is not None,
         optim=knobs.optimizer,
         learning_rate=train.learning_rate,
@@ -209,17 +205,12 @@ def sft_config(
         disable_tqdm=True,
         dataloader_num_workers=0,
         auto_find_batch_size=False,  # a restored batch size would undo the micro-batch rung
-        # DDP: the search for unused parameters costs a graph walk per step and fails with
-        # gradient checkpointing (parameters marked ready twice).
+        # DDP: the unused-parameter search walks the graph each step and fails with checkpointing.
         ddp_find_unused_parameters=False,
         ddp_backend=("nccl" if on_cuda else "gloo") if this_rank().distributed else None,
         **(sharding or {}),  # FSDP-QLoRA's (recipe/fsdp.py); none for DDP
+        **{"warmup_ratio" if ratio else "warmup_steps": train.warmup_ratio},
     )
-    # transformers 5.24 folds warmup_ratio into warmup_steps (a float < 1 is a ratio).
-    if "warmup_ratio" in {f.name for f in dataclasses.fields(SFTConfig)}:
-        kwargs["warmup_ratio"] = train.warmup_ratio
-    else:
-        kwargs["warmup_steps"] = train.warmup_ratio
     return SFTConfig(**kwargs)
 
 
@@ -231,8 +222,6 @@ def report_env(spec: AttemptSpec) -> dict[str, str]:
     """Environment of the Trainer's reporting (TensorBoardCallback reads ``TENSORBOARD_LOGGING_DIR``)."""
     if spec.train.report_to != "tensorboard":
         return {}
-    from importlib.util import find_spec
-
     if find_spec("tensorboard") is None and find_spec("tensorboardX") is None:
         raise ConfigError(
             "train.report_to: tensorboard, but tensorboard is not installed in the trainer's environment: "
@@ -280,8 +269,7 @@ def build(
     os.environ.update(report_env(spec))
     ready = prepared if prepared is not None and prepared.serves(spec) else None
     clock = PhaseClock()
-    # Before get_peft_model draws LoRA's A matrices (the Trainer seeds later): every restart starts
-    # from the same adapter.
+    # Before get_peft_model draws LoRA's A matrices (Trainer seeds later): every restart, the same adapter.
     set_seed(spec.train.seed)
     progress.enter(Stage.LOAD)
     tokenizer = ready.tokenizer if ready else load_tokenizer(spec)

@@ -3,29 +3,25 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib
+import json
 import os
 import sys
+from pathlib import Path
 
 from qlora_supervise.trainer_child.contract.byte_sizes import format_bytes
 
 
 def import_training_stack() -> dict[str, str]:
-    import importlib
-
     names = ("torch", "transformers", "peft", "trl", "bitsandbytes")
     return {name: str(importlib.import_module(name).__version__) for name in names}
 
 
 def import_training_classes(model_dir: str | None = None) -> None:
-    """Import what the recipe touches lazily (and ``model_dir``'s modelling module), so a warm spare's
-    attempt pays none of it; no CUDA."""
-    import importlib
-    import json
-    from pathlib import Path
-
-    # imported for their side effect: the modules load
-    from qlora_supervise.trainer_child.recipe import data, qlora, trainer  # noqa: F401
+    """Import ahead what the recipe imports lazily (and ``model_dir``'s modelling module); no CUDA."""
+    from qlora_supervise.trainer_child.recipe import data, qlora, trainer  # noqa: F401 - loaded ahead
 
     if model_dir is None:
         return
@@ -52,18 +48,14 @@ def warm_first_load(model_dir: str, model_type: str) -> None:
         build = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
         if callable(build):
             build(model_type)
-    try:
+    with contextlib.suppress(Exception):  # a speed-up only: what it cannot build is the attempt's to load
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    except Exception:  # a speed-up only: an architecture it cannot build here is the attempt's to load
-        return
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print the import baseline: for a person, or only the byte count with ``--bytes`` (for scripts)."""
-    import argparse
-
     from qlora_supervise.trainer_child.contract.processes import STACK, STACK_BYTES
     from qlora_supervise.trainer_child.run.memory import prepare_process_env, proc_status_bytes
 

@@ -1,5 +1,4 @@
-"""A tiny Llama-shaped model, tokenizer, dataset and job, built locally with no download.
-
+"""A tiny Llama-shaped model, tokenizer, dataset and job, built locally with no download:
 ``python -m qlora_supervise.trainer_child.recipe.tiny DIR [--family F]`` writes ``DIR/model`` (with a
 word-level tokenizer), ``DIR/data.jsonl`` (``text`` and ``messages``) and ``DIR/job.yaml``: 30 steps
 take seconds on 2 cores, every row is longer than 512 tokens (activation memory grows with
@@ -29,14 +28,9 @@ MODEL_SHAPE = {
     "max_position_embeddings": 1024,
 }
 #: The other families' shared sizes (every Linear's output a multiple of 32, as above).
-FAMILY_SHAPE: dict[str, object] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-}
+FAMILY_SHAPE: dict[str, object] = dict(
+    MODEL_SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2
+)
 #: ``model_type`` -> what its config needs beyond :data:`FAMILY_SHAPE` to be that family in small (a
 #: sliding window shorter than the test's sequences, a few experts of which two are routed).
 _GEMMA: dict[str, object] = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64}
@@ -54,11 +48,9 @@ SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 #: Assistant output (with its end-of-turn token) sits inside ``{% generation %}`` markers, so
 #: trl's assistant-only loss can mask the user's turns (``return_assistant_tokens_mask``).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
     "<|assistant|> {% generation %}{{ m['content'] }} </s>{% endgeneration %} "
-    "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} {% endif %}"
-    "{% endfor %}"
+    "{% else %}<|{{ m['role'] }}|> {{ m['content'] }} {% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
@@ -74,9 +66,7 @@ def tiny_rows(count: int = ROWS, seed: int = 0) -> list[dict[str, object]]:
     rng = random.Random(seed)
     rows: list[dict[str, object]] = []
     for index in range(count):
-        stride = rng.randint(1, 3)
-        start = rng.randint(100, 900)
-        length = rng.randint(140, 160)
+        stride, start, length = rng.randint(1, 3), rng.randint(100, 900), rng.randint(140, 160)
         prompt = f"row {spell(index)} count by {stride} from {spell(start)}"
         answer = " , ".join(spell(start + stride * k) for k in range(length))
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
@@ -142,8 +132,7 @@ def write_tiny(directory: Path, family: str | None = None) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rows = tiny_rows()
-    with (directory / "data.jsonl").open("w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    (directory / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     tokenizer = build_tokenizer(rows)
     build_model(max(VOCAB_SIZE, len(tokenizer)), family).save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")

@@ -1,9 +1,7 @@
 """SFTTrainer with stage tracking, atomic and emergency checkpoints, resume loading and graceful stop.
-
 Stages are set where the work starts: ``compute_loss`` (forward), ``accelerator.backward`` (backward,
-clipping included), ``on_pre_optimizer_step`` (optimizer), ``evaluate``, ``_save_checkpoint`` (save).
-A stage is never reset in a ``finally``: after an exception it must say where it came from.
-"""
+clipping included), ``on_pre_optimizer_step`` (optimizer), ``evaluate``, ``_save_checkpoint`` (save);
+never reset in a ``finally``: after an exception the stage must say where it came from."""
 
 from __future__ import annotations
 
@@ -31,23 +29,10 @@ from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_file
 from qlora_supervise.trainer_child.recipe import resume
 from qlora_supervise.trainer_child.recipe.activations import activation_context
+from qlora_supervise.trainer_child.run import memory, torchrun
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import (
-    StepShapes,
-    apply_cpu_cap,
-    apply_gpu_cap,
-    free_memory,
-    gpu_yield,
-    late_cap_step,
-)
-from qlora_supervise.trainer_child.run.torchrun import (
-    TEST_RANK_GPU_CAP,
-    barrier,
-    decide_together,
-    injected_cap,
-    staging_owner,
-    this_rank,
-)
+from qlora_supervise.trainer_child.run.memory import free_memory
+from qlora_supervise.trainer_child.run.torchrun import barrier, staging_owner
 
 # Test hooks, never set elsewhere:
 #: ``SECONDS`` or ``SECONDS@STEP``: sleep mid-write of every checkpoint (after the adapter, before the
@@ -87,13 +72,11 @@ class SupervisedTrainerMixin(_TrainerBase):
         self.progress = progress
         protect = Path(spec.resume_from) if spec.resume_from else None  # the checkpoint resumed from
         self.plan = CheckpointPlan(Path(spec.checkpoints_dir), spec.knobs, protect)
-        self.place = this_rank()
+        self.place = torchrun.this_rank()
         self._staging_root: Path | None = None
-        self._emergency = False
         self._step_loss: torch.Tensor | None = None
-        self._step_tokens = 0
-        self._step_started = time.monotonic()
-        self.shapes = StepShapes()  # for the OOM handler: did a step of this shape fit already?
+        self._emergency, self._step_tokens, self._step_started = False, 0, time.monotonic()
+        self.shapes = memory.StepShapes()  # for the OOM handler: did a step of this shape fit already?
         # For the OOM report, the micro-batch in flight: step, index in it, lengths, leading tokens.
         self._batch: tuple[int, int, tuple[int, ...], list[list[int]]] | None = None
         self._leaked: list[torch.Tensor] = []  # TEST_LEAK_PER_STEP only
@@ -184,9 +167,7 @@ class SupervisedTrainerMixin(_TrainerBase):
             handle.write(json.dumps(record) + "\n")
 
     def _get_output_dir(self, trial: Any) -> str:  # into our staging dir while saving
-        if self._staging_root is not None:
-            return str(self._staging_root)
-        return str(super()._get_output_dir(trial))
+        return str(self._staging_root or super()._get_output_dir(trial))
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         with self._in_stage(Stage.SAVE):
@@ -307,14 +288,10 @@ class SupervisedSFTTrainer(SupervisedTrainerMixin, SFTTrainer):
 class SupervisionCallback(TrainerCallback):
     """Optimizer stage, per-step heartbeat, resume bookkeeping and the graceful stop."""
 
-    def __init__(
-        self, trainer: SupervisedTrainerMixin, source: ResumeSource, cpu_memory_limit: int | None
-    ) -> None:
-        self.trainer = trainer
-        self.source = source
-        self.cpu_memory_limit = cpu_memory_limit
-        self.cap_after_step = late_cap_step()
-        self.yield_gpu = gpu_yield()
+    def __init__(self, trainer: SupervisedTrainerMixin, source: ResumeSource, cpu_cap: int | None) -> None:
+        self.trainer, self.source, self.cpu_cap = trainer, source, cpu_cap
+        self.cap_after_step = memory.late_cap_step()
+        self.yield_gpu = memory.gpu_yield()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.progress.step = state.global_step
@@ -341,14 +318,14 @@ class SupervisionCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.finish_step()
         if self.cap_after_step is not None and state.global_step >= self.cap_after_step:
-            apply_cpu_cap(self.cpu_memory_limit)  # injected: memory.TEST_CAP_AFTER_STEP
-            apply_gpu_cap(injected_cap(TEST_RANK_GPU_CAP, self.trainer.place))
+            memory.apply_cpu_cap(self.cpu_cap)  # injected: memory.TEST_CAP_AFTER_STEP
+            memory.apply_gpu_cap(torchrun.injected_cap(torchrun.TEST_RANK_GPU_CAP, self.trainer.place))
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
             free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
             time.sleep(self.yield_gpu[1])
         progress = self.trainer.progress
-        stop, early = decide_together(self.trainer.place, progress, args.device)
+        stop, early = torchrun.decide_together(self.trainer.place, progress, args.device)
         if early:  # memory creeps towards the budget: lose no step to it
             progress.announce_early_checkpoints()
             control.should_save = True

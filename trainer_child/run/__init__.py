@@ -1,2 +1,2 @@
 """One attempt from start to end: the attempt itself, its heartbeat, memory caps, failure report,
-device check, torchrun ranks, rank reduction and the warm spare."""
+device check, torchrun ranks and the warm spare."""

@@ -1,13 +1,11 @@
-"""One training attempt: setup → recipe → train → adapter, and the failure path.
-
-Exit code: OK after the adapter is saved, STOPPED after SIGTERM and a checkpoint, else the failure's
-after the error report. The failure path runs *outside* the ``except`` block, so the activations the
-exception's frames hold are gone before the emergency checkpoint needs memory.
-"""
+"""One training attempt: setup → recipe → train → adapter, and the failure path. Exit code: OK after the
+adapter is saved, STOPPED after SIGTERM and a checkpoint, else the failure's after the error report. The
+failure path runs outside ``except``: the frames' activations are gone before the emergency checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -19,11 +17,6 @@ from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    UnsafeCheckpointPath,
-    newest_complete_checkpoint,
-    refuse_linked_dir,
-)
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.events import Started
@@ -52,7 +45,7 @@ TRUST_REMOTE_CODE_WARNING = (
 class Context:
     """What the failure path needs, filled in as setup gets further."""
 
-    def __init__(self, spec: AttemptSpec) -> None:
+    def __init__(self, spec: AttemptSpec, prepared: Prepared | None = None) -> None:
         self.spec = spec
         self.events = EventLog(spec.events_file)
         self.progress = Progress(self.events)
@@ -63,16 +56,11 @@ class Context:
         self.resume_checkpoint: str | None = None  # the source checkpoint, once chosen
         self.memory_history = False  # diagnose.memory_history is recording
         self.place = this_rank()  # rank 0 of 1 outside torchrun
-        self.prepared: Prepared | None = None  # a warm spare's tokenizer and rows (see .prepared)
-
-    @property
-    def device(self) -> str:
-        return "cuda" if self.on_cuda else "cpu"
+        self.prepared = prepared  # a warm spare's tokenizer and rows (see recipe.data.Prepared)
 
 
 def install_stop_handler(progress: Progress) -> None:
-    """SIGTERM and the early-checkpoint signal only set flags: the step in flight finishes, then the
-    child checkpoints (and, for SIGTERM, leaves)."""
+    """SIGTERM and the early-checkpoint signal set flags: the step ends, then a checkpoint (SIGTERM: exit)."""
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         progress.stop_requested = True
@@ -96,25 +84,13 @@ def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
-    announce_started(ctx, versions(), cpu_fallback)
-    if ctx.spec.train.trust_remote_code:
-        print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
-    if memory.late_cap_step() is None:  # else the trainer caps after that step (a test's fault)
-        memory.apply_cpu_cap(ctx.spec.cpu_memory_limit)
-
-
-def announce_started(ctx: Context, versions: dict[str, str], cpu_fallback: str | None) -> None:
-    import torch
-
     started = Started(
         pid=os.getpid(),
         attempt=ctx.spec.attempt,
-        rank=ctx.place.rank,
-        local_rank=ctx.place.local_rank,
-        world_size=ctx.place.world_size,
-        device=ctx.device,
+        **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
+        device="cuda" if ctx.on_cuda else "cpu",
         device_name=torch.cuda.get_device_name() if ctx.on_cuda else "cpu",
-        versions=versions,
+        versions=versions(),
         vmdata=memory.proc_status_bytes("VmData"),
         rss=memory.proc_status_bytes("VmRSS"),
         cpu_memory_limit=ctx.spec.cpu_memory_limit,
@@ -124,6 +100,10 @@ def announce_started(ctx: Context, versions: dict[str, str], cpu_fallback: str |
         trust_remote_code=ctx.spec.train.trust_remote_code,
     )
     ctx.events.write(started.to_line())
+    if ctx.spec.train.trust_remote_code:
+        print(TRUST_REMOTE_CODE_WARNING, file=sys.stderr, flush=True)
+    if memory.late_cap_step() is None:  # else the trainer caps after that step (a test's fault)
+        memory.apply_cpu_cap(ctx.spec.cpu_memory_limit)
 
 
 def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
@@ -131,19 +111,18 @@ def chosen_checkpoint(spec: AttemptSpec) -> Path | None:
     removing dead writers' staging dirs. A linked ``checkpoints_dir`` is a ConfigError."""
     checkpoints_dir = Path(spec.checkpoints_dir)
     try:
-        refuse_linked_dir(checkpoints_dir)
-    except UnsafeCheckpointPath as exc:
+        checkpoints.refuse_linked_dir(checkpoints_dir)
+    except checkpoints.UnsafeCheckpointPath as exc:
         raise ConfigError(str(exc)) from exc
     checkpoints.remove_stale_temps(checkpoints_dir)
     if spec.resume_from == "auto":
-        newest = newest_complete_checkpoint(checkpoints_dir)
+        newest = checkpoints.newest_complete_checkpoint(checkpoints_dir)
         return newest[1] if newest else None
     return Path(spec.resume_from) if spec.resume_from else None
 
 
 def resume_choice(ctx: Context) -> checkpoints.ResumeSource:
-    """:func:`resume_source` of the chosen checkpoint, named in ``ctx`` first (the report names it
-    if it fails to load)."""
+    """:func:`resume_source` of the chosen checkpoint, named in ``ctx`` first (for the report if it fails)."""
     chosen = chosen_checkpoint(ctx.spec)
     ctx.resume_checkpoint = str(chosen) if chosen is not None else None
     return resume_source(ctx.spec, chosen)
@@ -152,14 +131,14 @@ def resume_choice(ctx: Context) -> checkpoints.ResumeSource:
 def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeSource:
     """How to resume from ``source``, checked to be loadable (CheckpointLoadError if not). Without
     optimizer state it resumes as a reset; an adapter of a larger rank is cut to ``lora_r`` in an
-    optimizer-less scratch copy (:mod:`.rank`), never in the original."""
+    optimizer-less scratch copy (:mod:`...recipe.resume`), never in the original."""
     if source is None:
         return checkpoints.ResumeSource()
     if not checkpoints.is_complete(source):
         raise ConfigError(f"resume_from {source}: not a complete checkpoint (no completion marker)")
     checkpoints.check_loadable(source)
     original = str(source)
-    from qlora_supervise.trainer_child.run.rank import adapter_rank, truncate_adapter  # imports torch
+    from qlora_supervise.trainer_child.recipe.resume import adapter_rank, truncate_adapter  # imports torch
 
     saved = adapter_rank(source)
     cut = saved is not None and saved > spec.knobs.lora_r
@@ -174,12 +153,11 @@ def resume_source(spec: AttemptSpec, source: Path | None) -> checkpoints.ResumeS
             "resume at its rank or start from step 0"
         )
     stripped = checkpoints.without_optimizer(source, Path(spec.checkpoints_dir) / f".tmp-reset-{os.getpid()}")
-    reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha) if cut else None
-    why = (
-        "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
-        if cut
-        else "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
-    )
+    why = "fresh optimizer state asked for (the optimizer changed, or its saved state is damaged)"
+    reduction = None
+    if cut:
+        reduction = truncate_adapter(stripped, spec.knobs.lora_r, spec.knobs.lora_alpha)
+        why = "the adapter was cut to a smaller rank: the optimizer state's shapes no longer fit"
     return checkpoints.ResumeSource(str(stripped), str(stripped), why, original, reduction)
 
 
@@ -205,9 +183,8 @@ def train(ctx: Context) -> ExitCode:
 
     spec = ctx.spec
     source = resume_choice(ctx)
-    trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
+    ctx.trainer = trainer = build(spec, ctx.progress, ctx.on_cuda, source, ctx.prepared)
     ctx.prepared = None  # the trainer holds what it took; the rest need not live on
-    ctx.trainer = trainer
     from qlora_supervise.trainer_child.run import speed_trial
 
     if speed_trial.wanted(spec, resuming=source.load_from is not None) and not ctx.progress.stop_requested:
@@ -242,12 +219,9 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
         memory.free_memory()
     memory.lift_cpu_cap()  # the cap is ours (soft limit): the report must not hit it
     report_failure(ctx, failure, emergency)
+    line = failure_line(failure.stage.value, failure.exception_type, failure.message[:2000])
     with contextlib.suppress(OSError):  # stderr is child.log, on the run's disk, which may be full
-        print(
-            failure_line(failure.stage.value, failure.exception_type, failure.message[:2000]),
-            file=sys.stderr,
-            flush=True,
-        )
+        print(line, file=sys.stderr, flush=True)
     return failure.exit_code
 
 
@@ -276,7 +250,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         config_error=failure.config,
         oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
         memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
-        device=ctx.device,
+        device="cuda" if ctx.on_cuda else "cpu",
         emergency_checkpoint=emergency[0] if emergency else None,
         emergency_step=emergency[1] if emergency else None,
         expandable_segments_active=ctx.expandable,
@@ -287,9 +261,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         memory_snapshot=failure.memory_snapshot,
         batch=failure.batch,
         time=failure.time,
-        rank=ctx.place.rank,
-        local_rank=ctx.place.local_rank,
-        world_size=ctx.place.world_size,
+        **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
     )
     try:
         write_text_atomic(ctx.spec.error_file, report.to_json())
@@ -302,8 +274,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
 
 def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Prepared | None = None) -> int:
     """Run ``body`` with heartbeats; any exception becomes a report and a reserved exit code."""
-    ctx = Context(spec)
-    ctx.prepared = prepared
+    ctx = Context(spec, prepared)
     install_stop_handler(ctx.progress)
     failure: CapturedFailure | None = None
     try:
@@ -322,26 +293,14 @@ def guarded(spec: AttemptSpec, body: Callable[[Context], ExitCode], prepared: Pr
     return int(code)
 
 
-def batch_at_oom(ctx: Context, failure: CapturedFailure) -> BatchInFlight | None:
-    """The micro-batch a training step's OOM happened on."""
-    if not failure.oom or failure.stage not in LOOP_STAGES or ctx.trainer is None:
-        return None
-    try:
-        batch = ctx.trainer.batch_in_flight()
-    except Exception:  # a bonus, as the allocator's facts: the report must still be written
-        return None
-    return batch if isinstance(batch, BatchInFlight) else None
-
-
 def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
-    """``exc`` reduced to strings, with the allocator's facts and snapshot of a GPU OOM, read first:
-    the frames still hold the step's tensors; and the micro-batch of a training step's OOM."""
+    """``exc`` reduced to strings, with the allocator's facts and snapshot of a GPU OOM, read first (the
+    frames still hold the step's tensors), and the micro-batch a training step's OOM happened on."""
     facts, snapshot = None, None
     if ctx.on_cuda:
         try:
             # A step of the same shape proves a *training* step fits: not an eval or a save.
-            training = ctx.progress.stage in LOOP_STAGES
-            shapes = getattr(ctx.trainer, "shapes", None) if training else None
+            shapes = getattr(ctx.trainer, "shapes", None) if ctx.progress.stage in LOOP_STAGES else None
             facts = memory.allocator_facts_at_oom(exc, ctx.spec.gpu_memory_limit, shapes)
             if facts is not None and ctx.memory_history:
                 snapshot = memory.dump_memory_snapshot(
@@ -351,7 +310,10 @@ def captured(ctx: Context, exc: BaseException) -> CapturedFailure:
             facts, snapshot = None, None
     failure = capture(exc, ctx.progress.stage, ctx.progress.step)
     failure.allocator, failure.memory_snapshot = facts, snapshot
-    failure.batch = batch_at_oom(ctx, failure)
+    if failure.oom and failure.stage in LOOP_STAGES and ctx.trainer is not None:
+        with contextlib.suppress(Exception):  # a bonus, as the allocator's facts: the report comes first
+            batch = ctx.trainer.batch_in_flight()
+            failure.batch = batch if isinstance(batch, BatchInFlight) else None
     return failure
 
 

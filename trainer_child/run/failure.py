@@ -46,8 +46,7 @@ def _in_chain(exc: BaseException, kinds: type[BaseException] | tuple[type[BaseEx
 #: OSError of the device or the disk is left to the classifier.
 _DETERMINISTIC = (ValueError, TypeError, KeyError, AttributeError, ImportError, NotImplementedError,
                   FileNotFoundError, NotADirectoryError, IsADirectoryError, SyntaxError)  # fmt: skip
-#: Deterministic by name: huggingface_hub's offline refusal (a ConnectionError by class), and
-#: safetensors' refusal of a damaged or truncated model file.
+#: Deterministic by name: huggingface_hub's offline refusal (a ConnectionError); safetensors' damaged file.
 _DETERMINISTIC_NAMES = frozenset({"OfflineModeIsEnabled", "SafetensorError", "HeaderTooLarge"})
 #: Errors of a load short of device memory (bitsandbytes under ``device_map: auto`` on a shared card,
 #: a weight left on the meta device): the card's state, not the config's.
@@ -62,9 +61,7 @@ def is_the_configs(exc: BaseException, stage: Stage) -> bool:
     chain = exception_chain(exc)
     if any(words in str(item) for item in chain for words in _SHORT_OF_MEMORY):
         return False
-    if isinstance(exc, _DETERMINISTIC):
-        return True
-    return any(
+    return isinstance(exc, _DETERMINISTIC) or any(
         type(item).__name__ in _DETERMINISTIC_NAMES or "OfflineModeIsEnabled" in str(item) for item in chain
     )
 

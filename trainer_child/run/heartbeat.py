@@ -49,18 +49,14 @@ class Progress:
     thread, read by the heartbeat thread: plain attribute writes are atomic enough."""
 
     def __init__(self, events: EventLog) -> None:
-        self.events = events
-        self.stage = Stage.SETUP
-        self.step = 0
+        self.events, self.stage, self.step = events, Stage.SETUP, 0
         self.loss: float | None = None
         self.tokens_per_s: float | None = None
-        self.stop_requested = False
-        self.early_checkpoints = False
+        self.stop_requested = self.early_checkpoints = False
         self._announced: set[type] = set()
 
     def enter(self, stage: Stage) -> None:
-        """Set the stage; a ``stage`` event marks a phase (load, training, eval, save), not each turn of
-        the training loop (heartbeats carry those)."""
+        """Set the stage; a ``stage`` event marks a phase (load, training, eval, save), not each loop turn."""
         if stage is self.stage:
             return
         looping = self.stage in LOOP_STAGES and stage in LOOP_STAGES
@@ -89,13 +85,11 @@ class Progress:
 
 
 class HeartbeatThread(threading.Thread):
-    """Beats every ``interval`` seconds whatever the main thread does: the supervisor decides hangs from
-    ``step`` not advancing, not from missing beats."""
+    """Beats every ``interval`` s whatever the main thread does: a hang is ``step`` stuck, not a lost beat."""
 
     def __init__(self, progress: Progress, interval: float) -> None:
         super().__init__(name="qlora-heartbeat", daemon=True)
-        self.progress = progress
-        self.interval = interval
+        self.progress, self.interval = progress, interval
         self._done = threading.Event()
 
     def run(self) -> None:

@@ -13,19 +13,14 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract.allocator import (
-    AllocatorFacts,
-    allocator_env,
-    facts_from_allocator,
-)
+from qlora_supervise.trainer_child.contract import allocator
 from qlora_supervise.trainer_child.contract.events import MemoryNumbers
 from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 1 << 20
-#: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (an OOM
-#: after progress).
+#: Injected fault for tests: ``cpu_memory_limit`` applies only after this optimizer step (late OOM).
 TEST_CAP_AFTER_STEP = "QLORA_SUPERVISE_TEST_CAP_AFTER_STEP"
 #: Injected fault for the step-up bench (``N:S``): after optimizer step N (only) the child hands its
 #: cached GPU memory back and pauses S seconds, so a neighbour can take the card.
@@ -38,7 +33,7 @@ class MemoryCapError(ConfigError):
 
 def prepare_process_env(expandable_segments: bool) -> None:
     """Fix allocator settings before ``import torch`` (as the supervisor does, for a child run by hand)."""
-    os.environ.update(allocator_env(os.environ, expandable_segments))
+    os.environ.update(allocator.allocator_env(os.environ, expandable_segments))
     # Arrow's jemalloc/mimalloc pool reserves ~1 GiB of address space, counted by RLIMIT_DATA unused.
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     tune_malloc()
@@ -59,13 +54,10 @@ def tune_malloc(arenas: int = 2) -> None:
 
 def proc_status_bytes(field: str) -> int | None:
     """A ``kB`` field of /proc/self/status (VmData, VmRSS, VmHWM) in bytes; None off Linux."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -132,8 +124,7 @@ def apply_gpu_cap(limit: int | None) -> None:
 
 
 def expandable_segments_active() -> bool | None:
-    """Whether the CUDA allocator really runs with expandable segments (a variable set too late or
-    misspelled does not); None on the CPU."""
+    """Whether the CUDA allocator truly uses expandable segments (not if set late or misspelt); CPU: None."""
     import torch
 
     if not torch.cuda.is_available():
@@ -147,9 +138,7 @@ def expandable_segments_active() -> bool | None:
     finally:
         del probe
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if getter is not None:
-        return "expandable_segments:true" in getter().replace(" ", "").lower()
-    return None
+    return None if getter is None else "expandable_segments:true" in getter().replace(" ", "").lower()
 
 
 def memory_numbers() -> MemoryNumbers:
@@ -170,12 +159,9 @@ def memory_numbers() -> MemoryNumbers:
 def cuda_memory_stats() -> dict[str, Any] | None:
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return dict(torch.cuda.memory_stats())
-    except RuntimeError:
-        return None
+    with contextlib.suppress(RuntimeError):
+        return dict(torch.cuda.memory_stats()) if torch.cuda.is_available() else None
+    return None
 
 
 def free_memory() -> None:
@@ -188,35 +174,31 @@ def free_memory() -> None:
 
 
 def start_memory_history(diagnose: DiagnoseSpec) -> bool:
-    """Record the CUDA allocator's history when ``diagnose`` asks, in a ring, Python stacks only (C++
-    unwinding costs far more); whether it records."""
+    """Record the CUDA allocator's history if ``diagnose`` asks (a ring, Python stacks: C++ is far dearer)."""
     import torch
 
     if not diagnose.memory_history or not torch.cuda.is_available():
         return False
-    try:
+    with contextlib.suppress(RuntimeError, TypeError, AttributeError):
         torch.cuda.memory._record_memory_history(max_entries=diagnose.memory_history_entries, stacks="python")
-    except (RuntimeError, TypeError, AttributeError):
-        return False
-    return True
+        return True
+    return False
 
 
 def dump_memory_snapshot(path: Path) -> str | None:
     """Write the recorded history to ``path`` (for https://pytorch.org/memory_viz); None on failure."""
     import torch
 
-    try:
+    with contextlib.suppress(RuntimeError, OSError, AttributeError, MemoryError):
         torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]  # untyped in torch
-    except (RuntimeError, OSError, AttributeError, MemoryError):
-        return None
-    return str(path)
+        return str(path)
+    return None
 
 
 def allocator_facts_at_oom(
     exc: BaseException, limit: int | None, shapes: StepShapes | None
-) -> AllocatorFacts | None:
-    """The CUDA allocator's facts for an OOM, read before the step's tensors are freed; None on the
-    CPU, for other failures, or on error."""
+) -> allocator.AllocatorFacts | None:
+    """The CUDA allocator's facts of an OOM, read before the step's tensors go (None: CPU, not OOM, error)."""
     import torch
 
     if not torch.cuda.is_available() or not is_oom(exc):
@@ -229,7 +211,8 @@ def allocator_facts_at_oom(
         total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     except (RuntimeError, MemoryError):
         return None
-    facts = facts_from_allocator(stats, segments, requested, limit=limit or total, device_free=device_free)
+    limit = limit or total
+    facts = allocator.facts_from_allocator(stats, segments, requested, limit=limit, device_free=device_free)
     if shapes is None:
         return facts
     step, peak = shapes.last_with(shapes.current)
@@ -251,11 +234,8 @@ class StepShapes:
         self._in_step.add(shape)
 
     def step_done(self, step: int, peak: int | None) -> None:
-        for shape in self._in_step:
-            self._done[shape] = (step, peak)
+        self._done.update(dict.fromkeys(self._in_step, (step, peak)))
         self._in_step.clear()
 
     def last_with(self, shape: tuple[int, ...] | None) -> tuple[int | None, int | None]:
-        if shape is None or shape not in self._done:
-            return None, None
-        return self._done[shape]
+        return (None, None) if shape is None else self._done.get(shape, (None, None))

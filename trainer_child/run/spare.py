@@ -1,12 +1,10 @@
 """A warm spare trainer: ``python -m qlora_supervise.trainer_child.run.spare --run-dir R --device D
-[--expandable-segments] [--model M] [--prepare SPEC]``.
-
-It fixes the environment and imports the training stack as an attempt does (with ``--prepare``, also
-loads the tokenizer and rows of the attempt it stands behind), prints one ``spare_ready`` JSON line,
-and waits on stdin for ``{"spec": PATH, "log": PATH}``: it acknowledges (``spare_ack``), sends its
-output to the attempt's log and runs the attempt. An empty stdin ends it with status 0. It touches no
-CUDA while it waits, and refuses (ExitCode.CONFIG) a spec whose environment differs from its own.
-"""
+[--expandable-segments] [--model M] [--prepare SPEC]``. It fixes the environment and imports the
+training stack as an attempt does (with ``--prepare``, also loads the tokenizer and rows of the attempt
+it stands behind), prints one ``spare_ready`` JSON line, and waits on stdin for ``{"spec": PATH, "log":
+PATH}``: it acknowledges (``spare_ack``), sends its output to the attempt's log and runs the attempt.
+An empty stdin ends it with status 0. It touches no CUDA while it waits, and refuses (ExitCode.CONFIG)
+a spec whose environment differs from its own."""
 
 from __future__ import annotations
 
@@ -25,16 +23,6 @@ from qlora_supervise.trainer_child.run.memory import proc_status_bytes
 
 if TYPE_CHECKING:  # at run time it comes after the imports the environment must precede
     from qlora_supervise.trainer_child.recipe.data import Prepared
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.run.spare")
-    parser.add_argument("--run-dir", required=True, help="the run directory it serves (names it for reclaim)")
-    parser.add_argument("--device", required=True, help="the job's resources.device")
-    parser.add_argument("--expandable-segments", action="store_true", help="allocator setting of the attempt")
-    parser.add_argument("--model", help="the model directory, whose architecture's module it imports")
-    parser.add_argument("--prepare", help="an attempt's spec whose tokenizer and rows to load ahead")
-    return parser.parse_args(argv)
 
 
 def warm_up(device_name: str, expandable_segments: bool, model: str | None) -> dict[str, object]:
@@ -93,7 +81,13 @@ def check_spec(spec: AttemptSpec, device_name: str, expandable_segments: bool) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m qlora_supervise.trainer_child.run.spare")
+    parser.add_argument("--run-dir", required=True, help="the run directory it serves (names it for reclaim)")
+    parser.add_argument("--device", required=True, help="the job's resources.device")
+    parser.add_argument("--expandable-segments", action="store_true", help="allocator setting of the attempt")
+    parser.add_argument("--model", help="the model directory, whose architecture's module it imports")
+    parser.add_argument("--prepare", help="an attempt's spec whose tokenizer and rows to load ahead")
+    args = parser.parse_args(argv)
     try:
         ready = warm_up(args.device, args.expandable_segments, args.model)
     except DeviceError as exc:

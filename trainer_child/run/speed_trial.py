@@ -1,12 +1,10 @@
 """The speed trial: time the planner's candidates in-process before step 1, train with the fastest.
-
 Only for an attempt from step 0 (or a re-time) with two or more candidates, in one process. Each
 candidate runs a warm-up and a few timed forward+backward micro-steps on the longest training sample
 (repeated to its micro-batch), its checkpointing switched on the same model: no reload, no optimizer
 step. The training that follows is the one it would have been: the dataloader does not exist yet, the
 RNG states, gradients and trl's metrics are put back. An OOM drops the candidate where it failed. The
-choice is the policy's (:func:`policies.choice.after_trial`); this module times and applies it.
-"""
+choice is the policy's (:func:`policies.choice.after_trial`); this module times and applies it."""
 
 from __future__ import annotations
 
@@ -26,23 +24,13 @@ from qlora_supervise.policies.choice import TrialChoice
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, TrialCandidate
-from qlora_supervise.trainer_child.recipe.activations import (
-    activation_context,
-    release_host_buffers,
-    set_checkpointing,
-)
+from qlora_supervise.trainer_child.recipe import activations
+from qlora_supervise.trainer_child.run import memory
 from qlora_supervise.trainer_child.run.failure import is_oom
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import (
-    free_memory,
-    memory_numbers,
-    proc_status_bytes,
-    reset_host_peak,
-)
 from qlora_supervise.trainer_child.run.torchrun import this_rank
 
-#: The whole trial's aim, warm-ups included, shared among the candidates (each gets its warm-up and
-#: MIN_TIMED_STEPS whatever its share).
+#: The whole trial's aim, warm-ups included, shared by the candidates (each has a warm-up, MIN_TIMED_STEPS).
 BUDGET_S = 10.0
 MIN_TIMED_STEPS = 1
 MAX_TIMED_STEPS = 4
@@ -54,8 +42,7 @@ def wanted(spec: AttemptSpec, resuming: bool) -> bool:
 
 
 def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> SpeedTrialEvent:
-    """Time ``spec.speed_trial`` on the longest training sample, apply the choice to ``trainer``, emit
-    and return the event."""
+    """Time ``spec.speed_trial`` on the longest training row, apply the choice, emit and return the event."""
     began = Began.now(progress, trainer)
     row = longest_row(trainer.train_dataset)
     return conclude(trainer, progress, on_cuda, time_all(trainer, spec, on_cuda, row), began)
@@ -78,8 +65,7 @@ def conclude(
 
 
 def abandon(trainer: Any, progress: Progress, on_cuda: bool, why: str, began: Began) -> SpeedTrialEvent:
-    """End a trial that could not time its candidates: checkpointing as it found it, no gradients,
-    an event that says why and keeps the plan."""
+    """End an untimed trial: checkpointing as found, no gradients, an event saying why; the plan stands."""
     began.restore(trainer)
     trainer.model.zero_grad(set_to_none=True)
     event = SpeedTrialEvent((), round(time.monotonic() - began.time, 3), why)
@@ -110,7 +96,7 @@ class Began:
 
     def restore(self, trainer: Any) -> None:
         if self.model_checkpointing is not None and model_checkpointing(trainer) != self.model_checkpointing:
-            set_checkpointing(trainer, self.model_checkpointing)
+            activations.set_checkpointing(trainer, self.model_checkpointing)
         for name, value in self.args_checkpointing:
             setattr(trainer.args, name, value)
 
@@ -127,11 +113,11 @@ def model_checkpointing(trainer: Any) -> bool | None:
 def _ended(
     event: SpeedTrialEvent, progress: Progress, before: Stage, on_cuda: bool, line: str
 ) -> SpeedTrialEvent:
-    release_host_buffers()
-    free_memory()
+    activations.release_host_buffers()
+    memory.free_memory()
     if on_cuda:  # from here the attempt's peaks are its training's, not the trial's
         torch.cuda.reset_peak_memory_stats()
-        reset_host_peak()
+        memory.reset_host_peak()
     progress.enter(before)
     progress.events.write(event.to_line())
     print(line, flush=True)
@@ -139,8 +125,7 @@ def _ended(
 
 
 def longest_row(dataset: Any) -> dict[str, Any]:
-    """The training sample with the most tokens (as trl tokenized and truncated it), read through
-    Arrow: no Python list per row of a large dataset."""
+    """The sample with the most tokens (as trl tokenized, truncated), read via Arrow: no list per row."""
     import pyarrow.compute as pc
 
     column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
@@ -156,10 +141,10 @@ def time_candidate(
     """Warm-up, then timed micro-steps until ``share`` seconds are spent (within the step limits); an
     OOM ends the candidate with its ``error`` (handled outside ``except``, whose frames hold tensors)."""
     started = time.monotonic()
-    set_checkpointing(trainer, candidate.gradient_checkpointing)
+    activations.set_checkpointing(trainer, candidate.gradient_checkpointing)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    measured_host = reset_host_peak()
+    measured_host = memory.reset_host_peak()
     tokens_per_s: float | None = None
     error: str | None = None
     try:
@@ -171,13 +156,13 @@ def time_candidate(
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
     batch = None  # the activations of a failed step went with the exception; the batch goes here
     trainer.model.zero_grad(set_to_none=True)
-    host_peak = proc_status_bytes("VmHWM") if measured_host else None
-    release_host_buffers()  # the next candidate saves other sizes
+    host_peak = memory.proc_status_bytes("VmHWM") if measured_host else None
+    activations.release_host_buffers()  # the next candidate saves other sizes
     if error is not None:
-        free_memory()
+        memory.free_memory()
     seconds = round(time.monotonic() - started, 3)
     # The CUDA allocator's peak since the start; on the CPU the data segment's so far (never reset).
-    peak = int(torch.cuda.max_memory_allocated()) if on_cuda else memory_numbers().peak_bytes
+    peak = int(torch.cuda.max_memory_allocated()) if on_cuda else memory.memory_numbers().peak_bytes
     return TrialResult(candidate, tokens_per_s, peak, seconds, error, host_peak)
 
 
@@ -185,35 +170,34 @@ def timed_steps(trainer: Any, batch: dict[str, Any], on_cuda: bool, deadline: fl
     """Tokens per second over the timed micro-steps, after one warm-up (kernel choice, allocator)."""
     mask = batch.get("attention_mask")
     tokens = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
-    micro_step(trainer, batch)
-    sync(on_cuda)
+    micro_step(trainer, batch, on_cuda)
     steps, start = 0, time.monotonic()
     while steps < MIN_TIMED_STEPS or (steps < MAX_TIMED_STEPS and time.monotonic() < deadline):
-        micro_step(trainer, batch)
-        sync(on_cuda)
+        micro_step(trainer, batch, on_cuda)
         steps += 1
     return tokens * steps / max(time.monotonic() - start, 1e-9)
 
 
-def micro_step(trainer: Any, batch: dict[str, Any]) -> None:
+def micro_step(trainer: Any, batch: dict[str, Any], on_cuda: bool) -> None:
     """One forward+backward as ``training_step`` runs it (with the autocast ``train()`` would wrap the
-    forward in, not applied yet); the gradients accumulate, nothing steps."""
+    forward in, not applied yet), synchronized; the gradients accumulate, nothing steps."""
     model = trainer.model
     model.train()
-    with activation_context(trainer.plan.knobs):
+    with activations.activation_context(trainer.plan.knobs):
         with trainer.accelerator.autocast(), trainer.compute_loss_context_manager():
             loss = trainer.compute_loss(model, dict(batch))
         trainer.accelerator.backward(loss)
+    if on_cuda:
+        torch.cuda.synchronize()
 
 
 def apply(trainer: Any, knobs: Knobs) -> None:
-    """Train with ``knobs``, before ``train()`` reads them (its dataloader reads ``_train_batch_size``,
-    copied at construction)."""
+    """Train with ``knobs``, before ``train()`` (its dataloader reads ``_train_batch_size``, set at init)."""
     args = trainer.args
     args.per_device_train_batch_size = knobs.micro_batch_size
     args.gradient_accumulation_steps = knobs.grad_accum
     trainer._train_batch_size = args.train_batch_size
-    set_checkpointing(trainer, knobs.gradient_checkpointing)
+    activations.set_checkpointing(trainer, knobs.gradient_checkpointing)
     trainer.plan = dataclasses.replace(trainer.plan, knobs=knobs)
 
 
@@ -239,11 +223,6 @@ def untouched(trainer: Any) -> Iterator[None]:
         if train_tokens is not None:
             trainer._total_train_tokens = train_tokens
         trainer.model.train(training)
-
-
-def sync(on_cuda: bool) -> None:
-    if on_cuda:
-        torch.cuda.synchronize()
 
 
 def summary(event: SpeedTrialEvent, chosen: TrialChoice) -> str:

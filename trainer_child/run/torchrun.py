@@ -1,9 +1,6 @@
-"""This process as one of torchrun's ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``): its own events
-and error files, its GPU, and what the ranks agree on. DDP itself is the Trainer's; torch is imported
-only where it is used.
-
-Whether the device the job asks for is there: a GPU asked for and missing is a config error (not days
-on the CPU); ``auto`` may fall back to the CPU, and ``started`` and stderr say why."""
+"""This process as one of torchrun's ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``): its events and error
+files, its GPU, what the ranks agree on (DDP is the Trainer's; torch imported where used). A GPU asked for
+and missing is a config error (not days on the CPU); ``auto`` may fall back to the CPU, saying why."""
 
 from __future__ import annotations
 
@@ -45,12 +42,9 @@ SINGLE = RankPlace()
 
 
 def this_rank(environ: Mapping[str, str] = os.environ) -> RankPlace:
-    rank, local, world = (environ.get(name, "") for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    return RankPlace(
-        int(rank) if rank.isdigit() else 0,
-        int(local) if local.isdigit() else 0,
-        int(world) if world.isdigit() else 1,
-    )
+    defaults = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1}
+    values = {name: environ.get(name, "") for name in defaults}
+    return RankPlace(*(int(value) if value.isdigit() else defaults[name] for name, value in values.items()))
 
 
 def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = os.environ) -> AttemptSpec:
@@ -104,11 +98,8 @@ def barrier(place: RankPlace) -> None:
 
 def decide_together(place: RankPlace, progress: Progress, device: Any) -> tuple[bool, bool]:
     """Whether every rank stops / checkpoints after this step, true if any rank says so (MAX all-reduce):
-    one that saves or stops alone would hang the others in mismatched collectives.
-
-    The flags are only raised here, never cleared: a SIGTERM landing during the all-reduce, after this
-    rank's value was sent, goes into the next step's instead of being lost.
-    """
+    one that saves or stops alone would hang the others in mismatched collectives. Flags are only raised
+    here, never cleared: a SIGTERM landing after this rank's value was sent counts in the next step's."""
     stop, early = progress.stop_requested, progress.early_checkpoints
     dist = _group(place)
     if dist is not None:
@@ -123,8 +114,7 @@ def decide_together(place: RankPlace, progress: Progress, device: Any) -> tuple[
 
 
 def check_device(spec: AttemptSpec, on_cuda: bool) -> str | None:
-    """Raise ConfigError when the spec's GPU is not usable; return why an ``auto`` job (or a GPU cap)
-    runs on the CPU, or None."""
+    """ConfigError for an unusable GPU asked for; else why ``auto`` (or a GPU cap) runs on CPU, or None."""
     if on_cuda:
         return None
     if spec.device not in ("auto", "cpu"):
@@ -137,11 +127,10 @@ def check_device(spec: AttemptSpec, on_cuda: bool) -> str | None:
         notes.append(f"gpu: auto found no usable GPU ({why_no_cuda()}): training on the CPU")
     if spec.gpu_memory_limit is not None:
         notes.append("gpu_memory_limit does nothing on the CPU (cpu_memory_limit caps host memory)")
-    if not notes:
-        return None
     note = "; ".join(notes)
-    print(f"trainer child: warning: {note}", file=sys.stderr, flush=True)
-    return note
+    if note:
+        print(f"trainer child: warning: {note}", file=sys.stderr, flush=True)
+    return note or None
 
 
 def why_no_cuda() -> str:
