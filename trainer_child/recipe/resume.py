@@ -26,7 +26,7 @@ from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom
 from qlora_supervise.trainer_child.run.memory import MMAP_THRESHOLD, apply_cpu_cap, proc_status_bytes
 
 if TYPE_CHECKING:
-    from qlora_supervise.trainer_child.recipe.trainer import SupervisedTrainerMixin
+    from transformers import Trainer
 
 #: Injected fault for tests: as the resume's optimizer state is read, cap the data segment at what is
 #: in use plus half the state's file and ask for one more large copy (as Trainer's loader under
@@ -47,11 +47,11 @@ def checkpoint_load(checkpoint: str | None, what: str) -> Iterator[None]:
         ) from exc
 
 
-def load_through_host(trainer: SupervisedTrainerMixin, checkpoint: str | None) -> bool:
+def load_through_host(trainer: Trainer, on_host: bool, checkpoint: str | None) -> bool:
     """The ``optimizer_state_on_host`` rung: the state read into host memory, copied to the card
     tensor by tensor (Trainer under torchrun reads it onto the card whole). False: Trainer's own
     loader does it (knob off, no file, or DeepSpeed / FSDP, whose loaders are their own)."""
-    if checkpoint is None or not trainer.plan.knobs.optimizer_state_on_host or trainer.optimizer is None:
+    if checkpoint is None or not on_host or trainer.optimizer is None:
         return False
     state_file = Path(checkpoint) / "optimizer.pt"
     if not state_file.is_file() or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
@@ -63,7 +63,7 @@ def load_through_host(trainer: SupervisedTrainerMixin, checkpoint: str | None) -
     return True
 
 
-def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path) -> None:
+def restore_scheduler(trainer: Trainer, checkpoint: Path) -> None:
     """The checkpoint's LR schedule when the optimizer state is reset (Trainer restores it only with the
     optimizer); a damaged file is a CheckpointLoadError."""
     path = checkpoint / "scheduler.pt"
@@ -75,7 +75,7 @@ def restore_scheduler(trainer: SupervisedTrainerMixin, checkpoint: Path) -> None
         raise checkpoints.CheckpointLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
 
 
-def follow_schedule(trainer: SupervisedTrainerMixin, step: int) -> None:
+def follow_schedule(trainer: Trainer, step: int) -> None:
     """The learning rate of ``step`` on *this* attempt's schedule, in the scheduler and the optimizer:
     a run extended (``max_steps`` raised) continues as one of the new length would, not at the old
     schedule's end (rate 0 for cosine); an ordinary resume gets the value it restored."""

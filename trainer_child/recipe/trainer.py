@@ -224,7 +224,7 @@ class SupervisedTrainerMixin(_TrainerBase):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         with self._in_stage(Stage.RESUME), resume.checkpoint_load(checkpoint, "optimizer/scheduler state"):
             resume.inject_resume_cap(checkpoint)
-            if not resume.load_through_host(self, checkpoint):
+            if not resume.load_through_host(self, self.plan.knobs.optimizer_state_on_host, checkpoint):
                 super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
