@@ -16,47 +16,37 @@ import yaml
 from pydantic import field_validator
 
 from qlora_supervise.supervisor.facts.trainer import OWN
-from qlora_supervise.supervisor.jobfile import bounds
+from qlora_supervise.supervisor.jobfile import bounds, schema
 from qlora_supervise.supervisor.jobfile import load as jobload
 from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_you_mean, job_error, show
-from qlora_supervise.supervisor.jobfile.schema import (
-    DEFAULT_OUTPUT_DIR,
-    DiagnoseSection,
-    HookArgv,
-    PathList,
-    ResolvedPath,
-    ResourcesSection,
-    Section,
-    SuperviseSection,
-)
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup, present
 from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.supervisor.trainers.tools import TOOLS
 from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
-from qlora_supervise.trainer_child.contract.spec import DataSpec, TrainSpec
+from qlora_supervise.trainer_child.contract.spec import DataSpec, Knobs, TrainSpec
 
 #: trainer.kind: ours, or a registered tool's.
 KINDS = (OWN, *TOOLS)
 #: Sections of our own trainer that a foreign tool's config replaces.
 OWN_ONLY = ("model", "data", "quantization", "lora", "train")
 FOREIGN_KEYS = ("trainer", "resources", "supervise", "diagnose", "output_dir")
-_S = TypeVar("_S", bound=Section)
+_S = TypeVar("_S", bound=schema.Section)
 
 
-class TrainerSection(Section):
+class TrainerSection(schema.Section):
     """``trainer:``: ``kind``, the tool's ``config`` file, or ``command`` (a script's argv)."""
 
     kind: str = OWN
-    config: ResolvedPath | None = None
-    command: HookArgv | None = None  # argv, never a shell string
-    python: ResolvedPath | None = None  # the tool venv's interpreter; default: this one
+    config: schema.ResolvedPath | None = None
+    command: schema.HookArgv | None = None  # argv, never a shell string
+    python: schema.ResolvedPath | None = None  # the tool venv's interpreter; default: this one
     # Default: the config's folder (a script: the job file's), where its relative paths mean most.
-    workdir: ResolvedPath | None = None
-    fallbacks: PathList = ()  # smaller models for the last rung (script: swapped in at from_pretrained)
+    workdir: schema.ResolvedPath | None = None
+    fallbacks: schema.PathList = ()  # smaller models for the last rung (script: swapped in at load)
 
     @field_validator("kind")
     @classmethod
@@ -91,16 +81,31 @@ def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[
     if section is not None and section.kind == OWN and len(problems) == before:
         return None
     problems += _section_problems(raw, section)
-    resources = _validated("resources", ResourcesSection, raw, context, problems)
-    supervise = _validated("supervise", SuperviseSection, raw, context, problems)
-    diagnose = _validated("diagnose", DiagnoseSection, raw, context, problems)
-    output_dir, found = jobload.validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
+    resources = _validated("resources", schema.ResourcesSection, raw, context, problems)
+    supervise = _validated("supervise", schema.SuperviseSection, raw, context, problems)
+    diagnose = _validated("diagnose", schema.DiagnoseSection, raw, context, problems)
+    output_dir, found = jobload.validate_output_dir(raw.get("output_dir", schema.DEFAULT_OUTPUT_DIR), context)
     problems += found
     trainer = _tool_trainer(section, job_file.parent, problems) if section and section.kind in TOOLS else None
     if problems or trainer is None or output_dir is None:
         raise JobError(problems)
     assert resources is not None and supervise is not None and diagnose is not None and section is not None
-    return _job(job_file, text, output_dir, trainer, section.fallbacks, resources, supervise, diagnose)
+    knobs, train, unparsed = _tool_specs(trainer)
+    dataset = lookup(trainer.config, trainer.tool.table.data_key)
+    return Job(
+        job_file=job_file,
+        raw_text=text,
+        output_dir=output_dir,
+        knobs=knobs,
+        data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
+        train=train,
+        resources=resources.spec(),
+        supervise=supervise,
+        fallback_models=tuple(str(path) for path in section.fallbacks),
+        diagnose=diagnose.spec(),
+        trainer=trainer,
+        unparsed=unparsed,
+    )
 
 
 def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) -> list[Problem]:
@@ -181,9 +186,8 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
 
 
 def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: Path) -> list[Problem]:
-    """The tool's model must be a local directory with a config.json, as ``model.path`` must: the
-    tool runs offline and the supervisor reads the model's shape there. A key left out is not
-    checked here (a required one is named by ``config_problems``)."""
+    """The tool's model is a local directory with a config.json, as ``model.path`` is: the tool runs
+    offline and the supervisor reads the model's shape there (a key left out: ``config_problems``)."""
     model = _model_value(tool, config)
     if model is None:
         return []
@@ -217,9 +221,8 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     except bounds.AliasBombError as error:
         found = Problem(where, f"YAML aliases refused: {error}", None, "write the values out")
     except FileNotFoundError:
-        found = Problem(
-            "trainer.config", "no such file", show(str(path)), "check the path (relative to the job file)"
-        )
+        fix = "check the path (relative to the job file)"
+        found = Problem("trainer.config", "no such file", show(str(path)), fix)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         found = Problem(where, f"cannot read it: {error}", None, "fix the file")
     else:
@@ -233,26 +236,16 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
 _TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
 
 
-def _job(
-    job_file: Path,
-    text: str,
-    output_dir: Path,
-    trainer: ToolTrainer,
-    fallbacks: tuple[Path, ...],
-    resources: ResourcesSection,
-    supervise: SuperviseSection,
-    diagnose: DiagnoseSection,
-) -> Job:
+def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]:
+    """The knobs and train spec of the tool's config, and its values that did not parse (``max_steps:
+    ten``) under the job view's names, as written."""
     tool, config = trainer.tool, trainer.config
     table = tool.table
-    # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
     knobs = knobs_from(table, config)
-    knobs = dataclasses.replace(
-        knobs,
-        model=tool_model_path(knobs.model, trainer.workdir),
-        bf16_head=model_facts.keeps_head_dtype(tool, config),  # read only: what the tool does, not a rung
-    )
-    knobs = model_facts.with_saved_4bit(knobs, knobs.model)
+    # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
+    model = tool_model_path(knobs.model, trainer.workdir)
+    head = model_facts.keeps_head_dtype(tool, config)  # read only: what the tool does, not a rung
+    knobs = model_facts.with_saved_4bit(dataclasses.replace(knobs, model=model, bf16_head=head), model)
     steps = lookup(config, table.max_steps_key)
     epochs = lookup(config, table.epochs_key)
     save = lookup(config, table.save_steps_key)
@@ -263,25 +256,9 @@ def _job(
         merge=False,
         target_modules=model_facts.lora_targets(tool, config, model_type(knobs.model)),
     )
-    dataset = lookup(config, table.data_key)
-    # A value that did not parse (``max_steps: ten``), under the job view's names, as written.
-    views = zip(
-        _TRAIN_VIEW, (steps, epochs, save), (train.max_steps, train.epochs, train.save_steps), strict=True
-    )
-    return Job(
-        job_file=job_file,
-        raw_text=text,
-        output_dir=output_dir,
-        knobs=knobs,
-        data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
-        train=train,
-        resources=resources.spec(),
-        supervise=supervise,
-        fallback_models=tuple(str(path) for path in fallbacks),
-        diagnose=diagnose.spec(),
-        trainer=trainer,
-        unparsed={name: v for name, v, got in views if present(v) and v != got},
-    )
+    parsed = (train.max_steps, train.epochs, train.save_steps)
+    views = zip(_TRAIN_VIEW, (steps, epochs, save), parsed, strict=True)
+    return knobs, train, {name: v for name, v, got in views if present(v) and v != got}
 
 
 def model_type(model: str) -> str | None:

@@ -1,12 +1,10 @@
-"""A tool the user already runs, as the job's :class:`~...facts.trainer.Trainer`.
-
-The supervisor never imports the tool: it reads the user's config once (YAML, or the flags of an
-hf-script's command), writes each attempt's config with the ladder's changes into the attempt's
-directory (``<kind>.yaml`` or ``command.json``; the user's file is never touched) beside
-``trainer-config.diff`` (``key: old -> new`` lines that ``status`` prints), and starts the tool with
-the shim on its ``PYTHONPATH``. A ``script`` attempt instead gets ``script-knobs.json``: the knobs
-the shim changes where the script builds them, learnt from what earlier attempts reported it asks for.
-"""
+"""A tool the user already runs, as the job's :class:`~...facts.trainer.Trainer`. The supervisor never
+imports the tool: it reads the user's config once (YAML, or an hf-script's flags), writes each attempt's
+config with the ladder's changes into the attempt's directory (``<kind>.yaml`` or ``command.json``; the
+user's file is never touched) beside ``trainer-config.diff`` (``key: old -> new`` lines that ``status``
+prints), and starts the tool with the shim on its ``PYTHONPATH``. A ``script`` attempt gets
+``script-knobs.json`` instead: the knobs the shim changes where the script builds them, learnt from what
+earlier attempts reported it asks for."""
 
 from __future__ import annotations
 
@@ -197,11 +195,14 @@ def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
 
 
 def read_diff(attempt_dir: Path) -> list[str] | None:
-    """The attempt's diff lines (None: not a tool's attempt, or unreadable); a script's attempt
-    that ran: what it asked for and got where it builds each value."""
-    lines = _script_status(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
-    if lines is not None:
-        return lines
+    """The attempt's diff lines (None: not a tool's attempt, or unreadable); a script's attempt that
+    ran: what it asked for and got where it builds each value, where they differ or it could not."""
+    event = _script_report(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
+    if event is not None:
+        # The output folder moves on every attempt (as a tool's does): not a change worth a line.
+        return [
+            s.line() for s in event.settings if (s.asked != s.got or s.why_not) and s.knob != "output_dir"
+        ]
     try:
         return (attempt_dir / DIFF_NAME).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
@@ -258,12 +259,3 @@ def _write_script_changes(
     replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
     ScriptChanges(tuple(changed), str(output_dir), replaced, changed).write(attempt_dir)
     return changed
-
-
-def _script_status(attempt_dir: Path) -> list[str] | None:
-    """What the attempt's script asked for and got, where it differs or could not be changed."""
-    event = _script_report(attempt_dir)
-    if event is None:
-        return None
-    # The output folder moves on every attempt (as a tool's does): not a change worth a line.
-    return [s.line() for s in event.settings if (s.asked != s.got or s.why_not) and s.knob != "output_dir"]
