@@ -13,26 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+import pydantic
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from qlora_supervise.policies.decide import Settings
 from qlora_supervise.policies.rungs import RETIRED_RUNGS, RUNG_NAMES
-from qlora_supervise.supervisor.facts.units import (
-    DURATION_HELP,
-    SIZE_HELP,
-    UnitError,
-    parse_bytes,
-    parse_duration,
-)
+from qlora_supervise.supervisor.facts import units
 from qlora_supervise.supervisor.jobfile import hub
 from qlora_supervise.supervisor.jobfile.problems import did_you_mean, job_error
 from qlora_supervise.trainer_child.contract.codes import FailureKind
@@ -76,9 +62,9 @@ def _bytes(value: object) -> object:
     if not isinstance(value, (str, int, float)):
         return value  # the int type check reports it
     try:
-        return parse_bytes(value, unit_required=True)
-    except UnitError as error:
-        fix = error.expected if "no unit" in error.reason or "bits" in error.reason else SIZE_HELP
+        return units.parse_bytes(value, unit_required=True)
+    except units.UnitError as error:
+        fix = error.expected if "no unit" in error.reason or "bits" in error.reason else units.SIZE_HELP
         raise job_error(f"bad byte size: {error.reason}", f"use {fix}") from None
 
 
@@ -88,9 +74,9 @@ def to_seconds(value: object) -> object:
     if not isinstance(value, (str, int, float)):
         return value
     try:
-        return parse_duration(value)
-    except UnitError as error:
-        raise job_error(f"bad duration: {error.reason}", f"use {DURATION_HELP}") from None
+        return units.parse_duration(value)
+    except units.UnitError as error:
+        raise job_error(f"bad duration: {error.reason}", f"use {units.DURATION_HELP}") from None
 
 
 _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$")
@@ -115,10 +101,8 @@ def _target_modules(value: object) -> object:
         return value
     if isinstance(value, (list, tuple)) and value and all(isinstance(m, str) and m for m in value):
         return tuple(value)
-    raise job_error(
-        "not a list of module names",
-        "use attention, mlp, all-linear or a non-empty list such as [q_proj, k_proj, v_proj, o_proj]",
-    )
+    fix = "use attention, mlp, all-linear or a non-empty list such as [q_proj, k_proj, v_proj, o_proj]"
+    raise job_error("not a list of module names", fix)
 
 
 def _hook_argv(value: object) -> object:
@@ -135,8 +119,7 @@ def _hook_argv(value: object) -> object:
 
 
 def _ladders(value: object) -> object:
-    """Failure kind -> rung names: keys that name a FailureKind become one (the others fail the
-    key check), lists become tuples."""
+    """A key naming a FailureKind becomes one (the others fail the key check); lists become tuples."""
     if not isinstance(value, dict):
         return value
     kinds = {kind.value: kind for kind in FailureKind}
@@ -186,11 +169,11 @@ ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
 ReportTo = Literal["none", "tensorboard"]
 
 
-class Section(BaseModel):
+class Section(pydantic.BaseModel):
     """A part of the job file; frozen, unknown keys refused."""
 
     # strict: YAML already gives ints, floats and bools; "8" for an int is a mistake worth naming.
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True)
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True)
 
 
 class ModelSection(Section):
