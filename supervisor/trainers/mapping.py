@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.tool import Row, Table, settable, writable
+from qlora_supervise.supervisor.trainers.tool import Config, Row, Table, settable, writable
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _MISSING = object()
@@ -95,12 +95,7 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
 
 
 def attempt_config(
-    table: Table,
-    config: Mapping[str, Any],
-    job: Knobs,
-    knobs: Knobs,
-    output_dir: str,
-    resume_from: str | None,
+    table: Table, config: Config, job: Knobs, knobs: Knobs, output_dir: str, resume_from: str | None
 ) -> dict[str, Any]:
     """The user's config with what the ladder changed (``job`` -> ``knobs``, and a row's ``off_with``
     keys with a knob turned off), the tool's output dir and the checkpoint to resume from; every

@@ -18,10 +18,6 @@ from qlora_supervise.trainer_child.contract.script_knobs import EVAL_SCHEDULERS
 RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 @dataclass(frozen=True)
 class Row:
     """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
@@ -30,8 +26,8 @@ class Row:
     knob: str
     key: str
     default: Any
-    read: Callable[[Any], Any] = _same  # tool's value -> knob value
-    write: Callable[[Any], Any] = _same  # knob value -> tool's value
+    read: Callable[[Any], Any] = lambda value: value  # tool's value -> knob value
+    write: Callable[[Any], Any] = lambda value: value  # knob value -> tool's value
     # Read but never written: changing it alone would not do what the rung means in this tool.
     read_only: bool = False
     # The key is the script's own, not the tool's: read and written only where the config has it.
@@ -134,9 +130,8 @@ def unquoted_no(key: str) -> Contradiction:
         "a bool, not a strategy: YAML reads an unquoted no (or off, false) as false, and the tool "
         'stops at load on it ("False is not a valid ...")'
     )
-    return Contradiction(
-        key, lambda v: isinstance(v, bool), why, f'write {key}: "no" (quoted), or "steps" / "epoch"'
-    )
+    fix = f'write {key}: "no" (quoted), or "steps" / "epoch"'
+    return Contradiction(key, lambda v: isinstance(v, bool), why, fix)
 
 
 #: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.

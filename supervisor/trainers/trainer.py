@@ -108,12 +108,16 @@ class ToolTrainer:
             )
         output = ensure_dir(run_dir / TRAINER_OUTPUT)  # the tool saves there: never through a link
         if self.tool.settings_in_code:  # the script runs as written; the shim changes its knobs
+            # script-knobs.json: the knobs it changes, each with what was asked. Before any attempt
+            # reached train() only the knobs reported change; after, the job's stand for those never reported.
             keys = {row.knob: row.key for row in table.rows}
-            before = {knob: getattr(job, knob) for knob in keys}
-            changed = _write_script_changes(attempt_dir, run_dir, before, knobs, output)
-            _write_diff(
-                attempt_dir, [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
-            )
+            asked, complete = asked_by_script(run_dir)
+            asked = {**{knob: getattr(job, knob) for knob in keys}, **asked} if complete else asked
+            changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
+            replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
+            ScriptChanges(tuple(changed), str(output), replaced, changed).write(attempt_dir)
+            lines = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
+            _write_diff(attempt_dir, lines)
             return self.command
         config = attempt_config(table, self.config, job, knobs, str(output), resume_from)
         _write_diff(attempt_dir, config_diff(self.config, config))
@@ -245,17 +249,3 @@ def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]
             asked.update(script_knobs.asked(event.settings))
             complete = complete or event.complete
     return asked, complete
-
-
-def _write_script_changes(
-    attempt_dir: Path, run_dir: Path, before: Mapping[str, Any], knobs: Knobs, output_dir: Path
-) -> dict[str, Any]:
-    """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked.
-    Before any attempt reached ``train()`` only the knobs reported change; after, ``before`` (the
-    job's knobs) stands for those never reported."""
-    asked, complete = asked_by_script(run_dir)
-    asked = {**before, **asked} if complete else asked
-    changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
-    replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
-    ScriptChanges(tuple(changed), str(output_dir), replaced, changed).write(attempt_dir)
-    return changed
