@@ -38,19 +38,21 @@ def job_advice(
     except yaml.YAMLError:
         raw = {}
     raw = raw if isinstance(raw, dict) else {}
-    return [
-        *_bare_durations(raw),
-        *_length_advice(job, raw),
-        *_split_advice(job, records),
-        *_gpu_advice(job, gpu_count),
-    ]
+    found = _bare_durations(raw)
+    train = raw.get("train")
+    if isinstance(train, dict) and train.get("max_steps") is not None and train.get("epochs") is not None:
+        what = (
+            f"both max_steps ({job.train.max_steps}) and epochs ({train['epochs']}) are set: max_steps wins"
+        )
+        found.append(Advice("train.epochs", what, "remove epochs (or max_steps, to train by epochs)"))
+    return found + _split_advice(job, records) + _gpu_advice(job, gpu_count)
 
 
 def _bare_durations(raw: dict[str, Any]) -> list[Advice]:
     supervise = raw.get("supervise")
     if not isinstance(supervise, dict):
         return []
-    found = []
+    found: list[Advice] = []
     for name, info in SuperviseSection.model_fields.items():
         if not any(isinstance(m, BeforeValidator) and m.func is to_seconds for m in info.metadata):
             continue  # not a duration (its type reads ``20m``)
@@ -61,14 +63,6 @@ def _bare_durations(raw: dict[str, Any]) -> list[Advice]:
         what = f"{text} has no unit and is read as {text} seconds"
         found.append(Advice(f"supervise.{name}", what, f"write {text}s (or {text}m if you meant minutes)"))
     return found
-
-
-def _length_advice(job: Job, raw: dict[str, Any]) -> list[Advice]:
-    train = raw.get("train")
-    if not isinstance(train, dict) or train.get("max_steps") is None or train.get("epochs") is None:
-        return []
-    what = f"both max_steps ({job.train.max_steps}) and epochs ({train['epochs']}) are set: max_steps wins"
-    return [Advice("train.epochs", what, "remove epochs (or max_steps, to train by epochs)")]
 
 
 def _split_advice(job: Job, records: int | None) -> list[Advice]:

@@ -48,9 +48,7 @@ class ModelFiles:
     @property
     def has_lm_head(self) -> bool | None:
         """Whether the checkpoint stores a separate LM head; None when no names are known."""
-        if not self.tensors:
-            return None
-        return any(name.endswith("lm_head.weight") for name in self.tensors)
+        return any(name.endswith("lm_head.weight") for name in self.tensors) if self.tensors else None
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:

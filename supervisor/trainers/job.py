@@ -138,18 +138,13 @@ def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) ->
     if not script and section.command:
         why, fix = f"only for kind hf-script, not {kind}", "delete it: the supervisor starts the tool itself"
         problems.append(Problem("trainer.command", why, show(list(section.command)), fix))
-    return problems + _fallback_problems(section)
-
-
-def _fallback_problems(section: TrainerSection) -> list[Problem]:
-    """Each fallback must be a model directory, for a tool that can swap its model in (the script)."""
-    tool = TOOLS.get(section.kind)
+    # Each fallback is a model directory, for a tool that can swap its model in (the script).
     if section.fallbacks and (tool is None or "smaller_model" not in tool.shim_rungs):
-        takers = ", ".join(kind for kind, t in TOOLS.items() if "smaller_model" in t.shim_rungs)
+        takers = ", ".join(name for name, t in TOOLS.items() if "smaller_model" in t.shim_rungs)
         fix = f"delete it: trainer.fallbacks is for kind {takers} (the others: their own config)"
-        return [Problem("trainer.fallbacks", f"not used with trainer.kind {section.kind}", None, fix)]
+        return [*problems, Problem("trainer.fallbacks", f"not used with trainer.kind {kind}", None, fix)]
     found = (model_dir_problem(f"trainer.fallbacks.{i}", path) for i, path in enumerate(section.fallbacks))
-    return [problem for problem in found if problem is not None]
+    return problems + [problem for problem in found if problem is not None]
 
 
 def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem]) -> ToolTrainer | None:
