@@ -27,7 +27,7 @@ import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
-from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
+from qlora_supervise.supervisor.trainers.trainer import SHIM_SPEC_ENV
 from qlora_supervise.trainer_child.contract import processes
 from qlora_supervise.trainer_child.contract.allocator import allocator_env
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_gpus, visible_entries
