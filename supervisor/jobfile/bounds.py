@@ -50,9 +50,10 @@ def read_bounded(path: Path) -> str:
     return data.decode("utf-8")
 
 
-def check_shape(text: str) -> None:
-    """InputBoundError when ``text`` nests too deep or holds too many values as written;
-    yaml.YAMLError when it is no YAML. Reads PyYAML's event stream: no recursion."""
+def safe_load_bounded(text: str) -> Any:
+    """``yaml.safe_load(text)`` once the text is within every bound; raises InputBoundError,
+    AliasBombError or yaml.YAMLError. The nesting and the values as written are counted on PyYAML's
+    event stream (no recursion), then the aliases' expansion on the composed nodes."""
     depth = values = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, _VALUE):
@@ -69,6 +70,8 @@ def check_shape(text: str) -> None:
                 raise InputBoundError("nested too deep", got, fix)
         elif isinstance(event, _CLOSE):
             depth -= 1
+    check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
+    return yaml.safe_load(text)
 
 
 def check_expansion(root: yaml.Node | None) -> int:
@@ -96,14 +99,6 @@ def check_expansion(root: yaml.Node | None) -> int:
         return total
 
     return 0 if root is None else size(root)
-
-
-def safe_load_bounded(text: str) -> Any:
-    """``yaml.safe_load(text)`` once the text is within every bound; raises InputBoundError,
-    AliasBombError or yaml.YAMLError."""
-    check_shape(text)
-    check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
-    return yaml.safe_load(text)
 
 
 def json_loads(text: str | bytes) -> Any:

@@ -28,12 +28,9 @@ class Row:
     default: Any
     read: Callable[[Any], Any] = lambda value: value  # tool's value -> knob value
     write: Callable[[Any], Any] = lambda value: value  # knob value -> tool's value
-    # Read but never written: changing it alone would not do what the rung means in this tool.
-    read_only: bool = False
-    # The key is the script's own, not the tool's: read and written only where the config has it.
-    present_only: bool = False
-    # Newer names the tool reads first where the config has them (``activation_checkpointing``).
-    preferred: tuple[str, ...] = ()
+    read_only: bool = False  # never written: changing it alone would not do what the rung means here
+    present_only: bool = False  # the script's own key, not the tool's: read and written only where set
+    preferred: tuple[str, ...] = ()  # newer names the tool reads first where set (activation_checkpointing)
     # Keys the tool refuses left on beside this knob written off: where the config has them, off too.
     off_with: tuple[str, ...] = ()
     # Where the rest of the config needs the knob as it is: never written, so its rungs leave the ladder.
@@ -75,8 +72,7 @@ class Table:
     data_key: str = "dataset_name"
     # Old names the tool no longer reads (its parser drops them without a word): old -> new.
     renamed: Mapping[str, str] = field(default_factory=dict)
-    # The tool reads a quoted whole number ("4") as the number (trl's argparse, axolotl's pydantic).
-    reads_quoted_numbers: bool = False
+    reads_quoted_numbers: bool = False  # "4" is 4 to the tool (trl's argparse, axolotl's pydantic)
 
     def row(self, knob: str) -> Row | None:
         return next((r for r in self.rows if r.knob == knob), None)
@@ -207,12 +203,9 @@ class Tool:
 
     table: Table  # knob -> the tool's key; its kind is trainer.kind in the job file
     package: str | None = None  # what its interpreter must import (None: the script's own)
-    # ``python *entry <config>``; (): a script that is its own argv (hf-script: its flags changed).
-    entry: tuple[str, ...] = ()
-    # ``script``: its argv runs unchanged; the shim changes the knobs where the script builds them.
-    settings_in_code: bool = False
-    # Rungs it takes through its shim rather than its config (script: bf16_head, smaller_model).
-    shim_rungs: frozenset[str] = frozenset()
+    entry: tuple[str, ...] = ()  # ``python *entry <config>``; (): a script, its own argv (flags changed)
+    settings_in_code: bool = False  # script: runs as written; the shim changes knobs where it builds them
+    shim_rungs: frozenset[str] = frozenset()  # rungs its shim takes (script: bf16_head, smaller_model)
     # --- LoRA targets, as the tool hands them to peft (model_facts.py) ---
     targets_regex: bool = True  # a string reaches peft as a regex of the full module name
     all_linear_words: tuple[str, ...] = ("all-linear",)  # the tool's own word for every Linear
@@ -224,8 +217,7 @@ class Tool:
     eight_bit: Callable[[Config], str | None] = load_in_8bit
     # The tool's own reason the memory model cannot count a config (bool: saved in bnb 4-bit).
     unmodelled: Callable[[Config, bool], str | None] = lambda config, saved_4bit: None
-    # trl leaves what is not 4-bit in the dtype its script loads (no k-bit prepare): this key.
-    head_dtype_key: str | None = None
+    head_dtype_key: str | None = None  # trl: the load dtype's key, kept for what is not 4-bit (no k-bit prep)
     unquantized: str = (
         "the tool loads the base model unquantized, in its own dtype (a LoRA, not QLoRA); the memory "
         "model counts 4-bit weights"
