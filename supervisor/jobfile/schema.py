@@ -31,8 +31,7 @@ def _job_dir(info: ValidationInfo) -> Path:
 
 
 def _resolve_path(value: object, info: ValidationInfo) -> object:
-    """A non-empty path string (or Path) -> an absolute, normalised Path, relative to the job file's
-    directory (context ``job_dir``), never the cwd."""
+    """A non-empty path -> an absolute, normalised Path relative to the job file's folder (never the cwd)."""
     if isinstance(value, Path):
         path = value
     elif isinstance(value, str) and value.strip():
@@ -69,8 +68,7 @@ def _bytes(value: object) -> object:
 
 
 def to_seconds(value: object) -> object:
-    """``20m`` / ``1h30m`` / a plain number -> seconds (float). A plain number stays valid;
-    ``jobfile.advice`` warns about it, with the fix."""
+    """``20m`` / ``1h30m`` / a plain number -> seconds (float); ``jobfile.advice`` warns of a plain number."""
     if not isinstance(value, (str, int, float)):
         return value
     try:

@@ -125,8 +125,7 @@ def _data_problems(data: schema.DataSection, bad: frozenset[str]) -> list[Proble
 def _source_problems(
     path_name: str, path: Path, data: schema.DataSection, check_fields: bool
 ) -> list[Problem]:
-    """The data at ``path`` exists, is a format the probe reads, has the named fields, and every
-    record can train."""
+    """The data at ``path`` exists in a format the probe reads, has the named fields; every record trains."""
     if not path.exists():
         fix = "check the path (relative to the job file)"
         return [Problem(path_name, "no such file or directory", show(path), fix)]

@@ -65,8 +65,7 @@ def _spelled(value: Any) -> str:
 
 
 def with_flags(argv: Sequence[str], changes: Mapping[str, Any]) -> list[str]:
-    """``argv`` with each ``--key`` of ``changes`` set to its value (None: the flag removed),
-    in place where the user wrote it, appended where they did not."""
+    """``argv`` with each ``--key`` of ``changes`` set (None: removed) where the user wrote it, else added."""
     out: list[str] = []
     for key, words in _words(argv):
         if key is None or key not in changes:

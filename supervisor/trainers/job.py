@@ -24,7 +24,6 @@ from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_y
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup, present
-from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.supervisor.trainers.tools import TOOLS
 from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
 from qlora_supervise.trainer_child.contract.spec import DataSpec, Knobs, TrainSpec
@@ -172,18 +171,19 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
         config, path = read, section.config
         where, workdir = f"trainer.config ({section.config.name})", section.workdir or section.config.parent
     problems += config_problems(tool.table, config, where)
-    problems += model_problems(tool, config, where, workdir)
-    model = _model_value(tool, config)
+    row = tool.table.row("model")  # the tool's model, (key, path); None: no model row, or no path
+    value = lookup(config, row.key) if row is not None else None
+    model = (row.key, value) if row is not None and isinstance(value, str) and value else None
+    problems += model_problems(model, where, workdir)
     types = model_type(tool_model_path(model[1], workdir)) if model else None
     problems += model_facts.target_problems(tool, config, where, types)
     problems += tool.data_problems(config, where, workdir)
     return ToolTrainer(tool, MappingProxyType(dict(config)), path, section.command or (), python, workdir)
 
 
-def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: Path) -> list[Problem]:
-    """The tool's model is a local directory with a config.json, as ``model.path`` is: the tool runs
-    offline and the supervisor reads the model's shape there (a key left out: ``config_problems``)."""
-    model = _model_value(tool, config)
+def model_problems(model: tuple[str, str] | None, where: str, workdir: Path) -> list[Problem]:
+    """The tool's model (key, path) is a local directory with a config.json, as ``model.path`` is: the
+    tool runs offline and the supervisor reads the model's shape there (left out: ``config_problems``)."""
     if model is None:
         return []
     key, value = model
@@ -197,13 +197,6 @@ def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: P
         return [Problem(name, why, show(value), f"write the full path: {os.path.expanduser(value)}")]
     problem = model_dir_problem(name, Path(tool_model_path(value, workdir)))
     return [] if problem is None else [problem]
-
-
-def _model_value(tool: Tool, config: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(key, path) of the tool's model in its config (None: no model row, or no path)."""
-    row = tool.table.row("model")
-    value = lookup(config, row.key) if row is not None else None
-    return (row.key, value) if row is not None and isinstance(value, str) and value else None
 
 
 def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
@@ -232,8 +225,7 @@ _TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
 
 
 def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]:
-    """The knobs and train spec of the tool's config, and its values that did not parse (``max_steps:
-    ten``) under the job view's names, as written."""
+    """The tool's knobs, train spec, and values that did not parse (``max_steps: ten``) by job view name."""
     tool, config = trainer.tool, trainer.config
     table = tool.table
     knobs = knobs_from(table, config)

@@ -45,8 +45,7 @@ def assign(config: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _read(row: Row, value: Any, quoted_numbers: bool) -> Any:
-    """The knob's value of the tool's ``value``; a whole number written quoted ("4") is 4 for a tool
-    that reads it so (``quoted_numbers``)."""
+    """The knob's value of the tool's ``value``; "4" is 4 for a tool that reads it so (``quoted_numbers``)."""
     whole = _KNOB_TYPES.get(row.knob) is int
     if quoted_numbers and whole and isinstance(value, str) and value.strip().isdecimal():
         value = int(value)
@@ -54,8 +53,7 @@ def _read(row: Row, value: Any, quoted_numbers: bool) -> Any:
 
 
 def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
-    """The knobs the tool would train with (the config's values, else the tool's defaults); call
-    after :func:`config_problems` found none."""
+    """The knobs the tool would train with (its config's values, else its defaults); config_problems first."""
     values: dict[str, Any] = {}
     for row in table.rows:
         value = lookup(config, row.key_in(config))

@@ -20,8 +20,7 @@ RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else N
 
 @dataclass(frozen=True)
 class Row:
-    """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
-    (a callable: computed from the rest of the config)."""
+    """Knob ``knob`` is the tool's ``key``; ``default`` where the config has none (callable: of config)."""
 
     knob: str
     key: str
@@ -169,8 +168,7 @@ def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
 
 
 def settable(table: Table, config: Mapping[str, Any] | None) -> set[str]:
-    """The knobs the ladder may set in ``config``; expandable_segments is the allocator's
-    environment variable: any torch process takes it."""
+    """The knobs the ladder may set in ``config``, and expandable_segments (any torch process takes it)."""
     return {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
 
 

@@ -191,8 +191,7 @@ def _keys(table: Table, config: Mapping[str, Any]) -> str:
 
 
 def tool_saved(run_dir: Path) -> bool:
-    """Whether the tool saved anything into its output directory (which the loop creates for every
-    attempt of the tool, so it proves nothing itself)."""
+    """Whether the tool saved anything into its output dir (the loop creates it: that proves nothing)."""
     output = run_dir / TRAINER_OUTPUT
     try:
         return output.is_dir() and any(output.iterdir())
