@@ -89,9 +89,7 @@ def _gpu_advice(job: Job, gpu_count: Callable[[], int | None]) -> list[Advice]:
     index, visible = int(device.removeprefix("cuda:")), gpu_count()
     if visible is not None and index < visible:
         return []
-    seen = (
-        "no NVIDIA GPU is visible here (NVML finds no driver)" if not visible else f"{visible} GPU(s) visible"
-    )
+    seen = f"{visible} GPU(s) visible" if visible else "no NVIDIA GPU is visible here (NVML finds no driver)"
     what = f"{device}: {seen}; the trainer would fail after loading its libraries"
     fix = "run it on the GPU machine, check CUDA_VISIBLE_DEVICES, or set gpu: cpu (or auto)"
     return [Advice("resources.gpu", what, fix)]

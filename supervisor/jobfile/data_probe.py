@@ -110,8 +110,7 @@ def _probe_json(path: Path) -> DataProbe:
     if not isinstance(loaded, dict):
         raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
     if loaded and all(isinstance(value, list) for value in loaded.values()):  # {"text": [...]}: columnar
-        first = {key: (value[0] if value else None) for key, value in loaded.items()}
-        return DataProbe(tuple(loaded), first)
+        return DataProbe(tuple(loaded), {key: (value[0] if value else None) for key, value in loaded.items()})
     return DataProbe(tuple(loaded), loaded)
 
 

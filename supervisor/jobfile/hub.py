@@ -4,6 +4,7 @@ trains from that fixed snapshot and never touches the network."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -25,10 +26,8 @@ def resolve_hub_id(repo_id: str, allow_download: bool) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    try:
+    with contextlib.suppress(LocalEntryNotFoundError):
         return str(snapshot_download(repo_id, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
     cache = constants.HF_HUB_CACHE
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     if not allow_download or offline:

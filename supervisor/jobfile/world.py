@@ -122,9 +122,7 @@ def _data_problems(data: schema.DataSection, bad: frozenset[str]) -> list[Proble
     return problems
 
 
-def _source_problems(
-    path_name: str, path: Path, data: schema.DataSection, check_fields: bool
-) -> list[Problem]:
+def _source_problems(path_name: str, path: Path, data: schema.DataSection, fields_ok: bool) -> list[Problem]:
     """The data at ``path`` exists in a format the probe reads, has the named fields; every record trains."""
     if not path.exists():
         fix = "check the path (relative to the job file)"
@@ -133,7 +131,7 @@ def _source_problems(
         found = data_probe.probe(path)
     except data_probe.DataProbeError as error:
         return [Problem(path_name, str(error), show(path), f"use {data_probe.FORMATS_HELP}")]
-    if not check_fields:
+    if not fields_ok:
         return []
     problems = []
     fields = (("data.text_field", data.text_field, False), ("data.messages_field", data.messages_field, True))
@@ -249,8 +247,7 @@ def _supervise_problems(supervise: schema.SuperviseSection, bad: frozenset[str])
 
 
 def _output_dir_problems(output_dir: Path) -> list[Problem]:
-    found = system_folder(output_dir)
-    if found is not None:
+    if (found := system_folder(output_dir)) is not None:
         return [Problem("output_dir", found[0], show(output_dir), found[1])]
     if output_dir.exists() and not output_dir.is_dir():
         why, fix = "exists and is not a directory", "choose a directory path"

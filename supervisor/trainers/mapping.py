@@ -123,11 +123,8 @@ def unmapped_changes(table: Table, config: Mapping[str, Any], job: Knobs, knobs:
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
+        nested = isinstance(value, Mapping) and value
+        flat.update(flatten(value, f"{prefix}{key}.") if nested else {f"{prefix}{key}": value})
     return flat
 
 
