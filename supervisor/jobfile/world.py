@@ -31,7 +31,10 @@ def world_problems(
     that involves a field of ``bad`` (failed the shape pass) is skipped: its default would lie."""
     problems: list[Problem] = []
     if isinstance(model := sections.get("model"), schema.ModelSection):
-        problems += _model_problems(model, bad)
+        paths = [] if "model.path" in bad else [("model.path", model.path)]
+        if "model.fallbacks" not in bad:
+            paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
+        problems += [problem for name, path in paths if (problem := model_dir_problem(name, path))]
         if isinstance(lora := sections.get("lora"), schema.LoraSection):
             problems += _target_module_problems(model, lora, bad)
     if isinstance(data := sections.get("data"), schema.DataSection):
@@ -49,13 +52,6 @@ def world_problems(
     if output_dir is not None:
         problems += _output_dir_problems(output_dir)
     return problems
-
-
-def _model_problems(model: schema.ModelSection, bad: frozenset[str]) -> list[Problem]:
-    paths = [] if "model.path" in bad else [("model.path", model.path)]
-    if "model.fallbacks" not in bad:
-        paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
-    return [problem for name, path in paths if (problem := model_dir_problem(name, path))]
 
 
 def model_dir_problem(name: str, path: Path) -> Problem | None:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 from pydantic import field_validator
@@ -33,7 +33,6 @@ KINDS = (OWN, *TOOLS)
 #: Sections of our own trainer that a foreign tool's config replaces.
 OWN_ONLY = ("model", "data", "quantization", "lora", "train")
 FOREIGN_KEYS = ("trainer", "resources", "supervise", "diagnose", "output_dir")
-_S = TypeVar("_S", bound=schema.Section)
 
 
 class TrainerSection(schema.Section):
@@ -63,26 +62,19 @@ def load_job(path: str | os.PathLike[str]) -> Job:
     return tool if tool is not None else jobload.job_of(job_file, text, own)
 
 
-def _validated(
-    name: str, kind: type[_S], raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
-) -> _S | None:
-    """The section ``name`` (None: it did not validate); its problems appended to ``problems``."""
-    section, found, _ = jobload.validate_section(name, kind, raw, context)
-    problems += found
-    return section
-
-
 def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
     """The Job of a ``trainer:`` job; None when the kind is ``own`` (the usual sections follow)."""
     context = {"job_dir": str(job_file.parent)}
-    before = len(problems)
-    section = _validated("trainer", TrainerSection, raw, context, problems)
-    if section is not None and section.kind == OWN and len(problems) == before:
+    section, found, _ = jobload.validate_section("trainer", TrainerSection, raw, context)
+    if section is not None and section.kind == OWN and not found:
         return None
-    problems += _section_problems(raw, section)
-    resources = _validated("resources", schema.ResourcesSection, raw, context, problems)
-    supervise = _validated("supervise", schema.SuperviseSection, raw, context, problems)
-    diagnose = _validated("diagnose", schema.DiagnoseSection, raw, context, problems)
+    problems += found + _section_problems(raw, section)
+    resources, found, _ = jobload.validate_section("resources", schema.ResourcesSection, raw, context)
+    problems += found
+    supervise, found, _ = jobload.validate_section("supervise", schema.SuperviseSection, raw, context)
+    problems += found
+    diagnose, found, _ = jobload.validate_section("diagnose", schema.DiagnoseSection, raw, context)
+    problems += found
     output_dir, found = jobload.validate_output_dir(raw.get("output_dir", schema.DEFAULT_OUTPUT_DIR), context)
     problems += found
     trainer = _tool_trainer(section, job_file.parent, problems) if section and section.kind in TOOLS else None

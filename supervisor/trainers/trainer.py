@@ -338,7 +338,11 @@ def tool_advice(trainer: Trainer) -> list[Advice]:
     if not isinstance(trainer, ToolTrainer):
         return []
     found = []
-    python = _interpreter(trainer)
+    # The python it runs in: trainer.python, or a script's first word where that is a python (a script
+    # started by another program is that program's business).
+    first = trainer.command[0] if trainer.command else ""
+    python = shutil.which(first) if Path(first).name.startswith("python") else None
+    python = trainer.python if trainer.tool.entry else python
     if python is not None and SHIM_PACKAGE in _missing(trainer, python):
         what = (
             f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
@@ -358,16 +362,6 @@ def tool_advice(trainer: Trainer) -> list[Advice]:
             both = f" (both are set: delete {old})" if new in trainer.config else ""
             found.append(Advice(f"{where}: {old}", what, f"rename it to {new}{both}"))
     return found
-
-
-def _interpreter(trainer: ToolTrainer) -> str | None:
-    """The python the tool runs in: ``trainer.python``, or a script's first word where it is a
-    python (a script started by another program is that program's business)."""
-    if trainer.tool.entry:
-        return trainer.python
-    first = trainer.command[0] if trainer.command else ""
-    found = shutil.which(first)
-    return found if found is not None and Path(first).name.startswith("python") else None
 
 
 def _missing(trainer: ToolTrainer, python: str) -> frozenset[str]:
