@@ -45,7 +45,17 @@ def job_advice(
             f"both max_steps ({job.train.max_steps}) and epochs ({train['epochs']}) are set: max_steps wins"
         )
         found.append(Advice("train.epochs", what, "remove epochs (or max_steps, to train by epochs)"))
-    return found + _split_advice(job, records) + _gpu_advice(job, gpu_count)
+    found += _split_advice(job, records)
+    device = job.resources.device
+    if not device.startswith("cuda:"):
+        return found
+    index, visible = int(device.removeprefix("cuda:")), gpu_count()
+    if visible is not None and index < visible:
+        return found
+    seen = f"{visible} GPU(s) visible" if visible else "no NVIDIA GPU is visible here (NVML finds no driver)"
+    what = f"{device}: {seen}; the trainer would fail after loading its libraries"
+    fix = "run it on the GPU machine, check CUDA_VISIBLE_DEVICES, or set gpu: cpu (or auto)"
+    return [*found, Advice("resources.gpu", what, fix)]
 
 
 def _bare_durations(raw: dict[str, Any]) -> list[Advice]:
@@ -80,16 +90,3 @@ def _split_advice(job: Job, records: int | None) -> list[Advice]:
         f"fewer than one effective batch ({batch}), so every step repeats the same records"
     )
     return [Advice("data.eval_fraction", what, "use more data, a smaller eval_fraction or a data.eval_path")]
-
-
-def _gpu_advice(job: Job, gpu_count: Callable[[], int | None]) -> list[Advice]:
-    device = job.resources.device
-    if not device.startswith("cuda:"):
-        return []
-    index, visible = int(device.removeprefix("cuda:")), gpu_count()
-    if visible is not None and index < visible:
-        return []
-    seen = f"{visible} GPU(s) visible" if visible else "no NVIDIA GPU is visible here (NVML finds no driver)"
-    what = f"{device}: {seen}; the trainer would fail after loading its libraries"
-    fix = "run it on the GPU machine, check CUDA_VISIBLE_DEVICES, or set gpu: cpu (or auto)"
-    return [Advice("resources.gpu", what, fix)]

@@ -53,7 +53,8 @@ def read_bounded(path: Path) -> str:
 def safe_load_bounded(text: str) -> Any:
     """``yaml.safe_load(text)`` once the text is within every bound; raises InputBoundError,
     AliasBombError or yaml.YAMLError. The nesting and the values as written are counted on PyYAML's
-    event stream (no recursion), then the aliases' expansion on the composed nodes."""
+    event stream (no recursion), then the nodes the aliases expand to, each use counted: one visit per
+    node (memoized), so a "billion laughs" file is refused fast."""
     depth = values = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, _VALUE):
@@ -70,13 +71,6 @@ def safe_load_bounded(text: str) -> Any:
                 raise InputBoundError("nested too deep", got, fix)
         elif isinstance(event, _CLOSE):
             depth -= 1
-    check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
-    return yaml.safe_load(text)
-
-
-def check_expansion(root: yaml.Node | None) -> int:
-    """The number of nodes ``root`` expands to, aliases counted at each use; AliasBombError past
-    :data:`MAX_EXPANDED_NODES`. One visit per node (memoized), so a "billion laughs" file is refused fast."""
     sizes: dict[int, int] = {}
     open_nodes: set[int] = set()
 
@@ -98,7 +92,9 @@ def check_expansion(root: yaml.Node | None) -> int:
         sizes[key] = total
         return total
 
-    return 0 if root is None else size(root)
+    if (root := yaml.compose(text, Loader=yaml.SafeLoader)) is not None:
+        size(root)
+    return yaml.safe_load(text)
 
 
 def json_loads(text: str | bytes) -> Any:

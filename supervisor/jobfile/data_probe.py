@@ -147,7 +147,7 @@ def _probe_dir(path: Path) -> DataProbe:
         info = _read_json(path / "dataset_info.json")
         if not isinstance(features := info.get("features"), dict):
             raise DataProbeError("dataset_info.json has no features")
-        splits = info.get("splits") if isinstance(info.get("splits"), dict) else {}
+        splits = found if isinstance(found := info.get("splits"), dict) else {}
         counts = [split.get("num_examples") for split in splits.values() if isinstance(split, dict)]
         numbers = [count for count in counts if isinstance(count, int)]
         rows = sum(numbers) if numbers and len(numbers) == len(counts) else None
