@@ -92,8 +92,7 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
     lines = text.splitlines()
     got = show(lines[mark.line].strip()) if mark is not None and mark.line < len(lines) else None
     detail = str(getattr(error, "problem", None) or error)
-    tag_match = re.search(r"constructor for the tag '([^']+)'", detail)
-    if tag_match:
+    if tag_match := re.search(r"constructor for the tag '([^']+)'", detail):
         tag = tag_match.group(1).replace("tag:yaml.org,2002:", "!!")
         fix = "remove the tag and write plain values: job files are read with yaml.safe_load"
         return Problem(where, f"YAML tag {tag!r} is not allowed", got, fix)

@@ -77,16 +77,13 @@ def to_seconds(value: object) -> object:
         raise job_error(f"bad duration: {error.reason}", f"use {units.DURATION_HELP}") from None
 
 
-_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$")
-
-
 def _device(value: object) -> object:
     """``0`` / ``cuda:0`` -> ``cuda:0``; ``auto``, ``cpu`` and GPU/MIG UUIDs unchanged."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return f"cuda:{value}"
     if isinstance(value, str):
         text = value.strip()
-        if text in ("auto", "cpu") or _UUID_RE.match(text):
+        if text in ("auto", "cpu") or re.match(r"^(GPU|MIG)-[0-9a-fA-F-]+$", text):
             return text
         if re.fullmatch(r"(cuda:)?\d+", text):
             return f"cuda:{text.removeprefix('cuda:')}"
@@ -177,8 +174,7 @@ class Section(pydantic.BaseModel):
 class ModelSection(Section):
     """``path`` is a local directory or a hub id (``org/name``), resolved to its cached snapshot."""
 
-    # Before ``path``: the path's validator reads it (pydantic validates in field order).
-    allow_download: bool = False
+    allow_download: bool = False  # before ``path``: its validator reads it (pydantic validates in order)
     path: ResolvedPath
     fallbacks: PathList = ()  # smaller models for the last rung; none unless named
     trust_remote_code: bool = TrainSpec.trust_remote_code
@@ -274,8 +270,7 @@ class SuperviseSection(Section):
     step_up: bool = Settings.step_up
     step_up_settle: Seconds = Settings.step_up_settle_s
     step_up_quality: bool = Settings.step_up_quality
-    # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
-    calibration_store: bool = True
+    calibration_store: bool = True  # per-host peaks: the next run starts calibrated (record/peak_store.py)
     # Attempt 1 times the planner's top candidates and trains with the fastest (policies/choice.py).
     speed_trial: bool = Settings.speed_trial
     warm_spare: bool | Literal["auto"] = "auto"

@@ -24,8 +24,7 @@ def system_folder(path: Path) -> tuple[str, str] | None:
             return f"is in the system folder {tree}{shown}", OWN_FOLDER
     if str(real) in SYSTEM_FOLDERS:
         return f"is the system folder {real}{shown}; a run directory is a folder of its own", OWN_FOLDER
-    # This user's home and every account's (a unit may run as another).
-    homes = {Path(os.path.realpath(Path.home()))}
+    homes = {Path(os.path.realpath(Path.home()))}  # and every account's: a unit may run as another
     with contextlib.suppress(OSError):
         homes |= {Path(os.path.realpath(entry.pw_dir)) for entry in pwd.getpwall() if entry.pw_dir}
     if real in homes:

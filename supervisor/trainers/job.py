@@ -166,19 +166,16 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
     row = tool.table.row("model")  # the tool's model, (key, path); None: no model row, or no path
     value = lookup(config, row.key) if row is not None else None
     model = (row.key, value) if row is not None and isinstance(value, str) and value else None
-    problems += model_problems(model, where, workdir)
+    problems += model_problems(*model, where, workdir) if model else []
     types = model_type(tool_model_path(model[1], workdir)) if model else None
     problems += model_facts.target_problems(tool, config, where, types)
     problems += tool.data_problems(config, where, workdir)
     return ToolTrainer(tool, MappingProxyType(dict(config)), path, section.command or (), python, workdir)
 
 
-def model_problems(model: tuple[str, str] | None, where: str, workdir: Path) -> list[Problem]:
-    """The tool's model (key, path) is a local directory with a config.json, as ``model.path`` is: the
-    tool runs offline and the supervisor reads the model's shape there (left out: ``config_problems``)."""
-    if model is None:
-        return []
-    key, value = model
+def model_problems(key: str, value: str, where: str, workdir: Path) -> list[Problem]:
+    """The tool's model (``key``: ``value``) is a local directory with a config.json, as ``model.path`` is:
+    the tool runs offline and the supervisor reads the model's shape there."""
     name = f"{where}: {key}"
     if not Path(value).is_absolute() and looks_like_hub_id(value, workdir):
         why = "a hub id, but the tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads config.json"
@@ -187,8 +184,7 @@ def model_problems(model: tuple[str, str] | None, where: str, workdir: Path) -> 
     if value.startswith("~"):  # the tool opens the path as written: no shell expands it there
         why = "starts with ~, which the tool does not expand (it would look for a folder named ~)"
         return [Problem(name, why, show(value), f"write the full path: {os.path.expanduser(value)}")]
-    problem = model_dir_problem(name, Path(tool_model_path(value, workdir)))
-    return [] if problem is None else [problem]
+    return [problem] if (problem := model_dir_problem(name, Path(tool_model_path(value, workdir)))) else []
 
 
 def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:

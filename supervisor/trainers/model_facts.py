@@ -125,8 +125,13 @@ def lora_targets(tool: Tool, config: Config, model_type: str | None = None) -> t
         if len(value) == 1 and value[0] in tool.all_linear_words:
             return ALL_LINEAR
         return tuple(value)
-    defaults = peft_default_targets(model_type) if tool.peft_default_targets else None
-    return defaults or ALL_LINEAR  # every linear layer: the most the adapter can be, so never under-counted
+    if (
+        tool.peft_default_targets and model_type
+    ):  # peft's default for the model type (None: unknown, a pattern)
+        found = _peft_mapping(installed_package_root("peft")).get(model_type)
+        if isinstance(found, list) and found and all(isinstance(name, str) for name in found):
+            return tuple(found)
+    return ALL_LINEAR  # every linear layer: the most the adapter can be, so never under-counted
 
 
 def as_peft_gets_it(tool: Tool, value: Any) -> Any:
@@ -199,14 +204,6 @@ def target_problems(tool: Tool, config: Config, where: str, model_type: str | No
         "with 'Target modules not found'"
     )
     return [Problem(f"{where}: {key}", why, show(value), fix)]
-
-
-def peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:
-    """peft's default ``target_modules`` for ``model_type`` (None: unknown type, a pattern, no peft)."""
-    if not model_type:
-        return None
-    found = _peft_mapping(installed_package_root("peft")).get(model_type)
-    return tuple(found) if isinstance(found, list) and all(isinstance(n, str) for n in found) else None
 
 
 @functools.cache

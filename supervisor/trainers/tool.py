@@ -14,6 +14,7 @@ from qlora_supervise.policies.rungs import RUNGS
 from qlora_supervise.supervisor.jobfile.problems import Problem
 from qlora_supervise.trainer_child.contract.script_knobs import EVAL_SCHEDULERS
 
+Config = Mapping[str, Any]
 #: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take.
 RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
 
@@ -33,9 +34,9 @@ class Row:
     # Keys the tool refuses left on beside this knob written off: where the config has them, off too.
     off_with: tuple[str, ...] = ()
     # Where the rest of the config needs the knob as it is: never written, so its rungs leave the ladder.
-    held: Callable[[Mapping[str, Any]], bool] = lambda config: False
+    held: Callable[[Config], bool] = lambda config: False
 
-    def key_in(self, config: Mapping[str, Any]) -> str:
+    def key_in(self, config: Config) -> str:
         """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
         TrainingArguments falls back to the alias when the new name is None), else ``key``."""
         return next((name for name in self.preferred if config.get(name) is not None), self.key)
@@ -49,8 +50,7 @@ class Contradiction:
     bad: Callable[[Any], bool]
     problem: str
     fix: str
-    # Only where the rest of the config says so too (a value that is wrong beside another one).
-    given: Callable[[Mapping[str, Any]], bool] = lambda config: True
+    given: Callable[[Config], bool] = lambda config: True  # only where the rest of the config agrees
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ class Table:
     save_steps_default: int = 500
     targets_key: str = "lora_target_modules"
     data_key: str = "dataset_name"
-    # Old names the tool no longer reads (its parser drops them without a word): old -> new.
-    renamed: Mapping[str, str] = field(default_factory=dict)
+    renamed: Mapping[str, str] = field(default_factory=dict)  # old -> new names its parser drops silently
     reads_quoted_numbers: bool = False  # "4" is 4 to the tool (trl's argparse, axolotl's pydantic)
 
     def row(self, knob: str) -> Row | None:
@@ -160,24 +159,23 @@ EVAL_STRATEGY = Row(
 )
 
 
-def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
+def writable(row: Row, config: Config | None) -> bool:
     """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
     if row.read_only or (config is not None and row.held(config)):
         return False
     return not row.present_only or (config is not None and row.key in config)
 
 
-def settable(table: Table, config: Mapping[str, Any] | None) -> set[str]:
+def settable(table: Table, config: Config | None) -> set[str]:
     """The knobs the ladder may set in ``config``, and expandable_segments (any torch process takes it)."""
     return {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
 
 
-def rungs_for(table: Table, config: Mapping[str, Any] | None = None) -> frozenset[str]:
+def rungs_for(table: Table, config: Config | None = None) -> frozenset[str]:
     """The rungs whose knob this tool's config can express."""
     return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in settable(table, config))
 
 
-Config = Mapping[str, Any]
 #: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
 _ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
 

@@ -74,6 +74,5 @@ TOOL = Tool(
     one_name_list_is_name=True,  # ModelConfig.__post_init__ turns [q_proj] into "q_proj"
     peft_default_targets=True,  # trl hands peft None: peft's default for the model type
     unmodelled=_unmodelled,
-    # trl 1.16 never calls prepare_model_for_kbit_training: see model_facts.keeps_head_dtype.
-    head_dtype_key="dtype",
+    head_dtype_key="dtype",  # trl 1.16 skips prepare_model_for_kbit_training: model_facts.keeps_head_dtype
 )
