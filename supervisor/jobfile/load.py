@@ -142,8 +142,7 @@ def validate_section(
     if name not in raw and name in schema.REQUIRED_SECTIONS:
         return None, [], {name}  # reported once by _top_level_problems
     value = raw.get(name)
-    if value is None:
-        value = {}  # `train:` with nothing under it means the defaults
+    value = {} if value is None else value  # `train:` with nothing under it means the defaults
     if not isinstance(value, dict):
         return None, [Problem(name, f"must be a mapping, not a {_yaml_kind(value)}", show(value), "")], {name}
     try:
