@@ -41,9 +41,8 @@ def job_advice(
     found = _bare_durations(raw)
     train = raw.get("train")
     if isinstance(train, dict) and train.get("max_steps") is not None and train.get("epochs") is not None:
-        what = (
-            f"both max_steps ({job.train.max_steps}) and epochs ({train['epochs']}) are set: max_steps wins"
-        )
+        steps = job.train.max_steps
+        what = f"both max_steps ({steps}) and epochs ({train['epochs']}) are set: max_steps wins"
         found.append(Advice("train.epochs", what, "remove epochs (or max_steps, to train by epochs)"))
     found += _split_advice(job, records)
     device = job.resources.device

@@ -106,10 +106,9 @@ def _data_problems(data: schema.DataSection, bad: frozenset[str]) -> list[Proble
         why, fix = "both eval_path and eval_fraction are set", "use eval_path or eval_fraction, not both"
         problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
     if "data.eval_fraction" not in bad and data.eval_fraction > MAX_EVAL_FRACTION:
-        why = (
-            f"holds out more than {MAX_EVAL_FRACTION:g} of the data for evaluation, leaving less to train on"
-        )
-        fix = f"use {MAX_EVAL_FRACTION:g} or less (0.05 to 0.1 is usual), or a separate data.eval_path"
+        limit = f"{MAX_EVAL_FRACTION:g}"
+        why = f"holds out more than {limit} of the data for evaluation, leaving less to train on"
+        fix = f"use {limit} or less (0.05 to 0.1 is usual), or a separate data.eval_path"
         problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
     if "data.path" not in bad:
         problems += _source_problems("data.path", data.path, data, fields_ok)

@@ -66,11 +66,8 @@ def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
 
 def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list[Problem]:
     """Missing required keys, knob values of the wrong type, and keys that contradict the ladder."""
-    problems = [
-        Problem(f"{where}: {key}", "required key is missing", None, fix)
-        for key, fix in table.required.items()
-        if lookup(config, key) is _MISSING
-    ]
+    missing = [(key, fix) for key, fix in table.required.items() if lookup(config, key) is _MISSING]
+    problems = [Problem(f"{where}: {key}", "required key is missing", None, fix) for key, fix in missing]
     for row in table.rows:
         key = row.key_in(config)
         raw = lookup(config, key)

@@ -38,9 +38,8 @@ def unmodelled(tool: Tool, config: Config, model_dir: str) -> str | None:
     if why is not None or saved == _SAVED_NF4:
         return why
     if (eight := tool.eight_bit(config)) is not None:
-        return (
-            f"the tool loads the base model in 8-bit ({eight}); the memory model counts 4-bit QLoRA weights"
-        )
+        counts = "the memory model counts 4-bit QLoRA weights"
+        return f"the tool loads the base model in 8-bit ({eight}); {counts}"
     # 4-bit as the config reads (an hf-script without a 4-bit flag: the script's own load, unknown).
     return None if knobs_from(tool.table, config).load_in_4bit is True else tool.unquantized
 
@@ -125,9 +124,7 @@ def lora_targets(tool: Tool, config: Config, model_type: str | None = None) -> t
         if len(value) == 1 and value[0] in tool.all_linear_words:
             return ALL_LINEAR
         return tuple(value)
-    if (
-        tool.peft_default_targets and model_type
-    ):  # peft's default for the model type (None: unknown, a pattern)
+    if tool.peft_default_targets and model_type:  # peft's default for the model type, where it has one
         found = _peft_mapping(installed_package_root("peft")).get(model_type)
         if isinstance(found, list) and found and all(isinstance(name, str) for name in found):
             return tuple(found)

@@ -348,9 +348,8 @@ def tool_advice(trainer: Trainer) -> list[Advice]:
             f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
             "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0"
         )
-        fix = (
-            f"install it there without its dependencies: `{python} -m pip install --no-deps qlora-supervise`"
-        )
+        pip = f"{python} -m pip install --no-deps qlora-supervise"
+        fix = f"install it there without its dependencies: `{pip}`"
         found.append(Advice("trainer.python", what, fix))
     where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
     for old, new in trainer.tool.table.renamed.items():
