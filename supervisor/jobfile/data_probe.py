@@ -103,8 +103,7 @@ def _probe_json(path: Path) -> DataProbe:
     if isinstance(loaded, list):
         if not loaded:
             raise DataProbeError("the file holds an empty list")
-        first = loaded[0]
-        if not isinstance(first, dict):
+        if not isinstance(first := loaded[0], dict):
             raise DataProbeError(f"the first item is a JSON {type(first).__name__}, not an object")
         return DataProbe(tuple(first), first)
     if not isinstance(loaded, dict):

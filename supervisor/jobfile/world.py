@@ -218,9 +218,8 @@ def _rank_batch_problems(
 def _eval_problems(
     train: schema.TrainSection, data: schema.DataSection, bad: frozenset[str]
 ) -> list[Problem]:
-    if bad & {"train.eval_steps", "data.eval_path", "data.eval_fraction"}:
-        return []
-    if train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
+    fields = {"train.eval_steps", "data.eval_path", "data.eval_fraction"}
+    if bad & fields or train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
         return []
     why = "evaluation asked for but there is no eval data"
     fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
