@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qlora_supervise.supervisor.loop.child import attempt_children
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
+from qlora_supervise.supervisor.trainers.trainer import SHIM_SPEC_ENV
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]

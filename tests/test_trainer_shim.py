@@ -17,7 +17,7 @@ from qlora_supervise.supervisor.commands.status import status_command
 from qlora_supervise.supervisor.loop.child import Seams, child_argv
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.trainers import launch
+from qlora_supervise.supervisor.trainers import trainer as launch
 from qlora_supervise.trainer_child import shim
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
 

@@ -4,7 +4,7 @@ CPU): trl sft, axolotl (in its venv, tests/_tool_venvs.py), and a script it cann
 The attempt is prepared as the supervisor prepares one (``resume.write_spec``: the attempt's
 ``trl-sft.yaml`` and its spec, with three candidates the pre-flight would hand a GPU attempt; on
 the CPU the pre-flight has no budget to rank by, so the test names them), then trl's script is
-started with the shim as the runner starts it (``trainers.launch.trainer_env``).
+started with the shim as the runner starts it (``trainers.trainer.trainer_env``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.loop.resume import ResumePoint, write_spec
 from qlora_supervise.supervisor.record.history import read_attempt_speed
 from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers import launch
+from qlora_supervise.supervisor.trainers import trainer as launch
 from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, parse_event
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate

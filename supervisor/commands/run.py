@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.record.rundir import RUN_UMASK, RunDir
 from qlora_supervise.supervisor.reporting import notify, outputs
 from qlora_supervise.supervisor.reporting.console import ConsoleStream, ProgressDisplay, best_effort
 from qlora_supervise.supervisor.reporting.notify import ServiceStatus
-from qlora_supervise.supervisor.trainers.tool_check import tool_advice
+from qlora_supervise.supervisor.trainers.trainer import tool_advice
 from qlora_supervise.trainer_child.contract.disk_space import is_disk_full
 
 

@@ -12,7 +12,7 @@ from qlora_supervise.supervisor.jobfile.job import TRUST_REMOTE_CODE_WARNING, Jo
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
 from qlora_supervise.supervisor.record.rundir import foreign_output_dir
 from qlora_supervise.supervisor.trainers.job import load_job
-from qlora_supervise.supervisor.trainers.tool_check import tool_advice, tool_problems
+from qlora_supervise.supervisor.trainers.trainer import tool_advice, tool_problems
 from qlora_supervise.trainer_child.contract.spec import DataSpec
 
 

@@ -38,19 +38,30 @@ def job_advice(
     except yaml.YAMLError:
         raw = {}
     raw = raw if isinstance(raw, dict) else {}
-    return [
-        *_bare_durations(raw),
-        *_length_advice(job, raw),
-        *_split_advice(job, records),
-        *_gpu_advice(job, gpu_count),
-    ]
+    found = _bare_durations(raw)
+    train = raw.get("train")
+    if isinstance(train, dict) and train.get("max_steps") is not None and train.get("epochs") is not None:
+        steps = job.train.max_steps
+        what = f"both max_steps ({steps}) and epochs ({train['epochs']}) are set: max_steps wins"
+        found.append(Advice("train.epochs", what, "remove epochs (or max_steps, to train by epochs)"))
+    found += _split_advice(job, records)
+    device = job.resources.device
+    if not device.startswith("cuda:"):
+        return found
+    index, visible = int(device.removeprefix("cuda:")), gpu_count()
+    if visible is not None and index < visible:
+        return found
+    seen = f"{visible} GPU(s) visible" if visible else "no NVIDIA GPU is visible here (NVML finds no driver)"
+    what = f"{device}: {seen}; the trainer would fail after loading its libraries"
+    fix = "run it on the GPU machine, check CUDA_VISIBLE_DEVICES, or set gpu: cpu (or auto)"
+    return [*found, Advice("resources.gpu", what, fix)]
 
 
 def _bare_durations(raw: dict[str, Any]) -> list[Advice]:
     supervise = raw.get("supervise")
     if not isinstance(supervise, dict):
         return []
-    found = []
+    found: list[Advice] = []
     for name, info in SuperviseSection.model_fields.items():
         if not any(isinstance(m, BeforeValidator) and m.func is to_seconds for m in info.metadata):
             continue  # not a duration (its type reads ``20m``)
@@ -61,14 +72,6 @@ def _bare_durations(raw: dict[str, Any]) -> list[Advice]:
         what = f"{text} has no unit and is read as {text} seconds"
         found.append(Advice(f"supervise.{name}", what, f"write {text}s (or {text}m if you meant minutes)"))
     return found
-
-
-def _length_advice(job: Job, raw: dict[str, Any]) -> list[Advice]:
-    train = raw.get("train")
-    if not isinstance(train, dict) or train.get("max_steps") is None or train.get("epochs") is None:
-        return []
-    what = f"both max_steps ({job.train.max_steps}) and epochs ({train['epochs']}) are set: max_steps wins"
-    return [Advice("train.epochs", what, "remove epochs (or max_steps, to train by epochs)")]
 
 
 def _split_advice(job: Job, records: int | None) -> list[Advice]:
@@ -86,18 +89,3 @@ def _split_advice(job: Job, records: int | None) -> list[Advice]:
         f"fewer than one effective batch ({batch}), so every step repeats the same records"
     )
     return [Advice("data.eval_fraction", what, "use more data, a smaller eval_fraction or a data.eval_path")]
-
-
-def _gpu_advice(job: Job, gpu_count: Callable[[], int | None]) -> list[Advice]:
-    device = job.resources.device
-    if not device.startswith("cuda:"):
-        return []
-    index, visible = int(device.removeprefix("cuda:")), gpu_count()
-    if visible is not None and index < visible:
-        return []
-    seen = (
-        "no NVIDIA GPU is visible here (NVML finds no driver)" if not visible else f"{visible} GPU(s) visible"
-    )
-    what = f"{device}: {seen}; the trainer would fail after loading its libraries"
-    fix = "run it on the GPU machine, check CUDA_VISIBLE_DEVICES, or set gpu: cpu (or auto)"
-    return [Advice("resources.gpu", what, fix)]

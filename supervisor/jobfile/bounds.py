@@ -50,9 +50,11 @@ def read_bounded(path: Path) -> str:
     return data.decode("utf-8")
 
 
-def check_shape(text: str) -> None:
-    """InputBoundError when ``text`` nests too deep or holds too many values as written;
-    yaml.YAMLError when it is no YAML. Reads PyYAML's event stream: no recursion."""
+def safe_load_bounded(text: str) -> Any:
+    """``yaml.safe_load(text)`` once the text is within every bound; raises InputBoundError,
+    AliasBombError or yaml.YAMLError. The nesting and the values as written are counted on PyYAML's
+    event stream (no recursion), then the nodes the aliases expand to, each use counted: one visit per
+    node (memoized), so a "billion laughs" file is refused fast."""
     depth = values = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, _VALUE):
@@ -69,11 +71,6 @@ def check_shape(text: str) -> None:
                 raise InputBoundError("nested too deep", got, fix)
         elif isinstance(event, _CLOSE):
             depth -= 1
-
-
-def check_expansion(root: yaml.Node | None) -> int:
-    """The number of nodes ``root`` expands to, aliases counted at each use; AliasBombError past
-    :data:`MAX_EXPANDED_NODES`. One visit per node (memoized), so a "billion laughs" file is refused fast."""
     sizes: dict[int, int] = {}
     open_nodes: set[int] = set()
 
@@ -95,14 +92,8 @@ def check_expansion(root: yaml.Node | None) -> int:
         sizes[key] = total
         return total
 
-    return 0 if root is None else size(root)
-
-
-def safe_load_bounded(text: str) -> Any:
-    """``yaml.safe_load(text)`` once the text is within every bound; raises InputBoundError,
-    AliasBombError or yaml.YAMLError."""
-    check_shape(text)
-    check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
+    if (root := yaml.compose(text, Loader=yaml.SafeLoader)) is not None:
+        size(root)
     return yaml.safe_load(text)
 
 

@@ -55,7 +55,7 @@ def scan_records(path: Path, field: str, *, messages: bool) -> int | None:
 
 
 def _data_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _READERS)
 
 
 __all__ = ["DataProbe", "DataProbeError", "DataRowError", "field_problem", "probe", "scan_records"]
@@ -79,21 +79,17 @@ def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None
 def _probe_jsonl(path: Path) -> DataProbe:
     # Bytes, the first record decoded: a bad byte further down is scan_records' to name.
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if raw.strip():
-                first = _json_record(raw.decode("utf-8"), f"line {number}")
-                return DataProbe(tuple(first), first)
-    raise DataProbeError("the file holds no records")
-
-
-def _json_record(text: str, where: str) -> dict[str, Any]:
+        lines = ((number, line) for number, line in enumerate(handle, start=1) if line.strip())
+        number, raw = next(lines, (0, b""))
+    if not raw:
+        raise DataProbeError("the file holds no records")
     try:
-        record = json_loads(text)
+        first = json_loads(raw.decode("utf-8"))
     except json.JSONDecodeError as error:
-        raise DataProbeError(f"{where} is not valid JSON: {error.msg}") from error
-    if not isinstance(record, dict):
-        raise DataProbeError(f"{where} is a JSON {type(record).__name__}, not an object")
-    return record
+        raise DataProbeError(f"line {number} is not valid JSON: {error.msg}") from error
+    if not isinstance(first, dict):
+        raise DataProbeError(f"line {number} is a JSON {type(first).__name__}, not an object")
+    return DataProbe(tuple(first), first)
 
 
 def _probe_json(path: Path) -> DataProbe:
@@ -107,15 +103,13 @@ def _probe_json(path: Path) -> DataProbe:
     if isinstance(loaded, list):
         if not loaded:
             raise DataProbeError("the file holds an empty list")
-        first = loaded[0]
-        if not isinstance(first, dict):
+        if not isinstance(first := loaded[0], dict):
             raise DataProbeError(f"the first item is a JSON {type(first).__name__}, not an object")
         return DataProbe(tuple(first), first)
     if not isinstance(loaded, dict):
         raise DataProbeError(f"the file holds a JSON {type(loaded).__name__}, not records")
     if loaded and all(isinstance(value, list) for value in loaded.values()):  # {"text": [...]}: columnar
-        first = {key: (value[0] if value else None) for key, value in loaded.items()}
-        return DataProbe(tuple(loaded), first)
+        return DataProbe(tuple(loaded), {key: (value[0] if value else None) for key, value in loaded.items()})
     return DataProbe(tuple(loaded), loaded)
 
 
@@ -143,35 +137,24 @@ def _probe_parquet(path: Path) -> DataProbe:
 
 
 def _probe_dir(path: Path) -> DataProbe:
-    if (path / "dataset_dict.json").is_file():
-        return _probe_dir(_split_dir(path))
+    if (path / "dataset_dict.json").is_file():  # a saved DatasetDict: its train split, else its first
+        splits = _read_json(path / "dataset_dict.json").get("splits") or []
+        if not isinstance(splits, list) or not splits:
+            raise DataProbeError("dataset_dict.json lists no splits")
+        return _probe_dir(path / ("train" if "train" in splits else str(splits[0])))
     if (path / "dataset_info.json").is_file():
         info = _read_json(path / "dataset_info.json")
         if not isinstance(features := info.get("features"), dict):
             raise DataProbeError("dataset_info.json has no features")
-        return DataProbe(tuple(features), None, _saved_rows(info))
+        splits = found if isinstance(found := info.get("splits"), dict) else {}
+        counts = [split.get("num_examples") for split in splits.values() if isinstance(split, dict)]
+        numbers = [count for count in counts if isinstance(count, int)]
+        rows = sum(numbers) if numbers and len(numbers) == len(counts) else None
+        return DataProbe(tuple(features), None, rows)
     files = _data_files(path)
     if not files:
         raise DataProbeError(f"the directory holds no dataset (expected {FORMATS_HELP})")
     return probe(files[0])
-
-
-def _split_dir(path: Path) -> Path:
-    """The ``train`` split of a saved DatasetDict (else its first split)."""
-    splits = _read_json(path / "dataset_dict.json").get("splits") or []
-    if not isinstance(splits, list) or not splits:
-        raise DataProbeError("dataset_dict.json lists no splits")
-    name = "train" if "train" in splits else str(splits[0])
-    return path / name
-
-
-def _saved_rows(info: Mapping[str, Any]) -> int | None:
-    splits = info.get("splits")
-    if not isinstance(splits, dict):
-        return None
-    counts = [s.get("num_examples") for s in splits.values() if isinstance(s, dict)]
-    numbers = [c for c in counts if isinstance(c, int)]
-    return sum(numbers) if numbers and len(numbers) == len(counts) else None
 
 
 _READERS: Mapping[str, Callable[[Path], DataProbe]] = {
@@ -180,7 +163,6 @@ _READERS: Mapping[str, Callable[[Path], DataProbe]] = {
     ".csv": _probe_csv,
     ".parquet": _probe_parquet,  # the schema alone
 }
-FILE_SUFFIXES = tuple(_READERS)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -4,6 +4,7 @@ trains from that fixed snapshot and never touches the network."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -20,22 +21,17 @@ def looks_like_hub_id(value: str, job_dir: Path) -> bool:
     return bool(_HUB_ID.match(value)) and not (job_dir / value).exists() and not value.startswith(".")
 
 
-def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def resolve_hub_id(repo_id: str, allow_download: bool) -> str:
     """The snapshot directory of ``repo_id``; raises the job error that says how to get it."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    try:
+    with contextlib.suppress(LocalEntryNotFoundError):
         return str(snapshot_download(repo_id, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
     cache = constants.HF_HUB_CACHE
-    if not allow_download or offline():
-        why = "the machine is offline (HF_HUB_OFFLINE)" if offline() else "model.allow_download is false"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if not allow_download or offline:
+        why = "the machine is offline (HF_HUB_OFFLINE)" if offline else "model.allow_download is false"
         raise job_error(
             f"hub id {repo_id!r} is not in the local Hugging Face cache ({cache}) and {why}",
             f"download it first (`hf download {repo_id}`), set model.allow_download: true on a machine "

@@ -9,17 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from qlora_supervise.supervisor.facts.trainer import OwnTrainer, Trainer
-from qlora_supervise.supervisor.jobfile.schema import (
-    DataSection,
-    DiagnoseSection,
-    LoraSection,
-    ModelSection,
-    QuantizationSection,
-    ResourcesSection,
-    Section,
-    SuperviseSection,
-    TrainSection,
-)
+from qlora_supervise.supervisor.jobfile import schema
 from qlora_supervise.trainer_child.contract.spec import DataSpec, DiagnoseSpec, Knobs, Resources, TrainSpec
 
 #: Said by ``validate`` and at run start when the job trusts the model's code.
@@ -40,7 +30,7 @@ class Job:
     data: DataSpec
     train: TrainSpec  # the recipe settings no rung changes
     resources: Resources
-    supervise: SuperviseSection  # durations already seconds; ``ladders`` are the overrides
+    supervise: schema.SuperviseSection  # durations already seconds; ``ladders`` are the overrides
     fallback_models: tuple[str, ...]  # model.fallbacks, absolute
     diagnose: DiagnoseSpec = field(default_factory=DiagnoseSpec)
     trainer: Trainer = field(default_factory=OwnTrainer)  # ours, or the ``trainer:`` section's tool
@@ -48,10 +38,10 @@ class Job:
     unparsed: Mapping[str, Any] = field(default_factory=dict)
 
 
-_S = TypeVar("_S", bound=Section)
+_S = TypeVar("_S", bound=schema.Section)
 
 
-def _section(sections: Mapping[str, Section], name: str, kind: type[_S]) -> _S:
+def _section(sections: Mapping[str, schema.Section], name: str, kind: type[_S]) -> _S:
     section = sections[name]
     if not isinstance(section, kind):  # a bug in load, never a problem of the job file
         raise TypeError(f"section {name!r} is a {type(section).__name__}, not a {kind.__name__}")
@@ -59,15 +49,15 @@ def _section(sections: Mapping[str, Section], name: str, kind: type[_S]) -> _S:
 
 
 def job_from_sections(
-    job_file: Path, raw_text: str, output_dir: Path, sections: Mapping[str, Section]
+    job_file: Path, raw_text: str, output_dir: Path, sections: Mapping[str, schema.Section]
 ) -> Job:
     """The Job of sections that each validated whole (``load_job`` calls this after every check)."""
-    model = _section(sections, "model", ModelSection)
-    data = _section(sections, "data", DataSection)
-    quantization = _section(sections, "quantization", QuantizationSection)
-    lora = _section(sections, "lora", LoraSection)
-    train = _section(sections, "train", TrainSection)
-    resources = _section(sections, "resources", ResourcesSection)
+    model = _section(sections, "model", schema.ModelSection)
+    data = _section(sections, "data", schema.DataSection)
+    quantization = _section(sections, "quantization", schema.QuantizationSection)
+    lora = _section(sections, "lora", schema.LoraSection)
+    train = _section(sections, "train", schema.TrainSection)
+    resources = _section(sections, "resources", schema.ResourcesSection)
     return Job(
         job_file=job_file,
         raw_text=raw_text,
@@ -98,35 +88,29 @@ def job_from_sections(
             eval_path=None if data.eval_path is None else str(data.eval_path),
             eval_fraction=data.eval_fraction,
         ),
-        train=_train_spec(model, quantization, lora, train),
+        # The recipe settings: max_steps None (epochs decide) is -1; epochs null keeps the spec's
+        # default (the trainer ignores epochs when max_steps > 0).
+        train=TrainSpec(
+            learning_rate=train.learning_rate,
+            lr_scheduler=train.lr_scheduler,
+            warmup_ratio=train.warmup_ratio,
+            max_grad_norm=train.max_grad_norm,
+            max_steps=-1 if train.max_steps is None else train.max_steps,
+            epochs=TrainSpec.epochs if train.epochs is None else float(train.epochs),
+            save_steps=train.save_steps,
+            logging_steps=train.logging_steps,
+            eval_steps=train.eval_steps,
+            packing=train.packing,
+            seed=train.seed,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            compute_dtype=quantization.compute_dtype,
+            trust_remote_code=model.trust_remote_code,
+            merge=train.merge,
+            report_to=train.report_to,
+        ),
         resources=resources.spec(),
-        supervise=_section(sections, "supervise", SuperviseSection),
+        supervise=_section(sections, "supervise", schema.SuperviseSection),
         fallback_models=tuple(str(path) for path in model.fallbacks),
-        diagnose=_section(sections, "diagnose", DiagnoseSection).spec(),
-    )
-
-
-def _train_spec(
-    model: ModelSection, quantization: QuantizationSection, lora: LoraSection, train: TrainSection
-) -> TrainSpec:
-    """The recipe settings; max_steps None (epochs decide) is -1, and epochs null keeps the spec's
-    default (the trainer ignores epochs when max_steps > 0)."""
-    return TrainSpec(
-        learning_rate=train.learning_rate,
-        lr_scheduler=train.lr_scheduler,
-        warmup_ratio=train.warmup_ratio,
-        max_grad_norm=train.max_grad_norm,
-        max_steps=-1 if train.max_steps is None else train.max_steps,
-        epochs=TrainSpec.epochs if train.epochs is None else float(train.epochs),
-        save_steps=train.save_steps,
-        logging_steps=train.logging_steps,
-        eval_steps=train.eval_steps,
-        packing=train.packing,
-        seed=train.seed,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        compute_dtype=quantization.compute_dtype,
-        trust_remote_code=model.trust_remote_code,
-        merge=train.merge,
-        report_to=train.report_to,
+        diagnose=_section(sections, "diagnose", schema.DiagnoseSection).spec(),
     )

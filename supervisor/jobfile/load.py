@@ -1,20 +1,19 @@
-"""``load_job``: read the job file (safe YAML, bounded), validate it in two passes (shape: each
-section by its pydantic model; world: checks across fields and against the disk, for what passed),
-and build the Job, or raise every problem at once. Pydantic's errors become :class:`Problem` lines.
-"""
+"""``load_job``: read the job file (safe YAML, bounded), validate it in two passes (shape: each section
+by its pydantic model; world: checks across fields and against the disk, for what passed), and build
+the Job, or raise every problem at once. Pydantic's errors become :class:`Problem` lines."""
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from qlora_supervise.supervisor.jobfile import bounds
+from qlora_supervise.supervisor.jobfile import bounds, schema
 from qlora_supervise.supervisor.jobfile.job import Job, job_from_sections
 from qlora_supervise.supervisor.jobfile.problems import (
     FILE_PATH,
@@ -24,18 +23,10 @@ from qlora_supervise.supervisor.jobfile.problems import (
     did_you_mean,
     show,
 )
-from qlora_supervise.supervisor.jobfile.schema import (
-    DEFAULT_OUTPUT_DIR,
-    REQUIRED_SECTIONS,
-    SECTIONS,
-    TOP_LEVEL_KEYS,
-    ResolvedPath,
-    Section,
-)
 from qlora_supervise.supervisor.jobfile.world import world_problems
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
-_S = TypeVar("_S", bound=Section)
+_S = TypeVar("_S", bound=schema.Section)
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
@@ -78,15 +69,15 @@ def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
     """Our own trainer's Job, or JobError with every problem."""
     problems = [*duplicate_keys(text), *_top_level_problems(raw)]
     context = {"job_dir": str(job_file.parent)}
-    sections: dict[str, Section] = {}
+    sections: dict[str, schema.Section] = {}
     bad: set[str] = set()
-    for name, section_type in SECTIONS.items():
+    for name, section_type in schema.SECTIONS.items():
         section, found, bad_fields = validate_section(name, section_type, raw, context)
         problems += found
         bad |= bad_fields
         if section is not None:
             sections[name] = section
-    output_dir, found = validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
+    output_dir, found = validate_output_dir(raw.get("output_dir", schema.DEFAULT_OUTPUT_DIR), context)
     problems += found
     problems += world_problems(sections, output_dir, frozenset(bad))
     if problems or output_dir is None:
@@ -101,8 +92,7 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> Problem:
     lines = text.splitlines()
     got = show(lines[mark.line].strip()) if mark is not None and mark.line < len(lines) else None
     detail = str(getattr(error, "problem", None) or error)
-    tag_match = re.search(r"constructor for the tag '([^']+)'", detail)
-    if tag_match:
+    if tag_match := re.search(r"constructor for the tag '([^']+)'", detail):
         tag = tag_match.group(1).replace("tag:yaml.org,2002:", "!!")
         fix = "remove the tag and write plain values: job files are read with yaml.safe_load"
         return Problem(where, f"YAML tag {tag!r} is not allowed", got, fix)
@@ -136,17 +126,12 @@ def _yaml_kind(value: object) -> str:
 
 def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
     """Unknown top-level keys (with a did-you-mean) and missing required sections."""
-    unknown = [
-        Problem(str(key), "unknown key", show(raw[key]), did_you_mean(key, TOP_LEVEL_KEYS))
-        for key in raw
-        if key not in TOP_LEVEL_KEYS
-    ]
-    missing = [
-        Problem(name, "required section is missing", None, f"add {name}: {{path: ...}}")
-        for name in REQUIRED_SECTIONS
-        if name not in raw
-    ]
-    return unknown + missing
+    keys = schema.TOP_LEVEL_KEYS
+    unknown = [key for key in raw if key not in keys]
+    missing = [name for name in schema.REQUIRED_SECTIONS if name not in raw]
+    found = [Problem(str(key), "unknown key", show(raw[key]), did_you_mean(key, keys)) for key in unknown]
+    why = "required section is missing"
+    return found + [Problem(name, why, None, f"add {name}: {{path: ...}}") for name in missing]
 
 
 def validate_section(
@@ -154,17 +139,16 @@ def validate_section(
 ) -> tuple[_S | None, list[Problem], set[str]]:
     """The section (validated again without its bad fields, so the world checks still run for the
     good ones), its problems, and the bad field paths."""
-    if name not in raw and name in REQUIRED_SECTIONS:
+    if name not in raw and name in schema.REQUIRED_SECTIONS:
         return None, [], {name}  # reported once by _top_level_problems
     value = raw.get(name)
-    if value is None:
-        value = {}  # `train:` with nothing under it means the defaults
+    value = {} if value is None else value  # `train:` with nothing under it means the defaults
     if not isinstance(value, dict):
         return None, [Problem(name, f"must be a mapping, not a {_yaml_kind(value)}", show(value), "")], {name}
     try:
         return section_type.model_validate(value, context=context), [], set()
     except ValidationError as error:
-        problems = _problems_from(error, name, section_type)
+        problems = _problems_from(error, name, section_type.model_fields)
         bad_keys = {str(item["loc"][0]) for item in error.errors() if item["loc"]}
     try:
         good = {k: v for k, v in value.items() if k not in bad_keys}
@@ -176,9 +160,9 @@ def validate_section(
 
 def validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path | None, list[Problem]]:
     try:
-        return TypeAdapter(ResolvedPath).validate_python(value, context=context), []
+        return TypeAdapter(schema.ResolvedPath).validate_python(value, context=context), []
     except ValidationError as error:
-        return None, _problems_from(error, "output_dir", None)
+        return None, _problems_from(error, "output_dir", ())
 
 
 _TYPE_NAMES = {
@@ -199,31 +183,29 @@ _FIXED = {
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
-def _problems_from(error: ValidationError, prefix: str, section_type: type[Section] | None) -> list[Problem]:
+def _problems_from(error: ValidationError, prefix: str, fields: Iterable[str]) -> list[Problem]:
     items = error.errors(include_url=False)
-    return [_one_problem(item, [prefix, *map(str, item["loc"])], section_type) for item in items]
+    return [_one_problem(item, [prefix, *map(str, item["loc"])], fields) for item in items]
 
 
-def _one_problem(item: Any, loc: list[str], section_type: type[Section] | None) -> Problem:
+def _one_problem(item: Any, loc: list[str], fields: Iterable[str]) -> Problem:
     """One pydantic error item (``loc`` already prefixed) in the job file's words."""
     kind, ctx, value = item["type"], item.get("ctx") or {}, item.get("input")
     if loc[-1] == "[key]":  # a dict key (ladders: failure kinds)
-        path = ".".join(loc[:-1])
         kinds = tuple(k.value for k in FailureKind)
-        return Problem(path, "unknown failure kind", show(value), did_you_mean(value, kinds))
+        return Problem(".".join(loc[:-1]), "unknown failure kind", show(value), did_you_mean(value, kinds))
     path = ".".join(loc)
     if kind == JOB_ERROR_TYPE:
         return Problem(path, str(ctx["problem"]), show(value), str(ctx["fix"]))
     if kind == "extra_forbidden":
-        known = frozenset(section_type.model_fields) if section_type and len(loc) == 2 else frozenset()
+        known = frozenset(fields) if len(loc) == 2 else frozenset()
         fix = did_you_mean(loc[-1], known) if known else "remove it"
         return Problem(path, "unknown key", show(value), fix)
     if kind in ("literal_error", "enum"):
         choices = tuple(re.findall(r"'([^']*)'", str(ctx.get("expected", ""))))
         return Problem(path, "not an allowed value", show(value), did_you_mean(value, choices))
     if kind in _BOUNDS:
-        op = _BOUNDS[kind]
-        bound = next(iter(ctx.values()), "?")
+        op, bound = _BOUNDS[kind], next(iter(ctx.values()), "?")
         return Problem(path, f"must be {op} {bound}", show(value), f"use a value {op} {bound}")
     if kind in _FIXED:
         return Problem(path, _FIXED[kind][0], None if kind == "missing" else show(value), _FIXED[kind][1])

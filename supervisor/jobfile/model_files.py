@@ -48,9 +48,7 @@ class ModelFiles:
     @property
     def has_lm_head(self) -> bool | None:
         """Whether the checkpoint stores a separate LM head; None when no names are known."""
-        if not self.tensors:
-            return None
-        return any(name.endswith("lm_head.weight") for name in self.tensors)
+        return any(name.endswith("lm_head.weight") for name in self.tensors) if self.tensors else None
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -90,20 +88,15 @@ def read_model_files(directory: str | Path) -> ModelFiles:
     config = _read_json(root / "config.json")
     if not isinstance(config, dict):
         raise ModelFilesError(f"{root / 'config.json'}: not a JSON object")
-    index_path = root / "model.safetensors.index.json"
-    if index_path.is_file():
-        return _from_index(root, config, index_path)
-    single = root / "model.safetensors"
-    if single.is_file():
-        size = single.stat().st_size
-        return ModelFiles(config, read_header(single), size, size)
-    bins = sorted(root.glob("*.bin"))
-    total = sum(p.stat().st_size for p in bins) or None
-    note = "no safetensors files: tensor names unknown" + ("" if total else ", checkpoint size unknown")
-    return ModelFiles(config, {}, total, max((p.stat().st_size for p in bins), default=0), (note,))
-
-
-def _from_index(root: Path, config: dict[str, Any], index_path: Path) -> ModelFiles:
+    index_path, single = root / "model.safetensors.index.json", root / "model.safetensors"
+    if not index_path.is_file() and single.is_file():
+        nbytes = single.stat().st_size
+        return ModelFiles(config, read_header(single), nbytes, nbytes)
+    if not index_path.is_file():
+        bins = sorted(root.glob("*.bin"))
+        total = sum(p.stat().st_size for p in bins) or None
+        note = "no safetensors files: tensor names unknown" + ("" if total else ", checkpoint size unknown")
+        return ModelFiles(config, {}, total, max((p.stat().st_size for p in bins), default=0), (note,))
     index = _read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):

@@ -46,21 +46,15 @@ def job_error(problem: str, fix: str) -> PydanticCustomError:
 
 def show(value: object) -> str:
     """A value as the job file would spell it, cut to one short line."""
-    if value is None:
-        text = "null"
-    elif isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, Path):
-        text = repr(str(value))
-    else:
-        text = repr(value)
+    text = repr(str(value) if isinstance(value, Path) else value)
+    if value is None or isinstance(value, bool):
+        text = "null" if value is None else str(value).lower()
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def did_you_mean(word: object, choices: Iterable[str], label: str = "allowed") -> str:
     """``did you mean 'micro_batch_size'?`` when one choice is close, else ``allowed: <choices>``."""
     options = sorted(choices)
-    close = difflib.get_close_matches(str(word), options, n=1, cutoff=0.6)
-    if close:
+    if close := difflib.get_close_matches(str(word), options, n=1, cutoff=0.6):
         return f"did you mean {close[0]!r}?"
     return f"{label}: " + (", ".join(options) or "none")

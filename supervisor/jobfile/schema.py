@@ -13,26 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+import pydantic
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from qlora_supervise.policies.decide import Settings
 from qlora_supervise.policies.rungs import RETIRED_RUNGS, RUNG_NAMES
-from qlora_supervise.supervisor.facts.units import (
-    DURATION_HELP,
-    SIZE_HELP,
-    UnitError,
-    parse_bytes,
-    parse_duration,
-)
+from qlora_supervise.supervisor.facts import units
 from qlora_supervise.supervisor.jobfile import hub
 from qlora_supervise.supervisor.jobfile.problems import did_you_mean, job_error
 from qlora_supervise.trainer_child.contract.codes import FailureKind
@@ -45,8 +31,7 @@ def _job_dir(info: ValidationInfo) -> Path:
 
 
 def _resolve_path(value: object, info: ValidationInfo) -> object:
-    """A non-empty path string (or Path) -> an absolute, normalised Path, relative to the job file's
-    directory (context ``job_dir``), never the cwd."""
+    """A non-empty path -> an absolute, normalised Path relative to the job file's folder (never the cwd)."""
     if isinstance(value, Path):
         path = value
     elif isinstance(value, str) and value.strip():
@@ -76,24 +61,20 @@ def _bytes(value: object) -> object:
     if not isinstance(value, (str, int, float)):
         return value  # the int type check reports it
     try:
-        return parse_bytes(value, unit_required=True)
-    except UnitError as error:
-        fix = error.expected if "no unit" in error.reason or "bits" in error.reason else SIZE_HELP
+        return units.parse_bytes(value, unit_required=True)
+    except units.UnitError as error:
+        fix = error.expected if "no unit" in error.reason or "bits" in error.reason else units.SIZE_HELP
         raise job_error(f"bad byte size: {error.reason}", f"use {fix}") from None
 
 
 def to_seconds(value: object) -> object:
-    """``20m`` / ``1h30m`` / a plain number -> seconds (float). A plain number stays valid;
-    ``jobfile.advice`` warns about it, with the fix."""
+    """``20m`` / ``1h30m`` / a plain number -> seconds (float); ``jobfile.advice`` warns of a plain number."""
     if not isinstance(value, (str, int, float)):
         return value
     try:
-        return parse_duration(value)
-    except UnitError as error:
-        raise job_error(f"bad duration: {error.reason}", f"use {DURATION_HELP}") from None
-
-
-_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$")
+        return units.parse_duration(value)
+    except units.UnitError as error:
+        raise job_error(f"bad duration: {error.reason}", f"use {units.DURATION_HELP}") from None
 
 
 def _device(value: object) -> object:
@@ -102,7 +83,7 @@ def _device(value: object) -> object:
         return f"cuda:{value}"
     if isinstance(value, str):
         text = value.strip()
-        if text in ("auto", "cpu") or _UUID_RE.match(text):
+        if text in ("auto", "cpu") or re.match(r"^(GPU|MIG)-[0-9a-fA-F-]+$", text):
             return text
         if re.fullmatch(r"(cuda:)?\d+", text):
             return f"cuda:{text.removeprefix('cuda:')}"
@@ -115,10 +96,8 @@ def _target_modules(value: object) -> object:
         return value
     if isinstance(value, (list, tuple)) and value and all(isinstance(m, str) and m for m in value):
         return tuple(value)
-    raise job_error(
-        "not a list of module names",
-        "use attention, mlp, all-linear or a non-empty list such as [q_proj, k_proj, v_proj, o_proj]",
-    )
+    fix = "use attention, mlp, all-linear or a non-empty list such as [q_proj, k_proj, v_proj, o_proj]"
+    raise job_error("not a list of module names", fix)
 
 
 def _hook_argv(value: object) -> object:
@@ -135,8 +114,7 @@ def _hook_argv(value: object) -> object:
 
 
 def _ladders(value: object) -> object:
-    """Failure kind -> rung names: keys that name a FailureKind become one (the others fail the
-    key check), lists become tuples."""
+    """A key naming a FailureKind becomes one (the others fail the key check); lists become tuples."""
     if not isinstance(value, dict):
         return value
     kinds = {kind.value: kind for kind in FailureKind}
@@ -186,18 +164,17 @@ ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
 ReportTo = Literal["none", "tensorboard"]
 
 
-class Section(BaseModel):
+class Section(pydantic.BaseModel):
     """A part of the job file; frozen, unknown keys refused."""
 
     # strict: YAML already gives ints, floats and bools; "8" for an int is a mistake worth naming.
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True)
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True)
 
 
 class ModelSection(Section):
     """``path`` is a local directory or a hub id (``org/name``), resolved to its cached snapshot."""
 
-    # Before ``path``: the path's validator reads it (pydantic validates in field order).
-    allow_download: bool = False
+    allow_download: bool = False  # before ``path``: its validator reads it (pydantic validates in order)
     path: ResolvedPath
     fallbacks: PathList = ()  # smaller models for the last rung; none unless named
     trust_remote_code: bool = TrainSpec.trust_remote_code
@@ -293,8 +270,7 @@ class SuperviseSection(Section):
     step_up: bool = Settings.step_up
     step_up_settle: Seconds = Settings.step_up_settle_s
     step_up_quality: bool = Settings.step_up_quality
-    # Keep observed peaks per host so the next run starts calibrated (record/peak_store.py).
-    calibration_store: bool = True
+    calibration_store: bool = True  # per-host peaks: the next run starts calibrated (record/peak_store.py)
     # Attempt 1 times the planner's top candidates and trains with the fastest (policies/choice.py).
     speed_trial: bool = Settings.speed_trial
     warm_spare: bool | Literal["auto"] = "auto"

@@ -1,6 +1,5 @@
 """The folders no ``output_dir`` may be: ``/``, a home directory, the system's own folders (the
-supervisor, often root, moves and deletes a run directory's entries). Compared after links resolve.
-"""
+supervisor, often root, moves and deletes a run directory's entries). Compared after links resolve."""
 
 from __future__ import annotations
 
@@ -25,15 +24,10 @@ def system_folder(path: Path) -> tuple[str, str] | None:
             return f"is in the system folder {tree}{shown}", OWN_FOLDER
     if str(real) in SYSTEM_FOLDERS:
         return f"is the system folder {real}{shown}; a run directory is a folder of its own", OWN_FOLDER
-    if real in _homes():
+    homes = {Path(os.path.realpath(Path.home()))}  # and every account's: a unit may run as another
+    with contextlib.suppress(OSError):
+        homes |= {Path(os.path.realpath(entry.pw_dir)) for entry in pwd.getpwall() if entry.pw_dir}
+    if real in homes:
         fix = f"choose a folder of your own for output_dir (for example {real}/runs/NAME)"
         return f"is a home directory{shown}; a run directory is a folder of its own", fix
     return None
-
-
-def _homes() -> set[Path]:
-    """The home directories: this user's and every account's (a unit may run as another)."""
-    homes = {Path(os.path.realpath(Path.home()))}
-    with contextlib.suppress(OSError):
-        homes |= {Path(os.path.realpath(entry.pw_dir)) for entry in pwd.getpwall() if entry.pw_dir}
-    return homes

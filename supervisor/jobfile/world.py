@@ -10,27 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from qlora_supervise.supervisor.facts.units import format_duration
-from qlora_supervise.supervisor.jobfile import data_probe
-from qlora_supervise.supervisor.jobfile.model_files import ModelFiles, ModelFilesError, read_model_files
+from qlora_supervise.supervisor.jobfile import data_probe, schema
+from qlora_supervise.supervisor.jobfile.model_files import ModelFilesError, read_model_files
 from qlora_supervise.supervisor.jobfile.problems import Problem, did_you_mean, show
-from qlora_supervise.supervisor.jobfile.schema import (
-    DataSection,
-    LoraSection,
-    ModelSection,
-    ResourcesSection,
-    Section,
-    SuperviseSection,
-    TrainSection,
-)
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
-from qlora_supervise.trainer_child.contract.targets import (
-    TargetsError,
-    check,
-    expert_leaves,
-    linear_leaves,
-    resolve,
-)
+from qlora_supervise.trainer_child.contract import targets
 
 #: The largest share of the data ``eval_fraction`` may hold out: beyond it less is trained on
 #: than is evaluated, which is never what a fine-tune means.
@@ -40,37 +25,33 @@ NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
 
 
 def world_problems(
-    sections: Mapping[str, Section], output_dir: Path | None, bad: frozenset[str]
+    sections: Mapping[str, schema.Section], output_dir: Path | None, bad: frozenset[str]
 ) -> list[Problem]:
     """Every problem across fields or with the file system. ``sections`` may be partial; a check
     that involves a field of ``bad`` (failed the shape pass) is skipped: its default would lie."""
     problems: list[Problem] = []
-    if isinstance(model := sections.get("model"), ModelSection):
-        problems += _model_problems(model, bad)
-        if isinstance(lora := sections.get("lora"), LoraSection):
+    if isinstance(model := sections.get("model"), schema.ModelSection):
+        paths = [] if "model.path" in bad else [("model.path", model.path)]
+        if "model.fallbacks" not in bad:
+            paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
+        problems += [problem for name, path in paths if (problem := model_dir_problem(name, path))]
+        if isinstance(lora := sections.get("lora"), schema.LoraSection):
             problems += _target_module_problems(model, lora, bad)
-    if isinstance(data := sections.get("data"), DataSection):
+    if isinstance(data := sections.get("data"), schema.DataSection):
         problems += _data_problems(data, bad)
-    if isinstance(train := sections.get("train"), TrainSection):
+    if isinstance(train := sections.get("train"), schema.TrainSection):
         problems += _train_problems(train, bad)
-        if isinstance(data, DataSection):
+        if isinstance(data, schema.DataSection):
             problems += _eval_problems(train, data, bad)
-    if isinstance(resources := sections.get("resources"), ResourcesSection):
+    if isinstance(resources := sections.get("resources"), schema.ResourcesSection):
         problems += _rank_problems(resources, bad)
-        if isinstance(train, TrainSection):
+        if isinstance(train, schema.TrainSection):
             problems += _rank_batch_problems(train, resources, bad)
-    if isinstance(supervise := sections.get("supervise"), SuperviseSection):
+    if isinstance(supervise := sections.get("supervise"), schema.SuperviseSection):
         problems += _supervise_problems(supervise, bad)
     if output_dir is not None:
         problems += _output_dir_problems(output_dir)
     return problems
-
-
-def _model_problems(model: ModelSection, bad: frozenset[str]) -> list[Problem]:
-    paths = [] if "model.path" in bad else [("model.path", model.path)]
-    if "model.fallbacks" not in bad:
-        paths += [(f"model.fallbacks.{i}", p) for i, p in enumerate(model.fallbacks)]
-    return [problem for name, path in paths if (problem := model_dir_problem(name, path))]
 
 
 def model_dir_problem(name: str, path: Path) -> Problem | None:
@@ -85,36 +66,32 @@ def model_dir_problem(name: str, path: Path) -> Problem | None:
     return None
 
 
-def _target_module_problems(model: ModelSection, lora: LoraSection, bad: frozenset[str]) -> list[Problem]:
-    """Each target module names layers of the model, read from its safetensors headers (no torch)."""
+def _target_module_problems(
+    model: schema.ModelSection, lora: schema.LoraSection, bad: frozenset[str]
+) -> list[Problem]:
+    """Each target module names a Linear layer of the model, read from its safetensors headers (no
+    torch): Llama names on Phi-3 match ``o_proj`` alone. Without the blocks' tensor names (a ``.bin``
+    checkpoint) only a keyword is resolved."""
     if bad & {"model.path", "lora.target_modules"} or model_dir_problem("model.path", model.path):
         return []
     try:
         files = read_model_files(model.path)
     except ModelFilesError as error:
         return [Problem("model.path", str(error), show(model.path), "fix or re-download the model files")]
-    return target_problems(lora.target_modules, files)
-
-
-def target_problems(targets: tuple[str, ...] | str, files: ModelFiles) -> list[Problem]:
-    """Why ``targets`` cannot adapt the model in ``files`` (empty: they can, or nothing tells): any
-    name that matches no Linear layer (Llama names on Phi-3 match ``o_proj`` alone). Without the
-    blocks' tensor names (a ``.bin`` checkpoint) only a keyword is resolved."""
-    raw_type = files.config.get("model_type")
-    model_type = str(raw_type) if raw_type else None
-    layers = linear_leaves(files.tensors, model_type)
-    shown = show(list(targets) if isinstance(targets, tuple) else targets)
+    model_type = str(raw_type) if (raw_type := files.config.get("model_type")) else None
+    layers, wanted = targets.linear_leaves(files.tensors, model_type), lora.target_modules
     try:
         if layers:
-            check(targets, model_type, layers, expert_leaves(files.tensors))
+            targets.check(wanted, model_type, layers, targets.expert_leaves(files.tensors))
         else:
-            resolve(targets, model_type)
-    except TargetsError as error:
+            targets.resolve(wanted, model_type)
+    except targets.TargetsError as error:
+        shown = show(list(wanted) if isinstance(wanted, tuple) else wanted)
         return [Problem("lora.target_modules", error.problem, shown, error.fix)]
     return []
 
 
-def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
+def _data_problems(data: schema.DataSection, bad: frozenset[str]) -> list[Problem]:
     """Exactly one of text_field / messages_field, at most one eval source, and readable sources."""
     problems = []
     fields_ok = not bad & {"data.text_field", "data.messages_field"}
@@ -129,10 +106,9 @@ def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
         why, fix = "both eval_path and eval_fraction are set", "use eval_path or eval_fraction, not both"
         problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
     if "data.eval_fraction" not in bad and data.eval_fraction > MAX_EVAL_FRACTION:
-        why = (
-            f"holds out more than {MAX_EVAL_FRACTION:g} of the data for evaluation, leaving less to train on"
-        )
-        fix = f"use {MAX_EVAL_FRACTION:g} or less (0.05 to 0.1 is usual), or a separate data.eval_path"
+        limit = f"{MAX_EVAL_FRACTION:g}"
+        why = f"holds out more than {limit} of the data for evaluation, leaving less to train on"
+        fix = f"use {limit} or less (0.05 to 0.1 is usual), or a separate data.eval_path"
         problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
     if "data.path" not in bad:
         problems += _source_problems("data.path", data.path, data, fields_ok)
@@ -141,9 +117,8 @@ def _data_problems(data: DataSection, bad: frozenset[str]) -> list[Problem]:
     return problems
 
 
-def _source_problems(path_name: str, path: Path, data: DataSection, check_fields: bool) -> list[Problem]:
-    """The data at ``path`` exists, is a format the probe reads, has the named fields, and every
-    record can train."""
+def _source_problems(path_name: str, path: Path, data: schema.DataSection, fields_ok: bool) -> list[Problem]:
+    """The data at ``path`` exists in a format the probe reads, has the named fields; every record trains."""
     if not path.exists():
         fix = "check the path (relative to the job file)"
         return [Problem(path_name, "no such file or directory", show(path), fix)]
@@ -151,13 +126,11 @@ def _source_problems(path_name: str, path: Path, data: DataSection, check_fields
         found = data_probe.probe(path)
     except data_probe.DataProbeError as error:
         return [Problem(path_name, str(error), show(path), f"use {data_probe.FORMATS_HELP}")]
-    if not check_fields:
+    if not fields_ok:
         return []
     problems = []
-    for field_name, field, messages in (
-        ("data.text_field", data.text_field, False),
-        ("data.messages_field", data.messages_field, True),
-    ):
+    fields = (("data.text_field", data.text_field, False), ("data.messages_field", data.messages_field, True))
+    for field_name, field, messages in fields:
         why = None if field is None else data_probe.field_problem(found, field, messages=messages)
         if why is not None:
             where = "" if path_name == "data.path" else f" ({path_name})"
@@ -186,7 +159,7 @@ def split_sizes(records: int, eval_fraction: float) -> tuple[int, int]:
     return math.floor((1 - eval_fraction) * records), math.ceil(eval_fraction * records)
 
 
-def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
+def _train_problems(train: schema.TrainSection, bad: frozenset[str]) -> list[Problem]:
     """The effective batch divides into micro-batches, and max_steps or epochs sets the length."""
     problems = []
     batch_ok = not bad & {"train.effective_batch_size", "train.micro_batch_size"}
@@ -201,7 +174,7 @@ def _train_problems(train: TrainSection, bad: frozenset[str]) -> list[Problem]:
     return problems
 
 
-def _rank_problems(resources: ResourcesSection, bad: frozenset[str]) -> list[Problem]:
+def _rank_problems(resources: schema.ResourcesSection, bad: frozenset[str]) -> list[Problem]:
     """Ranks train on the first ``nproc_per_node`` visible GPUs, one each: a job that names one GPU
     cannot mean that, and a GPU host needs as many GPUs as ranks (None visible: no driver, gloo)."""
     ranks = resources.nproc_per_node
@@ -228,7 +201,7 @@ def _rank_problems(resources: ResourcesSection, bad: frozenset[str]) -> list[Pro
 
 
 def _rank_batch_problems(
-    train: TrainSection, resources: ResourcesSection, bad: frozenset[str]
+    train: schema.TrainSection, resources: schema.ResourcesSection, bad: frozenset[str]
 ) -> list[Problem]:
     fields = {"train.effective_batch_size", "train.micro_batch_size", "resources.nproc_per_node"}
     ranks = resources.nproc_per_node
@@ -242,22 +215,22 @@ def _rank_batch_problems(
     return [Problem("train.effective_batch_size", why, show(train.effective_batch_size), fix)]
 
 
-def _eval_problems(train: TrainSection, data: DataSection, bad: frozenset[str]) -> list[Problem]:
-    if bad & {"train.eval_steps", "data.eval_path", "data.eval_fraction"}:
-        return []
-    if train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
+def _eval_problems(
+    train: schema.TrainSection, data: schema.DataSection, bad: frozenset[str]
+) -> list[Problem]:
+    fields = {"train.eval_steps", "data.eval_path", "data.eval_fraction"}
+    if bad & fields or train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
         return []
     why = "evaluation asked for but there is no eval data"
     fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
     return [Problem("train.eval_steps", why, show(train.eval_steps), fix)]
 
 
-def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> list[Problem]:
+def _supervise_problems(supervise: schema.SuperviseSection, bad: frozenset[str]) -> list[Problem]:
     """backoff_max is at least backoff_initial, and the metrics textfile can be created."""
     problems = []
-    if not bad & {"supervise.backoff_max", "supervise.backoff_initial"} and (
-        supervise.backoff_max < supervise.backoff_initial
-    ):
+    backoff_ok = not bad & {"supervise.backoff_max", "supervise.backoff_initial"}
+    if backoff_ok and supervise.backoff_max < supervise.backoff_initial:
         fix = f"use at least backoff_initial ({format_duration(supervise.backoff_initial)})"
         got = show(format_duration(supervise.backoff_max))
         problems.append(Problem("supervise.backoff_max", "smaller than backoff_initial", got, fix))
@@ -268,8 +241,7 @@ def _supervise_problems(supervise: SuperviseSection, bad: frozenset[str]) -> lis
 
 
 def _output_dir_problems(output_dir: Path) -> list[Problem]:
-    found = system_folder(output_dir)
-    if found is not None:
+    if (found := system_folder(output_dir)) is not None:
         return [Problem("output_dir", found[0], show(output_dir), found[1])]
     if output_dir.exists() and not output_dir.is_dir():
         why, fix = "exists and is not a directory", "choose a directory path"

@@ -29,7 +29,7 @@ import psutil
 
 from qlora_supervise.supervisor.facts.append import open_append_binary
 from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
-from qlora_supervise.supervisor.trainers.launch import SHIM_SPEC_ENV
+from qlora_supervise.supervisor.trainers.trainer import SHIM_SPEC_ENV
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor, GpuProbe, RankCards
 from qlora_supervise.supervisor.watching.host import oom_kill_count
 from qlora_supervise.trainer_child.contract import processes

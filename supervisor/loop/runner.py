@@ -29,7 +29,7 @@ from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir, ensure_dir
 from qlora_supervise.supervisor.reporting import notify
 from qlora_supervise.supervisor.reporting.outputs import Reporter
-from qlora_supervise.supervisor.trainers.launch import note_shim, output_moving, trainer_env
+from qlora_supervise.supervisor.trainers.trainer import note_shim, output_moving, trainer_env
 from qlora_supervise.supervisor.watching import watch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards
 from qlora_supervise.supervisor.watching.watch import Watched

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,10 +21,8 @@ def _value(text: str) -> Any:
     if text.lower() in _WORDS:
         return text
     for number in (int, float):  # PyYAML reads 3e-4 as a string (YAML 1.1); argparse's float would not
-        try:
+        with contextlib.suppress(ValueError):
             return number(text)
-        except ValueError:
-            pass
     try:
         return safe_load_bounded(text)  # a flag's value nested 600 deep is a string, not a crash
     except (yaml.YAMLError, InputBoundError, AliasBombError):
@@ -62,14 +61,11 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[Problem]]:
 
 
 def _spelled(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def with_flags(argv: Sequence[str], changes: Mapping[str, Any]) -> list[str]:
-    """``argv`` with each ``--key`` of ``changes`` set to its value (None: the flag removed),
-    in place where the user wrote it, appended where they did not."""
+    """``argv`` with each ``--key`` of ``changes`` set (None: removed) where the user wrote it, else added."""
     out: list[str] = []
     for key, words in _words(argv):
         if key is None or key not in changes:

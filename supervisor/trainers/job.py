@@ -10,53 +10,41 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 from pydantic import field_validator
 
 from qlora_supervise.supervisor.facts.trainer import OWN
-from qlora_supervise.supervisor.jobfile import bounds
+from qlora_supervise.supervisor.jobfile import bounds, schema
 from qlora_supervise.supervisor.jobfile import load as jobload
 from qlora_supervise.supervisor.jobfile.hub import looks_like_hub_id
 from qlora_supervise.supervisor.jobfile.job import Job
 from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, did_you_mean, job_error, show
-from qlora_supervise.supervisor.jobfile.schema import (
-    DEFAULT_OUTPUT_DIR,
-    DiagnoseSection,
-    HookArgv,
-    PathList,
-    ResolvedPath,
-    ResourcesSection,
-    Section,
-    SuperviseSection,
-)
 from qlora_supervise.supervisor.jobfile.world import model_dir_problem
 from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.mapping import config_problems, knobs_from, lookup, present
-from qlora_supervise.supervisor.trainers.tool import Tool
 from qlora_supervise.supervisor.trainers.tools import TOOLS
 from qlora_supervise.supervisor.trainers.trainer import ToolTrainer
-from qlora_supervise.trainer_child.contract.spec import DataSpec, TrainSpec
+from qlora_supervise.trainer_child.contract.spec import DataSpec, Knobs, TrainSpec
 
 #: trainer.kind: ours, or a registered tool's.
 KINDS = (OWN, *TOOLS)
 #: Sections of our own trainer that a foreign tool's config replaces.
 OWN_ONLY = ("model", "data", "quantization", "lora", "train")
 FOREIGN_KEYS = ("trainer", "resources", "supervise", "diagnose", "output_dir")
-_S = TypeVar("_S", bound=Section)
 
 
-class TrainerSection(Section):
+class TrainerSection(schema.Section):
     """``trainer:``: ``kind``, the tool's ``config`` file, or ``command`` (a script's argv)."""
 
     kind: str = OWN
-    config: ResolvedPath | None = None
-    command: HookArgv | None = None  # argv, never a shell string
-    python: ResolvedPath | None = None  # the tool venv's interpreter; default: this one
+    config: schema.ResolvedPath | None = None
+    command: schema.HookArgv | None = None  # argv, never a shell string
+    python: schema.ResolvedPath | None = None  # the tool venv's interpreter; default: this one
     # Default: the config's folder (a script: the job file's), where its relative paths mean most.
-    workdir: ResolvedPath | None = None
-    fallbacks: PathList = ()  # smaller models for the last rung (script: swapped in at from_pretrained)
+    workdir: schema.ResolvedPath | None = None
+    fallbacks: schema.PathList = ()  # smaller models for the last rung (script: swapped in at load)
 
     @field_validator("kind")
     @classmethod
@@ -74,33 +62,41 @@ def load_job(path: str | os.PathLike[str]) -> Job:
     return tool if tool is not None else jobload.job_of(job_file, text, own)
 
 
-def _validated(
-    name: str, kind: type[_S], raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
-) -> _S | None:
-    """The section ``name`` (None: it did not validate); its problems appended to ``problems``."""
-    section, found, _ = jobload.validate_section(name, kind, raw, context)
-    problems += found
-    return section
-
-
 def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
     """The Job of a ``trainer:`` job; None when the kind is ``own`` (the usual sections follow)."""
     context = {"job_dir": str(job_file.parent)}
-    before = len(problems)
-    section = _validated("trainer", TrainerSection, raw, context, problems)
-    if section is not None and section.kind == OWN and len(problems) == before:
+    section, found, _ = jobload.validate_section("trainer", TrainerSection, raw, context)
+    if section is not None and section.kind == OWN and not found:
         return None
-    problems += _section_problems(raw, section)
-    resources = _validated("resources", ResourcesSection, raw, context, problems)
-    supervise = _validated("supervise", SuperviseSection, raw, context, problems)
-    diagnose = _validated("diagnose", DiagnoseSection, raw, context, problems)
-    output_dir, found = jobload.validate_output_dir(raw.get("output_dir", DEFAULT_OUTPUT_DIR), context)
+    problems += found + _section_problems(raw, section)
+    resources, found, _ = jobload.validate_section("resources", schema.ResourcesSection, raw, context)
+    problems += found
+    supervise, found, _ = jobload.validate_section("supervise", schema.SuperviseSection, raw, context)
+    problems += found
+    diagnose, found, _ = jobload.validate_section("diagnose", schema.DiagnoseSection, raw, context)
+    problems += found
+    output_dir, found = jobload.validate_output_dir(raw.get("output_dir", schema.DEFAULT_OUTPUT_DIR), context)
     problems += found
     trainer = _tool_trainer(section, job_file.parent, problems) if section and section.kind in TOOLS else None
     if problems or trainer is None or output_dir is None:
         raise JobError(problems)
     assert resources is not None and supervise is not None and diagnose is not None and section is not None
-    return _job(job_file, text, output_dir, trainer, section.fallbacks, resources, supervise, diagnose)
+    knobs, train, unparsed = _tool_specs(trainer)
+    dataset = lookup(trainer.config, trainer.tool.table.data_key)
+    return Job(
+        job_file=job_file,
+        raw_text=text,
+        output_dir=output_dir,
+        knobs=knobs,
+        data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
+        train=train,
+        resources=resources.spec(),
+        supervise=supervise,
+        fallback_models=tuple(str(path) for path in section.fallbacks),
+        diagnose=diagnose.spec(),
+        trainer=trainer,
+        unparsed=unparsed,
+    )
 
 
 def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) -> list[Problem]:
@@ -133,18 +129,13 @@ def _section_problems(raw: Mapping[str, Any], section: TrainerSection | None) ->
     if not script and section.command:
         why, fix = f"only for kind hf-script, not {kind}", "delete it: the supervisor starts the tool itself"
         problems.append(Problem("trainer.command", why, show(list(section.command)), fix))
-    return problems + _fallback_problems(section)
-
-
-def _fallback_problems(section: TrainerSection) -> list[Problem]:
-    """Each fallback must be a model directory, for a tool that can swap its model in (the script)."""
-    tool = TOOLS.get(section.kind)
+    # Each fallback is a model directory, for a tool that can swap its model in (the script).
     if section.fallbacks and (tool is None or "smaller_model" not in tool.shim_rungs):
-        takers = ", ".join(kind for kind, t in TOOLS.items() if "smaller_model" in t.shim_rungs)
+        takers = ", ".join(name for name, t in TOOLS.items() if "smaller_model" in t.shim_rungs)
         fix = f"delete it: trainer.fallbacks is for kind {takers} (the others: their own config)"
-        return [Problem("trainer.fallbacks", f"not used with trainer.kind {section.kind}", None, fix)]
+        return [*problems, Problem("trainer.fallbacks", f"not used with trainer.kind {kind}", None, fix)]
     found = (model_dir_problem(f"trainer.fallbacks.{i}", path) for i, path in enumerate(section.fallbacks))
-    return [problem for problem in found if problem is not None]
+    return problems + [problem for problem in found if problem is not None]
 
 
 def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem]) -> ToolTrainer | None:
@@ -172,22 +163,19 @@ def _tool_trainer(section: TrainerSection, job_dir: Path, problems: list[Problem
         config, path = read, section.config
         where, workdir = f"trainer.config ({section.config.name})", section.workdir or section.config.parent
     problems += config_problems(tool.table, config, where)
-    problems += model_problems(tool, config, where, workdir)
-    model = _model_value(tool, config)
+    row = tool.table.row("model")  # the tool's model, (key, path); None: no model row, or no path
+    value = lookup(config, row.key) if row is not None else None
+    model = (row.key, value) if row is not None and isinstance(value, str) and value else None
+    problems += model_problems(*model, where, workdir) if model else []
     types = model_type(tool_model_path(model[1], workdir)) if model else None
     problems += model_facts.target_problems(tool, config, where, types)
     problems += tool.data_problems(config, where, workdir)
     return ToolTrainer(tool, MappingProxyType(dict(config)), path, section.command or (), python, workdir)
 
 
-def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: Path) -> list[Problem]:
-    """The tool's model must be a local directory with a config.json, as ``model.path`` must: the
-    tool runs offline and the supervisor reads the model's shape there. A key left out is not
-    checked here (a required one is named by ``config_problems``)."""
-    model = _model_value(tool, config)
-    if model is None:
-        return []
-    key, value = model
+def model_problems(key: str, value: str, where: str, workdir: Path) -> list[Problem]:
+    """The tool's model (``key``: ``value``) is a local directory with a config.json, as ``model.path`` is:
+    the tool runs offline and the supervisor reads the model's shape there."""
     name = f"{where}: {key}"
     if not Path(value).is_absolute() and looks_like_hub_id(value, workdir):
         why = "a hub id, but the tool runs offline (HF_HUB_OFFLINE=1) and the supervisor reads config.json"
@@ -196,15 +184,7 @@ def model_problems(tool: Tool, config: Mapping[str, Any], where: str, workdir: P
     if value.startswith("~"):  # the tool opens the path as written: no shell expands it there
         why = "starts with ~, which the tool does not expand (it would look for a folder named ~)"
         return [Problem(name, why, show(value), f"write the full path: {os.path.expanduser(value)}")]
-    problem = model_dir_problem(name, Path(tool_model_path(value, workdir)))
-    return [] if problem is None else [problem]
-
-
-def _model_value(tool: Tool, config: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(key, path) of the tool's model in its config (None: no model row, or no path)."""
-    row = tool.table.row("model")
-    value = lookup(config, row.key) if row is not None else None
-    return (row.key, value) if row is not None and isinstance(value, str) and value else None
+    return [problem] if (problem := model_dir_problem(name, Path(tool_model_path(value, workdir)))) else []
 
 
 def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
@@ -217,9 +197,8 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     except bounds.AliasBombError as error:
         found = Problem(where, f"YAML aliases refused: {error}", None, "write the values out")
     except FileNotFoundError:
-        found = Problem(
-            "trainer.config", "no such file", show(str(path)), "check the path (relative to the job file)"
-        )
+        fix = "check the path (relative to the job file)"
+        found = Problem("trainer.config", "no such file", show(str(path)), fix)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         found = Problem(where, f"cannot read it: {error}", None, "fix the file")
     else:
@@ -233,26 +212,15 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
 _TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
 
 
-def _job(
-    job_file: Path,
-    text: str,
-    output_dir: Path,
-    trainer: ToolTrainer,
-    fallbacks: tuple[Path, ...],
-    resources: ResourcesSection,
-    supervise: SuperviseSection,
-    diagnose: DiagnoseSection,
-) -> Job:
+def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]:
+    """The tool's knobs, train spec, and values that did not parse (``max_steps: ten``) by job view name."""
     tool, config = trainer.tool, trainer.config
     table = tool.table
-    # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
     knobs = knobs_from(table, config)
-    knobs = dataclasses.replace(
-        knobs,
-        model=tool_model_path(knobs.model, trainer.workdir),
-        bf16_head=model_facts.keeps_head_dtype(tool, config),  # read only: what the tool does, not a rung
-    )
-    knobs = model_facts.with_saved_4bit(knobs, knobs.model)
+    # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
+    model = tool_model_path(knobs.model, trainer.workdir)
+    head = model_facts.keeps_head_dtype(tool, config)  # read only: what the tool does, not a rung
+    knobs = model_facts.with_saved_4bit(dataclasses.replace(knobs, model=model, bf16_head=head), model)
     steps = lookup(config, table.max_steps_key)
     epochs = lookup(config, table.epochs_key)
     save = lookup(config, table.save_steps_key)
@@ -263,25 +231,9 @@ def _job(
         merge=False,
         target_modules=model_facts.lora_targets(tool, config, model_type(knobs.model)),
     )
-    dataset = lookup(config, table.data_key)
-    # A value that did not parse (``max_steps: ten``), under the job view's names, as written.
-    views = zip(
-        _TRAIN_VIEW, (steps, epochs, save), (train.max_steps, train.epochs, train.save_steps), strict=True
-    )
-    return Job(
-        job_file=job_file,
-        raw_text=text,
-        output_dir=output_dir,
-        knobs=knobs,
-        data=DataSpec(path=str(dataset) if isinstance(dataset, str) else "", text_field=None),
-        train=train,
-        resources=resources.spec(),
-        supervise=supervise,
-        fallback_models=tuple(str(path) for path in fallbacks),
-        diagnose=diagnose.spec(),
-        trainer=trainer,
-        unparsed={name: v for name, v, got in views if present(v) and v != got},
-    )
+    parsed = (train.max_steps, train.epochs, train.save_steps)
+    views = zip(_TRAIN_VIEW, (steps, epochs, save), parsed, strict=True)
+    return knobs, train, {name: v for name, v, got in views if present(v) and v != got}
 
 
 def model_type(model: str) -> str | None:

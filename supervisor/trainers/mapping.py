@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
-from qlora_supervise.supervisor.trainers.tool import Row, Table, settable, writable
+from qlora_supervise.supervisor.trainers.tool import Config, Row, Table, settable, writable
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 _MISSING = object()
@@ -45,8 +45,7 @@ def assign(config: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _read(row: Row, value: Any, quoted_numbers: bool) -> Any:
-    """The knob's value of the tool's ``value``; a whole number written quoted ("4") is 4 for a tool
-    that reads it so (``quoted_numbers``)."""
+    """The knob's value of the tool's ``value``; "4" is 4 for a tool that reads it so (``quoted_numbers``)."""
     whole = _KNOB_TYPES.get(row.knob) is int
     if quoted_numbers and whole and isinstance(value, str) and value.strip().isdecimal():
         value = int(value)
@@ -54,8 +53,7 @@ def _read(row: Row, value: Any, quoted_numbers: bool) -> Any:
 
 
 def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
-    """The knobs the tool would train with (the config's values, else the tool's defaults); call
-    after :func:`config_problems` found none."""
+    """The knobs the tool would train with (its config's values, else its defaults); config_problems first."""
     values: dict[str, Any] = {}
     for row in table.rows:
         value = lookup(config, row.key_in(config))
@@ -68,11 +66,8 @@ def knobs_from(table: Table, config: Mapping[str, Any]) -> Knobs:
 
 def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list[Problem]:
     """Missing required keys, knob values of the wrong type, and keys that contradict the ladder."""
-    problems = [
-        Problem(f"{where}: {key}", "required key is missing", None, fix)
-        for key, fix in table.required.items()
-        if lookup(config, key) is _MISSING
-    ]
+    missing = [(key, fix) for key, fix in table.required.items() if lookup(config, key) is _MISSING]
+    problems = [Problem(f"{where}: {key}", "required key is missing", None, fix) for key, fix in missing]
     for row in table.rows:
         key = row.key_in(config)
         raw = lookup(config, key)
@@ -95,12 +90,7 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
 
 
 def attempt_config(
-    table: Table,
-    config: Mapping[str, Any],
-    job: Knobs,
-    knobs: Knobs,
-    output_dir: str,
-    resume_from: str | None,
+    table: Table, config: Config, job: Knobs, knobs: Knobs, output_dir: str, resume_from: str | None
 ) -> dict[str, Any]:
     """The user's config with what the ladder changed (``job`` -> ``knobs``, and a row's ``off_with``
     keys with a knob turned off), the tool's output dir and the checkpoint to resume from; every
@@ -130,11 +120,8 @@ def unmapped_changes(table: Table, config: Mapping[str, Any], job: Knobs, knobs:
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
+        nested = isinstance(value, Mapping) and value
+        flat.update(flatten(value, f"{prefix}{key}.") if nested else {f"{prefix}{key}": value})
     return flat
 
 

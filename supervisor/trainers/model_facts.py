@@ -12,7 +12,6 @@ import ast
 import dataclasses
 import functools
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,16 @@ from qlora_supervise.supervisor.facts.trainer import Trainer
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
 from qlora_supervise.supervisor.trainers.mapping import knobs_from, lookup
-from qlora_supervise.supervisor.trainers.tool import Tool
+from qlora_supervise.supervisor.trainers.tool import Config, Tool
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.targets import ALL_LINEAR, family
 
 
-def unmodelled(tool: Tool, config: Mapping[str, Any], model_dir: str) -> str | None:
+def unmodelled(tool: Tool, config: Config, model_dir: str) -> str | None:
     """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit).
     ``model_dir``: the model as the tool opens it; a model saved quantized is loaded as saved."""
-    saved = saved_quantization(model_dir)
+    quant = model_config(model_dir).get("quantization_config")
+    saved = _saved_as(quant) if isinstance(quant, dict) else None
     if saved is not None and saved != _SAVED_NF4:
         counts = "the memory model counts bitsandbytes 4-bit QLoRA weights"
         return f"the model is saved already quantized ({saved}); {counts}"
@@ -38,9 +38,8 @@ def unmodelled(tool: Tool, config: Mapping[str, Any], model_dir: str) -> str | N
     if why is not None or saved == _SAVED_NF4:
         return why
     if (eight := tool.eight_bit(config)) is not None:
-        return (
-            f"the tool loads the base model in 8-bit ({eight}); the memory model counts 4-bit QLoRA weights"
-        )
+        counts = "the memory model counts 4-bit QLoRA weights"
+        return f"the tool loads the base model in 8-bit ({eight}); {counts}"
     # 4-bit as the config reads (an hf-script without a 4-bit flag: the script's own load, unknown).
     return None if knobs_from(tool.table, config).load_in_4bit is True else tool.unquantized
 
@@ -66,23 +65,14 @@ def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
     if not isinstance(quant, dict) or _saved_as(quant) != _SAVED_NF4:
         return knobs
     kind = quant.get("bnb_4bit_quant_type")
-    double = quant.get("bnb_4bit_use_double_quant")
-    return dataclasses.replace(
-        knobs,
-        load_in_4bit=True,
-        quant_type=kind if isinstance(kind, str) else "fp4",  # BitsAndBytesConfig's own defaults
-        double_quant=double if isinstance(double, bool) else False,
-    )
+    kind = kind if isinstance(kind, str) else "fp4"  # BitsAndBytesConfig's own defaults
+    double = quant.get("bnb_4bit_use_double_quant") is True
+    return dataclasses.replace(knobs, load_in_4bit=True, quant_type=kind, double_quant=double)
 
 
-def saved_quantization(model_dir: str) -> str | None:
-    """How the model directory's weights were saved quantized (None: not quantized, or unreadable):
-    ``bitsandbytes 4-bit`` (a ``*-bnb-4bit`` model), else the method and its bits (gptq, awq, ...)."""
-    quant = model_config(model_dir).get("quantization_config")
-    return _saved_as(quant) if isinstance(quant, dict) else None
-
-
-def _saved_as(quant: Mapping[str, Any]) -> str:
+def _saved_as(quant: Config) -> str:
+    """How a model's ``quantization_config`` saved its weights: ``bitsandbytes 4-bit`` (a ``*-bnb-4bit``
+    model), else the method and its bits (gptq, awq, ...)."""
     method = str(quant.get("quant_method") or "unknown method")
     if method == "bitsandbytes":
         if quant.get("llm_int8_skip_modules") not in (None, [], ["lm_head"]):
@@ -99,7 +89,7 @@ def _saved_as(quant: Mapping[str, Any]) -> str:
 _HALF_DTYPES = frozenset({"bfloat16", "float16", "auto"})
 
 
-def keeps_head_dtype(tool: Tool, config: Mapping[str, Any]) -> bool:
+def keeps_head_dtype(tool: Tool, config: Config) -> bool:
     """Whether the tool leaves the embeddings and the LM head in a 16-bit load dtype, as our
     ``bf16_head`` knob does, instead of the fp32 our recipe's k-bit prepare casts them to: trl 1.16
     never calls ``prepare_model_for_kbit_training`` (``Tool.head_dtype_key``). Measured on the H200,
@@ -120,9 +110,7 @@ def with_tool_attention(shape: ModelShape | None, trainer: Trainer) -> ModelShap
 _PEFT_DEFAULTS = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
 
 
-def lora_targets(
-    tool: Tool, config: Mapping[str, Any], model_type: str | None = None
-) -> tuple[str, ...] | str:
+def lora_targets(tool: Tool, config: Config, model_type: str | None = None) -> tuple[str, ...] | str:
     """The LoRA targets in our words (``"all-linear"`` or module names) from the tool's spelling."""
     if _all_linear_key(tool, config):
         return ALL_LINEAR
@@ -136,10 +124,10 @@ def lora_targets(
         if len(value) == 1 and value[0] in tool.all_linear_words:
             return ALL_LINEAR
         return tuple(value)
-    if tool.peft_default_targets:
-        defaults = peft_default_targets(model_type)
-        if defaults:
-            return defaults
+    if tool.peft_default_targets and model_type:  # peft's default for the model type, where it has one
+        found = _peft_mapping(installed_package_root("peft")).get(model_type)
+        if isinstance(found, list) and found and all(isinstance(name, str) for name in found):
+            return tuple(found)
     return ALL_LINEAR  # every linear layer: the most the adapter can be, so never under-counted
 
 
@@ -150,24 +138,38 @@ def as_peft_gets_it(tool: Tool, value: Any) -> Any:
     return value
 
 
-def _all_linear_key(tool: Tool, config: Mapping[str, Any]) -> bool:
+def _all_linear_key(tool: Tool, config: Config) -> bool:
     """axolotl's ``lora_target_linear: true``: every Linear, whatever the list says."""
     return tool.all_linear_key is not None and lookup(config, tool.all_linear_key) is True
 
 
+#: Where the loaded model keeps its decoder blocks: a text model, and a multimodal one's (Gemma 3).
+_BLOCK_PREFIXES = ("model.layers", "model.language_model.layers")
+#: Block indices a pattern is tried on (a pattern may pick some layers only: ``layers\.(1[0-5])``).
+_LAYERS = 128
+
+
 def regex_matches(pattern: str, model_type: str | None) -> tuple[str, ...]:
-    """The block's Linear layers whose full module path ``pattern`` matches as peft matches it
-    (``re.fullmatch``); () for an invalid pattern or no match."""
+    """The block's Linear layers whose full module path, as the loaded model names it, ``pattern``
+    matches as peft matches it (``re.fullmatch``); () for an invalid pattern or no match."""
     try:
         compiled = re.compile(pattern)
     except re.error:
         return ()
-    return tuple(dict.fromkeys(name for name, path in _block_paths(model_type) if compiled.fullmatch(path)))
+    block = family(model_type) or family("llama")
+    assert block is not None  # llama is in the table
+    leaves = [(n, "self_attn") for n in block.attention] + [(n, "mlp") for n in block.mlp]
+    found = (
+        name
+        for prefix in _BLOCK_PREFIXES
+        for index in range(_LAYERS)
+        for name, parent in leaves
+        if compiled.fullmatch(f"{prefix}.{index}.{parent}.{name}")
+    )
+    return tuple(dict.fromkeys(found))
 
 
-def target_problems(
-    tool: Tool, config: Mapping[str, Any], where: str, model_type: str | None
-) -> list[Problem]:
+def target_problems(tool: Tool, config: Config, where: str, model_type: str | None) -> list[Problem]:
     """A string target peft would read as a pattern that adapts nothing (or cannot compile)."""
     key = tool.table.targets_key
     written = lookup(config, key)
@@ -199,33 +201,6 @@ def target_problems(
         "with 'Target modules not found'"
     )
     return [Problem(f"{where}: {key}", why, show(value), fix)]
-
-
-#: Where the loaded model keeps its decoder blocks: a text model, and a multimodal one's (Gemma 3).
-_BLOCK_PREFIXES = ("model.layers", "model.language_model.layers")
-#: Block indices a pattern is tried on (a pattern may pick some layers only: ``layers\.(1[0-5])``).
-_LAYERS = 128
-
-
-def _block_paths(model_type: str | None) -> list[tuple[str, str]]:
-    """(leaf, full path) of the decoder blocks' Linear layers, as the loaded model names them."""
-    block = family(model_type) or family("llama")
-    assert block is not None  # llama is in the table
-    leaves = [(n, "self_attn") for n in block.attention] + [(n, "mlp") for n in block.mlp]
-    return [
-        (name, f"{prefix}.{index}.{parent}.{name}")
-        for prefix in _BLOCK_PREFIXES
-        for index in range(_LAYERS)
-        for name, parent in leaves
-    ]
-
-
-def peft_default_targets(model_type: str | None) -> tuple[str, ...] | None:
-    """peft's default ``target_modules`` for ``model_type`` (None: unknown type, a pattern, no peft)."""
-    if not model_type:
-        return None
-    found = _peft_mapping(installed_package_root("peft")).get(model_type)
-    return tuple(found) if isinstance(found, list) and all(isinstance(n, str) for n in found) else None
 
 
 @functools.cache

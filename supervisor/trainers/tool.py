@@ -14,36 +14,29 @@ from qlora_supervise.policies.rungs import RUNGS
 from qlora_supervise.supervisor.jobfile.problems import Problem
 from qlora_supervise.trainer_child.contract.script_knobs import EVAL_SCHEDULERS
 
+Config = Mapping[str, Any]
 #: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take.
 RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 @dataclass(frozen=True)
 class Row:
-    """Knob ``knob`` is the tool's ``key``; ``default`` applies where the config leaves it out
-    (a callable: computed from the rest of the config)."""
+    """Knob ``knob`` is the tool's ``key``; ``default`` where the config has none (callable: of config)."""
 
     knob: str
     key: str
     default: Any
-    read: Callable[[Any], Any] = _same  # tool's value -> knob value
-    write: Callable[[Any], Any] = _same  # knob value -> tool's value
-    # Read but never written: changing it alone would not do what the rung means in this tool.
-    read_only: bool = False
-    # The key is the script's own, not the tool's: read and written only where the config has it.
-    present_only: bool = False
-    # Newer names the tool reads first where the config has them (``activation_checkpointing``).
-    preferred: tuple[str, ...] = ()
+    read: Callable[[Any], Any] = lambda value: value  # tool's value -> knob value
+    write: Callable[[Any], Any] = lambda value: value  # knob value -> tool's value
+    read_only: bool = False  # never written: changing it alone would not do what the rung means here
+    present_only: bool = False  # the script's own key, not the tool's: read and written only where set
+    preferred: tuple[str, ...] = ()  # newer names the tool reads first where set (activation_checkpointing)
     # Keys the tool refuses left on beside this knob written off: where the config has them, off too.
     off_with: tuple[str, ...] = ()
     # Where the rest of the config needs the knob as it is: never written, so its rungs leave the ladder.
-    held: Callable[[Mapping[str, Any]], bool] = lambda config: False
+    held: Callable[[Config], bool] = lambda config: False
 
-    def key_in(self, config: Mapping[str, Any]) -> str:
+    def key_in(self, config: Config) -> str:
         """The key the tool reads this knob from in ``config``: a preferred one set there (not null:
         TrainingArguments falls back to the alias when the new name is None), else ``key``."""
         return next((name for name in self.preferred if config.get(name) is not None), self.key)
@@ -57,8 +50,7 @@ class Contradiction:
     bad: Callable[[Any], bool]
     problem: str
     fix: str
-    # Only where the rest of the config says so too (a value that is wrong beside another one).
-    given: Callable[[Mapping[str, Any]], bool] = lambda config: True
+    given: Callable[[Config], bool] = lambda config: True  # only where the rest of the config agrees
 
 
 @dataclass(frozen=True)
@@ -77,10 +69,8 @@ class Table:
     save_steps_default: int = 500
     targets_key: str = "lora_target_modules"
     data_key: str = "dataset_name"
-    # Old names the tool no longer reads (its parser drops them without a word): old -> new.
-    renamed: Mapping[str, str] = field(default_factory=dict)
-    # The tool reads a quoted whole number ("4") as the number (trl's argparse, axolotl's pydantic).
-    reads_quoted_numbers: bool = False
+    renamed: Mapping[str, str] = field(default_factory=dict)  # old -> new names its parser drops silently
+    reads_quoted_numbers: bool = False  # "4" is 4 to the tool (trl's argparse, axolotl's pydantic)
 
     def row(self, knob: str) -> Row | None:
         return next((r for r in self.rows if r.knob == knob), None)
@@ -134,9 +124,8 @@ def unquoted_no(key: str) -> Contradiction:
         "a bool, not a strategy: YAML reads an unquoted no (or off, false) as false, and the tool "
         'stops at load on it ("False is not a valid ...")'
     )
-    return Contradiction(
-        key, lambda v: isinstance(v, bool), why, f'write {key}: "no" (quoted), or "steps" / "epoch"'
-    )
+    fix = f'write {key}: "no" (quoted), or "steps" / "epoch"'
+    return Contradiction(key, lambda v: isinstance(v, bool), why, fix)
 
 
 #: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.
@@ -170,25 +159,23 @@ EVAL_STRATEGY = Row(
 )
 
 
-def writable(row: Row, config: Mapping[str, Any] | None) -> bool:
+def writable(row: Row, config: Config | None) -> bool:
     """Whether the ladder may write ``row`` in ``config`` (None: any config of the tool)."""
     if row.read_only or (config is not None and row.held(config)):
         return False
     return not row.present_only or (config is not None and row.key in config)
 
 
-def settable(table: Table, config: Mapping[str, Any] | None) -> set[str]:
-    """The knobs the ladder may set in ``config``; expandable_segments is the allocator's
-    environment variable: any torch process takes it."""
+def settable(table: Table, config: Config | None) -> set[str]:
+    """The knobs the ladder may set in ``config``, and expandable_segments (any torch process takes it)."""
     return {row.knob for row in table.rows if writable(row, config)} | {"expandable_segments"}
 
 
-def rungs_for(table: Table, config: Mapping[str, Any] | None = None) -> frozenset[str]:
+def rungs_for(table: Table, config: Config | None = None) -> frozenset[str]:
     """The rungs whose knob this tool's config can express."""
     return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in settable(table, config))
 
 
-Config = Mapping[str, Any]
 #: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
 _ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
 
@@ -212,12 +199,9 @@ class Tool:
 
     table: Table  # knob -> the tool's key; its kind is trainer.kind in the job file
     package: str | None = None  # what its interpreter must import (None: the script's own)
-    # ``python *entry <config>``; (): a script that is its own argv (hf-script: its flags changed).
-    entry: tuple[str, ...] = ()
-    # ``script``: its argv runs unchanged; the shim changes the knobs where the script builds them.
-    settings_in_code: bool = False
-    # Rungs it takes through its shim rather than its config (script: bf16_head, smaller_model).
-    shim_rungs: frozenset[str] = frozenset()
+    entry: tuple[str, ...] = ()  # ``python *entry <config>``; (): a script, its own argv (flags changed)
+    settings_in_code: bool = False  # script: runs as written; the shim changes knobs where it builds them
+    shim_rungs: frozenset[str] = frozenset()  # rungs its shim takes (script: bf16_head, smaller_model)
     # --- LoRA targets, as the tool hands them to peft (model_facts.py) ---
     targets_regex: bool = True  # a string reaches peft as a regex of the full module name
     all_linear_words: tuple[str, ...] = ("all-linear",)  # the tool's own word for every Linear
@@ -229,8 +213,7 @@ class Tool:
     eight_bit: Callable[[Config], str | None] = load_in_8bit
     # The tool's own reason the memory model cannot count a config (bool: saved in bnb 4-bit).
     unmodelled: Callable[[Config, bool], str | None] = lambda config, saved_4bit: None
-    # trl leaves what is not 4-bit in the dtype its script loads (no k-bit prepare): this key.
-    head_dtype_key: str | None = None
+    head_dtype_key: str | None = None  # trl: the load dtype's key, kept for what is not 4-bit (no k-bit prep)
     unquantized: str = (
         "the tool loads the base model unquantized, in its own dtype (a LoRA, not QLoRA); the memory "
         "model counts 4-bit weights"

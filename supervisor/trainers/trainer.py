@@ -1,16 +1,18 @@
-"""A tool the user already runs, as the job's :class:`~...facts.trainer.Trainer`.
-
-The supervisor never imports the tool: it reads the user's config once (YAML, or the flags of an
-hf-script's command), writes each attempt's config with the ladder's changes into the attempt's
-directory (``<kind>.yaml`` or ``command.json``; the user's file is never touched) beside
-``trainer-config.diff`` (``key: old -> new`` lines that ``status`` prints), and starts the tool with
-the shim on its ``PYTHONPATH``. A ``script`` attempt instead gets ``script-knobs.json``: the knobs
-the shim changes where the script builds them, learnt from what earlier attempts reported it asks for.
-"""
+"""A tool the user already runs, as the job's :class:`~...facts.trainer.Trainer`. The supervisor never
+imports the tool: it reads the user's config once (YAML, or an hf-script's flags), writes each attempt's
+config with the ladder's changes into the attempt's directory (``<kind>.yaml`` or ``command.json``; the
+user's file is never touched) beside ``trainer-config.diff`` (``key: old -> new`` lines that ``status``
+prints), and starts the tool with the shim on its ``PYTHONPATH``. A ``script`` attempt gets
+``script-knobs.json`` instead: the knobs the shim changes where the script builds them, learnt from what
+earlier attempts reported it asks for."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,21 +20,25 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
-from qlora_supervise.supervisor.facts.trainer import Ladders
+from qlora_supervise.supervisor.facts.trainer import Ladders, Trainer
+from qlora_supervise.supervisor.jobfile.advice import Advice
 from qlora_supervise.supervisor.jobfile.job import Job
+from qlora_supervise.supervisor.jobfile.problems import Problem, show
+from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.generations import TOOL_CONFIG, TOOL_CONFIG_PREFIX
 from qlora_supervise.supervisor.record.rundir import TRAINER_OUTPUT, AttemptDir, ensure_dir
 from qlora_supervise.supervisor.trainers import flags, model_facts
 from qlora_supervise.supervisor.trainers.mapping import attempt_config, config_diff, flatten, unmapped_changes
 from qlora_supervise.supervisor.trainers.tool import RUNG_KNOBS, Table, Tool, rungs_for, writable
-from qlora_supervise.trainer_child.contract import script_knobs
+from qlora_supervise.trainer_child.contract import processes, script_knobs
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.events import ScriptKnobs, read_events
+from qlora_supervise.trainer_child.contract.events import ScriptKnobs, Started, parse_event, read_events
 from qlora_supervise.trainer_child.contract.script_knobs import CHANGES_FILE, ScriptChanges
-from qlora_supervise.trainer_child.contract.spec import Knobs
+from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 
 DIFF_NAME = "trainer-config.diff"
 
@@ -69,9 +75,8 @@ class ToolTrainer:
     def config_view(self) -> dict[str, Any]:
         """``trainer.config`` (the file, or the argv) and ``trainer.config.<key>`` per unread key."""
         where = str(self.config_path) if self.config_path is not None else list(self.command)
-        view: dict[str, Any] = {TOOL_CONFIG: where}
-        view.update({f"{TOOL_CONFIG_PREFIX}{key}": value for key, value in self.unread_keys().items()})
-        return view
+        unread = {f"{TOOL_CONFIG_PREFIX}{key}": value for key, value in self.unread_keys().items()}
+        return {TOOL_CONFIG: where, **unread}
 
     def rungs(self) -> frozenset[str]:
         return rungs_for(self.tool.table, self.config) | self.tool.shim_rungs
@@ -110,12 +115,16 @@ class ToolTrainer:
             )
         output = ensure_dir(run_dir / TRAINER_OUTPUT)  # the tool saves there: never through a link
         if self.tool.settings_in_code:  # the script runs as written; the shim changes its knobs
+            # script-knobs.json: the knobs it changes, each with what was asked. Before any attempt
+            # reached train() only the knobs reported change; after, the job's stand for those never reported.
             keys = {row.knob: row.key for row in table.rows}
-            before = {knob: getattr(job, knob) for knob in keys}
-            changed = _write_script_changes(attempt_dir, run_dir, before, knobs, output)
-            _write_diff(
-                attempt_dir, [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
-            )
+            asked, complete = asked_by_script(run_dir)
+            asked = {**{knob: getattr(job, knob) for knob in keys}, **asked} if complete else asked
+            changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
+            replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
+            ScriptChanges(tuple(changed), str(output), replaced, changed).write(attempt_dir)
+            lines = [f"{keys.get(k, k)}: {v} -> {getattr(knobs, k)}" for k, v in changed.items()]
+            _write_diff(attempt_dir, lines)
             return self.command
         config = attempt_config(table, self.config, job, knobs, str(output), resume_from)
         _write_diff(attempt_dir, config_diff(self.config, config))
@@ -182,8 +191,7 @@ def _keys(table: Table, config: Mapping[str, Any]) -> str:
 
 
 def tool_saved(run_dir: Path) -> bool:
-    """Whether the tool saved anything into its output directory (which the loop creates for every
-    attempt of the tool, so it proves nothing itself)."""
+    """Whether the tool saved anything into its output dir (the loop creates it: that proves nothing)."""
     output = run_dir / TRAINER_OUTPUT
     try:
         return output.is_dir() and any(output.iterdir())
@@ -197,11 +205,13 @@ def saved_by_the_tool_only(run_dir: Path, adapter: Path) -> Path | None:
 
 
 def read_diff(attempt_dir: Path) -> list[str] | None:
-    """The attempt's diff lines (None: not a tool's attempt, or unreadable); a script's attempt
-    that ran: what it asked for and got where it builds each value."""
-    lines = _script_status(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
-    if lines is not None:
-        return lines
+    """The attempt's diff lines (None: not a tool's attempt, or unreadable); a script's attempt that
+    ran: what it asked for and got where it builds each value, where they differ or it could not."""
+    event = _script_report(attempt_dir) if (attempt_dir / CHANGES_FILE).is_file() else None
+    if event is not None:
+        # The output folder moves on every attempt (as a tool's does): not a change worth a line.
+        settings = [s for s in event.settings if s.knob != "output_dir"]
+        return [s.line() for s in settings if s.asked != s.got or s.why_not]
     try:
         return (attempt_dir / DIFF_NAME).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
@@ -236,34 +246,145 @@ def _script_report(attempt_dir: Path) -> ScriptKnobs | None:
 def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]:
     """What the script asks for, each knob from the newest attempt that reported it (attempt 1
     changes nothing), and whether any attempt reached ``train()`` (a knob not reported: never built)."""
-    asked: dict[str, script_knobs.Value] = {}
-    complete = False
-    for attempt_dir in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]")):
-        event = _script_report(attempt_dir)
-        if event is not None:
-            asked.update(script_knobs.asked(event.settings))
-            complete = complete or event.complete
-    return asked, complete
+    attempts = sorted(run_dir.glob("attempt-[0-9][0-9][0-9]"))
+    reports = [event for attempt in attempts if (event := _script_report(attempt)) is not None]
+    asked = {knob: value for event in reports for knob, value in script_knobs.asked(event.settings).items()}
+    return asked, any(event.complete for event in reports)
 
 
-def _write_script_changes(
-    attempt_dir: Path, run_dir: Path, before: Mapping[str, Any], knobs: Knobs, output_dir: Path
-) -> dict[str, Any]:
-    """``script-knobs.json`` for the attempt; returns the knobs it changes, each with what was asked.
-    Before any attempt reached ``train()`` only the knobs reported change; after, ``before`` (the
-    job's knobs) stands for those never reported."""
-    asked, complete = asked_by_script(run_dir)
-    asked = {**before, **asked} if complete else asked
-    changed = {name: value for name, value in asked.items() if getattr(knobs, name) != value}
-    replaced = str(asked["model"]) if "model" in changed else None  # its tokenizer follows it
-    ScriptChanges(tuple(changed), str(output_dir), replaced, changed).write(attempt_dir)
-    return changed
+# The shim in a tool's process: the environment that puts it on the PYTHONPATH (found beside the
+# contract's processes module; nothing of it is imported here) with the spec named, and whether it
+# attached (its ``started`` line in the attempt's events file), said in the journal when it did not.
+
+#: The same name as trainer_child.shim.SHIM_SPEC_ENV (tests/test_trainer_shim.py checks they agree).
+SHIM_SPEC_ENV = "QLORA_SUPERVISE_SHIM_SPEC"
+SHIM_SITE = Path(processes.__file__).resolve().parent.parent / "shim" / "site"
+SHIM_SILENT = (
+    "the trainer's process wrote none of our events (no `started` line in {events}): the shim did "
+    "not attach (is qlora-supervise importable by {python}? does the tool build a transformers "
+    "Trainer?), so this attempt is classified from its stderr tail alone"
+)
 
 
-def _script_status(attempt_dir: Path) -> list[str] | None:
-    """What the attempt's script asked for and got, where it differs or could not be changed."""
-    event = _script_report(attempt_dir)
-    if event is None:
-        return None
-    # The output folder moves on every attempt (as a tool's does): not a change worth a line.
-    return [s.line() for s in event.settings if (s.asked != s.got or s.why_not) and s.knob != "output_dir"]
+def trainer_env(env: Mapping[str, str], spec: AttemptSpec, spec_path: Path) -> dict[str, str]:
+    """``env`` plus the shim for a foreign attempt (``spec.command`` set); unchanged for ours."""
+    out = dict(env)
+    if not spec.command:
+        return out
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_SITE), out.get("PYTHONPATH", "")) if p)
+    out[SHIM_SPEC_ENV] = str(spec_path)
+    # It runs in the user's folder: no __pycache__ written beside the modules it imports from there.
+    out["PYTHONDONTWRITEBYTECODE"] = "1"
+    return out
+
+
+def shim_attached(events_file: Path) -> bool:
+    try:
+        lines = events_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return any(isinstance(parse_event(line), Started) for line in lines)
+
+
+def note_shim(spec: AttemptSpec, log: FilteringBoundLogger) -> bool:
+    """Log ``shim_not_attached`` where a tool's attempt left no ``started``; True: attached, or ours."""
+    events_file = Path(spec.events_file)
+    if not spec.command or shim_attached(events_file):
+        return True
+    log.warning(Event.SHIM_NOT_ATTACHED, why=SHIM_SILENT.format(events=events_file, python=spec.command[0]))
+    return False
+
+
+def output_moving(spec: AttemptSpec, log_path: Path, wall_now: float, timeout_s: float) -> bool:
+    """Whether a tool without the shim wrote to its log within ``timeout_s``: with no heartbeats, its
+    own output is the only sign of progress left. False for our child and a tool the shim speaks for."""
+    if not spec.command or shim_attached(Path(spec.events_file)):
+        return False
+    try:
+        return wall_now - log_path.stat().st_mtime <= timeout_s
+    except OSError:
+        return False
+
+
+# Whether the tool, and the shim, can be imported by the interpreter that will run them (``find_spec``
+# there, once per interpreter): a missing tool fails every start; without qlora-supervise, no shim.
+
+SHIM_PACKAGE = "qlora_supervise"
+_PROBE = (
+    "import importlib.util, sys; "
+    "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
+)
+
+
+def tool_problems(trainer: Trainer) -> list[Problem]:
+    """The tool's package missing for its interpreter, with the fix; [] when it is there, for our
+    own trainer, or when the interpreter could not be asked (the attempt will say what is wrong)."""
+    if not isinstance(trainer, ToolTrainer):
+        return []
+    package, python = trainer.tool.package, trainer.python
+    if package is None or package not in _missing(trainer, python):
+        return []
+    why = f"{package} is not installed for this interpreter: the tool would fail on every start"
+    fix = (
+        f"install it there (`{python} -m pip install {package}`), or name the python of "
+        "the venv it is in (trainer.python)"
+    )
+    return [Problem("trainer.python", why, show(python), fix)]
+
+
+def tool_advice(trainer: Trainer) -> list[Advice]:
+    """What validate warns of and run says at start about a tool: no shim in its interpreter, and
+    each old key name the tool would drop without a word (its value then unused)."""
+    if not isinstance(trainer, ToolTrainer):
+        return []
+    found = []
+    # The python it runs in: trainer.python, or a script's first word where that is a python (a script
+    # started by another program is that program's business).
+    first = trainer.command[0] if trainer.command else ""
+    python = shutil.which(first) if Path(first).name.startswith("python") else None
+    python = trainer.python if trainer.tool.entry else python
+    if python is not None and SHIM_PACKAGE in _missing(trainer, python):
+        what = (
+            f"qlora-supervise is not importable by {python}, so the shim cannot attach in the "
+            "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0"
+        )
+        pip = f"{python} -m pip install --no-deps qlora-supervise"
+        fix = f"install it there without its dependencies: `{pip}`"
+        found.append(Advice("trainer.python", what, fix))
+    where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
+    for old, new in trainer.tool.table.renamed.items():
+        if old in trainer.config:
+            what = (
+                f"{trainer.kind} no longer reads {old} and drops it silently, so it runs with "
+                f"{new}'s value (or its default) instead"
+            )
+            both = f" (both are set: delete {old})" if new in trainer.config else ""
+            found.append(Advice(f"{where}: {old}", what, f"rename it to {new}{both}"))
+    return found
+
+
+def _missing(trainer: ToolTrainer, python: str) -> frozenset[str]:
+    """Which of the tool's package and ours ``python`` cannot find, asked once from the folder the
+    tool runs in and with the PYTHONPATH it inherits (both decide what it finds: the cache's key)."""
+    packages = tuple(p for p in (trainer.tool.package, SHIM_PACKAGE) if p)
+    workdir = str(trainer.workdir) if trainer.workdir is not None else None
+    return _missing_cached(python, packages, workdir, os.environ.get("PYTHONPATH", ""))
+
+
+@functools.cache
+def _missing_cached(
+    python: str, packages: tuple[str, ...], workdir: str | None, _pythonpath: str
+) -> frozenset[str]:
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE, *packages],
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()  # not asked: the attempt itself will say what is wrong
+    return frozenset(done.stdout.split()) & set(packages) if done.returncode == 0 else frozenset()

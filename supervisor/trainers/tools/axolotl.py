@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from qlora_supervise.supervisor.trainers import tool
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.tool import (
-    MULTI_GPU,
-    TRAINER_ARGUMENTS_CONTRADICTIONS,
-    Config,
-    Contradiction,
-    Row,
-    Table,
-    Tool,
-    attn_implementation,
-    is_true,
-    lora_only,
-    present,
-    restarts,
-)
+from qlora_supervise.supervisor.trainers.tool import Config, Contradiction, Row, Table, Tool
 
-
-def _gradient_checkpointing(value: Any) -> Any:
-    # axolotl's "offload" / "offload_disk" are checkpointing with the saved activations elsewhere: on.
-    return value in ("offload", "offload_disk") or value
-
+#: axolotl's gradient_checkpointing values that checkpoint with the saved activations elsewhere: on.
+_OFFLOAD = ("offload", "offload_disk")
 
 TABLE = Table(
     "axolotl",
@@ -32,7 +15,7 @@ TABLE = Table(
         Row("model", "base_model", None),
         Row("micro_batch_size", "micro_batch_size", 1),
         Row("grad_accum", "gradient_accumulation_steps", 1),
-        Row("gradient_checkpointing", "gradient_checkpointing", False, read=_gradient_checkpointing),
+        Row("gradient_checkpointing", "gradient_checkpointing", False, read=lambda v: v in _OFFLOAD or v),
         Row("optimizer", "optimizer", "adamw_torch_fused"),
         Row("max_seq_len", "sequence_len", 512),
         Row("lora_r", "lora_r", None),
@@ -59,18 +42,18 @@ TABLE = Table(
         "lora_alpha": "add lora_alpha (axolotl has no default)",
     },
     contradictions=(
-        *restarts("micro_batch_size", "gradient_accumulation_steps"),
+        *tool.restarts("micro_batch_size", "gradient_accumulation_steps"),
         Contradiction(
             "auto_resume_from_checkpoints",
-            is_true,
+            tool.is_true,
             "axolotl would pick its own checkpoint in output_dir, not the one the supervisor checked",
             "delete auto_resume_from_checkpoints: the supervisor resumes from its newest complete checkpoint",
         ),
-        lora_only("adapter", ("qlora", "lora")),
+        tool.lora_only("adapter", ("qlora", "lora")),
         # axolotl 0.19 trains batch_size alone at accumulation 1 (older ones derived it): one meaning only.
         Contradiction(
             "batch_size",
-            present,
+            tool.present,
             "which accumulation it means depends on the axolotl version (0.19 trains at "
             "gradient_accumulation_steps 1 and counts steps by batch_size; older ones derived it)",
             "delete batch_size and write gradient_accumulation_steps: batch_size / micro_batch_size",
@@ -84,8 +67,8 @@ TABLE = Table(
             "set load_in_4bit: true (or adapter: lora for a LoRA on unquantized weights)",
             given=lambda config: config.get("load_in_4bit") is not True and not config.get("merge_lora"),
         ),
-        *TRAINER_ARGUMENTS_CONTRADICTIONS,
-        Contradiction("fsdp_config", present, MULTI_GPU, "delete fsdp_config"),
+        *tool.TRAINER_ARGUMENTS_CONTRADICTIONS,
+        Contradiction("fsdp_config", tool.present, tool.MULTI_GPU, "delete fsdp_config"),
     ),
     targets_key="lora_target_modules",
     data_key="datasets",
@@ -97,12 +80,10 @@ TABLE = Table(
 
 def _attention(config: Config) -> str | None:
     """``attn_implementation``, else its older ``eager_attention: true``."""
-    if (
-        not isinstance(lookup(config, "attn_implementation"), str)
-        and lookup(config, "eager_attention") is True
-    ):
+    implementation = lookup(config, "attn_implementation")
+    if not isinstance(implementation, str) and lookup(config, "eager_attention") is True:
         return "eager"
-    return attn_implementation(config)
+    return tool.attn_implementation(config)
 
 
 TOOL = Tool(

@@ -5,19 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qlora_supervise.supervisor.trainers.tool import (
-    ACTIVATION_CHECKPOINTING,
-    EVAL_STRATEGY,
-    MULTI_GPU,
-    STRATEGY_KEYS,
-    Contradiction,
-    Row,
-    Table,
-    Tool,
-    present,
-    restarts,
-    unquoted_no,
-)
+from qlora_supervise.supervisor.trainers import tool
+from qlora_supervise.supervisor.trainers.tool import Contradiction, Row, Table, Tool
 
 #: HfArgumentParser's ``string_to_bool``: the words a bool flag takes (flags.parse leaves yes/no as words).
 _ARGPARSE_BOOLS = {"yes": True, "y": True, "t": True, "no": False, "n": False, "f": False}
@@ -43,11 +32,11 @@ TABLE = Table(
             "gradient_checkpointing",
             False,
             read=_argparse_bool,
-            preferred=ACTIVATION_CHECKPOINTING,
+            preferred=tool.ACTIVATION_CHECKPOINTING,
         ),
         Row("optimizer", "optim", "adamw_torch_fused"),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        EVAL_STRATEGY,
+        tool.EVAL_STRATEGY,
         Row("max_seq_len", "max_seq_length", 512, present_only=True),
         Row("lora_r", "lora_r", 8, present_only=True),
         Row("lora_alpha", "lora_alpha", 16, present_only=True),
@@ -55,10 +44,10 @@ TABLE = Table(
     ),
     required={"output_dir": "add --output_dir (TrainingArguments requires it; the supervisor replaces it)"},
     contradictions=(
-        *restarts("--per_device_train_batch_size", "--gradient_accumulation_steps"),
-        *(unquoted_no(key) for key in STRATEGY_KEYS),
-        Contradiction("deepspeed", present, MULTI_GPU, "delete --deepspeed"),
-        Contradiction("fsdp", present, MULTI_GPU, "delete --fsdp"),
+        *tool.restarts("--per_device_train_batch_size", "--gradient_accumulation_steps"),
+        *(tool.unquoted_no(key) for key in tool.STRATEGY_KEYS),
+        Contradiction("deepspeed", tool.present, tool.MULTI_GPU, "delete --deepspeed"),
+        Contradiction("fsdp", tool.present, tool.MULTI_GPU, "delete --fsdp"),
     ),
     data_key="dataset_name",
 )

@@ -7,17 +7,9 @@ from typing import Any
 
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.jobfile.problems import Problem, show
+from qlora_supervise.supervisor.trainers import tool
 from qlora_supervise.supervisor.trainers.mapping import lookup
-from qlora_supervise.supervisor.trainers.tool import (
-    EVAL_STRATEGY,
-    TRAINER_ARGUMENTS_CONTRADICTIONS,
-    Config,
-    Row,
-    Table,
-    Tool,
-    lora_only,
-    restarts,
-)
+from qlora_supervise.supervisor.trainers.tool import Config, Row, Table, Tool
 
 
 def _4bit(value: Any) -> Any:
@@ -50,16 +42,16 @@ TABLE = Table(
         Row("quant_type", "quantization_type", "nf4"),
         Row("double_quant", "double_quantization", True),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        EVAL_STRATEGY,
+        tool.EVAL_STRATEGY,
     ),
     required={
         "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
         "do_train": "add do_train: true",
     },
     contradictions=(
-        *restarts("per_device_train_batch_size", "gradient_accumulation_steps"),
-        lora_only("finetuning_type", ("lora",)),
-        *TRAINER_ARGUMENTS_CONTRADICTIONS,
+        *tool.restarts("per_device_train_batch_size", "gradient_accumulation_steps"),
+        tool.lora_only("finetuning_type", ("lora",)),
+        *tool.TRAINER_ARGUMENTS_CONTRADICTIONS,
     ),
     targets_key="lora_target",
     data_key="dataset",
@@ -121,11 +113,8 @@ def _data_problems(config: Config, where: str, workdir: Path) -> list[Problem]:
 
 def _names(value: Any) -> list[str]:
     """The dataset value: a comma-separated string (or a YAML list) of names."""
-    if isinstance(value, str):
-        return [name.strip() for name in value.split(",") if name.strip()]
-    if isinstance(value, list):
-        return [str(name).strip() for name in value if str(name).strip()]
-    return []
+    names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
+    return [str(name).strip() for name in names if str(name).strip()]
 
 
 TOOL = Tool(

@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-from qlora_supervise.supervisor.trainers.tool import (
-    ACTIVATION_CHECKPOINTING,
-    EVAL_STRATEGY,
-    MULTI_GPU,
-    TRAINER_ARGUMENTS_CONTRADICTIONS,
-    Config,
-    Contradiction,
-    Row,
-    Table,
-    Tool,
-    is_true,
-    present,
-    restarts,
-)
+from qlora_supervise.supervisor.trainers import tool
+from qlora_supervise.supervisor.trainers.tool import Config, Contradiction, Row, Table, Tool
 
 TABLE = Table(
     "trl-sft",
@@ -23,7 +11,9 @@ TABLE = Table(
         Row("model", "model_name_or_path", None),
         Row("micro_batch_size", "per_device_train_batch_size", 8),
         Row("grad_accum", "gradient_accumulation_steps", 1),
-        Row("gradient_checkpointing", "gradient_checkpointing", True, preferred=ACTIVATION_CHECKPOINTING),
+        Row(
+            "gradient_checkpointing", "gradient_checkpointing", True, preferred=tool.ACTIVATION_CHECKPOINTING
+        ),
         Row("optimizer", "optim", "adamw_torch_fused"),
         Row("max_seq_len", "max_length", 1024),
         Row("lora_r", "lora_r", 16),
@@ -32,7 +22,7 @@ TABLE = Table(
         Row("quant_type", "bnb_4bit_quant_type", "nf4"),
         Row("double_quant", "use_bnb_nested_quant", False),
         Row("eval_batch_size", "per_device_eval_batch_size", 8),
-        EVAL_STRATEGY,
+        tool.EVAL_STRATEGY,
     ),
     required={
         "model_name_or_path": "add model_name_or_path: a local model directory (the child runs offline)",
@@ -42,20 +32,20 @@ TABLE = Table(
     renamed={"max_seq_length": "max_length", "torch_dtype": "dtype", "evaluation_strategy": "eval_strategy"},
     reads_quoted_numbers=True,
     contradictions=(
-        *restarts("per_device_train_batch_size", "gradient_accumulation_steps"),
+        *tool.restarts("per_device_train_batch_size", "gradient_accumulation_steps"),
         Contradiction("use_peft", lambda v: v is not True, "not a LoRA fine-tune", "set use_peft: true"),
-        *TRAINER_ARGUMENTS_CONTRADICTIONS,
+        *tool.TRAINER_ARGUMENTS_CONTRADICTIONS,
         # Keys `trl sft` hands to `accelerate launch`: the supervisor's one process would drop them.
         Contradiction(
             "accelerate_config",
-            present,
+            tool.present,
             "an argument of trl's `accelerate launch`: the supervisor starts one process without it",
             "delete accelerate_config (one process on the job's GPU; DeepSpeed, FSDP: not supervised yet)",
         ),
-        Contradiction("num_processes", lambda v: v not in (None, 1), MULTI_GPU, "delete num_processes"),
-        Contradiction("num_machines", lambda v: v not in (None, 1), MULTI_GPU, "delete num_machines"),
+        Contradiction("num_processes", lambda v: v not in (None, 1), tool.MULTI_GPU, "delete num_processes"),
+        Contradiction("num_machines", lambda v: v not in (None, 1), tool.MULTI_GPU, "delete num_machines"),
         *(
-            Contradiction(key, is_true, MULTI_GPU, f"delete {key}")
+            Contradiction(key, tool.is_true, tool.MULTI_GPU, f"delete {key}")
             for key in ("multi_gpu", "use_deepspeed", "use_fsdp")
         ),
     ),
@@ -84,6 +74,5 @@ TOOL = Tool(
     one_name_list_is_name=True,  # ModelConfig.__post_init__ turns [q_proj] into "q_proj"
     peft_default_targets=True,  # trl hands peft None: peft's default for the model type
     unmodelled=_unmodelled,
-    # trl 1.16 never calls prepare_model_for_kbit_training: see model_facts.keeps_head_dtype.
-    head_dtype_key="dtype",
+    head_dtype_key="dtype",  # trl 1.16 skips prepare_model_for_kbit_training: model_facts.keeps_head_dtype
 )
