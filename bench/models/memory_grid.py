@@ -113,7 +113,7 @@ FAMILY_SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 SHAPES.update(FAMILY_SHAPES)
 #: CPU stand-ins with the same structure (MHA / GQA untied / GQA tied); intermediate sizes are
-#: multiples of 32 (bitsandbytes' CPU 4-bit path, see trainer_child/tiny.py).
+#: multiples of 32 (bitsandbytes' CPU 4-bit path, see trainer_child/recipe/tiny.py).
 TINY_SHAPES: dict[str, dict[str, Any]] = {
     "7b-32k": dict(SHAPES["7b-32k"], hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=4, vocab_size=512),

@@ -23,7 +23,7 @@ NF4_SINGLE_QUANT = 0.5 + 4 / 64
 FP32 = 4  # fp32: what prepare_model_for_kbit_training leaves every non-quantized parameter in.
 #: The checkpoint's 16-bit dtype, the one each parameter is cast from at load (and FSDP's storage).
 LOAD_DTYPE = 2
-#: The optimizers the job file accepts (supervisor/jobfile/fields.py ``Optimizer``).
+#: The optimizers the job file accepts (supervisor/jobfile/schema.py ``Optimizer``).
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 HEAD_TOKEN_TILE = 4096  # trl's fused LM head tiles (trl/kernels/chunked_logprob.py).
 HEAD_VOCAB_TILE = 32768
