@@ -2,8 +2,7 @@
 
 KB..TB are powers of 1000, KiB..TiB of 1024 (``24GB`` is 22.35 GiB: a cap written in GB comes out
 tighter, never looser). Units are case-insensitive; single letters (``24G``) are refused as
-ambiguous, a capital prefix with a small ``b`` (``12Gb``) as bits.
-"""
+ambiguous, a capital prefix with a small ``b`` (``12Gb``) as bits."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Checkpoint directories that are complete or invisible, named and read alike by the child and the
 supervisor: written under ``.tmp-checkpoint-<step>-<pid>/``, fsynced, marked last, then renamed.
 Under torchrun (DDP) each rank that can writes its *part* of an emergency checkpoint with no
-collective; the supervisor seals it only when all parts name one step (:func:`agreed_parts`).
-"""
+collective; the supervisor seals it only when all parts name one step (:func:`agreed_parts`)."""
 
 from __future__ import annotations
 

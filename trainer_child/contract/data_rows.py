@@ -1,8 +1,7 @@
 """Every record of a data file checked, streamed: the first bad one is named by file, line, field
 (``data.jsonl line 4812, field 'text': null, expected text``), the same from ``validate`` and from
 the child when ``datasets`` fails. A record holds a string text field, or a messages field of
-``{role, content}`` strings; blank JSON Lines are skipped, and the count is of records.
-"""
+``{role, content}`` strings; blank JSON Lines are skipped, and the count is of records."""
 
 from __future__ import annotations
 

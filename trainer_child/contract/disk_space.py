@@ -1,6 +1,5 @@
 """Room on the disk for a checkpoint, checked by the child before each save and by the supervisor
-when it waits for space: about as much as the last one took (before the first, the save finds out).
-"""
+when it waits for space: about as much as the last one took (before the first, the save finds out)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The numbers of allocator out-of-memory messages (PyTorch 1.5-2.0's ``old``, 2.1+'s ``new``,
 ``cudaMallocAsync``'s ``async``, ``DefaultCPUAllocator``'s ``cpu``), for the child's error report
-and the supervisor's reading of logs of commands that are not ours; only what a message prints.
-"""
+and the supervisor's reading of logs of commands that are not ours; only what a message prints."""
 
 from __future__ import annotations
 

@@ -29,8 +29,7 @@ STACK_BYTES = "--bytes"
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists and has not exited (it may belong to another user).
 
-    A zombie has exited: an orphan's new parent (PID 1 in a container) may reap it late or never.
-    """
+    A zombie has exited: an orphan's new parent (PID 1 in a container) may reap it late or never."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,8 +1,7 @@
 """LoRA target modules by architecture, one table for ``validate`` and the child: what
 ``attention``, ``mlp`` and ``all-linear`` name in each family, and the layer names a checkpoint
 gives the loaded model. Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; MoE experts load as fused 3D
-parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention.
-"""
+parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ would round the adapter away), the merge, and a sharded save through a temp dir 
 The memory plan is pure arithmetic on byte counts: on the GPU the base, the adapter, the largest
 layer's ``B @ A`` and a CUDA reserve, plus host RAM for the imports and one input and output shard;
 on the CPU all of it in host RAM. Users' first merge complaint is host RAM, so ``auto`` takes the
-GPU only when both its numbers fit.
-"""
+GPU only when both its numbers fit."""
 
 from __future__ import annotations
 

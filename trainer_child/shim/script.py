@@ -1,8 +1,7 @@
 """The attempt's knobs, applied where a script with its settings in its code builds them, once each
 module loads (``TrainingArguments``, ``BitsAndBytesConfig``, ``from_pretrained``, ``LoraConfig``,
 ``prepare_model_for_kbit_training``); every value seen is reported. A value the script sets after
-building its Trainer is reported as not applied, and its effective-batch partner put back.
-"""
+building its Trainer is reported as not applied, and its effective-batch partner put back."""
 
 from __future__ import annotations
 
@@ -59,18 +58,6 @@ def _read(knob: str, value: Any) -> Value:
     return _plain(value) != "no" if knob == "eval_enabled" else _plain(value)
 
 
-def _write(knob: str, value: Any) -> Any:
-    return ("steps" if value else "no") if knob == "eval_enabled" else value
-
-
-def _eval_held(args: Any) -> str | None:
-    """Why the script's evaluation must stay on (its scheduler steps on the eval loss); None: it may go."""
-    scheduler = _plain(getattr(args, "lr_scheduler_type", None))
-    if scheduler not in EVAL_SCHEDULERS:
-        return None
-    return f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
-
-
 def _model_name(name: str | os.PathLike[str]) -> str:
     """A local folder as an absolute path (the supervisor reads it from elsewhere), else the name."""
     path = os.fspath(name)
@@ -96,7 +83,10 @@ class Ledger:
     def on_arguments(self, args: Any) -> None:
         where = type(args).__name__
         fields = {f.name for f in dataclasses.fields(args)}
-        held = _eval_held(args)
+        scheduler = _plain(getattr(args, "lr_scheduler_type", None))
+        held: str | None = f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
+        if scheduler not in EVAL_SCHEDULERS:  # only one that steps on the eval loss keeps evaluation on
+            held = None
         for knob, key in ARGUMENTS.items():
             if key not in fields:
                 if knob in self.changes:
@@ -110,7 +100,7 @@ class Ledger:
                 continue
             got = self._take(knob, key, asked, where)
             if got != asked:
-                setattr(args, key, _write(knob, got))
+                setattr(args, key, ("steps" if got else "no") if knob == "eval_enabled" else got)
         if self.changes.get("eval_enabled") is False and held is None and getattr(args, BEST, False):
             # Its __post_init__ refuses the best model at the end without eval (strategies must match).
             self.settings.append(KnobSetting(BEST, BEST, True, False, where))
@@ -183,28 +173,20 @@ class Ledger:
 
     def report(self, events: Any, trainer: Any | None) -> None:
         """The ``script_knobs`` event; with a Trainer, ``loaded`` too: its rows and their lengths."""
-        events.write(ScriptKnobs(tuple(self.settings), _model_config(trainer), trainer is not None).to_line())
-        lengths = _lengths(trainer) if trainer is not None else None
-        if lengths is not None:
-            events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
-
-
-def _model_config(trainer: Any | None) -> dict[str, Any] | None:
-    config = getattr(getattr(trainer, "model", None), "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return None
-    return {k: v for k, v in config.to_dict().items() if isinstance(v, (bool, int, float, str))}
-
-
-def _lengths(trainer: Any) -> SampleLengths | None:
-    """The tokenized rows' lengths, as our child reports them."""
-    rows: Any = getattr(trainer, "train_dataset", None)
-    try:
-        total = len(rows)
-        every = max(1, total // MAX_REPORTED_LENGTHS)
-        return SampleLengths(total, tuple(len(rows[i]["input_ids"]) for i in range(0, total, every)))
-    except Exception:  # not a tokenized, indexable dataset: the supervisor goes without lengths
-        return None
+        config: Any = getattr(getattr(trainer, "model", None), "config", None)
+        config = config.to_dict() if hasattr(config, "to_dict") else None
+        plain = config and {k: v for k, v in config.items() if isinstance(v, (bool, int, float, str))}
+        events.write(ScriptKnobs(tuple(self.settings), plain, trainer is not None).to_line())
+        if trainer is None:
+            return
+        rows: Any = getattr(trainer, "train_dataset", None)
+        try:  # the tokenized rows' lengths, as our child reports them
+            total = len(rows)
+            every = max(1, total // MAX_REPORTED_LENGTHS)
+            lengths = SampleLengths(total, tuple(len(rows[i]["input_ids"]) for i in range(0, total, every)))
+        except Exception:  # not a tokenized, indexable dataset: the supervisor goes without lengths
+            return
+        events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
 
 
 def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType], None]:
