@@ -78,18 +78,14 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[
 
 def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
     """The (step, path) of the newest complete checkpoint, or None when there is none."""
-    found = complete_checkpoints(checkpoints_dir)
-    return found[-1] if found else None
+    return next(reversed(complete_checkpoints(checkpoints_dir)), None)
 
 
 def file_digests(root: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the marker."""
-    digests: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        name = path.relative_to(root).as_posix()
-        if name != CHECKPOINT_COMPLETE_MARKER:
-            digests[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    return digests
+    files = {path.relative_to(root).as_posix(): path for path in sorted(root.rglob("*")) if path.is_file()}
+    files.pop(CHECKPOINT_COMPLETE_MARKER, None)
+    return {name: {"size": path.stat().st_size, "sha256": _sha256(path)} for name, path in files.items()}
 
 
 def _sha256(path: Path) -> str:
@@ -327,6 +323,4 @@ def part_step(part: Path) -> int | None:
 def agreed_parts(parts: list[Path], world_size: int) -> int | None:
     """The step every rank's part names, when there is one finished part per rank; else None."""
     steps = {part_step(part) for part in parts}
-    if len(parts) != world_size or len(steps) != 1 or None in steps:
-        return None
-    return steps.pop()
+    return steps.pop() if len(parts) == world_size and len(steps) == 1 else None

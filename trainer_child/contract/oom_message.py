@@ -90,8 +90,7 @@ def parse_messages(text: str) -> list[OomMessage]:
 
 def parse_numbers(text: str) -> dict[str, Any]:
     """The numbers of the first allocator message in ``text`` (empty when there is none)."""
-    messages = parse_messages(text)
-    return dict(messages[0].numbers) if messages else {}
+    return next((dict(message.numbers) for message in parse_messages(text)), {})
 
 
 def _message(start: re.Match[str], body: str) -> OomMessage:
@@ -108,7 +107,9 @@ def _message(start: re.Match[str], body: str) -> OomMessage:
     processes = {int(pid): size_bytes(n, u) for pid, n, u in _PROCESS.findall(body)}
     if processes:
         numbers["processes"] = processes
-    return OomMessage(device, _gpu_index(body), _format(body, numbers), numbers, start.start())
+    found = _OLD_GPU.search(body) or _NEW_GPU.search(body)
+    gpu = int(found.group(1)) if found and found.group(1) else None
+    return OomMessage(device, gpu, _format(body, numbers), numbers, start.start())
 
 
 def _sizes(body: str, fields: tuple[tuple[str, re.Pattern[str]], ...]) -> dict[str, Any]:
@@ -120,11 +121,6 @@ def _sizes(body: str, fields: tuple[tuple[str, re.Pattern[str]], ...]) -> dict[s
     return numbers
 
 
-def _gpu_index(body: str) -> int | None:
-    found = _OLD_GPU.search(body) or _NEW_GPU.search(body)
-    return int(found.group(1)) if found and found.group(1) else None
-
-
 def _format(body: str, numbers: Mapping[str, Any]) -> str:
     if "cached)" in body:
         return "cached"
@@ -132,9 +128,7 @@ def _format(body: str, numbers: Mapping[str, Any]) -> str:
         return "old" if "free" in numbers else "old_no_free"
     if "has a total capac" in body or "Of the allocated memory" in body:
         return "new"
-    if _OLD_GPU.search(body):
-        return "old"
-    return "short"
+    return "old" if _OLD_GPU.search(body) else "short"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,9 @@
-"""One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency
-save, error report and speed trial, from the same code. At ``Trainer.train`` the instance's class
-becomes a subclass of its own with our mixin in front, our callback is added, and
-``resume_from_checkpoint`` is the supervisor's choice; a failure before it goes to ``sys.excepthook``.
-A speed trial that cannot time the tool's batches (no tokenized row, axolotl's sample packing,
-offloading in the tool's own training step, a loss or collator that refuses the trial's batch)
-keeps the plan and says why, rather than failing."""
+"""One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency save, error
+report and speed trial, from the same code. At ``Trainer.train`` the instance's class becomes a subclass of
+its own with our mixin in front, our callback is added, and ``resume_from_checkpoint`` is the supervisor's
+choice; a failure before it goes to ``sys.excepthook``. A speed trial that cannot time the tool's batches (no
+tokenized row, axolotl's sample packing, offloading in the tool's own training step, a loss or collator that
+refuses the trial's batch) keeps the plan and says why, rather than failing."""
 
 from __future__ import annotations
 
@@ -52,16 +51,12 @@ class Session:
         attempt.install_stop_handler(self.ctx.progress)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
-        self._setup()
-        self.ctx.progress.enter(Stage.LOAD)  # the tool loads its model and data next
-
-    def _setup(self) -> None:
-        """Our child's setup, naming the versions installed: the tool's venv may lack some of our stack."""
-        ctx, spec = self.ctx, self.ctx.spec
+        ctx = self.ctx
         attempt.setup(ctx, installed_versions)
         ctx.events.emit("shim_attached", trainer_module="transformers.trainer", command=list(spec.command))
         ctx.heartbeat = HeartbeatThread(ctx.progress, spec.heartbeat_interval)
         ctx.heartbeat.start()
+        ctx.progress.enter(Stage.LOAD)  # the tool loads its model and data next
 
     def patch(self, trainer_class: Any) -> None:
         """Wrap ``trainer_class.train`` (transformers' ``Trainer``) so every subclass goes through us."""
@@ -202,22 +197,15 @@ def cannot_time(trainer: Any) -> str | None:
 
 
 def tool_row(trainer: Any) -> dict[str, Any]:
-    """The longest training row, with the columns the Trainer's own dataloader would keep."""
+    """The longest training row, with the columns the Trainer's own dataloader would keep (those
+    ``remove_unused_columns`` keeps, as the Trainer finds them)."""
     row = speed_trial.longest_row(trainer.train_dataset)
-    kept = kept_columns(trainer)
-    return row if kept is None else {k: v for k, v in row.items() if k in kept}
-
-
-def kept_columns(trainer: Any) -> set[str] | None:
-    """The columns ``remove_unused_columns`` keeps, as the Trainer finds them; None: every one."""
-    if not getattr(trainer.args, "remove_unused_columns", False):
-        return None
     find = getattr(trainer, "_set_signature_columns_if_needed", None)
-    if find is None:
-        return None
+    if not getattr(trainer.args, "remove_unused_columns", False) or find is None:
+        return row
     find()
-    signature = getattr(trainer, "_signature_columns", None)
-    return set(signature) if signature else None
+    kept = getattr(trainer, "_signature_columns", None)
+    return {k: v for k, v in row.items() if k in kept} if kept else row
 
 
 def _said(exc: BaseException) -> str:
