@@ -55,10 +55,7 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
 def ensure_room(checkpoints_dir: str | os.PathLike[str]) -> None:
     """Raise :class:`NoRoomForCheckpoint` when the disk cannot hold another checkpoint like the last."""
     needed = last_checkpoint_bytes(checkpoints_dir)
-    if needed is None:
-        return
-    free = free_bytes(checkpoints_dir)
-    if free < needed:
+    if needed is not None and (free := free_bytes(checkpoints_dir)) < needed:
         raise NoRoomForCheckpoint(
             errno.ENOSPC,
             f"no room for a checkpoint in {checkpoints_dir}: it needs {needed} bytes "

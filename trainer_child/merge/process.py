@@ -88,11 +88,10 @@ def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
 
     from qlora_supervise.trainer_child.recipe.qlora import compute_dtype
 
-    if name != "auto":
-        return compute_dtype(name, on_gpu)
-    if trained is not None and hasattr(torch, trained.removeprefix("torch.")):
-        return getattr(torch, trained.removeprefix("torch."))
-    return torch.bfloat16 if not on_gpu else compute_dtype(name, on_gpu)
+    recorded = (trained or "").removeprefix("torch.")
+    if name == "auto" and recorded and hasattr(torch, recorded):
+        return getattr(torch, recorded)
+    return torch.bfloat16 if name == "auto" and not on_gpu else compute_dtype(name, on_gpu)
 
 
 def trained_dtype(run_dir: Path) -> str | None:

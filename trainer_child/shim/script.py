@@ -13,15 +13,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from qlora_supervise.trainer_child.contract import script_knobs
 from qlora_supervise.trainer_child.contract.attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
 from qlora_supervise.trainer_child.contract.events import Loaded, ScriptKnobs
-from qlora_supervise.trainer_child.contract.script_knobs import (
-    EVAL_SCHEDULERS,
-    TOGETHER,
-    KnobSetting,
-    ScriptChanges,
-    Value,
-)
+from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting, ScriptChanges, Value
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: knob -> the TrainingArguments field (``max_seq_len``: trl's SFTConfig, where the class has it).
@@ -85,7 +80,9 @@ class Ledger:
         fields = {f.name for f in dataclasses.fields(args)}
         scheduler = _plain(getattr(args, "lr_scheduler_type", None))
         held: str | None = f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
-        if scheduler not in EVAL_SCHEDULERS:  # only one that steps on the eval loss keeps evaluation on
+        if (
+            scheduler not in script_knobs.EVAL_SCHEDULERS
+        ):  # only one that steps on the eval loss keeps evaluation on
             held = None
         for knob, key in ARGUMENTS.items():
             if key not in fields:
@@ -132,10 +129,9 @@ class Ledger:
 
     def on_prepare(self, kwargs: dict[str, Any]) -> bool:
         """Checkpointing as the attempt has it; True when the attempt keeps the head in bf16."""
-        asked = bool(kwargs.get("use_gradient_checkpointing", True))  # peft's default: on
-        kwargs["use_gradient_checkpointing"] = self._take(
-            "gradient_checkpointing", "use_gradient_checkpointing", asked, PREPARE
-        )
+        key = "use_gradient_checkpointing"
+        asked = bool(kwargs.get(key, True))  # peft's default: on
+        kwargs[key] = self._take("gradient_checkpointing", key, asked, PREPARE)
         return bool(self._take("bf16_head", "bf16_head", False, PREPARE))
 
     def check(self, trainer: Any) -> None:
@@ -154,22 +150,19 @@ class Ledger:
                 overridden.add(s.knob)
             else:  # the script's own second thought: what it asks for is what it set last
                 self.settings[i] = dataclasses.replace(s, asked=now, got=now)
-        if overridden & TOGETHER:
-            self._put_back(trainer, TOGETHER - overridden, ", ".join(sorted(overridden)))
+        if overridden & script_knobs.TOGETHER:  # the partners go back as the script asked
+            partners, named = script_knobs.TOGETHER - overridden, ", ".join(sorted(overridden))
+            for i, s in enumerate(self.settings):
+                if s.where == where and s.knob in partners and s.why_not is None and s.got != s.asked:
+                    setattr(args, s.key, s.asked)
+                    why = f"put back as the script asked, with {named}: the effective batch kept"
+                    self.settings[i] = dataclasses.replace(s, got=s.asked, why_not=why)
+            trainer._train_batch_size = args.train_batch_size  # Trainer copied it at construction
         seen = {s.knob for s in self.settings}
         for knob in self.changes.keys() - seen:  # by train() the script has built all it will
             place = PLACES.get(knob, "place the shim reaches")
             why = f"the script builds no {place}, so nothing of it takes this knob"
             self.settings.append(KnobSetting(knob, knob, None, self.asked.get(knob), "-", why))
-
-    def _put_back(self, trainer: Any, knobs: frozenset[str], overridden: str) -> None:
-        args, where = trainer.args, type(trainer.args).__name__
-        for i, s in enumerate(self.settings):
-            if s.where == where and s.knob in knobs and s.why_not is None and s.got != s.asked:
-                setattr(args, s.key, s.asked)
-                why = f"put back as the script asked, with {overridden}: the effective batch kept"
-                self.settings[i] = dataclasses.replace(s, got=s.asked, why_not=why)
-        trainer._train_batch_size = args.train_batch_size  # Trainer copied it at construction
 
     def report(self, events: Any, trainer: Any | None) -> None:
         """The ``script_knobs`` event; with a Trainer, ``loaded`` too: its rows and their lengths."""
