@@ -52,9 +52,8 @@ def prepare_env_for(device_name: str, expandable_segments: bool, place: RankPlac
 
 def parse_args(argv: list[str] | None, prog: str) -> Path:
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON: AttemptSpec)")
-    spec: Path = parser.parse_args(argv).spec
-    return spec
+    parser.add_argument("--spec", required=True, help="attempt spec (JSON: AttemptSpec)")
+    return Path(parser.parse_args(argv).spec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,12 +68,8 @@ def facts_from_allocator(
     """``memory_stats()`` and ``memory_snapshot()``'s segments, in the pool the request could use."""
     large_only = requested is not None and requested > SMALL_POOL_MAX
     pool = [seg for seg in segments if not large_only or seg.get("segment_type", "large") == "large"]
-    free_blocks = [
-        int(block.get("size", 0))
-        for seg in pool
-        for block in seg.get("blocks", ())
-        if block.get("state") == "inactive"
-    ]
+    blocks = [block for seg in pool for block in seg.get("blocks", ())]
+    free_blocks = [int(block.get("size", 0)) for block in blocks if block.get("state") == "inactive"]
     largest = max(free_blocks, default=0)
     expandable = [bool(seg["is_expandable"]) for seg in segments if "is_expandable" in seg]
     return AllocatorFacts(

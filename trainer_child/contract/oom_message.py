@@ -133,8 +133,7 @@ def _format(body: str, numbers: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class OomNumbers:
-    """The numbers of one OOM message in printed order, in bytes (None: not printed); ``processes``:
-    pid -> bytes."""
+    """The numbers of one OOM message, in bytes (None: not printed); ``processes``: pid -> bytes."""
 
     tried_to_allocate: int | None = None
     total_capacity: int | None = None
