@@ -74,16 +74,12 @@ class MemoryNumbers:
 
 
 _MEMORY = TypeAdapter(MemoryNumbers)
+_adapter = functools.cache(TypeAdapter)
 
 
 def event_line(event: str, **fields: Any) -> str:
     """One line of the child's events file."""
     return json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
-
-
-@functools.cache
-def _adapter(record: type[Any]) -> TypeAdapter[Any]:
-    return TypeAdapter(record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +273,7 @@ class SpeedTrialEvent(PlainEvent):
     event: ClassVar[str] = "speed_trial"
     results: tuple[TrialResult, ...]
     seconds: float  # the trial's whole cost, before step 1
-    # Why a foreign tool's trial kept the plan (shim/session.py); None: it ran.
-    abandoned: str | None = None
+    abandoned: str | None = None  # why a foreign tool's trial kept the plan (shim/session.py); None: it ran
 
     def to_json(self) -> dict[str, object]:
         return {"event": self.event, **self.fields()}

@@ -148,7 +148,8 @@ def merge(ctx: Context) -> ExitCode:
     ctx.progress.enter(Stage.MERGE)
     trained = trained_dtype(Path(spec.run_dir))
     dtype = merge_dtype(spec.train.compute_dtype, ctx.on_cuda, trained)
-    sizes = measure_sizes(spec.knobs.model, adapter, dtype, spec.train.trust_remote_code)
+    model, remote = spec.knobs.model, spec.train.trust_remote_code
+    sizes = measure_sizes(model, adapter, dtype, remote)
     gpu_free = torch.cuda.mem_get_info()[0] if ctx.on_cuda else None
     if gpu_free is not None and spec.gpu_memory_limit is not None:
         gpu_free = min(gpu_free, spec.gpu_memory_limit)
@@ -156,12 +157,9 @@ def merge(ctx: Context) -> ExitCode:
     plan = plan_merge(sizes, requested, gpu_free, _host_available())
     on_gpu = plan.device == "cuda"
     ctx.events.emit("merge_plan", **dataclasses.asdict(plan), dtype=str(dtype))
+    where = {"": 0 if on_gpu else "cpu"}
     base = AutoModelForCausalLM.from_pretrained(
-        spec.knobs.model,
-        dtype=dtype,
-        device_map={"": 0 if on_gpu else "cpu"},
-        trust_remote_code=spec.train.trust_remote_code,
-        low_cpu_mem_usage=True,
+        model, dtype=dtype, device_map=where, trust_remote_code=remote, low_cpu_mem_usage=True
     )
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     # Every floating-point weight in the training dtype (no fp32 delta in a bf16 base).

@@ -40,11 +40,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return spec
         loader: Any = spec.loader
         original = loader.exec_module
-        then = self.then
 
         def exec_module(module: ModuleType) -> None:
             original(module)
-            then(module)
+            self.then(module)
 
         loader.exec_module = exec_module
         return spec
