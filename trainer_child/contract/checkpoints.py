@@ -129,9 +129,7 @@ def _file_damage(path: Path, expected: object) -> str | None:
         return "missing"
     if size != expected.get("size"):
         return f"{size} bytes, the marker says {expected.get('size')}"
-    if _sha256(path) != expected.get("sha256"):
-        return "contents differ from the marker's sha256"
-    return None
+    return "contents differ from the marker's sha256" if _sha256(path) != expected.get("sha256") else None
 
 
 def quarantine(path: Path, reason: str) -> Path:
@@ -234,16 +232,14 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
     for path in sorted(checkpoints_dir.iterdir()) if checkpoints_dir.is_dir() else []:
         if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path):
             quarantine(path, "unmarked checkpoint directory (no completion marker) found at rotation")
-    found = complete_checkpoints(checkpoints_dir)
-    removed = []
-    for _, path in found[: max(len(found) - keep, 0)]:
-        if protect is not None and path.resolve() == protect.resolve():
-            continue
+    protect_path = None if protect is None else protect.resolve()
+    found = [path for _, path in complete_checkpoints(checkpoints_dir)]
+    removed = [path for path in found[: max(len(found) - keep, 0)] if path.resolve() != protect_path]
+    for path in removed:
         # Out of the checkpoint namespace first: a kill mid-delete leaves no half checkpoint.
         doomed = path.with_name(f"{TEMP_PREFIX}deleting-{path.name}-{os.getpid()}")
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path)
     return removed
 
 

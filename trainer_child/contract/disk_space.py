@@ -47,9 +47,8 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
     where = Path(path)
     while not where.exists() and where != where.parent:
         where = where.parent
-    if not os.access(where, os.W_OK):
-        return 0  # access() says EROFS for a read-only mount, whatever statvfs says is free
-    return shutil.disk_usage(where).free
+    # access() says EROFS for a read-only mount, whatever statvfs says is free
+    return shutil.disk_usage(where).free if os.access(where, os.W_OK) else 0
 
 
 def ensure_room(checkpoints_dir: str | os.PathLike[str]) -> None:

@@ -186,9 +186,7 @@ def cannot_time(trainer: Any) -> str | None:
     if offloads:
         named = ", ".join(offloads)
         return f"the tool offloads in its own training step ({named}): the trial would measure without it"
-    if getattr(trainer, "train_dataset", None) is None:
-        return "the Trainer has no train_dataset"
-    return None
+    return "the Trainer has no train_dataset" if getattr(trainer, "train_dataset", None) is None else None
 
 
 def tool_row(trainer: Any) -> dict[str, Any]:
