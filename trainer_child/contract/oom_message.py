@@ -25,36 +25,30 @@ _START = re.compile(
 )
 _MAX_BODY = 2000  # a message is a few hundred characters; the rest of a log is not its business
 
-# (key, pattern) for the allocator wordings; group 1-2 of each is a size.
-_FIELDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (key, re.compile(pattern))
-    for key, pattern in (
-        ("tried_to_allocate", rf"Tried to allocate {_SIZE}"),
-        ("total_capacity", rf"{_SIZE} total capacity"),
-        ("total_capacity", rf"a total capac(?:i)?ty of {_SIZE}"),
-        ("free", rf"{_SIZE} free\b"),
-        ("free", rf"of which {_SIZE} is free"),
-        ("already_allocated", rf"{_SIZE} already allocated"),
-        ("already_allocated", rf"Of the allocated memory {_SIZE} is allocated by PyTorch"),
-        ("reserved_total", rf"{_SIZE} reserved in total by PyTorch"),
-        ("reserved_unallocated", rf"{_SIZE} is reserved by PyTorch but unallocated"),
-        # pre-1.5: "cached" was the cached-but-unallocated amount (cached minus allocated)
-        ("reserved_unallocated", rf"{_SIZE} cached\)"),
-        ("process_in_use", rf"this process has {_SIZE} memory in use"),
-        ("allowed", rf"{_SIZE} allowed;"),
-        ("private_pools", rf"with {_SIZE} allocated in private pools"),
-    )
+# (key, pattern) for the allocator wordings, first match per key; group 1-2 of each is a size.
+_FIELDS = (
+    ("tried_to_allocate", rf"Tried to allocate {_SIZE}"),
+    ("total_capacity", rf"{_SIZE} total capacity"),
+    ("total_capacity", rf"a total capac(?:i)?ty of {_SIZE}"),
+    ("free", rf"{_SIZE} free\b"),
+    ("free", rf"of which {_SIZE} is free"),
+    ("already_allocated", rf"{_SIZE} already allocated"),
+    ("already_allocated", rf"Of the allocated memory {_SIZE} is allocated by PyTorch"),
+    ("reserved_total", rf"{_SIZE} reserved in total by PyTorch"),
+    ("reserved_unallocated", rf"{_SIZE} is reserved by PyTorch but unallocated"),
+    # pre-1.5: "cached" was the cached-but-unallocated amount (cached minus allocated)
+    ("reserved_unallocated", rf"{_SIZE} cached\)"),
+    ("process_in_use", rf"this process has {_SIZE} memory in use"),
+    ("allowed", rf"{_SIZE} allowed;"),
+    ("private_pools", rf"with {_SIZE} allocated in private pools"),
 )
 _PROCESS = re.compile(rf"Process (\d+) has {_SIZE} memory in use")
-_ASYNC_FIELDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (key, re.compile(rf"{label}\s*:\s*{_SIZE}"))
-    for key, label in (
-        ("already_allocated", r"Currently allocated"),
-        ("tried_to_allocate", r"Requested"),
-        ("total_capacity", r"Device limit"),
-        ("free", r"Free \(according to CUDA\)"),
-        ("allowed", r"PyTorch limit \(set by user-supplied memory fraction\)"),
-    )
+_ASYNC_FIELDS = (
+    ("already_allocated", rf"Currently allocated\s*:\s*{_SIZE}"),
+    ("tried_to_allocate", rf"Requested\s*:\s*{_SIZE}"),
+    ("total_capacity", rf"Device limit\s*:\s*{_SIZE}"),
+    ("free", rf"Free \(according to CUDA\)\s*:\s*{_SIZE}"),
+    ("allowed", rf"PyTorch limit \(set by user-supplied memory fraction\)\s*:\s*{_SIZE}"),
 )
 _CPU_TRIED = re.compile(r"you tried to allocate (\d+) bytes")
 _OLD_GPU = re.compile(r"\(GPU\s*(\d+)\s*;")
@@ -112,10 +106,10 @@ def _message(start: re.Match[str], body: str) -> OomMessage:
     return OomMessage(device, gpu, _format(body, numbers), numbers, start.start())
 
 
-def _sizes(body: str, fields: tuple[tuple[str, re.Pattern[str]], ...]) -> dict[str, Any]:
+def _sizes(body: str, fields: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     numbers: dict[str, Any] = {}
     for key, pattern in fields:
-        found = pattern.search(body)
+        found = re.search(pattern, body)  # re caches the compiled pattern
         if found and key not in numbers:
             numbers[key] = size_bytes(found.group(1), found.group(2))
     return numbers
