@@ -75,16 +75,13 @@ def family(model_type: str | None) -> Family | None:
 def resolve(targets: tuple[str, ...] | str, model_type: str | None) -> tuple[str, ...] | str:
     """The leaf names LoRA adapts for ``targets``: a keyword becomes the family's names (raising
     :class:`TargetsError` where it has none); anything else, as it is, is peft's."""
-    if not isinstance(targets, str) or targets not in KEYWORDS:
-        return targets
     block = family(model_type)
+    if not isinstance(targets, str) or targets not in KEYWORDS or (block is None and targets == ALL_LINEAR):
+        return targets
     if block is None:
-        if targets == ALL_LINEAR:
-            return targets
-        covered = ", ".join(sorted(FAMILIES))
         raise TargetsError(
             f"{targets!r} names layers by architecture, and model_type {model_type!r} is not in "
-            f"the table ({covered})",
+            f"the table ({', '.join(sorted(FAMILIES))})",
             "list the layer names instead",
         )
     if targets == ATTENTION:
