@@ -277,29 +277,22 @@ def check_loadable(checkpoint: Path) -> None:
         raise CheckpointLoadError(f"{state_path}: unreadable ({exc})") from exc
     if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
         raise CheckpointLoadError(f"{state_path}: no integer global_step")
-    for tensors in sorted(checkpoint.glob("*.safetensors")):
-        _check_safetensors_length(tensors)
-
-
-def _check_safetensors_length(path: Path) -> None:
-    """8 bytes of header length, the JSON header, then the data up to its largest end offset."""
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(length)) if 0 < length <= size - 8 else None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointLoadError(f"{path}: header unreadable ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointLoadError(f"{path}: {size} bytes, too short for its header")
-    ends = [
-        entry["data_offsets"][1]
-        for name, entry in header.items()
-        if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
-    ]
-    needed = 8 + length + max(ends, default=0)
-    if size < needed:
-        raise CheckpointLoadError(f"{path}: {size} bytes, its header needs {needed}: truncated")
+    # A safetensors file: 8 bytes of header length, the JSON header, the data up to its largest end offset.
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        size = path.stat().st_size
+        try:
+            with path.open("rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(length)) if 0 < length <= size - 8 else None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointLoadError(f"{path}: header unreadable ({exc})") from exc
+        if not isinstance(header, dict):
+            raise CheckpointLoadError(f"{path}: {size} bytes, too short for its header")
+        entries = [item for name, item in header.items() if name != "__metadata__" and isinstance(item, dict)]
+        ends = [entry["data_offsets"][1] for entry in entries if isinstance(entry.get("data_offsets"), list)]
+        needed = 8 + length + max(ends, default=0)
+        if size < needed:
+            raise CheckpointLoadError(f"{path}: {size} bytes, its header needs {needed}: truncated")
 
 
 def part_dir(checkpoints_dir: Path, step: int, owner: int, rank: int) -> Path:

@@ -344,5 +344,4 @@ def read_events(path: Path) -> list[ChildEvent]:
 
 def script_settings(events: list[ChildEvent]) -> tuple[KnobSetting, ...]:
     """What a script built, from the newest ``script_knobs`` event (none: not a script's attempt)."""
-    found = [e for e in events if isinstance(e, ScriptKnobs)]
-    return found[-1].settings if found else ()
+    return next((e.settings for e in reversed(events) if isinstance(e, ScriptKnobs)), ())
