@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec is None:
         return int(ExitCode.CONFIG)
     place = this_rank()
-    mismatch = world_mismatch(spec, place)
-    if mismatch is not None:
+    if (mismatch := world_mismatch(spec, place)) is not None:
         print(f"trainer child: {mismatch}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     spec = rank_spec(spec, place)  # this rank's own events and error files
