@@ -1,8 +1,7 @@
 """``python -m qlora_supervise.trainer_child --spec attempt.json``: one training attempt.
 
 The environment (hub offline, visible device, allocator settings, malloc arenas) is fixed *before*
-anything imports torch: the CUDA allocator reads its settings once, when CUDA initialises.
-"""
+anything imports torch: the CUDA allocator reads its settings once, when CUDA initialises."""
 
 from __future__ import annotations
 
@@ -53,9 +52,8 @@ def prepare_env_for(device_name: str, expandable_segments: bool, place: RankPlac
 
 def parse_args(argv: list[str] | None, prog: str) -> Path:
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--spec", type=Path, required=True, help="attempt spec (JSON: AttemptSpec)")
-    spec: Path = parser.parse_args(argv).spec
-    return spec
+    parser.add_argument("--spec", required=True, help="attempt spec (JSON: AttemptSpec)")
+    return Path(parser.parse_args(argv).spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec is None:
         return int(ExitCode.CONFIG)
     place = this_rank()
-    mismatch = world_mismatch(spec, place)
-    if mismatch is not None:
+    if (mismatch := world_mismatch(spec, place)) is not None:
         print(f"trainer child: {mismatch}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     spec = rank_spec(spec, place)  # this rank's own events and error files

@@ -1,8 +1,7 @@
 """The CUDA caching allocator: its settings, set by one rule by the supervisor and again by the
 child before ``import torch``, and what it held at an OOM (read while the failed step's tensors are
 alive, after the allocator released every wholly free segment: the free memory left lies *between*
-live blocks). A CPU report carries no facts: ``malloc`` keeps no reserve.
-"""
+live blocks). A CPU report carries no facts: ``malloc`` keeps no reserve."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class AllocatorFacts:
     """The allocator at the OOM, in bytes (``None``: not known). Free blocks count in the pool the
     request needed; ``inactive_split_bytes`` no ``empty_cache`` can release; ``limit_bytes``: the
     cap, else the device's total. ``same_shape_step`` / ``same_shape_peak_bytes``: the last step with
-    the failed micro-batch's shape and the peak after it: proof the step fits when laid out well.
-    """
+    the failed micro-batch's shape and the peak after it: proof the step fits when laid out well."""
 
     requested_bytes: int | None
     allocated_bytes: int
@@ -70,12 +68,8 @@ def facts_from_allocator(
     """``memory_stats()`` and ``memory_snapshot()``'s segments, in the pool the request could use."""
     large_only = requested is not None and requested > SMALL_POOL_MAX
     pool = [seg for seg in segments if not large_only or seg.get("segment_type", "large") == "large"]
-    free_blocks = [
-        int(block.get("size", 0))
-        for seg in pool
-        for block in seg.get("blocks", ())
-        if block.get("state") == "inactive"
-    ]
+    blocks = [block for seg in pool for block in seg.get("blocks", ())]
+    free_blocks = [int(block.get("size", 0)) for block in blocks if block.get("state") == "inactive"]
     largest = max(free_blocks, default=0)
     expandable = [bool(seg["is_expandable"]) for seg in segments if "is_expandable" in seg]
     return AllocatorFacts(
@@ -105,11 +99,6 @@ class AllocatorPeak:
         """None without a stats dump (the CPU, an older child) or an integer allocated peak."""
         if not isinstance(stats, Mapping):
             return None
-        allocated, reserved = stats.get("allocated_bytes.all.peak"), stats.get("reserved_bytes.all.peak")
-        if not _is_bytes(allocated):
-            return None
-        return cls(allocated, reserved if _is_bytes(reserved) else None)
-
-
-def _is_bytes(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        peaks = (stats.get(f"{kind}_bytes.all.peak") for kind in ("allocated", "reserved"))
+        allocated, reserved = (got if type(got) is int else None for got in peaks)  # no bool, no float
+        return None if allocated is None else cls(allocated, reserved)

@@ -2,21 +2,16 @@
 
 KB..TB are powers of 1000, KiB..TiB of 1024 (``24GB`` is 22.35 GiB: a cap written in GB comes out
 tighter, never looser). Units are case-insensitive; single letters (``24G``) are refused as
-ambiguous, a capital prefix with a small ``b`` (``12Gb``) as bits.
-"""
+ambiguous, a capital prefix with a small ``b`` (``12Gb``) as bits."""
 
 from __future__ import annotations
 
 import math
 import re
 
-BYTE_UNITS: dict[str, int] = {
-    "b": 1,
-    "byte": 1,
-    "bytes": 1,
-    **{f"{prefix}b": 1000 ** (i + 1) for i, prefix in enumerate("kmgt")},
-    **{f"{prefix}ib": 1024 ** (i + 1) for i, prefix in enumerate("kmgt")},
-}
+BYTE_UNITS: dict[str, int] = {"b": 1, "byte": 1, "bytes": 1}
+for _power, _prefix in enumerate("kmgt", start=1):
+    BYTE_UNITS |= {f"{_prefix}b": 1000**_power, f"{_prefix}ib": 1024**_power}
 
 BYTES_HELP = "a byte count or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GiB)"
 

@@ -1,8 +1,7 @@
 """Checkpoint directories that are complete or invisible, named and read alike by the child and the
 supervisor: written under ``.tmp-checkpoint-<step>-<pid>/``, fsynced, marked last, then renamed.
 Under torchrun (DDP) each rank that can writes its *part* of an emergency checkpoint with no
-collective; the supervisor seals it only when all parts name one step (:func:`agreed_parts`).
-"""
+collective; the supervisor seals it only when all parts name one step (:func:`agreed_parts`)."""
 
 from __future__ import annotations
 
@@ -79,18 +78,14 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[tuple[
 
 def newest_complete_checkpoint(checkpoints_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
     """The (step, path) of the newest complete checkpoint, or None when there is none."""
-    found = complete_checkpoints(checkpoints_dir)
-    return found[-1] if found else None
+    return next(reversed(complete_checkpoints(checkpoints_dir)), None)
 
 
 def file_digests(root: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``root`` but the marker."""
-    digests: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        name = path.relative_to(root).as_posix()
-        if name != CHECKPOINT_COMPLETE_MARKER:
-            digests[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    return digests
+    files = {path.relative_to(root).as_posix(): path for path in sorted(root.rglob("*")) if path.is_file()}
+    files.pop(CHECKPOINT_COMPLETE_MARKER, None)
+    return {name: {"size": path.stat().st_size, "sha256": _sha256(path)} for name, path in files.items()}
 
 
 def _sha256(path: Path) -> str:
@@ -134,9 +129,7 @@ def _file_damage(path: Path, expected: object) -> str | None:
         return "missing"
     if size != expected.get("size"):
         return f"{size} bytes, the marker says {expected.get('size')}"
-    if _sha256(path) != expected.get("sha256"):
-        return "contents differ from the marker's sha256"
-    return None
+    return "contents differ from the marker's sha256" if _sha256(path) != expected.get("sha256") else None
 
 
 def quarantine(path: Path, reason: str) -> Path:
@@ -239,16 +232,14 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
     for path in sorted(checkpoints_dir.iterdir()) if checkpoints_dir.is_dir() else []:
         if own_directory(path) and checkpoint_step(path) is not None and not is_complete(path):
             quarantine(path, "unmarked checkpoint directory (no completion marker) found at rotation")
-    found = complete_checkpoints(checkpoints_dir)
-    removed = []
-    for _, path in found[: max(len(found) - keep, 0)]:
-        if protect is not None and path.resolve() == protect.resolve():
-            continue
+    protect_path = None if protect is None else protect.resolve()
+    found = [path for _, path in complete_checkpoints(checkpoints_dir)]
+    removed = [path for path in found[: max(len(found) - keep, 0)] if path.resolve() != protect_path]
+    for path in removed:
         # Out of the checkpoint namespace first: a kill mid-delete leaves no half checkpoint.
         doomed = path.with_name(f"{TEMP_PREFIX}deleting-{path.name}-{os.getpid()}")
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path)
     return removed
 
 
@@ -286,29 +277,22 @@ def check_loadable(checkpoint: Path) -> None:
         raise CheckpointLoadError(f"{state_path}: unreadable ({exc})") from exc
     if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
         raise CheckpointLoadError(f"{state_path}: no integer global_step")
-    for tensors in sorted(checkpoint.glob("*.safetensors")):
-        _check_safetensors_length(tensors)
-
-
-def _check_safetensors_length(path: Path) -> None:
-    """8 bytes of header length, the JSON header, then the data up to its largest end offset."""
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(length)) if 0 < length <= size - 8 else None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointLoadError(f"{path}: header unreadable ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointLoadError(f"{path}: {size} bytes, too short for its header")
-    ends = [
-        entry["data_offsets"][1]
-        for name, entry in header.items()
-        if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
-    ]
-    needed = 8 + length + max(ends, default=0)
-    if size < needed:
-        raise CheckpointLoadError(f"{path}: {size} bytes, its header needs {needed}: truncated")
+    # A safetensors file: 8 bytes of header length, the JSON header, the data up to its largest end offset.
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        size = path.stat().st_size
+        try:
+            with path.open("rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(length)) if 0 < length <= size - 8 else None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointLoadError(f"{path}: header unreadable ({exc})") from exc
+        if not isinstance(header, dict):
+            raise CheckpointLoadError(f"{path}: {size} bytes, too short for its header")
+        entries = [item for name, item in header.items() if name != "__metadata__" and isinstance(item, dict)]
+        ends = [entry["data_offsets"][1] for entry in entries if isinstance(entry.get("data_offsets"), list)]
+        needed = 8 + length + max(ends, default=0)
+        if size < needed:
+            raise CheckpointLoadError(f"{path}: {size} bytes, its header needs {needed}: truncated")
 
 
 def part_dir(checkpoints_dir: Path, step: int, owner: int, rank: int) -> Path:
@@ -328,6 +312,4 @@ def part_step(part: Path) -> int | None:
 def agreed_parts(parts: list[Path], world_size: int) -> int | None:
     """The step every rank's part names, when there is one finished part per rank; else None."""
     steps = {part_step(part) for part in parts}
-    if len(parts) != world_size or len(steps) != 1 or None in steps:
-        return None
-    return steps.pop()
+    return steps.pop() if len(parts) == world_size and len(steps) == 1 else None

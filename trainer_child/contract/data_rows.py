@@ -1,8 +1,7 @@
 """Every record of a data file checked, streamed: the first bad one is named by file, line, field
 (``data.jsonl line 4812, field 'text': null, expected text``), the same from ``validate`` and from
 the child when ``datasets`` fails. A record holds a string text field, or a messages field of
-``{role, content}`` strings; blank JSON Lines are skipped, and the count is of records.
-"""
+``{role, content}`` strings; blank JSON Lines are skipped, and the count is of records."""
 
 from __future__ import annotations
 
@@ -25,12 +24,10 @@ class DataRowError(ValueError):
 def scan(path: Path, field: str, *, messages: bool) -> int:
     """The number of records in the file at ``path``, each checked; raises DataRowError."""
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return _count(_jsonl_records(path), path, field, messages)
+    if suffix in (".jsonl", ".csv"):
+        return _count((_jsonl_records if suffix == ".jsonl" else _csv_records)(path), path, field, messages)
     if suffix == ".json":
         return _scan_json(path, field, messages)
-    if suffix == ".csv":
-        return _count(_csv_records(path), path, field, messages)
     if suffix == ".parquet":
         return _scan_parquet(path, field)
     raise DataRowError(path, "as a whole", None, f"unknown data format {suffix!r}")
@@ -97,8 +94,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _csv_records(path: Path) -> Iterator[tuple[str, Any]]:
     # A quoted field may span lines: the record is named by the line it starts on.
-    decoded = (text for _, text in _lines(path))
-    reader = csv.DictReader(decoded)
+    reader = csv.DictReader(text for _, text in _lines(path))
     start = 2
     for row in reader:
         yield f"line {start}", {key: value for key, value in row.items() if key is not None}

@@ -1,6 +1,5 @@
 """Room on the disk for a checkpoint, checked by the child before each save and by the supervisor
-when it waits for space: about as much as the last one took (before the first, the save finds out).
-"""
+when it waits for space: about as much as the last one took (before the first, the save finds out)."""
 
 from __future__ import annotations
 
@@ -48,18 +47,14 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
     where = Path(path)
     while not where.exists() and where != where.parent:
         where = where.parent
-    if not os.access(where, os.W_OK):
-        return 0  # access() says EROFS for a read-only mount, whatever statvfs says is free
-    return shutil.disk_usage(where).free
+    # access() says EROFS for a read-only mount, whatever statvfs says is free
+    return shutil.disk_usage(where).free if os.access(where, os.W_OK) else 0
 
 
 def ensure_room(checkpoints_dir: str | os.PathLike[str]) -> None:
     """Raise :class:`NoRoomForCheckpoint` when the disk cannot hold another checkpoint like the last."""
     needed = last_checkpoint_bytes(checkpoints_dir)
-    if needed is None:
-        return
-    free = free_bytes(checkpoints_dir)
-    if free < needed:
+    if needed is not None and (free := free_bytes(checkpoints_dir)) < needed:
         raise NoRoomForCheckpoint(
             errno.ENOSPC,
             f"no room for a checkpoint in {checkpoints_dir}: it needs {needed} bytes "

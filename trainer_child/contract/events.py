@@ -1,8 +1,7 @@
 """The child's events file: one JSON object per line (:func:`event_line`), read back once by
 :func:`parse_event` through one pydantic union keyed on ``event`` (:data:`ChildEvent`) into the
 frozen records below. A new event is a record with an ``event`` name and one entry in the union.
-The child's memory numbers are written flat into ``heartbeat`` and ``loaded``.
-"""
+The child's memory numbers are written flat into ``heartbeat`` and ``loaded``."""
 
 from __future__ import annotations
 
@@ -26,7 +25,8 @@ from qlora_supervise.trainer_child.contract.spec import TrialCandidate
 
 
 class ChildPeakSource(str, enum.Enum):
-    """What :attr:`MemoryNumbers.peak_bytes` measured in the child: the memory its cap limits."""
+    """What :attr:`MemoryNumbers.peak_bytes` measured in the child: the memory its cap limits (in the
+    order :meth:`MemoryNumbers.measured` tries them)."""
 
     CUDA_ALLOCATOR = "cuda_allocator"  # torch.cuda.max_memory_allocated on the training GPU
     DATA_SEGMENT = "data_segment"  # peak VmData on the CPU: what RLIMIT_DATA (cpu_memory_limit) caps
@@ -59,12 +59,8 @@ class MemoryNumbers:
         vmdata: int | None = None,
     ) -> MemoryNumbers:
         """The peak rule: the first nonzero of the CUDA allocator's, the data segment's and VmHWM."""
-        candidates = (
-            (cuda_peak, ChildPeakSource.CUDA_ALLOCATOR),
-            (data_segment_peak, ChildPeakSource.DATA_SEGMENT),
-            (rss_high_water, ChildPeakSource.RSS),
-        )
-        peak, source = next(((v, s) for v, s in candidates if v), (None, None))
+        peaks = zip((cuda_peak, data_segment_peak, rss_high_water), ChildPeakSource, strict=True)
+        peak, source = next(((value, kind) for value, kind in peaks if value), (None, None))
         return cls(peak, source, allocated, reserved, rss, rss_high_water, vmdata)
 
     def fields(self) -> dict[str, Any]:
@@ -78,16 +74,12 @@ class MemoryNumbers:
 
 
 _MEMORY = TypeAdapter(MemoryNumbers)
+_adapter = functools.cache(TypeAdapter)
 
 
 def event_line(event: str, **fields: Any) -> str:
     """One line of the child's events file."""
     return json.dumps({"event": event, "time": time.time(), **fields}, default=str) + "\n"
-
-
-@functools.cache
-def _adapter(record: type[Any]) -> TypeAdapter[Any]:
-    return TypeAdapter(record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +273,7 @@ class SpeedTrialEvent(PlainEvent):
     event: ClassVar[str] = "speed_trial"
     results: tuple[TrialResult, ...]
     seconds: float  # the trial's whole cost, before step 1
-    # Why a foreign tool's trial kept the plan (shim/session.py); None: it ran.
-    abandoned: str | None = None
+    abandoned: str | None = None  # why a foreign tool's trial kept the plan (shim/session.py); None: it ran
 
     def to_json(self) -> dict[str, object]:
         return {"event": self.event, **self.fields()}
@@ -353,5 +344,4 @@ def read_events(path: Path) -> list[ChildEvent]:
 
 def script_settings(events: list[ChildEvent]) -> tuple[KnobSetting, ...]:
     """What a script built, from the newest ``script_knobs`` event (none: not a script's attempt)."""
-    found = [e for e in events if isinstance(e, ScriptKnobs)]
-    return found[-1].settings if found else ()
+    return next((e.settings for e in reversed(events) if isinstance(e, ScriptKnobs)), ())

@@ -1,7 +1,6 @@
 """The numbers of allocator out-of-memory messages (PyTorch 1.5-2.0's ``old``, 2.1+'s ``new``,
 ``cudaMallocAsync``'s ``async``, ``DefaultCPUAllocator``'s ``cpu``), for the child's error report
-and the supervisor's reading of logs of commands that are not ours; only what a message prints.
-"""
+and the supervisor's reading of logs of commands that are not ours; only what a message prints."""
 
 from __future__ import annotations
 
@@ -26,36 +25,30 @@ _START = re.compile(
 )
 _MAX_BODY = 2000  # a message is a few hundred characters; the rest of a log is not its business
 
-# (key, pattern) for the allocator wordings; group 1-2 of each is a size.
-_FIELDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (key, re.compile(pattern))
-    for key, pattern in (
-        ("tried_to_allocate", rf"Tried to allocate {_SIZE}"),
-        ("total_capacity", rf"{_SIZE} total capacity"),
-        ("total_capacity", rf"a total capac(?:i)?ty of {_SIZE}"),
-        ("free", rf"{_SIZE} free\b"),
-        ("free", rf"of which {_SIZE} is free"),
-        ("already_allocated", rf"{_SIZE} already allocated"),
-        ("already_allocated", rf"Of the allocated memory {_SIZE} is allocated by PyTorch"),
-        ("reserved_total", rf"{_SIZE} reserved in total by PyTorch"),
-        ("reserved_unallocated", rf"{_SIZE} is reserved by PyTorch but unallocated"),
-        # pre-1.5: "cached" was the cached-but-unallocated amount (cached minus allocated)
-        ("reserved_unallocated", rf"{_SIZE} cached\)"),
-        ("process_in_use", rf"this process has {_SIZE} memory in use"),
-        ("allowed", rf"{_SIZE} allowed;"),
-        ("private_pools", rf"with {_SIZE} allocated in private pools"),
-    )
+# (key, pattern) for the allocator wordings, first match per key; group 1-2 of each is a size.
+_FIELDS = (
+    ("tried_to_allocate", rf"Tried to allocate {_SIZE}"),
+    ("total_capacity", rf"{_SIZE} total capacity"),
+    ("total_capacity", rf"a total capac(?:i)?ty of {_SIZE}"),
+    ("free", rf"{_SIZE} free\b"),
+    ("free", rf"of which {_SIZE} is free"),
+    ("already_allocated", rf"{_SIZE} already allocated"),
+    ("already_allocated", rf"Of the allocated memory {_SIZE} is allocated by PyTorch"),
+    ("reserved_total", rf"{_SIZE} reserved in total by PyTorch"),
+    ("reserved_unallocated", rf"{_SIZE} is reserved by PyTorch but unallocated"),
+    # pre-1.5: "cached" was the cached-but-unallocated amount (cached minus allocated)
+    ("reserved_unallocated", rf"{_SIZE} cached\)"),
+    ("process_in_use", rf"this process has {_SIZE} memory in use"),
+    ("allowed", rf"{_SIZE} allowed;"),
+    ("private_pools", rf"with {_SIZE} allocated in private pools"),
 )
 _PROCESS = re.compile(rf"Process (\d+) has {_SIZE} memory in use")
-_ASYNC_FIELDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (key, re.compile(rf"{label}\s*:\s*{_SIZE}"))
-    for key, label in (
-        ("already_allocated", r"Currently allocated"),
-        ("tried_to_allocate", r"Requested"),
-        ("total_capacity", r"Device limit"),
-        ("free", r"Free \(according to CUDA\)"),
-        ("allowed", r"PyTorch limit \(set by user-supplied memory fraction\)"),
-    )
+_ASYNC_FIELDS = (
+    ("already_allocated", rf"Currently allocated\s*:\s*{_SIZE}"),
+    ("tried_to_allocate", rf"Requested\s*:\s*{_SIZE}"),
+    ("total_capacity", rf"Device limit\s*:\s*{_SIZE}"),
+    ("free", rf"Free \(according to CUDA\)\s*:\s*{_SIZE}"),
+    ("allowed", rf"PyTorch limit \(set by user-supplied memory fraction\)\s*:\s*{_SIZE}"),
 )
 _CPU_TRIED = re.compile(r"you tried to allocate (\d+) bytes")
 _OLD_GPU = re.compile(r"\(GPU\s*(\d+)\s*;")
@@ -91,8 +84,7 @@ def parse_messages(text: str) -> list[OomMessage]:
 
 def parse_numbers(text: str) -> dict[str, Any]:
     """The numbers of the first allocator message in ``text`` (empty when there is none)."""
-    messages = parse_messages(text)
-    return dict(messages[0].numbers) if messages else {}
+    return next((dict(message.numbers) for message in parse_messages(text)), {})
 
 
 def _message(start: re.Match[str], body: str) -> OomMessage:
@@ -109,21 +101,18 @@ def _message(start: re.Match[str], body: str) -> OomMessage:
     processes = {int(pid): size_bytes(n, u) for pid, n, u in _PROCESS.findall(body)}
     if processes:
         numbers["processes"] = processes
-    return OomMessage(device, _gpu_index(body), _format(body, numbers), numbers, start.start())
+    found = _OLD_GPU.search(body) or _NEW_GPU.search(body)
+    gpu = int(found.group(1)) if found and found.group(1) else None
+    return OomMessage(device, gpu, _format(body, numbers), numbers, start.start())
 
 
-def _sizes(body: str, fields: tuple[tuple[str, re.Pattern[str]], ...]) -> dict[str, Any]:
+def _sizes(body: str, fields: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     numbers: dict[str, Any] = {}
     for key, pattern in fields:
-        found = pattern.search(body)
+        found = re.search(pattern, body)  # re caches the compiled pattern
         if found and key not in numbers:
             numbers[key] = size_bytes(found.group(1), found.group(2))
     return numbers
-
-
-def _gpu_index(body: str) -> int | None:
-    found = _OLD_GPU.search(body) or _NEW_GPU.search(body)
-    return int(found.group(1)) if found and found.group(1) else None
 
 
 def _format(body: str, numbers: Mapping[str, Any]) -> str:
@@ -133,15 +122,12 @@ def _format(body: str, numbers: Mapping[str, Any]) -> str:
         return "old" if "free" in numbers else "old_no_free"
     if "has a total capac" in body or "Of the allocated memory" in body:
         return "new"
-    if _OLD_GPU.search(body):
-        return "old"
-    return "short"
+    return "old" if _OLD_GPU.search(body) else "short"
 
 
 @dataclasses.dataclass(frozen=True)
 class OomNumbers:
-    """The numbers of one OOM message in printed order, in bytes (None: not printed); ``processes``:
-    pid -> bytes."""
+    """The numbers of one OOM message, in bytes (None: not printed); ``processes``: pid -> bytes."""
 
     tried_to_allocate: int | None = None
     total_capacity: int | None = None

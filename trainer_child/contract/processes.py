@@ -27,10 +27,8 @@ STACK_BYTES = "--bytes"
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists and has not exited (it may belong to another user).
-
-    A zombie has exited: an orphan's new parent (PID 1 in a container) may reap it late or never.
-    """
+    """Whether a process with this pid exists and has not exited (it may belong to another user); a
+    zombie has exited: an orphan's new parent (PID 1 in a container) may reap it late or never."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -45,9 +43,7 @@ def pid_alive(pid: int) -> bool:
 
 
 #: Exit statuses of a failed attempt: what the supervisor waits on before the next one starts.
-FAILED_EXITS = frozenset(
-    {ExitCode.OOM, ExitCode.CONFIG, ExitCode.FAILED, ExitCode.CHECKPOINT, ExitCode.DISK_FULL}
-)
+FAILED_EXITS = frozenset(ExitCode) - {ExitCode.OK, ExitCode.STOPPED}
 
 
 def leave(code: int) -> NoReturn:

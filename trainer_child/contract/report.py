@@ -39,8 +39,7 @@ class ErrorReport:
     disk: dict[str, Any] | None = None  # {"path", "needed_bytes", "free_bytes", "errno"}
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
-    # When caught: the earliest rank's is the cause.
-    time: float = dataclasses.field(default_factory=time.time)
+    time: float = dataclasses.field(default_factory=time.time)  # when caught: the earliest rank's caused it
     rank: int = 0  # torchrun's RANK and LOCAL_RANK (0 for a single process)
     local_rank: int = 0
     world_size: int = 1

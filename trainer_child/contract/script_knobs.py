@@ -1,8 +1,7 @@
 """A script with its settings in its code (``trainer.kind: script``): which knobs the shim changes
 where the script builds them (:data:`CHANGES_FILE` beside ``spec.json``, written by the
 supervisor), and one :class:`KnobSetting` per value it saw, in the ``script_knobs`` event.
-Attempt 1 changes nothing: it learns what the script asks for.
-"""
+Attempt 1 changes nothing: it learns what the script asks for."""
 
 from __future__ import annotations
 

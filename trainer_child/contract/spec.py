@@ -1,12 +1,12 @@
 """The attempt spec the supervisor writes and the child reads: knobs, data, training, resources, and
 the speed trial's candidates (timed in-process before step 1; only knobs that change without a
 reload; the results come back in :class:`~.events.SpeedTrialEvent`), and which card a rank trains
-on: one device mapping (:func:`bind_device`), computed the same way by both sides.
-"""
+on: one device mapping (:func:`bind_device`), computed the same way by both sides."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import signal
 from pathlib import Path
@@ -163,17 +163,13 @@ _SPEC = TypeAdapter(AttemptSpec)
 
 def rank_gpus(knobs: Knobs) -> list[int]:
     """The positions (in the visible GPUs) that ranks 0, 1, ... of ``knobs`` train on."""
-    if not knobs.gpus:
-        return list(range(knobs.world_size))
-    return [int(part) for part in knobs.gpus.split(",")]
+    return [int(part) for part in knobs.gpus.split(",")] if knobs.gpus else list(range(knobs.world_size))
 
 
 def rank_file(path: str, rank: int) -> str:
     """Where rank ``rank`` writes a file the spec names: rank N > 0 ``<stem>.rankN<suffix>`` beside it."""
-    if rank == 0:
-        return path
     name = Path(path)
-    return str(name.with_name(f"{name.stem}.rank{rank}{name.suffix}"))
+    return str(name.with_name(f"{name.stem}.rank{rank}{name.suffix}")) if rank else path
 
 
 def rank_files(path: str) -> list[tuple[int, str]]:
@@ -212,14 +208,12 @@ def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
         return DeviceBinding("", None)
     if text.startswith(_UUID_PREFIXES):
         return DeviceBinding(text, text)
-    if text == "auto":
-        position = 0
-    elif text.removeprefix("cuda:").isdigit():
-        position = int(text.removeprefix("cuda:"))
-    else:
+    index = "0" if text == "auto" else text.removeprefix("cuda:")
+    if not index.isdigit():
         raise DeviceError(
             f"device {device!r}: use auto, cpu, a GPU index (0), cuda:N, or a GPU UUID (GPU-... or MIG-...)"
         )
+    position = int(index)
     visible = visible_entries(inherited_visible)
     if visible is None:
         return DeviceBinding(str(position), position)
@@ -238,10 +232,7 @@ def visible_entries(value: str | None) -> list[str] | None:
     """The GPUs a ``CUDA_VISIBLE_DEVICES`` value lists, up to the first bad entry as in CUDA; None: unset."""
     if value is None:
         return None
-    entries: list[str] = []
-    for raw in value.split(","):
-        entry = raw.strip()
-        if not (entry.isdigit() or entry.startswith(_UUID_PREFIXES)):
-            break
-        entries.append(entry)
-    return entries
+    entries = (raw.strip() for raw in value.split(","))
+    return list(
+        itertools.takewhile(lambda entry: entry.isdigit() or entry.startswith(_UUID_PREFIXES), entries)
+    )

@@ -1,11 +1,11 @@
 """LoRA target modules by architecture, one table for ``validate`` and the child: what
 ``attention``, ``mlp`` and ``all-linear`` name in each family, and the layer names a checkpoint
 gives the loaded model. Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; MoE experts load as fused 3D
-parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention.
-"""
+parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -45,15 +45,8 @@ class Family:
 
 
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-_GATED_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def _llama_block(name: str) -> Family:
-    return Family(name, _QKVO, _GATED_MLP)
-
-
-def _moe(name: str) -> Family:
-    return Family(name, _QKVO, (), router=("gate",))
+_llama_block = functools.partial(Family, attention=_QKVO, mlp=("gate_proj", "up_proj", "down_proj"))
+_moe = functools.partial(Family, attention=_QKVO, mlp=(), router=("gate",))
 
 
 #: ``config.json``'s ``model_type`` -> its block. A model type outside it is not guessed at.
@@ -82,16 +75,13 @@ def family(model_type: str | None) -> Family | None:
 def resolve(targets: tuple[str, ...] | str, model_type: str | None) -> tuple[str, ...] | str:
     """The leaf names LoRA adapts for ``targets``: a keyword becomes the family's names (raising
     :class:`TargetsError` where it has none); anything else, as it is, is peft's."""
-    if not isinstance(targets, str) or targets not in KEYWORDS:
-        return targets
     block = family(model_type)
+    if not isinstance(targets, str) or targets not in KEYWORDS or (block is None and targets == ALL_LINEAR):
+        return targets
     if block is None:
-        if targets == ALL_LINEAR:
-            return targets
-        covered = ", ".join(sorted(FAMILIES))
         raise TargetsError(
             f"{targets!r} names layers by architecture, and model_type {model_type!r} is not in "
-            f"the table ({covered})",
+            f"the table ({', '.join(sorted(FAMILIES))})",
             "list the layer names instead",
         )
     if targets == ATTENTION:
@@ -133,10 +123,7 @@ def _weights(tensor_names: Iterable[str]) -> Iterator[tuple[str, bool]]:
 
 
 def check(
-    targets: tuple[str, ...] | str,
-    model_type: str | None,
-    layers: set[str],
-    experts: Iterable[str] = (),
+    targets: tuple[str, ...] | str, model_type: str | None, layers: set[str], experts: Iterable[str] = ()
 ) -> tuple[str, ...] | str:
     """``targets`` resolved; raises :class:`TargetsError` naming each name not in ``layers`` (one is
     enough: Llama names on Phi-3 would train a third of what was meant)."""
@@ -144,26 +131,17 @@ def check(
     if isinstance(resolved, str):
         return resolved  # all-linear on an unknown block, or a regex: peft resolves it
     missing = [name for name in resolved if name not in layers]
-    if missing:
-        raise _missing(targets, missing, family(model_type), layers, set(experts))
-    return resolved
-
-
-def _missing(
-    targets: tuple[str, ...] | str,
-    missing: list[str],
-    block: Family | None,
-    layers: set[str],
-    experts: set[str],
-) -> TargetsError:
+    if not missing:
+        return resolved
+    block, in_experts = family(model_type), set(experts)
     resolved_from = f"{targets!r} resolves to names of which " if isinstance(targets, str) else ""
     problem = f"{resolved_from}{', '.join(map(repr, missing))} match no layer of the model"
     fix = f"its layers are {', '.join(sorted(layers))}"
-    inside = [name for name in missing if name in experts]
+    inside = [name for name in missing if name in in_experts]
     if inside and block is not None and block.moe:
         problem += f" ({', '.join(inside)}: {_experts_why(block)})"
         fix += "; use attention"
     elif block is not None and set(block.linear) <= layers and not isinstance(targets, str):
         names = ", ".join(block.linear)
         fix += f"; {block.name} names its block {names} (target_modules: attention, mlp or all-linear)"
-    return TargetsError(problem, fix)
+    raise TargetsError(problem, fix)

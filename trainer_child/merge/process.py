@@ -6,8 +6,7 @@ would round the adapter away), the merge, and a sharded save through a temp dir 
 The memory plan is pure arithmetic on byte counts: on the GPU the base, the adapter, the largest
 layer's ``B @ A`` and a CUDA reserve, plus host RAM for the imports and one input and output shard;
 on the CPU all of it in host RAM. Users' first merge complaint is host RAM, so ``auto`` takes the
-GPU only when both its numbers fit.
-"""
+GPU only when both its numbers fit."""
 
 from __future__ import annotations
 
@@ -89,11 +88,10 @@ def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
 
     from qlora_supervise.trainer_child.recipe.qlora import compute_dtype
 
-    if name != "auto":
-        return compute_dtype(name, on_gpu)
-    if trained is not None and hasattr(torch, trained.removeprefix("torch.")):
-        return getattr(torch, trained.removeprefix("torch."))
-    return torch.bfloat16 if not on_gpu else compute_dtype(name, on_gpu)
+    recorded = (trained or "").removeprefix("torch.")
+    if name == "auto" and recorded and hasattr(torch, recorded):
+        return getattr(torch, recorded)
+    return torch.bfloat16 if name == "auto" and not on_gpu else compute_dtype(name, on_gpu)
 
 
 def trained_dtype(run_dir: Path) -> str | None:
@@ -135,17 +133,6 @@ def _host_available() -> int:
     return min(available, int(text) - used) if text.isdigit() else available
 
 
-def _plan(ctx: Context, sizes: MergeSizes) -> MergePlan:
-    import torch
-
-    spec = ctx.spec
-    gpu_free = torch.cuda.mem_get_info()[0] if ctx.on_cuda else None
-    if gpu_free is not None and spec.gpu_memory_limit is not None:
-        gpu_free = min(gpu_free, spec.gpu_memory_limit)
-    requested = "cpu" if spec.knobs.merge_on_cpu else os.environ.get(DEVICE_ENV, "auto")
-    return plan_merge(sizes, requested, gpu_free, _host_available())
-
-
 def merge(ctx: Context) -> ExitCode:
     # The module docstring's steps, together: the memory-relevant order reads in one place.
     import torch
@@ -161,18 +148,24 @@ def merge(ctx: Context) -> ExitCode:
     ctx.progress.enter(Stage.MERGE)
     trained = trained_dtype(Path(spec.run_dir))
     dtype = merge_dtype(spec.train.compute_dtype, ctx.on_cuda, trained)
-    plan = _plan(ctx, measure_sizes(spec.knobs.model, adapter, dtype, spec.train.trust_remote_code))
+    model, remote = spec.knobs.model, spec.train.trust_remote_code
+    sizes = measure_sizes(model, adapter, dtype, remote)
+    gpu_free = torch.cuda.mem_get_info()[0] if ctx.on_cuda else None
+    if gpu_free is not None and spec.gpu_memory_limit is not None:
+        gpu_free = min(gpu_free, spec.gpu_memory_limit)
+    requested = "cpu" if spec.knobs.merge_on_cpu else os.environ.get(DEVICE_ENV, "auto")
+    plan = plan_merge(sizes, requested, gpu_free, _host_available())
     on_gpu = plan.device == "cuda"
     ctx.events.emit("merge_plan", **dataclasses.asdict(plan), dtype=str(dtype))
+    where = {"": 0 if on_gpu else "cpu"}
     base = AutoModelForCausalLM.from_pretrained(
-        spec.knobs.model,
-        dtype=dtype,
-        device_map={"": 0 if on_gpu else "cpu"},
-        trust_remote_code=spec.train.trust_remote_code,
-        low_cpu_mem_usage=True,
+        model, dtype=dtype, device_map=where, trust_remote_code=remote, low_cpu_mem_usage=True
     )
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-    check_dtype(merged, dtype)
+    # Every floating-point weight in the training dtype (no fp32 delta in a bf16 base).
+    wrong = sorted({str(p.dtype) for p in merged.parameters() if p.is_floating_point() and p.dtype != dtype})
+    if wrong:
+        raise RuntimeError(f"merged weights in {wrong}, expected {dtype} (the training compute dtype)")
     target = Path(spec.merged_dir)
     temp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
@@ -193,13 +186,6 @@ def merge(ctx: Context) -> ExitCode:
     del merged, base
     ctx.events.emit("finished", step=None, merged=str(target), seconds=report["seconds"], device=plan.device)
     return ExitCode.OK
-
-
-def check_dtype(model: Any, dtype: Any) -> None:
-    """Every floating-point weight is in the training dtype (no fp32 delta in a bf16 base)."""
-    wrong = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != dtype})
-    if wrong:
-        raise RuntimeError(f"merged weights in {wrong}, expected {dtype} (the training compute dtype)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,11 +40,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return spec
         loader: Any = spec.loader
         original = loader.exec_module
-        then = self.then
 
         def exec_module(module: ModuleType) -> None:
             original(module)
-            then(module)
+            self.then(module)
 
         loader.exec_module = exec_module
         return spec
@@ -66,8 +65,10 @@ def install(spec_path: str) -> None:
     if not os.environ.get(PREPARED_ENV):  # a launcher above us (accelerate, a wrapper) did it
         prepare_env(spec)  # before torch: CUDA reads the allocator settings once
         os.environ[PREPARED_ENV] = "1"
-
-    ledger = _script_ledger(Path(spec_path).parent, spec)
+    changes = ScriptChanges.read(Path(spec_path).parent)  # a script's: its knobs patched in (:mod:`.script`)
+    ledger = None if changes is None else script.Ledger(changes, spec.knobs)
+    for name, then in script.patches(ledger).items() if ledger is not None else ():
+        _after_import(name, then)
 
     def patch(module: ModuleType) -> None:
         from qlora_supervise.trainer_child.shim.session import Session
@@ -85,17 +86,6 @@ def _after_import(name: str, then: Callable[[ModuleType], None]) -> None:
         then(sys.modules[name])
     else:
         sys.meta_path.insert(0, _AfterImport(name, then))
-
-
-def _script_ledger(attempt_dir: Path, spec: AttemptSpec) -> script.Ledger | None:
-    """A script's attempt: its knobs patched in where it builds them (:mod:`.script`); else None."""
-    changes = ScriptChanges.read(attempt_dir)
-    if changes is None:
-        return None
-    ledger = script.Ledger(changes, spec.knobs)
-    for name, then in script.patches(ledger).items():
-        _after_import(name, then)
-    return ledger
 
 
 def _started_by_the_attempt() -> bool:

@@ -1,8 +1,7 @@
 """The attempt's knobs, applied where a script with its settings in its code builds them, once each
 module loads (``TrainingArguments``, ``BitsAndBytesConfig``, ``from_pretrained``, ``LoraConfig``,
 ``prepare_model_for_kbit_training``); every value seen is reported. A value the script sets after
-building its Trainer is reported as not applied, and its effective-batch partner put back.
-"""
+building its Trainer is reported as not applied, and its effective-batch partner put back."""
 
 from __future__ import annotations
 
@@ -14,15 +13,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from qlora_supervise.trainer_child.contract import script_knobs
 from qlora_supervise.trainer_child.contract.attempt_facts import MAX_REPORTED_LENGTHS, SampleLengths
 from qlora_supervise.trainer_child.contract.events import Loaded, ScriptKnobs
-from qlora_supervise.trainer_child.contract.script_knobs import (
-    EVAL_SCHEDULERS,
-    TOGETHER,
-    KnobSetting,
-    ScriptChanges,
-    Value,
-)
+from qlora_supervise.trainer_child.contract.script_knobs import KnobSetting, ScriptChanges, Value
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: knob -> the TrainingArguments field (``max_seq_len``: trl's SFTConfig, where the class has it).
@@ -59,18 +53,6 @@ def _read(knob: str, value: Any) -> Value:
     return _plain(value) != "no" if knob == "eval_enabled" else _plain(value)
 
 
-def _write(knob: str, value: Any) -> Any:
-    return ("steps" if value else "no") if knob == "eval_enabled" else value
-
-
-def _eval_held(args: Any) -> str | None:
-    """Why the script's evaluation must stay on (its scheduler steps on the eval loss); None: it may go."""
-    scheduler = _plain(getattr(args, "lr_scheduler_type", None))
-    if scheduler not in EVAL_SCHEDULERS:
-        return None
-    return f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
-
-
 def _model_name(name: str | os.PathLike[str]) -> str:
     """A local folder as an absolute path (the supervisor reads it from elsewhere), else the name."""
     path = os.fspath(name)
@@ -96,7 +78,12 @@ class Ledger:
     def on_arguments(self, args: Any) -> None:
         where = type(args).__name__
         fields = {f.name for f in dataclasses.fields(args)}
-        held = _eval_held(args)
+        scheduler = _plain(getattr(args, "lr_scheduler_type", None))
+        held: str | None = f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
+        if (
+            scheduler not in script_knobs.EVAL_SCHEDULERS
+        ):  # only one that steps on the eval loss keeps evaluation on
+            held = None
         for knob, key in ARGUMENTS.items():
             if key not in fields:
                 if knob in self.changes:
@@ -110,7 +97,7 @@ class Ledger:
                 continue
             got = self._take(knob, key, asked, where)
             if got != asked:
-                setattr(args, key, _write(knob, got))
+                setattr(args, key, ("steps" if got else "no") if knob == "eval_enabled" else got)
         if self.changes.get("eval_enabled") is False and held is None and getattr(args, BEST, False):
             # Its __post_init__ refuses the best model at the end without eval (strategies must match).
             self.settings.append(KnobSetting(BEST, BEST, True, False, where))
@@ -142,10 +129,9 @@ class Ledger:
 
     def on_prepare(self, kwargs: dict[str, Any]) -> bool:
         """Checkpointing as the attempt has it; True when the attempt keeps the head in bf16."""
-        asked = bool(kwargs.get("use_gradient_checkpointing", True))  # peft's default: on
-        kwargs["use_gradient_checkpointing"] = self._take(
-            "gradient_checkpointing", "use_gradient_checkpointing", asked, PREPARE
-        )
+        key = "use_gradient_checkpointing"
+        asked = bool(kwargs.get(key, True))  # peft's default: on
+        kwargs[key] = self._take("gradient_checkpointing", key, asked, PREPARE)
         return bool(self._take("bf16_head", "bf16_head", False, PREPARE))
 
     def check(self, trainer: Any) -> None:
@@ -164,47 +150,36 @@ class Ledger:
                 overridden.add(s.knob)
             else:  # the script's own second thought: what it asks for is what it set last
                 self.settings[i] = dataclasses.replace(s, asked=now, got=now)
-        if overridden & TOGETHER:
-            self._put_back(trainer, TOGETHER - overridden, ", ".join(sorted(overridden)))
+        if overridden & script_knobs.TOGETHER:  # the partners go back as the script asked
+            partners, named = script_knobs.TOGETHER - overridden, ", ".join(sorted(overridden))
+            for i, s in enumerate(self.settings):
+                if s.where == where and s.knob in partners and s.why_not is None and s.got != s.asked:
+                    setattr(args, s.key, s.asked)
+                    why = f"put back as the script asked, with {named}: the effective batch kept"
+                    self.settings[i] = dataclasses.replace(s, got=s.asked, why_not=why)
+            trainer._train_batch_size = args.train_batch_size  # Trainer copied it at construction
         seen = {s.knob for s in self.settings}
         for knob in self.changes.keys() - seen:  # by train() the script has built all it will
             place = PLACES.get(knob, "place the shim reaches")
             why = f"the script builds no {place}, so nothing of it takes this knob"
             self.settings.append(KnobSetting(knob, knob, None, self.asked.get(knob), "-", why))
 
-    def _put_back(self, trainer: Any, knobs: frozenset[str], overridden: str) -> None:
-        args, where = trainer.args, type(trainer.args).__name__
-        for i, s in enumerate(self.settings):
-            if s.where == where and s.knob in knobs and s.why_not is None and s.got != s.asked:
-                setattr(args, s.key, s.asked)
-                why = f"put back as the script asked, with {overridden}: the effective batch kept"
-                self.settings[i] = dataclasses.replace(s, got=s.asked, why_not=why)
-        trainer._train_batch_size = args.train_batch_size  # Trainer copied it at construction
-
     def report(self, events: Any, trainer: Any | None) -> None:
         """The ``script_knobs`` event; with a Trainer, ``loaded`` too: its rows and their lengths."""
-        events.write(ScriptKnobs(tuple(self.settings), _model_config(trainer), trainer is not None).to_line())
-        lengths = _lengths(trainer) if trainer is not None else None
-        if lengths is not None:
-            events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
-
-
-def _model_config(trainer: Any | None) -> dict[str, Any] | None:
-    config = getattr(getattr(trainer, "model", None), "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return None
-    return {k: v for k, v in config.to_dict().items() if isinstance(v, (bool, int, float, str))}
-
-
-def _lengths(trainer: Any) -> SampleLengths | None:
-    """The tokenized rows' lengths, as our child reports them."""
-    rows: Any = getattr(trainer, "train_dataset", None)
-    try:
-        total = len(rows)
-        every = max(1, total // MAX_REPORTED_LENGTHS)
-        return SampleLengths(total, tuple(len(rows[i]["input_ids"]) for i in range(0, total, every)))
-    except Exception:  # not a tokenized, indexable dataset: the supervisor goes without lengths
-        return None
+        config: Any = getattr(getattr(trainer, "model", None), "config", None)
+        config = config.to_dict() if hasattr(config, "to_dict") else None
+        plain = config and {k: v for k, v in config.items() if isinstance(v, (bool, int, float, str))}
+        events.write(ScriptKnobs(tuple(self.settings), plain, trainer is not None).to_line())
+        if trainer is None:
+            return
+        rows: Any = getattr(trainer, "train_dataset", None)
+        try:  # the tokenized rows' lengths, as our child reports them
+            total = len(rows)
+            every = max(1, total // MAX_REPORTED_LENGTHS)
+            lengths = SampleLengths(total, tuple(len(rows[i]["input_ids"]) for i in range(0, total, every)))
+        except Exception:  # not a tokenized, indexable dataset: the supervisor goes without lengths
+            return
+        events.write(Loaded(train_rows=lengths.rows, sample_lengths=lengths).to_line())
 
 
 def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType], None]:

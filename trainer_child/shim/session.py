@@ -1,10 +1,9 @@
-"""One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency
-save, error report and speed trial, from the same code. At ``Trainer.train`` the instance's class
-becomes a subclass of its own with our mixin in front, our callback is added, and
-``resume_from_checkpoint`` is the supervisor's choice; a failure before it goes to ``sys.excepthook``.
-A speed trial that cannot time the tool's batches (no tokenized row, axolotl's sample packing,
-offloading in the tool's own training step, a loss or collator that refuses the trial's batch)
-keeps the plan and says why, rather than failing."""
+"""One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency save, error
+report and speed trial, from the same code. At ``Trainer.train`` the instance's class becomes a subclass of
+its own with our mixin in front, our callback is added, and ``resume_from_checkpoint`` is the supervisor's
+choice; a failure before it goes to ``sys.excepthook``. A speed trial that cannot time the tool's batches (no
+tokenized row, axolotl's sample packing, offloading in the tool's own training step, a loss or collator that
+refuses the trial's batch) keeps the plan and says why, rather than failing."""
 
 from __future__ import annotations
 
@@ -46,22 +45,17 @@ class Session:
     """The attempt, from ``transformers.trainer``'s import to the process's exit."""
 
     def __init__(self, spec: AttemptSpec, ledger: Ledger | None = None) -> None:
-        self.ctx = attempt.Context(spec)
+        self.ctx = ctx = attempt.Context(spec)
         self.trialled = False
         self.ledger = ledger  # a script's: the knobs it built, reported once
-        attempt.install_stop_handler(self.ctx.progress)
+        attempt.install_stop_handler(ctx.progress)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
-        self._setup()
-        self.ctx.progress.enter(Stage.LOAD)  # the tool loads its model and data next
-
-    def _setup(self) -> None:
-        """Our child's setup, naming the versions installed: the tool's venv may lack some of our stack."""
-        ctx, spec = self.ctx, self.ctx.spec
         attempt.setup(ctx, installed_versions)
         ctx.events.emit("shim_attached", trainer_module="transformers.trainer", command=list(spec.command))
         ctx.heartbeat = HeartbeatThread(ctx.progress, spec.heartbeat_interval)
         ctx.heartbeat.start()
+        ctx.progress.enter(Stage.LOAD)  # the tool loads its model and data next
 
     def patch(self, trainer_class: Any) -> None:
         """Wrap ``trainer_class.train`` (transformers' ``Trainer``) so every subclass goes through us."""
@@ -84,10 +78,9 @@ class Session:
             source = self._attach(trainer)
             self._speed_trial(trainer, resuming=source.load_from is not None)
             self._stop_if_asked()
-            # The supervisor's choice; perhaps an optimizer-less copy, which the tool cannot know.
+            # The supervisor's choice (perhaps an optimizer-less copy the tool cannot know); a tool's own,
+            # Trainer.train's first positional parameter, would override it, so it goes.
             kwargs["resume_from_checkpoint"] = source.load_from
-            # Trainer.train's first positional parameter is resume_from_checkpoint: a tool's own
-            # there would override the supervisor's, so it goes.
             result = original(trainer, *args[1:], **kwargs) if args else original(trainer, **kwargs)
         except BaseException as exc:  # every failure must leave a report
             failure = attempt.captured(ctx, exc)
@@ -118,11 +111,10 @@ class Session:
         """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
         ctx = self.ctx
         source = attempt.resume_choice(ctx)
-        if ctx.trainer is trainer:  # train() called again on the same Trainer: attached already
-            return source
-        trainer.__class__ = supervised_class(trainer.__class__)
-        trainer.supervise(ctx.progress, ctx.spec, source)
-        ctx.trainer = trainer
+        if ctx.trainer is not trainer:  # else train() called again on the same Trainer: attached already
+            trainer.__class__ = supervised_class(trainer.__class__)
+            trainer.supervise(ctx.progress, ctx.spec, source)
+            ctx.trainer = trainer
         return source
 
     def _speed_trial(self, trainer: Any, resuming: bool) -> None:
@@ -132,15 +124,13 @@ class Session:
             return
         self.trialled = True  # a second train() on the same process trains as the first chose
         began = speed_trial.Began.now(ctx.progress, trainer)
-        why = cannot_time(trainer)
-        row: dict[str, Any] | None = None
+        why, results = cannot_time(trainer), None
         if why is None:
             try:
                 row = tool_row(trainer)
             except Exception as exc:  # not a dataset the trial can read: the plan stays
                 why = f"no tokenized training row to time ({_said(exc)})"
-        results = None
-        if row is not None:
+        if why is None:
             try:  # the timing alone: the policy's choice, applied after it, is our own code
                 results = speed_trial.time_all(trainer, ctx.spec, ctx.on_cuda, row)
             except Exception as exc:  # the tool's loss or collator on the trial's batch
@@ -196,28 +186,18 @@ def cannot_time(trainer: Any) -> str | None:
     if offloads:
         named = ", ".join(offloads)
         return f"the tool offloads in its own training step ({named}): the trial would measure without it"
-    if getattr(trainer, "train_dataset", None) is None:
-        return "the Trainer has no train_dataset"
-    return None
+    return "the Trainer has no train_dataset" if getattr(trainer, "train_dataset", None) is None else None
 
 
 def tool_row(trainer: Any) -> dict[str, Any]:
-    """The longest training row, with the columns the Trainer's own dataloader would keep."""
+    """The longest training row, with the columns the Trainer's own dataloader keeps (as it finds them)."""
     row = speed_trial.longest_row(trainer.train_dataset)
-    kept = kept_columns(trainer)
-    return row if kept is None else {k: v for k, v in row.items() if k in kept}
-
-
-def kept_columns(trainer: Any) -> set[str] | None:
-    """The columns ``remove_unused_columns`` keeps, as the Trainer finds them; None: every one."""
-    if not getattr(trainer.args, "remove_unused_columns", False):
-        return None
     find = getattr(trainer, "_set_signature_columns_if_needed", None)
-    if find is None:
-        return None
+    if not getattr(trainer.args, "remove_unused_columns", False) or find is None:
+        return row
     find()
-    signature = getattr(trainer, "_signature_columns", None)
-    return set(signature) if signature else None
+    kept = getattr(trainer, "_signature_columns", None)
+    return {k: v for k, v in row.items() if k in kept} if kept else row
 
 
 def _said(exc: BaseException) -> str:

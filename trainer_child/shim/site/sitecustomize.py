@@ -10,29 +10,19 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
-
-def _attach() -> None:
-    spec_path = os.environ.get("QLORA_SUPERVISE_SHIM_SPEC")
-    if not spec_path:
-        return
+if os.environ.get("QLORA_SUPERVISE_SHIM_SPEC"):
     try:
         from qlora_supervise.trainer_child.shim import attach
 
-        attach.install(spec_path)
+        attach.install(os.environ["QLORA_SUPERVISE_SHIM_SPEC"])
     except Exception as exc:  # the tool runs on unsupervised rather than not at all
         print(f"qlora-supervise shim: not attached: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
-
-def _chain() -> None:
-    """Run the next ``sitecustomize`` on ``sys.path`` (ours shadows it by coming first)."""
-    for entry in sys.path:
-        candidate = Path(entry or ".") / "sitecustomize.py"
-        if candidate.is_file() and candidate.resolve().parent != _HERE:
-            spec = importlib.util.spec_from_file_location("_qlora_supervise_next_sitecustomize", candidate)
-            if spec is not None and spec.loader is not None:
-                spec.loader.exec_module(importlib.util.module_from_spec(spec))
-            return
-
-
-_attach()
-_chain()
+# The next ``sitecustomize`` on ``sys.path`` (ours shadows it by coming first) runs after ours.
+for _entry in sys.path:
+    _candidate = Path(_entry or ".") / "sitecustomize.py"
+    if _candidate.is_file() and _candidate.resolve().parent != _HERE:
+        _spec = importlib.util.spec_from_file_location("_qlora_supervise_next_sitecustomize", _candidate)
+        if _spec is not None and _spec.loader is not None:
+            _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+        break
