@@ -213,13 +213,6 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
         return ""
 
 
-def pids_running(*arguments: str) -> list[int]:
-    """Pids of processes whose command line contains any of ``arguments``."""
-    procs = psutil.process_iter(["pid", "cmdline"])
-    lines = ((int(p.info["pid"]), " ".join(p.info["cmdline"] or ())) for p in procs)
-    return [pid for pid, cmdline in lines if any(argument in cmdline for argument in arguments)]
-
-
 def process_cmdline(pid: int) -> str:
     """The process's command line, space-joined; empty when it is gone or not ours to read."""
     try:
@@ -279,7 +272,9 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
                 shimmed.append(int(proc.info["pid"]))
         except psutil.Error:  # gone, or another user's: not ours to stop anyway
             continue
-    found = [*pids_running(str(spec_path), spare), *shimmed]
+    procs = psutil.process_iter(["pid", "cmdline"])
+    lines = ((int(p.info["pid"]), " ".join(p.info["cmdline"] or ())) for p in procs)
+    found = [*(p for p, cmdline in lines if str(spec_path) in cmdline or spare in cmdline), *shimmed]
     candidates = [pid, *(p for p in found if p != pid)] if pid else found
     return [
         p

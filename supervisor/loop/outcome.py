@@ -58,13 +58,15 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     if not isinstance(verdict, Failure):
         return verdict
     if o.report is not None and o.report.world_size > 1:
-        cause = classify.first_failure(o.reports or (o.report,))
+        reports = o.reports or (o.report,)
+        cause = classify.first_failure(reports)
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
         rank, local = o.report.rank, o.report.local_rank
-        silent = _silent_rank(o.reports or (o.report,))
-        if silent is not None:  # one host (torchrun --standalone): the rank is its local rank
-            rank = local = silent
-            why = f"{why}; rank {silent} left no report: it died first"
+        # Every report a knock-on and one rank without one: it died first and broke the others' collective.
+        silent = set(range(reports[0].world_size)) - {r.rank for r in reports}
+        if len(silent) == 1 and all(classify.is_knock_on(r) for r in reports):
+            rank = local = silent.pop()  # one host (torchrun --standalone): the rank is its local rank
+            why = f"{why}; rank {rank} left no report: it died first"
         verdict = dataclasses.replace(verdict, rank=rank, local_rank=local, evidence=why)
     elif verdict.local_rank is None and verdict.fatal_xid is not None:
         # A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on.
@@ -89,15 +91,6 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     # The failing rank's card by its NVML (physical) index, in the record and the evidence.
     why = f"{verdict.evidence} (local rank {verdict.local_rank} trains on GPU {gpu}, NVML index)"
     return dataclasses.replace(verdict, gpu=gpu, evidence=why)
-
-
-def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
-    """The one rank that left no report when every report is a knock-on: it died first and broke
-    the others' collective. None when a rank reported a cause of its own."""
-    if any(not classify.is_knock_on(r) for r in reports):
-        return None
-    silent = set(range(reports[0].world_size)) - {r.rank for r in reports}
-    return silent.pop() if len(silent) == 1 else None
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:

@@ -182,6 +182,5 @@ class DiskWaiter:
         return policy.WaitResult(free, waited, stopped=self.pacer.stop_requested())
 
     def _free_ours(self) -> None:
-        freed = rundir.free_ours(self.rd)
-        if freed:
+        if freed := rundir.free_ours(self.rd):
             self.log.info(Event.STAGING_FREED, freed_bytes=freed, where=str(self.rd.root))
