@@ -1,14 +1,12 @@
-"""Starting and stopping the child process: in its own session (a Ctrl-C on the terminal reaches
-only the supervisor, which stops the child on purpose), output appended to ``attempt-NNN/child.log``,
-and on Linux ``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits). The
-command line is one process, or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m
-torch.distributed.run --standalone --nproc-per-node N ...``; never a launcher of our own).
-``--max-restarts 0``: retrying is the supervisor's job, with a new config when the failure says so.
-``--shutdown-timeout``: the supervisor's stop grace (torchrun's 30 s could cut a GPU checkpoint
-short). The spec path stays on every rank's command line: reclaim finds orphans by it.
-The loop's side effects sit behind :class:`Seams` (the real ones are its defaults), so the
-fake-clock tests run a whole ladder climb without a process; the real-process tests keep them.
-"""
+"""Starting and stopping the child process: in its own session (a Ctrl-C on the terminal reaches only the
+supervisor, which stops the child on purpose), output appended to ``attempt-NNN/child.log``, and on Linux
+``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits). The command line is one process,
+or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m torch.distributed.run --standalone
+--nproc-per-node N ...``; never a launcher of our own). ``--max-restarts 0``: retrying is the supervisor's
+job, with a new config when the failure says so. ``--shutdown-timeout``: the supervisor's stop grace
+(torchrun's 30 s could cut a GPU checkpoint short). The spec path stays on every rank's command line: reclaim
+finds orphans by it. The loop's side effects sit behind :class:`Seams` (the real ones are its defaults), so
+the fake-clock tests run a whole ladder climb without a process; the real-process tests keep them."""
 
 from __future__ import annotations
 
@@ -213,6 +211,13 @@ def log_tail(path: Path, limit: int = 64 * 1024) -> str:
         return ""
 
 
+def pids_running(*arguments: str) -> list[int]:
+    """Pids of processes whose command line contains any of ``arguments``."""
+    procs = psutil.process_iter(["pid", "cmdline"])
+    lines = ((int(p.info["pid"]), " ".join(p.info["cmdline"] or ())) for p in procs)
+    return [pid for pid, cmdline in lines if any(argument in cmdline for argument in arguments)]
+
+
 def process_cmdline(pid: int) -> str:
     """The process's command line, space-joined; empty when it is gone or not ours to read."""
     try:
@@ -272,9 +277,7 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
                 shimmed.append(int(proc.info["pid"]))
         except psutil.Error:  # gone, or another user's: not ours to stop anyway
             continue
-    procs = psutil.process_iter(["pid", "cmdline"])
-    lines = ((int(p.info["pid"]), " ".join(p.info["cmdline"] or ())) for p in procs)
-    found = [*(p for p, cmdline in lines if str(spec_path) in cmdline or spare in cmdline), *shimmed]
+    found = [*pids_running(str(spec_path), spare), *shimmed]
     candidates = [pid, *(p for p in found if p != pid)] if pid else found
     return [
         p
