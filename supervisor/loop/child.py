@@ -1,14 +1,12 @@
-"""Starting and stopping the child process: in its own session (a Ctrl-C on the terminal reaches
-only the supervisor, which stops the child on purpose), output appended to ``attempt-NNN/child.log``,
-and on Linux ``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits). The
-command line is one process, or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m
-torch.distributed.run --standalone --nproc-per-node N ...``; never a launcher of our own).
-``--max-restarts 0``: retrying is the supervisor's job, with a new config when the failure says so.
-``--shutdown-timeout``: the supervisor's stop grace (torchrun's 30 s could cut a GPU checkpoint
-short). The spec path stays on every rank's command line: reclaim finds orphans by it.
-The loop's side effects sit behind :class:`Seams` (the real ones are its defaults), so the
-fake-clock tests run a whole ladder climb without a process; the real-process tests keep them.
-"""
+"""Starting and stopping the child process: in its own session (a Ctrl-C on the terminal reaches only the
+supervisor, which stops the child on purpose), output appended to ``attempt-NNN/child.log``, and on Linux
+``PDEATHSIG=SIGTERM`` (a child whose supervisor died checkpoints and exits). The command line is one process,
+or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m torch.distributed.run --standalone
+--nproc-per-node N ...``; never a launcher of our own). ``--max-restarts 0``: retrying is the supervisor's
+job, with a new config when the failure says so. ``--shutdown-timeout``: the supervisor's stop grace
+(torchrun's 30 s could cut a GPU checkpoint short). The spec path stays on every rank's command line: reclaim
+finds orphans by it. The loop's side effects sit behind :class:`Seams` (the real ones are its defaults), so
+the fake-clock tests run a whole ladder climb without a process; the real-process tests keep them."""
 
 from __future__ import annotations
 

@@ -61,11 +61,10 @@ def descents(records: Sequence[AttemptRecord], data_lengths: Sequence[int]) -> l
 def past_step_ups(records: Sequence[AttemptRecord]) -> list[rule.PastStepUp]:
     """The journal's step-ups, each with whether the attempt that ran its config failed."""
     found = []
-    for index, r in enumerate(records):
+    for r, after in zip(records, [*records[1:], None], strict=False):
         d = r.decision
         if d is None or d.rung != rule.STEP_UP_RUNG or d.knobs is None or d.undoes is None:
             continue
-        after = records[index + 1] if index + 1 < len(records) else None
         failed = after is not None and after.outcome is Outcome.FAILED and after.failure is not None
         found.append(rule.PastStepUp(d.undoes, d.knobs, failed))
     return found
@@ -124,7 +123,12 @@ class ClimbBack:
         """The planned restart to take at this checkpoint of an attempt running ``knobs``, or None."""
         settings = self.settings()
         lengths = settings.sample_lengths.lengths if settings.sample_lengths else ()
-        card = self._card(step, now, settings.step_up_settle_s)
+        # The card now: the others' most over the last settle time (the level they stayed at or below).
+        settle, samples, card = settings.step_up_settle_s, self.samples, rule.CardNow(step, None, None, 0.0)
+        recent = [s for s in samples if s[0] >= now - settle]
+        if samples:
+            held = max(s[1].others_bytes for s in (recent or samples[-1:]))
+            card = rule.CardNow(step, samples[-1][2], held, min(settle, now - samples[0][0]))
         past = descents(self.records, lengths), past_step_ups(self.records)
         answer = rule.step_up(knobs, *past, settings, card)
         if isinstance(answer, rule.StepUp):
@@ -137,30 +141,16 @@ class ClimbBack:
             if key not in self.said:
                 self.said.add(key)
                 self.log.info(Event.STEP_UP_REFUSED, undoes=answer.descent.attempt, why=answer.why)
-        return self._retime(knobs, now, settings, remaining_s)
-
-    def _card(self, step: int, now: float, settle_s: float) -> rule.CardNow:
-        """The others' most over the last ``settle_s`` (the level they have stayed at or below)."""
-        if not self.samples:
-            return rule.CardNow(step, None, None, 0.0)
-        recent = [s for s in self.samples if s[0] >= now - settle_s]
-        held = max(s[1].others_bytes for s in (recent or self.samples[-1:]))
-        return rule.CardNow(step, self.samples[-1][2], held, min(settle_s, now - self.samples[0][0]))
-
-    def _retime(
-        self, knobs: Knobs, now: float, settings: policy.Settings, remaining_s: float
-    ) -> PlannedRestart | None:
         if self.trial_at is None or self.first_trial is None or not settings.step_up:
             return None
         when, then = self.trial_at
-        window = [s[1] for s in self.samples if s[0] >= now - settings.step_up_settle_s]
-        held_for = now - max(when, self.samples[0][0]) if self.samples else 0.0
-        settle = settings.step_up_settle_s
-        answer = choice.retime(self.first_trial, knobs, then, window, held_for, settle, remaining_s)
-        if answer is None:
+        held_for = now - max(when, samples[0][0]) if samples else 0.0
+        window = [s[1] for s in recent]
+        retimed = choice.retime(self.first_trial, knobs, then, window, held_for, settle, remaining_s)
+        if retimed is None:
             return None
         self.trial_at = None  # once per trial
-        to, why = answer
+        to, why = retimed
         pairs = {n: (getattr(knobs, n), getattr(to, n)) for n in _TRIAL_KNOBS}
         changes: dict[str, tuple[object, object]] = {n: p for n, p in pairs.items() if p[0] != p[1]}
         return PlannedRestart(to, choice.RETIME_RUNG, why, changes)

@@ -120,7 +120,20 @@ class Conclusions:
         if verdict is Outcome.STOPPED:
             return Turn(RunState.STOPPED)  # RUNNING -> STOPPED
         if verdict is Outcome.SUCCEEDED:
-            self._announce_success(log, record, reclaimed)
+            steps = record.steps_completed
+            log.info(Event.ATTEMPT_SUCCEEDED, phase=record.phase.value, steps=steps, reclaimed=reclaimed)
+            if record.phase is Phase.MERGE or not self.job.train.merge:  # nothing (no merge) is left to run
+                # The event names what is there, never an adapter folder that was not written.
+                tool_output = saved_by_the_tool_only(rd.root, rd.adapter)
+                log.info(
+                    Event.RUN_SUCCEEDED,
+                    attempts=record.attempt,
+                    steps=max(r.steps_completed for r in self.records if r.phase is Phase.TRAIN),
+                    adapter=str(rd.adapter) if rd.adapter.exists() else None,
+                    trainer_output=str(tool_output) if tool_output is not None else None,
+                    merged=str(rd.merged) if record.phase is Phase.MERGE else None,
+                    story=story(self.records),
+                )
         else:
             log.info(
                 Event.ATTEMPT_INTERRUPTED,
@@ -221,27 +234,6 @@ class Conclusions:
         record = self.journal(line, o.progress.events)
         self._announce_decision(log, record)
         return record
-
-    def _announce_success(self, log: FilteringBoundLogger, record: AttemptRecord, reclaimed: bool) -> None:
-        """``attempt_succeeded``, and ``run_succeeded`` when nothing (no merge) is left to run."""
-        log.info(
-            Event.ATTEMPT_SUCCEEDED,
-            phase=record.phase.value,
-            steps=record.steps_completed,
-            reclaimed=reclaimed,
-        )
-        if record.phase is Phase.MERGE or not self.job.train.merge:
-            rd = self.rd  # the event names what is there, never an adapter folder that was not written
-            tool_output = saved_by_the_tool_only(rd.root, rd.adapter)
-            log.info(
-                Event.RUN_SUCCEEDED,
-                attempts=record.attempt,
-                steps=max(r.steps_completed for r in self.records if r.phase is Phase.TRAIN),
-                adapter=str(rd.adapter) if rd.adapter.exists() else None,
-                trainer_output=str(tool_output) if tool_output is not None else None,
-                merged=str(rd.merged) if record.phase is Phase.MERGE else None,
-                story=story(self.records),
-            )
 
     def _announce_decision(self, log: FilteringBoundLogger, record: AttemptRecord) -> None:
         """``retry`` (a warning) or ``gave_up`` (an error), read from the journal line alone."""

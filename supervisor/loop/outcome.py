@@ -58,56 +58,39 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
     if not isinstance(verdict, Failure):
         return verdict
     if o.report is not None and o.report.world_size > 1:
-        cause = classify.first_failure(o.reports or (o.report,))
+        reports = o.reports or (o.report,)
+        cause = classify.first_failure(reports)
         why = f"{cause.why}; {verdict.evidence}" if cause is not None else verdict.evidence
         rank, local = o.report.rank, o.report.local_rank
-        silent = _silent_rank(o.reports or (o.report,))
-        if silent is not None:  # one host (torchrun --standalone): the rank is its local rank
-            rank = local = silent
-            why = f"{why}; rank {silent} left no report: it died first"
+        # Every report a knock-on and one rank without one: it died first and broke the others' collective.
+        silent = set(range(reports[0].world_size)) - {r.rank for r in reports}
+        if len(silent) == 1 and all(classify.is_knock_on(r) for r in reports):
+            rank = local = silent.pop()  # one host (torchrun --standalone): the rank is its local rank
+            why = f"{why}; rank {rank} left no report: it died first"
         verdict = dataclasses.replace(verdict, rank=rank, local_rank=local, evidence=why)
     elif verdict.local_rank is None and verdict.fatal_xid is not None:
-        verdict = _xid_card(verdict, o.memory.card_xids)
+        # A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on.
+        ranks = [rank for rank, xids in sorted(o.memory.card_xids.items()) if verdict.fatal_xid in xids]
+        if len(ranks) == 1:
+            why = f"{verdict.evidence}; NVML saw Xid {verdict.fatal_xid} on local rank {ranks[0]}'s card"
+            verdict = dataclasses.replace(verdict, rank=ranks[0], local_rank=ranks[0], evidence=why)
     elif o.plan.knobs.world_size > 1 and verdict.local_rank is None:
-        verdict = _root_rank(verdict, o.rank_exits, o.log_tail)
+        # No rank reported: the rank whose process left first, else the one torchrun's summary names.
+        first = sorted(o.rank_exits.items(), key=lambda item: item[1])
+        root: int | None
+        if first and (len(first) == 1 or first[0][1] < first[1][1]):
+            root, whose = first[0][0], "its process left first"
+        else:
+            root, whose = classify.torchrun_root_rank(o.log_tail), "torchrun saw it fail first"
+        if root is not None:
+            why = f"{verdict.evidence}; rank {root} failed and no rank reported: {whose}"
+            verdict = dataclasses.replace(verdict, rank=root, local_rank=root, evidence=why)
     gpu = o.memory.cards.get(verdict.local_rank) if verdict.local_rank is not None else None
     if gpu is None:
         return verdict
     # The failing rank's card by its NVML (physical) index, in the record and the evidence.
     why = f"{verdict.evidence} (local rank {verdict.local_rank} trains on GPU {gpu}, NVML index)"
     return dataclasses.replace(verdict, gpu=gpu, evidence=why)
-
-
-def _silent_rank(reports: tuple[ErrorReport, ...]) -> int | None:
-    """The one rank that left no report when every report is a knock-on: it died first and broke
-    the others' collective. None when a rank reported a cause of its own."""
-    if any(not classify.is_knock_on(r) for r in reports):
-        return None
-    silent = set(range(reports[0].world_size)) - {r.rank for r in reports}
-    return silent.pop() if len(silent) == 1 else None
-
-
-def _root_rank(failure: Failure, rank_exits: Mapping[int, float], log_tail: str) -> Failure:
-    """No rank reported: the rank whose process left first, else the one torchrun's summary names."""
-    first = sorted(rank_exits.items(), key=lambda item: item[1])
-    rank: int | None
-    if first and (len(first) == 1 or first[0][1] < first[1][1]):
-        rank, whose = first[0][0], "its process left first"
-    else:
-        rank, whose = classify.torchrun_root_rank(log_tail), "torchrun saw it fail first"
-    if rank is None:
-        return failure
-    why = f"{failure.evidence}; rank {rank} failed and no rank reported: {whose}"
-    return dataclasses.replace(failure, rank=rank, local_rank=rank, evidence=why)
-
-
-def _xid_card(failure: Failure, card_xids: Mapping[int, list[int]]) -> Failure:
-    """A GPU fault no rank reported: the rank whose card NVML saw the fatal Xid on."""
-    ranks = [rank for rank, xids in sorted(card_xids.items()) if failure.fatal_xid in xids]
-    if len(ranks) != 1:
-        return failure
-    why = f"{failure.evidence}; NVML saw Xid {failure.fatal_xid} on local rank {ranks[0]}'s card"
-    return dataclasses.replace(failure, rank=ranks[0], local_rank=ranks[0], evidence=why)
 
 
 def _judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None) -> Outcome | Failure:

@@ -171,10 +171,8 @@ def first_plan(
         return Plan(Phase.TRAIN, knobs, note=PlanNote(peak, budget, reasons, as_written=True))
     reasons = result.reasons
     if scale is not None:
-        reasons = (
-            *reasons,
-            f"calibrated by {len(settings.prior)} peak(s) seen on this host (scale {scale:.2f})",
-        )
+        calibrated = f"calibrated by {len(settings.prior)} peak(s) seen on this host (scale {scale:.2f})"
+        reasons = (*reasons, calibrated)
     if speed is not None:
         reasons = (*reasons, f"ranked with {len(speed.measured)} config(s) this host measured the speed of")
     peak = scaled_peak(result.predicted, scale if result.fallback is None else None)

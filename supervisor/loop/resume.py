@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
@@ -72,11 +71,14 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
             skipped.append(f"{path.name}: optimizer state damaged ({why}); resumed with a fresh optimizer")
         if not saved:  # a marker without knobs (written by hand or another tool): trust its shape
             return ResumePoint(step, path, optimizer_only, tuple(skipped), tuple(moved))
-        why_not = _unloadable(saved, knobs)
-        if why_not is not None:
-            skipped.append(f"{path.name}: {why_not}")
+        rank = saved.get("lora_r")
+        rank_from = rank if type(rank) is int and rank > knobs.lora_r else None  # JSON's int, not a bool
+        # A larger rank is cut down by SVD, its alpha rescaled with it: only the model must match.
+        names = ("model",) if rank_from is not None else ("model", "lora_r", "lora_alpha")
+        differs = [name for name in names if saved.get(name) != getattr(knobs, name)]
+        if differs:
+            skipped.append(f"{path.name}: adapter differs in {', '.join(differs)}")
             continue
-        rank_from = _larger_rank(saved, knobs)
         # Another optimizer, the fresh_optimizer_state rung against a checkpoint written before it, or
         # the other FSDP mode (its optimizer state has its own layout): the optimizer state is not loaded.
         flags = ("fresh_optimizer_state", "fsdp")
@@ -85,22 +87,6 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
         reset = optimizer_only or rank_from is not None or changed
         return ResumePoint(step, path, reset, tuple(skipped), tuple(moved), rank_from)
     return ResumePoint(0, None, False, tuple(skipped), tuple(moved))
-
-
-def _unloadable(saved: dict[str, Any], knobs: Knobs) -> str | None:
-    """Why an adapter saved with ``saved`` knobs cannot start ``knobs``; None when it can."""
-    if _larger_rank(saved, knobs) is not None:
-        differs = []  # cut down by SVD, its alpha rescaled with it: only the model must match
-    else:
-        differs = [name for name in ("lora_r", "lora_alpha") if saved.get(name) != getattr(knobs, name)]
-    if saved.get("model") != knobs.model:
-        differs.insert(0, "model")
-    return f"adapter differs in {', '.join(differs)}" if differs else None
-
-
-def _larger_rank(saved: dict[str, Any], knobs: Knobs) -> int | None:
-    rank = saved.get("lora_r")
-    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > knobs.lora_r else None
 
 
 def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Quarantined | None:

@@ -33,12 +33,7 @@ from qlora_supervise.supervisor.trainers.trainer import note_shim, output_moving
 from qlora_supervise.supervisor.watching import watch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards
 from qlora_supervise.supervisor.watching.watch import Watched
-from qlora_supervise.trainer_child.contract.events import (
-    CheckpointSaved,
-    ChildEvent,
-    Heartbeat,
-    SpeedTrialEvent,
-)
+from qlora_supervise.trainer_child.contract import events as child_events
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, Knobs
 
 
@@ -117,8 +112,23 @@ class AttemptRunner:
             if watched.stopped_by_signal:
                 self.spare_due = None  # the run stops: no attempt will need it
             self._start_due_spare()  # the attempt ended before its first step: the next may need one
-            exit_ = self._end(proc, watched)
-            self._last_gpu_look(proc.pid, watched, ctx.rd.attempt(number).gpu)
+            killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
+            if self.planned is not None and killed is None:
+                killed = KilledBy.STEP_UP
+            code = proc.poll() if killed is None else None
+            if code is None:
+                # A hung process (or ranks left in a broken collective) gets the short grace.
+                short = watched.hang or watched.ranks_overstayed
+                code = proc.stop(ctx.job.supervise.hang_grace if short else seams.stop_grace_s)
+            duration_s = seams.clock() - proc.started_monotonic
+            exit_ = ChildExit(code if code >= 0 else None, -code if code < 0 else None, killed, duration_s)
+            # One more NVML sample after the exit (a crash's Xid may come late), then any ``gpu_fault``.
+            if ctx.gpu is not None or self.cards is not None:
+                self._sample(proc.pid, watched, ctx.rd.attempt(number).gpu)
+            if watched.xid_events:
+                xids, fatal = list(dict.fromkeys(watched.xid_events)), xid.fatal_xid(watched.xid_events)
+                meanings = xid.describe(watched.xid_events)
+                log.error(Event.GPU_FAULT, xids=xids, meanings=meanings, fatal=fatal is not None)
         finally:
             if self.cards is not None:
                 self.cards.close()
@@ -165,10 +175,14 @@ class AttemptRunner:
         # The datasets cache stays in the run directory, unless the caller chose a place (HF_HOME).
         if not {"HF_DATASETS_CACHE", "HF_HOME"} & env.keys():
             env["HF_DATASETS_CACHE"] = str(ensure_dir(ctx.rd.datasets_cache))
-        order = self._spare_order(argv, files.spec, plan, env)
-        if order is None:  # a merge or torchrun: the spare's RAM is theirs now
+        # What a spare for this attempt must have been started with; None when a spare cannot run it.
+        order, spare, knobs, device = None, None, plan.knobs, ctx.job.resources.device
+        train = plan.phase is Phase.TRAIN and ctx.job.trainer.spare
+        if runs_in_spare(argv, child_mod.child_argv(files.spec, plan.phase.value), train, knobs.world_size):
+            order = SpareOrder(env, device, knobs.expandable_segments, knobs.model, files.spec)
+            spare = self.spares.take(order, files.spec, files.log)
+        else:  # a merge or torchrun: the spare's RAM is theirs now
             self.spares.discard("this attempt cannot run in a spare")
-        spare = self.spares.take(order, files.spec, files.log) if order is not None else None
         self.warm = spare is not None
         cwd = ctx.job.trainer.cwd(ctx.job.job_file.parent, ctx.rd.root, ready.spec.command)
         proc: ChildHandle = spare or seams.spawn(argv, env, files.log, cwd)
@@ -177,31 +191,6 @@ class AttemptRunner:
         # warm start only after its first step, so its imports never slow the recovery they shorten.
         self.spare_due = order
         return proc
-
-    def _spare_order(
-        self, argv: list[str], spec_path: Path, plan: Plan, env: dict[str, str]
-    ) -> SpareOrder | None:
-        """What a spare for this attempt must have been started with; None when a spare cannot run it."""
-        trainer_argv = child_mod.child_argv(spec_path, plan.phase.value)
-        train = plan.phase is Phase.TRAIN and self.ctx.job.trainer.spare
-        if not runs_in_spare(argv, trainer_argv, train, plan.knobs.world_size):
-            return None
-        device, expandable = self.ctx.job.resources.device, plan.knobs.expandable_segments
-        return SpareOrder(env, device, expandable, plan.knobs.model, prepare_from=spec_path)
-
-    def _end(self, proc: ChildHandle, watched: Watched) -> ChildExit:
-        seams = self.ctx.seams
-        killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
-        if self.planned is not None and killed is None:
-            killed = KilledBy.STEP_UP
-        code = proc.poll() if killed is None else None
-        if code is None:
-            # A hung process (or ranks left in a broken collective) gets the short grace.
-            short = watched.hang or watched.ranks_overstayed
-            grace = self.ctx.job.supervise.hang_grace if short else seams.stop_grace_s
-            code = proc.stop(grace)
-        duration_s = seams.clock() - proc.started_monotonic
-        return ChildExit(code if code >= 0 else None, -code if code < 0 else None, killed, duration_s)
 
     def _watch(self, ready: Prepared, proc: ChildHandle, reader: watch.HeartbeatReader) -> Watched:
         # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
@@ -264,18 +253,18 @@ class AttemptRunner:
         return watched
 
     def _planned_restart(
-        self, events: list[ChildEvent], knobs: Knobs, progress: watch.Progress, now: float
+        self, events: list[child_events.ChildEvent], knobs: Knobs, progress: watch.Progress, now: float
     ) -> bool:
         """At a checkpoint the child saved: whether to stop it for a faster config (climb_back.py)."""
         climb = self.ctx.climb
         if knobs.world_size > 1:
             return False
-        if any(isinstance(event, SpeedTrialEvent) for event in events):
+        if any(isinstance(event, child_events.SpeedTrialEvent) for event in events):
             climb.trial_seen(now)
-        saved = [e for e in events if isinstance(e, CheckpointSaved) and not e.emergency and e.step]
+        saves = (e for e in events if isinstance(e, child_events.CheckpointSaved))
         last_step = progress.finished or (progress.max_steps and progress.step >= progress.max_steps)
-        if not saved or last_step:  # the final save: nothing is left to train faster
-            return False
+        if not any(e.step and not e.emergency for e in saves) or last_step:
+            return False  # no regular save, or the final one: nothing is left to train faster
         knobs = speed_of(progress.events, knobs).knobs
         planned = climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))
         if planned is None:
@@ -292,11 +281,11 @@ class AttemptRunner:
         return True
 
     def _note_creep(
-        self, events: list[ChildEvent], creep: watch.CreepWatch, pid: int, watched: Watched
+        self, events: list[child_events.ChildEvent], creep: watch.CreepWatch, pid: int, watched: Watched
     ) -> None:
         """Feed new heartbeats to the creep rule; once it fires, log it and ask for an early checkpoint."""
         for event in events:
-            forecast = creep.observe(event) if isinstance(event, Heartbeat) else None
+            forecast = creep.observe(event) if isinstance(event, child_events.Heartbeat) else None
             if forecast is None:
                 continue
             if forecast.asks_for_checkpoint:
@@ -319,12 +308,3 @@ class AttemptRunner:
             watch.sample_cards(pid, watched, self.cards, gpu_log)
         else:
             watch.sample_memory(pid, watched, self.ctx.gpu, gpu_log)
-
-    def _last_gpu_look(self, pid: int, watched: Watched, gpu_log: Path) -> None:
-        """One more NVML sample after the exit (a crash's Xid may come late), then any ``gpu_fault``."""
-        if self.ctx.gpu is not None or self.cards is not None:
-            self._sample(pid, watched, gpu_log)
-        if watched.xid_events:
-            xids, fatal = list(dict.fromkeys(watched.xid_events)), xid.fatal_xid(watched.xid_events)
-            meanings = xid.describe(watched.xid_events)
-            self.log.error(Event.GPU_FAULT, xids=xids, meanings=meanings, fatal=fatal is not None)

@@ -10,7 +10,7 @@ from pathlib import Path
 from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory_model import ModelShape
-from qlora_supervise.policies.search.budget import HostBudget, card_budget, host_budget
+from qlora_supervise.policies.search.budget import card_budget, host_budget
 from qlora_supervise.policies.search.throughput import SpeedObservation
 from qlora_supervise.policies.verdicts import for_model
 from qlora_supervise.supervisor.jobfile import model_files
@@ -38,6 +38,18 @@ def policy_settings(job: Job) -> policy.Settings:
     store, kind = peak_store_path(job), job.trainer.kind
     prior = tuple(read_observations(store, shape, kind)) if store is not None and shape is not None else ()
     speeds = tuple(read_speeds(store, shape, kind)) if store is not None and shape is not None else ()
+    # The host budget: ``resources.host_memory_limit``, else the RAM available now (capped by the
+    # cgroup) less a reserve; None on the CPU or without a shape to count with.
+    host = None
+    if shape is not None and resources.device != "cpu":
+        try:
+            files = model_files.read_model_files(job.knobs.model)
+            checkpoint, shard = files.checkpoint_bytes, files.largest_shard_bytes
+        except model_files.ModelFilesError:
+            checkpoint, shard = None, 0
+        free, cgroup = host_memory.host_room()  # through the module: the tests' one seam
+        limit = resources.host_memory_limit
+        host = host_budget(checkpoint or shape.params * 2, free, cgroup, limit, largest_shard_bytes=shard)
     return policy.Settings(
         max_attempts=supervise.max_attempts,
         max_no_progress=supervise.max_no_progress_attempts,
@@ -58,7 +70,7 @@ def policy_settings(job: Job) -> policy.Settings:
         fallback_shapes=tuple((model, model_shape(Path(model))) for model in job.fallback_models),
         speed_trial=supervise.speed_trial,  # in our child, or the shim in a foreign tool (shim/session.py)
         cannot_take=job.trainer.cannot_take(),
-        host=job_host_budget(job, shape),
+        host=host,
         targets=job.train.target_modules,
     )
 
@@ -69,21 +81,6 @@ def predicted_host(settings: policy.Settings, knobs: Knobs) -> int | None:
     if own.shape is None or own.host is None:
         return None
     return host_train_need(own.shape, knobs, own.host.checkpoint_bytes, own.targets).train_peak
-
-
-def job_host_budget(job: Job, shape: ModelShape | None) -> HostBudget | None:
-    """The host budget of a run: ``resources.host_memory_limit``, else the RAM available now (capped
-    by the cgroup) less a reserve; None on the CPU or without a shape to count with."""
-    if shape is None or job.resources.device == "cpu":
-        return None
-    try:
-        files = model_files.read_model_files(job.knobs.model)
-        checkpoint, shard = files.checkpoint_bytes, files.largest_shard_bytes
-    except model_files.ModelFilesError:
-        checkpoint, shard = None, 0
-    available, cgroup = host_memory.host_room()  # through the module: the tests' one seam
-    limit = job.resources.host_memory_limit
-    return host_budget(checkpoint or shape.params * 2, available, cgroup, limit, largest_shard_bytes=shard)
 
 
 def remember_attempt(

@@ -172,15 +172,13 @@ class SpareKeeper:
         """Wait for the spare's ``spare_ack``; None once seen, else why it is discarded."""
         bound = ACK_S if ready else max(ACK_S, IMPORT_BOUND_S - (self._clock() - spare.started_at))
         deadline = self._clock() + bound
+        state = "after it reported ready" if ready else "and never reported ready (stuck in its imports?)"
         while True:
             if ready_line(self.log_path, spare.proc.pid, "spare_ack") is not None:
                 return None
             if spare.proc.poll() is not None:
                 return "it exited instead of acknowledging the spec"
             if self._clock() >= deadline:
-                state = (
-                    "after it reported ready" if ready else "and never reported ready (stuck in its imports?)"
-                )
                 return f"no acknowledgement of the spec within {bound:.0f} s {state}: stopped or stuck"
             self._sleep(ACK_POLL_S)
 

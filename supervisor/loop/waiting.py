@@ -108,10 +108,9 @@ def wait_for_memory(
         return sample.free if sample else None
 
     free, waited = _timed_poll(free_now, wait.needed_bytes, wait.seconds, pacing, pacer)
-    if free is None:
-        event = Event.NO_MEMORY_READING
-    else:
-        event = Event.MEMORY_AVAILABLE if free >= wait.needed_bytes else Event.MEMORY_WAIT_TIMED_OUT
+    event = Event.NO_MEMORY_READING if free is None else Event.MEMORY_WAIT_TIMED_OUT
+    if free is not None and free >= wait.needed_bytes:
+        event = Event.MEMORY_AVAILABLE
     log.info(event, free_bytes=free, waited_s=round(waited, 1))
     return policy.WaitResult(free, waited, stopped=pacer.stop_requested())
 
@@ -182,6 +181,5 @@ class DiskWaiter:
         return policy.WaitResult(free, waited, stopped=self.pacer.stop_requested())
 
     def _free_ours(self) -> None:
-        freed = rundir.free_ours(self.rd)
-        if freed:
+        if freed := rundir.free_ours(self.rd):
             self.log.info(Event.STAGING_FREED, freed_bytes=freed, where=str(self.rd.root))
