@@ -17,14 +17,9 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.journal import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.trainer_child.contract import events as child_events
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.events import (
-    ChildEvent,
-    Heartbeat,
-    SpeedTrialEvent,
-    TrialResult,
-    read_events,
-)
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, SpeedTrialEvent, TrialResult
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The planned restarts to a faster config (issue 34), by the rung the journal names them with.
@@ -145,7 +140,7 @@ def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
 
 def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
     """The speed in ``events_file`` (an unreadable or missing file is an attempt with no speed)."""
-    return speed_of(read_events(events_file), planned)
+    return speed_of(child_events.read_events(events_file), planned)
 
 
 def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float]]:

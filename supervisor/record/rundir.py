@@ -27,12 +27,8 @@ from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeR
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.record.journal import read_state
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    DIR_MODE,
-    QUARANTINE_DIR,
-    TEMP_PREFIX,
-    remove_stale_temps,
-)
+from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract.checkpoints import DIR_MODE, QUARANTINE_DIR, TEMP_PREFIX
 from qlora_supervise.trainer_child.contract.disk_space import free_bytes, last_checkpoint_bytes, tree_bytes
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 
@@ -285,7 +281,7 @@ def free_ours(rd: RunDir) -> int:
     if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
         temps = [path for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)]
         sizes = {path: tree_bytes(path) for path in temps}
-        gone = remove_stale_temps(rd.checkpoints)
+        gone = checkpoints.remove_stale_temps(rd.checkpoints)
         freed += sum(sizes.get(path, 0) for path in gone)
     folders = [rd.root, *sorted(rd.root.glob("attempt-*"))]
     real = [folder for folder in folders if folder.is_dir() and not folder.is_symlink()]

@@ -14,13 +14,7 @@ from typing import Protocol
 
 import pynvml
 
-from qlora_supervise.trainer_child.contract.spec import (
-    DeviceError,
-    Knobs,
-    bind_device,
-    rank_gpus,
-    visible_entries,
-)
+from qlora_supervise.trainer_child.contract import spec
 
 NVMLError = pynvml.NVMLError  # every NVML failure: each return code is a subclass of it
 Handle = object  # NVML handles and event sets are opaque
@@ -110,7 +104,7 @@ class GpuMonitor:
         try:
             handle = _handle_for(started, device)
             index = int(started.nvmlDeviceGetIndex(handle))
-        except (NVMLError, LookupError, DeviceError):  # no such GPU, or none visible: nothing to watch
+        except (NVMLError, LookupError, spec.DeviceError):  # no such GPU, or none visible: nothing to watch
             _shutdown(started)
             return None
         return cls(started, handle, index, _xid_event_set(started, handle))
@@ -183,13 +177,13 @@ def visible_gpu_count(*, nvml: Nvml | None = None) -> int | None:
         return None
     finally:
         _shutdown(started)
-    listed = visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    listed = spec.visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
     return count if listed is None else min(count, len(listed))
 
 
 def _handle_for(nvml: Nvml, device: str) -> Handle:
     """The handle of the GPU the child trains on (it inherits our ``CUDA_VISIBLE_DEVICES``)."""
-    target = bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target
+    target = spec.bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target
     if target is None:
         raise LookupError(f"device {device!r}: no GPU visible")
     if isinstance(target, int):
@@ -259,12 +253,12 @@ class RankCards:
         self._monitors = dict(monitors)
 
     @classmethod
-    def open(cls, knobs: Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
+    def open(cls, knobs: spec.Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
         """The cards of ``knobs``' ranks; None for a single process on the first card (a single one
         that ``drop_rank`` left is watched here), on the CPU, or when NVML opens no card."""
         if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
             return None
-        cards = enumerate(rank_gpus(knobs))
+        cards = enumerate(spec.rank_gpus(knobs))
         opened = {rank: GpuMonitor.open(f"cuda:{position}", nvml=nvml) for rank, position in cards}
         monitors = {rank: monitor for rank, monitor in opened.items() if monitor is not None}
         return cls(monitors) if monitors else None
