@@ -114,8 +114,7 @@ def job_view(job: Job) -> dict[str, Any]:
     view.update({f"supervise.{k}": v for k, v in job.supervise.model_dump(mode="json").items()})
     view.update(job.trainer.config_view())
     view.update(job.unparsed)  # a tool's value that did not parse, as written: never its default
-    shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk
-    return shaped
+    return dict(json.loads(json.dumps(view, default=str)))  # as it reads back from disk
 
 
 def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:

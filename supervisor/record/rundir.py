@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath
+from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath, open_append_fd
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.record.journal import read_state
@@ -207,16 +207,7 @@ def ensure_dir(path: Path) -> Path:
 
 def open_lock_file(path: Path) -> TextIO:
     """The lock file, read-write (created 0640), never through a link."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            why = "is a symbolic link; refusing to lock or write through it"
-            raise UnsafeRunPath(path, why, LINK_FIX) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafeRunPath(path, "is not a regular file", LINK_FIX)
+    fd = open_append_fd(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, "lock or write")
     os.fchmod(fd, FILE_MODE)
     return os.fdopen(fd, "r+", encoding="utf-8")
 
