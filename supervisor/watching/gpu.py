@@ -111,10 +111,9 @@ class GpuMonitor:
 
     def sample(self, pids: set[int]) -> GpuSample | None:
         """Memory now, split into ``pids`` (the child's tree) and the rest; None on an NVML error."""
-        nvml = self._nvml
         try:
-            memory = _memory_info(nvml, self._handle)
-            processes = _processes(nvml, self._handle)
+            memory = _memory_info(self._nvml, self._handle)
+            processes = _processes(self._nvml, self._handle)
         except NVMLError:  # the GPU fell off the bus, the driver reset, ...: no sample this tick
             return None
         mine = sum(used for pid, used in processes if pid in pids)
@@ -188,19 +187,15 @@ def _handle_for(nvml: Nvml, device: str) -> Handle:
         raise LookupError(f"device {device!r}: no GPU visible")
     if isinstance(target, int):
         return nvml.nvmlDeviceGetHandleByIndex(target)
-    return _handle_by_uuid(nvml, target)
-
-
-def _handle_by_uuid(nvml: Nvml, uuid: str) -> Handle:
     with contextlib.suppress(NVMLError):  # NotFound / InvalidArgument: perhaps a prefix, below
-        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        return nvml.nvmlDeviceGetHandleByUUID(target)
     # CUDA_VISIBLE_DEVICES accepts unique UUID prefixes; NVML wants the whole UUID.
     for index in range(int(nvml.nvmlDeviceGetCount())):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         found = nvml.nvmlDeviceGetUUID(handle)
-        if (found.decode() if isinstance(found, bytes) else found).startswith(uuid):
+        if (found.decode() if isinstance(found, bytes) else found).startswith(target):
             return handle
-    raise LookupError(f"no GPU with UUID {uuid}")
+    raise LookupError(f"no GPU with UUID {target}")
 
 
 def _memory_info(nvml: Nvml, handle: Handle) -> NvmlMemory:

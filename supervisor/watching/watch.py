@@ -22,18 +22,12 @@ import psutil
 from qlora_supervise.supervisor.facts.append import open_append_text
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample, RankCards
 from qlora_supervise.supervisor.watching.host import sample_host
+from qlora_supervise.trainer_child.contract import events
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
 from qlora_supervise.trainer_child.contract.events import (
-    CheckpointSaved,
     ChildEvent,
-    ChildPeakSource,
-    EarlyCheckpointRequested,
-    Finished,
     Heartbeat,
-    Loaded,
-    SpeedTrialEvent,
-    StageEntered,
     Started,
     Stopping,
     parse_event,
@@ -107,18 +101,18 @@ class HeartbeatReader:
                 p.last_rss = memory.rss_bytes if memory.rss_bytes is not None else p.last_rss
                 if p.stage not in _BEFORE_TRAINING and memory.rss_high_water_bytes is not None:
                     p.host_peak = max(p.host_peak or 0, memory.rss_high_water_bytes)
-            case Loaded():
+            case events.Loaded():
                 p.load_host_peak = event.memory.rss_high_water_bytes
             case Started(max_steps=int() as max_steps):
                 p.max_steps = max_steps
-            case Finished():
+            case events.Finished():
                 p.finished = True
         # ``loaded`` carries memory numbers too; the peak rule is the child's.
-        if isinstance(event, Heartbeat | Loaded) and event.memory.peak_bytes is not None:
+        if isinstance(event, Heartbeat | events.Loaded) and event.memory.peak_bytes is not None:
             p.peak_bytes = max(p.peak_bytes or 0, event.memory.peak_bytes)
             if p.stage in _BEFORE_TRAINING:
                 p.setup_peak = max(p.setup_peak or 0, event.memory.peak_bytes)
-        if isinstance(event, SpeedTrialEvent):
+        if isinstance(event, events.SpeedTrialEvent):
             # The child reset its peaks after the trial: the attempt's is the load's, then training's.
             p.peak_bytes = p.setup_peak
             p.host_peak = None
@@ -128,9 +122,9 @@ class HeartbeatReader:
 def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
     """The step and stage an event names, where it does (``unknown``, a newer child's, says nothing)."""
     match event:
-        case Heartbeat() | StageEntered() | Stopping() | EarlyCheckpointRequested() | Started():
+        case Heartbeat() | Started() | Stopping() | events.StageEntered() | events.EarlyCheckpointRequested():
             return event.step, (None if event.stage is Stage.UNKNOWN else event.stage)
-        case CheckpointSaved() | Finished():
+        case events.CheckpointSaved() | events.Finished():
             return event.step, None
     return None, None
 
@@ -198,10 +192,11 @@ class CreepWatch:
     """Fed every heartbeat of one attempt; says once when memory creeps towards the budget."""
 
     def __init__(self, gpu_budget: int | None, cpu_budget: int | None, first_step: int = 0) -> None:
-        self._budgets = {ChildPeakSource.CUDA_ALLOCATOR: gpu_budget, ChildPeakSource.DATA_SEGMENT: cpu_budget}
+        source = events.ChildPeakSource
+        self._budgets = {source.CUDA_ALLOCATOR: gpu_budget, source.DATA_SEGMENT: cpu_budget}
         self._first_step = first_step
         self._peaks: dict[int, int] = {}
-        self._source: ChildPeakSource | None = None
+        self._source: events.ChildPeakSource | None = None
         self.fired = False
 
     def observe(self, beat: Heartbeat) -> CreepForecast | None:
