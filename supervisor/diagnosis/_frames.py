@@ -154,8 +154,7 @@ def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
     if ours:  # our trainer child names its stage in its last line (contract.report.failure_line)
         return StageFinding(Stage(ours[-1]), "the trainer child's failure line")
     named = [(frame, frame_stage(frame)) for frame in frames]
-    context = _context_stage(named)
-    if context is not None:
+    if (context := _context_stage(named)) is not None:
         return context
     finding: StageFinding | None = None
     for frame, stage in named:  # outermost first: a deeper frame replaces an outer one
@@ -204,11 +203,9 @@ def _log_hint(text: str) -> StageFinding:
     if "doesn't have NCCL built in" in text or "init_process_group" in text:
         return StageFinding(Stage.SETUP, "process-group initialisation")
     # A merge/export run says so in its log before it loads the base model.
-    merge = _MERGE_LOG.search(text)
-    if merge:
+    if merge := _MERGE_LOG.search(text):
         return StageFinding(Stage.MERGE, f"a log line names a merge ({merge.group(0)!r})")
-    shards = _SHARDS.findall(text)
-    if shards and int(shards[-1][0]) < int(shards[-1][1]):
+    if (shards := _SHARDS.findall(text)) and int(shards[-1][0]) < int(shards[-1][1]):
         return StageFinding(Stage.LOAD, "an unfinished 'Loading checkpoint shards' progress bar")
     return StageFinding(Stage.UNKNOWN, "no frame names a stage")
 

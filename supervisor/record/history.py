@@ -84,9 +84,7 @@ class ConfigTime:
 def time_in_configs(records: Sequence[AttemptRecord]) -> list[ConfigTime]:
     """The training attempts' time and steps per config, in the order the configs first ran."""
     seen: dict[Knobs, ConfigTime] = {}
-    for r in records:
-        if r.phase is not Phase.TRAIN:
-            continue
+    for r in [r for r in records if r.phase is Phase.TRAIN]:
         was = seen.get(r.knobs, ConfigTime(r.knobs, 0.0, 0))
         seconds, steps = was.seconds + r.ended_at - r.started_at, was.steps + r.steps_progressed
         seen[r.knobs] = ConfigTime(r.knobs, seconds, steps)

@@ -141,8 +141,7 @@ class RunDir:
 
 def refuse_foreign(root: Path, contents: bool = True) -> None:
     """Exit 2 when ``root`` may not be a run directory (:func:`foreign_output_dir`)."""
-    found = foreign_output_dir(root, contents)
-    if found is not None:
+    if (found := foreign_output_dir(root, contents)) is not None:
         raise UnsafeRunPath(root, f"output_dir {found[0]}", found[1])
 
 
@@ -218,8 +217,7 @@ _FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")
 def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | None:
     """Why ``root`` may not be a run directory and the fix, or None; ``contents`` False: only
     where it is (a system folder, a home), not what it holds."""
-    found = system_folder(root)
-    if found is not None or not contents:
+    if (found := system_folder(root)) is not None or not contents:
         return found
     real = Path(os.path.realpath(root))
     if not real.is_dir() or is_run_dir(real):

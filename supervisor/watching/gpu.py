@@ -167,8 +167,7 @@ def _started_nvml(nvml: Nvml | None) -> Nvml | None:
 def visible_gpu_count(*, nvml: Nvml | None = None) -> int | None:
     """How many GPUs the child could use: the ``CUDA_VISIBLE_DEVICES`` list when it is set, else
     NVML's count; None where NVML or the driver is missing (no GPU host: ranks run on the CPU)."""
-    started = _started_nvml(nvml)
-    if started is None:
+    if (started := _started_nvml(nvml)) is None:
         return None
     try:
         count = int(started.nvmlDeviceGetCount())
@@ -182,8 +181,7 @@ def visible_gpu_count(*, nvml: Nvml | None = None) -> int | None:
 
 def _handle_for(nvml: Nvml, device: str) -> Handle:
     """The handle of the GPU the child trains on (it inherits our ``CUDA_VISIBLE_DEVICES``)."""
-    target = spec.bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target
-    if target is None:
+    if (target := spec.bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target) is None:
         raise LookupError(f"device {device!r}: no GPU visible")
     if isinstance(target, int):
         return nvml.nvmlDeviceGetHandleByIndex(target)
