@@ -56,9 +56,7 @@ _RICH_SOURCE = re.compile(r"❱\s*\d+\s*(?:│\s*)*(?P<src>.*?)\s*│?\s*$", re.
 _LINE_PREFIX = re.compile(r"^\s*(?:\[rank\d+\]:|\d+:|SUBPROCESS:)\s?")
 _ARROW = re.compile(r"^\s*-+>\s*\d+\s+")
 _CODE_LINE = re.compile(r"^\s*(?:return\s+|\w+\s*=\s*)?[\w.]+(?:\[[^\]]*\])?\(.*\)\s*$")
-_OUR_CHILD = re.compile(
-    re.escape(FAILURE_LINE_PREFIX) + r"(" + "|".join(stage.value for stage in Stage) + r"):"
-)
+_OUR_CHILD = re.compile(re.escape(FAILURE_LINE_PREFIX) + "(" + "|".join(Stage) + "):")  # the stages' values
 _MERGE_LOG = re.compile(
     r"\bmerge_device_map\b|\bmerge_and_unload\b|\bmerging\b[^\n]{0,40}\b(?:lora|adapter|weights|model)\b",
     re.IGNORECASE,
@@ -141,7 +139,11 @@ def parse_frames(text: str) -> list[Frame]:
     """The frames of every traceback in ``text``, outermost first as printed."""
     boxes = [(m.start(), Frame(m.group("path"), m.group("func"), "")) for m in _RICH_FRAME.finditer(text)]
     rich = boxes + [(m.start(), Frame("", "", m.group("src"))) for m in _RICH_SOURCE.finditer(text)]
-    found = _python_frames(text) + _ipython_frames(text) + rich
+    python = [  # a hard-wrapped path is joined
+        (m.start(), Frame("".join(m.group("path").split()), m.group("func"), _next_source_line(text, m)))
+        for m in _PY_FRAME.finditer(text)
+    ]
+    found = python + _ipython_frames(text) + rich
     frames = [frame for _, frame in sorted(found, key=lambda item: item[0])]
     return frames or _bare_code_lines(text)
 
@@ -152,8 +154,7 @@ def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
     if ours:  # our trainer child names its stage in its last line (contract.report.failure_line)
         return StageFinding(Stage(ours[-1]), "the trainer child's failure line")
     named = [(frame, frame_stage(frame)) for frame in frames]
-    context = _context_stage(named)
-    if context is not None:
+    if (context := _context_stage(named)) is not None:
         return context
     finding: StageFinding | None = None
     for frame, stage in named:  # outermost first: a deeper frame replaces an outer one
@@ -163,12 +164,10 @@ def stage_from_frames(frames: Sequence[Frame], text: str = "") -> StageFinding:
     marker = _AUTOGRAD_MARKERS.search(text)
     if marker and (finding is None or finding.stage is Stage.FORWARD):
         return StageFinding(Stage.BACKWARD, f"autograd marker {marker.group(0)!r}")
-    if finding is not None:
-        return finding
-    for frame in reversed(frames):
-        if _WEAK_FORWARD.search(frame.source):
-            return StageFinding(Stage.FORWARD, f"tensor operation {frame.source.strip()[:60]!r}")
-    return _log_hint(text)
+    weak = next((frame.source for frame in reversed(frames) if _WEAK_FORWARD.search(frame.source)), None)
+    if finding is None and weak is not None:
+        return StageFinding(Stage.FORWARD, f"tensor operation {weak.strip()[:60]!r}")
+    return finding or _log_hint(text)
 
 
 def frame_stage(frame: Frame) -> Stage | None:
@@ -204,11 +203,9 @@ def _log_hint(text: str) -> StageFinding:
     if "doesn't have NCCL built in" in text or "init_process_group" in text:
         return StageFinding(Stage.SETUP, "process-group initialisation")
     # A merge/export run says so in its log before it loads the base model.
-    merge = _MERGE_LOG.search(text)
-    if merge:
+    if merge := _MERGE_LOG.search(text):
         return StageFinding(Stage.MERGE, f"a log line names a merge ({merge.group(0)!r})")
-    shards = _SHARDS.findall(text)
-    if shards and int(shards[-1][0]) < int(shards[-1][1]):
+    if (shards := _SHARDS.findall(text)) and int(shards[-1][0]) < int(shards[-1][1]):
         return StageFinding(Stage.LOAD, "an unfinished 'Loading checkpoint shards' progress bar")
     return StageFinding(Stage.UNKNOWN, "no frame names a stage")
 
@@ -218,13 +215,6 @@ def _describe(frame: Frame) -> str:
     name = f"{frame.function} ({where})" if frame.function else "code line"
     source = frame.source.strip()
     return f"{name}: {source[:60]}" if source else name
-
-
-def _python_frames(text: str) -> list[tuple[int, Frame]]:
-    return [  # a hard-wrapped path is joined
-        (m.start(), Frame("".join(m.group("path").split()), m.group("func"), _next_source_line(text, m)))
-        for m in _PY_FRAME.finditer(text)
-    ]
 
 
 def _next_source_line(text: str, match: re.Match[str]) -> str:
@@ -237,9 +227,7 @@ def _next_source_line(text: str, match: re.Match[str]) -> str:
     if prefix.strip() and line.startswith(prefix.rstrip()):
         line = line[len(prefix.rstrip()) :]
     line = _LINE_PREFIX.sub("", line).strip()
-    if "File " in line or set(line) <= set("^~ "):
-        return ""
-    return line
+    return "" if "File " in line or set(line) <= set("^~ ") else line
 
 
 def _ipython_frames(text: str) -> list[tuple[int, Frame]]:

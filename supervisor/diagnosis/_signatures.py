@@ -93,8 +93,7 @@ EXCEPTION_LINE = re.compile(
 def find(patterns: Sequence[re.Pattern[str]], text: str) -> str | None:
     """The stripped line holding the first match of any of ``patterns``, else None."""
     for pattern in patterns:
-        match = pattern.search(text)
-        if match is not None:
+        if (match := pattern.search(text)) is not None:
             start, end = text.rfind("\n", 0, match.start()) + 1, text.find("\n", match.end())
             line = " ".join(text[start : end if end >= 0 else len(text)].split())
             return line if len(line) <= 160 else line[:157] + "..."

@@ -65,15 +65,12 @@ def classify_text(text: str) -> Failure:
             bnb_setup = kind is FailureKind.BNB_CUDA_SETUP and stage.stage is Stage.UNKNOWN
             where, what = (Stage.SETUP if bnb_setup else stage.stage), f"{what} {line!r}"
             return Failure(kind, where, numbers, f"text: {what}; stage {where.value} from {stage.why}", what)
-    disk_line = _signatures.find(_signatures.DISK_FULL, text)
-    if disk_line is not None:
+    if (disk_line := _signatures.find(_signatures.DISK_FULL, text)) is not None:
         why = f"text: no room to write {disk_line!r}; stage {stage.stage.value} from {stage.why}"
         return Failure(FailureKind.DISK_FULL, stage.stage, {}, why, disk_line)
-    oom_line = _signatures.find(_signatures.GPU_OOM, text)
-    if oom_line is not None:
+    if (oom_line := _signatures.find(_signatures.GPU_OOM, text)) is not None:
         return oom_failure(stage, numbers, _oom_source(text, oom_line), message=oom_line)
-    cpu_line = _signatures.find(_signatures.CPU_OOM, text)
-    if cpu_line is not None and stage.stage is Stage.UNKNOWN:
+    if (cpu_line := _signatures.find(_signatures.CPU_OOM, text)) is not None and stage.stage is Stage.UNKNOWN:
         why = f"text: host allocation failed {cpu_line!r}; no frame names a stage"
         return Failure(FailureKind.HOST_OOM, Stage.UNKNOWN, numbers, why, cpu_line)
     if cpu_line is not None:
@@ -140,8 +137,7 @@ def oom_failure(
     """An accelerator OOM: contention, then fragmentation, then the stage's OOM kind; any but
     contention is marked spurious where the allocator's numbers say the request fit."""
     where = f"stage {stage.stage.value} from {stage.why}"
-    reason = _oom_rules.contention(numbers, *nvml)
-    if reason is not None:
+    if (reason := _oom_rules.contention(numbers, *nvml)) is not None:
         why = f"{source}; contention: {reason}; {where}"
         return Failure(FailureKind.OOM_CONTENTION, stage.stage, numbers, why, message)
     verdict = fragmentation.judge(allocator, numbers, fit)
@@ -161,8 +157,7 @@ def oom_failure(
 
 
 def _oom_source(text: str, line: str) -> str:
-    messages = [m for m in parse_messages(text) if m.device != "cpu"]
-    if not messages:
+    if not (messages := [m for m in parse_messages(text) if m.device != "cpu"]):
         return f"text: {line[:80]!r}"
     first = messages[0]
     more = f" (+{len(messages) - 1} more)" if len(messages) > 1 else ""
@@ -212,8 +207,7 @@ def _from_report(report: ErrorReport, nvml: tuple[int | None, int | None], fit: 
         disk = {key: facts[key] for key in ("needed_bytes", "free_bytes") if isinstance(facts.get(key), int)}
         return Failure(FailureKind.DISK_FULL, stage, disk, f"{head}; no room on the disk", message)
     for kind, patterns, what in _SIGNATURE_FAMILIES[1:]:
-        line = _signatures.find(patterns, text)
-        if line is not None and not report.is_oom:
+        if (line := _signatures.find(patterns, text)) is not None and not report.is_oom:
             return Failure(kind, stage, {}, f"{head}; {what} {line!r}", message)
     if not report.is_oom and not _signatures.find(_signatures.GPU_OOM + _signatures.CPU_OOM, message):
         return Failure(FailureKind.OTHER, stage, {}, f"{head}; not an out-of-memory error", message)
@@ -240,8 +234,7 @@ def _from_exit_status(
         why = f"{status}; cgroup memory.events oom_kill +{cgroup_oom_kills}{where}"
         return Failure(FailureKind.HOST_OOM, stage, {}, why)
     if sigkill:
-        killed = _signatures.find(_signatures.HOST_KILLED, stderr_tail)
-        if killed is not None:
+        if (killed := _signatures.find(_signatures.HOST_KILLED, stderr_tail)) is not None:
             stage, where = _killed_stage(stderr_tail, last_stage)
             why = f"{status}; no cgroup evidence but stderr says {killed!r}{where}"
             return Failure(FailureKind.HOST_OOM, stage, {}, why)
@@ -304,8 +297,7 @@ def is_knock_on(report: ErrorReport) -> bool:
 def first_failure(reports: Sequence[ErrorReport]) -> RankCause | None:
     """The cause among the ranks' reports (ties: the lower rank); None when none failed. When all are
     knock-on effects, the rank that failed first left none: the earliest stands for it, ``why`` says so."""
-    failed = [r for r in reports if r.exit_code not in (ExitCode.OK, ExitCode.STOPPED)]
-    if not failed:
+    if not (failed := [r for r in reports if r.exit_code not in (ExitCode.OK, ExitCode.STOPPED)]):
         return None
     real = [r for r in failed if not is_knock_on(r)]
     cause = min(real or failed, key=lambda r: (r.time, r.rank))

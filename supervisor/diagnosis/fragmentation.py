@@ -5,7 +5,7 @@ bench/results/gpu-h200-2026-11-29). Else :mod:`._oom_rules` decides. A spurious 
 although its own numbers say the request fit (it does not search the pool again after waiting for stream
 frees, pytorch/pytorch#189504); a mark, not a kind: the numbers gain :data:`SPURIOUS_KEY`, the policy retries
 the config once unchanged. Witnesses: the child's facts (a block of the request's size in the pool while the
-step's memory was held) or the message (free memory at least the request plus :func:`margin`)."""
+step's memory was held) or the message (free memory at least the request plus max(request, 512 MiB))."""
 
 from __future__ import annotations
 
@@ -111,15 +111,9 @@ MIN_MARGIN_BYTES = 512 * MIB
 SAME_STATE_SLACK = 64 * MIB
 
 
-def margin(request: int) -> int:
-    """How far above ``request`` the free memory must be to call the refusal spurious."""
-    return max(request, MIN_MARGIN_BYTES)
-
-
 def mark_spurious(failure: Failure, facts: AllocatorFacts | None = None) -> Failure:
     """``failure`` marked spurious where its numbers (or the child's facts) say the request fit."""
-    found = judge_spurious(failure.numbers, facts)
-    if found is None:
+    if (found := judge_spurious(failure.numbers, facts)) is None:
         return failure
     why, room = found
     evidence = f"{failure.evidence}; spurious: {why}: the same config is retried once before any rung"
@@ -154,6 +148,6 @@ def _from_message(numbers: Mapping[str, Any]) -> tuple[str, int] | None:
         if reserved is None:
             return None  # a cap without the reserved total: the room under it is unknown
         room, where = min(room, int(allowed) - int(reserved)), "left under the cap"
-    if room < int(asked) + margin(int(asked)):
+    if room < int(asked) + max(int(asked), MIN_MARGIN_BYTES):
         return None
     return f"{format_bytes(room)} {where}, well above the {format_bytes(int(asked))} requested", room

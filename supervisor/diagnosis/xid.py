@@ -46,8 +46,7 @@ def overrule(failure: Failure, codes: Sequence[int]) -> Failure:
     """``failure``, or a ``gpu_fault`` when the Xids seen during the attempt decide (module doc)."""
     if not codes:
         return failure
-    fatal = fatal_xid(codes)
-    if fatal is None and (failure.kind.is_oom or failure.kind in _NOT_OVERRULED):
+    if (fatal := fatal_xid(codes)) is None and (failure.kind.is_oom or failure.kind in _NOT_OVERRULED):
         return failure
     facts = XidFacts(tuple(dict.fromkeys(codes)), fatal)
     verdict = "not retried on this GPU" if fatal is not None else "retried once"

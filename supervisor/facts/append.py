@@ -26,13 +26,13 @@ class UnsafeRunPath(SupervisorExit):
         self.path = path
 
 
-def open_append_fd(path: Path) -> int:
-    """A read-append descriptor of ``path`` (created 0640), never through a link or onto a non-file."""
+def open_append_fd(path: Path, flags: int = _APPEND, act: str = "write") -> int:
+    """A descriptor of ``path`` (default: read-append; created 0640), never through a link or a non-file."""
     try:
-        fd = os.open(path, _APPEND, FILE_MODE)
+        fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafeRunPath(path, "is a symbolic link; refusing to write through it", LINK_FIX) from None
+            raise UnsafeRunPath(path, f"is a symbolic link; refusing to {act} through it", LINK_FIX) from None
         raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):

@@ -50,10 +50,10 @@ class FieldChange:
             return self.untrained
         if self.name.startswith(SAFE_SECTIONS) or self.name in SAFE_FIELDS:
             return True
-        if self.name in SAFE_WHEN_MORE:
-            # A length that is no number trained nothing (the tool refuses it): any change is safe.
-            return not _is_number(self.old) or _number(self.new) >= _number(self.old)
-        return False
+        # A length that is no number trained nothing (the tool refuses it): any change is safe.
+        return self.name in SAFE_WHEN_MORE and (
+            not _is_number(self.old) or _number(self.new) >= _number(self.old)
+        )
 
     def render(self, restarting: bool = False) -> str:
         """One line of the diff; ``restarting``: as ``run --restart`` says it, for the new generation."""
@@ -114,8 +114,7 @@ def job_view(job: Job) -> dict[str, Any]:
     view.update({f"supervise.{k}": v for k, v in job.supervise.model_dump(mode="json").items()})
     view.update(job.trainer.config_view())
     view.update(job.unparsed)  # a tool's value that did not parse, as written: never its default
-    shaped: dict[str, Any] = json.loads(json.dumps(view, default=str))  # as it reads back from disk
-    return shaped
+    return dict(json.loads(json.dumps(view, default=str)))  # as it reads back from disk
 
 
 def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
@@ -139,9 +138,8 @@ class JobVersions:
 
     def newest_view(self) -> dict[str, Any] | None:
         """The newest recorded version's fields (None: no version recorded, or unreadable)."""
-        numbers = self.numbers()
         try:
-            view = json.loads((self.rd.root / f"job.v{numbers[-1]}.json").read_text(encoding="utf-8"))
+            view = json.loads((self.rd.root / f"job.v{self.numbers()[-1]}.json").read_text(encoding="utf-8"))
         except (IndexError, OSError, ValueError):  # no version recorded, or unreadable
             return None
         return view if isinstance(view, dict) else None
@@ -188,8 +186,7 @@ def finish_interrupted_move(rd: RunDir) -> Path | None:
 def start_generation(rd: RunDir) -> Path:
     """Move the current generation into ``generations/<n>/``; the run directory starts afresh."""
     root = ensure_dir(rd.root / GENERATIONS)
-    taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()]
-    number = max(taken, default=0) + 1
+    number = max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0) + 1
     staging = ensure_dir(root / f".tmp-{number}")
     if rd.job_copy.is_file():
         shutil.copy2(rd.job_copy, staging / "job.yaml")  # the job this generation trained

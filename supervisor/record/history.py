@@ -17,14 +17,9 @@ from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.supervisor.record.journal import AttemptRecord, Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
+from qlora_supervise.trainer_child.contract import events as child_events
 from qlora_supervise.trainer_child.contract.codes import FailureKind
-from qlora_supervise.trainer_child.contract.events import (
-    ChildEvent,
-    Heartbeat,
-    SpeedTrialEvent,
-    TrialResult,
-    read_events,
-)
+from qlora_supervise.trainer_child.contract.events import ChildEvent, Heartbeat, SpeedTrialEvent, TrialResult
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 #: The planned restarts to a faster config (issue 34), by the rung the journal names them with.
@@ -89,9 +84,7 @@ class ConfigTime:
 def time_in_configs(records: Sequence[AttemptRecord]) -> list[ConfigTime]:
     """The training attempts' time and steps per config, in the order the configs first ran."""
     seen: dict[Knobs, ConfigTime] = {}
-    for r in records:
-        if r.phase is not Phase.TRAIN:
-            continue
+    for r in [r for r in records if r.phase is Phase.TRAIN]:
         was = seen.get(r.knobs, ConfigTime(r.knobs, 0.0, 0))
         seconds, steps = was.seconds + r.ended_at - r.started_at, was.steps + r.steps_progressed
         seen[r.knobs] = ConfigTime(r.knobs, seconds, steps)
@@ -145,7 +138,7 @@ def speed_of(events: Iterable[ChildEvent], planned: Knobs) -> AttemptSpeed:
 
 def read_attempt_speed(events_file: Path, planned: Knobs) -> AttemptSpeed:
     """The speed in ``events_file`` (an unreadable or missing file is an attempt with no speed)."""
-    return speed_of(read_events(events_file), planned)
+    return speed_of(child_events.read_events(events_file), planned)
 
 
 def trial_speeds(speed: AttemptSpeed, planned: Knobs) -> list[tuple[Knobs, float]]:

@@ -101,8 +101,7 @@ def attempt_peak(
     """The attempt's peak: the first source with a reading wins, in :class:`AttemptPeakSource`'s
     order (the allocator's numbers count what the failed step needed; both are lower bounds of
     it, so the larger wins; heartbeats miss the last moments, NVML adds the CUDA context)."""
-    failed_step = max((p for p in (report_peak, oom_need) if p), default=None)
-    if failed_step:
+    if failed_step := max((p for p in (report_peak, oom_need) if p), default=None):
         from_report = failed_step == report_peak
         source = AttemptPeakSource.ALLOCATOR_REPORT if from_report else AttemptPeakSource.OOM_MESSAGE
         return Peak(int(max(failed_step, heartbeat_peak or 0)), source)

@@ -28,8 +28,7 @@ def default_path() -> Path:
     """``$QLORA_SUPERVISE_STATE_DIR``, ``$STATE_DIRECTORY`` (systemd's ``StateDirectory=``), then
     ``$XDG_STATE_HOME/qlora-supervise``, else ``~/.local/state/qlora-supervise``: ``peaks.jsonl``."""
     for variable in ("QLORA_SUPERVISE_STATE_DIR", "STATE_DIRECTORY"):
-        value = os.environ.get(variable)
-        if value:
+        if value := os.environ.get(variable):
             return Path(value.split(":")[0]) / "peaks.jsonl"
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "qlora-supervise" / "peaks.jsonl"

@@ -23,16 +23,12 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
-from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath
+from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath, open_append_fd
 from qlora_supervise.supervisor.facts.units import format_bytes
 from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.record.journal import read_state
-from qlora_supervise.trainer_child.contract.checkpoints import (
-    DIR_MODE,
-    QUARANTINE_DIR,
-    TEMP_PREFIX,
-    remove_stale_temps,
-)
+from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract.checkpoints import DIR_MODE, QUARANTINE_DIR, TEMP_PREFIX
 from qlora_supervise.trainer_child.contract.disk_space import free_bytes, last_checkpoint_bytes, tree_bytes
 from qlora_supervise.trainer_child.contract.processes import pid_alive
 
@@ -145,8 +141,7 @@ class RunDir:
 
 def refuse_foreign(root: Path, contents: bool = True) -> None:
     """Exit 2 when ``root`` may not be a run directory (:func:`foreign_output_dir`)."""
-    found = foreign_output_dir(root, contents)
-    if found is not None:
+    if (found := foreign_output_dir(root, contents)) is not None:
         raise UnsafeRunPath(root, f"output_dir {found[0]}", found[1])
 
 
@@ -211,16 +206,7 @@ def ensure_dir(path: Path) -> Path:
 
 def open_lock_file(path: Path) -> TextIO:
     """The lock file, read-write (created 0640), never through a link."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            why = "is a symbolic link; refusing to lock or write through it"
-            raise UnsafeRunPath(path, why, LINK_FIX) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafeRunPath(path, "is not a regular file", LINK_FIX)
+    fd = open_append_fd(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, "lock or write")
     os.fchmod(fd, FILE_MODE)
     return os.fdopen(fd, "r+", encoding="utf-8")
 
@@ -231,8 +217,7 @@ _FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")
 def foreign_output_dir(root: Path, contents: bool = True) -> tuple[str, str] | None:
     """Why ``root`` may not be a run directory and the fix, or None; ``contents`` False: only
     where it is (a system folder, a home), not what it holds."""
-    found = system_folder(root)
-    if found is not None or not contents:
+    if (found := system_folder(root)) is not None or not contents:
         return found
     real = Path(os.path.realpath(root))
     if not real.is_dir() or is_run_dir(real):
@@ -285,7 +270,7 @@ def free_ours(rd: RunDir) -> int:
     if rd.checkpoints.is_dir() and not rd.checkpoints.is_symlink():  # never sized or pruned through a link
         temps = [path for path in rd.checkpoints.iterdir() if path.name.startswith(TEMP_PREFIX)]
         sizes = {path: tree_bytes(path) for path in temps}
-        gone = remove_stale_temps(rd.checkpoints)
+        gone = checkpoints.remove_stale_temps(rd.checkpoints)
         freed += sum(sizes.get(path, 0) for path in gone)
     folders = [rd.root, *sorted(rd.root.glob("attempt-*"))]
     real = [folder for folder in folders if folder.is_dir() and not folder.is_symlink()]

@@ -14,13 +14,7 @@ from typing import Protocol
 
 import pynvml
 
-from qlora_supervise.trainer_child.contract.spec import (
-    DeviceError,
-    Knobs,
-    bind_device,
-    rank_gpus,
-    visible_entries,
-)
+from qlora_supervise.trainer_child.contract import spec
 
 NVMLError = pynvml.NVMLError  # every NVML failure: each return code is a subclass of it
 Handle = object  # NVML handles and event sets are opaque
@@ -110,17 +104,16 @@ class GpuMonitor:
         try:
             handle = _handle_for(started, device)
             index = int(started.nvmlDeviceGetIndex(handle))
-        except (NVMLError, LookupError, DeviceError):  # no such GPU, or none visible: nothing to watch
+        except (NVMLError, LookupError, spec.DeviceError):  # no such GPU, or none visible: nothing to watch
             _shutdown(started)
             return None
         return cls(started, handle, index, _xid_event_set(started, handle))
 
     def sample(self, pids: set[int]) -> GpuSample | None:
         """Memory now, split into ``pids`` (the child's tree) and the rest; None on an NVML error."""
-        nvml = self._nvml
         try:
-            memory = _memory_info(nvml, self._handle)
-            processes = _processes(nvml, self._handle)
+            memory = _memory_info(self._nvml, self._handle)
+            processes = _processes(self._nvml, self._handle)
         except NVMLError:  # the GPU fell off the bus, the driver reset, ...: no sample this tick
             return None
         mine = sum(used for pid, used in processes if pid in pids)
@@ -174,8 +167,7 @@ def _started_nvml(nvml: Nvml | None) -> Nvml | None:
 def visible_gpu_count(*, nvml: Nvml | None = None) -> int | None:
     """How many GPUs the child could use: the ``CUDA_VISIBLE_DEVICES`` list when it is set, else
     NVML's count; None where NVML or the driver is missing (no GPU host: ranks run on the CPU)."""
-    started = _started_nvml(nvml)
-    if started is None:
+    if (started := _started_nvml(nvml)) is None:
         return None
     try:
         count = int(started.nvmlDeviceGetCount())
@@ -183,30 +175,25 @@ def visible_gpu_count(*, nvml: Nvml | None = None) -> int | None:
         return None
     finally:
         _shutdown(started)
-    listed = visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    listed = spec.visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
     return count if listed is None else min(count, len(listed))
 
 
 def _handle_for(nvml: Nvml, device: str) -> Handle:
     """The handle of the GPU the child trains on (it inherits our ``CUDA_VISIBLE_DEVICES``)."""
-    target = bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target
-    if target is None:
+    if (target := spec.bind_device(device, os.environ.get("CUDA_VISIBLE_DEVICES")).nvml_target) is None:
         raise LookupError(f"device {device!r}: no GPU visible")
     if isinstance(target, int):
         return nvml.nvmlDeviceGetHandleByIndex(target)
-    return _handle_by_uuid(nvml, target)
-
-
-def _handle_by_uuid(nvml: Nvml, uuid: str) -> Handle:
     with contextlib.suppress(NVMLError):  # NotFound / InvalidArgument: perhaps a prefix, below
-        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        return nvml.nvmlDeviceGetHandleByUUID(target)
     # CUDA_VISIBLE_DEVICES accepts unique UUID prefixes; NVML wants the whole UUID.
     for index in range(int(nvml.nvmlDeviceGetCount())):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         found = nvml.nvmlDeviceGetUUID(handle)
-        if (found.decode() if isinstance(found, bytes) else found).startswith(uuid):
+        if (found.decode() if isinstance(found, bytes) else found).startswith(target):
             return handle
-    raise LookupError(f"no GPU with UUID {uuid}")
+    raise LookupError(f"no GPU with UUID {target}")
 
 
 def _memory_info(nvml: Nvml, handle: Handle) -> NvmlMemory:
@@ -259,12 +246,12 @@ class RankCards:
         self._monitors = dict(monitors)
 
     @classmethod
-    def open(cls, knobs: Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
+    def open(cls, knobs: spec.Knobs, device: str, *, nvml: Nvml | None = None) -> RankCards | None:
         """The cards of ``knobs``' ranks; None for a single process on the first card (a single one
         that ``drop_rank`` left is watched here), on the CPU, or when NVML opens no card."""
         if (knobs.world_size <= 1 and not knobs.gpus) or device == "cpu":
             return None
-        cards = enumerate(rank_gpus(knobs))
+        cards = enumerate(spec.rank_gpus(knobs))
         opened = {rank: GpuMonitor.open(f"cuda:{position}", nvml=nvml) for rank, position in cards}
         monitors = {rank: monitor for rank, monitor in opened.items() if monitor is not None}
         return cls(monitors) if monitors else None

@@ -101,8 +101,7 @@ def memory_events_path(
 def memory_limit_bytes() -> int | None:
     """The limit beside the ``oom_kill`` counter (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
     None without one or when nothing can be read."""
-    path = memory_events_path()
-    if path is None:
+    if (path := memory_events_path()) is None:
         return None
     for name in ("memory.max", "memory.limit_in_bytes"):
         try:

@@ -22,22 +22,10 @@ import psutil
 from qlora_supervise.supervisor.facts.append import open_append_text
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, GpuSample, RankCards
 from qlora_supervise.supervisor.watching.host import sample_host
+from qlora_supervise.trainer_child.contract import events
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
-from qlora_supervise.trainer_child.contract.events import (
-    CheckpointSaved,
-    ChildEvent,
-    ChildPeakSource,
-    EarlyCheckpointRequested,
-    Finished,
-    Heartbeat,
-    Loaded,
-    SpeedTrialEvent,
-    StageEntered,
-    Started,
-    Stopping,
-    parse_event,
-)
+from qlora_supervise.trainer_child.contract.events import Heartbeat, Started, Stopping, parse_event
 from qlora_supervise.trainer_child.contract.spec import rank_files
 
 #: The stages before the first micro-step (``starting``: before any event named one).
@@ -62,7 +50,7 @@ class Progress:
     last_event_at: float | None = None  # monotonic time of the newest line of any kind
     last_progress_at: float | None = None  # monotonic time the step or stage last changed
     finished: bool = False
-    events: list[ChildEvent] = field(default_factory=list)
+    events: list[events.ChildEvent] = field(default_factory=list)
 
 
 class HeartbeatReader:
@@ -74,7 +62,7 @@ class HeartbeatReader:
         self._partial = ""
         self.progress = Progress()
 
-    def poll(self, now: float) -> list[ChildEvent]:
+    def poll(self, now: float) -> list[events.ChildEvent]:
         """New events since the last call, typed; updates :attr:`progress`; bad lines are skipped."""
         try:
             with self._path.open("r", encoding="utf-8") as handle:
@@ -90,7 +78,7 @@ class HeartbeatReader:
             self._apply(event, now)
         return new
 
-    def _apply(self, event: ChildEvent, now: float) -> None:
+    def _apply(self, event: events.ChildEvent, now: float) -> None:
         p = self.progress
         p.last_event_at = now
         step, stage = position(event)
@@ -107,30 +95,30 @@ class HeartbeatReader:
                 p.last_rss = memory.rss_bytes if memory.rss_bytes is not None else p.last_rss
                 if p.stage not in _BEFORE_TRAINING and memory.rss_high_water_bytes is not None:
                     p.host_peak = max(p.host_peak or 0, memory.rss_high_water_bytes)
-            case Loaded():
+            case events.Loaded():
                 p.load_host_peak = event.memory.rss_high_water_bytes
             case Started(max_steps=int() as max_steps):
                 p.max_steps = max_steps
-            case Finished():
+            case events.Finished():
                 p.finished = True
         # ``loaded`` carries memory numbers too; the peak rule is the child's.
-        if isinstance(event, Heartbeat | Loaded) and event.memory.peak_bytes is not None:
+        if isinstance(event, Heartbeat | events.Loaded) and event.memory.peak_bytes is not None:
             p.peak_bytes = max(p.peak_bytes or 0, event.memory.peak_bytes)
             if p.stage in _BEFORE_TRAINING:
                 p.setup_peak = max(p.setup_peak or 0, event.memory.peak_bytes)
-        if isinstance(event, SpeedTrialEvent):
+        if isinstance(event, events.SpeedTrialEvent):
             # The child reset its peaks after the trial: the attempt's is the load's, then training's.
             p.peak_bytes = p.setup_peak
             p.host_peak = None
         p.events.append(event)
 
 
-def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
+def position(event: events.ChildEvent) -> tuple[int | None, Stage | None]:
     """The step and stage an event names, where it does (``unknown``, a newer child's, says nothing)."""
     match event:
-        case Heartbeat() | StageEntered() | Stopping() | EarlyCheckpointRequested() | Started():
+        case Heartbeat() | Started() | Stopping() | events.StageEntered() | events.EarlyCheckpointRequested():
             return event.step, (None if event.stage is Stage.UNKNOWN else event.stage)
-        case CheckpointSaved() | Finished():
+        case events.CheckpointSaved() | events.Finished():
             return event.step, None
     return None, None
 
@@ -198,10 +186,11 @@ class CreepWatch:
     """Fed every heartbeat of one attempt; says once when memory creeps towards the budget."""
 
     def __init__(self, gpu_budget: int | None, cpu_budget: int | None, first_step: int = 0) -> None:
-        self._budgets = {ChildPeakSource.CUDA_ALLOCATOR: gpu_budget, ChildPeakSource.DATA_SEGMENT: cpu_budget}
+        source = events.ChildPeakSource
+        self._budgets = {source.CUDA_ALLOCATOR: gpu_budget, source.DATA_SEGMENT: cpu_budget}
         self._first_step = first_step
         self._peaks: dict[int, int] = {}
-        self._source: ChildPeakSource | None = None
+        self._source: events.ChildPeakSource | None = None
         self.fired = False
 
     def observe(self, beat: Heartbeat) -> CreepForecast | None:
@@ -212,8 +201,7 @@ class CreepWatch:
         self._peaks[beat.step] = max(self._peaks.get(beat.step, 0), peak)
         for old in sorted(self._peaks)[:-WINDOW]:  # only the window is ever read
             del self._peaks[old]
-        forecast = self._forecast()
-        if forecast is None:
+        if (forecast := self._forecast()) is None:
             return None
         oom_step = forecast.predicted_oom_step  # None only without a budget
         if oom_step is not None and oom_step - forecast.step > HORIZON_STEPS:
