@@ -28,17 +28,10 @@ from qlora_supervise.policies import rungs
 from qlora_supervise.policies.choice import after_failure
 from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
 from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives, knob_changes
-from qlora_supervise.policies.verdicts import (
-    Decision,
-    FailureLike,
-    GiveUp,
-    PastAttempt,
-    Restart,
-    Settings,
-    Wait,
-    WaitFor,
-    WaitResult,
-)
+from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
+from qlora_supervise.policies.verdicts import Wait as Wait
+from qlora_supervise.policies.verdicts import WaitFor as WaitFor
+from qlora_supervise.policies.verdicts import WaitResult as WaitResult
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 

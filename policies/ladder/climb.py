@@ -119,12 +119,10 @@ def _restart(
     old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str], lengths: SampleLengths | None
 ) -> Restart:
     # Each rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts).
-    why = "; ".join(
-        f"{rung.reason}: {rungs.shorten_cost_text(lengths, old, new)}"
-        if rung.name == "shorten_seq_len" and lengths is not None
-        else rung.reason
-        for rung in applied
-    )
+    cost = ""
+    if lengths is not None and any(rung.name == "shorten_seq_len" for rung in applied):
+        cost = f": {rungs.shorten_cost_text(lengths, old, new)}"
+    why = "; ".join(rung.reason + (cost if rung.name == "shorten_seq_len" else "") for rung in applied)
     if skipped:
         why += f" (memory model: {', '.join(skipped)} alone would not fit)"
     survives = max((rung.survives for rung in applied), key=_SURVIVAL_ORDER.index)

@@ -50,9 +50,8 @@ def preflight(
         written = Ranked(knobs, (), peak, base_speed, False, CostClass.FREE, search.host_peak(knobs))
         ranking = search.rank(knobs)  # first: ranking counts the configs the host rules out
         why = [f"predicted {_gib(peak)} fits {_gib(budget_bytes)} with the {margin:.0%} margin"]
-        return _result(
-            search, shape, written, ranking, why + _host_reasons(search, knobs), budget_bytes, margin
-        )
+        why += _host_reasons(search, knobs)
+        return _result(search, shape, written, ranking, why, budget_bytes, margin)
     ranking, quality = search.best(knobs)
     fallback, chosen_shape = None, shape
     if not ranking and (found := _fallback(search, fallbacks)) is not None:

@@ -107,16 +107,9 @@ def predict(
 def speed_key(knobs: Knobs) -> Knobs:
     """The knobs that decide training speed, so a measured config is found again however the
     others (eval, the allocator, alpha, the model's path) were set."""
-    return dataclasses.replace(
-        knobs,
-        model="",  # the store is read per shape: the same shape under another path is the same speed
-        lora_alpha=1,
-        eval_batch_size=1,
-        eval_enabled=False,
-        merge_on_cpu=False,
-        expandable_segments=True,
-        gpus="",
-    )
+    # The store is read per shape: the same shape under another model path is the same speed.
+    plain = dataclasses.replace(knobs, model="", lora_alpha=1, eval_batch_size=1, eval_enabled=False)
+    return dataclasses.replace(plain, merge_on_cpu=False, expandable_segments=True, gpus="")
 
 
 @dataclass(frozen=True)
