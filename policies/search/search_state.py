@@ -152,17 +152,19 @@ class Search:
 
     shape: ModelShape
     job: Knobs
-    limit: float
+    budget_bytes: int
+    margin: float
     scale: float | None
     targets: Targets
     speed: throughput.SpeedCalibration | None
     exclude: frozenset[Knobs]
     unusable: frozenset[str]
     host: HostBudget | None = None
-    smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
-    deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
 
     def __post_init__(self) -> None:
+        self.limit = fit_limit(self.budget_bytes, self.margin)
+        self.smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
+        self.deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
         self._peaks: dict[Knobs, int] = {}
         self._host_peaks: dict[Knobs, int] = {}
         self.host_rejected: dict[Knobs, int] = {}  # fit the card, not the host: their host peaks
