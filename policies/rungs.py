@@ -77,7 +77,6 @@ class Rung:
 
 
 def _set(**values: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
-    # The step that sets knobs to ``values`` (None: they already are).
     def step(k: Knobs, _: RungContext) -> Knobs | None:
         changed = dataclasses.replace(k, **values)
         return None if changed == k else changed
@@ -86,7 +85,6 @@ def _set(**values: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
 
 
 def _halve(knob: str, floor: int) -> Callable[[Knobs, RungContext], Knobs | None]:
-    # The step that halves a knob, to ``floor`` at least (None: it is there already).
     def step(k: Knobs, _: RungContext) -> Knobs | None:
         value = getattr(k, knob)
         return None if value <= floor else dataclasses.replace(k, **{knob: max(floor, value // 2)})

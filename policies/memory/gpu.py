@@ -174,8 +174,7 @@ def per_weight(knobs: Knobs) -> float:
 
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
-    """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest;
-    under FSDP one rank's share of it."""
+    """The base model as peft's prepare_model_for_kbit_training casts it; under FSDP a rank's share."""
     if knobs.fsdp:
         # One rank's shard of every block, the gathered blocks, the root. LoRA and the optimizer
         # state stay counted whole (a small over-estimate, unmeasured on cards).

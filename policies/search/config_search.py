@@ -133,8 +133,7 @@ def _as_written(search: Search, knobs: Knobs) -> str:
 
 
 def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
-    """The host side of a choice: its host need against the host budget, and how many candidates
-    the host ruled out."""
+    """The host side of a choice: its need against the host budget, and the candidates the host ruled out."""
     host = search.host_peak(knobs)
     if host is None or search.host is None:
         return []
@@ -191,8 +190,7 @@ def _nothing_fits(search: Search, head: list[str], fallbacks: bool) -> Preflight
 
 
 def _nothing_fits_host(search: Search, head: list[str]) -> PreflightResult:
-    """Nothing that fits the card fits the host: the smallest host need among them, the host
-    budget, and the host budget that would fit."""
+    """Nothing that fits the card fits the host: their smallest host need, and the budget that would fit."""
     assert search.host is not None and search.host_limit is not None
     host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
     margin = search.margin

@@ -127,8 +127,7 @@ def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
 
 
 def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
-    """The job's model at each combination of the quality halvings (seq_len, rank), with the rung
-    names taken, lightest first."""
+    """Each combination of the quality halvings (seq_len, rank) with the rung names taken, lightest first."""
     out = [(k, names) for k, names in _product(knobs, _searched(CostClass.QUALITY, Axis.HALVINGS)) if names]
     # Stable: a shorter seq before a smaller rank.
     return sorted(out, key=lambda c: sum(rungs.RUNG_BY_NAME[name].quality_weight for name in c[1]))

@@ -161,9 +161,8 @@ def rank_speed(
     if calibration is None:
         return model
     key = speed_key(knobs)
-    for o in calibration.measured:
-        if speed_key(o.knobs) == key:
-            return _at(knobs, o.tokens_per_s, model)
+    if measured := [o.tokens_per_s for o in calibration.measured if speed_key(o.knobs) == key]:
+        return _at(knobs, measured[0], model)
     mode = knobs.gradient_checkpointing
     factor = next((s for ckpt, s in calibration.scale if ckpt is mode), calibration.overall)
     return model if factor is None else _at(knobs, model.tokens_per_s * factor, model)
