@@ -158,8 +158,7 @@ def checkpoint_masks(shape: ModelShape, batch: int, seq: int) -> int:
     """The masks every block's recompute is handed with checkpointing, held for the step: Gemma 2's
     two fp32 additive masks, the bool one of a sliding window the sequence reaches."""
     if shape.attn_implementation == "eager":
-        kinds = 2 if 0 < shape.sliding_layers < shape.layers else 1
-        return kinds * FP32 * batch * seq * seq
+        return (2 if 0 < shape.sliding_layers < shape.layers else 1) * FP32 * batch * seq * seq
     return batch * seq * seq if masked(shape, seq) else 0
 
 

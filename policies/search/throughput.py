@@ -56,14 +56,8 @@ class Coefficients:
     bf16_head_token_factor: float = 1.0
 
 
-FITTED = Coefficients(
-    fit.LAUNCH_S_PER_LAYER,
-    fit.FIXED_S_PER_BYTE,
-    fit.TOKEN_S,
-    fit.HEAD_TOKEN_S,
-    fit.OPTIMIZER_S_PER_PARAM,
-    fit.BF16_HEAD_TOKEN_FACTOR,
-)
+_PER_MODE = (fit.LAUNCH_S_PER_LAYER, fit.FIXED_S_PER_BYTE, fit.TOKEN_S, fit.HEAD_TOKEN_S)
+FITTED = Coefficients(*_PER_MODE, fit.OPTIMIZER_S_PER_PARAM, fit.BF16_HEAD_TOKEN_FACTOR)
 
 
 @dataclass(frozen=True)
@@ -160,8 +154,7 @@ def rank_speed(
     model = predict(shape, knobs, targets)
     if calibration is None:
         return model
-    key = speed_key(knobs)
-    if measured := [o.tokens_per_s for o in calibration.measured if speed_key(o.knobs) == key]:
+    if measured := [o.tokens_per_s for o in calibration.measured if speed_key(o.knobs) == speed_key(knobs)]:
         return _at(knobs, measured[0], model)
     mode = knobs.gradient_checkpointing
     factor = next((s for ckpt, s in calibration.scale if ckpt is mode), calibration.overall)
@@ -169,7 +162,6 @@ def rank_speed(
 
 
 def _at(knobs: Knobs, tokens_per_s: float, model: StepTime) -> StepTime:
-    tokens = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len
-    step = tokens / tokens_per_s
+    step = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len / tokens_per_s
     micro = model.micro_step_s * step / model.optimizer_step_s if model.optimizer_step_s else step
     return StepTime(micro, step, tokens_per_s, measured=True)
