@@ -26,8 +26,7 @@ from typing import Any
 
 from qlora_supervise.policies import rungs
 from qlora_supervise.policies.choice import after_failure
-from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
-from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives, knob_changes
+from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives, knob_changes, ladder_for
 from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
 from qlora_supervise.policies.verdicts import Wait as Wait
 from qlora_supervise.policies.verdicts import WaitFor as WaitFor
@@ -304,7 +303,7 @@ def without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None
     # A failure of the supervisor's (diagnosis.Failure) names the rank that caused it; one that
     # does not (a single process, a caller's own failure type) leaves the last card out.
     context = rungs.RungContext(failed_local_rank=getattr(failure, "local_rank", None))
-    for rung in (rungs.rung_by_name(name, context) for name in CARD_FAILING):
+    for rung in (rungs.rung_by_name(name, context) for name in rungs.CARD_FAILING):
         if (dropped := rung.apply(knobs)) is not None:
             changes = knob_changes(knobs, dropped)
             return Restart(dropped, rung.name, changes, f"{why}: {rung.reason}", rung.survives)

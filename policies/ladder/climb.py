@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qlora_supervise.policies import memory_model, rungs
-from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import Targets
-from qlora_supervise.policies.rungs import Rung, Survives, knob_changes, rung_by_name
+from qlora_supervise.policies.rungs import Rung, Survives, knob_changes, ladder_for, rung_by_name
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import FailureLike, GiveUp, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
