@@ -138,8 +138,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape | None:
         """None when the config is outside the model (see :meth:`read` for the reason)."""
-        shape = cls.read(config)
-        return shape if isinstance(shape, ModelShape) else None
+        return shape if isinstance(shape := cls.read(config), ModelShape) else None
 
     @property
     def dim_per_head(self) -> int:

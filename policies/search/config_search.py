@@ -193,9 +193,8 @@ def _nothing_fits_host(search: Search, head: list[str]) -> PreflightResult:
     """Nothing that fits the card fits the host: their smallest host need, and the budget that would fit."""
     assert search.host is not None and search.host_limit is not None
     host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
-    margin = search.margin
+    host, margin = search.host, search.margin
     need = int(host_peak * (1 + margin))
-    host = search.host
     phase = host_train_need(
         search.shape, smallest, host.checkpoint_bytes, search.targets, host.largest_shard_bytes
     ).phase
