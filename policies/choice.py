@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from qlora_supervise.policies.ladder import climb
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives, knob_changes, rungs_between
 from qlora_supervise.policies.search import config_search, throughput
-from qlora_supervise.policies.search.search_state import PreflightResult
+from qlora_supervise.policies.search.search_state import PreflightResult, gib
 from qlora_supervise.policies.verdicts import Decision, FailureLike, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.events import TrialResult
@@ -140,8 +140,7 @@ def within(result: TrialResult, limit: int | None) -> TrialResult:
     not have planned a config it knew peaked there (H200: predicted 10.0 GiB, measured 11.6 of 12)."""
     if limit is None or result.peak_bytes is None or result.error is not None or result.peak_bytes <= limit:
         return result
-    gib = 1 << 30
-    why = f"measured peak {result.peak_bytes / gib:.2f} GiB is over the plan's limit {limit / gib:.2f} GiB"
+    why = f"measured peak {gib(result.peak_bytes)} is over the plan's limit {gib(limit)}"
     return dataclasses.replace(result, error=why)
 
 

@@ -26,19 +26,11 @@ from typing import Any
 
 from qlora_supervise.policies import rungs
 from qlora_supervise.policies.choice import after_failure
-from qlora_supervise.policies.ladder.ladders import CARD_FAILING, ladder_for
-from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives, knob_changes
-from qlora_supervise.policies.verdicts import (
-    Decision,
-    FailureLike,
-    GiveUp,
-    PastAttempt,
-    Restart,
-    Settings,
-    Wait,
-    WaitFor,
-    WaitResult,
-)
+from qlora_supervise.policies.rungs import RUNG_CLASSES, CostClass, Survives, knob_changes, ladder_for
+from qlora_supervise.policies.verdicts import Decision, FailureLike, GiveUp, PastAttempt, Restart, Settings
+from qlora_supervise.policies.verdicts import Wait as Wait
+from qlora_supervise.policies.verdicts import WaitFor as WaitFor
+from qlora_supervise.policies.verdicts import WaitResult as WaitResult
 from qlora_supervise.trainer_child.contract.codes import FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -311,7 +303,7 @@ def without_card(failure: FailureLike, knobs: Knobs, why: str) -> Restart | None
     # A failure of the supervisor's (diagnosis.Failure) names the rank that caused it; one that
     # does not (a single process, a caller's own failure type) leaves the last card out.
     context = rungs.RungContext(failed_local_rank=getattr(failure, "local_rank", None))
-    for rung in (rungs.rung_by_name(name, context) for name in CARD_FAILING):
+    for rung in (rungs.rung_by_name(name, context) for name in rungs.CARD_FAILING):
         if (dropped := rung.apply(knobs)) is not None:
             changes = knob_changes(knobs, dropped)
             return Restart(dropped, rung.name, changes, f"{why}: {rung.reason}", rung.survives)

@@ -1,4 +1,5 @@
-"""Rungs: the one record of each change the supervisor may make, and every table derived from it.
+"""Rungs: the one record of each change the supervisor may make, every table derived from it, and the
+ladders (:data:`DEFAULT_LADDERS`), orderings of rung names by failure kind.
 A rung is a pure function ``knobs -> knobs | None`` (None: nothing left to change here) with a
 stable name (job files name rungs in ladder overrides) and a reason a person can read in the log."""
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
+from qlora_supervise.trainer_child.contract.codes import OOM_KIND_BY_STAGE, FailureKind, Stage
 from qlora_supervise.trainer_child.contract.spec import Knobs, rank_gpus
 
 #: Shortest sequence length the shorten rung will go to; below this most instruction data is cut.
@@ -77,7 +79,6 @@ class Rung:
 
 
 def _set(**values: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
-    # The step that sets knobs to ``values`` (None: they already are).
     def step(k: Knobs, _: RungContext) -> Knobs | None:
         changed = dataclasses.replace(k, **values)
         return None if changed == k else changed
@@ -86,7 +87,6 @@ def _set(**values: Any) -> Callable[[Knobs, RungContext], Knobs | None]:
 
 
 def _halve(knob: str, floor: int) -> Callable[[Knobs, RungContext], Knobs | None]:
-    # The step that halves a knob, to ``floor`` at least (None: it is there already).
     def step(k: Knobs, _: RungContext) -> Knobs | None:
         value = getattr(k, knob)
         return None if value <= floor else dataclasses.replace(k, **{knob: max(floor, value // 2)})
@@ -273,3 +273,60 @@ RETIRED_RUNGS: Mapping[str, str] = {
 def rung_by_name(name: str, context: RungContext = RungContext()) -> Rung:
     """The rung called ``name``, bound to what it may need beyond the knobs."""
     return dataclasses.replace(RUNG_BY_NAME[name], context=context)
+
+
+#: Under torchrun, for a card that keeps failing (a fatal Xid, a fault that came back, contention
+#: that outlasted the wait): the other cards, with accumulation raised (policies/decide.py).
+CARD_FAILING: tuple[str, ...] = ("drop_rank",)
+#: Default ladders: for each failure kind, the rungs to try in order (a job may override any). The
+#: cheapest change that keeps all progress first, those that reset the optimizer or the adapter last,
+#: a smaller model as the last resort.
+DEFAULT_LADDERS: Mapping[FailureKind, tuple[str, ...]] = {
+    FailureKind.OOM_FORWARD: (
+        "gradient_checkpointing",
+        "halve_micro_batch",
+        "activation_offload",
+        "shorten_seq_len",
+        "smaller_model",
+    ),
+    FailureKind.OOM_BACKWARD: (
+        "gradient_checkpointing",
+        "paged_8bit_optimizer",
+        "halve_micro_batch",
+        "activation_offload",
+        "halve_lora_rank",
+        "shorten_seq_len",
+        "smaller_model",
+    ),
+    FailureKind.OOM_OPTIMIZER: ("paged_8bit_optimizer", "halve_lora_rank", "smaller_model"),
+    # No CPU offload of weights: accelerate refuses to train 4-bit weights offloaded to the CPU and
+    # bitsandbytes then fails on meta tensors (issue 19's dead end), so the head in bf16 comes next.
+    FailureKind.OOM_LOAD: ("quantize_4bit", "bf16_head", "smaller_model"),
+    # Loading the resume checkpoint's state (issue 33): through the host, then a fresh optimizer state,
+    # then the paged 8-bit optimizer (its moments start afresh too); the adapter and the step survive.
+    FailureKind.OOM_RESUME: ("optimizer_state_on_host", "fresh_optimizer_state", "paged_8bit_optimizer"),
+    FailureKind.OOM_EVAL: ("halve_eval_batch", "disable_eval"),
+    FailureKind.OOM_MERGE: ("merge_on_cpu",),
+}
+#: Kinds whose ladder is "their own fix first, then the ladder of the stage they happened in".
+STAGE_DEPENDENT: Mapping[FailureKind, tuple[str, ...]] = {
+    FailureKind.OOM_FRAGMENTATION: ("expandable_segments",),
+    # Host RAM ran out: the stage's ladder shrinks host-side activations just as it does GPU ones.
+    FailureKind.HOST_OOM: (),
+    # Reached only when the job allows degrading on contention (otherwise the policy waits).
+    FailureKind.OOM_CONTENTION: (),
+}
+
+
+def ladder_for(
+    kind: FailureKind, stage: Stage, overrides: Mapping[FailureKind, tuple[str, ...]] | None = None
+) -> tuple[str, ...]:
+    """The rung names to try for a failure of ``kind`` that happened in ``stage``."""
+    overrides = overrides or {}
+    if kind in overrides:
+        return overrides[kind]
+    if kind in STAGE_DEPENDENT:
+        stage_kind = OOM_KIND_BY_STAGE.get(stage, FailureKind.OOM_FORWARD)
+        stage_ladder = overrides.get(stage_kind, DEFAULT_LADDERS[stage_kind])
+        return tuple(dict.fromkeys(STAGE_DEPENDENT[kind] + stage_ladder))
+    return DEFAULT_LADDERS.get(kind, ())

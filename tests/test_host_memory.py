@@ -28,6 +28,7 @@ from qlora_supervise.policies.memory.host import (
 from qlora_supervise.policies.memory.shape import ModelShape
 from qlora_supervise.policies.search import config_search as preflight
 from qlora_supervise.policies.search.budget import HostBudget, host_budget, host_for_budget, host_reserve
+from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.supervisor.commands import cli
 from qlora_supervise.supervisor.commands.plan import plan_command
 from qlora_supervise.supervisor.facts.units import parse_bytes
@@ -146,7 +147,7 @@ def test_a_candidate_over_the_host_budget_is_no_candidate_and_the_result_says_wh
     host = HostBudget(64 * GiB, CHECKPOINT, "job")
     result = preflight.preflight(SHAPE, GREEDY, 10 * GiB, host=host)
     assert result.fits and result.host_peak_bytes is not None
-    limit = preflight.fit_limit(64 * GiB)
+    limit = fit_limit(64 * GiB)
     assert all(r.host_peak_bytes is not None and r.host_peak_bytes <= limit for r in result.ranking)
     assert all(
         c.predicted_host_bytes is not None and c.predicted_host_bytes <= limit for c in result.speed_trial
@@ -397,7 +398,7 @@ def test_after_a_card_oom_the_search_and_the_walk_keep_to_the_host_budget(
     out = decide(_Failure(FailureKind.OOM_FORWARD), knobs, history, settings)
     assert isinstance(out, Restart), out
     need = host_train_need(SHAPE, out.knobs, CHECKPOINT).train_peak
-    assert need <= preflight.fit_limit(6 * GiB), (out.rung, need / GiB)
+    assert need <= fit_limit(6 * GiB), (out.rung, need / GiB)
 
 
 def test_host_predictions_count_the_jobs_lora_targets(tmp_path: Path) -> None:

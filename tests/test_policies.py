@@ -10,12 +10,12 @@ import pytest
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, Wait, WaitResult, decide
-from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.rungs import (
     RUNG_BY_NAME,
     RUNG_OF_KNOB,
     RungContext,
     Survives,
+    ladder_for,
     rung_by_name,
     rungs_between,
 )

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from qlora_supervise.policies import memory_model
-from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
 from qlora_supervise.policies.memory import gpu
 from qlora_supervise.policies.memory.shape import ModelShape
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_NAMES, CostClass
+from qlora_supervise.policies.rungs import DEFAULT_LADDERS, RUNG_BY_NAME, RUNG_NAMES, CostClass
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.config_search import preflight
 from qlora_supervise.trainer_child.contract.spec import Knobs

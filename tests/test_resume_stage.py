@@ -17,8 +17,7 @@ import pytest
 from _child import events, log_tail, make_spec, next_spec, report, run_child
 
 from qlora_supervise.policies.decide import GiveUp, PastAttempt, Restart, Settings, decide
-from qlora_supervise.policies.ladder.ladders import ladder_for
-from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives
+from qlora_supervise.policies.rungs import RUNG_BY_NAME, Survives, ladder_for
 from qlora_supervise.supervisor.diagnosis.classify import classify_exit
 from qlora_supervise.supervisor.facts.failure import ChildExit
 from qlora_supervise.supervisor.loop.resume import resume_point

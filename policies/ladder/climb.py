@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qlora_supervise.policies import memory_model, rungs
-from qlora_supervise.policies.ladder.ladders import ladder_for
 from qlora_supervise.policies.memory.host import host_train_need
 from qlora_supervise.policies.memory.shape import Targets
-from qlora_supervise.policies.rungs import Rung, Survives, knob_changes, rung_by_name
+from qlora_supervise.policies.rungs import Rung, Survives, knob_changes, ladder_for, rung_by_name
 from qlora_supervise.policies.search.search_state import fit_limit
 from qlora_supervise.policies.verdicts import FailureLike, GiveUp, PastAttempt, Restart, Settings, for_model
 from qlora_supervise.trainer_child.contract.attempt_facts import SampleLengths
@@ -119,12 +118,10 @@ def _restart(
     old: Knobs, new: Knobs, applied: list[Rung], skipped: list[str], lengths: SampleLengths | None
 ) -> Restart:
     # Each rung's reason, with what it costs where that is known (the samples a shorter seq_len cuts).
-    why = "; ".join(
-        f"{rung.reason}: {rungs.shorten_cost_text(lengths, old, new)}"
-        if rung.name == "shorten_seq_len" and lengths is not None
-        else rung.reason
-        for rung in applied
-    )
+    cost = ""
+    if lengths is not None and any(rung.name == "shorten_seq_len" for rung in applied):
+        cost = f": {rungs.shorten_cost_text(lengths, old, new)}"
+    why = "; ".join(rung.reason + (cost if rung.name == "shorten_seq_len" else "") for rung in applied)
     if skipped:
         why += f" (memory model: {', '.join(skipped)} alone would not fit)"
     survives = max((rung.survives for rung in applied), key=_SURVIVAL_ORDER.index)

@@ -76,8 +76,7 @@ def model_type_of(config: Mapping[str, Any]) -> str:
 def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
     """The architecture facts of :class:`ModelShape`, from config.json's keys."""
     model_type = model_type_of(config)
-    layers = int(config["num_hidden_layers"])
-    window, sliding = _window(config, layers)
+    window, sliding = _window(config, int(config["num_hidden_layers"]))
     experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     expert_width = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
     return {

@@ -158,8 +158,7 @@ def checkpoint_masks(shape: ModelShape, batch: int, seq: int) -> int:
     """The masks every block's recompute is handed with checkpointing, held for the step: Gemma 2's
     two fp32 additive masks, the bool one of a sliding window the sequence reaches."""
     if shape.attn_implementation == "eager":
-        kinds = 2 if 0 < shape.sliding_layers < shape.layers else 1
-        return kinds * FP32 * batch * seq * seq
+        return (2 if 0 < shape.sliding_layers < shape.layers else 1) * FP32 * batch * seq * seq
     return batch * seq * seq if masked(shape, seq) else 0
 
 
@@ -174,8 +173,7 @@ def per_weight(knobs: Knobs) -> float:
 
 
 def base_components(shape: ModelShape, knobs: Knobs) -> dict[str, int]:
-    """The base model once prepare_model_for_kbit_training has cast it: 4-bit layers, fp32 rest;
-    under FSDP one rank's share of it."""
+    """The base model as peft's prepare_model_for_kbit_training casts it; under FSDP a rank's share."""
     if knobs.fsdp:
         # One rank's shard of every block, the gathered blocks, the root. LoRA and the optimizer
         # state stay counted whole (a small over-estimate, unmeasured on cards).

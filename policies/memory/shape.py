@@ -102,8 +102,7 @@ class ModelShape:
         for another model type or a broken config. A multimodal one is read from its text_config."""
         model_type = model_type_of(config)
         if model_type not in FAMILIES:
-            known = ", ".join(sorted(FAMILIES))
-            detail = f"model_type {model_type!r} is none of the families read ({known})"
+            detail = f"model_type {model_type!r} is none of the families read ({', '.join(sorted(FAMILIES))})"
             return Unsupported(UnsupportedReason.NOT_MODELLED, detail)
         text = config.get("text_config")
         if isinstance(text, Mapping) and "hidden_size" not in config:
@@ -139,8 +138,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelShape | None:
         """None when the config is outside the model (see :meth:`read` for the reason)."""
-        shape = cls.read(config)
-        return shape if isinstance(shape, ModelShape) else None
+        return shape if isinstance(shape := cls.read(config), ModelShape) else None
 
     @property
     def dim_per_head(self) -> int:

@@ -16,7 +16,7 @@ from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.rungs import RUNG_BY_NAME, RUNG_OF_KNOB, CostClass, knob_changes
 from qlora_supervise.policies.search import search_state, throughput
 from qlora_supervise.policies.search.budget import HostBudget, card_reserve, host_for_budget
-from qlora_supervise.policies.search.search_state import PreflightResult, Ranked, Search, fit_limit
+from qlora_supervise.policies.search.search_state import PreflightResult, Ranked, Search
 from qlora_supervise.policies.search.search_state import gib as _gib
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
@@ -42,30 +42,28 @@ def preflight(
     """The fastest config predicted to fit ``budget_bytes / (1 + margin)``; ``fallbacks``: the job's
     fallback models with their shapes (None: not modelled); ``exclude``: configs that already
     failed; ``unusable``: rungs charged with a failure; ``host``: the host budget (None: none)."""
-    limit = fit_limit(budget_bytes, margin)
-    search = Search(shape, knobs, limit, scale, targets, speed, exclude, unusable, host)
+    search = Search(shape, knobs, budget_bytes, margin, scale, targets, speed, exclude, unusable, host)
     base_speed = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     if search.fits(knobs) and knobs not in exclude:
         peak = search.peak(knobs)
         written = Ranked(knobs, (), peak, base_speed, False, CostClass.FREE, search.host_peak(knobs))
         ranking = search.rank(knobs)  # first: ranking counts the configs the host rules out
         why = [f"predicted {_gib(peak)} fits {_gib(budget_bytes)} with the {margin:.0%} margin"]
-        return _result(
-            search, shape, written, ranking, why + _host_reasons(search, knobs), budget_bytes, margin
-        )
+        why += _host_reasons(search, knobs)
+        return _result(search, shape, written, ranking, why)
     ranking, quality = search.best(knobs)
     fallback, chosen_shape = None, shape
     if not ranking and (found := _fallback(search, fallbacks)) is not None:
         fallback, chosen_shape, ranking = found
-    head = [_as_written(search, knobs, budget_bytes, margin)]
+    head = [_as_written(search, knobs)]
     if not ranking:
-        return _nothing_fits(search, budget_bytes, margin, head, bool(fallbacks))
+        return _nothing_fits(search, head, bool(fallbacks))
     chosen = ranking[0]
     reasons = [*head, *_change_reasons(knobs, chosen.knobs)]
     reasons.append(
-        f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(limit)}, {chosen.tokens_per_s:.0f} "
-        f"tokens/s {'measured' if chosen.measured else 'predicted'} ({len(ranking)} fitting candidate(s) "
-        "ranked by tokens/s)"
+        f"chosen: predicted {_gib(chosen.peak_bytes)} fits under {_gib(search.limit)}, "
+        f"{chosen.tokens_per_s:.0f} tokens/s {'measured' if chosen.measured else 'predicted'} "
+        f"({len(ranking)} fitting candidate(s) ranked by tokens/s)"
     )
     reasons += _host_reasons(search, chosen.knobs)
     if fallback is not None:
@@ -74,7 +72,7 @@ def preflight(
         reasons.append("no throughput-only change fits: QUALITY knobs changed (seq_len / LoRA rank)")
     cost = 1 - chosen.tokens_per_s / base_speed if base_speed > 0 and fallback is None else 0.0
     return dataclasses.replace(
-        _result(search, chosen_shape, chosen, ranking, reasons, budget_bytes, margin),
+        _result(search, chosen_shape, chosen, ranking, reasons),
         quality_changed=quality or fallback is not None,
         cost=round(cost, 4),
         fallback=fallback,
@@ -82,13 +80,7 @@ def preflight(
 
 
 def _result(
-    search: Search,
-    shape: ModelShape,
-    chosen: Ranked,
-    ranking: list[Ranked],
-    reasons: list[str],
-    budget_bytes: int,
-    margin: float,
+    search: Search, shape: ModelShape, chosen: Ranked, ranking: list[Ranked], reasons: list[str]
 ) -> PreflightResult:
     """A fitting choice: ``chosen`` (the job as written when it changes nothing) and its ranking."""
     return PreflightResult(
@@ -96,8 +88,8 @@ def _result(
         predicted=predict(shape, chosen.knobs, search.targets),
         changes=knob_changes(search.job, chosen.knobs),
         reasons=tuple(reasons),
-        budget_bytes=budget_bytes,
-        margin=margin,
+        budget_bytes=search.budget_bytes,
+        margin=search.margin,
         tokens_per_s=chosen.tokens_per_s,
         ranking=tuple(ranking),
         speed_trial=trial_candidates(chosen, ranking),
@@ -112,25 +104,25 @@ def _fallback(
     """The first fallback model with a config that fits the job's ``search``, and its ranking
     (uncalibrated: this host's measurements are of the job's model)."""
     knobs, host = search.job, search.host
+    fresh = dataclasses.replace(search, scale=None, speed=None, exclude=frozenset())
     for model, shape in fallbacks:
         if shape is None:
             continue
         # The fallback's checkpoint is not read here: its size is its parameters in 16 bits.
         own = host and dataclasses.replace(host, checkpoint_bytes=shape.params * 2, largest_shard_bytes=None)
-        fallback = Search(
-            shape, knobs, search.limit, None, search.targets, None, frozenset(), search.unusable, own
-        )
+        fallback = dataclasses.replace(fresh, shape=shape, host=own)
         ranking, _ = fallback.best(dataclasses.replace(knobs, model=model))
         if ranking:
             return model, shape, ranking
     return None
 
 
-def _as_written(search: Search, knobs: Knobs, budget_bytes: int, margin: float) -> str:
+def _as_written(search: Search, knobs: Knobs) -> str:
     """Why the job as written does not start: the card, the host, or an earlier failure."""
-    peak, limit = search.peak(knobs), search.limit
+    peak, limit, margin = search.peak(knobs), search.limit, search.margin
     if peak > limit:
-        return f"as written: predicted {_gib(peak)} > {_gib(limit)} ({_gib(budget_bytes)} less {margin:.0%})"
+        budget = _gib(search.budget_bytes)
+        return f"as written: predicted {_gib(peak)} > {_gib(limit)} ({budget} less {margin:.0%})"
     host = search.host_peak(knobs)
     if host is not None and search.host_limit is not None and host > search.host_limit:
         return (
@@ -141,8 +133,7 @@ def _as_written(search: Search, knobs: Knobs, budget_bytes: int, margin: float) 
 
 
 def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
-    """The host side of a choice: its host need against the host budget, and how many candidates
-    the host ruled out."""
+    """The host side of a choice: its need against the host budget, and the candidates the host ruled out."""
     host = search.host_peak(knobs)
     if host is None or search.host is None:
         return []
@@ -170,15 +161,14 @@ def _change_reasons(old: Knobs, new: Knobs) -> list[str]:
     return reasons
 
 
-def _nothing_fits(
-    search: Search, budget_bytes: int, margin: float, head: list[str], fallbacks: bool
-) -> PreflightResult:
+def _nothing_fits(search: Search, head: list[str], fallbacks: bool) -> PreflightResult:
     """The refusal when nothing fits the card: the smallest peak and what would help (``fallbacks``:
     the job has fallback models, none of which fits)."""
     if search.host_rejected:  # configs fitted the card: host memory is what nothing fits
-        return _nothing_fits_host(search, budget_bytes, margin, head)
+        return _nothing_fits_host(search, head)
     assert search.smallest is not None  # the job as written was predicted first
     peak, smallest = search.smallest
+    budget_bytes, margin = search.budget_bytes, search.margin
     need = int(peak * (1 + margin))
     helps = [f"a budget of at least {_gib(need)} (a card of about {_gib(need + card_reserve())})"]
     if fallbacks:
@@ -196,16 +186,15 @@ def _nothing_fits(
         f"NOTHING FITS: the smallest config of every rung peaks at {_gib(peak)}, the budget is "
         f"{_gib(budget_bytes)} ({margin:.0%} margin); what would help: {text}"
     )
-    return _refusal(search, (*head, verdict), budget_bytes, nothing)
+    return _refusal(search, (*head, verdict), nothing)
 
 
-def _nothing_fits_host(search: Search, budget_bytes: int, margin: float, head: list[str]) -> PreflightResult:
-    """Nothing that fits the card fits the host: the smallest host need among them, the host
-    budget, and the host budget that would fit."""
+def _nothing_fits_host(search: Search, head: list[str]) -> PreflightResult:
+    """Nothing that fits the card fits the host: their smallest host need, and the budget that would fit."""
     assert search.host is not None and search.host_limit is not None
     host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
+    host, margin = search.host, search.margin
     need = int(host_peak * (1 + margin))
-    host = search.host
     phase = host_train_need(
         search.shape, smallest, host.checkpoint_bytes, search.targets, host.largest_shard_bytes
     ).phase
@@ -227,15 +216,13 @@ def _nothing_fits_host(search: Search, budget_bytes: int, margin: float, head: l
         f"{_gib(host.budget_bytes)} ({margin:.0%} margin); what would fit: {text}"
     )
     return dataclasses.replace(
-        _refusal(search, (*head, verdict), budget_bytes, nothing),
+        _refusal(search, (*head, verdict), nothing),
         host_peak_bytes=host_peak,
         host_rejected=_rejected(search),
     )
 
 
-def _refusal(
-    search: Search, reasons: tuple[str, ...], budget_bytes: int, nothing: search_state.NothingFits
-) -> PreflightResult:
+def _refusal(search: Search, reasons: tuple[str, ...], nothing: search_state.NothingFits) -> PreflightResult:
     """The result when nothing fits: the smallest config ``nothing`` names, refused."""
     smallest = nothing.smallest_knobs
     return PreflightResult(
@@ -243,7 +230,7 @@ def _refusal(
         predicted=predict(search.shape, smallest, search.targets),
         changes=knob_changes(search.job, smallest),
         reasons=reasons,
-        budget_bytes=budget_bytes,
+        budget_bytes=search.budget_bytes,
         margin=nothing.margin,
         quality_changed=True,
         nothing_fits=nothing,

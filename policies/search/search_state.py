@@ -127,8 +127,7 @@ def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
 
 
 def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
-    """The job's model at each combination of the quality halvings (seq_len, rank), with the rung
-    names taken, lightest first."""
+    """Each combination of the quality halvings (seq_len, rank) with the rung names taken, lightest first."""
     out = [(k, names) for k, names in _product(knobs, _searched(CostClass.QUALITY, Axis.HALVINGS)) if names]
     # Stable: a shorter seq before a smaller rank.
     return sorted(out, key=lambda c: sum(rungs.RUNG_BY_NAME[name].quality_weight for name in c[1]))
@@ -152,17 +151,19 @@ class Search:
 
     shape: ModelShape
     job: Knobs
-    limit: float
+    budget_bytes: int
+    margin: float
     scale: float | None
     targets: Targets
     speed: throughput.SpeedCalibration | None
     exclude: frozenset[Knobs]
     unusable: frozenset[str]
     host: HostBudget | None = None
-    smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
-    deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
 
     def __post_init__(self) -> None:
+        self.limit = fit_limit(self.budget_bytes, self.margin)
+        self.smallest: tuple[int, Knobs] | None = None  # of the configs pre-flight may start (no deep cut)
+        self.deep_fit: Knobs | None = None  # the lightest deeper-than-allowed quality cut that fits
         self._peaks: dict[Knobs, int] = {}
         self._host_peaks: dict[Knobs, int] = {}
         self.host_rejected: dict[Knobs, int] = {}  # fit the card, not the host: their host peaks

@@ -56,14 +56,8 @@ class Coefficients:
     bf16_head_token_factor: float = 1.0
 
 
-FITTED = Coefficients(
-    fit.LAUNCH_S_PER_LAYER,
-    fit.FIXED_S_PER_BYTE,
-    fit.TOKEN_S,
-    fit.HEAD_TOKEN_S,
-    fit.OPTIMIZER_S_PER_PARAM,
-    fit.BF16_HEAD_TOKEN_FACTOR,
-)
+_PER_MODE = (fit.LAUNCH_S_PER_LAYER, fit.FIXED_S_PER_BYTE, fit.TOKEN_S, fit.HEAD_TOKEN_S)
+FITTED = Coefficients(*_PER_MODE, fit.OPTIMIZER_S_PER_PARAM, fit.BF16_HEAD_TOKEN_FACTOR)
 
 
 @dataclass(frozen=True)
@@ -107,16 +101,9 @@ def predict(
 def speed_key(knobs: Knobs) -> Knobs:
     """The knobs that decide training speed, so a measured config is found again however the
     others (eval, the allocator, alpha, the model's path) were set."""
-    return dataclasses.replace(
-        knobs,
-        model="",  # the store is read per shape: the same shape under another path is the same speed
-        lora_alpha=1,
-        eval_batch_size=1,
-        eval_enabled=False,
-        merge_on_cpu=False,
-        expandable_segments=True,
-        gpus="",
-    )
+    # The store is read per shape: the same shape under another model path is the same speed.
+    plain = dataclasses.replace(knobs, model="", lora_alpha=1, eval_batch_size=1, eval_enabled=False)
+    return dataclasses.replace(plain, merge_on_cpu=False, expandable_segments=True, gpus="")
 
 
 @dataclass(frozen=True)
@@ -167,17 +154,14 @@ def rank_speed(
     model = predict(shape, knobs, targets)
     if calibration is None:
         return model
-    key = speed_key(knobs)
-    for o in calibration.measured:
-        if speed_key(o.knobs) == key:
-            return _at(knobs, o.tokens_per_s, model)
+    if measured := [o.tokens_per_s for o in calibration.measured if speed_key(o.knobs) == speed_key(knobs)]:
+        return _at(knobs, measured[0], model)
     mode = knobs.gradient_checkpointing
     factor = next((s for ckpt, s in calibration.scale if ckpt is mode), calibration.overall)
     return model if factor is None else _at(knobs, model.tokens_per_s * factor, model)
 
 
 def _at(knobs: Knobs, tokens_per_s: float, model: StepTime) -> StepTime:
-    tokens = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len
-    step = tokens / tokens_per_s
+    step = knobs.micro_batch_size * knobs.grad_accum * knobs.max_seq_len / tokens_per_s
     micro = model.micro_step_s * step / model.optimizer_step_s if model.optimizer_step_s else step
     return StepTime(micro, step, tokens_per_s, measured=True)

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from structlog.typing import FilteringBoundLogger
 
-from qlora_supervise.policies.ladder.ladders import DEFAULT_LADDERS
+from qlora_supervise.policies.rungs import DEFAULT_LADDERS
 from qlora_supervise.supervisor.facts.trainer import Ladders, Trainer
 from qlora_supervise.supervisor.jobfile.advice import Advice
 from qlora_supervise.supervisor.jobfile.job import Job
