@@ -190,8 +190,7 @@ def bounded_run(
         proc.wait()
         code = None
     for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if not stream.closed:
-            stream.close()
+        stream.close()  # a no-op on one already closed
     return code, bytes(tails[out]), bytes(tails[err])
 
 
