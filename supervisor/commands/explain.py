@@ -1,12 +1,11 @@
-"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``: the retry
-story as a table, one row per attempt, then why each attempt ran its config in the policy's words
-(the first plan's reasons, or the decision after the attempt before). ``--json`` prints schema
-``qlora-supervise.explain/1`` (docs/run-directory.md, "The JSON of status and explain"). The predicted
-peak is the memory model's for the attempt's knobs, from the model's ``config.json`` (``--model-config``
-when the model directory is gone); it predicts the CUDA allocator's peak, so it is left out for
-attempts that ran on the CPU. ``--plot``: every attempt's memory (what its cap limits) on one time
-axis, with NVML's view, the failures, the rungs, the budget and the prediction; matplotlib (headless)
-is imported only when a plot is drawn."""
+"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``: the retry story as a
+table, one row per attempt, then why each attempt ran its config in the policy's words (the first plan's
+reasons, or the decision after the attempt before). ``--json`` prints schema ``qlora-supervise.explain/1``
+(docs/run-directory.md, "The JSON of status and explain"). The predicted peak is the memory model's for the
+attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory is gone); it
+predicts the CUDA allocator's peak, so it is left out for attempts that ran on the CPU. ``--plot``: every
+attempt's memory (what its cap limits) on one time axis, with NVML's view, the failures, the rungs, the budget
+and the prediction; matplotlib (headless) is imported only when a plot is drawn."""
 
 from __future__ import annotations
 

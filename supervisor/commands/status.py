@@ -142,8 +142,7 @@ def merge_lines(rd: RunDir) -> list[str]:
     """The merged model(s) and the adapter step each was made from, when it is known (a merge
     made from an older adapter than the run's says so, with the command that merges again)."""
     lines = []
-    now = adapter_step(rd)
-    made = merged_record(rd)
+    now, made = adapter_step(rd), merged_record(rd)
     if rd.merged.exists():
         report = merge_report(rd)
         step = report.get("adapter_step") if report else None

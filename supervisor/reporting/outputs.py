@@ -66,9 +66,8 @@ class BestEffort:
         nothing was due: that neither fails nor recovers the output."""
         try:
             done = action()
-        # Blind on purpose: an optional output may fail in any way (OSError from a full or
-        # read-only textfile, a ValueError from prometheus_client, a bug in a listener), and
-        # none of those may reach the loop.
+        # Blind on purpose: an optional output may fail in any way (OSError from a full or read-only textfile,
+        # a ValueError from prometheus_client, a bug in a listener), and none of those may reach the loop.
         except Exception as error:
             self.failed(output, f"{type(error).__name__}: {error}")
             return False
