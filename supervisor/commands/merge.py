@@ -103,8 +103,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
-    """The newest training attempt's spec, pointed at this merge's own files, written into (and
-    returned with) ``merge-command/``."""
+    """The newest training attempt's spec pointed at this merge's own files, in ``merge-command/``."""
     specs = sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))
     if not specs:
         raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")

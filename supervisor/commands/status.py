@@ -304,8 +304,7 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     """What ``run`` and ``demo`` end with: the retry story, what the ladder changed, how to load it."""
     print("\n--- the retry story (qlora-supervise status) ---", file=out)
     print_story(rd, out)
-    records, _ = read_attempts(rd.attempts)
-    train = [r for r in records if r.phase is journal.Phase.TRAIN]
+    train = [r for r in read_attempts(rd.attempts)[0] if r.phase is journal.Phase.TRAIN]
     if not train:
         return
     last = train[-1].knobs
