@@ -112,7 +112,6 @@ BROKEN_PIPE_EXIT = 141
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(_build_parser().parse_args(argv))
-    # Imported only now, so that each command loads only what it uses.
     module, function = args.pop("target").split(":")
     try:
         command = getattr(importlib.import_module(f"qlora_supervise.supervisor.commands.{module}"), function)

@@ -46,7 +46,6 @@ def explain_command(
         raise BadInput(f"{run_dir}: no attempts.jsonl; pass a job's output_dir that has run")
     story = explanation(rd, Path(model_config) if model_config else None)
     if plot is not None:
-        # A folder that does not exist, or cannot be written, is exit 2 in words.
         path, folder = Path(plot), Path(plot).absolute().parent
         if not folder.is_dir():
             missing = "is not a folder" if folder.exists() else "does not exist"

@@ -60,7 +60,6 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
         if code != 0:
             why = report.message[:500] if report else f"exit status {code}"
             raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {work.log})")
-        # The adapter's step into the merge report and ``merge-command/merged.json``.
         if (numbers := read_json(merged / MERGE_REPORT)) is not None:
             numbers["adapter_step"] = step
             write_text_atomic(merged / MERGE_REPORT, json.dumps(numbers, indent=2))

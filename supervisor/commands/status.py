@@ -312,7 +312,6 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     print(f"changed by the ladder: {', '.join(changed) if changed else 'nothing'}", file=out)
     if not rd.adapter.exists():
         return
-    # Python that loads the result: the base in 4-bit plus the adapter, or the merged model.
     adapter, merged = str(rd.adapter), str(rd.merged)
     lines = [
         "load the adapter (PEFT):",
