@@ -48,10 +48,8 @@ def _build_parser() -> ArgumentParser:
     run = command("run", what, "run:run_job", "job_path", **raw)
     flag(run, "--plain", "one progress line per logging step, even on a terminal")
     flag(run, "--as-written", "start from the job's own config, not the memory model's pre-flight choice")
-    what = "start a new generation in the same output_dir (the current one moves to generations/N/); "
-    what += (
-        "needed when the job changes what is trained (model, data, LoRA, quantization, lr, seq_len, batch)"
-    )
+    what = "start a new generation in the same output_dir (the current one moves to generations/N/); needed "
+    what += "when the job changes what is trained (model, data, LoRA, quantization, lr, seq_len, batch)"
     flag(run, "--restart", what)
     flag(run, "--retry", "lift the run's verdict (gave up, not retryable) and try its last config again")
 
@@ -94,9 +92,8 @@ def _build_parser() -> ArgumentParser:
     merge.add_argument("--out", help="where the merged model goes (default: RUN_DIR/merged)")
     merge.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
 
-    install = command(
-        "install-systemd", "write the systemd unit and the job; print what to run", job="job_path"
-    )
+    what = "write the systemd unit and the job; print what to run"
+    install = command("install-systemd", what, job="job_path")
     scope = install.add_mutually_exclusive_group()
     scope.add_argument("--system", dest="user_mode", action="store_false", help="a system unit (default)")
     scope.add_argument("--user", dest="user_mode", action="store_true", help="a unit of your user's manager")
@@ -115,7 +112,6 @@ BROKEN_PIPE_EXIT = 141
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(_build_parser().parse_args(argv))
-    # Imported only now, so that each command loads only what it uses.
     module, function = args.pop("target").split(":")
     try:
         command = getattr(importlib.import_module(f"qlora_supervise.supervisor.commands.{module}"), function)

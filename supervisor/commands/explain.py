@@ -1,12 +1,11 @@
-"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``: the retry
-story as a table, one row per attempt, then why each attempt ran its config in the policy's words
-(the first plan's reasons, or the decision after the attempt before). ``--json`` prints schema
-``qlora-supervise.explain/1`` (docs/run-directory.md, "The JSON of status and explain"). The predicted
-peak is the memory model's for the attempt's knobs, from the model's ``config.json`` (``--model-config``
-when the model directory is gone); it predicts the CUDA allocator's peak, so it is left out for
-attempts that ran on the CPU. ``--plot``: every attempt's memory (what its cap limits) on one time
-axis, with NVML's view, the failures, the rungs, the budget and the prediction; matplotlib (headless)
-is imported only when a plot is drawn."""
+"""``qlora-supervise explain RUN_DIR [--json] [--plot FILE.png] [--model-config FILE]``: the retry story as a
+table, one row per attempt, then why each attempt ran its config in the policy's words (the first plan's
+reasons, or the decision after the attempt before). ``--json`` prints schema ``qlora-supervise.explain/1``
+(docs/run-directory.md, "The JSON of status and explain"). The predicted peak is the memory model's for the
+attempt's knobs, from the model's ``config.json`` (``--model-config`` when the model directory is gone); it
+predicts the CUDA allocator's peak, so it is left out for attempts that ran on the CPU. ``--plot``: every
+attempt's memory (what its cap limits) on one time axis, with NVML's view, the failures, the rungs, the budget
+and the prediction; matplotlib (headless) is imported only when a plot is drawn."""
 
 from __future__ import annotations
 
@@ -26,23 +25,10 @@ from qlora_supervise.supervisor.commands import BadInput
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_bytes
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.supervisor.loop.settings import model_shape
-from qlora_supervise.supervisor.record.history import (
-    climb_back_lines,
-    planned_restarts,
-    speed_cell,
-    speed_columns,
-    speed_of,
-    time_in_configs,
-)
+from qlora_supervise.supervisor.record import history
 from qlora_supervise.supervisor.record.journal import AttemptRecord, read_attempts
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.trainer_child.contract.events import (
-    ChildPeakSource,
-    Heartbeat,
-    Loaded,
-    Started,
-    read_events,
-)
+from qlora_supervise.trainer_child.contract import events as child
 
 SCHEMA = "qlora-supervise.explain/1"
 
@@ -60,7 +46,6 @@ def explain_command(
         raise BadInput(f"{run_dir}: no attempts.jsonl; pass a job's output_dir that has run")
     story = explanation(rd, Path(model_config) if model_config else None)
     if plot is not None:
-        # A folder that does not exist, or cannot be written, is exit 2 in words.
         path, folder = Path(plot), Path(plot).absolute().parent
         if not folder.is_dir():
             missing = "is not a folder" if folder.exists() else "does not exist"
@@ -72,8 +57,7 @@ def explain_command(
         try:
             draw(rd, story, Path(plot))
         except OSError as error:  # a folder that takes no files (/proc), a full disk
-            why = f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere"
-            raise BadInput(why) from None
+            raise BadInput(f"--plot {plot}: cannot write it ({error.strerror}); plot elsewhere") from None
         print(f"wrote {plot}", file=sys.stderr)
     if as_json:
         print(json.dumps(story, indent=2), file=out)
@@ -111,8 +95,8 @@ def explanation(rd: RunDir, model_config: Path | None = None) -> dict[str, Any]:
         "budget_bytes": budget,
         "started_at": records[0].started_at if records else None,
         "attempts": rows,
-        "planned_restarts": planned_restarts(records),  # {"step_up": n, "retime": n}
-        "time_in_configs": [c.to_json() for c in time_in_configs(records)],
+        "planned_restarts": history.planned_restarts(records),  # {"step_up": n, "retime": n}
+        "time_in_configs": [c.to_json() for c in history.time_in_configs(records)],
     }
 
 
@@ -122,10 +106,10 @@ def _row(
     """One attempt; ``why``: the first plan's reasons for its config, or the decision after ``before``."""
     f, d = r.failure, r.decision
     why = [before.decision.why] if before is not None and before.decision is not None else []
-    events = read_events(rd.attempt(r.attempt).events)
+    events = child.read_events(rd.attempt(r.attempt).events)
     # The child's ``started`` names the device (``gpu: auto`` on a machine without one runs on the
     # CPU); the job's ``gpu`` where the child never said.
-    device = next((e.device for e in events if isinstance(e, Started) and e.device is not None), None)
+    device = next((e.device for e in events if isinstance(e, child.Started) and e.device is not None), None)
     on_gpu = asked_gpu if device is None else device.startswith("cuda")
     shape = given or model_shape(Path(r.knobs.model))
     predicted = estimate_peak(shape, r.knobs) if shape is not None and on_gpu else None
@@ -147,7 +131,7 @@ def _row(
         "host_peak_bytes": r.host.peak_bytes if r.host else None,
         "host_predicted_bytes": r.host.predicted_bytes if r.host else None,
         "host_load_peak_bytes": r.host.load_peak_bytes if r.host else None,
-        **speed_columns(shape if on_gpu else None, speed_of(events, r.knobs)),
+        **history.speed_columns(shape if on_gpu else None, history.speed_of(events, r.knobs)),
         "wall_s": round(r.ended_at - r.started_at, 1),
         "started_at": r.started_at,
         "ended_at": r.ended_at,
@@ -187,7 +171,7 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
         host = _measured(a["host_peak_bytes"], a["host_predicted_bytes"]) if a["host_peak_bytes"] else "?"
         row = (str(a["attempt"]), a["kind"] or a["outcome"], a["stage"] or "-", numbers or "-", change)
         wall = tqdm.format_interval(a["wall_s"])
-        rows.append((*row, a["progress_kept"] or "-", steps, peak, host, speed_cell(a), wall))
+        rows.append((*row, a["progress_kept"] or "-", steps, peak, host, history.speed_cell(a), wall))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines += [
@@ -195,7 +179,7 @@ def print_table(story: dict[str, Any], out: TextIO) -> None:
     ]
     budget = story["budget_bytes"]
     lines.append(f"budget: {format_bytes(budget) if budget else 'none (the card)'}")
-    lines += climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or [])
+    lines += history.climb_back_lines(story.get("planned_restarts") or {}, story.get("time_in_configs") or [])
     print("\n".join(lines), file=out)
 
 
@@ -204,9 +188,9 @@ _GIB = 2**30
 _NOTE = {"textcoords": "offset points", "fontsize": 8}
 #: The current gauge that shows the memory each peak source measures, and its label.
 _GAUGE_OF_SOURCE = {
-    ChildPeakSource.CUDA_ALLOCATOR: ("allocated_bytes", "CUDA allocated"),
-    ChildPeakSource.DATA_SEGMENT: ("vmdata_bytes", "data segment"),
-    ChildPeakSource.RSS: ("rss_bytes", "RSS"),
+    child.ChildPeakSource.CUDA_ALLOCATOR: ("allocated_bytes", "CUDA allocated"),
+    child.ChildPeakSource.DATA_SEGMENT: ("vmdata_bytes", "data segment"),
+    child.ChildPeakSource.RSS: ("rss_bytes", "RSS"),
 }
 
 
@@ -224,8 +208,9 @@ def attempt_series(rd: RunDir, attempt: int) -> Series:
     view, CUDA context included). A missing or torn file gives fewer points, never an error."""
     files = rd.attempt(attempt)
     series = Series()
-    for event in read_events(files.events):
-        if not isinstance(event, Heartbeat | Loaded) or event.time is None or not event.memory.peak_source:
+    samples = [e for e in child.read_events(files.events) if isinstance(e, child.Heartbeat | child.Loaded)]
+    for event in samples:
+        if event.time is None or not event.memory.peak_source:
             continue
         gauge, label = _GAUGE_OF_SOURCE[event.memory.peak_source]
         if value := getattr(event.memory, gauge):
@@ -320,8 +305,7 @@ def _attempt(
         )
         last = ys[-1] if ys else (a["peak_bytes"] or 0) / scale
         y = (held / scale if held else last) + (numbers.get("tried_to_allocate") or 0) / scale
-        oom = (a["kind"] or "").startswith("oom") or a["kind"] == "host_oom"
-        mark = "red" if oom else "black"
+        mark = "red" if (a["kind"] or "").startswith("oom") or a["kind"] == "host_oom" else "black"
         ax.plot([end], [y], marker="x", ms=11, mew=2.5, color=mark, ls="none")
         ax.annotate(a["kind"] or "failed", xy=(end, y), xytext=(7, 3), ha="left", color=mark, **_NOTE)
         top = max(top, y)

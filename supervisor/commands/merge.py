@@ -60,9 +60,7 @@ def merge_command(run_dir: str, out: str | None = None, device: str = "auto") ->
         if code != 0:
             why = report.message[:500] if report else f"exit status {code}"
             raise SupervisorExit(SupervisorExitCode.NOT_RETRYABLE, f"merge failed: {why} (log: {work.log})")
-        # The adapter's step into the merge report and ``merge-command/merged.json``.
-        numbers = read_json(merged / MERGE_REPORT)
-        if numbers is not None:
+        if (numbers := read_json(merged / MERGE_REPORT)) is not None:
             numbers["adapter_step"] = step
             write_text_atomic(merged / MERGE_REPORT, json.dumps(numbers, indent=2))
         record = {"merged_dir": str(merged), "adapter_step": step, "time": time.time()}
@@ -104,8 +102,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
-    """The newest training attempt's spec, pointed at this merge's own files, written into (and
-    returned with) ``merge-command/``."""
+    """The newest training attempt's spec pointed at this merge's own files, in ``merge-command/``."""
     specs = sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))
     if not specs:
         raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")

@@ -35,10 +35,8 @@ def _render_prediction(plan: dict[str, Any]) -> list[str]:
         f"{format_bytes(w['reserved_bytes'])} reserved, {format_bytes(w['card_bytes'])} on the card"
         f"{per_rank}",
     ]
-    lines += [f"  {name:<20} {format_bytes(size):>12}" for name, size in w["components"].items()]
-    lines += [
-        f"  (outside allocator) {name:<20} {format_bytes(size):>12}" for name, size in w["outside"].items()
-    ]
+    for prefix, terms in (("", w["components"]), ("(outside allocator) ", w["outside"])):
+        lines += [f"  {prefix}{name:<20} {format_bytes(size):>12}" for name, size in terms.items()]
     card = plan["card"]
     if card["budget_bytes"] is None:
         lines.append("card: unknown (no --gpu-memory, no gpu_memory_limit, no NVML): no fit verdict")
@@ -50,8 +48,7 @@ def _render_prediction(plan: dict[str, Any]) -> list[str]:
         )
         verdict = "yes" if plan["fits_as_written"] else "NO"
         lines.append(f"fits as written (with the {plan['start']['margin']:.0%} margin): {verdict}")
-        lines += _render_start(plan["start"])
-        lines += _render_ranking(plan["ranking"])
+        lines += [*_render_start(plan["start"]), *_render_ranking(plan["ranking"])]
     lines.append("rungs (each alone on the job as written; tokens/s by the throughput model):")
     for r in plan["rungs"]:
         peak = "no change" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])

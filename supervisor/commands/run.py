@@ -138,8 +138,7 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
     Refuses (exit 2, with the diff and the flag) a change of what is trained without ``restart``."""
     moved = generations.finish_interrupted_move(rd)
     versions = generations.JobVersions(rd)
-    recorded = versions.newest_view()
-    if recorded is None:
+    if (recorded := versions.newest_view()) is None:
         return Submission([], versions.record(job), moved)
     changes = generations.diff(recorded, generations.job_view(job))
     # Before the first optimizer step a tool's own key has nothing to mix with yet (generations.py).
@@ -166,8 +165,7 @@ def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: Filtering
     state = read_state(rd.state)
     if state is not None and state.run_state is RunState.SUCCEEDED:
         # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
-        extended = generations.extend_finished(rd, submitted.changes, time.time())
-        if extended is not None:
+        if (extended := generations.extend_finished(rd, submitted.changes, time.time())) is not None:
             lifted = {"after_attempt": extended.after_attempt, "why": extended.why}
             log.info(Event.VERDICT_LIFTED, verdict="succeeded", **lifted)
         return

@@ -142,8 +142,7 @@ def merge_lines(rd: RunDir) -> list[str]:
     """The merged model(s) and the adapter step each was made from, when it is known (a merge
     made from an older adapter than the run's says so, with the command that merges again)."""
     lines = []
-    now = adapter_step(rd)
-    made = merged_record(rd)
+    now, made = adapter_step(rd), merged_record(rd)
     if rd.merged.exists():
         report = merge_report(rd)
         step = report.get("adapter_step") if report else None
@@ -305,8 +304,7 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     """What ``run`` and ``demo`` end with: the retry story, what the ladder changed, how to load it."""
     print("\n--- the retry story (qlora-supervise status) ---", file=out)
     print_story(rd, out)
-    records, _ = read_attempts(rd.attempts)
-    train = [r for r in records if r.phase is journal.Phase.TRAIN]
+    train = [r for r in read_attempts(rd.attempts)[0] if r.phase is journal.Phase.TRAIN]
     if not train:
         return
     last = train[-1].knobs
@@ -314,7 +312,6 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     print(f"changed by the ladder: {', '.join(changed) if changed else 'nothing'}", file=out)
     if not rd.adapter.exists():
         return
-    # Python that loads the result: the base in 4-bit plus the adapter, or the merged model.
     adapter, merged = str(rd.adapter), str(rd.merged)
     lines = [
         "load the adapter (PEFT):",

@@ -44,8 +44,7 @@ def validate_command(path: str) -> int:
 
 
 def load_or_exit(job_path: str, head: str | None = None, tail: str = "", tools: bool = False) -> Job:
-    """The job (with ``tools``: its tool checked too), or exit 2 listing every problem under
-    ``<job_path>: <head, default N problem(s)>:`` and above ``tail``."""
+    """The job (``tools``: its tool checked too), or exit 2: ``<job_path>: <head>:``, its problems, tail."""
     try:
         job = load_job(job_path)
         if tools and (problems := tool_problems(job.trainer)):

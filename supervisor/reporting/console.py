@@ -144,8 +144,7 @@ class ConsoleStream(io.TextIOBase):
         self._reported = True
         raise ConsoleLost(self.lost)
 
-    def _try(self, action: Callable[..., object], *args: str) -> None:
-        """``action(*args)`` while the console is there; the first failure loses it."""
+    def _try(self, action: Callable[..., object], *args: str) -> None:  # the first failure loses the console
         if self.lost is not None:
             return
         try:

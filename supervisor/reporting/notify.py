@@ -63,8 +63,7 @@ def extend_timeout(seconds: float) -> bool:
 
 def watchdog_interval_s() -> float | None:
     """``WatchdogSec=`` in seconds when the watchdog is on for this process, else None."""
-    usec = os.environ.get("WATCHDOG_USEC", "")
-    pid = os.environ.get("WATCHDOG_PID", "")
+    usec, pid = os.environ.get("WATCHDOG_USEC", ""), os.environ.get("WATCHDOG_PID", "")
     if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
         return None
     return int(usec) / 1_000_000

@@ -66,9 +66,8 @@ class BestEffort:
         nothing was due: that neither fails nor recovers the output."""
         try:
             done = action()
-        # Blind on purpose: an optional output may fail in any way (OSError from a full or
-        # read-only textfile, a ValueError from prometheus_client, a bug in a listener), and
-        # none of those may reach the loop.
+        # Blind on purpose: an optional output may fail in any way (OSError from a full or read-only textfile,
+        # a ValueError from prometheus_client, a bug in a listener), and none of those may reach the loop.
         except Exception as error:
             self.failed(output, f"{type(error).__name__}: {error}")
             return False
@@ -190,8 +189,7 @@ def bounded_run(
         proc.wait()
         code = None
     for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if not stream.closed:
-            stream.close()
+        stream.close()  # a no-op on one already closed
     return code, bytes(tails[out]), bytes(tails[err])
 
 
