@@ -40,9 +40,7 @@ def world_problems(
     if isinstance(data := sections.get("data"), schema.DataSection):
         problems += _data_problems(data, bad)
     if isinstance(train := sections.get("train"), schema.TrainSection):
-        problems += _train_problems(train, bad)
-        if isinstance(data, schema.DataSection):
-            problems += _eval_problems(train, data, bad)
+        problems += _train_problems(train, data if isinstance(data, schema.DataSection) else None, bad)
     if isinstance(resources := sections.get("resources"), schema.ResourcesSection):
         problems += _rank_problems(resources, bad)
         if isinstance(train, schema.TrainSection):
@@ -159,8 +157,11 @@ def split_sizes(records: int, eval_fraction: float) -> tuple[int, int]:
     return math.floor((1 - eval_fraction) * records), math.ceil(eval_fraction * records)
 
 
-def _train_problems(train: schema.TrainSection, bad: frozenset[str]) -> list[Problem]:
-    """The effective batch divides into micro-batches, and max_steps or epochs sets the length."""
+def _train_problems(
+    train: schema.TrainSection, data: schema.DataSection | None, bad: frozenset[str]
+) -> list[Problem]:
+    """The effective batch divides into micro-batches, max_steps or epochs sets the length, and
+    eval_steps has eval data (``data`` None: its section failed, not checked)."""
     problems = []
     batch_ok = not bad & {"train.effective_batch_size", "train.micro_batch_size"}
     if batch_ok and train.effective_batch_size % train.micro_batch_size:
@@ -171,6 +172,12 @@ def _train_problems(train: schema.TrainSection, bad: frozenset[str]) -> list[Pro
     if length_ok and train.max_steps is None and train.epochs is None:
         why = "neither max_steps nor epochs is set"
         problems.append(Problem("train.max_steps", why, None, "set one of them"))
+    eval_fields = {"train.eval_steps", "data.eval_path", "data.eval_fraction"}
+    no_eval = data is not None and data.eval_path is None and data.eval_fraction == 0
+    if no_eval and train.eval_steps is not None and not bad & eval_fields:
+        fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
+        why = "evaluation asked for but there is no eval data"
+        problems.append(Problem("train.eval_steps", why, show(train.eval_steps), fix))
     return problems
 
 
@@ -213,17 +220,6 @@ def _rank_batch_problems(
     fix = f"make it a multiple of micro_batch_size x nproc_per_node ({per_step})"
     why = f"not divisible by micro_batch_size x nproc_per_node ({train.micro_batch_size} x {ranks})"
     return [Problem("train.effective_batch_size", why, show(train.effective_batch_size), fix)]
-
-
-def _eval_problems(
-    train: schema.TrainSection, data: schema.DataSection, bad: frozenset[str]
-) -> list[Problem]:
-    fields = {"train.eval_steps", "data.eval_path", "data.eval_fraction"}
-    if bad & fields or train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
-        return []
-    why = "evaluation asked for but there is no eval data"
-    fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
-    return [Problem("train.eval_steps", why, show(train.eval_steps), fix)]
 
 
 def _supervise_problems(supervise: schema.SuperviseSection, bad: frozenset[str]) -> list[Problem]:
