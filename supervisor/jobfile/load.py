@@ -123,7 +123,6 @@ def _yaml_kind(value: object) -> str:
 
 
 def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
-    """Unknown top-level keys (with a did-you-mean) and missing required sections."""
     keys = schema.TOP_LEVEL_KEYS
     unknown = [key for key in raw if key not in keys]
     missing = [name for name in schema.REQUIRED_SECTIONS if name not in raw]

@@ -211,19 +211,16 @@ def _rank_batch_problems(
     train: schema.TrainSection, resources: schema.ResourcesSection, bad: frozenset[str]
 ) -> list[Problem]:
     fields = {"train.effective_batch_size", "train.micro_batch_size", "resources.nproc_per_node"}
-    ranks = resources.nproc_per_node
-    if ranks == 1 or bad & fields or train.effective_batch_size % train.micro_batch_size:
-        return []  # one rank: _train_problems says it already
+    batch, ranks = train.effective_batch_size, resources.nproc_per_node
     per_step = train.micro_batch_size * ranks
-    if train.effective_batch_size % per_step == 0:
-        return []
+    if ranks == 1 or bad & fields or batch % train.micro_batch_size or batch % per_step == 0:
+        return []  # one rank, or no whole micro-batches: _train_problems says so already
     fix = f"make it a multiple of micro_batch_size x nproc_per_node ({per_step})"
     why = f"not divisible by micro_batch_size x nproc_per_node ({train.micro_batch_size} x {ranks})"
-    return [Problem("train.effective_batch_size", why, show(train.effective_batch_size), fix)]
+    return [Problem("train.effective_batch_size", why, show(batch), fix)]
 
 
 def _supervise_problems(supervise: schema.SuperviseSection, bad: frozenset[str]) -> list[Problem]:
-    """backoff_max is at least backoff_initial, and the metrics textfile can be created."""
     problems = []
     backoff_ok = not bad & {"supervise.backoff_max", "supervise.backoff_initial"}
     if backoff_ok and supervise.backoff_max < supervise.backoff_initial:

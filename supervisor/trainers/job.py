@@ -206,13 +206,9 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     return None
 
 
-_TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
-
-
 def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]:
     """The tool's knobs, train spec, and values that did not parse (``max_steps: ten``) by job view name."""
-    tool, config = trainer.tool, trainer.config
-    table = tool.table
+    tool, config, table = trainer.tool, trainer.config, trainer.tool.table
     knobs = knobs_from(table, config)
     # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
     model = tool_model_path(knobs.model, trainer.workdir)
@@ -228,8 +224,8 @@ def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]
         merge=False,
         target_modules=model_facts.lora_targets(tool, config, model_type(knobs.model)),
     )
-    parsed = (train.max_steps, train.epochs, train.save_steps)
-    views = zip(_TRAIN_VIEW, (steps, epochs, save), parsed, strict=True)
+    names = ("train.max_steps", "train.epochs", "train.save_steps")
+    views = zip(names, (steps, epochs, save), (train.max_steps, train.epochs, train.save_steps), strict=True)
     return knobs, train, {name: v for name, v, got in views if present(v) and v != got}
 
 

@@ -255,7 +255,6 @@ def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]
 # The shim in a tool's process: the environment that puts it on the PYTHONPATH (found beside the
 # contract's processes module; nothing of it is imported here) with the spec named, and whether it
 # attached (its ``started`` line in the attempt's events file), said in the journal when it did not.
-
 #: The same name as trainer_child.shim.SHIM_SPEC_ENV (tests/test_trainer_shim.py checks they agree).
 SHIM_SPEC_ENV = "QLORA_SUPERVISE_SHIM_SPEC"
 SHIM_SITE = Path(processes.__file__).resolve().parent.parent / "shim" / "site"
@@ -308,7 +307,6 @@ def output_moving(spec: AttemptSpec, log_path: Path, wall_now: float, timeout_s:
 
 # Whether the tool, and the shim, can be imported by the interpreter that will run them (``find_spec``
 # there, once per interpreter): a missing tool fails every start; without qlora-supervise, no shim.
-
 SHIM_PACKAGE = "qlora_supervise"
 _PROBE = (
     "import importlib.util, sys; "

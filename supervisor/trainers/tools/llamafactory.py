@@ -111,8 +111,7 @@ def _data_problems(config: Config, where: str, workdir: Path) -> list[Problem]:
     return [Problem(f"{where}: dataset", f"not defined in {info}", show(name), _ADD) for name in missing]
 
 
-def _names(value: Any) -> list[str]:
-    """The dataset value: a comma-separated string (or a YAML list) of names."""
+def _names(value: Any) -> list[str]:  # a comma-separated string, or a YAML list
     names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
     return [str(name).strip() for name in names if str(name).strip()]
 
