@@ -27,6 +27,7 @@ from qlora_supervise.supervisor.jobfile.world import world_problems
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 _S = TypeVar("_S", bound=schema.Section)
+_YAML_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
@@ -113,9 +114,6 @@ def duplicate_keys(text: str) -> Iterator[Problem]:
                 yield Problem(path, where, show(key), "merge them into one")
             seen.setdefault(key, line)
             stack.append((path, value_node))
-
-
-_YAML_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
 def _yaml_kind(value: object) -> str:
