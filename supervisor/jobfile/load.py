@@ -28,6 +28,22 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 _S = TypeVar("_S", bound=schema.Section)
 _YAML_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
+_TYPE_NAMES = {
+    "a whole number": ("int_type", "int_from_float"),
+    "a number": ("float_type",),
+    "true or false": ("bool_type",),
+    "a string": ("string_type",),
+    "a list": ("tuple_type", "list_type"),
+    "a mapping": ("dict_type",),
+}
+#: Pydantic error types whose words do not depend on the error: the problem and the fix.
+_FIXED = {
+    "missing": ("required key is missing", "add it"),
+    "string_too_short": ("must not be empty", "write a name"),
+    "finite_number": ("must be a finite number", ""),
+    **{kind: ("wrong type", f"expected {name}") for name, kinds in _TYPE_NAMES.items() for kind in kinds},
+}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
@@ -164,24 +180,6 @@ def validate_output_dir(
     except ValidationError as error:
         problems += _problems_from(error, "output_dir", ())
         return None
-
-
-_TYPE_NAMES = {
-    "a whole number": ("int_type", "int_from_float"),
-    "a number": ("float_type",),
-    "true or false": ("bool_type",),
-    "a string": ("string_type",),
-    "a list": ("tuple_type", "list_type"),
-    "a mapping": ("dict_type",),
-}
-#: Pydantic error types whose words do not depend on the error: the problem and the fix.
-_FIXED = {
-    "missing": ("required key is missing", "add it"),
-    "string_too_short": ("must not be empty", "write a name"),
-    "finite_number": ("must be a finite number", ""),
-    **{kind: ("wrong type", f"expected {name}") for name, kinds in _TYPE_NAMES.items() for kind in kinds},
-}
-_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 def _problems_from(error: ValidationError, prefix: str, fields: Iterable[str]) -> list[Problem]:

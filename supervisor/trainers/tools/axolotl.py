@@ -70,7 +70,6 @@ TABLE = Table(
         *tool.TRAINER_ARGUMENTS_CONTRADICTIONS,
         Contradiction("fsdp_config", tool.present, tool.MULTI_GPU, "delete fsdp_config"),
     ),
-    targets_key="lora_target_modules",
     data_key="datasets",
     epochs_key="num_epochs",
     epochs_default=1.0,
