@@ -52,8 +52,7 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 
 
 def read_job_file(path: str | os.PathLike[str]) -> tuple[Path, str, dict[str, Any]]:
-    """The job file's absolute path, its text and its top-level mapping; JobError when it cannot be
-    read, is bad YAML or an alias bomb, is empty or is no mapping."""
+    """The job file's absolute path, text and top-level mapping; JobError when it is unusable as one."""
     job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
     try:
         text = bounds.read_bounded(job_file)

@@ -17,8 +17,7 @@ from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import targets
 
-#: The largest share of the data ``eval_fraction`` may hold out: beyond it less is trained on
-#: than is evaluated, which is never what a fine-tune means.
+#: The most of the data ``eval_fraction`` may hold out: beyond it, less is trained on than evaluated.
 MAX_EVAL_FRACTION = 0.5
 #: Why a textfile name is refused: node_exporter's collector skips every other name.
 NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
@@ -108,10 +107,9 @@ def _data_problems(data: schema.DataSection, bad: frozenset[str]) -> list[Proble
         why = f"holds out more than {limit} of the data for evaluation, leaving less to train on"
         fix = f"use {limit} or less (0.05 to 0.1 is usual), or a separate data.eval_path"
         problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
-    if "data.path" not in bad:
-        problems += _source_problems("data.path", data.path, data, fields_ok)
-    if "data.eval_path" not in bad and data.eval_path is not None:
-        problems += _source_problems("data.eval_path", data.eval_path, data, fields_ok)
+    for name, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if name not in bad and path is not None:
+            problems += _source_problems(name, path, data, fields_ok)
     return problems
 
 

@@ -115,8 +115,7 @@ def lora_targets(tool: Tool, config: Config, model_type: str | None = None) -> t
         return ALL_LINEAR
     value = as_peft_gets_it(tool, lookup(config, tool.table.targets_key))
     if isinstance(value, str) and tool.targets_regex and value != ALL_LINEAR:
-        matched = regex_matches(value, model_type)
-        return matched if matched else value  # no match: validate says so; the string as written
+        return regex_matches(value, model_type) or value  # no match: validate says so; the string as written
     if isinstance(value, str):
         value = [name.strip() for name in value.split(",") if name.strip()]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):

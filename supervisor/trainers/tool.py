@@ -130,8 +130,7 @@ def unquoted_no(key: str) -> Contradiction:
 
 #: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.
 STRATEGY_KEYS = ("eval_strategy", "save_strategy")
-#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
-#: supervisor, the same in every tool's config that has them.
+#: TrainingArguments' keys (axolotl spells them the same) that fight the supervisor in any config.
 TRAINER_ARGUMENTS_CONTRADICTIONS = (
     *(unquoted_no(key) for key in STRATEGY_KEYS),
     Contradiction(
@@ -140,8 +139,7 @@ TRAINER_ARGUMENTS_CONTRADICTIONS = (
         "checkpoints without optimizer state: every resume would start the optimizer afresh",
         "delete save_only_model (or set false)",
     ),
-    Contradiction("deepspeed", present, MULTI_GPU, "delete deepspeed"),
-    Contradiction("fsdp", present, MULTI_GPU, "delete fsdp"),
+    *(Contradiction(key, present, MULTI_GPU, f"delete {key}") for key in ("deepspeed", "fsdp")),
 )
 #: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
 ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)

@@ -50,7 +50,6 @@ TABLE = Table(
             "delete auto_resume_from_checkpoints: the supervisor resumes from its newest complete checkpoint",
         ),
         tool.lora_only("adapter", ("qlora", "lora")),
-        # axolotl 0.19 trains batch_size alone at accumulation 1 (older ones derived it): one meaning only.
         Contradiction(
             "batch_size",
             tool.present,
