@@ -28,9 +28,7 @@ class InputBoundError(ValueError):
 
     def __init__(self, why: str, got: str, fix: str) -> None:
         super().__init__(f"{why} ({got})")
-        self.why = why
-        self.got = got
-        self.fix = fix
+        self.why, self.got, self.fix = why, got, fix
 
 
 class AliasBombError(ValueError):

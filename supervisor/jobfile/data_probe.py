@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from qlora_supervise.supervisor.jobfile.bounds import json_loads
-from qlora_supervise.trainer_child.contract.data_rows import DataRowError, scan
+from qlora_supervise.trainer_child.contract.data_rows import DataRowError as DataRowError
+from qlora_supervise.trainer_child.contract.data_rows import scan
 
 FORMATS_HELP = ".jsonl, .json, .csv, .parquet, or a directory saved by datasets.save_to_disk"
 
@@ -56,9 +57,6 @@ def scan_records(path: Path, field: str, *, messages: bool) -> int | None:
 
 def _data_files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _READERS)
-
-
-__all__ = ["DataProbe", "DataProbeError", "DataRowError", "field_problem", "probe", "scan_records"]
 
 
 def field_problem(found: DataProbe, field: str, *, messages: bool) -> str | None:

@@ -17,6 +17,7 @@ TRUST_REMOTE_CODE_WARNING = (
     "model.trust_remote_code is true: Python code from the model directory will run in the "
     "trainer, with this user's rights; keep it false unless you have read that code"
 )
+_S = TypeVar("_S", bound=schema.Section)
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,6 @@ class Job:
     trainer: Trainer = field(default_factory=OwnTrainer)  # ours, or the ``trainer:`` section's tool
     # A tool's config fields that did not parse (``max_steps: ten``), as written, by job view name.
     unparsed: Mapping[str, Any] = field(default_factory=dict)
-
-
-_S = TypeVar("_S", bound=schema.Section)
 
 
 def _section(sections: Mapping[str, schema.Section], name: str, kind: type[_S]) -> _S:

@@ -27,6 +27,23 @@ from qlora_supervise.supervisor.jobfile.world import world_problems
 from qlora_supervise.trainer_child.contract.codes import FailureKind
 
 _S = TypeVar("_S", bound=schema.Section)
+_YAML_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
+_TYPE_NAMES = {
+    "a whole number": ("int_type", "int_from_float"),
+    "a number": ("float_type",),
+    "true or false": ("bool_type",),
+    "a string": ("string_type",),
+    "a list": ("tuple_type", "list_type"),
+    "a mapping": ("dict_type",),
+}
+#: Pydantic error types whose words do not depend on the error: the problem and the fix.
+_FIXED = {
+    "missing": ("required key is missing", "add it"),
+    "string_too_short": ("must not be empty", "write a name"),
+    "finite_number": ("must be a finite number", ""),
+    **{kind: ("wrong type", f"expected {name}") for name, kinds in _TYPE_NAMES.items() for kind in kinds},
+}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
@@ -35,8 +52,7 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 
 
 def read_job_file(path: str | os.PathLike[str]) -> tuple[Path, str, dict[str, Any]]:
-    """The job file's absolute path, its text and its top-level mapping; JobError when it cannot be
-    read, is bad YAML or an alias bomb, is empty or is no mapping."""
+    """The job file's absolute path, text and top-level mapping; JobError when it is unusable as one."""
     job_file = Path(os.path.normpath(Path(path).expanduser().absolute()))
     try:
         text = bounds.read_bounded(job_file)
@@ -72,13 +88,11 @@ def job_of(job_file: Path, text: str, raw: Mapping[str, Any]) -> Job:
     sections: dict[str, schema.Section] = {}
     bad: set[str] = set()
     for name, section_type in schema.SECTIONS.items():
-        section, found, bad_fields = validate_section(name, section_type, raw, context)
-        problems += found
+        section, bad_fields = validate_section(name, section_type, raw, context, problems)
         bad |= bad_fields
         if section is not None:
             sections[name] = section
-    output_dir, found = validate_output_dir(raw.get("output_dir", schema.DEFAULT_OUTPUT_DIR), context)
-    problems += found
+    output_dir = validate_output_dir(raw, context, problems)
     problems += world_problems(sections, output_dir, frozenset(bad))
     if problems or output_dir is None:
         raise JobError(problems)
@@ -117,15 +131,11 @@ def duplicate_keys(text: str) -> Iterator[Problem]:
             stack.append((path, value_node))
 
 
-_YAML_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
-
-
 def _yaml_kind(value: object) -> str:
     return _YAML_KINDS.get(type(value), type(value).__name__)
 
 
 def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
-    """Unknown top-level keys (with a did-you-mean) and missing required sections."""
     keys = schema.TOP_LEVEL_KEYS
     unknown = [key for key in raw if key not in keys]
     missing = [name for name in schema.REQUIRED_SECTIONS if name not in raw]
@@ -135,52 +145,40 @@ def _top_level_problems(raw: Mapping[str, Any]) -> list[Problem]:
 
 
 def validate_section(
-    name: str, section_type: type[_S], raw: Mapping[str, Any], context: dict[str, str]
-) -> tuple[_S | None, list[Problem], set[str]]:
+    name: str, kind: type[_S], raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
+) -> tuple[_S | None, set[str]]:
     """The section (validated again without its bad fields, so the world checks still run for the
-    good ones), its problems, and the bad field paths."""
+    good ones) and the bad field paths; its problems are appended to ``problems``."""
     if name not in raw and name in schema.REQUIRED_SECTIONS:
-        return None, [], {name}  # reported once by _top_level_problems
+        return None, {name}  # reported once by _top_level_problems
     value = raw.get(name)
     value = {} if value is None else value  # `train:` with nothing under it means the defaults
     if not isinstance(value, dict):
-        return None, [Problem(name, f"must be a mapping, not a {_yaml_kind(value)}", show(value), "")], {name}
+        problems.append(Problem(name, f"must be a mapping, not a {_yaml_kind(value)}", show(value), ""))
+        return None, {name}
     try:
-        return section_type.model_validate(value, context=context), [], set()
+        return kind.model_validate(value, context=context), set()
     except ValidationError as error:
-        problems = _problems_from(error, name, section_type.model_fields)
+        problems += _problems_from(error, name, kind.model_fields)
         bad_keys = {str(item["loc"][0]) for item in error.errors() if item["loc"]}
     try:
         good = {k: v for k, v in value.items() if k not in bad_keys}
-        partial: _S | None = section_type.model_validate(good, context=context)
+        partial: _S | None = kind.model_validate(good, context=context)
     except ValidationError:
         partial = None  # a required field is bad: nothing in this section can be checked
-    return partial, problems, {f"{name}.{key}" for key in bad_keys}
+    return partial, {f"{name}.{key}" for key in bad_keys}
 
 
-def validate_output_dir(value: object, context: dict[str, str]) -> tuple[Path | None, list[Problem]]:
+def validate_output_dir(
+    raw: Mapping[str, Any], context: dict[str, str], problems: list[Problem]
+) -> Path | None:
+    """``output_dir`` (default ``./run``) as an absolute path; its problems appended to ``problems``."""
+    value = raw.get("output_dir", schema.DEFAULT_OUTPUT_DIR)
     try:
-        return TypeAdapter(schema.ResolvedPath).validate_python(value, context=context), []
+        return TypeAdapter(schema.ResolvedPath).validate_python(value, context=context)
     except ValidationError as error:
-        return None, _problems_from(error, "output_dir", ())
-
-
-_TYPE_NAMES = {
-    "a whole number": ("int_type", "int_from_float"),
-    "a number": ("float_type",),
-    "true or false": ("bool_type",),
-    "a string": ("string_type",),
-    "a list": ("tuple_type", "list_type"),
-    "a mapping": ("dict_type",),
-}
-#: Pydantic error types whose words do not depend on the error: the problem and the fix.
-_FIXED = {
-    "missing": ("required key is missing", "add it"),
-    "string_too_short": ("must not be empty", "write a name"),
-    "finite_number": ("must be a finite number", ""),
-    **{kind: ("wrong type", f"expected {name}") for name, kinds in _TYPE_NAMES.items() for kind in kinds},
-}
-_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+        problems += _problems_from(error, "output_dir", ())
+        return None
 
 
 def _problems_from(error: ValidationError, prefix: str, fields: Iterable[str]) -> list[Problem]:

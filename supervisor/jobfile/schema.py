@@ -122,7 +122,6 @@ def _ladders(value: object) -> object:
 
 
 def _rung_name(value: str) -> str:
-    """A rung name the policies know, else a did-you-mean."""
     if value in RETIRED_RUNGS:
         raise job_error(RETIRED_RUNGS[value], "remove it from the ladder, or name activation_offload")
     if value not in RUNG_NAMES:

@@ -17,8 +17,7 @@ from qlora_supervise.supervisor.jobfile.system_paths import system_folder
 from qlora_supervise.supervisor.watching.gpu import visible_gpu_count
 from qlora_supervise.trainer_child.contract import targets
 
-#: The largest share of the data ``eval_fraction`` may hold out: beyond it less is trained on
-#: than is evaluated, which is never what a fine-tune means.
+#: The most of the data ``eval_fraction`` may hold out: beyond it, less is trained on than evaluated.
 MAX_EVAL_FRACTION = 0.5
 #: Why a textfile name is refused: node_exporter's collector skips every other name.
 NOT_PROM = "node_exporter's textfile collector reads only *.prom files"
@@ -40,9 +39,7 @@ def world_problems(
     if isinstance(data := sections.get("data"), schema.DataSection):
         problems += _data_problems(data, bad)
     if isinstance(train := sections.get("train"), schema.TrainSection):
-        problems += _train_problems(train, bad)
-        if isinstance(data, schema.DataSection):
-            problems += _eval_problems(train, data, bad)
+        problems += _train_problems(train, data if isinstance(data, schema.DataSection) else None, bad)
     if isinstance(resources := sections.get("resources"), schema.ResourcesSection):
         problems += _rank_problems(resources, bad)
         if isinstance(train, schema.TrainSection):
@@ -110,10 +107,9 @@ def _data_problems(data: schema.DataSection, bad: frozenset[str]) -> list[Proble
         why = f"holds out more than {limit} of the data for evaluation, leaving less to train on"
         fix = f"use {limit} or less (0.05 to 0.1 is usual), or a separate data.eval_path"
         problems.append(Problem("data.eval_fraction", why, show(data.eval_fraction), fix))
-    if "data.path" not in bad:
-        problems += _source_problems("data.path", data.path, data, fields_ok)
-    if "data.eval_path" not in bad and data.eval_path is not None:
-        problems += _source_problems("data.eval_path", data.eval_path, data, fields_ok)
+    for name, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if name not in bad and path is not None:
+            problems += _source_problems(name, path, data, fields_ok)
     return problems
 
 
@@ -159,8 +155,11 @@ def split_sizes(records: int, eval_fraction: float) -> tuple[int, int]:
     return math.floor((1 - eval_fraction) * records), math.ceil(eval_fraction * records)
 
 
-def _train_problems(train: schema.TrainSection, bad: frozenset[str]) -> list[Problem]:
-    """The effective batch divides into micro-batches, and max_steps or epochs sets the length."""
+def _train_problems(
+    train: schema.TrainSection, data: schema.DataSection | None, bad: frozenset[str]
+) -> list[Problem]:
+    """The effective batch divides into micro-batches, max_steps or epochs sets the length, and
+    eval_steps has eval data (``data`` None: its section failed, not checked)."""
     problems = []
     batch_ok = not bad & {"train.effective_batch_size", "train.micro_batch_size"}
     if batch_ok and train.effective_batch_size % train.micro_batch_size:
@@ -171,6 +170,12 @@ def _train_problems(train: schema.TrainSection, bad: frozenset[str]) -> list[Pro
     if length_ok and train.max_steps is None and train.epochs is None:
         why = "neither max_steps nor epochs is set"
         problems.append(Problem("train.max_steps", why, None, "set one of them"))
+    eval_fields = {"train.eval_steps", "data.eval_path", "data.eval_fraction"}
+    no_eval = data is not None and data.eval_path is None and data.eval_fraction == 0
+    if no_eval and train.eval_steps is not None and not bad & eval_fields:
+        fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
+        why = "evaluation asked for but there is no eval data"
+        problems.append(Problem("train.eval_steps", why, show(train.eval_steps), fix))
     return problems
 
 
@@ -204,30 +209,16 @@ def _rank_batch_problems(
     train: schema.TrainSection, resources: schema.ResourcesSection, bad: frozenset[str]
 ) -> list[Problem]:
     fields = {"train.effective_batch_size", "train.micro_batch_size", "resources.nproc_per_node"}
-    ranks = resources.nproc_per_node
-    if ranks == 1 or bad & fields or train.effective_batch_size % train.micro_batch_size:
-        return []  # one rank: _train_problems says it already
+    batch, ranks = train.effective_batch_size, resources.nproc_per_node
     per_step = train.micro_batch_size * ranks
-    if train.effective_batch_size % per_step == 0:
-        return []
+    if ranks == 1 or bad & fields or batch % train.micro_batch_size or batch % per_step == 0:
+        return []  # one rank, or no whole micro-batches: _train_problems says so already
     fix = f"make it a multiple of micro_batch_size x nproc_per_node ({per_step})"
     why = f"not divisible by micro_batch_size x nproc_per_node ({train.micro_batch_size} x {ranks})"
-    return [Problem("train.effective_batch_size", why, show(train.effective_batch_size), fix)]
-
-
-def _eval_problems(
-    train: schema.TrainSection, data: schema.DataSection, bad: frozenset[str]
-) -> list[Problem]:
-    fields = {"train.eval_steps", "data.eval_path", "data.eval_fraction"}
-    if bad & fields or train.eval_steps is None or data.eval_path is not None or data.eval_fraction != 0:
-        return []
-    why = "evaluation asked for but there is no eval data"
-    fix = "set data.eval_path or data.eval_fraction, or remove eval_steps"
-    return [Problem("train.eval_steps", why, show(train.eval_steps), fix)]
+    return [Problem("train.effective_batch_size", why, show(batch), fix)]
 
 
 def _supervise_problems(supervise: schema.SuperviseSection, bad: frozenset[str]) -> list[Problem]:
-    """backoff_max is at least backoff_initial, and the metrics textfile can be created."""
     problems = []
     backoff_ok = not bad & {"supervise.backoff_max", "supervise.backoff_initial"}
     if backoff_ok and supervise.backoff_max < supervise.backoff_initial:

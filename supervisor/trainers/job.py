@@ -65,18 +65,15 @@ def load_job(path: str | os.PathLike[str]) -> Job:
 def load_tool(job_file: Path, text: str, raw: Mapping[str, Any], problems: list[Problem]) -> Job | None:
     """The Job of a ``trainer:`` job; None when the kind is ``own`` (the usual sections follow)."""
     context = {"job_dir": str(job_file.parent)}
-    section, found, _ = jobload.validate_section("trainer", TrainerSection, raw, context)
+    found: list[Problem] = []
+    section, _ = jobload.validate_section("trainer", TrainerSection, raw, context, found)
     if section is not None and section.kind == OWN and not found:
         return None
     problems += found + _section_problems(raw, section)
-    resources, found, _ = jobload.validate_section("resources", schema.ResourcesSection, raw, context)
-    problems += found
-    supervise, found, _ = jobload.validate_section("supervise", schema.SuperviseSection, raw, context)
-    problems += found
-    diagnose, found, _ = jobload.validate_section("diagnose", schema.DiagnoseSection, raw, context)
-    problems += found
-    output_dir, found = jobload.validate_output_dir(raw.get("output_dir", schema.DEFAULT_OUTPUT_DIR), context)
-    problems += found
+    resources, _ = jobload.validate_section("resources", schema.ResourcesSection, raw, context, problems)
+    supervise, _ = jobload.validate_section("supervise", schema.SuperviseSection, raw, context, problems)
+    diagnose, _ = jobload.validate_section("diagnose", schema.DiagnoseSection, raw, context, problems)
+    output_dir = jobload.validate_output_dir(raw, context, problems)
     trainer = _tool_trainer(section, job_file.parent, problems) if section and section.kind in TOOLS else None
     if problems or trainer is None or output_dir is None:
         raise JobError(problems)
@@ -209,13 +206,9 @@ def read_config(path: Path, problems: list[Problem]) -> dict[str, Any] | None:
     return None
 
 
-_TRAIN_VIEW = ("train.max_steps", "train.epochs", "train.save_steps")
-
-
 def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]:
     """The tool's knobs, train spec, and values that did not parse (``max_steps: ten``) by job view name."""
-    tool, config = trainer.tool, trainer.config
-    table = tool.table
+    tool, config, table = trainer.tool, trainer.config, trainer.tool.table
     knobs = knobs_from(table, config)
     # The supervisor's reads see the model where the tool will (the knob only; the config unchanged).
     model = tool_model_path(knobs.model, trainer.workdir)
@@ -231,8 +224,8 @@ def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]
         merge=False,
         target_modules=model_facts.lora_targets(tool, config, model_type(knobs.model)),
     )
-    parsed = (train.max_steps, train.epochs, train.save_steps)
-    views = zip(_TRAIN_VIEW, (steps, epochs, save), parsed, strict=True)
+    names = ("train.max_steps", "train.epochs", "train.save_steps")
+    views = zip(names, (steps, epochs, save), (train.max_steps, train.epochs, train.save_steps), strict=True)
     return knobs, train, {name: v for name, v, got in views if present(v) and v != got}
 
 

@@ -70,8 +70,7 @@ def config_problems(table: Table, config: Mapping[str, Any], where: str) -> list
     problems = [Problem(f"{where}: {key}", "required key is missing", None, fix) for key, fix in missing]
     for row in table.rows:
         key = row.key_in(config)
-        raw = lookup(config, key)
-        if raw is _MISSING or raw is None or row.knob not in _KNOB_TYPES:
+        if not present(raw := lookup(config, key)) or row.knob not in _KNOB_TYPES:
             continue
         value = _read(row, raw, table.reads_quoted_numbers)
         wanted = _KNOB_TYPES[row.knob]

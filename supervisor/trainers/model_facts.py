@@ -25,6 +25,16 @@ from qlora_supervise.supervisor.trainers.tool import Config, Tool
 from qlora_supervise.trainer_child.contract.spec import Knobs
 from qlora_supervise.trainer_child.contract.targets import ALL_LINEAR, family
 
+_SAVED_NF4 = "bitsandbytes 4-bit"
+#: trl's ``dtype`` values that load the unquantized parameters in 16 bits (its default: float32).
+_HALF_DTYPES = frozenset({"bfloat16", "float16", "auto"})
+#: Where peft's default targets come from when trl names none (the model type's entry there).
+_PEFT_DEFAULTS = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
+#: Where the loaded model keeps its decoder blocks: a text model, and a multimodal one's (Gemma 3).
+_BLOCK_PREFIXES = ("model.layers", "model.language_model.layers")
+#: Block indices a pattern is tried on (a pattern may pick some layers only: ``layers\.(1[0-5])``).
+_LAYERS = 128
+
 
 def unmodelled(tool: Tool, config: Config, model_dir: str) -> str | None:
     """Why the memory model cannot count this tool's base weights, in words; None: it can (4-bit).
@@ -42,9 +52,6 @@ def unmodelled(tool: Tool, config: Config, model_dir: str) -> str | None:
         return f"the tool loads the base model in 8-bit ({eight}); {counts}"
     # 4-bit as the config reads (an hf-script without a 4-bit flag: the script's own load, unknown).
     return None if knobs_from(tool.table, config).load_in_4bit is True else tool.unquantized
-
-
-_SAVED_NF4 = "bitsandbytes 4-bit"
 
 
 def model_config(model_dir: str) -> dict[str, Any]:
@@ -85,10 +92,6 @@ def _saved_as(quant: Config) -> str:
     return f"{method}, {bits}-bit" if isinstance(bits, int) else method
 
 
-#: trl's ``dtype`` values that load the unquantized parameters in 16 bits (its default: float32).
-_HALF_DTYPES = frozenset({"bfloat16", "float16", "auto"})
-
-
 def keeps_head_dtype(tool: Tool, config: Config) -> bool:
     """Whether the tool leaves the embeddings and the LM head in a 16-bit load dtype, as our
     ``bf16_head`` knob does, instead of the fp32 our recipe's k-bit prepare casts them to: trl 1.16
@@ -106,18 +109,13 @@ def with_tool_attention(shape: ModelShape | None, trainer: Trainer) -> ModelShap
     return dataclasses.replace(shape, attn_implementation=chosen)
 
 
-#: Where peft's default targets come from when trl names none (the model type's entry there).
-_PEFT_DEFAULTS = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
-
-
 def lora_targets(tool: Tool, config: Config, model_type: str | None = None) -> tuple[str, ...] | str:
     """The LoRA targets in our words (``"all-linear"`` or module names) from the tool's spelling."""
     if _all_linear_key(tool, config):
         return ALL_LINEAR
     value = as_peft_gets_it(tool, lookup(config, tool.table.targets_key))
     if isinstance(value, str) and tool.targets_regex and value != ALL_LINEAR:
-        matched = regex_matches(value, model_type)
-        return matched if matched else value  # no match: validate says so; the string as written
+        return regex_matches(value, model_type) or value  # no match: validate says so; the string as written
     if isinstance(value, str):
         value = [name.strip() for name in value.split(",") if name.strip()]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
@@ -141,12 +139,6 @@ def as_peft_gets_it(tool: Tool, value: Any) -> Any:
 def _all_linear_key(tool: Tool, config: Config) -> bool:
     """axolotl's ``lora_target_linear: true``: every Linear, whatever the list says."""
     return tool.all_linear_key is not None and lookup(config, tool.all_linear_key) is True
-
-
-#: Where the loaded model keeps its decoder blocks: a text model, and a multimodal one's (Gemma 3).
-_BLOCK_PREFIXES = ("model.layers", "model.language_model.layers")
-#: Block indices a pattern is tried on (a pattern may pick some layers only: ``layers\.(1[0-5])``).
-_LAYERS = 128
 
 
 def regex_matches(pattern: str, model_type: str | None) -> tuple[str, ...]:

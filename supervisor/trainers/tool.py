@@ -17,6 +17,9 @@ from qlora_supervise.trainer_child.contract.script_knobs import EVAL_SCHEDULERS
 Config = Mapping[str, Any]
 #: The knob each rung changes (policies/rungs.py); None: a rung no foreign tool can take.
 RUNG_KNOBS: Mapping[str, str | None] = {r.name: r.knob if r.tool_can_take else None for r in RUNGS}
+MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
+#: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
+_ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
 
 
 @dataclass(frozen=True)
@@ -115,9 +118,6 @@ def present(value: Any) -> bool:
     return value not in (None, False, "", [], {})
 
 
-MULTI_GPU = "DeepSpeed and FSDP are not supervised yet (one process; the ladder's knobs are per process)"
-
-
 def unquoted_no(key: str) -> Contradiction:
     """``key: no`` written unquoted: YAML hands the tool false, which no strategy field takes."""
     why = (
@@ -130,8 +130,7 @@ def unquoted_no(key: str) -> Contradiction:
 
 #: TrainingArguments' strategy keys (axolotl's too): strings that YAML turns into bools unquoted.
 STRATEGY_KEYS = ("eval_strategy", "save_strategy")
-#: Keys of transformers' TrainingArguments (axolotl spells them the same) that would fight the
-#: supervisor, the same in every tool's config that has them.
+#: TrainingArguments' keys (axolotl spells them the same) that fight the supervisor in any config.
 TRAINER_ARGUMENTS_CONTRADICTIONS = (
     *(unquoted_no(key) for key in STRATEGY_KEYS),
     Contradiction(
@@ -140,8 +139,7 @@ TRAINER_ARGUMENTS_CONTRADICTIONS = (
         "checkpoints without optimizer state: every resume would start the optimizer afresh",
         "delete save_only_model (or set false)",
     ),
-    Contradiction("deepspeed", present, MULTI_GPU, "delete deepspeed"),
-    Contradiction("fsdp", present, MULTI_GPU, "delete fsdp"),
+    *(Contradiction(key, present, MULTI_GPU, f"delete {key}") for key in ("deepspeed", "fsdp")),
 )
 #: transformers 5's name of checkpointing in TrainingArguments: read before gradient_checkpointing.
 ACTIVATION_CHECKPOINTING = ("activation_checkpointing",)
@@ -174,10 +172,6 @@ def settable(table: Table, config: Config | None) -> set[str]:
 def rungs_for(table: Table, config: Config | None = None) -> frozenset[str]:
     """The rungs whose knob this tool's config can express."""
     return frozenset(name for name, knob in RUNG_KNOBS.items() if knob in settable(table, config))
-
-
-#: A tool's attention value -> the memory model's reading (flash kernels keep no score tensor).
-_ATTENTION = {"eager": "eager", "sdpa": "sdpa"}
 
 
 def attn_implementation(config: Config) -> str | None:

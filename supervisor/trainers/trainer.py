@@ -41,6 +41,19 @@ from qlora_supervise.trainer_child.contract.script_knobs import CHANGES_FILE, Sc
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 
 DIFF_NAME = "trainer-config.diff"
+#: The same name as trainer_child.shim.SHIM_SPEC_ENV (tests/test_trainer_shim.py checks they agree).
+SHIM_SPEC_ENV = "QLORA_SUPERVISE_SHIM_SPEC"
+SHIM_SITE = Path(processes.__file__).resolve().parent.parent / "shim" / "site"
+SHIM_SILENT = (
+    "the trainer's process wrote none of our events (no `started` line in {events}): the shim did "
+    "not attach (is qlora-supervise importable by {python}? does the tool build a transformers "
+    "Trainer?), so this attempt is classified from its stderr tail alone"
+)
+SHIM_PACKAGE = "qlora_supervise"
+_PROBE = (
+    "import importlib.util, sys; "
+    "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
+)
 
 
 class UnmappedKnobsError(RuntimeError):
@@ -255,17 +268,6 @@ def asked_by_script(run_dir: Path) -> tuple[dict[str, script_knobs.Value], bool]
 # The shim in a tool's process: the environment that puts it on the PYTHONPATH (found beside the
 # contract's processes module; nothing of it is imported here) with the spec named, and whether it
 # attached (its ``started`` line in the attempt's events file), said in the journal when it did not.
-
-#: The same name as trainer_child.shim.SHIM_SPEC_ENV (tests/test_trainer_shim.py checks they agree).
-SHIM_SPEC_ENV = "QLORA_SUPERVISE_SHIM_SPEC"
-SHIM_SITE = Path(processes.__file__).resolve().parent.parent / "shim" / "site"
-SHIM_SILENT = (
-    "the trainer's process wrote none of our events (no `started` line in {events}): the shim did "
-    "not attach (is qlora-supervise importable by {python}? does the tool build a transformers "
-    "Trainer?), so this attempt is classified from its stderr tail alone"
-)
-
-
 def trainer_env(env: Mapping[str, str], spec: AttemptSpec, spec_path: Path) -> dict[str, str]:
     """``env`` plus the shim for a foreign attempt (``spec.command`` set); unchanged for ours."""
     out = dict(env)
@@ -308,14 +310,6 @@ def output_moving(spec: AttemptSpec, log_path: Path, wall_now: float, timeout_s:
 
 # Whether the tool, and the shim, can be imported by the interpreter that will run them (``find_spec``
 # there, once per interpreter): a missing tool fails every start; without qlora-supervise, no shim.
-
-SHIM_PACKAGE = "qlora_supervise"
-_PROBE = (
-    "import importlib.util, sys; "
-    "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
-)
-
-
 def tool_problems(trainer: Trainer) -> list[Problem]:
     """The tool's package missing for its interpreter, with the fix; [] when it is there, for our
     own trainer, or when the interpreter could not be asked (the attempt will say what is wrong)."""

@@ -50,7 +50,6 @@ TABLE = Table(
             "delete auto_resume_from_checkpoints: the supervisor resumes from its newest complete checkpoint",
         ),
         tool.lora_only("adapter", ("qlora", "lora")),
-        # axolotl 0.19 trains batch_size alone at accumulation 1 (older ones derived it): one meaning only.
         Contradiction(
             "batch_size",
             tool.present,
@@ -70,7 +69,6 @@ TABLE = Table(
         *tool.TRAINER_ARGUMENTS_CONTRADICTIONS,
         Contradiction("fsdp_config", tool.present, tool.MULTI_GPU, "delete fsdp_config"),
     ),
-    targets_key="lora_target_modules",
     data_key="datasets",
     epochs_key="num_epochs",
     epochs_default=1.0,

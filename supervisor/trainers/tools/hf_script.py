@@ -49,7 +49,6 @@ TABLE = Table(
         Contradiction("deepspeed", tool.present, tool.MULTI_GPU, "delete --deepspeed"),
         Contradiction("fsdp", tool.present, tool.MULTI_GPU, "delete --fsdp"),
     ),
-    data_key="dataset_name",
 )
 
 TOOL = Tool(

@@ -59,6 +59,9 @@ TABLE = Table(
 
 #: ``flash_attn`` (extras/constants.py, AttentionFunction): "auto" is transformers' default.
 _ATTENTION = {"disabled": "eager", "sdpa": "sdpa", "fa2": "sdpa", "fa3": "sdpa"}
+_ADD = "add it to dataset_info.json, or name one of its datasets"
+#: data/parser.py: its default folder, the file in it, and the folder values that name the hub.
+_DIR, _INFO, _HUB = "data", "dataset_info.json", ("ONLINE", "REMOTE:")
 
 
 def _attention(config: Config) -> str | None:
@@ -78,11 +81,6 @@ def _unmodelled(config: Config, saved_4bit: bool) -> str | None:
         return None
     counts = "the memory model counts bitsandbytes 4-bit QLoRA weights"
     return f"quantization_method: {method}: the tool quantizes on the fly with {method}; {counts}"
-
-
-_ADD = "add it to dataset_info.json, or name one of its datasets"
-#: data/parser.py: its default folder, the file in it, and the folder values that name the hub.
-_DIR, _INFO, _HUB = "data", "dataset_info.json", ("ONLINE", "REMOTE:")
 
 
 def _data_problems(config: Config, where: str, workdir: Path) -> list[Problem]:
@@ -111,8 +109,7 @@ def _data_problems(config: Config, where: str, workdir: Path) -> list[Problem]:
     return [Problem(f"{where}: dataset", f"not defined in {info}", show(name), _ADD) for name in missing]
 
 
-def _names(value: Any) -> list[str]:
-    """The dataset value: a comma-separated string (or a YAML list) of names."""
+def _names(value: Any) -> list[str]:  # a comma-separated string, or a YAML list
     names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
     return [str(name).strip() for name in names if str(name).strip()]
 

@@ -52,9 +52,7 @@ TABLE = Table(
 )
 
 #: accelerate launch's arguments a trl config may carry (not fields of trl's dataclasses).
-LAUNCH_KEYS = frozenset(
-    {"accelerate_config", "num_processes", "num_machines", "multi_gpu", "use_deepspeed", "use_fsdp"}
-)
+LAUNCH_KEYS = ("accelerate_config", "num_processes", "num_machines", "multi_gpu", "use_deepspeed", "use_fsdp")
 
 
 def _unmodelled(config: Config, saved_4bit: bool) -> str | None:
