@@ -21,8 +21,7 @@ class UnitError(ValueError):
 
     def __init__(self, reason: str, expected: str) -> None:
         super().__init__(f"{reason}; expected {expected}")
-        self.reason = reason
-        self.expected = expected
+        self.reason, self.expected = reason, expected
 
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"

@@ -325,8 +325,7 @@ _LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
 def parse_event(line: str | Mapping[str, Any]) -> ChildEvent | None:
-    """The record of one line (or of its decoded fields); None, never raising, for a torn or
-    ill-typed line or an unknown event."""
+    """A line's record (or its decoded fields'); None, never raising, for a torn, ill-typed or unknown one."""
     try:
         return _LINE.validate_json(line) if isinstance(line, str) else _LINE.validate_python(line)
     except (ValidationError, ValueError, RecursionError):

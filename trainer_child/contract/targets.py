@@ -21,8 +21,7 @@ class TargetsError(ValueError):
 
     def __init__(self, problem: str, fix: str) -> None:
         super().__init__(f"{problem}; {fix}")
-        self.problem = problem
-        self.fix = fix
+        self.problem, self.fix = problem, fix
 
 
 @dataclass(frozen=True)

@@ -79,11 +79,9 @@ class Ledger:
         where = type(args).__name__
         fields = {f.name for f in dataclasses.fields(args)}
         scheduler = _plain(getattr(args, "lr_scheduler_type", None))
-        held: str | None = f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
-        if (
-            scheduler not in script_knobs.EVAL_SCHEDULERS
-        ):  # only one that steps on the eval loss keeps evaluation on
-            held = None
+        held: str | None = None  # only a scheduler that steps on the eval loss keeps evaluation on
+        if scheduler in script_knobs.EVAL_SCHEDULERS:
+            held = f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
         for knob, key in ARGUMENTS.items():
             if key not in fields:
                 if knob in self.changes:
@@ -200,8 +198,7 @@ def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType],
 
 
 def _from_pretrained(attr: str, hook: Callable[[Any, Any], Any]) -> Callable[[ModuleType], None]:
-    """A patch that gives ``module.<attr>.from_pretrained`` the name ``hook(klass, name)`` returns
-    (a model object instead of a name passes as it is)."""
+    """A patch: ``module.<attr>.from_pretrained`` loads what ``hook(klass, name)`` returns for a name."""
 
     def patch(module: ModuleType) -> None:
         cls = getattr(module, attr)

@@ -182,10 +182,9 @@ def cannot_time(trainer: Any) -> str | None:
     args = trainer.args
     if getattr(args, "sample_packing", False):
         return "axolotl's sample_packing: its batches are packed per micro-batch"
-    offloads = [name for name in ("activation_offloading", "layer_offloading") if getattr(args, name, False)]
-    if offloads:
-        named = ", ".join(offloads)
-        return f"the tool offloads in its own training step ({named}): the trial would measure without it"
+    names = ("activation_offloading", "layer_offloading")
+    if offloads := ", ".join(name for name in names if getattr(args, name, False)):
+        return f"the tool offloads in its own training step ({offloads}): the trial would measure without it"
     return "the Trainer has no train_dataset" if getattr(trainer, "train_dataset", None) is None else None
 
 
