@@ -233,6 +233,4 @@ def visible_entries(value: str | None) -> list[str] | None:
     if value is None:
         return None
     entries = (raw.strip() for raw in value.split(","))
-    return list(
-        itertools.takewhile(lambda entry: entry.isdigit() or entry.startswith(_UUID_PREFIXES), entries)
-    )
+    return list(itertools.takewhile(lambda gpu: gpu.isdigit() or gpu.startswith(_UUID_PREFIXES), entries))
