@@ -228,8 +228,7 @@ class Finished(PlainEvent):
 
     def fields(self) -> dict[str, Any]:
         merge = {"merged": self.merged, "seconds": self.seconds, "device": self.device}
-        train = {"adapter": self.adapter}
-        return {"step": self.step, **(merge if self.merged is not None else train)}
+        return {"step": self.step, **(merge if self.merged is not None else {"adapter": self.adapter})}
 
 
 @dataclasses.dataclass(frozen=True)
