@@ -82,14 +82,13 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     for number, text in _lines(path):
         if not text.strip():
             continue
+        where = f"line {number}"
         try:
-            yield f"line {number}", json.loads(text)
+            yield where, json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataRowError(
-                path, f"line {number}", None, f"not valid JSON: {exc.msg} (column {exc.colno})"
-            ) from None
+            raise DataRowError(path, where, None, f"not valid JSON: {exc.msg} (column {exc.colno})") from None
         except RecursionError:  # json's decoder recurses: thousands of levels end it
-            raise DataRowError(path, f"line {number}", None, _TOO_DEEP) from None
+            raise DataRowError(path, where, None, _TOO_DEEP) from None
 
 
 def _csv_records(path: Path) -> Iterator[tuple[str, Any]]:
