@@ -231,8 +231,7 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
         cls.__init__ = init
 
     def prepare(module: ModuleType) -> None:
-        # Our recipe's bf16 head, imported here: it imports torch, which peft has loaded by now
-        # (at the shim's start it would load torch before the environment is set for it).
+        # Not imported at the shim's start: it imports torch, which must load after the environment is set.
         from qlora_supervise.trainer_child.recipe import head
 
         # `from peft import prepare_model_for_kbit_training` reads the name where peft binds it.
