@@ -17,8 +17,7 @@ class DataRowError(ValueError):
 
     def __init__(self, path: Path, where: str, field: str | None, problem: str) -> None:
         self.path, self.where, self.field, self.problem = path, where, field, problem
-        at = f"{path.name} {where}" + (f", field {field!r}" if field else "")
-        super().__init__(f"{at}: {problem}")
+        super().__init__(f"{path.name} {where}" + (f", field {field!r}" if field else "") + f": {problem}")
 
 
 def scan(path: Path, field: str, *, messages: bool) -> int:
