@@ -75,7 +75,11 @@ class Session:
         result: Any = None
         try:
             self._report_knobs(trainer)
-            source = self._attach(trainer)
+            source = attempt.resume_choice(ctx)  # checked as our child checks it
+            if ctx.trainer is not trainer:  # else a second train() on this Trainer: attached already
+                trainer.__class__ = supervised_class(trainer.__class__)  # our mixin, then our callback
+                trainer.supervise(ctx.progress, ctx.spec, source)
+                ctx.trainer = trainer
             self._speed_trial(trainer, resuming=source.load_from is not None)
             self._stop_if_asked()
             # The supervisor's choice (perhaps an optimizer-less copy the tool cannot know); a tool's own,
@@ -106,16 +110,6 @@ class Session:
         # The checkpoints' and the resume's knobs are what the script built.
         spec = self.ctx.spec
         self.ctx.spec = dataclasses.replace(spec, knobs=as_built(spec.knobs, ledger.settings))
-
-    def _attach(self, trainer: Any) -> Any:
-        """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
-        ctx = self.ctx
-        source = attempt.resume_choice(ctx)
-        if ctx.trainer is not trainer:  # else train() called again on the same Trainer: attached already
-            trainer.__class__ = supervised_class(trainer.__class__)
-            trainer.supervise(ctx.progress, ctx.spec, source)
-            ctx.trainer = trainer
-        return source
 
     def _speed_trial(self, trainer: Any, resuming: bool) -> None:
         """Our child's trial on the tool's Trainer, once, before step 1; or the plan kept, saying why."""
