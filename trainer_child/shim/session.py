@@ -91,7 +91,12 @@ class Session:
         if failure is not None:
             self.leave(attempt.fail(ctx, failure))
         self._stop_if_asked()  # the callback checkpointed and stopped training
-        self._finish(trainer)
+        ctx.progress.enter(Stage.SAVE)  # training ended: the adapter where ours goes, and ``finished``
+        if ctx.place.is_main:  # a Trainer without a tokenizer saves the adapter alone
+            adapter_dir = Path(ctx.spec.adapter_dir)
+            attempt.save_adapter(trainer, trainer.processing_class or _NO_TOKENIZER, adapter_dir)
+        ctx.events.emit("finished", step=trainer.state.global_step, adapter=ctx.spec.adapter_dir)
+        ctx.trainer = None
         return result
 
     def _stop_if_asked(self) -> None:
@@ -134,15 +139,6 @@ class Session:
             speed_trial.conclude(trainer, ctx.progress, ctx.on_cuda, results, began)
         else:
             speed_trial.abandon(trainer, ctx.progress, ctx.on_cuda, why or "nothing to time", began)
-
-    def _finish(self, trainer: Any) -> None:
-        """Training ended: the adapter where ours goes, and ``finished``."""
-        ctx, spec = self.ctx, self.ctx.spec
-        ctx.progress.enter(Stage.SAVE)
-        if ctx.place.is_main:  # a Trainer without a tokenizer saves the adapter alone
-            attempt.save_adapter(trainer, trainer.processing_class or _NO_TOKENIZER, Path(spec.adapter_dir))
-        ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
-        ctx.trainer = None
 
     def _uncaught(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         """An exception outside ``train`` (the tool's model or data load): our report and exit code."""
