@@ -1,9 +1,8 @@
 """One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency save, error
 report and speed trial, from the same code. At ``Trainer.train`` the instance's class becomes a subclass of
 its own with our mixin in front, our callback is added, and ``resume_from_checkpoint`` is the supervisor's
-choice; a failure before it goes to ``sys.excepthook``. A speed trial that cannot time the tool's batches (no
-tokenized row, axolotl's sample packing, offloading in the tool's own training step, a loss or collator that
-refuses the trial's batch) keeps the plan and says why, rather than failing."""
+choice; a failure before it goes to ``sys.excepthook``. A trial that cannot time the tool's batches
+(:func:`cannot_time`, no tokenized row, a batch its loss or collator refuses) keeps the plan, saying why."""
 
 from __future__ import annotations
 
