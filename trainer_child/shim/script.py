@@ -111,13 +111,13 @@ class Ledger:
         for knob, key in LORA.items():
             setattr(config, key, self._take(knob, key, getattr(config, key), "LoraConfig"))
 
-    def on_model(self, name: str | os.PathLike[str], where: str) -> Any:
+    def on_model(self, klass: Any, name: str | os.PathLike[str]) -> Any:
         """``from_pretrained``'s model: the attempt's where the ladder changed it."""
         asked = _model_name(name)
-        got = self._take("model", NAME, asked, where)
+        got = self._take("model", NAME, asked, f"{klass.__name__}.from_pretrained")
         return name if got == asked else got
 
-    def on_tokenizer(self, name: str | os.PathLike[str]) -> Any:
+    def on_tokenizer(self, klass: Any, name: str | os.PathLike[str]) -> Any:
         """The tokenizer of the script's model is the attempt's model's, where it changed."""
         asked = _model_name(name)
         swap = self.replaced_model is not None and asked == self.replaced_model
@@ -255,13 +255,8 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
         "transformers.training_args": _post_init("TrainingArguments", ledger.on_arguments),
         "transformers.utils.quantization_config": quantization,
         # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
-        "transformers.models.auto.auto_factory": _from_pretrained(
-            "_BaseAutoModelClass",
-            lambda klass, name: ledger.on_model(name, f"{klass.__name__}.from_pretrained"),
-        ),
-        "transformers.models.auto.tokenization_auto": _from_pretrained(
-            "AutoTokenizer", lambda _, name: ledger.on_tokenizer(name)
-        ),
+        "transformers.models.auto.auto_factory": _from_pretrained("_BaseAutoModelClass", ledger.on_model),
+        "transformers.models.auto.tokenization_auto": _from_pretrained("AutoTokenizer", ledger.on_tokenizer),
         "peft.tuners.lora.config": _post_init("LoraConfig", ledger.on_lora),
         "peft": prepare,
     }
