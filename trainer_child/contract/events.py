@@ -1,7 +1,6 @@
 """The child's events file: one JSON object per line (:func:`event_line`), read back once by
-:func:`parse_event` through one pydantic union keyed on ``event`` (:data:`ChildEvent`) into the
-frozen records below. A new event is a record with an ``event`` name and one entry in the union.
-The child's memory numbers are written flat into ``heartbeat`` and ``loaded``."""
+:func:`parse_event` through one pydantic union keyed on ``event`` (:data:`ChildEvent`) into the frozen
+records below. A new event is a record with an ``event`` name and one entry in the union."""
 
 from __future__ import annotations
 

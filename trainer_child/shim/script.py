@@ -1,7 +1,6 @@
-"""The attempt's knobs, applied where a script with its settings in its code builds them, once each
-module loads (``TrainingArguments``, ``BitsAndBytesConfig``, ``from_pretrained``, ``LoraConfig``,
-``prepare_model_for_kbit_training``); every value seen is reported. A value the script sets after
-building its Trainer is reported as not applied, and its effective-batch partner put back."""
+"""The attempt's knobs, applied where a script with its settings in its code builds them, once each module
+loads (:func:`patches`); every value seen is reported. A value the script sets after building its Trainer
+is reported as not applied, and its effective-batch partner put back."""
 
 from __future__ import annotations
 
