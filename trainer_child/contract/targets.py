@@ -1,7 +1,6 @@
-"""LoRA target modules by architecture, one table for ``validate`` and the child: what
-``attention``, ``mlp`` and ``all-linear`` name in each family, and the layer names a checkpoint
-gives the loaded model. Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; MoE experts load as fused 3D
-parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention."""
+"""LoRA target modules by architecture, one table for ``validate`` and the child: what ``attention``, ``mlp``
+and ``all-linear`` name in each family, and the layer names a checkpoint gives the loaded model. MoE experts
+load as fused 3D parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention."""
 
 from __future__ import annotations
 
