@@ -1,7 +1,6 @@
-"""``python -m qlora_supervise.trainer_child --spec attempt.json``: one training attempt.
-
-The environment (hub offline, visible device, allocator settings, malloc arenas) is fixed *before*
-anything imports torch: the CUDA allocator reads its settings once, when CUDA initialises."""
+"""``python -m qlora_supervise.trainer_child --spec attempt.json``: one training attempt. The environment (hub
+offline, visible device, allocator settings, malloc arenas) is fixed *before* anything imports torch: the CUDA
+allocator reads its settings once, when CUDA initialises."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Byte sizes, parsed and formatted in one place for both sides: ``24GiB``, ``500MB``, ``1.50 GiB``.
-
-KB..TB are powers of 1000, KiB..TiB of 1024 (``24GB`` is 22.35 GiB: a cap written in GB comes out
-tighter, never looser). Units are case-insensitive; single letters (``24G``) are refused as
-ambiguous, a capital prefix with a small ``b`` (``12Gb``) as bits."""
+"""Byte sizes, parsed and formatted in one place for both sides: ``24GiB``, ``500MB``, ``1.50 GiB``. KB..TB
+are powers of 1000, KiB..TiB of 1024 (``24GB`` is 22.35 GiB: a cap written in GB comes out tighter, never
+looser). Units are case-insensitive; single letters (``24G``) are refused as ambiguous, a capital prefix with
+a small ``b`` (``12Gb``) as bits."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ class UnitError(ValueError):
 
     def __init__(self, reason: str, expected: str) -> None:
         super().__init__(f"{reason}; expected {expected}")
-        self.reason = reason
-        self.expected = expected
+        self.reason, self.expected = reason, expected
 
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"

@@ -106,8 +106,7 @@ def read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def damaged_files(path: Path) -> dict[str, str] | None:
-    """``{file: why}`` for each file that differs from the marker (empty: intact, or no file list);
-    None when the marker or its list is unreadable."""
+    """``{file: why}`` per file unlike the marker (empty: intact or unlisted); None: marker unreadable."""
     marker = read_marker(path)
     if marker is None:
         return None
@@ -246,9 +245,7 @@ def rotate(checkpoints_dir: Path, keep: int, protect: Path | None) -> list[Path]
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
     """Delete temp directories left by killed children (those whose pid is gone)."""
     removed: list[Path] = []
-    if not own_directory(checkpoints_dir):
-        return removed
-    for path in checkpoints_dir.iterdir():
+    for path in checkpoints_dir.iterdir() if own_directory(checkpoints_dir) else []:
         tail = path.name.rsplit("-", 1)[-1]
         if path.name.startswith(TEMP_PREFIX) and tail.isdigit() and not pid_alive(int(tail)):
             if path.is_symlink():

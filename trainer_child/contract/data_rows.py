@@ -17,8 +17,7 @@ class DataRowError(ValueError):
 
     def __init__(self, path: Path, where: str, field: str | None, problem: str) -> None:
         self.path, self.where, self.field, self.problem = path, where, field, problem
-        at = f"{path.name} {where}" + (f", field {field!r}" if field else "")
-        super().__init__(f"{at}: {problem}")
+        super().__init__(f"{path.name} {where}" + (f", field {field!r}" if field else "") + f": {problem}")
 
 
 def scan(path: Path, field: str, *, messages: bool) -> int:
@@ -82,14 +81,13 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     for number, text in _lines(path):
         if not text.strip():
             continue
+        where = f"line {number}"
         try:
-            yield f"line {number}", json.loads(text)
+            yield where, json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataRowError(
-                path, f"line {number}", None, f"not valid JSON: {exc.msg} (column {exc.colno})"
-            ) from None
+            raise DataRowError(path, where, None, f"not valid JSON: {exc.msg} (column {exc.colno})") from None
         except RecursionError:  # json's decoder recurses: thousands of levels end it
-            raise DataRowError(path, f"line {number}", None, _TOO_DEEP) from None
+            raise DataRowError(path, where, None, _TOO_DEEP) from None
 
 
 def _csv_records(path: Path) -> Iterator[tuple[str, Any]]:

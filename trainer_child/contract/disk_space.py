@@ -3,6 +3,7 @@ when it waits for space: about as much as the last one took (before the first, t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -29,10 +30,8 @@ def tree_bytes(root: Path) -> int:
     total = 0
     for directory, _, files in os.walk(root):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):  # deleted while we walked (rotation)
                 total += os.lstat(os.path.join(directory, name)).st_size
-            except OSError:
-                continue  # deleted while we walked (rotation)
     return total
 
 

@@ -14,8 +14,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` so a reader sees the old file or the whole new one, whatever kills us when."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # mkstemp opens O_CREAT | O_EXCL | O_NOFOLLOW, and the rename replaces a link at ``path``
-    # instead of following it: a planted link is never written through.
+    # mkstemp opens O_CREAT | O_EXCL | O_NOFOLLOW, the rename replaces a link at ``path``: none is followed.
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         os.fchmod(fd, FILE_MODE)

@@ -1,7 +1,6 @@
 """The child's events file: one JSON object per line (:func:`event_line`), read back once by
-:func:`parse_event` through one pydantic union keyed on ``event`` (:data:`ChildEvent`) into the
-frozen records below. A new event is a record with an ``event`` name and one entry in the union.
-The child's memory numbers are written flat into ``heartbeat`` and ``loaded``."""
+:func:`parse_event` through one pydantic union keyed on ``event`` (:data:`ChildEvent`) into the frozen
+records below. A new event is a record with an ``event`` name and one entry in the union."""
 
 from __future__ import annotations
 
@@ -228,8 +227,7 @@ class Finished(PlainEvent):
 
     def fields(self) -> dict[str, Any]:
         merge = {"merged": self.merged, "seconds": self.seconds, "device": self.device}
-        train = {"adapter": self.adapter}
-        return {"step": self.step, **(merge if self.merged is not None else train)}
+        return {"step": self.step, **(merge if self.merged is not None else {"adapter": self.adapter})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,8 +323,7 @@ _LINE: TypeAdapter[ChildEvent] = TypeAdapter(_UNION)
 
 
 def parse_event(line: str | Mapping[str, Any]) -> ChildEvent | None:
-    """The record of one line (or of its decoded fields); None, never raising, for a torn or
-    ill-typed line or an unknown event."""
+    """A line's record (or its decoded fields'); None, never raising, for a torn, ill-typed or unknown one."""
     try:
         return _LINE.validate_json(line) if isinstance(line, str) else _LINE.validate_python(line)
     except (ValidationError, ValueError, RecursionError):

@@ -1,7 +1,6 @@
-"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources, and
-the speed trial's candidates (timed in-process before step 1; only knobs that change without a
-reload; the results come back in :class:`~.events.SpeedTrialEvent`), and which card a rank trains
-on: one device mapping (:func:`bind_device`), computed the same way by both sides."""
+"""The attempt spec the supervisor writes and the child reads: knobs, data, training, resources, the speed
+trial's candidates (timed in-process before step 1, results in :class:`~.events.SpeedTrialEvent`), and the
+card a rank trains on: one device mapping (:func:`bind_device`), the same on both sides."""
 
 from __future__ import annotations
 
@@ -233,6 +232,4 @@ def visible_entries(value: str | None) -> list[str] | None:
     if value is None:
         return None
     entries = (raw.strip() for raw in value.split(","))
-    return list(
-        itertools.takewhile(lambda entry: entry.isdigit() or entry.startswith(_UUID_PREFIXES), entries)
-    )
+    return list(itertools.takewhile(lambda gpu: gpu.isdigit() or gpu.startswith(_UUID_PREFIXES), entries))

@@ -1,7 +1,6 @@
-"""LoRA target modules by architecture, one table for ``validate`` and the child: what
-``attention``, ``mlp`` and ``all-linear`` name in each family, and the layer names a checkpoint
-gives the loaded model. Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``; MoE experts load as fused 3D
-parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention."""
+"""LoRA target modules by architecture, one table for ``validate`` and the child: what ``attention``, ``mlp``
+and ``all-linear`` name in each family, and the layer names a checkpoint gives the loaded model. MoE experts
+load as fused 3D parameters (transformers 5), not ``nn.Linear``, so LoRA adapts only their attention."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ class TargetsError(ValueError):
 
     def __init__(self, problem: str, fix: str) -> None:
         super().__init__(f"{problem}; {fix}")
-        self.problem = problem
-        self.fix = fix
+        self.problem, self.fix = problem, fix
 
 
 @dataclass(frozen=True)
@@ -47,23 +45,14 @@ class Family:
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 _llama_block = functools.partial(Family, attention=_QKVO, mlp=("gate_proj", "up_proj", "down_proj"))
 _moe = functools.partial(Family, attention=_QKVO, mlp=(), router=("gate",))
-
-
+_LLAMA_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "OLMo 2"}
+_GEMMA_NAMES = {"gemma": "Gemma", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "gemma3": "Gemma 3"}
+_MOE_NAMES = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}
 #: ``config.json``'s ``model_type`` -> its block. A model type outside it is not guessed at.
 FAMILIES: dict[str, Family] = {
-    "llama": _llama_block("Llama"),
-    "mistral": _llama_block("Mistral"),
-    "qwen2": _llama_block("Qwen2"),
-    "qwen3": _llama_block("Qwen3"),
-    "olmo2": _llama_block("OLMo 2"),
-    "gemma": _llama_block("Gemma"),
-    "gemma2": _llama_block("Gemma 2"),
-    "gemma3_text": _llama_block("Gemma 3 (text)"),
-    "gemma3": _llama_block("Gemma 3"),
+    **{model_type: _llama_block(name) for model_type, name in (_LLAMA_NAMES | _GEMMA_NAMES).items()},
     "phi3": Family("Phi-3 / Phi-4-mini", ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")),
-    "mixtral": _moe("Mixtral"),
-    "qwen3_moe": _moe("Qwen3-MoE"),
-    "olmoe": _moe("OLMoE"),
+    **{model_type: _moe(name) for model_type, name in _MOE_NAMES.items()},
 }
 
 

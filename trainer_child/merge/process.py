@@ -1,12 +1,9 @@
 """``python -m qlora_supervise.trainer_child.merge.process --spec attempt.json``: merge the adapter
 in a process of its own: the memory plan, a fresh base load in the *training* compute dtype (4-bit
 would round the adapter away), the merge, and a sharded save through a temp dir and a rename, with
-``merge.json`` inside. Errors use the child's report and exit codes, with stage ``merge``.
-
-The memory plan is pure arithmetic on byte counts: on the GPU the base, the adapter, the largest
-layer's ``B @ A`` and a CUDA reserve, plus host RAM for the imports and one input and output shard;
-on the CPU all of it in host RAM. Users' first merge complaint is host RAM, so ``auto`` takes the
-GPU only when both its numbers fit."""
+``merge.json`` inside. Errors use the child's report and exit codes, with stage ``merge``. The memory
+plan (:func:`plan_merge`) is arithmetic on byte counts; users' first merge complaint is host RAM, so
+``auto`` takes the GPU only when both its numbers (GPU memory and host RAM) fit."""
 
 from __future__ import annotations
 

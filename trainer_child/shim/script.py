@@ -1,7 +1,6 @@
-"""The attempt's knobs, applied where a script with its settings in its code builds them, once each
-module loads (``TrainingArguments``, ``BitsAndBytesConfig``, ``from_pretrained``, ``LoraConfig``,
-``prepare_model_for_kbit_training``); every value seen is reported. A value the script sets after
-building its Trainer is reported as not applied, and its effective-batch partner put back."""
+"""The attempt's knobs, applied where a script with its settings in its code builds them, once each module
+loads (:func:`patches`); every value seen is reported. A value the script sets after building its Trainer
+is reported as not applied, and its effective-batch partner put back."""
 
 from __future__ import annotations
 
@@ -79,11 +78,9 @@ class Ledger:
         where = type(args).__name__
         fields = {f.name for f in dataclasses.fields(args)}
         scheduler = _plain(getattr(args, "lr_scheduler_type", None))
-        held: str | None = f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
-        if (
-            scheduler not in script_knobs.EVAL_SCHEDULERS
-        ):  # only one that steps on the eval loss keeps evaluation on
-            held = None
+        held: str | None = None  # only a scheduler that steps on the eval loss keeps evaluation on
+        if scheduler in script_knobs.EVAL_SCHEDULERS:
+            held = f"lr_scheduler_type {scheduler} needs an eval strategy: evaluation stays on"
         for knob, key in ARGUMENTS.items():
             if key not in fields:
                 if knob in self.changes:
@@ -113,13 +110,13 @@ class Ledger:
         for knob, key in LORA.items():
             setattr(config, key, self._take(knob, key, getattr(config, key), "LoraConfig"))
 
-    def on_model(self, name: str | os.PathLike[str], where: str) -> Any:
+    def on_model(self, klass: Any, name: str | os.PathLike[str]) -> Any:
         """``from_pretrained``'s model: the attempt's where the ladder changed it."""
         asked = _model_name(name)
-        got = self._take("model", NAME, asked, where)
+        got = self._take("model", NAME, asked, f"{klass.__name__}.from_pretrained")
         return name if got == asked else got
 
-    def on_tokenizer(self, name: str | os.PathLike[str]) -> Any:
+    def on_tokenizer(self, klass: Any, name: str | os.PathLike[str]) -> Any:
         """The tokenizer of the script's model is the attempt's model's, where it changed."""
         asked = _model_name(name)
         swap = self.replaced_model is not None and asked == self.replaced_model
@@ -200,8 +197,7 @@ def _post_init(attr: str, hook: Callable[[Any], None]) -> Callable[[ModuleType],
 
 
 def _from_pretrained(attr: str, hook: Callable[[Any, Any], Any]) -> Callable[[ModuleType], None]:
-    """A patch that gives ``module.<attr>.from_pretrained`` the name ``hook(klass, name)`` returns
-    (a model object instead of a name passes as it is)."""
+    """A patch: ``module.<attr>.from_pretrained`` loads what ``hook(klass, name)`` returns for a name."""
 
     def patch(module: ModuleType) -> None:
         cls = getattr(module, attr)
@@ -234,8 +230,7 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
         cls.__init__ = init
 
     def prepare(module: ModuleType) -> None:
-        # Our recipe's bf16 head, imported here: it imports torch, which peft has loaded by now
-        # (at the shim's start it would load torch before the environment is set for it).
+        # Not imported at the shim's start: it imports torch, which must load after the environment is set.
         from qlora_supervise.trainer_child.recipe import head
 
         # `from peft import prepare_model_for_kbit_training` reads the name where peft binds it.
@@ -259,13 +254,8 @@ def patches(ledger: Ledger) -> dict[str, Callable[[ModuleType], None]]:
         "transformers.training_args": _post_init("TrainingArguments", ledger.on_arguments),
         "transformers.utils.quantization_config": quantization,
         # A classmethod of the Auto classes' base: every AutoModelFor... loads through it.
-        "transformers.models.auto.auto_factory": _from_pretrained(
-            "_BaseAutoModelClass",
-            lambda klass, name: ledger.on_model(name, f"{klass.__name__}.from_pretrained"),
-        ),
-        "transformers.models.auto.tokenization_auto": _from_pretrained(
-            "AutoTokenizer", lambda _, name: ledger.on_tokenizer(name)
-        ),
+        "transformers.models.auto.auto_factory": _from_pretrained("_BaseAutoModelClass", ledger.on_model),
+        "transformers.models.auto.tokenization_auto": _from_pretrained("AutoTokenizer", ledger.on_tokenizer),
         "peft.tuners.lora.config": _post_init("LoraConfig", ledger.on_lora),
         "peft": prepare,
     }

@@ -1,9 +1,8 @@
 """One supervised attempt inside a foreign tool: our child's heartbeats, checkpoints, emergency save, error
 report and speed trial, from the same code. At ``Trainer.train`` the instance's class becomes a subclass of
 its own with our mixin in front, our callback is added, and ``resume_from_checkpoint`` is the supervisor's
-choice; a failure before it goes to ``sys.excepthook``. A speed trial that cannot time the tool's batches (no
-tokenized row, axolotl's sample packing, offloading in the tool's own training step, a loss or collator that
-refuses the trial's batch) keeps the plan and says why, rather than failing."""
+choice; a failure before it goes to ``sys.excepthook``. A trial that cannot time the tool's batches
+(:func:`cannot_time`, no tokenized row, a batch its loss or collator refuses) keeps the plan, saying why."""
 
 from __future__ import annotations
 
@@ -75,7 +74,11 @@ class Session:
         result: Any = None
         try:
             self._report_knobs(trainer)
-            source = self._attach(trainer)
+            source = attempt.resume_choice(ctx)  # checked as our child checks it
+            if ctx.trainer is not trainer:  # else a second train() on this Trainer: attached already
+                trainer.__class__ = supervised_class(trainer.__class__)  # our mixin, then our callback
+                trainer.supervise(ctx.progress, ctx.spec, source)
+                ctx.trainer = trainer
             self._speed_trial(trainer, resuming=source.load_from is not None)
             self._stop_if_asked()
             # The supervisor's choice (perhaps an optimizer-less copy the tool cannot know); a tool's own,
@@ -87,7 +90,12 @@ class Session:
         if failure is not None:
             self.leave(attempt.fail(ctx, failure))
         self._stop_if_asked()  # the callback checkpointed and stopped training
-        self._finish(trainer)
+        ctx.progress.enter(Stage.SAVE)  # training ended: the adapter where ours goes, and ``finished``
+        if ctx.place.is_main:  # a Trainer without a tokenizer saves the adapter alone
+            adapter_dir = Path(ctx.spec.adapter_dir)
+            attempt.save_adapter(trainer, trainer.processing_class or _NO_TOKENIZER, adapter_dir)
+        ctx.events.emit("finished", step=trainer.state.global_step, adapter=ctx.spec.adapter_dir)
+        ctx.trainer = None
         return result
 
     def _stop_if_asked(self) -> None:
@@ -106,16 +114,6 @@ class Session:
         # The checkpoints' and the resume's knobs are what the script built.
         spec = self.ctx.spec
         self.ctx.spec = dataclasses.replace(spec, knobs=as_built(spec.knobs, ledger.settings))
-
-    def _attach(self, trainer: Any) -> Any:
-        """Our mixin and callback on ``trainer``; the resume source, checked as our child checks it."""
-        ctx = self.ctx
-        source = attempt.resume_choice(ctx)
-        if ctx.trainer is not trainer:  # else train() called again on the same Trainer: attached already
-            trainer.__class__ = supervised_class(trainer.__class__)
-            trainer.supervise(ctx.progress, ctx.spec, source)
-            ctx.trainer = trainer
-        return source
 
     def _speed_trial(self, trainer: Any, resuming: bool) -> None:
         """Our child's trial on the tool's Trainer, once, before step 1; or the plan kept, saying why."""
@@ -140,15 +138,6 @@ class Session:
             speed_trial.conclude(trainer, ctx.progress, ctx.on_cuda, results, began)
         else:
             speed_trial.abandon(trainer, ctx.progress, ctx.on_cuda, why or "nothing to time", began)
-
-    def _finish(self, trainer: Any) -> None:
-        """Training ended: the adapter where ours goes, and ``finished``."""
-        ctx, spec = self.ctx, self.ctx.spec
-        ctx.progress.enter(Stage.SAVE)
-        if ctx.place.is_main:  # a Trainer without a tokenizer saves the adapter alone
-            attempt.save_adapter(trainer, trainer.processing_class or _NO_TOKENIZER, Path(spec.adapter_dir))
-        ctx.events.emit("finished", step=trainer.state.global_step, adapter=spec.adapter_dir)
-        ctx.trainer = None
 
     def _uncaught(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         """An exception outside ``train`` (the tool's model or data load): our report and exit code."""
@@ -182,10 +171,9 @@ def cannot_time(trainer: Any) -> str | None:
     args = trainer.args
     if getattr(args, "sample_packing", False):
         return "axolotl's sample_packing: its batches are packed per micro-batch"
-    offloads = [name for name in ("activation_offloading", "layer_offloading") if getattr(args, name, False)]
-    if offloads:
-        named = ", ".join(offloads)
-        return f"the tool offloads in its own training step ({named}): the trial would measure without it"
+    names = ("activation_offloading", "layer_offloading")
+    if offloads := ", ".join(name for name in names if getattr(args, name, False)):
+        return f"the tool offloads in its own training step ({offloads}): the trial would measure without it"
     return "the Trainer has no train_dataset" if getattr(trainer, "train_dataset", None) is None else None
 
 
