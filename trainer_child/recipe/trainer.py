@@ -31,8 +31,6 @@ from qlora_supervise.trainer_child.recipe import resume
 from qlora_supervise.trainer_child.recipe.activations import activation_context
 from qlora_supervise.trainer_child.run import memory, torchrun
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import free_memory
-from qlora_supervise.trainer_child.run.torchrun import barrier, staging_owner
 
 # Test hooks, never set elsewhere:
 #: ``SECONDS`` or ``SECONDS@STEP``: sleep mid-write of every checkpoint (after the adapter, before the
@@ -92,8 +90,9 @@ class SupervisedTrainerMixin(_TrainerBase):
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
             self.progress.enter(Stage.FORWARD)
-            if self._step_loss is None:  # the step's first micro-batch
-                self._leak_for_test()
+            leak = os.environ.get(TEST_LEAK_PER_STEP, "")
+            if self._step_loss is None and leak.isdigit():  # step's first micro-batch; ones: pages held
+                self._leaked.append(torch.ones(int(leak), dtype=torch.uint8, device=self.args.device))
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -143,20 +142,14 @@ class SupervisedTrainerMixin(_TrainerBase):
         self.shapes.step_done(progress.step, torch.cuda.max_memory_allocated() if on_cuda else None)
         progress.heartbeat()
 
-    def _leak_for_test(self) -> None:
-        leak = os.environ.get(TEST_LEAK_PER_STEP, "")
-        if leak.isdigit():  # written to, so the pages are really held
-            self._leaked.append(torch.ones(int(leak), dtype=torch.uint8, device=self.args.device))
-
     def _trace_batch(self, inputs: Any) -> None:
         trace = os.environ.get(TEST_TRACE_BATCHES)
         if not trace:
             return
         ids = inputs["input_ids"].tolist()
-        rows = [" ".join(map(str, row[:6])) for row in ids]
         record = {
             "step": self.state.global_step + 1,
-            "rows": rows,
+            "rows": [" ".join(map(str, row[:6])) for row in ids],
             "input_ids": ids,
             "rank": self.place.rank,
             "world_size": self.place.world_size,
@@ -183,13 +176,13 @@ class SupervisedTrainerMixin(_TrainerBase):
         main = self.place.is_main
         if main:  # no room for one more like the last: disk_full now, not half-way through
             ensure_room(self.plan.directory)
-        staging = checkpoints.staging_dir(self.plan.directory, step, staging_owner(self.place))
+        staging = checkpoints.staging_dir(self.plan.directory, step, torchrun.staging_owner(self.place))
         self._staging_root = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_root = None
-        barrier(self.place)
+        torchrun.barrier(self.place)
         if main:
             written = staging / final.name
             checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
@@ -202,7 +195,7 @@ class SupervisedTrainerMixin(_TrainerBase):
                 emergency=self._emergency,
                 early=self.progress.early_checkpoints,
             )
-        barrier(self.place)
+        torchrun.barrier(self.place)
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -242,7 +235,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self._step_loss = None
-        free_memory()
+        memory.free_memory()
         self.progress.stage = Stage.SAVE
 
     def save_emergency_checkpoint(self) -> Path | None:
@@ -262,7 +255,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         if step <= 0 or checkpoints.is_complete(directory / f"{CHECKPOINT_PREFIX}{step}"):
             return None  # nothing learnt yet, or step N's regular checkpoint is already sealed
         self.drop_step_in_flight()
-        part = checkpoints.part_dir(directory, step, staging_owner(place), place.rank)
+        part = checkpoints.part_dir(directory, step, torchrun.staging_owner(place), place.rank)
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
         if place.is_main:
@@ -322,7 +315,7 @@ class SupervisionCallback(TrainerCallback):
             memory.apply_gpu_cap(torchrun.injected_cap(torchrun.TEST_RANK_GPU_CAP, self.trainer.place))
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
-            free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
+            memory.free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
             time.sleep(self.yield_gpu[1])
         progress = self.trainer.progress
         stop, early = torchrun.decide_together(self.trainer.place, progress, args.device)

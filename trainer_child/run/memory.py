@@ -63,12 +63,10 @@ def proc_status_bytes(field: str) -> int | None:
 
 def reset_host_peak() -> bool:
     """Restart the RSS high-water mark (VmHWM) from the RSS now; False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
-            handle.write("5")
-    except OSError:
-        return False
-    return True
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")
+        return True
+    return False
 
 
 def peak_vmdata() -> int | None:
