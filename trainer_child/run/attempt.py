@@ -12,7 +12,6 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from qlora_supervise.trainer_child.contract import checkpoints, disk_space
@@ -61,15 +60,8 @@ class Context:
 
 def install_stop_handler(progress: Progress) -> None:
     """SIGTERM and the early-checkpoint signal set flags: the step ends, then a checkpoint (SIGTERM: exit)."""
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        progress.stop_requested = True
-
-    def on_early_checkpoint(signum: int, frame: FrameType | None) -> None:
-        progress.early_checkpoints = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(EARLY_CHECKPOINT_SIGNAL, on_early_checkpoint)
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(progress, "stop_requested", True))
+    signal.signal(EARLY_CHECKPOINT_SIGNAL, lambda signum, frame: setattr(progress, "early_checkpoints", True))
 
 
 def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training_stack) -> None:
@@ -226,9 +218,8 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
 
 
 def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
-    """The emergency checkpoint a failure in forward, backward or eval allows: one process saves it
-    after its own OOM; under DDP each rank saves its part after any failure there (the state is step
-    N's on every rank). Not under FSDP: gathering a shard is a collective the failure broke."""
+    """The emergency checkpoint a failure in forward, backward or eval allows: one process's after its OOM;
+    under DDP each rank's part after any (all hold step N). Not FSDP's: its gather is a broken collective."""
     if ctx.trainer is None or failure.stage not in EMERGENCY_STAGES:
         return None
     if not ctx.place.distributed:

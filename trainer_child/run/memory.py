@@ -129,8 +129,7 @@ def expandable_segments_active() -> bool | None:
         return None
     probe = torch.empty(1, device="cuda")
     try:
-        segments = torch.cuda.memory_snapshot()
-        flags = [seg["is_expandable"] for seg in segments if "is_expandable" in seg]
+        flags = [seg["is_expandable"] for seg in torch.cuda.memory_snapshot() if "is_expandable" in seg]
         if flags:
             return all(flags)
     finally:

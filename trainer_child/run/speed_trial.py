@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from qlora_supervise.policies import choice
-from qlora_supervise.policies.choice import TrialChoice
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, TrialCandidate
@@ -225,7 +224,7 @@ def untouched(trainer: Any) -> Iterator[None]:
         trainer.model.train(training)
 
 
-def summary(event: SpeedTrialEvent, chosen: TrialChoice) -> str:
+def summary(event: SpeedTrialEvent, chosen: choice.TrialChoice) -> str:
     """One line for child.log: each candidate's tokens/s (or why it was dropped) and the choice."""
     rows = [f"{r.candidate.name}: {_outcome(r)}" for r in event.results]
     return f"speed trial ({event.seconds:.1f} s): {'; '.join(rows)} -> {chosen.why}"
