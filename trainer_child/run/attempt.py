@@ -229,7 +229,6 @@ def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
 
 def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str, int] | None) -> None:
     """Write the error report; on a disk with no room for it, the exit code and stderr must do."""
-    disk = disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None
     report = ErrorReport(
         exit_code=int(failure.exit_code),
         exception_type=failure.exception_type,
@@ -247,7 +246,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         expandable_segments_active=ctx.expandable,
         damaged_checkpoint=ctx.resume_checkpoint if failure.exit_code is ExitCode.CHECKPOINT else None,
         disk_full=failure.disk_full,
-        disk=disk,
+        disk=disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None,
         allocator=failure.allocator,
         memory_snapshot=failure.memory_snapshot,
         batch=failure.batch,

@@ -1,10 +1,9 @@
-"""The speed trial: time the planner's candidates in-process before step 1, train with the fastest.
-Only for an attempt from step 0 (or a re-time) with two or more candidates, in one process. Each
-candidate runs a warm-up and a few timed forward+backward micro-steps on the longest training sample
-(repeated to its micro-batch), its checkpointing switched on the same model: no reload, no optimizer
-step. The training that follows is the one it would have been: the dataloader does not exist yet, the
-RNG states, gradients and trl's metrics are put back. An OOM drops the candidate where it failed. The
-choice is the policy's (:func:`policies.choice.after_trial`); this module times and applies it."""
+"""Speed trial: the planner's candidates timed in-process before step 1, training with the fastest; only from
+step 0 (or a re-time), with two or more candidates, in one process. Each runs a warm-up and a few timed
+forward+backward micro-steps on the longest sample (repeated to its micro-batch), its checkpointing switched
+on the same model: no reload, no optimizer step. The training that follows is the one it would have been: no
+dataloader exists yet; RNG states, gradients and trl's metrics are put back. An OOM drops the candidate where
+it failed. The choice is the policy's (:func:`policies.choice.after_trial`), applied here."""
 
 from __future__ import annotations
 
