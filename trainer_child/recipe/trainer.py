@@ -19,13 +19,10 @@ import torch
 from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
-from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract import checkpoints, disk_space, durable, events
 from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCHED, BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX, ResumeSource
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.disk_space import ensure_room
-from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_file
 from qlora_supervise.trainer_child.recipe import resume
 from qlora_supervise.trainer_child.recipe.activations import activation_context
@@ -175,7 +172,7 @@ class SupervisedTrainerMixin(_TrainerBase):
             return final  # e.g. an emergency save right after the regular save of the same step
         main = self.place.is_main
         if main:  # no room for one more like the last: disk_full now, not half-way through
-            ensure_room(self.plan.directory)
+            disk_space.ensure_room(self.plan.directory)
         staging = checkpoints.staging_dir(self.plan.directory, step, torchrun.staging_owner(self.place))
         self._staging_root = staging
         try:
@@ -203,7 +200,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         too_early = from_step and self.state.global_step < int(from_step)
         pause = float(seconds) if seconds and not too_early else 0.0
         if pause > 0:
-            beat = Heartbeat(Stage.SAVE, self.progress.step)
+            beat = events.Heartbeat(Stage.SAVE, self.progress.step)
             self.progress.events.emit("heartbeat", **beat.fields(), test_pause_in_save=pause)
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
@@ -259,14 +256,14 @@ class SupervisedTrainerMixin(_TrainerBase):
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
         if place.is_main:
-            ensure_room(directory)
+            disk_space.ensure_room(directory)
             self._save(str(part))  # what the Trainer's own checkpoint writes of the model
             self._save_optimizer_and_scheduler(str(part))
             self.state.save_to_json(str(part / "trainer_state.json"))
         self._save_rng_state(str(part))
         checkpoints.seal(part)  # the files on disk before the marker that vouches for them
         done = {"step": step, "rank": place.rank, "world_size": place.world_size}
-        write_text_atomic(part / checkpoints.PART_DONE, json.dumps(done))
+        durable.write_text_atomic(part / checkpoints.PART_DONE, json.dumps(done))
         return part
 
 

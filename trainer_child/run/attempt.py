@@ -14,12 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract import checkpoints, disk_space
+from qlora_supervise.trainer_child.contract import checkpoints, disk_space, durable, events, oom_message
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.events import Started
-from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport, failure_line
 from qlora_supervise.trainer_child.contract.spec import (
     EARLY_CHECKPOINT_SIGNAL,
@@ -76,7 +73,7 @@ def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
-    started = Started(
+    started = events.Started(
         pid=os.getpid(),
         attempt=ctx.spec.attempt,
         **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
@@ -238,7 +235,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         step=failure.step,
         is_oom=failure.oom,
         config_error=failure.config,
-        oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
+        oom_numbers=oom_message.OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
         memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
         device="cuda" if ctx.on_cuda else "cpu",
         emergency_checkpoint=emergency[0] if emergency else None,
@@ -254,7 +251,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
     )
     try:
-        write_text_atomic(ctx.spec.error_file, report.to_json())
+        durable.write_text_atomic(ctx.spec.error_file, report.to_json())
     except OSError as exc:
         if not disk_space.is_disk_full(exc):
             raise

@@ -51,12 +51,11 @@ _DETERMINISTIC_NAMES = frozenset({"OfflineModeIsEnabled", "SafetensorError", "He
 #: Errors of a load short of device memory (bitsandbytes under ``device_map: auto`` on a shared card,
 #: a weight left on the meta device): the card's state, not the config's.
 _SHORT_OF_MEMORY = ("dispatched on the CPU or the disk", "enough GPU RAM", "meta tensor")
-_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
 
 
 def is_the_configs(exc: BaseException, stage: Stage) -> bool:
     """Whether ``exc``, raised in setup or load, is the config's: it would fail alike on every start."""
-    if stage not in _BEFORE_TRAINING:
+    if stage not in (Stage.SETUP, Stage.LOAD):
         return False
     chain = exception_chain(exc)
     if any(words in str(item) for item in chain for words in _SHORT_OF_MEMORY):

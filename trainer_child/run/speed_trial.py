@@ -23,10 +23,8 @@ from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, TrialCandidate
 from qlora_supervise.trainer_child.recipe import activations
-from qlora_supervise.trainer_child.run import memory
-from qlora_supervise.trainer_child.run.failure import is_oom
+from qlora_supervise.trainer_child.run import failure, memory, torchrun
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: The whole trial's aim, warm-ups included, shared by the candidates (each has a warm-up, MIN_TIMED_STEPS).
 BUDGET_S = 10.0
@@ -36,7 +34,7 @@ MAX_TIMED_STEPS = 4
 
 def wanted(spec: AttemptSpec, resuming: bool) -> bool:
     from_here = not resuming or spec.speed_trial_on_resume
-    return len(spec.speed_trial) >= 2 and from_here and not this_rank().distributed
+    return len(spec.speed_trial) >= 2 and from_here and not torchrun.this_rank().distributed
 
 
 def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> SpeedTrialEvent:
@@ -149,7 +147,7 @@ def time_candidate(
         batch = trainer._prepare_inputs(trainer.data_collator([row] * candidate.micro_batch_size))
         tokens_per_s = timed_steps(trainer, batch, on_cuda, started + share)
     except Exception as exc:
-        if not is_oom(exc):
+        if not failure.is_oom(exc):
             raise
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
     batch = None  # the activations of a failed step went with the exception; the batch goes here
