@@ -18,18 +18,15 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, set_seed
 from trl import SFTConfig
 
-from qlora_supervise.trainer_child.contract.checkpoints import ResumeSource
-from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract import checkpoints, codes
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.targets import TargetsError, check, resolve
-from qlora_supervise.trainer_child.recipe import fsdp, head
-from qlora_supervise.trainer_child.recipe.activations import checkpointing_kwargs
+from qlora_supervise.trainer_child.recipe import activations, fsdp, head
 from qlora_supervise.trainer_child.recipe.data import TEXT, Prepared, load_rows, load_tokenizer
 from qlora_supervise.trainer_child.recipe.trainer import SupervisedSFTTrainer
+from qlora_supervise.trainer_child.run import memory, torchrun
 from qlora_supervise.trainer_child.run.failure import ConfigError
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import memory_numbers, reset_host_peak
-from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
@@ -117,7 +114,7 @@ def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec, dtype: torch.dtype | N
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=knobs.gradient_checkpointing,
-            gradient_checkpointing_kwargs=checkpointing_kwargs(),
+            gradient_checkpointing_kwargs=activations.checkpointing_kwargs(),
         )
     if knobs.bf16_head:
         head.match_head_input(model)
@@ -197,7 +194,7 @@ def sft_config(
         eval_steps=train.eval_steps if evaluating else None,
         seed=train.seed,
         gradient_checkpointing=knobs.gradient_checkpointing,
-        gradient_checkpointing_kwargs=checkpointing_kwargs(),
+        gradient_checkpointing_kwargs=activations.checkpointing_kwargs(),
         bf16=on_cuda and dtype == torch.bfloat16,
         fp16=on_cuda and dtype == torch.float16,
         use_cpu=not on_cuda,
@@ -207,7 +204,7 @@ def sft_config(
         auto_find_batch_size=False,  # a restored batch size would undo the micro-batch rung
         # DDP: the unused-parameter search walks the graph each step and fails with checkpointing.
         ddp_find_unused_parameters=False,
-        ddp_backend=("nccl" if on_cuda else "gloo") if this_rank().distributed else None,
+        ddp_backend=("nccl" if on_cuda else "gloo") if torchrun.this_rank().distributed else None,
         **(sharding or {}),  # FSDP-QLoRA's (recipe/fsdp.py); none for DDP
         **{"warmup_ratio" if ratio else "warmup_steps": train.warmup_ratio},
     )
@@ -239,7 +236,7 @@ def build(
     spec: AttemptSpec,
     progress: Progress,
     on_cuda: bool,
-    source: ResumeSource,
+    source: checkpoints.ResumeSource,
     prepared: Prepared | None = None,
 ) -> SupervisedSFTTrainer:
     """A trainer ready to ``train(resume_from_checkpoint=source.load_from)``, its ``processing_class`` the
@@ -252,7 +249,7 @@ def build(
     laps = [("", time.monotonic())]  # the end of each phase, for trainer_ready: where a start's time goes
     # Before get_peft_model draws LoRA's A matrices (Trainer seeds later): every restart, the same adapter.
     set_seed(spec.train.seed)
-    progress.enter(Stage.LOAD)
+    progress.enter(codes.Stage.LOAD)
     tokenizer = ready.tokenizer if ready else load_tokenizer(spec)
     laps.append(("tokenizer", time.monotonic()))
     fsdp.refuse_cpu(knobs, on_cuda)
@@ -280,12 +277,12 @@ def build(
         dtype=str(dtype),
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
-        **memory_numbers().fields(),
+        **memory.memory_numbers().fields(),
         **(lengths.fields() if lengths is not None else {}),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     if on_cuda:  # the load's host peak is in the event above; from here the mark is training's
-        reset_host_peak()
+        memory.reset_host_peak()
     trainer = SupervisedSFTTrainer(
         model=model,
         args=sft_config(spec, dtype, on_cuda, eval_set is not None, fsdp.trainer_args(knobs, model)),

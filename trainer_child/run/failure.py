@@ -9,12 +9,10 @@ import re
 import time
 import traceback
 
+from qlora_supervise.trainer_child.contract import attempt_facts, checkpoints, oom_message
 from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
-from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadError
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.disk_space import exception_chain, is_disk_full
-from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
 
 OOM_MARKERS = (
     "out of memory",  # CUDA's and cudaMallocAsync's wordings among them
@@ -69,7 +67,7 @@ def oom_numbers(message: str) -> dict[str, int]:
     """Numbers of an OOM message (``oom_message``'s parser, and the CPU allocator's ``tried to allocate``)."""
     numbers: dict[str, int] = {}
     with contextlib.suppress(Exception):  # a parser bug: the report matters more
-        numbers.update(parse_numbers(message))
+        numbers.update(oom_message.parse_numbers(message))
     match = _CPU_TRIED.search(message)
     if match and "tried_to_allocate" not in numbers:
         numbers["tried_to_allocate"] = int(match.group(1))
@@ -89,7 +87,7 @@ class CapturedFailure:
     disk_full: bool = False  # ENOSPC / EROFS / EDQUOT (see disk_space): wait for room, not a rung
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
-    batch: BatchInFlight | None = None  # the micro-batch a training step's OOM happened on
+    batch: attempt_facts.BatchInFlight | None = None  # the micro-batch a training step's OOM happened on
     time: float = dataclasses.field(default_factory=time.time)  # when the exception was caught
 
     @property
@@ -122,7 +120,7 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         step=step,
         oom=is_oom(exc),
         config=_in_chain(exc, ConfigError),
-        checkpoint=_in_chain(exc, CheckpointLoadError),
+        checkpoint=_in_chain(exc, checkpoints.CheckpointLoadError),
         disk_full=is_disk_full(exc),
     )
     # An OOM, a damaged checkpoint or a full disk keep their own verdicts.

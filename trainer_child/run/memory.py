@@ -13,9 +13,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract import allocator
-from qlora_supervise.trainer_child.contract.events import MemoryNumbers
-from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
+from qlora_supervise.trainer_child.contract import allocator, events, spec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
@@ -138,11 +136,11 @@ def expandable_segments_active() -> bool | None:
     return None if getter is None else "expandable_segments:true" in getter().replace(" ", "").lower()
 
 
-def memory_numbers() -> MemoryNumbers:
+def memory_numbers() -> events.MemoryNumbers:
     import torch
 
     on_cuda = torch.cuda.is_available()
-    return MemoryNumbers.measured(
+    return events.MemoryNumbers.measured(
         cuda_peak=torch.cuda.max_memory_allocated() if on_cuda else None,
         data_segment_peak=peak_vmdata(),
         rss_high_water=proc_status_bytes("VmHWM"),
@@ -170,7 +168,7 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def start_memory_history(diagnose: DiagnoseSpec) -> bool:
+def start_memory_history(diagnose: spec.DiagnoseSpec) -> bool:
     """Record the CUDA allocator's history if ``diagnose`` asks (a ring, Python stacks: C++ is far dearer)."""
     import torch
 
