@@ -24,9 +24,8 @@ from qlora_supervise.trainer_child.contract.targets import TargetsError, check, 
 from qlora_supervise.trainer_child.recipe import activations, fsdp, head
 from qlora_supervise.trainer_child.recipe.data import TEXT, Prepared, load_rows, load_tokenizer
 from qlora_supervise.trainer_child.recipe.trainer import SupervisedSFTTrainer
-from qlora_supervise.trainer_child.run import memory, torchrun
+from qlora_supervise.trainer_child.run import heartbeat, memory, torchrun
 from qlora_supervise.trainer_child.run.failure import ConfigError
-from qlora_supervise.trainer_child.run.heartbeat import Progress
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
@@ -234,7 +233,7 @@ TEST_FAIL_WITH_KNOB = "QLORA_SUPERVISE_TEST_FAIL_WITH_KNOB"
 
 def build(
     spec: AttemptSpec,
-    progress: Progress,
+    progress: heartbeat.Progress,
     on_cuda: bool,
     source: checkpoints.ResumeSource,
     prepared: Prepared | None = None,

@@ -24,8 +24,7 @@ from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCH
 from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX, ResumeSource
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_file
-from qlora_supervise.trainer_child.recipe import resume
-from qlora_supervise.trainer_child.recipe.activations import activation_context
+from qlora_supervise.trainer_child.recipe import activations, resume
 from qlora_supervise.trainer_child.run import memory, torchrun
 from qlora_supervise.trainer_child.run.heartbeat import Progress
 
@@ -95,7 +94,7 @@ class SupervisedTrainerMixin(_TrainerBase):
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._trace_batch(inputs)
         self._start_batch(inputs)
-        with activation_context(self.plan.knobs):  # forward and backward: activation offload
+        with activations.activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
