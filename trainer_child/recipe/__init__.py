@@ -1,2 +1,1 @@
-"""How the child trains: the QLoRA recipe (4-bit load, prepare, LoRA, SFT trainer), its data, the
-resume (with rank reduction), the import stack; the tiny model for the demo and the tests."""
+"""How the child trains: the QLoRA recipe, its data, the resume (rank reduction), import stack, tiny model."""

@@ -1,5 +1,4 @@
-"""Where activations live: gradient checkpointing switched on a built model, and activation offload;
-both change without a reload."""
+"""Where activations live: checkpointing switched on a built model, and activation offload (no reload)."""
 
 from __future__ import annotations
 
@@ -143,17 +142,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 _POOL: HostBuffers | None = None
 
 
-def host_buffers() -> HostBuffers:
-    global _POOL
-    if _POOL is None:
-        _POOL = HostBuffers(pin_memory=torch.cuda.is_available())
-    return _POOL
-
-
 def release_host_buffers() -> int:
     """Give back the buffers no micro-step holds; the bytes given back."""
     return 0 if _POOL is None else _POOL.release()
 
 
 def activation_context(knobs: Knobs) -> contextlib.AbstractContextManager[Any]:
-    return OffloadActivations(host_buffers()) if knobs.activation_offload else contextlib.nullcontext()
+    global _POOL
+    if not knobs.activation_offload:
+        return contextlib.nullcontext()
+    if _POOL is None:
+        _POOL = HostBuffers(pin_memory=torch.cuda.is_available())
+    return OffloadActivations(_POOL)

@@ -4,11 +4,9 @@ against transformers 5.25, accelerate 1.16, peft 0.21, bitsandbytes 0.50:
 * **Storage dtype**: ``bnb_4bit_quant_storage`` is the compute dtype, so the packed 4-bit codes shard
   like any bf16 tensor; the Trainer sets FSDP's mixed precision to it (``update_fsdp_plugin_peft``).
 * **No fp32 upcast**: the k-bit prepare leaves norms, embeddings and head in the compute dtype.
-* **The wrap**: FSDP2, a unit per decoder block (``_no_split_modules``), and per LoRA layer (peft's
-  ``fsdp_auto_wrap_policy``).
-* **The load**: bitsandbytes quantizes on the card, so every rank loads the whole 4-bit model on
-  ``cuda:LOCAL_RANK`` before the Trainer shards it (``cpu_ram_efficient_loading``, off, skips quantized
-  models in transformers 5).
+* **The wrap**: FSDP2, units per decoder block (``_no_split_modules``), LoRA (``fsdp_auto_wrap_policy``).
+* **The load**: bitsandbytes quantizes on the card: each rank loads the whole 4-bit model on its GPU
+  (``cuda:LOCAL_RANK``), then the Trainer shards it (``cpu_ram_efficient_loading`` skips 4-bit models).
 * **GPUs only**: accelerate never turns ``MULTI_CPU`` into ``FSDP``, so CPU ranks would quietly run
   DDP: the child refuses. torch's FSDP2 itself runs on gloo CPU ranks (tests/test_fsdp_ranks.py)."""
 

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import time
 from importlib.util import find_spec
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +18,14 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, set_seed
 from trl import SFTConfig
 
-from qlora_supervise.trainer_child.contract.checkpoints import ResumeSource
-from qlora_supervise.trainer_child.contract.codes import Stage
+from qlora_supervise.trainer_child.contract import checkpoints, codes
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs
 from qlora_supervise.trainer_child.contract.targets import TargetsError, check, resolve
-from qlora_supervise.trainer_child.recipe import fsdp
-from qlora_supervise.trainer_child.recipe.activations import checkpointing_kwargs
+from qlora_supervise.trainer_child.recipe import activations, fsdp, head
 from qlora_supervise.trainer_child.recipe.data import TEXT, Prepared, load_rows, load_tokenizer
-from qlora_supervise.trainer_child.recipe.head import head_parameters, kept_out_of_upcast, match_head_input
 from qlora_supervise.trainer_child.recipe.trainer import SupervisedSFTTrainer
+from qlora_supervise.trainer_child.run import heartbeat, memory, torchrun
 from qlora_supervise.trainer_child.run.failure import ConfigError
-from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import memory_numbers, reset_host_peak
-from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: A LoRA that trains more than this share of the parameters is not what the job meant.
 MAX_TRAINABLE_SHARE = 0.5
@@ -112,15 +108,15 @@ def check_target_modules(model: Any, target_modules: tuple[str, ...] | str) -> N
 def add_lora(model: Any, knobs: Knobs, spec: AttemptSpec, dtype: torch.dtype | None = None) -> Any:
     # bf16_head: the embeddings and LM head skip the fp32 upcast (recipe/head.py says why); under
     # FSDP every non-4-bit parameter does (recipe/fsdp.py: one dtype for FSDP to shard).
-    kept = fsdp.kept_16bit(model, knobs) or (head_parameters(model) if knobs.bf16_head else [])
-    with kept_out_of_upcast(kept, dtype):
+    kept = fsdp.kept_16bit(model, knobs) or (head.head_parameters(model) if knobs.bf16_head else [])
+    with head.kept_out_of_upcast(kept, dtype):
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=knobs.gradient_checkpointing,
-            gradient_checkpointing_kwargs=checkpointing_kwargs(),
+            gradient_checkpointing_kwargs=activations.checkpointing_kwargs(),
         )
     if knobs.bf16_head:
-        match_head_input(model)
+        head.match_head_input(model)
     targets = resolve(spec.train.target_modules, model.config.model_type)  # checked at load
     lora = LoraConfig(
         r=knobs.lora_r,
@@ -197,7 +193,7 @@ def sft_config(
         eval_steps=train.eval_steps if evaluating else None,
         seed=train.seed,
         gradient_checkpointing=knobs.gradient_checkpointing,
-        gradient_checkpointing_kwargs=checkpointing_kwargs(),
+        gradient_checkpointing_kwargs=activations.checkpointing_kwargs(),
         bf16=on_cuda and dtype == torch.bfloat16,
         fp16=on_cuda and dtype == torch.float16,
         use_cpu=not on_cuda,
@@ -207,7 +203,7 @@ def sft_config(
         auto_find_batch_size=False,  # a restored batch size would undo the micro-batch rung
         # DDP: the unused-parameter search walks the graph each step and fails with checkpointing.
         ddp_find_unused_parameters=False,
-        ddp_backend=("nccl" if on_cuda else "gloo") if this_rank().distributed else None,
+        ddp_backend=("nccl" if on_cuda else "gloo") if torchrun.this_rank().distributed else None,
         **(sharding or {}),  # FSDP-QLoRA's (recipe/fsdp.py); none for DDP
         **{"warmup_ratio" if ratio else "warmup_steps": train.warmup_ratio},
     )
@@ -230,35 +226,16 @@ def report_env(spec: AttemptSpec) -> dict[str, str]:
     return {"TENSORBOARD_LOGGING_DIR": str(Path(spec.run_dir) / TENSORBOARD_DIR)}
 
 
-class PhaseClock:
-    """Seconds per phase of the build, for ``trainer_ready``: where an attempt's start goes."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.monotonic()
-
-    def lap(self, phase: str) -> None:
-        now = time.monotonic()
-        self.seconds[phase] = round(now - self._last, 3)
-        self._last = now
-
-
 #: Injected fault for tests: ``knob_name`` makes the load fail with a plain RuntimeError while that
 #: knob is on, as a rung the stack cannot run does (the 4-bit CPU-offload crash on meta tensors).
 TEST_FAIL_WITH_KNOB = "QLORA_SUPERVISE_TEST_FAIL_WITH_KNOB"
 
 
-def injected_knob_fault(knobs: Knobs) -> None:
-    name = os.environ.get(TEST_FAIL_WITH_KNOB, "")
-    if name and getattr(knobs, name, False) is True:
-        raise RuntimeError(f"injected fault ({TEST_FAIL_WITH_KNOB}): this stack cannot run {name}")
-
-
 def build(
     spec: AttemptSpec,
-    progress: Progress,
+    progress: heartbeat.Progress,
     on_cuda: bool,
-    source: ResumeSource,
+    source: checkpoints.ResumeSource,
     prepared: Prepared | None = None,
 ) -> SupervisedSFTTrainer:
     """A trainer ready to ``train(resume_from_checkpoint=source.load_from)``, its ``processing_class`` the
@@ -268,26 +245,27 @@ def build(
     dtype = compute_dtype(spec.train.compute_dtype, on_cuda)
     os.environ.update(report_env(spec))
     ready = prepared if prepared is not None and prepared.serves(spec) else None
-    clock = PhaseClock()
+    laps = [("", time.monotonic())]  # the end of each phase, for trainer_ready: where a start's time goes
     # Before get_peft_model draws LoRA's A matrices (Trainer seeds later): every restart, the same adapter.
     set_seed(spec.train.seed)
-    progress.enter(Stage.LOAD)
+    progress.enter(codes.Stage.LOAD)
     tokenizer = ready.tokenizer if ready else load_tokenizer(spec)
-    clock.lap("tokenizer")
+    laps.append(("tokenizer", time.monotonic()))
     fsdp.refuse_cpu(knobs, on_cuda)
     model = load_model(spec, dtype, on_cuda)
-    clock.lap("weights")
-    injected_knob_fault(knobs)
+    laps.append(("weights", time.monotonic()))
+    if (name := os.environ.get(TEST_FAIL_WITH_KNOB, "")) and getattr(knobs, name, False) is True:
+        raise RuntimeError(f"injected fault ({TEST_FAIL_WITH_KNOB}): this stack cannot run {name}")
     check_target_modules(model, spec.train.target_modules)
     model = add_lora(model, knobs, spec, dtype)
     trainable, total, share = trainable_share(model)
-    clock.lap("lora")
+    laps.append(("lora", time.monotonic()))
     train_set, eval_set, lengths = (
         (ready.train_set, ready.eval_set, ready.lengths) if ready else load_rows(spec, tokenizer)
     )
     if spec.data.messages_field is not None:
         check_chat_template(tokenizer)
-    clock.lap("data")
+    laps.append(("data", time.monotonic()))
     progress.events.emit(
         "loaded",
         trainable_params=trainable,
@@ -298,12 +276,12 @@ def build(
         dtype=str(dtype),
         train_rows=len(train_set),
         eval_rows=len(eval_set) if eval_set is not None else 0,
-        **memory_numbers().fields(),
+        **memory.memory_numbers().fields(),
         **(lengths.fields() if lengths is not None else {}),
     )
     print(f"trainable params: {trainable} / {total} ({share:.3%})", flush=True)
     if on_cuda:  # the load's host peak is in the event above; from here the mark is training's
-        reset_host_peak()
+        memory.reset_host_peak()
     trainer = SupervisedSFTTrainer(
         model=model,
         args=sft_config(spec, dtype, on_cuda, eval_set is not None, fsdp.trainer_args(knobs, model)),
@@ -314,10 +292,10 @@ def build(
         spec=spec,
         source=source,
     )
-    clock.lap("trainer")
+    laps.append(("trainer", time.monotonic()))
     progress.events.emit(
         "trainer_ready",
-        phases_s=clock.seconds,
+        phases_s={name: round(end - start, 3) for (_, start), (name, end) in pairwise(laps)},
         prepared=ready is not None,
         prepared_s=ready.seconds if ready else None,
     )

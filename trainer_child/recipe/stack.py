@@ -20,7 +20,9 @@ def import_training_stack() -> dict[str, str]:
 
 
 def import_training_classes(model_dir: str | None = None) -> None:
-    """Import ahead what the recipe imports lazily (and ``model_dir``'s modelling module); no CUDA."""
+    """Import ahead what the recipe imports lazily (and ``model_dir``'s modelling module), and do a first
+    load's one-off work: transformers' checkpoint-renaming table (a private cache in 5.x, 0.6 s of regexes
+    on CI) and a first construction (on the meta device, dropped); no CUDA."""
     from qlora_supervise.trainer_child.recipe import data, qlora, trainer  # noqa: F401 - loaded ahead
 
     if model_dir is None:
@@ -33,12 +35,6 @@ def import_training_classes(model_dir: str | None = None) -> None:
         importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     except (OSError, ValueError, KeyError, TypeError, ImportError):
         return  # a hub id, or an architecture this transformers names otherwise: the attempt imports it
-    warm_first_load(model_dir, str(model_type))
-
-
-def warm_first_load(model_dir: str, model_type: str) -> None:
-    """Do a first load's one-off work ahead: transformers' checkpoint-renaming table (a private cache in
-    5.x, 0.6 s of regexes on CI), and a first construction (on the meta device, dropped)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -47,7 +43,7 @@ def warm_first_load(model_dir: str, model_type: str) -> None:
 
         build = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
         if callable(build):
-            build(model_type)
+            build(str(model_type))
     with contextlib.suppress(Exception):  # a speed-up only: what it cannot build is the attempt's to load
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):

@@ -19,20 +19,14 @@ import torch
 from transformers import Trainer, TrainerCallback
 from trl import SFTTrainer
 
-from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract import checkpoints, disk_space, durable, events
 from qlora_supervise.trainer_child.contract.attempt_facts import MAX_ROWS_SEARCHED, BatchInFlight
 from qlora_supervise.trainer_child.contract.checkpoints import CHECKPOINT_PREFIX, ResumeSource
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.disk_space import ensure_room
-from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank_file
-from qlora_supervise.trainer_child.recipe import resume
-from qlora_supervise.trainer_child.recipe.activations import activation_context
+from qlora_supervise.trainer_child.recipe import activations, resume
 from qlora_supervise.trainer_child.run import memory, torchrun
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import free_memory
-from qlora_supervise.trainer_child.run.torchrun import barrier, staging_owner
 
 # Test hooks, never set elsewhere:
 #: ``SECONDS`` or ``SECONDS@STEP``: sleep mid-write of every checkpoint (after the adapter, before the
@@ -92,14 +86,15 @@ class SupervisedTrainerMixin(_TrainerBase):
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
             self.progress.enter(Stage.FORWARD)
-            if self._step_loss is None:  # the step's first micro-batch
-                self._leak_for_test()
+            leak = os.environ.get(TEST_LEAK_PER_STEP, "")
+            if self._step_loss is None and leak.isdigit():  # step's first micro-batch; ones: pages held
+                self._leaked.append(torch.ones(int(leak), dtype=torch.uint8, device=self.args.device))
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._trace_batch(inputs)
         self._start_batch(inputs)
-        with activation_context(self.plan.knobs):  # forward and backward: activation offload
+        with activations.activation_context(self.plan.knobs):  # forward and backward: activation offload
             loss: torch.Tensor = super().training_step(model, inputs, *args, **kwargs)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return loss
@@ -143,20 +138,14 @@ class SupervisedTrainerMixin(_TrainerBase):
         self.shapes.step_done(progress.step, torch.cuda.max_memory_allocated() if on_cuda else None)
         progress.heartbeat()
 
-    def _leak_for_test(self) -> None:
-        leak = os.environ.get(TEST_LEAK_PER_STEP, "")
-        if leak.isdigit():  # written to, so the pages are really held
-            self._leaked.append(torch.ones(int(leak), dtype=torch.uint8, device=self.args.device))
-
     def _trace_batch(self, inputs: Any) -> None:
         trace = os.environ.get(TEST_TRACE_BATCHES)
         if not trace:
             return
         ids = inputs["input_ids"].tolist()
-        rows = [" ".join(map(str, row[:6])) for row in ids]
         record = {
             "step": self.state.global_step + 1,
-            "rows": rows,
+            "rows": [" ".join(map(str, row[:6])) for row in ids],
             "input_ids": ids,
             "rank": self.place.rank,
             "world_size": self.place.world_size,
@@ -182,14 +171,14 @@ class SupervisedTrainerMixin(_TrainerBase):
             return final  # e.g. an emergency save right after the regular save of the same step
         main = self.place.is_main
         if main:  # no room for one more like the last: disk_full now, not half-way through
-            ensure_room(self.plan.directory)
-        staging = checkpoints.staging_dir(self.plan.directory, step, staging_owner(self.place))
+            disk_space.ensure_room(self.plan.directory)
+        staging = checkpoints.staging_dir(self.plan.directory, step, torchrun.staging_owner(self.place))
         self._staging_root = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_root = None
-        barrier(self.place)
+        torchrun.barrier(self.place)
         if main:
             written = staging / final.name
             checkpoints.publish(written, final, step=step, knobs=self.plan.knobs, emergency=self._emergency)
@@ -202,7 +191,7 @@ class SupervisedTrainerMixin(_TrainerBase):
                 emergency=self._emergency,
                 early=self.progress.early_checkpoints,
             )
-        barrier(self.place)
+        torchrun.barrier(self.place)
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -210,7 +199,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         too_early = from_step and self.state.global_step < int(from_step)
         pause = float(seconds) if seconds and not too_early else 0.0
         if pause > 0:
-            beat = Heartbeat(Stage.SAVE, self.progress.step)
+            beat = events.Heartbeat(Stage.SAVE, self.progress.step)
             self.progress.events.emit("heartbeat", **beat.fields(), test_pause_in_save=pause)
             time.sleep(pause)
         super()._save_optimizer_and_scheduler(output_dir)
@@ -242,7 +231,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self._step_loss = None
-        free_memory()
+        memory.free_memory()
         self.progress.stage = Stage.SAVE
 
     def save_emergency_checkpoint(self) -> Path | None:
@@ -262,18 +251,18 @@ class SupervisedTrainerMixin(_TrainerBase):
         if step <= 0 or checkpoints.is_complete(directory / f"{CHECKPOINT_PREFIX}{step}"):
             return None  # nothing learnt yet, or step N's regular checkpoint is already sealed
         self.drop_step_in_flight()
-        part = checkpoints.part_dir(directory, step, staging_owner(place), place.rank)
+        part = checkpoints.part_dir(directory, step, torchrun.staging_owner(place), place.rank)
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
         if place.is_main:
-            ensure_room(directory)
+            disk_space.ensure_room(directory)
             self._save(str(part))  # what the Trainer's own checkpoint writes of the model
             self._save_optimizer_and_scheduler(str(part))
             self.state.save_to_json(str(part / "trainer_state.json"))
         self._save_rng_state(str(part))
         checkpoints.seal(part)  # the files on disk before the marker that vouches for them
         done = {"step": step, "rank": place.rank, "world_size": place.world_size}
-        write_text_atomic(part / checkpoints.PART_DONE, json.dumps(done))
+        durable.write_text_atomic(part / checkpoints.PART_DONE, json.dumps(done))
         return part
 
 
@@ -322,7 +311,7 @@ class SupervisionCallback(TrainerCallback):
             memory.apply_gpu_cap(torchrun.injected_cap(torchrun.TEST_RANK_GPU_CAP, self.trainer.place))
             self.cap_after_step = None
         if self.yield_gpu is not None and state.global_step == self.yield_gpu[0]:
-            free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
+            memory.free_memory()  # injected: memory.TEST_YIELD_GPU_AT_STEP
             time.sleep(self.yield_gpu[1])
         progress = self.trainer.progress
         stop, early = torchrun.decide_together(self.trainer.place, progress, args.device)

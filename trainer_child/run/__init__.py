@@ -1,2 +1,1 @@
-"""One attempt from start to end: the attempt itself, its heartbeat, memory caps, failure report,
-device check, torchrun ranks and the warm spare."""
+"""One attempt, start to end: heartbeat, memory caps, failure report, device, torchrun ranks, warm spare."""

@@ -12,15 +12,11 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from qlora_supervise.trainer_child.contract import checkpoints, disk_space
+from qlora_supervise.trainer_child.contract import checkpoints, disk_space, durable, events, oom_message
 from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
-from qlora_supervise.trainer_child.contract.durable import write_text_atomic
-from qlora_supervise.trainer_child.contract.events import Started
-from qlora_supervise.trainer_child.contract.oom_message import OomNumbers
 from qlora_supervise.trainer_child.contract.report import ErrorReport, failure_line
 from qlora_supervise.trainer_child.contract.spec import (
     EARLY_CHECKPOINT_SIGNAL,
@@ -61,15 +57,8 @@ class Context:
 
 def install_stop_handler(progress: Progress) -> None:
     """SIGTERM and the early-checkpoint signal set flags: the step ends, then a checkpoint (SIGTERM: exit)."""
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        progress.stop_requested = True
-
-    def on_early_checkpoint(signum: int, frame: FrameType | None) -> None:
-        progress.early_checkpoints = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(EARLY_CHECKPOINT_SIGNAL, on_early_checkpoint)
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(progress, "stop_requested", True))
+    signal.signal(EARLY_CHECKPOINT_SIGNAL, lambda signum, frame: setattr(progress, "early_checkpoints", True))
 
 
 def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training_stack) -> None:
@@ -84,7 +73,7 @@ def setup(ctx: Context, versions: Callable[[], dict[str, str]] = import_training
     memory.apply_gpu_cap(ctx.spec.gpu_memory_limit)
     ctx.memory_history = memory.start_memory_history(ctx.spec.diagnose)
     ctx.expandable = memory.expandable_segments_active()
-    started = Started(
+    started = events.Started(
         pid=os.getpid(),
         attempt=ctx.spec.attempt,
         **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
@@ -226,9 +215,8 @@ def fail(ctx: Context, failure: CapturedFailure) -> ExitCode:
 
 
 def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
-    """The emergency checkpoint a failure in forward, backward or eval allows: one process saves it
-    after its own OOM; under DDP each rank saves its part after any failure there (the state is step
-    N's on every rank). Not under FSDP: gathering a shard is a collective the failure broke."""
+    """The emergency checkpoint a failure in forward, backward or eval allows: one process's after its OOM;
+    under DDP each rank's part after any (all hold step N). Not FSDP's: its gather is a broken collective."""
     if ctx.trainer is None or failure.stage not in EMERGENCY_STAGES:
         return None
     if not ctx.place.distributed:
@@ -238,7 +226,6 @@ def emergency_save(ctx: Context, failure: CapturedFailure) -> Path | None:
 
 def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str, int] | None) -> None:
     """Write the error report; on a disk with no room for it, the exit code and stderr must do."""
-    disk = disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None
     report = ErrorReport(
         exit_code=int(failure.exit_code),
         exception_type=failure.exception_type,
@@ -248,7 +235,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         step=failure.step,
         is_oom=failure.oom,
         config_error=failure.config,
-        oom_numbers=OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
+        oom_numbers=oom_message.OomNumbers.from_json(oom_numbers(failure.message) if failure.oom else {}),
         memory_stats=memory.cuda_memory_stats() if ctx.on_cuda else None,
         device="cuda" if ctx.on_cuda else "cpu",
         emergency_checkpoint=emergency[0] if emergency else None,
@@ -256,7 +243,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         expandable_segments_active=ctx.expandable,
         damaged_checkpoint=ctx.resume_checkpoint if failure.exit_code is ExitCode.CHECKPOINT else None,
         disk_full=failure.disk_full,
-        disk=disk,
+        disk=disk_space.disk_facts(ctx.spec.checkpoints_dir) if failure.disk_full else None,
         allocator=failure.allocator,
         memory_snapshot=failure.memory_snapshot,
         batch=failure.batch,
@@ -264,7 +251,7 @@ def report_failure(ctx: Context, failure: CapturedFailure, emergency: tuple[str,
         **dataclasses.asdict(ctx.place),  # rank, local_rank, world_size
     )
     try:
-        write_text_atomic(ctx.spec.error_file, report.to_json())
+        durable.write_text_atomic(ctx.spec.error_file, report.to_json())
     except OSError as exc:
         if not disk_space.is_disk_full(exc):
             raise

@@ -9,12 +9,10 @@ import re
 import time
 import traceback
 
+from qlora_supervise.trainer_child.contract import attempt_facts, checkpoints, oom_message
 from qlora_supervise.trainer_child.contract.allocator import AllocatorFacts
-from qlora_supervise.trainer_child.contract.attempt_facts import BatchInFlight
-from qlora_supervise.trainer_child.contract.checkpoints import CheckpointLoadError
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.disk_space import exception_chain, is_disk_full
-from qlora_supervise.trainer_child.contract.oom_message import parse_numbers
 
 OOM_MARKERS = (
     "out of memory",  # CUDA's and cudaMallocAsync's wordings among them
@@ -51,12 +49,11 @@ _DETERMINISTIC_NAMES = frozenset({"OfflineModeIsEnabled", "SafetensorError", "He
 #: Errors of a load short of device memory (bitsandbytes under ``device_map: auto`` on a shared card,
 #: a weight left on the meta device): the card's state, not the config's.
 _SHORT_OF_MEMORY = ("dispatched on the CPU or the disk", "enough GPU RAM", "meta tensor")
-_BEFORE_TRAINING = frozenset({Stage.SETUP, Stage.LOAD})
 
 
 def is_the_configs(exc: BaseException, stage: Stage) -> bool:
     """Whether ``exc``, raised in setup or load, is the config's: it would fail alike on every start."""
-    if stage not in _BEFORE_TRAINING:
+    if stage not in (Stage.SETUP, Stage.LOAD):
         return False
     chain = exception_chain(exc)
     if any(words in str(item) for item in chain for words in _SHORT_OF_MEMORY):
@@ -70,7 +67,7 @@ def oom_numbers(message: str) -> dict[str, int]:
     """Numbers of an OOM message (``oom_message``'s parser, and the CPU allocator's ``tried to allocate``)."""
     numbers: dict[str, int] = {}
     with contextlib.suppress(Exception):  # a parser bug: the report matters more
-        numbers.update(parse_numbers(message))
+        numbers.update(oom_message.parse_numbers(message))
     match = _CPU_TRIED.search(message)
     if match and "tried_to_allocate" not in numbers:
         numbers["tried_to_allocate"] = int(match.group(1))
@@ -90,7 +87,7 @@ class CapturedFailure:
     disk_full: bool = False  # ENOSPC / EROFS / EDQUOT (see disk_space): wait for room, not a rung
     allocator: AllocatorFacts | None = None
     memory_snapshot: str | None = None
-    batch: BatchInFlight | None = None  # the micro-batch a training step's OOM happened on
+    batch: attempt_facts.BatchInFlight | None = None  # the micro-batch a training step's OOM happened on
     time: float = dataclasses.field(default_factory=time.time)  # when the exception was caught
 
     @property
@@ -123,7 +120,7 @@ def capture(exc: BaseException, stage: Stage, step: int) -> CapturedFailure:
         step=step,
         oom=is_oom(exc),
         config=_in_chain(exc, ConfigError),
-        checkpoint=_in_chain(exc, CheckpointLoadError),
+        checkpoint=_in_chain(exc, checkpoints.CheckpointLoadError),
         disk_full=is_disk_full(exc),
     )
     # An OOM, a damaged checkpoint or a full disk keep their own verdicts.

@@ -8,15 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qlora_supervise.trainer_child.contract import events as records
 from qlora_supervise.trainer_child.contract.codes import Stage
-from qlora_supervise.trainer_child.contract.events import (
-    EarlyCheckpointRequested,
-    Heartbeat,
-    MemoryNumbers,
-    StageEntered,
-    Stopping,
-    event_line,
-)
 from qlora_supervise.trainer_child.run.memory import memory_numbers
 
 LOOP_STAGES = frozenset({Stage.FORWARD, Stage.BACKWARD, Stage.OPTIMIZER})
@@ -31,7 +24,7 @@ class EventLog:
         self._lock = threading.Lock()
 
     def emit(self, event: str, **fields: Any) -> None:
-        self.write(event_line(event, **fields))
+        self.write(records.event_line(event, **fields))
 
     def write(self, line: str) -> None:
         with self._lock:
@@ -62,23 +55,25 @@ class Progress:
         looping = self.stage in LOOP_STAGES and stage in LOOP_STAGES
         self.stage = stage
         if not looping:
-            self.events.write(StageEntered(stage, self.step).to_line())
+            self.events.write(records.StageEntered(stage, self.step).to_line())
 
     def announce_stop(self) -> None:
         """Emit ``stopping`` once, from whichever thread sees the request first."""
-        self._once(self.stop_requested, Stopping)
+        self._once(self.stop_requested, records.Stopping)
 
     def announce_early_checkpoints(self) -> None:
-        self._once(self.early_checkpoints, EarlyCheckpointRequested)
+        self._once(self.early_checkpoints, records.EarlyCheckpointRequested)
 
-    def _once(self, requested: bool, record: type[Stopping | EarlyCheckpointRequested]) -> None:
+    def _once(
+        self, requested: bool, record: type[records.Stopping | records.EarlyCheckpointRequested]
+    ) -> None:
         if requested and record not in self._announced:
             self._announced.add(record)
             self.events.write(record(self.stage, self.step).to_line())
 
-    def beat(self, memory: MemoryNumbers | None = None) -> Heartbeat:
+    def beat(self, memory: records.MemoryNumbers | None = None) -> records.Heartbeat:
         memory = memory_numbers() if memory is None else memory
-        return Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)
+        return records.Heartbeat(self.stage, self.step, self.loss, self.tokens_per_s, memory)
 
     def heartbeat(self) -> None:
         self.events.write(self.beat().to_line())

@@ -13,9 +13,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract import allocator
-from qlora_supervise.trainer_child.contract.events import MemoryNumbers
-from qlora_supervise.trainer_child.contract.spec import DiagnoseSpec
+from qlora_supervise.trainer_child.contract import allocator, events, spec
 from qlora_supervise.trainer_child.run.failure import ConfigError, is_oom, oom_numbers
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
@@ -63,12 +61,10 @@ def proc_status_bytes(field: str) -> int | None:
 
 def reset_host_peak() -> bool:
     """Restart the RSS high-water mark (VmHWM) from the RSS now; False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
-            handle.write("5")
-    except OSError:
-        return False
-    return True
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")
+        return True
+    return False
 
 
 def peak_vmdata() -> int | None:
@@ -131,8 +127,7 @@ def expandable_segments_active() -> bool | None:
         return None
     probe = torch.empty(1, device="cuda")
     try:
-        segments = torch.cuda.memory_snapshot()
-        flags = [seg["is_expandable"] for seg in segments if "is_expandable" in seg]
+        flags = [seg["is_expandable"] for seg in torch.cuda.memory_snapshot() if "is_expandable" in seg]
         if flags:
             return all(flags)
     finally:
@@ -141,11 +136,11 @@ def expandable_segments_active() -> bool | None:
     return None if getter is None else "expandable_segments:true" in getter().replace(" ", "").lower()
 
 
-def memory_numbers() -> MemoryNumbers:
+def memory_numbers() -> events.MemoryNumbers:
     import torch
 
     on_cuda = torch.cuda.is_available()
-    return MemoryNumbers.measured(
+    return events.MemoryNumbers.measured(
         cuda_peak=torch.cuda.max_memory_allocated() if on_cuda else None,
         data_segment_peak=peak_vmdata(),
         rss_high_water=proc_status_bytes("VmHWM"),
@@ -173,7 +168,7 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def start_memory_history(diagnose: DiagnoseSpec) -> bool:
+def start_memory_history(diagnose: spec.DiagnoseSpec) -> bool:
     """Record the CUDA allocator's history if ``diagnose`` asks (a ring, Python stacks: C++ is far dearer)."""
     import torch
 

@@ -1,10 +1,9 @@
 """A warm spare trainer: ``python -m qlora_supervise.trainer_child.run.spare --run-dir R --device D
-[--expandable-segments] [--model M] [--prepare SPEC]``. It fixes the environment and imports the
-training stack as an attempt does (with ``--prepare``, also loads the tokenizer and rows of the attempt
-it stands behind), prints one ``spare_ready`` JSON line, and waits on stdin for ``{"spec": PATH, "log":
-PATH}``: it acknowledges (``spare_ack``), sends its output to the attempt's log and runs the attempt.
-An empty stdin ends it with status 0. It touches no CUDA while it waits, and refuses (ExitCode.CONFIG)
-a spec whose environment differs from its own."""
+[--expandable-segments] [--model M] [--prepare SPEC]``. It fixes the environment and imports the training
+stack as an attempt does (``--prepare``: also loads the tokenizer and rows of the attempt it stands behind),
+prints one ``spare_ready`` JSON line, and waits on stdin for ``{"spec": PATH, "log": PATH}``: it acknowledges
+(``spare_ack``), sends its output to the attempt's log and runs the attempt. Empty stdin: exit 0. It touches
+no CUDA while it waits; it refuses (ExitCode.CONFIG) a spec whose environment is not its own."""
 
 from __future__ import annotations
 
@@ -58,17 +57,6 @@ def prepare_ahead(spec_path: str | None) -> tuple[Prepared | None, dict[str, obj
     return prepared, {"prepare_s": prepared.seconds}
 
 
-def redirect_output(log_path: str) -> None:
-    """Point stdout and stderr (the descriptors: native code follows) at the attempt's log, opened as
-    the supervisor opens a child's log (never through a link, the run's file mode)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 def check_spec(spec: AttemptSpec, device_name: str, expandable_segments: bool) -> str | None:
     """Why this spare cannot run ``spec`` (its environment was fixed for another), or None."""
     if spec.device != device_name:
@@ -103,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     # Acknowledged before anything that could block: a spare that says nothing within seconds is
     # discarded and the attempt starts cold, instead of waiting for the hang timeout.
     print(json.dumps({"event": "spare_ack", "pid": os.getpid(), "spec": order.get("spec")}), flush=True)
-    redirect_output(order["log"])
+    # stdout and stderr (the descriptors: native code follows) to the attempt's log, opened as the
+    # supervisor opens a child's log (never through a link, the run's file mode).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     from qlora_supervise.trainer_child.__main__ import spec_or_none
 
     spec = spec_or_none(Path(order["spec"]))

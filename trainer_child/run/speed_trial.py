@@ -1,10 +1,9 @@
-"""The speed trial: time the planner's candidates in-process before step 1, train with the fastest.
-Only for an attempt from step 0 (or a re-time) with two or more candidates, in one process. Each
-candidate runs a warm-up and a few timed forward+backward micro-steps on the longest training sample
-(repeated to its micro-batch), its checkpointing switched on the same model: no reload, no optimizer
-step. The training that follows is the one it would have been: the dataloader does not exist yet, the
-RNG states, gradients and trl's metrics are put back. An OOM drops the candidate where it failed. The
-choice is the policy's (:func:`policies.choice.after_trial`); this module times and applies it."""
+"""Speed trial: the planner's candidates timed in-process before step 1, training with the fastest; only from
+step 0 (or a re-time), with two or more candidates, in one process. Each runs a warm-up and a few timed
+forward+backward micro-steps on the longest sample (repeated to its micro-batch), its checkpointing switched
+on the same model: no reload, no optimizer step. The training that follows is the one it would have been: no
+dataloader exists yet; RNG states, gradients and trl's metrics are put back. An OOM drops the candidate where
+it failed. The choice is the policy's (:func:`policies.choice.after_trial`), applied here."""
 
 from __future__ import annotations
 
@@ -20,15 +19,12 @@ import numpy as np
 import torch
 
 from qlora_supervise.policies import choice
-from qlora_supervise.policies.choice import TrialChoice
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, TrialResult
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, TrialCandidate
 from qlora_supervise.trainer_child.recipe import activations
-from qlora_supervise.trainer_child.run import memory
-from qlora_supervise.trainer_child.run.failure import is_oom
+from qlora_supervise.trainer_child.run import failure, memory, torchrun
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.torchrun import this_rank
 
 #: The whole trial's aim, warm-ups included, shared by the candidates (each has a warm-up, MIN_TIMED_STEPS).
 BUDGET_S = 10.0
@@ -38,7 +34,7 @@ MAX_TIMED_STEPS = 4
 
 def wanted(spec: AttemptSpec, resuming: bool) -> bool:
     from_here = not resuming or spec.speed_trial_on_resume
-    return len(spec.speed_trial) >= 2 and from_here and not this_rank().distributed
+    return len(spec.speed_trial) >= 2 and from_here and not torchrun.this_rank().distributed
 
 
 def run(trainer: Any, spec: AttemptSpec, progress: Progress, on_cuda: bool) -> SpeedTrialEvent:
@@ -151,7 +147,7 @@ def time_candidate(
         batch = trainer._prepare_inputs(trainer.data_collator([row] * candidate.micro_batch_size))
         tokens_per_s = timed_steps(trainer, batch, on_cuda, started + share)
     except Exception as exc:
-        if not is_oom(exc):
+        if not failure.is_oom(exc):
             raise
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
     batch = None  # the activations of a failed step went with the exception; the batch goes here
@@ -225,7 +221,7 @@ def untouched(trainer: Any) -> Iterator[None]:
         trainer.model.train(training)
 
 
-def summary(event: SpeedTrialEvent, chosen: TrialChoice) -> str:
+def summary(event: SpeedTrialEvent, chosen: choice.TrialChoice) -> str:
     """One line for child.log: each candidate's tokens/s (or why it was dropped) and the choice."""
     rows = [f"{r.candidate.name}: {_outcome(r)}" for r in event.results]
     return f"speed trial ({event.seconds:.1f} s): {'; '.join(rows)} -> {chosen.why}"

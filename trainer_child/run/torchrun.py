@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, rank_file
-from qlora_supervise.trainer_child.run.failure import ConfigError
+from qlora_supervise.trainer_child.run import failure, memory
 from qlora_supervise.trainer_child.run.heartbeat import Progress
-from qlora_supervise.trainer_child.run.memory import late_cap_step
 
 #: Injected faults for tests: ``RANK:BYTES`` gives rank RANK alone the CPU or GPU cap BYTES (after
 #: ``memory.TEST_CAP_AFTER_STEP`` when that is set), so one rank runs out of memory for real.
@@ -50,7 +49,7 @@ def this_rank(environ: Mapping[str, str] = os.environ) -> RankPlace:
 def rank_spec(spec: AttemptSpec, place: RankPlace, environ: Mapping[str, str] = os.environ) -> AttemptSpec:
     """The spec as this rank runs it: its own events and error files, and the injected caps naming it."""
     cpu = injected_cap(TEST_RANK_CPU_CAP, place, environ)
-    gpu = None if late_cap_step() is not None else injected_cap(TEST_RANK_GPU_CAP, place, environ)
+    gpu = None if memory.late_cap_step() is not None else injected_cap(TEST_RANK_GPU_CAP, place, environ)
     return dataclasses.replace(
         spec,
         events_file=rank_file(spec.events_file, place.rank),
@@ -118,7 +117,7 @@ def check_device(spec: AttemptSpec, on_cuda: bool) -> str | None:
     if on_cuda:
         return None
     if spec.device not in ("auto", "cpu"):
-        raise ConfigError(
+        raise failure.ConfigError(
             f"resources.gpu {spec.device!r}: no usable GPU: {why_no_cuda()}. "
             "Fix the GPU setup, or set gpu: cpu (or auto) to train on the CPU"
         )
@@ -161,7 +160,7 @@ def use_rank_gpu(place: RankPlace) -> None:
     import torch
 
     if place.local_rank >= torch.cuda.device_count():
-        raise ConfigError(
+        raise failure.ConfigError(
             f"rank {place.rank} (local rank {place.local_rank}) has no GPU: {torch.cuda.device_count()} "
             "visible; lower resources.nproc_per_node or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
         )
