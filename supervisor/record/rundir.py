@@ -20,7 +20,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TextIO
+from typing import IO
 
 from qlora_supervise.supervisor.exit_codes import SupervisorExit, SupervisorExitCode
 from qlora_supervise.supervisor.facts.append import FILE_MODE, LINK_FIX, UnsafeRunPath, open_append_fd
@@ -124,7 +124,11 @@ class RunDir:
         refuse_links([self.root / entry.name for entry in named if entry.is_dir], directories=True)
         refuse_links([self.checkpoints, self.quarantine], directories=True, inside=True)
         refuse_foreign(self.root)  # someone else's files
-        handle = open_lock_file(self.root / ".lock")
+        fd = open_append_fd(
+            self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, "lock or write"
+        )
+        os.fchmod(fd, FILE_MODE)
+        handle = os.fdopen(fd, "r+", encoding="utf-8")
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -202,13 +206,6 @@ def ensure_dir(path: Path) -> Path:
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
         raise UnsafeRunPath(path, f"is {kind}; the supervisor writes only into its own directories", LINK_FIX)
     return path
-
-
-def open_lock_file(path: Path) -> TextIO:
-    """The lock file, read-write (created 0640), never through a link."""
-    fd = open_append_fd(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, "lock or write")
-    os.fchmod(fd, FILE_MODE)
-    return os.fdopen(fd, "r+", encoding="utf-8")
 
 
 _FIRST_FILES = re.compile(r"\.lock|job\.yaml|job\.v\d+\.(yaml|json)")

@@ -25,7 +25,13 @@ from qlora_supervise.supervisor.watching.host import sample_host
 from qlora_supervise.trainer_child.contract import events
 from qlora_supervise.trainer_child.contract.codes import Stage
 from qlora_supervise.trainer_child.contract.disk_space import DISK_ERRNOS
-from qlora_supervise.trainer_child.contract.events import Heartbeat, Started, Stopping, parse_event
+from qlora_supervise.trainer_child.contract.events import (
+    ChildEvent,
+    Heartbeat,
+    Started,
+    Stopping,
+    parse_event,
+)
 from qlora_supervise.trainer_child.contract.spec import rank_files
 
 #: The stages before the first micro-step (``starting``: before any event named one).
@@ -50,7 +56,7 @@ class Progress:
     last_event_at: float | None = None  # monotonic time of the newest line of any kind
     last_progress_at: float | None = None  # monotonic time the step or stage last changed
     finished: bool = False
-    events: list[events.ChildEvent] = field(default_factory=list)
+    events: list[ChildEvent] = field(default_factory=list)
 
 
 class HeartbeatReader:
@@ -62,7 +68,7 @@ class HeartbeatReader:
         self._partial = ""
         self.progress = Progress()
 
-    def poll(self, now: float) -> list[events.ChildEvent]:
+    def poll(self, now: float) -> list[ChildEvent]:
         """New events since the last call, typed; updates :attr:`progress`; bad lines are skipped."""
         try:
             with self._path.open("r", encoding="utf-8") as handle:
@@ -78,7 +84,7 @@ class HeartbeatReader:
             self._apply(event, now)
         return new
 
-    def _apply(self, event: events.ChildEvent, now: float) -> None:
+    def _apply(self, event: ChildEvent, now: float) -> None:
         p = self.progress
         p.last_event_at = now
         step, stage = position(event)
@@ -113,7 +119,7 @@ class HeartbeatReader:
         p.events.append(event)
 
 
-def position(event: events.ChildEvent) -> tuple[int | None, Stage | None]:
+def position(event: ChildEvent) -> tuple[int | None, Stage | None]:
     """The step and stage an event names, where it does (``unknown``, a newer child's, says nothing)."""
     match event:
         case Heartbeat() | Started() | Stopping() | events.StageEntered() | events.EarlyCheckpointRequested():
