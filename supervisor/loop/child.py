@@ -78,8 +78,7 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
 
 def rank_cards(visible: str | None, positions: list[int]) -> str:
     """``CUDA_VISIBLE_DEVICES`` naming the cards at ``positions`` of ``visible`` (unset: all GPUs)."""
-    entries = visible_entries(visible)
-    if entries is None:
+    if (entries := visible_entries(visible)) is None:
         return ",".join(map(str, positions))
     return ",".join(entries[p] for p in positions if p < len(entries))
 
@@ -140,8 +139,7 @@ class ChildProcess:
 
     def send_line(self, line: str) -> bool:
         """Write one line to the child's stdin and close it (a spare's order); False: no pipe, or closed."""
-        stdin = self.popen.stdin
-        if stdin is None:
+        if (stdin := self.popen.stdin) is None:
             return False
         try:
             stdin.write(line.encode("utf-8") + b"\n")
@@ -153,11 +151,9 @@ class ChildProcess:
     def stop(self, grace_s: float) -> int:
         """Stop the child and its group, and torchrun's ranks left at the end; its exit status."""
         ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
-        if self.popen.poll() is None:
-            code = stop_group(self.popen.pid, grace_s)
-            if code is not None:
-                # psutil reaped it: Popen must not wait for it again (it would read ECHILD as 0).
-                self.popen.returncode = code
+        if self.popen.poll() is None and (code := stop_group(self.popen.pid, grace_s)) is not None:
+            # psutil reaped it: Popen must not wait for it again (it would read ECHILD as 0).
+            self.popen.returncode = code
         code = self.popen.wait()
         # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
         for pid in dict.fromkeys([self.popen.pid, *ranks]):

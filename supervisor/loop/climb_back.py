@@ -43,8 +43,7 @@ def descents(records: Sequence[AttemptRecord], data_lengths: Sequence[int]) -> l
         if d is None or f is None or d.action is not Action.RESTART or d.knobs is None or d.knobs == r.knobs:
             continue
         lengths = [int(n) for n in f.numbers.get("batch_lengths") or ()]
-        cause = rule.cause_of(f.kind, SPURIOUS_KEY in f.numbers, lengths, data_lengths)
-        if cause is None:
+        if (cause := rule.cause_of(f.kind, SPURIOUS_KEY in f.numbers, lengths, data_lengths)) is None:
             continue
         batch_step = f.numbers.get("batch_step")
         failed_step = int(batch_step) if isinstance(batch_step, int) else r.steps_completed + 1

@@ -223,8 +223,7 @@ class Conclusions:
     def _quarantine(self, o: AttemptOutcome, failure: Failure) -> AttemptRecord | None:
         """The checkpoint the child could not load is moved aside and the same knobs resume from
         the next older one (no verdict on the config); None when it cannot be moved."""
-        moved = quarantine_reported(o.report, self.rd.checkpoints)
-        if moved is None:
+        if (moved := quarantine_reported(o.report, self.rd.checkpoints)) is None:
             return None
         log = self.log.bind(attempt=o.number)
         log_quarantined(log, [moved])

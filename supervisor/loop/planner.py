@@ -178,13 +178,9 @@ def first_plan(
     peak = scaled_peak(result.predicted, scale if result.fallback is None else None)
     note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
     trial = result.speed_trial if settings.speed_trial else ()
+    limit, nothing = fit_limit(budget) if trial else None, nothing_fits_text(result)
     return Plan(
-        Phase.TRAIN,
-        result.knobs,
-        note=note,
-        speed_trial=trial,
-        speed_trial_limit=fit_limit(budget) if trial else None,
-        nothing_fits=nothing_fits_text(result),
+        Phase.TRAIN, result.knobs, note=note, speed_trial=trial, speed_trial_limit=limit, nothing_fits=nothing
     )
 
 
@@ -206,8 +202,7 @@ def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
 
 def nothing_fits_text(result: PreflightResult) -> str | None:
     """What to say when nothing fits: the smallest peak found, the budget, what would help."""
-    nothing = result.nothing_fits
-    if nothing is None:
+    if (nothing := result.nothing_fits) is None:
         return None
     if nothing.host:
         return (

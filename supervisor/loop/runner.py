@@ -115,8 +115,7 @@ class AttemptRunner:
             killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
             if self.planned is not None and killed is None:
                 killed = KilledBy.STEP_UP
-            code = proc.poll() if killed is None else None
-            if code is None:
+            if (code := proc.poll() if killed is None else None) is None:
                 # A hung process (or ranks left in a broken collective) gets the short grace.
                 short = watched.hang or watched.ranks_overstayed
                 code = proc.stop(ctx.job.supervise.hang_grace if short else seams.stop_grace_s)
@@ -148,8 +147,8 @@ class AttemptRunner:
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
             **output.card_fields(watched),
         )
-        reset = optimizer_reset(reader.progress)
-        if reset is not None:  # the adapter and the LR schedule follow the step, the moments do not
+        # The adapter and the LR schedule follow the step, the moments do not.
+        if (reset := optimizer_reset(reader.progress)) is not None:
             log.warning(Event.OPTIMIZER_RESET, why=reset, lr_schedule="restored at the resumed step")
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
@@ -222,8 +221,7 @@ class AttemptRunner:
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
                 hup_logged = True
-            stop = ctx.stop_signal()
-            if stop is not None:
+            if (stop := ctx.stop_signal()) is not None:
                 watched.stopped_by_signal = stop
                 ctx.display.clear()
                 log.info(
@@ -266,8 +264,7 @@ class AttemptRunner:
         if not any(e.step and not e.emergency for e in saves) or last_step:
             return False  # no regular save, or the final one: nothing is left to train faster
         knobs = speed_of(progress.events, knobs).knobs
-        planned = climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))
-        if planned is None:
+        if (planned := climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))) is None:
             return False
         self.planned = planned
         self.ctx.display.clear()
@@ -284,9 +281,8 @@ class AttemptRunner:
         self, events: list[child_events.ChildEvent], creep: watch.CreepWatch, pid: int, watched: Watched
     ) -> None:
         """Feed new heartbeats to the creep rule; once it fires, log it and ask for an early checkpoint."""
-        for event in events:
-            forecast = creep.observe(event) if isinstance(event, child_events.Heartbeat) else None
-            if forecast is None:
+        for event in (e for e in events if isinstance(e, child_events.Heartbeat)):
+            if (forecast := creep.observe(event)) is None:
                 continue
             if forecast.asks_for_checkpoint:
                 self.ctx.seams.signal_child(pid, EARLY_CHECKPOINT_SIGNAL)
