@@ -37,6 +37,15 @@ from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank
 _PR_SET_PDEATHSIG = 1
 #: torchrun's module, run with this interpreter so the ranks import the same packages as one child.
 TORCHRUN_MODULE = "torch.distributed.run"
+_SYSTEMD = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
+_NOT_INHERITED = frozenset({*_SYSTEMD, *_TORCHRUN, "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
+#: Exit status of a child whose supervisor died between fork and exec.
+ORPHANED_AT_START = 75
+#: After the SIGKILL: how long to wait for the kernel to end the process (it cannot refuse).
+_KILL_WAIT_S = 5.0
+Clock = Callable[[], float]
+Sleep = Callable[[float], None]
 
 
 def command(spec_path: Path, phase: str, world_size: int = 1, shutdown_timeout_s: float = 180.0) -> list[str]:
@@ -83,11 +92,6 @@ def rank_cards(visible: str | None, positions: list[int]) -> str:
     return ",".join(entries[p] for p in positions if p < len(entries))
 
 
-_SYSTEMD = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
-_NOT_INHERITED = frozenset({*_SYSTEMD, *_TORCHRUN, "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
-
-
 def _pdeathsig(parent: int) -> Callable[[], None]:
     def set_it() -> None:
         try:
@@ -99,10 +103,6 @@ def _pdeathsig(parent: int) -> Callable[[], None]:
             os._exit(ORPHANED_AT_START)  # the parent died before prctl: the signal would never come
 
     return set_it
-
-
-#: Exit status of a child whose supervisor died between fork and exec.
-ORPHANED_AT_START = 75
 
 
 @dataclass
@@ -222,10 +222,6 @@ def process_cmdline(pid: int) -> str:
         return ""
 
 
-#: After the SIGKILL: how long to wait for the kernel to end the process (it cannot refuse).
-_KILL_WAIT_S = 5.0
-
-
 def stop_group(pid: int, grace_s: float) -> int | None:
     """SIGTERM to the process group ``pid`` leads, up to ``grace_s`` for ``pid`` to exit, then SIGKILL.
     ``pid``'s exit status (negative: a signal) when it is our child (psutil reaped it); None when it
@@ -287,10 +283,6 @@ def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
     if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
         return True
     return processes.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "
-
-
-Clock = Callable[[], float]
-Sleep = Callable[[float], None]
 
 
 class ChildHandle(Protocol):

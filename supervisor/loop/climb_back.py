@@ -13,7 +13,6 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import choice
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.decide import SPURIOUS_KEY
 from qlora_supervise.policies.ladder import step_up as rule
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import Action, AttemptRecord, Outcome
@@ -43,7 +42,7 @@ def descents(records: Sequence[AttemptRecord], data_lengths: Sequence[int]) -> l
         if d is None or f is None or d.action is not Action.RESTART or d.knobs is None or d.knobs == r.knobs:
             continue
         lengths = [int(n) for n in f.numbers.get("batch_lengths") or ()]
-        if (cause := rule.cause_of(f.kind, SPURIOUS_KEY in f.numbers, lengths, data_lengths)) is None:
+        if (cause := rule.cause_of(f.kind, policy.SPURIOUS_KEY in f.numbers, lengths, data_lengths)) is None:
             continue
         batch_step = f.numbers.get("batch_step")
         failed_step = int(batch_step) if isinstance(batch_step, int) else r.steps_completed + 1

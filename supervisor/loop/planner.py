@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.choice import RETIME_RUNG, first_for
-from qlora_supervise.policies.memory_model import scaled_peak
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.search_state import PreflightResult, fit_limit
@@ -40,7 +37,7 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What the next attempt runs."""
 
@@ -54,7 +51,7 @@ class Plan:
     retime: bool = False  # a re-time (policies/choice.py): the trial runs on the resume too
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     """The run is over: the state to write and the exit code."""
 
@@ -64,7 +61,7 @@ class Verdict:
     knobs: Knobs
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PlanFacts:
     """What the planner needs beyond the journal."""
 
@@ -90,9 +87,9 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
             return Plan(Phase.MERGE, last.knobs)
         return Verdict(RunState.SUCCEEDED, SupervisorExitCode.FINISHED, "finished", last.knobs)
     decision = last.decision
-    if decision is not None and decision.rung == RETIME_RUNG and decision.knobs is not None:
+    if decision is not None and decision.rung == choice.RETIME_RUNG and decision.knobs is not None:
         first = facts.first  # the pre-flight's candidates, timed again on the card as it is now
-        trial = first_for(decision.knobs, first.speed_trial)
+        trial = choice.first_for(decision.knobs, first.speed_trial)
         limit = first.speed_trial_limit
         return Plan(last.phase, decision.knobs, speed_trial=trial, speed_trial_limit=limit, retime=True)
     if last.restarts and decision is not None and decision.knobs is not None:
@@ -175,7 +172,7 @@ def first_plan(
         reasons = (*reasons, calibrated)
     if speed is not None:
         reasons = (*reasons, f"ranked with {len(speed.measured)} config(s) this host measured the speed of")
-    peak = scaled_peak(result.predicted, scale if result.fallback is None else None)
+    peak = memory_model.scaled_peak(result.predicted, scale if result.fallback is None else None)
     note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
     trial = result.speed_trial if settings.speed_trial else ()
     limit, nothing = fit_limit(budget) if trial else None, nothing_fits_text(result)

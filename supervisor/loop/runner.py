@@ -32,7 +32,6 @@ from qlora_supervise.supervisor.reporting.outputs import Reporter
 from qlora_supervise.supervisor.trainers.trainer import note_shim, output_moving, trainer_env
 from qlora_supervise.supervisor.watching import watch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards
-from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract import events as child_events
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, Knobs
 
@@ -191,7 +190,7 @@ class AttemptRunner:
         self.spare_due = order
         return proc
 
-    def _watch(self, ready: Prepared, proc: ChildHandle, reader: watch.HeartbeatReader) -> Watched:
+    def _watch(self, ready: Prepared, proc: ChildHandle, reader: watch.HeartbeatReader) -> watch.Watched:
         # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
         # then the ways a watch ends early (a planned restart, a stop, ranks overstaying, a hang).
         ctx, seams, spec, number, log = self.ctx, self.ctx.seams, ready.spec, ready.number, self.log
@@ -199,7 +198,7 @@ class AttemptRunner:
         first = output.FirstStep(ready.resume.step, ready.started_at, self.failed_at, self.warm)
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
-        watched = Watched(reader.progress)
+        watched = watch.Watched(reader.progress)
         started = next_sample = seams.clock()
         files = ctx.rd.attempt(number)
         hup_logged = False
@@ -278,7 +277,7 @@ class AttemptRunner:
         return True
 
     def _note_creep(
-        self, events: list[child_events.ChildEvent], creep: watch.CreepWatch, pid: int, watched: Watched
+        self, events: list[child_events.ChildEvent], creep: watch.CreepWatch, pid: int, watched: watch.Watched
     ) -> None:
         """Feed new heartbeats to the creep rule; once it fires, log it and ask for an early checkpoint."""
         for event in (e for e in events if isinstance(e, child_events.Heartbeat)):
@@ -299,7 +298,7 @@ class AttemptRunner:
                 early_checkpoint_requested=forecast.asks_for_checkpoint,
             )
 
-    def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
+    def _sample(self, pid: int, watched: watch.Watched, gpu_log: Path) -> None:
         if self.cards is not None:
             watch.sample_cards(pid, watched, self.cards, gpu_log)
         else:
