@@ -279,7 +279,6 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
 
 
 def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
-    """Its spec or attempt directory on the command line, or a warm spare of this run directory."""
     if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
         return True
     return processes.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "
@@ -312,12 +311,7 @@ class SpareProcess(ChildHandle, Protocol):
 
 
 SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
-
-
-class Spawn(Protocol):
-    def __call__(
-        self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path
-    ) -> ChildHandle: ...
+Spawn = Callable[[Sequence[str], Mapping[str, str], Path, Path], ChildHandle]  # argv, env, log, cwd
 
 
 def _signal_child(pid: int, signum: int) -> None:

@@ -189,8 +189,7 @@ def ended(
         except (OSError, ValueError, TypeError) as exc:
             log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
     reports = tuple(found)
-    torchrun = plan.knobs.world_size > 1
-    if torchrun:
+    if torchrun := plan.knobs.world_size > 1:
         reports = seal_rank_parts(rd.checkpoints, reports, plan.knobs, log)
     cause = first_failure(reports)  # the one report that speaks for the attempt
     return AttemptOutcome(

@@ -100,8 +100,7 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
             return Plan(last.phase, rung.knobs, fresh_start=rung.survives is Survives.ADAPTER_REINIT)
         return Plan(last.phase, last.knobs)  # the verdict was lifted: try its config once more
     if decision is not None and not decision.retryable:
-        failure = last.failure
-        gpu_fault = failure is not None and failure.kind is FailureKind.GPU_FAULT
+        gpu_fault = last.failure is not None and last.failure.kind is FailureKind.GPU_FAULT
         code = SupervisorExitCode.GPU_FAULT if gpu_fault else SupervisorExitCode.NOT_RETRYABLE
         return Verdict(RunState.FAILED, code, decision.why, last.knobs)
     why = decision.why if decision is not None else "the last attempt failed without a decision"

@@ -119,8 +119,7 @@ def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.
     """Without a cap, the budget is the card's total from NVML less a reserve."""
     if settings.budget_bytes is not None or gpu is None:
         return settings
-    sample = gpu.sample(set())
-    if sample is None or not sample.total:
+    if (sample := gpu.sample(set())) is None or not sample.total:
         return settings
     return dataclasses.replace(settings, budget_bytes=card_budget(sample.total))
 
