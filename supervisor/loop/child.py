@@ -5,8 +5,7 @@ or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m torch.distribute
 --nproc-per-node N ...``; never a launcher of our own). ``--max-restarts 0``: retrying is the supervisor's
 job, with a new config when the failure says so. ``--shutdown-timeout``: the supervisor's stop grace
 (torchrun's 30 s could cut a GPU checkpoint short). The spec path stays on every rank's command line: reclaim
-finds orphans by it. The loop's side effects sit behind :class:`Seams` (the real ones are its defaults), so
-the fake-clock tests run a whole ladder climb without a process; the real-process tests keep them."""
+finds orphans by it."""
 
 from __future__ import annotations
 
@@ -324,7 +323,8 @@ def _signal_child(pid: int, signum: int) -> None:
 
 @dataclass
 class Seams:
-    """The loop's side effects, replaceable in tests."""
+    """The loop's side effects (the real ones are the defaults): the fake-clock tests replace them to run
+    a whole ladder climb without a process; the real-process tests keep them."""
 
     clock: Clock = time.monotonic
     wall: Clock = time.time
