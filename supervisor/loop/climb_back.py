@@ -79,8 +79,7 @@ def remaining_s(progress: Progress, knobs: Knobs) -> float:
     # From the first beat after a step finished: the ones before it include the load and setup.
     beats = [b for b in beats if b.step > beats[0].step] if beats else []
     if len(beats) >= 2 and beats[-1].step > beats[0].step:
-        per_step = (beats[-1].time or 0.0) - (beats[0].time or 0.0)
-        return left * per_step / (beats[-1].step - beats[0].step)
+        return left * ((beats[-1].time or 0.0) - (beats[0].time or 0.0)) / (beats[-1].step - beats[0].step)
     if not progress.tokens_per_s:
         return math.inf
     tokens_per_step = knobs.micro_batch_size * knobs.grad_accum * knobs.world_size * knobs.max_seq_len
