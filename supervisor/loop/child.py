@@ -5,8 +5,7 @@ or for ``Knobs.world_size`` N > 1 torchrun's ranks (``python -m torch.distribute
 --nproc-per-node N ...``; never a launcher of our own). ``--max-restarts 0``: retrying is the supervisor's
 job, with a new config when the failure says so. ``--shutdown-timeout``: the supervisor's stop grace
 (torchrun's 30 s could cut a GPU checkpoint short). The spec path stays on every rank's command line: reclaim
-finds orphans by it. The loop's side effects sit behind :class:`Seams` (the real ones are its defaults), so
-the fake-clock tests run a whole ladder climb without a process; the real-process tests keep them."""
+finds orphans by it."""
 
 from __future__ import annotations
 
@@ -37,6 +36,15 @@ from qlora_supervise.trainer_child.contract.spec import AttemptSpec, Knobs, rank
 _PR_SET_PDEATHSIG = 1
 #: torchrun's module, run with this interpreter so the ranks import the same packages as one child.
 TORCHRUN_MODULE = "torch.distributed.run"
+_SYSTEMD = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
+_NOT_INHERITED = frozenset({*_SYSTEMD, *_TORCHRUN, "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
+#: Exit status of a child whose supervisor died between fork and exec.
+ORPHANED_AT_START = 75
+#: After the SIGKILL: how long to wait for the kernel to end the process (it cannot refuse).
+_KILL_WAIT_S = 5.0
+Clock = Callable[[], float]
+Sleep = Callable[[float], None]
 
 
 def command(spec_path: Path, phase: str, world_size: int = 1, shutdown_timeout_s: float = 180.0) -> list[str]:
@@ -78,15 +86,9 @@ def child_env(base: Mapping[str, str], knobs: Knobs) -> dict[str, str]:
 
 def rank_cards(visible: str | None, positions: list[int]) -> str:
     """``CUDA_VISIBLE_DEVICES`` naming the cards at ``positions`` of ``visible`` (unset: all GPUs)."""
-    entries = visible_entries(visible)
-    if entries is None:
+    if (entries := visible_entries(visible)) is None:
         return ",".join(map(str, positions))
     return ",".join(entries[p] for p in positions if p < len(entries))
-
-
-_SYSTEMD = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
-_NOT_INHERITED = frozenset({*_SYSTEMD, *_TORCHRUN, "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
 
 
 def _pdeathsig(parent: int) -> Callable[[], None]:
@@ -100,10 +102,6 @@ def _pdeathsig(parent: int) -> Callable[[], None]:
             os._exit(ORPHANED_AT_START)  # the parent died before prctl: the signal would never come
 
     return set_it
-
-
-#: Exit status of a child whose supervisor died between fork and exec.
-ORPHANED_AT_START = 75
 
 
 @dataclass
@@ -140,8 +138,7 @@ class ChildProcess:
 
     def send_line(self, line: str) -> bool:
         """Write one line to the child's stdin and close it (a spare's order); False: no pipe, or closed."""
-        stdin = self.popen.stdin
-        if stdin is None:
+        if (stdin := self.popen.stdin) is None:
             return False
         try:
             stdin.write(line.encode("utf-8") + b"\n")
@@ -153,11 +150,9 @@ class ChildProcess:
     def stop(self, grace_s: float) -> int:
         """Stop the child and its group, and torchrun's ranks left at the end; its exit status."""
         ranks = trainer_pids(self.popen.pid) if self.popen.poll() is None else []
-        if self.popen.poll() is None:
-            code = stop_group(self.popen.pid, grace_s)
-            if code is not None:
-                # psutil reaped it: Popen must not wait for it again (it would read ECHILD as 0).
-                self.popen.returncode = code
+        if self.popen.poll() is None and (code := stop_group(self.popen.pid, grace_s)) is not None:
+            # psutil reaped it: Popen must not wait for it again (it would read ECHILD as 0).
+            self.popen.returncode = code
         code = self.popen.wait()
         # Grandchildren (dataloader workers) may outlive the leader; the group goes with it.
         for pid in dict.fromkeys([self.popen.pid, *ranks]):
@@ -226,10 +221,6 @@ def process_cmdline(pid: int) -> str:
         return ""
 
 
-#: After the SIGKILL: how long to wait for the kernel to end the process (it cannot refuse).
-_KILL_WAIT_S = 5.0
-
-
 def stop_group(pid: int, grace_s: float) -> int | None:
     """SIGTERM to the process group ``pid`` leads, up to ``grace_s`` for ``pid`` to exit, then SIGKILL.
     ``pid``'s exit status (negative: a signal) when it is our child (psutil reaped it); None when it
@@ -287,14 +278,9 @@ def attempt_children(pid: int | None, spec_path: Path, rd: RunDir) -> list[int]:
 
 
 def _is_attempt_child(cmdline: str, spec_path: Path, rd: RunDir) -> bool:
-    """Its spec or attempt directory on the command line, or a warm spare of this run directory."""
     if str(spec_path) in cmdline or f"{spec_path.parent}{os.sep}" in cmdline:
         return True
     return processes.SPARE in cmdline and f"--run-dir {rd.root} " in f"{cmdline} "
-
-
-Clock = Callable[[], float]
-Sleep = Callable[[float], None]
 
 
 class ChildHandle(Protocol):
@@ -324,12 +310,7 @@ class SpareProcess(ChildHandle, Protocol):
 
 
 SpawnSpare = Callable[[list[str], Mapping[str, str], Path, Path], SpareProcess]
-
-
-class Spawn(Protocol):
-    def __call__(
-        self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path
-    ) -> ChildHandle: ...
+Spawn = Callable[[Sequence[str], Mapping[str, str], Path, Path], ChildHandle]  # argv, env, log, cwd
 
 
 def _signal_child(pid: int, signum: int) -> None:
@@ -342,7 +323,8 @@ def _signal_child(pid: int, signum: int) -> None:
 
 @dataclass
 class Seams:
-    """The loop's side effects, replaceable in tests."""
+    """The loop's side effects (the real ones are the defaults): the fake-clock tests replace them to run
+    a whole ladder climb without a process; the real-process tests keep them."""
 
     clock: Clock = time.monotonic
     wall: Clock = time.time

@@ -119,8 +119,7 @@ def note_rank_peaks(spec: AttemptSpec, progress: Progress, log: FilteringBoundLo
     peaks = watch.read_rank_peaks(Path(spec.events_file))
     if peaks:
         progress.peak_bytes = max(progress.peak_bytes or 0, *peaks.values())
-    found = watch.uneven(peaks)
-    if found is not None:
+    if (found := watch.uneven(peaks)) is not None:
         log.warning(
             Event.RANK_PEAKS_UNEVEN,
             high_rank=found.high_rank,
@@ -190,8 +189,7 @@ def ended(
         except (OSError, ValueError, TypeError) as exc:
             log.warning(Event.REPORT_UNREADABLE, path=path, error=str(exc))
     reports = tuple(found)
-    torchrun = plan.knobs.world_size > 1
-    if torchrun:
+    if torchrun := plan.knobs.world_size > 1:
         reports = seal_rank_parts(rd.checkpoints, reports, plan.knobs, log)
     cause = first_failure(reports)  # the one report that speaks for the attempt
     return AttemptOutcome(
@@ -215,10 +213,9 @@ def reclaim(
     """What the in-flight attempt left; None when the journal already holds its record."""
     if any(r.attempt == flight.number for r in records):
         return None  # its record was written; only state.json was stale
-    spec_path = rd.attempt(flight.number).spec
     # PDEATHSIG normally ended the child already; the cmdline check keeps a reused pid safe and
     # finds a child whose pid was never recorded, torchrun's ranks, and a warm spare.
-    for pid in child_mod.attempt_children(flight.pid, spec_path, rd):
+    for pid in child_mod.attempt_children(flight.pid, rd.attempt(flight.number).spec, rd):
         log.warning(Event.ORPHAN_CHILD_STOPPING, attempt=flight.number, pid=pid)
         child_mod.stop_group(pid, seams.stop_grace_s)
     reader = HeartbeatReader(rd.attempt(flight.number).events)

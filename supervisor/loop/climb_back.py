@@ -13,7 +13,6 @@ from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import choice
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.decide import SPURIOUS_KEY
 from qlora_supervise.policies.ladder import step_up as rule
 from qlora_supervise.supervisor.record.events import Event
 from qlora_supervise.supervisor.record.journal import Action, AttemptRecord, Outcome
@@ -43,8 +42,7 @@ def descents(records: Sequence[AttemptRecord], data_lengths: Sequence[int]) -> l
         if d is None or f is None or d.action is not Action.RESTART or d.knobs is None or d.knobs == r.knobs:
             continue
         lengths = [int(n) for n in f.numbers.get("batch_lengths") or ()]
-        cause = rule.cause_of(f.kind, SPURIOUS_KEY in f.numbers, lengths, data_lengths)
-        if cause is None:
+        if (cause := rule.cause_of(f.kind, policy.SPURIOUS_KEY in f.numbers, lengths, data_lengths)) is None:
             continue
         batch_step = f.numbers.get("batch_step")
         failed_step = int(batch_step) if isinstance(batch_step, int) else r.steps_completed + 1
@@ -81,8 +79,7 @@ def remaining_s(progress: Progress, knobs: Knobs) -> float:
     # From the first beat after a step finished: the ones before it include the load and setup.
     beats = [b for b in beats if b.step > beats[0].step] if beats else []
     if len(beats) >= 2 and beats[-1].step > beats[0].step:
-        per_step = (beats[-1].time or 0.0) - (beats[0].time or 0.0)
-        return left * per_step / (beats[-1].step - beats[0].step)
+        return left * ((beats[-1].time or 0.0) - (beats[0].time or 0.0)) / (beats[-1].step - beats[0].step)
     if not progress.tokens_per_s:
         return math.inf
     tokens_per_step = knobs.micro_batch_size * knobs.grad_accum * knobs.world_size * knobs.max_seq_len

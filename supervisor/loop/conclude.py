@@ -35,40 +35,35 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
-    """A failed attempt between its classification and its journal line: ``record`` is the line
-    without its decision, ``history`` what the policy was asked with (this attempt last)."""
+    """A failed attempt between its classification and its journal line."""
 
     outcome: AttemptOutcome
     failure: Failure
-    record: AttemptRecord
-    history: tuple[policy.PastAttempt, ...]
+    record: AttemptRecord  # the line without its decision
+    history: tuple[policy.PastAttempt, ...]  # what the policy was asked with (this attempt last)
     decision: policy.Decision
     waited: policy.WaitResult | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-    """Where the arbiter goes next: a state, with what that state acts on (RUNNING: the plan to
-    run; WAITING: the failed attempt whose answer waits)."""
+    """Where the arbiter goes next: a state, with what that state acts on."""
 
     state: RunState
-    pending: Pending | None = None
-    plan: Plan | None = None
+    pending: Pending | None = None  # WAITING: the failed attempt whose answer waits
+    plan: Plan | None = None  # RUNNING: the plan to run
 
 
 @dataclasses.dataclass
 class Conclusions:
-    """The journal's writer. ``settings`` are the policy's, updated by what each attempt showed
-    (sample lengths, peaks, speeds); ``lifted_after``: attempts up to this one had a verdict
-    that was lifted, so the policy's budgets count only the attempts after it; ``records``: the
-    journal's lines, this run's appended as they are written."""
+    """The journal's writer; ``records``: the journal's lines, this run's appended as they are written."""
 
     job: Job
     rd: RunDir
     log: FilteringBoundLogger
     disk: DiskWaiter
-    settings: policy.Settings
-    lifted_after: int = 0
+    settings: policy.Settings  # the policy's, updated by what each attempt showed (lengths, peaks, speeds)
+    lifted_after: int = 0  # attempts up to this one had a lifted verdict: the budgets count those after
     records: list[AttemptRecord] = dataclasses.field(default_factory=list)
 
     def _as_trained(self, o: AttemptOutcome) -> AttemptOutcome:
@@ -223,8 +218,7 @@ class Conclusions:
     def _quarantine(self, o: AttemptOutcome, failure: Failure) -> AttemptRecord | None:
         """The checkpoint the child could not load is moved aside and the same knobs resume from
         the next older one (no verdict on the config); None when it cannot be moved."""
-        moved = quarantine_reported(o.report, self.rd.checkpoints)
-        if moved is None:
+        if (moved := quarantine_reported(o.report, self.rd.checkpoints)) is None:
             return None
         log = self.log.bind(attempt=o.number)
         log_quarantined(log, [moved])

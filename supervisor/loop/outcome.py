@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from qlora_supervise.supervisor.diagnosis import classify
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
@@ -21,7 +20,7 @@ from qlora_supervise.trainer_child.contract.report import ErrorReport
 from qlora_supervise.trainer_child.contract.script_knobs import unapplied
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class AttemptOutcome:
     """An ended attempt, before any verdict. ``exit`` is None when nobody saw the child exit."""
 

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from structlog.typing import FilteringBoundLogger
 
 from qlora_supervise.policies import choice, memory_model
 from qlora_supervise.policies import decide as policy
-from qlora_supervise.policies.choice import RETIME_RUNG, first_for
-from qlora_supervise.policies.memory_model import scaled_peak
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.policies.search import throughput
 from qlora_supervise.policies.search.search_state import PreflightResult, fit_limit
@@ -40,7 +37,7 @@ from qlora_supervise.trainer_child.contract.codes import FailureKind
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What the next attempt runs."""
 
@@ -54,7 +51,7 @@ class Plan:
     retime: bool = False  # a re-time (policies/choice.py): the trial runs on the resume too
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     """The run is over: the state to write and the exit code."""
 
@@ -64,7 +61,7 @@ class Verdict:
     knobs: Knobs
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PlanFacts:
     """What the planner needs beyond the journal."""
 
@@ -90,9 +87,9 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
             return Plan(Phase.MERGE, last.knobs)
         return Verdict(RunState.SUCCEEDED, SupervisorExitCode.FINISHED, "finished", last.knobs)
     decision = last.decision
-    if decision is not None and decision.rung == RETIME_RUNG and decision.knobs is not None:
+    if decision is not None and decision.rung == choice.RETIME_RUNG and decision.knobs is not None:
         first = facts.first  # the pre-flight's candidates, timed again on the card as it is now
-        trial = first_for(decision.knobs, first.speed_trial)
+        trial = choice.first_for(decision.knobs, first.speed_trial)
         limit = first.speed_trial_limit
         return Plan(last.phase, decision.knobs, speed_trial=trial, speed_trial_limit=limit, retime=True)
     if last.restarts and decision is not None and decision.knobs is not None:
@@ -103,8 +100,7 @@ def next_plan(records: Sequence[AttemptRecord], facts: PlanFacts) -> Plan | Verd
             return Plan(last.phase, rung.knobs, fresh_start=rung.survives is Survives.ADAPTER_REINIT)
         return Plan(last.phase, last.knobs)  # the verdict was lifted: try its config once more
     if decision is not None and not decision.retryable:
-        failure = last.failure
-        gpu_fault = failure is not None and failure.kind is FailureKind.GPU_FAULT
+        gpu_fault = last.failure is not None and last.failure.kind is FailureKind.GPU_FAULT
         code = SupervisorExitCode.GPU_FAULT if gpu_fault else SupervisorExitCode.NOT_RETRYABLE
         return Verdict(RunState.FAILED, code, decision.why, last.knobs)
     why = decision.why if decision is not None else "the last attempt failed without a decision"
@@ -175,16 +171,12 @@ def first_plan(
         reasons = (*reasons, calibrated)
     if speed is not None:
         reasons = (*reasons, f"ranked with {len(speed.measured)} config(s) this host measured the speed of")
-    peak = scaled_peak(result.predicted, scale if result.fallback is None else None)
+    peak = memory_model.scaled_peak(result.predicted, scale if result.fallback is None else None)
     note = PlanNote(peak, budget, reasons, dict(result.changes), result.quality_changed)
     trial = result.speed_trial if settings.speed_trial else ()
+    limit, nothing = fit_limit(budget) if trial else None, nothing_fits_text(result)
     return Plan(
-        Phase.TRAIN,
-        result.knobs,
-        note=note,
-        speed_trial=trial,
-        speed_trial_limit=fit_limit(budget) if trial else None,
-        nothing_fits=nothing_fits_text(result),
+        Phase.TRAIN, result.knobs, note=note, speed_trial=trial, speed_trial_limit=limit, nothing_fits=nothing
     )
 
 
@@ -206,8 +198,7 @@ def announce_plan(log: FilteringBoundLogger, note: PlanNote | None) -> None:
 
 def nothing_fits_text(result: PreflightResult) -> str | None:
     """What to say when nothing fits: the smallest peak found, the budget, what would help."""
-    nothing = result.nothing_fits
-    if nothing is None:
+    if (nothing := result.nothing_fits) is None:
         return None
     if nothing.host:
         return (

@@ -92,13 +92,12 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
 def quarantine_reported(report: ErrorReport | None, checkpoints_dir: Path) -> Quarantined | None:
     """Move aside the checkpoint a child could not load (its report names it); None when it names
     none, or something that is not one of this run's checkpoints."""
-    named = report.damaged_checkpoint if report is not None else None
-    if not named:
+    if report is None or not report.damaged_checkpoint:
         return None
-    path = Path(named)
+    path = Path(report.damaged_checkpoint)
     if path.parent.resolve() != checkpoints_dir.resolve() or not path.is_dir():
         return None
-    reason = f"failed to load in the child: {report.exception_type}: {report.message[:300]}" if report else ""
+    reason = f"failed to load in the child: {report.exception_type}: {report.message[:300]}"
     return Quarantined(path, checkpoints.quarantine(path, reason), reason)
 
 

@@ -32,7 +32,6 @@ from qlora_supervise.supervisor.reporting.outputs import Reporter
 from qlora_supervise.supervisor.trainers.trainer import note_shim, output_moving, trainer_env
 from qlora_supervise.supervisor.watching import watch
 from qlora_supervise.supervisor.watching.gpu import GpuProbe, RankCards
-from qlora_supervise.supervisor.watching.watch import Watched
 from qlora_supervise.trainer_child.contract import events as child_events
 from qlora_supervise.trainer_child.contract.spec import EARLY_CHECKPOINT_SIGNAL, Knobs
 
@@ -115,8 +114,7 @@ class AttemptRunner:
             killed = KilledBy.HANG if watched.hang else (KilledBy.STOP if watched.stopped_by_signal else None)
             if self.planned is not None and killed is None:
                 killed = KilledBy.STEP_UP
-            code = proc.poll() if killed is None else None
-            if code is None:
+            if (code := proc.poll() if killed is None else None) is None:
                 # A hung process (or ranks left in a broken collective) gets the short grace.
                 short = watched.hang or watched.ranks_overstayed
                 code = proc.stop(ctx.job.supervise.hang_grace if short else seams.stop_grace_s)
@@ -148,8 +146,8 @@ class AttemptRunner:
             **({"rank_peaks": {str(rank): peak for rank, peak in peaks.items()}} if peaks else {}),
             **output.card_fields(watched),
         )
-        reset = optimizer_reset(reader.progress)
-        if reset is not None:  # the adapter and the LR schedule follow the step, the moments do not
+        # The adapter and the LR schedule follow the step, the moments do not.
+        if (reset := optimizer_reset(reader.progress)) is not None:
             log.warning(Event.OPTIMIZER_RESET, why=reset, lr_schedule="restored at the resumed step")
         note_shim(spec, log)  # a tool's attempt: did our shim speak for it?
         kills_after = seams.oom_kills()
@@ -192,7 +190,7 @@ class AttemptRunner:
         self.spare_due = order
         return proc
 
-    def _watch(self, ready: Prepared, proc: ChildHandle, reader: watch.HeartbeatReader) -> Watched:
+    def _watch(self, ready: Prepared, proc: ChildHandle, reader: watch.HeartbeatReader) -> watch.Watched:
         # One tick: read heartbeats, report progress (which feeds systemd's watchdog), sample memory,
         # then the ways a watch ends early (a planned restart, a stop, ranks overstaying, a hang).
         ctx, seams, spec, number, log = self.ctx, self.ctx.seams, ready.spec, ready.number, self.log
@@ -200,7 +198,7 @@ class AttemptRunner:
         first = output.FirstStep(ready.resume.step, ready.started_at, self.failed_at, self.warm)
         if spec.train.max_steps > 0:
             reader.progress.max_steps = spec.train.max_steps
-        watched = Watched(reader.progress)
+        watched = watch.Watched(reader.progress)
         started = next_sample = seams.clock()
         files = ctx.rd.attempt(number)
         hup_logged = False
@@ -222,8 +220,7 @@ class AttemptRunner:
             if ctx.hup_seen() and not hup_logged:
                 log.info(Event.SIGHUP_IGNORED, why="the job is read once at start; restart to change it")
                 hup_logged = True
-            stop = ctx.stop_signal()
-            if stop is not None:
+            if (stop := ctx.stop_signal()) is not None:
                 watched.stopped_by_signal = stop
                 ctx.display.clear()
                 log.info(
@@ -266,8 +263,7 @@ class AttemptRunner:
         if not any(e.step and not e.emergency for e in saves) or last_step:
             return False  # no regular save, or the final one: nothing is left to train faster
         knobs = speed_of(progress.events, knobs).knobs
-        planned = climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))
-        if planned is None:
+        if (planned := climb.at_checkpoint(knobs, progress.step, now, remaining_s(progress, knobs))) is None:
             return False
         self.planned = planned
         self.ctx.display.clear()
@@ -281,12 +277,11 @@ class AttemptRunner:
         return True
 
     def _note_creep(
-        self, events: list[child_events.ChildEvent], creep: watch.CreepWatch, pid: int, watched: Watched
+        self, events: list[child_events.ChildEvent], creep: watch.CreepWatch, pid: int, watched: watch.Watched
     ) -> None:
         """Feed new heartbeats to the creep rule; once it fires, log it and ask for an early checkpoint."""
-        for event in events:
-            forecast = creep.observe(event) if isinstance(event, child_events.Heartbeat) else None
-            if forecast is None:
+        for event in (e for e in events if isinstance(e, child_events.Heartbeat)):
+            if (forecast := creep.observe(event)) is None:
                 continue
             if forecast.asks_for_checkpoint:
                 self.ctx.seams.signal_child(pid, EARLY_CHECKPOINT_SIGNAL)
@@ -303,7 +298,7 @@ class AttemptRunner:
                 early_checkpoint_requested=forecast.asks_for_checkpoint,
             )
 
-    def _sample(self, pid: int, watched: Watched, gpu_log: Path) -> None:
+    def _sample(self, pid: int, watched: watch.Watched, gpu_log: Path) -> None:
         if self.cards is not None:
             watch.sample_cards(pid, watched, self.cards, gpu_log)
         else:

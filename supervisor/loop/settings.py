@@ -29,9 +29,8 @@ from qlora_supervise.trainer_child.contract.spec import Knobs
 def policy_settings(job: Job) -> policy.Settings:
     """Settings from the job alone; the budget is the job's GPU cap. None on the CPU: the memory
     model predicts GPU allocations, not the child's data segment; the ladder's order decides there."""
-    resources = job.resources
+    resources, supervise = job.resources, job.supervise
     budget = None if resources.device == "cpu" else resources.gpu_memory_limit
-    supervise = job.supervise
     unmodelled = job.trainer.unmodelled(job.knobs.model)
     model = Path(job.knobs.model)  # its shape as its trainer runs it (a foreign tool's attention choice)
     shape = None if unmodelled else model_facts.with_tool_attention(model_shape(model), job.trainer)
@@ -119,8 +118,7 @@ def with_card_budget(settings: policy.Settings, gpu: GpuProbe | None) -> policy.
     """Without a cap, the budget is the card's total from NVML less a reserve."""
     if settings.budget_bytes is not None or gpu is None:
         return settings
-    sample = gpu.sample(set())
-    if sample is None or not sample.total:
+    if (sample := gpu.sample(set())) is None or not sample.total:
         return settings
     return dataclasses.replace(settings, budget_bytes=card_budget(sample.total))
 

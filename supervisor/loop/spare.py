@@ -106,8 +106,7 @@ class SpareKeeper:
     def __init__(
         self, run_dir: Path, spawn: SpawnSpare | None, clock: Clock, sleep: Sleep, log: FilteringBoundLogger
     ) -> None:
-        self.run_dir = run_dir
-        self.log_path = run_dir / "spare.log"
+        self.run_dir, self.log_path = run_dir, run_dir / "spare.log"
         self._spawn, self._clock, self._sleep, self._log = spawn, clock, sleep, log
         self.spare: Spare | None = None
         self.measured_rss: int | None = None

@@ -104,8 +104,7 @@ def wait_for_memory(
     )
 
     def free_now() -> int | None:
-        sample = gpu.sample(set()) if gpu is not None else None
-        return sample.free if sample else None
+        return sample.free if gpu is not None and (sample := gpu.sample(set())) else None
 
     free, waited = _timed_poll(free_now, wait.needed_bytes, wait.seconds, pacing, pacer)
     event = Event.NO_MEMORY_READING if free is None else Event.MEMORY_WAIT_TIMED_OUT
