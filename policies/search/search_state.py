@@ -181,9 +181,8 @@ class Search:
         if (host := self.host) is None:
             return None
         if knobs not in self._host_peaks:
-            need = host_train_need(
-                self.shape, knobs, host.checkpoint_bytes, self.targets, host.largest_shard_bytes
-            )
+            shard = host.largest_shard_bytes
+            need = host_train_need(self.shape, knobs, host.checkpoint_bytes, self.targets, shard)
             self._host_peaks[knobs] = need.peak_bytes
         return self._host_peaks[knobs]
 
