@@ -222,7 +222,6 @@ def _nothing_fits_host(search: Search, head: list[str]) -> PreflightResult:
 
 
 def _refusal(search: Search, reasons: tuple[str, ...], nothing: search_state.NothingFits) -> PreflightResult:
-    """The result when nothing fits: the smallest config ``nothing`` names, refused."""
     smallest = nothing.smallest_knobs
     return PreflightResult(
         knobs=smallest,

@@ -103,7 +103,6 @@ def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
 
 
 def _product(knobs: Knobs, axes: tuple[Rung, ...]) -> Iterator[tuple[Knobs, tuple[str, ...]]]:
-    """Every combination of ``axes``' options on ``knobs``, with the rung names taken."""
     if not axes:
         yield knobs, ()
         return
