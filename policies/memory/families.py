@@ -1,13 +1,11 @@
-"""What differs between the decoder blocks the memory model covers, by ``config.json``'s ``model_type``. Read
-from transformers 5.24's ``models/*/modeling_*.py`` (the child's version). Llama, Mistral and Qwen2 (q/k/v
-bias): two RMSNorms, q/k/v/o, a gated MLP; Qwen3 adds q/k norms; Gemma 2/3: four norms, head_dim 256, tied
-256k vocabulary, Gemma 2 softcaps scores (eager attention in 5.24, `default_attention` below); Phi-3: fused
-``qkv_proj`` and ``gate_up_proj``; Qwen3-MoE and Mixtral: experts as fused 3D parameters bitsandbytes leaves
-unquantized (cast to fp32), top-k of them per token. A model type outside :data:`BLOCKS` is not modelled
-(:mod:`.shape`). Which attention the child's transformers runs a model type with is read without importing it:
-transformers picks SDPA when the model class sets ``_supports_sdpa = True``, and the flag moves between
-releases (Gemma 2: True in 5.17, False in 5.24) while eager attention costs a factor of two at seq 8192;
-importing the modeling module would import torch, so its source is read as text."""
+"""What differs between the decoder blocks the memory model covers, by ``config.json``'s ``model_type``, read
+from transformers 5.24's ``models/*/modeling_*.py`` (the child's version) into :data:`_MODELLED`; beyond it,
+Gemma 2/3 have head_dim 256 and a tied 256k vocabulary, Gemma 2 softcaps scores, and MoE experts are fused 3D
+parameters bitsandbytes leaves unquantized (cast to fp32), top-k of them per token. A model type outside
+:data:`BLOCKS` is not modelled (:mod:`.shape`). The attention transformers picks is read from its source as
+text (importing it would import torch): SDPA when the model class sets ``_supports_sdpa = True``, a flag that
+moves between releases (Gemma 2: True in 5.17, False in 5.24) while eager attention costs a factor of two at
+seq 8192."""
 
 from __future__ import annotations
 

@@ -195,11 +195,10 @@ def _nothing_fits_host(search: Search, head: list[str]) -> PreflightResult:
     host_peak, smallest = min(((v, k) for k, v in search.host_rejected.items()), key=lambda x: x[0])
     host, margin = search.host, search.margin
     need = int(host_peak * (1 + margin))
-    phase = host_train_need(
-        search.shape, smallest, host.checkpoint_bytes, search.targets, host.largest_shard_bytes
-    ).phase
+    shard = host.largest_shard_bytes
+    phase = host_train_need(search.shape, smallest, host.checkpoint_bytes, search.targets, shard).phase
     what = "loading the model" if phase == "load" else "training the smallest"
-    if phase == "load" and not host.largest_shard_bytes:
+    if phase == "load" and not shard:
         what += " (its shards unknown: the whole checkpoint counts as the file being read)"
     # The smallest host whose budget holds ``need``, rounded up to the 0.01 GiB the text shows, so
     # that the size as printed, given to ``plan --host-memory``, is a budget of ``need`` at least.
@@ -223,7 +222,6 @@ def _nothing_fits_host(search: Search, head: list[str]) -> PreflightResult:
 
 
 def _refusal(search: Search, reasons: tuple[str, ...], nothing: search_state.NothingFits) -> PreflightResult:
-    """The result when nothing fits: the smallest config ``nothing`` names, refused."""
     smallest = nothing.smallest_knobs
     return PreflightResult(
         knobs=smallest,

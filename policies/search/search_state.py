@@ -103,7 +103,6 @@ def _options(rung: Rung, knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
 
 
 def _product(knobs: Knobs, axes: tuple[Rung, ...]) -> Iterator[tuple[Knobs, tuple[str, ...]]]:
-    """Every combination of ``axes``' options on ``knobs``, with the rung names taken."""
     if not axes:
         yield knobs, ()
         return
@@ -181,9 +180,8 @@ class Search:
         if (host := self.host) is None:
             return None
         if knobs not in self._host_peaks:
-            need = host_train_need(
-                self.shape, knobs, host.checkpoint_bytes, self.targets, host.largest_shard_bytes
-            )
+            shard = host.largest_shard_bytes
+            need = host_train_need(self.shape, knobs, host.checkpoint_bytes, self.targets, shard)
             self._host_peaks[knobs] = need.peak_bytes
         return self._host_peaks[knobs]
 

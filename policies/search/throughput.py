@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, adapter_tensors, per_weight
+from qlora_supervise.policies.memory.gpu import DEFAULT_TARGETS, lora_params, per_weight
 from qlora_supervise.policies.memory.gpu import predict as predict_memory
 from qlora_supervise.policies.memory.shape import ModelShape, Targets
 from qlora_supervise.policies.search import throughput_fit as fit
@@ -41,7 +41,7 @@ def head_work_per_token(shape: ModelShape) -> int:
 
 
 def adapter_params(shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS) -> int:
-    return sum(adapter_tensors(shape, knobs.lora_r, targets))
+    return lora_params(shape, knobs.lora_r, targets)
 
 
 @dataclass(frozen=True)
