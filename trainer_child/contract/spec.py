@@ -213,8 +213,7 @@ def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
             f"device {device!r}: use auto, cpu, a GPU index (0), cuda:N, or a GPU UUID (GPU-... or MIG-...)"
         )
     position = int(index)
-    visible = visible_entries(inherited_visible)
-    if visible is None:
+    if (visible := visible_entries(inherited_visible)) is None:
         return DeviceBinding(str(position), position)
     if position >= len(visible):
         if text == "auto":  # nothing visible: an auto job trains on the CPU

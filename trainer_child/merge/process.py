@@ -94,8 +94,7 @@ def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
 def trained_dtype(run_dir: Path) -> str | None:
     """The dtype the newest training attempt loaded in (its ``loaded`` event), if recorded."""
     for path in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]/child-events.jsonl"), reverse=True):
-        dtypes = [e.dtype for e in read_events(path) if isinstance(e, Loaded) and e.dtype is not None]
-        if dtypes:
+        if dtypes := [e.dtype for e in read_events(path) if isinstance(e, Loaded) and e.dtype is not None]:
             return dtypes[-1]
     return None
 
