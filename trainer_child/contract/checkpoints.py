@@ -172,8 +172,7 @@ def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> P
 
 
 def seal(root: Path) -> None:
-    """The run's modes on ``root`` and everything under it but links (safetensors writes 0600), then
-    every file fsynced, and every directory."""
+    """The run's modes on ``root`` and all in it but links (safetensors writes 0600); then all fsynced."""
     inside = sorted(root.rglob("*"))
     for path in [root, *inside]:
         mode = os.lstat(path).st_mode

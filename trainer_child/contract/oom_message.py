@@ -90,8 +90,7 @@ def parse_numbers(text: str) -> dict[str, Any]:
 def _message(start: re.Match[str], body: str) -> OomMessage:
     numbers: dict[str, Any]
     if start.group("cpu"):
-        tried = _CPU_TRIED.search(body)
-        numbers = {"tried_to_allocate": int(tried.group(1))} if tried else {}
+        numbers = {"tried_to_allocate": int(tried.group(1))} if (tried := _CPU_TRIED.search(body)) else {}
         return OomMessage("cpu", None, "cpu", numbers, start.start())
     if start.group("async"):
         numbers = _sizes(body, _ASYNC_FIELDS)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract import checkpoints, processes
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.events import Loaded, read_events
 from qlora_supervise.trainer_child.contract.spec import DeviceError
@@ -187,8 +187,7 @@ def merge(ctx: Context) -> ExitCode:
 def main(argv: list[str] | None = None) -> int:
     from qlora_supervise.trainer_child.__main__ import parse_args, prepare_env, spec_or_none
 
-    spec = spec_or_none(parse_args(argv, "python -m qlora_supervise.trainer_child.merge.process"))
-    if spec is None:
+    if (spec := spec_or_none(parse_args(argv, f"python -m {processes.MERGE}"))) is None:
         return int(ExitCode.CONFIG)
     if spec.knobs.merge_on_cpu or os.environ.get(DEVICE_ENV) == "cpu":
         # Hide the GPUs: a CPU merge must not even create a CUDA context on a full device.
