@@ -62,8 +62,6 @@ def plan_merge(sizes: MergeSizes, requested: str, gpu_free: int | None, host_ava
     gpu_need = sizes.weights + sizes.adapter + sizes.largest_layer + CUDA_CONTEXT_BYTES
     host_gpu = IMPORTS_BYTES + sizes.largest_shard + out_shard
     host_cpu = IMPORTS_BYTES + sizes.weights + sizes.adapter + sizes.largest_layer + out_shard
-    fits_host_gpu = host_gpu <= host_available * FIT_SHARE
-    fits_gpu = gpu_free is not None and gpu_need <= gpu_free * FIT_SHARE and fits_host_gpu
 
     def plan(device: str, why: str) -> MergePlan:
         return MergePlan(device, gpu_need, host_gpu, host_cpu, gpu_free, host_available, why)
@@ -72,11 +70,11 @@ def plan_merge(sizes: MergeSizes, requested: str, gpu_free: int | None, host_ava
         return plan("cpu", "asked for the CPU" if requested == "cpu" else "no GPU visible")
     if requested == "cuda":
         return plan("cuda", "asked for the GPU")
-    if fits_gpu:
-        return plan("cuda", "the model, the adapter and one layer's delta fit the free GPU memory")
     if gpu_need > gpu_free * FIT_SHARE:
         return plan("cpu", "the merge does not fit the free GPU memory; the CPU merge is slower, not worse")
-    return plan("cpu", "host RAM is too small for shard-by-shard loading onto the GPU")
+    if host_gpu > host_available * FIT_SHARE:
+        return plan("cpu", "host RAM is too small for shard-by-shard loading onto the GPU")
+    return plan("cuda", "the model, the adapter and one layer's delta fit the free GPU memory")
 
 
 def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
