@@ -56,8 +56,7 @@ def parse_args(argv: list[str] | None, prog: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = spec_or_none(parse_args(argv, "python -m qlora_supervise.trainer_child"))
-    if spec is None:
+    if (spec := spec_or_none(parse_args(argv, "python -m qlora_supervise.trainer_child"))) is None:
         return int(ExitCode.CONFIG)
     place = this_rank()
     if (mismatch := world_mismatch(spec, place)) is not None:

@@ -58,7 +58,7 @@ _PLAIN_FIELDS = ("emergency_checkpoint", "expandable_segments_active", "rank", "
 @dataclasses.dataclass(frozen=True)
 class Failure:
     """A classified failure. ``numbers``: the allocator message's numbers in bytes (``oom_message.
-    NUMBER_KEYS``) plus what follows from them (``others_in_use``: other processes' GPU memory), or
+    OomNumbers``) plus what follows from them (``others_in_use``: other processes' GPU memory), or
     a full disk's needed and free bytes. ``evidence``: which source decided and why. ``rank`` /
     ``local_rank``: under torchrun, the rank that caused it; ``gpu``: its card's NVML index.
     ``xid``: the faults that decided a ``gpu_fault``. The last two fields: the error report's."""

@@ -42,15 +42,13 @@ def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int
         if not math.isfinite(value) or value < 0:
             raise UnitError("must be a finite number >= 0", BYTES_HELP)
         return int(value)
-    match = _BYTES_RE.match(value)
-    if match is None:
+    if (match := _BYTES_RE.match(value)) is None:
         raise UnitError("not a number with a unit", BYTES_HELP)
     number, unit = match.groups()
     if unit and unit.endswith("b") and any(c.isupper() for c in unit[:-1]):
         # A capital prefix with a small b (Gb, Mb, Gib) is the usual spelling of bits.
         raise UnitError(f"{unit!r} means bits (a small b)", f"{number}{unit[:-1]}B for bytes")
-    factor = BYTE_UNITS.get(unit.lower() if unit else "b")
-    if factor is None:
+    if (factor := BYTE_UNITS.get(unit.lower() if unit else "b")) is None:
         raise UnitError(f"unknown unit {unit!r}", BYTES_HELP)
     return int(float(number) * factor)
 

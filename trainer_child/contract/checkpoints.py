@@ -107,11 +107,9 @@ def read_marker(path: Path) -> dict[str, Any] | None:
 
 def damaged_files(path: Path) -> dict[str, str] | None:
     """``{file: why}`` per file unlike the marker (empty: intact or unlisted); None: marker unreadable."""
-    marker = read_marker(path)
-    if marker is None:
+    if (marker := read_marker(path)) is None:
         return None
-    files = marker.get("files")
-    if files is None:
+    if (files := marker.get("files")) is None:
         return {}
     if not isinstance(files, dict):
         return None
@@ -174,8 +172,7 @@ def staging_dir(checkpoints_dir: Path, step: int, owner: int | None = None) -> P
 
 
 def seal(root: Path) -> None:
-    """The run's modes on ``root`` and everything under it but links (safetensors writes 0600), then
-    every file fsynced, and every directory."""
+    """The run's modes on ``root`` and all in it but links (safetensors writes 0600); then all fsynced."""
     inside = sorted(root.rglob("*"))
     for path in [root, *inside]:
         mode = os.lstat(path).st_mode
@@ -204,13 +201,8 @@ def replace_dir(temp: Path, final: Path) -> None:
 def publish(written: Path, final: Path, *, step: int, knobs: Knobs, emergency: bool) -> Path:
     """Seal ``written`` and rename it to ``final`` (an unmarked directory there quarantined first)."""
     seal(written)
-    marker = {
-        "step": step,
-        "knobs": dataclasses.asdict(knobs),
-        "emergency": emergency,
-        "time": time.time(),
-        "files": file_digests(written),
-    }
+    marker = {"step": step, "knobs": dataclasses.asdict(knobs), "emergency": emergency, "time": time.time()}
+    marker["files"] = file_digests(written)
     write_text_atomic(written / CHECKPOINT_COMPLETE_MARKER, json.dumps(marker, indent=2, sort_keys=True))
     if final.is_symlink():
         os.unlink(final)

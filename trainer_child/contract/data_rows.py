@@ -55,8 +55,7 @@ def _count(records: Iterator[tuple[str, Any]], path: Path, field: str, messages:
             raise DataRowError(path, where, None, f"a JSON {_kind(record)}, expected an object")
         if field not in record:
             raise DataRowError(path, where, field, f"missing (the record has {sorted(record)})")
-        problem = record_problem(record[field], messages=messages)
-        if problem is not None:
+        if (problem := record_problem(record[field], messages=messages)) is not None:
             raise DataRowError(path, where, field, problem)
         count += 1
     return count
@@ -117,8 +116,7 @@ def _scan_json(path: Path, field: str, messages: bool) -> int:
     if isinstance(loaded, list):
         return _count(((f"record {i + 1}", r) for i, r in enumerate(loaded)), path, field, messages)
     if isinstance(loaded, dict) and loaded and all(isinstance(v, list) for v in loaded.values()):
-        column = loaded.get(field)
-        if column is None:
+        if (column := loaded.get(field)) is None:
             raise DataRowError(path, "as a whole", field, f"missing (the columns are {sorted(loaded)})")
         rows = ((f"record {i + 1}", {field: value}) for i, value in enumerate(column))
         return _count(rows, path, field, messages)

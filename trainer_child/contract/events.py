@@ -24,8 +24,7 @@ from qlora_supervise.trainer_child.contract.spec import TrialCandidate
 
 
 class ChildPeakSource(str, enum.Enum):
-    """What :attr:`MemoryNumbers.peak_bytes` measured in the child: the memory its cap limits (in the
-    order :meth:`MemoryNumbers.measured` tries them)."""
+    """What :attr:`MemoryNumbers.peak_bytes` measured: the memory its cap limits, tried in this order."""
 
     CUDA_ALLOCATOR = "cuda_allocator"  # torch.cuda.max_memory_allocated on the training GPU
     DATA_SEGMENT = "data_segment"  # peak VmData on the CPU: what RLIMIT_DATA (cpu_memory_limit) caps

@@ -90,16 +90,14 @@ def parse_numbers(text: str) -> dict[str, Any]:
 def _message(start: re.Match[str], body: str) -> OomMessage:
     numbers: dict[str, Any]
     if start.group("cpu"):
-        tried = _CPU_TRIED.search(body)
-        numbers = {"tried_to_allocate": int(tried.group(1))} if tried else {}
+        numbers = {"tried_to_allocate": int(tried.group(1))} if (tried := _CPU_TRIED.search(body)) else {}
         return OomMessage("cpu", None, "cpu", numbers, start.start())
     if start.group("async"):
         numbers = _sizes(body, _ASYNC_FIELDS)
         return OomMessage("cuda", int(start.group("adev")), "async", numbers, start.start())
     device = "xpu" if start.group("xpu4g") else (start.group("dev") or "cuda").lower()
     numbers = _sizes(body, _FIELDS)
-    processes = {int(pid): size_bytes(n, u) for pid, n, u in _PROCESS.findall(body)}
-    if processes:
+    if processes := {int(pid): size_bytes(n, u) for pid, n, u in _PROCESS.findall(body)}:
         numbers["processes"] = processes
     found = _OLD_GPU.search(body) or _NEW_GPU.search(body)
     gpu = int(found.group(1)) if found and found.group(1) else None
@@ -162,5 +160,3 @@ class OomNumbers:
 
 
 _NUMBERS = TypeAdapter(OomNumbers)
-#: Keys of a message's numbers, in the order they are usually printed.
-NUMBER_KEYS = tuple(field.name for field in dataclasses.fields(OomNumbers))

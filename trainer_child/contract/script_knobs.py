@@ -28,10 +28,9 @@ EVAL_SCHEDULERS = frozenset({"reduce_lr_on_plateau", "greedy"})
 
 @dataclasses.dataclass(frozen=True)
 class ScriptChanges:
-    """What the shim changes in one attempt: ``knobs`` take the spec's values; ``replaced_model``:
-    the script's own model where a fallback changes it (its tokenizer is swapped too); ``asked``:
-    what the supervisor takes the script to ask for, each changed knob (what it runs with where it
-    builds nothing that takes the knob)."""
+    """What the shim changes in one attempt: ``knobs`` take the spec's values; ``replaced_model``: the
+    script's own model where a fallback changes it (its tokenizer swapped too); ``asked``: per changed
+    knob, what the script is taken to ask for (it runs with that where it builds nothing taking the knob)."""
 
     knobs: tuple[str, ...]
     output_dir: str

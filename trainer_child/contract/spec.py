@@ -199,9 +199,8 @@ _UUID_PREFIXES = ("GPU-", "MIG-")
 
 
 def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
-    """Map the job's ``device`` (``auto``, ``cpu``, ``N`` / ``cuda:N``: the N-th visible GPU, or a
-    GPU/MIG UUID) through the inherited ``CUDA_VISIBLE_DEVICES``, the same on both sides; raises
-    :class:`DeviceError`."""
+    """Map the job's ``device`` (``auto``, ``cpu``, ``N`` / ``cuda:N``: the N-th visible GPU, or a GPU/MIG
+    UUID) through the inherited ``CUDA_VISIBLE_DEVICES``, alike on both sides; raises :class:`DeviceError`."""
     text = device.strip()
     if text == "cpu":
         return DeviceBinding("", None)
@@ -213,8 +212,7 @@ def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
             f"device {device!r}: use auto, cpu, a GPU index (0), cuda:N, or a GPU UUID (GPU-... or MIG-...)"
         )
     position = int(index)
-    visible = visible_entries(inherited_visible)
-    if visible is None:
+    if (visible := visible_entries(inherited_visible)) is None:
         return DeviceBinding(str(position), position)
     if position >= len(visible):
         if text == "auto":  # nothing visible: an auto job trains on the CPU

@@ -119,8 +119,7 @@ def check(
     resolved = resolve(targets, model_type)
     if isinstance(resolved, str):
         return resolved  # all-linear on an unknown block, or a regex: peft resolves it
-    missing = [name for name in resolved if name not in layers]
-    if not missing:
+    if not (missing := [name for name in resolved if name not in layers]):
         return resolved
     block, in_experts = family(model_type), set(experts)
     resolved_from = f"{targets!r} resolves to names of which " if isinstance(targets, str) else ""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qlora_supervise.trainer_child.contract import checkpoints
+from qlora_supervise.trainer_child.contract import checkpoints, processes
 from qlora_supervise.trainer_child.contract.codes import ExitCode, Stage
 from qlora_supervise.trainer_child.contract.events import Loaded, read_events
 from qlora_supervise.trainer_child.contract.spec import DeviceError
@@ -62,8 +62,6 @@ def plan_merge(sizes: MergeSizes, requested: str, gpu_free: int | None, host_ava
     gpu_need = sizes.weights + sizes.adapter + sizes.largest_layer + CUDA_CONTEXT_BYTES
     host_gpu = IMPORTS_BYTES + sizes.largest_shard + out_shard
     host_cpu = IMPORTS_BYTES + sizes.weights + sizes.adapter + sizes.largest_layer + out_shard
-    fits_host_gpu = host_gpu <= host_available * FIT_SHARE
-    fits_gpu = gpu_free is not None and gpu_need <= gpu_free * FIT_SHARE and fits_host_gpu
 
     def plan(device: str, why: str) -> MergePlan:
         return MergePlan(device, gpu_need, host_gpu, host_cpu, gpu_free, host_available, why)
@@ -72,11 +70,11 @@ def plan_merge(sizes: MergeSizes, requested: str, gpu_free: int | None, host_ava
         return plan("cpu", "asked for the CPU" if requested == "cpu" else "no GPU visible")
     if requested == "cuda":
         return plan("cuda", "asked for the GPU")
-    if fits_gpu:
-        return plan("cuda", "the model, the adapter and one layer's delta fit the free GPU memory")
     if gpu_need > gpu_free * FIT_SHARE:
         return plan("cpu", "the merge does not fit the free GPU memory; the CPU merge is slower, not worse")
-    return plan("cpu", "host RAM is too small for shard-by-shard loading onto the GPU")
+    if host_gpu > host_available * FIT_SHARE:
+        return plan("cpu", "host RAM is too small for shard-by-shard loading onto the GPU")
+    return plan("cuda", "the model, the adapter and one layer's delta fit the free GPU memory")
 
 
 def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
@@ -94,8 +92,7 @@ def merge_dtype(name: str, on_gpu: bool, trained: str | None = None) -> Any:
 def trained_dtype(run_dir: Path) -> str | None:
     """The dtype the newest training attempt loaded in (its ``loaded`` event), if recorded."""
     for path in sorted(run_dir.glob("attempt-[0-9][0-9][0-9]/child-events.jsonl"), reverse=True):
-        dtypes = [e.dtype for e in read_events(path) if isinstance(e, Loaded) and e.dtype is not None]
-        if dtypes:
+        if dtypes := [e.dtype for e in read_events(path) if isinstance(e, Loaded) and e.dtype is not None]:
             return dtypes[-1]
     return None
 
@@ -188,8 +185,7 @@ def merge(ctx: Context) -> ExitCode:
 def main(argv: list[str] | None = None) -> int:
     from qlora_supervise.trainer_child.__main__ import parse_args, prepare_env, spec_or_none
 
-    spec = spec_or_none(parse_args(argv, "python -m qlora_supervise.trainer_child.merge.process"))
-    if spec is None:
+    if (spec := spec_or_none(parse_args(argv, f"python -m {processes.MERGE}"))) is None:
         return int(ExitCode.CONFIG)
     if spec.knobs.merge_on_cpu or os.environ.get(DEVICE_ENV) == "cpu":
         # Hide the GPUs: a CPU merge must not even create a CUDA context on a full device.
