@@ -91,9 +91,8 @@ def _probe_jsonl(path: Path) -> DataProbe:
 
 
 def _probe_json(path: Path) -> DataProbe:
-    text = path.read_text(encoding="utf-8")
     try:
-        loaded = json_loads(text)
+        loaded = json_loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         if error.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` also accepts
             return _probe_jsonl(path)

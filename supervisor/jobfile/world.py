@@ -127,8 +127,7 @@ def _source_problems(path_name: str, path: Path, data: schema.DataSection, field
     problems = []
     fields = (("data.text_field", data.text_field, False), ("data.messages_field", data.messages_field, True))
     for field_name, field, messages in fields:
-        why = None if field is None else data_probe.field_problem(found, field, messages=messages)
-        if why is not None:
+        if field is not None and (why := data_probe.field_problem(found, field, messages=messages)):
             where = "" if path_name == "data.path" else f" ({path_name})"
             known = field in found.fields
             fix = "fix the data or the field" if known else did_you_mean(field, found.fields, "fields")

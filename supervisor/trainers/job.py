@@ -231,8 +231,7 @@ def _tool_specs(trainer: ToolTrainer) -> tuple[Knobs, TrainSpec, dict[str, Any]]
 
 def model_type(model: str) -> str | None:
     """``model_type`` from the model directory's config.json (None: no such file, or unreadable)."""
-    value = model_facts.model_config(model).get("model_type")
-    return value if isinstance(value, str) else None
+    return value if isinstance(value := model_facts.model_config(model).get("model_type"), str) else None
 
 
 def tool_model_path(model: str, workdir: Path | None) -> str:

@@ -97,8 +97,7 @@ def keeps_head_dtype(tool: Tool, config: Config) -> bool:
     ``bf16_head`` knob does, instead of the fp32 our recipe's k-bit prepare casts them to: trl 1.16
     never calls ``prepare_model_for_kbit_training`` (``Tool.head_dtype_key``). Measured on the H200,
     counted so one scale explains every trl peak (0.55 to 0.57; in fp32 they ran 0.06 to 0.53)."""
-    key = tool.head_dtype_key
-    return key is not None and lookup(config, key) in _HALF_DTYPES
+    return (key := tool.head_dtype_key) is not None and lookup(config, key) in _HALF_DTYPES
 
 
 def with_tool_attention(shape: ModelShape | None, trainer: Trainer) -> ModelShape | None:

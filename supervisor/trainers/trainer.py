@@ -166,12 +166,11 @@ class ToolTrainer:
                 f"rungs: {', '.join(sorted(self.rungs()))}",
             ]
         source = self.config_path if self.config_path is not None else "the flags of trainer.command"
-        keys = _keys(table, self.config)
         return [
             f"trainer: {self.kind}, config {source} (read once; never modified: each attempt "
             f"writes its own copy into attempt-NNN/)",
-            f"keys the ladder may set: {keys}; {table.output_key} and {table.resume_key} "
-            "are set for every attempt; every other key is passed through",
+            f"keys the ladder may set: {_keys(table, self.config)}; {table.output_key} and "
+            f"{table.resume_key} are set for every attempt; every other key is passed through",
             f"rungs: {', '.join(sorted(self.rungs()))} (the others change what this tool cannot be told, "
             "so its ladders leave them out)",
         ]
@@ -319,10 +318,8 @@ def tool_problems(trainer: Trainer) -> list[Problem]:
     if package is None or package not in _missing(trainer, python):
         return []
     why = f"{package} is not installed for this interpreter: the tool would fail on every start"
-    fix = (
-        f"install it there (`{python} -m pip install {package}`), or name the python of "
-        "the venv it is in (trainer.python)"
-    )
+    pip = f"{python} -m pip install {package}"
+    fix = f"install it there (`{pip}`), or name the python of the venv it is in (trainer.python)"
     return [Problem("trainer.python", why, show(python), fix)]
 
 

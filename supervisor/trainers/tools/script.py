@@ -34,11 +34,9 @@ TABLE = Table(
 def script_problems(command: tuple[str, ...], workdir: Path) -> list[Problem]:
     """The command must run a Python file that is there: ``[python, train.py, ...]``."""
     fix = f"write [python, train.py, ...] with the script's path relative to {workdir}, or absolute"
-    script = next((word for word in command[1:] if word.endswith(".py")), None)
-    if script is None:
+    if (script := next((word for word in command[1:] if word.endswith(".py")), None)) is None:
         return [Problem("trainer.command", "names no .py script to run", show(list(command)), fix)]
-    path = workdir / script
-    if not path.is_file():
+    if not (path := workdir / script).is_file():
         why = f"no such script (looked for {path}: it runs in trainer.workdir, else the job file's folder)"
         return [Problem("trainer.command", why, show(script), fix)]
     return []
