@@ -57,8 +57,9 @@ def status_command(
     while True:
         marks = [_marks(rd) for rd in dirs]
         if marks != seen and as_json:
-            runs = [status_json(rd) for rd in dirs]
-            print(json.dumps({"schema": SCHEMA, "runs": runs}, indent=2), file=out)
+            print(
+                json.dumps({"schema": SCHEMA, "runs": [status_json(rd) for rd in dirs]}, indent=2), file=out
+            )
         elif marks != seen:
             for index, rd in enumerate(dirs):
                 if index:
@@ -73,8 +74,7 @@ def status_command(
 
 def _marks(rd: RunDir) -> tuple[float, ...]:
     # The attempt in flight's heartbeats too: --follow shows its step and speed as they move.
-    state = read_state(rd.state)
-    flight = state.in_flight if state is not None else None
+    flight = state.in_flight if (state := read_state(rd.state)) is not None else None
     beats = (rd.attempt(flight.number).events,) if flight is not None else ()
     return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in (rd.state, rd.attempts, *beats))
 
@@ -272,14 +272,12 @@ class Running:
         """What ``status`` prints for it: a head line like an attempt's, then its config and speed."""
         f = self.flight
         ago = max(0.0, time.time() - f.started_at)
-        since = (
-            f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.1f} h"
-        )
+        age = f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.1f} h"
         step = f"at step {self.step}" if self.step is not None else "no heartbeat yet"
         where = f" in {self.stage}" if self.stage else ""
         head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
         child = f"pid {f.pid}" if _alive(f.pid) else f"its child, pid {f.pid}, is gone: the supervisor died?"
-        lines = [f"{head}; since {since} ago ({child})", f"  config: {history.config_text(f.knobs)}"]
+        lines = [f"{head}; since {age} ago ({child})", f"  config: {history.config_text(f.knobs)}"]
         if self.tokens_per_s is not None:
             lines.append(f"  speed: {self.tokens_per_s:,.0f} tokens/s (median of its heartbeats)")
         return lines
