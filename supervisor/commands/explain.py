@@ -150,7 +150,6 @@ _SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free",
 
 
 def _measured(measured: int | None, predicted: int | None) -> str:
-    """``measured (predicted)``; ``?`` where nothing was measured."""
     cell = format_bytes(measured) if measured else "?"
     return cell + (f" ({format_bytes(predicted)})" if predicted else "")
 

@@ -88,8 +88,7 @@ def run_job(
 def _reporting(
     job: Job, console: TextIO, plain: bool, console_stream: ConsoleStream
 ) -> tuple[outputs.Reporter, list[Listener]]:
-    """The reporter the loop ticks and the listeners the event log feeds, each an optional output run
-    through the reporter's ``BestEffort`` (none can raise into the loop's log calls)."""
+    """The loop's reporter and the event log's listeners, each output run through one ``BestEffort``."""
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
     best = outputs.BestEffort()
     service = ServiceStatus(job.supervise.max_attempts, budget)

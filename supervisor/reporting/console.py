@@ -162,7 +162,7 @@ class ConsoleLost(OSError):
 
 
 def best_effort(stream: TextIO) -> tuple[TextIO, ConsoleStream]:
-    """``stream`` wrapped as a :class:`ConsoleStream`: as a ``TextIO`` for its writers (the
-    wrapper has the methods they call: write, flush, isatty, fileno), and as itself."""
+    """``stream`` as a :class:`ConsoleStream`, typed ``TextIO`` for its writers (it has write, flush, isatty,
+    fileno), and as itself."""
     console = stream if isinstance(stream, ConsoleStream) else ConsoleStream(stream)
     return cast(TextIO, console), console

@@ -136,7 +136,6 @@ class EventHook:
         return problem is None
 
     def _run(self, name: str, payload: str) -> str | None:
-        """None when the hook exited 0, else what went wrong, in one line."""
         env = {**os.environ, "QLORA_SUPERVISE_EVENT": name}
         try:
             code, out, err = bounded_run(self.argv, payload.encode(), self.timeout_s, env)
