@@ -161,8 +161,7 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
 
 def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: FilteringBoundLogger) -> None:
     """A verdict other than success is lifted by ``--retry`` or a changed job; the journal says so."""
-    state = read_state(rd.state)
-    if state is not None and state.run_state is RunState.SUCCEEDED:
+    if (state := read_state(rd.state)) is not None and state.run_state is RunState.SUCCEEDED:
         # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
         if (extended := generations.extend_finished(rd, submitted.changes, time.time())) is not None:
             lifted = {"after_attempt": extended.after_attempt, "why": extended.why}

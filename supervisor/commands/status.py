@@ -219,8 +219,7 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
             lines.append(f"  fix: {fix}")
         if run_dir is not None:
             lines.append(f"  log: {run_dir.attempt(r.attempt).log}")
-    d = r.decision
-    if d is not None and r.restarts:
+    if (d := r.decision) is not None and r.restarts:
         changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d.changes.items()) or "no change"
         kept = f"{d.survives.value}; next attempt resumes at step {r.next_resume_from}, lost {r.lost_steps}"
         lines += [f"  retry: {d.rung}: {changes} ({d.why})", f"  progress kept: {kept} step(s)"]
@@ -231,8 +230,7 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
 
 def host_line(r: AttemptRecord) -> str | None:
     """The attempt's host RAM against the host model's prediction; None when nothing was read."""
-    host = r.host
-    if host is None or (host.peak_bytes is None and host.load_peak_bytes is None):
+    if (host := r.host) is None or (host.peak_bytes is None and host.load_peak_bytes is None):
         return None
     parts = []
     if host.peak_bytes is not None:
@@ -302,8 +300,7 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     """What ``run`` and ``demo`` end with: the retry story, what the ladder changed, how to load it."""
     print("\n--- the retry story (qlora-supervise status) ---", file=out)
     print_story(rd, out)
-    train = [r for r in read_attempts(rd.attempts)[0] if r.phase is journal.Phase.TRAIN]
-    if not train:
+    if not (train := [r for r in read_attempts(rd.attempts)[0] if r.phase is journal.Phase.TRAIN]):
         return
     last = train[-1].knobs
     changed = [f"{name} {old} -> {new}" for name, (old, new) in knob_changes(train[0].knobs, last).items()]

@@ -56,8 +56,7 @@ class ProgressDisplay:
             self._bar = None
 
     def _worth_a_line(self, p: Progress) -> bool:
-        last = self._last_key
-        if last is None:
+        if (last := self._last_key) is None:
             return True
         # forward -> backward -> optimizer every step is not news; load, save, eval and merge are.
         if last[2] != p.stage and not (p.stage in _TRAINING and last[2] in _TRAINING):
