@@ -153,8 +153,7 @@ def job_copy(job: Job) -> str:
     raw: dict[str, Any] = yaml.safe_load(job.raw_text)
     if job.trainer.kind != OWN:  # a tool's job: its own paths (supervisor/trainers/)
         return tool_job_copy(job, raw)
-    base = job.job_file.parent
-    model = raw["model"]
+    model, base = raw["model"], job.job_file.parent
     if isinstance(model.get("path"), str) and (base / model["path"]).exists():
         model["path"] = str((base / model["path"]).resolve())  # a hub id stays a hub id
     if model.get("fallbacks"):

@@ -226,8 +226,7 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
 
 
 def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[str]:
-    has_head = files.has_lm_head
-    if shape is None or has_head is None or has_head != shape.tie_word_embeddings:
+    if shape is None or (has_head := files.has_lm_head) is None or has_head != shape.tie_word_embeddings:
         return []
     if has_head:
         return ["config says tie_word_embeddings but the checkpoint stores lm_head.weight: counted as tied"]

@@ -120,8 +120,7 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
         lines.append(f"state: {state.run_state.value}{f' ({state.note})' if state.note else ''}")
     for record in records:
         lines += describe(record, run_dir)
-        snapshot = run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME
-        if snapshot.is_file():
+        if (snapshot := run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME).is_file():
             lines += [f"  memory snapshot: {snapshot}", f"    {SNAPSHOT_HOW_TO}"]
     running = running_attempt(run_dir, state, records[-1].attempt if records else 0)
     lines += running.lines() if running is not None else []
@@ -144,16 +143,12 @@ def merge_lines(rd: RunDir) -> list[str]:
     lines = []
     now, made = adapter_step(rd), merged_record(rd)
     if rd.merged.exists():
-        report = merge_report(rd)
-        step = report.get("adapter_step") if report else None
-        numbers = ""
-        if report:
-            parts = [f"{report.get('device')}", f"{report.get('dtype')}", f"{report.get('seconds', 0):.0f} s"]
-            for key, label in (("host_peak_bytes", "host peak"), ("gpu_peak_bytes", "GPU peak")):
-                if isinstance(report.get(key), int):
-                    parts.append(f"{label} {format_bytes(report[key])}")
-            numbers = f" ({', '.join(parts)})"
-        lines.append(f"merged: {rd.merged}{numbers}{_from_step(step, now, rd)}")
+        report = merge_report(rd) or {}
+        parts = [f"{report.get('device')}", f"{report.get('dtype')}", f"{report.get('seconds', 0):.0f} s"]
+        for key, label in (("host_peak_bytes", "host peak"), ("gpu_peak_bytes", "GPU peak")):
+            parts += [f"{label} {format_bytes(report[key])}"] if isinstance(report.get(key), int) else []
+        numbers = f" ({', '.join(parts)})" if report else ""
+        lines.append(f"merged: {rd.merged}{numbers}{_from_step(report.get('adapter_step'), now, rd)}")
     if made and (made_dir := str(made.get("merged_dir"))) != str(rd.merged) and Path(made_dir).exists():
         step = _from_step(made.get("adapter_step"), now, rd)
         lines.append(f"merged by `qlora-supervise merge --out`: {made_dir}{step}")
