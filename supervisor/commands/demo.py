@@ -75,9 +75,8 @@ def cap_words(baseline: int | None) -> str:
 def write_demo_job(tiny_job: Path, root: Path, cpu_cap: str | None) -> Path:
     """The tiny job with a first config too big for the demo's memory cap."""
     job: dict[str, Any] = yaml.safe_load(tiny_job.read_text(encoding="utf-8"))
-    base = tiny_job.parent
     for key in ("model", "data"):
-        job[key]["path"] = str((base / job[key]["path"]).resolve())
+        job[key]["path"] = str((tiny_job.parent / job[key]["path"]).resolve())
     job["train"].update(DEMO_TRAIN)
     gpu = {"gpu": 0, "gpu_memory_limit": DEMO_GPU_CAP}
     job["resources"] = gpu if cpu_cap is None else {"gpu": "cpu", "cpu_memory_limit": cpu_cap}

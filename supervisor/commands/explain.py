@@ -150,7 +150,6 @@ _SHORT = {"tried_to_allocate": "asked", "reserved_unallocated": "reserved-free",
 
 
 def _measured(measured: int | None, predicted: int | None) -> str:
-    """``measured (predicted)``; ``?`` where nothing was measured."""
     cell = format_bytes(measured) if measured else "?"
     return cell + (f" ({format_bytes(predicted)})" if predicted else "")
 
@@ -257,8 +256,7 @@ def draw(rd: RunDir, story: dict[str, Any], path: Path) -> None:
         ax.plot([], [], marker="x", mew=2.5, color="red", ls="none", label=died)
     ax.set_ylim(0, (top * 1.15) or 1)
     ax.set_xlim(left=0)
-    ax.set_xlabel("minutes since the run started")
-    ax.set_ylabel(f"memory ({unit})")
+    ax.set(xlabel="minutes since the run started", ylabel=f"memory ({unit})")
     run = Path(story["run_dir"]).resolve()
     ax.set_title(f"{run.parent.name}/{run.name}: memory of each attempt (what its cap limits)")
     ax.grid(alpha=0.3)

@@ -52,8 +52,7 @@ def install_systemd_command(
     config = (Path(root) if root else Path("/")) / config.relative_to(config.anchor)
     unit_file = config / "systemd" / ("user" if user_mode else "system") / UNIT_NAME
     job_file, env = config / "qlora-supervise" / f"{instance}.yaml", config / "qlora-supervise" / ENV_NAME
-    existing = [p for p in (unit_file, job_file) if p.exists()]
-    if existing and not force:
+    if (existing := [p for p in (unit_file, job_file) if p.exists()]) and not force:
         raise BadInput(f"refusing to overwrite {', '.join(map(str, existing))}: pass --force to replace them")
     # The user who asked (through sudo too); root is never the default service user.
     user = service_user or os.environ.get("SUDO_USER") or getpass.getuser()
@@ -154,8 +153,7 @@ def job_copy(job: Job) -> str:
     raw: dict[str, Any] = yaml.safe_load(job.raw_text)
     if job.trainer.kind != OWN:  # a tool's job: its own paths (supervisor/trainers/)
         return tool_job_copy(job, raw)
-    base = job.job_file.parent
-    model = raw["model"]
+    model, base = raw["model"], job.job_file.parent
     if isinstance(model.get("path"), str) and (base / model["path"]).exists():
         model["path"] = str((base / model["path"]).resolve())  # a hub id stays a hub id
     if model.get("fallbacks"):

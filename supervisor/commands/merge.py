@@ -103,8 +103,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 def _merge_spec(rd: RunDir, merged: Path) -> AttemptDir:
     """The newest training attempt's spec pointed at this merge's own files, in ``merge-command/``."""
-    specs = sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))
-    if not specs:
+    if not (specs := sorted(rd.root.glob("attempt-[0-9][0-9][0-9]/spec.json"))):
         raise BadInput(f"{rd.root}: no attempt-NNN/spec.json to merge from")
     base = AttemptSpec.from_json(specs[-1].read_text(encoding="utf-8"))
     work = AttemptDir(ensure_dir(rd.merge_command))  # never through a link (rundir)

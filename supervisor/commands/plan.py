@@ -176,11 +176,10 @@ def find_card(gpu_memory: str | None, job: Job, predicted: gpu_terms.Prediction 
     total = size_flag("--gpu-memory", gpu_memory)  # a bare 24 is refused: it would be 24 bytes
     if total is not None:
         return Card("flag", total, None, reserve, why, card_budget(total, paged))
-    cap, device = job.resources.gpu_memory_limit, job.resources.device
-    if cap is not None:
+    if (cap := job.resources.gpu_memory_limit) is not None:
         cap_why = "none: gpu_memory_limit caps PyTorch's allocator, and the peak allocated is what it caps"
         return Card("job_cap", cap, None, 0, cap_why, cap)
-    if device != "cpu" and (monitor := GpuMonitor.open(device)) is not None:
+    if job.resources.device != "cpu" and (monitor := GpuMonitor.open(job.resources.device)) is not None:
         with contextlib.closing(monitor):
             sample = monitor.sample(set())
         if sample is not None:
@@ -227,8 +226,7 @@ def plan_model_files(model: str, job: Job) -> model_files.ModelFiles:
 
 
 def _tie_note(files: model_files.ModelFiles, shape: ModelShape | None) -> list[str]:
-    has_head = files.has_lm_head
-    if shape is None or has_head is None or has_head != shape.tie_word_embeddings:
+    if shape is None or (has_head := files.has_lm_head) is None or has_head != shape.tie_word_embeddings:
         return []
     if has_head:
         return ["config says tie_word_embeddings but the checkpoint stores lm_head.weight: counted as tied"]

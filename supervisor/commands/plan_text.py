@@ -92,13 +92,12 @@ def _render_start(start: dict[str, Any]) -> list[str]:
 def _render_host(host: dict[str, Any]) -> list[str]:
     if host["load_peak_bytes"] is None:
         return ["host RAM: checkpoint size unknown"]
-    limit = host["cgroup_limit_bytes"]
+    limit = "none" if (cap := host["cgroup_limit_bytes"]) is None else format_bytes(cap)
     lines = [
         f"host RAM to load: {format_bytes(host['load_peak_bytes'])}, to merge: "
-        f"{format_bytes(host['merge_peak_bytes'])} "
-        f"(16-bit checkpoint {format_bytes(host['checkpoint_bytes'])}); "
-        f"available now {format_bytes(host['available_bytes'])}, cgroup limit "
-        f"{'none' if limit is None else format_bytes(limit)}",
+        f"{format_bytes(host['merge_peak_bytes'])} (16-bit checkpoint "
+        f"{format_bytes(host['checkpoint_bytes'])}); available now {format_bytes(host['available_bytes'])}, "
+        f"cgroup limit {limit}",
         f"  basis: {host['basis']}",
     ]
     if host["load_fits"] is False:

@@ -88,8 +88,7 @@ def run_job(
 def _reporting(
     job: Job, console: TextIO, plain: bool, console_stream: ConsoleStream
 ) -> tuple[outputs.Reporter, list[Listener]]:
-    """The reporter the loop ticks and the listeners the event log feeds, each an optional output run
-    through the reporter's ``BestEffort`` (none can raise into the loop's log calls)."""
+    """The loop's reporter and the event log's listeners, each output run through one ``BestEffort``."""
     budget = job.resources.gpu_memory_limit or job.resources.cpu_memory_limit
     best = outputs.BestEffort()
     service = ServiceStatus(job.supervise.max_attempts, budget)
@@ -162,8 +161,7 @@ def reconcile(rd: RunDir, job: Job, restart: bool) -> Submission:
 
 def _lift_verdict(rd: RunDir, submitted: Submission, retry: bool, log: FilteringBoundLogger) -> None:
     """A verdict other than success is lifted by ``--retry`` or a changed job; the journal says so."""
-    state = read_state(rd.state)
-    if state is not None and state.run_state is RunState.SUCCEEDED:
+    if (state := read_state(rd.state)) is not None and state.run_state is RunState.SUCCEEDED:
         # A raised max_steps / epochs extends a finished run from its last checkpoint (issue 21 item 13).
         if (extended := generations.extend_finished(rd, submitted.changes, time.time())) is not None:
             lifted = {"after_attempt": extended.after_attempt, "why": extended.why}

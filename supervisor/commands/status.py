@@ -57,8 +57,9 @@ def status_command(
     while True:
         marks = [_marks(rd) for rd in dirs]
         if marks != seen and as_json:
-            runs = [status_json(rd) for rd in dirs]
-            print(json.dumps({"schema": SCHEMA, "runs": runs}, indent=2), file=out)
+            print(
+                json.dumps({"schema": SCHEMA, "runs": [status_json(rd) for rd in dirs]}, indent=2), file=out
+            )
         elif marks != seen:
             for index, rd in enumerate(dirs):
                 if index:
@@ -73,8 +74,7 @@ def status_command(
 
 def _marks(rd: RunDir) -> tuple[float, ...]:
     # The attempt in flight's heartbeats too: --follow shows its step and speed as they move.
-    state = read_state(rd.state)
-    flight = state.in_flight if state is not None else None
+    flight = state.in_flight if (state := read_state(rd.state)) is not None else None
     beats = (rd.attempt(flight.number).events,) if flight is not None else ()
     return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in (rd.state, rd.attempts, *beats))
 
@@ -120,8 +120,7 @@ def print_story(run_dir: RunDir, out: TextIO) -> None:
         lines.append(f"state: {state.run_state.value}{f' ({state.note})' if state.note else ''}")
     for record in records:
         lines += describe(record, run_dir)
-        snapshot = run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME
-        if snapshot.is_file():
+        if (snapshot := run_dir.attempt_dir(record.attempt) / MEMORY_SNAPSHOT_NAME).is_file():
             lines += [f"  memory snapshot: {snapshot}", f"    {SNAPSHOT_HOW_TO}"]
     running = running_attempt(run_dir, state, records[-1].attempt if records else 0)
     lines += running.lines() if running is not None else []
@@ -144,16 +143,12 @@ def merge_lines(rd: RunDir) -> list[str]:
     lines = []
     now, made = adapter_step(rd), merged_record(rd)
     if rd.merged.exists():
-        report = merge_report(rd)
-        step = report.get("adapter_step") if report else None
-        numbers = ""
-        if report:
-            parts = [f"{report.get('device')}", f"{report.get('dtype')}", f"{report.get('seconds', 0):.0f} s"]
-            for key, label in (("host_peak_bytes", "host peak"), ("gpu_peak_bytes", "GPU peak")):
-                if isinstance(report.get(key), int):
-                    parts.append(f"{label} {format_bytes(report[key])}")
-            numbers = f" ({', '.join(parts)})"
-        lines.append(f"merged: {rd.merged}{numbers}{_from_step(step, now, rd)}")
+        report = merge_report(rd) or {}
+        parts = [f"{report.get('device')}", f"{report.get('dtype')}", f"{report.get('seconds', 0):.0f} s"]
+        for key, label in (("host_peak_bytes", "host peak"), ("gpu_peak_bytes", "GPU peak")):
+            parts += [f"{label} {format_bytes(report[key])}"] if isinstance(report.get(key), int) else []
+        numbers = f" ({', '.join(parts)})" if report else ""
+        lines.append(f"merged: {rd.merged}{numbers}{_from_step(report.get('adapter_step'), now, rd)}")
     if made and (made_dir := str(made.get("merged_dir"))) != str(rd.merged) and Path(made_dir).exists():
         step = _from_step(made.get("adapter_step"), now, rd)
         lines.append(f"merged by `qlora-supervise merge --out`: {made_dir}{step}")
@@ -219,8 +214,7 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
             lines.append(f"  fix: {fix}")
         if run_dir is not None:
             lines.append(f"  log: {run_dir.attempt(r.attempt).log}")
-    d = r.decision
-    if d is not None and r.restarts:
+    if (d := r.decision) is not None and r.restarts:
         changes = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in d.changes.items()) or "no change"
         kept = f"{d.survives.value}; next attempt resumes at step {r.next_resume_from}, lost {r.lost_steps}"
         lines += [f"  retry: {d.rung}: {changes} ({d.why})", f"  progress kept: {kept} step(s)"]
@@ -231,8 +225,7 @@ def describe(r: AttemptRecord, run_dir: RunDir | None = None) -> list[str]:
 
 def host_line(r: AttemptRecord) -> str | None:
     """The attempt's host RAM against the host model's prediction; None when nothing was read."""
-    host = r.host
-    if host is None or (host.peak_bytes is None and host.load_peak_bytes is None):
+    if (host := r.host) is None or (host.peak_bytes is None and host.load_peak_bytes is None):
         return None
     parts = []
     if host.peak_bytes is not None:
@@ -272,14 +265,12 @@ class Running:
         """What ``status`` prints for it: a head line like an attempt's, then its config and speed."""
         f = self.flight
         ago = max(0.0, time.time() - f.started_at)
-        since = (
-            f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.1f} h"
-        )
+        age = f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.1f} h"
         step = f"at step {self.step}" if self.step is not None else "no heartbeat yet"
         where = f" in {self.stage}" if self.stage else ""
         head = f"attempt {f.number} [{f.phase.value}] running: resumed at {f.resumed_from}, {step}{where}"
         child = f"pid {f.pid}" if _alive(f.pid) else f"its child, pid {f.pid}, is gone: the supervisor died?"
-        lines = [f"{head}; since {since} ago ({child})", f"  config: {history.config_text(f.knobs)}"]
+        lines = [f"{head}; since {age} ago ({child})", f"  config: {history.config_text(f.knobs)}"]
         if self.tokens_per_s is not None:
             lines.append(f"  speed: {self.tokens_per_s:,.0f} tokens/s (median of its heartbeats)")
         return lines
@@ -304,8 +295,7 @@ def print_summary(rd: RunDir, out: TextIO) -> None:
     """What ``run`` and ``demo`` end with: the retry story, what the ladder changed, how to load it."""
     print("\n--- the retry story (qlora-supervise status) ---", file=out)
     print_story(rd, out)
-    train = [r for r in read_attempts(rd.attempts)[0] if r.phase is journal.Phase.TRAIN]
-    if not train:
+    if not (train := [r for r in read_attempts(rd.attempts)[0] if r.phase is journal.Phase.TRAIN]):
         return
     last = train[-1].knobs
     changed = [f"{name} {old} -> {new}" for name, (old, new) in knob_changes(train[0].knobs, last).items()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from qlora_supervise.supervisor.commands import BadInput
@@ -13,7 +14,6 @@ from qlora_supervise.supervisor.jobfile.problems import JobError, Problem, show
 from qlora_supervise.supervisor.record.rundir import foreign_output_dir
 from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.supervisor.trainers.trainer import tool_advice, tool_problems
-from qlora_supervise.trainer_child.contract.spec import DataSpec
 
 
 def validate_command(path: str) -> int:
@@ -33,8 +33,12 @@ def validate_command(path: str) -> int:
             print(problem.render())
         return 2
     print(f"{path}: OK")
-    # A tool reads its own data (a hub dataset, a mixture): it is not probed here.
-    records = _records(job.data) if job.trainer.probes_data() else None
+    records: int | None = None  # the training data's record count, for the warnings and the summary
+    if job.trainer.probes_data():  # a tool reads its own data (a hub dataset, a mixture): not probed here
+        messages = job.data.messages_field is not None
+        name = job.data.messages_field if messages else job.data.text_field
+        with contextlib.suppress(OSError, ValueError, data_probe.DataProbeError):
+            records = data_probe.scan_records(Path(job.data.path), name or "", messages=messages)
     # What a person should know before running the job, though it is not a problem (jobfile.advice).
     trust = [f"warning: {TRUST_REMOTE_CODE_WARNING}"] if job.train.trust_remote_code else []
     advice = [found.render() for found in [*job_advice(job, records), *tool_advice(job.trainer)]]
@@ -82,13 +86,3 @@ def summary_lines(job: Job, records: int | None = None) -> list[str]:
         f"device: {resources.device}" + (f"; memory limits: {', '.join(limits)}" if limits else ""),
         f"output_dir: {job.output_dir}",
     ]
-
-
-def _records(data: DataSpec) -> int | None:
-    """The training data's record count (read once for the warnings and the summary); None where unknown."""
-    messages = data.messages_field is not None
-    name = data.messages_field if messages else data.text_field
-    try:
-        return data_probe.scan_records(Path(data.path), name or "", messages=messages)
-    except (OSError, ValueError, data_probe.DataProbeError):
-        return None

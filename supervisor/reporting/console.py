@@ -56,8 +56,7 @@ class ProgressDisplay:
             self._bar = None
 
     def _worth_a_line(self, p: Progress) -> bool:
-        last = self._last_key
-        if last is None:
+        if (last := self._last_key) is None:
             return True
         # forward -> backward -> optimizer every step is not news; load, save, eval and merge are.
         if last[2] != p.stage and not (p.stage in _TRAINING and last[2] in _TRAINING):
@@ -162,7 +161,7 @@ class ConsoleLost(OSError):
 
 
 def best_effort(stream: TextIO) -> tuple[TextIO, ConsoleStream]:
-    """``stream`` wrapped as a :class:`ConsoleStream`: as a ``TextIO`` for its writers (the
-    wrapper has the methods they call: write, flush, isatty, fileno), and as itself."""
+    """``stream`` as a :class:`ConsoleStream`, typed ``TextIO`` for its writers (it has write, flush, isatty,
+    fileno), and as itself."""
     console = stream if isinstance(stream, ConsoleStream) else ConsoleStream(stream)
     return cast(TextIO, console), console

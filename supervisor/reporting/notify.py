@@ -104,8 +104,7 @@ class ServiceStatus:
         """A stop request: tell systemd it is stopping and how long the checkpoint may take (else False)."""
         if event.get("event") != Event.STOP_REQUESTED.value:
             return False
-        given = event.get("grace_s")
-        grace = float(given) if isinstance(given, int | float) else 0.0
+        grace = float(given) if isinstance(given := event.get("grace_s"), int | float) else 0.0
         stopping(f"stopping: the trainer checkpoints first (up to {tqdm.format_interval(grace)})")
         extend_timeout(grace + SAVE_EXTENSION_S)
         return True

@@ -83,8 +83,7 @@ class BestEffort:
 
     def failed(self, output: str, problem: str, event: Event = Event.OUTPUT_FAILED, **fields: object) -> None:
         now = self._clock()
-        streak = self._failing.get(output)
-        if streak is not None:
+        if (streak := self._failing.get(output)) is not None:
             streak.failures += 1
             if now - streak.logged_at < RELOG_EVERY_S:
                 streak.unlogged += 1
@@ -96,8 +95,7 @@ class BestEffort:
         self.log.warning(event, output=output, problem=problem, fix=FIXES.get(output, ""), **more, **fields)
 
     def worked(self, output: str) -> None:
-        streak = self._failing.pop(output, None)
-        if streak is not None and self.log is not None:
+        if (streak := self._failing.pop(output, None)) is not None and self.log is not None:
             self.log.info(Event.OUTPUT_RECOVERED, output=output, failures=streak.failures)
 
 
@@ -125,18 +123,15 @@ class EventHook:
 
     def on_event(self, event: Mapping[str, object]) -> bool:
         """Run the hook for a hooked event; True when it ran and exited 0 (a failure is logged here)."""
-        name = str(event.get("event"))
-        if name not in HOOKED_EVENTS:
+        if (name := str(event.get("event"))) not in HOOKED_EVENTS:
             return False
-        problem = self._run(name, json.dumps(dict(event), default=str))
-        if problem is None:
+        if (problem := self._run(name, json.dumps(dict(event), default=str))) is None:
             self.outputs.worked(ON_EVENT)
         else:
             self.outputs.failed(ON_EVENT, problem, Event.HOOK_FAILED, hook=self.argv, for_event=name)
         return problem is None
 
     def _run(self, name: str, payload: str) -> str | None:
-        """None when the hook exited 0, else what went wrong, in one line."""
         env = {**os.environ, "QLORA_SUPERVISE_EVENT": name}
         try:
             code, out, err = bounded_run(self.argv, payload.encode(), self.timeout_s, env)
@@ -261,8 +256,7 @@ class MetricsTextfile:
 
     def on_event(self, event: Mapping[str, object]) -> bool:
         """Attempt outcomes and state changes, written at once; False for an event not counted."""
-        name = str(event.get("event"))
-        if name == Event.FAILURE_CLASSIFIED.value:
+        if (name := str(event.get("event"))) == Event.FAILURE_CLASSIFIED.value:
             self._attempts.labels(self._run, "failed", str(event.get("kind"))).inc()
         elif name == Event.ATTEMPT_SUCCEEDED.value:
             self._attempts.labels(self._run, "succeeded", "none").inc()
