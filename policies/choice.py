@@ -118,8 +118,7 @@ def after_trial(planned: Knobs, results: Sequence[TrialResult]) -> TrialChoice:
     unless another ran more than :data:`MIN_GAIN` faster, or the plan failed (an OOM, or a peak over
     its limit) and another ran within it. The child calls it to switch in-process, the supervisor
     on the reported timings to journal what trained."""
-    ran = [r for r in results if r.tokens_per_s and r.error is None]
-    if not ran:
+    if not (ran := [r for r in results if r.tokens_per_s and r.error is None]):
         why = "no candidate ran within the plan's limit" if results else "nothing was timed"
         return TrialChoice(planned, False, f"speed trial: {why}; the plan stays")
     fastest, plan = max(ran, key=lambda r: r.tokens_per_s or 0.0), results[0]

@@ -37,8 +37,7 @@ def walk(
         if name in unusable:
             continue
         rung = rung_by_name(name, context)
-        changed = rung.apply(candidate)
-        if changed is None or changed in failed_same_way:
+        if (changed := rung.apply(candidate)) is None or changed in failed_same_way:
             continue
         if failure.kind is FailureKind.HOST_OOM and _adds_host(knobs, changed, settings):
             continue  # after a host OOM kill, a rung that adds host memory (offload) is no way down
@@ -50,8 +49,7 @@ def walk(
     # Nothing fits by the model's estimate: it may be wrong, so take one step, not all; but not one
     # over the host budget (the pre-flight refuses those outright: a host OOM kill loses the step).
     for rung in applied:
-        stepped = rung.apply(knobs)
-        if stepped is not None and not _over_host(stepped, settings):
+        if (stepped := rung.apply(knobs)) is not None and not _over_host(stepped, settings):
             return _restart(knobs, stepped, [rung], [], settings.sample_lengths)
     kind = failure.kind.value
     if applied:

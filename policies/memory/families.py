@@ -95,8 +95,7 @@ def facts_of(config: Mapping[str, Any]) -> dict[str, Any]:
 def _window(config: Mapping[str, Any], layers: int) -> tuple[int | None, int]:
     """The sliding window and how many layers use it: by ``layer_types``, else Gemma's pattern,
     Qwen's ``use_sliding_window`` switch, else Mistral/Phi-3's window on every layer."""
-    window = config.get("sliding_window")
-    if not window:
+    if not (window := config.get("sliding_window")):
         return None, 0
     types = config.get("layer_types")
     if isinstance(types, list) and types:

@@ -87,8 +87,7 @@ class ModelShape:
             unknown = [a for a in architectures if a not in families.ARCHITECTURES]
             if unknown:
                 return _not_modelled(str(unknown[0]), config)
-        model_type = model_type_of(config)
-        if model_type not in BLOCKS:
+        if (model_type := model_type_of(config)) not in BLOCKS:
             return _not_modelled(model_type, config)
         moe = [key for key in MOE_KEYS if config.get(key)]
         if moe and not BLOCKS[model_type].moe:
@@ -100,8 +99,7 @@ class ModelShape:
     def architecture(cls, config: Mapping[str, Any]) -> ModelShape | Unsupported:
         """The sizes and facts of any family the targets table knows, modelled or not; Unsupported
         for another model type or a broken config. A multimodal one is read from its text_config."""
-        model_type = model_type_of(config)
-        if model_type not in FAMILIES:
+        if (model_type := model_type_of(config)) not in FAMILIES:
             detail = f"model_type {model_type!r} is none of the families read ({', '.join(sorted(FAMILIES))})"
             return Unsupported(UnsupportedReason.NOT_MODELLED, detail)
         text = config.get("text_config")
@@ -166,8 +164,7 @@ class ModelShape:
         if self.experts:
             router = "router logits kept for the auxiliary loss" if self.router_logits else "routing buffers"
             terms += [f"{self.experts} resident experts per layer, unquantized and cast to fp32", router]
-        block = FAMILIES.get(self.model_type)
-        if block is not None and block.attention != ATTENTION_MODULES:
+        if (block := FAMILIES.get(self.model_type)) is not None and block.attention != ATTENTION_MODULES:
             terms.append(f"LoRA on fused {', '.join(block.linear)}")
         return tuple(terms)
 

@@ -134,8 +134,7 @@ def _as_written(search: Search, knobs: Knobs) -> str:
 
 def _host_reasons(search: Search, knobs: Knobs) -> list[str]:
     """The host side of a choice: its need against the host budget, and the candidates the host ruled out."""
-    host = search.host_peak(knobs)
-    if host is None or search.host is None:
+    if (host := search.host_peak(knobs)) is None or search.host is None:
         return []
     out = [f"host: host need {_gib(host)} fits the host budget {_gib(search.host.budget_bytes)}"]
     if search.host_rejected:

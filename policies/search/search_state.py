@@ -209,8 +209,7 @@ class Search:
         """Every fitting throughput variant of ``base``, fastest first."""
         out = []
         for variant in throughput_variants(base):
-            fitted = self.with_eval_that_fits(variant)
-            if fitted is None or fitted in self.exclude:
+            if (fitted := self.with_eval_that_fits(variant)) is None or fitted in self.exclude:
                 continue
             names = rungs_between(self.job, fitted)
             if set(names) & self.unusable:
@@ -280,8 +279,7 @@ def rung_effects(
     base = throughput.rank_speed(shape, knobs, speed, targets).tokens_per_s
     effects = []
     for rung in rungs.PLAN_RUNGS:
-        changed = rung.apply(knobs)
-        if changed is None or rung.cost is None:
+        if (changed := rung.apply(knobs)) is None or rung.cost is None:
             effects.append(RungEffect(rung.name, rung.cost or CostClass.FREE, 0.0, None, {}))
             continue
         rate = throughput.rank_speed(shape, changed, speed, targets).tokens_per_s

@@ -135,8 +135,7 @@ def calibrate(
     ratios: dict[bool, list[float]] = {True: [], False: []}
     low, high = SCALE_RANGE
     for key, o in latest.items():
-        predicted = predict(shape, key, targets).tokens_per_s
-        if predicted > 0:
+        if (predicted := predict(shape, key, targets).tokens_per_s) > 0:
             ratios[key.gradient_checkpointing].append(min(max(o.tokens_per_s / predicted, low), high))
     every = [r for rs in ratios.values() for r in rs]
     scale = tuple((mode, statistics.median(rs)) for mode, rs in ratios.items() if rs)

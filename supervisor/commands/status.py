@@ -55,8 +55,7 @@ def status_command(
             raise BadInput(f"{path} is not a run directory ({why}); pass the job's output_dir")
     seen: list[tuple[float, ...]] = []
     while True:
-        marks = [_marks(rd) for rd in dirs]
-        if marks != seen and as_json:
+        if (marks := [_marks(rd) for rd in dirs]) != seen and as_json:
             print(
                 json.dumps({"schema": SCHEMA, "runs": [status_json(rd) for rd in dirs]}, indent=2), file=out
             )

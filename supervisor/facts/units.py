@@ -23,8 +23,7 @@ MIN_MEMORY_SIZE = 1024**2
 
 def parse_memory_size(value: str) -> int:
     """A command line's memory size: :func:`parse_bytes`, refusing less than :data:`MIN_MEMORY_SIZE`."""
-    size = parse_bytes(value)
-    if size >= MIN_MEMORY_SIZE:
+    if (size := parse_bytes(value)) >= MIN_MEMORY_SIZE:
         return size
     text = str(value).strip()
     number = re.match(_NUMBER, text)

@@ -73,8 +73,7 @@ def safe_load_bounded(text: str) -> Any:
     open_nodes: set[int] = set()
 
     def size(node: yaml.Node) -> int:
-        key = id(node)
-        if key in sizes:
+        if (key := id(node)) in sizes:
             return sizes[key]
         if key in open_nodes:
             raise AliasBombError("an alias refers to a node that contains it (an endless expansion)")

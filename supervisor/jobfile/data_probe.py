@@ -148,8 +148,7 @@ def _probe_dir(path: Path) -> DataProbe:
         numbers = [count for count in counts if isinstance(count, int)]
         rows = sum(numbers) if numbers and len(numbers) == len(counts) else None
         return DataProbe(tuple(features), None, rows)
-    files = _data_files(path)
-    if not files:
+    if not (files := _data_files(path)):
         raise DataProbeError(f"the directory holds no dataset (expected {FORMATS_HELP})")
     return probe(files[0])
 

@@ -82,8 +82,7 @@ def _device(value: object) -> object:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return f"cuda:{value}"
     if isinstance(value, str):
-        text = value.strip()
-        if text in ("auto", "cpu") or re.match(r"^(GPU|MIG)-[0-9a-fA-F-]+$", text):
+        if (text := value.strip()) in ("auto", "cpu") or re.match(r"^(GPU|MIG)-[0-9a-fA-F-]+$", text):
             return text
         if re.fullmatch(r"(cuda:)?\d+", text):
             return f"cuda:{text.removeprefix('cuda:')}"

@@ -116,8 +116,7 @@ def note_rank_peaks(spec: AttemptSpec, progress: Progress, log: FilteringBoundLo
     them (the card that limits the config), and one rank well above the others is logged."""
     if spec.knobs.world_size <= 1:
         return {}
-    peaks = watch.read_rank_peaks(Path(spec.events_file))
-    if peaks:
+    if peaks := watch.read_rank_peaks(Path(spec.events_file)):
         progress.peak_bytes = max(progress.peak_bytes or 0, *peaks.values())
     if (found := watch.uneven(peaks)) is not None:
         log.warning(
@@ -140,8 +139,7 @@ def seal_rank_parts(
     """Under torchrun: ``checkpoint-N`` sealed from the ranks' emergency parts (rank 0's part and
     every rank's RNG state) when every rank's part names the same step; the reports then name it
     as their emergency checkpoint, else none (no part is trusted, and every part is removed)."""
-    parts = {r.rank: Path(r.emergency_checkpoint) for r in reports if r.emergency_checkpoint}
-    if not parts:
+    if not (parts := {r.rank: Path(r.emergency_checkpoint) for r in reports if r.emergency_checkpoint}):
         return tuple(reports)
     step = checkpoints.agreed_parts(list(parts.values()), knobs.world_size)
     sealed = None

@@ -60,8 +60,7 @@ def past_step_ups(records: Sequence[AttemptRecord]) -> list[rule.PastStepUp]:
     """The journal's step-ups, each with whether the attempt that ran its config failed."""
     found = []
     for r, after in zip(records, [*records[1:], None], strict=False):
-        d = r.decision
-        if d is None or d.rung != rule.STEP_UP_RUNG or d.knobs is None or d.undoes is None:
+        if (d := r.decision) is None or d.rung != rule.STEP_UP_RUNG or d.knobs is None or d.undoes is None:
             continue
         failed = after is not None and after.outcome is Outcome.FAILED and after.failure is not None
         found.append(rule.PastStepUp(d.undoes, d.knobs, failed))

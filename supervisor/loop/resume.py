@@ -75,8 +75,7 @@ def resume_point(checkpoints_dir: Path, knobs: Knobs, *, quarantine_damaged: boo
         rank_from = rank if type(rank) is int and rank > knobs.lora_r else None  # JSON's int, not a bool
         # A larger rank is cut down by SVD, its alpha rescaled with it: only the model must match.
         names = ("model",) if rank_from is not None else ("model", "lora_r", "lora_alpha")
-        differs = [name for name in names if saved.get(name) != getattr(knobs, name)]
-        if differs:
+        if differs := [name for name in names if saved.get(name) != getattr(knobs, name)]:
             skipped.append(f"{path.name}: adapter differs in {', '.join(differs)}")
             continue
         # Another optimizer, the fresh_optimizer_state rung against a checkpoint written before it, or

@@ -105,8 +105,7 @@ class _Relay:
         self._held: list[str] = []  # console lines the listeners logged, for after the outer line
 
     def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
-        nested = self._depth > 0
-        if not nested:
+        if not (nested := self._depth > 0):
             self._depth += 1
             try:
                 for listener in self._listeners:

@@ -44,8 +44,7 @@ def unmodelled(tool: Tool, config: Config, model_dir: str) -> str | None:
     if saved is not None and saved != _SAVED_NF4:
         counts = "the memory model counts bitsandbytes 4-bit QLoRA weights"
         return f"the model is saved already quantized ({saved}); {counts}"
-    why = tool.unmodelled(config, saved == _SAVED_NF4)
-    if why is not None or saved == _SAVED_NF4:
+    if (why := tool.unmodelled(config, saved == _SAVED_NF4)) is not None or saved == _SAVED_NF4:
         return why
     if (eight := tool.eight_bit(config)) is not None:
         counts = "the memory model counts 4-bit QLoRA weights"
@@ -80,8 +79,7 @@ def with_saved_4bit(knobs: Knobs, model_dir: str) -> Knobs:
 def _saved_as(quant: Config) -> str:
     """How a model's ``quantization_config`` saved its weights: ``bitsandbytes 4-bit`` (a ``*-bnb-4bit``
     model), else the method and its bits (gptq, awq, ...)."""
-    method = str(quant.get("quant_method") or "unknown method")
-    if method == "bitsandbytes":
+    if (method := str(quant.get("quant_method") or "unknown method")) == "bitsandbytes":
         if quant.get("llm_int8_skip_modules") not in (None, [], ["lm_head"]):
             # "dynamic" 4-bit uploads keep chosen layers in 16 bits: not every weight is 4-bit.
             return "bitsandbytes 4-bit with modules left unquantized (llm_int8_skip_modules)"

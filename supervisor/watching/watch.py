@@ -161,8 +161,7 @@ def uneven(peaks: Mapping[int, int]) -> UnevenPeaks | None:
         return None
     high = max(peaks, key=lambda rank: (peaks[rank], -rank))
     low = min(peaks, key=lambda rank: (peaks[rank], rank))
-    gap = peaks[high] - peaks[low]
-    if gap < UNEVEN_MIN_BYTES or gap < UNEVEN_SHARE * peaks[low]:
+    if (gap := peaks[high] - peaks[low]) < UNEVEN_MIN_BYTES or gap < UNEVEN_SHARE * peaks[low]:
         return None
     return UnevenPeaks(high, peaks[high], low, peaks[low])
 

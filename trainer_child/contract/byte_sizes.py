@@ -56,8 +56,7 @@ def parse_bytes(value: str | int | float, *, unit_required: bool = False) -> int
 def format_bytes(n: int | float) -> str:
     """1610612736 -> ``"1.50 GiB"``; below 1 KiB: ``"512 B"``. Binary units, two decimals."""
     sign = "-" if n < 0 else ""
-    size = float(abs(n))
-    if size < 1024:
+    if (size := float(abs(n))) < 1024:
         return f"{sign}{int(size)} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         size /= 1024

@@ -22,8 +22,7 @@ class DataRowError(ValueError):
 
 def scan(path: Path, field: str, *, messages: bool) -> int:
     """The number of records in the file at ``path``, each checked; raises DataRowError."""
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".csv"):
+    if (suffix := path.suffix.lower()) in (".jsonl", ".csv"):
         return _count((_jsonl_records if suffix == ".jsonl" else _csv_records)(path), path, field, messages)
     if suffix == ".json":
         return _scan_json(path, field, messages)

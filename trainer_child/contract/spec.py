@@ -201,8 +201,7 @@ _UUID_PREFIXES = ("GPU-", "MIG-")
 def bind_device(device: str, inherited_visible: str | None) -> DeviceBinding:
     """Map the job's ``device`` (``auto``, ``cpu``, ``N`` / ``cuda:N``: the N-th visible GPU, or a GPU/MIG
     UUID) through the inherited ``CUDA_VISIBLE_DEVICES``, alike on both sides; raises :class:`DeviceError`."""
-    text = device.strip()
-    if text == "cpu":
+    if (text := device.strip()) == "cpu":
         return DeviceBinding("", None)
     if text.startswith(_UUID_PREFIXES):
         return DeviceBinding(text, text)

@@ -26,8 +26,7 @@ def set_checkpointing(trainer: Any, enabled: bool) -> None:
     model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     # transformers 5's activation_checkpointing_*; gradient_checkpointing_* are aliases that warn.
     if enabled:
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
+        if (enable := getattr(model, "activation_checkpointing_enable", None)) is not None:
             enable(activation_checkpointing_kwargs=checkpointing_kwargs())
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
@@ -65,8 +64,7 @@ class HostBuffers:
         """A host buffer whose first bytes hold ``tensor``."""
         nbytes = tensor.nbytes
         size = 1 << max(nbytes - 1, 0).bit_length()
-        free = self._free.get(size)
-        if free:
+        if free := self._free.get(size):
             buffer = free.pop()
             self.reused += 1
         else:
@@ -124,8 +122,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         def pack(tensor: torch.Tensor) -> Any:
             if not offloads(tensor) or torch._C._current_graph_task_id() != -1:  # saved in a backward
                 return tensor
-            earlier = seen.get(id(tensor))
-            if earlier is not None and earlier[0]() is tensor:
+            if (earlier := seen.get(id(tensor))) is not None and earlier[0]() is tensor:
                 return earlier[1]
             packed = _Offloaded(pool, tensor)
             seen[id(tensor)] = (weakref.ref(tensor), packed)

@@ -38,8 +38,7 @@ def load_table(path: str, spec: DataSpec) -> Any:  # -> datasets.Dataset
         return loaded
     if not source.is_file():
         raise ConfigError(f"data {path}: no such file or directory")
-    builder = _BUILDERS.get(source.suffix.lower())
-    if builder is None:
+    if (builder := _BUILDERS.get(source.suffix.lower())) is None:
         raise ConfigError(
             f"data {path}: unknown format {source.suffix!r}, expected one of {sorted(_BUILDERS)}"
         )
@@ -63,8 +62,7 @@ def _bad_record(source: Path, spec: DataSpec) -> str | None:
 
 def to_rows(table: Any, spec: DataSpec, tokenizer: Any, path: str) -> Any:
     """A dataset of one column: ``text``, or ``messages`` (left as turns, for trl to mask the user's)."""
-    field = spec.messages_field or spec.text_field
-    if field is None:
+    if (field := spec.messages_field or spec.text_field) is None:
         raise ConfigError("data: neither text_field nor messages_field is set")
     if field not in table.column_names:
         raise ConfigError(f"data {path}: field {field!r} not found; columns are {table.column_names}")

@@ -32,8 +32,7 @@ def kept_16bit(model: Any, knobs: Knobs) -> list[torch.nn.Parameter]:
 
 
 def block_classes(model: Any) -> list[str]:
-    names = getattr(model, "_no_split_modules", None) or []
-    if not names:
+    if not (names := getattr(model, "_no_split_modules", None) or []):
         raise ConfigError(f"{type(model).__name__} names no decoder block (_no_split_modules) to shard by")
     return list(names)
 

@@ -35,8 +35,7 @@ def kept_out_of_upcast(parameters: list[torch.nn.Parameter], dtype: torch.dtype 
 
 def match_head_input(model: Any) -> None:
     """Cast the LM head's input to its weight dtype: without autocast, the fp32 norm's output meets bf16."""
-    head = model.get_output_embeddings()
-    if head is None:
+    if (head := model.get_output_embeddings()) is None:
         return
 
     def to_weight_dtype(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

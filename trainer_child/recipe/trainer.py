@@ -139,8 +139,7 @@ class SupervisedTrainerMixin(_TrainerBase):
         progress.heartbeat()
 
     def _trace_batch(self, inputs: Any) -> None:
-        trace = os.environ.get(TEST_TRACE_BATCHES)
-        if not trace:
+        if not (trace := os.environ.get(TEST_TRACE_BATCHES)):
             return
         ids = inputs["input_ids"].tolist()
         record = {

@@ -41,8 +41,7 @@ def tune_malloc(arenas: int = 2) -> None:
     """Keep the data segment (what RLIMIT_DATA counts) close to live memory: few arenas (64 MiB of
     address space each), and a fixed mmap threshold (glibc raises it after the first large free, and
     the heap never shrinks: after an OOM the emergency checkpoint could not allocate)."""
-    path = ctypes.util.find_library("c")
-    if path is None:
+    if (path := ctypes.util.find_library("c")) is None:
         return
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
         libc = ctypes.CDLL(path)

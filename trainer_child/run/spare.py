@@ -101,11 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     os.close(fd)
     from qlora_supervise.trainer_child.__main__ import spec_or_none
 
-    spec = spec_or_none(Path(order["spec"]))
-    if spec is None:
+    if (spec := spec_or_none(Path(order["spec"]))) is None:
         return int(ExitCode.CONFIG)
-    why = check_spec(spec, args.device, args.expandable_segments)
-    if why is not None:
+    if (why := check_spec(spec, args.device, args.expandable_segments)) is not None:
         print(f"trainer child spare: {why}", file=sys.stderr)
         return int(ExitCode.CONFIG)
     from qlora_supervise.trainer_child.run.attempt import run

@@ -90,8 +90,7 @@ def _group(place: RankPlace) -> Any:
 
 
 def barrier(place: RankPlace) -> None:
-    dist = _group(place)
-    if dist is not None:
+    if (dist := _group(place)) is not None:
         dist.barrier()
 
 
@@ -100,8 +99,7 @@ def decide_together(place: RankPlace, progress: Progress, device: Any) -> tuple[
     one that saves or stops alone would hang the others in mismatched collectives. Flags are only raised
     here, never cleared: a SIGTERM landing after this rank's value was sent counts in the next step's."""
     stop, early = progress.stop_requested, progress.early_checkpoints
-    dist = _group(place)
-    if dist is not None:
+    if (dist := _group(place)) is not None:
         import torch
 
         values = torch.tensor([int(stop), int(early)], dtype=torch.int32, device=device)
@@ -126,8 +124,7 @@ def check_device(spec: AttemptSpec, on_cuda: bool) -> str | None:
         notes.append(f"gpu: auto found no usable GPU ({why_no_cuda()}): training on the CPU")
     if spec.gpu_memory_limit is not None:
         notes.append("gpu_memory_limit does nothing on the CPU (cpu_memory_limit caps host memory)")
-    note = "; ".join(notes)
-    if note:
+    if note := "; ".join(notes):
         print(f"trainer child: warning: {note}", file=sys.stderr, flush=True)
     return note or None
 

@@ -35,8 +35,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # once: the real finders find it, we only follow the load
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
+        if (spec := importlib.util.find_spec(fullname)) is None or spec.loader is None:
             return spec
         loader: Any = spec.loader
         original = loader.exec_module

@@ -92,8 +92,7 @@ class Ledger:
                 # Not applied, changed or not: its rung leaves the ladder from the first report.
                 self.settings.append(KnobSetting(knob, key, asked, asked, where, held))
                 continue
-            got = self._take(knob, key, asked, where)
-            if got != asked:
+            if (got := self._take(knob, key, asked, where)) != asked:
                 setattr(args, key, ("steps" if got else "no") if knob == "eval_enabled" else got)
         if self.changes.get("eval_enabled") is False and held is None and getattr(args, BEST, False):
             # Its __post_init__ refuses the best model at the end without eval (strategies must match).
@@ -138,8 +137,7 @@ class Ledger:
         for i, s in enumerate(self.settings):
             if s.where != where or s.knob not in ARGUMENTS or not hasattr(args, s.key):
                 continue
-            now = _read(s.knob, getattr(args, s.key))
-            if now == s.got:
+            if (now := _read(s.knob, getattr(args, s.key))) == s.got:
                 continue
             if s.knob in self.changes:
                 why = f"the script sets it to {now} after building its Trainer, past the shim's reach"
