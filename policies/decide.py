@@ -14,8 +14,7 @@ the first few are below :func:`decide`):
    -> GiveUp, not retryable. Under torchrun a card that keeps failing -> ``drop_rank``
 6. memory failures -> the next config as :mod:`.choice` decides it, after two plain retries: a host
    OOM kill after progress not in a row and an OOM marked spurious, once (issue 33, below); a
-   merge's memory failure takes the merge ladder.
-"""
+   merge's memory failure takes the merge ladder."""
 
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from qlora_supervise.policies import memory_model
 from qlora_supervise.policies.memory import gpu
 from qlora_supervise.policies.memory.shape import ModelShape, Unsupported, UnsupportedReason
+from qlora_supervise.supervisor.jobfile.schema import Optimizer
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "memory_points_h200.json").read_text())
@@ -49,7 +50,7 @@ def test_fixture_covers_what_the_model_distinguishes() -> None:
     points = FIXTURE["points"]
     assert {p["shape"] for p in points} == set(SHAPES)
     assert {p["knobs"]["gradient_checkpointing"] for p in points} == {True, False}
-    assert {p["knobs"]["optimizer"] for p in points} >= set(gpu.OPTIMIZERS) - {"adamw_torch_fused"}
+    assert {p["knobs"]["optimizer"] for p in points} >= set(get_args(Optimizer)) - {"adamw_torch_fused"}
     assert any(p["knobs"]["grad_accum"] > 1 for p in points)
     assert max(p["knobs"]["lora_r"] for p in points if p["targets"] == "all-linear") >= 256
 
@@ -114,15 +115,13 @@ def test_optimizers_by_kind() -> None:
     """torch AdamW keeps two moments in the adapter's bf16 (plus a foreach temporary), bitsandbytes
     8-bit two bytes plus absmax, 32-bit paged eight bytes outside the allocator."""
     n = gpu.lora_params(SHAPE_7B, 64, "all-linear")
-    state = {
-        o: gpu.optimizer_components(SHAPE_7B, knobs(optimizer=o, lora_r=64), "all-linear")
-        for o in gpu.OPTIMIZERS
-    }
-    assert state["adamw_torch"][0]["optimizer_state"] == 4 * n and state["adamw_torch"][1] == 2 * n
-    assert state["adamw_torch_fused"][0]["optimizer_state"] == 4 * n and state["adamw_torch_fused"][1] == 0
-    assert 2 * n < state["adamw_8bit"][0]["optimizer_state"] < 2.05 * n
-    assert state["paged_adamw_32bit"][0]["optimizer_state"] == 0 and state["paged_adamw_32bit"][2] == 8 * n
-    assert state["adamw_torch"][0]["lora_grads"] == 2 * n  # the gradient has the parameter's dtype
+    optimizers = get_args(Optimizer)
+    state = {o: gpu.adapter_bytes(SHAPE_7B, knobs(optimizer=o, lora_r=64), "all-linear") for o in optimizers}
+    assert state["adamw_torch"].state == 4 * n and state["adamw_torch"].step_temp == 2 * n
+    assert state["adamw_torch_fused"].state == 4 * n and state["adamw_torch_fused"].step_temp == 0
+    assert 2 * n < state["adamw_8bit"].state < 2.05 * n
+    assert state["paged_adamw_32bit"].state == 0 and state["paged_adamw_32bit"].paged == 8 * n
+    assert state["adamw_torch"].grads == 2 * n  # the gradient has the parameter's dtype
     paged = memory_model.predict(SHAPE_7B, knobs(optimizer="paged_adamw_32bit", lora_r=64))
     assert paged.outside["paged_optimizer_state"] > 0
 

@@ -152,7 +152,7 @@ def test_status_line_reads_like_the_issue_asks() -> None:
     p = Progress(
         step=420, stage="backward", max_steps=1000, tokens_per_s=1912.0, peak_bytes=int(21.3 * 2**30)
     )
-    line = status_line(3, 8, p, Pace(100.0, 0.0744, 7800.0), 24 * 2**30)
+    line = status_line(3, 8, p, Pace(100.0, 7800.0), 24 * 2**30)
     assert line == "attempt 3/8 · step 420/1000 · 1.9k tok/s · peak 21.3/24 GiB · ETA 2:10:00"
 
 
@@ -164,5 +164,5 @@ def test_durations_print_as_tqdms_bar_prints_them(seconds: float, text: str) -> 
     """The plain line and systemd's status print durations as the tqdm bar does (whole seconds, no epoch)."""
     assert tqdm.format_interval(seconds) == text
     p = Progress(step=1, stage="forward", max_steps=2)
-    assert plain_line(1, p, Pace(seconds, 1.0, seconds)).endswith(f"{text} elapsed, ETA {text}")
-    assert status_line(1, 8, p, Pace(seconds, 1.0, seconds), None).endswith(f"ETA {text}")
+    assert plain_line(1, p, Pace(seconds, seconds)).endswith(f"{text} elapsed, ETA {text}")
+    assert status_line(1, 8, p, Pace(seconds, seconds), None).endswith(f"ETA {text}")

@@ -23,8 +23,6 @@ NF4_SINGLE_QUANT = 0.5 + 4 / 64
 FP32 = 4  # fp32: what prepare_model_for_kbit_training leaves every non-quantized parameter in.
 #: The checkpoint's 16-bit dtype, the one each parameter is cast from at load (and FSDP's storage).
 LOAD_DTYPE = 2
-#: The optimizers the job file accepts (supervisor/jobfile/schema.py ``Optimizer``).
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 HEAD_TOKEN_TILE = 4096  # trl's fused LM head tiles (trl/kernels/chunked_logprob.py).
 HEAD_VOCAB_TILE = 32768
 #: Outside the allocator: the CUDA context, cuBLAS handles and kernels (H200, torch 2.11).
@@ -313,14 +311,6 @@ def loss_components(
     slices = 0 if bf16_head else (2 if shape.vocab > HEAD_VOCAB_TILE else 1)
     tiles = (tile_tokens * (tile_vocab + shape.hidden) + slices * tile_vocab * shape.hidden) * half
     return {"loss_hidden_fp32": scored * shape.hidden * FP32 * 2, "loss_tiles": tiles}
-
-
-def optimizer_components(
-    shape: ModelShape, knobs: Knobs, targets: Targets = DEFAULT_TARGETS
-) -> tuple[dict[str, int], int, int]:
-    """(grads and state held by the allocator, the step's temporary, paged state outside it)."""
-    adapter = adapter_bytes(shape, knobs, targets)
-    return {"lora_grads": adapter.grads, "optimizer_state": adapter.state}, adapter.step_temp, adapter.paged
 
 
 def eval_components(shape: ModelShape, knobs: Knobs, half: int = 2) -> dict[str, int]:

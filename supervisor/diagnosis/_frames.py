@@ -143,8 +143,7 @@ def parse_frames(text: str) -> list[Frame]:
         (m.start(), Frame("".join(m.group("path").split()), m.group("func"), _next_source_line(text, m)))
         for m in _PY_FRAME.finditer(text)
     ]
-    found = python + _ipython_frames(text) + rich
-    frames = [frame for _, frame in sorted(found, key=lambda item: item[0])]
+    frames = [frame for _, frame in sorted(python + _ipython_frames(text) + rich, key=lambda item: item[0])]
     return frames or _bare_code_lines(text)
 
 
@@ -218,8 +217,7 @@ def _describe(frame: Frame) -> str:
 
 
 def _next_source_line(text: str, match: re.Match[str]) -> str:
-    line_start = text.rfind("\n", 0, match.start()) + 1
-    prefix = text[line_start : match.start()]
+    prefix = text[text.rfind("\n", 0, match.start()) + 1 : match.start()]
     rest = text[match.end() :].split("\n", 2)
     if len(rest) < 2:
         return ""

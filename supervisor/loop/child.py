@@ -94,8 +94,7 @@ def rank_cards(visible: str | None, positions: list[int]) -> str:
 def _pdeathsig(parent: int) -> Callable[[], None]:
     def set_it() -> None:
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except (OSError, AttributeError):
             return  # not Linux: the supervisor's restart still reclaims the orphan from state.json
         if os.getppid() != parent:

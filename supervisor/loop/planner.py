@@ -13,8 +13,7 @@ last decision was a restart    -> its knobs; from step 0 when the adapter shape 
 last decision was a give-up    -> the run's verdict (retryable or not; a GPU fault has its own),
                                   unless a changed job or ``run --retry`` lifted it: then the
                                   ladder's next rung for a memory give-up, else that attempt's
-                                  phase and knobs again
-"""
+                                  phase and knobs again"""
 
 from __future__ import annotations
 

@@ -82,8 +82,7 @@ def _timed_poll(
     read: Callable[[], int | None], needed: int, timeout_s: float, pacing: tuple[float, float], pacer: Pacer
 ) -> tuple[int | None, float]:
     started = pacer.clock()
-    free = poll_until(read, needed, timeout_s, pacing, pacer)
-    return free, pacer.clock() - started
+    return poll_until(read, needed, timeout_s, pacing, pacer), pacer.clock() - started
 
 
 def wait_for_memory(

@@ -65,8 +65,7 @@ def config_text(k: Knobs) -> str:
     """A config in one line, as status and explain show it."""
     ranks = f" x ranks {k.world_size}{' (FSDP)' if k.fsdp else ''}" if k.world_size > 1 else ""
     batch = f"micro_batch {k.micro_batch_size} x accum {k.grad_accum}{ranks}, seq_len {k.max_seq_len}"
-    ckpt = "on" if k.gradient_checkpointing else "off"
-    return f"{batch}, grad_ckpt {ckpt}, {k.optimizer}, r {k.lora_r}"
+    return f"{batch}, grad_ckpt {'on' if k.gradient_checkpointing else 'off'}, {k.optimizer}, r {k.lora_r}"
 
 
 @dataclass(frozen=True)

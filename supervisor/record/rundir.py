@@ -70,8 +70,7 @@ class _In:
     def __get__(self, instance: AttemptDir | RunDir | None, owner: type | None = None) -> Path:
         if instance is None:  # on the class: no path
             raise AttributeError(self.name)
-        base = instance.path if isinstance(instance, AttemptDir) else instance.root
-        return base / self.name
+        return (instance.path if isinstance(instance, AttemptDir) else instance.root) / self.name
 
 
 @dataclass(frozen=True)

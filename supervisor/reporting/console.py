@@ -83,7 +83,6 @@ class Pace:
     """An attempt's pace at one moment. ``eta_s`` is None until a step has been trained."""
 
     elapsed_s: float
-    steps_per_s: float | None
     eta_s: float | None
 
 
@@ -103,10 +102,10 @@ class PaceMeter:
             self._first_step, self._first_step_at = progress.step, now
         elapsed = now - self._start_at
         if self._first_step is None or progress.step <= self._first_step:
-            return Pace(elapsed, None, None)
+            return Pace(elapsed, None)
         rate = (progress.step - self._first_step) / max(1e-9, now - self._first_step_at)
         left = (progress.max_steps or 0) - progress.step
-        return Pace(elapsed, rate, left / rate if progress.max_steps and left >= 0 else None)
+        return Pace(elapsed, left / rate if progress.max_steps and left >= 0 else None)
 
 
 class ConsoleStream(io.TextIOBase):

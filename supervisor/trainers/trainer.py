@@ -340,8 +340,7 @@ def tool_advice(trainer: Trainer) -> list[Advice]:
             "tool's process: no heartbeats, error reports or checkpoints of ours, each restart at step 0"
         )
         pip = f"{python} -m pip install --no-deps qlora-supervise"
-        fix = f"install it there without its dependencies: `{pip}`"
-        found.append(Advice("trainer.python", what, fix))
+        found.append(Advice("trainer.python", what, f"install it there without its dependencies: `{pip}`"))
     where = trainer.config_path.name if trainer.config_path is not None else "trainer.command"
     for old, new in trainer.tool.table.renamed.items():
         if old in trainer.config:

@@ -306,8 +306,7 @@ def _append(gpu_log: Path, lines: str) -> None:
 def pid_tree(pid: int) -> set[int]:
     """The child and its descendants (dataloader workers hold GPU memory too)."""
     try:
-        root = psutil.Process(pid)
-        return {pid, *(c.pid for c in root.children(recursive=True))}
+        return {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
     except psutil.Error:
         return {pid}
 

@@ -126,8 +126,7 @@ def longest_row(dataset: Any) -> dict[str, Any]:
 
     column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
     lengths = pc.list_value_length(column)
-    index = pc.index(lengths, pc.max(lengths)).as_py()
-    row: dict[str, Any] = dataset[int(index)]
+    row: dict[str, Any] = dataset[int(pc.index(lengths, pc.max(lengths)).as_py())]
     return row
 
 

@@ -1,8 +1,6 @@
 """Loaded by Python at start-up from the child's PYTHONPATH. It never breaks the tool it rides in: a
 failure to attach is one line on stderr, and the user's own ``sitecustomize`` still runs."""
 
-from __future__ import annotations
-
 import importlib.util
 import os
 import sys
