@@ -190,11 +190,11 @@ def _context_stage(named: Sequence[tuple[Frame, Stage | None]]) -> StageFinding 
     """Merge anywhere; else the outermost eval frame with no training step deeper than it."""
     for context in _CONTEXT_STAGES:
         for index, (frame, stage) in enumerate(named):
-            in_step = context is Stage.EVAL and any(
-                _TRAINING_STEP.match(f.function) for f, _ in named[index + 1 :]
-            )
-            if stage is context and not in_step:
-                return StageFinding(stage, f"frame {_describe(frame)}")
+            if stage is not context:  # first: the scan of the deeper frames below is for a match only
+                continue
+            if context is Stage.EVAL and any(_TRAINING_STEP.match(f.function) for f, _ in named[index + 1 :]):
+                continue
+            return StageFinding(stage, f"frame {_describe(frame)}")
     return None
 
 
