@@ -102,6 +102,15 @@ def test_a_journal_line_from_a_newer_version_is_refused_not_misread(tmp_path: Pa
     assert read_attempts(path) == ([], 1)
 
 
+def test_a_journal_line_nested_past_the_recursion_limit_is_counted_unreadable(tmp_path: Path) -> None:
+    """A corrupt line is one unreadable line, whatever its shape: never an exception for status or run."""
+    path = tmp_path / "attempts.jsonl"
+    append_attempt(path, _record())
+    with path.open("a") as out:
+        out.write('{"version": 2, "attempt": ' + "[" * 100_000 + "\n")
+    assert read_attempts(path) == ([_record()], 1)
+
+
 def test_the_docs_list_every_event_name() -> None:
     """The event list of docs/run-directory.md and the Event vocabulary are the same set."""
     text = RUN_DIRECTORY_DOC.read_text(encoding="utf-8")

@@ -20,6 +20,7 @@ from qlora_supervise.policies import decide as policy
 from qlora_supervise.policies.rungs import Survives
 from qlora_supervise.supervisor.facts.append import append_line
 from qlora_supervise.supervisor.facts.failure import Failure
+from qlora_supervise.supervisor.jobfile.bounds import json_loads
 from qlora_supervise.trainer_child.contract.durable import write_text_atomic
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
@@ -291,7 +292,7 @@ def _lines(path: Path) -> tuple[list[AttemptRecord | Lift], int]:
         if not line.strip():
             continue
         try:
-            raw = json.loads(line)
+            raw = json_loads(line)  # a line nested too deep is unreadable too, not a crash
             if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
                 raise ValueError("not a journal line of this version")
             item = _LIFT.validate_python(raw["lift"]) if "lift" in raw else AttemptRecord.from_json(raw)
