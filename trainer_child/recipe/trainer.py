@@ -86,8 +86,8 @@ class SupervisedTrainerMixin(_TrainerBase):
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if model.training:
             self.progress.enter(Stage.FORWARD)
-            leak = os.environ.get(TEST_LEAK_PER_STEP, "")
-            if self._step_loss is None and leak.isdigit():  # step's first micro-batch; ones: pages held
+            # The step's first micro-batch only (the test's variable is read there); ones: pages held.
+            if self._step_loss is None and (leak := os.environ.get(TEST_LEAK_PER_STEP, "")).isdigit():
                 self._leaked.append(torch.ones(int(leak), dtype=torch.uint8, device=self.args.device))
         return super().compute_loss(model, inputs, *args, **kwargs)
 
