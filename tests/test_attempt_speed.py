@@ -77,7 +77,7 @@ def test_the_speed_trials_candidates_are_stored_and_a_switch_names_the_trained_k
         (TrialResult(planned, 1500.0, None, 1.0), TrialResult(faster, 1900.0, None, 1.0)), 2.0
     )
     with (rd.attempt_dir(1) / "child-events.jsonl").open("a", encoding="utf-8") as out:
-        out.write(json.dumps(event.to_json()) + "\n")
+        out.write(event.to_line())
     updated = remember_attempt(policy_settings(job), job, record, measured_speed(rd, record))
     trained = updated.speeds[-1].knobs
     assert (trained.micro_batch_size, trained.gradient_checkpointing) == (

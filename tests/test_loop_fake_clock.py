@@ -166,7 +166,7 @@ def _switched_trial(spec: AttemptSpec, events: Path) -> None:
     half = TrialCandidate(k.micro_batch_size // 2, k.grad_accum * 2, not k.gradient_checkpointing)
     rows = (TrialResult(planned, 100.0, GiB, 1.0), TrialResult(half, 150.0, GiB, 1.0))
     with events.open("a", encoding="utf-8") as out:
-        out.write(json.dumps(SpeedTrialEvent(rows, 2.0).to_json()) + "\n")
+        out.write(SpeedTrialEvent(rows, 2.0).to_line())
 
 
 def _resume_step(spec: AttemptSpec) -> int:

@@ -79,7 +79,7 @@ class SteppingChild:
         chosen = candidates[index]  # the policy's choice among these timings (the fastest by far)
         event = SpeedTrialEvent(tuple(rows), 2.0)
         with Path(self.spec.events_file).open("a", encoding="utf-8") as out:
-            out.write(json.dumps(event.to_json()) + "\n")
+            out.write(event.to_line())
         self.spec = dataclasses.replace(
             self.spec,
             knobs=dataclasses.replace(

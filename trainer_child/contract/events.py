@@ -272,9 +272,6 @@ class SpeedTrialEvent(PlainEvent):
     seconds: float  # the trial's whole cost, before step 1
     abandoned: str | None = None  # why a foreign tool's trial kept the plan (shim/session.py); None: it ran
 
-    def to_json(self) -> dict[str, object]:
-        return {"event": self.event, **self.fields()}
-
 
 @dataclasses.dataclass(frozen=True)
 class ScriptKnobs(PlainEvent):
