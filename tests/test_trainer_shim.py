@@ -17,7 +17,7 @@ from qlora_supervise.supervisor.commands.status import status_command
 from qlora_supervise.supervisor.loop.child import Seams, child_argv
 from qlora_supervise.supervisor.record.eventlog import read_events
 from qlora_supervise.supervisor.record.journal import read_attempts
-from qlora_supervise.supervisor.trainers import trainer as launch
+from qlora_supervise.supervisor.trainers import trainer as tool_trainer
 from qlora_supervise.trainer_child import shim
 from qlora_supervise.trainer_child.contract.spec import AttemptSpec, DataSpec, Knobs, TrainSpec
 
@@ -30,19 +30,19 @@ def _spec(command: tuple[str, ...] = ()) -> AttemptSpec:
 
 def test_the_two_sides_name_the_same_variable_and_folder() -> None:
     """The supervisor's copy of the variable name is the shim's; its site folder holds sitecustomize.py."""
-    assert launch.SHIM_SPEC_ENV == shim.SHIM_SPEC_ENV
-    assert (launch.SHIM_SITE / "sitecustomize.py").is_file()
+    assert tool_trainer.SHIM_SPEC_ENV == shim.SHIM_SPEC_ENV
+    assert (tool_trainer.SHIM_SITE / "sitecustomize.py").is_file()
 
 
 def test_a_foreign_attempt_gets_the_shim_and_its_own_argv(tmp_path: Path) -> None:
     """PYTHONPATH gains the shim (before the user's), the spec is named, no bytecode is written
     beside the user's modules, and the argv is the tool's."""
     spec = _spec(("python", "-m", "trl.scripts.sft", "--config", "/run/attempt-001/trl-sft.yaml"))
-    env = launch.trainer_env({"PYTHONPATH": "/mine"}, spec, tmp_path / "spec.json")
-    assert env["PYTHONPATH"] == f"{launch.SHIM_SITE}{os.pathsep}/mine"
-    assert env[launch.SHIM_SPEC_ENV] == str(tmp_path / "spec.json")
+    env = tool_trainer.trainer_env({"PYTHONPATH": "/mine"}, spec, tmp_path / "spec.json")
+    assert env["PYTHONPATH"] == f"{tool_trainer.SHIM_SITE}{os.pathsep}/mine"
+    assert env[tool_trainer.SHIM_SPEC_ENV] == str(tmp_path / "spec.json")
     assert env["PYTHONDONTWRITEBYTECODE"] == "1"  # no __pycache__ in the user's folder
-    assert launch.trainer_env({"PYTHONPATH": "/mine"}, _spec(), tmp_path / "spec.json") == {
+    assert tool_trainer.trainer_env({"PYTHONPATH": "/mine"}, _spec(), tmp_path / "spec.json") == {
         "PYTHONPATH": "/mine"
     }
     (tmp_path / "spec.json").write_text(spec.to_json())
@@ -55,8 +55,8 @@ def test_the_shim_runs_a_users_own_sitecustomize_too(tmp_path: Path) -> None:
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "sitecustomize.py").write_text("print('the user sitecustomize ran')\n")
-    env = {**os.environ, "PYTHONPATH": f"{launch.SHIM_SITE}{os.pathsep}{mine}"}
-    env.pop(launch.SHIM_SPEC_ENV, None)
+    env = {**os.environ, "PYTHONPATH": f"{tool_trainer.SHIM_SITE}{os.pathsep}{mine}"}
+    env.pop(tool_trainer.SHIM_SPEC_ENV, None)
     done = subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "the user sitecustomize ran", done.stderr
 

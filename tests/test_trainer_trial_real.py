@@ -31,7 +31,7 @@ from qlora_supervise.supervisor.loop.resume import ResumePoint, write_spec
 from qlora_supervise.supervisor.record.history import read_attempt_speed
 from qlora_supervise.supervisor.record.journal import Phase
 from qlora_supervise.supervisor.record.rundir import RunDir
-from qlora_supervise.supervisor.trainers import trainer as launch
+from qlora_supervise.supervisor.trainers import trainer as tool_trainer
 from qlora_supervise.supervisor.trainers.job import load_job
 from qlora_supervise.trainer_child.contract.events import SpeedTrialEvent, parse_event
 from qlora_supervise.trainer_child.contract.spec import Knobs, TrialCandidate
@@ -64,7 +64,7 @@ def _attempt(job_file: Path, trial: tuple[TrialCandidate, ...]) -> Path:
     plan = Plan(Phase.TRAIN, job.knobs, speed_trial=trial)
     spec = write_spec(job, rd, 1, plan, ResumePoint(0, None, False), Seams(), structlog.get_logger())
     spec_path = rd.attempt_dir(1) / "spec.json"
-    env = launch.trainer_env({**os.environ, TRACE: str(out / "trace.jsonl")}, spec, spec_path)
+    env = tool_trainer.trainer_env({**os.environ, TRACE: str(out / "trace.jsonl")}, spec, spec_path)
     argv = child_argv(spec_path, "train")
     done = subprocess.run(argv, env=env, cwd=out, capture_output=True, text=True, timeout=scaled(600))
     assert done.returncode == 0, done.stderr[-3000:]
