@@ -20,8 +20,6 @@ from qlora_supervise.supervisor.watching.watch import Progress, Watched
 from qlora_supervise.trainer_child.contract.events import Heartbeat
 from qlora_supervise.trainer_child.contract.spec import Knobs
 
-_TRIAL_KNOBS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")
-
 
 @dataclass(frozen=True)
 class PlannedRestart:
@@ -147,6 +145,6 @@ class ClimbBack:
             return None
         self.trial_at = None  # once per trial
         to, why = retimed
-        pairs = {n: (getattr(knobs, n), getattr(to, n)) for n in _TRIAL_KNOBS}
+        pairs = {n: (getattr(knobs, n), getattr(to, n)) for n in choice.TRIAL_KNOBS}
         changes: dict[str, tuple[object, object]] = {n: p for n, p in pairs.items() if p[0] != p[1]}
         return PlannedRestart(to, choice.RETIME_RUNG, why, changes)
