@@ -54,7 +54,8 @@ def calibrate(
     """The median over observed peaks of ``(observed - fixed) / variable``; None without data. An OOM
     (``exceeded``) is a lower bound, not a peak, and does not calibrate. Clamped to
     :data:`SCALE_RANGE`: outside it the fixed part is wrong, and a scale would only hide it."""
-    peaks = [(o.peak_bytes, split(predict(shape, o.knobs, targets))) for o in observations if not o.exceeded]
+    measured = [o for o in observations if o.peak_bytes and not o.exceeded]  # predicted only for these
+    peaks = [(o.peak_bytes, split(predict(shape, o.knobs, targets))) for o in measured]
     scales = sorted((peak - fixed) / variable for peak, (fixed, variable) in peaks if peak and variable > 0)
     if not scales:
         return None

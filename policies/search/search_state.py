@@ -125,6 +125,14 @@ def throughput_variants(knobs: Knobs) -> Iterator[Knobs]:
     return (variant for variant, _ in _product(free, axes))
 
 
+def most_frugal(knobs: Knobs) -> Knobs:
+    """Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1)."""
+    for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
+        while (changed := rung.apply(knobs)) is not None:
+            knobs = changed
+    return knobs
+
+
 def quality_variants(knobs: Knobs) -> list[tuple[Knobs, tuple[str, ...]]]:
     """Each combination of the quality halvings (seq_len, rank) with the rung names taken, lightest first."""
     out = [(k, names) for k, names in _product(knobs, _searched(CostClass.QUALITY, Axis.HALVINGS)) if names]
@@ -226,12 +234,7 @@ class Search:
         if ranking := self.rank(job):
             return ranking, False
         for variant, names in quality_variants(job):
-            # Every free and throughput rung taken as far as it goes (micro-batch 1, eval batch 1).
-            frugal = variant
-            for rung in (r for r in RUNGS if r.cost in (CostClass.FREE, CostClass.THROUGHPUT)):
-                while (changed := rung.apply(frugal)) is not None:
-                    frugal = changed
-            if set(names) & self.unusable or not self.fits(frugal):
+            if set(names) & self.unusable or not self.fits(most_frugal(variant)):
                 continue
             ranking = self.rank(variant)
             if ranking and deep_cut(self.job, variant):

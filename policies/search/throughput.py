@@ -153,8 +153,10 @@ def rank_speed(
     model = predict(shape, knobs, targets)
     if calibration is None:
         return model
-    if measured := [o.tokens_per_s for o in calibration.measured if speed_key(o.knobs) == speed_key(knobs)]:
-        return _at(knobs, measured[0], model)
+    key = speed_key(knobs)
+    for o in calibration.measured:  # called for every candidate the search ranks: the key once
+        if speed_key(o.knobs) == key:
+            return _at(knobs, o.tokens_per_s, model)
     mode = knobs.gradient_checkpointing
     factor = next((s for ckpt, s in calibration.scale if ckpt is mode), calibration.overall)
     return model if factor is None else _at(knobs, model.tokens_per_s * factor, model)
