@@ -32,8 +32,8 @@ from qlora_supervise.supervisor.exit_codes import SupervisorExitCode
 from qlora_supervise.supervisor.facts.units import UnitError, format_bytes, parse_memory_size
 from qlora_supervise.supervisor.jobfile import Job, model_files
 from qlora_supervise.supervisor.loop.planner import UNMODELLED_RUN, nothing_fits_text
-from qlora_supervise.supervisor.loop.settings import model_shape
-from qlora_supervise.supervisor.record.peak_store import default_path, read_speeds
+from qlora_supervise.supervisor.loop.settings import model_shape, peak_store_path
+from qlora_supervise.supervisor.record.peak_store import read_speeds
 from qlora_supervise.supervisor.trainers import model_facts
 from qlora_supervise.supervisor.watching import host as watched_host
 from qlora_supervise.supervisor.watching.gpu import GpuMonitor, visible_gpu_count
@@ -93,8 +93,8 @@ def make_plan(job_path: str, gpu_memory: str | None, host_memory: str | None = N
         host = host_budget(checkpoint, *room, limit, host_size, files.largest_shard_bytes)
     start = speed = None
     # This host's measured speeds of the shape (the per-host store), unless turned off.
-    if shape is not None and job.supervise.calibration_store and job.resources.device != "cpu":
-        speeds = read_speeds(default_path(), shape, job.trainer.kind)
+    if shape is not None and (store := peak_store_path(job)) is not None:
+        speeds = read_speeds(store, shape, job.trainer.kind)
         speed = throughput.calibrate(shape, speeds, job.train.target_modules) if speeds else None
     if shape is not None and (budget := card.budget_bytes) is not None:
         fallbacks = tuple((model, model_shape(Path(model))) for model in job.fallback_models)
