@@ -317,7 +317,8 @@ def test_a_rank_killed_with_no_report_is_named_and_its_card_dropped_when_it_keep
     assert isinstance(unreported, Failure) and (unreported.local_rank, unreported.gpu) == (1, 3)
     assert "rank 1 failed and no rank reported: torchrun saw it fail first" in unreported.evidence
     # The supervisor saw rank 0's process leave first: that outweighs torchrun's summary.
-    seen = judge(dataclasses.replace(silent, rank_exits={1: 12.0, 0: 5.0}), phase_done=False)
+    first_gone = dataclasses.replace(silent.memory, rank_exits={1: 12.0, 0: 5.0})  # when each was seen gone
+    seen = judge(dataclasses.replace(silent, memory=first_gone), phase_done=False)
     assert isinstance(seen, Failure) and seen.local_rank == 0 and "its process left first" in seen.evidence
 
 

@@ -4,7 +4,6 @@ for both to a verdict (:func:`judge`) and a journal line (:func:`record_of`)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 from qlora_supervise.supervisor.diagnosis import classify
 from qlora_supervise.supervisor.diagnosis.fragmentation import StepFit
@@ -38,8 +37,6 @@ class AttemptOutcome:
     host_predicted: int | None = None  # the host model's training peak for the plan's knobs
     reports: tuple[ErrorReport, ...] = ()  # torchrun: every rank's (``report`` is the cause); else empty
     planned: PlannedRestart | None = None  # stopped at a checkpoint for a faster config (climb_back.py)
-    # Under torchrun, when the supervisor first saw each rank's process gone (clock seconds).
-    rank_exits: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def steps_completed(self) -> int:
@@ -75,7 +72,7 @@ def judge(o: AttemptOutcome, phase_done: bool, fit: StepFit | None = None) -> Ou
             verdict = dataclasses.replace(verdict, rank=ranks[0], local_rank=ranks[0], evidence=why)
     elif o.plan.knobs.world_size > 1 and verdict.local_rank is None:
         # No rank reported: the rank whose process left first, else the one torchrun's summary names.
-        first = sorted(o.rank_exits.items(), key=lambda item: item[1])
+        first = sorted(o.memory.rank_exits.items(), key=lambda item: item[1])
         root: int | None
         if first and (len(first) == 1 or first[0][1] < first[1][1]):
             root, whose = first[0][0], "its process left first"

@@ -160,7 +160,6 @@ class AttemptRunner:
             planned=self.planned,
             memory=watched,
             oom_kill_delta=(kills_after or 0) - (ready.oom_kills_before or 0),
-            rank_exits=dict(watched.rank_exits),
         )
 
     def spawn(self, ready: Prepared) -> ChildHandle:
