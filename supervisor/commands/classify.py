@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 from qlora_supervise.supervisor.diagnosis.classify import classify_text
 from qlora_supervise.supervisor.facts.failure import Failure
@@ -44,7 +44,7 @@ def classify_command(path: str, as_json: bool) -> int:
     return 0
 
 
-def human_lines(failure: Failure, printed: Any = ()) -> list[str]:
+def human_lines(failure: Failure, printed: Collection[str] = ()) -> list[str]:
     """The failure for a person; numbers not in ``printed`` are marked as derived."""
     lines = [f"kind      {failure.kind.value}", f"stage     {failure.stage.value}"]
     numbers = [

@@ -55,16 +55,16 @@ def status_command(
             raise BadInput(f"{path} is not a run directory ({why}); pass the job's output_dir")
     seen: list[tuple[float, ...]] = []
     while True:
-        if (marks := [_marks(rd) for rd in dirs]) != seen and as_json:
-            print(
-                json.dumps({"schema": SCHEMA, "runs": [status_json(rd) for rd in dirs]}, indent=2), file=out
-            )
-        elif marks != seen:
-            for index, rd in enumerate(dirs):
-                if index:
-                    print(file=out)
-                print_story(rd, out)
-            out.flush()
+        if (marks := [_marks(rd) for rd in dirs]) != seen:
+            if as_json:
+                runs = [status_json(rd) for rd in dirs]
+                print(json.dumps({"schema": SCHEMA, "runs": runs}, indent=2), file=out)
+            else:
+                for index, rd in enumerate(dirs):
+                    if index:
+                        print(file=out)
+                    print_story(rd, out)
+                out.flush()
         seen = marks
         if not follow or all((state := read_state(rd.state)) and state.run_state in _ENDED for rd in dirs):
             return 0

@@ -97,10 +97,11 @@ class Failure:
         """Read a journal line's ``failure``; raises KeyError/ValueError without a known kind."""
         numbers = dict(raw.get("numbers") or {})
         kind, stage = FailureKind(raw["kind"]), Stage(raw.get("stage", "unknown"))
-        words = str(raw.get("evidence", "")), str(raw.get("message", ""))
+        evidence, message = str(raw.get("evidence", "")), str(raw.get("message", ""))
         plain = {key: value for key, value in numbers.items() if key not in _XID_KEYS}
         kept: dict[str, Any] = {key: raw.get(key) for key in (*_PLAIN_FIELDS, "gpu")}
-        return cls(kind, stage, plain, *words, xid=XidFacts.from_numbers(numbers), **kept)
+        xid = XidFacts.from_numbers(numbers)
+        return cls(kind, stage, plain, evidence=evidence, message=message, xid=xid, **kept)
 
 
 def _plain(value: Any) -> Any:
